@@ -1,0 +1,73 @@
+"""The Layer contract every layer type implements.
+
+A layer is one named node of a NeuralNet. It computes with torch ops and
+autograd does its backward pass. It knows nothing about workers, servers or
+partitions: the partitioner hands it a (possibly narrower) LayerProto and a
+(possibly smaller) batch, and it computes the same function.
+
+Shapes are *per sample* (the batch dimension is left out), so one layer object
+works for any batch share.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Optional, Sequence, Union
+
+import torch
+
+from shoal.config.job_pb2 import LayerProto, kTrain
+
+Shape = tuple[int, ...]
+# A layer returns its output, or (output, aux) where aux travels with the
+# output as SINGA's aux_data does (labels of a batch, next-char ids, ...).
+LayerResult = Union[torch.Tensor, tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+class LayerConfigError(ValueError):
+    """A layer's configuration does not fit its sources (shape, missing field)."""
+
+
+@dataclass
+class Context:
+    """What a layer may read besides its inputs and params during one pass."""
+
+    phase: int = kTrain
+    # every random draw of a layer (dropout masks, sampling) comes from here
+    generator: Optional[torch.Generator] = None
+    # data fed to input layers for this pass, by layer name: (data, labels)
+    feeds: dict = field(default_factory=dict)
+    # metric sink: report(name, value, count) with value averaged over count samples
+    report: Callable[[str, float, int], None] = lambda name, value, count: None
+    device: torch.device = torch.device("cpu")
+
+
+class Layer:
+    """Base class. Subclasses set `self.shape` in __init__ and implement forward."""
+
+    # 'input' | 'neuron' | 'loss' | 'output' | 'connection'
+    category: ClassVar[str] = "neuron"
+    # True for Convolution/InnerProduct: every output unit reads every input
+    # unit (SINGA's kOneToAll), which decides where the partitioner slices.
+    one_to_all: ClassVar[bool] = False
+
+    def __init__(self, conf: LayerProto, src_shapes: Sequence[Shape]):
+        self.conf = conf
+        self.name = conf.name
+        self.src_shapes = [tuple(s) for s in src_shapes]
+        self.shape: Shape = self.src_shapes[0] if self.src_shapes else ()
+
+    def param_shapes(self) -> list[Shape]:
+        """Shapes of the params this layer needs, in the order of conf.param."""
+        return []
+
+    def forward(
+        self,
+        xs: list[torch.Tensor],
+        params: list[torch.Tensor],
+        labels: list[Optional[torch.Tensor]],
+        ctx: Context,
+    ) -> LayerResult:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, shape={self.shape})"
