@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up and run the test suite (the command CI runs). Extra arguments go to pytest,
+# e.g. `scripts/test.sh -m slow` for the long runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+exec .venv/bin/python -m pytest -q "$@"

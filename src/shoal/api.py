@@ -1,0 +1,56 @@
+"""shoal's Python API; the CLI is a thin face over these functions."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+from shoal.config import job_pb2
+from shoal.config.loader import job_from_dict, load_job as _load_file
+from shoal.config.validate import validate
+from shoal.runtime.local import RunOptions, test_job, train_job
+from shoal.runtime.worker import History
+from shoal.shapes import check_shapes
+
+JobLike = Union[str, Path, dict, job_pb2.JobProto]
+
+
+def load_job(path: Union[str, Path], overrides: tuple[str, ...] | list[str] = ()) -> job_pb2.JobProto:
+    """Parse and validate a job.conf / job.yaml; raises JobError with file:line:col."""
+    return _load_file(path, list(overrides), shape_check=check_shapes)
+
+
+def as_job(job: JobLike) -> tuple[job_pb2.JobProto, list[Path]]:
+    """(validated JobProto, folders relative paths resolve against) from any accepted job form."""
+    if isinstance(job, (str, Path)):
+        return load_job(job), [Path.cwd(), Path(job).resolve().parent]
+    if isinstance(job, dict):
+        return job_from_dict(job, shape_check=check_shapes), [Path.cwd()]
+    if isinstance(job, job_pb2.JobProto):
+        validate(job, None, shape_check=check_shapes)
+        return job, [Path.cwd()]
+    raise TypeError(f"a job is a path, a dict or a JobProto, not {type(job).__name__}")
+
+
+def train(
+    job: JobLike,
+    workspace: Optional[Union[str, Path]] = None,
+    resume: bool = False,
+    log: Callable[[str], None] = print,
+    progress: Optional[bool] = False,
+) -> History:
+    """Train a job as its cluster section says; returns every metrics record."""
+    proto, base_dirs = as_job(job)
+    options = RunOptions(workspace=Path(workspace) if workspace else None, resume=resume, base_dirs=base_dirs, log=log, progress=progress)
+    return train_job(proto, options)
+
+
+def evaluate(
+    job: JobLike,
+    checkpoint: Optional[Union[str, Path]] = None,
+    workspace: Optional[Union[str, Path]] = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, float]:
+    """Test-only run: load `checkpoint` (else checkpoint_path, else the workspace's newest) and test."""
+    proto, base_dirs = as_job(job)
+    options = RunOptions(workspace=Path(workspace) if workspace else None, base_dirs=base_dirs, log=log, progress=False)
+    return test_job(proto, options, Path(checkpoint) if checkpoint else None)

@@ -1,0 +1,128 @@
+"""Checkpoints: safetensors files written atomically, never pickle.
+
+Layout: WORKSPACE/checkpoint/step<N>-worker<W>.safetensors (SINGA's names plus
+an extension). One file holds
+  param/<name>            param values
+  state/<name>/<slot>     updater slots (momentum history, Adam moments, ...)
+  rng/<name>              RNG states as uint8 tensors
+and string metadata: the step and a JSON blob with the trainer's position
+(data cursors, open metric windows, elapsed time).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = "1"
+_NAME = re.compile(r"^step(\d+)-worker(\d+)\.safetensors$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable or does not fit the job (one line)."""
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    params: dict[str, torch.Tensor]
+    updater_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    rng: dict[str, torch.Tensor] = field(default_factory=dict)
+    trainer: dict = field(default_factory=dict)
+
+
+def checkpoint_dir(workspace: Path) -> Path:
+    return Path(workspace) / "checkpoint"
+
+
+def checkpoint_file(workspace: Path, step: int, worker: int = 0) -> Path:
+    return checkpoint_dir(workspace) / f"step{step}-worker{worker}.safetensors"
+
+
+def save(path: Path, ckpt: Checkpoint) -> Path:
+    """Write atomically: a temp file in the same folder, fsync, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {f"param/{k}": v.detach().contiguous() for k, v in ckpt.params.items()}
+    for name, slots in ckpt.updater_state.items():
+        for slot, value in slots.items():
+            tensors[f"state/{name}/{slot}"] = value.detach().contiguous()
+    tensors.update({f"rng/{k}": v.contiguous() for k, v in ckpt.rng.items()})
+    metadata = {"format": FORMAT_VERSION, "step": str(ckpt.step), "trainer": json.dumps(ckpt.trainer)}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def load(path: Path) -> Checkpoint:
+    path = Path(path)
+    try:
+        tensors = load_file(str(path))
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            metadata = json.loads(f.read(header_len)).get("__metadata__", {})
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such checkpoint") from None
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: not a readable safetensors checkpoint ({str(err).splitlines()[0]})") from None
+    ckpt = Checkpoint(step=int(metadata.get("step", 0)), params={}, trainer=json.loads(metadata.get("trainer", "{}")))
+    for key, value in tensors.items():
+        kind, _, rest = key.partition("/")
+        if kind == "param":
+            ckpt.params[rest] = value
+        elif kind == "state":
+            name, _, slot = rest.rpartition("/")
+            ckpt.updater_state.setdefault(name, {})[slot] = value
+        elif kind == "rng":
+            ckpt.rng[rest] = value
+    return ckpt
+
+
+def list_checkpoints(workspace: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every worker-0 checkpoint in the workspace, oldest first."""
+    folder = checkpoint_dir(workspace)
+    if not folder.is_dir():
+        return []
+    found = []
+    for p in folder.iterdir():
+        m = _NAME.match(p.name)
+        if m and int(m.group(2)) == 0:
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest(workspace: Path) -> Optional[Path]:
+    found = list_checkpoints(workspace)
+    return found[-1][1] if found else None
+
+
+def resolve_path(spec: str, base_dirs: list[Path]) -> Path:
+    """Find the file a `checkpoint_path` entry names.
+
+    Accepts a file, SINGA's extension-less `.../step6000-worker0`, or a
+    workspace / checkpoint folder (its newest checkpoint).
+    """
+    tried = []
+    for base in base_dirs:
+        p = Path(spec) if os.path.isabs(spec) else Path(base) / spec
+        for candidate in (p, p.with_name(p.name + ".safetensors")):
+            tried.append(candidate)
+            if candidate.is_file():
+                return candidate
+        if p.is_dir():
+            newest = latest(p.parent) if p.name == "checkpoint" else latest(p)
+            if newest is not None:
+                return newest
+        if os.path.isabs(spec):
+            break
+    raise CheckpointError(f"checkpoint_path {spec!r}: no checkpoint found (tried {', '.join(str(t) for t in tried)})")

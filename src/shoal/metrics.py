@@ -1,0 +1,108 @@
+"""Metrics: sample-weighted averages, SINGA-style display lines, JSON lines on disk."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Optional, TextIO
+
+
+class MetricWindow:
+    """Averages of reported metrics since the last reset, weighted by sample count.
+
+    Layers report (name, value, count); a display or test line shows
+    sum(value·count) / sum(count) per name, as SINGA's Metric class averages
+    the values collected since the last display.
+    """
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
+
+    def report(self, name: str, value: float, count: int = 1) -> None:
+        self._sums[name] = self._sums.get(name, 0.0) + float(value) * count
+        self._counts[name] = self._counts.get(name, 0) + count
+
+    def averages(self) -> dict[str, float]:
+        return {k: self._sums[k] / self._counts[k] for k in self._sums if self._counts[k]}
+
+    def reset(self) -> None:
+        self._sums.clear()
+        self._counts.clear()
+
+    def __bool__(self) -> bool:
+        return bool(self._sums)
+
+    # checkpoints carry the open window so a resumed run displays the same numbers
+    def state(self) -> dict:
+        return {"sums": dict(self._sums), "counts": dict(self._counts)}
+
+    def load_state(self, state: dict) -> None:
+        self._sums = {k: float(v) for k, v in state.get("sums", {}).items()}
+        self._counts = {k: int(v) for k, v in state.get("counts", {}).items()}
+
+
+def _label(name: str) -> str:
+    # SINGA prints "Loss = x, accuracy = y": the loss capitalised, the rest as named
+    return "Loss" if name == "loss" else name
+
+
+def format_metrics(values: dict[str, float]) -> str:
+    order = sorted(values, key=lambda k: (k != "loss", k))
+    return ", ".join(f"{_label(k)} = {values[k]:.6g}" for k in order)
+
+
+def display_line(phase: str, step: int, values: dict[str, float]) -> str:
+    """`Train @ step 30  Loss = 1.96, accuracy = 0.44` (SINGA 0.3's display format)."""
+    return f"{phase} @ step {step}  {format_metrics(values)}"
+
+
+class MetricsLog:
+    """Appends one JSON object per line to WORKSPACE/metrics.jsonl.
+
+    Every record has step, phase, time (seconds since the run started, carried
+    over across resumes) and the metric values; lines are flushed as written so
+    a crashed run's metrics survive.
+    """
+
+    def __init__(self, path: Path, elapsed_before: float = 0.0):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: Optional[TextIO] = open(self.path, "a", encoding="utf-8")
+        self._start = time.perf_counter() - elapsed_before
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start
+
+    def write(self, step: int, phase: str, values: dict[str, float], **extra) -> dict:
+        record = {"step": step, "phase": phase, "time": round(self.elapsed(), 4)}
+        record.update({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()})
+        record.update(extra)
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        return record
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Records of a metrics.jsonl; a half-written last line (crash) is skipped."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return records

@@ -1,0 +1,1 @@
+"""Execution: workers, servers, data feeds and the loop that drives them."""

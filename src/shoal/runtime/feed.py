@@ -1,0 +1,82 @@
+"""Feeds input layers from in-memory stores, addressed by position.
+
+A feed never holds an iterator: the rows of a batch are a pure function of a
+cursor (samples consumed so far in this phase), the random skip drawn once at
+start, and this worker's share of the batch. That makes resuming exact (the
+cursor is in the checkpoint) and makes every batch split over workers read the
+same rows a single worker would.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from shoal.config import job_pb2
+from shoal.data.dataset import Dataset, load_mean, open_store
+
+
+def batch_shares(store: job_pb2.StoreProto, npartitions: int) -> list[int]:
+    """Per-partition batch sizes: one value split evenly (remainder to the first), or one per partition."""
+    sizes = list(store.batchsize) or [1]
+    if len(sizes) == npartitions:
+        return sizes
+    if len(sizes) != 1:
+        raise ValueError(f"store_conf.batchsize has {len(sizes)} values for {npartitions} partitions")
+    base, extra = divmod(sizes[0], npartitions)
+    return [base + (1 if i < extra else 0) for i in range(npartitions)]
+
+
+@dataclass
+class InputFeed:
+    """One input layer's store plus where this worker reads in each batch."""
+
+    layer_name: str
+    dataset: Dataset
+    global_batch: int
+    offset: int  # first row of this worker's share within a global batch
+    share: int
+    skip: int = 0  # SINGA's random_skip, drawn once per run
+
+    def rows(self, cursor: int) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        return self.dataset.rows(self.skip + cursor + self.offset, self.share)
+
+    def batch(self, cursor: int, device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        data, labels = self.rows(cursor)
+        x = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(device)
+        y = None if labels is None else torch.from_numpy(np.ascontiguousarray(labels, dtype=np.int64)).to(device)
+        return x, y
+
+
+def resolve_data_path(path: str, base_dirs: list[Path]) -> Path:
+    """SINGA resolves store paths against the working directory; shoal also tries the job file's folder."""
+    p = Path(path)
+    if p.is_absolute():
+        return p
+    for base in base_dirs:
+        if (Path(base) / p).exists():
+            return Path(base) / p
+    return Path(base_dirs[0]) / p if base_dirs else p
+
+
+def make_feeds(net, base_dirs: list[Path], partition: int, npartitions: int, rng: np.random.Generator, device: torch.device) -> dict[str, InputFeed]:
+    """Open the store of every input layer of `net` (shared in memory by all nets of a process)."""
+    feeds = {}
+    for node in net.input_nodes():
+        conf = node.layer.conf
+        if not conf.HasField("store_conf"):
+            continue
+        store = job_pb2.StoreProto()
+        store.CopyFrom(conf.store_conf)
+        store.path = str(resolve_data_path(store.path, base_dirs))
+        if store.HasField("mean_file"):
+            store.mean_file = str(resolve_data_path(store.mean_file, base_dirs))
+            node.layer.mean = torch.from_numpy(np.asarray(load_mean(store.mean_file), dtype=np.float32)).to(device)
+        dataset = open_store(store, ".")
+        shares = batch_shares(store, npartitions)
+        skip = int(rng.integers(0, store.random_skip + 1)) if store.random_skip > 0 else 0
+        feeds[node.name] = InputFeed(node.name, dataset, sum(shares), sum(shares[:partition]), shares[partition], skip)
+    return feeds

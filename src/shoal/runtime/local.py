@@ -1,0 +1,127 @@
+"""Run a job in this process: one worker group of one worker, with its server."""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from google.protobuf import text_format
+
+from shoal import checkpoint as ckpt_io
+from shoal.config import job_pb2
+from shoal.metrics import MetricsLog
+from shoal.runtime.server import Server
+from shoal.runtime.worker import History, Worker
+from shoal.updaters import make_updater
+
+
+class WorkspaceError(ValueError):
+    """The workspace cannot be used as asked (would overwrite, nothing to resume, ...)."""
+
+
+@dataclass
+class RunOptions:
+    workspace: Optional[Path] = None  # overrides cluster.workspace
+    resume: bool = False
+    # folders relative paths in the job are resolved against (cwd first, as SINGA)
+    base_dirs: list[Path] = field(default_factory=lambda: [Path.cwd()])
+    log: Callable[[str], None] = print
+    progress: Optional[bool] = None  # None: a bar when stderr is a terminal
+
+
+def resolve_workspace(job: job_pb2.JobProto, override: Optional[Path]) -> Path:
+    """--workspace, else cluster.workspace, else a folder named after the job."""
+    if override is not None:
+        return Path(override)
+    if job.cluster.workspace:
+        return Path(job.cluster.workspace)
+    return Path(f"{job.name or 'job'}-workspace")
+
+
+def thread_budget(job: job_pb2.JobProto, workers_on_host: int = 1) -> int:
+    """Intra-op threads per worker: the job's num_openblas_threads if set, else cores / workers."""
+    if job.HasField("num_openblas_threads"):
+        return max(1, job.num_openblas_threads)
+    if job.cluster.threads_per_worker > 0:
+        return job.cluster.threads_per_worker
+    return max(1, (os.cpu_count() or 1) // max(1, workers_on_host))
+
+
+def select_device(job: job_pb2.JobProto, worker_index: int = 0) -> torch.device:
+    """SINGA's `gpu:` list: worker k runs on gpu[k]; workers beyond the list, and machines without CUDA, use the CPU."""
+    if worker_index < len(job.gpu):
+        if torch.cuda.is_available() and job.gpu[worker_index] < torch.cuda.device_count():
+            return torch.device("cuda", job.gpu[worker_index])
+        warnings.warn(f"gpu: {job.gpu[worker_index]} ignored: no such CUDA device here; worker {worker_index} runs on the CPU", stacklevel=2)
+    return torch.device("cpu")
+
+
+def _prepare_workspace(workspace: Path, resume: bool) -> Optional[Path]:
+    """Refuse to clobber an earlier run; return the checkpoint to resume from, if any."""
+    existing = ckpt_io.latest(workspace)
+    if resume:
+        if existing is None:
+            raise WorkspaceError(f"{workspace}: no checkpoint to resume from")
+        return existing
+    if existing is not None:
+        raise WorkspaceError(
+            f"{workspace} already holds checkpoints (newest: {existing.name}); "
+            "use --resume to continue that run or --workspace to start a new one"
+        )
+    metrics = workspace / "metrics.jsonl"
+    if metrics.exists():  # an earlier run that died before its first checkpoint: keep its metrics
+        n = 1
+        while metrics.with_name(f"metrics.jsonl.{n}").exists():
+            n += 1
+        metrics.rename(metrics.with_name(f"metrics.jsonl.{n}"))
+    return None
+
+
+def build_worker(job: job_pb2.JobProto, workspace: Path, options: RunOptions, train: bool = True) -> Worker:
+    torch.set_num_threads(thread_budget(job))
+    device = select_device(job)
+    worker = Worker(job, workspace, options.base_dirs, device, log=options.log, progress=options.progress, train=train)
+    if train:
+        worker.attach_server(Server(worker.store, make_updater(job.updater)))
+    return worker
+
+
+def train_job(job: job_pb2.JobProto, options: RunOptions) -> History:
+    workspace = resolve_workspace(job, options.workspace)
+    resume_from = _prepare_workspace(workspace, options.resume)
+    worker = build_worker(job, workspace, options)
+    if resume_from is not None:
+        worker.restore(resume_from)
+    elif job.checkpoint_path:
+        worker.load_params([ckpt_io.resolve_path(p, options.base_dirs) for p in job.checkpoint_path])
+    workspace.mkdir(parents=True, exist_ok=True)
+    (workspace / "job.conf").write_text(text_format.MessageToString(job))
+    options.log(f"Worker (group = 0, id = 0) start on {worker.device.type.upper()}; workspace {workspace}")
+    metrics = MetricsLog(workspace / "metrics.jsonl", elapsed_before=worker.elapsed_before)
+    try:
+        return worker.run(metrics)
+    finally:
+        metrics.close()
+
+
+def test_job(job: job_pb2.JobProto, options: RunOptions, checkpoint: Optional[Path] = None) -> dict[str, float]:
+    """SINGA's -test mode: load a checkpoint and run test_steps batches of the test net."""
+    if job.test_steps <= 0:
+        raise WorkspaceError("test-only mode needs test_steps > 0 in the job")
+    workspace = resolve_workspace(job, options.workspace)
+    if checkpoint is None:
+        if job.checkpoint_path:
+            paths = [ckpt_io.resolve_path(p, options.base_dirs) for p in job.checkpoint_path]
+        else:
+            newest = ckpt_io.latest(workspace)
+            if newest is None:
+                raise WorkspaceError(f"{workspace}: no checkpoint to test (give checkpoint_path or train first)")
+            paths = [newest]
+    else:
+        paths = [Path(checkpoint)]
+    worker = build_worker(job, workspace, options, train=False)
+    step = worker.load_params(paths)
+    return worker.test_only(None, step)

@@ -1,0 +1,45 @@
+"""Server: owns param values (or slices of them) and applies the updater.
+
+The updater's state lives with the values it updates, as a plain dict of
+tensors per param, so a server can own any slice of a param and its state.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from shoal.params import ParamStore
+from shoal.updaters import Updater
+
+
+class Server:
+    """Applies SINGA updates to the params it owns, one version bump per update."""
+
+    def __init__(self, store: ParamStore, updater: Updater, names: Optional[list[str]] = None):
+        self.store = store
+        self.updater = updater
+        self.names = list(names if names is not None else store.trainable_names())
+        self.state: dict[str, dict[str, torch.Tensor]] = {n: updater.init_state(store.values[n]) for n in self.names}
+        self.version: dict[str, int] = {n: 0 for n in self.names}
+
+    def update(self, step: int, grads: dict[str, Optional[torch.Tensor]], grad_scale: float = 1.0) -> None:
+        """Apply one update per owned param that has a gradient (running stats have none)."""
+        for name in self.names:
+            grad = grads.get(name)
+            if grad is None:
+                continue
+            info = self.store.info[name]
+            self.updater.update(step, self.store.values[name], grad, self.state[name], info.lr_scale, info.wd_scale, grad_scale)
+            self.version[name] += 1
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        return self.state
+
+    def load_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        for name, slots in state.items():
+            if name not in self.state:
+                continue
+            for slot, value in slots.items():
+                if slot in self.state[name]:
+                    self.state[name][slot].copy_(value)
