@@ -15,7 +15,7 @@ import torch
 
 import shoal.layers  # noqa: F401  (registers the built-in layer types)
 from shoal.config import job_pb2
-from shoal.config.validate import layers_in_phase
+from shoal.config.validate import in_phase
 from shoal.layers.base import Context, Layer, LayerConfigError
 from shoal.layers.registry import layer_class
 from shoal.params import ParamStore
@@ -77,10 +77,9 @@ def topological_order(confs: list[job_pb2.LayerProto]) -> list[job_pb2.LayerProt
 
 def effective_layer_confs(net_conf: job_pb2.NetProto, phase: int) -> list[tuple[int, job_pb2.LayerProto]]:
     """(index in the file, conf) of the layers in `phase`, with net-level defaults applied."""
-    chosen = {id(c) for c in layers_in_phase(net_conf, phase)}
     out = []
     for index, conf in enumerate(net_conf.layer):
-        if id(conf) not in chosen:
+        if not in_phase(conf, phase):
             continue
         conf = job_pb2.LayerProto.FromString(conf.SerializeToString())
         if conf.partition_dim == -1:

@@ -91,6 +91,7 @@ class Worker:
         self.cursors: dict[int, int] = {job_pb2.kTest: 0, job_pb2.kVal: 0}
         self.window = MetricWindow()
         self.start_step = 0
+        self.resumed = False
         self.elapsed_before = 0.0
 
     # -- state ------------------------------------------------------------
@@ -140,6 +141,7 @@ class Worker:
                     self.feeds[int(phase)][name].skip = int(skip)
         self.window.load_state(t.get("window", {}))
         self.start_step = ckpt.step
+        self.resumed = True
         self.elapsed_before = float(t.get("elapsed", 0.0))
         self.log(f"Resume from checkpoint file {path} at step {ckpt.step}")
 
@@ -193,7 +195,7 @@ class Worker:
         window_start, window_samples = time.perf_counter(), 0
         step = self.start_step
         while step < job.train_steps:
-            resumed_here = step == self.start_step and self.start_step > 0
+            resumed_here = self.resumed and step == self.start_step
             if not resumed_here:  # the checkpoint we resumed from was taken after these ran
                 if job.validate_steps > 0 and fires(job.validate_freq, job.validate_after, step):
                     run_phase(step, job_pb2.kVal, job.validate_steps, "Validate")
@@ -214,7 +216,7 @@ class Worker:
             step += 1
         if bar is not None:
             bar.close()
-        if self.start_step >= job.train_steps:
+        if self.resumed and self.start_step >= job.train_steps:
             return history  # resumed from the final checkpoint: nothing left to do
         if job.test_steps > 0 and job.test_freq > 0:
             run_phase(job.train_steps, job_pb2.kTest, job.test_steps, "Test")

