@@ -22,13 +22,20 @@ def load_job(path: Union[str, Path], overrides: tuple[str, ...] | list[str] = ()
 def as_job(job: JobLike) -> tuple[job_pb2.JobProto, list[Path]]:
     """(validated JobProto, folders relative paths resolve against) from any accepted job form."""
     if isinstance(job, (str, Path)):
-        return load_job(job), [Path.cwd(), Path(job).resolve().parent]
-    if isinstance(job, dict):
-        return job_from_dict(job, shape_check=check_shapes), [Path.cwd()]
-    if isinstance(job, job_pb2.JobProto):
+        proto = load_job(job)
+    elif isinstance(job, dict):
+        proto = job_from_dict(job, shape_check=check_shapes)
+    elif isinstance(job, job_pb2.JobProto):
         validate(job, None, shape_check=check_shapes)
-        return job, [Path.cwd()]
-    raise TypeError(f"a job is a path, a dict or a JobProto, not {type(job).__name__}")
+        proto = job
+    else:
+        raise TypeError(f"a job is a path, a dict or a JobProto, not {type(job).__name__}")
+    return proto, base_dirs(proto)
+
+
+def base_dirs(job: job_pb2.JobProto) -> list[Path]:
+    """Relative paths resolve against the working directory (as SINGA), then the job file's folder."""
+    return [Path.cwd()] + ([Path(job.job_dir)] if job.job_dir else [])
 
 
 def train(

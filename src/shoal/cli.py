@@ -88,8 +88,7 @@ def _run(args: argparse.Namespace) -> int:
     if job_path is None:
         raise UsageError("shoal run: give a job file (shoal run JOB)")
     job = api.load_job(job_path, args.overrides)
-    base_dirs = [Path.cwd(), job_path.resolve().parent]
-    options = RunOptions(workspace=args.workspace, resume=args.resume, base_dirs=base_dirs, progress=False if args.no_progress else None)
+    options = RunOptions(workspace=args.workspace, resume=args.resume, base_dirs=api.base_dirs(job), progress=False if args.no_progress else None)
     if args.test:
         test_job(job, options, args.checkpoint)
     else:

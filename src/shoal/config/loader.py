@@ -77,6 +77,7 @@ def load_job(path: Union[str, Path], overrides: list[str] = (), shape_check: Sha
         raise JobError(str(path), "no such job file") from None
     except (OSError, UnicodeDecodeError) as err:
         raise JobError(str(path), f"cannot read: {err}") from None
+    overrides = [f"job_dir={path.resolve().parent}", *overrides]
     if path.suffix.lower() in (".yaml", ".yml", ".json"):
         try:
             data = yaml.safe_load(text)
