@@ -112,12 +112,24 @@ def _parse_scalar(field: descriptor.FieldDescriptor, text: str, where: str):
         raise JobError("--set", f"{where}: {text!r} is not a valid value for {field.name}") from None
 
 
+def _top_level_equals(text: str) -> int:
+    """Index of the first '=' outside [...] (selectors like layer[name=fc1] contain one)."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "=" and depth == 0:
+            return i
+    return -1
+
+
 def apply_overrides(job: job_pb2.JobProto, overrides: list[str]) -> None:
     """Apply `path.to.field=value` overrides in order (before validation)."""
     for override in overrides:
-        if "=" not in override:
+        split_at = _top_level_equals(override)
+        if split_at < 0:
             raise JobError("--set", f"{override}: expected FIELD=VALUE")
-        path, value = override.split("=", 1)
+        path, value = override[:split_at], override[split_at + 1 :]
         where = f"--set {override}"
         msg = job
         segments = path.strip().split(".")

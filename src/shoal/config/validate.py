@@ -59,7 +59,8 @@ class _Checker:
 
     def run(self, shape_check: Optional[Callable[[job_pb2.JobProto], None]]) -> None:
         job = self.job
-        for name in ("name", "train_steps", "neuralnet"):
+        # train_steps may be absent: SINGA's test-only jobs (char-rnn sample.conf) omit it
+        for name in ("name", "neuralnet"):
             if not job.HasField(name):
                 self.fail(name, f"missing required field {name}")
         if not job.neuralnet.layer:
