@@ -175,7 +175,7 @@ def test_prepare_cifar10_binary_version_with_mean(tmp_path):
     train_pixels = np.concatenate([p for _, p in batches[:5]]).astype(np.float64)
     np.testing.assert_allclose(load_mean(tmp_path / "out" / "image_mean.bin").ravel(), train_pixels.mean(axis=0), rtol=1e-6)
     (src / "test_batch.bin").write_bytes((src / "test_batch.bin").read_bytes()[:-10])
-    with pytest.raises(StoreError, match="test_batch.bin: byte 6146: truncated record \(3063 of 3073 bytes\)"):
+    with pytest.raises(StoreError, match=r"test_batch.bin: byte 6146: truncated record \(3063 of 3073 bytes\)"):
         prepare_cifar10(tmp_path / "out2", src)
 
 

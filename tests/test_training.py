@@ -128,3 +128,44 @@ def test_checkpoint_path_initialises_params_by_name(blobs_job, tmp_path):
     loaded = ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / "b", 0)).params
     for name in trained:
         assert torch.equal(trained[name], loaded[name])
+
+
+def test_train_a_job_given_as_a_python_dict(blobs_dir, tmp_path):
+    from google.protobuf import json_format, text_format
+
+    from conftest import mlp_job_text
+    from shoal.config import job_pb2
+
+    as_dict = json_format.MessageToDict(text_format.Parse(mlp_job_text(blobs_dir, train_steps=10), job_pb2.JobProto()), preserving_proto_field_name=True)
+    history = shoal.train(as_dict, workspace=tmp_path / "ws", log=quiet)
+    assert history.final_test["step"] == 10
+
+
+def test_user_layer_registered_from_python(blobs_job, tmp_path):
+    from shoal.layers import Layer, register_user_layer
+
+    @register_user_layer("Square")
+    class Square(Layer):
+        def forward(self, xs, params, labels, ctx):
+            return xs[0] * xs[0]
+
+    job = blobs_job(train_steps=5)
+    job.write_text(job.read_text().replace('type: kReLU', 'type: kUserLayer user_type: "Square"'))
+    history = shoal.train(job, workspace=tmp_path / "ws", log=quiet)
+    assert history.final_test is not None
+
+
+def test_gpu_field_is_ignored_with_a_warning_without_cuda(blobs_job, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.warns(UserWarning, match="gpu: 0 ignored"):
+        shoal.train(blobs_job(train_steps=2, extra="gpu: 0"), workspace=tmp_path / "ws", log=quiet)
+
+
+def test_num_openblas_threads_sets_the_torch_thread_count(blobs_job, tmp_path):
+    before = torch.get_num_threads()
+    try:
+        shoal.train(blobs_job(train_steps=1, extra="num_openblas_threads: 1"), workspace=tmp_path / "ws", log=quiet)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
