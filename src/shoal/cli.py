@@ -66,6 +66,18 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace stores that already exist")
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="show the processes, workers, servers and param slices a job would start",
+        description="Print, without starting anything, what `shoal run JOB` would start: processes, "
+        "the workers (device, threads, layers) and servers (param slices) each hosts.",
+    )
+    p.add_argument("job", type=Path)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE", help="override a job field")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shoal",
@@ -77,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_run(sub)
     _add_prepare(sub)
+    _add_plan(sub)
     return parser
 
 
@@ -106,18 +119,31 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from shoal import api
+    from shoal.plan import build_plan, render
+
+    job = api.load_job(args.job, args.overrides)
+    plan = build_plan(job)
+    print(json.dumps(plan, indent=2) if args.json else render(plan, job.name))
+    return 0
+
+
 class UsageError(ValueError):
     pass
 
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
     from shoal.checkpoint import CheckpointError
+    from shoal.cluster import PlacementError
     from shoal.config.errors import JobError
     from shoal.data.errors import StoreError
     from shoal.net import NetBuildError
     from shoal.runtime.local import WorkspaceError
 
-    return (JobError, StoreError, CheckpointError, NetBuildError, WorkspaceError, UsageError)
+    return (JobError, StoreError, CheckpointError, NetBuildError, WorkspaceError, UsageError, PlacementError)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -126,7 +152,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handlers = {"run": _run, "prepare": _prepare}
+    handlers = {"run": _run, "prepare": _prepare, "plan": _plan}
     try:
         return handlers[args.command](args)
     except _expected_errors() as err:

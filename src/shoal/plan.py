@@ -1,0 +1,51 @@
+"""`shoal plan`: everything a job will start, computed without starting anything."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from shoal.cluster import describe, place
+from shoal.config import job_pb2
+from shoal.net import NeuralNet
+from shoal.params import ParamStore
+
+
+def build_plan(job: job_pb2.JobProto, cores: int | None = None) -> dict:
+    """Processes, their workers (device, threads, layers) and servers (param slices); pure."""
+    store = ParamStore(allocate=False)
+    net = NeuralNet(job.neuralnet, job_pb2.kTrain, store, torch.Generator())
+    sizes = {name: info.numel for name, info in store.info.items()}
+    placement = place(job.cluster, sizes)
+    plan = describe(placement)
+    cores = cores or os.cpu_count() or 1
+    explicit = job.num_openblas_threads if job.HasField("num_openblas_threads") else job.cluster.threads_per_worker
+    layers = [n.name for n in net.nodes]
+    for proc in plan["processes"]:
+        threads = explicit or max(1, cores // max(1, len(proc["workers"])))
+        for k, worker in enumerate(proc["workers"]):
+            worker["device"] = f"cuda:{job.gpu[k]}" if k < len(job.gpu) else "cpu"
+            worker["threads"] = threads
+            worker["layers"] = layers  # every layer, on its share of the batch (partition_dim 0)
+    plan["params"] = {name: list(info.shape) for name, info in store.info.items()}
+    plan["param_elements"] = sum(sizes.values())
+    return plan
+
+
+def render(plan: dict, job_name: str) -> str:
+    lines = [
+        f"job {job_name!r}: {plan['framework']}, {plan['nprocs']} process(es), "
+        f"{plan['param_elements']:,} param elements in {plan['nslices']} slice(s)"
+    ]
+    for proc in plan["processes"]:
+        lines.append(f"process {proc['rank']}")
+        for w in proc["workers"]:
+            lines.append(
+                f"  worker (group {w['group']}, id {w['id']}) on {w['device']}, {w['threads']} thread(s), "
+                f"server group {w['server_group']}: {', '.join(w['layers'])}"
+            )
+        for s in proc["servers"]:
+            owned = ", ".join(f"{x['param']}[{x['start']}:{x['stop']}]" for x in s["slices"]) or "nothing"
+            total = sum(x["stop"] - x["start"] for x in s["slices"])
+            lines.append(f"  server (group {s['group']}, id {s['id']}): {total:,} elements: {owned}")
+    return "\n".join(lines)
