@@ -21,8 +21,10 @@ def build_plan(job: job_pb2.JobProto, cores: int | None = None) -> dict:
     cores = cores or os.cpu_count() or 1
     explicit = job.num_openblas_threads if job.HasField("num_openblas_threads") else job.cluster.threads_per_worker
     layers = [n.name for n in net.nodes]
+    # one host: every worker of the job shares its cores (oversubscription is what kills CPU throughput)
+    workers_on_host = sum(len(proc["workers"]) for proc in plan["processes"])
+    threads = explicit or max(1, cores // max(1, workers_on_host))
     for proc in plan["processes"]:
-        threads = explicit or max(1, cores // max(1, len(proc["workers"])))
         for k, worker in enumerate(proc["workers"]):
             worker["device"] = f"cuda:{job.gpu[k]}" if k < len(job.gpu) else "cpu"
             worker["threads"] = threads
