@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from shoal.config import job_from_text  # noqa: E402
-from shoal.runtime.local import RunOptions, build_worker  # noqa: E402
+from shoal.runtime.local import RunOptions, build_trainer  # noqa: E402
 
 SIZES = [784, 2500, 2000, 1500, 1000, 500, 10]
 
@@ -72,13 +72,13 @@ def find_data(tmp: Path) -> Path:
 
 def time_shoal(job_text: str, steps: int, warmup: int) -> float:
     job = job_from_text(job_text, "bench.conf")
-    worker = build_worker(job, Path(tempfile.mkdtemp()), RunOptions(log=lambda *a: None, progress=False))
-    batch = next(iter(worker.feeds[1].values())).global_batch
+    trainer = build_trainer(job, Path(tempfile.mkdtemp()), RunOptions(log=lambda *a: None, progress=False))
+    batch = trainer.workers[0].global_batch
     for step in range(warmup):
-        worker.train_step(step)
+        trainer.train_step(step)
     start = time.perf_counter()
     for step in range(warmup, warmup + steps):
-        worker.train_step(step)
+        trainer.train_step(step)
     return steps * batch / (time.perf_counter() - start)
 
 

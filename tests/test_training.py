@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 import shoal
 from shoal import checkpoint as ckpt_io
 from shoal.runtime.local import WorkspaceError
-from shoal.runtime.worker import fires
+from shoal.runtime.trainer import fires
 
 
 @pytest.mark.parametrize(

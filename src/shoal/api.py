@@ -8,7 +8,7 @@ from shoal.config import job_pb2
 from shoal.config.loader import job_from_dict, load_job as _load_file
 from shoal.config.validate import validate
 from shoal.runtime.local import RunOptions, test_job, train_job
-from shoal.runtime.worker import History
+from shoal.runtime.trainer import History
 from shoal.shapes import check_shapes
 
 JobLike = Union[str, Path, dict, job_pb2.JobProto]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Optional, TextIO
@@ -20,10 +21,12 @@ class MetricWindow:
     def __init__(self) -> None:
         self._sums: dict[str, float] = {}
         self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()  # the workers of a group report from their threads
 
     def report(self, name: str, value: float, count: int = 1) -> None:
-        self._sums[name] = self._sums.get(name, 0.0) + float(value) * count
-        self._counts[name] = self._counts.get(name, 0) + count
+        with self._lock:
+            self._sums[name] = self._sums.get(name, 0.0) + float(value) * count
+            self._counts[name] = self._counts.get(name, 0) + count
 
     def averages(self) -> dict[str, float]:
         return {k: self._sums[k] / self._counts[k] for k in self._sums if self._counts[k]}

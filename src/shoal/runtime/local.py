@@ -1,4 +1,4 @@
-"""Run a job in this process: one worker group of one worker, with its server."""
+"""Run a job in this process: one worker group (its workers as threads) and its server."""
 from __future__ import annotations
 
 import os
@@ -11,15 +11,31 @@ import torch
 from google.protobuf import text_format
 
 from shoal import checkpoint as ckpt_io
+from shoal.cluster import place
 from shoal.config import job_pb2
 from shoal.metrics import MetricsLog
 from shoal.runtime.server import Server
-from shoal.runtime.worker import History, Worker
+from shoal.runtime.trainer import History, Trainer
 from shoal.updaters import make_updater
 
 
 class WorkspaceError(ValueError):
     """The workspace cannot be used as asked (would overwrite, nothing to resume, ...)."""
+
+
+class UnsupportedClusterError(ValueError):
+    """A cluster layout this build of the runtime cannot run yet (said in one line)."""
+
+
+def check_runnable(job: job_pb2.JobProto) -> None:
+    """This runtime runs one worker group in one process (its workers as threads); say so otherwise."""
+    placement = place(job.cluster)
+    if job.cluster.nworker_groups > 1 or len(placement.processes) > 1:
+        raise UnsupportedClusterError(
+            f"cluster: {placement.framework} with {len(placement.processes)} process(es) and "
+            f"{job.cluster.nworker_groups} worker group(s) is not supported yet; this runtime runs one worker group "
+            "in one process (e.g. nworkers_per_group: 2 nworkers_per_procs: 2); see `shoal plan` for the layout"
+        )
 
 
 @dataclass
@@ -80,29 +96,32 @@ def _prepare_workspace(workspace: Path, resume: bool) -> Optional[Path]:
     return None
 
 
-def build_worker(job: job_pb2.JobProto, workspace: Path, options: RunOptions, train: bool = True) -> Worker:
-    torch.set_num_threads(thread_budget(job))
+def build_trainer(job: job_pb2.JobProto, workspace: Path, options: RunOptions, train: bool = True) -> Trainer:
+    torch.set_num_threads(thread_budget(job, workers_on_host=job.cluster.nworkers_per_group))
     device = select_device(job)
-    worker = Worker(job, workspace, options.base_dirs, device, log=options.log, progress=options.progress, train=train)
+    trainer = Trainer(job, workspace, options.base_dirs, device, log=options.log, progress=options.progress, train=train)
     if train:
-        worker.attach_server(Server(worker.store, make_updater(job.updater)))
-    return worker
+        trainer.attach_server(Server(trainer.store, make_updater(job.updater)))
+    return trainer
 
 
 def train_job(job: job_pb2.JobProto, options: RunOptions) -> History:
+    check_runnable(job)
     workspace = resolve_workspace(job, options.workspace)
     resume_from = _prepare_workspace(workspace, options.resume)
-    worker = build_worker(job, workspace, options)
+    trainer = build_trainer(job, workspace, options)
     if resume_from is not None:
-        worker.restore(resume_from)
+        trainer.restore(resume_from)
     elif job.checkpoint_path:
-        worker.load_params([ckpt_io.resolve_path(p, options.base_dirs) for p in job.checkpoint_path])
+        trainer.load_params([ckpt_io.resolve_path(p, options.base_dirs) for p in job.checkpoint_path])
     workspace.mkdir(parents=True, exist_ok=True)
     (workspace / "job.conf").write_text(text_format.MessageToString(job))
-    options.log(f"Worker (group = 0, id = 0) start on {worker.device.type.upper()}; workspace {workspace}")
-    metrics = MetricsLog(workspace / "metrics.jsonl", elapsed_before=worker.elapsed_before)
+    for w in trainer.workers:
+        options.log(f"Worker (group = 0, id = {w.index}) start on {w.device.type.upper()}")
+    options.log(f"Workspace {workspace}")
+    metrics = MetricsLog(workspace / "metrics.jsonl", elapsed_before=trainer.elapsed_before)
     try:
-        return worker.run(metrics)
+        return trainer.run(metrics)
     finally:
         metrics.close()
 
@@ -122,6 +141,6 @@ def test_job(job: job_pb2.JobProto, options: RunOptions, checkpoint: Optional[Pa
             paths = [newest]
     else:
         paths = [Path(checkpoint)]
-    worker = build_worker(job, workspace, options, train=False)
-    step = worker.load_params(paths)
-    return worker.test_only(None, step)
+    trainer = build_trainer(job, workspace, options, train=False)
+    step = trainer.load_params(paths)
+    return trainer.test_only(None, step)

@@ -1,0 +1,266 @@
+"""Trainer: SINGA's training loop, driving one worker group and its server.
+
+The workers of the group (threads of this process) each compute the
+gradients of their share of the batch; the trainer aggregates them, weighting
+each share by its size, so the group computes exactly what one worker with
+the whole batch would, and the server applies one update per step.
+
+Per step, in SINGA 0.3's order: validate → test → checkpoint → train one batch
+→ display. Each of these fires when `freq > 0 and step >= after and
+(step - after) % freq == 0`; training stops at `train_steps`, after which a
+final checkpoint is written (and, unlike SINGA, a final test when testing is
+configured, so every run ends with a test number).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from shoal import checkpoint as ckpt_io
+from concurrent.futures import ThreadPoolExecutor
+
+from shoal.algorithms import Grads
+from shoal.config import job_pb2
+from shoal.layers.base import Context
+from shoal.metrics import MetricWindow, MetricsLog, display_line
+from shoal.net import NeuralNet
+from shoal.params import ParamStore
+from shoal.runtime.feed import InputFeed, make_feeds
+from shoal.runtime.server import Server
+from shoal.runtime.worker import Worker
+
+
+def fires(freq: int, after: int, step: int) -> bool:
+    """SINGA's trigger rule for display, test, validation and checkpoints."""
+    return freq > 0 and step >= after and (step - after) % freq == 0
+
+
+@dataclass
+class History:
+    """What a run produced: every metrics record, plus where it lives."""
+
+    workspace: Path
+    records: list[dict] = field(default_factory=list)
+
+    def phase(self, name: str) -> list[dict]:
+        return [r for r in self.records if r["phase"] == name]
+
+    @property
+    def final_test(self) -> Optional[dict]:
+        tests = self.phase("test")
+        return tests[-1] if tests else None
+
+
+def aggregate(parts: list[tuple[Grads, int]]) -> Grads:
+    """Σ (share_i / Σ shares) · g_i: each worker's loss is a mean over its share, so this is the
+    gradient of the mean over the whole batch, whatever the shares (Caffe con Troll's 200 + 56)."""
+    if len(parts) == 1:
+        return parts[0][0]
+    total = sum(share for _, share in parts)
+    out: Grads = {}
+    for name in parts[0][0]:
+        grads = [(g[name], share) for g, share in parts if g[name] is not None]
+        if not grads:
+            out[name] = None
+            continue
+        acc = grads[0][0] * (grads[0][1] / total)
+        for g, share in grads[1:]:
+            acc.add_(g, alpha=share / total)
+        out[name] = acc
+    return out
+
+
+class Trainer:
+    """Runs SINGA's loop for one worker group (its workers as threads) against its Server."""
+
+    def __init__(
+        self,
+        job: job_pb2.JobProto,
+        workspace: Path,
+        base_dirs: list[Path],
+        device: torch.device,
+        log: Callable[[str], None] = print,
+        progress: Optional[bool] = None,
+        train: bool = True,
+    ):
+        self.job = job
+        self.workspace = Path(workspace)
+        self.device = device
+        self.log = log
+        self.progress = sys.stderr.isatty() if progress is None else progress
+
+        # params are initialised in layer order by the first net built, so every layout starts alike
+        init_gen = torch.Generator().manual_seed(job.seed)
+        self.store = ParamStore()
+        nworkers = job.cluster.nworkers_per_group if train else 0
+        self.workers = [Worker(job, self.store, base_dirs, device, i, nworkers, init_gen) for i in range(nworkers)]
+        # test and validation run on worker 0 of group 0, on the whole (unpartitioned) net, as SINGA's
+        self.nets: dict[int, NeuralNet] = {}
+        for phase, steps in ((job_pb2.kTest, job.test_steps), (job_pb2.kVal, job.validate_steps if train else 0)):
+            if steps > 0:
+                self.nets[phase] = NeuralNet(job.neuralnet, phase, self.store, init_gen)
+        if device.type != "cpu":
+            for name in self.store.values:
+                self.store.values[name] = self.store.values[name].to(device)
+            for net in [w.net for w in self.workers] + list(self.nets.values()):
+                net.bind()
+        eval_rng = np.random.default_rng(job.seed + 1)
+        self.feeds: dict[int, dict[str, InputFeed]] = {phase: make_feeds(net, base_dirs, 0, 1, eval_rng, device) for phase, net in self.nets.items()}
+        self.generator = self.workers[0].generator if self.workers else torch.Generator(device=device).manual_seed(job.seed + 1)
+        self.pool = ThreadPoolExecutor(max_workers=nworkers, thread_name_prefix="shoal-worker") if nworkers > 1 else None
+        self.server: Optional[Server] = None
+        self.cursors: dict[int, int] = {job_pb2.kTest: 0, job_pb2.kVal: 0}
+        self.window = MetricWindow()
+        self.start_step = 0
+        self.resumed = False
+        self.elapsed_before = 0.0
+
+    # -- state ------------------------------------------------------------
+    def attach_server(self, server: Server) -> None:
+        self.server = server
+
+    def load_params(self, paths: list[Path]) -> int:
+        """Initialise params by name from earlier checkpoints (SINGA's checkpoint_path); return the last one's step."""
+        step = 0
+        for path in paths:
+            ckpt = ckpt_io.load(path)
+            loaded = self.store.load(ckpt.params)
+            self.log(f"Load from checkpoint file {path} ({len(loaded)} params)")
+            step = ckpt.step
+        return step
+
+    def save_checkpoint(self, step: int) -> Path:
+        trainer = {
+            "job": self.job.name,
+            "cursors": {str(k): v for k, v in self.cursors.items()},
+            "skips": {str(phase): {n: f.skip for n, f in feeds.items()} for phase, feeds in self._all_feeds().items()},
+            "window": self.window.state(),
+            "elapsed": self.metrics.elapsed() if hasattr(self, "metrics") else self.elapsed_before,
+        }
+        ckpt = ckpt_io.Checkpoint(
+            step=step,
+            params=self.store.state_dict(),
+            updater_state=self.server.state_dict() if self.server else {},
+            rng={f"worker{w.index}": w.generator.get_state() for w in self.workers},
+            trainer=trainer,
+        )
+        return ckpt_io.save(ckpt_io.checkpoint_file(self.workspace, step), ckpt)
+
+    def restore(self, path: Path) -> None:
+        """Continue from a checkpoint exactly where the run that wrote it stood."""
+        ckpt = ckpt_io.load(path)
+        self.store.load(ckpt.params, strict=True)
+        if self.server is not None:
+            self.server.load_state(ckpt.updater_state)
+        for w in self.workers:
+            if f"worker{w.index}" in ckpt.rng:
+                w.generator.set_state(ckpt.rng[f"worker{w.index}"])
+        t = ckpt.trainer
+        self.cursors.update({int(k): int(v) for k, v in t.get("cursors", {}).items()})
+        for phase, skips in t.get("skips", {}).items():
+            for name, skip in skips.items():
+                feeds = [w.feeds for w in self.workers] if int(phase) == job_pb2.kTrain else [self.feeds.get(int(phase), {})]
+                for f in feeds:
+                    if name in f:
+                        f[name].skip = int(skip)
+        self.window.load_state(t.get("window", {}))
+        self.start_step = ckpt.step
+        self.resumed = True
+        self.elapsed_before = float(t.get("elapsed", 0.0))
+        self.log(f"Resume from checkpoint file {path} at step {ckpt.step}")
+
+    def _all_feeds(self) -> dict[int, dict[str, InputFeed]]:
+        feeds = dict(self.feeds)
+        if self.workers:
+            feeds[job_pb2.kTrain] = self.workers[0].feeds
+        return feeds
+
+    # -- phases -----------------------------------------------------------
+    def _context(self, phase: int, feeds: dict[str, InputFeed], cursor: int, window: MetricWindow) -> Context:
+        return Context(
+            phase=phase,
+            generator=self.generator,
+            feeds={name: feed.batch(cursor, self.device) for name, feed in feeds.items()},
+            report=window.report,
+            device=self.device,
+        )
+
+    def evaluate(self, phase: int, steps: int) -> dict[str, float]:
+        """Run `steps` batches of the test or validation net; the store cursor moves on as SINGA's does."""
+        net, feeds = self.nets[phase], self.feeds[phase]
+        batch = max((f.global_batch for f in feeds.values()), default=0)
+        window = MetricWindow()
+        with torch.no_grad():
+            for _ in range(steps):
+                net.forward(self._context(phase, feeds, self.cursors[phase], window))
+                self.cursors[phase] += batch
+        return window.averages()
+
+    def train_step(self, step: int) -> int:
+        """Train one batch on the whole group; return the number of samples it used."""
+        compute = lambda w: (w.compute(step, self.window.report), w.share)
+        parts = list(self.pool.map(compute, self.workers)) if self.pool else [compute(self.workers[0])]
+        self.server.update(step, aggregate(parts))
+        return self.workers[0].global_batch
+
+    # -- the loop ---------------------------------------------------------
+    def run(self, metrics: MetricsLog) -> History:
+        job, history = self.job, History(self.workspace)
+        self.metrics = metrics
+        record = lambda step, phase, values, **kw: history.records.append(metrics.write(step, phase, values, **kw))
+
+        def run_phase(step: int, phase: int, steps: int, label: str) -> None:
+            values = self.evaluate(phase, steps)
+            self.log(display_line(label, step, values))
+            record(step, label.lower(), values)
+
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=job.train_steps, initial=self.start_step, unit="step", dynamic_ncols=True, leave=False)
+            self.log = lambda line, _print=self.log: bar.write(line)
+        window_start, window_samples = time.perf_counter(), 0
+        step = self.start_step
+        while step < job.train_steps:
+            resumed_here = self.resumed and step == self.start_step
+            if not resumed_here:  # the checkpoint we resumed from was taken after these ran
+                if job.validate_steps > 0 and fires(job.validate_freq, job.validate_after, step):
+                    run_phase(step, job_pb2.kVal, job.validate_steps, "Validate")
+                if job.test_steps > 0 and fires(job.test_freq, job.test_after, step):
+                    run_phase(step, job_pb2.kTest, job.test_steps, "Test")
+                if fires(job.checkpoint_freq, job.checkpoint_after, step):
+                    self.save_checkpoint(step)
+            window_samples += self.train_step(step)
+            if fires(job.disp_freq, job.disp_after, step):
+                now = time.perf_counter()
+                values = self.window.averages()
+                self.log(display_line("Train", step, values))
+                record(step, "train", values, samples_per_sec=round(window_samples / max(now - window_start, 1e-9), 2))
+                self.window.reset()
+                window_start, window_samples = now, 0
+            if bar is not None:
+                bar.update(1)
+            step += 1
+        if bar is not None:
+            bar.close()
+        if self.resumed and self.start_step >= job.train_steps:
+            return history  # resumed from the final checkpoint: nothing left to do
+        if job.test_steps > 0 and job.test_freq > 0:
+            run_phase(job.train_steps, job_pb2.kTest, job.test_steps, "Test")
+        path = self.save_checkpoint(job.train_steps)
+        self.log(f"Checkpoint written to {path}")
+        return history
+
+    def test_only(self, metrics: Optional[MetricsLog], step: int) -> dict[str, float]:
+        values = self.evaluate(job_pb2.kTest, self.job.test_steps)
+        self.log(display_line("Test", step, values))
+        if metrics is not None:
+            metrics.write(step, "test", values, mode="test-only")
+        return values
