@@ -11,7 +11,6 @@ reports achieved GFLOP/s against this machine's fp32 matmul peak.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import platform
 import statistics

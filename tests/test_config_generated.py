@@ -1,6 +1,5 @@
 """The committed job_pb2.py is exactly what scripts/gen_proto.py generates from job.proto."""
 import importlib.util
-import sys
 
 from conftest import REPO
 

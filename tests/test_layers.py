@@ -294,3 +294,16 @@ def test_every_layer_type_of_the_singa_examples_is_registered_or_deferred():
         if name == "kUserLayer":
             continue
         assert name in registered | deferred | deprecated, name
+
+
+def test_image_preprocess_subtracts_its_mean_file_image():
+    layer = make("type: kImagePreprocess rgbimage_conf { cropsize: 2 }", (1, 2, 2))
+    layer.mean = torch.ones(1, 2, 2)
+    x = torch.full((1, 1, 2, 2), 5.0)
+    assert torch.equal(run(layer, [x], phase=job_pb2.kTest), torch.full((1, 1, 2, 2), 4.0))
+
+
+def test_record_input_without_labels():
+    layer = make('name: "data" type: kRecordInput store_conf { path: "x" shape: 2 has_label: false }')
+    _, aux = layer.forward([], [], [], Context(feeds={"data": (torch.zeros(1, 2), torch.tensor([1]))}))
+    assert aux is None

@@ -109,7 +109,7 @@ def test_resume_without_checkpoint_is_an_error(blobs_job, tmp_path):
 
 def test_test_only_mode_reproduces_the_final_test(blobs_job, tmp_path):
     job = blobs_job(train_steps=20)
-    history = shoal.train(job, workspace=tmp_path / "ws", log=quiet)
+    shoal.train(job, workspace=tmp_path / "ws", log=quiet)
     # the final test read test batches 0..k; a fresh test-only run reads from the start of the store
     values = shoal.evaluate(job, workspace=tmp_path / "ws", log=quiet)
     assert set(values) == {"loss", "accuracy"}

@@ -1,7 +1,6 @@
 """Every updater and schedule against values computed by hand (numpy, from SINGA's formulas)."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest

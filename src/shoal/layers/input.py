@@ -38,20 +38,20 @@ class StoreInput(Layer):
         data, label = ctx.feeds[self.name]
         data = data.reshape((data.shape[0],) + self.shape)
         mean = self.mean.reshape(self.shape) if self.mean is not None else self.mean_value
-        return (data - mean) / self.std_value, label
+        return (data - mean) / self.std_value, (label if self.conf.store_conf.has_label else None)
 
 
 @register("kImagePreprocess")
 class ImagePreprocess(Layer):
-    """Crop (random in training, centred otherwise), mirror (random in training), scale.
+    """Subtract the mean image, crop (random in training, centred otherwise), mirror (random in training), scale.
 
-    `rgbimage_conf` {scale, cropsize, mirror, meanfile}; a mean image, if any,
-    is subtracted by the input layer.
+    `rgbimage_conf` {scale, cropsize, mirror, meanfile}.
     """
 
     def __init__(self, conf, src_shapes):
         super().__init__(conf, src_shapes)
         c = conf.rgbimage_conf
+        self.mean: Optional[torch.Tensor] = None  # the mean image of rgbimage_conf.meanfile, set by the runtime
         if len(self.src_shapes[0]) != 3:
             raise LayerConfigError(f"layer {conf.name!r}: expects C×H×W images, got shape {self.src_shapes[0]}")
         ch, h, w = self.src_shapes[0]
@@ -63,6 +63,8 @@ class ImagePreprocess(Layer):
     def forward(self, xs, params, labels, ctx):
         x = xs[0]
         c = self.conf.rgbimage_conf
+        if self.mean is not None:
+            x = x - self.mean.reshape(x.shape[1:])
         training = ctx.phase == job_pb2.kTrain
         if self.crop:
             h, w = x.shape[-2:]

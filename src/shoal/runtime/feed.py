@@ -65,6 +65,10 @@ def resolve_data_path(path: str, base_dirs: list[Path]) -> Path:
 def make_feeds(net, base_dirs: list[Path], partition: int, npartitions: int, rng: np.random.Generator, device: torch.device) -> dict[str, InputFeed]:
     """Open the store of every input layer of `net` (shared in memory by all nets of a process)."""
     feeds = {}
+    for node in net.nodes:
+        meanfile = node.layer.conf.rgbimage_conf.meanfile if node.layer.conf.HasField("rgbimage_conf") else ""
+        if meanfile:
+            node.layer.mean = torch.from_numpy(np.asarray(load_mean(resolve_data_path(meanfile, base_dirs)), dtype=np.float32)).to(device)
     for node in net.input_nodes():
         conf = node.layer.conf
         if not conf.HasField("store_conf"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -23,8 +24,6 @@ import numpy as np
 import torch
 
 from shoal import checkpoint as ckpt_io
-from concurrent.futures import ThreadPoolExecutor
-
 from shoal.algorithms import Grads
 from shoal.config import job_pb2
 from shoal.layers.base import Context
