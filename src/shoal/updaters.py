@@ -114,12 +114,19 @@ class Updater:
         return {slot: torch.zeros_like(value) for slot in self.slots}
 
     def prepare(self, value: torch.Tensor, grad: torch.Tensor, wd_scale: float, grad_scale: float) -> torch.Tensor:
-        """g = grad·grad_scale (+ wd·w), clipped where SINGA clips; a new tensor, grad untouched."""
-        g = grad * grad_scale if grad_scale != 1 else grad.clone()
+        """g = grad·grad_scale (+ wd·w), clipped where SINGA clips.
+
+        `grad` itself is returned when nothing changes it (apply() only reads g),
+        so the common case costs no copy of the gradient; otherwise a new tensor.
+        """
         wd = self.conf.weight_decay * wd_scale
+        clip = self.clips and self.conf.clip_high > self.conf.clip_low
+        if grad_scale == 1 and wd <= 0 and not clip:
+            return grad
+        g = grad * grad_scale if grad_scale != 1 else grad.clone()
         if wd > 0:
             g.add_(value, alpha=wd)
-        if self.clips and self.conf.clip_high > self.conf.clip_low:
+        if clip:
             g.clamp_(self.conf.clip_low, self.conf.clip_high)
         return g
 
@@ -139,6 +146,7 @@ class Updater:
         self.apply(value, g, state, self.learning_rate(step) * lr_scale)
 
     def apply(self, value: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], lr: float) -> None:
+        """Update value and state in place from the prepared gradient g (read only: it may be the caller's)."""
         raise NotImplementedError
 
 

@@ -68,7 +68,8 @@ def aggregate(parts: list[tuple[Grads, int]]) -> Grads:
         if not grads:
             out[name] = None
             continue
-        acc = grads[0][0] * (grads[0][1] / total)
+        # in place on the first worker's gradient: workers make fresh gradients every step
+        acc = grads[0][0].mul_(grads[0][1] / total)
         for g, share in grads[1:]:
             acc.add_(g, alpha=share / total)
         out[name] = acc
