@@ -78,3 +78,38 @@ def test_resume_with_a_different_number_of_workers(blobs_job, tmp_path):
     resumed = ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / "mixed", 8)).params
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], rtol=1e-5, atol=1e-6)
+
+
+PROCESS_LAYOUTS = {
+    "2 workers / 2 processes": "nworkers_per_group: 2",
+    "AllReduce 3 co-located": "nworkers_per_group: 3 nservers_per_group: 3",
+    "Sandblaster 2+2 separate": "nworkers_per_group: 2 nservers_per_group: 2 server_worker_separate: true",
+    "2 processes x 2 threads": "nworkers_per_group: 4 nworkers_per_procs: 2 nservers_per_group: 2",
+}
+
+
+@pytest.mark.parametrize("updater", ["momentum", "adam"])
+@pytest.mark.parametrize("layout", PROCESS_LAYOUTS)
+def test_multi_process_layouts_equal_the_single_worker_run(blobs_job, tmp_path, layout, updater):
+    single = final_params(blobs_job(train_steps=8, updater=UPDATERS[updater]), tmp_path / "single")
+    group = final_params(blobs_job(train_steps=8, updater=UPDATERS[updater]), tmp_path / "group", PROCESS_LAYOUTS[layout])
+    for name in single:
+        torch.testing.assert_close(group[name], single[name], rtol=1e-5, atol=1e-6)
+
+
+def test_multi_process_checkpoint_holds_the_whole_updater_state_and_resumes_on_one_process(blobs_job, tmp_path):
+    straight = final_params(blobs_job(train_steps=8), tmp_path / "straight")
+    job = blobs_job(train_steps=8, extra="checkpoint_freq: 4")
+    text = job.read_text()
+    job.write_text(text.replace("cluster { }", "cluster { " + PROCESS_LAYOUTS["Sandblaster 2+2 separate"] + " }"))
+    shoal.train(job, workspace=tmp_path / "ws", log=lambda *a: None)
+    ckpt = ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / "ws", 4))
+    assert set(ckpt.updater_state) == {"w1", "b1", "w2", "b2"}
+    for step, path in ckpt_io.list_checkpoints(tmp_path / "ws"):
+        if step > 4:
+            path.unlink()
+    job.write_text(text)
+    shoal.train(job, workspace=tmp_path / "ws", resume=True, log=lambda *a: None)
+    resumed = ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / "ws", 8)).params
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=1e-5, atol=1e-6)

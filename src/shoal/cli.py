@@ -141,9 +141,10 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from shoal.config.errors import JobError
     from shoal.data.errors import StoreError
     from shoal.net import NetBuildError
+    from shoal.runtime.launch import ProcessFailed
     from shoal.runtime.local import UnsupportedClusterError, WorkspaceError
 
-    return (JobError, StoreError, CheckpointError, NetBuildError, WorkspaceError, UsageError, PlacementError, UnsupportedClusterError)
+    return (JobError, StoreError, CheckpointError, NetBuildError, WorkspaceError, UsageError, PlacementError, UnsupportedClusterError, ProcessFailed)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -118,12 +118,13 @@ class NeuralNet:
             for i in range(len(conf.param), len(shapes)):
                 conf.param.add(name=f"{conf.name}/p{i}")
         names = []
+        trainable = layer.param_trainable()
         for i, shape in enumerate(shapes):
             pconf = conf.param[i]
             if not pconf.name:
                 pconf.name = f"{conf.name}/p{i}"
             try:
-                names.append(self.store.declare(pconf, tuple(shape), generator))
+                names.append(self.store.declare(pconf, tuple(shape), generator, trainable=trainable[i]))
             except (KeyError, ValueError) as err:
                 raise NetBuildError(f"{where}.param[{i}]", str(err.args[0])) from None
         return names

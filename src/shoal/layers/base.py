@@ -60,6 +60,10 @@ class Layer:
         """Shapes of the params this layer needs, in the order of conf.param."""
         return []
 
+    def param_trainable(self) -> list[bool]:
+        """Which params an updater trains (False: statistics the layer updates itself, e.g. batch norm's)."""
+        return [True] * len(self.param_shapes())
+
     def forward(
         self,
         xs: list[torch.Tensor],

@@ -142,6 +142,9 @@ class BatchNorm(Layer):
     def param_shapes(self):
         return [(self.channels,)] * 4
 
+    def param_trainable(self):
+        return [True, True, False, False]  # running mean and variance move by momentum, not by gradient
+
     def forward(self, xs, params, labels, ctx):
         scale, bias, running_mean, running_var = params
         training = ctx.phase == job_pb2.kTrain

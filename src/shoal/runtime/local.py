@@ -14,6 +14,7 @@ from shoal import checkpoint as ckpt_io
 from shoal.cluster import place
 from shoal.config import job_pb2
 from shoal.metrics import MetricsLog
+from shoal.runtime.exchange import LocalExchange
 from shoal.runtime.server import Server
 from shoal.runtime.trainer import History, Trainer
 from shoal.updaters import make_updater
@@ -28,13 +29,12 @@ class UnsupportedClusterError(ValueError):
 
 
 def check_runnable(job: job_pb2.JobProto) -> None:
-    """This runtime runs one worker group in one process (its workers as threads); say so otherwise."""
+    """This runtime runs one (synchronous) worker group, in one or several processes; say so otherwise."""
     placement = place(job.cluster)
-    if job.cluster.nworker_groups > 1 or len(placement.processes) > 1:
+    if job.cluster.nworker_groups > 1:
         raise UnsupportedClusterError(
-            f"cluster: {placement.framework} with {len(placement.processes)} process(es) and "
-            f"{job.cluster.nworker_groups} worker group(s) is not supported yet; this runtime runs one worker group "
-            "in one process (e.g. nworkers_per_group: 2 nworkers_per_procs: 2); see `shoal plan` for the layout"
+            f"cluster: {placement.framework} ({job.cluster.nworker_groups} asynchronous worker groups) is not supported yet; "
+            "this runtime runs one synchronous worker group (single, AllReduce, Sandblaster); see `shoal plan` for the layout"
         )
 
 
@@ -101,7 +101,7 @@ def build_trainer(job: job_pb2.JobProto, workspace: Path, options: RunOptions, t
     device = select_device(job)
     trainer = Trainer(job, workspace, options.base_dirs, device, log=options.log, progress=options.progress, train=train)
     if train:
-        trainer.attach_server(Server(trainer.store, make_updater(job.updater)))
+        trainer.attach_exchange(LocalExchange(Server(trainer.store, make_updater(job.updater))))
     return trainer
 
 
@@ -109,6 +109,14 @@ def train_job(job: job_pb2.JobProto, options: RunOptions) -> History:
     check_runnable(job)
     workspace = resolve_workspace(job, options.workspace)
     resume_from = _prepare_workspace(workspace, options.resume)
+    placement = place(job.cluster)
+    if len(placement.processes) > 1:
+        from shoal.runtime.launch import run_processes
+
+        workspace.mkdir(parents=True, exist_ok=True)
+        (workspace / "job.conf").write_text(text_format.MessageToString(job))
+        workers = job.cluster.nworker_groups * job.cluster.nworkers_per_group
+        return run_processes(job, workspace, resume_from, options.base_dirs, thread_budget(job, workers_on_host=workers))
     trainer = build_trainer(job, workspace, options)
     if resume_from is not None:
         trainer.restore(resume_from)

@@ -1,9 +1,10 @@
 """Trainer: SINGA's training loop, driving one worker group and its server.
 
-The workers of the group (threads of this process) each compute the
-gradients of their share of the batch; the trainer aggregates them, weighting
-each share by its size, so the group computes exactly what one worker with
-the whole batch would, and the server applies one update per step.
+The workers of the group that live in this process (threads) each compute
+the gradients of their share of the batch; the exchange (shoal.runtime.exchange)
+turns them into one update per step, in memory or through the servers of
+other processes, so the group computes exactly what one worker with the whole
+batch would.
 
 Per step, in SINGA 0.3's order: validate → test → checkpoint → train one batch
 → display. Each of these fires when `freq > 0 and step >= after and
@@ -24,14 +25,13 @@ import numpy as np
 import torch
 
 from shoal import checkpoint as ckpt_io
-from shoal.algorithms import Grads
 from shoal.config import job_pb2
+from shoal.config.validate import in_phase
 from shoal.layers.base import Context
 from shoal.metrics import MetricWindow, MetricsLog, display_line
 from shoal.net import NeuralNet
 from shoal.params import ParamStore
-from shoal.runtime.feed import InputFeed, make_feeds
-from shoal.runtime.server import Server
+from shoal.runtime.feed import InputFeed, batch_shares, make_feeds
 from shoal.runtime.worker import Worker
 
 
@@ -56,24 +56,14 @@ class History:
         return tests[-1] if tests else None
 
 
-def aggregate(parts: list[tuple[Grads, int]]) -> Grads:
-    """Σ (share_i / Σ shares) · g_i: each worker's loss is a mean over its share, so this is the
-    gradient of the mean over the whole batch, whatever the shares (Caffe con Troll's 200 + 56)."""
-    if len(parts) == 1:
-        return parts[0][0]
-    total = sum(share for _, share in parts)
-    out: Grads = {}
-    for name in parts[0][0]:
-        grads = [(g[name], share) for g, share in parts if g[name] is not None]
-        if not grads:
-            out[name] = None
-            continue
-        # in place on the first worker's gradient: workers make fresh gradients every step
-        acc = grads[0][0].mul_(grads[0][1] / total)
-        for g, share in grads[1:]:
-            acc.add_(g, alpha=share / total)
-        out[name] = acc
-    return out
+def global_batch(job: job_pb2.JobProto) -> int:
+    """Samples per training step of a group: the train input layers' batch (one value, or the shares' sum)."""
+    sizes = [
+        sum(batch_shares(layer.store_conf, job.cluster.nworkers_per_group))
+        for layer in job.neuralnet.layer
+        if layer.HasField("store_conf") and in_phase(layer, job_pb2.kTrain)
+    ]
+    return max(sizes, default=0)
 
 
 class Trainer:
@@ -88,22 +78,31 @@ class Trainer:
         log: Callable[[str], None] = print,
         progress: Optional[bool] = None,
         train: bool = True,
+        worker_indices: Optional[list[int]] = None,
+        chief: bool = True,
     ):
         self.job = job
         self.workspace = Path(workspace)
         self.device = device
-        self.log = log
-        self.progress = sys.stderr.isatty() if progress is None else progress
+        # the chief (worker 0 of group 0) tests, validates, displays and writes; other processes only train
+        self.chief = chief
+        self.log = log if chief else (lambda *_: None)
+        self.progress = chief and (sys.stderr.isatty() if progress is None else progress)
 
         # params are initialised in layer order by the first net built, so every layout starts alike
         init_gen = torch.Generator().manual_seed(job.seed)
         self.store = ParamStore()
-        nworkers = job.cluster.nworkers_per_group if train else 0
-        self.workers = [Worker(job, self.store, base_dirs, device, i, nworkers, init_gen) for i in range(nworkers)]
+        npartitions = job.cluster.nworkers_per_group
+        if worker_indices is None:
+            worker_indices = list(range(npartitions)) if train else []
+        self.workers = [Worker(job, self.store, base_dirs, device, i, npartitions, init_gen) for i in worker_indices]
+        if not self.workers:  # a server-only process still needs the param store
+            NeuralNet(job.neuralnet, job_pb2.kTrain, self.store, init_gen)
+        self.global_batch = global_batch(job)
         # test and validation run on worker 0 of group 0, on the whole (unpartitioned) net, as SINGA's
         self.nets: dict[int, NeuralNet] = {}
         for phase, steps in ((job_pb2.kTest, job.test_steps), (job_pb2.kVal, job.validate_steps if train else 0)):
-            if steps > 0:
+            if steps > 0 and chief:
                 self.nets[phase] = NeuralNet(job.neuralnet, phase, self.store, init_gen)
         if device.type != "cpu":
             for name in self.store.values:
@@ -113,8 +112,8 @@ class Trainer:
         eval_rng = np.random.default_rng(job.seed + 1)
         self.feeds: dict[int, dict[str, InputFeed]] = {phase: make_feeds(net, base_dirs, 0, 1, eval_rng, device) for phase, net in self.nets.items()}
         self.generator = self.workers[0].generator if self.workers else torch.Generator(device=device).manual_seed(job.seed + 1)
-        self.pool = ThreadPoolExecutor(max_workers=nworkers, thread_name_prefix="shoal-worker") if nworkers > 1 else None
-        self.server: Optional[Server] = None
+        self.pool = ThreadPoolExecutor(max_workers=len(self.workers), thread_name_prefix="shoal-worker") if len(self.workers) > 1 else None
+        self.exchange = None  # LocalExchange or SlicedExchange
         self.cursors: dict[int, int] = {job_pb2.kTest: 0, job_pb2.kVal: 0}
         self.window = MetricWindow()
         self.start_step = 0
@@ -122,8 +121,8 @@ class Trainer:
         self.elapsed_before = 0.0
 
     # -- state ------------------------------------------------------------
-    def attach_server(self, server: Server) -> None:
-        self.server = server
+    def attach_exchange(self, exchange) -> None:
+        self.exchange = exchange
 
     def load_params(self, paths: list[Path]) -> int:
         """Initialise params by name from earlier checkpoints (SINGA's checkpoint_path); return the last one's step."""
@@ -135,18 +134,22 @@ class Trainer:
             step = ckpt.step
         return step
 
-    def save_checkpoint(self, step: int) -> Path:
+    def save_checkpoint(self, step: int) -> Optional[Path]:
+        """Collective when servers are spread over processes; only the chief writes."""
+        updater_state = self.exchange.updater_state() if self.exchange else {}
+        if not self.chief:
+            return None
         trainer = {
             "job": self.job.name,
             "cursors": {str(k): v for k, v in self.cursors.items()},
             "skips": {str(phase): {n: f.skip for n, f in feeds.items()} for phase, feeds in self._all_feeds().items()},
             "window": self.window.state(),
-            "elapsed": self.metrics.elapsed() if hasattr(self, "metrics") else self.elapsed_before,
+            "elapsed": self.metrics.elapsed() if getattr(self, "metrics", None) else self.elapsed_before,
         }
         ckpt = ckpt_io.Checkpoint(
             step=step,
             params=self.store.state_dict(),
-            updater_state=self.server.state_dict() if self.server else {},
+            updater_state=updater_state,
             rng={f"worker{w.index}": w.generator.get_state() for w in self.workers},
             trainer=trainer,
         )
@@ -156,8 +159,8 @@ class Trainer:
         """Continue from a checkpoint exactly where the run that wrote it stood."""
         ckpt = ckpt_io.load(path)
         self.store.load(ckpt.params, strict=True)
-        if self.server is not None:
-            self.server.load_state(ckpt.updater_state)
+        if self.exchange is not None:
+            self.exchange.load_updater_state(ckpt.updater_state)
         for w in self.workers:
             if f"worker{w.index}" in ckpt.rng:
                 w.generator.set_state(ckpt.rng[f"worker{w.index}"])
@@ -205,17 +208,23 @@ class Trainer:
     def train_step(self, step: int) -> int:
         """Train one batch on the whole group; return the number of samples it used."""
         compute = lambda w: (w.compute(step, self.window.report), w.share)
-        parts = list(self.pool.map(compute, self.workers)) if self.pool else [compute(self.workers[0])]
-        self.server.update(step, aggregate(parts))
-        return self.workers[0].global_batch
+        parts = list(self.pool.map(compute, self.workers)) if self.pool else [compute(w) for w in self.workers]
+        self.exchange.step(step, parts)
+        return self.global_batch
 
     # -- the loop ---------------------------------------------------------
-    def run(self, metrics: MetricsLog) -> History:
+    def run(self, metrics: Optional[MetricsLog]) -> History:
+        """The loop; `metrics` is None on processes other than the chief."""
         job, history = self.job, History(self.workspace)
         self.metrics = metrics
-        record = lambda step, phase, values, **kw: history.records.append(metrics.write(step, phase, values, **kw))
+
+        def record(step, phase, values, **kw):
+            if metrics is not None:
+                history.records.append(metrics.write(step, phase, values, **kw))
 
         def run_phase(step: int, phase: int, steps: int, label: str) -> None:
+            if not self.chief:
+                return
             values = self.evaluate(phase, steps)
             self.log(display_line(label, step, values))
             record(step, label.lower(), values)
@@ -240,7 +249,7 @@ class Trainer:
             window_samples += self.train_step(step)
             if fires(job.disp_freq, job.disp_after, step):
                 now = time.perf_counter()
-                values = self.window.averages()
+                values = self.exchange.metrics(self.window)
                 self.log(display_line("Train", step, values))
                 record(step, "train", values, samples_per_sec=round(window_samples / max(now - window_start, 1e-9), 2))
                 self.window.reset()

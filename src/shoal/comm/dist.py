@@ -1,0 +1,53 @@
+"""Process groups over gloo (CPU tensors) on an explicit address; thin wrappers over collectives.
+
+Every collective is called by every rank in the same order (the training loop
+is deterministic), which is what keeps a synchronous group deadlock-free.
+A rank that dies or stalls makes the others fail after `timeout` instead of
+hanging forever.
+"""
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now (bound and released on `host` only)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init(rank: int, world_size: int, host: str, port: int, timeout_s: float = 60.0) -> None:
+    """Join the job's process group; rank 0 hosts the rendezvous store on host:port."""
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def reduce_sum(tensor: torch.Tensor, dst: int) -> None:
+    """Sum `tensor` over all ranks into rank `dst`'s copy (in place)."""
+    dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM)
+
+
+def broadcast(tensor: torch.Tensor, src: int) -> None:
+    dist.broadcast(tensor, src=src)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> None:
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+
+
+def barrier() -> None:
+    dist.barrier()
