@@ -106,3 +106,18 @@ def test_corrupt_checkpoint_is_a_one_line_error(blobs_job, tmp_path):
     ckpt = tmp_path / "ws" / "checkpoint" / "step2-worker0.safetensors"
     ckpt.write_bytes(ckpt.read_bytes()[:100])
     assert_one_line_error(shoal("run", job, "--resume", "--workspace", tmp_path / "ws", "--set", "train_steps=4"), "step2-worker0.safetensors")
+
+
+def test_a_dying_process_stops_the_job_with_one_line_naming_it(blobs_job, tmp_path):
+    import os
+    import time
+
+    job = blobs_job(train_steps=50)
+    job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 2 nservers_per_group: 2 server_worker_separate: true }"))
+    env = dict(os.environ, SHOAL_INJECT_EXIT="1:3")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")], capture_output=True, text=True, env=env, timeout=120)
+    assert time.monotonic() - start < 60
+    assert_one_line_error(proc, "process 1 (worker(group=0, id=1))", "exited with code 3", "rank1.log")
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "ws")], capture_output=True, text=True).stdout.strip()
+    assert leftover == ""

@@ -8,6 +8,7 @@ process context terminates the others and the parent reports which one.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -98,6 +99,8 @@ def run_processes(job: job_pb2.JobProto, workspace: Path, resume_from: Optional[
     placement = place(job.cluster)
     world = len(placement.processes)
     port = comm.free_port(HOST)
+    # our one-line report replaces torch's per-process "Terminating process" warnings
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     args = (world, port, job.SerializeToString(), str(workspace), str(resume_from) if resume_from else None, [str(d) for d in base_dirs], threads)
     try:
         mp.start_processes(_entry, args=args, nprocs=world, start_method="spawn", join=True)
