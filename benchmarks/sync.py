@@ -1,0 +1,152 @@
+"""Claims about synchronous training on one machine:
+
+1. Two shoal worker processes train at least as fast as torch DistributedDataParallel (gloo) with
+   two processes: same model (SINGA's MNIST MLP), global batch, data and optimizer (goal >= 1.00).
+2. Throughput of the layouts: 1 worker, 2 workers as threads, 2 processes, AllReduce, Sandblaster
+   (2 workers + 2 server processes), with the thread budget on (cores / workers) and off (every
+   process uses every core).
+3. Bytes moved per step per worker over loopback, measured from the kernel's counter of bytes
+   sent on the `lo` interface, next to the analytic value.
+
+    python benchmarks/sync.py [--steps 40] [--batch 64]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES = [784, 2500, 2000, 1500, 1000, 500, 10]
+PARAMS = sum(a * b + b for a, b in zip(SIZES[:-1], SIZES[1:]))
+
+
+def loopback_bytes_sent() -> int:
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name.strip() == "lo":
+            return int(rest.split()[8])  # each loopback byte is counted once as sent
+    return 0
+
+
+def run_shoal(data: Path, cluster: str, steps: int, batch: int, threads: int) -> tuple[float, float]:
+    """(median samples/s over the display windows after the first, loopback bytes per step)."""
+    ws = Path(tempfile.mkdtemp()) / "ws"
+    sets = [f"train_steps={steps}", "test_steps=0", "disp_freq=10", f"neuralnet.layer[0].store_conf.path={data}",
+            f"neuralnet.layer[0].store_conf.batchsize={batch}", "updater.momentum=0.9"]
+    sets += [f"cluster.{kv}" for kv in cluster.split()]
+    if threads:
+        sets.append(f"cluster.threads_per_worker={threads}")
+    args = [sys.executable, "-m", "shoal", "run", str(REPO / "examples/mnist/job.conf"), "--workspace", str(ws), "--no-progress"]
+    for s in sets:
+        args += ["--set", s]
+    before = loopback_bytes_sent()
+    subprocess.run(args, check=True, capture_output=True, cwd=REPO)
+    moved = loopback_bytes_sent() - before
+    records = [json.loads(line) for line in (ws / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["samples_per_sec"] for r in records if r["phase"] == "train"][1:]
+    return statistics.median(rates), moved / steps
+
+
+DDP_SCRIPT = r"""
+import sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
+from shoal.config import job_pb2
+from shoal.data.dataset import open_store
+
+SIZES = [784, 2500, 2000, 1500, 1000, 500, 10]
+
+class STanh(torch.nn.Module):
+    def forward(self, x):
+        return 1.7159047 * torch.tanh(0.6666667 * x)
+
+def worker(rank, world, port, data, steps, batch, threads, out):
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    layers = []
+    for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:])):
+        layers.append(torch.nn.Linear(a, b))
+        if i < len(SIZES) - 2:
+            layers.append(STanh())
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*layers))
+    opt = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)
+    ds = open_store(job_pb2.StoreProto(path=data, shape=[784]))
+    share = batch // world
+    start_time = None
+    for step in range(steps):
+        if step == 10:
+            dist.barrier()
+            start_time = time.perf_counter()
+        start = step * batch + rank * share
+        x = (torch.from_numpy(ds.data[start:start + share]) - 127.5) / 127.5
+        y = torch.from_numpy(ds.labels[start:start + share])
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    dist.barrier()
+    if rank == 0:
+        open(out, "w").write(str(batch * (steps - 10) / (time.perf_counter() - start_time)))
+    dist.destroy_process_group()
+
+def main():
+    port, data, steps, batch, threads, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+    mp.start_processes(worker, args=(2, port, data, steps, batch, threads, out), nprocs=2, start_method="spawn")
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def run_ddp(data: Path, steps: int, batch: int, threads: int) -> float:
+    """The same training written the way a DDP user writes it, two processes on loopback."""
+    sys.path.insert(0, str(REPO / "src"))
+    from shoal.comm.dist import free_port
+
+    script = Path(tempfile.mkdtemp()) / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    out = script.with_suffix(".out")
+    subprocess.run([sys.executable, str(script), str(free_port()), str(data), str(steps), str(batch), str(threads), str(out)], check=True, capture_output=True)
+    return float(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=64)
+    args = parser.parse_args()
+    data = REPO / "examples/mnist/data/train_data.bin"
+    if not data.exists():
+        sys.exit("prepare MNIST first: shoal prepare mnist --out examples/mnist/data")
+    cores = os.cpu_count() or 1
+    print(f"machine: {platform.machine()}, {cores} cores; SINGA MNIST MLP ({PARAMS:,} params), global batch {args.batch}, momentum SGD")
+
+    shoal2, _ = run_shoal(data, "nworkers_per_group=2", args.steps, args.batch, 0)
+    ddp2 = run_ddp(data, args.steps, args.batch, max(1, cores // 2))
+    print(f"\n2 processes: shoal {shoal2:.0f} samples/s, torch DDP (gloo) {ddp2:.0f} samples/s, ratio {shoal2 / ddp2:.2f}\n")
+
+    # analytic bytes per step per worker: the gradient bytes it must ship to servers in other
+    # processes plus the value bytes it must get back (P = 4 bytes x params)
+    p = 4 * PARAMS
+    layouts = [
+        ("1 worker", "", 1, 0),
+        ("2 workers, threads (in-memory)", "nworkers_per_group=2 nworkers_per_procs=2", 2, 0),
+        ("2 processes, 1 server", "nworkers_per_group=2", 2, p),  # worker 1 ships everything, worker 0 nothing
+        ("AllReduce: 2 processes, 2 servers", "nworkers_per_group=2 nservers_per_group=2", 2, p),
+        ("Sandblaster: 2 workers + 2 servers", "nworkers_per_group=2 nservers_per_group=2 server_worker_separate=true", 2, 2 * p),
+    ]
+    print(f"{'layout':<36} | {'budget on':>10} | {'budget off':>10} | {'lo bytes/step/worker':>20} | {'analytic':>10}")
+    print("-" * 98)
+    for name, cluster, workers, analytic in layouts:
+        on, moved = run_shoal(data, cluster, args.steps, args.batch, 0)
+        off, _ = run_shoal(data, cluster, args.steps, args.batch, cores)
+        print(f"{name:<36} | {on:>10.0f} | {off:>10.0f} | {moved / workers / 1e6:>17.1f} MB | {analytic / 1e6:>7.1f} MB")
+
+
+if __name__ == "__main__":
+    main()
