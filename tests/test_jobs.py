@@ -1,0 +1,51 @@
+"""Job management: the registry of plain files, `shoal jobs list | view | kill`."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from shoal import jobs
+
+
+def shoal(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "shoal", *map(str, args)], capture_output=True, text=True, **kw)
+
+
+def test_runs_are_registered_and_listed(blobs_job, tmp_path):
+    assert shoal("run", blobs_job(train_steps=3), "--workspace", tmp_path / "ws").returncode == 0
+    bad = blobs_job(train_steps=3)
+    bad.write_text(bad.read_text().replace("train.bin", "missing.bin"))
+    assert shoal("run", bad, "--workspace", tmp_path / "ws2").returncode == 2
+    records = jobs.all_jobs()
+    assert [(r.id, r.name, r.status) for r in records] == [(1, "blobs-mlp", "finished"), (2, "blobs-mlp", "failed")]
+    assert "missing.bin" in records[1].message
+    listing = shoal("jobs", "list").stdout
+    assert "blobs-mlp" in listing and "finished" in listing
+    view = shoal("jobs", "view", "1").stdout
+    assert str(tmp_path / "ws") in view and "last test" in view and "pid" in view
+
+
+def test_kill_stops_a_running_multi_process_job(blobs_job, tmp_path):
+    job = blobs_job(train_steps=100000)
+    job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 2 }"))
+    proc = subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        records = jobs.all_jobs()
+        if records and len(records[0].processes) == 3 and (tmp_path / "ws" / "metrics.jsonl").exists():
+            break
+        time.sleep(0.5)
+    record = jobs.all_jobs()[0]
+    assert record.live_status() == "running"
+    assert "running" in shoal("jobs", "list").stdout
+    assert shoal("jobs", "kill", str(record.id)).returncode == 0
+    proc.wait(timeout=60)
+    assert jobs.load(record.id).status == "killed"
+    time.sleep(1)
+    assert not any(jobs._alive(p["pid"]) for p in record.processes)
+
+
+def test_unknown_job_is_a_one_line_error():
+    out = shoal("jobs", "view", "99")
+    assert out.returncode == 2 and "job 99: no such job" in out.stderr and len(out.stderr.strip().splitlines()) == 1
