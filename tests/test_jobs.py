@@ -38,12 +38,29 @@ def test_kill_stops_a_running_multi_process_job(blobs_job, tmp_path):
         time.sleep(0.5)
     record = jobs.all_jobs()[0]
     assert record.live_status() == "running"
+    assert_listens_only_on_loopback([p["pid"] for p in record.processes])
     assert "running" in shoal("jobs", "list").stdout
     assert shoal("jobs", "kill", str(record.id)).returncode == 0
     proc.wait(timeout=60)
     assert jobs.load(record.id).status == "killed"
     time.sleep(1)
     assert not any(jobs._alive(p["pid"]) for p in record.processes)
+
+
+def assert_listens_only_on_loopback(pids: list[int]) -> None:
+    """Nothing of a one-host job listens beyond loopback (c10d's store and gloo both)."""
+    import shutil
+
+    import pytest
+
+    if not shutil.which("ss"):
+        pytest.skip("ss (iproute2) is not installed")
+    lines = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout.splitlines()
+    mine = [l for l in lines if any(f"pid={pid}," in l for pid in pids)]
+    assert mine, lines
+    for line in mine:
+        local = line.split()[3]
+        assert local.startswith("127.0.0.1:") or local.startswith("[::1]:"), line
 
 
 def test_unknown_job_is_a_one_line_error():

@@ -8,6 +8,7 @@ hanging forever.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 
 import torch
@@ -21,10 +22,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def init(rank: int, world_size: int, host: str, port: int, timeout_s: float = 60.0) -> None:
-    """Join the job's process group; rank 0 hosts the rendezvous store on host:port."""
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+def init(rank: int, world_size: int, host: str, port: int, interface: str = "lo", timeout_s: float = 60.0) -> None:
+    """Join the job's process group; rank 0 hosts the rendezvous store on host:port.
+
+    Nothing listens beyond `interface` (loopback unless the user names one for several hosts):
+    the store's socket is bound to `host` here and handed to c10d (which would otherwise listen
+    on every interface), and gloo's own connections use `interface`.
+    """
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    timeout = datetime.timedelta(seconds=timeout_s)
+    listen_fd = None
+    if rank == 0:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        listen_fd = sock.detach()  # c10d owns the socket from here on
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=listen_fd)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def shutdown() -> None:
