@@ -47,6 +47,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         "--set neuralnet.layer[name=fc1].innerproduct_conf.num_output=100",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+    hosts = p.add_argument_group("several hosts", "start `shoal run` on every node with the same --nnodes and --master")
+    hosts.add_argument("--nnodes", type=int, help="number of hosts")
+    hosts.add_argument("--node-rank", type=int, help="this host's index, 0 .. nnodes-1 (node 0 hosts the chief)")
+    hosts.add_argument("--master", metavar="HOST:PORT", help="address of node 0, where rank 0 hosts the rendezvous store")
+    hosts.add_argument("--interface", help="network interface to listen and connect on (default: the one that routes to --master)")
+    hosts.add_argument("--hostfile", type=Path, help="SINGA's conf/hostfile: one host per line; node 0 is the master, port cluster.start_port")
 
 
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
@@ -117,11 +123,37 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("shoal run: give a job file (shoal run JOB)")
     job = api.load_job(job_path, args.overrides)
     options = RunOptions(workspace=args.workspace, resume=args.resume, base_dirs=api.base_dirs(job), progress=False if args.no_progress else None)
+    options.nodes = _nodes(args, job)
     if args.test:
         test_job(job, options, args.checkpoint)
     else:
         train_job(job, options, job_file=str(job_path))
     return 0
+
+
+def _nodes(args: argparse.Namespace, job):
+    """Several hosts from --nnodes/--node-rank/--master or --hostfile; None for one host."""
+    if args.nnodes is None and args.hostfile is None:
+        return None
+    from shoal.runtime.launch import Nodes, route_interface
+
+    if args.hostfile is not None:
+        try:
+            hosts = [l.split("#")[0].strip() for l in args.hostfile.read_text().splitlines()]
+        except OSError as err:
+            raise UsageError(f"{args.hostfile}: {err.strerror}") from None
+        hosts = [h for h in hosts if h]
+        if not hosts:
+            raise UsageError(f"{args.hostfile}: no hosts listed")
+        nnodes, master = len(hosts), f"{hosts[0]}:{job.cluster.start_port}"
+    else:
+        nnodes, master = args.nnodes, args.master
+    if args.node_rank is None or master is None or not 0 <= args.node_rank < nnodes:
+        raise UsageError(f"shoal run: several hosts need --node-rank in 0..{nnodes - 1} and --master HOST:PORT (or --hostfile)")
+    host, _, port = master.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"--master {master}: expected HOST:PORT")
+    return Nodes(nnodes, args.node_rank, host, int(port), args.interface or route_interface(host))
 
 
 def _prepare(args: argparse.Namespace) -> int:

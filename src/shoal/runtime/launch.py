@@ -1,16 +1,21 @@
-"""Run one synchronous worker group over several local processes (spawned, gloo on loopback).
+"""Run one synchronous worker group over several processes, on one host or several.
 
-The parent checks the workspace, picks a free loopback port, and spawns one
-process per entry of the placement. Rank 0 hosts the rendezvous store and
-worker 0 of group 0 (the chief: it tests, displays and writes checkpoints);
-every process logs to WORKSPACE/logs/rank<R>.log. If any process dies, torch's
-process context terminates the others and the parent reports which one.
+One host: the parent picks a free loopback port and spawns one process per
+entry of the placement. Several hosts: `shoal run` is started on every node
+with the same --nnodes and --master and its own --node-rank, and spawns that
+node's share of the ranks (a static rendezvous, as torchrun's: the c10d store
+of rank 0 at the master address). Rank 0 hosts the store and worker 0 of
+group 0 (the chief: it tests, displays and writes checkpoints); every process
+logs to WORKSPACE/logs/rank<R>.log. If a process dies, torch's process context
+terminates the others on its node, the others time out of their collectives,
+and each parent reports which rank failed.
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -26,11 +31,38 @@ from shoal.runtime.exchange import SlicedExchange
 from shoal.runtime.trainer import History, Trainer
 from shoal.updaters import make_updater
 
-HOST = "127.0.0.1"  # one host: nothing listens beyond loopback
+LOOPBACK = "127.0.0.1"  # one host: nothing listens beyond loopback
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Where the job's processes run: nnodes hosts, this one being node_rank."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_host: str = LOOPBACK
+    master_port: int = 0  # 0: pick a free port (one host only)
+    interface: str = "lo"
+
+    def ranks(self, world: int) -> list[int]:
+        """This node's ranks: nodes take equal consecutive blocks (node 0 hosts rank 0, the chief)."""
+        per_node = -(-world // self.nnodes)
+        return list(range(self.node_rank * per_node, min(world, (self.node_rank + 1) * per_node)))
 
 
 class ProcessFailed(RuntimeError):
     """A process of the job died; the message names its rank and what it hosted."""
+
+
+def route_interface(host: str) -> str:
+    """The network interface this machine uses to reach `host` (from `ip route get`)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["ip", "route", "get", host], capture_output=True, text=True, timeout=5).stdout.split()
+        return out[out.index("dev") + 1]
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        raise ProcessFailed(f"--master {host}: cannot tell which interface reaches it; pass --interface") from None
 
 
 def describe_process(placement: Placement, rank: int) -> str:
@@ -39,7 +71,11 @@ def describe_process(placement: Placement, rank: int) -> str:
     return f"process {rank} ({', '.join(members)})"
 
 
-def _entry(rank: int, world: int, port: int, job_bytes: bytes, workspace: str, resume_from: Optional[str], base_dirs: list[str], threads: int) -> None:
+def _entry(
+    local_index: int, ranks: list[int], world: int, nodes: Nodes, job_bytes: bytes, workspace: str,
+    resume_from: Optional[str], base_dirs: list[str], threads: int,
+) -> None:
+    rank = ranks[local_index]
     job = job_pb2.JobProto.FromString(job_bytes)
     log_dir = Path(workspace) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -47,7 +83,7 @@ def _entry(rank: int, world: int, port: int, job_bytes: bytes, workspace: str, r
     if rank != 0:  # the chief talks to the terminal; the others to their log files
         sys.stdout = sys.stderr = log_file
     torch.set_num_threads(threads)
-    comm.init(rank, world, HOST, port)
+    comm.init(rank, world, nodes.master_host, nodes.master_port, nodes.interface)
     try:
         placement = place(job.cluster)
         hosted = placement.processes[rank]
@@ -102,26 +138,34 @@ def run_processes(
     base_dirs: list[Path],
     threads: int,
     on_start: Callable[[list[int]], None] = lambda pids: None,
+    nodes: Nodes = Nodes(),
 ) -> History:
     placement = place(job.cluster)
     world = len(placement.processes)
-    port = comm.free_port(HOST)
+    if nodes.master_port == 0:
+        nodes = Nodes(master_port=comm.free_port(LOOPBACK))
+    ranks = nodes.ranks(world)
+    if not ranks:
+        raise ProcessFailed(f"node {nodes.node_rank} has no process to run: {placement.framework} has {world} process(es) for {nodes.nnodes} nodes")
     # our one-line report replaces torch's per-process "Terminating process" warnings
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    args = (world, port, job.SerializeToString(), str(workspace), str(resume_from) if resume_from else None, [str(d) for d in base_dirs], threads)
+    args = (ranks, world, nodes, job.SerializeToString(), str(workspace), str(resume_from) if resume_from else None, [str(d) for d in base_dirs], threads)
     try:
-        context = mp.start_processes(_entry, args=args, nprocs=world, start_method="spawn", join=False)
+        context = mp.start_processes(_entry, args=args, nprocs=len(ranks), start_method="spawn", join=False)
         on_start([p.pid for p in context.processes])
         while not context.join():
             pass
     except mp.ProcessRaisedException as err:
+        rank = ranks[err.error_index]
         first = str(err).strip().splitlines()[-1]
-        raise ProcessFailed(f"{describe_process(placement, err.error_index)} failed: {first}; see {workspace}/logs/rank{err.error_index}.log") from None
+        raise ProcessFailed(f"{describe_process(placement, rank)} failed: {first}; see {workspace}/logs/rank{rank}.log") from None
     except mp.ProcessExitedException as err:
+        rank = ranks[err.error_index]
         raise ProcessFailed(
-            f"{describe_process(placement, err.error_index)} exited with code {err.exit_code}; "
-            f"the other processes were stopped; see {workspace}/logs/rank{err.error_index}.log"
+            f"{describe_process(placement, rank)} exited with code {err.exit_code}; "
+            f"the other processes were stopped; see {workspace}/logs/rank{rank}.log"
         ) from None
     history = History(workspace)
-    history.records = read_metrics(workspace / "metrics.jsonl")
+    if 0 in ranks:  # the chief's node holds the metrics
+        history.records = read_metrics(workspace / "metrics.jsonl")
     return history

@@ -5,7 +5,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from google.protobuf import text_format
@@ -19,6 +19,9 @@ from shoal.runtime.exchange import LocalExchange
 from shoal.runtime.server import Server
 from shoal.runtime.trainer import History, Trainer
 from shoal.updaters import make_updater
+
+if TYPE_CHECKING:
+    from shoal.runtime.launch import Nodes
 
 
 class WorkspaceError(ValueError):
@@ -47,6 +50,7 @@ class RunOptions:
     base_dirs: list[Path] = field(default_factory=lambda: [Path.cwd()])
     log: Callable[[str], None] = print
     progress: Optional[bool] = None  # None: a bar when stderr is a terminal
+    nodes: Optional["Nodes"] = None  # several hosts (shoal.runtime.launch.Nodes); None: this host only
 
 
 def resolve_workspace(job: job_pb2.JobProto, override: Optional[Path]) -> Path:
@@ -126,8 +130,8 @@ def train_job(job: job_pb2.JobProto, options: RunOptions, job_file: str = "<pyth
 
 def _train(job: job_pb2.JobProto, options: RunOptions, workspace: Path, resume_from: Optional[Path], record: jobs.JobRecord) -> History:
     placement = place(job.cluster)
-    if len(placement.processes) > 1:
-        from shoal.runtime.launch import run_processes
+    if len(placement.processes) > 1 or options.nodes is not None:
+        from shoal.runtime.launch import Nodes, run_processes
 
         workspace.mkdir(parents=True, exist_ok=True)
         (workspace / "job.conf").write_text(text_format.MessageToString(job))
@@ -141,7 +145,9 @@ def _train(job: job_pb2.JobProto, options: RunOptions, workspace: Path, resume_f
             record.save()
 
         options.log(f"Job {record.id}: {len(placement.processes)} processes ({placement.framework}); logs in {workspace / 'logs'}")
-        return run_processes(job, workspace, resume_from, options.base_dirs, thread_budget(job, workers_on_host=workers), on_start=started)
+        nodes = options.nodes or Nodes()
+        local_workers = max(1, -(-workers // nodes.nnodes))
+        return run_processes(job, workspace, resume_from, options.base_dirs, thread_budget(job, workers_on_host=local_workers), on_start=started, nodes=nodes)
     trainer = build_trainer(job, workspace, options)
     if resume_from is not None:
         trainer.restore(resume_from)
