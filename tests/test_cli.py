@@ -121,3 +121,18 @@ def test_a_dying_process_stops_the_job_with_one_line_naming_it(blobs_job, tmp_pa
     assert_one_line_error(proc, "process 1 (worker(group=0, id=1))", "exited with code 3", "rank1.log")
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "ws")], capture_output=True, text=True).stdout.strip()
     assert leftover == ""
+
+
+def test_a_stalled_process_is_named_and_the_job_stops(blobs_job, tmp_path):
+    import os
+    import time
+
+    job = blobs_job(train_steps=50)
+    job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 3 nservers_per_group: 3 }"))
+    env = dict(os.environ, SHOAL_INJECT_STALL="2:4", SHOAL_COMM_TIMEOUT="8")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")], capture_output=True, text=True, env=env, timeout=120)
+    assert time.monotonic() - start < 60
+    assert_one_line_error(proc, "process 2 (worker(group=0, id=2), server(group=0, id=2)) stopped answering at step 4")
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "ws")], capture_output=True, text=True).stdout.strip()
+    assert leftover == ""

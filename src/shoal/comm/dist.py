@@ -14,6 +14,14 @@ import socket
 import torch
 import torch.distributed as dist
 
+_store: "dist.TCPStore | None" = None
+_calls = 0  # collectives this rank has entered: the rank with fewer is the one the others wait for
+
+
+def timeout_seconds() -> float:
+    """How long a collective waits for a silent peer (SHOAL_COMM_TIMEOUT, default 45 s)."""
+    return float(os.environ.get("SHOAL_COMM_TIMEOUT", "45"))
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on now (bound and released on `host` only)."""
@@ -22,15 +30,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def init(rank: int, world_size: int, host: str, port: int, interface: str = "lo", timeout_s: float = 60.0) -> None:
+def init(rank: int, world_size: int, host: str, port: int, interface: str = "lo", timeout_s: float | None = None) -> None:
     """Join the job's process group; rank 0 hosts the rendezvous store on host:port.
 
     Nothing listens beyond `interface` (loopback unless the user names one for several hosts):
     the store's socket is bound to `host` here and handed to c10d (which would otherwise listen
     on every interface), and gloo's own connections use `interface`.
     """
+    global _store
     os.environ["GLOO_SOCKET_IFNAME"] = interface
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=timeout_s or timeout_seconds())
     listen_fd = None
     if rank == 0:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -40,6 +49,32 @@ def init(rank: int, world_size: int, host: str, port: int, interface: str = "lo"
         listen_fd = sock.detach()  # c10d owns the socket from here on
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=listen_fd)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    _store = store
+
+
+def _enter() -> None:
+    global _calls
+    _calls += 1
+    if _store is not None:
+        _store.set(f"shoal/calls/{dist.get_rank()}", str(_calls))
+
+
+def heartbeat(step: int) -> None:
+    """Record that this rank started `step` (read by peers to name a rank that stopped)."""
+    if _store is not None:
+        _store.set(f"shoal/step/{dist.get_rank()}", str(step))
+
+
+def _read(key: str) -> int:
+    try:
+        return int(_store.get(key)) if _store is not None and _store.check([key]) else -1
+    except Exception:  # the store died with its host process
+        return -1
+
+
+def progress(world_size: int) -> dict[int, tuple[int, int]]:
+    """(collectives entered, last step started) of every rank, as announced in the store."""
+    return {r: (_read(f"shoal/calls/{r}"), _read(f"shoal/step/{r}")) for r in range(world_size)}
 
 
 def shutdown() -> None:
@@ -53,16 +88,20 @@ def rank() -> int:
 
 def reduce_sum(tensor: torch.Tensor, dst: int) -> None:
     """Sum `tensor` over all ranks into rank `dst`'s copy (in place)."""
+    _enter()
     dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM)
 
 
 def broadcast(tensor: torch.Tensor, src: int) -> None:
+    _enter()
     dist.broadcast(tensor, src=src)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> None:
+    _enter()
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
 
 
 def barrier() -> None:
+    _enter()
     dist.barrier()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -52,6 +53,10 @@ class Nodes:
 
 class ProcessFailed(RuntimeError):
     """A process of the job died; the message names its rank and what it hosted."""
+
+
+class StalledPeer(RuntimeError):
+    """A collective timed out: the message names the rank(s) that stopped answering."""
 
 
 def route_interface(host: str) -> str:
@@ -103,9 +108,24 @@ def _entry(
         for s in hosted.servers:
             print(f"Server (group = {s.group}, id = {s.id}) start in process {rank}: {sum(x.size for x in placement.slices_of(s)):,} param elements")
         _inject_faults(trainer, rank)
+        step_fn = trainer.train_step
+
+        def step_with_heartbeat(step: int) -> int:
+            comm.heartbeat(step)
+            return step_fn(step)
+
+        trainer.train_step = step_with_heartbeat
         metrics = MetricsLog(Path(workspace) / "metrics.jsonl", elapsed_before=trainer.elapsed_before) if rank == 0 else None
         try:
             trainer.run(metrics)
+        except RuntimeError as err:  # a collective failed: find who stopped answering
+            progress = comm.progress(world)
+            calls, step = progress[rank]
+            behind = [r for r, (c, _) in progress.items() if r != rank and c < calls]
+            if behind:
+                who = "; ".join(f"{describe_process(placement, r)} stopped answering at step {progress[r][1]}" for r in behind)
+                raise StalledPeer(f"{who} (process {rank} waited {comm.timeout_seconds():.0f} s at step {step})") from None
+            raise RuntimeError(f"{str(err).splitlines()[0]}") from None
         finally:
             if metrics is not None:
                 metrics.close()
@@ -114,21 +134,23 @@ def _entry(
 
 
 def _inject_faults(trainer: Trainer, rank: int) -> None:
-    """Fault injection for tests: SHOAL_INJECT_EXIT="RANK:STEP" makes that rank die at that step."""
-    spec = os.environ.get("SHOAL_INJECT_EXIT")
-    if not spec:
-        return
-    target_rank, target_step = (int(x) for x in spec.split(":"))
-    if rank != target_rank:
-        return
-    step_fn = trainer.train_step
+    """Fault injection for tests: SHOAL_INJECT_EXIT / SHOAL_INJECT_STALL = "RANK:STEP" make that
+    rank die (exit code 3) or hang at that step."""
+    for variable, action in (("SHOAL_INJECT_EXIT", lambda: os._exit(3)), ("SHOAL_INJECT_STALL", lambda: time.sleep(10**6))):
+        spec = os.environ.get(variable)
+        if not spec:
+            continue
+        target_rank, target_step = (int(x) for x in spec.split(":"))
+        if rank != target_rank:
+            continue
+        step_fn = trainer.train_step
 
-    def dying_step(step: int) -> int:
-        if step == target_step:
-            os._exit(3)
-        return step_fn(step)
+        def faulty_step(step: int, step_fn=step_fn, target_step=target_step, action=action) -> int:
+            if step == target_step:
+                action()
+            return step_fn(step)
 
-    trainer.train_step = dying_step
+        trainer.train_step = faulty_step
 
 
 def run_processes(
@@ -157,8 +179,10 @@ def run_processes(
             pass
     except mp.ProcessRaisedException as err:
         rank = ranks[err.error_index]
-        first = str(err).strip().splitlines()[-1]
-        raise ProcessFailed(f"{describe_process(placement, rank)} failed: {first}; see {workspace}/logs/rank{rank}.log") from None
+        last = str(err).strip().splitlines()[-1]
+        if last.startswith(f"{__name__}.StalledPeer: "):
+            raise ProcessFailed(last.split(": ", 1)[1] + f"; see {workspace}/logs") from None
+        raise ProcessFailed(f"{describe_process(placement, rank)} failed: {last}; see {workspace}/logs/rank{rank}.log") from None
     except mp.ProcessExitedException as err:
         rank = ranks[err.error_index]
         raise ProcessFailed(
