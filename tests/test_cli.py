@@ -136,3 +136,25 @@ def test_a_stalled_process_is_named_and_the_job_stops(blobs_job, tmp_path):
     assert_one_line_error(proc, "process 2 (worker(group=0, id=2), server(group=0, id=2)) stopped answering at step 4")
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "ws")], capture_output=True, text=True).stdout.strip()
     assert leftover == ""
+
+
+def test_ctrl_c_stops_every_process(blobs_job, tmp_path):
+    import os
+    import signal
+    import time
+
+    job = blobs_job(train_steps=100000)
+    job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 2 }"))
+    proc = subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (tmp_path / "ws" / "metrics.jsonl").exists():
+        time.sleep(0.3)
+    time.sleep(1)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1].startswith("shoal: interrupted")
+    time.sleep(1)
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "ws")], capture_output=True, text=True).stdout.strip()
+    assert leftover == ""

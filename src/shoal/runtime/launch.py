@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -175,8 +176,22 @@ def run_processes(
     try:
         context = mp.start_processes(_entry, args=args, nprocs=len(ranks), start_method="spawn", join=False)
         on_start([p.pid for p in context.processes])
-        while not context.join():
-            pass
+
+        def stop(signum, frame):
+            # Ctrl-C or `shoal jobs kill`: children blocked in a collective would not see the
+            # signal until their timeout, so stop them now and leave no orphans
+            for proc in context.processes:
+                if proc.is_alive():
+                    proc.terminate()
+            raise KeyboardInterrupt
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while not context.join():
+                pass
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     except mp.ProcessRaisedException as err:
         rank = ranks[err.error_index]
         last = str(err).strip().splitlines()[-1]
