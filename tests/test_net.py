@@ -77,5 +77,5 @@ def test_shape_mismatch_of_shared_param_is_a_build_error():
 
 
 def test_unknown_layer_type_is_a_build_error():
-    with pytest.raises(NetBuildError, match="kGRU is not supported"):
-        build('layer { name: "x" type: kGRU }')
+    with pytest.raises(NetBuildError, match="no user layer registered as 'Nope'"):
+        build('layer { name: "x" type: kUserLayer user_type: "Nope" }')

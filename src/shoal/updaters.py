@@ -1,133 +1,182 @@
-"""SINGA's updaters and learning-rate schedules (src/utils/updater.cc of SINGA 0.3).
+"""SINGA 0.3's updaters and learning-rate schedules (`src/utils/updater.cc`).
 
-Every updater first scales the gradient and adds weight decay:
-    g = grad · grad_scale;  if wd > 0: g += wd · w
-with lr = schedule(step) · lr_scale and wd = weight_decay · wd_scale. SGD,
-Nesterov, AdaGrad and RMSProp then clip g to [clip_low, clip_high] when
-clip_high > clip_low (the other updaters never clip, as in SINGA). `delta` is
-added inside the square roots.
+Every updater prepares the gradient the same way, in SINGA's order:
 
-State is a plain dict of tensors per param (or per slice of a param), so a
-server can own any slice of a param together with its slots, and a
-checkpoint is just those tensors.
+    if clip_high > clip_low (SGD, Nesterov, AdaGrad, RMSProp only):
+        g = clip(grad, clip_low, clip_high)     # on the raw gradient, first
+    g = g · grad_scale
+    if wd > 0: g += wd · w                      # wd = weight_decay · wd_scale
+    lr = schedule(step) · lr_scale
+
+and then applies its own formula to g. `delta` is added inside square roots.
+
+State is a plain dict of tensors per param (or per slice of a param): a server
+can own any slice of a param together with the same slice of its slots, and a
+checkpoint is just those tensors. Updates happen in place, so `value` and the
+slots may be views into larger tensors.
+
+Configuration errors raise ValueError("<field path>: <requirement>").
 """
 from __future__ import annotations
 
+import bisect
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from shoal.config import job_pb2
 
-Schedule = Callable[[job_pb2.LRGenProto, int], float]
-_USER_SCHEDULES: dict[str, Schedule] = {}
-_USER_UPDATERS: dict[str, type["Updater"]] = {}
+LRSchedule = Callable[[job_pb2.LRGenProto, int], float]
+
+_USER_SCHEDULES: dict[str, LRSchedule] = {}
+_USER_UPDATERS: dict[str, type[Updater]] = {}
+
+_LR = "updater.learning_rate"  # the only place an LRGenProto lives in a job
+
+
+def _require(ok: bool, field: str, requirement: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}: {requirement}")
 
 
 # -- learning-rate schedules ------------------------------------------------------
-def register_lr_schedule(user_type: str) -> Callable[[Schedule], Schedule]:
-    """Register a kUserChange schedule fn(conf, step) -> lr, chosen by learning_rate.user_type."""
+def register_lr_schedule(user_type: str) -> Callable[[LRSchedule], LRSchedule]:
+    """Register `fn(conf: LRGenProto, step) -> lr` as the schedule named by learning_rate.user_type."""
 
-    def wrap(fn: Schedule) -> Schedule:
+    def register(fn: LRSchedule) -> LRSchedule:
         _USER_SCHEDULES[user_type] = fn
         return fn
 
-    return wrap
+    return register
+
+
+def _user_schedule(conf: job_pb2.LRGenProto) -> LRSchedule:
+    # SINGA's LRGenerator::Create picks the user class whenever user_type is set, whatever `type` says.
+    if not conf.HasField("user_type"):
+        raise ValueError(f"{_LR}.type: kUserChange (the default) needs {_LR}.user_type naming a registered schedule")
+    if conf.user_type not in _USER_SCHEDULES:
+        known = ", ".join(sorted(_USER_SCHEDULES)) or "none"
+        raise ValueError(f"{_LR}.user_type: no schedule registered as {conf.user_type!r} (registered: {known})")
+    return _USER_SCHEDULES[conf.user_type]
 
 
 def learning_rate(conf: job_pb2.LRGenProto, step: int) -> float:
-    """The learning rate at `step` (SINGA's LRGenerator::Get)."""
+    """The learning rate at `step` (SINGA's LRGenerator::Get); `conf` should pass check_schedule.
+
+    kFixed        base_lr
+    kInverseT     base_lr / (1 + step / final_lr)
+    kInverse      base_lr · (1 + gamma·step)^(−pow)
+    kExponential  base_lr / 2^(step / change_freq)            float division
+    kLinear       (1 − r)·base_lr + r·final_lr, r = step / change_freq, not clamped for r > 1
+    kStep         base_lr · gamma^(step // change_freq)        integer division: stairs
+    kFixedStep    step_lr[i] for the last i with step >= step[i], or step_lr[0] before step[0]
+    user_type     the registered schedule (kUserChange)
+    """
+    if conf.HasField("user_type") or conf.type == job_pb2.kUserChange:
+        return _user_schedule(conf)(conf, step)
     base, kind = conf.base_lr, conf.type
     if kind == job_pb2.kFixed:
         return base
-    if kind == job_pb2.kInverseT:  # base / (1 + step / final_lr)
+    if kind == job_pb2.kInverseT:
         return base / (1 + step / conf.inverset_conf.final_lr)
-    if kind == job_pb2.kInverse:  # base · (1 + γ·step)^(−pow)
-        c = conf.inverse_conf
-        return base * math.pow(1 + c.gamma * step, -c.pow)
-    if kind == job_pb2.kExponential:  # base / 2^(step / change_freq), float division
+    if kind == job_pb2.kInverse:
+        return base * math.pow(1 + conf.inverse_conf.gamma * step, -conf.inverse_conf.pow)
+    if kind == job_pb2.kExponential:
         return base / math.pow(2, step / conf.exponential_conf.change_freq)
-    if kind == job_pb2.kLinear:  # (1 − r)·base + r·final, r = step / change_freq, no clamp
+    if kind == job_pb2.kLinear:
         r = step / conf.linear_conf.change_freq
         return (1 - r) * base + r * conf.linear_conf.final_lr
-    if kind == job_pb2.kStep:  # base · γ^(step / change_freq), integer division: stairs
-        c = conf.step_conf
-        return base * math.pow(c.gamma, step // c.change_freq)
-    if kind == job_pb2.kFixedStep:  # step_lr[i] for the last i with step >= step[i]
-        c = conf.fixedstep_conf
-        lr = base  # before the first boundary SINGA's generator still holds base_lr
-        for boundary, value in zip(c.step, c.step_lr):
-            if step >= boundary:
-                lr = value
-        return lr
-    if kind == job_pb2.kUserChange and conf.user_type in _USER_SCHEDULES:
-        return _USER_SCHEDULES[conf.user_type](conf, step)
-    raise ValueError(f"updater.learning_rate.type {job_pb2.ChangeMethod.Name(kind)} is not supported")
+    if kind == job_pb2.kStep:
+        return base * math.pow(conf.step_conf.gamma, step // conf.step_conf.change_freq)
+    if kind == job_pb2.kFixedStep:
+        # SINGA's FixedStepLRGen starts at index 0 (so step_lr[0] also holds before step[0]) and
+        # moves forward as steps pass each boundary; for consecutive steps that is this lookup.
+        boundaries = conf.fixedstep_conf.step
+        return conf.fixedstep_conf.step_lr[max(bisect.bisect_right(boundaries, step) - 1, 0)]
+    raise ValueError(f"{_LR}.type: unknown change method {kind}")
 
 
 def check_schedule(conf: job_pb2.LRGenProto) -> None:
-    """ValueError naming the field when a schedule's conf cannot work."""
-    where = "updater.learning_rate"
+    """Raise ValueError naming the field when the schedule would fail or divide by zero."""
+    if conf.HasField("user_type") or conf.type == job_pb2.kUserChange:
+        _user_schedule(conf)
+        return
     kind = conf.type
-    if kind in (job_pb2.kStep, job_pb2.kExponential, job_pb2.kLinear):
-        sub = {job_pb2.kStep: "step_conf", job_pb2.kExponential: "exponential_conf", job_pb2.kLinear: "linear_conf"}[kind]
-        if getattr(conf, sub).change_freq <= 0:
-            raise ValueError(f"{where}.{sub}.change_freq: must be > 0")
-    if kind == job_pb2.kInverseT and conf.inverset_conf.final_lr == 0:
-        raise ValueError(f"{where}.inverset_conf.final_lr: must not be 0")
+    freq_conf = {job_pb2.kStep: "step_conf", job_pb2.kExponential: "exponential_conf", job_pb2.kLinear: "linear_conf"}
+    if kind in freq_conf:
+        sub = freq_conf[kind]
+        _require(getattr(conf, sub).change_freq > 0, f"{_LR}.{sub}.change_freq", "must be > 0")
+    if kind == job_pb2.kLinear:
+        _require(conf.linear_conf.HasField("final_lr"), f"{_LR}.linear_conf.final_lr", "required for kLinear")
+    if kind == job_pb2.kInverseT:
+        # Negative final_lr would make the denominator cross zero at step = −final_lr.
+        _require(conf.inverset_conf.final_lr > 0, f"{_LR}.inverset_conf.final_lr", "must be > 0")
     if kind == job_pb2.kFixedStep:
-        c = conf.fixedstep_conf
-        if not c.step or len(c.step) != len(c.step_lr):
-            raise ValueError(f"{where}.fixedstep_conf: needs as many step_lr as step values (got {len(c.step)} and {len(c.step_lr)})")
-        if list(c.step) != sorted(c.step):
-            raise ValueError(f"{where}.fixedstep_conf.step: must increase")
-    if kind == job_pb2.kUserChange and conf.user_type not in _USER_SCHEDULES:
-        raise ValueError(f"{where}.user_type: no schedule registered as {conf.user_type!r}")
+        steps, rates = list(conf.fixedstep_conf.step), list(conf.fixedstep_conf.step_lr)
+        _require(
+            bool(steps) and len(steps) == len(rates),
+            f"{_LR}.fixedstep_conf",
+            f"needs as many step_lr as step values, at least one (got {len(steps)} step, {len(rates)} step_lr)",
+        )
+        # SINGA's generator only moves forward, so boundaries out of order would never be reached.
+        _require(steps == sorted(steps), f"{_LR}.fixedstep_conf.step", f"must not decrease (got {steps})")
 
 
 # -- updaters ---------------------------------------------------------------------
-def register_updater(user_type: str) -> Callable[[type["Updater"]], type["Updater"]]:
-    """Register a kUserUpdater subclass of Updater, chosen by updater.user_type."""
+def register_updater(user_type: str) -> Callable[[type[Updater]], type[Updater]]:
+    """Register an Updater subclass as the updater named by updater.user_type (kUserUpdater)."""
 
-    def wrap(cls: type[Updater]) -> type[Updater]:
+    def register(cls: type[Updater]) -> type[Updater]:
         _USER_UPDATERS[user_type] = cls
         return cls
 
-    return wrap
+    return register
 
 
 class Updater:
-    """Base: gradient preprocessing shared by every SINGA updater."""
+    """SINGA's shared gradient preparation; each subclass's `apply` is one update formula.
+
+    Subclasses name their state tensors in `slots` and set `clips` when SINGA clips
+    for them. A user updater (register_updater) usually only overrides `apply`.
+    """
 
     slots: tuple[str, ...] = ()
-    clips = False  # SINGA clips only in SGD, Nesterov, AdaGrad and RMSProp
+    clips = False
 
     def __init__(self, conf: job_pb2.UpdaterProto):
         check_schedule(conf.learning_rate)
         self.conf = conf
+        self.weight_decay = conf.weight_decay
+        clip_enabled = self.clips and conf.clip_high > conf.clip_low
+        self.clip_range = (conf.clip_low, conf.clip_high) if clip_enabled else None
 
     def learning_rate(self, step: int) -> float:
+        """The schedule's rate at `step`, before the param's lr_scale."""
         return learning_rate(self.conf.learning_rate, step)
 
     def init_state(self, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Zeroed slots shaped like `value` (SINGA zero-initialises history and update)."""
         return {slot: torch.zeros_like(value) for slot in self.slots}
 
-    def prepare(self, value: torch.Tensor, grad: torch.Tensor, wd_scale: float, grad_scale: float) -> torch.Tensor:
-        """g = grad·grad_scale (+ wd·w), clipped where SINGA clips.
+    def prepare_gradient(self, value: torch.Tensor, grad: torch.Tensor, wd_scale: float, grad_scale: float) -> torch.Tensor:
+        """g = clip(grad)·grad_scale + wd·w, in SINGA's order (see the module docstring).
 
-        `grad` itself is returned when nothing changes it (apply() only reads g),
-        so the common case costs no copy of the gradient; otherwise a new tensor.
+        SINGA clips `param->grad` in place before anything else, so clipping bounds the raw
+        gradient, not the scaled or decayed one. Returns `grad` itself when nothing changes
+        it (apply only reads g, so the common case copies nothing); otherwise a new tensor.
         """
-        wd = self.conf.weight_decay * wd_scale
-        clip = self.clips and self.conf.clip_high > self.conf.clip_low
-        if grad_scale == 1 and wd <= 0 and not clip:
+        wd = self.weight_decay * wd_scale
+        if self.clip_range is None and grad_scale == 1 and not wd > 0:
             return grad
-        g = grad * grad_scale if grad_scale != 1 else grad.clone()
-        if wd > 0:
+        if self.clip_range is not None:
+            g = grad.clamp(*self.clip_range)
+            if grad_scale != 1:
+                g.mul_(grad_scale)
+        else:
+            g = grad.mul(grad_scale)
+        if wd > 0:  # SINGA ignores weight_decay <= 0 rather than rejecting it
             g.add_(value, alpha=wd)
-        if clip:
-            g.clamp_(self.conf.clip_low, self.conf.clip_high)
         return g
 
     @torch.no_grad()
@@ -141,29 +190,32 @@ class Updater:
         wd_scale: float = 1.0,
         grad_scale: float = 1.0,
     ) -> None:
-        """Update `value` and `state` in place (they may be views: slices of larger tensors)."""
-        g = self.prepare(value, grad, wd_scale, grad_scale)
+        """One update of `value` and `state` in place (either may be a view); `grad` is only read."""
+        if grad.shape != value.shape:  # in-place ops would broadcast a mismatch silently
+            raise ValueError(f"gradient shape {tuple(grad.shape)} does not match value shape {tuple(value.shape)}")
+        g = self.prepare_gradient(value, grad, wd_scale, grad_scale)
         self.apply(value, g, state, self.learning_rate(step) * lr_scale)
 
     def apply(self, value: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], lr: float) -> None:
-        """Update value and state in place from the prepared gradient g (read only: it may be the caller's)."""
-        raise NotImplementedError
+        """The update formula on the prepared gradient `g`, which must not be written (it may be the caller's)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement apply()")
 
 
 class SGD(Updater):
-    """With momentum m > 0: h = m·h − lr·g; w += h. Otherwise w −= lr·g."""
+    """With momentum m > 0: h = m·h − lr·g; w += h.  Otherwise: w −= lr·g."""
 
     clips = True
 
-    def __init__(self, conf):
+    def __init__(self, conf: job_pb2.UpdaterProto):
         super().__init__(conf)
-        self.slots = ("history",) if conf.momentum > 0 else ()
+        self.momentum = conf.momentum
+        self.slots = ("history",) if self.momentum > 0 else ()
 
     def apply(self, value, g, state, lr):
-        if self.conf.momentum > 0:
-            h = state["history"]
-            h.mul_(self.conf.momentum).add_(g, alpha=-lr)
-            value.add_(h)
+        if self.momentum > 0:
+            history = state["history"]
+            history.mul_(self.momentum).add_(g, alpha=-lr)
+            value.add_(history)
         else:
             value.add_(g, alpha=-lr)
 
@@ -174,85 +226,124 @@ class Nesterov(Updater):
     clips = True
     slots = ("history",)
 
+    def __init__(self, conf: job_pb2.UpdaterProto):
+        super().__init__(conf)
+        self.momentum = conf.momentum
+
     def apply(self, value, g, state, lr):
-        m, h = self.conf.momentum, state["history"]
-        previous = h.clone()
-        h.mul_(m).add_(g, alpha=lr)
-        value.sub_(h * (1 + m) - previous * m)
+        m, history = self.momentum, state["history"]
+        value.add_(history, alpha=m)  # the + m·h term, taken before h changes: no copy of h needed
+        history.mul_(m).add_(g, alpha=lr)
+        value.add_(history, alpha=-(1 + m))
+
+
+def _check_delta(conf: job_pb2.UpdaterProto) -> None:
+    # With delta = 0, any element whose gradient has always been 0 computes 0/0 = NaN.
+    _require(conf.delta > 0, "updater.delta", f"must be > 0 for {job_pb2.UpdaterType.Name(conf.type)}")
+
+
+def _check_open_unit(value: float, field: str) -> None:
+    _require(0 < value < 1, field, f"must be in (0, 1), got {value:g}")
+
+
+def _check_beta(value: float, field: str) -> None:
+    _require(0 <= value < 1, field, f"must be in [0, 1), got {value:g}")
 
 
 class AdaGrad(Updater):
-    """h += g²; w −= lr·g / sqrt(h + δ)."""
+    """h += g²; w −= lr·g / √(h + δ).  (`momentum` is not used.)"""
 
     clips = True
     slots = ("history",)
 
+    def __init__(self, conf: job_pb2.UpdaterProto):
+        super().__init__(conf)
+        _check_delta(conf)
+        self.delta = conf.delta
+
     def apply(self, value, g, state, lr):
-        h = state["history"]
-        h.addcmul_(g, g)
-        value.addcdiv_(g, (h + self.conf.delta).sqrt_(), value=-lr)
+        history = state["history"]
+        history.addcmul_(g, g)
+        value.addcdiv_(g, history.add(self.delta).sqrt_(), value=-lr)
 
 
 class RMSProp(Updater):
-    """h = ρ·h + (1 − ρ)·g²; w −= lr·g / sqrt(h + δ)."""
+    """h = ρ·h + (1 − ρ)·g²; w −= lr·g / √(h + δ)   (ρ = rmsprop_conf.rho)."""
 
     clips = True
     slots = ("history",)
 
-    def __init__(self, conf):
+    def __init__(self, conf: job_pb2.UpdaterProto):
         super().__init__(conf)
-        rho = conf.rmsprop_conf.rho
-        if not 0 < rho < 1:
-            raise ValueError(f"updater.rmsprop_conf.rho: must be in (0, 1), got {rho}")
+        _check_delta(conf)
+        _check_open_unit(conf.rmsprop_conf.rho, "updater.rmsprop_conf.rho")
+        self.rho, self.delta = conf.rmsprop_conf.rho, conf.delta
 
     def apply(self, value, g, state, lr):
-        rho, h = self.conf.rmsprop_conf.rho, state["history"]
-        h.mul_(rho).addcmul_(g, g, value=1 - rho)
-        value.addcdiv_(g, (h + self.conf.delta).sqrt_(), value=-lr)
+        history = state["history"]
+        history.mul_(self.rho).addcmul_(g, g, value=1 - self.rho)
+        value.addcdiv_(g, history.add(self.delta).sqrt_(), value=-lr)
 
 
 class AdaDelta(Updater):
-    """h = ρh + (1−ρ)g²; t = g·sqrt(u + δ)/sqrt(h + δ); u = ρu + (1−ρ)t²; w −= lr·t."""
+    """h = ρh + (1−ρ)g²; t = g·√(u + δ)/√(h + δ); u = ρu + (1−ρ)t²; w −= lr·t   (never clips)."""
 
     slots = ("history", "update")
 
+    def __init__(self, conf: job_pb2.UpdaterProto):
+        super().__init__(conf)
+        _check_delta(conf)  # also: with u = 0 at the start, √δ is the whole first step size
+        _check_open_unit(conf.adadelta_conf.rho, "updater.adadelta_conf.rho")
+        self.rho, self.delta = conf.adadelta_conf.rho, conf.delta
+
     def apply(self, value, g, state, lr):
-        rho, delta = self.conf.adadelta_conf.rho, self.conf.delta
-        h, u = state["history"], state["update"]
-        h.mul_(rho).addcmul_(g, g, value=1 - rho)
-        t = g * (u + delta).sqrt_() / (h + delta).sqrt_()
-        u.mul_(rho).addcmul_(t, t, value=1 - rho)
-        value.add_(t, alpha=-lr)
+        rho, delta = self.rho, self.delta
+        history, update = state["history"], state["update"]
+        history.mul_(rho).addcmul_(g, g, value=1 - rho)
+        change = update.add(delta).sqrt_().mul_(g).div_(history.add(delta).sqrt_())  # t
+        update.mul_(rho).addcmul_(change, change, value=1 - rho)
+        value.add_(change, alpha=-lr)
 
 
 class Adam(Updater):
-    """m = β1·m + (1−β1)·g; v = β2·v + (1−β2)·g²; w −= lr·m / sqrt(v + δ) (no bias correction, as SINGA)."""
+    """m = β1·m + (1−β1)·g; v = β2·v + (1−β2)·g²; w −= lr·m / √(v + δ)   (no bias correction; never clips)."""
 
     slots = ("mean", "variance")
 
+    def __init__(self, conf: job_pb2.UpdaterProto):
+        super().__init__(conf)
+        _check_delta(conf)
+        _check_beta(conf.adam_conf.beta1, "updater.adam_conf.beta1")
+        _check_beta(conf.adam_conf.beta2, "updater.adam_conf.beta2")
+        self.beta1, self.beta2, self.delta = conf.adam_conf.beta1, conf.adam_conf.beta2, conf.delta
+
     def apply(self, value, g, state, lr):
-        c = self.conf.adam_conf
-        m, v = state["mean"], state["variance"]
-        m.mul_(c.beta1).add_(g, alpha=1 - c.beta1)
-        v.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
-        value.addcdiv_(m, (v + self.conf.delta).sqrt_(), value=-lr)
+        mean, variance = state["mean"], state["variance"]
+        mean.mul_(self.beta1).add_(g, alpha=1 - self.beta1)
+        variance.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
+        value.addcdiv_(mean, variance.add(self.delta).sqrt_(), value=-lr)
 
 
 class AdamMax(Updater):
-    """m = β1·m + (1−β1)·g; u = max(β2·u, |g|) + δ; w −= lr·m / u."""
+    """m = β1·m + (1−β1)·g; u = max(β2·u, |g|) + δ; w −= lr·m / u   (δ accumulates in u each step, as in SINGA; never clips)."""
 
     slots = ("mean", "norm")
 
+    def __init__(self, conf: job_pb2.UpdaterProto):
+        super().__init__(conf)
+        _check_delta(conf)
+        _check_beta(conf.adammax_conf.beta1, "updater.adammax_conf.beta1")
+        _check_beta(conf.adammax_conf.beta2, "updater.adammax_conf.beta2")
+        self.beta1, self.beta2, self.delta = conf.adammax_conf.beta1, conf.adammax_conf.beta2, conf.delta
+
     def apply(self, value, g, state, lr):
-        c = self.conf.adammax_conf
-        m, u = state["mean"], state["norm"]
-        m.mul_(c.beta1).add_(g, alpha=1 - c.beta1)
-        torch.maximum(u * c.beta2, g.abs(), out=u)
-        u.add_(self.conf.delta)
-        value.addcdiv_(m, u, value=-lr)
+        mean, norm = state["mean"], state["norm"]
+        mean.mul_(self.beta1).add_(g, alpha=1 - self.beta1)
+        norm.mul_(self.beta2).clamp_(min=g.abs()).add_(self.delta)
+        value.addcdiv_(mean, norm, value=-lr)
 
 
-_BUILTIN = {
+_BUILTIN_UPDATERS: dict[int, type[Updater]] = {
     job_pb2.kSGD: SGD,
     job_pb2.kNesterov: Nesterov,
     job_pb2.kAdaGrad: AdaGrad,
@@ -264,8 +355,12 @@ _BUILTIN = {
 
 
 def make_updater(conf: job_pb2.UpdaterProto) -> Updater:
-    if conf.type == job_pb2.kUserUpdater:
+    """The updater `conf` describes; a set user_type wins over `type`, as in SINGA's Updater::Create."""
+    if conf.HasField("user_type"):
         if conf.user_type not in _USER_UPDATERS:
-            raise ValueError(f"updater.user_type: no updater registered as {conf.user_type!r}")
+            known = ", ".join(sorted(_USER_UPDATERS)) or "none"
+            raise ValueError(f"updater.user_type: no updater registered as {conf.user_type!r} (registered: {known})")
         return _USER_UPDATERS[conf.user_type](conf)
-    return _BUILTIN[conf.type](conf)
+    if conf.type not in _BUILTIN_UPDATERS:
+        raise ValueError(f"updater.type: {job_pb2.UpdaterType.Name(conf.type)} needs updater.user_type naming a registered updater")
+    return _BUILTIN_UPDATERS[conf.type](conf)

@@ -1,181 +1,319 @@
-"""Validation of a parsed job before anything runs; the first problem is a positioned JobError.
+"""Checks a parsed job before anything runs; the first problem becomes a positioned JobError.
 
-Field paths used here index every segment (`neuralnet[0].layer[3].srclayers[1]`),
-matching shoal.config.positions; messages show the readable form.
+Each check yields `(field path, message)` problems, most basic first;
+`validate` raises for the first. A later check may assume the earlier ones
+passed (cycles are looked for only once every srclayers entry names a layer).
 """
+
 from __future__ import annotations
 
-from typing import Callable, Optional
+import re
+from collections.abc import Callable, Iterator
 
 from shoal.config import job_pb2
-from shoal.config.errors import JobError, JobShapeError
-from shoal.config.positions import Position, lookup
+from shoal.config.errors import JobShapeError
+from shoal.config.phases import PHASE_NAMES, in_phase, layers_in_phase, phases_built
+from shoal.config.positions import SourceMap
 
-PHASES = {job_pb2.kTrain: "kTrain", job_pb2.kVal: "kVal", job_pb2.kTest: "kTest"}
-# RBM layers name each other as sources (an undirected connection, SINGA's Fig. 3a)
+__all__ = ["in_phase", "job_problems", "layers_in_phase", "validate", "validate_cluster"]
+
+Problem = tuple[str, str]  # (field path, message)
+ShapeCheck = Callable[[job_pb2.JobProto], None]
+
+# RBM layers name each other as sources: an undirected connection (SINGA docs, Fig. 3a)
 RBM_TYPES = {job_pb2.kRBMVis, job_pb2.kRBMHid}
-# layers whose recurrence is unrolled, so a self-referencing source is legal
+# a recurrent layer may name itself as a source: unrolling turns that into copy i-1 -> copy i
 RECURRENT_TYPES = {job_pb2.kGRU}
+COUNTERS = (
+    "train_steps",
+    "test_steps",
+    "validate_steps",
+    "warmup_steps",
+    "disp_freq",
+    "disp_after",
+    "test_freq",
+    "test_after",
+    "validate_freq",
+    "validate_after",
+    "checkpoint_freq",
+    "checkpoint_after",
+)
 
 
-def in_phase(layer: job_pb2.LayerProto, phase: int) -> bool:
-    """SINGA's filter: a layer is in `phase` if include lists it, or (without include) unless excluded."""
-    return phase in layer.include if layer.include else phase not in layer.exclude
+def validate(job: job_pb2.JobProto, positions: SourceMap | None = None, shape_check: ShapeCheck | None = None) -> None:
+    """Raise JobError for the first problem; `shape_check` (the net builder's) may raise JobShapeError."""
+    sources = positions if positions is not None else SourceMap()
+    problem = next(job_problems(job), None)
+    if problem is not None:
+        raise sources.error(*problem)
+    if shape_check is not None:
+        try:
+            shape_check(job)
+        except JobShapeError as err:
+            raise sources.error(_layer_by_index(err.field_path, job.neuralnet), err.message) from None
 
 
-def layers_in_phase(net: job_pb2.NetProto, phase: int) -> list[job_pb2.LayerProto]:
-    return [layer for layer in net.layer if in_phase(layer, phase)]
+def _layer_by_index(path: str, net: job_pb2.NetProto) -> str:
+    """`neuralnet.layer[fc1].x` (a layer named, as the net builder may) -> `neuralnet.layer[2].x`."""
+    m = re.match(r"neuralnet\.layer\[(?:name=)?([^\]]+)\]", path)
+    if m and not m[1].isdigit():
+        index = next((i for i, layer in enumerate(net.layer) if layer.name == m[1]), None)
+        if index is not None:
+            return f"neuralnet.layer[{index}]{path[m.end() :]}"
+    return path
 
 
-def validate_cluster(cluster: job_pb2.ClusterProto) -> list[tuple[str, str]]:
-    """(field, message) for every inconsistency of the cluster section; pure arithmetic."""
-    problems = []
-    counts = ("nworker_groups", "nserver_groups", "nworkers_per_group", "nservers_per_group", "nworkers_per_procs", "nservers_per_procs", "sync_freq")
-    for name in counts:
-        if getattr(cluster, name) < 1:
-            problems.append((name, f"must be >= 1, got {getattr(cluster, name)}"))
+def job_problems(job: job_pb2.JobProto) -> Iterator[Problem]:
+    """Every problem of `job` that needs no layer shapes, most basic first."""
+    yield from _required_fields(job)
+    for name in COUNTERS:
+        if getattr(job, name) < 0:
+            yield name, f"{name} must be >= 0, got {getattr(job, name)}"
+    for i, device in enumerate(job.gpu):
+        if device < 0:
+            yield f"gpu[{i}]", f"gpu takes device ids >= 0, got {device}"
+    for name, message in validate_cluster(job.cluster):
+        yield f"cluster.{name}", message
+    if job.train_steps > 0:
+        yield from _updater_problems(job.updater)
+    yield from _layer_problems(job)
+    for phase in phases_built(job):
+        yield from _phase_problems(job.neuralnet, phase)
+
+
+def _required_fields(job: job_pb2.JobProto) -> Iterator[Problem]:
+    if not job.name:
+        yield "name", "missing required field 'name'"
+    if not job.neuralnet.layer:
+        yield "neuralnet", "missing required field 'neuralnet' (with at least one layer)"
+    if job.train_steps <= 0 and job.test_steps <= 0:
+        # a test-only job (SINGA's char-rnn sample.conf) gives test_steps instead
+        yield "train_steps", "missing required field 'train_steps' (or test_steps for a test-only job)"
+    alg = job.train_one_batch
+    if not job.HasField("train_one_batch"):
+        yield "train_one_batch", "missing required field 'train_one_batch' { alg: kBP | kCD | kBPTT }"
+    elif alg.alg == job_pb2.kUserAlg and not alg.user_alg:
+        yield "train_one_batch.alg", "no alg given: kBP, kCD, kBPTT, or kUserAlg with user_alg naming a registered algorithm"
+    if job.train_steps > 0 and not job.HasField("updater"):
+        yield "updater", "missing required field 'updater' (a job with train_steps needs one)"
+
+
+def validate_cluster(cluster: job_pb2.ClusterProto) -> list[Problem]:
+    """(field, message) for every inconsistency of a cluster section: pure arithmetic, no placement."""
+    counts = (
+        "nworker_groups",
+        "nserver_groups",
+        "nworkers_per_group",
+        "nservers_per_group",
+        "nworkers_per_procs",
+        "nservers_per_procs",
+        "sync_freq",
+    )
+    problems = [(name, f"{name} must be >= 1, got {getattr(cluster, name)}") for name in counts if getattr(cluster, name) < 1]
     if problems:
-        return problems
+        return problems  # the arithmetic below would divide by zero
     if cluster.nworker_groups % cluster.nserver_groups:
-        problems.append(("nserver_groups", f"nworker_groups({cluster.nworker_groups}) must be a multiple of nserver_groups({cluster.nserver_groups})"))
+        problems.append(
+            (
+                "nserver_groups",
+                f"nworker_groups({cluster.nworker_groups}) must be a multiple of nserver_groups({cluster.nserver_groups})",
+            )
+        )
     for kind in ("worker", "server"):
         per_group, per_procs = getattr(cluster, f"n{kind}s_per_group"), getattr(cluster, f"n{kind}s_per_procs")
+        # a process holds part of one group, or whole groups (SINGA's cluster.cc)
         if per_procs % per_group and per_group % per_procs:
             problems.append(
-                (f"n{kind}s_per_procs", f"n{kind}s_per_procs({per_procs}) must divide n{kind}s_per_group({per_group}) or be a multiple of it")
+                (
+                    f"n{kind}s_per_procs",
+                    f"n{kind}s_per_procs({per_procs}) must divide n{kind}s_per_group({per_group}) or be a multiple of it",
+                )
             )
     return problems
 
 
-class _Checker:
-    def __init__(self, job: job_pb2.JobProto, positions: Optional[dict[str, Position]], source: str):
-        self.job, self.positions, self.source = job, positions, source
+# -- updater ------------------------------------------------------------------------
+def _updater_problems(updater: job_pb2.UpdaterProto) -> Iterator[Problem]:
+    if updater.type == job_pb2.kUserUpdater and not updater.user_type:
+        yield (
+            "updater.type",
+            "no updater type given: kSGD, kAdaGrad, kRMSProp, kNesterov, kAdaDelta, kAdam, kAdamMax, or kUserUpdater with user_type",
+        )
+    for name in ("momentum", "weight_decay", "delta"):
+        if getattr(updater, name) < 0:
+            yield f"updater.{name}", f"{name} must be >= 0, got {getattr(updater, name):g}"
+    if updater.clip_low > updater.clip_high:
+        yield "updater.clip_low", f"clip_low({updater.clip_low:g}) is above clip_high({updater.clip_high:g})"
+    rates = {job_pb2.kRMSProp: "rmsprop_conf.rho", job_pb2.kAdaDelta: "adadelta_conf.rho"}
+    if updater.type in rates:
+        conf, name = rates[updater.type].split(".")
+        if not 0 < getattr(getattr(updater, conf), name) < 1:
+            yield f"updater.{rates[updater.type]}", f"{name} must be in (0, 1), got {getattr(getattr(updater, conf), name):g}"
+    betas = {job_pb2.kAdam: "adam_conf", job_pb2.kAdamMax: "adammax_conf"}
+    if updater.type in betas:
+        conf = getattr(updater, betas[updater.type])
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(conf, name) < 1:
+                yield f"updater.{betas[updater.type]}.{name}", f"{name} must be in [0, 1), got {getattr(conf, name):g}"
+    yield from _schedule_problems(updater.learning_rate)
 
-    def fail(self, key: str, message: str) -> None:
-        pos = lookup(self.positions, key)
-        if pos:
-            raise JobError(self.source, message, pos[0], pos[1])
-        raise JobError(self.source, message, field_path=_readable(key))
 
-    def run(self, shape_check: Optional[Callable[[job_pb2.JobProto], None]]) -> None:
-        job = self.job
-        # train_steps may be absent: SINGA's test-only jobs (char-rnn sample.conf) omit it
-        for name in ("name", "neuralnet"):
-            if not job.HasField(name):
-                self.fail(name, f"missing required field {name}")
-        if not job.neuralnet.layer:
-            self.fail("neuralnet[0]", "neuralnet has no layer")
-        if job.train_steps > 0:
-            if not job.HasField("train_one_batch") or (job.train_one_batch.alg == job_pb2.kUserAlg and not job.train_one_batch.user_alg):
-                self.fail("train_one_batch[0]", "missing train_one_batch { alg: kBP | kCD | kBPTT }")
-            if job.updater.type == job_pb2.kUserUpdater and not job.updater.user_type:
-                self.fail("updater[0]", "missing updater { type: ... } (kSGD, kAdaGrad, kRMSProp, kNesterov, kAdaDelta, kAdam, kAdamMax)")
-            lr = job.updater.learning_rate
-            if lr.type == job_pb2.kUserChange and not lr.user_type:
-                self.fail("updater[0].learning_rate[0]", "missing learning_rate { type: ... } (kFixed, kStep, ...)")
-        for field, message in validate_cluster(job.cluster):
-            self.fail(f"cluster[0].{field}[0]", message)
-        self.check_layers()
-        if shape_check is not None:
-            try:
-                shape_check(job)
-            except JobShapeError as err:
-                self.fail(_indexed(err.field_path), err.message)
+def _schedule_problems(lr: job_pb2.LRGenProto) -> Iterator[Problem]:
+    at, kind = "updater.learning_rate", job_pb2.ChangeMethod.Name(lr.type)
+    if lr.type == job_pb2.kUserChange and not lr.user_type:
+        yield (
+            f"{at}.type",
+            "no learning rate type given: kFixed, kStep, kFixedStep, kLinear, kExponential, kInverse, kInverseT, or kUserChange with user_type",
+        )
+    if lr.base_lr < 0:
+        yield f"{at}.base_lr", f"base_lr must be >= 0, got {lr.base_lr:g}"
+    conf_of = {job_pb2.kStep: "step_conf", job_pb2.kExponential: "exponential_conf", job_pb2.kLinear: "linear_conf"}
+    if lr.type in conf_of:
+        change_freq = getattr(lr, conf_of[lr.type]).change_freq
+        if change_freq <= 0:
+            yield (
+                f"{at}.{conf_of[lr.type]}.change_freq",
+                f"{kind} needs {conf_of[lr.type]} {{ change_freq: N }} with N > 0, got {change_freq}",
+            )
+    if lr.type == job_pb2.kLinear and not lr.linear_conf.HasField("final_lr"):
+        yield f"{at}.linear_conf.final_lr", "kLinear needs linear_conf { final_lr: ... }"
+    if lr.type == job_pb2.kInverseT and lr.inverset_conf.final_lr == 0:
+        yield f"{at}.inverset_conf.final_lr", "kInverseT needs inverset_conf { final_lr: ... }, not 0"
+    if lr.type == job_pb2.kFixedStep:
+        steps, rates = list(lr.fixedstep_conf.step), list(lr.fixedstep_conf.step_lr)
+        if not steps or len(steps) != len(rates):
+            yield (
+                f"{at}.fixedstep_conf",
+                f"kFixedStep needs as many step_lr as step values, got {len(steps)} step and {len(rates)} step_lr",
+            )
+        for i in range(1, len(steps)):
+            if steps[i] < steps[i - 1]:
+                yield f"{at}.fixedstep_conf.step[{i}]", f"steps must increase: {steps[i]} comes after {steps[i - 1]}"
 
-    def check_layers(self) -> None:
-        net = self.job.neuralnet
-        uses_include = [i for i, l in enumerate(net.layer) if l.include]
-        uses_exclude = [i for i, l in enumerate(net.layer) if l.exclude]
-        if uses_include and uses_exclude:
-            i = max(uses_include[0], uses_exclude[0])
-            self.fail(f"neuralnet[0].layer[{i}]", "include and exclude are both used in this file; SINGA allows only one of them")
-        params = {p.name for l in net.layer for p in l.param if p.name}
-        nparts = self.job.cluster.nworkers_per_group
-        for i, layer in enumerate(net.layer):
-            if not layer.name:
-                self.fail(f"neuralnet[0].layer[{i}]", "layer has no name")
-            for j, p in enumerate(layer.param):
-                if p.share_from and p.share_from not in params:
-                    self.fail(f"neuralnet[0].layer[{i}].param[{j}].share_from[0]", f"share_from {p.share_from!r} names no param")
-            if layer.HasField("store_conf"):
-                sizes = list(layer.store_conf.batchsize)
-                if any(s <= 0 for s in sizes):
-                    self.fail(f"neuralnet[0].layer[{i}].store_conf[0].batchsize[0]", "batchsize must be > 0")
-                if len(sizes) > 1 and len(sizes) != nparts:
-                    self.fail(
-                        f"neuralnet[0].layer[{i}].store_conf[0].batchsize[0]",
-                        f"{len(sizes)} batch sizes given for {nparts} partitions (nworkers_per_group); give one value or one per partition",
-                    )
-        for phase, phase_name in PHASES.items():
-            if (phase == job_pb2.kTest and self.job.test_steps <= 0) or (phase == job_pb2.kVal and self.job.validate_steps <= 0):
-                continue  # SINGA builds the test and validation nets only when they will run
-            indexed = [(i, layer) for i, layer in enumerate(net.layer) if in_phase(layer, phase)]
-            seen: dict[str, int] = {}
-            for i, layer in indexed:
-                if layer.name in seen:
-                    self.fail(f"neuralnet[0].layer[{i}].name[0]", f"duplicate layer name {layer.name!r} in the {phase_name} net (also layer {seen[layer.name]})")
-                seen[layer.name] = i
-            for i, layer in indexed:
-                for j, src in enumerate(layer.srclayers):
-                    if src not in seen:
-                        self.fail(f"neuralnet[0].layer[{i}].srclayers[{j}]", f'srclayers "{src}" names no layer in the {phase_name} net')
-            self.check_cycles(indexed, phase_name)
 
-    def check_cycles(self, indexed, phase_name: str) -> None:
-        layers = [layer for _, layer in indexed]
-        index_of = {layer.name: i for i, layer in indexed}
-        by_name = {l.name: l for l in layers}
+# -- layers -------------------------------------------------------------------------
+def _layer_problems(job: job_pb2.JobProto) -> Iterator[Problem]:
+    net, nworkers = job.neuralnet, job.cluster.nworkers_per_group
+    if net.partition_dim not in (0, 1):
+        yield "neuralnet.partition_dim", f"partition_dim must be 0 (batch) or 1 (feature), got {net.partition_dim}"
+    if net.unroll_len < 1:
+        yield "neuralnet.unroll_len", f"unroll_len must be >= 1, got {net.unroll_len}"
+    yield from _include_exclude_mixed(net)
+    params = {p.name for layer in net.layer for p in layer.param if p.name}
+    for i, layer in enumerate(net.layer):
+        at = f"neuralnet.layer[{i}]"
+        if not layer.name:
+            yield at, "missing required field 'name'"
+        if layer.type == job_pb2.kUserLayer and not layer.user_type:
+            yield f"{at}.type", f'layer "{layer.name}" has no type (a built-in kXxx, or kUserLayer with user_type)'
+        if layer.partition_dim not in (-1, 0, 1):
+            yield (
+                f"{at}.partition_dim",
+                f"partition_dim must be -1 (the net's), 0 (batch) or 1 (feature), got {layer.partition_dim}",
+            )
+        if not -1 <= layer.location < nworkers:
+            yield (
+                f"{at}.location",
+                f"location must be a worker of the group, 0..{nworkers - 1} (nworkers_per_group({nworkers})), or -1; got {layer.location}",
+            )
+        if layer.unroll_len < 1:
+            yield f"{at}.unroll_len", f"unroll_len must be >= 1, got {layer.unroll_len}"
+        for j, param in enumerate(layer.param):
+            if param.share_from and (param.share_from not in params or param.share_from == param.name):
+                yield f"{at}.param[{j}].share_from", f'share_from "{param.share_from}" names no other param'
+        if layer.HasField("store_conf"):
+            yield from _batchsize_problems(layer.store_conf, f"{at}.store_conf", nworkers)
 
-        def edges(layer):
-            for src in layer.srclayers:
-                other = by_name[src]
-                if layer.type in RBM_TYPES and other.type in RBM_TYPES:
-                    continue
-                if src == layer.name and layer.type in RECURRENT_TYPES:
-                    continue
-                yield other
 
-        state: dict[str, int] = {}
-        for start in layers:
-            stack = [(start, iter(edges(start)))]
-            path = [start.name]
-            if state.get(start.name):
+def _include_exclude_mixed(net: job_pb2.NetProto) -> Iterator[Problem]:
+    first = {}
+    for i, layer in enumerate(net.layer):
+        for kind in ("include", "exclude"):
+            if getattr(layer, kind):
+                first.setdefault(kind, i)
+    if len(first) == 2:
+        kind, i = max(first.items(), key=lambda item: item[1])
+        other = "exclude" if kind == "include" else "include"
+        yield (
+            f"neuralnet.layer[{i}].{kind}[0]",
+            f'{kind} is used here and {other} by layer "{net.layer[first[other]].name}"; SINGA allows only one of them in a job',
+        )
+
+
+def _batchsize_problems(store: job_pb2.StoreProto, at: str, nworkers: int) -> Iterator[Problem]:
+    sizes = list(store.batchsize)
+    for j, size in enumerate(sizes):
+        if size <= 0:
+            yield f"{at}.batchsize[{j}]", f"batchsize must be > 0, got {size}"
+    if len(sizes) > 1 and len(sizes) != nworkers:
+        yield (
+            f"{at}.batchsize[0]",
+            f"{len(sizes)} batch sizes for nworkers_per_group({nworkers}) partitions: give one (split evenly) or one per partition",
+        )
+
+
+# -- the net of one phase -----------------------------------------------------------
+def _phase_problems(net: job_pb2.NetProto, phase: int) -> Iterator[Problem]:
+    phase_name = PHASE_NAMES[phase]
+    members = [(i, layer) for i, layer in enumerate(net.layer) if in_phase(layer, phase)]
+    names: set[str] = set()
+    for i, layer in members:
+        if layer.name in names:
+            yield f"neuralnet.layer[{i}].name", f'layer name "{layer.name}" is used twice in the {phase_name} net'
+        names.add(layer.name)
+    for i, layer in members:
+        for j, src in enumerate(layer.srclayers):
+            if src not in names:
+                yield f"neuralnet.layer[{i}].srclayers[{j}]", f'srclayers "{src}" names no layer in the {phase_name} net'
+        dynamic = layer.rnn_dummy_conf.dynamic_srclayer
+        if dynamic and dynamic not in names:
+            yield (
+                f"neuralnet.layer[{i}].rnn_dummy_conf.dynamic_srclayer",
+                f'dynamic_srclayer "{dynamic}" names no layer in the {phase_name} net',
+            )
+    cycle = _find_cycle(net, members)
+    if cycle is not None:
+        at, loop = cycle
+        yield at, f"cycle in the {phase_name} net: {' -> '.join(loop)}"
+
+
+def _find_cycle(net: job_pb2.NetProto, members: list[tuple[int, job_pb2.LayerProto]]) -> tuple[str, list[str]] | None:
+    """(the srclayers entry that closes a cycle, the cycle's layers in data-flow order), or None."""
+    by_name = {layer.name: (i, layer) for i, layer in members}
+
+    def sources(layer: job_pb2.LayerProto) -> Iterator[tuple[int, str]]:
+        for j, src in enumerate(layer.srclayers):
+            other = by_name.get(src, (None, None))[1]
+            if other is None or (layer.type in RBM_TYPES and other.type in RBM_TYPES):
                 continue
-            state[start.name] = 1
-            while stack:
-                layer, it = stack[-1]
-                nxt = next(it, None)
-                if nxt is None:
-                    state[layer.name] = 2
-                    stack.pop()
-                    path.pop()
-                    continue
-                if state.get(nxt.name) == 1:
-                    cycle = path[path.index(nxt.name):] + [nxt.name]
-                    self.fail(f"neuralnet[0].layer[{index_of[nxt.name]}]", f"cycle in the {phase_name} net: {' -> '.join(reversed(cycle))}")
-                if not state.get(nxt.name):
-                    state[nxt.name] = 1
-                    stack.append((nxt, iter(edges(nxt))))
-                    path.append(nxt.name)
+            if src == layer.name and _recurrent(layer, net):
+                continue
+            yield j, src
+
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for _, start in members:
+        if start.name in state:
+            continue
+        path, pending = [start.name], [sources(start)]
+        state[start.name] = 1
+        while pending:
+            edge = next(pending[-1], None)
+            if edge is None:
+                state[path.pop()] = 2
+                pending.pop()
+                continue
+            j, src = edge
+            if state.get(src) == 1:
+                # path[k] reads path[k+1] ... path[-1] reads src == path[k]: data flows the other way
+                loop = [src] + path[path.index(src) + 1 :][::-1] + [src]
+                return f"neuralnet.layer[{by_name[path[-1]][0]}].srclayers[{j}]", loop
+            if src not in state:
+                state[src] = 1
+                path.append(src)
+                pending.append(sources(by_name[src][1]))
+    return None
 
 
-def _indexed(readable: str) -> str:
-    """`neuralnet.layer[3].param[0]` -> `neuralnet[0].layer[3].param[0]` (positions' key form)."""
-    out = []
-    for part in readable.split("."):
-        out.append(part if part.endswith("]") else f"{part}[0]")
-    return ".".join(out)
-
-
-def _readable(indexed: str) -> str:
-    return ".".join(p[:-3] if p.endswith("[0]") and not p.startswith(("layer[", "param[", "srclayers[")) else p for p in indexed.split("."))
-
-
-def validate(
-    job: job_pb2.JobProto,
-    positions: Optional[dict[str, Position]] = None,
-    source: str = "<python>",
-    shape_check: Optional[Callable[[job_pb2.JobProto], None]] = None,
-) -> None:
-    """Raise JobError for the first problem found; `shape_check` builds the nets to check shapes."""
-    _Checker(job, positions, source).run(shape_check)
+def _recurrent(layer: job_pb2.LayerProto, net: job_pb2.NetProto) -> bool:
+    unroll_len = layer.unroll_len if layer.HasField("unroll_len") else net.unroll_len
+    return layer.type in RECURRENT_TYPES or unroll_len > 1

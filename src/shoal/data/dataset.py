@@ -1,8 +1,9 @@
 """In-memory datasets: a store is read once into numpy, then batches are slices.
 
-SINGA's input layers read records one by one; holding the whole store in memory
-(MNIST is 190 MB as float32, CIFAR-10 600 MB) keeps batching off the critical
-path, and every net of a process shares the same arrays.
+SINGA's input layers parse records one by one while training. Holding the
+whole store in memory instead (MNIST is 190 MB as float32, CIFAR-10 600 MB)
+keeps batching off the critical path, and every net, worker and phase of a
+process that opens the same file shares the same arrays.
 """
 from __future__ import annotations
 
@@ -10,96 +11,203 @@ import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
 
 import numpy as np
 
 from shoal.config import job_pb2
 from shoal.data.errors import StoreError
-from shoal.data.kvfile import read_kvfile
-from shoal.data.records import decode
-from shoal.data.textfile import read_textfile
+from shoal.data.kvfile import scan_kvfile, store_file
+from shoal.data.records import RecordDecodeError, decode_proto, record_values
+from shoal.data.textfile import read_textfile, read_textfile_lines, split_fields
+
+PathLike = str | Path
+BACKENDS = ("kvfile", "textfile")
 
 
 @dataclass
 class Dataset:
-    data: np.ndarray  # (N, *shape) float32, not normalised
-    labels: Optional[np.ndarray]  # (N,) int64
+    """A whole store in memory: values converted to float32 (not normalised) and labels."""
+
+    data: np.ndarray  # (N, *shape) float32
+    labels: np.ndarray | None  # (N,) int64, None when the records carry no label
     path: str
 
     def __len__(self) -> int:
         return len(self.data)
 
-    def rows(self, start: int, count: int) -> tuple[np.ndarray, Optional[np.ndarray]]:
-        """`count` rows from `start`, wrapping at the end as SINGA's store readers do."""
+    def rows(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Rows start .. start+count-1 as fresh contiguous arrays, wrapping past the end
+        (SINGA's store readers seek back to the first record when they reach the last)."""
         n = len(self.data)
-        idx = (start + np.arange(count)) % n
-        if idx[0] + count <= n:  # contiguous: a view, no gather
-            sl = slice(int(idx[0]), int(idx[0]) + count)
-            return self.data[sl], None if self.labels is None else self.labels[sl]
-        return self.data[idx], None if self.labels is None else self.labels[idx]
+        if n == 0 or count < 0:
+            raise ValueError(f"{self.path}: cannot take {count} rows of a store with {n}")
+        first = start % n
+        if first + count <= n:  # one slice: copy it, so callers never alias the shared arrays
+            taken = slice(first, first + count)
+            return self.data[taken].copy(), None if self.labels is None else self.labels[taken].copy()
+        index = (first + np.arange(count)) % n
+        return self.data[index], None if self.labels is None else self.labels[index]
 
 
-_CACHE: dict[tuple, Dataset] = {}
-_CACHE_LOCK = threading.Lock()
+@dataclass(frozen=True)
+class _Table:
+    """A store as read from disk: flat (N, D) values, labels, and the records' declared shape."""
+
+    values: np.ndarray
+    labels: np.ndarray | None
+    record_shape: tuple[int, ...]
 
 
-def _read_kv(path: Path, shape: tuple[int, ...]) -> Dataset:
-    features, labels = [], []
-    offset = 0
-    for index, (key, value) in enumerate(read_kvfile(path)):
-        try:
-            x, y, declared = decode(value)
-        except Exception:  # protobuf raises DecodeError (a plain Exception subclass)
-            raise StoreError(f"{path}: byte {offset}: record {index} is not a RecordProto") from None
-        if shape and x.size != math.prod(shape):
-            raise StoreError(f"{path}: byte {offset}: record {index} has {x.size} values, store_conf.shape {list(shape)} needs {math.prod(shape)}")
-        features.append(x)
-        labels.append(-1 if y is None else y)
-        offset += 16 + len(key) + len(value)
-    if not features:
-        raise StoreError(f"{path}: byte 0: the store holds no records")
-    sizes = {f.size for f in features}
-    if len(sizes) > 1:
-        raise StoreError(f"{path}: records have different sizes {sorted(sizes)[:4]}; give store_conf.shape")
-    data = np.stack(features)
-    target = shape or declared or (data.shape[1],)
-    lab = np.asarray(labels, dtype=np.int64)
-    return Dataset(data.reshape((len(data),) + tuple(target)), None if (lab < 0).all() else lab, str(path))
+_TABLES: dict[tuple, _Table] = {}
+_DATASETS: dict[tuple, Dataset] = {}
+_LOCK = threading.Lock()
 
 
-def open_store(conf: job_pb2.StoreProto, base_dir: Union[str, Path] = ".") -> Dataset:
-    """Read the store a `store_conf` names (kvfile or textfile), once per process."""
+def open_store(conf: job_pb2.StoreProto, base_dir: PathLike = ".") -> Dataset:
+    """Read the store a `store_conf` names (kvfile or textfile) into memory, once per process.
+
+    A relative `path` is resolved against `base_dir`. When `shape` is given each
+    record must hold prod(shape) values, and the data comes back as (N, *shape).
+    Opening an unchanged file again (same path, mtime and size) returns the same
+    arrays; normalisation is left to the input layer (see `normalise`).
+    """
+    backend = conf.backend or "kvfile"
+    if backend not in BACKENDS:
+        raise StoreError(f"{conf.path}: store backend {backend!r} is not supported (use kvfile or textfile)")
     path = Path(conf.path)
     if not path.is_absolute():
         path = Path(base_dir) / path
-    if not path.is_file():
-        raise StoreError(f"{path}: no such store (prepare it with `shoal prepare ...`)")
-    backend = conf.backend or "kvfile"
+    file = store_file(path) if backend == "kvfile" else path
+    try:
+        stat = file.stat()
+    except OSError:
+        raise StoreError(f"{path}: no such store (prepare it with `shoal prepare ...`)") from None
+    # only what changes the parsed values belongs in the key, so that e.g. train and test
+    # layers with different batch sizes share one copy
+    table_key = (str(file.resolve()), stat.st_mtime_ns, stat.st_size, backend)
+    if backend == "textfile":
+        table_key += (conf.has_label, conf.separator)
     shape = tuple(conf.shape)
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size, backend, shape, conf.has_label, conf.separator)
-    with _CACHE_LOCK:
-        if key in _CACHE:
-            return _CACHE[key]
-        if backend == "kvfile":
-            dataset = _read_kv(path, shape)
-        elif backend == "textfile":
-            data, labels = read_textfile(path, conf.has_label, conf.separator)
-            if shape:
-                if data.shape[1] != math.prod(shape):
-                    raise StoreError(f"{path}: rows have {data.shape[1]} values, store_conf.shape {list(shape)} needs {math.prod(shape)}")
-                data = data.reshape((len(data),) + shape)
-            dataset = Dataset(data, labels, str(path))
-        else:
-            raise StoreError(f"{path}: store backend {backend!r} is not supported (use kvfile or textfile)")
-        _CACHE[key] = dataset
+    with _LOCK:
+        dataset = _DATASETS.get(table_key + (shape,))
+        if dataset is not None:
+            return dataset
+        table = _TABLES.get(table_key)
+        if table is None:
+            table = _read_kvfile(file) if backend == "kvfile" else _read_textfile(file, conf.has_label, conf.separator)
+            table.values.setflags(write=False)  # shared by every user of the store
+            _TABLES[table_key] = table
+        dataset = Dataset(_shaped(table, shape, file, backend), table.labels, str(path))
+        _DATASETS[table_key + (shape,)] = dataset
         return dataset
 
 
-def load_mean(path: Union[str, Path]) -> np.ndarray:
-    """SINGA's mean file: a kvfile holding one RecordProto with the mean image."""
-    for _, value in read_kvfile(path):
-        features, _, shape = decode(value)
-        return features.reshape(shape) if shape else features
+def clear_cache() -> None:
+    """Forget every store read so far (tests; long-lived processes that reread data)."""
+    with _LOCK:
+        _TABLES.clear()
+        _DATASETS.clear()
+
+
+def _shaped(table: _Table, shape: tuple[int, ...], path: Path, backend: str) -> np.ndarray:
+    n, size = table.values.shape
+    if not shape:  # the records' own shape when it fits, else flat
+        declared = table.record_shape
+        shape = declared if declared and math.prod(declared) == size else (size,)
+    elif math.prod(shape) != size:
+        # every record has the same size (checked on reading), so the first one is the first culprit
+        where = "byte 0: record 0" if backend == "kvfile" else "record 0"
+        raise StoreError(f"{path}: {where} has {size} values, store_conf.shape {list(shape)} needs {math.prod(shape)}")
+    return table.values.reshape((n,) + tuple(shape))
+
+
+def _read_kvfile(path: Path) -> _Table:
+    rows: list[np.ndarray] = []
+    labels: list[int] = []
+    labelled = 0
+    record_shape: tuple[int, ...] = ()
+    for index, (offset, _, value) in enumerate(scan_kvfile(path)):
+        try:
+            rec = decode_proto(value)
+            values = record_values(rec)
+        except RecordDecodeError as err:
+            raise StoreError(f"{path}: byte {offset}: record {index} {err}") from None
+        if not rows:
+            record_shape = tuple(rec.shape)
+        elif values.size != rows[0].size:
+            raise StoreError(f"{path}: byte {offset}: record {index} has {values.size} values, record 0 has {rows[0].size}")
+        rows.append(values)
+        labels.append(rec.label)  # 0 when unset, as SINGA's image.label()
+        labelled += rec.HasField("label")
+    if not rows:
+        raise StoreError(f"{path}: byte 0: the store holds no records")
+    # concatenating the uint8 pixels first converts to float32 in one pass
+    values = np.concatenate(rows).astype(np.float32, copy=False).reshape(len(rows), -1)
+    return _Table(values, np.asarray(labels, dtype=np.int64) if labelled else None, record_shape)
+
+
+def _read_textfile(path: Path, has_label: bool, separator: str) -> _Table:
+    values, labels = read_textfile(path, has_label, separator)
+    return _Table(values, labels, ())
+
+
+def load_mean(path: PathLike, backend: str = "kvfile", separator: str = ",") -> np.ndarray:
+    """SINGA's mean (or std) file: the first record of a store of the layer's backend.
+
+    kvfile: a RecordProto whose values (normally `data`) are the mean image,
+    returned in its declared shape; textfile: the first line, all values (no label).
+    """
+    path = Path(path)
+    if not (store_file(path) if backend == "kvfile" else path).is_file():
+        raise StoreError(f"{path}: no such mean file (`shoal prepare cifar10` writes image_mean.bin)")
+    if backend == "textfile":
+        for _, line in read_textfile_lines(path):
+            try:
+                return np.asarray([float(v) for v in split_fields(line, separator)], dtype=np.float32)
+            except ValueError as err:
+                raise StoreError(f"{path}:1: {err}") from None
+    else:
+        for offset, _, value in scan_kvfile(path):
+            try:
+                rec = decode_proto(value)
+                values = record_values(rec).astype(np.float32)
+            except RecordDecodeError as err:
+                raise StoreError(f"{path}: byte {offset}: record 0 {err}") from None
+            declared = tuple(rec.shape)
+            return values.reshape(declared) if declared and math.prod(declared) == values.size else values
     raise StoreError(f"{path}: byte 0: the mean file holds no record")
+
+
+def normalise(batch: np.ndarray, conf: job_pb2.StoreProto, mean: np.ndarray | None = None, std: np.ndarray | None = None) -> np.ndarray:
+    """x = (x - mean) / std over a batch (N, *sample), as SINGA's RecordInput/CSVInput layers.
+
+    mean: the `mean_file` image (load it with load_mean, pass it as `mean`), else
+    `mean_value`, else nothing is subtracted. std: the `std_file` values (`std`),
+    else `std_value`, else no division. SINGA tests presence (proto2 has_*): an
+    absent `mean_value` and an explicit 0 agree, but an explicit `std_value: 0`
+    is an error, not "unset". Returns a new float32 array.
+    """
+    x = np.array(batch, dtype=np.float32)  # a copy: the batch may be a view of a shared store
+    sample = x.shape[1:]
+    if mean is None and conf.HasField("mean_file"):
+        raise ValueError(f"store_conf.mean_file {conf.mean_file!r}: pass its image (load_mean) as `mean`")
+    if std is None and conf.HasField("std_file"):
+        raise ValueError(f"store_conf.std_file {conf.std_file!r}: pass its values (load_mean) as `std`")
+    if mean is not None:
+        x -= _per_sample(mean, sample, "mean")
+    elif conf.HasField("mean_value"):
+        x -= np.float32(conf.mean_value)
+    if std is not None:
+        x /= _per_sample(std, sample, "std")
+    elif conf.HasField("std_value"):
+        if conf.std_value == 0:
+            raise StoreError(f"{conf.path}: store_conf.std_value is 0 (SINGA rejects it too)")
+        x /= np.float32(conf.std_value)
+    return x
+
+
+def _per_sample(values: np.ndarray, sample: tuple[int, ...], what: str) -> np.ndarray:
+    values = np.asarray(values, dtype=np.float32)
+    if values.size != math.prod(sample):
+        raise StoreError(f"the {what} file holds {values.size} values, a sample has {math.prod(sample)} {list(sample)}")
+    return values.reshape(sample)

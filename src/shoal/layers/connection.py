@@ -1,19 +1,37 @@
-"""Connection layers, mostly inserted by the partitioner (SINGA's kSplit, kConcate, kSlice, bridges).
+"""Connection layers, mostly inserted by the partitioner: kSplit, kConcate, kSlice, kBridgeSrc/kBridgeDst.
 
-Shapes are per sample, so concate_dim / slice_dim 0 (the batch) leave the
-per-sample shape alone and dim 1 (features) changes its first entry.
+Per-sample shapes leave the batch out, so SINGA's dim 0 (the batch) keeps the
+per-sample shape and changes the number of rows, while dim 1 (features) changes
+the first entry of the per-sample shape.
 """
 from __future__ import annotations
 
 import torch
 
-from shoal.layers.base import Layer, LayerConfigError
+from shoal.layers.base import Layer
+from shoal.layers.common import config_error
 from shoal.layers.registry import register
+
+
+def split_sizes(total: int, parts: int) -> list[int]:
+    """`total` split into `parts` sizes differing by at most one, larger ones first (4096 over 3: 1366, 1365, 1365)."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 @register("kSplit")
 class Split(Layer):
-    """One output read by several layers; autograd sums their gradients."""
+    """y = x, read by several layers; autograd sums the gradients flowing back, as SINGA's split does."""
+
+    category = "connection"
+
+    def forward(self, xs, params, labels, ctx):
+        return xs[0]
+
+
+@register("kBridgeSrc", "kBridgeDst")
+class Bridge(Layer):
+    """y = x: within one worker's net a bridge is the identity; the runtime moves the blob between workers."""
 
     category = "connection"
 
@@ -23,68 +41,64 @@ class Split(Layer):
 
 @register("kConcate")
 class Concate(Layer):
-    """Concatenates its sources on concate_dim (0: batch, 1: features)."""
+    """y = concatenation of the sources along concate_dim: 0 stacks their rows (batches), 1 their features.
+
+    Labels: dim 0 concatenates the sources' labels too; dim 1 keeps the first source's.
+    """
 
     category = "connection"
 
     def __init__(self, conf, src_shapes):
         super().__init__(conf, src_shapes)
         dim = conf.concate_conf.concate_dim
-        if dim not in (0, 1):
-            raise LayerConfigError(f"layer {conf.name!r}: concate_dim must be 0 or 1")
-        if dim == 1:
-            first = self.src_shapes[0]
-            self.shape = (sum(s[0] for s in self.src_shapes),) + tuple(first[1:])
+        if not self.src_shapes:
+            raise config_error(conf, "needs at least one srclayer")
+        first = self.src_shapes[0]
+        if dim == 0:
+            if any(s != first for s in self.src_shapes):
+                raise config_error(conf, f"concate_dim 0 needs equal per-sample shapes, got {self.src_shapes}")
+        elif dim == 1:
+            if any(not s or s[1:] != first[1:] for s in self.src_shapes):
+                raise config_error(conf, f"concate_dim 1 needs shapes that differ only in their first entry, got {self.src_shapes}")
+            self.shape = (sum(s[0] for s in self.src_shapes),) + first[1:]
+        else:
+            raise config_error(conf, f"concate_conf.concate_dim must be 0 (batch) or 1 (features), got {dim}")
 
     def forward(self, xs, params, labels, ctx):
         dim = self.conf.concate_conf.concate_dim
-        out = torch.cat(xs, dim=dim)
-        aux = None
-        if dim == 0 and labels and all(l is not None for l in labels):
+        aux = labels[0] if labels else None
+        if dim == 0 and labels and all(label is not None for label in labels):
             aux = torch.cat(labels, dim=0)
-        elif labels:
-            aux = labels[0]
-        return out, aux
+        return torch.cat(xs, dim=dim), aux
 
 
 @register("kSlice")
 class Slice(Layer):
-    """Slice `partition_id` of num_slices equal-as-possible parts on slice_dim (0: batch, 1: features)."""
+    """Part `partition_id` of num_slices near-equal parts (larger first) of the source along slice_dim (0: rows, 1: features)."""
 
     category = "connection"
 
     def __init__(self, conf, src_shapes):
         super().__init__(conf, src_shapes)
         c = conf.slice_conf
+        if len(self.src_shapes) != 1:
+            raise config_error(conf, f"needs exactly one srclayer, got {len(self.src_shapes)}")
         if c.slice_dim not in (0, 1):
-            raise LayerConfigError(f"layer {conf.name!r}: slice_dim must be 0 or 1")
+            raise config_error(conf, f"slice_conf.slice_dim must be 0 (batch) or 1 (features), got {c.slice_dim}")
+        if c.num_slices <= 0 or not 0 <= conf.partition_id < c.num_slices:
+            raise config_error(conf, f"partition_id {conf.partition_id} must index one of slice_conf.num_slices {c.num_slices}")
         if c.slice_dim == 1:
-            sizes = split_sizes(self.src_shapes[0][0], c.num_slices)
-            self.shape = (sizes[conf.partition_id],) + tuple(self.src_shapes[0][1:])
+            src = self.src_shapes[0]
+            if not src or src[0] < c.num_slices:
+                raise config_error(conf, f"cannot cut per-sample shape {src} into {c.num_slices} feature slices")
+            self.shape = (split_sizes(src[0], c.num_slices)[conf.partition_id],) + src[1:]
 
     def forward(self, xs, params, labels, ctx):
         c = self.conf.slice_conf
         x = xs[0]
         sizes = split_sizes(x.shape[c.slice_dim], c.num_slices)
-        start = sum(sizes[: self.conf.partition_id])
-        part = x.narrow(c.slice_dim, start, sizes[self.conf.partition_id])
+        start, size = sum(sizes[: self.conf.partition_id]), sizes[self.conf.partition_id]
         aux = labels[0] if labels else None
         if c.slice_dim == 0 and aux is not None:
-            aux = aux.narrow(0, start, sizes[self.conf.partition_id])
-        return part, aux
-
-
-@register("kBridgeSrc", "kBridgeDst")
-class Bridge(Layer):
-    """Moves a blob between workers; in one worker's net it is the identity (the runtime does the transfer)."""
-
-    category = "connection"
-
-    def forward(self, xs, params, labels, ctx):
-        return xs[0]
-
-
-def split_sizes(total: int, parts: int) -> list[int]:
-    """`total` split into `parts` sizes differing by at most one, larger ones first (4096 over 3: 1366, 1365, 1365)."""
-    base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
+            aux = aux.narrow(0, start, size)
+        return x.narrow(c.slice_dim, start, size), aux

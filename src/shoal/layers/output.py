@@ -1,4 +1,4 @@
-"""Output layers: accuracy, top-k ids, and writers of features to stores."""
+"""Output layers: kAccuracy, kArgSort, and the store writers kCSVOutput and kRecordOutput."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,71 +6,100 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shoal.data.kvfile import KVFileWriter
-from shoal.data.records import encode_floats
-from shoal.data.textfile import append_textfile
 from shoal.layers.base import Layer
-from shoal.layers.loss import labels_of, topk_accuracy
+from shoal.layers.common import config_error, flat, top_indices
+from shoal.layers.loss import check_topk, labels_of, topk_accuracy
 from shoal.layers.registry import register
 
 
 @register("kAccuracy")
 class Accuracy(Layer):
-    """Reports top-k `accuracy` of its first source's scores (softmaxloss_conf.topk, default 1); passes them on."""
+    """Reports `accuracy`: the fraction of samples whose label is among the argsort_conf.topk best scores.
+
+    srclayers: the scores, then the layer carrying the labels. Passes the scores on.
+    """
 
     category = "output"
 
+    def __init__(self, conf, src_shapes):
+        super().__init__(conf, src_shapes)
+        if len(self.src_shapes) not in (1, 2):
+            raise config_error(conf, "needs the scores and (optionally) the labels' layer as srclayers")
+        check_topk(self, conf.argsort_conf.topk, "argsort_conf.topk")
+
     def forward(self, xs, params, labels, ctx):
-        scores = xs[0].reshape(xs[0].shape[0], -1)
-        target = labels_of(self, labels).reshape(-1).long()
-        ctx.report("accuracy", topk_accuracy(scores, target, self.conf.softmaxloss_conf.topk), len(target))
+        target = labels_of(self, labels)
+        ctx.report("accuracy", topk_accuracy(flat(xs[0]).detach(), target, self.conf.argsort_conf.topk), len(target))
         return xs[0]
 
 
 @register("kArgSort")
 class ArgSort(Layer):
-    """The ids of the top-k scores of each sample (argsort_conf.topk), best first, as floats."""
+    """The ids of each sample's argsort_conf.topk best scores, best first, as floats (ties: higher id first)."""
 
     category = "output"
 
     def __init__(self, conf, src_shapes):
         super().__init__(conf, src_shapes)
+        if len(self.src_shapes) != 1:
+            raise config_error(conf, f"needs exactly one srclayer, got {len(self.src_shapes)}")
+        check_topk(self, conf.argsort_conf.topk, "argsort_conf.topk")
         self.shape = (conf.argsort_conf.topk,)
 
     def forward(self, xs, params, labels, ctx):
-        scores = xs[0].reshape(xs[0].shape[0], -1)
-        return scores.topk(self.conf.argsort_conf.topk, dim=1).indices.to(torch.float32)
+        return top_indices(flat(xs[0]).detach(), self.conf.argsort_conf.topk).to(torch.float32)
 
 
-class _StoreOutput(Layer):
+class StoreOutput(Layer):
+    """Writes each sample of its source (flattened, with its label when the source carries labels) to store_conf.path.
+
+    As SINGA, the store is created (emptied) by the first batch this layer
+    writes and appended to by the following ones; keys count samples: "0", "1", ...
+    Passes its input on.
+    """
+
     category = "output"
 
     def __init__(self, conf, src_shapes):
         super().__init__(conf, src_shapes)
-        self.path = Path(conf.store_conf.path or f"{conf.name}.out")
-        self.written = 0
+        if len(self.src_shapes) != 1:
+            raise config_error(conf, f"needs exactly one srclayer, got {len(self.src_shapes)}")
+        if not conf.store_conf.path:
+            raise config_error(conf, "store_conf.path is required")
+        self.path = Path(conf.store_conf.path)
+        self.written = 0  # samples written so far; the next key
 
     def forward(self, xs, params, labels, ctx):
-        data = xs[0].detach().cpu().numpy()
-        target = labels[0].detach().cpu().numpy() if labels and labels[0] is not None else None
-        self.write(data.reshape(len(data), -1), target)
+        data = flat(xs[0]).detach().cpu().numpy()
+        label = labels[0] if labels else None
+        label = None if label is None else label.reshape(-1).cpu().numpy()
+        self.write(data, label, first=self.written == 0)
         self.written += len(data)
         return xs[0]
 
+    def write(self, data: np.ndarray, labels, first: bool) -> None:
+        # subclasses import the store writers when they first write: `import shoal.layers` stays independent of shoal.data
+        raise NotImplementedError
+
 
 @register("kCSVOutput")
-class CSVOutput(_StoreOutput):
-    """Appends one CSV line per sample (label first when known) to store_conf.path."""
+class CSVOutput(StoreOutput):
+    """One line per sample, `label,v1,v2,...` (no label field when none), separated by store_conf.separator."""
 
-    def write(self, data: np.ndarray, labels):
-        append_textfile(self.path, data, labels, self.conf.store_conf.separator)
+    def write(self, data, labels, first):
+        from shoal.data.textfile import append_textfile, write_textfile
+
+        (write_textfile if first else append_textfile)(self.path, data, labels, self.conf.store_conf.separator)
 
 
 @register("kRecordOutput")
-class RecordOutput(_StoreOutput):
-    """Appends one RecordProto per sample to the kvfile at store_conf.path."""
+class RecordOutput(StoreOutput):
+    """One RecordProto {shape, label, data} per sample in the kvfile store_conf.path."""
 
-    def write(self, data: np.ndarray, labels):
-        with KVFileWriter.appending(self.path) as w:
+    def write(self, data, labels, first):
+        from shoal.data.kvfile import KVFileWriter
+        from shoal.data.records import encode_floats
+
+        with KVFileWriter(self.path, append=not first) as w:
             for i, row in enumerate(data):
-                w.write(f"{self.written + i:08d}", encode_floats(row, None if labels is None else int(labels[i])))
+                w.write(str(self.written + i), encode_floats(row, None if labels is None else int(labels[i])))
