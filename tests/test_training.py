@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -169,3 +170,32 @@ def test_num_openblas_threads_sets_the_torch_thread_count(blobs_job, tmp_path):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_mean_and_std_files_equal_training_on_normalised_data(blobs_dir, tmp_path):
+    """store_conf.mean_file/std_file (SINGA's per-feature statistics) normalise every batch."""
+    from conftest import mlp_job_text, write_store
+    from shoal.data.dataset import open_store
+    from shoal.config import job_pb2
+
+    def read(name):
+        store = open_store(job_pb2.StoreProto(backend="kvfile", path=str(blobs_dir / name), shape=[16]))
+        return store.rows(0, len(store))
+
+    train, test = read("train.bin"), read("test.bin")
+    mean, std = train[0].mean(0), train[0].std(0)
+    write_store(tmp_path / "mean.bin", mean[None], np.zeros(1))
+    write_store(tmp_path / "std.bin", std[None], np.zeros(1))
+    write_store(tmp_path / "train.bin", (train[0] - mean) / std, train[1])
+    write_store(tmp_path / "test.bin", (test[0] - mean) / std, test[1])
+
+    stats = f'mean_file: "{tmp_path}/mean.bin" std_file: "{tmp_path}/std.bin" shape: 16'
+    raw = tmp_path / "raw.conf"
+    raw.write_text(mlp_job_text(blobs_dir, train_steps=10).replace("shape: 16", stats))
+    normalised = tmp_path / "normalised.conf"
+    normalised.write_text(mlp_job_text(tmp_path, train_steps=10))
+
+    a = shoal.train(raw, workspace=tmp_path / "a", log=quiet)
+    b = shoal.train(normalised, workspace=tmp_path / "b", log=quiet)
+    assert a.final_test["loss"] == pytest.approx(b.final_test["loss"], rel=1e-4)
+    assert a.final_test["loss"] < 1.0

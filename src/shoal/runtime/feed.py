@@ -76,9 +76,11 @@ def make_feeds(net, base_dirs: list[Path], partition: int, npartitions: int, rng
         store = job_pb2.StoreProto()
         store.CopyFrom(conf.store_conf)
         store.path = str(resolve_data_path(store.path, base_dirs))
-        if store.HasField("mean_file"):
-            store.mean_file = str(resolve_data_path(store.mean_file, base_dirs))
-            node.layer.mean = torch.from_numpy(np.asarray(load_mean(store.mean_file), dtype=np.float32)).to(device)
+        for field, attribute in (("mean_file", "mean"), ("std_file", "std")):
+            if store.HasField(field):
+                setattr(store, field, str(resolve_data_path(getattr(store, field), base_dirs)))
+                values = load_mean(getattr(store, field), store.backend or "kvfile", store.separator)
+                setattr(node.layer, attribute, torch.from_numpy(np.asarray(values, dtype=np.float32)).to(device))
         dataset = open_store(store, ".")
         shares = batch_shares(store, npartitions)
         skip = int(rng.integers(0, store.random_skip + 1)) if store.random_skip > 0 else 0
