@@ -33,7 +33,7 @@ FRAMEWORKS = [
         [([(0, 0)], []), ([(0, 1)], []), ([(1, 0)], []), ([(1, 1)], []), ([], [(0, 0)]), ([], [(0, 1)])],
     ),
     ("nworker_groups: 3 nserver_groups: 3", "Distributed Hogwild", [([(g, 0)], [(g, 0)]) for g in range(3)]),
-    ("nworker_groups: 2 nworkers_per_procs: 2", "Downpour", [([(0, 0), (1, 0)], [(0, 0)])]),
+    ("nworker_groups: 2 nworkers_per_procs: 2", "in-memory Hogwild", [([(0, 0), (1, 0)], [(0, 0)])]),
     ("nworkers_per_group: 2 nworkers_per_procs: 2", "AllReduce", [([(0, 0), (0, 1)], [(0, 0)])]),
 ]
 

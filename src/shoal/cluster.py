@@ -108,6 +108,9 @@ class Placement:
             if c.nworkers_per_group == 1:
                 return "single worker"
             return "Sandblaster" if c.server_worker_separate else "AllReduce"
+        if len(self.processes) == 1 and c.nserver_groups == 1:
+            # SINGA's docs call this in-memory Downpour; the lock-free shared updates are Hogwild's
+            return "in-memory Hogwild"
         if c.nserver_groups == 1:
             return "Downpour"
         return "Distributed Hogwild" if c.nserver_groups == c.nworker_groups else "async (grouped servers)"

@@ -131,12 +131,17 @@ class NeuralNet:
 
     # -- params -----------------------------------------------------------
     def bind(self) -> None:
-        """(Re)create this net's leaf views of the store's values (shared memory, own grads)."""
+        """(Re)create this net's leaf views of the store's values (shared memory, own grads).
+
+        `.data` gives each leaf its own autograd version counter: asynchronous groups
+        (Hogwild) update the shared values while other groups' backward passes still
+        hold them, which autograd would otherwise reject as an in-place modification.
+        """
         self._leaves = {}
         for node in self.nodes:
             for name in node.params:
                 if name not in self._leaves:
-                    self._leaves[name] = self.store.values[name].detach().requires_grad_(self.phase == job_pb2.kTrain)
+                    self._leaves[name] = self.store.values[name].data.requires_grad_(self.phase == job_pb2.kTrain)
 
     def param_names(self) -> list[str]:
         return list(self._leaves)

@@ -16,6 +16,7 @@ from shoal.cluster import place
 from shoal.config import job_pb2
 from shoal.metrics import MetricsLog
 from shoal.runtime.exchange import LocalExchange
+from shoal.runtime.groups import GroupBoard, GroupExchange, run_groups
 from shoal.runtime.server import Server
 from shoal.runtime.trainer import History, Trainer
 from shoal.updaters import make_updater
@@ -33,12 +34,20 @@ class UnsupportedClusterError(ValueError):
 
 
 def check_runnable(job: job_pb2.JobProto) -> None:
-    """This runtime runs one (synchronous) worker group, in one or several processes; say so otherwise."""
+    """Say in one line which layouts this runtime cannot run yet."""
     placement = place(job.cluster)
-    if job.cluster.nworker_groups > 1:
+    c = job.cluster
+    if c.nworker_groups == 1:
+        return
+    if len(placement.processes) > 1:
         raise UnsupportedClusterError(
-            f"cluster: {placement.framework} ({job.cluster.nworker_groups} asynchronous worker groups) is not supported yet; "
-            "this runtime runs one synchronous worker group (single, AllReduce, Sandblaster); see `shoal plan` for the layout"
+            f"cluster: {placement.framework} over {len(placement.processes)} processes is not supported yet; "
+            f"asynchronous groups run in one process (nworkers_per_procs: {c.nworker_groups * c.nworkers_per_group}, "
+            "share_memory: true); see `shoal plan` for the layout"
+        )
+    if not c.share_memory or c.nserver_groups > 1:
+        raise UnsupportedClusterError(
+            "cluster: asynchronous groups in one process need share_memory: true and nserver_groups: 1 (in-memory Hogwild)"
         )
 
 
@@ -101,6 +110,23 @@ def _prepare_workspace(workspace: Path, resume: bool) -> Optional[Path]:
     return None
 
 
+def build_group_trainers(job: job_pb2.JobProto, workspace: Path, options: RunOptions) -> tuple[list[Trainer], GroupBoard]:
+    """Asynchronous groups in this process sharing one store and one server (in-memory Hogwild)."""
+    c = job.cluster
+    torch.set_num_threads(thread_budget(job, workers_on_host=c.nworker_groups * c.nworkers_per_group))
+    device = select_device(job)
+    chief = Trainer(job, workspace, options.base_dirs, device, log=options.log, progress=options.progress)
+    others = [
+        Trainer(job, workspace, options.base_dirs, device, progress=False, chief=False, store=chief.store, group=g)
+        for g in range(1, c.nworker_groups)
+    ]
+    server = Server(chief.store, make_updater(job.updater))
+    board = GroupBoard(c.nworker_groups, c.max_staleness, c.warmup_steps)
+    for trainer in [chief] + others:
+        trainer.attach_exchange(GroupExchange(server, board, trainer.group))
+    return [chief] + others, board
+
+
 def build_trainer(job: job_pb2.JobProto, workspace: Path, options: RunOptions, train: bool = True) -> Trainer:
     torch.set_num_threads(thread_budget(job, workers_on_host=job.cluster.nworkers_per_group))
     device = select_device(job)
@@ -148,19 +174,25 @@ def _train(job: job_pb2.JobProto, options: RunOptions, workspace: Path, resume_f
         nodes = options.nodes or Nodes()
         local_workers = max(1, -(-workers // nodes.nnodes))
         return run_processes(job, workspace, resume_from, options.base_dirs, thread_budget(job, workers_on_host=local_workers), on_start=started, nodes=nodes)
-    trainer = build_trainer(job, workspace, options)
-    if resume_from is not None:
-        trainer.restore(resume_from)
-    elif job.checkpoint_path:
-        trainer.load_params([ckpt_io.resolve_path(p, options.base_dirs) for p in job.checkpoint_path])
+    if job.cluster.nworker_groups > 1:
+        trainers, board = build_group_trainers(job, workspace, options)
+    else:
+        trainers, board = [build_trainer(job, workspace, options)], None
+    chief = trainers[0]
+    for trainer in trainers:
+        if resume_from is not None:
+            trainer.restore(resume_from)
+        elif job.checkpoint_path and trainer is chief:
+            trainer.load_params([ckpt_io.resolve_path(p, options.base_dirs) for p in job.checkpoint_path])
     workspace.mkdir(parents=True, exist_ok=True)
     (workspace / "job.conf").write_text(text_format.MessageToString(job))
-    for w in trainer.workers:
-        options.log(f"Worker (group = 0, id = {w.index}) start on {w.device.type.upper()}")
+    for trainer in trainers:
+        for w in trainer.workers:
+            options.log(f"Worker (group = {trainer.group}, id = {w.index}) start on {w.device.type.upper()}")
     options.log(f"Job {record.id}; workspace {workspace}")
-    metrics = MetricsLog(workspace / "metrics.jsonl", elapsed_before=trainer.elapsed_before)
+    metrics = MetricsLog(workspace / "metrics.jsonl", elapsed_before=chief.elapsed_before)
     try:
-        return trainer.run(metrics)
+        return run_groups(trainers, board, metrics, options.log) if board else chief.run(metrics)
     finally:
         metrics.close()
 

@@ -5,6 +5,7 @@ tensors per param, so a server can own any slice of a param and its state.
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -22,6 +23,8 @@ class Server:
         self.names = list(names if names is not None else store.trainable_names())
         self.state: dict[str, dict[str, torch.Tensor]] = {n: updater.init_state(store.values[n]) for n in self.names}
         self.version: dict[str, int] = {n: 0 for n in self.names}
+        self.updates = 0  # updates applied (SINGA's slice version when all slices update together)
+        self._count = threading.Lock()  # only the counter is locked: values are updated lock-free (Hogwild)
 
     def update(self, step: int, grads: dict[str, Optional[torch.Tensor]], grad_scale: float = 1.0) -> None:
         """Apply one update per owned param that has a gradient (running stats have none)."""
@@ -32,6 +35,8 @@ class Server:
             info = self.store.info[name]
             self.updater.update(step, self.store.values[name], grad, self.state[name], info.lr_scale, info.wd_scale, grad_scale)
             self.version[name] += 1
+        with self._count:
+            self.updates += 1
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         return self.state

@@ -46,6 +46,7 @@ class History:
 
     workspace: Path
     records: list[dict] = field(default_factory=list)
+    failed_groups: list[str] = field(default_factory=list)  # asynchronous groups dropped during the run
 
     def phase(self, name: str) -> list[dict]:
         return [r for r in self.records if r["phase"] == name]
@@ -80,6 +81,8 @@ class Trainer:
         train: bool = True,
         worker_indices: Optional[list[int]] = None,
         chief: bool = True,
+        store: Optional[ParamStore] = None,
+        group: int = 0,
     ):
         self.job = job
         self.workspace = Path(workspace)
@@ -89,13 +92,15 @@ class Trainer:
         self.log = log if chief else (lambda *_: None)
         self.progress = chief and (sys.stderr.isatty() if progress is None else progress)
 
-        # params are initialised in layer order by the first net built, so every layout starts alike
+        # params are initialised in layer order by the first net built, so every layout starts alike;
+        # asynchronous groups of one process may share one store (SINGA's share_memory)
         init_gen = torch.Generator().manual_seed(job.seed)
-        self.store = ParamStore()
+        self.store = store if store is not None else ParamStore()
+        self.group = group
         npartitions = job.cluster.nworkers_per_group
         if worker_indices is None:
             worker_indices = list(range(npartitions)) if train else []
-        self.workers = [Worker(job, self.store, base_dirs, device, i, npartitions, init_gen) for i in worker_indices]
+        self.workers = [Worker(job, self.store, base_dirs, device, i, npartitions, init_gen, group) for i in worker_indices]
         if not self.workers:  # a server-only process still needs the param store
             NeuralNet(job.neuralnet, job_pb2.kTrain, self.store, init_gen)
         self.global_batch = global_batch(job)
@@ -113,7 +118,8 @@ class Trainer:
         self.feeds: dict[int, dict[str, InputFeed]] = {phase: make_feeds(net, base_dirs, 0, 1, eval_rng, device) for phase, net in self.nets.items()}
         self.generator = self.workers[0].generator if self.workers else torch.Generator(device=device).manual_seed(job.seed + 1)
         self.pool = ThreadPoolExecutor(max_workers=len(self.workers), thread_name_prefix="shoal-worker") if len(self.workers) > 1 else None
-        self.exchange = None  # LocalExchange or SlicedExchange
+        self.exchange = None  # LocalExchange, SlicedExchange or a GroupExchange (asynchronous groups)
+        self.before_final_test: Callable[[], None] = lambda: None  # e.g. wait for the other groups
         self.cursors: dict[int, int] = {job_pb2.kTest: 0, job_pb2.kVal: 0}
         self.window = MetricWindow()
         self.start_step = 0
@@ -207,6 +213,9 @@ class Trainer:
 
     def train_step(self, step: int) -> int:
         """Train one batch on the whole group; return the number of samples it used."""
+        begin = getattr(self.exchange, "begin_step", None)
+        if begin is not None:  # asynchronous groups: staleness bound, warm-up, version read
+            begin(step)
         compute = lambda w: (w.compute(step, self.window.report), w.share)
         parts = list(self.pool.map(compute, self.workers)) if self.pool else [compute(w) for w in self.workers]
         self.exchange.step(step, parts)
@@ -250,6 +259,8 @@ class Trainer:
             if fires(job.disp_freq, job.disp_after, step):
                 now = time.perf_counter()
                 values = self.exchange.metrics(self.window)
+                # asynchronous groups: throughput of the whole job, not of this group
+                window_samples = values.pop("samples", window_samples)
                 self.log(display_line("Train", step, values))
                 record(step, "train", values, samples_per_sec=round(window_samples / max(now - window_start, 1e-9), 2))
                 self.window.reset()
@@ -261,6 +272,7 @@ class Trainer:
             bar.close()
         if self.resumed and self.start_step >= job.train_steps:
             return history  # resumed from the final checkpoint: nothing left to do
+        self.before_final_test()
         if job.test_steps > 0 and job.test_freq > 0:
             run_phase(job.train_steps, job_pb2.kTest, job.test_steps, "Test")
         path = self.save_checkpoint(job.train_steps)

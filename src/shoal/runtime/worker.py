@@ -32,12 +32,21 @@ class Worker:
         index: int = 0,
         npartitions: int = 1,
         init_generator: Optional[torch.Generator] = None,
+        group: int = 0,
     ):
-        self.job, self.index, self.device = job, index, device
+        self.job, self.index, self.group, self.device = job, index, group, device
         self.net = NeuralNet(job.neuralnet, job_pb2.kTrain, store, init_generator or torch.Generator().manual_seed(job.seed))
-        # every worker of a group draws the same random_skip, so shares tile one global batch
-        self.feeds: dict[str, InputFeed] = make_feeds(self.net, base_dirs, index, npartitions, np.random.default_rng(job.seed), device)
-        self.generator = torch.Generator(device=device).manual_seed(job.seed + 1 + index)
+        # every worker of a group draws the same random_skip, so shares tile one global batch;
+        # groups draw their own, so asynchronous groups read different data
+        rng = np.random.default_rng(job.seed if group == 0 else [job.seed, group])
+        self.feeds: dict[str, InputFeed] = make_feeds(self.net, base_dirs, index, npartitions, rng, device)
+        if group > 0:
+            ngroups = max(job.cluster.nworker_groups, group + 1)
+            for feed in self.feeds.values():
+                # without random_skip, groups start at evenly spaced offsets: disjoint shards of one epoch
+                if feed.skip == 0:
+                    feed.skip = group * (len(feed.dataset) // ngroups)
+        self.generator = torch.Generator(device=device).manual_seed(job.seed + 1 + index + 7919 * group)
 
     @property
     def global_batch(self) -> int:

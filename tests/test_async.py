@@ -1,0 +1,135 @@
+"""Asynchronous worker groups: in-memory Hogwild (groups of one process sharing params and updater slots)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+import shoal
+from shoal.runtime.groups import GroupBoard
+
+quiet = lambda *a: None
+
+
+def hogwild_job(blobs_job, groups=2, steps=40, cluster_extra="", **kw):
+    job = blobs_job(train_steps=steps, **kw)
+    job.write_text(job.read_text().replace("cluster { }", f"cluster {{ nworker_groups: {groups} nworkers_per_procs: {groups} {cluster_extra} }}"))
+    return job
+
+
+def train_records(workspace):
+    lines = (workspace / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["phase"] == "train"]
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+@pytest.mark.parametrize("updater", ["type: kSGD momentum: 0.9", "type: kAdaGrad", "type: kAdam"])
+def test_in_memory_hogwild_learns_and_reports_staleness(blobs_job, tmp_path, groups, updater):
+    history = shoal.train(hogwild_job(blobs_job, groups, updater=updater), workspace=tmp_path / "ws", log=quiet)
+    assert history.final_test["accuracy"] >= 0.9
+    records = train_records(tmp_path / "ws")
+    assert all("staleness_mean" in r and "staleness_max" in r for r in records)
+    assert all(0 <= r["staleness_mean"] <= r["staleness_max"] for r in records)
+    # samples/s counts every group: global batch 32 per group step
+    assert all(r["samples_per_sec"] > 0 for r in records)
+
+
+def test_updater_slots_are_shared_by_the_groups(blobs_job, tmp_path):
+    """One server, so one velocity per param for the one shared set of params (PyTorch's
+    mnist_hogwild keeps an optimizer, and so a velocity, per process)."""
+    from shoal.api import load_job
+    from shoal.runtime.local import RunOptions, build_group_trainers
+
+    trainers, _ = build_group_trainers(load_job(hogwild_job(blobs_job, 3)), tmp_path / "ws", RunOptions(log=quiet))
+    servers = {id(t.exchange.server) for t in trainers}
+    stores = {id(t.store) for t in trainers}
+    assert len(servers) == 1 and len(stores) == 1
+    for t in trainers:  # every group's net computes on the shared values themselves
+        for name, leaf in t.workers[0].net._leaves.items():
+            assert leaf.data_ptr() == t.store.values[name].data_ptr()
+    shoal.train(hogwild_job(blobs_job, 2, steps=10), workspace=tmp_path / "run", log=quiet)
+    tensors = load_file(str(tmp_path / "run" / "checkpoint" / "step10-worker0.safetensors"))
+    assert sorted(k for k in tensors if k.startswith("state/")) == [f"state/{p}/history" for p in ("b1", "b2", "w1", "w2")]
+
+
+@pytest.mark.parametrize("bound", [0, 2])
+def test_bounded_staleness_bounds_the_version_lag(blobs_job, tmp_path, bound):
+    groups = 3
+    shoal.train(hogwild_job(blobs_job, groups, steps=30, cluster_extra=f"max_staleness: {bound}"), workspace=tmp_path / "ws", log=quiet)
+    # while no group is more than `bound` steps ahead of the slowest, each of the other groups can
+    # apply at most bound + 1 updates during one step of a group
+    assert max(r["staleness_max"] for r in train_records(tmp_path / "ws")) <= (groups - 1) * (bound + 1)
+
+
+def test_board_holds_a_group_that_runs_too_far_ahead():
+    board = GroupBoard(2, max_staleness=1)
+    board.step_done(0, 0, 32, 0)
+    board.step_done(0, 1, 32, 0)  # group 0 has done 2 steps, group 1 none
+    started = threading.Event()
+
+    def group0_step2():
+        board.wait_turn(0, 2)
+        started.set()
+
+    thread = threading.Thread(target=group0_step2)
+    thread.start()
+    assert not started.wait(0.3), "group 0 ran 2 steps ahead of group 1 with max_staleness 1"
+    board.step_done(1, 0, 32, 0)
+    assert started.wait(2.0)
+    thread.join()
+
+
+def test_warm_up_holds_the_other_groups_until_group_0_has_trained():
+    board = GroupBoard(2, warmup_steps=3)
+    started = threading.Event()
+    thread = threading.Thread(target=lambda: (board.wait_turn(1, 0), started.set()))
+    thread.start()
+    for step in range(3):
+        assert not started.wait(0.1)
+        board.step_done(0, step, 32, 0)
+    assert started.wait(2.0)
+    thread.join()
+
+
+def test_a_finished_or_dead_group_never_holds_the_others():
+    board = GroupBoard(2, max_staleness=0)
+    board.stop(1)
+    start = time.perf_counter()
+    for step in range(5):
+        board.wait_turn(0, step)
+        board.step_done(0, step, 32, 0)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_a_dead_group_is_dropped_with_a_warning_and_the_job_finishes(blobs_job, tmp_path):
+    job = hogwild_job(blobs_job, 3, steps=30)
+    env = {**__import__("os").environ, "SHOAL_INJECT_GROUP_ERROR": "1:5"}
+    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stdout.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and "worker group 1 died at step 5" in warnings[0] and "injected failure" in warnings[0]
+    assert "Test @ step 30" in proc.stdout
+    assert (tmp_path / "ws" / "checkpoint" / "step30-worker0.safetensors").exists()
+
+
+def test_plan_names_in_memory_hogwild(blobs_job, tmp_path):
+    job = hogwild_job(blobs_job, 2)
+    proc = subprocess.run([sys.executable, "-m", "shoal", "plan", str(job), "--json"], capture_output=True, text=True, timeout=60)
+    plan = json.loads(proc.stdout)
+    assert plan["framework"] == "in-memory Hogwild" and plan["nprocs"] == 1
+
+
+def test_resume_of_an_in_memory_hogwild_run_continues_to_the_end(blobs_job, tmp_path):
+    job = hogwild_job(blobs_job, 2, steps=20, extra="checkpoint_freq: 10")
+    env = {**__import__("os").environ, "SHOAL_INJECT_GROUP_ERROR": "0:15"}
+    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode != 0 and "injected failure" in proc.stderr
+    history = shoal.train(job, workspace=tmp_path / "ws", resume=True, log=quiet)
+    assert history.final_test["step"] == 20 and history.final_test["accuracy"] >= 0.9
