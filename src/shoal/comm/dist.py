@@ -105,3 +105,26 @@ def all_reduce_sum(tensor: torch.Tensor) -> None:
 def barrier() -> None:
     _enter()
     dist.barrier()
+
+
+# -- point to point and subgroups: the parameter-server transport (Downpour) ----------------
+def new_group(ranks: list[int]):
+    """A process group of `ranks`; every rank of the job must call this, in the same order."""
+    return dist.new_group(ranks=ranks)
+
+
+def send(tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+    dist.send(tensor, dst=dst, tag=tag)
+
+
+def recv(tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+    dist.recv(tensor, src=src, tag=tag)
+
+
+def group_reduce_sum(tensor: torch.Tensor, dst: int, group) -> None:
+    """Sum over the ranks of `group` into global rank `dst`'s copy."""
+    dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group)
+
+
+def group_broadcast(tensor: torch.Tensor, src: int, group) -> None:
+    dist.broadcast(tensor, src=src, group=group)

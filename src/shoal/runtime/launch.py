@@ -25,10 +25,11 @@ import torch
 import torch.multiprocessing as mp
 
 from shoal import checkpoint as ckpt_io
-from shoal.cluster import Placement, place
+from shoal.cluster import Placement, ServerId, WorkerId, place
 from shoal.comm import dist as comm
 from shoal.config import job_pb2
 from shoal.metrics import MetricsLog, read_metrics
+from shoal.runtime.downpour import DownpourExchange, DownpourServer
 from shoal.runtime.exchange import SlicedExchange
 from shoal.runtime.trainer import History, Trainer
 from shoal.updaters import make_updater
@@ -97,9 +98,18 @@ def _entry(
         trainer = Trainer(
             job, Path(workspace), [Path(d) for d in base_dirs], torch.device("cpu"), log=say,
             progress=False, worker_indices=[w.id for w in hosted.workers], chief=rank == 0,
+            group=hosted.workers[0].group if hosted.workers else 0,
         )
         placement = place(job.cluster, {name: info.numel for name, info in trainer.store.info.items()})
-        trainer.attach_exchange(SlicedExchange(trainer.store, make_updater(job.updater), placement, rank, trainer.global_batch))
+        if placement.is_synchronous:
+            trainer.attach_exchange(SlicedExchange(trainer.store, make_updater(job.updater), placement, rank, trainer.global_batch))
+        else:
+            server = _attach_downpour(trainer, placement, rank, say, resume_from)
+            if server is not None and not hosted.workers:  # a server process: serve until every group stops
+                for s in hosted.servers:
+                    print(f"Server (group = {s.group}, id = {s.id}) start in process {rank}: {server.size:,} param elements")
+                server.serve()
+                return
         if resume_from:
             trainer.restore(Path(resume_from))
         elif job.checkpoint_path:
@@ -134,6 +144,34 @@ def _entry(
         comm.shutdown()
 
 
+def _attach_downpour(trainer: Trainer, placement: Placement, rank: int, log, resume_from: Optional[str]):
+    """Give this process its Downpour role; return its server if it hosts one.
+
+    Every process creates every group's process group (torch.distributed requires
+    it), in group order, whether or not it belongs to it.
+    """
+    job = trainer.job
+    group_ranks = {g: sorted({placement.process_of(WorkerId(g, w)) for w in range(job.cluster.nworkers_per_group)})
+                   for g in range(job.cluster.nworker_groups)}
+    group_comms = {g: comm.new_group(ranks) if len(ranks) > 1 else None for g, ranks in group_ranks.items()}
+    server_ranks = {ServerId(0, i): placement.process_of(ServerId(0, i)) for i in range(job.cluster.nservers_per_group)}
+    hosted = placement.processes[rank]
+    if hosted.servers:
+        server = DownpourServer(trainer.store, make_updater(job.updater), placement, hosted.servers[0],
+                                {g: ranks[0] for g, ranks in group_ranks.items()}, log=print)
+        if resume_from:
+            ckpt = ckpt_io.load(Path(resume_from))
+            trainer.store.load(ckpt.params, strict=True)
+            server.load_state(ckpt.updater_state)
+        return server
+    group = hosted.workers[0].group
+    exchange = DownpourExchange(trainer.store, make_updater(job.updater), placement, rank, group,
+                                group_ranks[group], group_comms[group], server_ranks, trainer.global_batch)
+    trainer.attach_exchange(exchange)
+    trainer.before_final_test = exchange.finish
+    return None
+
+
 def _inject_faults(trainer: Trainer, rank: int) -> None:
     """Fault injection for tests: SHOAL_INJECT_EXIT / SHOAL_INJECT_STALL = "RANK:STEP" make that
     rank die (exit code 3) or hang at that step."""
@@ -152,6 +190,37 @@ def _inject_faults(trainer: Trainer, rank: int) -> None:
             return step_fn(step)
 
         trainer.train_step = faulty_step
+
+
+def expendable(placement: Placement, rank: int) -> bool:
+    """Asynchronous jobs outlive a process that hosts only workers of groups other than group 0."""
+    proc = placement.processes[rank]
+    return not placement.is_synchronous and not proc.servers and bool(proc.workers) and all(w.group != 0 for w in proc.workers)
+
+
+def _join_tolerating_groups(context, ranks: list[int], placement: Placement, workspace: Path) -> None:
+    """Wait for the processes of an asynchronous job; a dead worker group is reported, not fatal.
+
+    Returns when every process has exited or one that the job cannot lose has
+    failed (torch's context.join then reports it and stops the others).
+    """
+    from multiprocessing.connection import wait
+
+    reported: set[int] = set()
+    while True:
+        exited = [i for i, p in enumerate(context.processes) if p.exitcode is not None]
+        for i in exited:
+            code = context.processes[i].exitcode
+            if code != 0 and not expendable(placement, ranks[i]):
+                return
+            if code != 0 and i not in reported:
+                reported.add(i)
+                context.sentinels.pop(context.processes[i].sentinel, None)  # torch's join must not fail the job for it
+                print(f"WARNING: {describe_process(placement, ranks[i])} exited with code {code}; "
+                      f"the other worker groups go on (see {workspace}/logs/rank{ranks[i]}.log)", flush=True)
+        if len(exited) == len(context.processes):
+            return
+        wait([p.sentinel for p in context.processes if p.exitcode is None], timeout=1.0)
 
 
 def run_processes(
@@ -187,6 +256,8 @@ def run_processes(
 
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
+            if not placement.is_synchronous:
+                _join_tolerating_groups(context, ranks, placement, workspace)
             while not context.join():
                 pass
         finally:

@@ -40,11 +40,15 @@ def check_runnable(job: job_pb2.JobProto) -> None:
     if c.nworker_groups == 1:
         return
     if len(placement.processes) > 1:
-        raise UnsupportedClusterError(
-            f"cluster: {placement.framework} over {len(placement.processes)} processes is not supported yet; "
-            f"asynchronous groups run in one process (nworkers_per_procs: {c.nworker_groups * c.nworkers_per_group}, "
-            "share_memory: true); see `shoal plan` for the layout"
-        )
+        if c.nserver_groups > 1 or not c.server_worker_separate:
+            raise UnsupportedClusterError(
+                f"cluster: {placement.framework} over {len(placement.processes)} processes is not supported yet: "
+                "asynchronous groups over processes run as Downpour (nserver_groups: 1, server_worker_separate: true) "
+                f"or in one process (nworkers_per_procs: {c.nworker_groups * c.nworkers_per_group}); see `shoal plan`"
+            )
+        if any(len({w.group for w in p.workers}) > 1 for p in placement.processes):
+            raise UnsupportedClusterError("cluster: a process hosting workers of several groups is not supported over processes yet")
+        return
     if not c.share_memory or c.nserver_groups > 1:
         raise UnsupportedClusterError(
             "cluster: asynchronous groups in one process need share_memory: true and nserver_groups: 1 (in-memory Hogwild)"
