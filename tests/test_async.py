@@ -133,3 +133,86 @@ def test_resume_of_an_in_memory_hogwild_run_continues_to_the_end(blobs_job, tmp_
     assert proc.returncode != 0 and "injected failure" in proc.stderr
     history = shoal.train(job, workspace=tmp_path / "ws", resume=True, log=quiet)
     assert history.final_test["step"] == 20 and history.final_test["accuracy"] >= 0.9
+
+
+# -- Downpour over processes -------------------------------------------------------------
+def downpour_job(blobs_job, cluster="nworker_groups: 2 server_worker_separate: true", steps=40, **kw):
+    job = blobs_job(train_steps=steps, **kw)
+    job.write_text(job.read_text().replace("cluster { }", f"cluster {{ {cluster} }}"))
+    return job
+
+
+def run_cli(job, workspace, *extra, env=None, timeout=240):
+    env = {**__import__("os").environ, "SHOAL_COMM_TIMEOUT": "20", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(workspace), *extra],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.mark.parametrize("cluster", [
+    "nworker_groups: 2 server_worker_separate: true",
+    # the seed docs' Downpour: 2 groups x 2 workers, 2 separate servers (6 processes)
+    "nworker_groups: 2 nserver_groups: 1 nworkers_per_group: 2 nservers_per_group: 2 server_worker_separate: true",
+])
+def test_downpour_over_processes_learns_with_stale_updates(blobs_job, tmp_path, cluster):
+    proc = run_cli(downpour_job(blobs_job, cluster), tmp_path / "ws")
+    assert proc.returncode == 0, proc.stderr
+    assert "Downpour" in proc.stdout
+    records = [json.loads(line) for line in (tmp_path / "ws" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["phase"] == "test" and records[-1]["step"] == 40 and records[-1]["accuracy"] >= 0.9
+    train = [r for r in records if r["phase"] == "train"]
+    assert max(r["staleness_max"] for r in train) > 0  # the other group's updates land between pull and push
+    assert (tmp_path / "ws" / "checkpoint" / "step40-worker0.safetensors").exists()
+
+
+def test_downpour_survives_a_dead_worker_group(blobs_job, tmp_path):
+    proc = run_cli(downpour_job(blobs_job), tmp_path / "ws", env={"SHOAL_INJECT_EXIT": "1:10"})
+    assert proc.returncode == 0, proc.stderr
+    assert "process 1 (worker(group=1, id=0)) exited with code 3; the other worker groups go on" in proc.stdout
+    assert "Test @ step 40" in proc.stdout
+
+
+def test_downpour_fails_cleanly_when_a_server_dies_and_resumes_with_more_servers(blobs_job, tmp_path):
+    job = downpour_job(blobs_job, steps=30, extra="checkpoint_freq: 10")
+    start = time.perf_counter()
+    proc = run_cli(job, tmp_path / "ws", env={"SHOAL_INJECT_EXIT": "2:30"})  # server version 30: about step 15
+    assert proc.returncode != 0 and time.perf_counter() - start < 90
+    error = proc.stderr.strip().splitlines()
+    assert len(error) == 1 and "server(group=0, id=0)" in error[0], proc.stderr
+    # resume from the last checkpoint with the params re-sliced over two servers
+    proc = run_cli(job, tmp_path / "ws", "--resume", "--set", "cluster.nservers_per_group=2")
+    assert proc.returncode == 0, proc.stderr
+    assert "Resume from checkpoint" in proc.stdout and "Test @ step 30" in proc.stdout
+
+
+def test_server_state_reslices_to_any_server_count(blobs_job):
+    """A whole-model updater state loaded by the servers of one slicing and gathered back is unchanged."""
+    import torch
+
+    from shoal.api import load_job
+    from shoal.cluster import ServerId, place
+    from shoal.params import ParamStore
+    from shoal.runtime.downpour import DownpourServer, server_segments
+    from shoal.runtime.trainer import Trainer
+    from shoal.updaters import make_updater
+
+    job = load_job(downpour_job(blobs_job, updater="type: kAdam"))
+    store = Trainer(job, blobs_job(), [], torch.device("cpu"), train=False).store
+    updater = make_updater(job.updater)
+    gen = torch.Generator().manual_seed(0)
+    state = {n: {slot: torch.randn(store.info[n].shape, generator=gen) for slot in updater.init_state(torch.zeros(1))} for n in store.trainable_names()}
+    for nservers in (1, 2, 3, 5):
+        job.cluster.nservers_per_group = nservers
+        placement = place(job.cluster, {n: i.numel for n, i in store.info.items()})
+        rebuilt = {n: {slot: torch.zeros_like(v) for slot, v in slots.items()} for n, slots in state.items()}
+        for i in range(nservers):
+            server = DownpourServer(store, updater, placement, ServerId(0, i), {})
+            server.load_state(state)
+            flat, offset = server.state_flat(), 0
+            for slot in server.slots:
+                for seg in server.segments:
+                    rebuilt[seg.param][slot].view(-1)[seg.start : seg.stop] = flat[offset : offset + seg.size]
+                    offset += seg.size
+        for n in state:
+            for slot in state[n]:
+                assert torch.equal(rebuilt[n][slot], state[n][slot]), (nservers, n, slot)
+    assert server_segments([])[1] == 0

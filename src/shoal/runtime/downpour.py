@@ -17,6 +17,7 @@ checkpoint see the model every group trained.
 """
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -62,6 +63,10 @@ def slot_names(updater: Updater) -> list[str]:
     return sorted(updater.init_state(torch.zeros(1)))
 
 
+class ServerLost(RuntimeError):
+    """A server of the job died or stopped answering: the job cannot go on (resume from a checkpoint)."""
+
+
 class DownpourServer:
     """One server of the (single) server group: owns slices, their updater state and one version."""
 
@@ -76,6 +81,7 @@ class DownpourServer:
         self._lock = threading.Lock()  # a server applies one update at a time, as SINGA's
         self._running = threading.Condition()
         self._live = set(stubs)
+        self.exit_at_version: Optional[int] = None  # fault injection for tests
 
     def _view(self, seg: Segment) -> torch.Tensor:
         return self.store.values[seg.param].view(-1)[seg.start : seg.stop]
@@ -102,6 +108,8 @@ class DownpourServer:
                 self.updater.update(self.version, self._view(seg), grad[seg.offset : seg.offset + seg.size],
                                     self.state[seg], info.lr_scale, info.wd_scale)
             self.version += 1
+            if self.version == self.exit_at_version:
+                os._exit(3)
             return self.values(), self.version, lag
 
     def serve(self) -> None:
@@ -207,20 +215,27 @@ class DownpourExchange:
         if len(self.group_ranks) > 1:
             comm.group_reduce_sum(flat, self.stub, self.group_comm)
         if self.rank == self.stub:
-            for _, server_rank, segments, _ in self.servers:
-                comm.send(torch.tensor([PUSH, step, self.read_version[server_rank]], dtype=torch.int64), server_rank, TAG_HEADER)
-                comm.send(self._gather(flat, segments), server_rank, TAG_GRAD)
-            reply = torch.zeros(2, dtype=torch.int64)
-            lags = []
-            for _, server_rank, segments, size in self.servers:
-                values = torch.zeros(size)
-                comm.recv(values, server_rank, TAG_VALUES)
-                comm.recv(reply, server_rank, TAG_REPLY)
-                self._scatter_values(values, segments)
-                self.read_version[server_rank] = int(reply[0])
-                lags.append(int(reply[1]))
-            self.staleness.add(max(lags))
+            try:
+                self._push_pull(step, flat)
+            except RuntimeError as err:
+                raise ServerLost(f"a server stopped answering worker group {self.group} at step {step}: {str(err).splitlines()[0]}") from None
         self._share_params()
+
+    def _push_pull(self, step: int, flat: torch.Tensor) -> None:
+        for _, server_rank, segments, _ in self.servers:
+            comm.send(torch.tensor([PUSH, step, self.read_version[server_rank]], dtype=torch.int64), server_rank, TAG_HEADER)
+            comm.send(self._gather(flat, segments), server_rank, TAG_GRAD)
+        reply = torch.zeros(2, dtype=torch.int64)
+        lags = []
+        for _, server_rank, segments, size in self.servers:
+            values = torch.zeros(size)
+            comm.recv(values, server_rank, TAG_VALUES)
+            comm.recv(reply, server_rank, TAG_REPLY)
+            self._scatter_values(values, segments)
+            self.read_version[server_rank] = int(reply[0])
+            lags.append(int(reply[1]))
+        self.staleness.add(max(lags))
+
 
     def metrics(self, window: MetricWindow) -> dict[str, float]:
         """This process's losses; the chief adds the job's samples (from the server version) and its staleness."""

@@ -144,6 +144,11 @@ def _entry(
         comm.shutdown()
 
 
+def resumed_version(step: int, job: job_pb2.JobProto) -> int:
+    """The server version a Downpour run resumes at: every group had done about `step` updates."""
+    return step * job.cluster.nworker_groups
+
+
 def _attach_downpour(trainer: Trainer, placement: Placement, rank: int, log, resume_from: Optional[str]):
     """Give this process its Downpour role; return its server if it hosts one.
 
@@ -163,10 +168,18 @@ def _attach_downpour(trainer: Trainer, placement: Placement, rank: int, log, res
             ckpt = ckpt_io.load(Path(resume_from))
             trainer.store.load(ckpt.params, strict=True)
             server.load_state(ckpt.updater_state)
+            server.version = resumed_version(ckpt.step, job)
+        spec = os.environ.get("SHOAL_INJECT_EXIT", "")
+        if spec and int(spec.split(":")[0]) == rank:  # a server "dies" when its version reaches STEP
+            server.exit_at_version = int(spec.split(":")[1])
         return server
     group = hosted.workers[0].group
     exchange = DownpourExchange(trainer.store, make_updater(job.updater), placement, rank, group,
                                 group_ranks[group], group_comms[group], server_ranks, trainer.global_batch)
+    if resume_from:
+        version = resumed_version(ckpt_io.load(Path(resume_from)).step, job)
+        exchange.read_version = dict.fromkeys(exchange.read_version, version)
+        exchange.last_version = version
     trainer.attach_exchange(exchange)
     trainer.before_final_test = exchange.finish
     return None

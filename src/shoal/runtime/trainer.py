@@ -270,9 +270,9 @@ class Trainer:
             step += 1
         if bar is not None:
             bar.close()
+        self.before_final_test()
         if self.resumed and self.start_step >= job.train_steps:
             return history  # resumed from the final checkpoint: nothing left to do
-        self.before_final_test()
         if job.test_steps > 0 and job.test_freq > 0:
             run_phase(job.train_steps, job_pb2.kTest, job.test_steps, "Test")
         path = self.save_checkpoint(job.train_steps)
