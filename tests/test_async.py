@@ -216,3 +216,24 @@ def test_server_state_reslices_to_any_server_count(blobs_job):
             for slot in state[n]:
                 assert torch.equal(rebuilt[n][slot], state[n][slot]), (nservers, n, slot)
     assert server_segments([])[1] == 0
+
+
+# -- Distributed Hogwild over processes ----------------------------------------------------
+def test_distributed_hogwild_syncs_replicas_and_learns(blobs_job, tmp_path):
+    # the seed docs' Distributed Hogwild: 3 processes, each a whole worker group and server group
+    proc = run_cli(downpour_job(blobs_job, "nworker_groups: 3 nserver_groups: 3 sync_freq: 2"), tmp_path / "ws")
+    assert proc.returncode == 0, proc.stderr
+    assert "Distributed Hogwild" in proc.stdout and "WARNING" not in proc.stdout
+    records = [json.loads(line) for line in (tmp_path / "ws" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["phase"] == "train"]
+    # group 0 syncs with the masters of its two foreign slices every 2 updates
+    updates = train[-1]["step"] + 1
+    assert sum(r["syncs"] for r in train) == 2 * (updates // 2)
+    assert records[-1]["phase"] == "test" and records[-1]["accuracy"] >= 0.9
+
+
+def test_distributed_hogwild_survives_a_dead_group(blobs_job, tmp_path):
+    proc = run_cli(downpour_job(blobs_job, "nworker_groups: 3 nserver_groups: 3"), tmp_path / "ws", env={"SHOAL_INJECT_EXIT": "2:10"})
+    assert proc.returncode == 0, proc.stderr
+    assert "process 2 (worker(group=2, id=0), server(group=2, id=0)) exited with code 3" in proc.stdout
+    assert "Test @ step 40" in proc.stdout

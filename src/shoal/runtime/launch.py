@@ -31,6 +31,8 @@ from shoal.config import job_pb2
 from shoal.metrics import MetricsLog, read_metrics
 from shoal.runtime.downpour import DownpourExchange, DownpourServer
 from shoal.runtime.exchange import SlicedExchange
+from shoal.runtime.hogwild import HogwildExchange
+from shoal.runtime.server import Server
 from shoal.runtime.trainer import History, Trainer
 from shoal.updaters import make_updater
 
@@ -103,6 +105,11 @@ def _entry(
         placement = place(job.cluster, {name: info.numel for name, info in trainer.store.info.items()})
         if placement.is_synchronous:
             trainer.attach_exchange(SlicedExchange(trainer.store, make_updater(job.updater), placement, rank, trainer.global_batch))
+        elif job.cluster.nserver_groups > 1:
+            exchange = HogwildExchange(trainer.store, Server(trainer.store, make_updater(job.updater)), placement, rank,
+                                       hosted.workers[0].group, job.cluster.sync_freq, log=print)
+            trainer.attach_exchange(exchange)
+            trainer.before_final_test = exchange.finish
         else:
             server = _attach_downpour(trainer, placement, rank, say, resume_from)
             if server is not None and not hosted.workers:  # a server process: serve until every group stops
@@ -208,7 +215,7 @@ def _inject_faults(trainer: Trainer, rank: int) -> None:
 def expendable(placement: Placement, rank: int) -> bool:
     """Asynchronous jobs outlive a process that hosts only workers of groups other than group 0."""
     proc = placement.processes[rank]
-    return not placement.is_synchronous and not proc.servers and bool(proc.workers) and all(w.group != 0 for w in proc.workers)
+    return not placement.is_synchronous and bool(proc.workers) and all(m.group != 0 for m in proc.workers + proc.servers)
 
 
 def _join_tolerating_groups(context, ranks: list[int], placement: Placement, workspace: Path) -> None:

@@ -40,7 +40,17 @@ def check_runnable(job: job_pb2.JobProto) -> None:
     if c.nworker_groups == 1:
         return
     if len(placement.processes) > 1:
-        if c.nserver_groups > 1 or not c.server_worker_separate:
+        if c.nserver_groups > 1:
+            # Distributed Hogwild: every process holds one whole worker group and its whole server group
+            for p in placement.processes:
+                if len({m.group for m in p.workers + p.servers}) != 1 or len(p.workers) != c.nworkers_per_group or len(p.servers) != c.nservers_per_group:
+                    raise UnsupportedClusterError(
+                        "cluster: with several server groups over processes, each process must hold one whole worker group and "
+                        f"its server group (Distributed Hogwild: nworkers_per_procs: {c.nworkers_per_group}, "
+                        f"nservers_per_procs: {c.nservers_per_group}, nserver_groups = nworker_groups, server_worker_separate: false)"
+                    )
+            return
+        if not c.server_worker_separate:
             raise UnsupportedClusterError(
                 f"cluster: {placement.framework} over {len(placement.processes)} processes is not supported yet: "
                 "asynchronous groups over processes run as Downpour (nserver_groups: 1, server_worker_separate: true) "
