@@ -32,7 +32,7 @@ from shoal.params import ParamStore
 from shoal.runtime.groups import StalenessStats
 from shoal.updaters import Updater
 
-PUSH, STOP, STATE, FINAL = 1, 2, 3, 4
+PUSH, STOP, STATE, FINAL, PULL = 1, 2, 3, 4, 5
 TAG_HEADER, TAG_GRAD, TAG_VALUES, TAG_REPLY, TAG_STATE = 11, 12, 13, 14, 15
 
 
@@ -71,7 +71,7 @@ class DownpourServer:
     """One server of the (single) server group: owns slices, their updater state and one version."""
 
     def __init__(self, store: ParamStore, updater: Updater, placement: Placement, server: ServerId,
-                 stubs: dict[int, int], log: Callable[[str], None] = print):
+                 stubs: dict[int, int], log: Callable[[str], None] = print, max_staleness: int = -1, warmup_steps: int = 0):
         self.store, self.updater, self.server, self.stubs, self.log = store, updater, server, stubs, log
         trainable = set(store.trainable_names())
         self.segments, self.size = server_segments([s for s in placement.slices_of(server) if s.param in trainable])
@@ -81,6 +81,10 @@ class DownpourServer:
         self._lock = threading.Lock()  # a server applies one update at a time, as SINGA's
         self._running = threading.Condition()
         self._live = set(stubs)
+        # bounded staleness and warm-up are enforced here, where every group's progress is known
+        self.max_staleness, self.warmup_steps = max_staleness, warmup_steps
+        self._steps = {g: 0 if g == 0 else warmup_steps for g in stubs}  # steps each group has pushed
+        self._warming: set[int] = set()  # groups waiting for group 0's warm-up hold nobody back
         self.exit_at_version: Optional[int] = None  # fault injection for tests
 
     def _view(self, seg: Segment) -> torch.Tensor:
@@ -124,6 +128,16 @@ class DownpourServer:
             self._live.discard(group)
             self._running.notify_all()
 
+    def resume_at(self, step: int) -> None:
+        self._steps = {g: step if g == 0 else max(step, self.warmup_steps) for g in self._steps}
+
+    def _may_go(self, step: int) -> bool:
+        live = [self._steps[g] for g in self._live - self._warming]
+        return self.max_staleness < 0 or not live or step - min(live) <= self.max_staleness
+
+    def _warm(self) -> bool:
+        return 0 not in self._live or self._steps.get(0, 0) >= self.warmup_steps
+
     def _serve_group(self, group: int, rank: int) -> None:
         header = torch.zeros(3, dtype=torch.int64)
         grad = torch.zeros(self.size)
@@ -133,9 +147,23 @@ class DownpourServer:
                 kind, _, read_version = header.tolist()
                 if kind == PUSH:
                     comm.recv(grad, rank, TAG_GRAD)
+                    step = header.tolist()[1]
+                    with self._running:  # stale-synchronous: hold a group that is too far ahead
+                        self._running.wait_for(lambda: self._may_go(step))
                     values, version, lag = self.apply(grad, read_version)
+                    with self._running:
+                        self._steps[group] = step + 1
+                        self._running.notify_all()
                     comm.send(values, rank, TAG_VALUES)
                     comm.send(torch.tensor([version, lag], dtype=torch.int64), rank, TAG_REPLY)
+                elif kind == PULL:  # a group's first params: after group 0's warm-up
+                    with self._running:
+                        self._warming.add(group)
+                        self._running.wait_for(self._warm)
+                        self._warming.discard(group)
+                    with self._lock:
+                        comm.send(self.values(), rank, TAG_VALUES)
+                        comm.send(torch.tensor([self.version, 0], dtype=torch.int64), rank, TAG_REPLY)
                 elif kind == STATE:
                     with self._lock:
                         comm.send(self.state_flat(), rank, TAG_STATE)
@@ -182,6 +210,8 @@ class DownpourExchange:
         self.staleness = StalenessStats()
         self.last_version = 0
         self.final_state: Optional[dict] = None
+        self.warmup = placement.cluster.warmup_steps > 0
+        self.first_step = 0  # set on resume
 
     def _flat_grads(self, parts: list[tuple[Grads, int]]) -> torch.Tensor:
         flat = torch.zeros(self.total)
@@ -209,6 +239,20 @@ class DownpourExchange:
         for name in self.names:
             o = self.offsets[name]
             self.store.values[name].view(-1).copy_(flat[o : o + self.store.info[name].numel])
+
+    def begin_step(self, step: int) -> None:
+        """Groups other than 0 start from the params group 0 reached after its warm-up."""
+        if step == self.first_step and self.group != 0 and self.warmup:
+            if self.rank == self.stub:
+                reply = torch.zeros(2, dtype=torch.int64)
+                for _, server_rank, segments, size in self.servers:
+                    comm.send(torch.tensor([PULL, step, 0], dtype=torch.int64), server_rank, TAG_HEADER)
+                    values = torch.zeros(size)
+                    comm.recv(values, server_rank, TAG_VALUES)
+                    comm.recv(reply, server_rank, TAG_REPLY)
+                    self._scatter_values(values, segments)
+                    self.read_version[server_rank] = int(reply[0])
+            self._share_params()
 
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
         flat = self._flat_grads(parts)

@@ -84,6 +84,14 @@ class GroupBoard:
         self.running = [True] * self.ngroups
         self._cond = threading.Condition()
 
+    def start_at(self, steps: list[int]) -> None:
+        """Where each group starts: groups other than 0 join at the end of the warm-up (or where a resumed run stood)."""
+        with self._cond:
+            self.steps = [steps[0]] + [max(s, self.warmup_steps) for s in steps[1:]]
+
+    def first_step(self, group: int) -> int:
+        return self.steps[group]
+
     def _may_start(self, group: int, step: int) -> bool:
         if group != 0 and self.running[0] and self.steps[0] < self.warmup_steps:
             return False

@@ -119,6 +119,9 @@ def _entry(
                 return
         if resume_from:
             trainer.restore(Path(resume_from))
+        if isinstance(trainer.exchange, DownpourExchange) and trainer.group != 0:
+            # groups join where group 0's warm-up ends, and finish at train_steps like it
+            trainer.start_step = trainer.exchange.first_step = max(trainer.start_step, job.cluster.warmup_steps)
         elif job.checkpoint_path:
             trainer.load_params([ckpt_io.resolve_path(p, [Path(d) for d in base_dirs]) for p in job.checkpoint_path])
         for w in hosted.workers:
@@ -170,12 +173,14 @@ def _attach_downpour(trainer: Trainer, placement: Placement, rank: int, log, res
     hosted = placement.processes[rank]
     if hosted.servers:
         server = DownpourServer(trainer.store, make_updater(job.updater), placement, hosted.servers[0],
-                                {g: ranks[0] for g, ranks in group_ranks.items()}, log=print)
+                                {g: ranks[0] for g, ranks in group_ranks.items()}, log=print,
+                                max_staleness=job.cluster.max_staleness, warmup_steps=job.cluster.warmup_steps)
         if resume_from:
             ckpt = ckpt_io.load(Path(resume_from))
             trainer.store.load(ckpt.params, strict=True)
             server.load_state(ckpt.updater_state)
             server.version = resumed_version(ckpt.step, job)
+            server.resume_at(ckpt.step)
         spec = os.environ.get("SHOAL_INJECT_EXIT", "")
         if spec and int(spec.split(":")[0]) == rank:  # a server "dies" when its version reaches STEP
             server.exit_at_version = int(spec.split(":")[1])
@@ -184,9 +189,10 @@ def _attach_downpour(trainer: Trainer, placement: Placement, rank: int, log, res
     exchange = DownpourExchange(trainer.store, make_updater(job.updater), placement, rank, group,
                                 group_ranks[group], group_comms[group], server_ranks, trainer.global_batch)
     if resume_from:
-        version = resumed_version(ckpt_io.load(Path(resume_from)).step, job)
-        exchange.read_version = dict.fromkeys(exchange.read_version, version)
-        exchange.last_version = version
+        step = ckpt_io.load(Path(resume_from)).step
+        exchange.read_version = dict.fromkeys(exchange.read_version, resumed_version(step, job))
+        exchange.last_version = resumed_version(step, job)
+        exchange.first_step = step
     trainer.attach_exchange(exchange)
     trainer.before_final_test = exchange.finish
     return None

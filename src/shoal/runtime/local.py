@@ -49,6 +49,8 @@ def check_runnable(job: job_pb2.JobProto) -> None:
                         f"its server group (Distributed Hogwild: nworkers_per_procs: {c.nworkers_per_group}, "
                         f"nservers_per_procs: {c.nservers_per_group}, nserver_groups = nworker_groups, server_worker_separate: false)"
                     )
+            if c.max_staleness >= 0 or c.warmup_steps > 0:
+                raise UnsupportedClusterError("cluster: max_staleness and warmup_steps apply to Downpour and in-memory Hogwild, not to Distributed Hogwild")
             return
         if not c.server_worker_separate:
             raise UnsupportedClusterError(
@@ -198,6 +200,10 @@ def _train(job: job_pb2.JobProto, options: RunOptions, workspace: Path, resume_f
             trainer.restore(resume_from)
         elif job.checkpoint_path and trainer is chief:
             trainer.load_params([ckpt_io.resolve_path(p, options.base_dirs) for p in job.checkpoint_path])
+    if board is not None:
+        board.start_at([t.start_step for t in trainers])
+        for trainer in trainers:
+            trainer.start_step = board.first_step(trainer.group)
     workspace.mkdir(parents=True, exist_ok=True)
     (workspace / "job.conf").write_text(text_format.MessageToString(job))
     for trainer in trainers:
