@@ -190,7 +190,6 @@ def test_server_state_reslices_to_any_server_count(blobs_job):
 
     from shoal.api import load_job
     from shoal.cluster import ServerId, place
-    from shoal.params import ParamStore
     from shoal.runtime.downpour import DownpourServer, server_segments
     from shoal.runtime.trainer import Trainer
     from shoal.updaters import make_updater

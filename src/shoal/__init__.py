@@ -4,13 +4,18 @@
     job = shoal.load_job("examples/mnist/job.conf")
     history = shoal.train(job)
     shoal.evaluate(job)
+    shoal.fit(torch_module, loss_fn, (inputs, targets), cluster=shoal.Cluster(nworker_groups=2, nworkers_per_procs=2))
 """
-__all__ = ["load_job", "train", "evaluate"]
+__all__ = ["load_job", "train", "evaluate", "fit", "Cluster"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
     # import the API lazily so `import shoal.config` stays light (no torch)
+    if name in ("fit", "Cluster"):
+        from shoal import modules
+
+        return getattr(modules, name)
     if name in __all__:
         from shoal import api
 

@@ -83,6 +83,7 @@ def describe_process(placement: Placement, rank: int) -> str:
 def _entry(
     local_index: int, ranks: list[int], world: int, nodes: Nodes, job_bytes: bytes, workspace: str,
     resume_from: Optional[str], base_dirs: list[str], threads: int,
+    process_setup: Optional[Callable[[], None]] = None, initial_values: Optional[Callable] = None,
 ) -> None:
     rank = ranks[local_index]
     job = job_pb2.JobProto.FromString(job_bytes)
@@ -94,6 +95,8 @@ def _entry(
     torch.set_num_threads(threads)
     comm.init(rank, world, nodes.master_host, nodes.master_port, nodes.interface)
     try:
+        if process_setup is not None:
+            process_setup()
         placement = place(job.cluster)
         hosted = placement.processes[rank]
         say = (lambda line: (print(line), log_file.write(line + "\n"))) if rank == 0 else print
@@ -102,6 +105,8 @@ def _entry(
             progress=False, worker_indices=[w.id for w in hosted.workers], chief=rank == 0,
             group=hosted.workers[0].group if hosted.workers else 0,
         )
+        if initial_values is not None:
+            initial_values(trainer.store)
         placement = place(job.cluster, {name: info.numel for name, info in trainer.store.info.items()})
         if placement.is_synchronous:
             trainer.attach_exchange(SlicedExchange(trainer.store, make_updater(job.updater), placement, rank, trainer.global_batch))
@@ -257,6 +262,8 @@ def run_processes(
     threads: int,
     on_start: Callable[[list[int]], None] = lambda pids: None,
     nodes: Nodes = Nodes(),
+    process_setup: Optional[Callable[[], None]] = None,
+    initial_values: Optional[Callable] = None,
 ) -> History:
     placement = place(job.cluster)
     world = len(placement.processes)
@@ -267,7 +274,7 @@ def run_processes(
         raise ProcessFailed(f"node {nodes.node_rank} has no process to run: {placement.framework} has {world} process(es) for {nodes.nnodes} nodes")
     # our one-line report replaces torch's per-process "Terminating process" warnings
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    args = (ranks, world, nodes, job.SerializeToString(), str(workspace), str(resume_from) if resume_from else None, [str(d) for d in base_dirs], threads)
+    args = (ranks, world, nodes, job.SerializeToString(), str(workspace), str(resume_from) if resume_from else None, [str(d) for d in base_dirs], threads, process_setup, initial_values)
     try:
         context = mp.start_processes(_entry, args=args, nprocs=len(ranks), start_method="spawn", join=False)
         on_start([p.pid for p in context.processes])

@@ -22,6 +22,7 @@ from shoal.runtime.trainer import History, Trainer
 from shoal.updaters import make_updater
 
 if TYPE_CHECKING:
+    from shoal.params import ParamStore
     from shoal.runtime.launch import Nodes
 
 
@@ -76,6 +77,9 @@ class RunOptions:
     log: Callable[[str], None] = print
     progress: Optional[bool] = None  # None: a bar when stderr is a terminal
     nodes: Optional["Nodes"] = None  # several hosts (shoal.runtime.launch.Nodes); None: this host only
+    # shoal.fit: registers its layer types in each spawned process (picklable), and sets initial param values
+    process_setup: Optional[Callable[[], None]] = None
+    initial_values: Optional[Callable[["ParamStore"], None]] = None
 
 
 def resolve_workspace(job: job_pb2.JobProto, override: Optional[Path]) -> Path:
@@ -189,13 +193,16 @@ def _train(job: job_pb2.JobProto, options: RunOptions, workspace: Path, resume_f
         options.log(f"Job {record.id}: {len(placement.processes)} processes ({placement.framework}); logs in {workspace / 'logs'}")
         nodes = options.nodes or Nodes()
         local_workers = max(1, -(-workers // nodes.nnodes))
-        return run_processes(job, workspace, resume_from, options.base_dirs, thread_budget(job, workers_on_host=local_workers), on_start=started, nodes=nodes)
+        return run_processes(job, workspace, resume_from, options.base_dirs, thread_budget(job, workers_on_host=local_workers), on_start=started,
+                             nodes=nodes, process_setup=options.process_setup, initial_values=options.initial_values)
     if job.cluster.nworker_groups > 1:
         trainers, board = build_group_trainers(job, workspace, options)
     else:
         trainers, board = [build_trainer(job, workspace, options)], None
     chief = trainers[0]
     for trainer in trainers:
+        if options.initial_values is not None:
+            options.initial_values(trainer.store)
         if resume_from is not None:
             trainer.restore(resume_from)
         elif job.checkpoint_path and trainer is chief:

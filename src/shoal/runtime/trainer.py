@@ -28,7 +28,7 @@ from shoal import checkpoint as ckpt_io
 from shoal.config import job_pb2
 from shoal.config.validate import in_phase
 from shoal.layers.base import Context
-from shoal.metrics import MetricWindow, MetricsLog, display_line
+from shoal.metrics import MetricsLog, MetricWindow, display_line
 from shoal.net import NeuralNet
 from shoal.params import ParamStore
 from shoal.runtime.feed import InputFeed, batch_shares, make_feeds

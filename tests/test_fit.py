@@ -1,0 +1,80 @@
+"""shoal.fit: an existing torch.nn.Module trained under every framework without changing it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shoal
+
+quiet = lambda *a: None
+
+
+def blobs(n=1024, seed=0):
+    g = np.random.default_rng(seed)
+    centers = np.random.default_rng(99).normal(0, 2, (4, 16)).astype(np.float32)
+    y = g.integers(0, 4, n)
+    return torch.tensor(centers[y] + g.normal(0, 1, (n, 16)).astype(np.float32)), torch.tensor(y)
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def fit(cluster, tmp_path, name, steps=30, **kw):
+    model = make_model()
+    history = shoal.fit(model, F.cross_entropy, blobs(), test_data=blobs(256, seed=1), steps=steps, test_freq=steps,
+                        batch_size=32, cluster=cluster, workspace=tmp_path / name, log=quiet,
+                        updater={"type": "kSGD", "momentum": 0.9, "learning_rate": {"base_lr": 0.05}}, **kw)
+    return model, history
+
+
+SYNC = {
+    "in-memory Sandblaster": shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=2),
+    "AllReduce 2 processes": shoal.Cluster(nworkers_per_group=2, nservers_per_group=2),
+    "Sandblaster 2 + 1 server": shoal.Cluster(nworkers_per_group=2, server_worker_separate=True),
+}
+
+
+@pytest.mark.parametrize("name", list(SYNC))
+def test_synchronous_fit_equals_the_single_worker_fit(tmp_path, name):
+    single, _ = fit(shoal.Cluster(), tmp_path, "single")
+    model, history = fit(SYNC[name], tmp_path, "sync")
+    for (n, a), b in zip(single.named_parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+    assert history.final_test["accuracy"] >= 0.9
+
+
+ASYNC = {
+    "in-memory Hogwild": shoal.Cluster(nworker_groups=2, nworkers_per_procs=2),
+    "Downpour": shoal.Cluster(nworker_groups=2, server_worker_separate=True),
+    "Distributed Hogwild": shoal.Cluster(nworker_groups=2, nserver_groups=2),
+}
+
+
+@pytest.mark.parametrize("name", list(ASYNC))
+def test_asynchronous_fit_trains_the_module(tmp_path, name):
+    model, history = fit(ASYNC[name], tmp_path, "async")
+    assert history.final_test["accuracy"] >= 0.9
+    x, y = blobs(256, seed=1)
+    with torch.no_grad():  # the caller's module now holds the trained values
+        assert (model(x).argmax(1) == y).float().mean() >= 0.9
+
+
+def test_fit_writes_checkpoints_named_after_the_module_parameters(tmp_path):
+    from shoal import checkpoint as ckpt_io
+
+    model, _ = fit(shoal.Cluster(), tmp_path, "ws", steps=10)
+    params = ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / "ws", 10)).params
+    assert sorted(params) == sorted(n for n, _ in model.named_parameters())
+    for n, p in model.named_parameters():
+        assert torch.equal(params[n], p.detach())
+
+
+def test_fit_rejects_targets_that_are_not_class_labels(tmp_path):
+    x, _ = blobs(64)
+    with pytest.raises(ValueError, match="targets must be one integer class label per sample"):
+        shoal.fit(make_model(), F.mse_loss, (x, x), workspace=tmp_path / "ws", log=quiet)
