@@ -258,3 +258,15 @@ def test_in_memory_warm_up_with_bounded_staleness_never_deadlocks(blobs_job, tmp
     train = train_records(tmp_path / "ws")
     assert history.final_test["step"] == 20 and train[0]["staleness_max"] == 0
     assert max(r["staleness_max"] for r in train) <= 2
+
+
+def test_in_memory_downpour_without_shared_memory_keeps_one_copy_per_group(blobs_job, tmp_path):
+    from shoal.api import load_job
+    from shoal.runtime.local import RunOptions, build_group_trainers
+
+    job = hogwild_job(blobs_job, 2, cluster_extra="share_memory: false")
+    trainers, _ = build_group_trainers(load_job(job), tmp_path / "plan", RunOptions(log=quiet))
+    stores = {id(t.store) for t in trainers} | {id(trainers[0].exchange.server.store)}
+    assert len(stores) == 3  # each group's copy, and the server's
+    history = shoal.train(job, workspace=tmp_path / "ws", log=quiet)
+    assert history.final_test["accuracy"] >= 0.9

@@ -162,5 +162,12 @@ class ParamStore:
             raise ValueError(f"checkpoint lacks params: {', '.join(missing)}")
         return loaded
 
+    def copy(self) -> "ParamStore":
+        """A store with the same params and its own copy of their values."""
+        other = ParamStore(self.allocate)
+        other.info, other._owner = dict(self.info), dict(self._owner)
+        other.values = {name: value.clone() for name, value in self.values.items()}
+        return other
+
     def total_numel(self) -> int:
         return sum(i.numel for i in self.info.values())

@@ -21,10 +21,11 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from shoal.algorithms import Grads
 from shoal.metrics import MetricWindow
+from shoal.params import ParamStore
 from shoal.runtime.exchange import aggregate
 from shoal.runtime.server import Server
 
@@ -135,8 +136,9 @@ class GroupBoard:
 class GroupExchange:
     """One group's path to the server its process shares with the other groups (lock-free)."""
 
-    def __init__(self, server: Server, board: GroupBoard, group: int):
-        self.server, self.board, self.group = server, board, group
+    def __init__(self, server: Server, board: GroupBoard, group: int, replica: Optional[ParamStore] = None):
+        """replica: the group's own copy of the params (share_memory: false), refreshed after each update."""
+        self.server, self.board, self.group, self.replica = server, board, group, replica
         self.chief = group == 0
         self._read_version = 0
 
@@ -152,6 +154,9 @@ class GroupExchange:
         grads = aggregate(parts)
         lag = self.server.updates - self._read_version
         self.server.update(self.server.updates, grads)
+        if self.replica is not None:  # Downpour: continue from the freshest params the server has
+            for name, value in self.server.store.values.items():
+                self.replica.values[name].copy_(value)
         self.board.step_done(self.group, step, sum(share for _, share in parts), lag)
 
     def metrics(self, window: MetricWindow) -> dict[str, float]:
@@ -163,6 +168,12 @@ class GroupExchange:
 
     def load_updater_state(self, state) -> None:
         self.server.load_state(state)
+
+    def start_from(self, values: ParamStore) -> None:
+        """Before training: the server's values (and this group's copy) are `values` (initial, loaded or resumed)."""
+        for store in (self.server.store, self.replica):
+            if store is not None and store is not values:
+                store.load(values.state_dict())
 
 
 def run_groups(trainers: list["Trainer"], board: GroupBoard, metrics, log) -> "History":

@@ -62,9 +62,10 @@ def check_runnable(job: job_pb2.JobProto) -> None:
         if any(len({w.group for w in p.workers}) > 1 for p in placement.processes):
             raise UnsupportedClusterError("cluster: a process hosting workers of several groups is not supported over processes yet")
         return
-    if not c.share_memory or c.nserver_groups > 1:
+    if c.nserver_groups > 1:
         raise UnsupportedClusterError(
-            "cluster: asynchronous groups in one process need share_memory: true and nserver_groups: 1 (in-memory Hogwild)"
+            "cluster: asynchronous groups in one process need nserver_groups: 1 (in-memory Hogwild or Downpour); "
+            "Distributed Hogwild runs one group per process"
         )
 
 
@@ -136,14 +137,15 @@ def build_group_trainers(job: job_pb2.JobProto, workspace: Path, options: RunOpt
     torch.set_num_threads(thread_budget(job, workers_on_host=c.nworker_groups * c.nworkers_per_group))
     device = select_device(job)
     chief = Trainer(job, workspace, options.base_dirs, device, log=options.log, progress=options.progress)
+    # share_memory: every group computes on the server's values; else each on its own copy (in-memory Downpour)
     others = [
-        Trainer(job, workspace, options.base_dirs, device, progress=False, chief=False, store=chief.store, group=g)
+        Trainer(job, workspace, options.base_dirs, device, progress=False, chief=False, store=chief.store if c.share_memory else None, group=g)
         for g in range(1, c.nworker_groups)
     ]
-    server = Server(chief.store, make_updater(job.updater))
+    server = Server(chief.store if c.share_memory else chief.store.copy(), make_updater(job.updater))
     board = GroupBoard(c.nworker_groups, c.max_staleness, c.warmup_steps)
     for trainer in [chief] + others:
-        trainer.attach_exchange(GroupExchange(server, board, trainer.group))
+        trainer.attach_exchange(GroupExchange(server, board, trainer.group, None if c.share_memory else trainer.store))
     return [chief] + others, board
 
 
@@ -208,6 +210,8 @@ def _train(job: job_pb2.JobProto, options: RunOptions, workspace: Path, resume_f
         elif job.checkpoint_path and trainer is chief:
             trainer.load_params([ckpt_io.resolve_path(p, options.base_dirs) for p in job.checkpoint_path])
     if board is not None:
+        for trainer in trainers:
+            trainer.exchange.start_from(chief.store)
         board.start_at([t.start_step for t in trainers])
         for trainer in trainers:
             trainer.start_step = board.first_step(trainer.group)
