@@ -22,6 +22,7 @@ statistics) stay local to each worker.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from dataclasses import dataclass, fields
@@ -95,14 +96,17 @@ def register_fit_layers(model: torch.nn.Module, loss_fn: Callable) -> None:
     class ModuleLayer(Layer):
         def __init__(self, conf, src_shapes):
             super().__init__(conf, src_shapes)
+            # functional_call swaps a module's parameters in place while it runs, so workers that
+            # run at once (threads) each need their own copy of the module
+            self.module = copy.deepcopy(model)
             with torch.no_grad():
-                self.shape = tuple(model(torch.zeros((1, *self.src_shapes[0]))).shape[1:])
+                self.shape = tuple(self.module(torch.zeros((1, *self.src_shapes[0]))).shape[1:])
 
         def param_shapes(self):
             return [tuple(p.shape) for n, p in model.named_parameters() if n in names]
 
         def forward(self, xs, params, labels, ctx):
-            return torch.func.functional_call(model, dict(zip(names, params)), (xs[0],), strict=False)
+            return torch.func.functional_call(self.module, dict(zip(names, params)), (xs[0],), strict=False)
 
     @register_user_layer(LOSS_LAYER)
     class LossLayer(Layer):
