@@ -128,3 +128,12 @@ def group_reduce_sum(tensor: torch.Tensor, dst: int, group) -> None:
 
 def group_broadcast(tensor: torch.Tensor, src: int, group) -> None:
     dist.broadcast(tensor, src=src, group=group)
+
+
+def describe_error(err: BaseException) -> str:
+    """gloo's error in a few words: no source location, no advice paragraph."""
+    import re
+
+    line = str(err).splitlines()[0] if str(err) else type(err).__name__
+    line = re.sub(r"^\[[^\]]*\]\s*", "", line)
+    return line.split(". This is typically")[0]

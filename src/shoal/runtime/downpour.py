@@ -178,8 +178,7 @@ class DownpourServer:
                 elif kind == STOP:
                     return
         except RuntimeError as err:
-            line = str(err).splitlines()[0] if str(err) else type(err).__name__
-            self.log(f"WARNING: {self.server} drops worker group {group} (process {rank}): {line}")
+            self.log(f"WARNING: {self.server} drops worker group {group} (process {rank}): {comm.describe_error(err)}")
         finally:
             self._stopped(group)
 
@@ -259,27 +258,27 @@ class DownpourExchange:
         if len(self.group_ranks) > 1:
             comm.group_reduce_sum(flat, self.stub, self.group_comm)
         if self.rank == self.stub:
-            try:
-                self._push_pull(step, flat)
-            except RuntimeError as err:
-                raise ServerLost(f"a server stopped answering worker group {self.group} at step {step}: {str(err).splitlines()[0]}") from None
+            self._push_pull(step, flat)
         self._share_params()
 
     def _push_pull(self, step: int, flat: torch.Tensor) -> None:
-        for _, server_rank, segments, _ in self.servers:
-            comm.send(torch.tensor([PUSH, step, self.read_version[server_rank]], dtype=torch.int64), server_rank, TAG_HEADER)
-            comm.send(self._gather(flat, segments), server_rank, TAG_GRAD)
-        reply = torch.zeros(2, dtype=torch.int64)
-        lags = []
-        for _, server_rank, segments, size in self.servers:
-            values = torch.zeros(size)
-            comm.recv(values, server_rank, TAG_VALUES)
-            comm.recv(reply, server_rank, TAG_REPLY)
-            self._scatter_values(values, segments)
-            self.read_version[server_rank] = int(reply[0])
-            lags.append(int(reply[1]))
+        server, server_rank = None, -1
+        try:
+            for server, server_rank, segments, _ in self.servers:
+                comm.send(torch.tensor([PUSH, step, self.read_version[server_rank]], dtype=torch.int64), server_rank, TAG_HEADER)
+                comm.send(self._gather(flat, segments), server_rank, TAG_GRAD)
+            lags = []
+            for server, server_rank, segments, size in self.servers:
+                values, reply = torch.zeros(size), torch.zeros(2, dtype=torch.int64)
+                comm.recv(values, server_rank, TAG_VALUES)
+                comm.recv(reply, server_rank, TAG_REPLY)
+                self._scatter_values(values, segments)
+                self.read_version[server_rank] = int(reply[0])
+                lags.append(int(reply[1]))
+        except RuntimeError as err:
+            raise ServerLost(f"{server} in process {server_rank} stopped answering worker group {self.group} "
+                             f"at step {step}: {comm.describe_error(err)}") from None
         self.staleness.add(max(lags))
-
 
     def metrics(self, window: MetricWindow) -> dict[str, float]:
         """This process's losses; the chief adds the job's samples (from the server version) and its staleness."""

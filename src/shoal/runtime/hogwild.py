@@ -95,7 +95,7 @@ class HogwildExchange:
                 fresh = torch.zeros(size)
                 comm.recv(fresh, master, TAG_SYNC_VALUE)
             except RuntimeError as err:
-                self.log(f"WARNING: worker group {self.group} stops syncing with process {master}: {str(err).splitlines()[0]}")
+                self.log(f"WARNING: worker group {self.group} stops syncing with process {master}: {comm.describe_error(err)}")
                 del self.requests[master]
                 continue
             with self.lock:
@@ -119,7 +119,7 @@ class HogwildExchange:
                     fresh = self._gather(segments)
                 comm.send(fresh, rank, TAG_SYNC_VALUE)
         except RuntimeError as err:
-            self.log(f"WARNING: server group {self.group} drops worker group {group} (process {rank}): {str(err).splitlines()[0]}")
+            self.log(f"WARNING: server group {self.group} drops worker group {group} (process {rank}): {comm.describe_error(err)}")
 
     def finish(self) -> None:
         """Training is over here: tell the masters, then serve the others until they are done too."""
