@@ -13,9 +13,9 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # import the API lazily so `import shoal.config` stays light (no torch)
     if name in ("fit", "Cluster"):
-        from shoal import modules
+        from shoal import fitting
 
-        return getattr(modules, name)
+        return getattr(fitting, name)
     if name in __all__:
         from shoal import api
 
