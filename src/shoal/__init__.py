@@ -4,8 +4,9 @@
     job = shoal.load_job("examples/mnist/job.conf")
     history = shoal.train(job)
     shoal.evaluate(job)
+    shoal.compare_runs(["ws/single", "ws/allreduce"]); shoal.plot_runs([...], "runs.png")
 """
-__all__ = ["load_job", "train", "evaluate"]
+__all__ = ["load_job", "train", "evaluate", "plot_runs", "compare_runs"]
 __version__ = "0.1.0"
 
 

@@ -14,7 +14,8 @@ from shoal import checkpoint as ckpt_io
 from shoal import jobs
 from shoal.cluster import place
 from shoal.config import job_pb2
-from shoal.metrics import MetricsLog
+from shoal.report.run_log import end_status, open_run_log
+from shoal.report.tensorboard import require_tensorboard
 from shoal.runtime.exchange import LocalExchange
 from shoal.runtime.server import Server
 from shoal.runtime.trainer import History, Trainer
@@ -113,6 +114,8 @@ def build_trainer(job: job_pb2.JobProto, workspace: Path, options: RunOptions, t
 def train_job(job: job_pb2.JobProto, options: RunOptions, job_file: str = "<python>") -> History:
     """Train as the cluster section says; the job is registered for `shoal jobs` while it runs."""
     check_runnable(job)
+    if job.tensorboard:
+        require_tensorboard()
     workspace = resolve_workspace(job, options.workspace)
     resume_from = _prepare_workspace(workspace, options.resume)
     record = jobs.register(job.name, job_file, workspace)
@@ -158,11 +161,16 @@ def _train(job: job_pb2.JobProto, options: RunOptions, workspace: Path, resume_f
     for w in trainer.workers:
         options.log(f"Worker (group = 0, id = {w.index}) start on {w.device.type.upper()}")
     options.log(f"Job {record.id}; workspace {workspace}")
-    metrics = MetricsLog(workspace / "metrics.jsonl", elapsed_before=trainer.elapsed_before)
+    threads = thread_budget(job, workers_on_host=job.cluster.nworkers_per_group)
+    metrics = open_run_log(job, workspace, trainer.elapsed_before, [str(w.device) for w in trainer.workers], threads)
+    error = None
     try:
         return trainer.run(metrics)
+    except BaseException as err:
+        error = err
+        raise
     finally:
-        metrics.close()
+        metrics.close(end_status(error))
 
 
 def test_job(job: job_pb2.JobProto, options: RunOptions, checkpoint: Optional[Path] = None) -> dict[str, float]:
