@@ -241,9 +241,9 @@ def _jobs(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from shoal import api
+    from shoal.report.plot import plot_runs  # shoal.plot_runs; imported directly to leave torch unloaded
 
-    out = api.plot_runs(args.runs, args.out, x=args.x or ("step", "time"), title=args.title)
+    out = plot_runs(args.runs, args.out, x=args.x or ("step", "time"), title=args.title)
     print(f"wrote {out}")
     return 0
 
@@ -251,10 +251,9 @@ def _plot(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     import json
 
-    from shoal import api
-    from shoal.report.compare import render_markdown, render_rich
+    from shoal.report.compare import compare_runs, render_markdown, render_rich  # = shoal.compare_runs
 
-    rows = api.compare_runs(args.runs)
+    rows = compare_runs(args.runs)
     if args.json:
         print(json.dumps(rows, indent=2))
     elif args.markdown:

@@ -72,7 +72,7 @@ RECORD_KEYS: dict[str, tuple[str, str]] = {
     "accuracy": ("all", "top-k accuracy, when the net reports it"),
     "samples": ("train", "training samples the group processed in the display window"),
     "samples_per_sec": ("train", "samples / window_sec"),
-    "window_sec": ("train", "wall seconds of the display window (from the previous display)"),
+    "window_sec": ("train", "wall seconds of training in the display window (since the previous display, less tests, validation and checkpoints)"),
     "compute_sec": ("train", "seconds of the window the chief's process spent computing gradients (incl. input)"),
     "exchange_sec": ("train", "seconds of the window spent aggregating, updating and communicating"),
     "worker_compute_sec": ("train", "{worker id: compute seconds} for the workers in the chief's process"),

@@ -51,6 +51,7 @@ class StepTimings:
 
     compute: float = 0.0
     exchange: float = 0.0
+    paused: float = 0.0  # tests, validation and checkpoints: not training time
     workers: dict[int, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -60,9 +61,9 @@ class StepTimings:
 
     def fields(self) -> dict:
         return {
-            "compute_sec": round(self.compute, 4),
-            "exchange_sec": round(self.exchange, 4),
-            "worker_compute_sec": {str(i): round(s, 4) for i, s in sorted(self.workers.items())},
+            "compute_sec": round(self.compute, 6),
+            "exchange_sec": round(self.exchange, 6),
+            "worker_compute_sec": {str(i): round(s, 6) for i, s in sorted(self.workers.items())},
         }
 
 
@@ -278,20 +279,22 @@ class Trainer:
         while step < job.train_steps:
             resumed_here = self.resumed and step == self.start_step
             if not resumed_here:  # the checkpoint we resumed from was taken after these ran
+                paused = time.perf_counter()
                 if job.validate_steps > 0 and fires(job.validate_freq, job.validate_after, step):
                     run_phase(step, job_pb2.kVal, job.validate_steps, "Validate")
                 if job.test_steps > 0 and fires(job.test_freq, job.test_after, step):
                     run_phase(step, job_pb2.kTest, job.test_steps, "Test")
                 if fires(job.checkpoint_freq, job.checkpoint_after, step):
                     self.save_checkpoint(step)
+                self.timings.paused += time.perf_counter() - paused
             window_samples += self.train_step(step)
             if fires(job.disp_freq, job.disp_after, step):
                 now = time.perf_counter()
                 values = self.exchange.metrics(self.window)
                 self.log(display_line("Train", step, values))
-                seconds = max(now - window_start, 1e-9)
+                seconds = max(now - window_start - self.timings.paused, 1e-9)  # training time only
                 record(step, "train", values, samples=window_samples, samples_per_sec=round(window_samples / seconds, 2),
-                       window_sec=round(seconds, 4), **self.timings.fields())
+                       window_sec=round(seconds, 6), **self.timings.fields())
                 self.window.reset()
                 self.timings = StepTimings()
                 window_start, window_samples = now, 0
