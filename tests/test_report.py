@@ -9,15 +9,13 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import mlp_job_text
 
 import shoal
 from shoal.cluster import place
-from shoal.config import job_pb2
 from shoal.metrics import RECORD_KEYS, read_metrics, record_problems
 from shoal.report.plot import COLOURS
 from shoal.report.summary import THRESHOLDS, threshold_key
-
-from conftest import mlp_job_text
 
 # layouts that run today, as a user writes them in cluster {}
 LAYOUTS = {
@@ -28,7 +26,7 @@ LAYOUTS = {
 
 
 def shoal_cli(*args, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "shoal", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run([sys.executable, "-m", "shoal", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, check=False)
 
 
 def assert_one_line_error(proc, *fragments):
@@ -96,7 +94,7 @@ def test_summary_of_a_finished_run(layout_runs, layout):
     summary = json.loads((workspace / "summary.json").read_text())
     records = read_metrics(workspace / "metrics.jsonl")
     tests = [r for r in records if r["phase"] == "test"]
-    cluster, framework, processes = LAYOUTS[layout]
+    _, framework, processes = LAYOUTS[layout]
     job = shoal.load_job(workspace / "job.conf")
     assert summary["job"] == "blobs-mlp" and summary["status"] == "finished"
     assert summary["framework"] == framework and summary["label"].startswith(framework)
@@ -122,7 +120,7 @@ def test_a_crashed_run_keeps_the_summary_of_its_last_test(blobs_job, tmp_path):
     job = blobs_job(train_steps=40)
     job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 2 }"))
     proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws"), "--no-progress"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "SHOAL_INJECT_EXIT": "0:25"})
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "SHOAL_INJECT_EXIT": "0:25"}, check=False)
     assert proc.returncode == 2
     summary = json.loads((tmp_path / "ws" / "summary.json").read_text())
     assert summary["status"] == "running"  # never closed: the process died
@@ -307,3 +305,29 @@ def test_tensorboard_missing_is_a_one_line_error(blobs_job, tmp_path):
     proc = shoal_cli("run", blobs_job(train_steps=5), "--workspace", tmp_path / "ws", "--tensorboard", env=env)
     assert_one_line_error(proc, "pip install 'shoal[tensorboard]'")
     assert not (tmp_path / "ws").exists()
+
+
+# -- benchmarks/frameworks.py --------------------------------------------------------------
+
+def test_framework_benchmark_layouts_are_what_they_claim():
+    """Every layout places; the synchronous ones run today, the asynchronous ones are skipped with the runtime's reason."""
+    import importlib.util
+
+    from conftest import REPO
+
+    from shoal.report.summary import describe_layout
+
+    spec = importlib.util.spec_from_file_location("frameworks_benchmark", REPO / "benchmarks" / "frameworks.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    expected = {"single": "single worker", "inmem-sandblaster": "in-memory Sandblaster", "allreduce": "AllReduce",
+                "sandblaster": "Sandblaster", "downpour": "Downpour", "dist-hogwild": "Distributed Hogwild",
+                "inmem-hogwild": "in-memory Hogwild"}
+    assert [l.name for l in bench.LAYOUTS] == list(expected)
+    for layout in bench.LAYOUTS:
+        sets = bench.overrides(layout, 100, 50)
+        job = shoal.load_job(bench.JOB, sets)
+        assert describe_layout(job.cluster)[0] == expected[layout.name]
+        why = bench.refusal(layout, sets)
+        assert (why is None) == (job.cluster.nworker_groups == 1), why

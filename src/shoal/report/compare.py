@@ -1,8 +1,8 @@
 """`shoal compare`: one row per run: layout, throughput, time to test accuracy, final accuracy, staleness."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence, Union
 
 from shoal.report.runs import load_runs
 from shoal.report.summary import threshold_key
@@ -11,7 +11,7 @@ TABLE_THRESHOLDS = (0.90, 0.95, 0.97)
 DASH = "—"
 
 
-def compare_runs(paths: Sequence[Union[str, Path]], thresholds: Sequence[float] = TABLE_THRESHOLDS) -> list[dict]:
+def compare_runs(paths: Sequence[str | Path], thresholds: Sequence[float] = TABLE_THRESHOLDS) -> list[dict]:
     """Rows of the comparison, numbers from each run's metrics (a crashed run counts up to its last record)."""
     rows = []
     for run in load_runs([Path(p) for p in paths]):

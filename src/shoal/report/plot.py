@@ -7,8 +7,8 @@ so the API is safe to call from a notebook or a training script.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence, Union
 
 from shoal.report.errors import ReportError
 from shoal.report.runs import Run, load_runs
@@ -33,8 +33,8 @@ def _metrics_of(runs: list[Run]) -> list[str]:
 
 
 def plot_runs(
-    paths: Sequence[Union[str, Path]],
-    out: Union[str, Path],
+    paths: Sequence[str | Path],
+    out: str | Path,
     x: Sequence[str] = ("step", "time"),
     size: tuple[int, int] = DEFAULT_SIZE,
     title: str | None = None,
@@ -63,13 +63,13 @@ def plot_runs(
             ax = axes[i][j]
             for k, run in enumerate(runs):
                 colour = COLOURS[k % len(COLOURS)]
-                # synchronous layouts compute the same numbers per step: earlier runs are drawn wider
-                # underneath, so curves that coincide show as stripes instead of hiding each other
-                under = len(runs) - 1 - k
+                # synchronous layouts compute the same numbers per step: against steps, earlier runs
+                # are drawn wider underneath, so curves that coincide show as stripes, not one line
+                under = len(runs) - 1 - k if axis == "step" else 0
                 tx, ty = _series(run.phase("train"), axis, metric)
-                ax.plot(tx, ty, color=colour, linewidth=1.4 + 1.6 * under, alpha=0.9, zorder=2 + k / 10, solid_capstyle="round")
+                ax.plot(tx, ty, color=colour, linewidth=1.6 + 1.1 * under, alpha=0.9, zorder=2 + k / 10, solid_capstyle="round")
                 sx, sy = _series(run.phase("test"), axis, metric)
-                ax.plot(sx, sy, color=colour, linestyle="--", linewidth=1.0, marker="o", markersize=6 + 3 * under,
+                ax.plot(sx, sy, color=colour, linestyle="--", linewidth=1.0, marker="o", markersize=6 + 2.2 * under,
                         markeredgecolor="white", markeredgewidth=0.8, zorder=3 + k / 10)
             ax.set_xlabel(X_AXES[axis])
             ax.set_ylabel(metric)

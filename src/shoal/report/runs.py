@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from shoal.metrics import read_metrics
 from shoal.report.errors import ReportError
@@ -15,7 +14,7 @@ from shoal.report.summary import clean_records, read_summary, summarize
 class Run:
     path: Path
     records: list[dict]
-    summary: Optional[dict]  # summary.json; None for a run that crashed before writing one
+    summary: dict | None  # summary.json; None for a run that crashed before writing one
 
     @property
     def label(self) -> str:

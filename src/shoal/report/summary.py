@@ -14,7 +14,6 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from shoal.cluster import place
 from shoal.config import job_pb2
@@ -102,14 +101,14 @@ def clean_records(records: list[dict]) -> list[dict]:
     return sorted(latest.values(), key=lambda r: (r["step"], r.get("time") or 0.0))
 
 
-def _point(record: Optional[dict]) -> Optional[dict]:
+def _point(record: dict | None) -> dict | None:
     if record is None:
         return None
     keep = {k: v for k, v in record.items() if k not in ("phase", "mode") and isinstance(v, (int, float)) and not isinstance(v, bool)}
     return keep
 
 
-def samples_per_sec(train: list[dict]) -> Optional[float]:
+def samples_per_sec(train: list[dict]) -> float | None:
     """Training throughput: samples over seconds of every display window but the first (warm-up)."""
     windows = [r for r in train if r.get("samples") and r.get("window_sec")]
     if len(windows) > 1:
@@ -150,7 +149,7 @@ def summarize(records: list[dict], thresholds: tuple[float, ...] = THRESHOLDS) -
     }
 
 
-def read_summary(workspace: Path) -> Optional[dict]:
+def read_summary(workspace: Path) -> dict | None:
     """summary.json of a run folder, or None when it has none (or an unreadable one)."""
     try:
         return json.loads((Path(workspace) / SUMMARY_FILE).read_text())
@@ -175,7 +174,7 @@ class SummaryFile:
     def close(self, status: str, elapsed: float) -> None:
         self.write(status, elapsed)
 
-    def write(self, status: str, elapsed: Optional[float] = None) -> None:
+    def write(self, status: str, elapsed: float | None = None) -> None:
         # the whole metrics file, so a resumed run's summary covers every step (a few hundred lines)
         records = read_metrics(self.metrics_path) if self.metrics_path.exists() else []
         derived = summarize(records)
