@@ -173,7 +173,8 @@ def main() -> None:
     ]
     for layout in chosen:
         why = next((w for l, w in skipped if l is layout), None)
-        lines.append(f"| {layout.name} | `{layout.cluster or '(defaults)'}` | {layout.about}{'; **not yet runnable**: ' + why if why else ''} |")
+        refused = f"; **not yet runnable**: {why.split(';')[0]}" if why else ""
+        lines.append(f"| {layout.name} | `{layout.cluster or '(defaults)'}` | {layout.about}{refused} |")
     (args.out / "frameworks.md").write_text("\n".join(lines) + "\n")
     print(f"\nwrote {args.out / 'frameworks.png'} and {args.out / 'frameworks.md'} (runs in {root})")
 

@@ -8,6 +8,7 @@ so the API is safe to call from a notebook or a training script.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import math
 from pathlib import Path
 
 from shoal.report.errors import ReportError
@@ -43,7 +44,7 @@ def plot_runs(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import PercentFormatter
+    from matplotlib.ticker import FuncFormatter, PercentFormatter
 
     out = Path(out)
     for axis in x:
@@ -80,6 +81,8 @@ def plot_runs(
                 ax.set_ylim(top=1.0)
             elif _wide_positive(runs, metric):
                 ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 0.2, not 2×10⁻¹
+                ax.yaxis.set_minor_formatter(FuncFormatter(_minor_log_label))
             ax.set_title(f"{metric} vs {axis}", fontsize=11)
 
     run_handles = [Line2D([], [], color=COLOURS[k % len(COLOURS)], linewidth=3) for k in range(len(runs))]
@@ -102,3 +105,11 @@ def _wide_positive(runs: list[Run], metric: str) -> bool:
     """Loss spans more than a decade: a log axis keeps the late, small differences visible."""
     values = [r[metric] for run in runs for r in run.records if isinstance(r.get(metric), (int, float))]
     return bool(values) and min(values) > 0 and max(values) / min(values) > 10
+
+
+def _minor_log_label(value: float, _position) -> str:
+    """Label the 2, 3 and 5 of each decade: enough to read values, few enough not to collide."""
+    if value <= 0:
+        return ""
+    mantissa = value / 10 ** math.floor(math.log10(value))
+    return f"{value:g}" if round(mantissa) in (2, 3, 5) else ""
