@@ -128,7 +128,7 @@ def main() -> None:
         train = [r for r in records if r["phase"] == "train"]
         tests = [r for r in records if r["phase"] == "test"]
         rate = statistics.median(r["samples_per_sec"] for r in train[1:]) if len(train) > 1 else 0.0
-        stale = [r["staleness_mean"] for r in train if "staleness_mean" in r]
+        stale = [r["staleness"] for r in train if "staleness" in r]
         best = max((r["accuracy"] for r in tests), default=0.0)
         print(f"| {name} | {rate:.0f} | {time_to(records, 0.95)} | {time_to(records, 0.97)} | {best:.4f} | "
               f"{statistics.mean(stale):.2f} |" if stale else

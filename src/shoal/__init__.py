@@ -5,8 +5,9 @@
     history = shoal.train(job)
     shoal.evaluate(job)
     shoal.fit(torch_module, loss_fn, (inputs, targets), cluster=shoal.Cluster(nworker_groups=2, nworkers_per_procs=2))
+    shoal.compare_runs(["ws/single", "ws/allreduce"]); shoal.plot_runs([...], "runs.png")
 """
-__all__ = ["load_job", "train", "evaluate", "fit", "Cluster"]
+__all__ = ["load_job", "train", "evaluate", "fit", "Cluster", "plot_runs", "compare_runs"]
 __version__ = "0.1.0"
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 from shoal.config import job_pb2
 from shoal.config.loader import job_from_dict, load_job as _load_file
@@ -44,9 +44,15 @@ def train(
     resume: bool = False,
     log: Callable[[str], None] = print,
     progress: Optional[bool] = False,
+    tensorboard: Optional[bool] = None,
 ) -> History:
-    """Train a job as its cluster section says; returns every metrics record."""
+    """Train a job as its cluster section says; returns every metrics record.
+
+    tensorboard=True also writes TensorBoard event files (None: as the job's `tensorboard` field says).
+    """
     proto, base_dirs = as_job(job)
+    if tensorboard is not None:
+        proto.tensorboard = tensorboard
     options = RunOptions(workspace=Path(workspace) if workspace else None, resume=resume, base_dirs=base_dirs, log=log, progress=progress)
     return train_job(proto, options)
 
@@ -61,3 +67,22 @@ def evaluate(
     proto, base_dirs = as_job(job)
     options = RunOptions(workspace=Path(workspace) if workspace else None, base_dirs=base_dirs, log=log, progress=False)
     return test_job(proto, options, Path(checkpoint) if checkpoint else None)
+
+
+def plot_runs(
+    runs: Sequence[Union[str, Path]],
+    out: Union[str, Path],
+    x: Sequence[str] = ("step", "time"),
+    title: Optional[str] = None,
+) -> Path:
+    """Loss and accuracy of run workspaces against step and/or wall-clock time, drawn into `out`."""
+    from shoal.report.plot import plot_runs as plot
+
+    return plot(runs, out, x=x, title=title)
+
+
+def compare_runs(runs: Sequence[Union[str, Path]]) -> list[dict]:
+    """One dict per run workspace: layout, samples/s, time to 90/95/97% test accuracy, final accuracy, staleness."""
+    from shoal.report.compare import compare_runs as compare
+
+    return compare(runs)

@@ -47,6 +47,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         "--set neuralnet.layer[name=fc1].innerproduct_conf.num_output=100",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+    p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files to WORKSPACE/tensorboard (as `tensorboard: true`)")
     hosts = p.add_argument_group("several hosts", "start `shoal run` on every node with the same --nnodes and --master")
     hosts.add_argument("--nnodes", type=int, help="number of hosts")
     hosts.add_argument("--node-rank", type=int, help="this host's index, 0 .. nnodes-1 (node 0 hosts the chief)")
@@ -98,6 +99,33 @@ def _add_jobs(sub: argparse._SubParsersAction) -> None:
     kill.add_argument("id", type=int)
 
 
+def _add_plot(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plot",
+        help="draw loss and accuracy of runs against step and wall-clock time",
+        description="Overlay runs (their workspaces) in one picture: loss and accuracy against training step "
+        "and wall-clock time, one colour per run labelled with its framework and layout; tests are marked points.",
+        epilog="example:\n  shoal plot workspace/single workspace/allreduce -o runs.png --x time",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run workspaces (folders holding metrics.jsonl)")
+    p.add_argument("-o", "--out", type=Path, required=True, help="picture to write (.png, .svg or .pdf)")
+    p.add_argument("--x", choices=["step", "time"], action="append", help="x axis (repeatable; default: both)")
+    p.add_argument("--title", help="title above the plots")
+
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "compare",
+        help="table of runs: layout, samples/s, time to 90/95/97%% test accuracy, final accuracy, staleness",
+        description="Compare runs (their workspaces) side by side; numbers come from each run's metrics.jsonl, "
+        "layouts from its summary.json.",
+    )
+    p.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--markdown", action="store_true", help="a markdown table (for docs)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shoal",
@@ -111,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prepare(sub)
     _add_plan(sub)
     _add_jobs(sub)
+    _add_plot(sub)
+    _add_compare(sub)
     return parser
 
 
@@ -122,6 +152,8 @@ def _run(args: argparse.Namespace) -> int:
     if job_path is None:
         raise UsageError("shoal run: give a job file (shoal run JOB)")
     job = api.load_job(job_path, args.overrides)
+    if args.tensorboard:
+        job.tensorboard = True
     options = RunOptions(workspace=args.workspace, resume=args.resume, base_dirs=api.base_dirs(job), progress=False if args.no_progress else None)
     options.nodes = _nodes(args, job)
     if args.test:
@@ -208,6 +240,34 @@ def _jobs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from shoal.report.plot import plot_runs  # shoal.plot_runs; imported directly to leave torch unloaded
+
+    out = plot_runs(args.runs, args.out, x=args.x or ("step", "time"), title=args.title)
+    print(f"wrote {out}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    import json
+
+    from shoal.report.compare import compare_runs, render_markdown, render_rich  # = shoal.compare_runs
+
+    rows = compare_runs(args.runs)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif args.markdown:
+        print(render_markdown(rows))
+    else:
+        from rich.console import Console
+
+        console = Console()
+        if not console.is_terminal:  # piped or captured: print the table whole rather than at 80 columns
+            console = Console(width=200)
+        console.print(render_rich(rows))
+    return 0
+
+
 class UsageError(ValueError):
     pass
 
@@ -221,8 +281,9 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from shoal.net import NetBuildError
     from shoal.runtime.launch import ProcessFailed
     from shoal.runtime.local import UnsupportedClusterError, WorkspaceError
+    from shoal.report.errors import ReportError
 
-    return (JobError, StoreError, CheckpointError, NetBuildError, WorkspaceError, UsageError, PlacementError, UnsupportedClusterError, ProcessFailed, JobNotFound)
+    return (JobError, StoreError, CheckpointError, NetBuildError, WorkspaceError, UsageError, PlacementError, UnsupportedClusterError, ProcessFailed, JobNotFound, ReportError)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -231,7 +292,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handlers = {"run": _run, "prepare": _prepare, "plan": _plan, "jobs": _jobs}
+    handlers = {"run": _run, "prepare": _prepare, "plan": _plan, "jobs": _jobs, "plot": _plot, "compare": _compare}
     try:
         return handlers[args.command](args)
     except _expected_errors() as err:

@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import Optional, Sequence, TextIO
 
 
 class MetricWindow:
@@ -62,19 +62,64 @@ def display_line(phase: str, step: int, values: dict[str, float]) -> str:
     return f"{phase} @ step {step}  {format_metrics(values)}"
 
 
+# The metrics.jsonl schema (docs/comparing.md): key -> (phases it appears in, meaning).
+# Metric values (loss, accuracy, precision@k, ...) are whatever the net's layers report.
+RECORD_KEYS: dict[str, tuple[str, str]] = {
+    "step": ("all", "training step the record belongs to (tests at step s run before training step s)"),
+    "phase": ("all", "train | test | validate"),
+    "time": ("all", "wall-clock seconds since the run started, carried over across resumes"),
+    "loss": ("all", "mean loss over the window (train) or the test/validation batches"),
+    "accuracy": ("all", "top-k accuracy, when the net reports it"),
+    "samples": ("train", "training samples the group processed in the display window"),
+    "samples_per_sec": ("train", "samples / window_sec"),
+    "window_sec": ("train", "wall seconds of training in the display window (since the previous display, less tests, validation and checkpoints)"),
+    "compute_sec": ("train", "seconds of the window the chief's process spent computing gradients (incl. input)"),
+    "exchange_sec": ("train", "seconds of the window spent aggregating, updating and communicating"),
+    "worker_compute_sec": ("train", "{worker id: compute seconds} for the workers in the chief's process"),
+    "staleness": ("train", "async runs only: mean version lag of the params the updates used, over the window"),
+    "staleness_max": ("train", "async runs only: largest version lag in the window"),
+    "mode": ("test", "\"test-only\" for `shoal run --test`"),
+}
+REQUIRED_KEYS = {"all": ("step", "phase", "time"), "train": ("samples", "samples_per_sec", "window_sec", "compute_sec", "exchange_sec")}
+
+
+def record_problems(record: dict) -> list[str]:
+    """How `record` breaks the schema above (empty when it follows it)."""
+    required = REQUIRED_KEYS["all"] + (REQUIRED_KEYS["train"] if record.get("phase") == "train" else ())
+    problems = [f"missing {k!r}" for k in required if k not in record]
+    if record.get("phase") not in (None, "train", "test", "validate"):
+        problems.append(f"phase = {record['phase']!r}")
+    for key, value in record.items():
+        if key in ("phase", "mode"):
+            continue
+        if key in ("step", "samples"):
+            ok = isinstance(value, int) and value >= 0
+        elif key == "worker_compute_sec":
+            ok = isinstance(value, dict) and all(isinstance(v, (int, float)) for v in value.values())
+        else:  # metric values and seconds; a non-finite metric is written as null
+            ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+        if not ok:
+            problems.append(f"{key} = {value!r}")
+    if isinstance(record.get("time"), (int, float)) and record["time"] < 0:
+        problems.append("time is negative")
+    return problems
+
+
 class MetricsLog:
     """Appends one JSON object per line to WORKSPACE/metrics.jsonl.
 
     Every record has step, phase, time (seconds since the run started, carried
-    over across resumes) and the metric values; lines are flushed as written so
-    a crashed run's metrics survive.
+    over across resumes) and the metric values (RECORD_KEYS); lines are flushed
+    as written so a crashed run's metrics survive. Observers (the run summary,
+    TensorBoard) see every record as it is written and the run's end status.
     """
 
-    def __init__(self, path: Path, elapsed_before: float = 0.0):
+    def __init__(self, path: Path, elapsed_before: float = 0.0, observers: Sequence = ()):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: Optional[TextIO] = open(self.path, "a", encoding="utf-8")
         self._start = time.perf_counter() - elapsed_before
+        self.observers = list(observers)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self._start
@@ -86,14 +131,19 @@ class MetricsLog:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        for observer in self.observers:
+            observer.observe(record)
         return record
 
-    def close(self) -> None:
+    def close(self, status: str = "finished") -> None:
+        """status: finished | failed | interrupted (what the observers record about the run)."""
         if self._file is not None:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
+            for observer in self.observers:
+                observer.close(status, self.elapsed())
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -286,7 +286,7 @@ class DownpourExchange:
         if self.chief:
             version = min(self.read_version.values())
             values |= {"samples": (version - self.last_version) * self.global_batch,
-                       "staleness_mean": self.staleness.mean, "staleness_max": self.staleness.max}
+                       "staleness": self.staleness.mean, "staleness_max": self.staleness.max}
             self.last_version, self.staleness = version, StalenessStats()
         return values
 

@@ -128,7 +128,7 @@ class GroupBoard:
     def take_window(self) -> dict[str, float]:
         """Samples trained by every group, and staleness, since the previous call."""
         with self._cond:
-            values = {"samples": self.samples, "staleness_mean": self.window.mean, "staleness_max": self.window.max}
+            values = {"samples": self.samples, "staleness": self.window.mean, "staleness_max": self.window.max}
             self.samples, self.window = 0, StalenessStats()
         return values
 

@@ -28,7 +28,8 @@ from shoal import checkpoint as ckpt_io
 from shoal.cluster import Placement, ServerId, WorkerId, place
 from shoal.comm import dist as comm
 from shoal.config import job_pb2
-from shoal.metrics import MetricsLog, read_metrics
+from shoal.metrics import read_metrics
+from shoal.report.run_log import open_run_log
 from shoal.runtime.downpour import DownpourExchange, DownpourServer
 from shoal.runtime.exchange import SlicedExchange
 from shoal.runtime.hogwild import HogwildExchange
@@ -141,9 +142,17 @@ def _entry(
             return step_fn(step)
 
         trainer.train_step = step_with_heartbeat
-        metrics = MetricsLog(Path(workspace) / "metrics.jsonl", elapsed_before=trainer.elapsed_before) if rank == 0 else None
+        metrics = None
+        if rank == 0:
+            devices = ["cpu"] * (job.cluster.nworker_groups * job.cluster.nworkers_per_group)
+            metrics = open_run_log(job, Path(workspace), trainer.elapsed_before, devices, threads)
+        status = "failed"
         try:
             trainer.run(metrics)
+            status = "finished"
+        except KeyboardInterrupt:
+            status = "interrupted"
+            raise
         except RuntimeError as err:  # a collective failed: find who stopped answering
             progress = comm.progress(world)
             calls, step = progress[rank]
@@ -154,7 +163,7 @@ def _entry(
             raise RuntimeError(f"{str(err).splitlines()[0]}") from None
         finally:
             if metrics is not None:
-                metrics.close()
+                metrics.close(status)
     finally:
         comm.shutdown()
 

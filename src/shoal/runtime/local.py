@@ -14,7 +14,8 @@ from shoal import checkpoint as ckpt_io
 from shoal import jobs
 from shoal.cluster import place
 from shoal.config import job_pb2
-from shoal.metrics import MetricsLog
+from shoal.report.run_log import end_status, open_run_log
+from shoal.report.tensorboard import require_tensorboard
 from shoal.runtime.exchange import LocalExchange
 from shoal.runtime.groups import GroupBoard, GroupExchange, run_groups
 from shoal.runtime.server import Server
@@ -161,6 +162,8 @@ def build_trainer(job: job_pb2.JobProto, workspace: Path, options: RunOptions, t
 def train_job(job: job_pb2.JobProto, options: RunOptions, job_file: str = "<python>") -> History:
     """Train as the cluster section says; the job is registered for `shoal jobs` while it runs."""
     check_runnable(job)
+    if job.tensorboard:
+        require_tensorboard()
     workspace = resolve_workspace(job, options.workspace)
     resume_from = _prepare_workspace(workspace, options.resume)
     record = jobs.register(job.name, job_file, workspace)
@@ -221,11 +224,17 @@ def _train(job: job_pb2.JobProto, options: RunOptions, workspace: Path, resume_f
         for w in trainer.workers:
             options.log(f"Worker (group = {trainer.group}, id = {w.index}) start on {w.device.type.upper()}")
     options.log(f"Job {record.id}; workspace {workspace}")
-    metrics = MetricsLog(workspace / "metrics.jsonl", elapsed_before=chief.elapsed_before)
+    threads = thread_budget(job, workers_on_host=job.cluster.nworker_groups * job.cluster.nworkers_per_group)
+    devices = [str(w.device) for t in trainers for w in t.workers]
+    metrics = open_run_log(job, workspace, chief.elapsed_before, devices, threads)
+    error = None
     try:
         return run_groups(trainers, board, metrics, options.log) if board else chief.run(metrics)
+    except BaseException as err:
+        error = err
+        raise
     finally:
-        metrics.close()
+        metrics.close(end_status(error))
 
 
 def test_job(job: job_pb2.JobProto, options: RunOptions, checkpoint: Optional[Path] = None) -> dict[str, float]:

@@ -15,6 +15,7 @@ configured, so every run ends with a test number).
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +39,32 @@ from shoal.runtime.worker import Worker
 def fires(freq: int, after: int, step: int) -> bool:
     """SINGA's trigger rule for display, test, validation and checkpoints."""
     return freq > 0 and step >= after and (step - after) % freq == 0
+
+
+@dataclass
+class StepTimings:
+    """Seconds this process spent computing gradients and exchanging them, since the last display.
+
+    compute is the wall time of the group's (parallel) backward passes including input feeding;
+    exchange the wall time of aggregation, server updates and, across processes, communication.
+    """
+
+    compute: float = 0.0
+    exchange: float = 0.0
+    paused: float = 0.0  # tests, validation and checkpoints: not training time
+    workers: dict[int, float] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_worker(self, index: int, seconds: float) -> None:
+        with self._lock:  # workers of a group finish on their own threads
+            self.workers[index] = self.workers.get(index, 0.0) + seconds
+
+    def fields(self) -> dict:
+        return {
+            "compute_sec": round(self.compute, 6),
+            "exchange_sec": round(self.exchange, 6),
+            "worker_compute_sec": {str(i): round(s, 6) for i, s in sorted(self.workers.items())},
+        }
 
 
 @dataclass
@@ -122,6 +149,7 @@ class Trainer:
         self.before_final_test: Callable[[], None] = lambda: None  # e.g. wait for the other groups
         self.cursors: dict[int, int] = {job_pb2.kTest: 0, job_pb2.kVal: 0}
         self.window = MetricWindow()
+        self.timings = StepTimings()
         self.start_step = 0
         self.resumed = False
         self.elapsed_before = 0.0
@@ -216,9 +244,20 @@ class Trainer:
         begin = getattr(self.exchange, "begin_step", None)
         if begin is not None:  # asynchronous groups: staleness bound, warm-up, version read
             begin(step)
-        compute = lambda w: (w.compute(step, self.window.report), w.share)
+        timings = self.timings
+
+        def compute(w: Worker):
+            start = time.perf_counter()
+            grads = w.compute(step, self.window.report)
+            timings.add_worker(w.index, time.perf_counter() - start)
+            return grads, w.share
+
+        start = time.perf_counter()
         parts = list(self.pool.map(compute, self.workers)) if self.pool else [compute(w) for w in self.workers]
+        computed = time.perf_counter()
         self.exchange.step(step, parts)
+        timings.compute += computed - start
+        timings.exchange += time.perf_counter() - computed
         return self.global_batch
 
     # -- the loop ---------------------------------------------------------
@@ -249,12 +288,14 @@ class Trainer:
         while step < job.train_steps:
             resumed_here = self.resumed and step == self.start_step
             if not resumed_here:  # the checkpoint we resumed from was taken after these ran
+                paused = time.perf_counter()
                 if job.validate_steps > 0 and fires(job.validate_freq, job.validate_after, step):
                     run_phase(step, job_pb2.kVal, job.validate_steps, "Validate")
                 if job.test_steps > 0 and fires(job.test_freq, job.test_after, step):
                     run_phase(step, job_pb2.kTest, job.test_steps, "Test")
                 if fires(job.checkpoint_freq, job.checkpoint_after, step):
                     self.save_checkpoint(step)
+                self.timings.paused += time.perf_counter() - paused
             window_samples += self.train_step(step)
             if fires(job.disp_freq, job.disp_after, step):
                 now = time.perf_counter()
@@ -262,8 +303,11 @@ class Trainer:
                 # asynchronous groups: throughput of the whole job, not of this group
                 window_samples = values.pop("samples", window_samples)
                 self.log(display_line("Train", step, values))
-                record(step, "train", values, samples_per_sec=round(window_samples / max(now - window_start, 1e-9), 2))
+                seconds = max(now - window_start - self.timings.paused, 1e-9)  # training time only
+                record(step, "train", values, samples=window_samples, samples_per_sec=round(window_samples / seconds, 2),
+                       window_sec=round(seconds, 6), **self.timings.fields())
                 self.window.reset()
+                self.timings = StepTimings()
                 window_start, window_samples = now, 0
             if bar is not None:
                 bar.update(1)

@@ -1,0 +1,183 @@
+"""Which framework reaches a given MNIST accuracy soonest on this machine?
+
+Trains SINGA's MNIST MLP (examples/mnist/tuned.conf: Nesterov momentum, batch 64) under every
+framework layout with the same wall-clock budget each, one after the other, through `shoal run`
+exactly as a user would (only `--set cluster.*` differs), then writes
+
+    docs/frameworks.png   loss and accuracy against step and wall-clock time (`shoal plot`)
+    docs/frameworks.md    the `shoal compare` table, with machine, date and command
+
+Layouts the runtime refuses today (asynchronous worker groups: Downpour, Hogwild) are listed and
+skipped with the runtime's own message; they join the comparison as soon as `shoal run` accepts
+them, with no change here.
+
+    python benchmarks/frameworks.py [--seconds 40] [--steps N] [--keep DIR] [--only single,allreduce]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from shoal import api
+from shoal.report.compare import compare_runs, render_markdown
+from shoal.report.plot import plot_runs
+from shoal.runtime.local import UnsupportedClusterError, check_runnable
+
+JOB = REPO / "examples/mnist/tuned.conf"
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str  # run folder
+    cluster: str  # `--set cluster.` overrides, space separated
+    about: str
+
+
+LAYOUTS = [
+    Layout("single", "", "one worker, every core"),
+    Layout("inmem-sandblaster", "nworkers_per_group=2 nworkers_per_procs=2", "one group of 2 workers as threads of one process"),
+    Layout("allreduce", "nworkers_per_group=2 nservers_per_group=2", "2 processes, each a worker and the server of half the params"),
+    Layout("sandblaster", "nworkers_per_group=2 nservers_per_group=2 server_worker_separate=true", "2 worker processes + 2 server processes"),
+    # asynchronous worker groups (issue 4): skipped while `shoal run` refuses them
+    Layout("downpour", "nworker_groups=2 server_worker_separate=true", "2 async groups of 1 worker + 1 server process"),
+    Layout("dist-hogwild", "nworker_groups=2 nserver_groups=2", "2 async groups, each with its own server; servers sync"),
+    Layout("inmem-hogwild", "nworker_groups=2 nworkers_per_procs=2", "2 async groups as threads sharing one param copy"),
+]
+
+
+def overrides(layout: Layout, steps: int, test_freq: int) -> list[str]:
+    sets = [f"train_steps={steps}", f"test_freq={test_freq}", "test_steps=10", "disp_freq=20", "checkpoint_freq=0"]
+    return sets + [f"cluster.{kv}" for kv in layout.cluster.split()]
+
+
+def refusal(layout: Layout, sets: list[str]) -> str | None:
+    """The runtime's one-line refusal when it cannot run this layout yet, else None."""
+    try:
+        check_runnable(api.load_job(JOB, sets))
+    except UnsupportedClusterError as err:
+        return str(err).splitlines()[0]
+    return None
+
+
+def run(layout: Layout, sets: list[str], workspace: Path, seconds: float | None) -> int:
+    """`shoal run` the layout; with a time budget, Ctrl-C it `seconds` after it starts training."""
+    args = [sys.executable, "-m", "shoal", "run", str(JOB), "--workspace", str(workspace), "--no-progress"]
+    for s in sets:
+        args += ["--set", s]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    with open(workspace.with_suffix(".log"), "w") as log:
+        proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    if seconds is None:
+        return proc.wait()
+    while not (workspace / "summary.json").exists():  # written when the chief starts training
+        if proc.poll() is not None:
+            return proc.returncode
+        time.sleep(0.2)
+    try:
+        return proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # as Ctrl-C: the metrics and summary so far stay
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return 0
+
+
+def machine() -> str:
+    import torch
+
+    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name")), platform.processor())
+    return f"{platform.machine()}, {os.cpu_count()} cores ({cpu}), torch {torch.__version__}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=40.0, help="wall-clock budget of each layout (default 40)")
+    parser.add_argument("--steps", type=int, help="a step budget instead of a time budget")
+    parser.add_argument("--test-freq", type=int, default=50, help="test every N steps (1000 test images each)")
+    parser.add_argument("--only", help="comma-separated layout names")
+    parser.add_argument("--keep", type=Path, help="keep the run folders here (default: a temporary folder)")
+    parser.add_argument("--out", type=Path, default=REPO / "docs", help="where frameworks.png and frameworks.md go")
+    parser.add_argument("--note", default="", help="a sentence for the table's caption (e.g. that the machine was shared)")
+    args = parser.parse_args()
+    # started in the background (`... &`), a shell leaves SIGINT ignored, and children inherit that:
+    # the budget's Ctrl-C must reach `shoal run`
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if not (REPO / "examples/mnist/data/train_data.bin").exists():
+        sys.exit("prepare MNIST first: shoal prepare mnist --out examples/mnist/data")
+
+    root = args.keep or Path(tempfile.mkdtemp(prefix="shoal-frameworks-"))
+    root.mkdir(parents=True, exist_ok=True)
+    steps = args.steps or 1_000_000  # with a time budget the run is stopped long before
+    seconds = None if args.steps else args.seconds
+    chosen = [l for l in LAYOUTS if not args.only or l.name in args.only.split(",")]
+    done, skipped = [], []
+    for layout in chosen:
+        sets = overrides(layout, steps, args.test_freq)
+        why = refusal(layout, sets)
+        if why:
+            print(f"{layout.name:<18} skipped, not yet runnable: {why}")
+            skipped.append((layout, why))
+            continue
+        workspace = root / layout.name
+        if workspace.exists():
+            shutil.rmtree(workspace)
+        started = time.perf_counter()
+        code = run(layout, sets, workspace, seconds)
+        if not (workspace / "metrics.jsonl").exists():
+            sys.exit(f"{layout.name}: `shoal run` exited with {code} before training; see {workspace.with_suffix('.log')}")
+        print(f"{layout.name:<18} ran {time.perf_counter() - started:.0f} s ({layout.about})", flush=True)
+        done.append(workspace)
+
+    budget = f"{args.steps} steps" if args.steps else f"{args.seconds:.0f} s of training"
+    rows = compare_runs(done)
+    table = render_markdown(rows)
+    print("\n" + table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot_runs(done, args.out / "frameworks.png", title=f"SINGA's MNIST MLP (tuned.conf), {budget} per layout")
+    command = "python benchmarks/frameworks.py" + (f" --steps {args.steps}" if args.steps else f" --seconds {args.seconds:g}")
+    lines = [
+        "# Frameworks compared on MNIST",
+        "",
+        f"Generated by `{command}` on {datetime.date.today().isoformat()}.",
+        f"Machine: {machine()}. {args.note}".rstrip(),
+        "",
+        (
+            f"SINGA's MNIST MLP (examples/mnist/tuned.conf: 12 M params, batch 64, Nesterov momentum), "
+            f"{budget} per layout, run one after the other; a test of 1000 images every {args.test_freq} steps "
+            "(its time counts in the wall clock). Time columns: wall-clock seconds since the start of training, "
+            "@ the step, of the first test at or above that accuracy; — where the budget ran out first."
+        ),
+        "",
+        "![loss and accuracy of each framework against step and wall-clock time](frameworks.png)",
+        "",
+        table,
+        "",
+        "| layout | `cluster {}` (via `--set cluster.…`) | |",
+        "|---|---|---|",
+    ]
+    for layout in chosen:
+        why = next((w for l, w in skipped if l is layout), None)
+        refused = f"; **not yet runnable**: {why.split(';')[0]}" if why else ""
+        lines.append(f"| {layout.name} | `{layout.cluster or '(defaults)'}` | {layout.about}{refused} |")
+    (args.out / "frameworks.md").write_text("\n".join(lines) + "\n")
+    print(f"\nwrote {args.out / 'frameworks.png'} and {args.out / 'frameworks.md'} (runs in {root})")
+
+
+if __name__ == "__main__":
+    main()

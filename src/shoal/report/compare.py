@@ -1,0 +1,83 @@
+"""`shoal compare`: one row per run: layout, throughput, time to test accuracy, final accuracy, staleness."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from shoal.report.runs import load_runs
+from shoal.report.summary import threshold_key
+
+TABLE_THRESHOLDS = (0.90, 0.95, 0.97)
+DASH = "—"
+
+
+def compare_runs(paths: Sequence[str | Path], thresholds: Sequence[float] = TABLE_THRESHOLDS) -> list[dict]:
+    """Rows of the comparison, numbers from each run's metrics (a crashed run counts up to its last record)."""
+    rows = []
+    for run in load_runs([Path(p) for p in paths]):
+        derived = run.derived()
+        summary = run.summary or {}
+        reached = derived["time_to_accuracy"]
+        final = derived["final_test"] or {}
+        rows.append({
+            "run": str(run.path),
+            "layout": run.label,
+            "framework": summary.get("framework"),
+            "workers": summary.get("workers"),
+            "status": summary.get("status", "no summary"),
+            "steps": derived["steps"],
+            "wall_time": derived["wall_time"],
+            "samples_per_sec": derived["samples_per_sec"],
+            "time_to_accuracy": {threshold_key(t): reached.get(threshold_key(t)) for t in thresholds},
+            "final_test_accuracy": final.get("accuracy"),
+            "best_test_accuracy": (derived["best_test"] or {}).get("accuracy"),
+            "staleness_mean": derived["staleness_mean"],
+        })
+    return rows
+
+
+def seconds(t: float) -> str:
+    return f"{t:.1f} s" if t >= 1 else f"{t:.2f} s"
+
+
+def _reach(point) -> str:
+    return DASH if point is None else f"{seconds(point['time'])} @{point['step']}"
+
+
+def _num(value, fmt: str) -> str:
+    return DASH if value is None else format(value, fmt)
+
+
+def table_columns(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Header and cells of the comparison (for rich and for markdown)."""
+    thresholds = list(rows[0]["time_to_accuracy"]) if rows else [threshold_key(t) for t in TABLE_THRESHOLDS]
+    header = ["run", "layout", "workers", "samples/s"] + [f"→{float(t):.0%}" for t in thresholds] + ["final acc", "staleness"]
+    cells = [
+        [Path(r["run"]).name, r["layout"], _num(r["workers"], "d"), _num(r["samples_per_sec"], ".0f")]
+        + [_reach(r["time_to_accuracy"][t]) for t in thresholds]
+        + [_num(r["final_test_accuracy"], ".2%"), _num(r["staleness_mean"], ".2f")]
+        for r in rows
+    ]
+    return header, cells
+
+
+def render_rich(rows: list[dict]):
+    from rich.table import Table
+
+    header, cells = table_columns(rows)
+    table = Table(*header, caption="→90%: wall-clock time @ step of the first test at ≥ 90% accuracy")
+    table.columns[0].min_width = 8
+    table.columns[1].min_width = 18
+    for column in table.columns[2:]:
+        column.justify = "right"
+        column.no_wrap = not column.header.startswith("→")  # times may wrap at "@ step"
+    for row in cells:
+        table.add_row(*row)
+    return table
+
+
+def render_markdown(rows: list[dict]) -> str:
+    header, cells = table_columns(rows)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
+    return "\n".join(lines)

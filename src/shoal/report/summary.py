@@ -1,0 +1,191 @@
+"""WORKSPACE/summary.json: what a run was (job, layout, devices) and what it reached.
+
+The chief writes it when the run starts, rewrites it after every test (so a
+crashed run still has one) and once more when the run ends. Every number in
+it is derived from metrics.jsonl by `summarize`, which `shoal compare` also
+uses on runs that never wrote a summary.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from shoal.cluster import place
+from shoal.config import job_pb2
+from shoal.metrics import read_metrics
+
+SUMMARY_FILE = "summary.json"
+THRESHOLDS = (0.90, 0.95, 0.97, 0.98, 0.99)
+
+
+def threshold_key(threshold: float) -> str:
+    return f"{threshold:.2f}"
+
+
+@dataclass
+class RunInfo:
+    """What the run is, fixed at its start: the part of the summary not derived from metrics."""
+
+    job: str
+    framework: str  # the framework the cluster section amounts to (shoal.cluster.Placement.framework)
+    label: str  # framework and layout in a few words, for legends and tables
+    cluster: dict
+    processes: int
+    workers: int
+    servers: int
+    devices: list[str]
+    threads_per_worker: int
+    train_steps: int
+    host: dict = field(default_factory=dict)
+
+
+def describe_layout(cluster: job_pb2.ClusterProto) -> tuple[str, str]:
+    """(framework, label): e.g. ("Sandblaster", "Sandblaster, 2 workers + 2 servers, 4 processes")."""
+    placement = place(cluster)
+    nprocs = len(placement.processes)
+    workers = cluster.nworker_groups * cluster.nworkers_per_group
+    servers = cluster.nserver_groups * cluster.nservers_per_group
+    framework = placement.framework
+    if nprocs == 1 and workers > 1:
+        # SINGA's in-memory frameworks: every worker a thread of one process; asynchronous groups
+        # sharing one copy of the params (share_memory) update it without locks: Hogwild
+        if placement.is_synchronous:
+            framework = "in-memory Sandblaster"
+        else:
+            framework = "in-memory Hogwild" if cluster.share_memory else f"in-memory {framework}"
+    if workers == 1 and nprocs == 1:
+        return framework, framework
+    parts = [f"{cluster.nworker_groups} groups × {cluster.nworkers_per_group} workers" if cluster.nworker_groups > 1 else f"{workers} workers"]
+    if cluster.server_worker_separate:
+        parts[0] += f" + {servers} servers"
+    parts.append(f"{nprocs} process{'es' if nprocs > 1 else ''}" if nprocs > 1 else "threads")
+    return framework, f"{framework}, {', '.join(parts)}"
+
+
+def run_info(job: job_pb2.JobProto, devices: list[str], threads_per_worker: int) -> RunInfo:
+    import torch
+
+    c = job.cluster
+    framework, label = describe_layout(c)
+    cluster = {
+        k: getattr(c, k)
+        for k in ("nworker_groups", "nworkers_per_group", "nserver_groups", "nservers_per_group",
+                  "nworkers_per_procs", "nservers_per_procs", "server_worker_separate", "share_memory")
+    }
+    return RunInfo(
+        job=job.name,
+        framework=framework,
+        label=label,
+        cluster=cluster,
+        processes=len(place(c).processes),
+        workers=c.nworker_groups * c.nworkers_per_group,
+        servers=c.nserver_groups * c.nservers_per_group,
+        devices=devices,
+        threads_per_worker=threads_per_worker,
+        train_steps=job.train_steps,
+        host={"name": platform.node(), "machine": platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__},
+    )
+
+
+def clean_records(records: list[dict]) -> list[dict]:
+    """Records as one run: a resumed run re-records the steps after its checkpoint, keep the latest."""
+    latest: dict[tuple, dict] = {}
+    for r in records:
+        if "step" in r and "phase" in r:
+            latest[(r["phase"], r["step"], r.get("mode"))] = r
+    return sorted(latest.values(), key=lambda r: (r["step"], r.get("time") or 0.0))
+
+
+def _point(record: dict | None) -> dict | None:
+    if record is None:
+        return None
+    keep = {k: v for k, v in record.items() if k not in ("phase", "mode") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return keep
+
+
+def samples_per_sec(train: list[dict]) -> float | None:
+    """Training throughput: samples over seconds of every display window but the first (warm-up)."""
+    windows = [r for r in train if r.get("samples") and r.get("window_sec")]
+    if len(windows) > 1:
+        windows = windows[1:]
+    if windows:
+        return sum(r["samples"] for r in windows) / sum(r["window_sec"] for r in windows)
+    rates = [r["samples_per_sec"] for r in train if r.get("samples_per_sec")]  # older metrics files
+    return statistics.mean(rates) if rates else None
+
+
+def summarize(records: list[dict], thresholds: tuple[float, ...] = THRESHOLDS) -> dict:
+    """The derived part of a summary: steps, wall time, throughput, final/best test, time to accuracy."""
+    records = clean_records(records)
+    train = [r for r in records if r["phase"] == "train"]
+    tests = [r for r in records if r["phase"] == "test" and r.get("mode") != "test-only"]
+    scored = [r for r in tests if isinstance(r.get("accuracy"), (int, float))]
+    if scored:
+        # ties (a run at 100%) go to the lower loss
+        best = max(scored, key=lambda r: (r["accuracy"], -(r.get("loss") if isinstance(r.get("loss"), (int, float)) else 0.0)))
+    else:
+        losses = [r for r in tests if isinstance(r.get("loss"), (int, float))]
+        best = min(losses, key=lambda r: r["loss"]) if losses else None
+    reached = {}
+    for threshold in thresholds:
+        first = next((r for r in scored if r["accuracy"] >= threshold), None)
+        if first is not None:
+            reached[threshold_key(threshold)] = {"step": first["step"], "time": first["time"]}
+    staleness = [r["staleness"] for r in train if isinstance(r.get("staleness"), (int, float))]
+    return {
+        "steps": max((r["step"] for r in records), default=0),
+        "wall_time": max((r.get("time") or 0.0 for r in records), default=0.0),
+        "samples_per_sec": samples_per_sec(train),
+        "final_train": _point(train[-1] if train else None),
+        "final_test": _point(tests[-1] if tests else None),
+        "best_test": _point(best),
+        "time_to_accuracy": reached,
+        "staleness_mean": statistics.mean(staleness) if staleness else None,
+    }
+
+
+def read_summary(workspace: Path) -> dict | None:
+    """summary.json of a run folder, or None when it has none (or an unreadable one)."""
+    try:
+        return json.loads((Path(workspace) / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class SummaryFile:
+    """Keeps WORKSPACE/summary.json current: a MetricsLog observer on the chief."""
+
+    def __init__(self, workspace: Path, info: RunInfo, metrics_path: Path):
+        self.path = Path(workspace) / SUMMARY_FILE
+        self.info = info
+        self.metrics_path = Path(metrics_path)
+        self.started = time.time()
+        self.write("running")
+
+    def observe(self, record: dict) -> None:
+        if record.get("phase") == "test":
+            self.write("running")
+
+    def close(self, status: str, elapsed: float) -> None:
+        self.write(status, elapsed)
+
+    def write(self, status: str, elapsed: float | None = None) -> None:
+        # the whole metrics file, so a resumed run's summary covers every step (a few hundred lines)
+        records = read_metrics(self.metrics_path) if self.metrics_path.exists() else []
+        derived = summarize(records)
+        if elapsed is not None:
+            derived["wall_time"] = max(derived["wall_time"], round(elapsed, 4))
+        summary = {"schema": 1, **asdict(self.info), "status": status,
+                   "started": _iso(self.started), "updated": _iso(time.time()), **derived}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(summary, indent=1) + "\n")
+        os.replace(tmp, self.path)  # readers never see half a summary
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
