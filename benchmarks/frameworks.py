@@ -51,7 +51,7 @@ LAYOUTS = [
     Layout("inmem-sandblaster", "nworkers_per_group=2 nworkers_per_procs=2", "one group of 2 workers as threads of one process"),
     Layout("allreduce", "nworkers_per_group=2 nservers_per_group=2", "2 processes, each a worker and the server of half the params"),
     Layout("sandblaster", "nworkers_per_group=2 nservers_per_group=2 server_worker_separate=true", "2 worker processes + 2 server processes"),
-    # asynchronous worker groups (issue 4): skipped while `shoal run` refuses them
+    # asynchronous worker groups
     Layout("downpour", "nworker_groups=2 server_worker_separate=true", "2 async groups of 1 worker + 1 server process"),
     Layout("dist-hogwild", "nworker_groups=2 nserver_groups=2", "2 async groups, each with its own server; servers sync"),
     Layout("inmem-hogwild", "nworker_groups=2 nworkers_per_procs=2", "2 async groups as threads sharing one param copy"),

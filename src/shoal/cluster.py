@@ -109,8 +109,9 @@ class Placement:
                 return "single worker"
             return "Sandblaster" if c.server_worker_separate else "AllReduce"
         if len(self.processes) == 1 and c.nserver_groups == 1:
-            # SINGA's docs call this in-memory Downpour; the lock-free shared updates are Hogwild's
-            return "in-memory Hogwild"
+            # SINGA's docs call both in-memory Downpour; groups that share one copy of the params
+            # (share_memory) update it without locks, which is Hogwild
+            return "in-memory Hogwild" if c.share_memory else "in-memory Downpour"
         if c.nserver_groups == 1:
             return "Downpour"
         return "Distributed Hogwild" if c.nserver_groups == c.nworker_groups else "async (grouped servers)"

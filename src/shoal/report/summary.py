@@ -51,13 +51,8 @@ def describe_layout(cluster: job_pb2.ClusterProto) -> tuple[str, str]:
     workers = cluster.nworker_groups * cluster.nworkers_per_group
     servers = cluster.nserver_groups * cluster.nservers_per_group
     framework = placement.framework
-    if nprocs == 1 and workers > 1:
-        # SINGA's in-memory frameworks: every worker a thread of one process; asynchronous groups
-        # sharing one copy of the params (share_memory) update it without locks: Hogwild
-        if placement.is_synchronous:
-            framework = "in-memory Sandblaster"
-        else:
-            framework = "in-memory Hogwild" if cluster.share_memory else f"in-memory {framework}"
+    if nprocs == 1 and workers > 1 and placement.is_synchronous:
+        framework = "in-memory Sandblaster"  # SINGA's: every worker a thread of one process
     if workers == 1 and nprocs == 1:
         return framework, framework
     parts = [f"{cluster.nworker_groups} groups × {cluster.nworkers_per_group} workers" if cluster.nworker_groups > 1 else f"{workers} workers"]
