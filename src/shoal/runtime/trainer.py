@@ -31,7 +31,7 @@ from shoal.layers.base import Context
 from shoal.metrics import MetricWindow, MetricsLog, display_line
 from shoal.net import NeuralNet
 from shoal.params import ParamStore
-from shoal.runtime.feed import InputFeed, batch_shares, make_feeds
+from shoal.runtime.feed import InputFeed, batch_conf, batch_shares, make_feeds
 from shoal.runtime.worker import Worker
 
 
@@ -59,9 +59,9 @@ class History:
 def global_batch(job: job_pb2.JobProto) -> int:
     """Samples per training step of a group: the train input layers' batch (one value, or the shares' sum)."""
     sizes = [
-        sum(batch_shares(layer.store_conf, job.cluster.nworkers_per_group))
+        sum(batch_shares(batch_conf(layer), job.cluster.nworkers_per_group))
         for layer in job.neuralnet.layer
-        if layer.HasField("store_conf") and in_phase(layer, job_pb2.kTrain)
+        if batch_conf(layer) is not None and in_phase(layer, job_pb2.kTrain)
     ]
     return max(sizes, default=0)
 
@@ -199,9 +199,12 @@ class Trainer:
         net, feeds = self.nets[phase], self.feeds[phase]
         batch = max((f.global_batch for f in feeds.values()), default=0)
         window = MetricWindow()
+        carry = {} if net.samples else None  # a sampling net continues one sequence over its steps
         with torch.no_grad():
             for _ in range(steps):
-                net.forward(self._context(phase, feeds, self.cursors[phase], window))
+                ctx = self._context(phase, feeds, self.cursors[phase], window)
+                ctx.carry = carry
+                net.forward(ctx)
                 self.cursors[phase] += batch
         return window.averages()
 
