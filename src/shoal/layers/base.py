@@ -42,6 +42,9 @@ class Context:
     # sampling: the previous pass's outputs by layer name (a recurrent layer's last state,
     # an RNNDummy's dynamic source); None in training and ordinary evaluation
     carry: Optional[dict] = None
+    # (offset, share, global batch) of this worker's rows within the group's batch:
+    # per-sample random draws are made for the whole batch (see layers.common.draw)
+    rows: Optional[tuple[int, int, int]] = None
 
 
 class Layer:

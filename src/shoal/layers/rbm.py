@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.layers.base import Context, Layer
-from shoal.layers.common import config_error, flat, numel, uniform
+from shoal.layers.common import config_error, flat, normal, numel, uniform
 from shoal.layers.registry import register
 
 
@@ -92,10 +92,8 @@ class RBMHid(Layer):
     def sample(self, mean: torch.Tensor, ctx: Context) -> torch.Tensor:
         """h ~ Bernoulli(mean) for binary units (h = 1 where u < mean, u ~ U[0, 1)); mean + N(0, 1) for Gaussian ones."""
         if self.gaussian:
-            generator = ctx.generator
-            noise = torch.randn(mean.shape, generator=generator, device=generator.device if generator is not None else mean.device)
-            return mean + noise.to(mean.device, mean.dtype)
-        return (uniform(mean.shape, ctx, mean.device) < mean).to(mean.dtype)
+            return mean + normal(mean.shape, ctx, mean.device, per_sample=True).to(mean.dtype)
+        return (uniform(mean.shape, ctx, mean.device, per_sample=True) < mean).to(mean.dtype)
 
 
 @dataclass

@@ -37,11 +37,18 @@ class Worker:
         self.net = NeuralNet(job.neuralnet, job_pb2.kTrain, store, init_generator or torch.Generator().manual_seed(job.seed))
         # every worker of a group draws the same random_skip, so shares tile one global batch
         self.feeds: dict[str, InputFeed] = make_feeds(self.net, base_dirs, index, npartitions, np.random.default_rng(job.seed), device)
-        self.generator = torch.Generator(device=device).manual_seed(job.seed + 1 + index)
+        # one seed for the whole group: per-sample draws are made for the whole batch and sliced
+        # (Context.rows), so a group draws, row for row, what one worker would
+        self.generator = torch.Generator(device=device).manual_seed(job.seed + 1)
 
     @property
     def global_batch(self) -> int:
         return max((f.global_batch for f in self.feeds.values()), default=0)
+
+    @property
+    def offset(self) -> int:
+        """This worker's first row within the group's batch."""
+        return max((f.offset for f in self.feeds.values()), default=0)
 
     @property
     def share(self) -> int:
@@ -56,5 +63,6 @@ class Worker:
             feeds={name: feed.batch(cursor, self.device) for name, feed in self.feeds.items()},
             report=report,
             device=self.device,
+            rows=(self.offset, self.share, self.global_batch),
         )
         return train_one_batch(self.job.train_one_batch, self.net, ctx)
