@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from shoal import api
-from shoal.checkpoint import latest, load as load_checkpoint
+from shoal.checkpoint import latest
+from shoal.checkpoint import load as load_checkpoint
 
 HERE = Path(__file__).resolve().parent
 DIMS = [784, 1000, 500, 250, 30]

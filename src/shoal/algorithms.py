@@ -44,9 +44,8 @@ def back_propagation_through_time(conf: job_pb2.AlgProto, net: NeuralNet, ctx: C
 
     The unrolled copies of a layer share its params (copy i > 0 aliases copy 0's), so
     autograd sums every copy's gradient into the one param, as SINGA's kAggGrad.
+    A net that is not unrolled (unroll_len 1) trains as with kBP.
     """
-    if not any("#" in node.name for node in net.nodes):
-        raise ValueError("kBPTT needs an unrolled net: set neuralnet { unroll_len: n } (or a layer's unroll_len) > 1")
     return back_propagation(conf, net, ctx)
 
 
