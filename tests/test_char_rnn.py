@@ -23,6 +23,10 @@ from shoal.data.prepare_text import unigram_entropy_bits
 EXAMPLES = REPO / "examples" / "char-rnn"
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 QUIET = {"log": lambda *a: None}
+GROUPS = {  # synchronous 2-worker groups: threads of one process, or two processes
+    "2 threads": ["cluster.nworkers_per_group=2", "cluster.nworkers_per_procs=2"],
+    "2 processes": ["cluster.nworkers_per_group=2"],
+}
 
 
 def shoal_cli(*args, cwd=None):
@@ -103,9 +107,10 @@ def test_unrolled_copies_share_one_set_of_params(trained):
     assert sorted(params) == sorted(["z_hx", "r_hx", "c_hx", "z_hh", "r_hh", "c_hh", "z_b", "r_b", "c_b", "w", "b"])
 
 
-def test_two_workers_train_the_same_char_rnn_as_one(corpus, tmp_path):
+@pytest.mark.parametrize("layout", GROUPS)
+def test_two_workers_train_the_same_char_rnn_as_one(corpus, tmp_path, layout):
     params = []
-    for name, cluster in (("one", []), ("two", ["cluster.nworkers_per_group=2", "cluster.nworkers_per_procs=2"])):
+    for name, cluster in (("one", []), ("two", GROUPS[layout])):
         job = char_rnn_job(corpus, tmp_path / name, steps=6, hidden=32, unroll=8, extra=["test_steps=0"] + cluster)
         shoal.train(job, **QUIET)
         params.append(ckpt_io.load(ckpt_io.latest(tmp_path / name)).params)

@@ -19,6 +19,10 @@ from shoal import checkpoint as ckpt_io
 EXAMPLES = REPO / "examples" / "rbm"
 SMALL = [784, 96, 48, 24, 8]  # the stack's widths (SINGA: 784-1000-500-250-30)
 QUIET = {"log": lambda *a: None}
+GROUPS = {  # synchronous 2-worker groups: threads of one process, or two processes
+    "2 threads": ["cluster.nworkers_per_group=2", "cluster.nworkers_per_procs=2"],
+    "2 processes": ["cluster.nworkers_per_group=2"],
+}
 
 
 def data_sets(mnist_dir) -> list[str]:
@@ -84,11 +88,12 @@ def test_finetuned_autoencoder_reconstructs_test_digits_better_than_the_rbm_stac
 
 
 @pytest.mark.parametrize("k", [1, 4])  # binary and Gaussian hidden units
-def test_two_workers_train_the_same_rbm_as_one(stack, mnist_dir, tmp_path, k):
+@pytest.mark.parametrize("layout", GROUPS)
+def test_two_workers_train_the_same_rbm_as_one(stack, mnist_dir, tmp_path, k, layout):
     """Hidden units are sampled per row of the whole batch, so a 2-worker group draws what one worker draws."""
     root, _ = stack
     params = []
-    for name, cluster in (("one", []), ("two", ["cluster.nworkers_per_group=2", "cluster.nworkers_per_procs=2"])):
+    for name, cluster in (("one", []), ("two", GROUPS[layout])):
         job = rbm_job(k, mnist_dir, root, steps=8, extra=[f"cluster.workspace={tmp_path / name}", "test_steps=0"] + cluster)
         shoal.train(job, **QUIET)
         params.append(ckpt_io.load(ckpt_io.latest(tmp_path / name)).params)
