@@ -134,7 +134,9 @@ def sample(corpus, workspace, steps, argsort="sample: true"):
     # the checkpoint line comes first; the generated text runs up to the closing "Test @ step" line
     out = result.stdout
     start = out.index("\n", out.index("Load from checkpoint")) + 1
-    return out[start : out.rindex("Test @ step")]
+    text = out[start : out.rindex("Test @ step")]
+    assert text.endswith("\n")  # the sampler ends the line of text before its display line
+    return text[:-1]
 
 
 def test_sampling_produces_text_with_the_corpus_character_statistics(corpus, trained):

@@ -113,3 +113,13 @@ def test_pipeline_script_trains_the_full_size_stack_and_draws_pictures(mnist_dir
     assert summary["after_finetuning"] < summary["before_finetuning"]
     for picture in ("filters.png", "reconstructions.png"):
         assert (tmp_path / picture).stat().st_size > 10_000
+
+
+def test_cd_without_an_rbm_is_refused_before_training(tmp_path):
+    conf = (EXAMPLES / "autoencoder.conf").read_text().replace("alg: kBP", "alg: kCD")
+    (tmp_path / "job.conf").write_text(conf)
+    result = subprocess.run([sys.executable, "-m", "shoal", "run", str(tmp_path / "job.conf")], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 2
+    at = conf.index("kCD")
+    line, col = conf[:at].count("\n") + 1, at - conf.rindex("\n", 0, at)
+    assert result.stderr.strip().splitlines() == [f"{tmp_path / 'job.conf'}:{line}:{col}: kCD needs a kRBMVis/kRBMHid pair in the kTrain net"]

@@ -50,16 +50,13 @@ def back_propagation_through_time(conf: job_pb2.AlgProto, net: NeuralNet, ctx: C
 
 
 def rbm_pairs(net: NeuralNet) -> list[tuple[Node, Node]]:
-    """(visible, hidden) node pairs: each kRBMHid layer and the kRBMVis layer it reads."""
+    """(visible, hidden) node pairs: each kRBMHid layer that reads a kRBMVis layer, and that layer."""
     by_name = {node.name: node for node in net.nodes}
-    pairs = []
-    for node in net.nodes:
-        if isinstance(node.layer, RBMHid):
-            vis = by_name[node.srcs[0]]
-            if not isinstance(vis.layer, RBMVis):
-                raise ValueError(f"kCD: RBMHid layer {node.name!r} must read a kRBMVis layer, not {vis.name!r}")
-            pairs.append((vis, node))
-    return pairs
+    return [
+        (by_name[node.srcs[0]], node)
+        for node in net.nodes
+        if isinstance(node.layer, RBMHid) and isinstance(by_name[node.srcs[0]].layer, RBMVis)
+    ]
 
 
 def contrastive_divergence_step(conf: job_pb2.AlgProto, net: NeuralNet, ctx: Context) -> Grads:

@@ -272,6 +272,8 @@ class Trainer:
 
     def test_only(self, metrics: Optional[MetricsLog], step: int) -> dict[str, float]:
         values = self.evaluate(job_pb2.kTest, self.job.test_steps)
+        if self.nets[job_pb2.kTest].samples:
+            self.log("")  # end the line of generated text
         self.log(display_line("Test", step, values))
         if metrics is not None:
             metrics.write(step, "test", values, mode="test-only")
