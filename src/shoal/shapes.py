@@ -5,6 +5,7 @@ import torch
 
 from shoal.config import job_pb2
 from shoal.config.errors import JobShapeError
+from shoal.algorithms import rbm_pairs
 from shoal.net import NetBuildError, NeuralNet
 from shoal.params import ParamStore
 
@@ -20,6 +21,8 @@ def check_shapes(job: job_pb2.JobProto) -> None:
         phases.append(job_pb2.kVal)
     for phase in phases:
         try:
-            NeuralNet(job.neuralnet, phase, store, generator)
+            net = NeuralNet(job.neuralnet, phase, store, generator)
         except NetBuildError as err:
             raise JobShapeError(err.field_path, err.message) from None
+        if phase == job_pb2.kTrain and job.train_one_batch.alg == job_pb2.kCD and not rbm_pairs(net):
+            raise JobShapeError("train_one_batch.alg", "kCD needs a kRBMVis/kRBMHid pair in the kTrain net")

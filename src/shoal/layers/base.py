@@ -39,6 +39,12 @@ class Context:
     # metric sink: report(name, value, count) with value averaged over count samples
     report: Callable[[str, float, int], None] = lambda name, value, count: None
     device: torch.device = torch.device("cpu")
+    # sampling: the previous pass's outputs by layer name (a recurrent layer's last state,
+    # an RNNDummy's dynamic source); None in training and ordinary evaluation
+    carry: Optional[dict] = None
+    # (offset, share, global batch) of this worker's rows within the group's batch:
+    # per-sample random draws are made for the whole batch (see layers.common.draw)
+    rows: Optional[tuple[int, int, int]] = None
 
 
 class Layer:
@@ -49,6 +55,9 @@ class Layer:
     # True for Convolution/InnerProduct: every output unit reads every input
     # unit (SINGA's kOneToAll), which decides where the partitioner slices.
     one_to_all: ClassVar[bool] = False
+    # how many leading srclayers forward() reads (None: all); the others are feedback
+    # edges of an undirected model, outside the DAG, handed to close_loop
+    forward_sources: ClassVar[Optional[int]] = None
 
     def __init__(self, conf: LayerProto, src_shapes: Sequence[Shape]):
         self.conf = conf
@@ -72,6 +81,9 @@ class Layer:
         ctx: Context,
     ) -> LayerResult:
         raise NotImplementedError
+
+    def close_loop(self, xs: list[torch.Tensor], feedback: list[torch.Tensor], params: list[torch.Tensor], ctx: Context) -> None:
+        """Outside training, after the forward pass: see the feedback sources' outputs (layers with feedback edges)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, shape={self.shape})"

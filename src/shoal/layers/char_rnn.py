@@ -106,7 +106,8 @@ class RNNDummy(Layer):
 
     Without data it draws U[low, high) values of `shape` (batch first, as SINGA's
     blob), floored when `integer`. At sampling time the runtime gives it the
-    output of `dynamic_srclayer` from the previous step, as a source or as
+    output of `dynamic_srclayer` from the previous pass (ctx.carry; its first
+    column when it has several, e.g. kArgSort's best id), or data in
     ctx.feeds[name] = (data, None); it then passes that on.
     """
 
@@ -127,6 +128,9 @@ class RNNDummy(Layer):
     def forward(self, xs, params, labels, ctx):
         if xs:
             return xs[0]
+        dynamic = self.conf.rnn_dummy_conf.dynamic_srclayer
+        if dynamic and ctx.carry and dynamic in ctx.carry:  # sampling: the previous pass's choice
+            return flat(ctx.carry[dynamic])[:, 0].reshape((-1,) + self.shape)
         if self.name in ctx.feeds:
             return fed_batch(self, ctx)[0]
         c = self.conf.rnn_dummy_conf
@@ -157,6 +161,7 @@ class CharRNNOutput(Layer):
         if self.vocab is None:
             self.vocab = read_vocab(self.conf.char_rnn_conf.vocab_path)
         ids = flat(xs[0])[:, 0].long().tolist()
-        self.stream.write("".join(self.vocab[i] for i in ids))
+        # an id past the vocabulary (a net with room for more characters) prints as U+FFFD
+        self.stream.write("".join(self.vocab[i] if i < len(self.vocab) else "\ufffd" for i in ids))
         self.stream.flush()
         return xs[0]

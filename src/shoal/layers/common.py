@@ -25,16 +25,33 @@ def flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1)
 
 
-def uniform(shape: Sequence[int], ctx: Context, device: torch.device) -> torch.Tensor:
+def uniform(shape: Sequence[int], ctx: Context, device: torch.device, per_sample: bool = False) -> torch.Tensor:
     """U[0, 1) float32 values drawn from ctx.generator, on `device`.
 
     The draw happens on the generator's own device (a CPU generator can serve
     GPU data) and in float32 whatever the data's dtype, so a float64 gradient
-    check sees the draws a float32 run sees.
+    check sees the draws a float32 run sees. per_sample: dim 0 is this worker's
+    rows of the batch (see `draw`).
     """
+    return draw(torch.rand, shape, ctx, device, per_sample)
+
+
+def normal(shape: Sequence[int], ctx: Context, device: torch.device, per_sample: bool = False) -> torch.Tensor:
+    """N(0, 1) float32 values drawn as `uniform` draws."""
+    return draw(torch.randn, shape, ctx, device, per_sample)
+
+
+def draw(fn, shape: Sequence[int], ctx: Context, device: torch.device, per_sample: bool) -> torch.Tensor:
+    """fn(shape) from ctx.generator. With per_sample and ctx.rows = (offset, share, global batch),
+    the draw is made for the whole batch and this worker's rows are kept: every worker of a
+    group (same generator state) sees, row for row, the values one worker with the whole batch sees."""
     generator = ctx.generator
     where = generator.device if generator is not None else device
-    return torch.rand(tuple(shape), generator=generator, device=where).to(device)
+    shape = tuple(shape)
+    if per_sample and ctx.rows is not None and shape and shape[0] == ctx.rows[1] != ctx.rows[2]:
+        offset, share, total = ctx.rows
+        return fn((total,) + shape[1:], generator=generator, device=where)[offset : offset + share].to(device)
+    return fn(shape, generator=generator, device=where).to(device)
 
 
 def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

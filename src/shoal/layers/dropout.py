@@ -23,5 +23,5 @@ class Dropout(Layer):
         x, ratio = xs[0], self.conf.dropout_conf.dropout_ratio
         if ctx.phase != job_pb2.kTrain or ratio == 0:
             return x
-        keep = uniform(x.shape, ctx, x.device) >= ratio
+        keep = uniform(x.shape, ctx, x.device, per_sample=True) >= ratio
         return x * keep / (1 - ratio)

@@ -35,7 +35,11 @@ class Accuracy(Layer):
 
 @register("kArgSort")
 class ArgSort(Layer):
-    """The ids of each sample's argsort_conf.topk best scores, best first, as floats (ties: higher id first)."""
+    """The ids of each sample's argsort_conf.topk best scores, best first, as floats (ties: higher id first).
+
+    With argsort_conf.sample the topk ids are drawn at random instead, the scores
+    (a softmax's output) being their probabilities: char-rnn sampling.
+    """
 
     category = "output"
 
@@ -47,7 +51,11 @@ class ArgSort(Layer):
         self.shape = (conf.argsort_conf.topk,)
 
     def forward(self, xs, params, labels, ctx):
-        return top_indices(flat(xs[0]).detach(), self.conf.argsort_conf.topk).to(torch.float32)
+        scores, c = flat(xs[0]).detach(), self.conf.argsort_conf
+        if c.sample:  # draw from the distribution instead of taking its mode
+            generator = ctx.generator if ctx.generator is not None and ctx.generator.device == scores.device else None
+            return torch.multinomial(scores.clamp_min(0), c.topk, generator=generator).to(torch.float32)
+        return top_indices(scores, c.topk).to(torch.float32)
 
 
 class StoreOutput(Layer):

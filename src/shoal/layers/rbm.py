@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.layers.base import Context, Layer
-from shoal.layers.common import config_error, flat, numel, uniform
+from shoal.layers.common import config_error, flat, normal, numel, uniform
 from shoal.layers.registry import register
 
 
@@ -23,6 +23,9 @@ def _check_hdim(conf) -> int:
     return conf.rbm_conf.hdim
 
 
+SQUARED_ERROR = "Squared Error"  # the metric's name, as SINGA displays it
+
+
 @register("kRBMVis")
 class RBMVis(Layer):
     """Visible units. Params: W (hdim, vdim), visible bias b_v (vdim,).
@@ -30,7 +33,11 @@ class RBMVis(Layer):
     srclayers: the data, then (SINGA's back edge) the RBMHid layer, which may be
     left out. forward emits the data: the positive phase v₀.
     reconstruct(h) = σ(h·W + b_v): the visible probabilities given hidden states h.
+    Outside training, close_loop reports "Squared Error" ‖v₀ − reconstruct(E[h|v₀])‖²
+    per sample (in training kCD reports it for its Gibbs chain).
     """
+
+    forward_sources = 1  # the RBMHid edge is feedback
 
     def __init__(self, conf, src_shapes):
         super().__init__(conf, src_shapes)
@@ -48,6 +55,13 @@ class RBMVis(Layer):
     def reconstruct(self, hidden: torch.Tensor, params) -> torch.Tensor:
         weight, bias = params
         return torch.sigmoid(hidden @ weight + bias)
+
+    def close_loop(self, xs, feedback, params, ctx):
+        if not feedback:
+            return
+        v0 = flat(xs[0])
+        error = ((v0 - self.reconstruct(flat(feedback[0]), params)) ** 2).sum() / len(v0)
+        ctx.report(SQUARED_ERROR, error.item(), len(v0))
 
 
 @register("kRBMHid")
@@ -78,10 +92,8 @@ class RBMHid(Layer):
     def sample(self, mean: torch.Tensor, ctx: Context) -> torch.Tensor:
         """h ~ Bernoulli(mean) for binary units (h = 1 where u < mean, u ~ U[0, 1)); mean + N(0, 1) for Gaussian ones."""
         if self.gaussian:
-            generator = ctx.generator
-            noise = torch.randn(mean.shape, generator=generator, device=generator.device if generator is not None else mean.device)
-            return mean + noise.to(mean.device, mean.dtype)
-        return (uniform(mean.shape, ctx, mean.device) < mean).to(mean.dtype)
+            return mean + normal(mean.shape, ctx, mean.device, per_sample=True).to(mean.dtype)
+        return (uniform(mean.shape, ctx, mean.device, per_sample=True) < mean).to(mean.dtype)
 
 
 @dataclass

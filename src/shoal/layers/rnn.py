@@ -18,7 +18,8 @@ class GRU(Layer):
         c = tanh(x·W_cxᵀ + b_c + r ⊙ (h·W_chᵀ))  new memory (reset applied after the product, as SINGA)
 
     srclayers: the input x (flattened per sample, vdim values), then optionally
-    the previous step's hidden state h (an unrolled GRU copy); without it h = 0.
+    the previous step's hidden state h (an unrolled GRU copy); without it h is
+    this layer's output of the previous pass when sampling (ctx.carry), else 0.
     Params in SINGA's order (the names of its char-rnn example):
     z_hx, r_hx, c_hx of shape (dim_hidden, vdim); z_hh, r_hh, c_hh of shape
     (dim_hidden, dim_hidden); z_b, r_b, c_b of shape (dim_hidden,) when bias_term.
@@ -45,7 +46,12 @@ class GRU(Layer):
 
     def forward(self, xs, params, labels, ctx):
         x = flat(xs[0])
-        h = flat(xs[1]) if len(xs) > 1 else x.new_zeros(x.shape[0], self.hidden)
+        if len(xs) > 1:
+            h = flat(xs[1])
+        elif ctx.carry and self.name in ctx.carry:  # sampling: this layer's state from the previous pass
+            h = flat(ctx.carry[self.name])
+        else:
+            h = x.new_zeros(x.shape[0], self.hidden)
         w_zx, w_rx, w_cx, w_zh, w_rh, w_ch = params[:6]
         # one matmul per operand for all three gates, then split
         from_x = (x @ torch.cat([w_zx, w_rx, w_cx]).t()).split(self.hidden, dim=1)

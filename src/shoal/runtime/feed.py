@@ -17,6 +17,17 @@ import torch
 
 from shoal.config import job_pb2
 from shoal.data.dataset import Dataset, load_mean, open_store
+from shoal.data.errors import StoreError
+from shoal.layers.char_rnn import CharRNNOutput, char_windows, encode_text, read_vocab
+
+
+def batch_conf(layer: job_pb2.LayerProto) -> Optional[job_pb2.StoreProto]:
+    """The StoreProto an input layer reads (kCharRNN's char_rnn_conf as one), or None for other layers."""
+    if layer.HasField("store_conf"):
+        return layer.store_conf
+    if layer.type == job_pb2.kCharRNN:
+        return job_pb2.StoreProto(batchsize=[layer.char_rnn_conf.batchsize])
+    return None
 
 
 def batch_shares(store: job_pb2.StoreProto, npartitions: int) -> list[int]:
@@ -51,6 +62,39 @@ class InputFeed:
         return x, y
 
 
+@dataclass
+class TextFeed:
+    """kCharRNN's feed: a text as character ids, cut into windows as SINGA's CharRNNInputLayer (`char_windows`).
+
+    The rows of batch `cursor // global_batch` are the same whatever the number
+    of workers; this worker takes rows offset .. offset + share.
+    """
+
+    layer_name: str
+    ids: np.ndarray
+    unroll_len: int
+    global_batch: int
+    offset: int
+    share: int
+    skip: int = 0  # no random skip: kept for the checkpoint's feed state
+
+    def batch(self, cursor: int, device: torch.device) -> tuple[torch.Tensor, None]:
+        windows = char_windows(self.ids, self.global_batch, self.unroll_len, cursor // self.global_batch)
+        return torch.from_numpy(windows[self.offset : self.offset + self.share]).to(device), None
+
+
+def open_text(conf: job_pb2.CharRNNProto, base_dirs: list[Path]) -> np.ndarray:
+    """The ids of char_rnn_conf.path's characters under char_rnn_conf.vocab_path (ValueError naming the file)."""
+    path, vocab_path = resolve_data_path(conf.path, base_dirs), resolve_data_path(conf.vocab_path, base_dirs)
+    for p, field in ((path, "path"), (vocab_path, "vocab_path")):
+        if not p.is_file():
+            raise StoreError(f"char_rnn_conf.{field}: {p} is not a file")
+    try:
+        return encode_text(path.read_text(encoding="utf-8"), read_vocab(vocab_path))
+    except (KeyError, UnicodeDecodeError) as err:
+        raise StoreError(f"{path}: {err.args[0] if isinstance(err, KeyError) else err} (vocabulary {vocab_path})") from None
+
+
 def resolve_data_path(path: str, base_dirs: list[Path]) -> Path:
     """SINGA resolves store paths against the working directory; shoal also tries the job file's folder."""
     p = Path(path)
@@ -69,8 +113,18 @@ def make_feeds(net, base_dirs: list[Path], partition: int, npartitions: int, rng
         meanfile = node.layer.conf.rgbimage_conf.meanfile if node.layer.conf.HasField("rgbimage_conf") else ""
         if meanfile:
             node.layer.mean = torch.from_numpy(np.asarray(load_mean(resolve_data_path(meanfile, base_dirs)), dtype=np.float32)).to(device)
+        if isinstance(node.layer, CharRNNOutput):
+            node.layer.vocab = read_vocab(resolve_data_path(node.layer.conf.char_rnn_conf.vocab_path, base_dirs))
+    texts: dict[tuple[str, str], np.ndarray] = {}
     for node in net.input_nodes():
         conf = node.layer.conf
+        if conf.type == job_pb2.kCharRNN:
+            c = conf.char_rnn_conf
+            if (c.path, c.vocab_path) not in texts:
+                texts[(c.path, c.vocab_path)] = open_text(c, base_dirs)
+            shares = batch_shares(batch_conf(conf), npartitions)
+            feeds[node.name] = TextFeed(node.name, texts[(c.path, c.vocab_path)], c.unroll_len, sum(shares), sum(shares[:partition]), shares[partition])
+            continue
         if not conf.HasField("store_conf"):
             continue
         store = job_pb2.StoreProto()

@@ -32,7 +32,7 @@ from shoal.layers.base import Context
 from shoal.metrics import MetricsLog, MetricWindow, display_line
 from shoal.net import NeuralNet
 from shoal.params import ParamStore
-from shoal.runtime.feed import InputFeed, batch_shares, make_feeds
+from shoal.runtime.feed import InputFeed, batch_conf, batch_shares, make_feeds
 from shoal.runtime.worker import Worker
 
 
@@ -87,9 +87,9 @@ class History:
 def global_batch(job: job_pb2.JobProto) -> int:
     """Samples per training step of a group: the train input layers' batch (one value, or the shares' sum)."""
     sizes = [
-        sum(batch_shares(layer.store_conf, job.cluster.nworkers_per_group))
+        sum(batch_shares(batch_conf(layer), job.cluster.nworkers_per_group))
         for layer in job.neuralnet.layer
-        if layer.HasField("store_conf") and in_phase(layer, job_pb2.kTrain)
+        if batch_conf(layer) is not None and in_phase(layer, job_pb2.kTrain)
     ]
     return max(sizes, default=0)
 
@@ -233,9 +233,12 @@ class Trainer:
         net, feeds = self.nets[phase], self.feeds[phase]
         batch = max((f.global_batch for f in feeds.values()), default=0)
         window = MetricWindow()
+        carry = {} if net.samples else None  # a sampling net continues one sequence over its steps
         with torch.no_grad():
             for _ in range(steps):
-                net.forward(self._context(phase, feeds, self.cursors[phase], window))
+                ctx = self._context(phase, feeds, self.cursors[phase], window)
+                ctx.carry = carry
+                net.forward(ctx)
                 self.cursors[phase] += batch
         return window.averages()
 
@@ -325,6 +328,8 @@ class Trainer:
 
     def test_only(self, metrics: Optional[MetricsLog], step: int) -> dict[str, float]:
         values = self.evaluate(job_pb2.kTest, self.job.test_steps)
+        if self.nets[job_pb2.kTest].samples:
+            self.log("")  # end the line of generated text
         self.log(display_line("Test", step, values))
         if metrics is not None:
             metrics.write(step, "test", values, mode="test-only")

@@ -46,11 +46,18 @@ class Worker:
                 # without random_skip, groups start at evenly spaced offsets: disjoint shards of one epoch
                 if feed.skip == 0:
                     feed.skip = group * (len(feed.dataset) // ngroups)
-        self.generator = torch.Generator(device=device).manual_seed(job.seed + 1 + index + 7919 * group)
+        # one seed for the whole group: per-sample draws are made for the whole batch and sliced
+        # (Context.rows), so a group draws, row for row, what one worker would; groups differ
+        self.generator = torch.Generator(device=device).manual_seed(job.seed + 1 + 7919 * group)
 
     @property
     def global_batch(self) -> int:
         return max((f.global_batch for f in self.feeds.values()), default=0)
+
+    @property
+    def offset(self) -> int:
+        """This worker's first row within the group's batch."""
+        return max((f.offset for f in self.feeds.values()), default=0)
 
     @property
     def share(self) -> int:
@@ -65,5 +72,6 @@ class Worker:
             feeds={name: feed.batch(cursor, self.device) for name, feed in self.feeds.items()},
             report=report,
             device=self.device,
+            rows=(self.offset, self.share, self.global_batch),
         )
         return train_one_batch(self.job.train_one_batch, self.net, ctx)
