@@ -141,6 +141,10 @@ class NeuralNet:
     def param_names(self) -> list[str]:
         return list(self._leaves)
 
+    def param_leaves(self) -> dict[str, torch.Tensor]:
+        """This net's leaf tensor per param (where backward accumulates its gradient)."""
+        return dict(self._leaves)
+
     def grads(self) -> dict[str, Optional[torch.Tensor]]:
         return {name: leaf.grad for name, leaf in self._leaves.items()}
 

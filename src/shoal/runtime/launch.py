@@ -99,7 +99,7 @@ def _entry(
             progress=False, worker_indices=[w.id for w in hosted.workers], chief=rank == 0,
         )
         placement = place(job.cluster, {name: info.numel for name, info in trainer.store.info.items()})
-        trainer.attach_exchange(SlicedExchange(trainer.store, make_updater(job.updater), placement, rank, trainer.global_batch))
+        trainer.attach_exchange(SlicedExchange(trainer.store, make_updater(job.updater), placement, rank, trainer.global_batch, trainer.workers))
         if resume_from:
             trainer.restore(Path(resume_from))
         elif job.checkpoint_path:

@@ -207,6 +207,7 @@ class Trainer:
 
     def train_step(self, step: int) -> int:
         """Train one batch on the whole group; return the number of samples it used."""
+        self.exchange.begin(step)  # gradients may leave while backward still runs
         compute = lambda w: (w.compute(step, self.window.report), w.share)
         parts = list(self.pool.map(compute, self.workers)) if self.pool else [compute(w) for w in self.workers]
         self.exchange.step(step, parts)
