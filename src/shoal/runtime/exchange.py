@@ -169,7 +169,7 @@ class SlicedExchange:
             self.begin(step)
             r = self._round
         for i, (grads, _) in enumerate(parts):
-            for name in self.names:
+            for name in reversed(self.names):  # in backward order, as the buckets are
                 if (i, name) not in r.arrived:
                     self._arrive(i, name, grads.get(name))
         try:
