@@ -99,7 +99,7 @@ def test_multi_process_layouts_equal_the_single_worker_run(blobs_job, tmp_path, 
 
 @pytest.mark.parametrize("layout", ["AllReduce 3 co-located", "Sandblaster 2+2 separate", "2 processes x 2 threads"])
 def test_small_buckets_split_params_across_messages_and_stay_exact(blobs_job, tmp_path, monkeypatch, layout):
-    """A 100-element cap: the big slices travel alone (no copy), the small ones share a message."""
+    """A 100-element cap: big slices travel in pieces (no copy), small ones share a message."""
     monkeypatch.setenv("SHOAL_BUCKET_MB", str(100 * 4 / 2**20))
     single = final_params(blobs_job(train_steps=8, updater=UPDATERS["adam"]), tmp_path / "single")
     group = final_params(blobs_job(train_steps=8, updater=UPDATERS["adam"]), tmp_path / "group", PROCESS_LAYOUTS[layout])

@@ -5,8 +5,10 @@ formed in that order: consecutive slices (SINGA's lcm slicing decides which
 server, hence which rank, owns each) with the same owner are grouped until a
 bucket would exceed `cap` elements. A bucket is one message each way: the
 gradients of its slices to the owner, their new values back. A slice larger
-than the cap is a bucket of its own and travels without a copy; the small
-ones (biases) share a bucket so they cost one message, not one each.
+than the cap is cut into pieces of `cap` elements, each a bucket of its own
+that travels without a copy, so the owner updates and returns one piece while
+the next is still arriving; small slices (biases) share a bucket so they cost
+one message, not one each.
 """
 from __future__ import annotations
 
@@ -67,8 +69,10 @@ def plan_buckets(slices: list[ParamSlice], owner: dict[int, int], cap: int = DEF
             current.clear()
 
     for s in reversed(slices):
-        if current and (owner[s.index] != owner[current[0].index] or sum(x.size for x in current) + s.size > cap):
-            close()
-        current.append(s)
+        for start in range(s.start, s.stop, cap):  # pieces of at most `cap` elements
+            piece = ParamSlice(s.param, s.index, start, min(s.stop, start + cap))
+            if current and (owner[s.index] != owner[current[0].index] or sum(x.size for x in current) + piece.size > cap):
+                close()
+            current.append(piece)
     close()
     return buckets
