@@ -10,11 +10,16 @@
    namespace of its own (`unshare -n`), so its `lo` carries nothing but that run's traffic; otherwise
    the host's `lo` counter is read (other programs' loopback traffic then counts too).
 
+Because samples/s swing with whatever else runs on the machine, the comparison also reports CPU
+seconds per step of the whole process tree (getrusage of waited-for children; the difference
+between a long and a short run, so start-up cancels out): under contention a system that needs
+fewer CPU seconds per step gets more steps done.
+
 Samples/s are steady-state means for both systems: shoal's from its display windows after the
 first ten steps (samples / time, from metrics.jsonl), DDP's timed from step 10 to the end. The
 DDP comparison is repeated (--repeats, interleaved) because other programs may share the cores.
 
-    python benchmarks/sync.py [--steps 50] [--batch 64] [--repeats 3]
+    python benchmarks/sync.py [--steps 50] [--batch 64] [--repeats 3] [--skip-layouts]
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -44,6 +50,21 @@ def lo_sent(dev_text: str) -> int:
         if name.strip() == "lo":
             return int(rest.split()[8])
     return 0
+
+
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cpu_per_step(run, short: int, long: int) -> float:
+    """CPU seconds per step of `run(steps)` (all its processes), start-up cancelled out."""
+    spent = []
+    for steps in (short, long):
+        before = children_cpu_seconds()
+        run(steps)
+        spent.append(children_cpu_seconds() - before)
+    return (spent[1] - spent[0]) / (long - short)
 
 
 def run_measured(args: list[str], cwd: Path = REPO) -> int:
@@ -142,6 +163,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="rounds of the DDP comparison")
+    parser.add_argument("--skip-layouts", action="store_true", help="only the DDP comparison")
     args = parser.parse_args()
     data = REPO / "examples/mnist/data/train_data.bin"
     if not data.exists():
@@ -162,7 +184,16 @@ def main() -> None:
         print(f"{round_:<6} | {ddp:>6.0f} | {one:>8.0f} ({one / ddp:.2f}x) | {two:>19.0f} ({two / ddp:.2f}x)", flush=True)
     for name, values in ratios.items():
         print(f"shoal {name} / DDP: median {statistics.median(values):.2f} (min {min(values):.2f}, max {max(values):.2f})")
+    short, long = 20, 20 + args.steps
+    cpu = {
+        "DDP": cpu_per_step(lambda n: run_ddp(data, n, args.batch, max(1, cores // 2)), short, long),
+        "shoal, 1 server": cpu_per_step(lambda n: run_shoal(data, "nworkers_per_group=2", n, args.batch, 0), short, long),
+        "shoal AllReduce, 2 servers": cpu_per_step(lambda n: run_shoal(data, "nworkers_per_group=2 nservers_per_group=2", n, args.batch, 0), short, long),
+    }
+    print("CPU seconds per step, all processes: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in cpu.items()))
     print()
+    if args.skip_layouts:
+        return
 
     # analytic bytes per step per worker: the gradient bytes it must ship to servers in other
     # processes plus the value bytes it must get back (P = 4 bytes x params)

@@ -15,7 +15,7 @@ its slices (updater state lives with the slice) and sends the new values
 back to every worker process. Over all buckets this is a direct
 reduce-scatter + slice update + all-gather, moving exactly the analytic
 bytes (benchmarks/gloo_primitives.py measured gloo's own reduce_scatter,
-reduce and broadcast moving 1.25-1.5x that): the AllReduce framework when
+reduce and broadcast moving 1.2-1.5x that, and slower): the AllReduce framework when
 servers share the workers' processes, Sandblaster when they have processes
 of their own (those contribute no gradients and receive no values).
 """
@@ -134,6 +134,7 @@ class SlicedExchange:
         self._outgoing = {b.index: torch.empty(b.numel) for b in self.buckets if len(b.slices) > 1 and (b.owner == rank or hosts_workers)}
         self._arriving = {b.index: torch.empty(b.numel) for b in self.buckets if len(b.slices) > 1 and b.owner != rank and hosts_workers}
         self.shares = [w.share for w in workers]
+        # per local worker: whether its gradients leave during backward (kBP) or after compute
         self.streaming = [w.stream_gradients(self._hook(i)) for i, w in enumerate(workers)]
         self._lock = threading.Lock()
         self._round: Optional[_Round] = None

@@ -84,7 +84,7 @@ def this_machine() -> tuple[set[str], set[str]]:
     names = {socket.gethostname(), socket.getfqdn()} - {"localhost", "localhost.localdomain"}
     addresses: set[str] = set()
     try:  # iproute2 lists every interface's addresses, also in a network namespace
-        out = subprocess.run(["ip", "-o", "addr", "show"], capture_output=True, text=True, timeout=5).stdout
+        out = subprocess.run(["ip", "-o", "addr", "show"], capture_output=True, text=True, timeout=5, check=False).stdout
         for line in out.splitlines():
             words = line.split()
             for family in ("inet", "inet6"):
