@@ -93,7 +93,7 @@ def run_shoal(data: Path, cluster: str, steps: int, batch: int, threads: int) ->
     records = [json.loads(line) for line in (ws / "metrics.jsonl").read_text().splitlines()]
     windows = [r for r in records if r["phase"] == "train" and r["step"] > 10]
     seconds = sum(10 * batch / r["samples_per_sec"] for r in windows)
-    return 10 * batch * len(windows) / seconds, moved / steps
+    return (10 * batch * len(windows) / seconds if windows else float("nan")), moved / steps
 
 
 DDP_SCRIPT = r"""
