@@ -6,9 +6,20 @@
    (2 workers + 2 server processes), with the thread budget on (cores / workers) and off (every
    process uses every core).
 3. Bytes moved per step per worker over loopback, measured from the kernel's counter of bytes
-   sent on the `lo` interface, next to the analytic value.
+   sent on the `lo` interface, next to the analytic value. As root, every run gets a network
+   namespace of its own (`unshare -n`), so its `lo` carries nothing but that run's traffic; otherwise
+   the host's `lo` counter is read (other programs' loopback traffic then counts too).
 
-    python benchmarks/sync.py [--steps 40] [--batch 64]
+Because samples/s swing with whatever else runs on the machine, the comparison also reports CPU
+seconds per step of the whole process tree (getrusage of waited-for children; the difference
+between a long and a short run, so start-up cancels out): under contention a system that needs
+fewer CPU seconds per step gets more steps done.
+
+Samples/s are steady-state means for both systems: shoal's from its display windows after the
+first ten steps (samples / time, from metrics.jsonl), DDP's timed from step 10 to the end. The
+DDP comparison is repeated (--repeats, interleaved) because other programs may share the cores.
+
+    python benchmarks/sync.py [--steps 50] [--batch 64] [--repeats 3] [--skip-layouts]
 """
 from __future__ import annotations
 
@@ -16,6 +27,8 @@ import argparse
 import json
 import os
 import platform
+import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -27,16 +40,46 @@ SIZES = [784, 2500, 2000, 1500, 1000, 500, 10]
 PARAMS = sum(a * b + b for a, b in zip(SIZES[:-1], SIZES[1:]))
 
 
-def loopback_bytes_sent() -> int:
-    for line in Path("/proc/net/dev").read_text().splitlines():
+ISOLATED = os.geteuid() == 0 and shutil.which("unshare") is not None and shutil.which("ip") is not None
+
+
+def lo_sent(dev_text: str) -> int:
+    """Bytes sent on `lo` from a /proc/net/dev listing (each loopback byte is counted once as sent)."""
+    for line in dev_text.splitlines():
         name, _, rest = line.partition(":")
         if name.strip() == "lo":
-            return int(rest.split()[8])  # each loopback byte is counted once as sent
+            return int(rest.split()[8])
     return 0
 
 
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cpu_per_step(run, short: int, long: int) -> float:
+    """CPU seconds per step of `run(steps)` (all its processes), start-up cancelled out."""
+    spent = []
+    for steps in (short, long):
+        before = children_cpu_seconds()
+        run(steps)
+        spent.append(children_cpu_seconds() - before)
+    return (spent[1] - spent[0]) / (long - short)
+
+
+def run_measured(args: list[str], cwd: Path = REPO) -> int:
+    """Run `args`; return the bytes it sent over loopback (its own namespace's `lo` when isolated)."""
+    if not ISOLATED:
+        before = lo_sent(Path("/proc/net/dev").read_text())
+        subprocess.run(args, check=True, capture_output=True, cwd=cwd)
+        return lo_sent(Path("/proc/net/dev").read_text()) - before
+    script = 'ip link set lo up && "$@" >/dev/null && echo "==proc/net/dev==" && cat /proc/net/dev'
+    out = subprocess.run(["unshare", "-n", "sh", "-c", script, "sh", *args], check=True, capture_output=True, text=True, cwd=cwd).stdout
+    return lo_sent(out.split("==proc/net/dev==")[-1])
+
+
 def run_shoal(data: Path, cluster: str, steps: int, batch: int, threads: int) -> tuple[float, float]:
-    """(median samples/s over the display windows after the first, loopback bytes per step)."""
+    """(samples/s over the display windows after step 10, loopback bytes per step)."""
     ws = Path(tempfile.mkdtemp()) / "ws"
     sets = [f"train_steps={steps}", "test_steps=0", "disp_freq=10", f"neuralnet.layer[0].store_conf.path={data}",
             f"neuralnet.layer[0].store_conf.batchsize={batch}", "updater.momentum=0.9"]
@@ -46,12 +89,11 @@ def run_shoal(data: Path, cluster: str, steps: int, batch: int, threads: int) ->
     args = [sys.executable, "-m", "shoal", "run", str(REPO / "examples/mnist/job.conf"), "--workspace", str(ws), "--no-progress"]
     for s in sets:
         args += ["--set", s]
-    before = loopback_bytes_sent()
-    subprocess.run(args, check=True, capture_output=True, cwd=REPO)
-    moved = loopback_bytes_sent() - before
+    moved = run_measured(args)
     records = [json.loads(line) for line in (ws / "metrics.jsonl").read_text().splitlines()]
-    rates = [r["samples_per_sec"] for r in records if r["phase"] == "train"][1:]
-    return statistics.median(rates), moved / steps
+    windows = [r for r in records if r["phase"] == "train" and r["step"] > 10]
+    seconds = sum(10 * batch / r["samples_per_sec"] for r in windows)
+    return (10 * batch * len(windows) / seconds if windows else float("nan")), moved / steps
 
 
 DDP_SCRIPT = r"""
@@ -111,24 +153,47 @@ def run_ddp(data: Path, steps: int, batch: int, threads: int) -> float:
     script = Path(tempfile.mkdtemp()) / "ddp.py"
     script.write_text(DDP_SCRIPT)
     out = script.with_suffix(".out")
-    subprocess.run([sys.executable, str(script), str(free_port()), str(data), str(steps), str(batch), str(threads), str(out)], check=True, capture_output=True)
+    port = 29400 if ISOLATED else free_port()  # a namespace of its own has every port free
+    run_measured([sys.executable, str(script), str(port), str(data), str(steps), str(batch), str(threads), str(out)])
     return float(out.read_text())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the DDP comparison")
+    parser.add_argument("--skip-layouts", action="store_true", help="only the DDP comparison")
     args = parser.parse_args()
     data = REPO / "examples/mnist/data/train_data.bin"
     if not data.exists():
         sys.exit("prepare MNIST first: shoal prepare mnist --out examples/mnist/data")
     cores = os.cpu_count() or 1
     print(f"machine: {platform.machine()}, {cores} cores; SINGA MNIST MLP ({PARAMS:,} params), global batch {args.batch}, momentum SGD")
+    print(f"bytes: {'each run in its own network namespace' if ISOLATED else 'host-wide lo counter (not root: other traffic counts too)'}")
 
-    shoal2, _ = run_shoal(data, "nworkers_per_group=2", args.steps, args.batch, 0)
-    ddp2 = run_ddp(data, args.steps, args.batch, max(1, cores // 2))
-    print(f"\n2 processes: shoal {shoal2:.0f} samples/s, torch DDP (gloo) {ddp2:.0f} samples/s, ratio {shoal2 / ddp2:.2f}\n")
+    # claim 1: two processes each, one thread budget (cores / 2) each, interleaved rounds
+    ratios: dict[str, list[float]] = {"1 server (rank 0)": [], "AllReduce, 2 servers": []}
+    print(f"\n{'round':<6} | {'DDP':>6} | {'shoal, 1 server':>16} | {'shoal AllReduce, 2 servers':>27}")
+    for round_ in range(args.repeats):
+        ddp = run_ddp(data, args.steps, args.batch, max(1, cores // 2))
+        one, _ = run_shoal(data, "nworkers_per_group=2", args.steps, args.batch, 0)
+        two, _ = run_shoal(data, "nworkers_per_group=2 nservers_per_group=2", args.steps, args.batch, 0)
+        ratios["1 server (rank 0)"].append(one / ddp)
+        ratios["AllReduce, 2 servers"].append(two / ddp)
+        print(f"{round_:<6} | {ddp:>6.0f} | {one:>8.0f} ({one / ddp:.2f}x) | {two:>19.0f} ({two / ddp:.2f}x)", flush=True)
+    for name, values in ratios.items():
+        print(f"shoal {name} / DDP: median {statistics.median(values):.2f} (min {min(values):.2f}, max {max(values):.2f})")
+    short, long = 20, 20 + args.steps
+    cpu = {
+        "DDP": cpu_per_step(lambda n: run_ddp(data, n, args.batch, max(1, cores // 2)), short, long),
+        "shoal, 1 server": cpu_per_step(lambda n: run_shoal(data, "nworkers_per_group=2", n, args.batch, 0), short, long),
+        "shoal AllReduce, 2 servers": cpu_per_step(lambda n: run_shoal(data, "nworkers_per_group=2 nservers_per_group=2", n, args.batch, 0), short, long),
+    }
+    print("CPU seconds per step, all processes: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in cpu.items()))
+    print()
+    if args.skip_layouts:
+        return
 
     # analytic bytes per step per worker: the gradient bytes it must ship to servers in other
     # processes plus the value bytes it must get back (P = 4 bytes x params)
@@ -140,12 +205,12 @@ def main() -> None:
         ("AllReduce: 2 processes, 2 servers", "nworkers_per_group=2 nservers_per_group=2", 2, p),
         ("Sandblaster: 2 workers + 2 servers", "nworkers_per_group=2 nservers_per_group=2 server_worker_separate=true", 2, 2 * p),
     ]
-    print(f"{'layout':<36} | {'budget on':>10} | {'budget off':>10} | {'lo bytes/step/worker':>20} | {'analytic':>10}")
+    print(f"{'layout':<36} | {'budget on':>10} | {'budget off':>10} | {'lo bytes/step/worker':>20} | {'analytic':>10}", flush=True)
     print("-" * 98)
     for name, cluster, workers, analytic in layouts:
         on, moved = run_shoal(data, cluster, args.steps, args.batch, 0)
         off, _ = run_shoal(data, cluster, args.steps, args.batch, cores)
-        print(f"{name:<36} | {on:>10.0f} | {off:>10.0f} | {moved / workers / 1e6:>17.1f} MB | {analytic / 1e6:>7.1f} MB")
+        print(f"{name:<36} | {on:>10.0f} | {off:>10.0f} | {moved / workers / 1e6:>17.1f} MB | {analytic / 1e6:>7.1f} MB", flush=True)
 
 
 if __name__ == "__main__":

@@ -55,16 +55,19 @@ def two_hosts():
         sh("ip", "netns", "del", b)
 
 
-def test_sandblaster_over_two_hosts_equals_the_single_worker_run(two_hosts, blobs_job, tmp_path):
-    (ns_a, ip_a), (ns_b, _) = two_hosts
+@pytest.mark.parametrize("hosts_given_by", ["--nnodes/--node-rank/--master", "--hostfile alone"])
+def test_sandblaster_over_two_hosts_equals_the_single_worker_run(two_hosts, blobs_job, tmp_path, hosts_given_by):
+    (ns_a, ip_a), (ns_b, ip_b) = two_hosts
     single = tmp_path / "single"
     shoal.train(blobs_job(train_steps=8), workspace=single, log=lambda *a: None)
     job = blobs_job(train_steps=8)
-    job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 2 nservers_per_group: 2 server_worker_separate: true }"))
-    master = f"{ip_a}:29517"
+    job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 2 nservers_per_group: 2 server_worker_separate: true start_port: 29517 }"))
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"# SINGA conf/hostfile\n{ip_a}\n{ip_b}\n")
+    # with a hostfile, the same command runs on both hosts: each finds its own line
+    where = lambda rank: ["--hostfile", str(hostfile)] if hosts_given_by == "--hostfile alone" else ["--nnodes", "2", "--node-rank", str(rank), "--master", f"{ip_a}:29517"]
     run = lambda ns, rank, ws: subprocess.Popen(
-        ["ip", "netns", "exec", ns, sys.executable, "-m", "shoal", "run", str(job), "--nnodes", "2", "--node-rank", str(rank),
-         "--master", master, "--workspace", str(ws)],
+        ["ip", "netns", "exec", ns, sys.executable, "-m", "shoal", "run", str(job), *where(rank), "--workspace", str(ws)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     node0, node1 = run(ns_a, 0, tmp_path / "node0"), run(ns_b, 1, tmp_path / "node1")

@@ -97,7 +97,22 @@ def test_multi_process_layouts_equal_the_single_worker_run(blobs_job, tmp_path, 
         torch.testing.assert_close(group[name], single[name], rtol=1e-5, atol=1e-6)
 
 
-def test_multi_process_checkpoint_holds_the_whole_updater_state_and_resumes_on_one_process(blobs_job, tmp_path):
+@pytest.mark.parametrize("layout", ["AllReduce 3 co-located", "Sandblaster 2+2 separate", "2 processes x 2 threads"])
+def test_small_buckets_split_params_across_messages_and_stay_exact(blobs_job, tmp_path, monkeypatch, layout):
+    """A 100-element cap: big slices travel in pieces (no copy), small ones share a message."""
+    monkeypatch.setenv("SHOAL_BUCKET_MB", str(100 * 4 / 2**20))
+    single = final_params(blobs_job(train_steps=8, updater=UPDATERS["adam"]), tmp_path / "single")
+    group = final_params(blobs_job(train_steps=8, updater=UPDATERS["adam"]), tmp_path / "group", PROCESS_LAYOUTS[layout])
+    for name in single:
+        torch.testing.assert_close(group[name], single[name], rtol=1e-5, atol=1e-6)
+
+
+RESUME_LAYOUTS = {"1 process": "", "AllReduce 3 co-located": PROCESS_LAYOUTS["AllReduce 3 co-located"]}
+
+
+@pytest.mark.parametrize("resume_on", RESUME_LAYOUTS)
+def test_multi_process_checkpoint_holds_the_whole_updater_state_and_resumes_on_another_layout(blobs_job, tmp_path, resume_on):
+    """A Sandblaster run (servers apart) continues on one process, or as AllReduce over 3 processes."""
     straight = final_params(blobs_job(train_steps=8), tmp_path / "straight")
     job = blobs_job(train_steps=8, extra="checkpoint_freq: 4")
     text = job.read_text()
@@ -108,7 +123,7 @@ def test_multi_process_checkpoint_holds_the_whole_updater_state_and_resumes_on_o
     for step, path in ckpt_io.list_checkpoints(tmp_path / "ws"):
         if step > 4:
             path.unlink()
-    job.write_text(text)
+    job.write_text(text.replace("cluster { }", "cluster { " + RESUME_LAYOUTS[resume_on] + " }"))
     shoal.train(job, workspace=tmp_path / "ws", resume=True, log=lambda *a: None)
     resumed = ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / "ws", 8)).params
     for name in straight:

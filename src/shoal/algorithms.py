@@ -70,7 +70,7 @@ def contrastive_divergence_step(conf: job_pb2.AlgProto, net: NeuralNet, ctx: Con
     if not pairs:
         raise ValueError("kCD needs a kRBMVis/kRBMHid pair in the kTrain net")
     grads: Grads = {name: None for name in net.param_names()}
-    leaves = net.leaves()
+    leaves = net.param_leaves()
     with torch.no_grad():
         _, outputs = net.forward(ctx)
         for vis, hid in pairs:

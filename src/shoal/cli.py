@@ -51,10 +51,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files to WORKSPACE/tensorboard (as `tensorboard: true`)")
     hosts = p.add_argument_group("several hosts", "start `shoal run` on every node with the same --nnodes and --master")
     hosts.add_argument("--nnodes", type=int, help="number of hosts")
-    hosts.add_argument("--node-rank", type=int, help="this host's index, 0 .. nnodes-1 (node 0 hosts the chief)")
+    hosts.add_argument("--node-rank", type=int, help="this host's index, 0 .. nnodes-1 (node 0 hosts the chief); with --hostfile, found by default")
     hosts.add_argument("--master", metavar="HOST:PORT", help="address of node 0, where rank 0 hosts the rendezvous store")
     hosts.add_argument("--interface", help="network interface to listen and connect on (default: the one that routes to --master)")
-    hosts.add_argument("--hostfile", type=Path, help="SINGA's conf/hostfile: one host per line; node 0 is the master, port cluster.start_port")
+    hosts.add_argument("--hostfile", type=Path, help="SINGA's conf/hostfile: one host per line; node 0 is the master, port cluster.start_port; this host's line is its node rank")
 
 
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
@@ -177,13 +177,14 @@ def _nodes(args: argparse.Namespace, job):
     from shoal.runtime.launch import Nodes, route_interface
 
     if args.hostfile is not None:
+        from shoal.runtime import hostfile
+
         try:
-            hosts = [l.split("#")[0].strip() for l in args.hostfile.read_text().splitlines()]
-        except OSError as err:
-            raise UsageError(f"{args.hostfile}: {err.strerror}") from None
-        hosts = [h for h in hosts if h]
-        if not hosts:
-            raise UsageError(f"{args.hostfile}: no hosts listed")
+            hosts = hostfile.read_hosts(args.hostfile)
+            if args.node_rank is None:  # the same command on every host: each finds itself in the file
+                args.node_rank = hostfile.node_rank_of(hosts, *hostfile.this_machine(), hostfile.resolve, str(args.hostfile))
+        except hostfile.HostfileError as err:
+            raise UsageError(str(err)) from None
         nnodes, master = len(hosts), f"{hosts[0]}:{job.cluster.start_port}"
     else:
         nnodes, master = args.nnodes, args.master

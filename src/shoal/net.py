@@ -182,8 +182,9 @@ class NeuralNet:
     def param_names(self) -> list[str]:
         return list(self._leaves)
 
-    def leaves(self) -> dict[str, torch.Tensor]:
-        """The tensors the layers compute with, by owner param name (algorithms that make their own gradients read these)."""
+    def param_leaves(self) -> dict[str, torch.Tensor]:
+        """This net's leaf tensor per owner param name (where backward accumulates its gradient;
+        algorithms that make their own gradients, such as CD, write them here)."""
         return dict(self._leaves)
 
     def grads(self) -> dict[str, Optional[torch.Tensor]]:

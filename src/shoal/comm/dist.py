@@ -2,20 +2,29 @@
 
 Every collective is called by every rank in the same order (the training loop
 is deterministic), which is what keeps a synchronous group deadlock-free.
-A rank that dies or stalls makes the others fail after `timeout` instead of
-hanging forever.
+Point-to-point messages (isend/irecv) are matched by (peer, tag) instead, so
+they may be issued in any order and from any thread; each returns a handle
+to wait on. A rank that dies or stalls makes the others fail after `timeout`
+instead of hanging forever.
+
+Progress counters for naming a stalled rank: every collective, and every
+round of point-to-point messages (`enter_round`, once per training step on
+every rank), counts as one call; ranks publish their count in the store, so
+the rank with fewer calls is the one the others wait for.
 """
 from __future__ import annotations
 
 import datetime
 import os
 import socket
+import threading
 
 import torch
 import torch.distributed as dist
 
 _store: "dist.TCPStore | None" = None
-_calls = 0  # collectives this rank has entered: the rank with fewer is the one the others wait for
+_calls = 0  # collectives and rounds this rank has entered: the rank with fewer is the one the others wait for
+_calls_lock = threading.Lock()  # rounds are entered from backward hooks, possibly in several threads
 
 
 def timeout_seconds() -> float:
@@ -54,9 +63,15 @@ def init(rank: int, world_size: int, host: str, port: int, interface: str = "lo"
 
 def _enter() -> None:
     global _calls
-    _calls += 1
-    if _store is not None:
-        _store.set(f"shoal/calls/{dist.get_rank()}", str(_calls))
+    with _calls_lock:
+        _calls += 1
+        if _store is not None:
+            _store.set(f"shoal/calls/{dist.get_rank()}", str(_calls))
+
+
+def enter_round() -> None:
+    """Count one round of point-to-point messages (every rank enters the same rounds)."""
+    _enter()
 
 
 def heartbeat(step: int) -> None:
@@ -105,6 +120,16 @@ def all_reduce_sum(tensor: torch.Tensor) -> None:
 def barrier() -> None:
     _enter()
     dist.barrier()
+
+
+def isend(tensor: torch.Tensor, dst: int, tag: int) -> "dist.Work":
+    """Start sending `tensor` (contiguous; left untouched until the handle is waited) to `dst`."""
+    return dist.isend(tensor, dst=dst, tag=tag)
+
+
+def irecv(tensor: torch.Tensor, src: int, tag: int) -> "dist.Work":
+    """Start receiving into `tensor` (contiguous) the message `src` sends with `tag`."""
+    return dist.irecv(tensor, src=src, tag=tag)
 
 
 # -- point to point and subgroups: the parameter-server transport (Downpour) ----------------

@@ -239,7 +239,7 @@ class DownpourExchange:
             o = self.offsets[name]
             self.store.values[name].view(-1).copy_(flat[o : o + self.store.info[name].numel])
 
-    def begin_step(self, step: int) -> None:
+    def begin(self, step: int) -> None:
         """Groups other than 0 start from the params group 0 reached after its warm-up."""
         if step == self.first_step and self.group != 0 and self.warmup:
             if self.rank == self.stub:

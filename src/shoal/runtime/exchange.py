@@ -5,16 +5,25 @@ gradients of the workers are summed in memory (weighted by batch share) and
 one Server updates whole params.
 
 SlicedExchange: the group spans processes and params are sliced over servers
-(SINGA's lcm slicing). Per slice: the workers' weighted gradients are summed
-into the slice's server (a reduce to its rank), that server applies the
-updater to the slice it owns, and sends the new values to every rank (a
-broadcast). Over all slices this is reduce-scatter + slice update +
-all-gather: the AllReduce framework when servers share the workers'
-processes, Sandblaster when they have processes of their own.
+(SINGA's lcm slicing decides which rank owns which elements). Gradients
+travel while backward still runs: a hook on each param leaf hands its
+gradient over as soon as autograd has accumulated it; once every worker of
+this process has (threads sum in memory first), the buckets holding that
+param are complete and their gradients go to the owning rank (an isend).
+The owner's server thread sums what its peers sent, applies the updater to
+its slices (updater state lives with the slice) and sends the new values
+back to every worker process. Over all buckets this is a direct
+reduce-scatter + slice update + all-gather, moving exactly the analytic
+bytes (benchmarks/gloo_primitives.py measured gloo's own reduce_scatter,
+reduce and broadcast moving 1.2-1.5x that, and slower): the AllReduce framework when
+servers share the workers' processes, Sandblaster when they have processes
+of their own (those contribute no gradients and receive no values).
 """
 from __future__ import annotations
 
-from typing import Optional
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -23,6 +32,7 @@ from shoal.cluster import ParamSlice, Placement
 from shoal.comm import dist as comm
 from shoal.metrics import MetricWindow
 from shoal.params import ParamStore
+from shoal.runtime.buckets import Bucket, cap_from_env, plan_buckets
 from shoal.runtime.server import Server
 from shoal.updaters import Updater
 
@@ -56,6 +66,9 @@ class LocalExchange:
     def __init__(self, server: Server):
         self.server = server
 
+    def begin(self, step: int) -> None:
+        """Nothing to prepare: the workers' gradients are summed after they all finished."""
+
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
         self.server.update(step, aggregate(parts))
 
@@ -69,21 +82,62 @@ class LocalExchange:
         self.server.load_state(state)
 
 
+@dataclass
+class _Round:
+    """One training step's exchange, from `begin` to the end of `step`."""
+
+    step: int
+    arrived: set[tuple[int, str]] = field(default_factory=set)  # (local worker, param) handed over
+    count: dict[str, int] = field(default_factory=dict)  # local workers that handed a param over
+    grad: dict[str, torch.Tensor] = field(default_factory=dict)  # this process's weighted sum, flat
+    pending: dict[int, int] = field(default_factory=dict)  # bucket -> params not complete yet
+    ready: dict[int, threading.Event] = field(default_factory=dict)  # owned bucket -> local part complete
+    works: list = field(default_factory=list)  # handles of this round's messages (main side)
+    staged: list[Bucket] = field(default_factory=list)  # buckets whose values arrive in a staging buffer
+    server: Optional[threading.Thread] = None
+    error: Optional[BaseException] = None
+
+
 class SlicedExchange:
-    def __init__(self, store: ParamStore, updater: Updater, placement: Placement, rank: int, global_batch: int):
+    """A worker group spread over processes, its params sliced over the servers' ranks."""
+
+    def __init__(
+        self,
+        store: ParamStore,
+        updater: Updater,
+        placement: Placement,
+        rank: int,
+        global_batch: int,
+        workers: Sequence = (),
+        bucket_cap: Optional[int] = None,  # elements; None: SHOAL_BUCKET_MB or 4 MB
+    ):
         self.store, self.updater, self.rank, self.global_batch = store, updater, rank, global_batch
         self.chief = rank == 0
         self.names = store.trainable_names()
-        self.offsets: dict[str, int] = {}
-        offset = 0
-        for name in self.names:
-            self.offsets[name] = offset
-            offset += store.info[name].numel
-        self.total = offset
-        self.slices = [s for s in placement.slices if s.param in self.offsets]
+        trainable = set(self.names)
+        slices = [s for s in placement.slices if s.param in trainable]
         # every server group holds a full replica; one group here (synchronous), group 0
-        self.owner = {s.index: placement.process_of(placement.server_of_slice(s.index, 0)) for s in self.slices}
-        self.state = {self._key(s): updater.init_state(self._value(s)) for s in self.slices if self.owner[s.index] == rank}
+        owner = {s.index: placement.process_of(placement.server_of_slice(s.index, 0)) for s in slices}
+        self.buckets = plan_buckets(slices, owner, bucket_cap or cap_from_env())
+        self.owned = [b for b in self.buckets if b.owner == rank]
+        self.worker_ranks = [p.rank for p in placement.processes if p.workers]
+        # an owner's peers: the other processes with workers (they send gradients, get values)
+        self.peers = [r for r in self.worker_ranks if r != rank]
+        self.buckets_of: dict[str, list[Bucket]] = {name: [] for name in self.names}
+        for b in self.buckets:
+            for name in b.params:
+                self.buckets_of[name].append(b)
+        self.state = {self._key(s): updater.init_state(self._value(s)) for b in self.owned for s in b.slices}
+        # staging: what peers send to this owner, and multi-slice messages (one flat buffer each way)
+        self._incoming = {(b.index, p): torch.empty(b.numel) for b in self.owned for p in self.peers}
+        hosts_workers = rank in self.worker_ranks
+        self._outgoing = {b.index: torch.empty(b.numel) for b in self.buckets if len(b.slices) > 1 and (b.owner == rank or hosts_workers)}
+        self._arriving = {b.index: torch.empty(b.numel) for b in self.buckets if len(b.slices) > 1 and b.owner != rank and hosts_workers}
+        self.shares = [w.share for w in workers]
+        # per local worker: whether its gradients leave during backward (kBP) or after compute
+        self.streaming = [w.stream_gradients(self._hook(i)) for i, w in enumerate(workers)]
+        self._lock = threading.Lock()
+        self._round: Optional[_Round] = None
 
     @staticmethod
     def _key(s: ParamSlice) -> tuple[str, int, int]:
@@ -92,22 +146,124 @@ class SlicedExchange:
     def _value(self, s: ParamSlice) -> torch.Tensor:
         return self.store.values[s.param].view(-1)[s.start : s.stop]
 
+    # -- one step -----------------------------------------------------------
+    def begin(self, step: int) -> None:
+        """Open the step's round: owners start receiving before the workers start computing."""
+        if self._round is not None:
+            raise RuntimeError(f"step {step} began before step {self._round.step} finished its exchange")
+        comm.enter_round()
+        r = _Round(step)
+        r.pending = {b.index: len(b.params) for b in self.buckets}
+        r.ready = {b.index: threading.Event() for b in self.owned}
+        if not self.shares:  # no workers here: no local part to wait for
+            for event in r.ready.values():
+                event.set()
+        if self.owned:
+            r.server = threading.Thread(target=self._serve, args=(r,), name=f"shoal-server-{self.rank}", daemon=True)
+            r.server.start()
+        self._round = r
+
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
-        flat = torch.zeros(self.total)
-        for grads, share in parts:  # this process's workers, weighted by share of the global batch
-            for name in self.names:
-                g = grads.get(name)
-                if g is not None:
-                    flat[self.offsets[name] : self.offsets[name] + g.numel()].add_(g.reshape(-1), alpha=share / self.global_batch)
-        for s in self.slices:
-            owner = self.owner[s.index]
-            segment = flat[self.offsets[s.param] + s.start : self.offsets[s.param] + s.stop]
-            comm.reduce_sum(segment, owner)
-            value = self._value(s)
-            if self.rank == owner:
-                info = self.store.info[s.param]
-                self.updater.update(step, value, segment, self.state[self._key(s)], info.lr_scale, info.wd_scale)
-            comm.broadcast(value, owner)
+        """Finish the step: hand over what the hooks did not, wait for every new value."""
+        r = self._round
+        if r is None:  # a caller that does not call begin (e.g. an older training loop)
+            self.begin(step)
+            r = self._round
+        for i, (grads, _) in enumerate(parts):
+            for name in reversed(self.names):  # in backward order, as the buckets are
+                if (i, name) not in r.arrived:
+                    self._arrive(i, name, grads.get(name))
+        try:
+            if r.server is not None:
+                r.server.join()
+                if r.error is not None:
+                    raise r.error
+            for work in r.works:
+                work.wait()
+        finally:
+            self._round = None
+        for b in r.staged:
+            flat = self._arriving[b.index]
+            for s, at in zip(b.slices, b.offsets):
+                self._value(s).copy_(flat[at : at + s.size])
+
+    def _hook(self, worker: int) -> Callable[[str, Optional[torch.Tensor]], None]:
+        return lambda name, grad: self._arrive(worker, name, grad)
+
+    def _arrive(self, worker: int, name: str, grad: Optional[torch.Tensor]) -> None:
+        """A local worker's gradient of `name` (None: it has none; counts as zeros)."""
+        r = self._round
+        if name not in self.buckets_of or r is None:
+            return  # not trained by gradient (running statistics), or outside a step
+        with self._lock:
+            if (worker, name) in r.arrived:
+                raise RuntimeError(f"param {name}: worker {worker} produced its gradient twice in step {r.step}")
+            r.arrived.add((worker, name))
+            if grad is not None:
+                weight = self.shares[worker] / self.global_batch  # each loss is a mean over its share
+                flat = grad.detach().reshape(-1)
+                if name in r.grad:
+                    r.grad[name].add_(flat, alpha=weight)
+                else:  # in place: workers make fresh gradients every step
+                    r.grad[name] = flat.mul_(weight)
+            r.count[name] = r.count.get(name, 0) + 1
+            if r.count[name] < len(self.shares):
+                return
+            if name not in r.grad:
+                r.grad[name] = torch.zeros(self.store.info[name].numel)
+            complete = []
+            for b in self.buckets_of[name]:
+                r.pending[b.index] -= 1
+                if r.pending[b.index] == 0:
+                    complete.append(b)
+            for b in complete:
+                self._send_gradients(r, b)
+
+    def _send_gradients(self, r: _Round, b: Bucket) -> None:
+        if b.owner == self.rank:
+            r.ready[b.index].set()
+            return
+        payload = self._gather(b, lambda s: r.grad[s.param][s.start : s.stop])
+        r.works.append(comm.isend(payload, b.owner, tag=2 * b.index))
+        if len(b.slices) == 1:
+            target = self._value(b.slices[0])  # straight into the param: it is no longer read this step
+        else:
+            target = self._arriving[b.index]
+            r.staged.append(b)
+        r.works.append(comm.irecv(target, b.owner, tag=2 * b.index + 1))
+
+    def _gather(self, b: Bucket, part: Callable[[ParamSlice], torch.Tensor]) -> torch.Tensor:
+        """The bucket's flat message: the slice itself when alone, else a copy into its buffer."""
+        if len(b.slices) == 1:
+            return part(b.slices[0])
+        flat = self._outgoing[b.index]
+        for s, at in zip(b.slices, b.offsets):
+            flat[at : at + s.size].copy_(part(s))
+        return flat
+
+    def _serve(self, r: _Round) -> None:
+        """The server of this rank: per owned bucket, sum, update, send the values back."""
+        try:
+            receiving = {b.index: [comm.irecv(self._incoming[b.index, p], p, tag=2 * b.index) for p in self.peers] for b in self.owned}
+            sending = []
+            for b in self.owned:
+                if not r.ready[b.index].wait(comm.timeout_seconds()):
+                    raise RuntimeError(f"the workers of process {self.rank} produced no gradients for {comm.timeout_seconds():.0f} s")
+                for work in receiving[b.index]:
+                    work.wait()
+                for s, at in zip(b.slices, b.offsets):
+                    grad = r.grad[s.param][s.start : s.stop] if self.shares else None
+                    for p in self.peers:  # in rank order, so every run sums alike
+                        part = self._incoming[b.index, p][at : at + s.size]
+                        grad = part if grad is None else grad.add_(part)
+                    info = self.store.info[s.param]
+                    self.updater.update(r.step, self._value(s), grad, self.state[self._key(s)], info.lr_scale, info.wd_scale)
+                values = self._gather(b, self._value)
+                sending += [comm.isend(values, p, tag=2 * b.index + 1) for p in self.peers]
+            for work in sending:
+                work.wait()
+        except BaseException as err:  # handed to the training thread by step()
+            r.error = err
 
     def metrics(self, window: MetricWindow) -> dict[str, float]:
         """Sample-weighted averages over every worker of the group (rank 0 decides the names)."""

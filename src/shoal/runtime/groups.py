@@ -142,7 +142,7 @@ class GroupExchange:
         self.chief = group == 0
         self._read_version = 0
 
-    def begin_step(self, step: int) -> None:
+    def begin(self, step: int) -> None:
         if self.board.aborted:
             raise GroupsAborted(f"worker group {self.group} stops: the job is ending")
         if _injected_failure(self.group, step):

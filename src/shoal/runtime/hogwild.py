@@ -75,6 +75,9 @@ class HogwildExchange:
             self.store.values[s.param].view(-1)[s.start : s.stop].copy_(flat[s.offset : s.offset + s.size])
 
     # -- the group's own steps ----------------------------------------------------------
+    def begin(self, step: int) -> None:
+        """Nothing to wait for: a group only ever waits for its own replica."""
+
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
         with self.lock:
             self.server.update(self.server.updates, aggregate(parts))

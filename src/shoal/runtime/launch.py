@@ -110,7 +110,7 @@ def _entry(
             initial_values(trainer.store)
         placement = place(job.cluster, {name: info.numel for name, info in trainer.store.info.items()})
         if placement.is_synchronous:
-            trainer.attach_exchange(SlicedExchange(trainer.store, make_updater(job.updater), placement, rank, trainer.global_batch))
+            trainer.attach_exchange(SlicedExchange(trainer.store, make_updater(job.updater), placement, rank, trainer.global_batch, trainer.workers))
         elif job.cluster.nserver_groups > 1:
             exchange = HogwildExchange(trainer.store, Server(trainer.store, make_updater(job.updater)), placement, rank,
                                        hosted.workers[0].group, job.cluster.sync_freq, log=print)

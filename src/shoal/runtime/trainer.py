@@ -244,9 +244,8 @@ class Trainer:
 
     def train_step(self, step: int) -> int:
         """Train one batch on the whole group; return the number of samples it used."""
-        begin = getattr(self.exchange, "begin_step", None)
-        if begin is not None:  # asynchronous groups: staleness bound, warm-up, version read
-            begin(step)
+        # gradients may leave while backward still runs; asynchronous groups wait for their turn here
+        self.exchange.begin(step)
         timings = self.timings
 
         def compute(w: Worker):

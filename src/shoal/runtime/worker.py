@@ -75,3 +75,17 @@ class Worker:
             rows=(self.offset, self.share, self.global_batch),
         )
         return train_one_batch(self.job.train_one_batch, self.net, ctx)
+
+    def stream_gradients(self, ready: Callable[[str, torch.Tensor], None]) -> bool:
+        """Hand each param's gradient to `ready(name, grad)` as soon as backward has accumulated it.
+
+        Only for kBP, whose one backward pass accumulates every gradient exactly once;
+        other algorithms' gradients are taken from compute's result (return False).
+        Hooks live on the net's current leaves: call after any `net.bind()`.
+        """
+        if self.job.train_one_batch.alg != job_pb2.kBP:
+            return False
+        for name, leaf in self.net.param_leaves().items():
+            if leaf.requires_grad:
+                leaf.register_post_accumulate_grad_hook(lambda leaf, name=name: ready(name, leaf.grad))
+        return True
