@@ -149,6 +149,7 @@ class Trainer:
         self.before_final_test: Callable[[], None] = lambda: None  # e.g. wait for the other groups
         self.cursors: dict[int, int] = {job_pb2.kTest: 0, job_pb2.kVal: 0}
         self.window = MetricWindow()
+        self.window_samples = 0  # samples trained since the last display (checkpointed with the window)
         self.timings = StepTimings()
         self.start_step = 0
         self.resumed = False
@@ -178,6 +179,7 @@ class Trainer:
             "cursors": {str(k): v for k, v in self.cursors.items()},
             "skips": {str(phase): {n: f.skip for n, f in feeds.items()} for phase, feeds in self._all_feeds().items()},
             "window": self.window.state(),
+            "window_samples": self.window_samples,
             "elapsed": self.metrics.elapsed() if getattr(self, "metrics", None) else self.elapsed_before,
         }
         ckpt = ckpt_io.Checkpoint(
@@ -207,6 +209,7 @@ class Trainer:
                     if name in f:
                         f[name].skip = int(skip)
         self.window.load_state(t.get("window", {}))
+        self.window_samples = int(t.get("window_samples", 0))
         self.start_step = ckpt.step
         self.resumed = True
         self.elapsed_before = float(t.get("elapsed", 0.0))
@@ -285,7 +288,7 @@ class Trainer:
 
             bar = tqdm(total=job.train_steps, initial=self.start_step, unit="step", dynamic_ncols=True, leave=False)
             self.log = lambda line, _print=self.log: bar.write(line)
-        window_start, window_samples = time.perf_counter(), 0
+        window_start = time.perf_counter()
         step = self.start_step
         while step < job.train_steps:
             resumed_here = self.resumed and step == self.start_step
@@ -298,19 +301,19 @@ class Trainer:
                 if fires(job.checkpoint_freq, job.checkpoint_after, step):
                     self.save_checkpoint(step)
                 self.timings.paused += time.perf_counter() - paused
-            window_samples += self.train_step(step)
+            self.window_samples += self.train_step(step)
             if fires(job.disp_freq, job.disp_after, step):
                 now = time.perf_counter()
                 values = self.exchange.metrics(self.window)
                 # asynchronous groups: throughput of the whole job, not of this group
-                window_samples = values.pop("samples", window_samples)
+                window_samples = values.pop("samples", self.window_samples)
                 self.log(display_line("Train", step, values))
                 seconds = max(now - window_start - self.timings.paused, 1e-9)  # training time only
                 record(step, "train", values, samples=window_samples, samples_per_sec=round(window_samples / seconds, 2),
                        window_sec=round(seconds, 6), **self.timings.fields())
                 self.window.reset()
                 self.timings = StepTimings()
-                window_start, window_samples = now, 0
+                window_start, self.window_samples = now, 0
             if bar is not None:
                 bar.update(1)
             step += 1
