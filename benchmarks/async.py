@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def run_shoal(cluster: str, sets: list[str], budget: float) -> list[dict]:
     try:
         proc.wait(timeout=budget)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 2)  # Ctrl-C: shoal stops every process of the job
+        os.killpg(proc.pid, signal.SIGTERM)  # as `shoal jobs kill`: shoal stops every process of the job
         proc.wait(timeout=60)
     path = ws / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

@@ -7,9 +7,7 @@ exactly as a user would (only `--set cluster.*` differs), then writes
     docs/frameworks.png   loss and accuracy against step and wall-clock time (`shoal plot`)
     docs/frameworks.md    the `shoal compare` table, with machine, date and command
 
-Layouts the runtime refuses today (asynchronous worker groups: Downpour, Hogwild) are listed and
-skipped with the runtime's own message; they join the comparison as soon as `shoal run` accepts
-them, with no change here.
+A layout the runtime refuses (none today) is listed and skipped with the runtime's own message.
 
     python benchmarks/frameworks.py [--seconds 40] [--steps N] [--keep DIR] [--only single,allreduce]
 """

@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -37,31 +36,11 @@ from shoal.config import job_pb2
 from shoal.data.kvfile import KVFileWriter
 from shoal.layers.base import Layer
 from shoal.layers.registry import register_user_layer
+from shoal.model import Cluster
 from shoal.params import ParamStore
 
 MODULE_LAYER, LOSS_LAYER = "shoal.fit.Module", "shoal.fit.Loss"
 Data = Union[tuple, torch.utils.data.Dataset]
-
-
-@dataclass
-class Cluster:
-    """The `cluster {}` section as keywords (SINGA 0.3's names and defaults, plus shoal's)."""
-
-    nworker_groups: int = 1
-    nserver_groups: int = 1
-    nworkers_per_group: int = 1
-    nservers_per_group: int = 1
-    nworkers_per_procs: int = 1
-    nservers_per_procs: int = 1
-    server_worker_separate: bool = False
-    share_memory: bool = True
-    sync_freq: int = 1
-    max_staleness: int = -1
-    warmup_steps: int = 0
-    threads_per_worker: int = 0
-
-    def to_proto(self) -> job_pb2.ClusterProto:
-        return job_pb2.ClusterProto(**{f.name: getattr(self, f.name) for f in fields(self)})
 
 
 def _arrays(data: Data) -> tuple[np.ndarray, np.ndarray]:
@@ -132,7 +111,7 @@ def copy_module_values(model: torch.nn.Module, store: ParamStore) -> None:
 
 def fit_job(model: torch.nn.Module, sample_shape: tuple[int, ...], train_path: Path, test_path: Optional[Path], *,
             batch_size: int, steps: int, test_freq: int, test_steps: int, test_batch: int, disp_freq: int,
-            cluster: Cluster, updater: dict, seed: int, checkpoint_freq: int) -> job_pb2.JobProto:
+            cluster: job_pb2.ClusterProto, updater: dict, seed: int, checkpoint_freq: int) -> job_pb2.JobProto:
     job = job_pb2.JobProto(name="fit", train_steps=steps, disp_freq=disp_freq, seed=seed, checkpoint_freq=checkpoint_freq)
     if test_path is not None and test_steps > 0:
         job.test_steps, job.test_freq = test_steps, test_freq
@@ -140,7 +119,7 @@ def fit_job(model: torch.nn.Module, sample_shape: tuple[int, ...], train_path: P
     json_format.ParseDict(updater, job.updater)
     if not job.updater.learning_rate.HasField("type"):
         job.updater.learning_rate.type = job_pb2.kFixed
-    job.cluster.CopyFrom(cluster.to_proto())
+    job.cluster.CopyFrom(cluster)
     net = job.neuralnet
     data = net.layer.add(name="data", type=job_pb2.kRecordInput)
     data.store_conf.path, data.store_conf.backend = str(train_path), "kvfile"
@@ -167,7 +146,7 @@ def fit(
     train_data: Data,
     *,
     test_data: Optional[Data] = None,
-    cluster: Optional[Cluster] = None,
+    cluster: Optional[job_pb2.ClusterProto] = None,
     updater: Optional[dict] = None,
     batch_size: int = 64,
     steps: int = 100,

@@ -91,7 +91,7 @@ def plot_runs(
         Line2D([], [], color="grey", linestyle="--", marker="o", markersize=6, markeredgecolor="white"),
     ]
     fig.legend(run_handles + style_handles, [r.label for r in runs] + ["train (display windows)", "test"],
-               loc="outside lower center", ncols=min(4, len(runs) + 2), frameon=False, fontsize=10)
+               loc="outside lower center", ncols=min(3, len(runs) + 2), frameon=False, fontsize=10)
     axes_named = " and ".join(X_AXES[a].removesuffix(" (s)") for a in x)
     fig.suptitle(title or f"{' and '.join(metrics)} against {axes_named}", fontsize=13)
     try:
