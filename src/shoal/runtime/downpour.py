@@ -29,6 +29,7 @@ from shoal.cluster import ParamSlice, Placement, ServerId
 from shoal.comm import dist as comm
 from shoal.metrics import MetricWindow
 from shoal.params import ParamStore
+from shoal.runtime.exchange import aggregate
 from shoal.runtime.groups import StalenessStats
 from shoal.updaters import Updater
 
@@ -213,12 +214,13 @@ class DownpourExchange:
         self.first_step = 0  # set on resume
 
     def _flat_grads(self, parts: list[tuple[Grads, int]]) -> torch.Tensor:
+        """This process's share of the group's gradient (weighted by share of the group's batch), laid end to end."""
+        grads = aggregate(parts, self.global_batch)
         flat = torch.zeros(self.total)
-        for grads, share in parts:
-            for name in self.names:
-                g = grads.get(name)
-                if g is not None:
-                    flat[self.offsets[name] : self.offsets[name] + g.numel()].add_(g.reshape(-1), alpha=share / self.global_batch)
+        for name in self.names:
+            g = grads.get(name)
+            if g is not None:
+                flat[self.offsets[name] : self.offsets[name] + g.numel()].copy_(g.reshape(-1))
         return flat
 
     def _gather(self, flat: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
