@@ -194,8 +194,8 @@ def _schedule_problems(lr: job_pb2.LRGenProto) -> Iterator[Problem]:
 # -- layers -------------------------------------------------------------------------
 def _layer_problems(job: job_pb2.JobProto) -> Iterator[Problem]:
     net, nworkers = job.neuralnet, job.cluster.nworkers_per_group
-    if net.partition_dim not in (0, 1):
-        yield "neuralnet.partition_dim", f"partition_dim must be 0 (batch) or 1 (feature), got {net.partition_dim}"
+    if net.partition_dim not in (-1, 0, 1):
+        yield "neuralnet.partition_dim", f"partition_dim must be 0 (batch), 1 (feature) or -1 (not partitioned), got {net.partition_dim}"
     if net.unroll_len < 1:
         yield "neuralnet.unroll_len", f"unroll_len must be >= 1, got {net.unroll_len}"
     yield from _include_exclude_mixed(net)
@@ -209,7 +209,7 @@ def _layer_problems(job: job_pb2.JobProto) -> Iterator[Problem]:
         if layer.partition_dim not in (-1, 0, 1):
             yield (
                 f"{at}.partition_dim",
-                f"partition_dim must be -1 (the net's), 0 (batch) or 1 (feature), got {layer.partition_dim}",
+                f"partition_dim must be 0 (batch), 1 (feature) or -1 (not partitioned; unset: the net's), got {layer.partition_dim}",
             )
         if not -1 <= layer.location < nworkers:
             yield (

@@ -31,6 +31,8 @@ ACTIVATIONS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
 class _Elementwise(Layer):
     """Same shape out as in; one source."""
 
+    feature_local = True
+
     def __init__(self, conf, src_shapes):
         super().__init__(conf, src_shapes)
         if len(self.src_shapes) != 1:
@@ -81,6 +83,8 @@ class Activation(_Elementwise):
 class Softmax(_Elementwise):
     """Each sample's values split into num_softmax_per_instance equal groups; softmax within each:
     y_i = e^(x_i) / Σ_(j in i's group) e^(x_j)."""
+
+    feature_local = False  # each output reads its whole group
 
     def __init__(self, conf, src_shapes):
         super().__init__(conf, src_shapes)

@@ -45,6 +45,9 @@ class Context:
     # (offset, share, global batch) of this worker's rows within the group's batch:
     # per-sample random draws are made for the whole batch (see layers.common.draw)
     rows: Optional[tuple[int, int, int]] = None
+    # the rows of each worker's part of the group's batch (a partitioned group): a kSlice on
+    # the batch dimension cuts by them, so its parts line up with the input layers' shares
+    batch_shares: Optional[list[int]] = None
 
 
 class Layer:
@@ -55,6 +58,11 @@ class Layer:
     # True for Convolution/InnerProduct: every output unit reads every input
     # unit (SINGA's kOneToAll), which decides where the partitioner slices.
     one_to_all: ClassVar[bool] = False
+    # True when each output feature (the first per-sample axis: a unit, a channel) depends
+    # only on the same input feature: the layer can run on a slice of its source's features
+    feature_local: ClassVar[bool] = False
+    # True when forward draws random numbers in training (dropout masks, random crops)
+    draws_random: ClassVar[bool] = False
     # how many leading srclayers forward() reads (None: all); the others are feedback
     # edges of an undirected model, outside the DAG, handed to close_loop
     forward_sources: ClassVar[Optional[int]] = None
@@ -68,6 +76,11 @@ class Layer:
     def param_shapes(self) -> list[Shape]:
         """Shapes of the params this layer needs, in the order of conf.param."""
         return []
+
+    def narrowed(self, features: int) -> Optional[tuple[LayerProto, list[int]]]:
+        """For a one-to-all layer: a copy of conf computing only `features` of the outputs, and
+        for each param the axis that holds the outputs (None: the layer cannot split its outputs)."""
+        return None
 
     def param_trainable(self) -> list[bool]:
         """Which params an updater trains (False: statistics the layer updates itself, e.g. batch norm's)."""

@@ -74,7 +74,10 @@ class Concate(Layer):
 
 @register("kSlice")
 class Slice(Layer):
-    """Part `partition_id` of num_slices near-equal parts (larger first) of the source along slice_dim (0: rows, 1: features)."""
+    """Part `partition_id` of num_slices parts of the source along slice_dim (0: rows, 1: features).
+
+    Near-equal parts, larger first; rows follow the group's batch shares when the runtime gives them (ctx.batch_shares).
+    """
 
     category = "connection"
 
@@ -96,7 +99,11 @@ class Slice(Layer):
     def forward(self, xs, params, labels, ctx):
         c = self.conf.slice_conf
         x = xs[0]
-        sizes = split_sizes(x.shape[c.slice_dim], c.num_slices)
+        shares = ctx.batch_shares
+        if c.slice_dim == 0 and shares and len(shares) == c.num_slices and sum(shares) == x.shape[0]:
+            sizes = list(shares)
+        else:
+            sizes = split_sizes(x.shape[c.slice_dim], c.num_slices)
         start, size = sum(sizes[: self.conf.partition_id]), sizes[self.conf.partition_id]
         aux = labels[0] if labels else None
         if c.slice_dim == 0 and aux is not None:

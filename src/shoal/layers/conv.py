@@ -40,6 +40,12 @@ class Convolution(Layer):
         weight = (c.num_filters, self.channels) + self.kernel
         return [weight, (c.num_filters,)] if c.bias_term else [weight]
 
+    def narrowed(self, features):
+        conf = type(self.conf)()
+        conf.CopyFrom(self.conf)
+        conf.convolution_conf.num_filters = features
+        return conf, [0] * len(self.param_shapes())
+
     def forward(self, xs, params, labels, ctx):
         x = xs[0].reshape((xs[0].shape[0], self.channels) + xs[0].shape[-2:])
         bias = params[1] if self.conf.convolution_conf.bias_term else None

@@ -13,6 +13,8 @@ class Dropout(Layer):
     Other phases: y = x (the 1/(1 − p) scaling at training time keeps expectations equal, as in SINGA).
     """
 
+    draws_random = True
+
     def __init__(self, conf, src_shapes):
         super().__init__(conf, src_shapes)
         ratio = conf.dropout_conf.dropout_ratio

@@ -22,6 +22,7 @@ class ImagePreprocess(Layer):
     """
 
     category = "input"
+    draws_random = True
 
     def __init__(self, conf, src_shapes):
         super().__init__(conf, src_shapes)

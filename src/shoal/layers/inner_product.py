@@ -32,6 +32,12 @@ class InnerProduct(Layer):
         weight = (self.vdim, c.num_output) if c.transpose else (c.num_output, self.vdim)
         return [weight, (c.num_output,)] if c.bias_term else [weight]
 
+    def narrowed(self, features):
+        conf = type(self.conf)()
+        conf.CopyFrom(self.conf)
+        conf.innerproduct_conf.num_output = features
+        return conf, [1 if conf.innerproduct_conf.transpose else 0, 0][: len(self.param_shapes())]
+
     def forward(self, xs, params, labels, ctx):
         c = self.conf.innerproduct_conf
         x, weight = flat(xs[0]), params[0]

@@ -33,6 +33,8 @@ from shoal.metrics import MetricsLog, MetricWindow, display_line
 from shoal.net import NeuralNet
 from shoal.params import ParamStore
 from shoal.runtime.feed import InputFeed, batch_conf, batch_shares, make_feeds
+from shoal.partition import partition
+from shoal.runtime.partitioned import PartitionedGroup
 from shoal.runtime.worker import Worker
 
 
@@ -127,9 +129,12 @@ class Trainer:
         npartitions = job.cluster.nworkers_per_group
         if worker_indices is None:
             worker_indices = list(range(npartitions)) if train else []
-        self.workers = [Worker(job, self.store, base_dirs, device, i, npartitions, init_gen, group) for i in worker_indices]
-        if not self.workers:  # a server-only process still needs the param store
-            NeuralNet(job.neuralnet, job_pb2.kTrain, self.store, init_gen)
+        # the first net built declares and initialises the params: the partitioner needs it built anyway
+        plan = partition(NeuralNet(job.neuralnet, job_pb2.kTrain, self.store, init_gen), job.neuralnet, npartitions)
+        if plan.partitioned and worker_indices:
+            self.workers = [PartitionedGroup(job, plan, self.store, base_dirs, [device] * npartitions, group)]
+        else:
+            self.workers = [Worker(job, self.store, base_dirs, device, i, npartitions, init_gen, group) for i in worker_indices]
         self.global_batch = global_batch(job)
         # test and validation run on worker 0 of group 0, on the whole (unpartitioned) net, as SINGA's
         self.nets: dict[int, NeuralNet] = {}

@@ -1,0 +1,328 @@
+"""A worker group whose net is partitioned (shoal.partition): one thread per worker, bridges between them.
+
+Each worker runs its own nodes of the partitioned net in the plan's global
+topological order. A kBridgeSrc hands its blob to the bridge's channel; the
+kBridgeDst on the other worker takes it (moved to its device) as a leaf of its
+own autograd graph, as SINGA's bridge layers block until the data arrives.
+
+Backward runs in *segments*: a worker's nodes between two bridge_dst nodes. A
+value used in a later segment is cut (a detached leaf there), so a segment's
+backward never needs a gradient from outside it. Segments run last to first;
+each waits for the gradients of the blobs it sent (from the workers that
+received them), then sends back the gradient of the blob it received. Every
+wait is on a segment that comes later in the global order, so the group
+cannot deadlock; gradients flow back through the same bridges, slices and
+concates, and each param leaf gets its gradient exactly once.
+
+The loss of a batch-partitioned loss layer is the mean over its worker's rows:
+its backward is scaled by rows / batch, so every worker's gradients are parts
+of the whole batch's gradient. The group's gradient of a param is the sum of
+its workers' parts, each added at its view (a replica adds everywhere, a
+feature-partitioned slice only at its rows or columns).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from shoal.algorithms import Grads
+from shoal.config import job_pb2
+from shoal.layers.base import Context
+from shoal.params import ParamStore
+from shoal.partition import BATCH, ParamView, PartitionPlan, PartNode
+from shoal.runtime.feed import InputFeed, make_feeds
+
+POLL_SEC = 0.05  # how often a waiting worker checks whether another one failed
+
+
+class GroupAborted(RuntimeError):
+    """Another worker of the group failed; this one stops waiting for it."""
+
+
+class Channel:
+    """One bridge: blobs go forward from bridge_src to bridge_dst, their gradients come back."""
+
+    def __init__(self, abort: threading.Event):
+        self.abort = abort
+        self.forward: queue.SimpleQueue = queue.SimpleQueue()
+        self.backward: queue.SimpleQueue = queue.SimpleQueue()
+        self.bytes = 0  # moved this step, both ways
+
+    def put(self, which: queue.SimpleQueue, item) -> None:
+        blob = item[0] if isinstance(item, tuple) else item
+        if blob is not None:
+            self.bytes += blob.numel() * blob.element_size()
+        which.put(item)
+
+    def get(self, which: queue.SimpleQueue):
+        while True:
+            try:
+                return which.get(timeout=POLL_SEC)
+            except queue.Empty:
+                if self.abort.is_set():
+                    raise GroupAborted("another worker of the group failed") from None
+
+
+@dataclass
+class _Segment:
+    """A worker's nodes after one bridge_dst (or from the start) until the next."""
+
+    received: Optional[tuple[torch.Tensor, Channel]] = None  # the bridge_dst leaf that opens it
+    sent: list[tuple[torch.Tensor, Channel]] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)  # scaled to their share of the batch
+    cuts: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # (producer, leaf) of values from earlier segments
+    pending: dict[str, torch.Tensor] = field(default_factory=dict)  # producer -> gradient from later segments
+
+
+class PartWorker:
+    """One worker of a partitioned group: its nodes, feeds, random stream and param leaves."""
+
+    def __init__(self, plan: PartitionPlan, index: int, store: ParamStore, device: torch.device,
+                 feeds: dict[str, InputFeed], generator: torch.Generator, channels: dict[str, Channel]):
+        self.index, self.store, self.device = index, store, device
+        self.nodes = plan.worker_nodes(index)
+        self.feeds, self.generator, self.channels = feeds, generator, channels
+        self.leaves: dict[ParamView, torch.Tensor] = {}
+
+    def bind(self) -> None:
+        """Fresh leaves on the store's current values: a replica's whole param, a slice's view (copied when on another device)."""
+        self.leaves = {}
+        for node in self.nodes:
+            for view in node.params:
+                if view not in self.leaves:
+                    value = self.store.values[view.name].data
+                    if view.axis >= 0:
+                        value = value.narrow(view.axis, view.start, view.size)
+                    value = value.to(self.device) if value.device != self.device else value.detach()
+                    self.leaves[view] = value.requires_grad_(self.store.info[view.name].trainable)
+
+    def run(self, cursor: int, rows: list[tuple[int, int]], batch: int, shares: list[int], report) -> dict[ParamView, torch.Tensor]:
+        """Forward and backward of this worker's nodes on the batch at `cursor`; the gradient of each leaf."""
+        self.bind()
+        base = Context(
+            phase=job_pb2.kTrain, generator=self.generator, report=report, device=self.device,
+            feeds={name: feed.batch(cursor, self.device) for name, feed in self.feeds.items()}, batch_shares=shares,
+        )
+        by_part = [replace(base, rows=(offset, share, batch)) for offset, share in rows]  # rows a batch part sees
+        whole = replace(base, rows=None)
+        outputs: dict[str, torch.Tensor] = {}
+        aux: dict[str, Optional[torch.Tensor]] = {}
+        home: dict[str, int] = {}  # node -> its segment
+        segments = [_Segment()]
+        cut: dict[tuple[str, int], torch.Tensor] = {}
+
+        def read(src: str) -> torch.Tensor:
+            here = len(segments) - 1
+            if home[src] == here:
+                return outputs[src]
+            if (src, here) not in cut:  # a value from an earlier segment: cut the graph here
+                value = outputs[src]
+                leaf = value.detach().requires_grad_(value.requires_grad)
+                cut[(src, here)] = leaf
+                segments[here].cuts.append((src, leaf))
+            return cut[(src, here)]
+
+        for node in self.nodes:
+            kind = node.layer.conf.type
+            if kind == job_pb2.kBridgeDst:
+                channel = self.channels[node.name]
+                value, label, wants_grad = channel.get(channel.forward)
+                leaf = value.to(self.device).detach().requires_grad_(wants_grad)
+                segments.append(_Segment(received=(leaf, channel)))
+                outputs[node.name], aux[node.name] = leaf, None if label is None else label.to(self.device)
+                home[node.name] = len(segments) - 1
+                continue
+            xs = [read(s) for s in node.srcs]
+            labels = [aux[s] for s in node.srcs]
+            home[node.name] = len(segments) - 1
+            if kind == job_pb2.kBridgeSrc:
+                channel = self.channels[node.peer]
+                channel.put(channel.forward, (xs[0].detach(), labels[0], xs[0].requires_grad))
+                if xs[0].requires_grad:
+                    segments[-1].sent.append((xs[0], channel))
+                outputs[node.name], aux[node.name] = xs[0], labels[0]
+                continue
+            ctx = by_part[node.part] if node.partitioning == BATCH else whole
+            result = node.layer.forward(xs, [self.leaves[v] for v in node.params], labels, ctx)
+            if isinstance(result, tuple):
+                outputs[node.name], aux[node.name] = result
+            else:
+                outputs[node.name], aux[node.name] = result, (labels[0] if labels else None)
+            if node.layer.category == "loss":
+                rows_here = rows[node.part][1] if node.partitioning == BATCH else batch
+                segments[-1].losses.append(outputs[node.name] * (rows_here / batch))
+
+        for number in range(len(segments) - 1, -1, -1):
+            segment = segments[number]
+            roots, grads = [], []
+            for loss in segment.losses:
+                roots.append(loss)
+                grads.append(None)
+            for value, channel in reversed(segment.sent):
+                grad = channel.get(channel.backward)
+                if grad is not None:
+                    roots.append(value)
+                    grads.append(grad.to(value.device))
+            for producer, grad in segment.pending.items():
+                if outputs[producer].requires_grad:
+                    roots.append(outputs[producer])
+                    grads.append(grad)
+            if roots:
+                torch.autograd.backward(roots, grads)
+            for producer, leaf in segment.cuts:
+                if leaf.grad is not None:
+                    earlier = segments[home[producer]].pending
+                    earlier[producer] = leaf.grad if producer not in earlier else earlier[producer] + leaf.grad
+            if segment.received is not None:
+                leaf, channel = segment.received
+                channel.put(channel.backward, leaf.grad)
+        return {view: leaf.grad for view, leaf in self.leaves.items() if leaf.grad is not None}
+
+
+class _FeedSkips:
+    """One input layer's feeds on every worker, as one: a checkpoint's random skip applies to all of them."""
+
+    def __init__(self, feeds: list[InputFeed]):
+        self.feeds = feeds
+
+    @property
+    def skip(self) -> int:
+        return self.feeds[0].skip
+
+    @skip.setter
+    def skip(self, value: int) -> None:
+        for feed in self.feeds:
+            feed.skip = value
+
+
+class PartitionedGroup:
+    """The workers of one partitioned group, presented to the Trainer as one worker computing the group's gradient."""
+
+    index = 0
+
+    def __init__(self, job: job_pb2.JobProto, plan: PartitionPlan, store: ParamStore, base_dirs: list[Path],
+                 devices: list[torch.device], group: int = 0):
+        self.job, self.plan, self.store, self.group = job, plan, store, group
+        self.device = devices[0]
+        self.abort = threading.Event()
+        channels = {n.name: Channel(self.abort) for n in plan.nodes if n.layer.conf.type == job_pb2.kBridgeDst}
+        self.channels = list(channels.values())
+        seed = job.seed + 1 + 7919 * group  # the group's random stream, as Worker's
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.parts: list[PartWorker] = []
+        by_layer: dict[str, list[InputFeed]] = {}
+        for k in range(plan.nworkers):
+            feeds = self._feeds(plan.worker_nodes(k), base_dirs, devices[k])
+            for node in plan.worker_nodes(k):
+                if node.name in feeds:
+                    by_layer.setdefault(node.origin, []).append(feeds[node.name])
+            generator = torch.Generator(device=devices[k]).manual_seed(seed)
+            self.parts.append(PartWorker(plan, k, store, devices[k], feeds, generator, channels))
+        self.feeds = {name: _FeedSkips(feeds) for name, feeds in by_layer.items()}
+        first = next(iter(by_layer.values()), [])
+        self.global_batch = first[0].global_batch if first else 0
+        self.share = self.global_batch
+        self.pool = ThreadPoolExecutor(max_workers=plan.nworkers, thread_name_prefix="shoal-part")
+        self.bytes_per_step = 0  # bridges plus the gradients of workers other than worker 0 (the last step)
+
+    def _feeds(self, nodes: list[PartNode], base_dirs: list[Path], device: torch.device) -> dict[str, InputFeed]:
+        """The feeds of a worker's input nodes: a batch-partitioned copy reads its part, a whole one the whole batch."""
+        job, feeds = self.job, {}
+        for node in nodes:
+            if node.layer.category != "input" or node.srcs:
+                continue
+            view = _Inputs([node])
+            # every worker draws the same random_skip; groups draw their own (as Worker)
+            rng = np.random.default_rng(job.seed if self.group == 0 else [job.seed, self.group])
+            part, parts = (node.part, self.plan.nworkers) if node.partitioning == BATCH else (0, 1)
+            made = make_feeds(view, base_dirs, part, parts, rng, device)
+            for feed in made.values():
+                if self.group > 0 and feed.skip == 0:
+                    feed.skip = self.group * (len(feed.dataset) // max(job.cluster.nworker_groups, self.group + 1))
+            feeds.update(made)
+        return feeds
+
+    def rows(self) -> list[tuple[int, int]]:
+        """(offset, share) of each part of the batch, from the batch-partitioned input feeds."""
+        shares = [0] * self.plan.nworkers
+        for part in self.parts:
+            for name, feed in part.feeds.items():
+                node = next(n for n in part.nodes if n.name == name)
+                if node.partitioning == BATCH:
+                    shares[node.part] = feed.share
+        if not any(shares):
+            shares = [self.global_batch // self.plan.nworkers] * self.plan.nworkers
+        offsets = [sum(shares[:k]) for k in range(len(shares))]
+        return list(zip(offsets, shares))
+
+    def compute(self, step: int, report: Callable[[str, float, int], None]) -> Grads:
+        """The group's gradient of the loss (mean over the whole batch) on batch `step`."""
+        state = self.generator.get_state()
+        for part in self.parts:
+            part.generator.set_state(state)
+        for channel in self.channels:
+            channel.bytes = 0
+        rows, batch = self.rows(), self.global_batch
+        shares = [share for _, share in rows]
+        self.abort.clear()
+
+        def run(part: PartWorker):
+            try:
+                return part.run(step * batch, rows, batch, shares, report)
+            except BaseException:
+                self.abort.set()
+                raise
+
+        futures = [self.pool.submit(run, part) for part in self.parts]
+        results, errors = [], []
+        for future in futures:
+            try:
+                results.append(future.result())
+            except GroupAborted:
+                results.append({})
+            except BaseException as err:  # noqa: BLE001 - re-raised below, after every worker stopped
+                errors.append(err)
+        if errors:
+            raise errors[0]
+        drawing = [p for p in self.parts if any(n.layer.draws_random for n in p.nodes)]
+        self.generator.set_state((drawing[0] if drawing else self.parts[0]).generator.get_state())
+        grads: Grads = {}
+        moved = sum(c.bytes for c in self.channels)
+        for k, part_grads in enumerate(results):
+            for view, grad in part_grads.items():
+                value = self.store.values[view.name]
+                grad = grad.to(value.device)
+                if k > 0:
+                    moved += 2 * grad.numel() * grad.element_size()  # gradient up to worker 0, new values back
+                if view.axis < 0 and grads.get(view.name) is None:
+                    grads[view.name] = grad
+                    continue
+                if grads.get(view.name) is None:
+                    grads[view.name] = torch.zeros_like(value)
+                target = grads[view.name] if view.axis < 0 else grads[view.name].narrow(view.axis, view.start, view.size)
+                target.add_(grad)
+        self.bytes_per_step = moved
+        for name in self.store.values:
+            grads.setdefault(name, None)
+        return grads
+
+    def stream_gradients(self, ready) -> bool:
+        """The group's gradient exists only once every part finished: the exchange takes it from compute."""
+        return False
+
+
+@dataclass
+class _Inputs:
+    """What make_feeds reads of a net: its nodes and input nodes."""
+
+    nodes: list[PartNode]
+
+    def input_nodes(self) -> list[PartNode]:
+        return [n for n in self.nodes if n.layer.category == "input" and not n.srcs]
