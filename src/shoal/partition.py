@@ -22,23 +22,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 from shoal.config import job_pb2
 from shoal.layers.base import Layer, LayerConfigError
 from shoal.layers.connection import split_sizes
 from shoal.layers.registry import layer_class
 from shoal.net import NetBuildError, NeuralNet
+from shoal.params import ParamStore
 
 BATCH, FEATURE, WHOLE = "batch", "feature", "whole"
 DIM_OF = {BATCH: 0, FEATURE: 1}
 
 
-class PartitionError(ValueError):
+class PartitionError(NetBuildError):
     """The net cannot be partitioned as asked: `field_path` names the layer's field."""
-
-    def __init__(self, field_path: str, message: str):
-        super().__init__(f"{field_path}: {message}")
-        self.field_path = field_path
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -119,7 +117,7 @@ class PartitionPlan:
         return {"directed": True, "multigraph": False, "graph": {"nworkers": self.nworkers}, "nodes": nodes, "links": links}
 
 
-def layer_partitioning(net_conf: job_pb2.NetProto, conf: job_pb2.LayerProto, layer: Layer) -> tuple[str, int, Optional[str]]:
+def layer_partitioning(net_conf: job_pb2.NetProto, conf: job_pb2.LayerProto, layer: Layer, nworkers: int) -> tuple[str, int, Optional[str]]:
     """(partitioning, worker, note) of one user layer; PartitionError when the layer cannot be cut as asked.
 
     `location: K` and an explicit `partition_dim: -1` keep the layer whole (on worker K, default 0).
@@ -136,8 +134,12 @@ def layer_partitioning(net_conf: job_pb2.NetProto, conf: job_pb2.LayerProto, lay
     if dim == 0:
         return BATCH, 0, None
     splittable = (layer.one_to_all and layer.narrowed(1) is not None) or (layer.feature_local and not layer.draws_random)
+    why = ""
     if layer.category in ("input", "loss", "output") or not splittable:
         why = f"{job_pb2.LayerType.Name(conf.type)} cannot split its features"
+    elif not layer.shape or layer.shape[0] < nworkers:
+        why = f"{layer.shape[0] if layer.shape else 0} features cannot be cut over {nworkers} workers"
+    if why:
         if own:
             raise PartitionError("partition_dim", f"partition_dim 1: {why}; use 0 (batch) or location")
         return BATCH, 0, f"{layer.name}: on the batch dimension ({why})"
@@ -264,7 +266,7 @@ def partition(net: NeuralNet, net_conf: job_pb2.NetProto, nworkers: int) -> Part
         try:
             # the file's conf: the built layer's has the net's partition_dim filled in
             own = net_conf.layer[node.conf_index]
-            kind, home, note = layer_partitioning(net_conf, own, node.layer) if p > 1 else (BATCH, 0, None)
+            kind, home, note = layer_partitioning(net_conf, own, node.layer, p) if p > 1 else (BATCH, 0, None)
         except PartitionError as err:
             raise PartitionError(f"{where}.{err.field_path}", err.message) from None
         if note:
@@ -273,8 +275,6 @@ def partition(net: NeuralNet, net_conf: job_pb2.NetProto, nworkers: int) -> Part
         one_to_all = node.layer.one_to_all
         want = WHOLE if (kind == FEATURE and one_to_all) else kind
         sizes = split_sizes(node.layer.shape[0], p) if kind == FEATURE else []
-        if kind == FEATURE and min(sizes) < 1:
-            raise PartitionError(f"{where}.partition_dim", f"{node.layer.shape[0]} features cannot be cut over {p} workers")
         names = []
         for part in range(p if kind != WHOLE else 1):
             worker = home if kind == WHOLE else part
@@ -310,9 +310,6 @@ def _check_random_draws(nodes: list[PartNode], nworkers: int) -> None:
 
 def plan_partition(job: job_pb2.JobProto) -> PartitionPlan:
     """The partitioned train net of `job`'s groups (nworkers_per_group parts); raises NetBuildError / PartitionError."""
-    from shoal.params import ParamStore
-    import torch
-
     net = NeuralNet(job.neuralnet, job_pb2.kTrain, ParamStore(allocate=False), torch.Generator())
     return partition(net, job.neuralnet, job.cluster.nworkers_per_group)
 

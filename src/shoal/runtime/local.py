@@ -14,6 +14,7 @@ from shoal import checkpoint as ckpt_io
 from shoal import jobs
 from shoal.cluster import place
 from shoal.config import job_pb2
+from shoal.partition import plan_partition
 from shoal.report.run_log import end_status, open_run_log
 from shoal.report.tensorboard import require_tensorboard
 from shoal.runtime.exchange import LocalExchange
@@ -39,6 +40,15 @@ def check_runnable(job: job_pb2.JobProto) -> None:
     """Say in one line which layouts this runtime cannot run yet."""
     placement = place(job.cluster)
     c = job.cluster
+    if c.nworkers_per_group > 1 and plan_partition(job).partitioned:
+        if job.train_one_batch.alg != job_pb2.kBP:
+            raise UnsupportedClusterError("train_one_batch.alg: layers partitioned on features or placed by location train with kBP only")
+        hosted = [[w.group for w in p.workers] for p in placement.processes]
+        if any(groups.count(g) != c.nworkers_per_group for groups in hosted for g in groups):
+            raise UnsupportedClusterError(
+                f"cluster: a partitioned group's {c.nworkers_per_group} workers must share one process "
+                f"(nworkers_per_procs: a multiple of {c.nworkers_per_group}); bridges between processes are not supported yet"
+            )
     if c.nworker_groups == 1:
         return
     if len(placement.processes) > 1:
@@ -220,12 +230,13 @@ def _train(job: job_pb2.JobProto, options: RunOptions, workspace: Path, resume_f
             trainer.start_step = board.first_step(trainer.group)
     workspace.mkdir(parents=True, exist_ok=True)
     (workspace / "job.conf").write_text(text_format.MessageToString(job))
-    for trainer in trainers:
-        for w in trainer.workers:
-            options.log(f"Worker (group = {trainer.group}, id = {w.index}) start on {w.device.type.upper()}")
+    # a partitioned group is one worker-like object holding its workers (parts)
+    workers = [(t.group, w) for t in trainers for group in t.workers for w in getattr(group, "parts", [group])]
+    for group, w in workers:
+        options.log(f"Worker (group = {group}, id = {w.index}) start on {w.device.type.upper()}")
     options.log(f"Job {record.id}; workspace {workspace}")
     threads = thread_budget(job, workers_on_host=job.cluster.nworker_groups * job.cluster.nworkers_per_group)
-    devices = [str(w.device) for t in trainers for w in t.workers]
+    devices = [str(w.device) for _, w in workers]
     metrics = open_run_log(job, workspace, chief.elapsed_before, devices, threads)
     error = None
     try:

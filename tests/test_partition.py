@@ -1,0 +1,230 @@
+"""Partitioning a group's net (batch / feature / whole per layer): the plan, and exactness of training."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+import shoal
+from shoal import checkpoint as ckpt_io
+from shoal.config import job_pb2
+from shoal.partition import BATCH, FEATURE, WHOLE, PartitionError, plan_partition
+from shoal.runtime.local import UnsupportedClusterError
+from shoal.runtime.partitioned import PartitionedGroup
+from shoal.runtime.trainer import Trainer
+
+
+def job_text(data_dir, *, net="", fc1="", relu="", fc2="", loss="", drop=None, steps=4, workers=2, batch="batchsize: 32",
+             updater="type: kSGD momentum: 0.9 weight_decay: 0.001", hidden=32, cluster="") -> str:
+    """The blobs MLP (16 -> hidden -> 4) with per-layer extras; disp_freq 1 so every step's loss is recorded."""
+    dropout = f'layer {{ name: "drop" type: kDropout srclayers: "relu" dropout_conf {{ dropout_ratio: 0.3 }} {drop} }}' if drop is not None else ""
+    top = "drop" if drop is not None else "relu"
+    return f"""
+name: "blobs-mlp" train_steps: {steps} disp_freq: 1 test_steps: 0 seed: 7
+train_one_batch {{ alg: kBP }}
+updater {{ {updater} learning_rate {{ type: kFixed base_lr: 0.05 }} }}
+neuralnet {{ {net}
+  layer {{ name: "data" type: kRecordInput include: kTrain
+    store_conf {{ backend: "kvfile" path: "{data_dir / 'train.bin'}" {batch} shape: 16 random_skip: 20 }} }}
+  layer {{ name: "fc1" type: kInnerProduct srclayers: "data" innerproduct_conf {{ num_output: {hidden} }} {fc1}
+    param {{ name: "w1" init {{ type: kGaussian std: 0.1 }} }} param {{ name: "b1" init {{ type: kUniform low: -0.1 high: 0.1 }} }} }}
+  layer {{ name: "relu" type: kReLU srclayers: "fc1" {relu} }}
+  {dropout}
+  layer {{ name: "fc2" type: kInnerProduct srclayers: "{top}" innerproduct_conf {{ num_output: 4 }} {fc2}
+    param {{ name: "w2" init {{ type: kUniform low: -0.1 high: 0.1 }} }} param {{ name: "b2" init {{ type: kConstant value: 0.1 }} }} }}
+  layer {{ name: "loss" type: kSoftmaxLoss srclayers: "fc2" srclayers: "data" {loss} }}
+}}
+cluster {{ nworkers_per_group: {workers} nworkers_per_procs: {workers} {cluster} }}
+"""
+
+
+def load(text, tmp_path, name="job.conf"):
+    path = tmp_path / name
+    path.write_text(text)
+    return shoal.load_job(path)
+
+
+PARTITIONINGS = {
+    "all batch (plain data parallel)": dict(),
+    "all feature": dict(net="partition_dim: 1"),
+    "all feature, 3 workers (32 = 11+11+10, 4 = 2+1+1)": dict(net="partition_dim: 1", workers=3),
+    "hybrid: fc1 feature, rest batch": dict(fc1="partition_dim: 1", relu="partition_dim: 1"),
+    "hybrid: fc1 batch, fc2 feature": dict(fc2="partition_dim: 1"),
+    "location: fc1 and relu on worker 1, loss on worker 0": dict(fc1="location: 1", relu="location: 1", loss="location: 0"),
+    "not partitioned (net partition_dim -1) on 3 workers": dict(net="partition_dim: -1", workers=3),
+    "feature partitions, uneven batch shares 24 + 8": dict(net="partition_dim: 1", batch="batchsize: 24 batchsize: 8"),
+    "feature fc1 with dropout on the batch dimension": dict(fc1="partition_dim: 1", relu="partition_dim: 1", drop=""),
+    "dropout whole on worker 1 (the only worker drawing)": dict(drop="location: 1"),
+}
+
+
+def train(text, tmp_path, name):
+    ws = tmp_path / name
+    history = shoal.train(load(text, tmp_path, f"{name}.conf"), workspace=ws, log=lambda *a: None)
+    return history, ckpt_io.load(ckpt_io.checkpoint_file(ws, 4)).params
+
+
+@pytest.mark.parametrize("partitioning", PARTITIONINGS)
+def test_every_partitioning_trains_exactly_like_one_worker(blobs_dir, tmp_path, partitioning):
+    kw = PARTITIONINGS[partitioning]
+    single_kw = {"drop": ""} if "drop" in kw else {}
+    single, single_params = train(job_text(blobs_dir, workers=1, **single_kw), tmp_path, "single")
+    group, params = train(job_text(blobs_dir, **kw), tmp_path, "group")
+    for a, b in zip(group.phase("train"), single.phase("train"), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["accuracy"] == pytest.approx(b["accuracy"])
+    for name in single_params:
+        torch.testing.assert_close(params[name], single_params[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("partitioning", [p for p in PARTITIONINGS if "batch (plain" not in p])
+def test_forward_outputs_and_gradients_equal_the_unpartitioned_net(blobs_dir, tmp_path, partitioning):
+    kw = PARTITIONINGS[partitioning]
+    single_kw = {"drop": ""} if "drop" in kw else {}
+    one = Trainer(load(job_text(blobs_dir, workers=1, **single_kw), tmp_path, "one.conf"), tmp_path / "a", [tmp_path], torch.device("cpu"))
+    many = Trainer(load(job_text(blobs_dir, **kw), tmp_path, "many.conf"), tmp_path / "b", [tmp_path], torch.device("cpu"))
+    group = many.workers[0]
+    assert isinstance(group, PartitionedGroup)
+    for step in range(2):
+        losses_one, losses_many = [], []
+        expected = one.workers[0].compute(step, lambda name, value, count: losses_one.append((name, value, count)))
+        got = group.compute(step, lambda name, value, count: losses_many.append((name, value, count)))
+        for metric in ("loss", "accuracy"):
+            mean = [sum(v * c for n, v, c in reports if n == metric) / sum(c for n, v, c in reports if n == metric) for reports in (losses_one, losses_many)]
+            assert mean[1] == pytest.approx(mean[0], rel=1e-5)
+        for name, grad in expected.items():
+            torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_feature_partitioned_checkpoint_resumes_on_another_number_of_workers(blobs_dir, tmp_path):
+    """Params live whole in the store: a run on 2 feature partitions continues on 3 and ends where one worker ends."""
+    text = job_text(blobs_dir, net="partition_dim: 1", steps=8).replace("disp_freq: 1", "disp_freq: 1 checkpoint_freq: 4")
+    ws = tmp_path / "ws"
+    first = load(text, tmp_path, "two.conf")
+    first.train_steps = 4
+    shoal.train(first, workspace=ws, log=lambda *a: None)
+    shoal.train(load(text.replace("nworkers_per_group: 2 nworkers_per_procs: 2", "nworkers_per_group: 3 nworkers_per_procs: 3"), tmp_path, "three.conf"),
+                workspace=ws, resume=True, log=lambda *a: None)
+    single_ws = tmp_path / "single"
+    shoal.train(load(job_text(blobs_dir, workers=1, steps=8), tmp_path, "one.conf"), workspace=single_ws, log=lambda *a: None)
+    resumed, single = (ckpt_io.load(ckpt_io.checkpoint_file(w, 8)).params for w in (ws, single_ws))
+    for name in single:
+        torch.testing.assert_close(resumed[name], single[name], rtol=1e-5, atol=1e-6)
+
+
+# -- the plan -------------------------------------------------------------------------
+def plan_of(blobs_dir, tmp_path, **kw):
+    return plan_partition(load(job_text(blobs_dir, **kw), tmp_path))
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4, 5])
+@pytest.mark.parametrize("hidden", [32, 7, 4096])
+def test_feature_partitions_own_disjoint_slices_that_tile_each_param(blobs_dir, tmp_path, workers, hidden):
+    plan = plan_of(blobs_dir, tmp_path, net="partition_dim: 1", workers=workers, hidden=hidden)
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for node in plan.nodes:
+        for view in node.params:
+            assert (view.axis >= 0) == (plan.partitioning[node.origin][0] == FEATURE), f"{node.name}: {view}"
+            if view.axis >= 0:
+                covered.setdefault(view.name, []).append((view.start, view.start + view.size))
+    # 4 outputs cannot be cut over 5 workers: fc2 then runs on the batch dimension, and says so
+    assert (plan.partitioning["fc2"][0] == BATCH) == (workers > 4) and any("fc2" in note for note in plan.notes) == (workers > 4)
+    sizes = {"w1": hidden, "b1": hidden, "w2": 4, "b2": 4}
+    for name, spans in covered.items():
+        spans.sort()
+        assert spans[0][0] == 0 and spans[-1][1] == sizes[name] and all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (name, spans)
+        assert max(b - a for a, b in spans) - min(b - a for a, b in spans) <= 1  # near-equal, larger first
+    assert [n.worker for n in plan.nodes if n.origin == "fc1" and not n.inserted] == list(range(workers))
+
+
+@pytest.mark.parametrize("partitioning", PARTITIONINGS)
+def test_every_edge_stays_on_one_worker_or_crosses_through_a_bridge_pair(blobs_dir, tmp_path, partitioning):
+    plan = plan_of(blobs_dir, tmp_path, **PARTITIONINGS[partitioning])
+    by_name = {n.name: n for n in plan.nodes}
+    position = {n.name: i for i, n in enumerate(plan.nodes)}
+    for node in plan.nodes:
+        for src in node.srcs:
+            assert by_name[src].worker == node.worker and position[src] < position[node.name], (src, node.name)
+        if node.type == "kBridgeDst":
+            sender = by_name[node.peer]
+            assert sender.type == "kBridgeSrc" and sender.peer == node.name and sender.worker != node.worker
+            assert position[sender.name] < position[node.name] and sender.shape == node.shape
+    readers = Counter(src for n in plan.nodes for src in n.srcs)
+    fanned = [name for name, count in readers.items() if count > 1 and by_name[name].layer.category not in ("input", "connection")]
+    assert not fanned, f"outputs read twice without a kSplit: {fanned}"
+
+
+def test_the_partitioner_inserts_singas_connection_layers(blobs_dir, tmp_path):
+    plan = plan_of(blobs_dir, tmp_path, net="partition_dim: 1")
+    types = Counter(n.type for n in plan.nodes if n.inserted)
+    # data (batch) -> fc1 (feature, one-to-all): each worker concatenates the batch parts (one bridge each way)
+    assert [n.type for n in plan.nodes if n.srcs and n.origin == "data" and n.type == "kConcate"] == ["kConcate", "kConcate"]
+    # fc2 (feature) -> loss (batch): slice rows, bridge, concatenate features
+    assert plan.node("loss@0").srcs[0].startswith("concate1(fc2)")
+    assert types["kBridgeSrc"] == types["kBridgeDst"] > 0 and types["kSplit"] > 0 and types["kSlice"] > 0
+    assert plan.partitioning["fc1"] == (FEATURE, 0) and plan.partitioning["loss"] == (BATCH, 0)
+    assert any("loss" in note and "kSoftmaxLoss" in note for note in plan.notes)
+
+
+def test_location_places_a_whole_layer_on_one_worker(blobs_dir, tmp_path):
+    plan = plan_of(blobs_dir, tmp_path, fc1="location: 1", relu="location: 1")
+    assert [(n.name, n.worker) for n in plan.nodes if n.origin == "fc1" and not n.inserted] == [("fc1", 1)]
+    assert plan.partitioning["fc1"] == (WHOLE, 1) and plan.partitioned
+    assert not plan_of(blobs_dir, tmp_path).partitioned
+
+
+@pytest.mark.parametrize("extra, field", [
+    (dict(loss="partition_dim: 1"), "neuralnet.layer[3].partition_dim"),
+    (dict(fc1="partition_dim: 1", hidden=1), "neuralnet.layer[1].partition_dim"),
+])
+def test_impossible_partitionings_name_the_layer(blobs_dir, tmp_path, extra, field):
+    with pytest.raises(PartitionError) as err:
+        plan_of(blobs_dir, tmp_path, **extra)
+    assert err.value.field_path.split("[")[0] == field.split("[")[0] and "partition" in str(err.value)
+
+
+def test_workers_drawing_different_random_numbers_are_refused(blobs_dir, tmp_path):
+    """Each worker draws from the group's one stream: a dropout on worker 1 only, then one on every worker, would desynchronise them."""
+    text = job_text(blobs_dir, drop="location: 1").replace('srclayers: "drop" innerproduct_conf', 'srclayers: "drop2" innerproduct_conf')
+    text = text.replace('layer { name: "fc2"', 'layer { name: "drop2" type: kDropout srclayers: "drop" dropout_conf { dropout_ratio: 0.3 } }\n  layer { name: "fc2"')
+    with pytest.raises(PartitionError, match="drawing random numbers"):
+        plan_partition(load(text, tmp_path))
+
+
+def test_a_partitioned_group_split_over_processes_is_refused_in_one_line(blobs_dir, tmp_path):
+    job = load(job_text(blobs_dir, net="partition_dim: 1").replace("nworkers_per_procs: 2", "nworkers_per_procs: 1"), tmp_path)
+    with pytest.raises(UnsupportedClusterError, match="must share one process"):
+        shoal.train(job, workspace=tmp_path / "ws", log=lambda *a: None)
+    assert not (tmp_path / "ws").exists()
+
+
+# -- inside every framework ----------------------------------------------------------
+HYBRID_FRAMEWORKS = {
+    "Sandblaster, servers in their own processes": "nworkers_per_group: 2 nworkers_per_procs: 2 nservers_per_group: 2 nservers_per_procs: 1 server_worker_separate: true",
+    "in-memory Hogwild of 2 partitioned groups": "nworker_groups: 2 nworkers_per_group: 2 nworkers_per_procs: 4",
+    "Downpour of 2 partitioned groups over processes": "nworker_groups: 2 nworkers_per_group: 2 nworkers_per_procs: 2 server_worker_separate: true",
+}
+
+
+@pytest.mark.parametrize("framework", HYBRID_FRAMEWORKS)
+def test_hybrid_partitioned_groups_train_mnist_in_every_framework(mnist_dir, tmp_path, framework):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_async_mnist import STEPS, mlp_job
+
+    text = mlp_job(mnist_dir, HYBRID_FRAMEWORKS[framework])
+    # SINGA's hybrid: the batch dimension below, the feature dimension for the wide fully connected layer
+    text = text.replace('innerproduct_conf {{ num_output: 128 }}'.replace("{{", "{").replace("}}", "}"), "innerproduct_conf { num_output: 128 } partition_dim: 1", 1)
+    text = text.replace('name: "relu" type: kReLU srclayers: "fc1"', 'name: "relu" type: kReLU srclayers: "fc1" partition_dim: 1')
+    assert text.count("partition_dim: 1") == 2
+    job = tmp_path / "job.conf"
+    job.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")],
+                          capture_output=True, text=True, env={**os.environ, "SHOAL_COMM_TIMEOUT": "30"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "ws" / "metrics.jsonl").read_text().splitlines()]
+    final = [r for r in records if r["phase"] == "test"][-1]
+    assert final["step"] == STEPS and final["accuracy"] >= 0.85, final
