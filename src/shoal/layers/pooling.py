@@ -21,6 +21,8 @@ class Pooling(Layer):
     ForwardAvgPooling: with floor rounding no window passes the padded border).
     """
 
+    feature_local = True  # channels are pooled independently
+
     def __init__(self, conf, src_shapes):
         super().__init__(conf, src_shapes)
         c = conf.pooling_conf
