@@ -228,3 +228,44 @@ def test_hybrid_partitioned_groups_train_mnist_in_every_framework(mnist_dir, tmp
     records = [json.loads(line) for line in (tmp_path / "ws" / "metrics.jsonl").read_text().splitlines()]
     final = [r for r in records if r["phase"] == "test"][-1]
     assert final["step"] == STEPS and final["accuracy"] >= 0.85, final
+
+
+# -- convolutions: SINGA's cifar10 hybrid.conf -------------------------------------------
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    import numpy as np
+
+    from shoal.data.prepare import write_image_store
+
+    rng = np.random.default_rng(3)
+    path = tmp_path_factory.mktemp("images") / "train_data.bin"
+    write_image_store(path, rng.integers(0, 256, (256, 3, 32, 32), dtype=np.uint8), rng.integers(0, 10, 256))
+    return path
+
+
+CONV_PARTITIONINGS = {
+    "hybrid.conf as shipped (conv batch, ip1 feature)": [],
+    "every layer that can split features (conv, pool, relu; LRN stays on the batch)": ["neuralnet.partition_dim=1"],
+    "3 workers, the last conv stage on the features too": ["cluster.nworkers_per_group=3", "cluster.nworkers_per_procs=3"]
+    + [f"neuralnet.layer[{i}].partition_dim=1" for i in (10, 11, 12)],
+}
+
+
+@pytest.mark.parametrize("partitioning", CONV_PARTITIONINGS)
+def test_the_cifar10_hybrid_convnet_trains_exactly_like_one_worker(images, tmp_path, partitioning):
+    from pathlib import Path
+
+    hybrid = Path(__file__).parents[1] / "examples" / "cifar10" / "hybrid.conf"
+    common = ["train_steps=3", "test_steps=0", "disp_freq=1", f"neuralnet.layer[0].store_conf.path={images}", "neuralnet.layer[0].store_conf.batchsize=24"]
+    results = []
+    for name, extra in (("single", ["cluster.nworkers_per_group=1", "cluster.nworkers_per_procs=1"]),
+                        ("group", CONV_PARTITIONINGS[partitioning])):
+        job = shoal.load_job(hybrid, common + extra)
+        job.neuralnet.layer[0].store_conf.ClearField("mean_file")
+        assert plan_partition(job).partitioned == (name == "group")
+        history = shoal.train(job, workspace=tmp_path / name, log=lambda *a: None)
+        results.append((history.phase("train"), ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / name, 3)).params))
+    (single, single_params), (group, params) = results
+    assert [r["loss"] for r in group] == pytest.approx([r["loss"] for r in single], rel=1e-5)
+    for name in single_params:
+        torch.testing.assert_close(params[name], single_params[name], rtol=1e-4, atol=1e-6)
