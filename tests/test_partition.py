@@ -195,10 +195,34 @@ def test_workers_drawing_different_random_numbers_are_refused(blobs_dir, tmp_pat
         plan_partition(load(text, tmp_path))
 
 
-def test_a_partitioned_group_split_over_processes_is_refused_in_one_line(blobs_dir, tmp_path):
-    job = load(job_text(blobs_dir, net="partition_dim: 1").replace("nworkers_per_procs: 2", "nworkers_per_procs: 1"), tmp_path)
+SPANNING = {
+    "AllReduce: 2 feature partitions in 2 processes": ("nworkers_per_procs: 1 nservers_per_group: 2", dict(net="partition_dim: 1")),
+    "Sandblaster: 3 hybrid workers, 3 processes, 2 server processes": (
+        "nworkers_per_procs: 1 nservers_per_group: 2 server_worker_separate: true", dict(fc1="partition_dim: 1", relu="partition_dim: 1", workers=3)),
+    "4 workers in 2 processes of 2 threads, location placement": ("nworkers_per_procs: 2 nservers_per_group: 2", dict(fc1="location: 3", relu="location: 3", workers=4)),
+}
+
+
+@pytest.mark.parametrize("layout", SPANNING)
+def test_a_partitioned_group_spanning_processes_trains_exactly_like_one_worker(blobs_dir, tmp_path, layout, monkeypatch):
+    """Bridges between processes go through the comm layer (point to point); the group's gradient is summed over processes."""
+    monkeypatch.setenv("SHOAL_COMM_TIMEOUT", "30")
+    cluster, kw = SPANNING[layout]
+    workers = kw.get("workers", 2)
+    text = job_text(blobs_dir, **kw).replace(f"nworkers_per_procs: {workers}", cluster)
+    assert plan_partition(load(text, tmp_path)).partitioned
+    single, single_params = train(job_text(blobs_dir, workers=1), tmp_path, "single")
+    group, params = train(text, tmp_path, "group")
+    for a, b in zip(group.phase("train"), single.phase("train"), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    for name in single_params:
+        torch.testing.assert_close(params[name], single_params[name], rtol=1e-5, atol=1e-6)
+
+
+def test_an_asynchronous_partitioned_group_split_over_processes_is_refused_in_one_line(blobs_dir, tmp_path):
+    text = job_text(blobs_dir, net="partition_dim: 1").replace("nworkers_per_procs: 2", "nworkers_per_procs: 1 nworker_groups: 2 server_worker_separate: true")
     with pytest.raises(UnsupportedClusterError, match="must share one process"):
-        shoal.train(job, workspace=tmp_path / "ws", log=lambda *a: None)
+        shoal.train(load(text, tmp_path), workspace=tmp_path / "ws", log=lambda *a: None)
     assert not (tmp_path / "ws").exists()
 
 

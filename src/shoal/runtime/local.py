@@ -44,10 +44,11 @@ def check_runnable(job: job_pb2.JobProto) -> None:
         if job.train_one_batch.alg != job_pb2.kBP:
             raise UnsupportedClusterError("train_one_batch.alg: layers partitioned on features or placed by location train with kBP only")
         hosted = [[w.group for w in p.workers] for p in placement.processes]
-        if any(groups.count(g) != c.nworkers_per_group for groups in hosted for g in groups):
+        spans = any(groups.count(g) != c.nworkers_per_group for groups in hosted for g in groups)
+        if spans and c.nworker_groups > 1:
             raise UnsupportedClusterError(
-                f"cluster: a partitioned group's {c.nworkers_per_group} workers must share one process "
-                f"(nworkers_per_procs: a multiple of {c.nworkers_per_group}); bridges between processes are not supported yet"
+                f"cluster: an asynchronous partitioned group's {c.nworkers_per_group} workers must share one process "
+                f"(nworkers_per_procs: a multiple of {c.nworkers_per_group}); one synchronous group may span processes"
             )
     if c.nworker_groups == 1:
         return

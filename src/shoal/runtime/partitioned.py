@@ -33,11 +33,13 @@ import numpy as np
 import torch
 
 from shoal.algorithms import Grads
+from shoal.comm import dist as comm
 from shoal.config import job_pb2
 from shoal.layers.base import Context
 from shoal.params import ParamStore
 from shoal.partition import BATCH, ParamView, PartitionPlan, PartNode
-from shoal.runtime.feed import InputFeed, make_feeds
+from shoal.layers.connection import split_sizes
+from shoal.runtime.feed import InputFeed, batch_conf, batch_shares, make_feeds
 
 POLL_SEC = 0.05  # how often a waiting worker checks whether another one failed
 
@@ -47,27 +49,105 @@ class GroupAborted(RuntimeError):
 
 
 class Channel:
-    """One bridge: blobs go forward from bridge_src to bridge_dst, their gradients come back."""
+    """One bridge inside a process: blobs go forward from bridge_src to bridge_dst, their gradients come back."""
 
     def __init__(self, abort: threading.Event):
         self.abort = abort
-        self.forward: queue.SimpleQueue = queue.SimpleQueue()
-        self.backward: queue.SimpleQueue = queue.SimpleQueue()
+        self._forward: queue.SimpleQueue = queue.SimpleQueue()
+        self._backward: queue.SimpleQueue = queue.SimpleQueue()
         self.bytes = 0  # moved this step, both ways
 
-    def put(self, which: queue.SimpleQueue, item) -> None:
-        blob = item[0] if isinstance(item, tuple) else item
-        if blob is not None:
-            self.bytes += blob.numel() * blob.element_size()
-        which.put(item)
+    def send_blob(self, blob: torch.Tensor, labels: Optional[torch.Tensor], wants_grad: bool) -> None:
+        self.bytes += _nbytes(blob)
+        self._forward.put((blob, labels, wants_grad))
 
-    def get(self, which: queue.SimpleQueue):
+    def recv_blob(self) -> tuple[torch.Tensor, Optional[torch.Tensor], bool]:
+        return self._get(self._forward)
+
+    def send_grad(self, grad: Optional[torch.Tensor]) -> None:
+        self.bytes += _nbytes(grad)
+        self._backward.put(grad)
+
+    def recv_grad(self) -> Optional[torch.Tensor]:
+        return self._get(self._backward)
+
+    def finish(self) -> None:
+        """Nothing in flight once both ends ran."""
+
+    def _get(self, which: queue.SimpleQueue):
         while True:
             try:
                 return which.get(timeout=POLL_SEC)
             except queue.Empty:
                 if self.abort.is_set():
                     raise GroupAborted("another worker of the group failed") from None
+
+
+class RemoteChannel:
+    """One bridge between processes, through the comm layer's point-to-point messages.
+
+    Sends never block (isend, waited at the end of the step): a blocking send to a
+    worker that is itself blocked sending would deadlock two processes. Each message
+    has its own tag, so the order of messages of different bridges does not matter.
+    """
+
+    TAG_BASE = 1 << 20  # above the exchange's bucket tags
+
+    def __init__(self, index: int, peer_rank: int, shape: tuple[int, ...]):
+        self.peer, self.shape = peer_rank, shape
+        self.tags = [self.TAG_BASE + 4 * index + k for k in range(4)]  # header, blob, labels, gradient
+        self.bytes = 0
+        self._works: list = []
+        self._keep: list[torch.Tensor] = []  # what isends read until they finished
+        self._sent_rows = 0
+
+    def _send(self, tensor: torch.Tensor, tag: int) -> None:
+        tensor = tensor.detach().contiguous().cpu()
+        self._keep.append(tensor)
+        self._works.append(comm.isend(tensor, self.peer, tag))
+
+    def _recv(self, tensor: torch.Tensor, tag: int) -> torch.Tensor:
+        comm.irecv(tensor, self.peer, tag).wait()
+        return tensor
+
+    def send_blob(self, blob: torch.Tensor, labels: Optional[torch.Tensor], wants_grad: bool) -> None:
+        self._sent_rows = blob.shape[0]
+        self._send(torch.tensor([blob.shape[0], labels is not None, wants_grad], dtype=torch.int64), self.tags[0])
+        self._send(blob.to(torch.float32), self.tags[1])
+        if labels is not None:
+            self._send(labels.to(torch.int64), self.tags[2])
+        self.bytes += _nbytes(blob)
+
+    def recv_blob(self) -> tuple[torch.Tensor, Optional[torch.Tensor], bool]:
+        rows, has_labels, wants_grad = self._recv(torch.zeros(3, dtype=torch.int64), self.tags[0]).tolist()
+        blob = self._recv(torch.empty((rows,) + self.shape), self.tags[1])
+        labels = self._recv(torch.empty(rows, dtype=torch.int64), self.tags[2]) if has_labels else None
+        self._sent_rows = rows
+        self.bytes += _nbytes(blob)
+        return blob, labels, bool(wants_grad)
+
+    def send_grad(self, grad: Optional[torch.Tensor]) -> None:
+        self._send(torch.tensor([grad is not None], dtype=torch.int64), self.tags[0])
+        if grad is not None:
+            self._send(grad.to(torch.float32), self.tags[3])
+            self.bytes += _nbytes(grad)
+
+    def recv_grad(self) -> Optional[torch.Tensor]:
+        (has_grad,) = self._recv(torch.zeros(1, dtype=torch.int64), self.tags[0]).tolist()
+        if not has_grad:
+            return None
+        grad = self._recv(torch.empty((self._sent_rows,) + self.shape), self.tags[3])
+        self.bytes += _nbytes(grad)
+        return grad
+
+    def finish(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works, self._keep = [], []
+
+
+def _nbytes(tensor: Optional[torch.Tensor]) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
 
 @dataclass
@@ -133,7 +213,7 @@ class PartWorker:
             kind = node.layer.conf.type
             if kind == job_pb2.kBridgeDst:
                 channel = self.channels[node.name]
-                value, label, wants_grad = channel.get(channel.forward)
+                value, label, wants_grad = channel.recv_blob()
                 leaf = value.to(self.device).detach().requires_grad_(wants_grad)
                 segments.append(_Segment(received=(leaf, channel)))
                 outputs[node.name], aux[node.name] = leaf, None if label is None else label.to(self.device)
@@ -144,7 +224,7 @@ class PartWorker:
             home[node.name] = len(segments) - 1
             if kind == job_pb2.kBridgeSrc:
                 channel = self.channels[node.peer]
-                channel.put(channel.forward, (xs[0].detach(), labels[0], xs[0].requires_grad))
+                channel.send_blob(xs[0].detach(), labels[0], xs[0].requires_grad)
                 if xs[0].requires_grad:
                     segments[-1].sent.append((xs[0], channel))
                 outputs[node.name], aux[node.name] = xs[0], labels[0]
@@ -166,7 +246,7 @@ class PartWorker:
                 roots.append(loss)
                 grads.append(None)
             for value, channel in reversed(segment.sent):
-                grad = channel.get(channel.backward)
+                grad = channel.recv_grad()
                 if grad is not None:
                     roots.append(value)
                     grads.append(grad.to(value.device))
@@ -180,9 +260,9 @@ class PartWorker:
                 if leaf.grad is not None:
                     earlier = segments[home[producer]].pending
                     earlier[producer] = leaf.grad if producer not in earlier else earlier[producer] + leaf.grad
-            if segment.received is not None:
+            if segment.received is not None and segment.received[0].requires_grad:  # the sender waits for it
                 leaf, channel = segment.received
-                channel.put(channel.backward, leaf.grad)
+                channel.send_grad(leaf.grad)
         return {view: leaf.grad for view, leaf in self.leaves.items() if leaf.grad is not None}
 
 
@@ -208,29 +288,54 @@ class PartitionedGroup:
     index = 0
 
     def __init__(self, job: job_pb2.JobProto, plan: PartitionPlan, store: ParamStore, base_dirs: list[Path],
-                 devices: list[torch.device], group: int = 0):
+                 devices: list[torch.device], group: int = 0, hosted: Optional[list[int]] = None, ranks: Optional[dict[int, int]] = None):
+        """`hosted`: the workers of the group this process runs (all by default); `ranks`: the process of each worker."""
         self.job, self.plan, self.store, self.group = job, plan, store, group
+        hosted = list(range(plan.nworkers)) if hosted is None else sorted(hosted)
         self.device = devices[0]
         self.abort = threading.Event()
-        channels = {n.name: Channel(self.abort) for n in plan.nodes if n.layer.conf.type == job_pb2.kBridgeDst}
-        self.channels = list(channels.values())
+        self.channels = self._channels(hosted, ranks or {})
         seed = job.seed + 1 + 7919 * group  # the group's random stream, as Worker's
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.parts: list[PartWorker] = []
         by_layer: dict[str, list[InputFeed]] = {}
-        for k in range(plan.nworkers):
+        for k in hosted:
             feeds = self._feeds(plan.worker_nodes(k), base_dirs, devices[k])
             for node in plan.worker_nodes(k):
                 if node.name in feeds:
                     by_layer.setdefault(node.origin, []).append(feeds[node.name])
             generator = torch.Generator(device=devices[k]).manual_seed(seed)
-            self.parts.append(PartWorker(plan, k, store, devices[k], feeds, generator, channels))
+            self.parts.append(PartWorker(plan, k, store, devices[k], feeds, generator, self.channels))
         self.feeds = {name: _FeedSkips(feeds) for name, feeds in by_layer.items()}
-        first = next(iter(by_layer.values()), [])
-        self.global_batch = first[0].global_batch if first else 0
-        self.share = self.global_batch
-        self.pool = ThreadPoolExecutor(max_workers=plan.nworkers, thread_name_prefix="shoal-part")
+        self.configured_shares = self._configured_shares()
+        self.global_batch = sum(self.configured_shares)
+        self.share = self.global_batch  # the group's gradient is of the whole batch: weight 1
+        self.pool = ThreadPoolExecutor(max_workers=len(self.parts), thread_name_prefix="shoal-part")
         self.bytes_per_step = 0  # bridges plus the gradients of workers other than worker 0 (the last step)
+
+    def _channels(self, hosted: list[int], ranks: dict[int, int]) -> dict[str, object]:
+        """A channel per bridge with an end here, by bridge_dst name: in memory, or to another process."""
+        channels: dict[str, object] = {}
+        by_name = {n.name: n for n in self.plan.nodes}
+        bridges = [n for n in self.plan.nodes if n.layer.conf.type == job_pb2.kBridgeDst]
+        for index, dst in enumerate(bridges):
+            src = by_name[dst.peer]
+            here = (src.worker in hosted, dst.worker in hosted)
+            if all(here):
+                channels[dst.name] = Channel(self.abort)
+            elif any(here):
+                other = dst.worker if here[0] else src.worker
+                channels[dst.name] = RemoteChannel(index, ranks[other], tuple(dst.shape))
+        return channels
+
+    def _configured_shares(self) -> list[int]:
+        """The rows of each batch part as the job configures them (one batchsize split evenly, or one per part)."""
+        for node in self.plan.nodes:
+            conf = batch_conf(node.layer.conf) if node.layer.category == "input" and not node.srcs else None
+            if conf is not None:
+                shares = batch_shares(conf, self.plan.nworkers)
+                return shares if node.partitioning == BATCH else split_sizes(sum(shares), self.plan.nworkers)
+        return [0] * self.plan.nworkers
 
     def _feeds(self, nodes: list[PartNode], base_dirs: list[Path], device: torch.device) -> dict[str, InputFeed]:
         """The feeds of a worker's input nodes: a batch-partitioned copy reads its part, a whole one the whole batch."""
@@ -250,15 +355,13 @@ class PartitionedGroup:
         return feeds
 
     def rows(self) -> list[tuple[int, int]]:
-        """(offset, share) of each part of the batch, from the batch-partitioned input feeds."""
-        shares = [0] * self.plan.nworkers
+        """(offset, share) of each part of the batch: this process's feeds' shares, the configured ones elsewhere."""
+        shares = list(self.configured_shares)
         for part in self.parts:
             for name, feed in part.feeds.items():
                 node = next(n for n in part.nodes if n.name == name)
                 if node.partitioning == BATCH:
                     shares[node.part] = feed.share
-        if not any(shares):
-            shares = [self.global_batch // self.plan.nworkers] * self.plan.nworkers
         offsets = [sum(shares[:k]) for k in range(len(shares))]
         return list(zip(offsets, shares))
 
@@ -267,7 +370,7 @@ class PartitionedGroup:
         state = self.generator.get_state()
         for part in self.parts:
             part.generator.set_state(state)
-        for channel in self.channels:
+        for channel in self.channels.values():
             channel.bytes = 0
         rows, batch = self.rows(), self.global_batch
         shares = [share for _, share in rows]
@@ -289,17 +392,19 @@ class PartitionedGroup:
                 results.append({})
             except BaseException as err:  # noqa: BLE001 - re-raised below, after every worker stopped
                 errors.append(err)
+        for channel in self.channels.values():
+            channel.finish()
         if errors:
             raise errors[0]
         drawing = [p for p in self.parts if any(n.layer.draws_random for n in p.nodes)]
         self.generator.set_state((drawing[0] if drawing else self.parts[0]).generator.get_state())
         grads: Grads = {}
-        moved = sum(c.bytes for c in self.channels)
-        for k, part_grads in enumerate(results):
+        moved = sum(c.bytes for c in self.channels.values())
+        for part, part_grads in zip(self.parts, results):
             for view, grad in part_grads.items():
                 value = self.store.values[view.name]
                 grad = grad.to(value.device)
-                if k > 0:
+                if part.index > 0:
                     moved += 2 * grad.numel() * grad.element_size()  # gradient up to worker 0, new values back
                 if view.axis < 0 and grads.get(view.name) is None:
                     grads[view.name] = grad

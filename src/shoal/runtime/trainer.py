@@ -26,14 +26,15 @@ import numpy as np
 import torch
 
 from shoal import checkpoint as ckpt_io
+from shoal.cluster import place
 from shoal.config import job_pb2
 from shoal.config.validate import in_phase
 from shoal.layers.base import Context
 from shoal.metrics import MetricsLog, MetricWindow, display_line
 from shoal.net import NeuralNet
 from shoal.params import ParamStore
-from shoal.runtime.feed import InputFeed, batch_conf, batch_shares, make_feeds
 from shoal.partition import partition
+from shoal.runtime.feed import InputFeed, batch_conf, batch_shares, make_feeds
 from shoal.runtime.partitioned import PartitionedGroup
 from shoal.runtime.worker import Worker
 
@@ -132,7 +133,8 @@ class Trainer:
         # the first net built declares and initialises the params: the partitioner needs it built anyway
         plan = partition(NeuralNet(job.neuralnet, job_pb2.kTrain, self.store, init_gen), job.neuralnet, npartitions)
         if plan.partitioned and worker_indices:
-            self.workers = [PartitionedGroup(job, plan, self.store, base_dirs, [device] * npartitions, group)]
+            ranks = {w.id: p.rank for p in place(job.cluster).processes for w in p.workers if w.group == group}
+            self.workers = [PartitionedGroup(job, plan, self.store, base_dirs, [device] * npartitions, group, worker_indices, ranks)]
         else:
             self.workers = [Worker(job, self.store, base_dirs, device, i, npartitions, init_gen, group) for i in worker_indices]
         self.global_batch = global_batch(job)
