@@ -293,3 +293,12 @@ def test_the_cifar10_hybrid_convnet_trains_exactly_like_one_worker(images, tmp_p
     assert [r["loss"] for r in group] == pytest.approx([r["loss"] for r in single], rel=1e-5)
     for name in single_params:
         torch.testing.assert_close(params[name], single_params[name], rtol=1e-4, atol=1e-6)
+
+
+def test_location_and_a_partition_dim_on_one_layer_are_refused_with_the_position(blobs_dir, tmp_path):
+    path = tmp_path / "job.conf"
+    path.write_text(job_text(blobs_dir, fc1="location: 1 partition_dim: 1"))
+    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(path), "--workspace", str(tmp_path / "ws")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "job.conf:" in proc.stderr and "contradicts" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "ws").exists()

@@ -216,6 +216,8 @@ def _layer_problems(job: job_pb2.JobProto) -> Iterator[Problem]:
                 f"{at}.location",
                 f"location must be a worker of the group, 0..{nworkers - 1} (nworkers_per_group({nworkers})), or -1; got {layer.location}",
             )
+        if layer.location >= 0 and layer.HasField("partition_dim") and layer.partition_dim != -1:
+            yield f"{at}.partition_dim", f"location {layer.location} keeps the layer whole on one worker; partition_dim {layer.partition_dim} contradicts it"
         if layer.unroll_len < 1:
             yield f"{at}.unroll_len", f"unroll_len must be >= 1, got {layer.unroll_len}"
         for j, param in enumerate(layer.param):

@@ -190,80 +190,90 @@ class PartWorker:
             phase=job_pb2.kTrain, generator=self.generator, report=report, device=self.device,
             feeds={name: feed.batch(cursor, self.device) for name, feed in self.feeds.items()}, batch_shares=shares,
         )
-        by_part = [replace(base, rows=(offset, share, batch)) for offset, share in rows]  # rows a batch part sees
-        whole = replace(base, rows=None)
-        outputs: dict[str, torch.Tensor] = {}
-        aux: dict[str, Optional[torch.Tensor]] = {}
-        home: dict[str, int] = {}  # node -> its segment
-        segments = [_Segment()]
-        cut: dict[tuple[str, int], torch.Tensor] = {}
-
-        def read(src: str) -> torch.Tensor:
-            here = len(segments) - 1
-            if home[src] == here:
-                return outputs[src]
-            if (src, here) not in cut:  # a value from an earlier segment: cut the graph here
-                value = outputs[src]
-                leaf = value.detach().requires_grad_(value.requires_grad)
-                cut[(src, here)] = leaf
-                segments[here].cuts.append((src, leaf))
-            return cut[(src, here)]
-
+        state = _Pass(by_part=[replace(base, rows=(offset, share, batch)) for offset, share in rows], whole=replace(base, rows=None))
         for node in self.nodes:
-            kind = node.layer.conf.type
-            if kind == job_pb2.kBridgeDst:
-                channel = self.channels[node.name]
-                value, label, wants_grad = channel.recv_blob()
-                leaf = value.to(self.device).detach().requires_grad_(wants_grad)
-                segments.append(_Segment(received=(leaf, channel)))
-                outputs[node.name], aux[node.name] = leaf, None if label is None else label.to(self.device)
-                home[node.name] = len(segments) - 1
-                continue
-            xs = [read(s) for s in node.srcs]
-            labels = [aux[s] for s in node.srcs]
-            home[node.name] = len(segments) - 1
-            if kind == job_pb2.kBridgeSrc:
-                channel = self.channels[node.peer]
-                channel.send_blob(xs[0].detach(), labels[0], xs[0].requires_grad)
-                if xs[0].requires_grad:
-                    segments[-1].sent.append((xs[0], channel))
-                outputs[node.name], aux[node.name] = xs[0], labels[0]
-                continue
-            ctx = by_part[node.part] if node.partitioning == BATCH else whole
-            result = node.layer.forward(xs, [self.leaves[v] for v in node.params], labels, ctx)
-            if isinstance(result, tuple):
-                outputs[node.name], aux[node.name] = result
-            else:
-                outputs[node.name], aux[node.name] = result, (labels[0] if labels else None)
-            if node.layer.category == "loss":
-                rows_here = rows[node.part][1] if node.partitioning == BATCH else batch
-                segments[-1].losses.append(outputs[node.name] * (rows_here / batch))
-
-        for number in range(len(segments) - 1, -1, -1):
-            segment = segments[number]
-            roots, grads = [], []
-            for loss in segment.losses:
-                roots.append(loss)
-                grads.append(None)
-            for value, channel in reversed(segment.sent):
-                grad = channel.recv_grad()
-                if grad is not None:
-                    roots.append(value)
-                    grads.append(grad.to(value.device))
-            for producer, grad in segment.pending.items():
-                if outputs[producer].requires_grad:
-                    roots.append(outputs[producer])
-                    grads.append(grad)
-            if roots:
-                torch.autograd.backward(roots, grads)
-            for producer, leaf in segment.cuts:
-                if leaf.grad is not None:
-                    earlier = segments[home[producer]].pending
-                    earlier[producer] = leaf.grad if producer not in earlier else earlier[producer] + leaf.grad
-            if segment.received is not None and segment.received[0].requires_grad:  # the sender waits for it
-                leaf, channel = segment.received
-                channel.send_grad(leaf.grad)
+            self._forward(node, state, rows, batch)
+        for segment in reversed(state.segments):
+            self._backward(segment, state)
         return {view: leaf.grad for view, leaf in self.leaves.items() if leaf.grad is not None}
+
+    def _forward(self, node: PartNode, state: "_Pass", rows: list[tuple[int, int]], batch: int) -> None:
+        kind = node.layer.conf.type
+        if kind == job_pb2.kBridgeDst:  # a blob from another worker opens a new segment
+            channel = self.channels[node.name]
+            value, label, wants_grad = channel.recv_blob()
+            leaf = value.to(self.device).detach().requires_grad_(wants_grad)
+            state.segments.append(_Segment(received=(leaf, channel)))
+            state.put(node.name, leaf, None if label is None else label.to(self.device))
+            return
+        xs = [state.read(s) for s in node.srcs]
+        labels = [state.aux[s] for s in node.srcs]
+        if kind == job_pb2.kBridgeSrc:
+            channel = self.channels[node.peer]
+            channel.send_blob(xs[0].detach(), labels[0], xs[0].requires_grad)
+            if xs[0].requires_grad:
+                state.segments[-1].sent.append((xs[0], channel))
+            state.put(node.name, xs[0], labels[0])
+            return
+        ctx = state.by_part[node.part] if node.partitioning == BATCH else state.whole
+        result = node.layer.forward(xs, [self.leaves[v] for v in node.params], labels, ctx)
+        output, aux = result if isinstance(result, tuple) else (result, labels[0] if labels else None)
+        state.put(node.name, output, aux)
+        if node.layer.category == "loss":  # a mean over this part's rows: its share of the batch's mean
+            rows_here = rows[node.part][1] if node.partitioning == BATCH else batch
+            state.segments[-1].losses.append(output * (rows_here / batch))
+
+    def _backward(self, segment: "_Segment", state: "_Pass") -> None:
+        roots, grads = [], []
+        for loss in segment.losses:
+            roots.append(loss)
+            grads.append(None)
+        for value, channel in reversed(segment.sent):
+            grad = channel.recv_grad()
+            if grad is not None:
+                roots.append(value)
+                grads.append(grad.to(value.device))
+        for producer, grad in segment.pending.items():
+            if state.outputs[producer].requires_grad:
+                roots.append(state.outputs[producer])
+                grads.append(grad)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        for producer, leaf in segment.cuts:  # hand what flowed into the cut leaves to their segments
+            if leaf.grad is not None:
+                earlier = state.segments[state.home[producer]].pending
+                earlier[producer] = leaf.grad if producer not in earlier else earlier[producer] + leaf.grad
+        if segment.received is not None and segment.received[0].requires_grad:  # the sender waits for it
+            leaf, channel = segment.received
+            channel.send_grad(leaf.grad)
+
+
+@dataclass
+class _Pass:
+    """One forward and backward pass of a worker: outputs by node, their segments, the cut leaves."""
+
+    by_part: list[Context]  # the context a batch part's node sees (its rows)
+    whole: Context
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    aux: dict[str, Optional[torch.Tensor]] = field(default_factory=dict)
+    home: dict[str, int] = field(default_factory=dict)  # node -> its segment
+    segments: list[_Segment] = field(default_factory=lambda: [_Segment()])
+    cut: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+
+    def put(self, name: str, output: torch.Tensor, aux: Optional[torch.Tensor]) -> None:
+        self.outputs[name], self.aux[name], self.home[name] = output, aux, len(self.segments) - 1
+
+    def read(self, src: str) -> torch.Tensor:
+        """`src`'s output as this segment sees it: itself, or (from an earlier segment) a leaf cut from it."""
+        here = len(self.segments) - 1
+        if self.home[src] == here:
+            return self.outputs[src]
+        if (src, here) not in self.cut:
+            value = self.outputs[src]
+            leaf = value.detach().requires_grad_(value.requires_grad)
+            self.cut[(src, here)] = leaf
+            self.segments[here].cuts.append((src, leaf))
+        return self.cut[(src, here)]
 
 
 class _FeedSkips:
