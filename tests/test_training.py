@@ -160,7 +160,7 @@ def test_user_layer_registered_from_python(blobs_job, tmp_path):
 def test_gpu_field_is_ignored_with_a_warning_without_cuda(blobs_job, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    with pytest.warns(UserWarning, match="gpu: 0 ignored"):
+    with pytest.warns(UserWarning, match="cuda:0 ignored"):
         shoal.train(blobs_job(train_steps=2, extra="gpu: 0"), workspace=tmp_path / "ws", log=quiet)
 
 

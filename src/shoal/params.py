@@ -169,5 +169,21 @@ class ParamStore:
         other.values = {name: value.clone() for name, value in self.values.items()}
         return other
 
+    @property
+    def device(self) -> torch.device:
+        """Where the values live (one device per store)."""
+        return next(iter(self.values.values())).device if self.values else torch.device("cpu")
+
+    def copy_to(self, device: torch.device) -> "ParamStore":
+        """A replica of this store on `device` (same params, its own values there)."""
+        other = ParamStore(self.allocate)
+        other.info, other._owner = dict(self.info), dict(self._owner)
+        other.values = {name: value.detach().to(device, copy=True) for name, value in self.values.items()}
+        return other
+
+    def move_to(self, device: torch.device) -> None:
+        """Keep this store's values on `device` (before any net binds leaves to them)."""
+        self.values = {name: value.to(device) for name, value in self.values.items()}
+
     def total_numel(self) -> int:
         return sum(i.numel for i in self.info.values())

@@ -215,7 +215,7 @@ class DownpourExchange:
 
     def _flat_grads(self, parts: list[tuple[Grads, int]]) -> torch.Tensor:
         """This process's share of the group's gradient (weighted by share of the group's batch), laid end to end."""
-        grads = aggregate(parts, self.global_batch)
+        grads = aggregate(parts, self.global_batch, target=torch.device("cpu"))
         flat = torch.zeros(self.total)
         for name in self.names:
             g = grads.get(name)

@@ -33,31 +33,22 @@ from shoal.comm import dist as comm
 from shoal.metrics import MetricWindow
 from shoal.params import ParamStore
 from shoal.runtime.buckets import Bucket, cap_from_env, plan_buckets
+from shoal.runtime.replicas import tree_reduce
 from shoal.runtime.server import Server
 from shoal.updaters import Updater
 
 
-def aggregate(parts: list[tuple[Grads, int]], total: Optional[int] = None) -> Grads:
-    """Σ (share_i / total) · g_i over the workers' gradients (total defaults to Σ shares).
+def aggregate(parts: list[tuple[Grads, int]], total: Optional[int] = None, target: Optional[torch.device] = None) -> Grads:
+    """Σ (share_i / total) · g_i over the workers' gradients (total defaults to Σ shares), on `target`.
 
     Each worker's loss is a mean over its share, so this is the gradient of the
     mean over the whole batch, whatever the shares (Caffe con Troll's 200 + 56).
+    The workers' gradients combine in Caffe's tree order, device to device.
     """
     if len(parts) == 1 and total is None:
-        return parts[0][0]
-    total = total or sum(share for _, share in parts)
-    out: Grads = {}
-    for name in parts[0][0]:
-        grads = [(g[name], share) for g, share in parts if g[name] is not None]
-        if not grads:
-            out[name] = None
-            continue
-        # in place on the first worker's gradient: workers make fresh gradients every step
-        acc = grads[0][0].mul_(grads[0][1] / total)
-        for g, share in grads[1:]:
-            acc.add_(g, alpha=share / total)
-        out[name] = acc
-    return out
+        grads = parts[0][0]
+        return grads if target is None else {n: None if g is None else g.to(target) for n, g in grads.items()}
+    return tree_reduce(parts, total or sum(share for _, share in parts), target)
 
 
 class LocalExchange:
@@ -70,7 +61,7 @@ class LocalExchange:
         """Nothing to prepare: the workers' gradients are summed after they all finished."""
 
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
-        self.server.update(step, aggregate(parts))
+        self.server.update(step, aggregate(parts, target=self.server.store.device))
 
     def metrics(self, window: MetricWindow) -> dict[str, float]:
         return window.averages()
@@ -201,7 +192,8 @@ class SlicedExchange:
             r.arrived.add((worker, name))
             if grad is not None:
                 weight = self.shares[worker] / self.global_batch  # each loss is a mean over its share
-                flat = grad.detach().reshape(-1)
+                # gloo moves host memory: a worker on a GPU hands its gradient to the process's store there
+                flat = grad.detach().reshape(-1).to(self.store.device)
                 if name in r.grad:
                     r.grad[name].add_(flat, alpha=weight)
                 else:  # in place: workers make fresh gradients every step

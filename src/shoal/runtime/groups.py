@@ -151,7 +151,7 @@ class GroupExchange:
         self._read_version = self.server.updates
 
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
-        grads = aggregate(parts)
+        grads = aggregate(parts, target=self.server.store.device)
         lag = self.server.updates - self._read_version
         self.server.update(self.server.updates, grads)
         if self.replica is not None:  # Downpour: continue from the freshest params the server has

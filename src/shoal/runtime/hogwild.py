@@ -80,7 +80,7 @@ class HogwildExchange:
 
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
         with self.lock:
-            self.server.update(self.server.updates, aggregate(parts))
+            self.server.update(self.server.updates, aggregate(parts, target=self.store.device))
         self.updates += 1
         if self.updates % self.sync_freq == 0:
             self._sync()

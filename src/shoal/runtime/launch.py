@@ -28,11 +28,13 @@ from shoal import checkpoint as ckpt_io
 from shoal.cluster import Placement, ServerId, WorkerId, place
 from shoal.comm import dist as comm
 from shoal.config import job_pb2
+from shoal.devices import worker_device_names
 from shoal.metrics import read_metrics
 from shoal.report.run_log import open_run_log
 from shoal.runtime.downpour import DownpourExchange, DownpourServer
 from shoal.runtime.exchange import SlicedExchange
 from shoal.runtime.hogwild import HogwildExchange
+from shoal.runtime.replicas import device_label, usable_device_names
 from shoal.runtime.server import Server
 from shoal.runtime.trainer import History, Trainer
 from shoal.updaters import make_updater
@@ -101,10 +103,12 @@ def _entry(
         placement = place(job.cluster)
         hosted = placement.processes[rank]
         say = (lambda line: (print(line), log_file.write(line + "\n"))) if rank == 0 else print
+        # params live in host memory (gloo moves them); workers on GPUs compute on replicas
+        devices = usable_device_names(worker_device_names(job, len(hosted.workers)))
         trainer = Trainer(
             job, Path(workspace), [Path(d) for d in base_dirs], torch.device("cpu"), log=say,
             progress=False, worker_indices=[w.id for w in hosted.workers], chief=rank == 0,
-            group=hosted.workers[0].group if hosted.workers else 0,
+            group=hosted.workers[0].group if hosted.workers else 0, worker_devices=devices,
         )
         if initial_values is not None:
             initial_values(trainer.store)
@@ -130,8 +134,8 @@ def _entry(
             trainer.start_step = trainer.exchange.first_step = max(trainer.start_step, job.cluster.warmup_steps)
         elif job.checkpoint_path:
             trainer.load_params([ckpt_io.resolve_path(p, [Path(d) for d in base_dirs]) for p in job.checkpoint_path])
-        for w in hosted.workers:
-            print(f"Worker (group = {w.group}, id = {w.id}) start on CPU in process {rank} (pid = {os.getpid()})")
+        for w, device in zip(hosted.workers, devices):
+            print(f"Worker (group = {w.group}, id = {w.id}) start on {device_label(device)} in process {rank} (pid = {os.getpid()})")
         for s in hosted.servers:
             print(f"Server (group = {s.group}, id = {s.id}) start in process {rank}: {sum(x.size for x in placement.slices_of(s)):,} param elements")
         _inject_faults(trainer, rank)
@@ -144,8 +148,8 @@ def _entry(
         trainer.train_step = step_with_heartbeat
         metrics = None
         if rank == 0:
-            devices = ["cpu"] * (job.cluster.nworker_groups * job.cluster.nworkers_per_group)
-            metrics = open_run_log(job, Path(workspace), trainer.elapsed_before, devices, threads)
+            every = [d for p in placement.processes for d in worker_device_names(job, len(p.workers))]
+            metrics = open_run_log(job, Path(workspace), trainer.elapsed_before, every, threads)
         status = "failed"
         try:
             trainer.run(metrics)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
@@ -14,11 +13,13 @@ from shoal import checkpoint as ckpt_io
 from shoal import jobs
 from shoal.cluster import place
 from shoal.config import job_pb2
+from shoal.devices import worker_device_names
 from shoal.partition import plan_partition
 from shoal.report.run_log import end_status, open_run_log
 from shoal.report.tensorboard import require_tensorboard
 from shoal.runtime.exchange import LocalExchange
 from shoal.runtime.groups import GroupBoard, GroupExchange, run_groups
+from shoal.runtime.replicas import device_label, torch_device, usable_device_names
 from shoal.runtime.server import Server
 from shoal.runtime.trainer import History, Trainer
 from shoal.updaters import make_updater
@@ -113,13 +114,9 @@ def thread_budget(job: job_pb2.JobProto, workers_on_host: int = 1) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, workers_on_host))
 
 
-def select_device(job: job_pb2.JobProto, worker_index: int = 0) -> torch.device:
-    """SINGA's `gpu:` list: worker k runs on gpu[k]; workers beyond the list, and machines without CUDA, use the CPU."""
-    if worker_index < len(job.gpu):
-        if torch.cuda.is_available() and job.gpu[worker_index] < torch.cuda.device_count():
-            return torch.device("cuda", job.gpu[worker_index])
-        warnings.warn(f"gpu: {job.gpu[worker_index]} ignored: no such CUDA device here; worker {worker_index} runs on the CPU", stacklevel=2)
-    return torch.device("cpu")
+def local_devices(job: job_pb2.JobProto, count: int) -> list[str]:
+    """The devices of this process's `count` workers (SINGA's `gpu:` list or shoal's `device:` list)."""
+    return usable_device_names(worker_device_names(job, count))
 
 
 def _prepare_workspace(workspace: Path, resume: bool) -> Optional[Path]:
@@ -147,11 +144,14 @@ def build_group_trainers(job: job_pb2.JobProto, workspace: Path, options: RunOpt
     """Asynchronous groups in this process sharing one store and one server (in-memory Hogwild)."""
     c = job.cluster
     torch.set_num_threads(thread_budget(job, workers_on_host=c.nworker_groups * c.nworkers_per_group))
-    device = select_device(job)
-    chief = Trainer(job, workspace, options.base_dirs, device, log=options.log, progress=options.progress)
+    names = local_devices(job, c.nworker_groups * c.nworkers_per_group)
+    of_group = [names[g * c.nworkers_per_group : (g + 1) * c.nworkers_per_group] for g in range(c.nworker_groups)]
+    home = torch_device(names[0])  # the server's values live with worker 0 of group 0
+    chief = Trainer(job, workspace, options.base_dirs, home, log=options.log, progress=options.progress, worker_devices=of_group[0])
     # share_memory: every group computes on the server's values; else each on its own copy (in-memory Downpour)
     others = [
-        Trainer(job, workspace, options.base_dirs, device, progress=False, chief=False, store=chief.store if c.share_memory else None, group=g)
+        Trainer(job, workspace, options.base_dirs, home if c.share_memory else torch_device(of_group[g][0]), progress=False, chief=False,
+                store=chief.store if c.share_memory else None, group=g, worker_devices=of_group[g])
         for g in range(1, c.nworker_groups)
     ]
     server = Server(chief.store if c.share_memory else chief.store.copy(), make_updater(job.updater))
@@ -163,8 +163,9 @@ def build_group_trainers(job: job_pb2.JobProto, workspace: Path, options: RunOpt
 
 def build_trainer(job: job_pb2.JobProto, workspace: Path, options: RunOptions, train: bool = True) -> Trainer:
     torch.set_num_threads(thread_budget(job, workers_on_host=job.cluster.nworkers_per_group))
-    device = select_device(job)
-    trainer = Trainer(job, workspace, options.base_dirs, device, log=options.log, progress=options.progress, train=train)
+    names = local_devices(job, job.cluster.nworkers_per_group)
+    trainer = Trainer(job, workspace, options.base_dirs, torch_device(names[0]), log=options.log, progress=options.progress, train=train,
+                      worker_devices=names if train else None)
     if train:
         trainer.attach_exchange(LocalExchange(Server(trainer.store, make_updater(job.updater))))
     return trainer
@@ -233,11 +234,11 @@ def _train(job: job_pb2.JobProto, options: RunOptions, workspace: Path, resume_f
     (workspace / "job.conf").write_text(text_format.MessageToString(job))
     # a partitioned group is one worker-like object holding its workers (parts)
     workers = [(t.group, w) for t in trainers for group in t.workers for w in getattr(group, "parts", [group])]
-    for group, w in workers:
-        options.log(f"Worker (group = {group}, id = {w.index}) start on {w.device.type.upper()}")
+    devices = [getattr(w, "device_name", str(w.device)) for _, w in workers]
+    for (group, w), device in zip(workers, devices):
+        options.log(f"Worker (group = {group}, id = {w.index}) start on {device_label(device)}")
     options.log(f"Job {record.id}; workspace {workspace}")
     threads = thread_budget(job, workers_on_host=job.cluster.nworker_groups * job.cluster.nworkers_per_group)
-    devices = [str(w.device) for _, w in workers]
     metrics = open_run_log(job, workspace, chief.elapsed_before, devices, threads)
     error = None
     try:

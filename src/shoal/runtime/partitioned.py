@@ -306,7 +306,7 @@ class PartitionedGroup:
         self.abort = threading.Event()
         self.channels = self._channels(hosted, ranks or {})
         seed = job.seed + 1 + 7919 * group  # the group's random stream, as Worker's
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed)  # draws on the CPU whatever the device (see Worker)
         self.parts: list[PartWorker] = []
         by_layer: dict[str, list[InputFeed]] = {}
         for k in hosted:
@@ -314,7 +314,7 @@ class PartitionedGroup:
             for node in plan.worker_nodes(k):
                 if node.name in feeds:
                     by_layer.setdefault(node.origin, []).append(feeds[node.name])
-            generator = torch.Generator(device=devices[k]).manual_seed(seed)
+            generator = torch.Generator().manual_seed(seed)
             self.parts.append(PartWorker(plan, k, store, devices[k], feeds, generator, self.channels))
         self.feeds = {name: _FeedSkips(feeds) for name, feeds in by_layer.items()}
         self.configured_shares = self._configured_shares()

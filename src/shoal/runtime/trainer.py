@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from shoal import checkpoint as ckpt_io
+from shoal.balance import ShareBalancer
 from shoal.cluster import place
 from shoal.config import job_pb2
 from shoal.config.validate import in_phase
@@ -36,6 +37,7 @@ from shoal.params import ParamStore
 from shoal.partition import partition
 from shoal.runtime.feed import InputFeed, batch_conf, batch_shares, make_feeds
 from shoal.runtime.partitioned import PartitionedGroup
+from shoal.runtime.replicas import DeviceReplicas, torch_device
 from shoal.runtime.worker import Worker
 
 
@@ -113,7 +115,10 @@ class Trainer:
         chief: bool = True,
         store: Optional[ParamStore] = None,
         group: int = 0,
+        worker_devices: Optional[list[str]] = None,
     ):
+        """`device`: where the group's params live and its server updates them (and tests run);
+        `worker_devices`: the device of each of `worker_indices` (default: all on `device`)."""
         self.job = job
         self.workspace = Path(workspace)
         self.device = device
@@ -132,22 +137,29 @@ class Trainer:
             worker_indices = list(range(npartitions)) if train else []
         # the first net built declares and initialises the params: the partitioner needs it built anyway
         plan = partition(NeuralNet(job.neuralnet, job_pb2.kTrain, self.store, init_gen), job.neuralnet, npartitions)
+        if store is None:
+            self.store.move_to(device)
+        worker_devices = worker_devices or [str(device)] * len(worker_indices)
+        # the store's device is the root of the group's device tree; workers elsewhere compute on replicas
+        home = worker_devices[0] if worker_devices and torch_device(worker_devices[0]) == device else str(device)
+        self.replicas = DeviceReplicas(self.store, home, [] if plan.partitioned else worker_devices)
         if plan.partitioned and worker_indices:
             ranks = {w.id: p.rank for p in place(job.cluster).processes for w in p.workers if w.group == group}
-            self.workers = [PartitionedGroup(job, plan, self.store, base_dirs, [device] * npartitions, group, worker_indices, ranks)]
+            on = dict(zip(worker_indices, worker_devices))  # a part's device; parts copy their slices there
+            part_devices = [torch_device(on.get(k, str(device))) for k in range(npartitions)]
+            self.workers = [PartitionedGroup(job, plan, self.store, base_dirs, part_devices, group, worker_indices, ranks)]
         else:
-            self.workers = [Worker(job, self.store, base_dirs, device, i, npartitions, init_gen, group) for i in worker_indices]
+            self.workers = [
+                Worker(job, self.replicas.store_of(d), base_dirs, torch_device(d), i, npartitions, init_gen, group, device_name=d)
+                for i, d in zip(worker_indices, worker_devices)
+            ]
         self.global_batch = global_batch(job)
+        self.balancer = self._balancer(job, plan.partitioned)
         # test and validation run on worker 0 of group 0, on the whole (unpartitioned) net, as SINGA's
         self.nets: dict[int, NeuralNet] = {}
         for phase, steps in ((job_pb2.kTest, job.test_steps), (job_pb2.kVal, job.validate_steps if train else 0)):
             if steps > 0 and chief:
                 self.nets[phase] = NeuralNet(job.neuralnet, phase, self.store, init_gen)
-        if device.type != "cpu":
-            for name in self.store.values:
-                self.store.values[name] = self.store.values[name].to(device)
-            for net in [w.net for w in self.workers] + list(self.nets.values()):
-                net.bind()
         eval_rng = np.random.default_rng(job.seed + 1)
         self.feeds: dict[int, dict[str, InputFeed]] = {phase: make_feeds(net, base_dirs, 0, 1, eval_rng, device) for phase, net in self.nets.items()}
         self.generator = self.workers[0].generator if self.workers else torch.Generator(device=device).manual_seed(job.seed + 1)
@@ -161,6 +173,36 @@ class Trainer:
         self.start_step = 0
         self.resumed = False
         self.elapsed_before = 0.0
+
+    def _balancer(self, job: job_pb2.JobProto, partitioned: bool) -> Optional[ShareBalancer]:
+        """auto_batch_shares: a balancer over this group's workers (all in this process, cut on the batch)."""
+        if not job.cluster.auto_batch_shares or len(self.workers) < 2 or partitioned:
+            return None
+        return ShareBalancer([w.share for w in self.workers], max(1, job.cluster.auto_batch_freq))
+
+    @property
+    def shares(self) -> list[int]:
+        return [w.share for w in self.workers]
+
+    def set_shares(self, shares: list[int]) -> None:
+        """Re-split the group's batch (the same rows in the same order: only who computes them changes)."""
+        offset = 0
+        for w, share in zip(self.workers, shares):
+            w.take_rows(offset, share)
+            offset += share
+        if self.balancer is not None:
+            self.balancer.shares = list(shares)
+
+    def _rebalance(self, step: int, seconds: list[Optional[float]]) -> None:
+        self.balancer.observe(seconds)
+        proposal = self.balancer.propose()
+        if proposal is None:
+            return
+        costs = self.balancer.costs()
+        self.set_shares(proposal)
+        split = ", ".join(f"{n} on {w.device_name}" for n, w in zip(proposal, self.workers))
+        rates = ", ".join(f"{1 / c.per_sample:,.0f}" for c in costs)
+        self.log(f"Batch shares from step {step + 1}: {split} (measured samples/s per worker: {rates})")
 
     # -- state ------------------------------------------------------------
     def attach_exchange(self, exchange) -> None:
@@ -187,6 +229,7 @@ class Trainer:
             "skips": {str(phase): {n: f.skip for n, f in feeds.items()} for phase, feeds in self._all_feeds().items()},
             "window": self.window.state(),
             "window_samples": self.window_samples,
+            "batch_shares": self.shares,  # balanced shares go on where they were (same maths either way)
             "elapsed": self.metrics.elapsed() if getattr(self, "metrics", None) else self.elapsed_before,
         }
         ckpt = ckpt_io.Checkpoint(
@@ -217,6 +260,9 @@ class Trainer:
                         f[name].skip = int(skip)
         self.window.load_state(t.get("window", {}))
         self.window_samples = int(t.get("window_samples", 0))
+        shares = [int(n) for n in t.get("batch_shares", [])]
+        if self.balancer is not None and len(shares) == len(self.workers) and sum(shares) == sum(self.shares):
+            self.set_shares(shares)
         self.start_step = ckpt.step
         self.resumed = True
         self.elapsed_before = float(t.get("elapsed", 0.0))
@@ -258,18 +304,26 @@ class Trainer:
         self.exchange.begin(step)
         timings = self.timings
 
+        seconds_of: dict[int, float] = {}  # worker index -> compute seconds this step
+
         def compute(w: Worker):
+            if w.share == 0:  # balanced out of this step: its device only slowed the group down
+                return {}, 0
             start = time.perf_counter()
             grads = w.compute(step, self.window.report)
-            timings.add_worker(w.index, time.perf_counter() - start)
+            seconds_of[w.index] = time.perf_counter() - start
+            timings.add_worker(w.index, seconds_of[w.index])
             return grads, w.share
 
+        self.replicas.refresh()  # the root's values down the device tree
         start = time.perf_counter()
         parts = list(self.pool.map(compute, self.workers)) if self.pool else [compute(w) for w in self.workers]
         computed = time.perf_counter()
         self.exchange.step(step, parts)
         timings.compute += computed - start
         timings.exchange += time.perf_counter() - computed
+        if self.balancer is not None:
+            self._rebalance(step, [seconds_of.get(w.index) for w in self.workers])
         return self.global_batch
 
     # -- the loop ---------------------------------------------------------
@@ -316,8 +370,9 @@ class Trainer:
                 window_samples = values.pop("samples", self.window_samples)
                 self.log(display_line("Train", step, values))
                 seconds = max(now - window_start - self.timings.paused, 1e-9)  # training time only
+                shares = {"batch_shares": self.shares} if len(self.workers) > 1 else {}
                 record(step, "train", values, samples=window_samples, samples_per_sec=round(window_samples / seconds, 2),
-                       window_sec=round(seconds, 6), **self.timings.fields())
+                       window_sec=round(seconds, 6), **self.timings.fields(), **shares)
                 self.window.reset()
                 self.timings = StepTimings()
                 window_start, self.window_samples = now, 0

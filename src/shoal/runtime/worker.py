@@ -8,6 +8,8 @@ the stub.
 """
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -22,6 +24,16 @@ from shoal.params import ParamStore
 from shoal.runtime.feed import InputFeed, make_feeds
 
 
+def injected_slowdown(index: int) -> float:
+    """Fault injection for tests and benchmarks: SHOAL_SLOW_WORKER="K:SECONDS[,K:SECONDS]" makes
+    worker K of each group spend SECONDS more per sample of its share, as a slower device would."""
+    for item in filter(None, os.environ.get("SHOAL_SLOW_WORKER", "").split(",")):
+        worker, _, seconds = item.partition(":")
+        if int(worker) == index:
+            return float(seconds)
+    return 0.0
+
+
 class Worker:
     def __init__(
         self,
@@ -33,8 +45,11 @@ class Worker:
         npartitions: int = 1,
         init_generator: Optional[torch.Generator] = None,
         group: int = 0,
+        device_name: Optional[str] = None,
     ):
+        """`device_name`: shoal's name of the device ("cpu:1" is torch's CPU with a replica of its own)."""
         self.job, self.index, self.group, self.device = job, index, group, device
+        self.device_name = device_name or str(device)
         self.net = NeuralNet(job.neuralnet, job_pb2.kTrain, store, init_generator or torch.Generator().manual_seed(job.seed))
         # every worker of a group draws the same random_skip, so shares tile one global batch;
         # groups draw their own, so asynchronous groups read different data
@@ -47,8 +62,10 @@ class Worker:
                 if feed.skip == 0:
                     feed.skip = group * (len(feed.dataset) // ngroups)
         # one seed for the whole group: per-sample draws are made for the whole batch and sliced
-        # (Context.rows), so a group draws, row for row, what one worker would; groups differ
-        self.generator = torch.Generator(device=device).manual_seed(job.seed + 1 + 7919 * group)
+        # (Context.rows), so a group draws, row for row, what one worker would; groups differ.
+        # Draws are made on the CPU whatever the device: a mixed CPU+GPU group draws what one device would
+        self.generator = torch.Generator().manual_seed(job.seed + 1 + 7919 * group)
+        self.slowdown = injected_slowdown(index)
 
     @property
     def global_batch(self) -> int:
@@ -63,6 +80,11 @@ class Worker:
     def share(self) -> int:
         return max((f.share for f in self.feeds.values()), default=0)
 
+    def take_rows(self, offset: int, share: int) -> None:
+        """Compute rows offset .. offset + share of each batch from now on (balanced shares)."""
+        for feed in self.feeds.values():
+            feed.offset, feed.share = offset, share
+
     def compute(self, step: int, report: Callable[[str, float, int], None]) -> Grads:
         """Gradients of the loss (mean over this worker's share) on batch `step`."""
         cursor = step * self.global_batch
@@ -74,7 +96,12 @@ class Worker:
             device=self.device,
             rows=(self.offset, self.share, self.global_batch),
         )
-        return train_one_batch(self.job.train_one_batch, self.net, ctx)
+        grads = train_one_batch(self.job.train_one_batch, self.net, ctx)
+        if self.device.type == "cuda":  # the step's time is the kernels' time, not their launch's
+            torch.cuda.synchronize(self.device)
+        if self.slowdown:
+            time.sleep(self.slowdown * self.share)
+        return grads
 
     def stream_gradients(self, ready: Callable[[str, torch.Tensor], None]) -> bool:
         """Hand each param's gradient to `ready(name, grad)` as soon as backward has accumulated it.

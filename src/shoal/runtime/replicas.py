@@ -1,0 +1,97 @@
+"""Param replicas on a group's devices, and gradients combined over them as a tree.
+
+The group's param store lives on one device (the root: worker 0's device, where
+the server updates, as Caffe's P2PSync updates at GPU 0). A worker on another
+device computes on a replica of the params there. Data crosses devices only at
+the group boundary: each worker's input share goes to its device, gradients
+come back up the tree (shoal.devices.tree_levels) to the root, and the updated
+values go back down it before the next step.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional, Sequence
+
+import torch
+
+from shoal.algorithms import Grads
+from shoal.devices import broadcast_order, tree_levels
+from shoal.params import ParamStore
+
+
+def torch_device(name: str) -> torch.device:
+    """"cpu:N" is a CPU device in shoal's sense (its own replica) and torch's plain CPU."""
+    return torch.device("cpu") if name.startswith("cpu") else torch.device(name)
+
+
+def usable_device_names(names: Sequence[str], warn=lambda message: warnings.warn(message, stacklevel=3)) -> list[str]:
+    """The devices asked for, with any CUDA device this machine lacks replaced by the CPU (said once each)."""
+    usable = []
+    for k, name in enumerate(names):
+        if name.startswith("cuda") and not (torch.cuda.is_available() and torch_device(name).index < torch.cuda.device_count()):
+            warn(f"{name} ignored: no such CUDA device here; worker {k} runs on the CPU")
+            name = "cpu"
+        usable.append(name)
+    return usable
+
+
+def device_label(name: str) -> str:
+    """SINGA's words for a device in startup lines: "GPU 0", "CPU"."""
+    kind, _, index = name.partition(":")
+    return f"GPU {index}" if kind == "cuda" else ("CPU " + index if index else "CPU")
+
+
+class DeviceReplicas:
+    """The store of each device a group's workers use: the root's own store, a copy on every other."""
+
+    def __init__(self, root: ParamStore, root_name: str, worker_devices: Sequence[str]):
+        self.root_name = root_name
+        self.names = [root_name] + [d for d in worker_devices]
+        self.stores: dict[str, ParamStore] = {root_name: root}
+        for name in worker_devices:
+            if name not in self.stores:
+                self.stores[name] = root.copy_to(torch_device(name))
+        # the root of the broadcast tree is the store's device, then the workers in order
+        self._copies = broadcast_order(self.names)
+
+    def store_of(self, device: str) -> ParamStore:
+        return self.stores[device]
+
+    @property
+    def replicated(self) -> bool:
+        return len(self.stores) > 1
+
+    def refresh(self) -> None:
+        """Send the root's values down the tree to every replica (before each step)."""
+        for src, dst in self._copies:
+            source, target = self.stores[src].values, self.stores[dst].values
+            for name, value in target.items():
+                value.copy_(source[name], non_blocking=True)
+
+
+def tree_reduce(parts: Sequence[tuple[Grads, int]], total: int, target: Optional[torch.device] = None) -> Grads:
+    """Σ (share_i / total) · g_i, combined in Caffe's tree order, the result on `target` (default: worker 0's).
+
+    Each worker scales its own gradient first (its loss is a mean over its share), so a pair
+    only adds; a worker with no share (balanced out of the step) or no gradient adds nothing.
+    """
+    # a worker balanced out of the step (share 0) computed nothing and has no names
+    names = list(next((grads for grads, share in parts if share > 0), parts[0][0]))
+    out: Grads = {}
+    for name in names:
+        nodes: list[Optional[torch.Tensor]] = []
+        for grads, share in parts:
+            g = grads.get(name) if share > 0 else None
+            # in place: workers make fresh gradients every step
+            nodes.append(None if g is None else g.mul_(share / total))
+        for level in tree_levels(len(nodes)):
+            for into, frm in level:
+                if nodes[frm] is None:
+                    continue
+                if nodes[into] is None:
+                    nodes[into] = nodes[frm]
+                else:
+                    nodes[into] = nodes[into].add_(nodes[frm].to(nodes[into].device, non_blocking=True))
+        g = nodes[0]
+        out[name] = g if g is None or target is None else g.to(target)
+    return out
