@@ -12,12 +12,10 @@ root updates and the new values go back down the same tree.
 """
 from __future__ import annotations
 
-import re
 from typing import Sequence
 
 from shoal.config import job_pb2
-
-DEVICE_NAME = re.compile(r"^(cpu|cpu:\d+|cuda:\d+)$")
+from shoal.config.validate import DEVICE_NAME
 
 
 class DeviceError(ValueError):

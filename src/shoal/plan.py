@@ -7,12 +7,16 @@ import torch
 
 from shoal.cluster import describe, place
 from shoal.config import job_pb2
+from shoal.config.validate import in_phase
+from shoal.devices import worker_device_names
 from shoal.net import NeuralNet
 from shoal.params import ParamStore
+from shoal.partition import partition
+from shoal.runtime.feed import batch_conf, batch_shares
 
 
 def build_plan(job: job_pb2.JobProto, cores: int | None = None) -> dict:
-    """Processes, their workers (device, threads, layers) and servers (param slices); pure."""
+    """Processes, their workers (device, batch share, threads, layers) and servers (param slices); pure."""
     store = ParamStore(allocate=False)
     net = NeuralNet(job.neuralnet, job_pb2.kTrain, store, torch.Generator())
     sizes = {name: info.numel for name, info in store.info.items()}
@@ -20,18 +24,32 @@ def build_plan(job: job_pb2.JobProto, cores: int | None = None) -> dict:
     plan = describe(placement)
     cores = cores or os.cpu_count() or 1
     explicit = job.num_openblas_threads if job.HasField("num_openblas_threads") else job.cluster.threads_per_worker
-    layers = [n.name for n in net.nodes]
+    parts = partition(net, job.neuralnet, job.cluster.nworkers_per_group)
+    shares = _batch_shares(job)
     # one host: every worker of the job shares its cores (oversubscription is what kills CPU throughput)
     workers_on_host = sum(len(proc["workers"]) for proc in plan["processes"])
     threads = explicit or max(1, cores // max(1, workers_on_host))
     for proc in plan["processes"]:
-        for k, worker in enumerate(proc["workers"]):
-            worker["device"] = f"cuda:{job.gpu[k]}" if k < len(job.gpu) else "cpu"
+        for worker, device in zip(proc["workers"], worker_device_names(job, len(proc["workers"]))):
+            worker["device"] = device
             worker["threads"] = threads
-            worker["layers"] = layers  # every layer, on its share of the batch (partition_dim 0)
+            worker["batch_share"] = shares[worker["id"]] if shares else None
+            # every layer on its share of the batch, or the worker's nodes of the partitioned net
+            worker["layers"] = [n.name for n in parts.worker_nodes(worker["id"])] if parts.partitioned else [n.name for n in net.nodes]
+    plan["batch_shares"] = "measured at run time" if job.cluster.auto_batch_shares else "as configured"
+    plan["partition_notes"] = list(parts.notes)
     plan["params"] = {name: list(info.shape) for name, info in store.info.items()}
     plan["param_elements"] = sum(sizes.values())
     return plan
+
+
+def _batch_shares(job: job_pb2.JobProto) -> list[int]:
+    """The rows of a group's batch each worker computes, from the first training input layer."""
+    for layer in job.neuralnet.layer:
+        conf = batch_conf(layer)
+        if conf is not None and in_phase(layer, job_pb2.kTrain):
+            return batch_shares(conf, job.cluster.nworkers_per_group)
+    return []
 
 
 def render(plan: dict, job_name: str) -> str:
@@ -39,15 +57,18 @@ def render(plan: dict, job_name: str) -> str:
         f"job {job_name!r}: {plan['framework']}, {plan['nprocs']} process(es), "
         f"{plan['param_elements']:,} param elements in {plan['nslices']} slice(s)"
     ]
+    auto = " (at start; measured at run time)" if plan["batch_shares"] == "measured at run time" else ""
     for proc in plan["processes"]:
         lines.append(f"process {proc['rank']}")
         for w in proc["workers"]:
+            share = "" if w["batch_share"] is None else f"batch share {w['batch_share']}{auto}, "
             lines.append(
-                f"  worker (group {w['group']}, id {w['id']}) on {w['device']}, {w['threads']} thread(s), "
+                f"  worker (group {w['group']}, id {w['id']}) on {w['device']}, {share}{w['threads']} thread(s), "
                 f"server group {w['server_group']}: {', '.join(w['layers'])}"
             )
         for s in proc["servers"]:
             owned = ", ".join(f"{x['param']}[{x['start']}:{x['stop']}]" for x in s["slices"]) or "nothing"
             total = sum(x["stop"] - x["start"] for x in s["slices"])
             lines.append(f"  server (group {s['group']}, id {s['id']}): {total:,} elements: {owned}")
+    lines += [f"note: {note}" for note in plan["partition_notes"]]
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from shoal.config.positions import SourceMap
 __all__ = ["in_phase", "job_problems", "layers_in_phase", "validate", "validate_cluster"]
 
 Problem = tuple[str, str]  # (field path, message)
+DEVICE_NAME = re.compile(r"^(cpu|cpu:\d+|cuda:\d+)$")  # "cpu:N": a CPU device with a param replica of its own
 ShapeCheck = Callable[[job_pb2.JobProto], None]
 
 # RBM layers name each other as sources: an undirected connection (SINGA docs, Fig. 3a)
@@ -72,6 +73,11 @@ def job_problems(job: job_pb2.JobProto) -> Iterator[Problem]:
     for i, device in enumerate(job.gpu):
         if device < 0:
             yield f"gpu[{i}]", f"gpu takes device ids >= 0, got {device}"
+    for i, name in enumerate(job.device):
+        if not DEVICE_NAME.match(name):
+            yield f"device[{i}]", f'device: {name!r} is not a device; use "cpu", "cpu:N" or "cuda:N"'
+    if job.device and job.gpu:
+        yield "device[0]", "give the workers' devices either as gpu (SINGA's ids) or as device (shoal's names), not both"
     for name, message in validate_cluster(job.cluster):
         yield f"cluster.{name}", message
     if job.train_steps > 0:
@@ -109,6 +115,7 @@ def validate_cluster(cluster: job_pb2.ClusterProto) -> list[Problem]:
         "nservers_per_procs",
         "sync_freq",
     )
+    counts += ("auto_batch_freq",)
     problems = [(name, f"{name} must be >= 1, got {getattr(cluster, name)}") for name in counts if getattr(cluster, name) < 1]
     if problems:
         return problems  # the arithmetic below would divide by zero

@@ -13,6 +13,7 @@ from shoal import checkpoint as ckpt_io
 from shoal import jobs
 from shoal.cluster import place
 from shoal.config import job_pb2
+from shoal.config.validate import in_phase
 from shoal.devices import worker_device_names
 from shoal.partition import plan_partition
 from shoal.report.run_log import end_status, open_run_log
@@ -41,6 +42,8 @@ def check_runnable(job: job_pb2.JobProto) -> None:
     """Say in one line which layouts this runtime cannot run yet."""
     placement = place(job.cluster)
     c = job.cluster
+    if c.auto_batch_shares:
+        _check_balanceable(job, placement)
     if c.nworkers_per_group > 1 and plan_partition(job).partitioned:
         if job.train_one_batch.alg != job_pb2.kBP:
             raise UnsupportedClusterError("train_one_batch.alg: layers partitioned on features or placed by location train with kBP only")
@@ -80,6 +83,20 @@ def check_runnable(job: job_pb2.JobProto) -> None:
             "cluster: asynchronous groups in one process need nserver_groups: 1 (in-memory Hogwild or Downpour); "
             "Distributed Hogwild runs one group per process"
         )
+
+
+def _check_balanceable(job: job_pb2.JobProto, placement) -> None:
+    """auto_batch_shares re-splits a group's batch between threads of one process, over one batch size."""
+    if any(len(p.workers) % job.cluster.nworkers_per_group for p in placement.processes):
+        raise UnsupportedClusterError(
+            "cluster.auto_batch_shares: the workers of a group must share one process "
+            f"(nworkers_per_procs: a multiple of {job.cluster.nworkers_per_group}) to re-split its batch"
+        )
+    if job.cluster.nworkers_per_group > 1 and plan_partition(job).partitioned:
+        raise UnsupportedClusterError("cluster.auto_batch_shares: a group with layers cut on features or placed by location splits by layer, not by batch")
+    sizes = {sum(layer.store_conf.batchsize) for layer in job.neuralnet.layer if layer.HasField("store_conf") and in_phase(layer, job_pb2.kTrain)}
+    if len(sizes) > 1:
+        raise UnsupportedClusterError(f"cluster.auto_batch_shares: the training input layers read batches of different sizes ({sorted(sizes)})")
 
 
 @dataclass
