@@ -24,14 +24,16 @@ from shoal.params import ParamStore
 from shoal.runtime.feed import InputFeed, make_feeds
 
 
-def injected_slowdown(index: int) -> float:
-    """Fault injection for tests and benchmarks: SHOAL_SLOW_WORKER="K:SECONDS[,K:SECONDS]" makes
-    worker K of each group spend SECONDS more per sample of its share, as a slower device would."""
+def injected_slowdown(index: int) -> tuple[float, float]:
+    """Fault injection for tests and benchmarks, as a slower device would be:
+    SHOAL_SLOW_WORKER="K:PER_SAMPLE[+FIXED],..." makes worker K of each group spend PER_SAMPLE more
+    seconds per sample of its share, plus FIXED seconds per step it computes (a launch or copy cost)."""
     for item in filter(None, os.environ.get("SHOAL_SLOW_WORKER", "").split(",")):
-        worker, _, seconds = item.partition(":")
+        worker, _, cost = item.partition(":")
+        per_sample, _, fixed = cost.partition("+")
         if int(worker) == index:
-            return float(seconds)
-    return 0.0
+            return float(per_sample), float(fixed or 0)
+    return 0.0, 0.0
 
 
 class Worker:
@@ -99,8 +101,9 @@ class Worker:
         grads = train_one_batch(self.job.train_one_batch, self.net, ctx)
         if self.device.type == "cuda":  # the step's time is the kernels' time, not their launch's
             torch.cuda.synchronize(self.device)
-        if self.slowdown:
-            time.sleep(self.slowdown * self.share)
+        per_sample, fixed = self.slowdown
+        if per_sample or fixed:
+            time.sleep(fixed + per_sample * self.share)
         return grads
 
     def stream_gradients(self, ready: Callable[[str, torch.Tensor], None]) -> bool:
