@@ -104,6 +104,15 @@ def test_balancer_moves_to_the_measured_split_and_then_stays():
     assert changes == [[24, 8]]
 
 
+def test_balancer_drops_a_device_whose_fixed_cost_exceeds_the_others_whole_step():
+    costs = [LinearCost(0.0, 0.001), LinearCost(0.1, 0.001)]  # the second: 100 ms per step before any row
+    balancer = ShareBalancer([16, 16], freq=5)
+    for _ in range(60):
+        balancer.observe([c.seconds(n) if n else None for c, n in zip(costs, balancer.shares)])
+        balancer.propose()
+    assert balancer.shares == [32, 0]
+
+
 # -- training on several devices is training on one ---------------------------------
 DEVICE_LAYOUTS = {
     "cpu + cpu:1": dict(n=2, devices=["cpu", "cpu:1"]),
