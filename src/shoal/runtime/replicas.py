@@ -66,7 +66,7 @@ class DeviceReplicas:
         for src, dst in self._copies:
             source, target = self.stores[src].values, self.stores[dst].values
             for name, value in target.items():
-                value.copy_(source[name], non_blocking=True)
+                value.copy_(source[name])
 
 
 def tree_reduce(parts: Sequence[tuple[Grads, int]], total: int, target: Optional[torch.device] = None) -> Grads:
@@ -91,7 +91,7 @@ def tree_reduce(parts: Sequence[tuple[Grads, int]], total: int, target: Optional
                 if nodes[into] is None:
                     nodes[into] = nodes[frm]
                 else:
-                    nodes[into] = nodes[into].add_(nodes[frm].to(nodes[into].device, non_blocking=True))
+                    nodes[into] = nodes[into].add_(nodes[frm].to(nodes[into].device))
         g = nodes[0]
         out[name] = g if g is None or target is None else g.to(target)
     return out
