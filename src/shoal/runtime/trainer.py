@@ -315,7 +315,9 @@ class Trainer:
             timings.add_worker(w.index, seconds_of[w.index])
             return grads, w.share
 
-        self.replicas.refresh()  # the root's values down the device tree
+        start = time.perf_counter()
+        self.replicas.refresh()  # the root's values down the device tree: part of the exchange
+        timings.exchange += time.perf_counter() - start
         start = time.perf_counter()
         parts = list(self.pool.map(compute, self.workers)) if self.pool else [compute(w) for w in self.workers]
         computed = time.perf_counter()
