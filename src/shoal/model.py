@@ -322,7 +322,7 @@ class Sequential(InteractiveModel):
         from shoal import api
         from shoal import checkpoint as ckpt_io
 
-        job = self.job(None, data, batch_size=batch_size, test_steps=test_steps)
+        job, _ = api.as_job(self.job(None, data, batch_size=batch_size, test_steps=test_steps))  # as `shoal run script.py` sets it
         path = Path(checkpoint_path) if checkpoint_path else ckpt_io.latest(Path(job.cluster.workspace))
         step = ckpt_io.load(path).step if path else 0
         return {step: api.evaluate(job, checkpoint=path, log=log)}
