@@ -158,51 +158,63 @@ class _Built:
     outputs: list[torch.Tensor] = field(default_factory=list)
 
 
+@dataclass
+class _LayerState:
+    net: Optional[InteractiveNet] = None  # None until attached to a model or first run
+    index: Optional[int] = None  # the layer's position in its model: its params are w<index>, b<index>
+    built: Optional[_Built] = None
+    output: Optional[torch.Tensor] = None
+    aux: Optional[torch.Tensor] = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 class Interactive(Source):
     """SINGA 0.3's layer calls for a shoal.model layer; the subclass's `confs(index, src)` gives its LayerProtos.
 
     State is created on first use, so the dataclass layers keep their fields and equality.
     """
 
-    def _state(self) -> dict:
-        return self.__dict__.setdefault("_interactive", {"net": None, "index": None, "built": None, "output": None, "aux": None, "metrics": {}})
+    def _state(self) -> _LayerState:
+        if "_interactive" not in self.__dict__:
+            self.__dict__["_interactive"] = _LayerState()
+        return self.__dict__["_interactive"]
 
     def attach(self, net: InteractiveNet, index: int) -> None:
         """Keep this layer's params in `net` under the names of layer `index` (a model's add() calls this)."""
         state = self._state()
-        if state["built"] is not None and state["built"].net is not net:
+        if state.built is not None and state.built.net is not net:
             raise ValueError(f"{type(self).__name__} has already run with other params; add a new layer to the model")
-        state["net"], state["index"] = net, index
+        state.net, state.index = net, index
 
     @property
     def output(self) -> Optional[torch.Tensor]:
-        return self._state()["output"]
+        return self._state().output
 
     @property
     def aux(self) -> Optional[torch.Tensor]:
-        return self._state()["aux"]
+        return self._state().aux
 
     @property
     def metrics(self) -> dict[str, float]:
         """What the last compute_feature reported (a loss: `loss`, `accuracy`)."""
-        return dict(self._state()["metrics"])
+        return dict(self._state().metrics)
 
     def _built(self, src_shapes: list[tuple[int, ...]]) -> _Built:
         state = self._state()
-        built = state["built"]
+        built = state.built
         if built is not None:
             if built.src_shapes != src_shapes:
                 raise ValueError(f"{type(self).__name__} was built for inputs of per-sample shape {built.src_shapes}, got {src_shapes}")
             return built
-        net = state["net"] or default_net()
-        index = state["index"] if state["index"] is not None else net.next_index()
+        net = state.net or default_net()
+        index = state.index if state.index is not None else net.next_index()
         built = _Built(net, src_shapes)
         shapes = src_shapes
         for conf in self.confs(index, "input"):
             layer = layer_class(conf)(conf, shapes)
             built.layers.append((layer, net.declare(layer)))
             shapes = [tuple(layer.shape)]
-        state.update(net=net, index=index, built=built)
+        state.net, state.index, state.built = net, index, built
         return built
 
     def compute_feature(self, *srcs, phase: str = "train") -> torch.Tensor:
@@ -223,12 +235,13 @@ class Interactive(Source):
                 y, aux = result if isinstance(result, tuple) else (result, auxes[0] if auxes else None)
                 built.outputs.append(y)
                 xs, auxes = [y], [aux]
-        self._state().update(output=y, aux=aux, metrics=metrics)
+        state = self._state()
+        state.output, state.aux, state.metrics = y, aux, metrics
         return y
 
     def feature_before_softmax(self) -> torch.Tensor:
         """The last output before a final softmax (kSoftmaxLoss applies the softmax itself), else the output."""
-        built = self._state()["built"]
+        built = self._state().built
         if built is None or not built.outputs:
             raise ValueError(f"{type(self).__name__} has not run yet")
         last = built.layers[-1][0]
@@ -236,14 +249,14 @@ class Interactive(Source):
 
     def trainable_params(self) -> list[tuple[torch.Tensor, ParamInfo]]:
         """(value, info) of each param the updater trains (an empty list before the layer has run)."""
-        built = self._state()["built"]
+        built = self._state().built
         if built is None:
             return []
         store = built.net.store
         return [(store.values[n], store.info[n]) for _, names in built.layers for n in names if store.info[n].trainable]
 
     def _param_names(self) -> list[str]:
-        built = self._state()["built"]
+        built = self._state().built
         if built is None:
             raise ValueError(f"{type(self).__name__} has no params yet: they are made for its input's shape when compute_feature first runs")
         return [n for _, names in built.layers for n in names]
@@ -251,7 +264,7 @@ class Interactive(Source):
     def get_params(self) -> list[np.ndarray]:
         """Copies of the params in the layer's order (SINGA's weight, then bias)."""
         names = self._param_names()
-        values = self._state()["built"].net.store.values
+        values = self._state().built.net.store.values
         return [_array(values[n]) for n in names]
 
     def set_params(self, *arrays: ArrayLike) -> None:
@@ -259,7 +272,7 @@ class Interactive(Source):
         names = self._param_names()
         if len(arrays) != len(names):
             raise ValueError(f"{type(self).__name__} has {len(names)} params ({', '.join(names)}), got {len(arrays)} arrays")
-        set_values(self._state()["built"].net.store, dict(zip(names, arrays)))
+        set_values(self._state().built.net.store, dict(zip(names, arrays)))
 
     def update_params(self, step: int, updater: "Updater") -> None:
         """SINGA's UpdateParams(step, updater): updater.update(step, self)."""
