@@ -101,18 +101,30 @@ def test_two_workers_train_the_same_rbm_as_one(stack, mnist_dir, tmp_path, k, la
         torch.testing.assert_close(params[1][name], params[0][name], rtol=1e-5, atol=1e-6)
 
 
+def run_pipeline(mnist_dir, workspace, *args) -> dict:
+    """examples/rbm/run.py as a user runs it; checks what every run must show and returns its summary."""
+    data = [f"--set=neuralnet.layer[0].store_conf.path={mnist_dir / 'train_data.bin'}", f"--set=neuralnet.layer[1].store_conf.path={mnist_dir / 'test_data.bin'}"]
+    cmd = [sys.executable, str(EXAMPLES / "run.py"), "--workspace", str(workspace), *data, *args]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
+    summary = json.loads((workspace / "summary.json").read_text())
+    for k in "1234":
+        assert summary["rbm"][k]["last"] < summary["rbm"][k]["first"], summary
+    assert summary["after_finetuning"] < summary["before_finetuning"], summary
+    assert summary["test_store"] == str(mnist_dir / "test_data.bin")  # the pictures' digits come from the job's test store
+    for picture in ("filters.png", "reconstructions.png"):
+        assert (workspace / picture).stat().st_size > 10_000
+    return summary
+
+
+def test_pipeline_script_trains_a_narrow_stack_and_draws_pictures(mnist_dir, tmp_path):
+    """examples/rbm/run.py end to end in seconds: a 784-32-16-8-4 stack, 10 CD steps per RBM, 100 fine-tuning steps."""
+    run_pipeline(mnist_dir, tmp_path, "--dims", "784,32,16,8,4", "--steps", "10", "--finetune-steps", "100", "--set=test_steps=5")
+
+
 @pytest.mark.slow
 def test_pipeline_script_trains_the_full_size_stack_and_draws_pictures(mnist_dir, tmp_path):
     """examples/rbm/run.py at SINGA's widths, CI-sized step counts."""
-    env_sets = [f"--set=neuralnet.layer[0].store_conf.path={mnist_dir / 'train_data.bin'}", f"--set=neuralnet.layer[1].store_conf.path={mnist_dir / 'test_data.bin'}"]
-    cmd = [sys.executable, str(EXAMPLES / "run.py"), "--steps", "150", "--finetune-steps", "150", "--workspace", str(tmp_path), *env_sets]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    for k in "1234":
-        assert summary["rbm"][k]["last"] < summary["rbm"][k]["first"]
-    assert summary["after_finetuning"] < summary["before_finetuning"]
-    for picture in ("filters.png", "reconstructions.png"):
-        assert (tmp_path / picture).stat().st_size > 10_000
+    run_pipeline(mnist_dir, tmp_path, "--steps", "150", "--finetune-steps", "150")
 
 
 def test_cd_without_an_rbm_is_refused_before_training(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
+from shoal import script
 from shoal.config import job_pb2
 from shoal.config.loader import job_from_dict, load_job as _load_file
 from shoal.config.validate import validate
@@ -20,14 +21,17 @@ def load_job(path: Union[str, Path], overrides: tuple[str, ...] | list[str] = ()
 
 
 def as_job(job: JobLike) -> tuple[job_pb2.JobProto, list[Path]]:
-    """(validated JobProto, folders relative paths resolve against) from any accepted job form."""
+    """(validated JobProto, folders relative paths resolve against) from any accepted job form.
+
+    Under `shoal run script.py`, the command line's --set overrides apply (shoal.script).
+    """
     if isinstance(job, (str, Path)):
-        proto = load_job(job)
+        proto = load_job(job, script.overrides())
     elif isinstance(job, dict):
-        proto = job_from_dict(job, shape_check=check_shapes)
+        proto = job_from_dict(job, shape_check=check_shapes, overrides=script.overrides())
     elif isinstance(job, job_pb2.JobProto):
-        validate(job, None, shape_check=check_shapes)
-        proto = job
+        proto = script.applied(job)
+        validate(proto, None, shape_check=check_shapes)
     else:
         raise TypeError(f"a job is a path, a dict or a JobProto, not {type(job).__name__}")
     return proto, base_dirs(proto)
@@ -53,6 +57,7 @@ def train(
     proto, base_dirs = as_job(job)
     if tensorboard is not None:
         proto.tensorboard = tensorboard
+    workspace, resume = script.workspace(workspace), script.resume(resume)
     options = RunOptions(workspace=Path(workspace) if workspace else None, resume=resume, base_dirs=base_dirs, log=log, progress=progress)
     return train_job(proto, options)
 
@@ -65,6 +70,7 @@ def evaluate(
 ) -> dict[str, float]:
     """Test-only run: load `checkpoint` (else checkpoint_path, else the workspace's newest) and test."""
     proto, base_dirs = as_job(job)
+    workspace = script.workspace(workspace)
     options = RunOptions(workspace=Path(workspace) if workspace else None, base_dirs=base_dirs, log=log, progress=False)
     return test_job(proto, options, Path(checkpoint) if checkpoint else None)
 

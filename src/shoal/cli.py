@@ -20,6 +20,7 @@ examples:
   shoal run examples/mnist/job.conf --resume          # continue from the newest checkpoint
   shoal run examples/mnist/job.conf --test            # test-only, from a checkpoint
   shoal run -conf examples/mnist/job.conf -resume     # SINGA's spelling works too
+  shoal run examples/mnist/mlp.py --set cluster.nworkers_per_group=2 --steps 200   # a Python script
 """
 
 
@@ -28,11 +29,13 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         "run",
         help="train (or test) a job",
         description="Train a job file (SINGA job.conf text format, or the same structure as YAML). "
-        "The cluster {} section decides how training is parallelised.",
+        "The cluster {} section decides how training is parallelised. "
+        "Given a Python script (.py), run it as a program (SINGA's singa-run.sh -exec): every job it trains "
+        "gets --set, --workspace and --resume; the arguments shoal does not take (or all after --) go to the script.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("job", nargs="?", type=Path, help="job file: job.conf (protobuf text) or job.yaml")
+    p.add_argument("job", nargs="?", type=Path, help="job file: job.conf (protobuf text) or job.yaml; or a Python script (.py)")
     p.add_argument("-conf", dest="conf", type=Path, help=argparse.SUPPRESS)  # SINGA's singa-run.sh spelling
     p.add_argument("--resume", "-resume", action="store_true", help="continue from the workspace's newest checkpoint")
     p.add_argument("--test", "-test", action="store_true", help="test only: load checkpoint_path (or the newest checkpoint) and run test_steps batches")
@@ -158,6 +161,8 @@ def _run(args: argparse.Namespace) -> int:
     job_path = args.job or args.conf
     if job_path is None:
         raise UsageError("shoal run: give a job file (shoal run JOB)")
+    if job_path.suffix == ".py":
+        return _run_script(args, job_path)
     job = api.load_job(job_path, args.overrides)
     if args.tensorboard:
         job.tensorboard = True
@@ -168,6 +173,25 @@ def _run(args: argparse.Namespace) -> int:
     else:
         train_job(job, options, job_file=str(job_path))
     return 0
+
+
+def _run_script(args: argparse.Namespace, path: Path) -> int:
+    from shoal.script import ScriptSettings, run_script
+
+    refused = [flag for flag, given in (("--test", args.test), ("--checkpoint", args.checkpoint), ("--nnodes/--hostfile", args.nnodes or args.hostfile)) if given]
+    if refused:
+        raise UsageError(f"shoal run {path}: {', '.join(refused)} only for job files; a script tests and places its jobs itself")
+    overrides = list(args.overrides) + (["tensorboard=true"] if args.tensorboard else [])
+    settings = ScriptSettings.from_command_line(overrides, args.workspace, args.resume)
+    return run_script(path, args.script_args, settings, expected=_expected_errors())
+
+
+def _script_args(args: argparse.Namespace, extra: list[str]) -> Optional[list[str]]:
+    """The arguments for a script `shoal run` runs (those shoal does not take, without the first --); None if not a script."""
+    job = getattr(args, "job", None) or getattr(args, "conf", None)
+    if args.command != "run" or job is None or job.suffix != ".py":
+        return None
+    return extra[:extra.index("--")] + extra[extra.index("--") + 1 :] if "--" in extra else extra
 
 
 def _nodes(args: argparse.Namespace, job):
@@ -297,13 +321,17 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from shoal.runtime.launch import ProcessFailed
     from shoal.runtime.local import UnsupportedClusterError, WorkspaceError
     from shoal.report.errors import ReportError
+    from shoal.script import ScriptError
 
-    return (JobError, StoreError, CheckpointError, NetBuildError, WorkspaceError, UsageError, PlacementError, UnsupportedClusterError, ProcessFailed, JobNotFound, ReportError)
+    return (JobError, StoreError, CheckpointError, NetBuildError, WorkspaceError, UsageError, PlacementError, UnsupportedClusterError, ProcessFailed, JobNotFound, ReportError, ScriptError)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    args.script_args = _script_args(args, extra)
+    if extra and args.script_args is None:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 2

@@ -164,10 +164,11 @@ def fit(
     indexable dataset of such pairs. updater: SINGA's UpdaterProto as a dict
     (default plain SGD, learning rate 0.01). The whole test set is used at each test.
     """
+    from shoal import script
     from shoal.runtime.local import RunOptions, train_job
 
     cluster = cluster or Cluster()
-    workspace = Path(workspace or "fit-workspace")
+    workspace = Path(script.workspace(workspace) or "fit-workspace")
     x, y = _arrays(train_data)
     train_path, test_path = workspace / "data" / "train.bin", None
     _write_store(train_path, x, y)
@@ -186,12 +187,13 @@ def fit(
     from shoal.config.validate import validate
     from shoal.shapes import check_shapes
 
+    job = script.applied(job)  # under `shoal run script.py`: the command line's --set
     validate(job, None, shape_check=check_shapes)
     options = RunOptions(workspace=workspace, log=log, progress=False,
                          process_setup=functools.partial(register_fit_layers, model, loss_fn),
                          initial_values=functools.partial(copy_module_values, model))
     history = train_job(job, options, job_file="<shoal.fit>")
-    _load_trained_values(model, workspace, steps)
+    _load_trained_values(model, workspace, job.train_steps)
     return history
 
 

@@ -13,6 +13,10 @@
 A model is only a way to write a JobProto (`Sequential.job`): training goes through shoal.train,
 so a model runs under any cluster configuration, like a job file. `Energy` stacks RBMs and
 trains them greedily by contrastive divergence, each on the features of those below it.
+
+Layers, and a Sequential model as a whole, also run interactively, as SINGA 0.3's Python
+layers do: compute_feature / compute_gradient / get_params / set_params, an updater's
+update(step, layer), ImageInput / LabelInput feeds (shoal.interactive).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shoal.config import job_pb2
+from shoal.interactive import ImageInput, Interactive, InteractiveModel, InteractiveNet, LabelInput, Loss, Updater  # noqa: F401 (re-exported)
 
 ACTIVATIONS = {
     "relu": {"type": job_pb2.kActivation, "activation_conf": job_pb2.ActivationProto(type=job_pb2.RELU)},
@@ -78,8 +83,9 @@ def weight_and_bias(prefix: str, index: int, init: str, kwargs: dict) -> list[jo
     return [param(f"w{prefix}{index}", **w), param(f"b{prefix}{index}", **b)]
 
 
-def SGD(lr: float = 0.01, momentum: float = 0.0, decay: float = 0.0, lr_type: str | None = None, step=(), step_lr=()) -> job_pb2.UpdaterProto:
-    """SINGA's SGD helper: lr_type None (fixed), 'step' (×0.997 every 60 steps), 'manual' (step_lr from each of `step`)."""
+def SGD(lr: float = 0.01, momentum: float = 0.0, decay: float = 0.0, lr_type: str | None = None, step=(), step_lr=()) -> Updater:
+    """SINGA's SGD helper: lr_type None (fixed), 'step' (×0.997 every 60 steps), 'manual' (step_lr from each of `step`).
+    The Updater's `conf` is the job's UpdaterProto; its update(step, layer) trains layers interactively."""
     conf = job_pb2.UpdaterProto(type=job_pb2.kSGD, momentum=momentum, weight_decay=decay)
     conf.learning_rate.base_lr = lr
     if lr_type == "step":
@@ -93,13 +99,18 @@ def SGD(lr: float = 0.01, momentum: float = 0.0, decay: float = 0.0, lr_type: st
         conf.learning_rate.type = job_pb2.kFixed
     else:
         raise ValueError(f"lr_type must be None, 'step' or 'manual', not {lr_type!r}")
-    return conf
+    return Updater(conf)
 
 
-def AdaGrad(lr: float = 0.01, decay: float = 0.0) -> job_pb2.UpdaterProto:
+def AdaGrad(lr: float = 0.01, decay: float = 0.0) -> Updater:
     conf = job_pb2.UpdaterProto(type=job_pb2.kAdaGrad, weight_decay=decay)
     conf.learning_rate.base_lr, conf.learning_rate.type = lr, job_pb2.kFixed
-    return conf
+    return Updater(conf)
+
+
+def as_updater(optimizer: Updater | job_pb2.UpdaterProto) -> Updater:
+    """compile() takes an Updater (SGD(), AdaGrad()) or any UpdaterProto (kAdam, kRMSProp, ...)."""
+    return optimizer if isinstance(optimizer, Updater) else Updater(optimizer)
 
 
 def Cluster(workspace: str | Path | None = None, **fields) -> job_pb2.ClusterProto:
@@ -111,7 +122,7 @@ def Cluster(workspace: str | Path | None = None, **fields) -> job_pb2.ClusterPro
 
 
 # -- layers ---------------------------------------------------------------------------------
-class Dense:
+class Dense(Interactive):
     """kInnerProduct with `units` outputs, then an optional activation (relu, tanh, stanh, sigmoid, softmax).
     Param options: w_init… / b_…, e.g. w_std=0.1, b_lr=2 (lr and wd are the lr_scale and wd_scale)."""
 
@@ -127,7 +138,7 @@ class Dense:
 
 
 @dataclass
-class Activation:
+class Activation(Interactive):
     type: str
 
     def confs(self, index: int, src: str) -> list[job_pb2.LayerProto]:
@@ -137,14 +148,14 @@ class Activation:
 
 
 @dataclass
-class Dropout:
+class Dropout(Interactive):
     ratio: float = 0.5
 
     def confs(self, index: int, src: str) -> list[job_pb2.LayerProto]:
         return [job_pb2.LayerProto(name=f"dropout{index}", type=job_pb2.kDropout, srclayers=[src], dropout_conf=job_pb2.DropoutProto(dropout_ratio=self.ratio))]
 
 
-class Convolution2D:
+class Convolution2D(Interactive):
     """kConvolution: nb_filter kernels of kernel × kernel, then an optional activation."""
 
     def __init__(self, nb_filter: int, kernel: int = 3, stride: int = 1, pad: int = 0, init: str = "gaussian", activation: str | None = None, **params):
@@ -160,7 +171,7 @@ class Convolution2D:
 
 
 @dataclass
-class MaxPooling2D:
+class MaxPooling2D(Interactive):
     pool_size: int = 2
     stride: int = 2
     method: int = job_pb2.PoolingProto.MAX
@@ -176,7 +187,7 @@ class AvgPooling2D(MaxPooling2D):
 
 
 @dataclass
-class LRN2D:
+class LRN2D(Interactive):
     size: int = 5
     alpha: float = 1.0
     beta: float = 0.75
@@ -187,7 +198,7 @@ class LRN2D:
         return [job_pb2.LayerProto(name=f"lrn{index}", type=job_pb2.kLRN, srclayers=[src], lrn_conf=conf)]
 
 
-class Autoencoder:
+class Autoencoder(Interactive):
     """An encoder of sigmoid layers hid_dims[0] … hid_dims[-1] (the last one linear, the code) and the
     mirrored decoder back to out_dim; with param_share the decoder reuses the encoder's weights
     transposed, named as the RBMs of an `Energy` stack (w1…, b12… encoder, b11… decoder) so that
@@ -242,28 +253,36 @@ def _history(records: list[dict], phase: str) -> dict[int, dict[str, float]]:
     return {r["step"]: {k: v for k, v in r.items() if k not in keep} for r in records if r["phase"] == phase}
 
 
-class Sequential:
-    """Layers applied one after the other to the data; compile() picks the loss and the updater."""
+class Sequential(InteractiveModel):
+    """Layers applied one after the other to the data; compile() picks the loss and the updater.
 
-    def __init__(self, name: str, workspace: str | Path | None = None):
-        self.name, self.layers = name, []
+    `seed` is the job's seed: its params' initial values, random skips and dropout masks. Run
+    interactively (compute_feature, ..., see InteractiveModel), the model starts from the same params.
+    """
+
+    def __init__(self, name: str, workspace: str | Path | None = None, seed: int = 0):
+        self.name, self.layers, self.seed = name, [], seed
         self.workspace = Path(workspace) if workspace else Path(f"workspace/{name}")
-        self.loss, self.updater, self.cluster, self.topk = None, None, job_pb2.ClusterProto(), 1
+        self.loss, self.updater, self.optimizer, self.cluster, self.topk = None, None, None, job_pb2.ClusterProto(), 1
+        self.net = InteractiveNet(seed)
 
     def add(self, layer) -> Sequential:
         self.layers.append(layer)
+        layer.attach(self.net, len(self.layers))  # the index job() gives it: the same param names
         return self
 
-    def compile(self, loss: str = "categorical_crossentropy", optimizer: job_pb2.UpdaterProto | None = None, cluster: job_pb2.ClusterProto | None = None, topk: int = 1) -> None:
+    def compile(self, loss: str = "categorical_crossentropy", optimizer: Updater | job_pb2.UpdaterProto | None = None, cluster: job_pb2.ClusterProto | None = None, topk: int = 1) -> None:
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, not {loss!r}")
-        self.loss, self.updater, self.topk = loss, optimizer or SGD(), topk
+        self.optimizer = as_updater(optimizer or SGD())
+        self.loss, self.updater, self.topk = loss, self.optimizer.conf, topk
         self.cluster = cluster or job_pb2.ClusterProto()
 
     def job(self, train: Store | None, test: Store | None = None, nb_epoch: int = 0, batch_size: int | None = None, alg: str = "bp", **fields) -> job_pb2.JobProto:
         """The JobProto this model trains with: train/test stores, nb_epoch = train_steps, any JobProto field."""
         if self.loss is None:
             raise ValueError(f"model {self.name!r}: call compile() before fit() or evaluate()")
+        fields.setdefault("seed", self.seed)
         job = job_pb2.JobProto(name=self.name, train_steps=nb_epoch, **fields)
         job.train_one_batch.alg = {"bp": job_pb2.kBP, "cd": job_pb2.kCD}[alg]
         job.updater.CopyFrom(self.updater)
@@ -303,7 +322,7 @@ class Sequential:
         from shoal import api
         from shoal import checkpoint as ckpt_io
 
-        job = self.job(None, data, batch_size=batch_size, test_steps=test_steps)
+        job, _ = api.as_job(self.job(None, data, batch_size=batch_size, test_steps=test_steps))  # as `shoal run script.py` sets it
         path = Path(checkpoint_path) if checkpoint_path else ckpt_io.latest(Path(job.cluster.workspace))
         step = ckpt_io.load(path).step if path else 0
         return {step: api.evaluate(job, checkpoint=path, log=log)}
@@ -326,12 +345,12 @@ class Energy:
         self.rbms.append(rbm)
         return self
 
-    def compile(self, optimizer: job_pb2.UpdaterProto | None = None, cluster: job_pb2.ClusterProto | None = None) -> None:
-        self.updater, self.cluster = optimizer or SGD(momentum=0.8, decay=0.0002), cluster or job_pb2.ClusterProto()
+    def compile(self, optimizer: Updater | job_pb2.UpdaterProto | None = None, cluster: job_pb2.ClusterProto | None = None) -> None:
+        self.updater, self.cluster = as_updater(optimizer or SGD(momentum=0.8, decay=0.0002)).conf, cluster or job_pb2.ClusterProto()
 
     def rbm_job(self, k: int, data: Store, nb_epoch: int, test_data: Store | None = None, **fields) -> job_pb2.JobProto:
         updater = job_pb2.UpdaterProto()
-        updater.CopyFrom(self.updater or SGD(momentum=0.8, decay=0.0002))
+        updater.CopyFrom(self.updater or SGD(momentum=0.8, decay=0.0002).conf)
         updater.learning_rate.base_lr = self.rbms[k - 1].lr
         job = job_pb2.JobProto(name=f"{self.name}-rbm{k}", train_steps=nb_epoch, updater=updater, cluster=self.cluster, **fields)
         job.train_one_batch.alg = job_pb2.kCD
