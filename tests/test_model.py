@@ -51,11 +51,13 @@ def test_sequential_mlp_learns_mnist_and_evaluates_its_checkpoint(mnist_dir, tmp
     assert metrics == pytest.approx(history["test"][150], rel=0.1)
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_a_model_runs_under_any_synchronous_cluster_with_the_same_params(mnist_dir, tmp_path, workers):
+@pytest.mark.parametrize("workers, device", [(2, None), (3, None), (2, ["cpu:0", "cpu:1"])])
+def test_a_model_runs_under_any_synchronous_cluster_with_the_same_params(mnist_dir, tmp_path, workers, device):
+    """SINGA's fit(device=[...]) too: workers on two devices (replicas, tree reduction)."""
     train, _ = stores(mnist_dir)
     mlp(tmp_path / "one").fit(train, nb_epoch=6, **QUIET)
-    mlp(tmp_path / "group", Cluster(nworkers_per_group=workers, nworkers_per_procs=workers)).fit(train, nb_epoch=6, **QUIET)
+    group = mlp(tmp_path / "group", Cluster(nworkers_per_group=workers, nworkers_per_procs=workers))
+    group.fit(train, nb_epoch=6, device=device, **QUIET)
     one, group = (ckpt_io.load(ckpt_io.latest(tmp_path / n)).params for n in ("one", "group"))
     for name in one:
         torch.testing.assert_close(group[name], one[name], rtol=1e-5, atol=1e-6)

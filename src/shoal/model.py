@@ -283,7 +283,9 @@ class Sequential(InteractiveModel):
         if self.loss is None:
             raise ValueError(f"model {self.name!r}: call compile() before fit() or evaluate()")
         fields.setdefault("seed", self.seed)
-        job = job_pb2.JobProto(name=self.name, train_steps=nb_epoch, **fields)
+        # SINGA's fit(device=[gpu ids]); shoal's device names ("cuda:0", "cpu:1") work too
+        devices = [d if isinstance(d, str) else f"cuda:{d}" for d in fields.pop("device", None) or []]
+        job = job_pb2.JobProto(name=self.name, train_steps=nb_epoch, device=devices, **fields)
         job.train_one_batch.alg = {"bp": job_pb2.kBP, "cd": job_pb2.kCD}[alg]
         job.updater.CopyFrom(self.updater)
         job.cluster.CopyFrom(self.cluster)
