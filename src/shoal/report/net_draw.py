@@ -42,26 +42,34 @@ def _shape_text(shape: list[int]) -> str:
     return "×".join(str(d) for d in shape) if shape else "scalar"
 
 
-def _norm_text(norms: dict) -> str:
-    """The debug file's norms of one node, short: data and gradient L1 norms, then the params'."""
-    parts = []
-    for key, sign in (("data_l1", "|x|"), ("grad_l1", "|∇x|")):
-        if key in norms:
-            parts.append(f"{sign} {norms[key]:.3g}")
+def _norm_lines(norms: dict) -> list[str]:
+    """A debug file's norms of one node: the output's (data or gradient), then each param's."""
+    lines = []
+    outputs = [f"{sign} {norms[key]:.3g}" for key, sign in (("data_l1", "|x|"), ("grad_l1", "|∇x|")) if key in norms]
+    if outputs:
+        lines.append("  ".join(outputs))
+    params = []
     for p in norms.get("params", []):
         value = f"|{p['name']}| {p['value_l1']:.3g}" if "value_l1" in p else ""
         grad = f"|∇{p['name']}| {p['grad_l1']:.3g}" if "grad_l1" in p else ""
-        parts.append(" ".join(x for x in (value, grad) if x))
-    return "  ".join(parts)
+        params.append(" ".join(x for x in (value, grad) if x))
+    if params:
+        lines.append("  ".join(params))
+    return lines
 
 
 def node_lines(node: dict) -> list[str]:
-    """A node's label: its name, then its type and per-sample shape (and norms, in a debug file)."""
+    """A node's label: its name, then its type and per-sample shape (and L1 norms, in a debug file)."""
     kind = str(node.get("type", "")).removeprefix("k")
-    lines = [node["id"], f"{kind} {_shape_text(node.get('shape', []))}".strip()]
-    if node.get("norms"):
-        lines.append(_norm_text(node["norms"]))
-    return lines
+    return [node["id"], f"{kind} {_shape_text(node.get('shape', []))}".strip()] + _norm_lines(node.get("norms") or {})
+
+
+def _debug_title(graph: dict) -> str | None:
+    """A debug file says which step, pass and worker its norms are of."""
+    if graph.get("pass") not in ("fp", "bp"):
+        return None
+    what = "outputs and params" if graph["pass"] == "fp" else "gradients of outputs and params"
+    return f"L1 norms of the {what} on worker {graph.get('worker', '?')}, step {graph.get('step', '?')} ({graph['pass']})"
 
 
 def draw_graph(data: dict, out: Path, title: str | None = None) -> Path:
@@ -77,9 +85,10 @@ def draw_graph(data: dict, out: Path, title: str | None = None) -> Path:
         raise ReportError(f"{out}: folder {out.parent} does not exist")
     placed = layout(data)
     nodes = {n["id"]: n for n in data["nodes"]}
-    has_norms = any(n.get("norms") for n in data["nodes"])
-    row_inches = ROW_INCHES * (1.35 if has_norms else 1.0)
-    slot_inches = SLOT_INCHES * (1.6 if has_norms else 1.0)
+    title = title or _debug_title(data.get("graph") or {})
+    extra_lines = max((len(node_lines(n)) for n in data["nodes"]), default=2) - 2  # norms, in a debug file
+    row_inches = ROW_INCHES * (1 + 0.35 * extra_lines)
+    slot_inches = SLOT_INCHES * (1.3 if extra_lines else 1.0)
     header, footer = 0.75 + (0.3 if title else 0.0), 0.15
     width = max(placed.width * slot_inches + 0.5, 6.0)
     height = placed.rows * row_inches + header + footer
@@ -91,7 +100,7 @@ def draw_graph(data: dict, out: Path, title: str | None = None) -> Path:
     ax.set_ylim(placed.rows - 0.5, -0.5)
     ax.axis("off")
     _draw_columns(ax, placed)
-    box_height = 0.62 if not has_norms else 0.72
+    box_height = 0.62 + 0.08 * extra_lines
     # characters of FONT_SIZE that fit across a box (DejaVu Sans averages ~0.6 em), less the bridges' teeth
     fit_chars = 0.85 * BOX_WIDTH * slot_inches * 72 / (0.6 * FONT_SIZE)
     _draw_edges(ax, placed, box_height)
