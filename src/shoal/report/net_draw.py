@@ -96,7 +96,7 @@ def draw_graph(data: dict, out: Path, title: str | None = None) -> Path:
     FigureCanvasAgg(fig)
     # data units: x in slots, y in rows (down); the axes fill the figure below the header
     ax = fig.add_axes((0.2 / width, footer / height, placed.width * slot_inches / width, (placed.rows * row_inches) / height))
-    ax.set_xlim(0, placed.width)
+    ax.set_xlim(-0.03, placed.width + 0.03)  # the columns' borders stay inside
     ax.set_ylim(placed.rows - 0.5, -0.5)
     ax.axis("off")
     _draw_columns(ax, placed)
