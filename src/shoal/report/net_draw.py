@@ -106,7 +106,7 @@ def draw_graph(data: dict, out: Path, title: str | None = None) -> Path:
     _draw_edges(ax, placed, box_height)
     for node_id, (x, y) in placed.positions.items():
         _draw_node(ax, nodes[node_id], x, y, box_height, fit_chars)
-    _legend(fig, sorted(c.worker for c in placed.columns), title, header / height)
+    _legend(fig, sorted(c.worker for c in placed.columns), title)
     if out.suffix.lower() == ".png":
         _save_png(fig, out)
     else:
@@ -185,16 +185,15 @@ def _draw_node(ax, node: dict, x: float, y: float, height: float, fit_chars: flo
                 fontweight=weight if i == 0 else "normal")
 
 
-def _legend(fig, workers: list[int], title: str | None, top_fraction: float) -> None:
+def _legend(fig, workers: list[int], title: str | None) -> None:
     from matplotlib.legend_handler import HandlerPatch
     from matplotlib.lines import Line2D
     from matplotlib.patches import FancyBboxPatch
 
     grey = "#555555"
-    looks = {"layer (computes)": dict(LAYER_LOOK, facecolor="#dddddd"), "slice / concate / split": CONNECTION_LOOK,
-             "bridge_src / bridge_dst": BRIDGE_LOOK}
-    for w in workers:
-        looks[f"worker {w}"] = dict(LAYER_LOOK, facecolor=_tint(worker_colour(w), 0.28), edgecolor=worker_colour(w))
+    looks = {f"worker {w}": dict(LAYER_LOOK, facecolor=_tint(worker_colour(w), 0.28), edgecolor=worker_colour(w)) for w in workers}
+    looks.update({"layer (computes)": dict(LAYER_LOOK, facecolor="#dddddd"), "slice / concate / split": CONNECTION_LOOK,
+                  "bridge_src / bridge_dst": BRIDGE_LOOK})
 
     # legend entries are in points: the same shapes, with their rounding and teeth at that scale
     legend_styles = {label: look["boxstyle"].replace("rounding_size=0.25", "rounding_size=3").replace("tooth_size=0.07", "tooth_size=2")
@@ -204,7 +203,6 @@ def _legend(fig, workers: list[int], title: str | None, top_fraction: float) -> 
         return FancyBboxPatch((-xdescent, -ydescent), width, height, boxstyle=legend_styles[orig_handle.get_label()])
 
     handles: list = [FancyBboxPatch((0, 0), 1, 1, label=label, **{"edgecolor": grey, **look}) for label, look in looks.items()]
-    handles = [h for h in handles if h.get_label().startswith("worker")] + [h for h in handles if not h.get_label().startswith("worker")]
     handles.append(Line2D([], [], color="#222222", linestyle=(0, (4, 2)), linewidth=1.5, label="blob moving to another worker"))
     y = 1 - (0.3 / fig.get_figheight() if title else 0.0)
     fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, y), ncol=min(len(handles), 4), fontsize=7.5,
