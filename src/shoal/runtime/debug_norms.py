@@ -81,6 +81,7 @@ class DebugNorms:
                     handle.remove()
                 self.handles = []
             self.write(step)
+            self.records = {}  # the gradients it held are not needed until the next display
             return samples
 
         trainer.train_step = train_step
