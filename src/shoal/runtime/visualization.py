@@ -7,6 +7,7 @@ net, which runs whole on worker 0. `shoal viz` draws either file.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -59,6 +60,11 @@ def write_train_net(job: job_pb2.JobProto, workspace: Path, fresh: bool) -> Path
     return write_json(start_folder(workspace, fresh) / "train_net.json", train_net_graph(job))
 
 
-def write_test_net(job: job_pb2.JobProto, workspace: Path) -> Path:
-    """WORKSPACE/visualization/test_net.json at the start of a test-only run."""
+def write_test_net(job: job_pb2.JobProto, workspace: Path) -> Optional[Path]:
+    """WORKSPACE/visualization/test_net.json at the start of a test-only run, when that workspace exists.
+
+    A test of a checkpoint given by path needs no workspace: none is created just for this file.
+    """
+    if not Path(workspace).is_dir():
+        return None
     return write_json(start_folder(workspace, fresh=False) / "test_net.json", test_net_graph(job))
