@@ -6,8 +6,9 @@
     shoal.evaluate(job)
     shoal.fit(torch_module, loss_fn, (inputs, targets), cluster=shoal.Cluster(nworker_groups=2, nworkers_per_procs=2))
     shoal.compare_runs(["ws/single", "ws/allreduce"]); shoal.plot_runs([...], "runs.png")
+    shoal.draw_net("examples/cifar10/hybrid.conf", "net.png")   # which worker computes what
 """
-__all__ = ["load_job", "train", "evaluate", "fit", "Cluster", "plot_runs", "compare_runs"]
+__all__ = ["load_job", "train", "evaluate", "fit", "Cluster", "plot_runs", "compare_runs", "draw_net"]
 __version__ = "0.1.0"
 
 

@@ -87,6 +87,29 @@ def plot_runs(
     return plot(runs, out, x=x, title=title)
 
 
+def draw_net(
+    net: Union[JobLike, str, Path],
+    out: Union[str, Path],
+    title: Optional[str] = None,
+) -> Path:
+    """Draw a job's partitioned train net, or a node-link file (WORKSPACE/visualization/*.json), into `out`.
+
+    One column per worker; .png, .svg or .pdf by `out`'s suffix. Returns `out`.
+    """
+    from shoal.report.net_draw import draw_graph
+    from shoal.report.node_link import check_node_link, read_node_link
+    from shoal.runtime.visualization import train_net_graph
+
+    if isinstance(net, (str, Path)) and Path(net).suffix == ".json":
+        graph = read_node_link(Path(net))
+    elif isinstance(net, dict) and "nodes" in net and "links" in net:
+        check_node_link(net, "net")
+        graph = net
+    else:
+        graph = train_net_graph(as_job(net)[0])
+    return draw_graph(graph, Path(out), title=title)
+
+
 def compare_runs(runs: Sequence[Union[str, Path]]) -> list[dict]:
     """One dict per run workspace: layout, samples/s, time to 90/95/97% test accuracy, final accuracy, staleness."""
     from shoal.report.compare import compare_runs as compare

@@ -136,6 +136,25 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--markdown", action="store_true", help="a markdown table (for docs)")
 
 
+def _add_viz(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "viz",
+        help="draw a job's partitioned net: which worker computes which layer",
+        description="Draw the train net as a group's workers compute it: one column per worker, layers coloured by "
+        "worker, the inserted slice/concate/split/bridge layers marked, blobs crossing workers as dashed arrows. "
+        "JOB is a job file, or a node-link file a run wrote (WORKSPACE/visualization/train_net.json, test_net.json, "
+        "or a debug run's fp-/bp-step<N>-loc<W>.json, whose norms are shown).",
+        epilog="examples:\n  shoal viz examples/cifar10/hybrid.conf -o hybrid.png\n"
+        "  shoal viz examples/mnist/job.conf --set cluster.nworkers_per_group=2 --set 'neuralnet.layer[name=fc6].location=1' -o mlp.svg\n"
+        "  shoal viz workspace/mnist-mlp/visualization/train_net.json -o net.png",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("job", type=Path, help="job file (job.conf / job.yaml), or a node-link .json file")
+    p.add_argument("-o", "--out", type=Path, help="picture to write: .png, .svg or .pdf (default: <job name>-net.png)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE", help="override a job field")
+    p.add_argument("--title", help="title above the picture")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shoal",
@@ -151,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_jobs(sub)
     _add_plot(sub)
     _add_compare(sub)
+    _add_viz(sub)
     return parser
 
 
@@ -307,6 +327,21 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _viz(args: argparse.Namespace) -> int:
+    from shoal import api
+
+    if args.job.suffix == ".json":
+        if args.overrides:
+            raise UsageError(f"shoal viz {args.job}: --set applies to job files, not to a node-link .json")
+        net, name = args.job, args.job.stem
+    else:
+        net = api.load_job(args.job, args.overrides)
+        name = f"{net.name or args.job.stem}-net"
+    out = api.draw_net(net, args.out or Path(f"{name}.png"), title=args.title)
+    print(f"wrote {out}")
+    return 0
+
+
 class UsageError(ValueError):
     pass
 
@@ -335,7 +370,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handlers = {"run": _run, "prepare": _prepare, "plan": _plan, "jobs": _jobs, "plot": _plot, "compare": _compare}
+    handlers = {"run": _run, "prepare": _prepare, "plan": _plan, "jobs": _jobs, "plot": _plot, "compare": _compare, "viz": _viz}
     try:
         return handlers[args.command](args)
     except _expected_errors() as err:

@@ -36,6 +36,7 @@ from shoal.runtime.exchange import SlicedExchange
 from shoal.runtime.hogwild import HogwildExchange
 from shoal.runtime.replicas import device_label, usable_device_names
 from shoal.runtime.server import Server
+from shoal.runtime import visualization
 from shoal.runtime.trainer import History, Trainer
 from shoal.updaters import make_updater
 
@@ -148,6 +149,7 @@ def _entry(
         trainer.train_step = step_with_heartbeat
         metrics = None
         if rank == 0:
+            visualization.write_train_net(job, Path(workspace), fresh=resume_from is None)
             every = [d for p in placement.processes for d in worker_device_names(job, len(p.workers))]
             metrics = open_run_log(job, Path(workspace), trainer.elapsed_before, every, threads)
         status = "failed"

@@ -22,6 +22,7 @@ from shoal.runtime.exchange import LocalExchange
 from shoal.runtime.groups import GroupBoard, GroupExchange, run_groups
 from shoal.runtime.replicas import device_label, torch_device, usable_device_names
 from shoal.runtime.server import Server
+from shoal.runtime import visualization
 from shoal.runtime.trainer import History, Trainer
 from shoal.updaters import make_updater
 
@@ -249,6 +250,7 @@ def _train(job: job_pb2.JobProto, options: RunOptions, workspace: Path, resume_f
             trainer.start_step = board.first_step(trainer.group)
     workspace.mkdir(parents=True, exist_ok=True)
     (workspace / "job.conf").write_text(text_format.MessageToString(job))
+    visualization.write_train_net(job, workspace, fresh=resume_from is None)
     # a partitioned group is one worker-like object holding its workers (parts)
     workers = [(t.group, w) for t in trainers for group in t.workers for w in getattr(group, "parts", [group])]
     devices = [getattr(w, "device_name", str(w.device)) for _, w in workers]
@@ -284,4 +286,5 @@ def test_job(job: job_pb2.JobProto, options: RunOptions, checkpoint: Optional[Pa
         paths = [Path(checkpoint)]
     trainer = build_trainer(job, workspace, options, train=False)
     step = trainer.load_params(paths)
+    visualization.write_test_net(job, workspace)
     return trainer.test_only(None, step)

@@ -35,6 +35,7 @@ from shoal.metrics import MetricsLog, MetricWindow, display_line
 from shoal.net import NeuralNet
 from shoal.params import ParamStore
 from shoal.partition import partition
+from shoal.runtime import debug_norms
 from shoal.runtime.feed import InputFeed, batch_conf, batch_shares, make_feeds
 from shoal.runtime.partitioned import PartitionedGroup
 from shoal.runtime.replicas import DeviceReplicas, torch_device
@@ -173,6 +174,7 @@ class Trainer:
         self.start_step = 0
         self.resumed = False
         self.elapsed_before = 0.0
+        debug_norms.install(self)  # `debug: true`: SINGA's fp/bp norm files at display steps
 
     def _balancer(self, job: job_pb2.JobProto, partitioned: bool) -> Optional[ShareBalancer]:
         """auto_batch_shares: a balancer over this group's workers (all in this process, cut on the batch)."""
