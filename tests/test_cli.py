@@ -1,6 +1,7 @@
 """The command line as a user drives it: real processes, one-line errors, exit codes."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -158,3 +159,24 @@ def test_ctrl_c_stops_every_process(blobs_job, tmp_path):
     time.sleep(1)
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "ws")], capture_output=True, text=True).stdout.strip()
     assert leftover == ""
+
+
+def shoal_into_closed_pipe(*args, timeout=120):
+    """`shoal ARGS | head -3` without the race: the reader has gone before shoal writes a byte."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run([sys.executable, "-m", "shoal", *map(str, args)], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=timeout)
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("command", ["plan", "plan --json", "run", "run on 2 processes"])
+def test_a_reader_that_goes_away_stops_any_command_quietly(blobs_job, tmp_path, command):
+    job = blobs_job(train_steps=4)
+    if command == "run on 2 processes":
+        job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 2 nservers_per_group: 2 }"))
+    args = {"plan": ["plan", job], "plan --json": ["plan", job, "--json"]}.get(command, ["run", job, "--workspace", tmp_path / "ws"])
+    proc = shoal_into_closed_pipe(*args)
+    assert proc.stderr == ""
+    assert proc.returncode == 1  # as the Python docs' recipe and rich (our `jobs list`) say it

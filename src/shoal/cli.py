@@ -7,6 +7,7 @@ with status 2; no traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -302,6 +303,28 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # output still buffered meets a closed pipe here, not at exit
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """The reader of stdout went away (`shoal plan JOB | head -3`): stop quietly, with status 1.
+
+    1 is what the Python docs' recipe (signal module, "Note on SIGPIPE") and rich (our
+    `jobs` and `compare` tables) give; git and ls die of SIGPIPE instead (the shell says 141).
+    stdout goes to devnull so that the interpreter's last flush cannot fail again.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 1
+
+
+def _main(argv: Optional[list[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

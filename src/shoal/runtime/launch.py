@@ -308,6 +308,8 @@ def run_processes(
     except mp.ProcessRaisedException as err:
         rank = ranks[err.error_index]
         last = str(err).strip().splitlines()[-1]
+        if rank == 0 and last.startswith("BrokenPipeError"):  # the chief writes to our stdout: its reader went away
+            raise BrokenPipeError(last) from None
         if last.startswith(f"{__name__}.StalledPeer: "):
             raise ProcessFailed(last.split(": ", 1)[1] + f"; see {workspace}/logs") from None
         raise ProcessFailed(f"{describe_process(placement, rank)} failed: {last}; see {workspace}/logs/rank{rank}.log") from None
