@@ -180,3 +180,30 @@ def test_a_reader_that_goes_away_stops_any_command_quietly(blobs_job, tmp_path, 
     proc = shoal_into_closed_pipe(*args)
     assert proc.stderr == ""
     assert proc.returncode == 1  # as the Python docs' recipe and rich (our `jobs list`) say it
+
+
+@pytest.mark.parametrize("checkpoint_freq", [0, 2])
+def test_ctrl_c_suggests_resume_only_when_there_is_a_checkpoint(blobs_job, tmp_path, checkpoint_freq):
+    import re
+    import signal
+    import time
+
+    job = blobs_job(train_steps=100000, extra=f"checkpoint_freq: {checkpoint_freq}")
+    ws = tmp_path / "ws"
+    proc = subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(ws)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    ready = "checkpoint/step*-worker0.safetensors" if checkpoint_freq else "metrics.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline and not list(ws.glob(ready)):
+        time.sleep(0.2)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    last = err.strip().splitlines()[-1]
+    if checkpoint_freq:
+        step = int(re.fullmatch(r"shoal: interrupted; continue with --resume from the newest checkpoint \(step(\d+)-worker0.safetensors\)", last)[1])
+        resumed = shoal("run", job, "--workspace", ws, "--resume", "--set", f"train_steps={step + 1}")  # the advice works
+        assert resumed.returncode == 0 and "Resume from checkpoint" in resumed.stdout, resumed.stderr
+    else:
+        assert last == "shoal: interrupted before the run's first checkpoint; nothing to resume (run it again to start over)"

@@ -166,9 +166,26 @@ def _run(args: argparse.Namespace) -> int:
     options.nodes = _nodes(args, job)
     if args.test:
         test_job(job, options, args.checkpoint)
-    else:
+        return 0
+    try:
         train_job(job, options, job_file=str(job_path))
+    except KeyboardInterrupt:
+        raise RunInterrupted(_resume_advice(job, args.workspace)) from None
     return 0
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped `shoal run`; the message (one line) says whether --resume can continue it."""
+
+
+def _resume_advice(job, workspace: Optional[Path]) -> str:
+    from shoal import checkpoint as ckpt_io
+    from shoal.runtime.local import resolve_workspace
+
+    newest = ckpt_io.latest(resolve_workspace(job, workspace))
+    if newest is None:  # --resume would only answer "no checkpoint to resume from"
+        return "shoal: interrupted before the run's first checkpoint; nothing to resume (run it again to start over)"
+    return f"shoal: interrupted; continue with --resume from the newest checkpoint ({newest.name})"
 
 
 def _nodes(args: argparse.Namespace, job):
@@ -336,8 +353,8 @@ def _main(argv: Optional[list[str]]) -> int:
     except _expected_errors() as err:
         print(str(err).splitlines()[0] if str(err) else type(err).__name__, file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("shoal: interrupted; continue with --resume from the newest checkpoint", file=sys.stderr)
+    except KeyboardInterrupt as stop:
+        print(stop if isinstance(stop, RunInterrupted) else "shoal: interrupted", file=sys.stderr)
         return 130
 
 
