@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -140,7 +141,7 @@ def test_a_stalled_process_is_named_and_the_job_stops(blobs_job, tmp_path):
 
 
 def test_ctrl_c_stops_every_process(blobs_job, tmp_path):
-    import os
+    import json
     import signal
     import time
 
@@ -156,6 +157,7 @@ def test_ctrl_c_stops_every_process(blobs_job, tmp_path):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130
     assert err.strip().splitlines()[-1].startswith("shoal: interrupted")
+    assert json.loads((tmp_path / "ws" / "summary.json").read_text())["status"] == "interrupted"
     time.sleep(1)
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "ws")], capture_output=True, text=True).stdout.strip()
     assert leftover == ""
@@ -207,3 +209,53 @@ def test_ctrl_c_suggests_resume_only_when_there_is_a_checkpoint(blobs_job, tmp_p
         assert resumed.returncode == 0 and "Resume from checkpoint" in resumed.stdout, resumed.stderr
     else:
         assert last == "shoal: interrupted before the run's first checkpoint; nothing to resume (run it again to start over)"
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` (children, their children, ...), from /proc."""
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = {int(c) for c in (task / "children").read_text().split()}
+            except OSError:  # the task ended meanwhile
+                continue
+            todo.extend(children - found)
+            found |= children
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running, and not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("layout", ["AllReduce 2 processes", "single process"])
+def test_a_killed_run_says_so_in_its_summary_and_leaves_no_process(blobs_job, tmp_path, layout):
+    import json
+    import signal
+    import time
+
+    job = blobs_job(train_steps=100000)
+    if layout == "AllReduce 2 processes":
+        job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 2 nservers_per_group: 2 }"))
+    ws = tmp_path / "ws"
+    proc = subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(ws), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    for line in proc.stdout:  # train until the first test, as `shoal jobs kill` would find it
+        if line.startswith("Test @ step"):
+            break
+    workers = descendants(proc.pid)
+    assert len(workers) >= (2 if layout == "AllReduce 2 processes" else 0)  # and torch's resource tracker
+    proc.send_signal(signal.SIGTERM)  # what `shoal jobs kill` sends the launcher
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert json.loads((ws / "summary.json").read_text())["status"] == "killed"
+    deadline = time.time() + 5  # the launcher waits for its children; a zombie's reaping may lag a moment
+    while time.time() < deadline and any(alive(pid) for pid in workers):
+        time.sleep(0.1)
+    assert not [pid for pid in workers if alive(pid)]

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -167,11 +169,23 @@ def _run(args: argparse.Namespace) -> int:
     if args.test:
         test_job(job, options, args.checkpoint)
         return 0
+    # `shoal jobs kill` (SIGTERM): stop as on Ctrl-C, so that the run records how it ended
+    handles_sigterm = threading.current_thread() is threading.main_thread()  # (only the main thread may)
+    previous = signal.signal(signal.SIGTERM, _terminated) if handles_sigterm else None
     try:
         train_job(job, options, job_file=str(job_path))
     except KeyboardInterrupt:
         raise RunInterrupted(_resume_advice(job, args.workspace)) from None
+    finally:
+        if handles_sigterm:
+            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
     return 0
+
+
+def _terminated(signum, frame):
+    from shoal.report.run_log import Terminated
+
+    raise Terminated
 
 
 class RunInterrupted(KeyboardInterrupt):
