@@ -1,8 +1,10 @@
 """The command line as a user drives it: real processes, one-line errors, exit codes."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -139,7 +141,7 @@ def test_a_stalled_process_is_named_and_the_job_stops(blobs_job, tmp_path):
 
 
 def test_ctrl_c_stops_every_process(blobs_job, tmp_path):
-    import os
+    import json
     import signal
     import time
 
@@ -155,6 +157,105 @@ def test_ctrl_c_stops_every_process(blobs_job, tmp_path):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130
     assert err.strip().splitlines()[-1].startswith("shoal: interrupted")
+    assert json.loads((tmp_path / "ws" / "summary.json").read_text())["status"] == "interrupted"
     time.sleep(1)
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "ws")], capture_output=True, text=True).stdout.strip()
     assert leftover == ""
+
+
+def shoal_into_closed_pipe(*args, timeout=120):
+    """`shoal ARGS | head -3` without the race: the reader has gone before shoal writes a byte."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run([sys.executable, "-m", "shoal", *map(str, args)], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=timeout)
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("command", ["plan", "plan --json", "run", "run on 2 processes"])
+def test_a_reader_that_goes_away_stops_any_command_quietly(blobs_job, tmp_path, command):
+    job = blobs_job(train_steps=4)
+    if command == "run on 2 processes":
+        job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 2 nservers_per_group: 2 }"))
+    args = {"plan": ["plan", job], "plan --json": ["plan", job, "--json"]}.get(command, ["run", job, "--workspace", tmp_path / "ws"])
+    proc = shoal_into_closed_pipe(*args)
+    assert proc.stderr == ""
+    assert proc.returncode == 1  # as the Python docs' recipe and rich (our `jobs list`) say it
+
+
+@pytest.mark.parametrize("checkpoint_freq", [0, 2])
+def test_ctrl_c_suggests_resume_only_when_there_is_a_checkpoint(blobs_job, tmp_path, checkpoint_freq):
+    import re
+    import signal
+    import time
+
+    job = blobs_job(train_steps=100000, extra=f"checkpoint_freq: {checkpoint_freq}")
+    ws = tmp_path / "ws"
+    proc = subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(ws)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    ready = "checkpoint/step*-worker0.safetensors" if checkpoint_freq else "metrics.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline and not list(ws.glob(ready)):
+        time.sleep(0.2)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    last = err.strip().splitlines()[-1]
+    if checkpoint_freq:
+        step = int(re.fullmatch(r"shoal: interrupted; continue with --resume from the newest checkpoint \(step(\d+)-worker0.safetensors\)", last)[1])
+        resumed = shoal("run", job, "--workspace", ws, "--resume", "--set", f"train_steps={step + 1}")  # the advice works
+        assert resumed.returncode == 0 and "Resume from checkpoint" in resumed.stdout, resumed.stderr
+    else:
+        assert last == "shoal: interrupted before the run's first checkpoint; nothing to resume (run it again to start over)"
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` (children, their children, ...), from /proc."""
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = {int(c) for c in (task / "children").read_text().split()}
+            except OSError:  # the task ended meanwhile
+                continue
+            todo.extend(children - found)
+            found |= children
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running, and not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("layout", ["AllReduce 2 processes", "single process"])
+def test_a_killed_run_says_so_in_its_summary_and_leaves_no_process(blobs_job, tmp_path, layout):
+    import json
+    import signal
+    import time
+
+    job = blobs_job(train_steps=100000)
+    if layout == "AllReduce 2 processes":
+        job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 2 nservers_per_group: 2 }"))
+    ws = tmp_path / "ws"
+    proc = subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(ws), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    for line in proc.stdout:  # train until the first test, as `shoal jobs kill` would find it
+        if line.startswith("Test @ step"):
+            break
+    workers = descendants(proc.pid)
+    assert len(workers) >= (2 if layout == "AllReduce 2 processes" else 0)  # and torch's resource tracker
+    proc.send_signal(signal.SIGTERM)  # what `shoal jobs kill` sends the launcher
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert json.loads((ws / "summary.json").read_text())["status"] == "killed"
+    deadline = time.time() + 5  # the launcher waits for its children; a zombie's reaping may lag a moment
+    while time.time() < deadline and any(alive(pid) for pid in workers):
+        time.sleep(0.1)
+    assert not [pid for pid in workers if alive(pid)]

@@ -20,8 +20,13 @@ from shoal.runtime.trainer import Trainer
 
 
 def job_text(data_dir, *, net="", fc1="", relu="", fc2="", loss="", drop=None, steps=4, workers=2, batch="batchsize: 32",
-             updater="type: kSGD momentum: 0.9 weight_decay: 0.001", hidden=32, cluster="") -> str:
-    """The blobs MLP (16 -> hidden -> 4) with per-layer extras; disp_freq 1 so every step's loss is recorded."""
+             updater="type: kSGD momentum: 0.9 weight_decay: 0.001", hidden=32, cluster="", image=None) -> str:
+    """The blobs MLP (16 -> hidden -> 4) with per-layer extras; disp_freq 1 so every step's loss is recorded.
+    image: the 16 features read as a 1×4×4 image, randomly cropped to 3×3 and mirrored before fc1."""
+    shape = "shape: 16" if image is None else "shape: 1 shape: 4 shape: 4"
+    preprocess = (f'layer {{ name: "image" type: kImagePreprocess srclayers: "data" rgbimage_conf {{ cropsize: 3 mirror: true }} {image} }}'
+                  if image is not None else "")
+    bottom = "image" if image is not None else "data"
     dropout = f'layer {{ name: "drop" type: kDropout srclayers: "relu" dropout_conf {{ dropout_ratio: 0.3 }} {drop} }}' if drop is not None else ""
     top = "drop" if drop is not None else "relu"
     return f"""
@@ -30,8 +35,9 @@ train_one_batch {{ alg: kBP }}
 updater {{ {updater} learning_rate {{ type: kFixed base_lr: 0.05 }} }}
 neuralnet {{ {net}
   layer {{ name: "data" type: kRecordInput include: kTrain
-    store_conf {{ backend: "kvfile" path: "{data_dir / 'train.bin'}" {batch} shape: 16 random_skip: 20 }} }}
-  layer {{ name: "fc1" type: kInnerProduct srclayers: "data" innerproduct_conf {{ num_output: {hidden} }} {fc1}
+    store_conf {{ backend: "kvfile" path: "{data_dir / 'train.bin'}" {batch} {shape} random_skip: 20 }} }}
+  {preprocess}
+  layer {{ name: "fc1" type: kInnerProduct srclayers: "{bottom}" innerproduct_conf {{ num_output: {hidden} }} {fc1}
     param {{ name: "w1" init {{ type: kGaussian std: 0.1 }} }} param {{ name: "b1" init {{ type: kUniform low: -0.1 high: 0.1 }} }} }}
   layer {{ name: "relu" type: kReLU srclayers: "fc1" {relu} }}
   {dropout}
@@ -60,6 +66,8 @@ PARTITIONINGS = {
     "feature partitions, uneven batch shares 24 + 8": dict(net="partition_dim: 1", batch="batchsize: 24 batchsize: 8"),
     "feature fc1 with dropout on the batch dimension": dict(fc1="partition_dim: 1", relu="partition_dim: 1", drop=""),
     "dropout whole on worker 1 (the only worker drawing)": dict(drop="location: 1"),
+    "random crops and mirrors, all batch (plain data parallel)": dict(image=""),
+    "random crops and mirrors, 3 workers (uneven), fc1 on features": dict(image="", fc1="partition_dim: 1", relu="partition_dim: 1", workers=3),
 }
 
 
@@ -72,7 +80,7 @@ def train(text, tmp_path, name):
 @pytest.mark.parametrize("partitioning", PARTITIONINGS)
 def test_every_partitioning_trains_exactly_like_one_worker(blobs_dir, tmp_path, partitioning):
     kw = PARTITIONINGS[partitioning]
-    single_kw = {"drop": ""} if "drop" in kw else {}
+    single_kw = {key: "" for key in ("drop", "image") if key in kw}
     single, single_params = train(job_text(blobs_dir, workers=1, **single_kw), tmp_path, "single")
     group, params = train(job_text(blobs_dir, **kw), tmp_path, "group")
     for a, b in zip(group.phase("train"), single.phase("train"), strict=True):
@@ -84,7 +92,7 @@ def test_every_partitioning_trains_exactly_like_one_worker(blobs_dir, tmp_path, 
 @pytest.mark.parametrize("partitioning", [p for p in PARTITIONINGS if "batch (plain" not in p])
 def test_forward_outputs_and_gradients_equal_the_unpartitioned_net(blobs_dir, tmp_path, partitioning):
     kw = PARTITIONINGS[partitioning]
-    single_kw = {"drop": ""} if "drop" in kw else {}
+    single_kw = {key: "" for key in ("drop", "image") if key in kw}
     one = Trainer(load(job_text(blobs_dir, workers=1, **single_kw), tmp_path, "one.conf"), tmp_path / "a", [tmp_path], torch.device("cpu"))
     many = Trainer(load(job_text(blobs_dir, **kw), tmp_path, "many.conf"), tmp_path / "b", [tmp_path], torch.device("cpu"))
     group = many.workers[0]

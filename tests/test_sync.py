@@ -128,3 +128,26 @@ def test_multi_process_checkpoint_holds_the_whole_updater_state_and_resumes_on_a
     resumed = ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / "ws", 8)).params
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], rtol=1e-5, atol=1e-6)
+
+
+UNUSED_LAYER = """layer { name: "unused" type: kInnerProduct srclayers: "relu" innerproduct_conf { num_output: 3 }
+    param { name: "w_unused" init { type: kGaussian std: 0.1 } } param { name: "b_unused" init { type: kConstant value: 0.5 } } }
+  layer { name: "loss" """
+
+
+@pytest.mark.parametrize("layout", ["AllReduce 2 processes", "Sandblaster: the server knows only what the workers say"])
+def test_a_param_without_gradient_is_not_updated_on_any_layout(blobs_job, tmp_path, layout):
+    """As SINGA's servers, which update on received gradients only: momentum and weight decay leave it alone."""
+    cluster = {"AllReduce 2 processes": "nworkers_per_group: 2 nservers_per_group: 2",
+               "Sandblaster: the server knows only what the workers say": "nworkers_per_group: 2 server_worker_separate: true"}[layout]
+
+    def job():
+        path = blobs_job(train_steps=8, updater="type: kSGD momentum: 0.9 weight_decay: 0.01")
+        path.write_text(path.read_text().replace('layer { name: "loss" ', UNUSED_LAYER, 1))  # a layer nothing reads
+        return path
+
+    single = final_params(job(), tmp_path / "single")
+    group = final_params(job(), tmp_path / "group", cluster)
+    assert single["b_unused"].tolist() == [0.5, 0.5, 0.5]
+    for name in single:
+        torch.testing.assert_close(group[name], single[name], rtol=1e-5, atol=1e-6)

@@ -7,7 +7,10 @@ with status 2; no traceback.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -190,8 +193,17 @@ def _run(args: argparse.Namespace) -> int:
     options.nodes = _nodes(args, job)
     if args.test:
         test_job(job, options, args.checkpoint)
-    else:
+        return 0
+    # `shoal jobs kill` (SIGTERM): stop as on Ctrl-C, so that the run records how it ended
+    handles_sigterm = threading.current_thread() is threading.main_thread()  # (only the main thread may)
+    previous = signal.signal(signal.SIGTERM, _terminated) if handles_sigterm else None
+    try:
         train_job(job, options, job_file=str(job_path))
+    except KeyboardInterrupt:
+        raise RunInterrupted(_resume_advice(job, args.workspace)) from None
+    finally:
+        if handles_sigterm:
+            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
     return 0
 
 
@@ -212,6 +224,26 @@ def _script_args(args: argparse.Namespace, extra: list[str]) -> Optional[list[st
     if args.command != "run" or job is None or job.suffix != ".py":
         return None
     return extra[:extra.index("--")] + extra[extra.index("--") + 1 :] if "--" in extra else extra
+
+
+def _terminated(signum, frame):
+    from shoal.report.run_log import Terminated
+
+    raise Terminated
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped `shoal run`; the message (one line) says whether --resume can continue it."""
+
+
+def _resume_advice(job, workspace: Optional[Path]) -> str:
+    from shoal import checkpoint as ckpt_io
+    from shoal.runtime.local import resolve_workspace
+
+    newest = ckpt_io.latest(resolve_workspace(job, workspace))
+    if newest is None:  # --resume would only answer "no checkpoint to resume from"
+        return "shoal: interrupted before the run's first checkpoint; nothing to resume (run it again to start over)"
+    return f"shoal: interrupted; continue with --resume from the newest checkpoint ({newest.name})"
 
 
 def _nodes(args: argparse.Namespace, job):
@@ -362,6 +394,28 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # output still buffered meets a closed pipe here, not at exit
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """The reader of stdout went away (`shoal plan JOB | head -3`): stop quietly, with status 1.
+
+    1 is what the Python docs' recipe (signal module, "Note on SIGPIPE") and rich (our
+    `jobs` and `compare` tables) give; git and ls die of SIGPIPE instead (the shell says 141).
+    stdout goes to devnull so that the interpreter's last flush cannot fail again.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 1
+
+
+def _main(argv: Optional[list[str]]) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     args.script_args = _script_args(args, extra)
@@ -376,8 +430,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except _expected_errors() as err:
         print(str(err).splitlines()[0] if str(err) else type(err).__name__, file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("shoal: interrupted; continue with --resume from the newest checkpoint", file=sys.stderr)
+    except KeyboardInterrupt as stop:
+        print(stop if isinstance(stop, RunInterrupted) else "shoal: interrupted", file=sys.stderr)
         return 130
 
 

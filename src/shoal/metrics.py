@@ -76,6 +76,7 @@ RECORD_KEYS: dict[str, tuple[str, str]] = {
     "compute_sec": ("train", "seconds of the window the chief's process spent computing gradients (incl. input)"),
     "exchange_sec": ("train", "seconds of the window spent aggregating, updating and communicating"),
     "worker_compute_sec": ("train", "{worker id: compute seconds} for the workers in the chief's process"),
+    "batch_shares": ("train", "rows of the batch each worker of the chief's group computed (groups of several workers in one process)"),
     "staleness": ("train", "async runs only: mean version lag of the params the updates used, over the window"),
     "staleness_max": ("train", "async runs only: largest version lag in the window"),
     "mode": ("test", "\"test-only\" for `shoal run --test`"),
@@ -94,6 +95,8 @@ def record_problems(record: dict) -> list[str]:
             continue
         if key in ("step", "samples"):
             ok = isinstance(value, int) and value >= 0
+        elif key == "batch_shares":  # rows of the batch per worker of the group
+            ok = isinstance(value, list) and all(isinstance(v, int) and v >= 0 for v in value)
         elif key == "worker_compute_sec":
             ok = isinstance(value, dict) and all(isinstance(v, (int, float)) for v in value.values())
         else:  # metric values and seconds; a non-finite metric is written as null

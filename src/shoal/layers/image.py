@@ -14,7 +14,8 @@ class ImagePreprocess(Layer):
     """y = scale · mirror(crop(x − mean)), per image; rgbimage_conf {scale, cropsize, mirror, meanfile}.
 
     kTrain: each image gets its own random crop position and, with `mirror`, a
-    coin flip for a horizontal flip (both from ctx.generator). Other phases:
+    coin flip for a horizontal flip (both from ctx.generator, drawn per sample of the
+    group's batch, see layers.common.draw). Other phases:
     the centred crop, never mirrored (SINGA took the top-left crop at test
     time; the centre is the usual choice and what Caffe does).
     `self.mean` is the image of rgbimage_conf.meanfile (full size, before the crop),
@@ -44,10 +45,12 @@ class ImagePreprocess(Layer):
         out_h, out_w = self.shape[1:]
         training = ctx.phase == job_pb2.kTrain
         if training:
-            draws = uniform((3, batch), ctx, x.device)
-            top = (draws[0] * (h - out_h + 1)).long().clamp(max=h - out_h)
-            left = (draws[1] * (w - out_w + 1)).long().clamp(max=w - out_w)
-            flip = (draws[2] < 0.5) if c.mirror else torch.zeros(batch, dtype=torch.bool, device=x.device)
+            # one row of draws per image, made for the group's whole batch and sliced to this
+            # worker's rows (per_sample): a synchronous group crops as one worker would
+            draws = uniform((batch, 3), ctx, x.device, per_sample=True)
+            top = (draws[:, 0] * (h - out_h + 1)).long().clamp(max=h - out_h)
+            left = (draws[:, 1] * (w - out_w + 1)).long().clamp(max=w - out_w)
+            flip = (draws[:, 2] < 0.5) if c.mirror else torch.zeros(batch, dtype=torch.bool, device=x.device)
         else:
             top = torch.full((batch,), (h - out_h) // 2, device=x.device)
             left = torch.full((batch,), (w - out_w) // 2, device=x.device)

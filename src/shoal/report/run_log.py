@@ -5,7 +5,7 @@ from pathlib import Path
 
 from shoal.config import job_pb2
 from shoal.metrics import MetricsLog
-from shoal.report.summary import SummaryFile, run_info
+from shoal.report.summary import SummaryFile, mark_ended, run_info
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -22,8 +22,19 @@ def open_run_log(job: job_pb2.JobProto, workspace: Path, elapsed_before: float, 
     return MetricsLog(path, elapsed_before=elapsed_before, observers=[summary, *observers])
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`shoal jobs kill`) stopped the run: handled as Ctrl-C, recorded as `killed`."""
+
+
 def end_status(error: BaseException | None) -> str:
     """What a run's summary says about how it ended."""
     if error is None:
         return "finished"
+    if isinstance(error, Terminated):
+        return "killed"
     return "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+
+
+def mark_run_ended(workspace: Path, error: BaseException) -> None:
+    """The launcher's word on how a run ended, for a chief process killed before it could say."""
+    mark_ended(workspace, Path(workspace) / METRICS_FILE, end_status(error))

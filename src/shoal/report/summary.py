@@ -1,7 +1,8 @@
 """WORKSPACE/summary.json: what a run was (job, layout, devices) and what it reached.
 
 The chief writes it when the run starts, rewrites it after every test (so a
-crashed run still has one) and once more when the run ends. Every number in
+crashed run still has one) and once more when the run ends; a launcher whose
+processes were stopped by a signal says so (`mark_ended`). Every number in
 it is derived from metrics.jsonl by `summarize`, which `shoal compare` also
 uses on runs that never wrote a summary.
 """
@@ -177,9 +178,28 @@ class SummaryFile:
             derived["wall_time"] = max(derived["wall_time"], round(elapsed, 4))
         summary = {"schema": 1, **asdict(self.info), "status": status,
                    "started": _iso(self.started), "updated": _iso(time.time()), **derived}
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(summary, indent=1) + "\n")
-        os.replace(tmp, self.path)  # readers never see half a summary
+        _write(self.path, summary)
+
+
+def mark_ended(workspace: Path, metrics_path: Path, status: str) -> None:
+    """Say how a run ended when its chief could not: a signal killed it mid-step.
+
+    Only a summary still saying `running` changes (a chief that closed its log knew
+    better); its numbers are brought up to the last record of metrics.jsonl.
+    """
+    path = Path(workspace) / SUMMARY_FILE
+    summary = read_summary(workspace)
+    if summary is None or summary.get("status") != "running":
+        return
+    records = read_metrics(metrics_path) if Path(metrics_path).exists() else []
+    summary.update(summarize(records), status=status, updated=_iso(time.time()))
+    _write(path, summary)
+
+
+def _write(path: Path, summary: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=1) + "\n")
+    os.replace(tmp, path)  # readers never see half a summary
 
 
 def _iso(t: float) -> str:

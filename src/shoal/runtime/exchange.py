@@ -12,9 +12,13 @@ this process has (threads sum in memory first), the buckets holding that
 param are complete and their gradients go to the owning rank (an isend).
 The owner's server thread sums what its peers sent, applies the updater to
 its slices (updater state lives with the slice) and sends the new values
-back to every worker process. Over all buckets this is a direct
-reduce-scatter + slice update + all-gather, moving exactly the analytic
-bytes (benchmarks/gloo_primitives.py measured gloo's own reduce_scatter,
+back to every worker process. A slice no process has a gradient for is not
+updated (SINGA's servers update on received gradients only; momentum and
+weight decay would otherwise move a param nothing trains), so with each
+bucket's gradients goes one byte per param: whether the sender had one.
+Over all buckets this is a direct
+reduce-scatter + slice update + all-gather, moving the analytic bytes
+and the flags (benchmarks/gloo_primitives.py measured gloo's own reduce_scatter,
 reduce and broadcast moving 1.2-1.5x that, and slower): the AllReduce framework when
 servers share the workers' processes, Sandblaster when they have processes
 of their own (those contribute no gradients and receive no values).
@@ -80,7 +84,8 @@ class _Round:
     step: int
     arrived: set[tuple[int, str]] = field(default_factory=set)  # (local worker, param) handed over
     count: dict[str, int] = field(default_factory=dict)  # local workers that handed a param over
-    grad: dict[str, torch.Tensor] = field(default_factory=dict)  # this process's weighted sum, flat
+    grad: dict[str, torch.Tensor] = field(default_factory=dict)  # this process's weighted sum, flat (zeros if none)
+    has_grad: set[str] = field(default_factory=set)  # params some local worker had a gradient for
     pending: dict[int, int] = field(default_factory=dict)  # bucket -> params not complete yet
     ready: dict[int, threading.Event] = field(default_factory=dict)  # owned bucket -> local part complete
     works: list = field(default_factory=list)  # handles of this round's messages (main side)
@@ -124,11 +129,24 @@ class SlicedExchange:
         hosts_workers = rank in self.worker_ranks
         self._outgoing = {b.index: torch.empty(b.numel) for b in self.buckets if len(b.slices) > 1 and (b.owner == rank or hosts_workers)}
         self._arriving = {b.index: torch.empty(b.numel) for b in self.buckets if len(b.slices) > 1 and b.owner != rank and hosts_workers}
+        # per bucket, one byte per param: whether the sender had a gradient for it, so that an owner
+        # skips a param no process has one for. In a message of its own, because a big slice's
+        # gradients travel as a view of the gradient itself: appending a flag would copy up to the
+        # bucket cap (4 MB) per message, where this costs len(params) bytes and one small message
+        self._flags_in = {(b.index, p): torch.empty(len(b.params), dtype=torch.uint8) for b in self.owned for p in self.peers}
+        self._flags_out = {b.index: torch.empty(len(b.params), dtype=torch.uint8) for b in self.buckets if b.owner != rank and hosts_workers}
         self.shares = [w.share for w in workers]
         # per local worker: whether its gradients leave during backward (kBP) or after compute
         self.streaming = [w.stream_gradients(self._hook(i)) for i, w in enumerate(workers)]
         self._lock = threading.Lock()
         self._round: Optional[_Round] = None
+
+    # message tags of bucket b: its gradients (to the owner), its new values (back), its gradient flags
+    GRADS, VALUES, FLAGS = range(3)
+
+    @staticmethod
+    def _tag(b: Bucket, kind: int) -> int:
+        return 3 * b.index + kind
 
     @staticmethod
     def _key(s: ParamSlice) -> tuple[str, int, int]:
@@ -182,7 +200,7 @@ class SlicedExchange:
         return lambda name, grad: self._arrive(worker, name, grad)
 
     def _arrive(self, worker: int, name: str, grad: Optional[torch.Tensor]) -> None:
-        """A local worker's gradient of `name` (None: it has none; counts as zeros)."""
+        """A local worker's gradient of `name` (None: it has none; counts as zeros if another has one)."""
         r = self._round
         if name not in self.buckets_of or r is None:
             return  # not trained by gradient (running statistics), or outside a step
@@ -191,6 +209,7 @@ class SlicedExchange:
                 raise RuntimeError(f"param {name}: worker {worker} produced its gradient twice in step {r.step}")
             r.arrived.add((worker, name))
             if grad is not None:
+                r.has_grad.add(name)
                 weight = self.shares[worker] / self.global_batch  # each loss is a mean over its share
                 # gloo moves host memory: a worker on a GPU hands its gradient to the process's store there
                 flat = grad.detach().reshape(-1).to(self.store.device)
@@ -216,13 +235,17 @@ class SlicedExchange:
             r.ready[b.index].set()
             return
         payload = self._gather(b, lambda s: r.grad[s.param][s.start : s.stop])
-        r.works.append(comm.isend(payload, b.owner, tag=2 * b.index))
+        r.works.append(comm.isend(payload, b.owner, tag=self._tag(b, self.GRADS)))
+        flags = self._flags_out[b.index]
+        for k, name in enumerate(b.params):
+            flags[k] = name in r.has_grad
+        r.works.append(comm.isend(flags, b.owner, tag=self._tag(b, self.FLAGS)))
         if len(b.slices) == 1:
             target = self._value(b.slices[0])  # straight into the param: it is no longer read this step
         else:
             target = self._arriving[b.index]
             r.staged.append(b)
-        r.works.append(comm.irecv(target, b.owner, tag=2 * b.index + 1))
+        r.works.append(comm.irecv(target, b.owner, tag=self._tag(b, self.VALUES)))
 
     def _gather(self, b: Bucket, part: Callable[[ParamSlice], torch.Tensor]) -> torch.Tensor:
         """The bucket's flat message: the slice itself when alone, else a copy into its buffer."""
@@ -236,14 +259,23 @@ class SlicedExchange:
     def _serve(self, r: _Round) -> None:
         """The server of this rank: per owned bucket, sum, update, send the values back."""
         try:
-            receiving = {b.index: [comm.irecv(self._incoming[b.index, p], p, tag=2 * b.index) for p in self.peers] for b in self.owned}
+            receiving = {
+                b.index: [comm.irecv(self._incoming[b.index, p], p, tag=self._tag(b, self.GRADS)) for p in self.peers]
+                + [comm.irecv(self._flags_in[b.index, p], p, tag=self._tag(b, self.FLAGS)) for p in self.peers]
+                for b in self.owned
+            }
             sending = []
             for b in self.owned:
                 if not r.ready[b.index].wait(comm.timeout_seconds()):
                     raise RuntimeError(f"the workers of process {self.rank} produced no gradients for {comm.timeout_seconds():.0f} s")
                 for work in receiving[b.index]:
                     work.wait()
+                anyone_has = {name for name in b.params if name in r.has_grad}
+                for p in self.peers:
+                    anyone_has.update(name for name, flag in zip(b.params, self._flags_in[b.index, p].tolist()) if flag)
                 for s, at in zip(b.slices, b.offsets):
+                    if s.param not in anyone_has:  # as Server.update: no gradient anywhere, no update
+                        continue
                     grad = r.grad[s.param][s.start : s.stop] if self.shares else None
                     for p in self.peers:  # in rank order, so every run sums alike
                         part = self._incoming[b.index, p][at : at + s.size]
@@ -251,7 +283,7 @@ class SlicedExchange:
                     info = self.store.info[s.param]
                     self.updater.update(r.step, self._value(s), grad, self.state[self._key(s)], info.lr_scale, info.wd_scale)
                 values = self._gather(b, self._value)
-                sending += [comm.isend(values, p, tag=2 * b.index + 1) for p in self.peers]
+                sending += [comm.isend(values, p, tag=self._tag(b, self.VALUES)) for p in self.peers]
             for work in sending:
                 work.wait()
         except BaseException as err:  # handed to the training thread by step()

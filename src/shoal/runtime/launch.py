@@ -30,7 +30,7 @@ from shoal.comm import dist as comm
 from shoal.config import job_pb2
 from shoal.devices import worker_device_names
 from shoal.metrics import read_metrics
-from shoal.report.run_log import open_run_log
+from shoal.report.run_log import Terminated, mark_run_ended, open_run_log
 from shoal.runtime.downpour import DownpourExchange, DownpourServer
 from shoal.runtime.exchange import SlicedExchange
 from shoal.runtime.hogwild import HogwildExchange
@@ -269,6 +269,16 @@ def _join_tolerating_groups(context, ranks: list[int], placement: Placement, wor
         wait([p.sentinel for p in context.processes if p.exitcode is None], timeout=1.0)
 
 
+def _wait_for_exit(processes, grace: float = 5.0) -> None:
+    """Wait for terminated processes to exit (SIGKILL after `grace` seconds) and reap them."""
+    deadline = time.monotonic() + grace
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
 def run_processes(
     job: job_pb2.JobProto,
     workspace: Path,
@@ -300,7 +310,7 @@ def run_processes(
             for proc in context.processes:
                 if proc.is_alive():
                     proc.terminate()
-            raise KeyboardInterrupt
+            raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -308,12 +318,19 @@ def run_processes(
                 _join_tolerating_groups(context, ranks, placement, workspace)
             while not context.join():
                 pass
+        except KeyboardInterrupt as interruption:
+            _wait_for_exit(context.processes)
+            if 0 in ranks:  # a chief killed mid-step left its summary saying "running"
+                mark_run_ended(workspace, interruption)
+            raise
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     except mp.ProcessRaisedException as err:
         rank = ranks[err.error_index]
         last = str(err).strip().splitlines()[-1]
+        if rank == 0 and last.startswith("BrokenPipeError"):  # the chief writes to our stdout: its reader went away
+            raise BrokenPipeError(last) from None
         if last.startswith(f"{__name__}.StalledPeer: "):
             raise ProcessFailed(last.split(": ", 1)[1] + f"; see {workspace}/logs") from None
         raise ProcessFailed(f"{describe_process(placement, rank)} failed: {last}; see {workspace}/logs/rank{rank}.log") from None
