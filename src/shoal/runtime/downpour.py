@@ -34,7 +34,7 @@ from shoal.runtime.groups import StalenessStats
 from shoal.updaters import Updater
 
 PUSH, STOP, STATE, FINAL, PULL = 1, 2, 3, 4, 5
-TAG_HEADER, TAG_GRAD, TAG_VALUES, TAG_REPLY, TAG_STATE = 11, 12, 13, 14, 15
+TAG_HEADER, TAG_GRAD, TAG_VALUES, TAG_REPLY, TAG_STATE, TAG_HAS_GRAD = 11, 12, 13, 14, 15, 16
 
 
 @dataclass(frozen=True)
@@ -105,10 +105,13 @@ class DownpourServer:
         parts = [self.state[seg][slot] for slot in self.slots for seg in self.segments]
         return torch.cat(parts) if parts else torch.zeros(0)
 
-    def apply(self, grad: torch.Tensor, read_version: int) -> tuple[torch.Tensor, int, int]:
+    def apply(self, grad: torch.Tensor, read_version: int, has_grad: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """One update of every owned segment whose param some worker of the group had a gradient for."""
         with self._lock:
             lag = self.version - read_version
-            for seg in self.segments:
+            for seg, had in zip(self.segments, has_grad.tolist()):
+                if not had:  # as the in-memory server: no gradient, no update (momentum and decay wait too)
+                    continue
                 info = self.store.info[seg.param]
                 self.updater.update(self.version, self._view(seg), grad[seg.offset : seg.offset + seg.size],
                                     self.state[seg], info.lr_scale, info.wd_scale)
@@ -142,16 +145,18 @@ class DownpourServer:
     def _serve_group(self, group: int, rank: int) -> None:
         header = torch.zeros(3, dtype=torch.int64)
         grad = torch.zeros(self.size)
+        has_grad = torch.zeros(len(self.segments), dtype=torch.uint8)
         try:
             while True:
                 comm.recv(header, rank, TAG_HEADER)
                 kind, _, read_version = header.tolist()
                 if kind == PUSH:
                     comm.recv(grad, rank, TAG_GRAD)
+                    comm.recv(has_grad, rank, TAG_HAS_GRAD)
                     step = header.tolist()[1]
                     with self._running:  # stale-synchronous: hold a group that is too far ahead
                         self._running.wait_for(lambda: self._may_go(step))
-                    values, version, lag = self.apply(grad, read_version)
+                    values, version, lag = self.apply(grad, read_version, has_grad)
                     with self._running:
                         self._steps[group] = step + 1
                         self._running.notify_all()
@@ -195,6 +200,7 @@ class DownpourExchange:
         self.chief = group == 0 and rank == self.stub
         self.global_batch = global_batch
         self.names = store.trainable_names()
+        self.position = {name: i for i, name in enumerate(self.names)}
         self.offsets, offset = {}, 0
         for name in self.names:
             self.offsets[name] = offset
@@ -213,15 +219,17 @@ class DownpourExchange:
         self.warmup = placement.cluster.warmup_steps > 0
         self.first_step = 0  # set on resume
 
-    def _flat_grads(self, parts: list[tuple[Grads, int]]) -> torch.Tensor:
-        """This process's share of the group's gradient (weighted by share of the group's batch), laid end to end."""
+    def _flat_grads(self, parts: list[tuple[Grads, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's share of the group's gradient (weighted by share of the group's batch), laid end to end,
+        and per param whether it had one (a param no worker has a gradient for is not updated)."""
         grads = aggregate(parts, self.global_batch, target=torch.device("cpu"))
-        flat = torch.zeros(self.total)
-        for name in self.names:
+        flat, had = torch.zeros(self.total), torch.zeros(len(self.names))
+        for i, name in enumerate(self.names):
             g = grads.get(name)
             if g is not None:
                 flat[self.offsets[name] : self.offsets[name] + g.numel()].copy_(g.reshape(-1))
-        return flat
+                had[i] = 1
+        return flat, had
 
     def _gather(self, flat: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         base = self.offsets
@@ -256,19 +264,22 @@ class DownpourExchange:
             self._share_params()
 
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
-        flat = self._flat_grads(parts)
+        flat, had = self._flat_grads(parts)
         if len(self.group_ranks) > 1:
             comm.group_reduce_sum(flat, self.stub, self.group_comm)
+            comm.group_reduce_sum(had, self.stub, self.group_comm)
         if self.rank == self.stub:
-            self._push_pull(step, flat)
+            self._push_pull(step, flat, had)
         self._share_params()
 
-    def _push_pull(self, step: int, flat: torch.Tensor) -> None:
+    def _push_pull(self, step: int, flat: torch.Tensor, had: torch.Tensor) -> None:
         server, server_rank = None, -1
         try:
             for server, server_rank, segments, _ in self.servers:
                 comm.send(torch.tensor([PUSH, step, self.read_version[server_rank]], dtype=torch.int64), server_rank, TAG_HEADER)
                 comm.send(self._gather(flat, segments), server_rank, TAG_GRAD)
+                # one byte per segment: cheaper than a flag inside the (uncopied) gradient
+                comm.send(torch.tensor([had[self.position[s.param]] > 0 for s in segments], dtype=torch.uint8), server_rank, TAG_HAS_GRAD)
             lags = []
             for server, server_rank, segments, size in self.servers:
                 values, reply = torch.zeros(size), torch.zeros(2, dtype=torch.int64)
