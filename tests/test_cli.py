@@ -116,13 +116,12 @@ def test_a_dying_process_stops_the_job_with_one_line_naming_it(blobs_job, tmp_pa
 
     job = blobs_job(train_steps=50)
     job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 2 nservers_per_group: 2 server_worker_separate: true }"))
-    env = dict(os.environ, SHOAL_INJECT_EXIT="1:3")
+    env = dict(os.environ, SHOAL_INJECT_EXIT="1:3", **tagged(tmp_path))
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")], capture_output=True, text=True, env=env, timeout=120)
     assert time.monotonic() - start < 60
     assert_one_line_error(proc, "process 1 (worker(group=0, id=1))", "exited with code 3", "rank1.log")
-    leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "ws")], capture_output=True, text=True).stdout.strip()
-    assert leftover == ""
+    assert leftover_processes(tmp_path) == []
 
 
 def test_a_stalled_process_is_named_and_the_job_stops(blobs_job, tmp_path):
@@ -131,13 +130,12 @@ def test_a_stalled_process_is_named_and_the_job_stops(blobs_job, tmp_path):
 
     job = blobs_job(train_steps=50)
     job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 3 nservers_per_group: 3 }"))
-    env = dict(os.environ, SHOAL_INJECT_STALL="2:4", SHOAL_COMM_TIMEOUT="8")
+    env = dict(os.environ, SHOAL_INJECT_STALL="2:4", SHOAL_COMM_TIMEOUT="8", **tagged(tmp_path))
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")], capture_output=True, text=True, env=env, timeout=120)
     assert time.monotonic() - start < 60
     assert_one_line_error(proc, "process 2 (worker(group=0, id=2), server(group=0, id=2)) stopped answering at step 4")
-    leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "ws")], capture_output=True, text=True).stdout.strip()
-    assert leftover == ""
+    assert leftover_processes(tmp_path) == []
 
 
 def test_ctrl_c_stops_every_process(blobs_job, tmp_path):
@@ -148,7 +146,8 @@ def test_ctrl_c_stops_every_process(blobs_job, tmp_path):
     job = blobs_job(train_steps=100000)
     job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 2 }"))
     proc = subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, **tagged(tmp_path)))
     deadline = time.time() + 60
     while time.time() < deadline and not (tmp_path / "ws" / "metrics.jsonl").exists():
         time.sleep(0.3)
@@ -158,9 +157,7 @@ def test_ctrl_c_stops_every_process(blobs_job, tmp_path):
     assert proc.returncode == 130
     assert err.strip().splitlines()[-1].startswith("shoal: interrupted")
     assert json.loads((tmp_path / "ws" / "summary.json").read_text())["status"] == "interrupted"
-    time.sleep(1)
-    leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "ws")], capture_output=True, text=True).stdout.strip()
-    assert leftover == ""
+    assert leftover_processes(tmp_path) == []
 
 
 def shoal_into_closed_pipe(*args, timeout=120):
@@ -224,6 +221,30 @@ def descendants(pid: int) -> set[int]:
             todo.extend(children - found)
             found |= children
     return found
+
+
+def tagged(tmp_path) -> dict[str, str]:
+    """An environment variable every process a test starts inherits, spawned workers and orphans included."""
+    return {"SHOAL_TEST_RUN": str(tmp_path)}
+
+
+def leftover_processes(tmp_path, wait: float = 5.0) -> list[int]:
+    """Live processes carrying tmp_path's tag (see `tagged`), after up to `wait` s for the last to be reaped."""
+    import time
+
+    tag = f"SHOAL_TEST_RUN={tmp_path}".encode()
+    deadline = time.time() + wait
+    while True:
+        found = []
+        for environ in Path("/proc").glob("[0-9]*/environ"):
+            try:
+                if tag in environ.read_bytes().split(b"\0") and alive(int(environ.parent.name)):
+                    found.append(int(environ.parent.name))
+            except OSError:  # ended meanwhile, or not ours to read
+                continue
+        if not found or time.time() > deadline:
+            return found
+        time.sleep(0.2)
 
 
 def alive(pid: int) -> bool:
