@@ -9,8 +9,9 @@ in one group (threads), SGD with momentum. For each partitioning:
 
 - samples/s (median of --repeats runs of --steps steps, runs alternate between partitionings);
 - bytes moved between the workers per step, *measured* by the runtime (bridges both ways, plus the
-  gradients of the params worker 1 computes and their new values coming back: the group's params
-  live with worker 0's server) next to the *analytic* value computed from the plan's shapes.
+  gradients of the replicated params worker 1 computes and their new values coming back: those are
+  summed at worker 0's server; a feature slice or a placed layer's param is updated by the one worker
+  computing it and never crosses) next to the *analytic* value computed from the plan's shapes.
 
     python benchmarks/partition.py [--steps 8] [--repeats 3] [--batch 128]
 """
@@ -94,9 +95,10 @@ def analytic_bytes(plan: PartitionPlan, shares: list[int], shapes: dict[str, tup
         if n.type == "kBridgeDst":
             rows = shares[n.part] if n.partitioning == BATCH else batch
             total += rows * int(np.prod(n.shape)) * 4 * (2 if learns[n.peer] else 1)
+    owned = plan.updated_where_computed()  # updated by the worker computing them: they never cross
     for k in range(1, plan.nworkers):
-        views = {v for n in plan.worker_nodes(k) for v in n.params}
-        # each param view worker k computes with: its gradient goes to worker 0's server, the new values come back
+        views = {v for n in plan.worker_nodes(k) for v in n.params if v not in owned}
+        # each replicated view worker k computes with: its gradient goes to worker 0's server, the new values come back
         total += sum(2 * 4 * view_numel(shapes[v.name], v) for v in views)
     return total
 

@@ -16,6 +16,7 @@ import shoal
 from shoal import checkpoint as ckpt_io
 from shoal.balance import LinearCost, ShareBalancer, fit_cost, split_batch
 from shoal.devices import broadcast_order, tree_levels
+from shoal.runtime.replicas import tree_reduce
 from shoal.runtime.local import UnsupportedClusterError
 
 from conftest import REPO
@@ -59,6 +60,24 @@ def test_broadcast_reaches_every_device_once_from_a_device_that_has_the_values(n
         assert src in reached and dst not in reached
         reached.add(dst)
     assert reached == set(names)
+
+
+def test_tree_reduce_is_the_share_weighted_sum_whatever_is_missing():
+    """Workers without a gradient (or balanced out with share 0) anywhere in the tree."""
+    gen = torch.Generator().manual_seed(0)
+    rng = random.Random(1)
+    for _ in range(100):
+        n = rng.randint(1, 7)
+        shares = [rng.choice([0, rng.randint(1, 9)]) for _ in range(n)]
+        has = [rng.random() < 0.7 for _ in range(n)]
+        grads = [{"w": torch.randn(3, generator=gen) if h else None} for h in has]
+        total = sum(shares) or 1
+        expected = [g["w"] * (s / total) for g, s in zip(grads, shares) if s > 0 and g["w"] is not None]
+        got = tree_reduce([({"w": None if g["w"] is None else g["w"].clone()}, s) for g, s in zip(grads, shares)], total)["w"]
+        if not expected:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, sum(expected))
 
 
 def test_split_batch_is_optimal_against_brute_force():

@@ -150,6 +150,46 @@ def test_feature_partitions_own_disjoint_slices_that_tile_each_param(blobs_dir, 
 
 
 @pytest.mark.parametrize("partitioning", PARTITIONINGS)
+def test_views_computed_by_one_worker_alone_are_updated_there_and_replicas_are_not(blobs_dir, tmp_path, partitioning):
+    """A feature slice or a placed layer's param is computed by one worker only: nothing to sum, so that worker
+    updates it; a batch layer's param is replicated, and its parts must be summed first."""
+    plan = plan_of(blobs_dir, tmp_path, **PARTITIONINGS[partitioning])
+    owned = plan.updated_where_computed()
+    for node in plan.nodes:
+        for view in node.params:
+            kind = plan.partitioning[node.origin][0]
+            assert (view in owned) == (kind in (FEATURE, WHOLE)), (node.name, view)
+            if view in owned:
+                assert owned[view] == node.worker
+    for name in {v.name for v in owned}:  # an owned param's views tile it: each element has one updater
+        views = [v for v in owned if v.name == name]
+        assert len(views) == 1 and views[0].axis < 0 or sorted((v.start, v.start + v.size) for v in views)[0][0] == 0
+
+
+def test_a_worker_updates_its_own_slices_so_their_gradients_never_cross(blobs_dir, tmp_path):
+    """All-feature fc layers: per step only the bridged blobs cross between the 2 workers, none of the params."""
+    text = job_text(blobs_dir, net="partition_dim: 1")
+    moved = {}
+    for mode in ("updated by their worker", "sent to worker 0"):
+        trainer = Trainer(load(text, tmp_path), tmp_path / mode, [tmp_path], torch.device("cpu"))
+        from shoal.runtime.exchange import LocalExchange
+        from shoal.runtime.server import Server
+        from shoal.updaters import make_updater
+
+        trainer.attach_exchange(LocalExchange(Server(trainer.store, make_updater(trainer.job.updater))))
+        group = trainer.workers[0]
+        if mode == "sent to worker 0":
+            group.update_views_with(None)
+        trainer.train_step(0)
+        bridges = sum(c.bytes for c in group.channels.values())
+        moved[mode] = (group.bytes_per_step, bridges)
+    slices_of_worker_1 = sum(v.size * (16 if v.name == "w1" else 32 if v.name == "w2" else 1) for v, k in
+                             plan_of(blobs_dir, tmp_path, net="partition_dim: 1").updated_where_computed().items() if k == 1)
+    assert moved["updated by their worker"][0] == moved["updated by their worker"][1]  # bridges only
+    assert moved["sent to worker 0"][0] == moved["sent to worker 0"][1] + 2 * 4 * slices_of_worker_1
+
+
+@pytest.mark.parametrize("partitioning", PARTITIONINGS)
 def test_every_edge_stays_on_one_worker_or_crosses_through_a_bridge_pair(blobs_dir, tmp_path, partitioning):
     plan = plan_of(blobs_dir, tmp_path, **PARTITIONINGS[partitioning])
     by_name = {n.name: n for n in plan.nodes}

@@ -88,6 +88,26 @@ class PartitionPlan:
     def worker_nodes(self, worker: int) -> list[PartNode]:
         return [n for n in self.nodes if n.worker == worker]
 
+    def updated_where_computed(self) -> dict[ParamView, int]:
+        """The param views no other worker computes with, each with its worker: a feature slice, or a
+        param of layers kept whole on one worker. Their gradients need no summing, so the worker can
+        update them itself (the seed docs' "servers placed with their workers"); replicated params
+        (batch-partitioned layers) must be summed over the workers first."""
+        users: dict[str, dict[int, set[ParamView]]] = {}
+        for n in self.nodes:
+            for view in n.params:
+                users.setdefault(view.name, {}).setdefault(n.worker, set()).add(view)
+        owned: dict[ParamView, int] = {}
+        for by_worker in users.values():
+            views = [(view, worker) for worker, vs in by_worker.items() for view in vs]
+            alone = len(by_worker) == 1
+            disjoint_slices = all(v.axis >= 0 and v.axis == views[0][0].axis for v, _ in views) and all(
+                a.start + a.size <= b.start or b.start + b.size <= a.start for (a, _), (b, _) in _pairs(views)
+            )
+            if alone or (disjoint_slices and all(len(vs) == 1 for vs in by_worker.values())):
+                owned.update(views)
+        return owned
+
     def node(self, name: str) -> PartNode:
         return next(n for n in self.nodes if n.name == name)
 
@@ -115,6 +135,10 @@ class PartitionPlan:
             if n.layer.conf.type == job_pb2.kBridgeDst:
                 links.append({"source": n.peer, "target": n.name})
         return {"directed": True, "multigraph": False, "graph": {"nworkers": self.nworkers}, "nodes": nodes, "links": links}
+
+
+def _pairs(items: list) -> list[tuple]:
+    return [(a, b) for i, a in enumerate(items) for b in items[i + 1 :]]
 
 
 def layer_partitioning(net_conf: job_pb2.NetProto, conf: job_pb2.LayerProto, layer: Layer, nworkers: int) -> tuple[str, int, Optional[str]]:

@@ -67,6 +67,10 @@ class LocalExchange:
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
         self.server.update(step, aggregate(parts, target=self.server.store.device))
 
+    def view_updater(self):
+        """How a worker updates a param view it computed alone: the server's updater on the view, at this step."""
+        return self.server.update_view
+
     def metrics(self, window: MetricWindow) -> dict[str, float]:
         return window.averages()
 

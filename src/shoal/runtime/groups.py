@@ -159,6 +159,13 @@ class GroupExchange:
                 self.replica.values[name].copy_(value)
         self.board.step_done(self.group, step, sum(share for _, share in parts), lag)
 
+    def view_updater(self):
+        """With one shared store (Hogwild), a worker updates the views it computed alone in place,
+        at the server's update count as every update of this server; with copies (Downpour), none."""
+        if self.replica is not None:
+            return None
+        return lambda step, view, grad: self.server.update_view(self.server.updates, view, grad)
+
     def metrics(self, window: MetricWindow) -> dict[str, float]:
         """This group's losses; the chief adds the job's samples and staleness since its last display."""
         return window.averages() | self.board.take_window() if self.chief else window.averages()

@@ -322,6 +322,16 @@ class PartitionedGroup:
         self.share = self.global_batch  # the group's gradient is of the whole batch: weight 1
         self.pool = ThreadPoolExecutor(max_workers=len(self.parts), thread_name_prefix="shoal-part")
         self.bytes_per_step = 0  # bridges plus the gradients of workers other than worker 0 (the last step)
+        # views no other worker computes with, on the store's device: their worker may update them itself
+        on_store = {part.index for part in self.parts if part.device == store.device}
+        self.owned = {view: k for view, k in plan.updated_where_computed().items() if k in on_store}
+        self.update_view: Optional[Callable] = None
+
+    def update_views_with(self, update_view: Optional[Callable]) -> None:
+        """`update_view(step, view, grad)` (the exchange's server, in place): each worker then updates the views
+        it alone computes with as soon as its backward ends, in its own thread, and their gradients never leave
+        it; None (servers elsewhere, or a group working on a copy): every gradient goes to the exchange."""
+        self.update_view = update_view
 
     def _channels(self, hosted: list[int], ranks: dict[int, int]) -> dict[str, object]:
         """A channel per bridge with an end here, by bridge_dst name: in memory, or to another process."""
@@ -388,10 +398,15 @@ class PartitionedGroup:
 
         def run(part: PartWorker):
             try:
-                return part.run(step * batch, rows, batch, shares, report)
+                grads = part.run(step * batch, rows, batch, shares, report)
             except BaseException:
                 self.abort.set()
                 raise
+            if self.update_view is None:
+                return grads
+            for view in [v for v in grads if self.owned.get(v) == part.index]:
+                self.update_view(step, view, grads.pop(view))
+            return grads
 
         futures = [self.pool.submit(run, part) for part in self.parts]
         results, errors = [], []

@@ -72,26 +72,33 @@ class DeviceReplicas:
 def tree_reduce(parts: Sequence[tuple[Grads, int]], total: int, target: Optional[torch.device] = None) -> Grads:
     """Σ (share_i / total) · g_i, combined in Caffe's tree order, the result on `target` (default: worker 0's).
 
-    Each worker scales its own gradient first (its loss is a mean over its share), so a pair
-    only adds; a worker with no share (balanced out of the step) or no gradient adds nothing.
+    A worker's gradient is scaled by its share (its loss is a mean over its share) as it is first
+    added, in the same pass (add_ with alpha); a worker with no share (balanced out of the step) or
+    no gradient adds nothing. Gradients are combined in place: workers make fresh ones every step.
     """
     # a worker balanced out of the step (share 0) computed nothing and has no names
     names = list(next((grads for grads, share in parts if share > 0), parts[0][0]))
+    weights = [share / total for _, share in parts]
     out: Grads = {}
     for name in names:
-        nodes: list[Optional[torch.Tensor]] = []
-        for grads, share in parts:
-            g = grads.get(name) if share > 0 else None
-            # in place: workers make fresh gradients every step
-            nodes.append(None if g is None else g.mul_(share / total))
+        # per tree node: [partial sum, the weight not yet applied to it (None once scaled)]
+        nodes: list[Optional[list]] = [
+            None if share <= 0 or grads.get(name) is None else [grads[name], w] for (grads, share), w in zip(parts, weights)
+        ]
         for level in tree_levels(len(nodes)):
             for into, frm in level:
                 if nodes[frm] is None:
                     continue
                 if nodes[into] is None:
                     nodes[into] = nodes[frm]
-                else:
-                    nodes[into] = nodes[into].add_(nodes[frm].to(nodes[into].device))
-        g = nodes[0]
-        out[name] = g if g is None or target is None else g.to(target)
+                    continue
+                acc, src = nodes[into], nodes[frm]
+                if acc[1] is not None:
+                    acc[0].mul_(acc[1])
+                    acc[1] = None
+                acc[0].add_(src[0].to(acc[0].device), alpha=1.0 if src[1] is None else src[1])
+        root = nodes[0]
+        if root is not None and root[1] is not None:  # nothing was added to it: scale it alone
+            root[0].mul_(root[1])
+        out[name] = None if root is None else root[0] if target is None else root[0].to(target)
     return out

@@ -6,12 +6,15 @@ tensors per param, so a server can own any slice of a param and its state.
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from shoal.params import ParamStore
 from shoal.updaters import Updater
+
+if TYPE_CHECKING:
+    from shoal.partition import ParamView
 
 
 class Server:
@@ -37,6 +40,18 @@ class Server:
             self.version[name] += 1
         with self._count:
             self.updates += 1
+
+    def update_view(self, step: int, view: "ParamView", grad: torch.Tensor) -> None:
+        """Update one view of a param in place (a slice, or the whole), with the same slice of its
+        updater state: what a worker computing that view alone does with its own gradient."""
+        if view.name not in self.state:
+            return  # not trained by gradient
+        value, state = self.store.values[view.name], self.state[view.name]
+        if view.axis >= 0:
+            value = value.narrow(view.axis, view.start, view.size)
+            state = {slot: s.narrow(view.axis, view.start, view.size) for slot, s in state.items()}
+        info = self.store.info[view.name]
+        self.updater.update(step, value, grad.to(value.device), state, info.lr_scale, info.wd_scale)
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         return self.state

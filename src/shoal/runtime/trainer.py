@@ -209,6 +209,10 @@ class Trainer:
     # -- state ------------------------------------------------------------
     def attach_exchange(self, exchange) -> None:
         self.exchange = exchange
+        view_updater = getattr(exchange, "view_updater", lambda: None)()
+        for group in self.workers:
+            if isinstance(group, PartitionedGroup):  # feature slices and placed layers: updated by their worker
+                group.update_views_with(view_updater)
 
     def load_params(self, paths: list[Path]) -> int:
         """Initialise params by name from earlier checkpoints (SINGA's checkpoint_path); return the last one's step."""
