@@ -203,8 +203,8 @@ class Trainer:
         costs = self.balancer.costs()
         self.set_shares(proposal)
         split = ", ".join(f"{n} on {w.device_name}" for n, w in zip(proposal, self.workers))
-        rates = ", ".join(f"{1 / c.per_sample:,.0f}" for c in costs)
-        self.log(f"Batch shares from step {step + 1}: {split} (measured samples/s per worker: {rates})")
+        model = ", ".join(f"{c.fixed * 1e3:.1f} ms + {c.per_sample * 1e3:.3f} ms/row" for c in costs)
+        self.log(f"Batch shares from step {step + 1}: {split} (measured step time per worker: {model})")
 
     # -- state ------------------------------------------------------------
     def attach_exchange(self, exchange) -> None:
