@@ -45,21 +45,15 @@ class DeviceReplicas:
     """The store of each device a group's workers use: the root's own store, a copy on every other."""
 
     def __init__(self, root: ParamStore, root_name: str, worker_devices: Sequence[str]):
-        self.root_name = root_name
-        self.names = [root_name] + [d for d in worker_devices]
         self.stores: dict[str, ParamStore] = {root_name: root}
         for name in worker_devices:
             if name not in self.stores:
                 self.stores[name] = root.copy_to(torch_device(name))
         # the root of the broadcast tree is the store's device, then the workers in order
-        self._copies = broadcast_order(self.names)
+        self._copies = broadcast_order([root_name, *worker_devices])
 
     def store_of(self, device: str) -> ParamStore:
         return self.stores[device]
-
-    @property
-    def replicated(self) -> bool:
-        return len(self.stores) > 1
 
     def refresh(self) -> None:
         """Send the root's values down the tree to every replica (before each step)."""
