@@ -164,10 +164,7 @@ class ParamStore:
 
     def copy(self) -> "ParamStore":
         """A store with the same params and its own copy of their values."""
-        other = ParamStore(self.allocate)
-        other.info, other._owner = dict(self.info), dict(self._owner)
-        other.values = {name: value.clone() for name, value in self.values.items()}
-        return other
+        return self.copy_to(self.device)
 
     @property
     def device(self) -> torch.device:

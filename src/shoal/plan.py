@@ -7,12 +7,11 @@ import torch
 
 from shoal.cluster import describe, place
 from shoal.config import job_pb2
-from shoal.config.validate import in_phase
 from shoal.devices import worker_device_names
 from shoal.net import NeuralNet
 from shoal.params import ParamStore
 from shoal.partition import partition
-from shoal.runtime.feed import batch_conf, batch_shares
+from shoal.runtime.feed import train_input_shares
 
 
 def build_plan(job: job_pb2.JobProto, cores: int | None = None) -> dict:
@@ -25,7 +24,7 @@ def build_plan(job: job_pb2.JobProto, cores: int | None = None) -> dict:
     cores = cores or os.cpu_count() or 1
     explicit = job.num_openblas_threads if job.HasField("num_openblas_threads") else job.cluster.threads_per_worker
     parts = partition(net, job.neuralnet, job.cluster.nworkers_per_group)
-    shares = _batch_shares(job)
+    shares = next(iter(train_input_shares(job)), [])  # the first training input layer's
     # one host: every worker of the job shares its cores (oversubscription is what kills CPU throughput)
     workers_on_host = sum(len(proc["workers"]) for proc in plan["processes"])
     threads = explicit or max(1, cores // max(1, workers_on_host))
@@ -41,15 +40,6 @@ def build_plan(job: job_pb2.JobProto, cores: int | None = None) -> dict:
     plan["params"] = {name: list(info.shape) for name, info in store.info.items()}
     plan["param_elements"] = sum(sizes.values())
     return plan
-
-
-def _batch_shares(job: job_pb2.JobProto) -> list[int]:
-    """The rows of a group's batch each worker computes, from the first training input layer."""
-    for layer in job.neuralnet.layer:
-        conf = batch_conf(layer)
-        if conf is not None and in_phase(layer, job_pb2.kTrain):
-            return batch_shares(conf, job.cluster.nworkers_per_group)
-    return []
 
 
 def render(plan: dict, job_name: str) -> str:

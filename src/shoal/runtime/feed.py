@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from shoal.config import job_pb2
+from shoal.config.validate import in_phase
 from shoal.data.dataset import Dataset, load_mean, open_store
 from shoal.data.errors import StoreError
 from shoal.layers.char_rnn import CharRNNOutput, char_windows, encode_text, read_vocab
@@ -39,6 +40,15 @@ def batch_shares(store: job_pb2.StoreProto, npartitions: int) -> list[int]:
         raise ValueError(f"store_conf.batchsize has {len(sizes)} values for {npartitions} partitions")
     base, extra = divmod(sizes[0], npartitions)
     return [base + (1 if i < extra else 0) for i in range(npartitions)]
+
+
+def train_input_shares(job: job_pb2.JobProto) -> list[list[int]]:
+    """Per training input layer, the rows of a group's batch each of its nworkers_per_group workers reads."""
+    return [
+        batch_shares(batch_conf(layer), job.cluster.nworkers_per_group)
+        for layer in job.neuralnet.layer
+        if batch_conf(layer) is not None and in_phase(layer, job_pb2.kTrain)
+    ]
 
 
 @dataclass

@@ -34,7 +34,7 @@ from shoal.report.run_log import Terminated, mark_run_ended, open_run_log
 from shoal.runtime.downpour import DownpourExchange, DownpourServer
 from shoal.runtime.exchange import SlicedExchange
 from shoal.runtime.hogwild import HogwildExchange
-from shoal.runtime.replicas import device_label, usable_device_names
+from shoal.runtime.replicas import device_label, process_devices
 from shoal.runtime.server import Server
 from shoal.runtime import visualization
 from shoal.runtime.trainer import History, Trainer
@@ -105,7 +105,7 @@ def _entry(
         hosted = placement.processes[rank]
         say = (lambda line: (print(line), log_file.write(line + "\n"))) if rank == 0 else print
         # params live in host memory (gloo moves them); workers on GPUs compute on replicas
-        devices = usable_device_names(worker_device_names(job, len(hosted.workers)))
+        devices = process_devices(job, len(hosted.workers))
         trainer = Trainer(
             job, Path(workspace), [Path(d) for d in base_dirs], torch.device("cpu"), log=say,
             progress=False, worker_indices=[w.id for w in hosted.workers], chief=rank == 0,

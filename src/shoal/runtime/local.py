@@ -13,14 +13,13 @@ from shoal import checkpoint as ckpt_io
 from shoal import jobs
 from shoal.cluster import place
 from shoal.config import job_pb2
-from shoal.config.validate import in_phase
-from shoal.devices import worker_device_names
 from shoal.partition import plan_partition
 from shoal.report.run_log import end_status, open_run_log
 from shoal.report.tensorboard import require_tensorboard
 from shoal.runtime.exchange import LocalExchange
+from shoal.runtime.feed import train_input_shares
 from shoal.runtime.groups import GroupBoard, GroupExchange, run_groups
-from shoal.runtime.replicas import device_label, torch_device, usable_device_names
+from shoal.runtime.replicas import device_label, process_devices, torch_device
 from shoal.runtime.server import Server
 from shoal.runtime import visualization
 from shoal.runtime.trainer import History, Trainer
@@ -95,7 +94,7 @@ def _check_balanceable(job: job_pb2.JobProto, placement) -> None:
         )
     if job.cluster.nworkers_per_group > 1 and plan_partition(job).partitioned:
         raise UnsupportedClusterError("cluster.auto_batch_shares: a group with layers cut on features or placed by location splits by layer, not by batch")
-    sizes = {sum(layer.store_conf.batchsize) for layer in job.neuralnet.layer if layer.HasField("store_conf") and in_phase(layer, job_pb2.kTrain)}
+    sizes = {sum(shares) for shares in train_input_shares(job)}
     if len(sizes) > 1:
         raise UnsupportedClusterError(f"cluster.auto_batch_shares: the training input layers read batches of different sizes ({sorted(sizes)})")
 
@@ -132,11 +131,6 @@ def thread_budget(job: job_pb2.JobProto, workers_on_host: int = 1) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, workers_on_host))
 
 
-def local_devices(job: job_pb2.JobProto, count: int) -> list[str]:
-    """The devices of this process's `count` workers (SINGA's `gpu:` list or shoal's `device:` list)."""
-    return usable_device_names(worker_device_names(job, count))
-
-
 def _prepare_workspace(workspace: Path, resume: bool) -> Optional[Path]:
     """Refuse to clobber an earlier run; return the checkpoint to resume from, if any."""
     existing = ckpt_io.latest(workspace)
@@ -162,7 +156,7 @@ def build_group_trainers(job: job_pb2.JobProto, workspace: Path, options: RunOpt
     """Asynchronous groups in this process sharing one store and one server (in-memory Hogwild)."""
     c = job.cluster
     torch.set_num_threads(thread_budget(job, workers_on_host=c.nworker_groups * c.nworkers_per_group))
-    names = local_devices(job, c.nworker_groups * c.nworkers_per_group)
+    names = process_devices(job, c.nworker_groups * c.nworkers_per_group)
     of_group = [names[g * c.nworkers_per_group : (g + 1) * c.nworkers_per_group] for g in range(c.nworker_groups)]
     home = torch_device(names[0])  # the server's values live with worker 0 of group 0
     chief = Trainer(job, workspace, options.base_dirs, home, log=options.log, progress=options.progress, worker_devices=of_group[0])
@@ -181,7 +175,7 @@ def build_group_trainers(job: job_pb2.JobProto, workspace: Path, options: RunOpt
 
 def build_trainer(job: job_pb2.JobProto, workspace: Path, options: RunOptions, train: bool = True) -> Trainer:
     torch.set_num_threads(thread_budget(job, workers_on_host=job.cluster.nworkers_per_group))
-    names = local_devices(job, job.cluster.nworkers_per_group)
+    names = process_devices(job, job.cluster.nworkers_per_group)
     trainer = Trainer(job, workspace, options.base_dirs, torch_device(names[0]), log=options.log, progress=options.progress, train=train,
                       worker_devices=names if train else None)
     if train:

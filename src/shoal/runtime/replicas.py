@@ -15,7 +15,8 @@ from typing import Optional, Sequence
 import torch
 
 from shoal.algorithms import Grads
-from shoal.devices import broadcast_order, tree_levels
+from shoal.config import job_pb2
+from shoal.devices import broadcast_order, tree_levels, worker_device_names
 from shoal.params import ParamStore
 
 
@@ -33,6 +34,11 @@ def usable_device_names(names: Sequence[str], warn=lambda message: warnings.warn
             name = "cpu"
         usable.append(name)
     return usable
+
+
+def process_devices(job: job_pb2.JobProto, count: int) -> list[str]:
+    """The devices this process's `count` workers run on (SINGA's `gpu:` or shoal's `device:` list), usable here."""
+    return usable_device_names(worker_device_names(job, count))
 
 
 def device_label(name: str) -> str:

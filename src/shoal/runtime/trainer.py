@@ -29,14 +29,13 @@ from shoal import checkpoint as ckpt_io
 from shoal.balance import ShareBalancer
 from shoal.cluster import place
 from shoal.config import job_pb2
-from shoal.config.validate import in_phase
 from shoal.layers.base import Context
 from shoal.metrics import MetricsLog, MetricWindow, display_line
 from shoal.net import NeuralNet
 from shoal.params import ParamStore
 from shoal.partition import partition
 from shoal.runtime import debug_norms
-from shoal.runtime.feed import InputFeed, batch_conf, batch_shares, make_feeds
+from shoal.runtime.feed import InputFeed, make_feeds, train_input_shares
 from shoal.runtime.partitioned import PartitionedGroup
 from shoal.runtime.replicas import DeviceReplicas, torch_device
 from shoal.runtime.worker import Worker
@@ -92,12 +91,7 @@ class History:
 
 def global_batch(job: job_pb2.JobProto) -> int:
     """Samples per training step of a group: the train input layers' batch (one value, or the shares' sum)."""
-    sizes = [
-        sum(batch_shares(batch_conf(layer), job.cluster.nworkers_per_group))
-        for layer in job.neuralnet.layer
-        if batch_conf(layer) is not None and in_phase(layer, job_pb2.kTrain)
-    ]
-    return max(sizes, default=0)
+    return max((sum(shares) for shares in train_input_shares(job)), default=0)
 
 
 class Trainer:
