@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from shoal import api
+from shoal.frontend import api
 from shoal.report.compare import compare_runs, render_markdown
 from shoal.report.plot import plot_runs
 from shoal.runtime.local import UnsupportedClusterError, check_runnable

@@ -34,13 +34,13 @@ sys.path.insert(0, str(REPO / "src"))
 
 from shoal.config import job_from_text, job_pb2  # noqa: E402
 from shoal.data.prepare import write_image_store  # noqa: E402
-from shoal.net import NeuralNet  # noqa: E402
-from shoal.partition import BATCH, PartitionPlan, partition  # noqa: E402
-from shoal.runtime.exchange import LocalExchange  # noqa: E402
+from shoal.neuralnet.net import NeuralNet  # noqa: E402
+from shoal.planning.partition import BATCH, PartitionPlan, partition  # noqa: E402
+from shoal.runtime.exchanges.sliced import LocalExchange  # noqa: E402
 from shoal.runtime.partitioned import PartitionedGroup  # noqa: E402
 from shoal.runtime.local import RunOptions, build_trainer  # noqa: E402
-from shoal.runtime.server import Server  # noqa: E402
-from shoal.updaters import make_updater  # noqa: E402
+from shoal.runtime.exchanges.server import Server  # noqa: E402
+from shoal.neuralnet.updaters import make_updater  # noqa: E402
 
 CONV = "conv1 relu1 pool1 conv2 relu2 pool2"
 FC = "fc1 relu3 fc2 relu4 fc3"

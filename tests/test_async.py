@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 import shoal
-from shoal.runtime.groups import GroupBoard
+from shoal.runtime.exchanges.groups import GroupBoard
 
 quiet = lambda *a: None
 
@@ -42,7 +42,7 @@ def test_in_memory_hogwild_learns_and_reports_staleness(blobs_job, tmp_path, gro
 def test_updater_slots_are_shared_by_the_groups(blobs_job, tmp_path):
     """One server, so one velocity per param for the one shared set of params (PyTorch's
     mnist_hogwild keeps an optimizer, and so a velocity, per process)."""
-    from shoal.api import load_job
+    from shoal.frontend.api import load_job
     from shoal.runtime.local import RunOptions, build_group_trainers
 
     trainers, _ = build_group_trainers(load_job(hogwild_job(blobs_job, 3)), tmp_path / "ws", RunOptions(log=quiet))
@@ -188,11 +188,11 @@ def test_server_state_reslices_to_any_server_count(blobs_job):
     """A whole-model updater state loaded by the servers of one slicing and gathered back is unchanged."""
     import torch
 
-    from shoal.api import load_job
-    from shoal.cluster import ServerId, place
-    from shoal.runtime.downpour import DownpourServer, server_segments
+    from shoal.frontend.api import load_job
+    from shoal.planning.placement import ServerId, place
+    from shoal.runtime.exchanges.downpour import DownpourServer, server_segments
     from shoal.runtime.trainer import Trainer
-    from shoal.updaters import make_updater
+    from shoal.neuralnet.updaters import make_updater
 
     job = load_job(downpour_job(blobs_job, updater="type: kAdam"))
     store = Trainer(job, blobs_job(), [], torch.device("cpu"), train=False).store
@@ -261,7 +261,7 @@ def test_in_memory_warm_up_with_bounded_staleness_never_deadlocks(blobs_job, tmp
 
 
 def test_in_memory_downpour_without_shared_memory_keeps_one_copy_per_group(blobs_job, tmp_path):
-    from shoal.api import load_job
+    from shoal.frontend.api import load_job
     from shoal.runtime.local import RunOptions, build_group_trainers
 
     job = hogwild_job(blobs_job, 2, cluster_extra="share_memory: false")

@@ -8,7 +8,7 @@ import sys
 import pytest
 from google.protobuf import text_format
 
-from shoal.cluster import PlacementError, ServerId, place, slice_params
+from shoal.planning.placement import PlacementError, ServerId, place, slice_params
 from shoal.config import job_pb2
 
 from conftest import REPO

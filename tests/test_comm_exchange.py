@@ -8,14 +8,14 @@ import pytest
 import torch
 
 import shoal
-from shoal.algorithms import back_propagation, register_algorithm
-from shoal.cluster import ParamSlice, place, slice_params
+from shoal.neuralnet.algorithms import back_propagation, register_algorithm
+from shoal.planning.placement import ParamSlice, place, slice_params
 from shoal.comm import dist as comm
-from shoal.runtime.buckets import plan_buckets
-from shoal.runtime.exchange import LocalExchange, SlicedExchange
-from shoal.runtime.server import Server
+from shoal.planning.buckets import plan_buckets
+from shoal.runtime.exchanges.sliced import LocalExchange, SlicedExchange
+from shoal.runtime.exchanges.server import Server
 from shoal.runtime.trainer import Trainer
-from shoal.updaters import make_updater
+from shoal.neuralnet.updaters import make_updater
 
 
 def random_slicing(seed: int) -> tuple[list[ParamSlice], dict[int, int]]:

@@ -117,8 +117,8 @@ def test_framework_cluster_snippets(tmp_path, name):
 
 @pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*/*.conf")), ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_examples_pass_the_shape_checks(path):
-    # shoal.api plugs the net builder's shape check into load_job
-    from shoal.api import load_job as load_with_shapes
+    # shoal.frontend.api plugs the net builder's shape check into load_job
+    from shoal.frontend.api import load_job as load_with_shapes
 
     load_with_shapes(path)
 
@@ -423,7 +423,7 @@ def test_shape_check_errors_are_positioned(tmp_path):
 
 
 def test_real_shape_check_reports_share_from_mismatch(tmp_path):
-    from shoal.shapes import check_shapes
+    from shoal.neuralnet.shapes import check_shapes
 
     text = edit('param { name: "w2" }', 'param { name: "w2" share_from: "w1" }')
     message = error_for(tmp_path, text, shape_check=check_shapes)
@@ -463,7 +463,7 @@ def test_job_error_formats_and_pickles():
 
 
 def test_the_cli_exits_with_the_one_line_error(tmp_path, capsys):
-    from shoal.cli import main
+    from shoal.frontend.cli import main
 
     text = edit('srclayers: "relu1"', 'srclayers: "relu7"')
     (tmp_path / "job.conf").write_text(text)

@@ -15,9 +15,9 @@ import pytest
 import torch
 from conftest import REPO
 
-from shoal import checkpoint as ckpt_io
+from shoal.runtime import checkpoint as ckpt_io
 from shoal.data.dataset import open_store
-from shoal.model import SGD, AdaGrad, Convolution2D, Dense, Dropout, ImageInput, LabelInput, Loss, MaxPooling2D, Sequential, Store
+from shoal.frontend.keras import SGD, AdaGrad, Convolution2D, Dense, Dropout, ImageInput, LabelInput, Loss, MaxPooling2D, Sequential, Store
 
 BATCH, STEPS = 32, 6
 UPDATERS = {

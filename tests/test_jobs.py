@@ -5,7 +5,7 @@ import subprocess
 import sys
 import time
 
-from shoal import jobs
+from shoal.runtime import job_registry as jobs
 
 
 def shoal(*args, **kw):

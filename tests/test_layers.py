@@ -9,9 +9,9 @@ import pytest
 import torch
 from google.protobuf import text_format
 
-import shoal.layers  # noqa: F401  (registration)
+import shoal.neuralnet.layers  # noqa: F401  (registration)
 from shoal.config import job_pb2
-from shoal.layers import (
+from shoal.neuralnet.layers import (
     Context,
     Layer,
     LayerConfigError,

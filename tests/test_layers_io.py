@@ -7,7 +7,7 @@ import torch
 from test_layers import Reports, gradcheck, make, rand, run
 
 from shoal.config import job_pb2
-from shoal.layers import LayerConfigError
+from shoal.neuralnet.layers import LayerConfigError
 
 
 # -- store inputs ---------------------------------------------------------------------

@@ -8,10 +8,10 @@ import pytest
 import torch
 from test_layers import gradcheck, make, rand, run
 
-from shoal.layers import Context, LayerConfigError
-from shoal.layers.char_rnn import char_windows, encode_text
-from shoal.layers.rbm import contrastive_divergence
-from shoal.layers.rnn import GRU_PARAMS
+from shoal.neuralnet.layers import Context, LayerConfigError
+from shoal.neuralnet.layers.char_rnn import char_windows, encode_text
+from shoal.neuralnet.layers.rbm import contrastive_divergence
+from shoal.neuralnet.layers.rnn import GRU_PARAMS
 
 
 # -- ids to vectors -------------------------------------------------------------------

@@ -1,13 +1,13 @@
-"""shoal.model: Keras-like Sequential / Energy models that write jobs, trained on real MNIST."""
+"""shoal.frontend.keras: Keras-like Sequential / Energy models that write jobs, trained on real MNIST."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shoal import api
-from shoal import checkpoint as ckpt_io
+from shoal.frontend import api
+from shoal.runtime import checkpoint as ckpt_io
 from shoal.config import job_pb2
-from shoal.model import (
+from shoal.frontend.keras import (
     LRN2D,
     RBM,
     SGD,

@@ -6,9 +6,9 @@ import torch
 from google.protobuf import text_format
 
 from shoal.config import job_pb2
-from shoal.layers import Context
-from shoal.net import NetBuildError, NeuralNet
-from shoal.params import ParamStore
+from shoal.neuralnet.layers import Context
+from shoal.neuralnet.net import NetBuildError, NeuralNet
+from shoal.neuralnet.params import ParamStore
 
 NET = """
 layer { name: "data" type: kDummy dummy_conf { input: true shape: 4 shape: 3 } }

@@ -8,7 +8,7 @@ import torch
 from google.protobuf import text_format
 
 from shoal.config import job_pb2
-from shoal.params import ParamStore, init_value, register_param_init
+from shoal.neuralnet.params import ParamStore, init_value, register_param_init
 
 
 def gen(conf_text: str) -> job_pb2.ParamGenProto:

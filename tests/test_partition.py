@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import shoal
-from shoal import checkpoint as ckpt_io
+from shoal.runtime import checkpoint as ckpt_io
 from shoal.config import job_pb2
-from shoal.partition import BATCH, FEATURE, WHOLE, PartitionError, plan_partition
+from shoal.planning.partition import BATCH, FEATURE, WHOLE, PartitionError, plan_partition
 from shoal.runtime.local import UnsupportedClusterError
 from shoal.runtime.partitioned import PartitionedGroup
 from shoal.runtime.trainer import Trainer
@@ -172,9 +172,9 @@ def test_a_worker_updates_its_own_slices_so_their_gradients_never_cross(blobs_di
     moved = {}
     for mode in ("updated by their worker", "sent to worker 0"):
         trainer = Trainer(load(text, tmp_path), tmp_path / mode, [tmp_path], torch.device("cpu"))
-        from shoal.runtime.exchange import LocalExchange
-        from shoal.runtime.server import Server
-        from shoal.updaters import make_updater
+        from shoal.runtime.exchanges.sliced import LocalExchange
+        from shoal.runtime.exchanges.server import Server
+        from shoal.neuralnet.updaters import make_updater
 
         trainer.attach_exchange(LocalExchange(Server(trainer.store, make_updater(trainer.job.updater))))
         group = trainer.workers[0]

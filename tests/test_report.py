@@ -12,8 +12,8 @@ import pytest
 from conftest import mlp_job_text
 
 import shoal
-from shoal.cluster import place
-from shoal.metrics import RECORD_KEYS, read_metrics, record_problems
+from shoal.planning.placement import place
+from shoal.report.metrics import RECORD_KEYS, read_metrics, record_problems
 from shoal.report.plot import COLOURS
 from shoal.report.summary import THRESHOLDS, threshold_key
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import shoal
-from shoal import checkpoint as ckpt_io
+from shoal.runtime import checkpoint as ckpt_io
 from shoal.runtime.local import WorkspaceError
 from shoal.runtime.trainer import fires
 
@@ -90,7 +90,7 @@ def test_resume_equals_uninterrupted_run_bit_for_bit(blobs_job, tmp_path, stop_a
 
 
 def history_records(workspace):
-    from shoal.metrics import read_metrics
+    from shoal.report.metrics import read_metrics
 
     return read_metrics(workspace / "metrics.jsonl")
 
@@ -144,7 +144,7 @@ def test_train_a_job_given_as_a_python_dict(blobs_dir, tmp_path):
 
 
 def test_user_layer_registered_from_python(blobs_job, tmp_path):
-    from shoal.layers import Layer, register_user_layer
+    from shoal.neuralnet.layers import Layer, register_user_layer
 
     @register_user_layer("Square")
     class Square(Layer):

@@ -7,12 +7,12 @@ import torch.nn.functional as F
 from google.protobuf import text_format
 from test_layers_rnn import torch_gru_cell
 
-from shoal.algorithms import train_one_batch
+from shoal.neuralnet.algorithms import train_one_batch
 from shoal.config import job_pb2
-from shoal.layers import Context
-from shoal.net import NetBuildError, NeuralNet
-from shoal.params import ParamStore
-from shoal.unroll import unroll
+from shoal.neuralnet.layers import Context
+from shoal.neuralnet.net import NetBuildError, NeuralNet
+from shoal.neuralnet.params import ParamStore
+from shoal.neuralnet.unroll import unroll
 
 GRU_PARAMS = ["z_hx", "r_hx", "c_hx", "z_hh", "r_hh", "c_hh", "z_b", "r_b", "c_b"]
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from google.protobuf import text_format
 
-from shoal import updaters as updaters_module
+from shoal.neuralnet import updaters as updaters_module
 from shoal.config import job_pb2
-from shoal.updaters import (
+from shoal.neuralnet.updaters import (
     Updater,
     learning_rate,
     make_updater,

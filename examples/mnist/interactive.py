@@ -1,4 +1,4 @@
-"""SINGA 0.3's tool/python/examples/train_mnist.py with shoal.model: the training loop written out.
+"""SINGA 0.3's tool/python/examples/train_mnist.py with shoal.frontend.keras: the training loop written out.
 
     python examples/mnist/interactive.py                   # after `shoal prepare mnist --out examples/mnist/data`
     python examples/mnist/interactive.py --widths 128 --lr 0.05 --momentum 0.9 --steps 200
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from shoal.data.dataset import open_store
-from shoal.model import SGD, Dense, ImageInput, LabelInput, Loss, Store
+from shoal.frontend.keras import SGD, Dense, ImageInput, LabelInput, Loss, Store
 
 MEAN, STD = 127.5, 127.5  # pixels to [-1, 1], as examples/mnist/job.conf
 

@@ -1,4 +1,4 @@
-"""SINGA's tool/python/examples/mnist_mlp.py with shoal.model: the Ciresan MLP in a few lines.
+"""SINGA's tool/python/examples/mnist_mlp.py with shoal.frontend.keras: the Ciresan MLP in a few lines.
 
     python examples/mnist/mlp.py                 # after `shoal prepare mnist --out examples/mnist/data`
     python examples/mnist/mlp.py --steps 200 --workers 2    # a 2-thread synchronous group
@@ -11,7 +11,7 @@ import this file in each of them.
 import argparse
 from pathlib import Path
 
-from shoal.model import SGD, Cluster, Dense, Sequential, Store
+from shoal.frontend.keras import SGD, Cluster, Dense, Sequential, Store
 
 
 def main() -> None:

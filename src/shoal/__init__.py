@@ -15,11 +15,11 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # import the API lazily so `import shoal.config` stays light (no torch)
     if name in ("fit", "Cluster"):
-        from shoal import fitting
+        from shoal.frontend import fit as fitting
 
         return getattr(fitting, name)
     if name in __all__:
-        from shoal import api
+        from shoal.frontend import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'shoal' has no attribute {name!r}")

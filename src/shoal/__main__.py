@@ -1,5 +1,5 @@
 import sys
 
-from shoal.cli import main
+from shoal.frontend.cli import main
 
 sys.exit(main())

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shoal.config import job_pb2
-from shoal.metrics import MetricsLog
+from shoal.report.metrics import MetricsLog
 from shoal.report.summary import SummaryFile, mark_ended, run_info
 
 METRICS_FILE = "metrics.jsonl"

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal.metrics import read_metrics
+from shoal.report.metrics import read_metrics
 from shoal.report.errors import ReportError
 from shoal.report.run_log import METRICS_FILE
 from shoal.report.summary import clean_records, read_summary, summarize

@@ -16,9 +16,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from shoal.cluster import place
+from shoal.planning.placement import place
 from shoal.config import job_pb2
-from shoal.metrics import read_metrics
+from shoal.report.metrics import read_metrics
 
 SUMMARY_FILE = "summary.json"
 THRESHOLDS = (0.90, 0.95, 0.97, 0.98, 0.99)
@@ -33,7 +33,7 @@ class RunInfo:
     """What the run is, fixed at its start: the part of the summary not derived from metrics."""
 
     job: str
-    framework: str  # the framework the cluster section amounts to (shoal.cluster.Placement.framework)
+    framework: str  # the framework the cluster section amounts to (shoal.planning.placement.Placement.framework)
     label: str  # framework and layout in a few words, for legends and tables
     cluster: dict
     processes: int

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from shoal.partition import plan_partition
+from shoal.planning.partition import plan_partition
 from shoal.report.node_link import write_json
 from shoal.runtime.visualization import FOLDER
 

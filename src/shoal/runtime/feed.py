@@ -19,7 +19,7 @@ from shoal.config import job_pb2
 from shoal.config.validate import in_phase
 from shoal.data.dataset import Dataset, load_mean, open_store
 from shoal.data.errors import StoreError
-from shoal.layers.char_rnn import CharRNNOutput, char_windows, encode_text, read_vocab
+from shoal.neuralnet.layers.char_rnn import CharRNNOutput, char_windows, encode_text, read_vocab
 
 
 def batch_conf(layer: job_pb2.LayerProto) -> Optional[job_pb2.StoreProto]:

@@ -24,21 +24,21 @@ from typing import Callable, Optional
 import torch
 import torch.multiprocessing as mp
 
-from shoal import checkpoint as ckpt_io
-from shoal.cluster import Placement, ServerId, WorkerId, place
+from shoal.runtime import checkpoint as ckpt_io
+from shoal.planning.placement import Placement, ServerId, WorkerId, place
 from shoal.comm import dist as comm
 from shoal.config import job_pb2
-from shoal.devices import worker_device_names
-from shoal.metrics import read_metrics
+from shoal.planning.devices import worker_device_names
+from shoal.report.metrics import read_metrics
 from shoal.report.run_log import Terminated, mark_run_ended, open_run_log
-from shoal.runtime.downpour import DownpourExchange, DownpourServer
-from shoal.runtime.exchange import SlicedExchange
-from shoal.runtime.hogwild import HogwildExchange
+from shoal.runtime.exchanges.downpour import DownpourExchange, DownpourServer
+from shoal.runtime.exchanges.sliced import SlicedExchange
+from shoal.runtime.exchanges.hogwild import HogwildExchange
 from shoal.runtime.replicas import device_label, process_devices
-from shoal.runtime.server import Server
+from shoal.runtime.exchanges.server import Server
 from shoal.runtime import visualization
 from shoal.runtime.trainer import History, Trainer
-from shoal.updaters import make_updater
+from shoal.neuralnet.updaters import make_updater
 
 LOOPBACK = "127.0.0.1"  # one host: nothing listens beyond loopback
 

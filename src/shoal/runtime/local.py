@@ -9,24 +9,24 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 from google.protobuf import text_format
 
-from shoal import checkpoint as ckpt_io
-from shoal import jobs
-from shoal.cluster import place
+from shoal.runtime import checkpoint as ckpt_io
+from shoal.runtime import job_registry as jobs
+from shoal.planning.placement import place
 from shoal.config import job_pb2
-from shoal.partition import plan_partition
+from shoal.planning.partition import plan_partition
 from shoal.report.run_log import end_status, open_run_log
 from shoal.report.tensorboard import require_tensorboard
-from shoal.runtime.exchange import LocalExchange
+from shoal.runtime.exchanges.sliced import LocalExchange
 from shoal.runtime.feed import train_input_shares
-from shoal.runtime.groups import GroupBoard, GroupExchange, run_groups
+from shoal.runtime.exchanges.groups import GroupBoard, GroupExchange, run_groups
 from shoal.runtime.replicas import device_label, process_devices, torch_device
-from shoal.runtime.server import Server
+from shoal.runtime.exchanges.server import Server
 from shoal.runtime import visualization
 from shoal.runtime.trainer import History, Trainer
-from shoal.updaters import make_updater
+from shoal.neuralnet.updaters import make_updater
 
 if TYPE_CHECKING:
-    from shoal.params import ParamStore
+    from shoal.neuralnet.params import ParamStore
     from shoal.runtime.launch import Nodes
 
 

@@ -1,4 +1,4 @@
-"""A worker group whose net is partitioned (shoal.partition): one thread per worker, bridges between them.
+"""A worker group whose net is partitioned (shoal.planning.partition): one thread per worker, bridges between them.
 
 Each worker runs its own nodes of the partitioned net in the plan's global
 topological order. A kBridgeSrc hands its blob to the bridge's channel; the
@@ -32,13 +32,13 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from shoal.algorithms import Grads
+from shoal.neuralnet.algorithms import Grads
 from shoal.comm import dist as comm
 from shoal.config import job_pb2
-from shoal.layers.base import Context
-from shoal.params import ParamStore
-from shoal.partition import BATCH, ParamView, PartitionPlan, PartNode
-from shoal.layers.connection import split_sizes
+from shoal.neuralnet.layers.base import Context
+from shoal.neuralnet.params import ParamStore
+from shoal.planning.partition import BATCH, ParamView, PartitionPlan, PartNode
+from shoal.neuralnet.layers.connection import split_sizes
 from shoal.runtime.feed import InputFeed, batch_conf, batch_shares, make_feeds
 
 POLL_SEC = 0.05  # how often a waiting worker checks whether another one failed

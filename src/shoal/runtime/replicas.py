@@ -4,7 +4,7 @@ The group's param store lives on one device (the root: worker 0's device, where
 the server updates, as Caffe's P2PSync updates at GPU 0). A worker on another
 device computes on a replica of the params there. Data crosses devices only at
 the group boundary: each worker's input share goes to its device, gradients
-come back up the tree (shoal.devices.tree_levels) to the root, and the updated
+come back up the tree (shoal.planning.devices.tree_levels) to the root, and the updated
 values go back down it before the next step.
 """
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from shoal.algorithms import Grads
+from shoal.neuralnet.algorithms import Grads
 from shoal.config import job_pb2
-from shoal.devices import broadcast_order, tree_levels, worker_device_names
-from shoal.params import ParamStore
+from shoal.planning.devices import broadcast_order, tree_levels, worker_device_names
+from shoal.neuralnet.params import ParamStore
 
 
 def torch_device(name: str) -> torch.device:

@@ -1,7 +1,7 @@
 """Trainer: SINGA's training loop, driving one worker group and its server.
 
 The workers of the group that live in this process (threads) each compute
-the gradients of their share of the batch; the exchange (shoal.runtime.exchange)
+the gradients of their share of the batch; the exchange (shoal.runtime.exchanges.sliced)
 turns them into one update per step, in memory or through the servers of
 other processes, so the group computes exactly what one worker with the whole
 batch would.
@@ -25,15 +25,15 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from shoal import checkpoint as ckpt_io
-from shoal.balance import ShareBalancer
-from shoal.cluster import place
+from shoal.runtime import checkpoint as ckpt_io
+from shoal.planning.balance import ShareBalancer
+from shoal.planning.placement import place
 from shoal.config import job_pb2
-from shoal.layers.base import Context
-from shoal.metrics import MetricsLog, MetricWindow, display_line
-from shoal.net import NeuralNet
-from shoal.params import ParamStore
-from shoal.partition import partition
+from shoal.neuralnet.layers.base import Context
+from shoal.report.metrics import MetricsLog, MetricWindow, display_line
+from shoal.neuralnet.net import NeuralNet
+from shoal.neuralnet.params import ParamStore
+from shoal.planning.partition import partition
 from shoal.runtime import debug_norms
 from shoal.runtime.feed import InputFeed, make_feeds, train_input_shares
 from shoal.runtime.partitioned import PartitionedGroup

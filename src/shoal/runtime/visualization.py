@@ -12,9 +12,9 @@ from typing import Optional
 import torch
 
 from shoal.config import job_pb2
-from shoal.net import NeuralNet
-from shoal.params import ParamStore
-from shoal.partition import WHOLE, plan_partition
+from shoal.neuralnet.net import NeuralNet
+from shoal.neuralnet.params import ParamStore
+from shoal.planning.partition import WHOLE, plan_partition
 from shoal.report.node_link import write_json
 
 FOLDER = "visualization"

@@ -16,11 +16,11 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from shoal.algorithms import Grads, train_one_batch
+from shoal.neuralnet.algorithms import Grads, train_one_batch
 from shoal.config import job_pb2
-from shoal.layers.base import Context
-from shoal.net import NeuralNet
-from shoal.params import ParamStore
+from shoal.neuralnet.layers.base import Context
+from shoal.neuralnet.net import NeuralNet
+from shoal.neuralnet.params import ParamStore
 from shoal.runtime.feed import InputFeed, make_feeds
 
 

@@ -1,0 +1,117 @@
+"""shoal's Python API; the CLI is a thin face over these functions."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+from shoal.frontend import script
+from shoal.config import job_pb2
+from shoal.config.loader import job_from_dict, load_job as _load_file
+from shoal.config.validate import validate
+from shoal.runtime.local import RunOptions, test_job, train_job
+from shoal.runtime.trainer import History
+from shoal.neuralnet.shapes import check_shapes
+
+JobLike = Union[str, Path, dict, job_pb2.JobProto]
+
+
+def load_job(path: Union[str, Path], overrides: tuple[str, ...] | list[str] = ()) -> job_pb2.JobProto:
+    """Parse and validate a job.conf / job.yaml; raises JobError with file:line:col."""
+    return _load_file(path, list(overrides), shape_check=check_shapes)
+
+
+def as_job(job: JobLike) -> tuple[job_pb2.JobProto, list[Path]]:
+    """(validated JobProto, folders relative paths resolve against) from any accepted job form.
+
+    Under `shoal run script.py`, the command line's --set overrides apply (shoal.frontend.script).
+    """
+    if isinstance(job, (str, Path)):
+        proto = load_job(job, script.overrides())
+    elif isinstance(job, dict):
+        proto = job_from_dict(job, shape_check=check_shapes, overrides=script.overrides())
+    elif isinstance(job, job_pb2.JobProto):
+        proto = script.applied(job)
+        validate(proto, None, shape_check=check_shapes)
+    else:
+        raise TypeError(f"a job is a path, a dict or a JobProto, not {type(job).__name__}")
+    return proto, base_dirs(proto)
+
+
+def base_dirs(job: job_pb2.JobProto) -> list[Path]:
+    """Relative paths resolve against the working directory (as SINGA), then the job file's folder."""
+    return [Path.cwd()] + ([Path(job.job_dir)] if job.job_dir else [])
+
+
+def train(
+    job: JobLike,
+    workspace: Optional[Union[str, Path]] = None,
+    resume: bool = False,
+    log: Callable[[str], None] = print,
+    progress: Optional[bool] = False,
+    tensorboard: Optional[bool] = None,
+) -> History:
+    """Train a job as its cluster section says; returns every metrics record.
+
+    tensorboard=True also writes TensorBoard event files (None: as the job's `tensorboard` field says).
+    """
+    proto, base_dirs = as_job(job)
+    if tensorboard is not None:
+        proto.tensorboard = tensorboard
+    workspace, resume = script.workspace(workspace), script.resume(resume)
+    options = RunOptions(workspace=Path(workspace) if workspace else None, resume=resume, base_dirs=base_dirs, log=log, progress=progress)
+    return train_job(proto, options)
+
+
+def evaluate(
+    job: JobLike,
+    checkpoint: Optional[Union[str, Path]] = None,
+    workspace: Optional[Union[str, Path]] = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, float]:
+    """Test-only run: load `checkpoint` (else checkpoint_path, else the workspace's newest) and test."""
+    proto, base_dirs = as_job(job)
+    workspace = script.workspace(workspace)
+    options = RunOptions(workspace=Path(workspace) if workspace else None, base_dirs=base_dirs, log=log, progress=False)
+    return test_job(proto, options, Path(checkpoint) if checkpoint else None)
+
+
+def plot_runs(
+    runs: Sequence[Union[str, Path]],
+    out: Union[str, Path],
+    x: Sequence[str] = ("step", "time"),
+    title: Optional[str] = None,
+) -> Path:
+    """Loss and accuracy of run workspaces against step and/or wall-clock time, drawn into `out`."""
+    from shoal.report.plot import plot_runs as plot
+
+    return plot(runs, out, x=x, title=title)
+
+
+def draw_net(
+    net: Union[JobLike, str, Path],
+    out: Union[str, Path],
+    title: Optional[str] = None,
+) -> Path:
+    """Draw a job's partitioned train net, or a node-link file (WORKSPACE/visualization/*.json), into `out`.
+
+    One column per worker; .png, .svg or .pdf by `out`'s suffix. Returns `out`.
+    """
+    from shoal.report.net_draw import draw_graph
+    from shoal.report.node_link import check_node_link, read_node_link
+    from shoal.runtime.visualization import train_net_graph
+
+    if isinstance(net, (str, Path)) and Path(net).suffix == ".json":
+        graph = read_node_link(Path(net))
+    elif isinstance(net, dict) and "nodes" in net and "links" in net:
+        check_node_link(net, "net")
+        graph = net
+    else:
+        graph = train_net_graph(as_job(net)[0])
+    return draw_graph(graph, Path(out), title=title)
+
+
+def compare_runs(runs: Sequence[Union[str, Path]]) -> list[dict]:
+    """One dict per run workspace: layout, samples/s, time to 90/95/97% test accuracy, final accuracy, staleness."""
+    from shoal.report.compare import compare_runs as compare
+
+    return compare(runs)

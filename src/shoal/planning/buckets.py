@@ -1,0 +1,78 @@
+"""Buckets: how a worker group's param slices travel between processes (pure planning).
+
+Backward produces gradients from the last layer to the first, so buckets are
+formed in that order: consecutive slices (SINGA's lcm slicing decides which
+server, hence which rank, owns each) with the same owner are grouped until a
+bucket would exceed `cap` elements. A bucket is one message each way: the
+gradients of its slices to the owner, their new values back. A slice larger
+than the cap is cut into pieces of `cap` elements, each a bucket of its own
+that travels without a copy, so the owner updates and returns one piece while
+the next is still arriving; small slices (biases) share a bucket so they cost
+one message, not one each.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from shoal.planning.placement import ParamSlice
+
+DEFAULT_CAP = 1 << 20  # elements (4 MB of float32): small params coalesce, big ones go alone
+
+
+def cap_from_env() -> int:
+    """The bucket cap in elements: SHOAL_BUCKET_MB (float32 megabytes, as DDP's bucket_cap_mb), default 4."""
+    text = os.environ.get("SHOAL_BUCKET_MB")
+    if not text:
+        return DEFAULT_CAP
+    try:
+        mb = float(text)
+    except ValueError:
+        raise ValueError(f"SHOAL_BUCKET_MB={text!r}: not a number of megabytes") from None
+    return max(1, int(mb * 2**20 / 4))
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int  # position in backward order; also the message tag
+    owner: int  # rank of the process whose server updates these slices
+    slices: tuple[ParamSlice, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(s.size for s in self.slices)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Where each slice starts in the bucket's flat message."""
+        out, at = [], 0
+        for s in self.slices:
+            out.append(at)
+            at += s.size
+        return tuple(out)
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s.param for s in self.slices))
+
+
+def plan_buckets(slices: list[ParamSlice], owner: dict[int, int], cap: int = DEFAULT_CAP) -> list[Bucket]:
+    """Group `slices` (in param order) into buckets in backward order; owner maps slice index to rank."""
+    if cap < 1:
+        raise ValueError(f"bucket cap must be at least one element, not {cap}")
+    buckets: list[Bucket] = []
+    current: list[ParamSlice] = []
+
+    def close() -> None:
+        if current:
+            buckets.append(Bucket(len(buckets), owner[current[0].index], tuple(current)))
+            current.clear()
+
+    for s in reversed(slices):
+        for start in range(s.start, s.stop, cap):  # pieces of at most `cap` elements
+            piece = ParamSlice(s.param, s.index, start, min(s.stop, start + cap))
+            if current and (owner[s.index] != owner[current[0].index] or sum(x.size for x in current) + piece.size > cap):
+                close()
+            current.append(piece)
+    close()
+    return buckets

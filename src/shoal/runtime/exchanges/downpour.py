@@ -1,0 +1,350 @@
+"""Downpour over processes: worker groups push gradients to one server group and pull fresh params.
+
+Each worker group is synchronous inside (its processes sum their gradients
+into the group's stub, its lowest rank, and receive the new params from it);
+groups are asynchronous to each other. Per step a stub sends every server the
+gradient of the slices it owns (SINGA's lcm slicing, shoal.planning.placement) with the
+version of the params the group computed on; the server applies the updater
+to its slices at once (the LR step is the slice version, as SINGA's), bumps
+the version and answers with the new values, the new version and the
+staleness of that update (updates other groups made in between).
+
+A server serves each group on its own thread with blocking receives from
+that group's stub: a group whose process dies only ends its thread (the
+server warns and goes on), and the server stops once every group has
+stopped. The chief's last request waits for that, so the final test and
+checkpoint see the model every group trained.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from shoal.neuralnet.algorithms import Grads
+from shoal.planning.placement import ParamSlice, Placement, ServerId
+from shoal.comm import dist as comm
+from shoal.report.metrics import MetricWindow
+from shoal.neuralnet.params import ParamStore
+from shoal.runtime.exchanges.sliced import aggregate
+from shoal.runtime.exchanges.groups import StalenessStats
+from shoal.neuralnet.updaters import Updater
+
+PUSH, STOP, STATE, FINAL, PULL = 1, 2, 3, 4, 5
+TAG_HEADER, TAG_GRAD, TAG_VALUES, TAG_REPLY, TAG_STATE, TAG_HAS_GRAD = 11, 12, 13, 14, 15, 16
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements [start, stop) of `param`, at `offset` in a server's flat message."""
+
+    param: str
+    start: int
+    stop: int
+    offset: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def server_segments(slices: list[ParamSlice]) -> tuple[list[Segment], int]:
+    """A server's slices laid end to end: what its messages carry, in order."""
+    segments, offset = [], 0
+    for s in slices:
+        segments.append(Segment(s.param, s.start, s.stop, offset))
+        offset += s.size
+    return segments, offset
+
+
+def slot_names(updater: Updater) -> list[str]:
+    return sorted(updater.init_state(torch.zeros(1)))
+
+
+class ServerLost(RuntimeError):
+    """A server of the job died or stopped answering: the job cannot go on (resume from a checkpoint)."""
+
+
+class DownpourServer:
+    """One server of the (single) server group: owns slices, their updater state and one version."""
+
+    def __init__(self, store: ParamStore, updater: Updater, placement: Placement, server: ServerId,
+                 stubs: dict[int, int], log: Callable[[str], None] = print, max_staleness: int = -1, warmup_steps: int = 0):
+        self.store, self.updater, self.server, self.stubs, self.log = store, updater, server, stubs, log
+        trainable = set(store.trainable_names())
+        self.segments, self.size = server_segments([s for s in placement.slices_of(server) if s.param in trainable])
+        self.slots = slot_names(updater)
+        self.state = {seg: updater.init_state(self._view(seg)) for seg in self.segments}
+        self.version = 0
+        self._lock = threading.Lock()  # a server applies one update at a time, as SINGA's
+        self._running = threading.Condition()
+        self._live = set(stubs)
+        # bounded staleness and warm-up are enforced here, where every group's progress is known
+        self.max_staleness, self.warmup_steps = max_staleness, warmup_steps
+        self._steps = {g: 0 if g == 0 else warmup_steps for g in stubs}  # steps each group has pushed
+        self._warming: set[int] = set()  # groups waiting for group 0's warm-up hold nobody back
+        self.exit_at_version: Optional[int] = None  # fault injection for tests
+
+    def _view(self, seg: Segment) -> torch.Tensor:
+        return self.store.values[seg.param].view(-1)[seg.start : seg.stop]
+
+    def load_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Resume: this server's slices of a whole-model updater state (any earlier slicing)."""
+        for seg, slots in self.state.items():
+            for slot, value in slots.items():
+                if seg.param in state and slot in state[seg.param]:
+                    value.copy_(state[seg.param][slot].reshape(-1)[seg.start : seg.stop])
+
+    def values(self) -> torch.Tensor:
+        return torch.cat([self._view(seg) for seg in self.segments]) if self.segments else torch.zeros(0)
+
+    def state_flat(self) -> torch.Tensor:
+        parts = [self.state[seg][slot] for slot in self.slots for seg in self.segments]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def apply(self, grad: torch.Tensor, read_version: int, has_grad: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """One update of every owned segment whose param some worker of the group had a gradient for."""
+        with self._lock:
+            lag = self.version - read_version
+            for seg, had in zip(self.segments, has_grad.tolist()):
+                if not had:  # as the in-memory server: no gradient, no update (momentum and decay wait too)
+                    continue
+                info = self.store.info[seg.param]
+                self.updater.update(self.version, self._view(seg), grad[seg.offset : seg.offset + seg.size],
+                                    self.state[seg], info.lr_scale, info.wd_scale)
+            self.version += 1
+            if self.version == self.exit_at_version:
+                os._exit(3)
+            return self.values(), self.version, lag
+
+    def serve(self) -> None:
+        threads = [threading.Thread(target=self._serve_group, args=(g, r), name=f"shoal-serve-group{g}") for g, r in self.stubs.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def _stopped(self, group: int) -> None:
+        with self._running:
+            self._live.discard(group)
+            self._running.notify_all()
+
+    def resume_at(self, step: int) -> None:
+        self._steps = {g: step if g == 0 else max(step, self.warmup_steps) for g in self._steps}
+
+    def _may_go(self, step: int) -> bool:
+        live = [self._steps[g] for g in self._live - self._warming]
+        return self.max_staleness < 0 or not live or step - min(live) <= self.max_staleness
+
+    def _warm(self) -> bool:
+        return 0 not in self._live or self._steps.get(0, 0) >= self.warmup_steps
+
+    def _serve_group(self, group: int, rank: int) -> None:
+        header = torch.zeros(3, dtype=torch.int64)
+        grad = torch.zeros(self.size)
+        has_grad = torch.zeros(len(self.segments), dtype=torch.uint8)
+        try:
+            while True:
+                comm.recv(header, rank, TAG_HEADER)
+                kind, _, read_version = header.tolist()
+                if kind == PUSH:
+                    comm.recv(grad, rank, TAG_GRAD)
+                    comm.recv(has_grad, rank, TAG_HAS_GRAD)
+                    step = header.tolist()[1]
+                    with self._running:  # stale-synchronous: hold a group that is too far ahead
+                        self._running.wait_for(lambda: self._may_go(step))
+                    values, version, lag = self.apply(grad, read_version, has_grad)
+                    with self._running:
+                        self._steps[group] = step + 1
+                        self._running.notify_all()
+                    comm.send(values, rank, TAG_VALUES)
+                    comm.send(torch.tensor([version, lag], dtype=torch.int64), rank, TAG_REPLY)
+                elif kind == PULL:  # a group's first params: after group 0's warm-up
+                    with self._running:
+                        self._warming.add(group)
+                        self._running.wait_for(self._warm)
+                        self._warming.discard(group)
+                    with self._lock:
+                        comm.send(self.values(), rank, TAG_VALUES)
+                        comm.send(torch.tensor([self.version, 0], dtype=torch.int64), rank, TAG_REPLY)
+                elif kind == STATE:
+                    with self._lock:
+                        comm.send(self.state_flat(), rank, TAG_STATE)
+                elif kind == FINAL:  # the chief is done: answer once every other group has stopped
+                    self._stopped(group)
+                    with self._running:
+                        self._running.wait_for(lambda: not self._live)
+                    with self._lock:
+                        comm.send(self.values(), rank, TAG_VALUES)
+                        comm.send(self.state_flat(), rank, TAG_STATE)
+                    return
+                elif kind == STOP:
+                    return
+        except RuntimeError as err:
+            self.log(f"WARNING: {self.server} drops worker group {group} (process {rank}): {comm.describe_error(err)}")
+        finally:
+            self._stopped(group)
+
+
+class DownpourExchange:
+    """A worker group's side of Downpour, in one of the group's processes."""
+
+    def __init__(self, store: ParamStore, updater: Updater, placement: Placement, rank: int, group: int,
+                 group_ranks: list[int], group_comm, server_ranks: dict[ServerId, int], global_batch: int):
+        self.store, self.rank, self.group = store, rank, group
+        self.group_ranks, self.group_comm = group_ranks, group_comm
+        self.stub = group_ranks[0]
+        self.chief = group == 0 and rank == self.stub
+        self.global_batch = global_batch
+        self.names = store.trainable_names()
+        self.position = {name: i for i, name in enumerate(self.names)}
+        self.offsets, offset = {}, 0
+        for name in self.names:
+            self.offsets[name] = offset
+            offset += store.info[name].numel
+        self.total = offset
+        trainable = set(self.names)
+        self.servers = []
+        for server, server_rank in server_ranks.items():
+            segments, size = server_segments([s for s in placement.slices_of(server) if s.param in trainable])
+            self.servers.append((server, server_rank, segments, size))
+        self.slots = slot_names(updater)
+        self.read_version = {rank: 0 for _, rank, _, _ in self.servers}
+        self.staleness = StalenessStats()
+        self.last_version = 0
+        self.final_state: Optional[dict] = None
+        self.warmup = placement.cluster.warmup_steps > 0
+        self.first_step = 0  # set on resume
+
+    def _flat_grads(self, parts: list[tuple[Grads, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's share of the group's gradient (weighted by share of the group's batch), laid end to end,
+        and per param whether it had one (a param no worker has a gradient for is not updated)."""
+        grads = aggregate(parts, self.global_batch, target=torch.device("cpu"))
+        flat, had = torch.zeros(self.total), torch.zeros(len(self.names))
+        for i, name in enumerate(self.names):
+            g = grads.get(name)
+            if g is not None:
+                flat[self.offsets[name] : self.offsets[name] + g.numel()].copy_(g.reshape(-1))
+                had[i] = 1
+        return flat, had
+
+    def _gather(self, flat: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        base = self.offsets
+        return torch.cat([flat[base[s.param] + s.start : base[s.param] + s.stop] for s in segments])
+
+    def _scatter_values(self, values: torch.Tensor, segments: list[Segment]) -> None:
+        for s in segments:
+            self.store.values[s.param].view(-1)[s.start : s.stop].copy_(values[s.offset : s.offset + s.size])
+
+    def _share_params(self) -> None:
+        """The stub's fresh params to the other processes of its group."""
+        if len(self.group_ranks) == 1:
+            return
+        flat = torch.cat([self.store.values[n].reshape(-1) for n in self.names])
+        comm.group_broadcast(flat, self.stub, self.group_comm)
+        for name in self.names:
+            o = self.offsets[name]
+            self.store.values[name].view(-1).copy_(flat[o : o + self.store.info[name].numel])
+
+    def begin(self, step: int) -> None:
+        """Groups other than 0 start from the params group 0 reached after its warm-up."""
+        if step == self.first_step and self.group != 0 and self.warmup:
+            if self.rank == self.stub:
+                reply = torch.zeros(2, dtype=torch.int64)
+                for _, server_rank, segments, size in self.servers:
+                    comm.send(torch.tensor([PULL, step, 0], dtype=torch.int64), server_rank, TAG_HEADER)
+                    values = torch.zeros(size)
+                    comm.recv(values, server_rank, TAG_VALUES)
+                    comm.recv(reply, server_rank, TAG_REPLY)
+                    self._scatter_values(values, segments)
+                    self.read_version[server_rank] = int(reply[0])
+            self._share_params()
+
+    def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
+        flat, had = self._flat_grads(parts)
+        if len(self.group_ranks) > 1:
+            comm.group_reduce_sum(flat, self.stub, self.group_comm)
+            comm.group_reduce_sum(had, self.stub, self.group_comm)
+        if self.rank == self.stub:
+            self._push_pull(step, flat, had)
+        self._share_params()
+
+    def _push_pull(self, step: int, flat: torch.Tensor, had: torch.Tensor) -> None:
+        server, server_rank = None, -1
+        try:
+            for server, server_rank, segments, _ in self.servers:
+                comm.send(torch.tensor([PUSH, step, self.read_version[server_rank]], dtype=torch.int64), server_rank, TAG_HEADER)
+                comm.send(self._gather(flat, segments), server_rank, TAG_GRAD)
+                # one byte per segment: cheaper than a flag inside the (uncopied) gradient
+                comm.send(torch.tensor([had[self.position[s.param]] > 0 for s in segments], dtype=torch.uint8), server_rank, TAG_HAS_GRAD)
+            lags = []
+            for server, server_rank, segments, size in self.servers:
+                values, reply = torch.zeros(size), torch.zeros(2, dtype=torch.int64)
+                comm.recv(values, server_rank, TAG_VALUES)
+                comm.recv(reply, server_rank, TAG_REPLY)
+                self._scatter_values(values, segments)
+                self.read_version[server_rank] = int(reply[0])
+                lags.append(int(reply[1]))
+        except RuntimeError as err:
+            raise ServerLost(f"{server} in process {server_rank} stopped answering worker group {self.group} "
+                             f"at step {step}: {comm.describe_error(err)}") from None
+        self.staleness.add(max(lags))
+
+    def metrics(self, window: MetricWindow) -> dict[str, float]:
+        """This process's losses; the chief adds the job's samples (from the server version) and its staleness."""
+        values = window.averages()
+        if self.chief:
+            version = min(self.read_version.values())
+            values |= {"samples": (version - self.last_version) * self.global_batch,
+                       "staleness": self.staleness.mean, "staleness_max": self.staleness.max}
+            self.last_version, self.staleness = version, StalenessStats()
+        return values
+
+    def _state_from(self, flats: list[tuple[list[Segment], torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+        full = {n: {slot: torch.zeros(self.store.info[n].shape) for slot in self.slots} for n in self.names}
+        for segments, flat in flats:
+            offset = 0
+            for slot in self.slots:
+                for s in segments:
+                    full[s.param][slot].view(-1)[s.start : s.stop] = flat[offset : offset + s.size]
+                    offset += s.size
+        return full
+
+    def updater_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The whole updater state, asked of the servers (the chief writes checkpoints)."""
+        if not self.chief:
+            return {}
+        if self.final_state is not None:
+            return self.final_state
+        flats = []
+        for _, server_rank, segments, size in self.servers:
+            comm.send(torch.tensor([STATE, 0, 0], dtype=torch.int64), server_rank, TAG_HEADER)
+            flat = torch.zeros(size * len(self.slots))
+            comm.recv(flat, server_rank, TAG_STATE)
+            flats.append((segments, flat))
+        return self._state_from(flats)
+
+    def load_updater_state(self, state) -> None:
+        """Servers load their slices of the state themselves (shoal.runtime.launch)."""
+
+    def finish(self) -> None:
+        """End of training: other stubs say stop; the chief waits for the final model."""
+        if self.rank != self.stub:
+            return
+        if not self.chief:
+            for _, server_rank, _, _ in self.servers:
+                comm.send(torch.tensor([STOP, 0, 0], dtype=torch.int64), server_rank, TAG_HEADER)
+            return
+        flats = []
+        for _, server_rank, segments, size in self.servers:
+            comm.send(torch.tensor([FINAL, 0, 0], dtype=torch.int64), server_rank, TAG_HEADER)
+        for _, server_rank, segments, size in self.servers:
+            values, flat = torch.zeros(size), torch.zeros(size * len(self.slots))
+            comm.recv(values, server_rank, TAG_VALUES)
+            comm.recv(flat, server_rank, TAG_STATE)
+            self._scatter_values(values, segments)
+            flats.append((segments, flat))
+        self.final_state = self._state_from(flats)

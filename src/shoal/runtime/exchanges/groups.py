@@ -1,0 +1,224 @@
+"""Asynchronous worker groups in one process: in-memory Hogwild / Downpour.
+
+SINGA's rule: the workers of a group are synchronous, groups are asynchronous
+to each other. With share_memory (the default) every group of a process reads
+and writes one param store and one server: each group computes on its own data
+(its own random_skip draw, or an evenly spaced start when random_skip is 0),
+and its aggregated gradient is applied to the shared values as soon as it is
+ready, without locks (Hogwild). The updater's slots (momentum, AdaGrad
+history) live with the server, so they are shared too: one velocity for the
+one set of params, where PyTorch's mnist_hogwild example keeps one optimizer,
+and so one velocity, per process.
+
+The step an LR schedule sees is the server's update count (SINGA's slice
+version), so with G groups a schedule advances G times per round of steps.
+
+Staleness of an update = updates applied by other groups between the moment a
+group read the params (start of its step) and the moment its own update lands.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from shoal.neuralnet.algorithms import Grads
+from shoal.report.metrics import MetricWindow
+from shoal.neuralnet.params import ParamStore
+from shoal.runtime.exchanges.sliced import aggregate
+from shoal.runtime.exchanges.server import Server
+
+if TYPE_CHECKING:
+    from shoal.runtime.trainer import History, Trainer
+
+WAIT_SLICE_S = 0.5  # condition waits wake up this often, so a dead group never blocks the rest
+
+
+def _injected_failure(group: int, step: int) -> bool:
+    """Fault injection for tests: SHOAL_INJECT_GROUP_ERROR="GROUP:STEP" fails that group at that step."""
+    spec = os.environ.get("SHOAL_INJECT_GROUP_ERROR", "")
+    return bool(spec) and tuple(int(x) for x in spec.split(":")) == (group, step)
+
+
+class GroupsAborted(RuntimeError):
+    """Raised in a group's thread when the job ends early (the chief group failed or was interrupted)."""
+
+
+@dataclass
+class StalenessStats:
+    count: int = 0
+    total: int = 0
+    max: int = 0
+
+    def add(self, lag: int) -> None:
+        self.count += 1
+        self.total += lag
+        self.max = max(self.max, lag)
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+
+@dataclass
+class GroupBoard:
+    """What the groups of a job share besides params: steps done, liveness, samples, staleness.
+
+    max_staleness ≥ 0 bounds how many steps a group may run ahead of the slowest
+    live group (stale-synchronous parallel); warmup_steps lets group 0 train
+    alone first. Finished and dead groups never hold the others back.
+    """
+
+    ngroups: int
+    max_staleness: int = -1
+    warmup_steps: int = 0
+    steps: list[int] = field(init=False)
+    running: list[bool] = field(init=False)
+    samples: int = 0
+    aborted: bool = False
+    window: StalenessStats = field(default_factory=StalenessStats)
+    run: StalenessStats = field(default_factory=StalenessStats)
+
+    def __post_init__(self) -> None:
+        self.steps = [0] * self.ngroups
+        self.running = [True] * self.ngroups
+        self._cond = threading.Condition()
+
+    def start_at(self, steps: list[int]) -> None:
+        """Where each group starts: groups other than 0 join at the end of the warm-up (or where a resumed run stood)."""
+        with self._cond:
+            self.steps = [steps[0]] + [max(s, self.warmup_steps) for s in steps[1:]]
+
+    def first_step(self, group: int) -> int:
+        return self.steps[group]
+
+    def _may_start(self, group: int, step: int) -> bool:
+        if group != 0 and self.running[0] and self.steps[0] < self.warmup_steps:
+            return False
+        if self.max_staleness < 0:
+            return True
+        live = [s for s, r in zip(self.steps, self.running) if r]
+        return not live or step - min(live) <= self.max_staleness
+
+    def wait_turn(self, group: int, step: int) -> None:
+        with self._cond:
+            while not self.aborted and not self._may_start(group, step):
+                self._cond.wait(WAIT_SLICE_S)
+
+    def step_done(self, group: int, step: int, samples: int, lag: int) -> None:
+        with self._cond:
+            self.steps[group] = step + 1
+            self.samples += samples
+            self.window.add(lag)
+            self.run.add(lag)
+            self._cond.notify_all()
+
+    def stop(self, group: int) -> None:
+        """The group finished or died: nobody waits for it any more."""
+        with self._cond:
+            self.running[group] = False
+            self._cond.notify_all()
+
+    def abort(self) -> None:
+        with self._cond:
+            self.aborted = True
+            self._cond.notify_all()
+
+    def take_window(self) -> dict[str, float]:
+        """Samples trained by every group, and staleness, since the previous call."""
+        with self._cond:
+            values = {"samples": self.samples, "staleness": self.window.mean, "staleness_max": self.window.max}
+            self.samples, self.window = 0, StalenessStats()
+        return values
+
+
+class GroupExchange:
+    """One group's path to the server its process shares with the other groups (lock-free)."""
+
+    def __init__(self, server: Server, board: GroupBoard, group: int, replica: Optional[ParamStore] = None):
+        """replica: the group's own copy of the params (share_memory: false), refreshed after each update."""
+        self.server, self.board, self.group, self.replica = server, board, group, replica
+        self.chief = group == 0
+        self._read_version = 0
+
+    def begin(self, step: int) -> None:
+        if self.board.aborted:
+            raise GroupsAborted(f"worker group {self.group} stops: the job is ending")
+        if _injected_failure(self.group, step):
+            raise RuntimeError(f"injected failure (SHOAL_INJECT_GROUP_ERROR) at step {step}")
+        self.board.wait_turn(self.group, step)
+        self._read_version = self.server.updates
+
+    def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
+        grads = aggregate(parts, target=self.server.store.device)
+        lag = self.server.updates - self._read_version
+        self.server.update(self.server.updates, grads)
+        if self.replica is not None:  # Downpour: continue from the freshest params the server has
+            for name, value in self.server.store.values.items():
+                self.replica.values[name].copy_(value)
+        self.board.step_done(self.group, step, sum(share for _, share in parts), lag)
+
+    def view_updater(self):
+        """With one shared store (Hogwild), a worker updates the views it computed alone in place,
+        at the server's update count as every update of this server; with copies (Downpour), none."""
+        if self.replica is not None:
+            return None
+        return lambda step, view, grad: self.server.update_view(self.server.updates, view, grad)
+
+    def metrics(self, window: MetricWindow) -> dict[str, float]:
+        """This group's losses; the chief adds the job's samples and staleness since its last display."""
+        return window.averages() | self.board.take_window() if self.chief else window.averages()
+
+    def updater_state(self):
+        return self.server.state_dict()
+
+    def load_updater_state(self, state) -> None:
+        self.server.load_state(state)
+
+    def start_from(self, values: ParamStore) -> None:
+        """Before training: the server's values (and this group's copy) are `values` (initial, loaded or resumed)."""
+        for store in (self.server.store, self.replica):
+            if store is not None and store is not values:
+                store.load(values.state_dict())
+
+
+def run_groups(trainers: list["Trainer"], board: GroupBoard, metrics, log) -> "History":
+    """Run every group's loop at once: group 0 (the chief) here, the others on threads.
+
+    A group that fails is dropped with a warning naming it and the others go on,
+    as SINGA's servers keep serving the groups that remain; the chief runs the
+    final test once every group has finished. If the chief fails, the others stop.
+    """
+    failures: list[str] = []
+
+    def run_group(trainer) -> None:
+        try:
+            trainer.run(None)
+        except GroupsAborted:
+            pass
+        except Exception as err:  # noqa: BLE001 - any failure of one group is reported, not fatal
+            line = str(err).splitlines()[0] if str(err) else type(err).__name__
+            failures.append(f"worker group {trainer.group}")
+            log(f"WARNING: worker group {trainer.group} died at step {board.steps[trainer.group]}: {line}; the other groups go on")
+        finally:
+            board.stop(trainer.group)
+
+    threads = [threading.Thread(target=run_group, args=(t,), name=f"shoal-group{t.group}", daemon=True) for t in trainers[1:]]
+    chief = trainers[0]
+
+    def wait_for_groups() -> None:
+        board.stop(0)  # the chief is done training: never hold the others back
+        for thread in threads:
+            thread.join()
+
+    chief.before_final_test = wait_for_groups
+    for thread in threads:
+        thread.start()
+    try:
+        history = chief.run(metrics)
+    except BaseException:
+        board.abort()
+        raise
+    history.failed_groups = failures
+    return history

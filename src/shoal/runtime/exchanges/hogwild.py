@@ -1,0 +1,148 @@
+"""Distributed Hogwild over processes: each group updates its own replica, replicas meet every sync_freq.
+
+Each process hosts a whole worker group and its whole server group (SINGA's
+Caffe-style layout, nserver_groups = nworker_groups, co-located). Updates are
+local: the group's server applies them to the group's own replica at once.
+Every `sync_freq` local updates the group synchronises the slices it does not
+master with their master group (slice i's master is group i mod
+nserver_groups, shoal.planning.placement), with SINGA's delta rule:
+  1. the requester sends Δ = cur − last_sync,
+  2. the master adds Δ to its replica and answers with its fresh value,
+  3. the requester sets cur = master + (cur − value at sending) and last_sync = master.
+The request is made between two local updates, so "cur − value at sending" is 0
+here and the requester takes the master's value.
+
+Masters answer on a thread per peer group, so a group that dies only ends its
+thread; its requests end with a warning and the group trains on alone.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+
+from shoal.neuralnet.algorithms import Grads
+from shoal.planning.placement import Placement, ServerId
+from shoal.comm import dist as comm
+from shoal.report.metrics import MetricWindow
+from shoal.neuralnet.params import ParamStore
+from shoal.runtime.exchanges.downpour import Segment, server_segments
+from shoal.runtime.exchanges.sliced import aggregate
+from shoal.runtime.exchanges.server import Server
+
+SYNC, STOP = 1, 2
+TAG_SYNC_HEADER, TAG_SYNC_DELTA, TAG_SYNC_VALUE = 21, 22, 23
+
+
+def mastered_by(placement: Placement, trainable: set[str], group: int) -> list:
+    """The slices whose master copy lives in server group `group`."""
+    return [s for s in placement.slices if s.param in trainable and placement.master_group_of_slice(s.index) == group]
+
+
+class HogwildExchange:
+    """One group's local updates plus its syncs with the other groups' replicas (and its master service)."""
+
+    def __init__(self, store: ParamStore, server: Server, placement: Placement, rank: int, group: int,
+                 sync_freq: int, log: Callable[[str], None] = print):
+        self.store, self.server, self.rank, self.group, self.log = store, server, rank, group, log
+        self.chief = group == 0
+        self.sync_freq = max(1, sync_freq)
+        self.lock = threading.Lock()  # local updates and masters' delta additions do not interleave
+        trainable = set(store.trainable_names())
+        ngroups = placement.cluster.nserver_groups
+        group_rank = {g: placement.process_of(ServerId(g, 0)) for g in range(ngroups)}
+        # the other groups' slices this group asks for, per master process
+        self.requests = {group_rank[g]: server_segments(mastered_by(placement, trainable, g)) for g in range(ngroups) if g != group}
+        self.last_sync = {r: self._gather(segs) for r, (segs, _) in self.requests.items()}
+        # what this group masters, served to each other group
+        self.served = server_segments(mastered_by(placement, trainable, group))
+        self.peers = {g: r for g, r in group_rank.items() if g != group}
+        self.updates = 0
+        self.syncs = 0
+        self._syncs_shown = 0
+        self._threads = [threading.Thread(target=self._serve, args=(g, r), name=f"shoal-sync-group{g}", daemon=True)
+                         for g, r in self.peers.items()]
+        for t in self._threads:
+            t.start()
+
+    def _gather(self, segments: list[Segment]) -> torch.Tensor:
+        parts = [self.store.values[s.param].view(-1)[s.start : s.stop] for s in segments]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def _scatter(self, flat: torch.Tensor, segments: list[Segment]) -> None:
+        for s in segments:
+            self.store.values[s.param].view(-1)[s.start : s.stop].copy_(flat[s.offset : s.offset + s.size])
+
+    # -- the group's own steps ----------------------------------------------------------
+    def begin(self, step: int) -> None:
+        """Nothing to wait for: a group only ever waits for its own replica."""
+
+    def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
+        with self.lock:
+            self.server.update(self.server.updates, aggregate(parts, target=self.store.device))
+        self.updates += 1
+        if self.updates % self.sync_freq == 0:
+            self._sync()
+
+    def _sync(self) -> None:
+        for master in list(self.requests):
+            segments, size = self.requests[master]
+            if size == 0:
+                continue
+            try:
+                with self.lock:
+                    delta = self._gather(segments) - self.last_sync[master]
+                comm.send(torch.tensor([SYNC], dtype=torch.int64), master, TAG_SYNC_HEADER)
+                comm.send(delta, master, TAG_SYNC_DELTA)
+                fresh = torch.zeros(size)
+                comm.recv(fresh, master, TAG_SYNC_VALUE)
+            except RuntimeError as err:
+                self.log(f"WARNING: worker group {self.group} stops syncing with process {master}: {comm.describe_error(err)}")
+                del self.requests[master]
+                continue
+            with self.lock:
+                self._scatter(fresh, segments)
+            self.last_sync[master] = fresh
+            self.syncs += 1
+
+    # -- this group as master of its slices ---------------------------------------------
+    def _serve(self, group: int, rank: int) -> None:
+        segments, size = self.served
+        header, delta = torch.zeros(1, dtype=torch.int64), torch.zeros(size)
+        try:
+            while True:
+                comm.recv(header, rank, TAG_SYNC_HEADER)
+                if int(header[0]) == STOP:
+                    return
+                comm.recv(delta, rank, TAG_SYNC_DELTA)
+                with self.lock:
+                    for s in segments:
+                        self.store.values[s.param].view(-1)[s.start : s.stop].add_(delta[s.offset : s.offset + s.size])
+                    fresh = self._gather(segments)
+                comm.send(fresh, rank, TAG_SYNC_VALUE)
+        except RuntimeError as err:
+            self.log(f"WARNING: server group {self.group} drops worker group {group} (process {rank}): {comm.describe_error(err)}")
+
+    def finish(self) -> None:
+        """Training is over here: tell the masters, then serve the others until they are done too."""
+        for master in self.requests:
+            try:
+                comm.send(torch.tensor([STOP], dtype=torch.int64), master, TAG_SYNC_HEADER)
+            except RuntimeError:
+                pass
+        for t in self._threads:
+            t.join()
+
+    # -- the trainer's interface --------------------------------------------------------
+    def metrics(self, window: MetricWindow) -> dict[str, float]:
+        """This group's losses and how many syncs with master replicas it made since the last display."""
+        values = window.averages() | {"syncs": self.syncs - self._syncs_shown}
+        self._syncs_shown = self.syncs
+        return values
+
+    def updater_state(self):
+        return self.server.state_dict()
+
+    def load_updater_state(self, state) -> None:
+        self.server.load_state(state)

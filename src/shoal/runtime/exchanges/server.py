@@ -1,0 +1,65 @@
+"""Server: owns param values (or slices of them) and applies the updater.
+
+The updater's state lives with the values it updates, as a plain dict of
+tensors per param, so a server can own any slice of a param and its state.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from shoal.neuralnet.params import ParamStore
+from shoal.neuralnet.updaters import Updater
+
+if TYPE_CHECKING:
+    from shoal.planning.partition import ParamView
+
+
+class Server:
+    """Applies SINGA updates to the params it owns, one version bump per update."""
+
+    def __init__(self, store: ParamStore, updater: Updater, names: Optional[list[str]] = None):
+        self.store = store
+        self.updater = updater
+        self.names = list(names if names is not None else store.trainable_names())
+        self.state: dict[str, dict[str, torch.Tensor]] = {n: updater.init_state(store.values[n]) for n in self.names}
+        self.version: dict[str, int] = {n: 0 for n in self.names}
+        self.updates = 0  # updates applied (SINGA's slice version when all slices update together)
+        self._count = threading.Lock()  # only the counter is locked: values are updated lock-free (Hogwild)
+
+    def update(self, step: int, grads: dict[str, Optional[torch.Tensor]], grad_scale: float = 1.0) -> None:
+        """Apply one update per owned param that has a gradient (running stats have none)."""
+        for name in self.names:
+            grad = grads.get(name)
+            if grad is None:
+                continue
+            info = self.store.info[name]
+            self.updater.update(step, self.store.values[name], grad, self.state[name], info.lr_scale, info.wd_scale, grad_scale)
+            self.version[name] += 1
+        with self._count:
+            self.updates += 1
+
+    def update_view(self, step: int, view: "ParamView", grad: torch.Tensor) -> None:
+        """Update one view of a param in place (a slice, or the whole), with the same slice of its
+        updater state: what a worker computing that view alone does with its own gradient."""
+        if view.name not in self.state:
+            return  # not trained by gradient
+        value, state = self.store.values[view.name], self.state[view.name]
+        if view.axis >= 0:
+            value = value.narrow(view.axis, view.start, view.size)
+            state = {slot: s.narrow(view.axis, view.start, view.size) for slot, s in state.items()}
+        info = self.store.info[view.name]
+        self.updater.update(step, value, grad.to(value.device), state, info.lr_scale, info.wd_scale)
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        return self.state
+
+    def load_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        for name, slots in state.items():
+            if name not in self.state:
+                continue
+            for slot, value in slots.items():
+                if slot in self.state[name]:
+                    self.state[name][slot].copy_(value)

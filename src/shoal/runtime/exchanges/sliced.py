@@ -1,0 +1,328 @@
+"""How a worker group's gradients become updated params.
+
+LocalExchange: the whole group and its server live in this process: the
+gradients of the workers are summed in memory (weighted by batch share) and
+one Server updates whole params.
+
+SlicedExchange: the group spans processes and params are sliced over servers
+(SINGA's lcm slicing decides which rank owns which elements). Gradients
+travel while backward still runs: a hook on each param leaf hands its
+gradient over as soon as autograd has accumulated it; once every worker of
+this process has (threads sum in memory first), the buckets holding that
+param are complete and their gradients go to the owning rank (an isend).
+The owner's server thread sums what its peers sent, applies the updater to
+its slices (updater state lives with the slice) and sends the new values
+back to every worker process. A slice no process has a gradient for is not
+updated (SINGA's servers update on received gradients only; momentum and
+weight decay would otherwise move a param nothing trains), so with each
+bucket's gradients goes one byte per param: whether the sender had one.
+Over all buckets this is a direct
+reduce-scatter + slice update + all-gather, moving the analytic bytes
+and the flags (benchmarks/gloo_primitives.py measured gloo's own reduce_scatter,
+reduce and broadcast moving 1.2-1.5x that, and slower): the AllReduce framework when
+servers share the workers' processes, Sandblaster when they have processes
+of their own (those contribute no gradients and receive no values).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from shoal.neuralnet.algorithms import Grads
+from shoal.planning.placement import ParamSlice, Placement
+from shoal.comm import dist as comm
+from shoal.report.metrics import MetricWindow
+from shoal.neuralnet.params import ParamStore
+from shoal.planning.buckets import Bucket, cap_from_env, plan_buckets
+from shoal.runtime.replicas import tree_reduce
+from shoal.runtime.exchanges.server import Server
+from shoal.neuralnet.updaters import Updater
+
+
+def aggregate(parts: list[tuple[Grads, int]], total: Optional[int] = None, target: Optional[torch.device] = None) -> Grads:
+    """Σ (share_i / total) · g_i over the workers' gradients (total defaults to Σ shares), on `target`.
+
+    Each worker's loss is a mean over its share, so this is the gradient of the
+    mean over the whole batch, whatever the shares (Caffe con Troll's 200 + 56).
+    The workers' gradients combine in Caffe's tree order, device to device.
+    """
+    if len(parts) == 1 and total is None:
+        grads = parts[0][0]
+        return grads if target is None else {n: None if g is None else g.to(target) for n, g in grads.items()}
+    return tree_reduce(parts, total or sum(share for _, share in parts), target)
+
+
+class LocalExchange:
+    chief = True
+
+    def __init__(self, server: Server):
+        self.server = server
+
+    def begin(self, step: int) -> None:
+        """Nothing to prepare: the workers' gradients are summed after they all finished."""
+
+    def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
+        self.server.update(step, aggregate(parts, target=self.server.store.device))
+
+    def view_updater(self):
+        """How a worker updates a param view it computed alone: the server's updater on the view, at this step."""
+        return self.server.update_view
+
+    def metrics(self, window: MetricWindow) -> dict[str, float]:
+        return window.averages()
+
+    def updater_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        return self.server.state_dict()
+
+    def load_updater_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        self.server.load_state(state)
+
+
+@dataclass
+class _Round:
+    """One training step's exchange, from `begin` to the end of `step`."""
+
+    step: int
+    arrived: set[tuple[int, str]] = field(default_factory=set)  # (local worker, param) handed over
+    count: dict[str, int] = field(default_factory=dict)  # local workers that handed a param over
+    grad: dict[str, torch.Tensor] = field(default_factory=dict)  # this process's weighted sum, flat (zeros if none)
+    has_grad: set[str] = field(default_factory=set)  # params some local worker had a gradient for
+    pending: dict[int, int] = field(default_factory=dict)  # bucket -> params not complete yet
+    ready: dict[int, threading.Event] = field(default_factory=dict)  # owned bucket -> local part complete
+    works: list = field(default_factory=list)  # handles of this round's messages (main side)
+    staged: list[Bucket] = field(default_factory=list)  # buckets whose values arrive in a staging buffer
+    server: Optional[threading.Thread] = None
+    error: Optional[BaseException] = None
+
+
+class SlicedExchange:
+    """A worker group spread over processes, its params sliced over the servers' ranks."""
+
+    def __init__(
+        self,
+        store: ParamStore,
+        updater: Updater,
+        placement: Placement,
+        rank: int,
+        global_batch: int,
+        workers: Sequence = (),
+        bucket_cap: Optional[int] = None,  # elements; None: SHOAL_BUCKET_MB or 4 MB
+    ):
+        self.store, self.updater, self.rank, self.global_batch = store, updater, rank, global_batch
+        self.chief = rank == 0
+        self.names = store.trainable_names()
+        trainable = set(self.names)
+        slices = [s for s in placement.slices if s.param in trainable]
+        # every server group holds a full replica; one group here (synchronous), group 0
+        owner = {s.index: placement.process_of(placement.server_of_slice(s.index, 0)) for s in slices}
+        self.buckets = plan_buckets(slices, owner, bucket_cap or cap_from_env())
+        self.owned = [b for b in self.buckets if b.owner == rank]
+        self.worker_ranks = [p.rank for p in placement.processes if p.workers]
+        # an owner's peers: the other processes with workers (they send gradients, get values)
+        self.peers = [r for r in self.worker_ranks if r != rank]
+        self.buckets_of: dict[str, list[Bucket]] = {name: [] for name in self.names}
+        for b in self.buckets:
+            for name in b.params:
+                self.buckets_of[name].append(b)
+        self.state = {self._key(s): updater.init_state(self._value(s)) for b in self.owned for s in b.slices}
+        # staging: what peers send to this owner, and multi-slice messages (one flat buffer each way)
+        self._incoming = {(b.index, p): torch.empty(b.numel) for b in self.owned for p in self.peers}
+        hosts_workers = rank in self.worker_ranks
+        self._outgoing = {b.index: torch.empty(b.numel) for b in self.buckets if len(b.slices) > 1 and (b.owner == rank or hosts_workers)}
+        self._arriving = {b.index: torch.empty(b.numel) for b in self.buckets if len(b.slices) > 1 and b.owner != rank and hosts_workers}
+        # per bucket, one byte per param: whether the sender had a gradient for it, so that an owner
+        # skips a param no process has one for. In a message of its own, because a big slice's
+        # gradients travel as a view of the gradient itself: appending a flag would copy up to the
+        # bucket cap (4 MB) per message, where this costs len(params) bytes and one small message
+        self._flags_in = {(b.index, p): torch.empty(len(b.params), dtype=torch.uint8) for b in self.owned for p in self.peers}
+        self._flags_out = {b.index: torch.empty(len(b.params), dtype=torch.uint8) for b in self.buckets if b.owner != rank and hosts_workers}
+        self.shares = [w.share for w in workers]
+        # per local worker: whether its gradients leave during backward (kBP) or after compute
+        self.streaming = [w.stream_gradients(self._hook(i)) for i, w in enumerate(workers)]
+        self._lock = threading.Lock()
+        self._round: Optional[_Round] = None
+
+    # message tags of bucket b: its gradients (to the owner), its new values (back), its gradient flags
+    GRADS, VALUES, FLAGS = range(3)
+
+    @staticmethod
+    def _tag(b: Bucket, kind: int) -> int:
+        return 3 * b.index + kind
+
+    @staticmethod
+    def _key(s: ParamSlice) -> tuple[str, int, int]:
+        return (s.param, s.start, s.stop)
+
+    def _value(self, s: ParamSlice) -> torch.Tensor:
+        return self.store.values[s.param].view(-1)[s.start : s.stop]
+
+    # -- one step -----------------------------------------------------------
+    def begin(self, step: int) -> None:
+        """Open the step's round: owners start receiving before the workers start computing."""
+        if self._round is not None:
+            raise RuntimeError(f"step {step} began before step {self._round.step} finished its exchange")
+        comm.enter_round()
+        r = _Round(step)
+        r.pending = {b.index: len(b.params) for b in self.buckets}
+        r.ready = {b.index: threading.Event() for b in self.owned}
+        if not self.shares:  # no workers here: no local part to wait for
+            for event in r.ready.values():
+                event.set()
+        if self.owned:
+            r.server = threading.Thread(target=self._serve, args=(r,), name=f"shoal-server-{self.rank}", daemon=True)
+            r.server.start()
+        self._round = r
+
+    def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
+        """Finish the step: hand over what the hooks did not, wait for every new value."""
+        r = self._round
+        if r is None:  # a caller that does not call begin (e.g. an older training loop)
+            self.begin(step)
+            r = self._round
+        for i, (grads, _) in enumerate(parts):
+            for name in reversed(self.names):  # in backward order, as the buckets are
+                if (i, name) not in r.arrived:
+                    self._arrive(i, name, grads.get(name))
+        try:
+            if r.server is not None:
+                r.server.join()
+                if r.error is not None:
+                    raise r.error
+            for work in r.works:
+                work.wait()
+        finally:
+            self._round = None
+        for b in r.staged:
+            flat = self._arriving[b.index]
+            for s, at in zip(b.slices, b.offsets):
+                self._value(s).copy_(flat[at : at + s.size])
+
+    def _hook(self, worker: int) -> Callable[[str, Optional[torch.Tensor]], None]:
+        return lambda name, grad: self._arrive(worker, name, grad)
+
+    def _arrive(self, worker: int, name: str, grad: Optional[torch.Tensor]) -> None:
+        """A local worker's gradient of `name` (None: it has none; counts as zeros if another has one)."""
+        r = self._round
+        if name not in self.buckets_of or r is None:
+            return  # not trained by gradient (running statistics), or outside a step
+        with self._lock:
+            if (worker, name) in r.arrived:
+                raise RuntimeError(f"param {name}: worker {worker} produced its gradient twice in step {r.step}")
+            r.arrived.add((worker, name))
+            if grad is not None:
+                r.has_grad.add(name)
+                weight = self.shares[worker] / self.global_batch  # each loss is a mean over its share
+                # gloo moves host memory: a worker on a GPU hands its gradient to the process's store there
+                flat = grad.detach().reshape(-1).to(self.store.device)
+                if name in r.grad:
+                    r.grad[name].add_(flat, alpha=weight)
+                else:  # in place: workers make fresh gradients every step
+                    r.grad[name] = flat.mul_(weight)
+            r.count[name] = r.count.get(name, 0) + 1
+            if r.count[name] < len(self.shares):
+                return
+            if name not in r.grad:
+                r.grad[name] = torch.zeros(self.store.info[name].numel)
+            complete = []
+            for b in self.buckets_of[name]:
+                r.pending[b.index] -= 1
+                if r.pending[b.index] == 0:
+                    complete.append(b)
+            for b in complete:
+                self._send_gradients(r, b)
+
+    def _send_gradients(self, r: _Round, b: Bucket) -> None:
+        if b.owner == self.rank:
+            r.ready[b.index].set()
+            return
+        payload = self._gather(b, lambda s: r.grad[s.param][s.start : s.stop])
+        r.works.append(comm.isend(payload, b.owner, tag=self._tag(b, self.GRADS)))
+        flags = self._flags_out[b.index]
+        for k, name in enumerate(b.params):
+            flags[k] = name in r.has_grad
+        r.works.append(comm.isend(flags, b.owner, tag=self._tag(b, self.FLAGS)))
+        if len(b.slices) == 1:
+            target = self._value(b.slices[0])  # straight into the param: it is no longer read this step
+        else:
+            target = self._arriving[b.index]
+            r.staged.append(b)
+        r.works.append(comm.irecv(target, b.owner, tag=self._tag(b, self.VALUES)))
+
+    def _gather(self, b: Bucket, part: Callable[[ParamSlice], torch.Tensor]) -> torch.Tensor:
+        """The bucket's flat message: the slice itself when alone, else a copy into its buffer."""
+        if len(b.slices) == 1:
+            return part(b.slices[0])
+        flat = self._outgoing[b.index]
+        for s, at in zip(b.slices, b.offsets):
+            flat[at : at + s.size].copy_(part(s))
+        return flat
+
+    def _serve(self, r: _Round) -> None:
+        """The server of this rank: per owned bucket, sum, update, send the values back."""
+        try:
+            receiving = {
+                b.index: [comm.irecv(self._incoming[b.index, p], p, tag=self._tag(b, self.GRADS)) for p in self.peers]
+                + [comm.irecv(self._flags_in[b.index, p], p, tag=self._tag(b, self.FLAGS)) for p in self.peers]
+                for b in self.owned
+            }
+            sending = []
+            for b in self.owned:
+                if not r.ready[b.index].wait(comm.timeout_seconds()):
+                    raise RuntimeError(f"the workers of process {self.rank} produced no gradients for {comm.timeout_seconds():.0f} s")
+                for work in receiving[b.index]:
+                    work.wait()
+                anyone_has = {name for name in b.params if name in r.has_grad}
+                for p in self.peers:
+                    anyone_has.update(name for name, flag in zip(b.params, self._flags_in[b.index, p].tolist()) if flag)
+                for s, at in zip(b.slices, b.offsets):
+                    if s.param not in anyone_has:  # as Server.update: no gradient anywhere, no update
+                        continue
+                    grad = r.grad[s.param][s.start : s.stop] if self.shares else None
+                    for p in self.peers:  # in rank order, so every run sums alike
+                        part = self._incoming[b.index, p][at : at + s.size]
+                        grad = part if grad is None else grad.add_(part)
+                    info = self.store.info[s.param]
+                    self.updater.update(r.step, self._value(s), grad, self.state[self._key(s)], info.lr_scale, info.wd_scale)
+                values = self._gather(b, self._value)
+                sending += [comm.isend(values, p, tag=self._tag(b, self.VALUES)) for p in self.peers]
+            for work in sending:
+                work.wait()
+        except BaseException as err:  # handed to the training thread by step()
+            r.error = err
+
+    def metrics(self, window: MetricWindow) -> dict[str, float]:
+        """Sample-weighted averages over every worker of the group (rank 0 decides the names)."""
+        state = window.state()
+        names = sorted(state["sums"]) if self.chief else []
+        encoded = torch.tensor(list(",".join(names).encode()), dtype=torch.uint8)
+        length = torch.tensor([len(encoded)])
+        comm.broadcast(length, 0)
+        if not self.chief:
+            encoded = torch.zeros(int(length), dtype=torch.uint8)
+        comm.broadcast(encoded, 0)
+        names = [n for n in bytes(encoded.tolist()).decode().split(",") if n]
+        values = torch.tensor([[state["sums"].get(n, 0.0), state["counts"].get(n, 0)] for n in names], dtype=torch.float64).reshape(-1, 2)
+        comm.all_reduce_sum(values)
+        return {n: float(s / c) for n, (s, c) in zip(names, values.tolist()) if c}
+
+    def updater_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The whole updater state, assembled on every rank from the servers' slices (collective)."""
+        slots = self.updater.init_state(torch.zeros(1)).keys()
+        full = {name: {slot: torch.zeros(self.store.info[name].shape) for slot in slots} for name in self.names}
+        for key, state in self.state.items():
+            name, start, stop = key
+            for slot, value in state.items():
+                full[name][slot].view(-1)[start:stop] = value
+        for name in self.names:
+            for slot in slots:
+                comm.all_reduce_sum(full[name][slot])
+        return full
+
+    def load_updater_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        for (name, start, stop), slots in self.state.items():
+            for slot, value in slots.items():
+                if name in state and slot in state[name]:
+                    value.copy_(state[name][slot].reshape(-1)[start:stop])
