@@ -5,8 +5,10 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
+from shoal.errors import ShoalError
 
-class JobError(Exception):
+
+class JobError(ShoalError):
     """A job that cannot run.
 
     `str()` is one line: `job.conf:12:5: message` when the position is known,

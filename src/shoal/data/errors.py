@@ -1,5 +1,6 @@
 """Errors of the data layer: one line naming the file and where in it."""
+from shoal.errors import ShoalError
 
 
-class StoreError(ValueError):
+class StoreError(ShoalError, ValueError):
     """A record store (or dataset source file) is missing, truncated or corrupt."""

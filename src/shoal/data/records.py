@@ -10,9 +10,10 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from shoal.config import job_pb2
+from shoal.errors import ShoalError
 
 
-class RecordDecodeError(ValueError):
+class RecordDecodeError(ShoalError, ValueError):
     """A store value is not a RecordProto shoal can read (the caller adds file and offset)."""
 
 

@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 from typing import Optional
 
+from shoal.errors import ShoalError
+
 EXAMPLES = """\
 examples:
   shoal prepare mnist --out examples/mnist/data      # MNIST IDX files -> record stores
@@ -215,7 +217,7 @@ def _run_script(args: argparse.Namespace, path: Path) -> int:
         raise UsageError(f"shoal run {path}: {', '.join(refused)} only for job files; a script tests and places its jobs itself")
     overrides = list(args.overrides) + (["tensorboard=true"] if args.tensorboard else [])
     settings = ScriptSettings.from_command_line(overrides, args.workspace, args.resume)
-    return run_script(path, args.script_args, settings, expected=_expected_errors())
+    return run_script(path, args.script_args, settings, expected=(ShoalError,))
 
 
 def _script_args(args: argparse.Namespace, extra: list[str]) -> Optional[list[str]]:
@@ -374,23 +376,8 @@ def _viz(args: argparse.Namespace) -> int:
     return 0
 
 
-class UsageError(ValueError):
+class UsageError(ShoalError, ValueError):
     pass
-
-
-def _expected_errors() -> tuple[type[BaseException], ...]:
-    from shoal.runtime.checkpoint import CheckpointError
-    from shoal.planning.placement import PlacementError
-    from shoal.config.errors import JobError
-    from shoal.runtime.job_registry import JobNotFound
-    from shoal.data.errors import StoreError
-    from shoal.neuralnet.net import NetBuildError
-    from shoal.runtime.launch import ProcessFailed
-    from shoal.runtime.local import UnsupportedClusterError, WorkspaceError
-    from shoal.report.errors import ReportError
-    from shoal.frontend.script import ScriptError
-
-    return (JobError, StoreError, CheckpointError, NetBuildError, WorkspaceError, UsageError, PlacementError, UnsupportedClusterError, ProcessFailed, JobNotFound, ReportError, ScriptError)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -427,7 +414,7 @@ def _main(argv: Optional[list[str]]) -> int:
     handlers = {"run": _run, "prepare": _prepare, "plan": _plan, "jobs": _jobs, "plot": _plot, "compare": _compare, "viz": _viz}
     try:
         return handlers[args.command](args)
-    except _expected_errors() as err:
+    except ShoalError as err:
         print(str(err).splitlines()[0] if str(err) else type(err).__name__, file=sys.stderr)
         return 2
     except KeyboardInterrupt as stop:

@@ -26,9 +26,10 @@ from typing import Iterator, Optional
 
 from shoal.config import job_pb2
 from shoal.config.overrides import apply_overrides
+from shoal.errors import ShoalError
 
 
-class ScriptError(ValueError):
+class ScriptError(ShoalError, ValueError):
     """The script is missing or failed: one line naming the file and line."""
 
 

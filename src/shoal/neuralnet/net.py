@@ -16,6 +16,7 @@ import torch
 import shoal.neuralnet.layers  # noqa: F401  (registers the built-in layer types)
 from shoal.config import job_pb2
 from shoal.config.validate import in_phase
+from shoal.errors import ShoalError
 from shoal.neuralnet.layers.base import Context, Layer, LayerConfigError
 from shoal.neuralnet.layers.registry import layer_class
 from shoal.neuralnet.params import ParamStore
@@ -24,7 +25,7 @@ from shoal.neuralnet.unroll import UnrollError, unroll
 PHASE_NAMES = {job_pb2.kTrain: "train", job_pb2.kVal: "val", job_pb2.kTest: "test"}
 
 
-class NetBuildError(ValueError):
+class NetBuildError(ShoalError, ValueError):
     """The net cannot be built: `field_path` says where in the job it went wrong."""
 
     def __init__(self, field_path: str, message: str):

@@ -27,11 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shoal.config import job_pb2
+from shoal.errors import ShoalError
 
 RECURRENT_TYPES = {job_pb2.kGRU}
 
 
-class UnrollError(ValueError):
+class UnrollError(ShoalError, ValueError):
     def __init__(self, field_path: str, message: str):
         super().__init__(f"{field_path}: {message}")
         self.field_path = field_path

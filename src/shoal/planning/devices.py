@@ -16,9 +16,10 @@ from typing import Sequence
 
 from shoal.config import job_pb2
 from shoal.config.validate import DEVICE_NAME
+from shoal.errors import ShoalError
 
 
-class DeviceError(ValueError):
+class DeviceError(ShoalError, ValueError):
     """A device name shoal does not know (said with the field)."""
 
 

@@ -19,9 +19,10 @@ from typing import Optional
 
 from shoal.config import job_pb2
 from shoal.config.validate import validate_cluster
+from shoal.errors import ShoalError
 
 
-class PlacementError(ValueError):
+class PlacementError(ShoalError, ValueError):
     """The cluster section cannot be placed; the message shows the failing arithmetic."""
 
 

@@ -21,11 +21,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from shoal.errors import ShoalError
+
 FORMAT_VERSION = "1"
 _NAME = re.compile(r"^step(\d+)-worker(\d+)\.safetensors$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ShoalError, ValueError):
     """A checkpoint is missing, unreadable or does not fit the job (one line)."""
 
 

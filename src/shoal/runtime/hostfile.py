@@ -14,8 +14,10 @@ import subprocess
 from pathlib import Path
 from typing import Callable
 
+from shoal.errors import ShoalError
 
-class HostfileError(ValueError):
+
+class HostfileError(ShoalError, ValueError):
     """The hostfile cannot be read or does not say which node this is (one line, naming the file)."""
 
 

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from shoal.errors import ShoalError
 from shoal.report.metrics import read_metrics
 
 
@@ -22,7 +23,7 @@ def registry_dir() -> Path:
     return Path(os.environ.get("SHOAL_HOME", Path.home() / ".shoal")) / "jobs"
 
 
-class JobNotFound(ValueError):
+class JobNotFound(ShoalError, ValueError):
     pass
 
 

@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import torch
 import torch.multiprocessing as mp
 
+from shoal.errors import ShoalError
 from shoal.runtime import checkpoint as ckpt_io
 from shoal.planning.placement import Placement, ServerId, WorkerId, place
 from shoal.comm import dist as comm
@@ -59,7 +60,7 @@ class Nodes:
         return list(range(self.node_rank * per_node, min(world, (self.node_rank + 1) * per_node)))
 
 
-class ProcessFailed(RuntimeError):
+class ProcessFailed(ShoalError, RuntimeError):
     """A process of the job died; the message names its rank and what it hosted."""
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 from google.protobuf import text_format
 
+from shoal.errors import ShoalError
 from shoal.runtime import checkpoint as ckpt_io
 from shoal.runtime import job_registry as jobs
 from shoal.planning.placement import place
@@ -30,11 +31,11 @@ if TYPE_CHECKING:
     from shoal.runtime.launch import Nodes
 
 
-class WorkspaceError(ValueError):
+class WorkspaceError(ShoalError, ValueError):
     """The workspace cannot be used as asked (would overwrite, nothing to resume, ...)."""
 
 
-class UnsupportedClusterError(ValueError):
+class UnsupportedClusterError(ShoalError, ValueError):
     """A cluster layout this build of the runtime cannot run yet (said in one line)."""
 
 

@@ -16,6 +16,7 @@ from typing import Callable, ClassVar, Optional, Sequence, Union
 import torch
 
 from shoal.config.job_pb2 import LayerProto, kTrain
+from shoal.errors import ShoalError
 
 Shape = tuple[int, ...]
 # A layer returns its output, or (output, aux) where aux travels with the
@@ -23,7 +24,7 @@ Shape = tuple[int, ...]
 LayerResult = Union[torch.Tensor, tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
-class LayerConfigError(ValueError):
+class LayerConfigError(ShoalError, ValueError):
     """A layer's configuration does not fit its sources (shape, missing field)."""
 
 

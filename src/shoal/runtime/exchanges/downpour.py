@@ -24,6 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
+from shoal.errors import ShoalError
 from shoal.neuralnet.algorithms import Grads
 from shoal.planning.placement import ParamSlice, Placement, ServerId
 from shoal.comm import dist as comm
@@ -64,7 +65,7 @@ def slot_names(updater: Updater) -> list[str]:
     return sorted(updater.init_state(torch.zeros(1)))
 
 
-class ServerLost(RuntimeError):
+class ServerLost(ShoalError, RuntimeError):
     """A server of the job died or stopped answering: the job cannot go on (resume from a checkpoint)."""
 
 

@@ -1,0 +1,21 @@
+"""The one base of every error shoal reports to a user.
+
+The CLI catches ShoalError and prints `str(err)`: one line, starting with where
+the problem is (a file and position, or a field) when that is known. Errors
+that are control flow inside the runtime (a group aborted because another
+failed) are not ShoalErrors: they never reach a user as such.
+"""
+from __future__ import annotations
+
+
+class ShoalError(Exception):
+    """An error a user can act on; `str()` is one line.
+
+    `source` names the file (or `<python>`), `line`/`col` a position in it and
+    `field_path` the job field (e.g. `cluster.nworkers_per_group`), each when known.
+    """
+
+    source: str | None = None
+    line: int | None = None
+    col: int | None = None
+    field_path: str | None = None
