@@ -7,13 +7,22 @@
     shoal.fit(torch_module, loss_fn, (inputs, targets), cluster=shoal.Cluster(nworker_groups=2, nworkers_per_procs=2))
     shoal.compare_runs(["ws/single", "ws/allreduce"]); shoal.plot_runs([...], "runs.png")
     shoal.draw_net("examples/cifar10/hybrid.conf", "net.png")   # which worker computes what
+    shoal.register_layer("kFoo", Foo); shoal.load_plugins(["rnnlm.proto", "rnnlm.py"])  # user layers (docs/layers.md)
 """
-__all__ = ["load_job", "train", "evaluate", "fit", "Cluster", "plot_runs", "compare_runs", "draw_net"]
+__all__ = ["load_job", "train", "evaluate", "fit", "Cluster", "plot_runs", "compare_runs", "draw_net", "register_layer", "load_plugins"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
     # import the API lazily so `import shoal.config` stays light (no torch)
+    if name == "register_layer":
+        from shoal.neuralnet.layers.registry import register_layer
+
+        return register_layer
+    if name == "load_plugins":
+        from shoal.config.plugins import load_plugins
+
+        return load_plugins
     if name in ("fit", "Cluster"):
         from shoal.frontend import fit as fitting
 

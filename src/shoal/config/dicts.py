@@ -17,7 +17,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from shoal.config import job_pb2
 from shoal.config.errors import no_such_field, no_such_value
-from shoal.config.positions import SourceMap
+from shoal.config.positions import SourceMap, field_named
 
 _FLOATS = (FieldDescriptor.CPPTYPE_FLOAT, FieldDescriptor.CPPTYPE_DOUBLE)
 _INTS = {  # cpp type -> the range it holds
@@ -45,7 +45,9 @@ def _message(data: Any, desc: Descriptor, path: str, sources: SourceMap) -> dict
     clean = {}
     for name, value in data.items():
         at = f"{path}.{name}" if path else str(name)
-        fd = desc.fields_by_name.get(name) if isinstance(name, str) else None
+        fd = field_named(desc, name) if isinstance(name, str) else None
+        if fd is None and str(name).startswith("["):
+            raise sources.error(at, f"{desc.name} has no extension {name}: no loaded plugin declares it for {desc.name}")
         if fd is None:
             raise sources.error(at, no_such_field(desc.name, str(name), desc.fields_by_name))
         if fd.is_repeated:

@@ -7,12 +7,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import yaml
-from google.protobuf import text_format
+from google.protobuf import descriptor_pool, text_format
 
 from shoal.config import job_pb2
 from shoal.config.dicts import parse_dict
-from shoal.config.errors import JobError, no_such_field, no_such_value
+from shoal.config.errors import JobError, did_you_mean, no_such_field, no_such_value
+from shoal.config.inference import infer_vocab_sizes
 from shoal.config.overrides import apply_overrides
+from shoal.config.plugins import PluginError, extensions_of, load_plugins, loaded_plugins
 from shoal.config.positions import SourceMap, text_positions, yaml_positions
 from shoal.config.validate import ShapeCheck, validate
 
@@ -42,6 +44,7 @@ def job_from_text(
     job_dir: Path | None = None,
 ) -> job_pb2.JobProto:
     """A job from SINGA's protobuf text format (job.conf)."""
+    _load_named_plugins(_plugins_named_in_text(text), source, lambda: text_positions(text), job_dir)
     job = job_pb2.JobProto()
     try:
         text_format.Parse(text, job, descriptor_pool=None)
@@ -66,8 +69,10 @@ def job_from_yaml(
         mark = getattr(err, "problem_mark", None)
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise JobError(source, problem, mark.line + 1 if mark else None, mark.column + 1 if mark else None) from None
-    sources = SourceMap(source, yaml_positions(document) if document is not None else {}, show_path=True)
     _reject_duplicate_keys(document, source)
+    positions = lambda: yaml_positions(document) if document is not None else {}  # noqa: E731 (again once plugins add extensions)
+    _load_named_plugins(_plugins_named_in_data(data), source, positions, job_dir, show_path=True)
+    sources = SourceMap(source, positions(), show_path=True)
     return _finish(parse_dict(data, sources), sources, shape_check, overrides, job_dir)
 
 
@@ -79,6 +84,7 @@ def job_from_dict(
     job_dir: Path | None = None,
 ) -> job_pb2.JobProto:
     """A job from a Python dict shaped like the YAML form."""
+    _load_named_plugins(_plugins_named_in_data(data), source, dict, job_dir, show_path=True)
     sources = SourceMap(source, show_path=True)
     return _finish(parse_dict(data, sources), sources, shape_check, overrides, job_dir)
 
@@ -90,8 +96,47 @@ def _finish(
         job.job_dir = str(job_dir)
     for path, override in apply_overrides(job, overrides).items():
         sources.override(path, override)
+    base_dirs = [job_dir] if job_dir is not None else []
+    for i, name in enumerate(job.plugin):  # (again: `--set plugin=...` may add one)
+        try:
+            load_plugins([name], base_dirs)
+        except PluginError as err:
+            raise sources.error(f"plugin[{i}]", f'plugin "{name}": {err.message}') if err.source == name else err from None
+    # every plugin of this process, resolved: the processes it spawns load the same ones
+    resolved = load_plugins(job.plugin, base_dirs)
+    job.plugin[:] = list(dict.fromkeys(resolved + loaded_plugins()))
+    infer_vocab_sizes(job, sources, base_dirs)
     validate(job, sources, shape_check)
     return job
+
+
+def _plugins_named_in_text(text: str) -> list[str]:
+    """The `plugin` fields of a job.conf, read before the plugins' extensions are known."""
+    if "plugin" not in text:
+        return []
+    probe = job_pb2.JobProto()
+    try:
+        text_format.Parse(text, probe, allow_unknown_extension=True)
+    except text_format.ParseError:
+        return []  # the real parse reports it, with its position
+    return list(probe.plugin)
+
+
+def _plugins_named_in_data(data) -> list[str]:
+    names = data.get("plugin", []) if isinstance(data, dict) else []
+    names = names if isinstance(names, list) else [names]
+    return [name for name in names if isinstance(name, str)]  # parse_dict reports anything else
+
+
+def _load_named_plugins(names: list[str], source: str, positions, job_dir: Path | None, show_path: bool | None = None) -> None:
+    """Load the plugins a job names before parsing it; a missing file is an error at its `plugin` field."""
+    for i, name in enumerate(names):
+        try:
+            load_plugins([name], [job_dir] if job_dir is not None else [])
+        except PluginError as err:
+            if err.source != name:  # the plugin's own error: its file and position
+                raise
+            raise SourceMap(source, positions(), show_path=show_path).error(f"plugin[{i}]", f'plugin "{name}": {err.message}') from None
 
 
 def _reject_duplicate_keys(node: yaml.Node | None, source: str) -> None:
@@ -122,24 +167,43 @@ def _tidy(message: str, text: str, line: int) -> str:
     if 0 < line <= len(lines):
         echoed = repr(lines[line - 1]) + ": "
         message = message.removeprefix(echoed)
-    m = re.match(r'Message type "shoal\.(\w+)" has no field named "(\w+)"', message)
+    pool = descriptor_pool.Default()
+    m = re.match(r'Message type "([\w.]+)" has no field named "(\w+)"', message)
     if m:
-        message_type = job_pb2.DESCRIPTOR.message_types_by_name.get(m[1])
-        return no_such_field(m[1], m[2], message_type.fields_by_name if message_type else ())
-    m = re.match(r'Enum type "shoal\.([\w.]+)" has no value named (\w+)', message)
+        desc = _find(pool.FindMessageTypeByName, m[1])
+        return no_such_field(_short(m[1]), m[2], desc.fields_by_name if desc else ())
+    m = re.match(r'Enum type "([\w.]+)" has no value named (\w+)', message)
     if m:
-        enum = _enum(m[1])
-        return no_such_value(m[1].rpartition(".")[2], m[2], enum.values_by_name if enum else ())
-    m = re.match(r'Message type "shoal\.(\w+)" should not have multiple "(\w+)" fields', message)
+        enum = _find(pool.FindEnumTypeByName, m[1])
+        return no_such_value(_short(m[1]), m[2], enum.values_by_name if enum else ())
+    m = re.match(r'Message type "([\w.]+)" should not have multiple "([\w.\[\]]+)" fields', message)
     if m:
-        return f"{m[2]} is given twice, but {m[1]}.{m[2]} is not a repeated field"
+        return f"{m[2]} is given twice, but {_short(m[1])}.{m[2]} is not a repeated field"
+    m = re.match(r'Extension "([\w.]+)" not registered', message)
+    if m:
+        known = {name for desc in _EXTENDABLE for name in extensions_of(desc)}
+        hint = f"; loaded: {', '.join(f'[{k}]' for k in sorted(known))}" if known else ""
+        return (
+            f"no loaded plugin declares the extension [{m[1]}]{did_you_mean(m[1], known)}"
+            f' (name the .proto that does in the job: plugin: "layers.proto"){hint}'
+        )
+    m = re.match(r'Message type "([\w.]+)" does not have extensions', message)
+    if m:
+        return f"{_short(m[1])} has no extension range: only {', '.join(d.name for d in _EXTENDABLE)} can be extended"
     return message.rstrip(".")
 
 
-def _enum(full_name: str):
-    """The enum descriptor named `X` (top level) or `Message.X` (nested) in job.proto."""
-    outer, _, inner = full_name.rpartition(".")
-    if not outer:
-        return job_pb2.DESCRIPTOR.enum_types_by_name.get(inner)
-    message = job_pb2.DESCRIPTOR.message_types_by_name.get(outer)
-    return message.enum_types_by_name.get(inner) if message else None
+# the messages of job.proto that declare extension ranges (SINGA's)
+_EXTENDABLE = [desc for desc in job_pb2.DESCRIPTOR.message_types_by_name.values() if desc.extension_ranges]
+
+
+def _find(lookup, full_name: str):
+    try:
+        return lookup(full_name)
+    except KeyError:
+        return None
+
+
+def _short(full_name: str) -> str:
+    """`singa.LayerProto` -> `LayerProto`, `singa.PoolingProto.PoolMethod` -> `PoolMethod`: the names users write."""
+    return full_name.removeprefix(job_pb2.DESCRIPTOR.package + ".").rpartition(".")[2]

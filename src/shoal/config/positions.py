@@ -3,8 +3,9 @@
 protobuf reports positions only for syntax errors; validation needs them for
 semantic ones too ("srclayers names no layer"). Positions are keyed by field
 path as a user writes it: repeated fields carry an index, singular ones do not
-(`neuralnet.layer[3].srclayers[1]`, `cluster.nworkers_per_group`). A scalar's
-position is its value's; a message's is its name's.
+(`neuralnet.layer[3].srclayers[1]`, `cluster.nworkers_per_group`); a plugin's
+extension field is its bracketed name (`neuralnet.layer[0].[data_conf].path`).
+A scalar's position is its value's; a message's is its name's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import yaml
-from google.protobuf.descriptor import Descriptor
+from google.protobuf import descriptor_pool
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from shoal.config import job_pb2
 from shoal.config.errors import JobError
@@ -59,6 +61,19 @@ class SourceMap:
         return JobError(self.source, message, field_path=path)
 
 
+def field_named(desc: Descriptor | None, name: str) -> FieldDescriptor | None:
+    """`desc`'s field `name`, or the extension `[full.name]` a loaded plugin declares for it."""
+    if desc is None:
+        return None
+    if not (name.startswith("[") and name.endswith("]")):
+        return desc.fields_by_name.get(name)
+    try:
+        ext = descriptor_pool.Default().FindExtensionByName(name[1:-1])
+    except KeyError:
+        return None
+    return ext if ext.containing_type is desc or ext.containing_type.full_name == desc.full_name else None
+
+
 # -- text format -------------------------------------------------------------------
 def text_positions(text: str) -> dict[str, Position]:
     """Positions of every field in a text-format job that protobuf has already parsed."""
@@ -94,7 +109,13 @@ class _TextIndexer:
             name, name_at = self.take()
             if name in (";", ","):
                 continue
-            fd = desc.fields_by_name.get(name) if desc else None
+            if name == "[":  # an extension: [data_conf] { ... }
+                parts = []
+                while self.peek() not in (None, "]"):
+                    parts.append(self.take()[0])
+                self.take()
+                name = "[" + "".join(parts) + "]"
+            fd = field_named(desc, name)
             self.positions.setdefault(prefix + name, name_at)
             if self.peek() == ":":
                 self.take()
@@ -142,7 +163,7 @@ def _index_mapping(node: yaml.Node, desc: Descriptor | None, prefix: str, positi
         return
     for key, value in node.value:
         name = str(key.value)
-        fd = desc.fields_by_name.get(name) if desc else None
+        fd = field_named(desc, name)
         sub = fd.message_type if fd else None
         positions.setdefault(prefix + name, _mark(key))
         if fd is not None and fd.is_repeated and isinstance(value, yaml.SequenceNode):

@@ -67,6 +67,7 @@ def _layer_by_index(path: str, net: job_pb2.NetProto) -> str:
 def job_problems(job: job_pb2.JobProto) -> Iterator[Problem]:
     """Every problem of `job` that needs no layer shapes, most basic first."""
     yield from _required_fields(job)
+    yield from _missing_required(job, "")
     for name in COUNTERS:
         if getattr(job, name) < 0:
             yield name, f"{name} must be >= 0, got {getattr(job, name)}"
@@ -102,6 +103,20 @@ def _required_fields(job: job_pb2.JobProto) -> Iterator[Problem]:
         yield "train_one_batch.alg", "no alg given: kBP, kCD, kBPTT, or kUserAlg with user_alg naming a registered algorithm"
     if job.train_steps > 0 and not job.HasField("updater"):
         yield "updater", "missing required field 'updater' (a job with train_steps needs one)"
+
+
+def _missing_required(message, path: str) -> Iterator[Problem]:
+    """Fields a plugin's .proto declares `required` (shoal's own schema declares none; see job.proto)."""
+    at = path + "." if path else ""
+    for fd in message.DESCRIPTOR.fields:
+        if fd.is_required and not message.HasField(fd.name):
+            yield at + fd.name, f"missing required field '{fd.name}' of {message.DESCRIPTOR.name}"
+    for fd, value in message.ListFields():
+        if fd.message_type is None:
+            continue
+        name = at + (f"[{fd.full_name}]" if fd.is_extension else fd.name)
+        for i, item in enumerate(value) if fd.is_repeated else [(None, value)]:
+            yield from _missing_required(item, name if i is None else f"{name}[{i}]")
 
 
 def validate_cluster(cluster: job_pb2.ClusterProto) -> list[Problem]:

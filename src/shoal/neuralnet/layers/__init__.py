@@ -28,8 +28,9 @@ from shoal.neuralnet.layers.base import Context, Layer, LayerConfigError
 from shoal.neuralnet.layers.registry import (
     layer_class,
     register,
+    register_layer,
     register_user_layer,
     registered_types,
 )
 
-__all__ = ["Context", "Layer", "LayerConfigError", "layer_class", "register", "register_user_layer", "registered_types"]
+__all__ = ["Context", "Layer", "LayerConfigError", "layer_class", "register", "register_layer", "register_user_layer", "registered_types"]

@@ -1,0 +1,193 @@
+"""Plugins: a user's layer classes (.py) and their configuration (.proto), as SINGA's users wrote them.
+
+A job names its plugin files (`plugin: "rnnlm.proto"  plugin: "rnnlm.py"`), or `shoal run --plugin
+PATH` and `shoal.load_plugins([...])` load them for every job of the process. A .proto file extends
+SINGA's messages (`extend singa.LayerProto { optional DataProto data_conf = 1003; }`): it is
+compiled with protoc (grpcio-tools) into a temporary folder and its module is importable as
+`<stem>_pb2`, so that jobs parse `[data_conf] { ... }`. A .py file registers layer classes
+(`@shoal.register_layer("kData")`); its folder is importable too, for its helper modules.
+
+Every process loads the same plugins before it reads a job: the loader writes the resolved path
+of every plugin loaded in this process into the job's `plugin` field, and a spawned process
+decodes the job it is handed with `decode_job`, which loads those paths first. Loading is
+idempotent: a file already loaded in this process is not loaded again.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+import re
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import ModuleType
+
+from google.protobuf import descriptor_pool
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+
+from shoal.config import common_pb2, job_pb2
+from shoal.config.errors import JobError, did_you_mean
+
+__all__ = ["PluginError", "decode_job", "extension", "extensions_of", "load_plugins", "loaded_plugins"]
+
+CONFIG_DIR = Path(__file__).resolve().parent
+SUFFIXES = (".proto", ".py")
+# shoal's schema files, as a user's .proto imports them (`import "job.proto";`)
+SCHEMA_MODULES = {"job_pb2": job_pb2, "common_pb2": common_pb2}
+_PROTOC_MESSAGE = re.compile(r"^(?P<file>[^:\n]+):(?P<line>\d+):(?P<col>\d+): (?P<message>.*)$")
+
+_loaded: dict[str, ModuleType] = {}  # resolved path -> its module, in load order
+
+
+class PluginError(JobError):
+    """A plugin file that cannot be found, compiled or imported: `path:line:col: message`."""
+
+
+def load_plugins(paths: Iterable[str | Path], base_dirs: Sequence[str | Path] = ()) -> list[str]:
+    """Load each plugin file once per process; return their resolved paths, in the order given.
+
+    A relative path resolves as a job's data paths do: from the working directory, else from
+    each of `base_dirs` (the job file's folder). The .proto files load first, since a layer
+    module imports the `_pb2` module its .proto becomes.
+    """
+    resolved = [_resolve(Path(p), [Path(d) for d in base_dirs]) for p in paths]
+    for path in sorted(dict.fromkeys(resolved), key=lambda p: p.suffix != ".proto"):
+        if str(path) not in _loaded:
+            _loaded[str(path)] = _load_proto(path) if path.suffix == ".proto" else _load_module(path)
+    return [str(p) for p in resolved]
+
+
+def loaded_plugins() -> list[str]:
+    """The resolved paths of every plugin this process has loaded, in load order."""
+    return list(_loaded)
+
+
+def decode_job(data: bytes) -> job_pb2.JobProto:
+    """A serialized job, after loading the plugins it names: what a spawned process reads its job with."""
+    job = job_pb2.JobProto.FromString(data)
+    if any(path not in _loaded for path in job.plugin):
+        load_plugins(job.plugin)
+        job = job_pb2.JobProto.FromString(data)  # now with the plugins' extensions decoded
+    return job
+
+
+def extensions_of(desc: Descriptor) -> dict[str, FieldDescriptor]:
+    """The extensions the loaded plugins declare for a message, by full name (`data_conf`, `rnnlm.data_conf`)."""
+    return {ext.full_name: ext for ext in descriptor_pool.Default().FindAllExtensions(desc)}
+
+
+def extension(message, name: str):
+    """The extension field `name` of `message` (a LayerProto's `data_conf`), for a plugin layer to read its conf.
+
+    KeyError naming the message's extensions when no loaded plugin declares it.
+    """
+    known = extensions_of(message.DESCRIPTOR)
+    if name not in known:
+        raise KeyError(f"{message.DESCRIPTOR.name} has no extension [{name}]{did_you_mean(name, known)}; loaded: {sorted(known)}")
+    return message.Extensions[known[name]]
+
+
+# -- finding and loading ---------------------------------------------------------------
+def _resolve(path: Path, base_dirs: list[Path]) -> Path:
+    candidates = [path] if path.is_absolute() else [Path.cwd() / path] + [d / path for d in base_dirs]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        raise PluginError(str(path), "no such plugin file" + (f" (looked in {', '.join(str(d) for d in base_dirs)} too)" if base_dirs and not path.is_absolute() else ""))
+    if found.suffix not in SUFFIXES:
+        raise PluginError(str(path), "a plugin is a Python module (.py) or a protobuf schema (.proto)")
+    return found.resolve()
+
+
+def _claim_module_name(name: str, path: Path) -> None:
+    """Refuse a module name some other module already has: importing the plugin by name would find that one."""
+    other = sys.modules.get(name)
+    if other is not None and getattr(other, "__file__", None) != str(path):
+        where = getattr(other, "__file__", None) or "elsewhere"
+        raise PluginError(str(path), f"a module named '{name}' is already imported (from {where}); rename the plugin")
+
+
+def _load_proto(path: Path) -> ModuleType:
+    """Compile a .proto with protoc against shoal's schema and import the module it becomes, as `<stem>_pb2`."""
+    if path.name in ("job.proto", "common.proto"):
+        raise PluginError(str(path), f"{path.name} is shoal's schema file name; give the plugin another name")
+    module_name = path.stem + "_pb2"
+    _claim_module_name(module_name, path)
+    try:
+        descriptor_pool.Default().FindFileByName(path.name)
+        raise PluginError(str(path), f"a schema file named {path.name} is already loaded (from another folder); rename one")
+    except KeyError:
+        pass
+    with tempfile.TemporaryDirectory(prefix="shoal-plugin-") as out:
+        _compile(path, Path(out))
+        module = _exec_module(module_name, Path(out) / (path.stem + "_pb2.py"), path, SCHEMA_MODULES)
+    module.__file__ = str(path)  # the schema it came from; the generated code lived in a temporary folder
+    return module
+
+
+def _compile(path: Path, out: Path) -> None:
+    well_known = importlib.resources.files("grpc_tools") / "_proto"  # google/protobuf/*.proto
+    command = [sys.executable, "-m", "grpc_tools.protoc", f"-I{CONFIG_DIR}", f"-I{path.parent}", f"-I{well_known}", f"--python_out={out}", str(path)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise PluginError(str(path), f"cannot run protoc: {err}") from None
+    if done.returncode == 0:
+        return
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    for line in lines:
+        m = _PROTOC_MESSAGE.match(line)
+        if m and not m["message"].startswith("warning:"):
+            source = str(path) if Path(m["file"]).name == path.name else m["file"]
+            raise PluginError(source, m["message"], int(m["line"]), int(m["col"]))
+    errors = [line for line in lines if "warning" not in line.lower() and not line.startswith(("WARNING:", "W0000"))]
+    if not errors and "No module named" in done.stderr:
+        errors = ["shoal compiles .proto plugins with grpcio-tools: pip install grpcio-tools"]
+    raise PluginError(str(path), errors[-1] if errors else f"protoc failed with exit code {done.returncode}")
+
+
+def _load_module(path: Path) -> ModuleType:
+    """Import a layer module by its file name; its folder becomes importable for its helper modules."""
+    _claim_module_name(path.stem, path)
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
+    return _exec_module(path.stem, path, path, {})
+
+
+def _exec_module(name: str, code: Path, plugin: Path, aliases: dict[str, ModuleType]) -> ModuleType:
+    """Run `code` as module `name`; any failure is one PluginError naming `plugin` and, if known, the line."""
+    spec = importlib.util.spec_from_file_location(name, code)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    hidden = {alias: sys.modules.get(alias) for alias in aliases}
+    sys.modules.update(aliases)  # generated code imports its dependencies as top-level modules
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as err:
+        del sys.modules[name]
+        if not isinstance(err, Exception):
+            raise
+        raise _import_error(err, code, plugin) from None
+    finally:
+        for alias, previous in hidden.items():
+            if previous is None:
+                sys.modules.pop(alias, None)
+            else:
+                sys.modules[alias] = previous
+    return module
+
+
+def _import_error(err: Exception, code: Path, plugin: Path) -> PluginError:
+    if isinstance(err, PluginError):
+        return err
+    if isinstance(err, SyntaxError) and err.filename and Path(err.filename).resolve() == code.resolve():
+        return PluginError(str(plugin), f"SyntaxError: {err.msg}", err.lineno, err.offset)
+    line = None
+    if code == plugin:  # the deepest line of the plugin itself that the error passed through
+        lines = [frame.lineno for frame in traceback.extract_tb(err.__traceback__) if Path(frame.filename).resolve() == code.resolve()]
+        line = lines[-1] if lines else None
+    message = " ".join(str(err).split()) or "(no message)"
+    return PluginError(str(plugin), f"cannot load plugin: {type(err).__name__}: {message}", line)
