@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
 
-from google.protobuf import descriptor_pool
+from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from shoal.config import common_pb2, job_pb2
@@ -123,6 +123,7 @@ def _load_proto(path: Path) -> ModuleType:
         pass
     with tempfile.TemporaryDirectory(prefix="shoal-plugin-") as out:
         _compile(path, Path(out))
+        _refuse_taken_numbers(path, Path(out) / "descriptor.pb")
         module = _exec_module(module_name, Path(out) / (path.stem + "_pb2.py"), path, SCHEMA_MODULES)
     module.__file__ = str(path)  # the schema it came from; the generated code lived in a temporary folder
     return module
@@ -130,7 +131,8 @@ def _load_proto(path: Path) -> ModuleType:
 
 def _compile(path: Path, out: Path) -> None:
     well_known = importlib.resources.files("grpc_tools") / "_proto"  # google/protobuf/*.proto
-    command = [sys.executable, "-m", "grpc_tools.protoc", f"-I{CONFIG_DIR}", f"-I{path.parent}", f"-I{well_known}", f"--python_out={out}", str(path)]
+    command = [sys.executable, "-m", "grpc_tools.protoc", f"-I{CONFIG_DIR}", f"-I{path.parent}", f"-I{well_known}", f"--python_out={out}",
+               f"--descriptor_set_out={out / 'descriptor.pb'}", "--include_source_info", str(path)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as err:
@@ -147,6 +149,26 @@ def _compile(path: Path, out: Path) -> None:
     if not errors and "No module named" in done.stderr:
         errors = ["shoal compiles .proto plugins with grpcio-tools: pip install grpcio-tools"]
     raise PluginError(str(path), errors[-1] if errors else f"protoc failed with exit code {done.returncode}")
+
+
+def _refuse_taken_numbers(path: Path, descriptor_set: Path) -> None:
+    """An extension number another loaded plugin already uses for the same message (protobuf's own words name neither)."""
+    (file,) = descriptor_pb2.FileDescriptorSet.FromString(descriptor_set.read_bytes()).file
+    pool = descriptor_pool.Default()
+    where = {tuple(loc.path): loc.span for loc in file.source_code_info.location}
+    for i, ext in enumerate(file.extension):  # top-level `extend` blocks (FileDescriptorProto field 7)
+        try:
+            other = pool.FindExtensionByNumber(pool.FindMessageTypeByName(ext.extendee.lstrip(".")), ext.number)
+        except KeyError:
+            continue
+        span = where.get((7, i, 3), where.get((7, i), [None, None]))  # the number's position, else the field's
+        raise PluginError(
+            str(path),
+            f"{ext.name} = {ext.number}: {ext.extendee.lstrip('.')} extension number {ext.number} is taken by "
+            f"[{other.full_name}] (from {other.file.name}); each plugin needs its own numbers",
+            span[0] + 1 if span[0] is not None else None,
+            span[1] + 1 if span[1] is not None else None,
+        )
 
 
 def _load_module(path: Path) -> ModuleType:
