@@ -50,8 +50,8 @@ def layer_class(conf: job_pb2.LayerProto) -> type[Layer]:
         if conf.user_type not in _USER:
             known = f" (registered: {', '.join(sorted(_USER))})" if _USER else ""
             raise KeyError(
-                f"no user layer registered as {conf.user_type!r}{known}; name the plugin that registers it"
-                ' in the job (plugin: "layers.py") or with shoal run --plugin'
+                f"no user layer registered as {conf.user_type!r}{known}; load the plugin that registers it"
+                " (the job's plugin field, or shoal run --plugin)"
             )
         return _USER[conf.user_type]
     if conf.type not in _BUILTIN:
