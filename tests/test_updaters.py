@@ -16,6 +16,7 @@ from google.protobuf import text_format
 from shoal.neuralnet import updaters as updaters_module
 from shoal.config import job_pb2
 from shoal.neuralnet.updaters import (
+    ParamUpdate,
     Updater,
     learning_rate,
     make_updater,
@@ -257,6 +258,74 @@ def run_three_steps(name: str, option: str) -> np.ndarray:
     return value.numpy()
 
 
+# -- many params in one multi-tensor update ---------------------------------------------
+SHAPES = [(3, 4), (4,), (2, 3, 2), (5,), (1,), (4, 3)]
+LR_SCALES = [1.0, 2.0, 1.0, 0.5, 2.0, 1.0]  # three groups, each with params of several shapes
+WD_SCALES = [1.0, 0.0, 1.0, 3.0, 0.0, 1.0]
+NO_GRADIENT = {4, 5}  # e.g. running statistics, or params no loss reached this step
+
+
+def random_param_states(name: str, gen: torch.Generator) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """Random values, and random non-negative slots (so a wrong read or a stray write shows)."""
+    values = [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in SHAPES]
+    states = [{slot: torch.rand(shape, generator=gen, dtype=torch.float64) for slot in SLOTS[name]} for shape in SHAPES]
+    return values, states
+
+
+@pytest.mark.parametrize("option", ["plain", "everything"])
+@pytest.mark.parametrize("name", UPDATERS)
+def test_update_many_equals_the_formula_on_each_param(name, option):
+    """The multi-tensor path against the numpy formula applied param by param, with per-param
+    lr_scale and wd_scale, params without gradient, and non-zero starting state, for three steps."""
+    _, _, hyper, reference, singa_clips = UPDATERS[name]
+    _, wd, clip, _, _, grad_scale = OPTIONS[option]
+    gen = torch.Generator().manual_seed(7)
+    values, states = random_param_states(name, gen)
+    expected_values = [v.numpy().copy() for v in values]
+    expected_states = [{k: t.numpy().copy() for k, t in s.items()} for s in states]
+    u = build(conf_text(name, option))
+
+    for step in range(3):
+        grads = [None if i in NO_GRADIENT else torch.randn(shape, generator=gen, dtype=torch.float64) * 2 for i, shape in enumerate(SHAPES)]
+        for i, grad in enumerate(grads):
+            if grad is not None:
+                g = prepared(expected_values[i], grad.numpy(), wd * WD_SCALES[i], grad_scale, clip if singa_clips else None)
+                expected_values[i] = reference(expected_values[i], g, expected_states[i], schedule_lr(step) * LR_SCALES[i], hyper)
+        params = [ParamUpdate(*p) for p in zip(values, grads, states, LR_SCALES, WD_SCALES)]
+        u.update_many(step, params, grad_scale)
+
+    for i in range(len(SHAPES)):
+        np.testing.assert_allclose(values[i].numpy(), expected_values[i], rtol=1e-10, atol=1e-12, err_msg=f"param {i}")
+        for slot, expected in expected_states[i].items():
+            np.testing.assert_allclose(states[i][slot].numpy(), expected, rtol=1e-10, atol=1e-12, err_msg=f"param {i} {slot}")
+    untouched_gen = torch.Generator().manual_seed(7)
+    initial_values, initial_states = random_param_states(name, untouched_gen)
+    for i in NO_GRADIENT:  # neither the value nor the slots moved
+        assert torch.equal(values[i], initial_values[i])
+        assert all(torch.equal(states[i][k], initial_states[i][k]) for k in states[i])
+
+
+@pytest.mark.parametrize("name", UPDATERS)
+def test_update_many_with_mixed_dtypes_equals_updating_each_alone(name):
+    u = build(conf_text(name, "everything"))
+    gen = torch.Generator().manual_seed(3)
+    values = [torch.randn(4, 3, generator=gen, dtype=dtype) for dtype in (torch.float32, torch.float64, torch.float32)]
+    grads = [torch.randn(4, 3, generator=gen, dtype=v.dtype) for v in values]
+    alone = [v.clone() for v in values]
+    states, alone_states = [u.init_state(v) for v in values], [u.init_state(v) for v in values]
+    u.update_many(0, [ParamUpdate(v, g, s, 0.5, 2.0) for v, g, s in zip(values, grads, states)], 1.5)
+    for v, g, s in zip(alone, grads, alone_states):
+        u.update(0, v, g, s, 0.5, 2.0, 1.5)
+    for got, want in zip(values, alone):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_update_many_rejects_a_gradient_of_another_shape():
+    u = build("type: kSGD learning_rate { type: kFixed }")
+    with pytest.raises(ValueError, match="shape"):
+        u.update_many(0, [ParamUpdate(torch.zeros(2), torch.zeros(2), {}), ParamUpdate(torch.zeros(3), torch.zeros(1), {})])
+
+
 # -- state, slices, and the caller's gradient -----------------------------------------
 @pytest.mark.parametrize("name", UPDATERS)
 def test_init_state_is_zeroed_slots_like_the_value(name):
@@ -433,6 +502,16 @@ def test_user_type_wins_over_type_as_in_singa(clean_registries):
 
     assert lr_at('type: kFixed base_lr: 0.1 user_type: "constant_two"', 5) == 2.0
     assert isinstance(build('type: kSGD user_type: "noop" learning_rate { type: kFixed }'), NoOp)
+
+
+def test_user_updater_without_a_formula_is_refused(clean_registries):
+    @register_updater("nothing")
+    class Nothing(Updater):
+        pass
+
+    u = build('type: kUserUpdater user_type: "nothing" learning_rate { type: kFixed base_lr: 1 }')
+    with pytest.raises(NotImplementedError, match="Nothing must implement apply"):
+        u.update(0, torch.zeros(2), torch.ones(2), {})
 
 
 def test_user_updater_gets_singa_gradient_preparation(clean_registries):

@@ -15,13 +15,19 @@ can own any slice of a param together with the same slice of its slots, and a
 checkpoint is just those tensors. Updates happen in place, so `value` and the
 slots may be views into larger tensors.
 
+Each formula is written once, on lists of tensors with torch's multi-tensor
+(`torch._foreach_*`) ops, as torch.optim's foreach optimizers are: a server
+updates all its params in one `update_many`, a few ops per step instead of a
+few per param, and `update` is the same formula on a list of one.
+
 Configuration errors raise ValueError("<field path>: <requirement>").
 """
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -134,11 +140,31 @@ def register_updater(user_type: str) -> Callable[[type[Updater]], type[Updater]]
     return register
 
 
+class ParamUpdate(NamedTuple):
+    """One param (or slice of one) for `Updater.update_many`; a None `grad` leaves it and its state as they are."""
+
+    value: torch.Tensor
+    grad: Optional[torch.Tensor]
+    state: dict[str, torch.Tensor]
+    lr_scale: float = 1.0
+    wd_scale: float = 1.0
+
+
+Tensors = list[torch.Tensor]
+States = list[dict[str, torch.Tensor]]
+
+
+def _slot(states: States, name: str) -> Tensors:
+    return [state[name] for state in states]
+
+
 class Updater:
-    """SINGA's shared gradient preparation; each subclass's `apply` is one update formula.
+    """SINGA's shared gradient preparation; each subclass's `apply_many` is one update formula.
 
     Subclasses name their state tensors in `slots` and set `clips` when SINGA clips
-    for them. A user updater (register_updater) usually only overrides `apply`.
+    for them. A user updater (register_updater) usually only overrides `apply`, the
+    formula for one param; the built-in ones override `apply_many`, the same formula
+    on lists of params with multi-tensor ops.
     """
 
     slots: tuple[str, ...] = ()
@@ -159,25 +185,27 @@ class Updater:
         """Zeroed slots shaped like `value` (SINGA zero-initialises history and update)."""
         return {slot: torch.zeros_like(value) for slot in self.slots}
 
-    def prepare_gradient(self, value: torch.Tensor, grad: torch.Tensor, wd_scale: float, grad_scale: float) -> torch.Tensor:
-        """g = clip(grad)·grad_scale + wd·w, in SINGA's order (see the module docstring).
+    def prepare_gradients(self, values: Tensors, grads: Tensors, wd_scale: float, grad_scale: float) -> Tensors:
+        """g = clip(grad)·grad_scale + wd·w for each param, in SINGA's order (see the module docstring).
 
         SINGA clips `param->grad` in place before anything else, so clipping bounds the raw
-        gradient, not the scaled or decayed one. Returns `grad` itself when nothing changes
-        it (apply only reads g, so the common case copies nothing); otherwise a new tensor.
+        gradient, not the scaled or decayed one. Returns `grads` themselves when nothing changes
+        them (apply only reads g, so the common case copies nothing); otherwise new tensors.
         """
         wd = self.weight_decay * wd_scale
         if self.clip_range is None and grad_scale == 1 and not wd > 0:
-            return grad
+            return grads
         if self.clip_range is not None:
-            g = grad.clamp(*self.clip_range)
+            low, high = self.clip_range
+            gs = torch._foreach_clamp_min(grads, low)
+            torch._foreach_clamp_max_(gs, high)
             if grad_scale != 1:
-                g.mul_(grad_scale)
+                torch._foreach_mul_(gs, grad_scale)
         else:
-            g = grad.mul(grad_scale)
+            gs = torch._foreach_mul(grads, grad_scale)
         if wd > 0:  # SINGA ignores weight_decay <= 0 rather than rejecting it
-            g.add_(value, alpha=wd)
-        return g
+            torch._foreach_add_(gs, values, alpha=wd)
+        return gs
 
     @torch.no_grad()
     def update(
@@ -191,14 +219,37 @@ class Updater:
         grad_scale: float = 1.0,
     ) -> None:
         """One update of `value` and `state` in place (either may be a view); `grad` is only read."""
-        if grad.shape != value.shape:  # in-place ops would broadcast a mismatch silently
-            raise ValueError(f"gradient shape {tuple(grad.shape)} does not match value shape {tuple(value.shape)}")
-        g = self.prepare_gradient(value, grad, wd_scale, grad_scale)
-        self.apply(value, g, state, self.learning_rate(step) * lr_scale)
+        self.update_many(step, [ParamUpdate(value, grad, state, lr_scale, wd_scale)], grad_scale)
+
+    @torch.no_grad()
+    def update_many(self, step: int, params: Sequence[ParamUpdate], grad_scale: float = 1.0) -> None:
+        """`update` on every param with a gradient, as multi-tensor ops over the params that share
+        lr_scale, wd_scale, device and dtype (usually one or two groups)."""
+        groups: dict[tuple, list[ParamUpdate]] = {}
+        for p in params:
+            if p.grad is None:
+                continue
+            if p.grad.shape != p.value.shape:  # in-place ops would broadcast a mismatch silently
+                raise ValueError(f"gradient shape {tuple(p.grad.shape)} does not match value shape {tuple(p.value.shape)}")
+            groups.setdefault((p.lr_scale, p.wd_scale, p.value.device, p.value.dtype), []).append(p)
+        if not groups:
+            return
+        base_lr = self.learning_rate(step)
+        for (lr_scale, wd_scale, _, _), group in groups.items():
+            values = [p.value for p in group]
+            gs = self.prepare_gradients(values, [p.grad for p in group], wd_scale, grad_scale)
+            self.apply_many(values, gs, [p.state for p in group], base_lr * lr_scale)
 
     def apply(self, value: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], lr: float) -> None:
-        """The update formula on the prepared gradient `g`, which must not be written (it may be the caller's)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement apply()")
+        """The update formula on one param's prepared gradient `g`, which must not be written (it may be the caller's)."""
+        if type(self).apply_many is Updater.apply_many:  # neither formula overridden: they would call each other
+            raise NotImplementedError(f"{type(self).__name__} must implement apply()")
+        self.apply_many([value], [g], [state], lr)
+
+    def apply_many(self, values: Tensors, gs: Tensors, states: States, lr: float) -> None:
+        """The update formula on several params at once (the same lr); by default `apply` on each."""
+        for value, g, state in zip(values, gs, states):
+            self.apply(value, g, state, lr)
 
 
 class SGD(Updater):
@@ -211,13 +262,14 @@ class SGD(Updater):
         self.momentum = conf.momentum
         self.slots = ("history",) if self.momentum > 0 else ()
 
-    def apply(self, value, g, state, lr):
+    def apply_many(self, values, gs, states, lr):
         if self.momentum > 0:
-            history = state["history"]
-            history.mul_(self.momentum).add_(g, alpha=-lr)
-            value.add_(history)
+            history = _slot(states, "history")
+            torch._foreach_mul_(history, self.momentum)
+            torch._foreach_add_(history, gs, alpha=-lr)
+            torch._foreach_add_(values, history)
         else:
-            value.add_(g, alpha=-lr)
+            torch._foreach_add_(values, gs, alpha=-lr)
 
 
 class Nesterov(Updater):
@@ -230,11 +282,12 @@ class Nesterov(Updater):
         super().__init__(conf)
         self.momentum = conf.momentum
 
-    def apply(self, value, g, state, lr):
-        m, history = self.momentum, state["history"]
-        value.add_(history, alpha=m)  # the + m·h term, taken before h changes: no copy of h needed
-        history.mul_(m).add_(g, alpha=lr)
-        value.add_(history, alpha=-(1 + m))
+    def apply_many(self, values, gs, states, lr):
+        m, history = self.momentum, _slot(states, "history")
+        torch._foreach_add_(values, history, alpha=m)  # the + m·h term, taken before h changes: no copy of h needed
+        torch._foreach_mul_(history, m)
+        torch._foreach_add_(history, gs, alpha=lr)
+        torch._foreach_add_(values, history, alpha=-(1 + m))
 
 
 def _check_delta(conf: job_pb2.UpdaterProto) -> None:
@@ -250,6 +303,13 @@ def _check_beta(value: float, field: str) -> None:
     _require(0 <= value < 1, field, f"must be in [0, 1), got {value:g}")
 
 
+def _sqrt_plus(tensors: Tensors, delta: float) -> Tensors:
+    """√(t + δ) of each tensor, as new tensors."""
+    roots = torch._foreach_add(tensors, delta)
+    torch._foreach_sqrt_(roots)
+    return roots
+
+
 class AdaGrad(Updater):
     """h += g²; w −= lr·g / √(h + δ).  (`momentum` is not used.)"""
 
@@ -261,10 +321,10 @@ class AdaGrad(Updater):
         _check_delta(conf)
         self.delta = conf.delta
 
-    def apply(self, value, g, state, lr):
-        history = state["history"]
-        history.addcmul_(g, g)
-        value.addcdiv_(g, history.add(self.delta).sqrt_(), value=-lr)
+    def apply_many(self, values, gs, states, lr):
+        history = _slot(states, "history")
+        torch._foreach_addcmul_(history, gs, gs)
+        torch._foreach_addcdiv_(values, gs, _sqrt_plus(history, self.delta), value=-lr)
 
 
 class RMSProp(Updater):
@@ -279,10 +339,11 @@ class RMSProp(Updater):
         _check_open_unit(conf.rmsprop_conf.rho, "updater.rmsprop_conf.rho")
         self.rho, self.delta = conf.rmsprop_conf.rho, conf.delta
 
-    def apply(self, value, g, state, lr):
-        history = state["history"]
-        history.mul_(self.rho).addcmul_(g, g, value=1 - self.rho)
-        value.addcdiv_(g, history.add(self.delta).sqrt_(), value=-lr)
+    def apply_many(self, values, gs, states, lr):
+        history = _slot(states, "history")
+        torch._foreach_mul_(history, self.rho)
+        torch._foreach_addcmul_(history, gs, gs, value=1 - self.rho)
+        torch._foreach_addcdiv_(values, gs, _sqrt_plus(history, self.delta), value=-lr)
 
 
 class AdaDelta(Updater):
@@ -296,13 +357,17 @@ class AdaDelta(Updater):
         _check_open_unit(conf.adadelta_conf.rho, "updater.adadelta_conf.rho")
         self.rho, self.delta = conf.adadelta_conf.rho, conf.delta
 
-    def apply(self, value, g, state, lr):
+    def apply_many(self, values, gs, states, lr):
         rho, delta = self.rho, self.delta
-        history, update = state["history"], state["update"]
-        history.mul_(rho).addcmul_(g, g, value=1 - rho)
-        change = update.add(delta).sqrt_().mul_(g).div_(history.add(delta).sqrt_())  # t
-        update.mul_(rho).addcmul_(change, change, value=1 - rho)
-        value.add_(change, alpha=-lr)
+        history, update = _slot(states, "history"), _slot(states, "update")
+        torch._foreach_mul_(history, rho)
+        torch._foreach_addcmul_(history, gs, gs, value=1 - rho)
+        change = _sqrt_plus(update, delta)  # t
+        torch._foreach_mul_(change, gs)
+        torch._foreach_div_(change, _sqrt_plus(history, delta))
+        torch._foreach_mul_(update, rho)
+        torch._foreach_addcmul_(update, change, change, value=1 - rho)
+        torch._foreach_add_(values, change, alpha=-lr)
 
 
 class Adam(Updater):
@@ -317,11 +382,13 @@ class Adam(Updater):
         _check_beta(conf.adam_conf.beta2, "updater.adam_conf.beta2")
         self.beta1, self.beta2, self.delta = conf.adam_conf.beta1, conf.adam_conf.beta2, conf.delta
 
-    def apply(self, value, g, state, lr):
-        mean, variance = state["mean"], state["variance"]
-        mean.mul_(self.beta1).add_(g, alpha=1 - self.beta1)
-        variance.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
-        value.addcdiv_(mean, variance.add(self.delta).sqrt_(), value=-lr)
+    def apply_many(self, values, gs, states, lr):
+        mean, variance = _slot(states, "mean"), _slot(states, "variance")
+        torch._foreach_mul_(mean, self.beta1)
+        torch._foreach_add_(mean, gs, alpha=1 - self.beta1)
+        torch._foreach_mul_(variance, self.beta2)
+        torch._foreach_addcmul_(variance, gs, gs, value=1 - self.beta2)
+        torch._foreach_addcdiv_(values, mean, _sqrt_plus(variance, self.delta), value=-lr)
 
 
 class AdamMax(Updater):
@@ -336,11 +403,14 @@ class AdamMax(Updater):
         _check_beta(conf.adammax_conf.beta2, "updater.adammax_conf.beta2")
         self.beta1, self.beta2, self.delta = conf.adammax_conf.beta1, conf.adammax_conf.beta2, conf.delta
 
-    def apply(self, value, g, state, lr):
-        mean, norm = state["mean"], state["norm"]
-        mean.mul_(self.beta1).add_(g, alpha=1 - self.beta1)
-        norm.mul_(self.beta2).clamp_(min=g.abs()).add_(self.delta)
-        value.addcdiv_(mean, norm, value=-lr)
+    def apply_many(self, values, gs, states, lr):
+        mean, norm = _slot(states, "mean"), _slot(states, "norm")
+        torch._foreach_mul_(mean, self.beta1)
+        torch._foreach_add_(mean, gs, alpha=1 - self.beta1)
+        torch._foreach_mul_(norm, self.beta2)
+        torch._foreach_maximum_(norm, torch._foreach_abs(gs))
+        torch._foreach_add_(norm, self.delta)
+        torch._foreach_addcdiv_(values, mean, norm, value=-lr)
 
 
 _BUILTIN_UPDATERS: dict[int, type[Updater]] = {

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from shoal.neuralnet.params import ParamStore
-from shoal.neuralnet.updaters import Updater
+from shoal.neuralnet.updaters import ParamUpdate, Updater
 
 if TYPE_CHECKING:
     from shoal.planning.partition import ParamView
@@ -30,13 +30,16 @@ class Server:
         self._count = threading.Lock()  # only the counter is locked: values are updated lock-free (Hogwild)
 
     def update(self, step: int, grads: dict[str, Optional[torch.Tensor]], grad_scale: float = 1.0) -> None:
-        """Apply one update per owned param that has a gradient (running stats have none)."""
-        for name in self.names:
-            grad = grads.get(name)
-            if grad is None:
-                continue
-            info = self.store.info[name]
-            self.updater.update(step, self.store.values[name], grad, self.state[name], info.lr_scale, info.wd_scale, grad_scale)
+        """Apply one update per owned param that has a gradient (running stats have none), all in one
+        multi-tensor update."""
+        updated = [name for name in self.names if grads.get(name) is not None]
+        values, info = self.store.values, self.store.info
+        self.updater.update_many(
+            step,
+            [ParamUpdate(values[n], grads[n], self.state[n], info[n].lr_scale, info[n].wd_scale) for n in updated],
+            grad_scale,
+        )
+        for name in updated:
             self.version[name] += 1
         with self._count:
             self.updates += 1
