@@ -1,0 +1,143 @@
+"""What a run shows the person at the terminal: a progress bar while it trains, one line when it ends.
+
+The bar (rich) draws on stderr only when stderr is a terminal: steps done, elapsed and remaining
+time, and the latest training loss. Piped or captured output never sees it, so logs and pipes hold
+exactly the SINGA-style lines.
+"""
+from __future__ import annotations
+
+import atexit
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from shoal.report.metrics import MetricWindow
+from shoal.report.summary import SUMMARY_FILE, read_summary
+
+REDRAW_SECONDS = 0.25
+ERASE = "\r\x1b[2K"  # to the line's start, then clear it
+
+
+class TrainingBar:
+    """A one-line step bar on stderr; log lines passed through `above` print above it, not through it.
+
+    rich renders the line (at most every REDRAW_SECONDS: rendering costs milliseconds); the bar
+    writes it itself, so a logged line only erases it and puts the last rendering back. Nothing
+    redraws in the background: a run stopped by an exception leaves the bar still, and
+    `close_open_bars` erases it before the error is printed.
+    """
+
+    open_bars: set["TrainingBar"] = set()
+
+    def __init__(self, total: int, initial: int = 0):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.console = Console(stderr=True)
+        self.shown = self.console.is_terminal
+        self.loss: Optional[float] = None
+        self.line, self.rendered = "", 0.0
+        if not self.shown:
+            return
+        # never started: only its rendering is used
+        self.progress = Progress(
+            TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+            TimeElapsedColumn(), TextColumn("elapsed,"), TimeRemainingColumn(), TextColumn("left"),
+            TextColumn("{task.fields[loss]}"), console=self.console, auto_refresh=False,
+        )
+        self.task = self.progress.add_task("train", total=total, completed=initial, loss="")
+        TrainingBar.open_bars.add(self)
+        self._draw(render=True)
+
+    def advance(self, window: Optional[MetricWindow] = None) -> None:
+        """One step done; `window`: the open display window, whose loss average is the latest loss."""
+        if not self.shown:
+            return
+        loss = window.averages().get("loss") if window else None
+        if loss is not None:
+            self.loss = loss
+        self.progress.update(self.task, advance=1, loss="" if self.loss is None else f"loss {self.loss:.4g}")
+        if time.monotonic() - self.rendered >= REDRAW_SECONDS:  # tiny models take thousands of steps a second
+            self._draw(render=True)
+
+    def above(self, log: Callable[[str], None]) -> Callable[[str], None]:
+        """`log` that erases the bar while it prints (both usually share the terminal), then puts it back."""
+        if not self.shown:
+            return log
+
+        def log_above(line: str) -> None:
+            if not self.shown:
+                return log(line)
+            self._write(ERASE)
+            try:
+                log(line)
+                sys.stdout.flush()
+            finally:
+                self._draw()
+
+        return log_above
+
+    def close(self) -> None:
+        if self.shown:
+            self._write(ERASE)
+            self.shown = False
+        TrainingBar.open_bars.discard(self)
+
+    def _draw(self, render: bool = False) -> None:
+        if render:
+            with self.console.capture() as captured:
+                self.console.print(self.progress.get_renderable(), width=max(20, self.console.size.width - 1),
+                                   no_wrap=True, crop=True, end="")
+            self.line, self.rendered = captured.get().split("\n")[0], time.monotonic()
+        self._write(ERASE + self.line)
+
+    def _write(self, text: str) -> None:
+        self.console.file.write(text)
+        self.console.file.flush()
+
+
+def close_open_bars() -> None:
+    """Take down every bar still drawn (a run that ended by an exception), before anything else prints."""
+    for bar in list(TrainingBar.open_bars):
+        bar.close()
+
+
+atexit.register(close_open_bars)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def _at(point: dict, metric: str) -> str:
+    return f"{point[metric]:.4g} (step {point['step']})"
+
+
+def closing_line(workspace: Path) -> str:
+    """One line saying what a finished run did, from its summary.json (and where its checkpoint is)."""
+    from shoal.neuralnet import checkpoint as ckpt_io
+
+    workspace = Path(workspace)
+    summary = read_summary(workspace)
+    if summary is None:
+        return f"Run ended; {workspace / SUMMARY_FILE} is missing or unreadable"
+    parts = [f"Trained {summary.get('steps', 0)} steps in {_duration(summary.get('wall_time') or 0.0)}"]
+    if summary.get("samples_per_sec"):
+        parts[0] += f" ({summary['samples_per_sec']:.0f} samples/s)"
+    final, best = summary.get("final_test") or {}, summary.get("best_test") or {}
+    metric = next((m for m in ("accuracy", "loss") if isinstance(final.get(m), (int, float))), None)
+    if metric is not None:
+        parts.append(f"final test {metric} {_at(final, metric)}, best {_at(best, metric)}" if metric in best else f"final test {metric} {_at(final, metric)}")
+    checkpoint = ckpt_io.latest(workspace)
+    if checkpoint is not None:
+        parts.append(f"checkpoint {checkpoint}")
+    parts.append(f"summary {workspace / SUMMARY_FILE}")
+    return "; ".join(parts)

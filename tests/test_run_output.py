@@ -1,0 +1,88 @@
+"""What `shoal run` shows: the progress bar on a terminal only, one closing line; `shoal jobs view` and labels."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import shoal
+from shoal.planning.plan import plan_job
+from shoal.report.summary import describe_layout
+
+
+def shoal_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "shoal", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env=env, check=False)
+
+
+CLOSING = re.compile(r"^Trained (\d+) steps in .+ \((\d+) samples/s\); final test accuracy ([\d.]+) \(step (\d+)\), "
+                     r"best ([\d.]+) \(step (\d+)\); checkpoint (\S+); summary (\S+)$")
+
+
+def test_a_run_ends_with_one_line_built_from_its_summary(blobs_job, tmp_path):
+    ws = tmp_path / "ws"
+    proc = shoal_cli("run", blobs_job(train_steps=30), "--workspace", ws)
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    match = CLOSING.match(last)
+    assert match, last
+    summary = json.loads((ws / "summary.json").read_text())
+    steps, rate, final, final_step, best, best_step, checkpoint, summary_path = match.groups()
+    assert int(steps) == summary["steps"] == 30
+    assert int(rate) == round(summary["samples_per_sec"])
+    assert float(final) == pytest.approx(summary["final_test"]["accuracy"], abs=5e-4) and int(final_step) == 30
+    assert float(best) == pytest.approx(summary["best_test"]["accuracy"], abs=5e-4) and int(best_step) == summary["best_test"]["step"]
+    assert os.path.samefile(checkpoint, ws / "checkpoint" / "step30-worker0.safetensors")
+    assert os.path.samefile(summary_path, ws / "summary.json")
+    assert "━" not in proc.stderr  # captured stderr: no bar
+
+
+@pytest.mark.skipif(shutil.which("script") is None, reason="needs script(1) for a pseudo-terminal")
+def test_the_progress_bar_shows_on_a_terminal(blobs_job, tmp_path):
+    """Under script(1) stdout and stderr are a terminal: the bar draws with times and the loss, and goes away."""
+    job = blobs_job(train_steps=200)
+    typescript = tmp_path / "typescript"
+    command = f"{sys.executable} -m shoal run {job} --workspace {tmp_path / 'ws'}"
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "160"}
+    proc = subprocess.run(["script", "-qefc", command, str(typescript)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    raw = typescript.read_text(errors="replace")
+    assert "\x1b[2K" in raw  # drawn in place: erased and redrawn
+    screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw)  # colours and erasing away: the text drawn
+    drawn = re.split(r"[\r\n]+", screen)
+    bars = [m.groups() for m in map(re.compile(r"train [━╸╺ ]+ *(\d+)/200 steps (\d+:\d\d:\d\d) elapsed, (\S+) left ?(.*)$").match, drawn) if m]
+    assert bars, screen[-3000:]
+    assert {int(done) for done, *_ in bars} - {0}  # it moved
+    assert any(re.fullmatch(r"loss [\d.e+-]+", loss) for *_, loss in bars)  # the latest loss
+    assert any(re.fullmatch(r"\d+:\d\d:\d\d", left) for _, _, left, _ in bars)  # and the time left
+    assert "Test @ step 200  Loss" in screen and "Trained 200 steps" in screen
+    # the SINGA lines print on lines of their own, whole
+    assert all(line.startswith("Train @ step") for line in drawn if "Train @" in line)
+    assert "\x1b[2K" in raw[raw.rindex("/200"):raw.index("Trained 200 steps")]  # erased before the closing line
+
+
+def test_jobs_view_is_not_wrapped_when_piped(blobs_job, tmp_path):
+    deep = tmp_path / ("a-rather-long-folder-name-" * 4) / "workspace"
+    assert shoal_cli("run", blobs_job(train_steps=10), "--workspace", deep).returncode == 0
+    proc = shoal_cli("jobs", "view", "1")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert f"workspace: {deep}" in lines  # one line, though far wider than 80 columns
+    assert any(line.startswith("  last test: ") and len(line) > 80 for line in lines)
+
+
+@pytest.mark.parametrize("cluster, label", [
+    (dict(nworkers_per_group=2, server_worker_separate=True), "Sandblaster, 2 workers + 1 server, 3 processes"),
+    (dict(nworkers_per_group=1, server_worker_separate=True), "Sandblaster, 1 worker + 1 server, 2 processes"),
+    (dict(nworker_groups=2, nworkers_per_group=1, server_worker_separate=True), "Downpour, 2 groups × 1 worker + 1 server, 3 processes"),
+    (dict(nworker_groups=2, nworkers_per_group=2, nservers_per_group=2, server_worker_separate=True),
+     "Downpour, 2 groups × 2 workers + 2 servers, 6 processes"),
+])
+def test_layout_labels_count_in_plurals_only_past_one(blobs_job, cluster, label):
+    sets = [f"cluster.{k}={str(v).lower()}" for k, v in cluster.items()]
+    assert describe_layout(plan_job(shoal.load_job(blobs_job(), sets)))[1] == label
