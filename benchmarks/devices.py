@@ -34,7 +34,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from inmem_sync import job_for, stores  # noqa: E402
 
-from shoal.runtime.local import RunOptions, build_trainer  # noqa: E402
+from shoal.planning.plan import plan_job  # noqa: E402
+from shoal.runtime.assemble import RunSpec, assemble  # noqa: E402
 
 
 class STanh(nn.Module):
@@ -94,7 +95,7 @@ def sync(device: torch.device) -> None:
 
 def shoal_rate(job, device: torch.device, steps: int, warmup: int = 3) -> tuple[float, list[int]]:
     """samples/s of shoal's training step (after `warmup` steps, in which measured shares settle)."""
-    trainer = build_trainer(job, Path(tempfile.mkdtemp()), RunOptions(log=lambda *a: None, progress=False))
+    trainer = assemble(plan_job(job), 0, RunSpec(Path(tempfile.mkdtemp()), log=lambda *a: None, progress=False)).chief
     for step in range(warmup):
         trainer.train_step(step)
     sync(device)

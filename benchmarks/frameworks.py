@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO / "src"))
 from shoal.frontend import api
 from shoal.report.compare import compare_runs, render_markdown
 from shoal.report.plot import plot_runs
-from shoal.runtime.local import UnsupportedClusterError, check_runnable
+from shoal.planning.plan import UnsupportedClusterError, plan_job
 
 JOB = REPO / "examples/mnist/tuned.conf"
 
@@ -64,7 +64,7 @@ def overrides(layout: Layout, steps: int, test_freq: int) -> list[str]:
 def refusal(layout: Layout, sets: list[str]) -> str | None:
     """The runtime's one-line refusal when it cannot run this layout yet, else None."""
     try:
-        check_runnable(api.load_job(JOB, sets))
+        plan_job(api.load_job(JOB, sets))
     except UnsupportedClusterError as err:
         return str(err).splitlines()[0]
     return None

@@ -27,7 +27,8 @@ sys.path.insert(0, str(REPO / "src"))
 
 from shoal.config import load_job  # noqa: E402
 from shoal.data.prepare import write_image_store  # noqa: E402
-from shoal.runtime.local import RunOptions, build_trainer  # noqa: E402
+from shoal.planning.plan import plan_job  # noqa: E402
+from shoal.runtime.assemble import RunSpec, assemble  # noqa: E402
 
 
 def stores(tmp: Path) -> dict[str, Path]:
@@ -57,7 +58,7 @@ def job_for(model: str, data: Path, cluster: str, threads: int):
 
 
 def throughput(job, steps: int, warmup: int = 3) -> float:
-    trainer = build_trainer(job, Path(tempfile.mkdtemp()), RunOptions(log=lambda *a: None, progress=False))
+    trainer = assemble(plan_job(job), 0, RunSpec(Path(tempfile.mkdtemp()), log=lambda *a: None, progress=False)).chief
     for step in range(warmup):
         trainer.train_step(step)
     start = time.perf_counter()

@@ -32,13 +32,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from shoal.config import job_from_text, job_pb2  # noqa: E402
+from shoal.config import job_from_text  # noqa: E402
 from shoal.data.prepare import write_image_store  # noqa: E402
-from shoal.neuralnet.net import NeuralNet  # noqa: E402
-from shoal.planning.partition import BATCH, PartitionPlan, partition  # noqa: E402
-from shoal.runtime.exchanges.sliced import LocalExchange  # noqa: E402
+from shoal.planning.partition import BATCH, PartitionPlan  # noqa: E402
+from shoal.runtime.exchanges.local import LocalExchange  # noqa: E402
 from shoal.runtime.partitioned import PartitionedGroup  # noqa: E402
-from shoal.runtime.local import RunOptions, build_trainer  # noqa: E402
+from shoal.planning.plan import plan_job  # noqa: E402
+from shoal.runtime.assemble import RunSpec, assemble  # noqa: E402
 from shoal.runtime.exchanges.server import Server  # noqa: E402
 from shoal.neuralnet.updaters import make_updater  # noqa: E402
 
@@ -110,8 +110,8 @@ def view_numel(shape: tuple[int, ...], view) -> int:
 
 def measure(job, steps: int, partitioned_runtime: bool, warmup: int = 2) -> tuple[float, int, PartitionPlan, dict]:
     """samples/s over `steps` steps and the group's measured bytes per step (0 when not measured)."""
-    trainer = build_trainer(job, Path(tempfile.mkdtemp()), RunOptions(log=lambda *a: None, progress=False))
-    plan = partition(NeuralNet(job.neuralnet, job_pb2.kTrain, trainer.store, torch.Generator()), job.neuralnet, 2)
+    trainer = assemble(plan_job(job), 0, RunSpec(Path(tempfile.mkdtemp()), log=lambda *a: None, progress=False)).chief
+    plan = trainer.plan.partition
     if partitioned_runtime and not isinstance(trainer.workers[0], PartitionedGroup):
         # the plain batch split, run by the partitioned runtime only to count its bytes the same way
         trainer.workers = [PartitionedGroup(job, plan, trainer.store, [REPO], [torch.device("cpu")] * 2)]

@@ -43,9 +43,10 @@ def test_updater_slots_are_shared_by_the_groups(blobs_job, tmp_path):
     """One server, so one velocity per param for the one shared set of params (PyTorch's
     mnist_hogwild keeps an optimizer, and so a velocity, per process)."""
     from shoal.frontend.api import load_job
-    from shoal.runtime.local import RunOptions, build_group_trainers
+    from shoal.planning.plan import plan_job
+    from shoal.runtime.assemble import RunSpec, assemble
 
-    trainers, _ = build_group_trainers(load_job(hogwild_job(blobs_job, 3)), tmp_path / "ws", RunOptions(log=quiet))
+    trainers = assemble(plan_job(load_job(hogwild_job(blobs_job, 3))), 0, RunSpec(tmp_path / "ws", log=quiet)).trainers
     servers = {id(t.exchange.server) for t in trainers}
     stores = {id(t.store) for t in trainers}
     assert len(servers) == 1 and len(stores) == 1
@@ -191,11 +192,12 @@ def test_server_state_reslices_to_any_server_count(blobs_job):
     from shoal.frontend.api import load_job
     from shoal.planning.placement import ServerId, place
     from shoal.runtime.exchanges.downpour import DownpourServer, server_segments
+    from shoal.planning.plan import plan_job
     from shoal.runtime.trainer import Trainer
     from shoal.neuralnet.updaters import make_updater
 
     job = load_job(downpour_job(blobs_job, updater="type: kAdam"))
-    store = Trainer(job, blobs_job(), [], torch.device("cpu"), train=False).store
+    store = Trainer(plan_job(job), blobs_job(), [], torch.device("cpu"), train=False).store
     updater = make_updater(job.updater)
     gen = torch.Generator().manual_seed(0)
     state = {n: {slot: torch.randn(store.info[n].shape, generator=gen) for slot in updater.init_state(torch.zeros(1))} for n in store.trainable_names()}
@@ -262,10 +264,11 @@ def test_in_memory_warm_up_with_bounded_staleness_never_deadlocks(blobs_job, tmp
 
 def test_in_memory_downpour_without_shared_memory_keeps_one_copy_per_group(blobs_job, tmp_path):
     from shoal.frontend.api import load_job
-    from shoal.runtime.local import RunOptions, build_group_trainers
+    from shoal.planning.plan import plan_job
+    from shoal.runtime.assemble import RunSpec, assemble
 
     job = hogwild_job(blobs_job, 2, cluster_extra="share_memory: false")
-    trainers, _ = build_group_trainers(load_job(job), tmp_path / "plan", RunOptions(log=quiet))
+    trainers = assemble(plan_job(load_job(job)), 0, RunSpec(tmp_path / "plan", log=quiet)).trainers
     stores = {id(t.store) for t in trainers} | {id(trainers[0].exchange.server.store)}
     assert len(stores) == 3  # each group's copy, and the server's
     history = shoal.train(job, workspace=tmp_path / "ws", log=quiet)

@@ -17,7 +17,7 @@ import torch
 from conftest import REPO
 
 import shoal
-from shoal.runtime import checkpoint as ckpt_io
+from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.data.prepare_text import unigram_entropy_bits
 
 EXAMPLES = REPO / "examples" / "char-rnn"

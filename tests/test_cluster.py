@@ -38,10 +38,22 @@ FRAMEWORKS = [
 ]
 
 
+TINY_NET = """
+neuralnet {
+  layer { name: "data" type: kRecordInput store_conf { backend: "kvfile" path: "unused.bin" batchsize: 12 shape: 4 } }
+  layer { name: "fc" type: kInnerProduct srclayers: "data" innerproduct_conf { num_output: 3 } param { name: "w" } param { name: "b" } }
+  layer { name: "loss" type: kSoftmaxLoss srclayers: "fc" srclayers: "data" }
+}
+"""
+
+
 @pytest.mark.parametrize("text, framework, expected", FRAMEWORKS, ids=[f[1] + ":" + f[0] for f in FRAMEWORKS])
 def test_frameworks_table_of_the_seed_docs(text, framework, expected):
-    p = place(cluster(text))
-    assert p.framework == framework
+    from shoal.planning.plan import plan_job
+
+    plan = plan_job(text_format.Parse(f"name: 'tiny' {TINY_NET} cluster {{ {text} }}", job_pb2.JobProto()))
+    assert plan.framework.value == framework
+    p = plan.placement
     got = [([(w.group, w.id) for w in proc.workers], [(s.group, s.id) for s in proc.servers]) for proc in p.processes]
     assert got == expected
 

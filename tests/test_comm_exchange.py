@@ -12,7 +12,9 @@ from shoal.neuralnet.algorithms import back_propagation, register_algorithm
 from shoal.planning.placement import ParamSlice, place, slice_params
 from shoal.comm import dist as comm
 from shoal.planning.buckets import plan_buckets
-from shoal.runtime.exchanges.sliced import LocalExchange, SlicedExchange
+from shoal.planning.plan import plan_job
+from shoal.runtime.exchanges.local import LocalExchange
+from shoal.runtime.exchanges.sliced import SlicedExchange
 from shoal.runtime.exchanges.server import Server
 from shoal.runtime.trainer import Trainer
 from shoal.neuralnet.updaters import make_updater
@@ -74,10 +76,10 @@ def one_rank_group():
 
 def build(job_path: Path, tmp_path: Path, sliced: bool, cap: int = 40) -> Trainer:
     job = shoal.load_job(job_path)
-    trainer = Trainer(job, tmp_path / ("sliced" if sliced else "local"), [job_path.parent], torch.device("cpu"), log=lambda *a: None, progress=False)
+    plan = plan_job(job)
+    trainer = Trainer(plan, tmp_path / ("sliced" if sliced else "local"), [job_path.parent], torch.device("cpu"), log=lambda *a: None, progress=False)
     if sliced:
-        placement = place(job.cluster, {n: i.numel for n, i in trainer.store.info.items()})
-        trainer.attach_exchange(SlicedExchange(trainer.store, make_updater(job.updater), placement, 0, trainer.global_batch, trainer.workers, cap))
+        trainer.attach_exchange(SlicedExchange(trainer.store, make_updater(job.updater), plan.placement, 0, trainer.global_batch, trainer.workers, cap))
     else:
         trainer.attach_exchange(LocalExchange(Server(trainer.store, make_updater(job.updater))))
     return trainer

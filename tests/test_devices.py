@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import shoal
-from shoal.runtime import checkpoint as ckpt_io
+from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.planning.balance import LinearCost, ShareBalancer, fit_cost, split_batch
 from shoal.planning.devices import broadcast_order, tree_levels
 from shoal.runtime.replicas import tree_reduce
-from shoal.runtime.local import UnsupportedClusterError
+from shoal.planning.plan import UnsupportedClusterError
 
 from conftest import REPO
 

@@ -65,7 +65,7 @@ def test_asynchronous_fit_trains_the_module(tmp_path, name):
 
 
 def test_fit_writes_checkpoints_named_after_the_module_parameters(tmp_path):
-    from shoal.runtime import checkpoint as ckpt_io
+    from shoal.neuralnet import checkpoint as ckpt_io
 
     model, _ = fit(shoal.Cluster(), tmp_path, "ws", steps=10)
     params = ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / "ws", 10)).params

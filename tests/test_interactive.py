@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from shoal.runtime import checkpoint as ckpt_io
+from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.data.dataset import open_store
 from shoal.frontend.keras import SGD, AdaGrad, Convolution2D, Dense, Dropout, ImageInput, LabelInput, Loss, MaxPooling2D, Sequential, Store
 

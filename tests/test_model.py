@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from shoal.frontend import api
-from shoal.runtime import checkpoint as ckpt_io
+from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.config import job_pb2
 from shoal.frontend.keras import (
     LRN2D,

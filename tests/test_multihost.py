@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import shoal
-from shoal.runtime import checkpoint as ckpt_io
+from shoal.neuralnet import checkpoint as ckpt_io
 
 SUBNET = "10.231.{}.{}"
 

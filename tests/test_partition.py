@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import shoal
-from shoal.runtime import checkpoint as ckpt_io
+from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.config import job_pb2
 from shoal.planning.partition import BATCH, FEATURE, WHOLE, PartitionError, plan_partition
-from shoal.runtime.local import UnsupportedClusterError
+from shoal.planning.plan import UnsupportedClusterError, plan_job
+from shoal.runtime.assemble import RunSpec, assemble
 from shoal.runtime.partitioned import PartitionedGroup
 from shoal.runtime.trainer import Trainer
 
@@ -93,8 +94,8 @@ def test_every_partitioning_trains_exactly_like_one_worker(blobs_dir, tmp_path, 
 def test_forward_outputs_and_gradients_equal_the_unpartitioned_net(blobs_dir, tmp_path, partitioning):
     kw = PARTITIONINGS[partitioning]
     single_kw = {key: "" for key in ("drop", "image") if key in kw}
-    one = Trainer(load(job_text(blobs_dir, workers=1, **single_kw), tmp_path, "one.conf"), tmp_path / "a", [tmp_path], torch.device("cpu"))
-    many = Trainer(load(job_text(blobs_dir, **kw), tmp_path, "many.conf"), tmp_path / "b", [tmp_path], torch.device("cpu"))
+    one = Trainer(plan_job(load(job_text(blobs_dir, workers=1, **single_kw), tmp_path, "one.conf")), tmp_path / "a", [tmp_path], torch.device("cpu"))
+    many = Trainer(plan_job(load(job_text(blobs_dir, **kw), tmp_path, "many.conf")), tmp_path / "b", [tmp_path], torch.device("cpu"))
     group = many.workers[0]
     assert isinstance(group, PartitionedGroup)
     for step in range(2):
@@ -171,15 +172,10 @@ def test_a_worker_updates_its_own_slices_so_their_gradients_never_cross(blobs_di
     text = job_text(blobs_dir, net="partition_dim: 1")
     moved = {}
     for mode in ("updated by their worker", "sent to worker 0"):
-        trainer = Trainer(load(text, tmp_path), tmp_path / mode, [tmp_path], torch.device("cpu"))
-        from shoal.runtime.exchanges.sliced import LocalExchange
-        from shoal.runtime.exchanges.server import Server
-        from shoal.neuralnet.updaters import make_updater
-
-        trainer.attach_exchange(LocalExchange(Server(trainer.store, make_updater(trainer.job.updater))))
+        trainer = assemble(plan_job(load(text, tmp_path)), 0, RunSpec(tmp_path / mode, [tmp_path], log=lambda *a: None)).chief
         group = trainer.workers[0]
         if mode == "sent to worker 0":
-            group.update_views_with(None)
+            group.use_view_updater(None)
         trainer.train_step(0)
         bridges = sum(c.bytes for c in group.channels.values())
         moved[mode] = (group.bytes_per_step, bridges)

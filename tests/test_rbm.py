@@ -14,7 +14,7 @@ import torch
 from conftest import REPO
 
 import shoal
-from shoal.runtime import checkpoint as ckpt_io
+from shoal.neuralnet import checkpoint as ckpt_io
 
 EXAMPLES = REPO / "examples" / "rbm"
 SMALL = [784, 96, 48, 24, 8]  # the stack's widths (SINGA: 784-1000-500-250-30)

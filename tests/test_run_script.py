@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from shoal.runtime import checkpoint as ckpt_io
+from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.frontend.cli import main
 
 NARROW = [f"--set=neuralnet.layer[name=fc{k}].innerproduct_conf.num_output=32" for k in range(1, 6)]  # the MLP at 784-32×5-10

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import shoal
-from shoal.runtime import checkpoint as ckpt_io
-from shoal.runtime.local import UnsupportedClusterError
+from shoal.neuralnet import checkpoint as ckpt_io
+from shoal.planning.plan import UnsupportedClusterError
 
 UPDATERS = {
     "momentum": "type: kSGD momentum: 0.9",

@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 import shoal
-from shoal.runtime import checkpoint as ckpt_io
-from shoal.runtime.local import WorkspaceError
-from shoal.runtime.trainer import fires
+from shoal.neuralnet import checkpoint as ckpt_io
+from shoal.runtime.run_job import WorkspaceError
+from shoal.config.phases import fires
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import write_store
-from shoal.runtime import checkpoint as ckpt_io
+from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.frontend.cli import main
 from shoal.report.net_draw import node_lines, worker_colour
 from shoal.report.net_layout import layout

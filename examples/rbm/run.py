@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from shoal.frontend import api
-from shoal.runtime.checkpoint import latest
-from shoal.runtime.checkpoint import load as load_checkpoint
+from shoal.neuralnet.checkpoint import latest
+from shoal.neuralnet.checkpoint import load as load_checkpoint
 from shoal.config import job_pb2
 from shoal.config.validate import in_phase
 from shoal.runtime.feed import resolve_data_path

@@ -97,16 +97,6 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def reduce_sum(tensor: torch.Tensor, dst: int) -> None:
-    """Sum `tensor` over all ranks into rank `dst`'s copy (in place)."""
-    _enter()
-    dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM)
-
-
 def broadcast(tensor: torch.Tensor, src: int) -> None:
     _enter()
     dist.broadcast(tensor, src=src)
@@ -115,11 +105,6 @@ def broadcast(tensor: torch.Tensor, src: int) -> None:
 def all_reduce_sum(tensor: torch.Tensor) -> None:
     _enter()
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-
-
-def barrier() -> None:
-    _enter()
-    dist.barrier()
 
 
 def isend(tensor: torch.Tensor, dst: int, tag: int) -> "dist.Work":

@@ -24,3 +24,8 @@ def phases_built(job: job_pb2.JobProto) -> list[int]:
     if job.validate_steps > 0:
         phases.append(job_pb2.kVal)
     return phases or [job_pb2.kTrain]
+
+
+def fires(freq: int, after: int, step: int) -> bool:
+    """SINGA's trigger rule for display, test, validation and checkpoints: every `freq` steps from `after`."""
+    return freq > 0 and step >= after and (step - after) % freq == 0

@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 from shoal.frontend import script
 from shoal.config import job_pb2
 from shoal.config.loader import job_from_dict, load_job as _load_file
 from shoal.config.validate import validate
-from shoal.runtime.local import RunOptions, test_job, train_job
+from shoal.runtime.run_job import RunOptions, test_job, train_job
 from shoal.runtime.trainer import History
 from shoal.neuralnet.shapes import check_shapes
+
+if TYPE_CHECKING:
+    from shoal.neuralnet.params import ParamStore
+    from shoal.runtime.launch import Nodes
 
 JobLike = Union[str, Path, dict, job_pb2.JobProto]
 
@@ -49,17 +53,27 @@ def train(
     log: Callable[[str], None] = print,
     progress: Optional[bool] = False,
     tensorboard: Optional[bool] = None,
+    *,
+    nodes: Optional["Nodes"] = None,
+    job_file: Optional[str] = None,
+    process_setup: Optional[Callable[[], None]] = None,
+    initial_values: Optional[Callable[["ParamStore"], None]] = None,
 ) -> History:
     """Train a job as its cluster section says; returns every metrics record.
 
-    tensorboard=True also writes TensorBoard event files (None: as the job's `tensorboard` field says).
+    The one way into training: `shoal run`, `shoal.fit` and scripts come through here.
+    tensorboard=True also writes TensorBoard event files (None: as the job's `tensorboard` field says);
+    progress=None draws a bar when stderr is a terminal; nodes: several hosts (shoal.runtime.launch.Nodes).
+    shoal.fit passes process_setup (run first in every spawned process: registers its layer types; picklable)
+    and initial_values (sets the params from the module's own values).
     """
     proto, base_dirs = as_job(job)
     if tensorboard is not None:
         proto.tensorboard = tensorboard
     workspace, resume = script.workspace(workspace), script.resume(resume)
-    options = RunOptions(workspace=Path(workspace) if workspace else None, resume=resume, base_dirs=base_dirs, log=log, progress=progress)
-    return train_job(proto, options)
+    options = RunOptions(workspace=Path(workspace) if workspace else None, resume=resume, base_dirs=base_dirs, log=log,
+                         progress=progress, nodes=nodes, process_setup=process_setup, initial_values=initial_values)
+    return train_job(proto, options, job_file=job_file or (str(job) if isinstance(job, (str, Path)) else "<python>"))
 
 
 def evaluate(
@@ -98,6 +112,7 @@ def draw_net(
     """
     from shoal.report.net_draw import draw_graph
     from shoal.report.node_link import check_node_link, read_node_link
+    from shoal.planning.plan import plan_job
     from shoal.runtime.visualization import train_net_graph
 
     if isinstance(net, (str, Path)) and Path(net).suffix == ".json":
@@ -106,7 +121,7 @@ def draw_net(
         check_node_link(net, "net")
         graph = net
     else:
-        graph = train_net_graph(as_job(net)[0])
+        graph = train_net_graph(plan_job(as_job(net)[0]))
     return draw_graph(graph, Path(out), title=title)
 
 

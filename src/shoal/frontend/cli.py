@@ -57,6 +57,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files to WORKSPACE/tensorboard (as `tensorboard: true`)")
+    p.add_argument("--plugin", action="append", default=[], type=Path, metavar="PATH",
+                   help="a plugin file to load first: user layers (.py) or their configuration (.proto); repeatable (docs/layers.md)")
     hosts = p.add_argument_group("several hosts", "start `shoal run` on every node with the same --nnodes and --master")
     hosts.add_argument("--nnodes", type=int, help="number of hosts")
     hosts.add_argument("--node-rank", type=int, help="this host's index, 0 .. nnodes-1 (node 0 hosts the chief); with --hostfile, found by default")
@@ -181,31 +183,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> int:
     from shoal.frontend import api
-    from shoal.runtime.local import RunOptions, test_job, train_job
 
     job_path = args.job or args.conf
     if job_path is None:
         raise UsageError("shoal run: give a job file (shoal run JOB)")
     if job_path.suffix == ".py":
         return _run_script(args, job_path)
+    from shoal.config.plugins import load_plugins
+
+    load_plugins(args.plugin)  # before the job: its text may use the plugins' extensions
     job = api.load_job(job_path, args.overrides)
     if args.tensorboard:
         job.tensorboard = True
-    options = RunOptions(workspace=args.workspace, resume=args.resume, base_dirs=api.base_dirs(job), progress=False if args.no_progress else None)
-    options.nodes = _nodes(args, job)
+    nodes = _nodes(args, job)
     if args.test:
-        test_job(job, options, args.checkpoint)
+        api.evaluate(job, args.checkpoint, args.workspace)
         return 0
     # `shoal jobs kill` (SIGTERM): stop as on Ctrl-C, so that the run records how it ended
     handles_sigterm = threading.current_thread() is threading.main_thread()  # (only the main thread may)
     previous = signal.signal(signal.SIGTERM, _terminated) if handles_sigterm else None
+    from shoal.report.progress import close_open_bars, closing_line
+
     try:
-        train_job(job, options, job_file=str(job_path))
+        history = api.train(job, args.workspace, args.resume, progress=False if args.no_progress else None, nodes=nodes,
+                            job_file=str(job_path))
     except KeyboardInterrupt:
         raise RunInterrupted(_resume_advice(job, args.workspace)) from None
     finally:
+        close_open_bars()  # a run stopped by an error: the bar goes before the message comes
         if handles_sigterm:
             signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+    print(closing_line(history.workspace))
     return 0
 
 
@@ -239,8 +247,8 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 def _resume_advice(job, workspace: Optional[Path]) -> str:
-    from shoal.runtime import checkpoint as ckpt_io
-    from shoal.runtime.local import resolve_workspace
+    from shoal.neuralnet import checkpoint as ckpt_io
+    from shoal.runtime.run_job import resolve_workspace
 
     newest = ckpt_io.latest(resolve_workspace(job, workspace))
     if newest is None:  # --resume would only answer "no checkpoint to resume from"
@@ -295,11 +303,11 @@ def _plan(args: argparse.Namespace) -> int:
     import json
 
     from shoal.frontend import api
-    from shoal.planning.describe import build_plan, render
+    from shoal.planning.describe import describe, render
+    from shoal.planning.plan import plan_job
 
-    job = api.load_job(args.job, args.overrides)
-    plan = build_plan(job)
-    print(json.dumps(plan, indent=2) if args.json else render(plan, job.name))
+    plan = plan_job(api.load_job(args.job, args.overrides))
+    print(json.dumps(describe(plan), indent=2) if args.json else render(plan))
     return 0
 
 
@@ -312,21 +320,23 @@ def _jobs(args: argparse.Namespace) -> int:
     from shoal.runtime import job_registry as jobs
 
     console = Console()
+    if not console.is_terminal:  # piped: rows whole, not wrapped at 80 columns
+        console = Console(width=200)
     when = lambda t: time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
     if args.verb == "list":
         table = Table("id", "name", "processes", "status", "started")
         for r in jobs.all_jobs():
             table.add_row(str(r.id), r.name, str(len([p for p in r.processes if p["rank"] != "launcher"])), r.live_status(), when(r.started))
         console.print(table)
-    elif args.verb == "view":
+    elif args.verb == "view":  # plain lines: piped, they are not wrapped at 80 columns
         r = jobs.load(args.id)
-        console.print(f"job {r.id} {r.name!r}: {r.live_status()}  (started {when(r.started)}, ended {when(r.ended)})")
-        console.print(f"job file:  {r.job_file}\nworkspace: {r.workspace}" + (f"\nmessage:   {r.message}" if r.message else ""))
+        print(f"job {r.id} {r.name!r}: {r.live_status()}  (started {when(r.started)}, ended {when(r.ended)})")
+        print(f"job file:  {r.job_file}\nworkspace: {r.workspace}" + (f"\nmessage:   {r.message}" if r.message else ""))
         for p in r.processes:
-            console.print(f"  rank {p['rank']}: host {p['host']}, pid {p['pid']}")
+            print(f"  rank {p['rank']}: host {p['host']}, pid {p['pid']}")
         for phase, record in jobs.last_metrics(r).items():
             values = {k: v for k, v in record.items() if k not in ("phase",)}
-            console.print(f"  last {phase}: " + ", ".join(f"{k} = {v}" for k, v in values.items()))
+            print(f"  last {phase}: " + ", ".join(f"{k} = {v}" for k, v in values.items()))
     else:
         r = jobs.kill(args.id)
         console.print(f"job {r.id} {r.name!r}: killed")

@@ -19,6 +19,12 @@ spawned processes through torch.multiprocessing (the parent's own pipe, not
 disk or network), so both must be picklable: a module instance and a
 module-level function, not a lambda. Module buffers (e.g. batch-norm running
 statistics) stay local to each worker.
+
+Training runs the module in train mode, test and validation in eval mode (no
+dropout; batch norm on the running statistics of worker 0, the worker that
+tests). A module that draws its own random numbers (dropout) draws them from
+torch's global generator, so a synchronous layout matches one worker bit for
+bit only for modules that draw none.
 """
 from __future__ import annotations
 
@@ -70,6 +76,9 @@ def _write_store(path: Path, x: np.ndarray, y: np.ndarray) -> None:
 def register_fit_layers(model: torch.nn.Module, loss_fn: Callable) -> None:
     """Bind the model and loss to the two user layer types of a fit job (in every process)."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]
+    # the module copy of the worker that computes a batch's first rows (worker 0) in this process:
+    # test and validation read its buffers (e.g. batch-norm running statistics), not their own copy's
+    trained: dict[str, torch.nn.Module] = {}
 
     @register_user_layer(MODULE_LAYER)
     class ModuleLayer(Layer):
@@ -78,6 +87,7 @@ def register_fit_layers(model: torch.nn.Module, loss_fn: Callable) -> None:
             # functional_call swaps a module's parameters in place while it runs, so workers that
             # run at once (threads) each need their own copy of the module
             self.module = copy.deepcopy(model)
+            self.module.eval()  # the shape probe: one zero sample must not move batch-norm statistics
             with torch.no_grad():
                 self.shape = tuple(self.module(torch.zeros((1, *self.src_shapes[0]))).shape[1:])
 
@@ -85,7 +95,15 @@ def register_fit_layers(model: torch.nn.Module, loss_fn: Callable) -> None:
             return [tuple(p.shape) for n, p in model.named_parameters() if n in names]
 
         def forward(self, xs, params, labels, ctx):
-            return torch.func.functional_call(self.module, dict(zip(names, params)), (xs[0],), strict=False)
+            training = ctx.phase == job_pb2.kTrain
+            if self.module.training != training:  # dropout off and running statistics used outside training
+                self.module.train(training)
+            values = dict(zip(names, params))
+            if training and (ctx.rows is None or ctx.rows[0] == 0):
+                trained.setdefault("worker0", self.module)
+            elif not training and "worker0" in trained:
+                values = {**{n: b.to(xs[0].device) for n, b in trained["worker0"].named_buffers()}, **values}
+            return torch.func.functional_call(self.module, values, (xs[0],), strict=False)
 
     @register_user_layer(LOSS_LAYER)
     class LossLayer(Layer):
@@ -165,7 +183,7 @@ def fit(
     (default plain SGD, learning rate 0.01). The whole test set is used at each test.
     """
     from shoal.frontend import script
-    from shoal.runtime.local import RunOptions, train_job
+    from shoal.frontend import api
 
     cluster = cluster or Cluster()
     workspace = Path(script.workspace(workspace) or "fit-workspace")
@@ -189,16 +207,15 @@ def fit(
 
     job = script.applied(job)  # under `shoal run script.py`: the command line's --set
     validate(job, None, shape_check=check_shapes)
-    options = RunOptions(workspace=workspace, log=log, progress=False,
-                         process_setup=functools.partial(register_fit_layers, model, loss_fn),
-                         initial_values=functools.partial(copy_module_values, model))
-    history = train_job(job, options, job_file="<shoal.fit>")
+    history = api.train(job, workspace=workspace, log=log, progress=False, job_file="<shoal.fit>",
+                        process_setup=functools.partial(register_fit_layers, model, loss_fn),
+                        initial_values=functools.partial(copy_module_values, model))
     _load_trained_values(model, workspace, job.train_steps)
     return history
 
 
 def _load_trained_values(model: torch.nn.Module, workspace: Path, steps: int) -> None:
-    from shoal.runtime import checkpoint as ckpt_io
+    from shoal.neuralnet import checkpoint as ckpt_io
 
     params = ckpt_io.load(ckpt_io.checkpoint_file(workspace, steps)).params
     with torch.no_grad():

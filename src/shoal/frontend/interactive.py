@@ -397,7 +397,7 @@ class InteractiveModel:
         return self.net.params()
 
     def set_params(self, params: dict[str, ArrayLike]) -> None:
-        """Overwrite params by name, e.g. with a checkpoint's (shoal.runtime.checkpoint.load(path).params)."""
+        """Overwrite params by name, e.g. with a checkpoint's (shoal.neuralnet.checkpoint.load(path).params)."""
         set_values(self.net.store, params)
 
     ComputeFeature = compute_feature

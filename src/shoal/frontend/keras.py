@@ -327,7 +327,7 @@ class Sequential(InteractiveModel):
     def evaluate(self, data: Store, batch_size: int | None = None, test_steps: int = 10, checkpoint_path: str | Path | None = None, log=print) -> dict[int, dict[str, float]]:
         """Test the trained model (its workspace's newest checkpoint, or checkpoint_path): {step: test metrics}."""
         from shoal.frontend import api
-        from shoal.runtime import checkpoint as ckpt_io
+        from shoal.neuralnet import checkpoint as ckpt_io
 
         job, _ = api.as_job(self.job(None, data, batch_size=batch_size, test_steps=test_steps))  # as `shoal run script.py` sets it
         path = Path(checkpoint_path) if checkpoint_path else ckpt_io.latest(Path(job.cluster.workspace))

@@ -49,11 +49,6 @@ class ScriptSettings:
 _ACTIVE: Optional[ScriptSettings] = None
 
 
-def active() -> Optional[ScriptSettings]:
-    """The settings of the `shoal run script.py` running in this process, if any."""
-    return _ACTIVE
-
-
 def overrides() -> tuple[str, ...]:
     return _ACTIVE.overrides if _ACTIVE else ()
 

@@ -181,6 +181,3 @@ class ParamStore:
     def move_to(self, device: torch.device) -> None:
         """Keep this store's values on `device` (before any net binds leaves to them)."""
         self.values = {name: value.to(device) for name, value in self.values.items()}
-
-    def total_numel(self) -> int:
-        return sum(i.numel for i in self.info.values())

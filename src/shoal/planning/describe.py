@@ -1,54 +1,60 @@
-"""`shoal plan`: everything a job will start, computed without starting anything."""
+"""`shoal plan`: the JobPlan as JSON (`--json`) and as text, nothing recomputed."""
 from __future__ import annotations
 
-import os
+from dataclasses import asdict
 
-import torch
-
-from shoal.planning.placement import describe, place
-from shoal.config import job_pb2
-from shoal.planning.devices import worker_device_names
-from shoal.neuralnet.net import NeuralNet
-from shoal.neuralnet.params import ParamStore
-from shoal.planning.partition import partition
-from shoal.runtime.feed import train_input_shares
+from shoal.planning.plan import JobPlan
 
 
-def build_plan(job: job_pb2.JobProto, cores: int | None = None) -> dict:
-    """Processes, their workers (device, batch share, threads, layers) and servers (param slices); pure."""
-    store = ParamStore(allocate=False)
-    net = NeuralNet(job.neuralnet, job_pb2.kTrain, store, torch.Generator())
-    sizes = {name: info.numel for name, info in store.info.items()}
-    placement = place(job.cluster, sizes)
-    plan = describe(placement)
-    cores = cores or os.cpu_count() or 1
-    explicit = job.num_openblas_threads if job.HasField("num_openblas_threads") else job.cluster.threads_per_worker
-    parts = partition(net, job.neuralnet, job.cluster.nworkers_per_group)
-    shares = next(iter(train_input_shares(job)), [])  # the first training input layer's
-    # one host: every worker of the job shares its cores (oversubscription is what kills CPU throughput)
-    workers_on_host = sum(len(proc["workers"]) for proc in plan["processes"])
-    threads = explicit or max(1, cores // max(1, workers_on_host))
-    for proc in plan["processes"]:
-        for worker, device in zip(proc["workers"], worker_device_names(job, len(proc["workers"]))):
-            worker["device"] = device
-            worker["threads"] = threads
-            worker["batch_share"] = shares[worker["id"]] if shares else None
-            # every layer on its share of the batch, or the worker's nodes of the partitioned net
-            worker["layers"] = [n.name for n in parts.worker_nodes(worker["id"])] if parts.partitioned else [n.name for n in net.nodes]
-    plan["batch_shares"] = "measured at run time" if job.cluster.auto_batch_shares else "as configured"
-    plan["partition_notes"] = list(parts.notes)
-    plan["params"] = {name: list(info.shape) for name, info in store.info.items()}
-    plan["param_elements"] = sum(sizes.values())
-    return plan
+def describe(plan: JobPlan) -> dict:
+    """Processes, their workers (device, batch share, threads, layers) and servers (param slices)."""
+    placement, parts = plan.placement, plan.partition
+    shares = plan.batch_shares[0] if plan.batch_shares else []  # the first training input layer's
+    all_layers = [n.origin for n in parts.nodes if not n.inserted]
+    processes = []
+    for proc, devices in zip(placement.processes, plan.devices):
+        workers = []
+        for w, device in zip(proc.workers, devices):
+            layers = [n.name for n in parts.worker_nodes(w.id)] if parts.partitioned else list(dict.fromkeys(all_layers))
+            workers.append(asdict(w) | {
+                "server_group": placement.server_group_of(w.group), "device": device, "threads": plan.threads_per_worker,
+                "batch_share": shares[w.id] if shares else None, "layers": layers,
+            })
+        servers = [asdict(s) | {"slices": [asdict(x) for x in placement.slices_of(s)]} for s in proc.servers]
+        processes.append({"rank": proc.rank, "workers": workers, "servers": servers})
+    return {
+        "framework": plan.framework.value,
+        "label": plan.label,
+        "synchronous": plan.framework.synchronous,
+        "nprocs": plan.nprocs,
+        "nworkers": plan.nworkers,
+        "nservers": plan.nservers,
+        "nslices": placement.nslices,
+        "global_batch": plan.global_batch,
+        "processes": processes,
+        "batch_shares": "measured at run time" if plan.cluster.auto_batch_shares else "as configured",
+        "partition_notes": list(plan.notes),
+        "params": {name: list(shape) for name, shape in plan.params.items()},
+        "param_elements": sum(_numel(shape) for shape in plan.params.values()),
+    }
 
 
-def render(plan: dict, job_name: str) -> str:
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def render(plan: JobPlan) -> str:
+    """The plan as `shoal plan` prints it."""
+    d = describe(plan)
     lines = [
-        f"job {job_name!r}: {plan['framework']}, {plan['nprocs']} process(es), "
-        f"{plan['param_elements']:,} param elements in {plan['nslices']} slice(s)"
+        f"job {plan.job.name!r}: {d['label']}, {d['nprocs']} process(es), "
+        f"{d['param_elements']:,} param elements in {d['nslices']} slice(s)"
     ]
-    auto = " (at start; measured at run time)" if plan["batch_shares"] == "measured at run time" else ""
-    for proc in plan["processes"]:
+    auto = " (at start; measured at run time)" if d["batch_shares"] == "measured at run time" else ""
+    for proc in d["processes"]:
         lines.append(f"process {proc['rank']}")
         for w in proc["workers"]:
             share = "" if w["batch_share"] is None else f"batch share {w['batch_share']}{auto}, "
@@ -60,5 +66,5 @@ def render(plan: dict, job_name: str) -> str:
             owned = ", ".join(f"{x['param']}[{x['start']}:{x['stop']}]" for x in s["slices"]) or "nothing"
             total = sum(x["stop"] - x["start"] for x in s["slices"])
             lines.append(f"  server (group {s['group']}, id {s['id']}): {total:,} elements: {owned}")
-    lines += [f"note: {note}" for note in plan["partition_notes"]]
+    lines += [f"note: {note}" for note in d["partition_notes"]]
     return "\n".join(lines)

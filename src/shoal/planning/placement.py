@@ -14,7 +14,7 @@ master group (for Hogwild syncs between groups) is i mod nserver_groups.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Optional
 
 from shoal.config import job_pb2
@@ -97,26 +97,6 @@ class Placement:
                 return proc.rank
         raise KeyError(member)
 
-    # frameworks are configurations; these properties only name them
-    @property
-    def is_synchronous(self) -> bool:
-        return self.cluster.nworker_groups == 1
-
-    @property
-    def framework(self) -> str:
-        c = self.cluster
-        if c.nworker_groups == 1:
-            if c.nworkers_per_group == 1:
-                return "single worker"
-            return "Sandblaster" if c.server_worker_separate else "AllReduce"
-        if len(self.processes) == 1 and c.nserver_groups == 1:
-            # SINGA's docs call both in-memory Downpour; groups that share one copy of the params
-            # (share_memory) update it without locks, which is Hogwild
-            return "in-memory Hogwild" if c.share_memory else "in-memory Downpour"
-        if c.nserver_groups == 1:
-            return "Downpour"
-        return "Distributed Hogwild" if c.nserver_groups == c.nworker_groups else "async (grouped servers)"
-
 
 def _check(cluster: job_pb2.ClusterProto) -> None:
     problems = validate_cluster(cluster)
@@ -167,20 +147,3 @@ def slice_params(param_sizes: dict[str, int], nslices: int) -> list[ParamSlice]:
             start = stop
         offset += size
     return slices
-
-
-def describe(placement: Placement) -> dict:
-    """JSON-friendly plan (what `shoal plan --json` prints)."""
-    return {
-        "framework": placement.framework,
-        "nprocs": len(placement.processes),
-        "nslices": placement.nslices,
-        "processes": [
-            {
-                "rank": p.rank,
-                "workers": [asdict(w) | {"server_group": placement.server_group_of(w.group)} for w in p.workers],
-                "servers": [asdict(s) | {"slices": [asdict(x) for x in placement.slices_of(s)]} for s in p.servers],
-            }
-            for p in placement.processes
-        ],
-    }

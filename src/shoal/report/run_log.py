@@ -2,23 +2,27 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from shoal.config import job_pb2
 from shoal.report.metrics import MetricsLog
 from shoal.report.summary import SummaryFile, mark_ended, run_info
+
+if TYPE_CHECKING:
+    from shoal.planning.plan import JobPlan
 
 METRICS_FILE = "metrics.jsonl"
 
 
-def open_run_log(job: job_pb2.JobProto, workspace: Path, elapsed_before: float, devices: list[str], threads_per_worker: int) -> MetricsLog:
-    workspace = Path(workspace)
+def open_run_log(plan: "JobPlan", workspace: Path, elapsed_before: float, devices: list[str]) -> MetricsLog:
+    """metrics.jsonl, with summary.json (and TensorBoard event files when the job asks) kept from it."""
+    workspace, job = Path(workspace), plan.job
     path = workspace / METRICS_FILE
     observers: list = []
     if job.tensorboard:
         from shoal.report.tensorboard import TensorBoardLog
 
         observers.append(TensorBoardLog(workspace, elapsed_before))
-    summary = SummaryFile(workspace, run_info(job, devices, threads_per_worker), path)
+    summary = SummaryFile(workspace, run_info(plan, devices), path)
     return MetricsLog(path, elapsed_before=elapsed_before, observers=[summary, *observers])
 
 

@@ -15,10 +15,12 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from shoal.planning.placement import place
-from shoal.config import job_pb2
 from shoal.report.metrics import read_metrics
+
+if TYPE_CHECKING:
+    from shoal.planning.plan import JobPlan
 
 SUMMARY_FILE = "summary.json"
 THRESHOLDS = (0.90, 0.95, 0.97, 0.98, 0.99)
@@ -33,7 +35,7 @@ class RunInfo:
     """What the run is, fixed at its start: the part of the summary not derived from metrics."""
 
     job: str
-    framework: str  # the framework the cluster section amounts to (shoal.planning.placement.Placement.framework)
+    framework: str  # the layout's framework as users name it (shoal.planning.plan.JobPlan.label)
     label: str  # framework and layout in a few words, for legends and tables
     cluster: dict
     processes: int
@@ -45,45 +47,44 @@ class RunInfo:
     host: dict = field(default_factory=dict)
 
 
-def describe_layout(cluster: job_pb2.ClusterProto) -> tuple[str, str]:
+def describe_layout(plan: "JobPlan") -> tuple[str, str]:
     """(framework, label): e.g. ("Sandblaster", "Sandblaster, 2 workers + 2 servers, 4 processes")."""
-    placement = place(cluster)
-    nprocs = len(placement.processes)
-    workers = cluster.nworker_groups * cluster.nworkers_per_group
-    servers = cluster.nserver_groups * cluster.nservers_per_group
-    framework = placement.framework
-    if nprocs == 1 and workers > 1 and placement.is_synchronous:
-        framework = "in-memory Sandblaster"  # SINGA's: every worker a thread of one process
-    if workers == 1 and nprocs == 1:
+    c, nprocs = plan.cluster, plan.nprocs
+    framework = plan.label  # one process of several synchronous workers: in-memory Sandblaster
+    if plan.nworkers == 1 and nprocs == 1:
         return framework, framework
-    parts = [f"{cluster.nworker_groups} groups × {cluster.nworkers_per_group} workers" if cluster.nworker_groups > 1 else f"{workers} workers"]
-    if cluster.server_worker_separate:
-        parts[0] += f" + {servers} servers"
+    parts = [f"{c.nworker_groups} groups × {_count(c.nworkers_per_group, 'worker')}" if c.nworker_groups > 1 else _count(plan.nworkers, "worker")]
+    if c.server_worker_separate:
+        parts[0] += f" + {_count(plan.nservers, 'server')}"
     parts.append(f"{nprocs} process{'es' if nprocs > 1 else ''}" if nprocs > 1 else "threads")
     return framework, f"{framework}, {', '.join(parts)}"
 
 
-def run_info(job: job_pb2.JobProto, devices: list[str], threads_per_worker: int) -> RunInfo:
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def run_info(plan: "JobPlan", devices: list[str]) -> RunInfo:
     import torch
 
-    c = job.cluster
-    framework, label = describe_layout(c)
+    c = plan.cluster
+    framework, label = describe_layout(plan)
     cluster = {
         k: getattr(c, k)
         for k in ("nworker_groups", "nworkers_per_group", "nserver_groups", "nservers_per_group",
                   "nworkers_per_procs", "nservers_per_procs", "server_worker_separate", "share_memory")
     }
     return RunInfo(
-        job=job.name,
+        job=plan.job.name,
         framework=framework,
         label=label,
         cluster=cluster,
-        processes=len(place(c).processes),
-        workers=c.nworker_groups * c.nworkers_per_group,
-        servers=c.nserver_groups * c.nservers_per_group,
+        processes=plan.nprocs,
+        workers=plan.nworkers,
+        servers=plan.nservers,
         devices=devices,
-        threads_per_worker=threads_per_worker,
-        train_steps=job.train_steps,
+        threads_per_worker=plan.threads_per_worker,
+        train_steps=plan.job.train_steps,
         host={"name": platform.node(), "machine": platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__},
     )
 

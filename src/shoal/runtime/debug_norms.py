@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from shoal.planning.partition import plan_partition
+from shoal.config.phases import fires
+from shoal.planning.partition import ParamView
 from shoal.report.node_link import write_json
+from shoal.runtime.interfaces import TrainerHook
 from shoal.runtime.visualization import FOLDER
 
 if TYPE_CHECKING:
@@ -53,53 +55,38 @@ def _l1(t: torch.Tensor) -> torch.Tensor:
     return t.detach().abs().sum()
 
 
-class DebugNorms:
+class DebugNorms(TrainerHook):
     """Records the norms of one trainer's workers (group 0) at display steps and writes SINGA's fp/bp files."""
 
     def __init__(self, trainer: "Trainer"):
-        from shoal.runtime.trainer import fires  # the trainer's own display rule
-
-        self.trainer = trainer
+        self.job = trainer.job
         self.folder = trainer.workspace / FOLDER
-        self.graph = plan_partition(trainer.job).to_node_link()
+        self.graph = trainer.plan.partition.to_node_link()
         self.armed = False
         self.records: dict[int, dict[str, _NodeNorms]] = {}  # worker -> node id -> norms
         self.handles: list = []
-        for worker, node_id, node in self._nodes():
-            self._wrap(worker, node_id, node)
-        job, step_fn = trainer.job, trainer.train_step
+        for member in trainer.workers:
+            for worker, node_id, node in member.computed_nodes():
+                self._wrap(worker, node_id, node)
 
-        def train_step(step: int) -> int:
-            if not fires(job.disp_freq, job.disp_after, step):
-                return step_fn(step)
+    def before_step(self, step: int) -> None:
+        if fires(self.job.disp_freq, self.job.disp_after, step):
             self.armed, self.records = True, {}
-            try:
-                samples = step_fn(step)
-            finally:
-                self.armed = False
-                for handle in self.handles:
-                    handle.remove()
-                self.handles = []
-            self.write(step)
-            self.records = {}  # the gradients it held are not needed until the next display
-            return samples
 
-        trainer.train_step = train_step
-
-    def _nodes(self):
-        """(worker, train_net.json node id, node) of every node this trainer's workers compute."""
-        for group in self.trainer.workers:
-            for part in getattr(group, "parts", []):  # a partitioned group: the plan's own nodes
-                for node in part.nodes:
-                    yield part.index, node.name, node
-            if not hasattr(group, "parts"):  # a whole net on a share of the batch: the plan's batch copy
-                for node in group.net.nodes:
-                    yield group.index, f"{node.name}@{group.index}", node
+    def after_step(self, step: int) -> None:
+        if not self.armed:
+            return
+        self.armed = False
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self.write(step)
+        self.records = {}  # the gradients it held are not needed until the next display
 
     def _wrap(self, worker: int, node_id: str, node) -> None:
         layer = node.layer
         forward = layer.forward
-        names = [getattr(p, "name", p) for p in node.params]  # param names (a partitioned node holds views)
+        names = [p.name if isinstance(p, ParamView) else p for p in node.params]  # a partitioned node holds views
 
         def recording_forward(xs, params, labels, ctx):
             result = forward(xs, params, labels, ctx)

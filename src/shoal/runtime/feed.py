@@ -16,39 +16,10 @@ import numpy as np
 import torch
 
 from shoal.config import job_pb2
-from shoal.config.validate import in_phase
 from shoal.data.dataset import Dataset, load_mean, open_store
 from shoal.data.errors import StoreError
 from shoal.neuralnet.layers.char_rnn import CharRNNOutput, char_windows, encode_text, read_vocab
-
-
-def batch_conf(layer: job_pb2.LayerProto) -> Optional[job_pb2.StoreProto]:
-    """The StoreProto an input layer reads (kCharRNN's char_rnn_conf as one), or None for other layers."""
-    if layer.HasField("store_conf"):
-        return layer.store_conf
-    if layer.type == job_pb2.kCharRNN:
-        return job_pb2.StoreProto(batchsize=[layer.char_rnn_conf.batchsize])
-    return None
-
-
-def batch_shares(store: job_pb2.StoreProto, npartitions: int) -> list[int]:
-    """Per-partition batch sizes: one value split evenly (remainder to the first), or one per partition."""
-    sizes = list(store.batchsize) or [1]
-    if len(sizes) == npartitions:
-        return sizes
-    if len(sizes) != 1:
-        raise ValueError(f"store_conf.batchsize has {len(sizes)} values for {npartitions} partitions")
-    base, extra = divmod(sizes[0], npartitions)
-    return [base + (1 if i < extra else 0) for i in range(npartitions)]
-
-
-def train_input_shares(job: job_pb2.JobProto) -> list[list[int]]:
-    """Per training input layer, the rows of a group's batch each of its nworkers_per_group workers reads."""
-    return [
-        batch_shares(batch_conf(layer), job.cluster.nworkers_per_group)
-        for layer in job.neuralnet.layer
-        if batch_conf(layer) is not None and in_phase(layer, job_pb2.kTrain)
-    ]
+from shoal.planning.shares import batch_conf, batch_shares
 
 
 @dataclass
@@ -134,6 +105,10 @@ def make_feeds(net, base_dirs: list[Path], partition: int, npartitions: int, rng
                 texts[(c.path, c.vocab_path)] = open_text(c, base_dirs)
             shares = batch_shares(batch_conf(conf), npartitions)
             feeds[node.name] = TextFeed(node.name, texts[(c.path, c.vocab_path)], c.unroll_len, sum(shares), sum(shares[:partition]), shares[partition])
+            continue
+        if hasattr(node.layer, "open_dataset"):  # a plugin's input layer reads its own data (docs/layers.md)
+            shares = batch_shares(batch_conf(conf), npartitions)
+            feeds[node.name] = InputFeed(node.name, node.layer.open_dataset(base_dirs), sum(shares), sum(shares[:partition]), shares[partition])
             continue
         if not conf.HasField("store_conf"):
             continue

@@ -327,7 +327,16 @@ class PartitionedGroup:
         self.owned = {view: k for view, k in plan.updated_where_computed().items() if k in on_store}
         self.update_view: Optional[Callable] = None
 
-    def update_views_with(self, update_view: Optional[Callable]) -> None:
+    def placed_workers(self) -> list[tuple[int, str]]:
+        return [(part.index, str(part.device)) for part in self.parts]
+
+    def computed_nodes(self):
+        """The plan's own nodes, on the worker computing each."""
+        for part in self.parts:
+            for node in part.nodes:
+                yield part.index, node.name, node
+
+    def use_view_updater(self, update_view: Optional[Callable]) -> None:
         """`update_view(step, view, grad)` (the exchange's server, in place): each worker then updates the views
         it alone computes with as soon as its backward ends, in its own thread, and their gradients never leave
         it; None (servers elsewhere, or a group working on a copy): every gradient goes to the exchange."""

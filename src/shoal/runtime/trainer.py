@@ -14,6 +14,7 @@ configured, so every run ends with a test number).
 """
 from __future__ import annotations
 
+import copy
 import sys
 import threading
 import time
@@ -25,25 +26,20 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from shoal.runtime import checkpoint as ckpt_io
+from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.planning.balance import ShareBalancer
-from shoal.planning.placement import place
 from shoal.config import job_pb2
+from shoal.config.phases import fires
 from shoal.neuralnet.layers.base import Context
 from shoal.report.metrics import MetricsLog, MetricWindow, display_line
 from shoal.neuralnet.net import NeuralNet
 from shoal.neuralnet.params import ParamStore
-from shoal.planning.partition import partition
-from shoal.runtime import debug_norms
-from shoal.runtime.feed import InputFeed, make_feeds, train_input_shares
+from shoal.planning.plan import JobPlan
+from shoal.runtime.feed import InputFeed, make_feeds
+from shoal.runtime.interfaces import Exchange, GroupMember, TrainerHook
 from shoal.runtime.partitioned import PartitionedGroup
 from shoal.runtime.replicas import DeviceReplicas, torch_device
 from shoal.runtime.worker import Worker
-
-
-def fires(freq: int, after: int, step: int) -> bool:
-    """SINGA's trigger rule for display, test, validation and checkpoints."""
-    return freq > 0 and step >= after and (step - after) % freq == 0
 
 
 @dataclass
@@ -89,17 +85,12 @@ class History:
         return tests[-1] if tests else None
 
 
-def global_batch(job: job_pb2.JobProto) -> int:
-    """Samples per training step of a group: the train input layers' batch (one value, or the shares' sum)."""
-    return max((sum(shares) for shares in train_input_shares(job)), default=0)
-
-
 class Trainer:
     """Runs SINGA's loop for one worker group (its workers as threads) against its Server."""
 
     def __init__(
         self,
-        job: job_pb2.JobProto,
+        plan: JobPlan,
         workspace: Path,
         base_dirs: list[Path],
         device: torch.device,
@@ -111,10 +102,12 @@ class Trainer:
         store: Optional[ParamStore] = None,
         group: int = 0,
         worker_devices: Optional[list[str]] = None,
+        hooks: tuple[TrainerHook, ...] = (),
     ):
         """`device`: where the group's params live and its server updates them (and tests run);
         `worker_devices`: the device of each of `worker_indices` (default: all on `device`)."""
-        self.job = job
+        job = plan.job
+        self.plan, self.job = plan, job
         self.workspace = Path(workspace)
         self.device = device
         # the chief (worker 0 of group 0) tests, validates, displays and writes; other processes only train
@@ -128,28 +121,31 @@ class Trainer:
         self.store = store if store is not None else ParamStore()
         self.group = group
         npartitions = job.cluster.nworkers_per_group
+        partitioned = plan.partition.partitioned  # a layer cut on features or placed (even on one worker)
         if worker_indices is None:
             worker_indices = list(range(npartitions)) if train else []
-        # the first net built declares and initialises the params: the partitioner needs it built anyway
-        plan = partition(NeuralNet(job.neuralnet, job_pb2.kTrain, self.store, init_gen), job.neuralnet, npartitions)
+        # the first net built declares and initialises the params, in layer order
         if store is None:
+            NeuralNet(job.neuralnet, job_pb2.kTrain, self.store, init_gen)
             self.store.move_to(device)
         worker_devices = worker_devices or [str(device)] * len(worker_indices)
         # the store's device is the root of the group's device tree; workers elsewhere compute on replicas
         home = worker_devices[0] if worker_devices and torch_device(worker_devices[0]) == device else str(device)
-        self.replicas = DeviceReplicas(self.store, home, [] if plan.partitioned else worker_devices)
-        if plan.partitioned and worker_indices:
-            ranks = {w.id: p.rank for p in place(job.cluster).processes for w in p.workers if w.group == group}
+        self.replicas = DeviceReplicas(self.store, home, [] if partitioned else worker_devices)
+        self.workers: list[GroupMember]
+        if partitioned and worker_indices:
             on = dict(zip(worker_indices, worker_devices))  # a part's device; parts copy their slices there
             part_devices = [torch_device(on.get(k, str(device))) for k in range(npartitions)]
-            self.workers = [PartitionedGroup(job, plan, self.store, base_dirs, part_devices, group, worker_indices, ranks)]
+            # a group's own copy of the plan's nodes: hooks (debug norms) wrap their layers
+            nodes = copy.deepcopy(plan.partition)
+            self.workers = [PartitionedGroup(job, nodes, self.store, base_dirs, part_devices, group, worker_indices, plan.group_ranks(group))]
         else:
             self.workers = [
                 Worker(job, self.replicas.store_of(d), base_dirs, torch_device(d), i, npartitions, init_gen, group, device_name=d)
                 for i, d in zip(worker_indices, worker_devices)
             ]
-        self.global_batch = global_batch(job)
-        self.balancer = self._balancer(job, plan.partitioned)
+        self.global_batch = plan.global_batch
+        self.balancer = self._balancer(job, partitioned)
         # test and validation run on worker 0 of group 0, on the whole (unpartitioned) net, as SINGA's
         self.nets: dict[int, NeuralNet] = {}
         for phase, steps in ((job_pb2.kTest, job.test_steps), (job_pb2.kVal, job.validate_steps if train else 0)):
@@ -159,8 +155,9 @@ class Trainer:
         self.feeds: dict[int, dict[str, InputFeed]] = {phase: make_feeds(net, base_dirs, 0, 1, eval_rng, device) for phase, net in self.nets.items()}
         self.generator = self.workers[0].generator if self.workers else torch.Generator(device=device).manual_seed(job.seed + 1)
         self.pool = ThreadPoolExecutor(max_workers=len(self.workers), thread_name_prefix="shoal-worker") if len(self.workers) > 1 else None
-        self.exchange = None  # LocalExchange, SlicedExchange or a GroupExchange (asynchronous groups)
-        self.before_final_test: Callable[[], None] = lambda: None  # e.g. wait for the other groups
+        self.exchange: Optional[Exchange] = None  # attached by the assembly (shoal.runtime.assemble)
+        self.hooks: list[TrainerHook] = list(hooks)
+        self.metrics: Optional[MetricsLog] = None
         self.cursors: dict[int, int] = {job_pb2.kTest: 0, job_pb2.kVal: 0}
         self.window = MetricWindow()
         self.window_samples = 0  # samples trained since the last display (checkpointed with the window)
@@ -168,7 +165,6 @@ class Trainer:
         self.start_step = 0
         self.resumed = False
         self.elapsed_before = 0.0
-        debug_norms.install(self)  # `debug: true`: SINGA's fp/bp norm files at display steps
 
     def _balancer(self, job: job_pb2.JobProto, partitioned: bool) -> Optional[ShareBalancer]:
         """auto_batch_shares: a balancer over this group's workers (all in this process, cut on the batch)."""
@@ -201,12 +197,18 @@ class Trainer:
         self.log(f"Batch shares from step {step + 1}: {split} (measured step time per worker: {model})")
 
     # -- state ------------------------------------------------------------
-    def attach_exchange(self, exchange) -> None:
+    def attach_exchange(self, exchange: Exchange) -> None:
         self.exchange = exchange
-        view_updater = getattr(exchange, "view_updater", lambda: None)()
-        for group in self.workers:
-            if isinstance(group, PartitionedGroup):  # feature slices and placed layers: updated by their worker
-                group.update_views_with(view_updater)
+        view_updater = exchange.view_updater()  # feature slices and placed layers: updated by their worker
+        for member in self.workers:
+            member.use_view_updater(view_updater)
+
+    def add_hook(self, hook: TrainerHook) -> None:
+        self.hooks.append(hook)
+
+    def start_at(self, step: int) -> None:
+        """Begin (or go on) training at `step`: an asynchronous group joining after group 0's warm-up."""
+        self.start_step = step
 
     def load_params(self, paths: list[Path]) -> int:
         """Initialise params by name from earlier checkpoints (SINGA's checkpoint_path); return the last one's step."""
@@ -230,7 +232,7 @@ class Trainer:
             "window": self.window.state(),
             "window_samples": self.window_samples,
             "batch_shares": self.shares,  # balanced shares go on where they were (same maths either way)
-            "elapsed": self.metrics.elapsed() if getattr(self, "metrics", None) else self.elapsed_before,
+            "elapsed": self.metrics.elapsed() if self.metrics is not None else self.elapsed_before,
         }
         ckpt = ckpt_io.Checkpoint(
             step=step,
@@ -347,10 +349,10 @@ class Trainer:
 
         bar = None
         if self.progress:
-            from tqdm import tqdm
+            from shoal.report.progress import TrainingBar
 
-            bar = tqdm(total=job.train_steps, initial=self.start_step, unit="step", dynamic_ncols=True, leave=False)
-            self.log = lambda line, _print=self.log: bar.write(line)
+            bar = TrainingBar(job.train_steps, initial=self.start_step)
+            self.log = bar.above(self.log)
         window_start = time.perf_counter()
         step = self.start_step
         while step < job.train_steps:
@@ -364,7 +366,11 @@ class Trainer:
                 if fires(job.checkpoint_freq, job.checkpoint_after, step):
                     self.save_checkpoint(step)
                 self.timings.paused += time.perf_counter() - paused
+            for hook in self.hooks:
+                hook.before_step(step)
             self.window_samples += self.train_step(step)
+            for hook in self.hooks:
+                hook.after_step(step)
             if fires(job.disp_freq, job.disp_after, step):
                 now = time.perf_counter()
                 values = self.exchange.metrics(self.window)
@@ -379,11 +385,13 @@ class Trainer:
                 self.timings = StepTimings()
                 window_start, self.window_samples = now, 0
             if bar is not None:
-                bar.update(1)
+                bar.advance(self.window)
             step += 1
         if bar is not None:
             bar.close()
-        self.before_final_test()
+        self.exchange.finish()
+        for hook in self.hooks:
+            hook.before_final_test()
         if self.resumed and self.start_step >= job.train_steps:
             return history  # resumed from the final checkpoint: nothing left to do
         if job.test_steps > 0 and job.test_freq > 0:

@@ -14,15 +14,16 @@ import torch
 from shoal.config import job_pb2
 from shoal.neuralnet.net import NeuralNet
 from shoal.neuralnet.params import ParamStore
-from shoal.planning.partition import WHOLE, plan_partition
+from shoal.planning.partition import WHOLE
+from shoal.planning.plan import JobPlan
 from shoal.report.node_link import write_json
 
 FOLDER = "visualization"
 
 
-def train_net_graph(job: job_pb2.JobProto) -> dict:
+def train_net_graph(plan: JobPlan) -> dict:
     """The partitioned train net of one group, as node-link (what the group's workers compute)."""
-    return plan_partition(job).to_node_link()
+    return plan.partition.to_node_link()
 
 
 def test_net_graph(job: job_pb2.JobProto) -> dict:
@@ -55,9 +56,9 @@ def start_folder(workspace: Path, fresh: bool) -> Path:
     return folder
 
 
-def write_train_net(job: job_pb2.JobProto, workspace: Path, fresh: bool) -> Path:
+def write_train_net(plan: JobPlan, workspace: Path, fresh: bool) -> Path:
     """WORKSPACE/visualization/train_net.json at the start of a training run (the chief only)."""
-    return write_json(start_folder(workspace, fresh) / "train_net.json", train_net_graph(job))
+    return write_json(start_folder(workspace, fresh) / "train_net.json", train_net_graph(plan))
 
 
 def write_test_net(job: job_pb2.JobProto, workspace: Path) -> Optional[Path]:

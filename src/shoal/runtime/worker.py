@@ -8,7 +8,6 @@ the stub.
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -21,19 +20,8 @@ from shoal.config import job_pb2
 from shoal.neuralnet.layers.base import Context
 from shoal.neuralnet.net import NeuralNet
 from shoal.neuralnet.params import ParamStore
+from shoal.runtime import faults
 from shoal.runtime.feed import InputFeed, make_feeds
-
-
-def injected_slowdown(index: int) -> tuple[float, float]:
-    """Fault injection for tests and benchmarks, as a slower device would be:
-    SHOAL_SLOW_WORKER="K:PER_SAMPLE[+FIXED],..." makes worker K of each group spend PER_SAMPLE more
-    seconds per sample of its share, plus FIXED seconds per step it computes (a launch or copy cost)."""
-    for item in filter(None, os.environ.get("SHOAL_SLOW_WORKER", "").split(",")):
-        worker, _, cost = item.partition(":")
-        per_sample, _, fixed = cost.partition("+")
-        if int(worker) == index:
-            return float(per_sample), float(fixed or 0)
-    return 0.0, 0.0
 
 
 class Worker:
@@ -67,7 +55,7 @@ class Worker:
         # (Context.rows), so a group draws, row for row, what one worker would; groups differ.
         # Draws are made on the CPU whatever the device: a mixed CPU+GPU group draws what one device would
         self.generator = torch.Generator().manual_seed(job.seed + 1 + 7919 * group)
-        self.slowdown = injected_slowdown(index)
+        self.slowdown = faults.slowdown(index)
 
     @property
     def global_batch(self) -> int:
@@ -105,6 +93,17 @@ class Worker:
         if per_sample or fixed:
             time.sleep(fixed + per_sample * self.share)
         return grads
+
+    def use_view_updater(self, update_view) -> None:
+        """A worker computes every param whole on its share of the batch: no view is its own."""
+
+    def placed_workers(self) -> list[tuple[int, str]]:
+        return [(self.index, self.device_name)]
+
+    def computed_nodes(self):
+        """The whole net on a share of the batch: train_net.json names these nodes NAME@WORKER."""
+        for node in self.net.nodes:
+            yield self.index, f"{node.name}@{self.index}", node
 
     def stream_gradients(self, ready: Callable[[str, torch.Tensor], None]) -> bool:
         """Hand each param's gradient to `ready(name, grad)` as soon as backward has accumulated it.

@@ -30,7 +30,7 @@ from shoal.planning.placement import ParamSlice, Placement, ServerId
 from shoal.comm import dist as comm
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
-from shoal.runtime.exchanges.sliced import aggregate
+from shoal.runtime.exchanges.local import aggregate
 from shoal.runtime.exchanges.groups import StalenessStats
 from shoal.neuralnet.updaters import Updater
 
@@ -73,7 +73,9 @@ class DownpourServer:
     """One server of the (single) server group: owns slices, their updater state and one version."""
 
     def __init__(self, store: ParamStore, updater: Updater, placement: Placement, server: ServerId,
-                 stubs: dict[int, int], log: Callable[[str], None] = print, max_staleness: int = -1, warmup_steps: int = 0):
+                 stubs: dict[int, int], log: Callable[[str], None] = print, max_staleness: int = -1, warmup_steps: int = 0,
+                 exit_at_version: Optional[int] = None):
+        """`exit_at_version`: fault injection for tests (shoal.runtime.faults): the process exits at that version."""
         self.store, self.updater, self.server, self.stubs, self.log = store, updater, server, stubs, log
         trainable = set(store.trainable_names())
         self.segments, self.size = server_segments([s for s in placement.slices_of(server) if s.param in trainable])
@@ -87,7 +89,7 @@ class DownpourServer:
         self.max_staleness, self.warmup_steps = max_staleness, warmup_steps
         self._steps = {g: 0 if g == 0 else warmup_steps for g in stubs}  # steps each group has pushed
         self._warming: set[int] = set()  # groups waiting for group 0's warm-up hold nobody back
-        self.exit_at_version: Optional[int] = None  # fault injection for tests
+        self.exit_at_version = exit_at_version
 
     def _view(self, seg: Segment) -> torch.Tensor:
         return self.store.values[seg.param].view(-1)[seg.start : seg.stop]
@@ -133,7 +135,11 @@ class DownpourServer:
             self._live.discard(group)
             self._running.notify_all()
 
-    def resume_at(self, step: int) -> None:
+    def restore(self, params: dict[str, torch.Tensor], updater_state: dict, step: int, version: int) -> None:
+        """Continue from a checkpoint taken at `step`, when the version was `version`."""
+        self.store.load(params, strict=True)
+        self.load_state(updater_state)
+        self.version = version
         self._steps = {g: step if g == 0 else max(step, self.warmup_steps) for g in self._steps}
 
     def _may_go(self, step: int) -> bool:
@@ -218,7 +224,7 @@ class DownpourExchange:
         self.last_version = 0
         self.final_state: Optional[dict] = None
         self.warmup = placement.cluster.warmup_steps > 0
-        self.first_step = 0  # set on resume
+        self.first_step = 0  # a resumed run's, or where a joining group starts after group 0's warm-up
 
     def _flat_grads(self, parts: list[tuple[Grads, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """This process's share of the group's gradient (weighted by share of the group's batch), laid end to end,
@@ -329,7 +335,21 @@ class DownpourExchange:
         return self._state_from(flats)
 
     def load_updater_state(self, state) -> None:
-        """Servers load their slices of the state themselves (shoal.runtime.launch)."""
+        """Servers load their slices of the state themselves (DownpourServer.restore)."""
+
+    def view_updater(self):
+        """The servers own every param: no worker updates a view itself."""
+        return None
+
+    def resume_at(self, step: int, version: int) -> None:
+        """Continue a run checkpointed at `step`, when the servers' version was `version`."""
+        self.read_version = dict.fromkeys(self.read_version, version)
+        self.last_version = version
+        self.first_step = step
+
+    def start_at(self, step: int) -> None:
+        """This group's first step (a group other than 0 joins where group 0's warm-up ends)."""
+        self.first_step = step
 
     def finish(self) -> None:
         """End of training: other stubs say stop; the chief waits for the final model."""

@@ -18,7 +18,6 @@ group read the params (start of its step) and the moment its own update lands.
 """
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
@@ -26,19 +25,15 @@ from typing import TYPE_CHECKING, Optional
 from shoal.neuralnet.algorithms import Grads
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
-from shoal.runtime.exchanges.sliced import aggregate
+from shoal.runtime import faults
+from shoal.runtime.interfaces import TrainerHook
+from shoal.runtime.exchanges.local import aggregate
 from shoal.runtime.exchanges.server import Server
 
 if TYPE_CHECKING:
     from shoal.runtime.trainer import History, Trainer
 
 WAIT_SLICE_S = 0.5  # condition waits wake up this often, so a dead group never blocks the rest
-
-
-def _injected_failure(group: int, step: int) -> bool:
-    """Fault injection for tests: SHOAL_INJECT_GROUP_ERROR="GROUP:STEP" fails that group at that step."""
-    spec = os.environ.get("SHOAL_INJECT_GROUP_ERROR", "")
-    return bool(spec) and tuple(int(x) for x in spec.split(":")) == (group, step)
 
 
 class GroupsAborted(RuntimeError):
@@ -145,7 +140,7 @@ class GroupExchange:
     def begin(self, step: int) -> None:
         if self.board.aborted:
             raise GroupsAborted(f"worker group {self.group} stops: the job is ending")
-        if _injected_failure(self.group, step):
+        if faults.group_fails(self.group, step):
             raise RuntimeError(f"injected failure (SHOAL_INJECT_GROUP_ERROR) at step {step}")
         self.board.wait_turn(self.group, step)
         self._read_version = self.server.updates
@@ -176,11 +171,26 @@ class GroupExchange:
     def load_updater_state(self, state) -> None:
         self.server.load_state(state)
 
+    def finish(self) -> None:
+        """Each update was applied in its step; the chief waits for the other groups with a hook (run_groups)."""
+
     def start_from(self, values: ParamStore) -> None:
         """Before training: the server's values (and this group's copy) are `values` (initial, loaded or resumed)."""
         for store in (self.server.store, self.replica):
             if store is not None and store is not values:
                 store.load(values.state_dict())
+
+
+class _WaitForGroups(TrainerHook):
+    """The chief's final test and checkpoint come once every group has finished."""
+
+    def __init__(self, board: GroupBoard, threads: list[threading.Thread]):
+        self.board, self.threads = board, threads
+
+    def before_final_test(self) -> None:
+        self.board.stop(0)  # the chief is done training: never hold the others back
+        for thread in self.threads:
+            thread.join()
 
 
 def run_groups(trainers: list["Trainer"], board: GroupBoard, metrics, log) -> "History":
@@ -207,12 +217,7 @@ def run_groups(trainers: list["Trainer"], board: GroupBoard, metrics, log) -> "H
     threads = [threading.Thread(target=run_group, args=(t,), name=f"shoal-group{t.group}", daemon=True) for t in trainers[1:]]
     chief = trainers[0]
 
-    def wait_for_groups() -> None:
-        board.stop(0)  # the chief is done training: never hold the others back
-        for thread in threads:
-            thread.join()
-
-    chief.before_final_test = wait_for_groups
+    chief.add_hook(_WaitForGroups(board, threads))
     for thread in threads:
         thread.start()
     try:

@@ -28,7 +28,7 @@ from shoal.comm import dist as comm
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
 from shoal.runtime.exchanges.downpour import Segment, server_segments
-from shoal.runtime.exchanges.sliced import aggregate
+from shoal.runtime.exchanges.local import aggregate
 from shoal.runtime.exchanges.server import Server
 
 SYNC, STOP = 1, 2
@@ -140,6 +140,10 @@ class HogwildExchange:
         values = window.averages() | {"syncs": self.syncs - self._syncs_shown}
         self._syncs_shown = self.syncs
         return values
+
+    def view_updater(self):
+        """Each group's server updates whole params once its group's gradient is summed."""
+        return None
 
     def updater_state(self):
         return self.server.state_dict()

@@ -1,8 +1,4 @@
-"""How a worker group's gradients become updated params.
-
-LocalExchange: the whole group and its server live in this process: the
-gradients of the workers are summed in memory (weighted by batch share) and
-one Server updates whole params.
+"""SlicedExchange: one synchronous worker group over processes (AllReduce, Sandblaster).
 
 SlicedExchange: the group spans processes and params are sliced over servers
 (SINGA's lcm slicing decides which rank owns which elements). Gradients
@@ -37,48 +33,7 @@ from shoal.comm import dist as comm
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.buckets import Bucket, cap_from_env, plan_buckets
-from shoal.runtime.replicas import tree_reduce
-from shoal.runtime.exchanges.server import Server
 from shoal.neuralnet.updaters import Updater
-
-
-def aggregate(parts: list[tuple[Grads, int]], total: Optional[int] = None, target: Optional[torch.device] = None) -> Grads:
-    """Σ (share_i / total) · g_i over the workers' gradients (total defaults to Σ shares), on `target`.
-
-    Each worker's loss is a mean over its share, so this is the gradient of the
-    mean over the whole batch, whatever the shares (Caffe con Troll's 200 + 56).
-    The workers' gradients combine in Caffe's tree order, device to device.
-    """
-    if len(parts) == 1 and total is None:
-        grads = parts[0][0]
-        return grads if target is None else {n: None if g is None else g.to(target) for n, g in grads.items()}
-    return tree_reduce(parts, total or sum(share for _, share in parts), target)
-
-
-class LocalExchange:
-    chief = True
-
-    def __init__(self, server: Server):
-        self.server = server
-
-    def begin(self, step: int) -> None:
-        """Nothing to prepare: the workers' gradients are summed after they all finished."""
-
-    def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
-        self.server.update(step, aggregate(parts, target=self.server.store.device))
-
-    def view_updater(self):
-        """How a worker updates a param view it computed alone: the server's updater on the view, at this step."""
-        return self.server.update_view
-
-    def metrics(self, window: MetricWindow) -> dict[str, float]:
-        return window.averages()
-
-    def updater_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        return self.server.state_dict()
-
-    def load_updater_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        self.server.load_state(state)
 
 
 @dataclass
@@ -179,9 +134,6 @@ class SlicedExchange:
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
         """Finish the step: hand over what the hooks did not, wait for every new value."""
         r = self._round
-        if r is None:  # a caller that does not call begin (e.g. an older training loop)
-            self.begin(step)
-            r = self._round
         for i, (grads, _) in enumerate(parts):
             for name in reversed(self.names):  # in backward order, as the buckets are
                 if (i, name) not in r.arrived:
@@ -307,6 +259,13 @@ class SlicedExchange:
         values = torch.tensor([[state["sums"].get(n, 0.0), state["counts"].get(n, 0)] for n in names], dtype=torch.float64).reshape(-1, 2)
         comm.all_reduce_sum(values)
         return {n: float(s / c) for n, (s, c) in zip(names, values.tolist()) if c}
+
+    def view_updater(self):
+        """Servers are spread over processes: every gradient goes through them."""
+        return None
+
+    def finish(self) -> None:
+        """Every step ended with its values back: nothing outstanding."""
 
     def updater_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The whole updater state, assembled on every rank from the servers' slices (collective)."""

@@ -1,0 +1,221 @@
+"""The JobPlan: every decision about how a job runs, computed once, before anything starts.
+
+`plan_job(job)` is the one call site of the planners (placement, partitioning,
+batch shares, devices, thread budget). Everything downstream receives the
+JobPlan: the launcher spawns `plan.nprocs` processes, each process assembles
+its part from `plan.processes[rank]` (shoal.runtime.assemble), the run log
+records the plan's layout, and `shoal plan` prints it (planning.describe), so
+what `shoal plan` shows is what runs.
+
+Pure: no process, no data, no param values (the net is built with
+unallocated params for its shapes). A layout this runtime cannot run is
+refused here, in one line that shows the failing arithmetic.
+"""
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from shoal.config import job_pb2
+from shoal.errors import ShoalError
+from shoal.neuralnet.net import NeuralNet
+from shoal.neuralnet.params import ParamStore
+from shoal.planning.devices import worker_device_names
+from shoal.planning.partition import PartitionPlan, partition
+from shoal.planning.placement import Placement, ProcessPlan, WorkerId, place
+from shoal.planning.shares import train_input_shares
+
+
+class UnsupportedClusterError(ShoalError, ValueError):
+    """A cluster layout this build of the runtime cannot run yet (said in one line)."""
+
+
+class Framework(enum.Enum):
+    """SINGA's frameworks: names for cluster configurations, not classes (the value is the display name)."""
+
+    SINGLE_WORKER = "single worker"
+    ALLREDUCE = "AllReduce"  # one group; servers share the workers' processes (or threads of one process)
+    SANDBLASTER = "Sandblaster"  # one group; servers in processes of their own
+    IN_MEMORY_HOGWILD = "in-memory Hogwild"  # async groups as threads sharing one copy of the params
+    IN_MEMORY_DOWNPOUR = "in-memory Downpour"  # async groups as threads, each on its own copy
+    DOWNPOUR = "Downpour"  # async groups over processes, one server group
+    DISTRIBUTED_HOGWILD = "Distributed Hogwild"  # async groups over processes, a server group each
+
+    @property
+    def synchronous(self) -> bool:
+        return self in (Framework.SINGLE_WORKER, Framework.ALLREDUCE, Framework.SANDBLASTER)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, eq=False)
+class JobPlan:
+    """How a validated job runs: its processes, framework, partitioned net, shares, devices and threads."""
+
+    job: job_pb2.JobProto
+    framework: Framework
+    placement: Placement  # processes, their workers and servers, and the param slices each server owns
+    partition: PartitionPlan  # one group's train net cut over its workers
+    params: dict[str, tuple[int, ...]]  # every param's shape, in declaration order
+    batch_shares: list[list[int]]  # per training input layer, each worker's rows of the group's batch
+    devices: list[list[str]]  # per process, the configured device of each of its workers
+    threads_per_worker: int  # intra-op threads of each worker: the host's cores shared by its workers
+    nnodes: int = 1
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def cluster(self) -> job_pb2.ClusterProto:
+        return self.job.cluster
+
+    @property
+    def nprocs(self) -> int:
+        return len(self.placement.processes)
+
+    @property
+    def in_one_process(self) -> bool:
+        return self.nprocs == 1
+
+    @property
+    def nworkers(self) -> int:
+        return self.cluster.nworker_groups * self.cluster.nworkers_per_group
+
+    @property
+    def nservers(self) -> int:
+        return self.cluster.nserver_groups * self.cluster.nservers_per_group
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per training step of a group."""
+        return max((sum(shares) for shares in self.batch_shares), default=0)
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether a group's net is cut otherwise than on the batch (features or placed layers)."""
+        return self.cluster.nworkers_per_group > 1 and self.partition.partitioned
+
+    @property
+    def label(self) -> str:
+        """The framework as users name the layout: one process of several synchronous workers is in-memory Sandblaster."""
+        if self.framework in (Framework.ALLREDUCE, Framework.SANDBLASTER) and self.in_one_process:
+            return "in-memory Sandblaster"
+        return self.framework.value
+
+    def process(self, rank: int) -> ProcessPlan:
+        return self.placement.processes[rank]
+
+    def devices_of(self, rank: int) -> list[str]:
+        return self.devices[rank]
+
+    def all_devices(self) -> list[str]:
+        return [d for per_process in self.devices for d in per_process]
+
+    def group_ranks(self, group: int) -> dict[int, int]:
+        """Worker id -> rank of the process hosting it, for one worker group."""
+        return {w.id: p.rank for p in self.placement.processes for w in p.workers if w.group == group}
+
+    def ranks_of_group(self, group: int) -> list[int]:
+        return sorted({self.placement.process_of(WorkerId(group, w)) for w in range(self.cluster.nworkers_per_group)})
+
+
+def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1) -> JobPlan:
+    """The JobPlan of a validated job on hosts of `cores` cores (default: this one's)."""
+    store = ParamStore(allocate=False)
+    net = NeuralNet(job.neuralnet, job_pb2.kTrain, store, torch.Generator())
+    sizes = {name: info.numel for name, info in store.info.items()}
+    placement = place(job.cluster, sizes)
+    parts = partition(net, job.neuralnet, job.cluster.nworkers_per_group)
+    framework = framework_of(job, placement, parts)
+    workers = job.cluster.nworker_groups * job.cluster.nworkers_per_group
+    plan = JobPlan(
+        job=job,
+        framework=framework,
+        placement=placement,
+        partition=parts,
+        params={name: tuple(info.shape) for name, info in store.info.items()},
+        batch_shares=train_input_shares(job),
+        devices=[worker_device_names(job, len(p.workers)) for p in placement.processes],
+        # every worker on a host shares its cores: oversubscription is what kills CPU throughput
+        threads_per_worker=thread_budget(job, workers_on_host=-(-workers // max(1, nnodes)), cores=cores),
+        nnodes=nnodes,
+        notes=list(parts.notes),
+    )
+    if job.cluster.auto_batch_shares:
+        _check_balanceable(plan)
+    return plan
+
+
+def thread_budget(job: job_pb2.JobProto, workers_on_host: int = 1, cores: Optional[int] = None) -> int:
+    """Intra-op threads per worker: the job's num_openblas_threads if set, else cores / workers."""
+    if job.HasField("num_openblas_threads"):
+        return max(1, job.num_openblas_threads)
+    if job.cluster.threads_per_worker > 0:
+        return job.cluster.threads_per_worker
+    return max(1, (cores or os.cpu_count() or 1) // max(1, workers_on_host))
+
+
+def framework_of(job: job_pb2.JobProto, placement: Placement, parts: PartitionPlan) -> Framework:
+    """The framework a placement runs as, or UnsupportedClusterError naming what does not fit."""
+    c = job.cluster
+    nprocs = len(placement.processes)
+    if c.nworkers_per_group > 1 and parts.partitioned:
+        if job.train_one_batch.alg != job_pb2.kBP:
+            raise UnsupportedClusterError("train_one_batch.alg: layers partitioned on features or placed by location train with kBP only")
+        hosted = [[w.group for w in p.workers] for p in placement.processes]
+        spans = any(groups.count(g) != c.nworkers_per_group for groups in hosted for g in groups)
+        if spans and c.nworker_groups > 1:
+            raise UnsupportedClusterError(
+                f"cluster: an asynchronous partitioned group's {c.nworkers_per_group} workers must share one process "
+                f"(nworkers_per_procs: a multiple of {c.nworkers_per_group}); one synchronous group may span processes"
+            )
+    if c.nworker_groups == 1:
+        if c.nworkers_per_group == 1 and nprocs == 1:
+            return Framework.SINGLE_WORKER
+        return Framework.SANDBLASTER if c.server_worker_separate else Framework.ALLREDUCE
+    if nprocs == 1:
+        if c.nserver_groups > 1:
+            raise UnsupportedClusterError(
+                "cluster: asynchronous groups in one process need nserver_groups: 1 (in-memory Hogwild or Downpour); "
+                "Distributed Hogwild runs one group per process"
+            )
+        # SINGA's docs call both in-memory Downpour; groups sharing one copy of the params update it lock-free: Hogwild
+        return Framework.IN_MEMORY_HOGWILD if c.share_memory else Framework.IN_MEMORY_DOWNPOUR
+    if c.nserver_groups > 1:
+        for p in placement.processes:  # every process holds one whole worker group and its whole server group
+            if len({m.group for m in p.workers + p.servers}) != 1 or len(p.workers) != c.nworkers_per_group or len(p.servers) != c.nservers_per_group:
+                raise UnsupportedClusterError(
+                    "cluster: with several server groups over processes, each process must hold one whole worker group and "
+                    f"its server group (Distributed Hogwild: nworkers_per_procs: {c.nworkers_per_group}, "
+                    f"nservers_per_procs: {c.nservers_per_group}, nserver_groups = nworker_groups, server_worker_separate: false)"
+                )
+        if c.max_staleness >= 0 or c.warmup_steps > 0:
+            raise UnsupportedClusterError("cluster: max_staleness and warmup_steps apply to Downpour and in-memory Hogwild, not to Distributed Hogwild")
+        return Framework.DISTRIBUTED_HOGWILD
+    if not c.server_worker_separate:
+        raise UnsupportedClusterError(
+            f"cluster: asynchronous groups over {nprocs} processes with servers in the workers' processes are not supported yet: "
+            "asynchronous groups over processes run as Downpour (nserver_groups: 1, server_worker_separate: true) "
+            f"or in one process (nworkers_per_procs: {c.nworker_groups * c.nworkers_per_group}); see `shoal plan`"
+        )
+    if any(len({w.group for w in p.workers}) > 1 for p in placement.processes):
+        raise UnsupportedClusterError("cluster: a process hosting workers of several groups is not supported over processes yet")
+    return Framework.DOWNPOUR
+
+
+def _check_balanceable(plan: JobPlan) -> None:
+    """auto_batch_shares re-splits a group's batch between threads of one process, over one batch size."""
+    per_group = plan.cluster.nworkers_per_group
+    if any(len(p.workers) % per_group for p in plan.placement.processes):
+        raise UnsupportedClusterError(
+            "cluster.auto_batch_shares: the workers of a group must share one process "
+            f"(nworkers_per_procs: a multiple of {per_group}) to re-split its batch"
+        )
+    if plan.partitioned:
+        raise UnsupportedClusterError("cluster.auto_batch_shares: a group with layers cut on features or placed by location splits by layer, not by batch")
+    sizes = {sum(shares) for shares in plan.batch_shares}
+    if len(sizes) > 1:
+        raise UnsupportedClusterError(f"cluster.auto_batch_shares: the training input layers read batches of different sizes ({sorted(sizes)})")

@@ -1,0 +1,246 @@
+"""The one assembly path: a process's part of a job, from the JobPlan and a rank.
+
+A run in this process is rank 0 of a world of one; a spawned process, a
+process on another host and `shoal.fit`'s in-process run all come through
+`run_process`. Per process, in this order:
+
+1. `assemble`: the trainers of the worker groups this process hosts (or its
+   server), each with the exchange its framework uses (the one `match` on
+   the framework is `_attach_exchanges`), initial values, a restored or
+   loaded checkpoint, and the hooks it calls (debug norms, heartbeats,
+   injected faults);
+2. start lines (SINGA's "Worker (group = G, id = W) start on ..."), and on the
+   chief the partitioned net (visualization/train_net.json) and the run log
+   (metrics.jsonl, summary.json, TensorBoard);
+3. the loop (`ProcessRun.run`), and the run log closed with how it ended.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from shoal.comm import dist as comm
+from shoal.neuralnet.params import ParamStore
+from shoal.neuralnet.updaters import make_updater
+from shoal.planning.placement import ServerId
+from shoal.planning.plan import Framework, JobPlan
+from shoal.report.metrics import MetricsLog
+from shoal.report.run_log import end_status, open_run_log
+from shoal.neuralnet import checkpoint as ckpt_io
+from shoal.runtime import debug_norms, faults, visualization
+from shoal.runtime.exchanges.downpour import DownpourExchange, DownpourServer
+from shoal.runtime.exchanges.groups import GroupBoard, GroupExchange, run_groups
+from shoal.runtime.exchanges.hogwild import HogwildExchange
+from shoal.runtime.exchanges.local import LocalExchange
+from shoal.runtime.exchanges.server import Server
+from shoal.runtime.exchanges.sliced import SlicedExchange
+from shoal.runtime.interfaces import TrainerHook
+from shoal.runtime.replicas import device_label, torch_device, usable_device_names
+from shoal.runtime.trainer import History, Trainer
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a process needs besides the plan: where to write, what to read, how to talk."""
+
+    workspace: Path
+    base_dirs: list[Path] = field(default_factory=lambda: [Path.cwd()])
+    resume_from: Optional[Path] = None
+    log: Callable[[str], None] = print
+    progress: Optional[bool] = None  # None: a bar when stderr is a terminal
+    initial_values: Optional[Callable[[ParamStore], None]] = None  # shoal.fit: the module's own values
+
+
+@dataclass
+class ProcessRun:
+    """One process's assembled part of a job: its trainers (chief first), or the server it hosts."""
+
+    plan: JobPlan
+    rank: int
+    trainers: list[Trainer]
+    board: Optional[GroupBoard] = None  # asynchronous groups of this process (in-memory Hogwild/Downpour)
+    server: Optional[DownpourServer] = None  # a Downpour server process (no workers)
+
+    @property
+    def chief(self) -> Optional[Trainer]:
+        return self.trainers[0] if self.trainers else None
+
+    def run(self, metrics: Optional[MetricsLog], log: Callable[[str], None]) -> History:
+        if self.server is not None:  # serve until every group stops
+            self.server.serve()
+            return History(self.chief.workspace)
+        if self.board is not None:
+            return run_groups(self.trainers, self.board, metrics, log)
+        return self.chief.run(metrics)
+
+
+class Heartbeat(TrainerHook):
+    """Each step tells the other processes how far this one got (who stopped answering, when one hangs)."""
+
+    def before_step(self, step: int) -> None:
+        comm.heartbeat(step)
+
+
+def assemble(plan: JobPlan, rank: int, spec: RunSpec) -> ProcessRun:
+    """Build process `rank`'s trainers and exchanges, set their initial values and restore them."""
+    job, hosted = plan.job, plan.process(rank)
+    torch.set_num_threads(plan.threads_per_worker)
+    devices = usable_device_names(plan.devices_of(rank))
+    distributed = not plan.in_one_process
+    # one process: the params live with worker 0 (the root of the device tree); several: in host memory,
+    # which gloo moves (workers on GPUs compute on replicas)
+    home = torch.device("cpu") if distributed else torch_device(devices[0]) if devices else torch.device("cpu")
+    chief_rank = rank == 0
+    groups = sorted({w.group for w in hosted.workers})
+    trainers: list[Trainer] = []
+    for group in groups or [0]:  # a server process builds a trainer too: it holds the params it serves
+        mine = [(w.id, d) for w, d in zip(hosted.workers, devices) if w.group == group]
+        shared = trainers[0].store if trainers and job.cluster.share_memory else None
+        trainers.append(Trainer(
+            plan, spec.workspace, spec.base_dirs, home if shared is not None or not trainers else torch_device(mine[0][1]),
+            log=spec.log, progress=spec.progress if chief_rank and not trainers else False,
+            worker_indices=[i for i, _ in mine], chief=chief_rank and not trainers, store=shared, group=group,
+            worker_devices=[d for _, d in mine],
+        ))
+    run = ProcessRun(plan, rank, trainers)
+    _attach_exchanges(run)
+    _set_values(run, spec)
+    if distributed:
+        for trainer in trainers:
+            trainer.add_hook(Heartbeat())
+    for trainer in trainers:
+        for hook in faults.process_faults(rank):
+            trainer.add_hook(hook)
+    norms = debug_norms.install(trainers[0])  # `debug: true`: SINGA's fp/bp norm files at display steps
+    if norms is not None:
+        trainers[0].add_hook(norms)
+    return run
+
+
+def _attach_exchanges(run: ProcessRun) -> None:
+    """Each trainer's path from gradients to params, as the plan's framework says."""
+    plan, rank = run.plan, run.rank
+    job, trainers = plan.job, run.trainers
+    updater = lambda: make_updater(job.updater)  # noqa: E731 - every server its own updater (and slots)
+    match plan.framework:
+        case Framework.SINGLE_WORKER | Framework.ALLREDUCE | Framework.SANDBLASTER if plan.in_one_process:
+            trainers[0].attach_exchange(LocalExchange(Server(trainers[0].store, updater())))
+        case Framework.ALLREDUCE | Framework.SANDBLASTER:
+            t = trainers[0]
+            t.attach_exchange(SlicedExchange(t.store, updater(), plan.placement, rank, plan.global_batch, t.workers))
+        case Framework.IN_MEMORY_HOGWILD | Framework.IN_MEMORY_DOWNPOUR:
+            # Hogwild: every group computes on the server's values; Downpour: each on its own copy
+            chief = trainers[0]
+            server = Server(chief.store if job.cluster.share_memory else chief.store.copy(), updater())
+            run.board = GroupBoard(job.cluster.nworker_groups, job.cluster.max_staleness, job.cluster.warmup_steps)
+            for t in trainers:
+                t.attach_exchange(GroupExchange(server, run.board, t.group, None if job.cluster.share_memory else t.store))
+        case Framework.DISTRIBUTED_HOGWILD:
+            t = trainers[0]
+            t.attach_exchange(HogwildExchange(t.store, Server(t.store, updater()), plan.placement, rank, t.group,
+                                              job.cluster.sync_freq, log=print))
+        case Framework.DOWNPOUR:
+            _attach_downpour(run, updater)
+
+
+def _attach_downpour(run: ProcessRun, updater) -> None:
+    """A Downpour process is a server or a group's worker(s). Every process creates every group's process
+    group (torch.distributed requires it), in group order, whether or not it belongs to it."""
+    plan, rank, trainer = run.plan, run.rank, run.trainers[0]
+    c = plan.cluster
+    group_ranks = {g: plan.ranks_of_group(g) for g in range(c.nworker_groups)}
+    group_comms = {g: comm.new_group(ranks) if len(ranks) > 1 else None for g, ranks in group_ranks.items()}
+    hosted = plan.process(rank)
+    if hosted.servers:
+        run.server = DownpourServer(trainer.store, updater(), plan.placement, hosted.servers[0],
+                                    {g: ranks[0] for g, ranks in group_ranks.items()}, log=print,
+                                    max_staleness=c.max_staleness, warmup_steps=c.warmup_steps,
+                                    exit_at_version=faults.server_exit_version(rank))
+        return
+    servers = {ServerId(0, i): plan.placement.process_of(ServerId(0, i)) for i in range(c.nservers_per_group)}
+    group = hosted.workers[0].group
+    trainer.attach_exchange(DownpourExchange(trainer.store, updater(), plan.placement, rank, group,
+                                             group_ranks[group], group_comms[group], servers, plan.global_batch))
+
+
+def resumed_version(step: int, plan: JobPlan) -> int:
+    """The server version a Downpour run resumes at: every group had done about `step` updates."""
+    return step * plan.cluster.nworker_groups
+
+
+def _set_values(run: ProcessRun, spec: RunSpec) -> None:
+    """Initial values, then a resumed checkpoint (everything) or the job's checkpoint_path (params by name)."""
+    plan, job = run.plan, run.plan.job
+    chief = run.chief
+    for trainer in run.trainers:
+        if spec.initial_values is not None:
+            spec.initial_values(trainer.store)
+    if run.server is not None:
+        if spec.resume_from:
+            ckpt = ckpt_io.load(spec.resume_from)
+            run.server.restore(ckpt.params, ckpt.updater_state, ckpt.step, resumed_version(ckpt.step, plan))
+        return
+    for trainer in run.trainers:
+        if spec.resume_from is not None:
+            trainer.restore(spec.resume_from)
+        elif job.checkpoint_path and (trainer is chief or not plan.in_one_process) and not _joins_from_servers(trainer):
+            trainer.load_params([ckpt_io.resolve_path(p, spec.base_dirs) for p in job.checkpoint_path])
+    exchange = chief.exchange
+    if isinstance(exchange, DownpourExchange):
+        if spec.resume_from is not None:
+            exchange.resume_at(chief.start_step, resumed_version(chief.start_step, plan))
+        if chief.group != 0:  # groups join where group 0's warm-up ends, and finish at train_steps like it
+            chief.start_at(max(chief.start_step, job.cluster.warmup_steps))
+            exchange.start_at(chief.start_step)
+    if run.board is not None:
+        for trainer in run.trainers:
+            trainer.exchange.start_from(chief.store)
+        run.board.start_at([t.start_step for t in run.trainers])
+        for trainer in run.trainers:
+            trainer.start_at(run.board.first_step(trainer.group))
+
+
+def _joins_from_servers(trainer: Trainer) -> bool:
+    """A Downpour group other than 0 takes its first values from the servers, not from checkpoint_path."""
+    return isinstance(trainer.exchange, DownpourExchange) and trainer.group != 0
+
+
+def start_lines(run: ProcessRun) -> list[str]:
+    """SINGA's startup lines: every worker and server of this process, where it runs."""
+    plan, rank = run.plan, run.rank
+    where = f" in process {rank} (pid = {os.getpid()})" if not plan.in_one_process else ""
+    lines = []
+    if run.server is None:
+        for trainer in run.trainers:
+            for member in trainer.workers:
+                for index, device in member.placed_workers():
+                    lines.append(f"Worker (group = {trainer.group}, id = {index}) start on {device_label(device)}{where}")
+    for s in plan.process(rank).servers:
+        elements = sum(x.size for x in plan.placement.slices_of(s))
+        lines.append(f"Server (group = {s.group}, id = {s.id}) start in process {rank}: {elements:,} param elements")
+    return lines
+
+
+def run_process(plan: JobPlan, rank: int, spec: RunSpec) -> History:
+    """Assemble process `rank` and run it to the end; the chief writes the net and the run log."""
+    run = assemble(plan, rank, spec)
+    for line in start_lines(run):
+        spec.log(line)
+    metrics = None
+    if rank == 0:
+        visualization.write_train_net(plan, spec.workspace, fresh=spec.resume_from is None)
+        devices = usable_device_names(plan.all_devices())
+        metrics = open_run_log(plan, spec.workspace, run.chief.elapsed_before, devices)
+    error = None
+    try:
+        return run.run(metrics, spec.log)
+    except BaseException as err:
+        error = err
+        raise
+    finally:
+        if metrics is not None:
+            metrics.close(end_status(error))

@@ -1,0 +1,57 @@
+"""LocalExchange: a whole synchronous group and its server in this process (single worker, in-memory Sandblaster).
+
+The gradients of the workers are summed in memory (weighted by batch share, in
+Caffe's tree order across devices) and one Server updates whole params.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from shoal.neuralnet.algorithms import Grads
+from shoal.report.metrics import MetricWindow
+from shoal.runtime.exchanges.server import Server
+from shoal.runtime.replicas import tree_reduce
+
+
+def aggregate(parts: list[tuple[Grads, int]], total: Optional[int] = None, target: Optional[torch.device] = None) -> Grads:
+    """Σ (share_i / total) · g_i over the workers' gradients (total defaults to Σ shares), on `target`.
+
+    Each worker's loss is a mean over its share, so this is the gradient of the
+    mean over the whole batch, whatever the shares (Caffe con Troll's 200 + 56).
+    The workers' gradients combine in Caffe's tree order, device to device.
+    """
+    if len(parts) == 1 and total is None:
+        grads = parts[0][0]
+        return grads if target is None else {n: None if g is None else g.to(target) for n, g in grads.items()}
+    return tree_reduce(parts, total or sum(share for _, share in parts), target)
+
+
+class LocalExchange:
+    chief = True
+
+    def __init__(self, server: Server):
+        self.server = server
+
+    def begin(self, step: int) -> None:
+        """Nothing to prepare: the workers' gradients are summed after they all finished."""
+
+    def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
+        self.server.update(step, aggregate(parts, target=self.server.store.device))
+
+    def view_updater(self):
+        """How a worker updates a param view it computed alone: the server's updater on the view, at this step."""
+        return self.server.update_view
+
+    def metrics(self, window: MetricWindow) -> dict[str, float]:
+        return window.averages()
+
+    def updater_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        return self.server.state_dict()
+
+    def load_updater_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        self.server.load_state(state)
+
+    def finish(self) -> None:
+        """Every update was applied in its step."""

@@ -1,0 +1,93 @@
+"""The written contracts between the trainer and what it drives.
+
+A Trainer runs SINGA's loop for one worker group. Each step it asks its
+GroupMembers (a Worker, or a PartitionedGroup presenting several workers as
+one) for gradients, and hands them to its Exchange, which turns them into
+updated params: in memory, through servers in other processes, or
+asynchronously. A new framework is a new Exchange (shoal.runtime.exchanges),
+chosen in shoal.runtime.assemble; the trainer does not change.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Protocol
+
+import torch
+
+from shoal.neuralnet.algorithms import Grads
+
+if TYPE_CHECKING:
+    from shoal.report.metrics import MetricWindow
+    from shoal.runtime.feed import InputFeed
+
+# (step, view, gradient) -> None: the server's updater applied in place to a view of a param
+ViewUpdater = Callable[[int, object, torch.Tensor], None]
+
+
+class Exchange(Protocol):
+    """How one group's gradients become updated params (LocalExchange, SlicedExchange, GroupExchange,
+    DownpourExchange, HogwildExchange)."""
+
+    def begin(self, step: int) -> None:
+        """Before the group computes step `step`: wait for its turn, ready the gradient hooks."""
+
+    def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
+        """The group's (gradients, batch share) per worker of this process: update the params."""
+
+    def view_updater(self) -> Optional[ViewUpdater]:
+        """How a worker updates a param view it alone computes (in its own thread); None: all go through step."""
+
+    def metrics(self, window: "MetricWindow") -> dict[str, float]:
+        """The display values of this window (asynchronous exchanges add the job's samples and staleness)."""
+
+    def updater_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The updater's slots for a checkpoint (collective where servers are in other processes)."""
+
+    def load_updater_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        ...
+
+    def finish(self) -> None:
+        """After the last step, before the final test: wait for whatever else must end first."""
+
+
+class GroupMember(Protocol):
+    """What a trainer drives: one worker, or a partitioned group's workers presented as one."""
+
+    index: int
+    generator: torch.Generator
+    feeds: dict[str, "InputFeed"]
+
+    @property
+    def share(self) -> int:
+        """Rows of the group's batch this member's gradient is the mean over (its weight in the sum)."""
+
+    def take_rows(self, offset: int, share: int) -> None:
+        """Compute rows offset .. offset + share of each batch from now on (balanced shares)."""
+
+    def compute(self, step: int, report: Callable[[str, float, int], None]) -> Grads:
+        ...
+
+    def stream_gradients(self, ready: Callable[[str, torch.Tensor], None]) -> bool:
+        """Hand each param's gradient to `ready` as backward produces it; False if it cannot."""
+
+    def use_view_updater(self, update_view: Optional[ViewUpdater]) -> None:
+        """Views this member alone computes are updated with `update_view` where it computes them."""
+
+    def placed_workers(self) -> list[tuple[int, str]]:
+        """(worker id, device name) of every worker this member computes with."""
+
+    def computed_nodes(self) -> Iterator[tuple[int, str, object]]:
+        """(worker id, train_net.json node id, node) of every node this member computes."""
+
+
+class TrainerHook:
+    """Extras a trainer calls at named points (debug norms, heartbeats, fault injection, waiting for other
+    groups): subclass and override what you need; the trainer calls every hook at every point."""
+
+    def before_step(self, step: int) -> None:
+        """Before the group computes step `step` (after validation, test and checkpoint)."""
+
+    def after_step(self, step: int) -> None:
+        """After step `step`'s update, before its display line."""
+
+    def before_final_test(self) -> None:
+        """After the last step and the exchange's finish, before the final test and checkpoint."""

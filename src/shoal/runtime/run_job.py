@@ -1,0 +1,141 @@
+"""A job from start to end on this host: plan it once, prepare its workspace, run it here or spawn its processes.
+
+`train_job` is what `shoal run`, `shoal.train` and `shoal.fit` reach (through
+shoal.frontend.api). A layout of one process runs in this process as rank 0
+of a world of one; a layout of several spawns them (shoal.runtime.launch);
+either way each process is assembled by shoal.runtime.assemble.run_process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+from google.protobuf import text_format
+
+from shoal.config import job_pb2
+from shoal.errors import ShoalError
+from shoal.planning.plan import JobPlan, plan_job
+from shoal.report.tensorboard import require_tensorboard
+from shoal.neuralnet import checkpoint as ckpt_io
+from shoal.runtime import job_registry, visualization
+from shoal.runtime.assemble import RunSpec, run_process
+from shoal.runtime.replicas import torch_device, usable_device_names
+from shoal.runtime.trainer import History, Trainer
+
+if TYPE_CHECKING:
+    from shoal.neuralnet.params import ParamStore
+    from shoal.runtime.launch import Nodes
+
+
+class WorkspaceError(ShoalError, ValueError):
+    """The workspace cannot be used as asked (would overwrite, nothing to resume, ...)."""
+
+
+@dataclass
+class RunOptions:
+    workspace: Optional[Path] = None  # overrides cluster.workspace
+    resume: bool = False
+    # folders relative paths in the job are resolved against (cwd first, as SINGA)
+    base_dirs: list[Path] = field(default_factory=lambda: [Path.cwd()])
+    log: Callable[[str], None] = print
+    progress: Optional[bool] = None  # None: a bar when stderr is a terminal
+    nodes: Optional["Nodes"] = None  # several hosts (shoal.runtime.launch.Nodes); None: this host only
+    # shoal.fit: registers its layer types in each spawned process (picklable), and sets initial param values
+    process_setup: Optional[Callable[[], None]] = None
+    initial_values: Optional[Callable[["ParamStore"], None]] = None
+
+
+def resolve_workspace(job: job_pb2.JobProto, override: Optional[Path]) -> Path:
+    """--workspace, else cluster.workspace, else a folder named after the job."""
+    if override is not None:
+        return Path(override)
+    if job.cluster.workspace:
+        return Path(job.cluster.workspace)
+    return Path(f"{job.name or 'job'}-workspace")
+
+
+def _prepare_workspace(workspace: Path, resume: bool) -> Optional[Path]:
+    """Refuse to clobber an earlier run; return the checkpoint to resume from, if any."""
+    existing = ckpt_io.latest(workspace)
+    if resume:
+        if existing is None:
+            raise WorkspaceError(f"{workspace}: no checkpoint to resume from")
+        return existing
+    if existing is not None:
+        raise WorkspaceError(
+            f"{workspace} already holds checkpoints (newest: {existing.name}); "
+            "use --resume to continue that run or --workspace to start a new one"
+        )
+    metrics = workspace / "metrics.jsonl"
+    if metrics.exists():  # an earlier run that died before its first checkpoint: keep its metrics
+        n = 1
+        while metrics.with_name(f"metrics.jsonl.{n}").exists():
+            n += 1
+        metrics.rename(metrics.with_name(f"metrics.jsonl.{n}"))
+    return None
+
+
+def train_job(job: job_pb2.JobProto, options: RunOptions, job_file: str = "<python>") -> History:
+    """Plan, then train as the cluster section says; the job is registered for `shoal jobs` while it runs."""
+    plan = plan_job(job, nnodes=options.nodes.nnodes if options.nodes else 1)
+    if job.tensorboard:
+        require_tensorboard()
+    workspace = resolve_workspace(job, options.workspace)
+    resume_from = _prepare_workspace(workspace, options.resume)
+    record = job_registry.register(job.name, job_file, workspace)
+    try:
+        history = _train(plan, options, workspace, resume_from, record)
+    except KeyboardInterrupt:
+        job_registry.finish(record, "killed", "interrupted")
+        raise
+    except BaseException as err:
+        job_registry.finish(record, "failed", str(err).splitlines()[0] if str(err) else type(err).__name__)
+        raise
+    job_registry.finish(record, "finished")
+    return history
+
+
+def _train(plan: JobPlan, options: RunOptions, workspace: Path, resume_from: Optional[Path], record: job_registry.JobRecord) -> History:
+    workspace.mkdir(parents=True, exist_ok=True)
+    (workspace / "job.conf").write_text(text_format.MessageToString(plan.job))
+    spec = RunSpec(workspace, options.base_dirs, resume_from, options.log, options.progress, options.initial_values)
+    if plan.in_one_process and options.nodes is None:
+        options.log(f"Job {record.id}: {plan.label}; workspace {workspace}")
+        return run_process(plan, 0, spec)
+    from shoal.runtime.launch import Nodes, run_processes
+
+    def started(pids: list[int]) -> None:
+        host = record.processes[0]["host"]
+        record.processes = [{"rank": "launcher", "host": host, "pid": record.processes[0]["pid"]}] + [
+            {"rank": rank, "host": host, "pid": pid} for rank, pid in enumerate(pids)
+        ]
+        record.save()
+
+    options.log(f"Job {record.id}: {plan.label}, {plan.nprocs} processes; logs in {workspace / 'logs'}")
+    return run_processes(plan, spec, on_start=started, nodes=options.nodes or Nodes(), process_setup=options.process_setup)
+
+
+def test_job(job: job_pb2.JobProto, options: RunOptions, checkpoint: Optional[Path] = None) -> dict[str, float]:
+    """SINGA's -test mode: load a checkpoint and run test_steps batches of the test net (on worker 0's device)."""
+    if job.test_steps <= 0:
+        raise WorkspaceError("test-only mode needs test_steps > 0 in the job")
+    plan = plan_job(job)
+    workspace = resolve_workspace(job, options.workspace)
+    if checkpoint is None:
+        if job.checkpoint_path:
+            paths = [ckpt_io.resolve_path(p, options.base_dirs) for p in job.checkpoint_path]
+        else:
+            newest = ckpt_io.latest(workspace)
+            if newest is None:
+                raise WorkspaceError(f"{workspace}: no checkpoint to test (give checkpoint_path or train first)")
+            paths = [newest]
+    else:
+        paths = [Path(checkpoint)]
+    torch.set_num_threads(plan.threads_per_worker)
+    device = torch_device(usable_device_names(plan.devices_of(0))[0])
+    trainer = Trainer(plan, workspace, options.base_dirs, device, log=options.log, progress=False, train=False)
+    step = trainer.load_params(paths)
+    visualization.write_test_net(job, workspace)
+    return trainer.test_only(None, step)
