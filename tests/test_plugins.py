@@ -252,9 +252,8 @@ def test_singa_extension_ranges_and_package():
 
 
 def test_singa_rnnlm_proto_compiles_against_shoals_schema_and_its_job_loads():
-    folder = REPO / "tests" / "fixtures" / "rnnlm"
-    rnnlm_pb2 = load_plugins([folder / "rnnlm.proto"]) and sys.modules["rnnlm_pb2"]
-    job = load_job(folder / "job.conf")  # SINGA's, unmodified
+    rnnlm_pb2 = load_plugins([REPO / "examples" / "rnnlm" / "rnnlm.proto"]) and sys.modules["rnnlm_pb2"]
+    job = load_job(REPO / "tests" / "fixtures" / "rnnlm" / "job.conf")  # SINGA's, unmodified
     data, embedding, _, loss = job.neuralnet.layer[0], job.neuralnet.layer[2], job.neuralnet.layer[3], job.neuralnet.layer[4]
     assert (data.user_type, data.Extensions[rnnlm_pb2.data_conf].max_window) == ("kData", 10)
     assert embedding.Extensions[rnnlm_pb2.embedding_conf].vocab_size == 3720

@@ -59,6 +59,12 @@ def layer_class(conf: job_pb2.LayerProto) -> type[Layer]:
     return _BUILTIN[conf.type]
 
 
+def user_batch_size(conf: job_pb2.LayerProto) -> Optional[int]:
+    """Rows per batch of a user input layer that reads its own data (its class's `batch_size(conf)`), else None."""
+    batch_size = getattr(_USER.get(conf.user_type), "batch_size", None)
+    return batch_size(conf) if batch_size is not None else None
+
+
 def registered_user_types() -> list[str]:
     return sorted(_USER)
 
