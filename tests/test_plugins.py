@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import REPO
 
@@ -281,3 +282,59 @@ def test_onehot_vocab_size_comes_from_the_vocabulary_file(tmp_path, monkeypatch,
                         r'examples/char-rnn/vocab\.txt \(vocab_path of layer "sampling"\)', line), line
     with pytest.raises(JobError, match=r"without/sample\.conf:\d+:\d+: .*onehot_conf\.vocab_size is required"):
         load_with_shape_checks(tmp_path / "without" / "sample.conf")  # nothing supplies it
+
+
+# -- SINGA's rnnlm example (examples/rnnlm) ------------------------------------------------------
+CORPUS = Path("/usr/share/common-licenses")  # Debian's base-files: license texts on every Debian machine
+RNNLM = REPO / "examples" / "rnnlm"
+
+
+def rnnlm_layers():
+    load_plugins([RNNLM / "rnnlm.proto", RNNLM / "rnnlm.py"])
+    return sys.modules["rnnlm"]
+
+
+def test_rnnlm_windows_are_read_as_singas_data_layer():
+    rnnlm = rnnlm_layers()
+    # word ids; 0 ends a sentence. A window: the previous window's last word, then up to 3 words, ending at a 0
+    words = np.array([[w, 0, 0, 1] for w in (5, 6, 0, 7, 8, 9, 4, 0)])
+    got = [[int(r[0]) for r in window if r[0] >= 0] for window in rnnlm.windows(words, 3)]
+    assert got == [[5, 6, 0], [0, 7, 8, 9], [9, 4, 0]]
+
+
+@pytest.fixture(scope="module")
+def rnnlm_data(tmp_path_factory):
+    if not CORPUS.is_dir():
+        pytest.skip(f"{CORPUS} (Debian's base-files) is not here")
+    out = tmp_path_factory.mktemp("rnnlm") / "data"
+    done = subprocess.run([sys.executable, RNNLM / "prepare.py", CORPUS, "--out", out], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_rnnlm_prepare_writes_singas_word_records(rnnlm_data):
+    rnnlm = rnnlm_layers()
+    words = rnnlm.read_words(rnnlm_data / "train_data.bin")
+    assert len(words) > 30000 and words[:, 0].max() < 3720  # SINGA's job.conf sizes its layers for 3720 words
+    index, cls, start, end = words.T
+    assert ((start <= index) & (index < end)).all() and cls.max() == 99  # each word inside its class's range, 100 classes
+    assert (words[index == 0][:, 1] == 0).all()  # </s> is word 0, in class 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["one worker", "synchronous", "asynchronous"])
+def test_rnnlm_perplexity_falls(rnnlm_data, tmp_path, layout):
+    sets = {
+        "one worker": [],
+        "synchronous": ["cluster.nworkers_per_group=2", "cluster.nworkers_per_procs=2", "neuralnet.layer[name=data].store_conf.batchsize=2"],
+        "asynchronous": ["cluster.nworker_groups=2", "cluster.nworkers_per_procs=2"],
+    }[layout]
+    job = tmp_path / "job.conf"
+    job.write_text((RNNLM / "job.conf").read_text())
+    (tmp_path / "data").symlink_to(rnnlm_data)
+    base = ["train_steps=2001", "validate_freq=2000", "validate_steps=300", "disp_freq=500", "cluster.threads_per_worker=1"]
+    overrides = [arg for s in [*base, *sets] for arg in ("--set", s)]
+    proc = shoal("run", job, "--plugin", RNNLM / "rnnlm.proto", "--plugin", RNNLM / "rnnlm.py", "--workspace", tmp_path / "ws", *overrides)
+    assert proc.returncode == 0, proc.stderr
+    ppl = [float(x) for x in re.findall(r"Validate @ step \d+ .*ppl = ([\d.]+)", proc.stdout)]
+    assert len(ppl) == 2 and ppl[1] < 0.85 * ppl[0], proc.stdout
