@@ -196,6 +196,16 @@ neuralnet:
         job_from_yaml(text.replace('"[gate_conf]"', '"[gate_cnf]"'), "job.yaml", job_dir=plugin_dir)
 
 
+def test_set_overrides_reach_extension_fields(plugin_dir, blobs_dir):
+    import gate_pb2
+
+    (plugin_dir / "set.conf").write_text(gate_job(blobs_dir))
+    job = load_job(plugin_dir / "set.conf", ["neuralnet.layer[name=gate].[gate_conf].factor=0.75"])
+    assert job.neuralnet.layer[3].Extensions[gate_pb2.gate_conf].factor == 0.75
+    with pytest.raises(JobError, match=r"^--set .*: LayerProto has no extension \[gate_cnf\]"):
+        load_job(plugin_dir / "set.conf", ["neuralnet.layer[name=gate].[gate_cnf].factor=1"])
+
+
 def test_a_missing_plugin_is_an_error_at_the_job_field(tmp_path):
     with pytest.raises(JobError, match=r'^job.conf:2:9: plugin "nope.py": no such plugin file'):
         job_from_text('name: "x"\nplugin: "nope.py"\n', "job.conf", job_dir=tmp_path)

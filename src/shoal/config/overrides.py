@@ -3,7 +3,8 @@
 Paths use the job's field names; a repeated message is picked by index or by
 name: `neuralnet.layer[2].innerproduct_conf.num_output=10`,
 `neuralnet.layer[name=fc1].innerproduct_conf.num_output=10`. A repeated scalar
-takes a comma-separated list (`gpu=0,1`) or one element (`gpu[1]=3`).
+takes a comma-separated list (`gpu=0,1`) or one element (`gpu[1]=3`). A plugin's
+extension is its bracketed name: `neuralnet.layer[name=data].[data_conf].max_window=5`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from google.protobuf import message as pb_message
 from google.protobuf.descriptor import FieldDescriptor
 
 from shoal.config.errors import JobError, no_such_field, no_such_value
+from shoal.config.positions import field_named
 
 _SEGMENT = re.compile(r"(\w+)(?:\[(\d+|name=[^\]]*)\])?$")
 _TRUE, _FALSE = ("true", "t", "1"), ("false", "f", "0")
@@ -46,6 +48,10 @@ def _apply(msg: pb_message.Message, path: str, value: str, override: str) -> str
 
     segments, resolved = re.split(r"\.(?![^\[]*\])", path), []  # dots inside [name=...] do not split
     for n, segment in enumerate(segments):
+        if segment.startswith("[") and segment.endswith("]"):  # a plugin's extension: [data_conf]
+            msg = _extension(msg, segment, value, n == len(segments) - 1, fail)
+            resolved.append(segment)
+            continue
         m = _SEGMENT.match(segment)
         if not m:
             raise fail(f"cannot read {segment!r}: expected name, name[index] or name[name=...]")
@@ -85,6 +91,23 @@ def _apply(msg: pb_message.Message, path: str, value: str, override: str) -> str
         except (ValueError, TypeError) as err:  # protobuf's range checks, e.g. int32 overflow
             raise fail(f"{name}: {err}") from None
     return ".".join(resolved)
+
+
+def _extension(msg: pb_message.Message, segment: str, value: str, last: bool, fail) -> pb_message.Message:
+    """Step into the singular extension `segment` of `msg` (or set it, when it ends the path); the message to go on with."""
+    fd = field_named(msg.DESCRIPTOR, segment)
+    if fd is None:
+        raise fail(f"{msg.DESCRIPTOR.name} has no extension {segment}: no loaded plugin declares it")
+    if fd.is_repeated:
+        raise fail(f"{segment} is repeated: --set takes singular extensions")
+    if fd.message_type is not None:
+        if last:
+            raise fail(f"{segment} is a message: set one of its fields, e.g. {segment}.{fd.message_type.fields[0].name}=...")
+        return msg.Extensions[fd]
+    if not last:
+        raise fail(f"{segment} is not a message, so it has no fields")
+    msg.Extensions[fd] = _parse(fd, value, fail)
+    return msg
 
 
 def _select(items, name: str, selector, fail) -> int:
