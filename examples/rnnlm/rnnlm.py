@@ -133,7 +133,8 @@ class Loss(Layer):
     """−log p(class | h) − log p(word | class, h) of each next word; srclayers: the hidden layer, the data layer.
 
     Params: the word weights (vocab_size, dim) and the class weights (nclass, dim). Reports `loss`
-    (per word, natural log) and `ppl`, SINGA's perplexity per word: exp(loss) of the batch, averaged.
+    per word (natural log): SINGA's perplexity per word is exp(Loss) of a Train or Validate line.
+    (A per-batch exp would not average to it, so no `ppl` metric is reported.)
     """
 
     category = "loss"
@@ -161,9 +162,7 @@ class Loss(Layer):
         word_logits = (h @ word_weight.T).masked_fill(~in_class, float("-inf"))
         word_logp = F.log_softmax(word_logits, dim=-1).gather(1, word[:, None]).squeeze(1)
         word_loss = -(class_logp + word_logp)
-        with torch.no_grad():
-            per_word = word_loss.mean()
-            ctx.report("loss", per_word.item(), len(word))
-            ctx.report("ppl", float(torch.exp(per_word)), len(word))
+        with torch.no_grad():  # averaged over the words of a display window or a validation: exp of it is SINGA's ppl
+            ctx.report("loss", word_loss.mean().item(), len(word))
         # SINGA's gradient sums over a window's words; over a batch of windows, the mean of those sums
         return word_loss.sum() / hidden.shape[0]
