@@ -315,6 +315,7 @@ def test_framework_benchmark_layouts_are_what_they_claim():
 
     from conftest import REPO
 
+    from shoal.planning.plan import plan_job
     from shoal.report.summary import describe_layout
 
     spec = importlib.util.spec_from_file_location("frameworks_benchmark", REPO / "benchmarks" / "frameworks.py")
@@ -328,5 +329,5 @@ def test_framework_benchmark_layouts_are_what_they_claim():
     for layout in bench.LAYOUTS:
         sets = bench.overrides(layout, 100, 50)
         job = shoal.load_job(bench.JOB, sets)
-        assert describe_layout(job.cluster)[0] == expected[layout.name]
+        assert describe_layout(plan_job(job))[0] == expected[layout.name]
         assert bench.refusal(layout, sets) is None  # every framework runs

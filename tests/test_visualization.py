@@ -128,7 +128,9 @@ def test_layout_gives_each_worker_a_column_and_bridges_cross_them(tmp_path, reco
     import shoal
     from shoal.runtime.visualization import train_net_graph
 
-    net = train_net_graph(shoal.load_job(job_file(tmp_path, records[0])))
+    from shoal.planning.plan import plan_job
+
+    net = train_net_graph(plan_job(shoal.load_job(job_file(tmp_path, records[0]))))
     placed = layout(net)
     columns = {c.worker: c for c in placed.columns}
     for node in net["nodes"]:
