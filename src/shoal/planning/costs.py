@@ -1,0 +1,254 @@
+"""What one training step of a worker costs, layer by layer, from the partitioned net's shapes. Pure.
+
+For every node a worker computes (shoal.planning.partition), the kernels it runs: a matrix
+product per inner product (forward y = x·Wᵀ; backward dW = dyᵀ·x, and dx = dy·W when the input
+carries a gradient), a convolution per conv layer, and for every other layer the bytes it streams
+through memory (elementwise, pooling, losses, connection layers). FLOPs count a multiply-add as 2
+and a bias add as 1 per output; bytes are float32.
+
+`Calibration` is what the machine measured (shoal.runtime.calibrate writes it; here it is plain
+data): a kernel's time is the measured one when the calibration holds that kernel at that thread
+count, else its FLOPs at the measured GEMM rate. Memory traffic is timed at the measured
+bandwidth shared by the workers running at once.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from shoal.config import job_pb2
+from shoal.planning.partition import BATCH, PartitionPlan, PartNode
+
+FLOAT = 4  # bytes of a float32
+GEMM_TYPES = {job_pb2.kInnerProduct}
+CONV_TYPES = {job_pb2.kConvolution, job_pb2.kCConvolution, job_pb2.kCudnnConv}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One dense kernel: a matrix product (m×k)·(k×n), or a 2-D convolution (its fwd or its bwd)."""
+
+    op: str  # "mm" | "conv" | "conv_bwd" (weight gradient, plus input gradient when dims[-1] is 1)
+    dims: tuple[int, ...]  # mm: (m, k, n); conv: (n, c, h, w, f, kh, kw, sh, sw, ph, pw, input_grad)
+    threads: int
+    device: str = "cpu"
+
+    @property
+    def key(self) -> str:
+        return f"{self.op} {'x'.join(map(str, self.dims))} {self.device} t{self.threads}"
+
+    @property
+    def flops(self) -> int:
+        if self.op == "mm":
+            m, k, n = self.dims
+            return 2 * m * k * n
+        n, c, h, w, f, kh, kw, sh, sw, ph, pw, input_grad = self.dims
+        ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+        one = 2 * n * f * ho * wo * c * kh * kw
+        return one if self.op == "conv" else one * (1 + input_grad)
+
+    @property
+    def bytes(self) -> int:
+        """The operands it reads and the result it writes, once each (the floor on its memory traffic)."""
+        if self.op == "mm":
+            m, k, n = self.dims
+            return FLOAT * (m * k + k * n + m * n)
+        n, c, h, w, f, kh, kw, sh, sw, ph, pw, input_grad = self.dims
+        ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+        one = FLOAT * (n * c * h * w + f * c * kh * kw + n * f * ho * wo)
+        return one if self.op == "conv" else one * (1 + input_grad)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A machine's measured speeds (runtime/calibrate.py measures and caches them as JSON)."""
+
+    host: str = "unknown"
+    cores: int = 1
+    gemm_gflops: dict[int, float] = field(default_factory=lambda: {1: 20.0})  # threads -> GFLOP/s, large GEMM
+    mem_gbps: dict[int, float] = field(default_factory=lambda: {1: 5.0})  # threads -> GB/s moved (read + write)
+    link_gbps: float = 1.0  # GB/s between two processes (loopback) or hosts, each way
+    link_latency_s: float = 50e-6  # one small message, one way
+    kernels: dict[str, float] = field(default_factory=dict)  # Kernel.key -> seconds measured
+    devices: dict[str, dict[str, float]] = field(default_factory=dict)  # cuda:N -> {"gflops", "mem_gbps", "h2d_gbps"}
+    measured: str = ""  # when, and how long it took
+
+    def to_json(self) -> dict:
+        return {
+            "host": self.host, "cores": self.cores,
+            "gemm_gflops": {str(t): v for t, v in self.gemm_gflops.items()},
+            "mem_gbps": {str(t): v for t, v in self.mem_gbps.items()},
+            "link_gbps": self.link_gbps, "link_latency_s": self.link_latency_s,
+            "kernels": dict(self.kernels), "devices": dict(self.devices), "measured": self.measured,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Calibration":
+        return cls(
+            host=str(data["host"]), cores=int(data["cores"]),
+            gemm_gflops={int(t): float(v) for t, v in data["gemm_gflops"].items()},
+            mem_gbps={int(t): float(v) for t, v in data["mem_gbps"].items()},
+            link_gbps=float(data["link_gbps"]), link_latency_s=float(data["link_latency_s"]),
+            kernels={str(k): float(v) for k, v in data.get("kernels", {}).items()},
+            devices={str(d): {str(k): float(v) for k, v in s.items()} for d, s in data.get("devices", {}).items()},
+            measured=str(data.get("measured", "")),
+        )
+
+    def _by_threads(self, table: dict[int, float], threads: int) -> float:
+        """The rate at `threads`: measured, else scaled linearly from the nearest measured count (at most the cores)."""
+        threads = max(1, min(threads, self.cores))
+        if threads in table:
+            return table[threads]
+        near = min(table, key=lambda t: abs(t - threads))
+        return table[near] * threads / near
+
+    def gflops(self, threads: int, device: str = "cpu") -> float:
+        if device.startswith("cuda") and device in self.devices:
+            return self.devices[device]["gflops"]
+        return self._by_threads(self.gemm_gflops, threads)
+
+    def bandwidth(self, threads: int, device: str = "cpu") -> float:
+        """Bytes per second one worker's memory traffic moves at, alone on the host."""
+        if device.startswith("cuda") and device in self.devices:
+            return self.devices[device]["mem_gbps"] * 1e9
+        return self._by_threads(self.mem_gbps, threads) * 1e9
+
+    @property
+    def host_bandwidth(self) -> float:
+        """Bytes per second all the host's cores together move."""
+        return self._by_threads(self.mem_gbps, self.cores) * 1e9
+
+    def seconds(self, kernel: Kernel) -> float:
+        """The kernel's time: measured if calibrated at this size and thread count, else FLOPs at the GEMM rate."""
+        if kernel.key in self.kernels:
+            return self.kernels[kernel.key]
+        return max(kernel.flops / (self.gflops(kernel.threads, kernel.device) * 1e9), kernel.bytes / self.bandwidth(kernel.threads, kernel.device))
+
+
+@dataclass
+class LayerCost:
+    """One node of a worker's part of the net, for `rows` samples."""
+
+    node: str
+    layer: str  # the user's layer it computes
+    worker: int
+    rows: int
+    fwd_flops: int
+    bwd_flops: int
+    kernels_fwd: list[Kernel]
+    kernels_bwd: list[Kernel]
+    stream_fwd: int  # memory traffic outside the dense kernels (elementwise, pooling, copies), forward
+    stream_bwd: int  # and backward
+    activation_bytes: int  # its output and the output's gradient, kept for backward
+
+
+def numel(shape) -> int:
+    return math.prod(shape) if shape else 1
+
+
+def learning_nodes(parts: PartitionPlan) -> dict[str, bool]:
+    """Whether each node's output depends on params (so a gradient flows back into it)."""
+    by_name = {n.name: n for n in parts.nodes}
+    learns: dict[str, bool] = {}
+    for n in parts.nodes:
+        srcs = [by_name[n.peer]] if n.layer.conf.type == job_pb2.kBridgeDst else [by_name[s] for s in n.srcs]
+        learns[n.name] = bool(n.params) or any(learns[s.name] for s in srcs)
+    return learns
+
+
+def node_rows(node: PartNode, shares: list[int]) -> int:
+    """Samples a node computes on: its worker's share when cut on the batch, else the group's batch."""
+    if node.partitioning == BATCH and len(shares) > 1:
+        return shares[node.part]
+    return sum(shares)
+
+
+def layer_cost(node: PartNode, rows: int, threads: int, input_grad: bool, device: str = "cpu") -> LayerCost:
+    """FLOPs, kernels and memory traffic of one node on `rows` samples."""
+    layer, kind = node.layer, node.layer.conf.type
+    out = rows * numel(node.shape)
+    ins = sum(rows * numel(s) for s in layer.src_shapes)
+    fwd, bwd = [], []
+    fwd_flops = bwd_flops = stream_fwd = stream_bwd = 0
+    bias = out if len(node.params) > 1 else 0
+    if kind in GEMM_TYPES:
+        vdim, nout = numel(layer.src_shapes[0]), node.shape[0]
+        fwd = [Kernel("mm", (rows, vdim, nout), threads, device)]
+        bwd = [Kernel("mm", (nout, rows, vdim), threads, device)] + ([Kernel("mm", (rows, nout, vdim), threads, device)] if input_grad else [])
+    elif kind in CONV_TYPES:
+        h, w = layer.src_shapes[0][-2:]
+        dims = (rows, layer.channels, h, w, node.shape[0], *layer.kernel, *layer.stride, *layer.pad)
+        fwd = [Kernel("conv", dims + (0,), threads, device)]
+        bwd = [Kernel("conv_bwd", dims + (int(input_grad),), threads, device)]
+    if fwd:
+        fwd_flops = sum(k.flops for k in fwd) + bias
+        bwd_flops = sum(k.flops for k in bwd) + bias
+        stream_fwd = stream_bwd = FLOAT * 2 * bias  # the bias add; its gradient's sum over rows
+    elif layer.category == "input":
+        stream_fwd = FLOAT * out  # the batch's decoded rows
+    else:
+        # elementwise, pooling, normalisation, losses, connection layers: memory-bound; one op per
+        # element read (pooling and LRN: per element of the window)
+        window = 1
+        if kind in (job_pb2.kPooling, job_pb2.kCPooling, job_pb2.kCudnnPool):
+            window = layer.conf.pooling_conf.kernel ** 2
+        elif kind in (job_pb2.kLRN, job_pb2.kCudnnLRN):
+            window = layer.conf.lrn_conf.local_size
+        fwd_flops = 0 if kind in COPIES else window * max(ins, out)
+        bwd_flops = fwd_flops if input_grad else 0
+        stream_fwd = FLOAT * (ins + out)  # reads its input, writes its output
+        stream_bwd = FLOAT * (ins + 2 * out) if input_grad else 0  # reads the output's gradient and a saved blob, writes the input's
+    activation = FLOAT * out * (2 if (input_grad or node.params) else 1)
+    return LayerCost(node.name, node.origin, node.worker, rows, fwd_flops, bwd_flops, fwd, bwd, stream_fwd, stream_bwd, activation)
+
+
+COPIES = {job_pb2.kSlice, job_pb2.kConcate, job_pb2.kSplit, job_pb2.kBridgeSrc, job_pb2.kBridgeDst}
+
+
+def worker_costs(parts: PartitionPlan, shares: list[int], threads: int, devices: Optional[list[str]] = None) -> dict[int, list[LayerCost]]:
+    """Per worker of a group, the cost of every node it computes."""
+    learns = learning_nodes(parts)
+    by_name = {n.name: n for n in parts.nodes}
+    costs: dict[int, list[LayerCost]] = {w: [] for w in range(parts.nworkers)}
+    for n in parts.nodes:
+        srcs = [by_name[n.peer]] if n.layer.conf.type == job_pb2.kBridgeDst else [by_name[s] for s in n.srcs]
+        input_grad = any(learns[s.name] for s in srcs)
+        device = (devices or ["cpu"] * parts.nworkers)[n.worker] if devices and n.worker < len(devices) else "cpu"
+        costs[n.worker].append(layer_cost(n, node_rows(n, shares), threads, input_grad, device))
+    return costs
+
+
+def kernels_of(costs: dict[int, list[LayerCost]]) -> list[Kernel]:
+    """The distinct dense kernels the workers run (what a calibration measures for this job)."""
+    seen: dict[str, Kernel] = {}
+    for layer_costs in costs.values():
+        for c in layer_costs:
+            for k in c.kernels_fwd + c.kernels_bwd:
+                seen.setdefault(k.key, k)
+    return list(seen.values())
+
+
+def compute_seconds(costs: list[LayerCost], calib: Calibration, threads: int, concurrent: int = 1, device: str = "cpu") -> tuple[float, float, float]:
+    """(forward s, backward s, of which memory-bound s) of one worker while `concurrent` workers share the host's memory.
+
+    Each dense kernel takes its calibrated time, or longer when its operands cannot stream in
+    that time at this worker's share of the host's bandwidth; the rest is memory traffic at
+    that share.
+    """
+    share = calib.bandwidth(threads, device)
+    if not device.startswith("cuda"):
+        share = min(share, calib.host_bandwidth / max(1, concurrent))
+    fwd = bwd = memory = 0.0
+    for c in costs:
+        for kernels, phase in ((c.kernels_fwd, "fwd"), (c.kernels_bwd, "bwd")):
+            for k in kernels:
+                t = max(calib.seconds(k), k.bytes / share)
+                if phase == "fwd":
+                    fwd += t
+                else:
+                    bwd += t
+        fwd += c.stream_fwd / share
+        bwd += c.stream_bwd / share
+        memory += (c.stream_fwd + c.stream_bwd) / share
+    return fwd, bwd, memory

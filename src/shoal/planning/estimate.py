@@ -1,0 +1,428 @@
+"""`shoal plan --estimate`: a layout's step time, samples/s, bytes and memory, predicted from its JobPlan. Pure.
+
+The model (docs/planning.md has the page): a group's step is the slowest worker's forward and
+backward (shoal.planning.costs, on the calibrated machine, the host's memory bandwidth shared by
+the workers computing at once), then the exchange (the exact bytes the framework's exchange
+moves, at the link's calibrated bandwidth, plus a round trip of latency), then the update (the
+updater's memory traffic over the elements each server owns). Nothing overlaps: backward and
+the exchange compete for the same cores on a CPU host. Asynchronous groups run side by side; the
+layout's throughput is the groups' together, capped by what they share (the server, the host's
+cores, a link), and the bottleneck is the bound that decides.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from shoal.config import job_pb2
+from shoal.errors import ShoalError
+from shoal.neuralnet.updaters import make_updater
+from shoal.planning.buckets import DEFAULT_CAP, plan_buckets
+from shoal.planning.costs import FLOAT, Calibration, LayerCost, compute_seconds, kernels_of, worker_costs
+from shoal.planning.partition import PartitionPlan
+from shoal.planning.placement import ServerId
+from shoal.planning.plan import Framework, JobPlan
+
+
+@dataclass
+class WorkerEstimate:
+    group: int
+    id: int
+    rank: int
+    device: str
+    threads: int
+    rows: int
+    fwd_flops: int
+    bwd_flops: int
+    fwd_s: float
+    bwd_s: float
+    layers: list[dict]  # per node: name, rows, fwd/bwd FLOPs
+
+
+@dataclass
+class ProcessEstimate:
+    rank: int
+    host: int
+    sent: int  # bytes per step of its group (per sync_freq steps averaged, Distributed Hogwild)
+    received: int
+    links: dict[int, list[int]]  # peer rank -> [bytes sent to it, bytes received from it] per step
+    params: int  # bytes of param values it holds
+    gradients: int
+    updater_state: int
+    activations: int
+
+    @property
+    def memory(self) -> int:
+        return self.params + self.gradients + self.updater_state + self.activations
+
+
+@dataclass
+class Estimate:
+    label: str
+    framework: str
+    nprocs: int
+    nworkers: int
+    ngroups: int
+    global_batch: int
+    step_s: float  # one step of one group
+    samples_per_s: float  # all groups together
+    bottleneck: str
+    phases: dict[str, float]  # seconds per group step: compute, reduce, exchange, update
+    workers: list[WorkerEstimate]
+    processes: list[ProcessEstimate]
+    staleness: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        for p, proc in zip(out["processes"], self.processes):
+            p["memory"] = proc.memory
+        return out
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """Where a plan's processes run: `count` hosts of `cores` cores, joined by a link of `link_gbps` (each way)."""
+
+    count: int = 1
+    cores: int = 0  # 0: the calibrated host's
+    gpus: int = 0
+    link_gbps: float = 0.0  # 0: the calibrated loopback
+    latency_s: float = 0.0
+
+
+class HostsFileError(ShoalError, ValueError):
+    """A cluster description file that cannot be read; the message names the file and the field."""
+
+
+HOSTS_FIELDS = {"hosts": int, "cores": int, "gpus": int, "bandwidth": float, "latency": float}
+
+
+def hosts_from_file(path: Path) -> Hosts:
+    """Hosts from a small YAML/JSON file: hosts, cores, gpus, bandwidth (Gbit/s each way), latency (µs)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise HostsFileError(f"{path}: cannot read ({err.strerror})") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise HostsFileError(f"{path}{where}: not YAML or JSON ({getattr(err, 'problem', None) or err})") from None
+    if not isinstance(data, dict):
+        raise HostsFileError(f"{path}: expected a mapping of {', '.join(HOSTS_FIELDS)}")
+    values = {}
+    for key, value in data.items():
+        if key not in HOSTS_FIELDS:
+            raise HostsFileError(f"{path}: {key}: unknown field (known: {', '.join(HOSTS_FIELDS)})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (key == "hosts" and value < 1):
+            raise HostsFileError(f"{path}: {key}: {value!r} is not a {'positive' if key == 'hosts' else 'non-negative'} number")
+        values[key] = HOSTS_FIELDS[key](value)
+    if "hosts" not in values:
+        raise HostsFileError(f"{path}: hosts: missing (how many hosts to predict for)")
+    return Hosts(values["hosts"], values.get("cores", 0), values.get("gpus", 0), values.get("bandwidth", 0.0) / 8,
+                 values.get("latency", 0.0) / 1e6)
+
+
+def updater_slots(job: job_pb2.JobProto) -> int:
+    try:
+        return len(make_updater(job.updater).slots)
+    except Exception:  # a user updater this process cannot build: assume one slot (momentum)
+        return 1
+
+
+def trainable(parts: PartitionPlan) -> set[str]:
+    names = set()
+    for n in parts.nodes:
+        flags = n.layer.param_trainable()
+        names.update(v.name for v, t in zip(n.params, flags) if t)
+    return names
+
+
+def host_of(plan: JobPlan, hosts: Hosts) -> list[int]:
+    """Each rank's host: processes with workers in blocks, processes of servers only spread round-robin."""
+    n = max(1, hosts.count)
+    with_workers = [p.rank for p in plan.placement.processes if p.workers]
+    per_host = -(-len(with_workers) // n)
+    where = [0] * plan.nprocs
+    for i, rank in enumerate(with_workers):
+        where[rank] = min(i // per_host, n - 1)
+    for i, rank in enumerate(p.rank for p in plan.placement.processes if not p.workers):
+        where[rank] = i % n
+    return where
+
+
+def estimate(plan: JobPlan, calib: Calibration, hosts: Optional[Hosts] = None) -> Estimate:
+    """The predicted step time, samples/s, bytes and memory of `plan` on `hosts` (default: the calibrated one)."""
+    hosts = hosts or Hosts()
+    return _Model(plan, calib, hosts).run()
+
+
+def plan_kernels(plan: JobPlan) -> list:
+    """The dense kernels the plan's workers run: what the calibration measures for this job."""
+    shares = plan.batch_shares[0] if plan.batch_shares else [1]
+    return kernels_of(worker_costs(plan.partition, shares, plan.threads_per_worker))
+
+
+class _Model:
+    def __init__(self, plan: JobPlan, calib: Calibration, hosts: Hosts):
+        self.plan, self.calib, self.hosts = plan, calib, hosts
+        self.cores = hosts.cores or calib.cores
+        self.where = host_of(plan, hosts)
+        self.link_bw = (hosts.link_gbps or calib.link_gbps) * 1e9
+        self.latency = hosts.latency_s or calib.link_latency_s
+        self.slots = updater_slots(plan.job)
+        self.trainable = trainable(plan.partition)
+        self.sizes = {name: math.prod(shape) for name, shape in plan.params.items()}
+        self.elements = sum(s for n, s in self.sizes.items() if n in self.trainable)
+        self.notes: list[str] = []
+
+    # -- pieces ---------------------------------------------------------------------------
+    def workers_on_host(self, host: int) -> int:
+        return sum(len(p.workers) for p in self.plan.placement.processes if self.where[p.rank] == host)
+
+    def update_s(self, elements: int, threads: int, concurrent: int = 1) -> float:
+        """The updater's pass: reads value, gradient and slots, writes value and slots (float32)."""
+        bw = min(self.calib.bandwidth(threads), self.calib.host_bandwidth / max(1, concurrent))
+        return FLOAT * elements * (3 + 2 * self.slots) / bw
+
+    def link_s(self, sent: int, received: int, same_host: bool) -> float:
+        bw = self.calib.link_gbps * 1e9 if same_host else self.link_bw
+        latency = self.calib.link_latency_s if same_host else self.latency
+        return max(sent, received) / bw + (2 * latency if sent or received else 0.0)
+
+    def exchange_s(self, links: dict[int, dict[int, list[int]]]) -> float:
+        """The longest process's messages of a step: loopback between its host's processes, the host's
+        link to other hosts (shared by the processes on it), and a round trip of latency."""
+        loop = remote_latency = 0.0
+        nic: dict[int, list[int]] = {}
+        for rank, peers in links.items():
+            local = [v for q, v in peers.items() if self.where[q] == self.where[rank]]
+            far = [v for q, v in peers.items() if self.where[q] != self.where[rank]]
+            if local:
+                loop = max(loop, max(sum(v[0] for v in local), sum(v[1] for v in local)) / (self.calib.link_gbps * 1e9)
+                           + 2 * self.calib.link_latency_s)
+            if far:
+                host = nic.setdefault(self.where[rank], [0, 0])
+                host[0] += sum(v[0] for v in far)
+                host[1] += sum(v[1] for v in far)
+                remote_latency = 2 * self.latency
+        far_s = max((max(v) / self.link_bw for v in nic.values()), default=0.0) + remote_latency
+        return max(loop, far_s)
+
+    def workers(self) -> tuple[list[WorkerEstimate], dict[int, float]]:
+        """Every worker's compute, and each group's (its slowest worker's) forward + backward seconds."""
+        plan, shares = self.plan, self.plan.batch_shares[0] if self.plan.batch_shares else [1]
+        threads = plan.threads_per_worker
+        costs = worker_costs(plan.partition, shares, threads)
+        out, group_s = [], {}
+        for proc, devices in zip(plan.placement.processes, plan.devices):
+            host = self.where[proc.rank]
+            busy = self.workers_on_host(host)
+            oversubscribed = max(1.0, busy * threads / self.cores)
+            for w, device in zip(proc.workers, devices):
+                mine: list[LayerCost] = [
+                    LayerCost(**{**c.__dict__, "kernels_fwd": [k.__class__(k.op, k.dims, k.threads, _device(device)) for k in c.kernels_fwd],
+                                 "kernels_bwd": [k.__class__(k.op, k.dims, k.threads, _device(device)) for k in c.kernels_bwd]})
+                    for c in costs[w.id]
+                ]
+                fwd, bwd, _ = compute_seconds(mine, self.calib, threads, concurrent=busy, device=_device(device))
+                fwd, bwd = fwd * oversubscribed, bwd * oversubscribed
+                out.append(WorkerEstimate(
+                    w.group, w.id, proc.rank, device, threads, shares[w.id] if w.id < len(shares) else 0,
+                    sum(c.fwd_flops for c in mine), sum(c.bwd_flops for c in mine), fwd, bwd,
+                    [{"node": c.node, "layer": c.layer, "rows": c.rows, "fwd_flops": c.fwd_flops, "bwd_flops": c.bwd_flops} for c in mine],
+                ))
+                group_s[w.group] = max(group_s.get(w.group, 0.0), fwd + bwd)
+        return out, group_s
+
+    def memory(self, rank: int) -> tuple[int, int, int, int]:
+        """(params, gradients, updater state, activations) bytes of one process."""
+        plan, proc = self.plan, self.plan.process(rank)
+        shares = plan.batch_shares[0] if plan.batch_shares else [1]
+        devices = set(plan.devices[rank]) or {"cpu"}
+        all_params = FLOAT * sum(self.sizes.values())
+        params = all_params * len(devices) if proc.workers else 0
+        served = sum(s.size for srv in proc.servers for s in plan.placement.slices_of(srv) if s.param in self.trainable)
+        if self.plan.framework in (Framework.SINGLE_WORKER, Framework.IN_MEMORY_HOGWILD, Framework.IN_MEMORY_DOWNPOUR) or plan.in_one_process:
+            served = self.elements  # one Server updates every param
+        if not proc.workers:
+            params = FLOAT * served
+        costs = worker_costs(plan.partition, shares, plan.threads_per_worker)
+        grads = FLOAT * sum(self._computed_elements(w.id) for w in proc.workers)
+        acts = sum(c.activation_bytes for w in proc.workers for c in costs[w.id])
+        if plan.framework == Framework.IN_MEMORY_DOWNPOUR:
+            params += all_params * plan.cluster.nworker_groups  # each group computes on its own copy
+        return params, grads, FLOAT * self.slots * served, acts
+
+    def _computed_elements(self, worker: int) -> int:
+        total = 0
+        for view in {v for n in self.plan.partition.worker_nodes(worker) for v in n.params}:
+            whole = self.sizes[view.name]
+            total += whole if view.axis < 0 else whole // self.plan.params[view.name][view.axis] * view.size
+        return total
+
+    # -- bytes per step, per framework --------------------------------------------------------
+    def traffic(self) -> dict[int, dict[int, list[int]]]:
+        """rank -> peer -> [sent, received] bytes per group step (a synchronous group's, or one async group's)."""
+        plan, fw = self.plan, self.plan.framework
+        links: dict[int, dict[int, list[int]]] = {p.rank: {} for p in plan.placement.processes}
+
+        def move(src: int, dst: int, nbytes: float) -> None:
+            links[src].setdefault(dst, [0, 0])[0] += int(nbytes)
+            links[dst].setdefault(src, [0, 0])[1] += int(nbytes)
+
+        slices = [s for s in plan.placement.slices if s.param in self.trainable]
+        if fw in (Framework.ALLREDUCE, Framework.SANDBLASTER) and not plan.in_one_process:
+            owner = {s.index: plan.placement.process_of(plan.placement.server_of_slice(s.index, 0)) for s in slices}
+            worker_ranks = [p.rank for p in plan.placement.processes if p.workers]
+            for b in plan_buckets(slices, owner, DEFAULT_CAP):
+                for r in worker_ranks:
+                    if r != b.owner:
+                        move(r, b.owner, FLOAT * b.numel + len(b.params))  # gradients and one flag byte per param
+                        move(b.owner, r, FLOAT * b.numel)  # the new values
+        elif fw == Framework.DOWNPOUR:
+            c = plan.cluster
+            for g in range(c.nworker_groups):
+                ranks = plan.ranks_of_group(g)
+                stub = ranks[0]
+                for r in ranks[1:]:  # the group's processes sum into its stub and get the params back
+                    move(r, stub, FLOAT * self.elements + 4 * len(self.trainable))
+                    move(stub, r, FLOAT * self.elements)
+                if g:
+                    continue  # bytes of one group's step: group 0's
+                for sid in range(c.nservers_per_group):
+                    server = ServerId(0, sid)
+                    rank = plan.placement.process_of(server)
+                    mine = [s for s in slices if plan.placement.server_of_slice(s.index, 0) == server]
+                    size = sum(s.size for s in mine)
+                    move(stub, rank, FLOAT * size + len(mine) + 24)  # gradient, flags, header
+                    move(rank, stub, FLOAT * size + 16)  # values, version and staleness
+        elif fw == Framework.DISTRIBUTED_HOGWILD:
+            c, freq = plan.cluster, max(1, plan.cluster.sync_freq)
+            rank_of = {g: plan.placement.process_of(ServerId(g, 0)) for g in range(c.nserver_groups)}
+            for master in range(1, c.nserver_groups):  # group 0 syncs with every other group's masters
+                size = sum(s.size for s in slices if plan.placement.master_group_of_slice(s.index) == master)
+                move(rank_of[0], rank_of[master], (FLOAT * size + 8) / freq)  # Δ
+                move(rank_of[master], rank_of[0], FLOAT * size / freq)  # fresh values
+            # ... and serves its own slices to each of them, as often
+            own = sum(s.size for s in slices if plan.placement.master_group_of_slice(s.index) == 0)
+            for g in range(1, c.nserver_groups):
+                move(rank_of[g], rank_of[0], (FLOAT * own + 8) / freq)
+                move(rank_of[0], rank_of[g], FLOAT * own / freq)
+        return links
+
+    def in_memory_bytes(self) -> int:
+        """A group in one process: bridged blobs between its workers, plus the replicated gradients other workers
+        hand to worker 0's server and the values they get back (runtime/partitioned.py counts the same)."""
+        parts = self.plan.partition
+        if parts.nworkers < 2:
+            return 0
+        from shoal.planning.costs import learning_nodes, node_rows, numel
+
+        shares = self.plan.batch_shares[0] if self.plan.batch_shares else [1]
+        learns = learning_nodes(parts)
+        total = 0
+        if parts.partitioned:
+            for n in parts.nodes:
+                if n.layer.conf.type == job_pb2.kBridgeDst:
+                    total += node_rows(n, shares) * numel(n.shape) * FLOAT * (2 if learns[n.peer] else 1)
+        owned = parts.updated_where_computed()
+        for k in range(1, parts.nworkers):
+            views = {v for n in parts.worker_nodes(k) for v in n.params if v not in owned}
+            for v in views:
+                whole = self.sizes[v.name]
+                total += 2 * FLOAT * (whole if v.axis < 0 else whole // self.plan.params[v.name][v.axis] * v.size)
+        return total
+
+    # -- the step -------------------------------------------------------------------------------
+    def run(self) -> Estimate:
+        plan, fw, c = self.plan, self.plan.framework, self.plan.cluster
+        workers, group_s = self.workers()
+        compute = max(group_s.values(), default=0.0)
+        slowest = max(workers, key=lambda w: w.fwd_s + w.bwd_s)
+        threads = plan.threads_per_worker
+        links = self.traffic()
+        exchange = self.exchange_s(links)
+        ngroups = c.nworker_groups
+        batch = plan.global_batch
+        on_host0 = self.workers_on_host(0)
+        reduce = update = 0.0
+        bounds: dict[str, float] = {}
+        staleness = ""
+        if fw == Framework.SINGLE_WORKER:
+            update = self.update_s(self.elements, threads)
+        elif fw in (Framework.ALLREDUCE, Framework.SANDBLASTER) and plan.in_one_process:
+            p = c.nworkers_per_group
+            owned = plan.partition.updated_where_computed()
+            local = sum(self._view_numel(v) for v in owned)
+            reduce = 3 * FLOAT * (p - 1) * max(0, self.elements - local) / self.calib.bandwidth(threads * p)
+            update = self.update_s(self.elements - local, threads * p) + self.update_s(local // max(1, p), threads, p)
+        elif fw in (Framework.ALLREDUCE, Framework.SANDBLASTER):
+            owned_by: dict[int, int] = {}
+            for s in plan.placement.slices:
+                if s.param in self.trainable:
+                    r = plan.placement.process_of(plan.placement.server_of_slice(s.index, 0))
+                    owned_by[r] = owned_by.get(r, 0) + s.size
+            per_proc = len(plan.placement.processes[0].workers) or 1
+            reduce = 3 * FLOAT * (per_proc - 1) * self.elements / self.calib.bandwidth(threads * per_proc)
+            update = max(self.update_s(n, threads, on_host0) for n in owned_by.values()) if owned_by else 0.0
+        elif fw == Framework.IN_MEMORY_HOGWILD:
+            update = self.update_s(self.elements, threads, ngroups)
+            staleness = f"≈ {(ngroups - 1) * compute / max(compute + update, 1e-12):.2f} updates by other groups between a group's read and write (lock-free)"
+        elif fw == Framework.IN_MEMORY_DOWNPOUR:
+            update = self.update_s(self.elements, threads) + 2 * FLOAT * self.elements / self.calib.bandwidth(threads)
+            bounds["the shared server (updates one group at a time)"] = batch / update
+            staleness = f"≈ {ngroups - 1} update(s) by other groups between a group's pull and push"
+        elif fw == Framework.DOWNPOUR:
+            servers = max(1, c.nservers_per_group)
+            server_threads = max(1, self.cores // max(1, self.workers_on_host(self.where[plan.placement.process_of(ServerId(0, 0))]) + 1))
+            update = self.update_s(self.elements / servers, server_threads)
+            server_rank = plan.placement.process_of(ServerId(0, 0))
+            per_request = sum(v[0] for v in links[server_rank].values())  # bytes one group's step sends the server
+            remote = any(self.where[p.rank] != self.where[server_rank] for p in plan.placement.processes)
+            bounds["the server's link"] = batch * (self.link_bw if remote else self.calib.link_gbps * 1e9) / max(1, per_request)
+            bounds["the server's updates"] = batch / max(update, 1e-12)
+            staleness = f"≈ {ngroups - 1} update(s) by other groups between a group's pull and push"
+        elif fw == Framework.DISTRIBUTED_HOGWILD:
+            update = self.update_s(self.elements, threads, on_host0)
+            staleness = f"replicas drift for up to sync_freq = {max(1, c.sync_freq)} local updates between syncs"
+        step = compute + reduce + exchange + update
+        samples = ngroups * batch / step if step > 0 else 0.0
+        why = {
+            "compute": f"compute (the slowest worker: group {slowest.group}, worker {slowest.id})" if len(workers) > 1 else "compute",
+            "reduce": "summing the workers' gradients in memory",
+            "exchange": "the network (gradients and values between processes)",
+            "update": "the updater's memory traffic",
+        }
+        phases = {"compute": compute, "reduce": reduce, "exchange": exchange, "update": update}
+        bottleneck = why[max(phases, key=phases.get)]
+        if ngroups > 1:
+            # groups run side by side; what they share caps them
+            core_s = ngroups * (compute * threads + update * threads + exchange + reduce)
+            hosts_used = len(set(self.where))
+            bounds["the host's cores"] = ngroups * batch * self.cores * hosts_used / max(core_s, 1e-12)
+            for name, limit in bounds.items():
+                if limit < samples:
+                    samples, bottleneck = limit, name
+        procs = []
+        for p in plan.placement.processes:
+            peers = links[p.rank]
+            params, grads, state, acts = self.memory(p.rank)
+            procs.append(ProcessEstimate(p.rank, self.where[p.rank], sum(v[0] for v in peers.values()), sum(v[1] for v in peers.values()),
+                                         {q: v for q, v in sorted(peers.items())}, params, grads, state, acts))
+        if plan.in_one_process and plan.nworkers > 1:
+            procs[0].links = {0: [self.in_memory_bytes(), self.in_memory_bytes()]}
+        return Estimate(plan.label, fw.value, plan.nprocs, plan.nworkers, ngroups, batch, step, samples, bottleneck,
+                        phases, workers, procs, staleness, self.notes)
+
+    def _view_numel(self, view) -> int:
+        whole = self.sizes[view.name]
+        return whole if view.axis < 0 else whole // self.plan.params[view.name][view.axis] * view.size
+
+
+def _device(name: str) -> str:
+    return "cuda:0" if name == "cuda" else name.split(":")[0] if name.startswith("cpu") else name

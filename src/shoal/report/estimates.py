@@ -1,0 +1,135 @@
+"""`shoal plan --estimate`: the prediction as text a user reads at a glance, and the scaling plot.
+
+Works on the dict `shoal.estimate` returns (the same as `--json` prints), so nothing is recomputed.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from shoal.report.errors import ReportError
+
+COLOURS = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9"]
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def ms(s: float) -> str:
+    return f"{s * 1000:.1f} ms"
+
+
+def render(result: dict) -> str:
+    """Every section the result holds: estimate, compare, suggest, scaling."""
+    lines = [render_estimate(result["estimate"], result["calibration"])]
+    if "compare" in result:
+        lines += ["", render_compare(result["compare"])]
+    if "suggest" in result:
+        lines += ["", render_suggest(result["suggest"])]
+    if "scaling" in result:
+        lines += ["", render_scaling(result["scaling"])]
+    return "\n".join(lines)
+
+
+def render_estimate(e: dict, calib: dict) -> str:
+    gemm = ", ".join(f"{v:.0f} GFLOP/s at {t} thread(s)" for t, v in calib["gemm_gflops"].items())
+    lines = [
+        f"calibration of {calib['host']} ({calib['cores']} cores; {calib['measured']}): GEMM {gemm}; "
+        f"memory {max(calib['mem_gbps'].values()):.1f} GB/s; loopback {calib['link_gbps']:.2f} GB/s each way, "
+        f"{calib['link_latency_s'] * 1e6:.0f} µs; {calib['kernels']} kernel(s) measured",
+        f"{e['label']}: predicted {e['samples_per_s']:.0f} samples/s, {ms(e['step_s'])} per step of {e['global_batch']} samples"
+        + (f" per group ({e['ngroups']} groups)" if e["ngroups"] > 1 else "") + f"; bottleneck: {e['bottleneck']}",
+        "  step: " + ", ".join(f"{k} {ms(v)}" for k, v in e["phases"].items() if v > 0),
+    ]
+    for w in e["workers"]:
+        lines.append(
+            f"  worker (group {w['group']}, id {w['id']}) in process {w['rank']} on {w['device']}, {w['threads']} thread(s), "
+            f"{w['rows']} rows: forward {w['fwd_flops'] / 1e9:.2f} GFLOP in {ms(w['fwd_s'])}, "
+            f"backward {w['bwd_flops'] / 1e9:.2f} GFLOP in {ms(w['bwd_s'])}"
+        )
+    for p in e["processes"]:
+        links = ", ".join(f"→{q} {mb(v[0])} / ←{q} {mb(v[1])}" for q, v in p["links"].items()) or "no messages"
+        lines.append(
+            f"  process {p['rank']} (host {p['host']}): sends {mb(p['sent'])}, receives {mb(p['received'])} per step ({links}); "
+            f"memory {mb(p['memory'])}: params {mb(p['params'])}, gradients {mb(p['gradients'])}, "
+            f"updater state {mb(p['updater_state'])}, activations {mb(p['activations'])}"
+        )
+    if e["staleness"]:
+        lines.append(f"  staleness: {e['staleness']}")
+    return "\n".join(lines)
+
+
+def render_compare(rows: list[dict]) -> str:
+    lines = ["layouts ranked by predicted samples/s:", f"  {'#':>2} {'layout':<22} {'samples/s':>9} {'step':>9} {'MB/step':>8}  bottleneck"]
+    for i, r in enumerate(rows, 1):
+        e = r["estimate"]
+        if e is None:
+            lines.append(f"  {'–':>2} {r['layout']:<22} refused: {r['refused']}")
+            continue
+        moved = max((p["sent"] for p in e["processes"]), default=0)
+        note = f"; staleness {e['staleness']}" if e["staleness"] else ""
+        lines.append(f"  {i:>2} {r['layout']:<22} {e['samples_per_s']:>9.0f} {ms(e['step_s']):>9} {moved / 1e6:>8.1f}  {e['bottleneck']}{note}")
+    return "\n".join(lines)
+
+
+def render_suggest(s: dict) -> str:
+    best, batch = s["best"], s["batch_split"]
+    dims = s["partition_dim"]
+    cut = [name for name, d in dims.items() if d == 1]
+    lines = [f"suggested partitioning for a group of {s['workers']} workers ({s['tried']} candidates estimated):"]
+    if not cut:
+        lines.append("  keep the batch split (partition_dim 0 everywhere): no layer cut on features predicts a shorter step")
+    else:
+        lines.append("  paste into these layers of the job (or --set neuralnet.layer[name=NAME].partition_dim=1):")
+        lines += [f"    layer {{ name: \"{name}\" ... partition_dim: 1 }}" for name in cut]
+    lines.append(f"  predicted: {ms(best['step_s'])} per step, {best['samples_per_s']:.0f} samples/s, {mb(best['bytes'])} between workers; "
+                 f"batch split: {ms(batch['step_s'])}, {batch['samples_per_s']:.0f} samples/s, {mb(batch['bytes'])}")
+    return "\n".join(lines)
+
+
+def render_scaling(s: dict) -> str:
+    h = s["hosts"]
+    names = list(dict.fromkeys(p["framework"] for p in s["points"]))
+    counts = sorted({p["hosts"] for p in s["points"]})
+    by = {(p["framework"], p["hosts"]): p for p in s["points"]}
+    link = f"{h['link_gbps'] * 8:g} Gbit/s" if h["link_gbps"] else "this host's loopback"
+    lines = [f"predicted samples/s on 1..{h['count']} hosts of {h['cores'] or 'these'} cores"
+             + (f" and {h['gpus']} GPU(s)" if h["gpus"] else "") + f", {link} links (extrapolated: see docs/planning.md):",
+             "  " + f"{'hosts':>5} " + " ".join(f"{n:>20}" for n in names)]
+    for n in counts:
+        lines.append("  " + f"{n:>5} " + " ".join(f"{by[(f, n)]['samples_per_s']:>20.0f}" if not by[(f, n)]["refused"] else f"{'refused':>20}" for f in names))
+    for name, stop in s["stops"].items():
+        lines.append(f"  {name}: stops scaling at {stop['hosts']} host(s): {stop['bottleneck']}")
+    return "\n".join(lines)
+
+
+def plot_scaling(s: dict, out: Path, title: Optional[str] = None) -> Path:
+    """Predicted samples/s against hosts, one line per framework, where it stops scaling marked."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if out.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise ReportError(f"{out}: the picture's suffix must be .png, .svg or .pdf")
+    fig = Figure(figsize=(8, 5), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    names = list(dict.fromkeys(p["framework"] for p in s["points"]))
+    for colour, name in zip(COLOURS, names):
+        pts = [p for p in s["points"] if p["framework"] == name and not p["refused"]]
+        ax.plot([p["hosts"] for p in pts], [p["samples_per_s"] for p in pts], "o-", color=colour, label=name)
+        stop = s["stops"].get(name)
+        if stop:
+            at = next(p for p in pts if p["hosts"] == stop["hosts"])
+            ax.annotate("stops", (at["hosts"], at["samples_per_s"]), textcoords="offset points", xytext=(4, 6), fontsize=8, color=colour)
+    ax.set_xlabel("hosts")
+    ax.set_ylabel("predicted samples/s")
+    ax.set_title(title or "predicted samples/s")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out)
+    except OSError as err:
+        raise ReportError(f"{out}: cannot write the picture ({err.strerror})") from None
+    return out
