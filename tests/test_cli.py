@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from layouts import LAYOUTS, assert_ran
 
 
 
@@ -114,13 +116,15 @@ def test_a_dying_process_stops_the_job_with_one_line_naming_it(blobs_job, tmp_pa
     import os
     import time
 
+    layout = "Sandblaster, 2 workers + 2 servers, 4 processes"
     job = blobs_job(train_steps=50)
-    job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 2 nservers_per_group: 2 server_worker_separate: true }"))
     env = dict(os.environ, SHOAL_INJECT_EXIT="1:3", **tagged(tmp_path))
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws"), *LAYOUTS[layout].cli()],
+                          capture_output=True, text=True, env=env, timeout=120)
     assert time.monotonic() - start < 60
     assert_one_line_error(proc, "process 1 (worker(group=0, id=1))", "exited with code 3", "rank1.log")
+    assert_ran(tmp_path / "ws", layout)
     assert leftover_processes(tmp_path) == []
 
 
@@ -128,26 +132,26 @@ def test_a_stalled_process_is_named_and_the_job_stops(blobs_job, tmp_path):
     import os
     import time
 
+    layout = "AllReduce, 3 processes"
     job = blobs_job(train_steps=50)
-    job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 3 nservers_per_group: 3 }"))
     env = dict(os.environ, SHOAL_INJECT_STALL="2:4", SHOAL_COMM_TIMEOUT="8", **tagged(tmp_path))
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws"), *LAYOUTS[layout].cli()],
+                          capture_output=True, text=True, env=env, timeout=120)
     assert time.monotonic() - start < 60
     assert_one_line_error(proc, "process 2 (worker(group=0, id=2), server(group=0, id=2)) stopped answering at step 4")
+    assert_ran(tmp_path / "ws", layout)
     assert leftover_processes(tmp_path) == []
 
 
 def test_ctrl_c_stops_every_process(blobs_job, tmp_path):
-    import json
-    import signal
     import time
 
+    layout = "AllReduce, 2 processes"
     job = blobs_job(train_steps=100000)
-    job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 2 }"))
-    proc = subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")],
+    proc = subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws"), *LAYOUTS[layout].cli()],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=dict(os.environ, **tagged(tmp_path)))
+                            env=dict(os.environ, **tagged(tmp_path)), preexec_fn=take_ctrl_c_again)
     deadline = time.time() + 60
     while time.time() < deadline and not (tmp_path / "ws" / "metrics.jsonl").exists():
         time.sleep(0.3)
@@ -156,8 +160,15 @@ def test_ctrl_c_stops_every_process(blobs_job, tmp_path):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130
     assert err.strip().splitlines()[-1].startswith("shoal: interrupted")
-    assert json.loads((tmp_path / "ws" / "summary.json").read_text())["status"] == "interrupted"
+    assert assert_ran(tmp_path / "ws", layout)["status"] == "interrupted"
     assert leftover_processes(tmp_path) == []
+
+
+def take_ctrl_c_again():
+    """In a child about to exec shoal: a test suite started in the background (`pytest &` in a script)
+    has SIGINT ignored, the child would inherit that, and Python would then never raise
+    KeyboardInterrupt; restore the default so the child takes Ctrl-C as from a terminal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def shoal_into_closed_pipe(*args, timeout=120):
@@ -173,9 +184,9 @@ def shoal_into_closed_pipe(*args, timeout=120):
 @pytest.mark.parametrize("command", ["plan", "plan --json", "run", "run on 2 processes"])
 def test_a_reader_that_goes_away_stops_any_command_quietly(blobs_job, tmp_path, command):
     job = blobs_job(train_steps=4)
-    if command == "run on 2 processes":
-        job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 2 nservers_per_group: 2 }"))
+    layout = "AllReduce, 2 processes, 2 server slices" if command == "run on 2 processes" else "single worker"
     args = {"plan": ["plan", job], "plan --json": ["plan", job, "--json"]}.get(command, ["run", job, "--workspace", tmp_path / "ws"])
+    args += LAYOUTS[layout].cli()
     proc = shoal_into_closed_pipe(*args)
     assert proc.stderr == ""
     assert proc.returncode == 1  # as the Python docs' recipe and rich (our `jobs list`) say it
@@ -184,13 +195,12 @@ def test_a_reader_that_goes_away_stops_any_command_quietly(blobs_job, tmp_path, 
 @pytest.mark.parametrize("checkpoint_freq", [0, 2])
 def test_ctrl_c_suggests_resume_only_when_there_is_a_checkpoint(blobs_job, tmp_path, checkpoint_freq):
     import re
-    import signal
     import time
 
     job = blobs_job(train_steps=100000, extra=f"checkpoint_freq: {checkpoint_freq}")
     ws = tmp_path / "ws"
     proc = subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(ws)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=take_ctrl_c_again)
     ready = "checkpoint/step*-worker0.safetensors" if checkpoint_freq else "metrics.jsonl"
     deadline = time.time() + 60
     while time.time() < deadline and not list(ws.glob(ready)):
@@ -255,27 +265,23 @@ def alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("layout", ["AllReduce 2 processes", "single process"])
+@pytest.mark.parametrize("layout", ["AllReduce, 2 processes, 2 server slices", "single worker"])
 def test_a_killed_run_says_so_in_its_summary_and_leaves_no_process(blobs_job, tmp_path, layout):
-    import json
-    import signal
     import time
 
     job = blobs_job(train_steps=100000)
-    if layout == "AllReduce 2 processes":
-        job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 2 nservers_per_group: 2 }"))
     ws = tmp_path / "ws"
-    proc = subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(ws), "--no-progress"],
+    proc = subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(ws), "--no-progress", *LAYOUTS[layout].cli()],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     for line in proc.stdout:  # train until the first test, as `shoal jobs kill` would find it
         if line.startswith("Test @ step"):
             break
     workers = descendants(proc.pid)
-    assert len(workers) >= (2 if layout == "AllReduce 2 processes" else 0)  # and torch's resource tracker
+    assert len(workers) >= (LAYOUTS[layout].processes if LAYOUTS[layout].launched else 0)  # spawned ranks and torch's resource tracker
     proc.send_signal(signal.SIGTERM)  # what `shoal jobs kill` sends the launcher
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
-    assert json.loads((ws / "summary.json").read_text())["status"] == "killed"
+    assert assert_ran(ws, layout)["status"] == "killed"
     deadline = time.time() + 5  # the launcher waits for its children; a zombie's reaping may lag a moment
     while time.time() < deadline and any(alive(pid) for pid in workers):
         time.sleep(0.1)
