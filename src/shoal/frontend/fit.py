@@ -184,9 +184,11 @@ def fit(
     """
     from shoal.frontend import script
     from shoal.frontend import api
+    from shoal.runtime.workspace import claim
 
     cluster = cluster or Cluster()
     workspace = Path(script.workspace(workspace) or "fit-workspace")
+    claim(workspace)  # before the data goes in: shoal writes only into a folder it owns
     x, y = _arrays(train_data)
     train_path, test_path = workspace / "data" / "train.bin", None
     _write_store(train_path, x, y)

@@ -5,11 +5,14 @@ an extension). One file holds
   param/<name>            param values
   state/<name>/<slot>     updater slots (momentum history, Adam moments, ...)
   rng/<name>              RNG states as uint8 tensors
-and string metadata: the step and a JSON blob with the trainer's position
-(data cursors, open metric windows, elapsed time).
+and string metadata: the step, a JSON blob with the trainer's position
+(data cursors, open metric windows, elapsed time) and a SHA-256 of every
+tensor's bytes, checked on load: a checkpoint whose data was damaged is
+refused with one line naming it, never trained on.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -48,8 +51,36 @@ def checkpoint_file(workspace: Path, step: int, worker: int = 0) -> Path:
     return checkpoint_dir(workspace) / f"step{step}-worker{worker}.safetensors"
 
 
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the tensors' names, dtypes, shapes and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        value = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{value.dtype}|{tuple(value.shape)}|".encode())
+        h.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return h.hexdigest()
+
+
+def remove_stale_temporaries(workspace: Path) -> list[Path]:
+    """Half-written checkpoints (`*.tmp`) a killed run left behind; removed, and returned."""
+    folder = checkpoint_dir(workspace)
+    stale = sorted(folder.glob("*.safetensors.tmp")) if folder.is_dir() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (the new directory entry survives a power loss)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save(path: Path, ckpt: Checkpoint) -> Path:
-    """Write atomically: a temp file in the same folder, fsync, then rename."""
+    """Write atomically: a temp file in the same folder, fsync, rename, fsync the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {f"param/{k}": v.detach().contiguous() for k, v in ckpt.params.items()}
@@ -57,12 +88,14 @@ def save(path: Path, ckpt: Checkpoint) -> Path:
         for slot, value in slots.items():
             tensors[f"state/{name}/{slot}"] = value.detach().contiguous()
     tensors.update({f"rng/{k}": v.contiguous() for k, v in ckpt.rng.items()})
-    metadata = {"format": FORMAT_VERSION, "step": str(ckpt.step), "trainer": json.dumps(ckpt.trainer)}
+    tensors = {k: v.cpu() for k, v in tensors.items()}
+    metadata = {"format": FORMAT_VERSION, "step": str(ckpt.step), "trainer": json.dumps(ckpt.trainer), "sha256": digest(tensors)}
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    save_file(tensors, str(tmp), metadata=metadata)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
     return path
 
 
@@ -77,6 +110,9 @@ def load(path: Path) -> Checkpoint:
         raise CheckpointError(f"{path}: no such checkpoint") from None
     except (SafetensorError, OSError, ValueError) as err:
         raise CheckpointError(f"{path}: not a readable safetensors checkpoint ({str(err).splitlines()[0]})") from None
+    expected = metadata.get("sha256")
+    if expected is not None and digest(tensors) != expected:
+        raise CheckpointError(f"{path}: damaged checkpoint: its tensors do not match the checksum written with them")
     ckpt = Checkpoint(step=int(metadata.get("step", 0)), params={}, trainer=json.loads(metadata.get("trainer", "{}")))
     for key, value in tensors.items():
         kind, _, rest = key.partition("/")

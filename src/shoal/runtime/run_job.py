@@ -9,34 +9,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 from google.protobuf import text_format
 
 from shoal.config import job_pb2
-from shoal.errors import ShoalError
 from shoal.planning.plan import JobPlan, plan_job
 from shoal.report.tensorboard import require_tensorboard
 from shoal.neuralnet import checkpoint as ckpt_io
-from shoal.runtime import job_registry, visualization
+from shoal.runtime import elastic, job_registry, visualization
 from shoal.runtime.assemble import RunSpec, run_process
 from shoal.runtime.replicas import torch_device, usable_device_names
 from shoal.runtime.trainer import History, Trainer
+from shoal.runtime.workspace import WorkspaceError, WorkspaceLock, claim, prepare
 
 if TYPE_CHECKING:
     from shoal.neuralnet.params import ParamStore
     from shoal.runtime.launch import Nodes
 
 
-class WorkspaceError(ShoalError, ValueError):
-    """The workspace cannot be used as asked (would overwrite, nothing to resume, ...)."""
-
-
 @dataclass
 class RunOptions:
     workspace: Optional[Path] = None  # overrides cluster.workspace
-    resume: bool = False
+    resume: Union[bool, str] = False  # "auto": this job's newest checkpoint if the workspace has one, else start fresh
     # folders relative paths in the job are resolved against (cwd first, as SINGA)
     base_dirs: list[Path] = field(default_factory=lambda: [Path.cwd()])
     log: Callable[[str], None] = print
@@ -56,49 +52,32 @@ def resolve_workspace(job: job_pb2.JobProto, override: Optional[Path]) -> Path:
     return Path(f"{job.name or 'job'}-workspace")
 
 
-def _prepare_workspace(workspace: Path, resume: bool) -> Optional[Path]:
-    """Refuse to clobber an earlier run; return the checkpoint to resume from, if any."""
-    existing = ckpt_io.latest(workspace)
-    if resume:
-        if existing is None:
-            raise WorkspaceError(f"{workspace}: no checkpoint to resume from")
-        return existing
-    if existing is not None:
-        raise WorkspaceError(
-            f"{workspace} already holds checkpoints (newest: {existing.name}); "
-            "use --resume to continue that run or --workspace to start a new one"
-        )
-    metrics = workspace / "metrics.jsonl"
-    if metrics.exists():  # an earlier run that died before its first checkpoint: keep its metrics
-        n = 1
-        while metrics.with_name(f"metrics.jsonl.{n}").exists():
-            n += 1
-        metrics.rename(metrics.with_name(f"metrics.jsonl.{n}"))
-    return None
-
-
 def train_job(job: job_pb2.JobProto, options: RunOptions, job_file: str = "<python>") -> History:
     """Plan, then train as the cluster section says; the job is registered for `shoal jobs` while it runs."""
-    plan = plan_job(job, nnodes=options.nodes.nnodes if options.nodes else 1)
+    launched = elastic.launched_process(nodes_given=options.nodes is not None)  # torchrun, srun, ...: run one rank
+    plan = plan_job(job, nnodes=launched.nnodes if launched else options.nodes.nnodes if options.nodes else 1)
     if job.tensorboard:
         require_tensorboard()
     workspace = resolve_workspace(job, options.workspace)
-    resume_from = _prepare_workspace(workspace, options.resume)
-    record = job_registry.register(job.name, job_file, workspace)
-    try:
-        history = _train(plan, options, workspace, resume_from, record)
-    except KeyboardInterrupt:
-        job_registry.finish(record, "killed", "interrupted")
-        raise
-    except BaseException as err:
-        job_registry.finish(record, "failed", str(err).splitlines()[0] if str(err) else type(err).__name__)
-        raise
-    job_registry.finish(record, "finished")
-    return history
+    if launched is not None and (launched.world_size > 1 or plan.nprocs > 1):
+        return elastic.train_launched(plan, options, launched, job_file, workspace)
+    claim(workspace)
+    with WorkspaceLock(workspace, job.name):
+        resume_from = prepare(workspace, elastic.resolve_resume(workspace, options.resume, job), options.log)
+        record = job_registry.register(job.name, job_file, workspace)
+        try:
+            history = _train(plan, options, workspace, resume_from, record)
+        except KeyboardInterrupt:
+            job_registry.finish(record, "killed", "interrupted")
+            raise
+        except BaseException as err:
+            job_registry.finish(record, "failed", str(err).splitlines()[0] if str(err) else type(err).__name__)
+            raise
+        job_registry.finish(record, "finished")
+        return history
 
 
 def _train(plan: JobPlan, options: RunOptions, workspace: Path, resume_from: Optional[Path], record: job_registry.JobRecord) -> History:
-    workspace.mkdir(parents=True, exist_ok=True)
     (workspace / "job.conf").write_text(text_format.MessageToString(plan.job))
     spec = RunSpec(workspace, options.base_dirs, resume_from, options.log, options.progress, options.initial_values)
     if plan.in_one_process and options.nodes is None:

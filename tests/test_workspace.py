@@ -1,0 +1,106 @@
+"""Nothing lost: one run per workspace, never a user's files overwritten, damaged checkpoints never trained on."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def shoal(*args, cwd=None, env=None, timeout=180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shoal", *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=timeout)
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_a_second_run_on_a_workspace_in_use_is_refused_naming_the_job(blobs_job, tmp_path):
+    job, ws = blobs_job(train_steps=400), tmp_path / "ws"
+    slow = dict(os.environ, SHOAL_SLOW_WORKER="0:0+0.05")  # 50 ms a step: the first run holds the workspace ~20 s
+    first = subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(ws), "--no-progress"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=slow)
+    try:
+        lock = ws / ".shoal" / "lock"
+        deadline = time.monotonic() + 60
+        while not (lock.is_file() and '"pid"' in lock.read_text()):
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.stderr else ""
+            time.sleep(0.2)
+        line = one_line_error(shoal("run", job, "--workspace", ws, "--no-progress"))
+        assert "is in use by job 'blobs-mlp'" in line and f"pid {first.pid}" in line
+    finally:
+        first.kill()
+        first.wait()
+    # the kernel released the killed run's lock: the workspace goes on with --resume or is refused for its checkpoints
+    proc = shoal("run", job, "--workspace", ws, "--no-progress")
+    assert "in use" not in proc.stderr
+
+
+def test_a_folder_with_the_users_files_is_never_written_into(blobs_job, tmp_path):
+    job = blobs_job(train_steps=4)
+    commented = "# my notes\n" + job.read_text()
+    job.write_text(commented)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    line = one_line_error(shoal("run", "job.conf", "--workspace", ".", cwd=tmp_path))
+    assert "holds files shoal did not write (job.conf" in line
+    assert job.read_text() == commented and sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("where", ["/", "~", "a-file"])
+def test_places_no_run_should_write_into_are_refused(blobs_job, tmp_path, where):
+    job = blobs_job(train_steps=2)
+    (tmp_path / "a-file").write_text("mine\n")
+    target = str(tmp_path / where) if where == "a-file" else where
+    env = dict(os.environ, HOME=str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    line = one_line_error(shoal("run", job, "--workspace", os.path.expanduser(target) if where != "~" else tmp_path / "home", env=env))
+    assert {"/": "filesystem root", "~": "home directory", "a-file": "is not a folder"}[where] in line
+    assert (tmp_path / "a-file").read_text() == "mine\n"
+
+
+def damage(path: Path) -> None:
+    """Overwrite 4,000 bytes of a checkpoint's tensor data (past the safetensors header)."""
+    data = bytearray(path.read_bytes())
+    header = int.from_bytes(data[:8], "little") + 8
+    start = header + (len(data) - header) // 3
+    data[start : start + 4000] = os.urandom(min(4000, len(data) - start))
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_checkpoint_is_refused_and_resume_falls_back_to_the_newest_good_one(blobs_job, tmp_path):
+    job, ws = blobs_job(train_steps=6, extra="checkpoint_freq: 2"), tmp_path / "ws"
+    assert shoal("run", job, "--workspace", ws, "--no-progress").returncode == 0
+    newest = ws / "checkpoint" / "step6-worker0.safetensors"
+    damage(newest)
+    line = one_line_error(shoal("run", job, "--test", "--checkpoint", newest, "--workspace", ws))
+    assert str(newest) in line and "damaged checkpoint" in line
+    (ws / "checkpoint" / "step4-worker0.safetensors.tmp").write_bytes(b"x" * 1000)  # a write a kill interrupted
+    proc = shoal("run", job, "--workspace", ws, "--resume", "--no-progress", "--set", "train_steps=8")
+    assert proc.returncode == 0, proc.stderr
+    assert "WARNING" in proc.stderr and "step6-worker0" in proc.stderr and "WARNING" not in proc.stdout
+    assert "Resume from checkpoint file" in proc.stdout and "step4-worker0" in proc.stdout
+    assert not (ws / "checkpoint" / "step4-worker0.safetensors.tmp").exists()
+
+
+def test_no_readable_checkpoint_is_one_line(blobs_job, tmp_path):
+    job, ws = blobs_job(train_steps=2), tmp_path / "ws"
+    assert shoal("run", job, "--workspace", ws, "--no-progress").returncode == 0
+    for path in (ws / "checkpoint").glob("*.safetensors"):
+        damage(path)
+    line = one_line_error(shoal("run", job, "--workspace", ws, "--resume", "--no-progress"))
+    assert "no readable checkpoint to resume from" in line
+
+
+def test_the_workspace_is_marked_as_shoals(blobs_job, tmp_path):
+    ws = tmp_path / "ws"
+    assert shoal("run", blobs_job(train_steps=2), "--workspace", ws, "--no-progress").returncode == 0
+    assert json.loads((ws / ".shoal" / "workspace.json").read_text())["created_by"] == "shoal"
