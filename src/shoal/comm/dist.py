@@ -18,6 +18,7 @@ import datetime
 import os
 import socket
 import threading
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,15 +40,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def init(rank: int, world_size: int, host: str, port: int, interface: str = "lo", timeout_s: float | None = None) -> None:
+def init(rank: int, world_size: int, host: str, port: int, interface: Optional[str] = "lo", timeout_s: float | None = None,
+         backend: str = "gloo") -> None:
     """Join the job's process group; rank 0 hosts the rendezvous store on host:port.
 
     Nothing listens beyond `interface` (loopback unless the user names one for several hosts):
     the store's socket is bound to `host` here and handed to c10d (which would otherwise listen
-    on every interface), and gloo's own connections use `interface`.
+    on every interface), and gloo's own connections use `interface` (None: as GLOO_SOCKET_IFNAME
+    says, else gloo's own choice, the interface of this host's name).
     """
-    global _store
-    os.environ["GLOO_SOCKET_IFNAME"] = interface
     timeout = datetime.timedelta(seconds=timeout_s or timeout_seconds())
     listen_fd = None
     if rank == 0:
@@ -57,8 +58,70 @@ def init(rank: int, world_size: int, host: str, port: int, interface: str = "lo"
         sock.listen(128)
         listen_fd = sock.detach()  # c10d owns the socket from here on
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=listen_fd)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    _join(store, rank, world_size, interface, timeout, backend)
+
+
+def init_with_agent_store(rank: int, world_size: int, host: str, port: int, attempt: int, interface: Optional[str] = None,
+                          timeout_s: float | None = None, backend: str = "gloo") -> None:
+    """Join a process group whose store torchrun's elastic agent hosts at host:port (every rank is a client).
+
+    The agent's store outlives a restart of the job's processes: each attempt's keys get their own prefix.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s or timeout_seconds())
+    client = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    _join(dist.PrefixStore(f"/shoal/attempt_{attempt}", client), rank, world_size, interface, timeout, backend)
+
+
+def _join(store, rank: int, world_size: int, interface: Optional[str], timeout: datetime.timedelta, backend: str) -> None:
+    global _store
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     _store = store
+
+
+def process_group_backend(rank_devices: Sequence[Sequence[str]], rank_nodes: Sequence[int], nccl_usable: bool) -> str:
+    """The process group's backend: NCCL for CUDA tensors when every process computes only on its own GPUs, else gloo.
+
+    rank_devices: the devices of each rank's workers; rank_nodes: the node each rank runs on. NCCL
+    needs every process to hold a GPU of its own (two processes on one GPU are refused by NCCL), so
+    a process without workers (a separate server) or with a CPU worker keeps the whole group on
+    gloo. With NCCL, CPU tensors still travel over gloo ("cpu:gloo,cuda:nccl": torch picks by the
+    tensor's device), so host-memory staging goes on working.
+    """
+    if not nccl_usable or not rank_devices:
+        return "gloo"
+    gpus_taken: set[tuple[int, str]] = set()
+    for devices, node in zip(rank_devices, rank_nodes):
+        if not devices or not all(d.startswith("cuda") for d in devices):
+            return "gloo"
+        mine = {(node, d if ":" in d else "cuda:0") for d in devices}
+        if mine & gpus_taken:
+            return "gloo"
+        gpus_taken |= mine
+    return "cpu:gloo,cuda:nccl"
+
+
+def nccl_usable() -> bool:
+    """This build has NCCL and this host a CUDA device."""
+    return dist.is_nccl_available() and torch.cuda.is_available()
+
+
+def backend_name() -> str:
+    """The backend the process group was made with ("gloo", or "cpu:gloo,cuda:nccl")."""
+    return str(dist.get_backend()) if dist.is_initialized() else "none"
+
+
+def publish(key: str, value: str) -> None:
+    """Set `key` in the job's store (read by every rank with `read_published`)."""
+    _store.set(f"shoal/published/{key}", value)
+
+
+def read_published(key: str, timeout_s: float) -> str:
+    """The value another rank published under `key`, waiting up to `timeout_s` for it."""
+    name = f"shoal/published/{key}"
+    _store.wait([name], datetime.timedelta(seconds=timeout_s))
+    return _store.get(name).decode()
 
 
 def _enter() -> None:

@@ -43,6 +43,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("job", nargs="?", type=Path, help="job file: job.conf (protobuf text) or job.yaml; or a Python script (.py)")
     p.add_argument("-conf", dest="conf", type=Path, help=argparse.SUPPRESS)  # SINGA's singa-run.sh spelling
     p.add_argument("--resume", "-resume", action="store_true", help="continue from the workspace's newest checkpoint")
+    p.add_argument("--resume=auto", dest="resume", action="store_const", const="auto", default=False,
+                   help="continue from this job's newest checkpoint if its workspace has one, else start fresh "
+                   "(for restarts by torchrun --max-restarts, Slurm or Kubernetes; never another job's checkpoints)")
     p.add_argument("--test", "-test", action="store_true", help="test only: load checkpoint_path (or the newest checkpoint) and run test_steps batches")
     p.add_argument("--workspace", type=Path, help="folder for checkpoints and metrics (overrides cluster.workspace)")
     p.add_argument("--checkpoint", type=Path, help="with --test: the checkpoint file to test")

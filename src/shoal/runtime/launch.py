@@ -9,13 +9,22 @@ group 0 (the chief: it tests, displays and writes checkpoints); every process
 logs to WORKSPACE/logs/rank<R>.log. If a process dies, torch's process context
 terminates the others on its node, the others time out of their collectives,
 and each parent reports which rank failed.
+
+Started by a launcher instead (torchrun, srun, a PyTorchJob: shoal.runtime.launchers),
+each process runs only its own rank (`run_launched`): the same per-rank path
+(`rank_output`, `join_world`, `run_rank`), with rank 0 starting the job once
+every rank has joined.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 import signal
+import socket
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -29,6 +38,7 @@ from shoal.planning.plan import JobPlan, plan_job
 from shoal.report.metrics import read_metrics
 from shoal.report.run_log import Terminated, mark_run_ended
 from shoal.runtime.assemble import RunSpec, run_process
+from shoal.runtime.launchers import LaunchedProcess
 from shoal.runtime.trainer import History
 
 LOOPBACK = "127.0.0.1"  # one host: nothing listens beyond loopback
@@ -75,34 +85,114 @@ def describe_process(plan: JobPlan, rank: int) -> str:
     return f"process {rank} ({', '.join(members)})"
 
 
-def _entry(local_index: int, ranks: list[int], world: int, nodes: Nodes, job_bytes: bytes, workspace: str,
-           resume_from: Optional[str], base_dirs: list[str], process_setup: Optional[Callable[[], None]] = None,
-           initial_values: Optional[Callable] = None) -> None:
-    """A spawned process: join the world, plan the job (deterministic: every process plans the same) and run its rank."""
-    rank = ranks[local_index]
+@contextmanager
+def rank_output(workspace: Path, rank: int):
+    """WORKSPACE/logs/rank<R>.log: the chief talks to the terminal (and copies its lines there); every other
+    rank writes only to its file. Afterwards stderr is given back, so that a failure's one line reaches the terminal."""
     log_dir = Path(workspace) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     log_file = open(log_dir / f"rank{rank}.log", "a", buffering=1)
-    if rank != 0:  # the chief talks to the terminal; the others to their log files
+    saved_stderr = sys.stderr
+    if rank != 0:
         sys.stdout = sys.stderr = log_file
-    comm.init(rank, world, nodes.master_host, nodes.master_port, nodes.interface)
     try:
+        yield log_file
+    finally:
+        sys.stderr = saved_stderr
+
+
+def chief_log(rank: int, log_file) -> Callable[[str], None]:
+    """How a rank says a line: the chief to the terminal and its log file, the others to their log file (their stdout)."""
+    if rank != 0:
+        return print
+    return lambda line: (print(line), log_file.write(line + "\n"))
+
+
+def join_world(plan: JobPlan, rank: int, world: int, ranks_per_node: int, host: str, port: int,
+               interface: Optional[str], agent_store_attempt: Optional[int] = None) -> None:
+    """Join the job's process group (NCCL for CUDA tensors where every process has GPUs of its own, else gloo)."""
+    backend = comm.process_group_backend(plan.devices, [r // max(1, ranks_per_node) for r in range(world)], comm.nccl_usable())
+    if agent_store_attempt is None:
+        comm.init(rank, world, host, port, interface, backend=backend)
+    else:
+        comm.init_with_agent_store(rank, world, host, port, agent_store_attempt, interface, backend=backend)
+
+
+def run_rank(plan: JobPlan, rank: int, spec: RunSpec) -> History:
+    """run_process for a rank of a world; a failed collective becomes StalledPeer naming who stopped answering."""
+    world = plan.nprocs
+    try:
+        return run_process(plan, rank, spec)
+    except RuntimeError as err:  # a collective failed: find who stopped answering
+        progress = comm.progress(world)
+        calls, step = progress[rank]
+        behind = [r for r, (c, _) in progress.items() if r != rank and c < calls]
+        if behind:
+            who = "; ".join(f"{describe_process(plan, r)} stopped answering at step {progress[r][1]}" for r in behind)
+            raise StalledPeer(f"{who} (process {rank} waited {comm.timeout_seconds():.0f} s at step {step})") from None
+        raise RuntimeError(f"{str(err).splitlines()[0]}") from None
+
+
+def _entry(local_index: int, ranks: list[int], world: int, nodes: Nodes, job_bytes: bytes, workspace: str,
+           resume_from: Optional[str], base_dirs: list[str], process_setup: Optional[Callable[[], None]] = None,
+           initial_values: Optional[Callable] = None) -> None:
+    """A spawned process: plan the job (deterministic: every process plans the same), join the world and run its rank."""
+    rank = ranks[local_index]
+    with rank_output(Path(workspace), rank) as log_file:
         if process_setup is not None:
             process_setup()
         plan = plan_job(decode_job(job_bytes), nnodes=nodes.nnodes)  # decode_job: the job's plugins first
-        say = (lambda line: (print(line), log_file.write(line + "\n"))) if rank == 0 else print
-        spec = RunSpec(Path(workspace), [Path(d) for d in base_dirs], Path(resume_from) if resume_from else None,
-                       log=say, progress=False, initial_values=initial_values)
+        join_world(plan, rank, world, -(-world // nodes.nnodes), nodes.master_host, nodes.master_port, nodes.interface)
         try:
-            run_process(plan, rank, spec)
-        except RuntimeError as err:  # a collective failed: find who stopped answering
-            progress = comm.progress(world)
-            calls, step = progress[rank]
-            behind = [r for r, (c, _) in progress.items() if r != rank and c < calls]
-            if behind:
-                who = "; ".join(f"{describe_process(plan, r)} stopped answering at step {progress[r][1]}" for r in behind)
-                raise StalledPeer(f"{who} (process {rank} waited {comm.timeout_seconds():.0f} s at step {step})") from None
-            raise RuntimeError(f"{str(err).splitlines()[0]}") from None
+            spec = RunSpec(Path(workspace), [Path(d) for d in base_dirs], Path(resume_from) if resume_from else None,
+                           log=chief_log(rank, log_file), progress=False, initial_values=initial_values)
+            run_rank(plan, rank, spec)
+        finally:
+            comm.shutdown()
+
+
+def run_launched(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
+                 start: Callable[[list[dict]], Optional[Path]], spec_for: Callable[[Optional[Path], Callable[[str], None]], RunSpec],
+                 ) -> History:
+    """This process's rank of a world a launcher (torchrun, srun, ...) started.
+
+    Every rank joins the world first; rank 0 then starts the job (`start`: prepares the workspace, registers
+    the job, given every rank's host and pid; returns the checkpoint to resume from) and publishes its word
+    in the store, which the other ranks wait for: nobody touches the workspace's checkpoints or metrics
+    before rank 0 has decided what they are. A failure becomes one line naming the rank.
+    """
+    rank, world = launched.rank, launched.world_size
+    wait_s = max(comm.timeout_seconds(), 60.0)
+    try:
+        join_world(plan, rank, world, launched.local_world_size, launched.master_addr, launched.master_port,
+                   "lo" if launched.on_loopback else None, launched.restart if launched.agent_store else None)
+    except (RuntimeError, ValueError, OSError) as err:  # torch's store and gloo errors: their first line is the story
+        raise ProcessFailed(f"process {rank}: cannot join the job's processes at {launched.master_addr}:{launched.master_port}: "
+                            f"{comm.describe_error(err)}") from None
+    try:
+        comm.publish(f"process/{rank}", json.dumps({"rank": rank, "host": socket.gethostname(), "pid": os.getpid()}))
+        if rank == 0:
+            try:
+                processes = [json.loads(comm.read_published(f"process/{r}", wait_s)) for r in range(world)]
+                resume_from = start(processes)
+            except BaseException as err:
+                comm.publish("start", json.dumps({"error": str(err).splitlines()[0] if str(err) else type(err).__name__}))
+                raise
+            comm.publish("start", json.dumps({"resume_from": str(resume_from) if resume_from else ""}))
+        else:
+            word = json.loads(comm.read_published("start", wait_s))
+            if "error" in word:
+                raise ProcessFailed(f"process {rank}: process 0 did not start the job: {word['error']}")
+            resume_from = Path(word["resume_from"]) if word["resume_from"] else None
+        with rank_output(workspace, rank) as log_file:  # after rank 0's word: it decides what the workspace holds
+            return run_rank(plan, rank, spec_for(resume_from, chief_log(rank, log_file)))
+    except ShoalError:
+        raise
+    except StalledPeer as err:
+        raise ProcessFailed(f"{err}; see {workspace}/logs") from None
+    except RuntimeError as err:
+        raise ProcessFailed(f"{describe_process(plan, rank)} failed: {comm.describe_error(err)}; "
+                            f"see {workspace}/logs/rank{rank}.log") from None
     finally:
         comm.shutdown()
 

@@ -1,0 +1,140 @@
+"""Jobs whose processes a launcher started (torchrun, srun, a PyTorchJob), and restarts with `--resume=auto`.
+
+A launched process runs only its own rank (`train_launched`): every rank joins
+the world, rank 0 claims and locks the workspace, decides what to resume from,
+registers the job and says so through the store; the others wait for its word
+before they write anything. The launcher restarts failed processes
+(torchrun's --max-restarts, Slurm's --requeue, a Job's backoffLimit); with
+`--resume=auto` each start continues from this job's newest readable
+checkpoint, or starts fresh when there is none. It never continues another
+job's checkpoints: the workspace's job copy (job.conf, written at every
+start) must be the same job: same name, net, algorithm and updater.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional, Union
+
+from google.protobuf import text_format
+
+from shoal.config import job_pb2
+from shoal.errors import ShoalError
+from shoal.neuralnet import checkpoint as ckpt_io
+from shoal.planning.plan import JobPlan
+from shoal.runtime import job_registry, launchers
+from shoal.runtime.assemble import RunSpec
+from shoal.runtime.trainer import History
+from shoal.runtime.workspace import WorkspaceError, WorkspaceLock, claim, prepare
+
+if TYPE_CHECKING:
+    from shoal.runtime.run_job import RunOptions
+
+JOB_COPY = "job.conf"  # the job as the workspace's run was started
+
+
+class LaunchMismatch(ShoalError, ValueError):
+    """A launcher started a world whose size is not the number of processes the job's layout has."""
+
+
+def launched_process(nodes_given: bool) -> Optional[launchers.LaunchedProcess]:
+    """This process's place in a launched world (None: shoal starts the processes); refuses --nnodes under a launcher."""
+    launched = launchers.detect(os.environ)
+    if launched is not None and nodes_given:
+        raise launchers.LauncherEnvError(f"started by {launched.launcher} ({launched.describe()}): "
+                                         "the launcher places the processes; drop --nnodes/--hostfile")
+    return launched
+
+
+def resolve_resume(workspace: Path, resume: Union[bool, str], job: job_pb2.JobProto) -> bool:
+    """--resume=auto as --resume when the workspace holds this job's checkpoints, else as a fresh start."""
+    if resume != "auto":
+        return bool(resume)
+    if not ckpt_io.list_checkpoints(workspace):
+        return False
+    check_same_job(workspace, job)
+    return True
+
+
+def job_identity(job: job_pb2.JobProto) -> job_pb2.JobProto:
+    """What makes two runs the same job: its name, net, algorithm and updater (not its layout, steps or frequencies)."""
+    same = job_pb2.JobProto(name=job.name)
+    same.neuralnet.CopyFrom(job.neuralnet)
+    same.train_one_batch.CopyFrom(job.train_one_batch)
+    same.updater.CopyFrom(job.updater)
+    return same
+
+
+IDENTITY_FIELDS = ("name", "neuralnet", "train_one_batch", "updater")
+
+
+def check_same_job(workspace: Path, job: job_pb2.JobProto) -> None:
+    """The workspace's checkpoints were written by this job (its job copy says so), else one line refusing them."""
+    copy = Path(workspace) / JOB_COPY
+    refuse = f"{workspace}: --resume=auto found checkpoints of {{}}; it continues only this job's own (give --workspace for a new run)"
+    try:
+        stored = text_format.Parse(copy.read_text(), job_pb2.JobProto())
+    except FileNotFoundError:
+        raise WorkspaceError(refuse.format(f"an unknown job (no {JOB_COPY} beside them)")) from None
+    except (text_format.ParseError, UnicodeDecodeError):
+        raise WorkspaceError(refuse.format(f"another job ({copy} does not read as this job's)")) from None
+    theirs, ours = job_identity(stored), job_identity(job)
+    if theirs != ours:
+        if stored.name != job.name:
+            raise WorkspaceError(refuse.format(f"job {stored.name!r}"))
+        differs = next(f for f in IDENTITY_FIELDS if getattr(theirs, f) != getattr(ours, f))
+        raise WorkspaceError(refuse.format(f"a job {job.name!r} whose {differs} differs"))
+
+
+def write_job_copy(plan: JobPlan, workspace: Path) -> None:
+    (Path(workspace) / JOB_COPY).write_text(text_format.MessageToString(plan.job))
+
+
+def train_launched(plan: JobPlan, options: "RunOptions", launched: launchers.LaunchedProcess, job_file: str,
+                   workspace: Path) -> History:
+    """This rank of a job whose processes a launcher started; rank 0 prepares and registers the job."""
+    from shoal.runtime.launch import run_launched
+
+    if launched.world_size != plan.nprocs:
+        raise LaunchMismatch(
+            f"{launched.launcher} started {launched.world_size} process{'es' if launched.world_size > 1 else ''} "
+            f"({launched.world_variable}={launched.world_size}) "
+            f"but the job's layout, {plan.label}, has {plan.nprocs} processes (see `shoal plan`)")
+    record: Optional[job_registry.JobRecord] = None
+    lock: Optional[WorkspaceLock] = None
+
+    def start(processes: list[dict]) -> Optional[Path]:
+        nonlocal record, lock
+        claim(workspace)
+        lock = WorkspaceLock(workspace, plan.job.name).__enter__()  # held by rank 0 until the run ends
+        resume_from = prepare(workspace, resolve_resume(workspace, options.resume, plan.job), options.log)
+        record = job_registry.register(plan.job.name, job_file, workspace)
+        record.processes = processes
+        record.save()
+        write_job_copy(plan, workspace)
+        restart = f", restart {launched.restart} of {launched.max_restarts}" if launched.restart else ""
+        options.log(f"Job {record.id}: {plan.label}, {plan.nprocs} processes started by {launched.launcher}{restart}; "
+                    f"logs in {workspace / 'logs'}" + (f"; resuming from {resume_from.name}" if resume_from else ""))
+        return resume_from
+
+    def spec_for(resume_from: Optional[Path], log: Callable[[str], None]) -> RunSpec:
+        return RunSpec(workspace, options.base_dirs, resume_from, log, progress=False, initial_values=options.initial_values)
+
+    try:
+        history = run_launched(plan, launched, workspace, start, spec_for)
+    except KeyboardInterrupt:
+        _finish(record, "killed", "interrupted")
+        raise
+    except BaseException as err:
+        _finish(record, "failed", str(err).splitlines()[0] if str(err) else type(err).__name__)
+        raise
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
+    _finish(record, "finished")
+    return history
+
+
+def _finish(record: Optional[job_registry.JobRecord], status: str, message: str = "") -> None:
+    if record is not None:  # rank 0 registered the job; the other ranks have nothing to record
+        job_registry.finish(record, status, message)
