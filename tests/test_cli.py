@@ -125,6 +125,10 @@ def test_a_dying_process_stops_the_job_with_one_line_naming_it(blobs_job, tmp_pa
     assert time.monotonic() - start < 60
     assert_one_line_error(proc, "process 1 (worker(group=0, id=1))", "exited with code 3", "rank1.log")
     assert_ran(tmp_path / "ws", layout)
+    import json
+
+    summary = json.loads((tmp_path / "ws" / "summary.json").read_text())  # the launcher says what the chief could not
+    assert summary["status"] == "failed" and "process 1" in summary["reason"]
     assert leftover_processes(tmp_path) == []
 
 

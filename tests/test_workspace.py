@@ -104,3 +104,17 @@ def test_the_workspace_is_marked_as_shoals(blobs_job, tmp_path):
     ws = tmp_path / "ws"
     assert shoal("run", blobs_job(train_steps=2), "--workspace", ws, "--no-progress").returncode == 0
     assert json.loads((ws / ".shoal" / "workspace.json").read_text())["created_by"] == "shoal"
+
+
+def test_a_diverging_run_stops_at_the_step_and_writes_no_non_finite_checkpoint(blobs_job, tmp_path):
+    job, ws = blobs_job(train_steps=40, extra="checkpoint_freq: 10"), tmp_path / "ws"
+    proc = shoal("run", job, "--workspace", ws, "--no-progress", "--set", "updater.learning_rate.base_lr=1e30")
+    line = one_line_error(proc)
+    assert line.startswith("step ") and ("is nan" in line or "is inf" in line), line
+    import torch
+    from safetensors.torch import load_file
+
+    for path in (ws / "checkpoint").glob("*.safetensors"):
+        assert all(torch.isfinite(v).all() for k, v in load_file(str(path)).items() if k.startswith("param/")), path
+    summary = json.loads((ws / "summary.json").read_text())
+    assert summary["status"] == "failed"

@@ -31,6 +31,10 @@ class MetricWindow:
     def averages(self) -> dict[str, float]:
         return {k: self._sums[k] / self._counts[k] for k in self._sums if self._counts[k]}
 
+    def non_finite(self) -> dict[str, float]:
+        """The metrics whose sum became NaN or infinite (a diverged loss stays so until the window resets)."""
+        return {k: v for k, v in self._sums.items() if not math.isfinite(v)}
+
     def reset(self) -> None:
         self._sums.clear()
         self._counts.clear()

@@ -39,6 +39,6 @@ def end_status(error: BaseException | None) -> str:
     return "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
 
 
-def mark_run_ended(workspace: Path, error: BaseException) -> None:
+def mark_run_ended(workspace: Path, error: BaseException, reason: str | None = None) -> None:
     """The launcher's word on how a run ended, for a chief process killed before it could say."""
-    mark_ended(workspace, Path(workspace) / METRICS_FILE, end_status(error))
+    mark_ended(workspace, Path(workspace) / METRICS_FILE, end_status(error), reason)

@@ -182,8 +182,8 @@ class SummaryFile:
         _write(self.path, summary)
 
 
-def mark_ended(workspace: Path, metrics_path: Path, status: str) -> None:
-    """Say how a run ended when its chief could not: a signal killed it mid-step.
+def mark_ended(workspace: Path, metrics_path: Path, status: str, reason: str | None = None) -> None:
+    """Say how a run ended when its chief could not: a signal killed it mid-step, or another process died.
 
     Only a summary still saying `running` changes (a chief that closed its log knew
     better); its numbers are brought up to the last record of metrics.jsonl.
@@ -194,6 +194,8 @@ def mark_ended(workspace: Path, metrics_path: Path, status: str) -> None:
         return
     records = read_metrics(metrics_path) if Path(metrics_path).exists() else []
     summary.update(summarize(records), status=status, updated=_iso(time.time()))
+    if reason:
+        summary["reason"] = reason
     _write(path, summary)
 
 

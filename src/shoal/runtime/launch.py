@@ -238,6 +238,14 @@ def _wait_for_exit(processes, grace: float = 5.0) -> None:
             proc.join()
 
 
+def _failed(message: str, workspace: Path, ranks: list[int]) -> ProcessFailed:
+    """The job failed: the chief may have been stopped before it could say so in summary.json; say it for it."""
+    error = ProcessFailed(message)
+    if 0 in ranks:
+        mark_run_ended(workspace, error, reason=message)
+    return error
+
+
 def run_processes(
     plan: JobPlan,
     spec: RunSpec,
@@ -288,13 +296,13 @@ def run_processes(
         if rank == 0 and last.startswith("BrokenPipeError"):  # the chief writes to our stdout: its reader went away
             raise BrokenPipeError(last) from None
         if last.startswith(f"{__name__}.StalledPeer: "):
-            raise ProcessFailed(last.split(": ", 1)[1] + f"; see {workspace}/logs") from None
-        raise ProcessFailed(f"{describe_process(plan, rank)} failed: {last}; see {workspace}/logs/rank{rank}.log") from None
+            raise _failed(last.split(": ", 1)[1] + f"; see {workspace}/logs", workspace, ranks) from None
+        raise _failed(f"{describe_process(plan, rank)} failed: {last}; see {workspace}/logs/rank{rank}.log", workspace, ranks) from None
     except mp.ProcessExitedException as err:
         rank = ranks[err.error_index]
-        raise ProcessFailed(
+        raise _failed(
             f"{describe_process(plan, rank)} exited with code {err.exit_code}; "
-            f"the other processes were stopped; see {workspace}/logs/rank{rank}.log"
+            f"the other processes were stopped; see {workspace}/logs/rank{rank}.log", workspace, ranks
         ) from None
     history = History(workspace)
     if 0 in ranks:  # the chief's node holds the metrics

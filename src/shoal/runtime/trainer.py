@@ -30,6 +30,7 @@ from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.planning.balance import ShareBalancer
 from shoal.config import job_pb2
 from shoal.config.phases import fires
+from shoal.errors import ShoalError
 from shoal.neuralnet.layers.base import Context
 from shoal.report.metrics import MetricsLog, MetricWindow, display_line
 from shoal.neuralnet.net import NeuralNet
@@ -40,6 +41,10 @@ from shoal.runtime.interfaces import Exchange, GroupMember, TrainerHook
 from shoal.runtime.partitioned import PartitionedGroup
 from shoal.runtime.replicas import DeviceReplicas, torch_device
 from shoal.runtime.worker import Worker
+
+
+class Diverged(ShoalError, RuntimeError):
+    """The loss or the params became NaN or infinite: the run stops instead of training on (or saving) them."""
 
 
 @dataclass
@@ -225,6 +230,9 @@ class Trainer:
         updater_state = self.exchange.updater_state() if self.exchange else {}
         if not self.chief:
             return None
+        bad = [name for name, value in self.store.values.items() if not torch.isfinite(value).all()]
+        if bad:
+            raise Diverged(f"step {step}: param {bad[0]} holds NaN or infinite values; no checkpoint written")
         trainer = {
             "job": self.job.name,
             "cursors": {str(k): v for k, v in self.cursors.items()},
@@ -371,6 +379,11 @@ class Trainer:
             self.window_samples += self.train_step(step)
             for hook in self.hooks:
                 hook.after_step(step)
+            diverged = self.window.non_finite()
+            if diverged:
+                name, value = next(iter(diverged.items()))
+                raise Diverged(f"step {step}: {name} is {value} (group {self.group}); stopped before training on or saving "
+                               "non-finite params: lower the learning rate or check the data")
             if fires(job.disp_freq, job.disp_after, step):
                 now = time.perf_counter()
                 values = self.exchange.metrics(self.window)
