@@ -22,6 +22,7 @@ import torch
 
 import shoal
 from layouts import LAYOUTS, assert_ran
+from shoal.comm.dist import process_group_backend
 from shoal.errors import ShoalError
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.report.metrics import read_metrics
@@ -256,3 +257,39 @@ def test_env_rendezvous_and_slurm_environments_are_read():
 def test_inconsistent_launcher_environments_are_named(env, complaint):
     with pytest.raises(LauncherEnvError, match=re.escape(complaint)):
         detect(env)
+
+
+# -- NCCL or gloo ----------------------------------------------------------------------------------
+NCCL = "cpu:gloo,cuda:nccl"
+
+
+@pytest.mark.parametrize("devices, nodes, backend", [
+    ([["cuda:0"], ["cuda:1"]], [0, 0], NCCL),  # one GPU each on one host
+    ([["cuda:0"], ["cuda:0"]], [0, 1], NCCL),  # the same index on two hosts: two GPUs
+    ([["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]], [0, 0], NCCL),  # two workers (threads) per process
+    ([["cuda:0"], ["cuda:0"]], [0, 0], "gloo"),  # two processes on one GPU: NCCL refuses that
+    ([["cuda:0"], ["cpu"]], [0, 0], "gloo"),  # a CPU worker anywhere
+    ([["cuda:0", "cpu:1"], ["cuda:1"]], [0, 0], "gloo"),
+    ([["cuda:0"], ["cuda:1"], []], [0, 0, 0], "gloo"),  # a separate server process (no workers)
+    ([["cpu"], ["cpu"]], [0, 0], "gloo"),
+])
+def test_nccl_only_where_every_process_computes_on_gpus_of_its_own(devices, nodes, backend):
+    assert process_group_backend(devices, nodes, nccl_usable=True) == backend
+    assert process_group_backend(devices, nodes, nccl_usable=False) == "gloo"  # a build or host without NCCL/CUDA
+
+
+@pytest.mark.gpu
+def test_a_world_on_one_gpu_joins_with_nccl_and_reduces_cuda_tensors(tmp_path):
+    """One process on cuda:0 (NCCL forbids two ranks on one GPU, so more needs more GPUs): the group is made
+    with NCCL for CUDA tensors, and an all-reduce of a CUDA tensor goes through it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    script = (
+        "import torch; from shoal.comm import dist as comm\n"
+        "backend = comm.process_group_backend([['cuda:0']], [0], comm.nccl_usable())\n"
+        f"comm.init(0, 1, '127.0.0.1', {free_port()}, backend=backend)\n"
+        "t = torch.ones(3, device='cuda:0'); comm.all_reduce_sum(t); c = torch.ones(2); comm.all_reduce_sum(c)\n"
+        "print(comm.backend_name(), t.sum().item(), c.sum().item()); comm.shutdown()\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "nccl" in run.stdout and "3.0 2.0" in run.stdout
