@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import shoal
+from layouts import LAYOUTS
 from shoal.neuralnet.algorithms import back_propagation, register_algorithm
 from shoal.planning.placement import ParamSlice, place, slice_params
 from shoal.comm import dist as comm
@@ -86,11 +87,13 @@ def build(job_path: Path, tmp_path: Path, sliced: bool, cap: int = 40) -> Traine
 
 
 @pytest.mark.parametrize("alg", ["alg: kBP", 'alg: kUserAlg user_alg: "test-bp-without-hooks"'])
-@pytest.mark.parametrize("cluster", ["", "nworkers_per_group: 2 nworkers_per_procs: 2 nservers_per_group: 2 nservers_per_procs: 2"])
-def test_gradients_leave_during_backward_and_the_result_is_the_in_memory_one(blobs_job, tmp_path, one_rank_group, alg, cluster):
-    job = blobs_job(updater="type: kAdam")
-    job.write_text(job.read_text().replace("alg: kBP", alg).replace("cluster { }", f"cluster {{ {cluster} }}"))
+@pytest.mark.parametrize("layout", ["single worker", "in-memory Sandblaster, 2 threads, 2 server slices"])
+def test_gradients_leave_during_backward_and_the_result_is_the_in_memory_one(blobs_job, tmp_path, one_rank_group, alg, layout):
+    job = blobs_job(updater="type: kAdam", layout=layout)
+    assert "alg: kBP" in job.read_text()
+    job.write_text(job.read_text().replace("alg: kBP", alg))
     local, sliced = build(job, tmp_path, False), build(job, tmp_path, True)
+    assert len(sliced.workers) == LAYOUTS[layout].workers
     events: list[tuple[int, str]] = []
     send = sliced.exchange._send_gradients
     sliced.exchange._send_gradients = lambda r, b: (events.append((r.step, f"bucket {b.index}")), send(r, b))

@@ -20,22 +20,25 @@ from shoal.runtime.replicas import tree_reduce
 from shoal.planning.plan import UnsupportedClusterError
 
 from conftest import REPO
+from layouts import assert_ran
 
-THREADS = "nworkers_per_procs: {n} nworkers_per_group: {n}"
+THREADS = {2: "in-memory Sandblaster, 2 threads", 3: "in-memory Sandblaster, 3 threads (uneven 11+11+10)", 4: "in-memory Sandblaster, 4 threads"}
 
 
-def job_with(blobs_job, cluster: str = "", devices=(), batchsize=None, **kw):
+def job_with(blobs_job, layout: str = "single worker", devices=(), batchsize=None, **kw):
+    """The blobs job file on a row of tests/layouts.py, its workers on `devices`, the training batch split as `batchsize`."""
     extra = kw.pop("extra", "") + "".join(f' device: "{d}"' for d in devices)
-    path = blobs_job(extra=extra, **kw)
-    text = path.read_text().replace("cluster { }", f"cluster {{ {cluster} }}")
+    path = blobs_job(extra=extra, layout=layout, **kw)
     if batchsize:
-        text = text.replace("batchsize: 32", " ".join(f"batchsize: {b}" for b in batchsize), 1)
-    path.write_text(text)
+        text = path.read_text()
+        assert "batchsize: 32" in text
+        path.write_text(text.replace("batchsize: 32", " ".join(f"batchsize: {b}" for b in batchsize), 1))
     return path
 
 
-def trained_params(job, workspace, steps: int = 8):
+def trained_params(job, layout, workspace, steps: int = 8):
     shoal.train(job, workspace=workspace, log=lambda *a: None)
+    assert_ran(workspace, layout)
     return ckpt_io.load(ckpt_io.checkpoint_file(workspace, steps)).params
 
 
@@ -146,18 +149,19 @@ DEVICE_LAYOUTS = {
 def test_a_multi_device_group_trains_exactly_like_one_worker(blobs_job, tmp_path, layout):
     spec = DEVICE_LAYOUTS[layout]
     updater = "type: kNesterov momentum: 0.5 weight_decay: 0.001"
-    single = trained_params(job_with(blobs_job, train_steps=8, updater=updater, dropout=spec.get("dropout", False)), tmp_path / "single")
-    group_job = job_with(blobs_job, THREADS.format(n=spec["n"]), spec["devices"], spec.get("batchsize"), train_steps=8, updater=updater,
+    single = trained_params(job_with(blobs_job, train_steps=8, updater=updater, dropout=spec.get("dropout", False)), "single worker", tmp_path / "single")
+    group_job = job_with(blobs_job, THREADS[spec["n"]], spec["devices"], spec.get("batchsize"), train_steps=8, updater=updater,
                          dropout=spec.get("dropout", False))
-    group = trained_params(group_job, tmp_path / "group")
+    group = trained_params(group_job, THREADS[spec["n"]], tmp_path / "group")
     for name in single:
         torch.testing.assert_close(group[name], single[name], rtol=1e-5, atol=1e-6)
 
 
 def test_workers_on_replicas_in_several_processes_train_exactly_like_one_worker(blobs_job, tmp_path):
     """AllReduce over 2 processes, each worker on a device other than its process's params (host memory)."""
-    single = trained_params(job_with(blobs_job, train_steps=8), tmp_path / "single")
-    group = trained_params(job_with(blobs_job, "nworkers_per_group: 2 nservers_per_group: 2", ["cpu:1"], train_steps=8), tmp_path / "group")
+    layout = "AllReduce, 2 processes, 2 server slices"
+    single = trained_params(job_with(blobs_job, train_steps=8), "single worker", tmp_path / "single")
+    group = trained_params(job_with(blobs_job, layout, ["cpu:1"], train_steps=8), layout, tmp_path / "group")
     for name in single:
         torch.testing.assert_close(group[name], single[name], rtol=1e-5, atol=1e-6)
 
@@ -167,12 +171,13 @@ def test_auto_shares_follow_a_slowed_worker_and_never_change_the_maths(blobs_job
     """Worker 1 made three times slower per sample: the group settles on 24 + 8 rows, and the params
     after the run are the single worker's (the shares changed mid-run)."""
     steps = 40
-    single = trained_params(job_with(blobs_job, train_steps=steps), tmp_path / "single", steps)
-    job = job_with(blobs_job, THREADS.format(n=2) + " auto_batch_shares: true auto_batch_freq: 5", ["cpu:0", "cpu:1"], train_steps=steps)
+    single = trained_params(job_with(blobs_job, train_steps=steps), "single worker", tmp_path / "single", steps)
+    job = job_with(blobs_job, THREADS[2], ["cpu:0", "cpu:1"], train_steps=steps, cluster_extra=dict(auto_batch_shares=True, auto_batch_freq=5))
     env = dict(os.environ, SHOAL_SLOW_WORKER="0:0.0005,1:0.0015")
     proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "auto")],
                           capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
+    assert_ran(tmp_path / "auto", THREADS[2])
     assert "Batch shares from step" in proc.stdout
     records = [json.loads(line) for line in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
     final = [r["batch_shares"] for r in records if r["phase"] == "train"][-1]
@@ -183,7 +188,7 @@ def test_auto_shares_follow_a_slowed_worker_and_never_change_the_maths(blobs_job
 
 
 def test_auto_shares_are_refused_where_a_batch_cannot_be_re_split(blobs_job, tmp_path):
-    job = job_with(blobs_job, "nworkers_per_group: 2 auto_batch_shares: true", train_steps=2)
+    job = job_with(blobs_job, "AllReduce, 2 processes", train_steps=2, cluster_extra=dict(auto_batch_shares=True))
     with pytest.raises(UnsupportedClusterError, match="auto_batch_shares: the workers of a group must share one process"):
         shoal.train(job, workspace=tmp_path / "ws", log=lambda *a: None)
 
@@ -204,7 +209,7 @@ def test_bad_device_lists_are_refused_in_one_line_with_their_position(blobs_job,
 
 
 def test_plan_shows_each_workers_device_and_batch_share(blobs_job):
-    job = job_with(blobs_job, THREADS.format(n=2) + " auto_batch_shares: true", ["cuda:0", "cpu"], batchsize=[24, 8])
+    job = job_with(blobs_job, THREADS[2], ["cuda:0", "cpu"], batchsize=[24, 8], cluster_extra=dict(auto_batch_shares=True))
     out = subprocess.run([sys.executable, "-m", "shoal", "plan", str(job)], capture_output=True, text=True, timeout=60, cwd=REPO).stdout
     assert "worker (group 0, id 0) on cuda:0, batch share 24 (at start; measured at run time)" in out
     assert "worker (group 0, id 1) on cpu, batch share 8 (at start; measured at run time)" in out
@@ -215,7 +220,8 @@ def test_plan_shows_each_workers_device_and_batch_share(blobs_job):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("devices", [["cuda:0"], ["cuda:0", "cpu"], ["cpu", "cuda:0"]])
 def test_a_group_with_gpu_workers_trains_like_one_cpu_worker(blobs_job, tmp_path, devices):
-    single = trained_params(job_with(blobs_job, train_steps=8, dropout=True), tmp_path / "single")
-    group = trained_params(job_with(blobs_job, THREADS.format(n=len(devices)), devices, train_steps=8, dropout=True), tmp_path / "group")
+    layout = THREADS.get(len(devices), "single worker")
+    single = trained_params(job_with(blobs_job, train_steps=8, dropout=True), "single worker", tmp_path / "single")
+    group = trained_params(job_with(blobs_job, layout, devices, train_steps=8, dropout=True), layout, tmp_path / "group")
     for name in single:
         torch.testing.assert_close(group[name], single[name], rtol=1e-4, atol=1e-5)

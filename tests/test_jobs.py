@@ -5,6 +5,8 @@ import subprocess
 import sys
 import time
 
+from layouts import LAYOUTS
+
 from shoal.runtime import job_registry as jobs
 
 
@@ -27,17 +29,18 @@ def test_runs_are_registered_and_listed(blobs_job, tmp_path):
 
 
 def test_kill_stops_a_running_multi_process_job(blobs_job, tmp_path):
+    layout = LAYOUTS["AllReduce, 2 processes"]
     job = blobs_job(train_steps=100000)
-    job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 2 }"))
-    proc = subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws"), *layout.cli()],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while time.time() < deadline:
         records = jobs.all_jobs()
-        if records and len(records[0].processes) == 3 and (tmp_path / "ws" / "metrics.jsonl").exists():
+        if records and len(records[0].processes) == 1 + layout.processes and (tmp_path / "ws" / "metrics.jsonl").exists():
             break
         time.sleep(0.5)
     record = jobs.all_jobs()[0]
-    assert record.live_status() == "running"
+    assert record.live_status() == "running" and len(record.processes) == 1 + layout.processes  # the launcher and its ranks
     assert_listens_only_on_loopback([p["pid"] for p in record.processes])
     assert "running" in shoal("jobs", "list").stdout
     assert shoal("jobs", "kill", str(record.id)).returncode == 0

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import mlp_job_text
+from layouts import LAYOUTS, assert_ran
 
 import shoal
 from shoal.planning.placement import place
@@ -17,12 +18,8 @@ from shoal.report.metrics import RECORD_KEYS, read_metrics, record_problems
 from shoal.report.plot import COLOURS
 from shoal.report.summary import THRESHOLDS, threshold_key
 
-# layouts that run today, as a user writes them in cluster {}
-LAYOUTS = {
-    "single": ("", "single worker", 1),
-    "in-memory": ("nworkers_per_group: 2 nworkers_per_procs: 2", "in-memory Sandblaster", 1),
-    "allreduce": ("nworkers_per_group: 2 nservers_per_group: 2", "AllReduce", 2),
-}
+# one run per kind: one worker, threads of one process, processes (rows of tests/layouts.py)
+RUN_LAYOUTS = ["single worker", "in-memory Sandblaster, 2 threads", "AllReduce, 2 processes, 2 server slices"]
 
 
 def shoal_cli(*args, env=None, timeout=300):
@@ -41,19 +38,19 @@ def assert_one_line_error(proc, *fragments):
 def layout_runs(blobs_dir, tmp_path_factory):
     """One real 30-step run of the blobs MLP per layout (through the CLI, as a user starts it)."""
     root = tmp_path_factory.mktemp("layouts")
+    job = root / "job.conf"
+    job.write_text(mlp_job_text(blobs_dir, train_steps=30))
     runs = {}
-    for name, (cluster, _, _) in LAYOUTS.items():
-        job = root / f"{name}.conf"
-        job.write_text(mlp_job_text(blobs_dir, train_steps=30).replace("cluster { }", f"cluster {{ {cluster} }}"))
-        proc = shoal_cli("run", job, "--workspace", root / name, "--no-progress")
+    for n, name in enumerate(RUN_LAYOUTS):
+        proc = shoal_cli("run", job, "--workspace", root / f"run{n}", "--no-progress", *LAYOUTS[name].cli())
         assert proc.returncode == 0, proc.stderr
-        runs[name] = root / name
+        runs[name] = root / f"run{n}"
     return runs
 
 
 # -- metrics.jsonl -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", RUN_LAYOUTS)
 def test_every_record_follows_the_schema(layout_runs, layout):
     records = read_metrics(layout_runs[layout] / "metrics.jsonl")
     assert records and all(record_problems(r) == [] for r in records), [record_problems(r) for r in records]
@@ -70,7 +67,7 @@ def test_every_record_follows_the_schema(layout_runs, layout):
         assert r["compute_sec"] + r["exchange_sec"] <= r["window_sec"] * 1.01 + 1e-3
         assert "staleness" not in r  # synchronous: reserved for asynchronous groups
     # the chief's process reports its own workers: both threads in memory, worker 0 across processes
-    expected_workers = {"in-memory": {"0", "1"}}.get(layout, {"0"})
+    expected_workers = {"0", "1"} if layout == "in-memory Sandblaster, 2 threads" else {"0"}
     assert all(set(r["worker_compute_sec"]) == expected_workers for r in train)
 
 
@@ -88,13 +85,13 @@ def test_schema_check_names_what_is_wrong(record, problem):
 
 # -- summary.json --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", RUN_LAYOUTS)
 def test_summary_of_a_finished_run(layout_runs, layout):
     workspace = layout_runs[layout]
-    summary = json.loads((workspace / "summary.json").read_text())
+    summary = assert_ran(workspace, layout)
     records = read_metrics(workspace / "metrics.jsonl")
     tests = [r for r in records if r["phase"] == "test"]
-    _, framework, processes = LAYOUTS[layout]
+    framework, processes = LAYOUTS[layout].framework, LAYOUTS[layout].processes
     job = shoal.load_job(workspace / "job.conf")
     assert summary["job"] == "blobs-mlp" and summary["status"] == "finished"
     assert summary["framework"] == framework and summary["label"].startswith(framework)
@@ -118,11 +115,11 @@ def test_summary_of_a_finished_run(layout_runs, layout):
 def test_a_crashed_run_keeps_the_summary_of_its_last_test(blobs_job, tmp_path):
     """Rank 0 (the chief) dies at step 25 of a two-process run: summary.json is the one of the test at 20."""
     job = blobs_job(train_steps=40)
-    job.write_text(job.read_text().replace("cluster { }", "cluster { nworkers_per_group: 2 }"))
-    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws"), "--no-progress"],
+    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws"), "--no-progress",
+                           *LAYOUTS["AllReduce, 2 processes"].cli()],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "SHOAL_INJECT_EXIT": "0:25"}, check=False)
     assert proc.returncode == 2
-    summary = json.loads((tmp_path / "ws" / "summary.json").read_text())
+    summary = assert_ran(tmp_path / "ws", "AllReduce, 2 processes")
     assert summary["status"] == "running"  # never closed: the process died
     assert summary["final_test"]["step"] == 20
     assert summary["label"] == "AllReduce, 2 workers, 2 processes"
