@@ -8,8 +8,12 @@ exactly as a user would (only `--set cluster.*` differs), then writes
     docs/frameworks.md    the `shoal compare` table, with machine, date and command
 
 A layout the runtime refuses (none today) is listed and skipped with the runtime's own message.
+Next to each measured samples/s it prints what `shoal plan --compare` predicted for that layout
+before anything ran (shoal.planning.estimate on this machine's cached calibration), and the error.
+`--model cifar10` runs SINGA's cifar10 convnet (examples/cifar10/job.conf) on random images in the
+CIFAR-10 binary format, prepared by `shoal prepare cifar10` (throughput does not depend on pixels).
 
-    python benchmarks/frameworks.py [--seconds 40] [--steps N] [--keep DIR] [--only single,allreduce]
+    python benchmarks/frameworks.py [--seconds 40] [--steps N] [--keep DIR] [--only single,allreduce] [--model cifar10]
 """
 from __future__ import annotations
 
@@ -33,8 +37,11 @@ from shoal.frontend import api
 from shoal.report.compare import compare_runs, render_markdown
 from shoal.report.plot import plot_runs
 from shoal.planning.plan import UnsupportedClusterError, plan_job
+from shoal.planning.estimate import estimate, plan_kernels
+from shoal.runtime import calibrate
 
 JOB = REPO / "examples/mnist/tuned.conf"
+MODELS = {"mnist": "SINGA's MNIST MLP (tuned.conf)", "cifar10": "SINGA's cifar10 convnet (job.conf, random images)"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,31 @@ LAYOUTS = [
 def overrides(layout: Layout, steps: int, test_freq: int) -> list[str]:
     sets = [f"train_steps={steps}", f"test_freq={test_freq}", "test_steps=10", "disp_freq=20", "checkpoint_freq=0"]
     return sets + [f"cluster.{kv}" for kv in layout.cluster.split()]
+
+
+def cifar10_job(root: Path) -> Path:
+    """examples/cifar10/job.conf beside stores of random images (`shoal prepare cifar10` on fake binary batches)."""
+    import numpy as np
+
+    from shoal.data.prepare import prepare_cifar10
+
+    rng = np.random.default_rng(0)
+    source = root / "cifar-10-batches-bin"
+    source.mkdir(parents=True, exist_ok=True)
+    for name in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
+        rows = rng.integers(0, 256, (1000, 1 + 3 * 32 * 32), dtype=np.uint8)
+        rows[:, 0] %= 10
+        (source / name).write_bytes(rows.tobytes())
+    prepare_cifar10(root / "data", source, overwrite=True)
+    job = root / "job.conf"
+    shutil.copy(REPO / "examples/cifar10/job.conf", job)
+    return job
+
+
+def predicted(sets: list[str]) -> float:
+    """samples/s `shoal plan --compare` predicts for the layout (calibrating the kernels it needs, once)."""
+    plan = plan_job(api.load_job(JOB, sets))
+    return estimate(plan, calibrate.calibration(plan_kernels(plan))).samples_per_s
 
 
 def refusal(layout: Layout, sets: list[str]) -> str | None:
@@ -96,6 +128,27 @@ def run(layout: Layout, sets: list[str], workspace: Path, seconds: float | None)
     return 0
 
 
+def prediction_table(rows: list[dict], predictions: dict[str, float]) -> str:
+    """Markdown: each layout's predicted and measured samples/s, the error, and whether the ranking agrees."""
+    lines = ["| layout | predicted samples/s | measured | error |", "|---|---|---|---|"]
+    pairs = []
+    for row in rows:
+        name = Path(row["run"]).name
+        guess, got = predictions.get(name), row["samples_per_sec"]
+        if guess is None or not got:
+            continue
+        pairs.append((name, guess, got))
+        lines.append(f"| {name} ({row['layout']}) | {guess:.0f} | {got:.0f} | {100 * (guess - got) / got:+.0f} % |")
+    if pairs:
+        top_guess = max(pairs, key=lambda p: p[1])[0]
+        top_got = max(pairs, key=lambda p: p[2])[0]
+        within = sum(abs(g - m) <= 0.25 * m for _, g, m in pairs)
+        lines.append("")
+        lines.append(f"Within 25 %: {within} of {len(pairs)} layouts. Predicted fastest: {top_guess}; measured fastest: {top_got}"
+                     f" ({'agree' if top_guess == top_got else 'disagree'}).")
+    return "\n".join(lines)
+
+
 def machine() -> str:
     import torch
 
@@ -112,19 +165,24 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, help="keep the run folders here (default: a temporary folder)")
     parser.add_argument("--out", type=Path, default=REPO / "docs", help="where frameworks.png and frameworks.md go")
     parser.add_argument("--note", default="", help="a sentence for the table's caption (e.g. that the machine was shared)")
+    parser.add_argument("--model", choices=list(MODELS), default="mnist", help="the MNIST MLP (default) or the cifar10 convnet")
     args = parser.parse_args()
+    global JOB
     # started in the background (`... &`), a shell leaves SIGINT ignored, and children inherit that:
     # the budget's Ctrl-C must reach `shoal run`
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if not (REPO / "examples/mnist/data/train_data.bin").exists():
+    if args.model == "mnist" and not (REPO / "examples/mnist/data/train_data.bin").exists():
         sys.exit("prepare MNIST first: shoal prepare mnist --out examples/mnist/data")
 
     root = args.keep or Path(tempfile.mkdtemp(prefix="shoal-frameworks-"))
     root.mkdir(parents=True, exist_ok=True)
+    if args.model == "cifar10":
+        JOB = cifar10_job(root / "cifar10")
+    load_before = os.getloadavg()
     steps = args.steps or 1_000_000  # with a time budget the run is stopped long before
     seconds = None if args.steps else args.seconds
     chosen = [l for l in LAYOUTS if not args.only or l.name in args.only.split(",")]
-    done, skipped = [], []
+    done, skipped, predictions = [], [], {}
     for layout in chosen:
         sets = overrides(layout, steps, args.test_freq)
         why = refusal(layout, sets)
@@ -132,6 +190,7 @@ def main() -> None:
             print(f"{layout.name:<18} skipped, not yet runnable: {why}")
             skipped.append((layout, why))
             continue
+        predictions[layout.name] = predicted(sets)  # before it runs: the estimate never sees a measurement
         workspace = root / layout.name
         if workspace.exists():
             shutil.rmtree(workspace)
@@ -146,8 +205,12 @@ def main() -> None:
     rows = compare_runs(done)
     table = render_markdown(rows)
     print("\n" + table)
+    load_after = os.getloadavg()
+    against = prediction_table(rows, predictions)
+    print(f"\npredicted (before running) against measured; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after\n")
+    print(against)
     args.out.mkdir(parents=True, exist_ok=True)
-    plot_runs(done, args.out / "frameworks.png", title=f"SINGA's MNIST MLP (tuned.conf), {budget} per layout")
+    plot_runs(done, args.out / "frameworks.png", title=f"{MODELS[args.model]}, {budget} per layout")
     command = "python benchmarks/frameworks.py" + (f" --steps {args.steps}" if args.steps else f" --seconds {args.seconds:g}")
     lines = [
         "# Frameworks compared on MNIST",
@@ -165,6 +228,11 @@ def main() -> None:
         "![loss and accuracy of each framework against step and wall-clock time](frameworks.png)",
         "",
         table,
+        "",
+        f"Predicted by `shoal plan --compare` before each run, against measured (load average {load_before[0]:.1f} "
+        f"before the runs, {load_after[0]:.1f} after):",
+        "",
+        against,
         "",
         "| layout | `cluster {}` (via `--set cluster.…`) | |",
         "|---|---|---|",

@@ -14,6 +14,7 @@ from shoal.neuralnet.shapes import check_shapes
 
 if TYPE_CHECKING:
     from shoal.neuralnet.params import ParamStore
+    from shoal.planning.estimate import Hosts
     from shoal.runtime.launch import Nodes
 
 JobLike = Union[str, Path, dict, job_pb2.JobProto]
@@ -123,6 +124,64 @@ def draw_net(
     else:
         graph = train_net_graph(plan_job(as_job(net)[0]))
     return draw_graph(graph, Path(out), title=title)
+
+
+def estimate(
+    job: JobLike,
+    *,
+    compare: bool = False,
+    suggest: bool = False,
+    hosts: Optional["Hosts"] = None,
+    workers: Optional[int] = None,
+    recalibrate: bool = False,
+    out: Optional[Union[str, Path]] = None,
+    log: Callable[[str], None] = lambda line: None,
+) -> dict:
+    """Predict before running (docs/planning.md): the job's step time, samples/s, bytes and memory per process.
+
+    compare: every framework layout for `workers` workers (default: the job's group, else this host's cores,
+    at least 2), ranked by predicted samples/s. suggest: partition_dim per layer for such a group.
+    hosts (shoal.planning.estimate.Hosts): samples/s of each framework on 1..hosts.count hosts, drawn
+    into `out` when given. The machine is calibrated once and cached (recalibrate: measure again).
+    Returns what `shoal plan --estimate --json` prints.
+    """
+    from dataclasses import asdict
+
+    from shoal.planning import alternatives
+    from shoal.planning.estimate import estimate as predict, plan_kernels
+    from shoal.planning.plan import plan_job
+    from shoal.runtime import calibrate
+
+    proto, _ = as_job(job)
+    plan = plan_job(proto)
+    calib = calibrate.calibration(plan_kernels(plan), recalibrate=recalibrate, log=log)
+
+    def calibrated(kernels):
+        return calibrate.calibration(kernels, log=log)
+
+    count = workers or (proto.cluster.nworkers_per_group if proto.cluster.nworkers_per_group > 1 else max(2, calib.cores))
+    result = {"calibration": calib.to_json() | {"kernels": len(calib.kernels)}, "estimate": predict(plan, calib).to_json()}
+    if compare:
+        result["compare"] = [
+            {"layout": r.layout.name, "about": r.layout.about, "cluster": r.layout.cluster, "refused": r.refused,
+             "estimate": r.estimate.to_json() if r.estimate else None}
+            for r in alternatives.compare(proto, calibrated, count)
+        ]
+    if suggest:
+        s = alternatives.suggest(proto, calibrated, count)
+        result["suggest"] = {"workers": count, "partition_dim": s.dims, "tried": s.tried,
+                             "best": {"step_s": s.best.step_s, "samples_per_s": s.best.samples_per_s, "bytes": s.bytes_best},
+                             "batch_split": {"step_s": s.batch_split.step_s, "samples_per_s": s.batch_split.samples_per_s, "bytes": s.bytes_batch}}
+    if hosts is not None:
+        points = alternatives.scaling(proto, calibrate.calibration(log=log), hosts)
+        result["scaling"] = {"hosts": asdict(hosts), "points": [asdict(p) for p in points],
+                             "stops": {k: {"hosts": h, "bottleneck": b, "stopped": stopped}
+                                       for k, (h, b, stopped) in alternatives.stops_scaling(points).items()}}
+        if out:
+            from shoal.report.estimates import plot_scaling
+
+            plot_scaling(result["scaling"], Path(out), title=f"{proto.name}: predicted samples/s")
+    return result
 
 
 def compare_runs(runs: Sequence[Union[str, Path]]) -> list[dict]:

@@ -103,6 +103,19 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("job", type=Path)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE", help="override a job field")
+    guess = p.add_argument_group("predictions", "a cost model on this machine's calibration (docs/planning.md); nothing is started")
+    guess.add_argument("--estimate", action="store_true", help="predicted step time, samples/s, bytes and memory per process")
+    guess.add_argument("--compare", action="store_true", help="every framework layout ranked by predicted samples/s")
+    guess.add_argument("--suggest", action="store_true", help="partition_dim per layer that minimises the predicted step of a group")
+    guess.add_argument("--workers", type=int, help="workers for --compare/--suggest (default: the job's group, else the cores, at least 2)")
+    guess.add_argument("--hosts", type=int, help="predict each framework on 1..N hosts")
+    guess.add_argument("--cores", type=int, help="with --hosts: cores per host (default: this host's)")
+    guess.add_argument("--gpus", type=int, default=0, help="with --hosts: GPUs per host (one worker each)")
+    guess.add_argument("--bandwidth", type=float, help="with --hosts: link bandwidth between hosts, Gbit/s each way (default: loopback's)")
+    guess.add_argument("--latency", type=float, help="with --hosts: one-way latency between hosts, µs")
+    guess.add_argument("--cluster", type=Path, metavar="FILE", help="hosts, cores, gpus, bandwidth (Gbit/s), latency (µs) as YAML or JSON")
+    guess.add_argument("-o", "--out", type=Path, help="with --hosts: draw the scaling (.png, .svg or .pdf)")
+    guess.add_argument("--recalibrate", action="store_true", help="measure this machine again (cached in $SHOAL_HOME/calibration)")
 
 
 def _add_jobs(sub: argparse._SubParsersAction) -> None:
@@ -309,9 +322,34 @@ def _plan(args: argparse.Namespace) -> int:
     from shoal.planning.describe import describe, render
     from shoal.planning.plan import plan_job
 
-    plan = plan_job(api.load_job(args.job, args.overrides))
+    job = api.load_job(args.job, args.overrides)
+    hosts = _hosts_of(args)
+    if args.estimate or args.compare or args.suggest or hosts or args.recalibrate:
+        from shoal.report.estimates import render as render_estimates
+
+        log = (lambda line: print(line, file=sys.stderr)) if not args.json else (lambda line: None)
+        result = api.estimate(job, compare=args.compare, suggest=args.suggest, hosts=hosts, workers=args.workers,
+                              recalibrate=args.recalibrate, out=args.out, log=log)
+        print(json.dumps(result, indent=2) if args.json else render_estimates(result))
+        return 0
+    plan = plan_job(job)
     print(json.dumps(describe(plan), indent=2) if args.json else render(plan))
     return 0
+
+
+def _hosts_of(args: argparse.Namespace):
+    """The hosts of `shoal plan --hosts ...` or `--cluster FILE`, else None."""
+    from shoal.planning.estimate import Hosts, hosts_from_file
+
+    if args.cluster:
+        return hosts_from_file(args.cluster)
+    if args.hosts is None:
+        if args.out:
+            raise ShoalError("-o: the scaling picture needs --hosts N or --cluster FILE")
+        return None
+    if args.hosts < 1 or (args.cores or 1) < 1 or args.gpus < 0 or (args.bandwidth or 1) <= 0:
+        raise ShoalError("--hosts, --cores and --bandwidth must be positive, --gpus at least 0")
+    return Hosts(args.hosts, args.cores or 0, args.gpus, (args.bandwidth or 0) / 8, (args.latency or 0) / 1e6)
 
 
 def _jobs(args: argparse.Namespace) -> int:

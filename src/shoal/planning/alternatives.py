@@ -147,7 +147,7 @@ def suggest(job: job_pb2.JobProto, calibrated: Calibrated, workers: int, cores: 
     while True:
         flips = [tuple(1 - d if i == k else d for i, d in enumerate(current)) for k in range(len(groups))]
         scored = [(c, score(c)) for c in flips]
-        better = [(c, e) for c, e in scored if e is not None and e.step_s < best.step_s * 0.99]
+        better = [(c, e) for c, e in scored if e is not None and e.step_s < best.step_s * (1 - 1e-6)]
         if not better:
             break
         current, best = min(better, key=lambda ce: ce[1].step_s)
@@ -196,16 +196,17 @@ def scaling(job: job_pb2.JobProto, calib: Calibration, hosts: Hosts, gpu: Option
     return points
 
 
-def stops_scaling(points: list[ScalingPoint], gain: float = 1.05) -> dict[str, tuple[int, str]]:
-    """Per framework: the host count after which one more host adds less than 5 %, and that point's bottleneck."""
+def stops_scaling(points: list[ScalingPoint], gain: float = 1.05) -> dict[str, tuple[int, str, bool]]:
+    """Per framework: (hosts, bottleneck, stopped): the host count after which one more host adds less than
+    5 % and that point's bottleneck (stopped), or the last host count and its bottleneck (still scaling)."""
     out = {}
     for name in dict.fromkeys(p.framework for p in points):
         mine = [p for p in points if p.framework == name and not p.refused]
-        stop = mine[-1] if mine else None
+        if not mine:
+            continue
+        out[name] = (mine[-1].hosts, mine[-1].bottleneck, False)
         for a, b in zip(mine, mine[1:]):
             if b.samples_per_s < a.samples_per_s * gain:
-                stop = a
+                out[name] = (a.hosts, b.bottleneck, True)  # what holds the next host back
                 break
-        if stop:
-            out[name] = (stop.hosts, stop.bottleneck)
     return out

@@ -13,11 +13,22 @@ COLOURS = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9"]
 
 
 def mb(n: float) -> str:
-    return f"{n / 1e6:.1f} MB"
+    """Bytes in the unit that shows them: 104 B, 3.2 kB, 47.9 MB, 1.20 GB."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.{2 if unit == 'GB' else 1}f} {unit}"
+    return f"{n:.0f} B"
+
+
+def flop(n: float) -> str:
+    for unit, size in (("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} FLOP"
 
 
 def ms(s: float) -> str:
-    return f"{s * 1000:.1f} ms"
+    return f"{s * 1000:.1f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} µs"
 
 
 def render(result: dict) -> str:
@@ -45,8 +56,8 @@ def render_estimate(e: dict, calib: dict) -> str:
     for w in e["workers"]:
         lines.append(
             f"  worker (group {w['group']}, id {w['id']}) in process {w['rank']} on {w['device']}, {w['threads']} thread(s), "
-            f"{w['rows']} rows: forward {w['fwd_flops'] / 1e9:.2f} GFLOP in {ms(w['fwd_s'])}, "
-            f"backward {w['bwd_flops'] / 1e9:.2f} GFLOP in {ms(w['bwd_s'])}"
+            f"{w['rows']} rows: forward {flop(w['fwd_flops'])} in {ms(w['fwd_s'])}, "
+            f"backward {flop(w['bwd_flops'])} in {ms(w['bwd_s'])}"
         )
     for p in e["processes"]:
         links = ", ".join(f"→{q} {mb(v[0])} / ←{q} {mb(v[1])}" for q, v in p["links"].items()) or "no messages"
@@ -100,7 +111,10 @@ def render_scaling(s: dict) -> str:
     for n in counts:
         lines.append("  " + f"{n:>5} " + " ".join(f"{by[(f, n)]['samples_per_s']:>20.0f}" if not by[(f, n)]["refused"] else f"{'refused':>20}" for f in names))
     for name, stop in s["stops"].items():
-        lines.append(f"  {name}: stops scaling at {stop['hosts']} host(s): {stop['bottleneck']}")
+        if stop["stopped"]:
+            lines.append(f"  {name}: stops scaling at {stop['hosts']} host(s) (one more adds < 5 %): {stop['bottleneck']}")
+        else:
+            lines.append(f"  {name}: still scaling at {stop['hosts']} host(s); bottleneck there: {stop['bottleneck']}")
     return "\n".join(lines)
 
 
@@ -119,7 +133,7 @@ def plot_scaling(s: dict, out: Path, title: Optional[str] = None) -> Path:
         pts = [p for p in s["points"] if p["framework"] == name and not p["refused"]]
         ax.plot([p["hosts"] for p in pts], [p["samples_per_s"] for p in pts], "o-", color=colour, label=name)
         stop = s["stops"].get(name)
-        if stop:
+        if stop and stop["stopped"]:
             at = next(p for p in pts if p["hosts"] == stop["hosts"])
             ax.annotate("stops", (at["hosts"], at["samples_per_s"]), textcoords="offset points", xytext=(4, 6), fontsize=8, color=colour)
     ax.set_xlabel("hosts")
