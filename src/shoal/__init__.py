@@ -7,9 +7,10 @@
     shoal.fit(torch_module, loss_fn, (inputs, targets), cluster=shoal.Cluster(nworker_groups=2, nworkers_per_procs=2))
     shoal.compare_runs(["ws/single", "ws/allreduce"]); shoal.plot_runs([...], "runs.png")
     shoal.draw_net("examples/cifar10/hybrid.conf", "net.png")   # which worker computes what
+    shoal.estimate(job, compare=True)   # predicted samples/s of every framework layout (docs/planning.md)
     shoal.register_layer("kFoo", Foo); shoal.load_plugins(["rnnlm.proto", "rnnlm.py"])  # user layers (docs/layers.md)
 """
-__all__ = ["load_job", "train", "evaluate", "fit", "Cluster", "plot_runs", "compare_runs", "draw_net", "register_layer", "load_plugins"]
+__all__ = ["load_job", "train", "evaluate", "estimate", "fit", "Cluster", "plot_runs", "compare_runs", "draw_net", "register_layer", "load_plugins"]
 __version__ = "0.1.0"
 
 
