@@ -69,3 +69,19 @@ def assert_listens_only_on_loopback(pids: list[int]) -> None:
 def test_unknown_job_is_a_one_line_error():
     out = shoal("jobs", "view", "99")
     assert out.returncode == 2 and "job 99: no such job" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_kill_leaves_a_finished_job_and_a_reused_pid_alone(blobs_job, tmp_path):
+    assert shoal("run", blobs_job(train_steps=2), "--workspace", tmp_path / "ws").returncode == 0
+    record = jobs.all_jobs()[0]
+    out = shoal("jobs", "kill", str(record.id))
+    assert out.returncode == 2 and "not running (finished)" in out.stderr
+    assert jobs.load(record.id).status == "finished"
+    # a record whose pid now belongs to another process (started at another time) is not that process
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        entry = jobs.process_entry(0, sleeper.pid)
+        assert jobs._alive(sleeper.pid, entry["start"]) and not jobs._alive(sleeper.pid, entry["start"] - 1)
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -36,7 +36,7 @@ class JobRecord:
     status: str = "running"  # running | finished | failed | killed
     started: float = field(default_factory=time.time)
     ended: Optional[float] = None
-    processes: list[dict] = field(default_factory=list)  # {"rank", "host", "pid"}
+    processes: list[dict] = field(default_factory=list)  # {"rank", "host", "pid", "start"}
     message: str = ""
 
     @property
@@ -54,12 +54,28 @@ class JobRecord:
             return self.status
         here = socket.gethostname()
         local = [p for p in self.processes if p["host"] == here]
-        if local and not any(_alive(p["pid"]) for p in local):
+        if local and not any(_alive(p["pid"], p.get("start")) for p in local):
             return "died"
         return "running"
 
 
-def _alive(pid: int) -> bool:
+def start_time(pid: int) -> Optional[int]:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat field 22); None where unknown."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def process_entry(rank, pid: int) -> dict:
+    """How the registry remembers a process: a pid alone could be reused by another program after it ends."""
+    return {"rank": rank, "host": socket.gethostname(), "pid": pid, "start": start_time(pid)}
+
+
+def _alive(pid: int, start: Optional[int] = None) -> bool:
+    """Whether `pid` is still the job's process: alive, not a zombie, and started when it did."""
+    if start is not None and start_time(pid) not in (None, start):
+        return False  # the pid now belongs to another process
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -86,7 +102,7 @@ def register(name: str, job_file: str, workspace: Path) -> JobRecord:
         except FileExistsError:
             next_id += 1
     record = JobRecord(next_id, name, job_file, str(Path(workspace).resolve()))
-    record.processes = [{"rank": 0, "host": socket.gethostname(), "pid": os.getpid()}]
+    record.processes = [process_entry(0, os.getpid())]
     record.save()
     return record
 
@@ -116,11 +132,14 @@ def finish(record: JobRecord, status: str, message: str = "") -> None:
 
 
 def kill(job_id: int) -> JobRecord:
-    """SIGTERM every live process of the job on this host; mark it killed."""
+    """SIGTERM every live process of the job on this host; mark it killed. A job that already ended is left as it is."""
     record = load(job_id)
+    status = record.live_status()
+    if status != "running":
+        raise JobNotFound(f"job {job_id}: not running ({status}); nothing to kill")
     here = socket.gethostname()
     for proc in record.processes:
-        if proc["host"] == here and _alive(proc["pid"]):
+        if proc["host"] == here and _alive(proc["pid"], proc.get("start")):
             try:
                 os.kill(proc["pid"], signal.SIGTERM)
             except ProcessLookupError:

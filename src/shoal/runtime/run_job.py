@@ -86,10 +86,8 @@ def _train(plan: JobPlan, options: RunOptions, workspace: Path, resume_from: Opt
     from shoal.runtime.launch import Nodes, run_processes
 
     def started(pids: list[int]) -> None:
-        host = record.processes[0]["host"]
-        record.processes = [{"rank": "launcher", "host": host, "pid": record.processes[0]["pid"]}] + [
-            {"rank": rank, "host": host, "pid": pid} for rank, pid in enumerate(pids)
-        ]
+        launcher = dict(record.processes[0], rank="launcher")
+        record.processes = [launcher] + [job_registry.process_entry(rank, pid) for rank, pid in enumerate(pids)]
         record.save()
 
     options.log(f"Job {record.id}: {plan.label}, {plan.nprocs} processes; logs in {workspace / 'logs'}")
