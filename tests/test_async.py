@@ -121,7 +121,8 @@ def test_a_dead_group_is_dropped_with_a_warning_and_the_job_finishes(blobs_job, 
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert_ran(tmp_path / "ws", hogwild_layout(3))
-    warnings = [line for line in proc.stdout.splitlines() if "WARNING" in line]
+    warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line]
+    assert "WARNING" not in proc.stdout  # warnings go to stderr
     assert len(warnings) == 1 and "worker group 1 died at step 5" in warnings[0] and "injected failure" in warnings[0]
     assert "Test @ step 30" in proc.stdout
     assert (tmp_path / "ws" / "checkpoint" / "step30-worker0.safetensors").exists()
@@ -181,7 +182,7 @@ def test_downpour_survives_a_dead_worker_group(blobs_job, tmp_path):
     proc = run_cli(downpour_job(blobs_job), tmp_path / "ws", env={"SHOAL_INJECT_EXIT": "1:10"})
     assert proc.returncode == 0, proc.stderr
     assert_ran(tmp_path / "ws", DOWNPOUR)
-    assert "process 1 (worker(group=1, id=0)) exited with code 3; the other worker groups go on" in proc.stdout
+    assert "process 1 (worker(group=1, id=0)) exited with code 3; the other worker groups go on" in proc.stderr
     assert "Test @ step 40" in proc.stdout
 
 

@@ -118,3 +118,20 @@ def test_a_diverging_run_stops_at_the_step_and_writes_no_non_finite_checkpoint(b
         assert all(torch.isfinite(v).all() for k, v in load_file(str(path)).items() if k.startswith("param/")), path
     summary = json.loads((ws / "summary.json").read_text())
     assert summary["status"] == "failed"
+
+
+def test_a_resumed_segment_supersedes_what_the_stopped_run_recorded_after_its_checkpoint(blobs_job, tmp_path):
+    from shoal.report.summary import clean_records
+
+    job, ws = blobs_job(train_steps=6, extra="checkpoint_freq: 4"), tmp_path / "ws"
+    assert shoal("run", job, "--workspace", ws, "--no-progress").returncode == 0
+    (ws / "checkpoint" / "step6-worker0.safetensors").unlink()  # as if stopped after step 5: resume at 4
+    assert shoal("run", job, "--workspace", ws, "--resume", "--no-progress").returncode == 0
+    records = [json.loads(line) for line in (ws / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["phase"] == "resume"] == [4]
+    cleaned = clean_records(records)
+    steps = [(r["phase"], r["step"]) for r in cleaned]
+    assert len(steps) == len(set(steps)) and "resume" not in {p for p, _ in steps}
+    # a record of the stopped run past the resume point that the resumed run never wrote again is dropped too
+    stale = {"step": 5, "phase": "validate", "time": 1.0, "loss": 9.0}
+    assert stale not in clean_records([stale] + records)

@@ -19,3 +19,10 @@ class ShoalError(Exception):
     line: int | None = None
     col: int | None = None
     field_path: str | None = None
+
+
+def warn(line: str) -> None:
+    """A warning: one line on stderr (stdout carries the run's own lines, which scripts parse)."""
+    import sys
+
+    print(line if line.startswith("WARNING") else f"WARNING: {line}", file=sys.stderr, flush=True)

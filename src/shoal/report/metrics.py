@@ -70,7 +70,7 @@ def display_line(phase: str, step: int, values: dict[str, float]) -> str:
 # Metric values (loss, accuracy, precision@k, ...) are whatever the net's layers report.
 RECORD_KEYS: dict[str, tuple[str, str]] = {
     "step": ("all", "training step the record belongs to (tests at step s run before training step s)"),
-    "phase": ("all", "train | test | validate"),
+    "phase": ("all", "train | test | validate | resume (a resumed run restarts at this step: earlier records from it on are superseded)"),
     "time": ("all", "wall-clock seconds since the run started, carried over across resumes"),
     "loss": ("all", "mean loss over the window (train) or the test/validation batches"),
     "accuracy": ("all", "top-k accuracy, when the net reports it"),
@@ -92,7 +92,7 @@ def record_problems(record: dict) -> list[str]:
     """How `record` breaks the schema above (empty when it follows it)."""
     required = REQUIRED_KEYS["all"] + (REQUIRED_KEYS["train"] if record.get("phase") == "train" else ())
     problems = [f"missing {k!r}" for k in required if k not in record]
-    if record.get("phase") not in (None, "train", "test", "validate"):
+    if record.get("phase") not in (None, "train", "test", "validate", "resume"):
         problems.append(f"phase = {record['phase']!r}")
     for key, value in record.items():
         if key in ("phase", "mode"):

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 METRICS_FILE = "metrics.jsonl"
 
 
-def open_run_log(plan: "JobPlan", workspace: Path, elapsed_before: float, devices: list[str]) -> MetricsLog:
+def open_run_log(plan: "JobPlan", workspace: Path, elapsed_before: float, devices: list[str], resumed_at: int | None = None) -> MetricsLog:
     """metrics.jsonl, with summary.json (and TensorBoard event files when the job asks) kept from it."""
     workspace, job = Path(workspace), plan.job
     path = workspace / METRICS_FILE
@@ -23,7 +23,10 @@ def open_run_log(plan: "JobPlan", workspace: Path, elapsed_before: float, device
 
         observers.append(TensorBoardLog(workspace, elapsed_before))
     summary = SummaryFile(workspace, run_info(plan, devices), path)
-    return MetricsLog(path, elapsed_before=elapsed_before, observers=[summary, *observers])
+    log = MetricsLog(path, elapsed_before=elapsed_before, observers=[summary, *observers])
+    if resumed_at is not None:  # readers drop what the stopped run recorded from here on
+        log.write(resumed_at, "resume", {})
+    return log
 
 
 class Terminated(KeyboardInterrupt):

@@ -90,11 +90,19 @@ def run_info(plan: "JobPlan", devices: list[str]) -> RunInfo:
 
 
 def clean_records(records: list[dict]) -> list[dict]:
-    """Records as one run: a resumed run re-records the steps after its checkpoint, keep the latest."""
+    """Records as one run: a resumed run re-records the steps after its checkpoint, keep the latest.
+
+    A `resume` record (written when a run resumes at step N) supersedes every earlier training
+    record from step N on, even one the resumed run never reaches again.
+    """
     latest: dict[tuple, dict] = {}
     for r in records:
-        if "step" in r and "phase" in r:
-            latest[(r["phase"], r["step"], r.get("mode"))] = r
+        if "step" not in r or "phase" not in r:
+            continue
+        if r["phase"] == "resume":
+            latest = {k: v for k, v in latest.items() if v["step"] < r["step"] or v.get("mode") == "test-only"}
+            continue
+        latest[(r["phase"], r["step"], r.get("mode"))] = r
     return sorted(latest.values(), key=lambda r: (r["step"], r.get("time") or 0.0))
 
 

@@ -234,7 +234,8 @@ def run_process(plan: JobPlan, rank: int, spec: RunSpec) -> History:
     if rank == 0:
         visualization.write_train_net(plan, spec.workspace, fresh=spec.resume_from is None)
         devices = usable_device_names(plan.all_devices())
-        metrics = open_run_log(plan, spec.workspace, run.chief.elapsed_before, devices)
+        resumed_at = run.chief.start_step if spec.resume_from is not None else None
+        metrics = open_run_log(plan, spec.workspace, run.chief.elapsed_before, devices, resumed_at)
     error = None
     try:
         return run.run(metrics, spec.log)

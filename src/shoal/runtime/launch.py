@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 
 from shoal.comm import dist as comm
 from shoal.config.plugins import decode_job
-from shoal.errors import ShoalError
+from shoal.errors import ShoalError, warn
 from shoal.planning.plan import JobPlan, plan_job
 from shoal.report.metrics import read_metrics
 from shoal.report.run_log import Terminated, mark_run_ended
@@ -221,8 +221,8 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
             if code != 0 and i not in reported:
                 reported.add(i)
                 context.sentinels.pop(context.processes[i].sentinel, None)  # torch's join must not fail the job for it
-                print(f"WARNING: {describe_process(plan, ranks[i])} exited with code {code}; "
-                      f"the other worker groups go on (see {workspace}/logs/rank{ranks[i]}.log)", flush=True)
+                warn(f"WARNING: {describe_process(plan, ranks[i])} exited with code {code}; "
+                     f"the other worker groups go on (see {workspace}/logs/rank{ranks[i]}.log)")
         if len(exited) == len(context.processes):
             return
         wait([p.sentinel for p in context.processes if p.exitcode is None], timeout=1.0)

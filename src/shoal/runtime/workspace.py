@@ -17,12 +17,11 @@ import fcntl
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-from shoal.errors import ShoalError
+from shoal.errors import ShoalError, warn
 
 META = ".shoal"
 # what shoal writes into a workspace (a folder holding only these, without the marker, is an older shoal workspace)
@@ -153,6 +152,6 @@ def newest_readable(checkpoints: list[tuple[int, Path]]) -> Path:
             unreadable.append(str(err))
             continue
         for problem in unreadable:
-            print(f"WARNING: {problem}; resuming from the older {path.name}", file=sys.stderr, flush=True)
+            warn(f"WARNING: {problem}; resuming from the older {path.name}")
         return path
     raise WorkspaceError(f"{checkpoints[-1][1].parent}: no readable checkpoint to resume from (newest: {unreadable[0]})")

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from shoal.errors import ShoalError
+from shoal.errors import ShoalError, warn
 from shoal.neuralnet.algorithms import Grads
 from shoal.planning.placement import ParamSlice, Placement, ServerId
 from shoal.comm import dist as comm
@@ -191,7 +191,7 @@ class DownpourServer:
                 elif kind == STOP:
                     return
         except RuntimeError as err:
-            self.log(f"WARNING: {self.server} drops worker group {group} (process {rank}): {comm.describe_error(err)}")
+            warn(f"WARNING: {self.server} drops worker group {group} (process {rank}): {comm.describe_error(err)}")
         finally:
             self._stopped(group)
 

@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+from shoal.errors import warn
 from shoal.neuralnet.algorithms import Grads
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
@@ -210,7 +211,7 @@ def run_groups(trainers: list["Trainer"], board: GroupBoard, metrics, log) -> "H
         except Exception as err:  # noqa: BLE001 - any failure of one group is reported, not fatal
             line = str(err).splitlines()[0] if str(err) else type(err).__name__
             failures.append(f"worker group {trainer.group}")
-            log(f"WARNING: worker group {trainer.group} died at step {board.steps[trainer.group]}: {line}; the other groups go on")
+            warn(f"WARNING: worker group {trainer.group} died at step {board.steps[trainer.group]}: {line}; the other groups go on")
         finally:
             board.stop(trainer.group)
 

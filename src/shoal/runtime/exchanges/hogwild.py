@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from shoal.errors import warn
 from shoal.neuralnet.algorithms import Grads
 from shoal.planning.placement import Placement, ServerId
 from shoal.comm import dist as comm
@@ -98,7 +99,7 @@ class HogwildExchange:
                 fresh = torch.zeros(size)
                 comm.recv(fresh, master, TAG_SYNC_VALUE)
             except RuntimeError as err:
-                self.log(f"WARNING: worker group {self.group} stops syncing with process {master}: {comm.describe_error(err)}")
+                warn(f"WARNING: worker group {self.group} stops syncing with process {master}: {comm.describe_error(err)}")
                 del self.requests[master]
                 continue
             with self.lock:
@@ -122,7 +123,7 @@ class HogwildExchange:
                     fresh = self._gather(segments)
                 comm.send(fresh, rank, TAG_SYNC_VALUE)
         except RuntimeError as err:
-            self.log(f"WARNING: server group {self.group} drops worker group {group} (process {rank}): {comm.describe_error(err)}")
+            warn(f"WARNING: server group {self.group} drops worker group {group} (process {rank}): {comm.describe_error(err)}")
 
     def finish(self) -> None:
         """Training is over here: tell the masters, then serve the others until they are done too."""
