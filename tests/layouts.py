@@ -92,6 +92,12 @@ LAYOUTS: dict[str, Layout] = {
 }
 
 SINGLE = LAYOUTS["single worker"]
+
+
+def threads(n: int) -> Layout:
+    """One process of n synchronous worker threads, every field written (to override a job file's own cluster)."""
+    return Layout(dict(nworker_groups=1, nworkers_per_group=n, nworkers_per_procs=n), 1, n, "in-memory Sandblaster" if n > 1 else "single worker")
+
 # every layout that must train exactly like one worker (the single worker itself excluded)
 SYNCHRONOUS = [name for name, layout in LAYOUTS.items() if layout.synchronous and layout.workers > 1]
 IN_MEMORY_SYNCHRONOUS = [name for name in SYNCHRONOUS if not LAYOUTS[name].launched]

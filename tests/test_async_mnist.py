@@ -7,12 +7,14 @@ import subprocess
 import sys
 
 import pytest
+from layouts import LAYOUTS, assert_ran
 
 STEPS = 150  # per group
 ACCURACY = 0.85  # test accuracy after STEPS steps of 64 (measured: single 0.88, Downpour 0.88, Hogwild 0.90)
 
 
-def mlp_job(mnist_dir, cluster: str) -> str:
+def mlp_job(mnist_dir, layout: str) -> str:
+    """The MNIST MLP on a row of tests/layouts.py."""
     return f"""
 name: "mnist-small-mlp"
 train_steps: {STEPS}
@@ -33,27 +35,23 @@ neuralnet {{
     param {{ name: "w2" init {{ type: kUniform low: -0.05 high: 0.05 }} }} param {{ name: "b2" init {{ type: kConstant value: 0 }} }} }}
   layer {{ name: "loss" type: kSoftmaxLoss srclayers: "fc2" srclayers: "data" }}
 }}
-cluster {{ {cluster} }}
+{LAYOUTS[layout].section()}
 """
 
 
-FRAMEWORKS = {
-    "single worker": "",
-    "in-memory Sandblaster": "nworkers_per_group: 2 nworkers_per_procs: 2",
-    "in-memory Hogwild": "nworker_groups: 2 nworkers_per_procs: 2",
-    "Downpour": "nworker_groups: 2 server_worker_separate: true",
-    "Distributed Hogwild": "nworker_groups: 2 nserver_groups: 2",
-}
+FRAMEWORKS = ["single worker", "in-memory Sandblaster, 2 threads", "in-memory Hogwild, 2 groups", "Downpour, 2 groups + 1 server, 3 processes",
+              "Distributed Hogwild, 2 groups"]  # rows of tests/layouts.py
 
 
-@pytest.mark.parametrize("framework", list(FRAMEWORKS))
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_framework_trains_mnist(mnist_dir, tmp_path, framework):
     job = tmp_path / "job.conf"
-    job.write_text(mlp_job(mnist_dir, FRAMEWORKS[framework]))
+    job.write_text(mlp_job(mnist_dir, framework))
     env = {**os.environ, "SHOAL_COMM_TIMEOUT": "30"}
     proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
+    assert_ran(tmp_path / "ws", framework)
     records = [json.loads(line) for line in (tmp_path / "ws" / "metrics.jsonl").read_text().splitlines()]
     final = [r for r in records if r["phase"] == "test"][-1]
     assert final["step"] == STEPS and final["accuracy"] >= ACCURACY, final

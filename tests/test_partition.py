@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import shoal
+from layouts import LAYOUTS, Layout, assert_ran, threads
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.config import job_pb2
 from shoal.planning.partition import BATCH, FEATURE, WHOLE, PartitionError, plan_partition
@@ -21,9 +22,11 @@ from shoal.runtime.trainer import Trainer
 
 
 def job_text(data_dir, *, net="", fc1="", relu="", fc2="", loss="", drop=None, steps=4, workers=2, batch="batchsize: 32",
-             updater="type: kSGD momentum: 0.9 weight_decay: 0.001", hidden=32, cluster="", image=None) -> str:
+             updater="type: kSGD momentum: 0.9 weight_decay: 0.001", hidden=32, layout: str | Layout | None = None, image=None) -> str:
     """The blobs MLP (16 -> hidden -> 4) with per-layer extras; disp_freq 1 so every step's loss is recorded.
+    The cluster: `workers` threads of one process, or `layout` (a row of tests/layouts.py, or a Layout).
     image: the 16 features read as a 1×4×4 image, randomly cropped to 3×3 and mirrored before fc1."""
+    layout = LAYOUTS[layout] if isinstance(layout, str) else layout or threads(workers)
     shape = "shape: 16" if image is None else "shape: 1 shape: 4 shape: 4"
     preprocess = (f'layer {{ name: "image" type: kImagePreprocess srclayers: "data" rgbimage_conf {{ cropsize: 3 mirror: true }} {image} }}'
                   if image is not None else "")
@@ -46,7 +49,7 @@ neuralnet {{ {net}
     param {{ name: "w2" init {{ type: kUniform low: -0.1 high: 0.1 }} }} param {{ name: "b2" init {{ type: kConstant value: 0.1 }} }} }}
   layer {{ name: "loss" type: kSoftmaxLoss srclayers: "fc2" srclayers: "data" {loss} }}
 }}
-cluster {{ nworkers_per_group: {workers} nworkers_per_procs: {workers} {cluster} }}
+{layout.section()}
 """
 
 
@@ -72,9 +75,11 @@ PARTITIONINGS = {
 }
 
 
-def train(text, tmp_path, name):
+def train(text, tmp_path, name, layout: str | Layout):
+    """Train the job text into tmp_path/name, checked to have run on `layout`: (history, params at step 4)."""
     ws = tmp_path / name
     history = shoal.train(load(text, tmp_path, f"{name}.conf"), workspace=ws, log=lambda *a: None)
+    assert_ran(ws, layout)
     return history, ckpt_io.load(ckpt_io.checkpoint_file(ws, 4)).params
 
 
@@ -82,8 +87,8 @@ def train(text, tmp_path, name):
 def test_every_partitioning_trains_exactly_like_one_worker(blobs_dir, tmp_path, partitioning):
     kw = PARTITIONINGS[partitioning]
     single_kw = {key: "" for key in ("drop", "image") if key in kw}
-    single, single_params = train(job_text(blobs_dir, workers=1, **single_kw), tmp_path, "single")
-    group, params = train(job_text(blobs_dir, **kw), tmp_path, "group")
+    single, single_params = train(job_text(blobs_dir, workers=1, **single_kw), tmp_path, "single", threads(1))
+    group, params = train(job_text(blobs_dir, **kw), tmp_path, "group", threads(kw.get("workers", 2)))
     for a, b in zip(group.phase("train"), single.phase("train"), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["accuracy"] == pytest.approx(b["accuracy"])
     for name in single_params:
@@ -111,13 +116,16 @@ def test_forward_outputs_and_gradients_equal_the_unpartitioned_net(blobs_dir, tm
 
 def test_a_feature_partitioned_checkpoint_resumes_on_another_number_of_workers(blobs_dir, tmp_path):
     """Params live whole in the store: a run on 2 feature partitions continues on 3 and ends where one worker ends."""
-    text = job_text(blobs_dir, net="partition_dim: 1", steps=8).replace("disp_freq: 1", "disp_freq: 1 checkpoint_freq: 4")
+    def job(workers, steps):
+        job = load(job_text(blobs_dir, net="partition_dim: 1", steps=steps, workers=workers), tmp_path, f"{workers}.conf")
+        job.checkpoint_freq = 4
+        return job
+
     ws = tmp_path / "ws"
-    first = load(text, tmp_path, "two.conf")
-    first.train_steps = 4
-    shoal.train(first, workspace=ws, log=lambda *a: None)
-    shoal.train(load(text.replace("nworkers_per_group: 2 nworkers_per_procs: 2", "nworkers_per_group: 3 nworkers_per_procs: 3"), tmp_path, "three.conf"),
-                workspace=ws, resume=True, log=lambda *a: None)
+    shoal.train(job(2, 4), workspace=ws, log=lambda *a: None)
+    assert_ran(ws, threads(2))
+    shoal.train(job(3, 8), workspace=ws, resume=True, log=lambda *a: None)
+    assert_ran(ws, threads(3))
     single_ws = tmp_path / "single"
     shoal.train(load(job_text(blobs_dir, workers=1, steps=8), tmp_path, "one.conf"), workspace=single_ws, log=lambda *a: None)
     resumed, single = (ckpt_io.load(ckpt_io.checkpoint_file(w, 8)).params for w in (ws, single_ws))
@@ -239,11 +247,11 @@ def test_workers_drawing_different_random_numbers_are_refused(blobs_dir, tmp_pat
         plan_partition(load(text, tmp_path))
 
 
-SPANNING = {
-    "AllReduce: 2 feature partitions in 2 processes": ("nworkers_per_procs: 1 nservers_per_group: 2", dict(net="partition_dim: 1")),
+SPANNING = {  # a partitioning on a multi-process row of tests/layouts.py
+    "AllReduce: 2 feature partitions in 2 processes": ("AllReduce, 2 processes, 2 server slices", dict(net="partition_dim: 1")),
     "Sandblaster: 3 hybrid workers, 3 processes, 2 server processes": (
-        "nworkers_per_procs: 1 nservers_per_group: 2 server_worker_separate: true", dict(fc1="partition_dim: 1", relu="partition_dim: 1", workers=3)),
-    "4 workers in 2 processes of 2 threads, location placement": ("nworkers_per_procs: 2 nservers_per_group: 2", dict(fc1="location: 3", relu="location: 3", workers=4)),
+        "Sandblaster, 3 workers + 2 servers, 5 processes", dict(fc1="partition_dim: 1", relu="partition_dim: 1")),
+    "4 workers in 2 processes of 2 threads, location placement": ("AllReduce, 2 processes x 2 threads", dict(fc1="location: 3", relu="location: 3")),
 }
 
 
@@ -251,12 +259,11 @@ SPANNING = {
 def test_a_partitioned_group_spanning_processes_trains_exactly_like_one_worker(blobs_dir, tmp_path, layout, monkeypatch):
     """Bridges between processes go through the comm layer (point to point); the group's gradient is summed over processes."""
     monkeypatch.setenv("SHOAL_COMM_TIMEOUT", "30")
-    cluster, kw = SPANNING[layout]
-    workers = kw.get("workers", 2)
-    text = job_text(blobs_dir, **kw).replace(f"nworkers_per_procs: {workers}", cluster)
+    row, kw = SPANNING[layout]
+    text = job_text(blobs_dir, layout=row, **kw)
     assert plan_partition(load(text, tmp_path)).partitioned
-    single, single_params = train(job_text(blobs_dir, workers=1), tmp_path, "single")
-    group, params = train(text, tmp_path, "group")
+    single, single_params = train(job_text(blobs_dir, workers=1), tmp_path, "single", threads(1))
+    group, params = train(text, tmp_path, "group", row)
     for a, b in zip(group.phase("train"), single.phase("train"), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
     for name in single_params:
@@ -264,18 +271,19 @@ def test_a_partitioned_group_spanning_processes_trains_exactly_like_one_worker(b
 
 
 def test_an_asynchronous_partitioned_group_split_over_processes_is_refused_in_one_line(blobs_dir, tmp_path):
-    text = job_text(blobs_dir, net="partition_dim: 1").replace("nworkers_per_procs: 2", "nworkers_per_procs: 1 nworker_groups: 2 server_worker_separate: true")
+    text = job_text(blobs_dir, net="partition_dim: 1", layout=Layout(dict(nworker_groups=2, nworkers_per_group=2, server_worker_separate=True)))
     with pytest.raises(UnsupportedClusterError, match="must share one process"):
         shoal.train(load(text, tmp_path), workspace=tmp_path / "ws", log=lambda *a: None)
     assert not (tmp_path / "ws").exists()
 
 
 # -- inside every framework ----------------------------------------------------------
-HYBRID_FRAMEWORKS = {
-    "Sandblaster, servers in their own processes": "nworkers_per_group: 2 nworkers_per_procs: 2 nservers_per_group: 2 nservers_per_procs: 1 server_worker_separate: true",
-    "in-memory Hogwild of 2 partitioned groups": "nworker_groups: 2 nworkers_per_group: 2 nworkers_per_procs: 4",
-    "Downpour of 2 partitioned groups over processes": "nworker_groups: 2 nworkers_per_group: 2 nworkers_per_procs: 2 server_worker_separate: true",
-}
+HYBRID_FRAMEWORKS = [  # rows of tests/layouts.py
+    # servers in their own processes; a partitioned group over processes trains exactly (the SPANNING tests)
+    pytest.param("Sandblaster, 2 threads + 2 servers, 3 processes", marks=pytest.mark.slow),
+    "in-memory Hogwild, 2 groups x 2 threads",
+    "Downpour, 2 groups x 2 threads + 1 server, 3 processes",
+]
 
 
 @pytest.mark.parametrize("framework", HYBRID_FRAMEWORKS)
@@ -283,7 +291,7 @@ def test_hybrid_partitioned_groups_train_mnist_in_every_framework(mnist_dir, tmp
     sys.path.insert(0, os.path.dirname(__file__))
     from test_async_mnist import STEPS, mlp_job
 
-    text = mlp_job(mnist_dir, HYBRID_FRAMEWORKS[framework])
+    text = mlp_job(mnist_dir, framework)
     # SINGA's hybrid: the batch dimension below, the feature dimension for the wide fully connected layer
     text = text.replace('innerproduct_conf {{ num_output: 128 }}'.replace("{{", "{").replace("}}", "}"), "innerproduct_conf { num_output: 128 } partition_dim: 1", 1)
     text = text.replace('name: "relu" type: kReLU srclayers: "fc1"', 'name: "relu" type: kReLU srclayers: "fc1" partition_dim: 1')
@@ -293,6 +301,7 @@ def test_hybrid_partitioned_groups_train_mnist_in_every_framework(mnist_dir, tmp
     proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")],
                           capture_output=True, text=True, env={**os.environ, "SHOAL_COMM_TIMEOUT": "30"}, timeout=600)
     assert proc.returncode == 0, proc.stderr
+    assert_ran(tmp_path / "ws", framework)
     records = [json.loads(line) for line in (tmp_path / "ws" / "metrics.jsonl").read_text().splitlines()]
     final = [r for r in records if r["phase"] == "test"][-1]
     assert final["step"] == STEPS and final["accuracy"] >= 0.85, final
@@ -311,11 +320,10 @@ def images(tmp_path_factory):
     return path
 
 
-CONV_PARTITIONINGS = {
-    "hybrid.conf as shipped (conv batch, ip1 feature)": [],
-    "every layer that can split features (conv, pool, relu; LRN stays on the batch)": ["neuralnet.partition_dim=1"],
-    "3 workers, the last conv stage on the features too": ["cluster.nworkers_per_group=3", "cluster.nworkers_per_procs=3"]
-    + [f"neuralnet.layer[{i}].partition_dim=1" for i in (10, 11, 12)],
+CONV_PARTITIONINGS = {  # (workers, overrides)
+    "hybrid.conf as shipped (conv batch, ip1 feature)": (2, []),
+    "every layer that can split features (conv, pool, relu; LRN stays on the batch)": (2, ["neuralnet.partition_dim=1"]),
+    "3 workers, the last conv stage on the features too": (3, [f"neuralnet.layer[{i}].partition_dim=1" for i in (10, 11, 12)]),
 }
 
 
@@ -326,12 +334,13 @@ def test_the_cifar10_hybrid_convnet_trains_exactly_like_one_worker(images, tmp_p
     hybrid = Path(__file__).parents[1] / "examples" / "cifar10" / "hybrid.conf"
     common = ["train_steps=3", "test_steps=0", "disp_freq=1", f"neuralnet.layer[0].store_conf.path={images}", "neuralnet.layer[0].store_conf.batchsize=24"]
     results = []
-    for name, extra in (("single", ["cluster.nworkers_per_group=1", "cluster.nworkers_per_procs=1"]),
-                        ("group", CONV_PARTITIONINGS[partitioning])):
-        job = shoal.load_job(hybrid, common + extra)
+    workers, overrides = CONV_PARTITIONINGS[partitioning]
+    for name, layout, extra in (("single", threads(1), []), ("group", threads(workers), overrides)):
+        job = shoal.load_job(hybrid, common + layout.overrides() + extra)
         job.neuralnet.layer[0].store_conf.ClearField("mean_file")
         assert plan_partition(job).partitioned == (name == "group")
         history = shoal.train(job, workspace=tmp_path / name, log=lambda *a: None)
+        assert_ran(tmp_path / name, layout)
         results.append((history.phase("train"), ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / name, 3)).params))
     (single, single_params), (group, params) = results
     assert [r["loss"] for r in group] == pytest.approx([r["loss"] for r in single], rel=1e-5)
