@@ -63,8 +63,8 @@ LAYOUTS = [
 ]
 
 
-def overrides(layout: Layout, steps: int, test_freq: int) -> list[str]:
-    sets = [f"train_steps={steps}", f"test_freq={test_freq}", "test_steps=10", "disp_freq=20", "checkpoint_freq=0"]
+def overrides(layout: Layout, steps: int, test_freq: int, disp_freq: int = 20) -> list[str]:
+    sets = [f"train_steps={steps}", f"test_freq={test_freq}", "test_steps=10", f"disp_freq={disp_freq}", "checkpoint_freq=0"]
     return sets + [f"cluster.{kv}" for kv in layout.cluster.split()]
 
 
@@ -130,7 +130,7 @@ def run(layout: Layout, sets: list[str], workspace: Path, seconds: float | None)
 
 def prediction_table(rows: list[dict], predictions: dict[str, float]) -> str:
     """Markdown: each layout's predicted and measured samples/s, the error, and whether the ranking agrees."""
-    lines = ["| layout | predicted samples/s | measured | error |", "|---|---|---|---|"]
+    lines = ["| layout | predicted samples/s | measured | steps measured | error |", "|---|---|---|---|---|"]
     pairs = []
     for row in rows:
         name = Path(row["run"]).name
@@ -138,7 +138,7 @@ def prediction_table(rows: list[dict], predictions: dict[str, float]) -> str:
         if guess is None or not got:
             continue
         pairs.append((name, guess, got))
-        lines.append(f"| {name} ({row['layout']}) | {guess:.0f} | {got:.0f} | {100 * (guess - got) / got:+.0f} % |")
+        lines.append(f"| {name} ({row['layout']}) | {guess:.0f} | {got:.0f} | {row['steps']} | {100 * (guess - got) / got:+.0f} % |")
     if pairs:
         top_guess = max(pairs, key=lambda p: p[1])[0]
         top_got = max(pairs, key=lambda p: p[2])[0]
@@ -161,6 +161,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=40.0, help="wall-clock budget of each layout (default 40)")
     parser.add_argument("--steps", type=int, help="a step budget instead of a time budget")
     parser.add_argument("--test-freq", type=int, default=50, help="test every N steps (1000 test images each)")
+    parser.add_argument("--disp-freq", type=int, default=20,
+                        help="steps per display window (samples/s leaves out the first window: short budgets need small windows)")
     parser.add_argument("--only", help="comma-separated layout names")
     parser.add_argument("--keep", type=Path, help="keep the run folders here (default: a temporary folder)")
     parser.add_argument("--out", type=Path, default=REPO / "docs", help="where frameworks.png and frameworks.md go")
@@ -184,7 +186,7 @@ def main() -> None:
     chosen = [l for l in LAYOUTS if not args.only or l.name in args.only.split(",")]
     done, skipped, predictions = [], [], {}
     for layout in chosen:
-        sets = overrides(layout, steps, args.test_freq)
+        sets = overrides(layout, steps, args.test_freq, args.disp_freq)
         why = refusal(layout, sets)
         if why:
             print(f"{layout.name:<18} skipped, not yet runnable: {why}")

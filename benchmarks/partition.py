@@ -13,6 +13,10 @@ in one group (threads), SGD with momentum. For each partitioning:
   summed at worker 0's server; a feature slice or a placed layer's param is updated by the one worker
   computing it and never crosses) next to the *analytic* value computed from the plan's shapes.
 
+Next to each measured row: what `shoal plan --estimate` predicted for it before anything ran
+(samples/s and bytes), and a fifth row, the partitioning `shoal plan --suggest` picks for this net
+(greedy over partition_dim per layer on the cost model), measured the same way.
+
     python benchmarks/partition.py [--steps 8] [--repeats 3] [--batch 128]
 """
 from __future__ import annotations
@@ -41,6 +45,9 @@ from shoal.planning.plan import plan_job  # noqa: E402
 from shoal.runtime.assemble import RunSpec, assemble  # noqa: E402
 from shoal.runtime.exchanges.server import Server  # noqa: E402
 from shoal.neuralnet.updaters import make_updater  # noqa: E402
+from shoal.planning.alternatives import suggest, with_dims  # noqa: E402
+from shoal.planning.estimate import estimate, plan_kernels  # noqa: E402
+from shoal.runtime import calibrate  # noqa: E402
 
 CONV = "conv1 relu1 pool1 conv2 relu2 pool2"
 FC = "fc1 relu3 fc2 relu4 fc3"
@@ -137,6 +144,17 @@ def main() -> None:
     data = Path(tempfile.mkdtemp()) / "train_data.bin"
     write_image_store(data, rng.integers(0, 256, (2048, 3, 32, 32), dtype=np.uint8), rng.integers(0, 10, 2048))
     jobs = {name: job_from_text(job_text(data, args.batch, extra)) for name, extra in PARTITIONINGS.items()}
+    calibrated = lambda kernels: calibrate.calibration(kernels)  # noqa: E731
+    advice = suggest(jobs["batch (data parallel)"], calibrated, workers=2)
+    cut = sorted(n for n, d in advice.dims.items() if d == 1)
+    layers = ", ".join(n for n in cut if not n.startswith(("relu", "pool")))
+    jobs["suggested: " + (f"{layers} feature" if layers else "the batch split")] = with_dims(jobs["batch (data parallel)"], advice.dims)
+    predicted = {}
+    for name, job in jobs.items():
+        plan = plan_job(job)
+        e = estimate(plan, calibrated(plan_kernels(plan)))
+        predicted[name] = (e.samples_per_s, sum(v[0] for p in e.processes for v in p.links.values()))
+    load_before = os.getloadavg()[0]
     rates: dict[str, list[float]] = {name: [] for name in jobs}
     measured, analytic = {}, {}
     for _ in range(args.repeats):
@@ -147,13 +165,17 @@ def main() -> None:
         _, measured[name], plan, shapes = measure(job, 1, partitioned_runtime=True, warmup=1)
         analytic[name] = analytic_bytes(plan, [args.batch - args.batch // 2, args.batch // 2], shapes)
     base = statistics.median(rates["batch (data parallel)"])
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; 2 workers (threads), batch {args.batch}")
-    print(f"{'partitioning':>32} | {'samples/s':>9} | {'÷ batch':>7} | {'MB/step measured':>16} | {'analytic':>8} | {'÷ batch':>7}")
-    print("-" * 97)
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; 2 workers (threads), batch {args.batch}; "
+          f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+    print(f"suggested by the cost model: partition_dim 1 on {', '.join(cut) or 'nothing'} ({advice.tried} candidates estimated)")
+    print(f"{'partitioning':>40} | {'samples/s':>9} | {'predicted':>9} | {'error':>6} | {'÷ batch':>7} | {'MB/step measured':>16} | {'analytic':>8} | {'predicted':>9} | {'÷ batch':>7}")
+    print("-" * 140)
     dim0 = measured["batch (data parallel)"]
     for name in jobs:
         rate = statistics.median(rates[name])
-        print(f"{name:>32} | {rate:>9.1f} | {rate / base:>7.2f} | {measured[name] / 1e6:>16.2f} | {analytic[name] / 1e6:>8.2f} | {measured[name] / dim0:>7.2f}")
+        guess, guess_bytes = predicted[name]
+        print(f"{name:>40} | {rate:>9.1f} | {guess:>9.1f} | {100 * (guess - rate) / rate:>+5.0f}% | {rate / base:>7.2f} | "
+              f"{measured[name] / 1e6:>16.2f} | {analytic[name] / 1e6:>8.2f} | {guess_bytes / 1e6:>9.2f} | {measured[name] / dim0:>7.2f}")
 
 
 if __name__ == "__main__":

@@ -145,6 +145,7 @@ def estimate(
     into `out` when given. The machine is calibrated once and cached (recalibrate: measure again).
     Returns what `shoal plan --estimate --json` prints.
     """
+    import os
     from dataclasses import asdict
 
     from shoal.planning import alternatives
@@ -160,7 +161,8 @@ def estimate(
         return calibrate.calibration(kernels, log=log)
 
     count = workers or (proto.cluster.nworkers_per_group if proto.cluster.nworkers_per_group > 1 else max(2, calib.cores))
-    result = {"calibration": calib.to_json() | {"kernels": len(calib.kernels)}, "estimate": predict(plan, calib).to_json()}
+    result = {"calibration": calib.to_json() | {"kernels": len(calib.kernels), "load_now": round(os.getloadavg()[0], 2)},
+              "estimate": predict(plan, calib).to_json()}
     if compare:
         result["compare"] = [
             {"layout": r.layout.name, "about": r.layout.about, "cluster": r.layout.cluster, "refused": r.refused,

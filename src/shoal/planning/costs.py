@@ -96,8 +96,9 @@ class Calibration:
         )
 
     def _by_threads(self, table: dict[int, float], threads: int) -> float:
-        """The rate at `threads`: measured, else scaled linearly from the nearest measured count (at most the cores)."""
-        threads = max(1, min(threads, self.cores))
+        """The rate at `threads`: measured, else scaled linearly from the nearest measured count (more threads
+        than this host has cores: an extrapolation to a bigger host, as `shoal plan --hosts --cores` asks)."""
+        threads = max(1, threads)
         if threads in table:
             return table[threads]
         near = min(table, key=lambda t: abs(t - threads))

@@ -53,6 +53,9 @@ def render_estimate(e: dict, calib: dict) -> str:
         + (f" per group ({e['ngroups']} groups)" if e["ngroups"] > 1 else "") + f"; bottleneck: {e['bottleneck']}",
         "  step: " + ", ".join(f"{k} {ms(v)}" for k, v in e["phases"].items() if v > 0),
     ]
+    if calib.get("load_now", 0) > calib["cores"]:
+        lines.append(f"  note: this machine is busy now (load average {calib['load_now']:.1f} on {calib['cores']} cores); "
+                     "the prediction is for the machine to itself: expect less")
     for w in e["workers"]:
         lines.append(
             f"  worker (group {w['group']}, id {w['id']}) in process {w['rank']} on {w['device']}, {w['threads']} thread(s), "
