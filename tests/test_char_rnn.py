@@ -17,15 +17,16 @@ import torch
 from conftest import REPO
 
 import shoal
+from layouts import LAYOUTS, assert_ran
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.data.prepare_text import unigram_entropy_bits
 
 EXAMPLES = REPO / "examples" / "char-rnn"
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 QUIET = {"log": lambda *a: None}
-GROUPS = {  # synchronous 2-worker groups: threads of one process, or two processes
-    "2 threads": ["cluster.nworkers_per_group=2", "cluster.nworkers_per_procs=2"],
-    "2 processes": ["cluster.nworkers_per_group=2"],
+GROUPS = {  # synchronous 2-worker groups: threads of one process, or two processes (rows of tests/layouts.py)
+    "2 threads": "in-memory Sandblaster, 2 threads",
+    "2 processes": "AllReduce, 2 processes",
 }
 
 
@@ -112,9 +113,10 @@ def test_unrolled_copies_share_one_set_of_params(trained):
 @pytest.mark.parametrize("layout", GROUPS)
 def test_two_workers_train_the_same_char_rnn_as_one(corpus, tmp_path, layout):
     params = []
-    for name, cluster in (("one", []), ("two", GROUPS[layout])):
-        job = char_rnn_job(corpus, tmp_path / name, steps=6, hidden=32, unroll=8, extra=["test_steps=0"] + cluster)
+    for name, row in (("one", "single worker"), ("two", GROUPS[layout])):
+        job = char_rnn_job(corpus, tmp_path / name, steps=6, hidden=32, unroll=8, extra=["test_steps=0"] + LAYOUTS[row].overrides())
         shoal.train(job, **QUIET)
+        assert_ran(tmp_path / name, row)
         params.append(ckpt_io.load(ckpt_io.latest(tmp_path / name)).params)
     for name in params[0]:
         torch.testing.assert_close(params[1][name], params[0][name], rtol=1e-5, atol=1e-6)

@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shoal
+from layouts import LAYOUTS, SYNCHRONOUS, assert_ran
 
 quiet = lambda *a: None
 
@@ -32,32 +33,28 @@ def fit(cluster, tmp_path, name, steps=30, **kw):
     return model, history
 
 
-SYNC = {
-    "in-memory Sandblaster": shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=2),
-    "AllReduce 2 processes": shoal.Cluster(nworkers_per_group=2, nservers_per_group=2),
-    "Sandblaster 2 + 1 server": shoal.Cluster(nworkers_per_group=2, server_worker_separate=True),
-}
+# every synchronous row of tests/layouts.py; the default suite fits on threads and on one multi-process layout
+DEFAULT_SYNC = ("in-memory Sandblaster, 2 threads", "Sandblaster, 2 workers + 1 server, 3 processes")
+SYNC = [name if name in DEFAULT_SYNC else pytest.param(name, marks=pytest.mark.slow) for name in SYNCHRONOUS]
 
 
-@pytest.mark.parametrize("name", list(SYNC))
+@pytest.mark.parametrize("name", SYNC)
 def test_synchronous_fit_equals_the_single_worker_fit(tmp_path, name):
     single, _ = fit(shoal.Cluster(), tmp_path, "single")
-    model, history = fit(SYNC[name], tmp_path, "sync")
+    model, history = fit(LAYOUTS[name].fit_cluster(), tmp_path, "sync")
+    assert_ran(tmp_path / "sync", name)
     for (n, a), b in zip(single.named_parameters(), model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
     assert history.final_test["accuracy"] >= 0.9
 
 
-ASYNC = {
-    "in-memory Hogwild": shoal.Cluster(nworker_groups=2, nworkers_per_procs=2),
-    "Downpour": shoal.Cluster(nworker_groups=2, server_worker_separate=True),
-    "Distributed Hogwild": shoal.Cluster(nworker_groups=2, nserver_groups=2),
-}
+ASYNC = ["in-memory Hogwild, 2 groups", "Downpour, 2 groups + 1 server, 3 processes", "Distributed Hogwild, 2 groups"]
 
 
-@pytest.mark.parametrize("name", list(ASYNC))
+@pytest.mark.parametrize("name", ASYNC)
 def test_asynchronous_fit_trains_the_module(tmp_path, name):
-    model, history = fit(ASYNC[name], tmp_path, "async")
+    model, history = fit(LAYOUTS[name].fit_cluster(), tmp_path, "async")
+    assert_ran(tmp_path / "async", name)
     assert history.final_test["accuracy"] >= 0.9
     x, y = blobs(256, seed=1)
     with torch.no_grad():  # the caller's module now holds the trained values

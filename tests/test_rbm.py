@@ -14,14 +14,15 @@ import torch
 from conftest import REPO
 
 import shoal
+from layouts import LAYOUTS, assert_ran
 from shoal.neuralnet import checkpoint as ckpt_io
 
 EXAMPLES = REPO / "examples" / "rbm"
 SMALL = [784, 96, 48, 24, 8]  # the stack's widths (SINGA: 784-1000-500-250-30)
 QUIET = {"log": lambda *a: None}
-GROUPS = {  # synchronous 2-worker groups: threads of one process, or two processes
-    "2 threads": ["cluster.nworkers_per_group=2", "cluster.nworkers_per_procs=2"],
-    "2 processes": ["cluster.nworkers_per_group=2"],
+GROUPS = {  # synchronous 2-worker groups: threads of one process, or two processes (rows of tests/layouts.py)
+    "2 threads": "in-memory Sandblaster, 2 threads",
+    "2 processes": "AllReduce, 2 processes",
 }
 
 
@@ -93,9 +94,10 @@ def test_two_workers_train_the_same_rbm_as_one(stack, mnist_dir, tmp_path, k, la
     """Hidden units are sampled per row of the whole batch, so a 2-worker group draws what one worker draws."""
     root, _ = stack
     params = []
-    for name, cluster in (("one", []), ("two", GROUPS[layout])):
-        job = rbm_job(k, mnist_dir, root, steps=8, extra=[f"cluster.workspace={tmp_path / name}", "test_steps=0"] + cluster)
+    for name, row in (("one", "single worker"), ("two", GROUPS[layout])):
+        job = rbm_job(k, mnist_dir, root, steps=8, extra=[f"cluster.workspace={tmp_path / name}", "test_steps=0"] + LAYOUTS[row].overrides())
         shoal.train(job, **QUIET)
+        assert_ran(tmp_path / name, row)
         params.append(ckpt_io.load(ckpt_io.latest(tmp_path / name)).params)
     for name in params[0]:
         torch.testing.assert_close(params[1][name], params[0][name], rtol=1e-5, atol=1e-6)
