@@ -293,3 +293,29 @@ def test_a_world_on_one_gpu_joins_with_nccl_and_reduces_cuda_tensors(tmp_path):
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "nccl" in run.stdout and "3.0 2.0" in run.stdout
+
+
+# -- two "nodes" under torchrun's c10d rendezvous ---------------------------------------------------
+from test_multihost import two_hosts  # noqa: E402,F401  (the fixture: two network namespaces joined by a veth pair)
+
+
+def test_torchrun_over_two_hosts_made_of_network_namespaces(two_hosts, blobs_job, tmp_path):
+    """torchrun on both "hosts" (node 0's agent hosts the store); ranks run on both, the workspace is shared (one
+    filesystem, as a cluster's shared one) and the result is the single worker's."""
+    (ns_a, ip_a), (ns_b, ip_b) = two_hosts
+    layout = "AllReduce, 2 processes x 2 threads"
+    job = blobs_job(train_steps=6, layout=layout)
+    port = free_port()
+    # static rendezvous (torchrun's default): node ranks given, the agent of node 0 hosts the store at ip_a
+    command = lambda ns, node: ["ip", "netns", "exec", ns, str(TORCHRUN), "--nnodes=2", "--nproc-per-node=1",
+                                f"--node-rank={node}", f"--master-addr={ip_a}", f"--master-port={port}",
+                                "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")]
+    nodes = [subprocess.Popen(command(ns, node), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node, ns in enumerate((ns_a, ns_b))]
+    outs = [node.communicate(timeout=240) for node in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], [o[1][-2000:] for o in outs]
+    assert "Test @ step 6" in outs[0][0] and "Test @ step" not in outs[1][0]  # the chief is rank 0, on node 0
+    assert_ran(tmp_path / "ws", layout)
+    shoal.train(blobs_job(train_steps=6), workspace=tmp_path / "single", log=quiet)
+    ours, single = final_params(tmp_path / "ws", 6), final_params(tmp_path / "single", 6)
+    for name in single:
+        torch.testing.assert_close(ours[name], single[name], rtol=1e-5, atol=1e-6)

@@ -79,6 +79,28 @@ def route_interface(host: str) -> str:
         raise ProcessFailed(f"--master {host}: cannot tell which interface reaches it; pass --interface") from None
 
 
+def launched_interface(master: str) -> Optional[str]:
+    """The interface gloo uses in a launched world: GLOO_SOCKET_IFNAME if set (None: leave it), loopback for a
+    loopback master, else the one that reaches the master (on the master's host: the one holding its address);
+    None (gloo's own choice: the address of this host's name) when `ip` cannot tell."""
+    import subprocess
+
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    try:
+        address = socket.gethostbyname(master)
+        if address.startswith("127."):
+            return "lo"
+        out = subprocess.run(["ip", "route", "get", address], capture_output=True, text=True, timeout=5).stdout.split()
+        device = out[out.index("dev") + 1]
+        if device == "lo":  # the master is this host: the interface holding its address
+            held = subprocess.run(["ip", "-o", "addr", "show", "to", address], capture_output=True, text=True, timeout=5)
+            device = held.stdout.split()[1]
+        return device
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
 def describe_process(plan: JobPlan, rank: int) -> str:
     proc = plan.process(rank)
     members = [str(w) for w in proc.workers] + [str(s) for s in proc.servers]
@@ -165,7 +187,8 @@ def run_launched(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
     wait_s = max(comm.timeout_seconds(), 60.0)
     try:
         join_world(plan, rank, world, launched.local_world_size, launched.master_addr, launched.master_port,
-                   "lo" if launched.on_loopback else None, launched.restart if launched.agent_store else None)
+                   "lo" if launched.on_loopback else launched_interface(launched.master_addr),
+                   launched.restart if launched.agent_store else None)
     except (RuntimeError, ValueError, OSError) as err:  # torch's store and gloo errors: their first line is the story
         raise ProcessFailed(f"process {rank}: cannot join the job's processes at {launched.master_addr}:{launched.master_port}: "
                             f"{comm.describe_error(err)}") from None
