@@ -24,6 +24,7 @@ import shoal
 from layouts import LAYOUTS, assert_ran
 from shoal.comm.dist import process_group_backend
 from shoal.errors import ShoalError
+from shoal.planning.plan import plan_job
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.report.metrics import read_metrics
 from shoal.runtime.launchers import LaunchedProcess, LauncherEnvError, detect, expand_nodelist
@@ -319,3 +320,43 @@ def test_torchrun_over_two_hosts_made_of_network_namespaces(two_hosts, blobs_job
     ours, single = final_params(tmp_path / "ws", 6), final_params(tmp_path / "single", 6)
     for name in single:
         torch.testing.assert_close(ours[name], single[name], rtol=1e-5, atol=1e-6)
+
+
+# -- the documented cluster examples start as many processes as their job's layout has --------------------
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def example_layout_processes(args: list[str]) -> int:
+    sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+    job = next(a for a in args if a.endswith("job.conf"))
+    return plan_job(shoal.load_job(EXAMPLES.parent / job.replace("/jobs/", "examples/"), sets)).nprocs
+
+
+@pytest.mark.parametrize("script", ["srun.sbatch", "torchrun.sbatch"])
+def test_slurm_examples_start_the_layouts_processes(script):
+    text = (EXAMPLES / "slurm" / script).read_text()
+    option = lambda name: int(re.search(rf"#SBATCH --{name}=(\d+)", text).group(1))
+    command = " ".join(line.strip().rstrip("\\") for line in text.split("\nsrun ", 1)[1].splitlines()).split()
+    per_node = option("ntasks-per-node") if script == "srun.sbatch" else int(re.search(r"--nproc-per-node=(\d+)", text).group(1))
+    assert option("nodes") * per_node == example_layout_processes(command)
+    assert "--resume=auto" in command
+
+
+@pytest.mark.parametrize("manifest", ["pytorchjob.yaml", "indexed-job.yaml"])
+def test_kubernetes_examples_start_the_layouts_processes(manifest):
+    import yaml
+
+    docs = list(yaml.safe_load_all((EXAMPLES / "kubernetes" / manifest).read_text()))
+    if manifest == "pytorchjob.yaml":
+        spec = docs[0]["spec"]
+        pods = sum(r["replicas"] for r in spec["pytorchReplicaSpecs"].values())
+        command = spec["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"]
+        per_pod = int(spec["nprocPerNode"])
+    else:
+        job = next(d for d in docs if d["kind"] == "Job")
+        pods = job["spec"]["completions"]
+        command = job["spec"]["template"]["spec"]["containers"][0]["args"][0].split()
+        per_pod = int(next(a for a in command if a.startswith("--nproc-per-node=")).split("=")[1])
+        assert f"--nnodes={pods}" in command
+    assert pods * per_pod == example_layout_processes(command)
+    assert "--resume=auto" in command
