@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 from shoal.config import job_pb2
 from shoal.planning.partition import BATCH, PartitionPlan, PartNode
@@ -207,15 +206,14 @@ def layer_cost(node: PartNode, rows: int, threads: int, input_grad: bool, device
 COPIES = {job_pb2.kSlice, job_pb2.kConcate, job_pb2.kSplit, job_pb2.kBridgeSrc, job_pb2.kBridgeDst}
 
 
-def worker_costs(parts: PartitionPlan, shares: list[int], threads: int, devices: Optional[list[str]] = None) -> dict[int, list[LayerCost]]:
-    """Per worker of a group, the cost of every node it computes."""
+def worker_costs(parts: PartitionPlan, shares: list[int], threads: int, device: str = "cpu") -> dict[int, list[LayerCost]]:
+    """Per worker of a group, the cost of every node it computes (its dense kernels on `device`)."""
     learns = learning_nodes(parts)
     by_name = {n.name: n for n in parts.nodes}
     costs: dict[int, list[LayerCost]] = {w: [] for w in range(parts.nworkers)}
     for n in parts.nodes:
         srcs = [by_name[n.peer]] if n.layer.conf.type == job_pb2.kBridgeDst else [by_name[s] for s in n.srcs]
         input_grad = any(learns[s.name] for s in srcs)
-        device = (devices or ["cpu"] * parts.nworkers)[n.worker] if devices and n.worker < len(devices) else "cpu"
         costs[n.worker].append(layer_cost(n, node_rows(n, shares), threads, input_grad, device))
     return costs
 

@@ -12,15 +12,16 @@ cores, a link), and the bottleneck is the bound that decides.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from shoal.config import job_pb2
 from shoal.errors import ShoalError
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.buckets import DEFAULT_CAP, plan_buckets
-from shoal.planning.costs import FLOAT, Calibration, LayerCost, compute_seconds, kernels_of, worker_costs
+from shoal.planning.costs import (FLOAT, Calibration, LayerCost, compute_seconds, kernels_of, learning_nodes, node_rows, numel,
+                                  worker_costs)
 from shoal.planning.partition import PartitionPlan
 from shoal.planning.placement import ServerId
 from shoal.planning.plan import Framework, JobPlan
@@ -217,19 +218,18 @@ class _Model:
         """Every worker's compute, and each group's (its slowest worker's) forward + backward seconds."""
         plan, shares = self.plan, self.plan.batch_shares[0] if self.plan.batch_shares else [1]
         threads = plan.threads_per_worker
-        costs = worker_costs(plan.partition, shares, threads)
+        by_device: dict[str, dict[int, list[LayerCost]]] = {}
         out, group_s = [], {}
         for proc, devices in zip(plan.placement.processes, plan.devices):
             host = self.where[proc.rank]
             busy = self.workers_on_host(host)
             oversubscribed = max(1.0, busy * threads / self.cores)
             for w, device in zip(proc.workers, devices):
-                mine: list[LayerCost] = [
-                    LayerCost(**{**c.__dict__, "kernels_fwd": [k.__class__(k.op, k.dims, k.threads, _device(device)) for k in c.kernels_fwd],
-                                 "kernels_bwd": [k.__class__(k.op, k.dims, k.threads, _device(device)) for k in c.kernels_bwd]})
-                    for c in costs[w.id]
-                ]
-                fwd, bwd, _ = compute_seconds(mine, self.calib, threads, concurrent=busy, device=_device(device))
+                kind = _device(device)
+                if kind not in by_device:
+                    by_device[kind] = worker_costs(plan.partition, shares, threads, kind)
+                mine = by_device[kind][w.id]
+                fwd, bwd, _ = compute_seconds(mine, self.calib, threads, concurrent=busy, device=kind)
                 fwd, bwd = fwd * oversubscribed, bwd * oversubscribed
                 out.append(WorkerEstimate(
                     w.group, w.id, proc.rank, device, threads, shares[w.id] if w.id < len(shares) else 0,
@@ -321,8 +321,6 @@ class _Model:
         parts = self.plan.partition
         if parts.nworkers < 2:
             return 0
-        from shoal.planning.costs import learning_nodes, node_rows, numel
-
         shares = self.plan.batch_shares[0] if self.plan.batch_shares else [1]
         learns = learning_nodes(parts)
         total = 0
