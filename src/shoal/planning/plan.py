@@ -65,6 +65,7 @@ class JobPlan:
     batch_shares: list[list[int]]  # per training input layer, each worker's rows of the group's batch
     devices: list[list[str]]  # per process, the configured device of each of its workers
     threads_per_worker: int  # intra-op threads of each worker: the host's cores shared by its workers
+    updater: job_pb2.UpdaterProto  # what the servers apply: the job's, momentum compensated under asynchrony
     nnodes: int = 1
     notes: list[str] = field(default_factory=list)
 
@@ -141,12 +142,34 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
         devices=[worker_device_names(job, len(p.workers)) for p in placement.processes],
         # every worker on a host shares its cores: oversubscription is what kills CPU throughput
         threads_per_worker=thread_budget(job, workers_on_host=-(-workers // max(1, nnodes)), cores=cores),
+        updater=server_updater(job, framework),
         nnodes=nnodes,
-        notes=list(parts.notes),
+        notes=list(parts.notes) + _updater_notes(job, framework),
     )
     if job.cluster.auto_batch_shares:
         _check_balanceable(plan)
     return plan
+
+
+def server_updater(job: job_pb2.JobProto, framework: Framework) -> job_pb2.UpdaterProto:
+    """The updater the servers apply. Asynchronous groups: G groups already add momentum of their own (an update
+    computed on params G-1 updates old, on average), so the servers' momentum is 1 - G·(1 - momentum), which keeps
+    the job's effective momentum (cluster.async_momentum: kAsConfigured keeps SINGA's, the job's own)."""
+    updater = job_pb2.UpdaterProto()
+    updater.CopyFrom(job.updater)
+    groups = job.cluster.nworker_groups
+    if framework.synchronous or job.cluster.async_momentum != job_pb2.kCompensated or updater.momentum <= 0:
+        return updater
+    updater.momentum = max(0.0, 1.0 - groups * (1.0 - updater.momentum))
+    return updater
+
+
+def _updater_notes(job: job_pb2.JobProto, framework: Framework) -> list[str]:
+    compensated = server_updater(job, framework).momentum
+    if compensated == job.updater.momentum:
+        return []
+    return [f"updater.momentum {job.updater.momentum:g} -> {compensated:g} at the servers: {job.cluster.nworker_groups} "
+            "asynchronous groups add momentum of their own (cluster.async_momentum: kAsConfigured keeps the job's)"]
 
 
 def thread_budget(job: job_pb2.JobProto, workers_on_host: int = 1, cores: Optional[int] = None) -> int:

@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from shoal.comm import dist as comm
+from shoal.comm import heartbeat
 from shoal.neuralnet.params import ParamStore
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.placement import ServerId
@@ -83,6 +84,7 @@ class Heartbeat(TrainerHook):
 
     def before_step(self, step: int) -> None:
         comm.heartbeat(step)
+        heartbeat.note_step(step)  # the watch's beats carry it: a stalled peer is named with its step
 
 
 def assemble(plan: JobPlan, rank: int, spec: RunSpec) -> ProcessRun:
@@ -125,7 +127,7 @@ def _attach_exchanges(run: ProcessRun) -> None:
     """Each trainer's path from gradients to params, as the plan's framework says."""
     plan, rank = run.plan, run.rank
     job, trainers = plan.job, run.trainers
-    updater = lambda: make_updater(job.updater)  # noqa: E731 - every server its own updater (and slots)
+    updater = lambda: make_updater(plan.updater)  # noqa: E731 - every server its own updater (and slots)
     match plan.framework:
         case Framework.SINGLE_WORKER | Framework.ALLREDUCE | Framework.SANDBLASTER if plan.in_one_process:
             trainers[0].attach_exchange(LocalExchange(Server(trainers[0].store, updater())))
