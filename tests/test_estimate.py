@@ -233,3 +233,30 @@ def test_cli_scaling_plot_and_a_bad_cluster_file(tmp_path, home):
     bad.write_text("hosts: 4\nbandwith: 10\n")
     out = run_cli(str(job), "--cluster", str(bad), home=home)
     assert out.returncode == 2 and out.stderr.strip() == f"{bad}: bandwith: unknown field (known: hosts, cores, gpus, bandwidth, latency)"
+
+
+def test_calibration_measures_the_machine_and_the_jobs_kernels_once(tmp_path):
+    path = tmp_path / "calibration.json"
+    kernel = Kernel("mm", (5, 8, 4), threads=1)
+    calib = calibrate.calibration([kernel], path=path)
+    assert calib.cores == calibrate._cores() and calib.link_gbps > 0 and calib.link_latency_s > 0
+    assert all(v > 0 for v in calib.gemm_gflops.values()) and all(v > 0 for v in calib.mem_gbps.values())
+    assert 0 < calib.kernels[kernel.key] < 1
+    assert json.loads(path.read_text())["kernels"] == {kernel.key: calib.kernels[kernel.key]}
+    assert calibrate.calibration([kernel], path=path) == calib  # cached: nothing measured again
+
+
+@pytest.mark.slow
+def test_cli_recalibrate_measures_this_machine_and_the_next_plan_reads_the_cache(tmp_path, home):
+    """`--recalibrate` really measures (GEMM, memory, two processes over gloo on loopback, the job's kernels)."""
+    job = tmp_path / "small.conf"
+    job.write_text(SMALL.format(cluster=""))
+    fresh = run_cli(str(job), "--estimate", "--recalibrate", "--json", home=home)
+    assert fresh.returncode == 0, fresh.stderr
+    calib = json.loads(fresh.stdout)["calibration"]
+    assert calib["measured"] != "" and calib["host"] == socket.gethostname()  # the seeded cache had measured = ""
+    assert calib["link_gbps"] > 0 and calib["link_latency_s"] > 0 and all(v > 0 for v in calib["gemm_gflops"].values())
+    cached = json.loads((home / "calibration" / f"{socket.gethostname()}.json").read_text())
+    assert any(key.startswith("mm 5x8x4 cpu") for key in cached["kernels"])  # fc1's forward, measured for this job
+    again = run_cli(str(job), "--estimate", "--json", home=home)
+    assert json.loads(again.stdout)["calibration"]["measured"] == calib["measured"]
