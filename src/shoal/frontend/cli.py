@@ -324,6 +324,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     job = api.load_job(args.job, args.overrides)
     hosts = _hosts_of(args)
+    if args.workers is not None and args.workers < 1:
+        raise ShoalError(f"--workers: {args.workers} is not a number of workers (at least 1)")
     if args.estimate or args.compare or args.suggest or hosts or args.recalibrate:
         from shoal.report.estimates import render as render_estimates
 
