@@ -388,6 +388,9 @@ class _Model:
         elif fw == Framework.DISTRIBUTED_HOGWILD:
             update = self.update_s(self.elements, threads, on_host0)
             staleness = f"replicas drift for up to sync_freq = {max(1, c.sync_freq)} local updates between syncs"
+        else:  # a framework this model has no exchange for yet: its compute and a local update only
+            update = self.update_s(self.elements, threads)
+            self.notes.append(f"{fw.value}: its exchange is not modelled yet (compute and a local update only)")
         step = compute + reduce + exchange + update
         samples = ngroups * batch / step if step > 0 else 0.0
         why = {

@@ -71,6 +71,7 @@ def render_estimate(e: dict, calib: dict) -> str:
         )
     if e["staleness"]:
         lines.append(f"  staleness: {e['staleness']}")
+    lines += [f"  note: {note}" for note in e["notes"]]
     return "\n".join(lines)
 
 
