@@ -384,8 +384,7 @@ class Adam(Updater):
 
     def apply_many(self, values, gs, states, lr):
         mean, variance = _slot(states, "mean"), _slot(states, "variance")
-        torch._foreach_mul_(mean, self.beta1)
-        torch._foreach_add_(mean, gs, alpha=1 - self.beta1)
+        torch._foreach_lerp_(mean, gs, 1 - self.beta1)  # β1·m + (1−β1)·g in one pass over m, as torch's Adam
         torch._foreach_mul_(variance, self.beta2)
         torch._foreach_addcmul_(variance, gs, gs, value=1 - self.beta2)
         torch._foreach_addcdiv_(values, mean, _sqrt_plus(variance, self.delta), value=-lr)
@@ -405,8 +404,7 @@ class AdamMax(Updater):
 
     def apply_many(self, values, gs, states, lr):
         mean, norm = _slot(states, "mean"), _slot(states, "norm")
-        torch._foreach_mul_(mean, self.beta1)
-        torch._foreach_add_(mean, gs, alpha=1 - self.beta1)
+        torch._foreach_lerp_(mean, gs, 1 - self.beta1)  # β1·m + (1−β1)·g in one pass over m, as torch's Adam
         torch._foreach_mul_(norm, self.beta2)
         torch._foreach_maximum_(norm, torch._foreach_abs(gs))
         torch._foreach_add_(norm, self.delta)
