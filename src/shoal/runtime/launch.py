@@ -38,6 +38,7 @@ from shoal.planning.plan import JobPlan, plan_job
 from shoal.report.metrics import read_metrics
 from shoal.report.run_log import Terminated, mark_run_ended
 from shoal.runtime.assemble import RunSpec, run_process
+from shoal.runtime import stalls
 from shoal.runtime.launchers import LaunchedProcess
 from shoal.runtime.trainer import History
 
@@ -168,7 +169,9 @@ def _entry(local_index: int, ranks: list[int], world: int, nodes: Nodes, job_byt
         try:
             spec = RunSpec(Path(workspace), [Path(d) for d in base_dirs], Path(resume_from) if resume_from else None,
                            log=chief_log(rank, log_file), progress=False, initial_values=initial_values)
-            run_rank(plan, rank, spec)
+            with stalls.watching(plan, rank, Path(workspace)):  # a stalled peer: named within SHOAL_STALL_TIMEOUT
+                run_rank(plan, rank, spec)
+            stalls.exit_if_abandoned()
         finally:
             comm.shutdown()
 
@@ -208,7 +211,8 @@ def run_launched(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
                 raise ProcessFailed(f"process {rank}: process 0 did not start the job: {word['error']}")
             resume_from = Path(word["resume_from"]) if word["resume_from"] else None
         with rank_output(workspace, rank) as log_file:  # after rank 0's word: it decides what the workspace holds
-            return run_rank(plan, rank, spec_for(resume_from, chief_log(rank, log_file)))
+            with stalls.watching(plan, rank, workspace, reports_itself=True):
+                return run_rank(plan, rank, spec_for(resume_from, chief_log(rank, log_file)))
     except ShoalError:
         raise
     except StalledPeer as err:
@@ -236,6 +240,7 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
 
     reported: set[int] = set()
     while True:
+        reported.update(stalls.end_dropped(context, ranks, lambda rank: not expendable(plan, rank)))
         exited = [i for i, p in enumerate(context.processes) if p.exitcode is not None]
         for i in exited:
             code = context.processes[i].exitcode
@@ -244,8 +249,9 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
             if code != 0 and i not in reported:
                 reported.add(i)
                 context.sentinels.pop(context.processes[i].sentinel, None)  # torch's join must not fail the job for it
-                warn(f"WARNING: {describe_process(plan, ranks[i])} exited with code {code}; "
-                     f"the other worker groups go on (see {workspace}/logs/rank{ranks[i]}.log)")
+                if code != stalls.GROUP_DROPPED_EXIT:  # its group was dropped for a stall: the chief has warned
+                    warn(f"WARNING: {describe_process(plan, ranks[i])} exited with code {code}; "
+                         f"the other worker groups go on (see {workspace}/logs/rank{ranks[i]}.log)")
         if len(exited) == len(context.processes):
             return
         wait([p.sentinel for p in context.processes if p.exitcode is None], timeout=1.0)
@@ -253,6 +259,7 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
 
 def _wait_for_exit(processes, grace: float = 5.0) -> None:
     """Wait for terminated processes to exit (SIGKILL after `grace` seconds) and reap them."""
+    stalls.kill_stopped(processes)  # a stopped process would hold SIGTERM until continued
     deadline = time.monotonic() + grace
     for proc in processes:
         proc.join(max(0.0, deadline - time.monotonic()))
@@ -267,6 +274,11 @@ def _failed(message: str, workspace: Path, ranks: list[int]) -> ProcessFailed:
     if 0 in ranks:
         mark_run_ended(workspace, error, reason=message)
     return error
+
+
+def _exited(plan: JobPlan, rank: int, code: int, workspace: Path, ranks: list[int]) -> ProcessFailed:
+    return _failed(f"{describe_process(plan, rank)} exited with code {code}; "
+                   f"the other processes were stopped; see {workspace}/logs/rank{rank}.log", workspace, ranks)
 
 
 def run_processes(
@@ -299,10 +311,13 @@ def run_processes(
                     proc.terminate()
             raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
-        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # started with SIGINT ignored (nohup, `&` in a script): Ctrl-C is not for this run; SIGTERM always is
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)
+                    if sig == signal.SIGTERM or signal.getsignal(sig) is not signal.SIG_IGN}
         try:
             if not plan.framework.synchronous:
                 _join_tolerating_groups(context, ranks, plan, workspace)
+            stalls.wait_for_first_failure(context)  # and SIGKILL stopped processes, which SIGTERM cannot end
             while not context.join():
                 pass
         except KeyboardInterrupt as interruption:
@@ -313,7 +328,12 @@ def run_processes(
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-    except mp.ProcessRaisedException as err:
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+        verdict = stalls.verdict(workspace, ranks, context.processes)  # a peer found stalled: the line naming it
+        if verdict is not None:
+            raise _failed(f"{verdict}; see {workspace}/logs", workspace, ranks) from None
+        if isinstance(err, mp.ProcessExitedException):
+            raise _exited(plan, ranks[err.error_index], err.exit_code, workspace, ranks) from None
         rank = ranks[err.error_index]
         last = str(err).strip().splitlines()[-1]
         if rank == 0 and last.startswith("BrokenPipeError"):  # the chief writes to our stdout: its reader went away
@@ -321,12 +341,6 @@ def run_processes(
         if last.startswith(f"{__name__}.StalledPeer: "):
             raise _failed(last.split(": ", 1)[1] + f"; see {workspace}/logs", workspace, ranks) from None
         raise _failed(f"{describe_process(plan, rank)} failed: {last}; see {workspace}/logs/rank{rank}.log", workspace, ranks) from None
-    except mp.ProcessExitedException as err:
-        rank = ranks[err.error_index]
-        raise _failed(
-            f"{describe_process(plan, rank)} exited with code {err.exit_code}; "
-            f"the other processes were stopped; see {workspace}/logs/rank{rank}.log", workspace, ranks
-        ) from None
     history = History(workspace)
     if 0 in ranks:  # the chief's node holds the metrics
         history.records = read_metrics(workspace / "metrics.jsonl")

@@ -1,0 +1,229 @@
+"""Heartbeats through the job's store, and a watch that names the peer that went silent.
+
+A daemon thread of every process sets `shoal/heartbeat/<rank>` to "<beat> <step>" about once a
+second and reads its peers' values, through a store client of its own with a short timeout (a
+silent store cannot block it for long). A peer whose beat has not changed for `stall_timeout()`
+seconds (SHOAL_STALL_TIMEOUT, default 10) is stalled. A SIGSTOPped or frozen process stops its
+heartbeat thread with everything else, so the silent peer is the stalled one, not a healthy rank
+that waits for it. When the store itself stops answering that long, its host is the stalled one
+(rank 0, unless a launcher's agent hosts the store). Only this process's monotonic clock is used:
+the hosts' clocks need not agree.
+
+A process that ends says "done" and is not watched any more. A value that does not parse (some
+other local process wrote the key) is ignored, with one warning per key. A process that was itself
+stopped longer than the timeout sees the gap between its own beats when it runs again (`on_woken`).
+
+Threads of the runtime that gave up on a peer leave a receive pending in gloo; the process must
+then end without running gloo's destructors (`abandon`, `abandoned`).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+from shoal.errors import warn
+
+KEY = "shoal/heartbeat/{}"
+DONE = "done"
+
+
+def stall_timeout() -> float:
+    """Seconds of silence after which a peer is stalled (SHOAL_STALL_TIMEOUT, default 10)."""
+    return float(os.environ.get("SHOAL_STALL_TIMEOUT", "10"))
+
+
+def beat_interval(timeout: float) -> float:
+    """About once a second, and at least four beats within the timeout (a short one in tests)."""
+    return min(1.0, timeout / 4)
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A peer that stopped answering: its rank (None: the store, hosted by no rank), its last step, how long it was silent."""
+
+    rank: Optional[int]
+    step: int
+    silent_s: float
+    store: bool = False  # found out because the store it hosts stopped answering
+
+
+class Watch:
+    """This process's heartbeat and its watch over the peers' heartbeats (a daemon thread)."""
+
+    def __init__(self, store, rank: int, world: int, on_stall: Callable[[Stall], None],
+                 on_woken: Callable[[float], None] = lambda gap: None, store_host: Optional[int] = 0,
+                 timeout_s: Optional[float] = None):
+        self.rank, self.on_stall, self.on_woken, self.store_host = rank, on_stall, on_woken, store_host
+        self.timeout = timeout_s if timeout_s is not None else stall_timeout()
+        self.interval = beat_interval(self.timeout)
+        # one client per thread (c10d's advice), with a timeout well inside the stall timeout
+        self._client = store.clone()
+        self._client.set_timeout(datetime.timedelta(seconds=max(0.5, min(2.0, self.timeout / 3))))
+        self._peers = [r for r in range(world) if r != rank]
+        now = time.monotonic()
+        self._seen: dict[int, tuple[str, int]] = {}  # peer -> (last beat, last step)
+        self._changed_at = dict.fromkeys(self._peers, now)
+        self._store_ok_at = now
+        self._done: set[int] = set()
+        self._stalled: set[int] = set()
+        self._store_reported = False
+        self._bad_reported: set[int] = set()
+        self._step = -1
+        self._beats = 0
+        self._stop = threading.Event()
+        # two threads: store calls can block past any timeout when the store's host is stopped, so the
+        # judging happens on a thread that never touches the store
+        self._beater = threading.Thread(target=self._beat, name="shoal-heartbeat", daemon=True)
+        self._judge_thread = threading.Thread(target=self._watch, name="shoal-stall-watch", daemon=True)
+
+    # -- what the runtime asks ----------------------------------------------------------
+    def start(self) -> "Watch":
+        self._beater.start()
+        self._judge_thread.start()
+        return self
+
+    def note_step(self, step: int) -> None:
+        """The step this process started (sent with the next beat: names where a stalled peer stopped)."""
+        self._step = step
+
+    def is_stalled(self, rank: int) -> bool:
+        return rank in self._stalled
+
+    def stop(self) -> None:
+        """This process ends normally: say "done" (peers stop watching it) and end the thread."""
+        self._stop.set()
+        self._judge_thread.join()
+        self._beater.join(timeout=2 * self.interval)
+        if self._beater.is_alive():  # blocked on a silent store: nobody is left to tell
+            return
+        try:
+            self._client.set(KEY.format(self.rank), f"{DONE} {self._step}")
+        except Exception:  # the store's host ended first
+            pass
+
+    # -- the thread -----------------------------------------------------------------------
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._client.set(KEY.format(self.rank), f"{self._beats} {self._step}")
+                self._beats += 1
+                self._read_peers(time.monotonic())
+                self._store_ok_at = time.monotonic()
+            except Exception:  # the store did not answer: judged by how long that lasts
+                pass
+
+    def _watch(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(self.interval / 2):
+            now = time.monotonic()
+            if now - last > self.timeout:  # this process was stopped (SIGSTOP): its peers have judged it
+                self.on_woken(now - last)
+                self._store_ok_at = now  # our own silence says nothing about the peers
+                self._changed_at = dict.fromkeys(self._changed_at, now)
+            last = now
+            self._judge(now)
+
+    def _read_peers(self, now: float) -> None:
+        for peer in self._peers:
+            if peer in self._done or peer in self._stalled:
+                continue
+            key = KEY.format(peer)
+            if not self._client.check([key]):  # not beating yet (it counts as silent from our start)
+                continue
+            raw = self._client.get(key).decode(errors="replace")
+            parsed = _parse(raw)
+            if parsed is None:
+                if peer not in self._bad_reported:
+                    self._bad_reported.add(peer)
+                    warn(f"WARNING: ignoring heartbeat key {key} = {raw[:40]!r}: not written by shoal "
+                         "(another process uses the job's store?)")
+                continue
+            beat, step = parsed
+            if beat == DONE:
+                self._done.add(peer)
+            elif self._seen.get(peer, (None, -1))[0] != beat:
+                self._changed_at[peer] = now
+            self._seen[peer] = (beat, step)
+
+    def _judge(self, now: float) -> None:
+        store_silent = now - self._store_ok_at
+        if store_silent > self.timeout:
+            host_gone = self.store_host in self._done or self.store_host == self.rank
+            if not host_gone and not self._store_reported:
+                self._store_reported = True
+                if self.store_host is not None:
+                    self._stalled.add(self.store_host)
+                self.on_stall(Stall(self.store_host, self._seen.get(self.store_host, ("", -1))[1], store_silent, store=True))
+            return  # nothing read from the store: the peers' silence says nothing about them
+        for peer in self._peers:
+            silent = now - self._changed_at[peer]
+            if peer not in self._done and peer not in self._stalled and silent > self.timeout:
+                self._stalled.add(peer)
+                store_lagging = peer == self.store_host and store_silent > 2 * self.interval
+                self.on_stall(Stall(peer, self._seen.get(peer, ("", -1))[1], silent, store=store_lagging))
+
+
+def _parse(raw: str) -> Optional[tuple[str, int]]:
+    """(beat, step) from "<beat> <step>" or "done <step>"; None for anything else."""
+    parts = raw.split()
+    if len(parts) != 2 or not (parts[0].isdigit() or parts[0] == DONE):
+        return None
+    try:
+        return parts[0], int(parts[1])
+    except ValueError:
+        return None
+
+
+# -- this process's watch, for the runtime ---------------------------------------------------
+_watch: Optional[Watch] = None
+_abandoned = False
+
+
+def start(rank: int, world: int, **kwargs) -> Watch:
+    """Beat and watch over the job's store (shoal.comm.dist); rank 0 hosts it unless a launcher's agent does."""
+    import torch.distributed as dist
+
+    from shoal.comm import dist as comm
+
+    global _watch
+    store = comm._store
+    kwargs.setdefault("store_host", None if isinstance(store, dist.PrefixStore) else 0)
+    _watch = Watch(store, rank, world, **kwargs).start()
+    return _watch
+
+
+def stop() -> None:
+    global _watch
+    if _watch is not None:
+        _watch.stop()
+        _watch = None
+
+
+def note_step(step: int) -> None:
+    if _watch is not None:
+        _watch.note_step(step)
+
+
+def is_stalled(rank: int) -> bool:
+    """Whether this process's watch found `rank` silent (False without a watch)."""
+    return _watch is not None and _watch.is_stalled(rank)
+
+
+def any_stalled(ranks: Iterable[int]) -> bool:
+    return any(is_stalled(r) for r in ranks)
+
+
+def abandon() -> None:
+    """A thread of this process stays blocked in a receive from a dropped peer (see `abandoned`)."""
+    global _abandoned
+    _abandoned = True
+
+
+def abandoned() -> bool:
+    """gloo aborts the process (std::terminate) if it is torn down under a pending receive: such a
+    process must end with os._exit once its work is done."""
+    return _abandoned

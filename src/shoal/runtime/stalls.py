@@ -1,0 +1,185 @@
+"""What a process does when a peer stalls (found by shoal.comm.heartbeat), and what the launcher makes of it.
+
+- A peer the job cannot lose (any process of a synchronous layout; in an asynchronous one a
+  server, a process of group 0, or the store): the job fails. The process that noticed writes the
+  verdict, one line naming the peer and what it hosted, to WORKSPACE/logs/rank<R>.stalled and exits
+  with STALLED_EXIT (its main thread waits in a gloo receive that nothing can interrupt). The
+  launcher reads the verdict (`verdict`) and first SIGKILLs stopped processes (`kill_stopped`: a
+  stopped process ignores SIGTERM until it is continued). A process started by a launcher
+  (torchrun, srun) prints the line itself.
+- A process of an asynchronous group other than 0: the group is dropped. The servers and the other
+  groups stop waiting for it (the exchanges ask `heartbeat.is_stalled`), the chief warns once, the
+  group's other processes leave with GROUP_DROPPED_EXIT (not reported again), and once the job's
+  essential processes are done the launcher kills what is still stopped (`end_dropped`). If the
+  stalled process runs again before that, it sees the gap in its own heartbeat and leaves; a push
+  it sends first is refused by the servers.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Optional
+
+from shoal.comm import heartbeat
+from shoal.errors import warn
+from shoal.planning.plan import JobPlan
+
+STALLED_EXIT = 86  # this process found a peer the job cannot lose stalled: logs/rank<R>.stalled says which
+GROUP_DROPPED_EXIT = 87  # this process's asynchronous group was dropped: it leaves, the chief has warned
+
+
+def verdict_path(workspace: Path, rank: int) -> Path:
+    return Path(workspace) / "logs" / f"rank{rank}.stalled"
+
+
+class StallPolicy:
+    """Process `rank`'s answers to a stalled peer and to its own stall (see the module's text)."""
+
+    def __init__(self, plan: JobPlan, rank: int, workspace: Path, reports_itself: bool):
+        self.plan, self.rank, self.workspace, self.reports_itself = plan, rank, Path(workspace), reports_itself
+        self.group = self._group_of(rank)
+        self._warned: set[int] = set()
+
+    def _group_of(self, rank: int) -> Optional[int]:
+        workers = self.plan.process(rank).workers
+        return workers[0].group if workers else None
+
+    def _expendable(self, rank: int) -> bool:
+        from shoal.runtime.launch import expendable
+
+        return expendable(self.plan, rank)
+
+    def on_stall(self, stall: heartbeat.Stall) -> None:
+        from shoal.runtime.launch import describe_process
+
+        silent = f"no heartbeat for {stall.silent_s:.0f} s" + (f", the last at step {stall.step}" if stall.step >= 0 else "")
+        if stall.rank is None:
+            self._fail(f"the job's store (held by the launcher's agent) stopped answering ({silent})")
+        who = describe_process(self.plan, stall.rank)
+        if self.plan.framework.synchronous or not self._expendable(stall.rank):
+            hosts_store = "; it hosts the job's store" if stall.store else ""
+            self._fail(f"{who} stopped answering ({silent}{hosts_store})")
+        group = self._group_of(stall.rank)
+        if group == self.group:  # a member of this process's own group: the group cannot go on
+            self._leave(f"worker group {group} is dropped: {who} stopped answering ({silent})")
+        if self.rank == 0 and group not in self._warned:  # the chief's stderr is the terminal: one warning
+            self._warned.add(group)
+            warn(f"WARNING: worker group {group} dropped: {who} stopped answering ({silent}); "
+                 f"the other worker groups go on (see {self.workspace}/logs/rank{stall.rank}.log)")
+
+    def on_woken(self, gap: float) -> None:
+        """This process was stopped longer than the timeout: its peers have given up on it."""
+        line = f"process {self.rank} was stopped for {gap:.0f} s, longer than the stall timeout ({heartbeat.stall_timeout():g} s)"
+        if self.plan.framework.synchronous or not self._expendable(self.rank):
+            self._fail(f"{line}; the job cannot go on without it")
+        self._leave(f"{line}; the servers dropped worker group {self.group}, so it leaves")
+
+    def _fail(self, line: str) -> None:
+        path = verdict_path(self.workspace, self.rank)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(line + "\n")
+            os.replace(tmp, path)
+        except OSError:  # the launcher falls back to naming this process
+            pass
+        if self.reports_itself:
+            print(line, file=sys.__stderr__)
+        elif self.rank != 0:  # the others' stdout is their log; the chief's is the terminal, where the launcher speaks
+            print(line)
+        _exit(STALLED_EXIT)
+
+    def _leave(self, line: str) -> None:
+        print(line)  # a process of a group other than 0: its log
+        _exit(GROUP_DROPPED_EXIT)
+
+
+def _exit(code: int) -> None:
+    """End now: the main thread waits in gloo, which cannot be interrupted."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+@contextmanager
+def watching(plan: JobPlan, rank: int, workspace: Path, reports_itself: bool = False):
+    """Beat and watch the job's other processes while the body runs (a world of several processes only)."""
+    if plan.nprocs == 1:
+        yield
+        return
+    policy = StallPolicy(plan, rank, workspace, reports_itself)
+    heartbeat.start(rank, plan.nprocs, on_stall=policy.on_stall, on_woken=policy.on_woken)
+    try:
+        yield
+    finally:
+        heartbeat.stop()
+
+
+def exit_if_abandoned() -> None:
+    """A process whose threads gave up on a dropped peer ends without gloo's teardown (which would abort it)."""
+    if heartbeat.abandoned():
+        _exit(0)
+
+
+# -- the launcher's side ------------------------------------------------------------------------
+def verdict(workspace: Path, ranks: list[int], processes) -> Optional[str]:
+    """The line of a process that exited because a peer stalled (None if none did)."""
+    for rank, proc in zip(ranks, processes):
+        if proc.exitcode == STALLED_EXIT:
+            try:
+                return verdict_path(workspace, rank).read_text().strip().splitlines()[0]
+            except (OSError, IndexError):
+                continue
+    return None
+
+
+def is_stopped(pid: int) -> bool:
+    """Stopped by a signal (SIGSTOP, SIGTSTP) or a tracer: state T or t in /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def kill_stopped(processes) -> None:
+    """SIGKILL the stopped processes: SIGTERM would wait until they are continued."""
+    for proc in processes:
+        if proc.exitcode is None and is_stopped(proc.pid):
+            proc.kill()
+
+
+def wait_for_first_failure(context) -> None:
+    """Return once a process torch's join still watches has failed (stopped ones then SIGKILLed) or all ended."""
+    from multiprocessing.connection import wait
+
+    while True:
+        watched = [p for p in context.processes if p.sentinel in context.sentinels]
+        if any(p.exitcode not in (None, 0) for p in watched):
+            kill_stopped(context.processes)
+            return
+        alive = [p.sentinel for p in watched if p.exitcode is None]
+        if not alive:
+            return
+        wait(alive, timeout=1.0)
+
+
+def end_dropped(context, ranks: list[int], essential: Callable[[int], bool]) -> list[int]:
+    """Once this node's essential processes all ended well, kill the ones still stopped (their group was
+    dropped); returns their indices. A node with no essential process waits for its own."""
+    procs = context.processes
+    needed = [p for i, p in enumerate(procs) if essential(ranks[i])]
+    if not needed or any(p.exitcode != 0 for p in needed):
+        return []
+    killed = []
+    for i, proc in enumerate(procs):
+        if proc.exitcode is None and is_stopped(proc.pid):
+            proc.kill()
+            proc.join()
+            context.sentinels.pop(proc.sentinel, None)
+            killed.append(i)
+    return killed

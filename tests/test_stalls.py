@@ -1,0 +1,111 @@
+"""A stalled process (SIGSTOP), found by heartbeat: named within SHOAL_STALL_TIMEOUT, nothing left behind.
+
+Real runs through the CLI; the stalled process's pid comes from the job registry, as `shoal jobs view`
+shows it. Synchronous layouts fail with one line naming the stalled rank; asynchronous ones drop a
+stalled group other than 0 and finish. Also: a run started with SIGINT ignored, and SIGTERM.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from layouts import LAYOUTS, assert_ran
+from test_cli import leftover_processes, tagged
+
+from shoal.runtime import job_registry
+
+STALL_TIMEOUT = 3.0
+SLACK = 20.0  # a loaded 2-core machine: beats every 0.75 s may be late, the launcher must reap and kill
+
+
+class Run:
+    """`shoal run` in the background, its output in files (a pipe nobody reads would block the chief)."""
+
+    def __init__(self, job: Path, tmp_path: Path, layout: str, *extra: str, env: dict | None = None, ignore_sigint=False):
+        self.ws, self.out, self.err = tmp_path / "ws", tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+        env = dict(os.environ, SHOAL_STALL_TIMEOUT=str(STALL_TIMEOUT), PYTHONUNBUFFERED="1", **tagged(tmp_path), **(env or {}))
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(self.ws), "--no-progress",
+                 *LAYOUTS[layout].cli(), *extra],
+                stdout=out, stderr=err, env=env, start_new_session=True,
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN if ignore_sigint else signal.SIG_DFL))
+
+    def pid_of(self, rank, timeout: float = 90) -> int:
+        """Process `rank`'s pid from the job registry, once the run has trained a few steps."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.stderr()
+            for record in job_registry.all_jobs():
+                pids = {p["rank"]: p["pid"] for p in record.processes}
+                if Path(record.workspace) == self.ws and rank in pids and "Train @ step 10 " in self.out.read_text():
+                    return pids[rank]
+            time.sleep(0.2)
+        raise AssertionError(f"no pid for rank {rank}: {self.stderr()}")
+
+    def wait(self, timeout: float = 120) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture
+def runs():
+    started: list[Run] = []
+    yield started
+    for run in started:  # a failed assertion must not leave a stopped job behind
+        for pid in _children(run.proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        run.stop()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def assert_one_line(stderr: str, *fragments: str) -> str:
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    for fragment in fragments:
+        assert fragment in lines[0], stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("layout,rank", [
+    ("AllReduce, 2 processes", 0),  # the chief, which hosts the store: its peers find the store silent
+    pytest.param("AllReduce, 3 processes", 2, marks=pytest.mark.slow),
+])
+def test_a_stopped_process_of_a_synchronous_job_is_named_within_the_timeout(blobs_job, tmp_path, runs, layout, rank):
+    run = Run(blobs_job(train_steps=100000), tmp_path, layout)
+    runs.append(run)
+    pid = run.pid_of(rank)
+    time.sleep(2)  # a few beats: the peers know its step
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    code = run.wait(timeout=STALL_TIMEOUT + SLACK + 30)
+    took = time.monotonic() - stopped
+    assert code == 2, run.stderr()
+    hosted = {0: "worker(group=0, id=0), server(group=0, id=0)", 2: "worker(group=0, id=2), server(group=0, id=2)"}[rank]
+    line = assert_one_line(run.stderr(), f"process {rank} ({hosted}) stopped answering (no heartbeat for ", ", the last at step ",
+                           "; it hosts the job's store" if rank == 0 else "")
+    assert STALL_TIMEOUT <= took < STALL_TIMEOUT + SLACK, (took, line)
+    summary = json.loads((run.ws / "summary.json").read_text())
+    assert summary["status"] == "failed" and f"process {rank}" in summary["reason"]
+    assert leftover_processes(tmp_path) == []  # the stopped one too: SIGTERM waits for SIGCONT, SIGKILL does not
