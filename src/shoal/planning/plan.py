@@ -24,6 +24,7 @@ from shoal.config import job_pb2
 from shoal.errors import ShoalError
 from shoal.neuralnet.net import NeuralNet
 from shoal.neuralnet.params import ParamStore
+from shoal.neuralnet.updaters import make_updater
 from shoal.planning.devices import worker_device_names
 from shoal.planning.partition import PartitionPlan, partition
 from shoal.planning.placement import Placement, ProcessPlan, WorkerId, place
@@ -44,6 +45,7 @@ class Framework(enum.Enum):
     IN_MEMORY_DOWNPOUR = "in-memory Downpour"  # async groups as threads, each on its own copy
     DOWNPOUR = "Downpour"  # async groups over processes, one server group
     DISTRIBUTED_HOGWILD = "Distributed Hogwild"  # async groups over processes, a server group each
+    LOCAL_SGD = "Local SGD"  # groups on their own copies meet every local_steps (DiLoCo with an outer momentum)
 
     @property
     def synchronous(self) -> bool:
@@ -66,6 +68,7 @@ class JobPlan:
     devices: list[list[str]]  # per process, the configured device of each of its workers
     threads_per_worker: int  # intra-op threads of each worker: the host's cores shared by its workers
     updater: job_pb2.UpdaterProto  # what the servers apply: the job's, momentum compensated under asynchrony
+    outer_updater: Optional[job_pb2.UpdaterProto] = None  # Local SGD / DiLoCo: applied to the groups' mean change
     nnodes: int = 1
     notes: list[str] = field(default_factory=list)
 
@@ -104,6 +107,8 @@ class JobPlan:
         """The framework as users name the layout: one process of several synchronous workers is in-memory Sandblaster."""
         if self.framework in (Framework.ALLREDUCE, Framework.SANDBLASTER) and self.in_one_process:
             return "in-memory Sandblaster"
+        if self.framework is Framework.LOCAL_SGD and self.outer_updater is not None and self.outer_updater.momentum > 0:
+            return "DiLoCo"
         return self.framework.value
 
     def process(self, rank: int) -> ProcessPlan:
@@ -143,11 +148,17 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
         # every worker on a host shares its cores: oversubscription is what kills CPU throughput
         threads_per_worker=thread_budget(job, workers_on_host=-(-workers // max(1, nnodes)), cores=cores),
         updater=server_updater(job, framework),
+        outer_updater=outer_updater(job) if framework is Framework.LOCAL_SGD else None,
         nnodes=nnodes,
         notes=list(parts.notes) + _updater_notes(job, framework),
     )
     if job.cluster.auto_batch_shares:
         _check_balanceable(plan)
+    if plan.outer_updater is not None:
+        try:
+            make_updater(plan.outer_updater)
+        except ValueError as err:  # the updater's checks name `updater.…`: here it is the cluster's outer one
+            raise UnsupportedClusterError(f"cluster.outer_{err}") from None
     return plan
 
 
@@ -158,10 +169,17 @@ def server_updater(job: job_pb2.JobProto, framework: Framework) -> job_pb2.Updat
     updater = job_pb2.UpdaterProto()
     updater.CopyFrom(job.updater)
     groups = job.cluster.nworker_groups
-    if framework.synchronous or job.cluster.async_momentum != job_pb2.kCompensated or updater.momentum <= 0:
+    if framework.synchronous or framework is Framework.LOCAL_SGD or job.cluster.async_momentum != job_pb2.kCompensated or updater.momentum <= 0:
         return updater
     updater.momentum = max(0.0, 1.0 - groups * (1.0 - updater.momentum))
     return updater
+
+
+def outer_updater(job: job_pb2.JobProto) -> job_pb2.UpdaterProto:
+    """Local SGD / DiLoCo's outer updater: the job's cluster.outer_updater, else plain averaging (SGD, lr 1)."""
+    if job.cluster.HasField("outer_updater"):
+        return job.cluster.outer_updater
+    return job_pb2.UpdaterProto(type=job_pb2.kSGD, learning_rate=job_pb2.LRGenProto(type=job_pb2.kFixed, base_lr=1.0))
 
 
 def _updater_notes(job: job_pb2.JobProto, framework: Framework) -> list[str]:
@@ -199,6 +217,15 @@ def framework_of(job: job_pb2.JobProto, placement: Placement, parts: PartitionPl
         if c.nworkers_per_group == 1 and nprocs == 1:
             return Framework.SINGLE_WORKER
         return Framework.SANDBLASTER if c.server_worker_separate else Framework.ALLREDUCE
+    if c.local_steps > 0:
+        if any(len({w.group for w in p.workers}) != 1 or len(p.workers) != c.nworkers_per_group for p in placement.processes if nprocs > 1) \
+                or (nprocs > 1 and c.server_worker_separate):
+            raise UnsupportedClusterError(
+                f"cluster.local_steps: over processes, each process holds one whole worker group (nworkers_per_procs: "
+                f"{c.nworkers_per_group}, server_worker_separate: false), or all groups share one process")
+        if c.max_staleness >= 0 or c.warmup_steps > 0:
+            raise UnsupportedClusterError("cluster: max_staleness and warmup_steps do not apply to local_steps (groups meet in lockstep)")
+        return Framework.LOCAL_SGD
     if nprocs == 1:
         if c.nserver_groups > 1:
             raise UnsupportedClusterError(

@@ -83,6 +83,7 @@ RECORD_KEYS: dict[str, tuple[str, str]] = {
     "batch_shares": ("train", "rows of the batch each worker of the chief's group computed (groups of several workers in one process)"),
     "staleness": ("train", "async runs only: mean version lag of the params the updates used, over the window"),
     "staleness_max": ("train", "async runs only: largest version lag in the window"),
+    "meetings": ("train", "Local SGD / DiLoCo only: meetings of the groups so far (one every cluster.local_steps steps)"),
     "mode": ("test", "\"test-only\" for `shoal run --test`"),
 }
 REQUIRED_KEYS = {"all": ("step", "phase", "time"), "train": ("samples", "samples_per_sec", "window_sec", "compute_sec", "exchange_sec")}

@@ -37,6 +37,7 @@ from shoal.runtime.exchanges.downpour import DownpourExchange, DownpourServer
 from shoal.runtime.exchanges.groups import GroupBoard, GroupExchange, run_groups
 from shoal.runtime.exchanges.hogwild import HogwildExchange
 from shoal.runtime.exchanges.local import LocalExchange
+from shoal.runtime.exchanges.periodic import InMemoryMeeting, PeriodicExchange, ProcessMeeting
 from shoal.runtime.exchanges.server import Server
 from shoal.runtime.exchanges.sliced import SlicedExchange
 from shoal.runtime.interfaces import TrainerHook
@@ -101,7 +102,8 @@ def assemble(plan: JobPlan, rank: int, spec: RunSpec) -> ProcessRun:
     trainers: list[Trainer] = []
     for group in groups or [0]:  # a server process builds a trainer too: it holds the params it serves
         mine = [(w.id, d) for w, d in zip(hosted.workers, devices) if w.group == group]
-        shared = trainers[0].store if trainers and job.cluster.share_memory else None
+        # in-memory Hogwild shares one store (share_memory); Downpour copies and Local SGD groups each have their own
+        shared = trainers[0].store if trainers and job.cluster.share_memory and plan.framework is not Framework.LOCAL_SGD else None
         trainers.append(Trainer(
             plan, spec.workspace, spec.base_dirs, home if shared is not None or not trainers else torch_device(mine[0][1]),
             log=spec.log, progress=spec.progress if chief_rank and not trainers else False,
@@ -147,6 +149,14 @@ def _attach_exchanges(run: ProcessRun) -> None:
                                               job.cluster.sync_freq, log=print))
         case Framework.DOWNPOUR:
             _attach_downpour(run, updater)
+        case Framework.LOCAL_SGD:
+            groups = job.cluster.nworker_groups
+            meeting = InMemoryMeeting(groups, comm.timeout_seconds()) if plan.in_one_process else ProcessMeeting(groups)
+            if plan.in_one_process:
+                run.board = GroupBoard(groups, -1, 0)
+            for t in trainers:
+                t.attach_exchange(PeriodicExchange(t.store, updater(), make_updater(plan.outer_updater), job.cluster.local_steps,
+                                                   meeting, t.group, plan.global_batch))
 
 
 def _attach_downpour(run: ProcessRun, updater) -> None:
@@ -198,9 +208,13 @@ def _set_values(run: ProcessRun, spec: RunSpec) -> None:
         if chief.group != 0:  # groups join where group 0's warm-up ends, and finish at train_steps like it
             chief.start_at(max(chief.start_step, job.cluster.warmup_steps))
             exchange.start_at(chief.start_step)
-    if run.board is not None:
+    if plan.framework is Framework.LOCAL_SGD:
+        for trainer in run.trainers:  # every group starts from the chief's values; a resumed round from its anchor
+            trainer.exchange.start_from(chief.store, resumed=spec.resume_from is not None, step=chief.start_step)
+    elif run.board is not None:
         for trainer in run.trainers:
             trainer.exchange.start_from(chief.store)
+    if run.board is not None:
         run.board.start_at([t.start_step for t in run.trainers])
         for trainer in run.trainers:
             trainer.start_at(run.board.first_step(trainer.group))

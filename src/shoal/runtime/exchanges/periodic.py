@@ -1,0 +1,159 @@
+"""Local SGD and DiLoCo: groups train on their own copies and meet every `local_steps` steps.
+
+Between meetings a group is a plain synchronous group: its gradients go to its own
+inner Server (the job's updater), on its own copy of the params. At a meeting
+every group contributes its pseudo-gradient, the change since the last meeting
+(anchor − current); their mean goes through the outer updater, applied to the
+anchor (the values every group started the round from), and every group goes on
+from the new anchor. With plain averaging as the outer updater (SGD, lr 1) the new
+anchor is the mean of the groups' values: Local SGD (Stich 2019). With Nesterov
+momentum 0.9, lr 0.7 it is DiLoCo (Douillard et al. 2023).
+
+Communication is one sum of the pseudo-gradients per meeting: an all-reduce over
+the groups' processes, or a barrier and a sum in memory when the groups are
+threads of one process. A group moves its params' bytes once per `local_steps`
+steps, where Downpour moves them twice per step.
+
+Checkpoints hold the anchor and the outer updater's state beside the chief's inner
+state; a run resumed mid-round continues the round from the chief's values.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+from shoal.comm import dist as comm
+from shoal.neuralnet.algorithms import Grads
+from shoal.neuralnet.params import ParamStore
+from shoal.neuralnet.updaters import Updater
+from shoal.report.metrics import MetricWindow
+from shoal.runtime.exchanges.local import aggregate
+from shoal.runtime.exchanges.server import Server
+
+ANCHOR, OUTER = "outer.anchor", "outer."  # checkpoint slots of the outer loop, beside the inner updater's
+
+
+class InMemoryMeeting:
+    """Groups that are threads of one process meet at a barrier and sum their pseudo-gradients in memory."""
+
+    def __init__(self, groups: int, timeout_s: float):
+        self.groups = groups
+        self._barrier = threading.Barrier(groups, timeout=timeout_s)
+        self._lock = threading.Lock()
+        self._sum: Optional[torch.Tensor] = None
+        self._result: Optional[torch.Tensor] = None
+
+    def sum(self, flat: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            self._sum = flat.clone() if self._sum is None else self._sum.add_(flat)
+        if self._barrier.wait() == 0:  # one thread takes the sum for everyone
+            self._result, self._sum = self._sum, None
+        self._barrier.wait()
+        return self._result
+
+    def abandon(self) -> None:
+        """A group failed or the job ends early: nobody waits for a meeting any more."""
+        self._barrier.abort()
+
+
+class ProcessMeeting:
+    """Groups in processes of their own: one all-reduce over the job's processes."""
+
+    groups: int
+
+    def __init__(self, groups: int):
+        self.groups = groups
+
+    def sum(self, flat: torch.Tensor) -> torch.Tensor:
+        comm.all_reduce_sum(flat)
+        return flat
+
+    def abandon(self) -> None:
+        """Collectives end with the process group's timeout."""
+
+
+class PeriodicExchange:
+    """One group's side of Local SGD / DiLoCo."""
+
+    def __init__(self, store: ParamStore, inner: Updater, outer: Updater, local_steps: int, meeting, group: int,
+                 global_batch: int):
+        self.store, self.group, self.meeting = store, group, meeting
+        self.chief = group == 0
+        self.inner = Server(store, inner)
+        self.names = self.inner.names
+        self.local_steps = max(1, local_steps)
+        self.anchor = store.copy()
+        self.outer = Server(self.anchor, outer, self.names)
+        self.global_batch = global_batch
+        self.meetings = 0
+        self.bytes_sent = 0  # payload handed to the meeting: the pseudo-gradients
+        self._samples = 0
+
+    def begin(self, step: int) -> None:
+        """A group never waits between meetings."""
+
+    def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
+        self.inner.update(step, aggregate(parts, target=self.store.device))
+        self._samples += sum(share for _, share in parts) * self.meeting.groups
+        if (step + 1) % self.local_steps == 0:
+            self._meet(step)
+
+    def _meet(self, step: int) -> None:
+        values, anchor = self.store.values, self.anchor.values
+        flat = torch.cat([(anchor[n] - values[n]).reshape(-1) for n in self.names]) if self.names else torch.zeros(0)
+        self.bytes_sent += flat.numel() * flat.element_size()
+        mean = self.meeting.sum(flat) / self.meeting.groups
+        grads, offset = {}, 0
+        for name in self.names:
+            size = values[name].numel()
+            grads[name] = mean[offset : offset + size].view_as(values[name])
+            offset += size
+        self.outer.update(self.meetings, grads)
+        self.meetings += 1
+        for name in self.names:
+            values[name].copy_(anchor[name])
+
+    def view_updater(self):
+        """Every param goes through the group's own inner server."""
+        return None
+
+    def metrics(self, window: MetricWindow) -> dict[str, float]:
+        """The chief reports the samples of all groups (they train in lockstep) and the meetings so far."""
+        values = window.averages()
+        if self.chief:
+            values |= {"samples": self._samples, "meetings": self.meetings}
+            self._samples = 0
+        return values
+
+    def updater_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        state = {name: dict(slots) for name, slots in self.inner.state_dict().items()}
+        for name in self.names:
+            state.setdefault(name, {})[ANCHOR] = self.anchor.values[name]
+            for slot, value in self.outer.state_dict()[name].items():
+                state[name][OUTER + slot] = value
+        return state
+
+    def load_updater_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        self.inner.load_state({n: {s: v for s, v in slots.items() if not s.startswith(OUTER)} for n, slots in state.items()})
+        self.outer.load_state({n: {s[len(OUTER):]: v for s, v in slots.items() if s.startswith(OUTER) and s != ANCHOR}
+                               for n, slots in state.items()})
+        for name, slots in state.items():
+            if ANCHOR in slots and name in self.anchor.values:
+                self.anchor.values[name].copy_(slots[ANCHOR])
+
+    def start_from(self, values: ParamStore, resumed: bool, step: int) -> None:
+        """Before training: this group's copy is `values` (the chief's: initial, loaded or resumed); a fresh
+        round starts from them too, a resumed one from the anchor its checkpoint holds."""
+        for store in (self.store,) if resumed else (self.store, self.anchor):
+            if store is not values:
+                store.load(values.state_dict())
+        self.meetings = step // self.local_steps
+
+    def finish(self) -> None:
+        """Every group ends at train_steps; the last meeting (if train_steps is a multiple of local_steps) was in step."""
+
+    def abandon(self) -> None:
+        self.meeting.abandon()
+
