@@ -109,3 +109,51 @@ def test_a_stopped_process_of_a_synchronous_job_is_named_within_the_timeout(blob
     summary = json.loads((run.ws / "summary.json").read_text())
     assert summary["status"] == "failed" and f"process {rank}" in summary["reason"]
     assert leftover_processes(tmp_path) == []  # the stopped one too: SIGTERM waits for SIGCONT, SIGKILL does not
+
+
+def wait_for(predicate, timeout: float, what: str) -> float:
+    """Seconds until `predicate()` held (fails after `timeout`)."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, what
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+ASYNC_STALLS = {
+    # layout: (the stalled process, the group it hosts, the log of a process that drops it)
+    "Downpour, 2 groups + 1 server, 3 processes": (1, 1, "rank2.log"),
+    "Distributed Hogwild, 2 groups": (1, 1, None),  # the chief: its warning is the word
+}
+
+
+@pytest.mark.parametrize("wakes", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["wakes later", "stays stopped"])
+@pytest.mark.parametrize("layout", list(ASYNC_STALLS))
+def test_a_stopped_group_of_an_asynchronous_job_is_dropped_and_the_job_finishes(blobs_job, tmp_path, runs, layout, wakes):
+    rank, group, dropper = ASYNC_STALLS[layout]
+    # group 0's steps take 10 ms or more: the run outlasts the stall, the drop and the wake-up
+    run = Run(blobs_job(train_steps=1500), tmp_path, layout, "--set", "test_freq=500", env={"SHOAL_SLOW_WORKER": "0:0+0.01"})
+    runs.append(run)
+    pid = run.pid_of(rank)
+    time.sleep(2)
+    os.kill(pid, signal.SIGSTOP)
+    took = wait_for(lambda: "WARNING" in run.stderr(), STALL_TIMEOUT + SLACK, "no warning: " + run.stderr())
+    assert STALL_TIMEOUT <= took + 0.5 < STALL_TIMEOUT + SLACK, took
+    if wakes:
+        time.sleep(1)
+        os.kill(pid, signal.SIGCONT)
+    assert run.wait(timeout=180) == 0, run.stderr()
+    warnings = [line for line in run.stderr().splitlines() if line.strip()]
+    assert len(warnings) == 1, warnings  # one line, from the chief; nothing from the launcher
+    assert warnings[0].startswith(f"WARNING: worker group {group} dropped: process {rank} (worker(group={group}, id=0)")
+    assert "stopped answering (no heartbeat for " in warnings[0]
+    summary = assert_ran(run.ws, layout)
+    assert summary["status"] == "finished"
+    final = [line for line in run.out.read_text().splitlines() if line.startswith("Test @ step 1500")]
+    loss = float(re.search(r"Loss = ([0-9.e+-]+)", final[0])[1])
+    assert loss < 0.5, final  # group 0 trained on, on params the dropped group did not spoil
+    logs = run.ws / "logs"
+    assert dropper is None or "drops worker group 1" in (logs / dropper).read_text()
+    if wakes:  # it found it had been dropped: its push refused, or the gap in its own heartbeat
+        assert re.search(r"refused its push|was stopped for \d+ s", (logs / f"rank{rank}.log").read_text())
+    assert leftover_processes(tmp_path) == []

@@ -92,8 +92,13 @@ class StallPolicy:
         _exit(STALLED_EXIT)
 
     def _leave(self, line: str) -> None:
-        print(line)  # a process of a group other than 0: its log
-        _exit(GROUP_DROPPED_EXIT)
+        leave(line)
+
+
+def leave(line: str) -> None:
+    """This process's asynchronous group was dropped: say why in its log (its stdout) and leave quietly."""
+    print(line)
+    _exit(GROUP_DROPPED_EXIT)
 
 
 def _exit(code: int) -> None:

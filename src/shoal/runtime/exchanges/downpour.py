@@ -13,7 +13,11 @@ A server serves each group on its own thread with blocking receives from
 that group's stub: a group whose process dies only ends its thread (the
 server warns and goes on), and the server stops once every group has
 stopped. The chief's last request waits for that, so the final test and
-checkpoint see the model every group trained.
+checkpoint see the model every group trained. A group other than 0 whose
+stub stops answering (no heartbeat for SHOAL_STALL_TIMEOUT, shoal.comm.heartbeat)
+is dropped the same way, though its thread stays blocked in its receive;
+if the group wakes later, its pushes are refused (answered with version -1,
+never applied) and it leaves.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from shoal.errors import ShoalError, warn
 from shoal.neuralnet.algorithms import Grads
 from shoal.planning.placement import ParamSlice, Placement, ServerId
 from shoal.comm import dist as comm
+from shoal.comm import heartbeat
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
 from shoal.runtime.exchanges.local import aggregate
@@ -35,6 +40,7 @@ from shoal.runtime.exchanges.groups import StalenessStats
 from shoal.neuralnet.updaters import Updater
 
 PUSH, STOP, STATE, FINAL, PULL = 1, 2, 3, 4, 5
+REFUSED = -1  # the version a server answers a dropped group with
 TAG_HEADER, TAG_GRAD, TAG_VALUES, TAG_REPLY, TAG_STATE, TAG_HAS_GRAD = 11, 12, 13, 14, 15, 16
 
 
@@ -89,6 +95,7 @@ class DownpourServer:
         self.max_staleness, self.warmup_steps = max_staleness, warmup_steps
         self._steps = {g: 0 if g == 0 else warmup_steps for g in stubs}  # steps each group has pushed
         self._warming: set[int] = set()  # groups waiting for group 0's warm-up hold nobody back
+        self._dropped: set[int] = set()  # groups whose stub stalled: never waited for, never applied again
         self.exit_at_version = exit_at_version
 
     def _view(self, seg: Segment) -> torch.Tensor:
@@ -124,11 +131,26 @@ class DownpourServer:
             return self.values(), self.version, lag
 
     def serve(self) -> None:
-        threads = [threading.Thread(target=self._serve_group, args=(g, r), name=f"shoal-serve-group{g}") for g, r in self.stubs.items()]
-        for t in threads:
+        threads = {g: threading.Thread(target=self._serve_group, args=(g, r), name=f"shoal-serve-group{g}", daemon=True)
+                   for g, r in self.stubs.items()}
+        for t in threads.values():
             t.start()
-        for t in threads:
-            t.join()
+        while True:  # never join a thread blocked in a receive from a stalled group: it may never return
+            self._drop_stalled()
+            waiting = [t for g, t in threads.items() if g not in self._dropped and t.is_alive()]
+            if not waiting:
+                break
+            waiting[0].join(timeout=0.25)
+        if any(t.is_alive() for t in threads.values()):
+            heartbeat.abandon()
+
+    def _drop_stalled(self) -> None:
+        """Groups other than 0 whose stub stopped answering: dropped like a dead group (group 0's stall fails the job)."""
+        for group, rank in self.stubs.items():
+            if group != 0 and group not in self._dropped and heartbeat.is_stalled(rank):
+                self._dropped.add(group)
+                self.log(f"{self.server} drops worker group {group} (process {rank}): it stopped answering")
+                self._stopped(group)
 
     def _stopped(self, group: int) -> None:
         with self._running:
@@ -157,6 +179,9 @@ class DownpourServer:
             while True:
                 comm.recv(header, rank, TAG_HEADER)
                 kind, _, read_version = header.tolist()
+                if group in self._dropped:  # it woke after being dropped: its gradients are stale
+                    self._refuse(group, rank, kind)
+                    return
                 if kind == PUSH:
                     comm.recv(grad, rank, TAG_GRAD)
                     comm.recv(has_grad, rank, TAG_HAS_GRAD)
@@ -191,9 +216,20 @@ class DownpourServer:
                 elif kind == STOP:
                     return
         except RuntimeError as err:
-            warn(f"WARNING: {self.server} drops worker group {group} (process {rank}): {comm.describe_error(err)}")
+            if group not in self._dropped:
+                warn(f"WARNING: {self.server} drops worker group {group} (process {rank}): {comm.describe_error(err)}")
         finally:
             self._stopped(group)
+
+    def _refuse(self, group: int, rank: int, kind: int) -> None:
+        """Answer a dropped group's request without applying anything: version -1 tells it to leave."""
+        if kind == PUSH:
+            comm.recv(torch.zeros(self.size), rank, TAG_GRAD)
+            comm.recv(torch.zeros(len(self.segments), dtype=torch.uint8), rank, TAG_HAS_GRAD)
+        if kind in (PUSH, PULL):
+            comm.send(torch.zeros(self.size), rank, TAG_VALUES)
+            comm.send(torch.tensor([REFUSED, 0], dtype=torch.int64), rank, TAG_REPLY)
+        self.log(f"{self.server} refused a request of worker group {group}, dropped after it stalled")
 
 
 class DownpourExchange:
@@ -266,6 +302,7 @@ class DownpourExchange:
                     values = torch.zeros(size)
                     comm.recv(values, server_rank, TAG_VALUES)
                     comm.recv(reply, server_rank, TAG_REPLY)
+                    self._leave_if_refused(int(reply[0]), step)
                     self._scatter_values(values, segments)
                     self.read_version[server_rank] = int(reply[0])
             self._share_params()
@@ -292,6 +329,7 @@ class DownpourExchange:
                 values, reply = torch.zeros(size), torch.zeros(2, dtype=torch.int64)
                 comm.recv(values, server_rank, TAG_VALUES)
                 comm.recv(reply, server_rank, TAG_REPLY)
+                self._leave_if_refused(int(reply[0]), step)
                 self._scatter_values(values, segments)
                 self.read_version[server_rank] = int(reply[0])
                 lags.append(int(reply[1]))
@@ -299,6 +337,13 @@ class DownpourExchange:
             raise ServerLost(f"{server} in process {server_rank} stopped answering worker group {self.group} "
                              f"at step {step}: {comm.describe_error(err)}") from None
         self.staleness.add(max(lags))
+
+    def _leave_if_refused(self, version: int, step: int) -> None:
+        if version == REFUSED:  # the servers dropped this group while it was stalled
+            from shoal.runtime import stalls
+
+            stalls.leave(f"worker group {self.group}: the servers refused its push at step {step}; they dropped "
+                         "the group while it was stalled, so its processes leave")
 
     def metrics(self, window: MetricWindow) -> dict[str, float]:
         """This process's losses; the chief adds the job's samples (from the server version) and its staleness."""

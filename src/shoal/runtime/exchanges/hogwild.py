@@ -13,7 +13,11 @@ The request is made between two local updates, so "cur − value at sending" is 
 here and the requester takes the master's value.
 
 Masters answer on a thread per peer group, so a group that dies only ends its
-thread; its requests end with a warning and the group trains on alone.
+thread; its requests end with a warning and the group trains on alone. A group
+whose process stops answering (no heartbeat for SHOAL_STALL_TIMEOUT,
+shoal.comm.heartbeat) is dropped the same way: a sync waiting for it gives up
+(its receive is left pending on a thread of its own), and if it wakes later its
+deltas are never added.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from shoal.errors import warn
 from shoal.neuralnet.algorithms import Grads
 from shoal.planning.placement import Placement, ServerId
 from shoal.comm import dist as comm
+from shoal.comm import heartbeat
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
 from shoal.runtime.exchanges.downpour import Segment, server_segments
@@ -94,18 +99,42 @@ class HogwildExchange:
             try:
                 with self.lock:
                     delta = self._gather(segments) - self.last_sync[master]
-                comm.send(torch.tensor([SYNC], dtype=torch.int64), master, TAG_SYNC_HEADER)
-                comm.send(delta, master, TAG_SYNC_DELTA)
-                fresh = torch.zeros(size)
-                comm.recv(fresh, master, TAG_SYNC_VALUE)
+                fresh = self._ask(master, delta, size)
             except RuntimeError as err:
                 warn(f"WARNING: worker group {self.group} stops syncing with process {master}: {comm.describe_error(err)}")
+                del self.requests[master]
+                continue
+            if fresh is None:  # the master stalled: dropped (the chief has warned)
                 del self.requests[master]
                 continue
             with self.lock:
                 self._scatter(fresh, segments)
             self.last_sync[master] = fresh
             self.syncs += 1
+
+    def _ask(self, master: int, delta: torch.Tensor, size: int):
+        """Send Δ to `master` and wait for its fresh value; None once the master stalls (the exchange is left
+        waiting on its own thread: gloo's receives cannot be cancelled)."""
+        fresh, failed = torch.zeros(size), []
+
+        def exchange() -> None:
+            try:
+                comm.send(torch.tensor([SYNC], dtype=torch.int64), master, TAG_SYNC_HEADER)
+                comm.send(delta, master, TAG_SYNC_DELTA)
+                comm.recv(fresh, master, TAG_SYNC_VALUE)
+            except RuntimeError as err:
+                failed.append(err)
+
+        asking = threading.Thread(target=exchange, name=f"shoal-sync-to{master}", daemon=True)
+        asking.start()
+        while asking.is_alive():
+            asking.join(timeout=0.05)
+            if asking.is_alive() and heartbeat.is_stalled(master):
+                heartbeat.abandon()
+                return None
+        if failed:
+            raise failed[0]
+        return fresh
 
     # -- this group as master of its slices ---------------------------------------------
     def _serve(self, group: int, rank: int) -> None:
@@ -117,13 +146,17 @@ class HogwildExchange:
                 if int(header[0]) == STOP:
                     return
                 comm.recv(delta, rank, TAG_SYNC_DELTA)
+                if heartbeat.is_stalled(rank):  # it woke after being dropped: its delta is stale, never added
+                    self.log(f"server group {self.group} refused a sync of worker group {group}, dropped after it stalled")
+                    return
                 with self.lock:
                     for s in segments:
                         self.store.values[s.param].view(-1)[s.start : s.stop].add_(delta[s.offset : s.offset + s.size])
                     fresh = self._gather(segments)
                 comm.send(fresh, rank, TAG_SYNC_VALUE)
         except RuntimeError as err:
-            warn(f"WARNING: server group {self.group} drops worker group {group} (process {rank}): {comm.describe_error(err)}")
+            if not heartbeat.is_stalled(rank):  # a stalled group was dropped already (the chief warned)
+                warn(f"WARNING: server group {self.group} drops worker group {group} (process {rank}): {comm.describe_error(err)}")
 
     def finish(self) -> None:
         """Training is over here: tell the masters, then serve the others until they are done too."""
@@ -132,8 +165,11 @@ class HogwildExchange:
                 comm.send(torch.tensor([STOP], dtype=torch.int64), master, TAG_SYNC_HEADER)
             except RuntimeError:
                 pass
-        for t in self._threads:
-            t.join()
+        for peer, t in zip(self.peers.values(), self._threads):
+            while t.is_alive() and not heartbeat.is_stalled(peer):  # never wait for a dropped group
+                t.join(timeout=0.25)
+            if t.is_alive():
+                heartbeat.abandon()
 
     # -- the trainer's interface --------------------------------------------------------
     def metrics(self, window: MetricWindow) -> dict[str, float]:
