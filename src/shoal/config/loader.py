@@ -13,6 +13,7 @@ from shoal.config import job_pb2
 from shoal.config.dicts import parse_dict
 from shoal.config.errors import JobError, did_you_mean, no_such_field, no_such_value
 from shoal.config.inference import infer_vocab_sizes
+from shoal.config.limits import check_text_nesting, load_yaml, read_job_text
 from shoal.config.overrides import apply_overrides
 from shoal.config.plugins import PluginError, extensions_of, load_plugins, loaded_plugins
 from shoal.config.positions import SourceMap, text_positions, yaml_positions
@@ -27,7 +28,7 @@ def load_job(path: str | Path, overrides: Iterable[str] = (), shape_check: Shape
     """Parse, override and validate a job file: `.yaml/.yml/.json` as YAML, anything else as text format."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_job_text(path)
     except FileNotFoundError:
         raise JobError(str(path), "no such job file") from None
     except (OSError, UnicodeDecodeError) as err:
@@ -44,6 +45,7 @@ def job_from_text(
     job_dir: Path | None = None,
 ) -> job_pb2.JobProto:
     """A job from SINGA's protobuf text format (job.conf)."""
+    check_text_nesting(text, source)  # protobuf's parser recurses per level
     _load_named_plugins(_plugins_named_in_text(text), source, lambda: text_positions(text), job_dir)
     job = job_pb2.JobProto()
     try:
@@ -63,8 +65,7 @@ def job_from_yaml(
 ) -> job_pb2.JobProto:
     """A job from YAML (or JSON) with the job.proto field names, e.g. `type: kInnerProduct`."""
     try:
-        document = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        document, data = load_yaml(text)  # safe, with nesting and alias expansion bounded
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]

@@ -134,6 +134,11 @@ def validate_cluster(cluster: job_pb2.ClusterProto) -> list[Problem]:
     problems = [(name, f"{name} must be >= 1, got {getattr(cluster, name)}") for name in counts if getattr(cluster, name) < 1]
     if problems:
         return problems  # the arithmetic below would divide by zero
+    if not 1 <= cluster.start_port <= 65535:
+        problems.append(("start_port", f"start_port must be a TCP port, 1..65535, got {cluster.start_port}"))
+    for name, low in (("threads_per_worker", 0), ("max_staleness", -1), ("warmup_steps", 0)):
+        if getattr(cluster, name) < low:
+            problems.append((name, f"{name} must be >= {low}, got {getattr(cluster, name)}"))
     if cluster.nworker_groups % cluster.nserver_groups:
         problems.append(
             (
@@ -245,8 +250,14 @@ def _layer_problems(job: job_pb2.JobProto) -> Iterator[Problem]:
         for j, param in enumerate(layer.param):
             if param.share_from and (param.share_from not in params or param.share_from == param.name):
                 yield f"{at}.param[{j}].share_from", f'share_from "{param.share_from}" names no other param'
+        # a training batch is split over the group's workers, unless the input layer is kept whole
+        kept_whole = layer.location >= 0 or (layer.partition_dim if layer.HasField("partition_dim") else net.partition_dim) == -1
+        trains = in_phase(layer, job_pb2.kTrain) and not kept_whole
         if layer.HasField("store_conf"):
-            yield from _batchsize_problems(layer.store_conf, f"{at}.store_conf", nworkers)
+            yield from _store_problems(layer.store_conf, f"{at}.store_conf")
+            yield from _batchsize_problems(list(layer.store_conf.batchsize), f"{at}.store_conf.batchsize", nworkers, trains)
+        if layer.type == job_pb2.kCharRNN:
+            yield from _batchsize_problems([layer.char_rnn_conf.batchsize], f"{at}.char_rnn_conf.batchsize", nworkers, trains, repeated=False)
 
 
 def _include_exclude_mixed(net: job_pb2.NetProto) -> Iterator[Problem]:
@@ -264,15 +275,29 @@ def _include_exclude_mixed(net: job_pb2.NetProto) -> Iterator[Problem]:
         )
 
 
-def _batchsize_problems(store: job_pb2.StoreProto, at: str, nworkers: int) -> Iterator[Problem]:
-    sizes = list(store.batchsize)
+def _store_problems(store: job_pb2.StoreProto, at: str) -> Iterator[Problem]:
+    for j, size in enumerate(store.shape):
+        if size <= 0:
+            yield f"{at}.shape[{j}]", f"shape takes sizes > 0, got {size}"
+    if store.random_skip < 0:
+        yield f"{at}.random_skip", f"random_skip must be >= 0, got {store.random_skip}"
+
+
+def _batchsize_problems(sizes: list[int], at: str, nworkers: int, trains: bool, repeated: bool = True) -> Iterator[Problem]:
+    """One size is split over the group's workers when training (a test batch is read whole)."""
     for j, size in enumerate(sizes):
         if size <= 0:
-            yield f"{at}.batchsize[{j}]", f"batchsize must be > 0, got {size}"
+            yield f"{at}[{j}]" if repeated else at, f"batchsize must be > 0, got {size}"
     if len(sizes) > 1 and len(sizes) != nworkers:
         yield (
-            f"{at}.batchsize[0]",
+            f"{at}[0]",
             f"{len(sizes)} batch sizes for nworkers_per_group({nworkers}) partitions: give one (split evenly) or one per partition",
+        )
+    if trains and len(sizes) == 1 and 0 < sizes[0] < nworkers:
+        yield (
+            f"{at}[0]" if repeated else at,
+            f"batchsize {sizes[0]} leaves {nworkers - sizes[0]} of the nworkers_per_group({nworkers}) workers without a row to train on:"
+            f" give a batchsize of at least {nworkers}, or fewer workers per group",
         )
 
 
