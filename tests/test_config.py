@@ -118,9 +118,15 @@ def test_framework_cluster_snippets(tmp_path, name):
 @pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*/*.conf")), ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_examples_pass_the_shape_checks(path):
     # shoal.frontend.api plugs the net builder's shape check into load_job
+    from shoal.config.plugins import load_plugins
     from shoal.frontend.api import load_job as load_with_shapes
 
+    # an example whose layers are a plugin: its README's `shoal run --plugin ...` (docs/layers.md)
+    load_plugins([path.parent / name for name in EXAMPLE_PLUGINS.get(path.parent.name, [])])
     load_with_shapes(path)
+
+
+EXAMPLE_PLUGINS = {"rnnlm": ["rnnlm.proto", "rnnlm.py"]}
 
 
 def test_singa_defaults_are_kept():
