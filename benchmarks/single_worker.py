@@ -11,6 +11,7 @@ machine's noise hits both alike, and the medians are compared. Also reports
 achieved GFLOP/s against this machine's fp32 matmul peak.
 
     python benchmarks/single_worker.py [--batch 64 256] [--steps 40] [--repeats 5] [--updaters SGD momentum]
+    python benchmarks/single_worker.py --cpu-time           # 1 thread each, samples per CPU second (shared machines)
     python benchmarks/single_worker.py --update-only 40     # the update step alone, shoal vs torch.optim
 """
 from __future__ import annotations
@@ -123,17 +124,19 @@ def torch_step(data: np.ndarray, labels: np.ndarray, batch: int, make_optimizer:
 class Timed:
     """A training step function, its step counter (the data cursor goes on across blocks) and its samples/s per block."""
 
+    clock = time.perf_counter  # time.thread_time with --cpu-time
+
     def __init__(self, step: Callable[[int], object], batch: int, warmup: int):
         self.step, self.batch, self.next, self.rates = step, batch, 0, []
         self.block(warmup, record=False)
 
     def block(self, steps: int, record: bool = True) -> None:
-        start = time.perf_counter()
+        start = self.clock()
         for i in range(self.next, self.next + steps):
             self.step(i)
         self.next += steps
         if record:
-            self.rates.append(steps * self.batch / (time.perf_counter() - start))
+            self.rates.append(steps * self.batch / (self.clock() - start))
 
 
 def updater_steps(names: list[str], reps: int) -> None:
@@ -193,6 +196,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5, help="timed blocks per system and updater")
     parser.add_argument("--updaters", nargs="+", choices=list(UPDATERS), default=list(UPDATERS))
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="one thread each, samples per CPU second of that thread (what a shared machine's load barely moves)")
     parser.add_argument("--update-only", type=int, metavar="REPS", default=0,
                         help="time only the update step (REPS interleaved repetitions), not training")
     args = parser.parse_args()
@@ -220,8 +225,11 @@ def main() -> None:
             conf, make_optimizer = UPDATERS[name]
             shoal = shoal_trainer(mlp_job(data_path, batch, conf))  # sets the worker's thread count, which torch then shares
             pairs[name] = (Timed(shoal.train_step, batch, args.warmup), Timed(torch_step(ds.data, ds.labels, batch, make_optimizer), batch, args.warmup))
+        if args.cpu_time:  # after assembling: assemble sets the worker's thread count
+            torch.set_num_threads(1)
+            Timed.clock = staticmethod(time.thread_time)
         if not header_printed:
-            print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+            print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads{' (CPU time)' if args.cpu_time else ''}; "
                   f"data: {'MNIST' if (tmp / 'test_data.bin').exists() else 'random images'}; "
                   f"fp32 matmul peak (1024², measured): {peak:.0f} GFLOP/s; load average before: {os.getloadavg()[0]:.2f}")
             print(f"{'updater':>8} | {'batch':>5} | {'shoal samples/s':>15} | {'torch samples/s':>15} | {'ratio':>5} | "
@@ -239,7 +247,7 @@ def main() -> None:
             gflops = s * flops_per_sample / 1e9
             rows.append((name, batch, s / t))
             print(f"{name:>8} | {batch:>5} | {s:>15.0f} | {t:>15.0f} | {s / t:>5.2f} | {min(block_ratios):.2f}–{max(block_ratios):.2f} | "
-                  f"{gflops:>13.1f} | {100 * gflops / peak:>8.0f}%")
+                  f"{gflops:>13.1f} | {'–' if args.cpu_time else f'{100 * gflops / peak:.0f}%':>9}")  # peak is wall time
         del pairs
     below = [f"{name} at batch {batch} ({ratio:.2f})" for name, batch, ratio in rows if ratio < 0.97]
     print(f"load average after: {os.getloadavg()[0]:.2f}; below the 0.97 goal: {', '.join(below) or 'none'}")
