@@ -129,7 +129,9 @@ def closing_line(workspace: Path) -> str:
     summary = read_summary(workspace)
     if summary is None:
         return f"Run ended; {workspace / SUMMARY_FILE} is missing or unreadable"
-    parts = [f"Trained {summary.get('steps', 0)} steps in {_duration(summary.get('wall_time') or 0.0)}"]
+    # a finished run trained all its steps; `steps` is the last one a display recorded
+    steps = summary.get("train_steps") if summary.get("status") == "finished" else summary.get("steps", 0)
+    parts = [f"Trained {steps} steps in {_duration(summary.get('wall_time') or 0.0)}"]
     if summary.get("samples_per_sec"):
         parts[0] += f" ({summary['samples_per_sec']:.0f} samples/s)"
     final, best = summary.get("final_test") or {}, summary.get("best_test") or {}
