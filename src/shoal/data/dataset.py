@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from shoal.config import job_pb2
 from shoal.data.errors import StoreError
+from shoal.data.files import regular_file
 from shoal.data.kvfile import scan_kvfile, store_file
 from shoal.data.records import RecordDecodeError, decode_proto, record_values
 from shoal.data.textfile import read_textfile, read_textfile_lines, split_fields
@@ -31,6 +32,9 @@ class Dataset:
     data: np.ndarray  # (N, *shape) float32
     labels: np.ndarray | None  # (N,) int64, None when the records carry no label
     path: str
+    backend: str = ""  # kvfile or textfile: how to find a record again for a message
+    file: str = ""  # the file read (a kvfile folder's shard.dat)
+    labels_checked: set = field(default_factory=set, repr=False, compare=False)  # (layer, classes) already checked
 
     def __len__(self) -> int:
         return len(self.data)
@@ -77,11 +81,8 @@ def open_store(conf: job_pb2.StoreProto, base_dir: PathLike = ".") -> Dataset:
     path = Path(conf.path)
     if not path.is_absolute():
         path = Path(base_dir) / path
-    file = store_file(path) if backend == "kvfile" else path
-    try:
-        stat = file.stat()
-    except OSError:
-        raise StoreError(f"{path}: no such store (prepare it with `shoal prepare ...`)") from None
+    file = regular_file(store_file(path) if backend == "kvfile" else path)
+    stat = file.stat()
     # only what changes the parsed values belongs in the key, so that e.g. train and test
     # layers with different batch sizes share one copy
     table_key = (str(file.resolve()), stat.st_mtime_ns, stat.st_size, backend)
@@ -95,11 +96,57 @@ def open_store(conf: job_pb2.StoreProto, base_dir: PathLike = ".") -> Dataset:
         table = _TABLES.get(table_key)
         if table is None:
             table = _read_kvfile(file) if backend == "kvfile" else _read_textfile(file, conf.has_label, conf.separator)
+            _check_finite(table, file, backend)
             table.values.setflags(write=False)  # shared by every user of the store
             _TABLES[table_key] = table
-        dataset = Dataset(_shaped(table, shape, file, backend), table.labels, str(path))
+        dataset = Dataset(_shaped(table, shape, file, backend), table.labels, str(path), backend, str(file))
         _DATASETS[table_key + (shape,)] = dataset
         return dataset
+
+
+def check_labels(dataset: Dataset, reader: tuple[str, int] | None) -> None:
+    """Refuse a store whose labels the layer `reader` names (layer, class count) cannot read as class ids.
+
+    One pass over the labels in memory, once per store and reader, when the store
+    is opened: a label out of range would otherwise surface mid-run as a
+    traceback from the loss. The message names the store, the first bad record
+    (its line in a textfile, its byte offset in a kvfile), the label and the layer.
+    """
+    if reader is None or reader in dataset.labels_checked:
+        return
+    name, classes = reader
+    if dataset.labels is None:
+        raise StoreError(f"{dataset.path}: the records carry no labels, and layer {name!r} reads them (store_conf.has_label)")
+    bad = np.flatnonzero((dataset.labels < 0) | (dataset.labels >= classes))
+    if bad.size:
+        index = int(bad[0])
+        more = f"; {bad.size} of the {len(dataset.labels)} records are out of range" if bad.size > 1 else ""
+        raise StoreError(
+            f"{_record_place(dataset, index)}: label {dataset.labels[index]} is out of range for layer {name!r},"
+            f" which has {classes} classes (labels 0..{classes - 1}){more}"
+        )
+    dataset.labels_checked.add(reader)
+
+
+def _record_place(dataset: Dataset, index: int) -> str:
+    """`FILE:LINE: record I` (textfile) or `FILE: byte B: record I` (kvfile): found again by reading the file (on errors only)."""
+    if dataset.backend == "textfile":
+        records = (int(key) + 1 for key, line in read_textfile_lines(dataset.file) if line.strip())
+        line = next((n for i, n in enumerate(records) if i == index), None)
+        return f"{dataset.file}:{line}: record {index}" if line else f"{dataset.file}: record {index}"
+    if dataset.backend == "kvfile":
+        offset = next((offset for i, (offset, _, _) in enumerate(scan_kvfile(dataset.file)) if i == index), None)
+        return f"{dataset.file}: byte {offset}: record {index}" if offset is not None else f"{dataset.file}: record {index}"
+    return f"{dataset.path}: record {index}"
+
+
+def _check_finite(table: _Table, path: Path, backend: str) -> None:
+    """NaN or infinite values in a store would turn the params into NaN a few steps later: refuse them here."""
+    finite = np.isfinite(table.values).all(axis=1)
+    if not finite.all():
+        index = int(np.flatnonzero(~finite)[0])
+        where = Dataset(table.values, table.labels, str(path), backend, str(path))
+        raise StoreError(f"{_record_place(where, index)}: holds a NaN or infinite value")
 
 
 def clear_cache() -> None:
@@ -158,8 +205,10 @@ def load_mean(path: PathLike, backend: str = "kvfile", separator: str = ",") -> 
     returned in its declared shape; textfile: the first line, all values (no label).
     """
     path = Path(path)
-    if not (store_file(path) if backend == "kvfile" else path).is_file():
+    file = store_file(path) if backend == "kvfile" else path
+    if not file.exists():
         raise StoreError(f"{path}: no such mean file (`shoal prepare cifar10` writes image_mean.bin)")
+    regular_file(file, "mean file")
     if backend == "textfile":
         for _, line in read_textfile_lines(path):
             try:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from shoal.data.errors import StoreError
+from shoal.data.files import regular_file
 
 PathLike = str | Path
 SIZE_T = struct.Struct("<Q")
@@ -79,11 +80,9 @@ def scan_kvfile(path: PathLike) -> Iterator[tuple[int, bytes, bytes]]:
     offset and the record index; lengths are checked against the bytes left
     before anything is read, so a corrupt length cannot cause a huge allocation.
     """
-    path = store_file(path)
+    path = regular_file(store_file(path))
     try:
         buf = memoryview(path.read_bytes())
-    except FileNotFoundError:
-        raise StoreError(f"{path}: no such store (prepare it with `shoal prepare ...`)") from None
     except OSError as err:
         raise StoreError(f"{path}: cannot read the store ({err.strerror})") from None
     end, pos, index = len(buf), 0, 0

@@ -16,19 +16,27 @@ from pathlib import Path
 import numpy as np
 
 from shoal.data.errors import StoreError
+from shoal.data.files import regular_file
 
 PathLike = str | Path
 
 
 def read_textfile_lines(path: PathLike) -> Iterator[tuple[bytes, str]]:
-    """Yield (key, line) records as SINGA's TextFileStore: key = the 0-based line number."""
-    path = Path(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f):
-                yield str(number).encode(), line.rstrip("\r\n")
-    except FileNotFoundError:
-        raise StoreError(f"{path}: no such store (prepare it with `shoal prepare ...`)") from None
+    """Yield (key, line) records as SINGA's TextFileStore: key = the 0-based line number.
+
+    A line that is not UTF-8 text (a kvfile read as a textfile, say) is a StoreError naming it.
+    """
+    path = regular_file(Path(path))
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise StoreError(
+                    f"{path}:{number + 1}:{err.start + 1}: byte 0x{raw[err.start]:02x} is not text"
+                    " (is the store a kvfile? store_conf.backend says how to read it)"
+                ) from None
+            yield str(number).encode(), line.rstrip("\r\n")
 
 
 def split_fields(line: str, separator: str = ",") -> list[str]:
@@ -43,15 +51,13 @@ def split_fields(line: str, separator: str = ",") -> list[str]:
 
 def read_textfile(path: PathLike, has_label: bool = True, separator: str = ",") -> tuple[np.ndarray, np.ndarray | None]:
     """All rows as (N, D) float32 plus (N,) int64 labels (None unless has_label); blank lines are skipped."""
-    path = Path(path)
-    if not path.is_file():
-        raise StoreError(f"{path}: no such store (prepare it with `shoal prepare ...`)")
+    path = regular_file(Path(path))
     table = _load_fast(path, separator)
     if table is None:
         return _load_checked(path, has_label, separator)
     if has_label:
         labels = table[:, 0]
-        if not np.array_equal(labels, np.round(labels)):
+        if not np.array_equal(labels, np.round(labels)) or np.abs(labels).max() >= 2**31:
             return _load_checked(path, has_label, separator)  # for the message naming the line
         return np.ascontiguousarray(table[:, 1:], dtype=np.float32), labels.astype(np.int64)
     return table.astype(np.float32), None
@@ -81,7 +87,7 @@ def _load_checked(path: Path, has_label: bool, separator: str) -> tuple[np.ndarr
         except ValueError as err:
             raise StoreError(f"{path}:{lineno}: {err}") from None
         if has_label:
-            if not values or not math.isfinite(values[0]) or values[0] != int(values[0]):
+            if not values or not math.isfinite(values[0]) or values[0] != int(values[0]) or abs(values[0]) >= 2**31:
                 raise StoreError(f"{path}:{lineno}: the first field must be an integer label (store_conf.has_label)")
             labels.append(int(values.pop(0)))
         if width is None:

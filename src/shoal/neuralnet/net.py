@@ -131,14 +131,30 @@ class NeuralNet:
                 raise NetBuildError(f"{where}.type", str(err.args[0])) from None
             except LayerConfigError as err:
                 raise NetBuildError(where, str(err)) from None
+            if any(size <= 0 for size in layer.shape):
+                raise NetBuildError(where, f"layer {conf.name!r} would output shape {tuple(layer.shape)} per sample: every size must be > 0")
             shapes[conf.name] = tuple(layer.shape)
             first_copy = by_name.get(unrolled.origin[conf.name])
             params = self._declare_params(layer, conf, where, generator, first_copy)
             node = Node(conf.name, layer, srcs, params, index_of[conf.name], feedback=list(conf.srclayers[len(srcs):]))
             self.nodes.append(node)
             by_name[conf.name] = node
+        self._mark_label_readers(by_name)
         self._leaves: dict[str, torch.Tensor] = {}
         self.bind()
+
+    def _mark_label_readers(self, by_name: dict[str, Node]) -> None:
+        """Tell each input layer which layer reads its labels as class ids, and how many classes that layer has
+        (`layer.label_reader`), so that a store's labels are checked once, when it is opened."""
+        for node in self.nodes:
+            classes = node.layer.label_classes
+            if not classes or not node.srcs:
+                continue
+            source = by_name[node.srcs[1] if len(node.srcs) > 1 else node.srcs[0]]  # as layers.loss.labels_of
+            if source.category == "input" and not source.srcs:
+                known = source.layer.label_reader
+                if known is None or classes < known[1]:
+                    source.layer.label_reader = (node.name, classes)
 
     def _declare_params(self, layer: Layer, conf: job_pb2.LayerProto, where: str, generator: torch.Generator, first_copy: Optional[Node]) -> list[str]:
         """Declare the layer's params in the store; an unrolled copy i > 0 shares those of copy 0, named `<i>#<param>`."""

@@ -15,6 +15,8 @@ from typing import Callable, Optional
 import torch
 
 from shoal.config import job_pb2
+from shoal.errors import ShoalError
+from shoal.neuralnet.memory import FLOAT_BYTES, available_bytes, describe_bytes
 
 Shape = tuple[int, ...]
 ParamInit = Callable[[job_pb2.ParamGenProto, Shape, torch.Generator], torch.Tensor]
@@ -77,6 +79,10 @@ def init_value(conf: Optional[job_pb2.ParamGenProto], shape: Shape, generator: t
     return out
 
 
+class ParamMismatch(ShoalError, ValueError):
+    """Values (a checkpoint's) that do not fit the job's params: one line naming the param and both shapes."""
+
+
 @dataclass
 class ParamInfo:
     """What the runtime needs to know about one owner param."""
@@ -109,6 +115,8 @@ class ParamStore:
         self.info: dict[str, ParamInfo] = {}
         self.values: dict[str, torch.Tensor] = {}
         self._owner: dict[str, str] = {}
+        self._bytes = 0  # of the owner params declared so far
+        self._room: Optional[int] = None  # memory available when the first param was declared
 
     def owner(self, name: str) -> str:
         return self._owner.get(name, name)
@@ -131,12 +139,28 @@ class ParamStore:
             if self.info[name].shape != tuple(shape):
                 raise ValueError(f"param {name!r} is declared twice with shapes {self.info[name].shape} and {tuple(shape)}")
             return name
+        self._check_size(name, tuple(shape))
         self.info[name] = ParamInfo(name, tuple(shape), conf, trainable)
         if self.allocate:
             self.values[name] = init_value(conf.init if conf.HasField("init") else None, tuple(shape), generator)
         else:
             self.values[name] = torch.empty(tuple(shape), device="meta")
         return name
+
+    def _check_size(self, name: str, shape: Shape) -> None:
+        """Refuse a param with a size <= 0, or one that memory cannot hold, before any tensor exists (even a meta one)."""
+        if any(size <= 0 for size in shape):
+            raise ValueError(f"param {name!r} would have shape {shape}: every size must be > 0")
+        if self._room is None:
+            self._room = available_bytes() or 0
+        nbytes = math.prod(shape) * FLOAT_BYTES
+        self._bytes += nbytes
+        if self._room and self._bytes > self._room:
+            earlier = f" (with the params declared before it, {describe_bytes(self._bytes)})" if self._bytes > nbytes else ""
+            raise ValueError(
+                f"param {name!r} of shape {shape} needs {describe_bytes(nbytes)}{earlier}, "
+                f"more than the {describe_bytes(self._room)} of memory available"
+            )
 
     def names(self) -> list[str]:
         return list(self.info)
@@ -147,20 +171,27 @@ class ParamStore:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.values)
 
-    def load(self, tensors: dict[str, torch.Tensor], strict: bool = False) -> list[str]:
-        """Copy values in by name (shapes must match); return the names loaded."""
-        loaded = []
-        for name, value in tensors.items():
-            if name not in self.values:
-                continue
-            if tuple(value.shape) != self.info[name].shape:
-                raise ValueError(f"param {name!r}: checkpoint shape {tuple(value.shape)} != {self.info[name].shape}")
-            self.values[name].copy_(value)
-            loaded.append(name)
-        if strict and set(loaded) != set(self.values):
-            missing = sorted(set(self.values) - set(loaded))
-            raise ValueError(f"checkpoint lacks params: {', '.join(missing)}")
-        return loaded
+    def load(self, tensors: dict[str, torch.Tensor], strict: bool = False, source: Optional[str] = None) -> list[str]:
+        """Copy values in by name; return the names loaded. ParamMismatch (one line) when a shape differs,
+        or, `strict`, when a param of the job has no value in `tensors`; nothing is copied then.
+        `source` (the checkpoint file) starts the message when given."""
+        where = f"{source}: " if source else ""
+        shared = [name for name in self.values if name in tensors]  # in the net's order: its first param is named first
+        for name in shared:
+            if tuple(tensors[name].shape) != self.info[name].shape:
+                raise ParamMismatch(
+                    f"{where}param {name!r} has shape {tuple(tensors[name].shape)} in the checkpoint and {self.info[name].shape} in this job's net"
+                    " (a checkpoint of another net?)"
+                )
+        if strict and len(shared) != len(self.values):
+            missing = [name for name in self.values if name not in tensors]
+            raise ParamMismatch(
+                f"{where}the checkpoint has no value for param{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing[:5]))}"
+                f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''} of this job's net (a checkpoint of another net?)"
+            )
+        for name in shared:
+            self.values[name].copy_(tensors[name])
+        return shared
 
     def copy(self) -> "ParamStore":
         """A store with the same params and its own copy of their values."""

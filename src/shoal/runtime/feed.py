@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from shoal.config import job_pb2
-from shoal.data.dataset import Dataset, load_mean, open_store
+from shoal.data.dataset import Dataset, check_labels, load_mean, open_store
 from shoal.data.errors import StoreError
 from shoal.neuralnet.layers.char_rnn import CharRNNOutput, char_windows, encode_text, read_vocab
 from shoal.planning.shares import batch_conf, batch_shares
@@ -121,6 +121,7 @@ def make_feeds(net, base_dirs: list[Path], partition: int, npartitions: int, rng
                 values = load_mean(getattr(store, field), store.backend or "kvfile", store.separator)
                 setattr(node.layer, attribute, torch.from_numpy(np.asarray(values, dtype=np.float32)).to(device))
         dataset = open_store(store, ".")
+        check_labels(dataset, node.layer.label_reader)  # labels a loss reads as class ids: in range, once per store
         shares = batch_shares(store, npartitions)
         skip = int(rng.integers(0, store.random_skip + 1)) if store.random_skip > 0 else 0
         feeds[node.name] = InputFeed(node.name, dataset, sum(shares), sum(shares[:partition]), shares[partition], skip)

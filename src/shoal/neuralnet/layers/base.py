@@ -67,6 +67,10 @@ class Layer:
     # how many leading srclayers forward() reads (None: all); the others are feedback
     # edges of an undirected model, outside the DAG, handed to close_loop
     forward_sources: ClassVar[Optional[int]] = None
+    # a layer reading its labels as class ids 0 .. label_classes-1 sets this (softmax loss, accuracy)
+    label_classes: Optional[int] = None
+    # an input layer: (the layer reading its labels as class ids, its class count), set by the net
+    label_reader: Optional[tuple[str, int]] = None
 
     def __init__(self, conf: LayerProto, src_shapes: Sequence[Shape]):
         self.conf = conf

@@ -18,7 +18,7 @@ def labels_of(layer: Layer, labels: list[torch.Tensor | None]) -> torch.Tensor:
     """The labels a layer reads: the aux of its second source when it has two (SINGA's srclayers[1]), else of its first."""
     found = labels[1] if len(labels) > 1 else labels[0]
     if found is None:
-        raise ValueError(f"layer {layer.name!r}: its sources carry no labels (is store_conf.has_label false?)")
+        raise config_error(layer.conf, "its sources carry no labels (is store_conf.has_label false, or do the records lack a label?)")
     return found.reshape(-1).long()
 
 
@@ -49,6 +49,7 @@ class SoftmaxLoss(Layer):
         if len(self.src_shapes) not in (1, 2):
             raise config_error(conf, "needs the scores and (optionally, when the scores carry none) the labels' layer as srclayers")
         check_topk(self, conf.softmaxloss_conf.topk, "softmaxloss_conf.topk")
+        self.label_classes = numel(self.src_shapes[0])
         self.shape = ()
 
     def forward(self, xs, params, labels, ctx):

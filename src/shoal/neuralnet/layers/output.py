@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from shoal.neuralnet.layers.base import Layer
-from shoal.neuralnet.layers.common import config_error, flat, top_indices
+from shoal.neuralnet.layers.common import config_error, flat, numel, top_indices
 from shoal.neuralnet.layers.loss import check_topk, labels_of, topk_accuracy
 from shoal.neuralnet.layers.registry import register
 
@@ -26,6 +26,7 @@ class Accuracy(Layer):
         if len(self.src_shapes) not in (1, 2):
             raise config_error(conf, "needs the scores and (optionally) the labels' layer as srclayers")
         check_topk(self, conf.argsort_conf.topk, "argsort_conf.topk")
+        self.label_classes = numel(self.src_shapes[0])
 
     def forward(self, xs, params, labels, ctx):
         target = labels_of(self, labels)
