@@ -1,6 +1,7 @@
 """shoal's Python API; the CLI is a thin face over these functions."""
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
@@ -20,9 +21,19 @@ if TYPE_CHECKING:
 JobLike = Union[str, Path, dict, job_pb2.JobProto]
 
 
+# digests of jobs validated in this process: a job loaded, then handed to train(), is not validated twice
+_VALIDATED: set[bytes] = set()
+
+
+def _digest(job: job_pb2.JobProto) -> bytes:
+    return hashlib.sha256(job.SerializeToString(deterministic=True)).digest()
+
+
 def load_job(path: Union[str, Path], overrides: tuple[str, ...] | list[str] = ()) -> job_pb2.JobProto:
     """Parse and validate a job.conf / job.yaml; raises JobError with file:line:col."""
-    return _load_file(path, list(overrides), shape_check=check_shapes)
+    job = _load_file(path, list(overrides), shape_check=check_shapes)
+    _VALIDATED.add(_digest(job))
+    return job
 
 
 def as_job(job: JobLike) -> tuple[job_pb2.JobProto, list[Path]]:
@@ -36,7 +47,9 @@ def as_job(job: JobLike) -> tuple[job_pb2.JobProto, list[Path]]:
         proto = job_from_dict(job, shape_check=check_shapes, overrides=script.overrides())
     elif isinstance(job, job_pb2.JobProto):
         proto = script.applied(job)
-        validate(proto, None, shape_check=check_shapes)
+        if _digest(proto) not in _VALIDATED:
+            validate(proto, None, shape_check=check_shapes)
+            _VALIDATED.add(_digest(proto))
     else:
         raise TypeError(f"a job is a path, a dict or a JobProto, not {type(job).__name__}")
     return proto, base_dirs(proto)

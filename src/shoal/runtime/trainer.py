@@ -130,9 +130,11 @@ class Trainer:
         if worker_indices is None:
             worker_indices = list(range(npartitions)) if train else []
         # the first net built declares and initialises the params, in layer order
+        first_net = None  # the first worker computing on the store itself computes with this net
         if store is None:
-            NeuralNet(job.neuralnet, job_pb2.kTrain, self.store, init_gen)
+            first_net = NeuralNet(job.neuralnet, job_pb2.kTrain, self.store, init_gen)
             self.store.move_to(device)
+            first_net.bind()  # its leaves on the values where they now live
         worker_devices = worker_devices or [str(device)] * len(worker_indices)
         # the store's device is the root of the group's device tree; workers elsewhere compute on replicas
         home = worker_devices[0] if worker_devices and torch_device(worker_devices[0]) == device else str(device)
@@ -145,10 +147,13 @@ class Trainer:
             nodes = copy.deepcopy(plan.partition)
             self.workers = [PartitionedGroup(job, nodes, self.store, base_dirs, part_devices, group, worker_indices, plan.group_ranks(group))]
         else:
-            self.workers = [
-                Worker(job, self.replicas.store_of(d), base_dirs, torch_device(d), i, npartitions, init_gen, group, device_name=d)
-                for i, d in zip(worker_indices, worker_devices)
-            ]
+            self.workers = []
+            for i, d in zip(worker_indices, worker_devices):
+                worker_store = self.replicas.store_of(d)
+                net = first_net if worker_store is self.store and first_net is not None else None
+                first_net = None if net is not None else first_net
+                self.workers.append(Worker(job, worker_store, base_dirs, torch_device(d), i, npartitions, init_gen, group,
+                                           device_name=d, net=net))
         self.global_batch = plan.global_batch
         self.balancer = self._balancer(job, partitioned)
         # test and validation run on worker 0 of group 0, on the whole (unpartitioned) net, as SINGA's

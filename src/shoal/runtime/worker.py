@@ -36,11 +36,12 @@ class Worker:
         init_generator: Optional[torch.Generator] = None,
         group: int = 0,
         device_name: Optional[str] = None,
+        net: Optional[NeuralNet] = None,
     ):
         """`device_name`: shoal's name of the device ("cpu:1" is torch's CPU with a replica of its own)."""
         self.job, self.index, self.group, self.device = job, index, group, device
         self.device_name = device_name or str(device)
-        self.net = NeuralNet(job.neuralnet, job_pb2.kTrain, store, init_generator or torch.Generator().manual_seed(job.seed))
+        self.net = net if net is not None else NeuralNet(job.neuralnet, job_pb2.kTrain, store, init_generator or torch.Generator().manual_seed(job.seed))
         # every worker of a group draws the same random_skip, so shares tile one global batch;
         # groups draw their own, so asynchronous groups read different data
         rng = np.random.default_rng(job.seed if group == 0 else [job.seed, group])
