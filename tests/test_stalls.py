@@ -101,11 +101,12 @@ def test_a_stopped_process_of_a_synchronous_job_is_named_within_the_timeout(blob
     stopped = time.monotonic()
     code = run.wait(timeout=STALL_TIMEOUT + SLACK + 30)
     took = time.monotonic() - stopped
+    print(f"{layout}: process {rank} stopped; the job ended {took:.1f} s later")
     assert code == 2, run.stderr()
     hosted = {0: "worker(group=0, id=0), server(group=0, id=0)", 2: "worker(group=0, id=2), server(group=0, id=2)"}[rank]
     line = assert_one_line(run.stderr(), f"process {rank} ({hosted}) stopped answering (no heartbeat for ", ", the last at step ",
                            "; it hosts the job's store" if rank == 0 else "")
-    assert STALL_TIMEOUT <= took < STALL_TIMEOUT + SLACK, (took, line)
+    assert STALL_TIMEOUT <= took + 1.0 < STALL_TIMEOUT + SLACK, (took, line)  # silence counts from its last beat
     summary = json.loads((run.ws / "summary.json").read_text())
     assert summary["status"] == "failed" and f"process {rank}" in summary["reason"]
     assert leftover_processes(tmp_path) == []  # the stopped one too: SIGTERM waits for SIGCONT, SIGKILL does not
@@ -128,16 +129,17 @@ ASYNC_STALLS = {
 
 
 @pytest.mark.parametrize("wakes", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["wakes later", "stays stopped"])
-@pytest.mark.parametrize("layout", list(ASYNC_STALLS))
+@pytest.mark.parametrize("layout", [next(iter(ASYNC_STALLS)), *[pytest.param(name, marks=pytest.mark.slow) for name in list(ASYNC_STALLS)[1:]]])
 def test_a_stopped_group_of_an_asynchronous_job_is_dropped_and_the_job_finishes(blobs_job, tmp_path, runs, layout, wakes):
     rank, group, dropper = ASYNC_STALLS[layout]
     # group 0's steps take 10 ms or more: the run outlasts the stall, the drop and the wake-up
-    run = Run(blobs_job(train_steps=1500), tmp_path, layout, "--set", "test_freq=500", env={"SHOAL_SLOW_WORKER": "0:0+0.01"})
+    run = Run(blobs_job(train_steps=1000), tmp_path, layout, "--set", "test_freq=500", env={"SHOAL_SLOW_WORKER": "0:0+0.01"})
     runs.append(run)
     pid = run.pid_of(rank)
     time.sleep(2)
     os.kill(pid, signal.SIGSTOP)
     took = wait_for(lambda: "WARNING" in run.stderr(), STALL_TIMEOUT + SLACK, "no warning: " + run.stderr())
+    print(f"{layout}: process {rank} stopped; the chief warned {took:.1f} s later")
     assert STALL_TIMEOUT <= took + 0.5 < STALL_TIMEOUT + SLACK, took
     if wakes:
         time.sleep(1)
@@ -149,7 +151,7 @@ def test_a_stopped_group_of_an_asynchronous_job_is_dropped_and_the_job_finishes(
     assert "stopped answering (no heartbeat for " in warnings[0]
     summary = assert_ran(run.ws, layout)
     assert summary["status"] == "finished"
-    final = [line for line in run.out.read_text().splitlines() if line.startswith("Test @ step 1500")]
+    final = [line for line in run.out.read_text().splitlines() if line.startswith("Test @ step 1000")]
     loss = float(re.search(r"Loss = ([0-9.e+-]+)", final[0])[1])
     assert loss < 0.5, final  # group 0 trained on, on params the dropped group did not spoil
     logs = run.ws / "logs"
@@ -157,3 +159,45 @@ def test_a_stopped_group_of_an_asynchronous_job_is_dropped_and_the_job_finishes(
     if wakes:  # it found it had been dropped: its push refused, or the gap in its own heartbeat
         assert re.search(r"refused its push|was stopped for \d+ s", (logs / f"rank{rank}.log").read_text())
     assert leftover_processes(tmp_path) == []
+
+
+@pytest.mark.parametrize("layout", ["single worker", "AllReduce, 2 processes"])
+def test_started_with_sigint_ignored_ctrl_c_is_ignored_and_sigterm_stops_it(blobs_job, tmp_path, runs, layout):
+    """nohup or `shoal run ... &` in a script starts shoal with SIGINT ignored: it keeps ignoring the terminal's
+    Ctrl-C (as POSIX asks of such programs); SIGTERM (`shoal jobs kill`) always stops every process."""
+    run = Run(blobs_job(train_steps=100000), tmp_path, layout, ignore_sigint=True)
+    runs.append(run)
+    run.pid_of(0)
+    os.killpg(run.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C would do
+    time.sleep(2)
+    assert run.proc.poll() is None, run.stderr()
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.wait(timeout=60) == 130
+    assert run.stderr().strip().splitlines()[-1].startswith("shoal: interrupted")
+    assert assert_ran(run.ws, layout)["status"] == "killed"
+    assert leftover_processes(tmp_path) == []
+
+
+def test_a_foreign_heartbeat_value_is_ignored_with_one_warning(capfd):
+    """Any local process may write the store's keys: a heartbeat that does not parse is not a beat (the peer
+    is still judged by its silence), and it costs one warning, never a traceback."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from shoal.comm.heartbeat import Watch
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    store.set("shoal/heartbeat/1", "\x00not a heartbeat")
+    stalls = []
+    watch = Watch(store, rank=0, world=2, on_stall=stalls.append, timeout_s=1.0).start()
+    try:
+        wait_for(lambda: stalls, 10, "the silent peer was never judged")
+        time.sleep(0.5)
+    finally:
+        watch.stop()
+    assert [(s.rank, s.step) for s in stalls] == [(1, -1)]
+    err = capfd.readouterr().err
+    assert err.count("WARNING: ignoring heartbeat key shoal/heartbeat/1") == 1, err
+    assert "Traceback" not in err
+    assert store.get("shoal/heartbeat/0").decode().startswith("done ")  # it said it ended

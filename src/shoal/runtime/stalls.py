@@ -118,11 +118,32 @@ def watching(plan: JobPlan, rank: int, workspace: Path, reports_itself: bool = F
         yield
         return
     policy = StallPolicy(plan, rank, workspace, reports_itself)
-    heartbeat.start(rank, plan.nprocs, on_stall=policy.on_stall, on_woken=policy.on_woken)
+    with _native_stderr_to(sys.stderr):
+        heartbeat.start(rank, plan.nprocs, on_stall=policy.on_stall, on_woken=policy.on_woken)
+        try:
+            yield
+        finally:
+            heartbeat.stop()
+
+
+@contextmanager
+def _native_stderr_to(stream):
+    """c10d logs a failed store call (a peer's store gone at the end of a job) from C++ to file descriptor 2:
+    send it where this process's Python stderr goes (a rank's log), not to the terminal."""
+    try:
+        target = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        target = 2
+    if target == 2:
+        yield
+        return
+    saved = os.dup(2)
+    os.dup2(target, 2)
     try:
         yield
     finally:
-        heartbeat.stop()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def exit_if_abandoned() -> None:
