@@ -254,7 +254,7 @@ def test_distributed_hogwild_survives_a_dead_group(blobs_job, tmp_path):
     proc = run_cli(downpour_job(blobs_job, "Distributed Hogwild, 2 groups"), tmp_path / "ws", env={"SHOAL_INJECT_EXIT": "1:10"})
     assert proc.returncode == 0, proc.stderr
     assert_ran(tmp_path / "ws", "Distributed Hogwild, 2 groups")
-    assert "process 1 (worker(group=1, id=0), server(group=1, id=0)) exited with code 3" in proc.stdout
+    assert "process 1 (worker(group=1, id=0), server(group=1, id=0)) exited with code 3" in proc.stderr
     assert "Test @ step 40" in proc.stdout
 
 

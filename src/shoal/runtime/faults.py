@@ -2,7 +2,7 @@
 
   SHOAL_INJECT_EXIT="RANK:STEP"         process RANK exits (code 3) when it reaches training step STEP;
                                         a Downpour server process exits when its version reaches STEP
-  SHOAL_INJECT_STALL="RANK:STEP"        process RANK hangs at step STEP (as a SIGSTOPped peer would)
+  SHOAL_INJECT_STALL="RANK:STEP"        process RANK's training hangs at step STEP (its heartbeat goes on: caught by SHOAL_COMM_TIMEOUT)
   SHOAL_INJECT_GROUP_ERROR="GROUP:STEP" in-memory worker group GROUP raises at step STEP
   SHOAL_SLOW_WORKER="K:PER_SAMPLE[+FIXED],..."  worker K of each group spends PER_SAMPLE more seconds per
                                         sample of its share, plus FIXED per step (as a slower device would)
