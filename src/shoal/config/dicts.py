@@ -10,6 +10,7 @@ number where the field wants one.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from google.protobuf import json_format
@@ -82,6 +83,8 @@ def _value(fd: FieldDescriptor, value: Any, at: str, sources: SourceMap) -> Any:
     if fd.cpp_type in _FLOATS:
         number = _number(value)
         if number is not None:
+            if not math.isfinite(number):  # YAML's .nan / .inf
+                raise sources.error(at, f"{fd.name} must be a finite number, got {number}")
             return float(number)
     wanted = {FieldDescriptor.CPPTYPE_BOOL: "true or false", FieldDescriptor.CPPTYPE_STRING: "a string"}
     expected = wanted.get(fd.cpp_type, "an integer" if fd.cpp_type in _INTS else "a number")

@@ -7,8 +7,11 @@ passed (cycles are looked for only once every srclayers entry names a layer).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterator
+
+from google.protobuf.descriptor import FieldDescriptor
 
 from shoal.config import job_pb2
 from shoal.config.errors import JobShapeError
@@ -20,6 +23,10 @@ __all__ = ["in_phase", "job_problems", "layers_in_phase", "validate", "validate_
 Problem = tuple[str, str]  # (field path, message)
 DEVICE_NAME = re.compile(r"^(cpu|cpu:\d+|cuda:\d+)$")  # "cpu:N": a CPU device with a param replica of its own
 ShapeCheck = Callable[[job_pb2.JobProto], None]
+_FLOAT_TYPES = (FieldDescriptor.CPPTYPE_FLOAT, FieldDescriptor.CPPTYPE_DOUBLE)
+# the input layers that read store_conf through shoal's stores (a plugin's may read other backends)
+STORE_LAYERS = {job_pb2.kRecordInput, job_pb2.kCSVInput}
+STORE_BACKENDS = ("kvfile", "textfile")
 
 # RBM layers name each other as sources: an undirected connection (SINGA docs, Fig. 3a)
 RBM_TYPES = {job_pb2.kRBMVis, job_pb2.kRBMHid}
@@ -68,6 +75,7 @@ def job_problems(job: job_pb2.JobProto) -> Iterator[Problem]:
     """Every problem of `job` that needs no layer shapes, most basic first."""
     yield from _required_fields(job)
     yield from _missing_required(job, "")
+    yield from _non_finite(job, "")
     for name in COUNTERS:
         if getattr(job, name) < 0:
             yield name, f"{name} must be >= 0, got {getattr(job, name)}"
@@ -117,6 +125,20 @@ def _missing_required(message, path: str) -> Iterator[Problem]:
         name = at + (f"[{fd.full_name}]" if fd.is_extension else fd.name)
         for i, item in enumerate(value) if fd.is_repeated else [(None, value)]:
             yield from _missing_required(item, name if i is None else f"{name}[{i}]")
+
+
+def _non_finite(message, path: str) -> Iterator[Problem]:
+    """NaN or infinity in any number field (`base_lr: nan` would train to NaN, `std_value: inf` to zeros)."""
+    at = path + "." if path else ""
+    for fd, value in message.ListFields():
+        name = at + (f"[{fd.full_name}]" if fd.is_extension else fd.name)
+        items = list(enumerate(value)) if fd.is_repeated else [(None, value)]
+        for i, item in items:
+            where = name if i is None else f"{name}[{i}]"
+            if fd.message_type is not None:
+                yield from _non_finite(item, where)
+            elif fd.cpp_type in _FLOAT_TYPES and not math.isfinite(item):
+                yield where, f"{fd.name} must be a finite number, got {item}"
 
 
 def validate_cluster(cluster: job_pb2.ClusterProto) -> list[Problem]:
@@ -254,7 +276,7 @@ def _layer_problems(job: job_pb2.JobProto) -> Iterator[Problem]:
         kept_whole = layer.location >= 0 or (layer.partition_dim if layer.HasField("partition_dim") else net.partition_dim) == -1
         trains = in_phase(layer, job_pb2.kTrain) and not kept_whole
         if layer.HasField("store_conf"):
-            yield from _store_problems(layer.store_conf, f"{at}.store_conf")
+            yield from _store_problems(layer.store_conf, f"{at}.store_conf", layer.type in STORE_LAYERS)
             yield from _batchsize_problems(list(layer.store_conf.batchsize), f"{at}.store_conf.batchsize", nworkers, trains)
         if layer.type == job_pb2.kCharRNN:
             yield from _batchsize_problems([layer.char_rnn_conf.batchsize], f"{at}.char_rnn_conf.batchsize", nworkers, trains, repeated=False)
@@ -275,7 +297,11 @@ def _include_exclude_mixed(net: job_pb2.NetProto) -> Iterator[Problem]:
         )
 
 
-def _store_problems(store: job_pb2.StoreProto, at: str) -> Iterator[Problem]:
+def _store_problems(store: job_pb2.StoreProto, at: str, shoal_store: bool) -> Iterator[Problem]:
+    if shoal_store and store.backend and store.backend not in STORE_BACKENDS:
+        yield f"{at}.backend", f"backend {store.backend!r} is not a store shoal reads: kvfile or textfile"
+    if shoal_store and store.backend == "textfile" and not store.separator:
+        yield f"{at}.separator", "separator is empty: give the character(s) between a line's fields, e.g. \",\""
     for j, size in enumerate(store.shape):
         if size <= 0:
             yield f"{at}.shape[{j}]", f"shape takes sizes > 0, got {size}"
