@@ -150,7 +150,7 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
         updater=server_updater(job, framework),
         outer_updater=outer_updater(job) if framework is Framework.LOCAL_SGD else None,
         nnodes=nnodes,
-        notes=list(parts.notes) + _updater_notes(job, framework),
+        notes=list(parts.notes) + _updater_notes(job, framework) + _compression_notes(job, framework),
     )
     if job.cluster.auto_batch_shares:
         _check_balanceable(plan)
@@ -180,6 +180,18 @@ def outer_updater(job: job_pb2.JobProto) -> job_pb2.UpdaterProto:
     if job.cluster.HasField("outer_updater"):
         return job.cluster.outer_updater
     return job_pb2.UpdaterProto(type=job_pb2.kSGD, learning_rate=job_pb2.LRGenProto(type=job_pb2.kFixed, base_lr=1.0))
+
+
+def _compression_notes(job: job_pb2.JobProto, framework: Framework) -> list[str]:
+    kind = job.cluster.compression
+    if kind == job_pb2.kNone:
+        return []
+    if framework is not Framework.DOWNPOUR:
+        raise UnsupportedClusterError(f"cluster.compression: compressed pushes apply to Downpour only, not to {framework.value} yet")
+    if kind == job_pb2.kTopK and not 0 < job.cluster.topk_fraction <= 1:
+        raise UnsupportedClusterError(f"cluster.topk_fraction: {job.cluster.topk_fraction:g} is not in (0, 1]")
+    what = f"top-{job.cluster.topk_fraction:g} with error feedback" if kind == job_pb2.kTopK else job_pb2.Compression.Name(kind)[1:]
+    return [f"pushes compressed ({what}): the run does not compute what uncompressed Downpour would"]
 
 
 def _updater_notes(job: job_pb2.JobProto, framework: Framework) -> list[str]:

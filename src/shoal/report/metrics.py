@@ -83,6 +83,7 @@ RECORD_KEYS: dict[str, tuple[str, str]] = {
     "batch_shares": ("train", "rows of the batch each worker of the chief's group computed (groups of several workers in one process)"),
     "staleness": ("train", "async runs only: mean version lag of the params the updates used, over the window"),
     "staleness_max": ("train", "async runs only: largest version lag in the window"),
+    "pushed_bytes": ("train", "Downpour only: gradient bytes the chief's process pushed to its servers in the window (after cluster.compression)"),
     "meetings": ("train", "Local SGD / DiLoCo only: meetings of the groups so far (one every cluster.local_steps steps)"),
     "mode": ("test", "\"test-only\" for `shoal run --test`"),
 }

@@ -35,6 +35,7 @@ from shoal.comm import dist as comm
 from shoal.comm import heartbeat
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
+from shoal.runtime.exchanges.compression import codec_for, wire_bytes
 from shoal.runtime.exchanges.local import aggregate
 from shoal.runtime.exchanges.groups import StalenessStats
 from shoal.neuralnet.updaters import Updater
@@ -83,6 +84,7 @@ class DownpourServer:
                  exit_at_version: Optional[int] = None):
         """`exit_at_version`: fault injection for tests (shoal.runtime.faults): the process exits at that version."""
         self.store, self.updater, self.server, self.stubs, self.log = store, updater, server, stubs, log
+        self.cluster = placement.cluster
         trainable = set(store.trainable_names())
         self.segments, self.size = server_segments([s for s in placement.slices_of(server) if s.param in trainable])
         self.slots = slot_names(updater)
@@ -173,7 +175,8 @@ class DownpourServer:
 
     def _serve_group(self, group: int, rank: int) -> None:
         header = torch.zeros(3, dtype=torch.int64)
-        grad = torch.zeros(self.size)
+        codec = codec_for(self.cluster)
+        received = codec.buffers(self.size)
         has_grad = torch.zeros(len(self.segments), dtype=torch.uint8)
         try:
             while True:
@@ -183,7 +186,9 @@ class DownpourServer:
                     self._refuse(group, rank, kind)
                     return
                 if kind == PUSH:
-                    comm.recv(grad, rank, TAG_GRAD)
+                    for part in received:
+                        comm.recv(part, rank, TAG_GRAD)
+                    grad = codec.decode(received, self.size)
                     comm.recv(has_grad, rank, TAG_HAS_GRAD)
                     step = header.tolist()[1]
                     with self._running:  # stale-synchronous: hold a group that is too far ahead
@@ -256,6 +261,8 @@ class DownpourExchange:
             self.servers.append((server, server_rank, segments, size))
         self.slots = slot_names(updater)
         self.read_version = {rank: 0 for _, rank, _, _ in self.servers}
+        self.codecs = {rank: codec_for(placement.cluster) for _, rank, _, _ in self.servers}  # top-k keeps a residual per server
+        self.pushed_bytes = 0  # gradient bytes this process pushed since the last display
         self.staleness = StalenessStats()
         self.last_version = 0
         self.final_state: Optional[dict] = None
@@ -321,7 +328,9 @@ class DownpourExchange:
         try:
             for server, server_rank, segments, _ in self.servers:
                 comm.send(torch.tensor([PUSH, step, self.read_version[server_rank]], dtype=torch.int64), server_rank, TAG_HEADER)
-                comm.send(self._gather(flat, segments), server_rank, TAG_GRAD)
+                for part in self.codecs[server_rank].encode(self._gather(flat, segments)):
+                    comm.send(part, server_rank, TAG_GRAD)
+                    self.pushed_bytes += wire_bytes([part])
                 # one byte per segment: cheaper than a flag inside the (uncopied) gradient
                 comm.send(torch.tensor([had[self.position[s.param]] > 0 for s in segments], dtype=torch.uint8), server_rank, TAG_HAS_GRAD)
             lags = []
@@ -351,7 +360,8 @@ class DownpourExchange:
         if self.chief:
             version = min(self.read_version.values())
             values |= {"samples": (version - self.last_version) * self.global_batch,
-                       "staleness": self.staleness.mean, "staleness_max": self.staleness.max}
+                       "staleness": self.staleness.mean, "staleness_max": self.staleness.max, "pushed_bytes": self.pushed_bytes}
+            self.pushed_bytes = 0
             self.last_version, self.staleness = version, StalenessStats()
         return values
 
