@@ -120,7 +120,7 @@ def test_a_crashed_run_keeps_the_summary_of_its_last_test(blobs_job, tmp_path):
                           capture_output=True, text=True, timeout=300, env={**os.environ, "SHOAL_INJECT_EXIT": "0:25"}, check=False)
     assert proc.returncode == 2
     summary = assert_ran(tmp_path / "ws", "AllReduce, 2 processes")
-    assert summary["status"] == "running"  # never closed: the process died
+    assert summary["status"] == "failed" and "process 0" in summary["reason"]  # the launcher says what the dead chief could not
     assert summary["final_test"]["step"] == 20
     assert summary["label"] == "AllReduce, 2 workers, 2 processes"
     png = shoal.plot_runs([tmp_path / "ws"], tmp_path / "crash.png")

@@ -92,15 +92,17 @@ def run_info(plan: "JobPlan", devices: list[str]) -> RunInfo:
 def clean_records(records: list[dict]) -> list[dict]:
     """Records as one run: a resumed run re-records the steps after its checkpoint, keep the latest.
 
-    A `resume` record (written when a run resumes at step N) supersedes every earlier training
-    record from step N on, even one the resumed run never reaches again.
+    A `resume` record (written when a run resumes at step N) supersedes what the stopped run recorded
+    after its checkpoint at N, even what the resumed run never reaches again: train records from step N
+    on, tests and validations after N (those at N ran before the checkpoint, as SINGA orders a step).
     """
     latest: dict[tuple, dict] = {}
     for r in records:
         if "step" not in r or "phase" not in r:
             continue
         if r["phase"] == "resume":
-            latest = {k: v for k, v in latest.items() if v["step"] < r["step"] or v.get("mode") == "test-only"}
+            latest = {k: v for k, v in latest.items()
+                      if v["step"] < r["step"] or (v["step"] == r["step"] and v["phase"] != "train") or v.get("mode") == "test-only"}
             continue
         latest[(r["phase"], r["step"], r.get("mode"))] = r
     return sorted(latest.values(), key=lambda r: (r["step"], r.get("time") or 0.0))
