@@ -49,7 +49,7 @@ def test_every_job_a_script_trains_gets_the_settings(blobs_job, tmp_path, capsys
     assert "steps 15" in capsys.readouterr().out
     assert ckpt_io.latest(tmp_path / "given").name == "step15-worker0.safetensors"
     steps = [(r["phase"], r["step"]) for r in records(tmp_path / "given")]
-    assert steps == [("test", 0), ("train", 0), ("train", 5), ("test", 10), ("train", 10), ("test", 15)]  # on from step 10
+    assert steps == [("test", 0), ("train", 0), ("train", 5), ("test", 10), ("resume", 10), ("train", 10), ("test", 15)]  # on from step 10
 
 
 @pytest.mark.parametrize(
