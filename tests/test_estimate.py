@@ -235,6 +235,7 @@ def test_cli_scaling_plot_and_a_bad_cluster_file(tmp_path, home):
     assert out.returncode == 2 and out.stderr.strip() == f"{bad}: bandwith: unknown field (known: hosts, cores, gpus, bandwidth, latency)"
 
 
+@pytest.mark.slow  # minutes on a loaded 2-core machine
 def test_calibration_measures_the_machine_and_the_jobs_kernels_once(tmp_path):
     path = tmp_path / "calibration.json"
     kernel = Kernel("mm", (5, 8, 4), threads=1)

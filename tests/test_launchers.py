@@ -301,6 +301,7 @@ def test_a_world_on_one_gpu_joins_with_nccl_and_reduces_cuda_tensors(tmp_path):
 from test_multihost import two_hosts  # noqa: E402,F401  (the fixture: two network namespaces joined by a veth pair)
 
 
+@pytest.mark.slow  # minutes on a loaded 2-core machine
 def test_torchrun_over_two_hosts_made_of_network_namespaces(two_hosts, blobs_job, tmp_path):
     """torchrun on both "hosts" (node 0's agent hosts the store); ranks run on both, the workspace is shared (one
     filesystem, as a cluster's shared one) and the result is the single worker's."""

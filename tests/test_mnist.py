@@ -24,6 +24,7 @@ def run_example(conf: str, mnist_dir, tmp_path, *sets: str) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "ws" / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # ~35 s: the whole trajectory; the MNIST layouts of test_async_mnist stay in the default suite
 @pytest.mark.parametrize("seed", [0])
 def test_seed_mlp_follows_singas_published_trajectory(mnist_dir, tmp_path, seed):
     """SINGA's log (seed docs, "MLP Example"): test accuracy 0.6621 at step 60 and 0.7699 at step 120, loss 1.6137 and 1.2167."""

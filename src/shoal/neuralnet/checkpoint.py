@@ -101,6 +101,8 @@ def save(path: Path, ckpt: Checkpoint) -> Path:
 
 def load(path: Path) -> Checkpoint:
     path = Path(path)
+    if path.exists() and not path.is_file():  # a named pipe would block, a device never end
+        raise CheckpointError(f"{path}: not a regular file")
     try:
         tensors = load_file(str(path))
         with open(path, "rb") as f:

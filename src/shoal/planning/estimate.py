@@ -105,8 +105,10 @@ def hosts_from_file(path: Path) -> Hosts:
     """Hosts from a small YAML/JSON file: hosts, cores, gpus, bandwidth (Gbit/s each way), latency (µs)."""
     import yaml
 
+    from shoal.config.limits import load_yaml
+
     try:
-        data = yaml.safe_load(path.read_text())
+        _, data = load_yaml(path.read_text())  # bounded: no alias bombs, no unbounded nesting
     except OSError as err:
         raise HostsFileError(f"{path}: cannot read ({err.strerror})") from None
     except yaml.YAMLError as err:

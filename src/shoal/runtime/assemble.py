@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from google.protobuf import text_format
 
 from shoal.comm import dist as comm
 from shoal.comm import heartbeat
@@ -247,7 +248,8 @@ def run_process(plan: JobPlan, rank: int, spec: RunSpec) -> History:
     for line in start_lines(run):
         spec.log(line)
     metrics = None
-    if rank == 0:
+    if rank == 0:  # written once the job assembled (a refused --resume leaves the earlier copy alone)
+        (spec.workspace / "job.conf").write_text(text_format.MessageToString(plan.job))
         visualization.write_train_net(plan, spec.workspace, fresh=spec.resume_from is None)
         devices = usable_device_names(plan.all_devices())
         resumed_at = run.chief.start_step if spec.resume_from is not None else None

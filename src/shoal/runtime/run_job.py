@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
-from google.protobuf import text_format
 
 from shoal.config import job_pb2
 from shoal.planning.plan import JobPlan, plan_job
@@ -78,7 +77,6 @@ def train_job(job: job_pb2.JobProto, options: RunOptions, job_file: str = "<pyth
 
 
 def _train(plan: JobPlan, options: RunOptions, workspace: Path, resume_from: Optional[Path], record: job_registry.JobRecord) -> History:
-    (workspace / "job.conf").write_text(text_format.MessageToString(plan.job))
     spec = RunSpec(workspace, options.base_dirs, resume_from, options.log, options.progress, options.initial_values)
     if plan.in_one_process and options.nodes is None:
         options.log(f"Job {record.id}: {plan.label}; workspace {workspace}")

@@ -225,7 +225,7 @@ class Trainer:
         step = 0
         for path in paths:
             ckpt = ckpt_io.load(path)
-            loaded = self.store.load(ckpt.params)
+            loaded = self.store.load(ckpt.params, source=str(path))
             self.log(f"Load from checkpoint file {path} ({len(loaded)} params)")
             step = ckpt.step
         return step
@@ -259,7 +259,7 @@ class Trainer:
     def restore(self, path: Path) -> None:
         """Continue from a checkpoint exactly where the run that wrote it stood."""
         ckpt = ckpt_io.load(path)
-        self.store.load(ckpt.params, strict=True)
+        self.store.load(ckpt.params, strict=True, source=str(path))
         if self.exchange is not None:
             self.exchange.load_updater_state(ckpt.updater_state)
         for w in self.workers:
