@@ -48,7 +48,8 @@ def test_the_progress_bar_shows_on_a_terminal(blobs_job, tmp_path):
     job = blobs_job(train_steps=200)
     typescript = tmp_path / "typescript"
     command = f"{sys.executable} -m shoal run {job} --workspace {tmp_path / 'ws'}"
-    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "160"}
+    # 10 ms a step at least: the bar (redrawn every 0.25 s at most) has time to move however fast the machine
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "160", "SHOAL_SLOW_WORKER": "0:0+0.01"}
     proc = subprocess.run(["script", "-qefc", command, str(typescript)], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     raw = typescript.read_text(errors="replace")

@@ -140,7 +140,7 @@ def test_a_stopped_group_of_an_asynchronous_job_is_dropped_and_the_job_finishes(
     os.kill(pid, signal.SIGSTOP)
     took = wait_for(lambda: "WARNING" in run.stderr(), STALL_TIMEOUT + SLACK, "no warning: " + run.stderr())
     print(f"{layout}: process {rank} stopped; the chief warned {took:.1f} s later")
-    assert STALL_TIMEOUT <= took + 0.5 < STALL_TIMEOUT + SLACK, took
+    assert STALL_TIMEOUT <= took + 1.0 < STALL_TIMEOUT + SLACK, took  # silence counts from the group's last beat, up to one beat before the stop
     if wakes:
         time.sleep(1)
         os.kill(pid, signal.SIGCONT)
