@@ -200,7 +200,12 @@ def mark_ended(workspace: Path, metrics_path: Path, status: str, reason: str | N
     """
     path = Path(workspace) / SUMMARY_FILE
     summary = read_summary(workspace)
-    if summary is None or summary.get("status") != "running":
+    if summary is None:
+        return
+    if summary.get("status") != "running":  # the chief closed its log: its status stands; the launcher adds why
+        if reason and "reason" not in summary:
+            summary["reason"] = reason
+            _write(path, summary)
         return
     records = read_metrics(metrics_path) if Path(metrics_path).exists() else []
     summary.update(summarize(records), status=status, updated=_iso(time.time()))
