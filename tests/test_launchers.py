@@ -302,21 +302,26 @@ from test_multihost import two_hosts  # noqa: E402,F401  (the fixture: two netwo
 
 
 @pytest.mark.slow  # minutes on a loaded 2-core machine
-def test_torchrun_over_two_hosts_made_of_network_namespaces(two_hosts, blobs_job, tmp_path):
-    """torchrun on both "hosts" (node 0's agent hosts the store); ranks run on both, the workspace is shared (one
-    filesystem, as a cluster's shared one) and the result is the single worker's."""
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_torchrun_over_two_hosts_made_of_network_namespaces(two_hosts, blobs_job, tmp_path, rendezvous):
+    """torchrun on both "hosts"; ranks run on both, the workspace is shared (one filesystem, as a cluster's shared
+    one) and the result is the single worker's."""
     (ns_a, ip_a), (ns_b, ip_b) = two_hosts
     layout = "AllReduce, 2 processes x 2 threads"
     job = blobs_job(train_steps=6, layout=layout)
     port = free_port()
-    # static rendezvous (torchrun's default): node ranks given, the agent of node 0 hosts the store at ip_a
-    command = lambda ns, node: ["ip", "netns", "exec", ns, str(TORCHRUN), "--nnodes=2", "--nproc-per-node=1",
-                                f"--node-rank={node}", f"--master-addr={ip_a}", f"--master-port={port}",
-                                "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")]
-    nodes = [subprocess.Popen(command(ns, node), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node, ns in enumerate((ns_a, ns_b))]
+    if rendezvous == "static":  # torchrun's default: node ranks given, the agent of node 0 hosts the store at ip_a
+        where = lambda node, ip: [f"--node-rank={node}", f"--master-addr={ip_a}", f"--master-port={port}"]
+    else:  # node ranks handed out; both namespaces share one host name, so each agent says its address (--local-addr)
+        where = lambda node, ip: ["--rdzv-backend=c10d", f"--rdzv-endpoint={ip_a}:{port}", "--rdzv-id=two-hosts",
+                                  f"--local-addr={ip}", f"--rdzv-conf=is_host={int(node == 0)}"]
+    command = lambda ns, node, ip: ["ip", "netns", "exec", ns, str(TORCHRUN), "--nnodes=2", "--nproc-per-node=1",
+                                    *where(node, ip), "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")]
+    nodes = [subprocess.Popen(command(ns, node, ip), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for node, (ns, ip) in enumerate(((ns_a, ip_a), (ns_b, ip_b)))]
     outs = [node.communicate(timeout=240) for node in nodes]
     assert [n.returncode for n in nodes] == [0, 0], [o[1][-2000:] for o in outs]
-    assert "Test @ step 6" in outs[0][0] and "Test @ step" not in outs[1][0]  # the chief is rank 0, on node 0
+    assert sum("Test @ step 6" in out for out, _ in outs) == 1  # one chief (with c10d, on whichever node became node 0)
     assert_ran(tmp_path / "ws", layout)
     shoal.train(blobs_job(train_steps=6), workspace=tmp_path / "single", log=quiet)
     ours, single = final_params(tmp_path / "ws", 6), final_params(tmp_path / "single", 6)

@@ -85,3 +85,31 @@ def test_sandblaster_over_two_hosts_equals_the_single_worker_run(two_hosts, blob
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6)
     # node 1 hosted ranks 2 and 3 (the servers): its logs are its own
     assert sorted(p.name for p in (tmp_path / "node1" / "logs").iterdir()) == ["rank2.log", "rank3.log"]
+
+
+def test_without_node_ranks_torchs_c10d_rendezvous_numbers_the_nodes(two_hosts, blobs_job, tmp_path):
+    """`shoal run --nnodes 2 --master HOST:PORT` on both hosts, no --node-rank: torch's c10d rendezvous hands the node
+    ranks out (whichever node becomes node 0 hosts the chief) and the job is the single worker's, exactly."""
+    (ns_a, ip_a), (ns_b, _) = two_hosts
+    single = tmp_path / "single"
+    shoal.train(blobs_job(train_steps=8), workspace=single, log=lambda *a: None)
+    layout = "Sandblaster, 2 workers + 2 servers, 4 processes"
+    job = blobs_job(train_steps=8, layout=layout)
+    run = lambda ns, ws: subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-m", "shoal", "run", str(job), "--nnodes", "2",
+         "--master", f"{ip_a}:29519", "--workspace", str(ws)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    nodes = {"a": run(ns_a, tmp_path / "a"), "b": run(ns_b, tmp_path / "b")}
+    outs = {name: proc.communicate(timeout=180) for name, proc in nodes.items()}
+    for name, proc in nodes.items():
+        assert proc.returncode == 0, outs[name][1]
+    chief = [name for name in nodes if "Test @ step 8" in outs[name][0]]
+    assert len(chief) == 1, outs
+    other = "b" if chief == ["a"] else "a"
+    assert_ran(tmp_path / chief[0], layout, ranks_here=2)
+    assert sorted(p.name for p in (tmp_path / other / "logs").iterdir()) == ["rank2.log", "rank3.log"]
+    a = ckpt_io.load(ckpt_io.checkpoint_file(single, 8)).params
+    b = ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / chief[0], 8)).params
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6)

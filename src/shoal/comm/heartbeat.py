@@ -6,7 +6,7 @@ silent store cannot block it for long). A peer whose beat has not changed for `s
 seconds (SHOAL_STALL_TIMEOUT, default 10) is stalled. A SIGSTOPped or frozen process stops its
 heartbeat thread with everything else, so the silent peer is the stalled one, not a healthy rank
 that waits for it. When the store itself stops answering that long, its host is the stalled one
-(rank 0, unless a launcher's agent hosts the store). Only this process's monotonic clock is used:
+(rank 0 under srun or env://; under shoal run or torchrun the launcher hosts the store). Only this process's monotonic clock is used:
 the hosts' clocks need not agree.
 
 A process that ends says "done" and is not watched any more. A value that does not parse (some
@@ -92,6 +92,12 @@ class Watch:
 
     def is_stalled(self, rank: int) -> bool:
         return rank in self._stalled
+
+    def revive(self, rank: int) -> None:
+        """`rank` runs again (a restarted process in a dead one's place): watch it afresh."""
+        self._done.discard(rank)
+        self._stalled.discard(rank)
+        self._changed_at[rank] = time.monotonic()
 
     def stop(self) -> None:
         """This process ends normally: say "done" (peers stop watching it) and end the thread."""
@@ -184,7 +190,7 @@ _abandoned = False
 
 
 def start(rank: int, world: int, **kwargs) -> Watch:
-    """Beat and watch over the job's store (shoal.comm.dist); rank 0 hosts it unless a launcher's agent does."""
+    """Beat and watch over the job's store (shoal.comm.dist); rank 0 hosts it under srun or env://, else the launcher (shoal run, torchrun.s agent)."""
     import torch.distributed as dist
 
     from shoal.comm import dist as comm
@@ -215,6 +221,17 @@ def is_stalled(rank: int) -> bool:
 
 def any_stalled(ranks: Iterable[int]) -> bool:
     return any(is_stalled(r) for r in ranks)
+
+
+def revive(rank: int) -> None:
+    """This process's watch takes `rank` up again (shoal.runtime.rejoin: a process restarted in its place)."""
+    if _watch is not None:
+        _watch.revive(rank)
+
+
+def say_gone(store, rank: int) -> None:
+    """The launcher saw `rank` exit: its peers stop watching it (they do not wait for its silence to be a stall)."""
+    store.set(KEY.format(rank), f"{DONE} -1")
 
 
 def abandon() -> None:

@@ -64,8 +64,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="a plugin file to load first: user layers (.py) or their configuration (.proto); repeatable (docs/layers.md)")
     hosts = p.add_argument_group("several hosts", "start `shoal run` on every node with the same --nnodes and --master")
     hosts.add_argument("--nnodes", type=int, help="number of hosts")
-    hosts.add_argument("--node-rank", type=int, help="this host's index, 0 .. nnodes-1 (node 0 hosts the chief); with --hostfile, found by default")
-    hosts.add_argument("--master", metavar="HOST:PORT", help="address of node 0, where rank 0 hosts the rendezvous store")
+    hosts.add_argument("--node-rank", type=int, help="this host's index, 0 .. nnodes-1 (node 0 hosts the chief): torch's static "
+                       "rendezvous; without it, torch's c10d rendezvous numbers the nodes; with --hostfile, found by default")
+    hosts.add_argument("--master", metavar="HOST:PORT", help="where the nodes meet (torchrun's --master-addr/--master-port, or "
+                       "--rdzv-endpoint without --node-rank)")
     hosts.add_argument("--interface", help="network interface to listen and connect on (default: the one that routes to --master)")
     hosts.add_argument("--hostfile", type=Path, help="SINGA's conf/hostfile: one host per line; node 0 is the master, port cluster.start_port; this host's line is its node rank")
 
@@ -290,12 +292,14 @@ def _nodes(args: argparse.Namespace, job):
         nnodes, master = len(hosts), f"{hosts[0]}:{job.cluster.start_port}"
     else:
         nnodes, master = args.nnodes, args.master
-    if args.node_rank is None or master is None or not 0 <= args.node_rank < nnodes:
-        raise UsageError(f"shoal run: several hosts need --node-rank in 0..{nnodes - 1} and --master HOST:PORT (or --hostfile)")
+    if master is None or nnodes < 1 or (args.node_rank is not None and not 0 <= args.node_rank < nnodes):
+        raise UsageError(f"shoal run: several hosts need --master HOST:PORT (or --hostfile), and --node-rank, if given, "
+                         f"in 0..{nnodes - 1}")
     host, _, port = master.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"--master {master}: expected HOST:PORT")
-    return Nodes(nnodes, args.node_rank, host, int(port), args.interface or route_interface(host))
+    # without --node-rank, torch's c10d rendezvous hands node ranks out (every node gives the same job name)
+    return Nodes(nnodes, args.node_rank, host, int(port), args.interface or route_interface(host), run_id=f"shoal-{job.name or 'job'}")
 
 
 def _prepare(args: argparse.Namespace) -> int:

@@ -1,14 +1,14 @@
-"""Run one synchronous worker group over several processes, on one host or several.
+"""Run a job's processes from `shoal run`, on one host or several, and each process's rank.
 
-One host: the parent picks a free loopback port and spawns one process per
-entry of the placement. Several hosts: `shoal run` is started on every node
-with the same --nnodes and --master and its own --node-rank, and spawns that
-node's share of the ranks (a static rendezvous, as torchrun's: the c10d store
-of rank 0 at the master address). Rank 0 hosts the store and worker 0 of
-group 0 (the chief: it tests, displays and writes checkpoints); every process
-logs to WORKSPACE/logs/rank<R>.log. If a process dies, torch's process context
-terminates the others on its node, the others time out of their collectives,
-and each parent reports which rank failed.
+`shoal run` is a small launcher: it takes part in torch.distributed.elastic's
+node-level rendezvous (shoal.comm.rendezvous: static with --node-rank, c10d
+without, a loopback store on one host), then spawns its node's share of the
+ranks. Every spawned rank joins the job's process group as a client of the
+store the rendezvous gave, as torchrun's workers join its agent's. Rank 0
+hosts worker 0 of group 0 (the chief: it tests, displays and writes
+checkpoints); every process logs to WORKSPACE/logs/rank<R>.log. If a process
+dies, torch's process context terminates the others on its node, the others
+time out of their collectives, and each launcher reports which rank failed.
 
 Started by a launcher instead (torchrun, srun, a PyTorchJob: shoal.runtime.launchers),
 each process runs only its own rank (`run_launched`): the same per-rank path
@@ -32,6 +32,7 @@ from typing import Callable, Optional
 import torch.multiprocessing as mp
 
 from shoal.comm import dist as comm
+from shoal.comm import rendezvous
 from shoal.config.plugins import decode_job
 from shoal.errors import ShoalError, warn
 from shoal.planning.plan import JobPlan, plan_job
@@ -47,18 +48,27 @@ LOOPBACK = "127.0.0.1"  # one host: nothing listens beyond loopback
 
 @dataclass(frozen=True)
 class Nodes:
-    """Where the job's processes run: nnodes hosts, this one being node_rank."""
+    """Where the job's processes run: nnodes hosts meeting at master_host:master_port.
+
+    node_rank None: torch's c10d rendezvous hands node ranks out as the nodes arrive.
+    """
 
     nnodes: int = 1
-    node_rank: int = 0
+    node_rank: Optional[int] = 0
     master_host: str = LOOPBACK
-    master_port: int = 0  # 0: pick a free port (one host only)
+    master_port: int = 0  # one host: unused (a free loopback port is taken)
     interface: str = "lo"
+    run_id: str = "shoal"  # the rendezvous's name: every node of one job gives the same
 
-    def ranks(self, world: int) -> list[int]:
-        """This node's ranks: nodes take equal consecutive blocks (node 0 hosts rank 0, the chief)."""
+    def ranks(self, world: int, node_rank: int) -> list[int]:
+        """A node's ranks: nodes take equal consecutive blocks (node 0 hosts rank 0, the chief)."""
         per_node = -(-world // self.nnodes)
-        return list(range(self.node_rank * per_node, min(world, (self.node_rank + 1) * per_node)))
+        return list(range(node_rank * per_node, min(world, (node_rank + 1) * per_node)))
+
+
+def join_timeout_seconds() -> float:
+    """How long a node waits for the others to join (SHOAL_JOIN_TIMEOUT, default 600 s as torchrun's)."""
+    return float(os.environ.get("SHOAL_JOIN_TIMEOUT", "600"))
 
 
 class ProcessFailed(ShoalError, RuntimeError):
@@ -69,36 +79,41 @@ class StalledPeer(RuntimeError):
     """A collective timed out: the message names the rank(s) that stopped answering."""
 
 
-def route_interface(host: str) -> str:
-    """The network interface this machine uses to reach `host` (from `ip route get`)."""
+def route(host: str) -> tuple[str, str]:
+    """How this machine reaches `host`: (interface, source address), from `ip route get`; on `host` itself,
+    the interface holding its address. Raises OSError when it cannot tell."""
     import subprocess
 
     try:
-        out = subprocess.run(["ip", "route", "get", host], capture_output=True, text=True, timeout=5).stdout.split()
-        return out[out.index("dev") + 1]
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        address = socket.gethostbyname(host)
+        if address.startswith("127."):
+            return "lo", address
+        out = subprocess.run(["ip", "route", "get", address], capture_output=True, text=True, timeout=5).stdout.split()
+        device, source = out[out.index("dev") + 1], out[out.index("src") + 1]
+        if device == "lo":  # `host` is this machine: the interface holding its address
+            held = subprocess.run(["ip", "-o", "addr", "show", "to", address], capture_output=True, text=True, timeout=5)
+            device = held.stdout.split()[1]
+        return device, source
+    except (ValueError, IndexError, subprocess.TimeoutExpired, socket.gaierror) as err:
+        raise OSError(f"cannot tell how this machine reaches {host}") from err
+
+
+def route_interface(host: str) -> str:
+    """The network interface this machine uses to reach `host` (for --master without --interface)."""
+    try:
+        return route(host)[0]
+    except OSError:
         raise ProcessFailed(f"--master {host}: cannot tell which interface reaches it; pass --interface") from None
 
 
 def launched_interface(master: str) -> Optional[str]:
-    """The interface gloo uses in a launched world: GLOO_SOCKET_IFNAME if set (None: leave it), loopback for a
-    loopback master, else the one that reaches the master (on the master's host: the one holding its address);
-    None (gloo's own choice: the address of this host's name) when `ip` cannot tell."""
-    import subprocess
-
+    """The interface gloo uses in a launched world: GLOO_SOCKET_IFNAME if set (None: leave it), else the one that
+    reaches the master; None (gloo's own choice: the address of this host's name) when `ip` cannot tell."""
     if os.environ.get("GLOO_SOCKET_IFNAME"):
         return None
     try:
-        address = socket.gethostbyname(master)
-        if address.startswith("127."):
-            return "lo"
-        out = subprocess.run(["ip", "route", "get", address], capture_output=True, text=True, timeout=5).stdout.split()
-        device = out[out.index("dev") + 1]
-        if device == "lo":  # the master is this host: the interface holding its address
-            held = subprocess.run(["ip", "-o", "addr", "show", "to", address], capture_output=True, text=True, timeout=5)
-            device = held.stdout.split()[1]
-        return device
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return route(master)[0]
+    except OSError:
         return None
 
 
@@ -156,7 +171,19 @@ def run_rank(plan: JobPlan, rank: int, spec: RunSpec) -> History:
         raise RuntimeError(f"{str(err).splitlines()[0]}") from None
 
 
-def _entry(local_index: int, ranks: list[int], world: int, nodes: Nodes, job_bytes: bytes, workspace: str,
+@dataclass(frozen=True)
+class Meeting:
+    """What a spawned rank needs to join the job: the world, where its store is, the interface gloo uses."""
+
+    world: int
+    nnodes: int
+    ranks_per_node: int
+    store_host: str
+    store_port: int
+    interface: str
+
+
+def _entry(local_index: int, ranks: list[int], meeting: Meeting, job_bytes: bytes, workspace: str,
            resume_from: Optional[str], base_dirs: list[str], process_setup: Optional[Callable[[], None]] = None,
            initial_values: Optional[Callable] = None) -> None:
     """A spawned process: plan the job (deterministic: every process plans the same), join the world and run its rank."""
@@ -164,8 +191,10 @@ def _entry(local_index: int, ranks: list[int], world: int, nodes: Nodes, job_byt
     with rank_output(Path(workspace), rank) as log_file:
         if process_setup is not None:
             process_setup()
-        plan = plan_job(decode_job(job_bytes), nnodes=nodes.nnodes)  # decode_job: the job's plugins first
-        join_world(plan, rank, world, -(-world // nodes.nnodes), nodes.master_host, nodes.master_port, nodes.interface)
+        plan = plan_job(decode_job(job_bytes), nnodes=meeting.nnodes)  # decode_job: the job's plugins first
+        # a client of the store the rendezvous gave (attempt 0), as torchrun's workers are of their agent's
+        join_world(plan, rank, meeting.world, meeting.ranks_per_node, meeting.store_host, meeting.store_port,
+                   meeting.interface, agent_store_attempt=0)
         try:
             spec = RunSpec(Path(workspace), [Path(d) for d in base_dirs], Path(resume_from) if resume_from else None,
                            log=chief_log(rank, log_file), progress=False, initial_values=initial_values)
@@ -288,16 +317,42 @@ def run_processes(
     nodes: Nodes = Nodes(),
     process_setup: Optional[Callable[[], None]] = None,
 ) -> History:
-    """Spawn this node's processes of the plan, each running shoal.runtime.assemble.run_process for its rank."""
+    """Meet the job's other nodes, then spawn this node's processes, each running assemble.run_process for its rank."""
+    meeting_point = meet(nodes, plan)
+    try:
+        return _spawn(plan, spec, on_start, nodes, meeting_point, process_setup)
+    finally:
+        meeting_point.close()
+
+
+def meet(nodes: Nodes, plan: JobPlan) -> rendezvous.NodeRendezvous:
+    """This node's place among the job's nodes, from torch's rendezvous (one host: a loopback store)."""
+    if nodes.nnodes == 1 and nodes.master_host == LOOPBACK:
+        return rendezvous.loopback(max(comm.timeout_seconds(), 60.0))
+    how = f"static rendezvous as node {nodes.node_rank}" if nodes.node_rank is not None else "c10d rendezvous"
+    try:
+        _, source = route(nodes.master_host)
+        master_address = socket.gethostbyname(nodes.master_host)
+        met = rendezvous.across_nodes(nodes.nnodes, nodes.node_rank, nodes.master_host, nodes.master_port, nodes.run_id,
+                                      local_addr=source, is_master_host=source == master_address,
+                                      join_timeout_s=join_timeout_seconds())
+    except (OSError, RuntimeError, ValueError) as err:  # torch's rendezvous and store errors: their first line is the story
+        raise ProcessFailed(f"--master {nodes.master_host}:{nodes.master_port}: cannot meet the job's other "
+                            f"{nodes.nnodes - 1} node(s) ({how}): {comm.describe_error(err)}") from None
+    if not nodes.ranks(plan.nprocs, met.node_rank):
+        met.close()
+        raise ProcessFailed(f"node {met.node_rank} has no process to run: {plan.label} has {plan.nprocs} process(es) for {nodes.nnodes} nodes")
+    return met
+
+
+def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], nodes: Nodes,
+           met: rendezvous.NodeRendezvous, process_setup: Optional[Callable[[], None]]) -> History:
     world, workspace = plan.nprocs, spec.workspace
-    if nodes.master_port == 0:
-        nodes = Nodes(master_port=comm.free_port(LOOPBACK))
-    ranks = nodes.ranks(world)
-    if not ranks:
-        raise ProcessFailed(f"node {nodes.node_rank} has no process to run: {plan.label} has {world} process(es) for {nodes.nnodes} nodes")
+    ranks = nodes.ranks(world, met.node_rank)
+    meeting = Meeting(world, nodes.nnodes, -(-world // nodes.nnodes), met.store_host, met.store_port, nodes.interface)
     # our one-line report replaces torch's per-process "Terminating process" warnings
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    args = (ranks, world, nodes, plan.job.SerializeToString(), str(workspace), str(spec.resume_from) if spec.resume_from else None,
+    args = (ranks, meeting, plan.job.SerializeToString(), str(workspace), str(spec.resume_from) if spec.resume_from else None,
             [str(d) for d in spec.base_dirs], process_setup, spec.initial_values)
     try:
         context = mp.start_processes(_entry, args=args, nprocs=len(ranks), start_method="spawn", join=False)

@@ -56,7 +56,7 @@ class StallPolicy:
 
         silent = f"no heartbeat for {stall.silent_s:.0f} s" + (f", the last at step {stall.step}" if stall.step >= 0 else "")
         if stall.rank is None:
-            self._fail(f"the job's store (held by the launcher's agent) stopped answering ({silent})")
+            self._fail(f"the job's store (held by the launcher: shoal run's, or torchrun's agent) stopped answering ({silent})")
         who = describe_process(self.plan, stall.rank)
         if self.plan.framework.synchronous or not self._expendable(stall.rank):
             hosts_store = "; it hosts the job's store" if stall.store else ""
