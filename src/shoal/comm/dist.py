@@ -112,6 +112,17 @@ def backend_name() -> str:
     return str(dist.get_backend()) if dist.is_initialized() else "none"
 
 
+def job_store():
+    """The job's store (None before joining): shoal.comm.channels builds Downpour's channels on it."""
+    return _store
+
+
+def use_store(store) -> None:
+    """A process rejoining a running job joins no process group: the job's store is all it uses."""
+    global _store
+    _store = store
+
+
 def publish(key: str, value: str) -> None:
     """Set `key` in the job's store (read by every rank with `read_published`)."""
     _store.set(f"shoal/published/{key}", value)

@@ -9,20 +9,29 @@ to its slices at once (the LR step is the slice version, as SINGA's), bumps
 the version and answers with the new values, the new version and the
 staleness of that update (updates other groups made in between).
 
-A server serves each group on its own thread with blocking receives from
-that group's stub: a group whose process dies only ends its thread (the
-server warns and goes on), and the server stops once every group has
-stopped. The chief's last request waits for that, so the final test and
-checkpoint see the model every group trained. A group other than 0 whose
-stub stops answering (no heartbeat for SHOAL_STALL_TIMEOUT, shoal.comm.heartbeat)
-is dropped the same way, though its thread stays blocked in its receive;
-if the group wakes later, its pushes are refused (answered with version -1,
-never applied) and it leaves.
+Stubs and servers talk over channels of their own (shoal.comm.channels: a
+two-process gloo group per server, group and incarnation, built through the
+job's store), not over the job's world process group, so that a process can
+take a dead one's place. A server serves each group on a thread with blocking
+receives from that group's stub. A group whose process dies only ends that
+thread (the server warns and goes on); the server then waits for a new process
+of the group (shoal.runtime.rejoin: restarted by the launcher or by hand),
+which pulls the live values, the version and the steps its group has done,
+and trains the steps left. A push in flight when a process died is lost whole
+(a server applies a push once it received all of it). The chief's last
+request waits until every group has stopped or is gone with no new process
+announced, so the final test and checkpoint see the model every group
+trained; then the servers close. A group other than 0 whose stub stops
+answering (no heartbeat for SHOAL_STALL_TIMEOUT, shoal.comm.heartbeat) is
+dropped the same way, though its thread stays blocked in its receive; if the
+group wakes later, its pushes are refused (answered with version -1, never
+applied) and it leaves.
 """
 from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -31,6 +40,7 @@ import torch
 from shoal.errors import ShoalError, warn
 from shoal.neuralnet.algorithms import Grads
 from shoal.planning.placement import ParamSlice, Placement, ServerId
+from shoal.comm import channels
 from shoal.comm import dist as comm
 from shoal.comm import heartbeat
 from shoal.report.metrics import MetricWindow
@@ -42,6 +52,7 @@ from shoal.neuralnet.updaters import Updater
 
 PUSH, STOP, STATE, FINAL, PULL = 1, 2, 3, 4, 5
 REFUSED = -1  # the version a server answers a dropped group with
+DOOR = "downpour"  # the channels' keys in the job's store (shoal.comm.channels)
 TAG_HEADER, TAG_GRAD, TAG_VALUES, TAG_REPLY, TAG_STATE, TAG_HAS_GRAD = 11, 12, 13, 14, 15, 16
 
 
@@ -72,6 +83,10 @@ def slot_names(updater: Updater) -> list[str]:
     return sorted(updater.init_state(torch.zeros(1)))
 
 
+class JobOver(ShoalError, RuntimeError):
+    """A process rejoined too late: the servers finished serving (the job ended without it)."""
+
+
 class ServerLost(ShoalError, RuntimeError):
     """A server of the job died or stopped answering: the job cannot go on (resume from a checkpoint)."""
 
@@ -92,12 +107,17 @@ class DownpourServer:
         self.version = 0
         self._lock = threading.Lock()  # a server applies one update at a time, as SINGA's
         self._running = threading.Condition()
-        self._live = set(stubs)
+        self._live = set(stubs)  # groups connected (or not yet: a group counts as live until it is lost)
+        self._expected: set[int] = set()  # lost groups whose new process is announced: the chief's last request waits for them
         # bounded staleness and warm-up are enforced here, where every group's progress is known
         self.max_staleness, self.warmup_steps = max_staleness, warmup_steps
         self._steps = {g: 0 if g == 0 else warmup_steps for g in stubs}  # steps each group has pushed
         self._warming: set[int] = set()  # groups waiting for group 0's warm-up hold nobody back
-        self._dropped: set[int] = set()  # groups whose stub stalled: never waited for, never applied again
+        self._dropped: set[tuple[int, int]] = set()  # (group, incarnation) whose stub stalled: never applied again
+        self._finished: set[int] = set()  # groups that said STOP (or FINAL)
+        self.applied = dict.fromkeys(stubs, 0)  # updates applied per group: their sum is the version (none lost)
+        self.incarnations = dict.fromkeys(stubs, 0)  # the incarnation of each group served last
+        self._closed = False
         self.exit_at_version = exit_at_version
 
     def _view(self, seg: Segment) -> torch.Tensor:
@@ -117,7 +137,7 @@ class DownpourServer:
         parts = [self.state[seg][slot] for slot in self.slots for seg in self.segments]
         return torch.cat(parts) if parts else torch.zeros(0)
 
-    def apply(self, grad: torch.Tensor, read_version: int, has_grad: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    def apply(self, grad: torch.Tensor, read_version: int, has_grad: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, int, int]:
         """One update of every owned segment whose param some worker of the group had a gradient for."""
         with self._lock:
             lag = self.version - read_version
@@ -128,36 +148,103 @@ class DownpourServer:
                 self.updater.update(self.version, self._view(seg), grad[seg.offset : seg.offset + seg.size],
                                     self.state[seg], info.lr_scale, info.wd_scale)
             self.version += 1
+            self.applied[group] = self.applied.get(group, 0) + 1
             if self.version == self.exit_at_version:
                 os._exit(3)
             return self.values(), self.version, lag
 
+    # -- serving: one thread per group for the job's life, one per incarnation of the group ------------
     def serve(self) -> None:
-        threads = {g: threading.Thread(target=self._serve_group, args=(g, r), name=f"shoal-serve-group{g}", daemon=True)
-                   for g, r in self.stubs.items()}
-        for t in threads.values():
+        """Serve every group (and every process that rejoins in a dead one's place) until the chief's last request."""
+        self.door = channels.Door(DOOR)
+        lives = [threading.Thread(target=self._group_life, args=(g,), name=f"shoal-serve-group{g}", daemon=True)
+                 for g in self.stubs]
+        for t in lives:
             t.start()
-        while True:  # never join a thread blocked in a receive from a stalled group: it may never return
-            self._drop_stalled()
-            waiting = [t for g, t in threads.items() if g not in self._dropped and t.is_alive()]
-            if not waiting:
-                break
-            waiting[0].join(timeout=0.25)
-        if any(t.is_alive() for t in threads.values()):
-            heartbeat.abandon()
+        for t in lives:  # each ends when its group finished or, the job over, nobody is left to wait for
+            t.join()
+        counts = ", ".join(f"group {g}: {n}" + (f" ({self.incarnations[g] + 1} processes)" if self.incarnations[g] else "")
+                           for g, n in sorted(self.applied.items()))
+        self.log(f"{self.server}: version {self.version}; updates applied: {counts}")
 
-    def _drop_stalled(self) -> None:
-        """Groups other than 0 whose stub stopped answering: dropped like a dead group (group 0's stall fails the job)."""
-        for group, rank in self.stubs.items():
-            if group != 0 and group not in self._dropped and heartbeat.is_stalled(rank):
-                self._dropped.add(group)
-                self.log(f"{self.server} drops worker group {group} (process {rank}): it stopped answering")
-                self._stopped(group)
+    def _group_life(self, group: int) -> None:
+        rank = self.stubs[group]
+        incarnation = 0
+        while True:
+            channel, incarnation = self._accept(group, rank, incarnation)
+            if channel is None:
+                return
+            serving = threading.Thread(target=self._serve_incarnation, args=(group, incarnation, channel),
+                                       name=f"shoal-serve-group{group}-{incarnation}", daemon=True)
+            serving.start()
+            while serving.is_alive():  # never join a thread blocked in a receive from a stalled group: it may never return
+                serving.join(timeout=0.25)
+                if serving.is_alive() and self._drop_if_stalled(group, rank, incarnation):
+                    heartbeat.abandon()
+                    break
+            if group in self._finished:
+                return
+            incarnation += 1
+
+    def _accept(self, group: int, rank: int, incarnation: int):
+        """Wait for the stub of `incarnation` (or a newer one) to knock, and open its channel; (None, _) once closed."""
+        while True:
+            with self._running:
+                if self._closed:
+                    return None, incarnation
+            newest = max(incarnation, self.door.incarnation(group))
+            if self.door.said_hello(self.server.id, group, newest):
+                with self._running:
+                    if self._closed:
+                        return None, incarnation
+                    self.door.accept(self.server.id, group, newest)
+                    self._live.add(group)
+                    self._expected.discard(group)
+                    self.incarnations[group] = newest
+                    self._running.notify_all()
+                if newest > 0:  # a process restarted in a dead one's place: watch it afresh
+                    heartbeat.revive(rank)
+                self.door.set_state(self.server.id, group, f"serving {newest}")
+                return channels.open_channel(channels.channel_name(DOOR, self.server.id, group, newest), 0), newest
+            self._note_expected(group, rank, incarnation)
+            time.sleep(channels.POLL_S * 5)
+
+    def _note_expected(self, group: int, rank: int, incarnation: int) -> None:
+        """While a group is away: is a new process of it announced (the chief's last request waits for it)?"""
+        expected = incarnation > 0 and self.door.expected(group, incarnation - 1)
+        first_never_came = incarnation == 0 and group != 0 and heartbeat.is_stalled(rank)
+        with self._running:
+            if expected:
+                self._expected.add(group)
+            else:
+                self._expected.discard(group)
+            if first_never_came and group in self._live:
+                self.log(f"{self.server} drops worker group {group} (process {rank}): it never connected")
+                self._live.discard(group)
+            self._running.notify_all()
+
+    def _drop_if_stalled(self, group: int, rank: int, incarnation: int) -> bool:
+        """A group other than 0 whose stub stopped answering is dropped like a dead one (group 0's stall fails the job)."""
+        if group == 0 or not heartbeat.is_stalled(rank):
+            return False
+        self._dropped.add((group, incarnation))
+        self.log(f"{self.server} drops worker group {group} (process {rank}): it stopped answering")
+        self._lost(group, incarnation)
+        return True
+
+    def _lost(self, group: int, incarnation: int) -> None:
+        with self._running:
+            if self.incarnations[group] == incarnation:
+                self._live.discard(group)
+                self.door.set_state(self.server.id, group, f"lost {incarnation}")
+            self._running.notify_all()
 
     def _stopped(self, group: int) -> None:
         with self._running:
+            self._finished.add(group)
             self._live.discard(group)
             self._running.notify_all()
+        self.door.set_state(self.server.id, group, "finished")
 
     def restore(self, params: dict[str, torch.Tensor], updater_state: dict, step: int, version: int) -> None:
         """Continue from a checkpoint taken at `step`, when the version was `version`."""
@@ -173,67 +260,75 @@ class DownpourServer:
     def _warm(self) -> bool:
         return 0 not in self._live or self._steps.get(0, 0) >= self.warmup_steps
 
-    def _serve_group(self, group: int, rank: int) -> None:
+    def _serve_incarnation(self, group: int, incarnation: int, channel) -> None:
         header = torch.zeros(3, dtype=torch.int64)
         codec = codec_for(self.cluster)
         received = codec.buffers(self.size)
         has_grad = torch.zeros(len(self.segments), dtype=torch.uint8)
+        finished = False
         try:
             while True:
-                comm.recv(header, rank, TAG_HEADER)
+                channel.recv(header, TAG_HEADER)
                 kind, _, read_version = header.tolist()
-                if group in self._dropped:  # it woke after being dropped: its gradients are stale
-                    self._refuse(group, rank, kind)
+                if (group, incarnation) in self._dropped:  # it woke after being dropped: its gradients are stale
+                    self._refuse(group, channel, kind)
                     return
                 if kind == PUSH:
                     for part in received:
-                        comm.recv(part, rank, TAG_GRAD)
+                        channel.recv(part, TAG_GRAD)
                     grad = codec.decode(received, self.size)
-                    comm.recv(has_grad, rank, TAG_HAS_GRAD)
+                    channel.recv(has_grad, TAG_HAS_GRAD)
                     step = header.tolist()[1]
                     with self._running:  # stale-synchronous: hold a group that is too far ahead
                         self._running.wait_for(lambda: self._may_go(step))
-                    values, version, lag = self.apply(grad, read_version, has_grad)
+                    values, version, lag = self.apply(grad, read_version, has_grad, group)
                     with self._running:
                         self._steps[group] = step + 1
                         self._running.notify_all()
-                    comm.send(values, rank, TAG_VALUES)
-                    comm.send(torch.tensor([version, lag], dtype=torch.int64), rank, TAG_REPLY)
-                elif kind == PULL:  # a group's first params: after group 0's warm-up
+                    channel.send(values, TAG_VALUES)
+                    channel.send(torch.tensor([version, lag], dtype=torch.int64), TAG_REPLY)
+                elif kind == PULL:  # a group's first params (after group 0's warm-up), or a rejoining group's
                     with self._running:
                         self._warming.add(group)
                         self._running.wait_for(self._warm)
                         self._warming.discard(group)
-                    with self._lock:
-                        comm.send(self.values(), rank, TAG_VALUES)
-                        comm.send(torch.tensor([self.version, 0], dtype=torch.int64), rank, TAG_REPLY)
+                    with self._lock:  # the live values, their version and the steps the group has done
+                        channel.send(self.values(), TAG_VALUES)
+                        channel.send(torch.tensor([self.version, self._steps[group]], dtype=torch.int64), TAG_REPLY)
                 elif kind == STATE:
                     with self._lock:
-                        comm.send(self.state_flat(), rank, TAG_STATE)
-                elif kind == FINAL:  # the chief is done: answer once every other group has stopped
+                        channel.send(self.state_flat(), TAG_STATE)
+                elif kind == FINAL:  # the chief is done: answer once every other group has stopped or is gone
+                    finished = True
                     self._stopped(group)
                     with self._running:
-                        self._running.wait_for(lambda: not self._live)
+                        self._running.wait_for(lambda: not self._live and not self._expected)
+                        self._closed = True  # from now on nobody is accepted
+                    self.door.close(self.server.id)
                     with self._lock:
-                        comm.send(self.values(), rank, TAG_VALUES)
-                        comm.send(self.state_flat(), rank, TAG_STATE)
+                        channel.send(self.values(), TAG_VALUES)
+                        channel.send(self.state_flat(), TAG_STATE)
                     return
                 elif kind == STOP:
+                    finished = True
+                    self._stopped(group)
                     return
         except RuntimeError as err:
-            if group not in self._dropped:
-                warn(f"WARNING: {self.server} drops worker group {group} (process {rank}): {comm.describe_error(err)}")
+            if (group, incarnation) not in self._dropped:
+                warn(f"WARNING: {self.server} lost worker group {group} (process {self.stubs[group]}"
+                     f"{f', restart {incarnation}' if incarnation else ''}): {comm.describe_error(err)}")
         finally:
-            self._stopped(group)
+            if not finished:
+                self._lost(group, incarnation)
 
-    def _refuse(self, group: int, rank: int, kind: int) -> None:
+    def _refuse(self, group: int, channel, kind: int) -> None:
         """Answer a dropped group's request without applying anything: version -1 tells it to leave."""
         if kind == PUSH:
-            comm.recv(torch.zeros(self.size), rank, TAG_GRAD)
-            comm.recv(torch.zeros(len(self.segments), dtype=torch.uint8), rank, TAG_HAS_GRAD)
+            channel.recv(torch.zeros(self.size), TAG_GRAD)
+            channel.recv(torch.zeros(len(self.segments), dtype=torch.uint8), TAG_HAS_GRAD)
         if kind in (PUSH, PULL):
-            comm.send(torch.zeros(self.size), rank, TAG_VALUES)
-            comm.send(torch.tensor([REFUSED, 0], dtype=torch.int64), rank, TAG_REPLY)
+            channel.send(torch.zeros(self.size), TAG_VALUES)
+            channel.send(torch.tensor([REFUSED, 0], dtype=torch.int64), TAG_REPLY)
         self.log(f"{self.server} refused a request of worker group {group}, dropped after it stalled")
 
 
@@ -268,6 +363,44 @@ class DownpourExchange:
         self.final_state: Optional[dict] = None
         self.warmup = placement.cluster.warmup_steps > 0
         self.first_step = 0  # a resumed run's, or where a joining group starts after group 0's warm-up
+        self.incarnation = 0  # how many processes of this group came before this one (shoal.runtime.rejoin)
+        self._channels: dict[int, channels.Channel] = {}  # server rank -> this stub's channel, opened at first use
+
+    def _to(self, server_rank: int) -> channels.Channel:
+        if not self._channels:
+            self._connect()
+        return self._channels[server_rank]
+
+    def _connect(self) -> None:
+        """Knock at every server's door and open a channel to each (first join and rejoin alike)."""
+        door = channels.Door(DOOR)
+        for server, server_rank, _, _ in self.servers:
+            if not door.knock(server.id, self.group, self.incarnation, comm.timeout_seconds()):
+                raise JobOver(f"worker group {self.group}: {server} has finished serving; the job is over")
+            name = channels.channel_name(DOOR, server.id, self.group, self.incarnation)
+            self._channels[server_rank] = channels.open_channel(name, 1)
+
+    def rejoin(self, incarnation: int) -> tuple[int, int]:
+        """Take the place of this group's dead process: pull the servers' live values and version, and the steps
+        the group has done (each server applied all of them or none of a step); returns (first step, version)."""
+        self.incarnation = incarnation
+        reply, steps = torch.zeros(2, dtype=torch.int64), []
+        try:
+            for _, server_rank, segments, size in self.servers:
+                self._to(server_rank).send(torch.tensor([PULL, 0, 0], dtype=torch.int64), TAG_HEADER)
+                values = torch.zeros(size)
+                self._to(server_rank).recv(values, TAG_VALUES)
+                self._to(server_rank).recv(reply, TAG_REPLY)
+                self._leave_if_refused(int(reply[0]), 0)
+                self._scatter_values(values, segments)
+                self.read_version[server_rank] = int(reply[0])
+                steps.append(int(reply[1]))
+        except RuntimeError as err:
+            raise ServerLost(f"worker group {self.group} could not rejoin: {comm.describe_error(err)}") from None
+        version = min(self.read_version.values())
+        self.first_step, self.last_version = min(steps), version
+        self.warmup = False  # pulled already
+        return self.first_step, version
 
     def _flat_grads(self, parts: list[tuple[Grads, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """This process's share of the group's gradient (weighted by share of the group's batch), laid end to end,
@@ -305,10 +438,10 @@ class DownpourExchange:
             if self.rank == self.stub:
                 reply = torch.zeros(2, dtype=torch.int64)
                 for _, server_rank, segments, size in self.servers:
-                    comm.send(torch.tensor([PULL, step, 0], dtype=torch.int64), server_rank, TAG_HEADER)
+                    self._to(server_rank).send(torch.tensor([PULL, step, 0], dtype=torch.int64), TAG_HEADER)
                     values = torch.zeros(size)
-                    comm.recv(values, server_rank, TAG_VALUES)
-                    comm.recv(reply, server_rank, TAG_REPLY)
+                    self._to(server_rank).recv(values, TAG_VALUES)
+                    self._to(server_rank).recv(reply, TAG_REPLY)
                     self._leave_if_refused(int(reply[0]), step)
                     self._scatter_values(values, segments)
                     self.read_version[server_rank] = int(reply[0])
@@ -327,17 +460,17 @@ class DownpourExchange:
         server, server_rank = None, -1
         try:
             for server, server_rank, segments, _ in self.servers:
-                comm.send(torch.tensor([PUSH, step, self.read_version[server_rank]], dtype=torch.int64), server_rank, TAG_HEADER)
+                self._to(server_rank).send(torch.tensor([PUSH, step, self.read_version[server_rank]], dtype=torch.int64), TAG_HEADER)
                 for part in self.codecs[server_rank].encode(self._gather(flat, segments)):
-                    comm.send(part, server_rank, TAG_GRAD)
+                    self._to(server_rank).send(part, TAG_GRAD)
                     self.pushed_bytes += wire_bytes([part])
                 # one byte per segment: cheaper than a flag inside the (uncopied) gradient
-                comm.send(torch.tensor([had[self.position[s.param]] > 0 for s in segments], dtype=torch.uint8), server_rank, TAG_HAS_GRAD)
+                self._to(server_rank).send(torch.tensor([had[self.position[s.param]] > 0 for s in segments], dtype=torch.uint8), TAG_HAS_GRAD)
             lags = []
             for server, server_rank, segments, size in self.servers:
                 values, reply = torch.zeros(size), torch.zeros(2, dtype=torch.int64)
-                comm.recv(values, server_rank, TAG_VALUES)
-                comm.recv(reply, server_rank, TAG_REPLY)
+                self._to(server_rank).recv(values, TAG_VALUES)
+                self._to(server_rank).recv(reply, TAG_REPLY)
                 self._leave_if_refused(int(reply[0]), step)
                 self._scatter_values(values, segments)
                 self.read_version[server_rank] = int(reply[0])
@@ -383,9 +516,9 @@ class DownpourExchange:
             return self.final_state
         flats = []
         for _, server_rank, segments, size in self.servers:
-            comm.send(torch.tensor([STATE, 0, 0], dtype=torch.int64), server_rank, TAG_HEADER)
+            self._to(server_rank).send(torch.tensor([STATE, 0, 0], dtype=torch.int64), TAG_HEADER)
             flat = torch.zeros(size * len(self.slots))
-            comm.recv(flat, server_rank, TAG_STATE)
+            self._to(server_rank).recv(flat, TAG_STATE)
             flats.append((segments, flat))
         return self._state_from(flats)
 
@@ -412,15 +545,15 @@ class DownpourExchange:
             return
         if not self.chief:
             for _, server_rank, _, _ in self.servers:
-                comm.send(torch.tensor([STOP, 0, 0], dtype=torch.int64), server_rank, TAG_HEADER)
+                self._to(server_rank).send(torch.tensor([STOP, 0, 0], dtype=torch.int64), TAG_HEADER)
             return
         flats = []
         for _, server_rank, segments, size in self.servers:
-            comm.send(torch.tensor([FINAL, 0, 0], dtype=torch.int64), server_rank, TAG_HEADER)
+            self._to(server_rank).send(torch.tensor([FINAL, 0, 0], dtype=torch.int64), TAG_HEADER)
         for _, server_rank, segments, size in self.servers:
             values, flat = torch.zeros(size), torch.zeros(size * len(self.slots))
-            comm.recv(values, server_rank, TAG_VALUES)
-            comm.recv(flat, server_rank, TAG_STATE)
+            self._to(server_rank).recv(values, TAG_VALUES)
+            self._to(server_rank).recv(flat, TAG_STATE)
             self._scatter_values(values, segments)
             flats.append((segments, flat))
         self.final_state = self._state_from(flats)
