@@ -113,3 +113,21 @@ def test_without_node_ranks_torchs_c10d_rendezvous_numbers_the_nodes(two_hosts, 
     b = ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / chief[0], 8)).params
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("node_rank", [["--node-rank", "1"], []], ids=["static", "c10d"])
+def test_nodes_that_never_meet_fail_in_one_line(blobs_job, tmp_path, node_rank):
+    """The other node never comes: after SHOAL_JOIN_TIMEOUT, one line naming the master and the rendezvous; torch's
+    retry warnings go to the launcher's log, not the terminal."""
+    from shoal.comm.dist import free_port
+
+    job = blobs_job(train_steps=4, layout="AllReduce, 2 processes")
+    port = free_port()
+    run = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--nnodes", "2", *node_rank,
+                          "--master", f"127.0.0.1:{port}", "--workspace", str(tmp_path / "ws")],
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ, SHOAL_JOIN_TIMEOUT="2"))
+    assert run.returncode == 2, run.stderr
+    how = "static rendezvous as node 1" if node_rank else "c10d rendezvous"
+    assert run.stderr.splitlines() == [run.stderr.strip()] and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.startswith(f"--master 127.0.0.1:{port}: cannot meet the job's other 1 node(s) ({how}): "), run.stderr
+    assert not (tmp_path / "ws" / "logs" / "rank0.log").exists()  # no rank was started

@@ -24,10 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 LOOPBACK = "127.0.0.1"
+
+
+class RendezvousFailed(RuntimeError):
+    """The nodes did not meet (one line: why)."""
 
 
 @dataclass
@@ -73,8 +77,13 @@ def across_nodes(nnodes: int, node_rank: Optional[int], master_host: str, master
     else:
         params = RendezvousParameters("c10d", endpoint, run_id, nnodes, nnodes, local_addr,
                                       is_host=is_master_host, join_timeout=join_timeout_s, last_call_timeout=1)
-    handler = get_rendezvous_handler(params)
-    info = handler.next_rendezvous()
+    try:
+        handler = get_rendezvous_handler(params)
+        info = handler.next_rendezvous()
+    except RendezvousTimeoutError:
+        raise RendezvousFailed(f"not all {nnodes} nodes joined within {join_timeout_s:.0f} s") from None
+    except RendezvousError as err:
+        raise RendezvousFailed(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
     store_info = info.bootstrap_store_info
     return NodeRendezvous(info.rank, info.world_size, store_info.master_addr, store_info.master_port,
                           params.backend, [handler, info.store])

@@ -318,7 +318,11 @@ def run_processes(
     process_setup: Optional[Callable[[], None]] = None,
 ) -> History:
     """Meet the job's other nodes, then spawn this node's processes, each running assemble.run_process for its rank."""
-    meeting_point = meet(nodes, plan)
+    log_dir = Path(spec.workspace) / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    # torch's store clients log every retry while the other nodes are not up yet: to the launcher's log
+    with open(log_dir / "launcher.log", "a") as launcher_log, stalls.native_stderr_to(launcher_log):
+        meeting_point = meet(nodes, plan)
     try:
         return _spawn(plan, spec, on_start, nodes, meeting_point, process_setup)
     finally:

@@ -118,7 +118,7 @@ def watching(plan: JobPlan, rank: int, workspace: Path, reports_itself: bool = F
         yield
         return
     policy = StallPolicy(plan, rank, workspace, reports_itself)
-    with _native_stderr_to(sys.stderr):
+    with native_stderr_to(sys.stderr):
         heartbeat.start(rank, plan.nprocs, on_stall=policy.on_stall, on_woken=policy.on_woken)
         try:
             yield
@@ -127,9 +127,9 @@ def watching(plan: JobPlan, rank: int, workspace: Path, reports_itself: bool = F
 
 
 @contextmanager
-def _native_stderr_to(stream):
-    """c10d logs a failed store call (a peer's store gone at the end of a job) from C++ to file descriptor 2:
-    send it where this process's Python stderr goes (a rank's log), not to the terminal."""
+def native_stderr_to(stream):
+    """c10d logs a failed store call (a peer's store gone at the end of a job, a store not listening yet) from
+    C++ to file descriptor 2: send it where `stream` goes (a rank's log, the launcher's log), not to the terminal."""
     try:
         target = stream.fileno()
     except (AttributeError, OSError, ValueError):
