@@ -303,6 +303,12 @@ class _Model:
                     size = sum(s.size for s in mine)
                     move(stub, rank, FLOAT * size + len(mine) + 24)  # gradient, flags, header
                     move(rank, stub, FLOAT * size + 16)  # values, version and staleness
+        elif fw == Framework.LOCAL_SGD and not plan.in_one_process:
+            # a meeting is one ring all-reduce of the pseudo-gradient: each group's process sends its neighbour
+            # 2·(G−1)/G of the params; averaged over the run's steps (every step of a warm-up, then every local_steps)
+            ranks = [p.rank for p in plan.placement.processes]
+            for i, r in enumerate(ranks):
+                move(r, ranks[(i + 1) % len(ranks)], 2 * (len(ranks) - 1) / len(ranks) * FLOAT * self.elements * meetings_per_step(plan))
         elif fw == Framework.DISTRIBUTED_HOGWILD:
             c, freq = plan.cluster, max(1, plan.cluster.sync_freq)
             rank_of = {g: plan.placement.process_of(ServerId(g, 0)) for g in range(c.nserver_groups)}
@@ -387,6 +393,13 @@ class _Model:
             bounds["the server's link"] = batch * (self.link_bw if remote else self.calib.link_gbps * 1e9) / max(1, per_request)
             bounds["the server's updates"] = batch / max(update, 1e-12)
             staleness = f"≈ {ngroups - 1} update(s) by other groups between a group's pull and push"
+        elif fw == Framework.LOCAL_SGD:
+            update = self.update_s(self.elements, threads, on_host0)
+            if not plan.in_one_process:  # a meeting's latency is paid once per meeting, not per step
+                per_meeting = 1 / max(meetings_per_step(plan), 1e-12)
+                exchange = self.exchange_s({r: {q: [v[0] * per_meeting, v[1] * per_meeting] for q, v in peers.items()}
+                                            for r, peers in links.items()}) / per_meeting
+            staleness = "none within a round; groups drift apart for local_steps steps between meetings"
         elif fw == Framework.DISTRIBUTED_HOGWILD:
             update = self.update_s(self.elements, threads, on_host0)
             staleness = f"replicas drift for up to sync_freq = {max(1, c.sync_freq)} local updates between syncs"
@@ -425,6 +438,12 @@ class _Model:
     def _view_numel(self, view) -> int:
         whole = self.sizes[view.name]
         return whole if view.axis < 0 else whole // self.plan.params[view.name][view.axis] * view.size
+
+
+def meetings_per_step(plan: JobPlan) -> float:
+    """Local SGD: meetings of the groups per step, over the run (every step of the warm-up, then every local_steps)."""
+    c, steps = plan.cluster, max(1, plan.job.train_steps)
+    return (min(steps, c.local_warmup_steps) + max(0, steps - c.local_warmup_steps) // max(1, c.local_steps)) / steps
 
 
 def _device(name: str) -> str:

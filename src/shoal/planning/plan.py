@@ -150,7 +150,7 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
         updater=server_updater(job, framework),
         outer_updater=outer_updater(job) if framework is Framework.LOCAL_SGD else None,
         nnodes=nnodes,
-        notes=list(parts.notes) + _updater_notes(job, framework) + _compression_notes(job, framework),
+        notes=list(parts.notes) + _updater_notes(job, framework) + _compression_notes(job, framework) + _local_sgd_notes(job, framework),
     )
     if job.cluster.auto_batch_shares:
         _check_balanceable(plan)
@@ -180,6 +180,20 @@ def outer_updater(job: job_pb2.JobProto) -> job_pb2.UpdaterProto:
     if job.cluster.HasField("outer_updater"):
         return job.cluster.outer_updater
     return job_pb2.UpdaterProto(type=job_pb2.kSGD, learning_rate=job_pb2.LRGenProto(type=job_pb2.kFixed, base_lr=1.0))
+
+
+def _local_sgd_notes(job: job_pb2.JobProto, framework: Framework) -> list[str]:
+    """When Local SGD's groups meet, and what that costs against a synchronous exchange every step."""
+    c = job.cluster
+    if framework is not Framework.LOCAL_SGD:
+        if c.local_warmup_steps:
+            raise UnsupportedClusterError("cluster.local_warmup_steps: applies to Local SGD only (cluster.local_steps > 0 and several worker groups)")
+        return []
+    warmup = f"after each of the first {c.local_warmup_steps} steps (synchronous warm-up), then " if c.local_warmup_steps else ""
+    steps = max(1, job.train_steps)
+    meetings = min(steps, c.local_warmup_steps) + max(0, steps - c.local_warmup_steps) // c.local_steps
+    return [f"groups meet {warmup}every {c.local_steps} steps: {meetings} meeting(s) in {steps} steps, "
+            f"{steps / max(1, meetings):.1f}x fewer exchanges than a synchronous job's"]
 
 
 def _compression_notes(job: job_pb2.JobProto, framework: Framework) -> list[str]:
@@ -236,7 +250,10 @@ def framework_of(job: job_pb2.JobProto, placement: Placement, parts: PartitionPl
                 f"cluster.local_steps: over processes, each process holds one whole worker group (nworkers_per_procs: "
                 f"{c.nworkers_per_group}, server_worker_separate: false), or all groups share one process")
         if c.max_staleness >= 0 or c.warmup_steps > 0:
-            raise UnsupportedClusterError("cluster: max_staleness and warmup_steps do not apply to local_steps (groups meet in lockstep)")
+            raise UnsupportedClusterError("cluster: max_staleness and warmup_steps do not apply to local_steps (groups meet in lockstep; "
+                                          "local_warmup_steps is Local SGD's warm-up)")
+        if c.local_warmup_steps < 0:
+            raise UnsupportedClusterError(f"cluster.local_warmup_steps: must be >= 0, got {c.local_warmup_steps}")
         return Framework.LOCAL_SGD
     if nprocs == 1:
         if c.nserver_groups > 1:

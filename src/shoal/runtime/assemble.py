@@ -157,7 +157,7 @@ def _attach_exchanges(run: ProcessRun) -> None:
                 run.board = GroupBoard(groups, -1, 0)
             for t in trainers:
                 t.attach_exchange(PeriodicExchange(t.store, updater(), make_updater(plan.outer_updater), job.cluster.local_steps,
-                                                   meeting, t.group, plan.global_batch))
+                                                   meeting, t.group, plan.global_batch, job.cluster.local_warmup_steps))
 
 
 def _attach_downpour(run: ProcessRun, updater) -> None:

@@ -378,8 +378,8 @@ class PartitionedGroup:
             part, parts = (node.part, self.plan.nworkers) if node.partitioning == BATCH else (0, 1)
             made = make_feeds(view, base_dirs, part, parts, rng, device)
             for feed in made.values():
-                if self.group > 0 and feed.skip == 0:
-                    feed.skip = self.group * (len(feed.dataset) // max(job.cluster.nworker_groups, self.group + 1))
+                if self.group > 0 and (feed.skip == 0 or job.cluster.local_steps > 0):  # disjoint shards, as Worker
+                    feed.skip += self.group * (len(feed.dataset) // max(job.cluster.nworker_groups, self.group + 1))
             feeds.update(made)
         return feeds
 

@@ -49,9 +49,10 @@ class Worker:
         if group > 0:
             ngroups = max(job.cluster.nworker_groups, group + 1)
             for feed in self.feeds.values():
-                # without random_skip, groups start at evenly spaced offsets: disjoint shards of one epoch
-                if feed.skip == 0:
-                    feed.skip = group * (len(feed.dataset) // ngroups)
+                # without random_skip, groups start at evenly spaced offsets: disjoint shards of one epoch.
+                # Local SGD's groups always do (after their draw): overlapping windows would train them on the same records
+                if feed.skip == 0 or job.cluster.local_steps > 0:
+                    feed.skip += group * (len(feed.dataset) // ngroups)
         # one seed for the whole group: per-sample draws are made for the whole batch and sliced
         # (Context.rows), so a group draws, row for row, what one worker would; groups differ.
         # Draws are made on the CPU whatever the device: a mixed CPU+GPU group draws what one device would

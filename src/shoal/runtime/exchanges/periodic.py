@@ -14,6 +14,10 @@ the groups' processes, or a barrier and a sum in memory when the groups are
 threads of one process. A group moves its params' bytes once per `local_steps`
 steps, where Downpour moves them twice per step.
 
+With `warmup_steps` K (cluster.local_warmup_steps) the groups meet after each of their first K
+steps, a plain average (synchronous training: post-local SGD, Lin et al. 2020), and every
+`local_steps` steps after that; the outer updater applies from the first local round.
+
 Checkpoints hold the anchor and the outer updater's state beside the chief's inner
 state; a run resumed mid-round continues the round from the chief's values.
 """
@@ -78,17 +82,19 @@ class PeriodicExchange:
     """One group's side of Local SGD / DiLoCo."""
 
     def __init__(self, store: ParamStore, inner: Updater, outer: Updater, local_steps: int, meeting, group: int,
-                 global_batch: int):
+                 global_batch: int, warmup_steps: int = 0):
         self.store, self.group, self.meeting = store, group, meeting
         self.chief = group == 0
         self.inner = Server(store, inner)
         self.names = self.inner.names
         self.local_steps = max(1, local_steps)
+        self.warmup_steps = max(0, warmup_steps)
         self.anchor = store.copy()
         self.outer = Server(self.anchor, outer, self.names)
         self.global_batch = global_batch
         self.meetings = 0
         self.bytes_sent = 0  # payload handed to the meeting: the pseudo-gradients
+        self._window_bytes = 0  # ... since the last display
         self._samples = 0
 
     def begin(self, step: int) -> None:
@@ -97,20 +103,32 @@ class PeriodicExchange:
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
         self.inner.update(step, aggregate(parts, target=self.store.device))
         self._samples += sum(share for _, share in parts) * self.meeting.groups
-        if (step + 1) % self.local_steps == 0:
+        if self.meets_after(step):
             self._meet(step)
+
+    def meets_after(self, step: int) -> bool:
+        """Every step of the warm-up, then every local_steps steps."""
+        return step < self.warmup_steps or (step + 1 - self.warmup_steps) % self.local_steps == 0
+
+    def meetings_before(self, step: int) -> int:
+        return min(step, self.warmup_steps) + max(0, step - self.warmup_steps) // self.local_steps
 
     def _meet(self, step: int) -> None:
         values, anchor = self.store.values, self.anchor.values
         flat = torch.cat([(anchor[n] - values[n]).reshape(-1) for n in self.names]) if self.names else torch.zeros(0)
         self.bytes_sent += flat.numel() * flat.element_size()
+        self._window_bytes += flat.numel() * flat.element_size()
         mean = self.meeting.sum(flat) / self.meeting.groups
         grads, offset = {}, 0
         for name in self.names:
             size = values[name].numel()
             grads[name] = mean[offset : offset + size].view_as(values[name])
             offset += size
-        self.outer.update(self.meetings, grads)
+        if self.meetings < self.warmup_steps:  # a warm-up meeting: the groups' mean
+            for name in self.names:
+                anchor[name].sub_(grads[name])
+        else:
+            self.outer.update(self.meetings - self.warmup_steps, grads)
         self.meetings += 1
         for name in self.names:
             values[name].copy_(anchor[name])
@@ -120,11 +138,12 @@ class PeriodicExchange:
         return None
 
     def metrics(self, window: MetricWindow) -> dict[str, float]:
-        """The chief reports the samples of all groups (they train in lockstep) and the meetings so far."""
+        """The chief reports the samples of all groups (they train in lockstep), the meetings so far and the bytes
+        its group handed to the meetings in the window."""
         values = window.averages()
         if self.chief:
-            values |= {"samples": self._samples, "meetings": self.meetings}
-            self._samples = 0
+            values |= {"samples": self._samples, "meetings": self.meetings, "sent_bytes": self._window_bytes}
+            self._samples = self._window_bytes = 0
         return values
 
     def updater_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -149,7 +168,7 @@ class PeriodicExchange:
         for store in (self.store,) if resumed else (self.store, self.anchor):
             if store is not values:
                 store.load(values.state_dict())
-        self.meetings = step // self.local_steps
+        self.meetings = self.meetings_before(step)
 
     def finish(self) -> None:
         """Every group ends at train_steps; the last meeting (if train_steps is a multiple of local_steps) was in step."""
