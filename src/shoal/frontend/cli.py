@@ -62,6 +62,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files to WORKSPACE/tensorboard (as `tensorboard: true`)")
     p.add_argument("--plugin", action="append", default=[], type=Path, metavar="PATH",
                    help="a plugin file to load first: user layers (.py) or their configuration (.proto); repeatable (docs/layers.md)")
+    again = p.add_argument_group("a dead Downpour group comes back", "restarted into the running job from the servers' live "
+                                 "params (docs/async.md)")
+    again.add_argument("--max-restarts", type=int, metavar="N",
+                       help="restart a dead process of a Downpour worker group other than 0 up to N times (default 0)")
+    again.add_argument("--rejoin", type=int, metavar="RANK", help="start process RANK of the job running in --workspace "
+                       "again, in place of a dead one (the job's store: WORKSPACE/logs/store.json, or --master HOST:PORT)")
     hosts = p.add_argument_group("several hosts", "start `shoal run` on every node with the same --nnodes and --master")
     hosts.add_argument("--nnodes", type=int, help="number of hosts")
     hosts.add_argument("--node-rank", type=int, help="this host's index, 0 .. nnodes-1 (node 0 hosts the chief): torch's static "
@@ -213,6 +219,12 @@ def _run(args: argparse.Namespace) -> int:
     job = api.load_job(job_path, args.overrides)
     if args.tensorboard:
         job.tensorboard = True
+    if args.rejoin is not None:
+        return _rejoin(args, job)
+    if args.max_restarts is not None:
+        if args.max_restarts < 0:
+            raise UsageError(f"--max-restarts {args.max_restarts}: expected 0 or more")
+        os.environ["SHOAL_MAX_RESTARTS"] = str(args.max_restarts)  # read by the launcher (shoal.runtime.rejoin)
     nodes = _nodes(args, job)
     if args.test:
         api.evaluate(job, args.checkpoint, args.workspace)
@@ -232,6 +244,18 @@ def _run(args: argparse.Namespace) -> int:
         if handles_sigterm:
             signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
     print(closing_line(history.workspace))
+    return 0
+
+
+def _rejoin(args: argparse.Namespace, job) -> int:
+    """shoal run JOB --rejoin RANK: one process of a running Downpour job, back in a dead one's place."""
+    from shoal.frontend.api import base_dirs
+    from shoal.planning.plan import plan_job
+    from shoal.runtime import rejoin
+    from shoal.runtime.run_job import resolve_workspace
+
+    plan = plan_job(job, nnodes=args.nnodes or 1)
+    rejoin.rejoin_by_hand(plan, resolve_workspace(job, args.workspace), args.rejoin, args.master, base_dirs(job))
     return 0
 
 

@@ -56,6 +56,15 @@ class RunSpec:
     log: Callable[[str], None] = print
     progress: Optional[bool] = None  # None: a bar when stderr is a terminal
     initial_values: Optional[Callable[[ParamStore], None]] = None  # shoal.fit: the module's own values
+    rejoin: Optional["Rejoin"] = None  # a process restarted into a running Downpour job (shoal.runtime.rejoin)
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """This process takes a dead one's place in a running job: its group's `incarnation`-th restart."""
+
+    incarnation: int
+    detected_at: Optional[float] = None  # when the launcher saw the dead process exit (None: started by hand)
 
 
 @dataclass
@@ -67,6 +76,7 @@ class ProcessRun:
     trainers: list[Trainer]
     board: Optional[GroupBoard] = None  # asynchronous groups of this process (in-memory Hogwild/Downpour)
     server: Optional[DownpourServer] = None  # a Downpour server process (no workers)
+    rejoining: bool = False  # not a member of the job's world process group (shoal.runtime.rejoin)
 
     @property
     def chief(self) -> Optional[Trainer]:
@@ -84,8 +94,12 @@ class ProcessRun:
 class Heartbeat(TrainerHook):
     """Each step tells the other processes how far this one got (who stopped answering, when one hangs)."""
 
+    def __init__(self, in_world: bool = True):
+        self.in_world = in_world  # a rejoined process has no rank in the world's progress counters
+
     def before_step(self, step: int) -> None:
-        comm.heartbeat(step)
+        if self.in_world:
+            comm.heartbeat(step)
         heartbeat.note_step(step)  # the watch's beats carry it: a stalled peer is named with its step
 
 
@@ -111,12 +125,12 @@ def assemble(plan: JobPlan, rank: int, spec: RunSpec) -> ProcessRun:
             worker_indices=[i for i, _ in mine], chief=chief_rank and not trainers, store=shared, group=group,
             worker_devices=[d for _, d in mine],
         ))
-    run = ProcessRun(plan, rank, trainers)
+    run = ProcessRun(plan, rank, trainers, rejoining=spec.rejoin is not None)
     _attach_exchanges(run)
     _set_values(run, spec)
     if distributed:
         for trainer in trainers:
-            trainer.add_hook(Heartbeat())
+            trainer.add_hook(Heartbeat(in_world=spec.rejoin is None))
     for trainer in trainers:
         for hook in faults.process_faults(rank):
             trainer.add_hook(hook)
@@ -166,7 +180,8 @@ def _attach_downpour(run: ProcessRun, updater) -> None:
     plan, rank, trainer = run.plan, run.rank, run.trainers[0]
     c = plan.cluster
     group_ranks = {g: plan.ranks_of_group(g) for g in range(c.nworker_groups)}
-    group_comms = {g: comm.new_group(ranks) if len(ranks) > 1 else None for g, ranks in group_ranks.items()}
+    # a rejoined process is in no process group (it hosts a whole group: shoal.runtime.rejoin.why_not)
+    group_comms = {} if run.rejoining else {g: comm.new_group(ranks) if len(ranks) > 1 else None for g, ranks in group_ranks.items()}
     hosted = plan.process(rank)
     if hosted.servers:
         run.server = DownpourServer(trainer.store, updater(), plan.placement, hosted.servers[0],
@@ -177,7 +192,7 @@ def _attach_downpour(run: ProcessRun, updater) -> None:
     servers = {ServerId(0, i): plan.placement.process_of(ServerId(0, i)) for i in range(c.nservers_per_group)}
     group = hosted.workers[0].group
     trainer.attach_exchange(DownpourExchange(trainer.store, updater(), plan.placement, rank, group,
-                                             group_ranks[group], group_comms[group], servers, plan.global_batch))
+                                             group_ranks[group], group_comms.get(group), servers, plan.global_batch))
 
 
 def resumed_version(step: int, plan: JobPlan) -> int:
@@ -209,6 +224,10 @@ def _set_values(run: ProcessRun, spec: RunSpec) -> None:
         if chief.group != 0:  # groups join where group 0's warm-up ends, and finish at train_steps like it
             chief.start_at(max(chief.start_step, job.cluster.warmup_steps))
             exchange.start_at(chief.start_step)
+        if spec.rejoin is not None:  # from the servers' live values, at the step the group had reached
+            from shoal.runtime import rejoin
+
+            rejoin.complete(run, spec)
     if plan.framework is Framework.LOCAL_SGD:
         for trainer in run.trainers:  # every group starts from the chief's values; a resumed round from its anchor
             trainer.exchange.start_from(chief.store, resumed=spec.resume_from is not None, step=chief.start_step)

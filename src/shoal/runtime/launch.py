@@ -39,7 +39,7 @@ from shoal.planning.plan import JobPlan, plan_job
 from shoal.report.metrics import read_metrics
 from shoal.report.run_log import Terminated, mark_run_ended
 from shoal.runtime.assemble import RunSpec, run_process
-from shoal.runtime import stalls
+from shoal.runtime import rejoin, stalls
 from shoal.runtime.launchers import LaunchedProcess
 from shoal.runtime.trainer import History
 
@@ -259,8 +259,9 @@ def expendable(plan: JobPlan, rank: int) -> bool:
     return not plan.framework.synchronous and bool(proc.workers) and all(m.group != 0 for m in proc.workers + proc.servers)
 
 
-def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace: Path) -> None:
-    """Wait for the processes of an asynchronous job; a dead worker group is reported, not fatal.
+def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace: Path, restarter=None) -> None:
+    """Wait for the processes of an asynchronous job; a dead worker group is reported, not fatal, and restarted
+    into the running job when it can be (`restarter`: shoal.runtime.rejoin.Restarter, --max-restarts).
 
     Returns when every process has exited or one that the job cannot lose has
     failed (torch's context.join then reports it and stops the others).
@@ -276,12 +277,17 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
             if code != 0 and not expendable(plan, ranks[i]):
                 return
             if code != 0 and i not in reported:
-                reported.add(i)
                 context.sentinels.pop(context.processes[i].sentinel, None)  # torch's join must not fail the job for it
-                if code != stalls.GROUP_DROPPED_EXIT:  # its group was dropped for a stall: the chief has warned
+                said = code != stalls.GROUP_DROPPED_EXIT and restarter is not None and restarter.restart(context, i, ranks[i], code)
+                if context.processes[i].exitcode is None:  # restarted: a new process in its place
+                    continue
+                reported.add(i)
+                if code != stalls.GROUP_DROPPED_EXIT and not said:  # dropped for a stall: the chief has warned
                     warn(f"WARNING: {describe_process(plan, ranks[i])} exited with code {code}; "
                          f"the other worker groups go on (see {workspace}/logs/rank{ranks[i]}.log)")
-        if len(exited) == len(context.processes):
+        if all(p.exitcode is not None for p in context.processes):
+            if restarter is not None:
+                restarter.finish()
             return
         wait([p.sentinel for p in context.processes if p.exitcode is None], timeout=1.0)
 
@@ -375,7 +381,7 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
                     if sig == signal.SIGTERM or signal.getsignal(sig) is not signal.SIG_IGN}
         try:
             if not plan.framework.synchronous:
-                _join_tolerating_groups(context, ranks, plan, workspace)
+                _join_tolerating_groups(context, ranks, plan, workspace, rejoin.Restarter(plan, meeting, spec, process_setup))
             stalls.wait_for_first_failure(context)  # and SIGKILL stopped processes, which SIGTERM cannot end
             while not context.join():
                 pass

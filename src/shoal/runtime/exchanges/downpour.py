@@ -79,6 +79,13 @@ def server_segments(slices: list[ParamSlice]) -> tuple[list[Segment], int]:
     return segments, offset
 
 
+def digest(values: torch.Tensor) -> str:
+    """A short fingerprint of a flat tensor's bytes (logged to show that a rejoined group got the live values)."""
+    import hashlib
+
+    return hashlib.sha256(values.detach().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
 def slot_names(updater: Updater) -> list[str]:
     return sorted(updater.init_state(torch.zeros(1)))
 
@@ -293,8 +300,12 @@ class DownpourServer:
                         self._running.wait_for(self._warm)
                         self._warming.discard(group)
                     with self._lock:  # the live values, their version and the steps the group has done
-                        channel.send(self.values(), TAG_VALUES)
-                        channel.send(torch.tensor([self.version, self._steps[group]], dtype=torch.int64), TAG_REPLY)
+                        values, version = self.values(), self.version
+                        channel.send(values, TAG_VALUES)
+                        channel.send(torch.tensor([version, self._steps[group]], dtype=torch.int64), TAG_REPLY)
+                    if incarnation > 0:
+                        self.log(f"{self.server} sent worker group {group} (restart {incarnation}) the live values of "
+                                 f"version {version} (digest {digest(values)}) and its step {self._steps[group]}")
                 elif kind == STATE:
                     with self._lock:
                         channel.send(self.state_flat(), TAG_STATE)
@@ -385,14 +396,17 @@ class DownpourExchange:
         the group has done (each server applied all of them or none of a step); returns (first step, version)."""
         self.incarnation = incarnation
         reply, steps = torch.zeros(2, dtype=torch.int64), []
+        self.digests = {"before": {}, "pulled": {}}  # per server: this process's values before and after the pull
         try:
-            for _, server_rank, segments, size in self.servers:
+            for server, server_rank, segments, size in self.servers:
                 self._to(server_rank).send(torch.tensor([PULL, 0, 0], dtype=torch.int64), TAG_HEADER)
                 values = torch.zeros(size)
                 self._to(server_rank).recv(values, TAG_VALUES)
                 self._to(server_rank).recv(reply, TAG_REPLY)
                 self._leave_if_refused(int(reply[0]), 0)
+                self.digests["before"][server.id] = digest(self._gather_values(segments))
                 self._scatter_values(values, segments)
+                self.digests["pulled"][server.id] = digest(self._gather_values(segments))  # what the group trains on
                 self.read_version[server_rank] = int(reply[0])
                 steps.append(int(reply[1]))
         except RuntimeError as err:
@@ -421,6 +435,9 @@ class DownpourExchange:
     def _scatter_values(self, values: torch.Tensor, segments: list[Segment]) -> None:
         for s in segments:
             self.store.values[s.param].view(-1)[s.start : s.stop].copy_(values[s.offset : s.offset + s.size])
+
+    def _gather_values(self, segments: list[Segment]) -> torch.Tensor:
+        return torch.cat([self.store.values[s.param].reshape(-1)[s.start : s.stop] for s in segments]) if segments else torch.zeros(0)
 
     def _share_params(self) -> None:
         """The stub's fresh params to the other processes of its group."""

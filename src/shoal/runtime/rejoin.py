@@ -1,0 +1,278 @@
+"""A dead Downpour worker group comes back: restarted by `shoal run`'s launcher, or by hand, into the running job.
+
+The servers hold the live params, so a new process of the group needs nothing else: it connects
+to the job's store (not to the world process group, which cannot take a new member), announces a
+new incarnation of its group (shoal.comm.channels.Door), opens a channel to every server and
+pulls the live values, their version and the steps its group has done; then it trains the steps
+left. The servers keep every update they applied; a push in flight when the old process died is
+lost whole.
+
+- Automatic: `shoal run JOB --max-restarts N` (SHOAL_MAX_RESTARTS) restarts a process that hosts
+  only a Downpour group other than 0 (`launch.expendable`) up to N times. The launcher announces
+  the restart before the process starts, so the chief's last request waits for it; restarted
+  processes fork from a server that imported shoal already (multiprocessing's forkserver), so a
+  restart costs no Python start-up.
+- By hand: `shoal run JOB --rejoin RANK` (with --workspace as the job's; --master HOST:PORT for the
+  job's store when it is not in WORKSPACE/logs/store.json) starts one process in RANK's place.
+
+Only a group hosted by one process can rejoin (a group over several would need all of them again):
+the launcher warns and does not restart such a process; --rejoin refuses it.
+
+Each rejoin is one line on the terminal and in the process's log, one JSON line in
+WORKSPACE/logs/rejoins.jsonl, and, once the job ended, a `rejoins` list in summary.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from shoal.comm import channels, heartbeat
+from shoal.errors import ShoalError, warn
+from shoal.planning.plan import Framework, JobPlan
+from shoal.runtime.exchanges.downpour import DOOR, DownpourExchange
+
+STORE_FILE = "store.json"  # WORKSPACE/logs/store.json: where the job's store is, for --rejoin
+RECORDS_FILE = "rejoins.jsonl"
+
+
+class RejoinRefused(ShoalError, ValueError):
+    """--rejoin asked for a process that cannot come back (one line saying why)."""
+
+
+def max_restarts() -> int:
+    """How many times the launcher restarts each dead expendable process (`--max-restarts`, SHOAL_MAX_RESTARTS; 0: never)."""
+    value = os.environ.get("SHOAL_MAX_RESTARTS", "0")
+    return int(value) if value.isdigit() else 0
+
+
+def why_not(plan: JobPlan, rank: int) -> Optional[str]:
+    """Why process `rank` cannot rejoin the running job (None: it can)."""
+    from shoal.runtime.launch import describe_process
+
+    if plan.framework is not Framework.DOWNPOUR:
+        return f"only Downpour worker groups can rejoin a running job ({plan.label} cannot; Distributed Hogwild's replicas are not rebuilt)"
+    if not 0 <= rank < plan.nprocs:
+        return f"the job has processes 0..{plan.nprocs - 1}"
+    proc = plan.process(rank)
+    if proc.servers or not proc.workers:
+        return f"{describe_process(plan, rank)} is a server: the job cannot go on without it (resume from a checkpoint)"
+    groups = sorted({w.group for w in proc.workers})
+    if 0 in groups:
+        return f"{describe_process(plan, rank)} hosts worker group 0, the chief's: resume from a checkpoint instead"
+    spread = [g for g in groups if len(plan.ranks_of_group(g)) > 1]
+    if spread:
+        ranks = ", ".join(map(str, plan.ranks_of_group(spread[0])))
+        return f"worker group {spread[0]} spans processes {ranks}: only a group hosted by one process can rejoin"
+    return None
+
+
+def group_of(plan: JobPlan, rank: int) -> int:
+    return plan.process(rank).workers[0].group
+
+
+def process_started_at() -> float:
+    """When this process started (the kernel's word, 10 ms ticks), on the wall clock."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        since_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
+    except (OSError, IndexError, ValueError, AttributeError):
+        return _imported_at
+
+
+_imported_at = time.time()
+
+
+# -- inside the new process: after assembly, before the first step ---------------------------------
+def complete(run, spec) -> None:
+    """Pull the live params, the version and the group's steps from the servers; train from there on."""
+    trainer, ticket = run.chief, spec.rejoin
+    exchange = trainer.exchange
+    assert isinstance(exchange, DownpourExchange)
+    step, version = exchange.rejoin(ticket.incarnation)
+    rejoined_at = time.time()
+    trainer.start_at(step)
+    started_at = process_started_at()
+    record = {"group": trainer.group, "rank": run.rank, "incarnation": ticket.incarnation, "step": step, "version": version,
+              "process_start_to_rejoin_s": round(rejoined_at - started_at, 3), "time": rejoined_at,
+              "by_hand": ticket.detected_at is None, "digests": exchange.digests}
+    if ticket.detected_at is not None:
+        record["detection_to_rejoin_s"] = round(rejoined_at - ticket.detected_at, 3)
+    since_death = f"; {record['detection_to_rejoin_s']:.2f} s after its death was seen" if ticket.detected_at is not None else ""
+    line = (f"Worker group {trainer.group} rejoined at step {step} (process {run.rank}, restart {ticket.incarnation}): live params of "
+            f"version {version}, {record['process_start_to_rejoin_s']:.2f} s after its process started{since_death}")
+    print(line)  # this process's log
+    if sys.__stdout__ is not None and sys.stdout is not sys.__stdout__:
+        print(line, file=sys.__stdout__, flush=True)  # the job's terminal (the launcher's, or the --rejoin command's)
+    with open(Path(spec.workspace) / "logs" / RECORDS_FILE, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+# -- the launcher's side -----------------------------------------------------------------------------
+class Restarter:
+    """What `shoal run`'s launcher does when an expendable process of a Downpour job exits with an error."""
+
+    def __init__(self, plan: JobPlan, meeting, spec, process_setup: Optional[Callable[[], None]]):
+        self.plan, self.meeting, self.spec, self.process_setup = plan, meeting, spec, process_setup
+        self.limit = max_restarts() if plan.framework is Framework.DOWNPOUR else 0
+        self.restarts: dict[int, int] = {}
+        self._door = self._store = None
+        self._context = None
+        self._note_store()
+        if self.limit > 0:
+            self._connect()
+            self._context = _forkserver()
+
+    def _note_store(self) -> None:
+        """Where the job's store is, for `shoal run JOB --rejoin RANK` (on this host; pass --master elsewhere)."""
+        if self.plan.framework is not Framework.DOWNPOUR:
+            return
+        path = Path(self.spec.workspace) / "logs" / STORE_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"host": self.meeting.store_host, "port": self.meeting.store_port, "nnodes": self.meeting.nnodes,
+                                    "interface": self.meeting.interface}) + "\n")
+
+    def _connect(self) -> None:
+        self._store = channels.job_store_client(self.meeting.store_host, self.meeting.store_port)
+        self._door = channels.Door(DOOR, self._store)
+
+    def restart(self, context, index: int, rank: int, code: int) -> bool:
+        """Start a new process in dead process `rank`'s place (it replaces context.processes[index]); False: not restarted."""
+        if self.limit <= 0:
+            return False
+        from shoal.runtime.launch import describe_process
+
+        reason = why_not(self.plan, rank)
+        done = self.restarts.get(rank, 0)
+        group = group_of(self.plan, rank)
+        if reason is not None or done >= self.limit:
+            if reason is None and self._door is not None:  # out of restarts: the servers stop waiting for the group
+                self._door.give_up(group, self._door.incarnation(group))
+            why = reason or f"restarted {done} time(s) already (--max-restarts {self.limit})"
+            warn(f"WARNING: {describe_process(self.plan, rank)} exited with code {code}; not restarted: {why}; "
+                 f"the other worker groups go on (see {self.spec.workspace}/logs/rank{rank}.log)")
+            return True  # reported
+        detected_at = time.time()
+        self.restarts[rank] = done + 1
+        heartbeat.say_gone(self._store, rank)  # no stall warnings for a process the launcher saw die
+        incarnation = self._door.next_incarnation(group)  # the servers wait for it from now on
+        warn(f"WARNING: {describe_process(self.plan, rank)} exited with code {code}; restarting it "
+             f"(restart {done + 1} of {self.limit}); it rejoins from the servers' live params")
+        args = (rank, self.meeting, self.plan.job.SerializeToString(), str(self.spec.workspace),
+                [str(d) for d in self.spec.base_dirs], self.process_setup, self.spec.initial_values, incarnation, detected_at)
+        process = self._context.Process(target=_entry, args=args, name=f"shoal-rank{rank}-restart{done + 1}", daemon=False)
+        process.start()
+        context.processes[index] = process  # watched, stopped and joined with the others from now on
+        return True
+
+    def finish(self) -> None:
+        """The job ended: its summary lists the rejoins (the chief closed it before)."""
+        add_rejoins_to_summary(Path(self.spec.workspace))
+
+
+def _forkserver():
+    """A multiprocessing context whose server imported this module (torch, shoal) once, now: restarts start in milliseconds."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    return context
+
+
+def add_rejoins_to_summary(workspace: Path) -> None:
+    records_path, summary_path = workspace / "logs" / RECORDS_FILE, workspace / "summary.json"
+    if not records_path.exists() or not summary_path.exists():
+        return
+    records = [json.loads(line) for line in records_path.read_text().splitlines() if line.strip()]
+    summary = json.loads(summary_path.read_text())
+    summary["rejoins"] = records
+    tmp = summary_path.with_name(summary_path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=1) + "\n")
+    os.replace(tmp, summary_path)
+
+
+def _entry(rank: int, meeting, job_bytes: bytes, workspace: str, base_dirs: list[str], process_setup, initial_values,
+           incarnation: int, detected_at: Optional[float]) -> None:
+    """A restarted process (forked from the forkserver): rank `rank` again, a client of the job's store only."""
+    from shoal.runtime.launch import chief_log, rank_output
+
+    with rank_output(Path(workspace), rank) as log_file:
+        run_rejoined(job_bytes, meeting.nnodes, rank, meeting.store_host, meeting.store_port, meeting.interface,
+                     Path(workspace), [Path(d) for d in base_dirs], incarnation, detected_at, chief_log(rank, log_file),
+                     process_setup, initial_values)
+
+
+def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, store_port: int, interface: Optional[str],
+                 workspace: Path, base_dirs: list[Path], incarnation: int, detected_at: Optional[float],
+                 log: Callable[[str], None], process_setup=None, initial_values=None) -> None:
+    """Run rank `rank` of a running job as incarnation `incarnation` of its group, to the group's last step."""
+    from shoal.config.plugins import decode_job
+    from shoal.planning.plan import plan_job
+    from shoal.runtime import stalls
+    from shoal.runtime.assemble import Rejoin, RunSpec, run_process
+    from shoal.runtime.exchanges.downpour import JobOver
+
+    if process_setup is not None:
+        process_setup()
+    plan = plan_job(decode_job(job_bytes), nnodes=nnodes)
+    channels.join_as_client(store_host, store_port, interface)
+    spec = RunSpec(workspace, base_dirs, None, log=log, progress=False, initial_values=initial_values,
+                   rejoin=Rejoin(incarnation, detected_at))
+    try:
+        with stalls.watching(plan, rank, workspace):
+            run_process(plan, rank, spec)
+    except JobOver as err:  # nothing left to train: not a failure
+        log(str(err))
+    stalls.exit_if_abandoned()
+
+
+# -- by hand: shoal run JOB --rejoin RANK ----------------------------------------------------------------
+def rejoin_by_hand(plan: JobPlan, workspace: Path, rank: int, master: Optional[str], base_dirs: list[Path],
+                   log: Callable[[str], None] = print) -> None:
+    """Start process `rank` of the running job `plan` again, in this process (refused in one line when it cannot)."""
+    from shoal.runtime.launch import rank_output
+
+    reason = why_not(plan, rank)
+    if reason is not None:
+        raise RejoinRefused(f"--rejoin {rank}: {reason}")
+    host, port, interface = _store_address(workspace, master)
+    group = group_of(plan, rank)
+    try:
+        door = channels.Door(DOOR, channels.job_store_client(host, port, timeout_s=10))
+    except (RuntimeError, ValueError, OSError) as err:
+        raise RejoinRefused(f"--rejoin {rank}: no running job's store at {host}:{port}: {str(err).splitlines()[0]}") from None
+    state = door.state(0, group)
+    if door.closed(0) or state == "finished":
+        raise RejoinRefused(f"--rejoin {rank}: worker group {group} has nothing left to do (the job or the group finished)")
+    if state is None or state.startswith("serving"):
+        raise RejoinRefused(f"--rejoin {rank}: worker group {group} is still running ({state or 'not connected yet'}); "
+                            "only a group whose process died can rejoin")
+    incarnation = door.next_incarnation(group)
+    with rank_output(workspace, rank) as log_file:
+        print(f"process {rank} rejoins by hand as restart {incarnation} of worker group {group}")
+        run_rejoined(plan.job.SerializeToString(), plan.nnodes, rank, host, port, interface, workspace, base_dirs,
+                     incarnation, None, print if rank else log)
+
+
+def _store_address(workspace: Path, master: Optional[str]) -> tuple[str, int, Optional[str]]:
+    """--master HOST:PORT, else what the launcher wrote in WORKSPACE/logs/store.json."""
+    if master:
+        host, _, port = master.rpartition(":")
+        if not host or not port.isdigit():
+            raise RejoinRefused(f"--master {master}: expected HOST:PORT")
+        return host, int(port), None
+    path = workspace / "logs" / STORE_FILE
+    try:
+        noted = json.loads(path.read_text())
+        return str(noted["host"]), int(noted["port"]), noted.get("interface")
+    except (OSError, ValueError, KeyError, TypeError):
+        raise RejoinRefused(f"--rejoin: {path} does not say where the job's store is (is the job running there?); "
+                            "pass --master HOST:PORT") from None

@@ -1,0 +1,151 @@
+"""A dead Downpour worker group comes back into the running job, from the servers' live params.
+
+Real runs through the CLI on the blobs data: group 1's process is SIGKILLed mid-run (its pid from the
+job registry, as `shoal jobs view` shows it); the launcher restarts it (--max-restarts), or a second
+`shoal run JOB --rejoin 1` starts it by hand; refusals are one line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from layouts import LAYOUTS, assert_ran
+from test_cli import leftover_processes, tagged
+from test_stalls import Run, runs  # noqa: F401 - the fixture that stops what a failed test left running
+
+DOWNPOUR = "Downpour, 2 groups + 1 server, 3 processes"
+STEPS = 300
+SLOW = {"SHOAL_SLOW_WORKER": "0:0+0.01"}  # every group's steps take 10 ms or more: the run outlasts a kill and a rejoin
+
+
+def rejoins(workspace) -> list[dict]:
+    return [json.loads(line) for line in (workspace / "logs" / "rejoins.jsonl").read_text().splitlines()]
+
+
+def server_log(workspace) -> str:
+    return (workspace / "logs" / "rank2.log").read_text()
+
+
+def assert_no_update_lost(workspace, steps: int) -> None:
+    """The server applied every step of both groups once, the rejoined group's over its two processes."""
+    final = re.search(r"server\(group=0, id=0\): version (\d+); updates applied: group 0: (\d+), group 1: (\d+) \(2 processes\)",
+                      server_log(workspace))
+    assert final, server_log(workspace)[-2000:]
+    version, group0, group1 = map(int, final.groups())
+    assert version == group0 + group1 == 2 * steps
+
+
+def assert_pulled_the_live_values(record: dict, workspace) -> None:
+    """The rejoined process trained on exactly what the server sent at that version, not on its initial values."""
+    sent = re.search(rf"sent worker group 1 \(restart {record['incarnation']}\) the live values of version (\d+) "
+                     rf"\(digest (\w+)\) and its step (\d+)", server_log(workspace))
+    assert sent, server_log(workspace)[-2000:]
+    assert (int(sent[1]), int(sent[3])) == (record["version"], record["step"])
+    assert record["digests"]["pulled"]["0"] == sent[2]
+    assert record["digests"]["before"]["0"] != sent[2]
+    assert 0 < record["step"] < STEPS and record["version"] >= record["step"]
+
+
+def test_a_killed_group_is_restarted_and_rejoins_from_the_live_params(blobs_job, tmp_path, runs):
+    run = Run(blobs_job(train_steps=STEPS), tmp_path, DOWNPOUR, "--max-restarts", "1", "--set", "test_freq=100", env=SLOW)
+    runs.append(run)
+    os.kill(run.pid_of(1), signal.SIGKILL)
+    assert run.wait(timeout=180) == 0, run.stderr()
+    assert "process 1 (worker(group=1, id=0)) exited with code -9; restarting it (restart 1 of 1)" in run.stderr()
+    line = [line for line in run.out.read_text().splitlines() if line.startswith("Worker group 1 rejoined at step ")]
+    assert len(line) == 1, run.out.read_text()
+    assert re.search(r"live params of version \d+, [0-9.]+ s after its process started; [0-9.]+ s after its death was seen", line[0])
+    summary = assert_ran(run.ws, DOWNPOUR)
+    assert summary["status"] == "finished" and summary["steps"] == STEPS
+    (record,) = summary["rejoins"]
+    assert (record["group"], record["rank"], record["incarnation"], record["by_hand"]) == (1, 1, 1, False)
+    print(f"detection to rejoin {record['detection_to_rejoin_s']} s, process start to rejoin {record['process_start_to_rejoin_s']} s")
+    assert record["process_start_to_rejoin_s"] <= 2.0
+    assert record["detection_to_rejoin_s"] <= 2.5
+    assert_pulled_the_live_values(record, run.ws)
+    assert_no_update_lost(run.ws, STEPS)
+    assert f"Test @ step {STEPS}" in run.out.read_text()
+    assert leftover_processes(tmp_path) == []
+
+
+def test_a_group_killed_again_after_its_restarts_is_left_out(blobs_job, tmp_path, runs):
+    """--max-restarts 1 and two kills: the second death is reported, the servers stop waiting, the job finishes."""
+    run = Run(blobs_job(train_steps=STEPS), tmp_path, DOWNPOUR, "--max-restarts", "1", "--set", "test_freq=100", env=SLOW)
+    runs.append(run)
+    os.kill(run.pid_of(1), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while not (run.ws / "logs" / "rejoins.jsonl").exists():
+        assert time.monotonic() < deadline and run.proc.poll() is None, run.stderr()
+        time.sleep(0.05)
+    restarted = int(re.findall(r"pid = (\d+)", (run.ws / "logs" / "rank1.log").read_text())[-1])
+    os.kill(restarted, signal.SIGKILL)
+    assert run.wait(timeout=180) == 0, run.stderr()
+    assert "not restarted: restarted 1 time(s) already (--max-restarts 1)" in run.stderr()
+    assert f"Test @ step {STEPS}" in run.out.read_text()
+    assert_ran(run.ws, DOWNPOUR)
+    assert leftover_processes(tmp_path) == []
+
+
+def rejoin_cli(job, workspace, rank, *extra, tmp_path=None, timeout=120):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(tagged(tmp_path) if tmp_path else {}))
+    return subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(workspace), "--rejoin", str(rank),
+                           *LAYOUTS[DOWNPOUR].cli(), *extra], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_a_killed_group_rejoins_by_hand(blobs_job, tmp_path, runs):
+    """Without --max-restarts the group stays dead until `shoal run JOB --rejoin 1` brings it back."""
+    job = blobs_job(train_steps=STEPS)
+    run = Run(job, tmp_path, DOWNPOUR, "--set", "test_freq=100", env={"SHOAL_SLOW_WORKER": "0:0+0.02"})
+    runs.append(run)
+    os.kill(run.pid_of(1), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while "lost worker group 1" not in server_log(run.ws):
+        assert time.monotonic() < deadline, server_log(run.ws)
+        time.sleep(0.05)
+    proc = rejoin_cli(job, run.ws, 1, "--set", "test_freq=100", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^Worker group 1 rejoined at step \d+ \(process 1, restart 1\): live params of version \d+", proc.stdout, re.M)
+    assert run.wait(timeout=180) == 0, run.stderr()
+    (record,) = rejoins(run.ws)
+    assert record["by_hand"] and "detection_to_rejoin_s" not in record
+    print(f"by hand: process start to rejoin {record['process_start_to_rejoin_s']} s")
+    assert_pulled_the_live_values(record, run.ws)
+    assert_no_update_lost(run.ws, STEPS)
+    assert assert_ran(run.ws, DOWNPOUR)["rejoins"] == [record]
+    assert leftover_processes(tmp_path) == []
+
+
+@pytest.mark.parametrize("layout, rank, says", [
+    (DOWNPOUR, 0, "--rejoin 0: process 0 (worker(group=0, id=0)) hosts worker group 0, the chief's"),
+    (DOWNPOUR, 2, "--rejoin 2: process 2 (server(group=0, id=0)) is a server"),
+    ("Downpour, 2 groups x 2 workers + 2 servers, 6 processes", 2,
+     "--rejoin 2: worker group 1 spans processes 2, 3: only a group hosted by one process can rejoin"),
+    ("Distributed Hogwild, 2 groups", 1, "--rejoin 1: only Downpour worker groups can rejoin a running job"),
+])
+def test_rejoin_refuses_what_cannot_come_back(blobs_job, tmp_path, layout, rank, says):
+    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(blobs_job(train_steps=10, layout=layout)),
+                           "--workspace", str(tmp_path / "ws"), "--rejoin", str(rank)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], proc.stderr
+
+
+def test_rejoin_refuses_a_group_that_is_running_or_a_job_that_is_not(blobs_job, tmp_path, runs):
+    job = blobs_job(train_steps=STEPS)
+    proc = rejoin_cli(job, tmp_path / "none", 1)  # no job ever ran there
+    assert proc.returncode == 2 and "logs/store.json does not say where the job's store is" in proc.stderr
+    run = Run(job, tmp_path, DOWNPOUR, env=SLOW)
+    runs.append(run)
+    run.pid_of(1)
+    proc = rejoin_cli(job, run.ws, 1, tmp_path=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "--rejoin 1: worker group 1 is still running (serving 0); only a group whose process died can rejoin"], proc.stderr
+    assert run.wait(timeout=180) == 0, run.stderr()
+    assert "rejoins" not in assert_ran(run.ws, DOWNPOUR)
