@@ -137,6 +137,7 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
     parts = partition(net, job.neuralnet, job.cluster.nworkers_per_group)
     framework = framework_of(job, placement, parts)
     workers = job.cluster.nworker_groups * job.cluster.nworkers_per_group
+    updater = server_updater(job, framework)
     plan = JobPlan(
         job=job,
         framework=framework,
@@ -147,10 +148,10 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
         devices=[worker_device_names(job, len(p.workers)) for p in placement.processes],
         # every worker on a host shares its cores: oversubscription is what kills CPU throughput
         threads_per_worker=thread_budget(job, workers_on_host=-(-workers // max(1, nnodes)), cores=cores),
-        updater=server_updater(job, framework),
+        updater=updater,
         outer_updater=outer_updater(job) if framework is Framework.LOCAL_SGD else None,
         nnodes=nnodes,
-        notes=list(parts.notes) + _updater_notes(job, framework) + _compression_notes(job, framework) + _local_sgd_notes(job, framework),
+        notes=list(parts.notes) + _updater_notes(job, updater) + _compression_notes(job, framework) + _local_sgd_notes(job, framework),
     )
     if job.cluster.auto_batch_shares:
         _check_balanceable(plan)
@@ -208,8 +209,8 @@ def _compression_notes(job: job_pb2.JobProto, framework: Framework) -> list[str]
     return [f"pushes compressed ({what}): the run does not compute what uncompressed Downpour would"]
 
 
-def _updater_notes(job: job_pb2.JobProto, framework: Framework) -> list[str]:
-    compensated = server_updater(job, framework).momentum
+def _updater_notes(job: job_pb2.JobProto, servers: job_pb2.UpdaterProto) -> list[str]:
+    compensated = servers.momentum
     if compensated == job.updater.momentum:
         return []
     return [f"updater.momentum {job.updater.momentum:g} -> {compensated:g} at the servers: {job.cluster.nworker_groups} "
