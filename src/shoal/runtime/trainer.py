@@ -268,6 +268,8 @@ class Trainer:
         t = ckpt.trainer
         self.cursors.update({int(k): int(v) for k, v in t.get("cursors", {}).items()})
         for phase, skips in t.get("skips", {}).items():
+            if int(phase) == job_pb2.kTrain and self.group != 0:
+                continue  # the checkpoint is group 0's: another group keeps its own draw (its own shard of the data)
             for name, skip in skips.items():
                 feeds = [w.feeds for w in self.workers] if int(phase) == job_pb2.kTrain else [self.feeds.get(int(phase), {})]
                 for f in feeds:
