@@ -90,7 +90,7 @@ def slot_names(updater: Updater) -> list[str]:
     return sorted(updater.init_state(torch.zeros(1)))
 
 
-class JobOver(ShoalError, RuntimeError):
+class JobOver(ShoalError):  # not a RuntimeError: no channel failed
     """A process rejoined too late: the servers finished serving (the job ended without it)."""
 
 
