@@ -9,7 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from layouts import Layout, assert_ran
+import shoal
+from layouts import Layout, assert_ran, load
+from shoal.planning.plan import UnsupportedClusterError, plan_job
 
 
 def run(job, ws, *sets):
@@ -73,20 +75,28 @@ def test_resume_mid_round_continues_from_the_checkpointed_anchor(blobs_job, tmp_
 
 # -- post-local SGD's warm-up (cluster.local_warmup_steps) ---------------------------------------------------------
 
-WARM = Layout(dict(nworker_groups=2, nworkers_per_procs=2, local_steps=5, local_warmup_steps=3), 1, 2, "Local SGD")
+THREADS = Layout(dict(nworker_groups=2, nworkers_per_procs=2), 1, 2, "Local SGD")
+WARM = Layout(dict(THREADS.cluster, local_steps=5, local_warmup_steps=3), 1, 2, "Local SGD")
 MEETS_AFTER = {0, 1, 2, 7}  # every step of the 3-step warm-up, then every 5 steps: (step + 1 - 3) % 5 == 0
+DILOCO = ["cluster.outer_updater.type=kNesterov", "cluster.outer_updater.momentum=0.9",
+          "cluster.outer_updater.learning_rate.type=kFixed", "cluster.outer_updater.learning_rate.base_lr=0.7"]
 
 
 def train_records(ws):
     return [json.loads(line) for line in (ws / "metrics.jsonl").read_text().splitlines() if '"phase": "train"' in line]
 
 
+def fit(job, layout, ws, *overrides, resume=False):
+    """shoal.train in this process (the layout's groups are its threads)."""
+    conf = load(job, layout, *overrides)
+    shoal.train(conf, workspace=ws, resume=resume, log=lambda *a: None)
+    assert_ran(ws, layout)
+    return params(ws, conf.train_steps)
+
+
 def test_warmup_meets_every_step_then_every_local_steps(blobs_job, tmp_path):
     job, ws = blobs_job(train_steps=12), tmp_path / "ws"
-    proc = run(job, ws, *WARM.overrides(), "disp_freq=1")
-    assert proc.returncode == 0, proc.stderr
-    assert_ran(ws, WARM)
-    elements = sum(v.numel() for v in params(ws, 12).values())
+    elements = sum(v.numel() for v in fit(job, WARM, ws, "disp_freq=1").values())
     train = train_records(ws)
     assert [r["step"] for r in train] == list(range(12))
     assert [r["meetings"] for r in train] == [sum(m <= s for m in MEETS_AFTER) for s in range(12)]
@@ -98,46 +108,35 @@ def test_warmup_meets_every_step_then_every_local_steps(blobs_job, tmp_path):
 
 def test_warmup_meetings_are_plain_averages_whatever_the_outer_updater(blobs_job, tmp_path):
     """DiLoCo whose warm-up lasts the whole run computes what Local SGD meeting every step does: the outer
-    Nesterov momentum only applies from the first local round on."""
+    Nesterov momentum only applies from the first local round on (without the warm-up it would be DiLoCo, H = 5)."""
     job = blobs_job(train_steps=8)
-    threads = ["cluster.nworker_groups=2", "cluster.nworkers_per_procs=2"]
-    diloco = ["cluster.outer_updater.type=kNesterov", "cluster.outer_updater.momentum=0.9",
-              "cluster.outer_updater.learning_rate.type=kFixed", "cluster.outer_updater.learning_rate.base_lr=0.7"]
-    warm = run(job, tmp_path / "warm", *threads, *diloco, "cluster.local_steps=5", "cluster.local_warmup_steps=8")
-    every_step = run(job, tmp_path / "every", *threads, "cluster.local_steps=1")
-    outer = run(job, tmp_path / "outer", *threads, *diloco, "cluster.local_steps=1")
-    assert warm.returncode == every_step.returncode == outer.returncode == 0, warm.stderr + every_step.stderr + outer.stderr
-    a, b, c = params(tmp_path / "warm", 8), params(tmp_path / "every", 8), params(tmp_path / "outer", 8)
-    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
-    assert any(not torch.allclose(a[k], c[k], atol=1e-4) for k in a)  # the outer momentum does change the maths
+    diloco_threads = Layout(THREADS.cluster, 1, 2, "DiLoCo")
+    warm = fit(job, diloco_threads, tmp_path / "warm", *DILOCO, "cluster.local_steps=5", "cluster.local_warmup_steps=8")
+    every_step = fit(job, THREADS, tmp_path / "every", "cluster.local_steps=1")
+    assert all(torch.allclose(warm[k], every_step[k], atol=1e-6) for k in warm)
+    diloco = fit(job, diloco_threads, tmp_path / "diloco", *DILOCO, "cluster.local_steps=5")
+    assert any(not torch.allclose(warm[k], diloco[k], atol=1e-4) for k in warm)
 
 
 def test_resume_across_the_warmup_boundary_is_exact(blobs_job, tmp_path):
-    """Stopped at step 2 (inside the warm-up, right after a meeting: every group holds the anchor) and resumed
-    over processes: the warm-up's last meeting and the first local round happen as in an uninterrupted run."""
+    """Stopped at step 2 (inside the warm-up, right after a meeting: every group holds the anchor) and resumed:
+    the warm-up's last meeting and the first local round happen as in an uninterrupted run, and group 1 reads
+    its own shard again (not group 0's, whose checkpoint it restores)."""
     job = blobs_job(train_steps=12, updater="type: kSGD")  # no momentum: a group's whole state is its values
-    layout = Layout(dict(nworker_groups=2, local_steps=5, local_warmup_steps=3), 2, 2, "Local SGD")
-    whole = run(job, tmp_path / "whole", *layout.overrides())
-    assert whole.returncode == 0, whole.stderr
+    whole = fit(job, WARM, tmp_path / "whole")
     ws = tmp_path / "resumed"
-    assert run(job, ws, *layout.overrides(), "train_steps=2").returncode == 0
-    resumed = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(ws), "--no-progress", "--resume",
-                              *layout.cli()], capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "step2-worker0" in resumed.stdout
-    assert_ran(ws, layout)
-    assert train_records(ws)[-1]["meetings"] == 4
-    a, b = params(tmp_path / "whole", 12), params(ws, 12)
-    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    fit(job, WARM, ws, "train_steps=2")
+    resumed = fit(job, WARM, ws, resume=True)
+    assert (ws / "checkpoint" / "step2-worker0.safetensors").exists() and train_records(ws)[-1]["meetings"] == 4
+    assert all(torch.allclose(whole[k], resumed[k], atol=1e-6) for k in whole)
 
 
 def test_warmup_without_local_sgd_and_a_negative_one_are_refused(blobs_job):
     job = blobs_job(train_steps=4)
     for sets, field in ((["cluster.local_warmup_steps=3"], "cluster.local_warmup_steps: applies to Local SGD only"),
                         ([*LOCAL_SGD, "cluster.local_warmup_steps=-1"], "cluster.local_warmup_steps: must be >= 0")):
-        plan = subprocess.run([sys.executable, "-m", "shoal", "plan", str(job), *sum((["--set", s] for s in sets), [])],
-                              capture_output=True, text=True, timeout=120)
-        assert plan.returncode == 2 and plan.stderr.startswith(field) and "Traceback" not in plan.stderr, plan.stderr
+        with pytest.raises(UnsupportedClusterError, match=f"^{field}"):
+            plan_job(shoal.load_job(job, sets))
 
 
 def test_estimate_counts_one_all_reduce_per_meeting(blobs_job):
