@@ -181,6 +181,14 @@ def all_reduce_sum(tensor: torch.Tensor) -> None:
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
 
 
+def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's `tensor` (same shape and dtype everywhere), in rank order."""
+    _enter()
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor)
+    return gathered
+
+
 def isend(tensor: torch.Tensor, dst: int, tag: int) -> "dist.Work":
     """Start sending `tensor` (contiguous; left untouched until the handle is waited) to `dst`."""
     return dist.isend(tensor, dst=dst, tag=tag)

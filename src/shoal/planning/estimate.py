@@ -277,6 +277,9 @@ class _Model:
             links[src].setdefault(dst, [0, 0])[0] += int(nbytes)
             links[dst].setdefault(src, [0, 0])[1] += int(nbytes)
 
+        def encoded(elements: int) -> int:
+            return encoded_bytes(plan.cluster, elements)
+
         slices = [s for s in plan.placement.slices if s.param in self.trainable]
         if fw in (Framework.ALLREDUCE, Framework.SANDBLASTER) and not plan.in_one_process:
             owner = {s.index: plan.placement.process_of(plan.placement.server_of_slice(s.index, 0)) for s in slices}
@@ -284,8 +287,9 @@ class _Model:
             for b in plan_buckets(slices, owner, DEFAULT_CAP):
                 for r in worker_ranks:
                     if r != b.owner:
-                        move(r, b.owner, FLOAT * b.numel + len(b.params))  # gradients and one flag byte per param
-                        move(b.owner, r, FLOAT * b.numel)  # the new values
+                        move(r, b.owner, encoded(b.numel) + len(b.params))  # gradients and one flag byte per param
+                        # the new values, or compressed the encoded sum and whether anyone had a gradient
+                        move(b.owner, r, FLOAT * b.numel if plan.cluster.compression == job_pb2.kNone else encoded(b.numel) + len(b.params))
         elif fw == Framework.DOWNPOUR:
             c = plan.cluster
             for g in range(c.nworker_groups):
@@ -301,26 +305,28 @@ class _Model:
                     rank = plan.placement.process_of(server)
                     mine = [s for s in slices if plan.placement.server_of_slice(s.index, 0) == server]
                     size = sum(s.size for s in mine)
-                    move(stub, rank, FLOAT * size + len(mine) + 24)  # gradient, flags, header
+                    move(stub, rank, encoded(size) + len(mine) + 24)  # gradient, flags, header
                     move(rank, stub, FLOAT * size + 16)  # values, version and staleness
         elif fw == Framework.LOCAL_SGD and not plan.in_one_process:
             # a meeting is one ring all-reduce of the pseudo-gradient: each group's process sends its neighbour
             # 2·(G−1)/G of the params; averaged over the run's steps (every step of a warm-up, then every local_steps)
+            # (compressed: casts all-reduce in their precision; top-k all-gathers, sending its k entries G−1 times)
             ranks = [p.rank for p in plan.placement.processes]
+            ring = (len(ranks) - 1) if plan.cluster.compression == job_pb2.kTopK else 2 * (len(ranks) - 1) / len(ranks)
             for i, r in enumerate(ranks):
-                move(r, ranks[(i + 1) % len(ranks)], 2 * (len(ranks) - 1) / len(ranks) * FLOAT * self.elements * meetings_per_step(plan))
+                move(r, ranks[(i + 1) % len(ranks)], ring * encoded(self.elements) * meetings_per_step(plan))
         elif fw == Framework.DISTRIBUTED_HOGWILD:
             c, freq = plan.cluster, max(1, plan.cluster.sync_freq)
             rank_of = {g: plan.placement.process_of(ServerId(g, 0)) for g in range(c.nserver_groups)}
             for master in range(1, c.nserver_groups):  # group 0 syncs with every other group's masters
                 size = sum(s.size for s in slices if plan.placement.master_group_of_slice(s.index) == master)
-                move(rank_of[0], rank_of[master], (FLOAT * size + 8) / freq)  # Δ
-                move(rank_of[master], rank_of[0], FLOAT * size / freq)  # fresh values
+                move(rank_of[0], rank_of[master], (encoded(size) + 8) / freq)  # Δ
+                move(rank_of[master], rank_of[0], encoded(size) / freq)  # fresh values (compressed: their change)
             # ... and serves its own slices to each of them, as often
             own = sum(s.size for s in slices if plan.placement.master_group_of_slice(s.index) == 0)
             for g in range(1, c.nserver_groups):
-                move(rank_of[g], rank_of[0], (FLOAT * own + 8) / freq)
-                move(rank_of[0], rank_of[g], FLOAT * own / freq)
+                move(rank_of[g], rank_of[0], (encoded(own) + 8) / freq)
+                move(rank_of[0], rank_of[g], encoded(own) / freq)
         return links
 
     def in_memory_bytes(self) -> int:
@@ -448,3 +454,13 @@ def meetings_per_step(plan: JobPlan) -> float:
 
 def _device(name: str) -> str:
     return "cuda:0" if name == "cuda" else name.split(":")[0] if name.startswith("cpu") else name
+
+
+def encoded_bytes(cluster: job_pb2.ClusterProto, elements: int) -> int:
+    """One message of `elements` float32 values as cluster.compression sends it (runtime/exchanges/compression.py):
+    4 bytes an element, 2 cast to bf16/fp16, top-k its k = ceil(fraction · n) entries at 6 bytes (int32 + bf16)."""
+    if cluster.compression == job_pb2.kTopK:
+        return 6 * (min(elements, max(1, math.ceil(cluster.topk_fraction * elements))) if elements else 0)
+    if cluster.compression in (job_pb2.kBF16, job_pb2.kFP16):
+        return 2 * elements
+    return FLOAT * elements

@@ -151,7 +151,7 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
         updater=updater,
         outer_updater=outer_updater(job) if framework is Framework.LOCAL_SGD else None,
         nnodes=nnodes,
-        notes=list(parts.notes) + _updater_notes(job, updater) + _compression_notes(job, framework) + _local_sgd_notes(job, framework),
+        notes=list(parts.notes) + _updater_notes(job, updater) + _compression_notes(job, framework, len(placement.processes)) + _local_sgd_notes(job, framework),
     )
     if job.cluster.auto_batch_shares:
         _check_balanceable(plan)
@@ -197,16 +197,28 @@ def _local_sgd_notes(job: job_pb2.JobProto, framework: Framework) -> list[str]:
             f"{steps / max(1, meetings):.1f}x fewer exchanges than a synchronous job's"]
 
 
-def _compression_notes(job: job_pb2.JobProto, framework: Framework) -> list[str]:
+# what cluster.compression encodes, per framework over processes (runtime/exchanges/compression.py)
+_COMPRESSED = {
+    Framework.DOWNPOUR: "pushes",
+    Framework.ALLREDUCE: "gradients (to the servers of their slices, and their sum back)",
+    Framework.SANDBLASTER: "gradients (to the servers of their slices, and their sum back)",
+    Framework.DISTRIBUTED_HOGWILD: "syncs (deltas to the masters, and their answers; a pair's first sync is dense)",
+    Framework.LOCAL_SGD: "pseudo-gradients at each meeting",
+}
+
+
+def _compression_notes(job: job_pb2.JobProto, framework: Framework, nprocs: int) -> list[str]:
+    """Compression applies to every exchange over processes; in one process nothing moves, so nothing is encoded."""
     kind = job.cluster.compression
     if kind == job_pb2.kNone:
         return []
-    if framework is not Framework.DOWNPOUR:
-        raise UnsupportedClusterError(f"cluster.compression: compressed pushes apply to Downpour only, not to {framework.value} yet")
     if kind == job_pb2.kTopK and not 0 < job.cluster.topk_fraction <= 1:
         raise UnsupportedClusterError(f"cluster.topk_fraction: {job.cluster.topk_fraction:g} is not in (0, 1]")
     what = f"top-{job.cluster.topk_fraction:g} with error feedback" if kind == job_pb2.kTopK else job_pb2.Compression.Name(kind)[1:]
-    return [f"pushes compressed ({what}): the run does not compute what uncompressed Downpour would"]
+    if nprocs == 1 or framework not in _COMPRESSED:
+        return [f"cluster.compression ({what}) not applied: {framework.value} in one process moves no bytes"]
+    exact = " (no longer bit-exact with one worker)" if framework.synchronous else ""
+    return [f"{_COMPRESSED[framework]} compressed ({what}): the run does not compute what uncompressed {framework.value} would{exact}"]
 
 
 def _updater_notes(job: job_pb2.JobProto, servers: job_pb2.UpdaterProto) -> list[str]:

@@ -34,6 +34,7 @@ from shoal.report.metrics import MetricsLog
 from shoal.report.run_log import end_status, open_run_log
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.runtime import debug_norms, faults, visualization
+from shoal.runtime.exchanges.compression import codec_for, compresses
 from shoal.runtime.exchanges.downpour import DownpourExchange, DownpourServer
 from shoal.runtime.exchanges.groups import GroupBoard, GroupExchange, run_groups
 from shoal.runtime.exchanges.hogwild import HogwildExchange
@@ -145,12 +146,15 @@ def _attach_exchanges(run: ProcessRun) -> None:
     plan, rank = run.plan, run.rank
     job, trainers = plan.job, run.trainers
     updater = lambda: make_updater(plan.updater)  # noqa: E731 - every server its own updater (and slots)
+    # cluster.compression over processes: a fresh codec per sender (top-k keeps its residual); in memory none
+    codecs = (lambda feedback=True: codec_for(job.cluster, feedback)) if compresses(job.cluster) and not plan.in_one_process else None
     match plan.framework:
         case Framework.SINGLE_WORKER | Framework.ALLREDUCE | Framework.SANDBLASTER if plan.in_one_process:
             trainers[0].attach_exchange(LocalExchange(Server(trainers[0].store, updater())))
         case Framework.ALLREDUCE | Framework.SANDBLASTER:
             t = trainers[0]
-            t.attach_exchange(SlicedExchange(t.store, updater(), plan.placement, rank, plan.global_batch, t.workers))
+            t.attach_exchange(SlicedExchange(t.store, updater(), plan.placement, rank, plan.global_batch, t.workers,
+                                             codecs=codecs))
         case Framework.IN_MEMORY_HOGWILD | Framework.IN_MEMORY_DOWNPOUR:
             # Hogwild: every group computes on the server's values; Downpour: each on its own copy
             chief = trainers[0]
@@ -161,12 +165,12 @@ def _attach_exchanges(run: ProcessRun) -> None:
         case Framework.DISTRIBUTED_HOGWILD:
             t = trainers[0]
             t.attach_exchange(HogwildExchange(t.store, Server(t.store, updater()), plan.placement, rank, t.group,
-                                              job.cluster.sync_freq, log=print))
+                                              job.cluster.sync_freq, log=print, codecs=codecs))
         case Framework.DOWNPOUR:
             _attach_downpour(run, updater)
         case Framework.LOCAL_SGD:
             groups = job.cluster.nworker_groups
-            meeting = InMemoryMeeting(groups, comm.timeout_seconds()) if plan.in_one_process else ProcessMeeting(groups)
+            meeting = InMemoryMeeting(groups, comm.timeout_seconds()) if plan.in_one_process else ProcessMeeting(groups, codecs and codecs())
             if plan.in_one_process:
                 run.board = GroupBoard(groups, -1, 0)
             for t in trainers:

@@ -1,4 +1,4 @@
-"""Compressed pushes: what a worker group sends its servers, in fewer bytes.
+"""Compressed exchange: gradients, pushes, deltas and pseudo-gradients in fewer bytes.
 
   none    float32, as SINGA
   bf16    bfloat16 values: half the bytes, 8 bits of mantissa
@@ -8,7 +8,11 @@
           feedback: what was not sent is kept and added to the next push (Stich et al. 2018;
           SINGA 4's DistOpt offers the same), so every gradient is eventually applied
 
-A compressed run is no longer bit-exact with one worker; `shoal plan` says so.
+Every exchange over processes uses these codecs (cluster.compression): Downpour's pushes, a
+synchronous group's gradients to the servers of their slices and the summed gradient back,
+Distributed Hogwild's deltas and the masters' answers, Local SGD's pseudo-gradients. In-memory
+layouts move no bytes and stay uncompressed. A compressed run is no longer bit-exact with one
+worker; `shoal plan` says so.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from shoal.comm import dist as comm
 from shoal.config import job_pb2
 
 
@@ -48,10 +53,12 @@ class CastCodec(Codec):
 
 
 class TopKCodec(Codec):
-    """Top-k with error feedback; one codec per (sender, receiver) pair: it holds the sender's residual."""
+    """Top-k with error feedback; one codec per (sender, receiver) pair: it holds the sender's residual.
+    error_feedback=False: the caller tracks what the receiver holds (its difference is the feedback)."""
 
-    def __init__(self, fraction: float):
+    def __init__(self, fraction: float, error_feedback: bool = True):
         self.fraction = fraction
+        self.error_feedback = error_feedback
         self.residual: Optional[torch.Tensor] = None
 
     def k(self, size: int) -> int:
@@ -68,7 +75,8 @@ class TopKCodec(Codec):
         values = corrected[index].to(torch.bfloat16)
         sent = torch.zeros_like(corrected)
         sent[index] = values.float()
-        self.residual = corrected - sent  # what was not sent, bf16 rounding included, goes out later
+        if self.error_feedback:
+            self.residual = corrected - sent  # what was not sent, bf16 rounding included, goes out later
         return [index.to(torch.int32), values]
 
     def decode(self, received: list[torch.Tensor], size: int) -> torch.Tensor:
@@ -77,7 +85,7 @@ class TopKCodec(Codec):
         return flat
 
 
-def codec_for(cluster: job_pb2.ClusterProto) -> Codec:
+def codec_for(cluster: job_pb2.ClusterProto, error_feedback: bool = True) -> Codec:
     """A fresh codec for one sender's pushes, as the cluster section says."""
     kind = cluster.compression
     if kind == job_pb2.kBF16:
@@ -85,9 +93,43 @@ def codec_for(cluster: job_pb2.ClusterProto) -> Codec:
     if kind == job_pb2.kFP16:
         return CastCodec(torch.float16)
     if kind == job_pb2.kTopK:
-        return TopKCodec(cluster.topk_fraction)
+        return TopKCodec(cluster.topk_fraction, error_feedback)
     return Codec()
+
+
+def compresses(cluster: job_pb2.ClusterProto) -> bool:
+    return cluster.compression != job_pb2.kNone
 
 
 def wire_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def describe(cluster: job_pb2.ClusterProto) -> str:
+    """How `shoal plan` names the setting: "top-0.01 with error feedback", "BF16"."""
+    if cluster.compression == job_pb2.kTopK:
+        return f"top-{cluster.topk_fraction:g} with error feedback"
+    return job_pb2.Compression.Name(cluster.compression)[1:]
+
+
+def all_reduce_encoded(codec: Codec, flat: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The sum of every process's `flat`, each sending codec.encode(flat); and the bytes this process handed over.
+
+    Casts all-reduce in their own precision (as torch DDP's fp16/bf16 hooks, bandwidth-optimal at any
+    number of processes); top-k all-gathers every process's (indices, values), which sums no better
+    in a ring (the union of the k's is not sparse), and every process adds them up in rank order
+    (SINGA 4 DistOpt's sparse update does the same), so all hold the same sum.
+    """
+    sent = codec.encode(flat)
+    if isinstance(codec, TopKCodec):
+        gathered = [comm.all_gather(part) for part in sent]
+        total = torch.zeros(flat.numel())
+        for parts in zip(*gathered):
+            total += codec.decode(list(parts), flat.numel())
+        return total, wire_bytes(sent)
+    if isinstance(codec, CastCodec):
+        low = sent[0].clone()
+        comm.all_reduce_sum(low)
+        return low.float(), wire_bytes(sent)
+    comm.all_reduce_sum(flat)
+    return flat, wire_bytes(sent)

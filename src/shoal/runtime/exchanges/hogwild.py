@@ -18,11 +18,19 @@ whose process stops answering (no heartbeat for SHOAL_STALL_TIMEOUT,
 shoal.comm.heartbeat) is dropped the same way: a sync waiting for it gives up
 (its receive is left pending on a thread of its own), and if it wakes later its
 deltas are never added.
+
+Compressed (cluster.compression), a pair's first sync is dense (it agrees on the values both
+start from); after it the requester sends its encoded Δ (top-k: what it did not send stays in
+its residual and goes with the next Δ) and the master answers with the encoded change of its
+slices since what this requester holds (`known`, which the master tracks: the part of the change
+it did not send is still in the next difference, so the answer needs no residual). The
+requester's copy of a master's slices is then `known`, which trails the master's by what was not
+sent yet.
 """
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -33,12 +41,13 @@ from shoal.comm import dist as comm
 from shoal.comm import heartbeat
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
+from shoal.runtime.exchanges.compression import Codec, wire_bytes
 from shoal.runtime.exchanges.downpour import Segment, server_segments
 from shoal.runtime.exchanges.local import aggregate
 from shoal.runtime.exchanges.server import Server
 
-SYNC, STOP = 1, 2
-TAG_SYNC_HEADER, TAG_SYNC_DELTA, TAG_SYNC_VALUE = 21, 22, 23
+SYNC, STOP, SYNC_ENCODED = 1, 2, 3
+TAG_SYNC_HEADER, TAG_SYNC_DELTA, TAG_SYNC_VALUE, TAG_SYNC_DELTA_2, TAG_SYNC_VALUE_2 = 21, 22, 23, 24, 25
 
 
 def mastered_by(placement: Placement, trainable: set[str], group: int) -> list:
@@ -50,7 +59,7 @@ class HogwildExchange:
     """One group's local updates plus its syncs with the other groups' replicas (and its master service)."""
 
     def __init__(self, store: ParamStore, server: Server, placement: Placement, rank: int, group: int,
-                 sync_freq: int, log: Callable[[str], None] = print):
+                 sync_freq: int, log: Callable[[str], None] = print, codecs: Optional[Callable[..., Codec]] = None):
         self.store, self.server, self.rank, self.group, self.log = store, server, rank, group, log
         self.chief = group == 0
         self.sync_freq = max(1, sync_freq)
@@ -67,6 +76,15 @@ class HogwildExchange:
         self.updates = 0
         self.syncs = 0
         self._syncs_shown = 0
+        self.sent_bytes = 0  # requests this process sent since the last display
+        self.answered_bytes = {g: 0 for g in self.peers}  # answers to each group, so far (each its master thread's)
+        self._answered_shown = 0
+        self.codecs = codecs
+        if codecs is not None:
+            self.delta_codecs = {master: codecs() for master in self.requests}  # top-k: a residual per master
+            self.answer_codecs = {g: codecs(False) for g in self.peers}  # the difference from `known` is the feedback
+            self.encoded = set()  # masters this group had its dense first sync with
+            self.known: dict[int, torch.Tensor] = {}  # per requesting group: what it holds of this group's slices
         self._threads = [threading.Thread(target=self._serve, args=(g, r), name=f"shoal-sync-group{g}", daemon=True)
                          for g, r in self.peers.items()]
         for t in self._threads:
@@ -99,7 +117,10 @@ class HogwildExchange:
             try:
                 with self.lock:
                     delta = self._gather(segments) - self.last_sync[master]
-                fresh = self._ask(master, delta, size)
+                fresh = self._ask(master, delta, size) if self.codecs is None or master not in self.encoded \
+                    else self._ask_encoded(master, delta, size)
+                if self.codecs is not None:
+                    self.encoded.add(master)
             except RuntimeError as err:
                 warn(f"WARNING: worker group {self.group} stops syncing with process {master}: {comm.describe_error(err)}")
                 del self.requests[master]
@@ -115,37 +136,74 @@ class HogwildExchange:
     def _ask(self, master: int, delta: torch.Tensor, size: int):
         """Send Δ to `master` and wait for its fresh value; None once the master stalls (the exchange is left
         waiting on its own thread: gloo's receives cannot be cancelled)."""
-        fresh, failed = torch.zeros(size), []
+        fresh = torch.zeros(size)
 
         def exchange() -> None:
+            comm.send(torch.tensor([SYNC], dtype=torch.int64), master, TAG_SYNC_HEADER)
+            comm.send(delta, master, TAG_SYNC_DELTA)
+            comm.recv(fresh, master, TAG_SYNC_VALUE)
+
+        self.sent_bytes += 8 + wire_bytes([delta])
+        return fresh if self._exchange(master, exchange) else None
+
+    def _ask_encoded(self, master: int, delta: torch.Tensor, size: int):
+        """As _ask, Δ and the answer encoded; the fresh value is what this group held plus the decoded answer."""
+        codec, answer = self.delta_codecs[master], self.answer_codecs[self.group_of(master)].buffers(size)
+        parts = codec.encode(delta)
+
+        def exchange() -> None:
+            comm.send(torch.tensor([SYNC_ENCODED], dtype=torch.int64), master, TAG_SYNC_HEADER)
+            for part, tag in zip(parts, (TAG_SYNC_DELTA, TAG_SYNC_DELTA_2)):
+                comm.send(part, master, tag)
+            for part, tag in zip(answer, (TAG_SYNC_VALUE, TAG_SYNC_VALUE_2)):
+                comm.recv(part, master, tag)
+
+        self.sent_bytes += 8 + wire_bytes(parts)
+        if not self._exchange(master, exchange):
+            return None
+        return self.last_sync[master] + codec.decode(answer, size)
+
+    def group_of(self, rank: int) -> int:
+        return next(g for g, r in self.peers.items() if r == rank)
+
+    def _exchange(self, master: int, exchange: Callable[[], None]) -> bool:
+        """Run `exchange` on a thread of its own; False once the master stalls, RuntimeError if it failed."""
+        failed = []
+
+        def run() -> None:
             try:
-                comm.send(torch.tensor([SYNC], dtype=torch.int64), master, TAG_SYNC_HEADER)
-                comm.send(delta, master, TAG_SYNC_DELTA)
-                comm.recv(fresh, master, TAG_SYNC_VALUE)
+                exchange()
             except RuntimeError as err:
                 failed.append(err)
 
-        asking = threading.Thread(target=exchange, name=f"shoal-sync-to{master}", daemon=True)
+        asking = threading.Thread(target=run, name=f"shoal-sync-to{master}", daemon=True)
         asking.start()
         while asking.is_alive():
             asking.join(timeout=0.05)
             if asking.is_alive() and heartbeat.is_stalled(master):
                 heartbeat.abandon()
-                return None
+                return False
         if failed:
             raise failed[0]
-        return fresh
+        return True
 
     # -- this group as master of its slices ---------------------------------------------
     def _serve(self, group: int, rank: int) -> None:
         segments, size = self.served
         header, delta = torch.zeros(1, dtype=torch.int64), torch.zeros(size)
+        codec = self.answer_codecs[group] if self.codecs is not None else None
+        encoded_delta = codec.buffers(size) if codec is not None else []
         try:
             while True:
                 comm.recv(header, rank, TAG_SYNC_HEADER)
                 if int(header[0]) == STOP:
                     return
-                comm.recv(delta, rank, TAG_SYNC_DELTA)
+                if int(header[0]) == SYNC_ENCODED:
+                    for part, tag in zip(encoded_delta, (TAG_SYNC_DELTA, TAG_SYNC_DELTA_2)):
+                        comm.recv(part, rank, tag)
+                    delta = codec.decode(encoded_delta, size)
+                else:
+                    comm.recv(delta, rank, TAG_SYNC_DELTA)
                 if heartbeat.is_stalled(rank):  # it woke after being dropped: its delta is stale, never added
                     self.log(f"server group {self.group} refused a sync of worker group {group}, dropped after it stalled")
                     return
@@ -153,7 +211,17 @@ class HogwildExchange:
                     for s in segments:
                         self.store.values[s.param].view(-1)[s.start : s.stop].add_(delta[s.offset : s.offset + s.size])
                     fresh = self._gather(segments)
+                if int(header[0]) == SYNC_ENCODED:  # the change since what the requester holds
+                    parts = codec.encode(fresh - self.known[group])
+                    self.known[group] += codec.decode(parts, size)
+                    for part, tag in zip(parts, (TAG_SYNC_VALUE, TAG_SYNC_VALUE_2)):
+                        comm.send(part, rank, tag)
+                    self.answered_bytes[group] += wire_bytes(parts)
+                    continue
+                if codec is not None:  # a dense first sync: both sides now hold `fresh`
+                    self.known[group] = fresh.clone()
                 comm.send(fresh, rank, TAG_SYNC_VALUE)
+                self.answered_bytes[group] += wire_bytes([fresh])
         except RuntimeError as err:
             if not heartbeat.is_stalled(rank):  # a stalled group was dropped already (the chief warned)
                 warn(f"WARNING: server group {self.group} drops worker group {group} (process {rank}): {comm.describe_error(err)}")
@@ -174,8 +242,10 @@ class HogwildExchange:
     # -- the trainer's interface --------------------------------------------------------
     def metrics(self, window: MetricWindow) -> dict[str, float]:
         """This group's losses and how many syncs with master replicas it made since the last display."""
-        values = window.averages() | {"syncs": self.syncs - self._syncs_shown}
-        self._syncs_shown = self.syncs
+        answered = sum(self.answered_bytes.values())
+        values = window.averages() | {"syncs": self.syncs - self._syncs_shown,
+                                      "sent_bytes": self.sent_bytes + answered - self._answered_shown}
+        self._syncs_shown, self._answered_shown, self.sent_bytes = self.syncs, answered, 0
         return values
 
     def view_updater(self):

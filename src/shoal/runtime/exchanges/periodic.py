@@ -33,6 +33,7 @@ from shoal.neuralnet.algorithms import Grads
 from shoal.neuralnet.params import ParamStore
 from shoal.neuralnet.updaters import Updater
 from shoal.report.metrics import MetricWindow
+from shoal.runtime.exchanges.compression import Codec, all_reduce_encoded
 from shoal.runtime.exchanges.local import aggregate
 from shoal.runtime.exchanges.server import Server
 
@@ -63,16 +64,18 @@ class InMemoryMeeting:
 
 
 class ProcessMeeting:
-    """Groups in processes of their own: one all-reduce over the job's processes."""
+    """Groups in processes of their own: one all-reduce over the job's processes (cluster.compression: of
+    each group's encoded pseudo-gradient, its residual kept by the group's codec)."""
 
     groups: int
 
-    def __init__(self, groups: int):
+    def __init__(self, groups: int, codec: Optional[Codec] = None):
         self.groups = groups
+        self.codec = codec or Codec()
 
     def sum(self, flat: torch.Tensor) -> torch.Tensor:
-        comm.all_reduce_sum(flat)
-        return flat
+        total, self.sent_bytes = all_reduce_encoded(self.codec, flat)
+        return total
 
     def abandon(self) -> None:
         """Collectives end with the process group's timeout."""
@@ -116,9 +119,10 @@ class PeriodicExchange:
     def _meet(self, step: int) -> None:
         values, anchor = self.store.values, self.anchor.values
         flat = torch.cat([(anchor[n] - values[n]).reshape(-1) for n in self.names]) if self.names else torch.zeros(0)
-        self.bytes_sent += flat.numel() * flat.element_size()
-        self._window_bytes += flat.numel() * flat.element_size()
         mean = self.meeting.sum(flat) / self.meeting.groups
+        sent = getattr(self.meeting, "sent_bytes", flat.numel() * flat.element_size())  # in memory: the payload
+        self.bytes_sent += sent
+        self._window_bytes += sent
         grads, offset = {}, 0
         for name in self.names:
             size = values[name].numel()

@@ -18,6 +18,15 @@ and the flags (benchmarks/gloo_primitives.py measured gloo's own reduce_scatter,
 reduce and broadcast moving 1.2-1.5x that, and slower): the AllReduce framework when
 servers share the workers' processes, Sandblaster when they have processes
 of their own (those contribute no gradients and receive no values).
+
+Compressed (cluster.compression) it is a compressed reduce-scatter + all-gather of the gradient,
+as torch DDP's fp16/bf16/PowerSGD hooks and SINGA 4's DistOpt compress the gradient rather than the
+params: each process sends the owner of a bucket its encoded gradient (top-k: with its residual,
+error feedback), the owner sums what it decodes, encodes the sum (top-k: with a residual of its
+own, the server-side error feedback of DoubleSqueeze and 1-bit Adam) and sends that back, not the
+values; every process, the owner too, applies the decoded sum with the updater, so every process
+holds an updater state for every param it trains and all replicas stay equal. Values cannot be
+compressed this way: a rounded or sparse value is a different model.
 """
 from __future__ import annotations
 
@@ -34,6 +43,7 @@ from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.buckets import Bucket, cap_from_env, plan_buckets
 from shoal.neuralnet.updaters import Updater
+from shoal.runtime.exchanges.compression import Codec, wire_bytes
 
 
 @dataclass
@@ -49,6 +59,8 @@ class _Round:
     ready: dict[int, threading.Event] = field(default_factory=dict)  # owned bucket -> local part complete
     works: list = field(default_factory=list)  # handles of this round's messages (main side)
     staged: list[Bucket] = field(default_factory=list)  # buckets whose values arrive in a staging buffer
+    summed: list[Bucket] = field(default_factory=list)  # compressed: buckets whose encoded sum arrives
+    keep: list = field(default_factory=list)  # encoded tensors being sent (alive until their sends end)
     server: Optional[threading.Thread] = None
     error: Optional[BaseException] = None
 
@@ -65,6 +77,7 @@ class SlicedExchange:
         global_batch: int,
         workers: Sequence = (),
         bucket_cap: Optional[int] = None,  # elements; None: SHOAL_BUCKET_MB or 4 MB
+        codecs: Optional[Callable[[], Codec]] = None,  # cluster.compression: a fresh codec per (bucket, sender)
     ):
         self.store, self.updater, self.rank, self.global_batch = store, updater, rank, global_batch
         self.chief = rank == 0
@@ -82,10 +95,20 @@ class SlicedExchange:
         for b in self.buckets:
             for name in b.params:
                 self.buckets_of[name].append(b)
-        self.state = {self._key(s): updater.init_state(self._value(s)) for b in self.owned for s in b.slices}
-        # staging: what peers send to this owner, and multi-slice messages (one flat buffer each way)
-        self._incoming = {(b.index, p): torch.empty(b.numel) for b in self.owned for p in self.peers}
         hosts_workers = rank in self.worker_ranks
+        self.codecs = codecs
+        updated = self.buckets if codecs is not None and hosts_workers else self.owned  # compressed: replicated updates
+        self.state = {self._key(s): updater.init_state(self._value(s)) for b in updated for s in b.slices}
+        self._owned_keys = {self._key(s) for b in self.owned for s in b.slices}
+        self.sent_bytes = 0  # what this process sent since the last display (gradients, flags, sums or values)
+        if codecs is not None:
+            self._send_codec = {b.index: codecs() for b in self.buckets if b.owner != rank and hosts_workers}
+            self._sum_codec = {b.index: codecs() for b in self.owned}
+            self._incoming_parts = {(b.index, p): codecs().buffers(b.numel) for b in self.owned for p in self.peers}
+            self._summed_parts = {b.index: codecs().buffers(b.numel) for b in self.buckets if b.owner != rank and hosts_workers}
+            self._union = {b.index: torch.empty(len(b.params), dtype=torch.uint8) for b in self.buckets if b.owner == rank or hosts_workers}
+        # staging: what peers send to this owner, and multi-slice messages (one flat buffer each way)
+        self._incoming = {(b.index, p): torch.empty(b.numel) for b in self.owned for p in self.peers} if codecs is None else {}
         self._outgoing = {b.index: torch.empty(b.numel) for b in self.buckets if len(b.slices) > 1 and (b.owner == rank or hosts_workers)}
         self._arriving = {b.index: torch.empty(b.numel) for b in self.buckets if len(b.slices) > 1 and b.owner != rank and hosts_workers}
         # per bucket, one byte per param: whether the sender had a gradient for it, so that an owner
@@ -100,12 +123,14 @@ class SlicedExchange:
         self._lock = threading.Lock()
         self._round: Optional[_Round] = None
 
-    # message tags of bucket b: its gradients (to the owner), its new values (back), its gradient flags
-    GRADS, VALUES, FLAGS = range(3)
+    # message tags of bucket b: its gradients (to the owner), its new values (back), its gradient flags;
+    # compressed: an encoding's second tensor each way, and whether anyone had a gradient (back)
+    GRADS, VALUES, FLAGS, GRADS_2, SUMS_2, UNION = range(6)
+    SUMS = VALUES  # compressed: the encoded sum goes back where the values would
 
     @staticmethod
     def _tag(b: Bucket, kind: int) -> int:
-        return 3 * b.index + kind
+        return 6 * b.index + kind
 
     @staticmethod
     def _key(s: ParamSlice) -> tuple[str, int, int]:
@@ -151,6 +176,9 @@ class SlicedExchange:
             flat = self._arriving[b.index]
             for s, at in zip(b.slices, b.offsets):
                 self._value(s).copy_(flat[at : at + s.size])
+        for b in r.summed:  # compressed: the owner's encoded sum, applied here as the owner applied it
+            summed = self._send_codec[b.index].decode(self._summed_parts[b.index], b.numel)
+            self._apply(step, b, summed, {n for n, flag in zip(b.params, self._union[b.index].tolist()) if flag})
 
     def _hook(self, worker: int) -> Callable[[str, Optional[torch.Tensor]], None]:
         return lambda name, grad: self._arrive(worker, name, grad)
@@ -191,11 +219,25 @@ class SlicedExchange:
             r.ready[b.index].set()
             return
         payload = self._gather(b, lambda s: r.grad[s.param][s.start : s.stop])
-        r.works.append(comm.isend(payload, b.owner, tag=self._tag(b, self.GRADS)))
+        if self.codecs is None:
+            r.works.append(comm.isend(payload, b.owner, tag=self._tag(b, self.GRADS)))
+            self.sent_bytes += wire_bytes([payload])
+        else:
+            parts = self._send_codec[b.index].encode(payload)
+            r.keep += parts
+            r.works += [comm.isend(part, b.owner, tag=self._tag(b, kind)) for part, kind in zip(parts, (self.GRADS, self.GRADS_2))]
+            self.sent_bytes += wire_bytes(parts)
         flags = self._flags_out[b.index]
         for k, name in enumerate(b.params):
             flags[k] = name in r.has_grad
         r.works.append(comm.isend(flags, b.owner, tag=self._tag(b, self.FLAGS)))
+        self.sent_bytes += flags.numel()
+        if self.codecs is not None:
+            parts = self._summed_parts[b.index]
+            r.works += [comm.irecv(part, b.owner, tag=self._tag(b, kind)) for part, kind in zip(parts, (self.SUMS, self.SUMS_2))]
+            r.works.append(comm.irecv(self._union[b.index], b.owner, tag=self._tag(b, self.UNION)))
+            r.summed.append(b)
+            return
         if len(b.slices) == 1:
             target = self._value(b.slices[0])  # straight into the param: it is no longer read this step
         else:
@@ -214,6 +256,8 @@ class SlicedExchange:
 
     def _serve(self, r: _Round) -> None:
         """The server of this rank: per owned bucket, sum, update, send the values back."""
+        if self.codecs is not None:
+            return self._serve_compressed(r)
         try:
             receiving = {
                 b.index: [comm.irecv(self._incoming[b.index, p], p, tag=self._tag(b, self.GRADS)) for p in self.peers]
@@ -240,10 +284,55 @@ class SlicedExchange:
                     self.updater.update(r.step, self._value(s), grad, self.state[self._key(s)], info.lr_scale, info.wd_scale)
                 values = self._gather(b, self._value)
                 sending += [comm.isend(values, p, tag=self._tag(b, self.VALUES)) for p in self.peers]
+                self.sent_bytes += wire_bytes([values]) * len(self.peers)
             for work in sending:
                 work.wait()
         except BaseException as err:  # handed to the training thread by step()
             r.error = err
+
+    def _serve_compressed(self, r: _Round) -> None:
+        """Per owned bucket: sum the decoded gradients, encode the sum, apply its decoding here, send it back."""
+        try:
+            receiving = {
+                b.index: [comm.irecv(part, p, tag=self._tag(b, kind))
+                          for p in self.peers for part, kind in zip(self._incoming_parts[b.index, p], (self.GRADS, self.GRADS_2))]
+                + [comm.irecv(self._flags_in[b.index, p], p, tag=self._tag(b, self.FLAGS)) for p in self.peers]
+                for b in self.owned
+            }
+            sending, keep = [], []
+            for b in self.owned:
+                if not r.ready[b.index].wait(comm.timeout_seconds()):
+                    raise RuntimeError(f"the workers of process {self.rank} produced no gradients for {comm.timeout_seconds():.0f} s")
+                for work in receiving[b.index]:
+                    work.wait()
+                anyone_has = {name for name in b.params if name in r.has_grad}
+                for p in self.peers:
+                    anyone_has.update(name for name, flag in zip(b.params, self._flags_in[b.index, p].tolist()) if flag)
+                codec = self._sum_codec[b.index]
+                total = self._gather(b, lambda s: r.grad[s.param][s.start : s.stop]).clone() if self.shares else torch.zeros(b.numel)
+                for p in self.peers:  # in rank order, so every run sums alike
+                    total += codec.decode(self._incoming_parts[b.index, p], b.numel)
+                parts = codec.encode(total)
+                self._apply(r.step, b, codec.decode(parts, b.numel), anyone_has)
+                union = self._union[b.index]
+                for k, name in enumerate(b.params):
+                    union[k] = name in anyone_has
+                keep += parts
+                for p in self.peers:
+                    sending += [comm.isend(part, p, tag=self._tag(b, kind)) for part, kind in zip(parts, (self.SUMS, self.SUMS_2))]
+                    sending.append(comm.isend(union, p, tag=self._tag(b, self.UNION)))
+                self.sent_bytes += (wire_bytes(parts) + union.numel()) * len(self.peers)
+            for work in sending:
+                work.wait()
+        except BaseException as err:  # handed to the training thread by step()
+            r.error = err
+
+    def _apply(self, step: int, b: Bucket, grad: torch.Tensor, anyone_has: set[str]) -> None:
+        """The updater on bucket b's slices, from its flat summed gradient (a param nobody had a gradient for stays)."""
+        for s, at in zip(b.slices, b.offsets):
+            if s.param in anyone_has:
+                info = self.store.info[s.param]
+                self.updater.update(step, self._value(s), grad[at : at + s.size], self.state[self._key(s)], info.lr_scale, info.wd_scale)
 
     def metrics(self, window: MetricWindow) -> dict[str, float]:
         """Sample-weighted averages over every worker of the group (rank 0 decides the names)."""
@@ -258,7 +347,9 @@ class SlicedExchange:
         names = [n for n in bytes(encoded.tolist()).decode().split(",") if n]
         values = torch.tensor([[state["sums"].get(n, 0.0), state["counts"].get(n, 0)] for n in names], dtype=torch.float64).reshape(-1, 2)
         comm.all_reduce_sum(values)
-        return {n: float(s / c) for n, (s, c) in zip(names, values.tolist()) if c}
+        averages = {n: float(s / c) for n, (s, c) in zip(names, values.tolist()) if c}
+        averages["sent_bytes"], self.sent_bytes = self.sent_bytes, 0  # this process's, as Downpour's pushed_bytes
+        return averages
 
     def view_updater(self):
         """Servers are spread over processes: every gradient goes through them."""
@@ -272,6 +363,8 @@ class SlicedExchange:
         slots = self.updater.init_state(torch.zeros(1)).keys()
         full = {name: {slot: torch.zeros(self.store.info[name].shape) for slot in slots} for name in self.names}
         for key, state in self.state.items():
+            if key not in self._owned_keys:  # compressed: every process holds every slice's state; owners count it once
+                continue
             name, start, stop = key
             for slot, value in state.items():
                 full[name][slot].view(-1)[start:stop] = value
