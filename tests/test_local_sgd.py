@@ -1,9 +1,11 @@
 """Local SGD and DiLoCo as cluster configurations: groups on their own copies meet every local_steps steps."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,3 +151,45 @@ def test_estimate_counts_one_all_reduce_per_meeting(blobs_job):
     elements = 16 * 32 + 32 + 32 * 4 + 4  # the blobs MLP's params
     # 2 meetings in 100 steps; a 2-process ring all-reduce: each process sends half the values twice
     assert [p["sent"] for p in estimate["processes"]] == [int(4 * elements * 2 / 100)] * 2
+
+
+# -- the claims on real MNIST (benchmarks/local_sgd.py's layouts and measurement) ---------------------------------
+
+def benchmark():
+    spec = importlib.util.spec_from_file_location("bench_local_sgd", Path(__file__).resolve().parents[1] / "benchmarks" / "local_sgd.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    if not (module.DATA / "test_data.bin").exists():
+        pytest.skip(f"{module.DATA}: run `shoal prepare mnist --out {module.DATA}` first")
+    return module
+
+
+def layout_named(bench, name):
+    return next(layout for layout in bench.LAYOUTS if layout.name.startswith(name))
+
+
+@pytest.mark.slow
+def test_local_sgd_h50_is_within_half_a_point_of_synchronous_training_at_equal_samples(tmp_path):
+    bench = benchmark()
+    sync, local = layout_named(bench, "synchronous, 2 workers (in-memory"), layout_named(bench, "Local SGD H=50, 2 groups (threads)")
+    seeds = (1, 2, 3)
+    accuracy = {layout.name: sum(bench.run_layout(layout, 400, seed, False, tmp_path).accuracy for seed in seeds) / len(seeds)
+                for layout in (sync, local)}
+    assert accuracy[local.name] >= accuracy[sync.name] - 0.005, accuracy
+
+
+@pytest.mark.slow
+def test_local_sgd_h50_sends_40x_fewer_bytes_per_sample_than_downpour_on_the_wire(tmp_path):
+    """Each job in a network namespace of its own: its loopback counter is its traffic and nothing else's."""
+    bench = benchmark()
+    if not bench.netns_available():
+        pytest.skip("needs root and `ip netns` (a network namespace per job)")
+    downpour, local = layout_named(bench, "Downpour, 2 groups"), layout_named(bench, "Local SGD H=50, 2 groups (processes)")
+    results = {layout.name: bench.run_layout(layout, 100, 1, True, tmp_path) for layout in (downpour, local)}
+    wire = {name: r.wire_bytes / r.samples for name, r in results.items()}
+    assert wire[downpour.name] >= 40 * wire[local.name], wire
+    for r in results.values():  # what the wire carried is what the planner predicts, give or take the control traffic
+        assert r.analytic_per_sample <= r.wire_bytes / r.samples <= 1.1 * r.analytic_per_sample, r
+    counted = results[local.name]
+    assert abs(counted.counted_bytes / counted.samples - counted.analytic_per_sample) < 1  # the exchange's own count agrees
