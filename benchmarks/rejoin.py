@@ -100,10 +100,10 @@ def automatic(job: Path, kills: int, gap_s: float) -> None:
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: len(records(ws)) == kill + 1, 60, f"rejoin {kill + 1}")
     accuracy, applied = outcome(proc, ws)
-    print("\n| kill | rejoined at step | version pulled | detection → rejoin (s) | process start → rejoin (s) |")
-    print("|---|---|---|---|---|")
+    print("\n| kill | rejoined at step | version pulled | detection → rejoin (s) | process start → rejoin (s) | of which handshake + pull (s) |")
+    print("|---|---|---|---|---|---|")
     for i, r in enumerate(records(ws), 1):
-        print(f"| {i} (automatic) | {r['step']} | {r['version']} | {r['detection_to_rejoin_s']:.3f} | {r['process_start_to_rejoin_s']:.3f} |")
+        print(f"| {i} (automatic) | {r['step']} | {r['version']} | {r['detection_to_rejoin_s']:.3f} | {r['process_start_to_rejoin_s']:.3f} | {r['handshake_and_pull_s']:.3f} |")
     print(f"\nfinal test accuracy {accuracy:.4f}; server: {applied}")
 
 
@@ -122,7 +122,7 @@ def by_hand(job: Path, gap_s: float) -> None:
     accuracy, applied = outcome(proc, ws)
     r = records(ws)[0]
     print(f"| by hand (`--rejoin 1`, a fresh Python process) | {r['step']} | {r['version']} | "
-          f"{r['time'] - seen:.3f} (from the server's warning) | {r['process_start_to_rejoin_s']:.3f} |")
+          f"{r['time'] - seen:.3f} (from the server's warning) | {r['process_start_to_rejoin_s']:.3f} | {r['handshake_and_pull_s']:.3f} |")
     print(f"\nby hand: final test accuracy {accuracy:.4f}; server: {applied}")
 
 
