@@ -1,15 +1,26 @@
-"""Compressed Downpour pushes: bf16/fp16 halves the bytes, top-k with error feedback sends ~1 % of them."""
+"""Compressed exchange (cluster.compression) in every framework over processes: bf16/fp16 halve the bytes, top-k with
+error feedback sends a few percent of them; in one process nothing moves and nothing is encoded."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from shoal.config import job_pb2
+from layouts import LAYOUTS, Layout, assert_ran
+from shoal.config import job_from_text, job_pb2, load_job
+from shoal.planning.costs import Calibration
+from shoal.planning.describe import describe, render
+from shoal.planning.estimate import encoded_bytes, estimate
+from shoal.planning.plan import plan_job
 from shoal.runtime.exchanges.compression import TopKCodec, codec_for, wire_bytes
+
+CALIB = Calibration(host="test", cores=2, gemm_gflops={1: 10.0, 2: 20.0}, mem_gbps={1: 10.0, 2: 10.0}, link_gbps=1.0, link_latency_s=0.0)
+TOPK = {"compression": "kTopK", "topk_fraction": 0.05}
+LOCAL_SGD = Layout(dict(nworker_groups=2, local_steps=5), 2, 2, "Local SGD")
 
 
 @pytest.mark.parametrize("kind, ratio", [(job_pb2.kBF16, 2.0), (job_pb2.kFP16, 2.0), (job_pb2.kTopK, 4 / (0.01 * 6))])
@@ -18,6 +29,7 @@ def test_bytes_on_the_wire(kind, ratio):
     flat = torch.randn(10_000)
     sent = codec_for(cluster).encode(flat)
     assert flat.numel() * 4 / wire_bytes(sent) == pytest.approx(ratio, rel=0.01)
+    assert wire_bytes(sent) == encoded_bytes(cluster, flat.numel())  # what the planner predicts
     decoded = codec_for(cluster).decode(sent, flat.numel())
     assert decoded.shape == flat.shape and decoded.dtype == torch.float32
 
@@ -34,36 +46,110 @@ def test_top_k_error_feedback_sends_everything_eventually():
     assert codec.residual.abs().max() < pushed.abs().max()  # the large entries went out
 
 
-def run(job, ws, *sets):
-    args = [sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(ws), "--no-progress"]
-    for s in sets:
-        args += ["--set", s]
-    return subprocess.run(args, capture_output=True, text=True, timeout=300)
+def test_an_answer_tracked_by_what_the_receiver_holds_needs_no_residual():
+    """Distributed Hogwild's masters send top-k of (value − what the requester holds): once the value stops moving,
+    what the requester holds reaches it, with no residual kept."""
+    codec, gen = TopKCodec(0.05, error_feedback=False), torch.Generator().manual_seed(1)
+    value, known = torch.zeros(400), torch.zeros(400)
+    for _ in range(10):
+        value += torch.randn(400, generator=gen)
+        known += codec.decode(codec.encode(value - known), 400)
+    for _ in range(60):  # 20 entries an answer: the remaining difference goes out
+        known += codec.decode(codec.encode(value - known), 400)
+    assert codec.residual is None and torch.allclose(known, value, atol=0.05)
 
 
-DOWNPOUR = ["cluster.nworker_groups=2", "cluster.server_worker_separate=true"]
+def run(job, ws, layout: Layout, **cluster):
+    args = [sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(ws), "--no-progress", *layout.cli(**cluster)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return assert_ran(ws, layout)
 
 
-def pushed_per_step(ws) -> float:
+def sent_per_step(ws: Path, key: str = "sent_bytes", after: int = 0) -> float:
+    """Bytes the chief's process sent per step over the display windows ending after step `after`."""
     train = [json.loads(line) for line in (ws / "metrics.jsonl").read_text().splitlines() if '"phase": "train"' in line]
-    return sum(r["pushed_bytes"] for r in train[1:]) / (train[-1]["step"] - train[0]["step"])
+    windows = [r for r in train if r["step"] > after]
+    start = max(r["step"] for r in train if r["step"] <= after)
+    return sum(r[key] for r in windows) / (windows[-1]["step"] - start)
+
+
+def predicted(job: Path, layout: Layout, **cluster) -> int:
+    """The planner's bytes per step sent by process 0 (shoal plan --estimate)."""
+    return estimate(plan_job(load_job(job, layout.overrides(**cluster)), cores=2), CALIB).processes[0].sent
+
+
+def test_allreduce_sends_encoded_gradients_and_sums_as_the_planner_predicts(blobs_job, tmp_path):
+    """Dense, the owner sends the new values back; compressed, the encoded sum: runtime counts equal the estimate's."""
+    job, layout = blobs_job(train_steps=20, hidden=64), LAYOUTS["AllReduce, 2 processes"]
+    run(job, tmp_path / "dense", layout)
+    sparse = run(job, tmp_path / "sparse", layout, **TOPK)
+    dense_bytes, sparse_bytes = sent_per_step(tmp_path / "dense"), sent_per_step(tmp_path / "sparse")
+    assert dense_bytes == predicted(job, layout) == 1348 * 4  # 16·64 + 64 + 64·4 + 4 elements, all owned by rank 0
+    assert sparse_bytes == predicted(job, layout, **TOPK) == 6 * 68 + 4  # k = ⌈0.05 · 1348⌉ entries and 4 flags
+    assert dense_bytes / sparse_bytes > 13 and sparse["final_test"]["accuracy"] > 0.8
+
+
+@pytest.mark.parametrize("name", ["Sandblaster, 2 workers + 1 server, 3 processes", "Distributed Hogwild, 2 groups", "Local SGD"])
+def test_every_framework_over_processes_exchanges_compressed(blobs_job, tmp_path, name):
+    """Each runs its layout with top-k 5 % (20 steps), learns, and its chief sends the predicted bytes: ~13x fewer."""
+    layout = LOCAL_SGD if name == "Local SGD" else LAYOUTS[name]
+    job = blobs_job(train_steps=20, hidden=64)
+    cluster = dict(TOPK, sync_freq=2) if "Hogwild" in name else TOPK
+    got = run(job, tmp_path / "ws", layout, **cluster)
+    assert got["final_test"]["accuracy"] > 0.8
+    sparse_bytes = sent_per_step(tmp_path / "ws", after=5)  # Hogwild's first sync with a peer is dense
+    expected = predicted(job, layout, **cluster)
+    if "Hogwild" in name:  # syncs every 2 updates, answers when the peer asks: the estimate is an average
+        assert expected * 0.6 < sparse_bytes < expected * 1.4
+    else:  # the estimate is whole bytes per step (Local SGD: a meeting's bytes over local_steps, rounded down)
+        assert sparse_bytes == pytest.approx(expected, abs=1)
+    assert predicted(job, layout, **dict(cluster, compression="kNone")) / sparse_bytes > 8
 
 
 def test_downpour_pushes_top_k_in_fewer_bytes_and_still_learns(blobs_job, tmp_path):
-    job = blobs_job(train_steps=30)
-    dense = run(job, tmp_path / "dense", *DOWNPOUR)
-    sparse = run(job, tmp_path / "sparse", *DOWNPOUR, "cluster.compression=kTopK", "cluster.topk_fraction=0.02")
-    assert dense.returncode == 0 and sparse.returncode == 0, dense.stderr + sparse.stderr
-    assert pushed_per_step(tmp_path / "dense") / pushed_per_step(tmp_path / "sparse") > 25  # 2 % as 6-byte entries: ~33x
-    summary = json.loads((tmp_path / "sparse" / "summary.json").read_text())
-    assert summary["framework"] == "Downpour" and summary["final_test"]["accuracy"] > 0.8
+    layout = LAYOUTS["Downpour, 2 groups + 1 server, 3 processes"]
+    got = run(blobs_job(train_steps=30, hidden=64), tmp_path / "ws", layout, compression="kTopK", topk_fraction=0.02)
+    # a push is 6 bytes for each of k = ⌈0.02 · 1348⌉ = 27 entries, where float32 takes 4 · 1348
+    assert sent_per_step(tmp_path / "ws", "pushed_bytes") == 6 * 27
+    assert got["final_test"]["accuracy"] > 0.8
 
 
-def test_compression_is_refused_where_it_does_not_apply_and_noted_where_it_does(blobs_job):
+def test_compression_is_noted_where_it_applies_and_where_nothing_moves(blobs_job):
     job = blobs_job()
-    plan = lambda *sets: subprocess.run([sys.executable, "-m", "shoal", "plan", str(job), *sum((["--set", s] for s in sets), [])],
-                                        capture_output=True, text=True, timeout=120)  # noqa: E731
-    refused = plan("cluster.nworkers_per_group=2", "cluster.compression=kBF16")
-    assert refused.returncode == 2 and refused.stderr.startswith("cluster.compression: compressed pushes apply to Downpour only")
-    noted = plan(*DOWNPOUR, "cluster.compression=kTopK")
-    assert noted.returncode == 0 and "pushes compressed (top-0.01 with error feedback)" in noted.stdout
+
+    def plan(*sets):
+        return subprocess.run([sys.executable, "-m", "shoal", "plan", str(job), *sum((["--set", s] for s in sets), [])],
+                              capture_output=True, text=True, timeout=120)
+
+    allreduce = plan("cluster.nworkers_per_group=2", "cluster.compression=kBF16")
+    assert allreduce.returncode == 0 and ("note: gradients (to the servers of their slices, and their sum back) compressed "
+                                          "(BF16): the run does not compute what uncompressed AllReduce would (no longer "
+                                          "bit-exact with one worker)") in allreduce.stdout
+    refused = plan("cluster.nworkers_per_group=2", "cluster.compression=kTopK", "cluster.topk_fraction=0")
+    assert refused.returncode == 2 and refused.stderr.strip() == "cluster.topk_fraction: 0 is not in (0, 1]"
+
+    def notes(*sets):
+        return render(plan_job(load_job(job, list(sets)), cores=2))
+
+    assert "note: cluster.compression (top-0.01 with error feedback) not applied: in-memory Hogwild in one process moves " \
+           "no bytes" in notes("cluster.nworker_groups=2", "cluster.nworkers_per_procs=2", "cluster.compression=kTopK")
+    assert "note: pushes compressed (top-0.01 with error feedback)" in notes(
+        "cluster.nworker_groups=2", "cluster.server_worker_separate=true", "cluster.compression=kTopK")
+
+
+def test_shoal_plan_json_says_whether_the_run_stays_exact():
+    job = job_from_text("""
+name: "j" train_steps: 1
+train_one_batch { alg: kBP }
+updater { type: kSGD learning_rate { type: kFixed base_lr: 0.1 } }
+neuralnet {
+  layer { name: "data" type: kRecordInput store_conf { backend: "kvfile" path: "x.bin" batchsize: 4 shape: 8 } }
+  layer { name: "fc" type: kInnerProduct srclayers: "data" innerproduct_conf { num_output: 3 } param { name: "w" } param { name: "b" } }
+  layer { name: "loss" type: kSoftmaxLoss srclayers: "fc" srclayers: "data" }
+}
+cluster { nworkers_per_group: 2 compression: kFP16 }
+""")
+    assert describe(plan_job(job, cores=2))["compression"] == {"setting": "FP16", "applied": True, "bit_exact_with_one_worker": False}
+    job.cluster.nworkers_per_procs = 2  # one process: nothing is encoded, the run stays exact
+    assert describe(plan_job(job, cores=2))["compression"] == {"setting": "FP16", "applied": False, "bit_exact_with_one_worker": True}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from shoal.config import job_pb2
 from shoal.planning.plan import JobPlan
 
 
@@ -34,9 +35,18 @@ def describe(plan: JobPlan) -> dict:
         "processes": processes,
         "batch_shares": "measured at run time" if plan.cluster.auto_batch_shares else "as configured",
         "partition_notes": list(plan.notes),
+        "compression": _compression(plan),
         "params": {name: list(shape) for name, shape in plan.params.items()},
         "param_elements": sum(_numel(shape) for shape in plan.params.values()),
     }
+
+
+def _compression(plan: JobPlan) -> dict:
+    """cluster.compression as it runs: encoded only over processes, and then not bit-exact with one worker."""
+    c = plan.cluster
+    setting = f"top-{c.topk_fraction:g}" if c.compression == job_pb2.kTopK else job_pb2.Compression.Name(c.compression)[1:]
+    applied = c.compression != job_pb2.kNone and not plan.in_one_process
+    return {"setting": setting, "applied": applied, "bit_exact_with_one_worker": plan.framework.synchronous and not applied}
 
 
 def _numel(shape: tuple[int, ...]) -> int:
