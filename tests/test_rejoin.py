@@ -63,6 +63,8 @@ def test_a_killed_group_is_restarted_and_rejoins_from_the_live_params(blobs_job,
     assert re.search(r"live params of version \d+, [0-9.]+ s after its process started; [0-9.]+ s after its death was seen", line[0])
     summary = assert_ran(run.ws, DOWNPOUR)
     assert summary["status"] == "finished" and summary["steps"] == STEPS
+    pids = re.findall(r"Worker \(group = 1, id = 0\) start on CPU in process 1 \(pid = (\d+)\)", (run.ws / "logs" / "rank1.log").read_text())
+    assert len(set(pids)) == 2, pids  # group 1 ran in two processes, one after the other
     (record,) = summary["rejoins"]
     assert (record["group"], record["rank"], record["incarnation"], record["by_hand"]) == (1, 1, 1, False)
     print(f"detection to rejoin {record['detection_to_rejoin_s']} s, process start to rejoin {record['process_start_to_rejoin_s']} s")

@@ -126,6 +126,8 @@ class Restarter:
         self._door = self._store = None
         self._context = None
         self._note_store()
+        if max_restarts() > 0 and plan.framework is not Framework.DOWNPOUR:
+            warn(f"WARNING: --max-restarts: only Downpour worker groups are restarted; {plan.label}'s are not")
         if self.limit > 0:
             self._connect()
             self._context = _forkserver()
