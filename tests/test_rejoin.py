@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from layouts import LAYOUTS, assert_ran
+from layouts import LAYOUTS, Layout, assert_ran
 from test_cli import leftover_processes, tagged
 from test_stalls import Run, runs  # noqa: F401 - the fixture that stops what a failed test left running
 
@@ -28,32 +28,41 @@ def rejoins(workspace) -> list[dict]:
     return [json.loads(line) for line in (workspace / "logs" / "rejoins.jsonl").read_text().splitlines()]
 
 
-def server_log(workspace) -> str:
-    return (workspace / "logs" / "rank2.log").read_text()
+def server_log(workspace, server: int = 0) -> str:
+    return (workspace / "logs" / f"rank{2 + server}.log").read_text()  # servers come after the 2 groups' processes
 
 
-def assert_no_update_lost(workspace, steps: int) -> None:
-    """The server applied every step of both groups once, the rejoined group's over its two processes."""
-    final = re.search(r"server\(group=0, id=0\): version (\d+); updates applied: group 0: (\d+), group 1: (\d+) \(2 processes\)",
-                      server_log(workspace))
-    assert final, server_log(workspace)[-2000:]
-    version, group0, group1 = map(int, final.groups())
-    assert version == group0 + group1 == 2 * steps
+def assert_no_update_lost(workspace, steps: int, servers: int = 1) -> None:
+    """Each server applied every step of both groups once, the rejoined group's over its two processes."""
+    for s in range(servers):
+        final = re.search(rf"server\(group=0, id={s}\): version (\d+); updates applied: group 0: (\d+), group 1: (\d+) \(2 processes\)",
+                          server_log(workspace, s))
+        assert final, server_log(workspace, s)[-2000:]
+        version, group0, group1 = map(int, final.groups())
+        assert version == group0 + group1 == 2 * steps
 
 
-def assert_pulled_the_live_values(record: dict, workspace, steps: int = STEPS) -> None:
-    """The rejoined process trained on exactly what the server sent at that version, not on its initial values."""
-    sent = re.search(rf"sent worker group 1 \(restart {record['incarnation']}\) the live values of version (\d+) "
-                     rf"\(digest (\w+)\) and its step (\d+)", server_log(workspace))
-    assert sent, server_log(workspace)[-2000:]
-    assert (int(sent[1]), int(sent[3])) == (record["version"], record["step"])
-    assert record["digests"]["pulled"]["0"] == sent[2]
-    assert record["digests"]["before"]["0"] != sent[2]
+def assert_pulled_the_live_values(record: dict, workspace, steps: int = STEPS, servers: int = 1) -> None:
+    """The rejoined process trained on exactly what each server sent at its version, not on its initial values;
+    it goes on at the first step some server had not applied."""
+    versions, steps_done = [], []
+    for s in range(servers):
+        sent = re.search(rf"sent worker group 1 \(restart {record['incarnation']}\) the live values of version (\d+) "
+                         rf"\(digest (\w+)\) and its step (\d+)", server_log(workspace, s))
+        assert sent, server_log(workspace, s)[-2000:]
+        versions.append(int(sent[1]))
+        steps_done.append(int(sent[3]))
+        assert record["digests"]["pulled"][str(s)] == sent[2]
+        assert record["digests"]["before"][str(s)] != sent[2]
+    assert (min(versions), min(steps_done)) == (record["version"], record["step"])
     assert 0 < record["step"] < steps and record["version"] >= record["step"]
 
 
-def test_a_killed_group_is_restarted_and_rejoins_from_the_live_params(blobs_job, tmp_path, runs):
-    run = Run(blobs_job(train_steps=STEPS), tmp_path, DOWNPOUR, "--max-restarts", "1", "--set", "test_freq=100", env=SLOW)
+@pytest.mark.parametrize("servers", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_killed_group_is_restarted_and_rejoins_from_the_live_params(blobs_job, tmp_path, runs, servers):
+    layout = Layout({**LAYOUTS[DOWNPOUR].cluster, "nservers_per_group": servers}, 2 + servers, 2, "Downpour")
+    run = Run(blobs_job(train_steps=STEPS), tmp_path, DOWNPOUR, "--max-restarts", "1", "--set", "test_freq=100",
+              "--set", f"cluster.nservers_per_group={servers}", env=SLOW)
     runs.append(run)
     os.kill(run.pid_of(1), signal.SIGKILL)
     assert run.wait(timeout=180) == 0, run.stderr()
@@ -61,7 +70,7 @@ def test_a_killed_group_is_restarted_and_rejoins_from_the_live_params(blobs_job,
     line = [line for line in run.out.read_text().splitlines() if line.startswith("Worker group 1 rejoined at step ")]
     assert len(line) == 1, run.out.read_text()
     assert re.search(r"live params of version \d+, [0-9.]+ s after its process started; [0-9.]+ s after its death was seen", line[0])
-    summary = assert_ran(run.ws, DOWNPOUR)
+    summary = assert_ran(run.ws, layout)
     assert summary["status"] == "finished" and summary["steps"] == STEPS
     pids = re.findall(r"Worker \(group = 1, id = 0\) start on CPU in process 1 \(pid = (\d+)\)", (run.ws / "logs" / "rank1.log").read_text())
     assert len(set(pids)) == 2, pids  # group 1 ran in two processes, one after the other
@@ -70,8 +79,8 @@ def test_a_killed_group_is_restarted_and_rejoins_from_the_live_params(blobs_job,
     print(f"detection to rejoin {record['detection_to_rejoin_s']} s, process start to rejoin {record['process_start_to_rejoin_s']} s")
     assert record["process_start_to_rejoin_s"] <= 2.0
     assert record["detection_to_rejoin_s"] <= 2.5
-    assert_pulled_the_live_values(record, run.ws)
-    assert_no_update_lost(run.ws, STEPS)
+    assert_pulled_the_live_values(record, run.ws, servers=servers)
+    assert_no_update_lost(run.ws, STEPS, servers)
     assert f"Test @ step {STEPS}" in run.out.read_text()
     assert leftover_processes(tmp_path) == []
 
