@@ -3,9 +3,10 @@ framework over processes, and keeps test accuracy within 1 point of the dense ex
 
 Each layout trains the MLP 784-256-128-10 (momentum 0.9, batch 64 per group, lr 0.05) on real MNIST for the same
 steps per group, dense and with each codec, and is tested on the whole 10,000-image test set. Bytes per step are
-what the chief's process sent in its exchange (metrics.jsonl: Downpour's `pushed_bytes`, the others' `sent_bytes`:
-AllReduce's gradients to the servers of its slices and the values or encoded sums back, Distributed Hogwild's
-deltas and answers, Local SGD's pseudo-gradients).
+the chief's exchange's (metrics.jsonl): AllReduce's `sent_bytes` (the chief's process sends the gradients of
+others' slices and, owning slices, their values or encoded sums back), Downpour's `pushed_bytes` (its pushes),
+Distributed Hogwild's `sync_bytes` (its own syncs both ways: its deltas and the masters' answers), Local SGD's
+`sent_bytes` (the pseudo-gradients it hands to the meetings).
 
     shoal prepare mnist --out examples/mnist/data     # once
     python benchmarks/compression.py [--steps 400] [--lr 0.05]
@@ -52,7 +53,8 @@ def run(job: Path, sets: list[str]) -> tuple[float, float]:
         raise SystemExit(f"{' '.join(sets)}: {proc.stderr.strip().splitlines()[-1]}")
     records = [json.loads(line) for line in (ws / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["phase"] == "train"]
-    sent = sum(r.get("sent_bytes", r.get("pushed_bytes", 0)) for r in train[1:]) / (train[-1]["step"] - train[0]["step"])
+    key = next(k for k in ("sent_bytes", "pushed_bytes", "sync_bytes") if k in train[-1])
+    sent = sum(r[key] for r in train[1:]) / (train[-1]["step"] - train[0]["step"])
     return sent, [r for r in records if r["phase"] == "test"][-1]["accuracy"]
 
 
@@ -60,6 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--only", default="", help="run the layouts whose name contains this")
     args = parser.parse_args()
     if not (DATA / "test_data.bin").exists():
         raise SystemExit(f"{DATA}: run `shoal prepare mnist --out {DATA}` first")
@@ -71,6 +74,8 @@ def main() -> None:
     print("| layout | exchange | bytes per step | fewer than dense | test accuracy | vs dense |")
     print("|---|---|---|---|---|---|")
     for name, layout in LAYOUTS.items():
+        if args.only not in name:
+            continue
         dense_bytes = dense_acc = None
         for codec, sets in CODECS.items():
             sent, acc = run(job, layout + sets)

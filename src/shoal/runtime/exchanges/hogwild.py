@@ -76,9 +76,9 @@ class HogwildExchange:
         self.updates = 0
         self.syncs = 0
         self._syncs_shown = 0
-        self.sent_bytes = 0  # requests this process sent since the last display
-        self.answered_bytes = {g: 0 for g in self.peers}  # answers to each group, so far (each its master thread's)
-        self._answered_shown = 0
+        # bytes of this group's own syncs since the last display, both ways (its deltas and the answers): what a
+        # sync costs, counted where it is made (the answers this group serves follow the others' timing)
+        self.sync_bytes = 0
         self.codecs = codecs
         if codecs is not None:
             self.delta_codecs = {master: codecs() for master in self.requests}  # top-k: a residual per master
@@ -143,7 +143,7 @@ class HogwildExchange:
             comm.send(delta, master, TAG_SYNC_DELTA)
             comm.recv(fresh, master, TAG_SYNC_VALUE)
 
-        self.sent_bytes += 8 + wire_bytes([delta])
+        self.sync_bytes += 8 + wire_bytes([delta, fresh])
         return fresh if self._exchange(master, exchange) else None
 
     def _ask_encoded(self, master: int, delta: torch.Tensor, size: int):
@@ -158,7 +158,7 @@ class HogwildExchange:
             for part, tag in zip(answer, (TAG_SYNC_VALUE, TAG_SYNC_VALUE_2)):
                 comm.recv(part, master, tag)
 
-        self.sent_bytes += 8 + wire_bytes(parts)
+        self.sync_bytes += 8 + wire_bytes(parts + answer)
         if not self._exchange(master, exchange):
             return None
         return self.last_sync[master] + codec.decode(answer, size)
@@ -216,12 +216,10 @@ class HogwildExchange:
                     self.known[group] += codec.decode(parts, size)
                     for part, tag in zip(parts, (TAG_SYNC_VALUE, TAG_SYNC_VALUE_2)):
                         comm.send(part, rank, tag)
-                    self.answered_bytes[group] += wire_bytes(parts)
                     continue
                 if codec is not None:  # a dense first sync: both sides now hold `fresh`
                     self.known[group] = fresh.clone()
                 comm.send(fresh, rank, TAG_SYNC_VALUE)
-                self.answered_bytes[group] += wire_bytes([fresh])
         except RuntimeError as err:
             if not heartbeat.is_stalled(rank):  # a stalled group was dropped already (the chief warned)
                 warn(f"WARNING: server group {self.group} drops worker group {group} (process {rank}): {comm.describe_error(err)}")
@@ -242,10 +240,8 @@ class HogwildExchange:
     # -- the trainer's interface --------------------------------------------------------
     def metrics(self, window: MetricWindow) -> dict[str, float]:
         """This group's losses and how many syncs with master replicas it made since the last display."""
-        answered = sum(self.answered_bytes.values())
-        values = window.averages() | {"syncs": self.syncs - self._syncs_shown,
-                                      "sent_bytes": self.sent_bytes + answered - self._answered_shown}
-        self._syncs_shown, self._answered_shown, self.sent_bytes = self.syncs, answered, 0
+        values = window.averages() | {"syncs": self.syncs - self._syncs_shown, "sync_bytes": self.sync_bytes}
+        self._syncs_shown, self.sync_bytes = self.syncs, 0
         return values
 
     def view_updater(self):
