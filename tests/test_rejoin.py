@@ -55,7 +55,8 @@ def assert_pulled_the_live_values(record: dict, workspace, steps: int = STEPS, s
         assert record["digests"]["pulled"][str(s)] == sent[2]
         assert record["digests"]["before"][str(s)] != sent[2]
     assert (min(versions), min(steps_done)) == (record["version"], record["step"])
-    assert 0 < record["step"] < steps and record["version"] >= record["step"]
+    # group 0 had pushed (the kill comes after its step 10), group 1 perhaps not yet on a loaded machine
+    assert 0 <= record["step"] < steps and record["version"] > record["step"]
 
 
 @pytest.mark.parametrize("servers", [1, pytest.param(2, marks=pytest.mark.slow)])
