@@ -59,15 +59,21 @@ def assert_pulled_the_live_values(record: dict, workspace, steps: int = STEPS, s
     assert 0 <= record["step"] < steps and record["version"] > record["step"]
 
 
-@pytest.mark.parametrize("servers", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_a_killed_group_is_restarted_and_rejoins_from_the_live_params(blobs_job, tmp_path, runs, servers):
-    layout = Layout({**LAYOUTS[DOWNPOUR].cluster, "nservers_per_group": servers}, 2 + servers, 2, "Downpour")
-    run = Run(blobs_job(train_steps=STEPS), tmp_path, DOWNPOUR, "--max-restarts", "1", "--set", "test_freq=100",
+@pytest.mark.parametrize("name, servers", [
+    (DOWNPOUR, 1),
+    pytest.param(DOWNPOUR, 2, marks=pytest.mark.slow),  # each server's values and version
+    pytest.param("Downpour, 2 groups x 2 threads + 1 server, 3 processes", 1, marks=pytest.mark.slow),  # a group of 2 workers
+])
+def test_a_killed_group_is_restarted_and_rejoins_from_the_live_params(blobs_job, tmp_path, runs, name, servers):
+    base = LAYOUTS[name]
+    layout = Layout({**base.cluster, "nservers_per_group": servers}, base.processes + servers - 1, base.workers, "Downpour")
+    run = Run(blobs_job(train_steps=STEPS), tmp_path, name, "--max-restarts", "1", "--set", "test_freq=100",
               "--set", f"cluster.nservers_per_group={servers}", env=SLOW)
     runs.append(run)
     os.kill(run.pid_of(1), signal.SIGKILL)
     assert run.wait(timeout=180) == 0, run.stderr()
-    assert "process 1 (worker(group=1, id=0)) exited with code -9; restarting it (restart 1 of 1)" in run.stderr()
+    assert re.search(r"^WARNING: process 1 \(worker\(group=1, id=0\).*\) exited with code -9; restarting it \(restart 1 of 1\)",
+                     run.stderr(), re.M), run.stderr()
     line = [line for line in run.out.read_text().splitlines() if line.startswith("Worker group 1 rejoined at step ")]
     assert len(line) == 1, run.out.read_text()
     assert re.search(r"live params of version \d+, [0-9.]+ s after its process started; [0-9.]+ s after its death was seen", line[0])
