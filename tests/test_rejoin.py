@@ -151,14 +151,29 @@ def test_a_killed_group_rejoins_by_hand(blobs_job, tmp_path, runs):
 
 @pytest.mark.parametrize("layout, rank, says", [
     (DOWNPOUR, 0, "--rejoin 0: process 0 (worker(group=0, id=0)) hosts worker group 0, the chief's"),
-    pytest.param(DOWNPOUR, 2, "--rejoin 2: process 2 (server(group=0, id=0)) is a server", marks=pytest.mark.slow),
+    (DOWNPOUR, 2, "--rejoin 2: process 2 (server(group=0, id=0)) is a server"),
     ("Downpour, 2 groups x 2 workers + 2 servers, 6 processes", 2,
      "--rejoin 2: worker group 1 spans processes 2, 3: only a group hosted by one process can rejoin"),
     ("Distributed Hogwild, 2 groups", 1, "--rejoin 1: only Downpour worker groups can rejoin a running job"),
 ])
-def test_rejoin_refuses_what_cannot_come_back(blobs_job, tmp_path, layout, rank, says):
-    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(blobs_job(train_steps=10, layout=layout)),
-                           "--workspace", str(tmp_path / "ws"), "--rejoin", str(rank)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and says in lines[0], proc.stderr
+def test_rejoin_refuses_what_cannot_come_back(blobs_job, tmp_path, capsys, layout, rank, says):
+    from shoal.frontend.cli import main
+
+    assert main(["run", str(blobs_job(train_steps=10, layout=layout)), "--workspace", str(tmp_path / "ws"), "--rejoin", str(rank)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], lines
+    assert not (tmp_path / "ws").exists()  # nothing was started
+
+
+def test_rejoin_refuses_where_no_job_runs_and_bad_options(blobs_job, tmp_path, capsys):
+    from shoal.frontend.cli import main
+
+    job = str(blobs_job(train_steps=10, layout=DOWNPOUR))
+    for args, says in [
+        (["--rejoin", "1"], f"--rejoin: {tmp_path}/none/logs/store.json does not say where the job's store is"),
+        (["--rejoin", "1", "--master", "nowhere"], "--master nowhere: expected HOST:PORT"),
+        (["--max-restarts", "-1"], "--max-restarts -1: expected 0 or more"),
+    ]:
+        assert main(["run", job, "--workspace", str(tmp_path / "none"), *args]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(says), lines
