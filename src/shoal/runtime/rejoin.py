@@ -123,6 +123,7 @@ class Restarter:
         self.plan, self.meeting, self.spec, self.process_setup = plan, meeting, spec, process_setup
         self.limit = max_restarts() if plan.framework is Framework.DOWNPOUR else 0
         self.restarts: dict[int, int] = {}
+        self.started = time.time()  # rejoins.jsonl may hold an earlier run's rejoins (a resumed workspace)
         self._door = self._store = None
         self._context = None
         self._note_store()
@@ -176,7 +177,7 @@ class Restarter:
 
     def finish(self) -> None:
         """The job ended: its summary lists the rejoins (the chief closed it before)."""
-        add_rejoins_to_summary(Path(self.spec.workspace))
+        add_rejoins_to_summary(Path(self.spec.workspace), since=self.started)
 
 
 def _forkserver():
@@ -191,11 +192,14 @@ def _forkserver():
     return context
 
 
-def add_rejoins_to_summary(workspace: Path) -> None:
+def add_rejoins_to_summary(workspace: Path, since: float) -> None:
+    """summary.json's `rejoins`: this run's lines of logs/rejoins.jsonl (those written since `since`)."""
     records_path, summary_path = workspace / "logs" / RECORDS_FILE, workspace / "summary.json"
     if not records_path.exists() or not summary_path.exists():
         return
-    records = [json.loads(line) for line in records_path.read_text().splitlines() if line.strip()]
+    records = [r for r in (json.loads(line) for line in records_path.read_text().splitlines() if line.strip()) if r["time"] >= since]
+    if not records:
+        return
     summary = json.loads(summary_path.read_text())
     summary["rejoins"] = records
     tmp = summary_path.with_name(summary_path.name + ".tmp")
