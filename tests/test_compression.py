@@ -106,7 +106,7 @@ def test_sandblaster_and_local_sgd_exchange_compressed(blobs_job, tmp_path, name
 
 def test_distributed_hogwild_syncs_compressed(blobs_job, tmp_path):
     """Every 2 updates group 0 sends the master of the other slices its encoded Δ (and an 8-byte header) and gets
-    the encoded change back; its first sync with a peer is dense."""
+    the encoded change since what group 0 holds back."""
     layout, cluster = LAYOUTS["Distributed Hogwild, 2 groups"], dict(TOPK, sync_freq=2)
     job = blobs_job(train_steps=20, hidden=64)
     got = run(job, tmp_path / "ws", layout, **cluster)
@@ -117,7 +117,7 @@ def test_distributed_hogwild_syncs_compressed(blobs_job, tmp_path):
     def per_sync(c: job_pb2.ClusterProto) -> int:
         return 8 + 2 * encoded_bytes(c, theirs)
 
-    # syncs after updates 2, 4, ... (steps 1, 3, ...): 5 in steps 6-15, the windows after the dense first one
+    # syncs after updates 2, 4, ... (steps 1, 3, ...): 5 in steps 6-15 (the windows of steps 6-10 and 11-15)
     assert sent_per_step(tmp_path / "ws", "sync_bytes", after=5) == per_sync(plan.cluster) / 2
     assert per_sync(job_pb2.ClusterProto()) / per_sync(plan.cluster) > 12
 

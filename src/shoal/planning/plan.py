@@ -202,7 +202,7 @@ _COMPRESSED = {
     Framework.DOWNPOUR: "pushes",
     Framework.ALLREDUCE: "gradients (to the servers of their slices, and their sum back)",
     Framework.SANDBLASTER: "gradients (to the servers of their slices, and their sum back)",
-    Framework.DISTRIBUTED_HOGWILD: "syncs (deltas to the masters, and their answers; a pair's first sync is dense)",
+    Framework.DISTRIBUTED_HOGWILD: "syncs (deltas to the masters, and their answers)",
     Framework.LOCAL_SGD: "pseudo-gradients at each meeting",
 }
 

@@ -19,13 +19,14 @@ shoal.comm.heartbeat) is dropped the same way: a sync waiting for it gives up
 (its receive is left pending on a thread of its own), and if it wakes later its
 deltas are never added.
 
-Compressed (cluster.compression), a pair's first sync is dense (it agrees on the values both
-start from); after it the requester sends its encoded Δ (top-k: what it did not send stays in
-its residual and goes with the next Δ) and the master answers with the encoded change of its
-slices since what this requester holds (`known`, which the master tracks: the part of the change
-it did not send is still in the next difference, so the answer needs no residual). The
-requester's copy of a master's slices is then `known`, which trails the master's by what was not
-sent yet.
+Every group starts from the same values (the job's seed, its checkpoint_path or the checkpoint a
+run resumes from), taken as last_sync when the group begins its first step; its masters start
+serving then too. Compressed (cluster.compression), the requester sends its encoded Δ (top-k:
+what it did not send stays in its residual and goes with the next Δ) and the master answers with
+the encoded change of its slices since what this requester holds (`known`, which the master
+tracks from those common start values: the part of the change it did not send is still in the
+next difference, so the answer needs no residual). The requester's copy of a master's slices is
+then `known`, which trails the master's by what was not sent yet.
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ class HogwildExchange:
         group_rank = {g: placement.process_of(ServerId(g, 0)) for g in range(ngroups)}
         # the other groups' slices this group asks for, per master process
         self.requests = {group_rank[g]: server_segments(mastered_by(placement, trainable, g)) for g in range(ngroups) if g != group}
-        self.last_sync = {r: self._gather(segs) for r, (segs, _) in self.requests.items()}
+        self.last_sync: dict[int, torch.Tensor] = {}  # per master: the values at the last sync (from the first step)
         # what this group masters, served to each other group
         self.served = server_segments(mastered_by(placement, trainable, group))
         self.peers = {g: r for g, r in group_rank.items() if g != group}
@@ -83,10 +84,20 @@ class HogwildExchange:
         if codecs is not None:
             self.delta_codecs = {master: codecs() for master in self.requests}  # top-k: a residual per master
             self.answer_codecs = {g: codecs(False) for g in self.peers}  # the difference from `known` is the feedback
-            self.encoded = set()  # masters this group had its dense first sync with
             self.known: dict[int, torch.Tensor] = {}  # per requesting group: what it holds of this group's slices
         self._threads = [threading.Thread(target=self._serve, args=(g, r), name=f"shoal-sync-group{g}", daemon=True)
                          for g, r in self.peers.items()]
+        self._started = False
+
+    def _start(self) -> None:
+        """The values every group starts from are set (initial, loaded or resumed): remember them, start serving."""
+        if self._started:
+            return
+        self._started = True
+        self.last_sync = {r: self._gather(segs) for r, (segs, _) in self.requests.items()}
+        if self.codecs is not None:
+            start = self._gather(self.served[0])
+            self.known = {g: start.clone() for g in self.peers}
         for t in self._threads:
             t.start()
 
@@ -101,6 +112,7 @@ class HogwildExchange:
     # -- the group's own steps ----------------------------------------------------------
     def begin(self, step: int) -> None:
         """Nothing to wait for: a group only ever waits for its own replica."""
+        self._start()
 
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
         with self.lock:
@@ -117,10 +129,7 @@ class HogwildExchange:
             try:
                 with self.lock:
                     delta = self._gather(segments) - self.last_sync[master]
-                fresh = self._ask(master, delta, size) if self.codecs is None or master not in self.encoded \
-                    else self._ask_encoded(master, delta, size)
-                if self.codecs is not None:
-                    self.encoded.add(master)
+                fresh = self._ask(master, delta, size) if self.codecs is None else self._ask_encoded(master, delta, size)
             except RuntimeError as err:
                 warn(f"WARNING: worker group {self.group} stops syncing with process {master}: {comm.describe_error(err)}")
                 del self.requests[master]
@@ -217,8 +226,6 @@ class HogwildExchange:
                     for part, tag in zip(parts, (TAG_SYNC_VALUE, TAG_SYNC_VALUE_2)):
                         comm.send(part, rank, tag)
                     continue
-                if codec is not None:  # a dense first sync: both sides now hold `fresh`
-                    self.known[group] = fresh.clone()
                 comm.send(fresh, rank, TAG_SYNC_VALUE)
         except RuntimeError as err:
             if not heartbeat.is_stalled(rank):  # a stalled group was dropped already (the chief warned)
@@ -226,6 +233,7 @@ class HogwildExchange:
 
     def finish(self) -> None:
         """Training is over here: tell the masters, then serve the others until they are done too."""
+        self._start()  # a group that had no step left to train still serves the others
         for master in self.requests:
             try:
                 comm.send(torch.tensor([STOP], dtype=torch.int64), master, TAG_SYNC_HEADER)
