@@ -14,7 +14,8 @@ A `Door` is the store-side handshake, the same for a group's first join and for 
   server S; `.../accepted` when the server builds its side (or `s<S>/closed`: the server has
   finished, nothing is served any more);
 - `s<S>/g<G>/state`: the server's word on the group ("serving N", "lost N", "finished");
-- `g<G>/given_up`: the last incarnation the launcher will not restart again (no wait for it).
+- `g<G>/given_up`: the last incarnation the launcher will not restart again (no wait for it);
+- `restarts`: set when the launcher restarts dead groups (a server then waits a moment for its word).
 """
 from __future__ import annotations
 
@@ -90,6 +91,24 @@ class Door:
     def next_incarnation(self, group: int) -> int:
         """Announce a new process for `group` (the servers then wait for it); returns its incarnation."""
         return self._store.add(f"g{group}/incarnation", 1)
+
+    def restarts_dead_groups(self) -> None:
+        """The launcher will restart dead groups (--max-restarts): a server waits a moment for its word on each."""
+        self._store.set("restarts", "1")
+
+    def dead_groups_restart(self) -> bool:
+        return self._store.check(["restarts"])
+
+    def await_announcement(self, group: int, after: int, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for a new incarnation of `group` to be announced (True) or given up on."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.expected(group, after):
+                return True
+            if self._int(f"g{group}/given_up", -1) >= after:
+                return False
+            time.sleep(POLL_S)
+        return False
 
     def give_up(self, group: int, incarnation: int) -> None:
         """Incarnation `incarnation` of `group` will not come (its process died before it connected)."""

@@ -131,6 +131,7 @@ class Restarter:
             warn(f"WARNING: --max-restarts: only Downpour worker groups are restarted; {plan.label}'s are not")
         if self.limit > 0:
             self._connect()
+            self._door.restarts_dead_groups()
             self._context = _forkserver()
 
     def _note_store(self) -> None:
@@ -156,7 +157,7 @@ class Restarter:
         done = self.restarts.get(rank, 0)
         group = group_of(self.plan, rank)
         if reason is not None or done >= self.limit:
-            if reason is None and self._door is not None:  # out of restarts: the servers stop waiting for the group
+            if self._door is not None:  # not restarted: the servers stop waiting for the group
                 self._door.give_up(group, self._door.incarnation(group))
             why = reason or f"restarted {done} time(s) already (--max-restarts {self.limit})"
             warn(f"WARNING: {describe_process(self.plan, rank)} exited with code {code}; not restarted: {why}; "

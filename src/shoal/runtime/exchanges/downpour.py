@@ -53,6 +53,7 @@ from shoal.neuralnet.updaters import Updater
 PUSH, STOP, STATE, FINAL, PULL = 1, 2, 3, 4, 5
 REFUSED = -1  # the version a server answers a dropped group with
 DOOR = "downpour"  # the channels' keys in the job's store (shoal.comm.channels)
+ANNOUNCEMENT_S = 2.0  # how long a server waits for the launcher to say whether a dead group is restarted
 TAG_HEADER, TAG_GRAD, TAG_VALUES, TAG_REPLY, TAG_STATE, TAG_HAS_GRAD = 11, 12, 13, 14, 15, 16
 
 
@@ -328,6 +329,9 @@ class DownpourServer:
             if (group, incarnation) not in self._dropped:
                 warn(f"WARNING: {self.server} lost worker group {group} (process {self.stubs[group]}"
                      f"{f', restart {incarnation}' if incarnation else ''}): {comm.describe_error(err)}")
+                if self.door.dead_groups_restart() and self.door.await_announcement(group, incarnation, ANNOUNCEMENT_S):
+                    with self._running:  # the chief's last request must not slip through before the launcher's word
+                        self._expected.add(group)
         finally:
             if not finished:
                 self._lost(group, incarnation)
