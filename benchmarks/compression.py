@@ -63,6 +63,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--only", default="", help="run the layouts whose name contains this")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each cell (asynchronous runs vary with timing)")
     args = parser.parse_args()
     if not (DATA / "test_data.bin").exists():
         raise SystemExit(f"{DATA}: run `shoal prepare mnist --out {DATA}` first")
@@ -71,6 +72,7 @@ def main() -> None:
     text = SMALL_MLP.format(lr=args.lr, data=DATA).replace("train_steps: 400", f"train_steps: {args.steps}")
     job.write_text(text.replace("test_freq: 400", f"test_freq: {args.steps}").replace("disp_freq: 100", "disp_freq: 50"))
     print(f"MLP 784-256-128-10, momentum 0.9, lr {args.lr}, {args.steps} steps per group; bytes: the chief's process, per step")
+    print(f"accuracy: mean of {args.repeats} runs (each run's in brackets); vs dense: the means' difference")
     print("| layout | exchange | bytes per step | fewer than dense | test accuracy | vs dense |")
     print("|---|---|---|---|---|---|")
     for name, layout in LAYOUTS.items():
@@ -78,10 +80,13 @@ def main() -> None:
             continue
         dense_bytes = dense_acc = None
         for codec, sets in CODECS.items():
-            sent, acc = run(job, layout + sets)
+            runs = [run(job, layout + sets) for _ in range(args.repeats)]
+            sent, accs = runs[0][0], [acc for _, acc in runs]
+            acc = sum(accs) / len(accs)
             if dense_bytes is None:
                 dense_bytes, dense_acc = sent, acc
-            print(f"| {name} | {codec} | {sent:,.0f} | {dense_bytes / sent:.1f}x | {acc:.4f} | {100 * (acc - dense_acc):+.2f} pt |",
+            each = " (" + ", ".join(f"{a:.4f}" for a in accs) + ")" if len(accs) > 1 else ""
+            print(f"| {name} | {codec} | {sent:,.0f} | {dense_bytes / sent:.1f}x | {acc:.4f}{each} | {100 * (acc - dense_acc):+.2f} pt |",
                   flush=True)
     print(f"load at the end {os.getloadavg()[0]:.1f}")
 

@@ -34,9 +34,11 @@ def test_bytes_on_the_wire(kind, ratio):
     assert decoded.shape == flat.shape and decoded.dtype == torch.float32
 
 
-def test_top_k_error_feedback_sends_everything_eventually():
-    """What is not sent stays in the residual: sent so far + residual == everything pushed so far (to bf16 rounding)."""
-    codec, gen = TopKCodec(0.05), torch.Generator().manual_seed(0)
+@pytest.mark.parametrize("kind", [job_pb2.kTopK, job_pb2.kBF16, job_pb2.kFP16])
+def test_error_feedback_sends_everything_eventually(kind):
+    """What is not sent stays in the residual: sent so far + residual == everything pushed so far (to float32
+    rounding); for top-k the large entries went out, for casts the residual is their rounding."""
+    codec, gen = codec_for(job_pb2.ClusterProto(compression=kind, topk_fraction=0.05)), torch.Generator().manual_seed(0)
     pushed, sent = torch.zeros(400), torch.zeros(400)
     for _ in range(30):
         g = torch.randn(400, generator=gen)

@@ -39,14 +39,22 @@ class Codec:
 
 
 class CastCodec(Codec):
-    def __init__(self, dtype: torch.dtype):
+    """bf16/fp16 values; with error feedback the rounding error of one message goes out with the next."""
+
+    def __init__(self, dtype: torch.dtype, error_feedback: bool = False):
         self.dtype = dtype
+        self.error_feedback = error_feedback
+        self.residual: Optional[torch.Tensor] = None
 
     def buffers(self, size: int) -> list[torch.Tensor]:
         return [torch.zeros(size, dtype=self.dtype)]
 
     def encode(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat.to(self.dtype)]
+        corrected = flat if self.residual is None else flat + self.residual
+        sent = corrected.to(self.dtype)
+        if self.error_feedback:
+            self.residual = corrected - sent.float()
+        return [sent]
 
     def decode(self, received: list[torch.Tensor], size: int) -> torch.Tensor:
         return received[0].float()
@@ -89,9 +97,9 @@ def codec_for(cluster: job_pb2.ClusterProto, error_feedback: bool = True) -> Cod
     """A fresh codec for one sender's pushes, as the cluster section says."""
     kind = cluster.compression
     if kind == job_pb2.kBF16:
-        return CastCodec(torch.bfloat16)
+        return CastCodec(torch.bfloat16, error_feedback)
     if kind == job_pb2.kFP16:
-        return CastCodec(torch.float16)
+        return CastCodec(torch.float16, error_feedback)
     if kind == job_pb2.kTopK:
         return TopKCodec(cluster.topk_fraction, error_feedback)
     return Codec()
