@@ -83,8 +83,8 @@ def test_sandblaster_over_two_hosts_equals_the_single_worker_run(two_hosts, blob
     b = ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / "node0", 8)).params
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6)
-    # node 1 hosted ranks 2 and 3 (the servers): its logs are its own
-    assert sorted(p.name for p in (tmp_path / "node1" / "logs").iterdir()) == ["rank2.log", "rank3.log"]
+    # node 1 hosted ranks 2 and 3 (the servers): its logs are its own, and its launcher's (the rendezvous's)
+    assert sorted(p.name for p in (tmp_path / "node1" / "logs").iterdir()) == ["launcher.log", "rank2.log", "rank3.log"]
 
 
 def test_without_node_ranks_torchs_c10d_rendezvous_numbers_the_nodes(two_hosts, blobs_job, tmp_path):
@@ -108,7 +108,7 @@ def test_without_node_ranks_torchs_c10d_rendezvous_numbers_the_nodes(two_hosts, 
     assert len(chief) == 1, outs
     other = "b" if chief == ["a"] else "a"
     assert_ran(tmp_path / chief[0], layout, ranks_here=2)
-    assert sorted(p.name for p in (tmp_path / other / "logs").iterdir()) == ["rank2.log", "rank3.log"]
+    assert sorted(p.name for p in (tmp_path / other / "logs").iterdir()) == ["launcher.log", "rank2.log", "rank3.log"]
     a = ckpt_io.load(ckpt_io.checkpoint_file(single, 8)).params
     b = ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / chief[0], 8)).params
     for name in a:

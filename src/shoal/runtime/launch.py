@@ -60,6 +60,10 @@ class Nodes:
     interface: str = "lo"
     run_id: str = "shoal"  # the rendezvous's name: every node of one job gives the same
 
+    @property
+    def one_host(self) -> bool:
+        return self.nnodes == 1 and self.master_host == LOOPBACK
+
     def ranks(self, world: int, node_rank: int) -> list[int]:
         """A node's ranks: nodes take equal consecutive blocks (node 0 hosts rank 0, the chief)."""
         per_node = -(-world // self.nnodes)
@@ -324,11 +328,13 @@ def run_processes(
     process_setup: Optional[Callable[[], None]] = None,
 ) -> History:
     """Meet the job's other nodes, then spawn this node's processes, each running assemble.run_process for its rank."""
-    log_dir = Path(spec.workspace) / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    # torch's store clients log every retry while the other nodes are not up yet: to the launcher's log
-    with open(log_dir / "launcher.log", "a") as launcher_log, stalls.native_stderr_to(launcher_log):
+    if nodes.one_host:
         meeting_point = meet(nodes, plan)
+    else:  # torch's store clients log every retry while the other nodes are not up yet: to this node's launcher log
+        log_dir = Path(spec.workspace) / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with open(log_dir / "launcher.log", "a") as launcher_log, stalls.native_stderr_to(launcher_log):
+            meeting_point = meet(nodes, plan)
     try:
         return _spawn(plan, spec, on_start, nodes, meeting_point, process_setup)
     finally:
@@ -337,7 +343,7 @@ def run_processes(
 
 def meet(nodes: Nodes, plan: JobPlan) -> rendezvous.NodeRendezvous:
     """This node's place among the job's nodes, from torch's rendezvous (one host: a loopback store)."""
-    if nodes.nnodes == 1 and nodes.master_host == LOOPBACK:
+    if nodes.one_host:
         return rendezvous.loopback(max(comm.timeout_seconds(), 60.0))
     how = f"static rendezvous as node {nodes.node_rank}" if nodes.node_rank is not None else "c10d rendezvous"
     try:
