@@ -105,7 +105,7 @@ class Door:
         while time.monotonic() < deadline:
             if self.expected(group, after):
                 return True
-            if self._int(f"g{group}/given_up", -1) >= after:
+            if self.given_up(group) >= after:
                 return False
             time.sleep(POLL_S)
         return False
@@ -114,10 +114,14 @@ class Door:
         """Incarnation `incarnation` of `group` will not come (its process died before it connected)."""
         self._store.set(f"g{group}/given_up", str(incarnation))
 
+    def given_up(self, group: int) -> int:
+        """The last incarnation of `group` the launcher gave up on (-1: none)."""
+        return self._int(f"g{group}/given_up", -1)
+
     def expected(self, group: int, after: int) -> bool:
         """Whether an incarnation newer than `after` is announced and not given up on."""
         newest = self.incarnation(group)
-        return newest > after and self._int(f"g{group}/given_up", -1) < newest
+        return newest > after and self.given_up(group) < newest
 
     # -- one server's side ----------------------------------------------------------------------
     def said_hello(self, server: int, group: int, incarnation: int) -> bool:

@@ -220,7 +220,9 @@ class DownpourServer:
     def _note_expected(self, group: int, rank: int, incarnation: int) -> None:
         """While a group is away: is a new process of it announced (the chief's last request waits for it)?"""
         expected = incarnation > 0 and self.door.expected(group, incarnation - 1)
-        first_never_came = incarnation == 0 and group != 0 and heartbeat.is_stalled(rank)
+        # the first process died before it connected: its silence, or the launcher gave up restarting it
+        first_never_came = incarnation == 0 and group != 0 and (
+            heartbeat.is_stalled(rank) or self.door.given_up(group) >= self.door.incarnation(group))
         with self._running:
             if expected:
                 self._expected.add(group)
