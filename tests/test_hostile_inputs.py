@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import shoal as shoal_api
+from cli_in_process import run_cli
 from conftest import write_store
 from shoal.errors import ShoalError
 from shoal.neuralnet import checkpoint as ckpt_io
@@ -63,8 +64,14 @@ def folder(tmp_path) -> Path:
     return tmp_path
 
 
-def shoal(*args, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+def shoal_process(*args, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m shoal ARGS`: a real process (the resource bombs: no traceback at the interpreter's level either)."""
     return subprocess.run([sys.executable, "-m", "shoal", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout)
+
+
+def shoal(*args, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`shoal ARGS` in this process: the same exit status and output, without starting torch again per case."""
+    return run_cli(*args, cwd=cwd, timeout=timeout)
 
 
 def assert_refused(proc: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -101,7 +108,7 @@ def test_a_resource_bomb_is_refused_fast_in_one_line(tmp_path, case):
     name, text, fragments = BOMBS[case]
     (tmp_path / name).write_text(text)
     started = time.monotonic()
-    proc = shoal("plan", name, cwd=tmp_path, timeout=60)
+    proc = shoal_process("plan", name, cwd=tmp_path, timeout=60)
     assert_refused(proc, *fragments)
     # the 9-level laughs ran for minutes; a refusal costs what starting the CLI costs
     assert time.monotonic() - started < 45

@@ -41,7 +41,7 @@ def test_a_second_run_on_a_workspace_in_use_is_refused_naming_the_job(blobs_job,
         first.kill()
         first.wait()
     # the kernel released the killed run's lock: the workspace goes on with --resume or is refused for its checkpoints
-    proc = shoal("run", job, "--workspace", ws, "--no-progress")
+    proc = shoal("run", job, "--workspace", ws, "--no-progress", "--set", "train_steps=2")
     assert "in use" not in proc.stderr
 
 
