@@ -1,4 +1,7 @@
-"""The command line as a user drives it: real processes, one-line errors, exit codes."""
+"""The command line as a user drives it: real processes, one-line errors, exit codes.
+
+Commands that only train one process or refuse something run in the test's process (tests/cli_in_process.py);
+a real `python -m shoal` runs the help, a training run, a bad job file and everything with signals or processes."""
 from __future__ import annotations
 
 import os
@@ -8,12 +11,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_in_process import run_cli
 from layouts import LAYOUTS, assert_ran
 
 
 
-def shoal(*args, cwd=None, timeout=300):
+def shoal_process(*args, cwd=None, timeout=300):
+    """`python -m shoal ARGS` in a process of its own, as a shell runs it."""
     return subprocess.run([sys.executable, "-m", "shoal", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout)
+
+
+def shoal(*args, cwd=None, timeout=300):
+    """`shoal ARGS` in the test's process: the same status and output, without a torch start-up per command."""
+    return run_cli(*args, cwd=cwd, timeout=timeout)
 
 
 def assert_one_line_error(proc, *fragments):
@@ -26,7 +36,7 @@ def assert_one_line_error(proc, *fragments):
 
 
 def test_help_teaches_the_commands():
-    top = shoal("--help")
+    top = shoal_process("--help")
     assert top.returncode == 0
     assert "run" in top.stdout and "prepare" in top.stdout
     run = shoal("run", "--help")
@@ -37,7 +47,7 @@ def test_help_teaches_the_commands():
 
 def test_run_trains_prints_singa_lines_and_writes_workspace(blobs_job, tmp_path):
     job = blobs_job(train_steps=12)
-    proc = shoal("run", job, "--workspace", tmp_path / "ws")
+    proc = shoal_process("run", job, "--workspace", tmp_path / "ws")
     assert proc.returncode == 0, proc.stderr
     assert "Train @ step 10  Loss = " in proc.stdout
     assert "Test @ step 12  Loss = " in proc.stdout
@@ -81,7 +91,7 @@ def test_test_only_mode(blobs_job, tmp_path):
 def test_bad_job_file_gives_positioned_one_line_error(tmp_path, text, fragments):
     path = tmp_path / "job.conf"
     path.write_text(text)
-    assert_one_line_error(shoal("run", path, "--workspace", tmp_path / "ws"), *fragments)
+    assert_one_line_error(shoal_process("run", path, "--workspace", tmp_path / "ws"), *fragments)
     assert not (tmp_path / "ws").exists()
 
 
