@@ -9,11 +9,12 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_in_process import run_cli
 
 
 def shoal(*args, cwd=None, env=None, timeout=180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shoal", *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=timeout)
+    """`shoal ARGS` in the test's process (tests/cli_in_process.py); the run holding a workspace is a real process."""
+    return run_cli(*args, cwd=cwd, env=env, timeout=timeout)
 
 
 def one_line_error(proc: subprocess.CompletedProcess) -> str:
