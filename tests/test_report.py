@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from cli_in_process import run_cli
 from conftest import mlp_job_text
 from layouts import LAYOUTS, assert_ran
 
@@ -22,8 +23,14 @@ from shoal.report.summary import THRESHOLDS, threshold_key
 RUN_LAYOUTS = ["single worker", "in-memory Sandblaster, 2 threads", "AllReduce, 2 processes, 2 server slices"]
 
 
-def shoal_cli(*args, env=None, timeout=300):
+def shoal_process(*args, env=None, timeout=300):
+    """`python -m shoal ARGS`: a process of its own (the layouts' runs, a missing package)."""
     return subprocess.run([sys.executable, "-m", "shoal", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, check=False)
+
+
+def shoal_cli(*args, timeout=300):
+    """`shoal ARGS` in the test's process (tests/cli_in_process.py): no torch start-up per command."""
+    return run_cli(*args, timeout=timeout)
 
 
 def assert_one_line_error(proc, *fragments):
@@ -42,7 +49,7 @@ def layout_runs(blobs_dir, tmp_path_factory):
     job.write_text(mlp_job_text(blobs_dir, train_steps=30))
     runs = {}
     for n, name in enumerate(RUN_LAYOUTS):
-        proc = shoal_cli("run", job, "--workspace", root / f"run{n}", "--no-progress", *LAYOUTS[name].cli())
+        proc = shoal_process("run", job, "--workspace", root / f"run{n}", "--no-progress", *LAYOUTS[name].cli())
         assert proc.returncode == 0, proc.stderr
         runs[name] = root / f"run{n}"
     return runs
@@ -299,7 +306,7 @@ def test_tensorboard_missing_is_a_one_line_error(blobs_job, tmp_path):
     (fake / "tensorboard").mkdir(parents=True)
     (fake / "tensorboard" / "__init__.py").write_text("raise ImportError('No module named tensorboard')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}
-    proc = shoal_cli("run", blobs_job(train_steps=5), "--workspace", tmp_path / "ws", "--tensorboard", env=env)
+    proc = shoal_process("run", blobs_job(train_steps=5), "--workspace", tmp_path / "ws", "--tensorboard", env=env)
     assert_one_line_error(proc, "pip install 'shoal[tensorboard]'")
     assert not (tmp_path / "ws").exists()
 
