@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from cli_in_process import run_cli as shoal_in_process
 from safetensors.torch import load_file
 
 import shoal
@@ -130,7 +131,8 @@ def test_a_dead_group_is_dropped_with_a_warning_and_the_job_finishes(blobs_job, 
 
 def test_plan_names_in_memory_hogwild(blobs_job, tmp_path):
     job = hogwild_job(blobs_job, 2)
-    proc = subprocess.run([sys.executable, "-m", "shoal", "plan", str(job), "--json"], capture_output=True, text=True, timeout=60)
+    proc = shoal_in_process("plan", job, "--json", timeout=60)
+    assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["framework"] == "in-memory Hogwild" and plan["nprocs"] == 1
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_in_process import run_cli
 from google.protobuf import text_format
 
 from shoal.planning.placement import PlacementError, ServerId, place, slice_params
@@ -100,15 +101,14 @@ def test_placement_is_deterministic():
 def test_shoal_plan_prints_processes_workers_servers_and_slices(tmp_path):
     args = [sys.executable, "-m", "shoal", "plan", str(REPO / "examples/mnist/job.conf"), "--set",
             "cluster.nworkers_per_group=3", "--set", "cluster.nservers_per_group=2", "--set", "cluster.server_worker_separate=true"]
-    text = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    text = subprocess.run(args, capture_output=True, text=True, check=True).stdout  # a real process; --json below in this one
     assert "Sandblaster, 5 process(es)" in text and "server (group 0, id 1)" in text and "fc1, tanh1" in text
-    plan = json.loads(subprocess.run(args + ["--json"], capture_output=True, text=True, check=True).stdout)
+    plan = json.loads(run_cli(*args[3:], "--json").stdout)
     assert plan["nprocs"] == 5 and plan["param_elements"] == 784 * 2500 + 2500 + 2500 * 2000 + 2000 + 2000 * 1500 + 1500 + 1500 * 1000 + 1000 + 1000 * 500 + 500 + 500 * 10 + 10
     servers = [s for p in plan["processes"] for s in p["servers"]]
     assert sum(x["stop"] - x["start"] for s in servers for x in s["slices"]) == plan["param_elements"]
 
 
 def test_shoal_plan_rejects_bad_clusters_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "shoal", "plan", str(REPO / "examples/mnist/job.conf"), "--set", "cluster.nworker_groups=3",
-                           "--set", "cluster.nserver_groups=2"], capture_output=True, text=True)
+    proc = run_cli("plan", REPO / "examples/mnist/job.conf", "--set", "cluster.nworker_groups=3", "--set", "cluster.nserver_groups=2")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "nworker_groups(3)" in proc.stderr

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_in_process import run_cli
 import torch
 
 import shoal
@@ -199,8 +200,7 @@ def test_auto_shares_are_refused_where_a_batch_cannot_be_re_split(blobs_job, tmp
 ])
 def test_bad_device_lists_are_refused_in_one_line_with_their_position(blobs_job, tmp_path, extra, message):
     job = blobs_job(train_steps=2, extra=extra)
-    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")],
-                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    proc = run_cli("run", job, "--workspace", tmp_path / "ws", cwd=REPO, timeout=60)
     assert proc.returncode != 0
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith(f"{job}:") and message in proc.stderr
@@ -210,7 +210,7 @@ def test_bad_device_lists_are_refused_in_one_line_with_their_position(blobs_job,
 
 def test_plan_shows_each_workers_device_and_batch_share(blobs_job):
     job = job_with(blobs_job, THREADS[2], ["cuda:0", "cpu"], batchsize=[24, 8], cluster_extra=dict(auto_batch_shares=True))
-    out = subprocess.run([sys.executable, "-m", "shoal", "plan", str(job)], capture_output=True, text=True, timeout=60, cwd=REPO).stdout
+    out = run_cli("plan", job, cwd=REPO, timeout=60).stdout
     assert "worker (group 0, id 0) on cuda:0, batch share 24 (at start; measured at run time)" in out
     assert "worker (group 0, id 1) on cpu, batch share 8 (at start; measured at run time)" in out
 

@@ -8,6 +8,7 @@ import sys
 from collections import Counter
 
 import pytest
+from cli_in_process import run_cli
 import torch
 
 import shoal
@@ -351,7 +352,7 @@ def test_the_cifar10_hybrid_convnet_trains_exactly_like_one_worker(images, tmp_p
 def test_location_and_a_partition_dim_on_one_layer_are_refused_with_the_position(blobs_dir, tmp_path):
     path = tmp_path / "job.conf"
     path.write_text(job_text(blobs_dir, fc1="location: 1 partition_dim: 1"))
-    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(path), "--workspace", str(tmp_path / "ws")], capture_output=True, text=True, timeout=120)
+    proc = run_cli("run", path, "--workspace", tmp_path / "ws", timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "job.conf:" in proc.stderr and "contradicts" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "ws").exists()
