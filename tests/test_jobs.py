@@ -5,13 +5,15 @@ import subprocess
 import sys
 import time
 
+from cli_in_process import run_cli
 from layouts import LAYOUTS
 
 from shoal.runtime import job_registry as jobs
 
 
-def shoal(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "shoal", *map(str, args)], capture_output=True, text=True, **kw)
+def shoal(*args):
+    """`shoal ARGS` in the test's process (tests/cli_in_process.py); the job to kill is a real process."""
+    return run_cli(*args)
 
 
 def test_runs_are_registered_and_listed(blobs_job, tmp_path):
