@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_in_process import run_cli
 from layouts import LAYOUTS, Layout, assert_ran
 from shoal.config import job_from_text, job_pb2, load_job
 from shoal.planning.costs import Calibration
@@ -136,8 +137,7 @@ def test_compression_is_noted_where_it_applies_and_where_nothing_moves(blobs_job
     job = blobs_job()
 
     def plan(*sets):
-        return subprocess.run([sys.executable, "-m", "shoal", "plan", str(job), *sum((["--set", s] for s in sets), [])],
-                              capture_output=True, text=True, timeout=120)
+        return run_cli("plan", job, *sum((["--set", s] for s in sets), []), timeout=60)
 
     allreduce = plan("cluster.nworkers_per_group=2", "cluster.compression=kBF16")
     assert allreduce.returncode == 0 and ("note: gradients (to the servers of their slices, and their sum back) compressed "
