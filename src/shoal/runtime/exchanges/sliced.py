@@ -110,7 +110,8 @@ class SlicedExchange:
         # staging: what peers send to this owner, and multi-slice messages (one flat buffer each way)
         self._incoming = {(b.index, p): torch.empty(b.numel) for b in self.owned for p in self.peers} if codecs is None else {}
         self._outgoing = {b.index: torch.empty(b.numel) for b in self.buckets if len(b.slices) > 1 and (b.owner == rank or hosts_workers)}
-        self._arriving = {b.index: torch.empty(b.numel) for b in self.buckets if len(b.slices) > 1 and b.owner != rank and hosts_workers}
+        self._arriving = {b.index: torch.empty(b.numel) for b in self.buckets
+                          if len(b.slices) > 1 and b.owner != rank and hosts_workers and codecs is None}
         # per bucket, one byte per param: whether the sender had a gradient for it, so that an owner
         # skips a param no process has one for. In a message of its own, because a big slice's
         # gradients travel as a view of the gradient itself: appending a flag would copy up to the
