@@ -211,3 +211,40 @@ def test_top_k_sends_50x_fewer_bytes_within_a_point_of_dense_on_mnist(mnist_dir,
     sparse = run(job, tmp_path / "sparse", layout, compression="kTopK", topk_fraction=0.01)
     assert sent_per_step(tmp_path / "dense", key) / sent_per_step(tmp_path / "sparse", key) >= 50
     assert sparse["final_test"]["accuracy"] >= dense["final_test"]["accuracy"] - 0.01
+
+
+def _train_rank(rank: int, job: str, overrides: list, workspace: str, port: int) -> None:
+    """One process of a compressed AllReduce job through the runtime's own assembly; it leaves its values behind."""
+    import numpy as np
+
+    from shoal.comm import dist as comm
+    from shoal.runtime.assemble import RunSpec, assemble
+
+    plan = plan_job(load_job(job, overrides))
+    comm.init(rank, plan.nprocs, "127.0.0.1", port)
+    try:
+        run = assemble(plan, rank, RunSpec(workspace=Path(workspace), log=lambda *a: None, progress=False))
+        values = run.chief.store.values
+        flat = lambda: torch.cat([values[n].reshape(-1) for n in sorted(values)]).numpy()  # noqa: E731
+        np.save(Path(workspace) / f"initial{rank}.npy", flat())
+        run.run(None, lambda *a: None)
+        np.save(Path(workspace) / f"values{rank}.npy", flat())
+    finally:
+        comm.shutdown()
+
+
+@pytest.mark.parametrize("compression", ["kTopK", "kBF16"])
+def test_every_process_applies_the_same_decoded_sum(blobs_job, tmp_path, compression):
+    """Compressed AllReduce sends no values back: each process updates its own replica from the decoded sum, and
+    after training every replica holds the same values, bit for bit (2 processes, 2 server slices, 10 steps)."""
+    import numpy as np
+    import torch.multiprocessing as mp
+
+    from shoal.comm import dist as comm
+
+    layout = LAYOUTS["AllReduce, 2 processes, 2 server slices"]
+    overrides = layout.overrides(compression=compression, topk_fraction=0.05) + ["train_steps=10"]
+    mp.spawn(_train_rank, args=(str(blobs_job(hidden=64)), overrides, str(tmp_path), comm.free_port()), nprocs=2)
+    first, second = np.load(tmp_path / "values0.npy"), np.load(tmp_path / "values1.npy")
+    assert first.size == 1348 and np.array_equal(first, second)
+    assert not np.allclose(first, np.load(tmp_path / "initial0.npy"))  # they trained
