@@ -187,10 +187,12 @@ class Meeting:
     interface: str
 
 
-def _entry(local_index: int, ranks: list[int], meeting: Meeting, job_bytes: bytes, workspace: str,
-           resume_from: Optional[str], base_dirs: list[str], process_setup: Optional[Callable[[], None]] = None,
+def _entry(local_index: int, ranks: list[int], meeting: Meeting, environment: dict[str, str], job_bytes: bytes,
+           workspace: str, resume_from: Optional[str], base_dirs: list[str], process_setup: Optional[Callable[[], None]] = None,
            initial_values: Optional[Callable] = None) -> None:
     """A spawned process: plan the job (deterministic: every process plans the same), join the world and run its rank."""
+    os.environ.clear()  # the launcher's environment now, not the forkserver's when it started
+    os.environ.update(environment)
     rank = ranks[local_index]
     with rank_output(Path(workspace), rank) as log_file:
         if process_setup is not None:
@@ -361,6 +363,18 @@ def meet(nodes: Nodes, plan: JobPlan) -> rendezvous.NodeRendezvous:
     return met
 
 
+def start_method() -> str:
+    """How ranks start: forked from multiprocessing's forkserver, which imported torch and shoal once (a rank then
+    costs milliseconds, not an interpreter and torch's import each: seconds of CPU), else spawned. Each rank gets
+    the launcher's environment of the moment (`_entry`); cwd and sys.path travel as with spawn."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload([__name__])  # effective until the server starts (once per launcher)
+    return "forkserver"
+
+
 def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], nodes: Nodes,
            met: rendezvous.NodeRendezvous, process_setup: Optional[Callable[[], None]]) -> History:
     world, workspace = plan.nprocs, spec.workspace
@@ -368,10 +382,10 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
     meeting = Meeting(world, nodes.nnodes, -(-world // nodes.nnodes), met.store_host, met.store_port, nodes.interface)
     # our one-line report replaces torch's per-process "Terminating process" warnings
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    args = (ranks, meeting, plan.job.SerializeToString(), str(workspace), str(spec.resume_from) if spec.resume_from else None,
-            [str(d) for d in spec.base_dirs], process_setup, spec.initial_values)
+    args = (ranks, meeting, dict(os.environ), plan.job.SerializeToString(), str(workspace),
+            str(spec.resume_from) if spec.resume_from else None, [str(d) for d in spec.base_dirs], process_setup, spec.initial_values)
     try:
-        context = mp.start_processes(_entry, args=args, nprocs=len(ranks), start_method="spawn", join=False)
+        context = mp.start_processes(_entry, args=args, nprocs=len(ranks), start_method=start_method(), join=False)
         on_start([p.pid for p in context.processes])
 
         def stop(signum, frame):
