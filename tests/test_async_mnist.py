@@ -39,8 +39,13 @@ neuralnet {{
 """
 
 
-FRAMEWORKS = ["single worker", "in-memory Sandblaster, 2 threads", "in-memory Hogwild, 2 groups", "Downpour, 2 groups + 1 server, 3 processes",
-              "Distributed Hogwild, 2 groups"]  # rows of tests/layouts.py
+FRAMEWORKS = [  # rows of tests/layouts.py; the mechanics of each are tested on small data (test_async.py, test_sync.py)
+    "single worker",
+    pytest.param("in-memory Sandblaster, 2 threads", marks=pytest.mark.slow),
+    pytest.param("in-memory Hogwild, 2 groups", marks=pytest.mark.slow),
+    "Downpour, 2 groups + 1 server, 3 processes",
+    pytest.param("Distributed Hogwild, 2 groups", marks=pytest.mark.slow),
+]
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
