@@ -79,6 +79,9 @@ class Layout:
 LAYOUTS = [
     Layout("synchronous, 2 workers (in-memory Sandblaster)", ("cluster.nworkers_per_group=2", "cluster.nworkers_per_procs=2"),
            batch=2 * GROUP_BATCH, wire=False),
+    Layout("synchronous, 2 workers, lr 0.1 (the linear scaling rule for batch 128), in-memory",
+           ("cluster.nworkers_per_group=2", "cluster.nworkers_per_procs=2", "updater.learning_rate.base_lr=0.1"),
+           batch=2 * GROUP_BATCH, wire=False),
     Layout("synchronous, 2 workers (AllReduce, 2 processes)", ("cluster.nworkers_per_group=2",), batch=2 * GROUP_BATCH),
     Layout("Downpour, 2 groups + 1 server", ("cluster.nworker_groups=2", "cluster.server_worker_separate=true"), groups=2),
     Layout("Local SGD H=50, 2 groups (processes)", tuple(LOCAL_SGD), groups=2),
