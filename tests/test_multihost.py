@@ -131,3 +131,24 @@ def test_nodes_that_never_meet_fail_in_one_line(blobs_job, tmp_path, node_rank):
     assert run.stderr.splitlines() == [run.stderr.strip()] and "Traceback" not in run.stderr, run.stderr
     assert run.stderr.startswith(f"--master 127.0.0.1:{port}: cannot meet the job's other 1 node(s) ({how}): "), run.stderr
     assert not (tmp_path / "ws" / "logs" / "rank0.log").exists()  # no rank was started
+
+
+def test_two_nodes_on_one_host_meet_through_c10d(blobs_job, tmp_path):
+    """A try-out on one machine: `shoal run --nnodes 2 --master 127.0.0.1:PORT` twice. The first node serves torch's
+    c10d rendezvous store, the second finds the port taken and joins it; both finish, one of them as the chief."""
+    from shoal.comm.dist import free_port
+
+    layout = "AllReduce, 2 processes"
+    job = blobs_job(train_steps=6, layout=layout)
+    port = free_port()
+    run = lambda ws: subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--nnodes", "2", "--master",
+                                       f"127.0.0.1:{port}", "--workspace", str(ws)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    nodes = {"a": run(tmp_path / "a"), "b": run(tmp_path / "b")}
+    outs = {name: proc.communicate(timeout=180) for name, proc in nodes.items()}
+    assert [proc.returncode for proc in nodes.values()] == [0, 0], outs
+    chief = [name for name in nodes if "Test @ step 6" in outs[name][0]]
+    assert len(chief) == 1, outs
+    other = "b" if chief == ["a"] else "a"
+    assert_ran(tmp_path / chief[0], layout, ranks_here=1)
+    assert outs[other][0].strip().splitlines()[-1].startswith("This node's processes finished; the chief's node")

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous import (RendezvousConnectionError, RendezvousError, RendezvousParameters,
+                                                  RendezvousTimeoutError)
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 LOOPBACK = "127.0.0.1"
@@ -71,14 +72,23 @@ def across_nodes(nnodes: int, node_rank: Optional[int], master_host: str, master
                  local_addr: Optional[str], is_master_host: bool, join_timeout_s: float) -> NodeRendezvous:
     """Join the job's nodes through torch's rendezvous: static with a node rank, c10d (ranks handed out) without."""
     endpoint = f"{master_host}:{master_port}"
-    if node_rank is not None:
-        params = RendezvousParameters("static", endpoint, run_id, nnodes, nnodes, local_addr,
-                                      rank=node_rank, timeout=int(join_timeout_s))
-    else:
-        params = RendezvousParameters("c10d", endpoint, run_id, nnodes, nnodes, local_addr,
-                                      is_host=is_master_host, join_timeout=join_timeout_s, last_call_timeout=1)
+    # c10d: the node on the endpoint's machine serves the rendezvous store; several nodes on that machine (a
+    # try-out on one host) find the port taken after the first, and join it as clients instead
+    roles = [None] if node_rank is not None else [True, False] if is_master_host else [False]
     try:
-        handler = get_rendezvous_handler(params)
+        for attempt, is_host in enumerate(roles):
+            if node_rank is not None:
+                params = RendezvousParameters("static", endpoint, run_id, nnodes, nnodes, local_addr,
+                                              rank=node_rank, timeout=int(join_timeout_s))
+            else:
+                params = RendezvousParameters("c10d", endpoint, run_id, nnodes, nnodes, local_addr,
+                                              is_host=is_host, join_timeout=join_timeout_s, last_call_timeout=1)
+            try:
+                handler = get_rendezvous_handler(params)
+                break
+            except RendezvousConnectionError:
+                if attempt + 1 == len(roles):
+                    raise
         info = handler.next_rendezvous()
     except RendezvousTimeoutError:
         raise RendezvousFailed(f"not all {nnodes} nodes joined within {join_timeout_s:.0f} s") from None

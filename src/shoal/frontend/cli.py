@@ -243,7 +243,10 @@ def _run(args: argparse.Namespace) -> int:
         close_open_bars()  # a run stopped by an error: the bar goes before the message comes
         if handles_sigterm:
             signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
-    print(closing_line(history.workspace))
+    if nodes is not None and not (Path(history.workspace) / "summary.json").exists():
+        print("This node's processes finished; the chief's node (the one that ran rank 0) holds the metrics and summary.json")
+    else:
+        print(closing_line(history.workspace))
     return 0
 
 
