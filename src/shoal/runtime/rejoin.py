@@ -170,7 +170,7 @@ class Restarter:
         warn(f"WARNING: {describe_process(self.plan, rank)} exited with code {code}; restarting it "
              f"(restart {done + 1} of {self.limit}); it rejoins from the servers' live params")
         args = (rank, self.meeting, self.plan.job.SerializeToString(), str(self.spec.workspace),
-                [str(d) for d in self.spec.base_dirs], self.process_setup, self.spec.initial_values, incarnation, detected_at)
+                [str(d) for d in self.spec.base_dirs], self.process_setup, self.spec.initial_values, incarnation, detected_at, dict(os.environ))
         process = self._context.Process(target=_entry, args=args, name=f"shoal-rank{rank}-restart{done + 1}", daemon=False)
         process.start()
         context.processes[index] = process  # watched, stopped and joined with the others from now on
@@ -209,9 +209,12 @@ def add_rejoins_to_summary(workspace: Path, since: float) -> None:
 
 
 def _entry(rank: int, meeting, job_bytes: bytes, workspace: str, base_dirs: list[str], process_setup, initial_values,
-           incarnation: int, detected_at: Optional[float]) -> None:
+           incarnation: int, detected_at: Optional[float], environment: dict[str, str]) -> None:
     """A restarted process (forked from the forkserver): rank `rank` again, a client of the job's store only."""
     from shoal.runtime.launch import chief_log, rank_output
+
+    os.environ.clear()  # the launcher's environment now, not the forkserver's when it started
+    os.environ.update(environment)
 
     with rank_output(Path(workspace), rank) as log_file:
         run_rejoined(job_bytes, meeting.nnodes, rank, meeting.store_host, meeting.store_port, meeting.interface,
