@@ -267,13 +267,7 @@ class SlicedExchange:
             }
             sending = []
             for b in self.owned:
-                if not r.ready[b.index].wait(comm.timeout_seconds()):
-                    raise RuntimeError(f"the workers of process {self.rank} produced no gradients for {comm.timeout_seconds():.0f} s")
-                for work in receiving[b.index]:
-                    work.wait()
-                anyone_has = {name for name in b.params if name in r.has_grad}
-                for p in self.peers:
-                    anyone_has.update(name for name, flag in zip(b.params, self._flags_in[b.index, p].tolist()) if flag)
+                anyone_has = self._arrived(r, b, receiving[b.index])
                 for s, at in zip(b.slices, b.offsets):
                     if s.param not in anyone_has:  # as Server.update: no gradient anywhere, no update
                         continue
@@ -291,6 +285,17 @@ class SlicedExchange:
         except BaseException as err:  # handed to the training thread by step()
             r.error = err
 
+    def _arrived(self, r: _Round, b: Bucket, receiving: list) -> set[str]:
+        """Wait for this process's gradients of owned bucket `b` and for the peers' messages; the params anyone has one for."""
+        if not r.ready[b.index].wait(comm.timeout_seconds()):
+            raise RuntimeError(f"the workers of process {self.rank} produced no gradients for {comm.timeout_seconds():.0f} s")
+        for work in receiving:
+            work.wait()
+        anyone_has = {name for name in b.params if name in r.has_grad}
+        for p in self.peers:
+            anyone_has.update(name for name, flag in zip(b.params, self._flags_in[b.index, p].tolist()) if flag)
+        return anyone_has
+
     def _serve_compressed(self, r: _Round) -> None:
         """Per owned bucket: sum the decoded gradients, encode the sum, apply its decoding here, send it back."""
         try:
@@ -302,13 +307,7 @@ class SlicedExchange:
             }
             sending, keep = [], []
             for b in self.owned:
-                if not r.ready[b.index].wait(comm.timeout_seconds()):
-                    raise RuntimeError(f"the workers of process {self.rank} produced no gradients for {comm.timeout_seconds():.0f} s")
-                for work in receiving[b.index]:
-                    work.wait()
-                anyone_has = {name for name in b.params if name in r.has_grad}
-                for p in self.peers:
-                    anyone_has.update(name for name, flag in zip(b.params, self._flags_in[b.index, p].tolist()) if flag)
+                anyone_has = self._arrived(r, b, receiving[b.index])
                 codec = self._sum_codec[b.index]
                 total = self._gather(b, lambda s: r.grad[s.param][s.start : s.stop]).clone() if self.shares else torch.zeros(b.numel)
                 for p in self.peers:  # in rank order, so every run sums alike
