@@ -23,6 +23,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "examples" / "mnist" / "data"
+sys.path.insert(0, str(REPO / "benchmarks"))
+from mnist_mlp import small_mlp  # noqa: E402 - the MLP every asynchronous benchmark trains
 LAYOUTS = {
     "one worker": [],
     "Downpour, 2 groups + 1 server": ["cluster.nworker_groups=2", "cluster.server_worker_separate=true"],
@@ -30,34 +32,6 @@ LAYOUTS = {
     "in-memory Hogwild, 2 groups": ["cluster.nworker_groups=2", "cluster.nworkers_per_procs=2"],
 }
 MODES = {"compensated (default)": "kCompensated", "as configured (SINGA)": "kAsConfigured"}
-
-SMALL_MLP = """
-name: "small-mlp"
-train_steps: 400
-test_steps: 100
-test_freq: 400
-disp_freq: 100
-seed: 1
-train_one_batch {{ alg: kBP }}
-updater {{ type: kSGD momentum: 0.9 learning_rate {{ type: kFixed base_lr: {lr} }} }}
-neuralnet {{
-  layer {{ name: "data" type: kRecordInput include: kTrain
-          store_conf {{ backend: "kvfile" path: "{data}/train_data.bin" batchsize: 64 shape: 784 std_value: 255 random_skip: 5000 }} }}
-  layer {{ name: "data" type: kRecordInput include: kTest
-          store_conf {{ backend: "kvfile" path: "{data}/test_data.bin" batchsize: 100 shape: 784 std_value: 255 }} }}
-  layer {{ name: "fc1" type: kInnerProduct srclayers: "data" innerproduct_conf {{ num_output: 256 }}
-          param {{ name: "w1" init {{ type: kGaussian std: 0.05 }} }} param {{ name: "b1" init {{ type: kConstant value: 0 }} }} }}
-  layer {{ name: "relu1" type: kReLU srclayers: "fc1" }}
-  layer {{ name: "fc2" type: kInnerProduct srclayers: "relu1" innerproduct_conf {{ num_output: 128 }}
-          param {{ name: "w2" init {{ type: kGaussian std: 0.05 }} }} param {{ name: "b2" init {{ type: kConstant value: 0 }} }} }}
-  layer {{ name: "relu2" type: kReLU srclayers: "fc2" }}
-  layer {{ name: "fc3" type: kInnerProduct srclayers: "relu2" innerproduct_conf {{ num_output: 10 }}
-          param {{ name: "w3" init {{ type: kGaussian std: 0.05 }} }} param {{ name: "b3" init {{ type: kConstant value: 0 }} }} }}
-  layer {{ name: "loss" type: kSoftmaxLoss srclayers: "fc3" srclayers: "data" }}
-}}
-cluster {{ }}
-"""
-
 
 def final_accuracy(job: Path, sets: list[str], cwd: Path) -> float:
     ws = Path(tempfile.mkdtemp()) / "ws"
@@ -94,7 +68,7 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp())
     for lr in args.lrs:
         job = folder / f"small-{lr}.conf"
-        job.write_text(SMALL_MLP.format(lr=lr, data=DATA))
+        job.write_text(small_mlp(DATA, lr=lr))
         table(f"MLP 784-256-128-10, momentum 0.9, lr {lr}, 400 steps per group", job, [], folder)
     table(f"SINGA's MNIST MLP (examples/mnist/job.conf), {args.singa_steps} steps per group", REPO / "examples/mnist/job.conf",
           [f"train_steps={args.singa_steps}", f"test_freq={args.singa_steps}", "test_steps=100"], REPO / "examples" / "mnist")

@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "examples" / "mnist" / "data"
 sys.path.insert(0, str(REPO / "benchmarks"))
-from async_momentum import SMALL_MLP  # noqa: E402 - the same MLP and data
+from mnist_mlp import small_mlp  # noqa: E402 - the MLP every asynchronous benchmark trains
 
 LAYOUTS = {
     "AllReduce, 2 processes": ["cluster.nworkers_per_group=2"],
@@ -69,8 +69,7 @@ def main() -> None:
         raise SystemExit(f"{DATA}: run `shoal prepare mnist --out {DATA}` first")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; load {os.getloadavg()[0]:.1f}")
     job = Path(tempfile.mkdtemp()) / "mlp.conf"
-    text = SMALL_MLP.format(lr=args.lr, data=DATA).replace("train_steps: 400", f"train_steps: {args.steps}")
-    job.write_text(text.replace("test_freq: 400", f"test_freq: {args.steps}").replace("disp_freq: 100", "disp_freq: 50"))
+    job.write_text(small_mlp(DATA, steps=args.steps, lr=args.lr, disp_freq=50))
     print(f"MLP 784-256-128-10, momentum 0.9, lr {args.lr}, {args.steps} steps per group; bytes: the chief's process, per step")
     print(f"accuracy: mean of {args.repeats} runs (each run's in brackets); vs dense: the means' difference")
     print("| layout | exchange | bytes per step | fewer than dense | test accuracy | vs dense |")

@@ -32,35 +32,9 @@ from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "examples" / "mnist" / "data"
+sys.path.insert(0, str(REPO / "benchmarks"))
+from mnist_mlp import small_mlp  # noqa: E402 - the MLP every asynchronous benchmark trains
 GROUP_BATCH = 64
-
-SMALL_MLP = """
-name: "small-mlp"
-train_steps: {steps}
-test_steps: 100
-test_freq: {steps}
-disp_freq: 50
-disp_after: 49
-seed: {seed}
-train_one_batch {{ alg: kBP }}
-updater {{ type: kSGD momentum: 0.9 learning_rate {{ type: kFixed base_lr: 0.05 }} }}
-neuralnet {{
-  layer {{ name: "data" type: kRecordInput include: kTrain
-          store_conf {{ backend: "kvfile" path: "{data}/train_data.bin" batchsize: {batch} shape: 784 std_value: 255 random_skip: {skip} }} }}
-  layer {{ name: "data" type: kRecordInput include: kTest
-          store_conf {{ backend: "kvfile" path: "{data}/test_data.bin" batchsize: 100 shape: 784 std_value: 255 }} }}
-  layer {{ name: "fc1" type: kInnerProduct srclayers: "data" innerproduct_conf {{ num_output: 256 }}
-          param {{ name: "w1" init {{ type: kGaussian std: 0.05 }} }} param {{ name: "b1" init {{ type: kConstant value: 0 }} }} }}
-  layer {{ name: "relu1" type: kReLU srclayers: "fc1" }}
-  layer {{ name: "fc2" type: kInnerProduct srclayers: "relu1" innerproduct_conf {{ num_output: 128 }}
-          param {{ name: "w2" init {{ type: kGaussian std: 0.05 }} }} param {{ name: "b2" init {{ type: kConstant value: 0 }} }} }}
-  layer {{ name: "relu2" type: kReLU srclayers: "fc2" }}
-  layer {{ name: "fc3" type: kInnerProduct srclayers: "relu2" innerproduct_conf {{ num_output: 10 }}
-          param {{ name: "w3" init {{ type: kGaussian std: 0.05 }} }} param {{ name: "b3" init {{ type: kConstant value: 0 }} }} }}
-  layer {{ name: "loss" type: kSoftmaxLoss srclayers: "fc3" srclayers: "data" }}
-}}
-cluster {{ }}
-"""
 
 LOCAL_SGD = ["cluster.nworker_groups=2", "cluster.local_steps=50"]
 DILOCO = ["cluster.outer_updater.type=kNesterov", "cluster.outer_updater.momentum=0.9",
@@ -140,7 +114,7 @@ def analytic_bytes_per_sample(job: Path, sets: list[str], samples_per_step: int)
 
 def run_layout(layout: Layout, steps: int, seed: int, netns: bool, folder: Path, skip: int = 0) -> Result:
     job = folder / f"mlp-{layout.batch}-{seed}.conf"
-    job.write_text(SMALL_MLP.format(steps=steps, seed=seed, batch=layout.batch, data=DATA, skip=skip))
+    job.write_text(small_mlp(DATA, steps=steps, seed=seed, batch=layout.batch, random_skip=skip, disp_freq=50, disp_after=49))
     ws = Path(tempfile.mkdtemp(dir=folder)) / "ws"
     args = [sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(ws), "--no-progress"]
     for s in layout.sets:

@@ -27,34 +27,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "examples" / "mnist" / "data"
+sys.path.insert(0, str(REPO / "benchmarks"))
+from mnist_mlp import small_mlp  # noqa: E402 - the MLP every asynchronous benchmark trains
 LAYOUT = ["--set", "cluster.nworker_groups=2", "--set", "cluster.server_worker_separate=true"]
-
-JOB = """
-name: "rejoin-mlp"
-train_steps: {steps}
-test_steps: 100
-test_freq: {steps}
-disp_freq: 100
-seed: 1
-train_one_batch {{ alg: kBP }}
-updater {{ type: kSGD momentum: 0.9 learning_rate {{ type: kFixed base_lr: 0.05 }} }}
-neuralnet {{
-  layer {{ name: "data" type: kRecordInput include: kTrain
-          store_conf {{ backend: "kvfile" path: "{data}/train_data.bin" batchsize: 64 shape: 784 std_value: 255 random_skip: 5000 }} }}
-  layer {{ name: "data" type: kRecordInput include: kTest
-          store_conf {{ backend: "kvfile" path: "{data}/test_data.bin" batchsize: 100 shape: 784 std_value: 255 }} }}
-  layer {{ name: "fc1" type: kInnerProduct srclayers: "data" innerproduct_conf {{ num_output: 256 }}
-          param {{ name: "w1" init {{ type: kGaussian std: 0.05 }} }} param {{ name: "b1" init {{ type: kConstant value: 0 }} }} }}
-  layer {{ name: "relu1" type: kReLU srclayers: "fc1" }}
-  layer {{ name: "fc2" type: kInnerProduct srclayers: "relu1" innerproduct_conf {{ num_output: 128 }}
-          param {{ name: "w2" init {{ type: kGaussian std: 0.05 }} }} param {{ name: "b2" init {{ type: kConstant value: 0 }} }} }}
-  layer {{ name: "relu2" type: kReLU srclayers: "fc2" }}
-  layer {{ name: "fc3" type: kInnerProduct srclayers: "relu2" innerproduct_conf {{ num_output: 10 }}
-          param {{ name: "w3" init {{ type: kGaussian std: 0.05 }} }} param {{ name: "b3" init {{ type: kConstant value: 0 }} }} }}
-  layer {{ name: "loss" type: kSoftmaxLoss srclayers: "fc3" srclayers: "data" }}
-}}
-"""
-
 
 def wait_for(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
@@ -136,7 +111,7 @@ def main() -> None:
         raise SystemExit(f"{DATA}: run `shoal prepare mnist --out {DATA}` first")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}; load {os.getloadavg()[0]:.1f}")
     job = Path(tempfile.mkdtemp()) / "rejoin.conf"
-    job.write_text(JOB.format(steps=args.steps, data=DATA))
+    job.write_text(small_mlp(DATA, steps=args.steps, name="rejoin-mlp"))
     automatic(job, args.kills, args.gap)
     by_hand(job, args.gap)
     print(f"load afterwards {os.getloadavg()[0]:.1f}")

@@ -2,6 +2,7 @@
 error feedback sends a few percent of them; in one process nothing moves and nothing is encoded."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -172,26 +173,6 @@ cluster { nworkers_per_group: 2 compression: kFP16 }
     assert describe(plan_job(job, cores=2))["compression"] == {"setting": "FP16", "applied": False, "bit_exact_with_one_worker": True}
 
 
-MNIST_MLP = """
-name: "mnist-mlp" train_steps: 400 test_steps: 100 test_freq: 400 disp_freq: 50 seed: 1
-train_one_batch {{ alg: kBP }}
-updater {{ type: kSGD momentum: 0.9 learning_rate {{ type: kFixed base_lr: 0.05 }} }}
-neuralnet {{
-  layer {{ name: "data" type: kRecordInput include: kTrain
-    store_conf {{ backend: "kvfile" path: "{data}/train_data.bin" batchsize: 64 shape: 784 std_value: 255 random_skip: 5000 }} }}
-  layer {{ name: "data" type: kRecordInput include: kTest
-    store_conf {{ backend: "kvfile" path: "{data}/test_data.bin" batchsize: 100 shape: 784 std_value: 255 }} }}
-  layer {{ name: "fc1" type: kInnerProduct srclayers: "data" innerproduct_conf {{ num_output: 256 }}
-    param {{ name: "w1" init {{ type: kGaussian std: 0.05 }} }} param {{ name: "b1" init {{ type: kConstant value: 0 }} }} }}
-  layer {{ name: "relu1" type: kReLU srclayers: "fc1" }}
-  layer {{ name: "fc2" type: kInnerProduct srclayers: "relu1" innerproduct_conf {{ num_output: 128 }}
-    param {{ name: "w2" init {{ type: kGaussian std: 0.05 }} }} param {{ name: "b2" init {{ type: kConstant value: 0 }} }} }}
-  layer {{ name: "relu2" type: kReLU srclayers: "fc2" }}
-  layer {{ name: "fc3" type: kInnerProduct srclayers: "relu2" innerproduct_conf {{ num_output: 10 }}
-    param {{ name: "w3" init {{ type: kGaussian std: 0.05 }} }} param {{ name: "b3" init {{ type: kConstant value: 0 }} }} }}
-  layer {{ name: "loss" type: kSoftmaxLoss srclayers: "fc3" srclayers: "data" }}
-}}
-"""
 MNIST_LAYOUTS = {  # layout, its bytes metric
     "AllReduce, 2 processes": (LAYOUTS["AllReduce, 2 processes"], "sent_bytes"),
     "Downpour": (LAYOUTS["Downpour, 2 groups + 1 server, 3 processes"], "pushed_bytes"),
@@ -200,13 +181,21 @@ MNIST_LAYOUTS = {  # layout, its bytes metric
 }
 
 
+def benchmark_mlp():
+    """benchmarks/mnist_mlp.py's small_mlp: the MLP benchmarks/compression.py measures."""
+    spec = importlib.util.spec_from_file_location("mnist_mlp", Path(__file__).resolve().parents[1] / "benchmarks" / "mnist_mlp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.small_mlp
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MNIST_LAYOUTS))
 def test_top_k_sends_50x_fewer_bytes_within_a_point_of_dense_on_mnist(mnist_dir, tmp_path, name):
     """The MLP 784-256-128-10 on real MNIST, 400 steps per group, whole test set: top-k 1 % against float32."""
     layout, key = MNIST_LAYOUTS[name]
     job = tmp_path / "mnist.conf"
-    job.write_text(MNIST_MLP.format(data=mnist_dir))
+    job.write_text(benchmark_mlp()(mnist_dir, name="mnist-mlp", disp_freq=50))
     dense = run(job, tmp_path / "dense", layout)
     sparse = run(job, tmp_path / "sparse", layout, compression="kTopK", topk_fraction=0.01)
     assert sent_per_step(tmp_path / "dense", key) / sent_per_step(tmp_path / "sparse", key) >= 50
