@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import (RendezvousConnectionError, RendezvousError, RendezvousParameters,
-                                                  RendezvousTimeoutError)
+from torch.distributed.elastic.rendezvous import (RendezvousConnectionError, RendezvousError, RendezvousHandler,
+                                                  RendezvousParameters, RendezvousTimeoutError)
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 LOOPBACK = "127.0.0.1"
@@ -44,16 +44,16 @@ class NodeRendezvous:
     store_host: str
     store_port: int
     backend: str  # "loopback" | "static" | "c10d"
-    _keep: list[Any] = field(default_factory=list, repr=False)  # the store server / handler: alive while the job runs
+    store: Any = field(default=None, repr=False)  # the store (or its server) this node holds: alive while the job runs
+    handler: Optional[RendezvousHandler] = field(default=None, repr=False)  # torch's, across nodes
 
     def close(self) -> None:
-        for held in self._keep:
-            if hasattr(held, "shutdown"):
-                try:
-                    held.shutdown()
-                except Exception:  # the job is over; a rendezvous that cannot say so changes nothing
-                    pass
-        self._keep.clear()
+        if self.handler is not None:
+            try:
+                self.handler.shutdown()
+            except Exception:  # the job is over; a rendezvous that cannot say so changes nothing
+                pass
+        self.store = self.handler = None
 
 
 def loopback(timeout_s: float) -> NodeRendezvous:
@@ -65,7 +65,7 @@ def loopback(timeout_s: float) -> NodeRendezvous:
     port = sock.getsockname()[1]
     store = dist.TCPStore(LOOPBACK, port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.detach())
-    return NodeRendezvous(0, 1, LOOPBACK, port, "loopback", [store])
+    return NodeRendezvous(0, 1, LOOPBACK, port, "loopback", store=store)
 
 
 def across_nodes(nnodes: int, node_rank: Optional[int], master_host: str, master_port: int, run_id: str,
@@ -96,4 +96,4 @@ def across_nodes(nnodes: int, node_rank: Optional[int], master_host: str, master
         raise RendezvousFailed(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
     store_info = info.bootstrap_store_info
     return NodeRendezvous(info.rank, info.world_size, store_info.master_addr, store_info.master_port,
-                          params.backend, [handler, info.store])
+                          params.backend, store=info.store, handler=handler)
