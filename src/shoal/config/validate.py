@@ -158,7 +158,7 @@ def validate_cluster(cluster: job_pb2.ClusterProto) -> list[Problem]:
         return problems  # the arithmetic below would divide by zero
     if not 1 <= cluster.start_port <= 65535:
         problems.append(("start_port", f"start_port must be a TCP port, 1..65535, got {cluster.start_port}"))
-    for name, low in (("threads_per_worker", 0), ("max_staleness", -1), ("warmup_steps", 0)):
+    for name, low in (("threads_per_worker", 0), ("max_staleness", -1), ("warmup_steps", 0), ("max_update_lag", -1)):
         if getattr(cluster, name) < low:
             problems.append((name, f"{name} must be >= {low}, got {getattr(cluster, name)}"))
     if cluster.nworker_groups % cluster.nserver_groups:

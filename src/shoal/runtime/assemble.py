@@ -159,7 +159,8 @@ def _attach_exchanges(run: ProcessRun) -> None:
             # Hogwild: every group computes on the server's values; Downpour: each on its own copy
             chief = trainers[0]
             server = Server(chief.store if job.cluster.share_memory else chief.store.copy(), updater())
-            run.board = GroupBoard(job.cluster.nworker_groups, job.cluster.max_staleness, job.cluster.warmup_steps)
+            run.board = GroupBoard(job.cluster.nworker_groups, job.cluster.max_staleness, job.cluster.warmup_steps,
+                                   job.cluster.max_update_lag)
             for t in trainers:
                 t.attach_exchange(GroupExchange(server, run.board, t.group, None if job.cluster.share_memory else t.store))
         case Framework.DISTRIBUTED_HOGWILD:
@@ -191,7 +192,7 @@ def _attach_downpour(run: ProcessRun, updater) -> None:
         run.server = DownpourServer(trainer.store, updater(), plan.placement, hosted.servers[0],
                                     {g: ranks[0] for g, ranks in group_ranks.items()}, log=print,
                                     max_staleness=c.max_staleness, warmup_steps=c.warmup_steps,
-                                    exit_at_version=faults.server_exit_version(rank))
+                                    exit_at_version=faults.server_exit_version(rank), max_update_lag=c.max_update_lag)
         return
     servers = {ServerId(0, i): plan.placement.process_of(ServerId(0, i)) for i in range(c.nservers_per_group)}
     group = hosted.workers[0].group

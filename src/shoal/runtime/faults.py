@@ -4,13 +4,17 @@
                                         a Downpour server process exits when its version reaches STEP
   SHOAL_INJECT_STALL="RANK:STEP"        process RANK's training hangs at step STEP (its heartbeat goes on: caught by SHOAL_COMM_TIMEOUT)
   SHOAL_INJECT_GROUP_ERROR="GROUP:STEP" in-memory worker group GROUP raises at step STEP
-  SHOAL_SLOW_WORKER="K:PER_SAMPLE[+FIXED],..."  worker K of each group spends PER_SAMPLE more seconds per
-                                        sample of its share, plus FIXED per step (as a slower device would)
+  SHOAL_SLOW_WORKER="[G.]K:COST,..."    worker K of each group (or of group G only; a G.K item wins over a K item)
+                                        computes slower, as a slower device would. COST is PER_SAMPLE[+FIXED]:
+                                        PER_SAMPLE more seconds per sample of its share plus FIXED per step, or
+                                        xFACTOR: each step takes FACTOR times its measured compute (x2: half speed,
+                                        whatever the machine's load)
 """
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 from shoal.runtime.interfaces import TrainerHook
@@ -24,14 +28,44 @@ def _pair(variable: str) -> Optional[tuple[int, int]]:
     return int(first), int(second)
 
 
-def slowdown(worker: int) -> tuple[float, float]:
-    """(seconds per sample, seconds per step) added to worker `worker`'s compute."""
+@dataclass(frozen=True)
+class Slowdown:
+    """What a slowed worker adds to each step: seconds per sample and per step, or a factor on its compute time."""
+
+    per_sample: float = 0.0
+    per_step: float = 0.0
+    factor: float = 1.0
+
+    def extra_seconds(self, compute_seconds: float, samples: int) -> float:
+        return self.per_step + self.per_sample * samples + (self.factor - 1.0) * compute_seconds
+
+    def __bool__(self) -> bool:
+        return self != Slowdown()
+
+
+def _cost(text: str) -> Slowdown:
+    if text.startswith("x"):
+        factor = float(text[1:])
+        if factor < 1:
+            raise ValueError(f"SHOAL_SLOW_WORKER: a factor slows down, so it is >= 1, got {text}")
+        return Slowdown(factor=factor)
+    per_sample, _, fixed = text.partition("+")
+    return Slowdown(per_sample=float(per_sample), per_step=float(fixed or 0))
+
+
+def slowdown(worker: int, group: int = 0) -> Slowdown:
+    """What SHOAL_SLOW_WORKER adds to the compute of worker `worker` of group `group`."""
+    every_group, this_group = Slowdown(), None
     for item in filter(None, os.environ.get("SHOAL_SLOW_WORKER", "").split(",")):
-        index, _, cost = item.partition(":")
-        per_sample, _, fixed = cost.partition("+")
-        if int(index) == worker:
-            return float(per_sample), float(fixed or 0)
-    return 0.0, 0.0
+        who, _, cost = item.partition(":")
+        in_group, dot, index = who.rpartition(".")
+        if int(index) != worker or (dot and int(in_group) != group):
+            continue
+        if dot:
+            this_group = _cost(cost)
+        else:
+            every_group = _cost(cost)
+    return this_group or every_group
 
 
 def group_fails(group: int, step: int) -> bool:

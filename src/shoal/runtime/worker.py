@@ -57,7 +57,7 @@ class Worker:
         # (Context.rows), so a group draws, row for row, what one worker would; groups differ.
         # Draws are made on the CPU whatever the device: a mixed CPU+GPU group draws what one device would
         self.generator = torch.Generator().manual_seed(job.seed + 1 + 7919 * group)
-        self.slowdown = faults.slowdown(index)
+        self.slowdown = faults.slowdown(index, group)
 
     @property
     def global_batch(self) -> int:
@@ -88,12 +88,12 @@ class Worker:
             device=self.device,
             rows=(self.offset, self.share, self.global_batch),
         )
+        started = time.perf_counter()
         grads = train_one_batch(self.job.train_one_batch, self.net, ctx)
         if self.device.type == "cuda":  # the step's time is the kernels' time, not their launch's
             torch.cuda.synchronize(self.device)
-        per_sample, fixed = self.slowdown
-        if per_sample or fixed:
-            time.sleep(fixed + per_sample * self.share)
+        if self.slowdown:
+            time.sleep(self.slowdown.extra_seconds(time.perf_counter() - started, self.share))
         return grads
 
     def use_view_updater(self, update_view) -> None:

@@ -47,14 +47,14 @@ from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
 from shoal.runtime.exchanges.compression import codec_for, wire_bytes
 from shoal.runtime.exchanges.local import aggregate
-from shoal.runtime.exchanges.groups import StalenessStats
+from shoal.runtime.exchanges.staleness import StalenessStats, histogram, may_apply
 from shoal.neuralnet.updaters import Updater
 
 PUSH, STOP, STATE, FINAL, PULL = 1, 2, 3, 4, 5
 REFUSED = -1  # the version a server answers a dropped group with
 DOOR = "downpour"  # the channels' keys in the job's store (shoal.comm.channels)
 ANNOUNCEMENT_S = 2.0  # how long a server waits for the launcher to say whether a dead group is restarted
-TAG_HEADER, TAG_GRAD, TAG_VALUES, TAG_REPLY, TAG_STATE, TAG_HAS_GRAD = 11, 12, 13, 14, 15, 16
+TAG_HEADER, TAG_GRAD, TAG_VALUES, TAG_REPLY, TAG_STATE, TAG_HAS_GRAD, TAG_LAGS = 11, 12, 13, 14, 15, 16, 17
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class DownpourServer:
 
     def __init__(self, store: ParamStore, updater: Updater, placement: Placement, server: ServerId,
                  stubs: dict[int, int], log: Callable[[str], None] = print, max_staleness: int = -1, warmup_steps: int = 0,
-                 exit_at_version: Optional[int] = None):
+                 exit_at_version: Optional[int] = None, max_update_lag: int = -1):
         """`exit_at_version`: fault injection for tests (shoal.runtime.faults): the process exits at that version."""
         self.store, self.updater, self.server, self.stubs, self.log = store, updater, server, stubs, log
         self.cluster = placement.cluster
@@ -120,6 +120,10 @@ class DownpourServer:
         # bounded staleness and warm-up are enforced here, where every group's progress is known
         self.max_staleness, self.warmup_steps = max_staleness, warmup_steps
         self._steps = {g: 0 if g == 0 else warmup_steps for g in stubs}  # steps each group has pushed
+        self.max_update_lag = max_update_lag
+        # the version each group computes on, from its last answer (groups that wait for the warm-up read when they pull)
+        self._reads = {g: 0 for g in stubs if g == 0 or not warmup_steps}
+        self.lags = {g: StalenessStats() for g in stubs}  # the lag of every update applied, per group
         self._warming: set[int] = set()  # groups waiting for group 0's warm-up hold nobody back
         self._dropped: set[tuple[int, int]] = set()  # (group, incarnation) whose stub stalled: never applied again
         self._finished: set[int] = set()  # groups that said STOP (or FINAL)
@@ -157,6 +161,7 @@ class DownpourServer:
                                     self.state[seg], info.lr_scale, info.wd_scale)
             self.version += 1
             self.applied[group] = self.applied.get(group, 0) + 1
+            self.lags.setdefault(group, StalenessStats()).add(lag)
             if self.version == self.exit_at_version:
                 os._exit(3)
             return self.values(), self.version, lag
@@ -246,6 +251,7 @@ class DownpourServer:
         with self._running:
             if self.incarnations[group] == incarnation:
                 self._live.discard(group)
+                self._reads.pop(group, None)  # its update in flight is lost: nobody waits for it to land
                 self.door.set_state(self.server.id, group, f"lost {incarnation}")
             self._running.notify_all()
 
@@ -253,6 +259,7 @@ class DownpourServer:
         with self._running:
             self._finished.add(group)
             self._live.discard(group)
+            self._reads.pop(group, None)
             self._running.notify_all()
         self.door.set_state(self.server.id, group, "finished")
 
@@ -262,10 +269,25 @@ class DownpourServer:
         self.load_state(updater_state)
         self.version = version
         self._steps = {g: step if g == 0 else max(step, self.warmup_steps) for g in self._steps}
+        self._reads = dict.fromkeys(self._reads, version)
 
     def _may_go(self, step: int) -> bool:
         live = [self._steps[g] for g in self._live - self._warming]
         return self.max_staleness < 0 or not live or step - min(live) <= self.max_staleness
+
+    def _lag_allows(self, group: int) -> bool:
+        """max_update_lag: may this group's update land now (shoal.runtime.exchanges.staleness)?"""
+        reads = {g: r for g, r in self._reads.items() if g in self._live}
+        return may_apply(group, self.version, reads, self.max_update_lag)
+
+    def lag_counts(self) -> torch.Tensor:
+        """Updates applied per (group, lag): the histogram the chief's last request takes to summary.json."""
+        width = max((s.max for s in self.lags.values()), default=0) + 1
+        counts = torch.zeros(len(self.stubs), width, dtype=torch.int64)
+        for g, stats in self.lags.items():
+            for lag, n in stats.counts.items():
+                counts[g, lag] = n
+        return counts
 
     def _warm(self) -> bool:
         return 0 not in self._live or self._steps.get(0, 0) >= self.warmup_steps
@@ -289,11 +311,11 @@ class DownpourServer:
                     grad = codec.decode(received, self.size)
                     channel.recv(has_grad, TAG_HAS_GRAD)
                     step = header.tolist()[1]
-                    with self._running:  # stale-synchronous: hold a group that is too far ahead
-                        self._running.wait_for(lambda: self._may_go(step))
-                    values, version, lag = self.apply(grad, read_version, has_grad, group)
-                    with self._running:
+                    with self._running:  # hold a group too far ahead (max_staleness) or whose update is not due (max_update_lag)
+                        self._running.wait_for(lambda: self._may_go(step) and self._lag_allows(group))
+                        values, version, lag = self.apply(grad, read_version, has_grad, group)
                         self._steps[group] = step + 1
+                        self._reads[group] = version
                         self._running.notify_all()
                     channel.send(values, TAG_VALUES)
                     channel.send(torch.tensor([version, lag], dtype=torch.int64), TAG_REPLY)
@@ -302,8 +324,9 @@ class DownpourServer:
                         self._warming.add(group)
                         self._running.wait_for(self._warm)
                         self._warming.discard(group)
-                    with self._lock:  # the live values, their version and the steps the group has done
+                    with self._running, self._lock:  # the live values, their version and the steps the group has done
                         values, version = self.values(), self.version
+                        self._reads[group] = version
                         channel.send(values, TAG_VALUES)
                         channel.send(torch.tensor([version, self._steps[group]], dtype=torch.int64), TAG_REPLY)
                     if incarnation > 0:
@@ -322,6 +345,9 @@ class DownpourServer:
                     with self._lock:
                         channel.send(self.values(), TAG_VALUES)
                         channel.send(self.state_flat(), TAG_STATE)
+                        counts = self.lag_counts()
+                        channel.send(torch.tensor(counts.shape, dtype=torch.int64), TAG_LAGS)
+                        channel.send(counts, TAG_LAGS)
                     return
                 elif kind == STOP:
                     finished = True
@@ -378,6 +404,7 @@ class DownpourExchange:
         self.staleness = StalenessStats()
         self.last_version = 0
         self.final_state: Optional[dict] = None
+        self.lag_histogram: Optional[dict] = None  # the first server's count of every update's lag, after the chief's last request
         self.warmup = placement.cluster.warmup_steps > 0
         self.first_step = 0  # a resumed run's, or where a joining group starts after group 0's warm-up
         self.incarnation = 0  # how many processes of this group came before this one (shoal.runtime.rejoin)
@@ -573,10 +600,26 @@ class DownpourExchange:
         flats = []
         for _, server_rank, segments, size in self.servers:
             self._to(server_rank).send(torch.tensor([FINAL, 0, 0], dtype=torch.int64), TAG_HEADER)
+        lags = []
         for _, server_rank, segments, size in self.servers:
-            values, flat = torch.zeros(size), torch.zeros(size * len(self.slots))
+            values, flat, shape = torch.zeros(size), torch.zeros(size * len(self.slots)), torch.zeros(2, dtype=torch.int64)
             self._to(server_rank).recv(values, TAG_VALUES)
             self._to(server_rank).recv(flat, TAG_STATE)
+            self._to(server_rank).recv(shape, TAG_LAGS)
+            counts = torch.zeros(*shape.tolist(), dtype=torch.int64)
+            self._to(server_rank).recv(counts, TAG_LAGS)
             self._scatter_values(values, segments)
             flats.append((segments, flat))
+            lags.append(counts)
         self.final_state = self._state_from(flats)
+        self.lag_histogram = histogram(_stats_of(lags[0])) if lags else None
+
+
+def _stats_of(counts: torch.Tensor) -> dict[int, StalenessStats]:
+    """A server's (group, lag) counts as StalenessStats per group."""
+    stats = {}
+    for group, row in enumerate(counts.tolist()):
+        stats[group] = StalenessStats()
+        for lag, n in enumerate(row):
+            stats[group].add(lag, n)
+    return stats

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from shoal.errors import warn
 from shoal.neuralnet.algorithms import Grads
@@ -30,6 +30,7 @@ from shoal.runtime import faults
 from shoal.runtime.interfaces import TrainerHook
 from shoal.runtime.exchanges.local import aggregate
 from shoal.runtime.exchanges.server import Server
+from shoal.runtime.exchanges.staleness import StalenessStats, histogram, may_apply
 
 if TYPE_CHECKING:
     from shoal.runtime.trainer import History, Trainer
@@ -42,43 +43,30 @@ class GroupsAborted(RuntimeError):
 
 
 @dataclass
-class StalenessStats:
-    count: int = 0
-    total: int = 0
-    max: int = 0
-
-    def add(self, lag: int) -> None:
-        self.count += 1
-        self.total += lag
-        self.max = max(self.max, lag)
-
-    @property
-    def mean(self) -> float:
-        return self.total / self.count if self.count else 0.0
-
-
-@dataclass
 class GroupBoard:
     """What the groups of a job share besides params: steps done, liveness, samples, staleness.
 
     max_staleness ≥ 0 bounds how many steps a group may run ahead of the slowest
-    live group (stale-synchronous parallel); warmup_steps lets group 0 train
-    alone first. Finished and dead groups never hold the others back.
+    live group (stale-synchronous parallel); max_update_lag ≥ 0 bounds the lag
+    of every update (shoal.runtime.exchanges.staleness); warmup_steps lets group
+    0 train alone first. Finished and dead groups never hold the others back.
     """
 
     ngroups: int
     max_staleness: int = -1
     warmup_steps: int = 0
+    max_update_lag: int = -1
     steps: list[int] = field(init=False)
     running: list[bool] = field(init=False)
     samples: int = 0
     aborted: bool = False
     window: StalenessStats = field(default_factory=StalenessStats)
-    run: StalenessStats = field(default_factory=StalenessStats)
+    by_group: dict[int, StalenessStats] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.steps = [0] * self.ngroups
         self.running = [True] * self.ngroups
+        self._reads: dict[int, int] = {}  # groups computing on params read at a version, for max_update_lag
         self._cond = threading.Condition()
 
     def start_at(self, steps: list[int]) -> None:
@@ -102,19 +90,41 @@ class GroupBoard:
             while not self.aborted and not self._may_start(group, step):
                 self._cond.wait(WAIT_SLICE_S)
 
+    def read(self, group: int, version: int) -> None:
+        """The group computes its next update on the params of `version`."""
+        with self._cond:
+            self._reads[group] = version
+
+    def apply(self, group: int, version: Callable[[], int], update: Callable[[], None]) -> int:
+        """Run `update` (which bumps the server's `version()`) once max_update_lag allows it; return its lag."""
+        with self._cond:  # held while updating when the lag is bounded: the check and the update are one
+            while not self.aborted and not may_apply(group, version(), self._reads, self.max_update_lag):
+                self._cond.wait(WAIT_SLICE_S)
+            lag = version() - self._reads.pop(group, version())
+            if self.max_update_lag >= 0:
+                update()
+        if self.max_update_lag < 0:  # unbounded: Hogwild's lock-free update
+            update()
+        return lag
+
     def step_done(self, group: int, step: int, samples: int, lag: int) -> None:
         with self._cond:
             self.steps[group] = step + 1
             self.samples += samples
             self.window.add(lag)
-            self.run.add(lag)
+            self.by_group.setdefault(group, StalenessStats()).add(lag)
             self._cond.notify_all()
 
     def stop(self, group: int) -> None:
         """The group finished or died: nobody waits for it any more."""
         with self._cond:
             self.running[group] = False
+            self._reads.pop(group, None)
             self._cond.notify_all()
+
+    def histogram(self) -> dict:
+        with self._cond:
+            return histogram(self.by_group)
 
     def abort(self) -> None:
         with self._cond:
@@ -136,7 +146,6 @@ class GroupExchange:
         """replica: the group's own copy of the params (share_memory: false), refreshed after each update."""
         self.server, self.board, self.group, self.replica = server, board, group, replica
         self.chief = group == 0
-        self._read_version = 0
 
     def begin(self, step: int) -> None:
         if self.board.aborted:
@@ -144,12 +153,11 @@ class GroupExchange:
         if faults.group_fails(self.group, step):
             raise RuntimeError(f"injected failure (SHOAL_INJECT_GROUP_ERROR) at step {step}")
         self.board.wait_turn(self.group, step)
-        self._read_version = self.server.updates
+        self.board.read(self.group, self.server.updates)
 
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
         grads = aggregate(parts, target=self.server.store.device)
-        lag = self.server.updates - self._read_version
-        self.server.update(self.server.updates, grads)
+        lag = self.board.apply(self.group, lambda: self.server.updates, lambda: self.server.update(self.server.updates, grads))
         if self.replica is not None:  # Downpour: continue from the freshest params the server has
             for name, value in self.server.store.values.items():
                 self.replica.values[name].copy_(value)

@@ -1,0 +1,77 @@
+"""Staleness of asynchronous updates: counting it, and bounding it without making anyone wait needlessly.
+
+The staleness (version lag) of an update is the number of updates other groups
+applied between the moment its group read the params and the moment it lands.
+
+cluster.max_update_lag = τ bounds it where updates are applied (Downpour's
+servers, the in-memory server): an update may be applied only if every other
+group whose update is still out can land within τ. Each outstanding group g
+has a budget b_g = τ − (updates applied since g read); the state is safe when
+the groups, taken from the smallest budget up, can land one after another
+(the i-th has seen i others land before it: b ≥ i for the i-th smallest).
+A push is held only while applying it would leave an unsafe state, so a fast
+group runs on freely while a slow one is merely slow (it waits only when the
+slow group's update would otherwise land more than τ stale), and the group
+with the smallest budget can always land: with τ ≥ G − 1 nothing deadlocks.
+Compare max_staleness (stale-synchronous parallel): it bounds how many *steps*
+a group may run ahead, which throttles every group to the slowest one's pace
+once the gap is reached.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Mapping
+
+
+@dataclass
+class StalenessStats:
+    """Lags of a stream of updates: count, mean, max and how many of each lag."""
+
+    count: int = 0
+    total: int = 0
+    max: int = 0
+    counts: Counter = field(default_factory=Counter)
+
+    def add(self, lag: int, times: int = 1) -> None:
+        if times <= 0:
+            return
+        self.count += times
+        self.total += lag * times
+        self.max = max(self.max, lag)
+        self.counts[lag] += times
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+
+def may_apply(group: int, version: int, reads: Mapping[int, int], bound: int) -> bool:
+    """Whether `group`'s update may be applied now, at `version`, under max_update_lag `bound`.
+
+    `reads`: the version each group with an update still out computes on (the
+    group itself may be among them). After this update every other one's budget
+    is one less; the state stays safe if, smallest first, the i-th budget ≥ i.
+    """
+    if bound < 0:
+        return True
+    budgets = sorted(bound - (version + 1 - read) for g, read in reads.items() if g != group)
+    return all(budget >= i for i, budget in enumerate(budgets))
+
+
+def smallest_safe_bound(ngroups: int) -> int:
+    """The least max_update_lag with which G groups cannot deadlock: each of the other G − 1 may land once first."""
+    return max(0, ngroups - 1)
+
+
+def histogram(stats: Mapping[int, StalenessStats]) -> dict:
+    """summary.json's staleness histogram: updates per lag, over every group and per group, with each group's mean and max."""
+    every: Counter = Counter()
+    for s in stats.values():
+        every.update(s.counts)
+    return {
+        "updates_per_lag": {str(lag): every[lag] for lag in sorted(every)},
+        "groups": {str(g): {"updates": s.count, "mean": round(s.mean, 4), "max": s.max,
+                            "updates_per_lag": {str(lag): s.counts[lag] for lag in sorted(s.counts)}}
+                   for g, s in sorted(stats.items())},
+    }
