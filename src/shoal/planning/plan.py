@@ -151,7 +151,8 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
         updater=updater,
         outer_updater=outer_updater(job) if framework is Framework.LOCAL_SGD else None,
         nnodes=nnodes,
-        notes=list(parts.notes) + _updater_notes(job, updater) + _compression_notes(job, framework, len(placement.processes)) + _local_sgd_notes(job, framework),
+        notes=list(parts.notes) + _updater_notes(job, updater) + _compression_notes(job, framework, len(placement.processes)) + _local_sgd_notes(job, framework)
+        + _staleness_notes(job, framework),
     )
     if job.cluster.auto_batch_shares:
         _check_balanceable(plan)
@@ -221,6 +222,26 @@ def _compression_notes(job: job_pb2.JobProto, framework: Framework, nprocs: int)
     return [f"{_COMPRESSED[framework]} compressed ({what}): the run does not compute what uncompressed {framework.value} would{exact}"]
 
 
+def _staleness_notes(job: job_pb2.JobProto, framework: Framework) -> list[str]:
+    """What bounds the staleness of asynchronous updates (runtime/exchanges/staleness.py), or why a bound cannot hold."""
+    c = job.cluster
+    notes = []
+    if c.max_update_lag >= 0:
+        if framework.synchronous:
+            notes.append(f"cluster.max_update_lag ({c.max_update_lag}) has no effect: {framework.value} applies every update on fresh params")
+        elif c.max_update_lag < c.nworker_groups - 1:  # each of the other groups may have to land once first
+            raise UnsupportedClusterError(
+                f"cluster.max_update_lag: {c.max_update_lag} is below nworker_groups - 1 = {c.nworker_groups - 1}: "
+                f"{c.nworker_groups} groups each with an update in flight could never all land")
+        else:
+            notes.append(f"every update lands at most {c.max_update_lag} updates after its params were read (cluster.max_update_lag); "
+                         "a group waits only when another's update in flight would otherwise land later than that")
+    if c.max_staleness >= 0 and not framework.synchronous:
+        notes.append(f"no group runs more than {c.max_staleness} steps ahead of the slowest (cluster.max_staleness): "
+                     "the fast groups keep the slowest one's pace")
+    return notes
+
+
 def _updater_notes(job: job_pb2.JobProto, servers: job_pb2.UpdaterProto) -> list[str]:
     compensated = servers.momentum
     if compensated == job.updater.momentum:
@@ -262,9 +283,9 @@ def framework_of(job: job_pb2.JobProto, placement: Placement, parts: PartitionPl
             raise UnsupportedClusterError(
                 f"cluster.local_steps: over processes, each process holds one whole worker group (nworkers_per_procs: "
                 f"{c.nworkers_per_group}, server_worker_separate: false), or all groups share one process")
-        if c.max_staleness >= 0 or c.warmup_steps > 0:
-            raise UnsupportedClusterError("cluster: max_staleness and warmup_steps do not apply to local_steps (groups meet in lockstep; "
-                                          "local_warmup_steps is Local SGD's warm-up)")
+        if c.max_staleness >= 0 or c.warmup_steps > 0 or c.max_update_lag >= 0:
+            raise UnsupportedClusterError("cluster: max_staleness, max_update_lag and warmup_steps do not apply to local_steps (groups "
+                                          "meet in lockstep; local_warmup_steps is Local SGD's warm-up)")
         if c.local_warmup_steps < 0:
             raise UnsupportedClusterError(f"cluster.local_warmup_steps: must be >= 0, got {c.local_warmup_steps}")
         return Framework.LOCAL_SGD
@@ -284,8 +305,9 @@ def framework_of(job: job_pb2.JobProto, placement: Placement, parts: PartitionPl
                     f"its server group (Distributed Hogwild: nworkers_per_procs: {c.nworkers_per_group}, "
                     f"nservers_per_procs: {c.nservers_per_group}, nserver_groups = nworker_groups, server_worker_separate: false)"
                 )
-        if c.max_staleness >= 0 or c.warmup_steps > 0:
-            raise UnsupportedClusterError("cluster: max_staleness and warmup_steps apply to Downpour and in-memory Hogwild, not to Distributed Hogwild")
+        if c.max_staleness >= 0 or c.warmup_steps > 0 or c.max_update_lag >= 0:
+            raise UnsupportedClusterError("cluster: max_staleness, max_update_lag and warmup_steps apply to Downpour and in-memory "
+                                          "Hogwild, not to Distributed Hogwild")
         return Framework.DISTRIBUTED_HOGWILD
     if not c.server_worker_separate:
         raise UnsupportedClusterError(

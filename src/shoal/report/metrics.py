@@ -149,6 +149,11 @@ class MetricsLog:
             observer.observe(record)
         return record
 
+    def annotate(self, **fields) -> None:
+        """What the run found besides its records (the staleness histogram): the observers keep it with the run."""
+        for observer in self.observers:
+            observer.annotate(fields)
+
     def close(self, status: str = "finished") -> None:
         """status: finished | failed | interrupted (what the observers record about the run)."""
         if self._file is not None:

@@ -172,11 +172,15 @@ class SummaryFile:
         self.info = info
         self.metrics_path = Path(metrics_path)
         self.started = time.time()
+        self.extra: dict = {}  # MetricsLog.annotate's fields
         self.write("running")
 
     def observe(self, record: dict) -> None:
         if record.get("phase") == "test":
             self.write("running")
+
+    def annotate(self, fields: dict) -> None:
+        self.extra.update(fields)
 
     def close(self, status: str, elapsed: float) -> None:
         self.write(status, elapsed)
@@ -188,7 +192,7 @@ class SummaryFile:
         if elapsed is not None:
             derived["wall_time"] = max(derived["wall_time"], round(elapsed, 4))
         summary = {"schema": 1, **asdict(self.info), "status": status,
-                   "started": _iso(self.started), "updated": _iso(time.time()), **derived}
+                   "started": _iso(self.started), "updated": _iso(time.time()), **derived, **self.extra}
         _write(self.path, summary)
 
 

@@ -44,5 +44,8 @@ class TensorBoardLog:
         if phase != "train":
             self.writer.flush()
 
+    def annotate(self, fields: dict) -> None:
+        """Scalars only: a run's annotations (histograms of counts) stay in summary.json."""
+
     def close(self, status: str, elapsed: float) -> None:
         self.writer.close()

@@ -91,6 +91,14 @@ class ProcessRun:
             return run_groups(self.trainers, self.board, metrics, log)
         return self.chief.run(metrics)
 
+    def staleness_histogram(self) -> Optional[dict]:
+        """Asynchronous groups: how many updates landed at each lag (the chief's, after the run)."""
+        if self.board is not None:
+            return self.board.histogram()
+        if self.chief is not None and isinstance(self.chief.exchange, DownpourExchange):
+            return self.chief.exchange.lag_histogram
+        return None
+
 
 class Heartbeat(TrainerHook):
     """Each step tells the other processes how far this one got (who stopped answering, when one hangs)."""
@@ -280,7 +288,15 @@ def run_process(plan: JobPlan, rank: int, spec: RunSpec) -> History:
         metrics = open_run_log(plan, spec.workspace, run.chief.elapsed_before, devices, resumed_at)
     error = None
     try:
-        return run.run(metrics, spec.log)
+        history = run.run(metrics, spec.log)
+        histogram = run.staleness_histogram() if metrics is not None else None
+        if histogram:
+            metrics.annotate(staleness_histogram=histogram)
+            lags = histogram["updates_per_lag"]
+            bound = plan.cluster.max_update_lag
+            spec.log(f"Staleness: {sum(lags.values())} updates, lag at most {max(map(int, lags), default=0)}"
+                     + (f" (cluster.max_update_lag {bound})" if bound >= 0 else ""))
+        return history
     except BaseException as err:
         error = err
         raise

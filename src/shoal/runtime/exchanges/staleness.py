@@ -9,13 +9,14 @@ group whose update is still out can land within τ. Each outstanding group g
 has a budget b_g = τ − (updates applied since g read); the state is safe when
 the groups, taken from the smallest budget up, can land one after another
 (the i-th has seen i others land before it: b ≥ i for the i-th smallest).
-A push is held only while applying it would leave an unsafe state, so a fast
-group runs on freely while a slow one is merely slow (it waits only when the
-slow group's update would otherwise land more than τ stale), and the group
-with the smallest budget can always land: with τ ≥ G − 1 nothing deadlocks.
+A push is held only while applying it would leave an unsafe state: a fast
+group waits only when the slow group's update in flight would otherwise land
+more than τ stale, so a group up to τ times faster than the slowest never
+waits. The group with the smallest budget can always land: with τ ≥ G − 1
+nothing deadlocks (shoal.planning.plan refuses less).
 Compare max_staleness (stale-synchronous parallel): it bounds how many *steps*
-a group may run ahead, which throttles every group to the slowest one's pace
-once the gap is reached.
+a group may run ahead, which holds every group to the slowest one's pace once
+the gap is reached.
 """
 from __future__ import annotations
 
@@ -57,11 +58,6 @@ def may_apply(group: int, version: int, reads: Mapping[int, int], bound: int) ->
         return True
     budgets = sorted(bound - (version + 1 - read) for g, read in reads.items() if g != group)
     return all(budget >= i for i, budget in enumerate(budgets))
-
-
-def smallest_safe_bound(ngroups: int) -> int:
-    """The least max_update_lag with which G groups cannot deadlock: each of the other G − 1 may land once first."""
-    return max(0, ngroups - 1)
 
 
 def histogram(stats: Mapping[int, StalenessStats]) -> dict:

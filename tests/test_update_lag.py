@@ -1,0 +1,132 @@
+"""cluster.max_update_lag: every asynchronous update lands at most τ updates after its params were read.
+
+The rule (shoal.runtime.exchanges.staleness.may_apply) is checked as a property over random
+schedules; the servers that enforce it (Downpour's, the in-memory one) are driven as a user would,
+with one group slowed by SHOAL_SLOW_WORKER, and must report the lags in summary.json.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+from cli_in_process import run_cli as shoal_in_process
+
+import shoal
+from layouts import assert_ran, summary
+from shoal.runtime import faults
+from shoal.runtime.exchanges.staleness import may_apply
+from test_async import downpour_job, hogwild_job, run_cli
+
+quiet = lambda *a: None
+
+
+def simulate(groups: int, bound: int, seed: int, updates: int = 300) -> list[tuple[int, int]]:
+    """Groups of random speeds read, compute and push to one server that applies a push only when
+    may_apply allows; returns (group, lag) of every update applied. Fails on a deadlock."""
+    rng = random.Random(seed)
+    speed = [rng.uniform(1, 6) for _ in range(groups)]
+    version, reads, applied = 0, {g: 0 for g in range(groups)}, []
+    ready_at = {g: rng.expovariate(1 / speed[g]) for g in range(groups)}  # when each group's push arrives
+    now = 0.0
+    while len(applied) < updates:
+        arrived = [g for g in ready_at if ready_at[g] <= now]
+        movable = [g for g in arrived if may_apply(g, version, reads, bound)]
+        if not movable:
+            pending = [t for g, t in ready_at.items() if t > now]
+            assert pending, f"deadlock: every group waits (version {version}, reads {reads}, bound {bound})"
+            now = min(pending)
+            continue
+        group = rng.choice(movable)
+        applied.append((group, version - reads[group]))
+        version += 1
+        reads[group] = version  # the push's answer: the group computes on, from the params it got back
+        ready_at[group] = now + rng.expovariate(1 / speed[group])
+    return applied
+
+
+@pytest.mark.parametrize("groups", [2, 3, 5])
+@pytest.mark.parametrize("slack", [0, 1, 3])
+def test_no_update_lands_later_than_the_bound_and_nobody_deadlocks(groups, slack):
+    bound = groups - 1 + slack
+    for seed in range(20):
+        applied = simulate(groups, bound, seed)
+        assert max(lag for _, lag in applied) <= bound
+        assert {g for g, _ in applied} == set(range(groups))  # the slowest group lands too
+
+
+def test_a_fast_group_waits_only_for_an_update_about_to_break_the_bound():
+    # group 1 read at 0 and is still computing; group 0 may land twice under bound 2, not three times
+    assert may_apply(0, 0, {0: 0, 1: 0}, 2) and may_apply(0, 1, {0: 1, 1: 0}, 2)
+    assert not may_apply(0, 2, {0: 2, 1: 0}, 2)
+    assert may_apply(1, 2, {0: 2, 1: 0}, 2)  # the held-back group itself always may
+    assert may_apply(0, 10**6, {0: 0, 1: 0}, -1)  # unbounded
+
+
+def test_slow_worker_injection_targets_one_group_and_scales_compute(monkeypatch):
+    monkeypatch.setenv("SHOAL_SLOW_WORKER", "0:0.001,1.0:x2.5,0.1:0+0.2")
+    assert faults.slowdown(0, group=0) == faults.Slowdown(per_sample=0.001)
+    assert faults.slowdown(0, group=1) == faults.Slowdown(factor=2.5)  # a G.K item wins over a K item
+    assert faults.slowdown(1, group=0) == faults.Slowdown(per_step=0.2)
+    assert not faults.slowdown(1, group=1)
+    assert faults.Slowdown(factor=2.5).extra_seconds(0.4, samples=32) == pytest.approx(0.6)
+    monkeypatch.setenv("SHOAL_SLOW_WORKER", "0:x0.5")
+    with pytest.raises(ValueError, match="factor"):
+        faults.slowdown(0)
+
+
+def lags_of(workspace) -> dict:
+    histogram = summary(workspace)["staleness_histogram"]
+    return {int(lag): n for lag, n in histogram["updates_per_lag"].items()}, histogram["groups"]
+
+
+# group 1's worker sleeps 40 ms a step: a few of group 0's steps land while it computes
+SLOW_GROUP_1 = {"SHOAL_SLOW_WORKER": "1.0:0+0.04"}
+
+
+@pytest.mark.parametrize("bound", [-1, 2])
+def test_downpour_servers_hold_updates_to_the_bound(blobs_job, tmp_path, bound):
+    steps = 30
+    job = downpour_job(blobs_job, steps=steps, cluster_extra=dict(max_update_lag=bound))
+    proc = run_cli(job, tmp_path / "ws", env=SLOW_GROUP_1)
+    assert proc.returncode == 0, proc.stderr
+    assert_ran(tmp_path / "ws", "Downpour, 2 groups + 1 server, 3 processes")
+    lags, groups = lags_of(tmp_path / "ws")
+    assert sum(lags.values()) == 2 * steps and groups["0"]["updates"] == groups["1"]["updates"] == steps  # none lost
+    if bound < 0:  # unbounded: the fast group runs on, so the slow group's updates land very stale
+        assert groups["1"]["max"] > 2
+    else:
+        assert max(lags) <= bound and groups["1"]["max"] == bound  # the bound was reached and held
+        assert f"lag at most {max(lags)} (cluster.max_update_lag {bound})" in proc.stdout
+
+
+def test_in_memory_groups_hold_updates_to_the_bound(blobs_job, tmp_path, monkeypatch):
+    monkeypatch.setenv("SHOAL_SLOW_WORKER", "1.0:0+0.01")
+    job = hogwild_job(blobs_job, 3, steps=20, cluster_extra=dict(max_update_lag=2))
+    history = shoal.train(job, workspace=tmp_path / "ws", log=quiet)
+    assert_ran(tmp_path / "ws", "in-memory Hogwild, 3 groups")
+    lags, groups = lags_of(tmp_path / "ws")
+    assert max(lags) <= 2 and sum(lags.values()) == 3 * 20
+    assert history.final_test["accuracy"] >= 0.9
+
+
+@pytest.mark.parametrize("layout, bound, refusal", [
+    ("Downpour, 3 groups + 1 server, 4 processes", 1, "cluster.max_update_lag: 1 is below nworker_groups - 1 = 2"),
+    ("Distributed Hogwild, 2 groups", 2, "max_update_lag and warmup_steps apply to Downpour and in-memory Hogwild"),
+    ("in-memory Hogwild, 2 groups", -2, "max_update_lag must be >= -1"),
+])
+def test_plan_refuses_a_bound_that_cannot_hold(blobs_job, layout, bound, refusal):
+    proc = shoal_in_process("plan", blobs_job(layout=layout, cluster_extra=dict(max_update_lag=bound)), timeout=60)
+    assert proc.returncode != 0 and refusal in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_plan_says_what_bounds_the_lag(blobs_job):
+    proc = shoal_in_process("plan", blobs_job(layout="Downpour, 2 groups + 1 server, 3 processes",
+                                              cluster_extra=dict(max_update_lag=4)), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "every update lands at most 4 updates after its params were read" in proc.stdout
+    proc = shoal_in_process("plan", blobs_job(layout="in-memory Sandblaster, 2 threads", cluster_extra=dict(max_update_lag=4)), timeout=60)
+    assert proc.returncode == 0 and "max_update_lag (4) has no effect" in proc.stdout
+    proc = shoal_in_process("plan", blobs_job(train_steps=50, layout="in-memory Hogwild, 2 groups",
+                                              cluster_extra=dict(max_update_lag=1, local_steps=5)), timeout=60)
+    assert proc.returncode != 0 and "do not apply to local_steps" in proc.stderr
