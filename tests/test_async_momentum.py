@@ -61,6 +61,6 @@ def test_two_async_groups_reach_the_single_workers_accuracy_at_equal_steps(mnist
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     job = tmp_path / "small.conf"
-    job.write_text(bench.SMALL_MLP.format(lr=0.1, data=mnist_dir))
+    job.write_text(bench.small_mlp(mnist_dir, lr=0.1))
     single = bench.final_accuracy(job, [], tmp_path)
     assert bench.final_accuracy(job, layout, tmp_path) >= single

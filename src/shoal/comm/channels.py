@@ -59,6 +59,10 @@ class Channel:
     def recv(self, tensor: torch.Tensor, tag: int) -> None:
         self._group.recv([tensor], self.peer, tag).wait()
 
+    def irecv(self, tensor: torch.Tensor, tag: int):
+        """Post a receive and return at once; the handle's wait() returns once `tensor` holds the message."""
+        return self._group.recv([tensor], self.peer, tag)
+
 
 def open_channel(name: str, side: int, store=None, timeout_s: Optional[float] = None) -> Channel:
     """Side 0 or 1 of the channel `name`: returns once both sides built it (or raises after the timeout)."""

@@ -20,7 +20,7 @@ from shoal.planning.plan import JobPlan, plan_job
 Calibrated = Callable[[list[Kernel]], Calibration]
 LAYOUT_FIELDS = ("nworker_groups", "nserver_groups", "nworkers_per_group", "nservers_per_group", "nworkers_per_procs",
                  "nservers_per_procs", "server_worker_separate", "share_memory", "max_staleness", "warmup_steps",
-                 "max_update_lag", "auto_batch_shares", "threads_per_worker")
+                 "max_update_lag", "overlap_push", "auto_batch_shares", "threads_per_worker")
 
 
 @dataclass(frozen=True)

@@ -165,16 +165,21 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
 
 
 def server_updater(job: job_pb2.JobProto, framework: Framework) -> job_pb2.UpdaterProto:
-    """The updater the servers apply. Asynchronous groups: G groups already add momentum of their own (an update
-    computed on params G-1 updates old, on average), so the servers' momentum is 1 - G·(1 - momentum), which keeps
-    the job's effective momentum (cluster.async_momentum: kAsConfigured keeps SINGA's, the job's own)."""
+    """The updater the servers apply. Asynchronous groups: N outstanding updates (G groups, 2G with overlap_push)
+    already add momentum of their own (an update computed on params N-1 updates old, on average), so the servers'
+    momentum is 1 - N·(1 - momentum), which keeps the job's effective momentum (cluster.async_momentum: kAsConfigured keeps SINGA's, the job's own)."""
     updater = job_pb2.UpdaterProto()
     updater.CopyFrom(job.updater)
-    groups = job.cluster.nworker_groups
     if framework.synchronous or framework is Framework.LOCAL_SGD or job.cluster.async_momentum != job_pb2.kCompensated or updater.momentum <= 0:
         return updater
-    updater.momentum = max(0.0, 1.0 - groups * (1.0 - updater.momentum))
+    updater.momentum = max(0.0, 1.0 - outstanding_updates(job.cluster) * (1.0 - updater.momentum))
     return updater
+
+
+def outstanding_updates(cluster: job_pb2.ClusterProto) -> int:
+    """How many updates asynchronous groups can have computed and not yet applied at once: one per group, two per
+    group when its next step overlaps its push (overlap_push)."""
+    return cluster.nworker_groups * (2 if cluster.overlap_push else 1)
 
 
 def outer_updater(job: job_pb2.JobProto) -> job_pb2.UpdaterProto:
@@ -226,13 +231,19 @@ def _staleness_notes(job: job_pb2.JobProto, framework: Framework) -> list[str]:
     """What bounds the staleness of asynchronous updates (runtime/exchanges/staleness.py), or why a bound cannot hold."""
     c = job.cluster
     notes = []
+    if c.overlap_push:
+        if framework is not Framework.DOWNPOUR:
+            raise UnsupportedClusterError(f"cluster.overlap_push: applies to Downpour over processes, not to {framework.value}")
+        notes.append("each group computes its next step while its push is at the servers (cluster.overlap_push): "
+                     "its params are one answer older, its communication hidden")
     if c.max_update_lag >= 0:
         if framework.synchronous:
             notes.append(f"cluster.max_update_lag ({c.max_update_lag}) has no effect: {framework.value} applies every update on fresh params")
-        elif c.max_update_lag < c.nworker_groups - 1:  # each of the other groups may have to land once first
+        elif c.max_update_lag < outstanding_updates(c) - 1:  # each of the other updates out may have to land first
+            least = "2 * nworker_groups - 1 (overlap_push)" if c.overlap_push else "nworker_groups - 1"
             raise UnsupportedClusterError(
-                f"cluster.max_update_lag: {c.max_update_lag} is below nworker_groups - 1 = {c.nworker_groups - 1}: "
-                f"{c.nworker_groups} groups each with an update in flight could never all land")
+                f"cluster.max_update_lag: {c.max_update_lag} is below {least} = {outstanding_updates(c) - 1}: "
+                f"{outstanding_updates(c)} updates in flight could never all land")
         else:
             notes.append(f"every update lands at most {c.max_update_lag} updates after its params were read (cluster.max_update_lag); "
                          "a group waits only when another's update in flight would otherwise land later than that")

@@ -121,8 +121,10 @@ class DownpourServer:
         self.max_staleness, self.warmup_steps = max_staleness, warmup_steps
         self._steps = {g: 0 if g == 0 else warmup_steps for g in stubs}  # steps each group has pushed
         self.max_update_lag = max_update_lag
-        # the version each group computes on, from its last answer (groups that wait for the warm-up read when they pull)
-        self._reads = {g: 0 for g in stubs if g == 0 or not warmup_steps}
+        # per group, the versions its outstanding updates are computed on, oldest first: one, or two when a group
+        # computes its next step while its push is out (overlap_push); groups that wait for the warm-up read when they pull
+        self.depth = 2 if self.cluster.overlap_push else 1
+        self._reads = {g: [0] * self.depth for g in stubs if g == 0 or not warmup_steps}
         self.lags = {g: StalenessStats() for g in stubs}  # the lag of every update applied, per group
         self._warming: set[int] = set()  # groups waiting for group 0's warm-up hold nobody back
         self._dropped: set[tuple[int, int]] = set()  # (group, incarnation) whose stub stalled: never applied again
@@ -269,7 +271,7 @@ class DownpourServer:
         self.load_state(updater_state)
         self.version = version
         self._steps = {g: step if g == 0 else max(step, self.warmup_steps) for g in self._steps}
-        self._reads = dict.fromkeys(self._reads, version)
+        self._reads = {g: [version] * self.depth for g in self._reads}
 
     def _may_go(self, step: int) -> bool:
         live = [self._steps[g] for g in self._live - self._warming]
@@ -315,7 +317,7 @@ class DownpourServer:
                         self._running.wait_for(lambda: self._may_go(step) and self._lag_allows(group))
                         values, version, lag = self.apply(grad, read_version, has_grad, group)
                         self._steps[group] = step + 1
-                        self._reads[group] = version
+                        self._reads[group] = (self._reads.get(group) or [version] * self.depth)[1:] + [version]
                         self._running.notify_all()
                     channel.send(values, TAG_VALUES)
                     channel.send(torch.tensor([version, lag], dtype=torch.int64), TAG_REPLY)
@@ -326,7 +328,7 @@ class DownpourServer:
                         self._warming.discard(group)
                     with self._running, self._lock:  # the live values, their version and the steps the group has done
                         values, version = self.values(), self.version
-                        self._reads[group] = version
+                        self._reads[group] = [version] * self.depth
                         channel.send(values, TAG_VALUES)
                         channel.send(torch.tensor([version, self._steps[group]], dtype=torch.int64), TAG_REPLY)
                     if incarnation > 0:
@@ -409,6 +411,8 @@ class DownpourExchange:
         self.first_step = 0  # a resumed run's, or where a joining group starts after group 0's warm-up
         self.incarnation = 0  # how many processes of this group came before this one (shoal.runtime.rejoin)
         self._channels: dict[int, channels.Channel] = {}  # server rank -> this stub's channel, opened at first use
+        self.overlap = placement.cluster.overlap_push
+        self._awaited: list = []  # the answers to the last push, while they are on their way (overlap_push)
 
     def _to(self, server_rank: int) -> channels.Channel:
         if not self._channels:
@@ -507,6 +511,8 @@ class DownpourExchange:
         self._share_params()
 
     def _push_pull(self, step: int, flat: torch.Tensor, had: torch.Tensor) -> None:
+        """Push the step's gradient to every server, and take the answers: at once, or (overlap_push) the previous
+        push's answers now and this one's while the group computes its next step."""
         server, server_rank = None, -1
         try:
             for server, server_rank, segments, _ in self.servers:
@@ -516,18 +522,35 @@ class DownpourExchange:
                     self.pushed_bytes += wire_bytes([part])
                 # one byte per segment: cheaper than a flag inside the (uncopied) gradient
                 self._to(server_rank).send(torch.tensor([had[self.position[s.param]] > 0 for s in segments], dtype=torch.uint8), TAG_HAS_GRAD)
-            lags = []
-            for server, server_rank, segments, size in self.servers:
-                values, reply = torch.zeros(size), torch.zeros(2, dtype=torch.int64)
-                self._to(server_rank).recv(values, TAG_VALUES)
-                self._to(server_rank).recv(reply, TAG_REPLY)
-                self._leave_if_refused(int(reply[0]), step)
-                self._scatter_values(values, segments)
-                self.read_version[server_rank] = int(reply[0])
-                lags.append(int(reply[1]))
         except RuntimeError as err:
             raise ServerLost(f"{server} in process {server_rank} stopped answering worker group {self.group} "
                              f"at step {step}: {comm.describe_error(err)}") from None
+        self._settle(step)
+        self._awaited = [self._await_answer(server_rank, size) for _, server_rank, _, size in self.servers]
+        if not self.overlap:
+            self._settle(step)
+
+    def _await_answer(self, server_rank: int, size: int) -> tuple[int, torch.Tensor, torch.Tensor, list]:
+        values, reply = torch.zeros(size), torch.zeros(2, dtype=torch.int64)
+        channel = self._to(server_rank)
+        return server_rank, values, reply, [channel.irecv(values, TAG_VALUES), channel.irecv(reply, TAG_REPLY)]
+
+    def _settle(self, step: int) -> None:
+        """Take the answers to the last push, if not taken yet: the new values, their version and the push's lag."""
+        if not self._awaited:
+            return
+        awaited, self._awaited, lags = self._awaited, [], []
+        for (server, server_rank, segments, _), (_, values, reply, receives) in zip(self.servers, awaited):
+            try:
+                for receive in receives:
+                    receive.wait()
+            except RuntimeError as err:
+                raise ServerLost(f"{server} in process {server_rank} stopped answering worker group {self.group} "
+                                 f"at step {step}: {comm.describe_error(err)}") from None
+            self._leave_if_refused(int(reply[0]), step)
+            self._scatter_values(values, segments)
+            self.read_version[server_rank] = int(reply[0])
+            lags.append(int(reply[1]))
         self.staleness.add(max(lags))
 
     def _leave_if_refused(self, version: int, step: int) -> None:
@@ -564,6 +587,7 @@ class DownpourExchange:
             return {}
         if self.final_state is not None:
             return self.final_state
+        self._settle(-1)  # the checkpoint holds the params its state belongs with
         flats = []
         for _, server_rank, segments, size in self.servers:
             self._to(server_rank).send(torch.tensor([STATE, 0, 0], dtype=torch.int64), TAG_HEADER)
@@ -593,6 +617,7 @@ class DownpourExchange:
         """End of training: other stubs say stop; the chief waits for the final model."""
         if self.rank != self.stub:
             return
+        self._settle(-1)
         if not self.chief:
             for _, server_rank, _, _ in self.servers:
                 self._to(server_rank).send(torch.tensor([STOP, 0, 0], dtype=torch.int64), TAG_HEADER)

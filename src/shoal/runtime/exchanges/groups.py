@@ -98,7 +98,7 @@ class GroupBoard:
     def apply(self, group: int, version: Callable[[], int], update: Callable[[], None]) -> int:
         """Run `update` (which bumps the server's `version()`) once max_update_lag allows it; return its lag."""
         with self._cond:  # held while updating when the lag is bounded: the check and the update are one
-            while not self.aborted and not may_apply(group, version(), self._reads, self.max_update_lag):
+            while not self.aborted and not may_apply(group, version(), {g: [r] for g, r in self._reads.items()}, self.max_update_lag):
                 self._cond.wait(WAIT_SLICE_S)
             lag = version() - self._reads.pop(group, version())
             if self.max_update_lag >= 0:

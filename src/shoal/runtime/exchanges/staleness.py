@@ -12,8 +12,9 @@ the groups, taken from the smallest budget up, can land one after another
 A push is held only while applying it would leave an unsafe state: a fast
 group waits only when the slow group's update in flight would otherwise land
 more than τ stale, so a group up to τ times faster than the slowest never
-waits. The group with the smallest budget can always land: with τ ≥ G − 1
-nothing deadlocks (shoal.planning.plan refuses less).
+waits. The group with the smallest budget can always land: with τ ≥ N − 1,
+N the updates that can be outstanding at once (G groups, 2G with
+overlap_push), nothing deadlocks (shoal.planning.plan refuses less).
 Compare max_staleness (stale-synchronous parallel): it bounds how many *steps*
 a group may run ahead, which holds every group to the slowest one's pace once
 the gap is reached.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 
 @dataclass
@@ -47,16 +48,18 @@ class StalenessStats:
         return self.total / self.count if self.count else 0.0
 
 
-def may_apply(group: int, version: int, reads: Mapping[int, int], bound: int) -> bool:
-    """Whether `group`'s update may be applied now, at `version`, under max_update_lag `bound`.
+def may_apply(group: int, version: int, reads: Mapping[int, Sequence[int]], bound: int) -> bool:
+    """Whether `group`'s next update may be applied now, at `version`, under max_update_lag `bound`.
 
-    `reads`: the version each group with an update still out computes on (the
-    group itself may be among them). After this update every other one's budget
-    is one less; the state stays safe if, smallest first, the i-th budget ≥ i.
+    `reads`: per group, the versions its outstanding updates are computed on, oldest first (one per
+    group; two for a group that computes its next step while its push is out, cluster.overlap_push).
+    The update applied is `group`'s oldest; after it every other one's budget is one less, and the
+    state stays safe if, smallest first, the i-th budget ≥ i.
     """
     if bound < 0:
         return True
-    budgets = sorted(bound - (version + 1 - read) for g, read in reads.items() if g != group)
+    others = [read for g, versions in reads.items() for read in (versions[1:] if g == group else versions)]
+    budgets = sorted(bound - (version + 1 - read) for read in others)
     return all(budget >= i for i, budget in enumerate(budgets))
 
 
