@@ -8,6 +8,9 @@
    does it (model.share_memory(), N processes each with its own optimizer), same model, same N,
    batch and threads (goal >= 1.0).
 
+Uneven workers (one of two 2x slower: bounded asynchronous groups against Sandblaster) are
+benchmarks/async_uneven.py's claim.
+
     python benchmarks/async.py [--budget 300] [--hogwild-steps 200]
 """
 from __future__ import annotations

@@ -10,9 +10,8 @@ is one worker), so the rows differ only in how updates are combined. Worker 1 of
 SHOAL_SLOW_WORKER=xFACTOR (each step takes FACTOR x its measured compute, whatever the machine's load).
 
 Time to accuracy: the chief writes a checkpoint every --every steps and no test runs during training (a test
-pauses Sandblaster's whole group but only Downpour's chief); each checkpoint is tested afterwards on the whole
-10,000-image test set, and its time is the chief's training seconds until then (summed window_sec: checkpoint
-pauses excluded). Each row runs --repeats times, interleaved; the table gives medians and the staleness
+pauses Sandblaster's whole group but only an asynchronous chief); each checkpoint is tested afterwards on the whole
+10,000-image test set, and its time is the wall-clock seconds since training started (metrics.jsonl's `time`). Each row runs --repeats times, interleaved; the table gives medians and the staleness
 histogram (summary.json) of the Downpour rows.
 
     python benchmarks/async_uneven.py [--per-worker 32] [--steps 400] [--repeats 3] [--bound 2]
@@ -61,7 +60,6 @@ def rows(bound: int, factor: float) -> list[Row]:
         Row(IN_MEMORY_SB, f"nworkers_per_group=2 {threads}", 2, sync),
         Row(f"in-memory Hogwild (SINGA: in-memory Downpour), 2 groups, max_update_lag {bound}",
             f"nworker_groups=2 {threads} max_update_lag={bound}", 1, groups, IN_MEMORY_SB),
-        Row("in-memory Hogwild, 2 groups, max_staleness 1 (SSP)", f"nworker_groups=2 {threads} max_staleness=1", 1, groups, IN_MEMORY_SB),
         Row(PROCESSES_SB, f"nworkers_per_group=2 {processes}", 2, sync),
         Row(f"Downpour, 2 groups + server, 3 processes, max_update_lag {bound}", f"nworker_groups=2 {processes} max_update_lag={bound}",
             1, groups, PROCESSES_SB),
@@ -76,13 +74,14 @@ class Result:
     step_to_target: Optional[int]
     samples_per_sec: float
     histogram: dict = field(default_factory=dict)
+    layout: tuple = ()  # summary.json's (processes, workers, framework): the run had its layout
 
 
-def train(row: Row, per_worker: int, steps: int, every: int, workspace: Path) -> Path:
+def train(row: Row, per_worker: int, steps: int, every: int, workspace: Path, data: Path) -> Path:
     """`shoal run` the row; returns the workspace of the run that finished."""
     # a display after steps every-1, 2*every-1, ... closes the training window that each checkpoint follows
     sets = [f"train_steps={steps}", "test_freq=0", f"disp_freq={every}", f"disp_after={every - 1}", f"checkpoint_freq={every}",
-            f"neuralnet.layer[0].store_conf.batchsize={per_worker * row.batch_per_worker_factor}"]
+            f"neuralnet.layer[0].store_conf.batchsize={per_worker * row.batch_per_worker_factor}"] + data_paths(data)
     sets += [f"cluster.{kv}" for kv in row.cluster.split()]
     args = [sys.executable, "-m", "shoal", "run", str(JOB), "--no-progress"]
     for s in sets:
@@ -99,37 +98,43 @@ def train(row: Row, per_worker: int, steps: int, every: int, workspace: Path) ->
     raise SystemExit(f"{row.name}: shoal run failed twice")
 
 
-def training_seconds(workspace: Path) -> dict[int, float]:
-    """Chief's training seconds when each step's checkpoint was taken (the checkpoint at step s follows the display at s-1)."""
+def wall_seconds(workspace: Path) -> dict[int, float]:
+    """Seconds since training started when each step's checkpoint was taken (it follows the display at step s-1).
+    Wall-clock, checkpoint pauses included: while Sandblaster's pause stops the job, an asynchronous chief's pause
+    lets the other group run on (up to the bound), so leaving pauses out would hand the asynchronous rows free work."""
     records = [json.loads(line) for line in (workspace / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    seconds, total = {0: 0.0}, 0.0
+    seconds = {0: 0.0}
     for r in records:
         if r["phase"] == "train":
-            total += r["window_sec"]
-            seconds[r["step"] + 1] = total
+            seconds[r["step"] + 1] = r["time"]
     return seconds
 
 
-def accuracy_of(checkpoint: Path, workspace: Path) -> float:
+def data_paths(data: Path) -> list[str]:
+    """The job's train and test stores in `data` (`shoal prepare mnist --out DATA`)."""
+    return [f"neuralnet.layer[0].store_conf.path={data / 'train_data.bin'}", f"neuralnet.layer[1].store_conf.path={data / 'test_data.bin'}"]
+
+
+def accuracy_of(checkpoint: Path, workspace: Path, data: Path) -> float:
     import shoal
 
-    job = shoal.load_job(JOB, ["test_steps=100"])  # the whole test set: 100 batches of 100
+    job = shoal.load_job(JOB, ["test_steps=100"] + data_paths(data))  # the whole test set: 100 batches of 100
     return shoal.evaluate(job, checkpoint=checkpoint, workspace=workspace / "eval", log=lambda *a: None)["accuracy"]
 
 
-def measure(row: Row, per_worker: int, steps: int, every: int, folder: Path) -> Result:
+def measure(row: Row, per_worker: int, steps: int, every: int, folder: Path, data: Path = MNIST / "data") -> Result:
     workspace = Path(tempfile.mkdtemp(dir=folder)) / "ws"
-    workspace = train(row, per_worker, steps, every, workspace)
-    seconds = training_seconds(workspace)
+    workspace = train(row, per_worker, steps, every, workspace, data)
+    seconds = wall_seconds(workspace)
     summary = json.loads((workspace / "summary.json").read_text())
     reached = None
     for step in range(every, steps + 1, every):  # the first checkpoint at the target accuracy
         checkpoint = workspace / "checkpoint" / f"step{step}-worker0.safetensors"
-        if step in seconds and checkpoint.exists() and accuracy_of(checkpoint, workspace) >= TARGET:
+        if step in seconds and checkpoint.exists() and accuracy_of(checkpoint, workspace, data) >= TARGET:
             reached = step
             break
     return Result(seconds.get(reached) if reached else None, reached, summary.get("samples_per_sec") or 0.0,
-                  summary.get("staleness_histogram") or {})
+                  summary.get("staleness_histogram") or {}, (summary["processes"], summary["workers"], summary["framework"]))
 
 
 def machine() -> str:

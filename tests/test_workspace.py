@@ -136,3 +136,32 @@ def test_a_resumed_segment_supersedes_what_the_stopped_run_recorded_after_its_ch
     # a record of the stopped run past the resume point that the resumed run never wrote again is dropped too
     stale = {"step": 5, "phase": "validate", "time": 1.0, "loss": 9.0}
     assert stale not in clean_records([stale] + records)
+
+
+def test_a_checkpoint_written_while_hogwild_groups_update_the_params_loads(tmp_path):
+    """In-memory Hogwild's other groups update the shared params while the chief writes a checkpoint: the file is a
+    snapshot whose checksum matches it (it once checksummed the live tensors and then wrote them, changed)."""
+    import threading
+
+    import torch
+
+    from shoal.neuralnet import checkpoint as ckpt_io
+
+    live = torch.zeros(1 << 22)
+    stop = threading.Event()
+
+    def hogwild_group():
+        while not stop.is_set():
+            live.add_(1.0)
+
+    writer = threading.Thread(target=hogwild_group)
+    writer.start()
+    try:
+        for step in range(3):
+            path = ckpt_io.save(tmp_path / f"step{step}.safetensors",
+                                ckpt_io.Checkpoint(step=step, params={"w": live}))
+            loaded = ckpt_io.load(path)  # raises CheckpointError on a checksum mismatch
+            assert loaded.step == step and loaded.params["w"].shape == live.shape
+    finally:
+        stop.set()
+        writer.join()

@@ -88,7 +88,9 @@ def save(path: Path, ckpt: Checkpoint) -> Path:
         for slot, value in slots.items():
             tensors[f"state/{name}/{slot}"] = value.detach().contiguous()
     tensors.update({f"rng/{k}": v.contiguous() for k, v in ckpt.rng.items()})
-    tensors = {k: v.cpu() for k, v in tensors.items()}
+    # a copy: asynchronous groups may go on updating the live params (Hogwild) while they are written, and the
+    # checksum must be of the bytes the file holds
+    tensors = {k: v.to("cpu", copy=True) for k, v in tensors.items()}
     metadata = {"format": FORMAT_VERSION, "step": str(ckpt.step), "trainer": json.dumps(ckpt.trainer), "sha256": digest(tensors)}
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=metadata)
