@@ -523,30 +523,32 @@ class DownpourExchange:
                 # one byte per segment: cheaper than a flag inside the (uncopied) gradient
                 self._to(server_rank).send(torch.tensor([had[self.position[s.param]] > 0 for s in segments], dtype=torch.uint8), TAG_HAS_GRAD)
         except RuntimeError as err:
-            raise ServerLost(f"{server} in process {server_rank} stopped answering worker group {self.group} "
-                             f"at step {step}: {comm.describe_error(err)}") from None
+            raise self._lost(server, server_rank, step, err) from None
         self._settle(step)
         self._awaited = [self._await_answer(server_rank, size) for _, server_rank, _, size in self.servers]
         if not self.overlap:
             self._settle(step)
 
-    def _await_answer(self, server_rank: int, size: int) -> tuple[int, torch.Tensor, torch.Tensor, list]:
+    def _await_answer(self, server_rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor, list]:
         values, reply = torch.zeros(size), torch.zeros(2, dtype=torch.int64)
         channel = self._to(server_rank)
-        return server_rank, values, reply, [channel.irecv(values, TAG_VALUES), channel.irecv(reply, TAG_REPLY)]
+        return values, reply, [channel.irecv(values, TAG_VALUES), channel.irecv(reply, TAG_REPLY)]
+
+    def _lost(self, server: ServerId, server_rank: int, step: int, err: RuntimeError) -> ServerLost:
+        return ServerLost(f"{server} in process {server_rank} stopped answering worker group {self.group} "
+                          f"at step {step}: {comm.describe_error(err)}")
 
     def _settle(self, step: int) -> None:
         """Take the answers to the last push, if not taken yet: the new values, their version and the push's lag."""
         if not self._awaited:
             return
         awaited, self._awaited, lags = self._awaited, [], []
-        for (server, server_rank, segments, _), (_, values, reply, receives) in zip(self.servers, awaited):
+        for (server, server_rank, segments, _), (values, reply, receives) in zip(self.servers, awaited):
             try:
                 for receive in receives:
                     receive.wait()
             except RuntimeError as err:
-                raise ServerLost(f"{server} in process {server_rank} stopped answering worker group {self.group} "
-                                 f"at step {step}: {comm.describe_error(err)}") from None
+                raise self._lost(server, server_rank, step, err) from None
             self._leave_if_refused(int(reply[0]), step)
             self._scatter_values(values, segments)
             self.read_version[server_rank] = int(reply[0])

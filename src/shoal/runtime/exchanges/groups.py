@@ -66,7 +66,7 @@ class GroupBoard:
     def __post_init__(self) -> None:
         self.steps = [0] * self.ngroups
         self.running = [True] * self.ngroups
-        self._reads: dict[int, int] = {}  # groups computing on params read at a version, for max_update_lag
+        self._reads: dict[int, list[int]] = {}  # per group computing, the version it read (may_apply's shape), for max_update_lag
         self._cond = threading.Condition()
 
     def start_at(self, steps: list[int]) -> None:
@@ -93,14 +93,14 @@ class GroupBoard:
     def read(self, group: int, version: int) -> None:
         """The group computes its next update on the params of `version`."""
         with self._cond:
-            self._reads[group] = version
+            self._reads[group] = [version]
 
     def apply(self, group: int, version: Callable[[], int], update: Callable[[], None]) -> int:
         """Run `update` (which bumps the server's `version()`) once max_update_lag allows it; return its lag."""
         with self._cond:  # held while updating when the lag is bounded: the check and the update are one
-            while not self.aborted and not may_apply(group, version(), {g: [r] for g, r in self._reads.items()}, self.max_update_lag):
+            while not self.aborted and not may_apply(group, version(), self._reads, self.max_update_lag):
                 self._cond.wait(WAIT_SLICE_S)
-            lag = version() - self._reads.pop(group, version())
+            lag = version() - self._reads.pop(group, [version()])[0]
             if self.max_update_lag >= 0:
                 update()
         if self.max_update_lag < 0:  # unbounded: Hogwild's lock-free update
