@@ -106,6 +106,19 @@ def test_downpour_servers_hold_updates_to_the_bound(blobs_job, tmp_path, bound, 
     assert json.loads((tmp_path / "ws" / "metrics.jsonl").read_text().splitlines()[-1])["accuracy"] >= 0.9
 
 
+def test_a_group_that_dies_before_it_connects_holds_nobody_back(blobs_job, tmp_path):
+    """The launcher tells the servers a dead group is not restarted, so the bound stops counting its update in flight
+    (it once waited for the group's silence to pass the stall timeout, and the chief's comm timeout could come first)."""
+    job = downpour_job(blobs_job, steps=20, cluster_extra=dict(max_update_lag=2))
+    # no stall detection to fall back on: only the launcher's word can release the bound before the comm timeout
+    proc = run_cli(job, tmp_path / "ws", env={"SHOAL_INJECT_EXIT": "1:0", "SHOAL_STALL_TIMEOUT": "600"})
+    assert proc.returncode == 0, proc.stderr
+    assert_ran(tmp_path / "ws", "Downpour, 2 groups + 1 server, 3 processes")
+    assert "process 1 (worker(group=1, id=0)) exited with code 3" in proc.stderr
+    lags, groups = lags_of(tmp_path / "ws")
+    assert groups["0"]["updates"] == 20 and groups["1"]["updates"] == 0
+
+
 def test_in_memory_groups_hold_updates_to_the_bound(blobs_job, tmp_path, monkeypatch):
     monkeypatch.setenv("SHOAL_SLOW_WORKER", "1.0:0+0.01")
     job = hogwild_job(blobs_job, 3, steps=20, cluster_extra=dict(max_update_lag=2))

@@ -129,8 +129,9 @@ class Restarter:
         self._note_store()
         if max_restarts() > 0 and plan.framework is not Framework.DOWNPOUR:
             warn(f"WARNING: --max-restarts: only Downpour worker groups are restarted; {plan.label}'s are not")
-        if self.limit > 0:
+        if plan.framework is Framework.DOWNPOUR:  # the servers hear from it which dead groups will not come back
             self._connect()
+        if self.limit > 0:
             self._door.restarts_dead_groups()
             self._context = _forkserver()
 
@@ -150,6 +151,8 @@ class Restarter:
     def restart(self, context, index: int, rank: int, code: int) -> bool:
         """Start a new process in dead process `rank`'s place (it replaces context.processes[index]); False: not restarted."""
         if self.limit <= 0:
+            if self._door is not None:  # a group that died before it connected holds no server waiting for it
+                self._door.give_up(group_of(self.plan, rank), self._door.incarnation(group_of(self.plan, rank)))
             return False
         from shoal.runtime.launch import describe_process
 
