@@ -179,7 +179,10 @@ def test_registry_is_private_and_refuses_another_users_folder(job_registry, tmp_
 # Decoys are `sleep`s; every record below but the last names one of them or a pid that must never be signalled.
 IN_NAMESPACE = textwrap.dedent("""
     import json, os, socket, subprocess, sys, time
-    from shoal.runtime import process_identity as ids
+
+    class ids:  # what /proc says, read here rather than by the code under test
+        start_time = lambda pid: int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19])
+        command_line = lambda pid: open(f"/proc/{pid}/cmdline", "rb").read().decode().rstrip("\\0").split("\\0")
 
     folder = sys.argv[1]
     os.makedirs(folder, mode=0o700, exist_ok=True)
@@ -232,7 +235,9 @@ def _in_own_pid_namespace(*command: str, timeout: float) -> subprocess.Completed
     probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip(f"cannot make a PID namespace here (needs root or user namespaces): {probe.stderr.strip()}")
-    return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", *command], capture_output=True, text=True, timeout=timeout)
+    # a session of its own too: process groups span PID namespaces, and a regression's kill(0) signals the caller's group
+    return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", *command], capture_output=True, text=True,
+                          timeout=timeout, start_new_session=True)
 
 
 def test_kill_signals_only_a_process_that_matches_its_record(job_registry):
