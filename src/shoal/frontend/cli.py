@@ -136,7 +136,7 @@ def _add_jobs(sub: argparse._SubParsersAction) -> None:
     verbs.add_parser("list", help="id, name, processes, status, start time of every job")
     view = verbs.add_parser("view", help="hosts, pids, workspace and last metrics of a job")
     view.add_argument("id", type=int)
-    kill = verbs.add_parser("kill", help="stop every process of a job")
+    kill = verbs.add_parser("kill", help="stop every process of a job (SIGTERM; only processes that still match the record)")
     kill.add_argument("id", type=int)
 
 

@@ -344,6 +344,9 @@ def kill(job_id: int) -> tuple[JobRecord, list[str]]:
         hosts = sorted({p["host"] for p in record.processes})
         raise StaleRecord(f"job {job_id}: no process of it runs on this host ({here}); "
                           f"run `shoal jobs kill` where it runs ({', '.join(hosts) or 'no host recorded'})")
+    if record.live_status() == "died":
+        gone = [f"rank {p['rank']}: {process_identity.mismatch(p['pid'], p['start'], None)[1]}" for p in local]
+        raise StaleRecord(f"job {job_id}: not running (died); its record is stale ({_some(gone)}), nothing signalled")
     signalled, left = 0, []
     for proc in local:
         try:
@@ -355,10 +358,13 @@ def kill(job_id: int) -> tuple[JobRecord, list[str]]:
         else:
             signalled += 1
     if not signalled:
-        raise StaleRecord(f"job {job_id}: no process of it matches its record ({'; '.join(left[:3])}"
-                          f"{'; ...' if len(left) > 3 else ''}); nothing signalled")
+        raise StaleRecord(f"job {job_id}: no process of it matches its record ({_some(left)}); nothing signalled")
     finish(record, "killed")
     return record, left
+
+
+def _some(reasons: list[str]) -> str:
+    return "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else "")
 
 
 def last_metrics(record: JobRecord) -> dict[str, dict]:
