@@ -96,6 +96,11 @@ def hostile_registry(folder: Path, elsewhere: Path) -> dict[int, str]:
     if os.geteuid() == 0:  # only root can give a file away
         os.chown(write(folder, 22, record(22)), NOBODY, NOBODY)
         bad[22] = f"owned by uid {NOBODY}, not by you"
+    try:  # a device (/dev/zero's numbers): read, it would never end
+        os.mknod(folder / "23.json", stat.S_IFCHR | 0o600, os.makedev(1, 5))
+        bad[23] = "a character device"
+    except OSError:
+        pass  # only root may make device files
     (folder / "notes.txt").write_text("not a record: ignored")
     return bad
 

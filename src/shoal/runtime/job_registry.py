@@ -188,7 +188,7 @@ def read_all() -> Registry:
         except FileNotFoundError:
             continue  # removed while we looked
         except BadRecord as err:
-            problems.append(str(err))
+            problems.append(f"{err}; skipped")
     return Registry(records, problems)
 
 
@@ -198,35 +198,44 @@ def all_jobs() -> list[JobRecord]:
 
 def _read_record(path: Path, job_id: int) -> JobRecord:
     """The record in `path`, read as hostile input: no blocking open, no symlink, no file of another user, size-limited."""
-    info = os.lstat(path)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        raise BadRecord(f"{path}: cannot look at it ({err.strerror})") from None
     kind = _kind(info.st_mode)
     if kind:
-        raise BadRecord(f"{path}: {kind}, not a job record; skipped")
+        raise BadRecord(f"{path}: {kind}, not a job record")
     _check_owner(path, info)
     try:  # the lstat above and this open may see different files: check again on what was opened
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as err:
         if isinstance(err, FileNotFoundError):
             raise
-        raise BadRecord(f"{path}: cannot open it ({err.strerror}); skipped") from None
+        raise BadRecord(f"{path}: cannot open it ({err.strerror})") from None
     try:
         opened = os.fstat(fd)
         if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino) or _kind(opened.st_mode):
-            raise BadRecord(f"{path}: replaced while being read; skipped")
+            raise BadRecord(f"{path}: replaced while being read")
         _check_owner(path, opened)
         data = _read_at_most(fd, MAX_RECORD_BYTES + 1)
+    except OSError as err:
+        raise BadRecord(f"{path}: cannot read it ({err.strerror})") from None
     finally:
         os.close(fd)
     if len(data) > MAX_RECORD_BYTES:
-        raise BadRecord(f"{path}: larger than {MAX_RECORD_BYTES // 1024} KiB, not a job record; skipped")
+        raise BadRecord(f"{path}: larger than {MAX_RECORD_BYTES >> 20} MiB, not a job record")
     try:
         parsed = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
     except UnicodeDecodeError as err:
-        raise BadRecord(f"{path}: not text (byte {err.start} is not UTF-8), not a job record; skipped") from None
+        raise BadRecord(f"{path}: not text (byte {err.start} is not UTF-8), not a job record") from None
     except json.JSONDecodeError as err:
-        raise BadRecord(f"{path}:{err.lineno}:{err.colno}: not JSON ({err.msg}); skipped") from None
-    except (RecursionError, ValueError) as err:
-        raise BadRecord(f"{path}: not a job record ({str(err)[:80] or 'nested too deeply'}); skipped") from None
+        raise BadRecord(f"{path}:{err.lineno}:{err.colno}: not JSON ({err.msg})") from None
+    except RecursionError:
+        raise BadRecord(f"{path}: not a job record (nested too deeply)") from None
+    except ValueError as err:  # NaN, Infinity; an integer of thousands of digits
+        raise BadRecord(f"{path}: not a job record ({str(err)[:80]})") from None
     return _record_from(parsed, path, job_id)
 
 
@@ -241,9 +250,9 @@ def _kind(mode: int) -> str:
 
 def _check_owner(path: Path, info: os.stat_result) -> None:
     if info.st_uid != os.geteuid():
-        raise BadRecord(f"{path}: owned by uid {info.st_uid}, not by you; skipped")
+        raise BadRecord(f"{path}: owned by uid {info.st_uid}, not by you")
     if stat.S_IMODE(info.st_mode) & 0o022:
-        raise BadRecord(f"{path}: other users may write it (mode {stat.S_IMODE(info.st_mode):o}); skipped")
+        raise BadRecord(f"{path}: other users may write it (mode {stat.S_IMODE(info.st_mode):o})")
 
 
 def _read_at_most(fd: int, limit: int) -> bytes:
@@ -302,19 +311,19 @@ _PROCESS_FIELDS = {
 def _fields(data: Any, spec: dict, path: Path, where: str) -> dict:
     """`data`'s known fields, each checked; unknown fields are ignored (a newer shoal may add some)."""
     if not isinstance(data, dict):
-        raise BadRecord(f"{path}: {where or 'the record'} is not a JSON object; skipped")
+        raise BadRecord(f"{path}: {where or 'the record'} is not a JSON object")
     out = {}
     for name, (check, expected, default) in spec.items():
         if name not in data:
             if default is ...:
-                raise BadRecord(f"{path}: {where}{name} is missing; skipped")
+                raise BadRecord(f"{path}: {where}{name} is missing")
             out[name] = default
             continue
         value = data[name]
         if not check(value):
             shown = json.dumps(value)
             shown = shown if len(shown) <= 40 else shown[:37] + "..."
-            raise BadRecord(f"{path}: {where}{name} is {shown}, expected {expected}; skipped")
+            raise BadRecord(f"{path}: {where}{name} is {shown}, expected {expected}")
         out[name] = value
     return out
 
@@ -322,7 +331,7 @@ def _fields(data: Any, spec: dict, path: Path, where: str) -> dict:
 def _record_from(data: Any, path: Path, job_id: int) -> JobRecord:
     values = _fields(data, _RECORD_FIELDS, path, "")
     if values["id"] != job_id:
-        raise BadRecord(f"{path}: id is {values['id']}, but the file is named for job {job_id}; skipped")
+        raise BadRecord(f"{path}: id is {values['id']}, but the file is named for job {job_id}")
     values["processes"] = [_fields(p, _PROCESS_FIELDS, path, f"processes[{i}].") for i, p in enumerate(values["processes"])]
     return JobRecord(**values)
 
