@@ -109,7 +109,7 @@ def train_launched(plan: JobPlan, options: "RunOptions", launched: launchers.Lau
         lock = WorkspaceLock(workspace, plan.job.name).__enter__()  # held by rank 0 until the run ends
         resume_from = prepare(workspace, resolve_resume(workspace, options.resume, plan.job), options.log)
         record = job_registry.register(plan.job.name, job_file, workspace)
-        record.processes = processes
+        record.processes = [job_registry.identified(p) for p in processes]  # start time, command line: for `jobs kill`
         record.save()
         write_job_copy(plan, workspace)
         restart = f", restart {launched.restart} of {launched.max_restarts}" if launched.restart else ""
