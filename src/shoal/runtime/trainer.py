@@ -251,6 +251,13 @@ class Trainer:
     def save_checkpoint(self, step: int) -> Optional[Path]:
         """Collective when servers are spread over processes. The chief writes the checkpoint; every other
         trainer (a group of threads, or a process) writes its own part beside it (checkpoint_parts)."""
+        ckpt = self.checkpoint_state(step)
+        if not self.chief:
+            return ckpt_io.save(ckpt_io.part_file(self.workspace, step, self.group, self.rank), ckpt)
+        return ckpt_io.save(ckpt_io.checkpoint_file(self.workspace, step), ckpt)
+
+    def checkpoint_state(self, step: int) -> ckpt_io.Checkpoint:
+        """What this trainer writes at `step`: the chief the whole checkpoint, another trainer its own part."""
         updater_state = self.exchange.updater_state() if self.exchange else {}
         own = self.exchange.own_state() if hasattr(self.exchange, "own_state") else {}
         bad = [name for name, value in self.store.values.items() if not torch.isfinite(value).all()]
@@ -258,8 +265,7 @@ class Trainer:
             raise Diverged(f"step {step}: param {bad[0]} holds NaN or infinite values; no checkpoint written")
         rng = {f"worker{w.index}": w.generator.get_state() for w in self.workers}
         if not self.chief:
-            part = ckpt_io.Checkpoint(step=step, params={}, rng=rng, trainer={"skips": self._skips()}, exchange=own)
-            return ckpt_io.save(ckpt_io.part_file(self.workspace, step, self.group, self.rank), part)
+            return ckpt_io.Checkpoint(step=step, params={}, rng=rng, trainer={"skips": self._skips()}, exchange=own)
         trainer = {
             "job": self.job.name,
             "cursors": {str(k): v for k, v in self.cursors.items()},
@@ -269,7 +275,7 @@ class Trainer:
             "batch_shares": self.shares,  # balanced shares go on where they were (same maths either way)
             "elapsed": self.metrics.elapsed() if self.metrics is not None else self.elapsed_before,
         }
-        ckpt = ckpt_io.Checkpoint(
+        return ckpt_io.Checkpoint(
             step=step,
             params=self.store.state_dict(),
             updater_state=updater_state,
@@ -278,7 +284,6 @@ class Trainer:
             exchange=own,
             part_names={ckpt_io.part_name(step, g, r): required for (g, r), required in checkpoint_parts(self.plan).items()},
         )
-        return ckpt_io.save(ckpt_io.checkpoint_file(self.workspace, step), ckpt)
 
     def _skips(self) -> dict:
         return {str(phase): {n: f.skip for n, f in feeds.items()} for phase, feeds in self._all_feeds().items()}

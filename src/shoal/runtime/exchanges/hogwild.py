@@ -88,19 +88,17 @@ class HogwildExchange:
         self._threads = [threading.Thread(target=self._serve, args=(g, r), name=f"shoal-sync-group{g}", daemon=True)
                          for g, r in self.peers.items()]
         self._started = False
-        self._restored: dict[str, torch.Tensor] = {}  # own_state from a checkpoint, applied at _start
 
     def _start(self) -> None:
         """The values every group starts from are set (initial, loaded or resumed): remember them, start serving."""
         if self._started:
             return
         self._started = True
-        saved = self._restored  # a resumed group goes on from what it held when its checkpoint was written
-        self.last_sync = {r: saved[f"last_sync/{r}"].clone() if f"last_sync/{r}" in saved else self._gather(segs)
-                          for r, (segs, _) in self.requests.items()}
+        # a resumed group goes on from what it held when its checkpoint was written (load_own_state)
+        self.last_sync = {r: self.last_sync[r] if r in self.last_sync else self._gather(segs) for r, (segs, _) in self.requests.items()}
         if self.codecs is not None:
             start = self._gather(self.served[0])
-            self.known = {g: saved[f"known/{g}"].clone() if f"known/{g}" in saved else start.clone() for g in self.peers}
+            self.known = {g: self.known[g] if g in self.known else start.clone() for g in self.peers}
         for t in self._threads:
             t.start()
 
@@ -282,7 +280,9 @@ class HogwildExchange:
         return tensors
 
     def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        self._restored = dict(tensors)
+        self.last_sync = {r: tensors[f"last_sync/{r}"].clone() for r in self.requests if f"last_sync/{r}" in tensors}
+        if self.codecs is not None:
+            self.known = {g: tensors[f"known/{g}"].clone() for g in self.peers if f"known/{g}" in tensors}
         self.updates = int(tensors.get("count/updates", 0))
         self.server.updates = int(tensors.get("count/server_updates", 0))
         if self.codecs is not None:
