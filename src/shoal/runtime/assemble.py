@@ -132,7 +132,7 @@ def assemble(plan: JobPlan, rank: int, spec: RunSpec) -> ProcessRun:
             plan, spec.workspace, spec.base_dirs, home if shared is not None or not trainers else torch_device(mine[0][1]),
             log=spec.log, progress=spec.progress if chief_rank and not trainers else False,
             worker_indices=[i for i, _ in mine], chief=chief_rank and not trainers, store=shared, group=group,
-            worker_devices=[d for _, d in mine],
+            worker_devices=[d for _, d in mine], rank=rank,
         ))
     run = ProcessRun(plan, rank, trainers, rejoining=spec.rejoin is not None)
     _attach_exchanges(run)
@@ -225,9 +225,10 @@ def _set_values(run: ProcessRun, spec: RunSpec) -> None:
             ckpt = ckpt_io.load(spec.resume_from)
             run.server.restore(ckpt.params, ckpt.updater_state, ckpt.step, resumed_version(ckpt.step, plan))
         return
+    resumed = ckpt_io.load(spec.resume_from) if spec.resume_from is not None else None  # the chief's file and every part
     for trainer in run.trainers:
-        if spec.resume_from is not None:
-            trainer.restore(spec.resume_from)
+        if resumed is not None:
+            trainer.restore(spec.resume_from, resumed)
         elif job.checkpoint_path and (trainer is chief or not plan.in_one_process) and not _joins_from_servers(trainer):
             trainer.load_params([ckpt_io.resolve_path(p, spec.base_dirs) for p in job.checkpoint_path])
     exchange = chief.exchange

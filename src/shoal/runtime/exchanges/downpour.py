@@ -45,7 +45,7 @@ from shoal.comm import dist as comm
 from shoal.comm import heartbeat
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
-from shoal.runtime.exchanges.compression import codec_for, wire_bytes
+from shoal.runtime.exchanges.compression import codec_for, codecs_state, load_codecs_state, wire_bytes
 from shoal.runtime.exchanges.local import aggregate
 from shoal.runtime.exchanges.staleness import StalenessStats, histogram, may_apply
 from shoal.neuralnet.updaters import Updater
@@ -600,6 +600,13 @@ class DownpourExchange:
 
     def load_updater_state(self, state) -> None:
         """Servers load their slices of the state themselves (DownpourServer.restore)."""
+
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """The group's compression residuals, one per server it pushes to (servers only decode)."""
+        return codecs_state("push", self.codecs)
+
+    def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        load_codecs_state("push", self.codecs, tensors)
 
     def view_updater(self):
         """The servers own every param: no worker updates a view itself."""
