@@ -134,6 +134,18 @@ def test_a_file_where_shoal_keeps_a_folder_is_refused_in_a_workspace_shoal_alrea
     assert (ws / "visualization").read_text() == "mine\n" and not (ws / "checkpoint" / "step4-worker0.safetensors").exists()
 
 
+def test_testing_a_checkpoint_in_a_folder_whose_visualization_is_the_users_leaves_it_alone(blobs_job, tmp_path):
+    job, ws = blobs_job(train_steps=2), tmp_path / "ws"
+    assert shoal("run", job, "--workspace", ws, "--no-progress").returncode == 0
+    folder = tmp_path / "example"
+    folder.mkdir()
+    (folder / "visualization").write_text("mine\n")
+    proc = shoal("run", job, "--test", "--workspace", folder, "--checkpoint", ws / "checkpoint" / "step2-worker0.safetensors")
+    assert proc.returncode == 0 and "Test @ step 2" in proc.stdout, proc.stderr
+    assert f"{folder / 'visualization'} is not shoal's" in proc.stderr and "Traceback" not in proc.stderr
+    assert (folder / "visualization").read_text() == "mine\n" and [p.name for p in folder.iterdir()] == ["visualization"]
+
+
 def test_fit_never_writes_into_a_data_folder_of_the_users(blobs_job, tmp_path):
     """`shoal run` leaves a SINGA workspace's data/ alone; shoal.fit, which writes its arrays into data/, refuses it."""
     import torch

@@ -85,7 +85,7 @@ def claim(workspace: Path, writes: tuple[str, ...] = ()) -> None:
     else:
         users = set(user_entries(folder))
     names = (*OUTPUT_NAMES, *writes) + ((META,) if fresh else ())
-    taken = [n for n in names if os.path.lexists(folder / n) and (n in users or (n in FOLDERS and not (folder / n).is_dir()))]
+    taken = [n for n in names if os.path.lexists(folder / n) and (n in users or is_users(folder, n))]
     if taken:
         shown = ", ".join(str(resolved / n) for n in taken[:2]) + (", ..." if len(taken) > 2 else "")
         raise WorkspaceError(
@@ -114,6 +114,14 @@ def user_entries(workspace: Path) -> list[str]:
     except (OSError, ValueError, AttributeError):
         return []
     return [n for n in recorded if isinstance(n, str)] if isinstance(recorded, list) else []
+
+
+def is_users(workspace: Path, name: str) -> bool:
+    """WORKSPACE/name is the user's, not shoal's (recorded so at the claim, or a file where shoal keeps a folder)."""
+    path = Path(workspace) / name
+    if not os.path.lexists(path):
+        return False
+    return name in user_entries(workspace) or (name in FOLDERS and not path.is_dir())
 
 
 def job_copy(workspace: Path) -> Optional[Path]:
