@@ -8,7 +8,8 @@ before they write anything. The launcher restarts failed processes
 `--resume=auto` each start continues from this job's newest readable
 checkpoint, or starts fresh when there is none. It never continues another
 job's checkpoints: the workspace's job copy (.shoal/job.conf, written at every
-start; job.conf in an older shoal's workspace) must be the same job: same name, net, algorithm and updater.
+start; job.conf in an older shoal's workspace) must be the same job: same name,
+net, algorithm and updater.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from shoal.runtime.workspace import JOB_COPY, WorkspaceError, WorkspaceLock, cla
 
 if TYPE_CHECKING:
     from shoal.runtime.run_job import RunOptions
+
 
 class LaunchMismatch(ShoalError, ValueError):
     """A launcher started a world whose size is not the number of processes the job's layout has."""
