@@ -166,7 +166,8 @@ def test_resume_auto_starts_fresh_then_continues_this_job_only(blobs_job, tmp_pa
 def test_resume_auto_from_the_command_line_refuses_another_jobs_workspace_in_one_line(blobs_job, tmp_path):
     workspace = tmp_path / "ws"
     shoal.train(blobs_job(train_steps=4), workspace=workspace, log=quiet)
-    (workspace / "job.conf").write_text((workspace / "job.conf").read_text().replace('name: "blobs-mlp"', 'name: "someone-else"'))
+    copy = workspace / ".shoal" / "job.conf"  # the job as the workspace's run was started
+    copy.write_text(copy.read_text().replace('name: "blobs-mlp"', 'name: "someone-else"'))
     run = subprocess.run([sys.executable, "-m", "shoal", "run", str(blobs_job(train_steps=8)), "--workspace", str(workspace),
                           "--resume=auto"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr

@@ -184,18 +184,18 @@ def fit(
     """
     from shoal.frontend import script
     from shoal.frontend import api
-    from shoal.runtime.workspace import claim
+    from shoal.runtime.workspace import FIT_DATA, claim
 
     cluster = cluster or Cluster()
     workspace = Path(script.workspace(workspace) or "fit-workspace")
-    claim(workspace)  # before the data goes in: shoal writes only into a folder it owns
+    claim(workspace, writes=(FIT_DATA,))  # before the data goes in: never into a data/ of the user's
     x, y = _arrays(train_data)
-    train_path, test_path = workspace / "data" / "train.bin", None
+    train_path, test_path = workspace / FIT_DATA / "train.bin", None
     _write_store(train_path, x, y)
     test_steps = 0
     if test_data is not None:
         tx, ty = _arrays(test_data)
-        test_path = workspace / "data" / "test.bin"
+        test_path = workspace / FIT_DATA / "test.bin"
         _write_store(test_path, tx, ty)
         test_batch = min(test_batch, len(tx))
         test_steps = math.ceil(len(tx) / test_batch)

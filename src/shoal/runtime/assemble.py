@@ -45,6 +45,7 @@ from shoal.runtime.exchanges.sliced import SlicedExchange
 from shoal.runtime.interfaces import TrainerHook
 from shoal.runtime.replicas import device_label, torch_device, usable_device_names
 from shoal.runtime.trainer import History, Trainer
+from shoal.runtime.workspace import write_job_copy
 
 
 @dataclass(frozen=True)
@@ -282,7 +283,7 @@ def run_process(plan: JobPlan, rank: int, spec: RunSpec) -> History:
         spec.log(line)
     metrics = None
     if rank == 0:  # written once the job assembled (a refused --resume leaves the earlier copy alone)
-        (spec.workspace / "job.conf").write_text(text_format.MessageToString(plan.job))
+        write_job_copy(text_format.MessageToString(plan.job), spec.workspace)
         visualization.write_train_net(plan, spec.workspace, fresh=spec.resume_from is None)
         devices = usable_device_names(plan.all_devices())
         resumed_at = run.chief.start_step if spec.resume_from is not None else None
