@@ -42,6 +42,14 @@ def end_status(error: BaseException | None) -> str:
     return "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
 
 
+def failure_reason(error: BaseException | None) -> str | None:
+    """Why a failed run failed, in one line for summary.json (None when it finished or was stopped by a signal)."""
+    if end_status(error) != "failed":
+        return None
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def mark_run_ended(workspace: Path, error: BaseException, reason: str | None = None) -> None:
     """The launcher's word on how a run ended, for a chief process killed before it could say."""
     mark_ended(workspace, Path(workspace) / METRICS_FILE, end_status(error), reason)
