@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from shoal.errors import ShoalError, warn
+from shoal.report.writes import cause_of
 
 META = ".shoal"
 # what shoal writes into a workspace (a folder holding only these, without the marker, is an older shoal workspace)
@@ -60,7 +61,7 @@ def claim(workspace: Path) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise WorkspaceError(f"workspace {workspace}: cannot be created ({err.strerror or err})") from None
+        raise WorkspaceError(f"workspace {workspace}: cannot be created ({cause_of(err)})") from None
     entries = sorted(p.name for p in folder.iterdir())
     foreign = [name for name in entries if not _own(name)]
     ours = [name for name in entries if name in ("checkpoint", "metrics.jsonl")]
