@@ -126,6 +126,18 @@ def test_metrics_that_fill_the_disk_leave_no_half_line_and_a_failed_summary(blob
         assert json.loads(compare.stdout)[0]["steps"] == records[-1]["step"]
 
 
+def test_a_disk_full_from_the_start_is_one_line(blobs_job, tmp_path):
+    job = blobs_job(train_steps=12)
+    with tmpfs(tmp_path / "disk", "256k") as disk:
+        (disk / "ws").mkdir()
+        st = os.statvfs(disk)
+        with open(disk / "filler", "wb") as f:
+            with contextlib.suppress(OSError):  # up to the last byte
+                f.write(b"\0" * (st.f_bavail * st.f_frsize))
+        proc = shoal_process("run", job, "--workspace", disk / "ws")
+        assert_one_line_error(proc, f"shoal: cannot write {disk / 'ws'}", "no space left on device")
+
+
 # -- a read-only workspace ---------------------------------------------------------------------------
 def test_a_finished_run_on_a_read_only_mount_can_be_tested_but_not_resumed(blobs_job, tmp_path):
     job = blobs_job(train_steps=12)

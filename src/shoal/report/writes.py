@@ -92,11 +92,22 @@ def as_write_error(err: BaseException, workspace: Union[str, Path]) -> "Workspac
     """
     if isinstance(err, WorkspaceWriteError):
         return err
-    if not isinstance(err, OSError) or err.errno not in CAUSES or not err.filename:
+    if not isinstance(err, OSError) or err.errno not in CAUSES:
         return None
+    if not err.filename:  # a write() or print() to an open file (a rank's log): the workspace's disk, if it is full
+        return WorkspaceWriteError(workspace, CAUSES[err.errno], err.errno) if _out_of_space(workspace) else None
     path = Path(os.fsdecode(err.filename))
     try:
         inside = path.resolve().is_relative_to(Path(workspace).resolve())
     except (OSError, RuntimeError):
         return None
     return write_error(path, err) if inside else None
+
+
+def _out_of_space(workspace: Union[str, Path]) -> bool:
+    """The workspace's filesystem is read-only or (next to) full: 64 kB or less left to this process."""
+    try:
+        st = os.statvfs(workspace)
+    except OSError:
+        return False
+    return bool(st.f_flag & os.ST_RDONLY) or st.f_bavail * st.f_frsize <= 64 * 1024

@@ -32,7 +32,7 @@ from shoal.planning.placement import ServerId
 from shoal.planning.plan import Framework, JobPlan
 from shoal.report.metrics import MetricsLog
 from shoal.report.run_log import end_status, failure_reason, open_run_log
-from shoal.report.writes import as_write_error
+from shoal.report.writes import as_write_error, writing
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.runtime import debug_norms, faults, visualization
 from shoal.runtime.exchanges.compression import codec_for, compresses
@@ -295,7 +295,8 @@ def _run_process(plan: JobPlan, rank: int, spec: RunSpec) -> History:
         spec.log(line)
     metrics = None
     if rank == 0:  # written once the job assembled (a refused --resume leaves the earlier copy alone)
-        (spec.workspace / "job.conf").write_text(text_format.MessageToString(plan.job))
+        with writing(spec.workspace / "job.conf"):
+            (spec.workspace / "job.conf").write_text(text_format.MessageToString(plan.job))
         visualization.write_train_net(plan, spec.workspace, fresh=spec.resume_from is None)
         devices = usable_device_names(plan.all_devices())
         resumed_at = run.chief.start_step if spec.resume_from is not None else None

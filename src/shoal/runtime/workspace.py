@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from shoal.errors import ShoalError, warn
-from shoal.report.writes import cause_of
+from shoal.report.writes import cause_of, writing
 
 META = ".shoal"
 # what shoal writes into a workspace (a folder holding only these, without the marker, is an older shoal workspace)
@@ -71,8 +71,9 @@ def claim(workspace: Path) -> None:
             f"workspace {workspace} ({folder.resolve()}): holds files shoal did not write ({shown}); "
             "shoal writes only into an empty or new folder: give another --workspace"
         )
-    (folder / META).mkdir(exist_ok=True)
-    marker.write_text(json.dumps({"created_by": "shoal", "time": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+    with writing(marker):
+        (folder / META).mkdir(exist_ok=True)
+        marker.write_text(json.dumps({"created_by": "shoal", "time": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
 
 
 class WorkspaceLock:
@@ -94,11 +95,16 @@ class WorkspaceLock:
             f.close()
             raise WorkspaceError(f"workspace {self.path.parent.parent} is in use by {holder}; "
                                  "wait for it to end or give another --workspace") from None
-        f.seek(0)
-        f.truncate()
-        f.write(json.dumps({"job": self.job_name, "pid": os.getpid(), "host": platform.node(),
-                            "started": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
-        f.flush()
+        try:
+            with writing(self.path):
+                f.seek(0)
+                f.truncate()
+                f.write(json.dumps({"job": self.job_name, "pid": os.getpid(), "host": platform.node(),
+                                    "started": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+                f.flush()
+        except BaseException:
+            f.close()
+            raise
         self._file = f
         return self
 
