@@ -16,7 +16,7 @@ import torch
 from shoal.config import job_pb2
 from shoal.planning.plan import JobPlan, plan_job
 from shoal.report.tensorboard import require_tensorboard
-from shoal.report.writes import as_write_error, is_writable
+from shoal.report.writes import WorkspaceWriteError, as_write_error, is_writable
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.runtime import elastic, job_registry, visualization
 from shoal.runtime.assemble import RunSpec, run_process
@@ -126,8 +126,11 @@ def test_job(job: job_pb2.JobProto, options: RunOptions, checkpoint: Optional[Pa
     device = torch_device(usable_device_names(plan.devices_of(0))[0])
     trainer = Trainer(plan, workspace, options.base_dirs, device, log=options.log, progress=False, train=False)
     step = trainer.load_params(paths)
-    if is_writable(workspace):
-        visualization.write_test_net(job, workspace)
-    else:  # an archived run, evaluated where it lies: testing needs no write
+    if not is_writable(workspace):  # an archived run, evaluated where it lies: testing needs no write
         options.log(f"Workspace {workspace} is read-only: {visualization.FOLDER}/test_net.json not written")
+    else:
+        try:
+            visualization.write_test_net(job, workspace)
+        except WorkspaceWriteError as err:  # a full disk: the drawing is not what was asked for
+            options.log(f"{err}; testing without it")
     return trainer.test_only(None, step)
