@@ -135,6 +135,19 @@ def read_published(key: str, timeout_s: float) -> str:
     return _store.get(name).decode()
 
 
+def published(key: str, wait_s: float = 0.0) -> Optional[str]:
+    """The value published under `key`, waiting up to `wait_s` for it; None when there is none (or no store)."""
+    if _store is None:
+        return None
+    name = f"shoal/published/{key}"
+    try:
+        if wait_s > 0:
+            _store.wait([name], datetime.timedelta(seconds=wait_s))
+        return _store.get(name).decode() if _store.check([name]) else None
+    except (dist.DistError, RuntimeError):  # not published in time, or the store is gone
+        return None
+
+
 def _enter() -> None:
     global _calls
     with _calls_lock:
@@ -222,10 +235,29 @@ def group_broadcast(tensor: torch.Tensor, src: int, group) -> None:
     dist.broadcast(tensor, src=src, group=group)
 
 
-def describe_error(err: BaseException) -> str:
-    """gloo's error in a few words: no source location, no advice paragraph."""
+def store_lost() -> bool:
+    """Whether the job's store stopped answering: the process hosting it (torchrun's agent, or rank 0) died.
+
+    Asked after a failure, to name its cause: a dead store's socket refuses at once (reset, broken pipe)."""
+    if _store is None:
+        return False
+    try:
+        _store.check(["shoal/alive"])
+    except (dist.DistError, RuntimeError):
+        return True
+    return False
+
+
+def describe_error(err: BaseException, store_at: Optional[str] = None, store_host: str = "the process hosting it") -> str:
+    """gloo's or c10d's error in a few words: no source location, no advice paragraph.
+
+    store_at ("HOST:PORT"): when the job's store no longer answers, that is the story (its host died),
+    whatever the error that noticed it said ("Connection reset by peer", "Broken pipe").
+    """
     import re
 
+    if store_at is not None and store_lost():
+        return f"lost the job's store at {store_at} ({store_host} died?)"
     line = str(err).splitlines()[0] if str(err) else type(err).__name__
     line = re.sub(r"^\[[^\]]*\]\s*", "", line)
     return line.split(". This is typically")[0]

@@ -479,6 +479,9 @@ class UsageError(ShoalError, ValueError):
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    # before torch loads: c10d's C++ warnings (a failed store call, with a C++ stack dump) stay out of the terminal
+    # and the rank logs; a failure is reported as one line anyway (TORCH_CPP_LOG_LEVEL=WARNING shows them again)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
         try:
             return _main(argv)

@@ -35,6 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from shoal.errors import ShoalError
+from shoal.report.writes import write_error
 
 FORMAT_VERSION = "1"
 _NAME = re.compile(r"^step(\d+)-worker(\d+)\.safetensors$")
@@ -103,9 +104,12 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def save(path: Path, ckpt: Checkpoint) -> Path:
-    """Write atomically: a temp file in the same folder, fsync, rename, fsync the folder."""
+    """Write atomically: a temp file in the same folder, fsync, rename, fsync the folder.
+
+    A write the machine refuses (ENOSPC, EDQUOT, EROFS, EACCES) raises WorkspaceWriteError naming `path`,
+    after removing the partial temp file; the checkpoints already written are untouched.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {f"param/{k}": v.detach().contiguous() for k, v in ckpt.params.items()}
     for name, slots in ckpt.updater_state.items():
         for slot, value in slots.items():
@@ -119,12 +123,25 @@ def save(path: Path, ckpt: Checkpoint) -> Path:
     if ckpt.part_names:
         metadata["parts"] = json.dumps(ckpt.part_names)
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(tmp), metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except (OSError, SafetensorError) as err:  # disk full, quota, read-only: the previous checkpoint stays as it was
+        _remove_partial(tmp)
+        raise write_error(path, err) from None
     return path
+
+
+def _remove_partial(tmp: Path) -> None:
+    """A temp checkpoint that could not be finished: removed, which also gives back the space it took."""
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:  # a read-only folder never got it
+        pass
 
 
 def load(path: Path, parts: bool = True) -> Checkpoint:

@@ -31,7 +31,8 @@ from shoal.neuralnet.updaters import make_updater
 from shoal.planning.placement import ServerId
 from shoal.planning.plan import Framework, JobPlan
 from shoal.report.metrics import MetricsLog
-from shoal.report.run_log import end_status, open_run_log
+from shoal.report.run_log import end_status, failure_reason, open_run_log
+from shoal.report.writes import as_write_error
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.runtime import debug_norms, faults, visualization
 from shoal.runtime.exchanges.compression import codec_for, compresses
@@ -277,7 +278,20 @@ def start_lines(run: ProcessRun) -> list[str]:
 
 
 def run_process(plan: JobPlan, rank: int, spec: RunSpec) -> History:
-    """Assemble process `rank` and run it to the end; the chief writes the net and the run log."""
+    """Assemble process `rank` and run it to the end; the chief writes the net and the run log.
+
+    A write into the workspace that the machine refuses (disk full, read-only) ends it as WorkspaceWriteError.
+    """
+    try:
+        return _run_process(plan, rank, spec)
+    except OSError as err:
+        failure = as_write_error(err, spec.workspace)
+        if failure is None:
+            raise
+        raise failure from None
+
+
+def _run_process(plan: JobPlan, rank: int, spec: RunSpec) -> History:
     run = assemble(plan, rank, spec)
     for line in start_lines(run):
         spec.log(line)
@@ -300,8 +314,8 @@ def run_process(plan: JobPlan, rank: int, spec: RunSpec) -> History:
                      + (f" (cluster.max_update_lag {bound})" if bound >= 0 else ""))
         return history
     except BaseException as err:
-        error = err
+        error = as_write_error(err, spec.workspace) or err
         raise
     finally:
         if metrics is not None:
-            metrics.close(end_status(error))
+            metrics.close(end_status(error), failure_reason(error))

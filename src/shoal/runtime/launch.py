@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -81,6 +82,13 @@ class ProcessFailed(ShoalError, RuntimeError):
 
 class StalledPeer(RuntimeError):
     """A collective timed out: the message names the rank(s) that stopped answering."""
+
+
+class PeerFailed(RuntimeError):
+    """Another process failed with an error of its own (a full disk, say): the message is its line, naming it."""
+
+
+FAILURE_KEY = "failure"  # where a rank that failed with a ShoalError leaves its line for its peers
 
 
 def route(host: str) -> tuple[str, str]:
@@ -165,7 +173,15 @@ def run_rank(plan: JobPlan, rank: int, spec: RunSpec) -> History:
     world = plan.nprocs
     try:
         return run_process(plan, rank, spec)
+    except ShoalError as err:  # the cause of the job's end: the peers, who see only a closed connection, name it
+        _publish_failure(f"{describe_process(plan, rank)} failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+        raise
     except RuntimeError as err:  # a collective failed: find who stopped answering
+        if comm.store_lost():  # no progress to read: the caller names the store's host
+            raise RuntimeError(f"{str(err).splitlines()[0]}") from None
+        cause = comm.published(FAILURE_KEY, wait_s=1.0)
+        if cause is not None:
+            raise PeerFailed(cause) from None
         progress = comm.progress(world)
         calls, step = progress[rank]
         behind = [r for r, (c, _) in progress.items() if r != rank and c < calls]
@@ -173,6 +189,13 @@ def run_rank(plan: JobPlan, rank: int, spec: RunSpec) -> History:
             who = "; ".join(f"{describe_process(plan, r)} stopped answering at step {progress[r][1]}" for r in behind)
             raise StalledPeer(f"{who} (process {rank} waited {comm.timeout_seconds():.0f} s at step {step})") from None
         raise RuntimeError(f"{str(err).splitlines()[0]}") from None
+
+
+def _publish_failure(line: str) -> None:
+    try:
+        comm.publish(FAILURE_KEY, line)
+    except (RuntimeError, AttributeError):  # the store is gone too (or there is none): the launcher still hears it
+        pass
 
 
 @dataclass(frozen=True)
@@ -250,11 +273,12 @@ def run_launched(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
                 return run_rank(plan, rank, spec_for(resume_from, chief_log(rank, log_file)))
     except ShoalError:
         raise
-    except StalledPeer as err:
+    except (StalledPeer, PeerFailed) as err:
         raise ProcessFailed(f"{err}; see {workspace}/logs") from None
-    except RuntimeError as err:
-        raise ProcessFailed(f"{describe_process(plan, rank)} failed: {comm.describe_error(err)}; "
-                            f"see {workspace}/logs/rank{rank}.log") from None
+    except RuntimeError as err:  # the store's host gone (torchrun's agent killed) is named as such
+        store_host = f"{launched.launcher}'s agent" if launched.agent_store else "process 0, which hosts it,"
+        why = comm.describe_error(err, f"{launched.master_addr}:{launched.master_port}", store_host)
+        raise ProcessFailed(f"{describe_process(plan, rank)} failed: {why}; see {workspace}/logs/rank{rank}.log") from None
     finally:
         comm.shutdown()
 
@@ -320,6 +344,13 @@ def _failed(message: str, workspace: Path, ranks: list[int]) -> ProcessFailed:
 def _exited(plan: JobPlan, rank: int, code: int, workspace: Path, ranks: list[int]) -> ProcessFailed:
     return _failed(f"{describe_process(plan, rank)} exited with code {code}; "
                    f"the other processes were stopped; see {workspace}/logs/rank{rank}.log", workspace, ranks)
+
+
+def _error_line(traceback_text: str) -> str:
+    """The last line of a rank's traceback; a ShoalError's without its class (its message is written for users)."""
+    last = traceback_text.strip().splitlines()[-1]
+    found = re.match(r"shoal(?:\.\w+)+(?:Error|Failed): (.+)$", last)
+    return found.group(1) if found else last
 
 
 def run_processes(
@@ -423,8 +454,9 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
         last = str(err).strip().splitlines()[-1]
         if rank == 0 and last.startswith("BrokenPipeError"):  # the chief writes to our stdout: its reader went away
             raise BrokenPipeError(last) from None
-        if last.startswith(f"{__name__}.StalledPeer: "):
+        if last.startswith((f"{__name__}.StalledPeer: ", f"{__name__}.PeerFailed: ")):
             raise _failed(last.split(": ", 1)[1] + f"; see {workspace}/logs", workspace, ranks) from None
+        last = _error_line(last)
         raise _failed(f"{describe_process(plan, rank)} failed: {last}; see {workspace}/logs/rank{rank}.log", workspace, ranks) from None
     history = History(workspace)
     if 0 in ranks:  # the chief's node holds the metrics

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 from shoal.errors import ShoalError, warn
+from shoal.report.writes import cause_of, writing
 
 META = ".shoal"
 # what a run writes at a workspace's top level (and set-aside copies of them: metrics.jsonl.2, visualization.1)
@@ -78,7 +79,7 @@ def claim(workspace: Path, writes: tuple[str, ...] = ()) -> None:
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise WorkspaceError(f"workspace {workspace}: cannot be created ({err.strerror or err})") from None
+            raise WorkspaceError(f"workspace {workspace}: cannot be created ({cause_of(err)})") from None
         entries = {p.name for p in folder.iterdir()}
         older_shoal = all(map(_legacy, entries)) and _holds_shoals_run(folder)
         users = set() if older_shoal else entries & set(RECORDED)
@@ -93,9 +94,10 @@ def claim(workspace: Path, writes: tuple[str, ...] = ()) -> None:
             f"its own {', '.join(taken[:2])} there; move {'it' if len(taken) == 1 else 'them'} or give another --workspace"
         )
     if fresh:
-        (folder / META).mkdir(exist_ok=True)
-        marker.write_text(json.dumps({"created_by": "shoal", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                      "user_entries": sorted(users)}) + "\n")
+        with writing(marker):
+            (folder / META).mkdir(exist_ok=True)
+            marker.write_text(json.dumps({"created_by": "shoal", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                          "user_entries": sorted(users)}) + "\n")
 
 
 def _holds_shoals_run(folder: Path) -> bool:
@@ -138,8 +140,9 @@ def job_copy(workspace: Path) -> Optional[Path]:
 def write_job_copy(job_text: str, workspace: Path) -> Path:
     """WORKSPACE/.shoal/job.conf: the job as this run was started (read by --resume=auto)."""
     path = Path(workspace) / JOB_COPY
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(job_text)
+    with writing(path):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(job_text)
     return path
 
 
@@ -162,11 +165,16 @@ class WorkspaceLock:
             f.close()
             raise WorkspaceError(f"workspace {self.path.parent.parent} is in use by {holder}; "
                                  "wait for it to end or give another --workspace") from None
-        f.seek(0)
-        f.truncate()
-        f.write(json.dumps({"job": self.job_name, "pid": os.getpid(), "host": platform.node(),
-                            "started": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
-        f.flush()
+        try:
+            with writing(self.path):
+                f.seek(0)
+                f.truncate()
+                f.write(json.dumps({"job": self.job_name, "pid": os.getpid(), "host": platform.node(),
+                                    "started": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+                f.flush()
+        except BaseException:
+            f.close()
+            raise
         self._file = f
         return self
 
