@@ -211,31 +211,44 @@ class DownpourServer:
                 if self._closed:
                     return None, incarnation
             newest = max(incarnation, self.door.incarnation(group))
-            nonce = self.door.hello(self.server.id, group, newest)
-            if nonce is not None and nonce not in self._refused:
+            knock = self._knock(group, incarnation, newest)
+            if knock is not None:
+                knocked, nonce = knock
                 with self._running:
                     if self._closed:
                         return None, incarnation
-                    name = self.door.accept(self.server.id, group, newest, nonce)
+                    name = self.door.accept(self.server.id, group, knocked, nonce)
                     self._live.add(group)  # the chief's last request waits while it proves itself
                     self._expected.discard(group)
                     self._running.notify_all()
-                channel = self._authenticated(group, newest, name)
+                channel = self._authenticated(group, knocked, name)
                 if channel is None:
                     self._refused.add(nonce)
-                    self.door.give_up(group, newest)
+                    if knocked == self.door.incarnation(group):  # nobody else announced: wait for nobody
+                        self.door.give_up(group, knocked)
                     with self._running:
                         self._live.discard(group)
                         self._running.notify_all()
                     continue
                 with self._running:
-                    self.incarnations[group] = newest
-                if newest > 0:  # a process restarted in a dead one's place: watch it afresh
+                    self.incarnations[group] = knocked
+                if knocked > 0:  # a process restarted in a dead one's place: watch it afresh
                     heartbeat.revive(rank)
-                self.door.set_state(self.server.id, group, f"serving {newest}")
-                return channel, newest
+                self.door.set_state(self.server.id, group, f"serving {knocked}")
+                return channel, knocked
             self._note_expected(group, rank, incarnation)
             time.sleep(channels.POLL_S * 5)
+
+    def _knock(self, group: int, incarnation: int, newest: int) -> Optional[tuple[int, str]]:
+        """(incarnation, nonce) of the knock to answer: the newest incarnation's, else, once a knock was refused, an
+        older announced one's (an impostor that claimed the newest must not shut out the process the launcher started)."""
+        for knocked in range(newest, incarnation - 1, -1):
+            nonce = self.door.hello(self.server.id, group, knocked)
+            if nonce is not None and nonce not in self._refused:
+                return knocked, nonce
+            if not self._refused:
+                return None
+        return None
 
     def _authenticated(self, group: int, incarnation: int, name: str):
         """The channel `name` once its stub proved it holds the job's secret; None (one line in this log) when it did not."""
