@@ -32,6 +32,7 @@ from typing import Callable, Optional
 
 import torch.multiprocessing as mp
 
+from shoal.comm import auth
 from shoal.comm import dist as comm
 from shoal.comm import rendezvous
 from shoal.config.plugins import decode_job
@@ -159,13 +160,14 @@ def chief_log(rank: int, log_file) -> Callable[[str], None]:
 
 
 def join_world(plan: JobPlan, rank: int, world: int, ranks_per_node: int, host: str, port: int,
-               interface: Optional[str], agent_store_attempt: Optional[int] = None) -> None:
-    """Join the job's process group (NCCL for CUDA tensors where every process has GPUs of its own, else gloo)."""
+               interface: Optional[str], secret: bytes, agent_store_attempt: Optional[int] = None) -> None:
+    """Join the job's process group (NCCL for CUDA tensors where every process has GPUs of its own, else gloo),
+    proving to the others that this process holds the job's `secret` (shoal.comm.auth)."""
     backend = comm.process_group_backend(plan.devices, [r // max(1, ranks_per_node) for r in range(world)], comm.nccl_usable())
     if agent_store_attempt is None:
-        comm.init(rank, world, host, port, interface, backend=backend)
+        comm.init(rank, world, host, port, interface, backend=backend, secret=secret)
     else:
-        comm.init_with_agent_store(rank, world, host, port, agent_store_attempt, interface, backend=backend)
+        comm.init_with_agent_store(rank, world, host, port, agent_store_attempt, interface, backend=backend, secret=secret)
 
 
 def run_rank(plan: JobPlan, rank: int, spec: RunSpec) -> History:
@@ -223,7 +225,7 @@ def _entry(local_index: int, ranks: list[int], meeting: Meeting, environment: di
         plan = plan_job(decode_job(job_bytes), nnodes=meeting.nnodes)  # decode_job: the job's plugins first
         # a client of the store the rendezvous gave (attempt 0), as torchrun's workers are of their agent's
         join_world(plan, rank, meeting.world, meeting.ranks_per_node, meeting.store_host, meeting.store_port,
-                   meeting.interface, agent_store_attempt=0)
+                   meeting.interface, auth.required_secret("a rank of a job"), agent_store_attempt=0)
         try:
             spec = RunSpec(Path(workspace), [Path(d) for d in base_dirs], Path(resume_from) if resume_from else None,
                            log=chief_log(rank, log_file), progress=False, initial_values=initial_values)
@@ -246,10 +248,13 @@ def run_launched(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
     """
     rank, world = launched.rank, launched.world_size
     wait_s = max(comm.timeout_seconds(), 60.0)
+    secret = auth.required_secret(f"a job started by {launched.launcher}")
     try:
         join_world(plan, rank, world, launched.local_world_size, launched.master_addr, launched.master_port,
-                   "lo" if launched.on_loopback else launched_interface(launched.master_addr),
+                   "lo" if launched.on_loopback else launched_interface(launched.master_addr), secret,
                    launched.restart if launched.agent_store else None)
+    except auth.SecretError as err:
+        raise auth.SecretError(f"process {rank}: {err}") from None
     except (RuntimeError, ValueError, OSError) as err:  # torch's store and gloo errors: their first line is the story
         raise ProcessFailed(f"process {rank}: cannot join the job's processes at {launched.master_addr}:{launched.master_port}: "
                             f"{comm.describe_error(err)}") from None
@@ -360,7 +365,15 @@ def run_processes(
     nodes: Nodes = Nodes(),
     process_setup: Optional[Callable[[], None]] = None,
 ) -> History:
-    """Meet the job's other nodes, then spawn this node's processes, each running assemble.run_process for its rank."""
+    """Meet the job's other nodes, then spawn this node's processes, each running assemble.run_process for its rank.
+
+    Each process gets the job's secret in its environment: on one host a fresh one unless the user gave one;
+    over several hosts the one the user gave every node (a one-line error when it is missing)."""
+    if nodes.one_host:
+        secret = auth.given_secret() or auth.new_secret()
+    else:
+        secret = auth.required_secret(f"a job over {nodes.nnodes} nodes")
+    environment = {**os.environ, auth.SECRET_VARIABLE: auth.to_text(secret)}
     if nodes.one_host:
         meeting_point = meet(nodes, plan)
     else:  # torch's store clients log every retry while the other nodes are not up yet: to this node's launcher log
@@ -369,7 +382,7 @@ def run_processes(
         with open(log_dir / "launcher.log", "a") as launcher_log, stalls.native_stderr_to(launcher_log):
             meeting_point = meet(nodes, plan)
     try:
-        return _spawn(plan, spec, on_start, nodes, meeting_point, process_setup)
+        return _spawn(plan, spec, on_start, nodes, meeting_point, process_setup, environment)
     finally:
         meeting_point.close()
 
@@ -407,13 +420,13 @@ def start_method() -> str:
 
 
 def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], nodes: Nodes,
-           met: rendezvous.NodeRendezvous, process_setup: Optional[Callable[[], None]]) -> History:
+           met: rendezvous.NodeRendezvous, process_setup: Optional[Callable[[], None]], environment: dict[str, str]) -> History:
     world, workspace = plan.nprocs, spec.workspace
     ranks = nodes.ranks(world, met.node_rank)
     meeting = Meeting(world, nodes.nnodes, -(-world // nodes.nnodes), met.store_host, met.store_port, nodes.interface)
     # our one-line report replaces torch's per-process "Terminating process" warnings
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    args = (ranks, meeting, dict(os.environ), plan.job.SerializeToString(), str(workspace),
+    args = (ranks, meeting, environment, plan.job.SerializeToString(), str(workspace),
             str(spec.resume_from) if spec.resume_from else None, [str(d) for d in spec.base_dirs], process_setup, spec.initial_values)
     try:
         context = mp.start_processes(_entry, args=args, nprocs=len(ranks), start_method=start_method(), join=False)
@@ -432,7 +445,7 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
                     if sig == signal.SIGTERM or signal.getsignal(sig) is not signal.SIG_IGN}
         try:
             if not plan.framework.synchronous:
-                _join_tolerating_groups(context, ranks, plan, workspace, rejoin.Restarter(plan, meeting, spec, process_setup))
+                _join_tolerating_groups(context, ranks, plan, workspace, rejoin.Restarter(plan, meeting, spec, process_setup, environment))
             stalls.wait_for_first_failure(context)  # and SIGKILL stopped processes, which SIGTERM cannot end
             while not context.join():
                 pass
@@ -454,6 +467,8 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
         last = str(err).strip().splitlines()[-1]
         if rank == 0 and last.startswith("BrokenPipeError"):  # the chief writes to our stdout: its reader went away
             raise BrokenPipeError(last) from None
+        if last.startswith(f"{auth.__name__}.SecretError: "):  # a node was given another secret: no traceback for it
+            raise _failed(last.split(": ", 1)[1], workspace, ranks) from None
         if last.startswith((f"{__name__}.StalledPeer: ", f"{__name__}.PeerFailed: ")):
             raise _failed(last.split(": ", 1)[1] + f"; see {workspace}/logs", workspace, ranks) from None
         last = _error_line(last)
