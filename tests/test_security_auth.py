@@ -2,9 +2,9 @@
 
 The take-over, as it worked before jobs had a secret: connect to the job's store on loopback (its port is in
 `ss`), claim a dead group's next incarnation with shoal's own handshake, pull the live params, push a huge
-gradient and send STOP. The attacker runs as `nobody` where the test can (root, runuser, an interpreter nobody
-may run), else as a process of this user that was not given the secret (what makes a process one of the job's
-is the secret, nothing else). It tries twice: under the keys shoal used before (nothing answers), and under the
+gradient and send STOP. The attacker runs as `nobody` where the test runs as root (it drops to nobody's uid
+before it touches the network), else as a process of this user that was not given the secret (what makes a
+process one of the job's is the secret, nothing else). It tries twice: under the keys shoal used before (nothing answers), and under the
 job's namespace (as an observer of the cleartext store traffic across hosts would know it) without the secret:
 the server opens a channel, the attacker cannot prove it holds the secret, the server refuses it in one line and
 applies nothing. The job ends as it would have, and its accuracy is untouched.
@@ -16,7 +16,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import signal
 import stat
 import subprocess
@@ -39,8 +38,14 @@ DOWNPOUR = "Downpour, 2 groups + 1 server, 3 processes"
 PARAMS = 16 * 32 + 32 + 32 * 4 + 4  # the blobs MLP's params, all on the one server
 
 ATTACKER = r'''
-import datetime, json, secrets, sys, time
+import datetime, json, os, secrets, sys, time
 import torch, torch.distributed as dist
+if os.environ.get("ATTACK_AS"):  # another local user: drop to that uid once the interpreter and torch are loaded
+    uid, gid = map(int, os.environ["ATTACK_AS"].split(":"))
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+print(f"uid {os.getuid()}", flush=True)
 port, namespace, size = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 seconds = lambda s: datetime.timedelta(seconds=s)
 said = {}
@@ -103,29 +108,18 @@ print(json.dumps(said), flush=True)
 '''
 
 
-def nobody_can_attack() -> str | None:
-    """Why the attacker cannot run as `nobody` here (None: it can)."""
-    if os.geteuid() != 0:
-        return "not root"
-    if not shutil.which("runuser"):
-        return "runuser is missing"
-    probe = subprocess.run(["runuser", "-u", "nobody", "--", sys.executable, "-c", "import torch"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"nobody cannot run {sys.executable} with torch: {(probe.stderr.strip().splitlines() or ['?'])[-1]}"
-    return None
+NOBODY = (65534, 65534)
 
 
-@pytest.fixture(params=["nobody", "this user without the secret"])
-def attacker(request):
-    """The command that runs the attacker's script (read from stdin): as nobody, or as a process of this user without the secret."""
-    if request.param == "nobody":
-        why = nobody_can_attack()
-        if why:
-            pytest.skip(f"cannot attack as another local user: {why}")
-        return ["runuser", "-u", "nobody", "--", sys.executable, "-"], {"PATH": os.environ["PATH"]}
-    if nobody_can_attack() is None:
-        pytest.skip("the attack runs as nobody here")
-    return [sys.executable, "-"], {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_JOB_SECRET")}
+@pytest.fixture
+def attacker():
+    """The attacker's command (its script read from stdin) and environment, never the job's secret: as `nobody` where
+    the test runs as root (the interpreter, under root's 0700 home, starts as root and drops to nobody before it
+    touches the network), else as a process of this user that was not given the secret."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_JOB_SECRET")}
+    if os.geteuid() == 0:
+        env["ATTACK_AS"] = "%d:%d" % NOBODY
+    return [sys.executable, "-"], env
 
 
 def test_another_user_cannot_take_over_a_running_downpour_job(blobs_job, tmp_path, runs, attacker):
@@ -151,6 +145,8 @@ def test_another_user_cannot_take_over_a_running_downpour_job(blobs_job, tmp_pat
                                 stderr=subprocess.PIPE, text=True, env=attacker_env)
     intruder.stdin.write(ATTACKER)
     intruder.stdin.close()
+    expected_uid = NOBODY[0] if os.geteuid() == 0 else os.getuid()
+    assert intruder.stdout.readline().strip() == f"uid {expected_uid}", intruder.stderr.read()
     assert intruder.stdout.readline().strip() == "knocked", intruder.stderr.read()
     os.kill(group1, signal.SIGKILL)  # group 1 dies: the server waits for its next incarnation, which the attacker claimed
     said = json.loads(intruder.stdout.readline() or "{}")
