@@ -15,7 +15,7 @@ from shoal.config.errors import JobError, did_you_mean, no_such_field, no_such_v
 from shoal.config.inference import infer_vocab_sizes
 from shoal.config.limits import check_text_nesting, load_yaml, read_job_text
 from shoal.config.overrides import apply_overrides
-from shoal.config.plugins import PluginError, extensions_of, load_plugins, loaded_plugins
+from shoal.config.plugins import PluginError, extensions_of, load_job_plugins, loaded_plugins
 from shoal.config.positions import SourceMap, text_positions, yaml_positions
 from shoal.config.validate import ShapeCheck, validate
 
@@ -98,15 +98,15 @@ def _finish(
     for path, override in apply_overrides(job, overrides).items():
         sources.override(path, override)
     base_dirs = [job_dir] if job_dir is not None else []
+    resolved = []
     for i, name in enumerate(job.plugin):  # (again: `--set plugin=...` may add one)
         try:
-            load_plugins([name], base_dirs)
+            resolved += load_job_plugins([name], base_dirs)
         except PluginError as err:
             raise sources.error(f"plugin[{i}]", f'plugin "{name}": {err.message}') if err.source == name else err from None
     # every plugin of this process, resolved: the processes it spawns load the same ones
-    resolved = load_plugins(job.plugin, base_dirs)
     job.plugin[:] = list(dict.fromkeys(resolved + loaded_plugins()))
-    infer_vocab_sizes(job, sources, base_dirs)
+    infer_vocab_sizes(job, sources, base_dirs, required=shape_check is not None)
     validate(job, sources, shape_check)
     return job
 
@@ -130,10 +130,10 @@ def _plugins_named_in_data(data) -> list[str]:
 
 
 def _load_named_plugins(names: list[str], source: str, positions, job_dir: Path | None, show_path: bool | None = None) -> None:
-    """Load the plugins a job names before parsing it; a missing file is an error at its `plugin` field."""
+    """Load the plugins a job names before parsing it; a missing file or a refused .py is an error at its `plugin` field."""
     for i, name in enumerate(names):
         try:
-            load_plugins([name], [job_dir] if job_dir is not None else [])
+            load_job_plugins([name], [job_dir] if job_dir is not None else [])
         except PluginError as err:
             if err.source != name:  # the plugin's own error: its file and position
                 raise
