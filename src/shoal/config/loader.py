@@ -186,7 +186,7 @@ def _tidy(message: str, text: str, line: int) -> str:
         hint = f"; loaded: {', '.join(f'[{k}]' for k in sorted(known))}" if known else ""
         return (
             f"no loaded plugin declares the extension [{m[1]}]{did_you_mean(m[1], known)}"
-            f' (name the .proto that does in the job: plugin: "layers.proto"){hint}'
+            f' (load the .proto that does: --plugin layers.proto, or plugin: "layers.proto" in the job){hint}'
         )
     m = re.match(r'Message type "([\w.]+)" does not have extensions', message)
     if m:

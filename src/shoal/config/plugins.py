@@ -83,8 +83,8 @@ def load_job_plugins(names: Iterable[str], base_dirs: Sequence[str | Path] = ())
         if path.suffix == ".py" and str(path) not in _loaded:
             raise PluginRefused(
                 str(name),
-                f"a job may not run code: it names only .proto plugins; give a .py plugin yourself: --plugin {path} "
-                "(shoal run, plan and viz; from Python: shoal.load_plugins)",
+                f"a job may name only .proto plugins, since a .py plugin runs code; pass it yourself: --plugin {path} "
+                "(shoal run, plan, viz; Python: shoal.load_plugins)",
             )
         resolved.append(path)
     load_plugins([p for p in resolved if p.suffix == ".proto"])
