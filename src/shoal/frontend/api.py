@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 from shoal.frontend import script
 from shoal.config import job_pb2
 from shoal.config.loader import job_from_dict, load_job as _load_file
-from shoal.config.plugins import load_job_plugins, load_plugins
+from shoal.config.plugins import load_job_plugins
 from shoal.config.validate import validate
 from shoal.runtime.run_job import RunOptions, test_job, train_job
 from shoal.runtime.trainer import History
@@ -34,11 +34,11 @@ def load_job(path: Union[str, Path], overrides: tuple[str, ...] | list[str] = ()
              plugins: Sequence[Union[str, Path]] = ()) -> job_pb2.JobProto:
     """Parse and validate a job.conf / job.yaml; raises JobError with file:line:col.
 
-    plugins: plugin files to load first, as `shoal.load_plugins` does (.py ones run: the job file
-    itself may name only .proto plugins, or .py ones loaded this way).
+    plugins: plugin files to load, as `shoal.load_plugins` does, but after the .proto plugins the job
+    names (a .py module imports their `_pb2`). A job file itself may name only .proto plugins, or .py
+    ones the user loaded: these, or earlier ones.
     """
-    load_plugins(plugins)
-    job = _load_file(path, list(overrides), shape_check=check_shapes)
+    job = _load_file(path, list(overrides), shape_check=check_shapes, plugins=plugins)
     _VALIDATED.add(_digest(job))
     return job
 

@@ -83,13 +83,6 @@ def _add_plugin(p: argparse.ArgumentParser) -> None:
                    "A job file may name .proto plugins only: a .py plugin runs code and is loaded only from here (docs/layers.md)")
 
 
-def _load_given_plugins(args: argparse.Namespace) -> None:
-    """The plugins the user gave (--plugin), before the job: its text may use their extensions."""
-    from shoal.config.plugins import load_plugins
-
-    load_plugins(args.plugin)
-
-
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "prepare",
@@ -225,10 +218,9 @@ def _run(args: argparse.Namespace) -> int:
     job_path = args.job or args.conf
     if job_path is None:
         raise UsageError("shoal run: give a job file (shoal run JOB)")
-    _load_given_plugins(args)
     if job_path.suffix == ".py":
         return _run_script(args, job_path)
-    job = api.load_job(job_path, args.overrides)
+    job = api.load_job(job_path, args.overrides, plugins=args.plugin)
     if args.tensorboard:
         job.tensorboard = True
     if args.rejoin is not None:
@@ -280,6 +272,9 @@ def _run_script(args: argparse.Namespace, path: Path) -> int:
     refused = [flag for flag, given in (("--test", args.test), ("--checkpoint", args.checkpoint), ("--nnodes/--hostfile", args.nnodes or args.hostfile)) if given]
     if refused:
         raise UsageError(f"shoal run {path}: {', '.join(refused)} only for job files; a script tests and places its jobs itself")
+    from shoal.config.plugins import load_plugins
+
+    load_plugins(args.plugin)  # for the jobs the script trains
     overrides = list(args.overrides) + (["tensorboard=true"] if args.tensorboard else [])
     settings = ScriptSettings.from_command_line(overrides, args.workspace, args.resume)
     return run_script(path, args.script_args, settings, expected=(ShoalError,))
@@ -365,8 +360,7 @@ def _plan(args: argparse.Namespace) -> int:
     from shoal.planning.describe import describe, render
     from shoal.planning.plan import plan_job
 
-    _load_given_plugins(args)
-    job = api.load_job(args.job, args.overrides)
+    job = api.load_job(args.job, args.overrides, plugins=args.plugin)
     hosts = _hosts_of(args)
     if args.workers is not None and args.workers < 1:
         raise ShoalError(f"--workers: {args.workers} is not a number of workers (at least 1)")
@@ -466,8 +460,7 @@ def _viz(args: argparse.Namespace) -> int:
             raise UsageError(f"shoal viz {args.job}: --set applies to job files, not to a node-link .json")
         net, name = args.job, args.job.stem
     else:
-        _load_given_plugins(args)
-        net = api.load_job(args.job, args.overrides)
+        net = api.load_job(args.job, args.overrides, plugins=args.plugin)
         name = f"{net.name or args.job.stem}-net"
     out = api.draw_net(net, args.out or Path(f"{name}.png"), title=args.title)
     print(f"wrote {out}")
