@@ -265,5 +265,6 @@ def _import_error(err: BaseException, code: Path, plugin: Path) -> PluginError:
         line = lines[-1] if lines else None
     if isinstance(err, SystemExit):
         return PluginError(str(plugin), f"cannot load plugin: it exits at import (SystemExit: {err.code})", line)
-    message = " ".join(str(err).split()) or "(no message)"
-    return PluginError(str(plugin), f"cannot load plugin: {type(err).__name__}: {message}", line)
+    message = " ".join(str(err).split())
+    said = f"{type(err).__name__}: {message}" if message else f"{type(err).__name__} at import"
+    return PluginError(str(plugin), f"cannot load plugin: {said}", line)
