@@ -115,6 +115,15 @@ def test_the_python_api_refuses_what_a_file_would_bring(folder):
     assert not (folder / "marker").exists() and not (folder / "ws").exists()
 
 
+def test_a_link_named_proto_to_a_module_is_refused(folder):
+    (folder / "layers.proto").symlink_to(folder / "evil.py")
+    (folder / "linked.conf").write_text('name: "x"\nplugin: "layers.proto"\n')
+    proc = run_cli("plan", "linked.conf", cwd=folder)
+    assert proc.returncode == 2 and not (folder / "marker").exists()
+    assert proc.stderr == ('linked.conf:2:9: plugin "layers.proto": a plugin is a Python module (.py) or a protobuf schema (.proto); '
+                           f"this is a link to {folder / 'evil.py'}\n")
+
+
 def test_a_proto_importing_an_unloaded_proto_is_refused_before_its_code_is_imported(tmp_path):
     # generated code imports `other_pb2` from sys.path: with `python -m`, the working directory
     (tmp_path / "other.proto").write_text("message Other { optional int32 x = 1; }\n")

@@ -132,9 +132,11 @@ def _resolve(path: Path, base_dirs: list[Path]) -> Path:
     found = next((c for c in candidates if c.is_file()), None)
     if found is None:
         raise PluginError(str(path), "no such plugin file" + (f" (looked in {', '.join(str(d) for d in base_dirs)} too)" if base_dirs and not path.is_absolute() else ""))
-    if found.suffix not in SUFFIXES:
-        raise PluginError(str(path), "a plugin is a Python module (.py) or a protobuf schema (.proto)")
-    return found.resolve()
+    resolved = found.resolve()
+    if found.suffix not in SUFFIXES or resolved.suffix != found.suffix:  # (a link named .proto to a module is a module)
+        raise PluginError(str(path), "a plugin is a Python module (.py) or a protobuf schema (.proto)"
+                          + (f"; this is a link to {resolved}" if resolved.suffix != found.suffix else ""))
+    return resolved
 
 
 def _claim_module_name(name: str, path: Path) -> None:
