@@ -141,5 +141,5 @@ def test_singas_rnnlm_job_is_planned_with_its_plugins_given():
     proc = shoal_process("plan", rnnlm / "job.conf", "--plugin", rnnlm / "rnnlm.proto", "--plugin", rnnlm / "rnnlm.py")
     assert proc.returncode == 0, proc.stderr
     assert "data, embedding, hidden, loss" in proc.stdout and "113,325 param elements" in proc.stdout, proc.stdout
-    unplugged = run_cli("plan", rnnlm / "job.conf")  # without them: the extension it cannot read, and how to load it
+    unplugged = shoal_process("plan", rnnlm / "job.conf")  # without them: the extension it cannot read, and how to load it
     assert unplugged.returncode == 2 and "[data_conf]" in unplugged.stderr and "--plugin" in unplugged.stderr, unplugged.stderr
