@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 from shoal.frontend import script
 from shoal.config import job_pb2
 from shoal.config.loader import job_from_dict, load_job as _load_file
+from shoal.config.plugins import load_job_plugins
 from shoal.config.validate import validate
 from shoal.runtime.run_job import RunOptions, test_job, train_job
 from shoal.runtime.trainer import History
@@ -29,9 +30,15 @@ def _digest(job: job_pb2.JobProto) -> bytes:
     return hashlib.sha256(job.SerializeToString(deterministic=True)).digest()
 
 
-def load_job(path: Union[str, Path], overrides: tuple[str, ...] | list[str] = ()) -> job_pb2.JobProto:
-    """Parse and validate a job.conf / job.yaml; raises JobError with file:line:col."""
-    job = _load_file(path, list(overrides), shape_check=check_shapes)
+def load_job(path: Union[str, Path], overrides: tuple[str, ...] | list[str] = (),
+             plugins: Sequence[Union[str, Path]] = ()) -> job_pb2.JobProto:
+    """Parse and validate a job.conf / job.yaml; raises JobError with file:line:col.
+
+    plugins: plugin files to load, as `shoal.load_plugins` does, but after the .proto plugins the job
+    names (a .py module imports their `_pb2`). A job file itself may name only .proto plugins, or .py
+    ones the user loaded: these, or earlier ones.
+    """
+    job = _load_file(path, list(overrides), shape_check=check_shapes, plugins=plugins)
     _VALIDATED.add(_digest(job))
     return job
 
@@ -47,6 +54,8 @@ def as_job(job: JobLike) -> tuple[job_pb2.JobProto, list[Path]]:
         proto = job_from_dict(job, shape_check=check_shapes, overrides=script.overrides())
     elif isinstance(job, job_pb2.JobProto):
         proto = script.applied(job)
+        # a JobProto may have been read from a file too: its .py plugins must be loaded already (spawned processes load them)
+        load_job_plugins(proto.plugin, [proto.job_dir] if proto.job_dir else [])
         if _digest(proto) not in _VALIDATED:
             validate(proto, None, shape_check=check_shapes)
             _VALIDATED.add(_digest(proto))
