@@ -164,6 +164,7 @@ def estimate(
     from shoal.planning import alternatives
     from shoal.planning.estimate import estimate as predict, plan_kernels
     from shoal.planning.plan import plan_job
+    from shoal.report.estimates import calibrated_line
     from shoal.runtime import calibrate
 
     proto, _ = as_job(job)
@@ -173,9 +174,15 @@ def estimate(
     def calibrated(kernels):
         return calibrate.calibration(kernels, log=log)
 
+    def calibration_json(calib) -> dict:
+        """The calibration with its age, the load now, and the one line `shoal plan` prints beside each estimate."""
+        age = calibrate.age_of(calib)
+        data = calib.to_json() | {"kernels": len(calib.kernels), "load_now": round(os.getloadavg()[0], 2),
+                                  "age_s": None if age is None else round(age.total_seconds())}
+        return data | {"calibrated": calibrated_line(data)}
+
     count = workers or (proto.cluster.nworkers_per_group if proto.cluster.nworkers_per_group > 1 else max(2, calib.cores))
-    result = {"calibration": calib.to_json() | {"kernels": len(calib.kernels), "load_now": round(os.getloadavg()[0], 2)},
-              "estimate": predict(plan, calib).to_json()}
+    result = {"calibration": calibration_json(calib), "estimate": predict(plan, calib).to_json()}
     if compare:
         result["compare"] = [
             {"layout": r.layout.name, "about": r.layout.about, "cluster": r.layout.cluster, "refused": r.refused,
