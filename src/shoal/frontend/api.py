@@ -147,6 +147,7 @@ def estimate(
     hosts: Optional["Hosts"] = None,
     workers: Optional[int] = None,
     recalibrate: bool = False,
+    recommend: bool = False,
     out: Optional[Union[str, Path]] = None,
     log: Callable[[str], None] = lambda line: None,
 ) -> dict:
@@ -155,7 +156,8 @@ def estimate(
     compare: every framework layout for `workers` workers (default: the job's group, else this host's cores,
     at least 2), ranked by predicted samples/s. suggest: partition_dim per layer for such a group.
     hosts (shoal.planning.estimate.Hosts): samples/s of each framework on 1..hosts.count hosts, drawn
-    into `out` when given. The machine is calibrated once and cached (recalibrate: measure again).
+    into `out` when given. recommend: the job's timeouts from its predicted step (docs/planning.md).
+    The machine is calibrated once and cached (recalibrate: measure again).
     Returns what `shoal plan --estimate --json` prints.
     """
     import os
@@ -182,7 +184,13 @@ def estimate(
         return data | {"calibrated": calibrated_line(data)}
 
     count = workers or (proto.cluster.nworkers_per_group if proto.cluster.nworkers_per_group > 1 else max(2, calib.cores))
-    result = {"calibration": calibration_json(calib), "estimate": predict(plan, calib).to_json()}
+    predicted = predict(plan, calib)
+    result = {"calibration": calibration_json(calib), "estimate": predicted.to_json()}
+    if recommend:
+        from shoal.planning.recommend import timeouts
+
+        result["recommend"] = {"label": predicted.label, "nprocs": plan.nprocs, "step_s": predicted.step_s,
+                               "timeouts": [asdict(r) for r in timeouts(plan, predicted)]}
     if compare:
         result["compare"] = [
             {"layout": r.layout.name, "about": r.layout.about, "cluster": r.layout.cluster, "refused": r.refused,

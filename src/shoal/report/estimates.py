@@ -35,7 +35,8 @@ def render(result: dict) -> str:
     """Every section the result holds: estimate, compare, suggest, scaling; each with the calibration's age and load."""
     calibrated = "  " + result["calibration"]["calibrated"]
     lines = [render_estimate(result["estimate"], result["calibration"])]
-    for key, section in (("compare", render_compare), ("suggest", render_suggest), ("scaling", render_scaling)):
+    sections = (("compare", render_compare), ("suggest", render_suggest), ("scaling", render_scaling), ("recommend", render_recommend))
+    for key, section in sections:
         if key in result:
             first, *rest = section(result[key]).split("\n")
             lines += ["", first, calibrated, *rest]
@@ -126,6 +127,18 @@ def render_suggest(s: dict) -> str:
         lines += [f"    layer {{ name: \"{name}\" ... partition_dim: 1 }}" for name in cut]
     lines.append(f"  predicted: {ms(best['step_s'])} per step, {best['samples_per_s']:.0f} samples/s, {mb(best['bytes'])} between workers; "
                  f"batch split: {ms(batch['step_s'])}, {batch['samples_per_s']:.0f} samples/s, {mb(batch['bytes'])}")
+    return "\n".join(lines)
+
+
+def render_recommend(r: dict) -> str:
+    """The recommended settings as lines to paste before `shoal run`, each with its reason."""
+    if not r["timeouts"]:
+        return f"recommended timeouts for {r['label']}: none (one process: no heartbeat, collective or rendezvous)"
+    lines = [f"recommended timeouts for {r['label']} over {r['nprocs']} processes (predicted step {ms(r['step_s'])}); "
+             "set them in the environment of `shoal run`:"]
+    for t in r["timeouts"]:
+        default = "the default" if t["value"] == t["default"] else f"default {t['default']:g}"
+        lines.append(f"  {t['setting']}={t['value']:g}  ({default}) {t['reason']}")
     return "\n".join(lines)
 
 
