@@ -187,6 +187,8 @@ def bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
         "cores: 'two' is not a number of cores": json.dumps(good | {"cores": "two"}),
         "gemm_gflops['1']: -5 is not a positive number": json.dumps(good | {"gemm_gflops": {"1": -5}}),
         "kernels: not a table": json.dumps(good | {"kernels": [1, 2]}),
+        "mem_gbps: the key 'one' is not a whole number": json.dumps(good | {"mem_gbps": {"one": 5.0}}),
+        "link_latency_s: inf is not a number": json.dumps(good | {"link_latency_s": float("inf")}),
         "not a JSON object": "[1, 2, 3]",
         "nested too deep": "[" * 100_000,
         "contended: not true or false": json.dumps(good | {"contended": "yes"}),

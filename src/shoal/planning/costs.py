@@ -105,10 +105,14 @@ class Calibration:
         def table(value, name: str, key=str, positive: bool = True) -> dict:
             if not isinstance(value, dict):
                 raise ValueError(f"{name}: not a table")
-            try:
-                return {key(k): number(v, f"{name}[{k!r:.40}]", positive) for k, v in value.items()}
-            except (TypeError, OverflowError):
-                raise ValueError(f"{name}: a key is not a {key.__name__}") from None
+            out = {}
+            for k, v in value.items():
+                try:
+                    typed = key(k)
+                except (TypeError, ValueError, OverflowError):
+                    raise ValueError(f"{name}: the key {k!r:.40} is not a {'whole number' if key is int else 'string'}") from None
+                out[typed] = number(v, f"{name}[{k!r:.40}]", positive)
+            return out
 
         def text(value, name: str) -> str:
             if not isinstance(value, str) or len(value) > 200:
