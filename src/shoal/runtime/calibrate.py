@@ -246,10 +246,14 @@ def calibration(kernels: Iterable[Kernel] = (), recalibrate: bool = False, budge
             kept = f"kept the clean calibration of {calib.taken_at}" if not calib.contended else "estimates may be low"
             warn(f"calibration taken under contention ({describe_contention(taken)}): {kept}; "
                  "re-run on an idle machine with --recalibrate")
-        elif dirty and set(dirty) & set(calib.contended_kernels):
+        elif dirty and set(dirty) & set(calib.contended_kernels) and not _said["kernels"]:
+            _said["kernels"] = True  # once a process: --compare calibrates for seven layouts
             warn(f"calibration: {len(set(dirty) & set(calib.contended_kernels))} of the job's kernel timing(s) taken under contention "
                  f"(load {_load():.1f} on {calib.cores} cores): estimates may be low; re-run on an idle machine with --recalibrate")
     return calib
+
+
+_said = {"kernels": False}
 
 
 def describe_contention(calib: Calibration) -> str:
