@@ -156,6 +156,7 @@ def estimate(
     hosts: Optional["Hosts"] = None,
     workers: Optional[int] = None,
     recalibrate: bool = False,
+    recommend: bool = False,
     out: Optional[Union[str, Path]] = None,
     log: Callable[[str], None] = lambda line: None,
 ) -> dict:
@@ -164,7 +165,8 @@ def estimate(
     compare: every framework layout for `workers` workers (default: the job's group, else this host's cores,
     at least 2), ranked by predicted samples/s. suggest: partition_dim per layer for such a group.
     hosts (shoal.planning.estimate.Hosts): samples/s of each framework on 1..hosts.count hosts, drawn
-    into `out` when given. The machine is calibrated once and cached (recalibrate: measure again).
+    into `out` when given. recommend: the job's timeouts from its predicted step (docs/planning.md).
+    The machine is calibrated once and cached (recalibrate: measure again).
     Returns what `shoal plan --estimate --json` prints.
     """
     import os
@@ -173,6 +175,7 @@ def estimate(
     from shoal.planning import alternatives
     from shoal.planning.estimate import estimate as predict, plan_kernels
     from shoal.planning.plan import plan_job
+    from shoal.report.estimates import calibrated_line
     from shoal.runtime import calibrate
 
     proto, _ = as_job(job)
@@ -182,9 +185,21 @@ def estimate(
     def calibrated(kernels):
         return calibrate.calibration(kernels, log=log)
 
+    def calibration_json(calib) -> dict:
+        """The calibration with its age, the load now, and the one line `shoal plan` prints beside each estimate."""
+        age = calibrate.age_of(calib)
+        data = calib.to_json() | {"kernels": len(calib.kernels), "load_now": round(os.getloadavg()[0], 2),
+                                  "age_s": None if age is None else round(age.total_seconds())}
+        return data | {"calibrated": calibrated_line(data)}
+
     count = workers or (proto.cluster.nworkers_per_group if proto.cluster.nworkers_per_group > 1 else max(2, calib.cores))
-    result = {"calibration": calib.to_json() | {"kernels": len(calib.kernels), "load_now": round(os.getloadavg()[0], 2)},
-              "estimate": predict(plan, calib).to_json()}
+    predicted = predict(plan, calib)
+    result = {"calibration": calibration_json(calib), "estimate": predicted.to_json()}
+    if recommend:
+        from shoal.planning.recommend import timeouts
+
+        result["recommend"] = {"label": predicted.label, "nprocs": plan.nprocs, "step_s": predicted.step_s,
+                               "timeouts": [asdict(r) for r in timeouts(plan, predicted)]}
     if compare:
         result["compare"] = [
             {"layout": r.layout.name, "about": r.layout.about, "cluster": r.layout.cluster, "refused": r.refused,

@@ -130,6 +130,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     guess.add_argument("--cluster", type=Path, metavar="FILE", help="hosts, cores, gpus, bandwidth (Gbit/s), latency (µs) as YAML or JSON")
     guess.add_argument("-o", "--out", type=Path, help="with --hosts: draw the scaling (.png, .svg or .pdf)")
     guess.add_argument("--recalibrate", action="store_true", help="measure this machine again (cached in $SHOAL_HOME/calibration)")
+    guess.add_argument("--recommend", action="store_true", help="stall, collective and rendezvous timeouts from the predicted step")
 
 
 def _add_jobs(sub: argparse._SubParsersAction) -> None:
@@ -364,12 +365,12 @@ def _plan(args: argparse.Namespace) -> int:
     hosts = _hosts_of(args)
     if args.workers is not None and args.workers < 1:
         raise ShoalError(f"--workers: {args.workers} is not a number of workers (at least 1)")
-    if args.estimate or args.compare or args.suggest or hosts or args.recalibrate:
+    if args.estimate or args.compare or args.suggest or hosts or args.recalibrate or args.recommend:
         from shoal.report.estimates import render as render_estimates
 
         log = (lambda line: print(line, file=sys.stderr)) if not args.json else (lambda line: None)
         result = api.estimate(job, compare=args.compare, suggest=args.suggest, hosts=hosts, workers=args.workers,
-                              recalibrate=args.recalibrate, out=args.out, log=log)
+                              recalibrate=args.recalibrate, recommend=args.recommend, out=args.out, log=log)
         print(json.dumps(result, indent=2) if args.json else render_estimates(result))
         return 0
     plan = plan_job(job)
