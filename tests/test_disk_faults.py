@@ -122,12 +122,12 @@ def test_metrics_that_fill_the_disk_leave_no_half_line_and_a_failed_summary(blob
         assert len(records) > 50 and records[-1]["phase"] == "train"
         summary = summary_of(ws)  # no room for a new file: written over its own blocks
         assert summary["status"] == "failed" and "metrics.jsonl: no space left on device" in summary["reason"]
-        assert summary["steps"] == records[-1]["step"]
+        assert summary["steps"] == records[-1]["step"] + 1  # a display at step s follows the (s + 1)th step
         assert not list(ws.glob("summary.json.tmp"))
         # what was written stays readable: the reports take the run as it is
         compare = run_cli("compare", ws, "--json")
         assert compare.returncode == 0, compare.stderr
-        assert json.loads(compare.stdout)[0]["steps"] == records[-1]["step"]
+        assert json.loads(compare.stdout)[0]["steps"] == records[-1]["step"] + 1
 
 
 def test_a_disk_full_from_the_start_is_one_line(blobs_job, tmp_path):
@@ -177,7 +177,7 @@ def test_every_reader_skips_a_cut_line_and_a_new_log_starts_on_a_line_of_its_own
     assert lines[-2] == '{"step": 13, "phase": "tra' and json.loads(lines[-1])["step"] == 13
     assert read_metrics(metrics)[:-1] == whole and read_metrics(metrics)[-1]["loss"] == 0.5
     compare = run_cli("compare", ws, "--json")
-    assert compare.returncode == 0 and json.loads(compare.stdout)[0]["steps"] == 13, compare.stderr
+    assert compare.returncode == 0 and json.loads(compare.stdout)[0]["steps"] == 14, compare.stderr  # trained by the display at 13
     plot = run_cli("plot", ws, "-o", tmp_path / "runs.png")
     assert plot.returncode == 0 and (tmp_path / "runs.png").stat().st_size > 0, plot.stderr
     from shoal.runtime import job_registry

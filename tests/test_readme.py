@@ -128,8 +128,11 @@ def test_following_the_readme_in_order(tmp_path):
 
     ws = repo / "workspace"
     assert "Trained 300 steps" in output_of("./scripts/demo.sh") and "Next (README.md goes on from here)" in output_of("./scripts/demo.sh")
-    assert "Test @ step 300" in output_of("shoal run examples/mnist/job.conf --test")
-    assert "Trained 1000 steps" in output_of("shoal run examples/mnist/job.conf --resume")
+    tested = output_of("shoal run examples/mnist/job.conf --test")
+    test_line = next(line for line in tested.splitlines() if line.startswith("Test @ step 300"))
+    assert test_line in output_of("./scripts/demo.sh").splitlines()  # the demo's own final test, figure for figure
+    assert "on 1000 test samples (test_steps 10 × batch 100): the same samples as the run's own test at step 300" in tested
+    assert "Trained 700 steps (300 → 1000)" in output_of("shoal run examples/mnist/job.conf --resume")
     assert (ws / "mnist-mlp" / "checkpoint" / "step1000-worker0.safetensors").exists()
     assert json.loads((ws / "mlp-allreduce" / "summary.json").read_text())["label"] == "AllReduce, 2 workers, 2 processes"
     assert (ws / "mlp-py" / "checkpoint" / "step100-worker0.safetensors").exists()

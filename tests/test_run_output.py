@@ -20,7 +20,7 @@ def shoal_cli(*args, env=None):
                           timeout=300, env=env, check=False)
 
 
-CLOSING = re.compile(r"^Trained (\d+) steps in .+ \((\d+) samples/s\); final test accuracy ([\d.]+) \(step (\d+)\), "
+CLOSING = re.compile(r"^Trained (\d+) steps in .+ \((\d+) samples/s\); final test accuracy ([\d.]+) on (\d+) test samples \(step (\d+)\), "
                      r"best ([\d.]+) \(step (\d+)\); checkpoint (\S+); summary (\S+)$")
 
 
@@ -32,8 +32,9 @@ def test_a_run_ends_with_one_line_built_from_its_summary(blobs_job, tmp_path):
     match = CLOSING.match(last)
     assert match, last
     summary = json.loads((ws / "summary.json").read_text())
-    steps, rate, final, final_step, best, best_step, checkpoint, summary_path = match.groups()
+    steps, rate, final, tested, final_step, best, best_step, checkpoint, summary_path = match.groups()
     assert int(steps) == summary["steps"] == 30
+    assert int(tested) == summary["final_test"]["samples"] == 2 * 64  # test_steps × the test batch
     assert int(rate) == round(summary["samples_per_sec"])
     assert float(final) == pytest.approx(summary["final_test"]["accuracy"], abs=5e-4) and int(final_step) == 30
     assert float(best) == pytest.approx(summary["best_test"]["accuracy"], abs=5e-4) and int(best_step) == summary["best_test"]["step"]

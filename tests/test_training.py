@@ -111,10 +111,11 @@ def test_resume_without_checkpoint_is_an_error(blobs_job, tmp_path):
 
 def test_test_only_mode_reproduces_the_final_test(blobs_job, tmp_path):
     job = blobs_job(train_steps=20)
-    shoal.train(job, workspace=tmp_path / "ws", log=quiet)
-    # the final test read test batches 0..k; a fresh test-only run reads from the start of the store
+    history = shoal.train(job, workspace=tmp_path / "ws", log=quiet)
+    # the newest checkpoint is the final test's: a test-only run reads the samples that test read
     values = shoal.evaluate(job, workspace=tmp_path / "ws", log=quiet)
     assert set(values) == {"loss", "accuracy"}
+    assert values == {k: history.final_test[k] for k in values}
     assert values["accuracy"] > 0.9
     values_again = shoal.evaluate(job, checkpoint=ckpt_io.checkpoint_file(tmp_path / "ws", 20), log=quiet)
     assert values_again == values

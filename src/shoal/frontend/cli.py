@@ -140,7 +140,13 @@ def _add_jobs(sub: argparse._SubParsersAction) -> None:
         description="The job registry is plain files in $SHOAL_HOME/jobs (default ~/.shoal/jobs).",
     )
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
-    verbs.add_parser("list", help="id, name, processes, status, start time of every job")
+    listing = verbs.add_parser("list", help="id, name, workspace, processes, status, start time of every job",
+                               description="Every job in the registry (all the runs of this user on this machine), or "
+                               "those of some workspaces. Workspaces show relative to the current directory (or ~).")
+    which = listing.add_mutually_exclusive_group()
+    which.add_argument("--workspace", type=Path, metavar="DIR", help="only jobs whose workspace is DIR or a folder in it")
+    which.add_argument("--here", action="store_true", help="only jobs whose workspace is in the current directory")
+    listing.add_argument("--json", action="store_true", help="machine-readable output, workspaces as full paths")
     view = verbs.add_parser("view", help="hosts, pids, workspace and last metrics of a job")
     view.add_argument("id", type=int)
     kill = verbs.add_parser("kill", help="stop every process of a job (SIGTERM; only processes that still match the record)")
@@ -411,9 +417,22 @@ def _jobs(args: argparse.Namespace) -> int:
         registry = jobs.read_all()
         for problem in registry.problems:
             warn(_printable(problem))
-        table = Table("id", "name", "processes", "status", "started")
-        for r in registry.records:  # Text: a name is shown as written, never read as rich markup
-            table.add_row(str(r.id), Text(_printable(r.name)), str(len([p for p in r.processes if p["rank"] != "launcher"])),
+        folder = Path.cwd() if args.here else args.workspace
+        records = [r for r in registry.records if folder is None or _within(r.workspace, folder)]
+        ranks = lambda r: len([p for p in r.processes if p["rank"] != "launcher"])
+        if args.json:
+            import json
+
+            print(json.dumps([{"id": r.id, "name": r.name, "workspace": r.workspace, "job_file": r.job_file,
+                               "processes": ranks(r), "status": r.live_status(), "started": r.started, "ended": r.ended}
+                              for r in records], indent=1))
+            return 0
+        if not records and folder is not None:
+            print(f"no jobs with a workspace in {_printable(str(folder))}")
+            return 0
+        table = Table("id", "name", "workspace", "processes", "status", "started")
+        for r in records:  # Text: a name is shown as written, never read as rich markup
+            table.add_row(str(r.id), Text(_printable(r.name)), Text(_printable(_short_path(r.workspace))), str(ranks(r)),
                           r.live_status(), when(r.started))
         console.print(table)
     elif args.verb == "view":  # plain lines: piped, they are not wrapped at 80 columns
@@ -432,6 +451,23 @@ def _jobs(args: argparse.Namespace) -> int:
             warn(f"job {r.id}: {_printable(line)}; not signalled")
         console.print(Text(f"job {r.id} {_printable(r.name)!r}: killed"))
     return 0
+
+
+def _within(workspace: str, folder: Path) -> bool:
+    """Whether a record's workspace (an absolute path, as registered) is `folder` or inside it; compared as text,
+    without touching the record's path on disk."""
+    path = Path(os.path.normpath(workspace))
+    return path.is_absolute() and path.is_relative_to(folder.resolve())
+
+
+def _short_path(workspace: str) -> str:
+    """A workspace relative to the current directory when inside it, else to ~, else whole."""
+    path = Path(os.path.normpath(workspace))
+    for base, shown in ((Path.cwd(), None), (Path.home(), "~")):
+        if path.is_absolute() and path.is_relative_to(base):
+            relative = path.relative_to(base)
+            return str(relative) if shown is None else str(shown / relative)
+    return workspace
 
 
 def _printable(text: str) -> str:

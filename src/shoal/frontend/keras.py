@@ -254,7 +254,7 @@ def _data_layers(train: Store | None, test: Store | None, batch_size: int | None
 
 
 def _history(records: list[dict], phase: str) -> dict[int, dict[str, float]]:
-    keep = ("step", "phase", "time", "samples_per_sec", "mode")
+    keep = ("step", "phase", "time", "samples_per_sec", "mode") + (("samples",) if phase != "train" else ())  # a test's size, not a metric
     return {r["step"]: {k: v for k, v in r.items() if k not in keep} for r in records if r["phase"] == phase}
 
 

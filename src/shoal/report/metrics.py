@@ -76,7 +76,8 @@ RECORD_KEYS: dict[str, tuple[str, str]] = {
     "time": ("all", "wall-clock seconds since the run started, carried over across resumes"),
     "loss": ("all", "mean loss over the window (train) or the test/validation batches"),
     "accuracy": ("all", "top-k accuracy, when the net reports it"),
-    "samples": ("train", "training samples the group processed in the display window"),
+    "samples": ("train, test, validate", "train: samples the group processed in the display window; test/validate: "
+                "samples the test ran on (test_steps × batch)"),
     "samples_per_sec": ("train", "samples / window_sec"),
     "window_sec": ("train", "wall seconds of training in the display window (since the previous display, less tests, validation and checkpoints)"),
     "compute_sec": ("train", "seconds of the window the chief's process spent computing gradients (incl. input)"),

@@ -121,6 +121,29 @@ def _at(point: dict, metric: str) -> str:
     return f"{point[metric]:.4g} (step {point['step']})"
 
 
+def _tested(point: dict, metric: str) -> str:
+    """`0.8906 on 1000 test samples (step 300)`: what a test measured, and on how many samples."""
+    on = f" on {point['samples']} test samples" if isinstance(point.get("samples"), int) else ""
+    return f"{point[metric]:.4g}{on} (step {point['step']})"
+
+
+def _trained(summary: dict) -> str:
+    """`Trained 700 steps (300 → 1000) in 1 min 02 s (900 samples/s)`: this run's part, and the whole when it resumed."""
+    latest = summary.get("latest_run") or {}
+    steps, wall, rate = summary.get("steps", 0), summary.get("wall_time") or 0.0, summary.get("samples_per_sec")
+    resumed_at = latest.get("from_step") or 0
+    if resumed_at:  # a resumed run: its own steps, time and speed first
+        text = f"Trained {latest.get('steps', 0)} steps ({resumed_at} → {steps}) in {_duration(latest.get('wall_time') or 0.0)}"
+        rate = latest.get("samples_per_sec")
+    else:
+        text = f"Trained {steps} steps in {_duration(wall)}"
+    if rate:
+        text += f" ({rate:.0f} samples/s)"
+    if resumed_at:
+        text += f"; {steps} steps in {_duration(wall)} in all"
+    return text
+
+
 def closing_line(workspace: Path) -> str:
     """One line saying what a finished run did, from its summary.json (and where its checkpoint is)."""
     from shoal.neuralnet import checkpoint as ckpt_io
@@ -129,15 +152,11 @@ def closing_line(workspace: Path) -> str:
     summary = read_summary(workspace)
     if summary is None:
         return f"Run ended; {workspace / SUMMARY_FILE} is missing or unreadable"
-    # a finished run trained all its steps; `steps` is the last one a display recorded
-    steps = summary.get("train_steps") if summary.get("status") == "finished" else summary.get("steps", 0)
-    parts = [f"Trained {steps} steps in {_duration(summary.get('wall_time') or 0.0)}"]
-    if summary.get("samples_per_sec"):
-        parts[0] += f" ({summary['samples_per_sec']:.0f} samples/s)"
+    parts = [_trained(summary)]
     final, best = summary.get("final_test") or {}, summary.get("best_test") or {}
     metric = next((m for m in ("accuracy", "loss") if isinstance(final.get(m), (int, float))), None)
     if metric is not None:
-        parts.append(f"final test {metric} {_at(final, metric)}, best {_at(best, metric)}" if metric in best else f"final test {metric} {_at(final, metric)}")
+        parts.append(f"final test {metric} {_tested(final, metric)}, best {_at(best, metric)}" if metric in best else f"final test {metric} {_tested(final, metric)}")
     checkpoint = ckpt_io.latest(workspace)
     if checkpoint is not None:
         parts.append(f"checkpoint {checkpoint}")

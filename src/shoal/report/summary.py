@@ -128,8 +128,21 @@ def samples_per_sec(train: list[dict]) -> float | None:
     return statistics.mean(rates) if rates else None
 
 
-def summarize(records: list[dict], thresholds: tuple[float, ...] = THRESHOLDS) -> dict:
-    """The derived part of a summary: steps, wall time, throughput, final/best test, time to accuracy."""
+def steps_trained(records: list[dict]) -> int:
+    """Steps trained by the last record: a display at step s follows training step s (s + 1 steps done),
+    a test, validation or resume at step s comes before it (s steps done)."""
+    return max((r["step"] + 1 if r["phase"] == "train" else r["step"] for r in records), default=0)
+
+
+def summarize(records: list[dict], thresholds: tuple[float, ...] = THRESHOLDS, finished_at: int | None = None,
+              elapsed: float | None = None) -> dict:
+    """The derived part of a summary: steps, wall time, throughput, final/best test, time to accuracy.
+
+    finished_at: the job's train_steps when the run finished (its last steps need not have been displayed);
+    elapsed: the run's wall time when it ended (after its last record). `latest_run` is the part since the
+    last --resume (the whole run when it never resumed).
+    """
+    resumes = [r for r in records if r.get("phase") == "resume" and isinstance(r.get("step"), int)]
     records = clean_records(records)
     train = [r for r in records if r["phase"] == "train"]
     tests = [r for r in records if r["phase"] == "test" and r.get("mode") != "test-only"]
@@ -146,10 +159,17 @@ def summarize(records: list[dict], thresholds: tuple[float, ...] = THRESHOLDS) -
         if first is not None:
             reached[threshold_key(threshold)] = {"step": first["step"], "time": first["time"]}
     staleness = [r["staleness"] for r in train if isinstance(r.get("staleness"), (int, float))]
+    steps = max(steps_trained(records + resumes[-1:]), finished_at or 0)
+    wall_time = max([r.get("time") or 0.0 for r in records] + [round(elapsed, 4) if elapsed is not None else 0.0])
+    since = resumes[-1] if resumes else {"step": 0, "time": 0.0}
+    latest_train = [r for r in train if r["step"] >= since["step"]]  # a resume drops the stopped run's records from its step
     return {
-        "steps": max((r["step"] for r in records), default=0),
-        "wall_time": max((r.get("time") or 0.0 for r in records), default=0.0),
+        "steps": steps,
+        "wall_time": wall_time,
         "samples_per_sec": samples_per_sec(train),
+        "latest_run": {"from_step": since["step"], "steps": steps - since["step"],
+                       "wall_time": round(max(wall_time - (since.get("time") or 0.0), 0.0), 4),
+                       "samples_per_sec": samples_per_sec(latest_train)},
         "final_train": _point(train[-1] if train else None),
         "final_test": _point(tests[-1] if tests else None),
         "best_test": _point(best),
@@ -196,9 +216,8 @@ class SummaryFile:
     def write(self, status: str, elapsed: float | None = None, last_word: bool = False) -> None:
         # the whole metrics file, so a resumed run's summary covers every step (a few hundred lines)
         records = read_metrics(self.metrics_path) if self.metrics_path.exists() else []
-        derived = summarize(records)
-        if elapsed is not None:
-            derived["wall_time"] = max(derived["wall_time"], round(elapsed, 4))
+        # a finished run trained all its steps, the last ones perhaps after its last display
+        derived = summarize(records, finished_at=self.info.train_steps if status == "finished" else None, elapsed=elapsed)
         summary = {"schema": 1, **asdict(self.info), "status": status,
                    "started": _iso(self.started), "updated": _iso(time.time()), **derived, **self.extra}
         _write(self.path, summary, in_place_when_full=last_word)

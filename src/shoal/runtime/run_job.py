@@ -133,4 +133,11 @@ def test_job(job: job_pb2.JobProto, options: RunOptions, checkpoint: Optional[Pa
             visualization.write_test_net(job, workspace)
         except WorkspaceWriteError as err:  # a full disk: the drawing is not what was asked for
             options.log(f"{err}; testing without it")
-    return trainer.test_only(None, step)
+    cursor = trainer.tested_from(step)
+    values = trainer.test_only(None, step, cursor or 0)
+    if not trainer.nets[job_pb2.kTest].samples:  # a sampling net generates text: its "samples" are not data
+        which = (f"the same samples as the run's own test at step {step}" if cursor is not None
+                 else "from the start of the test data")
+        options.log(f"Tested {paths[-1]} on {trainer.eval_samples(job_pb2.kTest, job.test_steps)} test samples "
+                    f"(test_steps {job.test_steps} × batch {trainer.eval_samples(job_pb2.kTest, 1)}): {which}")
+    return values

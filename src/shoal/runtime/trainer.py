@@ -187,6 +187,9 @@ class Trainer:
         self.hooks: list[TrainerHook] = list(hooks)
         self.metrics: Optional[MetricsLog] = None
         self.cursors: dict[int, int] = {job_pb2.kTest: 0, job_pb2.kVal: 0}
+        # (step, cursor) of the last test: `--test` of the checkpoint at that step tests the same samples
+        self.last_test: Optional[tuple[int, int]] = None
+        self.loaded_trainer_state: dict = {}  # the trainer part of the last checkpoint load_params read
         self.window = MetricWindow()
         self.window_samples = 0  # samples trained since the last display (checkpointed with the window)
         self.timings = StepTimings()
@@ -245,8 +248,21 @@ class Trainer:
             ckpt = ckpt_io.load(path, parts=False)
             loaded = self.store.load(ckpt.params, source=str(path))
             self.log(f"Load from checkpoint file {path} ({len(loaded)} params)")
-            step = ckpt.step
+            step, self.loaded_trainer_state = ckpt.step, ckpt.trainer
         return step
+
+    def tested_from(self, step: int) -> Optional[int]:
+        """Where this job's test at `step` began, when the checkpoint load_params read last says (it was taken
+        at that step, by this job, after testing): testing from there reproduces that test exactly."""
+        t = self.loaded_trainer_state
+        last = t.get("last_test") if t.get("job") == self.job.name else None
+        if isinstance(last, dict) and last.get("step") == step and isinstance(last.get("cursor"), int):
+            return last["cursor"]
+        return None
+
+    def eval_samples(self, phase: int, steps: int) -> int:
+        """Samples `steps` batches of the test or validation net read."""
+        return steps * max((f.global_batch for f in self.feeds[phase].values()), default=0)
 
     def save_checkpoint(self, step: int) -> Optional[Path]:
         """Collective when servers are spread over processes. The chief writes the checkpoint; every other
@@ -273,6 +289,7 @@ class Trainer:
             "window": self.window.state(),
             "window_samples": self.window_samples,
             "batch_shares": self.shares,  # balanced shares go on where they were (same maths either way)
+            **({"last_test": {"step": self.last_test[0], "cursor": self.last_test[1]}} if self.last_test else {}),
             "elapsed": self.metrics.elapsed() if self.metrics is not None else self.elapsed_before,
         }
         return ckpt_io.Checkpoint(
@@ -309,6 +326,9 @@ class Trainer:
         self._load_skips(t.get("skips", {}), own_train=own is not None)
         if own is not None and own is not ckpt:
             self._load_skips(own.trainer.get("skips", {}), own_train=True)
+        last = t.get("last_test")
+        if isinstance(last, dict) and isinstance(last.get("step"), int) and isinstance(last.get("cursor"), int):
+            self.last_test = (last["step"], last["cursor"])
         self.window.load_state(t.get("window", {}))
         self.window_samples = int(t.get("window_samples", 0))
         shares = [int(n) for n in t.get("batch_shares", [])]
@@ -402,9 +422,11 @@ class Trainer:
         def run_phase(step: int, phase: int, steps: int, label: str) -> None:
             if not self.chief:
                 return
+            if phase == job_pb2.kTest:
+                self.last_test = (step, self.cursors[phase])
             values = self.evaluate(phase, steps)
             self.log(display_line(label, step, values))
-            record(step, label.lower(), values)
+            record(step, label.lower(), values, samples=self.eval_samples(phase, steps))
 
         bar = None
         if self.progress:
@@ -464,7 +486,9 @@ class Trainer:
         self.log(f"Checkpoint written to {path}")
         return history
 
-    def test_only(self, metrics: Optional[MetricsLog], step: int) -> dict[str, float]:
+    def test_only(self, metrics: Optional[MetricsLog], step: int, cursor: int = 0) -> dict[str, float]:
+        """test_steps batches of the test net from `cursor` (samples into the test data)."""
+        self.cursors[job_pb2.kTest] = cursor
         values = self.evaluate(job_pb2.kTest, self.job.test_steps)
         if self.nets[job_pb2.kTest].samples:
             self.log("")  # end the line of generated text
