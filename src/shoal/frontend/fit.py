@@ -52,12 +52,13 @@ Data = Union[tuple, torch.utils.data.Dataset]
 def as_dataset(data: Data, what: str) -> torch.utils.data.Dataset:
     """A map-style dataset read in place: the Dataset itself, or a pair of tensors/arrays as (x[i], y[i]) pairs.
 
-    Tensors keep their dtype except floating inputs, which become float32 as the module's params are
-    (token ids stay int64); numpy arrays are wrapped without a copy where torch can.
+    Of a pair, floating tensors become float32 as the module's params are, and uint8 inputs (pixels)
+    float32 as fit always made them; other integer tensors keep their dtype (token ids stay int64).
+    Numpy arrays are wrapped without a copy where torch can; a Dataset is used as it is.
     """
     if isinstance(data, tuple) and len(data) == 2 and not isinstance(data, torch.utils.data.Dataset):
         x, y = (torch.as_tensor(v) for v in data)
-        if x.is_floating_point() and x.dtype != torch.float32:
+        if (x.is_floating_point() and x.dtype != torch.float32) or x.dtype == torch.uint8:
             x = x.float()
         if y.is_floating_point() and y.dtype != torch.float32:
             y = y.float()
