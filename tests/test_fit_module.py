@@ -171,8 +171,9 @@ def test_a_batch_split_over_workers_reads_the_rows_of_one_worker():
 def test_tensor_pairs_are_read_in_place_without_a_copy_in_the_workspace(tmp_path):
     torch.manual_seed(0)
     x, y = torch.randn(512, 16), torch.randint(0, 4, (512,))
-    model = torch.nn.Linear(16, 4)
-    shoal.fit(model, F.cross_entropy, (x, y), test_data=(x[:100], y[:100]), steps=5, workspace=tmp_path / "ws", log=quiet)
+    model, lines = torch.nn.Linear(16, 4), []
+    shoal.fit(model, F.cross_entropy, (x, y), test_data=(x[:100], y[:100]), steps=5, workspace=tmp_path / "ws", log=lines.append)
+    assert lines[-1].startswith("Trained 5 steps in ") and "final test accuracy" in lines[-1]  # a closing line
     files = [p for p in (tmp_path / "ws").rglob("*") if p.is_file()]
     assert not (tmp_path / "ws" / "data").exists()
     assert sum(p.stat().st_size for p in files if p.suffix != ".safetensors") < x.nbytes // 2

@@ -185,6 +185,9 @@ def fit(
                         progress=False, job_file="<shoal.fit>", process_setup=functools.partial(register_fit_layers, spec),
                         initial_values=functools.partial(copy_module_values, model))
     _load_trained_values(model, history.workspace, job.train_steps)
+    from shoal.report.progress import closing_line
+
+    log(closing_line(history.workspace))  # what the run did, as `shoal run` closes
     return history
 
 
