@@ -168,7 +168,7 @@ def register_fit_layers(spec: FitSpec) -> None:
             output, target = xs[0], labels[0]
             loss = scalar_loss(spec.loss_fn(output, target))
             with torch.no_grad():
-                rows = len(output)
+                rows = batch_rows(output)
                 ctx.report("loss", loss.item(), rows)
                 # accuracy only for class scores against one class id per sample
                 if output.dim() == 2 and isinstance(target, torch.Tensor) and target.dim() == 1 and not target.is_floating_point():
