@@ -45,6 +45,7 @@ from shoal.frontend.keras import Cluster
 from shoal.frontend.module_path import (DATA_LAYER, LOSS_LAYER, MODULE_LAYER, MODULE_LOSS_LAYER, FitError, FitSpec, loss_form,
                                         register_fit_layers)
 from shoal.neuralnet.params import ParamStore
+from shoal.neuralnet.torch_optimizer import OPTIMIZER_UPDATER
 
 Data = Union[tuple, torch.utils.data.Dataset]
 
@@ -116,6 +117,16 @@ def fit_job(model: torch.nn.Module, form: str, *, batch_size: int, steps: int, t
     return job
 
 
+def _check_optimizer_layout(job: job_pb2.JobProto) -> None:
+    """A torch optimizer runs where one server updates whole params: refuse other layouts in one line."""
+    from shoal.planning.plan import plan_job
+
+    plan = plan_job(job)
+    if not (plan.framework.synchronous and plan.in_one_process):
+        raise FitError(f"shoal.fit: optimizer= runs with one worker or synchronous workers in one process for now, not "
+                       f"{plan.framework} in {plan.nprocs} process(es); give a SINGA updater= for that layout")
+
+
 def _eval_batches(data: Optional[torch.utils.data.Dataset], batch: int) -> tuple[int, int]:
     """(batch size, steps) that read every sample of an evaluation set once (0 steps without one)."""
     if data is None:
@@ -133,6 +144,7 @@ def fit(
     val_data: Optional[Data] = None,
     cluster: Optional[job_pb2.ClusterProto] = None,
     updater: Optional[dict] = None,
+    optimizer: Optional[Callable] = None,
     batch_size: int = 64,
     steps: int = 100,
     test_freq: int = 0,
@@ -157,7 +169,8 @@ def fit(
     loss its output and the second) or `loss_fn(model, batch)` (the loss calls the model itself);
     `loss_takes="output"` or `"model"` says which, else a first parameter named `model` or `module`
     means the second form. updater: SINGA's UpdaterProto as a dict (default plain SGD, learning rate
-    0.01). The whole test set is used at each test (every `test_freq` steps, else once at the end),
+    0.01); or optimizer: a factory `lambda params: torch.optim.AdamW(params, ...)` called on shoal's
+    param tensors in named_parameters order (one worker, or synchronous workers in one process). The whole test set is used at each test (every `test_freq` steps, else once at the end),
     the whole validation set every `val_freq` steps. resume=True continues from the workspace's
     newest checkpoint.
     """
@@ -173,14 +186,20 @@ def fit(
         datasets[job_pb2.kVal] = as_dataset(val_data, "val_data")
     test_batch, test_steps = _eval_batches(datasets.get(job_pb2.kTest), test_batch)
     val_batch, val_steps = _eval_batches(datasets.get(job_pb2.kVal), val_batch)
+    if optimizer is not None and updater is not None:
+        raise FitError("shoal.fit: give updater (SINGA's) or optimizer (a torch.optim factory), not both")
+    if optimizer is not None:
+        updater = {"type": "kUserUpdater", "user_type": OPTIMIZER_UPDATER, "learning_rate": {"base_lr": 0}}  # torch's lr rules
     job = fit_job(model, form, batch_size=batch_size, steps=steps, test_batch=test_batch, test_steps=test_steps,
                   test_freq=test_freq, val_batch=val_batch, val_steps=val_steps, val_freq=val_freq, disp_freq=disp_freq,
                   cluster=cluster or Cluster(), updater=updater or {"type": "kSGD", "learning_rate": {"base_lr": 0.01}},
                   seed=seed, checkpoint_freq=checkpoint_freq)
     job = script.applied(job)  # under `shoal run script.py`: the command line's --set (a seed set there shuffles too)
-    spec = FitSpec(model, loss_fn, form, datasets, job.seed, shuffle)
+    spec = FitSpec(model, loss_fn, form, datasets, job.seed, shuffle, optimizer)
     register_fit_layers(spec)
     validate(job, None, shape_check=check_shapes)
+    if optimizer is not None:
+        _check_optimizer_layout(job)
     history = api.train(job, workspace=Path(script.workspace(workspace) or "fit-workspace"), resume=resume, log=log,
                         progress=False, job_file="<shoal.fit>", process_setup=functools.partial(register_fit_layers, spec),
                         initial_values=functools.partial(copy_module_values, model))

@@ -25,6 +25,7 @@ from shoal.errors import ShoalError
 from shoal.neuralnet.layers.base import Layer
 from shoal.neuralnet.layers.input import fed_batch
 from shoal.neuralnet.layers.registry import register_user_layer
+from shoal.neuralnet.torch_optimizer import register_torch_optimizer
 
 DATA_LAYER, MODULE_LAYER, LOSS_LAYER, MODULE_LOSS_LAYER = "shoal.fit.Data", "shoal.fit.Module", "shoal.fit.Loss", "shoal.fit.ModuleLoss"
 LOSS_FORMS = ("output", "model")
@@ -61,6 +62,7 @@ class FitSpec:
     datasets: dict  # phase (job_pb2.kTrain/kTest/kVal) -> torch map-style Dataset
     seed: int
     shuffle: bool
+    optimizer: Optional[Callable] = None  # a torch.optim factory (neuralnet/torch_optimizer.py)
 
     @property
     def trained_names(self) -> list[str]:
@@ -97,6 +99,8 @@ class _LossOf(torch.nn.Module):
 def register_fit_layers(spec: FitSpec) -> None:
     """Bind the spec to the user layer types of a fit job (in every process)."""
     names = spec.trained_names
+    if spec.optimizer is not None:
+        register_torch_optimizer(spec.optimizer)
     # the module copy of the worker that computes a batch's first rows (worker 0) in this process:
     # test and validation read its buffers (e.g. batch-norm running statistics), not their own copy's
     trained: dict[str, torch.nn.Module] = {}
