@@ -2,15 +2,18 @@
 
     shoal prepare shakespeare --out examples/gpt/data
     shoal run examples/gpt/train.py                                    # one worker
-    shoal run examples/gpt/train.py --set cluster.nworkers_per_group=2 # AllReduce over 2 processes
-    shoal run examples/gpt/train.py --set cluster.nworker_groups=2 --set cluster.nworkers_per_procs=2  # in-memory Hogwild
+    shoal run examples/gpt/train.py --set cluster.nworkers_per_group=2 --set cluster.nworkers_per_procs=2  # 2 threads
+    shoal run examples/gpt/train.py --set cluster.nworkers_per_group=2 -- --optimizer kAdam   # AllReduce, 2 processes
+    shoal run examples/gpt/train.py --set cluster.nworker_groups=2 --set cluster.nworkers_per_procs=2 -- --optimizer kAdam
+                                                                                             # in-memory Hogwild
 
-Arguments after the script's name (or after --) are the script's: --steps, --batch, --lr, the model's size
+Arguments after the script's name (or after --) are the script's: --steps, --batch, --lr, --optimizer, the model's size
 (--layers --heads --width --block) and --data (the prepared folder, default data/ beside this file).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from pathlib import Path
 
@@ -29,6 +32,13 @@ def next_char_loss(model, batch):
     return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
 
 
+def adamw(params, lr):
+    """AdamW as nanoGPT sets it up: weight decay 0.1 on matrices and embeddings, none on biases and norms."""
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.99))
+
+
 def main(argv=None):
     here = Path(__file__).resolve().parent
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,6 +46,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch", type=int, default=12, help="windows per step (of the whole group)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--optimizer", choices=["adamw", "kAdam"], default="adamw",
+                   help="adamw: torch's AdamW (one worker or workers in one process, for now); kAdam: SINGA's Adam "
+                        "(no bias correction), under every layout")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--width", type=int, default=128)
@@ -59,8 +72,8 @@ def main(argv=None):
     history = shoal.fit(
         model, next_char_loss, train, val_data=val, val_freq=args.val_freq, val_batch=100,
         steps=args.steps, batch_size=args.batch, seed=args.seed, workspace=args.workspace, disp_freq=max(1, args.steps // 20),
-        # SINGA's kAdam (no bias correction); torch's AdamW as an optimizer factory is the next step (docs/python.md)
-        updater={"type": "kAdam", "learning_rate": {"base_lr": args.lr}},
+        **({"optimizer": functools.partial(adamw, lr=args.lr)} if args.optimizer == "adamw"
+           else {"updater": {"type": "kAdam", "learning_rate": {"base_lr": args.lr}}}),
     )
     vals = history.phase("validate")
     if vals:
