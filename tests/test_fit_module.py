@@ -191,18 +191,22 @@ def test_an_iterable_dataset_is_refused_in_one_line(tmp_path):
         shoal.fit(torch.nn.Linear(1, 1), F.mse_loss, Stream(), workspace=tmp_path / "ws", log=quiet)
 
 
-def adamw(params):
-    """nanoGPT's groups: weight decay on matrices and embeddings, none on biases and norms."""
-    params = list(params)
-    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=3e-3)
+def adamw(named_params):
+    """Groups by name: weight decay on weights and embeddings, none on biases and norms (torch keeps the names)."""
+    named_params = list(named_params)
+    no_decay = [(n, p) for n, p in named_params if n.endswith("bias") or ".ln_" in n or n.startswith("ln_")]
+    decay = [(n, p) for n, p in named_params if (n, p) not in no_decay]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=3e-3)
 
 
 def test_a_torch_optimizer_trains_as_a_plain_pytorch_loop(tmp_path):
-    """optimizer=: torch's AdamW with param groups, bit for bit the plain loop on the same rows."""
+    """optimizer=: torch's AdamW with param groups by name, bit for bit the plain loop on the same rows."""
+    names = []
+    _, history = fit(tmp_path, "names", steps=1, updater=None, optimizer=lambda params: names.append([n for n, _ in params]) or adamw(params))
+    assert names[-1] == [n for n, _ in tiny_gpt().named_parameters()]  # the module's names, in its order
     model, history = fit(tmp_path, "adamw", steps=20, updater=None, optimizer=adamw, seed=5)
     plain, data, losses = tiny_gpt(), windows(), []
-    optimizer = adamw(plain.parameters())
+    optimizer = adamw(plain.named_parameters())
     orders = [epoch_order(len(data), 5, epoch, True) for epoch in range(2)]  # 160 rows: two epochs of 108
     for step in range(20):
         rows = [int(orders[p // len(data)][p % len(data)]) for p in range(step * 8, step * 8 + 8)]
@@ -235,6 +239,9 @@ def test_a_torch_optimizer_resumes_exactly_and_runs_in_memory_sandblaster(tmp_pa
 def test_a_torch_optimizer_is_refused_where_it_cannot_run_yet(tmp_path):
     with pytest.raises(FitError, match="optimizer= runs with one worker or synchronous workers in one process"):
         fit(tmp_path, "allreduce", updater=None, optimizer=adamw, cluster=LAYOUTS["AllReduce, 2 processes"].fit_cluster())
+    with pytest.raises(FitError, match="with 2 server\\(s\\)"):  # the servers would each hold part of the params
+        fit(tmp_path, "slices", updater=None, optimizer=adamw,
+            cluster=LAYOUTS["in-memory Sandblaster, 2 threads, 2 server slices"].fit_cluster())
     with pytest.raises(FitError, match="not both"):
         fit(tmp_path, "both", optimizer=adamw)
     assert not (tmp_path / "allreduce").exists()

@@ -32,11 +32,13 @@ def next_char_loss(model, batch):
     return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
 
 
-def adamw(params, lr):
-    """AdamW as nanoGPT sets it up: weight decay 0.1 on matrices and embeddings, none on biases and norms."""
-    params = list(params)
-    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.99))
+def adamw(named_params, lr):
+    """AdamW as nanoGPT sets it up: weight decay 0.1 on matrices and embeddings, none on biases and norms.
+    shoal calls it with the model's (name, param) pairs."""
+    named_params = list(named_params)
+    return torch.optim.AdamW([{"params": [(n, p) for n, p in named_params if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [(n, p) for n, p in named_params if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.99))
 
 
 def main(argv=None):

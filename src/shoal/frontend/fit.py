@@ -122,9 +122,10 @@ def _check_optimizer_layout(job: job_pb2.JobProto) -> None:
     from shoal.planning.plan import plan_job
 
     plan = plan_job(job)
-    if not (plan.framework.synchronous and plan.in_one_process):
-        raise FitError(f"shoal.fit: optimizer= runs with one worker or synchronous workers in one process for now, not "
-                       f"{plan.framework} in {plan.nprocs} process(es); give a SINGA updater= for that layout")
+    if not (plan.framework.synchronous and plan.in_one_process and plan.nservers == 1):
+        raise FitError(f"shoal.fit: optimizer= runs with one worker or synchronous workers in one process (one server) for "
+                       f"now, not {plan.framework} in {plan.nprocs} process(es) with {plan.nservers} server(s); give a SINGA "
+                       "updater= for that layout")
 
 
 def _eval_batches(data: Optional[torch.utils.data.Dataset], batch: int) -> tuple[int, int]:
@@ -169,8 +170,8 @@ def fit(
     loss its output and the second) or `loss_fn(model, batch)` (the loss calls the model itself);
     `loss_takes="output"` or `"model"` says which, else a first parameter named `model` or `module`
     means the second form. updater: SINGA's UpdaterProto as a dict (default plain SGD, learning rate
-    0.01); or optimizer: a factory `lambda params: torch.optim.AdamW(params, ...)` called on shoal's
-    param tensors in named_parameters order (one worker, or synchronous workers in one process). The whole test set is used at each test (every `test_freq` steps, else once at the end),
+    0.01); or optimizer: a factory `lambda params: torch.optim.AdamW(params, ...)` called on the
+    module's (name, param) pairs, shoal's tensors, in named_parameters order (one worker, or synchronous workers in one process). The whole test set is used at each test (every `test_freq` steps, else once at the end),
     the whole validation set every `val_freq` steps. resume=True continues from the workspace's
     newest checkpoint.
     """

@@ -100,7 +100,8 @@ def register_fit_layers(spec: FitSpec) -> None:
     """Bind the spec to the user layer types of a fit job (in every process)."""
     names = spec.trained_names
     if spec.optimizer is not None:
-        register_torch_optimizer(spec.optimizer)
+        trained = dict(spec.model.named_parameters())
+        register_torch_optimizer(spec.optimizer, [(n, trained[n]) for n in names])
     # the module copy of the worker that computes a batch's first rows (worker 0) in this process:
     # test and validation read its buffers (e.g. batch-norm running statistics), not their own copy's
     trained: dict[str, torch.nn.Module] = {}
