@@ -24,6 +24,8 @@ def test_runs_are_registered_and_listed(blobs_job, tmp_path):
     records = jobs.all_jobs()
     assert [(r.id, r.name, r.status) for r in records] == [(1, "blobs-mlp", "finished"), (2, "blobs-mlp", "failed")]
     assert "missing.bin" in records[1].message
+    assert all(oct(r.path.stat().st_mode & 0o777) == "0o600" for r in records)  # the user's own (docs/cluster.md)
+    assert oct(records[0].path.parent.stat().st_mode & 0o777) == "0o700"
     listing = shoal("jobs", "list").stdout
     assert "blobs-mlp" in listing and "finished" in listing
     view = shoal("jobs", "view", "1").stdout
@@ -43,6 +45,7 @@ def test_kill_stops_a_running_multi_process_job(blobs_job, tmp_path):
         time.sleep(0.5)
     record = jobs.all_jobs()[0]
     assert record.live_status() == "running" and len(record.processes) == 1 + layout.processes  # the launcher and its ranks
+    assert all(p["start"] and p["cmdline"] for p in record.processes)  # what `jobs kill` checks before it signals
     assert_listens_only_on_loopback([p["pid"] for p in record.processes])
     assert "running" in shoal("jobs", "list").stdout
     assert shoal("jobs", "kill", str(record.id)).returncode == 0

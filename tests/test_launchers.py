@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -49,10 +50,15 @@ def torchrun(nprocs: int, job: Path, workspace: Path, *args: str, restarts: int 
     command = [str(TORCHRUN), "--nnodes=1", f"--nproc-per-node={nprocs}", "--master-addr=127.0.0.1",
                f"--master-port={free_port()}", f"--max-restarts={restarts}",
                "-m", "shoal", "run", str(job), "--workspace", str(workspace), *args]
-    environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1", **job_secret(), **(env or {})}
     if stderr_file is not None:  # started, not waited for: stdout is the caller's to read, stderr goes to the file
         return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr_file, text=True, env=environment)
     return subprocess.run(command, capture_output=True, text=True, env=environment, timeout=180)
+
+
+def job_secret() -> dict[str, str]:
+    """The job's secret, as a user gives it to every process a launcher starts (shoal.comm.auth)."""
+    return {"SHOAL_JOB_SECRET": secrets.token_hex(32)}
 
 
 def final_params(workspace: Path, step: int) -> dict[str, torch.Tensor]:
@@ -166,7 +172,8 @@ def test_resume_auto_starts_fresh_then_continues_this_job_only(blobs_job, tmp_pa
 def test_resume_auto_from_the_command_line_refuses_another_jobs_workspace_in_one_line(blobs_job, tmp_path):
     workspace = tmp_path / "ws"
     shoal.train(blobs_job(train_steps=4), workspace=workspace, log=quiet)
-    (workspace / "job.conf").write_text((workspace / "job.conf").read_text().replace('name: "blobs-mlp"', 'name: "someone-else"'))
+    copy = workspace / ".shoal" / "job.conf"  # the job as the workspace's run was started
+    copy.write_text(copy.read_text().replace('name: "blobs-mlp"', 'name: "someone-else"'))
     run = subprocess.run([sys.executable, "-m", "shoal", "run", str(blobs_job(train_steps=8)), "--workspace", str(workspace),
                           "--resume=auto"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
@@ -174,9 +181,11 @@ def test_resume_auto_from_the_command_line_refuses_another_jobs_workspace_in_one
 
 
 # -- Slurm -----------------------------------------------------------------------------------------
-def slurm_env(rank: int, ntasks: int, nodelist: str, job_id: int) -> dict[str, str]:
-    """What srun sets for task `rank` of a step (the variables shoal reads, and a few it must ignore)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+def slurm_env(rank: int, ntasks: int, nodelist: str, job_id: int, secret: dict[str, str]) -> dict[str, str]:
+    """What srun sets for task `rank` of a step (the variables shoal reads, and a few it must ignore), and the job's
+    secret the sbatch script exported."""
+    env = {**secret}
+    env.update({k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")})
     env.update(SLURM_JOB_ID=str(job_id), SLURM_STEP_ID="0", SLURM_PROCID=str(rank), SLURM_NTASKS=str(ntasks),
                SLURM_LOCALID=str(rank), SLURM_NODELIST=nodelist, SLURM_STEP_NODELIST=nodelist, SLURM_NNODES="1",
                SLURM_JOB_NAME="shoal", PYTHONUNBUFFERED="1")
@@ -188,10 +197,10 @@ def test_processes_with_srun_variables_run_the_job(blobs_job, tmp_path):
     port derived from SLURM_JOB_ID (no MASTER_PORT)."""
     layout = "AllReduce, 2 processes"
     job = blobs_job(train_steps=6, layout=layout)
-    port = free_port(10000, 30000)
+    port, secret = free_port(10000, 30000), job_secret()
     tasks = [subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=slurm_env(rank, 2, "localhost", job_id=port - 10000))
+                              env=slurm_env(rank, 2, "localhost", job_id=port - 10000, secret=secret))
              for rank in range(2)]
     outs = [task.communicate(timeout=180) for task in tasks]
     assert [t.returncode for t in tasks] == [0, 0], [o[1][-2000:] for o in outs]
@@ -317,7 +326,8 @@ def test_torchrun_over_two_hosts_made_of_network_namespaces(two_hosts, blobs_job
                                   f"--local-addr={ip}", f"--rdzv-conf=is_host={int(node == 0)}"]
     command = lambda ns, node, ip: ["ip", "netns", "exec", ns, str(TORCHRUN), "--nnodes=2", "--nproc-per-node=1",
                                     *where(node, ip), "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")]
-    nodes = [subprocess.Popen(command(ns, node, ip), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    environment = {**os.environ, **job_secret()}  # the same on both nodes
+    nodes = [subprocess.Popen(command(ns, node, ip), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
              for node, (ns, ip) in enumerate(((ns_a, ip_a), (ns_b, ip_b)))]
     outs = [node.communicate(timeout=240) for node in nodes]
     assert [n.returncode for n in nodes] == [0, 0], [o[1][-2000:] for o in outs]

@@ -6,6 +6,8 @@ veth pair between the two namespaces.
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -18,6 +20,14 @@ from layouts import assert_ran
 from shoal.neuralnet import checkpoint as ckpt_io
 
 SUBNET = "10.231.{}.{}"
+
+
+def with_job_secret(**extra: str) -> dict[str, str]:
+    """The environment of every node of one job: the same secret, as the user gives it (shoal.comm.auth)."""
+    return dict(os.environ, SHOAL_JOB_SECRET=SECRET, **extra)
+
+
+SECRET = secrets.token_hex(32)
 
 
 def sh(*args):
@@ -70,7 +80,7 @@ def test_sandblaster_over_two_hosts_equals_the_single_worker_run(two_hosts, blob
     where = lambda rank: ["--hostfile", str(hostfile)] if hosts_given_by == "--hostfile alone" else ["--nnodes", "2", "--node-rank", str(rank), "--master", f"{ip_a}:29517"]
     run = lambda ns, rank, ws: subprocess.Popen(
         ["ip", "netns", "exec", ns, sys.executable, "-m", "shoal", "run", str(job), *where(rank), "--workspace", str(ws)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=with_job_secret(),
     )
     node0, node1 = run(ns_a, 0, tmp_path / "node0"), run(ns_b, 1, tmp_path / "node1")
     out1 = node1.communicate(timeout=180)
@@ -98,7 +108,7 @@ def test_without_node_ranks_torchs_c10d_rendezvous_numbers_the_nodes(two_hosts, 
     run = lambda ns, ws: subprocess.Popen(
         ["ip", "netns", "exec", ns, sys.executable, "-m", "shoal", "run", str(job), "--nnodes", "2",
          "--master", f"{ip_a}:29519", "--workspace", str(ws)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=with_job_secret(),
     )
     nodes = {"a": run(ns_a, tmp_path / "a"), "b": run(ns_b, tmp_path / "b")}
     outs = {name: proc.communicate(timeout=180) for name, proc in nodes.items()}
@@ -125,7 +135,7 @@ def test_nodes_that_never_meet_fail_in_one_line(blobs_job, tmp_path, node_rank):
     port = free_port()
     run = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--nnodes", "2", *node_rank,
                           "--master", f"127.0.0.1:{port}", "--workspace", str(tmp_path / "ws")],
-                         capture_output=True, text=True, timeout=120, env=dict(os.environ, SHOAL_JOIN_TIMEOUT="2"))
+                         capture_output=True, text=True, timeout=120, env=with_job_secret(SHOAL_JOIN_TIMEOUT="2"))
     assert run.returncode == 2, run.stderr
     how = "static rendezvous as node 1" if node_rank else "c10d rendezvous"
     assert run.stderr.splitlines() == [run.stderr.strip()] and "Traceback" not in run.stderr, run.stderr
@@ -143,7 +153,7 @@ def test_two_nodes_on_one_host_meet_through_c10d(blobs_job, tmp_path):
     port = free_port()
     run = lambda ws: subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--nnodes", "2", "--master",
                                        f"127.0.0.1:{port}", "--workspace", str(ws)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=with_job_secret())
     nodes = {"a": run(tmp_path / "a"), "b": run(tmp_path / "b")}
     outs = {name: proc.communicate(timeout=180) for name, proc in nodes.items()}
     assert [proc.returncode for proc in nodes.values()] == [0, 0], outs
@@ -152,3 +162,34 @@ def test_two_nodes_on_one_host_meet_through_c10d(blobs_job, tmp_path):
     other = "b" if chief == ["a"] else "a"
     assert_ran(tmp_path / chief[0], layout, ranks_here=1)
     assert outs[other][0].strip().splitlines()[-1].startswith("This node's processes finished; the chief's node")
+
+
+def test_a_node_without_the_job_secret_is_refused_in_one_line(blobs_job, tmp_path):
+    """Across hosts nobody can make the secret for the others: a node given none says how to give it, and starts nothing."""
+    job = blobs_job(train_steps=4, layout="AllReduce, 2 processes")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_JOB_SECRET")}
+    run = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--nnodes", "2", "--node-rank", "1",
+                          "--master", "127.0.0.1:29999", "--workspace", str(tmp_path / "ws")],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.startswith("a job over 2 nodes needs the job's secret on every node: set SHOAL_JOB_SECRET"), run.stderr
+    assert not (tmp_path / "ws" / "logs" / "rank0.log").exists()
+
+
+def test_nodes_given_different_secrets_are_refused_in_one_line_each(blobs_job, tmp_path):
+    """Two nodes of one job meet, but one was given another secret: each refuses the other's processes, in one line
+    saying the secrets differ, and no training starts."""
+    from shoal.comm.dist import free_port
+
+    job = blobs_job(train_steps=6, layout="AllReduce, 2 processes")
+    port = free_port()
+    run = lambda ws, secret: subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--nnodes", "2", "--master",
+                                               f"127.0.0.1:{port}", "--workspace", str(ws)], stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True, env=dict(os.environ, SHOAL_JOB_SECRET=secret))
+    nodes = [run(tmp_path / "a", secrets.token_hex(32)), run(tmp_path / "b", secrets.token_hex(32))]
+    outs = [proc.communicate(timeout=180) for proc in nodes]
+    for proc, (out, err) in zip(nodes, outs):
+        assert proc.returncode == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+        assert re.fullmatch(r"process \d's job secret differs from process \d's: give every node the same SHOAL_JOB_SECRET "
+                            r"\(or SHOAL_JOB_SECRET_FILE\)\n", err), err
+        assert "Train @" not in out

@@ -121,7 +121,7 @@ def test_a_user_layer_with_its_own_proto_trains_through_the_cli(plugin_dir, blob
     assert re.search(r"Train @ step 30 .*gate_factor = 0\.5\b", proc.stdout), proc.stdout
     losses = train_losses(proc.stdout)
     assert len(losses) == 4 and losses[-1] < 0.7 * losses[0], losses
-    saved = (tmp_path / "ws" / "job.conf").read_text()  # the workspace's copy names the plugins, resolved
+    saved = (tmp_path / "ws" / ".shoal" / "job.conf").read_text()  # the workspace's copy names the plugins, resolved
     assert f'plugin: "{plugin_dir / "gate.proto"}"' in saved and "[gate_conf] {" in saved
 
 

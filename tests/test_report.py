@@ -99,7 +99,7 @@ def test_summary_of_a_finished_run(layout_runs, layout):
     records = read_metrics(workspace / "metrics.jsonl")
     tests = [r for r in records if r["phase"] == "test"]
     framework, processes = LAYOUTS[layout].framework, LAYOUTS[layout].processes
-    job = shoal.load_job(workspace / "job.conf")
+    job = shoal.load_job(workspace / ".shoal" / "job.conf")
     assert summary["job"] == "blobs-mlp" and summary["status"] == "finished"
     assert summary["framework"] == framework and summary["label"].startswith(framework)
     assert summary["processes"] == processes == len(place(job.cluster).processes)

@@ -46,14 +46,142 @@ def test_a_second_run_on_a_workspace_in_use_is_refused_naming_the_job(blobs_job,
     assert "in use" not in proc.stderr
 
 
-def test_a_folder_with_the_users_files_is_never_written_into(blobs_job, tmp_path):
+def contents(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder`, by relative path, with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+SINGA_MNIST = Path(__file__).parent / "fixtures" / "singa" / "mnist-mlp.conf"
+
+
+def test_singas_mnist_example_runs_with_its_own_folder_as_workspace(mnist_dir, tmp_path):
+    """SINGA 0.3's layout: run from the source root, `cluster { workspace: "examples/mnist" }`, the example's folder
+    holding its job.conf, its other jobs and its data; shoal trains there and touches none of them."""
+    example = tmp_path / "examples" / "mnist"
+    example.mkdir(parents=True)
+    job_text = SINGA_MNIST.read_text()
+    assert 'workspace: "examples/mnist"' in job_text and 'path: "examples/mnist/train_data.bin"' in job_text
+    (example / "job.conf").write_text(job_text)  # SINGA's own, its paths unchanged (they are relative to the root)
+    (example / "conv.conf").write_text((SINGA_MNIST.parent / "mnist-conv.conf").read_text())
+    (example / "Makefile.example").write_text("# the user's sources live here too\n")
+    for name in ("train_data.bin", "test_data.bin"):
+        os.link(mnist_dir / name, example / name)  # the data in the example's folder, as SINGA's create_data wrote it
+    before = contents(example)
+    steps = ["--set", "train_steps=4", "--set", "test_freq=2", "--set", "test_steps=1", "--set", "disp_freq=2"]
+    proc = shoal("run", "examples/mnist/job.conf", "--no-progress", *steps, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "Train @ step 2" in proc.stdout and "Test @ step 2" in proc.stdout
+    after = contents(example)
+    assert {name: after[name] for name in before} == before  # the user's job, sources and data byte for byte
+    assert (example / "checkpoint" / "step4-worker0.safetensors").is_file()
+    assert json.loads((example / "summary.json").read_text())["status"] == "finished"
+    assert (example / "metrics.jsonl").is_file() and (example / "visualization" / "train_net.json").is_file()
+    assert 'name: "mlp"' in (example / ".shoal" / "job.conf").read_text() and "train_steps: 4" in (example / ".shoal" / "job.conf").read_text()
+    # --resume reads shoal's copy of the job, not the user's job.conf beside it
+    proc = shoal("run", "examples/mnist/job.conf", "--no-progress", "--resume=auto", *steps[:-4], "--set", "train_steps=5",
+                 "--set", "test_steps=0", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (example / "checkpoint" / "step5-worker0.safetensors").is_file() and contents(example)["job.conf"] == before["job.conf"]
+
+
+def test_a_folder_with_the_users_own_job_is_a_workspace_and_resume_reads_shoals_copy(blobs_job, tmp_path):
     job = blobs_job(train_steps=4)
     commented = "# my notes\n" + job.read_text()
     job.write_text(commented)
-    before = sorted(p.name for p in tmp_path.iterdir())
-    line = one_line_error(shoal("run", "job.conf", "--workspace", ".", cwd=tmp_path))
-    assert "holds files shoal did not write (job.conf" in line
-    assert job.read_text() == commented and sorted(p.name for p in tmp_path.iterdir()) == before
+    (tmp_path / "notes.txt").write_text("mine\n")
+    proc = shoal("run", "job.conf", "--workspace", ".", "--no-progress", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert job.read_text() == commented and (tmp_path / "notes.txt").read_text() == "mine\n"
+    assert (tmp_path / "checkpoint" / "step4-worker0.safetensors").is_file()
+    assert json.loads((tmp_path / ".shoal" / "workspace.json").read_text())["user_entries"] == ["job.conf"]
+    # the user edits their job into another one: --resume=auto compares with shoal's copy, so it refuses
+    job.write_text(commented.replace("momentum: 0.9", "momentum: 0.5"))
+    line = one_line_error(shoal("run", "job.conf", "--workspace", ".", "--resume=auto", "--no-progress", cwd=tmp_path))
+    assert "whose updater differs" in line
+    job.write_text(commented)
+    proc = shoal("run", "job.conf", "--workspace", ".", "--resume=auto", "--no-progress", "--set", "train_steps=6", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert job.read_text() == commented and (tmp_path / "checkpoint" / "step6-worker0.safetensors").is_file()
+
+
+@pytest.mark.parametrize("taken", ["summary.json", "checkpoint", "logs/", "metrics.jsonl", ".shoal"])
+def test_a_users_file_under_one_of_shoals_names_is_refused_naming_it_and_nothing_is_written(blobs_job, tmp_path, taken):
+    job = blobs_job(train_steps=2)
+    folder = tmp_path / "example"
+    folder.mkdir()
+    (folder / "job.conf").write_text(job.read_text())
+    name = taken.rstrip("/")
+    if taken.endswith("/"):
+        (folder / name).mkdir()
+        (folder / name / "mine.txt").write_text("mine\n")
+    else:
+        (folder / name).write_text("mine\n")
+    before = contents(folder)
+    line = one_line_error(shoal("run", folder / "job.conf", "--workspace", folder, "--no-progress"))
+    assert f"{folder / name} is not shoal's" in line and "move it or give another --workspace" in line
+    assert contents(folder) == before and sorted(p.name for p in folder.iterdir()) == sorted(["job.conf", name])
+
+
+def test_a_file_where_shoal_keeps_a_folder_is_refused_in_a_workspace_shoal_already_uses(blobs_job, tmp_path):
+    job, ws = blobs_job(train_steps=2), tmp_path / "ws"
+    assert shoal("run", job, "--workspace", ws, "--no-progress").returncode == 0
+    import shutil
+
+    shutil.rmtree(ws / "visualization")
+    (ws / "visualization").write_text("mine\n")
+    line = one_line_error(shoal("run", job, "--workspace", ws, "--resume", "--no-progress", "--set", "train_steps=4"))
+    assert f"{ws / 'visualization'} is not shoal's" in line
+    assert (ws / "visualization").read_text() == "mine\n" and not (ws / "checkpoint" / "step4-worker0.safetensors").exists()
+
+
+def test_testing_a_checkpoint_in_a_folder_whose_visualization_is_the_users_leaves_it_alone(blobs_job, tmp_path):
+    job, ws = blobs_job(train_steps=2), tmp_path / "ws"
+    assert shoal("run", job, "--workspace", ws, "--no-progress").returncode == 0
+    folder = tmp_path / "example"
+    folder.mkdir()
+    (folder / "visualization").write_text("mine\n")
+    proc = shoal("run", job, "--test", "--workspace", folder, "--checkpoint", ws / "checkpoint" / "step2-worker0.safetensors")
+    assert proc.returncode == 0 and "Test @ step 2" in proc.stdout, proc.stderr
+    assert f"{folder / 'visualization'} is not shoal's" in proc.stderr and "Traceback" not in proc.stderr
+    assert (folder / "visualization").read_text() == "mine\n" and [p.name for p in folder.iterdir()] == ["visualization"]
+
+
+def test_fit_never_writes_into_a_data_folder_of_the_users(blobs_job, tmp_path):
+    """`shoal run` leaves a SINGA workspace's data/ alone; so does shoal.fit, which reads its data in place."""
+    import torch
+
+    import shoal as api
+
+    job = blobs_job(train_steps=2)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.bin").write_bytes(b"the user's records")
+    assert shoal("run", "job.conf", "--workspace", ".", "--no-progress", cwd=tmp_path).returncode == 0
+    folder = tmp_path / "fit"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "train.bin").write_bytes(b"the user's records")
+    api.fit(torch.nn.Linear(16, 4), torch.nn.functional.cross_entropy, (torch.zeros(8, 16), torch.zeros(8, dtype=torch.long)),
+            workspace=folder, steps=1, log=lambda line: None)
+    for ws in (tmp_path, folder):
+        assert [p.name for p in (ws / "data").iterdir()] == ["train.bin"]
+        assert (ws / "data" / "train.bin").read_bytes() == b"the user's records"
+
+
+def test_an_older_shoals_workspace_is_adopted_and_its_job_copy_still_read(blobs_job, tmp_path):
+    """Before workspaces could hold the user's files, the job copy was WORKSPACE/job.conf (and older still, no marker)."""
+    job, ws = blobs_job(train_steps=4), tmp_path / "ws"
+    assert shoal("run", job, "--workspace", ws, "--no-progress").returncode == 0
+    (ws / ".shoal" / "job.conf").rename(ws / "job.conf")
+    copy = (ws / "job.conf").read_text()
+    (ws / "job.conf").write_text(copy.replace('name: "blobs-mlp"', 'name: "renamed"'))
+    line = one_line_error(shoal("run", job, "--workspace", ws, "--resume=auto", "--no-progress"))
+    assert "checkpoints of job 'renamed'" in line  # read the older copy
+    (ws / "job.conf").write_text(copy)
+    import shutil
+
+    shutil.rmtree(ws / ".shoal")  # a workspace from before the marker
+    proc = shoal("run", job, "--workspace", ws, "--resume=auto", "--no-progress", "--set", "train_steps=6")
+    assert proc.returncode == 0, proc.stderr
+    assert (ws / "checkpoint" / "step6-worker0.safetensors").is_file() and (ws / "job.conf").read_text() == copy
 
 
 @pytest.mark.parametrize("where", ["/", "~", "a-file"])

@@ -10,9 +10,13 @@ A `Door` is the store-side handshake, the same for a group's first join and for 
 
 - `g<G>/incarnation`: how many times group G was (re)started; the launcher (or the process
   rejoining by hand) adds one before the new process connects;
-- `s<S>/g<G>/i<N>/hello`: set by incarnation N's stub before it builds its side of the channel to
-  server S; `.../accepted` when the server builds its side (or `s<S>/closed`: the server has
-  finished, nothing is served any more);
+- `s<S>/g<G>/i<N>/hello`: a nonce, set by incarnation N's stub before it builds its side of the
+  channel to server S; `.../accepted`: the nonce the server answers, when it builds its side (or
+  `s<S>/closed`: the server has finished, nothing is served any more). The channel's name holds the
+  nonce, so a second knock at one incarnation (an impostor's) never shares a channel with the first;
+- once the channel is up, both sides prove they hold the job's secret (`authenticate`: a nonce from
+  each side and an HMAC over both, shoal.comm.auth) before anything else is sent: a server refuses a
+  stub that cannot (one line in its log) and applies nothing it sends;
 - `s<S>/g<G>/state`: the server's word on the group ("serving N", "lost N", "finished");
 - `g<G>/given_up`: the last incarnation the launcher will not restart again (no wait for it);
 - `restarts`: set when the launcher restarts dead groups (a server then waits a moment for its word).
@@ -20,31 +24,46 @@ A `Door` is the store-side handshake, the same for a group's first join and for 
 from __future__ import annotations
 
 import datetime
-import os
+import secrets
 import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from shoal.comm import auth
 from shoal.comm import dist as comm
+from shoal.errors import ShoalError
 
 POLL_S = 0.01  # store polls: loopback round trips are ~0.1 ms, and a rejoin should take milliseconds
 
 
-def job_store_client(host: str, port: int, attempt: int = 0, timeout_s: Optional[float] = None):
-    """A client of the store a `shoal run` launcher holds for its ranks (their keys' prefix, as
-    shoal.comm.dist.init_with_agent_store gives them), for a process outside the world."""
+TAG_NONCE, TAG_PROOF = 91, 92  # the handshake's messages, before any of the channel's kind
+
+
+class ImpostorServer(ShoalError, RuntimeError):
+    """The process serving a channel could not prove it holds the job's secret."""
+
+
+def job_store_client(host: str, port: int, secret: Optional[bytes], attempt: int = 0, timeout_s: Optional[float] = None):
+    """A client of the store a `shoal run` launcher holds for its ranks (their keys' prefix and the job's
+    namespace, as shoal.comm.dist.init_with_agent_store gives them), for a process outside the world."""
     timeout = datetime.timedelta(seconds=timeout_s or comm.timeout_seconds())
-    client = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"/shoal/attempt_{attempt}", client)
+    return comm.agent_store_client(host, port, attempt, secret, timeout)
 
 
-def join_as_client(host: str, port: int, interface: Optional[str], attempt: int = 0) -> None:
+def public_store_client(host: str, port: int, attempt: int = 0, timeout_s: Optional[float] = None):
+    """The store's part outside the job's namespace, where the world's ranks proved they hold the secret."""
+    return comm.public_part(job_store_client(host, port, None, attempt, timeout_s))
+
+
+def join_as_client(host: str, port: int, interface: Optional[str], secret: Optional[bytes], attempt: int = 0) -> None:
     """A process rejoining a running job: the job's store only, no process group (its channels need none)."""
+    import os
+
     if interface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
-    comm.use_store(job_store_client(host, port, attempt))
+    comm.use_store(job_store_client(host, port, secret, attempt))
 
 
 class Channel:
@@ -72,12 +91,46 @@ def open_channel(name: str, side: int, store=None, timeout_s: Optional[float] = 
     return Channel(group, side)
 
 
+def authenticate(channel: Channel, name: str, side: int, secret: Optional[bytes]) -> bool:
+    """Both sides of a new channel prove they hold the job's secret: each sends a nonce, then an HMAC over both
+    nonces, its role and the channel's name (nothing a third process could replay). True: the peer proved it.
+
+    Side 0 serves, side 1 knocks. A job without a secret (one process's threads) has nothing to prove.
+    """
+    if secret is None:
+        return True
+    mine = torch.frombuffer(bytearray(secrets.token_bytes(auth.NONCE_BYTES)), dtype=torch.uint8)
+    theirs = torch.zeros(auth.NONCE_BYTES, dtype=torch.uint8)
+    _exchange(channel, mine, theirs, TAG_NONCE)
+    server_nonce, stub_nonce = (mine, theirs) if side == 0 else (theirs, mine)
+    nonces = (bytes(server_nonce.tolist()), bytes(stub_nonce.tolist()))
+    roles = ("server", "stub")
+    my_proof = torch.frombuffer(bytearray(auth.proof(secret, roles[side], name, *nonces)), dtype=torch.uint8)
+    their_proof = torch.zeros(auth.PROOF_BYTES, dtype=torch.uint8)
+    _exchange(channel, my_proof, their_proof, TAG_PROOF)
+    return auth.proves(secret, bytes(their_proof.tolist()), roles[1 - side], name, *nonces)
+
+
+def _exchange(channel: Channel, send: torch.Tensor, receive: torch.Tensor, tag: int) -> None:
+    """Send ours and receive theirs at once (each side posts its receive first: neither waits on the other's send)."""
+    pending = channel.irecv(receive, tag)
+    channel.send(send, tag)
+    pending.wait()
+
+
 class Door:
     """The handshake keys of one kind of channel (e.g. "downpour") in the job's store: see the module's text."""
 
-    def __init__(self, kind: str, store=None):
+    def __init__(self, kind: str, store=None, secret: Optional[bytes] = None):
+        """`store`: the job's (default: this process's); `secret`: the job's (default: this process's, from its environment)."""
         self.kind = kind
-        self._store = dist.PrefixStore(f"shoal/{kind}/", (store or comm.job_store()).clone())
+        self.secret = secret if secret is not None else auth.process_secret()
+        self._base = store or comm.job_store()
+        self._store = dist.PrefixStore(f"shoal/{kind}/", self._base.clone())
+
+    def open(self, name: str, side: int) -> Channel:
+        """Side `side` of channel `name` (0 serves, 1 knocks), on the job's store."""
+        return open_channel(name, side, self._base)
 
     # -- the store, politely --------------------------------------------------------------------
     def _get(self, key: str) -> Optional[str]:
@@ -128,11 +181,14 @@ class Door:
         return newest > after and self.given_up(group) < newest
 
     # -- one server's side ----------------------------------------------------------------------
-    def said_hello(self, server: int, group: int, incarnation: int) -> bool:
-        return self._store.check([f"s{server}/g{group}/i{incarnation}/hello"])
+    def hello(self, server: int, group: int, incarnation: int) -> Optional[str]:
+        """The nonce of the knock at `incarnation` of `group` (None: nobody knocked)."""
+        return self._get(f"s{server}/g{group}/i{incarnation}/hello")
 
-    def accept(self, server: int, group: int, incarnation: int) -> None:
-        self._store.set(f"s{server}/g{group}/i{incarnation}/accepted", "1")
+    def accept(self, server: int, group: int, incarnation: int, nonce: str) -> str:
+        """Answer the knock that said `nonce`; returns the name of the channel both sides build."""
+        self._store.set(f"s{server}/g{group}/i{incarnation}/accepted", nonce)
+        return channel_name(self.kind, server, group, incarnation, nonce)
 
     def close(self, server: int) -> None:
         """This server serves nobody any more: stubs still knocking are told so."""
@@ -148,19 +204,28 @@ class Door:
         return self._get(f"s{server}/g{group}/state")
 
     # -- a stub's side --------------------------------------------------------------------------
-    def knock(self, server: int, group: int, incarnation: int, timeout_s: float) -> bool:
-        """Say hello to `server` and wait for it to accept: True, or False when it has closed."""
-        self._store.set(f"s{server}/g{group}/i{incarnation}/hello", str(os.getpid()))
-        accepted = f"s{server}/g{group}/i{incarnation}/accepted"
+    def knock(self, server: int, group: int, incarnation: int, timeout_s: float) -> Optional[Channel]:
+        """Say hello to `server`, wait for it to accept, open the channel and prove who we are (and check it does):
+        the channel, or None when the server has closed."""
+        nonce = secrets.token_hex(16)
+        hello = f"s{server}/g{group}/i{incarnation}/hello"
+        self._store.set(hello, nonce)
         deadline = time.monotonic() + timeout_s
-        while not self._store.check([accepted]):
+        while (accepted := self._get(f"s{server}/g{group}/i{incarnation}/accepted")) != nonce:
             if self.closed(server):
-                return False
+                return None
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server {server} did not answer worker group {group} within {timeout_s:.0f} s")
+            if accepted is not None and self._get(hello) != nonce:  # another knock took our place: knock again
+                self._store.set(hello, nonce)
             time.sleep(POLL_S)
-        return True
+        name = channel_name(self.kind, server, group, incarnation, nonce)
+        channel = self.open(name, 1)
+        if not authenticate(channel, name, 1, self.secret):
+            raise ImpostorServer(f"worker group {group}: the process serving as server {server} could not prove it holds "
+                                 "the job's secret; nothing was sent to it")
+        return channel
 
 
-def channel_name(kind: str, server: int, group: int, incarnation: int) -> str:
-    return f"{kind}/s{server}/g{group}/i{incarnation}"
+def channel_name(kind: str, server: int, group: int, incarnation: int, nonce: str) -> str:
+    return f"{kind}/s{server}/g{group}/i{incarnation}/{nonce}"

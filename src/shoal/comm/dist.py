@@ -23,7 +23,10 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from shoal.comm import auth
+
 _store: "dist.TCPStore | None" = None
+_store_host: Optional[int] = None  # the rank hosting the store (0 under srun or env://); None: a launcher hosts it
 _calls = 0  # collectives and rounds this rank has entered: the rank with fewer is the one the others wait for
 _calls_lock = threading.Lock()  # rounds are entered from backward hooks, possibly in several threads
 
@@ -41,14 +44,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def init(rank: int, world_size: int, host: str, port: int, interface: Optional[str] = "lo", timeout_s: float | None = None,
-         backend: str = "gloo") -> None:
+         backend: str = "gloo", secret: Optional[bytes] = None) -> None:
     """Join the job's process group; rank 0 hosts the rendezvous store on host:port.
 
     Nothing listens beyond `interface` (loopback unless the user names one for several hosts):
     the store's socket is bound to `host` here and handed to c10d (which would otherwise listen
     on every interface), and gloo's own connections use `interface` (None: as GLOO_SOCKET_IFNAME
-    says, else gloo's own choice, the interface of this host's name).
+    says, else gloo's own choice, the interface of this host's name). With the job's `secret`
+    (shoal.comm.auth), every rank proves it holds the same one and the job's keys live under its namespace.
     """
+    global _store_host
     timeout = datetime.timedelta(seconds=timeout_s or timeout_seconds())
     listen_fd = None
     if rank == 0:
@@ -58,18 +63,52 @@ def init(rank: int, world_size: int, host: str, port: int, interface: Optional[s
         sock.listen(128)
         listen_fd = sock.detach()  # c10d owns the socket from here on
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=listen_fd)
-    _join(store, rank, world_size, interface, timeout, backend)
+    _join(_secured(store, rank, world_size, secret, timeout), rank, world_size, interface, timeout, backend)
+    _store_host = 0
 
 
 def init_with_agent_store(rank: int, world_size: int, host: str, port: int, attempt: int, interface: Optional[str] = None,
-                          timeout_s: float | None = None, backend: str = "gloo") -> None:
+                          timeout_s: float | None = None, backend: str = "gloo", secret: Optional[bytes] = None) -> None:
     """Join a process group whose store torchrun's elastic agent hosts at host:port (every rank is a client).
 
     The agent's store outlives a restart of the job's processes: each attempt's keys get their own prefix.
     """
+    global _store_host
     timeout = datetime.timedelta(seconds=timeout_s or timeout_seconds())
     client = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    _join(dist.PrefixStore(f"/shoal/attempt_{attempt}", client), rank, world_size, interface, timeout, backend)
+    attempt_store = dist.PrefixStore(f"/shoal/attempt_{attempt}", client)
+    _join(_secured(attempt_store, rank, world_size, secret, timeout), rank, world_size, interface, timeout, backend)
+    _store_host = None
+
+
+def agent_store_client(host: str, port: int, attempt: int, secret: Optional[bytes], timeout: datetime.timedelta):
+    """The job's keys in a store a launcher hosts, for a process outside the world (a rejoining one, the launcher)."""
+    client = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    return in_namespace(dist.PrefixStore(f"/shoal/attempt_{attempt}", client), secret)
+
+
+def in_namespace(store, secret: Optional[bytes]):
+    """The job's part of `store`: under the prefix derived from its secret (the whole store for a job without one)."""
+    return store if secret is None else dist.PrefixStore(auth.namespace(secret), store)
+
+
+def public_part(store):
+    """The part of the store outside every job's namespace: where ranks prove to each other they hold the secret."""
+    return dist.PrefixStore("shoal/auth", store)
+
+
+def _secured(store, rank: int, world_size: int, secret: Optional[bytes], timeout: datetime.timedelta):
+    """Prove to the other ranks that this one holds the job's secret, check their proofs, and return the job's namespace."""
+    if secret is None:
+        return store
+    public = public_part(store)
+    auth.introduce(public, rank, secret)
+    public.wait([f"rank{r}" for r in range(world_size)], timeout)
+    for peer in range(world_size):
+        if peer != rank and not auth.holds_same_secret(public, peer, secret):
+            raise auth.SecretError(f"process {peer}'s job secret differs from process {rank}'s: give every node the same "
+                                   f"{auth.SECRET_VARIABLE} (or {auth.SECRET_FILE_VARIABLE})")
+    return in_namespace(store, secret)
 
 
 def _join(store, rank: int, world_size: int, interface: Optional[str], timeout: datetime.timedelta, backend: str) -> None:
@@ -119,8 +158,13 @@ def job_store():
 
 def use_store(store) -> None:
     """A process rejoining a running job joins no process group: the job's store is all it uses."""
-    global _store
-    _store = store
+    global _store, _store_host
+    _store, _store_host = store, None
+
+
+def store_host() -> Optional[int]:
+    """The rank hosting the job's store (0 under srun or env://); None when a launcher hosts it (shoal run, torchrun)."""
+    return _store_host
 
 
 def publish(key: str, value: str) -> None:
@@ -133,6 +177,19 @@ def read_published(key: str, timeout_s: float) -> str:
     name = f"shoal/published/{key}"
     _store.wait([name], datetime.timedelta(seconds=timeout_s))
     return _store.get(name).decode()
+
+
+def published(key: str, wait_s: float = 0.0) -> Optional[str]:
+    """The value published under `key`, waiting up to `wait_s` for it; None when there is none (or no store)."""
+    if _store is None:
+        return None
+    name = f"shoal/published/{key}"
+    try:
+        if wait_s > 0:
+            _store.wait([name], datetime.timedelta(seconds=wait_s))
+        return _store.get(name).decode() if _store.check([name]) else None
+    except (dist.DistError, RuntimeError):  # not published in time, or the store is gone
+        return None
 
 
 def _enter() -> None:
@@ -222,10 +279,29 @@ def group_broadcast(tensor: torch.Tensor, src: int, group) -> None:
     dist.broadcast(tensor, src=src, group=group)
 
 
-def describe_error(err: BaseException) -> str:
-    """gloo's error in a few words: no source location, no advice paragraph."""
+def store_lost() -> bool:
+    """Whether the job's store stopped answering: the process hosting it (torchrun's agent, or rank 0) died.
+
+    Asked after a failure, to name its cause: a dead store's socket refuses at once (reset, broken pipe)."""
+    if _store is None:
+        return False
+    try:
+        _store.check(["shoal/alive"])
+    except (dist.DistError, RuntimeError):
+        return True
+    return False
+
+
+def describe_error(err: BaseException, store_at: Optional[str] = None, store_host: str = "the process hosting it") -> str:
+    """gloo's or c10d's error in a few words: no source location, no advice paragraph.
+
+    store_at ("HOST:PORT"): when the job's store no longer answers, that is the story (its host died),
+    whatever the error that noticed it said ("Connection reset by peer", "Broken pipe").
+    """
     import re
 
+    if store_at is not None and store_lost():
+        return f"lost the job's store at {store_at} ({store_host} died?)"
     line = str(err).splitlines()[0] if str(err) else type(err).__name__
     line = re.sub(r"^\[[^\]]*\]\s*", "", line)
     return line.split(". This is typically")[0]

@@ -191,13 +191,11 @@ _abandoned = False
 
 def start(rank: int, world: int, **kwargs) -> Watch:
     """Beat and watch over the job's store (shoal.comm.dist); rank 0 hosts it under srun or env://, else the launcher (shoal run, torchrun.s agent)."""
-    import torch.distributed as dist
-
     from shoal.comm import dist as comm
 
     global _watch
     store = comm._store
-    kwargs.setdefault("store_host", None if isinstance(store, dist.PrefixStore) else 0)
+    kwargs.setdefault("store_host", comm.store_host())
     _watch = Watch(store, rank, world, **kwargs).start()
     return _watch
 

@@ -139,7 +139,7 @@ def _add_jobs(sub: argparse._SubParsersAction) -> None:
     verbs.add_parser("list", help="id, name, processes, status, start time of every job")
     view = verbs.add_parser("view", help="hosts, pids, workspace and last metrics of a job")
     view.add_argument("id", type=int)
-    kill = verbs.add_parser("kill", help="stop every process of a job")
+    kill = verbs.add_parser("kill", help="stop every process of a job (SIGTERM; only processes that still match the record)")
     kill.add_argument("id", type=int)
 
 
@@ -397,31 +397,45 @@ def _jobs(args: argparse.Namespace) -> int:
 
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
+    from shoal.errors import warn
     from shoal.runtime import job_registry as jobs
 
     console = Console()
     if not console.is_terminal:  # piped: rows whole, not wrapped at 80 columns
         console = Console(width=200)
     when = lambda t: time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
-    if args.verb == "list":
+    if args.verb == "list":  # a file that is not a good record is one line on stderr; the rest are listed
+        registry = jobs.read_all()
+        for problem in registry.problems:
+            warn(_printable(problem))
         table = Table("id", "name", "processes", "status", "started")
-        for r in jobs.all_jobs():
-            table.add_row(str(r.id), r.name, str(len([p for p in r.processes if p["rank"] != "launcher"])), r.live_status(), when(r.started))
+        for r in registry.records:  # Text: a name is shown as written, never read as rich markup
+            table.add_row(str(r.id), Text(_printable(r.name)), str(len([p for p in r.processes if p["rank"] != "launcher"])),
+                          r.live_status(), when(r.started))
         console.print(table)
     elif args.verb == "view":  # plain lines: piped, they are not wrapped at 80 columns
         r = jobs.load(args.id)
         print(f"job {r.id} {r.name!r}: {r.live_status()}  (started {when(r.started)}, ended {when(r.ended)})")
-        print(f"job file:  {r.job_file}\nworkspace: {r.workspace}" + (f"\nmessage:   {r.message}" if r.message else ""))
+        print(f"job file:  {_printable(r.job_file)}\nworkspace: {_printable(r.workspace)}"
+              + (f"\nmessage:   {_printable(r.message)}" if r.message else ""))
         for p in r.processes:
-            print(f"  rank {p['rank']}: host {p['host']}, pid {p['pid']}")
+            print(f"  rank {p['rank']}: host {_printable(p['host'])}, pid {p['pid']}")
         for phase, record in jobs.last_metrics(r).items():
             values = {k: v for k, v in record.items() if k not in ("phase",)}
-            print(f"  last {phase}: " + ", ".join(f"{k} = {v}" for k, v in values.items()))
+            print(_printable(f"  last {phase}: " + ", ".join(f"{k} = {v}" for k, v in values.items())))
     else:
-        r = jobs.kill(args.id)
-        console.print(f"job {r.id} {r.name!r}: killed")
+        r, left_alone = jobs.kill(args.id)
+        for line in left_alone:
+            warn(f"job {r.id}: {_printable(line)}; not signalled")
+        console.print(Text(f"job {r.id} {_printable(r.name)!r}: killed"))
     return 0
+
+
+def _printable(text: str) -> str:
+    """`text` with control characters escaped: a registry record is data and must not drive the terminal."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -472,6 +486,9 @@ class UsageError(ShoalError, ValueError):
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    # before torch loads: c10d's C++ warnings (a failed store call, with a C++ stack dump) stay out of the terminal
+    # and the rank logs; a failure is reported as one line anyway (TORCH_CPP_LOG_LEVEL=WARNING shows them again)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
         try:
             return _main(argv)

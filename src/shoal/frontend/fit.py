@@ -171,9 +171,10 @@ def fit(
     `loss_takes="output"` or `"model"` says which, else a first parameter named `model` or `module`
     means the second form. updater: SINGA's UpdaterProto as a dict (default plain SGD, learning rate
     0.01); or optimizer: a factory `lambda params: torch.optim.AdamW(params, ...)` called on the
-    module's (name, param) pairs, shoal's tensors, in named_parameters order (one worker, or synchronous workers in one process). The whole test set is used at each test (every `test_freq` steps, else once at the end),
-    the whole validation set every `val_freq` steps. resume=True continues from the workspace's
-    newest checkpoint.
+    module's (name, param) pairs, shoal's tensors, in named_parameters order (one worker, or
+    synchronous workers in one process). The whole test set is used at each test (every `test_freq`
+    steps, else once at the end), the whole validation set every `val_freq` steps. resume=True
+    continues from the workspace's newest checkpoint.
     """
     from shoal.frontend import api, script
     from shoal.config.validate import validate

@@ -7,7 +7,9 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Optional, Sequence, TextIO
+from typing import Optional, Sequence
+
+from shoal.report.writes import write_error, writing
 
 
 class MetricWindow:
@@ -123,28 +125,63 @@ class MetricsLog:
     """Appends one JSON object per line to WORKSPACE/metrics.jsonl.
 
     Every record has step, phase, time (seconds since the run started, carried
-    over across resumes) and the metric values (RECORD_KEYS); lines are flushed
-    as written so a crashed run's metrics survive. Observers (the run summary,
-    TensorBoard) see every record as it is written and the run's end status.
+    over across resumes) and the metric values (RECORD_KEYS); lines are written
+    as they come so a crashed run's metrics survive. Each line goes out in one
+    write; one the disk refuses (full, quota) is cut back off, so the file never
+    ends in half a line, and the run stops with WorkspaceWriteError naming the
+    file. Observers (the run summary, TensorBoard) see every record as it is
+    written and the run's end status.
     """
 
     def __init__(self, path: Path, elapsed_before: float = 0.0, observers: Sequence = ()):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: Optional[TextIO] = open(self.path, "a", encoding="utf-8")
+        with writing(self.path):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._lock = threading.Lock()  # the groups of one process run as threads
+        self._end_cut_line()
         self._start = time.perf_counter() - elapsed_before
         self.observers = list(observers)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self._start
 
+    def _end_cut_line(self) -> None:
+        """A file an older run left ending in half a line (killed mid-write): end that line, so that the
+        next record is a line of its own (readers skip the cut one)."""
+        size = os.fstat(self._fd).st_size
+        if size == 0:
+            return
+        with open(self.path, "rb") as f:
+            f.seek(size - 1)
+            ends_whole = f.read(1) == b"\n"
+        if not ends_whole:
+            self._append(b"\n")
+
+    def _append(self, data: bytes) -> None:
+        """`data` at the end of the file, whole or not at all."""
+        with self._lock:
+            self._append_locked(data)
+
+    def _append_locked(self, data: bytes) -> None:
+        start = os.fstat(self._fd).st_size
+        try:
+            view = memoryview(data)
+            while view:  # a short write (the disk filled up mid-line) is followed by the error itself
+                view = view[os.write(self._fd, view):]
+        except OSError as err:
+            try:
+                os.ftruncate(self._fd, start)  # no half line left behind
+            except OSError:
+                pass
+            raise write_error(self.path, err) from None
+
     def write(self, step: int, phase: str, values: dict[str, float], **extra) -> dict:
         record = {"step": step, "phase": phase, "time": round(self.elapsed(), 4)}
         record.update({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()})
         record.update(extra)
-        if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+        if self._fd is not None:
+            self._append((json.dumps(record) + "\n").encode())
         for observer in self.observers:
             observer.observe(record)
         return record
@@ -154,27 +191,41 @@ class MetricsLog:
         for observer in self.observers:
             observer.annotate(fields)
 
-    def close(self, status: str = "finished") -> None:
-        """status: finished | failed | interrupted (what the observers record about the run)."""
-        if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-            self._file = None
-            for observer in self.observers:
-                observer.close(status, self.elapsed())
+    def close(self, status: str = "finished", reason: Optional[str] = None) -> None:
+        """status: finished | failed | interrupted | killed (what the observers record about the run); reason: why it
+        did not finish, in one line. A run that failed still gets its summary where the disk allows (best effort)."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        lost = None
+        try:
+            os.fsync(fd)
+        except OSError as err:  # the records may not be on disk: a finished run failed after all
+            lost = write_error(self.path, err) if status == "finished" else None
+            status, reason = ("failed", str(lost)) if lost else (status, reason)
+        finally:
+            os.close(fd)
+        if reason:
+            self.annotate(reason=reason)
+        for observer in self.observers:
+            observer.close(status, self.elapsed())
+        if lost is not None:
+            raise lost
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """Records of a metrics.jsonl; a half-written last line (crash) is skipped."""
+    """Records of a metrics.jsonl; a line that is not a whole JSON object (cut by a crash, or by an older
+    shoal on a full disk) is skipped, and the records after it are kept."""
     records = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             line = line.strip()
             if not line:
                 continue
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
-                break
+                continue
+            if isinstance(record, dict):
+                records.append(record)
     return records

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from shoal.report.metrics import MetricsLog
 from shoal.report.summary import SummaryFile, mark_ended, run_info
+from shoal.report.writes import WorkspaceWriteError
 
 if TYPE_CHECKING:
     from shoal.planning.plan import JobPlan
@@ -23,9 +24,18 @@ def open_run_log(plan: "JobPlan", workspace: Path, elapsed_before: float, device
 
         observers.append(TensorBoardLog(workspace, elapsed_before))
     summary = SummaryFile(workspace, run_info(plan, devices), path)
-    log = MetricsLog(path, elapsed_before=elapsed_before, observers=[summary, *observers])
+    try:
+        log = MetricsLog(path, elapsed_before=elapsed_before, observers=[summary, *observers])
+    except WorkspaceWriteError as err:  # the summary just said `running`: it says why not, where it can
+        summary.annotate({"reason": str(err)})
+        summary.close("failed", elapsed_before)
+        raise
     if resumed_at is not None:  # readers drop what the stopped run recorded from here on
-        log.write(resumed_at, "resume", {})
+        try:
+            log.write(resumed_at, "resume", {})
+        except WorkspaceWriteError as err:
+            log.close("failed", str(err))
+            raise
     return log
 
 
@@ -40,6 +50,14 @@ def end_status(error: BaseException | None) -> str:
     if isinstance(error, Terminated):
         return "killed"
     return "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+
+
+def failure_reason(error: BaseException | None) -> str | None:
+    """Why a failed run failed, in one line for summary.json (None when it finished or was stopped by a signal)."""
+    if end_status(error) != "failed":
+        return None
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def mark_run_ended(workspace: Path, error: BaseException, reason: str | None = None) -> None:

@@ -8,6 +8,7 @@ uses on runs that never wrote a summary.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shoal.report.metrics import read_metrics
+from shoal.report.writes import WorkspaceWriteError, write_error
 
 if TYPE_CHECKING:
     from shoal.planning.plan import JobPlan
@@ -183,9 +185,15 @@ class SummaryFile:
         self.extra.update(fields)
 
     def close(self, status: str, elapsed: float) -> None:
-        self.write(status, elapsed)
+        if status == "finished":
+            self.write(status, elapsed)
+            return
+        try:  # the run failed (perhaps for want of disk): say so where the disk still takes it
+            self.write(status, elapsed, last_word=True)
+        except WorkspaceWriteError:
+            pass  # the error that ended the run is the one to report
 
-    def write(self, status: str, elapsed: float | None = None) -> None:
+    def write(self, status: str, elapsed: float | None = None, last_word: bool = False) -> None:
         # the whole metrics file, so a resumed run's summary covers every step (a few hundred lines)
         records = read_metrics(self.metrics_path) if self.metrics_path.exists() else []
         derived = summarize(records)
@@ -193,14 +201,15 @@ class SummaryFile:
             derived["wall_time"] = max(derived["wall_time"], round(elapsed, 4))
         summary = {"schema": 1, **asdict(self.info), "status": status,
                    "started": _iso(self.started), "updated": _iso(time.time()), **derived, **self.extra}
-        _write(self.path, summary)
+        _write(self.path, summary, in_place_when_full=last_word)
 
 
 def mark_ended(workspace: Path, metrics_path: Path, status: str, reason: str | None = None) -> None:
     """Say how a run ended when its chief could not: a signal killed it mid-step, or another process died.
 
     Only a summary still saying `running` changes (a chief that closed its log knew
-    better); its numbers are brought up to the last record of metrics.jsonl.
+    better); its numbers are brought up to the last record of metrics.jsonl. Best
+    effort: a workspace that can no longer be written keeps the summary it has.
     """
     path = Path(workspace) / SUMMARY_FILE
     summary = read_summary(workspace)
@@ -209,19 +218,71 @@ def mark_ended(workspace: Path, metrics_path: Path, status: str, reason: str | N
     if summary.get("status") != "running":  # the chief closed its log: its status stands; the launcher adds why
         if reason and "reason" not in summary:
             summary["reason"] = reason
-            _write(path, summary)
+            _write_if_possible(path, summary)
         return
     records = read_metrics(metrics_path) if Path(metrics_path).exists() else []
     summary.update(summarize(records), status=status, updated=_iso(time.time()))
     if reason:
         summary["reason"] = reason
-    _write(path, summary)
+    _write_if_possible(path, summary)
 
 
-def _write(path: Path, summary: dict) -> None:
+def _write_if_possible(path: Path, summary: dict) -> None:
+    try:
+        _write(path, summary, in_place_when_full=True)
+    except WorkspaceWriteError:
+        pass
+
+
+def _write(path: Path, summary: dict, in_place_when_full: bool = False) -> None:
+    """A new summary.json, through a temp file: readers never see half a summary.
+
+    in_place_when_full: the run's last word on a full disk (no room for a temp file): the old summary's own
+    blocks take the new one when it fits in them, so a run that died of a full disk still says so.
+    """
+    data = (json.dumps(summary, indent=1) + "\n").encode()
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=1) + "\n")
-    os.replace(tmp, path)  # readers never see half a summary
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as err:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        failure = write_error(path, err)
+        if not (in_place_when_full and failure.errno in (errno.ENOSPC, errno.EDQUOT) and _rewrite_in_place(path, data)):
+            raise failure from None
+
+
+def _rewrite_in_place(path: Path, data: bytes) -> bool:
+    """Overwrite `path` with `data` when it fits in the blocks the file already holds (no new space needed);
+    the old content is put back if the write fails anyway. True when written."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        held = os.fstat(fd).st_blocks * 512
+        if len(data) > held:
+            return False
+        old = os.pread(fd, held, 0)
+        for content in (data, old):
+            try:
+                _pwrite_all(fd, content)
+                os.ftruncate(fd, len(content))
+                return content is data
+            except OSError:
+                continue
+        return False
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, data: bytes) -> None:
+    view, offset = memoryview(data), 0
+    while offset < len(data):
+        offset += os.pwrite(fd, view[offset:], offset)
 
 
 def _iso(t: float) -> str:

@@ -31,7 +31,8 @@ from shoal.neuralnet.updaters import make_updater
 from shoal.planning.placement import ServerId
 from shoal.planning.plan import Framework, JobPlan
 from shoal.report.metrics import MetricsLog
-from shoal.report.run_log import end_status, open_run_log
+from shoal.report.run_log import end_status, failure_reason, open_run_log
+from shoal.report.writes import as_write_error
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.runtime import debug_norms, faults, visualization
 from shoal.runtime.exchanges.compression import codec_for, compresses
@@ -45,6 +46,7 @@ from shoal.runtime.exchanges.sliced import SlicedExchange
 from shoal.runtime.interfaces import TrainerHook
 from shoal.runtime.replicas import device_label, torch_device, usable_device_names
 from shoal.runtime.trainer import History, Trainer
+from shoal.runtime.workspace import write_job_copy
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,7 @@ def assemble(plan: JobPlan, rank: int, spec: RunSpec) -> ProcessRun:
             plan, spec.workspace, spec.base_dirs, home if shared is not None or not trainers else torch_device(mine[0][1]),
             log=spec.log, progress=spec.progress if chief_rank and not trainers else False,
             worker_indices=[i for i, _ in mine], chief=chief_rank and not trainers, store=shared, group=group,
-            worker_devices=[d for _, d in mine],
+            worker_devices=[d for _, d in mine], rank=rank,
         ))
     run = ProcessRun(plan, rank, trainers, rejoining=spec.rejoin is not None)
     _attach_exchanges(run)
@@ -225,9 +227,10 @@ def _set_values(run: ProcessRun, spec: RunSpec) -> None:
             ckpt = ckpt_io.load(spec.resume_from)
             run.server.restore(ckpt.params, ckpt.updater_state, ckpt.step, resumed_version(ckpt.step, plan))
         return
+    resumed = ckpt_io.load(spec.resume_from) if spec.resume_from is not None else None  # the chief's file and every part
     for trainer in run.trainers:
-        if spec.resume_from is not None:
-            trainer.restore(spec.resume_from)
+        if resumed is not None:
+            trainer.restore(spec.resume_from, resumed)
         elif job.checkpoint_path and (trainer is chief or not plan.in_one_process) and not _joins_from_servers(trainer):
             trainer.load_params([ckpt_io.resolve_path(p, spec.base_dirs) for p in job.checkpoint_path])
     exchange = chief.exchange
@@ -275,13 +278,26 @@ def start_lines(run: ProcessRun) -> list[str]:
 
 
 def run_process(plan: JobPlan, rank: int, spec: RunSpec) -> History:
-    """Assemble process `rank` and run it to the end; the chief writes the net and the run log."""
+    """Assemble process `rank` and run it to the end; the chief writes the net and the run log.
+
+    A write into the workspace that the machine refuses (disk full, read-only) ends it as WorkspaceWriteError.
+    """
+    try:
+        return _run_process(plan, rank, spec)
+    except OSError as err:
+        failure = as_write_error(err, spec.workspace)
+        if failure is None:
+            raise
+        raise failure from None
+
+
+def _run_process(plan: JobPlan, rank: int, spec: RunSpec) -> History:
     run = assemble(plan, rank, spec)
     for line in start_lines(run):
         spec.log(line)
     metrics = None
     if rank == 0:  # written once the job assembled (a refused --resume leaves the earlier copy alone)
-        (spec.workspace / "job.conf").write_text(text_format.MessageToString(plan.job))
+        write_job_copy(text_format.MessageToString(plan.job), spec.workspace)
         visualization.write_train_net(plan, spec.workspace, fresh=spec.resume_from is None)
         devices = usable_device_names(plan.all_devices())
         resumed_at = run.chief.start_step if spec.resume_from is not None else None
@@ -298,8 +314,8 @@ def run_process(plan: JobPlan, rank: int, spec: RunSpec) -> History:
                      + (f" (cluster.max_update_lag {bound})" if bound >= 0 else ""))
         return history
     except BaseException as err:
-        error = err
+        error = as_write_error(err, spec.workspace) or err
         raise
     finally:
         if metrics is not None:
-            metrics.close(end_status(error))
+            metrics.close(end_status(error), failure_reason(error))

@@ -7,8 +7,9 @@ before they write anything. The launcher restarts failed processes
 (torchrun's --max-restarts, Slurm's --requeue, a Job's backoffLimit); with
 `--resume=auto` each start continues from this job's newest readable
 checkpoint, or starts fresh when there is none. It never continues another
-job's checkpoints: the workspace's job copy (job.conf, written at every
-start) must be the same job: same name, net, algorithm and updater.
+job's checkpoints: the workspace's job copy (.shoal/job.conf, written at every
+start; job.conf in an older shoal's workspace) must be the same job: same name,
+net, algorithm and updater.
 """
 from __future__ import annotations
 
@@ -25,12 +26,10 @@ from shoal.planning.plan import JobPlan
 from shoal.runtime import job_registry, launchers
 from shoal.runtime.assemble import RunSpec
 from shoal.runtime.trainer import History
-from shoal.runtime.workspace import WorkspaceError, WorkspaceLock, claim, prepare
+from shoal.runtime.workspace import JOB_COPY, WorkspaceError, WorkspaceLock, claim, job_copy, prepare, write_job_copy
 
 if TYPE_CHECKING:
     from shoal.runtime.run_job import RunOptions
-
-JOB_COPY = "job.conf"  # the job as the workspace's run was started
 
 
 class LaunchMismatch(ShoalError, ValueError):
@@ -70,9 +69,11 @@ IDENTITY_FIELDS = ("name", "neuralnet", "train_one_batch", "updater")
 
 def check_same_job(workspace: Path, job: job_pb2.JobProto) -> None:
     """The workspace's checkpoints were written by this job (its job copy says so), else one line refusing them."""
-    copy = Path(workspace) / JOB_COPY
+    copy = job_copy(workspace)
     refuse = f"{workspace}: --resume=auto found checkpoints of {{}}; it continues only this job's own (give --workspace for a new run)"
     try:
+        if copy is None:
+            raise FileNotFoundError(JOB_COPY)
         stored = text_format.Parse(copy.read_text(), job_pb2.JobProto())
     except FileNotFoundError:
         raise WorkspaceError(refuse.format(f"an unknown job (no {JOB_COPY} beside them)")) from None
@@ -84,10 +85,6 @@ def check_same_job(workspace: Path, job: job_pb2.JobProto) -> None:
             raise WorkspaceError(refuse.format(f"job {stored.name!r}"))
         differs = next(f for f in IDENTITY_FIELDS if getattr(theirs, f) != getattr(ours, f))
         raise WorkspaceError(refuse.format(f"a job {job.name!r} whose {differs} differs"))
-
-
-def write_job_copy(plan: JobPlan, workspace: Path) -> None:
-    (Path(workspace) / JOB_COPY).write_text(text_format.MessageToString(plan.job))
 
 
 def train_launched(plan: JobPlan, options: "RunOptions", launched: launchers.LaunchedProcess, job_file: str,
@@ -109,9 +106,9 @@ def train_launched(plan: JobPlan, options: "RunOptions", launched: launchers.Lau
         lock = WorkspaceLock(workspace, plan.job.name).__enter__()  # held by rank 0 until the run ends
         resume_from = prepare(workspace, resolve_resume(workspace, options.resume, plan.job), options.log)
         record = job_registry.register(plan.job.name, job_file, workspace)
-        record.processes = processes
+        record.processes = [job_registry.identified(p) for p in processes]  # start time, command line: for `jobs kill`
         record.save()
-        write_job_copy(plan, workspace)
+        write_job_copy(text_format.MessageToString(plan.job), workspace)
         restart = f", restart {launched.restart} of {launched.max_restarts}" if launched.restart else ""
         options.log(f"Job {record.id}: {plan.label}, {plan.nprocs} processes started by {launched.launcher}{restart}; "
                     f"logs in {workspace / 'logs'}" + (f"; resuming from {resume_from.name}" if resume_from else ""))

@@ -25,7 +25,10 @@ ViewUpdater = Callable[[int, object, torch.Tensor], None]
 
 class Exchange(Protocol):
     """How one group's gradients become updated params (LocalExchange, SlicedExchange, GroupExchange,
-    DownpourExchange, HogwildExchange)."""
+    DownpourExchange, HogwildExchange).
+
+    An exchange that holds state of its own (a group's copy, an anchor, residuals, last syncs) also has
+    `own_state() -> dict[str, Tensor]` and `load_own_state(tensors)`: its trainer's part of every checkpoint."""
 
     def begin(self, step: int) -> None:
         """Before the group computes step `step`: wait for its turn, ready the gradient hooks."""

@@ -1,23 +1,37 @@
 """The job registry: one JSON file per job in a folder, no server (SINGA used ZooKeeper for this).
 
 $SHOAL_HOME/jobs/<id>.json (default ~/.shoal/jobs) holds the job's name, job file, workspace,
-processes (rank, host, pid), status and times. `shoal run` registers a job and keeps its status
-current; `shoal jobs list | view ID | kill ID` read and act on the files.
+processes (rank, host, pid, start time, command line), status and times. `shoal run` registers a job
+and keeps its status current; `shoal jobs list | view ID | kill ID` read and act on the files.
+
+The folder (0700) and its files (0600) are the user's own. Whatever else lies there is read as untrusted:
+only regular files of the user's, at most MAX_RECORD_BYTES, every field type-checked; anything else is one
+line naming the file and what is wrong. `kill` signals only processes that still match their record
+(runtime/process_identity.py).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
-import signal
+import re
 import socket
+import stat
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 from shoal.errors import ShoalError
 from shoal.report.metrics import read_metrics
+from shoal.runtime import process_identity
+from shoal.runtime.process_identity import SignalRefused, start_time  # noqa: F401 (start_time: part of this module's API)
 
+MAX_RECORD_BYTES = 1 << 20  # a record of thousands of processes is far smaller
+STATUSES = ("running", "finished", "failed", "killed")
+_RECORD_NAME = re.compile(r"[1-9][0-9]{0,17}\.json")
+_LATEST_TIME = 1e11  # seconds since 1970 (year 5138): beyond it a time is not one shoal wrote
 
 def registry_dir() -> Path:
     return Path(os.environ.get("SHOAL_HOME", Path.home() / ".shoal")) / "jobs"
@@ -25,6 +39,18 @@ def registry_dir() -> Path:
 
 class JobNotFound(ShoalError, ValueError):
     pass
+
+
+class BadRecord(ShoalError, ValueError):
+    """A file in the registry that is not a record shoal wrote for this user: `str()` names the file and why."""
+
+
+class RegistryError(ShoalError, OSError):
+    """The registry folder itself cannot be used (not the user's own, not a folder, not writable)."""
+
+
+class StaleRecord(ShoalError, ValueError):
+    """`jobs kill` found no process of the job that still matches its record: nothing was signalled."""
 
 
 @dataclass
@@ -36,7 +62,7 @@ class JobRecord:
     status: str = "running"  # running | finished | failed | killed
     started: float = field(default_factory=time.time)
     ended: Optional[float] = None
-    processes: list[dict] = field(default_factory=list)  # {"rank", "host", "pid", "start"}
+    processes: list[dict] = field(default_factory=list)  # {"rank", "host", "pid", "start", "cmdline"}
     message: str = ""
 
     @property
@@ -44,9 +70,7 @@ class JobRecord:
         return registry_dir() / f"{self.id}.json"
 
     def save(self) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        os.replace(tmp, self.path)
+        _write_new(self.path.parent, json.dumps(asdict(self), indent=1), lambda tmp: os.replace(tmp, self.path))
 
     def live_status(self) -> str:
         """`running` only while one of its processes on this host is alive; else `died`."""
@@ -59,71 +83,73 @@ class JobRecord:
         return "running"
 
 
-def start_time(pid: int) -> Optional[int]:
-    """When process `pid` started (clock ticks since boot, /proc/PID/stat field 22); None where unknown."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def process_entry(rank, pid: int) -> dict:
     """How the registry remembers a process: a pid alone could be reused by another program after it ends."""
-    return {"rank": rank, "host": socket.gethostname(), "pid": pid, "start": start_time(pid)}
+    return {"rank": rank, "host": socket.gethostname(), "pid": pid, "start": start_time(pid),
+            "cmdline": process_identity.command_line(pid)}
+
+
+def identified(entry: dict) -> dict:
+    """A process entry another process published (rank, host, pid), with start time and command line where it runs here."""
+    if entry.get("host") == socket.gethostname() and "start" not in entry:
+        return process_entry(entry["rank"], entry["pid"])
+    return entry
 
 
 def _alive(pid: int, start: Optional[int] = None) -> bool:
     """Whether `pid` is still the job's process: alive, not a zombie, and started when it did."""
-    if start is not None and start_time(pid) not in (None, start):
-        return False  # the pid now belongs to another process
+    still_running, _ = process_identity.mismatch(pid, start, None)
+    return still_running
+
+
+# --- writing -------------------------------------------------------------------------------------------------
+
+def _private_folder() -> Path:
+    """The registry folder, created 0700; one that another user owns is refused rather than written into."""
+    folder = registry_dir()
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped) answers signal 0 but is not running
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        info = os.stat(folder)
+        if info.st_uid != os.geteuid():
+            raise RegistryError(f"{folder}: the job registry belongs to uid {info.st_uid}, not to you; "
+                                f"set SHOAL_HOME to a folder of your own")
+        if stat.S_IMODE(info.st_mode) & 0o077:  # made by an older shoal under the umask: others could plant records
+            os.chmod(folder, 0o700)
+    except FileExistsError:
+        raise RegistryError(f"{folder}: not a folder; the job registry needs it (or set SHOAL_HOME)") from None
+    except RegistryError:
+        raise
+    except OSError as err:
+        raise RegistryError(f"{folder}: cannot use it as the job registry ({err.strerror})") from None
+    return folder
+
+
+def _write_new(folder: Path, text: str, put_in_place) -> None:
+    """Write `text` to a fresh 0600 file in `folder`, then `put_in_place(tmp_path)` it (rename or link) whole."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".record-", suffix=".tmp")  # mkstemp creates 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        put_in_place(tmp)
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass  # renamed into place
 
 
 def register(name: str, job_file: str, workspace: Path) -> JobRecord:
-    """A new job with the next free id (ids are claimed with an exclusive create, race-free)."""
-    folder = registry_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    ids = [int(p.stem) for p in folder.glob("*.json") if p.stem.isdigit()]
-    next_id = max(ids, default=0) + 1
+    """A new job with the next free id (claimed by linking the written record to its name: exclusive and whole)."""
+    folder = _private_folder()
+    ids = [int(entry.name[:-5]) for entry in os.scandir(folder) if _RECORD_NAME.fullmatch(entry.name)]
+    record = JobRecord(max(ids, default=0) + 1, name, job_file, str(Path(workspace).resolve()))
+    record.processes = [process_entry(0, os.getpid())]
     while True:
         try:
-            fd = os.open(folder / f"{next_id}.json", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            os.close(fd)
-            break
+            _write_new(folder, json.dumps(asdict(record), indent=1), lambda tmp: os.link(tmp, record.path))
+            return record
         except FileExistsError:
-            next_id += 1
-    record = JobRecord(next_id, name, job_file, str(Path(workspace).resolve()))
-    record.processes = [process_entry(0, os.getpid())]
-    record.save()
-    return record
-
-
-def load(job_id: int) -> JobRecord:
-    path = registry_dir() / f"{job_id}.json"
-    try:
-        return JobRecord(**json.loads(path.read_text()))
-    except FileNotFoundError:
-        raise JobNotFound(f"job {job_id}: no such job in {registry_dir()}") from None
-
-
-def all_jobs() -> list[JobRecord]:
-    folder = registry_dir()
-    out = []
-    for p in sorted(folder.glob("*.json"), key=lambda p: int(p.stem) if p.stem.isdigit() else 0):
-        try:
-            out.append(JobRecord(**json.loads(p.read_text())))
-        except (json.JSONDecodeError, TypeError):
-            continue  # a file being created right now
-    return out
+            record.id += 1
 
 
 def finish(record: JobRecord, status: str, message: str = "") -> None:
@@ -131,28 +157,235 @@ def finish(record: JobRecord, status: str, message: str = "") -> None:
     record.save()
 
 
-def kill(job_id: int) -> JobRecord:
-    """SIGTERM every live process of the job on this host; mark it killed. A job that already ended is left as it is."""
+# --- reading -------------------------------------------------------------------------------------------------
+
+class Registry(NamedTuple):
+    records: list[JobRecord]
+    problems: list[str]  # one line per file that is not a usable record
+
+
+def load(job_id: int) -> JobRecord:
+    path = registry_dir() / f"{job_id}.json"
+    try:
+        return _read_record(path, job_id)
+    except FileNotFoundError:
+        raise JobNotFound(f"job {job_id}: no such job in {registry_dir()}") from None
+
+
+def read_all() -> Registry:
+    """Every record in the registry, by id, and one line for each file there that is not a good record."""
+    folder = registry_dir()
+    try:
+        names = [entry.name for entry in os.scandir(folder) if _RECORD_NAME.fullmatch(entry.name)]
+    except FileNotFoundError:
+        return Registry([], [])
+    except OSError as err:
+        raise RegistryError(f"{folder}: cannot read the job registry ({err.strerror})") from None
+    records, problems = [], []
+    for name in sorted(names, key=lambda n: int(n[:-5])):
+        try:
+            records.append(_read_record(folder / name, int(name[:-5])))
+        except FileNotFoundError:
+            continue  # removed while we looked
+        except BadRecord as err:
+            problems.append(f"{err}; skipped")
+    return Registry(records, problems)
+
+
+def all_jobs() -> list[JobRecord]:
+    return read_all().records
+
+
+def _read_record(path: Path, job_id: int) -> JobRecord:
+    """The record in `path`, read as hostile input: no blocking open, no symlink, no file of another user, size-limited."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        raise BadRecord(f"{path}: cannot look at it ({err.strerror})") from None
+    kind = _kind(info.st_mode)
+    if kind:
+        raise BadRecord(f"{path}: {kind}, not a job record")
+    _check_owner(path, info)
+    try:  # the lstat above and this open may see different files: check again on what was opened
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as err:
+        if isinstance(err, FileNotFoundError):
+            raise
+        raise BadRecord(f"{path}: cannot open it ({err.strerror})") from None
+    try:
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino) or _kind(opened.st_mode):
+            raise BadRecord(f"{path}: replaced while being read")
+        _check_owner(path, opened)
+        data = _read_at_most(fd, MAX_RECORD_BYTES + 1)
+    except OSError as err:
+        raise BadRecord(f"{path}: cannot read it ({err.strerror})") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_RECORD_BYTES:
+        raise BadRecord(f"{path}: larger than {MAX_RECORD_BYTES >> 20} MiB, not a job record")
+    try:
+        parsed = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError as err:
+        raise BadRecord(f"{path}: not text (byte {err.start} is not UTF-8), not a job record") from None
+    except json.JSONDecodeError as err:
+        raise BadRecord(f"{path}:{err.lineno}:{err.colno}: not JSON ({err.msg})") from None
+    except RecursionError:
+        raise BadRecord(f"{path}: not a job record (nested too deeply)") from None
+    except ValueError as err:  # NaN, Infinity; an integer of thousands of digits
+        raise BadRecord(f"{path}: not a job record ({str(err)[:80]})") from None
+    return _record_from(parsed, path, job_id)
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular file is, in words; "" for a regular file."""
+    for test, words in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+                        (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return words
+    return "" if stat.S_ISREG(mode) else "not a regular file"
+
+
+def _check_owner(path: Path, info: os.stat_result) -> None:
+    if info.st_uid != os.geteuid():
+        raise BadRecord(f"{path}: owned by uid {info.st_uid}, not by you")
+    if stat.S_IMODE(info.st_mode) & 0o022:
+        raise BadRecord(f"{path}: other users may write it (mode {stat.S_IMODE(info.st_mode):o})")
+
+
+def _read_at_most(fd: int, limit: int) -> bytes:
+    chunks, size = [], 0
+    while size < limit:
+        chunk = os.read(fd, min(1 << 16, limit - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number a record holds")
+
+
+# --- what a record must hold ---------------------------------------------------------------------------------
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_time(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value) and 0 <= value <= _LATEST_TIME
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_pid(value: Any) -> bool:
+    return _is_int(value) and 1 < value < 1 << 22  # the kernel's PID_MAX_LIMIT; 1 is init, 0 and below are groups
+
+
+_RECORD_FIELDS = {  # name: (check, what it must be, default when absent or ... when required)
+    "id": (lambda v: _is_int(v) and v >= 1, "a job id (an integer of 1 or more)", ...),
+    "name": (_is_str, "a string", ...),
+    "job_file": (_is_str, "a string", ...),
+    "workspace": (_is_str, "a string", ...),
+    "status": (lambda v: v in STATUSES, "one of " + ", ".join(STATUSES), ...),
+    "started": (_is_time, "a time (seconds since 1970)", ...),
+    "ended": (lambda v: v is None or _is_time(v), "a time (seconds since 1970) or null", None),
+    "processes": (lambda v: isinstance(v, list), "a list", ...),
+    "message": (_is_str, "a string", ""),
+}
+_PROCESS_FIELDS = {
+    "rank": (lambda v: v == "launcher" or (_is_int(v) and 0 <= v < 1 << 31), "a rank (an integer of 0 or more) or \"launcher\"", ...),
+    "host": (_is_str, "a string", ...),
+    "pid": (_is_pid, "a process id (an integer above 1)", ...),
+    "start": (lambda v: v is None or (_is_int(v) and v >= 0), "a start time (clock ticks since boot) or null", None),
+    "cmdline": (lambda v: v is None or (isinstance(v, list) and all(_is_str(a) for a in v)), "a list of strings or null", None),
+}
+
+
+def _fields(data: Any, spec: dict, path: Path, where: str) -> dict:
+    """`data`'s known fields, each checked; unknown fields are ignored (a newer shoal may add some)."""
+    if not isinstance(data, dict):
+        raise BadRecord(f"{path}: {where or 'the record'} is not a JSON object")
+    out = {}
+    for name, (check, expected, default) in spec.items():
+        if name not in data:
+            if default is ...:
+                raise BadRecord(f"{path}: {where}{name} is missing")
+            out[name] = default
+            continue
+        value = data[name]
+        if not check(value):
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise BadRecord(f"{path}: {where}{name} is {shown}, expected {expected}")
+        out[name] = value
+    return out
+
+
+def _record_from(data: Any, path: Path, job_id: int) -> JobRecord:
+    values = _fields(data, _RECORD_FIELDS, path, "")
+    if values["id"] != job_id:
+        raise BadRecord(f"{path}: id is {values['id']}, but the file is named for job {job_id}")
+    values["processes"] = [_fields(p, _PROCESS_FIELDS, path, f"processes[{i}].") for i, p in enumerate(values["processes"])]
+    return JobRecord(**values)
+
+
+# --- acting on a record --------------------------------------------------------------------------------------
+
+def kill(job_id: int) -> tuple[JobRecord, list[str]]:
+    """SIGTERM each process of the job on this host that still matches its record; mark the job killed.
+
+    Returns the record and one line for each process left alone. Nothing is signalled (StaleRecord) when no
+    process matches; a job that already ended is left as it is.
+    """
     record = load(job_id)
-    status = record.live_status()
-    if status != "running":
-        raise JobNotFound(f"job {job_id}: not running ({status}); nothing to kill")
+    if record.status != "running":
+        raise JobNotFound(f"job {job_id}: not running ({record.status}); nothing to kill")
     here = socket.gethostname()
-    for proc in record.processes:
-        if proc["host"] == here and _alive(proc["pid"], proc.get("start")):
-            try:
-                os.kill(proc["pid"], signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+    local = [p for p in record.processes if p["host"] == here]
+    if not local:
+        hosts = sorted({p["host"] for p in record.processes})
+        raise StaleRecord(f"job {job_id}: no process of it runs on this host ({here}); "
+                          f"run `shoal jobs kill` where it runs ({', '.join(hosts) or 'no host recorded'})")
+    if record.live_status() == "died":
+        gone = [f"rank {p['rank']}: {process_identity.mismatch(p['pid'], p['start'], None)[1]}" for p in local]
+        raise StaleRecord(f"job {job_id}: not running (died); its record is stale ({_some(gone)}), nothing signalled")
+    signalled, left = 0, []
+    for proc in local:
+        try:
+            reason = process_identity.terminate(proc["pid"], proc["start"], proc["cmdline"])
+        except SignalRefused as err:
+            reason = str(err)
+        if reason:
+            left.append(f"rank {proc['rank']}: {reason}")
+        else:
+            signalled += 1
+    if not signalled:
+        raise StaleRecord(f"job {job_id}: no process of it matches its record ({_some(left)}); nothing signalled")
     finish(record, "killed")
-    return record
+    return record, left
+
+
+def _some(reasons: list[str]) -> str:
+    return "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else "")
 
 
 def last_metrics(record: JobRecord) -> dict[str, dict]:
-    """The newest record of each phase in the job's metrics.jsonl."""
+    """The newest record of each phase in the job's metrics.jsonl; none where that is not a readable regular file
+    of metrics (the record names the path: a FIFO there must not hang `jobs view`, nor a binary file break it)."""
     path = Path(record.workspace) / "metrics.jsonl"
     latest: dict[str, dict] = {}
-    if path.exists():
-        for r in read_metrics(path):
+    try:
+        found = read_metrics(path) if path.is_file() else []
+    except (OSError, UnicodeDecodeError):
+        return latest
+    for r in found:
+        if isinstance(r, dict) and isinstance(r.get("phase"), str):
             latest[r["phase"]] = r
     return latest

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -31,6 +32,7 @@ from typing import Callable, Optional
 
 import torch.multiprocessing as mp
 
+from shoal.comm import auth
 from shoal.comm import dist as comm
 from shoal.comm import rendezvous
 from shoal.config.plugins import decode_job
@@ -81,6 +83,13 @@ class ProcessFailed(ShoalError, RuntimeError):
 
 class StalledPeer(RuntimeError):
     """A collective timed out: the message names the rank(s) that stopped answering."""
+
+
+class PeerFailed(RuntimeError):
+    """Another process failed with an error of its own (a full disk, say): the message is its line, naming it."""
+
+
+FAILURE_KEY = "failure"  # where a rank that failed with a ShoalError leaves its line for its peers
 
 
 def route(host: str) -> tuple[str, str]:
@@ -151,13 +160,14 @@ def chief_log(rank: int, log_file) -> Callable[[str], None]:
 
 
 def join_world(plan: JobPlan, rank: int, world: int, ranks_per_node: int, host: str, port: int,
-               interface: Optional[str], agent_store_attempt: Optional[int] = None) -> None:
-    """Join the job's process group (NCCL for CUDA tensors where every process has GPUs of its own, else gloo)."""
+               interface: Optional[str], secret: bytes, agent_store_attempt: Optional[int] = None) -> None:
+    """Join the job's process group (NCCL for CUDA tensors where every process has GPUs of its own, else gloo),
+    proving to the others that this process holds the job's `secret` (shoal.comm.auth)."""
     backend = comm.process_group_backend(plan.devices, [r // max(1, ranks_per_node) for r in range(world)], comm.nccl_usable())
     if agent_store_attempt is None:
-        comm.init(rank, world, host, port, interface, backend=backend)
+        comm.init(rank, world, host, port, interface, backend=backend, secret=secret)
     else:
-        comm.init_with_agent_store(rank, world, host, port, agent_store_attempt, interface, backend=backend)
+        comm.init_with_agent_store(rank, world, host, port, agent_store_attempt, interface, backend=backend, secret=secret)
 
 
 def run_rank(plan: JobPlan, rank: int, spec: RunSpec) -> History:
@@ -165,7 +175,15 @@ def run_rank(plan: JobPlan, rank: int, spec: RunSpec) -> History:
     world = plan.nprocs
     try:
         return run_process(plan, rank, spec)
+    except ShoalError as err:  # the cause of the job's end: the peers, who see only a closed connection, name it
+        _publish_failure(f"{describe_process(plan, rank)} failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+        raise
     except RuntimeError as err:  # a collective failed: find who stopped answering
+        if comm.store_lost():  # no progress to read: the caller names the store's host
+            raise RuntimeError(f"{str(err).splitlines()[0]}") from None
+        cause = comm.published(FAILURE_KEY, wait_s=1.0)
+        if cause is not None:
+            raise PeerFailed(cause) from None
         progress = comm.progress(world)
         calls, step = progress[rank]
         behind = [r for r, (c, _) in progress.items() if r != rank and c < calls]
@@ -173,6 +191,13 @@ def run_rank(plan: JobPlan, rank: int, spec: RunSpec) -> History:
             who = "; ".join(f"{describe_process(plan, r)} stopped answering at step {progress[r][1]}" for r in behind)
             raise StalledPeer(f"{who} (process {rank} waited {comm.timeout_seconds():.0f} s at step {step})") from None
         raise RuntimeError(f"{str(err).splitlines()[0]}") from None
+
+
+def _publish_failure(line: str) -> None:
+    try:
+        comm.publish(FAILURE_KEY, line)
+    except (RuntimeError, AttributeError):  # the store is gone too (or there is none): the launcher still hears it
+        pass
 
 
 @dataclass(frozen=True)
@@ -200,7 +225,7 @@ def _entry(local_index: int, ranks: list[int], meeting: Meeting, environment: di
         plan = plan_job(decode_job(job_bytes), nnodes=meeting.nnodes)  # decode_job: the job's plugins first
         # a client of the store the rendezvous gave (attempt 0), as torchrun's workers are of their agent's
         join_world(plan, rank, meeting.world, meeting.ranks_per_node, meeting.store_host, meeting.store_port,
-                   meeting.interface, agent_store_attempt=0)
+                   meeting.interface, auth.required_secret("a rank of a job"), agent_store_attempt=0)
         try:
             spec = RunSpec(Path(workspace), [Path(d) for d in base_dirs], Path(resume_from) if resume_from else None,
                            log=chief_log(rank, log_file), progress=False, initial_values=initial_values)
@@ -223,10 +248,13 @@ def run_launched(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
     """
     rank, world = launched.rank, launched.world_size
     wait_s = max(comm.timeout_seconds(), 60.0)
+    secret = auth.required_secret(f"a job started by {launched.launcher}")
     try:
         join_world(plan, rank, world, launched.local_world_size, launched.master_addr, launched.master_port,
-                   "lo" if launched.on_loopback else launched_interface(launched.master_addr),
+                   "lo" if launched.on_loopback else launched_interface(launched.master_addr), secret,
                    launched.restart if launched.agent_store else None)
+    except auth.SecretError as err:
+        raise auth.SecretError(f"process {rank}: {err}") from None
     except (RuntimeError, ValueError, OSError) as err:  # torch's store and gloo errors: their first line is the story
         raise ProcessFailed(f"process {rank}: cannot join the job's processes at {launched.master_addr}:{launched.master_port}: "
                             f"{comm.describe_error(err)}") from None
@@ -250,11 +278,12 @@ def run_launched(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
                 return run_rank(plan, rank, spec_for(resume_from, chief_log(rank, log_file)))
     except ShoalError:
         raise
-    except StalledPeer as err:
+    except (StalledPeer, PeerFailed) as err:
         raise ProcessFailed(f"{err}; see {workspace}/logs") from None
-    except RuntimeError as err:
-        raise ProcessFailed(f"{describe_process(plan, rank)} failed: {comm.describe_error(err)}; "
-                            f"see {workspace}/logs/rank{rank}.log") from None
+    except RuntimeError as err:  # the store's host gone (torchrun's agent killed) is named as such
+        store_host = f"{launched.launcher}'s agent" if launched.agent_store else "process 0, which hosts it,"
+        why = comm.describe_error(err, f"{launched.master_addr}:{launched.master_port}", store_host)
+        raise ProcessFailed(f"{describe_process(plan, rank)} failed: {why}; see {workspace}/logs/rank{rank}.log") from None
     finally:
         comm.shutdown()
 
@@ -322,6 +351,13 @@ def _exited(plan: JobPlan, rank: int, code: int, workspace: Path, ranks: list[in
                    f"the other processes were stopped; see {workspace}/logs/rank{rank}.log", workspace, ranks)
 
 
+def _error_line(traceback_text: str) -> str:
+    """The last line of a rank's traceback; a ShoalError's without its class (its message is written for users)."""
+    last = traceback_text.strip().splitlines()[-1]
+    found = re.match(r"shoal(?:\.\w+)+(?:Error|Failed): (.+)$", last)
+    return found.group(1) if found else last
+
+
 def run_processes(
     plan: JobPlan,
     spec: RunSpec,
@@ -329,7 +365,15 @@ def run_processes(
     nodes: Nodes = Nodes(),
     process_setup: Optional[Callable[[], None]] = None,
 ) -> History:
-    """Meet the job's other nodes, then spawn this node's processes, each running assemble.run_process for its rank."""
+    """Meet the job's other nodes, then spawn this node's processes, each running assemble.run_process for its rank.
+
+    Each process gets the job's secret in its environment: on one host a fresh one unless the user gave one;
+    over several hosts the one the user gave every node (a one-line error when it is missing)."""
+    if nodes.one_host:
+        secret = auth.given_secret() or auth.new_secret()
+    else:
+        secret = auth.required_secret(f"a job over {nodes.nnodes} nodes")
+    environment = {**os.environ, auth.SECRET_VARIABLE: auth.to_text(secret)}
     if nodes.one_host:
         meeting_point = meet(nodes, plan)
     else:  # torch's store clients log every retry while the other nodes are not up yet: to this node's launcher log
@@ -338,7 +382,7 @@ def run_processes(
         with open(log_dir / "launcher.log", "a") as launcher_log, stalls.native_stderr_to(launcher_log):
             meeting_point = meet(nodes, plan)
     try:
-        return _spawn(plan, spec, on_start, nodes, meeting_point, process_setup)
+        return _spawn(plan, spec, on_start, nodes, meeting_point, process_setup, environment)
     finally:
         meeting_point.close()
 
@@ -376,13 +420,13 @@ def start_method() -> str:
 
 
 def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], nodes: Nodes,
-           met: rendezvous.NodeRendezvous, process_setup: Optional[Callable[[], None]]) -> History:
+           met: rendezvous.NodeRendezvous, process_setup: Optional[Callable[[], None]], environment: dict[str, str]) -> History:
     world, workspace = plan.nprocs, spec.workspace
     ranks = nodes.ranks(world, met.node_rank)
     meeting = Meeting(world, nodes.nnodes, -(-world // nodes.nnodes), met.store_host, met.store_port, nodes.interface)
     # our one-line report replaces torch's per-process "Terminating process" warnings
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    args = (ranks, meeting, dict(os.environ), plan.job.SerializeToString(), str(workspace),
+    args = (ranks, meeting, environment, plan.job.SerializeToString(), str(workspace),
             str(spec.resume_from) if spec.resume_from else None, [str(d) for d in spec.base_dirs], process_setup, spec.initial_values)
     try:
         context = mp.start_processes(_entry, args=args, nprocs=len(ranks), start_method=start_method(), join=False)
@@ -401,7 +445,7 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
                     if sig == signal.SIGTERM or signal.getsignal(sig) is not signal.SIG_IGN}
         try:
             if not plan.framework.synchronous:
-                _join_tolerating_groups(context, ranks, plan, workspace, rejoin.Restarter(plan, meeting, spec, process_setup))
+                _join_tolerating_groups(context, ranks, plan, workspace, rejoin.Restarter(plan, meeting, spec, process_setup, environment))
             stalls.wait_for_first_failure(context)  # and SIGKILL stopped processes, which SIGTERM cannot end
             while not context.join():
                 pass
@@ -423,8 +467,11 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
         last = str(err).strip().splitlines()[-1]
         if rank == 0 and last.startswith("BrokenPipeError"):  # the chief writes to our stdout: its reader went away
             raise BrokenPipeError(last) from None
-        if last.startswith(f"{__name__}.StalledPeer: "):
+        if last.startswith(f"{auth.__name__}.SecretError: "):  # a node was given another secret: no traceback for it
+            raise _failed(last.split(": ", 1)[1], workspace, ranks) from None
+        if last.startswith((f"{__name__}.StalledPeer: ", f"{__name__}.PeerFailed: ")):
             raise _failed(last.split(": ", 1)[1] + f"; see {workspace}/logs", workspace, ranks) from None
+        last = _error_line(last)
         raise _failed(f"{describe_process(plan, rank)} failed: {last}; see {workspace}/logs/rank{rank}.log", workspace, ranks) from None
     history = History(workspace)
     if 0 in ranks:  # the chief's node holds the metrics

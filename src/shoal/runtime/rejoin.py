@@ -13,7 +13,9 @@ lost whole.
   processes fork from a server that imported shoal already (multiprocessing's forkserver), so a
   restart costs no Python start-up.
 - By hand: `shoal run JOB --rejoin RANK` (with --workspace as the job's; --master HOST:PORT for the
-  job's store when it is not in WORKSPACE/logs/store.json) starts one process in RANK's place.
+  job's store when it is not in WORKSPACE/logs/store.json) starts one process in RANK's place. It
+  needs the job's secret (shoal.comm.auth): SHOAL_JOB_SECRET or SHOAL_JOB_SECRET_FILE, else
+  WORKSPACE/logs/job.secret, which the launcher writes (0600, as store.json) for a Downpour job.
 
 Only a group hosted by one process can rejoin (a group over several would need all of them again):
 the launcher warns and does not restart such a process; --rejoin refuses it.
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from shoal.comm import channels, heartbeat
+from shoal.comm import auth, channels, heartbeat
 from shoal.errors import ShoalError, warn
 from shoal.planning.plan import Framework, JobPlan
 from shoal.runtime.exchanges.downpour import DOOR, DownpourExchange
@@ -119,8 +121,10 @@ def complete(run, spec) -> None:
 class Restarter:
     """What `shoal run`'s launcher does when an expendable process of a Downpour job exits with an error."""
 
-    def __init__(self, plan: JobPlan, meeting, spec, process_setup: Optional[Callable[[], None]]):
+    def __init__(self, plan: JobPlan, meeting, spec, process_setup: Optional[Callable[[], None]], environment: dict[str, str]):
+        """`environment`: the ranks' (holding the job's secret): restarted processes get it too."""
         self.plan, self.meeting, self.spec, self.process_setup = plan, meeting, spec, process_setup
+        self.environment, self.secret = environment, auth.required_secret("the launcher", environment)
         self.limit = max_restarts() if plan.framework is Framework.DOWNPOUR else 0
         self.restarts: dict[int, int] = {}
         self.started = time.time()  # rejoins.jsonl may hold an earlier run's rejoins (a resumed workspace)
@@ -136,17 +140,19 @@ class Restarter:
             self._context = _forkserver()
 
     def _note_store(self) -> None:
-        """Where the job's store is, for `shoal run JOB --rejoin RANK` (on this host; pass --master elsewhere)."""
+        """Where the job's store is and its secret, for `shoal run JOB --rejoin RANK` (on this host; pass --master
+        elsewhere): files only this user can read."""
         if self.plan.framework is not Framework.DOWNPOUR:
             return
-        path = Path(self.spec.workspace) / "logs" / STORE_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"host": self.meeting.store_host, "port": self.meeting.store_port, "nnodes": self.meeting.nnodes,
-                                    "interface": self.meeting.interface}) + "\n")
+        logs = Path(self.spec.workspace) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        auth.write_private(logs / auth.SECRET_FILE, auth.to_text(self.secret) + "\n")
+        auth.write_private(logs / STORE_FILE, json.dumps({"host": self.meeting.store_host, "port": self.meeting.store_port,
+                                                          "nnodes": self.meeting.nnodes, "interface": self.meeting.interface}) + "\n")
 
     def _connect(self) -> None:
-        self._store = channels.job_store_client(self.meeting.store_host, self.meeting.store_port)
-        self._door = channels.Door(DOOR, self._store)
+        self._store = channels.job_store_client(self.meeting.store_host, self.meeting.store_port, self.secret)
+        self._door = channels.Door(DOOR, self._store, self.secret)
 
     def restart(self, context, index: int, rank: int, code: int) -> bool:
         """Start a new process in dead process `rank`'s place (it replaces context.processes[index]); False: not restarted."""
@@ -173,7 +179,7 @@ class Restarter:
         warn(f"WARNING: {describe_process(self.plan, rank)} exited with code {code}; restarting it "
              f"(restart {done + 1} of {self.limit}); it rejoins from the servers' live params")
         args = (rank, self.meeting, self.plan.job.SerializeToString(), str(self.spec.workspace),
-                [str(d) for d in self.spec.base_dirs], self.process_setup, self.spec.initial_values, incarnation, detected_at, dict(os.environ))
+                [str(d) for d in self.spec.base_dirs], self.process_setup, self.spec.initial_values, incarnation, detected_at, self.environment)
         process = self._context.Process(target=_entry, args=args, name=f"shoal-rank{rank}-restart{done + 1}", daemon=False)
         process.start()
         context.processes[index] = process  # watched, stopped and joined with the others from now on
@@ -238,7 +244,7 @@ def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, stor
     if process_setup is not None:
         process_setup()
     plan = plan_job(decode_job(job_bytes), nnodes=nnodes)
-    channels.join_as_client(store_host, store_port, interface)
+    channels.join_as_client(store_host, store_port, interface, auth.required_secret("a process rejoining a job"))
     spec = RunSpec(workspace, base_dirs, None, log=log, progress=False, initial_values=initial_values,
                    rejoin=Rejoin(incarnation, detected_at))
     try:
@@ -259,11 +265,17 @@ def rejoin_by_hand(plan: JobPlan, workspace: Path, rank: int, master: Optional[s
     if reason is not None:
         raise RejoinRefused(f"--rejoin {rank}: {reason}")
     host, port, interface = _store_address(workspace, master)
+    secret = _job_secret(workspace)
     group = group_of(plan, rank)
     try:
-        door = channels.Door(DOOR, channels.job_store_client(host, port, timeout_s=3))
+        if not auth.holds_same_secret(channels.public_store_client(host, port, timeout_s=3), 0, secret):
+            raise RejoinRefused(f"--rejoin {rank}: this process's job secret differs from the running job's at {host}:{port}")
+        door = channels.Door(DOOR, channels.job_store_client(host, port, secret, timeout_s=3), secret)
+    except RejoinRefused:
+        raise
     except (RuntimeError, ValueError, OSError) as err:
         raise RejoinRefused(f"--rejoin {rank}: no running job's store at {host}:{port}: {str(err).splitlines()[0]}") from None
+    os.environ[auth.SECRET_VARIABLE] = auth.to_text(secret)  # this process's copy, as a restarted process gets it
     state = door.state(0, group)
     if door.closed(0) or state == "finished":
         raise RejoinRefused(f"--rejoin {rank}: worker group {group} has nothing left to do (the job or the group finished)")
@@ -275,6 +287,18 @@ def rejoin_by_hand(plan: JobPlan, workspace: Path, rank: int, master: Optional[s
         print(f"process {rank} rejoins by hand as restart {incarnation} of worker group {group}")
         run_rejoined(plan.job.SerializeToString(), plan.nnodes, rank, host, port, interface, workspace, base_dirs,
                      incarnation, None, print if rank else log)
+
+
+def _job_secret(workspace: Path) -> bytes:
+    """SHOAL_JOB_SECRET or SHOAL_JOB_SECRET_FILE, else what the launcher wrote in WORKSPACE/logs/job.secret."""
+    secret = auth.given_secret()
+    if secret is not None:
+        return secret
+    path = workspace / "logs" / auth.SECRET_FILE
+    if not path.exists():
+        raise RejoinRefused(f"--rejoin: no job secret: {path} is missing; set {auth.SECRET_VARIABLE} or "
+                            f"{auth.SECRET_FILE_VARIABLE} to the running job's")
+    return auth.read_secret_file(path)
 
 
 def _store_address(workspace: Path, master: Optional[str]) -> tuple[str, int, Optional[str]]:

@@ -16,6 +16,7 @@ import torch
 from shoal.config import job_pb2
 from shoal.planning.plan import JobPlan, plan_job
 from shoal.report.tensorboard import require_tensorboard
+from shoal.report.writes import WorkspaceWriteError, as_write_error, is_writable
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.runtime import elastic, job_registry, visualization
 from shoal.runtime.assemble import RunSpec, run_process
@@ -52,7 +53,20 @@ def resolve_workspace(job: job_pb2.JobProto, override: Optional[Path]) -> Path:
 
 
 def train_job(job: job_pb2.JobProto, options: RunOptions, job_file: str = "<python>") -> History:
-    """Plan, then train as the cluster section says; the job is registered for `shoal jobs` while it runs."""
+    """Plan, then train as the cluster section says; the job is registered for `shoal jobs` while it runs.
+
+    A write into the workspace the machine refuses (disk full, quota, read-only) is WorkspaceWriteError: one line.
+    """
+    try:
+        return _train_job(job, options, job_file)
+    except OSError as err:
+        failure = as_write_error(err, resolve_workspace(job, options.workspace))
+        if failure is None:
+            raise
+        raise failure from None
+
+
+def _train_job(job: job_pb2.JobProto, options: RunOptions, job_file: str) -> History:
     launched = elastic.launched_process(nodes_given=options.nodes is not None)  # torchrun, srun, ...: run one rank
     plan = plan_job(job, nnodes=launched.nnodes if launched else options.nodes.nnodes if options.nodes else 1)
     if job.tensorboard:
@@ -112,5 +126,11 @@ def test_job(job: job_pb2.JobProto, options: RunOptions, checkpoint: Optional[Pa
     device = torch_device(usable_device_names(plan.devices_of(0))[0])
     trainer = Trainer(plan, workspace, options.base_dirs, device, log=options.log, progress=False, train=False)
     step = trainer.load_params(paths)
-    visualization.write_test_net(job, workspace)
+    if not is_writable(workspace):  # an archived run, evaluated where it lies: testing needs no write
+        options.log(f"Workspace {workspace} is read-only: {visualization.FOLDER}/test_net.json not written")
+    else:
+        try:
+            visualization.write_test_net(job, workspace)
+        except WorkspaceWriteError as err:  # a full disk: the drawing is not what was asked for
+            options.log(f"{err}; testing without it")
     return trainer.test_only(None, step)

@@ -35,7 +35,7 @@ from shoal.neuralnet.layers.base import Context
 from shoal.report.metrics import MetricsLog, MetricWindow, display_line
 from shoal.neuralnet.net import NeuralNet
 from shoal.neuralnet.params import ParamStore
-from shoal.planning.plan import JobPlan
+from shoal.planning.plan import Framework, JobPlan
 from shoal.runtime.feed import InputFeed, make_feeds
 from shoal.runtime.interfaces import Exchange, GroupMember, TrainerHook
 from shoal.runtime.partitioned import PartitionedGroup
@@ -90,6 +90,22 @@ class History:
         return tests[-1] if tests else None
 
 
+def checkpoint_parts(plan: JobPlan) -> dict[tuple[int, int], bool]:
+    """(group, rank) of every trainer but the chief, each writing its own part of every checkpoint, and whether
+    a checkpoint without it is incomplete: it is where the groups are synchronous or meet (Local SGD); an
+    asynchronous group may have died before writing its part, and then starts from the chief's values on resume.
+    Downpour's server processes run no trainer: the chief asks the servers for their state."""
+    parts = {}
+    for rank in range(plan.nprocs):
+        hosted = plan.process(rank)
+        if hosted.servers and not hosted.workers and plan.framework is Framework.DOWNPOUR:
+            continue
+        for group in sorted({w.group for w in hosted.workers}) or [0]:
+            if (group, rank) != (0, 0):
+                parts[(group, rank)] = plan.framework.synchronous or plan.framework is Framework.LOCAL_SGD
+    return parts
+
+
 class Trainer:
     """Runs SINGA's loop for one worker group (its workers as threads) against its Server."""
 
@@ -108,11 +124,13 @@ class Trainer:
         group: int = 0,
         worker_devices: Optional[list[str]] = None,
         hooks: tuple[TrainerHook, ...] = (),
+        rank: int = 0,
     ):
         """`device`: where the group's params live and its server updates them (and tests run);
-        `worker_devices`: the device of each of `worker_indices` (default: all on `device`)."""
+        `worker_devices`: the device of each of `worker_indices` (default: all on `device`);
+        `rank`: the process this trainer runs in (names its checkpoint part)."""
         job = plan.job
-        self.plan, self.job = plan, job
+        self.plan, self.job, self.rank = plan, job, rank
         self.workspace = Path(workspace)
         self.device = device
         # the chief (worker 0 of group 0) tests, validates, displays and writes; other processes only train
@@ -224,57 +242,73 @@ class Trainer:
         """Initialise params by name from earlier checkpoints (SINGA's checkpoint_path); return the last one's step."""
         step = 0
         for path in paths:
-            ckpt = ckpt_io.load(path)
+            ckpt = ckpt_io.load(path, parts=False)
             loaded = self.store.load(ckpt.params, source=str(path))
             self.log(f"Load from checkpoint file {path} ({len(loaded)} params)")
             step = ckpt.step
         return step
 
     def save_checkpoint(self, step: int) -> Optional[Path]:
-        """Collective when servers are spread over processes; only the chief writes."""
-        updater_state = self.exchange.updater_state() if self.exchange else {}
+        """Collective when servers are spread over processes. The chief writes the checkpoint; every other
+        trainer (a group of threads, or a process) writes its own part beside it (checkpoint_parts)."""
+        ckpt = self.checkpoint_state(step)
         if not self.chief:
-            return None
+            return ckpt_io.save(ckpt_io.part_file(self.workspace, step, self.group, self.rank), ckpt)
+        return ckpt_io.save(ckpt_io.checkpoint_file(self.workspace, step), ckpt)
+
+    def checkpoint_state(self, step: int) -> ckpt_io.Checkpoint:
+        """What this trainer writes at `step`: the chief the whole checkpoint, another trainer its own part."""
+        updater_state = self.exchange.updater_state() if self.exchange else {}
+        own = self.exchange.own_state() if hasattr(self.exchange, "own_state") else {}
         bad = [name for name, value in self.store.values.items() if not torch.isfinite(value).all()]
-        if bad:
+        if bad and (self.chief or "value/" + bad[0] in own):
             raise Diverged(f"step {step}: param {bad[0]} holds NaN or infinite values; no checkpoint written")
+        rng = {f"worker{w.index}": w.generator.get_state() for w in self.workers}
+        if not self.chief:
+            return ckpt_io.Checkpoint(step=step, params={}, rng=rng, trainer={"skips": self._skips()}, exchange=own)
         trainer = {
             "job": self.job.name,
             "cursors": {str(k): v for k, v in self.cursors.items()},
-            "skips": {str(phase): {n: f.skip for n, f in feeds.items()} for phase, feeds in self._all_feeds().items()},
+            "skips": self._skips(),
             "window": self.window.state(),
             "window_samples": self.window_samples,
             "batch_shares": self.shares,  # balanced shares go on where they were (same maths either way)
             "elapsed": self.metrics.elapsed() if self.metrics is not None else self.elapsed_before,
         }
-        ckpt = ckpt_io.Checkpoint(
+        return ckpt_io.Checkpoint(
             step=step,
             params=self.store.state_dict(),
             updater_state=updater_state,
-            rng={f"worker{w.index}": w.generator.get_state() for w in self.workers},
+            rng=rng,
             trainer=trainer,
+            exchange=own,
+            part_names={ckpt_io.part_name(step, g, r): required for (g, r), required in checkpoint_parts(self.plan).items()},
         )
-        return ckpt_io.save(ckpt_io.checkpoint_file(self.workspace, step), ckpt)
 
-    def restore(self, path: Path) -> None:
-        """Continue from a checkpoint exactly where the run that wrote it stood."""
-        ckpt = ckpt_io.load(path)
+    def _skips(self) -> dict:
+        return {str(phase): {n: f.skip for n, f in feeds.items()} for phase, feeds in self._all_feeds().items()}
+
+    def restore(self, path: Path, ckpt: Optional[ckpt_io.Checkpoint] = None) -> None:
+        """Continue from a checkpoint exactly where the run that wrote it stood: the chief's file, and this
+        trainer's own part where it has one (a checkpoint of another layout, or an older one, has none: then
+        this group starts from the chief's values, RNG and data position, its own shard of the data kept)."""
+        ckpt = ckpt if ckpt is not None else ckpt_io.load(path)
         self.store.load(ckpt.params, strict=True, source=str(path))
         if self.exchange is not None:
             self.exchange.load_updater_state(ckpt.updater_state)
+        name = ckpt_io.part_name(ckpt.step, self.group, self.rank)
+        own = ckpt if self.chief else ckpt.parts.get(name)
+        rng = own.rng if own is not None else ckpt.rng
         for w in self.workers:
-            if f"worker{w.index}" in ckpt.rng:
-                w.generator.set_state(ckpt.rng[f"worker{w.index}"])
+            if f"worker{w.index}" in rng:
+                w.generator.set_state(rng[f"worker{w.index}"])
+        if own is not None and hasattr(self.exchange, "load_own_state"):
+            self.exchange.load_own_state(own.exchange)
         t = ckpt.trainer
         self.cursors.update({int(k): int(v) for k, v in t.get("cursors", {}).items()})
-        for phase, skips in t.get("skips", {}).items():
-            if int(phase) == job_pb2.kTrain and self.group != 0:
-                continue  # the checkpoint is group 0's: another group keeps its own draw (its own shard of the data)
-            for name, skip in skips.items():
-                feeds = [w.feeds for w in self.workers] if int(phase) == job_pb2.kTrain else [self.feeds.get(int(phase), {})]
-                for f in feeds:
-                    if name in f:
-                        f[name].skip = int(skip)
+        self._load_skips(t.get("skips", {}), own_train=own is not None)
+        if own is not None and own is not ckpt:
+            self._load_skips(own.trainer.get("skips", {}), own_train=True)
         self.window.load_state(t.get("window", {}))
         self.window_samples = int(t.get("window_samples", 0))
         shares = [int(n) for n in t.get("batch_shares", [])]
@@ -284,6 +318,16 @@ class Trainer:
         self.resumed = True
         self.elapsed_before = float(t.get("elapsed", 0.0))
         self.log(f"Resume from checkpoint file {path} at step {ckpt.step}")
+
+    def _load_skips(self, skips: dict, own_train: bool) -> None:
+        for phase, by_name in skips.items():
+            if int(phase) == job_pb2.kTrain and self.group != 0 and not own_train:
+                continue  # group 0's draw: another group keeps its own (its own shard of the data)
+            for name, skip in by_name.items():
+                feeds = [w.feeds for w in self.workers] if int(phase) == job_pb2.kTrain else [self.feeds.get(int(phase), {})]
+                for f in feeds:
+                    if name in f:
+                        f[name].skip = int(skip)
 
     def _all_feeds(self) -> dict[int, dict[str, InputFeed]]:
         feeds = dict(self.feeds)

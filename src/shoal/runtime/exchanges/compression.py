@@ -37,6 +37,20 @@ class Codec:
     def decode(self, received: list[torch.Tensor], size: int) -> torch.Tensor:
         return received[0]
 
+    residual: Optional[torch.Tensor] = None  # what error feedback still owes the receiver (checkpointed)
+
+
+def codecs_state(prefix: str, codecs: dict) -> dict[str, torch.Tensor]:
+    """The residuals of a sender's codecs (one per receiver or bucket), as checkpoint tensors `PREFIX/KEY`."""
+    return {f"{prefix}/{key}": codec.residual for key, codec in codecs.items() if codec.residual is not None}
+
+
+def load_codecs_state(prefix: str, codecs: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Give each codec back the residual `codecs_state` took (a codec with none in `tensors` starts empty)."""
+    for key, codec in codecs.items():
+        saved = tensors.get(f"{prefix}/{key}")
+        codec.residual = None if saved is None else saved.clone()
+
 
 class CastCodec(Codec):
     """bf16/fp16 values; with error feedback the rounding error of one message goes out with the next."""

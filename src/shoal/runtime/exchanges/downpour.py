@@ -45,7 +45,7 @@ from shoal.comm import dist as comm
 from shoal.comm import heartbeat
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
-from shoal.runtime.exchanges.compression import codec_for, wire_bytes
+from shoal.runtime.exchanges.compression import codec_for, codecs_state, load_codecs_state, wire_bytes
 from shoal.runtime.exchanges.local import aggregate
 from shoal.runtime.exchanges.staleness import StalenessStats, histogram, may_apply
 from shoal.neuralnet.updaters import Updater
@@ -131,6 +131,7 @@ class DownpourServer:
         self._finished: set[int] = set()  # groups that said STOP (or FINAL)
         self.applied = dict.fromkeys(stubs, 0)  # updates applied per group: their sum is the version (none lost)
         self.incarnations = dict.fromkeys(stubs, 0)  # the incarnation of each group served last
+        self._refused: set[str] = set()  # the nonces of knocks that could not prove they hold the job's secret
         self._closed = False
         self.exit_at_version = exit_at_version
 
@@ -202,27 +203,65 @@ class DownpourServer:
             incarnation += 1
 
     def _accept(self, group: int, rank: int, incarnation: int):
-        """Wait for the stub of `incarnation` (or a newer one) to knock, and open its channel; (None, _) once closed."""
+        """Wait for the stub of `incarnation` (or a newer one) to knock and prove it holds the job's secret, and open
+        its channel; (None, _) once closed. A knock that cannot prove it is refused, and the group's newest
+        incarnation given up on (the chief's last request does not wait for an impostor)."""
         while True:
             with self._running:
                 if self._closed:
                     return None, incarnation
             newest = max(incarnation, self.door.incarnation(group))
-            if self.door.said_hello(self.server.id, group, newest):
+            knock = self._knock(group, incarnation, newest)
+            if knock is not None:
+                knocked, nonce = knock
                 with self._running:
                     if self._closed:
                         return None, incarnation
-                    self.door.accept(self.server.id, group, newest)
-                    self._live.add(group)
+                    name = self.door.accept(self.server.id, group, knocked, nonce)
+                    self._live.add(group)  # the chief's last request waits while it proves itself
                     self._expected.discard(group)
-                    self.incarnations[group] = newest
                     self._running.notify_all()
-                if newest > 0:  # a process restarted in a dead one's place: watch it afresh
+                channel = self._authenticated(group, knocked, name)
+                if channel is None:
+                    self._refused.add(nonce)
+                    if knocked == self.door.incarnation(group):  # nobody else announced: wait for nobody
+                        self.door.give_up(group, knocked)
+                    with self._running:
+                        self._live.discard(group)
+                        self._running.notify_all()
+                    continue
+                with self._running:
+                    self.incarnations[group] = knocked
+                if knocked > 0:  # a process restarted in a dead one's place: watch it afresh
                     heartbeat.revive(rank)
-                self.door.set_state(self.server.id, group, f"serving {newest}")
-                return channels.open_channel(channels.channel_name(DOOR, self.server.id, group, newest), 0), newest
+                self.door.set_state(self.server.id, group, f"serving {knocked}")
+                return channel, knocked
             self._note_expected(group, rank, incarnation)
             time.sleep(channels.POLL_S * 5)
+
+    def _knock(self, group: int, incarnation: int, newest: int) -> Optional[tuple[int, str]]:
+        """(incarnation, nonce) of the knock to answer: the newest incarnation's, else, once a knock was refused, an
+        older announced one's (an impostor that claimed the newest must not shut out the process the launcher started)."""
+        for knocked in range(newest, incarnation - 1, -1):
+            nonce = self.door.hello(self.server.id, group, knocked)
+            if nonce is not None and nonce not in self._refused:
+                return knocked, nonce
+            if not self._refused:
+                return None
+        return None
+
+    def _authenticated(self, group: int, incarnation: int, name: str):
+        """The channel `name` once its stub proved it holds the job's secret; None (one line in this log) when it did not."""
+        try:
+            channel = self.door.open(name, 0)
+            if channels.authenticate(channel, name, 0, self.door.secret):
+                return channel
+            why = "it could not prove it holds the job's secret"
+        except RuntimeError as err:
+            why = f"its handshake failed: {comm.describe_error(err)}"
+        self.log(f"{self.server} refused a process knocking as worker group {group} (restart {incarnation}): {why}; "
+                 "nothing it sends is applied")
+        return None
 
     def _note_expected(self, group: int, rank: int, incarnation: int) -> None:
         """While a group is away: is a new process of it announced (the chief's last request waits for it)?"""
@@ -423,10 +462,10 @@ class DownpourExchange:
         """Knock at every server's door and open a channel to each (first join and rejoin alike)."""
         door = channels.Door(DOOR)
         for server, server_rank, _, _ in self.servers:
-            if not door.knock(server.id, self.group, self.incarnation, comm.timeout_seconds()):
+            channel = door.knock(server.id, self.group, self.incarnation, comm.timeout_seconds())
+            if channel is None:
                 raise JobOver(f"worker group {self.group}: {server} has finished serving; the job is over")
-            name = channels.channel_name(DOOR, server.id, self.group, self.incarnation)
-            self._channels[server_rank] = channels.open_channel(name, 1)
+            self._channels[server_rank] = channel
 
     def rejoin(self, incarnation: int) -> tuple[int, int]:
         """Take the place of this group's dead process: pull the servers' live values and version, and the steps
@@ -600,6 +639,13 @@ class DownpourExchange:
 
     def load_updater_state(self, state) -> None:
         """Servers load their slices of the state themselves (DownpourServer.restore)."""
+
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """The group's compression residuals, one per server it pushes to (servers only decode)."""
+        return codecs_state("push", self.codecs)
+
+    def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        load_codecs_state("push", self.codecs, tensors)
 
     def view_updater(self):
         """The servers own every param: no worker updates a view itself."""

@@ -22,6 +22,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
+import torch
+
 from shoal.errors import warn
 from shoal.neuralnet.algorithms import Grads
 from shoal.report.metrics import MetricWindow
@@ -146,6 +148,7 @@ class GroupExchange:
         """replica: the group's own copy of the params (share_memory: false), refreshed after each update."""
         self.server, self.board, self.group, self.replica = server, board, group, replica
         self.chief = group == 0
+        self._restored: dict[str, dict[str, torch.Tensor]] = {}  # from a checkpoint: "server" / "replica" values
 
     def begin(self, step: int) -> None:
         if self.board.aborted:
@@ -183,11 +186,30 @@ class GroupExchange:
     def finish(self) -> None:
         """Each update was applied in its step; the chief waits for the other groups with a hook (run_groups)."""
 
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """What the chief's file does not hold: the chief adds the server's update count (the step an LR schedule
+        sees) and, when groups have copies (Downpour), the server's values; any group its own copy."""
+        tensors = {f"replica/{n}": v for n, v in self.replica.values.items()} if self.replica is not None and not self.chief else {}
+        if self.chief:
+            tensors["count/server_updates"] = torch.tensor(self.server.updates)
+            if self.replica is not None:
+                tensors |= {f"server/{n}": v for n, v in self.server.store.values.items()}
+        return tensors
+
+    def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        for kind in ("server", "replica"):
+            values = {k[len(kind) + 1:]: v for k, v in tensors.items() if k.startswith(kind + "/")}
+            if values:
+                self._restored[kind] = values
+        if "count/server_updates" in tensors:
+            self.server.updates = int(tensors["count/server_updates"])
+
     def start_from(self, values: ParamStore) -> None:
-        """Before training: the server's values (and this group's copy) are `values` (initial, loaded or resumed)."""
-        for store in (self.server.store, self.replica):
+        """Before training: the server's values (set once, by the chief) and this group's copy are `values`
+        (initial, loaded or resumed), or what the checkpoint holds of them."""
+        for store, kind in ((self.server.store if self.chief else None, "server"), (self.replica, "replica")):
             if store is not None and store is not values:
-                store.load(values.state_dict())
+                store.load(self._restored.get(kind) or values.state_dict(), strict=kind in self._restored)
 
 
 class _WaitForGroups(TrainerHook):

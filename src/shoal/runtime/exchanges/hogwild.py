@@ -42,7 +42,7 @@ from shoal.comm import dist as comm
 from shoal.comm import heartbeat
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
-from shoal.runtime.exchanges.compression import Codec, wire_bytes
+from shoal.runtime.exchanges.compression import Codec, codecs_state, load_codecs_state, wire_bytes
 from shoal.runtime.exchanges.downpour import Segment, server_segments
 from shoal.runtime.exchanges.local import aggregate
 from shoal.runtime.exchanges.server import Server
@@ -94,10 +94,11 @@ class HogwildExchange:
         if self._started:
             return
         self._started = True
-        self.last_sync = {r: self._gather(segs) for r, (segs, _) in self.requests.items()}
+        # a resumed group goes on from what it held when its checkpoint was written (load_own_state)
+        self.last_sync = {r: self.last_sync[r] if r in self.last_sync else self._gather(segs) for r, (segs, _) in self.requests.items()}
         if self.codecs is not None:
             start = self._gather(self.served[0])
-            self.known = {g: start.clone() for g in self.peers}
+            self.known = {g: self.known[g] if g in self.known else start.clone() for g in self.peers}
         for t in self._threads:
             t.start()
 
@@ -261,3 +262,37 @@ class HogwildExchange:
 
     def load_updater_state(self, state) -> None:
         self.server.load_state(state)
+
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """What the chief's file does not hold of this group: another group's replica and updater state; every
+        group's values at its last syncs, what each requester holds of its slices (compressed), its residuals
+        and update counts (the sync cadence and the step an LR schedule sees)."""
+        with self.lock:
+            tensors = {f"last_sync/{r}": v for r, v in self.last_sync.items()}
+            tensors |= {"count/updates": torch.tensor(self.updates), "count/server_updates": torch.tensor(self.server.updates)}
+            if self.codecs is not None:
+                tensors |= {f"known/{g}": v.clone() for g, v in self.known.items()}
+                tensors |= codecs_state("delta", self.delta_codecs)
+            if not self.chief:
+                tensors |= {f"value/{n}": v.clone() for n, v in self.store.values.items()}
+                for name, slots in self.server.state_dict().items():
+                    tensors |= {f"state/{name}/{slot}": v.clone() for slot, v in slots.items()}
+        return tensors
+
+    def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.last_sync = {r: tensors[f"last_sync/{r}"].clone() for r in self.requests if f"last_sync/{r}" in tensors}
+        if self.codecs is not None:
+            self.known = {g: tensors[f"known/{g}"].clone() for g in self.peers if f"known/{g}" in tensors}
+        self.updates = int(tensors.get("count/updates", 0))
+        self.server.updates = int(tensors.get("count/server_updates", 0))
+        if self.codecs is not None:
+            load_codecs_state("delta", self.delta_codecs, tensors)
+        values = {k[len("value/"):]: v for k, v in tensors.items() if k.startswith("value/")}
+        if values:
+            self.store.load(values, strict=True)
+            state: dict[str, dict[str, torch.Tensor]] = {}
+            for key, value in tensors.items():
+                if key.startswith("state/"):
+                    name, _, slot = key[len("state/"):].rpartition("/")
+                    state.setdefault(name, {})[slot] = value
+            self.server.load_state(state)

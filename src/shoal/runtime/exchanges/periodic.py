@@ -18,8 +18,10 @@ With `warmup_steps` K (cluster.local_warmup_steps) the groups meet after each of
 steps, a plain average (synchronous training: post-local SGD, Lin et al. 2020), and every
 `local_steps` steps after that; the outer updater applies from the first local round.
 
-Checkpoints hold the anchor and the outer updater's state beside the chief's inner
-state; a run resumed mid-round continues the round from the chief's values.
+Checkpoints hold every group's state: the chief's file its values, inner updater state,
+the anchor and the outer updater's state; each other group's part its own (`own_state`);
+both the residual of the group's codec (cluster.compression). A run resumed mid-round
+continues every group's round from its own values, as the uninterrupted run does.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from shoal.neuralnet.algorithms import Grads
 from shoal.neuralnet.params import ParamStore
 from shoal.neuralnet.updaters import Updater
 from shoal.report.metrics import MetricWindow
-from shoal.runtime.exchanges.compression import Codec, all_reduce_encoded
+from shoal.runtime.exchanges.compression import Codec, all_reduce_encoded, codecs_state, load_codecs_state
 from shoal.runtime.exchanges.local import aggregate
 from shoal.runtime.exchanges.server import Server
 
@@ -99,6 +101,7 @@ class PeriodicExchange:
         self.bytes_sent = 0  # payload handed to the meeting: the pseudo-gradients
         self._window_bytes = 0  # ... since the last display
         self._samples = 0
+        self._restored = False  # this group's own values came from its checkpoint part
 
     def begin(self, step: int) -> None:
         """A group never waits between meetings."""
@@ -166,10 +169,42 @@ class PeriodicExchange:
             if ANCHOR in slots and name in self.anchor.values:
                 self.anchor.values[name].copy_(slots[ANCHOR])
 
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """What the chief's checkpoint file does not hold of this group: another group's values and updater state
+        (inner, anchor, outer); every group's codec residual; the chief's display counters."""
+        tensors = codecs_state("codec", {"meeting": getattr(self.meeting, "codec", Codec())})
+        if self.chief:
+            return tensors | {"count/samples": torch.tensor(self._samples), "count/window_bytes": torch.tensor(self._window_bytes)}
+        tensors |= {f"value/{name}": value for name, value in self.store.values.items()}
+        for name, slots in self.updater_state().items():
+            tensors |= {f"state/{name}/{slot}": value for slot, value in slots.items()}
+        return tensors
+
+    def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        if hasattr(self.meeting, "codec"):
+            load_codecs_state("codec", {"meeting": self.meeting.codec}, tensors)
+        if self.chief:
+            self._samples = int(tensors.get("count/samples", 0))
+            self._window_bytes = int(tensors.get("count/window_bytes", 0))
+            return
+        values = {key[len("value/"):]: v for key, v in tensors.items() if key.startswith("value/")}
+        if not values:
+            return
+        self.store.load(values, strict=True)
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            if key.startswith("state/"):
+                name, _, slot = key[len("state/"):].rpartition("/")
+                state.setdefault(name, {})[slot] = value
+        self.load_updater_state(state)
+        self._restored = True
+
     def start_from(self, values: ParamStore, resumed: bool, step: int) -> None:
         """Before training: this group's copy is `values` (the chief's: initial, loaded or resumed); a fresh
-        round starts from them too, a resumed one from the anchor its checkpoint holds."""
-        for store in (self.store,) if resumed else (self.store, self.anchor):
+        round starts from them too, a resumed one from the anchor its checkpoint holds (and the group's own
+        values, where its checkpoint part holds them: an older checkpoint has only the chief's)."""
+        stores = (self.store, self.anchor) if not resumed else () if self._restored else (self.store,)
+        for store in stores:
             if store is not values:
                 store.load(values.state_dict())
         self.meetings = self.meetings_before(step)

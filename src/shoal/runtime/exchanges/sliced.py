@@ -43,7 +43,7 @@ from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.buckets import Bucket, cap_from_env, plan_buckets
 from shoal.neuralnet.updaters import Updater
-from shoal.runtime.exchanges.compression import Codec, wire_bytes
+from shoal.runtime.exchanges.compression import Codec, codecs_state, load_codecs_state, wire_bytes
 
 
 @dataclass
@@ -378,3 +378,14 @@ class SlicedExchange:
             for slot, value in slots.items():
                 if name in state and slot in state[name]:
                     value.copy_(state[name][slot].reshape(-1)[start:stop])
+
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """This process's compression residuals: per bucket it sends, and per bucket whose sum it sends back."""
+        if self.codecs is None:
+            return {}
+        return codecs_state("send", self._send_codec) | codecs_state("sum", self._sum_codec)
+
+    def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.codecs is not None:
+            load_codecs_state("send", self._send_codec, tensors)
+            load_codecs_state("sum", self._sum_codec, tensors)
