@@ -19,6 +19,9 @@ def job_registry(tmp_path_factory, monkeypatch):
     """Keep every test's job registry out of the user's home (subprocesses inherit it)."""
     home = tmp_path_factory.mktemp("shoal-home")
     monkeypatch.setenv("SHOAL_HOME", str(home))
+    # every test starts without a calibration cache: one attempt, not retries, where a test's busy neighbours
+    # make it contended (tests/test_calibration.py sets its own count where retries are the point)
+    monkeypatch.setenv("SHOAL_CALIBRATION_ATTEMPTS", "1")
     return home / "jobs"
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_in_process import run_cli
 from conftest import REPO
 
 from shoal.config import JobError, job_pb2, load_job
@@ -58,7 +59,7 @@ class Gate(Layer):
 """
 
 
-def gate_job(data_dir: Path, plugins=('plugin: "gate.proto"', 'plugin: "gate_layers.py"'), gate="[gate_conf] { factor: 0.5 bias: 1 }") -> str:
+def gate_job(data_dir: Path, plugins=('plugin: "gate.proto"',), gate="[gate_conf] { factor: 0.5 bias: 1 }") -> str:
     return "\n".join(plugins) + f"""
 name: "gated-mlp"
 train_steps: 40
@@ -114,15 +115,21 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_user_layer_with_its_own_proto_trains_through_the_cli(plugin_dir, blobs_dir, tmp_path, layout):
     job = plugin_dir / f"job-{layout.replace(' ', '-')}.conf"
-    job.write_text(gate_job(blobs_dir))
-    proc = shoal("run", job, "--workspace", tmp_path / "ws", *LAYOUTS[layout], cwd=tmp_path)
+    job.write_text(gate_job(blobs_dir))  # names the .proto; the .py (code) only the command line may give
+    proc = shoal("run", job, "--plugin", plugin_dir / "gate_layers.py", "--workspace", tmp_path / "ws", *LAYOUTS[layout], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     # every worker (in every process) read factor 0.5 from [gate_conf]: the mean it reports is 0.5
     assert re.search(r"Train @ step 30 .*gate_factor = 0\.5\b", proc.stdout), proc.stdout
     losses = train_losses(proc.stdout)
     assert len(losses) == 4 and losses[-1] < 0.7 * losses[0], losses
     saved = (tmp_path / "ws" / ".shoal" / "job.conf").read_text()  # the workspace's copy names the plugins, resolved
-    assert f'plugin: "{plugin_dir / "gate.proto"}"' in saved and "[gate_conf] {" in saved
+    assert f'plugin: "{plugin_dir / "gate.proto"}"' in saved and f'plugin: "{plugin_dir / "gate_layers.py"}"' in saved
+    assert "[gate_conf] {" in saved
+    # the copy is a file like any other: it runs its .py plugin only when the user gives that file
+    refused = shoal("plan", tmp_path / "ws" / ".shoal" / "job.conf")  # (a fresh process: this one may have loaded it)
+    assert refused.returncode == 2 and f"--plugin {plugin_dir / 'gate_layers.py'}" in refused.stderr, refused.stderr
+    planned = run_cli("plan", tmp_path / "ws" / ".shoal" / "job.conf", "--plugin", plugin_dir / "gate_layers.py")
+    assert planned.returncode == 0 and "gate" in planned.stdout, planned.stderr
 
 
 def test_plugins_given_on_the_command_line_leave_the_job_as_singa_wrote_it(plugin_dir, blobs_dir, tmp_path):
@@ -156,10 +163,10 @@ def load_job_text(text: str, folder: Path, name="job.conf"):
 @pytest.mark.parametrize(
     "gate, where, message",
     [
-        ("[gate_conf] { factr: 0.5 }", (19, 19), "GateProto has no field 'factr' (did you mean 'factor'?)"),
-        ("[gate_conf] { bias: 1 }", (19, 5), "missing required field 'factor' of GateProto"),
-        ("[gate_cnf] { factor: 0.5 }", (19, 6), "no loaded plugin declares the extension [gate_cnf] (did you mean 'gate_conf'?)"),
-        ("[gate_conf] { factor: high }", (19, 27), "Couldn't parse float: high"),
+        ("[gate_conf] { factr: 0.5 }", (18, 19), "GateProto has no field 'factr' (did you mean 'factor'?)"),
+        ("[gate_conf] { bias: 1 }", (18, 5), "missing required field 'factor' of GateProto"),
+        ("[gate_cnf] { factor: 0.5 }", (18, 6), "no loaded plugin declares the extension [gate_cnf] (did you mean 'gate_conf'?)"),
+        ("[gate_conf] { factor: high }", (18, 27), "Couldn't parse float: high"),
     ],
     ids=["unknown field", "required field missing", "unknown extension", "bad value"],
 )
@@ -172,7 +179,7 @@ def test_bad_extension_fields_are_positioned(plugin_dir, blobs_dir, gate, where,
 
 def test_extensions_in_yaml(plugin_dir, blobs_dir):
     text = f"""\
-plugin: [gate.proto, gate_layers.py]
+plugin: [gate.proto]
 name: gated
 train_steps: 1
 train_one_batch: {{alg: kBP}}
@@ -291,8 +298,19 @@ def test_onehot_vocab_size_comes_from_the_vocabulary_file(tmp_path, monkeypatch,
     line = capsys.readouterr().err.strip()
     assert re.fullmatch(r'.*/with/sample\.conf:\d+:\d+: info: onehot_conf\.vocab_size not given: 13, the characters of '
                         r'examples/char-rnn/vocab\.txt \(vocab_path of layer "sampling"\)', line), line
-    with pytest.raises(JobError, match=r"without/sample\.conf:\d+:\d+: .*onehot_conf\.vocab_size is required"):
-        load_with_shape_checks(tmp_path / "without" / "sample.conf")  # nothing supplies it
+    # nothing supplies it: the error names the file the size would come from, at its vocab_path
+    with pytest.raises(JobError) as err:
+        load_with_shape_checks(tmp_path / "without" / "sample.conf")
+    assert re.fullmatch(r'.*/without/sample\.conf:57:19: onehot_conf\.vocab_size of layer "onehot" is not given and comes from the '
+                        r'vocabulary file examples/char-rnn/vocab\.txt \(vocab_path of layer "sampling"\), which is not there '
+                        r"\(looked in .*/cwd/examples/char-rnn/vocab\.txt, .*/without/examples/char-rnn/vocab\.txt\); "
+                        r"prepare it \(shoal prepare text\) or give onehot_conf\.vocab_size", str(err.value)), str(err.value)
+    (tmp_path / "without" / "examples" / "char-rnn").mkdir(parents=True)
+    (tmp_path / "without" / "examples" / "char-rnn" / "vocab.txt").write_text("")
+    with pytest.raises(JobError, match=r"vocab\.txt \(vocab_path of layer \"sampling\"\), which is empty;"):
+        load_with_shape_checks(tmp_path / "without" / "sample.conf")
+    proc = shoal("viz", tmp_path / "without" / "sample.conf", "-o", tmp_path / "net.png", cwd=tmp_path / "cwd")  # one line, exit 2
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "vocab_path" in proc.stderr, proc.stderr
 
 
 # -- SINGA's rnnlm example (examples/rnnlm) ------------------------------------------------------

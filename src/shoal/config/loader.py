@@ -15,7 +15,7 @@ from shoal.config.errors import JobError, did_you_mean, no_such_field, no_such_v
 from shoal.config.inference import infer_vocab_sizes
 from shoal.config.limits import check_text_nesting, load_yaml, read_job_text
 from shoal.config.overrides import apply_overrides
-from shoal.config.plugins import PluginError, extensions_of, load_plugins, loaded_plugins
+from shoal.config.plugins import PluginError, extensions_of, load_job_plugins, load_plugins, loaded_plugins
 from shoal.config.positions import SourceMap, text_positions, yaml_positions
 from shoal.config.validate import ShapeCheck, validate
 
@@ -24,8 +24,13 @@ __all__ = ["apply_overrides", "job_from_dict", "job_from_text", "job_from_yaml",
 YAML_SUFFIXES = (".yaml", ".yml", ".json")
 
 
-def load_job(path: str | Path, overrides: Iterable[str] = (), shape_check: ShapeCheck | None = None) -> job_pb2.JobProto:
-    """Parse, override and validate a job file: `.yaml/.yml/.json` as YAML, anything else as text format."""
+def load_job(path: str | Path, overrides: Iterable[str] = (), shape_check: ShapeCheck | None = None,
+             plugins: Iterable[str | Path] = ()) -> job_pb2.JobProto:
+    """Parse, override and validate a job file: `.yaml/.yml/.json` as YAML, anything else as text format.
+
+    plugins: the ones the user gives (`--plugin`), loaded after the .proto plugins the job names
+    (a user's .py imports the `_pb2` module of the job's .proto) and before its .py ones are checked.
+    """
     path = Path(path)
     try:
         text = read_job_text(path)
@@ -34,7 +39,7 @@ def load_job(path: str | Path, overrides: Iterable[str] = (), shape_check: Shape
     except (OSError, UnicodeDecodeError) as err:
         raise JobError(str(path), f"cannot read: {err}") from None
     parse = job_from_yaml if path.suffix.lower() in YAML_SUFFIXES else job_from_text
-    return parse(text, str(path), shape_check, overrides, job_dir=path.resolve().parent)
+    return parse(text, str(path), shape_check, overrides, job_dir=path.resolve().parent, plugins=plugins)
 
 
 def job_from_text(
@@ -43,10 +48,11 @@ def job_from_text(
     shape_check: ShapeCheck | None = None,
     overrides: Iterable[str] = (),
     job_dir: Path | None = None,
+    plugins: Iterable[str | Path] = (),
 ) -> job_pb2.JobProto:
     """A job from SINGA's protobuf text format (job.conf)."""
     check_text_nesting(text, source)  # protobuf's parser recurses per level
-    _load_named_plugins(_plugins_named_in_text(text), source, lambda: text_positions(text), job_dir)
+    _load_named_plugins(_plugins_named_in_text(text), source, lambda: text_positions(text), job_dir, plugins)
     job = job_pb2.JobProto()
     try:
         text_format.Parse(text, job, descriptor_pool=None)
@@ -62,6 +68,7 @@ def job_from_yaml(
     shape_check: ShapeCheck | None = None,
     overrides: Iterable[str] = (),
     job_dir: Path | None = None,
+    plugins: Iterable[str | Path] = (),
 ) -> job_pb2.JobProto:
     """A job from YAML (or JSON) with the job.proto field names, e.g. `type: kInnerProduct`."""
     try:
@@ -72,7 +79,7 @@ def job_from_yaml(
         raise JobError(source, problem, mark.line + 1 if mark else None, mark.column + 1 if mark else None) from None
     _reject_duplicate_keys(document, source)
     positions = lambda: yaml_positions(document) if document is not None else {}  # noqa: E731 (again once plugins add extensions)
-    _load_named_plugins(_plugins_named_in_data(data), source, positions, job_dir, show_path=True)
+    _load_named_plugins(_plugins_named_in_data(data), source, positions, job_dir, plugins, show_path=True)
     sources = SourceMap(source, positions(), show_path=True)
     return _finish(parse_dict(data, sources), sources, shape_check, overrides, job_dir)
 
@@ -83,9 +90,10 @@ def job_from_dict(
     shape_check: ShapeCheck | None = None,
     overrides: Iterable[str] = (),
     job_dir: Path | None = None,
+    plugins: Iterable[str | Path] = (),
 ) -> job_pb2.JobProto:
     """A job from a Python dict shaped like the YAML form."""
-    _load_named_plugins(_plugins_named_in_data(data), source, dict, job_dir, show_path=True)
+    _load_named_plugins(_plugins_named_in_data(data), source, dict, job_dir, plugins, show_path=True)
     sources = SourceMap(source, show_path=True)
     return _finish(parse_dict(data, sources), sources, shape_check, overrides, job_dir)
 
@@ -98,15 +106,15 @@ def _finish(
     for path, override in apply_overrides(job, overrides).items():
         sources.override(path, override)
     base_dirs = [job_dir] if job_dir is not None else []
+    resolved = []
     for i, name in enumerate(job.plugin):  # (again: `--set plugin=...` may add one)
         try:
-            load_plugins([name], base_dirs)
+            resolved += load_job_plugins([name], base_dirs)
         except PluginError as err:
             raise sources.error(f"plugin[{i}]", f'plugin "{name}": {err.message}') if err.source == name else err from None
     # every plugin of this process, resolved: the processes it spawns load the same ones
-    resolved = load_plugins(job.plugin, base_dirs)
     job.plugin[:] = list(dict.fromkeys(resolved + loaded_plugins()))
-    infer_vocab_sizes(job, sources, base_dirs)
+    infer_vocab_sizes(job, sources, base_dirs, required=shape_check is not None)
     validate(job, sources, shape_check)
     return job
 
@@ -129,11 +137,23 @@ def _plugins_named_in_data(data) -> list[str]:
     return [name for name in names if isinstance(name, str)]  # parse_dict reports anything else
 
 
-def _load_named_plugins(names: list[str], source: str, positions, job_dir: Path | None, show_path: bool | None = None) -> None:
-    """Load the plugins a job names before parsing it; a missing file is an error at its `plugin` field."""
-    for i, name in enumerate(names):
+def _load_named_plugins(names: list[str], source: str, positions, job_dir: Path | None, given: Iterable[str | Path] = (),
+                        show_path: bool | None = None) -> None:
+    """Load the plugins a job names before parsing it; a missing file or a refused .py is an error at its `plugin` field.
+
+    Its .proto plugins first, then the ones the user gives (`given`: code may run), then its .py ones, which
+    must be among those given.
+    """
+    is_module = [name.endswith(".py") for name in names]
+    _load_job_plugins_at([(i, n) for i, n in enumerate(names) if not is_module[i]], source, positions, job_dir, show_path)
+    load_plugins(given)
+    _load_job_plugins_at([(i, n) for i, n in enumerate(names) if is_module[i]], source, positions, job_dir, show_path)
+
+
+def _load_job_plugins_at(named: list[tuple[int, str]], source: str, positions, job_dir: Path | None, show_path: bool | None) -> None:
+    for i, name in named:
         try:
-            load_plugins([name], [job_dir] if job_dir is not None else [])
+            load_job_plugins([name], [job_dir] if job_dir is not None else [])
         except PluginError as err:
             if err.source != name:  # the plugin's own error: its file and position
                 raise
@@ -186,7 +206,7 @@ def _tidy(message: str, text: str, line: int) -> str:
         hint = f"; loaded: {', '.join(f'[{k}]' for k in sorted(known))}" if known else ""
         return (
             f"no loaded plugin declares the extension [{m[1]}]{did_you_mean(m[1], known)}"
-            f' (name the .proto that does in the job: plugin: "layers.proto"){hint}'
+            f' (load the .proto that does: --plugin layers.proto, or plugin: "layers.proto" in the job){hint}'
         )
     m = re.match(r'Message type "([\w.]+)" does not have extensions', message)
     if m:

@@ -1,16 +1,20 @@
 """Plugins: a user's layer classes (.py) and their configuration (.proto), as SINGA's users wrote them.
 
-A job names its plugin files (`plugin: "rnnlm.proto"  plugin: "rnnlm.py"`), or `shoal run --plugin
-PATH` and `shoal.load_plugins([...])` load them for every job of the process. A .proto file extends
-SINGA's messages (`extend singa.LayerProto { optional DataProto data_conf = 1003; }`): it is
-compiled with protoc (grpcio-tools) into a temporary folder and its module is importable as
+A .proto file extends SINGA's messages (`extend singa.LayerProto { optional DataProto data_conf = 1003; }`):
+it is compiled with protoc (grpcio-tools) into a temporary folder and its module is importable as
 `<stem>_pb2`, so that jobs parse `[data_conf] { ... }`. A .py file registers layer classes
 (`@shoal.register_layer("kData")`); its folder is importable too, for its helper modules.
 
+Who may load what: a .py plugin runs code, so only the user loads one, by `--plugin PATH` on the
+command line or `shoal.load_plugins([...])` (`load_plugins`). A job (file, dict, `--set plugin=`)
+is data: it may name .proto plugins, which are declarative and load (`load_job_plugins`), and .py
+plugins only if the user has loaded that very file already; any other .py it names is refused.
+
 Every process loads the same plugins before it reads a job: the loader writes the resolved path
-of every plugin loaded in this process into the job's `plugin` field, and a spawned process
-decodes the job it is handed with `decode_job`, which loads those paths first. Loading is
-idempotent: a file already loaded in this process is not loaded again.
+of every plugin loaded in this process into the job's `plugin` field, and a process the launcher
+spawns decodes the job it is handed in memory with `decode_job`, which loads those paths first
+(they were all given by the user to the launching process). Loading is idempotent: a file
+already loaded in this process is not loaded again.
 """
 
 from __future__ import annotations
@@ -32,12 +36,13 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from shoal.config import common_pb2, job_pb2
 from shoal.config.errors import JobError, did_you_mean
 
-__all__ = ["PluginError", "decode_job", "extension", "extensions_of", "load_plugins", "loaded_plugins"]
+__all__ = ["PluginError", "PluginRefused", "decode_job", "extension", "extensions_of", "load_job_plugins", "load_plugins", "loaded_plugins"]
 
 CONFIG_DIR = Path(__file__).resolve().parent
 SUFFIXES = (".proto", ".py")
 # shoal's schema files, as a user's .proto imports them (`import "job.proto";`)
 SCHEMA_MODULES = {"job_pb2": job_pb2, "common_pb2": common_pb2}
+WELL_KNOWN_PREFIX = "google/protobuf/"  # protobuf's own .proto files, whose modules ship with protobuf
 _PROTOC_MESSAGE = re.compile(r"^(?P<file>[^:\n]+):(?P<line>\d+):(?P<col>\d+): (?P<message>.*)$")
 
 _loaded: dict[str, ModuleType] = {}  # resolved path -> its module, in load order
@@ -45,6 +50,10 @@ _loaded: dict[str, ModuleType] = {}  # resolved path -> its module, in load orde
 
 class PluginError(JobError):
     """A plugin file that cannot be found, compiled or imported: `path:line:col: message`."""
+
+
+class PluginRefused(PluginError):
+    """A job names a .py plugin the user did not load: a job file must not be able to run code."""
 
 
 def load_plugins(paths: Iterable[str | Path], base_dirs: Sequence[str | Path] = ()) -> list[str]:
@@ -61,13 +70,39 @@ def load_plugins(paths: Iterable[str | Path], base_dirs: Sequence[str | Path] = 
     return [str(p) for p in resolved]
 
 
+def load_job_plugins(names: Iterable[str], base_dirs: Sequence[str | Path] = ()) -> list[str]:
+    """The plugins a job names (its file, a dict, `--set plugin=`): load the .proto ones; return all, resolved.
+
+    A .py plugin named by a job is accepted only when the user loaded that file already
+    (`--plugin`, `shoal.load_plugins`); otherwise PluginRefused, with `source` the name as given.
+    """
+    dirs = [Path(d) for d in base_dirs]
+    resolved = []
+    for name in names:
+        path = _resolve(Path(name), dirs)
+        if path.suffix == ".py" and str(path) not in _loaded:
+            raise PluginRefused(
+                str(name),
+                f"a job may name only .proto plugins, since a .py plugin runs code; pass it yourself: --plugin {path} "
+                "(shoal run, plan, viz; Python: shoal.load_plugins)",
+            )
+        resolved.append(path)
+    load_plugins([p for p in resolved if p.suffix == ".proto"])
+    return [str(p) for p in resolved]
+
+
 def loaded_plugins() -> list[str]:
     """The resolved paths of every plugin this process has loaded, in load order."""
     return list(_loaded)
 
 
 def decode_job(data: bytes) -> job_pb2.JobProto:
-    """A serialized job, after loading the plugins it names: what a spawned process reads its job with."""
+    """A serialized job, after loading the plugins it names: what a spawned process reads its job with.
+
+    Only for the bytes a shoal process hands the processes it spawns (in memory): their plugins are
+    the ones the user gave that process (the loader refuses any other .py). Never for bytes read
+    from a file or the network.
+    """
     job = job_pb2.JobProto.FromString(data)
     if any(path not in _loaded for path in job.plugin):
         load_plugins(job.plugin)
@@ -97,9 +132,11 @@ def _resolve(path: Path, base_dirs: list[Path]) -> Path:
     found = next((c for c in candidates if c.is_file()), None)
     if found is None:
         raise PluginError(str(path), "no such plugin file" + (f" (looked in {', '.join(str(d) for d in base_dirs)} too)" if base_dirs and not path.is_absolute() else ""))
-    if found.suffix not in SUFFIXES:
-        raise PluginError(str(path), "a plugin is a Python module (.py) or a protobuf schema (.proto)")
-    return found.resolve()
+    resolved = found.resolve()
+    if found.suffix not in SUFFIXES or resolved.suffix != found.suffix:  # (a link named .proto to a module is a module)
+        raise PluginError(str(path), "a plugin is a Python module (.py) or a protobuf schema (.proto)"
+                          + (f"; this is a link to {resolved}" if resolved.suffix != found.suffix else ""))
+    return resolved
 
 
 def _claim_module_name(name: str, path: Path) -> None:
@@ -123,7 +160,9 @@ def _load_proto(path: Path) -> ModuleType:
         pass
     with tempfile.TemporaryDirectory(prefix="shoal-plugin-") as out:
         _compile(path, Path(out))
-        _refuse_taken_numbers(path, Path(out) / "descriptor.pb")
+        file = _compiled_file(Path(out) / "descriptor.pb")
+        _refuse_unloaded_imports(path, file)
+        _refuse_taken_numbers(path, file)
         module = _exec_module(module_name, Path(out) / (path.stem + "_pb2.py"), path, SCHEMA_MODULES)
     module.__file__ = str(path)  # the schema it came from; the generated code lived in a temporary folder
     return module
@@ -151,9 +190,26 @@ def _compile(path: Path, out: Path) -> None:
     raise PluginError(str(path), errors[-1] if errors else f"protoc failed with exit code {done.returncode}")
 
 
-def _refuse_taken_numbers(path: Path, descriptor_set: Path) -> None:
-    """An extension number another loaded plugin already uses for the same message (protobuf's own words name neither)."""
+def _compiled_file(descriptor_set: Path) -> descriptor_pb2.FileDescriptorProto:
     (file,) = descriptor_pb2.FileDescriptorSet.FromString(descriptor_set.read_bytes()).file
+    return file
+
+
+def _refuse_unloaded_imports(path: Path, file: descriptor_pb2.FileDescriptorProto) -> None:
+    """An import that no loaded plugin provides: its generated code would import `<name>_pb2` from sys.path (code)."""
+    pool = descriptor_pool.Default()
+    for dependency in file.dependency:
+        if dependency.startswith(WELL_KNOWN_PREFIX) or dependency in ("job.proto", "common.proto"):
+            continue
+        try:
+            pool.FindFileByName(dependency)
+        except KeyError:
+            raise PluginError(str(path), f'imports "{dependency}", which no loaded plugin provides; '
+                                         "name that .proto as a plugin before this one") from None
+
+
+def _refuse_taken_numbers(path: Path, file: descriptor_pb2.FileDescriptorProto) -> None:
+    """An extension number another loaded plugin already uses for the same message (protobuf's own words name neither)."""
     pool = descriptor_pool.Default()
     where = {tuple(loc.path): loc.span for loc in file.source_code_info.location}
     for i, ext in enumerate(file.extension):  # top-level `extend` blocks (FileDescriptorProto field 7)
@@ -188,10 +244,8 @@ def _exec_module(name: str, code: Path, plugin: Path, aliases: dict[str, ModuleT
     sys.modules.update(aliases)  # generated code imports its dependencies as top-level modules
     try:
         spec.loader.exec_module(module)
-    except BaseException as err:
+    except BaseException as err:  # sys.exit() and KeyboardInterrupt too: they must not end shoal silently
         del sys.modules[name]
-        if not isinstance(err, Exception):
-            raise
         raise _import_error(err, code, plugin) from None
     finally:
         for alias, previous in hidden.items():
@@ -202,7 +256,7 @@ def _exec_module(name: str, code: Path, plugin: Path, aliases: dict[str, ModuleT
     return module
 
 
-def _import_error(err: Exception, code: Path, plugin: Path) -> PluginError:
+def _import_error(err: BaseException, code: Path, plugin: Path) -> PluginError:
     if isinstance(err, PluginError):
         return err
     if isinstance(err, SyntaxError) and err.filename and Path(err.filename).resolve() == code.resolve():
@@ -211,5 +265,8 @@ def _import_error(err: Exception, code: Path, plugin: Path) -> PluginError:
     if code == plugin:  # the deepest line of the plugin itself that the error passed through
         lines = [frame.lineno for frame in traceback.extract_tb(err.__traceback__) if Path(frame.filename).resolve() == code.resolve()]
         line = lines[-1] if lines else None
-    message = " ".join(str(err).split()) or "(no message)"
-    return PluginError(str(plugin), f"cannot load plugin: {type(err).__name__}: {message}", line)
+    if isinstance(err, SystemExit):
+        return PluginError(str(plugin), f"cannot load plugin: it exits at import (SystemExit: {err.code})", line)
+    message = " ".join(str(err).split())
+    said = f"{type(err).__name__}: {message}" if message else f"{type(err).__name__} at import"
+    return PluginError(str(plugin), f"cannot load plugin: {said}", line)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 from shoal.frontend import script
 from shoal.config import job_pb2
 from shoal.config.loader import job_from_dict, load_job as _load_file
+from shoal.config.plugins import load_job_plugins
 from shoal.config.validate import validate
 from shoal.runtime.run_job import RunOptions, test_job, train_job
 from shoal.runtime.trainer import History
@@ -29,9 +30,15 @@ def _digest(job: job_pb2.JobProto) -> bytes:
     return hashlib.sha256(job.SerializeToString(deterministic=True)).digest()
 
 
-def load_job(path: Union[str, Path], overrides: tuple[str, ...] | list[str] = ()) -> job_pb2.JobProto:
-    """Parse and validate a job.conf / job.yaml; raises JobError with file:line:col."""
-    job = _load_file(path, list(overrides), shape_check=check_shapes)
+def load_job(path: Union[str, Path], overrides: tuple[str, ...] | list[str] = (),
+             plugins: Sequence[Union[str, Path]] = ()) -> job_pb2.JobProto:
+    """Parse and validate a job.conf / job.yaml; raises JobError with file:line:col.
+
+    plugins: plugin files to load, as `shoal.load_plugins` does, but after the .proto plugins the job
+    names (a .py module imports their `_pb2`). A job file itself may name only .proto plugins, or .py
+    ones the user loaded: these, or earlier ones.
+    """
+    job = _load_file(path, list(overrides), shape_check=check_shapes, plugins=plugins)
     _VALIDATED.add(_digest(job))
     return job
 
@@ -47,6 +54,8 @@ def as_job(job: JobLike) -> tuple[job_pb2.JobProto, list[Path]]:
         proto = job_from_dict(job, shape_check=check_shapes, overrides=script.overrides())
     elif isinstance(job, job_pb2.JobProto):
         proto = script.applied(job)
+        # a JobProto may have been read from a file too: its .py plugins must be loaded already (spawned processes load them)
+        load_job_plugins(proto.plugin, [proto.job_dir] if proto.job_dir else [])
         if _digest(proto) not in _VALIDATED:
             validate(proto, None, shape_check=check_shapes)
             _VALIDATED.add(_digest(proto))
@@ -147,6 +156,7 @@ def estimate(
     hosts: Optional["Hosts"] = None,
     workers: Optional[int] = None,
     recalibrate: bool = False,
+    recommend: bool = False,
     out: Optional[Union[str, Path]] = None,
     log: Callable[[str], None] = lambda line: None,
 ) -> dict:
@@ -155,7 +165,8 @@ def estimate(
     compare: every framework layout for `workers` workers (default: the job's group, else this host's cores,
     at least 2), ranked by predicted samples/s. suggest: partition_dim per layer for such a group.
     hosts (shoal.planning.estimate.Hosts): samples/s of each framework on 1..hosts.count hosts, drawn
-    into `out` when given. The machine is calibrated once and cached (recalibrate: measure again).
+    into `out` when given. recommend: the job's timeouts from its predicted step (docs/planning.md).
+    The machine is calibrated once and cached (recalibrate: measure again).
     Returns what `shoal plan --estimate --json` prints.
     """
     import os
@@ -164,6 +175,7 @@ def estimate(
     from shoal.planning import alternatives
     from shoal.planning.estimate import estimate as predict, plan_kernels
     from shoal.planning.plan import plan_job
+    from shoal.report.estimates import calibrated_line
     from shoal.runtime import calibrate
 
     proto, _ = as_job(job)
@@ -173,9 +185,21 @@ def estimate(
     def calibrated(kernels):
         return calibrate.calibration(kernels, log=log)
 
+    def calibration_json(calib) -> dict:
+        """The calibration with its age, the load now, and the one line `shoal plan` prints beside each estimate."""
+        age = calibrate.age_of(calib)
+        data = calib.to_json() | {"kernels": len(calib.kernels), "load_now": round(os.getloadavg()[0], 2),
+                                  "age_s": None if age is None else round(age.total_seconds())}
+        return data | {"calibrated": calibrated_line(data)}
+
     count = workers or (proto.cluster.nworkers_per_group if proto.cluster.nworkers_per_group > 1 else max(2, calib.cores))
-    result = {"calibration": calib.to_json() | {"kernels": len(calib.kernels), "load_now": round(os.getloadavg()[0], 2)},
-              "estimate": predict(plan, calib).to_json()}
+    predicted = predict(plan, calib)
+    result = {"calibration": calibration_json(calib), "estimate": predicted.to_json()}
+    if recommend:
+        from shoal.planning.recommend import timeouts
+
+        result["recommend"] = {"label": predicted.label, "nprocs": plan.nprocs, "step_s": predicted.step_s,
+                               "timeouts": [asdict(r) for r in timeouts(plan, predicted)]}
     if compare:
         result["compare"] = [
             {"layout": r.layout.name, "about": r.layout.about, "cluster": r.layout.cluster, "refused": r.refused,

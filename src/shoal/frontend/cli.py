@@ -60,8 +60,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files to WORKSPACE/tensorboard (as `tensorboard: true`)")
-    p.add_argument("--plugin", action="append", default=[], type=Path, metavar="PATH",
-                   help="a plugin file to load first: user layers (.py) or their configuration (.proto); repeatable (docs/layers.md)")
+    _add_plugin(p)
     again = p.add_argument_group("a dead Downpour group comes back", "restarted into the running job from the servers' live "
                                  "params (docs/async.md)")
     again.add_argument("--max-restarts", type=int, metavar="N",
@@ -76,6 +75,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                        "--rdzv-endpoint without --node-rank)")
     hosts.add_argument("--interface", help="network interface to listen and connect on (default: the one that routes to --master)")
     hosts.add_argument("--hostfile", type=Path, help="SINGA's conf/hostfile: one host per line; node 0 is the master, port cluster.start_port; this host's line is its node rank")
+
+
+def _add_plugin(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plugin", action="append", default=[], type=Path, metavar="PATH",
+                   help="a plugin file to load first: user layers (.py) or their configuration (.proto); repeatable. "
+                   "A job file may name .proto plugins only: a .py plugin runs code and is loaded only from here (docs/layers.md)")
 
 
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
@@ -114,6 +119,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("job", type=Path)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE", help="override a job field")
+    _add_plugin(p)
     guess = p.add_argument_group("predictions", "a cost model on this machine's calibration (docs/planning.md); nothing is started")
     guess.add_argument("--estimate", action="store_true", help="predicted step time, samples/s, bytes and memory per process")
     guess.add_argument("--compare", action="store_true", help="every framework layout ranked by predicted samples/s")
@@ -127,6 +133,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     guess.add_argument("--cluster", type=Path, metavar="FILE", help="hosts, cores, gpus, bandwidth (Gbit/s), latency (µs) as YAML or JSON")
     guess.add_argument("-o", "--out", type=Path, help="with --hosts: draw the scaling (.png, .svg or .pdf)")
     guess.add_argument("--recalibrate", action="store_true", help="measure this machine again (cached in $SHOAL_HOME/calibration)")
+    guess.add_argument("--recommend", action="store_true", help="stall, collective and rendezvous timeouts from the predicted step")
 
 
 def _add_jobs(sub: argparse._SubParsersAction) -> None:
@@ -186,6 +193,7 @@ def _add_viz(sub: argparse._SubParsersAction) -> None:
     p.add_argument("job", type=Path, help="job file (job.conf / job.yaml), or a node-link .json file")
     p.add_argument("-o", "--out", type=Path, help="picture to write: .png, .svg or .pdf (default: <job name>-net.png)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE", help="override a job field")
+    _add_plugin(p)
     p.add_argument("--title", help="title above the picture")
 
 
@@ -216,10 +224,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("shoal run: give a job file (shoal run JOB)")
     if job_path.suffix == ".py":
         return _run_script(args, job_path)
-    from shoal.config.plugins import load_plugins
-
-    load_plugins(args.plugin)  # before the job: its text may use the plugins' extensions
-    job = api.load_job(job_path, args.overrides)
+    job = api.load_job(job_path, args.overrides, plugins=args.plugin)
     if args.tensorboard:
         job.tensorboard = True
     if args.rejoin is not None:
@@ -271,6 +276,9 @@ def _run_script(args: argparse.Namespace, path: Path) -> int:
     refused = [flag for flag, given in (("--test", args.test), ("--checkpoint", args.checkpoint), ("--nnodes/--hostfile", args.nnodes or args.hostfile)) if given]
     if refused:
         raise UsageError(f"shoal run {path}: {', '.join(refused)} only for job files; a script tests and places its jobs itself")
+    from shoal.config.plugins import load_plugins
+
+    load_plugins(args.plugin)  # for the jobs the script trains
     overrides = list(args.overrides) + (["tensorboard=true"] if args.tensorboard else [])
     settings = ScriptSettings.from_command_line(overrides, args.workspace, args.resume)
     return run_script(path, args.script_args, settings, expected=(ShoalError,))
@@ -360,16 +368,16 @@ def _plan(args: argparse.Namespace) -> int:
     from shoal.planning.describe import describe, render
     from shoal.planning.plan import plan_job
 
-    job = api.load_job(args.job, args.overrides)
+    job = api.load_job(args.job, args.overrides, plugins=args.plugin)
     hosts = _hosts_of(args)
     if args.workers is not None and args.workers < 1:
         raise ShoalError(f"--workers: {args.workers} is not a number of workers (at least 1)")
-    if args.estimate or args.compare or args.suggest or hosts or args.recalibrate:
+    if args.estimate or args.compare or args.suggest or hosts or args.recalibrate or args.recommend:
         from shoal.report.estimates import render as render_estimates
 
         log = (lambda line: print(line, file=sys.stderr)) if not args.json else (lambda line: None)
         result = api.estimate(job, compare=args.compare, suggest=args.suggest, hosts=hosts, workers=args.workers,
-                              recalibrate=args.recalibrate, out=args.out, log=log)
+                              recalibrate=args.recalibrate, recommend=args.recommend, out=args.out, log=log)
         print(json.dumps(result, indent=2) if args.json else render_estimates(result))
         return 0
     plan = plan_job(job)
@@ -474,7 +482,7 @@ def _viz(args: argparse.Namespace) -> int:
             raise UsageError(f"shoal viz {args.job}: --set applies to job files, not to a node-link .json")
         net, name = args.job, args.job.stem
     else:
-        net = api.load_job(args.job, args.overrides)
+        net = api.load_job(args.job, args.overrides, plugins=args.plugin)
         name = f"{net.name or args.job.stem}-net"
     out = api.draw_net(net, args.out or Path(f"{name}.png"), title=args.title)
     print(f"wrote {out}")

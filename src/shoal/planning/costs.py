@@ -71,7 +71,16 @@ class Calibration:
     link_latency_s: float = 50e-6  # one small message, one way
     kernels: dict[str, float] = field(default_factory=dict)  # Kernel.key -> seconds measured
     devices: dict[str, dict[str, float]] = field(default_factory=dict)  # cuda:N -> {"gflops", "mem_gbps", "h2d_gbps"}
-    measured: str = ""  # when, and how long it took
+    # the conditions it was taken under (runtime/calibrate.py judges them; docs/planning.md)
+    taken_at: str = ""  # ISO 8601 with the UTC offset; "" (an older cache): unknown, so stale
+    took_s: float = 0.0
+    load: float = 0.0  # the highest 1-minute load average seen before or after measuring
+    cpu_share: float = 1.0  # CPU time the timing thread got over the wall time of the timed runs
+    spread: float = 0.0  # the slowest repeat of a timing over its fastest, minus 1 (the median over timings)
+    contended: bool = False  # the machine's rates were taken while other work competed for the cores
+    torch: str = ""  # torch.__version__ that measured
+    cpu_model: str = ""
+    contended_kernels: tuple[str, ...] = ()  # Kernel.keys whose time was measured under contention
 
     def to_json(self) -> dict:
         return {
@@ -79,20 +88,68 @@ class Calibration:
             "gemm_gflops": {str(t): v for t, v in self.gemm_gflops.items()},
             "mem_gbps": {str(t): v for t, v in self.mem_gbps.items()},
             "link_gbps": self.link_gbps, "link_latency_s": self.link_latency_s,
-            "kernels": dict(self.kernels), "devices": dict(self.devices), "measured": self.measured,
+            "kernels": dict(self.kernels), "devices": dict(self.devices),
+            "taken_at": self.taken_at, "took_s": self.took_s, "load": self.load, "cpu_share": self.cpu_share,
+            "spread": self.spread, "contended": self.contended, "torch": self.torch, "cpu_model": self.cpu_model,
+            "contended_kernels": sorted(self.contended_kernels),
         }
 
     @classmethod
     def from_json(cls, data: dict) -> "Calibration":
-        return cls(
-            host=str(data["host"]), cores=int(data["cores"]),
-            gemm_gflops={int(t): float(v) for t, v in data["gemm_gflops"].items()},
-            mem_gbps={int(t): float(v) for t, v in data["mem_gbps"].items()},
-            link_gbps=float(data["link_gbps"]), link_latency_s=float(data["link_latency_s"]),
-            kernels={str(k): float(v) for k, v in data.get("kernels", {}).items()},
-            devices={str(d): {str(k): float(v) for k, v in s.items()} for d, s in data.get("devices", {}).items()},
-            measured=str(data.get("measured", "")),
+        """Read what a cache file holds, checking every type (the file is input: ValueError names the field)."""
+        def number(value, name: str, positive: bool = False) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or (positive and value == 0):
+                raise ValueError(f"{name}: {value!r:.40} is not a {'positive ' if positive else ''}number")
+            return float(value)
+
+        def table(value, name: str, key=str, positive: bool = True) -> dict:
+            if not isinstance(value, dict):
+                raise ValueError(f"{name}: not a table")
+            out = {}
+            for k, v in value.items():
+                try:
+                    typed = key(k)
+                except (TypeError, ValueError, OverflowError):
+                    raise ValueError(f"{name}: the key {k!r:.40} is not a {'whole number' if key is int else 'string'}") from None
+                out[typed] = number(v, f"{name}[{k!r:.40}]", positive)
+            return out
+
+        def text(value, name: str) -> str:
+            if not isinstance(value, str) or len(value) > 200:
+                raise ValueError(f"{name}: not a string (of at most 200 characters)")
+            return value
+
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        missing = [k for k in ("host", "cores", "gemm_gflops", "mem_gbps", "link_gbps", "link_latency_s") if k not in data]
+        if missing:
+            raise ValueError(f"{missing[0]}: missing")
+        cores = data["cores"]
+        if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
+            raise ValueError(f"cores: {cores!r:.40} is not a number of cores")
+        devices = data.get("devices", {})
+        if not isinstance(devices, dict):
+            raise ValueError("devices: not a table")
+        contended_kernels = data.get("contended_kernels", [])
+        if not isinstance(contended_kernels, list) or not all(isinstance(k, str) for k in contended_kernels):
+            raise ValueError("contended_kernels: not a list of kernel names")
+        if not isinstance(data.get("contended", False), bool):
+            raise ValueError("contended: not true or false")
+        calib = cls(
+            host=text(data["host"], "host"), cores=cores,
+            gemm_gflops=table(data["gemm_gflops"], "gemm_gflops", int), mem_gbps=table(data["mem_gbps"], "mem_gbps", int),
+            link_gbps=number(data["link_gbps"], "link_gbps", True), link_latency_s=number(data["link_latency_s"], "link_latency_s"),
+            kernels=table(data.get("kernels", {}), "kernels"),
+            devices={text(d, "devices"): table(s, f"devices[{d!r:.40}]") for d, s in devices.items()},
+            taken_at=text(data.get("taken_at", ""), "taken_at"), took_s=number(data.get("took_s", 0.0), "took_s"),
+            load=number(data.get("load", 0.0), "load"), cpu_share=number(data.get("cpu_share", 1.0), "cpu_share"),
+            spread=number(data.get("spread", 0.0), "spread"), contended=data.get("contended", False),
+            torch=text(data.get("torch", ""), "torch"), cpu_model=text(data.get("cpu_model", ""), "cpu_model"),
+            contended_kernels=tuple(sorted(contended_kernels)),
         )
+        if not calib.gemm_gflops or not calib.mem_gbps:
+            raise ValueError("gemm_gflops, mem_gbps: empty")
+        return calib
 
     def _by_threads(self, table: dict[int, float], threads: int) -> float:
         """The rate at `threads`: measured, else scaled linearly from the nearest measured count (more threads

@@ -32,25 +32,52 @@ def ms(s: float) -> str:
 
 
 def render(result: dict) -> str:
-    """Every section the result holds: estimate, compare, suggest, scaling."""
+    """Every section the result holds: estimate, compare, suggest, scaling; each with the calibration's age and load."""
+    calibrated = "  " + result["calibration"]["calibrated"]
     lines = [render_estimate(result["estimate"], result["calibration"])]
-    if "compare" in result:
-        lines += ["", render_compare(result["compare"])]
-    if "suggest" in result:
-        lines += ["", render_suggest(result["suggest"])]
-    if "scaling" in result:
-        lines += ["", render_scaling(result["scaling"])]
+    sections = (("compare", render_compare), ("suggest", render_suggest), ("scaling", render_scaling), ("recommend", render_recommend))
+    for key, section in sections:
+        if key in result:
+            first, *rest = section(result[key]).split("\n")
+            lines += ["", first, calibrated, *rest]
     return "\n".join(lines)
+
+
+def age(seconds: float) -> str:
+    """3 s, 12 min, 3 h, 4 days (hours up to two days)."""
+    for unit, size, from_s in (("days", 86400, 2 * 86400), ("h", 3600, 3600), ("min", 60, 60)):
+        if seconds >= from_s:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{max(0.0, seconds):.0f} s"
+
+
+def calibrated_line(calib: dict) -> str:
+    """One line: how old the calibration is and how busy the machine was then (docs/planning.md)."""
+    if calib.get("age_s") is None:
+        when = "at an unknown time"
+    else:
+        when = f"{age(calib['age_s'])} ago"
+    if calib["contended"]:
+        how = "contended: estimates may be low; re-run on an idle machine with --recalibrate"
+    elif calib["load"] <= calib["cores"] / 2:
+        how = "idle"
+    else:
+        how = f"busy, but its timings undisturbed: CPU {calib['cpu_share']:.0%} of wall"
+    dirty = len(calib.get("contended_kernels", ()))
+    kernels = f"; {dirty} kernel timing(s) taken under contention" if dirty else ""
+    return f"calibrated {when} at load {calib['load']:.1f} on {calib['cores']} cores ({how}){kernels}"
 
 
 def render_estimate(e: dict, calib: dict) -> str:
     gemm = ", ".join(f"{v:.0f} GFLOP/s at {t} thread(s)" for t, v in calib["gemm_gflops"].items())
     lines = [
-        f"calibration of {calib['host']} ({calib['cores']} cores; {calib['measured']}): GEMM {gemm}; "
+        f"calibration of {calib['host']} ({calib['cores']} cores, {calib['cpu_model'] or 'unknown CPU'}, torch {calib['torch']}; "
+        f"taken {calib['taken_at']} in {calib['took_s']:.1f} s): GEMM {gemm}; "
         f"memory {max(calib['mem_gbps'].values()):.1f} GB/s; loopback {calib['link_gbps']:.2f} GB/s each way, "
         f"{calib['link_latency_s'] * 1e6:.0f} µs; {calib['kernels']} kernel(s) measured",
         f"{e['label']}: predicted {e['samples_per_s']:.0f} samples/s, {ms(e['step_s'])} per step of {e['global_batch']} samples"
         + (f" per group ({e['ngroups']} groups)" if e["ngroups"] > 1 else "") + f"; bottleneck: {e['bottleneck']}",
+        "  " + calib["calibrated"],
         "  step: " + ", ".join(f"{k} {ms(v)}" for k, v in e["phases"].items() if v > 0),
     ]
     if calib.get("load_now", 0) > calib["cores"]:
@@ -100,6 +127,18 @@ def render_suggest(s: dict) -> str:
         lines += [f"    layer {{ name: \"{name}\" ... partition_dim: 1 }}" for name in cut]
     lines.append(f"  predicted: {ms(best['step_s'])} per step, {best['samples_per_s']:.0f} samples/s, {mb(best['bytes'])} between workers; "
                  f"batch split: {ms(batch['step_s'])}, {batch['samples_per_s']:.0f} samples/s, {mb(batch['bytes'])}")
+    return "\n".join(lines)
+
+
+def render_recommend(r: dict) -> str:
+    """The recommended settings as lines to paste before `shoal run`, each with its reason."""
+    if not r["timeouts"]:
+        return f"recommended timeouts for {r['label']}: none (one process: no heartbeat, collective or rendezvous)"
+    lines = [f"recommended timeouts for {r['label']} over {r['nprocs']} processes (predicted step {ms(r['step_s'])}); "
+             "set them in the environment of `shoal run`:"]
+    for t in r["timeouts"]:
+        default = "the default" if t["value"] == t["default"] else f"default {t['default']:g}"
+        lines.append(f"  {t['setting']}={t['value']:g}  ({default}) {t['reason']}")
     return "\n".join(lines)
 
 

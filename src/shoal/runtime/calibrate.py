@@ -11,25 +11,57 @@ What is measured, in about 10 s the first time on a host:
 
 The cache is $SHOAL_HOME/calibration/<host>.json (default ~/.shoal), plain JSON; `shoal plan
 --estimate --recalibrate` measures again. No dataset is read.
+
+A timing is only as good as the machine was quiet (docs/planning.md, "The calibration"): every
+calibration records the load average before and after, the CPU time the timing thread got against
+the wall time it took, and the spread between repeats. One taken under contention is measured
+again (SHOAL_CALIBRATION_ATTEMPTS times in all, default 3, with a short backoff); still contended,
+it is kept marked `contended` and says so in one line, and it never replaces a clean one. The cache
+records when, under what load, for which torch, CPU model and core count; it is measured again when
+any of those differ, or when older than MAX_AGE (a contended one: CONTENDED_MAX_AGE). Writers hold a
+file lock and merge with what is there, the cleaner entry winning, so concurrent calibrations leave
+the better of theirs. The file is read as input: size-limited, every field type-checked, JSON only.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import json
 import multiprocessing
 import os
+import platform
 import socket
+import stat
+import statistics
+import tempfile
 import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 
+from shoal.errors import warn
 from shoal.planning.costs import Calibration, Kernel
 
 BUDGET_S = 10.0
+MAX_AGE = datetime.timedelta(days=30)  # hardware and drivers change under a cache; a re-take costs seconds
+CONTENDED_MAX_AGE = datetime.timedelta(hours=1)  # a contended one is tried again once the machine may be quiet
+MAX_CACHE_BYTES = 4 * 2**20  # thousands of kernels; anything larger is not a cache shoal wrote
+ATTEMPTS = 3  # SHOAL_CALIBRATION_ATTEMPTS overrides (at least 1)
+BACKOFF_S = 0.5  # before the second attempt; doubled before each next one
+# contended when any holds: the timing thread got under this share of the wall time (it was descheduled),
+CONTENDED_CPU_SHARE = 0.75
+# the 1-minute load average exceeded the cores by half (more runnable work than cores, for a while),
+CONTENDED_LOAD_PER_CORE = 1.5
+# or repeats of one timing typically differ by more than 2× (the machine's speed changed under it)
+CONTENDED_SPREAD = 1.0
+
+
+class CacheError(ValueError):
+    """A calibration cache file that cannot be used (the message names what is wrong)."""
 
 
 def cache_path(host: Optional[str] = None) -> Path:
@@ -37,38 +69,164 @@ def cache_path(host: Optional[str] = None) -> Path:
     return home / "calibration" / f"{host or socket.gethostname()}.json"
 
 
-def load(path: Optional[Path] = None) -> Optional[Calibration]:
-    """The cached calibration of this host, or None (absent, unreadable, or from another core count)."""
+def read(path: Path) -> Calibration:
+    """The calibration a cache file holds; FileNotFoundError when absent, CacheError when unusable."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # non-blocking: a FIFO planted there cannot hang us
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CacheError("not a regular file")
+        raw = f.read(MAX_CACHE_BYTES + 1)
+    if len(raw) > MAX_CACHE_BYTES:
+        raise CacheError(f"larger than {MAX_CACHE_BYTES // 2**20} MB")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CacheError(f"not JSON ({err})") from None
+    except RecursionError:
+        raise CacheError("not JSON (nested too deep)") from None
+    try:
+        return Calibration.from_json(data)
+    except ValueError as err:
+        raise CacheError(str(err)) from None
+
+
+def load(path: Optional[Path] = None, log: Callable[[str], None] = warn) -> Optional[Calibration]:
+    """The cached calibration of this host, or None: absent, unusable or stale (then `log` says why, in one line)."""
     path = path or cache_path()
     try:
-        calib = Calibration.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        calib = read(path)
+    except FileNotFoundError:
         return None
-    return calib if calib.cores == _cores() else None
+    except OSError as err:
+        log(f"{path}: cannot read the calibration cache ({err.strerror}); measuring this machine again")
+        return None
+    except CacheError as err:
+        log(f"{path}: not a usable calibration cache ({err}); measuring this machine again")
+        return None
+    why = stale(calib)
+    if why:
+        log(f"calibration of {calib.taken_at or 'an unknown date'} is stale ({why}); measuring this machine again")
+        return None
+    return calib
 
 
-def save(calib: Calibration, path: Optional[Path] = None) -> Path:
+def stale(calib: Calibration, now: Optional[datetime.datetime] = None) -> Optional[str]:
+    """Why `calib` no longer describes this machine (None: it still does)."""
+    if calib.cores != _cores():
+        return f"taken on {calib.cores} cores, this process has {_cores()}"
+    if calib.torch != torch.__version__:
+        return f"taken with torch {calib.torch or 'unknown'}, this is {torch.__version__}"
+    if calib.cpu_model != cpu_model():
+        return f"taken on CPU {calib.cpu_model or 'unknown'!r}, this is {cpu_model()!r}"
+    age = age_of(calib, now)
+    if age is None:
+        return "no date recorded"
+    if age < -datetime.timedelta(minutes=5):
+        return "dated in the future"
+    if age > MAX_AGE:
+        return f"older than {MAX_AGE.days} days"
+    if calib.contended and age > CONTENDED_MAX_AGE:
+        return f"taken under contention over {CONTENDED_MAX_AGE.seconds // 3600} h ago"
+    return None
+
+
+def age_of(calib: Calibration, now: Optional[datetime.datetime] = None) -> Optional[datetime.timedelta]:
+    try:
+        taken = datetime.datetime.fromisoformat(calib.taken_at)
+    except ValueError:
+        return None
+    if taken.tzinfo is None:
+        return None
+    return (now or datetime.datetime.now(datetime.timezone.utc)) - taken
+
+
+def this_machine() -> dict:
+    """What a calibration taken now, here, records about where and when (the fields stale() compares)."""
+    return {"host": socket.gethostname(), "cores": _cores(), "torch": torch.__version__, "cpu_model": cpu_model(),
+            "taken_at": datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds")}
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else what platform knows."""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model", "cpu model"):
+                    return value.strip()[:200]
+    return (platform.processor() or platform.machine())[:200]
+
+
+def save(calib: Calibration, path: Optional[Path] = None) -> Calibration:
+    """Write `calib` into the cache, merged with a usable entry already there; returns what the cache now holds.
+
+    Under an exclusive lock: read, merge (merge() keeps the cleaner machine entry and each kernel's
+    cleaner timing), write a temp file and rename it over the cache, so readers never see half a file
+    and concurrent writers never lose the better of their measurements.
+    """
     path = path or cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(calib.to_json(), indent=1, sort_keys=True))
-    tmp.replace(path)
-    return path
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            current = read(path)
+        except (OSError, CacheError):
+            current = None
+        if current is not None and stale(current) is None:
+            calib = merge(current, calib)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(calib.to_json(), f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    return calib
+
+
+def merge(old: Calibration, new: Calibration) -> Calibration:
+    """The machine entry of the better of two calibrations of one machine, with each kernel's better timing.
+
+    Better: clean over contended; of two clean ones the newer; of two contended ones the less
+    disturbed (more CPU share). A kernel timed clean beats one timed under contention; of two
+    alike, the faster (the least disturbed, as every timing here).
+    """
+    if old.contended != new.contended:
+        base = new if old.contended else old
+    elif not new.contended:
+        base = new
+    else:
+        base = new if new.cpu_share >= old.cpu_share else old
+    kernels, dirty = {}, set()
+    for key in set(old.kernels) | set(new.kernels):
+        options = [(key in c.contended_kernels, c.kernels[key]) for c in (old, new) if key in c.kernels]
+        was_dirty, seconds = min(options)
+        kernels[key] = seconds
+        if was_dirty:
+            dirty.add(key)
+    return replace(base, kernels=kernels, contended_kernels=tuple(sorted(dirty)))
 
 
 def calibration(kernels: Iterable[Kernel] = (), recalibrate: bool = False, budget_s: float = BUDGET_S,
                 log: Callable[[str], None] = lambda line: None, path: Optional[Path] = None) -> Calibration:
     """This host's calibration from the cache, measuring what is missing (all of it with `recalibrate`).
 
-    The machine's rates take a few seconds, once; a job's kernels not yet in the cache are measured
-    (largest first) until `budget_s` runs out, the rest timed at the GEMM rate.
+    The machine's rates take a few seconds, once (again when stale); a job's kernels not yet in the
+    cache are measured (largest first) until `budget_s` runs out, the rest timed at the GEMM rate.
+    Progress goes to `log`; a measurement taken under contention is said in one line on stderr.
     """
+    path = path or cache_path()
     calib = None if recalibrate else load(path)
-    changed = calib is None
+    fresh = calib is None
     if calib is None:
         log("calibrating this machine (once; cached)...")
-        calib = measure_machine()
+        calib = measure_machine(log=log)
     wanted = [k for k in kernels if k.key not in calib.kernels and k.device == "cpu"]
+    dirty: list[str] = []
     if wanted:
         measured = dict(calib.kernels)
         deadline = time.perf_counter() + budget_s  # the job's kernels get their own budget
@@ -76,12 +234,31 @@ def calibration(kernels: Iterable[Kernel] = (), recalibrate: bool = False, budge
             if time.perf_counter() > deadline:
                 log(f"calibration: {len([k for k in wanted if k.key not in measured])} kernel(s) left to the GEMM rate (budget {budget_s:g} s)")
                 break
-            measured[k.key] = time_kernel(k)
-        calib = Calibration(**{**calib.__dict__, "kernels": measured})
-        changed = True
-    if changed:
-        save(calib, path)
+            meter, load_before = Meter(), _load()
+            measured[k.key] = time_kernel(k, meter)
+            if verdict(max(load_before, _load()), calib.cores, meter):
+                dirty.append(k.key)
+        calib = replace(calib, kernels=measured, contended_kernels=tuple(sorted({*calib.contended_kernels, *dirty})))
+    if fresh or wanted:
+        taken = calib
+        calib = save(calib, path)
+        if fresh and taken.contended:
+            kept = f"kept the clean calibration of {calib.taken_at}" if not calib.contended else "estimates may be low"
+            warn(f"calibration taken under contention ({describe_contention(taken)}): {kept}; "
+                 "re-run on an idle machine with --recalibrate")
+        elif dirty and set(dirty) & set(calib.contended_kernels) and not _said["kernels"]:
+            _said["kernels"] = True  # once a process: --compare calibrates for seven layouts
+            warn(f"calibration: {len(set(dirty) & set(calib.contended_kernels))} of the job's kernel timing(s) taken under contention "
+                 f"(load {_load():.1f} on {calib.cores} cores): estimates may be low; re-run on an idle machine with --recalibrate")
     return calib
+
+
+_said = {"kernels": False}
+
+
+def describe_contention(calib: Calibration) -> str:
+    spread = f", repeats {calib.spread + 1:.1f}× apart" if calib.spread > CONTENDED_SPREAD else ""
+    return f"load {calib.load:.1f} on {calib.cores} cores, CPU {calib.cpu_share:.0%} of wall{spread}"
 
 
 def _cores() -> int:
@@ -91,22 +268,76 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def measure_machine() -> Calibration:
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+@dataclass
+class Meter:
+    """CPU time the timing thread got and the wall time it took, over every timed call; each timing's spread."""
+
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+    spreads: list[float] = field(default_factory=list)
+
+    @property
+    def share(self) -> float:
+        return min(1.0, self.cpu_s / self.wall_s) if self.wall_s > 0 else 1.0
+
+    @property
+    def spread(self) -> float:
+        return statistics.median(self.spreads) if self.spreads else 0.0
+
+
+def verdict(load: float, cores: int, meter: Meter) -> bool:
+    """Whether timings taken at this load with this CPU share and spread were taken under contention."""
+    return meter.share < CONTENDED_CPU_SHARE or load > CONTENDED_LOAD_PER_CORE * cores or meter.spread > CONTENDED_SPREAD
+
+
+def attempts() -> int:
+    try:
+        return max(1, int(os.environ.get("SHOAL_CALIBRATION_ATTEMPTS", ATTEMPTS)))
+    except ValueError:
+        return ATTEMPTS
+
+
+def measure_machine(log: Callable[[str], None] = lambda line: None) -> Calibration:
+    """The machine's rates, measured again while contended (attempts() in all, backing off); the least disturbed."""
+    best: Optional[Calibration] = None
+    tries = attempts()
+    for attempt in range(tries):
+        calib = measure_once()
+        if best is None or (best.contended and (not calib.contended or calib.cpu_share > best.cpu_share)):
+            best = calib
+        if not calib.contended or attempt + 1 == tries:
+            break
+        pause = BACKOFF_S * 2**attempt
+        log(f"calibration: the machine is busy ({describe_contention(calib)}); measuring again in {pause:g} s ({attempt + 2} of {tries})")
+        time.sleep(pause)
+    return best
+
+
+def measure_once() -> Calibration:
     started = time.perf_counter()
+    load_before = _load()
     cores = _cores()
     link_gbps, latency = probe_link()
     counts = sorted({1, cores})
     gemm, mem = {}, {}
+    meter = Meter()
     for t in counts:
         with _threads(t):
-            gemm[t] = round(gemm_gflops(), 2)
-            mem[t] = round(memory_gbps(), 2)
+            gemm[t] = round(gemm_gflops(meter=meter), 2)
+            mem[t] = round(memory_gbps(meter=meter), 2)
     devices = {f"cuda:{i}": gpu_speeds(i) for i in range(torch.cuda.device_count())} if torch.cuda.is_available() else {}
-    took = time.perf_counter() - started
+    load = max(load_before, _load())
     return Calibration(
-        host=socket.gethostname(), cores=cores, gemm_gflops=gemm, mem_gbps=mem, link_gbps=round(link_gbps, 3),
-        link_latency_s=latency, devices=devices,
-        measured=f"{datetime.datetime.now().isoformat(timespec='seconds')} in {took:.1f} s, load {os.getloadavg()[0]:.1f}, torch {torch.__version__}",
+        gemm_gflops=gemm, mem_gbps=mem, link_gbps=round(link_gbps, 3), link_latency_s=latency, devices=devices,
+        took_s=round(time.perf_counter() - started, 2), load=round(load, 2), cpu_share=round(meter.share, 3),
+        spread=round(meter.spread, 3), contended=verdict(load, cores, meter), **this_machine(),
     )
 
 
@@ -121,46 +352,51 @@ def _threads(count: int):
         torch.set_num_threads(before)
 
 
-def _best(fn: Callable[[], None], reps: int = 3, min_s: float = 0.0) -> float:
+def _best(fn: Callable[[], None], reps: int = 3, min_s: float = 0.0, meter: Optional[Meter] = None) -> float:
     """The fastest of at least `reps` timed calls after one warm-up: what the machine can do, least
-    disturbed by other load (a shared machine's load is reported with the calibration, not baked in)."""
+    disturbed by other load; `meter` adds up how much CPU this thread got meanwhile (the calling
+    thread takes part in every intra-op parallel kernel, so its share is the whole kernel's)."""
+    meter = meter if meter is not None else Meter()
     fn()
     times: list[float] = []
     while len(times) < reps or (sum(times) < min_s and len(times) < 50):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         fn()
         times.append(time.perf_counter() - start)
+        meter.cpu_s += time.thread_time() - cpu
+        meter.wall_s += times[-1]
+    meter.spreads.append(max(times) / min(times) - 1 if min(times) > 0 else 0.0)
     return min(times)
 
 
-def gemm_gflops(n: int = 1024) -> float:
+def gemm_gflops(n: int = 1024, meter: Optional[Meter] = None) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / _best(lambda: torch.mm(a, b)) / 1e9
+    return 2 * n**3 / _best(lambda: torch.mm(a, b), meter=meter) / 1e9
 
 
-def memory_gbps(mb: int = 64) -> float:
+def memory_gbps(mb: int = 64, meter: Optional[Meter] = None) -> float:
     src = torch.ones(mb * 2**20 // 4)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / _best(lambda: dst.copy_(src)) / 1e9
+    return 2 * src.numel() * 4 / _best(lambda: dst.copy_(src), meter=meter) / 1e9
 
 
-def time_kernel(kernel: Kernel) -> float:
+def time_kernel(kernel: Kernel, meter: Optional[Meter] = None) -> float:
     """Seconds of one run of the kernel at its thread count (random operands)."""
     with _threads(kernel.threads):
         if kernel.op == "mm":
             m, k, n = kernel.dims
             a, b = torch.randn(m, k), torch.randn(k, n)
-            return _best(lambda: torch.mm(a, b), reps=3, min_s=0.05)
+            return _best(lambda: torch.mm(a, b), reps=3, min_s=0.05, meter=meter)
         n, c, h, w, f, kh, kw, sh, sw, ph, pw, input_grad = kernel.dims
         x = torch.randn(n, c, h, w, requires_grad=bool(input_grad))
         weight = torch.randn(f, c, kh, kw, requires_grad=True)
         if kernel.op == "conv":
             with torch.no_grad():
-                return _best(lambda: F.conv2d(x, weight, None, (sh, sw), (ph, pw)), reps=3, min_s=0.05)
+                return _best(lambda: F.conv2d(x, weight, None, (sh, sw), (ph, pw)), reps=3, min_s=0.05, meter=meter)
         y = F.conv2d(x, weight, None, (sh, sw), (ph, pw))
         dy = torch.randn_like(y)
         wrt = [weight, x] if input_grad else [weight]
-        return _best(lambda: torch.autograd.grad(y, wrt, dy, retain_graph=True), reps=3, min_s=0.05)
+        return _best(lambda: torch.autograd.grad(y, wrt, dy, retain_graph=True), reps=3, min_s=0.05, meter=meter)
 
 
 def gpu_speeds(index: int) -> dict[str, float]:
