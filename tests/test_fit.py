@@ -71,7 +71,13 @@ def test_fit_writes_checkpoints_named_after_the_module_parameters(tmp_path):
         assert torch.equal(params[n], p.detach())
 
 
-def test_fit_rejects_targets_that_are_not_class_labels(tmp_path):
-    x, _ = blobs(64)
-    with pytest.raises(ValueError, match="targets must be one integer class label per sample"):
-        shoal.fit(make_model(), F.mse_loss, (x, x), workspace=tmp_path / "ws", log=quiet)
+def test_fit_regresses_float_targets_of_any_shape(tmp_path):
+    """Targets are no longer class labels only: an autoencoder's target is its input (16 floats per sample)."""
+    x, _ = blobs(256)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 16))
+    history = shoal.fit(model, F.mse_loss, (x, x), steps=60, disp_freq=10, batch_size=32, workspace=tmp_path / "ws", log=quiet,
+                        updater={"type": "kSGD", "momentum": 0.9, "learning_rate": {"base_lr": 0.02}})
+    losses = [r["loss"] for r in history.phase("train")]
+    assert losses[-1] < 0.6 * losses[0]
+    assert all("accuracy" not in r for r in history.phase("train"))  # no accuracy for regression targets

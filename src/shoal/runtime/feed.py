@@ -18,6 +18,7 @@ import torch
 from shoal.config import job_pb2
 from shoal.data.dataset import Dataset, check_labels, load_mean, open_store
 from shoal.data.errors import StoreError
+from shoal.data.in_place import PositionReader, to_device
 from shoal.neuralnet.layers.char_rnn import CharRNNOutput, char_windows, encode_text, read_vocab
 from shoal.planning.shares import batch_conf, batch_shares
 
@@ -64,6 +65,30 @@ class TextFeed:
         return torch.from_numpy(windows[self.offset : self.offset + self.share]).to(device), None
 
 
+@dataclass
+class DatasetFeed:
+    """A torch map-style Dataset read in place (shoal.fit's module path): batches of any structure and dtype.
+
+    Rows offset .. offset + share of the global batch at `cursor` are the samples at positions
+    skip + cursor + offset onwards (shoal.data.in_place: shuffled per epoch from the job's seed).
+    """
+
+    layer_name: str
+    dataset: "torch.utils.data.Dataset"
+    global_batch: int
+    offset: int
+    share: int
+    skip: int = 0  # a group's first position (disjoint shards); checkpointed with the other feeds' skips
+    seed: int = 0
+    shuffle: bool = False
+
+    def __post_init__(self):
+        self.reader = PositionReader(self.dataset, self.seed, self.shuffle)
+
+    def batch(self, cursor: int, device: torch.device) -> tuple[object, None]:
+        return to_device(self.reader.batch(self.skip + cursor + self.offset, self.share), device), None
+
+
 def open_text(conf: job_pb2.CharRNNProto, base_dirs: list[Path]) -> np.ndarray:
     """The ids of char_rnn_conf.path's characters under char_rnn_conf.vocab_path (ValueError naming the file)."""
     path, vocab_path = resolve_data_path(conf.path, base_dirs), resolve_data_path(conf.vocab_path, base_dirs)
@@ -105,6 +130,12 @@ def make_feeds(net, base_dirs: list[Path], partition: int, npartitions: int, rng
                 texts[(c.path, c.vocab_path)] = open_text(c, base_dirs)
             shares = batch_shares(batch_conf(conf), npartitions)
             feeds[node.name] = TextFeed(node.name, texts[(c.path, c.vocab_path)], c.unroll_len, sum(shares), sum(shares[:partition]), shares[partition])
+            continue
+        if hasattr(node.layer, "torch_dataset"):  # shoal.fit's module path: a torch Dataset read in place
+            shares = batch_shares(batch_conf(conf), npartitions)
+            layer = node.layer
+            feeds[node.name] = DatasetFeed(node.name, layer.torch_dataset, sum(shares), sum(shares[:partition]), shares[partition],
+                                           seed=layer.shuffle_seed, shuffle=layer.shuffle)
             continue
         if hasattr(node.layer, "open_dataset"):  # a plugin's input layer reads its own data (docs/layers.md)
             shares = batch_shares(batch_conf(conf), npartitions)

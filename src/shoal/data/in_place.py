@@ -1,0 +1,121 @@
+"""Batches of a torch map-style Dataset read in place, addressed by position (shoal.fit's module path).
+
+A position is a count of samples consumed since the start of training (plus a
+group's starting offset). Position p reads sample `order(epoch)[p % N]` of
+epoch `p // N`, where `order(epoch)` is the identity, or, shuffled, a
+permutation drawn from a torch.Generator seeded with (seed, epoch). So the
+rows of a batch are a pure function of the position: a resumed run reads what
+the uninterrupted one would, and a batch split over workers reads the rows one
+worker would. The samples are collated with torch's `default_collate`, so a
+batch keeps the dataset's structure (tensor, tuple, dict) and dtypes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, default_collate
+
+from shoal.data.errors import StoreError
+
+
+def check_dataset(dataset: Any, what: str) -> int:
+    """The number of samples of a map-style dataset; a one-line StoreError for anything else."""
+    if isinstance(dataset, IterableDataset):
+        raise StoreError(f"{what}: an IterableDataset has no positions to shard and resume by; give a map-style Dataset "
+                         "(__getitem__ and __len__)")
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise StoreError(f"{what}: expected a map-style torch Dataset (__getitem__ and __len__) or a pair of tensors, "
+                         f"got {type(dataset).__name__}")
+    n = len(dataset)
+    if n <= 0:
+        raise StoreError(f"{what}: the dataset is empty")
+    return n
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """One 63-bit generator seed per (seed, epoch), well mixed (numpy's SeedSequence)."""
+    return int(np.random.SeedSequence([seed, epoch]).generate_state(2, np.uint32).view(np.uint64)[0] >> np.uint64(1))
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
+    """The sample indices of `epoch` in reading order."""
+    if not shuffle:
+        return torch.arange(n)
+    return torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(seed, epoch)))
+
+
+class PositionReader:
+    """Reads the samples at positions of a dataset; remembers the last two epochs' orders (a memo, not state)."""
+
+    def __init__(self, dataset: Dataset, seed: int, shuffle: bool):
+        self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
+        self.n = len(dataset)
+        self._orders: dict[int, torch.Tensor] = {}
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._orders:
+            if len(self._orders) >= 2:
+                self._orders.pop(min(self._orders))
+            self._orders[epoch] = epoch_order(self.n, self.seed, epoch, self.shuffle)
+        return self._orders[epoch]
+
+    def indices(self, start: int, count: int) -> list[int]:
+        """The dataset indices read at positions start .. start + count."""
+        out = []
+        for p in range(start, start + count):
+            epoch, i = divmod(p, self.n)
+            out.append(int(self._order(epoch)[i]))
+        return out
+
+    def batch(self, start: int, count: int) -> Any:
+        indices = self.indices(start, count)
+        getitems = getattr(self.dataset, "__getitems__", None)  # torch's batched-read protocol (DataLoader uses it too)
+        samples = getitems(indices) if getitems is not None else [self.dataset[i] for i in indices]
+        return default_collate(samples)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """The batch with every tensor on `device` (structure kept)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(v, device) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
+
+
+def first_tensor(batch: Any) -> torch.Tensor | None:
+    """The first tensor of a batch in structure order (a dict's in insertion order)."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        found = first_tensor(value)
+        if found is not None:
+            return found
+    return None
+
+
+def batch_rows(batch: Any) -> int:
+    """The rows of a collated batch: the leading size of its first tensor."""
+    tensor = first_tensor(batch)
+    return int(tensor.shape[0]) if tensor is not None and tensor.dim() > 0 else 1
+
+
+class TensorPairs(Dataset):
+    """(inputs, targets) tensors as a map-style dataset of (x[i], y[i]) pairs, read in place (no copy)."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor):
+        if len(inputs) != len(targets):
+            raise StoreError(f"{len(inputs)} inputs but {len(targets)} targets")
+        self.inputs, self.targets = inputs, targets
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, i: int):
+        return self.inputs[i], self.targets[i]

@@ -1,0 +1,199 @@
+"""The layers of a shoal.fit job: a torch module, its loss and its data as three user layers of an ordinary net.
+
+    data (shoal.fit.Data)  ->  model (shoal.fit.Module)  ->  loss (shoal.fit.Loss)      loss_fn(output, target)
+    data (shoal.fit.Data)  ->  loss (shoal.fit.ModuleLoss, the module's params)          loss_fn(model, batch)
+
+The data layer hands on the batch its feed read in place from a torch Dataset
+(runtime/feed.py's DatasetFeed), whatever its structure. The module computes
+through torch.func.functional_call on shoal's params, so it never learns
+whether it is distributed; under loss_fn(model, batch) the call goes through
+a small wrapper module whose forward is the user's loss, so every call the
+loss makes into the model (forward or any method) computes on shoal's params.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from shoal.config import job_pb2
+from shoal.data.in_place import batch_rows, first_tensor
+from shoal.errors import ShoalError
+from shoal.neuralnet.layers.base import Layer
+from shoal.neuralnet.layers.input import fed_batch
+from shoal.neuralnet.layers.registry import register_user_layer
+from shoal.neuralnet.torch_optimizer import register_torch_optimizer
+
+DATA_LAYER, MODULE_LAYER, LOSS_LAYER, MODULE_LOSS_LAYER = "shoal.fit.Data", "shoal.fit.Module", "shoal.fit.Loss", "shoal.fit.ModuleLoss"
+LOSS_FORMS = ("output", "model")
+
+
+class FitError(ShoalError, ValueError):
+    """shoal.fit was given something it cannot train: one line saying what."""
+
+
+def loss_form(loss_fn: Callable, loss_takes: Optional[str]) -> str:
+    """"model" for loss_fn(model, batch), "output" for loss_fn(output, target).
+
+    Given `loss_takes`, that; otherwise "model" when the function's first parameter is named
+    `model` or `module`, else "output" (torch's losses name theirs `input`).
+    """
+    if loss_takes is not None:
+        if loss_takes not in LOSS_FORMS:
+            raise FitError(f"shoal.fit: loss_takes must be 'output' (loss_fn(output, target)) or 'model' (loss_fn(model, batch)), got {loss_takes!r}")
+        return loss_takes
+    try:
+        first = next(iter(inspect.signature(loss_fn).parameters), None)
+    except (TypeError, ValueError):  # builtins without a signature: torch's own losses
+        return "output"
+    return "model" if first in ("model", "module") else "output"
+
+
+@dataclass
+class FitSpec:
+    """Everything a process needs to build a fit job's layers (sent to spawned processes by pickling)."""
+
+    model: torch.nn.Module
+    loss_fn: Callable
+    form: str  # see loss_form
+    datasets: dict  # phase (job_pb2.kTrain/kTest/kVal) -> torch map-style Dataset
+    seed: int
+    shuffle: bool
+    optimizer: Optional[Callable] = None  # a torch.optim factory (neuralnet/torch_optimizer.py)
+
+    @property
+    def trained_names(self) -> list[str]:
+        return [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+
+def split_pair(batch: Any) -> tuple[Any, Any]:
+    """(inputs, target) of a batch for loss_fn(output, target): its first and second elements."""
+    items = list(batch.values()) if isinstance(batch, dict) else list(batch) if isinstance(batch, (list, tuple)) else []
+    if len(items) < 2:
+        raise FitError(f"shoal.fit: loss_fn(output, target) needs batches of (inputs, target), got a {type(batch).__name__} of "
+                       f"{len(items)} element(s); give pairs, or a loss_fn(model, batch) that reads the batch itself")
+    return items[0], items[1]
+
+
+def scalar_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise FitError(f"shoal.fit: loss_fn must return one number as a tensor (e.g. a mean), got {shape}")
+    return loss.reshape(())
+
+
+class _LossOf(torch.nn.Module):
+    """loss_fn(model, batch) as a module holding the model: functional_call on it reaches every call the loss makes."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable):
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self, batch):
+        return self.loss_fn(self.model, batch)
+
+
+def register_fit_layers(spec: FitSpec) -> None:
+    """Bind the spec to the user layer types of a fit job (in every process)."""
+    names = spec.trained_names
+    if spec.optimizer is not None:
+        trained = dict(spec.model.named_parameters())
+        register_torch_optimizer(spec.optimizer, [(n, trained[n]) for n in names])
+    # the module copy of the worker that computes a batch's first rows (worker 0) in this process:
+    # test and validation read its buffers (e.g. batch-norm running statistics), not their own copy's
+    trained: dict[str, torch.nn.Module] = {}
+
+    @register_user_layer(DATA_LAYER)
+    class DataLayer(Layer):
+        """The batch of a torch Dataset, as collated (the runtime's feed reads it: `torch_dataset`)."""
+
+        category = "input"
+
+        def __init__(self, conf, src_shapes):
+            super().__init__(conf, src_shapes)
+            phase = conf.include[0] if conf.include else job_pb2.kTrain
+            self.torch_dataset = spec.datasets[phase]
+            self.shuffle, self.shuffle_seed = spec.shuffle and phase == job_pb2.kTrain, spec.seed
+            first = first_tensor(torch.utils.data.default_collate([self.torch_dataset[0]]))
+            self.shape = tuple(first.shape[1:]) or (1,) if first is not None else (1,)
+
+        def forward(self, xs, params, labels, ctx):
+            batch, _ = fed_batch(self, ctx)
+            return batch, None
+
+    class _ModuleCompute(Layer):
+        """A layer whose params are the module's (by their named_parameters names)."""
+
+        def __init__(self, conf, src_shapes):
+            super().__init__(conf, src_shapes)
+            # functional_call swaps a module's parameters in place while it runs, so workers that
+            # run at once (threads) each need their own copy of the module
+            self.module = copy.deepcopy(spec.model)
+
+        def param_shapes(self):
+            shapes = dict(spec.model.named_parameters())
+            return [tuple(shapes[n].shape) for n in names]
+
+        def values(self, params, ctx, device, prefix: str = "") -> dict[str, torch.Tensor]:
+            """Shoal's params by module name; outside training, worker 0's buffers; the module in the phase's mode."""
+            training = ctx.phase == job_pb2.kTrain
+            if self.module.training != training:  # dropout off and running statistics used outside training
+                self.module.train(training)
+            values = {prefix + n: p for n, p in zip(names, params)}
+            if training and (ctx.rows is None or ctx.rows[0] == 0):
+                trained.setdefault("worker0", self.module)
+            elif not training and "worker0" in trained:
+                values = {**{prefix + n: b.to(device) for n, b in trained["worker0"].named_buffers()}, **values}
+            return values
+
+    @register_user_layer(MODULE_LAYER)
+    class ModuleLayer(_ModuleCompute):
+        """output = module(inputs) for (inputs, target) batches; the target travels on as the layer's aux."""
+
+        def __init__(self, conf, src_shapes):
+            super().__init__(conf, src_shapes)
+            inputs, _ = split_pair(torch.utils.data.default_collate([spec.datasets[job_pb2.kTrain][0]]))
+            self.module.eval()  # the shape probe: one real sample, and no batch-norm statistics moved
+            with torch.no_grad():
+                self.shape = tuple(self.module(inputs).shape[1:])
+
+        def forward(self, xs, params, labels, ctx):
+            inputs, target = split_pair(xs[0])
+            values = self.values(params, ctx, ctx.device)
+            return torch.func.functional_call(self.module, values, (inputs,), strict=False), target
+
+    @register_user_layer(LOSS_LAYER)
+    class LossLayer(Layer):
+        category = "loss"
+
+        def forward(self, xs, params, labels, ctx):
+            output, target = xs[0], labels[0]
+            loss = scalar_loss(spec.loss_fn(output, target))
+            with torch.no_grad():
+                rows = batch_rows(output)
+                ctx.report("loss", loss.item(), rows)
+                # accuracy only for class scores against one class id per sample
+                if output.dim() == 2 and isinstance(target, torch.Tensor) and target.dim() == 1 and not target.is_floating_point():
+                    ctx.report("accuracy", (output.argmax(1) == target).float().mean().item(), rows)
+            return loss
+
+    @register_user_layer(MODULE_LOSS_LAYER)
+    class ModuleLossLayer(_ModuleCompute):
+        """loss_fn(model, batch), the model computing on shoal's params."""
+
+        category = "loss"
+
+        def __init__(self, conf, src_shapes):
+            super().__init__(conf, src_shapes)
+            self.wrapper = _LossOf(self.module, spec.loss_fn)
+            self.shape = ()
+
+        def forward(self, xs, params, labels, ctx):
+            values = self.values(params, ctx, ctx.device, prefix="model.")
+            loss = scalar_loss(torch.func.functional_call(self.wrapper, values, (xs[0],), strict=False))
+            with torch.no_grad():
+                ctx.report("loss", loss.item(), batch_rows(xs[0]))
+            return loss
