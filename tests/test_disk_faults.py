@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from cli_in_process import run_cli
+from test_multihost import with_job_secret
 
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.report.metrics import MetricsLog, read_metrics
@@ -226,7 +227,7 @@ def test_each_rank_names_a_killed_torchrun_agent_in_one_line(blobs_job, tmp_path
                "-m", "shoal", "run", str(job), "--workspace", str(ws), "--set", "cluster.nworkers_per_group=2",
                "--set", "test_freq=0", "--set", "disp_freq=20"]
     with open(errors, "w") as stderr:
-        agent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        agent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=with_job_secret(PYTHONUNBUFFERED="1"))
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 120

@@ -16,9 +16,12 @@ A job of several worker groups or processes writes one more file per other
 trainer (a group of threads, or a process): step<N>-group<G>-rank<R>.safetensors,
 the same format, holding that trainer's own state (its params where they are its
 own, its updater state, RNG, data position and exchange state). The chief's file
-lists them (metadata `parts`: name -> required); loading the chief's file loads and
-checks them too, so a checkpoint missing a required part, or with a damaged one, is
-refused as a whole and --resume falls back to an older one.
+lists them (metadata `parts`: name -> required); a resume loads the chief's file with
+its parts (`load(path, parts=True)`) and checks them too, so a checkpoint missing a
+required part, or with a damaged one, is refused as a whole and --resume falls back to
+an older one. Readers of the params alone (--test, checkpoint_path, shoal.fit) read the
+chief's file only: over several hosts without a shared workspace, the other hosts'
+parts are in their own workspaces.
 """
 from __future__ import annotations
 
@@ -144,7 +147,7 @@ def _remove_partial(tmp: Path) -> None:
         pass
 
 
-def load(path: Path, parts: bool = True) -> Checkpoint:
+def load(path: Path, parts: bool = False) -> Checkpoint:
     """Read and check a checkpoint; `parts`: also the other trainers' parts its metadata lists."""
     path = Path(path)
     if path.exists() and not path.is_file():  # a named pipe would block, a device never end
@@ -194,7 +197,8 @@ def _load_parts(path: Path, step: int, listed) -> dict[str, Checkpoint]:
         part = path.parent / name
         if not part.exists():
             if required:
-                raise CheckpointError(f"{path}: incomplete checkpoint: its part {name} is missing")
+                raise CheckpointError(f"{path}: incomplete checkpoint: its part {name} is missing (another process writes "
+                                      "it; over several hosts, resume from a workspace every host shares)")
             continue
         found[name] = load(part, parts=False)
     return found

@@ -224,10 +224,10 @@ def _set_values(run: ProcessRun, spec: RunSpec) -> None:
             spec.initial_values(trainer.store)
     if run.server is not None:
         if spec.resume_from:
-            ckpt = ckpt_io.load(spec.resume_from)
+            ckpt = ckpt_io.load(spec.resume_from, parts=True)
             run.server.restore(ckpt.params, ckpt.updater_state, ckpt.step, resumed_version(ckpt.step, plan))
         return
-    resumed = ckpt_io.load(spec.resume_from) if spec.resume_from is not None else None  # the chief's file and every part
+    resumed = ckpt_io.load(spec.resume_from, parts=True) if spec.resume_from is not None else None  # the chief's file and every part
     for trainer in run.trainers:
         if resumed is not None:
             trainer.restore(spec.resume_from, resumed)

@@ -309,7 +309,7 @@ class Trainer:
         """Continue from a checkpoint exactly where the run that wrote it stood: the chief's file, and this
         trainer's own part where it has one (a checkpoint of another layout, or an older one, has none: then
         this group starts from the chief's values, RNG and data position, its own shard of the data kept)."""
-        ckpt = ckpt if ckpt is not None else ckpt_io.load(path)
+        ckpt = ckpt if ckpt is not None else ckpt_io.load(path, parts=True)
         self.store.load(ckpt.params, strict=True, source=str(path))
         if self.exchange is not None:
             self.exchange.load_updater_state(ckpt.updater_state)

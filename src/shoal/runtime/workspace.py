@@ -224,7 +224,7 @@ def newest_readable(checkpoints: list[tuple[int, Path]]) -> Path:
     unreadable = []
     for _, path in reversed(checkpoints):
         try:
-            ckpt_io.load(path)
+            ckpt_io.load(path, parts=True)  # a resume needs every part
         except ckpt_io.CheckpointError as err:
             unreadable.append(str(err))
             continue
