@@ -194,7 +194,8 @@ neuralnet:
       param: [{{name: g}}]
     - {{name: loss, type: kSoftmaxLoss, srclayers: [gate, data]}}
 """
-    import gate_pb2  # noqa: F401 (loaded by the plugin fixture's first user)
+    load_plugins([plugin_dir / "gate.proto"])  # whatever ran before in this process (test order is not ours)
+    import gate_pb2
 
     job = job_from_yaml(text, "job.yaml", job_dir=plugin_dir)
     assert job.neuralnet.layer[1].Extensions[gate_pb2.gate_conf].factor == 0.25
@@ -205,6 +206,7 @@ neuralnet:
 
 
 def test_set_overrides_reach_extension_fields(plugin_dir, blobs_dir):
+    load_plugins([plugin_dir / "gate.proto"])
     import gate_pb2
 
     (plugin_dir / "set.conf").write_text(gate_job(blobs_dir))

@@ -65,7 +65,7 @@ def attempt(what, call):
     except Exception as err:
         said[what] = "failed: " + str(err).splitlines()[0][:120]
 
-base = dist.PrefixStore("/shoal/attempt_0", dist.TCPStore("127.0.0.1", port, is_master=False, timeout=seconds(10)))
+base = dist.PrefixStore("/shoal/attempt_0", dist.TCPStore("127.0.0.1", port, is_master=False, timeout=seconds(60)))
 # 1. shoal's handshake under the keys it used before jobs had a secret
 door = dist.PrefixStore("shoal/downpour/", base)
 incarnation = door.add("g1/incarnation", 1)
@@ -82,7 +82,7 @@ print("knocked", flush=True)
 said["accepted"] = wait_for(door, f"s0/g1/i{incarnation}/accepted", nonce, 90)
 if said["accepted"]:
     name = f"downpour/s0/g1/i{incarnation}/{nonce}"
-    group = dist.ProcessGroupGloo(dist.PrefixStore(f"shoal/channel/{name}", job.clone()), 1, 2, seconds(10))
+    group = dist.ProcessGroupGloo(dist.PrefixStore(f"shoal/channel/{name}", job.clone()), 1, 2, seconds(30))
     send = lambda t, tag: group.send([t], 0, tag).wait()
     def handshake():  # a nonce, then a proof made up without the secret
         pending = group.recv([torch.zeros(32, dtype=torch.uint8)], 0, 91)
