@@ -16,17 +16,8 @@ from shoal.planning.costs import Calibration
 from shoal.planning.estimate import plan_kernels
 from shoal.planning.plan import plan_job
 from shoal.runtime import calibrate
+from test_calibration import JOB  # the tiny job both files plan
 
-JOB = """
-name: "tiny" train_steps: 1
-train_one_batch { alg: kBP }
-updater { type: kSGD learning_rate { type: kFixed base_lr: 0.1 } }
-neuralnet {
-  layer { name: "data" type: kRecordInput store_conf { backend: "kvfile" path: "nowhere.bin" batchsize: 4 shape: 8 } }
-  layer { name: "fc" type: kInnerProduct srclayers: "data" innerproduct_conf { num_output: 3 } param { name: "w" } param { name: "b" } }
-  layer { name: "loss" type: kSoftmaxLoss srclayers: "fc" srclayers: "data" }
-}
-"""
 ALLREDUCE = ["cluster.nworkers_per_group=2", "cluster.nservers_per_group=2"]
 LOCAL_SGD = ["cluster.nworker_groups=2", "cluster.local_steps=10"]
 

@@ -147,6 +147,17 @@ def _remove_partial(tmp: Path) -> None:
         pass
 
 
+def values_and_state(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """A trainer's own params (`value/<name>`) and updater state (`state/<name>/<slot>`) from the tensors it saved."""
+    values = {key[len("value/"):]: v for key, v in tensors.items() if key.startswith("value/")}
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        if key.startswith("state/"):
+            name, _, slot = key[len("state/"):].rpartition("/")
+            state.setdefault(name, {})[slot] = value
+    return values, state
+
+
 def load(path: Path, parts: bool = False) -> Checkpoint:
     """Read and check a checkpoint; `parts`: also the other trainers' parts its metadata lists."""
     path = Path(path)

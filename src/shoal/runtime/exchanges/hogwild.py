@@ -36,6 +36,7 @@ from typing import Callable, Optional
 import torch
 
 from shoal.errors import warn
+from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.algorithms import Grads
 from shoal.planning.placement import Placement, ServerId
 from shoal.comm import dist as comm
@@ -287,12 +288,7 @@ class HogwildExchange:
         self.server.updates = int(tensors.get("count/server_updates", 0))
         if self.codecs is not None:
             load_codecs_state("delta", self.delta_codecs, tensors)
-        values = {k[len("value/"):]: v for k, v in tensors.items() if k.startswith("value/")}
+        values, state = ckpt_io.values_and_state(tensors)
         if values:
             self.store.load(values, strict=True)
-            state: dict[str, dict[str, torch.Tensor]] = {}
-            for key, value in tensors.items():
-                if key.startswith("state/"):
-                    name, _, slot = key[len("state/"):].rpartition("/")
-                    state.setdefault(name, {})[slot] = value
             self.server.load_state(state)

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from shoal.comm import dist as comm
+from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.algorithms import Grads
 from shoal.neuralnet.params import ParamStore
 from shoal.neuralnet.updaters import Updater
@@ -187,15 +188,10 @@ class PeriodicExchange:
             self._samples = int(tensors.get("count/samples", 0))
             self._window_bytes = int(tensors.get("count/window_bytes", 0))
             return
-        values = {key[len("value/"):]: v for key, v in tensors.items() if key.startswith("value/")}
+        values, state = ckpt_io.values_and_state(tensors)
         if not values:
             return
         self.store.load(values, strict=True)
-        state: dict[str, dict[str, torch.Tensor]] = {}
-        for key, value in tensors.items():
-            if key.startswith("state/"):
-                name, _, slot = key[len("state/"):].rpartition("/")
-                state.setdefault(name, {})[slot] = value
         self.load_updater_state(state)
         self._restored = True
 
