@@ -128,6 +128,18 @@ def _check_optimizer_layout(job: job_pb2.JobProto) -> None:
                        "updater= for that layout")
 
 
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def autocast_dtype(autocast) -> Optional[torch.dtype]:
+    """fit's autocast= as a torch dtype (None: full fp32)."""
+    if autocast is None or autocast in ("fp32", "float32"):
+        return None
+    if autocast is torch.bfloat16 or autocast in AUTOCAST_DTYPES:
+        return torch.bfloat16
+    raise FitError(f"shoal.fit: autocast must be 'bf16' (or None for fp32), got {autocast!r}")
+
+
 def _eval_batches(data: Optional[torch.utils.data.Dataset], batch: int) -> tuple[int, int]:
     """(batch size, steps) that read every sample of an evaluation set once (0 steps without one)."""
     if data is None:
@@ -156,6 +168,8 @@ def fit(
     checkpoint_freq: int = 0,
     seed: int = 0,
     shuffle: bool = True,
+    grad_accum_steps: int = 1,
+    autocast: Optional[str] = None,
     loss_takes: Optional[str] = None,
     workspace: Optional[Union[str, Path]] = None,
     resume: bool = False,
@@ -174,13 +188,21 @@ def fit(
     module's (name, param) pairs, shoal's tensors, in named_parameters order (one worker, or
     synchronous workers in one process). The whole test set is used at each test (every `test_freq`
     steps, else once at the end), the whole validation set every `val_freq` steps. resume=True
-    continues from the workspace's newest checkpoint.
+    continues from the workspace's newest checkpoint. grad_accum_steps=k: each worker computes its
+    share of the `batch_size` rows as k micro-batches (about batch_size/k rows each, one backward each)
+    and hands on their mean gradient, so a step is still one step on `batch_size` rows in a k-th of the
+    activation memory (nanoGPT's gradient_accumulation_steps multiplies the batch instead: give
+    batch_size = micro-batch × k for its behaviour). autocast="bf16": the module and the loss compute
+    under torch.autocast(device type, torch.bfloat16) in training and evaluation; params, gradients and
+    updates stay fp32.
     """
     from shoal.frontend import api, script
     from shoal.config.validate import validate
     from shoal.neuralnet.shapes import check_shapes
 
     form = loss_form(loss_fn, loss_takes)
+    if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or not 1 <= grad_accum_steps <= batch_size:
+        raise FitError(f"shoal.fit: grad_accum_steps must be a whole number from 1 to batch_size ({batch_size}), got {grad_accum_steps!r}")
     datasets = {job_pb2.kTrain: as_dataset(train_data, "train_data")}
     if test_data is not None:
         datasets[job_pb2.kTest] = as_dataset(test_data, "test_data")
@@ -197,7 +219,8 @@ def fit(
                   cluster=cluster or Cluster(), updater=updater or {"type": "kSGD", "learning_rate": {"base_lr": 0.01}},
                   seed=seed, checkpoint_freq=checkpoint_freq)
     job = script.applied(job)  # under `shoal run script.py`: the command line's --set (a seed set there shuffles too)
-    spec = FitSpec(model, loss_fn, form, datasets, job.seed, shuffle, optimizer)
+    spec = FitSpec(model, loss_fn, form, datasets, job.seed, shuffle, optimizer, grad_accum_steps=grad_accum_steps,
+                   autocast=autocast_dtype(autocast))
     register_fit_layers(spec)
     validate(job, None, shape_check=check_shapes)
     if optimizer is not None:

@@ -12,6 +12,7 @@ loss makes into the model (forward or any method) computes on shoal's params.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from dataclasses import dataclass
@@ -63,6 +64,14 @@ class FitSpec:
     seed: int
     shuffle: bool
     optimizer: Optional[Callable] = None  # a torch.optim factory (neuralnet/torch_optimizer.py)
+    grad_accum_steps: int = 1  # micro-batches per worker share and step (runtime/worker.py's micro_batches)
+    autocast: Optional[torch.dtype] = None  # forward (module and loss) under torch.autocast at this dtype; params stay fp32
+
+    def computing(self, device: torch.device):
+        """The context the module and loss compute in: torch.autocast on the batch's device, or nothing."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.autocast)
 
     @property
     def trained_names(self) -> list[str]:
@@ -117,6 +126,7 @@ def register_fit_layers(spec: FitSpec) -> None:
             phase = conf.include[0] if conf.include else job_pb2.kTrain
             self.torch_dataset = spec.datasets[phase]
             self.shuffle, self.shuffle_seed = spec.shuffle and phase == job_pb2.kTrain, spec.seed
+            self.micro_batches = spec.grad_accum_steps if phase == job_pb2.kTrain else 1  # read by the worker
             first = first_tensor(torch.utils.data.default_collate([self.torch_dataset[0]]))
             self.shape = tuple(first.shape[1:]) or (1,) if first is not None else (1,)
 
@@ -163,7 +173,8 @@ def register_fit_layers(spec: FitSpec) -> None:
         def forward(self, xs, params, labels, ctx):
             inputs, target = split_pair(xs[0])
             values = self.values(params, ctx, ctx.device)
-            return torch.func.functional_call(self.module, values, (inputs,), strict=False), target
+            with spec.computing(ctx.device):
+                return torch.func.functional_call(self.module, values, (inputs,), strict=False), target
 
     @register_user_layer(LOSS_LAYER)
     class LossLayer(Layer):
@@ -171,7 +182,8 @@ def register_fit_layers(spec: FitSpec) -> None:
 
         def forward(self, xs, params, labels, ctx):
             output, target = xs[0], labels[0]
-            loss = scalar_loss(spec.loss_fn(output, target))
+            with spec.computing(ctx.device):
+                loss = scalar_loss(spec.loss_fn(output, target))
             with torch.no_grad():
                 rows = batch_rows(output)
                 ctx.report("loss", loss.item(), rows)
@@ -193,7 +205,8 @@ def register_fit_layers(spec: FitSpec) -> None:
 
         def forward(self, xs, params, labels, ctx):
             values = self.values(params, ctx, ctx.device, prefix="model.")
-            loss = scalar_loss(torch.func.functional_call(self.wrapper, values, (xs[0],), strict=False))
+            with spec.computing(ctx.device):
+                loss = scalar_loss(torch.func.functional_call(self.wrapper, values, (xs[0],), strict=False))
             with torch.no_grad():
                 ctx.report("loss", loss.item(), batch_rows(xs[0]))
             return loss
