@@ -4,13 +4,17 @@ The model is the tiny GPT of tests/test_fit_module.py (1 layer, 32 wide, block 1
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from layouts import LAYOUTS, assert_ran
+import shoal
+from layouts import LAYOUTS, assert_ran, summary
 from shoal.frontend.module_path import FitError
 from shoal.runtime.worker import micro_batch_rows
-from test_fit_module import assert_same_params, fit, train_losses
+from test_fit_module import (BLOCK, CORPUS, VOCAB, CharWindows, Pairs, assert_same_params, encode, fit, next_char_loss, sequence_loss,
+                             tiny_gpt, train_losses, windows)
 
 ADAM = {"type": "kAdam", "learning_rate": {"base_lr": 0.01}}
 
@@ -62,3 +66,55 @@ def test_bf16_autocast_trains_the_gpt_on_fp32_params_and_gradients(tmp_path):
     assert sum(l16[-5:]) == pytest.approx(sum(l32[-5:]), rel=0.1)  # the runs drift apart step by step, yet end close
     with pytest.raises(FitError, match="autocast must be 'bf16'"):
         fit(tmp_path, "fp16", autocast="fp16")
+
+
+def token_accuracy(model, batch):
+    return (model(batch["x"]).argmax(-1) == batch["y"]).float().mean()
+
+
+def val_windows():
+    return CharWindows(encode(CORPUS[:200], VOCAB), BLOCK, BLOCK)  # 12 windows
+
+
+def test_validation_computes_any_metric_in_eval_mode_averaged_by_samples(tmp_path):
+    model, history = fit(tmp_path, "metrics", steps=20, updater=ADAM, val_data=val_windows(), val_freq=10, val_batch=4,
+                         metrics={"perplexity": shoal.perplexity, "accuracy": token_accuracy,
+                                  "dropout_on": lambda model, batch: float(model.training)})
+    vals = history.phase("validate")
+    assert [r["step"] for r in vals] == [0, 10]
+    assert all(r["dropout_on"] == 0.0 for r in vals)  # eval mode
+    # recomputed by hand on the initial model (validation at step 0): the whole set, sample-weighted
+    model, data = tiny_gpt().eval(), val_windows()
+    with torch.no_grad():
+        batches = [torch.utils.data.default_collate([data[i] for i in range(s, min(s + 4, len(data)))]) for s in range(0, len(data), 4)]
+        rows = [len(b["x"]) for b in batches]
+        assert rows == [4, 4, 4]  # 12 windows: batches of 4 (fit takes the largest divisor of the set's size up to val_batch)
+        losses = [next_char_loss(model, b).item() for b in batches]
+        mean_loss = sum(l * n for l, n in zip(losses, rows)) / sum(rows)
+        accuracy = sum(token_accuracy(model, b).item() * n for b, n in zip(batches, rows)) / sum(rows)
+    first = vals[0]
+    assert first["samples"] == 12
+    assert first["loss"] == pytest.approx(mean_loss, rel=1e-5) and first["accuracy"] == pytest.approx(accuracy, rel=1e-5)
+    assert first["perplexity"] == pytest.approx(math.exp(mean_loss), rel=1e-5)
+    assert first["perplexity"] < sum(math.exp(l) * n for l, n in zip(losses, rows)) / sum(rows)  # not the mean of exps (Jensen)
+    s = summary(tmp_path / "metrics")["validate"]
+    assert s["perplexity"]["higher_is_better"] is False and s["accuracy"]["higher_is_better"] is True
+    assert s["loss"]["final"] == vals[-1]["loss"] and s["loss"]["best"] == min(r["loss"] for r in vals)
+    assert s["accuracy"]["best"] == max(r["accuracy"] for r in vals)
+
+
+def test_metrics_in_the_output_form_and_declared_directions(tmp_path):
+    def mistakes(output, target):
+        return (output.argmax(-1) != target).float().mean()
+
+    _, history = fit(tmp_path, "pairs", data=Pairs(windows()), loss=sequence_loss, steps=10, updater=ADAM,
+                     val_data=Pairs(val_windows()), val_freq=5, val_batch=4,
+                     metrics={"mistakes": mistakes, "perplexity": shoal.perplexity}, higher_is_better={"mistakes": False})
+    vals = history.phase("validate")
+    assert all(0 <= r["mistakes"] <= 1 and r["perplexity"] == pytest.approx(math.exp(r["loss"]), rel=1e-6) for r in vals)
+    s = summary(tmp_path / "pairs")
+    assert s["validate"]["mistakes"]["higher_is_better"] is False and s["goals"]["higher_is_better"] == {"mistakes": False}
+    with pytest.raises(FitError, match="metrics\\['loss'\\]: the loss is always reported"):
+        fit(tmp_path, "bad", metrics={"loss": token_accuracy})
+    with pytest.raises(FitError, match="metrics\\['bad'\\] must return one number"):
+        fit(tmp_path, "bad2", steps=1, val_data=val_windows(), val_freq=1, metrics={"bad": lambda model, batch: model(batch["x"])})
