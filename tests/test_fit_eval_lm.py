@@ -4,6 +4,7 @@ The model is the tiny GPT of tests/test_fit_module.py (1 layer, 32 wide, block 1
 """
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -118,3 +119,56 @@ def test_metrics_in_the_output_form_and_declared_directions(tmp_path):
         fit(tmp_path, "bad", metrics={"loss": token_accuracy})
     with pytest.raises(FitError, match="metrics\\['bad'\\] must return one number"):
         fit(tmp_path, "bad2", steps=1, val_data=val_windows(), val_freq=1, metrics={"bad": lambda model, batch: model(batch["x"])})
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory):
+    """A tiny GPT validated every 5 steps with perplexity and accuracy, declaring a reachable and an unreachable target."""
+    root = tmp_path_factory.mktemp("lm")
+    _, history = fit(root, "gpt", steps=30, updater=ADAM, val_data=val_windows(), val_freq=5, val_batch=4,
+                     metrics={"perplexity": shoal.perplexity, "accuracy": token_accuracy},
+                     targets={"val_loss": 2.9, "val_accuracy": 0.99})
+    return root / "gpt", history
+
+
+def test_time_to_target_on_any_metric_through_the_api(lm_run):
+    workspace, history = lm_run
+    vals = history.phase("validate")
+    first = next(r for r in vals if r["loss"] <= 2.9)
+    assert vals[0]["loss"] > 2.9 and first["step"] > 0  # reached during training, not at the start
+    s = summary(workspace)
+    assert s["goals"]["targets"] == ["val_loss<=2.9", "val_accuracy>=0.99"]  # directions from the names
+    assert s["time_to_target"] == {"val_loss<=2.9": {"step": first["step"], "time": first["time"]}, "val_accuracy>=0.99": None}
+    assert s["validate"]["perplexity"]["best"] == pytest.approx(math.exp(s["validate"]["loss"]["best"]), rel=1e-6)
+    with pytest.raises(FitError, match="targets 'val_loss<=1': expected PHASE_METRIC \\(e.g. val_loss\\)"):
+        fit(workspace.parent, "bad", targets={"val_loss<=1": 2.0})
+    with pytest.raises(FitError, match="targets\\['val_loss'\\] must be a number"):
+        fit(workspace.parent, "bad", targets={"val_loss": "low"})
+
+
+def test_compare_shows_targets_and_validation_metrics(lm_run):
+    from test_report import assert_one_line_error, shoal_cli
+
+    workspace, history = lm_run
+    vals = history.phase("validate")
+    first = next(r for r in vals if r["perplexity"] <= 15)
+    rows = shoal.compare_runs([workspace], targets=["val_perplexity<=15"])
+    assert rows[0]["time_to_target"]["val_perplexity<=15"] == {"step": first["step"], "time": first["time"]}
+    assert rows[0]["validate"]["perplexity"]["final"] == vals[-1]["perplexity"]
+    as_json = shoal_cli("compare", "--json", "--target", "val_perplexity<=15", "--target", "test_loss<=1", workspace)
+    row = json.loads(as_json.stdout)[0]
+    assert set(row["time_to_target"]) == {"val_loss<=2.9", "val_accuracy>=0.99", "val_perplexity<=15", "test_loss<=1"}
+    assert row["time_to_target"]["test_loss<=1"] is None  # no test set
+    header, cells = shoal_cli("compare", "--markdown", "--target", "val_perplexity<=15", workspace).stdout.strip().splitlines()[::2]
+    columns = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in cells.split("|")]))
+    assert columns["→val_perplexity≤15"].endswith(f" s @{first['step']}")  # wall time @ step
+    assert columns["→val_accuracy≥0.99"] == "—" and columns["val perplexity"] == format(vals[-1]["perplexity"], ".4g")
+    assert_one_line_error(shoal_cli("compare", "--target", "val_loss<1.9", workspace), "--target 'val_loss<1.9': expected")
+
+
+def test_plot_draws_every_metric_present(lm_run, tmp_path):
+    workspace, _ = lm_run
+    svg = shoal.plot_runs([workspace], tmp_path / "lm.svg").read_text()
+    for title in ("loss vs step", "accuracy vs time", "perplexity vs step"):
+        assert title in svg
+    assert "validate" in svg  # the validations' legend entry
