@@ -10,7 +10,7 @@
     shoal.estimate(job, compare=True)   # predicted samples/s of every framework layout (docs/planning.md)
     shoal.register_layer("kFoo", Foo); shoal.load_plugins(["rnnlm.proto", "rnnlm.py"])  # user layers (docs/layers.md)
 """
-__all__ = ["load_job", "train", "evaluate", "estimate", "fit", "Cluster", "plot_runs", "compare_runs", "draw_net", "register_layer", "load_plugins"]
+__all__ = ["load_job", "train", "evaluate", "estimate", "fit", "Cluster", "perplexity", "plot_runs", "compare_runs", "draw_net", "register_layer", "load_plugins"]
 __version__ = "0.1.0"
 
 
@@ -24,6 +24,10 @@ def __getattr__(name: str):
         from shoal.config.plugins import load_plugins
 
         return load_plugins
+    if name == "perplexity":
+        from shoal.frontend.fit_metrics import perplexity
+
+        return perplexity
     if name in ("fit", "Cluster"):
         from shoal.frontend import fit as fitting
 

@@ -223,8 +223,9 @@ def estimate(
     return result
 
 
-def compare_runs(runs: Sequence[Union[str, Path]]) -> list[dict]:
-    """One dict per run workspace: layout, samples/s, time to 90/95/97% test accuracy, final accuracy, staleness."""
+def compare_runs(runs: Sequence[Union[str, Path]], targets: Sequence[str] = ()) -> list[dict]:
+    """One dict per run workspace: layout, samples/s, time to 90/95/97% test accuracy and to each target
+    ("val_loss<=1.9", besides those the run declared), final validation metrics, final accuracy, staleness."""
     from shoal.report.compare import compare_runs as compare
 
-    return compare(runs)
+    return compare(runs, targets=targets)

@@ -181,6 +181,8 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--markdown", action="store_true", help="a markdown table (for docs)")
+    p.add_argument("--target", action="append", default=[], metavar="PHASE_METRIC<=VALUE",
+                   help="time and step each run first reached a target, e.g. val_loss<=1.9, test_accuracy>=0.97 (repeatable)")
 
 
 def _add_viz(sub: argparse._SubParsersAction) -> None:
@@ -495,7 +497,7 @@ def _compare(args: argparse.Namespace) -> int:
 
     from shoal.report.compare import compare_runs, render_markdown, render_rich  # = shoal.compare_runs
 
-    rows = compare_runs(args.runs)
+    rows = compare_runs(args.runs, targets=args.target)
     if args.json:
         print(json.dumps(rows, indent=2))
     elif args.markdown:

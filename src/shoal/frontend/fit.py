@@ -45,7 +45,9 @@ from shoal.frontend.keras import Cluster
 from shoal.frontend.module_path import (DATA_LAYER, LOSS_LAYER, MODULE_LAYER, MODULE_LOSS_LAYER, FitError, FitSpec, loss_form,
                                         register_fit_layers)
 from shoal.neuralnet.params import ParamStore
+from shoal.frontend.fit_metrics import check_metrics, run_goals
 from shoal.neuralnet.torch_optimizer import OPTIMIZER_UPDATER
+from shoal.report.targets import set_run_goals
 
 Data = Union[tuple, torch.utils.data.Dataset]
 
@@ -128,11 +130,31 @@ def _check_optimizer_layout(job: job_pb2.JobProto) -> None:
                        "updater= for that layout")
 
 
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def autocast_dtype(autocast) -> Optional[torch.dtype]:
+    """fit's autocast= as a torch dtype (None: full fp32)."""
+    if autocast is None or autocast in ("fp32", "float32"):
+        return None
+    if autocast is torch.bfloat16 or autocast in AUTOCAST_DTYPES:
+        return torch.bfloat16
+    raise FitError(f"shoal.fit: autocast must be 'bf16' (or None for fp32), got {autocast!r}")
+
+
 def _eval_batches(data: Optional[torch.utils.data.Dataset], batch: int) -> tuple[int, int]:
-    """(batch size, steps) that read every sample of an evaluation set once (0 steps without one)."""
+    """(batch size, steps) that read every sample of an evaluation set once (0 steps without one).
+
+    The batch is the largest divisor of the set's size up to `batch` (when at least a quarter of it), so each
+    evaluation reads every sample exactly once and the next starts again at the first; otherwise the last
+    batch wraps round to the first samples (counted twice) and the next evaluation starts where it ended.
+    """
     if data is None:
         return batch, 0
     batch = min(batch, len(data))
+    divisor = next(d for d in range(batch, 0, -1) if len(data) % d == 0)
+    if 4 * divisor >= batch:
+        batch = divisor
     return batch, math.ceil(len(data) / batch)
 
 
@@ -156,6 +178,12 @@ def fit(
     checkpoint_freq: int = 0,
     seed: int = 0,
     shuffle: bool = True,
+    grad_accum_steps: int = 1,
+    autocast: Optional[str] = None,
+    metrics: Optional[dict] = None,
+    higher_is_better=None,
+    targets: Optional[dict] = None,
+    val_steps: Optional[int] = None,
     loss_takes: Optional[str] = None,
     workspace: Optional[Union[str, Path]] = None,
     resume: bool = False,
@@ -174,20 +202,37 @@ def fit(
     module's (name, param) pairs, shoal's tensors, in named_parameters order (one worker, or
     synchronous workers in one process). The whole test set is used at each test (every `test_freq`
     steps, else once at the end), the whole validation set every `val_freq` steps. resume=True
-    continues from the workspace's newest checkpoint.
+    continues from the workspace's newest checkpoint. grad_accum_steps=k: each worker computes its
+    share of the `batch_size` rows as k micro-batches (about batch_size/k rows each, one backward each)
+    and hands on their mean gradient, so a step is still one step on `batch_size` rows in a k-th of the
+    activation memory (nanoGPT's gradient_accumulation_steps multiplies the batch instead: give
+    batch_size = micro-batch × k for its behaviour). autocast="bf16": the module and the loss compute
+    under torch.autocast(device type, torch.bfloat16) in training and evaluation; params, gradients and
+    updates stay fp32. metrics: {name: callable} in the loss's form (`fn(model, batch)` or
+    `fn(output, target)`, one number per batch), or shoal.perplexity (exp of the mean loss), computed
+    at every test and validation in eval mode and averaged by samples over the set (val_steps: only
+    the first val_steps batches of the validation set). higher_is_better: metric names whose larger
+    values are better (or a dict name -> bool); otherwise read from the name (report.metrics). targets:
+    {"val_loss": 1.9, "test_accuracy": 0.9}: summary.json's time_to_target gives the step and wall
+    time each was first reached.
     """
-    from shoal.frontend import api, script
-    from shoal.config.validate import validate
-    from shoal.neuralnet.shapes import check_shapes
+    from shoal.frontend import script
 
     form = loss_form(loss_fn, loss_takes)
+    if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or not 1 <= grad_accum_steps <= batch_size:
+        raise FitError(f"shoal.fit: grad_accum_steps must be a whole number from 1 to batch_size ({batch_size}), got {grad_accum_steps!r}")
     datasets = {job_pb2.kTrain: as_dataset(train_data, "train_data")}
     if test_data is not None:
         datasets[job_pb2.kTest] = as_dataset(test_data, "test_data")
     if val_data is not None:
         datasets[job_pb2.kVal] = as_dataset(val_data, "val_data")
     test_batch, test_steps = _eval_batches(datasets.get(job_pb2.kTest), test_batch)
-    val_batch, val_steps = _eval_batches(datasets.get(job_pb2.kVal), val_batch)
+    val_batch, whole_val = _eval_batches(datasets.get(job_pb2.kVal), val_batch)
+    if val_steps is not None and (isinstance(val_steps, bool) or not isinstance(val_steps, int) or val_steps < 1):
+        raise FitError(f"shoal.fit: val_steps must be a whole number of batches from 1 (or None: the whole set), got {val_steps!r}")
+    val_steps = whole_val if val_steps is None else min(val_steps, whole_val)
+    metrics = check_metrics(metrics)
+    goals = run_goals(higher_is_better, targets)
     if optimizer is not None and updater is not None:
         raise FitError("shoal.fit: give updater (SINGA's) or optimizer (a torch.optim factory), not both")
     if optimizer is not None:
@@ -197,18 +242,31 @@ def fit(
                   cluster=cluster or Cluster(), updater=updater or {"type": "kSGD", "learning_rate": {"base_lr": 0.01}},
                   seed=seed, checkpoint_freq=checkpoint_freq)
     job = script.applied(job)  # under `shoal run script.py`: the command line's --set (a seed set there shuffles too)
-    spec = FitSpec(model, loss_fn, form, datasets, job.seed, shuffle, optimizer)
+    spec = FitSpec(model, loss_fn, form, datasets, job.seed, shuffle, optimizer, grad_accum_steps=grad_accum_steps,
+                   autocast=autocast_dtype(autocast), metrics=metrics, goals=goals)
     register_fit_layers(spec)
+    try:
+        history = _train(job, spec, model, workspace, resume, log, optimizer is not None)
+    finally:
+        set_run_goals(None)  # a later run in this process declares its own
+    from shoal.report.progress import closing_line
+
+    log(closing_line(history.workspace))  # what the run did, as `shoal run` closes
+    return history
+
+
+def _train(job, spec: FitSpec, model, workspace, resume: bool, log, torch_optimizer: bool):
+    from shoal.frontend import api, script
+    from shoal.config.validate import validate
+    from shoal.neuralnet.shapes import check_shapes
+
     validate(job, None, shape_check=check_shapes)
-    if optimizer is not None:
+    if torch_optimizer:
         _check_optimizer_layout(job)
     history = api.train(job, workspace=Path(script.workspace(workspace) or "fit-workspace"), resume=resume, log=log,
                         progress=False, job_file="<shoal.fit>", process_setup=functools.partial(register_fit_layers, spec),
                         initial_values=functools.partial(copy_module_values, model))
     _load_trained_values(model, history.workspace, job.train_steps)
-    from shoal.report.progress import closing_line
-
-    log(closing_line(history.workspace))  # what the run did, as `shoal run` closes
     return history
 
 

@@ -12,9 +12,10 @@ loss makes into the model (forward or any method) computes on shoal's params.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -22,17 +23,15 @@ import torch
 from shoal.config import job_pb2
 from shoal.data.in_place import batch_rows, first_tensor
 from shoal.errors import ShoalError
+from shoal.frontend.fit_metrics import FitError, report_metrics  # noqa: F401 (FitError: fit's error, named here too)
 from shoal.neuralnet.layers.base import Layer
 from shoal.neuralnet.layers.input import fed_batch
 from shoal.neuralnet.layers.registry import register_user_layer
 from shoal.neuralnet.torch_optimizer import register_torch_optimizer
+from shoal.report.targets import RunGoals, set_run_goals
 
 DATA_LAYER, MODULE_LAYER, LOSS_LAYER, MODULE_LOSS_LAYER = "shoal.fit.Data", "shoal.fit.Module", "shoal.fit.Loss", "shoal.fit.ModuleLoss"
 LOSS_FORMS = ("output", "model")
-
-
-class FitError(ShoalError, ValueError):
-    """shoal.fit was given something it cannot train: one line saying what."""
 
 
 def loss_form(loss_fn: Callable, loss_takes: Optional[str]) -> str:
@@ -63,6 +62,16 @@ class FitSpec:
     seed: int
     shuffle: bool
     optimizer: Optional[Callable] = None  # a torch.optim factory (neuralnet/torch_optimizer.py)
+    grad_accum_steps: int = 1  # micro-batches per worker share and step (runtime/worker.py's micro_batches)
+    autocast: Optional[torch.dtype] = None  # forward (module and loss) under torch.autocast at this dtype; params stay fp32
+    metrics: dict = field(default_factory=dict)  # name -> callable in the loss's form (frontend/fit_metrics.py), test/validation
+    goals: RunGoals = field(default_factory=RunGoals)  # metric directions and targets, for the summary
+
+    def computing(self, device: torch.device):
+        """The context the module and loss compute in: torch.autocast on the batch's device, or nothing."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.autocast)
 
     @property
     def trained_names(self) -> list[str]:
@@ -99,6 +108,7 @@ class _LossOf(torch.nn.Module):
 def register_fit_layers(spec: FitSpec) -> None:
     """Bind the spec to the user layer types of a fit job (in every process)."""
     names = spec.trained_names
+    set_run_goals(spec.goals)  # the summary this process may write reports them
     if spec.optimizer is not None:
         trained = dict(spec.model.named_parameters())
         register_torch_optimizer(spec.optimizer, [(n, trained[n]) for n in names])
@@ -117,6 +127,7 @@ def register_fit_layers(spec: FitSpec) -> None:
             phase = conf.include[0] if conf.include else job_pb2.kTrain
             self.torch_dataset = spec.datasets[phase]
             self.shuffle, self.shuffle_seed = spec.shuffle and phase == job_pb2.kTrain, spec.seed
+            self.micro_batches = spec.grad_accum_steps if phase == job_pb2.kTrain else 1  # read by the worker
             first = first_tensor(torch.utils.data.default_collate([self.torch_dataset[0]]))
             self.shape = tuple(first.shape[1:]) or (1,) if first is not None else (1,)
 
@@ -163,7 +174,8 @@ def register_fit_layers(spec: FitSpec) -> None:
         def forward(self, xs, params, labels, ctx):
             inputs, target = split_pair(xs[0])
             values = self.values(params, ctx, ctx.device)
-            return torch.func.functional_call(self.module, values, (inputs,), strict=False), target
+            with spec.computing(ctx.device):
+                return torch.func.functional_call(self.module, values, (inputs,), strict=False), target
 
     @register_user_layer(LOSS_LAYER)
     class LossLayer(Layer):
@@ -171,12 +183,16 @@ def register_fit_layers(spec: FitSpec) -> None:
 
         def forward(self, xs, params, labels, ctx):
             output, target = xs[0], labels[0]
-            loss = scalar_loss(spec.loss_fn(output, target))
+            with spec.computing(ctx.device):
+                loss = scalar_loss(spec.loss_fn(output, target))
             with torch.no_grad():
                 rows = batch_rows(output)
                 ctx.report("loss", loss.item(), rows)
-                # accuracy only for class scores against one class id per sample
-                if output.dim() == 2 and isinstance(target, torch.Tensor) and target.dim() == 1 and not target.is_floating_point():
+                if ctx.phase != job_pb2.kTrain and spec.metrics:
+                    with spec.computing(ctx.device):
+                        report_metrics(spec.metrics, lambda fn: fn(output, target), loss.item(), rows, ctx.report)
+                # accuracy only for class scores against one class id per sample (unless the user measures their own)
+                if "accuracy" not in spec.metrics and output.dim() == 2 and isinstance(target, torch.Tensor) and target.dim() == 1 and not target.is_floating_point():
                     ctx.report("accuracy", (output.argmax(1) == target).float().mean().item(), rows)
             return loss
 
@@ -193,7 +209,14 @@ def register_fit_layers(spec: FitSpec) -> None:
 
         def forward(self, xs, params, labels, ctx):
             values = self.values(params, ctx, ctx.device, prefix="model.")
-            loss = scalar_loss(torch.func.functional_call(self.wrapper, values, (xs[0],), strict=False))
+            with spec.computing(ctx.device):
+                loss = scalar_loss(torch.func.functional_call(self.wrapper, values, (xs[0],), strict=False))
             with torch.no_grad():
                 ctx.report("loss", loss.item(), batch_rows(xs[0]))
+                if ctx.phase != job_pb2.kTrain and spec.metrics:
+                    def compute(fn):  # fn(model, batch) on shoal's params, as the loss
+                        return torch.func.functional_call(_LossOf(self.module, fn), values, (xs[0],), strict=False)
+
+                    with spec.computing(ctx.device):
+                        report_metrics(spec.metrics, compute, loss.item(), batch_rows(xs[0]), ctx.report)
             return loss

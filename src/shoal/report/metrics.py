@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from shoal.report.writes import write_error, writing
 
@@ -23,15 +23,20 @@ class MetricWindow:
     def __init__(self) -> None:
         self._sums: dict[str, float] = {}
         self._counts: dict[str, int] = {}
+        self._finish: dict[str, Callable[[float], float]] = {}  # applied to the mean (perplexity: exp of the mean loss)
         self._lock = threading.Lock()  # the workers of a group report from their threads
 
-    def report(self, name: str, value: float, count: int = 1) -> None:
+    def report(self, name: str, value: float, count: int = 1, finish: Optional[Callable[[float], float]] = None) -> None:
+        """Add `value` (a mean over `count` samples); `finish` maps the window's mean to the shown value."""
         with self._lock:
             self._sums[name] = self._sums.get(name, 0.0) + float(value) * count
             self._counts[name] = self._counts.get(name, 0) + count
+            if finish is not None:
+                self._finish[name] = finish
 
     def averages(self) -> dict[str, float]:
-        return {k: self._sums[k] / self._counts[k] for k in self._sums if self._counts[k]}
+        means = {k: self._sums[k] / self._counts[k] for k in self._sums if self._counts[k]}
+        return {k: _finished(self._finish[k], v) if k in self._finish else v for k, v in means.items()}
 
     def non_finite(self) -> dict[str, float]:
         """The metrics whose sum became NaN or infinite (a diverged loss stays so until the window resets)."""
@@ -51,6 +56,27 @@ class MetricWindow:
     def load_state(self, state: dict) -> None:
         self._sums = {k: float(v) for k, v in state.get("sums", {}).items()}
         self._counts = {k: int(v) for k, v in state.get("counts", {}).items()}
+
+
+def _finished(finish: Callable[[float], float], mean: float) -> float:
+    try:
+        return float(finish(mean))
+    except OverflowError:  # exp of a diverged loss
+        return math.inf
+
+
+# Which way a metric improves: declared by the user (shoal.fit's higher_is_better), else read from its name.
+HIGHER_IS_BETTER_WORDS = ("accuracy", "acc", "precision", "recall", "f1", "auc", "bleu", "rouge", "top", "iou", "map", "score")
+
+
+def higher_is_better(name: str, declared: Optional[dict] = None) -> bool:
+    """True when larger values of metric `name` are better: `declared[name]` if given, else from the name
+    (accuracy, precision@k, recall, f1, auc, bleu, rouge, top-k, iou, map, score: higher; loss, perplexity,
+    error and anything else: lower)."""
+    if declared and name in declared:
+        return bool(declared[name])
+    words = [w for w in name.lower().replace("@", "_").replace("-", "_").split("_") if w]
+    return any(w in HIGHER_IS_BETTER_WORDS or w.startswith("top") for w in words)
 
 
 def _label(name: str) -> str:
@@ -76,6 +102,8 @@ RECORD_KEYS: dict[str, tuple[str, str]] = {
     "time": ("all", "wall-clock seconds since the run started, carried over across resumes"),
     "loss": ("all", "mean loss over the window (train) or the test/validation batches"),
     "accuracy": ("all", "top-k accuracy, when the net reports it"),
+    "perplexity": ("test, validate", "shoal.fit's metrics={'perplexity': shoal.perplexity}: exp of the mean loss over the set "
+                   "(any other name a fit metric has is recorded the same way: its sample-weighted mean)"),
     "samples": ("train, test, validate", "train: samples the group processed in the display window; test/validate: "
                 "samples the test ran on (test_steps × batch)"),
     "samples_per_sec": ("train", "samples / window_sec"),

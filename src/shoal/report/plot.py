@@ -1,7 +1,8 @@
-"""`shoal plot`: loss and accuracy of several runs, against step and against wall-clock time.
+"""`shoal plot`: every metric of several runs (loss, accuracy, perplexity, ...), against step and wall-clock time.
 
 One colour per run, labelled with its framework and layout; training windows
-are lines, tests are marked points joined by a dashed line. Drawn on a bare
+are lines, tests are marked points joined by a dashed line, validations
+squares joined by a dotted line. Drawn on a bare
 matplotlib Figure with the Agg canvas: no pyplot, no global backend switch,
 so the API is safe to call from a notebook or a training script.
 """
@@ -12,6 +13,7 @@ import math
 from pathlib import Path
 
 from shoal.report.errors import ReportError
+from shoal.report.metrics import RECORD_KEYS
 from shoal.report.runs import Run, load_runs
 
 X_AXES = {"step": "training step", "time": "wall-clock time (s)"}
@@ -25,11 +27,18 @@ def _series(records: list[dict], x: str, metric: str) -> tuple[list[float], list
     return [p[0] for p in points], [p[1] for p in points]
 
 
+# record keys that are not metrics of the model (timings, byte counts, staleness: metrics.RECORD_KEYS)
+NOT_PLOTTED = frozenset(RECORD_KEYS) - {"loss", "accuracy", "perplexity"}
+PHASES = ("train", "test", "validate")
+
+
 def _metrics_of(runs: list[Run]) -> list[str]:
-    present = lambda m: any(isinstance(r.get(m), (int, float)) for run in runs for r in run.records)
-    metrics = [m for m in ("loss", "accuracy") if present(m)]
+    """Every metric some record of a run has: loss and accuracy first, the rest by name."""
+    present = {k for run in runs for r in run.records if r.get("phase") in PHASES and r.get("mode") != "test-only"
+               for k, v in r.items() if k not in NOT_PLOTTED and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    metrics = sorted(present, key=lambda m: (m != "loss", m != "accuracy", m))
     if not metrics:
-        raise ReportError("no loss or accuracy in the runs' metrics: nothing to plot")
+        raise ReportError("no metric (loss, accuracy, ...) in the runs' metrics: nothing to plot")
     return metrics
 
 
@@ -69,9 +78,10 @@ def plot_runs(
                 under = len(runs) - 1 - k if axis == "step" else 0
                 tx, ty = _series(run.phase("train"), axis, metric)
                 ax.plot(tx, ty, color=colour, linewidth=1.6 + 1.1 * under, alpha=0.9, zorder=2 + k / 10, solid_capstyle="round")
-                sx, sy = _series(run.phase("test"), axis, metric)
-                ax.plot(sx, sy, color=colour, linestyle="--", linewidth=1.0, marker="o", markersize=6 + 2.2 * under,
-                        markeredgecolor="white", markeredgewidth=0.8, zorder=3 + k / 10)
+                for phase, line, marker in (("test", "--", "o"), ("validate", ":", "s")):
+                    sx, sy = _series(run.phase(phase), axis, metric)
+                    ax.plot(sx, sy, color=colour, linestyle=line, linewidth=1.0, marker=marker, markersize=6 + 2.2 * under,
+                            markeredgecolor="white", markeredgewidth=0.8, zorder=3 + k / 10)
             ax.set_xlabel(X_AXES[axis])
             ax.set_ylabel(metric)
             ax.grid(True, alpha=0.3)
@@ -86,12 +96,12 @@ def plot_runs(
             ax.set_title(f"{metric} vs {axis}", fontsize=11)
 
     run_handles = [Line2D([], [], color=COLOURS[k % len(COLOURS)], linewidth=3) for k in range(len(runs))]
-    style_handles = [
-        Line2D([], [], color="grey", linewidth=1.4),
-        Line2D([], [], color="grey", linestyle="--", marker="o", markersize=6, markeredgecolor="white"),
-    ]
-    fig.legend(run_handles + style_handles, [r.label for r in runs] + ["train (display windows)", "test"],
-               loc="outside lower center", ncols=min(3, len(runs) + 2), frameon=False, fontsize=10)
+    styles = [("train (display windows)", Line2D([], [], color="grey", linewidth=1.4))]
+    for phase, line, marker in (("test", "--", "o"), ("validate", ":", "s")):
+        if any(run.phase(phase) for run in runs):
+            styles.append((phase, Line2D([], [], color="grey", linestyle=line, marker=marker, markersize=6, markeredgecolor="white")))
+    fig.legend(run_handles + [h for _, h in styles], [r.label for r in runs] + [name for name, _ in styles],
+               loc="outside lower center", ncols=min(3, len(runs) + len(styles)), frameon=False, fontsize=10)
     axes_named = " and ".join(X_AXES[a].removesuffix(" (s)") for a in x)
     fig.suptitle(title or f"{' and '.join(metrics)} against {axes_named}", fontsize=13)
     try:

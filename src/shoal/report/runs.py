@@ -8,6 +8,7 @@ from shoal.report.metrics import read_metrics
 from shoal.report.errors import ReportError
 from shoal.report.run_log import METRICS_FILE
 from shoal.report.summary import clean_records, read_summary, summarize
+from shoal.report.targets import goals_of
 
 
 @dataclass
@@ -24,9 +25,10 @@ class Run:
     def phase(self, name: str) -> list[dict]:
         return [r for r in self.records if r.get("phase") == name and r.get("mode") != "test-only"]
 
-    def derived(self) -> dict:
-        """summarize() of the metrics as they are now (a summary may predate the last records)."""
-        return summarize(self.records)
+    def derived(self, targets: tuple = ()) -> dict:
+        """summarize() of the metrics as they are now (a summary may predate the last records), with the run's
+        declared goals and `targets` (shoal compare --target)."""
+        return summarize(self.records, goals=goals_of(self.summary), targets=targets)
 
 
 def load_run(path: Path) -> Run:

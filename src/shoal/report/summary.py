@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shoal.report.metrics import read_metrics
+from shoal.report.metrics import higher_is_better, read_metrics
+from shoal.report.targets import RunGoals, goals_of, run_goals, time_to_targets
 from shoal.report.writes import WorkspaceWriteError, write_error
 
 if TYPE_CHECKING:
@@ -134,14 +135,34 @@ def steps_trained(records: list[dict]) -> int:
     return max((r["step"] + 1 if r["phase"] == "train" else r["step"] for r in records), default=0)
 
 
+# keys of eval records that are not metrics (metrics.RECORD_KEYS)
+NOT_METRICS = ("step", "time", "samples", "mode", "phase")
+
+
+def eval_metrics(records: list[dict], phase: str, declared: dict | None = None) -> dict:
+    """{metric: {"final", "best", "best_step", "higher_is_better"}} over the `phase` records (validate, test)."""
+    rows = [r for r in records if r.get("phase") == phase and r.get("mode") != "test-only"]
+    names = sorted({k for r in rows for k, v in r.items()
+                    if k not in NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)})
+    out = {}
+    for name in names:
+        scored = [r for r in rows if isinstance(r.get(name), (int, float))]
+        higher = higher_is_better(name, declared)
+        best = (max if higher else min)(scored, key=lambda r: r[name])  # the first of equals
+        out[name] = {"final": scored[-1][name], "best": best[name], "best_step": best["step"], "higher_is_better": higher}
+    return out
+
+
 def summarize(records: list[dict], thresholds: tuple[float, ...] = THRESHOLDS, finished_at: int | None = None,
-              elapsed: float | None = None) -> dict:
+              elapsed: float | None = None, goals: RunGoals | None = None, targets: tuple = ()) -> dict:
     """The derived part of a summary: steps, wall time, throughput, final/best test, time to accuracy.
 
     finished_at: the job's train_steps when the run finished (its last steps need not have been displayed);
     elapsed: the run's wall time when it ended (after its last record). `latest_run` is the part since the
-    last --resume (the whole run when it never resumed).
+    last --resume (the whole run when it never resumed). goals: the run's declared metric directions and
+    targets; `targets` more targets (shoal compare --target).
     """
+    goals = goals or RunGoals()
     resumes = [r for r in records if r.get("phase") == "resume" and isinstance(r.get("step"), int)]
     records = clean_records(records)
     train = [r for r in records if r["phase"] == "train"]
@@ -174,6 +195,9 @@ def summarize(records: list[dict], thresholds: tuple[float, ...] = THRESHOLDS, f
         "final_test": _point(tests[-1] if tests else None),
         "best_test": _point(best),
         "time_to_accuracy": reached,
+        "validate": eval_metrics(records, "validate", goals.higher_is_better),
+        "test": eval_metrics(records, "test", goals.higher_is_better),
+        "time_to_target": time_to_targets(records, tuple(goals.targets) + tuple(t for t in targets if t not in goals.targets)),
         "staleness_mean": statistics.mean(staleness) if staleness else None,
     }
 
@@ -198,7 +222,7 @@ class SummaryFile:
         self.write("running")
 
     def observe(self, record: dict) -> None:
-        if record.get("phase") == "test":
+        if record.get("phase") in ("test", "validate"):
             self.write("running")
 
     def annotate(self, fields: dict) -> None:
@@ -217,8 +241,11 @@ class SummaryFile:
         # the whole metrics file, so a resumed run's summary covers every step (a few hundred lines)
         records = read_metrics(self.metrics_path) if self.metrics_path.exists() else []
         # a finished run trained all its steps, the last ones perhaps after its last display
-        derived = summarize(records, finished_at=self.info.train_steps if status == "finished" else None, elapsed=elapsed)
-        summary = {"schema": 1, **asdict(self.info), "status": status,
+        goals = run_goals()
+        derived = summarize(records, finished_at=self.info.train_steps if status == "finished" else None, elapsed=elapsed,
+                            goals=goals)
+        declared = {"higher_is_better": goals.higher_is_better, "targets": [t.label for t in goals.targets]}
+        summary = {"schema": 1, **asdict(self.info), "status": status, "goals": declared,
                    "started": _iso(self.started), "updated": _iso(time.time()), **derived, **self.extra}
         _write(self.path, summary, in_place_when_full=last_word)
 
@@ -240,7 +267,7 @@ def mark_ended(workspace: Path, metrics_path: Path, status: str, reason: str | N
             _write_if_possible(path, summary)
         return
     records = read_metrics(metrics_path) if Path(metrics_path).exists() else []
-    summary.update(summarize(records), status=status, updated=_iso(time.time()))
+    summary.update(summarize(records, goals=goals_of(summary)), status=status, updated=_iso(time.time()))
     if reason:
         summary["reason"] = reason
     _write_if_possible(path, summary)

@@ -9,6 +9,7 @@ the stub.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -58,6 +59,8 @@ class Worker:
         # Draws are made on the CPU whatever the device: a mixed CPU+GPU group draws what one device would
         self.generator = torch.Generator().manual_seed(job.seed + 1 + 7919 * group)
         self.slowdown = faults.slowdown(index, group)
+        # gradient accumulation: an input layer may ask for its batch share in micro-batches (shoal.fit's grad_accum_steps)
+        self.micro_batches = max((getattr(n.layer, "micro_batches", 1) for n in self.net.input_nodes()), default=1)
 
     @property
     def global_batch(self) -> int:
@@ -78,23 +81,46 @@ class Worker:
             feed.offset, feed.share = offset, share
 
     def compute(self, step: int, report: Callable[[str, float, int], None]) -> Grads:
-        """Gradients of the loss (mean over this worker's share) on batch `step`."""
+        """Gradients of the loss (mean over this worker's share) on batch `step`.
+
+        With micro_batches k > 1 the share is computed as k consecutive micro-batches of about share/k rows,
+        one forward and backward each, and the gradients are their row-weighted mean: the mean over the
+        whole share, as one pass would give (for losses that are means over rows), in a k-th of the memory.
+        """
         cursor = step * self.global_batch
-        ctx = Context(
-            phase=job_pb2.kTrain,
-            generator=self.generator,
-            feeds={name: feed.batch(cursor, self.device) for name, feed in self.feeds.items()},
-            report=report,
-            device=self.device,
-            rows=(self.offset, self.share, self.global_batch),
-        )
         started = time.perf_counter()
-        grads = train_one_batch(self.job.train_one_batch, self.net, ctx)
+        parts = micro_batch_rows(self.offset, self.share, self.micro_batches)
+        if len(parts) <= 1:
+            grads = self._pass(cursor, self.offset, self.share, report)
+        else:
+            grads = {}
+            for offset, rows in parts:
+                weight = rows / self.share
+                for name, grad in self._pass(cursor, offset, rows, report).items():
+                    if grad is None:
+                        grads.setdefault(name, None)
+                    elif grads.get(name) is None:
+                        grads[name] = grad * weight  # a new tensor: the next pass's zero_grad leaves it alone
+                    else:
+                        grads[name].add_(grad, alpha=weight)
         if self.device.type == "cuda":  # the step's time is the kernels' time, not their launch's
             torch.cuda.synchronize(self.device)
         if self.slowdown:
             time.sleep(self.slowdown.extra_seconds(time.perf_counter() - started, self.share))
         return grads
+
+    def _pass(self, cursor: int, offset: int, rows: int, report: Callable[[str, float, int], None]) -> Grads:
+        """One forward and backward over rows offset .. offset + rows of the batch at `cursor`."""
+        with _reading_rows(self.feeds.values(), offset, rows):
+            ctx = Context(
+                phase=job_pb2.kTrain,
+                generator=self.generator,
+                feeds={name: feed.batch(cursor, self.device) for name, feed in self.feeds.items()},
+                report=report,
+                device=self.device,
+                rows=(offset, rows, self.global_batch),
+            )
+        return train_one_batch(self.job.train_one_batch, self.net, ctx)
 
     def use_view_updater(self, update_view) -> None:
         """A worker computes every param whole on its share of the batch: no view is its own."""
@@ -114,9 +140,34 @@ class Worker:
         other algorithms' gradients are taken from compute's result (return False).
         Hooks live on the net's current leaves: call after any `net.bind()`.
         """
-        if self.job.train_one_batch.alg != job_pb2.kBP:
+        if self.job.train_one_batch.alg != job_pb2.kBP or self.micro_batches > 1:  # micro-batches: one sum of several backwards
             return False
         for name, leaf in self.net.param_leaves().items():
             if leaf.requires_grad:
                 leaf.register_post_accumulate_grad_hook(lambda leaf, name=name: ready(name, leaf.grad))
         return True
+
+
+def micro_batch_rows(offset: int, share: int, micro_batches: int) -> list[tuple[int, int]]:
+    """(offset, rows) of each micro-batch of a share: consecutive, sizes differing by at most one, none empty."""
+    k = max(1, min(micro_batches, share))
+    base, extra = divmod(share, k)
+    parts, start = [], offset
+    for i in range(k):
+        rows = base + (1 if i < extra else 0)
+        parts.append((start, rows))
+        start += rows
+    return parts
+
+
+@contextmanager
+def _reading_rows(feeds, offset: int, rows: int):
+    """The feeds read rows offset .. offset + rows of each batch while inside (a worker's own feeds: no other thread reads them)."""
+    saved = [(f.offset, f.share) for f in feeds]
+    for f in feeds:
+        f.offset, f.share = offset, rows
+    try:
+        yield
+    finally:
+        for f, (o, s) in zip(feeds, saved):
+            f.offset, f.share = o, s
