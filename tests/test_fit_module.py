@@ -133,9 +133,9 @@ def test_asynchronous_groups_train_the_gpt(tmp_path, name, steps):
     with torch.no_grad():
         untrained = next_char_loss(tiny_gpt(), torch.utils.data.default_collate([data[i] for i in range(len(data))])).item()
     model, history = fit(tmp_path, "async", cluster=LAYOUTS[name].fit_cluster(), steps=steps, test_data=data,
-                         updater={"type": "kSGD", "learning_rate": {"base_lr": 0.5}})
+                         updater={"type": "kSGD", "learning_rate": {"base_lr": 0.3}})
     assert_ran(tmp_path / "async", name)
-    # measured over 8 runs: 0.43-0.58 of it (Hogwild), 0.25-0.38 (Downpour); the groups race, so runs differ
+    # measured over 6 runs at lr 0.3: 0.39-0.46 of it (Hogwild); the groups race, so runs differ (at lr 0.5 one in 9 diverged)
     assert history.final_test["loss"] < 0.75 * untrained
 
 
