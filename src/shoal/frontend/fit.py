@@ -45,7 +45,7 @@ from shoal.frontend.keras import Cluster
 from shoal.frontend.module_path import (DATA_LAYER, LOSS_LAYER, MODULE_LAYER, MODULE_LOSS_LAYER, FitError, FitSpec, loss_form,
                                         register_fit_layers)
 from shoal.neuralnet.params import ParamStore
-from shoal.neuralnet.torch_optimizer import OPTIMIZER_UPDATER
+from shoal.neuralnet.torch_optimizer import OPTIMIZER_UPDATER, check_slices_allowed, made
 
 Data = Union[tuple, torch.utils.data.Dataset]
 
@@ -117,15 +117,17 @@ def fit_job(model: torch.nn.Module, form: str, *, batch_size: int, steps: int, t
     return job
 
 
-def _check_optimizer_layout(job: job_pb2.JobProto) -> None:
-    """A torch optimizer runs where one server updates whole params: refuse other layouts in one line."""
+def _check_optimizer_layout(job: job_pb2.JobProto, model: torch.nn.Module, optimizer: Callable) -> None:
+    """A torch optimizer runs where its owners update params they can name: refuse other layouts in one line,
+    and an optimizer not known to be element-wise where params are sliced over owners."""
     from shoal.planning.plan import plan_job
 
     plan = plan_job(job)
-    if not (plan.framework.synchronous and plan.in_one_process and plan.nservers == 1):
-        raise FitError(f"shoal.fit: optimizer= runs with one worker or synchronous workers in one process (one server) for "
-                       f"now, not {plan.framework} in {plan.nprocs} process(es) with {plan.nservers} server(s); give a SINGA "
-                       "updater= for that layout")
+    if not plan.framework.synchronous:
+        raise FitError(f"shoal.fit: optimizer= runs with synchronous workers (one worker, in-memory Sandblaster, "
+                       f"AllReduce, Sandblaster) for now, not {plan.framework}; give a SINGA updater= for that layout")
+    if not plan.in_one_process:  # the owners update slices of params
+        check_slices_allowed(made(optimizer, list(model.named_parameters())))
 
 
 def _eval_batches(data: Optional[torch.utils.data.Dataset], batch: int) -> tuple[int, int]:
@@ -201,7 +203,7 @@ def fit(
     register_fit_layers(spec)
     validate(job, None, shape_check=check_shapes)
     if optimizer is not None:
-        _check_optimizer_layout(job)
+        _check_optimizer_layout(job, model, optimizer)
     history = api.train(job, workspace=Path(script.workspace(workspace) or "fit-workspace"), resume=resume, log=log,
                         progress=False, job_file="<shoal.fit>", process_setup=functools.partial(register_fit_layers, spec),
                         initial_values=functools.partial(copy_module_values, model))

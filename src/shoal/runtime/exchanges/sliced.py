@@ -42,7 +42,7 @@ from shoal.comm import dist as comm
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.buckets import Bucket, cap_from_env, plan_buckets
-from shoal.neuralnet.updaters import Updater
+from shoal.neuralnet.updaters import ParamUpdate, Updater
 from shoal.runtime.exchanges.compression import Codec, codecs_state, load_codecs_state, wire_bytes
 
 
@@ -98,7 +98,7 @@ class SlicedExchange:
         hosts_workers = rank in self.worker_ranks
         self.codecs = codecs
         updated = self.buckets if codecs is not None and hosts_workers else self.owned  # compressed: replicated updates
-        self.state = {self._key(s): updater.init_state(self._value(s)) for b in updated for s in b.slices}
+        self.state = {self._key(s): updater.init_shard_state(self._value(s), self._key(s)) for b in updated for s in b.slices}
         self._owned_keys = {self._key(s) for b in self.owned for s in b.slices}
         self.sent_bytes = 0  # what this process sent since the last display (gradients, flags, sums or values)
         if codecs is not None:
@@ -268,6 +268,7 @@ class SlicedExchange:
             sending = []
             for b in self.owned:
                 anyone_has = self._arrived(r, b, receiving[b.index])
+                updates = []
                 for s, at in zip(b.slices, b.offsets):
                     if s.param not in anyone_has:  # as Server.update: no gradient anywhere, no update
                         continue
@@ -275,8 +276,8 @@ class SlicedExchange:
                     for p in self.peers:  # in rank order, so every run sums alike
                         part = self._incoming[b.index, p][at : at + s.size]
                         grad = part if grad is None else grad.add_(part)
-                    info = self.store.info[s.param]
-                    self.updater.update(r.step, self._value(s), grad, self.state[self._key(s)], info.lr_scale, info.wd_scale)
+                    updates.append(self._update_of(s, grad))
+                self.updater.update_many(r.step, updates)
                 values = self._gather(b, self._value)
                 sending += [comm.isend(values, p, tag=self._tag(b, self.VALUES)) for p in self.peers]
                 self.sent_bytes += wire_bytes([values]) * len(self.peers)
@@ -329,10 +330,12 @@ class SlicedExchange:
 
     def _apply(self, step: int, b: Bucket, grad: torch.Tensor, anyone_has: set[str]) -> None:
         """The updater on bucket b's slices, from its flat summed gradient (a param nobody had a gradient for stays)."""
-        for s, at in zip(b.slices, b.offsets):
-            if s.param in anyone_has:
-                info = self.store.info[s.param]
-                self.updater.update(step, self._value(s), grad[at : at + s.size], self.state[self._key(s)], info.lr_scale, info.wd_scale)
+        self.updater.update_many(step, [self._update_of(s, grad[at : at + s.size])
+                                        for s, at in zip(b.slices, b.offsets) if s.param in anyone_has])
+
+    def _update_of(self, s: ParamSlice, grad: torch.Tensor) -> ParamUpdate:
+        info = self.store.info[s.param]
+        return ParamUpdate(self._value(s), grad, self.state[self._key(s)], info.lr_scale, info.wd_scale)
 
     def metrics(self, window: MetricWindow) -> dict[str, float]:
         """Sample-weighted averages over every worker of the group (rank 0 decides the names)."""
@@ -360,16 +363,19 @@ class SlicedExchange:
 
     def updater_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The whole updater state, assembled on every rank from the servers' slices (collective)."""
-        slots = self.updater.init_state(torch.zeros(1)).keys()
-        full = {name: {slot: torch.zeros(self.store.info[name].shape) for slot in slots} for name in self.names}
+        full = {name: {slot: torch.zeros(shape) for slot, shape in self.updater.state_shapes(name, tuple(self.store.info[name].shape)).items()}
+                for name in self.names}
         for key, state in self.state.items():
             if key not in self._owned_keys:  # compressed: every process holds every slice's state; owners count it once
                 continue
             name, start, stop = key
             for slot, value in state.items():
-                full[name][slot].view(-1)[start:stop] = value
+                if full[name][slot].numel() == self.store.info[name].numel:
+                    full[name][slot].view(-1)[start:stop] = value
+                elif start == 0:  # a per-param slot (torch's Adam step): every slice holds it, the first one counts
+                    full[name][slot].copy_(value.reshape(full[name][slot].shape))
         for name in self.names:
-            for slot in slots:
+            for slot in full[name]:
                 comm.all_reduce_sum(full[name][slot])
         return full
 
@@ -377,7 +383,8 @@ class SlicedExchange:
         for (name, start, stop), slots in self.state.items():
             for slot, value in slots.items():
                 if name in state and slot in state[name]:
-                    value.copy_(state[name][slot].reshape(-1)[start:stop])
+                    whole = state[name][slot].reshape(-1)
+                    value.copy_(whole[start:stop] if whole.numel() == self.store.info[name].numel else whole.reshape(value.shape))
 
     def own_state(self) -> dict[str, torch.Tensor]:
         """This process's compression residuals: per bucket it sends, and per bucket whose sum it sends back."""
