@@ -237,8 +237,8 @@ def test_a_torch_optimizer_resumes_exactly_and_runs_in_memory_sandblaster(tmp_pa
 
 
 def test_a_torch_optimizer_is_refused_where_it_cannot_run_yet(tmp_path):
-    with pytest.raises(FitError, match="optimizer= runs with synchronous workers"):
-        fit(tmp_path, "allreduce", updater=None, optimizer=adamw, cluster=LAYOUTS["in-memory Hogwild, 2 groups"].fit_cluster())
+    with pytest.raises(FitError, match="optimizer= runs with synchronous workers, Hogwild and Downpour"):
+        fit(tmp_path, "allreduce", updater=None, optimizer=adamw, cluster=LAYOUTS["Distributed Hogwild, 2 groups"].fit_cluster())
     with pytest.raises(FitError, match="not both"):
         fit(tmp_path, "both", optimizer=adamw)
     assert not (tmp_path / "allreduce").exists()

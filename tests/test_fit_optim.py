@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layouts import LAYOUTS, assert_ran
+from layouts import LAYOUTS, Layout, assert_ran
+from shoal.neuralnet import checkpoint
 from shoal.neuralnet.torch_optimizer import OptimizerError
-from test_fit_module import adamw, fit, tiny_gpt, train_losses
+from test_fit_module import adamw, fit, next_char_loss, tiny_gpt, train_losses, windows
 
 ALLREDUCE = "AllReduce, 2 processes, 2 server slices"  # both processes own slices of params
 
@@ -55,3 +56,41 @@ def test_an_optimizer_not_known_element_wise_is_refused_over_slices_unless_decla
     fit(tmp_path, "whole", steps=2, updater=None, optimizer=lambda p: NormScaled(p, lr=0.1))  # one owner: whole params
     _, history = fit(tmp_path, "declared", steps=2, updater=None, optimizer=declared_sgd, cluster=cluster)
     assert len(train_losses(history)) == 2
+
+
+def untrained_loss(data):
+    with torch.no_grad():
+        return next_char_loss(tiny_gpt(), torch.utils.data.default_collate([data[i] for i in range(len(data))])).item()
+
+
+def downpour_two_servers():
+    base = LAYOUTS["Downpour, 2 groups + 1 server, 3 processes"]
+    return Layout({**base.cluster, "nservers_per_group": 2}, base.processes + 1, base.workers, "Downpour")
+
+
+def test_downpour_servers_train_the_gpt_with_adamw_and_a_resume_keeps_its_state(tmp_path):
+    """AdamW at 2 servers, each over its slices."""
+    layout, data = downpour_two_servers(), windows()
+    run = dict(updater=None, optimizer=adamw, cluster=layout.fit_cluster(), test_data=data)
+    fit(tmp_path, "downpour", steps=24, checkpoint_freq=12, **run)
+    _, history = fit(tmp_path, "downpour", steps=48, resume=True, **run)
+    assert_ran(tmp_path / "downpour", layout)
+    assert history.final_test["loss"] < 0.8 * untrained_loss(data)
+    saved = checkpoint.load(checkpoint.checkpoint_file(tmp_path / "downpour", 24))
+    final = checkpoint.load(checkpoint.checkpoint_file(tmp_path / "downpour", 48))
+    for name, slots in final.updater_state.items():
+        assert set(slots) == {"step", "exp_avg", "exp_avg_sq"}, name
+        # every server update moved every param: by step 24 of a group, both groups' 48 pushes
+        assert float(saved.updater_state[name]["step"]) == 48, name
+        assert float(slots["step"]) == 96, name  # the resumed servers went on from the saved moments and counts
+        assert slots["exp_avg_sq"].abs().sum() > 0, name
+
+
+def test_in_memory_hogwild_groups_share_one_adamw(tmp_path):
+    data = windows()
+    _, history = fit(tmp_path, "hogwild", steps=40, updater=None, optimizer=adamw, test_data=data,
+                     cluster=LAYOUTS["in-memory Hogwild, 2 groups"].fit_cluster())
+    assert_ran(tmp_path / "hogwild", "in-memory Hogwild, 2 groups")
+    assert history.final_test["loss"] < 0.8 * untrained_loss(data)
+    state = checkpoint.load(checkpoint.checkpoint_file(tmp_path / "hogwild", 40)).updater_state
+    assert all(float(slots["step"]) == 80 for slots in state.values())  # one optimizer: 40 updates of each group

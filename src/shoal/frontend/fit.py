@@ -120,14 +120,16 @@ def fit_job(model: torch.nn.Module, form: str, *, batch_size: int, steps: int, t
 def _check_optimizer_layout(job: job_pb2.JobProto, model: torch.nn.Module, optimizer: Callable) -> None:
     """A torch optimizer runs where its owners update params they can name: refuse other layouts in one line,
     and an optimizer not known to be element-wise where params are sliced over owners."""
-    from shoal.planning.plan import plan_job
+    from shoal.planning.plan import Framework, plan_job
 
     plan = plan_job(job)
-    if not plan.framework.synchronous:
-        raise FitError(f"shoal.fit: optimizer= runs with synchronous workers (one worker, in-memory Sandblaster, "
-                       f"AllReduce, Sandblaster) for now, not {plan.framework}; give a SINGA updater= for that layout")
-    if not plan.in_one_process:  # the owners update slices of params
-        check_slices_allowed(made(optimizer, list(model.named_parameters())))
+    if not (plan.framework.synchronous or plan.framework in (Framework.IN_MEMORY_HOGWILD, Framework.IN_MEMORY_DOWNPOUR,
+                                                            Framework.DOWNPOUR)):
+        raise FitError(f"shoal.fit: optimizer= runs with synchronous workers, Hogwild and Downpour (servers) for now, "
+                       f"not {plan.framework}; give a SINGA updater= for that layout")
+    numel = {name: p.numel() for name, p in model.named_parameters()}
+    if not plan.in_one_process and any(s.param in numel and s.size != numel[s.param] for s in plan.placement.slices):
+        check_slices_allowed(made(optimizer, list(model.named_parameters())))  # the owners update slices of params
 
 
 def _eval_batches(data: Optional[torch.utils.data.Dataset], batch: int) -> tuple[int, int]:

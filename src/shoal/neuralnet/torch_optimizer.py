@@ -32,6 +32,7 @@ replays it; no scheduler object is serialised.
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable, ClassVar, Optional, Sequence
 
 import torch
@@ -97,6 +98,9 @@ class TorchOptimizer(Updater):
         self._zeros: dict[str, dict[str, torch.Tensor]] = {}  # per param: its state at zero, whole
         self._group_of: dict[str, int] = {}
         self._shard_of: dict[tuple[int, int], torch.Tensor] = {}  # (data_ptr, numel) of a shard's memory -> shard
+        # one update at a time: the optimizer reads the grads it is handed as attributes of the shards (in-memory
+        # Hogwild's groups update one server from several threads: with a torch optimizer they take turns)
+        self._lock = threading.Lock()
 
     def _prepare(self) -> None:
         """The factory on a whole-shaped scratch copy: the groups by name, and every slot at zero."""
@@ -154,14 +158,16 @@ class TorchOptimizer(Updater):
     def _schedule_to(self, step: int) -> None:
         if self.scheduler is None:
             return
-        if step < self._stepped:  # never in one run: steps only grow
-            raise RuntimeError(f"the LR scheduler is at update {self._stepped}, asked for {step}")
         while self._stepped < step:
             self.scheduler.step()
             self._stepped += 1
 
     @torch.no_grad()
     def update_many(self, step: int, params: Sequence[ParamUpdate], grad_scale: float = 1.0) -> None:
+        with self._lock:
+            self._update(step, params, grad_scale)
+
+    def _update(self, step: int, params: Sequence[ParamUpdate], grad_scale: float) -> None:
         if self.optimizer is None:
             self._prepare()
         shards = []
