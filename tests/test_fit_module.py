@@ -237,7 +237,7 @@ def test_a_torch_optimizer_resumes_exactly_and_runs_in_memory_sandblaster(tmp_pa
 
 
 def test_a_torch_optimizer_is_refused_where_it_cannot_run_yet(tmp_path):
-    with pytest.raises(FitError, match="optimizer= runs with synchronous workers, Hogwild and Downpour"):
+    with pytest.raises(FitError, match="optimizer= runs with synchronous workers, Hogwild, Downpour \\(servers\\) and Local SGD for now, not Distributed Hogwild"):
         fit(tmp_path, "allreduce", updater=None, optimizer=adamw, cluster=LAYOUTS["Distributed Hogwild, 2 groups"].fit_cluster())
     with pytest.raises(FitError, match="not both"):
         fit(tmp_path, "both", optimizer=adamw)

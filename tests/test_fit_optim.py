@@ -9,6 +9,7 @@ import torch
 
 from layouts import LAYOUTS, Layout, assert_ran
 from shoal.neuralnet import checkpoint
+from shoal.frontend.module_path import FitError
 from shoal.neuralnet.torch_optimizer import OptimizerError
 from test_fit_module import adamw, fit, next_char_loss, tiny_gpt, train_losses, windows
 
@@ -94,3 +95,35 @@ def test_in_memory_hogwild_groups_share_one_adamw(tmp_path):
     assert history.final_test["loss"] < 0.8 * untrained_loss(data)
     state = checkpoint.load(checkpoint.checkpoint_file(tmp_path / "hogwild", 40)).updater_state
     assert all(float(slots["step"]) == 80 for slots in state.values())  # one optimizer: 40 updates of each group
+
+
+def nesterov(params):
+    """DiLoCo's outer optimizer (Douillard et al. 2023), on the groups' mean pseudo-gradient."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+DILOCO_THREADS = Layout(dict(nworker_groups=2, local_steps=4, nworkers_per_procs=2), 1, 2, "Local SGD")
+DILOCO_PROCESSES = Layout(dict(nworker_groups=2, local_steps=4), 2, 2, "Local SGD")
+
+
+def test_diloco_inner_adamw_outer_nesterov_threads_equal_processes_and_resume_exactly(tmp_path):
+    run = dict(updater=None, optimizer=adamw, outer_optimizer=nesterov)
+    threads, _ = fit(tmp_path, "threads", steps=16, cluster=DILOCO_THREADS.fit_cluster(), **run)
+    processes, _ = fit(tmp_path, "processes", steps=16, cluster=DILOCO_PROCESSES.fit_cluster(), **run)
+    assert_ran(tmp_path / "threads", DILOCO_THREADS)
+    assert_ran(tmp_path / "processes", DILOCO_PROCESSES)
+    assert_close_params(threads, processes)
+    fit(tmp_path, "parts", steps=10, cluster=DILOCO_PROCESSES.fit_cluster(), **run)  # mid-round: meetings after 3, 7, 11, 15
+    resumed, _ = fit(tmp_path, "parts", steps=16, cluster=DILOCO_PROCESSES.fit_cluster(), resume=True, **run)
+    for (name, a), b in zip(processes.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name  # inner AdamW moments of both groups, the anchor and the outer momentum restored
+    state = checkpoint.load(checkpoint.checkpoint_file(tmp_path / "parts", 16)).updater_state
+    assert all({"exp_avg", "outer.momentum_buffer", "outer.anchor"} <= set(slots) for slots in state.values())
+    plain_average, _ = fit(tmp_path, "average", steps=16, cluster=DILOCO_THREADS.fit_cluster(), updater=None, optimizer=adamw)
+    assert any(not torch.allclose(a, b) for a, b in zip(plain_average.parameters(), threads.parameters()))  # the outer step acted
+
+
+def test_an_outer_optimizer_needs_local_sgd(tmp_path):
+    with pytest.raises(FitError, match="outer_optimizer= is Local SGD / DiLoCo's"):
+        fit(tmp_path, "sync", steps=2, updater=None, optimizer=adamw, outer_optimizer=nesterov)
+    assert not (tmp_path / "sync").exists()

@@ -45,7 +45,7 @@ from shoal.frontend.keras import Cluster
 from shoal.frontend.module_path import (DATA_LAYER, LOSS_LAYER, MODULE_LAYER, MODULE_LOSS_LAYER, FitError, FitSpec, loss_form,
                                         register_fit_layers)
 from shoal.neuralnet.params import ParamStore
-from shoal.neuralnet.torch_optimizer import OPTIMIZER_UPDATER, check_slices_allowed, made
+from shoal.neuralnet.torch_optimizer import OPTIMIZER_UPDATER, OUTER_OPTIMIZER_UPDATER, check_slices_allowed, made
 
 Data = Union[tuple, torch.utils.data.Dataset]
 
@@ -123,13 +123,21 @@ def _check_optimizer_layout(job: job_pb2.JobProto, model: torch.nn.Module, optim
     from shoal.planning.plan import Framework, plan_job
 
     plan = plan_job(job)
-    if not (plan.framework.synchronous or plan.framework in (Framework.IN_MEMORY_HOGWILD, Framework.IN_MEMORY_DOWNPOUR,
-                                                            Framework.DOWNPOUR)):
-        raise FitError(f"shoal.fit: optimizer= runs with synchronous workers, Hogwild and Downpour (servers) for now, "
-                       f"not {plan.framework}; give a SINGA updater= for that layout")
+    if plan.framework is Framework.DISTRIBUTED_HOGWILD:
+        raise FitError(f"shoal.fit: optimizer= runs with synchronous workers, Hogwild, Downpour (servers) and Local SGD "
+                       f"for now, not {plan.framework}; give a SINGA updater= for that layout")
     numel = {name: p.numel() for name, p in model.named_parameters()}
     if not plan.in_one_process and any(s.param in numel and s.size != numel[s.param] for s in plan.placement.slices):
         check_slices_allowed(made(optimizer, list(model.named_parameters())))  # the owners update slices of params
+
+
+def _check_outer_layout(job: job_pb2.JobProto) -> None:
+    from shoal.planning.plan import Framework, plan_job
+
+    framework = plan_job(job).framework
+    if framework is not Framework.LOCAL_SGD:
+        raise FitError(f"shoal.fit: outer_optimizer= is Local SGD / DiLoCo's (cluster.nworker_groups > 1 with "
+                       f"cluster.local_steps), not {framework}'s")
 
 
 def _eval_batches(data: Optional[torch.utils.data.Dataset], batch: int) -> tuple[int, int]:
@@ -150,6 +158,8 @@ def fit(
     cluster: Optional[job_pb2.ClusterProto] = None,
     updater: Optional[dict] = None,
     optimizer: Optional[Callable] = None,
+    scheduler: Optional[Callable] = None,
+    outer_optimizer: Optional[Callable] = None,
     batch_size: int = 64,
     steps: int = 100,
     test_freq: int = 0,
@@ -176,7 +186,11 @@ def fit(
     means the second form. updater: SINGA's UpdaterProto as a dict (default plain SGD, learning rate
     0.01); or optimizer: a factory `lambda params: torch.optim.AdamW(params, ...)` called on the
     module's (name, param) pairs, shoal's tensors, in named_parameters order (one worker, or
-    synchronous workers in one process). The whole test set is used at each test (every `test_freq`
+    synchronous workers in one process). scheduler: `lambda optimizer: torch.optim.lr_scheduler.LambdaLR(...)`,
+    stepped once per update the optimizer applies. outer_optimizer (Local SGD / DiLoCo, cluster.nworker_groups
+    with cluster.local_steps): a torch.optim factory applied to the groups' mean pseudo-gradient at each meeting,
+    e.g. DiLoCo's `lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)`, instead of
+    cluster.outer_updater. The whole test set is used at each test (every `test_freq`
     steps, else once at the end), the whole validation set every `val_freq` steps. resume=True
     continues from the workspace's newest checkpoint.
     """
@@ -194,18 +208,27 @@ def fit(
     val_batch, val_steps = _eval_batches(datasets.get(job_pb2.kVal), val_batch)
     if optimizer is not None and updater is not None:
         raise FitError("shoal.fit: give updater (SINGA's) or optimizer (a torch.optim factory), not both")
+    if scheduler is not None and optimizer is None:
+        raise FitError("shoal.fit: scheduler= steps a torch optimizer: give optimizer= too (SINGA's updater= has learning_rate)")
     if optimizer is not None:
         updater = {"type": "kUserUpdater", "user_type": OPTIMIZER_UPDATER, "learning_rate": {"base_lr": 0}}  # torch's lr rules
     job = fit_job(model, form, batch_size=batch_size, steps=steps, test_batch=test_batch, test_steps=test_steps,
                   test_freq=test_freq, val_batch=val_batch, val_steps=val_steps, val_freq=val_freq, disp_freq=disp_freq,
                   cluster=cluster or Cluster(), updater=updater or {"type": "kSGD", "learning_rate": {"base_lr": 0.01}},
                   seed=seed, checkpoint_freq=checkpoint_freq)
+    if outer_optimizer is not None:
+        if job.cluster.HasField("outer_updater"):
+            raise FitError("shoal.fit: give cluster.outer_updater (SINGA's) or outer_optimizer (a torch.optim factory), not both")
+        job.cluster.outer_updater.CopyFrom(job_pb2.UpdaterProto(
+            type=job_pb2.kUserUpdater, user_type=OUTER_OPTIMIZER_UPDATER, learning_rate=job_pb2.LRGenProto(type=job_pb2.kFixed)))
     job = script.applied(job)  # under `shoal run script.py`: the command line's --set (a seed set there shuffles too)
-    spec = FitSpec(model, loss_fn, form, datasets, job.seed, shuffle, optimizer)
+    spec = FitSpec(model, loss_fn, form, datasets, job.seed, shuffle, optimizer, scheduler, outer_optimizer)
     register_fit_layers(spec)
     validate(job, None, shape_check=check_shapes)
     if optimizer is not None:
         _check_optimizer_layout(job, model, optimizer)
+    if outer_optimizer is not None:
+        _check_outer_layout(job)
     history = api.train(job, workspace=Path(script.workspace(workspace) or "fit-workspace"), resume=resume, log=log,
                         progress=False, job_file="<shoal.fit>", process_setup=functools.partial(register_fit_layers, spec),
                         initial_values=functools.partial(copy_module_values, model))

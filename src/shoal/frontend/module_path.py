@@ -25,7 +25,7 @@ from shoal.errors import ShoalError
 from shoal.neuralnet.layers.base import Layer
 from shoal.neuralnet.layers.input import fed_batch
 from shoal.neuralnet.layers.registry import register_user_layer
-from shoal.neuralnet.torch_optimizer import register_torch_optimizer
+from shoal.neuralnet.torch_optimizer import OUTER_OPTIMIZER_UPDATER, register_torch_optimizer
 
 DATA_LAYER, MODULE_LAYER, LOSS_LAYER, MODULE_LOSS_LAYER = "shoal.fit.Data", "shoal.fit.Module", "shoal.fit.Loss", "shoal.fit.ModuleLoss"
 LOSS_FORMS = ("output", "model")
@@ -63,6 +63,8 @@ class FitSpec:
     seed: int
     shuffle: bool
     optimizer: Optional[Callable] = None  # a torch.optim factory (neuralnet/torch_optimizer.py)
+    scheduler: Optional[Callable] = None  # a torch LR scheduler factory on that optimizer
+    outer_optimizer: Optional[Callable] = None  # Local SGD / DiLoCo: a torch.optim factory applied to the pseudo-gradient
 
     @property
     def trained_names(self) -> list[str]:
@@ -99,9 +101,11 @@ class _LossOf(torch.nn.Module):
 def register_fit_layers(spec: FitSpec) -> None:
     """Bind the spec to the user layer types of a fit job (in every process)."""
     names = spec.trained_names
+    trained = dict(spec.model.named_parameters())
     if spec.optimizer is not None:
-        trained = dict(spec.model.named_parameters())
-        register_torch_optimizer(spec.optimizer, [(n, trained[n]) for n in names])
+        register_torch_optimizer(spec.optimizer, [(n, trained[n]) for n in names], spec.scheduler)
+    if spec.outer_optimizer is not None:
+        register_torch_optimizer(spec.outer_optimizer, [(n, trained[n]) for n in names], user_type=OUTER_OPTIMIZER_UPDATER)
     # the module copy of the worker that computes a batch's first rows (worker 0) in this process:
     # test and validation read its buffers (e.g. batch-norm running statistics), not their own copy's
     trained: dict[str, torch.nn.Module] = {}
