@@ -4,10 +4,13 @@ The model is test_fit_module's tiny GPT (1 layer, 32 wide, block 16) on its tiny
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from layouts import LAYOUTS, Layout, assert_ran
+from shoal.data.in_place import epoch_order
 from shoal.neuralnet import checkpoint
 from shoal.frontend.module_path import FitError
 from shoal.neuralnet.torch_optimizer import OptimizerError
@@ -127,3 +130,60 @@ def test_an_outer_optimizer_needs_local_sgd(tmp_path):
     with pytest.raises(FitError, match="outer_optimizer= is Local SGD / DiLoCo's"):
         fit(tmp_path, "sync", steps=2, updater=None, optimizer=adamw, outer_optimizer=nesterov)
     assert not (tmp_path / "sync").exists()
+
+
+def warmup_cosine(optimizer, warmup=4, total=20):
+    """Linear warm-up then cosine decay to 0, nanoGPT's schedule, as a LambdaLR on the optimizer's lr."""
+    def factor(update):
+        if update < warmup:
+            return (update + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (update - warmup) / (total - warmup))))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def plain_loop(steps, seed, *, scheduler=None, clip=None):
+    """The plain PyTorch loop on the rows shoal.fit reads (test_fit_module's)."""
+    plain, data, losses = tiny_gpt(), windows(), []
+    optimizer = adamw(plain.named_parameters())
+    schedule = scheduler(optimizer) if scheduler else None
+    orders = [epoch_order(len(data), seed, epoch, True) for epoch in range(2)]
+    for step in range(steps):
+        rows = [int(orders[p // len(data)][p % len(data)]) for p in range(step * 8, step * 8 + 8)]
+        loss = next_char_loss(plain, torch.utils.data.default_collate([data[i] for i in rows]))
+        optimizer.zero_grad()
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), clip)
+        optimizer.step()
+        if schedule is not None:
+            schedule.step()
+        losses.append(loss.item())
+    return plain, losses
+
+
+def test_a_warmup_cosine_schedule_steps_once_per_update_as_a_plain_loop_over_layouts_and_resumes(tmp_path):
+    run = dict(updater=None, optimizer=adamw, scheduler=warmup_cosine, seed=5)
+    model, history = fit(tmp_path, "single", steps=20, **run)
+    plain, losses = plain_loop(20, 5, scheduler=warmup_cosine)
+    assert train_losses(history) == losses
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+    cluster = LAYOUTS[ALLREDUCE].fit_cluster()
+    sharded, h2 = fit(tmp_path, "sharded", steps=20, cluster=cluster, **run)
+    assert train_losses(h2) == pytest.approx(losses, rel=1e-5)
+    assert_close_params(plain, sharded)
+    fit(tmp_path, "parts", steps=13, cluster=cluster, **run)  # in the cosine part: the resume must replay the warm-up
+    resumed, _ = fit(tmp_path, "parts", steps=20, cluster=cluster, resume=True, **run)
+    for (name, a), b in zip(sharded.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+    unscheduled, _ = fit(tmp_path, "constant", steps=20, updater=None, optimizer=adamw, seed=5)
+    assert any(not torch.allclose(a, b) for a, b in zip(unscheduled.parameters(), model.parameters()))
+
+
+def test_a_scheduler_needs_a_torch_optimizer_and_no_metric(tmp_path):
+    with pytest.raises(FitError, match="scheduler= steps a torch optimizer"):
+        fit(tmp_path, "singa", steps=2, scheduler=warmup_cosine)
+    with pytest.raises(OptimizerError, match="got ReduceLROnPlateau"):
+        fit(tmp_path, "plateau", steps=2, updater=None, optimizer=adamw,
+            scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau)
+    assert not (tmp_path / "plateau").exists()

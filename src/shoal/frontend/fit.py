@@ -45,7 +45,7 @@ from shoal.frontend.keras import Cluster
 from shoal.frontend.module_path import (DATA_LAYER, LOSS_LAYER, MODULE_LAYER, MODULE_LOSS_LAYER, FitError, FitSpec, loss_form,
                                         register_fit_layers)
 from shoal.neuralnet.params import ParamStore
-from shoal.neuralnet.torch_optimizer import OPTIMIZER_UPDATER, OUTER_OPTIMIZER_UPDATER, check_slices_allowed, made
+from shoal.neuralnet.torch_optimizer import OPTIMIZER_UPDATER, OUTER_OPTIMIZER_UPDATER, check_slices_allowed, made, made_scheduler
 
 Data = Union[tuple, torch.utils.data.Dataset]
 
@@ -227,6 +227,8 @@ def fit(
     validate(job, None, shape_check=check_shapes)
     if optimizer is not None:
         _check_optimizer_layout(job, model, optimizer)
+    if scheduler is not None:  # refused before anything is written (the owners build their own)
+        made_scheduler(scheduler, made(optimizer, list(model.named_parameters())))
     if outer_optimizer is not None:
         _check_outer_layout(job)
     history = api.train(job, workspace=Path(script.workspace(workspace) or "fit-workspace"), resume=resume, log=log,
