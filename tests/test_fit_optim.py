@@ -187,3 +187,25 @@ def test_a_scheduler_needs_a_torch_optimizer_and_no_metric(tmp_path):
         fit(tmp_path, "plateau", steps=2, updater=None, optimizer=adamw,
             scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau)
     assert not (tmp_path / "plateau").exists()
+
+
+def test_clipping_by_the_global_norm_equals_torchs_in_a_plain_loop_and_over_two_processes(tmp_path):
+    """A bound the gradients exceed at every step (their norms measured 0.96-1.76 here): the scale always acts."""
+    run = dict(updater=None, optimizer=adamw, clip_grad_norm=0.5, seed=5)
+    model, history = fit(tmp_path, "single", steps=20, **run)
+    plain, losses = plain_loop(20, 5, clip=0.5)
+    assert train_losses(history) == losses  # torch's clip_grad_norm_, bit for bit
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+    sharded, h2 = fit(tmp_path, "sharded", steps=20, cluster=LAYOUTS[ALLREDUCE].fit_cluster(), **run)
+    assert train_losses(h2) == pytest.approx(losses, rel=1e-5)  # one scale from both owners' sums of squares
+    assert_close_params(plain, sharded)
+    unclipped, _ = fit(tmp_path, "unclipped", steps=20, updater=None, optimizer=adamw, seed=5)
+    assert any(not torch.allclose(a, b) for a, b in zip(unclipped.parameters(), model.parameters()))
+
+
+def test_clipping_needs_a_torch_optimizer_and_a_positive_bound(tmp_path):
+    with pytest.raises(FitError, match="clip_grad_norm= is a positive bound"):
+        fit(tmp_path, "singa", steps=2, clip_grad_norm=1.0)
+    with pytest.raises(FitError, match="clip_grad_norm= is a positive bound"):
+        fit(tmp_path, "zero", steps=2, updater=None, optimizer=adamw, clip_grad_norm=0.0)

@@ -117,15 +117,20 @@ def fit_job(model: torch.nn.Module, form: str, *, batch_size: int, steps: int, t
     return job
 
 
-def _check_optimizer_layout(job: job_pb2.JobProto, model: torch.nn.Module, optimizer: Callable) -> None:
+def _check_optimizer_layout(job: job_pb2.JobProto, model: torch.nn.Module, optimizer: Callable,
+                            clip_grad_norm: Optional[float]) -> None:
     """A torch optimizer runs where its owners update params they can name: refuse other layouts in one line,
     and an optimizer not known to be element-wise where params are sliced over owners."""
     from shoal.planning.plan import Framework, plan_job
+    from shoal.runtime.exchanges.compression import compresses
 
     plan = plan_job(job)
     if plan.framework is Framework.DISTRIBUTED_HOGWILD:
         raise FitError(f"shoal.fit: optimizer= runs with synchronous workers, Hogwild, Downpour (servers) and Local SGD "
                        f"for now, not {plan.framework}; give a SINGA updater= for that layout")
+    if clip_grad_norm is not None and plan.framework.synchronous and not plan.in_one_process and compresses(job.cluster):
+        raise FitError("shoal.fit: clip_grad_norm= over processes is not available with cluster.compression yet "
+                       "(every process applies the compressed sum itself)")
     numel = {name: p.numel() for name, p in model.named_parameters()}
     if not plan.in_one_process and any(s.param in numel and s.size != numel[s.param] for s in plan.placement.slices):
         check_slices_allowed(made(optimizer, list(model.named_parameters())))  # the owners update slices of params
@@ -160,6 +165,7 @@ def fit(
     optimizer: Optional[Callable] = None,
     scheduler: Optional[Callable] = None,
     outer_optimizer: Optional[Callable] = None,
+    clip_grad_norm: Optional[float] = None,
     batch_size: int = 64,
     steps: int = 100,
     test_freq: int = 0,
@@ -190,7 +196,9 @@ def fit(
     stepped once per update the optimizer applies. outer_optimizer (Local SGD / DiLoCo, cluster.nworker_groups
     with cluster.local_steps): a torch.optim factory applied to the groups' mean pseudo-gradient at each meeting,
     e.g. DiLoCo's `lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)`, instead of
-    cluster.outer_updater. The whole test set is used at each test (every `test_freq`
+    cluster.outer_updater. clip_grad_norm: with optimizer=, the whole gradient of each update is scaled as
+    torch.nn.utils.clip_grad_norm_ does, its norm taken over all params whatever the layout (an asynchronous
+    group clips its own push). The whole test set is used at each test (every `test_freq`
     steps, else once at the end), the whole validation set every `val_freq` steps. resume=True
     continues from the workspace's newest checkpoint.
     """
@@ -208,6 +216,9 @@ def fit(
     val_batch, val_steps = _eval_batches(datasets.get(job_pb2.kVal), val_batch)
     if optimizer is not None and updater is not None:
         raise FitError("shoal.fit: give updater (SINGA's) or optimizer (a torch.optim factory), not both")
+    if clip_grad_norm is not None and (optimizer is None or not clip_grad_norm > 0):
+        raise FitError("shoal.fit: clip_grad_norm= is a positive bound on the gradient's global norm, for optimizer= "
+                       "(SINGA's updater= clips per element with clip_low/clip_high)")
     if scheduler is not None and optimizer is None:
         raise FitError("shoal.fit: scheduler= steps a torch optimizer: give optimizer= too (SINGA's updater= has learning_rate)")
     if optimizer is not None:
@@ -222,11 +233,11 @@ def fit(
         job.cluster.outer_updater.CopyFrom(job_pb2.UpdaterProto(
             type=job_pb2.kUserUpdater, user_type=OUTER_OPTIMIZER_UPDATER, learning_rate=job_pb2.LRGenProto(type=job_pb2.kFixed)))
     job = script.applied(job)  # under `shoal run script.py`: the command line's --set (a seed set there shuffles too)
-    spec = FitSpec(model, loss_fn, form, datasets, job.seed, shuffle, optimizer, scheduler, outer_optimizer)
+    spec = FitSpec(model, loss_fn, form, datasets, job.seed, shuffle, optimizer, scheduler, outer_optimizer, clip_grad_norm)
     register_fit_layers(spec)
     validate(job, None, shape_check=check_shapes)
     if optimizer is not None:
-        _check_optimizer_layout(job, model, optimizer)
+        _check_optimizer_layout(job, model, optimizer, clip_grad_norm)
     if scheduler is not None:  # refused before anything is written (the owners build their own)
         made_scheduler(scheduler, made(optimizer, list(model.named_parameters())))
     if outer_optimizer is not None:

@@ -65,6 +65,7 @@ class FitSpec:
     optimizer: Optional[Callable] = None  # a torch.optim factory (neuralnet/torch_optimizer.py)
     scheduler: Optional[Callable] = None  # a torch LR scheduler factory on that optimizer
     outer_optimizer: Optional[Callable] = None  # Local SGD / DiLoCo: a torch.optim factory applied to the pseudo-gradient
+    clip_grad_norm: Optional[float] = None  # the global norm the optimizer's gradients are clipped to
 
     @property
     def trained_names(self) -> list[str]:
@@ -103,7 +104,8 @@ def register_fit_layers(spec: FitSpec) -> None:
     names = spec.trained_names
     trained = dict(spec.model.named_parameters())
     if spec.optimizer is not None:
-        register_torch_optimizer(spec.optimizer, [(n, trained[n]) for n in names], spec.scheduler)
+        register_torch_optimizer(spec.optimizer, [(n, trained[n]) for n in names], spec.scheduler,
+                                 clip_grad_norm=spec.clip_grad_norm)
     if spec.outer_optimizer is not None:
         register_torch_optimizer(spec.outer_optimizer, [(n, trained[n]) for n in names], user_type=OUTER_OPTIMIZER_UPDATER)
     # the module copy of the worker that computes a batch's first rows (worker 0) in this process:

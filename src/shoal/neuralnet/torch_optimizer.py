@@ -87,6 +87,7 @@ def made_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer):
 class TorchOptimizer(Updater):
     factory: ClassVar[Optional[OptimizerFactory]] = None  # bound by register_torch_optimizer
     scheduler_factory: ClassVar[Optional[SchedulerFactory]] = None
+    clip_grad_norm: ClassVar[Optional[float]] = None  # the exchange clips the whole gradient to it (runtime/exchanges/clipping.py)
     names: ClassVar[list[str]] = []  # the module's trained params, in named_parameters order
     shapes: ClassVar[list[tuple[int, ...]]] = []
 
@@ -189,8 +190,9 @@ class TorchOptimizer(Updater):
 
 
 def register_torch_optimizer(factory: OptimizerFactory, params: list[tuple[str, torch.Tensor]],
-                             scheduler: Optional[SchedulerFactory] = None, user_type: str = OPTIMIZER_UPDATER) -> None:
-    """Bind `factory` (and its scheduler) and the module's trained (name, param) pairs to the user updater type `user_type`."""
+                             scheduler: Optional[SchedulerFactory] = None, user_type: str = OPTIMIZER_UPDATER,
+                             clip_grad_norm: Optional[float] = None) -> None:
+    """Bind `factory` (its scheduler, the global norm its gradients are clipped to) and the module's trained (name, param) pairs to the user updater type `user_type`."""
 
     @register_updater(user_type)
     class BoundTorchOptimizer(TorchOptimizer):
@@ -198,5 +200,6 @@ def register_torch_optimizer(factory: OptimizerFactory, params: list[tuple[str, 
 
     BoundTorchOptimizer.factory = staticmethod(factory)
     BoundTorchOptimizer.scheduler_factory = None if scheduler is None else staticmethod(scheduler)
+    BoundTorchOptimizer.clip_grad_norm = clip_grad_norm
     BoundTorchOptimizer.names = [name for name, _ in params]
     BoundTorchOptimizer.shapes = [tuple(p.shape) for _, p in params]

@@ -47,6 +47,7 @@ from shoal.comm import heartbeat
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
 from shoal.runtime.exchanges.compression import codec_for, codecs_state, load_codecs_state, wire_bytes
+from shoal.runtime.exchanges.clipping import clip_, max_norm_of
 from shoal.runtime.exchanges.local import aggregate
 from shoal.runtime.exchanges.staleness import StalenessStats, histogram, may_apply
 from shoal.neuralnet.updaters import ParamUpdate, Updater
@@ -451,6 +452,7 @@ class DownpourExchange:
         for server, server_rank in server_ranks.items():
             segments, size = server_segments([s for s in placement.slices_of(server) if s.param in trainable])
             self.servers.append((server, server_rank, segments, size))
+        self.max_norm = max_norm_of(updater)
         self.layouts = {server_rank: state_layout(updater, store, segments) for _, server_rank, segments, _ in self.servers}
         self.read_version = {rank: 0 for _, rank, _, _ in self.servers}
         self.codecs = {rank: codec_for(placement.cluster) for _, rank, _, _ in self.servers}  # top-k keeps a residual per server
@@ -559,6 +561,7 @@ class DownpourExchange:
             comm.group_reduce_sum(flat, self.stub, self.group_comm)
             comm.group_reduce_sum(had, self.stub, self.group_comm)
         if self.rank == self.stub:
+            clip_([flat], self.max_norm)  # the group's whole push, clipped by its own norm before it leaves
             self._push_pull(step, flat, had)
         self._share_params()
 

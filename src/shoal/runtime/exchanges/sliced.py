@@ -43,6 +43,7 @@ from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.buckets import Bucket, cap_from_env, plan_buckets
 from shoal.neuralnet.updaters import ParamUpdate, Updater
+from shoal.runtime.exchanges.clipping import max_norm_of, scale_for, sum_of_squares
 from shoal.runtime.exchanges.compression import Codec, codecs_state, load_codecs_state, wire_bytes
 
 
@@ -118,6 +119,11 @@ class SlicedExchange:
         # bucket cap (4 MB) per message, where this costs len(params) bytes and one small message
         self._flags_in = {(b.index, p): torch.empty(len(b.params), dtype=torch.uint8) for b in self.owned for p in self.peers}
         self._flags_out = {b.index: torch.empty(len(b.params), dtype=torch.uint8) for b in self.buckets if b.owner != rank and hosts_workers}
+        # clipping by the global norm: the owners (in rank order) trade their sums of squares
+        self.max_norm = max_norm_of(updater)
+        self.owner_ranks = sorted({b.owner for b in self.buckets})
+        if self.max_norm is not None and codecs is not None:
+            raise ValueError("clipping by the global norm over processes is not available with cluster.compression")
         self.shares = [w.share for w in workers]
         # per local worker: whether its gradients leave during backward (kBP) or after compute
         self.streaming = [w.stream_gradients(self._hook(i)) for i, w in enumerate(workers)]
@@ -265,7 +271,7 @@ class SlicedExchange:
                 + [comm.irecv(self._flags_in[b.index, p], p, tag=self._tag(b, self.FLAGS)) for p in self.peers]
                 for b in self.owned
             }
-            sending = []
+            sending, summed = [], []
             for b in self.owned:
                 anyone_has = self._arrived(r, b, receiving[b.index])
                 updates = []
@@ -277,14 +283,43 @@ class SlicedExchange:
                         part = self._incoming[b.index, p][at : at + s.size]
                         grad = part if grad is None else grad.add_(part)
                     updates.append(self._update_of(s, grad))
+                if self.max_norm is not None:  # every owned gradient first: one scale before any slice updates
+                    summed.append((b, updates))
+                    continue
                 self.updater.update_many(r.step, updates)
-                values = self._gather(b, self._value)
-                sending += [comm.isend(values, p, tag=self._tag(b, self.VALUES)) for p in self.peers]
-                self.sent_bytes += wire_bytes([values]) * len(self.peers)
+                sending += self._send_values(b)
+            if self.max_norm is not None:
+                scale = self._clip_scale(r, [u.grad for _, updates in summed for u in updates])
+                for b, updates in summed:
+                    self.updater.update_many(r.step, updates, scale)
+                    sending += self._send_values(b)
             for work in sending:
                 work.wait()
         except BaseException as err:  # handed to the training thread by step()
             r.error = err
+
+    def _send_values(self, b: Bucket) -> list:
+        """An owned bucket's new values, to every peer."""
+        values = self._gather(b, self._value)
+        self.sent_bytes += wire_bytes([values]) * len(self.peers)
+        return [comm.isend(values, p, tag=self._tag(b, self.VALUES)) for p in self.peers]
+
+    def _clip_scale(self, r: _Round, grads: list[torch.Tensor]) -> float:
+        """min(max_norm / (global norm + eps), 1): this owner's sum of squares, traded with the other owners (one scalar
+        each way), summed in rank order so every owner computes the same scale."""
+        mine = sum_of_squares(grads)
+        others = [o for o in self.owner_ranks if o != self.rank]
+        parts = {o: torch.zeros((), dtype=torch.float64) for o in others}
+        tag = 6 * len(self.buckets)  # after every bucket's tags
+        works = [comm.isend(mine, o, tag=tag) for o in others] + [comm.irecv(parts[o], o, tag=tag) for o in others]
+        for work in works:
+            work.wait()
+        self.sent_bytes += 8 * len(others)
+        parts[self.rank] = mine
+        total = torch.zeros((), dtype=torch.float64)
+        for o in self.owner_ranks:
+            total += parts[o]
+        return float(scale_for(total.sqrt().float(), self.max_norm))
 
     def _arrived(self, r: _Round, b: Bucket, receiving: list) -> set[str]:
         """Wait for this process's gradients of owned bucket `b` and for the peers' messages; the params anyone has one for."""
