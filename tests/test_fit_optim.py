@@ -9,10 +9,11 @@ import math
 import pytest
 import torch
 
+import shoal
 from layouts import LAYOUTS, Layout, assert_ran
 from shoal.data.in_place import epoch_order
-from shoal.neuralnet import checkpoint
 from shoal.frontend.module_path import FitError
+from shoal.neuralnet import checkpoint
 from shoal.neuralnet.torch_optimizer import OptimizerError
 from test_fit_module import adamw, fit, next_char_loss, tiny_gpt, train_losses, windows
 
@@ -209,3 +210,23 @@ def test_clipping_needs_a_torch_optimizer_and_a_positive_bound(tmp_path):
         fit(tmp_path, "singa", steps=2, clip_grad_norm=1.0)
     with pytest.raises(FitError, match="clip_grad_norm= is a positive bound"):
         fit(tmp_path, "zero", steps=2, updater=None, optimizer=adamw, clip_grad_norm=0.0)
+
+
+def test_the_async_momentum_compensation_is_said_and_torch_optimizers_are_not_compensated(tmp_path):
+    """pytorch/examples' mnist_hogwild momentum 0.5 over 2 groups: 1 - 2·(1 - 0.5) = 0 at the server, said in one line."""
+    lines, cluster = [], LAYOUTS["in-memory Hogwild, 2 groups"].fit_cluster()
+    shoal.fit(tiny_gpt(), next_char_loss, windows(), steps=2, batch_size=8, cluster=cluster, log=lines.append,
+              updater={"type": "kSGD", "momentum": 0.5, "learning_rate": {"base_lr": 0.1}}, workspace=tmp_path / "singa")
+    assert [line for line in lines if line.startswith("updater.momentum")] == [
+        "updater.momentum 0.5 -> 0 at the servers: 2 asynchronous groups add momentum of their own "
+        "(cluster.async_momentum: kAsConfigured keeps the job's)"]
+    lines.clear()
+    shoal.fit(tiny_gpt(), next_char_loss, windows(), steps=2, batch_size=8, cluster=cluster, log=lines.append,
+              optimizer=momentum_sgd, workspace=tmp_path / "torch")
+    assert lines and not [line for line in lines if line.startswith("updater.momentum")]
+    state = checkpoint.load(checkpoint.checkpoint_file(tmp_path / "torch", 2)).updater_state
+    assert all("momentum_buffer" in slots for slots in state.values())  # torch's own momentum, as the user set it
+
+
+def momentum_sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.5)
