@@ -39,6 +39,9 @@ def test_adamw_with_decay_groups_over_two_processes_equals_one_worker_and_resume
     assert (tmp_path / "parts" / "checkpoint" / "step9-worker0.safetensors").exists()
     for (name, a), b in zip(sharded.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), name  # the same layout: the sharded moments and steps restored bit for bit
+    fit(tmp_path, "moved", steps=9, updater=None, optimizer=adamw, checkpoint_freq=9)  # one worker's whole state ...
+    moved, _ = fit(tmp_path, "moved", steps=16, updater=None, optimizer=adamw, cluster=cluster, resume=True)
+    assert_close_params(single, moved)  # ... resliced over the owners
 
 
 class NormScaled(torch.optim.SGD):
@@ -230,3 +233,21 @@ def test_the_async_momentum_compensation_is_said_and_torch_optimizers_are_not_co
 
 def momentum_sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.5)
+
+
+def plain_sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+@pytest.mark.parametrize("name, updates", [("in-memory Hogwild, 2 groups", 20),
+                                           ("Downpour, 2 groups + 1 server, 3 processes", 20)])
+def test_an_asynchronous_group_clips_its_own_push(tmp_path, name, updates):
+    """Plain SGD moves the params by lr·‖clipped g‖ ≤ 0.1 · 0.01 per server update; unclipped, ‖g‖ is about 1."""
+    before = torch.cat([p.detach().reshape(-1) for p in tiny_gpt().parameters()])
+    run = dict(steps=10, updater=None, optimizer=plain_sgd, cluster=LAYOUTS[name].fit_cluster())
+    clipped, _ = fit(tmp_path, "clipped", clip_grad_norm=0.01, **run)
+    free, _ = fit(tmp_path, "free", **run)
+    assert_ran(tmp_path / "clipped", name)
+    moved = lambda model: float((torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - before).norm())
+    assert moved(clipped) <= updates * 0.1 * 0.01 * (1 + 1e-4)  # both groups' 10 pushes each
+    assert moved(free) > 10 * updates * 0.1 * 0.01
