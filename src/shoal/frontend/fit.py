@@ -191,8 +191,8 @@ def fit(
     `loss_takes="output"` or `"model"` says which, else a first parameter named `model` or `module`
     means the second form. updater: SINGA's UpdaterProto as a dict (default plain SGD, learning rate
     0.01); or optimizer: a factory `lambda params: torch.optim.AdamW(params, ...)` called on the
-    module's (name, param) pairs, shoal's tensors, in named_parameters order (one worker, or
-    synchronous workers in one process). scheduler: `lambda optimizer: torch.optim.lr_scheduler.LambdaLR(...)`,
+    module's (name, param) pairs in named_parameters order, run by whoever updates in the layout over
+    the params or slices it owns (docs/python.md; not Distributed Hogwild). scheduler: `lambda optimizer: torch.optim.lr_scheduler.LambdaLR(...)`,
     stepped once per update the optimizer applies. outer_optimizer (Local SGD / DiLoCo, cluster.nworker_groups
     with cluster.local_steps): a torch.optim factory applied to the groups' mean pseudo-gradient at each meeting,
     e.g. DiLoCo's `lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)`, instead of
