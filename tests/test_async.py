@@ -226,10 +226,9 @@ def test_server_state_reslices_to_any_server_count(blobs_job):
             server = DownpourServer(store, updater, placement, ServerId(0, i), {})
             server.load_state(state)
             flat, offset = server.state_flat(), 0
-            for slot in server.slots:
-                for seg in server.segments:
-                    rebuilt[seg.param][slot].view(-1)[seg.start : seg.stop] = flat[offset : offset + seg.size]
-                    offset += seg.size
+            for seg, slot, size in server.layout:
+                rebuilt[seg.param][slot].view(-1)[seg.start : seg.stop] = flat[offset : offset + size]
+                offset += size
         for n in state:
             for slot in state[n]:
                 assert torch.equal(rebuilt[n][slot], state[n][slot]), (nservers, n, slot)

@@ -46,7 +46,7 @@ from shoal.frontend.module_path import (DATA_LAYER, LOSS_LAYER, MODULE_LAYER, MO
                                         register_fit_layers)
 from shoal.neuralnet.params import ParamStore
 from shoal.frontend.fit_metrics import check_metrics, run_goals
-from shoal.neuralnet.torch_optimizer import OPTIMIZER_UPDATER
+from shoal.neuralnet.torch_optimizer import OPTIMIZER_UPDATER, OUTER_OPTIMIZER_UPDATER, check_slices_allowed, made, made_scheduler
 from shoal.report.targets import set_run_goals
 
 Data = Union[tuple, torch.utils.data.Dataset]
@@ -119,15 +119,32 @@ def fit_job(model: torch.nn.Module, form: str, *, batch_size: int, steps: int, t
     return job
 
 
-def _check_optimizer_layout(job: job_pb2.JobProto) -> None:
-    """A torch optimizer runs where one server updates whole params: refuse other layouts in one line."""
-    from shoal.planning.plan import plan_job
+def _check_optimizer_layout(job: job_pb2.JobProto, model: torch.nn.Module, optimizer: Callable,
+                            clip_grad_norm: Optional[float]) -> None:
+    """A torch optimizer runs where its owners update params they can name: refuse other layouts in one line,
+    and an optimizer not known to be element-wise where params are sliced over owners."""
+    from shoal.planning.plan import Framework, plan_job
+    from shoal.runtime.exchanges.compression import compresses
 
     plan = plan_job(job)
-    if not (plan.framework.synchronous and plan.in_one_process and plan.nservers == 1):
-        raise FitError(f"shoal.fit: optimizer= runs with one worker or synchronous workers in one process (one server) for "
-                       f"now, not {plan.framework} in {plan.nprocs} process(es) with {plan.nservers} server(s); give a SINGA "
-                       "updater= for that layout")
+    if plan.framework is Framework.DISTRIBUTED_HOGWILD:
+        raise FitError(f"shoal.fit: optimizer= runs with synchronous workers, Hogwild, Downpour (servers) and Local SGD "
+                       f"for now, not {plan.framework}; give a SINGA updater= for that layout")
+    if clip_grad_norm is not None and plan.framework.synchronous and not plan.in_one_process and compresses(job.cluster):
+        raise FitError("shoal.fit: clip_grad_norm= over processes is not available with cluster.compression yet "
+                       "(every process applies the compressed sum itself)")
+    numel = {name: p.numel() for name, p in model.named_parameters()}
+    if not plan.in_one_process and any(s.param in numel and s.size != numel[s.param] for s in plan.placement.slices):
+        check_slices_allowed(made(optimizer, list(model.named_parameters())))  # the owners update slices of params
+
+
+def _check_outer_layout(job: job_pb2.JobProto) -> None:
+    from shoal.planning.plan import Framework, plan_job
+
+    framework = plan_job(job).framework
+    if framework is not Framework.LOCAL_SGD:
+        raise FitError(f"shoal.fit: outer_optimizer= is Local SGD / DiLoCo's (cluster.nworker_groups > 1 with "
+                       f"cluster.local_steps), not {framework}'s")
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -168,6 +185,9 @@ def fit(
     cluster: Optional[job_pb2.ClusterProto] = None,
     updater: Optional[dict] = None,
     optimizer: Optional[Callable] = None,
+    scheduler: Optional[Callable] = None,
+    outer_optimizer: Optional[Callable] = None,
+    clip_grad_norm: Optional[float] = None,
     batch_size: int = 64,
     steps: int = 100,
     test_freq: int = 0,
@@ -199,8 +219,14 @@ def fit(
     `loss_takes="output"` or `"model"` says which, else a first parameter named `model` or `module`
     means the second form. updater: SINGA's UpdaterProto as a dict (default plain SGD, learning rate
     0.01); or optimizer: a factory `lambda params: torch.optim.AdamW(params, ...)` called on the
-    module's (name, param) pairs, shoal's tensors, in named_parameters order (one worker, or
-    synchronous workers in one process). The whole test set is used at each test (every `test_freq`
+    module's (name, param) pairs in named_parameters order, run by whoever updates in the layout over
+    the params or slices it owns (docs/python.md; not Distributed Hogwild). scheduler: `lambda optimizer: torch.optim.lr_scheduler.LambdaLR(...)`,
+    stepped once per update the optimizer applies. outer_optimizer (Local SGD / DiLoCo, cluster.nworker_groups
+    with cluster.local_steps): a torch.optim factory applied to the groups' mean pseudo-gradient at each meeting,
+    e.g. DiLoCo's `lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)`, instead of
+    cluster.outer_updater. clip_grad_norm: with optimizer=, the whole gradient of each update is scaled as
+    torch.nn.utils.clip_grad_norm_ does, its norm taken over all params whatever the layout (an asynchronous
+    group clips its own push). The whole test set is used at each test (every `test_freq`
     steps, else once at the end), the whole validation set every `val_freq` steps. resume=True
     continues from the workspace's newest checkpoint. grad_accum_steps=k: each worker computes its
     share of the `batch_size` rows as k micro-batches (about batch_size/k rows each, one backward each)
@@ -235,18 +261,28 @@ def fit(
     goals = run_goals(higher_is_better, targets)
     if optimizer is not None and updater is not None:
         raise FitError("shoal.fit: give updater (SINGA's) or optimizer (a torch.optim factory), not both")
+    if clip_grad_norm is not None and (optimizer is None or not clip_grad_norm > 0):
+        raise FitError("shoal.fit: clip_grad_norm= is a positive bound on the gradient's global norm, for optimizer= "
+                       "(SINGA's updater= clips per element with clip_low/clip_high)")
+    if scheduler is not None and optimizer is None:
+        raise FitError("shoal.fit: scheduler= steps a torch optimizer: give optimizer= too (SINGA's updater= has learning_rate)")
     if optimizer is not None:
         updater = {"type": "kUserUpdater", "user_type": OPTIMIZER_UPDATER, "learning_rate": {"base_lr": 0}}  # torch's lr rules
     job = fit_job(model, form, batch_size=batch_size, steps=steps, test_batch=test_batch, test_steps=test_steps,
                   test_freq=test_freq, val_batch=val_batch, val_steps=val_steps, val_freq=val_freq, disp_freq=disp_freq,
                   cluster=cluster or Cluster(), updater=updater or {"type": "kSGD", "learning_rate": {"base_lr": 0.01}},
                   seed=seed, checkpoint_freq=checkpoint_freq)
+    if outer_optimizer is not None:
+        if job.cluster.HasField("outer_updater"):
+            raise FitError("shoal.fit: give cluster.outer_updater (SINGA's) or outer_optimizer (a torch.optim factory), not both")
+        job.cluster.outer_updater.CopyFrom(job_pb2.UpdaterProto(
+            type=job_pb2.kUserUpdater, user_type=OUTER_OPTIMIZER_UPDATER, learning_rate=job_pb2.LRGenProto(type=job_pb2.kFixed)))
     job = script.applied(job)  # under `shoal run script.py`: the command line's --set (a seed set there shuffles too)
-    spec = FitSpec(model, loss_fn, form, datasets, job.seed, shuffle, optimizer, grad_accum_steps=grad_accum_steps,
-                   autocast=autocast_dtype(autocast), metrics=metrics, goals=goals)
+    spec = FitSpec(model, loss_fn, form, datasets, job.seed, shuffle, optimizer, scheduler, outer_optimizer, clip_grad_norm,
+                   grad_accum_steps=grad_accum_steps, autocast=autocast_dtype(autocast), metrics=metrics, goals=goals)
     register_fit_layers(spec)
     try:
-        history = _train(job, spec, model, workspace, resume, log, optimizer is not None)
+        history = _train(job, spec, model, workspace, resume, log)
     finally:
         set_run_goals(None)  # a later run in this process declares its own
     from shoal.report.progress import closing_line
@@ -255,14 +291,18 @@ def fit(
     return history
 
 
-def _train(job, spec: FitSpec, model, workspace, resume: bool, log, torch_optimizer: bool):
+def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
     from shoal.frontend import api, script
     from shoal.config.validate import validate
     from shoal.neuralnet.shapes import check_shapes
 
     validate(job, None, shape_check=check_shapes)
-    if torch_optimizer:
-        _check_optimizer_layout(job)
+    if spec.optimizer is not None:
+        _check_optimizer_layout(job, model, spec.optimizer, spec.clip_grad_norm)
+    if spec.scheduler is not None:  # refused before anything is written (the owners build their own)
+        made_scheduler(spec.scheduler, made(spec.optimizer, list(model.named_parameters())))
+    if spec.outer_optimizer is not None:
+        _check_outer_layout(job)
     history = api.train(job, workspace=Path(script.workspace(workspace) or "fit-workspace"), resume=resume, log=log,
                         progress=False, job_file="<shoal.fit>", process_setup=functools.partial(register_fit_layers, spec),
                         initial_values=functools.partial(copy_module_values, model))

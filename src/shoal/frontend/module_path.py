@@ -27,7 +27,7 @@ from shoal.frontend.fit_metrics import FitError, report_metrics  # noqa: F401 (F
 from shoal.neuralnet.layers.base import Layer
 from shoal.neuralnet.layers.input import fed_batch
 from shoal.neuralnet.layers.registry import register_user_layer
-from shoal.neuralnet.torch_optimizer import register_torch_optimizer
+from shoal.neuralnet.torch_optimizer import OUTER_OPTIMIZER_UPDATER, register_torch_optimizer
 from shoal.report.targets import RunGoals, set_run_goals
 
 DATA_LAYER, MODULE_LAYER, LOSS_LAYER, MODULE_LOSS_LAYER = "shoal.fit.Data", "shoal.fit.Module", "shoal.fit.Loss", "shoal.fit.ModuleLoss"
@@ -62,6 +62,9 @@ class FitSpec:
     seed: int
     shuffle: bool
     optimizer: Optional[Callable] = None  # a torch.optim factory (neuralnet/torch_optimizer.py)
+    scheduler: Optional[Callable] = None  # a torch LR scheduler factory on that optimizer
+    outer_optimizer: Optional[Callable] = None  # Local SGD / DiLoCo: a torch.optim factory applied to the pseudo-gradient
+    clip_grad_norm: Optional[float] = None  # the global norm the optimizer's gradients are clipped to
     grad_accum_steps: int = 1  # micro-batches per worker share and step (runtime/worker.py's micro_batches)
     autocast: Optional[torch.dtype] = None  # forward (module and loss) under torch.autocast at this dtype; params stay fp32
     metrics: dict = field(default_factory=dict)  # name -> callable in the loss's form (frontend/fit_metrics.py), test/validation
@@ -109,9 +112,12 @@ def register_fit_layers(spec: FitSpec) -> None:
     """Bind the spec to the user layer types of a fit job (in every process)."""
     names = spec.trained_names
     set_run_goals(spec.goals)  # the summary this process may write reports them
+    trained = dict(spec.model.named_parameters())
     if spec.optimizer is not None:
-        trained = dict(spec.model.named_parameters())
-        register_torch_optimizer(spec.optimizer, [(n, trained[n]) for n in names])
+        register_torch_optimizer(spec.optimizer, [(n, trained[n]) for n in names], spec.scheduler,
+                                 clip_grad_norm=spec.clip_grad_norm)
+    if spec.outer_optimizer is not None:
+        register_torch_optimizer(spec.outer_optimizer, [(n, trained[n]) for n in names], user_type=OUTER_OPTIMIZER_UPDATER)
     # the module copy of the worker that computes a batch's first rows (worker 0) in this process:
     # test and validation read its buffers (e.g. batch-norm running statistics), not their own copy's
     trained: dict[str, torch.nn.Module] = {}

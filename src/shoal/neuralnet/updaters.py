@@ -185,6 +185,14 @@ class Updater:
         """Zeroed slots shaped like `value` (SINGA zero-initialises history and update)."""
         return {slot: torch.zeros_like(value) for slot in self.slots}
 
+    def init_shard_state(self, value: torch.Tensor, key: tuple[str, int, int]) -> dict[str, torch.Tensor]:
+        """The state of a shard `key` = (param, first flat element, end) an owner holds; SINGA's ignore the key."""
+        return self.init_state(value)
+
+    def state_shapes(self, name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """Each state slot's shape for a whole param `name` of `shape` (a slot not shaped so is per param, whole)."""
+        return {slot: tuple(shape) for slot in self.init_state(torch.zeros(1))}
+
     def prepare_gradients(self, values: Tensors, grads: Tensors, wd_scale: float, grad_scale: float) -> Tensors:
         """g = clip(grad)·grad_scale + wd·w for each param, in SINGA's order (see the module docstring).
 

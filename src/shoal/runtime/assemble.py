@@ -274,6 +274,10 @@ def start_lines(run: ProcessRun) -> list[str]:
     for s in plan.process(rank).servers:
         elements = sum(x.size for x in plan.placement.slices_of(s))
         lines.append(f"Server (group = {s.group}, id = {s.id}) start in process {rank}: {elements:,} param elements")
+    if rank == 0 and plan.updater.momentum != plan.job.updater.momentum:  # never silently (SINGA updaters only)
+        lines.append(f"updater.momentum {plan.job.updater.momentum:g} -> {plan.updater.momentum:g} at the servers: "
+                     f"{plan.cluster.nworker_groups} asynchronous groups add momentum of their own "
+                     "(cluster.async_momentum: kAsConfigured keeps the job's)")
     return lines
 
 

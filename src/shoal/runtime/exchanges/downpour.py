@@ -29,6 +29,7 @@ applied) and it leaves.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -46,9 +47,10 @@ from shoal.comm import heartbeat
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
 from shoal.runtime.exchanges.compression import codec_for, codecs_state, load_codecs_state, wire_bytes
+from shoal.runtime.exchanges.clipping import clip_, max_norm_of
 from shoal.runtime.exchanges.local import aggregate
 from shoal.runtime.exchanges.staleness import StalenessStats, histogram, may_apply
-from shoal.neuralnet.updaters import Updater
+from shoal.neuralnet.updaters import ParamUpdate, Updater
 
 PUSH, STOP, STATE, FINAL, PULL = 1, 2, 3, 4, 5
 REFUSED = -1  # the version a server answers a dropped group with
@@ -87,8 +89,16 @@ def digest(values: torch.Tensor) -> str:
     return hashlib.sha256(values.detach().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
-def slot_names(updater: Updater) -> list[str]:
-    return sorted(updater.init_state(torch.zeros(1)))
+def state_layout(updater: Updater, store: ParamStore, segments: list[Segment]) -> list[tuple[Segment, str, int]]:
+    """A server's updater state in one flat message: each segment's slots in name order, with their sizes (an
+    element-wise slot the segment's, a per-param slot such as torch's Adam step whole)."""
+    layout = []
+    for seg in segments:
+        info = store.info[seg.param]
+        for slot, shape in sorted(updater.state_shapes(seg.param, tuple(info.shape)).items()):
+            numel = math.prod(shape)
+            layout.append((seg, slot, seg.size if numel == info.numel else numel))
+    return layout
 
 
 class JobOver(ShoalError):  # not a RuntimeError: no channel failed
@@ -110,8 +120,8 @@ class DownpourServer:
         self.cluster = placement.cluster
         trainable = set(store.trainable_names())
         self.segments, self.size = server_segments([s for s in placement.slices_of(server) if s.param in trainable])
-        self.slots = slot_names(updater)
-        self.state = {seg: updater.init_state(self._view(seg)) for seg in self.segments}
+        self.state = {seg: updater.init_shard_state(self._view(seg), (seg.param, seg.start, seg.stop)) for seg in self.segments}
+        self.layout = state_layout(updater, store, self.segments)
         self.version = 0
         self._lock = threading.Lock()  # a server applies one update at a time, as SINGA's
         self._running = threading.Condition()
@@ -143,25 +153,29 @@ class DownpourServer:
         for seg, slots in self.state.items():
             for slot, value in slots.items():
                 if seg.param in state and slot in state[seg.param]:
-                    value.copy_(state[seg.param][slot].reshape(-1)[seg.start : seg.stop])
+                    whole = state[seg.param][slot].reshape(-1)
+                    value.copy_(whole[seg.start : seg.stop] if whole.numel() == self.store.info[seg.param].numel
+                                else whole.reshape(value.shape))
 
     def values(self) -> torch.Tensor:
         return torch.cat([self._view(seg) for seg in self.segments]) if self.segments else torch.zeros(0)
 
     def state_flat(self) -> torch.Tensor:
-        parts = [self.state[seg][slot] for slot in self.slots for seg in self.segments]
+        parts = [self.state[seg][slot].reshape(-1) for seg, slot, _ in self.layout]
         return torch.cat(parts) if parts else torch.zeros(0)
 
     def apply(self, grad: torch.Tensor, read_version: int, has_grad: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, int, int]:
         """One update of every owned segment whose param some worker of the group had a gradient for."""
         with self._lock:
             lag = self.version - read_version
+            updates = []
             for seg, had in zip(self.segments, has_grad.tolist()):
                 if not had:  # as the in-memory server: no gradient, no update (momentum and decay wait too)
                     continue
                 info = self.store.info[seg.param]
-                self.updater.update(self.version, self._view(seg), grad[seg.offset : seg.offset + seg.size],
-                                    self.state[seg], info.lr_scale, info.wd_scale)
+                updates.append(ParamUpdate(self._view(seg), grad[seg.offset : seg.offset + seg.size], self.state[seg],
+                                           info.lr_scale, info.wd_scale))
+            self.updater.update_many(self.version, updates)  # one update of the server's slices (torch: one step)
             self.version += 1
             self.applied[group] = self.applied.get(group, 0) + 1
             self.lags.setdefault(group, StalenessStats()).add(lag)
@@ -438,7 +452,8 @@ class DownpourExchange:
         for server, server_rank in server_ranks.items():
             segments, size = server_segments([s for s in placement.slices_of(server) if s.param in trainable])
             self.servers.append((server, server_rank, segments, size))
-        self.slots = slot_names(updater)
+        self.max_norm = max_norm_of(updater)
+        self.layouts = {server_rank: state_layout(updater, store, segments) for _, server_rank, segments, _ in self.servers}
         self.read_version = {rank: 0 for _, rank, _, _ in self.servers}
         self.codecs = {rank: codec_for(placement.cluster) for _, rank, _, _ in self.servers}  # top-k keeps a residual per server
         self.pushed_bytes = 0  # gradient bytes this process pushed since the last display
@@ -546,6 +561,7 @@ class DownpourExchange:
             comm.group_reduce_sum(flat, self.stub, self.group_comm)
             comm.group_reduce_sum(had, self.stub, self.group_comm)
         if self.rank == self.stub:
+            clip_([flat], self.max_norm)  # the group's whole push, clipped by its own norm before it leaves
             self._push_pull(step, flat, had)
         self._share_params()
 
@@ -612,15 +628,22 @@ class DownpourExchange:
             self.last_version, self.staleness = version, StalenessStats()
         return values
 
-    def _state_from(self, flats: list[tuple[list[Segment], torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
-        full = {n: {slot: torch.zeros(self.store.info[n].shape) for slot in self.slots} for n in self.names}
-        for segments, flat in flats:
+    def _state_from(self, flats: list[tuple[int, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+        full: dict[str, dict[str, torch.Tensor]] = {n: {} for n in self.names}
+        for server_rank, flat in flats:
             offset = 0
-            for slot in self.slots:
-                for s in segments:
-                    full[s.param][slot].view(-1)[s.start : s.stop] = flat[offset : offset + s.size]
-                    offset += s.size
+            for seg, slot, size in self.layouts[server_rank]:
+                if slot not in full[seg.param]:
+                    full[seg.param][slot] = torch.zeros(self.store.info[seg.param].shape if size == seg.size else size)
+                if size == seg.size:
+                    full[seg.param][slot].view(-1)[seg.start : seg.stop] = flat[offset : offset + size]
+                elif seg.start == 0:  # a per-param slot: every segment of the param holds it, the first one counts
+                    full[seg.param][slot].copy_(flat[offset : offset + size])
+                offset += size
         return full
+
+    def _state_size(self, server_rank: int) -> int:
+        return sum(size for _, _, size in self.layouts[server_rank])
 
     def updater_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The whole updater state, asked of the servers (the chief writes checkpoints)."""
@@ -632,9 +655,9 @@ class DownpourExchange:
         flats = []
         for _, server_rank, segments, size in self.servers:
             self._to(server_rank).send(torch.tensor([STATE, 0, 0], dtype=torch.int64), TAG_HEADER)
-            flat = torch.zeros(size * len(self.slots))
+            flat = torch.zeros(self._state_size(server_rank))
             self._to(server_rank).recv(flat, TAG_STATE)
-            flats.append((segments, flat))
+            flats.append((server_rank, flat))
         return self._state_from(flats)
 
     def load_updater_state(self, state) -> None:
@@ -675,14 +698,14 @@ class DownpourExchange:
             self._to(server_rank).send(torch.tensor([FINAL, 0, 0], dtype=torch.int64), TAG_HEADER)
         lags = []
         for _, server_rank, segments, size in self.servers:
-            values, flat, shape = torch.zeros(size), torch.zeros(size * len(self.slots)), torch.zeros(2, dtype=torch.int64)
+            values, flat, shape = torch.zeros(size), torch.zeros(self._state_size(server_rank)), torch.zeros(2, dtype=torch.int64)
             self._to(server_rank).recv(values, TAG_VALUES)
             self._to(server_rank).recv(flat, TAG_STATE)
             self._to(server_rank).recv(shape, TAG_LAGS)
             counts = torch.zeros(*shape.tolist(), dtype=torch.int64)
             self._to(server_rank).recv(counts, TAG_LAGS)
             self._scatter_values(values, segments)
-            flats.append((segments, flat))
+            flats.append((server_rank, flat))
             lags.append(counts)
         self.final_state = self._state_from(flats)
         self.lag_histogram = histogram(_stats_of(lags[0])) if lags else None

@@ -30,7 +30,7 @@ from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
 from shoal.runtime import faults
 from shoal.runtime.interfaces import TrainerHook
-from shoal.runtime.exchanges.local import aggregate
+from shoal.runtime.exchanges.local import aggregate, clipped
 from shoal.runtime.exchanges.server import Server
 from shoal.runtime.exchanges.staleness import StalenessStats, histogram, may_apply
 
@@ -159,7 +159,7 @@ class GroupExchange:
         self.board.read(self.group, self.server.updates)
 
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
-        grads = aggregate(parts, target=self.server.store.device)
+        grads = clipped(aggregate(parts, target=self.server.store.device), self.server)  # the group's own gradient
         lag = self.board.apply(self.group, lambda: self.server.updates, lambda: self.server.update(self.server.updates, grads))
         if self.replica is not None:  # Downpour: continue from the freshest params the server has
             for name, value in self.server.store.values.items():

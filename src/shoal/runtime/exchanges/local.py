@@ -11,6 +11,7 @@ import torch
 
 from shoal.neuralnet.algorithms import Grads
 from shoal.report.metrics import MetricWindow
+from shoal.runtime.exchanges.clipping import clip_, max_norm_of
 from shoal.runtime.exchanges.server import Server
 from shoal.runtime.replicas import tree_reduce
 
@@ -28,6 +29,12 @@ def aggregate(parts: list[tuple[Grads, int]], total: Optional[int] = None, targe
     return tree_reduce(parts, total or sum(share for _, share in parts), target)
 
 
+def clipped(grads: Grads, server: Server) -> Grads:
+    """The whole gradient clipped by its global norm where the job says so (in the server's param order)."""
+    clip_([grads.get(name) for name in server.names], max_norm_of(server.updater))
+    return grads
+
+
 class LocalExchange:
     chief = True
 
@@ -38,7 +45,7 @@ class LocalExchange:
         """Nothing to prepare: the workers' gradients are summed after they all finished."""
 
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
-        self.server.update(step, aggregate(parts, target=self.server.store.device))
+        self.server.update(step, clipped(aggregate(parts, target=self.server.store.device), self.server))
 
     def view_updater(self):
         """How a worker updates a param view it computed alone: the server's updater on the view, at this step."""

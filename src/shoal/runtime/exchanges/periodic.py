@@ -37,7 +37,7 @@ from shoal.neuralnet.params import ParamStore
 from shoal.neuralnet.updaters import Updater
 from shoal.report.metrics import MetricWindow
 from shoal.runtime.exchanges.compression import Codec, all_reduce_encoded, codecs_state, load_codecs_state
-from shoal.runtime.exchanges.local import aggregate
+from shoal.runtime.exchanges.local import aggregate, clipped
 from shoal.runtime.exchanges.server import Server
 
 ANCHOR, OUTER = "outer.anchor", "outer."  # checkpoint slots of the outer loop, beside the inner updater's
@@ -108,7 +108,7 @@ class PeriodicExchange:
         """A group never waits between meetings."""
 
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
-        self.inner.update(step, aggregate(parts, target=self.store.device))
+        self.inner.update(step, clipped(aggregate(parts, target=self.store.device), self.inner))  # DiLoCo's inner clipping
         self._samples += sum(share for _, share in parts) * self.meeting.groups
         if self.meets_after(step):
             self._meet(step)

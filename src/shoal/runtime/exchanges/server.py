@@ -24,7 +24,8 @@ class Server:
         self.store = store
         self.updater = updater
         self.names = list(names if names is not None else store.trainable_names())
-        self.state: dict[str, dict[str, torch.Tensor]] = {n: updater.init_state(store.values[n]) for n in self.names}
+        self.state: dict[str, dict[str, torch.Tensor]] = {
+            n: updater.init_shard_state(store.values[n], (n, 0, store.values[n].numel())) for n in self.names}
         self.version: dict[str, int] = {n: 0 for n in self.names}
         self.updates = 0  # updates applied (SINGA's slice version when all slices update together)
         self._count = threading.Lock()  # only the counter is locked: values are updated lock-free (Hogwild)

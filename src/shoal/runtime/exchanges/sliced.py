@@ -42,7 +42,8 @@ from shoal.comm import dist as comm
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.buckets import Bucket, cap_from_env, plan_buckets
-from shoal.neuralnet.updaters import Updater
+from shoal.neuralnet.updaters import ParamUpdate, Updater
+from shoal.runtime.exchanges.clipping import max_norm_of, scale_for, sum_of_squares
 from shoal.runtime.exchanges.compression import Codec, codecs_state, load_codecs_state, wire_bytes
 
 
@@ -98,7 +99,7 @@ class SlicedExchange:
         hosts_workers = rank in self.worker_ranks
         self.codecs = codecs
         updated = self.buckets if codecs is not None and hosts_workers else self.owned  # compressed: replicated updates
-        self.state = {self._key(s): updater.init_state(self._value(s)) for b in updated for s in b.slices}
+        self.state = {self._key(s): updater.init_shard_state(self._value(s), self._key(s)) for b in updated for s in b.slices}
         self._owned_keys = {self._key(s) for b in self.owned for s in b.slices}
         self.sent_bytes = 0  # what this process sent since the last display (gradients, flags, sums or values)
         if codecs is not None:
@@ -118,6 +119,11 @@ class SlicedExchange:
         # bucket cap (4 MB) per message, where this costs len(params) bytes and one small message
         self._flags_in = {(b.index, p): torch.empty(len(b.params), dtype=torch.uint8) for b in self.owned for p in self.peers}
         self._flags_out = {b.index: torch.empty(len(b.params), dtype=torch.uint8) for b in self.buckets if b.owner != rank and hosts_workers}
+        # clipping by the global norm: the owners (in rank order) trade their sums of squares
+        self.max_norm = max_norm_of(updater)
+        self.owner_ranks = sorted({b.owner for b in self.buckets})
+        if self.max_norm is not None and codecs is not None:
+            raise ValueError("clipping by the global norm over processes is not available with cluster.compression")
         self.shares = [w.share for w in workers]
         # per local worker: whether its gradients leave during backward (kBP) or after compute
         self.streaming = [w.stream_gradients(self._hook(i)) for i, w in enumerate(workers)]
@@ -265,9 +271,10 @@ class SlicedExchange:
                 + [comm.irecv(self._flags_in[b.index, p], p, tag=self._tag(b, self.FLAGS)) for p in self.peers]
                 for b in self.owned
             }
-            sending = []
+            sending, summed = [], []
             for b in self.owned:
                 anyone_has = self._arrived(r, b, receiving[b.index])
+                updates = []
                 for s, at in zip(b.slices, b.offsets):
                     if s.param not in anyone_has:  # as Server.update: no gradient anywhere, no update
                         continue
@@ -275,15 +282,44 @@ class SlicedExchange:
                     for p in self.peers:  # in rank order, so every run sums alike
                         part = self._incoming[b.index, p][at : at + s.size]
                         grad = part if grad is None else grad.add_(part)
-                    info = self.store.info[s.param]
-                    self.updater.update(r.step, self._value(s), grad, self.state[self._key(s)], info.lr_scale, info.wd_scale)
-                values = self._gather(b, self._value)
-                sending += [comm.isend(values, p, tag=self._tag(b, self.VALUES)) for p in self.peers]
-                self.sent_bytes += wire_bytes([values]) * len(self.peers)
+                    updates.append(self._update_of(s, grad))
+                if self.max_norm is not None:  # every owned gradient first: one scale before any slice updates
+                    summed.append((b, updates))
+                    continue
+                self.updater.update_many(r.step, updates)
+                sending += self._send_values(b)
+            if self.max_norm is not None:
+                scale = self._clip_scale(r, [u.grad for _, updates in summed for u in updates])
+                for b, updates in summed:
+                    self.updater.update_many(r.step, updates, scale)
+                    sending += self._send_values(b)
             for work in sending:
                 work.wait()
         except BaseException as err:  # handed to the training thread by step()
             r.error = err
+
+    def _send_values(self, b: Bucket) -> list:
+        """An owned bucket's new values, to every peer."""
+        values = self._gather(b, self._value)
+        self.sent_bytes += wire_bytes([values]) * len(self.peers)
+        return [comm.isend(values, p, tag=self._tag(b, self.VALUES)) for p in self.peers]
+
+    def _clip_scale(self, r: _Round, grads: list[torch.Tensor]) -> float:
+        """min(max_norm / (global norm + eps), 1): this owner's sum of squares, traded with the other owners (one scalar
+        each way), summed in rank order so every owner computes the same scale."""
+        mine = sum_of_squares(grads)
+        others = [o for o in self.owner_ranks if o != self.rank]
+        parts = {o: torch.zeros((), dtype=torch.float64) for o in others}
+        tag = 6 * len(self.buckets)  # after every bucket's tags
+        works = [comm.isend(mine, o, tag=tag) for o in others] + [comm.irecv(parts[o], o, tag=tag) for o in others]
+        for work in works:
+            work.wait()
+        self.sent_bytes += 8 * len(others)
+        parts[self.rank] = mine
+        total = torch.zeros((), dtype=torch.float64)
+        for o in self.owner_ranks:
+            total += parts[o]
+        return float(scale_for(total.sqrt().float(), self.max_norm))
 
     def _arrived(self, r: _Round, b: Bucket, receiving: list) -> set[str]:
         """Wait for this process's gradients of owned bucket `b` and for the peers' messages; the params anyone has one for."""
@@ -329,10 +365,12 @@ class SlicedExchange:
 
     def _apply(self, step: int, b: Bucket, grad: torch.Tensor, anyone_has: set[str]) -> None:
         """The updater on bucket b's slices, from its flat summed gradient (a param nobody had a gradient for stays)."""
-        for s, at in zip(b.slices, b.offsets):
-            if s.param in anyone_has:
-                info = self.store.info[s.param]
-                self.updater.update(step, self._value(s), grad[at : at + s.size], self.state[self._key(s)], info.lr_scale, info.wd_scale)
+        self.updater.update_many(step, [self._update_of(s, grad[at : at + s.size])
+                                        for s, at in zip(b.slices, b.offsets) if s.param in anyone_has])
+
+    def _update_of(self, s: ParamSlice, grad: torch.Tensor) -> ParamUpdate:
+        info = self.store.info[s.param]
+        return ParamUpdate(self._value(s), grad, self.state[self._key(s)], info.lr_scale, info.wd_scale)
 
     def metrics(self, window: MetricWindow) -> dict[str, float]:
         """Sample-weighted averages over every worker of the group (rank 0 decides the names)."""
@@ -360,16 +398,19 @@ class SlicedExchange:
 
     def updater_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The whole updater state, assembled on every rank from the servers' slices (collective)."""
-        slots = self.updater.init_state(torch.zeros(1)).keys()
-        full = {name: {slot: torch.zeros(self.store.info[name].shape) for slot in slots} for name in self.names}
+        full = {name: {slot: torch.zeros(shape) for slot, shape in self.updater.state_shapes(name, tuple(self.store.info[name].shape)).items()}
+                for name in self.names}
         for key, state in self.state.items():
             if key not in self._owned_keys:  # compressed: every process holds every slice's state; owners count it once
                 continue
             name, start, stop = key
             for slot, value in state.items():
-                full[name][slot].view(-1)[start:stop] = value
+                if full[name][slot].numel() == self.store.info[name].numel:
+                    full[name][slot].view(-1)[start:stop] = value
+                elif start == 0:  # a per-param slot (torch's Adam step): every slice holds it, the first one counts
+                    full[name][slot].copy_(value.reshape(full[name][slot].shape))
         for name in self.names:
-            for slot in slots:
+            for slot in full[name]:
                 comm.all_reduce_sum(full[name][slot])
         return full
 
@@ -377,7 +418,8 @@ class SlicedExchange:
         for (name, start, stop), slots in self.state.items():
             for slot, value in slots.items():
                 if name in state and slot in state[name]:
-                    value.copy_(state[name][slot].reshape(-1)[start:stop])
+                    whole = state[name][slot].reshape(-1)
+                    value.copy_(whole[start:stop] if whole.numel() == self.store.info[name].numel else whole.reshape(value.shape))
 
     def own_state(self) -> dict[str, torch.Tensor]:
         """This process's compression residuals: per bucket it sends, and per bucket whose sum it sends back."""
