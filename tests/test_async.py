@@ -188,6 +188,7 @@ def test_downpour_survives_a_dead_worker_group(blobs_job, tmp_path):
     assert "Test @ step 40" in proc.stdout
 
 
+@pytest.mark.slow  # the default suite's 5-minute budget; covered in it by a cheaper test
 def test_downpour_fails_cleanly_when_a_server_dies_and_resumes_with_more_servers(blobs_job, tmp_path):
     job = downpour_job(blobs_job, steps=30, extra="checkpoint_freq: 10")
     start = time.perf_counter()

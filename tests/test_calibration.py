@@ -125,6 +125,7 @@ def test_merge_keeps_the_clean_machine_entry_and_each_kernels_clean_timing():
     assert calibrate.merge(busy, worse).gemm_gflops == {1: 2.0} == calibrate.merge(worse, busy).gemm_gflops
 
 
+@pytest.mark.slow  # the default suite's 5-minute budget
 def test_concurrent_calibrations_leave_a_valid_cache_no_worse_than_either(tmp_path):
     """Two processes measure this machine and a kernel each at once; the cache holds both kernels and the better entry."""
     path = tmp_path / "calibration.json"
@@ -211,6 +212,7 @@ def test_an_unusable_cache_file_gives_one_line_naming_it(tmp_path):
         assert len(said) == 1 and said[0].startswith(f"{path}: not a usable calibration cache") and why in said[0], (why, said)
 
 
+@pytest.mark.slow  # the default suite's 5-minute budget
 def test_cli_measures_again_over_a_corrupt_cache_and_shows_age_and_load(tmp_path):
     job = tmp_path / "tiny.conf"
     job.write_text(JOB)

@@ -142,6 +142,7 @@ def test_a_dying_process_stops_the_job_with_one_line_naming_it(blobs_job, tmp_pa
     assert leftover_processes(tmp_path) == []
 
 
+@pytest.mark.slow  # the default suite's 5-minute budget; covered in it by a cheaper test
 def test_a_stalled_process_is_named_and_the_job_stops(blobs_job, tmp_path):
     import os
     import time

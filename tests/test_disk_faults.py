@@ -84,7 +84,7 @@ def assert_whole_lines(metrics: Path) -> list[dict]:
 
 
 # -- a full disk -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_checkpoint_that_fills_the_disk_is_one_line_and_the_previous_one_stays(blobs_job, tmp_path, processes):
     """Checkpoints of ~690 kB on a 1700 kB tmpfs: steps 0 and 10 fit, step 20 does not."""
     job = blobs_job(train_steps=40, hidden=4096, extra="checkpoint_freq: 10")

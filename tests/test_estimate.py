@@ -220,6 +220,7 @@ def test_cli_estimate_json_and_text(tmp_path, home):
     assert len([l for l in ranked.splitlines() if l.strip()[:1].isdigit()]) == 7
 
 
+@pytest.mark.slow  # the default suite's 5-minute budget; covered in it by a cheaper test
 def test_cli_scaling_plot_and_a_bad_cluster_file(tmp_path, home):
     job = tmp_path / "small.conf"
     job.write_text(SMALL.format(cluster=""))

@@ -28,13 +28,20 @@ def assert_close_params(a, b):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-3 if name.endswith("attn.c_attn.bias") else 1e-6, msg=name)
 
 
-def test_adamw_with_decay_groups_over_two_processes_equals_one_worker_and_resumes_exactly(tmp_path):
+def test_adamw_with_decay_groups_over_two_processes_equals_one_worker(tmp_path):
     single, h1 = fit(tmp_path, "single", steps=16, updater=None, optimizer=adamw)
     cluster = LAYOUTS[ALLREDUCE].fit_cluster()
     sharded, h2 = fit(tmp_path, "sharded", steps=16, updater=None, optimizer=adamw, cluster=cluster)
     assert_ran(tmp_path / "sharded", ALLREDUCE)
     assert train_losses(h2) == pytest.approx(train_losses(h1), rel=1e-5)  # every step
     assert_close_params(single, sharded)
+
+
+@pytest.mark.slow  # four more runs over processes: the default suite's 5-minute budget
+def test_adamw_over_two_processes_resumes_exactly_and_from_one_workers_state(tmp_path):
+    single, _ = fit(tmp_path, "single", steps=16, updater=None, optimizer=adamw)
+    cluster = LAYOUTS[ALLREDUCE].fit_cluster()
+    sharded, _ = fit(tmp_path, "sharded", steps=16, updater=None, optimizer=adamw, cluster=cluster)
     fit(tmp_path, "parts", steps=9, updater=None, optimizer=adamw, cluster=cluster, checkpoint_freq=9)
     resumed, h3 = fit(tmp_path, "parts", steps=16, updater=None, optimizer=adamw, cluster=cluster, resume=True)
     assert (tmp_path / "parts" / "checkpoint" / "step9-worker0.safetensors").exists()
@@ -77,6 +84,7 @@ def downpour_two_servers():
     return Layout({**base.cluster, "nservers_per_group": 2}, base.processes + 1, base.workers, "Downpour")
 
 
+@pytest.mark.slow  # the default suite's 5-minute budget
 def test_downpour_servers_train_the_gpt_with_adamw_and_a_resume_keeps_its_state(tmp_path):
     """AdamW at 2 servers, each over its slices."""
     layout, data = downpour_two_servers(), windows()
@@ -114,6 +122,7 @@ DILOCO_THREADS = Layout(dict(nworker_groups=2, local_steps=4, nworkers_per_procs
 DILOCO_PROCESSES = Layout(dict(nworker_groups=2, local_steps=4), 2, 2, "Local SGD")
 
 
+@pytest.mark.slow  # the default suite's 5-minute budget
 def test_diloco_inner_adamw_outer_nesterov_threads_equal_processes_and_resume_exactly(tmp_path):
     run = dict(updater=None, optimizer=adamw, outer_optimizer=nesterov)
     threads, _ = fit(tmp_path, "threads", steps=16, cluster=DILOCO_THREADS.fit_cluster(), **run)
@@ -166,6 +175,7 @@ def plain_loop(steps, seed, *, scheduler=None, clip=None):
     return plain, losses
 
 
+@pytest.mark.slow  # the default suite's 5-minute budget
 def test_a_warmup_cosine_schedule_steps_once_per_update_as_a_plain_loop_over_layouts_and_resumes(tmp_path):
     run = dict(updater=None, optimizer=adamw, scheduler=warmup_cosine, seed=5)
     model, history = fit(tmp_path, "single", steps=20, **run)
@@ -241,7 +251,7 @@ def plain_sgd(params):
 
 
 @pytest.mark.parametrize("name, updates", [("in-memory Hogwild, 2 groups", 20),
-                                           ("Downpour, 2 groups + 1 server, 3 processes", 20)])
+                                           pytest.param("Downpour, 2 groups + 1 server, 3 processes", 20, marks=pytest.mark.slow)])
 def test_an_asynchronous_group_clips_its_own_push(tmp_path, name, updates):
     """Plain SGD moves the params by lr·‖clipped g‖ ≤ 0.1 · 0.01 per server update; unclipped, ‖g‖ is about 1."""
     before = torch.cat([p.detach().reshape(-1) for p in tiny_gpt().parameters()])

@@ -93,7 +93,8 @@ def test_torchrun_runs_allreduce_as_shoal_run_does(blobs_job, tmp_path, job_regi
         torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("layout", ["Downpour, 2 groups + 1 server, 3 processes", "Distributed Hogwild, 2 groups"])
+@pytest.mark.parametrize("layout", ["Downpour, 2 groups + 1 server, 3 processes",
+                                    pytest.param("Distributed Hogwild, 2 groups", marks=pytest.mark.slow)])
 def test_torchrun_runs_asynchronous_layouts(blobs_job, tmp_path, layout):
     job = blobs_job(train_steps=8, layout=layout)
     run = torchrun(LAYOUTS[layout].processes, job, tmp_path / "ws")

@@ -30,6 +30,7 @@ def params(ws, step):
 LOCAL_SGD = ["cluster.nworker_groups=2", "cluster.local_steps=5"]
 
 
+@pytest.mark.slow  # the default suite's 5-minute budget; covered in it by a cheaper test
 def test_groups_as_threads_and_as_processes_compute_the_same_local_sgd(blobs_job, tmp_path):
     job = blobs_job(train_steps=20)
     threads = run(job, tmp_path / "threads", *LOCAL_SGD, "cluster.nworkers_per_procs=2")
@@ -61,6 +62,7 @@ def test_diloco_is_named_planned_and_its_outer_updater_checked(blobs_job, tmp_pa
     assert any(k.endswith("/outer.anchor") for k in state) and any("/outer." in k and not k.endswith("anchor") for k in state)
 
 
+@pytest.mark.slow  # the default suite's 5-minute budget; covered in it by a cheaper test
 def test_resume_mid_round_continues_from_the_checkpointed_anchor(blobs_job, tmp_path):
     """Stopped at step 7 (mid-round: meetings after steps 4 and 9), resumed to 12: the round goes on, meetings count on."""
     job, ws = blobs_job(train_steps=12), tmp_path / "ws"

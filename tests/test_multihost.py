@@ -97,6 +97,7 @@ def test_sandblaster_over_two_hosts_equals_the_single_worker_run(two_hosts, blob
     assert sorted(p.name for p in (tmp_path / "node1" / "logs").iterdir()) == ["launcher.log", "rank2.log", "rank3.log"]
 
 
+@pytest.mark.slow  # the default suite's 5-minute budget
 def test_without_node_ranks_torchs_c10d_rendezvous_numbers_the_nodes(two_hosts, blobs_job, tmp_path):
     """`shoal run --nnodes 2 --master HOST:PORT` on both hosts, no --node-rank: torch's c10d rendezvous hands the node
     ranks out (whichever node becomes node 0 hosts the chief) and the job is the single worker's, exactly."""
@@ -176,6 +177,7 @@ def test_a_node_without_the_job_secret_is_refused_in_one_line(blobs_job, tmp_pat
     assert not (tmp_path / "ws" / "logs" / "rank0.log").exists()
 
 
+@pytest.mark.slow  # the default suite's 5-minute budget
 def test_nodes_given_different_secrets_are_refused_in_one_line_each(blobs_job, tmp_path):
     """Two nodes of one job meet, but one was given another secret: each refuses the other's processes, in one line
     saying the secrets differ, and no training starts."""
