@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import random
 
+import sys
+
 import pytest
 from cli_in_process import run_cli as shoal_in_process
 
@@ -167,6 +169,7 @@ def test_bounded_async_groups_beat_sandblaster_when_a_worker_is_twice_slower(mni
 
     spec = importlib.util.spec_from_file_location("bench_async_uneven", REPO / "benchmarks" / "async_uneven.py")
     bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses resolve their string annotations through sys.modules
     spec.loader.exec_module(bench)
     rows = bench.rows(bound=2, factor=2.0)
     sync = next(r for r in rows if r.name == bench.IN_MEMORY_SB)
