@@ -3,9 +3,9 @@
     shoal prepare shakespeare --out examples/gpt/data
     shoal run examples/gpt/train.py                                    # one worker
     shoal run examples/gpt/train.py --set cluster.nworkers_per_group=2 --set cluster.nworkers_per_procs=2  # 2 threads
-    shoal run examples/gpt/train.py --set cluster.nworkers_per_group=2 -- --optimizer kAdam   # AllReduce, 2 processes
-    shoal run examples/gpt/train.py --set cluster.nworker_groups=2 --set cluster.nworkers_per_procs=2 -- --optimizer kAdam
-                                                                                             # in-memory Hogwild
+    shoal run examples/gpt/train.py --set cluster.nworkers_per_group=2 --set cluster.nservers_per_group=2   # AllReduce, 2 processes
+    shoal run examples/gpt/train.py --set cluster.nworker_groups=2 --set cluster.nworkers_per_procs=2  # in-memory Hogwild
+    shoal run examples/gpt/train.py --set cluster.nworker_groups=2 --set cluster.local_steps=50        # Local SGD, 2 groups
 
 Arguments after the script's name (or after --) are the script's: --steps, --batch, --lr, --optimizer, the model's size
 (--layers --heads --width --block) and --data (the prepared folder, default data/ beside this file).
