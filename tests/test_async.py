@@ -237,7 +237,7 @@ def test_server_state_reslices_to_any_server_count(blobs_job):
 
 
 # -- Distributed Hogwild over processes ----------------------------------------------------
-@pytest.mark.parametrize("groups", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3: the seed docs' Distributed Hogwild
+@pytest.mark.parametrize("groups", [pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])  # 3: the seed docs' Distributed Hogwild
 def test_distributed_hogwild_syncs_replicas_and_learns(blobs_job, tmp_path, groups):
     layout = f"Distributed Hogwild, {groups} groups"  # each process a whole worker group and server group
     proc = run_cli(downpour_job(blobs_job, layout, cluster_extra=dict(sync_freq=2)), tmp_path / "ws")

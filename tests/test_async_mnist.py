@@ -43,7 +43,7 @@ FRAMEWORKS = [  # rows of tests/layouts.py; the mechanics of each are tested on 
     "single worker",
     pytest.param("in-memory Sandblaster, 2 threads", marks=pytest.mark.slow),
     pytest.param("in-memory Hogwild, 2 groups", marks=pytest.mark.slow),
-    "Downpour, 2 groups + 1 server, 3 processes",
+    pytest.param("Downpour, 2 groups + 1 server, 3 processes", marks=pytest.mark.slow),
     pytest.param("Distributed Hogwild, 2 groups", marks=pytest.mark.slow),
 ]
 

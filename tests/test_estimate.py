@@ -205,6 +205,7 @@ def home(tmp_path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow  # the default suite's 5-minute budget; covered in it by a cheaper test
 def test_cli_estimate_json_and_text(tmp_path, home):
     job = tmp_path / "small.conf"
     job.write_text(SMALL.format(cluster=""))

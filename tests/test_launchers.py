@@ -71,6 +71,7 @@ def numbers(workspace: Path) -> list[tuple]:
 
 
 # -- torchrun ---------------------------------------------------------------------------------------
+@pytest.mark.slow  # the default suite's 5-minute budget; covered in it by a cheaper test
 def test_torchrun_runs_allreduce_as_shoal_run_does(blobs_job, tmp_path, job_registry):
     layout = "AllReduce, 2 processes"
     job = blobs_job(train_steps=6, layout=layout)

@@ -90,7 +90,7 @@ def lags_of(workspace) -> dict:
 SLOW_GROUP_1 = {"SHOAL_SLOW_WORKER": "1.0:0+0.04"}
 
 
-@pytest.mark.parametrize("bound, overlap", [pytest.param(-1, False, marks=pytest.mark.slow), (2, False), (3, True)])
+@pytest.mark.parametrize("bound, overlap", [pytest.param(-1, False, marks=pytest.mark.slow), (2, False), pytest.param(3, True, marks=pytest.mark.slow)])
 def test_downpour_servers_hold_updates_to_the_bound(blobs_job, tmp_path, bound, overlap):
     steps = 30
     job = downpour_job(blobs_job, steps=steps, cluster_extra=dict(max_update_lag=bound, overlap_push=overlap),
