@@ -5,5 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 # four test processes: many tests wait on the processes they start (2 idle cores, 2026-11-23: 5.0 min with 4, 5.9 with 3)
-# loadgroup: tests sharing an expensive module fixture (xdist_group) run in one process, the rest spread as usual
-exec .venv/bin/python -m pytest -q -n 4 --dist loadgroup "$@"
+exec .venv/bin/python -m pytest -q -n 4 "$@"

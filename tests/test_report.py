@@ -58,7 +58,6 @@ def layout_runs(blobs_dir, tmp_path_factory):
 # -- metrics.jsonl -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", RUN_LAYOUTS)
-@pytest.mark.xdist_group("layout_runs")  # one test process runs the layouts once (scripts/test.sh: --dist loadgroup)
 def test_every_record_follows_the_schema(layout_runs, layout):
     records = read_metrics(layout_runs[layout] / "metrics.jsonl")
     assert records and all(record_problems(r) == [] for r in records), [record_problems(r) for r in records]
@@ -94,7 +93,6 @@ def test_schema_check_names_what_is_wrong(record, problem):
 # -- summary.json --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", RUN_LAYOUTS)
-@pytest.mark.xdist_group("layout_runs")  # one test process runs the layouts once (scripts/test.sh: --dist loadgroup)
 def test_summary_of_a_finished_run(layout_runs, layout):
     workspace = layout_runs[layout]
     summary = assert_ran(workspace, layout)
