@@ -91,6 +91,7 @@ def train(
     and initial_values (sets the params from the module's own values).
     """
     proto, base_dirs = as_job(job)
+    script.plan_instead(proto)  # `shoal plan script.py`: this job is planned, not trained
     if tensorboard is not None:
         proto.tensorboard = tensorboard
     workspace, resume = script.workspace(workspace), script.resume(resume)

@@ -7,6 +7,7 @@ with status 2; no traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -116,7 +117,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         description="Print, without starting anything, what `shoal run JOB` would start: processes, "
         "the workers (device, threads, layers) and servers (param slices) each hosts.",
     )
-    p.add_argument("job", type=Path)
+    p.add_argument("job", type=Path, help="job file, or a Python script (.py): its first training call (shoal.fit...) is "
+                   "planned instead of run; the arguments shoal does not take (or all after --) go to the script")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE", help="override a job field")
     _add_plugin(p)
@@ -295,7 +297,7 @@ def _run_script(args: argparse.Namespace, path: Path) -> int:
 def _script_args(args: argparse.Namespace, extra: list[str]) -> Optional[list[str]]:
     """The arguments for a script `shoal run` runs (those shoal does not take, without the first --); None if not a script."""
     job = getattr(args, "job", None) or getattr(args, "conf", None)
-    if args.command != "run" or job is None or job.suffix != ".py":
+    if args.command not in ("run", "plan") or job is None or job.suffix != ".py":
         return None
     return extra[:extra.index("--")] + extra[extra.index("--") + 1 :] if "--" in extra else extra
 
@@ -370,13 +372,42 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from shoal.frontend import api
+
+    if args.job.suffix == ".py":
+        return _plan_script(args)
+    return _plan_job(args, api.load_job(args.job, args.overrides, plugins=args.plugin))
+
+
+def _plan_script(args: argparse.Namespace) -> int:
+    """shoal plan script.py: the script runs up to its first training call, whose job is planned instead (shoal.fit's
+    module included: its FLOPs and bytes are counted on one sample for --estimate)."""
+    from shoal.config.plugins import load_plugins
+    from shoal.frontend.script import ScriptError, ScriptSettings, run_script
+
+    load_plugins(args.plugin)
+    planned: list[int] = []
+    stdout = sys.stdout
+
+    def plan(job) -> None:
+        with contextlib.redirect_stdout(stdout):
+            planned.append(_plan_job(args, job))
+
+    with contextlib.redirect_stdout(sys.stderr):  # what the script prints stays out of the plan (and of --json)
+        status = run_script(args.job, args.script_args, ScriptSettings(tuple(args.overrides), plan=plan), expected=(ShoalError,))
+    if not planned:
+        raise ScriptError(f"{args.job}: finished (status {status}) without training a job to plan "
+                          "(shoal plan runs a script up to its first shoal.fit, shoal.train or model fit call)")
+    return planned[0]
+
+
+def _plan_job(args: argparse.Namespace, job) -> int:
     import json
 
     from shoal.frontend import api
     from shoal.planning.describe import describe, render
     from shoal.planning.plan import plan_job
 
-    job = api.load_job(args.job, args.overrides, plugins=args.plugin)
     hosts = _hosts_of(args)
     if args.workers is not None and args.workers < 1:
         raise ShoalError(f"--workers: {args.workers} is not a number of workers (at least 1)")

@@ -23,6 +23,7 @@ from shoal.planning.buckets import DEFAULT_CAP, plan_buckets
 from shoal.planning.costs import (FLOAT, Calibration, LayerCost, compute_seconds, kernels_of, learning_nodes, node_rows, numel,
                                   worker_costs)
 from shoal.planning.partition import PartitionPlan
+from shoal.planning.module_costs import describe_basis, module_costs_of
 from shoal.planning.placement import ServerId
 from shoal.planning.plan import Framework, JobPlan
 
@@ -130,11 +131,26 @@ def hosts_from_file(path: Path) -> Hosts:
                  values.get("latency", 0.0) / 1e6)
 
 
-def updater_slots(job: job_pb2.JobProto) -> int:
+def updater_slots(job: job_pb2.JobProto, params: Optional[dict[str, tuple[int, ...]]] = None) -> int:
+    """Element-wise state tensors per param (SINGA's slots; a torch optimizer's state shaped as its param: AdamW 2,
+    SGD with momentum 1), the most any param of `params` has."""
     try:
-        return len(make_updater(job.updater).slots)
+        updater = make_updater(job.updater)
+        if not params:
+            return len(updater.slots)
+        return max((sum(1 for s in updater.state_shapes(name, tuple(shape)).values() if tuple(s) == tuple(shape))
+                    for name, shape in params.items()), default=0)
     except Exception:  # a user updater this process cannot build: assume one slot (momentum)
         return 1
+
+
+def updater_name(job: job_pb2.JobProto) -> str:
+    """The updater as a user named it: a torch optimizer's class (shoal.fit's optimizer=), else SINGA's type."""
+    try:
+        optimizer = getattr(make_updater(job.updater), "made_optimizer", lambda: None)()
+    except Exception:
+        optimizer = None
+    return type(optimizer).__name__ if optimizer is not None else (job.updater.user_type or job_pb2.UpdaterType.Name(job.updater.type))
 
 
 def trainable(parts: PartitionPlan) -> set[str]:
@@ -177,11 +193,12 @@ class _Model:
         self.where = host_of(plan, hosts)
         self.link_bw = (hosts.link_gbps or calib.link_gbps) * 1e9
         self.latency = hosts.latency_s or calib.link_latency_s
-        self.slots = updater_slots(plan.job)
+        self.slots = updater_slots(plan.job, plan.params)
         self.trainable = trainable(plan.partition)
         self.sizes = {name: math.prod(shape) for name, shape in plan.params.items()}
         self.elements = sum(s for n, s in self.sizes.items() if n in self.trainable)
-        self.notes: list[str] = []
+        module = module_costs_of(plan.partition)  # an opaque module's measured costs name the estimate's basis
+        self.notes: list[str] = [describe_basis(module, self.slots, updater_name(plan.job))] if module else []
 
     # -- pieces ---------------------------------------------------------------------------
     def workers_on_host(self, host: int) -> int:
