@@ -197,10 +197,19 @@ def estimate(
     predicted = predict(plan, calib)
     result = {"calibration": calibration_json(calib), "estimate": predicted.to_json()}
     if recommend:
-        from shoal.planning.recommend import timeouts
+        from shoal.planning.module_costs import module_costs_of
+        from shoal.planning.recommend import candidates, settings, timeouts
 
         result["recommend"] = {"label": predicted.label, "nprocs": plan.nprocs, "step_s": predicted.step_s,
                                "timeouts": [asdict(r) for r in timeouts(plan, predicted)]}
+        far = hosts if hosts is not None and hosts.count > 1 else None  # one worker a host; else `count` on this one
+        chosen = far.count if far else count
+        est = candidates(proto, calibrated, chosen, far)
+        link = (f"{far.count} hosts joined by {far.link_gbps * 8 or calib.link_gbps * 8:g} Gbit/s, "
+                f"{(far.latency_s or calib.link_latency_s) * 1e6:g} µs links" if far else
+                f"this host (loopback {calib.link_gbps * 8:.3g} Gbit/s, {calib.link_latency_s * 1e6:.0f} µs)")
+        result["recommend"] |= {"workers": chosen, "links": link, "settings": [asdict(s) for s in settings(
+            est, chosen, module=module_costs_of(plan.partition) is not None, job=predicted, overlap_push=proto.cluster.overlap_push)]}
     if compare:
         result["compare"] = [
             {"layout": r.layout.name, "about": r.layout.about, "cluster": r.layout.cluster, "refused": r.refused,
