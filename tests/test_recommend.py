@@ -32,9 +32,9 @@ def seeded_home(tmp_path: Path, job: Path, sets: list[str], kernel_s: float) -> 
     return home
 
 
-def all_kernels(proto) -> set[str]:
+def all_kernels(proto, workers=(2,)) -> set[str]:
     """The kernels of the job and of every layout --recommend compares (so that the test measures none)."""
-    return {k.key for fields in recommend.candidate_layouts(2).values()
+    return {k.key for w in workers for fields in recommend.candidate_layouts(w).values()
             for k in plan_kernels(plan_job(recommend.variant(proto, fields)))} | {k.key for k in plan_kernels(plan_job(proto))}
 
 
@@ -182,11 +182,16 @@ def test_cli_recommends_settings_for_the_job_and_the_links(tmp_path):
 
     job = tmp_path / "tiny.conf"
     job.write_text(JOB)
-    calib = Calibration(gemm_gflops={1: 10.0}, mem_gbps={1: 10.0}, load=0.2, **calibrate.this_machine(),
-                        kernels={k: 1.0 for k in all_kernels(load_job(job, []))})  # compute-bound: a second a kernel
-    calibrate.save(calib, tmp_path / "home" / "calibration" / f"{socket.gethostname()}.json")
-    env = {"SHOAL_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"}
-    out = run_cli("plan", job, "--recommend", "--json", env=env)
+    sets = ["--set", "train_steps=1000"]  # Local SGD's meetings are counted over the run
+
+    def home(kernel_s: float) -> dict:
+        calib = Calibration(gemm_gflops={1: 10.0}, mem_gbps={1: 10.0}, load=0.2, **calibrate.this_machine(),
+                            kernels={k: kernel_s for k in all_kernels(load_job(job, []), workers=(2, 4))})
+        calibrate.save(calib, tmp_path / f"home{kernel_s:g}" / "calibration" / f"{socket.gethostname()}.json")
+        return {"SHOAL_HOME": str(tmp_path / f"home{kernel_s:g}"), "PATH": "/usr/bin:/bin"}
+
+    # a second a kernel on this host: compute-bound, synchronous and uncompressed
+    out = run_cli("plan", job, "--recommend", "--json", *sets, env=home(1.0))
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)["recommend"]
     assert r["workers"] == 2 and r["links"].startswith("this host (loopback")
@@ -194,9 +199,10 @@ def test_cli_recommends_settings_for_the_job_and_the_links(tmp_path):
     assert list(got) == ["framework", "cluster.local_steps", "cluster.compression", "cluster.max_update_lag"]
     assert got["framework"]["value"] == "AllReduce" and got["framework"]["samples_per_s"] > 0
     assert got["cluster.compression"]["value"] == "none" and all(s["reason"] for s in r["settings"])
-    # slow links between 4 hosts: the exchange dominates and Local SGD or a codec takes over
-    far = run_cli("plan", job, "--recommend", "--hosts", "4", "--bandwidth", "0.0001", "--latency", "50000", env=env)
+    # a microsecond a kernel, 4 hosts on slow far links: the exchange is the step, and Local SGD at the largest measured H
+    far = run_cli("plan", job, "--recommend", "--hosts", "4", "--bandwidth", "0.001", "--latency", "50000", *sets, env=home(1e-6))
     assert far.returncode == 0, far.stderr
-    section = far.stdout.split("recommended settings for 4 workers on 4 hosts joined by 0.0001 Gbit/s, 50000 µs links:")[1]
-    assert "\n  framework: Local SGD / DiLoCo, 4 groups meeting every" in section or "top-k" in section or "bf16" in section
-    assert "\n    measured: " in section, section
+    section = far.stdout.split("recommended settings for 4 workers on 4 hosts joined by 0.001 Gbit/s, 50000 µs links:")[1]
+    assert "\n  framework: Local SGD / DiLoCo, 4 groups meeting every 50 steps  (--set cluster.nworker_groups=4" in section
+    assert "no larger H was measured here" in section
+    assert f"\n    measured: {measured_tradeoffs.LOCAL_SGD_H50.cite()}" in section
