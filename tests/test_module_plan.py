@@ -114,13 +114,10 @@ def test_module_time_is_its_flops_at_the_gemm_rate_with_its_bytes_as_floor():
     assert fwd == pytest.approx((4 * 250 + 8 * 1000) / 1e3) and memory > 0
 
 
-def test_cli_estimates_a_module_script_with_its_counted_costs(script, home):
-    out = subprocess.run([sys.executable, "-m", "shoal", "plan", str(script), "--estimate", "--json"], capture_output=True,
-                         text=True, env=env(home), timeout=120)
+def check_adamw_estimate(out: subprocess.CompletedProcess) -> None:
     assert out.returncode == 0, out.stderr
     assert "the script's own output" in out.stderr
-    result = json.loads(out.stdout)
-    e = result["estimate"]
+    e = json.loads(out.stdout)["estimate"]
     assert (e["framework"], e["nprocs"], e["nworkers"], e["global_batch"]) == ("single worker", 1, 1, BATCH)
     n = sum(p.numel() for p in tiny_gpt().parameters())
     process, worker = e["processes"][0], e["workers"][0]
@@ -135,7 +132,15 @@ def test_cli_estimates_a_module_script_with_its_counted_costs(script, home):
                for note in e["notes"])
 
 
-def test_cli_counts_sgd_momentum_as_one_slot_and_plans_the_layout(script, home):
+@pytest.mark.slow  # a real process: 3 s of CPU for torch's import and the flop counter's first use
+def test_cli_estimates_a_module_script_in_a_real_process(script, home):
+    check_adamw_estimate(subprocess.run([sys.executable, "-m", "shoal", "plan", str(script), "--estimate", "--json"],
+                                        capture_output=True, text=True, env=env(home), timeout=120))
+
+
+def test_cli_estimates_a_module_script_with_its_counted_costs(script, home):
+    check_adamw_estimate(run_cli("plan", script, "--estimate", "--json", env=env(home)))
+    # SGD with momentum: one slot; two workers in one process, each on half the batch
     out = run_cli("plan", script, "--estimate", "--json", "--set", "cluster.nworkers_per_group=2",
                   "--set", "cluster.nworkers_per_procs=2", "--", "--optimizer", "sgd", env=env(home))
     assert out.returncode == 0, out.stderr
