@@ -142,6 +142,15 @@ def test_a_communication_bound_job_moves_to_local_sgd_at_the_smallest_measured_h
     assert got["cluster.compression"].value == "none"  # Local SGD at H=50 spends 5 % exchanging
 
 
+def test_downpour_only_when_it_is_worth_its_staleness_over_local_sgd_too():
+    est = candidates(sync=(100, 0.6), local10=(140, 0.3), local50=(180, 0.05), downpour=(200, 0.1))
+    assert by_setting(recommend.settings(est, workers=2, module=False))["framework"].value.startswith("Local SGD")
+    est = candidates(sync=(100, 0.6), local10=(140, 0.3), local50=(180, 0.05), downpour=(230, 0.1))
+    chosen = by_setting(recommend.settings(est, workers=2, module=False))
+    assert chosen["framework"].value == "Downpour" and "cluster.server_worker_separate=true" in chosen["framework"].sets
+    assert chosen["cluster.max_update_lag"].value == "2"  # its 2 groups: the least they allow, plus one
+
+
 def test_compression_when_no_framework_is_worth_its_drift_and_never_top_k_for_a_module():
     est = candidates(sync=(100, 0.6), local10=(110, 0.3), local50=(115, 0.2), sync_topk=150, sync_bf16=120)
     net = by_setting(recommend.settings(est, workers=2, module=False))

@@ -134,23 +134,36 @@ def hosts_from_file(path: Path) -> Hosts:
 def updater_slots(job: job_pb2.JobProto, params: Optional[dict[str, tuple[int, ...]]] = None) -> int:
     """Element-wise state tensors per param (SINGA's slots; a torch optimizer's state shaped as its param: AdamW 2,
     SGD with momentum 1), the most any param of `params` has."""
-    try:
-        updater = make_updater(job.updater)
-        if not params:
-            return len(updater.slots)
-        return max((sum(1 for s in updater.state_shapes(name, tuple(shape)).values() if tuple(s) == tuple(shape))
-                    for name, shape in params.items()), default=0)
-    except Exception:  # a user updater this process cannot build: assume one slot (momentum)
-        return 1
+    return _updater_state(job, params)[0]
 
 
 def updater_name(job: job_pb2.JobProto) -> str:
     """The updater as a user named it: a torch optimizer's class (shoal.fit's optimizer=), else SINGA's type."""
+    return _updater_state(job, None)[1]
+
+
+_UPDATER_STATES: dict = {}  # a torch optimizer's state is found by stepping a scratch copy: once per updater and params
+
+
+def _updater_state(job: job_pb2.JobProto, params: Optional[dict[str, tuple[int, ...]]]) -> tuple[int, str]:
     try:
-        optimizer = getattr(make_updater(job.updater), "made_optimizer", lambda: None)()
-    except Exception:
-        optimizer = None
-    return type(optimizer).__name__ if optimizer is not None else (job.updater.user_type or job_pb2.UpdaterType.Name(job.updater.type))
+        updater = make_updater(job.updater)
+    except Exception:  # a user updater this process cannot build: assume one slot (momentum)
+        return 1, job.updater.user_type or job_pb2.UpdaterType.Name(job.updater.type)
+    shapes = tuple((name, tuple(shape)) for name, shape in (params or {}).items())
+    key = (type(updater), job.updater.SerializeToString(deterministic=True), shapes)
+    if key not in _UPDATER_STATES:
+        try:
+            slots = max((sum(1 for s in updater.state_shapes(name, shape).values() if tuple(s) == shape) for name, shape in shapes),
+                        default=0) if shapes else len(updater.slots)
+            optimizer = getattr(updater, "made_optimizer", lambda: None)()
+        except Exception:
+            slots, optimizer = 1, None
+        name = type(optimizer).__name__ if optimizer is not None else (job.updater.user_type or job_pb2.UpdaterType.Name(job.updater.type))
+        if len(_UPDATER_STATES) > 64:
+            _UPDATER_STATES.clear()
+        _UPDATER_STATES[key] = (slots, name)
+    return _UPDATER_STATES[key]
 
 
 def trainable(parts: PartitionPlan) -> set[str]:

@@ -193,7 +193,8 @@ def _framework(est, workers: int, h: int, module: bool) -> tuple[str, Setting]:
         return "sync", _setting("framework", sync.label, sync_sets, sync,
                                 f"the exchange is {share:.0%} of the predicted step, but neither Local SGD (H={h}) nor Downpour "
                                 f"predicts {WORTH:g}x its {sync.samples_per_s:.0f} samples/s; compress instead (below)", [measured.SYNC_EXACT_GPT])
-    key, e = max(rivals, key=lambda r: r[1].samples_per_s)
+    # Local SGD unless Downpour is worth its staleness over it too: fewer bytes, and measured as accurate as synchronous
+    key, e = max(rivals, key=lambda r: r[1].samples_per_s * (WORTH if r[0] != "downpour" else 1))
     gain = f"{e.samples_per_s / sync.samples_per_s:.1f}x synchronous training's {sync.samples_per_s:.0f} samples/s, whose exchange is {share:.0%} of its step"
     if key == "downpour":
         return key, _setting("framework", e.label, down_sets, e, f"Downpour predicts {gain}; its updates are stale (max_update_lag, below)",
