@@ -176,3 +176,11 @@ def test_a_script_that_trains_nothing_says_so(tmp_path, home):
     quiet.write_text("print('hello')\n")
     out = run_cli("plan", quiet, env=env(home))
     assert out.returncode == 2 and "without training a job to plan" in out.stderr
+
+
+def test_plan_of_a_script_prints_the_layout_of_its_fit_call(script, home):
+    out = run_cli("plan", script, "--set", "cluster.nworkers_per_group=2", "--set", "cluster.nworkers_per_procs=2", env=env(home))
+    assert out.returncode == 0, out.stderr
+    n = sum(p.numel() for p in tiny_gpt().parameters())
+    assert out.stdout.startswith(f"job 'fit': in-memory Sandblaster, 1 process(es), {n:,} param elements")
+    assert out.stdout.count("  worker (group 0, id ") == 2 and "not reached" not in out.stdout + out.stderr
