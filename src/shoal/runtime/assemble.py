@@ -34,7 +34,8 @@ from shoal.report.metrics import MetricsLog
 from shoal.report.run_log import end_status, failure_reason, open_run_log
 from shoal.report.writes import as_write_error
 from shoal.neuralnet import checkpoint as ckpt_io
-from shoal.runtime import debug_norms, faults, visualization
+from shoal.runtime import debug_norms, visualization
+from shoal.launcher import faults
 from shoal.runtime.exchanges.compression import codec_for, compresses
 from shoal.runtime.exchanges.downpour import DownpourExchange, DownpourServer
 from shoal.runtime.exchanges.groups import GroupBoard, GroupExchange, run_groups
@@ -46,7 +47,7 @@ from shoal.runtime.exchanges.sliced import SlicedExchange
 from shoal.runtime.interfaces import TrainerHook
 from shoal.runtime.replicas import device_label, torch_device, usable_device_names
 from shoal.runtime.trainer import History, Trainer
-from shoal.runtime.workspace import write_job_copy
+from shoal.launcher.workspace import write_job_copy
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class RunSpec:
     log: Callable[[str], None] = print
     progress: Optional[bool] = None  # None: a bar when stderr is a terminal
     initial_values: Optional[Callable[[ParamStore], None]] = None  # shoal.fit: the module's own values
-    rejoin: Optional["Rejoin"] = None  # a process restarted into a running Downpour job (shoal.runtime.rejoin)
+    rejoin: Optional["Rejoin"] = None  # a process restarted into a running Downpour job (shoal.launcher.rejoin)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class ProcessRun:
     trainers: list[Trainer]
     board: Optional[GroupBoard] = None  # asynchronous groups of this process (in-memory Hogwild/Downpour)
     server: Optional[DownpourServer] = None  # a Downpour server process (no workers)
-    rejoining: bool = False  # not a member of the job's world process group (shoal.runtime.rejoin)
+    rejoining: bool = False  # not a member of the job's world process group (shoal.launcher.rejoin)
 
     @property
     def chief(self) -> Optional[Trainer]:
@@ -195,7 +196,7 @@ def _attach_downpour(run: ProcessRun, updater) -> None:
     plan, rank, trainer = run.plan, run.rank, run.trainers[0]
     c = plan.cluster
     group_ranks = {g: plan.ranks_of_group(g) for g in range(c.nworker_groups)}
-    # a rejoined process is in no process group (it hosts a whole group: shoal.runtime.rejoin.why_not)
+    # a rejoined process is in no process group (it hosts a whole group: shoal.launcher.rejoin.why_not)
     group_comms = {} if run.rejoining else {g: comm.new_group(ranks) if len(ranks) > 1 else None for g, ranks in group_ranks.items()}
     hosted = plan.process(rank)
     if hosted.servers:
@@ -241,7 +242,7 @@ def _set_values(run: ProcessRun, spec: RunSpec) -> None:
             chief.start_at(max(chief.start_step, job.cluster.warmup_steps))
             exchange.start_at(chief.start_step)
         if spec.rejoin is not None:  # from the servers' live values, at the step the group had reached
-            from shoal.runtime import rejoin
+            from shoal.launcher import rejoin
 
             rejoin.complete(run, spec)
     if plan.framework is Framework.LOCAL_SGD:

@@ -18,7 +18,7 @@ from shoal.planning.partition import WHOLE
 from shoal.planning.plan import JobPlan
 from shoal.errors import warn
 from shoal.report.node_link import write_json
-from shoal.runtime.workspace import is_users
+from shoal.launcher.workspace import is_users
 
 FOLDER = "visualization"
 

@@ -21,7 +21,7 @@ from shoal.config import job_pb2
 from shoal.neuralnet.layers.base import Context
 from shoal.neuralnet.net import NeuralNet
 from shoal.neuralnet.params import ParamStore
-from shoal.runtime import faults
+from shoal.launcher import faults
 from shoal.runtime.feed import InputFeed, make_feeds
 
 

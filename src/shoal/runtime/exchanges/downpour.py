@@ -15,7 +15,7 @@ job's store), not over the job's world process group, so that a process can
 take a dead one's place. A server serves each group on a thread with blocking
 receives from that group's stub. A group whose process dies only ends that
 thread (the server warns and goes on); the server then waits for a new process
-of the group (shoal.runtime.rejoin: restarted by the launcher or by hand),
+of the group (shoal.launcher.rejoin: restarted by the launcher or by hand),
 which pulls the live values, the version and the steps its group has done,
 and trains the steps left. A push in flight when a process died is lost whole
 (a server applies a push once it received all of it). The chief's last
@@ -115,7 +115,7 @@ class DownpourServer:
     def __init__(self, store: ParamStore, updater: Updater, placement: Placement, server: ServerId,
                  stubs: dict[int, int], log: Callable[[str], None] = print, max_staleness: int = -1, warmup_steps: int = 0,
                  exit_at_version: Optional[int] = None, max_update_lag: int = -1):
-        """`exit_at_version`: fault injection for tests (shoal.runtime.faults): the process exits at that version."""
+        """`exit_at_version`: fault injection for tests (shoal.launcher.faults): the process exits at that version."""
         self.store, self.updater, self.server, self.stubs, self.log = store, updater, server, stubs, log
         self.cluster = placement.cluster
         trainable = set(store.trainable_names())
@@ -463,7 +463,7 @@ class DownpourExchange:
         self.lag_histogram: Optional[dict] = None  # the first server's count of every update's lag, after the chief's last request
         self.warmup = placement.cluster.warmup_steps > 0
         self.first_step = 0  # a resumed run's, or where a joining group starts after group 0's warm-up
-        self.incarnation = 0  # how many processes of this group came before this one (shoal.runtime.rejoin)
+        self.incarnation = 0  # how many processes of this group came before this one (shoal.launcher.rejoin)
         self._channels: dict[int, channels.Channel] = {}  # server rank -> this stub's channel, opened at first use
         self.overlap = placement.cluster.overlap_push
         self._awaited: list = []  # the answers to the last push, while they are on their way (overlap_push)
@@ -612,7 +612,7 @@ class DownpourExchange:
 
     def _leave_if_refused(self, version: int, step: int) -> None:
         if version == REFUSED:  # the servers dropped this group while it was stalled
-            from shoal.runtime import stalls
+            from shoal.launcher import stalls
 
             stalls.leave(f"worker group {self.group}: the servers refused its push at step {step}; they dropped "
                          "the group while it was stalled, so its processes leave")

@@ -28,7 +28,7 @@ from shoal.errors import warn
 from shoal.neuralnet.algorithms import Grads
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
-from shoal.runtime import faults
+from shoal.launcher import faults
 from shoal.runtime.interfaces import TrainerHook
 from shoal.runtime.exchanges.local import aggregate, clipped
 from shoal.runtime.exchanges.server import Server

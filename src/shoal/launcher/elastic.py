@@ -23,13 +23,13 @@ from shoal.config import job_pb2
 from shoal.errors import ShoalError
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.planning.plan import JobPlan
-from shoal.runtime import job_registry, launchers
+from shoal.launcher import job_registry, launchers
 from shoal.runtime.assemble import RunSpec
 from shoal.runtime.trainer import History
-from shoal.runtime.workspace import JOB_COPY, WorkspaceError, WorkspaceLock, claim, job_copy, prepare, write_job_copy
+from shoal.launcher.workspace import JOB_COPY, WorkspaceError, WorkspaceLock, claim, job_copy, prepare, write_job_copy
 
 if TYPE_CHECKING:
-    from shoal.runtime.run_job import RunOptions
+    from shoal.launcher.run_job import RunOptions
 
 
 class LaunchMismatch(ShoalError, ValueError):
@@ -90,7 +90,7 @@ def check_same_job(workspace: Path, job: job_pb2.JobProto) -> None:
 def train_launched(plan: JobPlan, options: "RunOptions", launched: launchers.LaunchedProcess, job_file: str,
                    workspace: Path) -> History:
     """This rank of a job whose processes a launcher started; rank 0 prepares and registers the job."""
-    from shoal.runtime.launch import run_launched
+    from shoal.launcher.launch import run_launched
 
     if launched.world_size != plan.nprocs:
         raise LaunchMismatch(

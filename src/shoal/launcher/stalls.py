@@ -47,12 +47,12 @@ class StallPolicy:
         return workers[0].group if workers else None
 
     def _expendable(self, rank: int) -> bool:
-        from shoal.runtime.launch import expendable
+        from shoal.launcher.launch import expendable
 
         return expendable(self.plan, rank)
 
     def on_stall(self, stall: heartbeat.Stall) -> None:
-        from shoal.runtime.launch import describe_process
+        from shoal.launcher.launch import describe_process
 
         silent = f"no heartbeat for {stall.silent_s:.0f} s" + (f", the last at step {stall.step}" if stall.step >= 0 else "")
         if stall.rank is None:

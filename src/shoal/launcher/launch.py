@@ -10,7 +10,7 @@ checkpoints); every process logs to WORKSPACE/logs/rank<R>.log. If a process
 dies, torch's process context terminates the others on its node, the others
 time out of their collectives, and each launcher reports which rank failed.
 
-Started by a launcher instead (torchrun, srun, a PyTorchJob: shoal.runtime.launchers),
+Started by a launcher instead (torchrun, srun, a PyTorchJob: shoal.launcher.launchers),
 each process runs only its own rank (`run_launched`): the same per-rank path
 (`rank_output`, `join_world`, `run_rank`), with rank 0 starting the job once
 every rank has joined.
@@ -41,8 +41,8 @@ from shoal.planning.plan import JobPlan, plan_job
 from shoal.report.metrics import read_metrics
 from shoal.report.run_log import Terminated, mark_run_ended
 from shoal.runtime.assemble import RunSpec, run_process
-from shoal.runtime import rejoin, stalls
-from shoal.runtime.launchers import LaunchedProcess
+from shoal.launcher import rejoin, stalls
+from shoal.launcher.launchers import LaunchedProcess
 from shoal.runtime.trainer import History
 
 LOOPBACK = "127.0.0.1"  # one host: nothing listens beyond loopback
@@ -296,7 +296,7 @@ def expendable(plan: JobPlan, rank: int) -> bool:
 
 def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace: Path, restarter=None) -> None:
     """Wait for the processes of an asynchronous job; a dead worker group is reported, not fatal, and restarted
-    into the running job when it can be (`restarter`: shoal.runtime.rejoin.Restarter, --max-restarts).
+    into the running job when it can be (`restarter`: shoal.launcher.rejoin.Restarter, --max-restarts).
 
     Returns when every process has exited or one that the job cannot lose has
     failed (torch's context.join then reports it and stops the others).

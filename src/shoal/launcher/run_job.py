@@ -2,7 +2,7 @@
 
 `train_job` is what `shoal run`, `shoal.train` and `shoal.fit` reach (through
 shoal.frontend.api). A layout of one process runs in this process as rank 0
-of a world of one; a layout of several spawns them (shoal.runtime.launch);
+of a world of one; a layout of several spawns them (shoal.launcher.launch);
 either way each process is assembled by shoal.runtime.assemble.run_process.
 """
 from __future__ import annotations
@@ -18,15 +18,16 @@ from shoal.planning.plan import JobPlan, plan_job
 from shoal.report.tensorboard import require_tensorboard
 from shoal.report.writes import WorkspaceWriteError, as_write_error, is_writable
 from shoal.neuralnet import checkpoint as ckpt_io
-from shoal.runtime import elastic, job_registry, visualization
+from shoal.launcher import elastic, job_registry
+from shoal.runtime import visualization
 from shoal.runtime.assemble import RunSpec, run_process
 from shoal.runtime.replicas import torch_device, usable_device_names
 from shoal.runtime.trainer import History, Trainer
-from shoal.runtime.workspace import WorkspaceError, WorkspaceLock, claim, prepare
+from shoal.launcher.workspace import WorkspaceError, WorkspaceLock, claim, prepare
 
 if TYPE_CHECKING:
     from shoal.neuralnet.params import ParamStore
-    from shoal.runtime.launch import Nodes
+    from shoal.launcher.launch import Nodes
 
 
 @dataclass
@@ -37,7 +38,7 @@ class RunOptions:
     base_dirs: list[Path] = field(default_factory=lambda: [Path.cwd()])
     log: Callable[[str], None] = print
     progress: Optional[bool] = None  # None: a bar when stderr is a terminal
-    nodes: Optional["Nodes"] = None  # several hosts (shoal.runtime.launch.Nodes); None: this host only
+    nodes: Optional["Nodes"] = None  # several hosts (shoal.launcher.launch.Nodes); None: this host only
     # shoal.fit: registers its layer types in each spawned process (picklable), and sets initial param values
     process_setup: Optional[Callable[[], None]] = None
     initial_values: Optional[Callable[["ParamStore"], None]] = None
@@ -95,7 +96,7 @@ def _train(plan: JobPlan, options: RunOptions, workspace: Path, resume_from: Opt
     if plan.in_one_process and options.nodes is None:
         options.log(f"Job {record.id}: {plan.label}; workspace {workspace}")
         return run_process(plan, 0, spec)
-    from shoal.runtime.launch import Nodes, run_processes
+    from shoal.launcher.launch import Nodes, run_processes
 
     def started(pids: list[int]) -> None:
         launcher = dict(record.processes[0], rank="launcher")

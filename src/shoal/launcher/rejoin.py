@@ -54,7 +54,7 @@ def max_restarts() -> int:
 
 def why_not(plan: JobPlan, rank: int) -> Optional[str]:
     """Why process `rank` cannot rejoin the running job (None: it can)."""
-    from shoal.runtime.launch import describe_process
+    from shoal.launcher.launch import describe_process
 
     if plan.framework is not Framework.DOWNPOUR:
         return f"only Downpour worker groups can rejoin a running job ({plan.label} cannot; Distributed Hogwild's replicas are not rebuilt)"
@@ -160,7 +160,7 @@ class Restarter:
             if self._door is not None:  # a group that died before it connected holds no server waiting for it
                 self._door.give_up(group_of(self.plan, rank), self._door.incarnation(group_of(self.plan, rank)))
             return False
-        from shoal.runtime.launch import describe_process
+        from shoal.launcher.launch import describe_process
 
         reason = why_not(self.plan, rank)
         done = self.restarts.get(rank, 0)
@@ -220,7 +220,7 @@ def add_rejoins_to_summary(workspace: Path, since: float) -> None:
 def _entry(rank: int, meeting, job_bytes: bytes, workspace: str, base_dirs: list[str], process_setup, initial_values,
            incarnation: int, detected_at: Optional[float], environment: dict[str, str]) -> None:
     """A restarted process (forked from the forkserver): rank `rank` again, a client of the job's store only."""
-    from shoal.runtime.launch import chief_log, rank_output
+    from shoal.launcher.launch import chief_log, rank_output
 
     os.environ.clear()  # the launcher's environment now, not the forkserver's when it started
     os.environ.update(environment)
@@ -237,7 +237,7 @@ def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, stor
     """Run rank `rank` of a running job as incarnation `incarnation` of its group, to the group's last step."""
     from shoal.config.plugins import decode_job
     from shoal.planning.plan import plan_job
-    from shoal.runtime import stalls
+    from shoal.launcher import stalls
     from shoal.runtime.assemble import Rejoin, RunSpec, run_process
     from shoal.runtime.exchanges.downpour import JobOver
 
@@ -259,7 +259,7 @@ def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, stor
 def rejoin_by_hand(plan: JobPlan, workspace: Path, rank: int, master: Optional[str], base_dirs: list[Path],
                    log: Callable[[str], None] = print) -> None:
     """Start process `rank` of the running job `plan` again, in this process (refused in one line when it cannot)."""
-    from shoal.runtime.launch import rank_output
+    from shoal.launcher.launch import rank_output
 
     reason = why_not(plan, rank)
     if reason is not None:
