@@ -88,7 +88,7 @@ def test_one_process_needs_no_timeouts(tmp_path):
 
 def test_the_floors_are_the_runtimes_defaults(monkeypatch):
     from shoal.comm import dist, heartbeat
-    from shoal.runtime.launch import join_timeout_seconds
+    from shoal.launcher.launch import join_timeout_seconds
 
     for name in ("SHOAL_COMM_TIMEOUT", "SHOAL_STALL_TIMEOUT", "SHOAL_JOIN_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)

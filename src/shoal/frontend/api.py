@@ -10,14 +10,14 @@ from shoal.config import job_pb2
 from shoal.config.loader import job_from_dict, load_job as _load_file
 from shoal.config.plugins import load_job_plugins
 from shoal.config.validate import validate
-from shoal.runtime.run_job import RunOptions, test_job, train_job
+from shoal.launcher.run_job import RunOptions, test_job, train_job
 from shoal.runtime.trainer import History
 from shoal.neuralnet.shapes import check_shapes
 
 if TYPE_CHECKING:
     from shoal.neuralnet.params import ParamStore
     from shoal.planning.estimate import Hosts
-    from shoal.runtime.launch import Nodes
+    from shoal.launcher.launch import Nodes
 
 JobLike = Union[str, Path, dict, job_pb2.JobProto]
 
@@ -86,7 +86,7 @@ def train(
 
     The one way into training: `shoal run`, `shoal.fit` and scripts come through here.
     tensorboard=True also writes TensorBoard event files (None: as the job's `tensorboard` field says);
-    progress=None draws a bar when stderr is a terminal; nodes: several hosts (shoal.runtime.launch.Nodes).
+    progress=None draws a bar when stderr is a terminal; nodes: several hosts (shoal.launcher.launch.Nodes).
     shoal.fit passes process_setup (run first in every spawned process: registers its layer types; picklable)
     and initial_values (sets the params from the module's own values).
     """

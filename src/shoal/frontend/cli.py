@@ -242,7 +242,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_restarts is not None:
         if args.max_restarts < 0:
             raise UsageError(f"--max-restarts {args.max_restarts}: expected 0 or more")
-        os.environ["SHOAL_MAX_RESTARTS"] = str(args.max_restarts)  # read by the launcher (shoal.runtime.rejoin)
+        os.environ["SHOAL_MAX_RESTARTS"] = str(args.max_restarts)  # read by the launcher (shoal.launcher.rejoin)
     nodes = _nodes(args, job)
     if args.test:
         api.evaluate(job, args.checkpoint, args.workspace)
@@ -272,8 +272,8 @@ def _rejoin(args: argparse.Namespace, job) -> int:
     """shoal run JOB --rejoin RANK: one process of a running Downpour job, back in a dead one's place."""
     from shoal.frontend.api import base_dirs
     from shoal.planning.plan import plan_job
-    from shoal.runtime import rejoin
-    from shoal.runtime.run_job import resolve_workspace
+    from shoal.launcher import rejoin
+    from shoal.launcher.run_job import resolve_workspace
 
     plan = plan_job(job, nnodes=args.nnodes or 1)
     rejoin.rejoin_by_hand(plan, resolve_workspace(job, args.workspace), args.rejoin, args.master, base_dirs(job))
@@ -314,7 +314,7 @@ class RunInterrupted(KeyboardInterrupt):
 
 def _resume_advice(job, workspace: Optional[Path]) -> str:
     from shoal.neuralnet import checkpoint as ckpt_io
-    from shoal.runtime.run_job import resolve_workspace
+    from shoal.launcher.run_job import resolve_workspace
 
     newest = ckpt_io.latest(resolve_workspace(job, workspace))
     if newest is None:  # --resume would only answer "no checkpoint to resume from"
@@ -326,10 +326,10 @@ def _nodes(args: argparse.Namespace, job):
     """Several hosts from --nnodes/--node-rank/--master or --hostfile; None for one host."""
     if args.nnodes is None and args.hostfile is None:
         return None
-    from shoal.runtime.launch import Nodes, route_interface
+    from shoal.launcher.launch import Nodes, route_interface
 
     if args.hostfile is not None:
-        from shoal.runtime import hostfile
+        from shoal.launcher import hostfile
 
         try:
             hosts = hostfile.read_hosts(args.hostfile)
@@ -447,7 +447,7 @@ def _jobs(args: argparse.Namespace) -> int:
     from rich.text import Text
 
     from shoal.errors import warn
-    from shoal.runtime import job_registry as jobs
+    from shoal.launcher import job_registry as jobs
 
     console = Console()
     if not console.is_terminal:  # piped: rows whole, not wrapped at 80 columns

@@ -23,7 +23,7 @@ from shoal.planning.costs import Calibration, Kernel
 from shoal.planning.estimate import Estimate, Hosts, estimate, plan_kernels
 from shoal.planning.plan import Framework, JobPlan, plan_job
 
-# the defaults live where they are read (shoal.comm.dist, shoal.comm.heartbeat, shoal.runtime.launch);
+# the defaults live where they are read (shoal.comm.dist, shoal.comm.heartbeat, shoal.launcher.launch);
 # tests/test_recommend.py checks these copies against them (planning may not import comm or runtime)
 COMM_DEFAULT_S, STALL_DEFAULT_S, JOIN_DEFAULT_S = 45.0, 10.0, 600.0
 # a collective waits for its slowest peer's step: 20 of them leave room for skew, a test or a checkpoint
