@@ -36,6 +36,7 @@ from shoal.comm import dist as comm
 from shoal.comm import rendezvous
 from shoal.config.plugins import decode_job
 from shoal.errors import ShoalError, warn
+from shoal.planning.nodes import ranks_of_node
 from shoal.planning.plan import JobPlan, plan_job
 from shoal.report.metrics import read_metrics
 from shoal.report.run_log import Terminated, mark_run_ended
@@ -68,8 +69,7 @@ class Nodes:
 
     def ranks(self, world: int, node_rank: int) -> list[int]:
         """A node's ranks: nodes take equal consecutive blocks (node 0 hosts rank 0, the chief)."""
-        per_node = -(-world // self.nnodes)
-        return list(range(node_rank * per_node, min(world, (node_rank + 1) * per_node)))
+        return ranks_of_node(world, self.nnodes, node_rank)
 
 
 def join_timeout_seconds() -> float:

@@ -24,6 +24,7 @@ from shoal.planning.costs import (FLOAT, Calibration, LayerCost, compute_seconds
                                   worker_costs)
 from shoal.planning.partition import PartitionPlan
 from shoal.planning.module_costs import describe_basis, module_costs_of
+from shoal.planning.nodes import node_of_rank
 from shoal.planning.placement import ServerId
 from shoal.planning.plan import Framework, JobPlan
 
@@ -175,16 +176,8 @@ def trainable(parts: PartitionPlan) -> set[str]:
 
 
 def host_of(plan: JobPlan, hosts: Hosts) -> list[int]:
-    """Each rank's host: processes with workers in blocks, processes of servers only spread round-robin."""
-    n = max(1, hosts.count)
-    with_workers = [p.rank for p in plan.placement.processes if p.workers]
-    per_host = -(-len(with_workers) // n)
-    where = [0] * plan.nprocs
-    for i, rank in enumerate(with_workers):
-        where[rank] = min(i // per_host, n - 1)
-    for i, rank in enumerate(p.rank for p in plan.placement.processes if not p.workers):
-        where[rank] = i % n
-    return where
+    """Each rank's host, as `shoal run --nnodes` places them (planning/nodes.py)."""
+    return node_of_rank(plan.nprocs, hosts.count)
 
 
 def estimate(plan: JobPlan, calib: Calibration, hosts: Optional[Hosts] = None) -> Estimate:
