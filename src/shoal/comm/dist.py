@@ -146,6 +146,10 @@ def nccl_usable() -> bool:
     return dist.is_nccl_available() and torch.cuda.is_available()
 
 
+def world_size() -> int:
+    return dist.get_world_size()
+
+
 def backend_name() -> str:
     """The backend the process group was made with ("gloo", or "cpu:gloo,cuda:nccl")."""
     return str(dist.get_backend()) if dist.is_initialized() else "none"
