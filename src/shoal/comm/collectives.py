@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from shoal.comm.dist import nccl_usable
+from shoal.comm.dist import group_timeout, nccl_usable
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,7 @@ def create(specs: Iterable) -> dict[str, Group]:
         if ranks == tuple(range(world)) and on_nccl == world_on_nccl:
             handle = None
         else:
-            handle = dist.new_group(ranks=list(ranks), backend="cpu:gloo,cuda:nccl" if on_nccl else "gloo")
+            handle = dist.new_group(ranks=list(ranks), backend="cpu:gloo,cuda:nccl" if on_nccl else "gloo",
+                                    timeout=group_timeout())  # a stalled peer fails the others as the world's would
         groups[spec.name] = Group(spec.name, ranks, handle, on_nccl)
     return groups
