@@ -97,6 +97,9 @@ def create(specs: Iterable) -> dict[str, Group]:
     """Make every group the plan names (ProcessGroupPlan: name, ranks, nccl), on every rank, in the plan's order.
 
     A group of every rank that may ride NCCL exactly when the world does is the world itself (no new connections)."""
+    specs = list(specs)
+    if not specs:  # nothing to make: no process group needed (a layout without collectives)
+        return {}
     world = dist.get_world_size()
     world_on_nccl = "nccl" in str(dist.get_backend())
     groups: dict[str, Group] = {}
