@@ -48,3 +48,12 @@ def test_layouts_without_collectives_name_no_group(blobs_job, layout):
 ])
 def test_nccl_capable(devices, nodes, capable):
     assert nccl_capable(devices, nodes) is capable
+
+
+def test_shoal_plan_shows_the_groups(blobs_job):
+    from shoal.planning.describe import describe, render
+
+    job = blobs_job(layout="Sandblaster, 2 workers + 2 servers, 4 processes")
+    plan = plan_job(shoal.load_job(job), cores=2)
+    assert "process group sliced/owner3: ranks 0, 1, 3 (CUDA tensors: gloo via the host)" in render(plan).splitlines()
+    assert describe(plan)["process_groups"][0] == {"name": "sliced/owner2", "ranks": [0, 1, 2], "cuda_over": "gloo via the host"}
