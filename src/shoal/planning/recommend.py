@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from shoal.planning.estimate import Estimate
-from shoal.planning.plan import Framework, JobPlan
+from shoal.planning.plan import JobPlan
 
 # the defaults live where they are read (shoal.comm.dist, shoal.comm.heartbeat, shoal.runtime.launch);
 # tests/test_recommend.py checks these copies against them (planning may not import comm or runtime)
@@ -34,12 +34,7 @@ class Recommendation:
 
 def interval(plan: JobPlan) -> tuple[int, str]:
     """Steps between two meetings of the processes, and what such a meeting is called."""
-    c = plan.job.cluster
-    if plan.framework == Framework.LOCAL_SGD and c.local_steps > 1:
-        return c.local_steps, f"{c.local_steps} local steps (a meeting)"
-    if plan.framework == Framework.DISTRIBUTED_HOGWILD and c.sync_freq > 1:
-        return c.sync_freq, f"{c.sync_freq} steps (a sync)"
-    return 1, "step"
+    return plan.strategy.round_steps(plan.job.cluster)
 
 
 def timeouts(plan: JobPlan, e: Estimate) -> list[Recommendation]:

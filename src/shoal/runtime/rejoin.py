@@ -35,8 +35,8 @@ from typing import Callable, Optional
 
 from shoal.comm import auth, channels, heartbeat
 from shoal.errors import ShoalError, warn
-from shoal.planning.plan import Framework, JobPlan
-from shoal.runtime.exchanges.downpour import DOOR, DownpourExchange
+from shoal.planning.plan import JobPlan
+from shoal.runtime.exchanges.downpour import DOOR
 
 STORE_FILE = "store.json"  # WORKSPACE/logs/store.json: where the job's store is, for --rejoin
 RECORDS_FILE = "rejoins.jsonl"
@@ -56,7 +56,7 @@ def why_not(plan: JobPlan, rank: int) -> Optional[str]:
     """Why process `rank` cannot rejoin the running job (None: it can)."""
     from shoal.runtime.launch import describe_process
 
-    if plan.framework is not Framework.DOWNPOUR:
+    if not plan.strategy.rejoins:
         return f"only Downpour worker groups can rejoin a running job ({plan.label} cannot; Distributed Hogwild's replicas are not rebuilt)"
     if not 0 <= rank < plan.nprocs:
         return f"the job has processes 0..{plan.nprocs - 1}"
@@ -94,17 +94,15 @@ _imported_at = time.time()
 def complete(run, spec) -> None:
     """Pull the live params, the version and the group's steps from the servers; train from there on."""
     trainer, ticket = run.chief, spec.rejoin
-    exchange = trainer.exchange
-    assert isinstance(exchange, DownpourExchange)
     knocked_at = time.time()  # the process is built (imports, plan, net, data): the handshake and the pull from here
-    step, version = exchange.rejoin(ticket.incarnation)
+    step, version, digests = run.plan.strategy.complete_rejoin(run, ticket.incarnation)
     rejoined_at = time.time()
     trainer.start_at(step)
     started_at = process_started_at()
     record = {"group": trainer.group, "rank": run.rank, "incarnation": ticket.incarnation, "step": step, "version": version,
               "process_start_to_rejoin_s": round(rejoined_at - started_at, 3), "handshake_and_pull_s": round(rejoined_at - knocked_at, 3),
               "time": rejoined_at,
-              "by_hand": ticket.detected_at is None, "digests": exchange.digests}
+              "by_hand": ticket.detected_at is None, "digests": digests}
     if ticket.detected_at is not None:
         record["detection_to_rejoin_s"] = round(rejoined_at - ticket.detected_at, 3)
     since_death = f"; {record['detection_to_rejoin_s']:.2f} s after its death was seen" if ticket.detected_at is not None else ""
@@ -125,15 +123,15 @@ class Restarter:
         """`environment`: the ranks' (holding the job's secret): restarted processes get it too."""
         self.plan, self.meeting, self.spec, self.process_setup = plan, meeting, spec, process_setup
         self.environment, self.secret = environment, auth.required_secret("the launcher", environment)
-        self.limit = max_restarts() if plan.framework is Framework.DOWNPOUR else 0
+        self.limit = max_restarts() if plan.strategy.rejoins else 0
         self.restarts: dict[int, int] = {}
         self.started = time.time()  # rejoins.jsonl may hold an earlier run's rejoins (a resumed workspace)
         self._door = self._store = None
         self._context = None
         self._note_store()
-        if max_restarts() > 0 and plan.framework is not Framework.DOWNPOUR:
+        if max_restarts() > 0 and not plan.strategy.rejoins:
             warn(f"WARNING: --max-restarts: only Downpour worker groups are restarted; {plan.label}'s are not")
-        if plan.framework is Framework.DOWNPOUR:  # the servers hear from it which dead groups will not come back
+        if plan.strategy.rejoins:  # the servers hear from it which dead groups will not come back
             self._connect()
         if self.limit > 0:
             self._door.restarts_dead_groups()
@@ -142,7 +140,7 @@ class Restarter:
     def _note_store(self) -> None:
         """Where the job's store is and its secret, for `shoal run JOB --rejoin RANK` (on this host; pass --master
         elsewhere): files only this user can read."""
-        if self.plan.framework is not Framework.DOWNPOUR:
+        if not self.plan.strategy.rejoins:
             return
         logs = Path(self.spec.workspace) / "logs"
         logs.mkdir(parents=True, exist_ok=True)

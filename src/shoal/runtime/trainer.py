@@ -35,7 +35,7 @@ from shoal.neuralnet.layers.base import Context
 from shoal.report.metrics import MetricsLog, MetricWindow, display_line
 from shoal.neuralnet.net import NeuralNet
 from shoal.neuralnet.params import ParamStore
-from shoal.planning.plan import Framework, JobPlan
+from shoal.planning.plan import JobPlan
 from shoal.runtime.feed import InputFeed, make_feeds
 from shoal.runtime.interfaces import Exchange, GroupMember, TrainerHook
 from shoal.runtime.partitioned import PartitionedGroup
@@ -98,11 +98,11 @@ def checkpoint_parts(plan: JobPlan) -> dict[tuple[int, int], bool]:
     parts = {}
     for rank in range(plan.nprocs):
         hosted = plan.process(rank)
-        if hosted.servers and not hosted.workers and plan.framework is Framework.DOWNPOUR:
+        if hosted.servers and not hosted.workers and not plan.strategy.servers_hold_trainers:
             continue
         for group in sorted({w.group for w in hosted.workers}) or [0]:
             if (group, rank) != (0, 0):
-                parts[(group, rank)] = plan.framework.synchronous or plan.framework is Framework.LOCAL_SGD
+                parts[(group, rank)] = plan.strategy.synchronous or plan.strategy.meets
     return parts
 
 
