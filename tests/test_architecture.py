@@ -91,3 +91,61 @@ def test_nothing_reassigns_a_trainer_attribute_from_outside():
                 if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id in ("trainer", "chief", "t"):
                     found.append(f"{path.relative_to(SRC)}:{node.lineno} {target.value.id}.{target.attr}")
     assert found == []
+
+
+STRATEGY_HOMES = [SRC / "strategies", SRC / "planning" / "strategy.py"]
+EXCHANGES = SRC / "runtime" / "exchanges"  # defines the concrete exchanges (and may use its own), never a Framework
+
+
+def _concrete_exchanges() -> set[str]:
+    """The classes runtime/exchanges/ defines that an assembly would build: exchanges, servers, meetings."""
+    names = set()
+    for path in (SRC / "runtime" / "exchanges").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name.endswith(("Exchange", "Server", "Meeting")):
+                names.add(node.name)
+    return names
+
+
+def framework_branches(path: Path, members: set[str], concrete: set[str]) -> list[str]:
+    """Where a file decides by framework: a Framework member named, a `match` on a framework, an isinstance of a
+    concrete exchange (what the framework built), or such a class imported."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        where = f"{path.relative_to(SRC) if path.is_relative_to(SRC) else path.name}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "Framework" and node.attr in members:
+            found.append(f"{where} Framework.{node.attr}")
+        elif isinstance(node, ast.Match) and "framework" in ast.unparse(node.subject):
+            found.append(f"{where} match {ast.unparse(node.subject)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance" and len(node.args) == 2:
+            classes = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} | {
+                n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+            if classes & concrete:
+                found.append(f"{where} isinstance(..., {ast.unparse(node.args[1])})")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shoal.runtime.exchanges"):
+            found.extend(f"{where} imports {a.name}" for a in node.names if a.name in concrete)
+    return found
+
+
+def test_only_the_strategies_branch_on_the_framework():
+    """Everything specific to a framework is in its strategy module (shoal/strategies/, issue 29): no other code
+    names a Framework member, matches on a framework, or tests for (or builds) a concrete exchange."""
+    from shoal.planning.strategy import Framework
+
+    members, concrete = {m.name for m in Framework}, _concrete_exchanges()
+    assert {"DownpourExchange", "SlicedExchange", "PeriodicExchange", "DownpourServer"} <= concrete
+    found = [hit for path in SRC.rglob("*.py") if not any(path == home or path.is_relative_to(home) for home in STRATEGY_HOMES)
+             for hit in framework_branches(path, members, set() if path.is_relative_to(EXCHANGES) else concrete)]
+    assert found == []
+
+
+def test_the_framework_rule_sees_a_branch(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from shoal.runtime.exchanges.downpour import DownpourExchange\n"
+                   "def f(plan, run):\n"
+                   "    if plan.framework is Framework.DOWNPOUR: pass\n"
+                   "    match plan.framework:\n        case _: pass\n"
+                   "    return isinstance(run.chief.exchange, DownpourExchange)\n")
+    hits = framework_branches(bad, {"DOWNPOUR"}, {"DownpourExchange"})
+    assert sorted(h.split(" ", 1)[1] for h in hits) == ["Framework.DOWNPOUR", "imports DownpourExchange",
+                                                         "isinstance(..., DownpourExchange)", "match plan.framework"]

@@ -99,6 +99,7 @@ class Strategy:
     meets = False  # groups meet every cluster.local_steps (Local SGD): outer updater, disjoint shards, complete parts
     overlaps_push = False  # cluster.overlap_push applies (a group computes its next step while its push is out)
     rejoins = False  # a dead worker group's process may be restarted into the running job (runtime/rejoin.py)
+    takes_torch_optimizer = True  # shoal.fit's optimizer= can run as its updater
     servers_hold_trainers = True  # a process of servers only builds a trainer (False: the server restores itself)
 
     # -- planning (pure) ------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ class DistributedHogwild(Strategy):
     framework = Framework.DISTRIBUTED_HOGWILD
     compressed = "syncs (deltas to the masters, and their answers)"
     compensates_async_momentum = True
+    takes_torch_optimizer = False  # its replicas' syncs apply SINGA updaters (shoal.fit refuses optimizer=)
 
     def recognises(self, layout: Layout) -> bool:
         return layout.asynchronous_groups and layout.nprocs > 1 and layout.cluster.nserver_groups > 1

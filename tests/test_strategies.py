@@ -1,0 +1,82 @@
+"""One strategy per framework (shoal/strategies/): every layout is exactly one strategy's, the plan carries it, and
+planning takes the registry as an argument (pure: a test registry changes what is planned, nothing else does)."""
+from __future__ import annotations
+
+import pytest
+from google.protobuf import text_format
+from layouts import LAYOUTS
+
+from shoal.config import job_pb2
+from shoal.planning.plan import UnsupportedClusterError, plan_job
+from shoal.planning.strategy import Framework, Layout, make_registry, recognise
+from shoal.strategies.allreduce import AllReduce
+from shoal.strategies.registry import REGISTRY
+
+TINY = """name: 'tiny' train_steps: 10
+neuralnet {
+  layer { name: "data" type: kRecordInput store_conf { backend: "kvfile" path: "unused.bin" batchsize: 12 shape: 4 } }
+  layer { name: "fc" type: kInnerProduct srclayers: "data" innerproduct_conf { num_output: 3 } param { name: "w" } param { name: "b" } }
+  layer { name: "loss" type: kSoftmaxLoss srclayers: "fc" srclayers: "data" }
+}
+updater { type: kSGD learning_rate { type: kFixed base_lr: 0.1 } }
+"""
+EXTRA = {  # layouts the end-to-end table has no row for
+    "Local SGD in one process": (dict(nworker_groups=2, nworkers_per_procs=2, local_steps=4), "Local SGD"),
+    "Local SGD, 2 processes": (dict(nworker_groups=2, local_steps=4), "Local SGD"),
+}
+
+
+def job_of(cluster: dict) -> job_pb2.JobProto:
+    fields = " ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in cluster.items())
+    return text_format.Parse(f"{TINY} cluster {{ {fields} }}", job_pb2.JobProto())
+
+
+ROWS = {name: (row.cluster, row.framework) for name, row in LAYOUTS.items()} | EXTRA
+
+
+@pytest.mark.parametrize("name", list(ROWS))
+def test_every_layout_is_exactly_one_strategys(name):
+    cluster, label = ROWS[name]
+    plan = plan_job(job_of(cluster))
+    layout = Layout(plan.job, plan.placement, plan.partition)
+    assert [s.framework for s in REGISTRY.values() if s.recognises(layout)] == [plan.framework]
+    assert plan.strategy is REGISTRY[plan.framework] and plan.label == label
+
+
+def test_the_registry_lists_every_framework_once():
+    assert list(REGISTRY) == list(Framework)
+    assert all(REGISTRY[f].framework is f for f in Framework)
+    with pytest.raises(TypeError):
+        REGISTRY[Framework.DOWNPOUR] = REGISTRY[Framework.ALLREDUCE]  # read-only
+
+
+def test_planning_takes_the_registry_as_an_argument():
+    """A registry given to plan_job decides the framework, its label and notes: planning reads no other."""
+
+    class NotedAllReduce(AllReduce):
+        def label(self, plan) -> str:
+            return "AllReduce (test)"
+
+        def notes(self, plan) -> list[str]:
+            return ["a test strategy planned this"]
+
+    registry = make_registry(*[NotedAllReduce() if f is Framework.ALLREDUCE else s for f, s in REGISTRY.items()])
+    plan = plan_job(job_of(dict(nworkers_per_group=2)), strategies=registry)
+    assert isinstance(plan.strategy, NotedAllReduce) and plan.label == "AllReduce (test)"
+    assert "a test strategy planned this" in plan.notes
+    assert plan_job(job_of(dict(nworkers_per_group=2))).label == "AllReduce"  # the installed registry is untouched
+
+
+def test_two_strategies_claiming_a_layout_is_a_registry_bug():
+    job = job_of(dict(nworkers_per_group=2))
+    plan = plan_job(job)
+    twice = make_registry(AllReduce(), type("Again", (AllReduce,), {"framework": Framework.SANDBLASTER, "separate_servers": False})())
+    with pytest.raises(AssertionError, match="exactly one strategy"):
+        recognise(Layout(job, plan.placement, plan.partition), twice)
+
+
+def test_a_strategys_refusal_is_one_line():
+    with pytest.raises(UnsupportedClusterError, match=r"^cluster: asynchronous groups in one process need nserver_groups: 1"):
+        plan_job(job_of(dict(nworker_groups=2, nworkers_per_procs=2, nserver_groups=2, nservers_per_procs=2)))
+    with pytest.raises(UnsupportedClusterError, match=r"^cluster.local_warmup_steps: applies to Local SGD only"):
+        plan_job(job_of(dict(nworker_groups=2, nworkers_per_procs=2, local_warmup_steps=2)))
