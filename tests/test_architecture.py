@@ -51,6 +51,8 @@ RULES = {
     "data never imports planning, runtime or the front ends": (["data"], ["shoal.planning", "shoal.runtime", "shoal.frontend", "shoal.comm"]),
     "runtime never imports the front ends": (["runtime", "comm"], ["shoal.frontend"]),
     "report never imports the runtime or the front ends": (["report"], ["shoal.runtime", "shoal.frontend", "shoal.comm"]),
+    "the strategies reach the code below them through the plan, never by import": (
+        [p.stem for p in SRC.iterdir() if p.stem not in ("strategies", "__pycache__")], ["shoal.strategies"]),
 }
 
 
