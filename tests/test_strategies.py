@@ -80,3 +80,24 @@ def test_a_strategys_refusal_is_one_line():
         plan_job(job_of(dict(nworker_groups=2, nworkers_per_procs=2, nserver_groups=2, nservers_per_procs=2)))
     with pytest.raises(UnsupportedClusterError, match=r"^cluster.local_warmup_steps: applies to Local SGD only"):
         plan_job(job_of(dict(nworker_groups=2, nworkers_per_procs=2, local_warmup_steps=2)))
+
+
+def test_the_plan_is_frozen_all_the_way_down():
+    """Nothing reachable from a JobPlan's data can be changed: protos come back as fresh copies, members as tuples."""
+    job = job_of(dict(nworker_groups=2, local_steps=4, nworkers_per_procs=2))
+    plan = plan_job(job)
+    job.cluster.local_steps = 99  # the caller's job is not the plan's
+    plan.job.cluster.local_steps = 98
+    plan.cluster.local_steps = 97
+    plan.updater.learning_rate.base_lr = 5.0
+    plan.outer_updater.momentum = 0.5
+    plan.placement.cluster.nworker_groups = 7
+    assert (plan.cluster.local_steps, plan.job.cluster.local_steps, plan.updater.learning_rate.base_lr) == (4, 4, pytest.approx(0.1))
+    assert (plan.outer_updater.momentum, plan.placement.nworker_groups, plan.label) == (0, 2, "Local SGD")
+    for value in (plan.batch_shares, plan.devices, plan.notes, plan.placement.processes, plan.placement.slices,
+                  plan.placement.processes[0].workers, *plan.batch_shares, *plan.devices):
+        assert isinstance(value, tuple)
+    with pytest.raises(TypeError):
+        plan.params["w"] = (1,)
+    with pytest.raises(AttributeError):
+        plan.placement.processes[0].workers = ()  # frozen dataclasses

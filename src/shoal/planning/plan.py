@@ -14,8 +14,9 @@ refused here, in one line that shows the failing arithmetic.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Mapping, Optional
 
 import torch
 
@@ -33,20 +34,36 @@ from shoal.planning.strategy import (Framework, Layout, Registry, Strategy, Unsu
 
 @dataclass(frozen=True, eq=False)
 class JobPlan:
-    """How a validated job runs: its processes, framework, partitioned net, shares, devices and threads."""
+    """How a validated job runs: its processes, framework, partitioned net, shares, devices and threads.
 
-    job: job_pb2.JobProto
+    Frozen all the way down where it holds data: protos as their bytes (`job`, `updater`, `outer_updater`
+    and `cluster` parse a fresh copy: changing one changes nothing here), tuples and read-only mappings.
+    The partition's net (layer objects, for shapes and costs) is the one part not frozen."""
+
+    job_bytes: bytes  # the validated job (JobProto), serialized
     strategy: Strategy  # the framework's (shoal/strategies/): everything specific to it
     placement: Placement  # processes, their workers and servers, and the param slices each server owns
     partition: PartitionPlan  # one group's train net cut over its workers
-    params: dict[str, tuple[int, ...]]  # every param's shape, in declaration order
-    batch_shares: list[list[int]]  # per training input layer, each worker's rows of the group's batch
-    devices: list[list[str]]  # per process, the configured device of each of its workers
+    params: Mapping[str, tuple[int, ...]]  # every param's shape, in declaration order
+    batch_shares: tuple[tuple[int, ...], ...]  # per training input layer, each worker's rows of the group's batch
+    devices: tuple[tuple[str, ...], ...]  # per process, the configured device of each of its workers
     threads_per_worker: int  # intra-op threads of each worker: the host's cores shared by its workers
-    updater: job_pb2.UpdaterProto  # what the servers apply: the job's, momentum compensated under asynchrony
-    outer_updater: Optional[job_pb2.UpdaterProto] = None  # Local SGD / DiLoCo: applied to the groups' mean change
+    updater_bytes: bytes  # what the servers apply (UpdaterProto): the job's, momentum compensated under asynchrony
+    outer_updater_bytes: Optional[bytes] = None  # Local SGD / DiLoCo: applied to the groups' mean change
     nnodes: int = 1
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def job(self) -> job_pb2.JobProto:
+        return _parse_job(self.job_bytes)
+
+    @property
+    def updater(self) -> job_pb2.UpdaterProto:
+        return job_pb2.UpdaterProto.FromString(self.updater_bytes)
+
+    @property
+    def outer_updater(self) -> Optional[job_pb2.UpdaterProto]:
+        return None if self.outer_updater_bytes is None else job_pb2.UpdaterProto.FromString(self.outer_updater_bytes)
 
     @property
     def framework(self) -> Framework:
@@ -54,7 +71,7 @@ class JobPlan:
 
     @property
     def cluster(self) -> job_pb2.ClusterProto:
-        return self.job.cluster
+        return self.placement.cluster
 
     @property
     def nprocs(self) -> int:
@@ -91,7 +108,7 @@ class JobPlan:
         return self.placement.processes[rank]
 
     def devices_of(self, rank: int) -> list[str]:
-        return self.devices[rank]
+        return list(self.devices[rank])
 
     def all_devices(self) -> list[str]:
         return [d for per_process in self.devices for d in per_process]
@@ -116,23 +133,23 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
     workers = job.cluster.nworker_groups * job.cluster.nworkers_per_group
     updater = server_updater(job, strategy)
     plan = JobPlan(
-        job=job,
+        job_bytes=job.SerializeToString(),
         strategy=strategy,
         placement=placement,
         partition=parts,
-        params={name: tuple(info.shape) for name, info in store.info.items()},
-        batch_shares=train_input_shares(job),
-        devices=[worker_device_names(job, len(p.workers)) for p in placement.processes],
+        params=MappingProxyType({name: tuple(info.shape) for name, info in store.info.items()}),
+        batch_shares=tuple(tuple(shares) for shares in train_input_shares(job)),
+        devices=tuple(tuple(worker_device_names(job, len(p.workers))) for p in placement.processes),
         # every worker on a host shares its cores: oversubscription is what kills CPU throughput
         threads_per_worker=thread_budget(job, workers_on_host=-(-workers // max(1, nnodes)), cores=cores),
-        updater=updater,
-        outer_updater=outer_updater(job) if strategy.meets else None,
+        updater_bytes=updater.SerializeToString(),
+        outer_updater_bytes=outer_updater(job).SerializeToString() if strategy.meets else None,
         nnodes=nnodes,
     )
     if job.cluster.local_warmup_steps and not strategy.meets:
         raise UnsupportedClusterError("cluster.local_warmup_steps: applies to Local SGD only (cluster.local_steps > 0 and several worker groups)")
-    plan.notes.extend(list(parts.notes) + _updater_notes(job, updater) + _compression_notes(job, strategy, len(placement.processes))
-                      + strategy.notes(plan) + _staleness_notes(job, strategy))
+    plan = replace(plan, notes=tuple(list(parts.notes) + _updater_notes(job, updater) + _compression_notes(job, strategy, len(placement.processes))
+                                     + strategy.notes(plan) + _staleness_notes(job, strategy)))
     if job.cluster.auto_batch_shares:
         _check_balanceable(plan)
     if plan.outer_updater is not None:
@@ -246,6 +263,10 @@ def strategy_of(job: job_pb2.JobProto, placement: Placement, parts: PartitionPla
 def framework_of(job: job_pb2.JobProto, placement: Placement, parts: PartitionPlan, strategies: Optional[Registry] = None) -> Framework:
     """The framework a placement runs as (its strategy's), or UnsupportedClusterError naming what does not fit."""
     return strategy_of(job, placement, parts, strategies or default_registry()).framework
+
+
+def _parse_job(data: bytes) -> job_pb2.JobProto:
+    return job_pb2.JobProto.FromString(data)
 
 
 def _check_balanceable(plan: JobPlan) -> None:
