@@ -27,7 +27,7 @@ from shoal.neuralnet.updaters import make_updater
 from shoal.planning.devices import worker_device_names
 from shoal.planning.partition import PartitionPlan, partition
 from shoal.planning.placement import Placement, ProcessPlan, WorkerId, place
-from shoal.planning.shares import train_input_shares
+from shoal.planning.shares import GroupShards, train_input_shares
 from shoal.planning.strategy import (Framework, Layout, Registry, Strategy, UnsupportedClusterError,  # noqa: F401 - re-exported
                                      default_registry, recognise)
 
@@ -52,6 +52,8 @@ class JobPlan:
     outer_updater_bytes: Optional[bytes] = None  # Local SGD / DiLoCo: applied to the groups' mean change
     nnodes: int = 1
     notes: tuple[str, ...] = ()
+    group_shards: GroupShards = GroupShards()  # where each worker group starts reading its training inputs
+    balance_freq: int = 0  # cluster.auto_batch_shares: re-split a group's batch every this many steps (0: never)
 
     @property
     def job(self) -> job_pb2.JobProto:
@@ -145,6 +147,8 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
         updater_bytes=updater.SerializeToString(),
         outer_updater_bytes=outer_updater(job).SerializeToString() if strategy.meets else None,
         nnodes=nnodes,
+        group_shards=GroupShards(job.cluster.nworker_groups, always_disjoint=strategy.meets),
+        balance_freq=max(1, job.cluster.auto_batch_freq) if job.cluster.auto_batch_shares else 0,
     )
     if job.cluster.local_warmup_steps and not strategy.meets:
         raise UnsupportedClusterError("cluster.local_warmup_steps: applies to Local SGD only (cluster.local_steps > 0 and several worker groups)")

@@ -143,7 +143,7 @@ class Strategy:
         """Give each trainer of `run` (runtime.assemble.ProcessRun) its exchange (or make the process a server)."""
         raise NotImplementedError
 
-    def shares_one_store(self, cluster: job_pb2.ClusterProto) -> bool:
+    def shares_one_store(self) -> bool:
         """Whether the groups of one process compute on one copy of the params."""
         return False
 

@@ -116,7 +116,7 @@ def assemble(plan: JobPlan, rank: int, spec: RunSpec) -> ProcessRun:
     for group in groups or [0]:  # a server process builds a trainer too: it holds the params it serves
         mine = [(w.id, d) for w, d in zip(hosted.workers, devices) if w.group == group]
         # in-memory Hogwild's groups share one store; Downpour copies and Local SGD groups each have their own
-        shared = trainers[0].store if trainers and plan.strategy.shares_one_store(job.cluster) else None
+        shared = trainers[0].store if trainers and plan.strategy.shares_one_store() else None
         trainers.append(Trainer(
             plan, spec.workspace, spec.base_dirs, home if shared is not None or not trainers else torch_device(mine[0][1]),
             log=spec.log, progress=spec.progress if chief_rank and not trainers else False,

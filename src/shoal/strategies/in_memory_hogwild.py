@@ -35,7 +35,7 @@ class InMemoryGroups(Strategy):
                                                "groups between a group's read and write (lock-free)")
 
     # -- runtime ------------------------------------------------------------------------------------
-    def shares_one_store(self, cluster) -> bool:
+    def shares_one_store(self) -> bool:
         return self.share_memory
 
     def attach_exchanges(self, run) -> None:
