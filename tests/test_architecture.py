@@ -151,3 +151,35 @@ def test_the_framework_rule_sees_a_branch(tmp_path):
     hits = framework_branches(bad, {"DOWNPOUR"}, {"DownpourExchange"})
     assert sorted(h.split(" ", 1)[1] for h in hits) == ["Framework.DOWNPOUR", "imports DownpourExchange",
                                                          "isinstance(..., DownpourExchange)", "match plan.framework"]
+
+
+JOB_BUILDERS = ["frontend", "config", "planning", "strategies"]  # they build, validate or plan jobs; the rest read the plan
+
+
+def cluster_reads(path: Path) -> list[str]:
+    """`job.cluster` / `<x>.job.cluster` anywhere in a file: reading the job's cluster section instead of the plan."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "cluster":
+            base = node.value
+            if (isinstance(base, ast.Name) and base.id == "job") or (isinstance(base, ast.Attribute) and base.attr == "job"):
+                found.append(f"{path.relative_to(SRC) if path.is_relative_to(SRC) else path.name}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+# launcher-side files that resolve settings before there is a plan (moving to launcher/: issue 29 point 5)
+BEFORE_THE_PLAN = {"runtime/run_job.py"}
+
+
+def test_nothing_but_planning_reads_the_jobs_cluster_section():
+    """The plan decides (issue 29 point 6): outside the packages that build and plan jobs, code reads JobPlan's
+    fields (and its frozen `plan.cluster`), never `job.cluster`."""
+    found = [hit for path in SRC.rglob("*.py") if path.relative_to(SRC).parts[0] not in JOB_BUILDERS
+             and str(path.relative_to(SRC)) not in BEFORE_THE_PLAN for hit in cluster_reads(path)]
+    assert found == []
+
+
+def test_the_cluster_rule_sees_a_read(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(job, trainer):\n    return job.cluster.local_steps + trainer.job.cluster.nworker_groups\n")
+    assert len(cluster_reads(bad)) == 2

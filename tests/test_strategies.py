@@ -101,3 +101,20 @@ def test_the_plan_is_frozen_all_the_way_down():
         plan.params["w"] = (1,)
     with pytest.raises(AttributeError):
         plan.placement.processes[0].workers = ()  # frozen dataclasses
+
+
+def test_bucket_size_and_restarts_are_plan_fields_the_environment_overrides():
+    """cluster.bucket_mb / cluster.max_restarts decide; SHOAL_BUCKET_MB / SHOAL_MAX_RESTARTS override them, and the
+    cost model's buckets are the run's."""
+    from shoal.planning.buckets import BucketSizeError
+
+    job = job_of(dict(nworkers_per_group=2, bucket_mb=100 * 4 / 2**20, max_restarts=2, nworker_groups=1))
+    plan = plan_job(job, environ={})
+    assert (plan.bucket_elements, plan.max_restarts) == (100, 2)
+    overridden = plan_job(job, environ={"SHOAL_BUCKET_MB": str(10 * 4 / 2**20), "SHOAL_MAX_RESTARTS": "5"})
+    assert (overridden.bucket_elements, overridden.max_restarts) == (10, 5)
+    assert plan_job(job_of(dict(nworkers_per_group=2)), environ={}).bucket_elements == 1 << 20  # 4 MB, DDP's default is 25
+    with pytest.raises(BucketSizeError, match=r"^SHOAL_BUCKET_MB='lots': not a number of megabytes$"):
+        plan_job(job, environ={"SHOAL_BUCKET_MB": "lots"})
+    with pytest.raises(UnsupportedClusterError, match=r"^SHOAL_MAX_RESTARTS='-1': expected 0 or more"):
+        plan_job(job, environ={"SHOAL_MAX_RESTARTS": "-1"})

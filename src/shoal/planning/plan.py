@@ -24,6 +24,7 @@ from shoal.config import job_pb2
 from shoal.neuralnet.net import NeuralNet
 from shoal.neuralnet.params import ParamStore
 from shoal.neuralnet.updaters import make_updater
+from shoal.planning.buckets import DEFAULT_CAP, cap_from_env
 from shoal.planning.devices import worker_device_names
 from shoal.planning.partition import PartitionPlan, partition
 from shoal.planning.placement import Placement, ProcessPlan, WorkerId, place
@@ -54,6 +55,8 @@ class JobPlan:
     notes: tuple[str, ...] = ()
     group_shards: GroupShards = GroupShards()  # where each worker group starts reading its training inputs
     balance_freq: int = 0  # cluster.auto_batch_shares: re-split a group's batch every this many steps (0: never)
+    bucket_elements: int = DEFAULT_CAP  # cluster.bucket_mb (SHOAL_BUCKET_MB overrides): a gradient bucket's cap
+    max_restarts: int = 0  # cluster.max_restarts (--max-restarts; SHOAL_MAX_RESTARTS overrides): restarts of a dead group
 
     @property
     def job(self) -> job_pb2.JobProto:
@@ -123,9 +126,12 @@ class JobPlan:
         return sorted({self.placement.process_of(WorkerId(group, w)) for w in range(self.cluster.nworkers_per_group)})
 
 
-def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1, strategies: Optional[Registry] = None) -> JobPlan:
+def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1, strategies: Optional[Registry] = None,
+             environ: Optional[Mapping[str, str]] = None) -> JobPlan:
     """The JobPlan of a validated job on hosts of `cores` cores (default: this one's), its framework one of
-    `strategies` (default: the installed registry, shoal.strategies.registry)."""
+    `strategies` (default: the installed registry, shoal.strategies.registry). `environ` (default: this process's)
+    holds the documented overrides of job fields, SHOAL_BUCKET_MB and SHOAL_MAX_RESTARTS (docs/cluster.md)."""
+    environ = os.environ if environ is None else environ
     store = ParamStore(allocate=False)
     net = NeuralNet(job.neuralnet, job_pb2.kTrain, store, torch.Generator())
     sizes = {name: info.numel for name, info in store.info.items()}
@@ -149,6 +155,8 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
         nnodes=nnodes,
         group_shards=GroupShards(job.cluster.nworker_groups, always_disjoint=strategy.meets),
         balance_freq=max(1, job.cluster.auto_batch_freq) if job.cluster.auto_batch_shares else 0,
+        bucket_elements=cap_from_env(environ, job.cluster.bucket_mb),
+        max_restarts=restarts_override(environ, job.cluster.max_restarts),
     )
     if job.cluster.local_warmup_steps and not strategy.meets:
         raise UnsupportedClusterError("cluster.local_warmup_steps: applies to Local SGD only (cluster.local_steps > 0 and several worker groups)")
@@ -267,6 +275,16 @@ def strategy_of(job: job_pb2.JobProto, placement: Placement, parts: PartitionPla
 def framework_of(job: job_pb2.JobProto, placement: Placement, parts: PartitionPlan, strategies: Optional[Registry] = None) -> Framework:
     """The framework a placement runs as (its strategy's), or UnsupportedClusterError naming what does not fit."""
     return strategy_of(job, placement, parts, strategies or default_registry()).framework
+
+
+def restarts_override(environ: Mapping[str, str], configured: int) -> int:
+    """SHOAL_MAX_RESTARTS where set (a count, else refused in one line), else the job's cluster.max_restarts."""
+    text = environ.get("SHOAL_MAX_RESTARTS")
+    if not text:
+        return configured
+    if not text.isdigit():
+        raise UnsupportedClusterError(f"SHOAL_MAX_RESTARTS={text!r}: expected 0 or more (overrides cluster.max_restarts)")
+    return int(text)
 
 
 def _parse_job(data: bytes) -> job_pb2.JobProto:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from shoal.config import job_pb2
 from shoal.neuralnet.updaters import make_updater
-from shoal.planning.buckets import DEFAULT_CAP, plan_buckets
+from shoal.planning.buckets import plan_buckets
 from shoal.planning.costs import FLOAT
 from shoal.planning.strategy import Framework, Layout, Phases, Strategy
 from shoal.runtime.exchanges.compression import codec_for, compresses
@@ -36,7 +36,7 @@ class AllReduce(Strategy):
         slices = model.trainable_slices()
         owner = {s.index: plan.placement.process_of(plan.placement.server_of_slice(s.index, 0)) for s in slices}
         worker_ranks = [p.rank for p in plan.placement.processes if p.workers]
-        for b in plan_buckets(slices, owner, DEFAULT_CAP):
+        for b in plan_buckets(slices, owner, plan.bucket_elements):
             for r in worker_ranks:
                 if r != b.owner:
                     move(r, b.owner, model.encoded(b.numel) + len(b.params))  # gradients and one flag byte per param
@@ -73,7 +73,7 @@ class AllReduce(Strategy):
         # cluster.compression over processes: a fresh codec per sender (top-k keeps its residual)
         codecs = (lambda feedback=True: codec_for(plan.cluster, feedback)) if compresses(plan.cluster) else None
         trainer.attach_exchange(SlicedExchange(trainer.store, updater, plan.placement, run.rank, plan.global_batch,
-                                               trainer.workers, codecs=codecs))
+                                               trainer.workers, bucket_cap=plan.bucket_elements, codecs=codecs))
 
 
 STRATEGY = AllReduce()
