@@ -380,8 +380,8 @@ class PartitionedGroup:
             rng = np.random.default_rng(job.seed if self.group == 0 else [job.seed, self.group])
             part, parts = (node.part, self.plan.nworkers) if node.partitioning == BATCH else (0, 1)
             made = make_feeds(view, base_dirs, part, parts, rng, device)
-            for feed in made.values():
-                feed.skip += self.shards.offset(self.group, feed.skip, len(feed.dataset))  # disjoint shards, as Worker
+            for feed in made.values() if self.group > 0 else ():  # disjoint shards, as Worker
+                feed.skip += self.shards.offset(self.group, feed.skip, len(feed.dataset))
             feeds.update(made)
         return feeds
 

@@ -49,8 +49,9 @@ class Worker:
         # groups draw their own, so asynchronous groups read different data
         rng = np.random.default_rng(job.seed if group == 0 else [job.seed, group])
         self.feeds: dict[str, InputFeed] = make_feeds(self.net, base_dirs, index, npartitions, rng, device)
-        for feed in self.feeds.values():  # the plan's rule: groups read disjoint shards (planning/shares.py)
-            feed.skip += shards.offset(group, feed.skip, len(feed.dataset))
+        if group > 0:  # the plan's rule: groups read disjoint shards (planning/shares.py); group 0 from its draw
+            for feed in self.feeds.values():
+                feed.skip += shards.offset(group, feed.skip, len(feed.dataset))
         # one seed for the whole group: per-sample draws are made for the whole batch and sliced
         # (Context.rows), so a group draws, row for row, what one worker would; groups differ.
         # Draws are made on the CPU whatever the device: a mixed CPU+GPU group draws what one device would
