@@ -45,6 +45,7 @@ from mnist_mlp import small_mlp  # noqa: E402
 from shoal.frontend import api  # noqa: E402
 from shoal.planning.alternatives import SCALING, with_cluster  # noqa: E402
 from shoal.planning.estimate import Hosts, estimate, plan_kernels  # noqa: E402
+from shoal.planning.nodes import node_of_rank  # noqa: E402
 from shoal.planning.plan import plan_job  # noqa: E402
 from shoal.runtime import calibrate  # noqa: E402
 
@@ -160,17 +161,11 @@ def predict(job_path: Path, fields: dict, link: Link) -> tuple[float, float, str
     plan = plan_job(job, cores=1, nnodes=2)
     hosts = Hosts(count=2, cores=1, link_gbps=link.rate_mbit / 8000, latency_s=max(link.latency_s, 1e-6))
     e = estimate(plan, calibrate.calibration(plan_kernels(plan)), hosts)
-    where = ranks_by_node(plan.nprocs, 2)
+    where = node_of_rank(plan.nprocs, 2)  # as `shoal run --nnodes` places the ranks
     crossing = sum(sent for p in e.processes for peer, (sent, _) in p.links.items() if where[peer] != where[p.rank])
     # Local SGD's groups meet in lockstep: its estimate models one step of every group; the others one group's step
     per_step = BATCH * (e.ngroups if fields.get("local_steps") else 1)
     return e.samples_per_s, crossing / per_step, e.bottleneck, plan.nprocs
-
-
-def ranks_by_node(world: int, nnodes: int) -> list[int]:
-    """Each rank's node as `shoal run --nnodes` places them (runtime/launch.py Nodes.ranks: blocks of ceil(world/nnodes))."""
-    per_node = -(-world // nnodes)
-    return [rank // per_node for rank in range(world)]
 
 
 def run_both(job_path: Path, fields: dict, hosts: list[tuple[str, str]], folder: Path) -> Path:

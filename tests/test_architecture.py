@@ -57,6 +57,8 @@ RULES = {
     "the launcher never imports the front ends": (["launcher"], ["shoal.frontend"]),
     "report never imports the runtime, the launcher or the front ends": (
         ["report"], ["shoal.runtime", "shoal.launcher", "shoal.frontend", "shoal.comm"]),
+    "the strategies reach the code below them through the plan, never by import": (
+        [p.stem for p in SRC.iterdir() if p.stem not in ("strategies", "__pycache__")], ["shoal.strategies"]),
 }
 
 
@@ -243,3 +245,91 @@ def test_the_device_check_sees_an_unplaced_allocation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import torch\na = torch.zeros(3)\nb = torch.zeros(3, device='cpu')\nc = torch.zeros_like(a)\nd = torch.tensor([1])\n")
     assert unplaced_allocations([bad]) == ["bad.py:2 torch.zeros()", "bad.py:5 torch.tensor()"]
+STRATEGY_HOMES = [SRC / "strategies", SRC / "planning" / "strategy.py"]
+EXCHANGES = SRC / "runtime" / "exchanges"  # defines the concrete exchanges (and may use its own), never a Framework
+
+
+def _concrete_exchanges() -> set[str]:
+    """The classes runtime/exchanges/ defines that an assembly would build: exchanges, servers, meetings."""
+    names = set()
+    for path in (SRC / "runtime" / "exchanges").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name.endswith(("Exchange", "Server", "Meeting")):
+                names.add(node.name)
+    return names
+
+
+def framework_branches(path: Path, members: set[str], concrete: set[str]) -> list[str]:
+    """Where a file decides by framework: a Framework member named, a `match` on a framework, an isinstance of a
+    concrete exchange (what the framework built), or such a class imported."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        where = f"{path.relative_to(SRC) if path.is_relative_to(SRC) else path.name}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "Framework" and node.attr in members:
+            found.append(f"{where} Framework.{node.attr}")
+        elif isinstance(node, ast.Match) and "framework" in ast.unparse(node.subject):
+            found.append(f"{where} match {ast.unparse(node.subject)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance" and len(node.args) == 2:
+            classes = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} | {
+                n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+            if classes & concrete:
+                found.append(f"{where} isinstance(..., {ast.unparse(node.args[1])})")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shoal.runtime.exchanges"):
+            found.extend(f"{where} imports {a.name}" for a in node.names if a.name in concrete)
+    return found
+
+
+def test_only_the_strategies_branch_on_the_framework():
+    """Everything specific to a framework is in its strategy module (shoal/strategies/, issue 29): no other code
+    names a Framework member, matches on a framework, or tests for (or builds) a concrete exchange."""
+    from shoal.planning.strategy import Framework
+
+    members, concrete = {m.name for m in Framework}, _concrete_exchanges()
+    assert {"DownpourExchange", "SlicedExchange", "PeriodicExchange", "DownpourServer"} <= concrete
+    found = [hit for path in SRC.rglob("*.py") if not any(path == home or path.is_relative_to(home) for home in STRATEGY_HOMES)
+             for hit in framework_branches(path, members, set() if path.is_relative_to(EXCHANGES) else concrete)]
+    assert found == []
+
+
+def test_the_framework_rule_sees_a_branch(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from shoal.runtime.exchanges.downpour import DownpourExchange\n"
+                   "def f(plan, run):\n"
+                   "    if plan.framework is Framework.DOWNPOUR: pass\n"
+                   "    match plan.framework:\n        case _: pass\n"
+                   "    return isinstance(run.chief.exchange, DownpourExchange)\n")
+    hits = framework_branches(bad, {"DOWNPOUR"}, {"DownpourExchange"})
+    assert sorted(h.split(" ", 1)[1] for h in hits) == ["Framework.DOWNPOUR", "imports DownpourExchange",
+                                                         "isinstance(..., DownpourExchange)", "match plan.framework"]
+
+
+JOB_BUILDERS = ["frontend", "config", "planning", "strategies"]  # they build, validate or plan jobs; the rest read the plan
+
+
+def cluster_reads(path: Path) -> list[str]:
+    """`job.cluster` / `<x>.job.cluster` anywhere in a file: reading the job's cluster section instead of the plan."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "cluster":
+            base = node.value
+            if (isinstance(base, ast.Name) and base.id == "job") or (isinstance(base, ast.Attribute) and base.attr == "job"):
+                found.append(f"{path.relative_to(SRC) if path.is_relative_to(SRC) else path.name}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+# launcher-side files that resolve settings before there is a plan (moving to launcher/: issue 29 point 5)
+BEFORE_THE_PLAN = {"launcher/run_job.py"}
+
+
+def test_nothing_but_planning_reads_the_jobs_cluster_section():
+    """The plan decides (issue 29 point 6): outside the packages that build and plan jobs, code reads JobPlan's
+    fields (and its frozen `plan.cluster`), never `job.cluster`."""
+    found = [hit for path in SRC.rglob("*.py") if path.relative_to(SRC).parts[0] not in JOB_BUILDERS
+             and str(path.relative_to(SRC)) not in BEFORE_THE_PLAN for hit in cluster_reads(path)]
+    assert found == []
+
+
+def test_the_cluster_rule_sees_a_read(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(job, trainer):\n    return job.cluster.local_steps + trainer.job.cluster.nworker_groups\n")
+    assert len(cluster_reads(bad)) == 2

@@ -158,9 +158,11 @@ def validate_cluster(cluster: job_pb2.ClusterProto) -> list[Problem]:
         return problems  # the arithmetic below would divide by zero
     if not 1 <= cluster.start_port <= 65535:
         problems.append(("start_port", f"start_port must be a TCP port, 1..65535, got {cluster.start_port}"))
-    for name, low in (("threads_per_worker", 0), ("max_staleness", -1), ("warmup_steps", 0), ("max_update_lag", -1)):
+    for name, low in (("threads_per_worker", 0), ("max_staleness", -1), ("warmup_steps", 0), ("max_update_lag", -1), ("max_restarts", 0)):
         if getattr(cluster, name) < low:
             problems.append((name, f"{name} must be >= {low}, got {getattr(cluster, name)}"))
+    if not cluster.bucket_mb > 0:
+        problems.append(("bucket_mb", f"bucket_mb must be > 0 (float32 megabytes), got {cluster.bucket_mb:g}"))
     if cluster.nworker_groups % cluster.nserver_groups:
         problems.append(
             (

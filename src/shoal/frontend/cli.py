@@ -234,15 +234,16 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("shoal run: give a job file (shoal run JOB)")
     if job_path.suffix == ".py":
         return _run_script(args, job_path)
-    job = api.load_job(job_path, args.overrides, plugins=args.plugin)
+    overrides = list(args.overrides)
+    if args.max_restarts is not None:  # a field of the job, so the plan holds it (SHOAL_MAX_RESTARTS still overrides)
+        if args.max_restarts < 0:
+            raise UsageError(f"--max-restarts {args.max_restarts}: expected 0 or more")
+        overrides.append(f"cluster.max_restarts={args.max_restarts}")
+    job = api.load_job(job_path, overrides, plugins=args.plugin)
     if args.tensorboard:
         job.tensorboard = True
     if args.rejoin is not None:
         return _rejoin(args, job)
-    if args.max_restarts is not None:
-        if args.max_restarts < 0:
-            raise UsageError(f"--max-restarts {args.max_restarts}: expected 0 or more")
-        os.environ["SHOAL_MAX_RESTARTS"] = str(args.max_restarts)  # read by the launcher (shoal.launcher.rejoin)
     nodes = _nodes(args, job)
     if args.test:
         api.evaluate(job, args.checkpoint, args.workspace)

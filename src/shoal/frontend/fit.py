@@ -123,11 +123,11 @@ def _check_optimizer_layout(job: job_pb2.JobProto, model: torch.nn.Module, optim
                             clip_grad_norm: Optional[float]) -> None:
     """A torch optimizer runs where its owners update params they can name: refuse other layouts in one line,
     and an optimizer not known to be element-wise where params are sliced over owners."""
-    from shoal.planning.plan import Framework, plan_job
+    from shoal.planning.plan import plan_job
     from shoal.runtime.exchanges.compression import compresses
 
     plan = plan_job(job)
-    if plan.framework is Framework.DISTRIBUTED_HOGWILD:
+    if not plan.strategy.takes_torch_optimizer:
         raise FitError(f"shoal.fit: optimizer= runs with synchronous workers, Hogwild, Downpour (servers) and Local SGD "
                        f"for now, not {plan.framework}; give a SINGA updater= for that layout")
     if clip_grad_norm is not None and plan.framework.synchronous and not plan.in_one_process and compresses(job.cluster):
@@ -139,12 +139,12 @@ def _check_optimizer_layout(job: job_pb2.JobProto, model: torch.nn.Module, optim
 
 
 def _check_outer_layout(job: job_pb2.JobProto) -> None:
-    from shoal.planning.plan import Framework, plan_job
+    from shoal.planning.plan import plan_job
 
-    framework = plan_job(job).framework
-    if framework is not Framework.LOCAL_SGD:
+    plan = plan_job(job)
+    if not plan.strategy.meets:
         raise FitError(f"shoal.fit: outer_optimizer= is Local SGD / DiLoCo's (cluster.nworker_groups > 1 with "
-                       f"cluster.local_steps), not {framework}'s")
+                       f"cluster.local_steps), not {plan.framework}'s")
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}

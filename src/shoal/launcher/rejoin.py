@@ -7,7 +7,7 @@ pulls the live values, their version and the steps its group has done; then it t
 left. The servers keep every update they applied; a push in flight when the old process died is
 lost whole.
 
-- Automatic: `shoal run JOB --max-restarts N` (SHOAL_MAX_RESTARTS) restarts a process that hosts
+- Automatic: `shoal run JOB --max-restarts N` (cluster.max_restarts; SHOAL_MAX_RESTARTS overrides) restarts a process that hosts
   only a Downpour group other than 0 (`ranks.expendable`) up to N times. The launcher announces
   the restart before the process starts, so the chief's last request waits for it; restarted
   processes fork from a server that imported shoal already (multiprocessing's forkserver), so a
@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 from shoal.comm import auth, channels, heartbeat
 from shoal.errors import ShoalError, warn
-from shoal.planning.plan import Framework, JobPlan
+from shoal.planning.plan import JobPlan
 from shoal.launcher import faults, stalls
 from shoal.launcher.ranks import chief_log, describe_process, rank_output
 from shoal.runtime.exchanges.downpour import DOOR
@@ -46,15 +46,9 @@ class RejoinRefused(ShoalError, ValueError):
     """--rejoin asked for a process that cannot come back (one line saying why)."""
 
 
-def max_restarts() -> int:
-    """How many times the launcher restarts each dead expendable process (`--max-restarts`, SHOAL_MAX_RESTARTS; 0: never)."""
-    value = os.environ.get("SHOAL_MAX_RESTARTS", "0")
-    return int(value) if value.isdigit() else 0
-
-
 def why_not(plan: JobPlan, rank: int) -> Optional[str]:
     """Why process `rank` cannot rejoin the running job (None: it can)."""
-    if plan.framework is not Framework.DOWNPOUR:
+    if not plan.strategy.rejoins:
         return f"only Downpour worker groups can rejoin a running job ({plan.label} cannot; Distributed Hogwild's replicas are not rebuilt)"
     if not 0 <= rank < plan.nprocs:
         return f"the job has processes 0..{plan.nprocs - 1}"
@@ -83,15 +77,15 @@ class Restarter:
         """`environment`: the ranks' (holding the job's secret): restarted processes get it too."""
         self.plan, self.meeting, self.spec, self.process_setup = plan, meeting, spec, process_setup
         self.environment, self.secret = environment, auth.required_secret("the launcher", environment)
-        self.limit = max_restarts() if plan.framework is Framework.DOWNPOUR else 0
+        self.limit = plan.max_restarts if plan.strategy.rejoins else 0  # cluster.max_restarts, --max-restarts
         self.restarts: dict[int, int] = {}
         self.started = time.time()  # rejoins.jsonl may hold an earlier run's rejoins (a resumed workspace)
         self._door = self._store = None
         self._context = None
         self._note_store()
-        if max_restarts() > 0 and plan.framework is not Framework.DOWNPOUR:
+        if plan.max_restarts > 0 and not plan.strategy.rejoins:
             warn(f"WARNING: --max-restarts: only Downpour worker groups are restarted; {plan.label}'s are not")
-        if plan.framework is Framework.DOWNPOUR:  # the servers hear from it which dead groups will not come back
+        if plan.strategy.rejoins:  # the servers hear from it which dead groups will not come back
             self._connect()
         if self.limit > 0:
             self._door.restarts_dead_groups()
@@ -100,7 +94,7 @@ class Restarter:
     def _note_store(self) -> None:
         """Where the job's store is and its secret, for `shoal run JOB --rejoin RANK` (on this host; pass --master
         elsewhere): files only this user can read."""
-        if self.plan.framework is not Framework.DOWNPOUR:
+        if not self.plan.strategy.rejoins:
             return
         logs = Path(self.spec.workspace) / "logs"
         logs.mkdir(parents=True, exist_ok=True)

@@ -14,22 +14,36 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Mapping, Optional
 
+from shoal.errors import ShoalError
 from shoal.planning.placement import ParamSlice
 
 DEFAULT_CAP = 1 << 20  # elements (4 MB of float32): small params coalesce, big ones go alone
 
 
-def cap_from_env() -> int:
-    """The bucket cap in elements: SHOAL_BUCKET_MB (float32 megabytes, as DDP's bucket_cap_mb), default 4."""
-    text = os.environ.get("SHOAL_BUCKET_MB")
-    if not text:
-        return DEFAULT_CAP
-    try:
-        mb = float(text)
-    except ValueError:
-        raise ValueError(f"SHOAL_BUCKET_MB={text!r}: not a number of megabytes") from None
+class BucketSizeError(ShoalError, ValueError):
+    """SHOAL_BUCKET_MB is not a number of megabytes (one line)."""
+
+
+def cap_of(mb: float) -> int:
+    """A bucket cap of `mb` float32 megabytes, in elements."""
     return max(1, int(mb * 2**20 / 4))
+
+
+def cap_from_env(environ: Optional[Mapping[str, str]] = None, mb: float = 4.0) -> int:
+    """The bucket cap in elements: SHOAL_BUCKET_MB (float32 megabytes, as DDP's bucket_cap_mb) where set, else `mb`
+    (the job's cluster.bucket_mb: JobPlan.bucket_elements)."""
+    text = (os.environ if environ is None else environ).get("SHOAL_BUCKET_MB")
+    if not text:
+        return cap_of(mb)
+    try:
+        value = float(text)
+    except ValueError:
+        raise BucketSizeError(f"SHOAL_BUCKET_MB={text!r}: not a number of megabytes") from None
+    if not value > 0:
+        raise BucketSizeError(f"SHOAL_BUCKET_MB={text!r}: must be > 0")
+    return cap_of(value)
 
 
 @dataclass(frozen=True)

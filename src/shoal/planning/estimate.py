@@ -19,14 +19,12 @@ from typing import Optional
 from shoal.config import job_pb2
 from shoal.errors import ShoalError
 from shoal.neuralnet.updaters import make_updater
-from shoal.planning.buckets import DEFAULT_CAP, plan_buckets
 from shoal.planning.costs import (FLOAT, Calibration, LayerCost, compute_seconds, kernels_of, learning_nodes, node_rows, numel,
                                   worker_costs)
 from shoal.planning.partition import PartitionPlan
 from shoal.planning.module_costs import describe_basis, module_costs_of
 from shoal.planning.nodes import node_of_rank
-from shoal.planning.placement import ServerId
-from shoal.planning.plan import Framework, JobPlan
+from shoal.planning.plan import JobPlan
 
 
 @dataclass
@@ -272,15 +270,13 @@ class _Model:
         all_params = FLOAT * sum(self.sizes.values())
         params = all_params * len(devices) if proc.workers else 0
         served = sum(s.size for srv in proc.servers for s in plan.placement.slices_of(srv) if s.param in self.trainable)
-        if self.plan.framework in (Framework.SINGLE_WORKER, Framework.IN_MEMORY_HOGWILD, Framework.IN_MEMORY_DOWNPOUR) or plan.in_one_process:
-            served = self.elements  # one Server updates every param
+        served = plan.strategy.served_elements(self, rank, served)
         if not proc.workers:
             params = FLOAT * served
         costs = worker_costs(plan.partition, shares, plan.threads_per_worker)
         grads = FLOAT * sum(self._computed_elements(w.id) for w in proc.workers)
         acts = sum(c.activation_bytes for w in proc.workers for c in costs[w.id])
-        if plan.framework == Framework.IN_MEMORY_DOWNPOUR:
-            params += all_params * plan.cluster.nworker_groups  # each group computes on its own copy
+        params += plan.strategy.extra_param_bytes(self)
         return params, grads, FLOAT * self.slots * served, acts
 
     def _computed_elements(self, worker: int) -> int:
@@ -290,76 +286,22 @@ class _Model:
             total += whole if view.axis < 0 else whole // self.plan.params[view.name][view.axis] * view.size
         return total
 
-    # -- bytes per step, per framework --------------------------------------------------------
+    # -- bytes per step: the strategy's messages ------------------------------------------------------
+    def encoded(self, elements: int) -> int:
+        return encoded_bytes(self.plan.cluster, elements)
+
+    def trainable_slices(self) -> list:
+        return [s for s in self.plan.placement.slices if s.param in self.trainable]
+
     def traffic(self) -> dict[int, dict[int, list[int]]]:
         """rank -> peer -> [sent, received] bytes per group step (a synchronous group's, or one async group's)."""
-        plan, fw = self.plan, self.plan.framework
-        links: dict[int, dict[int, list[int]]] = {p.rank: {} for p in plan.placement.processes}
+        links: dict[int, dict[int, list[int]]] = {p.rank: {} for p in self.plan.placement.processes}
 
         def move(src: int, dst: int, nbytes: float) -> None:
             links[src].setdefault(dst, [0, 0])[0] += int(nbytes)
             links[dst].setdefault(src, [0, 0])[1] += int(nbytes)
 
-        def encoded(elements: int) -> int:
-            return encoded_bytes(plan.cluster, elements)
-
-        slices = [s for s in plan.placement.slices if s.param in self.trainable]
-        if fw in (Framework.ALLREDUCE, Framework.SANDBLASTER) and not plan.in_one_process:
-            owner = {s.index: plan.placement.process_of(plan.placement.server_of_slice(s.index, 0)) for s in slices}
-            worker_ranks = [p.rank for p in plan.placement.processes if p.workers]
-            # per bucket, gradients reduced to the owner and its new values (compressed: the encoded sum) broadcast back;
-            # per owner, one flag byte per param reduced to it (compressed: broadcast back, every process applies)
-            dense = plan.cluster.compression == job_pb2.kNone
-            flagged: dict[int, set[str]] = {}
-            for b in plan_buckets(slices, owner, DEFAULT_CAP):
-                flagged.setdefault(b.owner, set()).update(b.params)
-                for r in worker_ranks:
-                    if r != b.owner:
-                        move(r, b.owner, encoded(b.numel))
-                        move(b.owner, r, FLOAT * b.numel if dense else encoded(b.numel))
-            for o, params in flagged.items():
-                for r in worker_ranks:
-                    if r != o:
-                        move(r, o, len(params))
-                        if not dense:
-                            move(o, r, len(params))
-        elif fw == Framework.DOWNPOUR:
-            c = plan.cluster
-            for g in range(c.nworker_groups):
-                ranks = plan.ranks_of_group(g)
-                stub = ranks[0]
-                for r in ranks[1:]:  # the group's processes sum into its stub and get the params back
-                    move(r, stub, FLOAT * self.elements + 4 * len(self.trainable))
-                    move(stub, r, FLOAT * self.elements)
-                if g:
-                    continue  # bytes of one group's step: group 0's
-                for sid in range(c.nservers_per_group):
-                    server = ServerId(0, sid)
-                    rank = plan.placement.process_of(server)
-                    mine = [s for s in slices if plan.placement.server_of_slice(s.index, 0) == server]
-                    size = sum(s.size for s in mine)
-                    move(stub, rank, encoded(size) + len(mine) + 24)  # gradient, flags, header
-                    move(rank, stub, FLOAT * size + 16)  # values, version and staleness
-        elif fw == Framework.LOCAL_SGD and not plan.in_one_process:
-            # a meeting is one ring all-reduce of the pseudo-gradient: each group's process sends its neighbour
-            # 2·(G−1)/G of the params; averaged over the run's steps (every step of a warm-up, then every local_steps)
-            # (compressed: casts all-reduce in their precision; top-k all-gathers, sending its k entries G−1 times)
-            ranks = [p.rank for p in plan.placement.processes]
-            ring = (len(ranks) - 1) if plan.cluster.compression == job_pb2.kTopK else 2 * (len(ranks) - 1) / len(ranks)
-            for i, r in enumerate(ranks):
-                move(r, ranks[(i + 1) % len(ranks)], ring * encoded(self.elements) * meetings_per_step(plan))
-        elif fw == Framework.DISTRIBUTED_HOGWILD:
-            c, freq = plan.cluster, max(1, plan.cluster.sync_freq)
-            rank_of = {g: plan.placement.process_of(ServerId(g, 0)) for g in range(c.nserver_groups)}
-            for master in range(1, c.nserver_groups):  # group 0 syncs with every other group's masters
-                size = sum(s.size for s in slices if plan.placement.master_group_of_slice(s.index) == master)
-                move(rank_of[0], rank_of[master], (encoded(size) + 8) / freq)  # Δ
-                move(rank_of[master], rank_of[0], encoded(size) / freq)  # fresh values (compressed: their change)
-            # ... and serves its own slices to each of them, as often
-            own = sum(s.size for s in slices if plan.placement.master_group_of_slice(s.index) == 0)
-            for g in range(1, c.nserver_groups):
-                move(rank_of[g], rank_of[0], (encoded(own) + 8) / freq)
-                move(rank_of[0], rank_of[g], encoded(own) / freq)
+        self.plan.strategy.traffic(self, move)
         return links
 
     def in_memory_bytes(self) -> int:
@@ -385,7 +327,7 @@ class _Model:
 
     # -- the step -------------------------------------------------------------------------------
     def run(self) -> Estimate:
-        plan, fw, c = self.plan, self.plan.framework, self.plan.cluster
+        plan, c = self.plan, self.plan.cluster
         workers, group_s = self.workers()
         compute = max(group_s.values(), default=0.0)
         slowest = max(workers, key=lambda w: w.fwd_s + w.bwd_s)
@@ -394,57 +336,10 @@ class _Model:
         exchange = self.exchange_s(links)
         ngroups = c.nworker_groups
         batch = plan.global_batch
-        on_host0 = self.workers_on_host(0)
-        reduce = update = 0.0
-        bounds: dict[str, float] = {}
-        staleness = ""
-        if fw == Framework.SINGLE_WORKER:
-            update = self.update_s(self.elements, threads)
-        elif fw in (Framework.ALLREDUCE, Framework.SANDBLASTER) and plan.in_one_process:
-            p = c.nworkers_per_group
-            owned = plan.partition.updated_where_computed()
-            local = sum(self._view_numel(v) for v in owned)
-            reduce = 3 * FLOAT * (p - 1) * max(0, self.elements - local) / self.calib.bandwidth(threads * p)
-            update = self.update_s(self.elements - local, threads * p) + self.update_s(local // max(1, p), threads, p)
-        elif fw in (Framework.ALLREDUCE, Framework.SANDBLASTER):
-            owned_by: dict[int, int] = {}
-            for s in plan.placement.slices:
-                if s.param in self.trainable:
-                    r = plan.placement.process_of(plan.placement.server_of_slice(s.index, 0))
-                    owned_by[r] = owned_by.get(r, 0) + s.size
-            per_proc = len(plan.placement.processes[0].workers) or 1
-            reduce = 3 * FLOAT * (per_proc - 1) * self.elements / self.calib.bandwidth(threads * per_proc)
-            update = max(self.update_s(n, threads, on_host0) for n in owned_by.values()) if owned_by else 0.0
-        elif fw == Framework.IN_MEMORY_HOGWILD:
-            update = self.update_s(self.elements, threads, ngroups)
-            staleness = f"≈ {(ngroups - 1) * compute / max(compute + update, 1e-12):.2f} updates by other groups between a group's read and write (lock-free)"
-        elif fw == Framework.IN_MEMORY_DOWNPOUR:
-            update = self.update_s(self.elements, threads) + 2 * FLOAT * self.elements / self.calib.bandwidth(threads)
-            bounds["the shared server (updates one group at a time)"] = batch / update
-            staleness = f"≈ {ngroups - 1} update(s) by other groups between a group's pull and push"
-        elif fw == Framework.DOWNPOUR:
-            servers = max(1, c.nservers_per_group)
-            server_threads = max(1, self.cores // max(1, self.workers_on_host(self.where[plan.placement.process_of(ServerId(0, 0))]) + 1))
-            update = self.update_s(self.elements / servers, server_threads)
-            server_rank = plan.placement.process_of(ServerId(0, 0))
-            per_request = sum(v[0] for v in links[server_rank].values())  # bytes one group's step sends the server
-            remote = any(self.where[p.rank] != self.where[server_rank] for p in plan.placement.processes)
-            bounds["the server's link"] = batch * (self.link_bw if remote else self.calib.link_gbps * 1e9) / max(1, per_request)
-            bounds["the server's updates"] = batch / max(update, 1e-12)
-            staleness = f"≈ {ngroups - 1} update(s) by other groups between a group's pull and push"
-        elif fw == Framework.LOCAL_SGD:
-            update = self.update_s(self.elements, threads, on_host0)
-            if not plan.in_one_process:  # a meeting's latency is paid once per meeting, not per step
-                per_meeting = 1 / max(meetings_per_step(plan), 1e-12)
-                exchange = self.exchange_s({r: {q: [v[0] * per_meeting, v[1] * per_meeting] for q, v in peers.items()}
-                                            for r, peers in links.items()}) / per_meeting
-            staleness = "none within a round; groups drift apart for local_steps steps between meetings"
-        elif fw == Framework.DISTRIBUTED_HOGWILD:
-            update = self.update_s(self.elements, threads, on_host0)
-            staleness = f"replicas drift for up to sync_freq = {max(1, c.sync_freq)} local updates between syncs"
-        else:  # a framework this model has no exchange for yet: its compute and a local update only
-            update = self.update_s(self.elements, threads)
-            self.notes.append(f"{fw.value}: its exchange is not modelled yet (compute and a local update only)")
+        terms = plan.strategy.phases(self, compute, links)
+        reduce, update, staleness = terms.reduce, terms.update, terms.staleness
+        exchange = exchange if terms.exchange is None else terms.exchange
+        bounds: dict[str, float] = dict(terms.bounds or {})
         step = compute + reduce + exchange + update
         samples = ngroups * batch / step if step > 0 else 0.0
         why = {
@@ -471,18 +366,12 @@ class _Model:
                                          {q: v for q, v in sorted(peers.items())}, params, grads, state, acts))
         if plan.in_one_process and plan.nworkers > 1:
             procs[0].links = {0: [self.in_memory_bytes(), self.in_memory_bytes()]}
-        return Estimate(plan.label, fw.value, plan.nprocs, plan.nworkers, ngroups, batch, step, samples, bottleneck,
+        return Estimate(plan.label, plan.framework.value, plan.nprocs, plan.nworkers, ngroups, batch, step, samples, bottleneck,
                         phases, workers, procs, staleness, self.notes)
 
-    def _view_numel(self, view) -> int:
+    def view_numel(self, view) -> int:
         whole = self.sizes[view.name]
         return whole if view.axis < 0 else whole // self.plan.params[view.name][view.axis] * view.size
-
-
-def meetings_per_step(plan: JobPlan) -> float:
-    """Local SGD: meetings of the groups per step, over the run (every step of the warm-up, then every local_steps)."""
-    c, steps = plan.cluster, max(1, plan.job.train_steps)
-    return (min(steps, c.local_warmup_steps) + max(0, steps - c.local_warmup_steps) // max(1, c.local_steps)) / steps
 
 
 def _device(name: str) -> str:

@@ -14,7 +14,7 @@ master group (for Hogwild syncs between groups) is i mod nserver_groups.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from shoal.config import job_pb2
@@ -58,35 +58,41 @@ class ParamSlice:
         return self.stop - self.start
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProcessPlan:
     rank: int
-    workers: list[WorkerId] = field(default_factory=list)
-    servers: list[ServerId] = field(default_factory=list)
+    workers: tuple[WorkerId, ...] = ()
+    servers: tuple[ServerId, ...] = ()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Placement:
-    cluster: job_pb2.ClusterProto
-    processes: list[ProcessPlan]
-    slices: list[ParamSlice] = field(default_factory=list)
+    """Deeply immutable: the cluster section is kept as its bytes (`cluster` parses a fresh copy), members in tuples."""
+
+    cluster_bytes: bytes
+    processes: tuple[ProcessPlan, ...]
+    slices: tuple[ParamSlice, ...] = ()
+    nworker_groups: int = 1
+    nserver_groups: int = 1
+    nservers_per_group: int = 1
 
     @property
-    def nworker_groups(self) -> int:
-        return self.cluster.nworker_groups
+    def cluster(self) -> job_pb2.ClusterProto:
+        """A copy of the cluster section this placement was computed from (changing it changes nothing here)."""
+        return job_pb2.ClusterProto.FromString(self.cluster_bytes)
 
     @property
     def nslices(self) -> int:
-        return math.lcm(self.cluster.nserver_groups, self.cluster.nservers_per_group)
+        return math.lcm(self.nserver_groups, self.nservers_per_group)
 
     def server_group_of(self, worker_group: int) -> int:
-        return worker_group // (self.cluster.nworker_groups // self.cluster.nserver_groups)
+        return worker_group // (self.nworker_groups // self.nserver_groups)
 
     def server_of_slice(self, slice_index: int, server_group: int) -> ServerId:
-        return ServerId(server_group, slice_index % self.cluster.nservers_per_group)
+        return ServerId(server_group, slice_index % self.nservers_per_group)
 
     def master_group_of_slice(self, slice_index: int) -> int:
-        return slice_index % self.cluster.nserver_groups
+        return slice_index % self.nserver_groups
 
     def slices_of(self, server: ServerId) -> list[ParamSlice]:
         return [s for s in self.slices if self.server_of_slice(s.index, server.group) == server]
@@ -112,18 +118,19 @@ def place(cluster: job_pb2.ClusterProto, param_sizes: Optional[dict[str, int]] =
     nworker_procs = math.ceil(nworkers / cluster.nworkers_per_procs)
     nserver_procs = math.ceil(nservers / cluster.nservers_per_procs)
     nprocs = nworker_procs + nserver_procs if cluster.server_worker_separate else max(nworker_procs, nserver_procs)
-    processes = [ProcessPlan(rank) for rank in range(nprocs)]
+    workers: list[list[WorkerId]] = [[] for _ in range(nprocs)]
+    servers: list[list[ServerId]] = [[] for _ in range(nprocs)]
     for flat in range(nworkers):  # workers fill processes in (group, id) order
         group, wid = divmod(flat, cluster.nworkers_per_group)
-        processes[flat // cluster.nworkers_per_procs].workers.append(WorkerId(group, wid))
+        workers[flat // cluster.nworkers_per_procs].append(WorkerId(group, wid))
     first_server_proc = nworker_procs if cluster.server_worker_separate else 0
     for flat in range(nservers):
         group, sid = divmod(flat, cluster.nservers_per_group)
-        processes[first_server_proc + flat // cluster.nservers_per_procs].servers.append(ServerId(group, sid))
-    placement = Placement(cluster, processes)
-    if param_sizes:
-        placement.slices = slice_params(param_sizes, placement.nslices)
-    return placement
+        servers[first_server_proc + flat // cluster.nservers_per_procs].append(ServerId(group, sid))
+    nslices = math.lcm(cluster.nserver_groups, cluster.nservers_per_group)
+    return Placement(cluster.SerializeToString(), tuple(ProcessPlan(r, tuple(workers[r]), tuple(servers[r])) for r in range(nprocs)),
+                     tuple(slice_params(param_sizes, nslices)) if param_sizes else (),
+                     cluster.nworker_groups, cluster.nserver_groups, cluster.nservers_per_group)
 
 
 def slice_params(param_sizes: dict[str, int], nslices: int) -> list[ParamSlice]:

@@ -13,71 +13,73 @@ refused here, in one line that shows the failing arithmetic.
 """
 from __future__ import annotations
 
-import enum
 import os
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Mapping, Optional
 
 import torch
 
 from shoal.config import job_pb2
-from shoal.errors import ShoalError
 from shoal.neuralnet.net import NeuralNet
 from shoal.neuralnet.params import ParamStore
 from shoal.neuralnet.updaters import make_updater
+from shoal.planning.buckets import DEFAULT_CAP, cap_from_env
 from shoal.planning.devices import worker_device_names
 from shoal.planning.nodes import node_of_rank
 from shoal.planning.partition import PartitionPlan, partition
 from shoal.planning.placement import Placement, ProcessPlan, WorkerId, place
-from shoal.planning.process_groups import ProcessGroupPlan, sliced_groups, whole_group
-from shoal.planning.shares import train_input_shares
-
-
-class UnsupportedClusterError(ShoalError, ValueError):
-    """A cluster layout this build of the runtime cannot run yet (said in one line)."""
-
-
-class Framework(enum.Enum):
-    """SINGA's frameworks: names for cluster configurations, not classes (the value is the display name)."""
-
-    SINGLE_WORKER = "single worker"
-    ALLREDUCE = "AllReduce"  # one group; servers share the workers' processes (or threads of one process)
-    SANDBLASTER = "Sandblaster"  # one group; servers in processes of their own
-    IN_MEMORY_HOGWILD = "in-memory Hogwild"  # async groups as threads sharing one copy of the params
-    IN_MEMORY_DOWNPOUR = "in-memory Downpour"  # async groups as threads, each on its own copy
-    DOWNPOUR = "Downpour"  # async groups over processes, one server group
-    DISTRIBUTED_HOGWILD = "Distributed Hogwild"  # async groups over processes, a server group each
-    LOCAL_SGD = "Local SGD"  # groups on their own copies meet every local_steps (DiLoCo with an outer momentum)
-
-    @property
-    def synchronous(self) -> bool:
-        return self in (Framework.SINGLE_WORKER, Framework.ALLREDUCE, Framework.SANDBLASTER)
-
-    def __str__(self) -> str:
-        return self.value
+from shoal.planning.process_groups import ProcessGroupPlan
+from shoal.planning.shares import GroupShards, train_input_shares
+from shoal.planning.strategy import (Framework, Layout, Registry, Strategy, UnsupportedClusterError,  # noqa: F401 - re-exported
+                                     default_registry, recognise)
 
 
 @dataclass(frozen=True, eq=False)
 class JobPlan:
-    """How a validated job runs: its processes, framework, partitioned net, shares, devices and threads."""
+    """How a validated job runs: its processes, framework, partitioned net, shares, devices and threads.
 
-    job: job_pb2.JobProto
-    framework: Framework
+    Frozen all the way down where it holds data: protos as their bytes (`job`, `updater`, `outer_updater`
+    and `cluster` parse a fresh copy: changing one changes nothing here), tuples and read-only mappings.
+    The partition's net (layer objects, for shapes and costs) is the one part not frozen."""
+
+    job_bytes: bytes  # the validated job (JobProto), serialized
+    strategy: Strategy  # the framework's (shoal/strategies/): everything specific to it
     placement: Placement  # processes, their workers and servers, and the param slices each server owns
     partition: PartitionPlan  # one group's train net cut over its workers
-    params: dict[str, tuple[int, ...]]  # every param's shape, in declaration order
-    batch_shares: list[list[int]]  # per training input layer, each worker's rows of the group's batch
-    devices: list[list[str]]  # per process, the configured device of each of its workers
+    params: Mapping[str, tuple[int, ...]]  # every param's shape, in declaration order
+    batch_shares: tuple[tuple[int, ...], ...]  # per training input layer, each worker's rows of the group's batch
+    devices: tuple[tuple[str, ...], ...]  # per process, the configured device of each of its workers
     threads_per_worker: int  # intra-op threads of each worker: the host's cores shared by its workers
-    updater: job_pb2.UpdaterProto  # what the servers apply: the job's, momentum compensated under asynchrony
-    outer_updater: Optional[job_pb2.UpdaterProto] = None  # Local SGD / DiLoCo: applied to the groups' mean change
+    updater_bytes: bytes  # what the servers apply (UpdaterProto): the job's, momentum compensated under asynchrony
+    outer_updater_bytes: Optional[bytes] = None  # Local SGD / DiLoCo: applied to the groups' mean change
     nnodes: int = 1
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
+    group_shards: GroupShards = GroupShards()  # where each worker group starts reading its training inputs
+    balance_freq: int = 0  # cluster.auto_batch_shares: re-split a group's batch every this many steps (0: never)
+    bucket_elements: int = DEFAULT_CAP  # cluster.bucket_mb (SHOAL_BUCKET_MB overrides): a gradient bucket's cap
+    max_restarts: int = 0  # cluster.max_restarts (--max-restarts; SHOAL_MAX_RESTARTS overrides): restarts of a dead group
     process_groups: tuple[ProcessGroupPlan, ...] = ()  # what the exchanges' collectives run over, created in this order
 
     @property
+    def job(self) -> job_pb2.JobProto:
+        return _parse_job(self.job_bytes)
+
+    @property
+    def updater(self) -> job_pb2.UpdaterProto:
+        return job_pb2.UpdaterProto.FromString(self.updater_bytes)
+
+    @property
+    def outer_updater(self) -> Optional[job_pb2.UpdaterProto]:
+        return None if self.outer_updater_bytes is None else job_pb2.UpdaterProto.FromString(self.outer_updater_bytes)
+
+    @property
+    def framework(self) -> Framework:
+        return self.strategy.framework
+
+    @property
     def cluster(self) -> job_pb2.ClusterProto:
-        return self.job.cluster
+        return self.placement.cluster
 
     @property
     def nprocs(self) -> int:
@@ -107,18 +109,14 @@ class JobPlan:
 
     @property
     def label(self) -> str:
-        """The framework as users name the layout: one process of several synchronous workers is in-memory Sandblaster."""
-        if self.framework in (Framework.ALLREDUCE, Framework.SANDBLASTER) and self.in_one_process:
-            return "in-memory Sandblaster"
-        if self.framework is Framework.LOCAL_SGD and self.outer_updater is not None and self.outer_updater.momentum > 0:
-            return "DiLoCo"
-        return self.framework.value
+        """The framework as users name the layout (e.g. in-memory Sandblaster, DiLoCo)."""
+        return self.strategy.label(self)
 
     def process(self, rank: int) -> ProcessPlan:
         return self.placement.processes[rank]
 
     def devices_of(self, rank: int) -> list[str]:
-        return self.devices[rank]
+        return list(self.devices[rank])
 
     def all_devices(self) -> list[str]:
         return [d for per_process in self.devices for d in per_process]
@@ -131,33 +129,43 @@ class JobPlan:
         return sorted({self.placement.process_of(WorkerId(group, w)) for w in range(self.cluster.nworkers_per_group)})
 
 
-def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1) -> JobPlan:
-    """The JobPlan of a validated job on hosts of `cores` cores (default: this one's)."""
+def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1, strategies: Optional[Registry] = None,
+             environ: Optional[Mapping[str, str]] = None) -> JobPlan:
+    """The JobPlan of a validated job on hosts of `cores` cores (default: this one's), its framework one of
+    `strategies` (default: the installed registry, shoal.strategies.registry). `environ` (default: this process's)
+    holds the documented overrides of job fields, SHOAL_BUCKET_MB and SHOAL_MAX_RESTARTS (docs/cluster.md)."""
+    environ = os.environ if environ is None else environ
     store = ParamStore(allocate=False)
     net = NeuralNet(job.neuralnet, job_pb2.kTrain, store, torch.Generator())
     sizes = {name: info.numel for name, info in store.info.items()}
     placement = place(job.cluster, sizes)
     parts = partition(net, job.neuralnet, job.cluster.nworkers_per_group)
-    framework = framework_of(job, placement, parts)
+    strategy = strategy_of(job, placement, parts, strategies or default_registry())
     workers = job.cluster.nworker_groups * job.cluster.nworkers_per_group
-    updater = server_updater(job, framework)
+    updater = server_updater(job, strategy)
     plan = JobPlan(
-        job=job,
-        framework=framework,
+        job_bytes=job.SerializeToString(),
+        strategy=strategy,
         placement=placement,
         partition=parts,
-        params={name: tuple(info.shape) for name, info in store.info.items()},
-        batch_shares=train_input_shares(job),
-        devices=(devices := [worker_device_names(job, len(p.workers)) for p in placement.processes]),
+        params=MappingProxyType({name: tuple(info.shape) for name, info in store.info.items()}),
+        batch_shares=tuple(tuple(shares) for shares in train_input_shares(job)),
+        devices=(devices := tuple(tuple(worker_device_names(job, len(p.workers))) for p in placement.processes)),
         # every worker on a host shares its cores: oversubscription is what kills CPU throughput
         threads_per_worker=thread_budget(job, workers_on_host=busiest_node_workers(placement, nnodes), cores=cores),
-        updater=updater,
-        outer_updater=outer_updater(job) if framework is Framework.LOCAL_SGD else None,
+        updater_bytes=updater.SerializeToString(),
+        outer_updater_bytes=outer_updater(job).SerializeToString() if strategy.meets else None,
         nnodes=nnodes,
-        notes=list(parts.notes) + _updater_notes(job, updater) + _compression_notes(job, framework, len(placement.processes)) + _local_sgd_notes(job, framework)
-        + _staleness_notes(job, framework),
-        process_groups=_process_groups(framework, placement, devices, nnodes),
+        group_shards=GroupShards(job.cluster.nworker_groups, always_disjoint=strategy.meets),
+        balance_freq=max(1, job.cluster.auto_batch_freq) if job.cluster.auto_batch_shares else 0,
+        bucket_elements=cap_from_env(environ, job.cluster.bucket_mb),
+        max_restarts=restarts_override(environ, job.cluster.max_restarts),
+        process_groups=strategy.process_groups(placement, devices, nnodes) if len(placement.processes) > 1 else (),
     )
+    if job.cluster.local_warmup_steps and not strategy.meets:
+        raise UnsupportedClusterError("cluster.local_warmup_steps: applies to Local SGD only (cluster.local_steps > 0 and several worker groups)")
+    plan = replace(plan, notes=tuple(list(parts.notes) + _updater_notes(job, updater) + _compression_notes(job, strategy, len(placement.processes))
+                                     + strategy.notes(plan) + _staleness_notes(job, strategy)))
     if job.cluster.auto_batch_shares:
         _check_balanceable(plan)
     if plan.outer_updater is not None:
@@ -168,24 +176,14 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
     return plan
 
 
-def _process_groups(framework: Framework, placement, devices: list[list[str]], nnodes: int) -> tuple[ProcessGroupPlan, ...]:
-    """The named process groups of a layout over processes (shoal.planning.process_groups)."""
-    if len(placement.processes) == 1:
-        return ()
-    if framework in (Framework.ALLREDUCE, Framework.SANDBLASTER):
-        return sliced_groups(placement, devices, nnodes)
-    if framework is Framework.LOCAL_SGD:
-        return (whole_group("meeting", range(len(placement.processes)), devices, nnodes),)
-    return ()
-
-
-def server_updater(job: job_pb2.JobProto, framework: Framework) -> job_pb2.UpdaterProto:
+def server_updater(job: job_pb2.JobProto, strategy: Strategy | Framework) -> job_pb2.UpdaterProto:
     """The updater the servers apply. Asynchronous groups: N outstanding updates (G groups, 2G with overlap_push)
     already add momentum of their own (an update computed on params N-1 updates old, on average), so the servers'
     momentum is 1 - N·(1 - momentum), which keeps the job's effective momentum (cluster.async_momentum: kAsConfigured keeps SINGA's, the job's own)."""
+    strategy = strategy.strategy if isinstance(strategy, Framework) else strategy
     updater = job_pb2.UpdaterProto()
     updater.CopyFrom(job.updater)
-    if framework.synchronous or framework is Framework.LOCAL_SGD or job.cluster.async_momentum != job_pb2.kCompensated or updater.momentum <= 0:
+    if not strategy.compensates_async_momentum or job.cluster.async_momentum != job_pb2.kCompensated or updater.momentum <= 0:
         return updater
     updater.momentum = max(0.0, 1.0 - outstanding_updates(job.cluster) * (1.0 - updater.momentum))
     return updater
@@ -204,31 +202,7 @@ def outer_updater(job: job_pb2.JobProto) -> job_pb2.UpdaterProto:
     return job_pb2.UpdaterProto(type=job_pb2.kSGD, learning_rate=job_pb2.LRGenProto(type=job_pb2.kFixed, base_lr=1.0))
 
 
-def _local_sgd_notes(job: job_pb2.JobProto, framework: Framework) -> list[str]:
-    """When Local SGD's groups meet, and what that costs against a synchronous exchange every step."""
-    c = job.cluster
-    if framework is not Framework.LOCAL_SGD:
-        if c.local_warmup_steps:
-            raise UnsupportedClusterError("cluster.local_warmup_steps: applies to Local SGD only (cluster.local_steps > 0 and several worker groups)")
-        return []
-    warmup = f"after each of the first {c.local_warmup_steps} steps (synchronous warm-up), then " if c.local_warmup_steps else ""
-    steps = max(1, job.train_steps)
-    meetings = min(steps, c.local_warmup_steps) + max(0, steps - c.local_warmup_steps) // c.local_steps
-    return [f"groups meet {warmup}every {c.local_steps} steps: {meetings} meeting(s) in {steps} steps, "
-            f"{steps / max(1, meetings):.1f}x fewer exchanges than a synchronous job's"]
-
-
-# what cluster.compression encodes, per framework over processes (runtime/exchanges/compression.py)
-_COMPRESSED = {
-    Framework.DOWNPOUR: "pushes",
-    Framework.ALLREDUCE: "gradients (to the servers of their slices, and their sum back)",
-    Framework.SANDBLASTER: "gradients (to the servers of their slices, and their sum back)",
-    Framework.DISTRIBUTED_HOGWILD: "syncs (deltas to the masters, and their answers)",
-    Framework.LOCAL_SGD: "pseudo-gradients at each meeting",
-}
-
-
-def _compression_notes(job: job_pb2.JobProto, framework: Framework, nprocs: int) -> list[str]:
+def _compression_notes(job: job_pb2.JobProto, strategy: Strategy, nprocs: int) -> list[str]:
     """Compression applies to every exchange over processes; in one process nothing moves, so nothing is encoded."""
     kind = job.cluster.compression
     if kind == job_pb2.kNone:
@@ -236,24 +210,25 @@ def _compression_notes(job: job_pb2.JobProto, framework: Framework, nprocs: int)
     if kind == job_pb2.kTopK and not 0 < job.cluster.topk_fraction <= 1:
         raise UnsupportedClusterError(f"cluster.topk_fraction: {job.cluster.topk_fraction:g} is not in (0, 1]")
     what = f"top-{job.cluster.topk_fraction:g} with error feedback" if kind == job_pb2.kTopK else job_pb2.Compression.Name(kind)[1:]
-    if nprocs == 1 or framework not in _COMPRESSED:
-        return [f"cluster.compression ({what}) not applied: {framework.value} in one process moves no bytes"]
-    exact = " (no longer bit-exact with one worker)" if framework.synchronous else ""
-    return [f"{_COMPRESSED[framework]} compressed ({what}): the run does not compute what uncompressed {framework.value} would{exact}"]
+    name = strategy.framework.value
+    if nprocs == 1 or strategy.compressed is None:
+        return [f"cluster.compression ({what}) not applied: {name} in one process moves no bytes"]
+    exact = " (no longer bit-exact with one worker)" if strategy.synchronous else ""
+    return [f"{strategy.compressed} compressed ({what}): the run does not compute what uncompressed {name} would{exact}"]
 
 
-def _staleness_notes(job: job_pb2.JobProto, framework: Framework) -> list[str]:
+def _staleness_notes(job: job_pb2.JobProto, strategy: Strategy) -> list[str]:
     """What bounds the staleness of asynchronous updates (runtime/exchanges/staleness.py), or why a bound cannot hold."""
     c = job.cluster
     notes = []
     if c.overlap_push:
-        if framework is not Framework.DOWNPOUR:
-            raise UnsupportedClusterError(f"cluster.overlap_push: applies to Downpour over processes, not to {framework.value}")
+        if not strategy.overlaps_push:
+            raise UnsupportedClusterError(f"cluster.overlap_push: applies to Downpour over processes, not to {strategy.framework.value}")
         notes.append("each group computes its next step while its push is at the servers (cluster.overlap_push): "
                      "its params are one answer older, its communication hidden")
     if c.max_update_lag >= 0:
-        if framework.synchronous:
-            notes.append(f"cluster.max_update_lag ({c.max_update_lag}) has no effect: {framework.value} applies every update on fresh params")
+        if strategy.synchronous:
+            notes.append(f"cluster.max_update_lag ({c.max_update_lag}) has no effect: {strategy.framework.value} applies every update on fresh params")
         elif c.max_update_lag < outstanding_updates(c) - 1:  # each of the other updates out may have to land first
             least = "2 * nworker_groups - 1 (overlap_push)" if c.overlap_push else "nworker_groups - 1"
             raise UnsupportedClusterError(
@@ -262,7 +237,7 @@ def _staleness_notes(job: job_pb2.JobProto, framework: Framework) -> list[str]:
         else:
             notes.append(f"every update lands at most {c.max_update_lag} updates after its params were read (cluster.max_update_lag); "
                          "a group waits only when another's update in flight would otherwise land later than that")
-    if c.max_staleness >= 0 and not framework.synchronous:
+    if c.max_staleness >= 0 and not strategy.synchronous:
         notes.append(f"no group runs more than {c.max_staleness} steps ahead of the slowest (cluster.max_staleness): "
                      "the fast groups keep the slowest one's pace")
     return notes
@@ -294,10 +269,9 @@ def thread_budget(job: job_pb2.JobProto, workers_on_host: int = 1, cores: Option
     return max(1, (cores or os.cpu_count() or 1) // max(1, workers_on_host))
 
 
-def framework_of(job: job_pb2.JobProto, placement: Placement, parts: PartitionPlan) -> Framework:
-    """The framework a placement runs as, or UnsupportedClusterError naming what does not fit."""
+def strategy_of(job: job_pb2.JobProto, placement: Placement, parts: PartitionPlan, strategies: Registry) -> Strategy:
+    """The strategy a placement runs as, or UnsupportedClusterError naming what does not fit."""
     c = job.cluster
-    nprocs = len(placement.processes)
     if c.nworkers_per_group > 1 and parts.partitioned:
         if job.train_one_batch.alg != job_pb2.kBP:
             raise UnsupportedClusterError("train_one_batch.alg: layers partitioned on features or placed by location train with kBP only")
@@ -308,51 +282,26 @@ def framework_of(job: job_pb2.JobProto, placement: Placement, parts: PartitionPl
                 f"cluster: an asynchronous partitioned group's {c.nworkers_per_group} workers must share one process "
                 f"(nworkers_per_procs: a multiple of {c.nworkers_per_group}); one synchronous group may span processes"
             )
-    if c.nworker_groups == 1:
-        if c.nworkers_per_group == 1 and nprocs == 1:
-            return Framework.SINGLE_WORKER
-        return Framework.SANDBLASTER if c.server_worker_separate else Framework.ALLREDUCE
-    if c.local_steps > 0:
-        if any(len({w.group for w in p.workers}) != 1 or len(p.workers) != c.nworkers_per_group for p in placement.processes if nprocs > 1) \
-                or (nprocs > 1 and c.server_worker_separate):
-            raise UnsupportedClusterError(
-                f"cluster.local_steps: over processes, each process holds one whole worker group (nworkers_per_procs: "
-                f"{c.nworkers_per_group}, server_worker_separate: false), or all groups share one process")
-        if c.max_staleness >= 0 or c.warmup_steps > 0 or c.max_update_lag >= 0:
-            raise UnsupportedClusterError("cluster: max_staleness, max_update_lag and warmup_steps do not apply to local_steps (groups "
-                                          "meet in lockstep; local_warmup_steps is Local SGD's warm-up)")
-        if c.local_warmup_steps < 0:
-            raise UnsupportedClusterError(f"cluster.local_warmup_steps: must be >= 0, got {c.local_warmup_steps}")
-        return Framework.LOCAL_SGD
-    if nprocs == 1:
-        if c.nserver_groups > 1:
-            raise UnsupportedClusterError(
-                "cluster: asynchronous groups in one process need nserver_groups: 1 (in-memory Hogwild or Downpour); "
-                "Distributed Hogwild runs one group per process"
-            )
-        # SINGA's docs call both in-memory Downpour; groups sharing one copy of the params update it lock-free: Hogwild
-        return Framework.IN_MEMORY_HOGWILD if c.share_memory else Framework.IN_MEMORY_DOWNPOUR
-    if c.nserver_groups > 1:
-        for p in placement.processes:  # every process holds one whole worker group and its whole server group
-            if len({m.group for m in p.workers + p.servers}) != 1 or len(p.workers) != c.nworkers_per_group or len(p.servers) != c.nservers_per_group:
-                raise UnsupportedClusterError(
-                    "cluster: with several server groups over processes, each process must hold one whole worker group and "
-                    f"its server group (Distributed Hogwild: nworkers_per_procs: {c.nworkers_per_group}, "
-                    f"nservers_per_procs: {c.nservers_per_group}, nserver_groups = nworker_groups, server_worker_separate: false)"
-                )
-        if c.max_staleness >= 0 or c.warmup_steps > 0 or c.max_update_lag >= 0:
-            raise UnsupportedClusterError("cluster: max_staleness, max_update_lag and warmup_steps apply to Downpour and in-memory "
-                                          "Hogwild, not to Distributed Hogwild")
-        return Framework.DISTRIBUTED_HOGWILD
-    if not c.server_worker_separate:
-        raise UnsupportedClusterError(
-            f"cluster: asynchronous groups over {nprocs} processes with servers in the workers' processes are not supported yet: "
-            "asynchronous groups over processes run as Downpour (nserver_groups: 1, server_worker_separate: true) "
-            f"or in one process (nworkers_per_procs: {c.nworker_groups * c.nworkers_per_group}); see `shoal plan`"
-        )
-    if any(len({w.group for w in p.workers}) > 1 for p in placement.processes):
-        raise UnsupportedClusterError("cluster: a process hosting workers of several groups is not supported over processes yet")
-    return Framework.DOWNPOUR
+    return recognise(Layout(job, placement, parts), strategies)
+
+
+def framework_of(job: job_pb2.JobProto, placement: Placement, parts: PartitionPlan, strategies: Optional[Registry] = None) -> Framework:
+    """The framework a placement runs as (its strategy's), or UnsupportedClusterError naming what does not fit."""
+    return strategy_of(job, placement, parts, strategies or default_registry()).framework
+
+
+def restarts_override(environ: Mapping[str, str], configured: int) -> int:
+    """SHOAL_MAX_RESTARTS where set (a count, else refused in one line), else the job's cluster.max_restarts."""
+    text = environ.get("SHOAL_MAX_RESTARTS")
+    if not text:
+        return configured
+    if not text.isdigit():
+        raise UnsupportedClusterError(f"SHOAL_MAX_RESTARTS={text!r}: expected 0 or more (overrides cluster.max_restarts)")
+    return int(text)
+
+
+def _parse_job(data: bytes) -> job_pb2.JobProto:
+    return job_pb2.JobProto.FromString(data)
 
 
 def _check_balanceable(plan: JobPlan) -> None:

@@ -44,12 +44,7 @@ class Recommendation:
 
 def interval(plan: JobPlan) -> tuple[int, str]:
     """Steps between two meetings of the processes, and what such a meeting is called."""
-    c = plan.job.cluster
-    if plan.framework == Framework.LOCAL_SGD and c.local_steps > 1:
-        return c.local_steps, f"{c.local_steps} local steps (a meeting)"
-    if plan.framework == Framework.DISTRIBUTED_HOGWILD and c.sync_freq > 1:
-        return c.sync_freq, f"{c.sync_freq} steps (a sync)"
-    return 1, "step"
+    return plan.strategy.round_steps(plan.job.cluster)
 
 
 def timeouts(plan: JobPlan, e: Estimate) -> list[Recommendation]:
@@ -151,7 +146,7 @@ def candidates(job: job_pb2.JobProto, calibrated: Callable[[list[Kernel]], Calib
 def bytes_per_sample(e: Estimate) -> float:
     """Bytes every process sends per sample trained (a Local SGD step trains every group's batch; Downpour's traffic
     is one group's step, as the estimate counts it)."""
-    samples = e.global_batch * (e.ngroups if e.framework == Framework.LOCAL_SGD.value else 1)
+    samples = e.global_batch * (e.ngroups if Framework(e.framework).strategy.meets else 1)
     return sum(p.sent for p in e.processes) / max(1, samples)
 
 
@@ -253,12 +248,9 @@ def _chosen_local(est) -> str:
     return f"local{h}"
 
 
-ASYNCHRONOUS = {Framework.DOWNPOUR.value, Framework.IN_MEMORY_DOWNPOUR.value, Framework.IN_MEMORY_HOGWILD.value}
-
-
 def _lag(est, framework: str, workers: int, job: Optional[Estimate], overlap_push: bool) -> Setting:
     """The least bound the groups allow (nworker_groups − 1, 2·nworker_groups − 1 with overlap_push) plus one, as measured."""
-    if job is not None and job.framework in ASYNCHRONOUS and job.ngroups > 1:
+    if job is not None and Framework(job.framework).strategy.bounds_update_lag and job.ngroups > 1:
         groups, e = job.ngroups, job
     elif framework == "downpour":
         groups, e = workers, est.get("downpour")

@@ -1,6 +1,7 @@
 """Batch shares: how many rows of a group's batch each of its workers reads (pure arithmetic on the job)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from shoal.config import job_pb2
@@ -44,3 +45,19 @@ def train_input_shares(job: job_pb2.JobProto) -> list[list[int]]:
 def global_batch(job: job_pb2.JobProto) -> int:
     """Samples per training step of a group: the train input layers' batch (one value, or the shares' sum)."""
     return max((sum(shares) for shares in train_input_shares(job)), default=0)
+
+
+@dataclass(frozen=True)
+class GroupShards:
+    """Where each worker group starts reading a training input: its draw of random_skip, then (without one, or
+    always where groups meet: Local SGD, whose groups must not train on overlapping windows) at evenly spaced
+    offsets, so that groups read disjoint shards of one epoch. Group 0 reads from its draw."""
+
+    ngroups: int = 1
+    always_disjoint: bool = False
+
+    def offset(self, group: int, skip: int, records: int) -> int:
+        """Records to skip past the group's drawn `skip` of a store of `records`."""
+        if group <= 0 or (skip and not self.always_disjoint):
+            return 0
+        return group * (records // max(self.ngroups, group + 1))

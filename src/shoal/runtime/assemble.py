@@ -5,8 +5,8 @@ process on another host and `shoal.fit`'s in-process run all come through
 `run_process`. Per process, in this order:
 
 1. `assemble`: the trainers of the worker groups this process hosts (or its
-   server), each with the exchange its framework uses (the one `match` on
-   the framework is `_attach_exchanges`), initial values, a restored or
+   server), each with the exchange its framework's strategy builds
+   (`plan.strategy`, shoal/strategies/), initial values, a restored or
    loaded checkpoint, and the hooks it calls (debug norms, heartbeats,
    injected faults);
 2. start lines (SINGA's "Worker (group = G, id = W) start on ..."), and on the
@@ -28,22 +28,13 @@ from shoal.comm import collectives
 from shoal.comm import dist as comm
 from shoal.comm import heartbeat
 from shoal.neuralnet.params import ParamStore
-from shoal.neuralnet.updaters import make_updater
-from shoal.planning.placement import ServerId
-from shoal.planning.plan import Framework, JobPlan
+from shoal.planning.plan import JobPlan
 from shoal.report.metrics import MetricsLog
 from shoal.report.run_log import end_status, failure_reason, open_run_log
 from shoal.report.writes import as_write_error
 from shoal.neuralnet import checkpoint as ckpt_io
-from shoal.runtime import debug_norms, rejoined, visualization
-from shoal.runtime.exchanges.compression import codec_for, compresses
-from shoal.runtime.exchanges.downpour import DownpourExchange, DownpourServer
-from shoal.runtime.exchanges.groups import GroupBoard, GroupExchange, run_groups
-from shoal.runtime.exchanges.hogwild import HogwildExchange
-from shoal.runtime.exchanges.local import LocalExchange
-from shoal.runtime.exchanges.periodic import InMemoryMeeting, PeriodicExchange, ProcessMeeting
-from shoal.runtime.exchanges.server import Server
-from shoal.runtime.exchanges.sliced import SlicedExchange
+from shoal.runtime import debug_norms, visualization
+from shoal.runtime.exchanges.groups import GroupBoard, run_groups
 from shoal.runtime.interfaces import FaultInjection, TrainerHook
 from shoal.runtime.replicas import device_label, torch_device, usable_device_names
 from shoal.runtime.trainer import History, Trainer
@@ -81,8 +72,10 @@ class ProcessRun:
     rank: int
     trainers: list[Trainer]
     board: Optional[GroupBoard] = None  # asynchronous groups of this process (in-memory Hogwild/Downpour)
-    server: Optional[DownpourServer] = None  # a Downpour server process (no workers)
+    server: Optional[object] = None  # a process of servers only that serve until every group stops (Downpour's)
     rejoining: bool = False  # not a member of the job's world process group (shoal.launcher.rejoin)
+    faults: FaultInjection = field(default_factory=FaultInjection)  # what a test injects (shoal.launcher.faults)
+    process_groups: dict = field(default_factory=dict)  # the plan's, by name: what the exchanges' collectives run over
 
     @property
     def chief(self) -> Optional[Trainer]:
@@ -98,11 +91,7 @@ class ProcessRun:
 
     def staleness_histogram(self) -> Optional[dict]:
         """Asynchronous groups: how many updates landed at each lag (the chief's, after the run)."""
-        if self.board is not None:
-            return self.board.histogram()
-        if self.chief is not None and isinstance(self.chief.exchange, DownpourExchange):
-            return self.chief.exchange.lag_histogram
-        return None
+        return self.plan.strategy.staleness_histogram(self)
 
 
 class Heartbeat(TrainerHook):
@@ -126,23 +115,26 @@ def assemble(plan: JobPlan, rank: int, spec: RunSpec) -> ProcessRun:
     # the params live with the process's first worker (the root of its device tree); the exchanges' collectives
     # move them there (shoal.comm.collectives). Request/response protocols (Downpour's stubs and servers, Distributed
     # Hogwild's syncs) keep them in host memory, which gloo's point-to-point moves
-    on_host = distributed and plan.framework in (Framework.DOWNPOUR, Framework.DISTRIBUTED_HOGWILD)
+    on_host = distributed and plan.strategy.params_on_host
     home = torch_device(devices[0]) if devices and not on_host else torch.device("cpu")
     chief_rank = rank == 0
     groups = sorted({w.group for w in hosted.workers})
     trainers: list[Trainer] = []
     for group in groups or [0]:  # a server process builds a trainer too: it holds the params it serves
         mine = [(w.id, d) for w, d in zip(hosted.workers, devices) if w.group == group]
-        # in-memory Hogwild shares one store (share_memory); Downpour copies and Local SGD groups each have their own
-        shared = trainers[0].store if trainers and job.cluster.share_memory and plan.framework is not Framework.LOCAL_SGD else None
+        # in-memory Hogwild's groups share one store; Downpour copies and Local SGD groups each have their own
+        shared = trainers[0].store if trainers and plan.strategy.shares_one_store() else None
         trainers.append(Trainer(
             plan, spec.workspace, spec.base_dirs, home if shared is not None or not trainers else torch_device(mine[0][1]),
             log=spec.log, progress=spec.progress if chief_rank and not trainers else False,
             worker_indices=[i for i, _ in mine], chief=chief_rank and not trainers, store=shared, group=group,
             worker_devices=[d for _, d in mine], rank=rank,
         ))
-    run = ProcessRun(plan, rank, trainers, rejoining=spec.rejoin is not None)
-    _attach_exchanges(run, spec.faults)
+    run = ProcessRun(plan, rank, trainers, rejoining=spec.rejoin is not None, faults=spec.faults)
+    # the plan's process groups, made on every rank in its order (a rejoined process is in none)
+    if distributed and not run.rejoining:
+        run.process_groups = collectives.create(plan.process_groups)
+    plan.strategy.attach_exchanges(run)
     _set_values(run, spec)
     if distributed:
         for trainer in trainers:
@@ -164,73 +156,6 @@ def _inject_faults(run: ProcessRun, faults: FaultInjection) -> None:
                 member.slow_down(faults.compute_delay(member.index, trainer.group))
 
 
-def _attach_exchanges(run: ProcessRun, faults: FaultInjection) -> None:
-    """Each trainer's path from gradients to params, as the plan's framework says."""
-    plan, rank = run.plan, run.rank
-    job, trainers = plan.job, run.trainers
-    updater = lambda: make_updater(plan.updater)  # noqa: E731 - every server its own updater (and slots)
-    # cluster.compression over processes: a fresh codec per sender (top-k keeps its residual); in memory none
-    codecs = (lambda feedback=True: codec_for(job.cluster, feedback)) if compresses(job.cluster) and not plan.in_one_process else None
-    # the plan's process groups, made on every rank in its order (a rejoined process is in none)
-    process_groups = collectives.create(plan.process_groups) if not plan.in_one_process and not run.rejoining else {}
-    match plan.framework:
-        case Framework.SINGLE_WORKER | Framework.ALLREDUCE | Framework.SANDBLASTER if plan.in_one_process:
-            trainers[0].attach_exchange(LocalExchange(Server(trainers[0].store, updater())))
-        case Framework.ALLREDUCE | Framework.SANDBLASTER:
-            t = trainers[0]
-            t.attach_exchange(SlicedExchange(t.store, updater(), plan.placement, rank, plan.global_batch, t.workers,
-                                             codecs=codecs, groups=process_groups))
-        case Framework.IN_MEMORY_HOGWILD | Framework.IN_MEMORY_DOWNPOUR:
-            # Hogwild: every group computes on the server's values; Downpour: each on its own copy
-            chief = trainers[0]
-            server = Server(chief.store if job.cluster.share_memory else chief.store.copy(), updater())
-            run.board = GroupBoard(job.cluster.nworker_groups, job.cluster.max_staleness, job.cluster.warmup_steps,
-                                   job.cluster.max_update_lag)
-            for t in trainers:
-                t.attach_exchange(GroupExchange(server, run.board, t.group, None if job.cluster.share_memory else t.store))
-        case Framework.DISTRIBUTED_HOGWILD:
-            t = trainers[0]
-            t.attach_exchange(HogwildExchange(t.store, Server(t.store, updater()), plan.placement, rank, t.group,
-                                              job.cluster.sync_freq, log=print, codecs=codecs))
-        case Framework.DOWNPOUR:
-            _attach_downpour(run, updater, faults.server_update_hook(rank))
-        case Framework.LOCAL_SGD:
-            groups = job.cluster.nworker_groups
-            meeting = (InMemoryMeeting(groups, comm.timeout_seconds()) if plan.in_one_process
-                       else ProcessMeeting(groups, codecs and codecs(), process_groups["meeting"]))
-            if plan.in_one_process:
-                run.board = GroupBoard(groups, -1, 0)
-            for t in trainers:
-                t.attach_exchange(PeriodicExchange(t.store, updater(), make_updater(plan.outer_updater), job.cluster.local_steps,
-                                                   meeting, t.group, plan.global_batch, job.cluster.local_warmup_steps))
-
-
-def _attach_downpour(run: ProcessRun, updater, after_server_update: Optional[Callable[[int], None]]) -> None:
-    """A Downpour process is a server or a group's worker(s). Every process creates every group's process
-    group (torch.distributed requires it), in group order, whether or not it belongs to it."""
-    plan, rank, trainer = run.plan, run.rank, run.trainers[0]
-    c = plan.cluster
-    group_ranks = {g: plan.ranks_of_group(g) for g in range(c.nworker_groups)}
-    # a rejoined process is in no process group (it hosts a whole group: shoal.launcher.rejoin.why_not)
-    group_comms = {} if run.rejoining else {g: comm.new_group(ranks) if len(ranks) > 1 else None for g, ranks in group_ranks.items()}
-    hosted = plan.process(rank)
-    if hosted.servers:
-        run.server = DownpourServer(trainer.store, updater(), plan.placement, hosted.servers[0],
-                                    {g: ranks[0] for g, ranks in group_ranks.items()}, log=print,
-                                    max_staleness=c.max_staleness, warmup_steps=c.warmup_steps,
-                                    after_update=after_server_update, max_update_lag=c.max_update_lag)
-        return
-    servers = {ServerId(0, i): plan.placement.process_of(ServerId(0, i)) for i in range(c.nservers_per_group)}
-    group = hosted.workers[0].group
-    trainer.attach_exchange(DownpourExchange(trainer.store, updater(), plan.placement, rank, group,
-                                             group_ranks[group], group_comms.get(group), servers, plan.global_batch))
-
-
-def resumed_version(step: int, plan: JobPlan) -> int:
-    """The server version a Downpour run resumes at: every group had done about `step` updates."""
-    return step * plan.cluster.nworker_groups
-
-
 def _set_values(run: ProcessRun, spec: RunSpec) -> None:
     """Initial values, then a resumed checkpoint (everything) or the job's checkpoint_path (params by name)."""
     plan, job = run.plan, run.plan.job
@@ -240,39 +165,15 @@ def _set_values(run: ProcessRun, spec: RunSpec) -> None:
             spec.initial_values(trainer.store)
     if run.server is not None:
         if spec.resume_from:
-            ckpt = ckpt_io.load(spec.resume_from, parts=True)
-            run.server.restore(ckpt.params, ckpt.updater_state, ckpt.step, resumed_version(ckpt.step, plan))
+            plan.strategy.restore_server(run, ckpt_io.load(spec.resume_from, parts=True))
         return
     resumed = ckpt_io.load(spec.resume_from, parts=True) if spec.resume_from is not None else None  # the chief's file and every part
     for trainer in run.trainers:
         if resumed is not None:
             trainer.restore(spec.resume_from, resumed)
-        elif job.checkpoint_path and (trainer is chief or not plan.in_one_process) and not _joins_from_servers(trainer):
+        elif job.checkpoint_path and (trainer is chief or not plan.in_one_process) and plan.strategy.loads_checkpoint_path(trainer):
             trainer.load_params([ckpt_io.resolve_path(p, spec.base_dirs) for p in job.checkpoint_path])
-    exchange = chief.exchange
-    if isinstance(exchange, DownpourExchange):
-        if spec.resume_from is not None:
-            exchange.resume_at(chief.start_step, resumed_version(chief.start_step, plan))
-        if chief.group != 0:  # groups join where group 0's warm-up ends, and finish at train_steps like it
-            chief.start_at(max(chief.start_step, job.cluster.warmup_steps))
-            exchange.start_at(chief.start_step)
-        if spec.rejoin is not None:  # from the servers' live values, at the step the group had reached
-            rejoined.complete(run, spec)
-    if plan.framework is Framework.LOCAL_SGD:
-        for trainer in run.trainers:  # every group starts from the chief's values; a resumed round from its anchor
-            trainer.exchange.start_from(chief.store, resumed=spec.resume_from is not None, step=chief.start_step)
-    elif run.board is not None:
-        for trainer in run.trainers:
-            trainer.exchange.start_from(chief.store)
-    if run.board is not None:
-        run.board.start_at([t.start_step for t in run.trainers])
-        for trainer in run.trainers:
-            trainer.start_at(run.board.first_step(trainer.group))
-
-
-def _joins_from_servers(trainer: Trainer) -> bool:
-    """A Downpour group other than 0 takes its first values from the servers, not from checkpoint_path."""
-    return isinstance(trainer.exchange, DownpourExchange) and trainer.group != 0
+    plan.strategy.after_values(run, spec)
 
 
 def start_lines(run: ProcessRun) -> list[str]:

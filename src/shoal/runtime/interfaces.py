@@ -4,8 +4,8 @@ A Trainer runs SINGA's loop for one worker group. Each step it asks its
 GroupMembers (a Worker, or a PartitionedGroup presenting several workers as
 one) for gradients, and hands them to its Exchange, which turns them into
 updated params: in memory, through servers in other processes, or
-asynchronously. A new framework is a new Exchange (shoal.runtime.exchanges),
-chosen in shoal.runtime.assemble; the trainer does not change.
+asynchronously. A new framework is a new strategy (shoal.strategies) building
+its Exchange (shoal.runtime.exchanges); the trainer does not change.
 """
 from __future__ import annotations
 

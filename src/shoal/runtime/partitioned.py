@@ -38,6 +38,7 @@ from shoal.config import job_pb2
 from shoal.neuralnet.layers.base import Context
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.partition import BATCH, ParamView, PartitionPlan, PartNode
+from shoal.planning.shares import GroupShards
 from shoal.neuralnet.layers.connection import split_sizes
 from shoal.runtime.feed import InputFeed, batch_conf, batch_shares, make_feeds
 
@@ -298,9 +299,11 @@ class PartitionedGroup:
     index = 0
 
     def __init__(self, job: job_pb2.JobProto, plan: PartitionPlan, store: ParamStore, base_dirs: list[Path],
-                 devices: list[torch.device], group: int = 0, hosted: Optional[list[int]] = None, ranks: Optional[dict[int, int]] = None):
-        """`hosted`: the workers of the group this process runs (all by default); `ranks`: the process of each worker."""
-        self.job, self.plan, self.store, self.group = job, plan, store, group
+                 devices: list[torch.device], group: int = 0, hosted: Optional[list[int]] = None, ranks: Optional[dict[int, int]] = None,
+                 shards: GroupShards = GroupShards()):
+        """`hosted`: the workers of the group this process runs (all by default); `ranks`: the process of each worker;
+        `shards`: where each group starts reading (the JobPlan's)."""
+        self.job, self.plan, self.store, self.group, self.shards = job, plan, store, group, shards
         hosted = list(range(plan.nworkers)) if hosted is None else sorted(hosted)
         self.device = devices[0]
         self.abort = threading.Event()
@@ -377,9 +380,8 @@ class PartitionedGroup:
             rng = np.random.default_rng(job.seed if self.group == 0 else [job.seed, self.group])
             part, parts = (node.part, self.plan.nworkers) if node.partitioning == BATCH else (0, 1)
             made = make_feeds(view, base_dirs, part, parts, rng, device)
-            for feed in made.values():
-                if self.group > 0 and (feed.skip == 0 or job.cluster.local_steps > 0):  # disjoint shards, as Worker
-                    feed.skip += self.group * (len(feed.dataset) // max(job.cluster.nworker_groups, self.group + 1))
+            for feed in made.values() if self.group > 0 else ():  # disjoint shards, as Worker
+                feed.skip += self.shards.offset(self.group, feed.skip, len(feed.dataset))
             feeds.update(made)
         return feeds
 

@@ -12,8 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-from shoal.runtime.exchanges.downpour import DownpourExchange
-
 RECORDS_FILE = "rejoins.jsonl"
 
 
@@ -33,17 +31,15 @@ _imported_at = time.time()
 def complete(run, spec) -> None:
     """Pull the live params, the version and the group's steps from the servers; train from there on."""
     trainer, ticket = run.chief, spec.rejoin
-    exchange = trainer.exchange
-    assert isinstance(exchange, DownpourExchange)
     knocked_at = time.time()  # the process is built (imports, plan, net, data): the handshake and the pull from here
-    step, version = exchange.rejoin(ticket.incarnation)
+    step, version, digests = run.plan.strategy.complete_rejoin(run, ticket.incarnation)
     rejoined_at = time.time()
     trainer.start_at(step)
     started_at = process_started_at()
     record = {"group": trainer.group, "rank": run.rank, "incarnation": ticket.incarnation, "step": step, "version": version,
               "process_start_to_rejoin_s": round(rejoined_at - started_at, 3), "handshake_and_pull_s": round(rejoined_at - knocked_at, 3),
               "time": rejoined_at,
-              "by_hand": ticket.detected_at is None, "digests": exchange.digests}
+              "by_hand": ticket.detected_at is None, "digests": digests}
     if ticket.detected_at is not None:
         record["detection_to_rejoin_s"] = round(rejoined_at - ticket.detected_at, 3)
     since_death = f"; {record['detection_to_rejoin_s']:.2f} s after its death was seen" if ticket.detected_at is not None else ""

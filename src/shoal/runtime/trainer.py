@@ -35,7 +35,7 @@ from shoal.neuralnet.layers.base import Context
 from shoal.report.metrics import MetricsLog, MetricWindow, display_line
 from shoal.neuralnet.net import NeuralNet
 from shoal.neuralnet.params import ParamStore
-from shoal.planning.plan import Framework, JobPlan
+from shoal.planning.plan import JobPlan
 from shoal.runtime.feed import InputFeed, make_feeds
 from shoal.runtime.interfaces import Exchange, GroupMember, TrainerHook
 from shoal.runtime.partitioned import PartitionedGroup
@@ -98,11 +98,11 @@ def checkpoint_parts(plan: JobPlan) -> dict[tuple[int, int], bool]:
     parts = {}
     for rank in range(plan.nprocs):
         hosted = plan.process(rank)
-        if hosted.servers and not hosted.workers and plan.framework is Framework.DOWNPOUR:
+        if hosted.servers and not hosted.workers and not plan.strategy.servers_hold_trainers:
             continue
         for group in sorted({w.group for w in hosted.workers}) or [0]:
             if (group, rank) != (0, 0):
-                parts[(group, rank)] = plan.framework.synchronous or plan.framework is Framework.LOCAL_SGD
+                parts[(group, rank)] = plan.strategy.synchronous or plan.strategy.meets
     return parts
 
 
@@ -143,7 +143,7 @@ class Trainer:
         init_gen = torch.Generator().manual_seed(job.seed)
         self.store = store if store is not None else ParamStore()
         self.group = group
-        npartitions = job.cluster.nworkers_per_group
+        npartitions = plan.partition.nworkers
         partitioned = plan.partition.partitioned  # a layer cut on features or placed (even on one worker)
         if worker_indices is None:
             worker_indices = list(range(npartitions)) if train else []
@@ -163,7 +163,8 @@ class Trainer:
             part_devices = [torch_device(on.get(k, str(device))) for k in range(npartitions)]
             # a group's own copy of the plan's nodes: hooks (debug norms) wrap their layers
             nodes = copy.deepcopy(plan.partition)
-            self.workers = [PartitionedGroup(job, nodes, self.store, base_dirs, part_devices, group, worker_indices, plan.group_ranks(group))]
+            self.workers = [PartitionedGroup(job, nodes, self.store, base_dirs, part_devices, group, worker_indices, plan.group_ranks(group),
+                                             shards=plan.group_shards)]
         else:
             self.workers = []
             for i, d in zip(worker_indices, worker_devices):
@@ -171,9 +172,9 @@ class Trainer:
                 net = first_net if worker_store is self.store and first_net is not None else None
                 first_net = None if net is not None else first_net
                 self.workers.append(Worker(job, worker_store, base_dirs, torch_device(d), i, npartitions, init_gen, group,
-                                           device_name=d, net=net))
+                                           device_name=d, net=net, shards=plan.group_shards))
         self.global_batch = plan.global_batch
-        self.balancer = self._balancer(job, partitioned)
+        self.balancer = self._balancer(plan.balance_freq, partitioned)
         # test and validation run on worker 0 of group 0, on the whole (unpartitioned) net, as SINGA's
         self.nets: dict[int, NeuralNet] = {}
         for phase, steps in ((job_pb2.kTest, job.test_steps), (job_pb2.kVal, job.validate_steps if train else 0)):
@@ -197,11 +198,11 @@ class Trainer:
         self.resumed = False
         self.elapsed_before = 0.0
 
-    def _balancer(self, job: job_pb2.JobProto, partitioned: bool) -> Optional[ShareBalancer]:
-        """auto_batch_shares: a balancer over this group's workers (all in this process, cut on the batch)."""
-        if not job.cluster.auto_batch_shares or len(self.workers) < 2 or partitioned:
+    def _balancer(self, every: int, partitioned: bool) -> Optional[ShareBalancer]:
+        """auto_batch_shares (`every` steps; 0: never): a balancer over this group's workers (all in this process, cut on the batch)."""
+        if not every or len(self.workers) < 2 or partitioned:
             return None
-        return ShareBalancer([w.share for w in self.workers], max(1, job.cluster.auto_batch_freq))
+        return ShareBalancer([w.share for w in self.workers], every)
 
     @property
     def shares(self) -> list[int]:

@@ -21,6 +21,7 @@ from shoal.config import job_pb2
 from shoal.neuralnet.layers.base import Context
 from shoal.neuralnet.net import NeuralNet
 from shoal.neuralnet.params import ParamStore
+from shoal.planning.shares import GroupShards
 from shoal.runtime.feed import InputFeed, make_feeds
 from shoal.runtime.interfaces import ComputeDelay
 
@@ -38,6 +39,7 @@ class Worker:
         group: int = 0,
         device_name: Optional[str] = None,
         net: Optional[NeuralNet] = None,
+        shards: GroupShards = GroupShards(),
     ):
         """`device_name`: shoal's name of the device ("cpu:1" is torch's CPU with a replica of its own)."""
         self.job, self.index, self.group, self.device = job, index, group, device
@@ -47,13 +49,9 @@ class Worker:
         # groups draw their own, so asynchronous groups read different data
         rng = np.random.default_rng(job.seed if group == 0 else [job.seed, group])
         self.feeds: dict[str, InputFeed] = make_feeds(self.net, base_dirs, index, npartitions, rng, device)
-        if group > 0:
-            ngroups = max(job.cluster.nworker_groups, group + 1)
+        if group > 0:  # the plan's rule: groups read disjoint shards (planning/shares.py); group 0 from its draw
             for feed in self.feeds.values():
-                # without random_skip, groups start at evenly spaced offsets: disjoint shards of one epoch.
-                # Local SGD's groups always do (after their draw): overlapping windows would train them on the same records
-                if feed.skip == 0 or job.cluster.local_steps > 0:
-                    feed.skip += group * (len(feed.dataset) // ngroups)
+                feed.skip += shards.offset(group, feed.skip, len(feed.dataset))
         # one seed for the whole group: per-sample draws are made for the whole batch and sliced
         # (Context.rows), so a group draws, row for row, what one worker would; groups differ.
         # Draws are made on the CPU whatever the device: a mixed CPU+GPU group draws what one device would

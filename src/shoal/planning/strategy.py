@@ -1,0 +1,203 @@
+"""What every framework strategy answers, and how the one that runs a layout is found. Pure.
+
+A framework (SINGA's names for cluster layouts: AllReduce, Downpour, Local SGD, ...) is one
+`Strategy` object, defined in one module of `shoal.strategies` and listed in
+`shoal.strategies.registry.REGISTRY`. The planning side of a strategy (this base class) is pure:
+recognising its layout, its refusals and notes for `shoal plan`, its labels and its cost-model
+terms. Its runtime side (building its exchanges in the assembly, what it restores, whether its
+groups rejoin) is implemented in the same module; planning only declares it.
+
+planning/ never imports the strategies (they import runtime/, which imports planning/): every
+planning function that needs them takes the registry as an argument. `default_registry()` is the
+one plugin point that names the installed registry's module, loaded on first use.
+"""
+from __future__ import annotations
+
+import enum
+import importlib
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+from shoal.config import job_pb2
+from shoal.errors import ShoalError
+
+if TYPE_CHECKING:  # (JobPlan, in the annotations below, is planning/plan.py's, which imports this module)
+    from shoal.planning.partition import PartitionPlan
+    from shoal.planning.placement import Placement
+
+
+class UnsupportedClusterError(ShoalError, ValueError):
+    """A cluster layout this build of the runtime cannot run yet (said in one line)."""
+
+
+class Framework(enum.Enum):
+    """The names users see in `shoal plan` (the value is the display name); what each does is its Strategy's."""
+
+    SINGLE_WORKER = "single worker"
+    ALLREDUCE = "AllReduce"
+    SANDBLASTER = "Sandblaster"
+    IN_MEMORY_HOGWILD = "in-memory Hogwild"
+    IN_MEMORY_DOWNPOUR = "in-memory Downpour"
+    DOWNPOUR = "Downpour"
+    DISTRIBUTED_HOGWILD = "Distributed Hogwild"
+    LOCAL_SGD = "Local SGD"
+
+    @property
+    def strategy(self) -> "Strategy":
+        return default_registry()[self]
+
+    @property
+    def synchronous(self) -> bool:
+        return self.strategy.synchronous
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What recognising a framework looks at: the job, where its members are placed, how a group's net is cut."""
+
+    job: job_pb2.JobProto
+    placement: "Placement"
+    parts: "PartitionPlan"
+
+    @property
+    def cluster(self) -> job_pb2.ClusterProto:
+        return self.job.cluster
+
+    @property
+    def nprocs(self) -> int:
+        return len(self.placement.processes)
+
+    @property
+    def asynchronous_groups(self) -> bool:
+        """Several worker groups that do not meet in lockstep (no cluster.local_steps)."""
+        return self.cluster.nworker_groups > 1 and self.cluster.local_steps <= 0
+
+
+@dataclass
+class Phases:
+    """A strategy's terms of one group step in the cost model (planning/estimate.py), in seconds."""
+
+    reduce: float = 0.0
+    update: float = 0.0
+    exchange: Optional[float] = None  # None: the model's time for the strategy's traffic
+    staleness: str = ""
+    bounds: Optional[dict[str, float]] = None  # samples/s caps of what the groups share
+
+
+class Strategy:
+    """One framework: everything specific to it. Subclasses live in shoal/strategies/, one module each."""
+
+    framework: Framework
+    synchronous = False  # every step applies every worker's gradient on fresh params (bit-exact with one worker)
+    compressed: Optional[str] = None  # what cluster.compression encodes over processes (None: nothing moves)
+    compensates_async_momentum = False  # outstanding updates add momentum: the servers' is lowered (plan.server_updater)
+    meets = False  # groups meet every cluster.local_steps (Local SGD): outer updater, disjoint shards, complete parts
+    overlaps_push = False  # cluster.overlap_push applies (a group computes its next step while its push is out)
+    rejoins = False  # a dead worker group's process may be restarted into the running job (launcher/rejoin.py)
+    takes_torch_optimizer = True  # shoal.fit's optimizer= can run as its updater
+    servers_hold_trainers = True  # a process of servers only builds a trainer (False: the server restores itself)
+    bounds_update_lag = False  # cluster.max_update_lag applies: updates land late, by how many is bounded
+    params_on_host = False  # over processes the params stay in host memory: request/response over gloo's point-to-point
+
+    # -- planning (pure) ------------------------------------------------------------------------------
+    def recognises(self, layout: Layout) -> bool:
+        """Whether `layout` is this framework's (exactly one strategy of a registry says yes)."""
+        raise NotImplementedError
+
+    def refuse(self, layout: Layout) -> None:
+        """Raise UnsupportedClusterError (one line) for what this framework cannot run of a layout it recognises."""
+
+    def label(self, plan: "JobPlan") -> str:
+        """The framework as users name this plan's layout."""
+        return self.framework.value
+
+    def notes(self, plan: "JobPlan") -> list[str]:
+        """What `shoal plan` says of this framework's run (besides the common notes)."""
+        return []
+
+    def process_groups(self, placement: "Placement", devices, nnodes: int) -> tuple:
+        """The named process groups its exchanges' collectives run over, for a layout of several processes
+        (planning/process_groups.py: created on every rank in this order); none by default."""
+        return ()
+
+    def round_steps(self, cluster: job_pb2.ClusterProto) -> tuple[int, str]:
+        """Steps between two meetings of the processes, and what such a meeting is called."""
+        return 1, "step"
+
+    # cost model (planning/estimate.py's _Model is `model`)
+    def served_elements(self, model: Any, rank: int, served: int) -> int:
+        """Elements the updater of process `rank` updates (`served`: those of the slices its servers own)."""
+        return model.elements if model.plan.in_one_process else served
+
+    def extra_param_bytes(self, model: Any) -> int:
+        """Param bytes a process holds besides its workers' (copies of its own)."""
+        return 0
+
+    def traffic(self, model: Any, move) -> None:
+        """Call move(src_rank, dst_rank, bytes) for every message of one group step (none in memory)."""
+
+    def phases(self, model: Any, compute: float, links: dict) -> Phases:
+        """The reduce, update (and exchange, bounds, staleness) terms of one group step."""
+        return Phases(update=model.update_s(model.elements, model.plan.threads_per_worker))
+
+    # -- runtime (implemented next to the planning side, in shoal/strategies/<framework>.py) -------------
+    def attach_exchanges(self, run: Any) -> None:
+        """Give each trainer of `run` (runtime.assemble.ProcessRun) its exchange (or make the process a server)."""
+        raise NotImplementedError
+
+    def shares_one_store(self) -> bool:
+        """Whether the groups of one process compute on one copy of the params."""
+        return False
+
+    def loads_checkpoint_path(self, trainer: Any) -> bool:
+        """Whether `trainer` takes job.checkpoint_path's values (False: it gets them otherwise, e.g. from the servers)."""
+        return True
+
+    def restore_server(self, run: Any, resumed: Any) -> None:
+        """A server process (run.server) restores its part of checkpoint `resumed`."""
+
+    def after_values(self, run: Any, spec: Any) -> None:
+        """After initial values and a restored checkpoint: where each trainer starts, from what."""
+
+    def staleness_histogram(self, run: Any) -> Optional[dict]:
+        """How many updates landed at each lag (asynchronous frameworks; the chief's process, after the run)."""
+        return None
+
+    def complete_rejoin(self, run: Any, incarnation: int) -> tuple[int, int, Any]:
+        """A restarted process takes its group's live state: (step, version, digests). Only where `rejoins`."""
+        raise NotImplementedError
+
+
+Registry = Mapping[Framework, Strategy]
+
+REGISTRY_MODULE = "shoal.strategies.registry"  # the installed registry: its REGISTRY
+_loaded: Optional[Registry] = None
+
+
+def default_registry() -> Registry:
+    """The installed strategies (shoal.strategies.registry.REGISTRY), loaded once."""
+    global _loaded
+    if _loaded is None:
+        _loaded = importlib.import_module(REGISTRY_MODULE).REGISTRY
+    return _loaded
+
+
+def make_registry(*strategies: Strategy) -> Registry:
+    """A read-only registry, in the order given (one strategy per framework)."""
+    table = {s.framework: s for s in strategies}
+    if len(table) != len(strategies):
+        raise ValueError("make_registry: two strategies for one framework")
+    return MappingProxyType(table)
+
+
+def recognise(layout: Layout, registry: Registry) -> Strategy:
+    """The one strategy of `registry` whose layout this is, after its refusals."""
+    claims = [s for s in registry.values() if s.recognises(layout)]
+    if len(claims) != 1:  # a registry bug, not a user's: every layout is someone's, and one's only
+        raise AssertionError(f"layout recognised by {[s.framework.value for s in claims]}: exactly one strategy must")
+    claims[0].refuse(layout)
+    return claims[0]

@@ -1,0 +1,67 @@
+"""Distributed Hogwild: asynchronous groups over processes, each with a server group of its own in its process;
+the replicas sync their master slices every cluster.sync_freq steps (runtime/exchanges/hogwild.py)."""
+from __future__ import annotations
+
+from shoal.neuralnet.updaters import make_updater
+from shoal.planning.placement import ServerId
+from shoal.planning.strategy import Framework, Layout, Phases, Strategy, UnsupportedClusterError
+from shoal.runtime.exchanges.compression import codec_for, compresses
+from shoal.runtime.exchanges.hogwild import HogwildExchange
+from shoal.runtime.exchanges.server import Server
+
+
+class DistributedHogwild(Strategy):
+    framework = Framework.DISTRIBUTED_HOGWILD
+    params_on_host = True  # request/response over gloo's point-to-point
+    compressed = "syncs (deltas to the masters, and their answers)"
+    compensates_async_momentum = True
+    takes_torch_optimizer = False  # its replicas' syncs apply SINGA updaters (shoal.fit refuses optimizer=)
+
+    def recognises(self, layout: Layout) -> bool:
+        return layout.asynchronous_groups and layout.nprocs > 1 and layout.cluster.nserver_groups > 1
+
+    def refuse(self, layout: Layout) -> None:
+        c = layout.cluster
+        for p in layout.placement.processes:  # every process holds one whole worker group and its whole server group
+            if len({m.group for m in p.workers + p.servers}) != 1 or len(p.workers) != c.nworkers_per_group or len(p.servers) != c.nservers_per_group:
+                raise UnsupportedClusterError(
+                    "cluster: with several server groups over processes, each process must hold one whole worker group and "
+                    f"its server group (Distributed Hogwild: nworkers_per_procs: {c.nworkers_per_group}, "
+                    f"nservers_per_procs: {c.nservers_per_group}, nserver_groups = nworker_groups, server_worker_separate: false)"
+                )
+        if c.max_staleness >= 0 or c.warmup_steps > 0 or c.max_update_lag >= 0:
+            raise UnsupportedClusterError("cluster: max_staleness, max_update_lag and warmup_steps apply to Downpour and in-memory "
+                                          "Hogwild, not to Distributed Hogwild")
+
+    def round_steps(self, cluster) -> tuple[int, str]:
+        return (cluster.sync_freq, f"{cluster.sync_freq} steps (a sync)") if cluster.sync_freq > 1 else (1, "step")
+
+    # -- cost model ---------------------------------------------------------------------------------
+    def traffic(self, model, move) -> None:
+        plan, c = model.plan, model.plan.cluster
+        freq, slices = max(1, c.sync_freq), model.trainable_slices()
+        rank_of = {g: plan.placement.process_of(ServerId(g, 0)) for g in range(c.nserver_groups)}
+        for master in range(1, c.nserver_groups):  # group 0 syncs with every other group's masters
+            size = sum(s.size for s in slices if plan.placement.master_group_of_slice(s.index) == master)
+            move(rank_of[0], rank_of[master], (model.encoded(size) + 8) / freq)  # Δ
+            move(rank_of[master], rank_of[0], model.encoded(size) / freq)  # fresh values (compressed: their change)
+        # ... and serves its own slices to each of them, as often
+        own = sum(s.size for s in slices if plan.placement.master_group_of_slice(s.index) == 0)
+        for g in range(1, c.nserver_groups):
+            move(rank_of[g], rank_of[0], (model.encoded(own) + 8) / freq)
+            move(rank_of[0], rank_of[g], model.encoded(own) / freq)
+
+    def phases(self, model, compute: float, links: dict) -> Phases:
+        update = model.update_s(model.elements, model.plan.threads_per_worker, model.workers_on_host(0))
+        return Phases(update=update, staleness=f"replicas drift for up to sync_freq = {max(1, model.plan.cluster.sync_freq)} "
+                                               "local updates between syncs")
+
+    # -- runtime ------------------------------------------------------------------------------------
+    def attach_exchanges(self, run) -> None:
+        plan, t = run.plan, run.trainers[0]
+        codecs = (lambda feedback=True: codec_for(plan.cluster, feedback)) if compresses(plan.cluster) else None
+        t.attach_exchange(HogwildExchange(t.store, Server(t.store, make_updater(plan.updater)), plan.placement, run.rank, t.group,
+                                          plan.cluster.sync_freq, log=print, codecs=codecs))
+
+
+STRATEGY = DistributedHogwild()

@@ -1,0 +1,129 @@
+"""Downpour over processes: asynchronous worker groups push gradients to one server group (in processes of its
+own) and pull fresh values (runtime/exchanges/downpour.py). The servers hold the live params, so a dead group's
+process can be restarted into the running job and rejoin from them (launcher/rejoin.py); a server process runs no
+trainer and restores its slices itself."""
+from __future__ import annotations
+
+from typing import Optional
+
+from shoal.comm import dist as comm
+from shoal.neuralnet.updaters import make_updater
+from shoal.planning.costs import FLOAT
+from shoal.planning.placement import ServerId
+from shoal.planning.strategy import Framework, Layout, Phases, Strategy, UnsupportedClusterError
+from shoal.runtime import rejoined
+from shoal.runtime.exchanges.downpour import DownpourExchange, DownpourServer
+
+
+class Downpour(Strategy):
+    framework = Framework.DOWNPOUR
+    params_on_host = True  # request/response over gloo's point-to-point
+    bounds_update_lag = True
+    compressed = "pushes"
+    compensates_async_momentum = True
+    overlaps_push = True
+    rejoins = True
+    servers_hold_trainers = False
+
+    def recognises(self, layout: Layout) -> bool:
+        return layout.asynchronous_groups and layout.nprocs > 1 and layout.cluster.nserver_groups <= 1
+
+    def refuse(self, layout: Layout) -> None:
+        c, nprocs = layout.cluster, layout.nprocs
+        if not c.server_worker_separate:
+            raise UnsupportedClusterError(
+                f"cluster: asynchronous groups over {nprocs} processes with servers in the workers' processes are not supported yet: "
+                "asynchronous groups over processes run as Downpour (nserver_groups: 1, server_worker_separate: true) "
+                f"or in one process (nworkers_per_procs: {c.nworker_groups * c.nworkers_per_group}); see `shoal plan`"
+            )
+        if any(len({w.group for w in p.workers}) > 1 for p in layout.placement.processes):
+            raise UnsupportedClusterError("cluster: a process hosting workers of several groups is not supported over processes yet")
+
+    # -- cost model ---------------------------------------------------------------------------------
+    def traffic(self, model, move) -> None:
+        plan, c = model.plan, model.plan.cluster
+        slices = model.trainable_slices()
+        for g in range(c.nworker_groups):
+            ranks = plan.ranks_of_group(g)
+            stub = ranks[0]
+            for r in ranks[1:]:  # the group's processes sum into its stub and get the params back
+                move(r, stub, FLOAT * model.elements + 4 * len(model.trainable))
+                move(stub, r, FLOAT * model.elements)
+            if g:
+                continue  # bytes of one group's step: group 0's
+            for sid in range(c.nservers_per_group):
+                server = ServerId(0, sid)
+                rank = plan.placement.process_of(server)
+                mine = [s for s in slices if plan.placement.server_of_slice(s.index, 0) == server]
+                size = sum(s.size for s in mine)
+                move(stub, rank, model.encoded(size) + len(mine) + 24)  # gradient, flags, header
+                move(rank, stub, FLOAT * size + 16)  # values, version and staleness
+
+    def phases(self, model, compute: float, links: dict) -> Phases:
+        plan, c = model.plan, model.plan.cluster
+        server_rank = plan.placement.process_of(ServerId(0, 0))
+        servers = max(1, c.nservers_per_group)
+        server_threads = max(1, model.cores // max(1, model.workers_on_host(model.where[server_rank]) + 1))
+        update = model.update_s(model.elements / servers, server_threads)
+        per_request = sum(v[0] for v in links[server_rank].values())  # bytes one group's step sends the server
+        remote = any(model.where[p.rank] != model.where[server_rank] for p in plan.placement.processes)
+        batch = plan.global_batch
+        bounds = {"the server's link": batch * (model.link_bw if remote else model.calib.link_gbps * 1e9) / max(1, per_request),
+                  "the server's updates": batch / max(update, 1e-12)}
+        return Phases(update=update, bounds=bounds,
+                      staleness=f"≈ {c.nworker_groups - 1} update(s) by other groups between a group's pull and push")
+
+    # -- runtime ------------------------------------------------------------------------------------
+    def attach_exchanges(self, run) -> None:
+        """A Downpour process is a server or a group's worker(s). Every process creates every group's process
+        group (torch.distributed requires it), in group order, whether or not it belongs to it."""
+        plan, rank, trainer = run.plan, run.rank, run.trainers[0]
+        c = plan.cluster
+        updater = make_updater(plan.updater)
+        group_ranks = {g: plan.ranks_of_group(g) for g in range(c.nworker_groups)}
+        # a rejoined process is in no process group (it hosts a whole group: shoal.launcher.rejoin.why_not)
+        group_comms = {} if run.rejoining else {g: comm.new_group(ranks) if len(ranks) > 1 else None for g, ranks in group_ranks.items()}
+        hosted = plan.process(rank)
+        if hosted.servers:
+            run.server = DownpourServer(trainer.store, updater, plan.placement, hosted.servers[0],
+                                        {g: ranks[0] for g, ranks in group_ranks.items()}, log=print,
+                                        max_staleness=c.max_staleness, warmup_steps=c.warmup_steps,
+                                        after_update=run.faults.server_update_hook(rank), max_update_lag=c.max_update_lag)
+            return
+        servers = {ServerId(0, i): plan.placement.process_of(ServerId(0, i)) for i in range(c.nservers_per_group)}
+        group = hosted.workers[0].group
+        trainer.attach_exchange(DownpourExchange(trainer.store, updater, plan.placement, rank, group,
+                                                 group_ranks[group], group_comms.get(group), servers, plan.global_batch))
+
+    def loads_checkpoint_path(self, trainer) -> bool:
+        return trainer.group == 0  # the other groups take their first values from the servers
+
+    def restore_server(self, run, resumed) -> None:
+        run.server.restore(resumed.params, resumed.updater_state, resumed.step, resumed_version(resumed.step, run.plan))
+
+    def after_values(self, run, spec) -> None:
+        chief, exchange = run.chief, run.chief.exchange
+        if spec.resume_from is not None:
+            exchange.resume_at(chief.start_step, resumed_version(chief.start_step, run.plan))
+        if chief.group != 0:  # groups join where group 0's warm-up ends, and finish at train_steps like it
+            chief.start_at(max(chief.start_step, run.plan.cluster.warmup_steps))
+            exchange.start_at(chief.start_step)
+        if spec.rejoin is not None:  # from the servers' live values, at the step the group had reached
+            rejoined.complete(run, spec)
+
+    def complete_rejoin(self, run, incarnation: int) -> tuple[int, int, dict]:
+        exchange = run.chief.exchange
+        step, version = exchange.rejoin(incarnation)
+        return step, version, exchange.digests
+
+    def staleness_histogram(self, run) -> Optional[dict]:
+        exchange = run.chief.exchange if run.chief is not None else None
+        return exchange.lag_histogram if isinstance(exchange, DownpourExchange) else None  # a server process has none
+
+
+def resumed_version(step: int, plan) -> int:
+    """The server version a Downpour run resumes at: every group had done about `step` updates."""
+    return step * plan.cluster.nworker_groups
+
+
+STRATEGY = Downpour()

@@ -1,0 +1,107 @@
+"""Local SGD and DiLoCo: groups train on their own copies and meet every cluster.local_steps steps (every step
+of a warm-up first); at a meeting the outer updater (DiLoCo: with momentum) moves the anchor by the groups' mean
+change (runtime/exchanges/periodic.py). In one process the groups are threads meeting at a barrier; over
+processes each process holds one whole group and a meeting is one all-reduce."""
+from __future__ import annotations
+
+from shoal.comm import dist as comm
+from shoal.config import job_pb2
+from shoal.neuralnet.updaters import make_updater
+from shoal.planning.process_groups import whole_group
+from shoal.planning.strategy import Framework, Layout, Phases, Strategy, UnsupportedClusterError
+from shoal.runtime.exchanges.compression import codec_for, compresses
+from shoal.runtime.exchanges.groups import GroupBoard
+from shoal.runtime.exchanges.periodic import InMemoryMeeting, PeriodicExchange, ProcessMeeting
+from shoal.strategies.in_memory_hogwild import start_on_board
+
+
+class LocalSGD(Strategy):
+    framework = Framework.LOCAL_SGD
+    compressed = "pseudo-gradients at each meeting"
+    meets = True
+
+    def process_groups(self, placement, devices, nnodes: int) -> tuple:
+        return (whole_group("meeting", range(len(placement.processes)), devices, nnodes),)
+
+    def recognises(self, layout: Layout) -> bool:
+        return layout.cluster.nworker_groups > 1 and layout.cluster.local_steps > 0
+
+    def refuse(self, layout: Layout) -> None:
+        c, nprocs = layout.cluster, layout.nprocs
+        if any(len({w.group for w in p.workers}) != 1 or len(p.workers) != c.nworkers_per_group for p in layout.placement.processes if nprocs > 1) \
+                or (nprocs > 1 and c.server_worker_separate):
+            raise UnsupportedClusterError(
+                f"cluster.local_steps: over processes, each process holds one whole worker group (nworkers_per_procs: "
+                f"{c.nworkers_per_group}, server_worker_separate: false), or all groups share one process")
+        if c.max_staleness >= 0 or c.warmup_steps > 0 or c.max_update_lag >= 0:
+            raise UnsupportedClusterError("cluster: max_staleness, max_update_lag and warmup_steps do not apply to local_steps (groups "
+                                          "meet in lockstep; local_warmup_steps is Local SGD's warm-up)")
+        if c.local_warmup_steps < 0:
+            raise UnsupportedClusterError(f"cluster.local_warmup_steps: must be >= 0, got {c.local_warmup_steps}")
+
+    def label(self, plan) -> str:
+        return "DiLoCo" if plan.outer_updater is not None and plan.outer_updater.momentum > 0 else self.framework.value
+
+    def notes(self, plan) -> list[str]:
+        """When the groups meet, and what that costs against a synchronous exchange every step."""
+        c, steps = plan.cluster, max(1, plan.job.train_steps)
+        warmup = f"after each of the first {c.local_warmup_steps} steps (synchronous warm-up), then " if c.local_warmup_steps else ""
+        meetings = min(steps, c.local_warmup_steps) + max(0, steps - c.local_warmup_steps) // c.local_steps
+        return [f"groups meet {warmup}every {c.local_steps} steps: {meetings} meeting(s) in {steps} steps, "
+                f"{steps / max(1, meetings):.1f}x fewer exchanges than a synchronous job's"]
+
+    def round_steps(self, cluster) -> tuple[int, str]:
+        return (cluster.local_steps, f"{cluster.local_steps} local steps (a meeting)") if cluster.local_steps > 1 else (1, "step")
+
+    # -- cost model ---------------------------------------------------------------------------------
+    def traffic(self, model, move) -> None:
+        # a meeting is one ring all-reduce of the pseudo-gradient: each group's process sends its neighbour
+        # 2·(G−1)/G of the params; averaged over the run's steps (every step of a warm-up, then every local_steps)
+        # (compressed: casts all-reduce in their precision; top-k all-gathers, sending its k entries G−1 times)
+        plan = model.plan
+        if plan.in_one_process:
+            return
+        ranks = [p.rank for p in plan.placement.processes]
+        ring = (len(ranks) - 1) if plan.cluster.compression == job_pb2.kTopK else 2 * (len(ranks) - 1) / len(ranks)
+        for i, r in enumerate(ranks):
+            move(r, ranks[(i + 1) % len(ranks)], ring * model.encoded(model.elements) * meetings_per_step(plan))
+
+    def phases(self, model, compute: float, links: dict) -> Phases:
+        plan = model.plan
+        update = model.update_s(model.elements, plan.threads_per_worker, model.workers_on_host(0))
+        exchange = None
+        if not plan.in_one_process:  # a meeting's latency is paid once per meeting, not per step
+            per_meeting = 1 / max(meetings_per_step(plan), 1e-12)
+            exchange = model.exchange_s({r: {q: [v[0] * per_meeting, v[1] * per_meeting] for q, v in peers.items()}
+                                         for r, peers in links.items()}) / per_meeting
+        return Phases(update=update, exchange=exchange,
+                      staleness="none within a round; groups drift apart for local_steps steps between meetings")
+
+    # -- runtime ------------------------------------------------------------------------------------
+    def attach_exchanges(self, run) -> None:
+        plan, c = run.plan, run.plan.cluster
+        groups = c.nworker_groups
+        if plan.in_one_process:
+            meeting = InMemoryMeeting(groups, comm.timeout_seconds())
+            run.board = GroupBoard(groups, -1, 0)
+        else:
+            meeting = ProcessMeeting(groups, codec_for(c, True) if compresses(c) else None, run.process_groups["meeting"])
+        for t in run.trainers:
+            t.attach_exchange(PeriodicExchange(t.store, make_updater(plan.updater), make_updater(plan.outer_updater), c.local_steps,
+                                               meeting, t.group, plan.global_batch, c.local_warmup_steps))
+
+    def after_values(self, run, spec) -> None:
+        chief = run.chief
+        for trainer in run.trainers:  # every group starts from the chief's values; a resumed round from its anchor
+            trainer.exchange.start_from(chief.store, resumed=spec.resume_from is not None, step=chief.start_step)
+        if run.board is not None:
+            start_on_board(run)
+
+
+def meetings_per_step(plan) -> float:
+    """Meetings of the groups per step, over the run (every step of the warm-up, then every local_steps)."""
+    c, steps = plan.cluster, max(1, plan.job.train_steps)
+    return (min(steps, c.local_warmup_steps) + max(0, steps - c.local_warmup_steps) // max(1, c.local_steps)) / steps
+
+
+STRATEGY = LocalSGD()
