@@ -304,17 +304,19 @@ def _wait_for_exit(processes, grace: float = 5.0) -> None:
             proc.join()
 
 
-def _failed(message: str, workspace: Path, ranks: list[int]) -> ProcessFailed:
-    """The job failed: the chief may have been stopped before it could say so in summary.json; say it for it."""
+def _failed(message: str, workspace: Path, ranks: list[int], root_cause: bool = False) -> ProcessFailed:
+    """The job failed: the chief may have been stopped before it could say so in summary.json; say it for it.
+    root_cause: the launcher saw another process die first, so its word replaces the chief's (whose collective
+    only saw a closed connection)."""
     error = ProcessFailed(message)
     if 0 in ranks:
-        mark_run_ended(workspace, error, reason=message)
+        mark_run_ended(workspace, error, reason=message, root_cause=root_cause)
     return error
 
 
 def _exited(plan: JobPlan, rank: int, code: int, workspace: Path, ranks: list[int]) -> ProcessFailed:
     return _failed(f"{describe_process(plan, rank)} exited with code {code}; "
-                   f"the other processes were stopped; see {workspace}/logs/rank{rank}.log", workspace, ranks)
+                   f"the other processes were stopped; see {workspace}/logs/rank{rank}.log", workspace, ranks, root_cause=rank != 0)
 
 
 def _error_line(traceback_text: str) -> str:

@@ -60,6 +60,7 @@ def failure_reason(error: BaseException | None) -> str | None:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def mark_run_ended(workspace: Path, error: BaseException, reason: str | None = None) -> None:
-    """The launcher's word on how a run ended, for a chief process killed before it could say."""
-    mark_ended(workspace, Path(workspace) / METRICS_FILE, end_status(error), reason)
+def mark_run_ended(workspace: Path, error: BaseException, reason: str | None = None, root_cause: bool = False) -> None:
+    """The launcher's word on how a run ended, for a chief process killed before it could say (root_cause: the
+    launcher's reason replaces the chief's, which saw only what the first failure did to it)."""
+    mark_ended(workspace, Path(workspace) / METRICS_FILE, end_status(error), reason, root_cause=root_cause)

@@ -250,7 +250,7 @@ class SummaryFile:
         _write(self.path, summary, in_place_when_full=last_word)
 
 
-def mark_ended(workspace: Path, metrics_path: Path, status: str, reason: str | None = None) -> None:
+def mark_ended(workspace: Path, metrics_path: Path, status: str, reason: str | None = None, root_cause: bool = False) -> None:
     """Say how a run ended when its chief could not: a signal killed it mid-step, or another process died.
 
     Only a summary still saying `running` changes (a chief that closed its log knew
@@ -262,7 +262,9 @@ def mark_ended(workspace: Path, metrics_path: Path, status: str, reason: str | N
     if summary is None:
         return
     if summary.get("status") != "running":  # the chief closed its log: its status stands; the launcher adds why
-        if reason and "reason" not in summary:
+        if reason and ("reason" not in summary or (root_cause and summary["reason"] != reason)):
+            if "reason" in summary:
+                summary["chief_reason"] = summary["reason"]  # what the first failure did to the chief
             summary["reason"] = reason
             _write_if_possible(path, summary)
         return
