@@ -207,11 +207,12 @@ def run_shoal(args, procs: int) -> dict:
     return {"val": vals, "sps": sps}
 
 
-def plain_loop(args, model, train, val, rank: int = 0, world: int = 1, barrier=None, validating: bool = True) -> dict:
+def plain_loop(args, model, train, val, rank: int = 0, world: int = 1, barrier=None, validating: bool = True,
+               clock=time.perf_counter) -> dict:
     """The plain PyTorch loop: this rank's rows of each global batch (the batch split in `world` in order),
     zero_grad, forward and backward, clip_grad_norm_, AdamW, the scheduler; validation on rank 0 before
     every val_freq-th step and after the last (untimed; `barrier` keeps the ranks' timed steps together) unless
-    not `validating`."""
+    not `validating`; each step timed by `clock` ("per_step", seconds)."""
     import torch
     from torch.utils.data import default_collate
 
@@ -229,7 +230,7 @@ def plain_loop(args, model, train, val, rank: int = 0, world: int = 1, barrier=N
             vals.append([step, validate(plain, val)])
         if barrier is not None:
             barrier()
-        start = time.perf_counter()
+        start = clock()
         mine = rows(step * batch, batch)[rank * share:(rank + 1) * share]
         b = default_collate([train[i] for i in mine])
         opt.zero_grad(set_to_none=True)
@@ -237,12 +238,12 @@ def plain_loop(args, model, train, val, rank: int = 0, world: int = 1, barrier=N
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         sched.step()
-        per_step[step] = time.perf_counter() - start
+        per_step[step] = clock() - start
     if barrier is not None:
         barrier()
     if rank == 0 and validating:
         vals.append([steps, validate(plain, val)])
-    return {"val": vals, "sps": steady(per_step, batch, steps)}
+    return {"val": vals, "sps": steady(per_step, batch, steps), "per_step": [per_step[s] for s in range(steps)]}
 
 
 def run_loop(args) -> dict:
