@@ -9,9 +9,11 @@ shoal's is the time from one Trainer.train_step to the next, so it also counts t
 hooks and display windows. No validation is run. The systems alternate within each round; the table gives
 each round's medians and the median over rounds.
 
-    python benchmarks/gpt_overhead.py [--steps 60] [--repeats 5] [--tiny] [--profile shoal|loop]
+    python benchmarks/gpt_overhead.py [--steps 60] [--repeats 5] [--tiny] [--profile shoal|loop] [--calls]
 
---profile prints cProfile's top functions (CPU time) of one run instead.
+--profile prints cProfile's top functions (CPU time) of one run instead. --calls counts the Python function
+calls per step of each system instead (cProfile's count over N + 1 steps minus over N/2 + 1, divided by the
+difference): a number no load changes, the measure of per-step Python overhead on a busy machine.
 """
 from __future__ import annotations
 
@@ -59,6 +61,15 @@ def loop_run(args) -> list[float]:
 SYSTEMS = {"shoal, 1 worker": shoal_run, "loop": loop_run}
 
 
+def calls_of(run, args) -> int:
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(run, args)
+    return pstats.Stats(profiler).total_calls
+
+
 def steady_median(per_step: list[float], steps: int) -> float:
     return statistics.median(per_step[gpt.display_freq(steps) + 1:])
 
@@ -72,6 +83,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=gpt.REPO / "examples/gpt/data")
     parser.add_argument("--tiny", action="store_true", help="gpt.py's tiny model: shoal's per-step overhead weighs most")
     parser.add_argument("--profile", choices=["shoal", "loop"])
+    parser.add_argument("--calls", action="store_true", help="Python function calls per step of each system")
     args = parser.parse_args()
     args.data = args.data.resolve()
     torch.set_num_threads(1)
@@ -82,6 +94,12 @@ def main() -> None:
         profiler = cProfile.Profile(time.process_time)
         profiler.runcall(SYSTEMS["shoal, 1 worker" if args.profile == "shoal" else "loop"], args)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(40)
+        return
+    if args.calls:
+        half = argparse.Namespace(**{**vars(args), "steps": args.steps // 2})
+        for name, run in SYSTEMS.items():
+            run(argparse.Namespace(**{**vars(args), "steps": 12}))  # imports and first-time registrations out of the count
+            print(f"{name}: {(calls_of(run, args) - calls_of(run, half)) / (args.steps - half.steps):.0f} Python calls per step")
         return
     s = gpt.sizes(args)
     print(f"GPT {s['layers']} layers, {s['width']} wide, block {s['block']}, batch {s['batch']}; 1 torch thread; "
