@@ -21,6 +21,9 @@ Validation: every steps // 4 steps (before that step trains, as shoal does) and 
 (shoal: the validation set given as test_data too, tested once at the end), over the first
 --val-windows non-overlapping windows of val.txt.
 
+The loop and each DDP rank run one function (plain_loop). On a machine that is not idle, compare CPU time per
+step instead: benchmarks/gpt_overhead.py.
+
     python benchmarks/gpt.py [--steps 200] [--repeats 3] [--data examples/gpt/data] [--tiny]
 """
 from __future__ import annotations
