@@ -21,6 +21,9 @@ Validation: every steps // 4 steps (before that step trains, as shoal does) and 
 (shoal: the validation set given as test_data too, tested once at the end), over the first
 --val-windows non-overlapping windows of val.txt.
 
+The loop and each DDP rank run one function (plain_loop). On a machine that is not idle, compare CPU time per
+step instead: benchmarks/gpt_overhead.py.
+
     python benchmarks/gpt.py [--steps 200] [--repeats 3] [--data examples/gpt/data] [--tiny]
 """
 from __future__ import annotations
@@ -207,66 +210,64 @@ def run_shoal(args, procs: int) -> dict:
     return {"val": vals, "sps": sps}
 
 
-def run_loop(args) -> dict:
+def plain_loop(args, model, train, val, rank: int = 0, world: int = 1, barrier=None, validating: bool = True,
+               clock=time.perf_counter) -> dict:
+    """The plain PyTorch loop: this rank's rows of each global batch (the batch split in `world` in order),
+    zero_grad, forward and backward, clip_grad_norm_, AdamW, the scheduler; validation on rank 0 before
+    every val_freq-th step and after the last (untimed; `barrier` keeps the ranks' timed steps together) unless
+    not `validating`; each step timed by `clock` ("per_step", seconds)."""
     import torch
     from torch.utils.data import default_collate
 
-    torch.set_num_threads(args.threads)
-    model, train, val = build(args)
     batch, steps = sizes(args)["batch"], args.steps
+    share = batch // world
     opt = plain_adamw(model)
     sched = scheduler(opt, steps)
     rows = Rows(len(train), SEED)
     vf, vals, per_step = val_freq(steps), [], {}
+    # DDP's own module: rank 0 validates alone, outside DDP's collectives
+    plain = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     model.train()
     for step in range(steps):
-        if step % vf == 0:
-            vals.append([step, validate(model, val)])
-        start = time.perf_counter()
-        b = default_collate([train[i] for i in rows(step * batch, batch)])
+        if step % vf == 0 and rank == 0 and validating:
+            vals.append([step, validate(plain, val)])
+        if barrier is not None:
+            barrier()
+        start = clock()
+        mine = rows(step * batch, batch)[rank * share:(rank + 1) * share]
+        b = default_collate([train[i] for i in mine])
         opt.zero_grad(set_to_none=True)
         next_char_loss(model, b).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         sched.step()
-        per_step[step] = time.perf_counter() - start
-    vals.append([steps, validate(model, val)])
-    return {"val": vals, "sps": steady(per_step, batch, steps)}
+        per_step[step] = clock() - start
+    if barrier is not None:
+        barrier()
+    if rank == 0 and validating:
+        vals.append([steps, validate(plain, val)])
+    return {"val": vals, "sps": steady(per_step, batch, steps), "per_step": [per_step[s] for s in range(steps)]}
+
+
+def run_loop(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model, train, val = build(args)
+    return plain_loop(args, model, train, val)
 
 
 def ddp_worker(rank: int, args, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
-    from torch.utils.data import default_collate
 
     torch.set_num_threads(max(1, args.threads // 2))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     model, train, val = build(args)  # the same init on both ranks (and DDP broadcasts rank 0's anyway)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    batch, steps = sizes(args)["batch"], args.steps
-    share = batch // 2
-    opt = plain_adamw(model)
-    sched = scheduler(opt, steps)
-    rows = Rows(len(train), SEED)
-    vf, vals, per_step = val_freq(steps), [], {}
-    ddp.train()
-    for step in range(steps):
-        if step % vf == 0 and rank == 0:
-            vals.append([step, validate(model, val)])
-        dist.barrier()
-        start = time.perf_counter()
-        mine = rows(step * batch, batch)[rank * share:(rank + 1) * share]  # the global batch split in two, in order
-        b = default_collate([train[i] for i in mine])
-        opt.zero_grad(set_to_none=True)
-        next_char_loss(ddp, b).backward()
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), CLIP)
-        opt.step()
-        sched.step()
-        per_step[step] = time.perf_counter() - start
-    dist.barrier()
+    result = plain_loop(args, ddp, train, val, rank=rank, world=2, barrier=dist.barrier)
     if rank == 0:
-        vals.append([steps, validate(model, val)])
-        Path(out).write_text(json.dumps({"val": vals, "sps": steady(per_step, batch, steps)}))
+        Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
 
 

@@ -5,10 +5,14 @@
 
 The data layer hands on the batch its feed read in place from a torch Dataset
 (runtime/feed.py's DatasetFeed), whatever its structure. The module computes
-through torch.func.functional_call on shoal's params, so it never learns
-whether it is distributed; under loss_fn(model, batch) the call goes through
-a small wrapper module whose forward is the user's loss, so every call the
-loss makes into the model (forward or any method) computes on shoal's params.
+on shoal's params, so it never learns whether it is distributed: in training
+its layer's own copy holds the worker's param leaves themselves (installed once,
+again only when the net rebinds them), so a step calls the module as a plain
+loop does, with no per-step reparametrisation; test and validation go through
+torch.func.functional_call (worker 0's buffers with shoal's params). Under
+loss_fn(model, batch) the call goes through a small wrapper module whose forward
+is the user's loss, so every call the loss makes into the model (forward or any
+method) computes on shoal's params.
 """
 from __future__ import annotations
 
@@ -97,6 +101,24 @@ def scalar_loss(loss: Any) -> torch.Tensor:
     return loss.reshape(())
 
 
+def param_slots(module: torch.nn.Module) -> dict[str, list[tuple[torch.nn.Module, str]]]:
+    """Every (submodule, attribute) holding each param, by its named_parameters name (a tied param has several)."""
+    first_name: dict[int, str] = {}
+    slots: dict[str, list[tuple[torch.nn.Module, str]]] = {}
+    for path, param in module.named_parameters(remove_duplicate=False):
+        name = first_name.setdefault(id(param), path)
+        owner, _, attr = path.rpartition(".")
+        slots.setdefault(name, []).append((module.get_submodule(owner), attr))
+    return slots
+
+
+def hold_params(slots: dict[str, list[tuple[torch.nn.Module, str]]], tensors: dict[str, torch.Tensor]) -> None:
+    """Put each tensor in every slot of its param, as functional_call does for one call (here until the next)."""
+    for name, tensor in tensors.items():
+        for owner, attr in slots[name]:
+            owner._parameters[attr] = tensor
+
+
 class _LossOf(torch.nn.Module):
     """loss_fn(model, batch) as a module holding the model: functional_call on it reaches every call the loss makes."""
 
@@ -164,25 +186,40 @@ def register_fit_layers(spec: FitSpec) -> None:
 
         def __init__(self, conf, src_shapes):
             super().__init__(conf, src_shapes)
-            # functional_call swaps a module's parameters in place while it runs, so workers that
-            # run at once (threads) each need their own copy of the module
+            # the module holds the params it computes on, so workers that run at once (threads) each need their own copy
             self.module = copy.deepcopy(spec.model)
+            self.slots = param_slots(self.module)
+            self.installed: list[torch.Tensor] = []  # the leaves the module holds now (training)
 
         def param_shapes(self):
             shapes = dict(spec.model.named_parameters())
             return [tuple(shapes[n].shape) for n in names]
 
-        def values(self, params, ctx, device, prefix: str = "") -> dict[str, torch.Tensor]:
-            """Shoal's params by module name; outside training, worker 0's buffers; the module in the phase's mode."""
+        def enter_phase(self, ctx) -> bool:
+            """The module in the phase's mode (dropout off and running statistics used outside training); whether training."""
             training = ctx.phase == job_pb2.kTrain
-            if self.module.training != training:  # dropout off and running statistics used outside training
+            if self.module.training != training:
                 self.module.train(training)
-            values = {prefix + n: p for n, p in zip(names, params)}
             if training and (ctx.rows is None or ctx.rows[0] == 0):
                 trained.setdefault("worker0", self.module)
-            elif not training and "worker0" in trained:
+            return training
+
+        def values(self, params, device, prefix: str = "") -> dict[str, torch.Tensor]:
+            """Shoal's params by module name, and worker 0's buffers (outside training)."""
+            values = {prefix + n: p for n, p in zip(names, params)}
+            if "worker0" in trained:
                 values = {**{prefix + n: b.to(device) for n, b in trained["worker0"].named_buffers()}, **values}
             return values
+
+        def call(self, wrapper: torch.nn.Module, params, ctx, args: tuple, prefix: str = ""):
+            """wrapper(*args) on shoal's params: in training the module holds the worker's leaves (put there when they
+            change: the same objects step after step), so backward accumulates into them; otherwise functional_call."""
+            if not self.enter_phase(ctx):
+                return torch.func.functional_call(wrapper, self.values(params, ctx.device, prefix), args, strict=False)
+            if len(params) != len(self.installed) or any(a is not b for a, b in zip(params, self.installed)):
+                hold_params(self.slots, dict(zip(names, params)))
+                self.installed = list(params)
+            return wrapper(*args)
 
     @register_user_layer(MODULE_LAYER)
     class ModuleLayer(_ModuleCompute):
@@ -197,9 +234,8 @@ def register_fit_layers(spec: FitSpec) -> None:
 
         def forward(self, xs, params, labels, ctx):
             inputs, target = split_pair(xs[0])
-            values = self.values(params, ctx, ctx.device)
             with spec.computing(ctx.device):
-                return torch.func.functional_call(self.module, values, (inputs,), strict=False), target
+                return self.call(self.module, params, ctx, (inputs,)), target
 
     @register_user_layer(LOSS_LAYER)
     class LossLayer(Layer):
@@ -232,12 +268,12 @@ def register_fit_layers(spec: FitSpec) -> None:
             self.shape = ()
 
         def forward(self, xs, params, labels, ctx):
-            values = self.values(params, ctx, ctx.device, prefix="model.")
             with spec.computing(ctx.device):
-                loss = scalar_loss(torch.func.functional_call(self.wrapper, values, (xs[0],), strict=False))
+                loss = scalar_loss(self.call(self.wrapper, params, ctx, (xs[0],), prefix="model."))
             with torch.no_grad():
                 ctx.report("loss", loss.item(), batch_rows(xs[0]))
                 if ctx.phase != job_pb2.kTrain and spec.metrics:
+                    values = self.values(params, ctx.device, prefix="model.")
                     def compute(fn):  # fn(model, batch) on shoal's params, as the loss
                         return torch.func.functional_call(_LossOf(self.module, fn), values, (xs[0],), strict=False)
 

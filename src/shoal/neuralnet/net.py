@@ -248,7 +248,13 @@ class NeuralNet:
         if ctx.carry is not None:
             ctx.carry.clear()
             ctx.carry.update(outputs)
-        total = torch.stack(losses).sum() if losses else None
+        # one loss is its own sum (the same value and gradient, without a stack and a sum in the graph)
+        if not losses:
+            total = None
+        elif len(losses) == 1 and losses[0].dim() == 0:
+            total = losses[0]
+        else:
+            total = torch.stack(losses).sum()
         return total, outputs
 
     def describe(self) -> list[dict]:

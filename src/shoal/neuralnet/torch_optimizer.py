@@ -99,6 +99,7 @@ class TorchOptimizer(Updater):
         self._zeros: dict[str, dict[str, torch.Tensor]] = {}  # per param: its state at zero, whole
         self._group_of: dict[str, int] = {}
         self._shard_of: dict[tuple[int, int], torch.Tensor] = {}  # (data_ptr, numel) of a shard's memory -> shard
+        self._registered: dict[int, torch.Tensor] = {}  # id -> shard: an owner handing the very tensors it registered
         # one update at a time: the optimizer reads the grads it is handed as attributes of the shards (in-memory
         # Hogwild's groups update one server from several threads: with a torch optimizer they take turns)
         self._lock = threading.Lock()
@@ -160,6 +161,7 @@ class TorchOptimizer(Updater):
             group["param_names"].append(name if stop - start == numel else f"{name}[{start}:{stop}]")
         self.optimizer.state[value] = state  # the owner's dict: checkpoints and resumes see it
         self._shard_of[(value.data_ptr(), value.numel())] = value
+        self._registered[id(value)] = value
         return state
 
     def _schedule_to(self, step: int) -> None:
@@ -181,7 +183,9 @@ class TorchOptimizer(Updater):
         for p in params:
             if p.grad is None:
                 continue
-            shard = self._shard_of.get((p.value.data_ptr(), p.value.numel()))
+            shard = self._registered.get(id(p.value))
+            if shard is not p.value:  # another view of a registered shard's memory (a slice owner's own view)
+                shard = self._shard_of.get((p.value.data_ptr(), p.value.numel()))
             if shard is None or shard.shape != p.value.shape:
                 raise OptimizerError("shoal.fit: a torch optimizer updates only the shards its owner registered "
                                      "(this layout updates other views); give a SINGA updater= for it")
