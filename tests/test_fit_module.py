@@ -182,15 +182,6 @@ def test_tensor_pairs_are_read_in_place_without_a_copy_in_the_workspace(tmp_path
     shoal.fit(torch.nn.Linear(16, 4), F.cross_entropy, (pixels, y), steps=2, workspace=tmp_path / "pixels", log=quiet)
 
 
-def test_an_iterable_dataset_is_refused_in_one_line(tmp_path):
-    class Stream(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            yield from range(3)
-
-    with pytest.raises(FitError, match="train_data: an IterableDataset has no positions"):
-        shoal.fit(torch.nn.Linear(1, 1), F.mse_loss, Stream(), workspace=tmp_path / "ws", log=quiet)
-
-
 def adamw(named_params):
     """Groups by name: weight decay on weights and embeddings, none on biases and norms (torch keeps the names)."""
     named_params = list(named_params)

@@ -41,6 +41,7 @@ from google.protobuf import json_format
 from shoal.config import job_pb2
 from shoal.errors import ShoalError
 from shoal.data.in_place import TensorPairs, check_dataset
+from shoal.data.streams import IterableSource, LoaderSource
 from shoal.frontend.keras import Cluster
 from shoal.frontend.module_path import (DATA_LAYER, LOSS_LAYER, MODULE_LAYER, MODULE_LOSS_LAYER, FitError, FitSpec, loss_form,
                                         register_fit_layers)
@@ -49,11 +50,12 @@ from shoal.frontend.fit_metrics import check_metrics, run_goals
 from shoal.neuralnet.torch_optimizer import OPTIMIZER_UPDATER, OUTER_OPTIMIZER_UPDATER, check_slices_allowed, made, made_scheduler
 from shoal.report.targets import set_run_goals
 
-Data = Union[tuple, torch.utils.data.Dataset]
+Data = Union[tuple, torch.utils.data.Dataset, Callable]
 
 
-def as_dataset(data: Data, what: str) -> torch.utils.data.Dataset:
-    """A map-style dataset read in place: the Dataset itself, or a pair of tensors/arrays as (x[i], y[i]) pairs.
+def as_dataset(data: Data, what: str):
+    """What a feed reads in place: a map-style Dataset itself, a pair of tensors/arrays as (x[i], y[i]) pairs,
+    an IterableDataset or a DataLoader factory as a stream source (shoal.data.streams).
 
     Of a pair, floating tensors become float32 as the module's params are, and uint8 inputs (pixels)
     float32 as fit always made them; other integer tensors keep their dtype (token ids stay int64).
@@ -66,6 +68,13 @@ def as_dataset(data: Data, what: str) -> torch.utils.data.Dataset:
         if y.is_floating_point() and y.dtype != torch.float32:
             y = y.float()
         data = TensorPairs(x, y)
+    elif isinstance(data, torch.utils.data.IterableDataset):
+        data = IterableSource(data, f"shoal.fit: {what}")
+    elif isinstance(data, torch.utils.data.DataLoader):
+        raise FitError(f"shoal.fit: {what}: give a DataLoader factory, `lambda batch_sampler: DataLoader(dataset, "
+                       "batch_sampler=batch_sampler, ...)`, not a DataLoader (shoal decides each worker's rows)")
+    elif callable(data) and not isinstance(data, torch.utils.data.Dataset):
+        data = LoaderSource(data, f"shoal.fit: {what}")
     try:
         check_dataset(data, f"shoal.fit: {what}")
     except ShoalError as err:
