@@ -227,9 +227,7 @@ def test_a_torch_optimizer_resumes_exactly_and_runs_in_memory_sandblaster(tmp_pa
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-3 if name.endswith("attn.c_attn.bias") else 1e-6, msg=name)
 
 
-def test_a_torch_optimizer_is_refused_where_it_cannot_run_yet(tmp_path):
-    with pytest.raises(FitError, match="optimizer= runs with synchronous workers, Hogwild, Downpour \\(servers\\) and Local SGD for now, not Distributed Hogwild"):
-        fit(tmp_path, "allreduce", updater=None, optimizer=adamw, cluster=LAYOUTS["Distributed Hogwild, 2 groups"].fit_cluster())
+def test_an_optimizer_and_an_updater_are_not_both_given(tmp_path):
     with pytest.raises(FitError, match="not both"):
         fit(tmp_path, "both", optimizer=adamw)
-    assert not (tmp_path / "allreduce").exists()
+    assert not (tmp_path / "both").exists()

@@ -128,20 +128,12 @@ def fit_job(model: torch.nn.Module, form: str, *, batch_size: int, steps: int, t
     return job
 
 
-def _check_optimizer_layout(job: job_pb2.JobProto, model: torch.nn.Module, optimizer: Callable,
-                            clip_grad_norm: Optional[float]) -> None:
-    """A torch optimizer runs where its owners update params they can name: refuse other layouts in one line,
-    and an optimizer not known to be element-wise where params are sliced over owners."""
-    from shoal.planning.plan import Framework, plan_job
-    from shoal.runtime.exchanges.compression import compresses
+def _check_optimizer_layout(job: job_pb2.JobProto, model: torch.nn.Module, optimizer: Callable) -> None:
+    """A torch optimizer runs wherever owners update params: refuse, in one line, an optimizer not known to be
+    element-wise where params are sliced over owners."""
+    from shoal.planning.plan import plan_job
 
     plan = plan_job(job)
-    if plan.framework is Framework.DISTRIBUTED_HOGWILD:
-        raise FitError(f"shoal.fit: optimizer= runs with synchronous workers, Hogwild, Downpour (servers) and Local SGD "
-                       f"for now, not {plan.framework}; give a SINGA updater= for that layout")
-    if clip_grad_norm is not None and plan.framework.synchronous and not plan.in_one_process and compresses(job.cluster):
-        raise FitError("shoal.fit: clip_grad_norm= over processes is not available with cluster.compression yet "
-                       "(every process applies the compressed sum itself)")
     numel = {name: p.numel() for name, p in model.named_parameters()}
     if not plan.in_one_process and any(s.param in numel and s.size != numel[s.param] for s in plan.placement.slices):
         check_slices_allowed(made(optimizer, list(model.named_parameters())))  # the owners update slices of params
@@ -229,7 +221,7 @@ def fit(
     means the second form. updater: SINGA's UpdaterProto as a dict (default plain SGD, learning rate
     0.01); or optimizer: a factory `lambda params: torch.optim.AdamW(params, ...)` called on the
     module's (name, param) pairs in named_parameters order, run by whoever updates in the layout over
-    the params or slices it owns (docs/python.md; not Distributed Hogwild). scheduler: `lambda optimizer: torch.optim.lr_scheduler.LambdaLR(...)`,
+    the params or slices it owns (docs/python.md). scheduler: `lambda optimizer: torch.optim.lr_scheduler.LambdaLR(...)`,
     stepped once per update the optimizer applies. outer_optimizer (Local SGD / DiLoCo, cluster.nworker_groups
     with cluster.local_steps): a torch.optim factory applied to the groups' mean pseudo-gradient at each meeting,
     e.g. DiLoCo's `lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)`, instead of
@@ -307,7 +299,7 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
 
     validate(job, None, shape_check=check_shapes)
     if spec.optimizer is not None:
-        _check_optimizer_layout(job, model, spec.optimizer, spec.clip_grad_norm)
+        _check_optimizer_layout(job, model, spec.optimizer)
     if spec.scheduler is not None:  # refused before anything is written (the owners build their own)
         made_scheduler(spec.scheduler, made(spec.optimizer, list(model.named_parameters())))
     if spec.outer_optimizer is not None:

@@ -122,8 +122,6 @@ class SlicedExchange:
         # clipping by the global norm: the owners (in rank order) trade their sums of squares
         self.max_norm = max_norm_of(updater)
         self.owner_ranks = sorted({b.owner for b in self.buckets})
-        if self.max_norm is not None and codecs is not None:
-            raise ValueError("clipping by the global norm over processes is not available with cluster.compression")
         self.shares = [w.share for w in workers]
         # per local worker: whether its gradients leave during backward (kBP) or after compute
         self.streaming = [w.stream_gradients(self._hook(i)) for i, w in enumerate(workers)]
@@ -341,27 +339,40 @@ class SlicedExchange:
                 + [comm.irecv(self._flags_in[b.index, p], p, tag=self._tag(b, self.FLAGS)) for p in self.peers]
                 for b in self.owned
             }
-            sending, keep = [], []
+            sending, keep, summed = [], [], []
             for b in self.owned:
                 anyone_has = self._arrived(r, b, receiving[b.index])
                 codec = self._sum_codec[b.index]
                 total = self._gather(b, lambda s: r.grad[s.param][s.start : s.stop]).clone() if self.shares else torch.zeros(b.numel)
                 for p in self.peers:  # in rank order, so every run sums alike
                     total += codec.decode(self._incoming_parts[b.index, p], b.numel)
-                parts = codec.encode(total)
-                self._apply(r.step, b, codec.decode(parts, b.numel), anyone_has)
-                union = self._union[b.index]
-                for k, name in enumerate(b.params):
-                    union[k] = name in anyone_has
-                keep += parts
-                for p in self.peers:
-                    sending += [comm.isend(part, p, tag=self._tag(b, kind)) for part, kind in zip(parts, (self.SUMS, self.SUMS_2))]
-                    sending.append(comm.isend(union, p, tag=self._tag(b, self.UNION)))
-                self.sent_bytes += (wire_bytes(parts) + union.numel()) * len(self.peers)
+                summed.append((b, total, anyone_has))
+                if self.max_norm is None:  # sent at once; clipped, every owned sum first
+                    self._send_sum(r, b, total, anyone_has, sending, keep)
+            if self.max_norm is not None:
+                # the global norm of the dense sums before they are encoded (each owner's, traded), one scale applied
+                # to them: every process applies the decoding of a clipped sum (the residual keeps what is not sent)
+                scale = self._clip_scale(r, [total for _, total, _ in summed])
+                for b, total, anyone_has in summed:
+                    self._send_sum(r, b, total.mul_(scale), anyone_has, sending, keep)
             for work in sending:
                 work.wait()
         except BaseException as err:  # handed to the training thread by step()
             r.error = err
+
+    def _send_sum(self, r: _Round, b: Bucket, total: torch.Tensor, anyone_has: set[str], sending: list, keep: list) -> None:
+        """An owned bucket's summed gradient: encoded, applied here as decoded, and sent to every peer."""
+        codec = self._sum_codec[b.index]
+        parts = codec.encode(total)
+        self._apply(r.step, b, codec.decode(parts, b.numel), anyone_has)
+        union = self._union[b.index]
+        for k, name in enumerate(b.params):
+            union[k] = name in anyone_has
+        keep += parts
+        for p in self.peers:
+            sending += [comm.isend(part, p, tag=self._tag(b, kind)) for part, kind in zip(parts, (self.SUMS, self.SUMS_2))]
+            sending.append(comm.isend(union, p, tag=self._tag(b, self.UNION)))
+        self.sent_bytes += (wire_bytes(parts) + union.numel()) * len(self.peers)
 
     def _apply(self, step: int, b: Bucket, grad: torch.Tensor, anyone_has: set[str]) -> None:
         """The updater on bucket b's slices, from its flat summed gradient (a param nobody had a gradient for stays)."""
