@@ -5,14 +5,26 @@ The model is test_fit_module's tiny GPT (1 layer, 32 wide, block 16) on its tiny
 """
 from __future__ import annotations
 
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from layouts import LAYOUTS, assert_ran
 from shoal.config import job_pb2
+from shoal.errors import ShoalError
 from shoal.neuralnet import checkpoint
+from shoal.report.metrics import read_metrics
 from test_fit_module import adamw, fit, tiny_gpt, train_losses, windows
 from test_fit_optim import plain_sgd, untrained_loss
+from test_launchers import torchrun
+from test_stalls import Run, runs  # noqa: F401 - the fixture that stops what a failed test left running
 
 HOGWILD = "Distributed Hogwild, 2 groups"
 ALLREDUCE = "AllReduce, 2 processes, 2 server slices"  # both processes own slices of params
@@ -79,16 +91,77 @@ def test_clipping_over_a_compressed_allreduce_bounds_every_applied_update(tmp_pa
     assert 0 < moved <= 10 * 0.1 * 0.01 * (1 + 2 ** -7)  # unclipped, ‖g‖ is about 1: a hundred times more
 
 
+def huge_sgd(params):
+    return torch.optim.SGD(params, lr=50.0)
+
+
 @pytest.mark.slow  # two more runs over processes: the default suite's 5-minute budget
 def test_clipping_keeps_a_top_k_allreduce_at_a_huge_learning_rate_finite(tmp_path):
-    """Top-k 10 % with error feedback at lr 50: clipped to norm 1 it stays finite and learns; unclipped it blows up."""
-    def huge_sgd(params):
-        return torch.optim.SGD(params, lr=50.0)
-
+    """Top-k 10 % with error feedback at lr 50: clipped to norm 0.02 it stays finite and learns; unclipped it diverges."""
     data = windows()
     run = dict(steps=20, updater=None, optimizer=huge_sgd, test_data=data, cluster=compressed(job_pb2.kTopK, topk_fraction=0.1))
     clipped, history = fit(tmp_path, "clipped", clip_grad_norm=0.02, **run)
     assert_ran(tmp_path / "clipped", ALLREDUCE)
     assert torch.isfinite(flat(clipped)).all() and history.final_test["loss"] < untrained_loss(data)
-    free, unclipped = fit(tmp_path, "free", **run)
-    assert unclipped.final_test["loss"] > history.final_test["loss"]
+    with pytest.raises(ShoalError, match=r"Diverged: step \d+: loss is (nan|inf)"):  # unclipped: stopped as it blows up
+        fit(tmp_path, "free", **run)
+
+
+# -- the module path under the launcher's features: `shoal run script.py`, torchrun, rejoin ------------------------
+SCRIPT = Path(__file__).with_name("module_script.py")
+DOWNPOUR = "Downpour, 2 groups + 1 server, 3 processes"
+
+
+def test_torchrun_runs_a_module_script_under_downpour_with_its_lag_bounded(tmp_path):
+    """torchrun starts `shoal run module_script.py` 3 times; group 1 computes slowly, and the server holds every update
+    to max_update_lag 2 (summary.json's staleness histogram)."""
+    steps = 20
+    run = torchrun(3, SCRIPT, tmp_path / "ws", *LAYOUTS[DOWNPOUR].cli(max_update_lag=2), "--", "--steps", str(steps),
+                   env={"SHOAL_SLOW_WORKER": "1.0:0+0.04"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "started by torchrun" in run.stdout
+    got = assert_ran(tmp_path / "ws", DOWNPOUR)
+    lags = {int(lag): n for lag, n in got["staleness_histogram"]["updates_per_lag"].items()}
+    groups = got["staleness_histogram"]["groups"]
+    assert max(lags) <= 2 and sum(lags.values()) == 2 * steps and groups["1"]["max"] >= 1  # the bound was reached and held
+    assert got["status"] == "finished" and got["final_test"]["loss"] < 0.9 * math.log(16)
+
+
+@pytest.mark.slow  # two launches: the default suite's 5-minute budget
+def test_torchrun_runs_a_module_script_under_allreduce_as_one_worker(tmp_path):
+    run = torchrun(2, SCRIPT, tmp_path / "torchrun", *LAYOUTS["AllReduce, 2 processes"].cli(), "--", "--steps", "8")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_ran(tmp_path / "torchrun", "AllReduce, 2 processes")
+    single = subprocess.run([sys.executable, "-m", "shoal", "run", str(SCRIPT), "--workspace", str(tmp_path / "single"),
+                             "--", "--steps", "8"], capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    losses = lambda ws: [r["loss"] for r in read_metrics(ws / "metrics.jsonl") if r["phase"] == "train"]
+    assert losses(tmp_path / "torchrun") == pytest.approx(losses(tmp_path / "single"), rel=1e-5)
+
+
+@pytest.mark.slow  # 150 slowed steps, a kill and a restart: the default suite's 5-minute budget
+def test_a_killed_module_group_is_restarted_and_rejoins(tmp_path, runs):
+    """--max-restarts 1 under Downpour: group 1's process, killed mid-run, comes back from the server's live params."""
+    run = Run(SCRIPT, tmp_path, DOWNPOUR, "--max-restarts", "1", "--", "--steps", "150", "--lr", "0.1",
+              env={"SHOAL_SLOW_WORKER": "0:0+0.01"})
+    runs.append(run)
+    os.kill(run.pid_of(1), signal.SIGKILL)
+    assert run.wait(timeout=240) == 0, run.stderr()
+    assert re.search(r"process 1 \(worker\(group=1, id=0\).*\) exited with code -9; restarting it", run.stderr()), run.stderr()
+    assert [line for line in run.out.read_text().splitlines() if line.startswith("Worker group 1 rejoined at step ")]
+    got = assert_ran(run.ws, DOWNPOUR)
+    assert got["status"] == "finished" and got["final_test"]["loss"] < 0.9 * math.log(16)
+
+
+def test_a_script_passes_max_restarts_to_its_jobs_and_refuses_rejoin(tmp_path, monkeypatch, capsys):
+    """--max-restarts reaches the launcher of every job a script trains (it was silently dropped); --rejoin is a job file's."""
+    from shoal.frontend.cli import main
+
+    monkeypatch.delenv("SHOAL_MAX_RESTARTS", raising=False)  # restored after the test: the CLI sets it for its launcher
+    script = tmp_path / "script.py"
+    script.write_text("import os\nprint('restarts', os.environ.get('SHOAL_MAX_RESTARTS'))\n")
+    assert main(["run", str(script), "--max-restarts", "2"]) == 0
+    assert "restarts 2" in capsys.readouterr().out
+    assert main(["run", str(script), "--rejoin", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--rejoin only for job files" in err and len(err.strip().splitlines()) == 1

@@ -237,10 +237,7 @@ def _run(args: argparse.Namespace) -> int:
         job.tensorboard = True
     if args.rejoin is not None:
         return _rejoin(args, job)
-    if args.max_restarts is not None:
-        if args.max_restarts < 0:
-            raise UsageError(f"--max-restarts {args.max_restarts}: expected 0 or more")
-        os.environ["SHOAL_MAX_RESTARTS"] = str(args.max_restarts)  # read by the launcher (shoal.runtime.rejoin)
+    _set_max_restarts(args)
     nodes = _nodes(args, job)
     if args.test:
         api.evaluate(job, args.checkpoint, args.workspace)
@@ -266,6 +263,13 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _set_max_restarts(args: argparse.Namespace) -> None:
+    if args.max_restarts is not None:
+        if args.max_restarts < 0:
+            raise UsageError(f"--max-restarts {args.max_restarts}: expected 0 or more")
+        os.environ["SHOAL_MAX_RESTARTS"] = str(args.max_restarts)  # read by the launcher (shoal.runtime.rejoin)
+
+
 def _rejoin(args: argparse.Namespace, job) -> int:
     """shoal run JOB --rejoin RANK: one process of a running Downpour job, back in a dead one's place."""
     from shoal.frontend.api import base_dirs
@@ -281,9 +285,11 @@ def _rejoin(args: argparse.Namespace, job) -> int:
 def _run_script(args: argparse.Namespace, path: Path) -> int:
     from shoal.frontend.script import ScriptSettings, run_script
 
-    refused = [flag for flag, given in (("--test", args.test), ("--checkpoint", args.checkpoint), ("--nnodes/--hostfile", args.nnodes or args.hostfile)) if given]
+    refused = [flag for flag, given in (("--test", args.test), ("--checkpoint", args.checkpoint), ("--nnodes/--hostfile", args.nnodes or args.hostfile),
+                                        ("--rejoin", args.rejoin is not None)) if given]
     if refused:
         raise UsageError(f"shoal run {path}: {', '.join(refused)} only for job files; a script tests and places its jobs itself")
+    _set_max_restarts(args)  # the launcher of every job the script trains restarts a dead Downpour group
     from shoal.config.plugins import load_plugins
 
     load_plugins(args.plugin)  # for the jobs the script trains
