@@ -215,7 +215,10 @@ def fit(
     train_data/test_data/val_data: a map-style torch Dataset (samples of any structure: tensor,
     tuple, dict), or a pair (inputs, targets) of tensors or arrays; read in place, collated with
     torch's default_collate. The training set is reshuffled every epoch from `seed` (shuffle=False:
-    in order). loss_fn: `loss_fn(output, target)` (the module gets each batch's first element, the
+    in order). Or an IterableDataset (its own order, set_epoch(epoch) called before each epoch; a
+    resume re-iterates the epoch and skips to its position), or a DataLoader factory
+    `make_loader(batch_sampler) -> DataLoader(dataset, batch_sampler=batch_sampler, ...)` whose
+    batch sampler yields the rows shoal chooses (shoal.data.streams, docs/python.md). loss_fn: `loss_fn(output, target)` (the module gets each batch's first element, the
     loss its output and the second) or `loss_fn(model, batch)` (the loss calls the model itself);
     `loss_takes="output"` or `"model"` says which, else a first parameter named `model` or `module`
     means the second form. updater: SINGA's UpdaterProto as a dict (default plain SGD, learning rate
