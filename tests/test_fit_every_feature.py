@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from layouts import LAYOUTS, assert_ran
+from layouts import LAYOUTS, assert_ran, summary
 from shoal.config import job_pb2
 from shoal.errors import ShoalError
 from shoal.neuralnet import checkpoint
@@ -112,6 +112,22 @@ SCRIPT = Path(__file__).with_name("module_script.py")
 DOWNPOUR = "Downpour, 2 groups + 1 server, 3 processes"
 
 
+def lags_of(workspace) -> tuple[dict, dict]:
+    histogram = summary(workspace)["staleness_histogram"]
+    return {int(lag): n for lag, n in histogram["updates_per_lag"].items()}, histogram["groups"]
+
+
+def test_in_memory_module_groups_hold_updates_to_the_lag_bound(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHOAL_SLOW_WORKER", "1.0:0+0.01")  # group 1 computes slowly: the others run ahead to the bound
+    name = "in-memory Hogwild, 3 groups"
+    fit(tmp_path, "lag", steps=20, updater={"type": "kSGD", "learning_rate": {"base_lr": 0.1}},
+        cluster=LAYOUTS[name].fit_cluster(max_update_lag=2))
+    assert_ran(tmp_path / "lag", name)
+    lags, groups = lags_of(tmp_path / "lag")
+    assert max(lags) <= 2 and sum(lags.values()) == 3 * 20 and groups["1"]["max"] >= 1
+
+
+@pytest.mark.slow  # three processes under torchrun: the default suite's 5-minute budget
 def test_torchrun_runs_a_module_script_under_downpour_with_its_lag_bounded(tmp_path):
     """torchrun starts `shoal run module_script.py` 3 times; group 1 computes slowly, and the server holds every update
     to max_update_lag 2 (summary.json's staleness histogram)."""
@@ -121,8 +137,7 @@ def test_torchrun_runs_a_module_script_under_downpour_with_its_lag_bounded(tmp_p
     assert run.returncode == 0, run.stderr[-3000:]
     assert "started by torchrun" in run.stdout
     got = assert_ran(tmp_path / "ws", DOWNPOUR)
-    lags = {int(lag): n for lag, n in got["staleness_histogram"]["updates_per_lag"].items()}
-    groups = got["staleness_histogram"]["groups"]
+    lags, groups = lags_of(tmp_path / "ws")
     assert max(lags) <= 2 and sum(lags.values()) == 2 * steps and groups["1"]["max"] >= 1  # the bound was reached and held
     assert got["status"] == "finished" and got["final_test"]["loss"] < 0.9 * math.log(16)
 
