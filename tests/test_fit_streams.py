@@ -130,6 +130,10 @@ def test_stream_inputs_are_refused_in_one_line_when_they_cannot_be_read(tmp_path
         fit(tmp_path, "loader", data=DataLoader(windows(), batch_size=8))
     with pytest.raises(FitError, match="the DataLoader factory failed: batch_sampler option is mutually exclusive"):
         fit(tmp_path, "both", data=lambda batch_sampler: DataLoader(windows(), batch_sampler=batch_sampler, shuffle=True))
+    with pytest.raises(FitError, match="the DataLoader factory failed: .*takes 0 positional arguments"):
+        fit(tmp_path, "no-argument", data=lambda: DataLoader(windows()))
+    with pytest.raises(FitError, match="the DataLoader factory must pass its argument as batch_sampler="):
+        fit(tmp_path, "own-sampler", data=lambda batch_sampler: DataLoader(windows(), batch_size=8))
     with pytest.raises(FitError, match="train_data: the IterableDataset yields no samples"):
         fit(tmp_path, "empty", data=WindowStream([], sized=False))
     assert not (tmp_path / "loader").exists() and not (tmp_path / "empty").exists()

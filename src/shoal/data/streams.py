@@ -124,7 +124,7 @@ class LoaderSource:
     def loader(self, batch_sampler) -> DataLoader:
         try:
             loader = self.make_loader(batch_sampler)
-        except ValueError as err:  # DataLoader's own refusals (batch_size/shuffle/sampler with a batch_sampler)
+        except (ValueError, TypeError) as err:  # DataLoader's own refusals (batch_size/shuffle/sampler with a batch_sampler), a wrong signature
             raise StoreError(f"{self.what}: the DataLoader factory failed: {err}") from None
         if not isinstance(loader, DataLoader):
             raise StoreError(f"{self.what}: a DataLoader factory must return a torch DataLoader built with "
