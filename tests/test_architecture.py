@@ -1,8 +1,9 @@
 """The layering rules of docs/architecture.md, checked on the source: who may import whom.
 
-config ← planning ← runtime ← frontend, with neuralnet (net, layers, params, updaters) below
-planning and runtime, data beside neuralnet, report beside everything, and comm the only code
-that touches torch.distributed.
+config ← planning ← runtime ← launcher ← frontend, with neuralnet (net, layers, params, updaters)
+below planning and runtime, data beside neuralnet, report beside everything, and comm the only code
+that touches torch.distributed. No import cycles, function-level imports included; only the launcher
+ends a process; only shoal.launcher.faults reads the fault-injection settings.
 """
 from __future__ import annotations
 
@@ -44,13 +45,18 @@ RULES = {
     "only comm touches torch.distributed": (
         [p.stem for p in SRC.iterdir() if p.stem not in ("comm", "__pycache__")], ["torch.distributed"]),
     "config imports nothing of shoal above it": (
-        ["config"], ["shoal.planning", "shoal.neuralnet", "shoal.runtime", "shoal.frontend", "shoal.report", "shoal.comm", "shoal.data"]),
-    "planning never imports runtime or the front ends": (["planning"], ["shoal.runtime", "shoal.frontend", "shoal.comm"]),
-    "the net and its layers never import planning, runtime or the front ends": (
-        ["neuralnet"], ["shoal.planning", "shoal.runtime", "shoal.frontend", "shoal.comm"]),
-    "data never imports planning, runtime or the front ends": (["data"], ["shoal.planning", "shoal.runtime", "shoal.frontend", "shoal.comm"]),
-    "runtime never imports the front ends": (["runtime", "comm"], ["shoal.frontend"]),
-    "report never imports the runtime or the front ends": (["report"], ["shoal.runtime", "shoal.frontend", "shoal.comm"]),
+        ["config"], ["shoal.planning", "shoal.neuralnet", "shoal.runtime", "shoal.launcher", "shoal.frontend", "shoal.report",
+                     "shoal.comm", "shoal.data"]),
+    "planning never imports runtime, the launcher or the front ends": (
+        ["planning"], ["shoal.runtime", "shoal.launcher", "shoal.frontend", "shoal.comm"]),
+    "the net and its layers never import planning, runtime, the launcher or the front ends": (
+        ["neuralnet"], ["shoal.planning", "shoal.runtime", "shoal.launcher", "shoal.frontend", "shoal.comm"]),
+    "data never imports planning, runtime, the launcher or the front ends": (
+        ["data"], ["shoal.planning", "shoal.runtime", "shoal.launcher", "shoal.frontend", "shoal.comm"]),
+    "runtime never imports the launcher or the front ends": (["runtime", "comm"], ["shoal.launcher", "shoal.frontend"]),
+    "the launcher never imports the front ends": (["launcher"], ["shoal.frontend"]),
+    "report never imports the runtime, the launcher or the front ends": (
+        ["report"], ["shoal.runtime", "shoal.launcher", "shoal.frontend", "shoal.comm"]),
 }
 
 
@@ -91,3 +97,124 @@ def test_nothing_reassigns_a_trainer_attribute_from_outside():
                 if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id in ("trainer", "chief", "t"):
                     found.append(f"{path.relative_to(SRC)}:{node.lineno} {target.value.id}.{target.attr}")
     assert found == []
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every shoal module → the shoal modules it imports, at the top or inside a function (TYPE_CHECKING too).
+
+    `from shoal.a import b` names module shoal.a.b when that is a module, else shoal.a (b is defined there)."""
+    modules = {module_name(p): p for p in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, `level - 1` packages up
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                for alias in node.names:
+                    targets.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle as [a, b, ..., a] (empty: the graph is acyclic), by depth-first search."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state:
+                found = visit(target)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return []
+
+
+def test_no_import_cycles():
+    """No module imports itself back through others, counting imports inside functions (issue 29)."""
+    cycle = find_cycle(import_graph())
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_sees_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+# calls that end the process: only the launcher decides that (an exchange raises, e.g. GroupDropped)
+EXITS = {("os", "_exit"), ("os", "abort"), ("sys", "exit"), (None, "exit"), (None, "quit")}
+
+
+def process_exits(path: Path) -> list[str]:
+    """Every call of os._exit / os.abort / sys.exit / exit / quit and every `raise SystemExit` in a file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = (func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else None,
+                    func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else "")
+            if name in EXITS:
+                found.append(f"{path.name}:{node.lineno} {'.'.join(filter(None, name))}()")
+        elif isinstance(node, ast.Raise) and node.exc is not None:
+            raised = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(raised, ast.Name) and raised.id == "SystemExit":
+                found.append(f"{path.name}:{node.lineno} raise SystemExit")
+    return found
+
+
+def test_nothing_below_the_launcher_exits_the_process():
+    """Exchanges, trainers and workers raise; the launcher's process entry decides how a process ends."""
+    below = [p for package in ("runtime", "planning", "neuralnet", "data", "config", "comm", "report") for p in files_of(package)]
+    assert [exit for path in below for exit in process_exits(path)] == []
+
+
+def test_the_exit_check_sees_an_exit(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os, sys\ndef f():\n    os._exit(3)\ndef g():\n    sys.exit(1)\ndef h():\n    raise SystemExit(2)\n")
+    assert sorted(process_exits(bad)) == ["bad.py:3 os._exit()", "bad.py:5 sys.exit()", "bad.py:7 raise SystemExit"]
+
+
+FAULT_SETTINGS = ("SHOAL_INJECT_", "SHOAL_SLOW_WORKER")
+
+
+def test_only_the_faults_module_reads_the_fault_settings():
+    """Fault injection lives in shoal.launcher.faults and reaches the step engine as hooks (RunSpec.faults)."""
+    readers = []
+    for path in SRC.rglob("*.py"):
+        if path == SRC / "launcher" / "faults.py":
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                      and n.body and isinstance(n.body[0], ast.Expr)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                if any(setting in node.value for setting in FAULT_SETTINGS):
+                    readers.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    assert readers == []
+    importers = [f"{path.relative_to(SRC)} imports {name}" for path in SRC.rglob("*.py") for name in imports_of(path)
+                 if name == "shoal.launcher.faults"]
+    assert all(line.startswith("launcher/") for line in importers), importers

@@ -181,7 +181,7 @@ def test_every_reader_skips_a_cut_line_and_a_new_log_starts_on_a_line_of_its_own
     assert compare.returncode == 0 and json.loads(compare.stdout)[0]["steps"] == 14, compare.stderr  # trained by the display at 13
     plot = run_cli("plot", ws, "-o", tmp_path / "runs.png")
     assert plot.returncode == 0 and (tmp_path / "runs.png").stat().st_size > 0, plot.stderr
-    from shoal.runtime import job_registry
+    from shoal.launcher import job_registry
 
     (record,) = job_registry.all_jobs()
     assert job_registry.last_metrics(record)["train"]["step"] == 13

@@ -265,3 +265,20 @@ def test_cli_recalibrate_measures_this_machine_and_the_next_plan_reads_the_cache
     assert any(key.startswith("mm 5x8x4 cpu") for key in cached["kernels"])  # fc1's forward, measured for this job
     again = run_cli(str(job), "--estimate", "--json", home=home)
     assert json.loads(again.stdout)["calibration"]["taken_at"] == calib["taken_at"]
+
+
+def test_a_prediction_over_hosts_places_ranks_as_the_launcher_does():
+    """`shoal run --nnodes` starts consecutive blocks of ranks per node; the cost model and the thread budget use the
+    same rule (planning/nodes.py), so Sandblaster's 2 worker processes on 2 hosts share host 0, as they run."""
+    from shoal.launcher.launch import Nodes
+    from shoal.planning.estimate import host_of
+    from shoal.planning.nodes import node_of_rank
+
+    for world, nnodes in [(4, 2), (3, 2), (5, 2), (7, 3), (2, 2), (1, 1)]:
+        launcher = [next(k for k in range(nnodes) if r in Nodes(nnodes=nnodes).ranks(world, k)) for r in range(world)]
+        assert node_of_rank(world, nnodes) == launcher
+    plan = plan_job(job_from_text(SMALL.format(cluster="nworkers_per_group: 2 nservers_per_group: 2 server_worker_separate: true")),
+                    cores=4, nnodes=2)
+    assert host_of(plan, Hosts(count=2)) == [0, 0, 1, 1]
+    assert [len(p.workers) for p in plan.placement.processes] == [1, 1, 0, 0]
+    assert plan.threads_per_worker == 2  # two workers on host 0's 4 cores

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.runtime.hostfile import HostfileError, node_rank_of, parse_hosts, this_machine
+from shoal.launcher.hostfile import HostfileError, node_rank_of, parse_hosts, this_machine
 
 HOSTS = ["node-a.example", "10.0.0.2", "node-c", "fe80::1"]
 DNS = {"node-a.example": {"10.0.0.1"}, "node-c": {"10.0.0.3", "fd00::3"}}

@@ -8,7 +8,7 @@ import time
 from cli_in_process import run_cli
 from layouts import LAYOUTS
 
-from shoal.runtime import job_registry as jobs
+from shoal.launcher import job_registry as jobs
 
 
 def shoal(*args):

@@ -21,7 +21,7 @@ import pytest
 
 from cli_in_process import run_cli
 
-from shoal.runtime import job_registry as jobs
+from shoal.launcher import job_registry as jobs
 
 NOBODY = 65534
 

@@ -28,7 +28,7 @@ from shoal.errors import ShoalError
 from shoal.planning.plan import plan_job
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.report.metrics import read_metrics
-from shoal.runtime.launchers import LaunchedProcess, LauncherEnvError, detect, expand_nodelist
+from shoal.launcher.launchers import LaunchedProcess, LauncherEnvError, detect, expand_nodelist
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 quiet = lambda *a: None  # noqa: E731

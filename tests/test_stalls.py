@@ -19,7 +19,7 @@ import pytest
 from layouts import LAYOUTS, assert_ran
 from test_cli import leftover_processes, tagged
 
-from shoal.runtime import job_registry
+from shoal.launcher import job_registry
 
 STALL_TIMEOUT = 3.0
 SLACK = 20.0  # a loaded 2-core machine: beats every 0.75 s may be late, the launcher must reap and kill

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import shoal
 from shoal.neuralnet import checkpoint as ckpt_io
-from shoal.runtime.run_job import WorkspaceError
+from shoal.launcher.run_job import WorkspaceError
 from shoal.config.phases import fires
 
 

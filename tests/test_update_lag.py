@@ -16,7 +16,7 @@ from cli_in_process import run_cli as shoal_in_process
 
 import shoal
 from layouts import assert_ran, summary
-from shoal.runtime import faults
+from shoal.launcher import faults
 from shoal.runtime.exchanges.staleness import may_apply
 from test_async import downpour_job, hogwild_job, run_cli
 

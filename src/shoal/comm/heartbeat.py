@@ -222,7 +222,7 @@ def any_stalled(ranks: Iterable[int]) -> bool:
 
 
 def revive(rank: int) -> None:
-    """This process's watch takes `rank` up again (shoal.runtime.rejoin: a process restarted in its place)."""
+    """This process's watch takes `rank` up again (shoal.launcher.rejoin: a process restarted in its place)."""
     if _watch is not None:
         _watch.revive(rank)
 

@@ -10,14 +10,14 @@ from shoal.config import job_pb2
 from shoal.config.loader import job_from_dict, load_job as _load_file
 from shoal.config.plugins import load_job_plugins
 from shoal.config.validate import validate
-from shoal.runtime.run_job import RunOptions, test_job, train_job
+from shoal.launcher.run_job import RunOptions, test_job, train_job
 from shoal.runtime.trainer import History
 from shoal.neuralnet.shapes import check_shapes
 
 if TYPE_CHECKING:
     from shoal.neuralnet.params import ParamStore
     from shoal.planning.estimate import Hosts
-    from shoal.runtime.launch import Nodes
+    from shoal.launcher.launch import Nodes
 
 JobLike = Union[str, Path, dict, job_pb2.JobProto]
 
@@ -86,11 +86,12 @@ def train(
 
     The one way into training: `shoal run`, `shoal.fit` and scripts come through here.
     tensorboard=True also writes TensorBoard event files (None: as the job's `tensorboard` field says);
-    progress=None draws a bar when stderr is a terminal; nodes: several hosts (shoal.runtime.launch.Nodes).
+    progress=None draws a bar when stderr is a terminal; nodes: several hosts (shoal.launcher.launch.Nodes).
     shoal.fit passes process_setup (run first in every spawned process: registers its layer types; picklable)
     and initial_values (sets the params from the module's own values).
     """
     proto, base_dirs = as_job(job)
+    script.plan_instead(proto)  # `shoal plan script.py`: this job is planned, not trained
     if tensorboard is not None:
         proto.tensorboard = tensorboard
     workspace, resume = script.workspace(workspace), script.resume(resume)
@@ -196,10 +197,19 @@ def estimate(
     predicted = predict(plan, calib)
     result = {"calibration": calibration_json(calib), "estimate": predicted.to_json()}
     if recommend:
-        from shoal.planning.recommend import timeouts
+        from shoal.planning.module_costs import module_costs_of
+        from shoal.planning.recommend import candidates, settings, timeouts
 
         result["recommend"] = {"label": predicted.label, "nprocs": plan.nprocs, "step_s": predicted.step_s,
                                "timeouts": [asdict(r) for r in timeouts(plan, predicted)]}
+        far = hosts if hosts is not None and hosts.count > 1 else None  # one worker a host; else `count` on this one
+        chosen = far.count if far else count
+        est = candidates(proto, calibrated, chosen, far)
+        link = (f"{far.count} hosts joined by {far.link_gbps * 8 or calib.link_gbps * 8:g} Gbit/s, "
+                f"{(far.latency_s or calib.link_latency_s) * 1e6:g} µs links" if far else
+                f"this host (loopback {calib.link_gbps * 8:.3g} Gbit/s, {calib.link_latency_s * 1e6:.0f} µs)")
+        result["recommend"] |= {"workers": chosen, "links": link, "settings": [asdict(s) for s in settings(
+            est, chosen, module=module_costs_of(plan.partition) is not None, job=predicted, overlap_push=proto.cluster.overlap_push)]}
     if compare:
         result["compare"] = [
             {"layout": r.layout.name, "about": r.layout.about, "cluster": r.layout.cluster, "refused": r.refused,

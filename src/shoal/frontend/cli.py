@@ -7,6 +7,7 @@ with status 2; no traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -116,7 +117,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         description="Print, without starting anything, what `shoal run JOB` would start: processes, "
         "the workers (device, threads, layers) and servers (param slices) each hosts.",
     )
-    p.add_argument("job", type=Path)
+    p.add_argument("job", type=Path, help="job file, or a Python script (.py): its first training call (shoal.fit...) is "
+                   "planned instead of run; the arguments shoal does not take (or all after --) go to the script")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE", help="override a job field")
     _add_plugin(p)
@@ -267,15 +269,15 @@ def _set_max_restarts(args: argparse.Namespace) -> None:
     if args.max_restarts is not None:
         if args.max_restarts < 0:
             raise UsageError(f"--max-restarts {args.max_restarts}: expected 0 or more")
-        os.environ["SHOAL_MAX_RESTARTS"] = str(args.max_restarts)  # read by the launcher (shoal.runtime.rejoin)
+        os.environ["SHOAL_MAX_RESTARTS"] = str(args.max_restarts)  # read by the launcher (shoal.launcher.rejoin)
 
 
 def _rejoin(args: argparse.Namespace, job) -> int:
     """shoal run JOB --rejoin RANK: one process of a running Downpour job, back in a dead one's place."""
     from shoal.frontend.api import base_dirs
     from shoal.planning.plan import plan_job
-    from shoal.runtime import rejoin
-    from shoal.runtime.run_job import resolve_workspace
+    from shoal.launcher import rejoin
+    from shoal.launcher.run_job import resolve_workspace
 
     plan = plan_job(job, nnodes=args.nnodes or 1)
     rejoin.rejoin_by_hand(plan, resolve_workspace(job, args.workspace), args.rejoin, args.master, base_dirs(job))
@@ -301,7 +303,7 @@ def _run_script(args: argparse.Namespace, path: Path) -> int:
 def _script_args(args: argparse.Namespace, extra: list[str]) -> Optional[list[str]]:
     """The arguments for a script `shoal run` runs (those shoal does not take, without the first --); None if not a script."""
     job = getattr(args, "job", None) or getattr(args, "conf", None)
-    if args.command != "run" or job is None or job.suffix != ".py":
+    if args.command not in ("run", "plan") or job is None or job.suffix != ".py":
         return None
     return extra[:extra.index("--")] + extra[extra.index("--") + 1 :] if "--" in extra else extra
 
@@ -318,7 +320,7 @@ class RunInterrupted(KeyboardInterrupt):
 
 def _resume_advice(job, workspace: Optional[Path]) -> str:
     from shoal.neuralnet import checkpoint as ckpt_io
-    from shoal.runtime.run_job import resolve_workspace
+    from shoal.launcher.run_job import resolve_workspace
 
     newest = ckpt_io.latest(resolve_workspace(job, workspace))
     if newest is None:  # --resume would only answer "no checkpoint to resume from"
@@ -330,10 +332,10 @@ def _nodes(args: argparse.Namespace, job):
     """Several hosts from --nnodes/--node-rank/--master or --hostfile; None for one host."""
     if args.nnodes is None and args.hostfile is None:
         return None
-    from shoal.runtime.launch import Nodes, route_interface
+    from shoal.launcher.launch import Nodes, route_interface
 
     if args.hostfile is not None:
-        from shoal.runtime import hostfile
+        from shoal.launcher import hostfile
 
         try:
             hosts = hostfile.read_hosts(args.hostfile)
@@ -376,13 +378,42 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from shoal.frontend import api
+
+    if args.job.suffix == ".py":
+        return _plan_script(args)
+    return _plan_job(args, api.load_job(args.job, args.overrides, plugins=args.plugin))
+
+
+def _plan_script(args: argparse.Namespace) -> int:
+    """shoal plan script.py: the script runs up to its first training call, whose job is planned instead (shoal.fit's
+    module included: its FLOPs and bytes are counted on one sample for --estimate)."""
+    from shoal.config.plugins import load_plugins
+    from shoal.frontend.script import ScriptError, ScriptSettings, run_script
+
+    load_plugins(args.plugin)
+    planned: list[int] = []
+    stdout = sys.stdout
+
+    def plan(job) -> None:
+        with contextlib.redirect_stdout(stdout):
+            planned.append(_plan_job(args, job))
+
+    with contextlib.redirect_stdout(sys.stderr):  # what the script prints stays out of the plan (and of --json)
+        status = run_script(args.job, args.script_args, ScriptSettings(tuple(args.overrides), plan=plan), expected=(ShoalError,))
+    if not planned:
+        raise ScriptError(f"{args.job}: finished (status {status}) without training a job to plan "
+                          "(shoal plan runs a script up to its first shoal.fit, shoal.train or model fit call)")
+    return planned[0]
+
+
+def _plan_job(args: argparse.Namespace, job) -> int:
     import json
 
     from shoal.frontend import api
     from shoal.planning.describe import describe, render
     from shoal.planning.plan import plan_job
 
-    job = api.load_job(args.job, args.overrides, plugins=args.plugin)
     hosts = _hosts_of(args)
     if args.workers is not None and args.workers < 1:
         raise ShoalError(f"--workers: {args.workers} is not a number of workers (at least 1)")
@@ -422,7 +453,7 @@ def _jobs(args: argparse.Namespace) -> int:
     from rich.text import Text
 
     from shoal.errors import warn
-    from shoal.runtime import job_registry as jobs
+    from shoal.launcher import job_registry as jobs
 
     console = Console()
     if not console.is_terminal:  # piped: rows whole, not wrapped at 80 columns

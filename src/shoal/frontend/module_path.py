@@ -141,8 +141,26 @@ def register_fit_layers(spec: FitSpec) -> None:
             batch, _ = fed_batch(self, ctx)
             return batch, None
 
+    measured: dict = {}  # the module's costs per sample, counted once for the cost model (`shoal plan --estimate`)
+
+    def loss_of(module: torch.nn.Module, batch) -> torch.Tensor:
+        """The job's loss on `batch` through `module`, in either form."""
+        if spec.form == "model":
+            return scalar_loss(spec.loss_fn(module, batch))
+        inputs, target = split_pair(batch)
+        return scalar_loss(spec.loss_fn(module(inputs), target))
+
     class _ModuleCompute(Layer):
         """A layer whose params are the module's (by their named_parameters names)."""
+
+        opaque = True  # the planner cannot cut the module's features or place its layers (planning/partition.py)
+
+        def measured_costs(self):
+            if "costs" not in measured:
+                from shoal.frontend.module_measure import measure_module
+
+                measured["costs"] = measure_module(spec.model, loss_of, spec.datasets)
+            return measured["costs"]
 
         def __init__(self, conf, src_shapes):
             super().__init__(conf, src_shapes)

@@ -10,6 +10,10 @@ command line's settings on top of the script's own values:
   workspace the script passes to shoal.train),
 - `--resume`: each job continues from its workspace's newest checkpoint.
 
+`shoal plan script.py` runs the script the same way up to its first training call (shoal.fit,
+shoal.train, a Keras-like model's fit): that call's job is planned (and estimated) instead of
+trained, and the script stops there.
+
 Layouts of several processes start them with torch.multiprocessing's spawn, which imports the
 script in each child: as for any such program, the script's work must sit under
 `if __name__ == "__main__":`.
@@ -22,7 +26,7 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from shoal.config import job_pb2
 from shoal.config.overrides import apply_overrides
@@ -33,11 +37,17 @@ class ScriptError(ShoalError, ValueError):
     """The script is missing or failed: one line naming the file and line."""
 
 
+class PlanReached(BaseException):
+    """`shoal plan script.py`: the script's first training call was planned instead of run; the script stops here
+    (a BaseException, so that a script's own `except Exception` does not go on without the job it asked for)."""
+
+
 @dataclass(frozen=True)
 class ScriptSettings:
     overrides: tuple[str, ...] = ()
     workspace: Optional[Path] = None
     resume: bool = False
+    plan: Optional[Callable[[job_pb2.JobProto], None]] = None  # `shoal plan script.py`: what to do with the first job
 
     @classmethod
     def from_command_line(cls, overrides: list[str], workspace: Optional[Path], resume: bool) -> ScriptSettings:
@@ -68,6 +78,13 @@ def workspace(given: Optional[Path]) -> Optional[Path]:
     return _ACTIVE.workspace if _ACTIVE and _ACTIVE.workspace is not None else given
 
 
+def plan_instead(job: job_pb2.JobProto) -> None:
+    """Under `shoal plan script.py`: plan `job` (the script's first training call) and stop the script; else nothing."""
+    if _ACTIVE is not None and _ACTIVE.plan is not None:
+        _ACTIVE.plan(job)
+        raise PlanReached
+
+
 def resume(given: bool) -> bool:
     return given or bool(_ACTIVE and _ACTIVE.resume)
 
@@ -94,6 +111,8 @@ def run_script(path: Path, argv: list[str], settings: ScriptSettings, expected: 
             runpy.run_path(str(path), run_name="__main__")
         except SystemExit as done:
             return _exit_status(done.code)
+        except PlanReached:
+            return 0
         except SyntaxError as err:
             raise ScriptError(f"{err.filename}:{err.lineno}: SyntaxError: {err.msg}") from None
         except expected:

@@ -125,6 +125,12 @@ class TorchOptimizer(Updater):
         if type(self).scheduler_factory is not None:
             self.scheduler = made_scheduler(type(self).scheduler_factory, optimizer)
 
+    def made_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer the factory makes (`shoal plan` names it by its class)."""
+        if self.optimizer is None:
+            self._prepare()
+        return self.optimizer
+
     def state_shapes(self, name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         if self.optimizer is None:
             self._prepare()

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 from shoal.config import job_pb2
+from shoal.planning.module_costs import ModuleCosts
 from shoal.planning.partition import BATCH, PartitionPlan, PartNode
 
 FLOAT = 4  # bytes of a float32
@@ -198,6 +199,7 @@ class LayerCost:
     stream_fwd: int  # memory traffic outside the dense kernels (elementwise, pooling, copies), forward
     stream_bwd: int  # and backward
     activation_bytes: int  # its output and the output's gradient, kept for backward
+    counted: bool = False  # an opaque module's FLOPs (counted by torch, no kernels): timed at the GEMM rate, streams as a floor
 
 
 def numel(shape) -> int:
@@ -224,6 +226,9 @@ def node_rows(node: PartNode, shares: list[int]) -> int:
 def layer_cost(node: PartNode, rows: int, threads: int, input_grad: bool, device: str = "cpu") -> LayerCost:
     """FLOPs, kernels and memory traffic of one node on `rows` samples."""
     layer, kind = node.layer, node.layer.conf.type
+    measured = layer.measured_costs()
+    if measured is not None:
+        return module_cost(node, rows, measured)
     out = rows * numel(node.shape)
     ins = sum(rows * numel(s) for s in layer.src_shapes)
     fwd, bwd = [], []
@@ -258,6 +263,14 @@ def layer_cost(node: PartNode, rows: int, threads: int, input_grad: bool, device
         stream_bwd = FLOAT * (ins + 2 * out) if input_grad else 0  # reads the output's gradient and a saved blob, writes the input's
     activation = FLOAT * out * (2 if (input_grad or node.params) else 1)
     return LayerCost(node.name, node.origin, node.worker, rows, fwd_flops, bwd_flops, fwd, bwd, stream_fwd, stream_bwd, activation)
+
+
+def module_cost(node: PartNode, rows: int, costs: ModuleCosts) -> LayerCost:
+    """An opaque module's node (shoal.fit): its measured costs on `rows` samples (planning/module_costs.py)."""
+    fwd_flops, bwd_flops = costs.flops(rows)
+    stream_fwd, stream_bwd = costs.stream_bytes(rows)
+    return LayerCost(node.name, node.origin, node.worker, rows, fwd_flops, bwd_flops, [], [], stream_fwd, stream_bwd,
+                     costs.memory_bytes(rows), counted=True)
 
 
 COPIES = {job_pb2.kSlice, job_pb2.kConcate, job_pb2.kSplit, job_pb2.kBridgeSrc, job_pb2.kBridgeDst}
@@ -297,6 +310,12 @@ def compute_seconds(costs: list[LayerCost], calib: Calibration, threads: int, co
         share = min(share, calib.host_bandwidth / max(1, concurrent))
     fwd = bwd = memory = 0.0
     for c in costs:
+        if c.counted:  # no kernels to time: the counted FLOPs at the GEMM rate, or its bytes at the bandwidth if longer
+            rate = calib.gflops(threads, device) * 1e9
+            times = [(c.fwd_flops / rate, c.stream_fwd / share), (c.bwd_flops / rate, c.stream_bwd / share)]
+            fwd, bwd = fwd + max(times[0]), bwd + max(times[1])
+            memory += sum(streamed for flops_s, streamed in times if streamed > flops_s)
+            continue
         for kernels, phase in ((c.kernels_fwd, "fwd"), (c.kernels_bwd, "bwd")):
             for k in kernels:
                 t = max(calib.seconds(k), k.bytes / share)

@@ -23,6 +23,8 @@ from shoal.planning.buckets import DEFAULT_CAP, plan_buckets
 from shoal.planning.costs import (FLOAT, Calibration, LayerCost, compute_seconds, kernels_of, learning_nodes, node_rows, numel,
                                   worker_costs)
 from shoal.planning.partition import PartitionPlan
+from shoal.planning.module_costs import describe_basis, module_costs_of
+from shoal.planning.nodes import node_of_rank
 from shoal.planning.placement import ServerId
 from shoal.planning.plan import Framework, JobPlan
 
@@ -130,11 +132,39 @@ def hosts_from_file(path: Path) -> Hosts:
                  values.get("latency", 0.0) / 1e6)
 
 
-def updater_slots(job: job_pb2.JobProto) -> int:
+def updater_slots(job: job_pb2.JobProto, params: Optional[dict[str, tuple[int, ...]]] = None) -> int:
+    """Element-wise state tensors per param (SINGA's slots; a torch optimizer's state shaped as its param: AdamW 2,
+    SGD with momentum 1), the most any param of `params` has."""
+    return _updater_state(job, params)[0]
+
+
+def updater_name(job: job_pb2.JobProto) -> str:
+    """The updater as a user named it: a torch optimizer's class (shoal.fit's optimizer=), else SINGA's type."""
+    return _updater_state(job, None)[1]
+
+
+_UPDATER_STATES: dict = {}  # a torch optimizer's state is found by stepping a scratch copy: once per updater and params
+
+
+def _updater_state(job: job_pb2.JobProto, params: Optional[dict[str, tuple[int, ...]]]) -> tuple[int, str]:
     try:
-        return len(make_updater(job.updater).slots)
+        updater = make_updater(job.updater)
     except Exception:  # a user updater this process cannot build: assume one slot (momentum)
-        return 1
+        return 1, job.updater.user_type or job_pb2.UpdaterType.Name(job.updater.type)
+    shapes = tuple((name, tuple(shape)) for name, shape in (params or {}).items())
+    key = (type(updater), job.updater.SerializeToString(deterministic=True), shapes)
+    if key not in _UPDATER_STATES:
+        try:
+            slots = max((sum(1 for s in updater.state_shapes(name, shape).values() if tuple(s) == shape) for name, shape in shapes),
+                        default=0) if shapes else len(updater.slots)
+            optimizer = getattr(updater, "made_optimizer", lambda: None)()
+        except Exception:
+            slots, optimizer = 1, None
+        name = type(optimizer).__name__ if optimizer is not None else (job.updater.user_type or job_pb2.UpdaterType.Name(job.updater.type))
+        if len(_UPDATER_STATES) > 64:
+            _UPDATER_STATES.clear()
+        _UPDATER_STATES[key] = (slots, name)
+    return _UPDATER_STATES[key]
 
 
 def trainable(parts: PartitionPlan) -> set[str]:
@@ -146,16 +176,8 @@ def trainable(parts: PartitionPlan) -> set[str]:
 
 
 def host_of(plan: JobPlan, hosts: Hosts) -> list[int]:
-    """Each rank's host: processes with workers in blocks, processes of servers only spread round-robin."""
-    n = max(1, hosts.count)
-    with_workers = [p.rank for p in plan.placement.processes if p.workers]
-    per_host = -(-len(with_workers) // n)
-    where = [0] * plan.nprocs
-    for i, rank in enumerate(with_workers):
-        where[rank] = min(i // per_host, n - 1)
-    for i, rank in enumerate(p.rank for p in plan.placement.processes if not p.workers):
-        where[rank] = i % n
-    return where
+    """Each rank's host, as `shoal run --nnodes` places them (planning/nodes.py)."""
+    return node_of_rank(plan.nprocs, hosts.count)
 
 
 def estimate(plan: JobPlan, calib: Calibration, hosts: Optional[Hosts] = None) -> Estimate:
@@ -177,11 +199,12 @@ class _Model:
         self.where = host_of(plan, hosts)
         self.link_bw = (hosts.link_gbps or calib.link_gbps) * 1e9
         self.latency = hosts.latency_s or calib.link_latency_s
-        self.slots = updater_slots(plan.job)
+        self.slots = updater_slots(plan.job, plan.params)
         self.trainable = trainable(plan.partition)
         self.sizes = {name: math.prod(shape) for name, shape in plan.params.items()}
         self.elements = sum(s for n, s in self.sizes.items() if n in self.trainable)
-        self.notes: list[str] = []
+        module = module_costs_of(plan.partition)  # an opaque module's measured costs name the estimate's basis
+        self.notes: list[str] = [describe_basis(module, self.slots, updater_name(plan.job))] if module else []
 
     # -- pieces ---------------------------------------------------------------------------
     def workers_on_host(self, host: int) -> int:

@@ -149,10 +149,12 @@ def layer_partitioning(net_conf: job_pb2.NetProto, conf: job_pb2.LayerProto, lay
     (inputs, losses, softmax, LRN, layers drawing random numbers) runs on the batch dimension when
     it only inherits partition_dim 1 from the net, and is refused when it asks for it itself.
     """
-    if conf.location >= 0 or (conf.HasField("partition_dim") and conf.partition_dim == -1):
-        return WHOLE, max(conf.location, 0), None
     own = conf.HasField("partition_dim") and conf.partition_dim != -1
     dim = conf.partition_dim if own else net_conf.partition_dim
+    if layer.opaque:
+        _refuse_cutting_a_module(conf, layer, own, dim)
+    if conf.location >= 0 or (conf.HasField("partition_dim") and conf.partition_dim == -1):
+        return WHOLE, max(conf.location, 0), None
     if dim == -1:
         return WHOLE, 0, None
     if dim == 0:
@@ -168,6 +170,20 @@ def layer_partitioning(net_conf: job_pb2.NetProto, conf: job_pb2.LayerProto, lay
             raise PartitionError("partition_dim", f"partition_dim 1: {why}; use 0 (batch) or location")
         return BATCH, 0, f"{layer.name}: on the batch dimension ({why})"
     return FEATURE, 0, None
+
+
+def _refuse_cutting_a_module(conf: job_pb2.LayerProto, layer: Layer, own: bool, dim: int) -> None:
+    """A whole torch module (shoal.fit) runs on its share of the batch on every worker: the planner cannot see the
+    layers inside it to cut their features or place them on workers, so asking for either is refused, not ignored."""
+    what = f"layer {layer.name!r} is a whole torch module (shoal.fit), whose inside shoal cannot see"
+    if conf.location >= 0 or (conf.HasField("partition_dim") and conf.partition_dim == -1):
+        field, value = ("location", conf.location) if conf.location >= 0 else ("partition_dim", -1)
+        raise PartitionError(field, f"{field} {value}: {what}, so it runs on every worker of the group on its share "
+                             f"of the batch, not on one; remove {field}")
+    if dim != 0:
+        raise PartitionError("partition_dim" if own else "neuralnet.partition_dim",
+                             f"partition_dim {dim}: {what}, so it cannot be cut on its features or split into "
+                             "layers over the group's workers; use partition_dim 0 (the batch)")
 
 
 class _Builder:
@@ -292,7 +308,9 @@ def partition(net: NeuralNet, net_conf: job_pb2.NetProto, nworkers: int) -> Part
             own = net_conf.layer[node.conf_index]
             kind, home, note = layer_partitioning(net_conf, own, node.layer, p) if p > 1 else (BATCH, 0, None)
         except PartitionError as err:
-            raise PartitionError(f"{where}.{err.field_path}", err.message) from None
+            # a layer's own field under its position; a net-wide field (neuralnet.partition_dim) as it is
+            field = err.field_path if err.field_path.startswith("neuralnet.") else f"{where}.{err.field_path}"
+            raise PartitionError(field, err.message) from None
         if note:
             notes.append(note)
         kinds[node.name] = (kind, home)

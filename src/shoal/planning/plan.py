@@ -26,6 +26,7 @@ from shoal.neuralnet.net import NeuralNet
 from shoal.neuralnet.params import ParamStore
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.devices import worker_device_names
+from shoal.planning.nodes import node_of_rank
 from shoal.planning.partition import PartitionPlan, partition
 from shoal.planning.placement import Placement, ProcessPlan, WorkerId, place
 from shoal.planning.shares import train_input_shares
@@ -147,7 +148,7 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
         batch_shares=train_input_shares(job),
         devices=[worker_device_names(job, len(p.workers)) for p in placement.processes],
         # every worker on a host shares its cores: oversubscription is what kills CPU throughput
-        threads_per_worker=thread_budget(job, workers_on_host=-(-workers // max(1, nnodes)), cores=cores),
+        threads_per_worker=thread_budget(job, workers_on_host=busiest_node_workers(placement, nnodes), cores=cores),
         updater=updater,
         outer_updater=outer_updater(job) if framework is Framework.LOCAL_SGD else None,
         nnodes=nnodes,
@@ -259,6 +260,15 @@ def _updater_notes(job: job_pb2.JobProto, servers: job_pb2.UpdaterProto) -> list
         return []
     return [f"updater.momentum {job.updater.momentum:g} -> {compensated:g} at the servers: {job.cluster.nworker_groups} "
             "asynchronous groups add momentum of their own (cluster.async_momentum: kAsConfigured keeps the job's)"]
+
+
+def busiest_node_workers(placement: Placement, nnodes: int) -> int:
+    """The most workers any node hosts, its ranks placed as `shoal run --nnodes` places them (planning/nodes.py)."""
+    node = node_of_rank(len(placement.processes), nnodes)
+    per_node = [0] * max(1, nnodes)
+    for p in placement.processes:
+        per_node[node[p.rank]] += len(p.workers)
+    return max(per_node)
 
 
 def thread_budget(job: job_pb2.JobProto, workers_on_host: int = 1, cores: Optional[int] = None) -> int:

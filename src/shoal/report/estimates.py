@@ -133,12 +133,21 @@ def render_suggest(s: dict) -> str:
 def render_recommend(r: dict) -> str:
     """The recommended settings as lines to paste before `shoal run`, each with its reason."""
     if not r["timeouts"]:
-        return f"recommended timeouts for {r['label']}: none (one process: no heartbeat, collective or rendezvous)"
-    lines = [f"recommended timeouts for {r['label']} over {r['nprocs']} processes (predicted step {ms(r['step_s'])}); "
-             "set them in the environment of `shoal run`:"]
-    for t in r["timeouts"]:
-        default = "the default" if t["value"] == t["default"] else f"default {t['default']:g}"
-        lines.append(f"  {t['setting']}={t['value']:g}  ({default}) {t['reason']}")
+        lines = [f"recommended timeouts for {r['label']}: none (one process: no heartbeat, collective or rendezvous)"]
+    else:
+        lines = [f"recommended timeouts for {r['label']} over {r['nprocs']} processes (predicted step {ms(r['step_s'])}); "
+                 "set them in the environment of `shoal run`:"]
+        for t in r["timeouts"]:
+            default = "the default" if t["value"] == t["default"] else f"default {t['default']:g}"
+            lines.append(f"  {t['setting']}={t['value']:g}  ({default}) {t['reason']}")
+    if r.get("settings"):
+        lines += ["", f"recommended settings for {r['workers']} workers on {r['links']}:"]
+        for s in r["settings"]:
+            sets = " ".join(f"--set {x}" for x in s["sets"])
+            predicted = f"predicted {s['samples_per_s']:.0f} samples/s, {mb(s['bytes_per_sample'])}/sample; " if s["samples_per_s"] else ""
+            lines.append(f"  {s['setting']}: {s['value']}" + (f"  ({sets})" if sets else ""))
+            lines.append(f"    {predicted}{s['reason']}")
+            lines += [f"    measured: {m}" for m in s["measured"]]
     return "\n".join(lines)
 
 

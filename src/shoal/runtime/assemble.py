@@ -34,7 +34,7 @@ from shoal.report.metrics import MetricsLog
 from shoal.report.run_log import end_status, failure_reason, open_run_log
 from shoal.report.writes import as_write_error
 from shoal.neuralnet import checkpoint as ckpt_io
-from shoal.runtime import debug_norms, faults, visualization
+from shoal.runtime import debug_norms, rejoined, visualization
 from shoal.runtime.exchanges.compression import codec_for, compresses
 from shoal.runtime.exchanges.downpour import DownpourExchange, DownpourServer
 from shoal.runtime.exchanges.groups import GroupBoard, GroupExchange, run_groups
@@ -43,10 +43,11 @@ from shoal.runtime.exchanges.local import LocalExchange
 from shoal.runtime.exchanges.periodic import InMemoryMeeting, PeriodicExchange, ProcessMeeting
 from shoal.runtime.exchanges.server import Server
 from shoal.runtime.exchanges.sliced import SlicedExchange
-from shoal.runtime.interfaces import TrainerHook
+from shoal.runtime.interfaces import FaultInjection, TrainerHook
 from shoal.runtime.replicas import device_label, torch_device, usable_device_names
 from shoal.runtime.trainer import History, Trainer
-from shoal.runtime.workspace import write_job_copy
+from shoal.runtime.worker import Worker
+from shoal.report.job_copy import write_job_copy
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ class RunSpec:
     log: Callable[[str], None] = print
     progress: Optional[bool] = None  # None: a bar when stderr is a terminal
     initial_values: Optional[Callable[[ParamStore], None]] = None  # shoal.fit: the module's own values
-    rejoin: Optional["Rejoin"] = None  # a process restarted into a running Downpour job (shoal.runtime.rejoin)
+    rejoin: Optional["Rejoin"] = None  # a process restarted into a running Downpour job (shoal.launcher.rejoin)
+    faults: FaultInjection = field(default_factory=FaultInjection)  # injected by the launcher for tests (none here)
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ class ProcessRun:
     trainers: list[Trainer]
     board: Optional[GroupBoard] = None  # asynchronous groups of this process (in-memory Hogwild/Downpour)
     server: Optional[DownpourServer] = None  # a Downpour server process (no workers)
-    rejoining: bool = False  # not a member of the job's world process group (shoal.runtime.rejoin)
+    rejoining: bool = False  # not a member of the job's world process group (shoal.launcher.rejoin)
 
     @property
     def chief(self) -> Optional[Trainer]:
@@ -137,21 +139,29 @@ def assemble(plan: JobPlan, rank: int, spec: RunSpec) -> ProcessRun:
             worker_devices=[d for _, d in mine], rank=rank,
         ))
     run = ProcessRun(plan, rank, trainers, rejoining=spec.rejoin is not None)
-    _attach_exchanges(run)
+    _attach_exchanges(run, spec.faults)
     _set_values(run, spec)
     if distributed:
         for trainer in trainers:
             trainer.add_hook(Heartbeat(in_world=spec.rejoin is None))
-    for trainer in trainers:
-        for hook in faults.process_faults(rank):
-            trainer.add_hook(hook)
+    _inject_faults(run, spec.faults)
     norms = debug_norms.install(trainers[0])  # `debug: true`: SINGA's fp/bp norm files at display steps
     if norms is not None:
         trainers[0].add_hook(norms)
     return run
 
 
-def _attach_exchanges(run: ProcessRun) -> None:
+def _inject_faults(run: ProcessRun, faults: FaultInjection) -> None:
+    """The faults a test asked for, as hooks of this process's trainers and workers."""
+    for trainer in run.trainers:
+        for hook in faults.process_hooks(run.rank) + (faults.group_hooks(trainer.group) if run.board is not None else []):
+            trainer.add_hook(hook)
+        for member in trainer.workers:
+            if isinstance(member, Worker):
+                member.slow_down(faults.compute_delay(member.index, trainer.group))
+
+
+def _attach_exchanges(run: ProcessRun, faults: FaultInjection) -> None:
     """Each trainer's path from gradients to params, as the plan's framework says."""
     plan, rank = run.plan, run.rank
     job, trainers = plan.job, run.trainers
@@ -178,7 +188,7 @@ def _attach_exchanges(run: ProcessRun) -> None:
             t.attach_exchange(HogwildExchange(t.store, Server(t.store, updater()), plan.placement, rank, t.group,
                                               job.cluster.sync_freq, log=print, codecs=codecs))
         case Framework.DOWNPOUR:
-            _attach_downpour(run, updater)
+            _attach_downpour(run, updater, faults.server_update_hook(rank))
         case Framework.LOCAL_SGD:
             groups = job.cluster.nworker_groups
             meeting = InMemoryMeeting(groups, comm.timeout_seconds()) if plan.in_one_process else ProcessMeeting(groups, codecs and codecs())
@@ -189,20 +199,20 @@ def _attach_exchanges(run: ProcessRun) -> None:
                                                    meeting, t.group, plan.global_batch, job.cluster.local_warmup_steps))
 
 
-def _attach_downpour(run: ProcessRun, updater) -> None:
+def _attach_downpour(run: ProcessRun, updater, after_server_update: Optional[Callable[[int], None]]) -> None:
     """A Downpour process is a server or a group's worker(s). Every process creates every group's process
     group (torch.distributed requires it), in group order, whether or not it belongs to it."""
     plan, rank, trainer = run.plan, run.rank, run.trainers[0]
     c = plan.cluster
     group_ranks = {g: plan.ranks_of_group(g) for g in range(c.nworker_groups)}
-    # a rejoined process is in no process group (it hosts a whole group: shoal.runtime.rejoin.why_not)
+    # a rejoined process is in no process group (it hosts a whole group: shoal.launcher.rejoin.why_not)
     group_comms = {} if run.rejoining else {g: comm.new_group(ranks) if len(ranks) > 1 else None for g, ranks in group_ranks.items()}
     hosted = plan.process(rank)
     if hosted.servers:
         run.server = DownpourServer(trainer.store, updater(), plan.placement, hosted.servers[0],
                                     {g: ranks[0] for g, ranks in group_ranks.items()}, log=print,
                                     max_staleness=c.max_staleness, warmup_steps=c.warmup_steps,
-                                    exit_at_version=faults.server_exit_version(rank), max_update_lag=c.max_update_lag)
+                                    after_update=after_server_update, max_update_lag=c.max_update_lag)
         return
     servers = {ServerId(0, i): plan.placement.process_of(ServerId(0, i)) for i in range(c.nservers_per_group)}
     group = hosted.workers[0].group
@@ -241,9 +251,7 @@ def _set_values(run: ProcessRun, spec: RunSpec) -> None:
             chief.start_at(max(chief.start_step, job.cluster.warmup_steps))
             exchange.start_at(chief.start_step)
         if spec.rejoin is not None:  # from the servers' live values, at the step the group had reached
-            from shoal.runtime import rejoin
-
-            rejoin.complete(run, spec)
+            rejoined.complete(run, spec)
     if plan.framework is Framework.LOCAL_SGD:
         for trainer in run.trainers:  # every group starts from the chief's values; a resumed round from its anchor
             trainer.exchange.start_from(chief.store, resumed=spec.resume_from is not None, step=chief.start_step)

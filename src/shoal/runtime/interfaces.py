@@ -94,3 +94,36 @@ class TrainerHook:
 
     def before_final_test(self) -> None:
         """After the last step and the exchange's finish, before the final test and checkpoint."""
+
+
+class GroupDropped(Exception):
+    """An asynchronous exchange found its group dropped by the servers (it stalled too long): the process leaves.
+
+    Control flow, not a user's error: exchanges raise it and never exit; the launcher's process entry
+    catches it and decides how the process ends (shoal.launcher.stalls.watching)."""
+
+
+class ComputeDelay(Protocol):
+    def extra_seconds(self, compute_seconds: float, samples: int) -> float:
+        """Seconds a worker sleeps after computing `samples` rows in `compute_seconds`."""
+
+
+class FaultInjection:
+    """Faults a test or a benchmark injects, handed to the assembly as hooks (RunSpec.faults). This base
+    injects none; shoal.launcher.faults reads the settings, and no other module does."""
+
+    def process_hooks(self, rank: int) -> list[TrainerHook]:
+        """For every trainer of process `rank` (it exits or hangs at a step)."""
+        return []
+
+    def group_hooks(self, group: int) -> list[TrainerHook]:
+        """For the trainer of worker group `group` when the groups run in one process (it fails at a step)."""
+        return []
+
+    def compute_delay(self, worker: int, group: int) -> Optional[ComputeDelay]:
+        """How much longer worker `worker` of group `group` computes (a slower device); None: as fast as it can."""
+        return None
+
+    def server_update_hook(self, rank: int) -> Optional[Callable[[int], None]]:
+        """Called with the version after each update of process `rank`'s Downpour server."""
+        return None

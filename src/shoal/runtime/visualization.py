@@ -16,9 +16,7 @@ from shoal.neuralnet.net import NeuralNet
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.partition import WHOLE
 from shoal.planning.plan import JobPlan
-from shoal.errors import warn
 from shoal.report.node_link import write_json
-from shoal.runtime.workspace import is_users
 
 FOLDER = "visualization"
 
@@ -66,12 +64,9 @@ def write_train_net(plan: JobPlan, workspace: Path, fresh: bool) -> Path:
 def write_test_net(job: job_pb2.JobProto, workspace: Path) -> Optional[Path]:
     """WORKSPACE/visualization/test_net.json at the start of a test-only run, when that workspace exists.
 
-    A test of a checkpoint given by path needs no workspace: none is created just for this file; nor is a
-    file of the user's named visualization replaced (the test runs without the drawing).
+    A test of a checkpoint given by path needs no workspace: none is created just for this file. Whether
+    WORKSPACE/visualization is the user's, the caller asks the workspace (shoal.launcher.run_job.test_job).
     """
     if not Path(workspace).is_dir():
-        return None
-    if is_users(workspace, FOLDER):
-        warn(f"{Path(workspace) / FOLDER} is not shoal's: test_net.json is not written")
         return None
     return write_json(start_folder(workspace, fresh=False) / "test_net.json", test_net_graph(job))

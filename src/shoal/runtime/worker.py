@@ -21,8 +21,8 @@ from shoal.config import job_pb2
 from shoal.neuralnet.layers.base import Context
 from shoal.neuralnet.net import NeuralNet
 from shoal.neuralnet.params import ParamStore
-from shoal.runtime import faults
 from shoal.runtime.feed import InputFeed, make_feeds
+from shoal.runtime.interfaces import ComputeDelay
 
 
 class Worker:
@@ -58,7 +58,7 @@ class Worker:
         # (Context.rows), so a group draws, row for row, what one worker would; groups differ.
         # Draws are made on the CPU whatever the device: a mixed CPU+GPU group draws what one device would
         self.generator = torch.Generator().manual_seed(job.seed + 1 + 7919 * group)
-        self.slowdown = faults.slowdown(index, group)
+        self.slowdown: Optional[ComputeDelay] = None  # injected by a test (slow_down), as a slower device
         # gradient accumulation: an input layer may ask for its batch share in micro-batches (shoal.fit's grad_accum_steps)
         self.micro_batches = max((getattr(n.layer, "micro_batches", 1) for n in self.net.input_nodes()), default=1)
 
@@ -121,6 +121,10 @@ class Worker:
                 rows=(offset, rows, self.global_batch),
             )
         return train_one_batch(self.job.train_one_batch, self.net, ctx)
+
+    def slow_down(self, delay: Optional[ComputeDelay]) -> None:
+        """Compute slower from now on, as a slower device would (fault injection: shoal.launcher.faults)."""
+        self.slowdown = delay
 
     def use_view_updater(self, update_view) -> None:
         """A worker computes every param whole on its share of the batch: no view is its own."""

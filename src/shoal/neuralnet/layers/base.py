@@ -64,6 +64,8 @@ class Layer:
     feature_local: ClassVar[bool] = False
     # True when forward draws random numbers in training (dropout masks, random crops)
     draws_random: ClassVar[bool] = False
+    # True for a layer computing a whole torch module (shoal.fit): shoal cannot cut its features, only its batch
+    opaque: ClassVar[bool] = False
     # how many leading srclayers forward() reads (None: all); the others are feedback
     # edges of an undirected model, outside the DAG, handed to close_loop
     forward_sources: ClassVar[Optional[int]] = None
@@ -85,6 +87,11 @@ class Layer:
     def narrowed(self, features: int) -> Optional[tuple[LayerProto, list[int]]]:
         """For a one-to-all layer: a copy of conf computing only `features` of the outputs, and
         for each param the axis that holds the outputs (None: the layer cannot split its outputs)."""
+        return None
+
+    def measured_costs(self):
+        """An opaque layer's measured costs per sample (planning/module_costs.ModuleCosts: a shoal.fit module, whose
+        inside the cost model cannot see), or None: the cost model derives them from the layer's type and shapes."""
         return None
 
     def param_trainable(self) -> list[bool]:

@@ -15,7 +15,7 @@ job's store), not over the job's world process group, so that a process can
 take a dead one's place. A server serves each group on a thread with blocking
 receives from that group's stub. A group whose process dies only ends that
 thread (the server warns and goes on); the server then waits for a new process
-of the group (shoal.runtime.rejoin: restarted by the launcher or by hand),
+of the group (shoal.launcher.rejoin: restarted by the launcher or by hand),
 which pulls the live values, the version and the steps its group has done,
 and trains the steps left. A push in flight when a process died is lost whole
 (a server applies a push once it received all of it). The chief's last
@@ -30,7 +30,6 @@ applied) and it leaves.
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ from shoal.runtime.exchanges.compression import codec_for, codecs_state, load_co
 from shoal.runtime.exchanges.clipping import clip_, max_norm_of
 from shoal.runtime.exchanges.local import aggregate
 from shoal.runtime.exchanges.staleness import StalenessStats, histogram, may_apply
+from shoal.runtime.interfaces import GroupDropped
 from shoal.neuralnet.updaters import ParamUpdate, Updater
 
 PUSH, STOP, STATE, FINAL, PULL = 1, 2, 3, 4, 5
@@ -114,8 +114,8 @@ class DownpourServer:
 
     def __init__(self, store: ParamStore, updater: Updater, placement: Placement, server: ServerId,
                  stubs: dict[int, int], log: Callable[[str], None] = print, max_staleness: int = -1, warmup_steps: int = 0,
-                 exit_at_version: Optional[int] = None, max_update_lag: int = -1):
-        """`exit_at_version`: fault injection for tests (shoal.runtime.faults): the process exits at that version."""
+                 after_update: Optional[Callable[[int], None]] = None, max_update_lag: int = -1):
+        """`after_update(version)`: called after each update (fault injection for tests: shoal.launcher.faults)."""
         self.store, self.updater, self.server, self.stubs, self.log = store, updater, server, stubs, log
         self.cluster = placement.cluster
         trainable = set(store.trainable_names())
@@ -143,7 +143,7 @@ class DownpourServer:
         self.incarnations = dict.fromkeys(stubs, 0)  # the incarnation of each group served last
         self._refused: set[str] = set()  # the nonces of knocks that could not prove they hold the job's secret
         self._closed = False
-        self.exit_at_version = exit_at_version
+        self.after_update = after_update
 
     def _view(self, seg: Segment) -> torch.Tensor:
         return self.store.values[seg.param].view(-1)[seg.start : seg.stop]
@@ -179,8 +179,8 @@ class DownpourServer:
             self.version += 1
             self.applied[group] = self.applied.get(group, 0) + 1
             self.lags.setdefault(group, StalenessStats()).add(lag)
-            if self.version == self.exit_at_version:
-                os._exit(3)
+            if self.after_update is not None:
+                self.after_update(self.version)
             return self.values(), self.version, lag
 
     # -- serving: one thread per group for the job's life, one per incarnation of the group ------------
@@ -463,7 +463,7 @@ class DownpourExchange:
         self.lag_histogram: Optional[dict] = None  # the first server's count of every update's lag, after the chief's last request
         self.warmup = placement.cluster.warmup_steps > 0
         self.first_step = 0  # a resumed run's, or where a joining group starts after group 0's warm-up
-        self.incarnation = 0  # how many processes of this group came before this one (shoal.runtime.rejoin)
+        self.incarnation = 0  # how many processes of this group came before this one (shoal.launcher.rejoin)
         self._channels: dict[int, channels.Channel] = {}  # server rank -> this stub's channel, opened at first use
         self.overlap = placement.cluster.overlap_push
         self._awaited: list = []  # the answers to the last push, while they are on their way (overlap_push)
@@ -612,10 +612,8 @@ class DownpourExchange:
 
     def _leave_if_refused(self, version: int, step: int) -> None:
         if version == REFUSED:  # the servers dropped this group while it was stalled
-            from shoal.runtime import stalls
-
-            stalls.leave(f"worker group {self.group}: the servers refused its push at step {step}; they dropped "
-                         "the group while it was stalled, so its processes leave")
+            raise GroupDropped(f"worker group {self.group}: the servers refused its push at step {step}; they dropped "
+                               "the group while it was stalled, so its processes leave")
 
     def metrics(self, window: MetricWindow) -> dict[str, float]:
         """This process's losses; the chief adds the job's samples (from the server version) and its staleness."""

@@ -28,7 +28,6 @@ from shoal.errors import warn
 from shoal.neuralnet.algorithms import Grads
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
-from shoal.runtime import faults
 from shoal.runtime.interfaces import TrainerHook
 from shoal.runtime.exchanges.local import aggregate, clipped
 from shoal.runtime.exchanges.server import Server
@@ -153,8 +152,6 @@ class GroupExchange:
     def begin(self, step: int) -> None:
         if self.board.aborted:
             raise GroupsAborted(f"worker group {self.group} stops: the job is ending")
-        if faults.group_fails(self.group, step):
-            raise RuntimeError(f"injected failure (SHOAL_INJECT_GROUP_ERROR) at step {step}")
         self.board.wait_turn(self.group, step)
         self.board.read(self.group, self.server.updates)
 

@@ -1,5 +1,10 @@
 """Fault injection for tests and benchmarks: every SHOAL_INJECT_* / SHOAL_SLOW_WORKER variable is read here.
 
+The launcher hands `from_environment()` to each process's assembly (RunSpec.faults), which gives its
+hooks to the trainers, the workers and the Downpour server (shoal.runtime.interfaces.FaultInjection);
+nothing below the launcher reads these variables. An injected exit is the launcher's: it ends the
+process here, as a crash would.
+
   SHOAL_INJECT_EXIT="RANK:STEP"         process RANK exits (code 3) when it reaches training step STEP;
                                         a Downpour server process exits when its version reaches STEP
   SHOAL_INJECT_STALL="RANK:STEP"        process RANK's training hangs at step STEP (its heartbeat goes on: caught by SHOAL_COMM_TIMEOUT)
@@ -17,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from shoal.runtime.interfaces import TrainerHook
+from shoal.runtime.interfaces import FaultInjection, TrainerHook
 
 
 def _pair(variable: str) -> Optional[tuple[int, int]]:
@@ -68,14 +73,15 @@ def slowdown(worker: int, group: int = 0) -> Slowdown:
     return this_group or every_group
 
 
-def group_fails(group: int, step: int) -> bool:
-    return _pair("SHOAL_INJECT_GROUP_ERROR") == (group, step)
-
-
 def server_exit_version(rank: int) -> Optional[int]:
     """The version at which the Downpour server of process `rank` "dies", if asked."""
     spec = _pair("SHOAL_INJECT_EXIT")
     return spec[1] if spec and spec[0] == rank else None
+
+
+def _die() -> None:
+    """End now, as a crash would: no cleanup, exit code 3."""
+    os._exit(3)
 
 
 class ProcessFault(TrainerHook):
@@ -88,8 +94,19 @@ class ProcessFault(TrainerHook):
         if step != self.step:
             return
         if self.action == "exit":
-            os._exit(3)
+            _die()
         time.sleep(10**6)
+
+
+class GroupFault(TrainerHook):
+    """In-memory worker group `group` raises at a step, as SHOAL_INJECT_GROUP_ERROR asks (the others go on)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def before_step(self, step: int) -> None:
+        if step == self.step:
+            raise RuntimeError(f"injected failure (SHOAL_INJECT_GROUP_ERROR) at step {step}")
 
 
 def process_faults(rank: int) -> list[ProcessFault]:
@@ -99,3 +116,28 @@ def process_faults(rank: int) -> list[ProcessFault]:
         if spec and spec[0] == rank:
             faults.append(ProcessFault(spec[1], action))
     return faults
+
+
+class InjectedFaults(FaultInjection):
+    """The faults this process's environment asks for, as hooks for the assembly."""
+
+    def process_hooks(self, rank: int) -> list[TrainerHook]:
+        return list(process_faults(rank))
+
+    def group_hooks(self, group: int) -> list[TrainerHook]:
+        spec = _pair("SHOAL_INJECT_GROUP_ERROR")
+        return [GroupFault(spec[1])] if spec and spec[0] == group else []
+
+    def compute_delay(self, worker: int, group: int) -> Optional[Slowdown]:
+        return slowdown(worker, group) or None
+
+    def server_update_hook(self, rank: int):
+        version = server_exit_version(rank)
+        if version is None:
+            return None
+        return lambda reached: _die() if reached == version else None
+
+
+def from_environment() -> FaultInjection:
+    """What SHOAL_INJECT_* / SHOAL_SLOW_WORKER ask of this process (read when the hooks are asked for)."""
+    return InjectedFaults()

@@ -8,7 +8,7 @@ left. The servers keep every update they applied; a push in flight when the old 
 lost whole.
 
 - Automatic: `shoal run JOB --max-restarts N` (SHOAL_MAX_RESTARTS) restarts a process that hosts
-  only a Downpour group other than 0 (`launch.expendable`) up to N times. The launcher announces
+  only a Downpour group other than 0 (`ranks.expendable`) up to N times. The launcher announces
   the restart before the process starts, so the chief's last request waits for it; restarted
   processes fork from a server that imported shoal already (multiprocessing's forkserver), so a
   restart costs no Python start-up.
@@ -27,19 +27,19 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 from shoal.comm import auth, channels, heartbeat
 from shoal.errors import ShoalError, warn
 from shoal.planning.plan import Framework, JobPlan
-from shoal.runtime.exchanges.downpour import DOOR, DownpourExchange
+from shoal.launcher import faults, stalls
+from shoal.launcher.ranks import chief_log, describe_process, rank_output
+from shoal.runtime.exchanges.downpour import DOOR
+from shoal.runtime.rejoined import RECORDS_FILE
 
 STORE_FILE = "store.json"  # WORKSPACE/logs/store.json: where the job's store is, for --rejoin
-RECORDS_FILE = "rejoins.jsonl"
 
 
 class RejoinRefused(ShoalError, ValueError):
@@ -54,8 +54,6 @@ def max_restarts() -> int:
 
 def why_not(plan: JobPlan, rank: int) -> Optional[str]:
     """Why process `rank` cannot rejoin the running job (None: it can)."""
-    from shoal.runtime.launch import describe_process
-
     if plan.framework is not Framework.DOWNPOUR:
         return f"only Downpour worker groups can rejoin a running job ({plan.label} cannot; Distributed Hogwild's replicas are not rebuilt)"
     if not 0 <= rank < plan.nprocs:
@@ -75,46 +73,6 @@ def why_not(plan: JobPlan, rank: int) -> Optional[str]:
 
 def group_of(plan: JobPlan, rank: int) -> int:
     return plan.process(rank).workers[0].group
-
-
-def process_started_at() -> float:
-    """When this process started (the kernel's word, 10 ms ticks), on the wall clock."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        since_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")
-        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
-    except (OSError, IndexError, ValueError, AttributeError):
-        return _imported_at
-
-
-_imported_at = time.time()
-
-
-# -- inside the new process: after assembly, before the first step ---------------------------------
-def complete(run, spec) -> None:
-    """Pull the live params, the version and the group's steps from the servers; train from there on."""
-    trainer, ticket = run.chief, spec.rejoin
-    exchange = trainer.exchange
-    assert isinstance(exchange, DownpourExchange)
-    knocked_at = time.time()  # the process is built (imports, plan, net, data): the handshake and the pull from here
-    step, version = exchange.rejoin(ticket.incarnation)
-    rejoined_at = time.time()
-    trainer.start_at(step)
-    started_at = process_started_at()
-    record = {"group": trainer.group, "rank": run.rank, "incarnation": ticket.incarnation, "step": step, "version": version,
-              "process_start_to_rejoin_s": round(rejoined_at - started_at, 3), "handshake_and_pull_s": round(rejoined_at - knocked_at, 3),
-              "time": rejoined_at,
-              "by_hand": ticket.detected_at is None, "digests": exchange.digests}
-    if ticket.detected_at is not None:
-        record["detection_to_rejoin_s"] = round(rejoined_at - ticket.detected_at, 3)
-    since_death = f"; {record['detection_to_rejoin_s']:.2f} s after its death was seen" if ticket.detected_at is not None else ""
-    line = (f"Worker group {trainer.group} rejoined at step {step} (process {run.rank}, restart {ticket.incarnation}): live params of "
-            f"version {version}, {record['process_start_to_rejoin_s']:.2f} s after its process started{since_death}")
-    print(line)  # this process's log
-    if sys.__stdout__ is not None and sys.stdout is not sys.__stdout__:
-        print(line, file=sys.__stdout__, flush=True)  # the job's terminal (the launcher's, or the --rejoin command's)
-    with open(Path(spec.workspace) / "logs" / RECORDS_FILE, "a") as f:
-        f.write(json.dumps(record) + "\n")
 
 
 # -- the launcher's side -----------------------------------------------------------------------------
@@ -160,8 +118,6 @@ class Restarter:
             if self._door is not None:  # a group that died before it connected holds no server waiting for it
                 self._door.give_up(group_of(self.plan, rank), self._door.incarnation(group_of(self.plan, rank)))
             return False
-        from shoal.runtime.launch import describe_process
-
         reason = why_not(self.plan, rank)
         done = self.restarts.get(rank, 0)
         group = group_of(self.plan, rank)
@@ -220,8 +176,6 @@ def add_rejoins_to_summary(workspace: Path, since: float) -> None:
 def _entry(rank: int, meeting, job_bytes: bytes, workspace: str, base_dirs: list[str], process_setup, initial_values,
            incarnation: int, detected_at: Optional[float], environment: dict[str, str]) -> None:
     """A restarted process (forked from the forkserver): rank `rank` again, a client of the job's store only."""
-    from shoal.runtime.launch import chief_log, rank_output
-
     os.environ.clear()  # the launcher's environment now, not the forkserver's when it started
     os.environ.update(environment)
 
@@ -237,7 +191,6 @@ def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, stor
     """Run rank `rank` of a running job as incarnation `incarnation` of its group, to the group's last step."""
     from shoal.config.plugins import decode_job
     from shoal.planning.plan import plan_job
-    from shoal.runtime import stalls
     from shoal.runtime.assemble import Rejoin, RunSpec, run_process
     from shoal.runtime.exchanges.downpour import JobOver
 
@@ -246,7 +199,7 @@ def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, stor
     plan = plan_job(decode_job(job_bytes), nnodes=nnodes)
     channels.join_as_client(store_host, store_port, interface, auth.required_secret("a process rejoining a job"))
     spec = RunSpec(workspace, base_dirs, None, log=log, progress=False, initial_values=initial_values,
-                   rejoin=Rejoin(incarnation, detected_at))
+                   rejoin=Rejoin(incarnation, detected_at), faults=faults.from_environment())
     try:
         with stalls.watching(plan, rank, workspace):
             run_process(plan, rank, spec)
@@ -259,8 +212,6 @@ def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, stor
 def rejoin_by_hand(plan: JobPlan, workspace: Path, rank: int, master: Optional[str], base_dirs: list[Path],
                    log: Callable[[str], None] = print) -> None:
     """Start process `rank` of the running job `plan` again, in this process (refused in one line when it cannot)."""
-    from shoal.runtime.launch import rank_output
-
     reason = why_not(plan, rank)
     if reason is not None:
         raise RejoinRefused(f"--rejoin {rank}: {reason}")

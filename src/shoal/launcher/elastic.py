@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 from google.protobuf import text_format
 
@@ -23,13 +23,13 @@ from shoal.config import job_pb2
 from shoal.errors import ShoalError
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.planning.plan import JobPlan
-from shoal.runtime import job_registry, launchers
+from shoal.launcher import faults, job_registry, launchers
 from shoal.runtime.assemble import RunSpec
 from shoal.runtime.trainer import History
-from shoal.runtime.workspace import JOB_COPY, WorkspaceError, WorkspaceLock, claim, job_copy, prepare, write_job_copy
+from shoal.launcher.workspace import JOB_COPY, WorkspaceError, WorkspaceLock, claim, job_copy, prepare
+from shoal.report.job_copy import write_job_copy
 
-if TYPE_CHECKING:
-    from shoal.runtime.run_job import RunOptions
+from shoal.launcher.options import RunOptions
 
 
 class LaunchMismatch(ShoalError, ValueError):
@@ -87,10 +87,10 @@ def check_same_job(workspace: Path, job: job_pb2.JobProto) -> None:
         raise WorkspaceError(refuse.format(f"a job {job.name!r} whose {differs} differs"))
 
 
-def train_launched(plan: JobPlan, options: "RunOptions", launched: launchers.LaunchedProcess, job_file: str,
+def train_launched(plan: JobPlan, options: RunOptions, launched: launchers.LaunchedProcess, job_file: str,
                    workspace: Path) -> History:
     """This rank of a job whose processes a launcher started; rank 0 prepares and registers the job."""
-    from shoal.runtime.launch import run_launched
+    from shoal.launcher.launch import run_launched
 
     if launched.world_size != plan.nprocs:
         raise LaunchMismatch(
@@ -115,7 +115,8 @@ def train_launched(plan: JobPlan, options: "RunOptions", launched: launchers.Lau
         return resume_from
 
     def spec_for(resume_from: Optional[Path], log: Callable[[str], None]) -> RunSpec:
-        return RunSpec(workspace, options.base_dirs, resume_from, log, progress=False, initial_values=options.initial_values)
+        return RunSpec(workspace, options.base_dirs, resume_from, log, progress=False, initial_values=options.initial_values,
+                       faults=faults.from_environment())
 
     try:
         history = run_launched(plan, launched, workspace, start, spec_for)

@@ -27,14 +27,13 @@ from pathlib import Path
 from typing import Optional
 
 from shoal.errors import ShoalError, warn
+from shoal.report.job_copy import JOB_COPY, META
 from shoal.report.writes import cause_of, writing
 
-META = ".shoal"
 # what a run writes at a workspace's top level (and set-aside copies of them: metrics.jsonl.2, visualization.1)
 OUTPUT_NAMES = ("checkpoint", "logs", "visualization", "tensorboard", "metrics.jsonl", "summary.json")
 FOLDERS = {META, "checkpoint", "logs", "visualization", "tensorboard", "data"}
 FIT_DATA = "data"  # shoal.fit writes the arrays it is given here
-JOB_COPY = Path(META) / "job.conf"  # the job as the workspace's run was started
 LEGACY_JOB_COPY = "job.conf"  # where shoal kept that copy before workspaces could hold the user's files
 # what older shoals wrote at the top: a folder holding only these, without the marker, is an older shoal workspace
 LEGACY_ENTRIES = {META, *OUTPUT_NAMES, LEGACY_JOB_COPY, FIT_DATA}
@@ -135,15 +134,6 @@ def job_copy(workspace: Path) -> Optional[Path]:
     if legacy.is_file() and LEGACY_JOB_COPY not in user_entries(workspace):
         return legacy
     return None
-
-
-def write_job_copy(job_text: str, workspace: Path) -> Path:
-    """WORKSPACE/.shoal/job.conf: the job as this run was started (read by --resume=auto)."""
-    path = Path(workspace) / JOB_COPY
-    with writing(path):
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(job_text)
-    return path
 
 
 class WorkspaceLock:

@@ -10,7 +10,7 @@ checkpoints); every process logs to WORKSPACE/logs/rank<R>.log. If a process
 dies, torch's process context terminates the others on its node, the others
 time out of their collectives, and each launcher reports which rank failed.
 
-Started by a launcher instead (torchrun, srun, a PyTorchJob: shoal.runtime.launchers),
+Started by a launcher instead (torchrun, srun, a PyTorchJob: shoal.launcher.launchers),
 each process runs only its own rank (`run_launched`): the same per-rank path
 (`rank_output`, `join_world`, `run_rank`), with rank 0 starting the job once
 every rank has joined.
@@ -25,7 +25,6 @@ import signal
 import socket
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -37,12 +36,14 @@ from shoal.comm import dist as comm
 from shoal.comm import rendezvous
 from shoal.config.plugins import decode_job
 from shoal.errors import ShoalError, warn
+from shoal.planning.nodes import ranks_of_node
 from shoal.planning.plan import JobPlan, plan_job
 from shoal.report.metrics import read_metrics
 from shoal.report.run_log import Terminated, mark_run_ended
 from shoal.runtime.assemble import RunSpec, run_process
-from shoal.runtime import rejoin, stalls
-from shoal.runtime.launchers import LaunchedProcess
+from shoal.launcher import faults, rejoin, stalls
+from shoal.launcher.ranks import chief_log, describe_process, expendable, rank_output
+from shoal.launcher.launchers import LaunchedProcess
 from shoal.runtime.trainer import History
 
 LOOPBACK = "127.0.0.1"  # one host: nothing listens beyond loopback
@@ -68,8 +69,7 @@ class Nodes:
 
     def ranks(self, world: int, node_rank: int) -> list[int]:
         """A node's ranks: nodes take equal consecutive blocks (node 0 hosts rank 0, the chief)."""
-        per_node = -(-world // self.nnodes)
-        return list(range(node_rank * per_node, min(world, (node_rank + 1) * per_node)))
+        return ranks_of_node(world, self.nnodes, node_rank)
 
 
 def join_timeout_seconds() -> float:
@@ -128,35 +128,6 @@ def launched_interface(master: str) -> Optional[str]:
         return route(master)[0]
     except OSError:
         return None
-
-
-def describe_process(plan: JobPlan, rank: int) -> str:
-    proc = plan.process(rank)
-    members = [str(w) for w in proc.workers] + [str(s) for s in proc.servers]
-    return f"process {rank} ({', '.join(members)})"
-
-
-@contextmanager
-def rank_output(workspace: Path, rank: int):
-    """WORKSPACE/logs/rank<R>.log: the chief talks to the terminal (and copies its lines there); every other
-    rank writes only to its file. Afterwards stderr is given back, so that a failure's one line reaches the terminal."""
-    log_dir = Path(workspace) / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_file = open(log_dir / f"rank{rank}.log", "a", buffering=1)
-    saved_stderr = sys.stderr
-    if rank != 0:
-        sys.stdout = sys.stderr = log_file
-    try:
-        yield log_file
-    finally:
-        sys.stderr = saved_stderr
-
-
-def chief_log(rank: int, log_file) -> Callable[[str], None]:
-    """How a rank says a line: the chief to the terminal and its log file, the others to their log file (their stdout)."""
-    if rank != 0:
-        return print
-    return lambda line: (print(line), log_file.write(line + "\n"))
 
 
 def join_world(plan: JobPlan, rank: int, world: int, ranks_per_node: int, host: str, port: int,
@@ -228,7 +199,8 @@ def _entry(local_index: int, ranks: list[int], meeting: Meeting, environment: di
                    meeting.interface, auth.required_secret("a rank of a job"), agent_store_attempt=0)
         try:
             spec = RunSpec(Path(workspace), [Path(d) for d in base_dirs], Path(resume_from) if resume_from else None,
-                           log=chief_log(rank, log_file), progress=False, initial_values=initial_values)
+                           log=chief_log(rank, log_file), progress=False, initial_values=initial_values,
+                           faults=faults.from_environment())
             with stalls.watching(plan, rank, Path(workspace)):  # a stalled peer: named within SHOAL_STALL_TIMEOUT
                 run_rank(plan, rank, spec)
             stalls.exit_if_abandoned()
@@ -288,15 +260,9 @@ def run_launched(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
         comm.shutdown()
 
 
-def expendable(plan: JobPlan, rank: int) -> bool:
-    """Asynchronous jobs outlive a process that hosts only workers of groups other than group 0."""
-    proc = plan.process(rank)
-    return not plan.framework.synchronous and bool(proc.workers) and all(m.group != 0 for m in proc.workers + proc.servers)
-
-
 def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace: Path, restarter=None) -> None:
     """Wait for the processes of an asynchronous job; a dead worker group is reported, not fatal, and restarted
-    into the running job when it can be (`restarter`: shoal.runtime.rejoin.Restarter, --max-restarts).
+    into the running job when it can be (`restarter`: shoal.launcher.rejoin.Restarter, --max-restarts).
 
     Returns when every process has exited or one that the job cannot lose has
     failed (torch's context.join then reports it and stops the others).

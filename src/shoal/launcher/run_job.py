@@ -2,45 +2,29 @@
 
 `train_job` is what `shoal run`, `shoal.train` and `shoal.fit` reach (through
 shoal.frontend.api). A layout of one process runs in this process as rank 0
-of a world of one; a layout of several spawns them (shoal.runtime.launch);
+of a world of one; a layout of several spawns them (shoal.launcher.launch);
 either way each process is assembled by shoal.runtime.assemble.run_process.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import Optional
 
 import torch
 
 from shoal.config import job_pb2
+from shoal.errors import warn
 from shoal.planning.plan import JobPlan, plan_job
 from shoal.report.tensorboard import require_tensorboard
 from shoal.report.writes import WorkspaceWriteError, as_write_error, is_writable
 from shoal.neuralnet import checkpoint as ckpt_io
-from shoal.runtime import elastic, job_registry, visualization
+from shoal.launcher import elastic, faults, job_registry
+from shoal.launcher.options import RunOptions
+from shoal.runtime import visualization
 from shoal.runtime.assemble import RunSpec, run_process
 from shoal.runtime.replicas import torch_device, usable_device_names
 from shoal.runtime.trainer import History, Trainer
-from shoal.runtime.workspace import WorkspaceError, WorkspaceLock, claim, prepare
-
-if TYPE_CHECKING:
-    from shoal.neuralnet.params import ParamStore
-    from shoal.runtime.launch import Nodes
-
-
-@dataclass
-class RunOptions:
-    workspace: Optional[Path] = None  # overrides cluster.workspace
-    resume: Union[bool, str] = False  # "auto": this job's newest checkpoint if the workspace has one, else start fresh
-    # folders relative paths in the job are resolved against (cwd first, as SINGA)
-    base_dirs: list[Path] = field(default_factory=lambda: [Path.cwd()])
-    log: Callable[[str], None] = print
-    progress: Optional[bool] = None  # None: a bar when stderr is a terminal
-    nodes: Optional["Nodes"] = None  # several hosts (shoal.runtime.launch.Nodes); None: this host only
-    # shoal.fit: registers its layer types in each spawned process (picklable), and sets initial param values
-    process_setup: Optional[Callable[[], None]] = None
-    initial_values: Optional[Callable[["ParamStore"], None]] = None
+from shoal.launcher.workspace import WorkspaceError, WorkspaceLock, claim, is_users, prepare
 
 
 def resolve_workspace(job: job_pb2.JobProto, override: Optional[Path]) -> Path:
@@ -91,11 +75,12 @@ def _train_job(job: job_pb2.JobProto, options: RunOptions, job_file: str) -> His
 
 
 def _train(plan: JobPlan, options: RunOptions, workspace: Path, resume_from: Optional[Path], record: job_registry.JobRecord) -> History:
-    spec = RunSpec(workspace, options.base_dirs, resume_from, options.log, options.progress, options.initial_values)
+    spec = RunSpec(workspace, options.base_dirs, resume_from, options.log, options.progress, options.initial_values,
+                   faults=faults.from_environment())
     if plan.in_one_process and options.nodes is None:
         options.log(f"Job {record.id}: {plan.label}; workspace {workspace}")
         return run_process(plan, 0, spec)
-    from shoal.runtime.launch import Nodes, run_processes
+    from shoal.launcher.launch import Nodes, run_processes
 
     def started(pids: list[int]) -> None:
         launcher = dict(record.processes[0], rank="launcher")
@@ -128,6 +113,8 @@ def test_job(job: job_pb2.JobProto, options: RunOptions, checkpoint: Optional[Pa
     step = trainer.load_params(paths)
     if not is_writable(workspace):  # an archived run, evaluated where it lies: testing needs no write
         options.log(f"Workspace {workspace} is read-only: {visualization.FOLDER}/test_net.json not written")
+    elif is_users(workspace, visualization.FOLDER):  # the test runs without the drawing
+        warn(f"{Path(workspace) / visualization.FOLDER} is not shoal's: test_net.json is not written")
     else:
         try:
             visualization.write_test_net(job, workspace)

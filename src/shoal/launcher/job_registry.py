@@ -7,7 +7,7 @@ and keeps its status current; `shoal jobs list | view ID | kill ID` read and act
 The folder (0700) and its files (0600) are the user's own. Whatever else lies there is read as untrusted:
 only regular files of the user's, at most MAX_RECORD_BYTES, every field type-checked; anything else is one
 line naming the file and what is wrong. `kill` signals only processes that still match their record
-(runtime/process_identity.py).
+(launcher/process_identity.py).
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from typing import Any, NamedTuple, Optional
 
 from shoal.errors import ShoalError
 from shoal.report.metrics import read_metrics
-from shoal.runtime import process_identity
-from shoal.runtime.process_identity import SignalRefused, start_time  # noqa: F401 (start_time: part of this module's API)
+from shoal.launcher import process_identity
+from shoal.launcher.process_identity import SignalRefused, start_time  # noqa: F401 (start_time: part of this module's API)
 
 MAX_RECORD_BYTES = 1 << 20  # a record of thousands of processes is far smaller
 STATUSES = ("running", "finished", "failed", "killed")

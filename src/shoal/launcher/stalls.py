@@ -24,7 +24,9 @@ from typing import Callable, Optional
 
 from shoal.comm import heartbeat
 from shoal.errors import warn
+from shoal.launcher.ranks import describe_process, expendable
 from shoal.planning.plan import JobPlan
+from shoal.runtime.interfaces import GroupDropped
 
 STALLED_EXIT = 86  # this process found a peer the job cannot lose stalled: logs/rank<R>.stalled says which
 GROUP_DROPPED_EXIT = 87  # this process's asynchronous group was dropped: it leaves, the chief has warned
@@ -47,13 +49,9 @@ class StallPolicy:
         return workers[0].group if workers else None
 
     def _expendable(self, rank: int) -> bool:
-        from shoal.runtime.launch import expendable
-
         return expendable(self.plan, rank)
 
     def on_stall(self, stall: heartbeat.Stall) -> None:
-        from shoal.runtime.launch import describe_process
-
         silent = f"no heartbeat for {stall.silent_s:.0f} s" + (f", the last at step {stall.step}" if stall.step >= 0 else "")
         if stall.rank is None:
             self._fail(f"the job's store (held by the launcher: shoal run's, or torchrun's agent) stopped answering ({silent})")
@@ -113,7 +111,10 @@ def _exit(code: int) -> None:
 
 @contextmanager
 def watching(plan: JobPlan, rank: int, workspace: Path, reports_itself: bool = False):
-    """Beat and watch the job's other processes while the body runs (a world of several processes only)."""
+    """Beat and watch the job's other processes while the body runs (a world of several processes only).
+
+    An exchange that finds its group dropped raises GroupDropped: the process leaves here, before the
+    heartbeat says "done" (its peers have given up on it) and before gloo's teardown."""
     if plan.nprocs == 1:
         yield
         return
@@ -121,9 +122,19 @@ def watching(plan: JobPlan, rank: int, workspace: Path, reports_itself: bool = F
     with native_stderr_to(sys.stderr):
         heartbeat.start(rank, plan.nprocs, on_stall=policy.on_stall, on_woken=policy.on_woken)
         try:
-            yield
+            with leaving_when_dropped():
+                yield
         finally:
             heartbeat.stop()
+
+
+@contextmanager
+def leaving_when_dropped():
+    """An exchange raised GroupDropped: this process leaves (GROUP_DROPPED_EXIT), saying why in its log."""
+    try:
+        yield
+    except GroupDropped as dropped:
+        leave(str(dropped))
 
 
 @contextmanager

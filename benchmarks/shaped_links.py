@@ -1,0 +1,273 @@
+"""Does `shoal plan --hosts` hold between hosts? Predicted against measured over shaped links (issue 30, point 3).
+
+Two "hosts" are two network namespaces on this machine joined by a veth pair whose both ends are
+rate-limited with `tc` (an HTB class per direction: `--rates`, Mbit/s each way). Each host gets one
+of this machine's two cores (`taskset`), and the prediction is asked for exactly that: 2 hosts of 1
+core, the link's rate, and the latency measured by ping over the veth. Each framework of
+`shoal plan --hosts` (planning/alternatives.py SCALING: AllReduce, Sandblaster, Downpour, Distributed
+Hogwild) and Local SGD (H = --local-steps) runs the MNIST MLP of benchmarks/mnist_mlp.py as
+`shoal run JOB --nnodes 2 --node-rank R --master A:PORT` in both namespaces, one worker per host,
+`cluster.threads_per_worker=1` on both sides. Measured: steady-state samples/s (`shoal compare`'s,
+from the chief's metrics.jsonl) and the bytes that crossed the link (the two veth ends' tx counters,
+nothing else uses them) per sample; predicted: `shoal.planning.estimate` for the same job on those
+hosts, and its per-step bytes between processes on different hosts. A row is within 25 % or not.
+
+Latency is not shaped: this kernel has no `sch_netem` (only rate-limiting qdiscs), so the link's
+latency is the veth's own (tens of µs), measured and given to the prediction as it is.
+
+    python benchmarks/shaped_links.py [--rates 1000,100] [--steps 120] [--only AllReduce,Downpour]
+Needs root, iproute2 (ip, tc) and taskset; `shoal prepare mnist --out examples/mnist/data` once.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from mnist_mlp import small_mlp  # noqa: E402
+
+from shoal.frontend import api  # noqa: E402
+from shoal.planning.alternatives import SCALING, with_cluster  # noqa: E402
+from shoal.planning.estimate import Hosts, estimate, plan_kernels  # noqa: E402
+from shoal.planning.plan import plan_job  # noqa: E402
+from shoal.runtime import calibrate  # noqa: E402
+
+DATA = REPO / "examples" / "mnist" / "data"
+BATCH = 64
+SUBNET = "10.233.{}.{}"
+
+
+@dataclass(frozen=True)
+class Link:
+    rate_mbit: float
+    latency_s: float  # measured one way (half a ping round trip)
+    devices: tuple[tuple[str, str], ...]  # (namespace, veth) of both ends
+
+    def tx_bytes(self) -> int:
+        return sum(int(sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes").stdout) for ns, dev in self.devices)
+
+
+@dataclass
+class Row:
+    framework: str
+    rate_mbit: float
+    predicted_sps: float
+    measured_sps: float
+    predicted_bytes: float  # per sample, between the hosts
+    measured_bytes: float
+    bottleneck: str
+
+    def within(self, predicted: float, measured: float) -> bool:
+        return measured > 0 and abs(predicted - measured) <= 0.25 * measured
+
+
+def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise SystemExit(f"{' '.join(args)}: {proc.stderr.strip()}")
+    return proc
+
+
+@contextlib.contextmanager
+def two_hosts(rate_mbit: float) -> Iterator[tuple[Link, list[tuple[str, str]]]]:
+    """Namespaces A and B joined by a veth pair shaped to `rate_mbit` each way: (link, [(namespace, address)])."""
+    tag = os.getpid() % 200 + 20
+    hosts = [(f"shoal-sl-a{tag}", SUBNET.format(tag, 1), f"sla{tag}"), (f"shoal-sl-b{tag}", SUBNET.format(tag, 2), f"slb{tag}")]
+    try:
+        for ns, _, _ in hosts:
+            sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", hosts[0][2], "type", "veth", "peer", "name", hosts[1][2])
+        for ns, address, dev in hosts:
+            sh("ip", "link", "set", dev, "netns", ns)
+            sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", dev)
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            # HTB shapes what leaves each end: the link's rate each way; the default queue absorbs a bucket's burst
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
+            sh("ip", "netns", "exec", ns, "tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb",
+               "rate", f"{rate_mbit}mbit", "ceil", f"{rate_mbit}mbit")
+        latency = one_way_latency(hosts[0][0], hosts[1][0], hosts[1][1])
+        yield Link(rate_mbit, latency, tuple((ns, dev) for ns, _, dev in hosts)), [(ns, address) for ns, address, _ in hosts]
+    finally:
+        for ns, _, _ in hosts:
+            sh("ip", "netns", "del", ns, check=False)
+
+
+ECHO = """
+import socket, sys
+server = socket.create_server((sys.argv[1], 29599)); print("ready", flush=True)
+conn, _ = server.accept()
+while (data := conn.recv(64)):
+    conn.sendall(data)
+"""
+PING = """
+import socket, sys, time
+conn = socket.create_connection((sys.argv[1], 29599)); conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+times = []
+for _ in range(200):
+    start = time.perf_counter(); conn.sendall(b"x"); conn.recv(64); times.append(time.perf_counter() - start)
+print(sorted(times)[len(times) // 2])
+"""
+
+
+def one_way_latency(client_ns: str, server_ns: str, server_address: str) -> float:
+    """Half the median round trip of a one-byte TCP message between the namespaces (no ping on this machine)."""
+    echo = subprocess.Popen(["ip", "netns", "exec", server_ns, sys.executable, "-c", ECHO, server_address],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        echo.stdout.readline()
+        rtt = float(sh("ip", "netns", "exec", client_ns, sys.executable, "-c", PING, server_address).stdout)
+    finally:
+        echo.kill()
+        echo.wait()
+    return rtt / 2
+
+
+def layouts(local_steps: int) -> dict[str, dict]:
+    """`shoal plan --hosts`'s frameworks at 2 hosts (one worker each), and Local SGD's groups meeting every H steps."""
+    out = {name: cluster(2, 2) for name, cluster in SCALING.items()}
+    out[f"Local SGD H={local_steps}"] = {"nworker_groups": 2, "nserver_groups": 2, "local_steps": local_steps}
+    return {name: fields | {"nworkers_per_procs": 1, "threads_per_worker": 1} for name, fields in out.items()}
+
+
+def job_text(steps: int) -> str:
+    return small_mlp(DATA, steps=steps, batch=BATCH, random_skip=0, disp_freq=10, disp_after=0)
+
+
+def cluster_sets(fields: dict) -> list[str]:
+    return [f"cluster.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items()]
+
+
+def predict(job_path: Path, fields: dict, link: Link) -> tuple[float, float, str, int]:
+    """(samples/s, bytes per sample between the hosts, bottleneck, samples per modelled step) for 2 hosts of 1 core."""
+    job = with_cluster(api.load_job(job_path), fields)
+    plan = plan_job(job, cores=1, nnodes=2)
+    hosts = Hosts(count=2, cores=1, link_gbps=link.rate_mbit / 8000, latency_s=max(link.latency_s, 1e-6))
+    e = estimate(plan, calibrate.calibration(plan_kernels(plan)), hosts)
+    where = ranks_by_node(plan.nprocs, 2)
+    crossing = sum(sent for p in e.processes for peer, (sent, _) in p.links.items() if where[peer] != where[p.rank])
+    # Local SGD's groups meet in lockstep: its estimate models one step of every group; the others one group's step
+    per_step = BATCH * (e.ngroups if fields.get("local_steps") else 1)
+    return e.samples_per_s, crossing / per_step, e.bottleneck, plan.nprocs
+
+
+def ranks_by_node(world: int, nnodes: int) -> list[int]:
+    """Each rank's node as `shoal run --nnodes` places them (runtime/launch.py Nodes.ranks: blocks of ceil(world/nnodes))."""
+    per_node = -(-world // nnodes)
+    return [rank // per_node for rank in range(world)]
+
+
+def run_both(job_path: Path, fields: dict, hosts: list[tuple[str, str]], folder: Path) -> Path:
+    """`shoal run` on both hosts, each pinned to its own core; the chief's workspace."""
+    port = 29600 + os.getpid() % 300
+    env = dict(os.environ, SHOAL_JOB_SECRET=secrets.token_hex(32),
+               PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
+    procs = []
+    for rank, (ns, _) in enumerate(hosts):
+        args = ["ip", "netns", "exec", ns, "taskset", "-c", str(rank % (os.cpu_count() or 1)), sys.executable, "-m", "shoal",
+                "run", str(job_path), "--nnodes", "2", "--node-rank", str(rank), "--master", f"{hosts[0][1]}:{port}",
+                "--workspace", str(folder / f"node{rank}"), "--no-progress"]
+        for s in cluster_sets(fields):
+            args += ["--set", s]
+        procs.append(subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    outs = [p.communicate(timeout=1800) for p in procs]
+    for rank, (p, (_, err)) in enumerate(zip(procs, outs)):
+        if p.returncode != 0:
+            raise SystemExit(f"node {rank}: {(err.strip().splitlines() or ['failed'])[-1]}")
+    return folder / "node0"
+
+
+def measure(workspace: Path, groups: int, steps: int) -> float:
+    """Steady-state samples/s of all groups: the chief group's display windows after the first (start-up), times the
+    number of groups (asynchronous groups of one worker each run at the same pace on cores of their own)."""
+    records = [json.loads(line) for line in (workspace / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    windows = [r for r in records if r.get("phase") == "train" and r.get("window_sec")][1:]
+    seconds = sum(r["window_sec"] for r in windows)
+    return groups * sum(r["samples"] for r in windows) / seconds if seconds else 0.0
+
+
+def machine() -> str:
+    import torch
+
+    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name")), platform.processor())
+    return f"{platform.machine()}, {os.cpu_count()} cores ({cpu}), torch {torch.__version__}"
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| framework | link | predicted samples/s | measured | error | predicted B/sample | measured | error | bottleneck (predicted) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sps_err = 100 * (r.predicted_sps - r.measured_sps) / r.measured_sps if r.measured_sps else float("nan")
+        b_err = 100 * (r.predicted_bytes - r.measured_bytes) / r.measured_bytes if r.measured_bytes else float("nan")
+        lines.append(f"| {r.framework} | {r.rate_mbit:g} Mbit/s | {r.predicted_sps:.0f} | {r.measured_sps:.0f} | {sps_err:+.0f} % "
+                     f"| {r.predicted_bytes:,.0f} | {r.measured_bytes:,.0f} | {b_err:+.0f} % | {r.bottleneck} |")
+    speed = sum(r.within(r.predicted_sps, r.measured_sps) for r in rows)
+    wire = sum(r.within(r.predicted_bytes, r.measured_bytes) for r in rows)
+    lines += ["", f"Within 25 %: samples/s {speed} of {len(rows)}, bytes {wire} of {len(rows)}."]
+    return "\n".join(lines)
+
+
+def run_rows(rates: list[float], steps: int, local_steps: int, only: Optional[set[str]], folder: Path) -> list[Row]:
+    job_path = folder / "mlp.conf"
+    job_path.write_text(job_text(steps))
+    rows = []
+    for rate in rates:
+        with two_hosts(rate) as (link, hosts):
+            for name, fields in layouts(local_steps).items():
+                if only and not any(name.lower().startswith(o.lower()) for o in only):
+                    continue
+                sps, per_sample, bottleneck, _ = predict(job_path, fields, link)
+                print(f"  link {rate:g} Mbit/s, one-way latency {link.latency_s * 1e6:.0f} µs (measured)", flush=True) if not rows else None
+                before = link.tx_bytes()
+                ws = run_both(job_path, fields, hosts, Path(tempfile.mkdtemp(dir=folder)))
+                wire = link.tx_bytes() - before
+                groups = fields.get("nworker_groups", 1)
+                measured_bytes = wire / (steps * BATCH * groups)
+                rows.append(Row(name, rate, sps, measure(ws, groups, steps), per_sample, measured_bytes, bottleneck))
+                print(f"  {name} at {rate:g} Mbit/s: predicted {sps:.0f}, measured {rows[-1].measured_sps:.0f} samples/s", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", default="1000,100", help="link rates to shape, Mbit/s each way (comma separated)")
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--local-steps", type=int, default=10, help="H of the Local SGD row")
+    parser.add_argument("--only", help="framework names to run (prefixes, comma separated)")
+    parser.add_argument("--keep", type=Path, help="keep the workspaces here")
+    args = parser.parse_args()
+    if os.geteuid() != 0 or not all(shutil.which(t) for t in ("ip", "tc", "taskset")):
+        raise SystemExit("shaped_links.py needs root, iproute2 (ip, tc) and taskset")
+    if not (DATA / "train_data.bin").exists():
+        raise SystemExit(f"{DATA}: run `shoal prepare mnist --out {DATA}` first")
+    folder = args.keep or Path(tempfile.mkdtemp(prefix="shoal-shaped-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()[0]
+    start = time.time()
+    rows = run_rows([float(r) for r in args.rates.split(",")], args.steps, args.local_steps,
+                    set(args.only.split(",")) if args.only else None, folder)
+    print(f"\n{datetime.date.today()}, {machine()}, load {load:.2f} at the start, {time.time() - start:.0f} s; "
+          f"2 hosts (network namespaces) of 1 core each, MNIST MLP (benchmarks/mnist_mlp.py), batch {BATCH}, {args.steps} steps\n")
+    print(table(rows))
+    if not args.keep:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""What the launcher knows of one rank of a job: what it hosts, whether the job outlives it, where its output goes."""
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+from shoal.planning.plan import JobPlan
+
+
+def describe_process(plan: JobPlan, rank: int) -> str:
+    proc = plan.process(rank)
+    members = [str(w) for w in proc.workers] + [str(s) for s in proc.servers]
+    return f"process {rank} ({', '.join(members)})"
+
+
+def expendable(plan: JobPlan, rank: int) -> bool:
+    """Asynchronous jobs outlive a process that hosts only workers of groups other than group 0."""
+    proc = plan.process(rank)
+    return not plan.framework.synchronous and bool(proc.workers) and all(m.group != 0 for m in proc.workers + proc.servers)
+
+
+@contextmanager
+def rank_output(workspace: Path, rank: int):
+    """WORKSPACE/logs/rank<R>.log: the chief talks to the terminal (and copies its lines there); every other
+    rank writes only to its file. Afterwards stderr is given back, so that a failure's one line reaches the terminal."""
+    log_dir = Path(workspace) / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_file = open(log_dir / f"rank{rank}.log", "a", buffering=1)
+    saved_stderr = sys.stderr
+    if rank != 0:
+        sys.stdout = sys.stderr = log_file
+    try:
+        yield log_file
+    finally:
+        sys.stderr = saved_stderr
+
+
+def chief_log(rank: int, log_file) -> Callable[[str], None]:
+    """How a rank says a line: the chief to the terminal and its log file, the others to their log file (their stdout)."""
+    if rank != 0:
+        return print
+    return lambda line: (print(line), log_file.write(line + "\n"))

@@ -1,0 +1,58 @@
+"""Inside a process restarted into a running Downpour job (shoal.launcher.rejoin starts it): after the
+assembly and before the first step, its group takes the servers' live params and the steps it had done.
+
+Each rejoin is one line on the terminal and in the process's log and one JSON line in
+WORKSPACE/logs/rejoins.jsonl (the launcher adds this run's lines to summary.json at the end).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from shoal.runtime.exchanges.downpour import DownpourExchange
+
+RECORDS_FILE = "rejoins.jsonl"
+
+
+def process_started_at() -> float:
+    """When this process started (the kernel's word, 10 ms ticks), on the wall clock."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        since_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
+    except (OSError, IndexError, ValueError, AttributeError):
+        return _imported_at
+
+
+_imported_at = time.time()
+
+
+def complete(run, spec) -> None:
+    """Pull the live params, the version and the group's steps from the servers; train from there on."""
+    trainer, ticket = run.chief, spec.rejoin
+    exchange = trainer.exchange
+    assert isinstance(exchange, DownpourExchange)
+    knocked_at = time.time()  # the process is built (imports, plan, net, data): the handshake and the pull from here
+    step, version = exchange.rejoin(ticket.incarnation)
+    rejoined_at = time.time()
+    trainer.start_at(step)
+    started_at = process_started_at()
+    record = {"group": trainer.group, "rank": run.rank, "incarnation": ticket.incarnation, "step": step, "version": version,
+              "process_start_to_rejoin_s": round(rejoined_at - started_at, 3), "handshake_and_pull_s": round(rejoined_at - knocked_at, 3),
+              "time": rejoined_at,
+              "by_hand": ticket.detected_at is None, "digests": exchange.digests}
+    if ticket.detected_at is not None:
+        record["detection_to_rejoin_s"] = round(rejoined_at - ticket.detected_at, 3)
+    since_death = f"; {record['detection_to_rejoin_s']:.2f} s after its death was seen" if ticket.detected_at is not None else ""
+    line = (f"Worker group {trainer.group} rejoined at step {step} (process {run.rank}, restart {ticket.incarnation}): live params of "
+            f"version {version}, {record['process_start_to_rejoin_s']:.2f} s after its process started{since_death}")
+    print(line)  # this process's log
+    if sys.__stdout__ is not None and sys.stdout is not sys.__stdout__:
+        print(line, file=sys.__stdout__, flush=True)  # the job's terminal (the launcher's, or the --rejoin command's)
+    with open(Path(spec.workspace) / "logs" / RECORDS_FILE, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
