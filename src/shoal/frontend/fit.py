@@ -13,7 +13,8 @@ module becomes one layer whose params are the module's parameters (by their
 decides the framework exactly as in a job file. The module computes through
 torch.func.functional_call on shoal's params, so it never learns whether it is
 distributed. When training ends the trained values are copied back into
-`model`.
+`model` (under a launcher such as torchrun, in rank 0's process: the others
+return when their part of the job ends, their `model` untouched).
 
 Layouts with several processes send the module, the loss function and the
 datasets to the spawned processes through torch.multiprocessing (the parent's
@@ -289,10 +290,21 @@ def fit(
         history = _train(job, spec, model, workspace, resume, log)
     finally:
         set_run_goals(None)  # a later run in this process declares its own
-    from shoal.report.progress import closing_line
+    if _launched_rank() == 0:  # under torchrun/Slurm the chief closes: another rank's part ends before the summary
+        from shoal.report.progress import closing_line
 
-    log(closing_line(history.workspace))  # what the run did, as `shoal run` closes
+        log(closing_line(history.workspace))  # what the run did, as `shoal run` closes
     return history
+
+
+def _launched_rank() -> int:
+    """This process's rank in a world a launcher (torchrun, srun, …) started; 0 when shoal starts the processes."""
+    import os
+
+    from shoal.launcher.launchers import detect
+
+    launched = detect(os.environ)
+    return launched.rank if launched is not None else 0
 
 
 def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
@@ -310,7 +322,8 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
     history = api.train(job, workspace=Path(script.workspace(workspace) or "fit-workspace"), resume=resume, log=log,
                         progress=False, job_file="<shoal.fit>", process_setup=functools.partial(register_fit_layers, spec),
                         initial_values=functools.partial(copy_module_values, model))
-    _load_trained_values(model, history.workspace, job.train_steps)
+    if _launched_rank() == 0:  # another launched rank has no checkpoint to read yet (or on its host at all)
+        _load_trained_values(model, history.workspace, job.train_steps)
     return history
 
 
