@@ -21,13 +21,11 @@ from shoal.data.errors import StoreError
 
 
 def check_dataset(dataset: Any, what: str) -> int:
-    """The number of samples (positions per epoch) of a map-style dataset or a stream source; a one-line StoreError
-    for anything else."""
-    from shoal.data.streams import IterableSource, LoaderSource
-
+    """The number of samples (positions per epoch) of a map-style dataset or a stream source (shoal.data.streams:
+    it has `reader`); a one-line StoreError for anything else."""
     if isinstance(dataset, IterableDataset):
         raise StoreError(f"{what}: an IterableDataset is read through shoal.data.streams.IterableSource (shoal.fit wraps it)")
-    if not isinstance(dataset, (IterableSource, LoaderSource)) and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+    if not (hasattr(dataset, "reader") or hasattr(dataset, "__getitem__")) or not hasattr(dataset, "__len__"):
         raise StoreError(f"{what}: expected a torch Dataset (map-style or iterable), a DataLoader factory or a pair of "
                          f"tensors, got {type(dataset).__name__}")
     n = len(dataset)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from shoal.data.errors import StoreError
+from shoal.data.in_place import PositionReader
 
 _EPOCH_LOCK = threading.Lock()  # set_epoch + the iteration's first sample, atomically: readers on threads share the dataset
 
@@ -164,8 +165,6 @@ class LoaderReader:
     KEEP = 8  # live iterators at most (a balancer moving shares leaves old ones behind)
 
     def __init__(self, source: LoaderSource, seed: int, shuffle: bool, stride: int):
-        from shoal.data.in_place import PositionReader
-
         self.source, self.stride = source, stride
         self.positions = PositionReader(source.dataset, seed, shuffle)
         self._live: OrderedDict[tuple[int, int], Iterator[Any]] = OrderedDict()
