@@ -218,3 +218,28 @@ def test_only_the_faults_module_reads_the_fault_settings():
     importers = [f"{path.relative_to(SRC)} imports {name}" for path in SRC.rglob("*.py") for name in imports_of(path)
                  if name == "shoal.launcher.faults"]
     assert all(line.startswith("launcher/") for line in importers), importers
+ALLOCATORS = {"zeros", "empty", "full", "ones", "tensor", "arange", "rand", "randn", "randint", "eye", "linspace", "as_tensor"}
+
+
+def unplaced_allocations(paths: list[Path]) -> list[str]:
+    """`torch.<allocator>(...)` calls that name no device (a `*_like` call takes its argument's)."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ALLOCATORS
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+                    and not any(k.arg == "device" for k in node.keywords)):
+                found.append(f"{path.relative_to(SRC) if path.is_relative_to(SRC) else path.name}:{node.lineno} torch.{node.func.attr}()")
+    return found
+
+
+def test_exchanges_name_the_device_of_every_tensor_they_allocate():
+    """Tensors stay where they live (issue 29): exchanges, partitioned groups' bridges and comm allocate on a named device."""
+    paths = files_of("runtime/exchanges") + [SRC / "runtime" / "partitioned.py"] + files_of("comm")
+    assert unplaced_allocations(paths) == []
+
+
+def test_the_device_check_sees_an_unplaced_allocation(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\na = torch.zeros(3)\nb = torch.zeros(3, device='cpu')\nc = torch.zeros_like(a)\nd = torch.tensor([1])\n")
+    assert unplaced_allocations([bad]) == ["bad.py:2 torch.zeros()", "bad.py:5 torch.tensor()"]

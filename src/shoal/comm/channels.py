@@ -100,13 +100,13 @@ def authenticate(channel: Channel, name: str, side: int, secret: Optional[bytes]
     if secret is None:
         return True
     mine = torch.frombuffer(bytearray(secrets.token_bytes(auth.NONCE_BYTES)), dtype=torch.uint8)
-    theirs = torch.zeros(auth.NONCE_BYTES, dtype=torch.uint8)
+    theirs = torch.zeros(auth.NONCE_BYTES, dtype=torch.uint8, device="cpu")
     _exchange(channel, mine, theirs, TAG_NONCE)
     server_nonce, stub_nonce = (mine, theirs) if side == 0 else (theirs, mine)
     nonces = (bytes(server_nonce.tolist()), bytes(stub_nonce.tolist()))
     roles = ("server", "stub")
     my_proof = torch.frombuffer(bytearray(auth.proof(secret, roles[side], name, *nonces)), dtype=torch.uint8)
-    their_proof = torch.zeros(auth.PROOF_BYTES, dtype=torch.uint8)
+    their_proof = torch.zeros(auth.PROOF_BYTES, dtype=torch.uint8, device="cpu")
     _exchange(channel, my_proof, their_proof, TAG_PROOF)
     return auth.proves(secret, bytes(their_proof.tolist()), roles[1 - side], name, *nonces)
 

@@ -28,7 +28,8 @@ from shoal.comm import auth
 _store: "dist.TCPStore | None" = None
 _store_host: Optional[int] = None  # the rank hosting the store (0 under srun or env://); None: a launcher hosts it
 _calls = 0  # collectives and rounds this rank has entered: the rank with fewer is the one the others wait for
-_calls_lock = threading.Lock()  # rounds are entered from backward hooks, possibly in several threads
+_calls_lock = threading.Lock()
+_timeout: Optional[datetime.timedelta] = None  # the world's: every group made later waits as long for a silent peer  # rounds are entered from backward hooks, possibly in several threads
 
 
 def timeout_seconds() -> float:
@@ -112,7 +113,8 @@ def _secured(store, rank: int, world_size: int, secret: Optional[bytes], timeout
 
 
 def _join(store, rank: int, world_size: int, interface: Optional[str], timeout: datetime.timedelta, backend: str) -> None:
-    global _store
+    global _store, _timeout
+    _timeout = timeout
     if interface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -144,6 +146,15 @@ def process_group_backend(rank_devices: Sequence[Sequence[str]], rank_nodes: Seq
 def nccl_usable() -> bool:
     """This build has NCCL and this host a CUDA device."""
     return dist.is_nccl_available() and torch.cuda.is_available()
+
+
+def group_timeout() -> datetime.timedelta:
+    """How long a collective of any group waits for a silent peer: the world's timeout."""
+    return _timeout or datetime.timedelta(seconds=timeout_seconds())
+
+
+def world_size() -> int:
+    return dist.get_world_size()
 
 
 def backend_name() -> str:

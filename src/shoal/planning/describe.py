@@ -36,6 +36,8 @@ def describe(plan: JobPlan) -> dict:
         "batch_shares": "measured at run time" if plan.cluster.auto_batch_shares else "as configured",
         "partition_notes": list(plan.notes),
         "compression": _compression(plan),
+        "process_groups": [{"name": g.name, "ranks": list(g.ranks), "cuda_over": "nccl" if g.nccl else "gloo via the host"}
+                           for g in plan.process_groups],
         "params": {name: list(shape) for name, shape in plan.params.items()},
         "param_elements": sum(_numel(shape) for shape in plan.params.values()),
     }
@@ -76,5 +78,7 @@ def render(plan: JobPlan) -> str:
             owned = ", ".join(f"{x['param']}[{x['start']}:{x['stop']}]" for x in s["slices"]) or "nothing"
             total = sum(x["stop"] - x["start"] for x in s["slices"])
             lines.append(f"  server (group {s['group']}, id {s['id']}): {total:,} elements: {owned}")
+    for g in d["process_groups"]:  # what the exchanges' collectives run over
+        lines.append(f"process group {g['name']}: ranks {', '.join(map(str, g['ranks']))} (CUDA tensors: {g['cuda_over']})")
     lines += [f"note: {note}" for note in d["partition_notes"]]
     return "\n".join(lines)

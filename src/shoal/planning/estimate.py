@@ -307,12 +307,22 @@ class _Model:
         if fw in (Framework.ALLREDUCE, Framework.SANDBLASTER) and not plan.in_one_process:
             owner = {s.index: plan.placement.process_of(plan.placement.server_of_slice(s.index, 0)) for s in slices}
             worker_ranks = [p.rank for p in plan.placement.processes if p.workers]
+            # per bucket, gradients reduced to the owner and its new values (compressed: the encoded sum) broadcast back;
+            # per owner, one flag byte per param reduced to it (compressed: broadcast back, every process applies)
+            dense = plan.cluster.compression == job_pb2.kNone
+            flagged: dict[int, set[str]] = {}
             for b in plan_buckets(slices, owner, DEFAULT_CAP):
+                flagged.setdefault(b.owner, set()).update(b.params)
                 for r in worker_ranks:
                     if r != b.owner:
-                        move(r, b.owner, encoded(b.numel) + len(b.params))  # gradients and one flag byte per param
-                        # the new values, or compressed the encoded sum and whether anyone had a gradient
-                        move(b.owner, r, FLOAT * b.numel if plan.cluster.compression == job_pb2.kNone else encoded(b.numel) + len(b.params))
+                        move(r, b.owner, encoded(b.numel))
+                        move(b.owner, r, FLOAT * b.numel if dense else encoded(b.numel))
+            for o, params in flagged.items():
+                for r in worker_ranks:
+                    if r != o:
+                        move(r, o, len(params))
+                        if not dense:
+                            move(o, r, len(params))
         elif fw == Framework.DOWNPOUR:
             c = plan.cluster
             for g in range(c.nworker_groups):

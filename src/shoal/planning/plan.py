@@ -29,6 +29,7 @@ from shoal.planning.devices import worker_device_names
 from shoal.planning.nodes import node_of_rank
 from shoal.planning.partition import PartitionPlan, partition
 from shoal.planning.placement import Placement, ProcessPlan, WorkerId, place
+from shoal.planning.process_groups import ProcessGroupPlan, sliced_groups, whole_group
 from shoal.planning.shares import train_input_shares
 
 
@@ -72,6 +73,7 @@ class JobPlan:
     outer_updater: Optional[job_pb2.UpdaterProto] = None  # Local SGD / DiLoCo: applied to the groups' mean change
     nnodes: int = 1
     notes: list[str] = field(default_factory=list)
+    process_groups: tuple[ProcessGroupPlan, ...] = ()  # what the exchanges' collectives run over, created in this order
 
     @property
     def cluster(self) -> job_pb2.ClusterProto:
@@ -146,7 +148,7 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
         partition=parts,
         params={name: tuple(info.shape) for name, info in store.info.items()},
         batch_shares=train_input_shares(job),
-        devices=[worker_device_names(job, len(p.workers)) for p in placement.processes],
+        devices=(devices := [worker_device_names(job, len(p.workers)) for p in placement.processes]),
         # every worker on a host shares its cores: oversubscription is what kills CPU throughput
         threads_per_worker=thread_budget(job, workers_on_host=busiest_node_workers(placement, nnodes), cores=cores),
         updater=updater,
@@ -154,6 +156,7 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
         nnodes=nnodes,
         notes=list(parts.notes) + _updater_notes(job, updater) + _compression_notes(job, framework, len(placement.processes)) + _local_sgd_notes(job, framework)
         + _staleness_notes(job, framework),
+        process_groups=_process_groups(framework, placement, devices, nnodes),
     )
     if job.cluster.auto_batch_shares:
         _check_balanceable(plan)
@@ -163,6 +166,17 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
         except ValueError as err:  # the updater's checks name `updater.…`: here it is the cluster's outer one
             raise UnsupportedClusterError(f"cluster.outer_{err}") from None
     return plan
+
+
+def _process_groups(framework: Framework, placement, devices: list[list[str]], nnodes: int) -> tuple[ProcessGroupPlan, ...]:
+    """The named process groups of a layout over processes (shoal.planning.process_groups)."""
+    if len(placement.processes) == 1:
+        return ()
+    if framework in (Framework.ALLREDUCE, Framework.SANDBLASTER):
+        return sliced_groups(placement, devices, nnodes)
+    if framework is Framework.LOCAL_SGD:
+        return (whole_group("meeting", range(len(placement.processes)), devices, nnodes),)
+    return ()
 
 
 def server_updater(job: job_pb2.JobProto, framework: Framework) -> job_pb2.UpdaterProto:

@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import torch
 from google.protobuf import text_format
 
+from shoal.comm import collectives
 from shoal.comm import dist as comm
 from shoal.comm import heartbeat
 from shoal.neuralnet.params import ParamStore
@@ -122,9 +123,11 @@ def assemble(plan: JobPlan, rank: int, spec: RunSpec) -> ProcessRun:
     torch.set_num_threads(plan.threads_per_worker)
     devices = usable_device_names(plan.devices_of(rank))
     distributed = not plan.in_one_process
-    # one process: the params live with worker 0 (the root of the device tree); several: in host memory,
-    # which gloo moves (workers on GPUs compute on replicas)
-    home = torch.device("cpu") if distributed else torch_device(devices[0]) if devices else torch.device("cpu")
+    # the params live with the process's first worker (the root of its device tree); the exchanges' collectives
+    # move them there (shoal.comm.collectives). Request/response protocols (Downpour's stubs and servers, Distributed
+    # Hogwild's syncs) keep them in host memory, which gloo's point-to-point moves
+    on_host = distributed and plan.framework in (Framework.DOWNPOUR, Framework.DISTRIBUTED_HOGWILD)
+    home = torch_device(devices[0]) if devices and not on_host else torch.device("cpu")
     chief_rank = rank == 0
     groups = sorted({w.group for w in hosted.workers})
     trainers: list[Trainer] = []
@@ -168,13 +171,15 @@ def _attach_exchanges(run: ProcessRun, faults: FaultInjection) -> None:
     updater = lambda: make_updater(plan.updater)  # noqa: E731 - every server its own updater (and slots)
     # cluster.compression over processes: a fresh codec per sender (top-k keeps its residual); in memory none
     codecs = (lambda feedback=True: codec_for(job.cluster, feedback)) if compresses(job.cluster) and not plan.in_one_process else None
+    # the plan's process groups, made on every rank in its order (a rejoined process is in none)
+    process_groups = collectives.create(plan.process_groups) if not plan.in_one_process and not run.rejoining else {}
     match plan.framework:
         case Framework.SINGLE_WORKER | Framework.ALLREDUCE | Framework.SANDBLASTER if plan.in_one_process:
             trainers[0].attach_exchange(LocalExchange(Server(trainers[0].store, updater())))
         case Framework.ALLREDUCE | Framework.SANDBLASTER:
             t = trainers[0]
             t.attach_exchange(SlicedExchange(t.store, updater(), plan.placement, rank, plan.global_batch, t.workers,
-                                             codecs=codecs))
+                                             codecs=codecs, groups=process_groups))
         case Framework.IN_MEMORY_HOGWILD | Framework.IN_MEMORY_DOWNPOUR:
             # Hogwild: every group computes on the server's values; Downpour: each on its own copy
             chief = trainers[0]
@@ -191,7 +196,8 @@ def _attach_exchanges(run: ProcessRun, faults: FaultInjection) -> None:
             _attach_downpour(run, updater, faults.server_update_hook(rank))
         case Framework.LOCAL_SGD:
             groups = job.cluster.nworker_groups
-            meeting = InMemoryMeeting(groups, comm.timeout_seconds()) if plan.in_one_process else ProcessMeeting(groups, codecs and codecs())
+            meeting = (InMemoryMeeting(groups, comm.timeout_seconds()) if plan.in_one_process
+                       else ProcessMeeting(groups, codecs and codecs(), process_groups["meeting"]))
             if plan.in_one_process:
                 run.board = GroupBoard(groups, -1, 0)
             for t in trainers:

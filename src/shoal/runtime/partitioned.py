@@ -112,31 +112,31 @@ class RemoteChannel:
 
     def send_blob(self, blob: torch.Tensor, labels: Optional[torch.Tensor], wants_grad: bool) -> None:
         self._sent_rows = blob.shape[0]
-        self._send(torch.tensor([blob.shape[0], labels is not None, wants_grad], dtype=torch.int64), self.tags[0])
+        self._send(torch.tensor([blob.shape[0], labels is not None, wants_grad], dtype=torch.int64, device="cpu"), self.tags[0])
         self._send(blob.to(torch.float32), self.tags[1])
         if labels is not None:
             self._send(labels.to(torch.int64), self.tags[2])
         self.bytes += _nbytes(blob)
 
     def recv_blob(self) -> tuple[torch.Tensor, Optional[torch.Tensor], bool]:
-        rows, has_labels, wants_grad = self._recv(torch.zeros(3, dtype=torch.int64), self.tags[0]).tolist()
-        blob = self._recv(torch.empty((rows,) + self.shape), self.tags[1])
-        labels = self._recv(torch.empty(rows, dtype=torch.int64), self.tags[2]) if has_labels else None
+        rows, has_labels, wants_grad = self._recv(torch.zeros(3, dtype=torch.int64, device="cpu"), self.tags[0]).tolist()
+        blob = self._recv(torch.empty((rows,) + self.shape, device="cpu"), self.tags[1])
+        labels = self._recv(torch.empty(rows, dtype=torch.int64, device="cpu"), self.tags[2]) if has_labels else None
         self._sent_rows = rows
         self.bytes += _nbytes(blob)
         return blob, labels, bool(wants_grad)
 
     def send_grad(self, grad: Optional[torch.Tensor]) -> None:
-        self._send(torch.tensor([grad is not None], dtype=torch.int64), self.tags[0])
+        self._send(torch.tensor([grad is not None], dtype=torch.int64, device="cpu"), self.tags[0])
         if grad is not None:
             self._send(grad.to(torch.float32), self.tags[3])
             self.bytes += _nbytes(grad)
 
     def recv_grad(self) -> Optional[torch.Tensor]:
-        (has_grad,) = self._recv(torch.zeros(1, dtype=torch.int64), self.tags[0]).tolist()
+        (has_grad,) = self._recv(torch.zeros(1, dtype=torch.int64, device="cpu"), self.tags[0]).tolist()
         if not has_grad:
             return None
-        grad = self._recv(torch.empty((self._sent_rows,) + self.shape), self.tags[3])
+        grad = self._recv(torch.empty((self._sent_rows,) + self.shape, device="cpu"), self.tags[3])
         self.bytes += _nbytes(grad)
         return grad
 

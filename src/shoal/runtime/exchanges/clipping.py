@@ -38,9 +38,10 @@ def clip_(grads: list[Optional[torch.Tensor]], max_norm: Optional[float]) -> Non
     torch._foreach_mul_(present, scale_for(total, max_norm).to(present[0].device))
 
 
-def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
-    """One owner's part of the squared global norm (float64: the owners' parts are summed once more)."""
-    total = torch.zeros((), dtype=torch.float64)
+def sum_of_squares(grads: list[torch.Tensor], device: Optional[torch.device] = None) -> torch.Tensor:
+    """One owner's part of the squared global norm (float64: the owners' parts are summed once more), on `device`
+    (default: the gradients')."""
+    total = torch.zeros((), dtype=torch.float64, device=device or (grads[0].device if grads else "cpu"))
     for g in grads:
-        total += g.double().square().sum()
+        total += g.double().square().sum().to(total.device)
     return total

@@ -28,8 +28,8 @@ from shoal.config import job_pb2
 class Codec:
     """Encodes a flat float32 gradient into the tensors sent, and decodes them back (one per direction)."""
 
-    def buffers(self, size: int) -> list[torch.Tensor]:
-        return [torch.zeros(size)]
+    def buffers(self, size: int, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        return [torch.zeros(size, device=device)]
 
     def encode(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat]
@@ -60,8 +60,8 @@ class CastCodec(Codec):
         self.error_feedback = error_feedback
         self.residual: Optional[torch.Tensor] = None
 
-    def buffers(self, size: int) -> list[torch.Tensor]:
-        return [torch.zeros(size, dtype=self.dtype)]
+    def buffers(self, size: int, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        return [torch.zeros(size, dtype=self.dtype, device=device)]
 
     def encode(self, flat: torch.Tensor) -> list[torch.Tensor]:
         corrected = flat if self.residual is None else flat + self.residual
@@ -86,9 +86,9 @@ class TopKCodec(Codec):
     def k(self, size: int) -> int:
         return min(size, max(1, math.ceil(self.fraction * size))) if size else 0
 
-    def buffers(self, size: int) -> list[torch.Tensor]:
+    def buffers(self, size: int, device: torch.device | str = "cpu") -> list[torch.Tensor]:
         k = self.k(size)
-        return [torch.zeros(k, dtype=torch.int32), torch.zeros(k, dtype=torch.bfloat16)]
+        return [torch.zeros(k, dtype=torch.int32, device=device), torch.zeros(k, dtype=torch.bfloat16, device=device)]
 
     def encode(self, flat: torch.Tensor) -> list[torch.Tensor]:
         corrected = flat if self.residual is None else flat + self.residual
@@ -102,7 +102,7 @@ class TopKCodec(Codec):
         return [index.to(torch.int32), values]
 
     def decode(self, received: list[torch.Tensor], size: int) -> torch.Tensor:
-        flat = torch.zeros(size)
+        flat = torch.zeros(size, device=received[1].device)
         flat[received[0].long()] = received[1].float()
         return flat
 
@@ -134,24 +134,31 @@ def describe(cluster: job_pb2.ClusterProto) -> str:
     return job_pb2.Compression.Name(cluster.compression)[1:]
 
 
-def all_reduce_encoded(codec: Codec, flat: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The sum of every process's `flat`, each sending codec.encode(flat); and the bytes this process handed over.
+def all_reduce_encoded(codec: Codec, flat: torch.Tensor, group=None) -> tuple[torch.Tensor, int]:
+    """The sum of every process's `flat` over `group` (shoal.comm.collectives; None: the world), each sending
+    codec.encode(flat); and the bytes this process handed over.
 
     Casts all-reduce in their own precision (as torch DDP's fp16/bf16 hooks, bandwidth-optimal at any
     number of processes); top-k all-gathers every process's (indices, values), which sums no better
     in a ring (the union of the k's is not sparse), and every process adds them up in rank order
     (SINGA 4 DistOpt's sparse update does the same), so all hold the same sum.
     """
+    def all_reduce(tensor: torch.Tensor) -> None:
+        if group is None:
+            comm.all_reduce_sum(tensor)
+        else:
+            group.all_reduce_sum(tensor).wait()
+
     sent = codec.encode(flat)
     if isinstance(codec, TopKCodec):
-        gathered = [comm.all_gather(part) for part in sent]
-        total = torch.zeros(flat.numel())
+        gathered = [comm.all_gather(part) if group is None else group.all_gather(part) for part in sent]
+        total = torch.zeros(flat.numel(), device=flat.device)
         for parts in zip(*gathered):
             total += codec.decode(list(parts), flat.numel())
         return total, wire_bytes(sent)
     if isinstance(codec, CastCodec):
         low = sent[0].clone()
-        comm.all_reduce_sum(low)
+        all_reduce(low)
         return low.float(), wire_bytes(sent)
-    comm.all_reduce_sum(flat)
+    all_reduce(flat)
     return flat, wire_bytes(sent)

@@ -158,11 +158,11 @@ class DownpourServer:
                                 else whole.reshape(value.shape))
 
     def values(self) -> torch.Tensor:
-        return torch.cat([self._view(seg) for seg in self.segments]) if self.segments else torch.zeros(0)
+        return torch.cat([self._view(seg) for seg in self.segments]) if self.segments else torch.zeros(0, device="cpu")
 
     def state_flat(self) -> torch.Tensor:
         parts = [self.state[seg][slot].reshape(-1) for seg, slot, _ in self.layout]
-        return torch.cat(parts) if parts else torch.zeros(0)
+        return torch.cat(parts) if parts else torch.zeros(0, device="cpu")
 
     def apply(self, grad: torch.Tensor, read_version: int, has_grad: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, int, int]:
         """One update of every owned segment whose param some worker of the group had a gradient for."""
@@ -338,7 +338,7 @@ class DownpourServer:
     def lag_counts(self) -> torch.Tensor:
         """Updates applied per (group, lag): the histogram the chief's last request takes to summary.json."""
         width = max((s.max for s in self.lags.values()), default=0) + 1
-        counts = torch.zeros(len(self.stubs), width, dtype=torch.int64)
+        counts = torch.zeros(len(self.stubs), width, dtype=torch.int64, device="cpu")
         for g, stats in self.lags.items():
             for lag, n in stats.counts.items():
                 counts[g, lag] = n
@@ -348,10 +348,10 @@ class DownpourServer:
         return 0 not in self._live or self._steps.get(0, 0) >= self.warmup_steps
 
     def _serve_incarnation(self, group: int, incarnation: int, channel) -> None:
-        header = torch.zeros(3, dtype=torch.int64)
+        header = torch.zeros(3, dtype=torch.int64, device="cpu")
         codec = codec_for(self.cluster)
         received = codec.buffers(self.size)
-        has_grad = torch.zeros(len(self.segments), dtype=torch.uint8)
+        has_grad = torch.zeros(len(self.segments), dtype=torch.uint8, device="cpu")
         finished = False
         try:
             while True:
@@ -373,7 +373,7 @@ class DownpourServer:
                         self._reads[group] = (self._reads.get(group) or [version] * self.depth)[1:] + [version]
                         self._running.notify_all()
                     channel.send(values, TAG_VALUES)
-                    channel.send(torch.tensor([version, lag], dtype=torch.int64), TAG_REPLY)
+                    channel.send(torch.tensor([version, lag], dtype=torch.int64, device="cpu"), TAG_REPLY)
                 elif kind == PULL:  # a group's first params (after group 0's warm-up), or a rejoining group's
                     with self._running:
                         self._warming.add(group)
@@ -383,7 +383,7 @@ class DownpourServer:
                         values, version = self.values(), self.version
                         self._reads[group] = [version] * self.depth
                         channel.send(values, TAG_VALUES)
-                        channel.send(torch.tensor([version, self._steps[group]], dtype=torch.int64), TAG_REPLY)
+                        channel.send(torch.tensor([version, self._steps[group]], dtype=torch.int64, device="cpu"), TAG_REPLY)
                     if incarnation > 0:
                         self.log(f"{self.server} sent worker group {group} (restart {incarnation}) the live values of "
                                  f"version {version} (digest {digest(values)}) and its step {self._steps[group]}")
@@ -401,7 +401,7 @@ class DownpourServer:
                         channel.send(self.values(), TAG_VALUES)
                         channel.send(self.state_flat(), TAG_STATE)
                         counts = self.lag_counts()
-                        channel.send(torch.tensor(counts.shape, dtype=torch.int64), TAG_LAGS)
+                        channel.send(torch.tensor(counts.shape, dtype=torch.int64, device="cpu"), TAG_LAGS)
                         channel.send(counts, TAG_LAGS)
                     return
                 elif kind == STOP:
@@ -422,11 +422,11 @@ class DownpourServer:
     def _refuse(self, group: int, channel, kind: int) -> None:
         """Answer a dropped group's request without applying anything: version -1 tells it to leave."""
         if kind == PUSH:
-            channel.recv(torch.zeros(self.size), TAG_GRAD)
-            channel.recv(torch.zeros(len(self.segments), dtype=torch.uint8), TAG_HAS_GRAD)
+            channel.recv(torch.zeros(self.size, device="cpu"), TAG_GRAD)
+            channel.recv(torch.zeros(len(self.segments), dtype=torch.uint8, device="cpu"), TAG_HAS_GRAD)
         if kind in (PUSH, PULL):
-            channel.send(torch.zeros(self.size), TAG_VALUES)
-            channel.send(torch.tensor([REFUSED, 0], dtype=torch.int64), TAG_REPLY)
+            channel.send(torch.zeros(self.size, device="cpu"), TAG_VALUES)
+            channel.send(torch.tensor([REFUSED, 0], dtype=torch.int64, device="cpu"), TAG_REPLY)
         self.log(f"{self.server} refused a request of worker group {group}, dropped after it stalled")
 
 
@@ -486,12 +486,12 @@ class DownpourExchange:
         """Take the place of this group's dead process: pull the servers' live values and version, and the steps
         the group has done (each server applied all of them or none of a step); returns (first step, version)."""
         self.incarnation = incarnation
-        reply, steps = torch.zeros(2, dtype=torch.int64), []
+        reply, steps = torch.zeros(2, dtype=torch.int64, device="cpu"), []
         self.digests = {"before": {}, "pulled": {}}  # per server: this process's values before and after the pull
         try:
             for server, server_rank, segments, size in self.servers:
-                self._to(server_rank).send(torch.tensor([PULL, 0, 0], dtype=torch.int64), TAG_HEADER)
-                values = torch.zeros(size)
+                self._to(server_rank).send(torch.tensor([PULL, 0, 0], dtype=torch.int64, device="cpu"), TAG_HEADER)
+                values = torch.zeros(size, device="cpu")
                 self._to(server_rank).recv(values, TAG_VALUES)
                 self._to(server_rank).recv(reply, TAG_REPLY)
                 self._leave_if_refused(int(reply[0]), 0)
@@ -511,7 +511,7 @@ class DownpourExchange:
         """This process's share of the group's gradient (weighted by share of the group's batch), laid end to end,
         and per param whether it had one (a param no worker has a gradient for is not updated)."""
         grads = aggregate(parts, self.global_batch, target=torch.device("cpu"))
-        flat, had = torch.zeros(self.total), torch.zeros(len(self.names))
+        flat, had = torch.zeros(self.total, device="cpu"), torch.zeros(len(self.names), device="cpu")
         for i, name in enumerate(self.names):
             g = grads.get(name)
             if g is not None:
@@ -528,7 +528,7 @@ class DownpourExchange:
             self.store.values[s.param].view(-1)[s.start : s.stop].copy_(values[s.offset : s.offset + s.size])
 
     def _gather_values(self, segments: list[Segment]) -> torch.Tensor:
-        return torch.cat([self.store.values[s.param].reshape(-1)[s.start : s.stop] for s in segments]) if segments else torch.zeros(0)
+        return torch.cat([self.store.values[s.param].reshape(-1)[s.start : s.stop] for s in segments]) if segments else torch.zeros(0, device="cpu")
 
     def _share_params(self) -> None:
         """The stub's fresh params to the other processes of its group."""
@@ -544,10 +544,10 @@ class DownpourExchange:
         """Groups other than 0 start from the params group 0 reached after its warm-up."""
         if step == self.first_step and self.group != 0 and self.warmup:
             if self.rank == self.stub:
-                reply = torch.zeros(2, dtype=torch.int64)
+                reply = torch.zeros(2, dtype=torch.int64, device="cpu")
                 for _, server_rank, segments, size in self.servers:
-                    self._to(server_rank).send(torch.tensor([PULL, step, 0], dtype=torch.int64), TAG_HEADER)
-                    values = torch.zeros(size)
+                    self._to(server_rank).send(torch.tensor([PULL, step, 0], dtype=torch.int64, device="cpu"), TAG_HEADER)
+                    values = torch.zeros(size, device="cpu")
                     self._to(server_rank).recv(values, TAG_VALUES)
                     self._to(server_rank).recv(reply, TAG_REPLY)
                     self._leave_if_refused(int(reply[0]), step)
@@ -571,12 +571,12 @@ class DownpourExchange:
         server, server_rank = None, -1
         try:
             for server, server_rank, segments, _ in self.servers:
-                self._to(server_rank).send(torch.tensor([PUSH, step, self.read_version[server_rank]], dtype=torch.int64), TAG_HEADER)
+                self._to(server_rank).send(torch.tensor([PUSH, step, self.read_version[server_rank]], dtype=torch.int64, device="cpu"), TAG_HEADER)
                 for part in self.codecs[server_rank].encode(self._gather(flat, segments)):
                     self._to(server_rank).send(part, TAG_GRAD)
                     self.pushed_bytes += wire_bytes([part])
                 # one byte per segment: cheaper than a flag inside the (uncopied) gradient
-                self._to(server_rank).send(torch.tensor([had[self.position[s.param]] > 0 for s in segments], dtype=torch.uint8), TAG_HAS_GRAD)
+                self._to(server_rank).send(torch.tensor([had[self.position[s.param]] > 0 for s in segments], dtype=torch.uint8, device="cpu"), TAG_HAS_GRAD)
         except RuntimeError as err:
             raise self._lost(server, server_rank, step, err) from None
         self._settle(step)
@@ -585,7 +585,7 @@ class DownpourExchange:
             self._settle(step)
 
     def _await_answer(self, server_rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor, list]:
-        values, reply = torch.zeros(size), torch.zeros(2, dtype=torch.int64)
+        values, reply = torch.zeros(size, device="cpu"), torch.zeros(2, dtype=torch.int64, device="cpu")
         channel = self._to(server_rank)
         return values, reply, [channel.irecv(values, TAG_VALUES), channel.irecv(reply, TAG_REPLY)]
 
@@ -632,7 +632,7 @@ class DownpourExchange:
             offset = 0
             for seg, slot, size in self.layouts[server_rank]:
                 if slot not in full[seg.param]:
-                    full[seg.param][slot] = torch.zeros(self.store.info[seg.param].shape if size == seg.size else size)
+                    full[seg.param][slot] = torch.zeros(self.store.info[seg.param].shape if size == seg.size else size, device="cpu")
                 if size == seg.size:
                     full[seg.param][slot].view(-1)[seg.start : seg.stop] = flat[offset : offset + size]
                 elif seg.start == 0:  # a per-param slot: every segment of the param holds it, the first one counts
@@ -652,8 +652,8 @@ class DownpourExchange:
         self._settle(-1)  # the checkpoint holds the params its state belongs with
         flats = []
         for _, server_rank, segments, size in self.servers:
-            self._to(server_rank).send(torch.tensor([STATE, 0, 0], dtype=torch.int64), TAG_HEADER)
-            flat = torch.zeros(self._state_size(server_rank))
+            self._to(server_rank).send(torch.tensor([STATE, 0, 0], dtype=torch.int64, device="cpu"), TAG_HEADER)
+            flat = torch.zeros(self._state_size(server_rank), device="cpu")
             self._to(server_rank).recv(flat, TAG_STATE)
             flats.append((server_rank, flat))
         return self._state_from(flats)
@@ -689,18 +689,18 @@ class DownpourExchange:
         self._settle(-1)
         if not self.chief:
             for _, server_rank, _, _ in self.servers:
-                self._to(server_rank).send(torch.tensor([STOP, 0, 0], dtype=torch.int64), TAG_HEADER)
+                self._to(server_rank).send(torch.tensor([STOP, 0, 0], dtype=torch.int64, device="cpu"), TAG_HEADER)
             return
         flats = []
         for _, server_rank, segments, size in self.servers:
-            self._to(server_rank).send(torch.tensor([FINAL, 0, 0], dtype=torch.int64), TAG_HEADER)
+            self._to(server_rank).send(torch.tensor([FINAL, 0, 0], dtype=torch.int64, device="cpu"), TAG_HEADER)
         lags = []
         for _, server_rank, segments, size in self.servers:
-            values, flat, shape = torch.zeros(size), torch.zeros(self._state_size(server_rank)), torch.zeros(2, dtype=torch.int64)
+            values, flat, shape = torch.zeros(size, device="cpu"), torch.zeros(self._state_size(server_rank), device="cpu"), torch.zeros(2, dtype=torch.int64, device="cpu")
             self._to(server_rank).recv(values, TAG_VALUES)
             self._to(server_rank).recv(flat, TAG_STATE)
             self._to(server_rank).recv(shape, TAG_LAGS)
-            counts = torch.zeros(*shape.tolist(), dtype=torch.int64)
+            counts = torch.zeros(*shape.tolist(), dtype=torch.int64, device="cpu")
             self._to(server_rank).recv(counts, TAG_LAGS)
             self._scatter_values(values, segments)
             flats.append((server_rank, flat))

@@ -188,7 +188,7 @@ class GroupExchange:
         sees) and, when groups have copies (Downpour), the server's values; any group its own copy."""
         tensors = {f"replica/{n}": v for n, v in self.replica.values.items()} if self.replica is not None and not self.chief else {}
         if self.chief:
-            tensors["count/server_updates"] = torch.tensor(self.server.updates)
+            tensors["count/server_updates"] = torch.tensor(self.server.updates, device="cpu")
             if self.replica is not None:
                 tensors |= {f"server/{n}": v for n, v in self.server.store.values.items()}
         return tensors

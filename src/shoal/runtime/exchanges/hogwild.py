@@ -105,7 +105,7 @@ class HogwildExchange:
 
     def _gather(self, segments: list[Segment]) -> torch.Tensor:
         parts = [self.store.values[s.param].view(-1)[s.start : s.stop] for s in segments]
-        return torch.cat(parts) if parts else torch.zeros(0)
+        return torch.cat(parts) if parts else torch.zeros(0, device="cpu")
 
     def _scatter(self, flat: torch.Tensor, segments: list[Segment]) -> None:
         for s in segments:
@@ -148,10 +148,10 @@ class HogwildExchange:
     def _ask(self, master: int, delta: torch.Tensor, size: int):
         """Send Δ to `master` and wait for its fresh value; None once the master stalls (the exchange is left
         waiting on its own thread: gloo's receives cannot be cancelled)."""
-        fresh = torch.zeros(size)
+        fresh = torch.zeros(size, device="cpu")
 
         def exchange() -> None:
-            comm.send(torch.tensor([SYNC], dtype=torch.int64), master, TAG_SYNC_HEADER)
+            comm.send(torch.tensor([SYNC], dtype=torch.int64, device="cpu"), master, TAG_SYNC_HEADER)
             comm.send(delta, master, TAG_SYNC_DELTA)
             comm.recv(fresh, master, TAG_SYNC_VALUE)
 
@@ -164,7 +164,7 @@ class HogwildExchange:
         parts = codec.encode(delta)
 
         def exchange() -> None:
-            comm.send(torch.tensor([SYNC_ENCODED], dtype=torch.int64), master, TAG_SYNC_HEADER)
+            comm.send(torch.tensor([SYNC_ENCODED], dtype=torch.int64, device="cpu"), master, TAG_SYNC_HEADER)
             for part, tag in zip(parts, (TAG_SYNC_DELTA, TAG_SYNC_DELTA_2)):
                 comm.send(part, master, tag)
             for part, tag in zip(answer, (TAG_SYNC_VALUE, TAG_SYNC_VALUE_2)):
@@ -202,7 +202,7 @@ class HogwildExchange:
     # -- this group as master of its slices ---------------------------------------------
     def _serve(self, group: int, rank: int) -> None:
         segments, size = self.served
-        header, delta = torch.zeros(1, dtype=torch.int64), torch.zeros(size)
+        header, delta = torch.zeros(1, dtype=torch.int64, device="cpu"), torch.zeros(size, device="cpu")
         codec = self.answer_codecs[group] if self.codecs is not None else None
         encoded_delta = codec.buffers(size) if codec is not None else []
         try:
@@ -239,7 +239,7 @@ class HogwildExchange:
         self._start()  # a group that had no step left to train still serves the others
         for master in self.requests:
             try:
-                comm.send(torch.tensor([STOP], dtype=torch.int64), master, TAG_SYNC_HEADER)
+                comm.send(torch.tensor([STOP], dtype=torch.int64, device="cpu"), master, TAG_SYNC_HEADER)
             except RuntimeError:
                 pass
         for peer, t in zip(self.peers.values(), self._threads):
@@ -271,7 +271,7 @@ class HogwildExchange:
         and update counts (the sync cadence and the step an LR schedule sees)."""
         with self.lock:
             tensors = {f"last_sync/{r}": v for r, v in self.last_sync.items()}
-            tensors |= {"count/updates": torch.tensor(self.updates), "count/server_updates": torch.tensor(self.server.updates)}
+            tensors |= {"count/updates": torch.tensor(self.updates, device="cpu"), "count/server_updates": torch.tensor(self.server.updates, device="cpu")}
             if self.codecs is not None:
                 tensors |= {f"known/{g}": v.clone() for g, v in self.known.items()}
                 tensors |= codecs_state("delta", self.delta_codecs)

@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from shoal.comm import collectives
 from shoal.comm import dist as comm
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.algorithms import Grads
@@ -67,17 +68,19 @@ class InMemoryMeeting:
 
 
 class ProcessMeeting:
-    """Groups in processes of their own: one all-reduce over the job's processes (cluster.compression: of
-    each group's encoded pseudo-gradient, its residual kept by the group's codec)."""
+    """Groups in processes of their own: one all-reduce over the plan's meeting group, every group's process
+    (cluster.compression: of each group's encoded pseudo-gradient, its residual kept by the group's codec).
+    The pseudo-gradient stays on the store's device: NCCL moves it where the plan allows, else gloo via the host."""
 
     groups: int
 
-    def __init__(self, groups: int, codec: Optional[Codec] = None):
+    def __init__(self, groups: int, codec: Optional[Codec] = None, group: Optional[collectives.Group] = None):
         self.groups = groups
         self.codec = codec or Codec()
+        self.group = group
 
     def sum(self, flat: torch.Tensor) -> torch.Tensor:
-        total, self.sent_bytes = all_reduce_encoded(self.codec, flat)
+        total, self.sent_bytes = all_reduce_encoded(self.codec, flat, self.group)
         return total
 
     def abandon(self) -> None:
@@ -122,7 +125,7 @@ class PeriodicExchange:
 
     def _meet(self, step: int) -> None:
         values, anchor = self.store.values, self.anchor.values
-        flat = torch.cat([(anchor[n] - values[n]).reshape(-1) for n in self.names]) if self.names else torch.zeros(0)
+        flat = torch.cat([(anchor[n] - values[n]).reshape(-1) for n in self.names]) if self.names else torch.zeros(0, device=self.store.device)
         mean = self.meeting.sum(flat) / self.meeting.groups
         sent = getattr(self.meeting, "sent_bytes", flat.numel() * flat.element_size())  # in memory: the payload
         self.bytes_sent += sent
@@ -175,7 +178,8 @@ class PeriodicExchange:
         (inner, anchor, outer); every group's codec residual; the chief's display counters."""
         tensors = codecs_state("codec", {"meeting": getattr(self.meeting, "codec", Codec())})
         if self.chief:
-            return tensors | {"count/samples": torch.tensor(self._samples), "count/window_bytes": torch.tensor(self._window_bytes)}
+            return tensors | {"count/samples": torch.tensor(self._samples, device="cpu"),
+                              "count/window_bytes": torch.tensor(self._window_bytes, device="cpu")}
         tensors |= {f"value/{name}": value for name, value in self.store.values.items()}
         for name, slots in self.updater_state().items():
             tensors |= {f"state/{name}/{slot}": value for slot, value in slots.items()}

@@ -1,32 +1,33 @@
-"""SlicedExchange: one synchronous worker group over processes (AllReduce, Sandblaster).
+"""SlicedExchange: one synchronous worker group over processes (AllReduce, Sandblaster), on collectives.
 
-SlicedExchange: the group spans processes and params are sliced over servers
-(SINGA's lcm slicing decides which rank owns which elements). Gradients
-travel while backward still runs: a hook on each param leaf hands its
-gradient over as soon as autograd has accumulated it; once every worker of
-this process has (threads sum in memory first), the buckets holding that
-param are complete and their gradients go to the owning rank (an isend).
-The owner's server thread sums what its peers sent, applies the updater to
-its slices (updater state lives with the slice) and sends the new values
-back to every worker process. A slice no process has a gradient for is not
-updated (SINGA's servers update on received gradients only; momentum and
-weight decay would otherwise move a param nothing trains), so with each
-bucket's gradients goes one byte per param: whether the sender had one.
-Over all buckets this is a direct
-reduce-scatter + slice update + all-gather, moving the analytic bytes
-and the flags (benchmarks/gloo_primitives.py measured gloo's own reduce_scatter,
-reduce and broadcast moving 1.2-1.5x that, and slower): the AllReduce framework when
-servers share the workers' processes, Sandblaster when they have processes
-of their own (those contribute no gradients and receive no values).
+The group spans processes and params are sliced over servers (SINGA's lcm slicing decides which
+rank owns which elements); the slices travel in buckets (shoal.planning.buckets), each owned by
+one rank. Gradients travel while backward still runs: a hook on each param leaf hands its
+gradient over as soon as autograd has accumulated it; once every worker of this process has
+(threads sum in memory first), the buckets holding that param are complete, and the next ones
+in bucket order are launched: an asynchronous reduce of the bucket's gradients to its owner over
+the owner's process group (the worker processes and the owner, named by the plan:
+shoal.planning.process_groups). Buckets launch in index order on every rank, so the collectives
+match by order (NCCL has no tags). After backward, per owner one reduce (max) of a byte per param
+says which params anyone had a gradient for: a slice no process has one for is not updated
+(SINGA's servers update on received gradients only; momentum and weight decay would otherwise move
+a param nothing trains). Each owner then applies the updater to its slices (updater state lives
+with the slice: ZeRO-1's owner-sharded update) and broadcasts the new values over the bucket's
+group. Over all buckets this is reduce-scatter + slice update + all-gather with buckets of
+unequal owners: the AllReduce framework when servers share the workers' processes, Sandblaster
+when they have processes of their own (those contribute zeros and receive no values). Tensors stay
+on the store's device: CUDA ones ride NCCL where the plan allows it, else stage through the host
+(shoal.comm.collectives).
 
 Compressed (cluster.compression) it is a compressed reduce-scatter + all-gather of the gradient,
 as torch DDP's fp16/bf16/PowerSGD hooks and SINGA 4's DistOpt compress the gradient rather than the
-params: each process sends the owner of a bucket its encoded gradient (top-k: with its residual,
-error feedback), the owner sums what it decodes, encodes the sum (top-k: with a residual of its
-own, the server-side error feedback of DoubleSqueeze and 1-bit Adam) and sends that back, not the
-values; every process, the owner too, applies the decoded sum with the updater, so every process
-holds an updater state for every param it trains and all replicas stay equal. Values cannot be
-compressed this way: a rounded or sparse value is a different model.
+params: each process's encoded gradient of a bucket is gathered at its owner (top-k: with its
+residual, error feedback), the owner sums what it decodes, encodes the sum (top-k: with a residual
+of its own, the server-side error feedback of DoubleSqueeze and 1-bit Adam) and broadcasts that,
+not the values, with whether anyone had a gradient; every process, the owner too, applies the
+decoded sum with the updater, so every process holds an updater state for every param it trains
+and all replicas stay equal. Values cannot be compressed this way: a rounded or sparse value is a
+different model.
 """
 from __future__ import annotations
 
@@ -47,6 +48,10 @@ from shoal.runtime.exchanges.clipping import max_norm_of, scale_for, sum_of_squa
 from shoal.runtime.exchanges.compression import Codec, codecs_state, load_codecs_state, wire_bytes
 
 
+from shoal.comm import collectives
+from shoal.planning.process_groups import sliced_group_name, sliced_groups
+
+
 @dataclass
 class _Round:
     """One training step's exchange, from `begin` to the end of `step`."""
@@ -57,13 +62,12 @@ class _Round:
     grad: dict[str, torch.Tensor] = field(default_factory=dict)  # this process's weighted sum, flat (zeros if none)
     has_grad: set[str] = field(default_factory=set)  # params some local worker had a gradient for
     pending: dict[int, int] = field(default_factory=dict)  # bucket -> params not complete yet
-    ready: dict[int, threading.Event] = field(default_factory=dict)  # owned bucket -> local part complete
-    works: list = field(default_factory=list)  # handles of this round's messages (main side)
-    staged: list[Bucket] = field(default_factory=list)  # buckets whose values arrive in a staging buffer
-    summed: list[Bucket] = field(default_factory=list)  # compressed: buckets whose encoded sum arrives
-    keep: list = field(default_factory=list)  # encoded tensors being sent (alive until their sends end)
-    server: Optional[threading.Thread] = None
-    error: Optional[BaseException] = None
+    complete: set[int] = field(default_factory=set)  # buckets whose local part is complete, not launched yet
+    launched: int = 0  # buckets launched so far: always a prefix, in index order (what matches the collectives)
+    reducing: dict[int, collectives.Handle] = field(default_factory=dict)  # bucket -> its gradients' reduce (or gather)
+    payload: dict[int, torch.Tensor] = field(default_factory=dict)  # bucket -> what was reduced (the owner's: the sum)
+    keep: list = field(default_factory=list)  # encoded tensors being sent (alive until their collectives end)
+    flag_sends: list = field(default_factory=list)  # this process's flags reduced to other owners
 
 
 class SlicedExchange:
@@ -79,63 +83,58 @@ class SlicedExchange:
         workers: Sequence = (),
         bucket_cap: Optional[int] = None,  # elements; None: SHOAL_BUCKET_MB or 4 MB
         codecs: Optional[Callable[[], Codec]] = None,  # cluster.compression: a fresh codec per (bucket, sender)
+        groups: Optional[dict[str, collectives.Group]] = None,  # the plan's process groups (None: made here, gloo)
     ):
         self.store, self.updater, self.rank, self.global_batch = store, updater, rank, global_batch
         self.chief = rank == 0
+        self.device = store.device
         self.names = store.trainable_names()
         trainable = set(self.names)
         slices = [s for s in placement.slices if s.param in trainable]
         # every server group holds a full replica; one group here (synchronous), group 0
         owner = {s.index: placement.process_of(placement.server_of_slice(s.index, 0)) for s in slices}
-        self.buckets = plan_buckets(slices, owner, bucket_cap or cap_from_env())
-        self.owned = [b for b in self.buckets if b.owner == rank]
         self.worker_ranks = [p.rank for p in placement.processes if p.workers]
-        # an owner's peers: the other processes with workers (they send gradients, get values)
-        self.peers = [r for r in self.worker_ranks if r != rank]
+        hosts_workers = rank in self.worker_ranks
+        every = plan_buckets(slices, owner, bucket_cap or cap_from_env())
+        # the buckets this process takes part in: all of them where it has workers, its own on a separate server
+        self.buckets = [b for b in every if hosts_workers or b.owner == rank]
+        self.owned = [b for b in self.buckets if b.owner == rank]
+        if groups is None:  # built outside an assembly (tests): the plan's groups, on gloo
+            groups = collectives.create(sliced_groups(placement, [[] for _ in placement.processes]))
+        self.owners = sorted({b.owner for b in self.buckets})
+        self.group_of = {o: groups[sliced_group_name(o)] for o in self.owners}
         self.buckets_of: dict[str, list[Bucket]] = {name: [] for name in self.names}
         for b in self.buckets:
             for name in b.params:
                 self.buckets_of[name].append(b)
-        hosts_workers = rank in self.worker_ranks
+        # per owner, the params of its buckets (each once): one flag byte each, whether anyone had a gradient
+        self.params_of = {o: list(dict.fromkeys(n for b in self.buckets if b.owner == o for n in b.params)) for o in self.owners}
+        self._flags = {o: torch.zeros(len(names), dtype=torch.uint8, device=self.device) for o, names in self.params_of.items()}
         self.codecs = codecs
         updated = self.buckets if codecs is not None and hosts_workers else self.owned  # compressed: replicated updates
         self.state = {self._key(s): updater.init_shard_state(self._value(s), self._key(s)) for b in updated for s in b.slices}
         self._owned_keys = {self._key(s) for b in self.owned for s in b.slices}
         self.sent_bytes = 0  # what this process sent since the last display (gradients, flags, sums or values)
         if codecs is not None:
-            self._send_codec = {b.index: codecs() for b in self.buckets if b.owner != rank and hosts_workers}
+            self._send_codec = {b.index: codecs() for b in self.buckets if b.owner != rank}
             self._sum_codec = {b.index: codecs() for b in self.owned}
-            self._incoming_parts = {(b.index, p): codecs().buffers(b.numel) for b in self.owned for p in self.peers}
-            self._summed_parts = {b.index: codecs().buffers(b.numel) for b in self.buckets if b.owner != rank and hosts_workers}
-            self._union = {b.index: torch.empty(len(b.params), dtype=torch.uint8) for b in self.buckets if b.owner == rank or hosts_workers}
-        # staging: what peers send to this owner, and multi-slice messages (one flat buffer each way)
-        self._incoming = {(b.index, p): torch.empty(b.numel) for b in self.owned for p in self.peers} if codecs is None else {}
-        self._outgoing = {b.index: torch.empty(b.numel) for b in self.buckets if len(b.slices) > 1 and (b.owner == rank or hosts_workers)}
-        self._arriving = {b.index: torch.empty(b.numel) for b in self.buckets
-                          if len(b.slices) > 1 and b.owner != rank and hosts_workers and codecs is None}
-        # per bucket, one byte per param: whether the sender had a gradient for it, so that an owner
-        # skips a param no process has one for. In a message of its own, because a big slice's
-        # gradients travel as a view of the gradient itself: appending a flag would copy up to the
-        # bucket cap (4 MB) per message, where this costs len(params) bytes and one small message
-        self._flags_in = {(b.index, p): torch.empty(len(b.params), dtype=torch.uint8) for b in self.owned for p in self.peers}
-        self._flags_out = {b.index: torch.empty(len(b.params), dtype=torch.uint8) for b in self.buckets if b.owner != rank and hosts_workers}
-        # clipping by the global norm: the owners (in rank order) trade their sums of squares
+            # the owner gathers every member's encoding (its own slot is a placeholder it sends itself)
+            # per encoded tensor, one buffer per member
+            self._gathered = {b.index: [list(per_member) for per_member in zip(*(codecs().buffers(b.numel, self.device)
+                                                                                  for _ in self.group_of[b.owner].ranks))]
+                              for b in self.owned}
+            self._summed_parts = {b.index: codecs().buffers(b.numel, self.device) for b in self.buckets if b.owner != rank}
+        # one flat buffer per multi-slice bucket each way; a bucket of one slice travels as a view, without a copy
+        self._outgoing = {b.index: torch.empty(b.numel, device=self.device) for b in self.buckets if len(b.slices) > 1}
+        self._arriving = {b.index: torch.empty(b.numel, device=self.device) for b in self.buckets
+                          if len(b.slices) > 1 and b.owner != rank and codecs is None}
+        # clipping by the global norm: the owners' sums of squares, summed over the world in one scalar all-reduce
         self.max_norm = max_norm_of(updater)
-        self.owner_ranks = sorted({b.owner for b in self.buckets})
         self.shares = [w.share for w in workers]
         # per local worker: whether its gradients leave during backward (kBP) or after compute
         self.streaming = [w.stream_gradients(self._hook(i)) for i, w in enumerate(workers)]
         self._lock = threading.Lock()
         self._round: Optional[_Round] = None
-
-    # message tags of bucket b: its gradients (to the owner), its new values (back), its gradient flags;
-    # compressed: an encoding's second tensor each way, and whether anyone had a gradient (back)
-    GRADS, VALUES, FLAGS, GRADS_2, SUMS_2, UNION = range(6)
-    SUMS = VALUES  # compressed: the encoded sum goes back where the values would
-
-    @staticmethod
-    def _tag(b: Bucket, kind: int) -> int:
-        return 6 * b.index + kind
 
     @staticmethod
     def _key(s: ParamSlice) -> tuple[str, int, int]:
@@ -144,46 +143,137 @@ class SlicedExchange:
     def _value(self, s: ParamSlice) -> torch.Tensor:
         return self.store.values[s.param].view(-1)[s.start : s.stop]
 
+    def _peers(self, owner: int) -> int:
+        """How many members of an owner's group get its values: every other one (they all have workers)."""
+        return len(self.group_of[owner].ranks) - 1
+
     # -- one step -----------------------------------------------------------
     def begin(self, step: int) -> None:
-        """Open the step's round: owners start receiving before the workers start computing."""
+        """Open the step's round (a process without workers has its part at once: zeros)."""
         if self._round is not None:
             raise RuntimeError(f"step {step} began before step {self._round.step} finished its exchange")
         comm.enter_round()
         r = _Round(step)
         r.pending = {b.index: len(b.params) for b in self.buckets}
-        r.ready = {b.index: threading.Event() for b in self.owned}
-        if not self.shares:  # no workers here: no local part to wait for
-            for event in r.ready.values():
-                event.set()
-        if self.owned:
-            r.server = threading.Thread(target=self._serve, args=(r,), name=f"shoal-server-{self.rank}", daemon=True)
-            r.server.start()
         self._round = r
+        if not self.shares:
+            with self._lock:
+                for b in self.buckets:
+                    self._complete(r, b)
 
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
-        """Finish the step: hand over what the hooks did not, wait for every new value."""
+        """Finish the step: hand over what the hooks did not, update the owned slices, receive every new value."""
         r = self._round
-        for i, (grads, _) in enumerate(parts):
-            for name in reversed(self.names):  # in backward order, as the buckets are
-                if (i, name) not in r.arrived:
-                    self._arrive(i, name, grads.get(name))
         try:
-            if r.server is not None:
-                r.server.join()
-                if r.error is not None:
-                    raise r.error
-            for work in r.works:
-                work.wait()
+            for i, (grads, _) in enumerate(parts):
+                for name in reversed(self.names):  # in backward order, as the buckets are
+                    if (i, name) not in r.arrived:
+                        self._arrive(i, name, grads.get(name))
+            if r.launched != len(self.buckets):
+                raise RuntimeError(f"step {step}: {len(self.buckets) - r.launched} buckets never completed")
+            anyone_has = self._flags_round(r)
+            if self.codecs is not None:
+                self._finish_compressed(r, anyone_has)
+            else:
+                self._finish(r, anyone_has)
         finally:
             self._round = None
-        for b in r.staged:
+
+    def _flags_round(self, r: _Round) -> set[str]:
+        """Per owner, the max of every member's byte per param: the params anyone had a gradient for (the owners
+        learn theirs; compressed, the owners broadcast them back, since every process applies the sums)."""
+        handles = {}
+        for o in self.owners:
+            flags = self._flags[o]
+            flags.copy_(torch.tensor([name in r.has_grad for name in self.params_of[o]], dtype=torch.uint8, device=self.device))
+            handles[o] = self.group_of[o].reduce_sum(flags, o, op="max")
+            if o != self.rank:
+                self.sent_bytes += flags.numel()
+        if self.codecs is not None:
+            for o in self.owners:
+                if o == self.rank:
+                    handles[o].wait()
+                handles[o] = self.group_of[o].broadcast(self._flags[o], o)
+                if o == self.rank:
+                    self.sent_bytes += self._flags[o].numel() * self._peers(o)
+        anyone_has = set()
+        for o in self.owners:
+            if o == self.rank or self.codecs is not None:
+                handles[o].wait()
+                anyone_has.update(n for n, flag in zip(self.params_of[o], self._flags[o].tolist()) if flag)
+            else:
+                r.flag_sends.append(handles[o])  # a sender's part: waited with the values
+        return anyone_has
+
+    def _finish(self, r: _Round, anyone_has: set[str]) -> None:
+        """Owners update their buckets and broadcast the values; the others receive them, in bucket order."""
+        updates = {}
+        for b in self.owned:
+            r.reducing[b.index].wait()
+            updates[b.index] = self._updates(r.step, b, r.payload[b.index], anyone_has)
+        scale = None
+        if self.max_norm is not None:  # every owned gradient first: one scale before any slice updates
+            scale = self._clip_scale([u.grad for ups in updates.values() for u in ups])
+        receiving, staged = [], []
+        for b in self.buckets:
+            group = self.group_of[b.owner]
+            if b.owner == self.rank:
+                self.updater.update_many(r.step, updates[b.index], *(() if scale is None else (scale,)))
+                values = self._gather(b, self._value)
+                receiving.append(group.broadcast(values, self.rank))
+                self.sent_bytes += wire_bytes([values]) * self._peers(b.owner)
+                continue
+            r.reducing[b.index].wait()  # the sent gradients' buffers are scratch from here
+            if len(b.slices) == 1:
+                target = self._value(b.slices[0])  # straight into the param: it is no longer read this step
+            else:
+                target = self._arriving[b.index]
+                staged.append(b)
+            receiving.append(group.broadcast(target, b.owner))
+        for handle in receiving + r.flag_sends:
+            handle.wait()
+        for b in staged:
             flat = self._arriving[b.index]
             for s, at in zip(b.slices, b.offsets):
                 self._value(s).copy_(flat[at : at + s.size])
-        for b in r.summed:  # compressed: the owner's encoded sum, applied here as the owner applied it
+
+    def _finish_compressed(self, r: _Round, anyone_has: set[str]) -> None:
+        """Owners sum the decoded gradients, encode the sum and broadcast it; every process applies its decoding.
+
+        Clipped (clip_grad_norm), the norm is that of the owners' dense sums before they are encoded (every rank's
+        sum of squares of the sums it owns, one scalar all-reduce), and each owner scales its sums before encoding
+        them: every process applies the decoding of a clipped sum (top-k's residual keeps what is not sent)."""
+        totals = {}
+        for b in self.owned:
+            r.reducing[b.index].wait()
+            total = (self._gather(b, lambda s: r.grad[s.param][s.start : s.stop]).clone() if self.shares
+                     else torch.zeros(b.numel, device=self.device))
+            for m, member in enumerate(self.group_of[b.owner].ranks):  # in rank order, so every run sums alike
+                if member != self.rank:
+                    total += self._sum_codec[b.index].decode([part[m] for part in self._gathered[b.index]], b.numel)
+            totals[b.index] = total
+        if self.max_norm is not None:  # every rank takes part in the scalar all-reduce, owner or not
+            scale = self._clip_scale(list(totals.values()))
+            for total in totals.values():
+                total.mul_(scale)
+        receiving, applying = [], []
+        for b in self.buckets:
+            group = self.group_of[b.owner]
+            if b.owner == self.rank:
+                codec = self._sum_codec[b.index]
+                sent = codec.encode(totals[b.index])
+                r.keep += sent
+                receiving += [group.broadcast(part, self.rank) for part in sent]
+                self.sent_bytes += wire_bytes(sent) * self._peers(b.owner)
+                self._apply(r.step, b, codec.decode(sent, b.numel), anyone_has)
+                continue
+            receiving += [group.broadcast(part, b.owner) for part in self._summed_parts[b.index]]
+            applying.append(b)
+        for handle in receiving + r.flag_sends + [r.reducing[b.index] for b in applying]:
+            handle.wait()
+        for b in applying:
             summed = self._send_codec[b.index].decode(self._summed_parts[b.index], b.numel)
-            self._apply(step, b, summed, {n for n, flag in zip(b.params, self._union[b.index].tolist()) if flag})
+            self._apply(r.step, b, summed, anyone_has)
 
     def _hook(self, worker: int) -> Callable[[str, Optional[torch.Tensor]], None]:
         return lambda name, grad: self._arrive(worker, name, grad)
@@ -200,8 +290,8 @@ class SlicedExchange:
             if grad is not None:
                 r.has_grad.add(name)
                 weight = self.shares[worker] / self.global_batch  # each loss is a mean over its share
-                # gloo moves host memory: a worker on a GPU hands its gradient to the process's store there
-                flat = grad.detach().reshape(-1).to(self.store.device)
+                # a worker on another device than the process's store hands its gradient over there
+                flat = grad.detach().reshape(-1).to(self.device)
                 if name in r.grad:
                     r.grad[name].add_(flat, alpha=weight)
                 else:  # in place: workers make fresh gradients every step
@@ -210,45 +300,42 @@ class SlicedExchange:
             if r.count[name] < len(self.shares):
                 return
             if name not in r.grad:
-                r.grad[name] = torch.zeros(self.store.info[name].numel)
-            complete = []
+                r.grad[name] = torch.zeros(self.store.info[name].numel, device=self.device)
             for b in self.buckets_of[name]:
                 r.pending[b.index] -= 1
                 if r.pending[b.index] == 0:
-                    complete.append(b)
-            for b in complete:
-                self._send_gradients(r, b)
+                    self._complete(r, b)
+
+    def _complete(self, r: _Round, b: Bucket) -> None:
+        """Bucket b's local part is complete: launch it and every complete one after it, in index order."""
+        r.complete.add(b.index)
+        while r.launched < len(self.buckets) and self.buckets[r.launched].index in r.complete:
+            self._send_gradients(r, self.buckets[r.launched])
+            r.launched += 1
 
     def _send_gradients(self, r: _Round, b: Bucket) -> None:
-        if b.owner == self.rank:
-            r.ready[b.index].set()
-            return
-        payload = self._gather(b, lambda s: r.grad[s.param][s.start : s.stop])
+        """Launch bucket b's gradients to its owner: a reduce (compressed: a gather of the encodings)."""
+        group = self.group_of[b.owner]
+        if self.shares:
+            payload = self._gather(b, lambda s: r.grad[s.param][s.start : s.stop])
+        else:  # a separate server adds nothing to the sum
+            payload = torch.zeros(b.numel, device=self.device)
+        r.payload[b.index] = payload
         if self.codecs is None:
-            r.works.append(comm.isend(payload, b.owner, tag=self._tag(b, self.GRADS)))
-            self.sent_bytes += wire_bytes([payload])
-        else:
-            parts = self._send_codec[b.index].encode(payload)
-            r.keep += parts
-            r.works += [comm.isend(part, b.owner, tag=self._tag(b, kind)) for part, kind in zip(parts, (self.GRADS, self.GRADS_2))]
-            self.sent_bytes += wire_bytes(parts)
-        flags = self._flags_out[b.index]
-        for k, name in enumerate(b.params):
-            flags[k] = name in r.has_grad
-        r.works.append(comm.isend(flags, b.owner, tag=self._tag(b, self.FLAGS)))
-        self.sent_bytes += flags.numel()
-        if self.codecs is not None:
-            parts = self._summed_parts[b.index]
-            r.works += [comm.irecv(part, b.owner, tag=self._tag(b, kind)) for part, kind in zip(parts, (self.SUMS, self.SUMS_2))]
-            r.works.append(comm.irecv(self._union[b.index], b.owner, tag=self._tag(b, self.UNION)))
-            r.summed.append(b)
+            r.reducing[b.index] = group.reduce_sum(payload, b.owner)
+            if b.owner != self.rank:
+                self.sent_bytes += wire_bytes([payload])
             return
-        if len(b.slices) == 1:
-            target = self._value(b.slices[0])  # straight into the param: it is no longer read this step
+        if b.owner == self.rank:
+            gathered = self._gathered[b.index]
+            mine = group.index(self.rank)
+            handles = [group.gather(part[mine].clone(), part, self.rank) for part in gathered]  # own slot: a placeholder
         else:
-            target = self._arriving[b.index]
-            r.staged.append(b)
-        r.works.append(comm.irecv(target, b.owner, tag=self._tag(b, self.VALUES)))
+            sent = self._send_codec[b.index].encode(payload)
+            r.keep += sent
+            handles = [group.gather(part, None, b.owner) for part in sent]
+            self.sent_bytes += wire_bytes(sent)
+        r.reducing[b.index] = _All(handles)
 
     def _gather(self, b: Bucket, part: Callable[[ParamSlice], torch.Tensor]) -> torch.Tensor:
         """The bucket's flat message: the slice itself when alone, else a copy into its buffer."""
@@ -259,125 +346,21 @@ class SlicedExchange:
             flat[at : at + s.size].copy_(part(s))
         return flat
 
-    def _serve(self, r: _Round) -> None:
-        """The server of this rank: per owned bucket, sum, update, send the values back."""
-        if self.codecs is not None:
-            return self._serve_compressed(r)
-        try:
-            receiving = {
-                b.index: [comm.irecv(self._incoming[b.index, p], p, tag=self._tag(b, self.GRADS)) for p in self.peers]
-                + [comm.irecv(self._flags_in[b.index, p], p, tag=self._tag(b, self.FLAGS)) for p in self.peers]
-                for b in self.owned
-            }
-            sending, summed = [], []
-            for b in self.owned:
-                anyone_has = self._arrived(r, b, receiving[b.index])
-                updates = []
-                for s, at in zip(b.slices, b.offsets):
-                    if s.param not in anyone_has:  # as Server.update: no gradient anywhere, no update
-                        continue
-                    grad = r.grad[s.param][s.start : s.stop] if self.shares else None
-                    for p in self.peers:  # in rank order, so every run sums alike
-                        part = self._incoming[b.index, p][at : at + s.size]
-                        grad = part if grad is None else grad.add_(part)
-                    updates.append(self._update_of(s, grad))
-                if self.max_norm is not None:  # every owned gradient first: one scale before any slice updates
-                    summed.append((b, updates))
-                    continue
-                self.updater.update_many(r.step, updates)
-                sending += self._send_values(b)
-            if self.max_norm is not None:
-                scale = self._clip_scale(r, [u.grad for _, updates in summed for u in updates])
-                for b, updates in summed:
-                    self.updater.update_many(r.step, updates, scale)
-                    sending += self._send_values(b)
-            for work in sending:
-                work.wait()
-        except BaseException as err:  # handed to the training thread by step()
-            r.error = err
-
-    def _send_values(self, b: Bucket) -> list:
-        """An owned bucket's new values, to every peer."""
-        values = self._gather(b, self._value)
-        self.sent_bytes += wire_bytes([values]) * len(self.peers)
-        return [comm.isend(values, p, tag=self._tag(b, self.VALUES)) for p in self.peers]
-
-    def _clip_scale(self, r: _Round, grads: list[torch.Tensor]) -> float:
-        """min(max_norm / (global norm + eps), 1): this owner's sum of squares, traded with the other owners (one scalar
-        each way), summed in rank order so every owner computes the same scale."""
-        mine = sum_of_squares(grads)
-        others = [o for o in self.owner_ranks if o != self.rank]
-        parts = {o: torch.zeros((), dtype=torch.float64) for o in others}
-        tag = 6 * len(self.buckets)  # after every bucket's tags
-        works = [comm.isend(mine, o, tag=tag) for o in others] + [comm.irecv(parts[o], o, tag=tag) for o in others]
-        for work in works:
-            work.wait()
-        self.sent_bytes += 8 * len(others)
-        parts[self.rank] = mine
-        total = torch.zeros((), dtype=torch.float64)
-        for o in self.owner_ranks:
-            total += parts[o]
+    def _clip_scale(self, grads: list[torch.Tensor]) -> float:
+        """min(max_norm / (global norm + eps), 1): every rank's sum of squares of what it owns (zero where nothing),
+        summed in one scalar all-reduce, so every owner computes the same scale."""
+        total = sum_of_squares(grads, torch.device("cpu"))  # one scalar: over the host's gloo
+        comm.all_reduce_sum(total)
+        world = comm.world_size()
+        self.sent_bytes += int(8 * 2 * (world - 1) / world)  # a ring all-reduce of one float64
         return float(scale_for(total.sqrt().float(), self.max_norm))
 
-    def _arrived(self, r: _Round, b: Bucket, receiving: list) -> set[str]:
-        """Wait for this process's gradients of owned bucket `b` and for the peers' messages; the params anyone has one for."""
-        if not r.ready[b.index].wait(comm.timeout_seconds()):
-            raise RuntimeError(f"the workers of process {self.rank} produced no gradients for {comm.timeout_seconds():.0f} s")
-        for work in receiving:
-            work.wait()
-        anyone_has = {name for name in b.params if name in r.has_grad}
-        for p in self.peers:
-            anyone_has.update(name for name, flag in zip(b.params, self._flags_in[b.index, p].tolist()) if flag)
-        return anyone_has
-
-    def _serve_compressed(self, r: _Round) -> None:
-        """Per owned bucket: sum the decoded gradients, encode the sum, apply its decoding here, send it back."""
-        try:
-            receiving = {
-                b.index: [comm.irecv(part, p, tag=self._tag(b, kind))
-                          for p in self.peers for part, kind in zip(self._incoming_parts[b.index, p], (self.GRADS, self.GRADS_2))]
-                + [comm.irecv(self._flags_in[b.index, p], p, tag=self._tag(b, self.FLAGS)) for p in self.peers]
-                for b in self.owned
-            }
-            sending, keep, summed = [], [], []
-            for b in self.owned:
-                anyone_has = self._arrived(r, b, receiving[b.index])
-                codec = self._sum_codec[b.index]
-                total = self._gather(b, lambda s: r.grad[s.param][s.start : s.stop]).clone() if self.shares else torch.zeros(b.numel)
-                for p in self.peers:  # in rank order, so every run sums alike
-                    total += codec.decode(self._incoming_parts[b.index, p], b.numel)
-                summed.append((b, total, anyone_has))
-                if self.max_norm is None:  # sent at once; clipped, every owned sum first
-                    self._send_sum(r, b, total, anyone_has, sending, keep)
-            if self.max_norm is not None:
-                # the global norm of the dense sums before they are encoded (each owner's, traded), one scale applied
-                # to them: every process applies the decoding of a clipped sum (the residual keeps what is not sent)
-                scale = self._clip_scale(r, [total for _, total, _ in summed])
-                for b, total, anyone_has in summed:
-                    self._send_sum(r, b, total.mul_(scale), anyone_has, sending, keep)
-            for work in sending:
-                work.wait()
-        except BaseException as err:  # handed to the training thread by step()
-            r.error = err
-
-    def _send_sum(self, r: _Round, b: Bucket, total: torch.Tensor, anyone_has: set[str], sending: list, keep: list) -> None:
-        """An owned bucket's summed gradient: encoded, applied here as decoded, and sent to every peer."""
-        codec = self._sum_codec[b.index]
-        parts = codec.encode(total)
-        self._apply(r.step, b, codec.decode(parts, b.numel), anyone_has)
-        union = self._union[b.index]
-        for k, name in enumerate(b.params):
-            union[k] = name in anyone_has
-        keep += parts
-        for p in self.peers:
-            sending += [comm.isend(part, p, tag=self._tag(b, kind)) for part, kind in zip(parts, (self.SUMS, self.SUMS_2))]
-            sending.append(comm.isend(union, p, tag=self._tag(b, self.UNION)))
-        self.sent_bytes += (wire_bytes(parts) + union.numel()) * len(self.peers)
+    def _updates(self, step: int, b: Bucket, grad: torch.Tensor, anyone_has: set[str]) -> list[ParamUpdate]:
+        """Bucket b's slice updates from its flat summed gradient (a param nobody had a gradient for stays)."""
+        return [self._update_of(s, grad[at : at + s.size]) for s, at in zip(b.slices, b.offsets) if s.param in anyone_has]
 
     def _apply(self, step: int, b: Bucket, grad: torch.Tensor, anyone_has: set[str]) -> None:
-        """The updater on bucket b's slices, from its flat summed gradient (a param nobody had a gradient for stays)."""
-        self.updater.update_many(step, [self._update_of(s, grad[at : at + s.size])
-                                        for s, at in zip(b.slices, b.offsets) if s.param in anyone_has])
+        self.updater.update_many(step, self._updates(step, b, grad, anyone_has))
 
     def _update_of(self, s: ParamSlice, grad: torch.Tensor) -> ParamUpdate:
         info = self.store.info[s.param]
@@ -387,14 +370,15 @@ class SlicedExchange:
         """Sample-weighted averages over every worker of the group (rank 0 decides the names)."""
         state = window.state()
         names = sorted(state["sums"]) if self.chief else []
-        encoded = torch.tensor(list(",".join(names).encode()), dtype=torch.uint8)
-        length = torch.tensor([len(encoded)])
+        # host tensors: the metrics are a small host protocol over the world's gloo
+        encoded = torch.tensor(list(",".join(names).encode()), dtype=torch.uint8, device="cpu")
+        length = torch.tensor([len(encoded)], device="cpu")
         comm.broadcast(length, 0)
         if not self.chief:
-            encoded = torch.zeros(int(length), dtype=torch.uint8)
+            encoded = torch.zeros(int(length), dtype=torch.uint8, device="cpu")
         comm.broadcast(encoded, 0)
         names = [n for n in bytes(encoded.tolist()).decode().split(",") if n]
-        values = torch.tensor([[state["sums"].get(n, 0.0), state["counts"].get(n, 0)] for n in names], dtype=torch.float64).reshape(-1, 2)
+        values = torch.tensor([[state["sums"].get(n, 0.0), state["counts"].get(n, 0)] for n in names], dtype=torch.float64, device="cpu").reshape(-1, 2)
         comm.all_reduce_sum(values)
         averages = {n: float(s / c) for n, (s, c) in zip(names, values.tolist()) if c}
         averages["sent_bytes"], self.sent_bytes = self.sent_bytes, 0  # this process's, as Downpour's pushed_bytes
@@ -408,8 +392,9 @@ class SlicedExchange:
         """Every step ended with its values back: nothing outstanding."""
 
     def updater_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The whole updater state, assembled on every rank from the servers' slices (collective)."""
-        full = {name: {slot: torch.zeros(shape) for slot, shape in self.updater.state_shapes(name, tuple(self.store.info[name].shape)).items()}
+        """The whole updater state, assembled on every rank from the servers' slices (collective; in host memory,
+        where checkpoints are written)."""
+        full = {name: {slot: torch.zeros(shape, device="cpu") for slot, shape in self.updater.state_shapes(name, tuple(self.store.info[name].shape)).items()}
                 for name in self.names}
         for key, state in self.state.items():
             if key not in self._owned_keys:  # compressed: every process holds every slice's state; owners count it once
@@ -442,3 +427,14 @@ class SlicedExchange:
         if self.codecs is not None:
             load_codecs_state("send", self._send_codec, tensors)
             load_codecs_state("sum", self._sum_codec, tensors)
+
+
+class _All:
+    """Several launched collectives waited as one (a bucket's encoding is one gather per tensor)."""
+
+    def __init__(self, handles: list):
+        self.handles = handles
+
+    def wait(self) -> None:
+        for handle in self.handles:
+            handle.wait()

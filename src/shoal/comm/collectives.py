@@ -1,0 +1,115 @@
+"""Collectives over the process groups the plan names: CUDA tensors over NCCL, CPU tensors over gloo.
+
+The plan (shoal.planning.process_groups) lists each group's ranks and whether NCCL may carry it
+(every member computes on a GPU of its own). `create` makes them all, on every rank of the job in
+the same order (torch.distributed requires it), and keeps them by name. A collective on a group
+that NCCL cannot carry (gloo: a CPU worker or a separate server in it, two processes on one GPU,
+a build without NCCL) with a CUDA tensor stages through host memory: copied to the host, moved
+by gloo, copied back when its handle is waited.
+
+Every call is asynchronous (the exchanges launch them from backward hooks) and returns a handle
+with `wait()`. Collectives on one group must be launched in the same order on every member:
+their order is what matches them, not a tag.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from shoal.comm.dist import group_timeout, nccl_usable
+
+
+@dataclass(frozen=True)
+class Group:
+    """A named process group: its global ranks (sorted), its torch handle and whether CUDA tensors ride NCCL."""
+
+    name: str
+    ranks: tuple[int, ...]
+    handle: object  # torch's ProcessGroup (None: the world)
+    on_nccl: bool
+
+    def _stage(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+        """A host copy of a CUDA tensor that this group's gloo must move instead (None: moved where it lives)."""
+        return tensor.to("cpu") if tensor.is_cuda and not self.on_nccl else None
+
+    def reduce_sum(self, tensor: torch.Tensor, dst: int, op: str = "sum") -> "Handle":
+        """Sum (or max) every member's `tensor` into global rank `dst`'s; the others' copies are scratch afterwards."""
+        host = self._stage(tensor)
+        reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        work = dist.reduce(tensor if host is None else host, dst=dst, op=reduce_op, group=self.handle, async_op=True)
+        return Handle(work, host, tensor if dist.get_rank() == dst else None)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> "Handle":
+        """Global rank `src`'s `tensor` into every member's."""
+        host = self._stage(tensor)
+        work = dist.broadcast(tensor if host is None else host, src=src, group=self.handle, async_op=True)
+        return Handle(work, host, tensor if dist.get_rank() != src else None)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> "Handle":
+        host = self._stage(tensor)
+        work = dist.all_reduce(tensor if host is None else host, op=dist.ReduceOp.SUM, group=self.handle, async_op=True)
+        return Handle(work, host, tensor)
+
+    def gather(self, tensor: torch.Tensor, into: Optional[Sequence[torch.Tensor]], dst: int) -> "Handle":
+        """Every member's `tensor` into `into` (one per member, in rank order) on global rank `dst` (None elsewhere)."""
+        host = self._stage(tensor)
+        staged = None if into is None or host is None else [t.to("cpu") for t in into]
+        work = dist.gather(tensor if host is None else host, staged if staged is not None else into, dst=dst,
+                           group=self.handle, async_op=True)
+        return Handle(work, staged, into if staged is not None else None)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's `tensor` (same shape and dtype everywhere), in rank order, on `tensor`'s device (blocking)."""
+        host = self._stage(tensor)
+        moved = tensor if host is None else host
+        gathered = [torch.empty_like(moved) for _ in self.ranks]
+        dist.all_gather(gathered, moved, group=self.handle)
+        return gathered if host is None else [g.to(tensor.device) for g in gathered]
+
+    def index(self, rank: int) -> int:
+        """Position of global `rank` among the members (gather's order)."""
+        return self.ranks.index(rank)
+
+
+class Handle:
+    """A launched collective: `wait()` ends it and copies a staged result back to its device."""
+
+    __slots__ = ("work", "host", "target")
+
+    def __init__(self, work, host, target):
+        self.work, self.host, self.target = work, host, target
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.host is None or self.target is None:
+            return
+        if isinstance(self.target, torch.Tensor):
+            self.target.copy_(self.host)
+        else:
+            for into, staged in zip(self.target, self.host):
+                into.copy_(staged)
+
+
+def create(specs: Iterable) -> dict[str, Group]:
+    """Make every group the plan names (ProcessGroupPlan: name, ranks, nccl), on every rank, in the plan's order.
+
+    A group of every rank that may ride NCCL exactly when the world does is the world itself (no new connections)."""
+    specs = list(specs)
+    if not specs:  # nothing to make: no process group needed (a layout without collectives)
+        return {}
+    world = dist.get_world_size()
+    world_on_nccl = "nccl" in str(dist.get_backend())
+    groups: dict[str, Group] = {}
+    for spec in specs:
+        ranks = tuple(sorted(spec.ranks))
+        on_nccl = bool(spec.nccl) and nccl_usable()
+        if ranks == tuple(range(world)) and on_nccl == world_on_nccl:
+            handle = None
+        else:
+            handle = dist.new_group(ranks=list(ranks), backend="cpu:gloo,cuda:nccl" if on_nccl else "gloo",
+                                    timeout=group_timeout())  # a stalled peer fails the others as the world's would
+        groups[spec.name] = Group(spec.name, ranks, handle, on_nccl)
+    return groups
