@@ -49,7 +49,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=12, help="windows per step (of the whole group)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--optimizer", choices=["adamw", "kAdam"], default="adamw",
-                   help="adamw: torch's AdamW (every layout but Distributed Hogwild); kAdam: SINGA's Adam "
+                   help="adamw: torch's AdamW (every layout); kAdam: SINGA's Adam "
                         "(no bias correction), under every layout")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)

@@ -21,17 +21,31 @@ from shoal.data.errors import StoreError
 
 
 def check_dataset(dataset: Any, what: str) -> int:
-    """The number of samples of a map-style dataset; a one-line StoreError for anything else."""
+    """The number of samples (positions per epoch) of a map-style dataset or a stream source (shoal.data.streams:
+    it has `reader`); a one-line StoreError for anything else."""
     if isinstance(dataset, IterableDataset):
-        raise StoreError(f"{what}: an IterableDataset has no positions to shard and resume by; give a map-style Dataset "
-                         "(__getitem__ and __len__)")
-    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-        raise StoreError(f"{what}: expected a map-style torch Dataset (__getitem__ and __len__) or a pair of tensors, "
-                         f"got {type(dataset).__name__}")
+        raise StoreError(f"{what}: an IterableDataset is read through shoal.data.streams.IterableSource (shoal.fit wraps it)")
+    if not (hasattr(dataset, "reader") or hasattr(dataset, "__getitem__")) or not hasattr(dataset, "__len__"):
+        raise StoreError(f"{what}: expected a torch Dataset (map-style or iterable), a DataLoader factory or a pair of "
+                         f"tensors, got {type(dataset).__name__}")
     n = len(dataset)
     if n <= 0:
         raise StoreError(f"{what}: the dataset is empty")
     return n
+
+
+def first_batch(dataset: Any) -> Any:
+    """A batch of the first sample, collated as training batches are (for shape probes)."""
+    if hasattr(dataset, "first_batch"):
+        return dataset.first_batch()
+    return default_collate([dataset[0]])
+
+
+def reader_for(dataset: Any, seed: int, shuffle: bool, stride: int):
+    """What reads a feed's positions: `batch(start, count)` (stride: positions between a reader's successive batches)."""
+    if hasattr(dataset, "reader"):
+        return dataset.reader(seed, shuffle, stride)
+    return PositionReader(dataset, seed, shuffle)
 
 
 def epoch_seed(seed: int, epoch: int) -> int:

@@ -234,11 +234,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("shoal run: give a job file (shoal run JOB)")
     if job_path.suffix == ".py":
         return _run_script(args, job_path)
-    overrides = list(args.overrides)
-    if args.max_restarts is not None:  # a field of the job, so the plan holds it (SHOAL_MAX_RESTARTS still overrides)
-        if args.max_restarts < 0:
-            raise UsageError(f"--max-restarts {args.max_restarts}: expected 0 or more")
-        overrides.append(f"cluster.max_restarts={args.max_restarts}")
+    overrides = list(args.overrides) + _max_restarts(args)
     job = api.load_job(job_path, overrides, plugins=args.plugin)
     if args.tensorboard:
         job.tensorboard = True
@@ -269,6 +265,15 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _max_restarts(args: argparse.Namespace) -> list[str]:
+    """--max-restarts N as the job field it sets (the plan holds it; SHOAL_MAX_RESTARTS still overrides)."""
+    if args.max_restarts is None:
+        return []
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts {args.max_restarts}: expected 0 or more")
+    return [f"cluster.max_restarts={args.max_restarts}"]
+
+
 def _rejoin(args: argparse.Namespace, job) -> int:
     """shoal run JOB --rejoin RANK: one process of a running Downpour job, back in a dead one's place."""
     from shoal.frontend.api import base_dirs
@@ -284,13 +289,15 @@ def _rejoin(args: argparse.Namespace, job) -> int:
 def _run_script(args: argparse.Namespace, path: Path) -> int:
     from shoal.frontend.script import ScriptSettings, run_script
 
-    refused = [flag for flag, given in (("--test", args.test), ("--checkpoint", args.checkpoint), ("--nnodes/--hostfile", args.nnodes or args.hostfile)) if given]
+    refused = [flag for flag, given in (("--test", args.test), ("--checkpoint", args.checkpoint), ("--nnodes/--hostfile", args.nnodes or args.hostfile),
+                                        ("--rejoin", args.rejoin is not None)) if given]
     if refused:
         raise UsageError(f"shoal run {path}: {', '.join(refused)} only for job files; a script tests and places its jobs itself")
     from shoal.config.plugins import load_plugins
 
     load_plugins(args.plugin)  # for the jobs the script trains
-    overrides = list(args.overrides) + (["tensorboard=true"] if args.tensorboard else [])
+    # every job the script trains gets them (--max-restarts: its launcher restarts a dead Downpour group)
+    overrides = list(args.overrides) + _max_restarts(args) + (["tensorboard=true"] if args.tensorboard else [])
     settings = ScriptSettings.from_command_line(overrides, args.workspace, args.resume)
     return run_script(path, args.script_args, settings, expected=(ShoalError,))
 

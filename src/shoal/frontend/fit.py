@@ -13,7 +13,8 @@ module becomes one layer whose params are the module's parameters (by their
 decides the framework exactly as in a job file. The module computes through
 torch.func.functional_call on shoal's params, so it never learns whether it is
 distributed. When training ends the trained values are copied back into
-`model`.
+`model` (under a launcher such as torchrun, in rank 0's process: the others
+return when their part of the job ends, their `model` untouched).
 
 Layouts with several processes send the module, the loss function and the
 datasets to the spawned processes through torch.multiprocessing (the parent's
@@ -41,6 +42,7 @@ from google.protobuf import json_format
 from shoal.config import job_pb2
 from shoal.errors import ShoalError
 from shoal.data.in_place import TensorPairs, check_dataset
+from shoal.data.streams import IterableSource, LoaderSource
 from shoal.frontend.keras import Cluster
 from shoal.frontend.module_path import (DATA_LAYER, LOSS_LAYER, MODULE_LAYER, MODULE_LOSS_LAYER, FitError, FitSpec, loss_form,
                                         register_fit_layers)
@@ -49,11 +51,12 @@ from shoal.frontend.fit_metrics import check_metrics, run_goals
 from shoal.neuralnet.torch_optimizer import OPTIMIZER_UPDATER, OUTER_OPTIMIZER_UPDATER, check_slices_allowed, made, made_scheduler
 from shoal.report.targets import set_run_goals
 
-Data = Union[tuple, torch.utils.data.Dataset]
+Data = Union[tuple, torch.utils.data.Dataset, Callable]
 
 
-def as_dataset(data: Data, what: str) -> torch.utils.data.Dataset:
-    """A map-style dataset read in place: the Dataset itself, or a pair of tensors/arrays as (x[i], y[i]) pairs.
+def as_dataset(data: Data, what: str):
+    """What a feed reads in place: a map-style Dataset itself, a pair of tensors/arrays as (x[i], y[i]) pairs,
+    an IterableDataset or a DataLoader factory as a stream source (shoal.data.streams).
 
     Of a pair, floating tensors become float32 as the module's params are, and uint8 inputs (pixels)
     float32 as fit always made them; other integer tensors keep their dtype (token ids stay int64).
@@ -66,6 +69,13 @@ def as_dataset(data: Data, what: str) -> torch.utils.data.Dataset:
         if y.is_floating_point() and y.dtype != torch.float32:
             y = y.float()
         data = TensorPairs(x, y)
+    elif isinstance(data, torch.utils.data.IterableDataset):
+        data = IterableSource(data, f"shoal.fit: {what}")
+    elif isinstance(data, torch.utils.data.DataLoader):
+        raise FitError(f"shoal.fit: {what}: give a DataLoader factory, `lambda batch_sampler: DataLoader(dataset, "
+                       "batch_sampler=batch_sampler, ...)`, not a DataLoader (shoal decides each worker's rows)")
+    elif callable(data) and not isinstance(data, torch.utils.data.Dataset):
+        data = LoaderSource(data, f"shoal.fit: {what}")
     try:
         check_dataset(data, f"shoal.fit: {what}")
     except ShoalError as err:
@@ -119,20 +129,12 @@ def fit_job(model: torch.nn.Module, form: str, *, batch_size: int, steps: int, t
     return job
 
 
-def _check_optimizer_layout(job: job_pb2.JobProto, model: torch.nn.Module, optimizer: Callable,
-                            clip_grad_norm: Optional[float]) -> None:
-    """A torch optimizer runs where its owners update params they can name: refuse other layouts in one line,
-    and an optimizer not known to be element-wise where params are sliced over owners."""
+def _check_optimizer_layout(job: job_pb2.JobProto, model: torch.nn.Module, optimizer: Callable) -> None:
+    """A torch optimizer runs wherever owners update params: refuse, in one line, an optimizer not known to be
+    element-wise where params are sliced over owners."""
     from shoal.planning.plan import plan_job
-    from shoal.runtime.exchanges.compression import compresses
 
     plan = plan_job(job)
-    if not plan.strategy.takes_torch_optimizer:
-        raise FitError(f"shoal.fit: optimizer= runs with synchronous workers, Hogwild, Downpour (servers) and Local SGD "
-                       f"for now, not {plan.framework}; give a SINGA updater= for that layout")
-    if clip_grad_norm is not None and plan.framework.synchronous and not plan.in_one_process and compresses(job.cluster):
-        raise FitError("shoal.fit: clip_grad_norm= over processes is not available with cluster.compression yet "
-                       "(every process applies the compressed sum itself)")
     numel = {name: p.numel() for name, p in model.named_parameters()}
     if not plan.in_one_process and any(s.param in numel and s.size != numel[s.param] for s in plan.placement.slices):
         check_slices_allowed(made(optimizer, list(model.named_parameters())))  # the owners update slices of params
@@ -214,13 +216,16 @@ def fit(
     train_data/test_data/val_data: a map-style torch Dataset (samples of any structure: tensor,
     tuple, dict), or a pair (inputs, targets) of tensors or arrays; read in place, collated with
     torch's default_collate. The training set is reshuffled every epoch from `seed` (shuffle=False:
-    in order). loss_fn: `loss_fn(output, target)` (the module gets each batch's first element, the
+    in order). Or an IterableDataset (its own order, set_epoch(epoch) called before each epoch; a
+    resume re-iterates the epoch and skips to its position), or a DataLoader factory
+    `make_loader(batch_sampler) -> DataLoader(dataset, batch_sampler=batch_sampler, ...)` whose
+    batch sampler yields the rows shoal chooses (shoal.data.streams, docs/python.md). loss_fn: `loss_fn(output, target)` (the module gets each batch's first element, the
     loss its output and the second) or `loss_fn(model, batch)` (the loss calls the model itself);
     `loss_takes="output"` or `"model"` says which, else a first parameter named `model` or `module`
     means the second form. updater: SINGA's UpdaterProto as a dict (default plain SGD, learning rate
     0.01); or optimizer: a factory `lambda params: torch.optim.AdamW(params, ...)` called on the
     module's (name, param) pairs in named_parameters order, run by whoever updates in the layout over
-    the params or slices it owns (docs/python.md; not Distributed Hogwild). scheduler: `lambda optimizer: torch.optim.lr_scheduler.LambdaLR(...)`,
+    the params or slices it owns (docs/python.md). scheduler: `lambda optimizer: torch.optim.lr_scheduler.LambdaLR(...)`,
     stepped once per update the optimizer applies. outer_optimizer (Local SGD / DiLoCo, cluster.nworker_groups
     with cluster.local_steps): a torch.optim factory applied to the groups' mean pseudo-gradient at each meeting,
     e.g. DiLoCo's `lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)`, instead of
@@ -285,10 +290,21 @@ def fit(
         history = _train(job, spec, model, workspace, resume, log)
     finally:
         set_run_goals(None)  # a later run in this process declares its own
-    from shoal.report.progress import closing_line
+    if _launched_rank() == 0:  # under torchrun/Slurm the chief closes: another rank's part ends before the summary
+        from shoal.report.progress import closing_line
 
-    log(closing_line(history.workspace))  # what the run did, as `shoal run` closes
+        log(closing_line(history.workspace))  # what the run did, as `shoal run` closes
     return history
+
+
+def _launched_rank() -> int:
+    """This process's rank in a world a launcher (torchrun, srun, …) started; 0 when shoal starts the processes."""
+    import os
+
+    from shoal.launcher.launchers import detect
+
+    launched = detect(os.environ)
+    return launched.rank if launched is not None else 0
 
 
 def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
@@ -298,7 +314,7 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
 
     validate(job, None, shape_check=check_shapes)
     if spec.optimizer is not None:
-        _check_optimizer_layout(job, model, spec.optimizer, spec.clip_grad_norm)
+        _check_optimizer_layout(job, model, spec.optimizer)
     if spec.scheduler is not None:  # refused before anything is written (the owners build their own)
         made_scheduler(spec.scheduler, made(spec.optimizer, list(model.named_parameters())))
     if spec.outer_optimizer is not None:
@@ -306,7 +322,8 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
     history = api.train(job, workspace=Path(script.workspace(workspace) or "fit-workspace"), resume=resume, log=log,
                         progress=False, job_file="<shoal.fit>", process_setup=functools.partial(register_fit_layers, spec),
                         initial_values=functools.partial(copy_module_values, model))
-    _load_trained_values(model, history.workspace, job.train_steps)
+    if _launched_rank() == 0:  # another launched rank has no checkpoint to read yet (or on its host at all)
+        _load_trained_values(model, history.workspace, job.train_steps)
     return history
 
 

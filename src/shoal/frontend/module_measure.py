@@ -15,7 +15,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from shoal.config import job_pb2
-from shoal.data.in_place import to_device
+from shoal.data.in_place import first_batch, to_device
 from shoal.frontend.fit_metrics import FitError
 from shoal.planning.module_costs import ModuleCosts
 
@@ -26,7 +26,7 @@ def measure_module(model: torch.nn.Module, loss_of, datasets: dict) -> ModuleCos
     """`loss_of(module, batch)` is the fit job's loss on a batch through `module` (either loss form)."""
     module = copy.deepcopy(model).train()
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    batch = to_device(torch.utils.data.default_collate([datasets[job_pb2.kTrain][0]]), device)
+    batch = to_device(first_batch(datasets[job_pb2.kTrain]), device)  # an IterableDataset's or a loader's too
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     saved: dict[int, int] = {}  # storage -> bytes, each storage once (q, k and v are views of one tensor)
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from shoal.config import job_pb2
-from shoal.data.in_place import batch_rows, first_tensor
+from shoal.data.in_place import batch_rows, first_batch, first_tensor
 from shoal.errors import ShoalError
 from shoal.frontend.fit_metrics import FitError, report_metrics  # noqa: F401 (FitError: fit's error, named here too)
 from shoal.neuralnet.layers.base import Layer
@@ -62,7 +62,7 @@ class FitSpec:
     model: torch.nn.Module
     loss_fn: Callable
     form: str  # see loss_form
-    datasets: dict  # phase (job_pb2.kTrain/kTest/kVal) -> torch map-style Dataset
+    datasets: dict  # phase (job_pb2.kTrain/kTest/kVal) -> torch map-style Dataset, or a stream source (data/streams.py)
     seed: int
     shuffle: bool
     optimizer: Optional[Callable] = None  # a torch.optim factory (neuralnet/torch_optimizer.py)
@@ -156,7 +156,7 @@ def register_fit_layers(spec: FitSpec) -> None:
             self.torch_dataset = spec.datasets[phase]
             self.shuffle, self.shuffle_seed = spec.shuffle and phase == job_pb2.kTrain, spec.seed
             self.micro_batches = spec.grad_accum_steps if phase == job_pb2.kTrain else 1  # read by the worker
-            first = first_tensor(torch.utils.data.default_collate([self.torch_dataset[0]]))
+            first = first_tensor(first_batch(self.torch_dataset))
             self.shape = tuple(first.shape[1:]) or (1,) if first is not None else (1,)
 
         def forward(self, xs, params, labels, ctx):
@@ -227,7 +227,7 @@ def register_fit_layers(spec: FitSpec) -> None:
 
         def __init__(self, conf, src_shapes):
             super().__init__(conf, src_shapes)
-            inputs, _ = split_pair(torch.utils.data.default_collate([spec.datasets[job_pb2.kTrain][0]]))
+            inputs, _ = split_pair(first_batch(spec.datasets[job_pb2.kTrain]))
             self.module.eval()  # the shape probe: one real sample, and no batch-norm statistics moved
             with torch.no_grad():
                 self.shape = tuple(self.module(inputs).shape[1:])

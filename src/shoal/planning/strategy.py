@@ -98,7 +98,6 @@ class Strategy:
     meets = False  # groups meet every cluster.local_steps (Local SGD): outer updater, disjoint shards, complete parts
     overlaps_push = False  # cluster.overlap_push applies (a group computes its next step while its push is out)
     rejoins = False  # a dead worker group's process may be restarted into the running job (launcher/rejoin.py)
-    takes_torch_optimizer = True  # shoal.fit's optimizer= can run as its updater
     servers_hold_trainers = True  # a process of servers only builds a trainer (False: the server restores itself)
     bounds_update_lag = False  # cluster.max_update_lag applies: updates land late, by how many is bounded
     params_on_host = False  # over processes the params stay in host memory: request/response over gloo's point-to-point

@@ -18,7 +18,7 @@ import torch
 from shoal.config import job_pb2
 from shoal.data.dataset import Dataset, check_labels, load_mean, open_store
 from shoal.data.errors import StoreError
-from shoal.data.in_place import PositionReader, to_device
+from shoal.data.in_place import reader_for, to_device
 from shoal.neuralnet.layers.char_rnn import CharRNNOutput, char_windows, encode_text, read_vocab
 from shoal.planning.shares import batch_conf, batch_shares
 
@@ -67,10 +67,11 @@ class TextFeed:
 
 @dataclass
 class DatasetFeed:
-    """A torch map-style Dataset read in place (shoal.fit's module path): batches of any structure and dtype.
+    """A torch Dataset read in place (shoal.fit's module path): batches of any structure and dtype.
 
     Rows offset .. offset + share of the global batch at `cursor` are the samples at positions
-    skip + cursor + offset onwards (shoal.data.in_place: shuffled per epoch from the job's seed).
+    skip + cursor + offset onwards (shoal.data.in_place: shuffled per epoch from the job's seed; an
+    IterableDataset or a DataLoader factory through shoal.data.streams).
     """
 
     layer_name: str
@@ -83,7 +84,7 @@ class DatasetFeed:
     shuffle: bool = False
 
     def __post_init__(self):
-        self.reader = PositionReader(self.dataset, self.seed, self.shuffle)
+        self.reader = reader_for(self.dataset, self.seed, self.shuffle, self.global_batch)
 
     def batch(self, cursor: int, device: torch.device) -> tuple[object, None]:
         return to_device(self.reader.batch(self.skip + cursor + self.offset, self.share), device), None

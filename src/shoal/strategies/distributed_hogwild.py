@@ -15,7 +15,6 @@ class DistributedHogwild(Strategy):
     params_on_host = True  # request/response over gloo's point-to-point
     compressed = "syncs (deltas to the masters, and their answers)"
     compensates_async_momentum = True
-    takes_torch_optimizer = False  # its replicas' syncs apply SINGA updaters (shoal.fit refuses optimizer=)
 
     def recognises(self, layout: Layout) -> bool:
         return layout.asynchronous_groups and layout.nprocs > 1 and layout.cluster.nserver_groups > 1

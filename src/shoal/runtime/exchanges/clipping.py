@@ -3,8 +3,12 @@
 One scale for the whole gradient, min(max_norm / (‖g‖ + 1e-6), 1), applied before any shard updates: in one
 process over the whole summed gradient (exactly torch's computation: the norm of the per-tensor norms, in the
 module's param order); over owners of slices, each owner's sum of squares, one scalar exchanged among the
-owners, one scale (every owner sums in rank order, so all apply the same); an asynchronous group clips its
-own push, which it holds whole. The bound comes with the torch optimizer (shoal.fit's clip_grad_norm=).
+owners, one scale (every owner sums in rank order, so all apply the same); compressed (cluster.compression),
+the norm is that of the owners' dense sums before they are encoded, and each owner scales its sums before
+encoding them, so every process applies the decoding of a clipped sum (top-k's residual carries what was
+not sent, clipped when it was added); an asynchronous group (Hogwild, Downpour, a Distributed Hogwild
+group) clips its own push or update, which it holds whole. The bound comes with the torch optimizer
+(shoal.fit's clip_grad_norm=).
 """
 from __future__ import annotations
 

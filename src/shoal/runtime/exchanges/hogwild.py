@@ -45,7 +45,7 @@ from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
 from shoal.runtime.exchanges.compression import Codec, codecs_state, load_codecs_state, wire_bytes
 from shoal.runtime.exchanges.downpour import Segment, server_segments
-from shoal.runtime.exchanges.local import aggregate
+from shoal.runtime.exchanges.local import aggregate, clipped
 from shoal.runtime.exchanges.server import Server
 
 SYNC, STOP, SYNC_ENCODED = 1, 2, 3
@@ -118,7 +118,8 @@ class HogwildExchange:
 
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
         with self.lock:
-            self.server.update(self.server.updates, aggregate(parts, target=self.store.device))
+            # the group's whole gradient, clipped by its own global norm (as an asynchronous group clips its push)
+            self.server.update(self.server.updates, clipped(aggregate(parts, target=self.store.device), self.server))
         self.updates += 1
         if self.updates % self.sync_freq == 0:
             self._sync()

@@ -130,8 +130,6 @@ class SlicedExchange:
                           if len(b.slices) > 1 and b.owner != rank and codecs is None}
         # clipping by the global norm: the owners' sums of squares, summed over the world in one scalar all-reduce
         self.max_norm = max_norm_of(updater)
-        if self.max_norm is not None and codecs is not None:
-            raise ValueError("clipping by the global norm over processes is not available with cluster.compression")
         self.shares = [w.share for w in workers]
         # per local worker: whether its gradients leave during backward (kBP) or after compute
         self.streaming = [w.stream_gradients(self._hook(i)) for i, w in enumerate(workers)]
@@ -240,19 +238,30 @@ class SlicedExchange:
                 self._value(s).copy_(flat[at : at + s.size])
 
     def _finish_compressed(self, r: _Round, anyone_has: set[str]) -> None:
-        """Owners sum the decoded gradients, encode the sum and broadcast it; every process applies its decoding."""
+        """Owners sum the decoded gradients, encode the sum and broadcast it; every process applies its decoding.
+
+        Clipped (clip_grad_norm), the norm is that of the owners' dense sums before they are encoded (every rank's
+        sum of squares of the sums it owns, one scalar all-reduce), and each owner scales its sums before encoding
+        them: every process applies the decoding of a clipped sum (top-k's residual keeps what is not sent)."""
+        totals = {}
+        for b in self.owned:
+            r.reducing[b.index].wait()
+            total = (self._gather(b, lambda s: r.grad[s.param][s.start : s.stop]).clone() if self.shares
+                     else torch.zeros(b.numel, device=self.device))
+            for m, member in enumerate(self.group_of[b.owner].ranks):  # in rank order, so every run sums alike
+                if member != self.rank:
+                    total += self._sum_codec[b.index].decode([part[m] for part in self._gathered[b.index]], b.numel)
+            totals[b.index] = total
+        if self.max_norm is not None:  # every rank takes part in the scalar all-reduce, owner or not
+            scale = self._clip_scale(list(totals.values()))
+            for total in totals.values():
+                total.mul_(scale)
         receiving, applying = [], []
         for b in self.buckets:
             group = self.group_of[b.owner]
             if b.owner == self.rank:
-                r.reducing[b.index].wait()
                 codec = self._sum_codec[b.index]
-                total = (self._gather(b, lambda s: r.grad[s.param][s.start : s.stop]).clone() if self.shares
-                         else torch.zeros(b.numel, device=self.device))
-                for m, member in enumerate(group.ranks):  # in rank order, so every run sums alike
-                    if member != self.rank:
-                        total += codec.decode([part[m] for part in self._gathered[b.index]], b.numel)
-                sent = codec.encode(total)
+                sent = codec.encode(totals[b.index])
                 r.keep += sent
                 receiving += [group.broadcast(part, self.rank) for part in sent]
                 self.sent_bytes += wire_bytes(sent) * self._peers(b.owner)
