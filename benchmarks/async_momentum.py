@@ -114,7 +114,18 @@ def mnist_tensors(folder: Path):
 
 
 def fit_score(model_name: str, layout: dict, mode: str, steps: int, seed: int, lr: float, data) -> float:
-    """One shoal.fit run: the convnet's test accuracy, or the GPT's validation loss."""
+    """One shoal.fit run: the convnet's test accuracy, or the GPT's validation loss; nan when it diverged."""
+    from shoal.errors import ShoalError
+
+    try:
+        return _fit_score(model_name, layout, mode, steps, seed, lr, data)
+    except ShoalError as err:
+        if "Diverged" in str(err) or "not finite" in str(err) or "is nan" in str(err):
+            return float("nan")  # shoal stops a run whose loss is not finite: a cell of its own (✗)
+        raise
+
+
+def _fit_score(model_name: str, layout: dict, mode: str, steps: int, seed: int, lr: float, data) -> float:
     import torch
     import shoal
 
