@@ -148,10 +148,6 @@ def _check_outer_layout(job: job_pb2.JobProto) -> None:
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-# The servers' momentum under asynchrony when the cluster leaves cluster.async_momentum unset: the momentum as the
-# user set it. Measured on three models (benchmarks/async_momentum.py, docs/benchmarks.md#asynchronous-momentum):
-# compensating turned mnist_hogwild's momentum 0.5 into 0 and cost 3 points; job files keep kCompensated.
-FIT_ASYNC_MOMENTUM = job_pb2.kAsConfigured
 
 
 def autocast_dtype(autocast) -> Optional[torch.dtype]:
@@ -276,8 +272,6 @@ def fit(
                   test_freq=test_freq, val_batch=val_batch, val_steps=val_steps, val_freq=val_freq, disp_freq=disp_freq,
                   cluster=cluster or Cluster(), updater=updater or {"type": "kSGD", "learning_rate": {"base_lr": 0.01}},
                   seed=seed, checkpoint_freq=checkpoint_freq)
-    if not job.cluster.HasField("async_momentum"):  # fit's own default (a --set under `shoal run` still wins)
-        job.cluster.async_momentum = FIT_ASYNC_MOMENTUM
     if outer_optimizer is not None:
         if job.cluster.HasField("outer_updater"):
             raise FitError("shoal.fit: give cluster.outer_updater (SINGA's) or outer_optimizer (a torch.optim factory), not both")
