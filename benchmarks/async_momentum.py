@@ -175,7 +175,7 @@ def main() -> None:
     parser.add_argument("--convnet-steps", type=int, default=400)
     parser.add_argument("--convnet-lr", type=float, default=0.01, help="mnist_hogwild's")
     parser.add_argument("--gpt-steps", type=int, default=300)
-    parser.add_argument("--gpt-lr", type=float, default=0.2)
+    parser.add_argument("--gpt-lr", type=float, default=0.05, help="0.2 diverges asynchronously in both settings")
     parser.add_argument("--singa-steps", type=int, default=200)
     args = parser.parse_args()
     if {"mlp", "singa"} & set(args.models) and not (DATA / "test_data.bin").exists():
