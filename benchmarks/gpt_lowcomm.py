@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import gpt  # noqa: E402 - the GPT benchmark's model, data, optimizer, schedule and loss
 
 LOCAL_STEPS = 50
-LAG = 2  # cluster.max_update_lag for Downpour: 2 groups have at most 2 updates in flight, so the bound is 1 more
+LAG = 2  # cluster.max_update_lag for Downpour: the least allowed is 1 (2 groups, 2 updates in flight); 2 bounds it loosely
 
 # name -> (cluster fields, groups, how many server updates each optimizer step counts: the schedule's span factor)
 LAYOUTS = {
