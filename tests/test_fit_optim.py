@@ -227,10 +227,17 @@ def test_clipping_needs_a_torch_optimizer_and_a_positive_bound(tmp_path):
 
 
 def test_the_async_momentum_compensation_is_said_and_torch_optimizers_are_not_compensated(tmp_path):
-    """pytorch/examples' mnist_hogwild momentum 0.5 over 2 groups: 1 - 2·(1 - 0.5) = 0 at the server, said in one line."""
-    lines, cluster = [], LAYOUTS["in-memory Hogwild, 2 groups"].fit_cluster()
+    """pytorch/examples' mnist_hogwild momentum 0.5 over 2 groups: fit compensates by default, 1 - 2·(1 - 0.5) = 0 at
+    the server, said in one line; kAsConfigured keeps it (no line)."""
+    layout, singa = LAYOUTS["in-memory Hogwild, 2 groups"], {"type": "kSGD", "momentum": 0.5, "learning_rate": {"base_lr": 0.1}}
+    lines = []
+    shoal.fit(tiny_gpt(), next_char_loss, windows(), steps=2, batch_size=8, cluster=layout.fit_cluster(async_momentum=job_pb2.kAsConfigured),
+              log=lines.append, updater=singa, workspace=tmp_path / "kept")
+    assert lines and not [line for line in lines if line.startswith("updater.momentum")]
+    lines.clear()
+    cluster = layout.fit_cluster()
     shoal.fit(tiny_gpt(), next_char_loss, windows(), steps=2, batch_size=8, cluster=cluster, log=lines.append,
-              updater={"type": "kSGD", "momentum": 0.5, "learning_rate": {"base_lr": 0.1}}, workspace=tmp_path / "singa")
+              updater=singa, workspace=tmp_path / "singa")
     assert [line for line in lines if line.startswith("updater.momentum")] == [
         "updater.momentum 0.5 -> 0 at the servers: 2 asynchronous groups add momentum of their own "
         "(cluster.async_momentum: kAsConfigured keeps the job's)"]
