@@ -38,9 +38,19 @@ from typing import Iterator, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from mnist_mlp import small_mlp  # noqa: E402
+
+def _benchmark_module(name: str):
+    """A sibling benchmark script as a module, by its path (putting benchmarks/ on sys.path would shadow examples/gpt)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"shoal_benchmarks_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+small_mlp = _benchmark_module("mnist_mlp").small_mlp
 
 from shoal.frontend import api  # noqa: E402
 from shoal.planning.alternatives import SCALING, with_cluster  # noqa: E402

@@ -169,15 +169,16 @@ def test_a_killed_module_group_is_restarted_and_rejoins(tmp_path, runs):
     assert got["status"] == "finished" and got["final_test"]["loss"] < 0.9 * math.log(16)
 
 
-def test_a_script_passes_max_restarts_to_its_jobs_and_refuses_rejoin(tmp_path, monkeypatch, capsys):
-    """--max-restarts reaches the launcher of every job a script trains (it was silently dropped); --rejoin is a job file's."""
+def test_a_script_passes_max_restarts_to_its_jobs_and_refuses_rejoin(tmp_path, capsys):
+    """--max-restarts reaches every job a script trains, as the job field its launcher reads (it was silently dropped);
+    --rejoin is a job file's."""
     from shoal.frontend.cli import main
 
-    monkeypatch.delenv("SHOAL_MAX_RESTARTS", raising=False)  # restored after the test: the CLI sets it for its launcher
     script = tmp_path / "script.py"
-    script.write_text("import os\nprint('restarts', os.environ.get('SHOAL_MAX_RESTARTS'))\n")
-    assert main(["run", str(script), "--max-restarts", "2"]) == 0
-    assert "restarts 2" in capsys.readouterr().out
+    script.write_text("import torch, shoal\nx, y = torch.randn(8, 4), torch.randint(0, 2, (8,))\n"
+                      "shoal.fit(torch.nn.Linear(4, 2), torch.nn.functional.cross_entropy, (x, y), batch_size=8, steps=1)\n")
+    assert main(["run", str(script), "--max-restarts", "2", "--workspace", str(tmp_path / "ws")]) == 0
+    assert "max_restarts: 2" in (tmp_path / "ws" / ".shoal" / "job.conf").read_text()  # the job as it ran
     assert main(["run", str(script), "--rejoin", "1"]) == 2
     err = capsys.readouterr().err
     assert "--rejoin only for job files" in err and len(err.strip().splitlines()) == 1

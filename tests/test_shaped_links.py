@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 pytestmark = pytest.mark.slow
 
@@ -23,8 +21,11 @@ pytestmark = pytest.mark.slow
 def shaped_links():
     if os.geteuid() != 0 or not all(shutil.which(t) for t in ("ip", "tc", "taskset")):
         pytest.skip("needs root, iproute2 (ip, tc) and taskset")
-    import shaped_links
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location("shoal_benchmarks_shaped_links", REPO / "benchmarks" / "shaped_links.py")
+    shaped_links = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shaped_links)
     if not (shaped_links.DATA / "train_data.bin").exists():
         pytest.skip(f"MNIST not prepared in {shaped_links.DATA}")
     return shaped_links
