@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from shoal.planning.nodes import node_of_rank
 from shoal.planning.placement import Placement
 
 
@@ -47,17 +48,17 @@ def sliced_groups(placement: Placement, devices: Sequence[Sequence[str]], nnodes
     """AllReduce / Sandblaster over processes: per owner rank, the worker processes and the owner
     (gradients are reduced to the owner, its new values broadcast back)."""
     workers = [p.rank for p in placement.processes if p.workers]
-    per_node = -(-len(placement.processes) // max(1, nnodes))
+    node = node_of_rank(len(placement.processes), nnodes)
     groups = []
     for owner in sliced_owners(placement):
         ranks = tuple(sorted(set(workers) | {owner}))
         groups.append(ProcessGroupPlan(sliced_group_name(owner), ranks,
-                                       nccl_capable([devices[r] for r in ranks], [r // per_node for r in ranks])))
+                                       nccl_capable([devices[r] for r in ranks], [node[r] for r in ranks])))
     return tuple(groups)
 
 
 def whole_group(name: str, ranks: Sequence[int], devices: Sequence[Sequence[str]], nnodes: int = 1) -> ProcessGroupPlan:
     """One group of `ranks` (Local SGD's meeting: every group's process)."""
-    per_node = -(-len(devices) // max(1, nnodes))
+    node = node_of_rank(len(devices), nnodes)
     ranks = tuple(sorted(ranks))
-    return ProcessGroupPlan(name, ranks, nccl_capable([devices[r] for r in ranks], [r // per_node for r in ranks]))
+    return ProcessGroupPlan(name, ranks, nccl_capable([devices[r] for r in ranks], [node[r] for r in ranks]))
