@@ -118,6 +118,7 @@ def run_pipeline(mnist_dir, workspace, *args) -> dict:
     return summary
 
 
+@pytest.mark.slow  # the default suite's 5-minute budget (its RBMs train in the default tests below; this runs the example end to end)
 def test_pipeline_script_trains_a_narrow_stack_and_draws_pictures(mnist_dir, tmp_path):
     """examples/rbm/run.py end to end in seconds: a 784-32-16-8-4 stack, 10 CD steps per RBM, 100 fine-tuning steps."""
     run_pipeline(mnist_dir, tmp_path, "--dims", "784,32,16,8,4", "--steps", "10", "--finetune-steps", "100", "--set=test_steps=5")
