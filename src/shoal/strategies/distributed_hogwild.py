@@ -37,6 +37,10 @@ class DistributedHogwild(Strategy):
 
     # -- cost model ---------------------------------------------------------------------------------
     def traffic(self, model, move) -> None:
+        """One group's step (as Downpour's): group 0's syncs with the masters of the slices it does not own."""
+        self._syncs(model, move, serving=False)
+
+    def _syncs(self, model, move, serving: bool) -> None:
         plan, c = model.plan, model.plan.cluster
         freq, slices = max(1, c.sync_freq), model.trainable_slices()
         rank_of = {g: plan.placement.process_of(ServerId(g, 0)) for g in range(c.nserver_groups)}
@@ -44,16 +48,26 @@ class DistributedHogwild(Strategy):
             size = sum(s.size for s in slices if plan.placement.master_group_of_slice(s.index) == master)
             move(rank_of[0], rank_of[master], (model.encoded(size) + 8) / freq)  # Δ
             move(rank_of[master], rank_of[0], model.encoded(size) / freq)  # fresh values (compressed: their change)
-        # ... and serves its own slices to each of them, as often
+        if not serving:
+            return
+        # ... and serves its own slices to each of them, as often, over the same link
         own = sum(s.size for s in slices if plan.placement.master_group_of_slice(s.index) == 0)
         for g in range(1, c.nserver_groups):
             move(rank_of[g], rank_of[0], (model.encoded(own) + 8) / freq)
             move(rank_of[0], rank_of[g], model.encoded(own) / freq)
 
     def phases(self, model, compute: float, links: dict) -> Phases:
+        # group 0's link also carries the other groups' syncs with the slices it masters
+        busy: dict[int, dict[int, list[int]]] = {rank: {} for rank in links}
+
+        def move(src: int, dst: int, nbytes: float) -> None:
+            busy[src].setdefault(dst, [0, 0])[0] += int(nbytes)
+            busy[dst].setdefault(src, [0, 0])[1] += int(nbytes)
+
+        self._syncs(model, move, serving=True)
         update = model.update_s(model.elements, model.plan.threads_per_worker, model.workers_on_host(0))
-        return Phases(update=update, staleness=f"replicas drift for up to sync_freq = {max(1, model.plan.cluster.sync_freq)} "
-                                               "local updates between syncs")
+        return Phases(update=update, exchange=model.exchange_s(busy),
+                      staleness=f"replicas drift for up to sync_freq = {max(1, model.plan.cluster.sync_freq)} local updates between syncs")
 
     # -- runtime ------------------------------------------------------------------------------------
     def attach_exchanges(self, run) -> None:
