@@ -213,7 +213,7 @@ def rejoin_by_hand(plan: JobPlan, workspace: Path, rank: int, master: Optional[s
     host, port, interface = _store_address(workspace, master)
     secret = _job_secret(workspace)
     group = group_of(plan, rank)
-    try:
+    try:  # a short probe, not the plan's comm_timeout_s: whether a running job answers there at all
         if not auth.holds_same_secret(channels.public_store_client(host, port, timeout_s=3), 0, secret):
             raise RejoinRefused(f"--rejoin {rank}: this process's job secret differs from the running job's at {host}:{port}")
         door = channels.Door(DOOR, channels.job_store_client(host, port, secret, timeout_s=3), secret)
