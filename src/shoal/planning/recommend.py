@@ -43,11 +43,6 @@ class Recommendation:
     reason: str
     variable: str = ""  # the environment variable that overrides the field (planning/plan.py: TIMEOUT_OVERRIDES)
 
-    @property
-    def sets(self) -> str:
-        """The --set argument that gives it."""
-        return f"{self.setting}={self.value:g}"
-
 
 def interval(plan: JobPlan) -> tuple[int, str]:
     """Steps between two meetings of the processes, and what such a meeting is called."""
