@@ -203,19 +203,19 @@ def test_the_exit_check_sees_an_exit(tmp_path):
 FAULT_SETTINGS = ("SHOAL_INJECT_", "SHOAL_SLOW_WORKER")
 
 
+def naming(path: Path, settings: tuple[str, ...]) -> list[str]:
+    """Where a file names one of `settings` in a string that is not a docstring (reads or sets it)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                  and n.body and isinstance(n.body[0], ast.Expr)}
+    return [f"{path.relative_to(SRC) if path.is_relative_to(SRC) else path.name}:{node.lineno}" for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+            and any(setting in node.value for setting in settings)]
+
+
 def test_only_the_faults_module_reads_the_fault_settings():
     """Fault injection lives in shoal.launcher.faults and reaches the step engine as hooks (RunSpec.faults)."""
-    readers = []
-    for path in SRC.rglob("*.py"):
-        if path == SRC / "launcher" / "faults.py":
-            continue
-        tree = ast.parse(path.read_text())
-        docstrings = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
-                      and n.body and isinstance(n.body[0], ast.Expr)}
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
-                if any(setting in node.value for setting in FAULT_SETTINGS):
-                    readers.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    readers = [hit for path in SRC.rglob("*.py") if path != SRC / "launcher" / "faults.py" for hit in naming(path, FAULT_SETTINGS)]
     assert readers == []
     importers = [f"{path.relative_to(SRC)} imports {name}" for path in SRC.rglob("*.py") for name in imports_of(path)
                  if name == "shoal.launcher.faults"]
@@ -333,3 +333,40 @@ def test_the_cluster_rule_sees_a_read(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f(job, trainer):\n    return job.cluster.local_steps + trainer.job.cluster.nworker_groups\n")
     assert len(cluster_reads(bad)) == 2
+
+
+def any_cluster_reads(path: Path) -> list[str]:
+    """`<anything>.cluster` in a file: the plan's frozen copy (`plan.cluster`, `placement.cluster`) counts too."""
+    return [f"{path.relative_to(SRC) if path.is_relative_to(SRC) else path.name}:{node.lineno} {ast.unparse(node)}"
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute) and node.attr == "cluster"]
+
+
+# environment variables that override a job field (docs/cluster.md): read once, where the plan is made
+FIELD_OVERRIDES = ("SHOAL_COMM_TIMEOUT", "SHOAL_STALL_TIMEOUT", "SHOAL_JOIN_TIMEOUT", "SHOAL_BUCKET_MB", "SHOAL_MAX_RESTARTS")
+
+
+def test_only_planning_reads_the_overrides_of_job_fields():
+    """The plan decides (issue 29 point 6): timeouts, the bucket cap and restarts are plan fields; their environment
+    overrides are read by plan_job (planning/), and every other package is handed the plan's values."""
+    readers = [hit for path in SRC.rglob("*.py") if path.relative_to(SRC).parts[0] != "planning"
+               for hit in naming(path, FIELD_OVERRIDES)]
+    assert readers == []
+
+
+def test_the_override_rule_sees_a_read(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('"""Reads SHOAL_COMM_TIMEOUT (a docstring: not a read)."""\nimport os\n'
+                   'def f():\n    return float(os.environ.get("SHOAL_STALL_TIMEOUT", "10"))\n')
+    assert naming(bad, FIELD_OVERRIDES) == ["bad.py:4"]
+
+
+def test_the_runtime_reads_typed_values_not_the_cluster_section():
+    """The plan decides (issue 29 point 6): the step engine and its exchanges get typed values (plan fields, or
+    constructor arguments from the framework's strategy), never the cluster section, not even the plan's copy."""
+    assert [hit for path in (SRC / "runtime").rglob("*.py") for hit in any_cluster_reads(path)] == []
+
+
+def test_the_runtime_cluster_rule_sees_a_read(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(plan, placement):\n    return plan.cluster.overlap_push or placement.cluster.warmup_steps\n")
+    assert len(any_cluster_reads(bad)) == 2

@@ -112,3 +112,16 @@ def test_shoal_plan_prints_processes_workers_servers_and_slices(tmp_path):
 def test_shoal_plan_rejects_bad_clusters_in_one_line(tmp_path):
     proc = run_cli("plan", REPO / "examples/mnist/job.conf", "--set", "cluster.nworker_groups=3", "--set", "cluster.nserver_groups=2")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "nworker_groups(3)" in proc.stderr
+
+
+@pytest.mark.parametrize("sets,env,expected", [
+    (["cluster.stall_timeout_s=0"], {}, "stall_timeout_s must be > 0 (seconds), got 0"),
+    (["cluster.comm_timeout_s=-1"], {}, "comm_timeout_s must be > 0 (seconds), got -1"),
+    ([], {"SHOAL_JOIN_TIMEOUT": "later"}, "SHOAL_JOIN_TIMEOUT='later': expected seconds > 0 (overrides cluster.join_timeout_s)"),
+])
+def test_shoal_plan_refuses_a_timeout_that_is_not_seconds_in_one_line(sets, env, expected):
+    import os
+
+    args = [a for s in ["cluster.nworkers_per_group=2", *sets] for a in ("--set", s)]
+    proc = run_cli("plan", REPO / "examples/mnist/job.conf", *args, env={**os.environ, **env})
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and expected in proc.stderr, proc.stderr

@@ -51,9 +51,10 @@ def test_cli_recommends_timeouts_from_the_predicted_step(tmp_path):
     quick = plan(job, ALLREDUCE, home=seeded_home(tmp_path, job, ALLREDUCE, 1e-6))
     assert quick.returncode == 0, quick.stderr
     section = quick.stdout.split("recommended timeouts for AllReduce over 2 processes")[1]
-    assert "\n  SHOAL_COMM_TIMEOUT=45  (the default) a collective waits for its slowest peer: 20 × the predicted step" in section
-    assert "under the 45 s floor" in section and "\n  SHOAL_STALL_TIMEOUT=10  (the default)" in section
-    assert "\n  SHOAL_JOIN_TIMEOUT=600  (the default) the nodes meet before the first step" in section
+    assert "paste into `shoal run`" in section.splitlines()[0]
+    assert "\n  --set cluster.comm_timeout_s=45  (the default) a collective waits for its slowest peer: 20 × the predicted step" in section
+    assert "under the 45 s floor" in section and "\n  --set cluster.stall_timeout_s=10  (the default)" in section
+    assert "\n  --set cluster.join_timeout_s=600  (the default) the nodes meet before the first step" in section
     assert "\n  calibrated " in section
 
     # each kernel 1.5 s: a step of seconds, and timeouts of 20 and 3 steps
@@ -64,9 +65,14 @@ def test_cli_recommends_timeouts_from_the_predicted_step(tmp_path):
     assert step > 3 and result["recommend"]["step_s"] == step
     got = {t["setting"]: t["value"] for t in result["recommend"]["timeouts"]}
     # whole seconds, up from the tenth; never under the floors (3 steps of 3 s: the stall's 10 s floor holds)
-    assert got == {"SHOAL_COMM_TIMEOUT": max(45, math.ceil(round(20 * step, 1))), "SHOAL_STALL_TIMEOUT": max(10, math.ceil(round(3 * step, 1))),
-                   "SHOAL_JOIN_TIMEOUT": 600}
-    assert got["SHOAL_COMM_TIMEOUT"] > 45
+    assert got == {"cluster.comm_timeout_s": max(45, math.ceil(round(20 * step, 1))),
+                   "cluster.stall_timeout_s": max(10, math.ceil(round(3 * step, 1))), "cluster.join_timeout_s": 600}
+    assert got["cluster.comm_timeout_s"] > 45
+    assert [t["variable"] for t in result["recommend"]["timeouts"]] == ["SHOAL_COMM_TIMEOUT", "SHOAL_STALL_TIMEOUT", "SHOAL_JOIN_TIMEOUT"]
+    # what it recommends is what a run with those --set lines plans
+    pasted = load_job(job, ALLREDUCE + [f"{name}={value}" for name, value in got.items()])
+    planned = plan_job(pasted, environ={})
+    assert (planned.comm_timeout_s, planned.stall_timeout_s, planned.join_timeout_s) == tuple(got.values())
 
     # Local SGD meets every 10 steps: the collective waits for a peer's 10 local steps
     local = plan(job, LOCAL_SGD, "--json", home=seeded_home(tmp_path, job, LOCAL_SGD, 1.5))
@@ -86,14 +92,20 @@ def test_one_process_needs_no_timeouts(tmp_path):
     assert "recommended timeouts for single worker: none (one process: no heartbeat, collective or rendezvous)" in out.stdout
 
 
-def test_the_floors_are_the_runtimes_defaults(monkeypatch):
-    from shoal.comm import dist, heartbeat
-    from shoal.launcher.launch import join_timeout_seconds
+def test_the_floors_are_the_runtimes_defaults(tmp_path):
+    """recommend's defaults are what a default job plans (no override in its environment), what a JobPlan built by
+    hand holds, and comm's fallback for a world joined outside a job."""
+    from shoal.comm import dist
+    from shoal.planning.plan import JobPlan
 
-    for name in ("SHOAL_COMM_TIMEOUT", "SHOAL_STALL_TIMEOUT", "SHOAL_JOIN_TIMEOUT"):
-        monkeypatch.delenv(name, raising=False)
-    assert (dist.timeout_seconds(), heartbeat.stall_timeout(), join_timeout_seconds()) == pytest.approx(
-        (recommend.COMM_DEFAULT_S, recommend.STALL_DEFAULT_S, recommend.JOIN_DEFAULT_S))
+    defaults = (recommend.COMM_DEFAULT_S, recommend.STALL_DEFAULT_S, recommend.JOIN_DEFAULT_S)
+    assert defaults == (45, 10, 600)  # the values shoal always had (SHOAL_*_TIMEOUT's defaults)
+    (tmp_path / "tiny.conf").write_text(JOB)
+    planned = plan_job(load_job(tmp_path / "tiny.conf"), environ={})
+    assert (planned.comm_timeout_s, planned.stall_timeout_s, planned.join_timeout_s) == defaults
+    fields = JobPlan.__dataclass_fields__
+    assert (fields["comm_timeout_s"].default, fields["stall_timeout_s"].default, fields["join_timeout_s"].default) == defaults
+    assert dist.DEFAULT_TIMEOUT_S == recommend.COMM_DEFAULT_S
 
 
 # -- settings: the framework, H, compression and max_update_lag (issue 30, point 4) -----------------------------------

@@ -1,8 +1,9 @@
-"""A stalled process (SIGSTOP), found by heartbeat: named within SHOAL_STALL_TIMEOUT, nothing left behind.
+"""A stalled process (SIGSTOP), found by heartbeat: named within the stall timeout, nothing left behind.
 
 Real runs through the CLI; the stalled process's pid comes from the job registry, as `shoal jobs view`
 shows it. Synchronous layouts fail with one line naming the stalled rank; asynchronous ones drop a
-stalled group other than 0 and finish. Also: a run started with SIGINT ignored, and SIGTERM.
+stalled group other than 0 and finish. The timeout is the job's cluster.stall_timeout_s (`--set`), or
+SHOAL_STALL_TIMEOUT, its documented override. Also: a run started with SIGINT ignored, and SIGTERM.
 """
 from __future__ import annotations
 
@@ -28,13 +29,19 @@ SLACK = 20.0  # a loaded 2-core machine: beats every 0.75 s may be late, the lau
 class Run:
     """`shoal run` in the background, its output in files (a pipe nobody reads would block the chief)."""
 
-    def __init__(self, job: Path, tmp_path: Path, layout: str, *extra: str, env: dict | None = None, ignore_sigint=False):
+    def __init__(self, job: Path, tmp_path: Path, layout: str, *extra: str, env: dict | None = None, ignore_sigint=False,
+                 timeout_from_environment=False):
+        """The stall timeout as the job field (`--set cluster.stall_timeout_s`), or as its environment override."""
         self.ws, self.out, self.err = tmp_path / "ws", tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-        env = dict(os.environ, SHOAL_STALL_TIMEOUT=str(STALL_TIMEOUT), PYTHONUNBUFFERED="1", **tagged(tmp_path), **(env or {}))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **tagged(tmp_path), **(env or {}))
+        env.pop("SHOAL_STALL_TIMEOUT", None)
+        if timeout_from_environment:  # over a job field that says otherwise
+            env["SHOAL_STALL_TIMEOUT"] = str(STALL_TIMEOUT)
+        timeout = ["--set", f"cluster.stall_timeout_s={STALL_TIMEOUT * 100 if timeout_from_environment else STALL_TIMEOUT:g}"]
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(self.ws), "--no-progress",
-                 *LAYOUTS[layout].cli(), *extra],
+                 *LAYOUTS[layout].cli(), *timeout, *extra],
                 stdout=out, stderr=err, env=env, start_new_session=True,
                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN if ignore_sigint else signal.SIG_DFL))
 
@@ -132,7 +139,8 @@ ASYNC_STALLS = {
 def test_a_stopped_group_of_an_asynchronous_job_is_dropped_and_the_job_finishes(blobs_job, tmp_path, runs, layout, wakes):
     rank, group, dropper = ASYNC_STALLS[layout]
     # group 0's steps take 10 ms or more: the run outlasts the stall, the drop and the wake-up
-    run = Run(blobs_job(train_steps=1000), tmp_path, layout, "--set", "test_freq=500", env={"SHOAL_SLOW_WORKER": "0:0+0.01"})
+    run = Run(blobs_job(train_steps=1000), tmp_path, layout, "--set", "test_freq=500", env={"SHOAL_SLOW_WORKER": "0:0+0.01"},
+              timeout_from_environment=True)
     runs.append(run)
     pid = run.pid_of(rank)
     time.sleep(2)

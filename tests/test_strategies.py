@@ -118,3 +118,22 @@ def test_bucket_size_and_restarts_are_plan_fields_the_environment_overrides():
         plan_job(job, environ={"SHOAL_BUCKET_MB": "lots"})
     with pytest.raises(UnsupportedClusterError, match=r"^SHOAL_MAX_RESTARTS='-1': expected 0 or more"):
         plan_job(job, environ={"SHOAL_MAX_RESTARTS": "-1"})
+
+
+def timeouts(plan) -> tuple[float, float, float]:
+    return plan.comm_timeout_s, plan.stall_timeout_s, plan.join_timeout_s
+
+
+def test_timeouts_are_plan_fields_the_environment_overrides():
+    """cluster.comm_timeout_s / stall_timeout_s / join_timeout_s decide (45, 10 and 600 s by default, as before);
+    SHOAL_COMM_TIMEOUT / SHOAL_STALL_TIMEOUT / SHOAL_JOIN_TIMEOUT override them, read once by plan_job."""
+    assert timeouts(plan_job(job_of(dict(nworkers_per_group=2)), environ={})) == (45, 10, 600)
+    job = job_of(dict(nworkers_per_group=2, comm_timeout_s=30, stall_timeout_s=2.5, join_timeout_s=90))
+    assert timeouts(plan_job(job, environ={})) == (30, 2.5, 90)
+    overridden = plan_job(job, environ={"SHOAL_COMM_TIMEOUT": "8", "SHOAL_STALL_TIMEOUT": "0.5", "SHOAL_JOIN_TIMEOUT": "2"})
+    assert timeouts(overridden) == (8, 0.5, 2)
+    assert timeouts(plan_job(job, environ={"SHOAL_STALL_TIMEOUT": ""})) == (30, 2.5, 90)  # empty: not set
+    for bad in ("soon", "0", "-3", "inf", "nan"):
+        with pytest.raises(UnsupportedClusterError,
+                           match=rf"^SHOAL_STALL_TIMEOUT='{bad}': expected seconds > 0 \(overrides cluster.stall_timeout_s\)$"):
+            plan_job(job, environ={"SHOAL_STALL_TIMEOUT": bad})

@@ -57,13 +57,14 @@ def public_store_client(host: str, port: int, attempt: int = 0, timeout_s: Optio
     return comm.public_part(job_store_client(host, port, None, attempt, timeout_s))
 
 
-def join_as_client(host: str, port: int, interface: Optional[str], secret: Optional[bytes], attempt: int = 0) -> None:
-    """A process rejoining a running job: the job's store only, no process group (its channels need none)."""
+def join_as_client(host: str, port: int, interface: Optional[str], secret: Optional[bytes], timeout_s: float, attempt: int = 0) -> None:
+    """A process rejoining a running job: the job's store only, no process group (its channels need none);
+    `timeout_s`: the plan's cluster.comm_timeout_s, as the world's ranks were given."""
     import os
 
     if interface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
-    comm.use_store(job_store_client(host, port, secret, attempt))
+    comm.use_store(job_store_client(host, port, secret, attempt, timeout_s), timeout_s)
 
 
 class Channel:

@@ -5,7 +5,8 @@ is deterministic), which is what keeps a synchronous group deadlock-free.
 Point-to-point messages (isend/irecv) are matched by (peer, tag) instead, so
 they may be issued in any order and from any thread; each returns a handle
 to wait on. A rank that dies or stalls makes the others fail after `timeout`
-instead of hanging forever.
+instead of hanging forever: the job's plan says how long (cluster.comm_timeout_s, passed in
+when joining; this module reads no setting of its own).
 
 Progress counters for naming a stalled rank: every collective, and every
 round of point-to-point messages (`enter_round`, once per training step on
@@ -29,12 +30,17 @@ _store: "dist.TCPStore | None" = None
 _store_host: Optional[int] = None  # the rank hosting the store (0 under srun or env://); None: a launcher hosts it
 _calls = 0  # collectives and rounds this rank has entered: the rank with fewer is the one the others wait for
 _calls_lock = threading.Lock()
-_timeout: Optional[datetime.timedelta] = None  # the world's: every group made later waits as long for a silent peer  # rounds are entered from backward hooks, possibly in several threads
+_timeout: Optional[datetime.timedelta] = None  # the world's (or a rejoined process's store's): every group and channel made later waits as long
+
+# cluster.comm_timeout_s's default (config/job.proto), for a world joined outside a job (tests, calibration) where
+# nobody passes the plan's; tests/test_recommend.py checks it against the proto's
+DEFAULT_TIMEOUT_S = 45.0
 
 
 def timeout_seconds() -> float:
-    """How long a collective waits for a silent peer (SHOAL_COMM_TIMEOUT, default 45 s)."""
-    return float(os.environ.get("SHOAL_COMM_TIMEOUT", "45"))
+    """How long a collective or a channel of this process waits for a silent peer: the timeout this process joined
+    the job with (the plan's cluster.comm_timeout_s), DEFAULT_TIMEOUT_S before it joined."""
+    return _timeout.total_seconds() if _timeout is not None else DEFAULT_TIMEOUT_S
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -53,9 +59,10 @@ def init(rank: int, world_size: int, host: str, port: int, interface: Optional[s
     on every interface), and gloo's own connections use `interface` (None: as GLOO_SOCKET_IFNAME
     says, else gloo's own choice, the interface of this host's name). With the job's `secret`
     (shoal.comm.auth), every rank proves it holds the same one and the job's keys live under its namespace.
+    `timeout_s`: the plan's cluster.comm_timeout_s (None: DEFAULT_TIMEOUT_S, a world outside a job).
     """
     global _store_host
-    timeout = datetime.timedelta(seconds=timeout_s or timeout_seconds())
+    timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
     listen_fd = None
     if rank == 0:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -73,9 +80,10 @@ def init_with_agent_store(rank: int, world_size: int, host: str, port: int, atte
     """Join a process group whose store torchrun's elastic agent hosts at host:port (every rank is a client).
 
     The agent's store outlives a restart of the job's processes: each attempt's keys get their own prefix.
+    `timeout_s`: the plan's cluster.comm_timeout_s (None: DEFAULT_TIMEOUT_S).
     """
     global _store_host
-    timeout = datetime.timedelta(seconds=timeout_s or timeout_seconds())
+    timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
     client = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     attempt_store = dist.PrefixStore(f"/shoal/attempt_{attempt}", client)
     _join(_secured(attempt_store, rank, world_size, secret, timeout), rank, world_size, interface, timeout, backend)
@@ -150,7 +158,7 @@ def nccl_usable() -> bool:
 
 def group_timeout() -> datetime.timedelta:
     """How long a collective of any group waits for a silent peer: the world's timeout."""
-    return _timeout or datetime.timedelta(seconds=timeout_seconds())
+    return datetime.timedelta(seconds=timeout_seconds())
 
 
 def world_size() -> int:
@@ -167,10 +175,11 @@ def job_store():
     return _store
 
 
-def use_store(store) -> None:
-    """A process rejoining a running job joins no process group: the job's store is all it uses."""
-    global _store, _store_host
-    _store, _store_host = store, None
+def use_store(store, timeout_s: float) -> None:
+    """A process rejoining a running job joins no process group: the job's store is all it uses, and its channels
+    wait `timeout_s` (the plan's cluster.comm_timeout_s) for a silent peer."""
+    global _store, _store_host, _timeout
+    _store, _store_host, _timeout = store, None, datetime.timedelta(seconds=timeout_s)
 
 
 def store_host() -> Optional[int]:

@@ -2,9 +2,9 @@
 
 A daemon thread of every process sets `shoal/heartbeat/<rank>` to "<beat> <step>" about once a
 second and reads its peers' values, through a store client of its own with a short timeout (a
-silent store cannot block it for long). A peer whose beat has not changed for `stall_timeout()`
-seconds (SHOAL_STALL_TIMEOUT, default 10) is stalled. A SIGSTOPped or frozen process stops its
-heartbeat thread with everything else, so the silent peer is the stalled one, not a healthy rank
+silent store cannot block it for long). A peer whose beat has not changed for the stall timeout
+(the plan's cluster.stall_timeout_s, passed in by shoal.launcher.stalls) is stalled. A SIGSTOPped
+or frozen process stops its heartbeat thread with everything else, so the silent peer is the stalled one, not a healthy rank
 that waits for it. When the store itself stops answering that long, its host is the stalled one
 (rank 0 under srun or env://; under shoal run or torchrun the launcher hosts the store). Only this process's monotonic clock is used:
 the hosts' clocks need not agree.
@@ -19,7 +19,6 @@ then end without running gloo's destructors (`abandon`, `abandoned`).
 from __future__ import annotations
 
 import datetime
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -29,11 +28,6 @@ from shoal.errors import warn
 
 KEY = "shoal/heartbeat/{}"
 DONE = "done"
-
-
-def stall_timeout() -> float:
-    """Seconds of silence after which a peer is stalled (SHOAL_STALL_TIMEOUT, default 10)."""
-    return float(os.environ.get("SHOAL_STALL_TIMEOUT", "10"))
 
 
 def beat_interval(timeout: float) -> float:
@@ -54,11 +48,11 @@ class Stall:
 class Watch:
     """This process's heartbeat and its watch over the peers' heartbeats (a daemon thread)."""
 
-    def __init__(self, store, rank: int, world: int, on_stall: Callable[[Stall], None],
-                 on_woken: Callable[[float], None] = lambda gap: None, store_host: Optional[int] = 0,
-                 timeout_s: Optional[float] = None):
+    def __init__(self, store, rank: int, world: int, on_stall: Callable[[Stall], None], timeout_s: float,
+                 on_woken: Callable[[float], None] = lambda gap: None, store_host: Optional[int] = 0):
+        """`timeout_s`: seconds of silence after which a peer is stalled (the plan's cluster.stall_timeout_s)."""
         self.rank, self.on_stall, self.on_woken, self.store_host = rank, on_stall, on_woken, store_host
-        self.timeout = timeout_s if timeout_s is not None else stall_timeout()
+        self.timeout = timeout_s
         self.interval = beat_interval(self.timeout)
         # one client per thread (c10d's advice), with a timeout well inside the stall timeout
         self._client = store.clone()
@@ -189,14 +183,14 @@ _watch: Optional[Watch] = None
 _abandoned = False
 
 
-def start(rank: int, world: int, **kwargs) -> Watch:
+def start(rank: int, world: int, timeout_s: float, **kwargs) -> Watch:
     """Beat and watch over the job's store (shoal.comm.dist); rank 0 hosts it under srun or env://, else the launcher (shoal run, torchrun.s agent)."""
     from shoal.comm import dist as comm
 
     global _watch
     store = comm._store
     kwargs.setdefault("store_host", comm.store_host())
-    _watch = Watch(store, rank, world, **kwargs).start()
+    _watch = Watch(store, rank, world, timeout_s=timeout_s, **kwargs).start()
     return _watch
 
 

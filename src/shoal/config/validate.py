@@ -163,6 +163,9 @@ def validate_cluster(cluster: job_pb2.ClusterProto) -> list[Problem]:
             problems.append((name, f"{name} must be >= {low}, got {getattr(cluster, name)}"))
     if not cluster.bucket_mb > 0:
         problems.append(("bucket_mb", f"bucket_mb must be > 0 (float32 megabytes), got {cluster.bucket_mb:g}"))
+    for name in ("comm_timeout_s", "stall_timeout_s", "join_timeout_s"):
+        if not getattr(cluster, name) > 0:
+            problems.append((name, f"{name} must be > 0 (seconds), got {getattr(cluster, name):g}"))
     if cluster.nworker_groups % cluster.nserver_groups:
         problems.append(
             (

@@ -7,7 +7,7 @@ process here, as a crash would.
 
   SHOAL_INJECT_EXIT="RANK:STEP"         process RANK exits (code 3) when it reaches training step STEP;
                                         a Downpour server process exits when its version reaches STEP
-  SHOAL_INJECT_STALL="RANK:STEP"        process RANK's training hangs at step STEP (its heartbeat goes on: caught by SHOAL_COMM_TIMEOUT)
+  SHOAL_INJECT_STALL="RANK:STEP"        process RANK's training hangs at step STEP (its heartbeat goes on: caught by cluster.comm_timeout_s)
   SHOAL_INJECT_GROUP_ERROR="GROUP:STEP" in-memory worker group GROUP raises at step STEP
   SHOAL_SLOW_WORKER="[G.]K:COST,..."    worker K of each group (or of group G only; a G.K item wins over a K item)
                                         computes slower, as a slower device would. COST is PER_SAMPLE[+FIXED]:

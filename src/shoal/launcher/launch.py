@@ -72,11 +72,6 @@ class Nodes:
         return ranks_of_node(world, self.nnodes, node_rank)
 
 
-def join_timeout_seconds() -> float:
-    """How long a node waits for the others to join (SHOAL_JOIN_TIMEOUT, default 600 s as torchrun's)."""
-    return float(os.environ.get("SHOAL_JOIN_TIMEOUT", "600"))
-
-
 class ProcessFailed(ShoalError, RuntimeError):
     """A process of the job died; the message names its rank and what it hosted."""
 
@@ -135,10 +130,11 @@ def join_world(plan: JobPlan, rank: int, world: int, ranks_per_node: int, host: 
     """Join the job's process group (NCCL for CUDA tensors where every process has GPUs of its own, else gloo),
     proving to the others that this process holds the job's `secret` (shoal.comm.auth)."""
     backend = comm.process_group_backend(plan.devices, [r // max(1, ranks_per_node) for r in range(world)], comm.nccl_usable())
+    timeout_s = plan.comm_timeout_s  # cluster.comm_timeout_s (SHOAL_COMM_TIMEOUT overrides): every collective's
     if agent_store_attempt is None:
-        comm.init(rank, world, host, port, interface, backend=backend, secret=secret)
+        comm.init(rank, world, host, port, interface, timeout_s, backend=backend, secret=secret)
     else:
-        comm.init_with_agent_store(rank, world, host, port, agent_store_attempt, interface, backend=backend, secret=secret)
+        comm.init_with_agent_store(rank, world, host, port, agent_store_attempt, interface, timeout_s, backend=backend, secret=secret)
 
 
 def run_rank(plan: JobPlan, rank: int, spec: RunSpec) -> History:
@@ -160,7 +156,7 @@ def run_rank(plan: JobPlan, rank: int, spec: RunSpec) -> History:
         behind = [r for r, (c, _) in progress.items() if r != rank and c < calls]
         if behind:
             who = "; ".join(f"{describe_process(plan, r)} stopped answering at step {progress[r][1]}" for r in behind)
-            raise StalledPeer(f"{who} (process {rank} waited {comm.timeout_seconds():.0f} s at step {step})") from None
+            raise StalledPeer(f"{who} (process {rank} waited {plan.comm_timeout_s:.0f} s at step {step})") from None
         raise RuntimeError(f"{str(err).splitlines()[0]}") from None
 
 
@@ -201,7 +197,7 @@ def _entry(local_index: int, ranks: list[int], meeting: Meeting, environment: di
             spec = RunSpec(Path(workspace), [Path(d) for d in base_dirs], Path(resume_from) if resume_from else None,
                            log=chief_log(rank, log_file), progress=False, initial_values=initial_values,
                            faults=faults.from_environment())
-            with stalls.watching(plan, rank, Path(workspace)):  # a stalled peer: named within SHOAL_STALL_TIMEOUT
+            with stalls.watching(plan, rank, Path(workspace)):  # a stalled peer: named within plan.stall_timeout_s
                 run_rank(plan, rank, spec)
             stalls.exit_if_abandoned()
         finally:
@@ -219,7 +215,7 @@ def run_launched(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
     before rank 0 has decided what they are. A failure becomes one line naming the rank.
     """
     rank, world = launched.rank, launched.world_size
-    wait_s = max(comm.timeout_seconds(), 60.0)
+    wait_s = max(plan.comm_timeout_s, 60.0)
     secret = auth.required_secret(f"a job started by {launched.launcher}")
     try:
         join_world(plan, rank, world, launched.local_world_size, launched.master_addr, launched.master_port,
@@ -358,14 +354,14 @@ def run_processes(
 def meet(nodes: Nodes, plan: JobPlan) -> rendezvous.NodeRendezvous:
     """This node's place among the job's nodes, from torch's rendezvous (one host: a loopback store)."""
     if nodes.one_host:
-        return rendezvous.loopback(max(comm.timeout_seconds(), 60.0))
+        return rendezvous.loopback(max(plan.comm_timeout_s, 60.0))
     how = f"static rendezvous as node {nodes.node_rank}" if nodes.node_rank is not None else "c10d rendezvous"
     try:
         _, source = route(nodes.master_host)
         master_address = socket.gethostbyname(nodes.master_host)
         met = rendezvous.across_nodes(nodes.nnodes, nodes.node_rank, nodes.master_host, nodes.master_port, nodes.run_id,
                                       local_addr=source, is_master_host=source == master_address,
-                                      join_timeout_s=join_timeout_seconds())
+                                      join_timeout_s=plan.join_timeout_s)  # cluster.join_timeout_s; SHOAL_JOIN_TIMEOUT overrides
     except (OSError, RuntimeError, ValueError) as err:  # torch's rendezvous and store errors: their first line is the story
         raise ProcessFailed(f"--master {nodes.master_host}:{nodes.master_port}: cannot meet the job's other "
                             f"{nodes.nnodes - 1} node(s) ({how}): {comm.describe_error(err)}") from None

@@ -103,7 +103,8 @@ class Restarter:
                                                           "nnodes": self.meeting.nnodes, "interface": self.meeting.interface}) + "\n")
 
     def _connect(self) -> None:
-        self._store = channels.job_store_client(self.meeting.store_host, self.meeting.store_port, self.secret)
+        self._store = channels.job_store_client(self.meeting.store_host, self.meeting.store_port, self.secret,
+                                                timeout_s=self.plan.comm_timeout_s)
         self._door = channels.Door(DOOR, self._store, self.secret)
 
     def restart(self, context, index: int, rank: int, code: int) -> bool:
@@ -191,7 +192,7 @@ def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, stor
     if process_setup is not None:
         process_setup()
     plan = plan_job(decode_job(job_bytes), nnodes=nnodes)
-    channels.join_as_client(store_host, store_port, interface, auth.required_secret("a process rejoining a job"))
+    channels.join_as_client(store_host, store_port, interface, auth.required_secret("a process rejoining a job"), plan.comm_timeout_s)
     spec = RunSpec(workspace, base_dirs, None, log=log, progress=False, initial_values=initial_values,
                    rejoin=Rejoin(incarnation, detected_at), faults=faults.from_environment())
     try:
@@ -212,7 +213,7 @@ def rejoin_by_hand(plan: JobPlan, workspace: Path, rank: int, master: Optional[s
     host, port, interface = _store_address(workspace, master)
     secret = _job_secret(workspace)
     group = group_of(plan, rank)
-    try:
+    try:  # a short probe, not the plan's comm_timeout_s: whether a running job answers there at all
         if not auth.holds_same_secret(channels.public_store_client(host, port, timeout_s=3), 0, secret):
             raise RejoinRefused(f"--rejoin {rank}: this process's job secret differs from the running job's at {host}:{port}")
         door = channels.Door(DOOR, channels.job_store_client(host, port, secret, timeout_s=3), secret)

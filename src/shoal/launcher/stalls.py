@@ -69,7 +69,7 @@ class StallPolicy:
 
     def on_woken(self, gap: float) -> None:
         """This process was stopped longer than the timeout: its peers have given up on it."""
-        line = f"process {self.rank} was stopped for {gap:.0f} s, longer than the stall timeout ({heartbeat.stall_timeout():g} s)"
+        line = f"process {self.rank} was stopped for {gap:.0f} s, longer than the stall timeout ({self.plan.stall_timeout_s:g} s)"
         if self.plan.framework.synchronous or not self._expendable(self.rank):
             self._fail(f"{line}; the job cannot go on without it")
         self._leave(f"{line}; the servers dropped worker group {self.group}, so it leaves")
@@ -111,7 +111,8 @@ def _exit(code: int) -> None:
 
 @contextmanager
 def watching(plan: JobPlan, rank: int, workspace: Path, reports_itself: bool = False):
-    """Beat and watch the job's other processes while the body runs (a world of several processes only).
+    """Beat and watch the job's other processes while the body runs (a world of several processes only); a peer
+    silent for the plan's stall_timeout_s (cluster.stall_timeout_s; SHOAL_STALL_TIMEOUT overrides) is stalled.
 
     An exchange that finds its group dropped raises GroupDropped: the process leaves here, before the
     heartbeat says "done" (its peers have given up on it) and before gloo's teardown."""
@@ -120,7 +121,7 @@ def watching(plan: JobPlan, rank: int, workspace: Path, reports_itself: bool = F
         return
     policy = StallPolicy(plan, rank, workspace, reports_itself)
     with native_stderr_to(sys.stderr):
-        heartbeat.start(rank, plan.nprocs, on_stall=policy.on_stall, on_woken=policy.on_woken)
+        heartbeat.start(rank, plan.nprocs, plan.stall_timeout_s, on_stall=policy.on_stall, on_woken=policy.on_woken)
         try:
             with leaving_when_dropped():
                 yield

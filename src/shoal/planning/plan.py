@@ -59,6 +59,9 @@ class JobPlan:
     balance_freq: int = 0  # cluster.auto_batch_shares: re-split a group's batch every this many steps (0: never)
     bucket_elements: int = DEFAULT_CAP  # cluster.bucket_mb (SHOAL_BUCKET_MB overrides): a gradient bucket's cap
     max_restarts: int = 0  # cluster.max_restarts (--max-restarts; SHOAL_MAX_RESTARTS overrides): restarts of a dead group
+    comm_timeout_s: float = 45.0  # cluster.comm_timeout_s (SHOAL_COMM_TIMEOUT overrides): a collective waits this long for a peer
+    stall_timeout_s: float = 10.0  # cluster.stall_timeout_s (SHOAL_STALL_TIMEOUT overrides): silence that makes a process stalled
+    join_timeout_s: float = 600.0  # cluster.join_timeout_s (SHOAL_JOIN_TIMEOUT overrides): how long nodes wait to meet
     process_groups: tuple[ProcessGroupPlan, ...] = ()  # what the exchanges' collectives run over, created in this order
 
     @property
@@ -88,6 +91,15 @@ class JobPlan:
     @property
     def in_one_process(self) -> bool:
         return self.nprocs == 1
+
+    @property
+    def nworker_groups(self) -> int:
+        return self.cluster.nworker_groups
+
+    @property
+    def max_update_lag(self) -> int:
+        """cluster.max_update_lag: how many other updates an asynchronous update may land after (-1: unbounded)."""
+        return self.cluster.max_update_lag
 
     @property
     def nworkers(self) -> int:
@@ -133,7 +145,8 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
              environ: Optional[Mapping[str, str]] = None) -> JobPlan:
     """The JobPlan of a validated job on hosts of `cores` cores (default: this one's), its framework one of
     `strategies` (default: the installed registry, shoal.strategies.registry). `environ` (default: this process's)
-    holds the documented overrides of job fields, SHOAL_BUCKET_MB and SHOAL_MAX_RESTARTS (docs/cluster.md)."""
+    holds the documented overrides of job fields: SHOAL_BUCKET_MB, SHOAL_MAX_RESTARTS and the timeouts' (TIMEOUT_OVERRIDES;
+    docs/cluster.md)."""
     environ = os.environ if environ is None else environ
     store = ParamStore(allocate=False)
     net = NeuralNet(job.neuralnet, job_pb2.kTrain, store, torch.Generator())
@@ -160,6 +173,7 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
         balance_freq=max(1, job.cluster.auto_batch_freq) if job.cluster.auto_batch_shares else 0,
         bucket_elements=cap_from_env(environ, job.cluster.bucket_mb),
         max_restarts=restarts_override(environ, job.cluster.max_restarts),
+        **{name: seconds_override(environ, variable, name, getattr(job.cluster, name)) for name, variable in TIMEOUT_OVERRIDES.items()},
         process_groups=strategy.process_groups(placement, devices, nnodes) if len(placement.processes) > 1 else (),
     )
     if job.cluster.local_warmup_steps and not strategy.meets:
@@ -298,6 +312,24 @@ def restarts_override(environ: Mapping[str, str], configured: int) -> int:
     if not text.isdigit():
         raise UnsupportedClusterError(f"SHOAL_MAX_RESTARTS={text!r}: expected 0 or more (overrides cluster.max_restarts)")
     return int(text)
+
+
+# each timeout of the cluster section, and the environment variable that overrides it (docs/cluster.md)
+TIMEOUT_OVERRIDES = {"comm_timeout_s": "SHOAL_COMM_TIMEOUT", "stall_timeout_s": "SHOAL_STALL_TIMEOUT", "join_timeout_s": "SHOAL_JOIN_TIMEOUT"}
+
+
+def seconds_override(environ: Mapping[str, str], variable: str, field: str, configured: float) -> float:
+    """`variable` where set (seconds > 0, else refused in one line), else the job's cluster.`field`."""
+    text = environ.get(variable)
+    if not text:
+        return float(configured)
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise UnsupportedClusterError(f"{variable}={text!r}: expected seconds > 0 (overrides cluster.{field})")
+    return value
 
 
 def _parse_job(data: bytes) -> job_pb2.JobProto:

@@ -3,7 +3,7 @@
 The timeouts of a job over processes (docs/planning.md, "Recommended timeouts"): how long a
 collective waits for a peer and how long a silent heartbeat is tolerated, as a fixed multiple of
 the predicted time between two meetings of the processes, never under a floor; the rendezvous's,
-which the step does not bound.
+which the step does not bound. Each is a cluster field (`--set cluster.comm_timeout_s=…`).
 
 The settings for W workers on the given links (docs/planning.md, "Recommended settings"): the
 framework, Local SGD's H, the compression and max_update_lag, chosen by fixed rules from the
@@ -21,11 +21,12 @@ from shoal.errors import ShoalError
 from shoal.planning import measured_tradeoffs as measured
 from shoal.planning.costs import Calibration, Kernel
 from shoal.planning.estimate import Estimate, Hosts, estimate, plan_kernels
-from shoal.planning.plan import Framework, JobPlan, plan_job
+from shoal.planning.plan import TIMEOUT_OVERRIDES, Framework, JobPlan, plan_job
 
-# the defaults live where they are read (shoal.comm.dist, shoal.comm.heartbeat, shoal.launcher.launch);
-# tests/test_recommend.py checks these copies against them (planning may not import comm or runtime)
-COMM_DEFAULT_S, STALL_DEFAULT_S, JOIN_DEFAULT_S = 45.0, 10.0, 600.0
+# the job's defaults (config/job.proto); tests/test_recommend.py checks that a default job's plan holds them and that
+# the fallbacks of code that runs without a plan (shoal.comm.dist) agree
+_CLUSTER = job_pb2.ClusterProto()
+COMM_DEFAULT_S, STALL_DEFAULT_S, JOIN_DEFAULT_S = _CLUSTER.comm_timeout_s, _CLUSTER.stall_timeout_s, _CLUSTER.join_timeout_s
 # a collective waits for its slowest peer's step: 20 of them leave room for skew, a test or a checkpoint
 # between steps on one rank; below the default (validated under load 10 on 2 cores) it never goes
 COMM_STEPS, COMM_FLOOR_S = 20, COMM_DEFAULT_S
@@ -36,10 +37,11 @@ STALL_STEPS, STALL_FLOOR_S = 3, STALL_DEFAULT_S
 
 @dataclass(frozen=True)
 class Recommendation:
-    setting: str  # the environment variable `shoal run` reads
+    setting: str  # the cluster field (`--set cluster.<field>=<value>`)
     value: float  # seconds
     default: float
     reason: str
+    variable: str = ""  # the environment variable that overrides the field (planning/plan.py: TIMEOUT_OVERRIDES)
 
 
 def interval(plan: JobPlan) -> tuple[int, str]:
@@ -57,14 +59,16 @@ def timeouts(plan: JobPlan, e: Estimate) -> list[Recommendation]:
     comm = max(COMM_FLOOR_S, _whole_seconds(COMM_STEPS * between))
     stall = max(STALL_FLOOR_S, _whole_seconds(STALL_STEPS * between))
     return [
-        Recommendation("SHOAL_COMM_TIMEOUT", comm, COMM_DEFAULT_S,
+        Recommendation("cluster.comm_timeout_s", comm, COMM_DEFAULT_S,
                        f"a collective waits for its slowest peer: {COMM_STEPS} × {span} = {_seconds(COMM_STEPS * between)}"
-                       + (f", under the {COMM_FLOOR_S:g} s floor" if comm == COMM_FLOOR_S else "")),
-        Recommendation("SHOAL_STALL_TIMEOUT", stall, STALL_DEFAULT_S,
+                       + (f", under the {COMM_FLOOR_S:g} s floor" if comm == COMM_FLOOR_S else ""), TIMEOUT_OVERRIDES["comm_timeout_s"]),
+        Recommendation("cluster.stall_timeout_s", stall, STALL_DEFAULT_S,
                        f"heartbeats beat once a second whatever the step; {STALL_STEPS} × {span} = "
-                       f"{_seconds(STALL_STEPS * between)} of silence is a stall" + (f", under the {STALL_FLOOR_S:g} s floor" if stall == STALL_FLOOR_S else "")),
-        Recommendation("SHOAL_JOIN_TIMEOUT", JOIN_DEFAULT_S, JOIN_DEFAULT_S,
-                       "the nodes meet before the first step, so the step does not bound it: the slowest host's start does (torchrun's default)"),
+                       f"{_seconds(STALL_STEPS * between)} of silence is a stall" + (f", under the {STALL_FLOOR_S:g} s floor" if stall == STALL_FLOOR_S else ""),
+                       TIMEOUT_OVERRIDES["stall_timeout_s"]),
+        Recommendation("cluster.join_timeout_s", JOIN_DEFAULT_S, JOIN_DEFAULT_S,
+                       "the nodes meet before the first step, so the step does not bound it: the slowest host's start does (torchrun's default)",
+                       TIMEOUT_OVERRIDES["join_timeout_s"]),
     ]
 
 

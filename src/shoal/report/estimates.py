@@ -136,10 +136,10 @@ def render_recommend(r: dict) -> str:
         lines = [f"recommended timeouts for {r['label']}: none (one process: no heartbeat, collective or rendezvous)"]
     else:
         lines = [f"recommended timeouts for {r['label']} over {r['nprocs']} processes (predicted step {ms(r['step_s'])}); "
-                 "set them in the environment of `shoal run`:"]
+                 "paste into `shoal run` (or set them in the job's cluster section):"]
         for t in r["timeouts"]:
             default = "the default" if t["value"] == t["default"] else f"default {t['default']:g}"
-            lines.append(f"  {t['setting']}={t['value']:g}  ({default}) {t['reason']}")
+            lines.append(f"  --set {t['setting']}={t['value']:g}  ({default}) {t['reason']}")
     if r.get("settings"):
         lines += ["", f"recommended settings for {r['workers']} workers on {r['links']}:"]
         for s in r["settings"]:

@@ -191,7 +191,7 @@ def start_lines(run: ProcessRun) -> list[str]:
         lines.append(f"Server (group = {s.group}, id = {s.id}) start in process {rank}: {elements:,} param elements")
     if rank == 0 and plan.updater.momentum != plan.job.updater.momentum:  # never silently (SINGA updaters only)
         lines.append(f"updater.momentum {plan.job.updater.momentum:g} -> {plan.updater.momentum:g} at the servers: "
-                     f"{plan.cluster.nworker_groups} asynchronous groups add momentum of their own "
+                     f"{plan.nworker_groups} asynchronous groups add momentum of their own "
                      "(cluster.async_momentum: kAsConfigured keeps the job's)")
     return lines
 
@@ -228,7 +228,7 @@ def _run_process(plan: JobPlan, rank: int, spec: RunSpec) -> History:
         if histogram:
             metrics.annotate(staleness_histogram=histogram)
             lags = histogram["updates_per_lag"]
-            bound = plan.cluster.max_update_lag
+            bound = plan.max_update_lag
             spec.log(f"Staleness: {sum(lags.values())} updates, lag at most {max(map(int, lags), default=0)}"
                      + (f" (cluster.max_update_lag {bound})" if bound >= 0 else ""))
         return history

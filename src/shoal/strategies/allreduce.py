@@ -9,7 +9,7 @@ from shoal.planning.buckets import plan_buckets
 from shoal.planning.costs import FLOAT
 from shoal.planning.process_groups import sliced_groups
 from shoal.planning.strategy import Framework, Layout, Phases, Strategy
-from shoal.runtime.exchanges.compression import codec_for, compresses
+from shoal.runtime.exchanges.compression import codec_factory
 from shoal.runtime.exchanges.local import LocalExchange
 from shoal.runtime.exchanges.server import Server
 from shoal.runtime.exchanges.sliced import SlicedExchange
@@ -100,7 +100,7 @@ class AllReduce(Strategy):
             trainer.attach_exchange(LocalExchange(Server(trainer.store, updater)))
             return
         # cluster.compression over processes: a fresh codec per sender (top-k keeps its residual)
-        codecs = (lambda feedback=True: codec_for(plan.cluster, feedback)) if compresses(plan.cluster) else None
+        codecs = codec_factory(plan.cluster.compression, plan.cluster.topk_fraction)
         trainer.attach_exchange(SlicedExchange(trainer.store, updater, plan.placement, run.rank, plan.global_batch,
                                                trainer.workers, bucket_cap=plan.bucket_elements, codecs=codecs,
                                                groups=run.process_groups))

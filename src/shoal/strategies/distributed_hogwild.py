@@ -5,7 +5,7 @@ from __future__ import annotations
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.placement import ServerId
 from shoal.planning.strategy import Framework, Layout, Phases, Strategy, UnsupportedClusterError
-from shoal.runtime.exchanges.compression import codec_for, compresses
+from shoal.runtime.exchanges.compression import codec_factory
 from shoal.runtime.exchanges.hogwild import HogwildExchange
 from shoal.runtime.exchanges.server import Server
 
@@ -72,9 +72,9 @@ class DistributedHogwild(Strategy):
     # -- runtime ------------------------------------------------------------------------------------
     def attach_exchanges(self, run) -> None:
         plan, t = run.plan, run.trainers[0]
-        codecs = (lambda feedback=True: codec_for(plan.cluster, feedback)) if compresses(plan.cluster) else None
+        c = plan.cluster
         t.attach_exchange(HogwildExchange(t.store, Server(t.store, make_updater(plan.updater)), plan.placement, run.rank, t.group,
-                                          plan.cluster.sync_freq, log=print, codecs=codecs))
+                                          c.sync_freq, c.nserver_groups, log=print, codecs=codec_factory(c.compression, c.topk_fraction)))
 
 
 STRATEGY = DistributedHogwild()

@@ -12,6 +12,7 @@ from shoal.planning.costs import FLOAT
 from shoal.planning.placement import ServerId
 from shoal.planning.strategy import Framework, Layout, Phases, Strategy, UnsupportedClusterError
 from shoal.runtime import rejoined
+from shoal.runtime.exchanges.compression import codec_factory
 from shoal.runtime.exchanges.downpour import DownpourExchange, DownpourServer
 
 
@@ -84,16 +85,20 @@ class Downpour(Strategy):
         # a rejoined process is in no process group (it hosts a whole group: shoal.launcher.rejoin.why_not)
         group_comms = {} if run.rejoining else {g: comm.new_group(ranks) if len(ranks) > 1 else None for g, ranks in group_ranks.items()}
         hosted = plan.process(rank)
+        codecs = codec_factory(c.compression, c.topk_fraction)  # cluster.compression of the pushes
         if hosted.servers:
             run.server = DownpourServer(trainer.store, updater, plan.placement, hosted.servers[0],
                                         {g: ranks[0] for g, ranks in group_ranks.items()}, log=print,
                                         max_staleness=c.max_staleness, warmup_steps=c.warmup_steps,
-                                        after_update=run.faults.server_update_hook(rank), max_update_lag=c.max_update_lag)
+                                        after_update=run.faults.server_update_hook(rank), max_update_lag=c.max_update_lag,
+                                        overlap_push=c.overlap_push, codecs=codecs)
             return
         servers = {ServerId(0, i): plan.placement.process_of(ServerId(0, i)) for i in range(c.nservers_per_group)}
         group = hosted.workers[0].group
         trainer.attach_exchange(DownpourExchange(trainer.store, updater, plan.placement, rank, group,
-                                                 group_ranks[group], group_comms.get(group), servers, plan.global_batch))
+                                                 group_ranks[group], group_comms.get(group), servers, plan.global_batch,
+                                                 timeout_s=plan.comm_timeout_s, warmup_steps=c.warmup_steps,
+                                                 overlap_push=c.overlap_push, codecs=codecs))
 
     def loads_checkpoint_path(self, trainer) -> bool:
         return trainer.group == 0  # the other groups take their first values from the servers

@@ -4,12 +4,11 @@ change (runtime/exchanges/periodic.py). In one process the groups are threads me
 processes each process holds one whole group and a meeting is one all-reduce."""
 from __future__ import annotations
 
-from shoal.comm import dist as comm
 from shoal.config import job_pb2
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.process_groups import whole_group
 from shoal.planning.strategy import Framework, Layout, Phases, Strategy, UnsupportedClusterError
-from shoal.runtime.exchanges.compression import codec_for, compresses
+from shoal.runtime.exchanges.compression import codec_factory
 from shoal.runtime.exchanges.groups import GroupBoard
 from shoal.runtime.exchanges.periodic import InMemoryMeeting, PeriodicExchange, ProcessMeeting
 from shoal.strategies.in_memory_hogwild import start_on_board
@@ -82,10 +81,11 @@ class LocalSGD(Strategy):
         plan, c = run.plan, run.plan.cluster
         groups = c.nworker_groups
         if plan.in_one_process:
-            meeting = InMemoryMeeting(groups, comm.timeout_seconds())
+            meeting = InMemoryMeeting(groups, plan.comm_timeout_s)
             run.board = GroupBoard(groups, -1, 0)
         else:
-            meeting = ProcessMeeting(groups, codec_for(c, True) if compresses(c) else None, run.process_groups["meeting"])
+            codecs = codec_factory(c.compression, c.topk_fraction)
+            meeting = ProcessMeeting(groups, codecs() if codecs else None, run.process_groups["meeting"])
         for t in run.trainers:
             t.attach_exchange(PeriodicExchange(t.store, make_updater(plan.updater), make_updater(plan.outer_updater), c.local_steps,
                                                meeting, t.group, plan.global_batch, c.local_warmup_steps))

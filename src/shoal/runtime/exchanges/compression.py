@@ -17,7 +17,7 @@ worker; `shoal plan` says so.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -107,31 +107,28 @@ class TopKCodec(Codec):
         return flat
 
 
-def codec_for(cluster: job_pb2.ClusterProto, error_feedback: bool = True) -> Codec:
-    """A fresh codec for one sender's pushes, as the cluster section says."""
-    kind = cluster.compression
-    if kind == job_pb2.kBF16:
+def codec_for(compression: int, topk_fraction: float = 0.01, error_feedback: bool = True) -> Codec:
+    """A fresh codec for one sender's pushes: `compression` a job_pb2.Compression (cluster.compression, and
+    cluster.topk_fraction for kTopK), handed down by the framework's strategy."""
+    if compression == job_pb2.kBF16:
         return CastCodec(torch.bfloat16, error_feedback)
-    if kind == job_pb2.kFP16:
+    if compression == job_pb2.kFP16:
         return CastCodec(torch.float16, error_feedback)
-    if kind == job_pb2.kTopK:
-        return TopKCodec(cluster.topk_fraction, error_feedback)
+    if compression == job_pb2.kTopK:
+        return TopKCodec(topk_fraction, error_feedback)
     return Codec()
 
 
-def compresses(cluster: job_pb2.ClusterProto) -> bool:
-    return cluster.compression != job_pb2.kNone
+def codec_factory(compression: int, topk_fraction: float = 0.01) -> Optional[Callable[..., Codec]]:
+    """What an exchange over processes is given: `factory(error_feedback=True)` makes a fresh codec per sender (top-k
+    keeps its residual); None for kNone (nothing encoded)."""
+    if compression == job_pb2.kNone:
+        return None
+    return lambda error_feedback=True: codec_for(compression, topk_fraction, error_feedback)
 
 
 def wire_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def describe(cluster: job_pb2.ClusterProto) -> str:
-    """How `shoal plan` names the setting: "top-0.01 with error feedback", "BF16"."""
-    if cluster.compression == job_pb2.kTopK:
-        return f"top-{cluster.topk_fraction:g} with error feedback"
-    return job_pb2.Compression.Name(cluster.compression)[1:]
 
 
 def all_reduce_encoded(codec: Codec, flat: torch.Tensor, group=None) -> tuple[torch.Tensor, int]:

@@ -22,7 +22,7 @@ and trains the steps left. A push in flight when a process died is lost whole
 request waits until every group has stopped or is gone with no new process
 announced, so the final test and checkpoint see the model every group
 trained; then the servers close. A group other than 0 whose stub stops
-answering (no heartbeat for SHOAL_STALL_TIMEOUT, shoal.comm.heartbeat) is
+answering (no heartbeat for cluster.stall_timeout_s, shoal.comm.heartbeat) is
 dropped the same way, though its thread stays blocked in its receive; if the
 group wakes later, its pushes are refused (answered with version -1, never
 applied) and it leaves.
@@ -45,7 +45,7 @@ from shoal.comm import dist as comm
 from shoal.comm import heartbeat
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
-from shoal.runtime.exchanges.compression import codec_for, codecs_state, load_codecs_state, wire_bytes
+from shoal.runtime.exchanges.compression import Codec, codecs_state, load_codecs_state, wire_bytes
 from shoal.runtime.exchanges.clipping import clip_, max_norm_of
 from shoal.runtime.exchanges.local import aggregate
 from shoal.runtime.exchanges.staleness import StalenessStats, histogram, may_apply
@@ -114,10 +114,13 @@ class DownpourServer:
 
     def __init__(self, store: ParamStore, updater: Updater, placement: Placement, server: ServerId,
                  stubs: dict[int, int], log: Callable[[str], None] = print, max_staleness: int = -1, warmup_steps: int = 0,
-                 after_update: Optional[Callable[[int], None]] = None, max_update_lag: int = -1):
-        """`after_update(version)`: called after each update (fault injection for tests: shoal.launcher.faults)."""
+                 after_update: Optional[Callable[[int], None]] = None, max_update_lag: int = -1, overlap_push: bool = False,
+                 codecs: Optional[Callable[..., Codec]] = None):
+        """`after_update(version)`: called after each update (fault injection for tests: shoal.launcher.faults).
+        The cluster section's settings come as the strategy reads them from the plan: `max_staleness`, `warmup_steps`,
+        `max_update_lag`, `overlap_push` and `codecs` (cluster.compression: a fresh codec per connection; None: float32)."""
         self.store, self.updater, self.server, self.stubs, self.log = store, updater, server, stubs, log
-        self.cluster = placement.cluster
+        self.codecs = codecs or Codec
         trainable = set(store.trainable_names())
         self.segments, self.size = server_segments([s for s in placement.slices_of(server) if s.param in trainable])
         self.state = {seg: updater.init_shard_state(self._view(seg), (seg.param, seg.start, seg.stop)) for seg in self.segments}
@@ -133,7 +136,7 @@ class DownpourServer:
         self.max_update_lag = max_update_lag
         # per group, the versions its outstanding updates are computed on, oldest first: one, or two when a group
         # computes its next step while its push is out (overlap_push); groups that wait for the warm-up read when they pull
-        self.depth = 2 if self.cluster.overlap_push else 1
+        self.depth = 2 if overlap_push else 1
         self._reads = {g: [0] * self.depth for g in stubs if g == 0 or not warmup_steps}
         self.lags = {g: StalenessStats() for g in stubs}  # the lag of every update applied, per group
         self._warming: set[int] = set()  # groups waiting for group 0's warm-up hold nobody back
@@ -349,7 +352,7 @@ class DownpourServer:
 
     def _serve_incarnation(self, group: int, incarnation: int, channel) -> None:
         header = torch.zeros(3, dtype=torch.int64, device="cpu")
-        codec = codec_for(self.cluster)
+        codec = self.codecs()
         received = codec.buffers(self.size)
         has_grad = torch.zeros(len(self.segments), dtype=torch.uint8, device="cpu")
         finished = False
@@ -434,8 +437,12 @@ class DownpourExchange:
     """A worker group's side of Downpour, in one of the group's processes."""
 
     def __init__(self, store: ParamStore, updater: Updater, placement: Placement, rank: int, group: int,
-                 group_ranks: list[int], group_comm, server_ranks: dict[ServerId, int], global_batch: int):
+                 group_ranks: list[int], group_comm, server_ranks: dict[ServerId, int], global_batch: int, *, timeout_s: float,
+                 warmup_steps: int = 0, overlap_push: bool = False, codecs: Optional[Callable[..., Codec]] = None):
+        """As the strategy reads them from the plan: `timeout_s` (cluster.comm_timeout_s: how long a server may take to
+        answer a knock), `warmup_steps`, `overlap_push` and `codecs` (cluster.compression; None: float32)."""
         self.store, self.rank, self.group = store, rank, group
+        self.timeout_s = timeout_s
         self.group_ranks, self.group_comm = group_ranks, group_comm
         self.stub = group_ranks[0]
         self.chief = group == 0 and rank == self.stub
@@ -455,17 +462,17 @@ class DownpourExchange:
         self.max_norm = max_norm_of(updater)
         self.layouts = {server_rank: state_layout(updater, store, segments) for _, server_rank, segments, _ in self.servers}
         self.read_version = {rank: 0 for _, rank, _, _ in self.servers}
-        self.codecs = {rank: codec_for(placement.cluster) for _, rank, _, _ in self.servers}  # top-k keeps a residual per server
+        self.codecs = {rank: (codecs or Codec)() for _, rank, _, _ in self.servers}  # top-k keeps a residual per server
         self.pushed_bytes = 0  # gradient bytes this process pushed since the last display
         self.staleness = StalenessStats()
         self.last_version = 0
         self.final_state: Optional[dict] = None
         self.lag_histogram: Optional[dict] = None  # the first server's count of every update's lag, after the chief's last request
-        self.warmup = placement.cluster.warmup_steps > 0
+        self.warmup = warmup_steps > 0
         self.first_step = 0  # a resumed run's, or where a joining group starts after group 0's warm-up
         self.incarnation = 0  # how many processes of this group came before this one (shoal.launcher.rejoin)
         self._channels: dict[int, channels.Channel] = {}  # server rank -> this stub's channel, opened at first use
-        self.overlap = placement.cluster.overlap_push
+        self.overlap = overlap_push
         self._awaited: list = []  # the answers to the last push, while they are on their way (overlap_push)
 
     def _to(self, server_rank: int) -> channels.Channel:
@@ -477,7 +484,7 @@ class DownpourExchange:
         """Knock at every server's door and open a channel to each (first join and rejoin alike)."""
         door = channels.Door(DOOR)
         for server, server_rank, _, _ in self.servers:
-            channel = door.knock(server.id, self.group, self.incarnation, comm.timeout_seconds())
+            channel = door.knock(server.id, self.group, self.incarnation, self.timeout_s)
             if channel is None:
                 raise JobOver(f"worker group {self.group}: {server} has finished serving; the job is over")
             self._channels[server_rank] = channel

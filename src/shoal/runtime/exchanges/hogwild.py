@@ -14,7 +14,7 @@ here and the requester takes the master's value.
 
 Masters answer on a thread per peer group, so a group that dies only ends its
 thread; its requests end with a warning and the group trains on alone. A group
-whose process stops answering (no heartbeat for SHOAL_STALL_TIMEOUT,
+whose process stops answering (no heartbeat for cluster.stall_timeout_s,
 shoal.comm.heartbeat) is dropped the same way: a sync waiting for it gives up
 (its receive is left pending on a thread of its own), and if it wakes later its
 deltas are never added.
@@ -61,13 +61,14 @@ class HogwildExchange:
     """One group's local updates plus its syncs with the other groups' replicas (and its master service)."""
 
     def __init__(self, store: ParamStore, server: Server, placement: Placement, rank: int, group: int,
-                 sync_freq: int, log: Callable[[str], None] = print, codecs: Optional[Callable[..., Codec]] = None):
+                 sync_freq: int, ngroups: int, log: Callable[[str], None] = print, codecs: Optional[Callable[..., Codec]] = None):
+        """`sync_freq` (cluster.sync_freq), `ngroups` (cluster.nserver_groups: one master group each) and `codecs`
+        (cluster.compression) as the strategy reads them from the plan."""
         self.store, self.server, self.rank, self.group, self.log = store, server, rank, group, log
         self.chief = group == 0
         self.sync_freq = max(1, sync_freq)
         self.lock = threading.Lock()  # local updates and masters' delta additions do not interleave
         trainable = set(store.trainable_names())
-        ngroups = placement.cluster.nserver_groups
         group_rank = {g: placement.process_of(ServerId(g, 0)) for g in range(ngroups)}
         # the other groups' slices this group asks for, per master process
         self.requests = {group_rank[g]: server_segments(mastered_by(placement, trainable, g)) for g in range(ngroups) if g != group}

@@ -42,7 +42,7 @@ from shoal.planning.placement import ParamSlice, Placement
 from shoal.comm import dist as comm
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
-from shoal.planning.buckets import Bucket, cap_from_env, plan_buckets
+from shoal.planning.buckets import Bucket, plan_buckets
 from shoal.neuralnet.updaters import ParamUpdate, Updater
 from shoal.runtime.exchanges.clipping import max_norm_of, scale_for, sum_of_squares
 from shoal.runtime.exchanges.compression import Codec, codecs_state, load_codecs_state, wire_bytes
@@ -80,8 +80,8 @@ class SlicedExchange:
         placement: Placement,
         rank: int,
         global_batch: int,
-        workers: Sequence = (),
-        bucket_cap: Optional[int] = None,  # elements; None: SHOAL_BUCKET_MB or 4 MB
+        workers: Sequence,
+        bucket_cap: int,  # elements: the plan's bucket_elements (cluster.bucket_mb; SHOAL_BUCKET_MB overrides)
         codecs: Optional[Callable[[], Codec]] = None,  # cluster.compression: a fresh codec per (bucket, sender)
         groups: Optional[dict[str, collectives.Group]] = None,  # the plan's process groups (None: made here, gloo)
     ):
@@ -95,7 +95,7 @@ class SlicedExchange:
         owner = {s.index: placement.process_of(placement.server_of_slice(s.index, 0)) for s in slices}
         self.worker_ranks = [p.rank for p in placement.processes if p.workers]
         hosts_workers = rank in self.worker_ranks
-        every = plan_buckets(slices, owner, bucket_cap or cap_from_env())
+        every = plan_buckets(slices, owner, bucket_cap)
         # the buckets this process takes part in: all of them where it has workers, its own on a separate server
         self.buckets = [b for b in every if hosts_workers or b.owner == rank]
         self.owned = [b for b in self.buckets if b.owner == rank]
