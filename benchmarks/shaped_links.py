@@ -198,13 +198,13 @@ def run_both(job_path: Path, fields: dict, hosts: list[tuple[str, str]], folder:
     return folder / "node0"
 
 
-def measure(workspace: Path, groups: int, steps: int) -> float:
-    """Steady-state samples/s of all groups: the chief group's display windows after the first (start-up), times the
-    number of groups (asynchronous groups of one worker each run at the same pace on cores of their own)."""
+def measure(workspace: Path) -> float:
+    """Steady-state samples/s of the job: the chief's display windows after the first (start-up), as `shoal compare`
+    (every framework's chief counts the job's samples: every group's)."""
     records = [json.loads(line) for line in (workspace / "metrics.jsonl").read_text().splitlines() if line.strip()]
     windows = [r for r in records if r.get("phase") == "train" and r.get("window_sec")][1:]
     seconds = sum(r["window_sec"] for r in windows)
-    return groups * sum(r["samples"] for r in windows) / seconds if seconds else 0.0
+    return sum(r["samples"] for r in windows) / seconds if seconds else 0.0
 
 
 def machine() -> str:
@@ -244,7 +244,7 @@ def run_rows(rates: list[float], steps: int, local_steps: int, only: Optional[se
                 wire = link.tx_bytes() - before
                 groups = fields.get("nworker_groups", 1)
                 measured_bytes = wire / (steps * BATCH * groups)
-                rows.append(Row(name, rate, sps, measure(ws, groups, steps), per_sample, measured_bytes, bottleneck))
+                rows.append(Row(name, rate, sps, measure(ws), per_sample, measured_bytes, bottleneck))
                 print(f"  {name} at {rate:g} Mbit/s: predicted {sps:.0f}, measured {rows[-1].measured_sps:.0f} samples/s", flush=True)
     return rows
 

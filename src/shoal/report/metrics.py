@@ -104,7 +104,8 @@ RECORD_KEYS: dict[str, tuple[str, str]] = {
     "accuracy": ("all", "top-k accuracy, when the net reports it"),
     "perplexity": ("test, validate", "shoal.fit's metrics={'perplexity': shoal.perplexity}: exp of the mean loss over the set "
                    "(any other name a fit metric has is recorded the same way: its sample-weighted mean)"),
-    "samples": ("train, test, validate", "train: samples the group processed in the display window; test/validate: "
+    "samples": ("train, test, validate", "train: samples the job processed in the display window (every group's; Distributed Hogwild: the chief "
+                "group's times the groups); test/validate: "
                 "samples the test ran on (test_steps × batch)"),
     "samples_per_sec": ("train", "samples / window_sec"),
     "window_sec": ("train", "wall seconds of training in the display window (since the previous display, less tests, validation and checkpoints)"),

@@ -67,6 +67,7 @@ class HogwildExchange:
         self.store, self.server, self.rank, self.group, self.log = store, server, rank, group, log
         self.chief = group == 0
         self.sync_freq = max(1, sync_freq)
+        self.ngroups, self._samples = ngroups, 0
         self.lock = threading.Lock()  # local updates and masters' delta additions do not interleave
         trainable = set(store.trainable_names())
         group_rank = {g: placement.process_of(ServerId(g, 0)) for g in range(ngroups)}
@@ -122,6 +123,7 @@ class HogwildExchange:
             # the group's whole gradient, clipped by its own global norm (as an asynchronous group clips its push)
             self.server.update(self.server.updates, clipped(aggregate(parts, target=self.store.device), self.server))
         self.updates += 1
+        self._samples += sum(share for _, share in parts)
         if self.updates % self.sync_freq == 0:
             self._sync()
 
@@ -251,9 +253,12 @@ class HogwildExchange:
 
     # -- the trainer's interface --------------------------------------------------------
     def metrics(self, window: MetricWindow) -> dict[str, float]:
-        """This group's losses and how many syncs with master replicas it made since the last display."""
-        values = window.averages() | {"syncs": self.syncs - self._syncs_shown, "sync_bytes": self.sync_bytes}
-        self._syncs_shown, self.sync_bytes = self.syncs, 0
+        """This group's losses, how many syncs with master replicas it made since the last display, and the job's
+        samples as every other framework counts them: the groups do not report to the chief, so its own times the
+        groups (they run side by side at about one pace)."""
+        values = window.averages() | {"syncs": self.syncs - self._syncs_shown, "sync_bytes": self.sync_bytes,
+                                      "samples": self._samples * self.ngroups}
+        self._syncs_shown, self.sync_bytes, self._samples = self.syncs, 0, 0
         return values
 
     def view_updater(self):
