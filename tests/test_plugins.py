@@ -112,7 +112,8 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", [name if name != "processes" else pytest.param(name, marks=pytest.mark.slow) for name in LAYOUTS])
+# the default suite's 5-minute budget: one worker in it; threads and processes under -m slow
+@pytest.mark.parametrize("layout", [name if name == "one worker" else pytest.param(name, marks=pytest.mark.slow) for name in LAYOUTS])
 def test_a_user_layer_with_its_own_proto_trains_through_the_cli(plugin_dir, blobs_dir, tmp_path, layout):
     job = plugin_dir / f"job-{layout.replace(' ', '-')}.conf"
     job.write_text(gate_job(blobs_dir))  # names the .proto; the .py (code) only the command line may give
