@@ -46,6 +46,7 @@ def _benchmark_module(name: str):
 
     spec = importlib.util.spec_from_file_location(f"shoal_benchmarks_{name}", Path(__file__).with_name(f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
