@@ -5,9 +5,8 @@ pseudo-gradients); Downpour with AdamW at the server and a bounded lag is at lea
 equal steps per group. Slow: a few minutes on an idle 2-core machine."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
+from benchmark_scripts import load_benchmark
 
 from conftest import REPO
 
@@ -19,10 +18,7 @@ STEPS = 200  # 4 meetings of H = 50
 def bench():
     if any(not (REPO / "examples/gpt/data" / n).is_file() for n in ("train.txt", "val.txt", "vocab.txt")):
         pytest.skip("examples/gpt/data not prepared (shoal prepare shakespeare --out examples/gpt/data)")
-    spec = importlib.util.spec_from_file_location("gpt_lowcomm", REPO / "benchmarks" / "gpt_lowcomm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpt_lowcomm")
 
 
 def ran(result: dict, processes: int, workers: int, framework: str) -> None:

@@ -1,17 +1,16 @@
 """Local SGD and DiLoCo as cluster configurations: groups on their own copies meet every local_steps steps."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import shoal
+from benchmark_scripts import load_benchmark
 from layouts import Layout, assert_ran, load
 from shoal.planning.plan import UnsupportedClusterError, plan_job
 
@@ -158,10 +157,7 @@ def test_estimate_counts_one_all_reduce_per_meeting(blobs_job):
 # -- the claims on real MNIST (benchmarks/local_sgd.py's layouts and measurement) ---------------------------------
 
 def benchmark():
-    spec = importlib.util.spec_from_file_location("bench_local_sgd", Path(__file__).resolve().parents[1] / "benchmarks" / "local_sgd.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
+    module = load_benchmark("local_sgd")
     if not (module.DATA / "test_data.bin").exists():
         pytest.skip(f"{module.DATA}: run `shoal prepare mnist --out {module.DATA}` first")
     return module

@@ -7,13 +7,10 @@ not reached yet (strict xfail: the day the model counts each collective's cost, 
 from __future__ import annotations
 
 import os
-import sys
 import shutil
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from benchmark_scripts import load_benchmark
 
 pytestmark = pytest.mark.slow
 
@@ -22,12 +19,7 @@ pytestmark = pytest.mark.slow
 def shaped_links():
     if os.geteuid() != 0 or not all(shutil.which(t) for t in ("ip", "tc", "taskset")):
         pytest.skip("needs root, iproute2 (ip, tc) and taskset")
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("shoal_benchmarks_shaped_links", REPO / "benchmarks" / "shaped_links.py")
-    shaped_links = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = shaped_links  # its dataclasses look their module up
-    spec.loader.exec_module(shaped_links)
+    shaped_links = load_benchmark("shaped_links")
     if not (shaped_links.DATA / "train_data.bin").exists():
         pytest.skip(f"MNIST not prepared in {shaped_links.DATA}")
     return shaped_links
