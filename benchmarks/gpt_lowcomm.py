@@ -42,6 +42,7 @@ from typing import Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gpt  # noqa: E402 - the GPT benchmark's model, data, optimizer, schedule and loss
+from local_sgd import in_namespace, netns_available  # noqa: E402 - one probe for every benchmark that counts a job's own bytes
 
 LOCAL_STEPS = 50
 LAG = 2  # cluster.max_update_lag for Downpour: the least allowed is 1 (2 groups, 2 updates in flight); 2 bounds it loosely
@@ -114,16 +115,6 @@ def run_child(name: str, steps: int, seed: int, small: bool, out: Path) -> None:
     shutil.rmtree(ws.parent, ignore_errors=True)
 
 
-def netns_available() -> bool:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return False
-    probe = f"shoal-lowcomm-probe-{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
-    if made:
-        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return made
-
-
 def run_layout(name: str, steps: int, seed: int, small: bool, netns: bool) -> dict:
     """The layout in a fresh process (in a namespace of its own when it can be): its result and wire bytes."""
     out = Path(tempfile.mkdtemp(prefix="lowcomm-")) / "result.json"
@@ -131,16 +122,7 @@ def run_layout(name: str, steps: int, seed: int, small: bool, netns: bool) -> di
            "--out", str(out)] + (["--small"] if small else [])
     wire = None
     if netns:
-        ns = f"shoal-lowcomm-{os.getpid()}"
-        subprocess.run(["ip", "netns", "add", ns], check=True)
-        try:
-            subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
-            proc = subprocess.run(["ip", "netns", "exec", ns, *cmd], capture_output=True, text=True, cwd=REPO)
-            counter = subprocess.run(["ip", "netns", "exec", ns, "cat", "/sys/class/net/lo/statistics/tx_bytes"],
-                                     capture_output=True, text=True, check=True)
-            wire = int(counter.stdout)
-        finally:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        proc, wire = in_namespace(cmd, f"shoal-lowcomm-{os.getpid()}", cwd=REPO)
     else:
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:

@@ -87,12 +87,12 @@ def netns_available() -> bool:
     return made
 
 
-def in_namespace(command: list[str], name: str) -> tuple[subprocess.CompletedProcess, int]:
+def in_namespace(command: list[str], name: str, cwd: Optional[Path] = None) -> tuple[subprocess.CompletedProcess, int]:
     """Run `command` in a fresh namespace whose only traffic is its own; return it and the loopback's tx bytes."""
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
         subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
-        proc = subprocess.run(["ip", "netns", "exec", name, *command], capture_output=True, text=True, timeout=3600)
+        proc = subprocess.run(["ip", "netns", "exec", name, *command], capture_output=True, text=True, timeout=3600, cwd=cwd)
         counter = subprocess.run(["ip", "netns", "exec", name, "cat", "/sys/class/net/lo/statistics/tx_bytes"],
                                  capture_output=True, text=True, check=True)
         return proc, int(counter.stdout)
