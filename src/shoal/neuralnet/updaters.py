@@ -169,6 +169,7 @@ class Updater:
 
     slots: tuple[str, ...] = ()
     clips = False
+    clip_grad_norm: Optional[float] = None  # a bound on the whole gradient's norm, applied by the exchange (torch optimizers')
 
     def __init__(self, conf: job_pb2.UpdaterProto):
         check_schedule(conf.learning_rate)
@@ -176,6 +177,10 @@ class Updater:
         self.weight_decay = conf.weight_decay
         clip_enabled = self.clips and conf.clip_high > conf.clip_low
         self.clip_range = (conf.clip_low, conf.clip_high) if clip_enabled else None
+
+    def made_optimizer(self) -> Optional[torch.optim.Optimizer]:
+        """The torch optimizer doing the updates, if one does (`shoal plan` names it by its class)."""
+        return None
 
     def learning_rate(self, step: int) -> float:
         """The schedule's rate at `step`, before the param's lr_scale."""

@@ -155,7 +155,7 @@ def _updater_state(job: job_pb2.JobProto, params: Optional[dict[str, tuple[int, 
         try:
             slots = max((sum(1 for s in updater.state_shapes(name, shape).values() if tuple(s) == shape) for name, shape in shapes),
                         default=0) if shapes else len(updater.slots)
-            optimizer = getattr(updater, "made_optimizer", lambda: None)()
+            optimizer = updater.made_optimizer()
         except Exception:
             slots, optimizer = 1, None
         name = type(optimizer).__name__ if optimizer is not None else (job.updater.user_type or job_pb2.UpdaterType.Name(job.updater.type))

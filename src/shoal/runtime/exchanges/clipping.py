@@ -21,8 +21,7 @@ EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 
 def max_norm_of(updater) -> Optional[float]:
     """The bound the job clips to, or None (SINGA's updaters clip per element with clip_low/clip_high instead)."""
-    value = getattr(updater, "clip_grad_norm", None)
-    return float(value) if value else None
+    return float(updater.clip_grad_norm) if updater.clip_grad_norm else None
 
 
 def scale_for(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
