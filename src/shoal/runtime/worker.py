@@ -58,7 +58,7 @@ class Worker:
         self.generator = torch.Generator().manual_seed(job.seed + 1 + 7919 * group)
         self.slowdown: Optional[ComputeDelay] = None  # injected by a test (slow_down), as a slower device
         # gradient accumulation: an input layer may ask for its batch share in micro-batches (shoal.fit's grad_accum_steps)
-        self.micro_batches = max((getattr(n.layer, "micro_batches", 1) for n in self.net.input_nodes()), default=1)
+        self.micro_batches = max((n.layer.micro_batches for n in self.net.input_nodes()), default=1)
 
     @property
     def global_batch(self) -> int:

@@ -73,6 +73,8 @@ class Layer:
     label_classes: Optional[int] = None
     # an input layer: (the layer reading its labels as class ids, its class count), set by the net
     label_reader: Optional[tuple[str, int]] = None
+    # an input layer: how many consecutive micro-batches a worker's share is computed in (gradient accumulation)
+    micro_batches: int = 1
 
     def __init__(self, conf: LayerProto, src_shapes: Sequence[Shape]):
         self.conf = conf
