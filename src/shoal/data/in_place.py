@@ -20,12 +20,26 @@ from torch.utils.data import Dataset, IterableDataset, default_collate
 from shoal.data.errors import StoreError
 
 
+class PositionSource:
+    """What shoal reads by position besides a map-style Dataset (shoal.data.streams: an IterableDataset, a DataLoader
+    factory): its positions per epoch (`__len__`), a batch of its first sample, and its reader."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def first_batch(self) -> Any:
+        raise NotImplementedError
+
+    def reader(self, seed: int, shuffle: bool, stride: int):
+        raise NotImplementedError
+
+
 def check_dataset(dataset: Any, what: str) -> int:
-    """The number of samples (positions per epoch) of a map-style dataset or a stream source (shoal.data.streams:
-    it has `reader`); a one-line StoreError for anything else."""
+    """The number of samples (positions per epoch) of a map-style dataset or a PositionSource; a one-line StoreError
+    for anything else."""
     if isinstance(dataset, IterableDataset):
         raise StoreError(f"{what}: an IterableDataset is read through shoal.data.streams.IterableSource (shoal.fit wraps it)")
-    if not (hasattr(dataset, "reader") or hasattr(dataset, "__getitem__")) or not hasattr(dataset, "__len__"):
+    if not (isinstance(dataset, PositionSource) or hasattr(dataset, "__getitem__")) or not hasattr(dataset, "__len__"):
         raise StoreError(f"{what}: expected a torch Dataset (map-style or iterable), a DataLoader factory or a pair of "
                          f"tensors, got {type(dataset).__name__}")
     n = len(dataset)
@@ -36,14 +50,14 @@ def check_dataset(dataset: Any, what: str) -> int:
 
 def first_batch(dataset: Any) -> Any:
     """A batch of the first sample, collated as training batches are (for shape probes)."""
-    if hasattr(dataset, "first_batch"):
+    if isinstance(dataset, PositionSource):
         return dataset.first_batch()
     return default_collate([dataset[0]])
 
 
 def reader_for(dataset: Any, seed: int, shuffle: bool, stride: int):
     """What reads a feed's positions: `batch(start, count)` (stride: positions between a reader's successive batches)."""
-    if hasattr(dataset, "reader"):
+    if isinstance(dataset, PositionSource):
         return dataset.reader(seed, shuffle, stride)
     return PositionReader(dataset, seed, shuffle)
 

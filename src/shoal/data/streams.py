@@ -22,12 +22,12 @@ from typing import Any, Callable, Iterator
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from shoal.data.errors import StoreError
-from shoal.data.in_place import PositionReader
+from shoal.data.in_place import PositionReader, PositionSource
 
 _EPOCH_LOCK = threading.Lock()  # set_epoch + the iteration's first sample, atomically: readers on threads share the dataset
 
 
-class IterableSource:
+class IterableSource(PositionSource):
     """An IterableDataset as a sequence of positions (picklable: holds only the dataset and what it learned)."""
 
     def __init__(self, dataset: IterableDataset, what: str):
@@ -112,7 +112,7 @@ class PositionBatchSampler:
             start += self.stride
 
 
-class LoaderSource:
+class LoaderSource(PositionSource):
     """A DataLoader factory `make_loader(batch_sampler) -> DataLoader` over a map-style dataset."""
 
     def __init__(self, make_loader: Callable, what: str):
