@@ -193,7 +193,7 @@ def test_scaling_names_where_downpour_stops():
 
 def test_calibration_json_round_trip_and_a_corrupt_cache_is_measured_again(tmp_path):
     path = tmp_path / "host.json"
-    calib = Calibration(**{**CALIB.__dict__, **calibrate.this_machine(), "kernels": {"mm 1x2x3 cpu t1": 1e-6}})
+    calib = Calibration(**{**CALIB.__dict__, **calibrate.this_machine(), "kernels": {"mm 1x2x3 cpu t1": 1e-6}, "collective_s": 1e-4})
     calibrate.save(calib, path)
     assert calibrate.load(path) == calib
     path.write_text("{not json")

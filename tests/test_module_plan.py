@@ -78,7 +78,7 @@ def script(tmp_path) -> Path:
 def home(tmp_path) -> Path:
     """A clean calibration of this machine, so that nothing is measured (the module has no kernels to time)."""
     home = tmp_path / "home"
-    calib = Calibration(gemm_gflops={1: 10.0}, mem_gbps={1: 10.0}, load=0.2, **calibrate.this_machine())
+    calib = Calibration(gemm_gflops={1: 10.0}, mem_gbps={1: 10.0}, load=0.2, collective_s=2e-4, **calibrate.this_machine())
     calibrate.save(calib, home / "calibration" / f"{socket.gethostname()}.json")
     return home
 

@@ -25,7 +25,7 @@ LOCAL_SGD = ["cluster.nworker_groups=2", "cluster.local_steps=10"]
 def seeded_home(tmp_path: Path, job: Path, sets: list[str], kernel_s: float) -> Path:
     """A fresh, clean calibration of this machine in which each of the job's kernels takes `kernel_s`."""
     kernels = all_kernels(load_job(job, sets))
-    calib = Calibration(gemm_gflops={1: 10.0}, mem_gbps={1: 10.0}, load=0.2, **calibrate.this_machine(),
+    calib = Calibration(gemm_gflops={1: 10.0}, mem_gbps={1: 10.0}, load=0.2, collective_s=2e-4, **calibrate.this_machine(),
                         kernels={k: kernel_s for k in kernels})
     home = tmp_path / f"home-{kernel_s:g}"
     calibrate.save(calib, home / "calibration" / f"{socket.gethostname()}.json")
@@ -206,7 +206,7 @@ def test_cli_recommends_settings_for_the_job_and_the_links(tmp_path):
     sets = ["--set", "train_steps=1000"]  # Local SGD's meetings are counted over the run
 
     def home(kernel_s: float) -> dict:
-        calib = Calibration(gemm_gflops={1: 10.0}, mem_gbps={1: 10.0}, load=0.2, **calibrate.this_machine(),
+        calib = Calibration(gemm_gflops={1: 10.0}, mem_gbps={1: 10.0}, load=0.2, collective_s=2e-4, **calibrate.this_machine(),
                             kernels={k: kernel_s for k in all_kernels(load_job(job, []), workers=(2, 4))})
         calibrate.save(calib, tmp_path / f"home{kernel_s:g}" / "calibration" / f"{socket.gethostname()}.json")
         return {"SHOAL_HOME": str(tmp_path / f"home{kernel_s:g}"), "PATH": "/usr/bin:/bin"}

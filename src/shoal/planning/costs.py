@@ -69,7 +69,10 @@ class Calibration:
     gemm_gflops: dict[int, float] = field(default_factory=lambda: {1: 20.0})  # threads -> GFLOP/s, large GEMM
     mem_gbps: dict[int, float] = field(default_factory=lambda: {1: 5.0})  # threads -> GB/s moved (read + write)
     link_gbps: float = 1.0  # GB/s between two processes (loopback) or hosts, each way
-    link_latency_s: float = 50e-6  # one small message, one way
+    link_latency_s: float = 50e-6  # one small message, one way (a ping-pong's half: mostly gloo's software cost)
+    # one small collective between two processes (shoal.comm.collectives: reduce, broadcast, all-reduce of a few bytes,
+    # issued and waited): the fixed cost every collective of a step pays whatever its size; 0: not measured (an older cache)
+    collective_s: float = 0.0
     kernels: dict[str, float] = field(default_factory=dict)  # Kernel.key -> seconds measured
     devices: dict[str, dict[str, float]] = field(default_factory=dict)  # cuda:N -> {"gflops", "mem_gbps", "h2d_gbps"}
     # the conditions it was taken under (runtime/calibrate.py judges them; docs/planning.md)
@@ -88,7 +91,7 @@ class Calibration:
             "host": self.host, "cores": self.cores,
             "gemm_gflops": {str(t): v for t, v in self.gemm_gflops.items()},
             "mem_gbps": {str(t): v for t, v in self.mem_gbps.items()},
-            "link_gbps": self.link_gbps, "link_latency_s": self.link_latency_s,
+            "link_gbps": self.link_gbps, "link_latency_s": self.link_latency_s, "collective_s": self.collective_s,
             "kernels": dict(self.kernels), "devices": dict(self.devices),
             "taken_at": self.taken_at, "took_s": self.took_s, "load": self.load, "cpu_share": self.cpu_share,
             "spread": self.spread, "contended": self.contended, "torch": self.torch, "cpu_model": self.cpu_model,
@@ -140,6 +143,7 @@ class Calibration:
             host=text(data["host"], "host"), cores=cores,
             gemm_gflops=table(data["gemm_gflops"], "gemm_gflops", int), mem_gbps=table(data["mem_gbps"], "mem_gbps", int),
             link_gbps=number(data["link_gbps"], "link_gbps", True), link_latency_s=number(data["link_latency_s"], "link_latency_s"),
+            collective_s=number(data.get("collective_s", 0.0), "collective_s"),
             kernels=table(data.get("kernels", {}), "kernels"),
             devices={text(d, "devices"): table(s, f"devices[{d!r:.40}]") for d, s in devices.items()},
             taken_at=text(data.get("taken_at", ""), "taken_at"), took_s=number(data.get("took_s", 0.0), "took_s"),
@@ -151,6 +155,11 @@ class Calibration:
         if not calib.gemm_gflops or not calib.mem_gbps:
             raise ValueError("gemm_gflops, mem_gbps: empty")
         return calib
+
+    @property
+    def collective_cost_s(self) -> float:
+        """One small collective between two processes of this host: measured, else (an older cache) a ping-pong."""
+        return self.collective_s or 2 * self.link_latency_s
 
     def _by_threads(self, table: dict[int, float], threads: int) -> float:
         """The rate at `threads`: measured, else scaled linearly from the nearest measured count (more threads

@@ -3,7 +3,9 @@
 The model (docs/planning.md has the page): a group's step is the slowest worker's forward and
 backward (shoal.planning.costs, on the calibrated machine, the host's memory bandwidth shared by
 the workers computing at once), then the exchange (the exact bytes the framework's exchange
-moves, at the link's calibrated bandwidth, plus a round trip of latency), then the update (the
+moves, at the link's calibrated bandwidth, plus a fixed cost for each collective and message the
+strategy counts: the calibrated cost of one small collective, and the link's latency per hop between
+hosts), then the update (the
 updater's memory traffic over the elements each server owns). Nothing overlaps: backward and
 the exchange compete for the same cores on a CPU host. Asynchronous groups run side by side; the
 layout's throughput is the groups' together, capped by what they share (the server, the host's
@@ -25,6 +27,7 @@ from shoal.planning.partition import PartitionPlan
 from shoal.planning.module_costs import describe_basis, module_costs_of
 from shoal.planning.nodes import node_of_rank
 from shoal.planning.plan import JobPlan
+from shoal.planning.strategy import Messages
 
 
 @dataclass
@@ -75,6 +78,8 @@ class Estimate:
     processes: list[ProcessEstimate]
     staleness: str = ""
     notes: list[str] = field(default_factory=list)
+    # the fixed costs counted per group step, one entry per term (in the exchange phase): what, count, each_s, seconds
+    fixed_costs: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -213,29 +218,34 @@ class _Model:
         bw = min(self.calib.bandwidth(threads), self.calib.host_bandwidth / max(1, concurrent))
         return FLOAT * elements * (3 + 2 * self.slots) / bw
 
-    def link_s(self, sent: int, received: int, same_host: bool) -> float:
-        bw = self.calib.link_gbps * 1e9 if same_host else self.link_bw
-        latency = self.calib.link_latency_s if same_host else self.latency
-        return max(sent, received) / bw + (2 * latency if sent or received else 0.0)
-
     def exchange_s(self, links: dict[int, dict[int, list[int]]]) -> float:
-        """The longest process's messages of a step: loopback between its host's processes, the host's
-        link to other hosts (shared by the processes on it), and a round trip of latency."""
-        loop = remote_latency = 0.0
+        """The longest process's bytes of a step at the bandwidth: loopback between its host's processes, the
+        host's link to other hosts (shared by the processes on it). Latency is per message: fixed_costs()."""
+        loop = 0.0
         nic: dict[int, list[int]] = {}
         for rank, peers in links.items():
             local = [v for q, v in peers.items() if self.where[q] == self.where[rank]]
             far = [v for q, v in peers.items() if self.where[q] != self.where[rank]]
             if local:
-                loop = max(loop, max(sum(v[0] for v in local), sum(v[1] for v in local)) / (self.calib.link_gbps * 1e9)
-                           + 2 * self.calib.link_latency_s)
+                loop = max(loop, max(sum(v[0] for v in local), sum(v[1] for v in local)) / (self.calib.link_gbps * 1e9))
             if far:
                 host = nic.setdefault(self.where[rank], [0, 0])
                 host[0] += sum(v[0] for v in far)
                 host[1] += sum(v[1] for v in far)
-                remote_latency = 2 * self.latency
-        far_s = max((max(v) / self.link_bw for v in nic.values()), default=0.0) + remote_latency
+        far_s = max((max(v) / self.link_bw for v in nic.values()), default=0.0)
         return max(loop, far_s)
+
+    def message_s(self, term: Messages) -> float:
+        """One of `term`'s calls: a collective's calibrated fixed cost per hop (a ping-pong's one way for a message),
+        plus the link's one-way latency per hop where its processes are on different hosts."""
+        each = self.calib.collective_cost_s if term.kind == "collective" else self.calib.link_latency_s
+        remote = len({self.where[r] for r in term.ranks}) > 1
+        return term.hops * (each + (self.latency if remote else 0.0))
+
+    def fixed_costs(self) -> list[dict]:
+        """The strategy's collectives and messages of one group step, each term with its count and cost."""
+        return [{"what": t.what, "kind": t.kind, "count": t.count, "ranks": len(t.ranks), "each_s": self.message_s(t),
+                 "seconds": t.count * self.message_s(t)} for t in self.plan.strategy.messages(self) if t.count > 0]
 
     def workers(self) -> tuple[list[WorkerEstimate], dict[int, float]]:
         """Every worker's compute, and each group's (its slowest worker's) forward + backward seconds."""
@@ -338,7 +348,8 @@ class _Model:
         batch = plan.global_batch
         terms = plan.strategy.phases(self, compute, links)
         reduce, update, staleness = terms.reduce, terms.update, terms.staleness
-        exchange = exchange if terms.exchange is None else terms.exchange
+        fixed = self.fixed_costs()
+        exchange = (exchange if terms.exchange is None else terms.exchange) + sum(f["seconds"] for f in fixed)
         bounds: dict[str, float] = dict(terms.bounds or {})
         step = compute + reduce + exchange + update
         samples = ngroups * batch / step if step > 0 else 0.0
@@ -367,7 +378,7 @@ class _Model:
         if plan.in_one_process and plan.nworkers > 1:
             procs[0].links = {0: [self.in_memory_bytes(), self.in_memory_bytes()]}
         return Estimate(plan.label, plan.framework.value, plan.nprocs, plan.nworkers, ngroups, batch, step, samples, bottleneck,
-                        phases, workers, procs, staleness, self.notes)
+                        phases, workers, procs, staleness, self.notes, fixed)
 
     def view_numel(self, view) -> int:
         whole = self.sizes[view.name]

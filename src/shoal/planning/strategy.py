@@ -88,6 +88,25 @@ class Phases:
     bounds: Optional[dict[str, float]] = None  # samples/s caps of what the groups share
 
 
+@dataclass(frozen=True)
+class Messages:
+    """Calls one group step makes that each pay a fixed cost whatever their size (the cost model's per-message term).
+
+    `kind` "collective": a gloo collective over the processes `ranks` (reduce, broadcast, all-reduce, gather: about
+    one hop per member but one, in sequence); "message": one point-to-point send or receive of a request/response
+    protocol between `ranks` (its two ends).
+    `count` is per group step, averaged where they happen every few steps (a meeting every H steps: 1/H)."""
+
+    what: str  # e.g. "reduce + broadcast per bucket (2 buckets)"
+    count: float
+    kind: str = "collective"
+    ranks: tuple[int, ...] = ()
+
+    @property
+    def hops(self) -> int:
+        return max(1, len(self.ranks) - 1) if self.kind == "collective" else 1
+
+
 class Strategy:
     """One framework: everything specific to it. Subclasses live in shoal/strategies/, one module each."""
 
@@ -138,6 +157,11 @@ class Strategy:
 
     def traffic(self, model: Any, move) -> None:
         """Call move(src_rank, dst_rank, bytes) for every message of one group step (none in memory)."""
+
+    def messages(self, model: Any) -> list[Messages]:
+        """The collectives and point-to-point messages one group step issues (none in memory), counted from the
+        exchange's code: keep in step with runtime/exchanges/ (each strategy names what it counts)."""
+        return []
 
     def phases(self, model: Any, compute: float, links: dict) -> Phases:
         """The reduce, update (and exchange, bounds, staleness) terms of one group step."""

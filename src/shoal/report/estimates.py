@@ -74,12 +74,15 @@ def render_estimate(e: dict, calib: dict) -> str:
         f"calibration of {calib['host']} ({calib['cores']} cores, {calib['cpu_model'] or 'unknown CPU'}, torch {calib['torch']}; "
         f"taken {calib['taken_at']} in {calib['took_s']:.1f} s): GEMM {gemm}; "
         f"memory {max(calib['mem_gbps'].values()):.1f} GB/s; loopback {calib['link_gbps']:.2f} GB/s each way, "
-        f"{calib['link_latency_s'] * 1e6:.0f} µs; {calib['kernels']} kernel(s) measured",
+        f"{calib['link_latency_s'] * 1e6:.0f} µs, {calib.get('collective_s', 0) * 1e6:.0f} µs a collective; {calib['kernels']} kernel(s) measured",
         f"{e['label']}: predicted {e['samples_per_s']:.0f} samples/s, {ms(e['step_s'])} per step of {e['global_batch']} samples"
         + (f" per group ({e['ngroups']} groups)" if e["ngroups"] > 1 else "") + f"; bottleneck: {e['bottleneck']}",
         "  " + calib["calibrated"],
         "  step: " + ", ".join(f"{k} {ms(v)}" for k, v in e["phases"].items() if v > 0),
     ]
+    for f in e.get("fixed_costs", ()):  # what the exchange's fixed costs are made of, one line per term
+        per = f"{f['count']:.0f}" if f["count"] >= 1 and float(f["count"]).is_integer() else f"{f['count']:.2g}"
+        lines.append(f"  {f['kind']}s: {per} per step × {ms(f['each_s'])} = {ms(f['seconds'])} ({f['what']})")
     if calib.get("load_now", 0) > calib["cores"]:
         lines.append(f"  note: this machine is busy now (load average {calib['load_now']:.1f} on {calib['cores']} cores); "
                      "the prediction is for the machine to itself: expect less")

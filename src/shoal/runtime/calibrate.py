@@ -4,7 +4,9 @@ What is measured, in about 10 s the first time on a host:
 - the GEMM rate (GFLOP/s of a 1024² float32 product) with 1 thread and with every core;
 - the memory bandwidth (bytes read + written per second by a 64 MB copy), same thread counts;
 - two processes exchanging messages over gloo on loopback (shoal.comm): bandwidth each way while
-  both send 4 MB buckets at once (as a synchronous exchange does), and latency of a tiny message;
+  both send 4 MB buckets at once (as a synchronous exchange does), latency of a tiny message, and
+  the fixed cost of one small collective (reduce, broadcast, all-reduce through shoal.comm.collectives,
+  as the exchanges issue them): what every collective of a step pays whatever its size;
 - each GPU's GEMM rate, memory bandwidth and host-to-device bandwidth, where CUDA is available;
 - the dense kernels a job runs (its matrix products and convolutions at its shapes and thread
   counts), each added to the cache the first time a job needs it, within the time budget.
@@ -118,6 +120,8 @@ def stale(calib: Calibration, now: Optional[datetime.datetime] = None) -> Option
         return f"taken with torch {calib.torch or 'unknown'}, this is {torch.__version__}"
     if calib.cpu_model != cpu_model():
         return f"taken on CPU {calib.cpu_model or 'unknown'!r}, this is {cpu_model()!r}"
+    if not calib.collective_s:
+        return "no per-collective cost measured (an older cache)"
     age = age_of(calib, now)
     if age is None:
         return "no date recorded"
@@ -172,7 +176,8 @@ def save(calib: Calibration, path: Optional[Path] = None) -> Calibration:
             current = read(path)
         except (OSError, CacheError):
             current = None
-        if current is not None and stale(current) is None:
+        # an older cache lacking only the per-collective cost still merges (merge() takes the new one's)
+        if current is not None and stale(replace(current, collective_s=current.collective_s or calib.collective_s)) is None:
             calib = merge(current, calib)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
@@ -208,7 +213,8 @@ def merge(old: Calibration, new: Calibration) -> Calibration:
         kernels[key] = seconds
         if was_dirty:
             dirty.add(key)
-    return replace(base, kernels=kernels, contended_kernels=tuple(sorted(dirty)))
+    other = old if base is new else new
+    return replace(base, kernels=kernels, contended_kernels=tuple(sorted(dirty)), collective_s=base.collective_s or other.collective_s)
 
 
 def calibration(kernels: Iterable[Kernel] = (), recalibrate: bool = False, budget_s: float = BUDGET_S,
@@ -324,7 +330,7 @@ def measure_once() -> Calibration:
     started = time.perf_counter()
     load_before = _load()
     cores = _cores()
-    link_gbps, latency = probe_link()
+    link_gbps, latency, collective = probe_link()
     counts = sorted({1, cores})
     gemm, mem = {}, {}
     meter = Meter()
@@ -335,7 +341,7 @@ def measure_once() -> Calibration:
     devices = {f"cuda:{i}": gpu_speeds(i) for i in range(torch.cuda.device_count())} if torch.cuda.is_available() else {}
     load = max(load_before, _load())
     return Calibration(
-        gemm_gflops=gemm, mem_gbps=mem, link_gbps=round(link_gbps, 3), link_latency_s=latency, devices=devices,
+        gemm_gflops=gemm, mem_gbps=mem, link_gbps=round(link_gbps, 3), link_latency_s=latency, collective_s=collective, devices=devices,
         took_s=round(time.perf_counter() - started, 2), load=round(load, 2), cpu_share=round(meter.share, 3),
         spread=round(meter.spread, 3), contended=verdict(load, cores, meter), **this_machine(),
     )
@@ -421,8 +427,9 @@ def gpu_speeds(index: int) -> dict[str, float]:
 
 
 # -- two processes over gloo on loopback ------------------------------------------------------
-def probe_link(mb: float = 4.0, rounds: int = 8, pings: int = 30) -> tuple[float, float]:
-    """(GB/s each way while both processes send buckets at once, one-way latency in s) over gloo."""
+def probe_link(mb: float = 4.0, rounds: int = 8, pings: int = 30, calls: int = 20) -> tuple[float, float, float]:
+    """(GB/s each way while both processes send buckets at once, one-way latency in s, seconds of one small collective)
+    over gloo."""
     from shoal.comm import dist as comm
 
     # fork: a spawned interpreter would spend seconds importing torch; the children compute nothing
@@ -430,7 +437,7 @@ def probe_link(mb: float = 4.0, rounds: int = 8, pings: int = 30) -> tuple[float
     ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     port = comm.free_port()
     here, there = ctx.Pipe(duplex=False)
-    procs = [ctx.Process(target=_probe_rank, args=(rank, port, mb, rounds, pings, there if rank == 0 else None), daemon=True) for rank in (0, 1)]
+    procs = [ctx.Process(target=_probe_rank, args=(rank, port, mb, rounds, pings, calls, there if rank == 0 else None), daemon=True) for rank in (0, 1)]
     for p in procs:
         p.start()
     try:
@@ -442,11 +449,12 @@ def probe_link(mb: float = 4.0, rounds: int = 8, pings: int = 30) -> tuple[float
             p.join(10)
             if p.is_alive():
                 p.kill()
-    return result["gbps"], result["latency"]
+    return result["gbps"], result["latency"], result["collective"]
 
 
-def _probe_rank(rank: int, port: int, mb: float, rounds: int, pings: int, out) -> None:
-    from shoal.comm import dist as comm
+def _probe_rank(rank: int, port: int, mb: float, rounds: int, pings: int, calls: int, out) -> None:
+    from shoal.comm import collectives, dist as comm
+    from shoal.planning.process_groups import ProcessGroupPlan
 
     torch.set_num_threads(1)
     comm.init(rank, 2, "127.0.0.1", port, interface="lo", timeout_s=30)
@@ -473,6 +481,18 @@ def _probe_rank(rank: int, port: int, mb: float, rounds: int, pings: int, out) -
             comm.recv(tiny, peer, 2)
             comm.send(tiny, peer, 3)
     latency = (time.perf_counter() - start) / pings / 2
+    # the collectives a step issues (a bucket's reduce and broadcast, the flags' reduce, a clip's or a meeting's
+    # all-reduce), each of a few bytes, issued and waited one at a time: their fixed cost, the fastest of 3 rounds
+    group = collectives.create([ProcessGroupPlan("probe", (0, 1), False)])["probe"]
+    small = torch.zeros(16)
+    rounds_s = []
+    for _ in range(4):  # the first warms gloo's buffers up
+        start = time.perf_counter()
+        for _ in range(calls):
+            group.reduce_sum(small, 0).wait()
+            group.broadcast(small, 0).wait()
+            group.all_reduce_sum(small).wait()
+        rounds_s.append((time.perf_counter() - start) / (3 * calls))
     if out is not None:
-        out.send_bytes(json.dumps({"gbps": each_way / 1e9, "latency": latency}).encode())
+        out.send_bytes(json.dumps({"gbps": each_way / 1e9, "latency": latency, "collective": min(rounds_s[1:])}).encode())
     comm.shutdown()

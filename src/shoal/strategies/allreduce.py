@@ -8,7 +8,8 @@ from shoal.neuralnet.updaters import make_updater
 from shoal.planning.buckets import plan_buckets
 from shoal.planning.costs import FLOAT
 from shoal.planning.process_groups import sliced_groups
-from shoal.planning.strategy import Framework, Layout, Phases, Strategy
+from shoal.planning.strategy import Framework, Layout, Messages, Phases, Strategy
+from shoal.runtime.exchanges.clipping import max_norm_of
 from shoal.runtime.exchanges.compression import codec_factory
 from shoal.runtime.exchanges.local import LocalExchange
 from shoal.runtime.exchanges.server import Server
@@ -25,6 +26,13 @@ def reduce_to_owner(ranks: list[int], owner: int, nbytes: float, move) -> None:
         move(r, ranks[(i + 1) % n], nbytes * (n - 1) / n)
         if r != owner:
             move(r, owner, nbytes / n)
+
+
+def encoded_parts(cluster: job_pb2.ClusterProto) -> int:
+    """Tensors one encoded message is sent as (each its own collective or message): the codec's buffers (top-k: indices
+    and values; a cast: one; uncompressed: the tensor itself)."""
+    codecs = codec_factory(cluster.compression, cluster.topk_fraction)
+    return len(codecs(error_feedback=False).buffers(1)) if codecs else 1
 
 
 class AllReduce(Strategy):
@@ -71,6 +79,34 @@ class AllReduce(Strategy):
                     move(r, o, len(params))
                     if not dense:
                         move(o, r, len(params))
+
+    def messages(self, model) -> list[Messages]:
+        """SlicedExchange's collectives of a step (runtime/exchanges/sliced.py: _send_gradients, _flags_round, _finish,
+        _finish_compressed, _clip_scale): per bucket a reduce to its owner and a broadcast of its values (compressed:
+        a gather and a broadcast per encoded part), per owner a reduce of the flags (compressed: and their broadcast),
+        and with clip_grad_norm one scalar all-reduce over every process. Update here when those change."""
+        plan = model.plan
+        if plan.in_one_process:
+            return []
+        slices = model.trainable_slices()
+        owner = {s.index: plan.placement.process_of(plan.placement.server_of_slice(s.index, 0)) for s in slices}
+        workers = {p.rank for p in plan.placement.processes if p.workers}
+        parts = encoded_parts(plan.cluster)
+        dense = plan.cluster.compression == job_pb2.kNone
+        terms, owners = [], {}
+        for b in plan_buckets(slices, owner, plan.bucket_elements):
+            owners.setdefault(b.owner, 0)
+            owners[b.owner] += 1
+        for o, buckets in sorted(owners.items()):
+            ranks = tuple(sorted(workers | {o}))
+            what = "reduce + broadcast" if dense else f"{parts} gather(s) + {parts} broadcast(s)"
+            terms.append(Messages(f"{what} per bucket of rank {o} ({buckets} bucket(s))", 2 * parts * buckets, "collective", ranks))
+            terms.append(Messages(f"flags of rank {o}'s params: a reduce" + ("" if dense else " + a broadcast"), 1 if dense else 2,
+                                  "collective", ranks))
+        if max_norm_of(make_updater(plan.updater)) is not None:
+            terms.append(Messages("clip_grad_norm: the global norm's all-reduce", 1, "collective",
+                                  tuple(p.rank for p in plan.placement.processes)))
+        return terms
 
     def phases(self, model, compute: float, links: dict) -> Phases:
         plan, threads = model.plan, model.plan.threads_per_worker

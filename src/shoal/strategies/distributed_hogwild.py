@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.placement import ServerId
-from shoal.planning.strategy import Framework, Layout, Phases, Strategy, UnsupportedClusterError
+from shoal.planning.strategy import Framework, Layout, Messages, Phases, Strategy, UnsupportedClusterError
 from shoal.runtime.exchanges.compression import codec_factory
 from shoal.runtime.exchanges.hogwild import HogwildExchange
 from shoal.runtime.exchanges.server import Server
+from shoal.strategies.allreduce import encoded_parts
 
 
 class DistributedHogwild(Strategy):
@@ -55,6 +56,17 @@ class DistributedHogwild(Strategy):
         for g in range(1, c.nserver_groups):
             move(rank_of[g], rank_of[0], (model.encoded(own) + 8) / freq)
             move(rank_of[0], rank_of[g], model.encoded(own) / freq)
+
+    def messages(self, model) -> list[Messages]:
+        """Group 0's syncs (runtime/exchanges/hogwild.py: HogwildExchange's requests): every sync_freq steps, per other
+        group's master, a header and Δ (an encoded part each) sent, the fresh values (as many parts) received. Its own
+        server answers the other groups on a thread of its own, alongside. Update here when that protocol changes."""
+        plan, c = model.plan, model.plan.cluster
+        parts = encoded_parts(c)
+        mine = plan.placement.process_of(ServerId(0, 0))
+        return [Messages(f"a sync with group {g}'s master: {1 + parts} sends (header, Δ) + {parts} receive(s), every "
+                         f"{max(1, c.sync_freq)} steps", (1 + 2 * parts) / max(1, c.sync_freq), "message",
+                         (mine, plan.placement.process_of(ServerId(g, 0)))) for g in range(1, c.nserver_groups)]
 
     def phases(self, model, compute: float, links: dict) -> Phases:
         # group 0's link also carries the other groups' syncs with the slices it masters

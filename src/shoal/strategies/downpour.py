@@ -10,10 +10,11 @@ from shoal.comm import dist as comm
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.costs import FLOAT
 from shoal.planning.placement import ServerId
-from shoal.planning.strategy import Framework, Layout, Phases, Strategy, UnsupportedClusterError
+from shoal.planning.strategy import Framework, Layout, Messages, Phases, Strategy, UnsupportedClusterError
 from shoal.runtime import rejoined
 from shoal.runtime.exchanges.compression import codec_factory
 from shoal.runtime.exchanges.downpour import DownpourExchange, DownpourServer
+from shoal.strategies.allreduce import encoded_parts
 
 
 class Downpour(Strategy):
@@ -60,6 +61,22 @@ class Downpour(Strategy):
                 move(stub, rank, model.encoded(size) + len(mine) + 24)  # gradient, flags, header
                 move(rank, stub, FLOAT * size + 16)  # values, version and staleness
 
+    def messages(self, model) -> list[Messages]:
+        """One group's step (runtime/exchanges/downpour.py: DownpourExchange.step, _push_pull, _await_answer): inside a
+        group of several processes two reduces to its stub and a broadcast of the params back; per server, the stub
+        sends a header, the gradient (an encoded part each) and the flags, and receives the values and a reply.
+        Update here when that protocol changes."""
+        plan, c = model.plan, model.plan.cluster
+        ranks = plan.ranks_of_group(0)
+        terms = [Messages("inside the group: 2 reduces to its stub + 1 broadcast of the params", 3, "collective", tuple(ranks))] \
+            if len(ranks) > 1 else []
+        sends = 2 + encoded_parts(c)
+        for sid in range(c.nservers_per_group):
+            server = plan.placement.process_of(ServerId(0, sid))
+            terms.append(Messages(f"push and pull with the server in process {server}: {sends} sends (header, gradient, flags) + "
+                                  "2 receives (values, reply)", sends + 2, "message", (ranks[0], server)))
+        return terms
+
     def phases(self, model, compute: float, links: dict) -> Phases:
         plan, c = model.plan, model.plan.cluster
         server_rank = plan.placement.process_of(ServerId(0, 0))
@@ -69,7 +86,10 @@ class Downpour(Strategy):
         per_request = sum(v[0] for v in links[server_rank].values())  # bytes one group's step sends the server
         remote = any(model.where[p.rank] != model.where[server_rank] for p in plan.placement.processes)
         batch = plan.global_batch
-        bounds = {"the server's link": batch * (model.link_bw if remote else model.calib.link_gbps * 1e9) / max(1, per_request),
+        # a request occupies the server's link for its bytes and its messages' fixed costs (served one after another)
+        request_s = per_request / (model.link_bw if remote else model.calib.link_gbps * 1e9) + sum(
+            f["seconds"] for f in model.fixed_costs() if f["kind"] == "message")
+        bounds = {"the server's link": batch / max(request_s, 1e-12),
                   "the server's updates": batch / max(update, 1e-12)}
         return Phases(update=update, bounds=bounds,
                       staleness=f"≈ {c.nworker_groups - 1} update(s) by other groups between a group's pull and push")

@@ -7,10 +7,11 @@ from __future__ import annotations
 from shoal.config import job_pb2
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.process_groups import whole_group
-from shoal.planning.strategy import Framework, Layout, Phases, Strategy, UnsupportedClusterError
+from shoal.planning.strategy import Framework, Layout, Messages, Phases, Strategy, UnsupportedClusterError
 from shoal.runtime.exchanges.compression import codec_factory
 from shoal.runtime.exchanges.groups import GroupBoard
 from shoal.runtime.exchanges.periodic import InMemoryMeeting, PeriodicExchange, ProcessMeeting
+from shoal.strategies.allreduce import encoded_parts
 from shoal.strategies.in_memory_hogwild import start_on_board
 
 
@@ -65,11 +66,24 @@ class LocalSGD(Strategy):
         for i, r in enumerate(ranks):
             move(r, ranks[(i + 1) % len(ranks)], ring * model.encoded(model.elements) * meetings_per_step(plan))
 
+    def messages(self, model) -> list[Messages]:
+        """A meeting over processes (runtime/exchanges/periodic.py: ProcessMeeting.sum → compression.all_reduce_encoded):
+        one all-reduce of the pseudo-gradient over every group's process (top-k: an all-gather per encoded part),
+        averaged over the run's steps. Update here when that changes."""
+        plan = model.plan
+        if plan.in_one_process:
+            return []
+        topk = plan.cluster.compression == job_pb2.kTopK
+        calls = encoded_parts(plan.cluster) if topk else 1
+        what = f"{calls} all-gather(s)" if topk else "one all-reduce"
+        return [Messages(f"a meeting: {what} of the pseudo-gradient, every {plan.cluster.local_steps} steps", calls * meetings_per_step(plan),
+                         "collective", tuple(p.rank for p in plan.placement.processes))]
+
     def phases(self, model, compute: float, links: dict) -> Phases:
         plan = model.plan
         update = model.update_s(model.elements, plan.threads_per_worker, model.workers_on_host(0))
         exchange = None
-        if not plan.in_one_process:  # a meeting's latency is paid once per meeting, not per step
+        if not plan.in_one_process:  # a meeting's bytes, averaged over the steps between meetings
             per_meeting = 1 / max(meetings_per_step(plan), 1e-12)
             exchange = model.exchange_s({r: {q: [v[0] * per_meeting, v[1] * per_meeting] for q, v in peers.items()}
                                          for r, peers in links.items()}) / per_meeting
