@@ -13,6 +13,7 @@ bandwidth shared by the workers running at once.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -27,19 +28,28 @@ CONV_TYPES = {job_pb2.kConvolution, job_pb2.kCConvolution, job_pb2.kCudnnConv}
 
 @dataclass(frozen=True)
 class Kernel:
-    """One dense kernel: a matrix product (m×k)·(k×n), or a 2-D convolution (its fwd or its bwd)."""
+    """One dense kernel: a matrix product (m×k)·(k×n), or a 2-D convolution (its fwd or its bwd); or the job's
+    updater applied once to every trained param ("update": its time per element is what the model charges)."""
 
-    op: str  # "mm" | "conv" | "conv_bwd" (weight gradient, plus input gradient when dims[-1] is 1)
-    dims: tuple[int, ...]  # mm: (m, k, n); conv: (n, c, h, w, f, kh, kw, sh, sw, ph, pw, input_grad)
+    op: str  # "mm" | "conv" | "conv_bwd" (weight gradient, plus input gradient when dims[-1] is 1) | "update"
+    dims: tuple[int, ...]  # mm: (m, k, n); conv: (n, c, h, w, f, kh, kw, sh, sw, ph, pw, input_grad); update: (elements,)
     threads: int
     device: str = "cpu"
+    # update: the UpdaterProto's bytes and the trained params (name, shape) it is timed on (the key names their digest)
+    updater: bytes = field(default=b"", compare=False, repr=False)
+    params: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def key(self) -> str:
+        if self.op == "update":
+            digest = hashlib.sha1(self.updater + repr(self.params).encode()).hexdigest()[:12]
+            return f"update {digest} {self.dims[0]} {self.device} t{self.threads}"
         return f"{self.op} {'x'.join(map(str, self.dims))} {self.device} t{self.threads}"
 
     @property
     def flops(self) -> int:
+        if self.op == "update":
+            return 0
         if self.op == "mm":
             m, k, n = self.dims
             return 2 * m * k * n
@@ -51,6 +61,8 @@ class Kernel:
     @property
     def bytes(self) -> int:
         """The operands it reads and the result it writes, once each (the floor on its memory traffic)."""
+        if self.op == "update":
+            return 3 * FLOAT * self.dims[0]  # value and gradient read, value written
         if self.op == "mm":
             m, k, n = self.dims
             return FLOAT * (m * k + k * n + m * n)
@@ -209,6 +221,7 @@ class LayerCost:
     stream_bwd: int  # and backward
     activation_bytes: int  # its output and the output's gradient, kept for backward
     counted: bool = False  # an opaque module's FLOPs (counted by torch, no kernels): timed at the GEMM rate, streams as a floor
+    timed: dict = field(default_factory=dict)  # an opaque module's measured (fwd s, bwd s) on these rows, by threads
 
 
 def numel(shape) -> int:
@@ -278,8 +291,9 @@ def module_cost(node: PartNode, rows: int, costs: ModuleCosts) -> LayerCost:
     """An opaque module's node (shoal.fit): its measured costs on `rows` samples (planning/module_costs.py)."""
     fwd_flops, bwd_flops = costs.flops(rows)
     stream_fwd, stream_bwd = costs.stream_bytes(rows)
+    timed = {t: costs.seconds(rows, t) for t, _ in costs.timed}
     return LayerCost(node.name, node.origin, node.worker, rows, fwd_flops, bwd_flops, [], [], stream_fwd, stream_bwd,
-                     costs.memory_bytes(rows), counted=True)
+                     costs.memory_bytes(rows), counted=True, timed={t: v for t, v in timed.items() if v is not None})
 
 
 COPIES = {job_pb2.kSlice, job_pb2.kConcate, job_pb2.kSplit, job_pb2.kBridgeSrc, job_pb2.kBridgeDst}
@@ -319,9 +333,12 @@ def compute_seconds(costs: list[LayerCost], calib: Calibration, threads: int, co
         share = min(share, calib.host_bandwidth / max(1, concurrent))
     fwd = bwd = memory = 0.0
     for c in costs:
-        if c.counted:  # no kernels to time: the counted FLOPs at the GEMM rate, or its bytes at the bandwidth if longer
+        if c.counted:  # no kernels to time: timed on real batches at these threads, else the counted FLOPs at the GEMM
+            # rate; or its bytes at the bandwidth (shared with the workers running at once) if longer
             rate = calib.gflops(threads, device) * 1e9
-            times = [(c.fwd_flops / rate, c.stream_fwd / share), (c.bwd_flops / rate, c.stream_bwd / share)]
+            fwd_s, bwd_s = c.timed.get(threads) if not device.startswith("cuda") and threads in c.timed else (
+                c.fwd_flops / rate, c.bwd_flops / rate)
+            times = [(fwd_s, c.stream_fwd / share), (bwd_s, c.stream_bwd / share)]
             fwd, bwd = fwd + max(times[0]), bwd + max(times[1])
             memory += sum(streamed for flops_s, streamed in times if streamed > flops_s)
             continue

@@ -21,7 +21,7 @@ from typing import Optional
 from shoal.config import job_pb2
 from shoal.errors import ShoalError
 from shoal.neuralnet.updaters import make_updater
-from shoal.planning.costs import (FLOAT, Calibration, LayerCost, compute_seconds, kernels_of, learning_nodes, node_rows, numel,
+from shoal.planning.costs import (FLOAT, Calibration, Kernel, LayerCost, compute_seconds, kernels_of, learning_nodes, node_rows, numel,
                                   worker_costs)
 from shoal.planning.partition import PartitionPlan
 from shoal.planning.module_costs import describe_basis, module_costs_of
@@ -190,9 +190,23 @@ def estimate(plan: JobPlan, calib: Calibration, hosts: Optional[Hosts] = None) -
 
 
 def plan_kernels(plan: JobPlan) -> list:
-    """The dense kernels the plan's workers run: what the calibration measures for this job."""
+    """The dense kernels the plan's workers run, and its updater's pass: what the calibration measures for this job."""
     shares = plan.batch_shares[0] if plan.batch_shares else [1]
-    return kernels_of(worker_costs(plan.partition, shares, plan.threads_per_worker))
+    return kernels_of(worker_costs(plan.partition, shares, plan.threads_per_worker)) + [update_kernel(plan, plan.threads_per_worker)]
+
+
+UPDATE_TIMED_ELEMENTS = 32_000_000  # a larger model's updater is timed on its first params up to this many elements
+
+
+def update_kernel(plan: JobPlan, threads: int) -> Kernel:
+    """The job's updater applied once to its trained params (those up to UPDATE_TIMED_ELEMENTS), at `threads`:
+    SINGA's updaters and torch optimizers make several passes over memory, which the calibration times."""
+    names, timed, total = trainable(plan.partition), [], 0
+    for name, shape in plan.params.items():
+        if name in names and total + math.prod(shape) <= UPDATE_TIMED_ELEMENTS:
+            timed.append((name, tuple(shape)))
+            total += math.prod(shape)
+    return Kernel("update", (total,), max(1, threads), "cpu", plan.job.updater.SerializeToString(deterministic=True), tuple(timed))
 
 
 class _Model:
@@ -214,9 +228,13 @@ class _Model:
         return sum(len(p.workers) for p in self.plan.placement.processes if self.where[p.rank] == host)
 
     def update_s(self, elements: int, threads: int, concurrent: int = 1) -> float:
-        """The updater's pass: reads value, gradient and slots, writes value and slots (float32)."""
+        """The updater's pass: reads value, gradient and slots, writes value and slots (float32) at this worker's share
+        of the bandwidth; never less than the calibrated updater took per element (its real passes, alone)."""
         bw = min(self.calib.bandwidth(threads), self.calib.host_bandwidth / max(1, concurrent))
-        return FLOAT * elements * (3 + 2 * self.slots) / bw
+        streamed = FLOAT * elements * (3 + 2 * self.slots) / bw
+        timed = update_kernel(self.plan, threads)
+        measured = self.calib.kernels.get(timed.key)
+        return max(streamed, measured * elements / timed.dims[0]) if measured and timed.dims[0] else streamed
 
     def exchange_s(self, links: dict[int, dict[int, list[int]]]) -> float:
         """The longest process's bytes of a step at the bandwidth: loopback between its host's processes, the

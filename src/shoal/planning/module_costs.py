@@ -25,6 +25,22 @@ class ModuleCosts:
     param_elements: int  # every param of the module
     trained_elements: int  # those with requires_grad
     basis: str  # how it was counted, for the printed estimate
+    # forward and backward timed on real batches (frontend/module_measure.py): threads -> ((rows, fwd s, bwd s), ...);
+    # what FLOPs miss on a small module (Python and dispatch per op, attention, norms) is in these
+    timed: tuple = ()
+
+    def seconds(self, rows: int, threads: int) -> "tuple[float, float] | None":
+        """(forward s, backward s) on `rows` samples at `threads`, on the line through the timed points (a fixed cost
+        per call plus a cost per row), or None when nothing was timed at that thread count."""
+        points = dict(self.timed).get(threads)
+        if not points:
+            return None
+        if len(points) == 1:
+            r, f, b = points[0]
+            return f * rows / r, b * rows / r
+        (r0, f0, b0), (r1, f1, b1) = points[0], points[-1]
+        line = lambda t0, t1: max(0.0, t0 + (t1 - t0) * (rows - r0) / (r1 - r0))  # noqa: E731
+        return line(f0, f1), line(b0, b1)
 
     def flops(self, rows: int) -> tuple[int, int]:
         """(forward, backward) FLOPs on `rows` samples: linear in the rows (one sample counted)."""
@@ -47,7 +63,9 @@ def describe_basis(costs: ModuleCosts, slots: int, optimizer: str) -> str:
     return (f"module costs {costs.basis}: {costs.fwd_flops / 1e6:.3g} MFLOP forward and {costs.bwd_flops / 1e6:.3g} MFLOP "
             f"backward per sample, {_bytes(costs.activation_bytes)} of activations saved per sample; "
             f"{costs.param_elements:,} param elements ({_bytes(FLOAT * costs.param_elements)} float32); "
-            f"{optimizer} keeps {slots} slot(s) per trained element")
+            f"{optimizer} keeps {slots} slot(s) per trained element" + "".join(
+                f"; timed forward + backward at {t} thread(s): {1e3 * (points[0][1] + points[0][2]):.1f} ms for {points[0][0]} sample(s), "
+                f"{1e3 * (points[-1][1] + points[-1][2]):.1f} ms for {points[-1][0]}" for t, points in costs.timed))
 
 
 def module_costs_of(parts) -> "ModuleCosts | None":

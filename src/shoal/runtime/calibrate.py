@@ -241,7 +241,10 @@ def calibration(kernels: Iterable[Kernel] = (), recalibrate: bool = False, budge
                 log(f"calibration: {len([k for k in wanted if k.key not in measured])} kernel(s) left to the GEMM rate (budget {budget_s:g} s)")
                 break
             meter, load_before = Meter(), _load()
-            measured[k.key] = time_kernel(k, meter)
+            seconds = time_kernel(k, meter)
+            if seconds is None:  # an updater this process cannot build: the model keeps its bytes
+                continue
+            measured[k.key] = seconds
             if verdict(max(load_before, _load()), calib.cores, meter):
                 dirty.append(k.key)
         calib = replace(calib, kernels=measured, contended_kernels=tuple(sorted({*calib.contended_kernels, *dirty})))
@@ -386,9 +389,11 @@ def memory_gbps(mb: int = 64, meter: Optional[Meter] = None) -> float:
     return 2 * src.numel() * 4 / _best(lambda: dst.copy_(src), meter=meter) / 1e9
 
 
-def time_kernel(kernel: Kernel, meter: Optional[Meter] = None) -> float:
-    """Seconds of one run of the kernel at its thread count (random operands)."""
+def time_kernel(kernel: Kernel, meter: Optional[Meter] = None) -> Optional[float]:
+    """Seconds of one run of the kernel at its thread count (random operands); None: an updater not buildable here."""
     with _threads(kernel.threads):
+        if kernel.op == "update":
+            return time_update(kernel, meter)
         if kernel.op == "mm":
             m, k, n = kernel.dims
             a, b = torch.randn(m, k), torch.randn(k, n)
@@ -403,6 +408,26 @@ def time_kernel(kernel: Kernel, meter: Optional[Meter] = None) -> float:
         dy = torch.randn_like(y)
         wrt = [weight, x] if input_grad else [weight]
         return _best(lambda: torch.autograd.grad(y, wrt, dy, retain_graph=True), reps=3, min_s=0.05, meter=meter)
+
+
+def time_update(kernel: Kernel, meter: Optional[Meter] = None) -> Optional[float]:
+    """Seconds of one `update_many` of the job's updater over its params (random values and gradients), as an owner
+    of whole params runs it: SINGA's updaters and torch optimizers, with their real number of passes over memory."""
+    from shoal.config import job_pb2
+    from shoal.neuralnet.updaters import ParamUpdate, make_updater
+
+    try:
+        conf = job_pb2.UpdaterProto()
+        conf.ParseFromString(kernel.updater)
+        updater = make_updater(conf)
+        params = []
+        for name, shape in kernel.params:
+            value = torch.randn(shape)
+            params.append(ParamUpdate(value, torch.randn(shape) * 1e-3, updater.init_shard_state(value, (name, 0, value.numel()))))
+        step = iter(range(1, 1_000_000))
+        return _best(lambda: updater.update_many(next(step), params), reps=3, min_s=0.05, meter=meter)
+    except Exception:  # noqa: BLE001 (a user's optimizer factory that needs its own process: timed by its bytes)
+        return None
 
 
 def gpu_speeds(index: int) -> dict[str, float]:
