@@ -125,6 +125,17 @@ def test_merge_keeps_the_clean_machine_entry_and_each_kernels_clean_timing():
     assert calibrate.merge(busy, worse).gemm_gflops == {1: 2.0} == calibrate.merge(worse, busy).gemm_gflops
 
 
+def test_an_older_clean_cache_without_a_collective_cost_is_merged_not_replaced_by_a_contended_one(tmp_path):
+    path = tmp_path / "c.json"
+    older = clean(collective_s=0.0, kernels={"mm 1x2x3 cpu t1": 2e-6})
+    path.write_text(json.dumps(older.to_json()))
+    busy = clean(load=6.2, cpu_share=0.41, contended=True, gemm_gflops={1: 2.0}, collective_s=3e-4)
+    kept = calibrate.save(busy, path)
+    # the clean rates and kernel stay; the per-collective cost only the new one measured comes with them
+    assert not kept.contended and kept.gemm_gflops == {1: 10.0} and kept.kernels == {"mm 1x2x3 cpu t1": 2e-6}
+    assert kept.collective_s == 3e-4 and calibrate.read(path) == kept
+
+
 @pytest.mark.slow  # the default suite's 5-minute budget
 def test_concurrent_calibrations_leave_a_valid_cache_no_worse_than_either(tmp_path):
     """Two processes measure this machine and a kernel each at once; the cache holds both kernels and the better entry."""
@@ -155,6 +166,7 @@ def test_concurrent_calibrations_leave_a_valid_cache_no_worse_than_either(tmp_pa
     ({"ago": datetime.timedelta(days=31)}, "older than 30 days"),
     ({"ago": datetime.timedelta(hours=2), "contended": True}, "taken under contention over 1 h ago"),
     ({"taken_at": ""}, "no date recorded"),
+    ({"collective_s": 0.0}, "no per-collective cost measured"),
 ])
 def test_a_stale_cache_is_not_used(tmp_path, change, why):
     path, change = tmp_path / "c.json", dict(change)
@@ -176,6 +188,8 @@ def test_a_stale_cache_is_measured_again_in_seconds(tmp_path, monkeypatch, capfd
     calib = calibrate.calibration(path=path)
     assert calib.torch == torch.__version__ and calib.kernels == {}  # the old torch's timings are gone
     assert 0 < calib.took_s < 60  # about 1.5 s on an idle 2-core VM
+    # a small collective between two processes over gloo: dearer than nothing, cheaper than the probe's timeout
+    assert 0 < calib.collective_s < 1.0
     assert calibrate.read(path) == calib
     assert "taken with torch 1.0.0" in capfd.readouterr().err
 
