@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shoal.config import job_from_text
-from shoal.planning.costs import Calibration
+from shoal.planning.costs import Calibration, LayerCost, compute_seconds, module_kernels
 from shoal.planning.estimate import Hosts, estimate, plan_kernels, update_kernel
 from shoal.planning.module_costs import ModuleCosts
 from shoal.planning.plan import plan_job
@@ -100,11 +100,18 @@ def test_the_updater_is_charged_its_calibrated_time_per_element():
     assert len({timed.key, update_kernel(other, timed.threads).key, update_kernel(plan, timed.threads + 1).key}) == 3
 
 
-def test_a_modules_timed_points_give_a_fixed_cost_per_call_and_a_cost_per_row():
-    costs = ModuleCosts(10, 20, 0, 0, 0, "", timed=((1, ((1, 0.002, 0.003), (16, 0.017, 0.033))),))
-    assert costs.seconds(1, 1) == pytest.approx((0.002, 0.003))
-    assert costs.seconds(8, 1) == pytest.approx((0.002 + 0.001 * 7, 0.003 + 0.002 * 7))
-    assert costs.seconds(8, 2) is None  # not timed at 2 threads: the counted FLOPs stand
+def test_a_modules_calibrated_batches_give_a_fixed_cost_per_call_and_a_cost_per_row():
+    calls = []
+    costs = ModuleCosts(10, 20, 0, 0, 0, "", digest="abc123", probe=calls.append)
+    small_batch, large_batch = module_kernels(costs, threads=1)
+    assert (small_batch.dims, large_batch.dims) == ((1,), (16,)) and "abc123" in small_batch.key
+    layer = LayerCost("m", "m", 0, 8, 10 * 8, 20 * 8, [], [], 0, 0, 0, counted=True, module=costs)
+    timed = replace(TIMED, kernels={small_batch.key: 0.005, large_batch.key: 0.050})
+    fwd, bwd, _ = compute_seconds([layer], timed, threads=1)
+    assert fwd + bwd == pytest.approx(0.005 + 0.045 * 7 / 15) and bwd == pytest.approx(2 * fwd)  # split as the FLOPs
+    assert compute_seconds([layer], TIMED, threads=1)[:2] == pytest.approx((80 / 10e9, 160 / 10e9))  # not timed: FLOPs
+    # the calibration times it through the probe, at the kernel's thread count and batch size
+    assert calibrate.time_kernel(large_batch) > 0 and set(calls) == {16}
 
 
 def test_plan_estimate_prints_one_line_per_fixed_cost_term(tmp_path):

@@ -5,16 +5,16 @@ through a copy of the module (the user's module and its gradients are left alone
 torch.utils.flop_counter.FlopCounterMode, which counts the matrix products, convolutions and
 attention of each pass (a multiply-add as 2; elementwise ops are not counted: the cost model's
 bytes floor covers them). autograd's saved-tensor hooks see every tensor kept for backward: their
-storages, once each and without the params, are the activation memory of one sample. Then the
-copy's forward and backward are timed on batches of 1 and 16 samples (the sample repeated), with
-1 thread and with every core: what FLOPs miss on a small module (Python and dispatch per op,
-attention, norms) is in those times, and the cost model reads the step from them.
+storages, once each and without the params, are the activation memory of one sample. The copy
+also gets a probe (one forward and backward on `rows` samples, the sample repeated) with which the
+calibration times it at the plan's thread count on batches of 1 and 16 samples (cached under a
+digest of the module, its sample and its loss): what FLOPs miss on a small module (Python and
+dispatch per op, attention, norms) is in those times, and the cost model reads the step from them.
 """
 from __future__ import annotations
 
 import copy
-import os
-import time
+import hashlib
 
 import torch
 from torch.utils._pytree import tree_map
@@ -55,45 +55,26 @@ def measure_module(model: torch.nn.Module, loss_of, datasets: dict) -> ModuleCos
     return ModuleCosts(fwd_flops=forward.get_total_flops(), bwd_flops=backward.get_total_flops(),
                        activation_bytes=sum(saved.values()), param_elements=sum(n for n, _ in elements),
                        trained_elements=sum(n for n, trained in elements if trained), basis=BASIS,
-                       timed=time_module(module, loss_of, batch))
+                       digest=digest_of(model, loss_of, batch), probe=probe_of(module, loss_of, batch))
 
 
-TIMED_ROWS = (1, 16)  # two batch sizes: a fixed cost per call (Python, dispatch) and a cost per row
+def digest_of(model: torch.nn.Module, loss_of, batch) -> str:
+    """What names the module's timings in the calibration cache: its structure, params, sample and loss."""
+    shapes = tree_map(lambda t: (tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else t, batch)
+    params = [(n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()]
+    loss = getattr(loss_of, "__qualname__", type(loss_of).__name__)
+    return hashlib.sha1(repr((repr(model), params, shapes, loss)).encode()).hexdigest()[:12]
 
 
-def time_module(module: torch.nn.Module, loss_of, batch, rows: tuple[int, ...] = TIMED_ROWS) -> tuple:
-    """Forward and backward of `module` timed on `rows`-sample batches (the sample repeated), with 1 thread and with
-    every core this process may use: ((threads, ((rows, fwd s, bwd s), ...)), ...), each the fastest of 3 runs. On a
-    GPU, nothing (the FLOPs at the device's rate stand)."""
-    if any(p.is_cuda for p in module.parameters()):
-        return ()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    before = torch.get_num_threads()
-    timed = []
-    try:
-        for threads in sorted({1, cores}):
-            torch.set_num_threads(threads)
-            timed.append((threads, tuple((r, *_fastest(module, loss_of, _repeated(batch, r))) for r in rows)))
-    finally:
-        torch.set_num_threads(before)
-    return tuple(timed)
+def probe_of(module: torch.nn.Module, loss_of, batch):
+    """One forward and backward of the copy `module` on `rows` samples (the sample repeated), for the calibration."""
+    batches: dict[int, object] = {}
 
-
-def _repeated(batch, rows: int):
-    """The one-sample batch as `rows` samples (tensors whose first dimension is the sample's)."""
-    return tree_map(lambda t: t.repeat(rows, *[1] * (t.dim() - 1)) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == 1
-                    else t, batch)
-
-
-def _fastest(module: torch.nn.Module, loss_of, batch, reps: int = 3) -> tuple[float, float]:
-    best_f = best_b = float("inf")
-    for _ in range(reps + 1):  # the first warms up allocators and autograd
+    def probe(rows: int) -> None:
+        if rows not in batches:
+            batches[rows] = tree_map(lambda t: t.repeat(rows, *[1] * (t.dim() - 1))
+                                     if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == 1 else t, batch)
         module.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        loss = loss_of(module, batch)
-        middle = time.perf_counter()
-        loss.backward()
-        end = time.perf_counter()
-        best_f, best_b = min(best_f, middle - start), min(best_b, end - middle)
-    module.zero_grad(set_to_none=True)
-    return best_f, best_b
+        loss_of(module, batches[rows]).backward()
+
+    return None if any(p.is_cuda for p in module.parameters()) else probe

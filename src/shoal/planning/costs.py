@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 from shoal.config import job_pb2
 from shoal.planning.module_costs import ModuleCosts
@@ -35,20 +36,24 @@ class Kernel:
     dims: tuple[int, ...]  # mm: (m, k, n); conv: (n, c, h, w, f, kh, kw, sh, sw, ph, pw, input_grad); update: (elements,)
     threads: int
     device: str = "cpu"
-    # update: the UpdaterProto's bytes and the trained params (name, shape) it is timed on (the key names their digest)
-    updater: bytes = field(default=b"", compare=False, repr=False)
+    # update: the UpdaterProto's bytes and the trained params (name, shape) it is timed on (the key names their digest);
+    # module: the module's digest (the key names it), and the probe running one forward and backward on `rows` samples
+    spec: bytes = field(default=b"", compare=False, repr=False)
     params: tuple = field(default=(), compare=False, repr=False)
+    probe: Optional[Callable[[int], None]] = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> str:
+        if self.op == "module":
+            return f"module {self.spec.decode()[:12]} r{self.dims[0]} {self.device} t{self.threads}"
         if self.op == "update":
-            digest = hashlib.sha1(self.updater + repr(self.params).encode()).hexdigest()[:12]
+            digest = hashlib.sha1(self.spec + repr(self.params).encode()).hexdigest()[:12]
             return f"update {digest} {self.dims[0]} {self.device} t{self.threads}"
         return f"{self.op} {'x'.join(map(str, self.dims))} {self.device} t{self.threads}"
 
     @property
     def flops(self) -> int:
-        if self.op == "update":
+        if self.op in ("update", "module"):
             return 0
         if self.op == "mm":
             m, k, n = self.dims
@@ -63,6 +68,8 @@ class Kernel:
         """The operands it reads and the result it writes, once each (the floor on its memory traffic)."""
         if self.op == "update":
             return 3 * FLOAT * self.dims[0]  # value and gradient read, value written
+        if self.op == "module":
+            return 0
         if self.op == "mm":
             m, k, n = self.dims
             return FLOAT * (m * k + k * n + m * n)
@@ -221,7 +228,7 @@ class LayerCost:
     stream_bwd: int  # and backward
     activation_bytes: int  # its output and the output's gradient, kept for backward
     counted: bool = False  # an opaque module's FLOPs (counted by torch, no kernels): timed at the GEMM rate, streams as a floor
-    timed: dict = field(default_factory=dict)  # an opaque module's measured (fwd s, bwd s) on these rows, by threads
+    module: Optional[ModuleCosts] = None  # that module (its forward and backward calibrated on real batches: module_kernels)
 
 
 def numel(shape) -> int:
@@ -291,9 +298,31 @@ def module_cost(node: PartNode, rows: int, costs: ModuleCosts) -> LayerCost:
     """An opaque module's node (shoal.fit): its measured costs on `rows` samples (planning/module_costs.py)."""
     fwd_flops, bwd_flops = costs.flops(rows)
     stream_fwd, stream_bwd = costs.stream_bytes(rows)
-    timed = {t: costs.seconds(rows, t) for t, _ in costs.timed}
     return LayerCost(node.name, node.origin, node.worker, rows, fwd_flops, bwd_flops, [], [], stream_fwd, stream_bwd,
-                     costs.memory_bytes(rows), counted=True, timed={t: v for t, v in timed.items() if v is not None})
+                     costs.memory_bytes(rows), counted=True, module=costs)
+
+
+MODULE_ROWS = (1, 16)  # a module is timed on batches of these sizes: a fixed cost per call and a cost per row
+
+
+def module_kernels(costs: ModuleCosts, threads: int) -> list[Kernel]:
+    """The calibration's timings of a module's forward + backward at `threads` (one per batch size of MODULE_ROWS)."""
+    if costs.probe is None or not costs.digest:
+        return []
+    return [Kernel("module", (rows,), threads, "cpu", costs.digest.encode(), probe=costs.probe) for rows in MODULE_ROWS]
+
+
+def module_seconds(c: LayerCost, calib: "Calibration", threads: int) -> Optional[tuple[float, float]]:
+    """(forward s, backward s) of a module's node on its rows: on the line through the calibrated batch sizes (a fixed
+    cost per call, a cost per row), split as its counted FLOPs are; None when the calibration has not timed it."""
+    points = [(k.dims[0], calib.kernels.get(k.key)) for k in module_kernels(c.module, threads)] if c.module else []
+    if len(points) < 2 or any(t is None for _, t in points):
+        return None
+    (r0, t0), (r1, t1) = points[0], points[-1]
+    total = max(0.0, t0 + (t1 - t0) * (c.rows - r0) / (r1 - r0))
+    flops = c.fwd_flops + c.bwd_flops
+    fwd_part = c.fwd_flops / flops if flops else 1 / 3
+    return total * fwd_part, total * (1 - fwd_part)
 
 
 COPIES = {job_pb2.kSlice, job_pb2.kConcate, job_pb2.kSplit, job_pb2.kBridgeSrc, job_pb2.kBridgeDst}
@@ -336,8 +365,8 @@ def compute_seconds(costs: list[LayerCost], calib: Calibration, threads: int, co
         if c.counted:  # no kernels to time: timed on real batches at these threads, else the counted FLOPs at the GEMM
             # rate; or its bytes at the bandwidth (shared with the workers running at once) if longer
             rate = calib.gflops(threads, device) * 1e9
-            fwd_s, bwd_s = c.timed.get(threads) if not device.startswith("cuda") and threads in c.timed else (
-                c.fwd_flops / rate, c.bwd_flops / rate)
+            timed = None if device.startswith("cuda") else module_seconds(c, calib, threads)
+            fwd_s, bwd_s = timed or (c.fwd_flops / rate, c.bwd_flops / rate)
             times = [(fwd_s, c.stream_fwd / share), (bwd_s, c.stream_bwd / share)]
             fwd, bwd = fwd + max(times[0]), bwd + max(times[1])
             memory += sum(streamed for flops_s, streamed in times if streamed > flops_s)

@@ -21,7 +21,8 @@ from typing import Optional
 from shoal.config import job_pb2
 from shoal.errors import ShoalError
 from shoal.neuralnet.updaters import make_updater
-from shoal.planning.costs import (FLOAT, Calibration, Kernel, LayerCost, compute_seconds, kernels_of, learning_nodes, node_rows, numel,
+from shoal.planning.costs import (FLOAT, Calibration, Kernel, LayerCost, compute_seconds, kernels_of, learning_nodes, module_kernels,
+                                  node_rows, numel,
                                   worker_costs)
 from shoal.planning.partition import PartitionPlan
 from shoal.planning.module_costs import describe_basis, module_costs_of
@@ -192,7 +193,9 @@ def estimate(plan: JobPlan, calib: Calibration, hosts: Optional[Hosts] = None) -
 def plan_kernels(plan: JobPlan) -> list:
     """The dense kernels the plan's workers run, and its updater's pass: what the calibration measures for this job."""
     shares = plan.batch_shares[0] if plan.batch_shares else [1]
-    return kernels_of(worker_costs(plan.partition, shares, plan.threads_per_worker)) + [update_kernel(plan, plan.threads_per_worker)]
+    module = module_costs_of(plan.partition)
+    return (kernels_of(worker_costs(plan.partition, shares, plan.threads_per_worker)) + [update_kernel(plan, plan.threads_per_worker)]
+            + (module_kernels(module, plan.threads_per_worker) if module else []))
 
 
 UPDATE_TIMED_ELEMENTS = 32_000_000  # a larger model's updater is timed on its first params up to this many elements
@@ -222,6 +225,11 @@ class _Model:
         self.elements = sum(s for n, s in self.sizes.items() if n in self.trainable)
         module = module_costs_of(plan.partition)  # an opaque module's measured costs name the estimate's basis
         self.notes: list[str] = [describe_basis(module, self.slots, updater_name(plan.job))] if module else []
+        timed = [(k.dims[0], calib.kernels.get(k.key)) for k in module_kernels(module, plan.threads_per_worker)] if module else []
+        if timed and all(t is not None for _, t in timed):
+            self.notes.append("module time read from the calibration's forward + backward on real batches at "
+                              f"{plan.threads_per_worker} thread(s): " + ", ".join(f"{1e3 * t:.1f} ms for {r} sample(s)" for r, t in timed)
+                              + " (a fixed cost per call, a cost per sample), not from its FLOPs")
 
     # -- pieces ---------------------------------------------------------------------------
     def workers_on_host(self, host: int) -> int:

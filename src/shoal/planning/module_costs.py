@@ -6,11 +6,13 @@ torch.utils.flop_counter.FlopCounterMode over forward and backward of one real s
 autograd saves for backward) and handed to the cost model as this plain record; everything here is
 arithmetic on it. Time: the counted FLOPs at the calibrated GEMM rate, never less than the bytes the
 module streams (its params read forward; read again and their gradients written backward; the saved
-activations written and read back) take at the worker's memory bandwidth.
+activations written and read back) take at the worker's memory bandwidth; where the calibration timed
+the module's forward and backward on real batches (`probe`), those times instead.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 FLOAT = 4  # bytes of a float32 (the params' dtype in shoal)
 
@@ -25,22 +27,11 @@ class ModuleCosts:
     param_elements: int  # every param of the module
     trained_elements: int  # those with requires_grad
     basis: str  # how it was counted, for the printed estimate
-    # forward and backward timed on real batches (frontend/module_measure.py): threads -> ((rows, fwd s, bwd s), ...);
-    # what FLOPs miss on a small module (Python and dispatch per op, attention, norms) is in these
-    timed: tuple = ()
-
-    def seconds(self, rows: int, threads: int) -> "tuple[float, float] | None":
-        """(forward s, backward s) on `rows` samples at `threads`, on the line through the timed points (a fixed cost
-        per call plus a cost per row), or None when nothing was timed at that thread count."""
-        points = dict(self.timed).get(threads)
-        if not points:
-            return None
-        if len(points) == 1:
-            r, f, b = points[0]
-            return f * rows / r, b * rows / r
-        (r0, f0, b0), (r1, f1, b1) = points[0], points[-1]
-        line = lambda t0, t1: max(0.0, t0 + (t1 - t0) * (rows - r0) / (r1 - r0))  # noqa: E731
-        return line(f0, f1), line(b0, b1)
+    # the module's forward and backward are timed by the calibration on real batches, as kernels named by this
+    # digest of the module, its sample and its loss (planning/costs.py: module_kernels); `probe(rows)` runs one
+    # forward and backward on `rows` samples (None: nothing to time, the counted FLOPs stand)
+    digest: str = ""
+    probe: Optional[Callable[[int], None]] = field(default=None, compare=False, repr=False)
 
     def flops(self, rows: int) -> tuple[int, int]:
         """(forward, backward) FLOPs on `rows` samples: linear in the rows (one sample counted)."""
@@ -63,9 +54,7 @@ def describe_basis(costs: ModuleCosts, slots: int, optimizer: str) -> str:
     return (f"module costs {costs.basis}: {costs.fwd_flops / 1e6:.3g} MFLOP forward and {costs.bwd_flops / 1e6:.3g} MFLOP "
             f"backward per sample, {_bytes(costs.activation_bytes)} of activations saved per sample; "
             f"{costs.param_elements:,} param elements ({_bytes(FLOAT * costs.param_elements)} float32); "
-            f"{optimizer} keeps {slots} slot(s) per trained element" + "".join(
-                f"; timed forward + backward at {t} thread(s): {1e3 * (points[0][1] + points[0][2]):.1f} ms for {points[0][0]} sample(s), "
-                f"{1e3 * (points[-1][1] + points[-1][2]):.1f} ms for {points[-1][0]}" for t, points in costs.timed))
+            f"{optimizer} keeps {slots} slot(s) per trained element")
 
 
 def module_costs_of(parts) -> "ModuleCosts | None":

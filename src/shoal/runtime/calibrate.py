@@ -9,7 +9,9 @@ What is measured, in about 10 s the first time on a host:
   as the exchanges issue them): what every collective of a step pays whatever its size;
 - each GPU's GEMM rate, memory bandwidth and host-to-device bandwidth, where CUDA is available;
 - the dense kernels a job runs (its matrix products and convolutions at its shapes and thread
-  counts), each added to the cache the first time a job needs it, within the time budget.
+  counts), its updater's pass over its params, and a shoal.fit module's forward and backward on
+  real batches of 1 and 16 samples; each added to the cache the first time a job needs it, within
+  the time budget.
 
 The cache is $SHOAL_HOME/calibration/<host>.json (default ~/.shoal), plain JSON; `shoal plan
 --estimate --recalibrate` measures again. No dataset is read.
@@ -394,6 +396,8 @@ def time_kernel(kernel: Kernel, meter: Optional[Meter] = None) -> Optional[float
     with _threads(kernel.threads):
         if kernel.op == "update":
             return time_update(kernel, meter)
+        if kernel.op == "module":
+            return time_module(kernel, meter)
         if kernel.op == "mm":
             m, k, n = kernel.dims
             a, b = torch.randn(m, k), torch.randn(k, n)
@@ -418,7 +422,7 @@ def time_update(kernel: Kernel, meter: Optional[Meter] = None) -> Optional[float
 
     try:
         conf = job_pb2.UpdaterProto()
-        conf.ParseFromString(kernel.updater)
+        conf.ParseFromString(kernel.spec)
         updater = make_updater(conf)
         params = []
         for name, shape in kernel.params:
@@ -427,6 +431,18 @@ def time_update(kernel: Kernel, meter: Optional[Meter] = None) -> Optional[float
         step = iter(range(1, 1_000_000))
         return _best(lambda: updater.update_many(next(step), params), reps=3, min_s=0.05, meter=meter)
     except Exception:  # noqa: BLE001 (a user's optimizer factory that needs its own process: timed by its bytes)
+        return None
+
+
+def time_module(kernel: Kernel, meter: Optional[Meter] = None) -> Optional[float]:
+    """Seconds of one forward and backward of a shoal.fit module on `rows` samples (its probe: frontend/module_measure.py),
+    Python, dispatch, attention and norms included; None when it has no probe here or the probe fails."""
+    if kernel.probe is None:
+        return None
+    rows = kernel.dims[0]
+    try:
+        return _best(lambda: kernel.probe(rows), reps=3, min_s=0.05, meter=meter)
+    except Exception:  # noqa: BLE001 (a user's module: its counted FLOPs stand)
         return None
 
 
