@@ -12,8 +12,11 @@ Next to each measured samples/s it prints what `shoal plan --compare` predicted 
 before anything ran (shoal.planning.estimate on this machine's cached calibration), and the error.
 `--model cifar10` runs SINGA's cifar10 convnet (examples/cifar10/job.conf) on random images in the
 CIFAR-10 binary format, prepared by `shoal prepare cifar10` (throughput does not depend on pixels).
+`--model gpt` runs the character GPT of the module path (examples/gpt/train.py, `shoal.fit`: a torch
+module, AdamW) on examples/gpt/data (`shoal prepare shakespeare --out examples/gpt/data`); its
+predictions come from `shoal plan examples/gpt/train.py --estimate --json`, as a user would ask.
 
-    python benchmarks/frameworks.py [--seconds 40] [--steps N] [--keep DIR] [--only single,allreduce] [--model cifar10]
+    python benchmarks/frameworks.py [--seconds 40] [--steps N] [--keep DIR] [--only single,allreduce] [--model cifar10|gpt]
 """
 from __future__ import annotations
 
@@ -41,7 +44,9 @@ from shoal.planning.estimate import estimate, plan_kernels
 from shoal.runtime import calibrate
 
 JOB = REPO / "examples/mnist/tuned.conf"
-MODELS = {"mnist": "SINGA's MNIST MLP (tuned.conf)", "cifar10": "SINGA's cifar10 convnet (job.conf, random images)"}
+MODELS = {"mnist": "SINGA's MNIST MLP (tuned.conf)", "cifar10": "SINGA's cifar10 convnet (job.conf, random images)",
+          "gpt": "the character GPT (examples/gpt/train.py, shoal.fit, AdamW)"}
+GPT = REPO / "examples/gpt/train.py"
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,8 @@ LAYOUTS = [
 
 
 def overrides(layout: Layout, steps: int, test_freq: int, disp_freq: int = 20) -> list[str]:
-    sets = [f"train_steps={steps}", f"test_freq={test_freq}", "test_steps=10", f"disp_freq={disp_freq}", "checkpoint_freq=0"]
+    sets = [f"train_steps={steps}", f"test_freq={test_freq}", "test_steps=10", f"disp_freq={disp_freq}", "checkpoint_freq=0",
+            f"validate_freq={test_freq}"]
     return sets + [f"cluster.{kv}" for kv in layout.cluster.split()]
 
 
@@ -89,12 +95,26 @@ def cifar10_job(root: Path) -> Path:
 
 def predicted(sets: list[str]) -> float:
     """samples/s `shoal plan --compare` predicts for the layout (calibrating the kernels it needs, once)."""
+    if JOB.suffix == ".py":
+        return script_plan(sets)[1]["estimate"]["samples_per_s"]
     plan = plan_job(api.load_job(JOB, sets))
     return estimate(plan, calibrate.calibration(plan_kernels(plan))).samples_per_s
 
 
+def script_plan(sets: list[str]) -> tuple[int, dict | str]:
+    """`shoal plan SCRIPT --estimate --json` with the layout's --sets: (exit status, the JSON or the one-line error)."""
+    args = [sys.executable, "-m", "shoal", "plan", str(JOB), "--estimate", "--json"] + [a for s in sets for a in ("--set", s)]
+    out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=child_env(), timeout=600)
+    if out.returncode:
+        return out.returncode, (out.stderr.strip().splitlines() or ["no output"])[-1]
+    return 0, __import__("json").loads(out.stdout)
+
+
 def refusal(layout: Layout, sets: list[str]) -> str | None:
     """The runtime's one-line refusal when it cannot run this layout yet, else None."""
+    if JOB.suffix == ".py":
+        code, said = script_plan(sets)
+        return said if code else None
     try:
         plan_job(api.load_job(JOB, sets))
     except UnsupportedClusterError as err:
@@ -102,12 +122,16 @@ def refusal(layout: Layout, sets: list[str]) -> str | None:
     return None
 
 
+def child_env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+
+
 def run(layout: Layout, sets: list[str], workspace: Path, seconds: float | None) -> int:
     """`shoal run` the layout; with a time budget, Ctrl-C it `seconds` after it starts training."""
     args = [sys.executable, "-m", "shoal", "run", str(JOB), "--workspace", str(workspace), "--no-progress"]
     for s in sets:
         args += ["--set", s]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = child_env()
     with open(workspace.with_suffix(".log"), "w") as log:
         proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     if seconds is None:
@@ -180,6 +204,10 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     if args.model == "cifar10":
         JOB = cifar10_job(root / "cifar10")
+    if args.model == "gpt":
+        if not (REPO / "examples/gpt/data/train.txt").exists():
+            sys.exit("prepare the text first: shoal prepare shakespeare --out examples/gpt/data")
+        JOB = GPT
     load_before = os.getloadavg()
     steps = args.steps or 1_000_000  # with a time budget the run is stopped long before
     seconds = None if args.steps else args.seconds
@@ -215,14 +243,13 @@ def main() -> None:
     plot_runs(done, args.out / "frameworks.png", title=f"{MODELS[args.model]}, {budget} per layout")
     command = "python benchmarks/frameworks.py" + (f" --steps {args.steps}" if args.steps else f" --seconds {args.seconds:g}")
     lines = [
-        "# Frameworks compared on MNIST",
+        f"# Frameworks compared: {MODELS[args.model]}",
         "",
         f"Generated by `{command}` on {datetime.date.today().isoformat()}.",
         f"Machine: {machine()}. {args.note}".rstrip(),
         "",
         (
-            f"SINGA's MNIST MLP (examples/mnist/tuned.conf: 12 M params, batch 64, Nesterov momentum), "
-            f"{budget} per layout, run one after the other; a test of 1000 images every {args.test_freq} steps "
+            f"{MODELS[args.model]}, {budget} per layout, run one after the other; a test every {args.test_freq} steps "
             "(its time counts in the wall clock). Time columns: wall-clock seconds since the start of training, "
             "@ the step, of the first test at or above that accuracy; — where the budget ran out first."
         ),

@@ -128,3 +128,13 @@ def test_plan_estimate_prints_one_line_per_fixed_cost_term(tmp_path):
                      "collectives: 1 per step × 200 µs = 200 µs (flags of rank 0's params: a reduce)",
                      "collectives: 2 per step × 200 µs = 400 µs (reduce + broadcast per bucket of rank 1 (1 bucket(s)))",
                      "collectives: 1 per step × 200 µs = 200 µs (flags of rank 1's params: a reduce)"]
+
+
+def test_a_paramless_layer_is_charged_its_calibrated_forward_and_backward():
+    plan = small()
+    [relu] = [k for k in plan_kernels(plan) if k.op == "layer"]  # the ReLU (the loss needs labels; fc layers are GEMMs)
+    assert relu.dims == (5, 1) and relu.params == ((4,),)
+    streamed = estimate(plan, TIMED).phases["compute"]
+    slow = estimate(plan, replace(TIMED, kernels={relu.key: 1e-3})).phases["compute"]
+    assert slow == pytest.approx(streamed + 1e-3, rel=1e-3)  # its bytes were nanoseconds: the timing replaces them
+    assert calibrate.time_kernel(relu) > 0  # built from its conf, run on random inputs of its shape, forward and backward

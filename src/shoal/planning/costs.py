@@ -32,11 +32,12 @@ class Kernel:
     """One dense kernel: a matrix product (m×k)·(k×n), or a 2-D convolution (its fwd or its bwd); or the job's
     updater applied once to every trained param ("update": its time per element is what the model charges)."""
 
-    op: str  # "mm" | "conv" | "conv_bwd" (weight gradient, plus input gradient when dims[-1] is 1) | "update"
+    op: str  # "mm" | "conv" | "conv_bwd" (weight gradient, plus input gradient when dims[-1] is 1) | "update" | "module" | "layer"
     dims: tuple[int, ...]  # mm: (m, k, n); conv: (n, c, h, w, f, kh, kw, sh, sw, ph, pw, input_grad); update: (elements,)
     threads: int
     device: str = "cpu"
     # update: the UpdaterProto's bytes and the trained params (name, shape) it is timed on (the key names their digest);
+    # layer (an elementwise, pooling or normalising layer, forward and backward): its LayerProto's bytes, its input shapes;
     # module: the module's digest (the key names it), and the probe running one forward and backward on `rows` samples
     spec: bytes = field(default=b"", compare=False, repr=False)
     params: tuple = field(default=(), compare=False, repr=False)
@@ -46,6 +47,9 @@ class Kernel:
     def key(self) -> str:
         if self.op == "module":
             return f"module {self.spec.decode()[:12]} r{self.dims[0]} {self.device} t{self.threads}"
+        if self.op == "layer":  # the layer's conf and input shapes, on (rows, input gradient or not)
+            digest = hashlib.sha1(self.spec + repr(self.params).encode()).hexdigest()[:12]
+            return f"layer {digest} r{self.dims[0]} g{self.dims[1]} {self.device} t{self.threads}"
         if self.op == "update":
             digest = hashlib.sha1(self.spec + repr(self.params).encode()).hexdigest()[:12]
             return f"update {digest} {self.dims[0]} {self.device} t{self.threads}"
@@ -53,7 +57,7 @@ class Kernel:
 
     @property
     def flops(self) -> int:
-        if self.op in ("update", "module"):
+        if self.op in ("update", "module", "layer"):
             return 0
         if self.op == "mm":
             m, k, n = self.dims
@@ -68,7 +72,7 @@ class Kernel:
         """The operands it reads and the result it writes, once each (the floor on its memory traffic)."""
         if self.op == "update":
             return 3 * FLOAT * self.dims[0]  # value and gradient read, value written
-        if self.op == "module":
+        if self.op in ("module", "layer"):
             return 0
         if self.op == "mm":
             m, k, n = self.dims
@@ -229,6 +233,7 @@ class LayerCost:
     activation_bytes: int  # its output and the output's gradient, kept for backward
     counted: bool = False  # an opaque module's FLOPs (counted by torch, no kernels): timed at the GEMM rate, streams as a floor
     module: Optional[ModuleCosts] = None  # that module (its forward and backward calibrated on real batches: module_kernels)
+    timed: Optional[Kernel] = None  # a layer outside the dense kernels, run forward and backward by the calibration
 
 
 def numel(shape) -> int:
@@ -291,7 +296,19 @@ def layer_cost(node: PartNode, rows: int, threads: int, input_grad: bool, device
         stream_fwd = FLOAT * (ins + out)  # reads its input, writes its output
         stream_bwd = FLOAT * (ins + 2 * out) if input_grad else 0  # reads the output's gradient and a saved blob, writes the input's
     activation = FLOAT * out * (2 if (input_grad or node.params) else 1)
-    return LayerCost(node.name, node.origin, node.worker, rows, fwd_flops, bwd_flops, fwd, bwd, stream_fwd, stream_bwd, activation)
+    return LayerCost(node.name, node.origin, node.worker, rows, fwd_flops, bwd_flops, fwd, bwd, stream_fwd, stream_bwd, activation,
+                     timed=None if fwd else layer_kernel(node, rows, threads, input_grad, device))
+
+
+def layer_kernel(node: PartNode, rows: int, threads: int, input_grad: bool, device: str = "cpu") -> Optional[Kernel]:
+    """The calibration's timing of a paramless neuron layer (activations, pooling, LRN, dropout, softmax...): one
+    elementwise op per element read and written is what its bytes assume; tanh, LRN and friends make several passes
+    and more arithmetic, so the layer itself is run (runtime/calibrate.py: time_layer). None: nothing to time."""
+    layer = node.layer
+    if layer.category != "neuron" or node.params or layer.conf.type in COPIES or device != "cpu" or not layer.src_shapes:
+        return None
+    return Kernel("layer", (rows, int(input_grad)), threads, device, layer.conf.SerializeToString(deterministic=True),
+                  tuple(tuple(s) for s in layer.src_shapes))
 
 
 def module_cost(node: PartNode, rows: int, costs: ModuleCosts) -> LayerCost:
@@ -345,7 +362,7 @@ def kernels_of(costs: dict[int, list[LayerCost]]) -> list[Kernel]:
     seen: dict[str, Kernel] = {}
     for layer_costs in costs.values():
         for c in layer_costs:
-            for k in c.kernels_fwd + c.kernels_bwd:
+            for k in c.kernels_fwd + c.kernels_bwd + ([c.timed] if c.timed else []):
                 seen.setdefault(k.key, k)
     return list(seen.values())
 
@@ -378,7 +395,14 @@ def compute_seconds(costs: list[LayerCost], calib: Calibration, threads: int, co
                     fwd += t
                 else:
                     bwd += t
-        fwd += c.stream_fwd / share
-        bwd += c.stream_bwd / share
+        timed = calib.kernels.get(c.timed.key) if c.timed else None
+        if timed:  # the layer as it ran, split as its bytes are; never less than its bytes at this worker's share
+            streamed = c.stream_fwd + c.stream_bwd
+            part = c.stream_fwd / streamed if streamed else 1.0
+            fwd += max(timed * part, c.stream_fwd / share)
+            bwd += max(timed * (1 - part), c.stream_bwd / share)
+        else:
+            fwd += c.stream_fwd / share
+            bwd += c.stream_bwd / share
         memory += (c.stream_fwd + c.stream_bwd) / share
     return fwd, bwd, memory

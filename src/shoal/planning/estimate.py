@@ -261,6 +261,15 @@ class _Model:
         far_s = max((max(v) / self.link_bw for v in nic.values()), default=0.0)
         return max(loop, far_s)
 
+    def request_s(self, links: dict[int, dict[int, list[int]]], rank: int) -> float:
+        """A request/response exchange of process `rank`: what it sends, then (after the peer's answer) what it
+        receives, one after the other, each at its link's bandwidth (loopback on its host, the link between hosts)."""
+        total = 0.0
+        for peer, (sent, received) in links[rank].items():
+            bw = self.calib.link_gbps * 1e9 if self.where[peer] == self.where[rank] else self.link_bw
+            total += (sent + received) / bw
+        return total
+
     def message_s(self, term: Messages) -> float:
         """One of `term`'s calls: a collective's calibrated fixed cost per hop (a ping-pong's one way for a message),
         plus the link's one-way latency per hop where its processes are on different hosts."""

@@ -398,6 +398,8 @@ def time_kernel(kernel: Kernel, meter: Optional[Meter] = None) -> Optional[float
             return time_update(kernel, meter)
         if kernel.op == "module":
             return time_module(kernel, meter)
+        if kernel.op == "layer":
+            return time_layer(kernel, meter)
         if kernel.op == "mm":
             m, k, n = kernel.dims
             a, b = torch.randn(m, k), torch.randn(k, n)
@@ -431,6 +433,29 @@ def time_update(kernel: Kernel, meter: Optional[Meter] = None) -> Optional[float
         step = iter(range(1, 1_000_000))
         return _best(lambda: updater.update_many(next(step), params), reps=3, min_s=0.05, meter=meter)
     except Exception:  # noqa: BLE001 (a user's optimizer factory that needs its own process: timed by its bytes)
+        return None
+
+
+def time_layer(kernel: Kernel, meter: Optional[Meter] = None) -> Optional[float]:
+    """Seconds of one forward and backward (when its input takes a gradient) of a paramless neuron layer built from its
+    conf, on random inputs of its shapes; None when it cannot run alone (it needs labels or a context)."""
+    from shoal.config import job_pb2
+    from shoal.neuralnet.layers.registry import layer_class
+
+    rows, input_grad = kernel.dims
+    try:
+        conf = job_pb2.LayerProto.FromString(kernel.spec)
+        layer = layer_class(conf)(conf, [tuple(s) for s in kernel.params])
+        xs = [torch.randn(rows, *shape, requires_grad=bool(input_grad)) for shape in kernel.params]
+
+        def run() -> None:
+            out = layer.forward(xs, [], [None] * len(xs), None)
+            out = out[0] if isinstance(out, tuple) else out
+            if input_grad and out.requires_grad:
+                torch.autograd.grad(out, xs, torch.ones_like(out))
+
+        return _best(run, reps=3, min_s=0.02, meter=meter)
+    except Exception:  # noqa: BLE001 (a layer that needs more than its inputs: its bytes stand)
         return None
 
 

@@ -35,6 +35,14 @@ def encoded_parts(cluster: job_pb2.ClusterProto) -> int:
     return len(codecs(error_feedback=False).buffers(1)) if codecs else 1
 
 
+def clips(plan) -> bool:
+    """Whether the job clips by the global norm (its exchange then all-reduces one scalar a step)."""
+    try:
+        return max_norm_of(make_updater(plan.updater)) is not None
+    except Exception:  # noqa: BLE001 (a user updater this process cannot build: planned as not clipping)
+        return False
+
+
 class AllReduce(Strategy):
     framework = Framework.ALLREDUCE
     synchronous = True
@@ -103,7 +111,7 @@ class AllReduce(Strategy):
             terms.append(Messages(f"{what} per bucket of rank {o} ({buckets} bucket(s))", 2 * parts * buckets, "collective", ranks))
             terms.append(Messages(f"flags of rank {o}'s params: a reduce" + ("" if dense else " + a broadcast"), 1 if dense else 2,
                                   "collective", ranks))
-        if max_norm_of(make_updater(plan.updater)) is not None:
+        if clips(plan):
             terms.append(Messages("clip_grad_norm: the global norm's all-reduce", 1, "collective",
                                   tuple(p.rank for p in plan.placement.processes)))
         return terms

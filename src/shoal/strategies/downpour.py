@@ -91,7 +91,11 @@ class Downpour(Strategy):
             f["seconds"] for f in model.fixed_costs() if f["kind"] == "message")
         bounds = {"the server's link": batch / max(request_s, 1e-12),
                   "the server's updates": batch / max(update, 1e-12)}
-        return Phases(update=update, bounds=bounds,
+        # the stub pushes, the server updates, then the values come back: one after the other, unless the answer
+        # arrives while the group computes its next step (overlap_push)
+        stub = plan.ranks_of_group(0)[0]
+        exchange = None if c.overlap_push else model.request_s(links, stub)
+        return Phases(update=update, bounds=bounds, exchange=exchange,
                       staleness=f"≈ {c.nworker_groups - 1} update(s) by other groups between a group's pull and push")
 
     # -- runtime ------------------------------------------------------------------------------------
