@@ -69,8 +69,9 @@ LAYOUTS = [
 
 
 def overrides(layout: Layout, steps: int, test_freq: int, disp_freq: int = 20) -> list[str]:
-    sets = [f"train_steps={steps}", f"test_freq={test_freq}", "test_steps=10", f"disp_freq={disp_freq}", "checkpoint_freq=0",
-            f"validate_freq={test_freq}"]
+    sets = [f"train_steps={steps}", f"disp_freq={disp_freq}", "checkpoint_freq=0"]
+    # a shoal.fit script validates (its val_data); a job.conf tests on its test store
+    sets += [f"validate_freq={test_freq}"] if JOB.suffix == ".py" else [f"test_freq={test_freq}", "test_steps=10"]
     return sets + [f"cluster.{kv}" for kv in layout.cluster.split()]
 
 
@@ -231,6 +232,8 @@ def main() -> None:
         print(f"{layout.name:<18} ran {time.perf_counter() - started:.0f} s ({layout.about})", flush=True)
         done.append(workspace)
 
+    if not done:
+        sys.exit("no layout ran (each was refused: above)")
     budget = f"{args.steps} steps" if args.steps else f"{args.seconds:.0f} s of training"
     rows = compare_runs(done)
     table = render_markdown(rows)
