@@ -47,6 +47,7 @@ JOB = REPO / "examples/mnist/tuned.conf"
 MODELS = {"mnist": "SINGA's MNIST MLP (tuned.conf)", "cifar10": "SINGA's cifar10 convnet (job.conf, random images)",
           "gpt": "the character GPT (examples/gpt/train.py, shoal.fit, AdamW)"}
 GPT = REPO / "examples/gpt/train.py"
+SCRIPT_ARGS = ["--", "--val-freq", "0"]  # the GPT's own validation (2000 windows at step 0) would eat a short budget
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def predicted(sets: list[str]) -> float:
 
 def script_plan(sets: list[str]) -> tuple[int, dict | str]:
     """`shoal plan SCRIPT --estimate --json` with the layout's --sets: (exit status, the JSON or the one-line error)."""
-    args = [sys.executable, "-m", "shoal", "plan", str(JOB), "--estimate", "--json"] + [a for s in sets for a in ("--set", s)]
+    args = [sys.executable, "-m", "shoal", "plan", str(JOB), "--estimate", "--json"] + [a for s in sets for a in ("--set", s)] + SCRIPT_ARGS
     out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=child_env(), timeout=600)
     if out.returncode:
         return out.returncode, (out.stderr.strip().splitlines() or ["no output"])[-1]
@@ -132,6 +133,7 @@ def run(layout: Layout, sets: list[str], workspace: Path, seconds: float | None)
     args = [sys.executable, "-m", "shoal", "run", str(JOB), "--workspace", str(workspace), "--no-progress"]
     for s in sets:
         args += ["--set", s]
+    args += SCRIPT_ARGS if JOB.suffix == ".py" else []
     env = child_env()
     with open(workspace.with_suffix(".log"), "w") as log:
         proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -229,6 +231,9 @@ def main() -> None:
         code = run(layout, sets, workspace, seconds)
         if not (workspace / "metrics.jsonl").exists():
             sys.exit(f"{layout.name}: `shoal run` exited with {code} before training; see {workspace.with_suffix('.log')}")
+        if not (workspace / "metrics.jsonl").read_text().strip():
+            print(f"{layout.name:<18} no display window in the budget (give more --seconds); left out", flush=True)
+            continue
         print(f"{layout.name:<18} ran {time.perf_counter() - started:.0f} s ({layout.about})", flush=True)
         done.append(workspace)
 
