@@ -24,6 +24,6 @@ if [ -f examples/gpt/data/train.txt ]; then
 fi
 
 if [ "${SUITE_SECONDS:-0}" -gt 0 ]; then
-  timeout "$SUITE_SECONDS" "$PY" -m pytest -q -p no:cacheprovider -x -n "${SUITE_WORKERS:-12}" --timeout 240 tests 2>&1 | tail -60 > "$out/suite.log"
+  timeout "$SUITE_SECONDS" "$PY" -m pytest -q -p no:cacheprovider -n "${SUITE_WORKERS:-12}" --timeout 240 tests 2>&1 | tail -60 > "$out/suite.log"
   echo "suite exit $?" >> "$out/suite.log"
 fi
