@@ -23,7 +23,9 @@ if [ -f examples/gpt/data/train.txt ]; then
   "$PY" benchmarks/gpt.py --device cuda:0 --steps "${GPT_STEPS:-200}" --repeats "${GPT_REPEATS:-2}" 2>&1 | tee "$out/gpt-gpu.txt"
 fi
 
-if [ "${SUITE_SECONDS:-0}" -gt 0 ]; then
-  timeout "$SUITE_SECONDS" "$PY" -m pytest -q -p no:cacheprovider -n "${SUITE_WORKERS:-12}" --timeout 240 tests 2>&1 | tail -60 > "$out/suite.log"
-  echo "suite exit $?" >> "$out/suite.log"
+if [ "${SUITE_SECONDS:-0}" -gt 0 ]; then  # -v: each result as it ends, so a run cut by the timeout still names its failures
+  timeout "$SUITE_SECONDS" "$PY" -m pytest -v -p no:cacheprovider -n "${SUITE_WORKERS:-12}" --timeout 240 tests > "$out/suite-verbose.log" 2>&1
+  echo "suite exit $?: $(grep -c ' PASSED ' "$out/suite-verbose.log") passed" > "$out/suite.log"
+  grep -E ' (FAILED|ERROR) ' "$out/suite-verbose.log" >> "$out/suite.log"
+  cat "$out/suite.log"
 fi
