@@ -17,6 +17,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 STEPS = 20
 
 
+def adamw(params):  # a module-level factory: a layout of several processes pickles it to each of them
+    return torch.optim.AdamW(params, lr=0.01)
+
+
 SGD = {"type": "kSGD", "momentum": 0.9, "learning_rate": {"base_lr": 0.05}}
 
 
@@ -51,13 +55,13 @@ def test_a_model_moved_to_the_gpu_trains_there_and_stays_there(tmp_path):
 
 @pytest.mark.parametrize("layout", ["Downpour, 2 groups + 1 server, 3 processes", "Distributed Hogwild, 2 groups"])
 def test_asynchronous_fit_on_a_gpu_learns(tmp_path, layout):
-    _, history = fitted(tmp_path, "async", layout, device="cuda:0", updater=None, optimizer=lambda p: torch.optim.AdamW(p, lr=0.01))
+    _, history = fitted(tmp_path, "async", layout, device="cuda:0", updater=None, optimizer=adamw)
     assert history.final_test["accuracy"] >= 0.9
 
 
 def test_bf16_autocast_and_adamw_with_clipping_on_a_gpu(tmp_path):
     _, history = fitted(tmp_path, "bf16", "AllReduce, 2 processes", device="cuda:0", autocast="bf16", clip_grad_norm=1.0,
-                        updater=None, optimizer=lambda p: torch.optim.AdamW(p, lr=0.01))
+                        updater=None, optimizer=adamw)
     assert history.final_test["accuracy"] >= 0.9
 
 
