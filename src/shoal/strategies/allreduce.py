@@ -7,7 +7,7 @@ from shoal.config import job_pb2
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.buckets import plan_buckets
 from shoal.planning.costs import FLOAT
-from shoal.planning.process_groups import sliced_groups
+from shoal.planning.process_groups import bridge_groups, sliced_groups
 from shoal.planning.strategy import Framework, Layout, Phases, Strategy
 from shoal.runtime.exchanges.compression import codec_factory
 from shoal.runtime.exchanges.local import LocalExchange
@@ -41,8 +41,9 @@ class AllReduce(Strategy):
     def label(self, plan) -> str:
         return "in-memory Sandblaster" if plan.in_one_process else self.framework.value
 
-    def process_groups(self, placement, devices, nnodes: int) -> tuple:
-        return sliced_groups(placement, devices, nnodes)
+    def process_groups(self, placement, devices, nnodes: int, partition) -> tuple:
+        # a partitioned group spanning processes also moves activations and their gradients over bridge groups
+        return sliced_groups(placement, devices, nnodes) + bridge_groups(partition, placement, devices, nnodes)
 
     # -- cost model ---------------------------------------------------------------------------------
     def traffic(self, model, move) -> None:
