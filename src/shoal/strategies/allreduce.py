@@ -6,7 +6,8 @@ from __future__ import annotations
 from shoal.config import job_pb2
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.buckets import plan_buckets
-from shoal.planning.costs import FLOAT
+from shoal.planning.costs import FLOAT, learning_nodes, node_rows, numel
+from shoal.planning.placement import WorkerId
 from shoal.planning.process_groups import bridge_groups, sliced_groups
 from shoal.planning.strategy import Framework, Layout, Phases, Strategy
 from shoal.runtime.exchanges.compression import codec_factory
@@ -25,6 +26,27 @@ def reduce_to_owner(ranks: list[int], owner: int, nbytes: float, move) -> None:
         move(r, ranks[(i + 1) % n], nbytes * (n - 1) / n)
         if r != owner:
             move(r, owner, nbytes / n)
+
+
+def bridges_between_processes(plan, move) -> None:
+    """A partitioned group spanning processes: each bridge whose ends are in different processes broadcasts its blob
+    to the consumer's process and (when params lie below it) the blob's gradient back (runtime/partitioned.py; as
+    in memory, the labels riding along and the few header bytes are left out)."""
+    parts = plan.partition
+    if not plan.partitioned:
+        return
+    shares = list(plan.batch_shares[0]) if plan.batch_shares else [1]
+    learns, by_name = learning_nodes(parts), {n.name: n for n in parts.nodes}
+    for dst in parts.nodes:
+        if dst.layer.conf.type != job_pb2.kBridgeDst:
+            continue
+        src = by_name[dst.peer]
+        src_rank, dst_rank = (plan.placement.process_of(WorkerId(0, n.worker)) for n in (src, dst))
+        if src_rank != dst_rank:
+            nbytes = FLOAT * node_rows(dst, shares) * numel(dst.shape)
+            move(src_rank, dst_rank, nbytes)
+            if learns[src.name]:
+                move(dst_rank, src_rank, nbytes)
 
 
 class AllReduce(Strategy):
@@ -72,6 +94,7 @@ class AllReduce(Strategy):
                     move(r, o, len(params))
                     if not dense:
                         move(o, r, len(params))
+        bridges_between_processes(plan, move)
 
     def phases(self, model, compute: float, links: dict) -> Phases:
         plan, threads = model.plan, model.plan.threads_per_worker
