@@ -1,9 +1,11 @@
 """A worker group whose net is partitioned (shoal.planning.partition): one thread per worker, bridges between them.
 
 Each worker runs its own nodes of the partitioned net in the plan's global
-topological order. A kBridgeSrc hands its blob to the bridge's channel; the
-kBridgeDst on the other worker takes it (moved to its device) as a leaf of its
-own autograd graph, as SINGA's bridge layers block until the data arrives.
+topological order. A kBridgeSrc hands its blob to the bridge's channel (queues
+between threads; between processes a broadcast over the plan's group of the two
+workers, RemoteChannel); the kBridgeDst on the other worker takes it (on its
+device) as a leaf of its own autograd graph, as SINGA's bridge layers block
+until the data arrives.
 
 Backward runs in *segments*: a worker's nodes between two bridge_dst nodes. A
 value used in a later segment is cut (a detached leaf there), so a segment's
