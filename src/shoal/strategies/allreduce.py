@@ -6,8 +6,9 @@ from __future__ import annotations
 from shoal.config import job_pb2
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.buckets import plan_buckets
-from shoal.planning.costs import FLOAT
-from shoal.planning.process_groups import sliced_groups
+from shoal.planning.costs import FLOAT, learning_nodes, node_rows, numel
+from shoal.planning.placement import WorkerId
+from shoal.planning.process_groups import bridge_groups, sliced_groups
 from shoal.planning.strategy import Framework, Layout, Phases, Strategy
 from shoal.runtime.exchanges.compression import codec_factory
 from shoal.runtime.exchanges.local import LocalExchange
@@ -27,6 +28,27 @@ def reduce_to_owner(ranks: list[int], owner: int, nbytes: float, move) -> None:
             move(r, owner, nbytes / n)
 
 
+def bridges_between_processes(plan, move) -> None:
+    """A partitioned group spanning processes: each bridge whose ends are in different processes broadcasts its blob
+    to the consumer's process and (when params lie below it) the blob's gradient back (runtime/partitioned.py; as
+    in memory, the labels riding along and the few header bytes are left out)."""
+    parts = plan.partition
+    if not plan.partitioned:
+        return
+    shares = list(plan.batch_shares[0]) if plan.batch_shares else [1]
+    learns, by_name = learning_nodes(parts), {n.name: n for n in parts.nodes}
+    for dst in parts.nodes:
+        if dst.layer.conf.type != job_pb2.kBridgeDst:
+            continue
+        src = by_name[dst.peer]
+        src_rank, dst_rank = (plan.placement.process_of(WorkerId(0, n.worker)) for n in (src, dst))
+        if src_rank != dst_rank:
+            nbytes = FLOAT * node_rows(dst, shares) * numel(dst.shape)
+            move(src_rank, dst_rank, nbytes)
+            if learns[src.name]:
+                move(dst_rank, src_rank, nbytes)
+
+
 class AllReduce(Strategy):
     framework = Framework.ALLREDUCE
     synchronous = True
@@ -41,8 +63,9 @@ class AllReduce(Strategy):
     def label(self, plan) -> str:
         return "in-memory Sandblaster" if plan.in_one_process else self.framework.value
 
-    def process_groups(self, placement, devices, nnodes: int) -> tuple:
-        return sliced_groups(placement, devices, nnodes)
+    def process_groups(self, placement, devices, nnodes: int, partition) -> tuple:
+        # a partitioned group spanning processes also moves activations and their gradients over bridge groups
+        return sliced_groups(placement, devices, nnodes) + bridge_groups(partition, placement, devices, nnodes)
 
     # -- cost model ---------------------------------------------------------------------------------
     def traffic(self, model, move) -> None:
@@ -71,6 +94,7 @@ class AllReduce(Strategy):
                     move(r, o, len(params))
                     if not dense:
                         move(o, r, len(params))
+        bridges_between_processes(plan, move)
 
     def phases(self, model, compute: float, links: dict) -> Phases:
         plan, threads = model.plan, model.plan.threads_per_worker
