@@ -339,12 +339,38 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
         made_scheduler(spec.scheduler, made(spec.optimizer, list(model.named_parameters())))
     if spec.outer_optimizer is not None:
         _check_outer_layout(job)
+    _check_sendable(job, spec)
     history = api.train(job, workspace=Path(script.workspace(workspace) or "fit-workspace"), resume=resume, log=log,
                         progress=False, job_file="<shoal.fit>", process_setup=functools.partial(register_fit_layers, spec),
                         initial_values=functools.partial(copy_module_values, model))
     if _launched_rank() == 0:  # another launched rank has no checkpoint to read yet (or on its host at all)
         _load_trained_values(model, history.workspace, job.train_steps)
     return history
+
+
+SENT_FIELDS = ("model", "loss_fn", "datasets", "optimizer", "scheduler", "outer_optimizer", "metrics")
+
+
+def _check_sendable(job: job_pb2.JobProto, spec: FitSpec) -> None:
+    """Processes that shoal starts receive the fit call's objects pickled: refuse, in one line naming the argument,
+    one that cannot be (a lambda, a local function). Under torchrun/Slurm each process runs the script itself."""
+    import pickle
+
+    from shoal.planning.plan import plan_job
+
+    import os
+
+    from shoal.launcher.launchers import detect
+
+    plan = plan_job(job)
+    if detect(os.environ) is not None or plan.in_one_process:
+        return
+    for name in SENT_FIELDS:
+        try:
+            pickle.dumps(getattr(spec, name))
+        except Exception as e:  # pickle raises PicklingError, AttributeError or TypeError, by what it met
+            raise FitError(f"shoal.fit: {name}= cannot be sent to the layout's {plan.nprocs} processes ({e}); "
+                           "give a module-level function or functools.partial instead of a lambda or a local function") from None
 
 
 def _load_trained_values(model: torch.nn.Module, workspace: Path, steps: int) -> None:
