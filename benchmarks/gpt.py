@@ -24,7 +24,11 @@ Validation: every steps // 4 steps (before that step trains, as shoal does) and 
 The loop and each DDP rank run one function (plain_loop). On a machine that is not idle, compare CPU time per
 step instead: benchmarks/gpt_overhead.py.
 
-    python benchmarks/gpt.py [--steps 200] [--repeats 3] [--data examples/gpt/data] [--tiny]
+On a GPU (--device cuda:0) every system computes there: the one-worker pair is the same, and the two-process
+pair shares the one GPU (NCCL refuses two ranks on one device), so both shoal's groups and DDP run over gloo,
+staging CUDA tensors through host memory.
+
+    python benchmarks/gpt.py [--steps 200] [--repeats 3] [--data examples/gpt/data] [--tiny] [--device cuda:0]
 """
 from __future__ import annotations
 
@@ -156,7 +160,20 @@ def eval_batch(n: int, batch: int = 100) -> int:
     return min(batch, n)
 
 
-def validate(model, val) -> float:
+def on(batch, device: str):
+    """A collated batch (a dict of tensors) on `device`."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def synchronized(device: str):
+    """A clock that waits for the device's queued work first, so a step's time includes its kernels."""
+    import torch
+    if device.startswith("cuda"):
+        return lambda: (torch.cuda.synchronize(device), time.perf_counter())[1]
+    return time.perf_counter
+
+
+def validate(model, val, device: str = "cpu") -> float:
     """The sample-weighted mean loss over the validation set, in eval mode, as shoal's MetricWindow averages it."""
     import torch
     from torch.utils.data import default_collate
@@ -167,7 +184,7 @@ def validate(model, val) -> float:
     total = 0.0
     with torch.no_grad():
         for start in range(0, len(val), b):
-            loss = next_char_loss(model, default_collate([val[i] for i in range(start, start + b)]))
+            loss = next_char_loss(model, on(default_collate([val[i] for i in range(start, start + b)]), device))
             total += float(loss) * b
     model.train()
     return total / len(val)
@@ -201,7 +218,7 @@ def run_shoal(args, procs: int) -> dict:
     history = shoal.fit(model, next_char_loss, train, val_data=val, test_data=val, val_freq=val_freq(args.steps), val_batch=100,
                         test_batch=100, steps=args.steps, batch_size=s["batch"], seed=SEED, shuffle=True, cluster=cluster,
                         optimizer=adamw, scheduler=functools.partial(scheduler, steps=args.steps), clip_grad_norm=CLIP,
-                        disp_freq=display_freq(args.steps), workspace=ws, log=quiet)
+                        disp_freq=display_freq(args.steps), workspace=ws, log=quiet, device=args.device)
     d = display_freq(args.steps)
     windows = [r for r in history.phase("train") if r["step"] > d]
     sps = sum(r["samples"] for r in windows) / sum(r["window_sec"] for r in windows) if windows else float("nan")
@@ -211,7 +228,7 @@ def run_shoal(args, procs: int) -> dict:
 
 
 def plain_loop(args, model, train, val, rank: int = 0, world: int = 1, barrier=None, validating: bool = True,
-               clock=time.perf_counter) -> dict:
+               clock=None) -> dict:
     """The plain PyTorch loop: this rank's rows of each global batch (the batch split in `world` in order),
     zero_grad, forward and backward, clip_grad_norm_, AdamW, the scheduler; validation on rank 0 before
     every val_freq-th step and after the last (untimed; `barrier` keeps the ranks' timed steps together) unless
@@ -220,6 +237,8 @@ def plain_loop(args, model, train, val, rank: int = 0, world: int = 1, barrier=N
     from torch.utils.data import default_collate
 
     batch, steps = sizes(args)["batch"], args.steps
+    device = getattr(args, "device", "cpu")
+    clock = clock or synchronized(device)
     share = batch // world
     opt = plain_adamw(model)
     sched = scheduler(opt, steps)
@@ -230,12 +249,12 @@ def plain_loop(args, model, train, val, rank: int = 0, world: int = 1, barrier=N
     model.train()
     for step in range(steps):
         if step % vf == 0 and rank == 0 and validating:
-            vals.append([step, validate(plain, val)])
+            vals.append([step, validate(plain, val, device)])
         if barrier is not None:
             barrier()
         start = clock()
         mine = rows(step * batch, batch)[rank * share:(rank + 1) * share]
-        b = default_collate([train[i] for i in mine])
+        b = on(default_collate([train[i] for i in mine]), device)
         opt.zero_grad(set_to_none=True)
         next_char_loss(model, b).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -245,7 +264,7 @@ def plain_loop(args, model, train, val, rank: int = 0, world: int = 1, barrier=N
     if barrier is not None:
         barrier()
     if rank == 0 and validating:
-        vals.append([steps, validate(plain, val)])
+        vals.append([steps, validate(plain, val, device)])
     return {"val": vals, "sps": steady(per_step, batch, steps), "per_step": [per_step[s] for s in range(steps)]}
 
 
@@ -254,7 +273,7 @@ def run_loop(args) -> dict:
 
     torch.set_num_threads(args.threads)
     model, train, val = build(args)
-    return plain_loop(args, model, train, val)
+    return plain_loop(args, model.to(args.device), train, val)
 
 
 def ddp_worker(rank: int, args, port: int, out: str) -> None:
@@ -264,7 +283,8 @@ def ddp_worker(rank: int, args, port: int, out: str) -> None:
     torch.set_num_threads(max(1, args.threads // 2))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     model, train, val = build(args)  # the same init on both ranks (and DDP broadcasts rank 0's anyway)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    model = model.to(args.device)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[torch.device(args.device).index or 0] if args.device != "cpu" else None)
     result = plain_loop(args, ddp, train, val, rank=rank, world=2, barrier=dist.barrier)
     if rank == 0:
         Path(out).write_text(json.dumps(result))
@@ -289,7 +309,7 @@ def child(args) -> None:
 def spawn(args, which: str) -> dict:
     out = Path(tempfile.mkdtemp(prefix="gpt-bench-")) / f"{which}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", which, "--out", str(out), "--steps", str(args.steps),
-           "--data", str(args.data), "--threads", str(args.threads)] + (["--tiny"] if args.tiny else [])
+           "--data", str(args.data), "--threads", str(args.threads), "--device", args.device] + (["--tiny"] if args.tiny else [])
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if done.returncode != 0:
         sys.exit(f"{which} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
@@ -324,6 +344,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny model (1 layer, 32 wide, block 16): a smoke run")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads of one worker (2 processes: half each)")
+    parser.add_argument("--device", default="cpu", help="where every system computes: cpu or cuda:N")
     parser.add_argument("--child", choices=["shoal1", "loop", "shoal2", "ddp"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -341,12 +362,15 @@ def main() -> None:
     print(f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
     print(f"machine: {machine()}")
     print(f"load average before: {before}")
-    timings_ok = start_load <= 1.0
+    cores = os.cpu_count() or 1
+    timings_ok = start_load <= max(1.0, cores / 2)  # idle: below 1 on 2 cores, half the cores on a bigger machine
     if not timings_ok:
-        print(f"WARNING: 1-min load average {start_load:.2f} > 1 at the start: the machine is not idle; samples/s are not reported")
+        print(f"WARNING: 1-min load average {start_load:.2f} > {max(1.0, cores / 2):g} on {cores} cores at the start: "
+              "the machine is not idle; samples/s are not reported")
     print(f"GPT {s['layers']} layers, {s['heads']} heads, {s['width']} wide, block {s['block']}; global batch {s['batch']}; "
           f"{args.steps} steps; AdamW lr {LR} (decay 0.1 on matrices), clip {CLIP}, warm-up + cosine; seed {SEED}; "
-          f"threads {args.threads} (1 worker), {max(1, args.threads // 2)} per process (2 processes)")
+          f"threads {args.threads} (1 worker), {max(1, args.threads // 2)} per process (2 processes); on {args.device}"
+          + (f" ({__import__('torch').cuda.get_device_name(args.device)})" if args.device != "cpu" else ""))
     print(f"steady state: steps {display_freq(args.steps) + 1} .. end, training only (start-up window and validation left out)\n")
 
     keys = dict(zip(SYSTEMS, ("shoal1", "loop", "shoal2", "ddp")))

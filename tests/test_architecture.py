@@ -245,6 +245,43 @@ def test_the_device_check_sees_an_unplaced_allocation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import torch\na = torch.zeros(3)\nb = torch.zeros(3, device='cpu')\nc = torch.zeros_like(a)\nd = torch.tensor([1])\n")
     assert unplaced_allocations([bad]) == ["bad.py:2 torch.zeros()", "bad.py:5 torch.tensor()"]
+
+
+# tagged point-to-point stays only where the protocol is request/response (issue 29): Downpour's stubs and servers (a
+# rejoin's handshake rides their channels), Distributed Hogwild's syncs, and the comm modules that carry them; the
+# calibration's link probe times point-to-point messages themselves (no exchange)
+TAGGED_PROTOCOLS = {"comm/dist.py", "comm/channels.py", "runtime/exchanges/downpour.py", "runtime/exchanges/hogwild.py",
+                    "runtime/calibrate.py"}
+POINT_TO_POINT = {"isend", "irecv", "send", "recv"}
+
+
+def tagged_messages(paths: list[Path]) -> list[str]:
+    """Where a file names a message tag (`tag`, `TAG_*`) or calls the comm layer's point-to-point (`comm.send`, `dist.irecv`)."""
+    found = []
+    for path in paths:
+        where = path.relative_to(SRC) if path.is_relative_to(SRC) else path.name
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
+                    else node.arg if isinstance(node, (ast.arg, ast.keyword)) else None)
+            if name is not None and (name in ("tag", "tags") or name.startswith("TAG")):
+                found.append(f"{where}:{node.lineno} {name}")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in POINT_TO_POINT
+                  and isinstance(node.func.value, ast.Name) and node.func.value.id in ("comm", "dist")):
+                found.append(f"{where}:{node.lineno} {node.func.value.id}.{node.func.attr}()")
+    return found
+
+
+def test_only_request_response_protocols_use_tagged_point_to_point():
+    """Synchronous exchanges and partitioned groups' bridges match collectives by order over the plan's groups."""
+    paths = [p for p in SRC.rglob("*.py") if str(p.relative_to(SRC)) not in TAGGED_PROTOCOLS]
+    assert tagged_messages(paths) == []
+
+
+def test_the_tag_check_sees_a_tag(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from shoal.comm import dist as comm\nTAG_BASE = 1 << 20\ncomm.isend(t, 1, 5)\ndef f(x, tag): pass\n"
+                   "group.broadcast(t, src=0)\n")
+    assert tagged_messages([bad]) == ["bad.py:2 TAG_BASE", "bad.py:3 comm.isend()", "bad.py:4 tag"]
 STRATEGY_HOMES = [SRC / "strategies", SRC / "planning" / "strategy.py"]
 EXCHANGES = SRC / "runtime" / "exchanges"  # defines the concrete exchanges (and may use its own), never a Framework
 

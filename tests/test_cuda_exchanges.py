@@ -1,10 +1,11 @@
 """Every framework with its workers on a GPU (issue 29 point 3); each test skips without CUDA.
 
 On one host `shoal run` gives worker k of every process device[k], so its processes share a GPU: NCCL
-refuses two ranks on one device, the plan puts their groups on gloo and the exchanges stage CUDA
-tensors through host memory. A separate server (Sandblaster) holds its slices in host memory: a
-mixed CPU+GPU group. One GPU per process over NCCL is two nodes on this host (`--nnodes 2`), each
-seeing another GPU as cuda:0 (CUDA_VISIBLE_DEVICES); it needs two GPUs.
+refuses two ranks on one device, the plan puts their groups on gloo and the exchanges (and a partitioned
+group's bridges, over each pair of workers' group) stage CUDA tensors through host memory. A separate
+server (Sandblaster) holds its slices in host memory: a mixed CPU+GPU group. One GPU per process over
+NCCL is two nodes on this host (`--nnodes 2`), each seeing another GPU as cuda:0 (CUDA_VISIBLE_DEVICES);
+it needs two GPUs.
 """
 from __future__ import annotations
 
@@ -50,6 +51,22 @@ def assert_close_params(got, expected):
 def test_synchronous_layouts_on_a_gpu_equal_one_cpu_worker(blobs_job, tmp_path, layout, devices):
     single = trained(blobs_job(train_steps=STEPS), tmp_path / "single")
     group = trained(on_gpu(blobs_job, layout, devices), tmp_path / "group", layout)
+    assert_close_params(group, single)
+
+
+PLACED_ON_WORKER_3 = ["neuralnet.layer[name=fc1].location=3", "neuralnet.layer[name=relu].location=3"]
+
+
+@pytest.mark.parametrize("layout, devices, overrides", [
+    # fc1 and relu cut on features over the two processes on one GPU: the bridge pair's group is gloo, staged
+    ("AllReduce, 2 processes", ["cuda:0"], ["neuralnet.partition_dim=1"]),
+    # fc1 and relu on worker 3 (process 1's CPU worker), the rest on both processes' GPU and CPU workers
+    ("AllReduce, 2 processes x 2 threads", ["cuda:0", "cpu"], PLACED_ON_WORKER_3),
+])
+def test_a_partitioned_group_spanning_processes_on_a_gpu_equals_one_cpu_worker(blobs_job, tmp_path, layout, devices, overrides):
+    """Bridges between processes: broadcasts over the plan's group of each pair of workers, each end on its device."""
+    single = trained(blobs_job(train_steps=STEPS), tmp_path / "single")
+    group = trained(on_gpu(blobs_job, layout, devices), tmp_path / "group", layout, *overrides)
     assert_close_params(group, single)
 
 

@@ -187,3 +187,11 @@ def test_over_processes_accumulation_metrics_and_targets_reach_the_chief(tmp_pat
     s = summary(tmp_path / "allreduce")
     assert set(s["validate"]) == {"loss", "perplexity", "accuracy"} and s["goals"]["targets"] == ["val_loss<=3.2"]
     assert s["time_to_target"]["val_loss<=3.2"]["step"] == 0  # the untrained GPT starts below it (about 3.1)
+
+
+def test_a_lambda_optimizer_for_several_processes_is_refused_naming_the_argument(tmp_path):
+    """Spawned processes receive the fit call's objects pickled: a lambda is one line, before anything starts."""
+    with pytest.raises(FitError, match=r"optimizer= cannot be sent to the layout's 2 processes .*module-level function"):
+        fit(tmp_path, "lambda", steps=2, cluster=LAYOUTS["AllReduce, 2 processes"].fit_cluster(), updater=None,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    assert not (tmp_path / "lambda").exists()

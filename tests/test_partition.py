@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from cli_in_process import run_cli
@@ -269,6 +270,47 @@ def test_a_partitioned_group_spanning_processes_trains_exactly_like_one_worker(b
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
     for name in single_params:
         torch.testing.assert_close(params[name], single_params[name], rtol=1e-5, atol=1e-6)
+
+
+def _bridged_bytes_of_rank(rank: int, job: str, workspace: str, port: int) -> None:
+    """One process of a partitioned group through the runtime's own assembly; it leaves the bytes its bridges to the
+    other process moved in the last step (sent and received) behind."""
+    from shoal.comm import dist as comm
+    from shoal.runtime.partitioned import RemoteChannel
+
+    plan = plan_job(shoal.load_job(job))
+    comm.init(rank, plan.nprocs, "127.0.0.1", port)
+    try:
+        run = assemble(plan, rank, RunSpec(workspace=Path(workspace), log=lambda *a: None, progress=False))
+        run.run(None, lambda *a: None)
+        channels = run.chief.workers[0].channels.values()
+        moved = sum(c.bytes for c in channels if isinstance(c, RemoteChannel))
+        (Path(workspace) / f"bridged{rank}.json").write_text(json.dumps(moved))
+    finally:
+        comm.shutdown()
+
+
+@pytest.mark.slow  # two spawned processes: ~5 s of CPU, past the default suite's budget
+def test_the_bridges_between_processes_move_what_the_cost_model_says(blobs_dir, tmp_path):
+    """Each rank's bridges to the other (activations forward, their gradients back) = AllReduce's bridge term."""
+    import torch.multiprocessing as mp
+
+    from shoal.comm.dist import free_port
+    from shoal.strategies.allreduce import bridges_between_processes
+
+    job = tmp_path / "job.conf"
+    job.write_text(job_text(blobs_dir, net="partition_dim: 1", steps=2, layout="AllReduce, 2 processes"))
+    plan = plan_job(shoal.load_job(job))
+    expected = [0, 0]
+
+    def move(src: int, dst: int, nbytes: float) -> None:
+        expected[src] += int(nbytes)
+        expected[dst] += int(nbytes)
+
+    bridges_between_processes(plan, move)
+    mp.spawn(_bridged_bytes_of_rank, args=(str(job), str(tmp_path), free_port()), nprocs=2)
+    got = [json.loads((tmp_path / f"bridged{rank}.json").read_text()) for rank in range(2)]
+    assert got == expected and expected[0] > 0
 
 
 def test_an_asynchronous_partitioned_group_split_over_processes_is_refused_in_one_line(blobs_dir, tmp_path):

@@ -6,12 +6,16 @@ import pytest
 import shoal
 from layouts import LAYOUTS
 from shoal.planning.plan import plan_job
-from shoal.planning.process_groups import nccl_capable
+from shoal.planning.process_groups import ProcessGroupPlan, nccl_capable
+
+
+def plan_groups(blobs_job, layout: str, devices=(), *overrides, nnodes: int = 1):
+    job = blobs_job(layout=layout, extra="".join(f' device: "{d}"' for d in devices))
+    return list(plan_job(shoal.load_job(job, list(overrides)), cores=2, nnodes=nnodes).process_groups)
 
 
 def groups_of(blobs_job, layout: str, devices=(), *overrides, nnodes: int = 1):
-    job = blobs_job(layout=layout, extra="".join(f' device: "{d}"' for d in devices))
-    return [(g.name, g.ranks, g.nccl) for g in plan_job(shoal.load_job(job, list(overrides)), cores=2, nnodes=nnodes).process_groups]
+    return [(g.name, g.ranks, g.nccl) for g in plan_groups(blobs_job, layout, devices, *overrides, nnodes=nnodes)]
 
 
 def test_each_owner_of_slices_gets_a_group_of_the_worker_processes_and_itself(blobs_job):
@@ -31,6 +35,23 @@ def test_nccl_only_where_every_member_has_a_gpu_of_its_own(blobs_job):
         ("sliced/owner2", (0, 1, 2), False)]
     local_sgd = ["cluster.nworker_groups=2", "cluster.local_steps=5"]
     assert groups_of(blobs_job, "single worker", ["cuda:0"], *local_sgd, nnodes=2) == [("meeting", (0, 1), True)]
+
+
+def test_a_partitioned_group_spanning_processes_gets_a_dedicated_group_per_bridged_pair_of_workers(blobs_job):
+    """Bridges between processes run over the plan's groups: one per pair of workers a bridge joins across processes,
+    never the world's handle (dedicated), so two pairs on the same two processes get two groups."""
+    feature = ["neuralnet.partition_dim=1"]
+    assert [g for g in plan_groups(blobs_job, "AllReduce, 2 processes", (), *feature) if g.name.startswith("bridges/")] == [
+        ProcessGroupPlan("bridges/g0/w0+w1", (0, 1), False, dedicated=True)]
+    # fc1 and relu on worker 3 (process 1): workers 0 and 1 (process 0) bridge to it; worker 2 shares its process
+    placed = ["neuralnet.layer[name=fc1].location=3", "neuralnet.layer[name=relu].location=3"]
+    assert groups_of(blobs_job, "AllReduce, 2 processes x 2 threads", (), *placed) == [
+        ("sliced/owner0", (0, 1), False), ("sliced/owner1", (0, 1), False),
+        ("bridges/g0/w0+w3", (0, 1), False), ("bridges/g0/w1+w3", (0, 1), False)]
+    # a GPU of its own on each node: the pair's CUDA tensors ride NCCL
+    assert groups_of(blobs_job, "AllReduce, 2 processes", ["cuda:0"], *feature, nnodes=2)[-1] == ("bridges/g0/w0+w1", (0, 1), True)
+    # data parallel only (no layer cut): plain workers, no bridges
+    assert groups_of(blobs_job, "AllReduce, 2 processes") == [("sliced/owner0", (0, 1), False)]
 
 
 @pytest.mark.parametrize("layout", ["single worker", "in-memory Sandblaster, 2 threads", "Downpour, 2 groups + 1 server, 3 processes"])

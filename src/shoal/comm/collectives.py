@@ -94,9 +94,10 @@ class Handle:
 
 
 def create(specs: Iterable) -> dict[str, Group]:
-    """Make every group the plan names (ProcessGroupPlan: name, ranks, nccl), on every rank, in the plan's order.
+    """Make every group the plan names (ProcessGroupPlan: name, ranks, nccl, dedicated), on every rank, in the plan's order.
 
-    A group of every rank that may ride NCCL exactly when the world does is the world itself (no new connections)."""
+    A group of every rank that may ride NCCL exactly when the world does is the world itself (no new connections),
+    unless it is dedicated: used by some threads while others use other groups (bridges), it needs a handle of its own."""
     specs = list(specs)
     if not specs:  # nothing to make: no process group needed (a layout without collectives)
         return {}
@@ -106,7 +107,7 @@ def create(specs: Iterable) -> dict[str, Group]:
     for spec in specs:
         ranks = tuple(sorted(spec.ranks))
         on_nccl = bool(spec.nccl) and nccl_usable()
-        if ranks == tuple(range(world)) and on_nccl == world_on_nccl:
+        if ranks == tuple(range(world)) and on_nccl == world_on_nccl and not spec.dedicated:
             handle = None
         else:
             handle = dist.new_group(ranks=list(ranks), backend="cpu:gloo,cuda:nccl" if on_nccl else "gloo",

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from google.protobuf import json_format
@@ -99,9 +99,10 @@ def _data_layer(net: job_pb2.NetProto, phase: int, batch: int) -> None:
 
 def fit_job(model: torch.nn.Module, form: str, *, batch_size: int, steps: int, test_batch: int, test_steps: int, test_freq: int,
             val_batch: int, val_steps: int, val_freq: int, disp_freq: int, cluster: job_pb2.ClusterProto, updater: dict,
-            seed: int, checkpoint_freq: int) -> job_pb2.JobProto:
+            seed: int, checkpoint_freq: int, devices: Sequence[str] = ()) -> job_pb2.JobProto:
     """The job of a fit call: its data, module and loss as user layers (module_path), the rest as in a job file."""
     job = job_pb2.JobProto(name="fit", train_steps=steps, disp_freq=disp_freq, seed=seed, checkpoint_freq=checkpoint_freq)
+    job.device.extend(devices)  # worker k of each process on devices[k], as a job file's `device` field says
     if test_steps > 0:
         # without a frequency, test once at the end (a test set given is never silently unused)
         job.test_steps, job.test_freq, job.test_after = test_steps, test_freq or steps, 0 if test_freq else steps
@@ -207,6 +208,7 @@ def fit(
     targets: Optional[dict] = None,
     val_steps: Optional[int] = None,
     loss_takes: Optional[str] = None,
+    device: Union[str, torch.device, Sequence[str], None] = None,
     workspace: Optional[Union[str, Path]] = None,
     resume: bool = False,
     log: Callable[[str], None] = print,
@@ -245,7 +247,9 @@ def fit(
     the first val_steps batches of the validation set). higher_is_better: metric names whose larger
     values are better (or a dict name -> bool); otherwise read from the name (report.metrics). targets:
     {"val_loss": 1.9, "test_accuracy": 0.9}: summary.json's time_to_target gives the step and wall
-    time each was first reached.
+    time each was first reached. device: where the workers compute — "cuda:0", or one device per worker
+    of a process (["cuda:0", "cpu"]: worker 0 on the GPU, worker 1 on the CPU), as a job file's `device`
+    field; None: the device the model's params are on (the CPU for a model not moved).
     """
     from shoal.frontend import script
 
@@ -276,7 +280,7 @@ def fit(
     job = fit_job(model, form, batch_size=batch_size, steps=steps, test_batch=test_batch, test_steps=test_steps,
                   test_freq=test_freq, val_batch=val_batch, val_steps=val_steps, val_freq=val_freq, disp_freq=disp_freq,
                   cluster=cluster or Cluster(), updater=updater or {"type": "kSGD", "learning_rate": {"base_lr": 0.01}},
-                  seed=seed, checkpoint_freq=checkpoint_freq)
+                  seed=seed, checkpoint_freq=checkpoint_freq, devices=worker_devices(device, model))
     if outer_optimizer is not None:
         if job.cluster.HasField("outer_updater"):
             raise FitError("shoal.fit: give cluster.outer_updater (SINGA's) or outer_optimizer (a torch.optim factory), not both")
@@ -295,6 +299,22 @@ def fit(
 
         log(closing_line(history.workspace))  # what the run did, as `shoal run` closes
     return history
+
+
+def worker_devices(device, model: torch.nn.Module) -> list[str]:
+    """fit's device= as the job's device list ([]: every worker on the CPU)."""
+    if device is None:
+        on = {p.device for p in model.parameters()}
+        device = next(iter(on)) if len(on) == 1 else "cpu"
+    names = [device] if isinstance(device, (str, torch.device)) else list(device)
+    out = []
+    for name in names:
+        try:
+            d = torch.device(name)
+        except (RuntimeError, TypeError):
+            raise FitError(f"shoal.fit: device={name!r} is not a device (give e.g. 'cuda:0' or 'cpu')") from None
+        out.append(f"{d.type}:{0 if d.index is None else d.index}" if d.type == "cuda" else str(d))
+    return [] if out == ["cpu"] else out
 
 
 def _launched_rank() -> int:
@@ -319,12 +339,38 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
         made_scheduler(spec.scheduler, made(spec.optimizer, list(model.named_parameters())))
     if spec.outer_optimizer is not None:
         _check_outer_layout(job)
+    _check_sendable(job, spec)
     history = api.train(job, workspace=Path(script.workspace(workspace) or "fit-workspace"), resume=resume, log=log,
                         progress=False, job_file="<shoal.fit>", process_setup=functools.partial(register_fit_layers, spec),
                         initial_values=functools.partial(copy_module_values, model))
     if _launched_rank() == 0:  # another launched rank has no checkpoint to read yet (or on its host at all)
         _load_trained_values(model, history.workspace, job.train_steps)
     return history
+
+
+SENT_FIELDS = ("model", "loss_fn", "datasets", "optimizer", "scheduler", "outer_optimizer", "metrics")
+
+
+def _check_sendable(job: job_pb2.JobProto, spec: FitSpec) -> None:
+    """Processes that shoal starts receive the fit call's objects pickled: refuse, in one line naming the argument,
+    one that cannot be (a lambda, a local function). Under torchrun/Slurm each process runs the script itself."""
+    import pickle
+
+    from shoal.planning.plan import plan_job
+
+    import os
+
+    from shoal.launcher.launchers import detect
+
+    plan = plan_job(job)
+    if detect(os.environ) is not None or plan.in_one_process:
+        return
+    for name in SENT_FIELDS:
+        try:
+            pickle.dumps(getattr(spec, name))
+        except Exception as e:  # pickle raises PicklingError, AttributeError or TypeError, by what it met
+            raise FitError(f"shoal.fit: {name}= cannot be sent to the layout's {plan.nprocs} processes ({e}); "
+                           "give a module-level function or functools.partial instead of a lambda or a local function") from None
 
 
 def _load_trained_values(model: torch.nn.Module, workspace: Path, steps: int) -> None:

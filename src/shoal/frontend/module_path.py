@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from shoal.config import job_pb2
-from shoal.data.in_place import batch_rows, first_batch, first_tensor
+from shoal.data.in_place import batch_rows, first_batch, first_tensor, to_device
 from shoal.errors import ShoalError
 from shoal.frontend.fit_metrics import FitError, report_metrics  # noqa: F401 (FitError: fit's error, named here too)
 from shoal.neuralnet.layers.base import Layer
@@ -36,6 +36,11 @@ from shoal.report.targets import RunGoals, set_run_goals
 
 DATA_LAYER, MODULE_LAYER, LOSS_LAYER, MODULE_LOSS_LAYER = "shoal.fit.Data", "shoal.fit.Module", "shoal.fit.Loss", "shoal.fit.ModuleLoss"
 LOSS_FORMS = ("output", "model")
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """Where a module's params are (the CPU for one without params)."""
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def loss_form(loss_fn: Callable, loss_takes: Optional[str]) -> str:
@@ -217,6 +222,8 @@ def register_fit_layers(spec: FitSpec) -> None:
             if not self.enter_phase(ctx):
                 return torch.func.functional_call(wrapper, self.values(params, ctx.device, prefix), args, strict=False)
             if len(params) != len(self.installed) or any(a is not b for a, b in zip(params, self.installed)):
+                if not self.installed:  # its buffers (batch-norm statistics, masks) where this worker computes
+                    self.module.to(ctx.device)
                 hold_params(self.slots, dict(zip(names, params)))
                 self.installed = list(params)
             return wrapper(*args)
@@ -228,6 +235,7 @@ def register_fit_layers(spec: FitSpec) -> None:
         def __init__(self, conf, src_shapes):
             super().__init__(conf, src_shapes)
             inputs, _ = split_pair(first_batch(spec.datasets[job_pb2.kTrain]))
+            inputs = to_device(inputs, module_device(self.module))  # a model given on a GPU is probed there
             self.module.eval()  # the shape probe: one real sample, and no batch-norm statistics moved
             with torch.no_grad():
                 self.shape = tuple(self.module(inputs).shape[1:])

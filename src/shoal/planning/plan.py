@@ -174,7 +174,7 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
         bucket_elements=cap_from_env(environ, job.cluster.bucket_mb),
         max_restarts=restarts_override(environ, job.cluster.max_restarts),
         **{name: seconds_override(environ, variable, name, getattr(job.cluster, name)) for name, variable in TIMEOUT_OVERRIDES.items()},
-        process_groups=strategy.process_groups(placement, devices, nnodes) if len(placement.processes) > 1 else (),
+        process_groups=strategy.process_groups(placement, devices, nnodes, parts) if len(placement.processes) > 1 else (),
     )
     if job.cluster.local_warmup_steps and not strategy.meets:
         raise UnsupportedClusterError("cluster.local_warmup_steps: applies to Local SGD only (cluster.local_steps > 0 and several worker groups)")

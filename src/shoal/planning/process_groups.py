@@ -4,14 +4,19 @@ Every rank creates every group, in this order (torch.distributed requires it; sh
 does it). NCCL carries a group's CUDA tensors only when each member computes only on GPUs of its own:
 NCCL refuses two processes on one GPU, and a member without a GPU (a CPU worker, a separate server)
 has nothing for it to move; such a group is gloo's, and its CUDA tensors stage through host memory.
+
+A partitioned group spanning processes adds one group per pair of its workers that a bridge joins
+across processes (`bridge_groups`): a pair's two threads alone use it, both in the plan's node order.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
 
+from shoal.config import job_pb2
 from shoal.planning.nodes import node_of_rank
-from shoal.planning.placement import Placement
+from shoal.planning.partition import PartitionPlan
+from shoal.planning.placement import Placement, WorkerId
 
 
 @dataclass(frozen=True)
@@ -19,6 +24,9 @@ class ProcessGroupPlan:
     name: str
     ranks: tuple[int, ...]
     nccl: bool  # every member computes on GPUs of its own: CUDA tensors may ride NCCL
+    # never the world's own handle, even with the world's ranks: its collectives run while other threads of the same
+    # processes run theirs on other groups (a bridge pair's), which on one handle would be matched out of order
+    dedicated: bool = False
 
 
 def nccl_capable(rank_devices: Sequence[Sequence[str]], rank_nodes: Sequence[int]) -> bool:
@@ -62,3 +70,33 @@ def whole_group(name: str, ranks: Sequence[int], devices: Sequence[Sequence[str]
     node = node_of_rank(len(devices), nnodes)
     ranks = tuple(sorted(ranks))
     return ProcessGroupPlan(name, ranks, nccl_capable([devices[r] for r in ranks], [node[r] for r in ranks]))
+
+
+def bridge_group_name(group: int, a: int, b: int) -> str:
+    """The group carrying the bridges between workers `a` and `b` (either order) of worker group `group`."""
+    low, high = sorted((a, b))
+    return f"bridges/g{group}/w{low}+w{high}"
+
+
+def bridge_groups(partition: PartitionPlan, placement: Placement, devices: Sequence[Sequence[str]],
+                  nnodes: int = 1) -> tuple[ProcessGroupPlan, ...]:
+    """Per worker group, one two-process group per pair of its workers in different processes joined by a bridge
+    (either way), in the order of the partitioned net's first bridge between them (runtime/partitioned.py)."""
+    if not partition.partitioned:  # a plain data-parallel group runs Workers, without bridges
+        return ()
+    by_name = {n.name: n for n in partition.nodes}
+    pairs = []
+    for dst in partition.nodes:
+        if dst.layer.conf.type == job_pb2.kBridgeDst:
+            pair = tuple(sorted((by_name[dst.peer].worker, dst.worker)))
+            if pair not in pairs:
+                pairs.append(pair)
+    node = node_of_rank(len(placement.processes), nnodes)
+    groups = []
+    for group in sorted({w.group for p in placement.processes for w in p.workers}):
+        for a, b in pairs:
+            ranks = tuple(sorted({placement.process_of(WorkerId(group, a)), placement.process_of(WorkerId(group, b))}))
+            if len(ranks) == 2:
+                groups.append(ProcessGroupPlan(bridge_group_name(group, a, b), ranks,
+                                               nccl_capable([devices[r] for r in ranks], [node[r] for r in ranks]), dedicated=True))
+    return tuple(groups)

@@ -137,9 +137,10 @@ class Strategy:
         """What `shoal plan` says of this framework's run (besides the common notes)."""
         return []
 
-    def process_groups(self, placement: "Placement", devices, nnodes: int) -> tuple:
-        """The named process groups its exchanges' collectives run over, for a layout of several processes
-        (planning/process_groups.py: created on every rank in this order); none by default."""
+    def process_groups(self, placement: "Placement", devices, nnodes: int, partition: "PartitionPlan") -> tuple:
+        """The named process groups its exchanges' collectives (and a partitioned group's bridges across processes)
+        run over, for a layout of several processes (planning/process_groups.py: created on every rank in this
+        order); none by default."""
         return ()
 
     def round_steps(self, cluster: job_pb2.ClusterProto) -> tuple[int, str]:

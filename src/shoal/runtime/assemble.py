@@ -119,6 +119,10 @@ def assemble(plan: JobPlan, rank: int, spec: RunSpec) -> ProcessRun:
     home = torch_device(devices[0]) if devices and not on_host else torch.device("cpu")
     chief_rank = rank == 0
     groups = sorted({w.group for w in hosted.workers})
+    rejoining = spec.rejoin is not None
+    # the plan's process groups, made on every rank in its order (a rejoined process is in none), before the trainers:
+    # a partitioned group's bridges to other processes run over them
+    made = collectives.create(plan.process_groups) if distributed and not rejoining else {}
     trainers: list[Trainer] = []
     for group in groups or [0]:  # a server process builds a trainer too: it holds the params it serves
         mine = [(w.id, d) for w, d in zip(hosted.workers, devices) if w.group == group]
@@ -128,12 +132,9 @@ def assemble(plan: JobPlan, rank: int, spec: RunSpec) -> ProcessRun:
             plan, spec.workspace, spec.base_dirs, home if shared is not None or not trainers else torch_device(mine[0][1]),
             log=spec.log, progress=spec.progress if chief_rank and not trainers else False,
             worker_indices=[i for i, _ in mine], chief=chief_rank and not trainers, store=shared, group=group,
-            worker_devices=[d for _, d in mine], rank=rank,
+            worker_devices=[d for _, d in mine], rank=rank, process_groups=made,
         ))
-    run = ProcessRun(plan, rank, trainers, rejoining=spec.rejoin is not None, faults=spec.faults)
-    # the plan's process groups, made on every rank in its order (a rejoined process is in none)
-    if distributed and not run.rejoining:
-        run.process_groups = collectives.create(plan.process_groups)
+    run = ProcessRun(plan, rank, trainers, rejoining=rejoining, faults=spec.faults, process_groups=made)
     plan.strategy.attach_exchanges(run)
     _set_values(run, spec)
     if distributed:

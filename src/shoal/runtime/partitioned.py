@@ -1,9 +1,11 @@
 """A worker group whose net is partitioned (shoal.planning.partition): one thread per worker, bridges between them.
 
 Each worker runs its own nodes of the partitioned net in the plan's global
-topological order. A kBridgeSrc hands its blob to the bridge's channel; the
-kBridgeDst on the other worker takes it (moved to its device) as a leaf of its
-own autograd graph, as SINGA's bridge layers block until the data arrives.
+topological order. A kBridgeSrc hands its blob to the bridge's channel (queues
+between threads; between processes a broadcast over the plan's group of the two
+workers, RemoteChannel); the kBridgeDst on the other worker takes it (on its
+device) as a leaf of its own autograd graph, as SINGA's bridge layers block
+until the data arrives.
 
 Backward runs in *segments*: a worker's nodes between two bridge_dst nodes. A
 value used in a later segment is cut (a detached leaf there), so a segment's
@@ -27,17 +29,18 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 import torch
 
 from shoal.neuralnet.algorithms import Grads
-from shoal.comm import dist as comm
+from shoal.comm.collectives import Group
 from shoal.config import job_pb2
 from shoal.neuralnet.layers.base import Context
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.partition import BATCH, ParamView, PartitionPlan, PartNode
+from shoal.planning.process_groups import bridge_group_name
 from shoal.planning.shares import GroupShards
 from shoal.neuralnet.layers.connection import split_sizes
 from shoal.runtime.feed import InputFeed, batch_conf, batch_shares, make_feeds
@@ -85,66 +88,72 @@ class Channel:
 
 
 class RemoteChannel:
-    """One bridge between processes, through the comm layer's point-to-point messages.
+    """One bridge between processes: a broadcast from the producer within its pair of workers' process group.
 
-    Sends never block (isend, waited at the end of the step): a blocking send to a
-    worker that is itself blocked sending would deadlock two processes. Each message
-    has its own tag, so the order of messages of different bridges does not matter.
+    The plan names one two-process group per pair of workers a bridge joins across processes
+    (planning/process_groups.py::bridge_groups); only the pair's two threads use it. A message is
+    matched by its place in the pair's order, not by a tag (NCCL has none): both threads issue the
+    pair's messages in the partitioned net's node order forward and in its exact reverse backward
+    (a worker's backward visits its bridges last to first), so the two ends always agree. Why
+    broadcast: with two members it puts the tensor on the wire once, as a send would; every backend
+    has it (NCCL for CUDA tensors of GPUs of their own, gloo otherwise); and the Group stages CUDA
+    tensors through the host where its backend is gloo. Tensors stay on their worker's device; the
+    small header (rows, labels?, wants a gradient?) is a host tensor, which gloo carries in either case.
+    Sends never block (launched, waited at the end of the step): a blocking send to a worker that is
+    itself blocked sending would deadlock two processes.
     """
 
-    TAG_BASE = 1 << 20  # above the exchange's bucket tags
-
-    def __init__(self, index: int, peer_rank: int, shape: tuple[int, ...]):
-        self.peer, self.shape = peer_rank, shape
-        self.tags = [self.TAG_BASE + 4 * index + k for k in range(4)]  # header, blob, labels, gradient
+    def __init__(self, group: Group, peer_rank: int, shape: tuple[int, ...], device: torch.device):
+        self.group, self.peer, self.shape, self.device = group, peer_rank, shape, device
+        self.rank = next(r for r in group.ranks if r != peer_rank)  # this end's process
         self.bytes = 0
-        self._works: list = []
-        self._keep: list[torch.Tensor] = []  # what isends read until they finished
+        self._sends: list = []  # launched broadcasts of this end, waited in finish
+        self._keep: list[torch.Tensor] = []  # what they read until they finished
         self._sent_rows = 0
 
-    def _send(self, tensor: torch.Tensor, tag: int) -> None:
-        tensor = tensor.detach().contiguous().cpu()
+    def _send(self, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().contiguous()
         self._keep.append(tensor)
-        self._works.append(comm.isend(tensor, self.peer, tag))
+        self._sends.append(self.group.broadcast(tensor, src=self.rank))
 
-    def _recv(self, tensor: torch.Tensor, tag: int) -> torch.Tensor:
-        comm.irecv(tensor, self.peer, tag).wait()
+    def _recv(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.group.broadcast(tensor, src=self.peer).wait()
         return tensor
 
     def send_blob(self, blob: torch.Tensor, labels: Optional[torch.Tensor], wants_grad: bool) -> None:
         self._sent_rows = blob.shape[0]
-        self._send(torch.tensor([blob.shape[0], labels is not None, wants_grad], dtype=torch.int64, device="cpu"), self.tags[0])
-        self._send(blob.to(torch.float32), self.tags[1])
+        self._send(torch.tensor([blob.shape[0], labels is not None, wants_grad], dtype=torch.int64, device="cpu"))
+        self._send(blob.to(torch.float32))
         if labels is not None:
-            self._send(labels.to(torch.int64), self.tags[2])
+            self._send(labels.to(torch.int64))
         self.bytes += _nbytes(blob)
 
     def recv_blob(self) -> tuple[torch.Tensor, Optional[torch.Tensor], bool]:
-        rows, has_labels, wants_grad = self._recv(torch.zeros(3, dtype=torch.int64, device="cpu"), self.tags[0]).tolist()
-        blob = self._recv(torch.empty((rows,) + self.shape, device="cpu"), self.tags[1])
-        labels = self._recv(torch.empty(rows, dtype=torch.int64, device="cpu"), self.tags[2]) if has_labels else None
+        rows, has_labels, wants_grad = self._recv(torch.zeros(3, dtype=torch.int64, device="cpu")).tolist()
+        blob = self._recv(torch.empty((rows,) + self.shape, dtype=torch.float32, device=self.device))
+        labels = self._recv(torch.empty(rows, dtype=torch.int64, device=self.device)) if has_labels else None
         self._sent_rows = rows
         self.bytes += _nbytes(blob)
         return blob, labels, bool(wants_grad)
 
     def send_grad(self, grad: Optional[torch.Tensor]) -> None:
-        self._send(torch.tensor([grad is not None], dtype=torch.int64, device="cpu"), self.tags[0])
+        self._send(torch.tensor([grad is not None], dtype=torch.int64, device="cpu"))
         if grad is not None:
-            self._send(grad.to(torch.float32), self.tags[3])
+            self._send(grad.to(torch.float32))
             self.bytes += _nbytes(grad)
 
     def recv_grad(self) -> Optional[torch.Tensor]:
-        (has_grad,) = self._recv(torch.zeros(1, dtype=torch.int64, device="cpu"), self.tags[0]).tolist()
+        (has_grad,) = self._recv(torch.zeros(1, dtype=torch.int64, device="cpu")).tolist()
         if not has_grad:
             return None
-        grad = self._recv(torch.empty((self._sent_rows,) + self.shape, device="cpu"), self.tags[3])
+        grad = self._recv(torch.empty((self._sent_rows,) + self.shape, dtype=torch.float32, device=self.device))
         self.bytes += _nbytes(grad)
         return grad
 
     def finish(self) -> None:
-        for work in self._works:
-            work.wait()
-        self._works, self._keep = [], []
+        for handle in self._sends:
+            handle.wait()
+        self._sends, self._keep = [], []
 
 
 def _nbytes(tensor: Optional[torch.Tensor]) -> int:
@@ -300,14 +309,15 @@ class PartitionedGroup:
 
     def __init__(self, job: job_pb2.JobProto, plan: PartitionPlan, store: ParamStore, base_dirs: list[Path],
                  devices: list[torch.device], group: int = 0, hosted: Optional[list[int]] = None, ranks: Optional[dict[int, int]] = None,
-                 shards: GroupShards = GroupShards()):
+                 shards: GroupShards = GroupShards(), process_groups: Optional[Mapping[str, Group]] = None):
         """`hosted`: the workers of the group this process runs (all by default); `ranks`: the process of each worker;
-        `shards`: where each group starts reading (the JobPlan's)."""
+        `shards`: where each group starts reading (the JobPlan's); `process_groups`: the plan's, made (the bridges
+        to workers of other processes run over theirs)."""
         self.job, self.plan, self.store, self.group, self.shards = job, plan, store, group, shards
         hosted = list(range(plan.nworkers)) if hosted is None else sorted(hosted)
         self.device = devices[0]
         self.abort = threading.Event()
-        self.channels = self._channels(hosted, ranks or {})
+        self.channels = self._channels(hosted, ranks or {}, devices, process_groups or {})
         seed = job.seed + 1 + 7919 * group  # the group's random stream, as Worker's
         self.generator = torch.Generator().manual_seed(seed)  # draws on the CPU whatever the device (see Worker)
         self.parts: list[PartWorker] = []
@@ -345,19 +355,22 @@ class PartitionedGroup:
         it; None (servers elsewhere, or a group working on a copy): every gradient goes to the exchange."""
         self.update_view = update_view
 
-    def _channels(self, hosted: list[int], ranks: dict[int, int]) -> dict[str, object]:
-        """A channel per bridge with an end here, by bridge_dst name: in memory, or to another process."""
+    def _channels(self, hosted: list[int], ranks: dict[int, int], devices: list[torch.device],
+                  process_groups: Mapping[str, Group]) -> dict[str, object]:
+        """A channel per bridge with an end here, by bridge_dst name: in memory, or over the process group of its
+        pair of workers (on this end's device)."""
         channels: dict[str, object] = {}
         by_name = {n.name: n for n in self.plan.nodes}
         bridges = [n for n in self.plan.nodes if n.layer.conf.type == job_pb2.kBridgeDst]
-        for index, dst in enumerate(bridges):
+        for dst in bridges:
             src = by_name[dst.peer]
             here = (src.worker in hosted, dst.worker in hosted)
             if all(here):
                 channels[dst.name] = Channel(self.abort)
             elif any(here):
-                other = dst.worker if here[0] else src.worker
-                channels[dst.name] = RemoteChannel(index, ranks[other], tuple(dst.shape))
+                mine, other = (src.worker, dst.worker) if here[0] else (dst.worker, src.worker)
+                group = process_groups[bridge_group_name(self.group, src.worker, dst.worker)]
+                channels[dst.name] = RemoteChannel(group, ranks[other], tuple(dst.shape), devices[mine])
         return channels
 
     def _configured_shares(self) -> list[int]:

@@ -125,10 +125,12 @@ class Trainer:
         worker_devices: Optional[list[str]] = None,
         hooks: tuple[TrainerHook, ...] = (),
         rank: int = 0,
+        process_groups: Optional[dict] = None,
     ):
         """`device`: where the group's params live and its server updates them (and tests run);
         `worker_devices`: the device of each of `worker_indices` (default: all on `device`);
-        `rank`: the process this trainer runs in (names its checkpoint part)."""
+        `rank`: the process this trainer runs in (names its checkpoint part); `process_groups`: the plan's, made
+        (a partitioned group's bridges to other processes run over them)."""
         job = plan.job
         self.plan, self.job, self.rank = plan, job, rank
         self.workspace = Path(workspace)
@@ -164,7 +166,7 @@ class Trainer:
             # a group's own copy of the plan's nodes: hooks (debug norms) wrap their layers
             nodes = copy.deepcopy(plan.partition)
             self.workers = [PartitionedGroup(job, nodes, self.store, base_dirs, part_devices, group, worker_indices, plan.group_ranks(group),
-                                             shards=plan.group_shards)]
+                                             shards=plan.group_shards, process_groups=process_groups)]
         else:
             self.workers = []
             for i, d in zip(worker_indices, worker_devices):

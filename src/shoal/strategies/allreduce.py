@@ -6,8 +6,9 @@ from __future__ import annotations
 from shoal.config import job_pb2
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.buckets import plan_buckets
-from shoal.planning.costs import FLOAT
-from shoal.planning.process_groups import sliced_groups
+from shoal.planning.costs import FLOAT, learning_nodes, node_rows, numel
+from shoal.planning.placement import WorkerId
+from shoal.planning.process_groups import bridge_groups, sliced_groups
 from shoal.planning.strategy import Framework, Layout, Messages, Phases, Strategy
 from shoal.runtime.exchanges.clipping import max_norm_of
 from shoal.runtime.exchanges.compression import codec_factory
@@ -43,6 +44,33 @@ def clips(plan) -> bool:
         return False
 
 
+def cross_bridges(plan):
+    """A partitioned group spanning processes: each bridge whose ends are in different processes, as (producer's rank,
+    consumer's rank, blob bytes, whether its gradient comes back)."""
+    parts = plan.partition
+    if not plan.partitioned:
+        return
+    shares = list(plan.batch_shares[0]) if plan.batch_shares else [1]
+    learns, by_name = learning_nodes(parts), {n.name: n for n in parts.nodes}
+    for dst in parts.nodes:
+        if dst.layer.conf.type != job_pb2.kBridgeDst:
+            continue
+        src = by_name[dst.peer]
+        src_rank, dst_rank = (plan.placement.process_of(WorkerId(0, n.worker)) for n in (src, dst))
+        if src_rank != dst_rank:
+            yield src_rank, dst_rank, FLOAT * node_rows(dst, shares) * numel(dst.shape), learns[src.name]
+
+
+def bridges_between_processes(plan, move) -> None:
+    """Each bridge between processes broadcasts its blob to the consumer's process and (when params lie below it) the
+    blob's gradient back (runtime/partitioned.py; as in memory, the labels riding along and the few header bytes are
+    left out)."""
+    for src_rank, dst_rank, nbytes, learns in cross_bridges(plan):
+        move(src_rank, dst_rank, nbytes)
+        if learns:
+            move(dst_rank, src_rank, nbytes)
+
+
 class AllReduce(Strategy):
     framework = Framework.ALLREDUCE
     synchronous = True
@@ -57,8 +85,9 @@ class AllReduce(Strategy):
     def label(self, plan) -> str:
         return "in-memory Sandblaster" if plan.in_one_process else self.framework.value
 
-    def process_groups(self, placement, devices, nnodes: int) -> tuple:
-        return sliced_groups(placement, devices, nnodes)
+    def process_groups(self, placement, devices, nnodes: int, partition) -> tuple:
+        # a partitioned group spanning processes also moves activations and their gradients over bridge groups
+        return sliced_groups(placement, devices, nnodes) + bridge_groups(partition, placement, devices, nnodes)
 
     # -- cost model ---------------------------------------------------------------------------------
     def traffic(self, model, move) -> None:
@@ -87,6 +116,7 @@ class AllReduce(Strategy):
                     move(r, o, len(params))
                     if not dense:
                         move(o, r, len(params))
+        bridges_between_processes(plan, move)
 
     def messages(self, model) -> list[Messages]:
         """SlicedExchange's collectives of a step (runtime/exchanges/sliced.py: _send_gradients, _flags_round, _finish,
@@ -111,6 +141,10 @@ class AllReduce(Strategy):
             terms.append(Messages(f"{what} per bucket of rank {o} ({buckets} bucket(s))", 2 * parts * buckets, "collective", ranks))
             terms.append(Messages(f"flags of rank {o}'s params: a reduce" + ("" if dense else " + a broadcast"), 1 if dense else 2,
                                   "collective", ranks))
+        for src_rank, dst_rank, _, learns in cross_bridges(plan):  # runtime/partitioned.py's RemoteChannel
+            terms.append(Messages(f"bridge between processes {src_rank} and {dst_rank}: header and blob broadcast"
+                                  + (", header and gradient back" if learns else ""), 4 if learns else 2, "collective",
+                                  (src_rank, dst_rank)))
         if clips(plan):
             terms.append(Messages("clip_grad_norm: the global norm's all-reduce", 1, "collective",
                                   tuple(p.rank for p in plan.placement.processes)))

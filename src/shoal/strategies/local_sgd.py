@@ -20,7 +20,7 @@ class LocalSGD(Strategy):
     compressed = "pseudo-gradients at each meeting"
     meets = True
 
-    def process_groups(self, placement, devices, nnodes: int) -> tuple:
+    def process_groups(self, placement, devices, nnodes: int, partition) -> tuple:
         return (whole_group("meeting", range(len(placement.processes)), devices, nnodes),)
 
     def recognises(self, layout: Layout) -> bool:
