@@ -41,6 +41,15 @@ def test_allreduce_pays_each_collective_it_issues():
     assert e.samples_per_s < bandwidth_only.samples_per_s
 
 
+def test_a_partitioned_group_over_processes_pays_each_bridges_broadcasts():
+    # cut on features over 2 processes: per bridge crossing them a header, the blob and its labels, and back a header and
+    # the gradient where params lie below (runtime/partitioned.py's RemoteChannel); the data's bridges carry no gradient
+    text = SMALL.format(cluster="nworkers_per_group: 2 nservers_per_group: 2").replace("neuralnet {", "neuralnet { partition_dim: 1")
+    e = estimate(plan_job(job_from_text(text), cores=2), TIMED)
+    bridges = [f for f in e.fixed_costs if f["what"].startswith("bridge")]
+    assert sorted(f["count"] for f in bridges) == [3, 3, 5, 5, 5, 5] and all(f["ranks"] == 2 for f in bridges)
+
+
 def test_compressed_allreduce_gathers_and_broadcasts_each_encoded_part():
     # top-k: indices and values, each gathered and broadcast per bucket; the flags reduced and broadcast back
     e = estimate(small("nworkers_per_group: 2 nservers_per_group: 2 compression: kTopK"), TIMED)

@@ -141,9 +141,11 @@ class AllReduce(Strategy):
             terms.append(Messages(f"{what} per bucket of rank {o} ({buckets} bucket(s))", 2 * parts * buckets, "collective", ranks))
             terms.append(Messages(f"flags of rank {o}'s params: a reduce" + ("" if dense else " + a broadcast"), 1 if dense else 2,
                                   "collective", ranks))
-        for src_rank, dst_rank, _, learns in cross_bridges(plan):  # runtime/partitioned.py's RemoteChannel
-            terms.append(Messages(f"bridge between processes {src_rank} and {dst_rank}: header and blob broadcast"
-                                  + (", header and gradient back" if learns else ""), 4 if learns else 2, "collective",
+        # runtime/partitioned.py's RemoteChannel: a header, the blob and its labels (a layer's output carries its input's
+        # labels on, so every blob downstream of the data does), and where a gradient comes back a header and the gradient
+        for src_rank, dst_rank, _, learns in cross_bridges(plan):
+            terms.append(Messages(f"bridge between processes {src_rank} and {dst_rank}: header, blob and labels broadcast"
+                                  + (", header and gradient back" if learns else ""), 5 if learns else 3, "collective",
                                   (src_rank, dst_rank)))
         if clips(plan):
             terms.append(Messages("clip_grad_norm: the global norm's all-reduce", 1, "collective",
