@@ -15,18 +15,6 @@ from shoal.runtime.exchanges.server import Server
 from shoal.runtime.exchanges.sliced import SlicedExchange
 
 
-def reduce_to_owner(ranks: list[int], owner: int, nbytes: float, move) -> None:
-    """What gloo's `reduce` of `nbytes` over `ranks` to `owner` puts on the wire: a ring reduce-scatter (each member
-    sends (N−1)/N of the buffer to the next) then every other member's reduced chunk to the owner (1/N each).
-    benchmarks/gloo_primitives.py measured reduce + broadcast at 1.26× the direct bytes for 2 ranks, 1.17× for 3:
-    this model gives 1.25× and 1.17×."""
-    n = len(ranks)
-    for i, r in enumerate(ranks):
-        move(r, ranks[(i + 1) % n], nbytes * (n - 1) / n)
-        if r != owner:
-            move(r, owner, nbytes / n)
-
-
 class AllReduce(Strategy):
     framework = Framework.ALLREDUCE
     synchronous = True
@@ -52,25 +40,27 @@ class AllReduce(Strategy):
         slices = model.trainable_slices()
         owner = {s.index: plan.placement.process_of(plan.placement.server_of_slice(s.index, 0)) for s in slices}
         worker_ranks = [p.rank for p in plan.placement.processes if p.workers]
-        # per bucket, gradients reduced to the owner and its new values (compressed: the encoded sum) broadcast back;
-        # per owner, one flag byte per param reduced to it (compressed: broadcast back, every process applies)
+        # per bucket, each worker process's gradients gathered at the owner (compressed: their encoding) and its new
+        # values (compressed: the encoded sum) broadcast back. Whether anyone had a gradient: dense, a float per
+        # param of the owner riding in its last bucket; compressed, a byte per param reduced to it and broadcast back
         dense = plan.cluster.compression == job_pb2.kNone
         flagged: dict[int, set[str]] = {}
-        for b in plan_buckets(slices, owner, plan.bucket_elements):
+        buckets = plan_buckets(slices, owner, plan.bucket_elements)
+        last = {b.owner: b.index for b in buckets}
+        for b in buckets:
             flagged.setdefault(b.owner, set()).update(b.params)
-            if dense:
-                reduce_to_owner(sorted(set(worker_ranks) | {b.owner}), b.owner, FLOAT * b.numel, move)
             for r in worker_ranks:
                 if r != b.owner:
-                    if not dense:
-                        move(r, b.owner, model.encoded(b.numel))  # gathered at the owner
+                    flags = len(flagged[b.owner]) if dense and last[b.owner] == b.index else 0
+                    move(r, b.owner, FLOAT * (b.numel + flags) if dense else model.encoded(b.numel))
                     move(b.owner, r, FLOAT * b.numel if dense else model.encoded(b.numel))  # broadcast back
+        if dense:
+            return
         for o, params in flagged.items():
             for r in worker_ranks:
                 if r != o:
                     move(r, o, len(params))
-                    if not dense:
-                        move(o, r, len(params))
+                    move(o, r, len(params))
 
     def phases(self, model, compute: float, links: dict) -> Phases:
         plan, threads = model.plan, model.plan.threads_per_worker
