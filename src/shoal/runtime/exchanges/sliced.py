@@ -63,6 +63,7 @@ class _Round:
     arrived: set[tuple[int, str]] = field(default_factory=set)  # (local worker, param) handed over
     count: dict[str, int] = field(default_factory=dict)  # local workers that handed a param over
     grad: dict[str, torch.Tensor] = field(default_factory=dict)  # this process's weighted sum, flat (zeros if none)
+    weight: dict[str, float] = field(default_factory=dict)  # a lone gradient's weight, applied as it is copied out
     has_grad: set[str] = field(default_factory=set)  # params some local worker had a gradient for
     pending: dict[int, int] = field(default_factory=dict)  # bucket -> params not complete yet
     complete: set[int] = field(default_factory=set)  # buckets whose local part is complete, not launched yet
@@ -327,7 +328,11 @@ class SlicedExchange:
                 # a worker on another device than the process's store hands its gradient over there
                 flat = grad.detach().reshape(-1).to(self.device)
                 if name in r.grad:
+                    if name in r.weight:
+                        r.grad[name].mul_(r.weight.pop(name))
                     r.grad[name].add_(flat, alpha=weight)
+                elif self.codecs is None:  # weighted in the pass that copies it into its message (_gather)
+                    r.grad[name], r.weight[name] = flat, weight
                 else:  # in place: workers make fresh gradients every step
                     r.grad[name] = flat.mul_(weight)
             r.count[name] = r.count.get(name, 0) + 1
@@ -354,7 +359,7 @@ class SlicedExchange:
             if not self.shares:  # a separate server (always the owner here) adds nothing
                 message = self._zeros[b.index]
             else:
-                message = self._gather(b, lambda s: r.grad[s.param][s.start : s.stop], flags=True)
+                message = self._gather(b, lambda s: r.grad[s.param][s.start : s.stop], flags=True, weights=r.weight)
                 if b.index in self.flagged:
                     message[b.numel:].copy_(torch.tensor([name in r.has_grad for name in self.flagged[b.index]],
                                                          dtype=message.dtype, device=self.device))
@@ -379,14 +384,21 @@ class SlicedExchange:
             self.sent_bytes += wire_bytes(sent)
         r.reducing[b.index] = _All(handles)
 
-    def _gather(self, b: Bucket, part: Callable[[ParamSlice], torch.Tensor], flags: bool = False) -> torch.Tensor:
+    def _gather(self, b: Bucket, part: Callable[[ParamSlice], torch.Tensor], flags: bool = False,
+                weights: Optional[dict[str, float]] = None) -> torch.Tensor:
         """The bucket's flat message: the slice itself when alone, else a copy into its buffer; with `flags`, the whole
-        buffer (its flags filled by the caller) where the bucket carries them."""
+        buffer (its flags filled by the caller) where the bucket carries them. A param in `weights` is multiplied by
+        its weight on the way (each of its slices is in one bucket: each is weighted once)."""
+        weights = weights or {}
         if len(b.slices) == 1 and not (flags and b.index in self.flagged):
-            return part(b.slices[0])
+            s = b.slices[0]
+            return part(s).mul_(weights[s.param]) if s.param in weights else part(s)
         flat = self._outgoing[b.index]
         for s, at in zip(b.slices, b.offsets):
-            flat[at : at + s.size].copy_(part(s))
+            if s.param in weights:
+                torch.mul(part(s), weights[s.param], out=flat[at : at + s.size])
+            else:
+                flat[at : at + s.size].copy_(part(s))
         return flat if flags else flat[: b.numel]
 
     def _clip_scale(self, grads: list[torch.Tensor]) -> float:
