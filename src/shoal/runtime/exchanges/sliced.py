@@ -246,14 +246,16 @@ class SlicedExchange:
                 counts = sums[b.index][b.numel:].tolist()
                 anyone_has.update(n for n, count in zip(self.flagged[b.index], counts) if count > 0)
         updates = {b.index: self._updates(r.step, b, sums[b.index], anyone_has) for b in self.owned}
-        scale = None
+        scale = 1.0
         if self.max_norm is not None:  # every owned gradient first: one scale before any slice updates
             scale = self._clip_scale([u.grad for ups in updates.values() for u in ups])
         receiving, staged = [], []
         for b in self.buckets:
             group = self.group_of[b.owner]
             if b.owner == self.rank:
-                self.updater.update_many(r.step, updates[b.index], *(() if scale is None else (scale,)))
+                if scale != 1.0:  # in place on the scratch sums (what the updater would do to a copy of them)
+                    sums[b.index][: b.numel].mul_(scale)
+                self.updater.update_many(r.step, updates[b.index])
                 values = self._gather(b, self._value)
                 receiving.append(group.broadcast(values, self.rank))
                 self.sent_bytes += wire_bytes([values]) * self._peers(b.owner)
