@@ -135,9 +135,12 @@ class SlicedExchange:
                           if self._copied(b)}
         self._arriving = {b.index: torch.empty(b.numel, device=self.device) for b in self.buckets
                           if len(b.slices) > 1 and b.owner != rank and codecs is None}
-        if codecs is None:  # the owner's gather: one buffer per member (its own slot a copy of its message), summed
-            self._parts = {b.index: [torch.empty(self._message_numel(b), dtype=self._dtype(b), device=self.device)
-                                     for _ in self.group_of[rank].ranks] for b in self.owned}
+        self._own: dict[int, torch.Tensor] = {}  # owned bucket -> this process's own message of this step
+        if codecs is None:  # the owner's gather: a buffer per other member (its own part is its message), summed;
+            # its own slot is a buffer only where gloo's list gather (not 2 members) copies into it
+            self._parts = {b.index: [torch.empty(self._message_numel(b) if m != rank or len(self.group_of[rank].ranks) != 2 else 0,
+                                                 dtype=self._dtype(b), device=self.device)
+                                     for m in self.group_of[rank].ranks] for b in self.owned}
         if not workers:  # a separate server adds nothing to the sums: zeros it sends as its own part
             self._zeros = {b.index: torch.zeros(self._message_numel(b), dtype=self._dtype(b), device=self.device)
                            for b in self.owned}
@@ -228,8 +231,8 @@ class SlicedExchange:
     def _summed(self, b: Bucket) -> torch.Tensor:
         """The sum of every member's message of owned bucket b, in rank order (so every run sums alike); a separate
         server's own part (zeros) is left out."""
-        parts = self._parts[b.index]
         mine = self.group_of[self.rank].index(self.rank)
+        parts = [self._own[b.index] if m == mine else p for m, p in enumerate(self._parts[b.index])]
         members = [p for m, p in enumerate(parts) if self.shares or m != mine]
         total = members[0]
         for part in members[1:]:
@@ -365,10 +368,11 @@ class SlicedExchange:
                 if b.index in self.flagged:
                     message[b.numel:].copy_(torch.tensor([name in r.has_grad for name in self.flagged[b.index]],
                                                          dtype=message.dtype, device=self.device))
-            if b.owner == self.rank:
-                r.reducing[b.index] = group.gather(message, self._parts[b.index], self.rank)
+            if b.owner == self.rank:  # its own part stays where it is: the others' arrive beside it
+                self._own[b.index] = message
+                r.reducing[b.index] = group.gather_others(message, self._parts[b.index], self.rank)
             else:
-                r.reducing[b.index] = group.gather(message, None, b.owner)
+                r.reducing[b.index] = group.gather_others(message, None, b.owner)
                 self.sent_bytes += wire_bytes([message])
             return
         if self.shares:
