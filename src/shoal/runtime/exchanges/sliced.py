@@ -251,7 +251,8 @@ class SlicedExchange:
         updates = {b.index: self._updates(r.step, b, sums[b.index], anyone_has) for b in self.owned}
         scale = 1.0
         if self.max_norm is not None:  # every owned gradient first: one scale before any slice updates
-            scale = self._clip_scale([u.grad for ups in updates.values() for u in ups])
+            # each owned bucket's sum is one flat tensor (a param nobody had a gradient for is zeros in it): one norm each
+            scale = self._clip_scale([sums[b.index][: b.numel] for b in self.owned])
         receiving, staged = [], []
         for b in self.buckets:
             group = self.group_of[b.owner]
