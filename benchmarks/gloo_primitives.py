@@ -8,6 +8,8 @@ accepts it asynchronously, the time per step and the bytes sent on `lo` per step
 
   all_reduce        every rank gets the whole sum (what DDP does; no owner)
   reduce+broadcast  per bucket: reduce to the owner, then the owner broadcasts the bucket
+  gather+broadcast  per bucket: gather every rank's part at the owner, which sums them (what
+                    shoal's synchronous exchange does), then the owner broadcasts the bucket
   reduce_scatter    per bucket: reduce_scatter_single + all_gather_single (formerly *_tensor)
   send/recv         per bucket: each rank isends its part to the owner, the owner sums the
                     irecv'd parts and isends the result back (a direct reduce-scatter and all-gather)
@@ -65,6 +67,24 @@ def reduce_broadcast(flat, plan, rank, world):
         w.wait()
 
 
+def gather_broadcast(flat, plan, rank, world):
+    works, summed = [], []
+    for a, b, o in plan:
+        parts = [torch.empty(b - a) for _ in range(world)] if o == rank else None
+        works.append(dist.gather(flat[a:b], parts, dst=o, async_op=True))
+        if parts is not None:
+            summed.append((a, b, parts))
+    for w in works:
+        w.wait()
+    for a, b, parts in summed:
+        for part in parts[1:]:
+            parts[0].add_(part)
+        flat[a:b].copy_(parts[0])
+    works = [dist.broadcast(flat[a:b], src=o, async_op=True) for a, b, o in plan]
+    for w in works:
+        w.wait()
+
+
 def reduce_scatter(flat, plan, rank, world):
     # reduce_scatter needs equal parts per rank: cut the whole buffer into world x bucket pieces
     size = (plan[0][1] - plan[0][0]) * world
@@ -109,7 +129,8 @@ def send_recv(flat, plan, rank, world):
         w.wait()
 
 
-PRIMITIVES = {"all_reduce": all_reduce, "reduce+broadcast": reduce_broadcast, "reduce_scatter": reduce_scatter, "send/recv": send_recv}
+PRIMITIVES = {"all_reduce": all_reduce, "reduce+broadcast": reduce_broadcast, "gather+broadcast": gather_broadcast,
+              "reduce_scatter": reduce_scatter, "send/recv": send_recv}
 
 
 def worker(rank, world, port, bucket_mb, repeats, queue):

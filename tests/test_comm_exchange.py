@@ -115,3 +115,31 @@ def test_gradients_leave_during_backward_and_the_result_is_the_in_memory_one(blo
             assert order.index(buckets[-1]) < max(i for i, what in enumerate(order) if what == "backward done")
         else:  # no hooks: handed over after every worker finished
             assert order.index(buckets[0]) > max(i for i, what in enumerate(order) if what == "backward done")
+
+
+class CountingGroup:
+    """A process group that counts the collectives launched on it (and runs them on the real one)."""
+
+    def __init__(self, group, calls: list[str]):
+        self.group, self.calls = group, calls
+
+    def __getattr__(self, name):
+        attribute = getattr(self.group, name)
+        if name in ("reduce_sum", "broadcast", "all_reduce_sum", "gather", "gather_others", "all_gather"):
+            return lambda *args, **kw: (self.calls.append(name), attribute(*args, **kw))[1]
+        return attribute
+
+
+def test_a_step_issues_one_gather_and_one_broadcast_per_bucket_and_nothing_else(blobs_job, tmp_path, one_rank_group):
+    """The flags ride in each owner's last bucket: no reduce of its own per step; each bucket one gather to its owner
+    and one broadcast back (the step's collectives, counted on the exchange's process groups)."""
+    job = blobs_job(updater="type: kSGD momentum: 0.9", layout="in-memory Sandblaster, 2 threads, 2 server slices")
+    sliced = build(job, tmp_path, True)
+    calls: list[str] = []
+    exchange = sliced.exchange
+    exchange.group_of = {owner: CountingGroup(group, calls) for owner, group in exchange.group_of.items()}
+    for step in range(2):
+        sliced.train_step(step)
+    nbuckets = len(exchange.buckets)
+    assert nbuckets > 2 and exchange.flagged == {exchange.buckets[-1].index: exchange.params_of[0]}
+    assert sorted(calls) == sorted(["gather_others"] * nbuckets * 2 + ["broadcast"] * nbuckets * 2)

@@ -90,8 +90,8 @@ def test_allreduce_sends_encoded_gradients_and_sums_as_the_planner_predicts(blob
     sparse = run(job, tmp_path / "sparse", layout, **TOPK)
     dense_bytes, sparse_bytes = sent_per_step(tmp_path / "dense"), sent_per_step(tmp_path / "sparse")
     assert dense_bytes == 1348 * 4  # 16·64 + 64 + 64·4 + 4 elements, all owned by rank 0: the values it broadcasts
-    # on the wire gloo's reduce to rank 0 also has it send half the gradients around its ring (strategies/allreduce.py)
-    assert predicted(job, layout) == 1348 * 4 + 1348 * 4 // 2
+    # rank 0 owns every slice: it sends no gradients, rank 1's come to it in a gather (strategies/allreduce.py)
+    assert predicted(job, layout) == 1348 * 4
     assert sparse_bytes == predicted(job, layout, **TOPK) == 6 * 68 + 4  # k = ⌈0.05 · 1348⌉ entries and 4 flags
     assert dense_bytes / sparse_bytes > 13 and sparse["final_test"]["accuracy"] > 0.8
 

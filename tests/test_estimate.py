@@ -86,23 +86,22 @@ def test_allreduce_bytes_by_hand():
     e = estimate(small("nworkers_per_group: 2 nservers_per_group: 2"), CALIB)
     assert e.framework == Framework.ALLREDUCE.value
     # 51 elements in 2 slices of ⌈51/2⌉ = 26: rank 0 owns w1[0:26] (104 B); rank 1 w1[26:32], b1, w2, b2 (25 elements, 100 B).
-    # gloo's reduce of a bucket to its owner: a ring reduce-scatter (each sends half) and the other's half to the owner;
-    # then the owner broadcasts the bucket's new values; and per owner one flag byte per param it owns goes to it.
+    # each bucket's gradients gathered at its owner (the direct bytes), with a float per param of that owner in its
+    # last bucket (whether the sender had a gradient); then the owner broadcasts the bucket's new values.
     p0, p1 = e.processes
-    assert p0.sent == 52 + 104 + 50 + 50 + 4  # ring and values of its bucket; ring and half-to-owner of rank 1's; 4 flags
-    assert p0.received == 52 + 52 + 50 + 100 + 1
+    assert p0.sent == 4 * (25 + 4) + 104  # rank 1's bucket and its 4 flags (b2, w2, b1, w1); the values of its own
+    assert p0.received == 4 * (26 + 1) + 100
     assert (p1.sent, p1.received) == (p0.received, p0.sent)
-    assert p0.links == {1: [260, 255]} and p1.links == {0: [255, 260]}
+    assert p0.links == {1: [220, 208]} and p1.links == {0: [208, 220]}
 
 
 def test_sandblaster_workers_send_everything():
     e = estimate(small("nworkers_per_group: 2 nservers_per_group: 2 server_worker_separate: true"), CALIB)
     workers = [p for p in e.processes if p.rank < 2]
-    # every slice lives elsewhere: per owner a group of 3 (both workers and the owner), rings of 2/3 of the bucket,
-    # a third to the owner from each worker, the values broadcast to both workers, the flags
-    assert all(p.sent == int(2 * 104 / 3) + int(104 / 3) + int(2 * 100 / 3) + int(100 / 3) + 1 + 4 for p in workers)
-    assert all(p.received == int(2 * 104 / 3) + 104 + int(2 * 100 / 3) + 100 for p in workers)
-    assert sum(p.received for p in e.processes[2:]) == int(2 * 104 / 3) + 2 * int(104 / 3) + int(2 * 100 / 3) + 2 * int(100 / 3) + 2 * 5
+    # every slice lives elsewhere: each worker's gradients (and flags) gathered at each owner, the values broadcast back
+    assert all(p.sent == 4 * (26 + 1) + 4 * (25 + 4) for p in workers)
+    assert all(p.received == 104 + 100 for p in workers)
+    assert sum(p.received for p in e.processes[2:]) == 2 * (4 * (26 + 1) + 4 * (25 + 4))
 
 
 def test_downpour_bytes_by_hand():

@@ -61,6 +61,19 @@ class Group:
                            group=self.handle, async_op=True)
         return Handle(work, staged, into if staged is not None else None)
 
+    def gather_others(self, tensor: torch.Tensor, into: Optional[Sequence[torch.Tensor]], dst: int) -> "Handle":
+        """Every other member's `tensor` into `into` (one per member, in rank order) on global rank `dst`, whose own
+        slot is left as it is (it holds its own part already). Between two members this is one broadcast from the
+        other, in place: gloo's list gather allocates a flat buffer of every slot at `dst` and copies each slot out."""
+        if len(self.ranks) != 2:
+            if into is not None:  # dst's own slot gets its copy too: a gather needs one
+                return self.gather(tensor, into, dst)
+            return self.gather(tensor, None, dst)
+        other = self.ranks[1 - self.index(dst)]
+        if into is None:  # the other member: its part to dst
+            return self.broadcast(tensor, dist.get_rank())
+        return self.broadcast(into[self.index(other)], other)
+
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every member's `tensor` (same shape and dtype everywhere), in rank order, on `tensor`'s device (blocking)."""
         host = self._stage(tensor)

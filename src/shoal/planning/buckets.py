@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping, Optional
 
 from shoal.errors import ShoalError
@@ -52,11 +53,11 @@ class Bucket:
     owner: int  # rank of the process whose server updates these slices
     slices: tuple[ParamSlice, ...]
 
-    @property
+    @cached_property  # read for every message of every step: computed once
     def numel(self) -> int:
         return sum(s.size for s in self.slices)
 
-    @property
+    @cached_property
     def offsets(self) -> tuple[int, ...]:
         """Where each slice starts in the bucket's flat message."""
         out, at = [], 0
@@ -65,7 +66,7 @@ class Bucket:
             at += s.size
         return tuple(out)
 
-    @property
+    @cached_property
     def params(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(s.param for s in self.slices))
 

@@ -17,18 +17,6 @@ from shoal.runtime.exchanges.server import Server
 from shoal.runtime.exchanges.sliced import SlicedExchange
 
 
-def reduce_to_owner(ranks: list[int], owner: int, nbytes: float, move) -> None:
-    """What gloo's `reduce` of `nbytes` over `ranks` to `owner` puts on the wire: a ring reduce-scatter (each member
-    sends (N−1)/N of the buffer to the next) then every other member's reduced chunk to the owner (1/N each).
-    benchmarks/gloo_primitives.py measured reduce + broadcast at 1.26× the direct bytes for 2 ranks, 1.17× for 3:
-    this model gives 1.25× and 1.17×."""
-    n = len(ranks)
-    for i, r in enumerate(ranks):
-        move(r, ranks[(i + 1) % n], nbytes * (n - 1) / n)
-        if r != owner:
-            move(r, owner, nbytes / n)
-
-
 def encoded_parts(cluster: job_pb2.ClusterProto) -> int:
     """Tensors one encoded message is sent as (each its own collective or message): the codec's buffers (top-k: indices
     and values; a cast: one; uncompressed: the tensor itself)."""
@@ -97,32 +85,35 @@ class AllReduce(Strategy):
         slices = model.trainable_slices()
         owner = {s.index: plan.placement.process_of(plan.placement.server_of_slice(s.index, 0)) for s in slices}
         worker_ranks = [p.rank for p in plan.placement.processes if p.workers]
-        # per bucket, gradients reduced to the owner and its new values (compressed: the encoded sum) broadcast back;
-        # per owner, one flag byte per param reduced to it (compressed: broadcast back, every process applies)
+        # per bucket, each worker process's gradients gathered at the owner (compressed: their encoding) and its new
+        # values (compressed: the encoded sum) broadcast back. Whether anyone had a gradient: dense, a float per
+        # param of the owner riding in its last bucket; compressed, a byte per param reduced to it and broadcast back
         dense = plan.cluster.compression == job_pb2.kNone
         flagged: dict[int, set[str]] = {}
-        for b in plan_buckets(slices, owner, plan.bucket_elements):
+        buckets = plan_buckets(slices, owner, plan.bucket_elements)
+        last = {b.owner: b.index for b in buckets}
+        for b in buckets:
             flagged.setdefault(b.owner, set()).update(b.params)
-            if dense:
-                reduce_to_owner(sorted(set(worker_ranks) | {b.owner}), b.owner, FLOAT * b.numel, move)
             for r in worker_ranks:
                 if r != b.owner:
-                    if not dense:
-                        move(r, b.owner, model.encoded(b.numel))  # gathered at the owner
+                    flags = len(flagged[b.owner]) if dense and last[b.owner] == b.index else 0
+                    move(r, b.owner, FLOAT * (b.numel + flags) if dense else model.encoded(b.numel))
                     move(b.owner, r, FLOAT * b.numel if dense else model.encoded(b.numel))  # broadcast back
+        bridges_between_processes(plan, move)
+        if dense:
+            return
         for o, params in flagged.items():
             for r in worker_ranks:
                 if r != o:
                     move(r, o, len(params))
-                    if not dense:
-                        move(o, r, len(params))
-        bridges_between_processes(plan, move)
+                    move(o, r, len(params))
 
     def messages(self, model) -> list[Messages]:
         """SlicedExchange's collectives of a step (runtime/exchanges/sliced.py: _send_gradients, _flags_round, _finish,
-        _finish_compressed, _clip_scale): per bucket a reduce to its owner and a broadcast of its values (compressed:
-        a gather and a broadcast per encoded part), per owner a reduce of the flags (compressed: and their broadcast),
-        and with clip_grad_norm one scalar all-reduce over every process. Update here when those change."""
+        _finish_compressed, _clip_scale): per bucket a gather at its owner (between two processes one broadcast from
+        the other) and a broadcast of its values (compressed: a gather and a broadcast per encoded part); dense, the
+        has-gradient flags ride in each owner's last bucket, compressed, per owner a reduce of the flags and their
+        broadcast; with clip_grad_norm one scalar all-reduce over every process. Update here when those change."""
         plan = model.plan
         if plan.in_one_process:
             return []
@@ -137,10 +128,10 @@ class AllReduce(Strategy):
             owners[b.owner] += 1
         for o, buckets in sorted(owners.items()):
             ranks = tuple(sorted(workers | {o}))
-            what = "reduce + broadcast" if dense else f"{parts} gather(s) + {parts} broadcast(s)"
+            what = "gather + broadcast" if dense else f"{parts} gather(s) + {parts} broadcast(s)"
             terms.append(Messages(f"{what} per bucket of rank {o} ({buckets} bucket(s))", 2 * parts * buckets, "collective", ranks))
-            terms.append(Messages(f"flags of rank {o}'s params: a reduce" + ("" if dense else " + a broadcast"), 1 if dense else 2,
-                                  "collective", ranks))
+            if not dense:
+                terms.append(Messages(f"flags of rank {o}'s params: a reduce + a broadcast", 2, "collective", ranks))
         # runtime/partitioned.py's RemoteChannel: a header, the blob and its labels (a layer's output carries its input's
         # labels on, so every blob downstream of the data does), and where a gradient comes back a header and the gradient
         for src_rank, dst_rank, _, learns in cross_bridges(plan):

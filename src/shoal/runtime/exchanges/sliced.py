@@ -5,19 +5,22 @@ rank owns which elements); the slices travel in buckets (shoal.planning.buckets)
 one rank. Gradients travel while backward still runs: a hook on each param leaf hands its
 gradient over as soon as autograd has accumulated it; once every worker of this process has
 (threads sum in memory first), the buckets holding that param are complete, and the next ones
-in bucket order are launched: an asynchronous reduce of the bucket's gradients to its owner over
+in bucket order are launched: an asynchronous gather of the bucket's gradients at its owner over
 the owner's process group (the worker processes and the owner, named by the plan:
-shoal.planning.process_groups). Buckets launch in index order on every rank, so the collectives
-match by order (NCCL has no tags). After backward, per owner one reduce (max) of a byte per param
-says which params anyone had a gradient for: a slice no process has one for is not updated
-(SINGA's servers update on received gradients only; momentum and weight decay would otherwise move
-a param nothing trains). Each owner then applies the updater to its slices (updater state lives
-with the slice: ZeRO-1's owner-sharded update) and broadcasts the new values over the bucket's
-group. Over all buckets this is reduce-scatter + slice update + all-gather with buckets of
-unequal owners: the AllReduce framework when servers share the workers' processes, Sandblaster
-when they have processes of their own (those contribute zeros and receive no values). Tensors stay
-on the store's device: CUDA ones ride NCCL where the plan allows it, else stage through the host
-(shoal.comm.collectives).
+shoal.planning.process_groups), which sums them in rank order. A gather, not gloo's `reduce`: each
+member's gradients go straight to the owner in one message, the direct bytes, where gloo's ring
+`reduce` sends 1.25x them in two rounds (benchmarks/gloo_primitives.py). Buckets launch in index
+order on every rank, so the collectives match by order (NCCL has no tags). Each owner's last bucket
+also carries one float per param of that owner, 1 where the sender had a gradient for it: a slice
+no process has one for is not updated (SINGA's servers update on received gradients only; momentum
+and weight decay would otherwise move a param nothing trains); riding in the last bucket (every
+param of the owner is complete when it leaves) it costs no collective of its own. Each owner then
+applies the updater to its slices (updater state lives with the slice: ZeRO-1's owner-sharded
+update) and broadcasts the new values over the bucket's group. Over all buckets this is
+reduce-scatter + slice update + all-gather with buckets of unequal owners: the AllReduce framework
+when servers share the workers' processes, Sandblaster when they have processes of their own
+(those send nothing and receive no values). Tensors stay on the store's device: CUDA ones ride
+NCCL where the plan allows it, else stage through the host (shoal.comm.collectives).
 
 Compressed (cluster.compression) it is a compressed reduce-scatter + all-gather of the gradient,
 as torch DDP's fp16/bf16/PowerSGD hooks and SINGA 4's DistOpt compress the gradient rather than the
@@ -60,14 +63,13 @@ class _Round:
     arrived: set[tuple[int, str]] = field(default_factory=set)  # (local worker, param) handed over
     count: dict[str, int] = field(default_factory=dict)  # local workers that handed a param over
     grad: dict[str, torch.Tensor] = field(default_factory=dict)  # this process's weighted sum, flat (zeros if none)
+    weight: dict[str, float] = field(default_factory=dict)  # a lone gradient's weight, applied as it is copied out
     has_grad: set[str] = field(default_factory=set)  # params some local worker had a gradient for
     pending: dict[int, int] = field(default_factory=dict)  # bucket -> params not complete yet
     complete: set[int] = field(default_factory=set)  # buckets whose local part is complete, not launched yet
     launched: int = 0  # buckets launched so far: always a prefix, in index order (what matches the collectives)
-    reducing: dict[int, collectives.Handle] = field(default_factory=dict)  # bucket -> its gradients' reduce (or gather)
-    payload: dict[int, torch.Tensor] = field(default_factory=dict)  # bucket -> what was reduced (the owner's: the sum)
+    reducing: dict[int, collectives.Handle] = field(default_factory=dict)  # bucket -> its gradients' gather at the owner
     keep: list = field(default_factory=list)  # encoded tensors being sent (alive until their collectives end)
-    flag_sends: list = field(default_factory=list)  # this process's flags reduced to other owners
 
 
 class SlicedExchange:
@@ -109,8 +111,12 @@ class SlicedExchange:
                 self.buckets_of[name].append(b)
         # per owner, the params of its buckets (each once): one flag byte each, whether anyone had a gradient
         self.params_of = {o: list(dict.fromkeys(n for b in self.buckets if b.owner == o for n in b.params)) for o in self.owners}
-        self._flags = {o: torch.zeros(len(names), dtype=torch.uint8, device=self.device) for o, names in self.params_of.items()}
         self.codecs = codecs
+        if codecs is not None:  # compressed: a reduce (max) of a byte per param per owner, broadcast back
+            self._flags = {o: torch.zeros(len(names), dtype=torch.uint8, device=self.device) for o, names in self.params_of.items()}
+        # dense: each owner's last bucket carries a float per param of that owner, whether the sender had a gradient
+        last_of = {b.owner: b for b in self.buckets}
+        self.flagged = {b.index: self.params_of[o] for o, b in last_of.items()} if codecs is None else {}
         updated = self.buckets if codecs is not None and hosts_workers else self.owned  # compressed: replicated updates
         self.state = {self._key(s): updater.init_shard_state(self._value(s), self._key(s)) for b in updated for s in b.slices}
         self._owned_keys = {self._key(s) for b in self.owned for s in b.slices}
@@ -124,10 +130,20 @@ class SlicedExchange:
                                                                                   for _ in self.group_of[b.owner].ranks))]
                               for b in self.owned}
             self._summed_parts = {b.index: codecs().buffers(b.numel, self.device) for b in self.buckets if b.owner != rank}
-        # one flat buffer per multi-slice bucket each way; a bucket of one slice travels as a view, without a copy
-        self._outgoing = {b.index: torch.empty(b.numel, device=self.device) for b in self.buckets if len(b.slices) > 1}
+        # one flat buffer per multi-slice (or flag-carrying) bucket each way; a bucket of one slice travels as a view
+        self._outgoing = {b.index: torch.empty(self._message_numel(b), device=self.device) for b in self.buckets
+                          if self._copied(b)}
         self._arriving = {b.index: torch.empty(b.numel, device=self.device) for b in self.buckets
                           if len(b.slices) > 1 and b.owner != rank and codecs is None}
+        self._own: dict[int, torch.Tensor] = {}  # owned bucket -> this process's own message of this step
+        if codecs is None:  # the owner's gather: a buffer per other member (its own part is its message), summed;
+            # its own slot is a buffer only where gloo's list gather (not 2 members) copies into it
+            self._parts = {b.index: [torch.empty(self._message_numel(b) if m != rank or len(self.group_of[rank].ranks) != 2 else 0,
+                                                 dtype=self._dtype(b), device=self.device)
+                                     for m in self.group_of[rank].ranks] for b in self.owned}
+        if not workers:  # a separate server adds nothing to the sums: zeros it sends as its own part
+            self._zeros = {b.index: torch.zeros(self._message_numel(b), dtype=self._dtype(b), device=self.device)
+                           for b in self.owned}
         # clipping by the global norm: the owners' sums of squares, summed over the world in one scalar all-reduce
         self.max_norm = max_norm_of(updater)
         self.shares = [w.share for w in workers]
@@ -142,6 +158,18 @@ class SlicedExchange:
 
     def _value(self, s: ParamSlice) -> torch.Tensor:
         return self.store.values[s.param].view(-1)[s.start : s.stop]
+
+    def _message_numel(self, b: Bucket) -> int:
+        """Elements of bucket b's gradient message: its slices, then its flags (an owner's last bucket)."""
+        return b.numel + len(self.flagged.get(b.index, ()))
+
+    def _copied(self, b: Bucket) -> bool:
+        """Whether bucket b's message is a copy into a buffer (several slices, or flags behind one)."""
+        return len(b.slices) > 1 or b.index in self.flagged
+
+    def _dtype(self, b: Bucket) -> torch.dtype:
+        """The dtype of bucket b's message: its one param's where it travels as a view, else the buffers'."""
+        return torch.get_default_dtype() if self._copied(b) else self.store.values[b.slices[0].param].dtype
 
     def _peers(self, owner: int) -> int:
         """How many members of an owner's group get its values: every other one (they all have workers)."""
@@ -171,17 +199,16 @@ class SlicedExchange:
                         self._arrive(i, name, grads.get(name))
             if r.launched != len(self.buckets):
                 raise RuntimeError(f"step {step}: {len(self.buckets) - r.launched} buckets never completed")
-            anyone_has = self._flags_round(r)
             if self.codecs is not None:
-                self._finish_compressed(r, anyone_has)
+                self._finish_compressed(r, self._flags_round(r))
             else:
-                self._finish(r, anyone_has)
+                self._finish(r)
         finally:
             self._round = None
 
     def _flags_round(self, r: _Round) -> set[str]:
-        """Per owner, the max of every member's byte per param: the params anyone had a gradient for (the owners
-        learn theirs; compressed, the owners broadcast them back, since every process applies the sums)."""
+        """Compressed: per owner, the max of every member's byte per param, broadcast back (every process applies
+        the sums): the params anyone had a gradient for."""
         handles = {}
         for o in self.owners:
             flags = self._flags[o]
@@ -189,36 +216,50 @@ class SlicedExchange:
             handles[o] = self.group_of[o].reduce_sum(flags, o, op="max")
             if o != self.rank:
                 self.sent_bytes += flags.numel()
-        if self.codecs is not None:
-            for o in self.owners:
-                if o == self.rank:
-                    handles[o].wait()
-                handles[o] = self.group_of[o].broadcast(self._flags[o], o)
-                if o == self.rank:
-                    self.sent_bytes += self._flags[o].numel() * self._peers(o)
+        for o in self.owners:
+            if o == self.rank:
+                handles[o].wait()
+            handles[o] = self.group_of[o].broadcast(self._flags[o], o)
+            if o == self.rank:
+                self.sent_bytes += self._flags[o].numel() * self._peers(o)
         anyone_has = set()
         for o in self.owners:
-            if o == self.rank or self.codecs is not None:
-                handles[o].wait()
-                anyone_has.update(n for n, flag in zip(self.params_of[o], self._flags[o].tolist()) if flag)
-            else:
-                r.flag_sends.append(handles[o])  # a sender's part: waited with the values
+            handles[o].wait()
+            anyone_has.update(n for n, flag in zip(self.params_of[o], self._flags[o].tolist()) if flag)
         return anyone_has
 
-    def _finish(self, r: _Round, anyone_has: set[str]) -> None:
-        """Owners update their buckets and broadcast the values; the others receive them, in bucket order."""
-        updates = {}
+    def _summed(self, b: Bucket) -> torch.Tensor:
+        """The sum of every member's message of owned bucket b, in rank order (so every run sums alike); a separate
+        server's own part (zeros) is left out."""
+        mine = self.group_of[self.rank].index(self.rank)
+        parts = [self._own[b.index] if m == mine else p for m, p in enumerate(self._parts[b.index])]
+        members = [p for m, p in enumerate(parts) if self.shares or m != mine]
+        total = members[0]
+        for part in members[1:]:
+            total.add_(part)
+        return total
+
+    def _finish(self, r: _Round) -> None:
+        """Owners sum their buckets, update them and broadcast the values; the others receive them, in bucket order."""
+        sums, anyone_has = {}, set()
         for b in self.owned:
             r.reducing[b.index].wait()
-            updates[b.index] = self._updates(r.step, b, r.payload[b.index], anyone_has)
-        scale = None
+            sums[b.index] = self._summed(b)
+            if b.index in self.flagged:  # how many members had a gradient of each of this owner's params
+                counts = sums[b.index][b.numel:].tolist()
+                anyone_has.update(n for n, count in zip(self.flagged[b.index], counts) if count > 0)
+        updates = {b.index: self._updates(r.step, b, sums[b.index], anyone_has) for b in self.owned}
+        scale = 1.0
         if self.max_norm is not None:  # every owned gradient first: one scale before any slice updates
-            scale = self._clip_scale([u.grad for ups in updates.values() for u in ups])
+            # each owned bucket's sum is one flat tensor (a param nobody had a gradient for is zeros in it): one norm each
+            scale = self._clip_scale([sums[b.index][: b.numel] for b in self.owned])
         receiving, staged = [], []
         for b in self.buckets:
             group = self.group_of[b.owner]
             if b.owner == self.rank:
-                self.updater.update_many(r.step, updates[b.index], *(() if scale is None else (scale,)))
+                if scale != 1.0:  # in place on the scratch sums (what the updater would do to a copy of them)
+                    sums[b.index][: b.numel].mul_(scale)
+                self.updater.update_many(r.step, updates[b.index])
                 values = self._gather(b, self._value)
                 receiving.append(group.broadcast(values, self.rank))
                 self.sent_bytes += wire_bytes([values]) * self._peers(b.owner)
@@ -230,7 +271,7 @@ class SlicedExchange:
                 target = self._arriving[b.index]
                 staged.append(b)
             receiving.append(group.broadcast(target, b.owner))
-        for handle in receiving + r.flag_sends:
+        for handle in receiving:
             handle.wait()
         for b in staged:
             flat = self._arriving[b.index]
@@ -269,7 +310,7 @@ class SlicedExchange:
                 continue
             receiving += [group.broadcast(part, b.owner) for part in self._summed_parts[b.index]]
             applying.append(b)
-        for handle in receiving + r.flag_sends + [r.reducing[b.index] for b in applying]:
+        for handle in receiving + [r.reducing[b.index] for b in applying]:
             handle.wait()
         for b in applying:
             summed = self._send_codec[b.index].decode(self._summed_parts[b.index], b.numel)
@@ -293,7 +334,11 @@ class SlicedExchange:
                 # a worker on another device than the process's store hands its gradient over there
                 flat = grad.detach().reshape(-1).to(self.device)
                 if name in r.grad:
+                    if name in r.weight:
+                        r.grad[name].mul_(r.weight.pop(name))
                     r.grad[name].add_(flat, alpha=weight)
+                elif self.codecs is None:  # weighted in the pass that copies it into its message (_gather)
+                    r.grad[name], r.weight[name] = flat, weight
                 else:  # in place: workers make fresh gradients every step
                     r.grad[name] = flat.mul_(weight)
             r.count[name] = r.count.get(name, 0) + 1
@@ -314,18 +359,27 @@ class SlicedExchange:
             r.launched += 1
 
     def _send_gradients(self, r: _Round, b: Bucket) -> None:
-        """Launch bucket b's gradients to its owner: a reduce (compressed: a gather of the encodings)."""
+        """Launch bucket b's gradients to its owner: a gather of every member's message (compressed: of the encodings)."""
         group = self.group_of[b.owner]
+        if self.codecs is None:
+            if not self.shares:  # a separate server (always the owner here) adds nothing
+                message = self._zeros[b.index]
+            else:
+                message = self._gather(b, lambda s: r.grad[s.param][s.start : s.stop], flags=True, weights=r.weight)
+                if b.index in self.flagged:
+                    message[b.numel:].copy_(torch.tensor([name in r.has_grad for name in self.flagged[b.index]],
+                                                         dtype=message.dtype, device=self.device))
+            if b.owner == self.rank:  # its own part stays where it is: the others' arrive beside it
+                self._own[b.index] = message
+                r.reducing[b.index] = group.gather_others(message, self._parts[b.index], self.rank)
+            else:
+                r.reducing[b.index] = group.gather_others(message, None, b.owner)
+                self.sent_bytes += wire_bytes([message])
+            return
         if self.shares:
             payload = self._gather(b, lambda s: r.grad[s.param][s.start : s.stop])
         else:  # a separate server adds nothing to the sum
             payload = torch.zeros(b.numel, device=self.device)
-        r.payload[b.index] = payload
-        if self.codecs is None:
-            r.reducing[b.index] = group.reduce_sum(payload, b.owner)
-            if b.owner != self.rank:
-                self.sent_bytes += wire_bytes([payload])
-            return
         if b.owner == self.rank:
             gathered = self._gathered[b.index]
             mine = group.index(self.rank)
@@ -337,14 +391,22 @@ class SlicedExchange:
             self.sent_bytes += wire_bytes(sent)
         r.reducing[b.index] = _All(handles)
 
-    def _gather(self, b: Bucket, part: Callable[[ParamSlice], torch.Tensor]) -> torch.Tensor:
-        """The bucket's flat message: the slice itself when alone, else a copy into its buffer."""
-        if len(b.slices) == 1:
-            return part(b.slices[0])
+    def _gather(self, b: Bucket, part: Callable[[ParamSlice], torch.Tensor], flags: bool = False,
+                weights: Optional[dict[str, float]] = None) -> torch.Tensor:
+        """The bucket's flat message: the slice itself when alone, else a copy into its buffer; with `flags`, the whole
+        buffer (its flags filled by the caller) where the bucket carries them. A param in `weights` is multiplied by
+        its weight on the way (each of its slices is in one bucket: each is weighted once)."""
+        weights = weights or {}
+        if len(b.slices) == 1 and not (flags and b.index in self.flagged):
+            s = b.slices[0]
+            return part(s).mul_(weights[s.param]) if s.param in weights else part(s)
         flat = self._outgoing[b.index]
         for s, at in zip(b.slices, b.offsets):
-            flat[at : at + s.size].copy_(part(s))
-        return flat
+            if s.param in weights:
+                torch.mul(part(s), weights[s.param], out=flat[at : at + s.size])
+            else:
+                flat[at : at + s.size].copy_(part(s))
+        return flat if flags else flat[: b.numel]
 
     def _clip_scale(self, grads: list[torch.Tensor]) -> float:
         """min(max_norm / (global norm + eps), 1): every rank's sum of squares of what it owns (zero where nothing),
