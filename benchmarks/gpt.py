@@ -344,6 +344,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny model (1 layer, 32 wide, block 16): a smoke run")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads of one worker (2 processes: half each)")
+    parser.add_argument("--systems", default=",".join(("shoal1", "loop", "shoal2", "ddp")),
+                        help="which systems to run, of shoal1,loop,shoal2,ddp (a pair's ratio needs both)")
     parser.add_argument("--device", default="cpu", help="where every system computes: cpu or cuda:N")
     parser.add_argument("--child", choices=["shoal1", "loop", "shoal2", "ddp"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -374,15 +376,22 @@ def main() -> None:
     print(f"steady state: steps {display_freq(args.steps) + 1} .. end, training only (start-up window and validation left out)\n")
 
     keys = dict(zip(SYSTEMS, ("shoal1", "loop", "shoal2", "ddp")))
+    chosen = set(args.systems.split(","))
+    if not chosen or not chosen <= set(keys.values()):
+        sys.exit(f"--systems: choose from shoal1,loop,shoal2,ddp, got {args.systems!r}")
     results: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
     print(f"{'round':<6} | " + " | ".join(f"{name:>24}" for name in SYSTEMS) + "   (samples/s)", flush=True)
     for round_ in range(args.repeats):
         order = SYSTEMS if round_ % 2 == 0 else SYSTEMS[::-1]  # alternate who goes first
         row = {}
         for name in order:
-            row[name] = spawn(args, keys[name])
+            row[name] = spawn(args, keys[name]) if keys[name] in chosen else None
             results[name].append(row[name])
-        print(f"{round_:<6} | " + " | ".join((f"{row[n]['sps']:>24.1f}" if timings_ok else f"{'-':>24}") for n in SYSTEMS), flush=True)
+        print(f"{round_:<6} | " + " | ".join((f"{row[n]['sps']:>24.1f}" if timings_ok and row[n] else f"{'-':>24}") for n in SYSTEMS), flush=True)
+    ran = next(runs[0] for runs in results.values() if runs[0] is not None)
+    for name, runs in results.items():  # a system not chosen: its figures are nan
+        if runs[0] is None:
+            results[name] = [{"sps": float("nan"), "val": [[step, float("nan")] for step, _ in ran["val"]]}]
 
     # validation losses: deterministic, so round 0's (and every round is checked equal to it)
     first = {name: runs[0]["val"] for name, runs in results.items()}

@@ -20,7 +20,7 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rA -n 4 --timeout 300 tests 2>&1 | tee "$out/gpu-tests.log"
 
 if [ -f examples/gpt/data/train.txt ]; then
-  "$PY" benchmarks/gpt.py --device cuda:0 --steps "${GPT_STEPS:-200}" --repeats "${GPT_REPEATS:-2}" 2>&1 | tee "$out/gpt-gpu.txt"
+  "$PY" benchmarks/gpt.py --device cuda:0 --steps "${GPT_STEPS:-200}" --repeats "${GPT_REPEATS:-2}" --systems "${GPT_SYSTEMS:-shoal1,loop,shoal2,ddp}" 2>&1 | tee "$out/gpt-gpu.txt"
 fi
 
 if [ "${SUITE_SECONDS:-0}" -gt 0 ]; then  # -v: each result as it ends, so a run cut by the timeout still names its failures

@@ -4,8 +4,10 @@ The plan (shoal.planning.process_groups) lists each group's ranks and whether NC
 (every member computes on a GPU of its own). `create` makes them all, on every rank of the job in
 the same order (torch.distributed requires it), and keeps them by name. A collective on a group
 that NCCL cannot carry (gloo: a CPU worker or a separate server in it, two processes on one GPU,
-a build without NCCL) with a CUDA tensor stages through host memory: copied to the host, moved
-by gloo, copied back when its handle is waited.
+a build without NCCL) with a CUDA tensor stages through host memory. gloo's own CUDA broadcast and
+all-reduce do that asynchronously (a side stream into pinned memory, the copy back ordered before
+the caller's stream continues), so those ops get the CUDA tensor itself; for the others (reduce,
+gather, all-gather: CPU only in gloo) shoal copies to the host, and back when the handle is waited.
 
 Every call is asynchronous (the exchanges launch them from backward hooks) and returns a handle
 with `wait()`. Collectives on one group must be launched in the same order on every member:
@@ -22,6 +24,9 @@ import torch.distributed as dist
 from shoal.comm.dist import group_timeout, nccl_usable
 
 
+GLOO_CUDA_OPS = frozenset({"broadcast", "all_reduce"})  # what ProcessGroupGloo moves from CUDA tensors itself
+
+
 @dataclass(frozen=True)
 class Group:
     """A named process group: its global ranks (sorted), its torch handle and whether CUDA tensors ride NCCL."""
@@ -31,9 +36,9 @@ class Group:
     handle: object  # torch's ProcessGroup (None: the world)
     on_nccl: bool
 
-    def _stage(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    def _stage(self, tensor: torch.Tensor, op: str = "") -> Optional[torch.Tensor]:
         """A host copy of a CUDA tensor that this group's gloo must move instead (None: moved where it lives)."""
-        return tensor.to("cpu") if tensor.is_cuda and not self.on_nccl else None
+        return tensor.to("cpu") if tensor.is_cuda and not self.on_nccl and op not in GLOO_CUDA_OPS else None
 
     def reduce_sum(self, tensor: torch.Tensor, dst: int, op: str = "sum") -> "Handle":
         """Sum (or max) every member's `tensor` into global rank `dst`'s; the others' copies are scratch afterwards."""
@@ -44,12 +49,12 @@ class Group:
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> "Handle":
         """Global rank `src`'s `tensor` into every member's."""
-        host = self._stage(tensor)
+        host = self._stage(tensor, "broadcast")
         work = dist.broadcast(tensor if host is None else host, src=src, group=self.handle, async_op=True)
         return Handle(work, host, tensor if dist.get_rank() != src else None)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> "Handle":
-        host = self._stage(tensor)
+        host = self._stage(tensor, "all_reduce")
         work = dist.all_reduce(tensor if host is None else host, op=dist.ReduceOp.SUM, group=self.handle, async_op=True)
         return Handle(work, host, tensor)
 
