@@ -243,11 +243,12 @@ class MetricsLog:
             raise lost
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """Records of a metrics.jsonl; a line that is not a whole JSON object (cut by a crash, or by an older
-    shoal on a full disk) is skipped, and the records after it are kept."""
+def read_metrics(path: Path, start: int = 0) -> list[dict]:
+    """Records of a metrics.jsonl from byte `start` (where a resumed run began appending); a line that is not a
+    whole JSON object (cut by a crash, or by an older shoal on a full disk) is skipped, and the records after it are kept."""
     records = []
     with open(path, encoding="utf-8", errors="replace") as f:
+        f.seek(start)
         for line in f:
             line = line.strip()
             if not line:
