@@ -315,17 +315,12 @@ def test_tensorboard_missing_is_a_one_line_error(blobs_job, tmp_path):
 
 def test_framework_benchmark_layouts_are_what_they_claim():
     """Every layout places, is named as its framework, and runs."""
-    import importlib.util
-
-    from conftest import REPO
+    from benchmark_scripts import load_benchmark
 
     from shoal.planning.plan import plan_job
     from shoal.report.summary import describe_layout
 
-    spec = importlib.util.spec_from_file_location("frameworks_benchmark", REPO / "benchmarks" / "frameworks.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("frameworks")
     expected = {"single": "single worker", "inmem-sandblaster": "in-memory Sandblaster", "allreduce": "AllReduce",
                 "sandblaster": "Sandblaster", "downpour": "Downpour", "dist-hogwild": "Distributed Hogwild",
                 "inmem-hogwild": "in-memory Hogwild"}
