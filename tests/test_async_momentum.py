@@ -9,6 +9,7 @@ from google.protobuf import text_format
 
 from shoal.config import job_pb2
 from shoal.planning.plan import Framework, plan_job, server_updater
+from shoal.strategies.registry import REGISTRY
 
 from conftest import mlp_job_text
 
@@ -37,7 +38,7 @@ def test_synchronous_layouts_and_momentum_free_jobs_are_untouched(blobs_dir):
     for cluster in ("", "nworkers_per_group: 2 nworkers_per_procs: 2", "nworkers_per_group: 2"):
         assert plan_job(job_with(blobs_dir, cluster)).updater.momentum == pytest.approx(0.9)
     job = job_with(blobs_dir, "nworker_groups: 2 nworkers_per_procs: 2", momentum=0)
-    assert server_updater(job, Framework.IN_MEMORY_HOGWILD).momentum == 0
+    assert server_updater(job, REGISTRY[Framework.IN_MEMORY_HOGWILD]).momentum == 0
 
 
 def test_plan_says_what_the_servers_use(blobs_job):

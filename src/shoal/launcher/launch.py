@@ -411,7 +411,7 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)
                     if sig == signal.SIGTERM or signal.getsignal(sig) is not signal.SIG_IGN}
         try:
-            if not plan.framework.synchronous:
+            if not plan.strategy.synchronous:
                 _join_tolerating_groups(context, ranks, plan, workspace, rejoin.Restarter(plan, meeting, spec, process_setup, environment))
             stalls.wait_for_first_failure(context)  # and SIGKILL stopped processes, which SIGTERM cannot end
             while not context.join():

@@ -26,7 +26,7 @@ def describe(plan: JobPlan) -> dict:
     return {
         "framework": plan.framework.value,
         "label": plan.label,
-        "synchronous": plan.framework.synchronous,
+        "synchronous": plan.strategy.synchronous,
         "nprocs": plan.nprocs,
         "nworkers": plan.nworkers,
         "nservers": plan.nservers,
@@ -50,7 +50,7 @@ def _compression(plan: JobPlan) -> dict:
     c = plan.cluster
     setting = f"top-{c.topk_fraction:g}" if c.compression == job_pb2.kTopK else job_pb2.Compression.Name(c.compression)[1:]
     applied = c.compression != job_pb2.kNone and not plan.in_one_process
-    return {"setting": setting, "applied": applied, "bit_exact_with_one_worker": plan.framework.synchronous and not applied}
+    return {"setting": setting, "applied": applied, "bit_exact_with_one_worker": plan.strategy.synchronous and not applied}
 
 
 def _numel(shape: tuple[int, ...]) -> int:
