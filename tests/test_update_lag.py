@@ -94,7 +94,7 @@ def test_downpour_servers_hold_updates_to_the_bound(blobs_job, tmp_path, bound, 
     steps = 30
     job = downpour_job(blobs_job, steps=steps, cluster_extra=dict(max_update_lag=bound, overlap_push=overlap),
                        extra="checkpoint_freq: 10")
-    proc = run_cli(job, tmp_path / "ws", env=SLOW_GROUP_1)
+    proc = run_cli(job, tmp_path / "ws", env=SLOW_GROUP_1, process=True)  # reads the chief's notes
     assert proc.returncode == 0, proc.stderr
     assert_ran(tmp_path / "ws", "Downpour, 2 groups + 1 server, 3 processes")
     lags, groups = lags_of(tmp_path / "ws")
