@@ -4,5 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-# four test processes: many tests wait on the processes they start (2 idle cores, 2026-11-23: 5.0 min with 4, 5.9 with 3)
-exec .venv/bin/python -m pytest -q -n 4 "$@"
+# four test processes: many tests wait on the processes they start (2 idle cores, 2026-11-23: 5.0 min with 4, 5.9 with 3);
+# loadgroup: the tests of one expensive module fixture (marked xdist_group) share a test process, which builds it once
+exec .venv/bin/python -m pytest -q -n 4 --dist loadgroup "$@"

@@ -157,9 +157,14 @@ def downpour_job(blobs_job, layout=DOWNPOUR, steps=40, **kw):
     return blobs_job(train_steps=steps, layout=layout, **kw)
 
 
-def run_cli(job, workspace, *extra, env=None, timeout=240):
+def run_cli(job, workspace, *extra, env=None, timeout=240, process=False):
+    """`shoal run JOB --workspace WORKSPACE EXTRA` in this process (its forkserver starts the ranks: no interpreter and
+    torch import per run), or in a real one (process=True: where the test reads the chief's lines, which a rank
+    prints to its launcher's stdout)."""
     env = {**__import__("os").environ, "SHOAL_COMM_TIMEOUT": "20", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(workspace), *extra],
+    if not process:
+        return shoal_in_process("run", job, "--workspace", workspace, *extra, env=env, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(workspace), *map(str, extra)],
                           capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -181,7 +186,7 @@ def test_downpour_over_processes_learns_with_stale_updates(blobs_job, tmp_path, 
 
 
 def test_downpour_survives_a_dead_worker_group(blobs_job, tmp_path):
-    proc = run_cli(downpour_job(blobs_job), tmp_path / "ws", env={"SHOAL_INJECT_EXIT": "1:10"})
+    proc = run_cli(downpour_job(blobs_job), tmp_path / "ws", env={"SHOAL_INJECT_EXIT": "1:10"}, process=True)
     assert proc.returncode == 0, proc.stderr
     assert_ran(tmp_path / "ws", DOWNPOUR)
     assert "process 1 (worker(group=1, id=0)) exited with code 3; the other worker groups go on" in proc.stderr
@@ -253,7 +258,7 @@ def test_distributed_hogwild_syncs_replicas_and_learns(blobs_job, tmp_path, grou
 
 
 def test_distributed_hogwild_survives_a_dead_group(blobs_job, tmp_path):
-    proc = run_cli(downpour_job(blobs_job, "Distributed Hogwild, 2 groups"), tmp_path / "ws", env={"SHOAL_INJECT_EXIT": "1:10"})
+    proc = run_cli(downpour_job(blobs_job, "Distributed Hogwild, 2 groups"), tmp_path / "ws", env={"SHOAL_INJECT_EXIT": "1:10"}, process=True)
     assert proc.returncode == 0, proc.stderr
     assert_ran(tmp_path / "ws", "Distributed Hogwild, 2 groups")
     assert "process 1 (worker(group=1, id=0), server(group=1, id=0)) exited with code 3" in proc.stderr

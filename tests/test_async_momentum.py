@@ -9,6 +9,7 @@ from google.protobuf import text_format
 
 from shoal.config import job_pb2
 from shoal.planning.plan import Framework, plan_job, server_updater
+from shoal.strategies.registry import REGISTRY
 
 from conftest import mlp_job_text
 
@@ -37,7 +38,7 @@ def test_synchronous_layouts_and_momentum_free_jobs_are_untouched(blobs_dir):
     for cluster in ("", "nworkers_per_group: 2 nworkers_per_procs: 2", "nworkers_per_group: 2"):
         assert plan_job(job_with(blobs_dir, cluster)).updater.momentum == pytest.approx(0.9)
     job = job_with(blobs_dir, "nworker_groups: 2 nworkers_per_procs: 2", momentum=0)
-    assert server_updater(job, Framework.IN_MEMORY_HOGWILD).momentum == 0
+    assert server_updater(job, REGISTRY[Framework.IN_MEMORY_HOGWILD]).momentum == 0
 
 
 def test_plan_says_what_the_servers_use(blobs_job):
@@ -53,13 +54,9 @@ def test_plan_says_what_the_servers_use(blobs_job):
                                     ["cluster.nworker_groups=2", "cluster.nserver_groups=2", "cluster.sync_freq=10"]])
 def test_two_async_groups_reach_the_single_workers_accuracy_at_equal_steps(mnist_dir, tmp_path, layout):
     """benchmarks/async_momentum.py's claim on real MNIST at lr 0.1, where SINGA's plain momentum fails."""
-    import importlib.util
+    from benchmark_scripts import load_benchmark
 
-    from conftest import REPO
-
-    spec = importlib.util.spec_from_file_location("bench", REPO / "benchmarks" / "async_momentum.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("async_momentum")
     job = tmp_path / "small.conf"
     job.write_text(bench.small_mlp(mnist_dir, lr=0.1))
     single = bench.final_accuracy(job, [], tmp_path)

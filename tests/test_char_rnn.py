@@ -93,6 +93,7 @@ def test_unigram_entropy(text):
 
 
 # -- training ----------------------------------------------------------------------------
+@pytest.mark.xdist_group("char_rnn_trained")  # one worker builds the module's fixture (scripts/test.sh: --dist loadgroup)
 def test_loss_falls_well_below_the_unigram_entropy(corpus, trained):
     """A model that ignores context cannot beat the unigram entropy; the GRU must."""
     _, history = trained
@@ -104,6 +105,7 @@ def test_loss_falls_well_below_the_unigram_entropy(corpus, trained):
     assert sum(train_bits[-3:]) / 3 < 0.8 * entropy
 
 
+@pytest.mark.xdist_group("char_rnn_trained")  # one worker builds the module's fixture (scripts/test.sh: --dist loadgroup)
 def test_unrolled_copies_share_one_set_of_params(trained):
     workspace, _ = trained
     params = ckpt_io.load(ckpt_io.latest(workspace)).params
@@ -143,6 +145,7 @@ def sample(corpus, workspace, steps, argsort="sample: true"):
     return text[:-1]
 
 
+@pytest.mark.xdist_group("char_rnn_trained")  # one worker builds the module's fixture (scripts/test.sh: --dist loadgroup)
 def test_sampling_produces_text_with_the_corpus_character_statistics(corpus, trained):
     workspace, _ = trained
     text = sample(corpus, workspace, 600)
@@ -158,6 +161,7 @@ def test_sampling_produces_text_with_the_corpus_character_statistics(corpus, tra
     assert text.count(" ") > 0.1 * len(text) and text.count("\n") > 5  # code: indentation and lines
 
 
+@pytest.mark.xdist_group("char_rnn_trained")  # one worker builds the module's fixture (scripts/test.sh: --dist loadgroup)
 def test_greedy_sampling_is_singa_argsort(corpus, trained):
     """Without `sample: true` kArgSort keeps the best id, so two runs print the same text."""
     workspace, _ = trained

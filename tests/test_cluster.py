@@ -125,3 +125,14 @@ def test_shoal_plan_refuses_a_timeout_that_is_not_seconds_in_one_line(sets, env,
     args = [a for s in ["cluster.nworkers_per_group=2", *sets] for a in ("--set", s)]
     proc = run_cli("plan", REPO / "examples/mnist/job.conf", *args, env={**os.environ, **env})
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and expected in proc.stderr, proc.stderr
+
+
+def test_shoal_plan_prints_the_timeouts_it_decided():
+    import os
+
+    args = ["plan", REPO / "examples/mnist/job.conf", "--set", "cluster.nworkers_per_group=2", "--set", "cluster.stall_timeout_s=3"]
+    env = {**os.environ, "SHOAL_COMM_TIMEOUT": "90"}
+    text = run_cli(*args, env=env).stdout
+    assert "timeouts: cluster.comm_timeout_s 90 s, cluster.stall_timeout_s 3 s, cluster.join_timeout_s 600 s" in text.splitlines()
+    plan = json.loads(run_cli(*args, "--json", env=env).stdout)
+    assert plan["timeouts"] == {"comm_timeout_s": 90.0, "stall_timeout_s": 3.0, "join_timeout_s": 600.0}

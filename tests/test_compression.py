@@ -2,7 +2,6 @@
 error feedback sends a few percent of them; in one process nothing moves and nothing is encoded."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmark_scripts import load_benchmark
 from cli_in_process import run_cli
 from layouts import LAYOUTS, Layout, assert_ran
 from shoal.config import job_from_text, job_pb2, load_job
@@ -185,10 +185,7 @@ MNIST_LAYOUTS = {  # layout, its bytes metric
 
 def benchmark_mlp():
     """benchmarks/mnist_mlp.py's small_mlp: the MLP benchmarks/compression.py measures."""
-    spec = importlib.util.spec_from_file_location("mnist_mlp", Path(__file__).resolve().parents[1] / "benchmarks" / "mnist_mlp.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.small_mlp
+    return load_benchmark("mnist_mlp").small_mlp
 
 
 @pytest.mark.slow

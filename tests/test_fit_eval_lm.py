@@ -131,6 +131,7 @@ def lm_run(tmp_path_factory):
     return root / "gpt", history
 
 
+@pytest.mark.xdist_group("fit_eval_lm_run")  # one worker builds the module's fixture (scripts/test.sh: --dist loadgroup)
 def test_time_to_target_on_any_metric_through_the_api(lm_run):
     workspace, history = lm_run
     vals = history.phase("validate")
@@ -146,6 +147,7 @@ def test_time_to_target_on_any_metric_through_the_api(lm_run):
         fit(workspace.parent, "bad", targets={"val_loss": "low"})
 
 
+@pytest.mark.xdist_group("fit_eval_lm_run")  # one worker builds the module's fixture (scripts/test.sh: --dist loadgroup)
 def test_compare_shows_targets_and_validation_metrics(lm_run):
     from test_report import assert_one_line_error, shoal_cli
 
@@ -166,6 +168,7 @@ def test_compare_shows_targets_and_validation_metrics(lm_run):
     assert_one_line_error(shoal_cli("compare", "--target", "val_loss<1.9", workspace), "--target 'val_loss<1.9': expected")
 
 
+@pytest.mark.xdist_group("fit_eval_lm_run")  # one worker builds the module's fixture (scripts/test.sh: --dist loadgroup)
 def test_plot_draws_every_metric_present(lm_run, tmp_path):
     workspace, _ = lm_run
     svg = shoal.plot_runs([workspace], tmp_path / "lm.svg").read_text()

@@ -278,3 +278,14 @@ def test_adamw_over_a_compressed_allreduce_applies_the_decoded_sum_everywhere(tm
     cluster.compression = job_pb2.kBF16
     _, history = fit(tmp_path, "bf16", steps=12, updater=None, optimizer=adamw, cluster=cluster)
     assert train_losses(history)[-1] == pytest.approx(train_losses(single)[-1], rel=1e-3)  # measured 1.5e-5
+
+
+def test_fit_plans_its_job_once(tmp_path, monkeypatch):
+    """The optimizers' layout checks and the run share one plan (planning builds the module's net: not three times)."""
+    from shoal.planning import plan as planning
+
+    planned, place = [], planning.place
+    monkeypatch.setattr(planning, "place", lambda *args, **kw: planned.append(args) or place(*args, **kw))
+    fit(tmp_path, "diloco", steps=2, cluster=DILOCO_THREADS.fit_cluster(), updater=None, optimizer=adamw, outer_optimizer=nesterov)
+    assert_ran(tmp_path / "diloco", DILOCO_THREADS)
+    assert len(planned) == 1

@@ -31,10 +31,10 @@ def make(text: str, *src_shapes) -> Layer:
 
 
 class Reports(dict):
-    """A ctx.report sink: name → (value, count)."""
+    """A ctx.report sink: name → (value, count), the value read to the host (a layer may report a 0-d tensor)."""
 
     def __call__(self, name, value, count):
-        self[name] = (value, count)
+        self[name] = (float(value), count)
 
 
 def run(layer, xs, params=(), labels=None, phase=job_pb2.kTrain, seed=0, report=None, feeds=None, full=False):

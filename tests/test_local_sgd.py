@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 import shoal
 from benchmark_scripts import load_benchmark
+from cli_in_process import run_cli
 from layouts import Layout, assert_ran, load
 from shoal.planning.plan import UnsupportedClusterError, plan_job
 
@@ -51,8 +52,7 @@ def test_diloco_is_named_planned_and_its_outer_updater_checked(blobs_job, tmp_pa
     job = blobs_job(train_steps=10)
     outer = ["cluster.outer_updater.type=kNesterov", "cluster.outer_updater.momentum=0.9",
              "cluster.outer_updater.learning_rate.base_lr=0.7"]
-    plan = subprocess.run([sys.executable, "-m", "shoal", "plan", str(job), *sum((["--set", s] for s in LOCAL_SGD + outer), [])],
-                          capture_output=True, text=True, timeout=120)
+    plan = run_cli("plan", job, *sum((["--set", s] for s in LOCAL_SGD + outer), []))  # in this process: run() starts real ones
     assert plan.returncode == 2 and plan.stderr.startswith("cluster.outer_updater.learning_rate.type")
     proc = run(job, tmp_path / "ws", *LOCAL_SGD, *outer, "cluster.outer_updater.learning_rate.type=kFixed", "checkpoint_freq=7")
     assert proc.returncode == 0, proc.stderr
@@ -104,7 +104,7 @@ def test_warmup_meets_every_step_then_every_local_steps(blobs_job, tmp_path):
     assert [r["step"] for r in train] == list(range(12))
     assert [r["meetings"] for r in train] == [sum(m <= s for m in MEETS_AFTER) for s in range(12)]
     assert [r["sent_bytes"] for r in train] == [4 * elements if s in MEETS_AFTER else 0 for s in range(12)]  # float32 pseudo-gradients
-    plan = subprocess.run([sys.executable, "-m", "shoal", "plan", str(job), *WARM.cli()], capture_output=True, text=True, timeout=120)
+    plan = run_cli("plan", job, *WARM.cli())
     assert plan.returncode == 0, plan.stderr
     assert "groups meet after each of the first 3 steps (synchronous warm-up), then every 5 steps: 4 meeting(s) in 12 steps" in plan.stdout
 
@@ -145,8 +145,7 @@ def test_warmup_without_local_sgd_and_a_negative_one_are_refused(blobs_job):
 def test_estimate_counts_one_all_reduce_per_meeting(blobs_job):
     job = blobs_job(train_steps=100)
     sets = ["cluster.nworker_groups=2", "cluster.local_steps=50"]
-    plan = subprocess.run([sys.executable, "-m", "shoal", "plan", str(job), "--estimate", "--json", *sum((["--set", s] for s in sets), [])],
-                          capture_output=True, text=True, timeout=120)
+    plan = run_cli("plan", job, "--estimate", "--json", *sum((["--set", s] for s in sets), []))
     assert plan.returncode == 0, plan.stderr
     estimate = json.loads(plan.stdout)["estimate"]
     elements = 16 * 32 + 32 + 32 * 4 + 4  # the blobs MLP's params

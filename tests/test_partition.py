@@ -110,7 +110,7 @@ def test_forward_outputs_and_gradients_equal_the_unpartitioned_net(blobs_dir, tm
         expected = one.workers[0].compute(step, lambda name, value, count: losses_one.append((name, value, count)))
         got = group.compute(step, lambda name, value, count: losses_many.append((name, value, count)))
         for metric in ("loss", "accuracy"):
-            mean = [sum(v * c for n, v, c in reports if n == metric) / sum(c for n, v, c in reports if n == metric) for reports in (losses_one, losses_many)]
+            mean = [sum(float(v) * c for n, v, c in reports if n == metric) / sum(c for n, v, c in reports if n == metric) for reports in (losses_one, losses_many)]
             assert mean[1] == pytest.approx(mean[0], rel=1e-5)
         for name, grad in expected.items():
             torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7)

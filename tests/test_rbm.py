@@ -64,6 +64,7 @@ def stack(mnist_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.xdist_group("rbm_stack")  # one worker builds the module's fixture (scripts/test.sh: --dist loadgroup)
 def test_each_rbm_reconstruction_error_falls_steadily(stack, k):
     _, errors = stack
     assert len(errors[k]) == 4  # at 0, 1/3 and 2/3 of the steps, and the final test
@@ -71,6 +72,7 @@ def test_each_rbm_reconstruction_error_falls_steadily(stack, k):
     assert errors[k][-1] < 0.85 * errors[k][0], errors[k]
 
 
+@pytest.mark.xdist_group("rbm_stack")  # one worker builds the module's fixture (scripts/test.sh: --dist loadgroup)
 def test_later_rbms_start_from_the_earlier_ones_checkpoints(stack):
     root, _ = stack
     rbm1 = ckpt_io.load(ckpt_io.latest(root / "rbm1")).params
@@ -80,6 +82,7 @@ def test_later_rbms_start_from_the_earlier_ones_checkpoints(stack):
     assert set(rbm4) == {"w1", "b12", "w2", "b22", "w3", "b32", "w4", "b41", "b42"}
 
 
+@pytest.mark.xdist_group("rbm_stack")  # one worker builds the module's fixture (scripts/test.sh: --dist loadgroup)
 def test_finetuned_autoencoder_reconstructs_test_digits_better_than_the_rbm_stack(stack, mnist_dir, tmp_path):
     root, _ = stack
     job = autoencoder_job(mnist_dir, root)
@@ -90,6 +93,7 @@ def test_finetuned_autoencoder_reconstructs_test_digits_better_than_the_rbm_stac
 
 @pytest.mark.parametrize("k", [1, 4])  # binary and Gaussian hidden units
 @pytest.mark.parametrize("layout", GROUPS)
+@pytest.mark.xdist_group("rbm_stack")  # one worker builds the module's fixture (scripts/test.sh: --dist loadgroup)
 def test_two_workers_train_the_same_rbm_as_one(stack, mnist_dir, tmp_path, k, layout):
     """Hidden units are sampled per row of the whole batch, so a 2-worker group draws what one worker draws."""
     root, _ = stack

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_in_process import run_cli
 
 from shoal.frontend.api import load_job
 from shoal.planning import recommend
@@ -38,17 +39,22 @@ def all_kernels(proto, workers=(2,)) -> set[str]:
             for k in plan_kernels(plan_job(recommend.variant(proto, fields)))} | {k.key for k in plan_kernels(plan_job(proto))}
 
 
-def plan(job: Path, sets: list[str], *args: str, home: Path) -> subprocess.CompletedProcess:
-    env = {"SHOAL_HOME": str(home), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    command = [sys.executable, "-m", "shoal", "plan", str(job), "--recommend", *args, *sum((["--set", s] for s in sets), [])]
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+def plan(job: Path, sets: list[str], *args: str, home: Path, process: bool = False) -> subprocess.CompletedProcess:
+    """`shoal plan JOB --recommend ARGS`: in this process (tests/cli_in_process.py), or in a real one (process=True:
+    one case of the file, which proves the interpreter-level behaviour; each costs a torch import)."""
+    env = {"SHOAL_HOME": str(home), "PATH": "/usr/bin:/bin"}
+    args = ["plan", str(job), "--recommend", *args, *sum((["--set", s] for s in sets), [])]
+    if not process:
+        return run_cli(*args, env=env)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src")
+    return subprocess.run([sys.executable, "-m", "shoal", *args], capture_output=True, text=True, env=env, timeout=120)
 
 
 def test_cli_recommends_timeouts_from_the_predicted_step(tmp_path):
     job = tmp_path / "tiny.conf"
     job.write_text(JOB)
     # a fast step: the floors stand, and the text says so with the calibration's age beside it
-    quick = plan(job, ALLREDUCE, home=seeded_home(tmp_path, job, ALLREDUCE, 1e-6))
+    quick = plan(job, ALLREDUCE, home=seeded_home(tmp_path, job, ALLREDUCE, 1e-6), process=True)
     assert quick.returncode == 0, quick.stderr
     section = quick.stdout.split("recommended timeouts for AllReduce over 2 processes")[1]
     assert "paste into `shoal run`" in section.splitlines()[0]
@@ -199,8 +205,6 @@ def test_the_measured_rows_are_the_benchmark_pages_figures():
 
 
 def test_cli_recommends_settings_for_the_job_and_the_links(tmp_path):
-    from cli_in_process import run_cli
-
     job = tmp_path / "tiny.conf"
     job.write_text(JOB)
     sets = ["--set", "train_steps=1000"]  # Local SGD's meetings are counted over the run

@@ -24,7 +24,7 @@ RUN_LAYOUTS = ["single worker", "in-memory Sandblaster, 2 threads", "AllReduce, 
 
 
 def shoal_process(*args, env=None, timeout=300):
-    """`python -m shoal ARGS`: a process of its own (the layouts' runs, a missing package)."""
+    """`python -m shoal ARGS`: a process of its own (a crashed run, a missing package)."""
     return subprocess.run([sys.executable, "-m", "shoal", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, check=False)
 
 
@@ -43,13 +43,14 @@ def assert_one_line_error(proc, *fragments):
 
 @pytest.fixture(scope="module")
 def layout_runs(blobs_dir, tmp_path_factory):
-    """One real 30-step run of the blobs MLP per layout (through the CLI, as a user starts it)."""
+    """One real 30-step run of the blobs MLP per layout (through the CLI, as a user starts it; in this process, whose
+    forkserver starts the ranks: the file's real `python -m shoal` processes are the crashed run's and tensorboard's)."""
     root = tmp_path_factory.mktemp("layouts")
     job = root / "job.conf"
     job.write_text(mlp_job_text(blobs_dir, train_steps=30))
     runs = {}
     for n, name in enumerate(RUN_LAYOUTS):
-        proc = shoal_process("run", job, "--workspace", root / f"run{n}", "--no-progress", *LAYOUTS[name].cli())
+        proc = shoal_cli("run", job, "--workspace", root / f"run{n}", "--no-progress", *LAYOUTS[name].cli())
         assert proc.returncode == 0, proc.stderr
         runs[name] = root / f"run{n}"
     return runs
@@ -58,6 +59,7 @@ def layout_runs(blobs_dir, tmp_path_factory):
 # -- metrics.jsonl -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", RUN_LAYOUTS)
+@pytest.mark.xdist_group("report_layout_runs")  # one worker builds the module's fixture (scripts/test.sh: --dist loadgroup)
 def test_every_record_follows_the_schema(layout_runs, layout):
     records = read_metrics(layout_runs[layout] / "metrics.jsonl")
     assert records and all(record_problems(r) == [] for r in records), [record_problems(r) for r in records]
@@ -93,6 +95,7 @@ def test_schema_check_names_what_is_wrong(record, problem):
 # -- summary.json --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", RUN_LAYOUTS)
+@pytest.mark.xdist_group("report_layout_runs")  # one worker builds the module's fixture (scripts/test.sh: --dist loadgroup)
 def test_summary_of_a_finished_run(layout_runs, layout):
     workspace = layout_runs[layout]
     summary = assert_ran(workspace, layout)
@@ -315,17 +318,12 @@ def test_tensorboard_missing_is_a_one_line_error(blobs_job, tmp_path):
 
 def test_framework_benchmark_layouts_are_what_they_claim():
     """Every layout places, is named as its framework, and runs."""
-    import importlib.util
-
-    from conftest import REPO
+    from benchmark_scripts import load_benchmark
 
     from shoal.planning.plan import plan_job
     from shoal.report.summary import describe_layout
 
-    spec = importlib.util.spec_from_file_location("frameworks_benchmark", REPO / "benchmarks" / "frameworks.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("frameworks")
     expected = {"single": "single worker", "inmem-sandblaster": "in-memory Sandblaster", "allreduce": "AllReduce",
                 "sandblaster": "Sandblaster", "downpour": "Downpour", "dist-hogwild": "Distributed Hogwild",
                 "inmem-hogwild": "in-memory Hogwild"}

@@ -19,6 +19,7 @@ import torch
 from layouts import ASYNCHRONOUS, LAYOUTS, Layout, assert_ran, load, train
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.planning.plan import plan_job
+from shoal.report.metrics import read_metrics
 from shoal.runtime.assemble import RunSpec, assemble
 from shoal.runtime.trainer import checkpoint_parts
 
@@ -101,7 +102,10 @@ def test_resume_at_a_checkpoint_equals_the_uninterrupted_run(job, tmp_path, case
     assert set(checkpoint_files(resumed, AT)) == {"step7-worker0.safetensors"} | {f"step7-group{g}-rank{r}.safetensors" for g, r in parts}
     if case in ASSEMBLED_HERE:
         assert_every_trainer_restores_its_state(job, layout, resumed)
-    train(job, layout, resumed, resume=True)
+    history = train(job, layout, resumed, resume=True)
+    # what the resumed run recorded, in one process or over several: the copied records of steps 0-12 are not its
+    assert history.records and min(r["step"] for r in history.records) >= AT
+    assert history.records == read_metrics(resumed / "metrics.jsonl")[-len(history.records):]
     final = ckpt_io.load(ckpt_io.checkpoint_file(resumed, STEPS), parts=True)
     assert final.step == STEPS and set(final.parts) == {ckpt_io.part_name(STEPS, g, r) for g, r in parts}
     if case in NOT_DETERMINISTIC:

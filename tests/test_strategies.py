@@ -101,6 +101,15 @@ def test_the_plan_is_frozen_all_the_way_down():
         plan.params["w"] = (1,)
     with pytest.raises(AttributeError):
         plan.placement.processes[0].workers = ()  # frozen dataclasses
+    parts = plan.partition  # the partitioned net: frozen but for its nodes' layer objects (they compute)
+    for value in (parts.nodes, parts.notes, *(n.srcs for n in parts.nodes), *(n.params for n in parts.nodes)):
+        assert isinstance(value, tuple)
+    with pytest.raises(TypeError):
+        parts.partitioning["fc"] = ("whole", 0)
+    with pytest.raises(AttributeError):
+        parts.nodes[0].worker = 1
+    with pytest.raises(AttributeError):
+        parts.nworkers = 3
 
 
 def test_bucket_size_and_restarts_are_plan_fields_the_environment_overrides():

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import random
 
-import sys
 
 import pytest
 from cli_in_process import run_cli as shoal_in_process
@@ -95,7 +94,7 @@ def test_downpour_servers_hold_updates_to_the_bound(blobs_job, tmp_path, bound, 
     steps = 30
     job = downpour_job(blobs_job, steps=steps, cluster_extra=dict(max_update_lag=bound, overlap_push=overlap),
                        extra="checkpoint_freq: 10")
-    proc = run_cli(job, tmp_path / "ws", env=SLOW_GROUP_1)
+    proc = run_cli(job, tmp_path / "ws", env=SLOW_GROUP_1, process=True)  # reads the chief's notes
     assert proc.returncode == 0, proc.stderr
     assert_ran(tmp_path / "ws", "Downpour, 2 groups + 1 server, 3 processes")
     lags, groups = lags_of(tmp_path / "ws")
@@ -162,15 +161,11 @@ def test_plan_says_what_bounds_the_lag(blobs_job):
 def test_bounded_async_groups_beat_sandblaster_when_a_worker_is_twice_slower(mnist_dir, tmp_path):
     """In one process (worker threads), two groups with max_update_lag 2 reach Sandblaster's 95 % in at most 0.6x its
     training time, worker 1 slowed 2x; medians of 3 interleaved runs (docs/benchmarks.md has the full table)."""
-    import importlib.util
     import statistics
 
-    from conftest import REPO
+    from benchmark_scripts import load_benchmark
 
-    spec = importlib.util.spec_from_file_location("bench_async_uneven", REPO / "benchmarks" / "async_uneven.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # its dataclasses resolve their string annotations through sys.modules
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("async_uneven")
     rows = bench.rows(bound=2, factor=2.0)
     sync = next(r for r in rows if r.name == bench.IN_MEMORY_SB)
     bounded = next(r for r in rows if r.baseline == bench.IN_MEMORY_SB and "max_update_lag" in r.name)

@@ -17,6 +17,7 @@ from shoal.neuralnet.shapes import check_shapes
 if TYPE_CHECKING:
     from shoal.neuralnet.params import ParamStore
     from shoal.planning.estimate import Hosts
+    from shoal.planning.plan import JobPlan
     from shoal.launcher.launch import Nodes
 
 JobLike = Union[str, Path, dict, job_pb2.JobProto]
@@ -81,6 +82,7 @@ def train(
     job_file: Optional[str] = None,
     process_setup: Optional[Callable[[], None]] = None,
     initial_values: Optional[Callable[["ParamStore"], None]] = None,
+    plan: Optional["JobPlan"] = None,
 ) -> History:
     """Train a job as its cluster section says; returns every metrics record.
 
@@ -88,7 +90,8 @@ def train(
     tensorboard=True also writes TensorBoard event files (None: as the job's `tensorboard` field says);
     progress=None draws a bar when stderr is a terminal; nodes: several hosts (shoal.launcher.launch.Nodes).
     shoal.fit passes process_setup (run first in every spawned process: registers its layer types; picklable)
-    and initial_values (sets the params from the module's own values).
+    and initial_values (sets the params from the module's own values), and the plan it checked its optimizer
+    against (used when it is this job's: the job is planned once).
     """
     proto, base_dirs = as_job(job)
     script.plan_instead(proto)  # `shoal plan script.py`: this job is planned, not trained
@@ -96,7 +99,8 @@ def train(
         proto.tensorboard = tensorboard
     workspace, resume = script.workspace(workspace), script.resume(resume)
     options = RunOptions(workspace=Path(workspace) if workspace else None, resume=resume, base_dirs=base_dirs, log=log,
-                         progress=progress, nodes=nodes, process_setup=process_setup, initial_values=initial_values)
+                         progress=progress, nodes=nodes, process_setup=process_setup, initial_values=initial_values,
+                         plan=plan)
     return train_job(proto, options, job_file=job_file or (str(job) if isinstance(job, (str, Path)) else "<python>"))
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import torch
 from google.protobuf import json_format
@@ -50,6 +50,9 @@ from shoal.neuralnet.params import ParamStore
 from shoal.frontend.fit_metrics import check_metrics, run_goals
 from shoal.neuralnet.torch_optimizer import OPTIMIZER_UPDATER, OUTER_OPTIMIZER_UPDATER, check_slices_allowed, made, made_scheduler
 from shoal.report.targets import set_run_goals
+
+if TYPE_CHECKING:
+    from shoal.planning.plan import JobPlan
 
 Data = Union[tuple, torch.utils.data.Dataset, Callable]
 
@@ -130,21 +133,15 @@ def fit_job(model: torch.nn.Module, form: str, *, batch_size: int, steps: int, t
     return job
 
 
-def _check_optimizer_layout(job: job_pb2.JobProto, model: torch.nn.Module, optimizer: Callable) -> None:
+def _check_optimizer_layout(plan: JobPlan, model: torch.nn.Module, optimizer: Callable) -> None:
     """A torch optimizer runs wherever owners update params: refuse, in one line, an optimizer not known to be
     element-wise where params are sliced over owners."""
-    from shoal.planning.plan import plan_job
-
-    plan = plan_job(job)
     numel = {name: p.numel() for name, p in model.named_parameters()}
     if not plan.in_one_process and any(s.param in numel and s.size != numel[s.param] for s in plan.placement.slices):
         check_slices_allowed(made(optimizer, list(model.named_parameters())))  # the owners update slices of params
 
 
-def _check_outer_layout(job: job_pb2.JobProto) -> None:
-    from shoal.planning.plan import plan_job
-
-    plan = plan_job(job)
+def _check_outer_layout(plan: JobPlan) -> None:
     if not plan.strategy.meets:
         raise FitError(f"shoal.fit: outer_optimizer= is Local SGD / DiLoCo's (cluster.nworker_groups > 1 with "
                        f"cluster.local_steps), not {plan.framework}'s")
@@ -330,19 +327,21 @@ def _launched_rank() -> int:
 def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
     from shoal.frontend import api, script
     from shoal.config.validate import validate
+    from shoal.launcher.run_job import plan_of
     from shoal.neuralnet.shapes import check_shapes
 
     validate(job, None, shape_check=check_shapes)
+    plan = plan_of(job)  # planned once: the checks and the run take this plan
     if spec.optimizer is not None:
-        _check_optimizer_layout(job, model, spec.optimizer)
+        _check_optimizer_layout(plan, model, spec.optimizer)
     if spec.scheduler is not None:  # refused before anything is written (the owners build their own)
         made_scheduler(spec.scheduler, made(spec.optimizer, list(model.named_parameters())))
     if spec.outer_optimizer is not None:
-        _check_outer_layout(job)
-    _check_sendable(job, spec)
+        _check_outer_layout(plan)
+    _check_sendable(plan, spec)
     history = api.train(job, workspace=Path(script.workspace(workspace) or "fit-workspace"), resume=resume, log=log,
                         progress=False, job_file="<shoal.fit>", process_setup=functools.partial(register_fit_layers, spec),
-                        initial_values=functools.partial(copy_module_values, model))
+                        initial_values=functools.partial(copy_module_values, model), plan=plan)
     if _launched_rank() == 0:  # another launched rank has no checkpoint to read yet (or on its host at all)
         _load_trained_values(model, history.workspace, job.train_steps)
     return history
@@ -351,18 +350,14 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
 SENT_FIELDS = ("model", "loss_fn", "datasets", "optimizer", "scheduler", "outer_optimizer", "metrics")
 
 
-def _check_sendable(job: job_pb2.JobProto, spec: FitSpec) -> None:
+def _check_sendable(plan, spec: FitSpec) -> None:
     """Processes that shoal starts receive the fit call's objects pickled: refuse, in one line naming the argument,
     one that cannot be (a lambda, a local function). Under torchrun/Slurm each process runs the script itself."""
-    import pickle
-
-    from shoal.planning.plan import plan_job
-
     import os
+    import pickle
 
     from shoal.launcher.launchers import detect
 
-    plan = plan_job(job)
     if detect(os.environ) is not None or plan.in_one_process:
         return
     for name in SENT_FIELDS:

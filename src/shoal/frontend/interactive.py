@@ -226,7 +226,7 @@ class Interactive(Source):
         xs, auxes = map(list, zip(*(_source(s) for s in srcs)))
         built = self._built([tuple(x.shape[1:]) for x in xs])
         metrics: dict[str, float] = {}
-        ctx = Context(phase=PHASES[phase], generator=built.net.generator, report=lambda name, value, count: metrics.__setitem__(name, value))
+        ctx = Context(phase=PHASES[phase], generator=built.net.generator, report=lambda name, value, count: metrics.__setitem__(name, float(value)))
         values = built.net.store.values
         built.outputs = []
         with torch.set_grad_enabled(phase == "train"):

@@ -255,13 +255,13 @@ def register_fit_layers(spec: FitSpec) -> None:
                 loss = scalar_loss(spec.loss_fn(output, target))
             with torch.no_grad():
                 rows = batch_rows(output)
-                ctx.report("loss", loss.item(), rows)
+                ctx.report("loss", loss.detach(), rows)  # read when shown (MetricWindow): no wait for the device
                 if ctx.phase != job_pb2.kTrain and spec.metrics:
                     with spec.computing(ctx.device):
                         report_metrics(spec.metrics, lambda fn: fn(output, target), loss.item(), rows, ctx.report)
                 # accuracy only for class scores against one class id per sample (unless the user measures their own)
                 if "accuracy" not in spec.metrics and output.dim() == 2 and isinstance(target, torch.Tensor) and target.dim() == 1 and not target.is_floating_point():
-                    ctx.report("accuracy", (output.argmax(1) == target).float().mean().item(), rows)
+                    ctx.report("accuracy", (output.argmax(1) == target).float().mean(), rows)
             return loss
 
     @register_user_layer(MODULE_LOSS_LAYER)
@@ -279,7 +279,7 @@ def register_fit_layers(spec: FitSpec) -> None:
             with spec.computing(ctx.device):
                 loss = scalar_loss(self.call(self.wrapper, params, ctx, (xs[0],), prefix="model."))
             with torch.no_grad():
-                ctx.report("loss", loss.item(), batch_rows(xs[0]))
+                ctx.report("loss", loss.detach(), batch_rows(xs[0]))
                 if ctx.phase != job_pb2.kTrain and spec.metrics:
                     values = self.values(params, ctx.device, prefix="model.")
                     def compute(fn):  # fn(model, batch) on shoal's params, as the loss

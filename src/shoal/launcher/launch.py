@@ -392,6 +392,9 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     args = (ranks, meeting, environment, plan.job.SerializeToString(), str(workspace),
             str(spec.resume_from) if spec.resume_from else None, [str(d) for d in spec.base_dirs], process_setup, spec.initial_values)
+    metrics = workspace / "metrics.jsonl"
+    # a resumed run appends to the earlier runs' records: its History holds its own, as in one process
+    metrics_start = metrics.stat().st_size if 0 in ranks and metrics.exists() else 0
     try:
         context = mp.start_processes(_entry, args=args, nprocs=len(ranks), start_method=start_method(), join=False)
         on_start([p.pid for p in context.processes])
@@ -408,7 +411,7 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)
                     if sig == signal.SIGTERM or signal.getsignal(sig) is not signal.SIG_IGN}
         try:
-            if not plan.framework.synchronous:
+            if not plan.strategy.synchronous:
                 _join_tolerating_groups(context, ranks, plan, workspace, rejoin.Restarter(plan, meeting, spec, process_setup, environment))
             stalls.wait_for_first_failure(context)  # and SIGKILL stopped processes, which SIGTERM cannot end
             while not context.join():
@@ -439,5 +442,5 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
         raise _failed(f"{describe_process(plan, rank)} failed: {last}; see {workspace}/logs/rank{rank}.log", workspace, ranks) from None
     history = History(workspace)
     if 0 in ranks:  # the chief's node holds the metrics
-        history.records = read_metrics(workspace / "metrics.jsonl")
+        history.records = read_metrics(metrics, metrics_start)
     return history

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 if TYPE_CHECKING:
     from shoal.launcher.launch import Nodes
     from shoal.neuralnet.params import ParamStore
+    from shoal.planning.plan import JobPlan
 
 
 @dataclass
@@ -22,3 +23,6 @@ class RunOptions:
     # shoal.fit: registers its layer types in each spawned process (picklable), and sets initial param values
     process_setup: Optional[Callable[[], None]] = None
     initial_values: Optional[Callable[["ParamStore"], None]] = None
+    # the job's plan, when the caller planned it already (shoal.fit checks its optimizer against it): used if it is
+    # this job's on these nodes (run_job.plan_of), else the job is planned
+    plan: Optional["JobPlan"] = None

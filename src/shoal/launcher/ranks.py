@@ -18,7 +18,7 @@ def describe_process(plan: JobPlan, rank: int) -> str:
 def expendable(plan: JobPlan, rank: int) -> bool:
     """Asynchronous jobs outlive a process that hosts only workers of groups other than group 0."""
     proc = plan.process(rank)
-    return not plan.framework.synchronous and bool(proc.workers) and all(m.group != 0 for m in proc.workers + proc.servers)
+    return not plan.strategy.synchronous and bool(proc.workers) and all(m.group != 0 for m in proc.workers + proc.servers)
 
 
 @contextmanager

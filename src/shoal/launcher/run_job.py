@@ -50,9 +50,19 @@ def train_job(job: job_pb2.JobProto, options: RunOptions, job_file: str = "<pyth
         raise failure from None
 
 
+def plan_of(job: job_pb2.JobProto, nodes=None, given: Optional[JobPlan] = None) -> JobPlan:
+    """The job's plan on the nodes of this launch (torchrun's or srun's, else `nodes`, else this host): `given`
+    when it is that plan already (planned by the caller, for the same job bytes and nodes), else planned here."""
+    launched = elastic.launched_process(nodes_given=nodes is not None)  # torchrun, srun, ...: run one rank
+    nnodes = launched.nnodes if launched else nodes.nnodes if nodes else 1
+    if given is not None and given.nnodes == nnodes and given.job_bytes == job.SerializeToString():
+        return given
+    return plan_job(job, nnodes=nnodes)
+
+
 def _train_job(job: job_pb2.JobProto, options: RunOptions, job_file: str) -> History:
     launched = elastic.launched_process(nodes_given=options.nodes is not None)  # torchrun, srun, ...: run one rank
-    plan = plan_job(job, nnodes=launched.nnodes if launched else options.nodes.nnodes if options.nodes else 1)
+    plan = plan_of(job, options.nodes, options.plan)
     if job.tensorboard:
         require_tensorboard()
     workspace = resolve_workspace(job, options.workspace)

@@ -56,7 +56,7 @@ class StallPolicy:
         if stall.rank is None:
             self._fail(f"the job's store (held by the launcher: shoal run's, or torchrun's agent) stopped answering ({silent})")
         who = describe_process(self.plan, stall.rank)
-        if self.plan.framework.synchronous or not self._expendable(stall.rank):
+        if self.plan.strategy.synchronous or not self._expendable(stall.rank):
             hosts_store = "; it hosts the job's store" if stall.store else ""
             self._fail(f"{who} stopped answering ({silent}{hosts_store})")
         group = self._group_of(stall.rank)
@@ -70,7 +70,7 @@ class StallPolicy:
     def on_woken(self, gap: float) -> None:
         """This process was stopped longer than the timeout: its peers have given up on it."""
         line = f"process {self.rank} was stopped for {gap:.0f} s, longer than the stall timeout ({self.plan.stall_timeout_s:g} s)"
-        if self.plan.framework.synchronous or not self._expendable(self.rank):
+        if self.plan.strategy.synchronous or not self._expendable(self.rank):
             self._fail(f"{line}; the job cannot go on without it")
         self._leave(f"{line}; the servers dropped worker group {self.group}, so it leaves")
 

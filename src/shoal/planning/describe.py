@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from shoal.config import job_pb2
-from shoal.planning.plan import JobPlan
+from shoal.planning.plan import TIMEOUT_OVERRIDES, JobPlan
 
 
 def describe(plan: JobPlan) -> dict:
@@ -26,7 +26,7 @@ def describe(plan: JobPlan) -> dict:
     return {
         "framework": plan.framework.value,
         "label": plan.label,
-        "synchronous": plan.framework.synchronous,
+        "synchronous": plan.strategy.synchronous,
         "nprocs": plan.nprocs,
         "nworkers": plan.nworkers,
         "nservers": plan.nservers,
@@ -38,6 +38,8 @@ def describe(plan: JobPlan) -> dict:
         "compression": _compression(plan),
         "process_groups": [{"name": g.name, "ranks": list(g.ranks), "cuda_over": "nccl" if g.nccl else "gloo via the host"}
                            for g in plan.process_groups],
+        # what the launcher passes down (cluster.*_timeout_s, or their SHOAL_* overrides): seconds
+        "timeouts": {name: getattr(plan, name) for name in TIMEOUT_OVERRIDES},
         "params": {name: list(shape) for name, shape in plan.params.items()},
         "param_elements": sum(_numel(shape) for shape in plan.params.values()),
     }
@@ -48,7 +50,7 @@ def _compression(plan: JobPlan) -> dict:
     c = plan.cluster
     setting = f"top-{c.topk_fraction:g}" if c.compression == job_pb2.kTopK else job_pb2.Compression.Name(c.compression)[1:]
     applied = c.compression != job_pb2.kNone and not plan.in_one_process
-    return {"setting": setting, "applied": applied, "bit_exact_with_one_worker": plan.framework.synchronous and not applied}
+    return {"setting": setting, "applied": applied, "bit_exact_with_one_worker": plan.strategy.synchronous and not applied}
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -80,5 +82,6 @@ def render(plan: JobPlan) -> str:
             lines.append(f"  server (group {s['group']}, id {s['id']}): {total:,} elements: {owned}")
     for g in d["process_groups"]:  # what the exchanges' collectives run over
         lines.append(f"process group {g['name']}: ranks {', '.join(map(str, g['ranks']))} (CUDA tensors: {g['cuda_over']})")
+    lines.append("timeouts: " + ", ".join(f"cluster.{name} {seconds:g} s" for name, seconds in d["timeouts"].items()))
     lines += [f"note: {note}" for note in d["partition_notes"]]
     return "\n".join(lines)

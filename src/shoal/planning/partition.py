@@ -19,8 +19,10 @@ topological order, each on one worker, which the runtime executes (runtime/parti
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+import copy
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Mapping, Optional
 
 import torch
 
@@ -49,18 +51,19 @@ class ParamView:
     size: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class PartNode:
-    """One node of the partitioned net: a copy of a user layer, or an inserted connection layer."""
+    """One node of the partitioned net: a copy of a user layer, or an inserted connection layer. Frozen, as the
+    JobPlan that holds it (the layer object is the one part a plan does not freeze: it computes and has a shape)."""
 
     name: str
     worker: int
     layer: Layer  # built on this node's conf and source shapes (the runtime computes with it)
-    srcs: list[str]
+    srcs: tuple[str, ...]
     origin: str  # the user's layer this node computes (connection layers: the layer whose output they carry)
     partitioning: str  # batch | feature | whole (connection layers: how the blob they output is cut)
     part: int = 0  # which part of the batch rows / features (batch, feature)
-    params: list[ParamView] = field(default_factory=list)
+    params: tuple[ParamView, ...] = ()
     inserted: bool = False  # a connection layer the partitioner added
     peer: str = ""  # a bridge's other end
 
@@ -73,12 +76,16 @@ class PartNode:
         return tuple(self.layer.shape)
 
 
-@dataclass
+@dataclass(frozen=True)
 class PartitionPlan:
     nworkers: int
-    nodes: list[PartNode]  # one global topological order; each worker runs its own in this order
-    partitioning: dict[str, tuple[str, int]]  # user layer -> (partitioning, worker of a whole layer)
-    notes: list[str] = field(default_factory=list)  # layers computed otherwise than the net's default, and why
+    nodes: tuple[PartNode, ...]  # one global topological order; each worker runs its own in this order
+    partitioning: Mapping[str, tuple[str, int]]  # user layer -> (partitioning, worker of a whole layer), read-only
+    notes: tuple[str, ...] = ()  # layers computed otherwise than the net's default, and why
+
+    def __deepcopy__(self, memo: dict) -> "PartitionPlan":
+        """A copy with its own nodes and layers (a trainer's group wraps their layers); the rest is read-only, shared."""
+        return replace(self, nodes=copy.deepcopy(self.nodes, memo))
 
     @property
     def partitioned(self) -> bool:
@@ -205,7 +212,7 @@ class _Builder:
             layer = layer_class(conf)(conf, [self.by_name[s].shape for s in srcs])
         except LayerConfigError as err:
             raise PartitionError(f"neuralnet.layer[{origin}]", str(err)) from None
-        node = PartNode(conf.name, worker, layer, srcs, origin, partitioning, part, params or [], inserted, peer)
+        node = PartNode(conf.name, worker, layer, tuple(srcs), origin, partitioning, part, tuple(params or ()), inserted, peer)
         self.nodes.append(node)
         self.by_name[node.name] = node
         return node
@@ -270,10 +277,11 @@ def _needed(b: _Builder, src: str, copies: list[str], kind: str, worker: int, wa
 
 def _insert_splits(nodes: list[PartNode], by_name: dict[str, PartNode]) -> list[PartNode]:
     """SINGA's AddModelSplitLayers on the partitioned graph: an output read by several nodes goes through a kSplit."""
-    readers: dict[str, list[PartNode]] = {}
+    readers: dict[str, list[str]] = {}
     for n in nodes:
         for s in n.srcs:
-            readers.setdefault(s, []).append(n)
+            readers.setdefault(s, []).append(n.name)
+    through: dict[str, dict[str, str]] = {}  # reader -> {source: the split it reads that source through}
     out: list[PartNode] = []
     for n in nodes:
         out.append(n)
@@ -281,13 +289,17 @@ def _insert_splits(nodes: list[PartNode], by_name: dict[str, PartNode]) -> list[
         if len(fan) > 1 and n.layer.category != "input":
             conf = job_pb2.LayerProto(name=f"split({n.name})", type=job_pb2.kSplit, srclayers=[n.name])
             conf.split_conf.num_splits = len(fan)
-            split = PartNode(conf.name, n.worker, layer_class(conf)(conf, [n.shape]), [n.name], n.origin, n.partitioning, n.part, inserted=True)
+            split = PartNode(conf.name, n.worker, layer_class(conf)(conf, [n.shape]), (n.name,), n.origin, n.partitioning, n.part, inserted=True)
             out.append(split)
             by_name[split.name] = split
             for reader in fan:
-                reader.srcs = [split.name if s == n.name else s for s in reader.srcs]
-                del reader.layer.conf.srclayers[:]
-                reader.layer.conf.srclayers.extend(reader.srcs)
+                through.setdefault(reader, {})[n.name] = split.name
+    for i, n in enumerate(out):
+        if n.name in through:  # frozen nodes: a reader is replaced by one reading the splits
+            srcs = tuple(through[n.name].get(s, s) for s in n.srcs)
+            del n.layer.conf.srclayers[:]
+            n.layer.conf.srclayers.extend(srcs)
+            out[i] = by_name[n.name] = replace(n, srcs=srcs)
     return out
 
 
@@ -335,7 +347,7 @@ def partition(net: NeuralNet, net_conf: job_pb2.NetProto, nworkers: int) -> Part
         copies[node.name] = names
     _check_random_draws(b.nodes, p)
     nodes = _insert_splits(b.nodes, b.by_name)
-    return PartitionPlan(p, nodes, kinds, notes)
+    return PartitionPlan(p, tuple(nodes), MappingProxyType(kinds), tuple(notes))
 
 
 def _check_random_draws(nodes: list[PartNode], nworkers: int) -> None:

@@ -190,11 +190,10 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
     return plan
 
 
-def server_updater(job: job_pb2.JobProto, strategy: Strategy | Framework) -> job_pb2.UpdaterProto:
+def server_updater(job: job_pb2.JobProto, strategy: Strategy) -> job_pb2.UpdaterProto:
     """The updater the servers apply. Asynchronous groups: N outstanding updates (G groups, 2G with overlap_push)
     already add momentum of their own (an update computed on params N-1 updates old, on average), so the servers'
     momentum is 1 - N·(1 - momentum), which keeps the job's effective momentum (cluster.async_momentum: kAsConfigured keeps SINGA's, the job's own)."""
-    strategy = strategy.strategy if isinstance(strategy, Framework) else strategy
     updater = job_pb2.UpdaterProto()
     updater.CopyFrom(job.updater)
     if not strategy.compensates_async_momentum or job.cluster.async_momentum != job_pb2.kCompensated or updater.momentum <= 0:

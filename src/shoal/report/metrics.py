@@ -4,10 +4,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from shoal.report.writes import write_error, writing
 
@@ -18,29 +19,54 @@ class MetricWindow:
     Layers report (name, value, count); a display or test line shows
     sum(value·count) / sum(count) per name, as SINGA's Metric class averages
     the values collected since the last display.
+
+    A value may be a 0-d tensor: one on an accelerator is summed where it lives (in float64, the same
+    arithmetic as the host's) and read to the host only when the window is read (averages, state,
+    non_finite), so that a training step does not wait for its device to report its loss.
     """
 
     def __init__(self) -> None:
-        self._sums: dict[str, float] = {}
+        self._sums: dict[str, Any] = {}  # a float, or a float64 0-d tensor on the device that reported it
         self._counts: dict[str, int] = {}
         self._finish: dict[str, Callable[[float], float]] = {}  # applied to the mean (perplexity: exp of the mean loss)
         self._lock = threading.Lock()  # the workers of a group report from their threads
 
-    def report(self, name: str, value: float, count: int = 1, finish: Optional[Callable[[float], float]] = None) -> None:
-        """Add `value` (a mean over `count` samples); `finish` maps the window's mean to the shown value."""
+    def report(self, name: str, value: Any, count: int = 1, finish: Optional[Callable[[float], float]] = None) -> None:
+        """Add `value` (a mean over `count` samples: a number or a 0-d tensor); `finish` maps the window's mean to
+        the shown value."""
+        on_device = _is_tensor(value) and value.device.type != "cpu"
+        if _is_tensor(value) and not on_device:
+            value = value.item()  # on the host reading costs nothing
         with self._lock:
-            self._sums[name] = self._sums.get(name, 0.0) + float(value) * count
+            total = self._sums.get(name, 0.0)
+            if on_device:
+                # float64 where the sum lives (the first reporting device): the host's float(value) * count, added in order
+                value = value.detach().to(total.device if _is_tensor(total) else value.device, _float64())
+                self._sums[name] = total + value * count
+            else:
+                self._sums[name] = total + float(value) * count
             self._counts[name] = self._counts.get(name, 0) + count
             if finish is not None:
                 self._finish[name] = finish
 
+    def _read(self) -> dict[str, float]:
+        """The sums on the host (a device's sum is read here, once)."""
+        with self._lock:
+            for name, total in self._sums.items():
+                if _is_tensor(total):
+                    self._sums[name] = float(total)
+            return dict(self._sums)
+
     def averages(self) -> dict[str, float]:
-        means = {k: self._sums[k] / self._counts[k] for k in self._sums if self._counts[k]}
+        sums = self._read()
+        means = {k: sums[k] / self._counts[k] for k in sums if self._counts[k]}
         return {k: _finished(self._finish[k], v) if k in self._finish else v for k, v in means.items()}
 
-    def non_finite(self) -> dict[str, float]:
-        """The metrics whose sum became NaN or infinite (a diverged loss stays so until the window resets)."""
-        return {k: v for k, v in self._sums.items() if not math.isfinite(v)}
+    def non_finite(self, read: bool = True) -> dict[str, float]:
+        """The metrics whose sum became NaN or infinite (a diverged loss stays so until the window resets).
+        read=False: only the sums already on the host (a device's are checked when the window is read)."""
+        sums = self._read() if read else {k: v for k, v in self._sums.items() if not _is_tensor(v)}
+        return {k: v for k, v in sums.items() if not math.isfinite(v)}
 
     def reset(self) -> None:
         self._sums.clear()
@@ -51,11 +77,20 @@ class MetricWindow:
 
     # checkpoints carry the open window so a resumed run displays the same numbers
     def state(self) -> dict:
-        return {"sums": dict(self._sums), "counts": dict(self._counts)}
+        return {"sums": self._read(), "counts": dict(self._counts)}
 
     def load_state(self, state: dict) -> None:
         self._sums = {k: float(v) for k, v in state.get("sums", {}).items()}
         self._counts = {k: int(v) for k, v in state.get("counts", {}).items()}
+
+
+def _is_tensor(value) -> bool:
+    torch = sys.modules.get("torch")  # a tensor exists only once torch is imported: `shoal plot` need not import it
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _float64():
+    return sys.modules["torch"].float64
 
 
 def _finished(finish: Callable[[float], float], mean: float) -> float:
@@ -243,11 +278,12 @@ class MetricsLog:
             raise lost
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """Records of a metrics.jsonl; a line that is not a whole JSON object (cut by a crash, or by an older
-    shoal on a full disk) is skipped, and the records after it are kept."""
+def read_metrics(path: Path, start: int = 0) -> list[dict]:
+    """Records of a metrics.jsonl from byte `start` (where a resumed run began appending); a line that is not a
+    whole JSON object (cut by a crash, or by an older shoal on a full disk) is skipped, and the records after it are kept."""
     records = []
     with open(path, encoding="utf-8", errors="replace") as f:
+        f.seek(start)
         for line in f:
             line = line.strip()
             if not line:

@@ -54,11 +54,13 @@ class TrainingBar:
         """One step done; `window`: the open display window, whose loss average is the latest loss."""
         if not self.shown:
             return
-        loss = window.averages().get("loss") if window else None
+        redraw = time.monotonic() - self.rendered >= REDRAW_SECONDS  # tiny models take thousands of steps a second
+        # read only when drawn: a loss on a device is read to the host (a wait for the device), not every step
+        loss = window.averages().get("loss") if window and redraw else None
         if loss is not None:
             self.loss = loss
         self.progress.update(self.task, advance=1, loss="" if self.loss is None else f"loss {self.loss:.4g}")
-        if time.monotonic() - self.rendered >= REDRAW_SECONDS:  # tiny models take thousands of steps a second
+        if redraw:
             self._draw(render=True)
 
     def above(self, log: Callable[[str], None]) -> Callable[[str], None]:

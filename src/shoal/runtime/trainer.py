@@ -448,6 +448,7 @@ class Trainer:
                 if job.test_steps > 0 and fires(job.test_freq, job.test_after, step):
                     run_phase(step, job_pb2.kTest, job.test_steps, "Test")
                 if fires(job.checkpoint_freq, job.checkpoint_after, step):
+                    self._stop_if_diverged(step - 1, read=True)
                     self.save_checkpoint(step)
                 self.timings.paused += time.perf_counter() - paused
             for hook in self.hooks:
@@ -455,12 +456,9 @@ class Trainer:
             self.window_samples += self.train_step(step)
             for hook in self.hooks:
                 hook.after_step(step)
-            diverged = self.window.non_finite()
-            if diverged:
-                name, value = next(iter(diverged.items()))
-                raise Diverged(f"step {step}: {name} is {value} (group {self.group}); stopped before training on or saving "
-                               "non-finite params: lower the learning rate or check the data")
-            if fires(job.disp_freq, job.disp_after, step):
+            displays = fires(job.disp_freq, job.disp_after, step)
+            self._stop_if_diverged(step, read=displays)
+            if displays:
                 now = time.perf_counter()
                 values = self.exchange.metrics(self.window)
                 # asynchronous groups: throughput of the whole job, not of this group
@@ -478,6 +476,7 @@ class Trainer:
             step += 1
         if bar is not None:
             bar.close()
+        self._stop_if_diverged(step - 1, read=True)  # the steps since the last display
         self.exchange.finish()
         for hook in self.hooks:
             hook.before_final_test()
@@ -488,6 +487,15 @@ class Trainer:
         path = self.save_checkpoint(job.train_steps)
         self.log(f"Checkpoint written to {path}")
         return history
+
+    def _stop_if_diverged(self, step: int, read: bool) -> None:
+        """A non-finite loss stops the run. Losses on the host are checked every step; a device's are read (a wait
+        for the device) only when `read`: at a display, a checkpoint and the end of training."""
+        diverged = self.window.non_finite(read=read)
+        if diverged:
+            name, value = next(iter(diverged.items()))
+            raise Diverged(f"step {step}: {name} is {value} (group {self.group}); stopped before training on or saving "
+                           "non-finite params: lower the learning rate or check the data")
 
     def test_only(self, metrics: Optional[MetricsLog], step: int, cursor: int = 0) -> dict[str, float]:
         """test_steps batches of the test net from `cursor` (samples into the test data)."""

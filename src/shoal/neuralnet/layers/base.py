@@ -37,8 +37,9 @@ class Context:
     generator: Optional[torch.Generator] = None
     # data fed to input layers for this pass, by layer name: (data, labels)
     feeds: dict = field(default_factory=dict)
-    # metric sink: report(name, value, count) with value averaged over count samples
-    report: Callable[[str, float, int], None] = lambda name, value, count: None
+    # metric sink: report(name, value, count) with value averaged over count samples: a number or a 0-d tensor
+    # (a loss stays on its device until shown: report.metrics.MetricWindow)
+    report: Callable[[str, Union[float, torch.Tensor], int], None] = lambda name, value, count: None
     device: torch.device = torch.device("cpu")
     # sampling: the previous pass's outputs by layer name (a recurrent layer's last state,
     # an RNNDummy's dynamic source); None in training and ordinary evaluation

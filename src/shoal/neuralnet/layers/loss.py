@@ -22,9 +22,10 @@ def labels_of(layer: Layer, labels: list[torch.Tensor | None]) -> torch.Tensor:
     return found.reshape(-1).long()
 
 
-def topk_accuracy(scores: torch.Tensor, target: torch.Tensor, k: int) -> float:
-    """Fraction of rows whose target is among the k best scores (ties: higher id first, as SINGA)."""
-    return (top_indices(scores, k) == target[:, None]).any(dim=1).float().mean().item()
+def topk_accuracy(scores: torch.Tensor, target: torch.Tensor, k: int) -> torch.Tensor:
+    """Fraction of rows whose target is among the k best scores (ties: higher id first, as SINGA), a 0-d tensor where
+    the scores are (MetricWindow reads it when it is shown)."""
+    return (top_indices(scores, k) == target[:, None]).any(dim=1).float().mean()
 
 
 def check_topk(layer: Layer, k: int, field: str) -> None:
@@ -58,7 +59,7 @@ class SoftmaxLoss(Layer):
         target = labels_of(self, labels)
         loss = F.cross_entropy(scores, target) * c.scale
         with torch.no_grad():
-            ctx.report("loss", loss.item(), len(target))
+            ctx.report("loss", loss.detach(), len(target))  # read when shown (MetricWindow)
             ctx.report("accuracy", topk_accuracy(scores, target, c.topk), len(target))
         return loss
 
@@ -86,5 +87,5 @@ class EuclideanLoss(Layer):
         prediction, target = flat(xs[0]), flat(xs[1]).detach()
         batch = prediction.shape[0]
         squared = (prediction - target).pow(2).sum() / batch
-        ctx.report("loss", squared.item(), batch)
+        ctx.report("loss", squared.detach(), batch)
         return 0.5 * squared
