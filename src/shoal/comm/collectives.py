@@ -6,7 +6,8 @@ the same order (torch.distributed requires it), and keeps them by name. A collec
 that NCCL cannot carry (gloo: a CPU worker or a separate server in it, two processes on one GPU,
 a build without NCCL) with a CUDA tensor stages through host memory. gloo's own CUDA broadcast and
 all-reduce do that asynchronously (a side stream into pinned memory, the copy back ordered before
-the caller's stream continues), so those ops get the CUDA tensor itself; for the others (reduce,
+the caller's stream continues), so those ops get the CUDA tensor itself (a broadcast's root excepted:
+gloo writes its tensor back in place); for the others (reduce,
 gather, all-gather: CPU only in gloo) shoal copies to the host, and back when the handle is waited.
 
 Every call is asynchronous (the exchanges launch them from backward hooks) and returns a handle
@@ -49,7 +50,9 @@ class Group:
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> "Handle":
         """Global rank `src`'s `tensor` into every member's."""
-        host = self._stage(tensor, "broadcast")
+        # the root stages: gloo's CUDA broadcast writes the result back into the root's tensor too, which bumps its
+        # autograd version (a bridge's activation, saved for backward, then fails the backward: seen on an H200)
+        host = self._stage(tensor, "broadcast" if dist.get_rank() != src else "")
         work = dist.broadcast(tensor if host is None else host, src=src, group=self.handle, async_op=True)
         return Handle(work, host, tensor if dist.get_rank() != src else None)
 
