@@ -498,9 +498,14 @@ def probe_link(mb: float = 4.0, rounds: int = 8, pings: int = 30, calls: int = 2
     over gloo."""
     from shoal.comm import dist as comm
 
-    # fork: a spawned interpreter would spend seconds importing torch; the children compute nothing
-    # (one intra-op thread, message buffers only), so no thread pool of this process is needed there
-    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    # forked from multiprocessing's forkserver, which imported torch once (a spawned interpreter spends seconds on
+    # it); never a plain fork of this process: its threads (torch's pools, gloo's, a notebook's) can hold locks
+    # the child would wait on for ever (seen: a probe from a process that had trained before hung)
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        multiprocessing.set_forkserver_preload([__name__])  # effective until the server starts (once per process)
+        ctx = multiprocessing.get_context("forkserver")
+    else:
+        ctx = multiprocessing.get_context("spawn")
     port = comm.free_port()
     here, there = ctx.Pipe(duplex=False)
     procs = [ctx.Process(target=_probe_rank, args=(rank, port, mb, rounds, pings, calls, there if rank == 0 else None), daemon=True) for rank in (0, 1)]
