@@ -202,7 +202,7 @@ def test_downpour_fails_cleanly_when_a_server_dies_and_resumes_with_more_servers
     error = proc.stderr.strip().splitlines()
     assert len(error) == 1 and "server(group=0, id=0)" in error[0], proc.stderr
     # resume from the last checkpoint with the params re-sliced over two servers
-    proc = run_cli(job, tmp_path / "ws", "--resume", "--set", "cluster.nservers_per_group=2")
+    proc = run_cli(job, tmp_path / "ws", "--resume", "--set", "cluster.nservers_per_group=2", process=True)  # reads the chief's lines
     assert proc.returncode == 0, proc.stderr
     assert (summary(tmp_path / "ws")["framework"], summary(tmp_path / "ws")["servers"]) == ("Downpour", 2)
     assert "Resume from checkpoint" in proc.stdout and "Test @ step 30" in proc.stdout

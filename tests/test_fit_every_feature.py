@@ -5,6 +5,7 @@ The model is test_fit_module's tiny GPT (1 layer, 32 wide, block 16) on its tiny
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -52,7 +53,9 @@ def test_distributed_hogwild_with_adamw_resumes_with_its_state(tmp_path):
     fit(tmp_path, "hogwild", steps=12, checkpoint_freq=12, **run)
     _, history = fit(tmp_path, "hogwild", steps=24, resume=True, **run)
     assert_ran(tmp_path / "hogwild", HOGWILD)
-    assert [r["step"] for r in history.phase("train")] == list(range(24))  # the run's metrics: steps 12.. once, after 0..11
+    assert [r["step"] for r in history.phase("train")] == list(range(12, 24))  # the History: the resumed run's own steps
+    records = [json.loads(line) for line in (tmp_path / "hogwild" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("phase") == "train"] == list(range(24))  # the workspace: 12.. once, after 0..11
     assert history.final_test["loss"] < 0.8 * untrained_loss(data)
     saved = checkpoint.load(checkpoint.checkpoint_file(tmp_path / "hogwild", 12)).updater_state
     final = checkpoint.load(checkpoint.checkpoint_file(tmp_path / "hogwild", 24)).updater_state
