@@ -552,8 +552,8 @@ def _probe_rank(rank: int, port: int, mb: float, rounds: int, pings: int, calls:
             comm.recv(tiny, peer, 2)
             comm.send(tiny, peer, 3)
     latency = (time.perf_counter() - start) / pings / 2
-    # the collectives a step issues (a bucket's reduce and broadcast, the flags' reduce, a clip's or a meeting's
-    # all-reduce), each of a few bytes, issued and waited one at a time: their fixed cost, the fastest of 3 rounds
+    # the kinds of collective a step issues (a bucket's gather, a broadcast between two members, and its values'
+    # broadcast; compressed, the flags' reduce; a clip's or a meeting's all-reduce), each of a few bytes, issued and waited one at a time: their fixed cost, the fastest of 3 rounds
     group = collectives.create([ProcessGroupPlan("probe", (0, 1), False)])["probe"]
     small = torch.zeros(16)
     rounds_s = []

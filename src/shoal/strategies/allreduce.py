@@ -17,6 +17,14 @@ from shoal.runtime.exchanges.server import Server
 from shoal.runtime.exchanges.sliced import SlicedExchange
 
 
+def exchange_buckets(model) -> list:
+    """The buckets SlicedExchange sends over processes (planning/buckets.py): the trainable slices by owner rank."""
+    plan = model.plan
+    slices = model.trainable_slices()
+    owner = {s.index: plan.placement.process_of(plan.placement.server_of_slice(s.index, 0)) for s in slices}
+    return plan_buckets(slices, owner, plan.bucket_elements)
+
+
 def encoded_parts(cluster: job_pb2.ClusterProto) -> int:
     """Tensors one encoded message is sent as (each its own collective or message): the codec's buffers (top-k: indices
     and values; a cast: one; uncompressed: the tensor itself)."""
@@ -82,15 +90,13 @@ class AllReduce(Strategy):
         plan = model.plan
         if plan.in_one_process:
             return
-        slices = model.trainable_slices()
-        owner = {s.index: plan.placement.process_of(plan.placement.server_of_slice(s.index, 0)) for s in slices}
         worker_ranks = [p.rank for p in plan.placement.processes if p.workers]
         # per bucket, each worker process's gradients gathered at the owner (compressed: their encoding) and its new
         # values (compressed: the encoded sum) broadcast back. Whether anyone had a gradient: dense, a float per
         # param of the owner riding in its last bucket; compressed, a byte per param reduced to it and broadcast back
         dense = plan.cluster.compression == job_pb2.kNone
         flagged: dict[int, set[str]] = {}
-        buckets = plan_buckets(slices, owner, plan.bucket_elements)
+        buckets = exchange_buckets(model)
         last = {b.owner: b.index for b in buckets}
         for b in buckets:
             flagged.setdefault(b.owner, set()).update(b.params)
@@ -117,13 +123,11 @@ class AllReduce(Strategy):
         plan = model.plan
         if plan.in_one_process:
             return []
-        slices = model.trainable_slices()
-        owner = {s.index: plan.placement.process_of(plan.placement.server_of_slice(s.index, 0)) for s in slices}
         workers = {p.rank for p in plan.placement.processes if p.workers}
         parts = encoded_parts(plan.cluster)
         dense = plan.cluster.compression == job_pb2.kNone
         terms, owners = [], {}
-        for b in plan_buckets(slices, owner, plan.bucket_elements):
+        for b in exchange_buckets(model):
             owners.setdefault(b.owner, 0)
             owners[b.owner] += 1
         for o, buckets in sorted(owners.items()):
