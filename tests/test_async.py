@@ -186,11 +186,18 @@ def test_downpour_over_processes_learns_with_stale_updates(blobs_job, tmp_path, 
 
 
 def test_downpour_survives_a_dead_worker_group(blobs_job, tmp_path):
-    proc = run_cli(downpour_job(blobs_job), tmp_path / "ws", env={"SHOAL_INJECT_EXIT": "1:10"}, process=True)
+    """Through the Python API in a real process (it reads the chief's lines): the job goes on, and the History it
+    returns names the group that died."""
+    script = ("import shoal, sys; history = shoal.train(sys.argv[1], workspace=sys.argv[2]); "
+              "print('failed groups:', history.failed_groups)")
+    env = {**__import__("os").environ, "SHOAL_COMM_TIMEOUT": "20", "SHOAL_INJECT_EXIT": "1:10"}
+    proc = subprocess.run([sys.executable, "-c", script, str(downpour_job(blobs_job)), str(tmp_path / "ws")],
+                          capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr
     assert_ran(tmp_path / "ws", DOWNPOUR)
     assert "process 1 (worker(group=1, id=0)) exited with code 3; the other worker groups go on" in proc.stderr
     assert "Test @ step 40" in proc.stdout
+    assert "failed groups: ['worker group 1']" in proc.stdout
 
 
 @pytest.mark.slow  # the default suite's 5-minute budget; covered in it by a cheaper test

@@ -256,23 +256,28 @@ def run_launched(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
         comm.shutdown()
 
 
-def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace: Path, restarter=None) -> None:
+def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace: Path, restarter=None) -> list[str]:
     """Wait for the processes of an asynchronous job; a dead worker group is reported, not fatal, and restarted
     into the running job when it can be (`restarter`: shoal.launcher.rejoin.Restarter, --max-restarts).
 
     Returns when every process has exited or one that the job cannot lose has
-    failed (torch's context.join then reports it and stops the others).
+    failed (torch's context.join then reports it and stops the others): the worker groups of this node that
+    ended without finishing (died and not restarted, or dropped for a stall), as History.failed_groups names them.
     """
     from multiprocessing.connection import wait
 
     reported: set[int] = set()
+
+    def failed_groups() -> list[str]:
+        return [f"worker group {g}" for g in sorted({rejoin.group_of(plan, ranks[i]) for i in reported})]
+
     while True:
         reported.update(stalls.end_dropped(context, ranks, lambda rank: not expendable(plan, rank)))
         exited = [i for i, p in enumerate(context.processes) if p.exitcode is not None]
         for i in exited:
             code = context.processes[i].exitcode
             if code != 0 and not expendable(plan, ranks[i]):
-                return
+                return failed_groups()
             if code != 0 and i not in reported:
                 context.sentinels.pop(context.processes[i].sentinel, None)  # torch's join must not fail the job for it
                 said = code != stalls.GROUP_DROPPED_EXIT and restarter is not None and restarter.restart(context, i, ranks[i], code)
@@ -285,7 +290,7 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
         if all(p.exitcode is not None for p in context.processes):
             if restarter is not None:
                 restarter.finish()
-            return
+            return failed_groups()
         wait([p.sentinel for p in context.processes if p.exitcode is None], timeout=1.0)
 
 
@@ -410,9 +415,10 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
         # started with SIGINT ignored (nohup, `&` in a script): Ctrl-C is not for this run; SIGTERM always is
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)
                     if sig == signal.SIGTERM or signal.getsignal(sig) is not signal.SIG_IGN}
+        failed_groups: list[str] = []
         try:
             if not plan.strategy.synchronous:
-                _join_tolerating_groups(context, ranks, plan, workspace, rejoin.Restarter(plan, meeting, spec, process_setup, environment))
+                failed_groups = _join_tolerating_groups(context, ranks, plan, workspace, rejoin.Restarter(plan, meeting, spec, process_setup, environment))
             stalls.wait_for_first_failure(context)  # and SIGKILL stopped processes, which SIGTERM cannot end
             while not context.join():
                 pass
@@ -440,7 +446,7 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
             raise _failed(last.split(": ", 1)[1] + f"; see {workspace}/logs", workspace, ranks) from None
         last = _error_line(last)
         raise _failed(f"{describe_process(plan, rank)} failed: {last}; see {workspace}/logs/rank{rank}.log", workspace, ranks) from None
-    history = History(workspace)
+    history = History(workspace, failed_groups=failed_groups)
     if 0 in ranks:  # the chief's node holds the metrics
         history.records = read_metrics(metrics, metrics_start)
     return history
