@@ -42,6 +42,14 @@ def corpus(tmp_path_factory) -> Path:
     return out
 
 
+def vocab_sized(corpus) -> list[str]:
+    """The net's ids sized to this corpus (the example's 101 leave ids no character has, which sampling may pick:
+    how many depends on the Python whose stdlib is the corpus)."""
+    size = len((corpus / "vocab.txt").read_text(encoding="utf-8"))
+    return [f"neuralnet.layer[name=onehot].onehot_conf.vocab_size={size}",
+            f"neuralnet.layer[name=ip1].innerproduct_conf.num_output={size}"]
+
+
 def char_rnn_job(corpus, workspace, steps=150, hidden=64, unroll=20, extra=()):
     sets = [
         f"neuralnet.layer[0].char_rnn_conf.path={corpus / 'train.txt'}",
@@ -50,6 +58,7 @@ def char_rnn_job(corpus, workspace, steps=150, hidden=64, unroll=20, extra=()):
         *(f"neuralnet.layer[{i}].char_rnn_conf.unroll_len={unroll}" for i in (0, 1)),
         f"neuralnet.unroll_len={unroll}",
         f"neuralnet.layer[name=gru1].gru_conf.dim_hidden={hidden}",
+        *vocab_sized(corpus),
         "updater.learning_rate.base_lr=0.01",
         f"train_steps={steps}",
         "test_freq=50",
@@ -134,6 +143,7 @@ def sample(corpus, workspace, steps, argsort="sample: true"):
         "--set", f"checkpoint_path={workspace}",
         "--set", "neuralnet.layer[name=gru1].gru_conf.dim_hidden=64",
         "--set", f"neuralnet.layer[name=sampling].char_rnn_conf.vocab_path={corpus / 'vocab.txt'}",
+        *(arg for setting in vocab_sized(corpus) for arg in ("--set", setting)),
         "--set", f"test_steps={steps}",
     )
     assert result.returncode == 0, result.stderr
