@@ -215,15 +215,14 @@ def run_shoal(args, procs: int) -> dict:
                else shoal.Cluster(threads_per_worker=threads))
     torch.set_num_threads(threads)
     ws = Path(tempfile.mkdtemp(prefix="shoal-gpt-bench-")) / "ws"
-    history = shoal.fit(model, next_char_loss, train, val_data=val, test_data=val, val_freq=val_freq(args.steps), val_batch=100,
-                        test_batch=100, steps=args.steps, batch_size=s["batch"], seed=SEED, shuffle=True, cluster=cluster,
+    history = shoal.fit(model, next_char_loss, train, val_data=val, val_freq=val_freq(args.steps), val_batch=100,
+                        steps=args.steps, batch_size=s["batch"], seed=SEED, shuffle=True, cluster=cluster,
                         optimizer=adamw, scheduler=functools.partial(scheduler, steps=args.steps), clip_grad_norm=CLIP,
                         disp_freq=display_freq(args.steps), workspace=ws, log=quiet, device=args.device)
     d = display_freq(args.steps)
     windows = [r for r in history.phase("train") if r["step"] > d]
     sps = sum(r["samples"] for r in windows) / sum(r["window_sec"] for r in windows) if windows else float("nan")
-    vals = [[r["step"], r["loss"]] for r in history.phase("validate")]
-    vals.append([args.steps, history.final_test["loss"]])
+    vals = [[r["step"], r["loss"]] for r in history.phase("validate")]  # every val_freq steps and after the last
     return {"val": vals, "sps": sps}
 
 

@@ -82,7 +82,7 @@ def test_validation_computes_any_metric_in_eval_mode_averaged_by_samples(tmp_pat
                          metrics={"perplexity": shoal.perplexity, "accuracy": token_accuracy,
                                   "dropout_on": lambda model, batch: float(model.training)})
     vals = history.phase("validate")
-    assert [r["step"] for r in vals] == [0, 10]
+    assert [r["step"] for r in vals] == [0, 10, 20]  # and the trained model, at the end
     assert all(r["dropout_on"] == 0.0 for r in vals)  # eval mode
     # recomputed by hand on the initial model (validation at step 0): the whole set, sample-weighted
     model, data = tiny_gpt().eval(), val_windows()

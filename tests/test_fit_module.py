@@ -84,7 +84,7 @@ def test_a_gpt_on_a_dataset_of_int64_dicts_trains_with_loss_of_model_and_batch(t
     assert len(losses) == 30 and sum(losses[-5:]) < 0.8 * sum(losses[:5])  # from ln(vocab) toward memorising the line
     assert all("accuracy" not in r for r in history.records)  # no accuracy without class scores
     vals = history.phase("validate")
-    assert [r["step"] for r in vals] == [0, 10, 20] and vals[-1]["loss"] < vals[0]["loss"]
+    assert [r["step"] for r in vals] == [0, 10, 20, 30] and vals[-1]["loss"] < vals[0]["loss"]
     assert not torch.equal(before.wte.weight, model.wte.weight)  # the caller's module holds the trained values
     assert not (tmp_path / "single" / "data").exists()
 

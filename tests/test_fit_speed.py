@@ -24,7 +24,7 @@ def test_training_calls_the_module_directly_and_validation_functionally(tmp_path
                         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3), clip_grad_norm=1.0, disp_freq=4,
                         workspace=tmp_path / "ws", log=quiet)
     validations = history.phase("validate")
-    assert [r["step"] for r in validations] == [0, 4]
+    assert [r["step"] for r in validations] == [0, 4, 8]  # 8: the trained model
     assert len(calls) == len(validations)  # one validation batch each; the 8 training steps called the module itself
     assert [r["step"] for r in history.phase("train")] == [0, 4]
     trained = dict(model.named_parameters())

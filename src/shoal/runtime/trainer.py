@@ -9,8 +9,8 @@ batch would.
 Per step, in SINGA 0.3's order: validate → test → checkpoint → train one batch
 → display. Each of these fires when `freq > 0 and step >= after and
 (step - after) % freq == 0`; training stops at `train_steps`, after which a
-final checkpoint is written (and, unlike SINGA, a final test when testing is
-configured, so every run ends with a test number).
+final checkpoint is written (and, unlike SINGA, a final validation and a final test
+when they are configured, so every run ends with the trained model's numbers).
 """
 from __future__ import annotations
 
@@ -482,6 +482,8 @@ class Trainer:
             hook.before_final_test()
         if self.resumed and self.start_step >= job.train_steps:
             return history  # resumed from the final checkpoint: nothing left to do
+        if job.validate_steps > 0 and job.validate_freq > 0:  # the trained model's validation, as its test below
+            run_phase(job.train_steps, job_pb2.kVal, job.validate_steps, "Validate")
         if job.test_steps > 0 and job.test_freq > 0:
             run_phase(job.train_steps, job_pb2.kTest, job.test_steps, "Test")
         path = self.save_checkpoint(job.train_steps)
