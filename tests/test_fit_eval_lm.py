@@ -39,9 +39,16 @@ def test_accumulated_micro_batches_train_as_one_pass_on_the_whole_batch(tmp_path
     assert_same_params(whole, uneven)
 
 
-def test_grad_accum_steps_is_checked_in_one_line(tmp_path):
-    with pytest.raises(FitError, match="grad_accum_steps must be a whole number from 1 to batch_size \\(8\\), got 9"):
-        fit(tmp_path, "bad", grad_accum_steps=9)
+@pytest.mark.parametrize("bad, message", [
+    ({"grad_accum_steps": 9}, "grad_accum_steps must be a whole number from 1 to batch_size \\(8\\), got 9"),
+    ({"steps": 0}, "steps must be a whole number from 1, got 0"),
+    ({"test_batch": 0}, "test_batch must be a whole number from 1, got 0"),
+    ({"val_freq": -1}, "val_freq must be a whole number from 0, got -1"),
+    ({"steps": 2.5}, "steps must be a whole number from 1, got 2.5"),
+])
+def test_counts_are_checked_in_one_line(tmp_path, bad, message):
+    with pytest.raises(FitError, match=message):
+        fit(tmp_path, "bad", **bad)
     assert not (tmp_path / "bad").exists()
 
 

@@ -251,6 +251,11 @@ def fit(
     from shoal.frontend import script
 
     form = loss_form(loss_fn, loss_takes)
+    for name, value, least in (("steps", steps, 1), ("batch_size", batch_size, 1), ("test_batch", test_batch, 1),
+                               ("val_batch", val_batch, 1), ("disp_freq", disp_freq, 1), ("test_freq", test_freq, 0),
+                               ("val_freq", val_freq, 0), ("checkpoint_freq", checkpoint_freq, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise FitError(f"shoal.fit: {name} must be a whole number from {least}, got {value!r}")
     if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or not 1 <= grad_accum_steps <= batch_size:
         raise FitError(f"shoal.fit: grad_accum_steps must be a whole number from 1 to batch_size ({batch_size}), got {grad_accum_steps!r}")
     datasets = {job_pb2.kTrain: as_dataset(train_data, "train_data")}
