@@ -69,29 +69,46 @@ def _target_header(label: str) -> str:
 
 
 def table_columns(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Header and cells of the comparison (for rich and for markdown): the accuracy thresholds, then any targets
-    and the final value of each validation metric, where some run has them."""
-    thresholds = list(rows[0]["time_to_accuracy"]) if rows else [threshold_key(t) for t in TABLE_THRESHOLDS]
+    """Header and cells of the comparison (for rich and for markdown): the accuracy thresholds and the final
+    accuracy where some run tests accuracy, then any targets and the final value of each validation metric, and
+    the staleness where some run is asynchronous: a language model's runs get no empty accuracy columns."""
+    accuracy = any(r.get("final_test_accuracy") is not None for r in rows)
+    thresholds = (list(rows[0]["time_to_accuracy"]) if rows else [threshold_key(t) for t in TABLE_THRESHOLDS]) if accuracy else []
     targets, validated = _union(rows, "time_to_target"), _union(rows, "validate")
+    stale = any(r.get("staleness_mean") is not None for r in rows)
     header = (["run", "layout", "workers", "samples/s"] + [f"→{float(t):.0%}" for t in thresholds]
-              + [_target_header(t) for t in targets] + [f"val {m}" for m in validated] + ["final acc", "staleness"])
+              + [_target_header(t) for t in targets] + [f"val {m}" for m in validated]
+              + ["final acc"] * accuracy + ["staleness"] * stale)
     cells = [
         [Path(r["run"]).name, r["layout"], _num(r["workers"], "d"), _num(r["samples_per_sec"], ".0f")]
         + [_reach(r["time_to_accuracy"][t]) for t in thresholds]
         + [_reach((r.get("time_to_target") or {}).get(t)) for t in targets]
         + [_num(((r.get("validate") or {}).get(m) or {}).get("final"), ".4g") for m in validated]
-        + [_num(r["final_test_accuracy"], ".2%"), _num(r["staleness_mean"], ".2f")]
+        + [_num(r["final_test_accuracy"], ".2%")] * accuracy + [_num(r["staleness_mean"], ".2f")] * stale
         for r in rows
     ]
     return header, cells
+
+
+def caption(header: list[str]) -> str:
+    """What the table's columns mean, for the columns it has."""
+    said = []
+    accuracy = next((h for h in header if h.startswith("→") and h.endswith("%")), None)
+    if accuracy:
+        said.append(f"{accuracy}: wall-clock time @ step of the first test at ≥ {accuracy[1:]} accuracy")
+    target = next((h for h in header if h.startswith("→") and not h.endswith("%")), None)
+    if target:
+        said.append(f"{target}: of the first evaluation that reached it")
+    if any(h.startswith("val ") for h in header):
+        said.append("val: at the last validation")
+    return "; ".join(said)
 
 
 def render_rich(rows: list[dict]):
     from rich.table import Table
 
     header, cells = table_columns(rows)
-    table = Table(*header, caption="→90%: wall-clock time @ step of the first test at ≥ 90% accuracy; "
-                  "→val_loss≤1.9: of the first validation with loss ≤ 1.9; val loss: at the last validation")
+    table = Table(*header, caption=caption(header) or None)
     table.columns[0].min_width = 8
     table.columns[1].min_width = 18
     for column in table.columns[2:]:
