@@ -172,6 +172,7 @@ def test_compare_shows_targets_and_validation_metrics(lm_run):
     columns = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in cells.split("|")]))
     assert columns["→val_perplexity≤15"].endswith(f" s @{first['step']}")  # wall time @ step
     assert columns["→val_accuracy≥0.99"] == "—" and columns["val perplexity"] == format(vals[-1]["perplexity"], ".4g")
+    assert not {"→90%", "final acc", "staleness"} & set(columns)  # no test accuracy, synchronous: no empty columns
     assert_one_line_error(shoal_cli("compare", "--target", "val_loss<1.9", workspace), "--target 'val_loss<1.9': expected")
 
 
