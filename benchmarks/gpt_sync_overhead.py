@@ -12,9 +12,11 @@ to the next (the trainer's bookkeeping, hooks and display windows included). DDP
 systems alternate within each round; the table gives each round's medians (rank 0 / rank 1) and the median
 over rounds. CPU time leaves out the time a rank waits on its peer; wall-clock goals are gpt.py's.
 
-    python benchmarks/gpt_sync_overhead.py [--steps 40] [--repeats 3] [--tiny] [--profile shoal|ddp]
+    python benchmarks/gpt_sync_overhead.py [--steps 40] [--repeats 3] [--tiny] [--profile shoal|ddp] [--exchange]
 
---profile prints cProfile's top functions (CPU time) of rank 0's steady steps of one run instead.
+--profile prints cProfile's top functions (CPU time) of rank 0's steady steps of one run instead; --exchange
+prints shoal's main-thread CPU time inside its exchange per step (the hooks' _arrive and step: time.thread_time,
+so the gloo threads' work is not in it), the part of a step that is shoal's own rather than the model's.
 """
 from __future__ import annotations
 
@@ -64,17 +66,33 @@ def shoal_rank(rank: int, args, port: int, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SHOAL_JOB_SECRET="00" * 32)
+    from shoal.runtime.exchanges.sliced import SlicedExchange
+
     starts: list[float] = []
-    train_step = Trainer.train_step
+    exchange_cpu: list[float] = []  # per step: this thread's CPU inside the exchange (hooks and step)
+    train_step, arrive, finish = Trainer.train_step, SlicedExchange._arrive, SlicedExchange.step
+
+    def in_exchange(method):
+        def timed_method(*args):
+            start = time.thread_time()
+            try:
+                return method(*args)
+            finally:
+                if exchange_cpu:
+                    exchange_cpu[-1] += time.thread_time() - start
+        return timed_method
 
     profile = StepProfile(args, rank, "shoal")
 
     def timed(trainer, step):  # a benchmark's probe: the CPU clock at each step's start
         profile.at_step(step)
         starts.append(time.process_time())
+        exchange_cpu.append(0.0)
         return train_step(trainer, step)
 
     Trainer.train_step = timed
+    if args.exchange:
+        SlicedExchange._arrive, SlicedExchange.step = in_exchange(arrive), in_exchange(finish)
     model, train, _ = gpt.build(args)
     ws = Path(out).parent / "ws"
 
@@ -86,7 +104,8 @@ def shoal_rank(rank: int, args, port: int, out: str) -> None:
 
     run()
     profile.report()
-    Path(f"{out}.{rank}").write_text(json.dumps([b - a for a, b in zip(starts, starts[1:])]))
+    per_step = exchange_cpu if args.exchange else [b - a for a, b in zip(starts, starts[1:])]
+    Path(f"{out}.{rank}").write_text(json.dumps(per_step))
 
 
 def ddp_rank(rank: int, args, port: int, out: str) -> None:
@@ -136,10 +155,17 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=gpt.REPO / "examples/gpt/data")
     parser.add_argument("--tiny", action="store_true", help="gpt.py's tiny model: per-step overhead weighs most")
     parser.add_argument("--profile", choices=["shoal", "ddp"])
+    parser.add_argument("--exchange", action="store_true",
+                        help="shoal's main-thread CPU inside its exchange per step (hooks and step) instead")
     args = parser.parse_args()
     args.data = args.data.resolve()
     if args.profile:
         run(shoal_rank if args.profile == "shoal" else ddp_rank, args)
+        return
+    if args.exchange:
+        ms = [[steady_median(ranks, args.steps) * 1e3 for ranks in run(shoal_rank, args)] for _ in range(args.repeats)]
+        print("shoal AllReduce, main-thread CPU ms per step in the exchange (SlicedExchange._arrive and step; rank 0 / rank 1):")
+        print("  " + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in ms) + f"; load {gpt.load()}")
         return
     s = gpt.sizes(args)
     print(f"GPT {s['layers']} layers, {s['width']} wide, block {s['block']}, global batch {s['batch']}; 2 processes x 1 torch "

@@ -138,13 +138,15 @@ class SlicedExchange:
         classes = self._run_classes(updater)
         self._layout = {b.index: self._laid_out(b, classes) for b in self.buckets}
         self._runs: dict[int, list[_Run]] = {}  # owned bucket -> its runs (over its master copy)
-        self._master: dict[int, torch.Tensor] = {}  # owned bucket -> the master copy of its values, in its layout
+        self._master: dict[int, torch.Tensor] = {}  # owned bucket of several slices -> a master copy of its values, in
+        # its layout (a bucket of one slice is updated in the param itself and travels as a view of it)
         self._synced: dict[tuple[str, int, int], int] = {}  # owned slice -> its param's _version when the master was
         # last equal to it (anything else writing the store, a load, a received value, bumps it: copied in again)
         if classes is not None:
             self.state = {}
             for b in self.owned:
-                self._master[b.index] = torch.empty(b.numel, device=self.device)
+                if len(b.slices) > 1:
+                    self._master[b.index] = torch.empty(b.numel, device=self.device)
                 self._runs[b.index] = self._made_runs(b, classes)
         else:
             updated = self.buckets if codecs is not None and hosts_workers else self.owned  # compressed: replicated updates
@@ -217,9 +219,9 @@ class SlicedExchange:
                 runs[-1].slices.append(s)
             else:
                 runs.append(_Run(at, [s], None, None, self.store.info[s.param].lr_scale, self.store.info[s.param].wd_scale))
-        master = self._master[b.index]
+        master = self._master.get(b.index)
         for run in runs:
-            run.value = master[run.at : run.at + sum(s.size for s in run.slices)]
+            run.value = master[run.at : run.at + sum(s.size for s in run.slices)] if master is not None else self._value(run.slices[0])
             keys = [self._key(s) for s in run.slices]
             run.state, views = self.updater.init_run_state(run.value, keys)
             self.state.update(zip(keys, views))
@@ -355,11 +357,12 @@ class SlicedExchange:
                 self._value(s).copy_(flat[at : at + s.size])
 
     def _run_updates(self, b: Bucket, grad: torch.Tensor, anyone_has: set[str]) -> list[ParamUpdate]:
-        """Owned bucket b's run updates from its flat summed gradient, its master copy first made equal to the
-        store. A run whose params nobody had a gradient for stays; a run where only some had one is split for good
+        """Owned bucket b's run updates from its flat summed gradient, its master copy (if any) first made equal to
+        the store. A run whose params nobody had a gradient for stays; a run where only some had one is split for good
         into one shard per slice (a param without a gradient is not updated: its per-param slots fall behind)."""
-        self._copy_in(b)
-        runs, updates = [], []
+        if b.index in self._master:
+            self._copy_in(b)
+        runs = []
         for run in self._runs[b.index]:
             having = [s.param in anyone_has for s in run.slices]
             if all(having) or not any(having) or len(run.slices) == 1:
