@@ -14,7 +14,7 @@ over rounds. CPU time leaves out the time a rank waits on its peer; wall-clock g
 
     python benchmarks/gpt_sync_overhead.py [--steps 40] [--repeats 3] [--tiny] [--profile shoal|ddp] [--exchange]
 
---profile prints cProfile's top functions (CPU time) of rank 0's steady steps of one run instead; --exchange
+--profile prints cProfile's top functions (main-thread CPU time) of rank 0's steady steps of one run instead; --exchange
 prints shoal's main-thread CPU time inside its exchange per step (the hooks' _arrive and step: time.thread_time,
 so the gloo threads' work is not in it), the part of a step that is shoal's own rather than the model's.
 """
@@ -42,7 +42,7 @@ class StepProfile:
 
         self.on = args.profile == system and rank == 0
         self.first, self.last = gpt.display_freq(args.steps) + 1, args.steps
-        self.profiler = cProfile.Profile(time.process_time)
+        self.profiler = cProfile.Profile(time.thread_time)  # the main thread: gloo's threads would blur the attribution
 
     def at_step(self, step: int) -> None:
         if self.on and step == self.first:

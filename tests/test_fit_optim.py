@@ -83,6 +83,27 @@ def test_adamw_over_two_processes_leaves_a_param_without_gradients_as_one_worker
     assert float(state["idle.weight"]["step"]) == 0 and float(state["ln_f.weight"]["step"]) == 6
 
 
+@pytest.mark.slow  # two more runs over processes: the default suite's 5-minute budget
+def test_a_resume_splits_the_runs_whose_params_saved_different_steps(tmp_path):
+    """The checkpoint holds step 0 for the idle head and 3 for the rest of its param group: a resumed owner cannot
+    update them as one shard with one step count, and goes on exactly as the uninterrupted run."""
+    cluster = LAYOUTS[ALLREDUCE].fit_cluster()
+    models = {name: idle_head_gpt() for name in ("whole", "first", "resumed")}
+    shoal.fit(models["whole"], next_char_loss, windows(), steps=6, batch_size=8, cluster=cluster, optimizer=adamw,
+              workspace=tmp_path / "whole", log=quiet)
+    shoal.fit(models["first"], next_char_loss, windows(), steps=3, batch_size=8, cluster=cluster, optimizer=adamw,
+              workspace=tmp_path / "parts", log=quiet, checkpoint_freq=3)
+    shoal.fit(models["resumed"], next_char_loss, windows(), steps=6, batch_size=8, cluster=cluster, optimizer=adamw,
+              workspace=tmp_path / "parts", log=quiet, resume=True)
+    for (name, a), b in zip(models["whole"].named_parameters(), models["resumed"].parameters()):
+        assert torch.equal(a, b), name
+    whole, resumed = (checkpoint.load(checkpoint.checkpoint_file(tmp_path / ws, 6)).updater_state for ws in ("whole", "parts"))
+    assert float(resumed["idle.weight"]["step"]) == 0  # the idle head's own count, not its group's
+    for name, slots in whole.items():
+        for slot, value in slots.items():
+            assert torch.equal(value, resumed[name][slot]), (name, slot)
+
+
 class NormScaled(torch.optim.SGD):
     """SGD whose step reads a whole-tensor norm: a slice's update differs from the whole's."""
 

@@ -597,11 +597,27 @@ class SlicedExchange:
         return full
 
     def load_updater_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        for b_index, runs in self._runs.items():  # a run's params share its per-param slots: split where they differ
+            self._runs[b_index] = [piece for run in runs
+                                   for piece in (self._split(run) if self._slots_differ(run, state) else [run])]
         for (name, start, stop), slots in self.state.items():
             for slot, value in slots.items():
                 if name in state and slot in state[name]:
                     whole = state[name][slot].reshape(-1)
                     value.copy_(whole[start:stop] if whole.numel() == self.store.info[name].numel else whole.reshape(value.shape))
+
+    def _slots_differ(self, run: _Run, state: dict[str, dict[str, torch.Tensor]]) -> bool:
+        """Whether `state` (a checkpoint's) holds different per-param slots (Adam's step) for params of one run:
+        one of them missed updates the others had, so they cannot go on as one shard."""
+        if len(run.slices) == 1:
+            return False
+        for slot, value in run.state.items():
+            if value.numel() == run.numel:  # element-wise
+                continue
+            saved = [state[s.param][slot] for s in run.slices if s.param in state and slot in state[s.param]]
+            if any(not torch.equal(saved[0], other) for other in saved[1:]):
+                return True
+        return False
 
     def own_state(self) -> dict[str, torch.Tensor]:
         """This process's compression residuals: per bucket it sends, and per bucket whose sum it sends back."""
