@@ -6,7 +6,9 @@ weight_decay=0.1)`, or param groups chosen by name or shape (e.g. no decay where
 `p.dim() < 2`, nanoGPT's rule for biases and norms). It sees whole-shaped
 tensors once (a scratch copy), which fixes the groups; each owner of params then
 runs that optimizer over the shards it owns (whole params, or flat slices of
-them: ZeRO-1's shape), a shard of param `w` in the group `w` was put in. Each
+them: ZeRO-1's shape), a shard of param `w` in the group `w` was put in; an
+element-wise optimizer may also get a run of slices of one group concatenated
+as one flat shard (init_run_state: one call over the run, not one per slice). Each
 update hands the optimizer the summed gradient as `.grad` and calls `step()`,
 so the formula, its defaults and its numerics are torch's own.
 

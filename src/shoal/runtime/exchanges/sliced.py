@@ -16,7 +16,14 @@ no process has one for is not updated (SINGA's servers update on received gradie
 and weight decay would otherwise move a param nothing trains); riding in the last bucket (every
 param of the owner is complete when it leaves) it costs no collective of its own. Each owner then
 applies the updater to its slices (updater state lives with the slice: ZeRO-1's owner-sharded
-update) and broadcasts the new values over the bucket's group. Over all buckets this is
+update) and broadcasts the new values over the bucket's group. With an element-wise torch optimizer
+(every shoal.fit AdamW), a bucket's slices are laid out by param group (their run class: the group,
+lr and wd scales), and the owner keeps a master copy of each bucket of several slices in that layout:
+each run of one class is one flat shard of it, so the optimizer makes one call per run instead of one
+per slice (as DDP's flat buckets and ZeRO's flat shards), and the master copy is what the owner
+broadcasts (no copy into a message), copied into the params while it travels. A run where only some
+params had a gradient is split into one shard per slice for good (their per-param slots, Adam's
+step, part ways), as is one whose params' checkpointed per-param slots differ. Over all buckets this is
 reduce-scatter + slice update + all-gather with buckets of unequal owners: the AllReduce framework
 when servers share the workers' processes, Sandblaster when they have processes of their own
 (those send nothing and receive no values). Tensors stay on the store's device: CUDA ones ride
