@@ -164,13 +164,15 @@ class TorchOptimizer(Updater):
 
     def run_class(self, name: str) -> Optional[int]:
         """Params of one class may be updated as one flat shard, their slices concatenated (one optimizer call over
-        a bucket's run instead of one per slice): the index of `name`'s param group where the optimizer is
-        element-wise (each element's update reads only that element), else None."""
+        a bucket's run instead of one per slice): the index of `name`'s param group where the optimizer is one of
+        torch's element-wise classes (each element's update reads only that element, and its per-param slots are
+        counters every param of a group advances alike), else None (a class declaring `shoal_elementwise` may keep
+        per-param statistics of its own: its slices stay one shard each)."""
         if self.optimizer is None:
             self._prepare()
         if name not in self._group_of:
             raise OptimizerError(f"shoal.fit: param {name} is not one the optimizer factory was given")
-        return self._group_of[name] if is_elementwise(self.optimizer) else None
+        return self._group_of[name] if type(self.optimizer) in ELEMENTWISE else None
 
     def init_run_state(self, value: torch.Tensor, keys: Sequence[ShardKey]) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
         """Called by an owner once per run: a flat shard `value` holding the slices `keys` one after another, all of
