@@ -16,7 +16,7 @@ from shoal.data.in_place import epoch_order
 from shoal.frontend.module_path import FitError
 from shoal.neuralnet import checkpoint
 from shoal.neuralnet.torch_optimizer import OptimizerError
-from test_fit_module import adamw, fit, next_char_loss, tiny_gpt, train_losses, windows
+from test_fit_module import BLOCK, VOCAB, GPT, GPTConfig, adamw, fit, next_char_loss, quiet, tiny_gpt, train_losses, windows
 
 ALLREDUCE = "AllReduce, 2 processes, 2 server slices"  # both processes own slices of params
 
@@ -50,6 +50,58 @@ def test_adamw_over_two_processes_resumes_exactly_and_from_one_workers_state(tmp
     fit(tmp_path, "moved", steps=9, updater=None, optimizer=adamw, checkpoint_freq=9)  # one worker's whole state ...
     moved, _ = fit(tmp_path, "moved", steps=16, updater=None, optimizer=adamw, cluster=cluster, resume=True)
     assert_close_params(single, moved)  # ... resliced over the owners
+
+
+class GPTWithAnIdleHead(GPT):
+    """The tiny GPT with a head forward never calls: its weight and bias never get a gradient."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.idle = torch.nn.Linear(config.n_embd, config.n_embd)
+
+
+def idle_head_gpt():
+    torch.manual_seed(0)
+    return GPTWithAnIdleHead(GPTConfig(vocab_size=len(VOCAB), block_size=BLOCK, n_layer=1, n_head=2, n_embd=32))
+
+
+def test_adamw_over_two_processes_leaves_a_param_without_gradients_as_one_worker_does(tmp_path):
+    """An owner updates each run of params of one param group as one flat shard; a run holding a param nobody has a
+    gradient for is split, and that param stays where it is (torch skips a param whose .grad is None)."""
+    models = {}
+    for name, cluster in (("single", shoal.Cluster()), ("sharded", LAYOUTS[ALLREDUCE].fit_cluster())):
+        models[name] = idle_head_gpt()
+        shoal.fit(models[name], next_char_loss, windows(), steps=6, batch_size=8, cluster=cluster, optimizer=adamw,
+                  workspace=tmp_path / name, log=quiet)
+    assert_ran(tmp_path / "sharded", ALLREDUCE)
+    untouched = idle_head_gpt()
+    assert torch.equal(models["sharded"].idle.weight, untouched.idle.weight)
+    assert torch.equal(models["sharded"].idle.bias, untouched.idle.bias)
+    assert not torch.equal(models["sharded"].wte.weight, untouched.wte.weight)
+    assert_close_params(models["single"], models["sharded"])
+    state = checkpoint.load(checkpoint.checkpoint_file(tmp_path / "sharded", 6)).updater_state
+    assert float(state["idle.weight"]["step"]) == 0 and float(state["ln_f.weight"]["step"]) == 6
+
+
+@pytest.mark.slow  # two more runs over processes: the default suite's 5-minute budget
+def test_a_resume_splits_the_runs_whose_params_saved_different_steps(tmp_path):
+    """The checkpoint holds step 0 for the idle head and 3 for the rest of its param group: a resumed owner cannot
+    update them as one shard with one step count, and goes on exactly as the uninterrupted run."""
+    cluster = LAYOUTS[ALLREDUCE].fit_cluster()
+    models = {name: idle_head_gpt() for name in ("whole", "first", "resumed")}
+    shoal.fit(models["whole"], next_char_loss, windows(), steps=6, batch_size=8, cluster=cluster, optimizer=adamw,
+              workspace=tmp_path / "whole", log=quiet)
+    shoal.fit(models["first"], next_char_loss, windows(), steps=3, batch_size=8, cluster=cluster, optimizer=adamw,
+              workspace=tmp_path / "parts", log=quiet, checkpoint_freq=3)
+    shoal.fit(models["resumed"], next_char_loss, windows(), steps=6, batch_size=8, cluster=cluster, optimizer=adamw,
+              workspace=tmp_path / "parts", log=quiet, resume=True)
+    for (name, a), b in zip(models["whole"].named_parameters(), models["resumed"].parameters()):
+        assert torch.equal(a, b), name
+    whole, resumed = (checkpoint.load(checkpoint.checkpoint_file(tmp_path / ws, 6)).updater_state for ws in ("whole", "parts"))
+    assert float(resumed["idle.weight"]["step"]) == 0  # the idle head's own count, not its group's
+    for name, slots in whole.items():
+        for slot, value in slots.items():
+            assert torch.equal(value, resumed[name][slot]), (name, slot)
 
 
 class NormScaled(torch.optim.SGD):

@@ -11,7 +11,12 @@ when joining; this module reads no setting of its own).
 Progress counters for naming a stalled rank: every collective, and every
 round of point-to-point messages (`enter_round`, once per training step on
 every rank), counts as one call; ranks publish their count in the store, so
-the rank with fewer calls is the one the others wait for.
+the rank with fewer calls is the one the others wait for. A daemon thread
+publishes the counters (and the step each rank started) every
+PROGRESS_PUBLISH_S when they changed, rather than each call a round trip to
+the store on the training step's path: they are read only after a collective
+failed, comm_timeout_s after the peers stopped, and the reader publishes its
+own first.
 """
 from __future__ import annotations
 
@@ -30,6 +35,9 @@ _store: "dist.TCPStore | None" = None
 _store_host: Optional[int] = None  # the rank hosting the store (0 under srun or env://); None: a launcher hosts it
 _calls = 0  # collectives and rounds this rank has entered: the rank with fewer is the one the others wait for
 _calls_lock = threading.Lock()
+PROGRESS_PUBLISH_S = 0.2  # how stale the published progress may be: far below any comm timeout
+_progress: dict[str, str] = {}  # store key -> this rank's value (calls, step), published by _ProgressPublisher
+_publisher: "Optional[_ProgressPublisher]" = None
 _timeout: Optional[datetime.timedelta] = None  # the world's (or a rejoined process's store's): every group and channel made later waits as long
 
 # cluster.comm_timeout_s's default (config/job.proto), for a world joined outside a job (tests, calibration) where
@@ -212,12 +220,45 @@ def published(key: str, wait_s: float = 0.0) -> Optional[str]:
         return None
 
 
+class _ProgressPublisher(threading.Thread):
+    """Writes this rank's progress values to the store when they changed, every PROGRESS_PUBLISH_S."""
+
+    def __init__(self):
+        super().__init__(name="shoal-progress", daemon=True)
+        self.published: dict[str, str] = {}
+        self.lock = threading.Lock()  # one publishing at a time (the thread, or a reader publishing its own first)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(PROGRESS_PUBLISH_S):
+            try:
+                self.publish()
+            except (RuntimeError, dist.DistError):  # the store is gone: whoever reads progress names that instead
+                return
+
+    def publish(self) -> None:
+        with self.lock:
+            store = _store
+            for key, value in list(_progress.items()):
+                if store is not None and self.published.get(key) != value:
+                    store.set(key, value)
+                    self.published[key] = value
+
+
+def _note_progress(key: str, value: str) -> None:
+    global _publisher
+    _progress[key] = value
+    if _publisher is None and _store is not None:
+        _publisher = _ProgressPublisher()
+        _publisher.start()
+
+
 def _enter() -> None:
     global _calls
     with _calls_lock:
         _calls += 1
         if _store is not None:
-            _store.set(f"shoal/calls/{dist.get_rank()}", str(_calls))
+            _note_progress(f"shoal/calls/{dist.get_rank()}", str(_calls))
 
 
 def enter_round() -> None:
@@ -228,7 +269,7 @@ def enter_round() -> None:
 def heartbeat(step: int) -> None:
     """Record that this rank started `step` (read by peers to name a rank that stopped)."""
     if _store is not None:
-        _store.set(f"shoal/step/{dist.get_rank()}", str(step))
+        _note_progress(f"shoal/step/{dist.get_rank()}", str(step))
 
 
 def _read(key: str) -> int:
@@ -239,11 +280,21 @@ def _read(key: str) -> int:
 
 
 def progress(world_size: int) -> dict[int, tuple[int, int]]:
-    """(collectives entered, last step started) of every rank, as announced in the store."""
+    """(collectives entered, last step started) of every rank, as announced in the store (this rank's own first)."""
+    if _publisher is not None:
+        try:
+            _publisher.publish()
+        except (RuntimeError, dist.DistError):
+            pass
     return {r: (_read(f"shoal/calls/{r}"), _read(f"shoal/step/{r}")) for r in range(world_size)}
 
 
 def shutdown() -> None:
+    global _publisher
+    if _publisher is not None:
+        _publisher.stop.set()
+        _publisher = None
+    _progress.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -6,7 +6,9 @@ weight_decay=0.1)`, or param groups chosen by name or shape (e.g. no decay where
 `p.dim() < 2`, nanoGPT's rule for biases and norms). It sees whole-shaped
 tensors once (a scratch copy), which fixes the groups; each owner of params then
 runs that optimizer over the shards it owns (whole params, or flat slices of
-them: ZeRO-1's shape), a shard of param `w` in the group `w` was put in. Each
+them: ZeRO-1's shape), a shard of param `w` in the group `w` was put in; an
+element-wise optimizer may also get a run of slices of one group concatenated
+as one flat shard (init_run_state: one call over the run, not one per slice). Each
 update hands the optimizer the summed gradient as `.grad` and calls `step()`,
 so the formula, its defaults and its numerics are torch's own.
 
@@ -97,6 +99,7 @@ class TorchOptimizer(Updater):
         self.scheduler = None
         self._stepped = 0  # scheduler steps taken
         self._zeros: dict[str, dict[str, torch.Tensor]] = {}  # per param: its state at zero, whole
+        self._scalar_slots: dict[str, set[str]] = {}  # per param: its per-param slots (0-d in torch: Adam's step)
         self._group_of: dict[str, int] = {}
         self._shard_of: dict[tuple[int, int], torch.Tensor] = {}  # (data_ptr, numel) of a shard's memory -> shard
         self._registered: dict[int, torch.Tensor] = {}  # id -> shard: an owner handing the very tensors it registered
@@ -115,6 +118,7 @@ class TorchOptimizer(Updater):
         for name, tensor in scratch:  # a scalar (Adam's step) as one element: checkpoints hold tensors of at least one dimension
             self._zeros[name] = {k: torch.zeros_like(v).reshape(-1) if v.dim() == 0 else torch.zeros_like(v)
                                  for k, v in optimizer.state[tensor].items() if isinstance(v, torch.Tensor)}
+            self._scalar_slots[name] = {k for k, v in optimizer.state[tensor].items() if isinstance(v, torch.Tensor) and v.dim() == 0}
         for i, group in enumerate(optimizer.param_groups):
             for tensor in group["params"]:
                 self._group_of[name_of[id(tensor)]] = i
@@ -155,14 +159,68 @@ class TorchOptimizer(Updater):
         # element-wise slots shaped as the shard (a flat slice, or the whole param), per-param slots whole
         state = {slot: (z.reshape(-1)[start:stop].reshape(value.shape) if z.numel() == numel else z).clone().to(value.device)
                  for slot, z in whole.items()}
-        group = self.optimizer.param_groups[self._group_of[name]]
+        self._register(value, state, self._group_of[name], name if stop - start == numel else f"{name}[{start}:{stop}]")
+        return state
+
+    def run_class(self, name: str) -> Optional[int]:
+        """Params of one class may be updated as one flat shard, their slices concatenated (one optimizer call over
+        a bucket's run instead of one per slice): the index of `name`'s param group where the optimizer is one of
+        torch's element-wise classes (each element's update reads only that element, and its per-param slots are
+        counters every param of a group advances alike), else None (a class declaring `shoal_elementwise` may keep
+        per-param statistics of its own: its slices stay one shard each)."""
+        if self.optimizer is None:
+            self._prepare()
+        if name not in self._group_of:
+            raise OptimizerError(f"shoal.fit: param {name} is not one the optimizer factory was given")
+        return self._group_of[name] if type(self.optimizer) in ELEMENTWISE else None
+
+    def init_run_state(self, value: torch.Tensor, keys: Sequence[ShardKey]) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+        """Called by an owner once per run: a flat shard `value` holding the slices `keys` one after another, all of
+        one run_class. Returns the run's state (at zero) and each slice's view of it, shaped as init_shard_state's
+        (element-wise slots a flat slice, per-param slots the run's one tensor: every param of a run is updated
+        together, so their per-param slots, Adam's step, stay equal)."""
+        if self.optimizer is None:
+            self._prepare()
+        name = keys[0][0]
+        scalars = {slot for slot, z in self._zeros[name].items() if slot in self._scalar_slots[name]}
+        state = {slot: (z.clone() if slot in scalars else
+                        torch.cat([self._zeros[n][slot].reshape(-1)[start:stop] for n, start, stop in keys])).to(value.device)
+                 for slot, z in self._zeros[name].items()}
+        views, at = [], 0
+        for _, start, stop in keys:
+            views.append({slot: t if slot in scalars else t[at : at + stop - start] for slot, t in state.items()})
+            at += stop - start
+        self._register(value, state, self._group_of[name], "+".join(f"{n}[{start}:{stop}]" for n, start, stop in keys))
+        return state, views
+
+    def split_run(self, value: torch.Tensor, parts: Sequence[tuple[torch.Tensor, dict[str, torch.Tensor], ShardKey]]) -> list[dict[str, torch.Tensor]]:
+        """Replace the run shard `value` by one shard per slice (`parts`: its view of the run, its state views, its
+        key), each with a copy of its state: from now on each slice is updated only when its param has a gradient."""
+        for group in self.optimizer.param_groups:
+            for i, p in enumerate(group["params"]):
+                if p is value:
+                    del group["params"][i]
+                    if "param_names" in group:
+                        del group["param_names"][i]
+                    break
+        del self.optimizer.state[value]
+        self._registered.pop(id(value), None)
+        self._shard_of.pop((value.data_ptr(), value.numel()), None)
+        out = []
+        for piece, views, (name, start, stop) in parts:
+            state = {slot: t.clone() for slot, t in views.items()}
+            self._register(piece, state, self._group_of[name], f"{name}[{start}:{stop}]")
+            out.append(state)
+        return out
+
+    def _register(self, value: torch.Tensor, state: dict[str, torch.Tensor], group_index: int, label: str) -> None:
+        group = self.optimizer.param_groups[group_index]
         group["params"].append(value)
         if "param_names" in group:
-            group["param_names"].append(name if stop - start == numel else f"{name}[{start}:{stop}]")
+            group["param_names"].append(label)
         self.optimizer.state[value] = state  # the owner's dict: checkpoints and resumes see it
         self._shard_of[(value.data_ptr(), value.numel())] = value
         self._registered[id(value)] = value
-        return state
 
     def _schedule_to(self, step: int) -> None:
         if self.scheduler is None:

@@ -16,7 +16,14 @@ no process has one for is not updated (SINGA's servers update on received gradie
 and weight decay would otherwise move a param nothing trains); riding in the last bucket (every
 param of the owner is complete when it leaves) it costs no collective of its own. Each owner then
 applies the updater to its slices (updater state lives with the slice: ZeRO-1's owner-sharded
-update) and broadcasts the new values over the bucket's group. Over all buckets this is
+update) and broadcasts the new values over the bucket's group. With an element-wise torch optimizer
+(every shoal.fit AdamW), a bucket's slices are laid out by param group (their run class: the group,
+lr and wd scales), and the owner keeps a master copy of each bucket of several slices in that layout:
+each run of one class is one flat shard of it, so the optimizer makes one call per run instead of one
+per slice (as DDP's flat buckets and ZeRO's flat shards), and the master copy is what the owner
+broadcasts (no copy into a message), copied into the params while it travels. A run where only some
+params had a gradient is split into one shard per slice for good (their per-param slots, Adam's
+step, part ways), as is one whose params' checkpointed per-param slots differ. Over all buckets this is
 reduce-scatter + slice update + all-gather with buckets of unequal owners: the AllReduce framework
 when servers share the workers' processes, Sandblaster when they have processes of their own
 (those send nothing and receive no values). Tensors stay on the store's device: CUDA ones ride
@@ -72,6 +79,23 @@ class _Round:
     keep: list = field(default_factory=list)  # encoded tensors being sent (alive until their collectives end)
 
 
+@dataclass
+class _Run:
+    """Consecutive slices of an owned bucket's layout that one optimizer call updates as one flat shard: a view of
+    the owner's master copy of the bucket (their params share a param group and scales)."""
+
+    at: int  # where it starts in the bucket's layout
+    slices: list[ParamSlice]
+    value: torch.Tensor  # the master copy's view
+    state: dict[str, torch.Tensor]  # the optimizer's state of the run
+    lr_scale: float
+    wd_scale: float
+
+    @property
+    def numel(self) -> int:
+        return self.value.numel()
+
+
 class SlicedExchange:
     """A worker group spread over processes, its params sliced over the servers' ranks."""
 
@@ -117,8 +141,23 @@ class SlicedExchange:
         # dense: each owner's last bucket carries a float per param of that owner, whether the sender had a gradient
         last_of = {b.owner: b for b in self.buckets}
         self.flagged = {b.index: self.params_of[o] for o, b in last_of.items()} if codecs is None else {}
-        updated = self.buckets if codecs is not None and hosts_workers else self.owned  # compressed: replicated updates
-        self.state = {self._key(s): updater.init_shard_state(self._value(s), self._key(s)) for b in updated for s in b.slices}
+        # where runs apply, each bucket's slices are laid out by run class (one flat optimizer call per run)
+        classes = self._run_classes(updater)
+        self._layout = {b.index: self._laid_out(b, classes) for b in self.buckets}
+        self._runs: dict[int, list[_Run]] = {}  # owned bucket -> its runs (over its master copy)
+        self._master: dict[int, torch.Tensor] = {}  # owned bucket of several slices -> a master copy of its values, in
+        # its layout (a bucket of one slice is updated in the param itself and travels as a view of it)
+        self._synced: dict[tuple[str, int, int], int] = {}  # owned slice -> its param's _version when the master was
+        # last equal to it (anything else writing the store, a load, a received value, bumps it: copied in again)
+        if classes is not None:
+            self.state = {}
+            for b in self.owned:
+                if len(b.slices) > 1:
+                    self._master[b.index] = torch.empty(b.numel, device=self.device)
+                self._runs[b.index] = self._made_runs(b, classes)
+        else:
+            updated = self.buckets if codecs is not None and hosts_workers else self.owned  # compressed: replicated updates
+            self.state = {self._key(s): updater.init_shard_state(self._value(s), self._key(s)) for b in updated for s in b.slices}
         self._owned_keys = {self._key(s) for b in self.owned for s in b.slices}
         self.sent_bytes = 0  # what this process sent since the last display (gradients, flags, sums or values)
         if codecs is not None:
@@ -151,6 +190,49 @@ class SlicedExchange:
         self.streaming = [w.stream_gradients(self._hook(i)) for i, w in enumerate(workers)]
         self._lock = threading.Lock()
         self._round: Optional[_Round] = None
+
+    def _run_classes(self, updater: Updater) -> Optional[dict[str, tuple]]:
+        """Each trained param's run class (its updater's class, lr and wd scales) where the updater can update runs
+        of slices as one flat shard (a torch optimizer that is element-wise) and the exchange is dense; else None."""
+        if self.codecs is not None or not hasattr(updater, "run_class"):
+            return None
+        classes = {}
+        for name in self.names:
+            kind = updater.run_class(name)
+            if kind is None:
+                return None
+            info = self.store.info[name]
+            classes[name] = (kind, info.lr_scale, info.wd_scale)
+        return classes
+
+    def _laid_out(self, b: Bucket, classes: Optional[dict[str, tuple]]) -> list[tuple[ParamSlice, int]]:
+        """Bucket b's slices with their offsets in its flat message: in bucket order, or, with run classes, grouped by
+        class (stable; the classes ranked by first param), so each class is one contiguous run. Every rank lays a
+        bucket out alike: the same updater, the same params."""
+        if classes is None:
+            return list(zip(b.slices, b.offsets))
+        rank = {kind: i for i, kind in enumerate(dict.fromkeys(classes[n] for n in self.names))}
+        out, at = [], 0
+        for s in sorted(b.slices, key=lambda s: rank[classes[s.param]]):
+            out.append((s, at))
+            at += s.size
+        return out
+
+    def _made_runs(self, b: Bucket, classes: dict[str, tuple]) -> list[_Run]:
+        """Owned bucket b's runs: maximal stretches of its layout of one class, each registered with the updater."""
+        runs: list[_Run] = []
+        for s, at in self._layout[b.index]:
+            if runs and classes[runs[-1].slices[-1].param] == classes[s.param]:
+                runs[-1].slices.append(s)
+            else:
+                runs.append(_Run(at, [s], None, None, self.store.info[s.param].lr_scale, self.store.info[s.param].wd_scale))
+        master = self._master.get(b.index)
+        for run in runs:
+            run.value = master[run.at : run.at + sum(s.size for s in run.slices)] if master is not None else self._value(run.slices[0])
+            keys = [self._key(s) for s in run.slices]
+            run.state, views = self.updater.init_run_state(run.value, keys)
+            self.state.update(zip(keys, views))
+        return runs
 
     @staticmethod
     def _key(s: ParamSlice) -> tuple[str, int, int]:
@@ -248,7 +330,8 @@ class SlicedExchange:
             if b.index in self.flagged:  # how many members had a gradient of each of this owner's params
                 counts = sums[b.index][b.numel:].tolist()
                 anyone_has.update(n for n, count in zip(self.flagged[b.index], counts) if count > 0)
-        updates = {b.index: self._updates(r.step, b, sums[b.index], anyone_has) for b in self.owned}
+        updates = {b.index: self._run_updates(b, sums[b.index], anyone_has) if b.index in self._runs
+                   else self._updates(r.step, b, sums[b.index], anyone_has) for b in self.owned}
         scale = 1.0
         if self.max_norm is not None:  # every owned gradient first: one scale before any slice updates
             # each owned bucket's sum is one flat tensor (a param nobody had a gradient for is zeros in it): one norm each
@@ -260,9 +343,11 @@ class SlicedExchange:
                 if scale != 1.0:  # in place on the scratch sums (what the updater would do to a copy of them)
                     sums[b.index][: b.numel].mul_(scale)
                 self.updater.update_many(r.step, updates[b.index])
-                values = self._gather(b, self._value)
+                values = self._master[b.index] if b.index in self._master else self._gather(b, self._value)
                 receiving.append(group.broadcast(values, self.rank))
                 self.sent_bytes += wire_bytes([values]) * self._peers(b.owner)
+                if b.index in self._master:  # while the values travel: the store gets them too
+                    self._copy_out(b)
                 continue
             r.reducing[b.index].wait()  # the sent gradients' buffers are scratch from here
             if len(b.slices) == 1:
@@ -275,8 +360,54 @@ class SlicedExchange:
             handle.wait()
         for b in staged:
             flat = self._arriving[b.index]
-            for s, at in zip(b.slices, b.offsets):
+            for s, at in self._layout[b.index]:
                 self._value(s).copy_(flat[at : at + s.size])
+
+    def _run_updates(self, b: Bucket, grad: torch.Tensor, anyone_has: set[str]) -> list[ParamUpdate]:
+        """Owned bucket b's run updates from its flat summed gradient, its master copy (if any) first made equal to
+        the store. A run whose params nobody had a gradient for stays; a run where only some had one is split for good
+        into one shard per slice (a param without a gradient is not updated: its per-param slots fall behind)."""
+        if b.index in self._master:
+            self._copy_in(b)
+        runs = []
+        for run in self._runs[b.index]:
+            having = [s.param in anyone_has for s in run.slices]
+            if all(having) or not any(having) or len(run.slices) == 1:
+                runs.append(run)
+            else:
+                runs += self._split(run)
+        self._runs[b.index] = runs
+        return [ParamUpdate(run.value, grad[run.at : run.at + run.numel], run.state, run.lr_scale, run.wd_scale)
+                for run in runs if run.slices[0].param in anyone_has]
+
+    def _split(self, run: _Run) -> list[_Run]:
+        parts, at = [], run.at
+        for s in run.slices:
+            parts.append((run.value[at - run.at : at - run.at + s.size], self.state[self._key(s)], self._key(s)))
+            at += s.size
+        states = self.updater.split_run(run.value, parts)
+        out, at = [], run.at
+        for s, (piece, _, key), state in zip(run.slices, parts, states):
+            self.state[key] = state
+            out.append(_Run(at, [s], piece, state, run.lr_scale, run.wd_scale))
+            at += s.size
+        return out
+
+    def _copy_in(self, b: Bucket) -> None:
+        """The master copy of owned bucket b made equal to the store where the store changed since (a load, a
+        received slice of a param it shares)."""
+        master = self._master[b.index]
+        for s, at in self._layout[b.index]:
+            version = self.store.values[s.param]._version
+            if self._synced.get(self._key(s)) != version:
+                master[at : at + s.size].copy_(self._value(s))
+                self._synced[self._key(s)] = version
+
+    def _copy_out(self, b: Bucket) -> None:
+        master = self._master[b.index]
+        for s, at in self._layout[b.index]:
+            self._value(s).copy_(master[at : at + s.size])
+            self._synced[self._key(s)] = self.store.values[s.param]._version
 
     def _finish_compressed(self, r: _Round, anyone_has: set[str]) -> None:
         """Owners sum the decoded gradients, encode the sum and broadcast it; every process applies its decoding.
@@ -401,7 +532,7 @@ class SlicedExchange:
             s = b.slices[0]
             return part(s).mul_(weights[s.param]) if s.param in weights else part(s)
         flat = self._outgoing[b.index]
-        for s, at in zip(b.slices, b.offsets):
+        for s, at in self._layout[b.index]:
             if s.param in weights:
                 torch.mul(part(s), weights[s.param], out=flat[at : at + s.size])
             else:
@@ -419,7 +550,7 @@ class SlicedExchange:
 
     def _updates(self, step: int, b: Bucket, grad: torch.Tensor, anyone_has: set[str]) -> list[ParamUpdate]:
         """Bucket b's slice updates from its flat summed gradient (a param nobody had a gradient for stays)."""
-        return [self._update_of(s, grad[at : at + s.size]) for s, at in zip(b.slices, b.offsets) if s.param in anyone_has]
+        return [self._update_of(s, grad[at : at + s.size]) for s, at in self._layout[b.index] if s.param in anyone_has]
 
     def _apply(self, step: int, b: Bucket, grad: torch.Tensor, anyone_has: set[str]) -> None:
         self.updater.update_many(step, self._updates(step, b, grad, anyone_has))
@@ -473,11 +604,27 @@ class SlicedExchange:
         return full
 
     def load_updater_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        for b_index, runs in self._runs.items():  # a run's params share its per-param slots: split where they differ
+            self._runs[b_index] = [piece for run in runs
+                                   for piece in (self._split(run) if self._slots_differ(run, state) else [run])]
         for (name, start, stop), slots in self.state.items():
             for slot, value in slots.items():
                 if name in state and slot in state[name]:
                     whole = state[name][slot].reshape(-1)
                     value.copy_(whole[start:stop] if whole.numel() == self.store.info[name].numel else whole.reshape(value.shape))
+
+    def _slots_differ(self, run: _Run, state: dict[str, dict[str, torch.Tensor]]) -> bool:
+        """Whether `state` (a checkpoint's) holds different per-param slots (Adam's step) for params of one run:
+        one of them missed updates the others had, so they cannot go on as one shard."""
+        if len(run.slices) == 1:
+            return False
+        for slot, value in run.state.items():
+            if value.numel() == run.numel:  # element-wise
+                continue
+            saved = [state[s.param][slot] for s in run.slices if s.param in state and slot in state[s.param]]
+            if any(not torch.equal(saved[0], other) for other in saved[1:]):
+                return True
+        return False
 
     def own_state(self) -> dict[str, torch.Tensor]:
         """This process's compression residuals: per bucket it sends, and per bucket whose sum it sends back."""
