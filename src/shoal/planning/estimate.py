@@ -21,9 +21,8 @@ from typing import Optional
 from shoal.config import job_pb2
 from shoal.errors import ShoalError
 from shoal.neuralnet.updaters import make_updater
-from shoal.planning.costs import (FLOAT, Calibration, Kernel, LayerCost, compute_seconds, kernels_of, learning_nodes, module_kernels,
-                                  node_rows, numel,
-                                  worker_costs)
+from shoal.planning.costs import (FLOAT, Calibration, Kernel, LayerCost, compute_seconds, in_net_factor, kernels_of, learning_nodes,
+                                  module_kernels, net_kernel, node_rows, numel, worker_costs)
 from shoal.planning.partition import PartitionPlan
 from shoal.planning.module_costs import describe_basis, module_costs_of
 from shoal.planning.nodes import node_of_rank
@@ -81,6 +80,8 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     # the fixed costs counted per group step, one entry per term (in the exchange phase): what, count, each_s, seconds
     fixed_costs: list[dict] = field(default_factory=list)
+    # measured terms of the compute phase, one entry per term: what, factor, alone_s, seconds (added to the slowest worker)
+    compute_terms: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -194,8 +195,9 @@ def plan_kernels(plan: JobPlan) -> list:
     """The dense kernels the plan's workers run, and its updater's pass: what the calibration measures for this job."""
     shares = plan.batch_shares[0] if plan.batch_shares else [1]
     module = module_costs_of(plan.partition)
+    nets = {net_kernel(plan.partition, plan.job.neuralnet, rows, plan.threads_per_worker) for rows in set(shares)}
     return (kernels_of(worker_costs(plan.partition, shares, plan.threads_per_worker)) + [update_kernel(plan, plan.threads_per_worker)]
-            + (module_kernels(module, plan.threads_per_worker) if module else []))
+            + (module_kernels(module, plan.threads_per_worker) if module else []) + [k for k in nets if k is not None])
 
 
 UPDATE_TIMED_ELEMENTS = 32_000_000  # a larger model's updater is timed on its first params up to this many elements
@@ -288,6 +290,7 @@ class _Model:
         threads = plan.threads_per_worker
         by_device: dict[str, dict[int, list[LayerCost]]] = {}
         out, group_s = [], {}
+        self.in_net: dict[int, tuple[float, float, int]] = {}  # rows -> (net timed, its kernels alone, threads)
         for proc, devices in zip(plan.placement.processes, plan.devices):
             host = self.where[proc.rank]
             busy = self.workers_on_host(host)
@@ -298,6 +301,11 @@ class _Model:
                     by_device[kind] = worker_costs(plan.partition, shares, threads, kind)
                 mine = by_device[kind][w.id]
                 fwd, bwd, _ = compute_seconds(mine, self.calib, threads, concurrent=busy, device=kind)
+                rows = shares[w.id] if w.id < len(shares) else 0
+                measured = in_net_factor(mine, self.calib, net_kernel(plan.partition, plan.job.neuralnet, rows, threads, kind))
+                if measured:  # the net as it runs (kernels together, cold caches, dispatch) over its kernels alone
+                    self.in_net[rows] = (*measured, threads)
+                    fwd, bwd = fwd * measured[0] / measured[1], bwd * measured[0] / measured[1]
                 fwd, bwd = fwd * oversubscribed, bwd * oversubscribed
                 out.append(WorkerEstimate(
                     w.group, w.id, proc.rank, device, threads, shares[w.id] if w.id < len(shares) else 0,
@@ -413,7 +421,14 @@ class _Model:
         if plan.in_one_process and plan.nworkers > 1:
             procs[0].links = {0: [self.in_memory_bytes(), self.in_memory_bytes()]}
         return Estimate(plan.label, plan.framework.value, plan.nprocs, plan.nworkers, ngroups, batch, step, samples, bottleneck,
-                        phases, workers, procs, staleness, self.notes, fixed)
+                        phases, workers, procs, staleness, self.notes, fixed, self.compute_terms())
+
+    def compute_terms(self) -> list[dict]:
+        """The measured terms of the compute phase, one per term and batch size (its factor on the kernels' sum)."""
+        return [{"what": f"the net as it runs: forward + backward timed on {rows} random rows at {threads} thread(s), over its "
+                         "kernels timed alone (cold caches between layers, allocation, dispatch)",
+                 "kind": "in-net", "rows": rows, "factor": timed / alone, "alone_s": alone, "seconds": timed - alone}
+                for rows, (timed, alone, threads) in sorted(self.in_net.items())]
 
     def view_numel(self, view) -> int:
         whole = self.sizes[view.name]
