@@ -1,0 +1,93 @@
+"""The cost model's measured terms of a worker's step (issue 30): the whole train net timed forward and backward on
+random rows, its ratio to its kernels timed one at a time scaling each worker's compute; and a kernel timed under
+contention timed again once the machine is quiet. Pure where the model is (hand-built calibrations); the timings
+themselves run the real net, once, on a few rows."""
+from __future__ import annotations
+
+import socket
+from dataclasses import replace
+
+import pytest
+
+from shoal.config import job_from_text
+from shoal.planning.costs import Calibration, in_net_factor, worker_costs
+from shoal.planning.estimate import estimate, plan_kernels
+from shoal.planning.plan import plan_job
+from shoal.runtime import calibrate
+
+from test_estimate import CALIB, SMALL, small
+
+
+def nets(plan) -> list:
+    return sorted((k for k in plan_kernels(plan) if k.op == "net"), key=lambda k: k.dims)
+
+
+def test_the_net_timed_whole_scales_the_workers_compute_by_its_ratio_to_the_kernels():
+    plan = small()
+    [net] = nets(plan)
+    assert net.dims == (5,) and net.threads == plan.threads_per_worker  # the worker's rows, at its threads
+    alone = estimate(plan, CALIB)
+    assert alone.compute_terms == []  # not timed: the kernels' sum stands
+    kernels_s = alone.phases["compute"]
+    timed = estimate(plan, replace(CALIB, kernels={net.key: 3 * kernels_s}))
+    assert timed.phases["compute"] == pytest.approx(3 * kernels_s)
+    [term] = timed.compute_terms
+    assert term["kind"] == "in-net" and term["rows"] == 5 and term["factor"] == pytest.approx(3.0)
+    assert term["alone_s"] == pytest.approx(kernels_s) and term["seconds"] == pytest.approx(2 * kernels_s)
+    # a net faster together than its kernels alone (they were timed cold, say) is predicted faster: the ratio, both ways
+    assert estimate(plan, replace(CALIB, kernels={net.key: kernels_s / 2})).phases["compute"] == pytest.approx(kernels_s / 2)
+    w = timed.workers[0]
+    assert w.fwd_s / w.bwd_s == pytest.approx(alone.workers[0].fwd_s / alone.workers[0].bwd_s)  # forward and backward alike
+
+
+def test_each_batch_share_is_its_own_net_timing_and_a_feature_cut_has_none():
+    threads = small("nworkers_per_group: 2 nworkers_per_procs: 2")
+    assert [k.dims for k in nets(threads)] == [(2,), (3,)]  # 5 rows split 3 + 2: one timing per share
+    share3, share2 = (worker_costs(threads.partition, threads.batch_shares[0], 1)[w] for w in (0, 1))
+    calib = replace(CALIB, kernels={nets(threads)[1].key: 1.0})  # only the 3-row share timed
+    assert in_net_factor(share3, calib, nets(threads)[1])[0] == 1.0 and in_net_factor(share2, calib, nets(threads)[0]) is None
+    feature = plan_job(job_from_text(SMALL.format(cluster="nworkers_per_group: 2 nworkers_per_procs: 2")
+                                     .replace("neuralnet {", "neuralnet { partition_dim: 1")), cores=2)
+    assert nets(feature) == []  # cut on features, a worker runs part of the net: its kernels' sum stands
+
+
+def test_the_calibration_runs_the_real_net_forward_and_backward():
+    [net] = nets(small())
+    seconds = calibrate.time_kernel(net)
+    assert seconds is not None and 0 < seconds < 1  # built from its NetProto, fed random rows and labels 0
+    garbage = replace(net, spec=b"\x08\x01\x12\x03xyz")  # a NetProto that builds no trainable net: the kernels' sum stands
+    assert calibrate.time_kernel(garbage) is None
+
+
+def test_plan_estimate_prints_the_in_net_term_in_one_line(tmp_path, monkeypatch, capsys):
+    from shoal.frontend import cli
+
+    text = SMALL.format(cluster="")
+    plan = plan_job(job_from_text(text))
+    kernels = {k.key: 1e-6 for k in plan_kernels(plan) if k.op != "net"}
+    calib = Calibration(gemm_gflops={1: 10.0, 2: 20.0}, mem_gbps={1: 10.0, 2: 10.0}, load=0.2, collective_s=2e-4,
+                        link_latency_s=5e-5, kernels=kernels, **calibrate.this_machine())
+    [net] = nets(plan)
+    alone = estimate(plan, calib).phases["compute"]
+    calib = replace(calib, kernels={**kernels, net.key: 2 * alone})
+    calibrate.save(calib, tmp_path / "calibration" / f"{socket.gethostname()}.json")
+    job = tmp_path / "job.conf"
+    job.write_text(text)
+    monkeypatch.setenv("SHOAL_HOME", str(tmp_path))
+    assert cli.main(["plan", str(job), "--estimate"]) == 0
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("in-net:")]
+    assert len(lines) == 1 and lines[0].startswith("in-net: ×2.00 on the kernels'") and "for 5 rows" in lines[0]
+
+
+@pytest.mark.parametrize("load, retaken", [(0.0, True), (50.0, False)])
+def test_a_kernel_timed_under_contention_is_timed_again_once_the_machine_is_quiet(tmp_path, monkeypatch, load, retaken):
+    [relu] = [k for k in plan_kernels(small()) if k.op == "layer"]
+    path = tmp_path / "calib.json"
+    calibrate.save(Calibration(gemm_gflops={1: 10.0}, mem_gbps={1: 10.0}, collective_s=1e-4, load=0.1,
+                               kernels={relu.key: 5.0}, contended_kernels=(relu.key,), **calibrate.this_machine()), path)
+    monkeypatch.setattr(calibrate, "_load", lambda: load)
+    after = calibrate.calibration([relu], path=path)
+    if retaken:  # quiet now: timed again (a ReLU on 5 rows takes microseconds, not the 5 s of the disturbed timing)
+        assert after.kernels[relu.key] < 5.0 and calibrate.read(path).kernels[relu.key] < 5.0
+    else:  # still busy: the disturbed timing stays until a quiet moment
+        assert after.kernels[relu.key] == 5.0 and relu.key in after.contended_kernels
