@@ -303,9 +303,11 @@ class _Model:
                 fwd, bwd, _ = compute_seconds(mine, self.calib, threads, concurrent=busy, device=kind)
                 rows = shares[w.id] if w.id < len(shares) else 0
                 measured = in_net_factor(mine, self.calib, net_kernel(plan.partition, plan.job.neuralnet, rows, threads, kind))
-                if measured:  # the net as it runs (kernels together, cold caches, dispatch) over its kernels alone
+                if measured:  # the net as it runs (kernels together, cold caches, dispatch) over its kernels alone; never
+                    # under 1, as the bytes floor a kernel: a net timed under its kernels' sum says they were timed slow
                     self.in_net[rows] = (*measured, threads)
-                    fwd, bwd = fwd * measured[0] / measured[1], bwd * measured[0] / measured[1]
+                    factor = max(1.0, measured[0] / measured[1])
+                    fwd, bwd = fwd * factor, bwd * factor
                 fwd, bwd = fwd * oversubscribed, bwd * oversubscribed
                 out.append(WorkerEstimate(
                     w.group, w.id, proc.rank, device, threads, shares[w.id] if w.id < len(shares) else 0,
@@ -427,7 +429,7 @@ class _Model:
         """The measured terms of the compute phase, one per term and batch size (its factor on the kernels' sum)."""
         return [{"what": f"the net as it runs: forward + backward timed on {rows} random rows at {threads} thread(s), over its "
                          "kernels timed alone (cold caches between layers, allocation, dispatch)",
-                 "kind": "in-net", "rows": rows, "factor": timed / alone, "alone_s": alone, "seconds": timed - alone}
+                 "kind": "in-net", "rows": rows, "factor": max(1.0, timed / alone), "alone_s": alone, "seconds": max(0.0, timed - alone)}
                 for rows, (timed, alone, threads) in sorted(self.in_net.items())]
 
     def view_numel(self, view) -> int:
