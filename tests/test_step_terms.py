@@ -27,16 +27,16 @@ def test_the_net_timed_whole_scales_the_workers_compute_by_its_ratio_to_the_kern
     [net] = nets(plan)
     assert net.dims == (5,) and net.threads == plan.threads_per_worker  # the worker's rows, at its threads
     alone = estimate(plan, CALIB)
-    assert alone.compute_terms == []  # not timed: the kernels' sum stands
+    assert alone.step_terms == []  # not timed: the kernels' sum stands
     kernels_s = alone.phases["compute"]
     timed = estimate(plan, replace(CALIB, kernels={net.key: 3 * kernels_s}))
     assert timed.phases["compute"] == pytest.approx(3 * kernels_s)
-    [term] = timed.compute_terms
+    [term] = timed.step_terms
     assert term["kind"] == "in-net" and term["rows"] == 5 and term["factor"] == pytest.approx(3.0)
     assert term["alone_s"] == pytest.approx(kernels_s) and term["seconds"] == pytest.approx(2 * kernels_s)
     # a net timed faster than its kernels' sum leaves the sum standing (a floor, as the bytes floor a kernel)
     faster = estimate(plan, replace(CALIB, kernels={net.key: kernels_s / 2}))
-    assert faster.phases["compute"] == pytest.approx(kernels_s) and faster.compute_terms[0]["factor"] == 1.0
+    assert faster.phases["compute"] == pytest.approx(kernels_s) and faster.step_terms[0]["factor"] == 1.0
     w = timed.workers[0]
     assert w.fwd_s / w.bwd_s == pytest.approx(alone.workers[0].fwd_s / alone.workers[0].bwd_s)  # forward and backward alike
 
@@ -92,3 +92,36 @@ def test_a_kernel_timed_under_contention_is_timed_again_once_the_machine_is_quie
         assert after.kernels[relu.key] < 5.0 and calibrate.read(path).kernels[relu.key] < 5.0
     else:  # still busy: the disturbed timing stays until a quiet moment
         assert after.kernels[relu.key] == 5.0 and relu.key in after.contended_kernels
+
+
+def copies(e) -> dict:
+    [term] = [t for t in e.step_terms if t["kind"] == "copies"]
+    return term
+
+
+def test_downpour_charges_its_protocols_copies_on_the_host():
+    # 51 trained elements: the stub moves 10 passes' worth, the server 3, at the copy bandwidth shared by the host's 2
+    # workers (10 GB/s over 2); in the update phase, and the server's share in the server's bound
+    e = estimate(small("nworker_groups: 2 server_worker_separate: true"), CALIB)
+    assert copies(e)["seconds"] == pytest.approx(4 * (10 + 3) * 51 / 5e9)
+    assert e.phases["update"] > copies(e)["seconds"]  # the updater's pass, then the copies
+    assert "510 elements moved by the group's stub, 153 by each server" in copies(e)["what"]
+
+
+def test_distributed_hogwild_charges_its_syncs_copies_every_sync():
+    every = estimate(small("nworker_groups: 2 nserver_groups: 2"), CALIB)
+    mastered = sum(s.size for s in small("nworker_groups: 2 nserver_groups: 2").placement.slices
+                   if small("nworker_groups: 2 nserver_groups: 2").placement.master_group_of_slice(s.index) == 0)
+    assert copies(every)["seconds"] == pytest.approx(4 * (8 * (51 - mastered) + 5 * mastered) / 5e9)
+    fourth = estimate(small("nworker_groups: 2 nserver_groups: 2 sync_freq: 4"), CALIB)
+    assert copies(fourth)["seconds"] == pytest.approx(copies(every)["seconds"] / 4)
+
+
+def test_an_in_memory_groups_sum_and_update_run_at_the_process_thread_count():
+    # the workers are threads of one process at 1 intra-op thread each; the sum and the update run after them on the main
+    # thread, at that same 1 thread (torch's count is the process's): a faster 2-thread bandwidth changes nothing
+    plan = small("nworkers_per_group: 2 nworkers_per_procs: 2")
+    assert plan.threads_per_worker == 1
+    one = estimate(plan, CALIB)
+    wider = estimate(plan, replace(CALIB, mem_gbps={1: 10.0, 2: 1000.0}))
+    assert (wider.phases["reduce"], wider.phases["update"]) == pytest.approx((one.phases["reduce"], one.phases["update"]))

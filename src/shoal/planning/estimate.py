@@ -80,8 +80,9 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     # the fixed costs counted per group step, one entry per term (in the exchange phase): what, count, each_s, seconds
     fixed_costs: list[dict] = field(default_factory=list)
-    # measured terms of the compute phase, one entry per term: what, factor, alone_s, seconds (added to the slowest worker)
-    compute_terms: list[dict] = field(default_factory=list)
+    # measured terms of the step outside the fixed costs, one entry per term: kind, what, seconds (in-net: its factor,
+    # rows and the kernels' seconds alone; copies: in the update phase)
+    step_terms: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -423,7 +424,12 @@ class _Model:
         if plan.in_one_process and plan.nworkers > 1:
             procs[0].links = {0: [self.in_memory_bytes(), self.in_memory_bytes()]}
         return Estimate(plan.label, plan.framework.value, plan.nprocs, plan.nworkers, ngroups, batch, step, samples, bottleneck,
-                        phases, workers, procs, staleness, self.notes, fixed, self.compute_terms())
+                        phases, workers, procs, staleness, self.notes, fixed, self.compute_terms() + list(terms.terms))
+
+    def copy_s(self, nbytes: float, concurrent: int = 1) -> float:
+        """Copies on the host (an exchange's buffers: gathers, scatters, fresh zeroed tensors), one thread, counted as bytes
+        read + written at the calibrated copy bandwidth, shared by the `concurrent` processes streaming at once."""
+        return nbytes / min(self.calib.bandwidth(1), self.calib.host_bandwidth / max(1, concurrent))
 
     def compute_terms(self) -> list[dict]:
         """The measured terms of the compute phase, one per term and batch size (its factor on the kernels' sum)."""

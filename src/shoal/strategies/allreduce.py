@@ -153,8 +153,10 @@ class AllReduce(Strategy):
             p = plan.cluster.nworkers_per_group
             owned = plan.partition.updated_where_computed()
             local = sum(model.view_numel(v) for v in owned)
-            reduce = 3 * FLOAT * (p - 1) * max(0, model.elements - local) / model.calib.bandwidth(threads * p)
-            update = model.update_s(model.elements - local, threads * p) + model.update_s(local // max(1, p), threads, p)
+            # the sum and the update run on the process's main thread after its workers' threads, at the process's
+            # intra-op thread count (runtime/assemble.py sets threads_per_worker for the whole process), not threads × p
+            reduce = 3 * FLOAT * (p - 1) * max(0, model.elements - local) / model.calib.bandwidth(threads)
+            update = model.update_s(model.elements - local, threads) + model.update_s(local // max(1, p), threads, p)
             return Phases(reduce=reduce, update=update)
         owned_by: dict[int, int] = {}
         for s in plan.placement.slices:
