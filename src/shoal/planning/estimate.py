@@ -250,19 +250,40 @@ class _Model:
     def exchange_s(self, links: dict[int, dict[int, list[int]]]) -> float:
         """The longest process's bytes of a step at the bandwidth: loopback between its host's processes, the
         host's link to other hosts (shared by the processes on it). Latency is per message: fixed_costs()."""
+        return max(self.loopback_s(links), self.between_hosts_s(links))
+
+    def loopback_s(self, links: dict[int, dict[int, list[int]]]) -> float:
+        """The busiest process's bytes to and from its own host's processes at the loopback's bandwidth (copies by the
+        cores, whichever the direction: the larger of what it sends and what it receives)."""
         loop = 0.0
-        nic: dict[int, list[int]] = {}
         for rank, peers in links.items():
             local = [v for q, v in peers.items() if self.where[q] == self.where[rank]]
-            far = [v for q, v in peers.items() if self.where[q] != self.where[rank]]
             if local:
                 loop = max(loop, max(sum(v[0] for v in local), sum(v[1] for v in local)) / (self.calib.link_gbps * 1e9))
+        return loop
+
+    def between_hosts_s(self, links: dict[int, dict[int, list[int]]]) -> float:
+        """The busiest host's link: what its processes send to and receive from other hosts, both directions at once
+        (the link's bandwidth is each way), so the larger of the two."""
+        nic: dict[int, list[int]] = {}
+        for rank, peers in links.items():
+            far = [v for q, v in peers.items() if self.where[q] != self.where[rank]]
             if far:
                 host = nic.setdefault(self.where[rank], [0, 0])
                 host[0] += sum(v[0] for v in far)
                 host[1] += sum(v[1] for v in far)
-        far_s = max((max(v) / self.link_bw for v in nic.values()), default=0.0)
-        return max(loop, far_s)
+        return max((max(v) / self.link_bw for v in nic.values()), default=0.0)
+
+    def links_of(self, moves) -> dict[int, dict[int, list[int]]]:
+        """rank -> peer -> [sent, received] of the bytes `moves(move)` moves."""
+        links: dict[int, dict[int, list[int]]] = {p.rank: {} for p in self.plan.placement.processes}
+
+        def move(src: int, dst: int, nbytes: float) -> None:
+            links[src].setdefault(dst, [0, 0])[0] += int(nbytes)
+            links[dst].setdefault(src, [0, 0])[1] += int(nbytes)
+
+        moves(move)
+        return links
 
     def request_s(self, links: dict[int, dict[int, list[int]]], rank: int) -> float:
         """A request/response exchange of process `rank`: what it sends, then (after the peer's answer) what it
@@ -351,14 +372,7 @@ class _Model:
 
     def traffic(self) -> dict[int, dict[int, list[int]]]:
         """rank -> peer -> [sent, received] bytes per group step (a synchronous group's, or one async group's)."""
-        links: dict[int, dict[int, list[int]]] = {p.rank: {} for p in self.plan.placement.processes}
-
-        def move(src: int, dst: int, nbytes: float) -> None:
-            links[src].setdefault(dst, [0, 0])[0] += int(nbytes)
-            links[dst].setdefault(src, [0, 0])[1] += int(nbytes)
-
-        self.plan.strategy.traffic(self, move)
-        return links
+        return self.links_of(lambda move: self.plan.strategy.traffic(self, move))
 
     def in_memory_bytes(self) -> int:
         """A group in one process: bridged blobs between its workers, plus the replicated gradients other workers
