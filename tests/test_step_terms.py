@@ -19,13 +19,13 @@ from test_estimate import CALIB, SMALL, small
 
 
 def nets(plan) -> list:
-    return sorted((k for k in plan_kernels(plan) if k.op == "net"), key=lambda k: k.dims)
+    return sorted((k for k in plan_kernels(plan, cores=2) if k.op == "net"), key=lambda k: k.dims)
 
 
 def test_the_net_timed_whole_scales_the_workers_compute_by_its_ratio_to_the_kernels():
     plan = small()
     [net] = nets(plan)
-    assert net.dims == (5,) and net.threads == plan.threads_per_worker  # the worker's rows, at its threads
+    assert net.dims == (5, 1) and net.threads == plan.threads_per_worker  # the worker's rows, at its threads, alone
     alone = estimate(plan, CALIB)
     assert alone.step_terms == []  # not timed: the kernels' sum stands
     kernels_s = alone.phases["compute"]
@@ -43,7 +43,8 @@ def test_the_net_timed_whole_scales_the_workers_compute_by_its_ratio_to_the_kern
 
 def test_each_batch_share_is_its_own_net_timing_and_a_feature_cut_has_none():
     threads = small("nworkers_per_group: 2 nworkers_per_procs: 2")
-    assert [k.dims for k in nets(threads)] == [(2,), (3,)]  # 5 rows split 3 + 2: one timing per share
+    # 5 rows split 3 + 2: one timing per share, each while the other worker computes (2 workers at 1 thread, 2 cores)
+    assert [k.dims for k in nets(threads)] == [(2, 2), (3, 2)] and threads.threads_per_worker == 1
     share3, share2 = (worker_costs(threads.partition, threads.batch_shares[0], 1)[w] for w in (0, 1))
     calib = replace(CALIB, kernels={nets(threads)[1].key: 1.0})  # only the 3-row share timed
     assert in_net_factor(share3, calib, nets(threads)[1])[0] == 1.0 and in_net_factor(share2, calib, nets(threads)[0]) is None
@@ -56,6 +57,8 @@ def test_the_calibration_runs_the_real_net_forward_and_backward():
     [net] = nets(small())
     seconds = calibrate.time_kernel(net)
     assert seconds is not None and 0 < seconds < 1  # built from its NetProto, fed random rows and labels 0
+    together = calibrate.time_kernel(replace(net, dims=(5, 2)))  # two copies at once, the slowest of each round
+    assert together is not None and 0 < together < 1
     garbage = replace(net, spec=b"\x08\x01\x12\x03xyz")  # a NetProto that builds no trainable net: the kernels' sum stands
     assert calibrate.time_kernel(garbage) is None
 
@@ -65,7 +68,7 @@ def test_plan_estimate_prints_the_in_net_term_in_one_line(tmp_path, monkeypatch,
 
     text = SMALL.format(cluster="")
     plan = plan_job(job_from_text(text))
-    kernels = {k.key: 1e-6 for k in plan_kernels(plan) if k.op != "net"}
+    kernels = {k.key: 1e-6 for k in plan_kernels(plan, cores=2) if k.op != "net"}
     calib = Calibration(gemm_gflops={1: 10.0, 2: 20.0}, mem_gbps={1: 10.0, 2: 10.0}, load=0.2, collective_s=2e-4,
                         link_latency_s=5e-5, kernels=kernels, **calibrate.this_machine())
     [net] = nets(plan)

@@ -14,6 +14,7 @@ cores, a link), and the bottleneck is the bound that decides.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -22,11 +23,11 @@ from shoal.config import job_pb2
 from shoal.errors import ShoalError
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.costs import (FLOAT, Calibration, Kernel, LayerCost, compute_seconds, in_net_factor, kernels_of, learning_nodes,
-                                  module_kernels, net_kernel, node_rows, numel, worker_costs)
+                                  module_kernels, net_concurrency, net_kernel, node_rows, numel, worker_costs)
 from shoal.planning.partition import PartitionPlan
 from shoal.planning.module_costs import describe_basis, module_costs_of
 from shoal.planning.nodes import node_of_rank
-from shoal.planning.plan import JobPlan
+from shoal.planning.plan import JobPlan, busiest_node_workers
 from shoal.planning.strategy import Messages
 
 
@@ -192,11 +193,14 @@ def estimate(plan: JobPlan, calib: Calibration, hosts: Optional[Hosts] = None) -
     return _Model(plan, calib, hosts).run()
 
 
-def plan_kernels(plan: JobPlan) -> list:
-    """The dense kernels the plan's workers run, and its updater's pass: what the calibration measures for this job."""
+def plan_kernels(plan: JobPlan, cores: Optional[int] = None) -> list:
+    """The dense kernels the plan's workers run, and its updater's pass: what the calibration measures for this job
+    on a host of `cores` (default: this one's, as plan_job's)."""
     shares = plan.batch_shares[0] if plan.batch_shares else [1]
     module = module_costs_of(plan.partition)
-    nets = {net_kernel(plan.partition, plan.job.neuralnet, rows, plan.threads_per_worker) for rows in set(shares)}
+    threads = plan.threads_per_worker
+    at_once = net_concurrency(busiest_node_workers(plan.placement, plan.nnodes), threads, cores or os.cpu_count() or 1)
+    nets = {net_kernel(plan.partition, plan.job.neuralnet, rows, threads, concurrent=at_once) for rows in set(shares)}
     return (kernels_of(worker_costs(plan.partition, shares, plan.threads_per_worker)) + [update_kernel(plan, plan.threads_per_worker)]
             + (module_kernels(module, plan.threads_per_worker) if module else []) + [k for k in nets if k is not None])
 
@@ -312,7 +316,7 @@ class _Model:
         threads = plan.threads_per_worker
         by_device: dict[str, dict[int, list[LayerCost]]] = {}
         out, group_s = [], {}
-        self.in_net: dict[int, tuple[float, float, int]] = {}  # rows -> (net timed, its kernels alone, threads)
+        self.in_net: dict[int, tuple[float, float, int, int]] = {}  # rows -> (net timed, its kernels, threads, nets at once)
         for proc, devices in zip(plan.placement.processes, plan.devices):
             host = self.where[proc.rank]
             busy = self.workers_on_host(host)
@@ -324,10 +328,11 @@ class _Model:
                 mine = by_device[kind][w.id]
                 fwd, bwd, _ = compute_seconds(mine, self.calib, threads, concurrent=busy, device=kind)
                 rows = shares[w.id] if w.id < len(shares) else 0
-                measured = in_net_factor(mine, self.calib, net_kernel(plan.partition, plan.job.neuralnet, rows, threads, kind))
+                at_once = net_concurrency(busy, threads, self.cores)
+                measured = in_net_factor(mine, self.calib, net_kernel(plan.partition, plan.job.neuralnet, rows, threads, kind, at_once))
                 if measured:  # the net as it runs (kernels together, cold caches, dispatch) over its kernels alone; never
                     # under 1, as the bytes floor a kernel: a net timed under its kernels' sum says they were timed slow
-                    self.in_net[rows] = (*measured, threads)
+                    self.in_net[rows] = (*measured, threads, at_once)
                     factor = max(1.0, measured[0] / measured[1])
                     fwd, bwd = fwd * factor, bwd * factor
                 fwd, bwd = fwd * oversubscribed, bwd * oversubscribed
@@ -447,10 +452,11 @@ class _Model:
 
     def compute_terms(self) -> list[dict]:
         """The measured terms of the compute phase, one per term and batch size (its factor on the kernels' sum)."""
-        return [{"what": f"the net as it runs: forward + backward timed on {rows} random rows at {threads} thread(s), over its "
-                         "kernels timed alone (cold caches between layers, allocation, dispatch)",
+        return [{"what": f"the net as it runs: forward + backward timed on {rows} random rows at {threads} thread(s)"
+                         + (f" with {at_once} copies computing at once" if at_once > 1 else "")
+                         + ", over its kernels timed alone (cold caches, allocation, dispatch)",
                  "kind": "in-net", "rows": rows, "factor": max(1.0, timed / alone), "alone_s": alone, "seconds": max(0.0, timed - alone)}
-                for rows, (timed, alone, threads) in sorted(self.in_net.items())]
+                for rows, (timed, alone, threads, at_once) in sorted(self.in_net.items())]
 
     def view_numel(self, view) -> int:
         whole = self.sizes[view.name]

@@ -470,42 +470,65 @@ def time_layer(kernel: Kernel, meter: Optional[Meter] = None) -> Optional[float]
 
 def time_net(kernel: Kernel, meter: Optional[Meter] = None) -> Optional[float]:
     """Seconds of one forward and backward of the job's whole train net (built from its NetProto, params initialised
-    as the job says) on `rows` random rows fed to its store input layers, labels 0: the kernels together, as a worker
-    runs them, Python and autograd included. None when it cannot run on random rows (an input layer that reads its
-    own data, a net that fails without real records): the kernels' sum stands."""
+    as the job says) on `rows` random rows fed to its store input layers, labels 0, while `concurrent` copies run at
+    once (threads of this process, each with its own params, as workers computing side by side on the host's other
+    cores: torch's kernels release the GIL): the kernels together as a worker runs them, Python and autograd included,
+    sharing the cache and memory with the others. The slowest copy of each round counts. None when it cannot run on
+    random rows (an input layer that reads its own data, a net that fails without real records): the kernels' sum
+    stands."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows, concurrent = kernel.dims
+    try:
+        runs = [_net_run(kernel.spec, rows) for _ in range(concurrent)]
+        if any(run is None for run in runs):
+            return None
+        if concurrent == 1:
+            return _best(runs[0], reps=3, min_s=0.1, meter=meter)
+        with ThreadPoolExecutor(concurrent - 1, thread_name_prefix="shoal-calibrate-net") as pool:
+            def together() -> None:
+                others = [pool.submit(run) for run in runs[1:]]
+                runs[0]()
+                for other in others:
+                    other.result()
+
+            return _best(together, reps=3, min_s=0.1, meter=meter)
+    except Exception:  # noqa: BLE001 (a net that needs more than random rows: its kernels' sum stands)
+        return None
+
+
+def _net_run(spec: bytes, rows: int) -> Optional[Callable[[], None]]:
+    """One forward and backward of the train net of NetProto `spec` on `rows` random rows: a function; None when its
+    input layers are not store inputs (they read their own data)."""
     from shoal.config import job_pb2
     from shoal.neuralnet.layers.base import Context
     from shoal.neuralnet.net import NeuralNet
     from shoal.neuralnet.params import ParamStore
     from shoal.report.metrics import MetricWindow
 
-    rows = kernel.dims[0]
-    try:
-        net = NeuralNet(job_pb2.NetProto.FromString(kernel.spec), job_pb2.kTrain, ParamStore(), torch.Generator().manual_seed(0))
-        feeds = {}
-        for node in net.input_nodes():
-            layer = node.layer
-            if not layer.conf.HasField("store_conf") or getattr(layer, "shape", None) is None:
-                return None
-            shape = tuple(layer.shape)
-            store = layer.conf.store_conf
-            if store.HasField("mean_file"):  # the statistics' values do not change the time
-                layer.mean = torch.zeros(shape)
-            if store.HasField("std_file"):
-                layer.std = torch.ones(shape)
-            feeds[node.name] = (torch.randn(rows, *shape), torch.zeros(rows, dtype=torch.int64))
-        generator, window = torch.Generator().manual_seed(1), MetricWindow()
+    net = NeuralNet(job_pb2.NetProto.FromString(spec), job_pb2.kTrain, ParamStore(), torch.Generator().manual_seed(0))
+    feeds = {}
+    for node in net.input_nodes():
+        layer = node.layer
+        if not layer.conf.HasField("store_conf") or getattr(layer, "shape", None) is None:
+            return None
+        shape = tuple(layer.shape)
+        store = layer.conf.store_conf
+        if store.HasField("mean_file"):  # the statistics' values do not change the time
+            layer.mean = torch.zeros(shape)
+        if store.HasField("std_file"):
+            layer.std = torch.ones(shape)
+        feeds[node.name] = (torch.randn(rows, *shape), torch.zeros(rows, dtype=torch.int64))
+    generator, window = torch.Generator().manual_seed(1), MetricWindow()
 
-        def run() -> None:
-            net.zero_grad()
-            ctx = Context(phase=job_pb2.kTrain, generator=generator, feeds=feeds, report=window.report,
-                          device=torch.device("cpu"), rows=(0, rows, rows))
-            loss, _ = net.forward(ctx)
-            loss.backward()
+    def run() -> None:
+        net.zero_grad()
+        ctx = Context(phase=job_pb2.kTrain, generator=generator, feeds=feeds, report=window.report,
+                      device=torch.device("cpu"), rows=(0, rows, rows))
+        loss, _ = net.forward(ctx)
+        loss.backward()
 
-        return _best(run, reps=3, min_s=0.1, meter=meter)
-    except Exception:  # noqa: BLE001 (a net that needs more than random rows: its kernels' sum stands)
-        return None
+    return run
 
 
 def time_module(kernel: Kernel, meter: Optional[Meter] = None) -> Optional[float]:
