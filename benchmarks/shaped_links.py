@@ -3,9 +3,9 @@
 Two "hosts" are two network namespaces on this machine joined by a veth pair whose both ends are
 rate-limited with `tc` (an HTB class per direction: `--rates`, Mbit/s each way). Each host gets one
 of this machine's two cores (`taskset`), and the prediction is asked for exactly that: 2 hosts of 1
-core, the link's bandwidth and latency as measured over the veth: what TCP carries each way while both ends send at
-once (the calibration's definition of a link's bandwidth; below the shaped rate by the headers and the ACKs queued
-behind the other direction's data) and half a one-byte round trip. Each framework of
+core, the link's bandwidth and latency as measured over the veth: what TCP carries one way, and each way while both
+ends send at once (below the shaped rate by the headers, and both ways by the ACKs queued behind the other
+direction's data), and half a one-byte round trip. Each framework of
 `shoal plan --hosts` (planning/alternatives.py SCALING: AllReduce, Sandblaster, Downpour, Distributed
 Hogwild) and Local SGD (H = --local-steps) runs the MNIST MLP of benchmarks/mnist_mlp.py as
 `shoal run JOB --nnodes 2 --node-rank R --master A:PORT` in both namespaces, one worker per host,
@@ -72,7 +72,8 @@ class Link:
     rate_mbit: float
     latency_s: float  # measured one way (half a ping round trip)
     devices: tuple[tuple[str, str], ...]  # (namespace, veth) of both ends
-    goodput_mbit: float = 0.0  # measured: TCP payload each way while both ends send at once (0: not measured, the rate)
+    goodput_mbit: float = 0.0  # measured: TCP payload one way, the other idle (0: not measured, the rate)
+    duplex_mbit: float = 0.0  # measured: TCP payload each way while both ends send at once (0: not measured)
 
     def tx_bytes(self) -> int:
         return sum(int(sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes").stdout) for ns, dev in self.devices)
@@ -118,8 +119,8 @@ def two_hosts(rate_mbit: float) -> Iterator[tuple[Link, list[tuple[str, str]]]]:
             sh("ip", "netns", "exec", ns, "tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb",
                "rate", f"{rate_mbit}mbit", "ceil", f"{rate_mbit}mbit")
         latency = one_way_latency(hosts[0][0], hosts[1][0], hosts[1][1])
-        goodput = duplex_goodput_mbit(hosts[0][0], hosts[1][0], hosts[1][1], rate_mbit)
-        yield (Link(rate_mbit, latency, tuple((ns, dev) for ns, _, dev in hosts), goodput),
+        one_way, duplex = (goodput_mbit(hosts[0][0], hosts[1][0], hosts[1][1], rate_mbit, both) for both in (False, True))
+        yield (Link(rate_mbit, latency, tuple((ns, dev) for ns, _, dev in hosts), one_way, duplex),
                [(ns, address) for ns, address, _ in hosts])
     finally:
         for ns, _, _ in hosts:
@@ -156,9 +157,9 @@ def one_way_latency(client_ns: str, server_ns: str, server_address: str) -> floa
     return rtt / 2
 
 
-DUPLEX = """
+GOODPUT = """
 import socket, sys, threading, time
-address, size, rounds, listening = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+address, size, rounds, listening, both = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5] == "1"
 if listening:
     server = socket.create_server((address, 29597)); print("ready", flush=True); conn, _ = server.accept()
 else:
@@ -172,29 +173,34 @@ def receive():
 times = []
 for _ in range(rounds):
     start = time.perf_counter()
-    reader = threading.Thread(target=receive); reader.start(); conn.sendall(data); reader.join()
+    if both:  # each end sends a burst while receiving the other's
+        reader = threading.Thread(target=receive); reader.start(); conn.sendall(data); reader.join()
+    elif listening:  # one way: the listener receives the burst, then says so in one byte
+        receive(); conn.sendall(b"k")
+    else:
+        conn.sendall(data); conn.recv(1)
     times.append(time.perf_counter() - start)
     time.sleep(0.01)
 print(size / sorted(times)[len(times) // 2])
 """
 
 
-def duplex_goodput_mbit(client_ns: str, server_ns: str, server_address: str, rate_mbit: float) -> float:
-    """What the shaped link carries each way while both ends send at once over one TCP connection (as a gloo pair
-    does): bursts of about a second's worth at the rate, the median of 5, in Mbit/s of payload. Below the rate by the
-    frames' headers and the ACKs that queue behind the other direction's data in its shaper; what `--hosts`' bandwidth
-    means (the calibration measures the loopback the same way: each way while both send)."""
+def goodput_mbit(client_ns: str, server_ns: str, server_address: str, rate_mbit: float, both: bool) -> float:
+    """What the shaped link carries over one TCP connection (as a gloo pair uses one), one way or each way while both
+    ends send at once: bursts of a quarter second's worth at the rate, the median of 5, in Mbit/s of payload. Below
+    the rate by the frames' headers, and both ways by the ACKs that queue behind the other direction's data in its
+    shaper; the prediction gets both (`Hosts.link_gbps`, `Hosts.duplex_gbps`)."""
     size = max(1 << 20, int(rate_mbit * 1e6 / 8 / 4))
-    peer = subprocess.Popen(["ip", "netns", "exec", server_ns, sys.executable, "-c", DUPLEX, server_address, str(size), "5", "1"],
-                            stdout=subprocess.PIPE, text=True)
+    script = [sys.executable, "-c", GOODPUT, server_address, str(size), "5"]
+    peer = subprocess.Popen(["ip", "netns", "exec", server_ns, *script, "1", str(int(both))], stdout=subprocess.PIPE, text=True)
     try:
         peer.stdout.readline()
-        mine = float(sh("ip", "netns", "exec", client_ns, sys.executable, "-c", DUPLEX, server_address, str(size), "5", "0").stdout)
+        mine = float(sh("ip", "netns", "exec", client_ns, *script, "0", str(int(both))).stdout)
         theirs = float(peer.communicate(timeout=120)[0])
     finally:
         peer.kill()
         peer.wait()
-    return 8 * min(mine, theirs) / 1e6
+    return 8 * (min(mine, theirs) if both else mine) / 1e6
 
 
 def layouts(local_steps: int) -> dict[str, dict]:
@@ -216,7 +222,8 @@ def predict(job_path: Path, fields: dict, link: Link) -> tuple[float, float, str
     """(samples/s, bytes per sample between the hosts, bottleneck, samples per modelled step) for 2 hosts of 1 core."""
     job = with_cluster(api.load_job(job_path), fields)
     plan = plan_job(job, cores=1, nnodes=2)
-    hosts = Hosts(count=2, cores=1, link_gbps=(link.goodput_mbit or link.rate_mbit) / 8000, latency_s=max(link.latency_s, 1e-6))
+    hosts = Hosts(count=2, cores=1, link_gbps=(link.goodput_mbit or link.rate_mbit) / 8000, latency_s=max(link.latency_s, 1e-6),
+                  duplex_gbps=link.duplex_mbit / 8000)
     e = estimate(plan, calibrate.calibration(plan_kernels(plan)), hosts)
     where = node_of_rank(plan.nprocs, 2)  # as `shoal run --nnodes` places the ranks
     crossing = sum(sent for p in e.processes for peer, (sent, _) in p.links.items() if where[peer] != where[p.rank])
@@ -281,8 +288,8 @@ def run_rows(rates: list[float], steps: int, local_steps: int, only: Optional[se
     rows = []
     for rate in rates:
         with two_hosts(rate) as (link, hosts):
-            print(f"  link {rate:g} Mbit/s: {link.goodput_mbit:.0f} Mbit/s each way while both send, one-way latency "
-                  f"{link.latency_s * 1e6:.0f} µs (measured; the prediction is given both)", flush=True)
+            print(f"  link {rate:g} Mbit/s: {link.goodput_mbit:.0f} Mbit/s one way, {link.duplex_mbit:.0f} each way while both "
+                  f"send, one-way latency {link.latency_s * 1e6:.0f} µs (measured; the prediction is given all three)", flush=True)
             for name, fields in layouts(local_steps).items():
                 if only and not any(name.lower().startswith(o.lower()) for o in only):
                     continue

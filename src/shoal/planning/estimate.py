@@ -101,6 +101,9 @@ class Hosts:
     gpus: int = 0
     link_gbps: float = 0.0  # 0: the calibrated loopback
     latency_s: float = 0.0
+    # GB/s each way while both directions carry data at once, where that is less (a shaper's ACKs queue behind the other
+    # direction's data); 0: link_gbps
+    duplex_gbps: float = 0.0
 
 
 class HostsFileError(ShoalError, ValueError):
@@ -225,6 +228,7 @@ class _Model:
         self.cores = hosts.cores or calib.cores
         self.where = host_of(plan, hosts)
         self.link_bw = (hosts.link_gbps or calib.link_gbps) * 1e9
+        self.duplex_bw = hosts.duplex_gbps * 1e9 if hosts.duplex_gbps and hosts.link_gbps else self.link_bw
         self.latency = hosts.latency_s or calib.link_latency_s
         self.slots = updater_slots(plan.job, plan.params)
         self.trainable = trainable(plan.partition)
@@ -268,7 +272,8 @@ class _Model:
 
     def between_hosts_s(self, links: dict[int, dict[int, list[int]]]) -> float:
         """The busiest host's link: what its processes send to and receive from other hosts, both directions at once
-        (the link's bandwidth is each way), so the larger of the two."""
+        (the link's bandwidth is each way): the bytes both directions carry together at the duplex bandwidth, the
+        larger direction's rest at the link's."""
         nic: dict[int, list[int]] = {}
         for rank, peers in links.items():
             far = [v for q, v in peers.items() if self.where[q] != self.where[rank]]
@@ -276,7 +281,7 @@ class _Model:
                 host = nic.setdefault(self.where[rank], [0, 0])
                 host[0] += sum(v[0] for v in far)
                 host[1] += sum(v[1] for v in far)
-        return max((max(v) / self.link_bw for v in nic.values()), default=0.0)
+        return max((min(v) / self.duplex_bw + (max(v) - min(v)) / self.link_bw for v in nic.values()), default=0.0)
 
     def links_of(self, moves) -> dict[int, dict[int, list[int]]]:
         """rank -> peer -> [sent, received] of the bytes `moves(move)` moves."""
