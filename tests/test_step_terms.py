@@ -128,3 +128,26 @@ def test_an_in_memory_groups_sum_and_update_run_at_the_process_thread_count():
     one = estimate(plan, CALIB)
     wider = estimate(plan, replace(CALIB, mem_gbps={1: 10.0, 2: 1000.0}))
     assert (wider.phases["reduce"], wider.phases["update"]) == pytest.approx((one.phases["reduce"], one.phases["update"]))
+
+
+def between_two_hosts(cluster: str, **link) -> float:
+    """The exchange's seconds without its fixed costs, over 2 hosts of 1 core joined by `link`."""
+    from shoal.planning.estimate import Hosts
+
+    plan = plan_job(job_from_text(SMALL.format(cluster=cluster)), cores=1, nnodes=2)
+    e = estimate(plan, CALIB, Hosts(2, cores=1, latency_s=1e-9, **link))
+    return e.phases["exchange"] - sum(f["seconds"] for f in e.fixed_costs)
+
+
+def test_between_hosts_the_gathers_then_the_broadcasts_take_the_link_and_both_ways_take_the_duplex_rate():
+    allreduce, sandblaster = "nworkers_per_group: 2 nservers_per_group: 2", \
+        "nworkers_per_group: 2 nservers_per_group: 2 server_worker_separate: true"
+    # AllReduce: each host owns half; its gathers and its broadcasts each go both ways at once
+    full = between_two_hosts(allreduce, link_gbps=1.0)
+    halved = between_two_hosts(allreduce, link_gbps=1.0, duplex_gbps=0.5)  # nearly all at the duplex rate (the halves
+    assert 1.9 * full < halved <= 2 * full * (1 + 1e-9)  # differ by a few elements and the flags)
+    # Sandblaster: both workers on host 0, both servers on host 1 (as `shoal run --nnodes` places them): the gradients
+    # go one way, then the values the other, one after the other: twice the larger direction, and no duplex rate
+    one_way = between_two_hosts(sandblaster, link_gbps=1.0)
+    assert between_two_hosts(sandblaster, link_gbps=1.0, duplex_gbps=0.5) == pytest.approx(one_way, rel=1e-3)
+    assert one_way >= 2 * (2 * 4 * 51) / 1e9  # both workers' gradients (204 B each) one way, then their values back
