@@ -483,8 +483,11 @@ def time_net(kernel: Kernel, meter: Optional[Meter] = None) -> Optional[float]:
         runs = [_net_run(kernel.spec, rows) for _ in range(concurrent)]
         if any(run is None for run in runs):
             return None
+        start = time.perf_counter()
+        runs[0]()  # a first pass: how long one takes decides how many the timing can afford (a few seconds in all)
+        reps = 5 if time.perf_counter() - start < 0.2 else 2
         if concurrent == 1:
-            return _best(runs[0], reps=5, min_s=0.1, meter=meter)
+            return _best(runs[0], reps=reps, min_s=0.1, meter=meter)
         with ThreadPoolExecutor(concurrent - 1, thread_name_prefix="shoal-calibrate-net") as pool:
             def together() -> None:
                 others = [pool.submit(run) for run in runs[1:]]
@@ -492,7 +495,7 @@ def time_net(kernel: Kernel, meter: Optional[Meter] = None) -> Optional[float]:
                 for other in others:
                     other.result()
 
-            return _best(together, reps=5, min_s=0.1, meter=meter)  # the fastest of 5 rounds: one undisturbed
+            return _best(together, reps=reps, min_s=0.1, meter=meter)  # the fastest round: one undisturbed
     except Exception:  # noqa: BLE001 (a net that needs more than random rows: its kernels' sum stands)
         return None
 
