@@ -3,7 +3,9 @@
 Two "hosts" are two network namespaces on this machine joined by a veth pair whose both ends are
 rate-limited with `tc` (an HTB class per direction: `--rates`, Mbit/s each way). Each host gets one
 of this machine's two cores (`taskset`), and the prediction is asked for exactly that: 2 hosts of 1
-core, the link's rate, and the latency measured by ping over the veth. Each framework of
+core, the link's bandwidth and latency as measured over the veth: what TCP carries one way, and each way while both
+ends send at once (below the shaped rate by the headers, and both ways by the ACKs queued behind the other
+direction's data), and half a one-byte round trip. Each framework of
 `shoal plan --hosts` (planning/alternatives.py SCALING: AllReduce, Sandblaster, Downpour, Distributed
 Hogwild) and Local SGD (H = --local-steps) runs the MNIST MLP of benchmarks/mnist_mlp.py as
 `shoal run JOB --nnodes 2 --node-rank R --master A:PORT` in both namespaces, one worker per host,
@@ -70,6 +72,8 @@ class Link:
     rate_mbit: float
     latency_s: float  # measured one way (half a ping round trip)
     devices: tuple[tuple[str, str], ...]  # (namespace, veth) of both ends
+    goodput_mbit: float = 0.0  # measured: TCP payload one way, the other idle (0: not measured, the rate)
+    duplex_mbit: float = 0.0  # measured: TCP payload each way while both ends send at once (0: not measured)
 
     def tx_bytes(self) -> int:
         return sum(int(sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes").stdout) for ns, dev in self.devices)
@@ -115,7 +119,9 @@ def two_hosts(rate_mbit: float) -> Iterator[tuple[Link, list[tuple[str, str]]]]:
             sh("ip", "netns", "exec", ns, "tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb",
                "rate", f"{rate_mbit}mbit", "ceil", f"{rate_mbit}mbit")
         latency = one_way_latency(hosts[0][0], hosts[1][0], hosts[1][1])
-        yield Link(rate_mbit, latency, tuple((ns, dev) for ns, _, dev in hosts)), [(ns, address) for ns, address, _ in hosts]
+        one_way, duplex = (goodput_mbit(hosts[0][0], hosts[1][0], hosts[1][1], rate_mbit, both) for both in (False, True))
+        yield (Link(rate_mbit, latency, tuple((ns, dev) for ns, _, dev in hosts), one_way, duplex),
+               [(ns, address) for ns, address, _ in hosts])
     finally:
         for ns, _, _ in hosts:
             sh("ip", "netns", "del", ns, check=False)
@@ -151,6 +157,52 @@ def one_way_latency(client_ns: str, server_ns: str, server_address: str) -> floa
     return rtt / 2
 
 
+GOODPUT = """
+import socket, sys, threading, time
+address, size, rounds, listening, both = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5] == "1"
+if listening:
+    server = socket.create_server((address, 29597)); print("ready", flush=True); conn, _ = server.accept()
+else:
+    conn = socket.create_connection((address, 29597))
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+data, buffer = b"x" * size, bytearray(size)
+def receive():
+    view, got = memoryview(buffer), 0
+    while got < size:
+        got += conn.recv_into(view[got:])
+times = []
+for _ in range(rounds):
+    start = time.perf_counter()
+    if both:  # each end sends a burst while receiving the other's
+        reader = threading.Thread(target=receive); reader.start(); conn.sendall(data); reader.join()
+    elif listening:  # one way: the listener receives the burst, then says so in one byte
+        receive(); conn.sendall(b"k")
+    else:
+        conn.sendall(data); conn.recv(1)
+    times.append(time.perf_counter() - start)
+    time.sleep(0.01)
+print(size / sorted(times)[len(times) // 2])
+"""
+
+
+def goodput_mbit(client_ns: str, server_ns: str, server_address: str, rate_mbit: float, both: bool) -> float:
+    """What the shaped link carries over one TCP connection (as a gloo pair uses one), one way or each way while both
+    ends send at once: bursts of a quarter second's worth at the rate, the median of 5, in Mbit/s of payload. Below
+    the rate by the frames' headers, and both ways by the ACKs that queue behind the other direction's data in its
+    shaper; the prediction gets both (`Hosts.link_gbps`, `Hosts.duplex_gbps`)."""
+    size = max(1 << 20, int(rate_mbit * 1e6 / 8 / 4))
+    script = [sys.executable, "-c", GOODPUT, server_address, str(size), "5"]
+    peer = subprocess.Popen(["ip", "netns", "exec", server_ns, *script, "1", str(int(both))], stdout=subprocess.PIPE, text=True)
+    try:
+        peer.stdout.readline()
+        mine = float(sh("ip", "netns", "exec", client_ns, *script, "0", str(int(both))).stdout)
+        theirs = float(peer.communicate(timeout=120)[0])
+    finally:
+        peer.kill()
+        peer.wait()
+    return 8 * (min(mine, theirs) if both else mine) / 1e6
+
+
 def layouts(local_steps: int) -> dict[str, dict]:
     """`shoal plan --hosts`'s frameworks at 2 hosts (one worker each), and Local SGD's groups meeting every H steps."""
     out = {name: cluster(2, 2) for name, cluster in SCALING.items()}
@@ -170,7 +222,8 @@ def predict(job_path: Path, fields: dict, link: Link) -> tuple[float, float, str
     """(samples/s, bytes per sample between the hosts, bottleneck, samples per modelled step) for 2 hosts of 1 core."""
     job = with_cluster(api.load_job(job_path), fields)
     plan = plan_job(job, cores=1, nnodes=2)
-    hosts = Hosts(count=2, cores=1, link_gbps=link.rate_mbit / 8000, latency_s=max(link.latency_s, 1e-6))
+    hosts = Hosts(count=2, cores=1, link_gbps=(link.goodput_mbit or link.rate_mbit) / 8000, latency_s=max(link.latency_s, 1e-6),
+                  duplex_gbps=link.duplex_mbit / 8000)
     e = estimate(plan, calibrate.calibration(plan_kernels(plan)), hosts)
     where = node_of_rank(plan.nprocs, 2)  # as `shoal run --nnodes` places the ranks
     crossing = sum(sent for p in e.processes for peer, (sent, _) in p.links.items() if where[peer] != where[p.rank])
@@ -235,11 +288,12 @@ def run_rows(rates: list[float], steps: int, local_steps: int, only: Optional[se
     rows = []
     for rate in rates:
         with two_hosts(rate) as (link, hosts):
+            print(f"  link {rate:g} Mbit/s: {link.goodput_mbit:.0f} Mbit/s one way, {link.duplex_mbit:.0f} each way while both "
+                  f"send, one-way latency {link.latency_s * 1e6:.0f} µs (measured; the prediction is given all three)", flush=True)
             for name, fields in layouts(local_steps).items():
                 if only and not any(name.lower().startswith(o.lower()) for o in only):
                     continue
                 sps, per_sample, bottleneck, _ = predict(job_path, fields, link)
-                print(f"  link {rate:g} Mbit/s, one-way latency {link.latency_s * 1e6:.0f} µs (measured)", flush=True) if not rows else None
                 before = link.tx_bytes()
                 ws = run_both(job_path, fields, hosts, Path(tempfile.mkdtemp(dir=folder)))
                 wire = link.tx_bytes() - before

@@ -33,12 +33,14 @@ class Kernel:
     updater applied once to every trained param ("update": its time per element is what the model charges)."""
 
     op: str  # "mm" | "conv" | "conv_bwd" (weight gradient, plus input gradient when dims[-1] is 1) | "update" | "module" | "layer"
+    # | "net" (the whole train net's forward and backward on dims[0] random rows: what its kernels take together)
     dims: tuple[int, ...]  # mm: (m, k, n); conv: (n, c, h, w, f, kh, kw, sh, sw, ph, pw, input_grad); update: (elements,)
     threads: int
     device: str = "cpu"
     # update: the UpdaterProto's bytes and the trained params (name, shape) it is timed on (the key names their digest);
     # layer (an elementwise, pooling or normalising layer, forward and backward): its LayerProto's bytes, its input shapes;
-    # module: the module's digest (the key names it), and the probe running one forward and backward on `rows` samples
+    # module: the module's digest (the key names it), and the probe running one forward and backward on `rows` samples;
+    # net: the job's NetProto bytes (the key names their digest)
     spec: bytes = field(default=b"", compare=False, repr=False)
     params: tuple = field(default=(), compare=False, repr=False)
     probe: Optional[Callable[[int], None]] = field(default=None, compare=False, repr=False)
@@ -47,6 +49,8 @@ class Kernel:
     def key(self) -> str:
         if self.op == "module":
             return f"module {self.spec.decode()[:12]} r{self.dims[0]} {self.device} t{self.threads}"
+        if self.op == "net":  # rows, copies running at once
+            return f"net {hashlib.sha1(self.spec).hexdigest()[:12]} r{self.dims[0]} c{self.dims[1]} {self.device} t{self.threads}"
         if self.op == "layer":  # the layer's conf and input shapes, on (rows, input gradient or not)
             digest = hashlib.sha1(self.spec + repr(self.params).encode()).hexdigest()[:12]
             return f"layer {digest} r{self.dims[0]} g{self.dims[1]} {self.device} t{self.threads}"
@@ -57,7 +61,7 @@ class Kernel:
 
     @property
     def flops(self) -> int:
-        if self.op in ("update", "module", "layer"):
+        if self.op in ("update", "module", "layer", "net"):
             return 0
         if self.op == "mm":
             m, k, n = self.dims
@@ -72,7 +76,7 @@ class Kernel:
         """The operands it reads and the result it writes, once each (the floor on its memory traffic)."""
         if self.op == "update":
             return 3 * FLOAT * self.dims[0]  # value and gradient read, value written
-        if self.op in ("module", "layer"):
+        if self.op in ("module", "layer", "net"):
             return 0
         if self.op == "mm":
             m, k, n = self.dims
@@ -340,6 +344,35 @@ def module_seconds(c: LayerCost, calib: "Calibration", threads: int) -> Optional
     flops = c.fwd_flops + c.bwd_flops
     fwd_part = c.fwd_flops / flops if flops else 1 / 3
     return total * fwd_part, total * (1 - fwd_part)
+
+
+def net_kernel(parts: PartitionPlan, net_conf: job_pb2.NetProto, rows: int, threads: int, device: str = "cpu",
+               concurrent: int = 1) -> Optional[Kernel]:
+    """The calibration's timing of the whole train net, forward and backward, on `rows` random rows at `threads`,
+    while `concurrent` copies of it run at once on the host's other cores (runtime/calibrate.py: time_net). Its
+    kernels timed one at a time on an otherwise idle host miss what they cost together: the weights and activations
+    arrive cache-cold (a net larger than the cache evicts each layer's operands before their next use; workers
+    computing at once share the cache), every output is a fresh allocation, and each layer pays Python and
+    autograd's dispatch. None where the net cannot be timed alone: cut otherwise than on the batch, an opaque module
+    (timed by its own probe), a device."""
+    if parts.partitioned or device != "cpu" or rows < 1 or any(n.layer.measured_costs() is not None for n in parts.nodes):
+        return None
+    return Kernel("net", (rows, max(1, concurrent)), threads, device, net_conf.SerializeToString(deterministic=True))
+
+
+def net_concurrency(busy: int, threads: int, cores: int) -> int:
+    """How many workers' nets compute at once on a host (as the calibration can time them: no more than its cores hold)."""
+    return max(1, min(busy, cores // max(1, threads)))
+
+
+def in_net_factor(costs: list[LayerCost], calib: "Calibration", net: Optional[Kernel]) -> Optional[tuple[float, float]]:
+    """(the net's measured forward + backward seconds, its kernels' seconds at the same concurrency) for one worker
+    that computes the whole net on its rows; None when the calibration has not timed the net."""
+    timed = calib.kernels.get(net.key) if net is not None else None
+    if not timed:
+        return None
+    fwd, bwd, _ = compute_seconds(costs, calib, net.threads, concurrent=net.dims[1], device=net.device)
+    return (timed, fwd + bwd) if fwd + bwd > 0 else None
 
 
 COPIES = {job_pb2.kSlice, job_pb2.kConcate, job_pb2.kSplit, job_pb2.kBridgeSrc, job_pb2.kBridgeDst}

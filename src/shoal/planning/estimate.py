@@ -14,6 +14,7 @@ cores, a link), and the bottleneck is the bound that decides.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -21,13 +22,12 @@ from typing import Optional
 from shoal.config import job_pb2
 from shoal.errors import ShoalError
 from shoal.neuralnet.updaters import make_updater
-from shoal.planning.costs import (FLOAT, Calibration, Kernel, LayerCost, compute_seconds, kernels_of, learning_nodes, module_kernels,
-                                  node_rows, numel,
-                                  worker_costs)
+from shoal.planning.costs import (FLOAT, Calibration, Kernel, LayerCost, compute_seconds, in_net_factor, kernels_of, learning_nodes,
+                                  module_kernels, net_concurrency, net_kernel, node_rows, numel, worker_costs)
 from shoal.planning.partition import PartitionPlan
 from shoal.planning.module_costs import describe_basis, module_costs_of
 from shoal.planning.nodes import node_of_rank
-from shoal.planning.plan import JobPlan
+from shoal.planning.plan import JobPlan, busiest_node_workers
 from shoal.planning.strategy import Messages
 
 
@@ -81,6 +81,9 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     # the fixed costs counted per group step, one entry per term (in the exchange phase): what, count, each_s, seconds
     fixed_costs: list[dict] = field(default_factory=list)
+    # measured terms of the step outside the fixed costs, one entry per term: kind, what, seconds (in-net: its factor,
+    # rows and the kernels' seconds alone; copies: in the update phase)
+    step_terms: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -98,6 +101,9 @@ class Hosts:
     gpus: int = 0
     link_gbps: float = 0.0  # 0: the calibrated loopback
     latency_s: float = 0.0
+    # GB/s each way while both directions carry data at once, where that is less (a shaper's ACKs queue behind the other
+    # direction's data); 0: link_gbps
+    duplex_gbps: float = 0.0
 
 
 class HostsFileError(ShoalError, ValueError):
@@ -190,12 +196,16 @@ def estimate(plan: JobPlan, calib: Calibration, hosts: Optional[Hosts] = None) -
     return _Model(plan, calib, hosts).run()
 
 
-def plan_kernels(plan: JobPlan) -> list:
-    """The dense kernels the plan's workers run, and its updater's pass: what the calibration measures for this job."""
+def plan_kernels(plan: JobPlan, cores: Optional[int] = None) -> list:
+    """The dense kernels the plan's workers run, and its updater's pass: what the calibration measures for this job
+    on a host of `cores` (default: this one's, as plan_job's)."""
     shares = plan.batch_shares[0] if plan.batch_shares else [1]
     module = module_costs_of(plan.partition)
+    threads = plan.threads_per_worker
+    at_once = net_concurrency(busiest_node_workers(plan.placement, plan.nnodes), threads, cores or os.cpu_count() or 1)
+    nets = {net_kernel(plan.partition, plan.job.neuralnet, rows, threads, concurrent=at_once) for rows in set(shares)}
     return (kernels_of(worker_costs(plan.partition, shares, plan.threads_per_worker)) + [update_kernel(plan, plan.threads_per_worker)]
-            + (module_kernels(module, plan.threads_per_worker) if module else []))
+            + (module_kernels(module, plan.threads_per_worker) if module else []) + [k for k in nets if k is not None])
 
 
 UPDATE_TIMED_ELEMENTS = 32_000_000  # a larger model's updater is timed on its first params up to this many elements
@@ -218,6 +228,7 @@ class _Model:
         self.cores = hosts.cores or calib.cores
         self.where = host_of(plan, hosts)
         self.link_bw = (hosts.link_gbps or calib.link_gbps) * 1e9
+        self.duplex_bw = hosts.duplex_gbps * 1e9 if hosts.duplex_gbps and hosts.link_gbps else self.link_bw
         self.latency = hosts.latency_s or calib.link_latency_s
         self.slots = updater_slots(plan.job, plan.params)
         self.trainable = trainable(plan.partition)
@@ -247,19 +258,41 @@ class _Model:
     def exchange_s(self, links: dict[int, dict[int, list[int]]]) -> float:
         """The longest process's bytes of a step at the bandwidth: loopback between its host's processes, the
         host's link to other hosts (shared by the processes on it). Latency is per message: fixed_costs()."""
+        return max(self.loopback_s(links), self.between_hosts_s(links))
+
+    def loopback_s(self, links: dict[int, dict[int, list[int]]]) -> float:
+        """The busiest process's bytes to and from its own host's processes at the loopback's bandwidth (copies by the
+        cores, whichever the direction: the larger of what it sends and what it receives)."""
         loop = 0.0
-        nic: dict[int, list[int]] = {}
         for rank, peers in links.items():
             local = [v for q, v in peers.items() if self.where[q] == self.where[rank]]
-            far = [v for q, v in peers.items() if self.where[q] != self.where[rank]]
             if local:
                 loop = max(loop, max(sum(v[0] for v in local), sum(v[1] for v in local)) / (self.calib.link_gbps * 1e9))
+        return loop
+
+    def between_hosts_s(self, links: dict[int, dict[int, list[int]]]) -> float:
+        """The busiest host's link: what its processes send to and receive from other hosts, both directions at once
+        (the link's bandwidth is each way): the bytes both directions carry together at the duplex bandwidth, the
+        larger direction's rest at the link's."""
+        nic: dict[int, list[int]] = {}
+        for rank, peers in links.items():
+            far = [v for q, v in peers.items() if self.where[q] != self.where[rank]]
             if far:
                 host = nic.setdefault(self.where[rank], [0, 0])
                 host[0] += sum(v[0] for v in far)
                 host[1] += sum(v[1] for v in far)
-        far_s = max((max(v) / self.link_bw for v in nic.values()), default=0.0)
-        return max(loop, far_s)
+        return max((min(v) / self.duplex_bw + (max(v) - min(v)) / self.link_bw for v in nic.values()), default=0.0)
+
+    def links_of(self, moves) -> dict[int, dict[int, list[int]]]:
+        """rank -> peer -> [sent, received] of the bytes `moves(move)` moves."""
+        links: dict[int, dict[int, list[int]]] = {p.rank: {} for p in self.plan.placement.processes}
+
+        def move(src: int, dst: int, nbytes: float) -> None:
+            links[src].setdefault(dst, [0, 0])[0] += int(nbytes)
+            links[dst].setdefault(src, [0, 0])[1] += int(nbytes)
+
+        moves(move)
+        return links
 
     def request_s(self, links: dict[int, dict[int, list[int]]], rank: int) -> float:
         """A request/response exchange of process `rank`: what it sends, then (after the peer's answer) what it
@@ -288,6 +321,7 @@ class _Model:
         threads = plan.threads_per_worker
         by_device: dict[str, dict[int, list[LayerCost]]] = {}
         out, group_s = [], {}
+        self.in_net: dict[int, tuple[float, float, int, int]] = {}  # rows -> (net timed, its kernels, threads, nets at once)
         for proc, devices in zip(plan.placement.processes, plan.devices):
             host = self.where[proc.rank]
             busy = self.workers_on_host(host)
@@ -298,6 +332,14 @@ class _Model:
                     by_device[kind] = worker_costs(plan.partition, shares, threads, kind)
                 mine = by_device[kind][w.id]
                 fwd, bwd, _ = compute_seconds(mine, self.calib, threads, concurrent=busy, device=kind)
+                rows = shares[w.id] if w.id < len(shares) else 0
+                at_once = net_concurrency(busy, threads, self.cores)
+                measured = in_net_factor(mine, self.calib, net_kernel(plan.partition, plan.job.neuralnet, rows, threads, kind, at_once))
+                if measured:  # the net as it runs (kernels together, cold caches, dispatch) over its kernels alone; never
+                    # under 1, as the bytes floor a kernel: a net timed under its kernels' sum says they were timed slow
+                    self.in_net[rows] = (*measured, threads, at_once)
+                    factor = max(1.0, measured[0] / measured[1])
+                    fwd, bwd = fwd * factor, bwd * factor
                 fwd, bwd = fwd * oversubscribed, bwd * oversubscribed
                 out.append(WorkerEstimate(
                     w.group, w.id, proc.rank, device, threads, shares[w.id] if w.id < len(shares) else 0,
@@ -340,14 +382,7 @@ class _Model:
 
     def traffic(self) -> dict[int, dict[int, list[int]]]:
         """rank -> peer -> [sent, received] bytes per group step (a synchronous group's, or one async group's)."""
-        links: dict[int, dict[int, list[int]]] = {p.rank: {} for p in self.plan.placement.processes}
-
-        def move(src: int, dst: int, nbytes: float) -> None:
-            links[src].setdefault(dst, [0, 0])[0] += int(nbytes)
-            links[dst].setdefault(src, [0, 0])[1] += int(nbytes)
-
-        self.plan.strategy.traffic(self, move)
-        return links
+        return self.links_of(lambda move: self.plan.strategy.traffic(self, move))
 
     def in_memory_bytes(self) -> int:
         """A group in one process: bridged blobs between its workers, plus the replicated gradients other workers
@@ -413,7 +448,20 @@ class _Model:
         if plan.in_one_process and plan.nworkers > 1:
             procs[0].links = {0: [self.in_memory_bytes(), self.in_memory_bytes()]}
         return Estimate(plan.label, plan.framework.value, plan.nprocs, plan.nworkers, ngroups, batch, step, samples, bottleneck,
-                        phases, workers, procs, staleness, self.notes, fixed)
+                        phases, workers, procs, staleness, self.notes, fixed, self.compute_terms() + list(terms.terms))
+
+    def copy_s(self, nbytes: float, concurrent: int = 1) -> float:
+        """Copies on the host (an exchange's buffers: gathers, scatters, fresh zeroed tensors), one thread, counted as bytes
+        read + written at the calibrated copy bandwidth, shared by the `concurrent` processes streaming at once."""
+        return nbytes / min(self.calib.bandwidth(1), self.calib.host_bandwidth / max(1, concurrent))
+
+    def compute_terms(self) -> list[dict]:
+        """The measured terms of the compute phase, one per term and batch size (its factor on the kernels' sum)."""
+        return [{"what": f"the net as it runs: forward + backward timed on {rows} random rows at {threads} thread(s)"
+                         + (f" with {at_once} copies computing at once" if at_once > 1 else "")
+                         + ", over its kernels timed alone (cold caches, allocation, dispatch)",
+                 "kind": "in-net", "rows": rows, "factor": max(1.0, timed / alone), "alone_s": alone, "seconds": max(0.0, timed - alone)}
+                for rows, (timed, alone, threads, at_once) in sorted(self.in_net.items())]
 
     def view_numel(self, view) -> int:
         whole = self.sizes[view.name]

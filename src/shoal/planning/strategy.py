@@ -86,6 +86,8 @@ class Phases:
     exchange: Optional[float] = None  # None: the model's time for the strategy's traffic
     staleness: str = ""
     bounds: Optional[dict[str, float]] = None  # samples/s caps of what the groups share
+    # named parts of the phases above, printed one line each: {"kind", "what", "seconds"} (e.g. an exchange's copies)
+    terms: tuple = ()
 
 
 @dataclass(frozen=True)

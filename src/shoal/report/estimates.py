@@ -80,6 +80,12 @@ def render_estimate(e: dict, calib: dict) -> str:
         "  " + calib["calibrated"],
         "  step: " + ", ".join(f"{k} {ms(v)}" for k, v in e["phases"].items() if v > 0),
     ]
+    for t in e.get("step_terms", ()):  # the step's measured terms, one line per term
+        if "factor" in t:
+            lines.append(f"  {t['kind']}: ×{t['factor']:.2f} on the kernels' {ms(t['alone_s'])} for {t['rows']} rows "
+                         f"(+{ms(t['seconds'])}: {t['what']})")
+        else:
+            lines.append(f"  {t['kind']}: {ms(t['seconds'])} per step ({t['what']})")
     for f in e.get("fixed_costs", ()):  # what the exchange's fixed costs are made of, one line per term
         per = f"{f['count']:.0f}" if f["count"] >= 1 and float(f["count"]).is_integer() else f"{f['count']:.2g}"
         lines.append(f"  {f['kind']}s: {per} per step × {ms(f['each_s'])} = {ms(f['seconds'])} ({f['what']})")

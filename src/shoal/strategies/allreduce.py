@@ -87,6 +87,10 @@ class AllReduce(Strategy):
 
     # -- cost model ---------------------------------------------------------------------------------
     def traffic(self, model, move) -> None:
+        self._traffic(model, move, move)
+
+    def _traffic(self, model, move, back) -> None:
+        """`move` the gradients to their owners (and the bridges' blobs), `back` the values from them."""
         plan = model.plan
         if plan.in_one_process:
             return
@@ -104,7 +108,7 @@ class AllReduce(Strategy):
                 if r != b.owner:
                     flags = len(flagged[b.owner]) if dense and last[b.owner] == b.index else 0
                     move(r, b.owner, FLOAT * (b.numel + flags) if dense else model.encoded(b.numel))
-                    move(b.owner, r, FLOAT * b.numel if dense else model.encoded(b.numel))  # broadcast back
+                    back(b.owner, r, FLOAT * b.numel if dense else model.encoded(b.numel))  # broadcast back
         bridges_between_processes(plan, move)
         if dense:
             return
@@ -112,7 +116,7 @@ class AllReduce(Strategy):
             for r in worker_ranks:
                 if r != o:
                     move(r, o, len(params))
-                    move(o, r, len(params))
+                    back(o, r, len(params))
 
     def messages(self, model) -> list[Messages]:
         """SlicedExchange's collectives of a step (runtime/exchanges/sliced.py: _send_gradients, _flags_round, _finish,
@@ -153,8 +157,10 @@ class AllReduce(Strategy):
             p = plan.cluster.nworkers_per_group
             owned = plan.partition.updated_where_computed()
             local = sum(model.view_numel(v) for v in owned)
-            reduce = 3 * FLOAT * (p - 1) * max(0, model.elements - local) / model.calib.bandwidth(threads * p)
-            update = model.update_s(model.elements - local, threads * p) + model.update_s(local // max(1, p), threads, p)
+            # the sum and the update run on the process's main thread after its workers' threads, at the process's
+            # intra-op thread count (runtime/assemble.py sets threads_per_worker for the whole process), not threads × p
+            reduce = 3 * FLOAT * (p - 1) * max(0, model.elements - local) / model.calib.bandwidth(threads)
+            update = model.update_s(model.elements - local, threads) + model.update_s(local // max(1, p), threads, p)
             return Phases(reduce=reduce, update=update)
         owned_by: dict[int, int] = {}
         for s in plan.placement.slices:
@@ -165,7 +171,13 @@ class AllReduce(Strategy):
         reduce = 3 * FLOAT * (per_proc - 1) * model.elements / model.calib.bandwidth(threads * per_proc)
         on_host0 = model.workers_on_host(0)
         update = max(model.update_s(n, threads, on_host0) for n in owned_by.values()) if owned_by else 0.0
-        return Phases(reduce=reduce, update=update)
+        # between hosts the values go back only once the owners have every gradient: the gathers, then the broadcasts,
+        # each at the link's bandwidth (Sandblaster's workers on one host and servers on the other use one direction at
+        # a time); on loopback the cores copy, whichever the direction (the model's exchange_s)
+        gathered = model.links_of(lambda move: self._traffic(model, move, lambda *_: None))
+        returned = model.links_of(lambda move: self._traffic(model, lambda *_: None, move))
+        exchange = max(model.loopback_s(links), model.between_hosts_s(gathered) + model.between_hosts_s(returned))
+        return Phases(reduce=reduce, update=update, exchange=exchange)
 
     # -- runtime ------------------------------------------------------------------------------------
     def attach_exchanges(self, run) -> None:

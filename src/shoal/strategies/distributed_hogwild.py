@@ -3,6 +3,7 @@ the replicas sync their master slices every cluster.sync_freq steps (runtime/exc
 from __future__ import annotations
 
 from shoal.neuralnet.updaters import make_updater
+from shoal.planning.costs import FLOAT
 from shoal.planning.placement import ServerId
 from shoal.planning.strategy import Framework, Layout, Messages, Phases, Strategy, UnsupportedClusterError
 from shoal.runtime.exchanges.compression import codec_factory
@@ -78,7 +79,18 @@ class DistributedHogwild(Strategy):
 
         self._syncs(model, move, serving=True)
         update = model.update_s(model.elements, model.plan.threads_per_worker, model.workers_on_host(0))
-        return Phases(update=update, exchange=model.exchange_s(busy),
+        # the syncs' copies on the host (runtime/exchanges/hogwild.py), counted from its code in elements moved (read +
+        # written), every sync_freq steps: asking, Δ = gather − last sync (2 + 3), a zeroed answer (1), scattered (2);
+        # serving the other groups, Δ added into the slices it masters (3) and those gathered to answer (2). Update here
+        # when that protocol changes.
+        c, slices = model.plan.cluster, model.trainable_slices()
+        mastered = sum(s.size for s in slices if model.plan.placement.master_group_of_slice(s.index) == 0)
+        asked = model.elements - mastered
+        moved = (8 * asked + 5 * mastered * (c.nserver_groups - 1)) / max(1, c.sync_freq)
+        copies = model.copy_s(FLOAT * moved, model.workers_on_host(0))
+        terms = ({"kind": "copies", "seconds": copies,
+                  "what": f"the syncs' buffers on the host: {moved:,.0f} elements moved per step (asking and serving), at the copy bandwidth"},)
+        return Phases(update=update + copies, exchange=model.exchange_s(busy), terms=terms,
                       staleness=f"replicas drift for up to sync_freq = {max(1, model.plan.cluster.sync_freq)} local updates between syncs")
 
     # -- runtime ------------------------------------------------------------------------------------

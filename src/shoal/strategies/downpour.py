@@ -89,13 +89,23 @@ class Downpour(Strategy):
         # a request occupies the server's link for its bytes and its messages' fixed costs (served one after another)
         request_s = per_request / (model.link_bw if remote else model.calib.link_gbps * 1e9) + sum(
             f["seconds"] for f in model.fixed_costs() if f["kind"] == "message")
+        # the protocol's copies on the host (runtime/exchanges/downpour.py), counted from its code in elements moved (read +
+        # written): the stub weighs the gradient (2), lays it into a zeroed flat buffer (3), gathers each server's part (2),
+        # and scatters the pulled values from a zeroed buffer into the params (3); a server receives into a zeroed buffer (1)
+        # and gathers the fresh values it sends back (2). Update here when that protocol changes.
+        stub_host = model.where[plan.ranks_of_group(0)[0]]
+        stub_copies = model.copy_s(FLOAT * 10 * model.elements, model.workers_on_host(stub_host))
+        server_copies = model.copy_s(FLOAT * 3 * model.elements / servers, model.workers_on_host(model.where[server_rank]))
         bounds = {"the server's link": batch / max(request_s, 1e-12),
-                  "the server's updates": batch / max(update, 1e-12)}
+                  "the server's updates": batch / max(update + server_copies, 1e-12)}
+        terms = ({"kind": "copies", "seconds": stub_copies + server_copies,
+                  "what": f"the push's and pull's buffers on the host: {10 * model.elements:,} elements moved by the group's stub, "
+                          f"{3 * model.elements // servers:,} by each server, at the copy bandwidth"},)
         # the stub pushes, the server updates, then the values come back: one after the other, unless the answer
         # arrives while the group computes its next step (overlap_push)
         stub = plan.ranks_of_group(0)[0]
         exchange = None if c.overlap_push else model.request_s(links, stub)
-        return Phases(update=update, bounds=bounds, exchange=exchange,
+        return Phases(update=update + stub_copies + server_copies, bounds=bounds, exchange=exchange, terms=terms,
                       staleness=f"≈ {c.nworker_groups - 1} update(s) by other groups between a group's pull and push")
 
     # -- runtime ------------------------------------------------------------------------------------
