@@ -225,12 +225,6 @@ def enter_round() -> None:
     _enter()
 
 
-def heartbeat(step: int) -> None:
-    """Record that this rank started `step` (read by peers to name a rank that stopped)."""
-    if _store is not None:
-        _store.set(f"shoal/step/{dist.get_rank()}", str(step))
-
-
 def _read(key: str) -> int:
     try:
         return int(_store.get(key)) if _store is not None and _store.check([key]) else -1
@@ -238,9 +232,10 @@ def _read(key: str) -> int:
         return -1
 
 
-def progress(world_size: int) -> dict[int, tuple[int, int]]:
-    """(collectives entered, last step started) of every rank, as announced in the store."""
-    return {r: (_read(f"shoal/calls/{r}"), _read(f"shoal/step/{r}")) for r in range(world_size)}
+def progress(world_size: int) -> dict[int, int]:
+    """The collectives every rank entered, as announced in the store (the step each started is in its
+    heartbeat: shoal.comm.heartbeat.last_step, not written to the store every step)."""
+    return {r: _read(f"shoal/calls/{r}") for r in range(world_size)}
 
 
 def shutdown() -> None:

@@ -206,6 +206,14 @@ def note_step(step: int) -> None:
         _watch.note_step(step)
 
 
+def last_step(rank: int) -> int:
+    """The step `rank` last said it started: this process's own, or a peer's as its latest beat carried it
+    (at most one beat old; -1 before its first beat or without a watch)."""
+    if _watch is None:
+        return -1
+    return _watch._step if rank == _watch.rank else _watch._seen.get(rank, ("", -1))[1]
+
+
 def is_stalled(rank: int) -> bool:
     """Whether this process's watch found `rank` silent (False without a watch)."""
     return _watch is not None and _watch.is_stalled(rank)
