@@ -68,9 +68,9 @@ class InMemoryMeeting:
         self._barrier.wait()
         return self._result
 
-    def sum_sparse(self, buffer: torch.Tensor, sent: torch.Tensor, decode) -> torch.Tensor:
-        """SparseLoCo in memory: the groups' decoded steps summed (nothing crosses a wire)."""
-        return self.sum(sent)
+    def sum_sparse(self, buffer: torch.Tensor, contribution) -> torch.Tensor:
+        """SparseLoCo in memory: the groups' contributions (decoded values and senders) summed; nothing crosses a wire."""
+        return self.sum(contribution(buffer))
 
     def abandon(self) -> None:
         """A group failed or the job ends early: nobody waits for a meeting any more."""
@@ -93,13 +93,13 @@ class ProcessMeeting:
         total, self.sent_bytes = all_reduce_encoded(self.codec, flat, self.group)
         return total
 
-    def sum_sparse(self, buffer: torch.Tensor, sent: torch.Tensor, decode) -> torch.Tensor:
-        """SparseLoCo: every group's byte buffer all-gathered, decoded and summed in rank order (the same sum
-        everywhere); this group handed over its buffer."""
+    def sum_sparse(self, buffer: torch.Tensor, contribution) -> torch.Tensor:
+        """SparseLoCo: every group's byte buffer all-gathered, and their contributions (decoded values and senders)
+        summed in rank order (the same sum everywhere); this group handed over its buffer."""
         gathered = comm.all_gather(buffer) if self.group is None else self.group.all_gather(buffer)
-        total = torch.zeros_like(sent)
-        for received in gathered:
-            total += decode(received)
+        total = contribution(gathered[0])
+        for received in gathered[1:]:
+            total += contribution(received)
         self.sent_bytes = buffer.numel() * buffer.element_size()
         return total
 
@@ -153,8 +153,8 @@ class PeriodicExchange:
         flat = torch.cat([(anchor[n] - values[n]).reshape(-1) for n in self.names]) if self.names else torch.zeros(0, device=self.store.device)
         warmup = self.meetings < self.warmup_steps
         if self.sparse is not None and not warmup:  # SparseLoCo: the accumulator's sparse step, the groups' mean
-            buffer, sent_step = self.sparse.encode(flat)
-            mean = self.meeting.sum_sparse(buffer, sent_step, self.sparse.decode) * (self.sparse.lr / self.meeting.groups)  # not in place: in memory the sum is shared
+            buffer, _ = self.sparse.encode(flat)
+            mean = self.sparse.outer_step(self.meeting.sum_sparse(buffer, self.sparse.contribution))
             sent = getattr(self.meeting, "sent_bytes", buffer.numel())  # in memory: the buffer it would send
         else:
             mean = self.meeting.sum(flat) / self.meeting.groups

@@ -7,7 +7,7 @@ and its momentum disagree about what was applied). SparseLoCo folds the two into
     s ← C(e)                     C: in every chunk of chunk_size entries of a param, its topk_per_chunk largest |e|,
                                  each value in value_bits (2: a sign and a magnitude bit; 16: bfloat16)
     e ← e − s                    what was not sent (quantization error included) goes out later
-    θ ← θ − outer_lr · mean(s)   over the groups; every group goes on from the same θ
+    θ ← θ − outer_lr · mean(s)   each entry's mean over the groups that sent it; every group goes on from the same θ
 
 The error feedback's decay plays the outer momentum's part (the paper's finding), so no outer updater applies.
 
@@ -104,11 +104,24 @@ class SparseOuterStep:
 
     def decode(self, buffer: torch.Tensor) -> torch.Tensor:
         """The flat tensor a group's buffer stands for (zeros where it sent nothing)."""
+        return self.contribution(buffer)[: self.size]
+
+    def contribution(self, buffer: torch.Tensor) -> torch.Tensor:
+        """What a group's buffer adds to a meeting's sum: its decoded values, then a 1 where it sent an entry
+        (the groups' sum of these is what `outer_step` averages)."""
         cut = self.index_bytes()
         index, values = self._unpack_index(buffer[:cut]), self._decode_values(buffer[cut:])
-        padded = torch.zeros(self.padded, device=self.device)
-        padded[self._row_start + index] = values
-        return padded[self._unpad]
+        padded = torch.zeros(2, self.padded, device=self.device)
+        padded[0, self._row_start + index] = values
+        padded[1, self._row_start + index] = 1.0
+        return padded[:, self._unpad].reshape(-1)
+
+    def outer_step(self, summed: torch.Tensor) -> torch.Tensor:
+        """outer_lr x each entry's mean over the groups that sent it (zero where none did), from the groups' summed
+        contributions: an entry only one group chose moves as far as that group asked, not 1/G of it (SparseLoCo's
+        reference aggregation; a plain mean over all groups loses the rest, which no accumulator holds any more)."""
+        total, senders = summed[: self.size], summed[self.size :]
+        return total * self.lr / senders.clamp(min=1)
 
     # -- indices: 12 bits (two in three bytes) or 16 ---------------------------------------------------
     def _pack_index(self, index: torch.Tensor) -> torch.Tensor:
