@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import shoal
+from cli_in_process import run_cli
 from layouts import Layout, assert_ran, load
 from shoal.planning.plan import UnsupportedClusterError, plan_job
 from shoal.runtime.exchanges.sparse_outer import SparseOuterStep
@@ -53,6 +54,26 @@ def test_each_chunk_sends_its_largest_entries_and_the_buffer_decodes_to_what_was
         assert torch.equal(out[out != 0].sign(), row[out != 0].sign())
     again, _ = step.encode(torch.zeros_like(delta))  # nothing new: what was kept goes out, decayed
     assert torch.allclose(step.decode(again) + step.error, 0.9 * (delta - sent))
+
+
+def test_each_entry_moves_by_its_mean_over_the_groups_that_sent_it():
+    """Group a sends entries 0 and 1, group b entries 1 and 2 (one chunk of 4, k 2, bfloat16 values): the outer step
+    is a's value at 0, the mean at 1, b's at 2, nothing at 3; outer_lr scales it."""
+    a, b = (SparseOuterStep([4], 4, 2, 16, error_decay=0.0, outer_lr=0.5) for _ in range(2))
+    buffer_a, sent_a = a.encode(torch.tensor([4.0, 2.0, 0.0, 0.5]))
+    buffer_b, sent_b = b.encode(torch.tensor([0.0, -6.0, 8.0, 0.5]))
+    step = a.outer_step(a.contribution(buffer_a) + a.contribution(buffer_b))
+    assert torch.equal(step, torch.tensor([0.5 * 4.0, 0.5 * (2.0 - 6.0) / 2, 0.5 * 8.0, 0.0]))
+
+
+def test_the_estimate_counts_one_buffer_per_meeting(blobs_job):
+    plan = run_cli("plan", blobs_job(train_steps=100), "--estimate", "--json", *PROCESSES.cli(),
+                   *sum((["--set", s] for s in SPARSE + ["cluster.local_steps=50"]), []))
+    assert plan.returncode == 0, plan.stderr
+    # 2 meetings in 100 steps; an all-gather of 2 processes: each sends its buffer to the other once
+    assert [p["sent"] for p in json.loads(plan.stdout)["estimate"]["processes"]] == [int(bytes_by_hand() * 2 / 100)] * 2
+    assert "SparseLoCo outer step (cluster.sparse_outer_step)" in run_cli("plan", blobs_job(train_steps=100), *PROCESSES.cli(),
+                                                                        *sum((["--set", s] for s in SPARSE), [])).stdout
 
 
 def test_over_processes_it_sends_the_counted_bytes_and_every_outer_step_leaves_the_groups_equal(blobs_job, tmp_path):
