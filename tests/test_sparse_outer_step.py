@@ -93,6 +93,25 @@ def test_over_processes_it_sends_the_counted_bytes_and_every_outer_step_leaves_t
         assert mine.abs().sum() > 0 and not torch.equal(mine, theirs)  # each group's own residual
 
 
+def test_groups_that_would_start_from_different_values_are_stopped_in_one_line():
+    """Nothing is broadcast at the start: each process's anchor digest is all-gathered (8 bytes) and must agree."""
+    from types import SimpleNamespace
+
+    from shoal.runtime.exchanges.periodic import GroupsDisagree, ProcessMeeting
+
+    class Peers:  # the meeting's process group, as seen from one process: the other group's digest is `theirs`
+        def __init__(self, theirs):
+            self.theirs = theirs
+
+        def all_gather(self, tensor):
+            return [tensor, tensor if self.theirs is None else self.theirs]
+
+    store = SimpleNamespace(values={"w": torch.ones(3)}, device=torch.device("cpu"))  # what the check reads of an anchor
+    ProcessMeeting(2, group=Peers(None)).check_same(store, ["w"])
+    with pytest.raises(GroupsDisagree, match="^Local SGD: the groups' processes start from different values"):
+        ProcessMeeting(2, group=Peers(torch.tensor([12345]))).check_same(store, ["w"])
+
+
 def test_a_resumed_run_keeps_every_groups_accumulator(blobs_job, tmp_path):
     """Stopped at step 7 (mid-round, after one meeting) and resumed to 12: the same values as the uninterrupted run,
     which needs each group's accumulator back (without it the second meeting would send other entries)."""

@@ -29,6 +29,7 @@ continues every group's round from its own values, as the uninterrupted run does
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 from typing import Optional
 
@@ -36,6 +37,7 @@ import torch
 
 from shoal.comm import collectives
 from shoal.comm import dist as comm
+from shoal.errors import ShoalError
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.algorithms import Grads
 from shoal.neuralnet.params import ParamStore
@@ -48,6 +50,11 @@ from shoal.runtime.exchanges.sparse_outer import SparseOuterStep
 
 ANCHOR, OUTER = "outer.anchor", "outer."  # checkpoint slots of the outer loop, beside the inner updater's
 ERROR_FEEDBACK = "outer.error_feedback"  # SparseLoCo's accumulator, a slot of the outer loop
+
+
+class GroupsDisagree(ShoalError):
+    """Groups in processes of their own do not start from the same anchor (nothing is broadcast: each process builds
+    its values itself, so they must agree)."""
 
 
 class InMemoryMeeting:
@@ -102,6 +109,19 @@ class ProcessMeeting:
             total += contribution(received)
         self.sent_bytes = buffer.numel() * buffer.element_size()
         return total
+
+    def check_same(self, anchor: ParamStore, names: list[str]) -> None:
+        """Before the first step: every group's anchor is the same, checked by an 8-byte digest per group (one tiny
+        all-gather) instead of broadcasting the values, which every process built from the same seed or file."""
+        digest = hashlib.sha256()
+        for name in names:
+            digest.update(anchor.values[name].detach().to("cpu").reshape(-1).view(torch.uint8).numpy().tobytes())
+        mine = torch.tensor([int.from_bytes(digest.digest()[:8], "little", signed=True)], dtype=torch.int64,
+                            device=anchor.device)
+        gathered = comm.all_gather(mine) if self.group is None else self.group.all_gather(mine)
+        if any(not torch.equal(g, gathered[0]) for g in gathered):
+            raise GroupsDisagree("Local SGD: the groups' processes start from different values (their digests differ): "
+                                 "each process must build the same initial values (seed the model, or give checkpoint_path)")
 
     def abandon(self) -> None:
         """Collectives end with the process group's timeout."""
@@ -250,6 +270,8 @@ class PeriodicExchange:
             if store is not values:
                 store.load(values.state_dict())
         self.meetings = self.meetings_before(step)
+        if hasattr(self.meeting, "check_same"):  # over processes: the anchors must agree, as nothing is broadcast
+            self.meeting.check_same(self.anchor, self.names)
 
     def finish(self) -> None:
         """Every group ends at train_steps; the last meeting (if train_steps is a multiple of local_steps) was in step."""
