@@ -12,8 +12,7 @@ Progress counters for naming a stalled rank: every collective, and every
 round of point-to-point messages (`enter_round`, once per training step on
 every rank), counts as one call; ranks publish their count in the store, so
 the rank with fewer calls is the one the others wait for. A daemon thread
-publishes the counters (and the step each rank started) every
-PROGRESS_PUBLISH_S when they changed, rather than each call a round trip to
+publishes the counters every PROGRESS_PUBLISH_S when they changed, rather than each call a round trip to
 the store on the training step's path: they are read only after a collective
 failed, comm_timeout_s after the peers stopped, and the reader publishes its
 own first.
@@ -36,7 +35,7 @@ _store_host: Optional[int] = None  # the rank hosting the store (0 under srun or
 _calls = 0  # collectives and rounds this rank has entered: the rank with fewer is the one the others wait for
 _calls_lock = threading.Lock()
 PROGRESS_PUBLISH_S = 0.2  # how stale the published progress may be: far below any comm timeout
-_progress: dict[str, str] = {}  # store key -> this rank's value (calls, step), published by _ProgressPublisher
+_progress: dict[str, str] = {}  # store key -> this rank's value (calls), published by _ProgressPublisher
 _publisher: "Optional[_ProgressPublisher]" = None
 _timeout: Optional[datetime.timedelta] = None  # the world's (or a rejoined process's store's): every group and channel made later waits as long
 
@@ -266,12 +265,6 @@ def enter_round() -> None:
     _enter()
 
 
-def heartbeat(step: int) -> None:
-    """Record that this rank started `step` (read by peers to name a rank that stopped)."""
-    if _store is not None:
-        _note_progress(f"shoal/step/{dist.get_rank()}", str(step))
-
-
 def _read(key: str) -> int:
     try:
         return int(_store.get(key)) if _store is not None and _store.check([key]) else -1
@@ -279,14 +272,15 @@ def _read(key: str) -> int:
         return -1
 
 
-def progress(world_size: int) -> dict[int, tuple[int, int]]:
-    """(collectives entered, last step started) of every rank, as announced in the store (this rank's own first)."""
+def progress(world_size: int) -> dict[int, int]:
+    """The collectives every rank entered, as announced in the store (this rank's own first; the step each
+    started is in its heartbeat: shoal.comm.heartbeat.last_step, not written to the store every step)."""
     if _publisher is not None:
         try:
             _publisher.publish()
         except (RuntimeError, dist.DistError):
             pass
-    return {r: (_read(f"shoal/calls/{r}"), _read(f"shoal/step/{r}")) for r in range(world_size)}
+    return {r: _read(f"shoal/calls/{r}") for r in range(world_size)}
 
 
 def shutdown() -> None:

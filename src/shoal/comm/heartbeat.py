@@ -1,7 +1,8 @@
 """Heartbeats through the job's store, and a watch that names the peer that went silent.
 
-A daemon thread of every process sets `shoal/heartbeat/<rank>` to "<beat> <step>" about once a
-second and reads its peers' values, through a store client of its own with a short timeout (a
+A daemon thread of every process sets `shoal/heartbeat/<rank>` to "<beat> <step>" four times within the
+stall timeout (every 2.5 s at the default 10 s, at least every 5 s) and reads its peers' values in one
+request once they all beat, through a store client of its own with a short timeout (a
 silent store cannot block it for long). A peer whose beat has not changed for the stall timeout
 (the plan's cluster.stall_timeout_s, passed in by shoal.launcher.stalls) is stalled. A SIGSTOPped
 or frozen process stops its heartbeat thread with everything else, so the silent peer is the stalled one, not a healthy rank
@@ -31,8 +32,9 @@ DONE = "done"
 
 
 def beat_interval(timeout: float) -> float:
-    """About once a second, and at least four beats within the timeout (a short one in tests)."""
-    return min(1.0, timeout / 4)
+    """Four beats within the timeout (a short one in tests), at least one every 5 s: a beat is two requests to the
+    store per process, the only bytes a low-communication job (Local SGD) sends between its meetings."""
+    return min(5.0, timeout / 4)
 
 
 @dataclass(frozen=True)
@@ -128,26 +130,34 @@ class Watch:
             self._judge(now)
 
     def _read_peers(self, now: float) -> None:
-        for peer in self._peers:
-            if peer in self._done or peer in self._stalled:
+        watched = [p for p in self._peers if p not in self._done and p not in self._stalled]
+        beating = [p for p in watched if p in self._seen]  # their keys exist: one multi_get reads them all
+        if beating:
+            for peer, raw in zip(beating, self._client.multi_get([KEY.format(p) for p in beating])):
+                self._take(peer, raw, now)
+        for peer in watched:
+            if peer in beating:
                 continue
             key = KEY.format(peer)
             if not self._client.check([key]):  # not beating yet (it counts as silent from our start)
                 continue
-            raw = self._client.get(key).decode(errors="replace")
-            parsed = _parse(raw)
-            if parsed is None:
-                if peer not in self._bad_reported:
-                    self._bad_reported.add(peer)
-                    warn(f"WARNING: ignoring heartbeat key {key} = {raw[:40]!r}: not written by shoal "
-                         "(another process uses the job's store?)")
-                continue
-            beat, step = parsed
-            if beat == DONE:
-                self._done.add(peer)
-            elif self._seen.get(peer, (None, -1))[0] != beat:
-                self._changed_at[peer] = now
-            self._seen[peer] = (beat, step)
+            self._take(peer, self._client.get(key), now)
+
+    def _take(self, peer: int, value: bytes, now: float) -> None:
+        key, raw = KEY.format(peer), value.decode(errors="replace")
+        parsed = _parse(raw)
+        if parsed is None:
+            if peer not in self._bad_reported:
+                self._bad_reported.add(peer)
+                warn(f"WARNING: ignoring heartbeat key {key} = {raw[:40]!r}: not written by shoal "
+                     "(another process uses the job's store?)")
+            return
+        beat, step = parsed
+        if beat == DONE:
+            self._done.add(peer)
+        elif self._seen.get(peer, (None, -1))[0] != beat:
+            self._changed_at[peer] = now
+        self._seen[peer] = (beat, step)
 
     def _judge(self, now: float) -> None:
         store_silent = now - self._store_ok_at
@@ -204,6 +214,14 @@ def stop() -> None:
 def note_step(step: int) -> None:
     if _watch is not None:
         _watch.note_step(step)
+
+
+def last_step(rank: int) -> int:
+    """The step `rank` last said it started: this process's own, or a peer's as its latest beat carried it
+    (at most one beat old; -1 before its first beat or without a watch)."""
+    if _watch is None:
+        return -1
+    return _watch._step if rank == _watch.rank else _watch._seen.get(rank, ("", -1))[1]
 
 
 def is_stalled(rank: int) -> bool:

@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 
 from shoal.comm import auth
 from shoal.comm import dist as comm
+from shoal.comm import heartbeat
 from shoal.comm import rendezvous
 from shoal.config.plugins import decode_job
 from shoal.errors import ShoalError, warn
@@ -152,11 +153,11 @@ def run_rank(plan: JobPlan, rank: int, spec: RunSpec) -> History:
         if cause is not None:
             raise PeerFailed(cause) from None
         progress = comm.progress(world)
-        calls, step = progress[rank]
-        behind = [r for r, (c, _) in progress.items() if r != rank and c < calls]
+        calls = progress[rank]
+        behind = [r for r, c in progress.items() if r != rank and c < calls]
         if behind:
-            who = "; ".join(f"{describe_process(plan, r)} stopped answering at step {progress[r][1]}" for r in behind)
-            raise StalledPeer(f"{who} (process {rank} waited {plan.comm_timeout_s:.0f} s at step {step})") from None
+            who = "; ".join(f"{describe_process(plan, r)} stopped answering at step {heartbeat.last_step(r)}" for r in behind)
+            raise StalledPeer(f"{who} (process {rank} waited {plan.comm_timeout_s:.0f} s at step {heartbeat.last_step(rank)})") from None
         raise RuntimeError(f"{str(err).splitlines()[0]}") from None
 
 

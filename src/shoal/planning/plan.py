@@ -178,6 +178,8 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
     )
     if job.cluster.local_warmup_steps and not strategy.meets:
         raise UnsupportedClusterError("cluster.local_warmup_steps: applies to Local SGD only (cluster.local_steps > 0 and several worker groups)")
+    if job.cluster.HasField("sparse_outer_step") and not strategy.meets:
+        raise UnsupportedClusterError("cluster.sparse_outer_step: applies to Local SGD only (cluster.local_steps > 0 and several worker groups)")
     plan = replace(plan, notes=tuple(list(parts.notes) + _updater_notes(job, updater) + _compression_notes(job, strategy, len(placement.processes))
                                      + strategy.notes(plan) + _staleness_notes(job, strategy)))
     if job.cluster.auto_batch_shares:

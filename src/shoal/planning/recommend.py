@@ -30,7 +30,7 @@ COMM_DEFAULT_S, STALL_DEFAULT_S, JOIN_DEFAULT_S = _CLUSTER.comm_timeout_s, _CLUS
 # a collective waits for its slowest peer's step: 20 of them leave room for skew, a test or a checkpoint
 # between steps on one rank; below the default (validated under load 10 on 2 cores) it never goes
 COMM_STEPS, COMM_FLOOR_S = 20, COMM_DEFAULT_S
-# heartbeats come from their own thread about once a second whatever the step; a few steps of silence
+# heartbeats come from their own thread four times per stall timeout whatever the step; a few steps of silence
 # (a process paused by swapping, a long collection) is not yet a stall, nor is less than the floor
 STALL_STEPS, STALL_FLOOR_S = 3, STALL_DEFAULT_S
 
@@ -63,7 +63,7 @@ def timeouts(plan: JobPlan, e: Estimate) -> list[Recommendation]:
                        f"a collective waits for its slowest peer: {COMM_STEPS} × {span} = {_seconds(COMM_STEPS * between)}"
                        + (f", under the {COMM_FLOOR_S:g} s floor" if comm == COMM_FLOOR_S else ""), TIMEOUT_OVERRIDES["comm_timeout_s"]),
         Recommendation("cluster.stall_timeout_s", stall, STALL_DEFAULT_S,
-                       f"heartbeats beat once a second whatever the step; {STALL_STEPS} × {span} = "
+                       f"heartbeats beat four times per stall timeout whatever the step; {STALL_STEPS} × {span} = "
                        f"{_seconds(STALL_STEPS * between)} of silence is a stall" + (f", under the {STALL_FLOOR_S:g} s floor" if stall == STALL_FLOOR_S else ""),
                        TIMEOUT_OVERRIDES["stall_timeout_s"]),
         Recommendation("cluster.join_timeout_s", JOIN_DEFAULT_S, JOIN_DEFAULT_S,

@@ -25,7 +25,6 @@ import torch
 from google.protobuf import text_format
 
 from shoal.comm import collectives
-from shoal.comm import dist as comm
 from shoal.comm import heartbeat
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.plan import JobPlan
@@ -95,15 +94,12 @@ class ProcessRun:
 
 
 class Heartbeat(TrainerHook):
-    """Each step tells the other processes how far this one got (who stopped answering, when one hangs)."""
-
-    def __init__(self, in_world: bool = True):
-        self.in_world = in_world  # a rejoined process has no rank in the world's progress counters
+    """Each step tells the other processes how far this one got (who stopped answering, when one hangs): the
+    watch's next beat carries it, so a step costs no message of its own (a store write per step was most of a
+    DiLoCo job's bytes besides its meetings)."""
 
     def before_step(self, step: int) -> None:
-        if self.in_world:
-            comm.heartbeat(step)
-        heartbeat.note_step(step)  # the watch's beats carry it: a stalled peer is named with its step
+        heartbeat.note_step(step)
 
 
 def assemble(plan: JobPlan, rank: int, spec: RunSpec) -> ProcessRun:
@@ -139,7 +135,7 @@ def assemble(plan: JobPlan, rank: int, spec: RunSpec) -> ProcessRun:
     _set_values(run, spec)
     if distributed:
         for trainer in trainers:
-            trainer.add_hook(Heartbeat(in_world=spec.rejoin is None))
+            trainer.add_hook(Heartbeat())
     _inject_faults(run, spec.faults)
     norms = debug_norms.install(trainers[0])  # `debug: true`: SINGA's fp/bp norm files at display steps
     if norms is not None:

@@ -11,6 +11,7 @@ from shoal.planning.strategy import Framework, Layout, Messages, Phases, Strateg
 from shoal.runtime.exchanges.compression import codec_factory
 from shoal.runtime.exchanges.groups import GroupBoard
 from shoal.runtime.exchanges.periodic import InMemoryMeeting, PeriodicExchange, ProcessMeeting
+from shoal.runtime.exchanges.sparse_outer import SparseOuterStep
 from shoal.strategies.allreduce import encoded_parts
 from shoal.strategies.in_memory_hogwild import start_on_board
 
@@ -38,8 +39,12 @@ class LocalSGD(Strategy):
                                           "meet in lockstep; local_warmup_steps is Local SGD's warm-up)")
         if c.local_warmup_steps < 0:
             raise UnsupportedClusterError(f"cluster.local_warmup_steps: must be >= 0, got {c.local_warmup_steps}")
+        if c.HasField("sparse_outer_step"):
+            refuse_sparse_outer_step(c)
 
     def label(self, plan) -> str:
+        if plan.cluster.HasField("sparse_outer_step"):
+            return "SparseLoCo"
         return "DiLoCo" if plan.outer_updater is not None and plan.outer_updater.momentum > 0 else self.framework.value
 
     def notes(self, plan) -> list[str]:
@@ -47,8 +52,14 @@ class LocalSGD(Strategy):
         c, steps = plan.cluster, max(1, plan.job.train_steps)
         warmup = f"after each of the first {c.local_warmup_steps} steps (synchronous warm-up), then " if c.local_warmup_steps else ""
         meetings = min(steps, c.local_warmup_steps) + max(0, steps - c.local_warmup_steps) // c.local_steps
-        return [f"groups meet {warmup}every {c.local_steps} steps: {meetings} meeting(s) in {steps} steps, "
-                f"{steps / max(1, meetings):.1f}x fewer exchanges than a synchronous job's"]
+        notes = [f"groups meet {warmup}every {c.local_steps} steps: {meetings} meeting(s) in {steps} steps, "
+                 f"{steps / max(1, meetings):.1f}x fewer exchanges than a synchronous job's"]
+        if c.HasField("sparse_outer_step"):
+            o = c.sparse_outer_step
+            notes.append(f"SparseLoCo outer step (cluster.sparse_outer_step): each group sends the {o.topk_per_chunk} largest of every "
+                         f"{o.chunk_size} entries of its error-feedback accumulator (decay {o.error_decay:g}) in {o.value_bits}-bit values; "
+                         f"the groups' mean, times {o.outer_lr:g}, is the outer step (no outer updater)")
+        return notes
 
     def round_steps(self, cluster) -> tuple[int, str]:
         return (cluster.local_steps, f"{cluster.local_steps} local steps (a meeting)") if cluster.local_steps > 1 else (1, "step")
@@ -62,9 +73,13 @@ class LocalSGD(Strategy):
         if plan.in_one_process:
             return
         ranks = [p.rank for p in plan.placement.processes]
-        ring = (len(ranks) - 1) if plan.cluster.compression == job_pb2.kTopK else 2 * (len(ranks) - 1) / len(ranks)
+        gathers = plan.cluster.compression == job_pb2.kTopK or plan.cluster.HasField("sparse_outer_step")
+        ring = (len(ranks) - 1) if gathers else 2 * (len(ranks) - 1) / len(ranks)
+        message = model.encoded(model.elements)
+        if plan.cluster.HasField("sparse_outer_step"):  # SparseLoCo's buffer (its warm-up meetings are dense: not modelled)
+            message = sparse_outer_step_of(plan.cluster, [s for n, s in model.sizes.items() if n in model.trainable]).message_bytes()
         for i, r in enumerate(ranks):
-            move(r, ranks[(i + 1) % len(ranks)], ring * model.encoded(model.elements) * meetings_per_step(plan))
+            move(r, ranks[(i + 1) % len(ranks)], ring * message * meetings_per_step(plan))
 
     def messages(self, model) -> list[Messages]:
         """A meeting over processes (runtime/exchanges/periodic.py: ProcessMeeting.sum → compression.all_reduce_encoded):
@@ -75,7 +90,7 @@ class LocalSGD(Strategy):
             return []
         topk = plan.cluster.compression == job_pb2.kTopK
         calls = encoded_parts(plan.cluster) if topk else 1
-        what = f"{calls} all-gather(s)" if topk else "one all-reduce"
+        what = f"{calls} all-gather(s)" if topk else "one all-gather" if plan.cluster.HasField("sparse_outer_step") else "one all-reduce"
         return [Messages(f"a meeting: {what} of the pseudo-gradient, every {plan.cluster.local_steps} steps", calls * meetings_per_step(plan),
                          "collective", tuple(p.rank for p in plan.placement.processes))]
 
@@ -102,7 +117,8 @@ class LocalSGD(Strategy):
             meeting = ProcessMeeting(groups, codecs() if codecs else None, run.process_groups["meeting"])
         for t in run.trainers:
             t.attach_exchange(PeriodicExchange(t.store, make_updater(plan.updater), make_updater(plan.outer_updater), c.local_steps,
-                                               meeting, t.group, plan.global_batch, c.local_warmup_steps))
+                                               meeting, t.group, plan.global_batch, c.local_warmup_steps,
+                                               c.sparse_outer_step if c.HasField("sparse_outer_step") else None))
 
     def after_values(self, run, spec) -> None:
         chief = run.chief
@@ -110,6 +126,32 @@ class LocalSGD(Strategy):
             trainer.exchange.start_from(chief.store, resumed=spec.resume_from is not None, step=chief.start_step)
         if run.board is not None:
             start_on_board(run)
+
+
+def refuse_sparse_outer_step(c) -> None:
+    """cluster.sparse_outer_step's own fields, and what it replaces (the outer updater, compression)."""
+    o = c.sparse_outer_step
+    if c.HasField("outer_updater"):
+        raise UnsupportedClusterError("cluster.sparse_outer_step: replaces the outer updater (its error feedback plays the outer "
+                                      "momentum's part): give cluster.outer_updater / outer_optimizer= or sparse_outer_step, not both")
+    if c.compression != job_pb2.kNone:
+        raise UnsupportedClusterError("cluster.sparse_outer_step: encodes the pseudo-gradients itself: leave cluster.compression unset")
+    if not 1 <= o.chunk_size <= 65536:
+        raise UnsupportedClusterError(f"cluster.sparse_outer_step.chunk_size: must be in [1, 65536] (16-bit positions), got {o.chunk_size}")
+    if not 1 <= o.topk_per_chunk <= o.chunk_size:
+        raise UnsupportedClusterError(f"cluster.sparse_outer_step.topk_per_chunk: must be in [1, chunk_size = {o.chunk_size}], got {o.topk_per_chunk}")
+    if o.value_bits not in (2, 16):
+        raise UnsupportedClusterError(f"cluster.sparse_outer_step.value_bits: 2 (sign and magnitude bit) or 16 (bfloat16), got {o.value_bits}")
+    if not 0 <= o.error_decay <= 1:
+        raise UnsupportedClusterError(f"cluster.sparse_outer_step.error_decay: must be in [0, 1], got {o.error_decay:g}")
+    if not o.outer_lr > 0:
+        raise UnsupportedClusterError(f"cluster.sparse_outer_step.outer_lr: must be > 0, got {o.outer_lr:g}")
+
+
+def sparse_outer_step_of(c, sizes: list[int]) -> SparseOuterStep:
+    """The encoding cluster.sparse_outer_step gives params of these sizes (its message_bytes: one group's buffer)."""
+    o = c.sparse_outer_step
+    return SparseOuterStep(sizes, o.chunk_size, o.topk_per_chunk, o.value_bits, o.error_decay, o.outer_lr)
 
 
 def meetings_per_step(plan) -> float:

@@ -18,6 +18,10 @@ With `warmup_steps` K (cluster.local_warmup_steps) the groups meet after each of
 steps, a plain average (synchronous training: post-local SGD, Lin et al. 2020), and every
 `local_steps` steps after that; the outer updater applies from the first local round.
 
+With cluster.sparse_outer_step (SparseLoCo, runtime/exchanges/sparse_outer.py) a meeting after the warm-up sends
+each group's sparse, 2-bit outer step instead: an all-gather of a few bytes per chunk, every group decoding and
+summing them in rank order; the group's error-feedback accumulator replaces the outer updater's momentum.
+
 Checkpoints hold every group's state: the chief's file its values, inner updater state,
 the anchor and the outer updater's state; each other group's part its own (`own_state`);
 both the residual of the group's codec (cluster.compression). A run resumed mid-round
@@ -25,6 +29,7 @@ continues every group's round from its own values, as the uninterrupted run does
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 from typing import Optional
 
@@ -32,6 +37,7 @@ import torch
 
 from shoal.comm import collectives
 from shoal.comm import dist as comm
+from shoal.errors import ShoalError
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.algorithms import Grads
 from shoal.neuralnet.params import ParamStore
@@ -40,8 +46,15 @@ from shoal.report.metrics import MetricWindow
 from shoal.runtime.exchanges.compression import Codec, all_reduce_encoded, codecs_state, load_codecs_state
 from shoal.runtime.exchanges.local import aggregate, clipped
 from shoal.runtime.exchanges.server import Server
+from shoal.runtime.exchanges.sparse_outer import SparseOuterStep
 
 ANCHOR, OUTER = "outer.anchor", "outer."  # checkpoint slots of the outer loop, beside the inner updater's
+ERROR_FEEDBACK = "outer.error_feedback"  # SparseLoCo's accumulator, a slot of the outer loop
+
+
+class GroupsDisagree(ShoalError):
+    """Groups in processes of their own do not start from the same anchor (nothing is broadcast: each process builds
+    its values itself, so they must agree)."""
 
 
 class InMemoryMeeting:
@@ -61,6 +74,10 @@ class InMemoryMeeting:
             self._result, self._sum = self._sum, None
         self._barrier.wait()
         return self._result
+
+    def sum_sparse(self, buffer: torch.Tensor, contribution) -> torch.Tensor:
+        """SparseLoCo in memory: the groups' contributions (decoded values and senders) summed; nothing crosses a wire."""
+        return self.sum(contribution(buffer))
 
     def abandon(self) -> None:
         """A group failed or the job ends early: nobody waits for a meeting any more."""
@@ -83,6 +100,29 @@ class ProcessMeeting:
         total, self.sent_bytes = all_reduce_encoded(self.codec, flat, self.group)
         return total
 
+    def sum_sparse(self, buffer: torch.Tensor, contribution) -> torch.Tensor:
+        """SparseLoCo: every group's byte buffer all-gathered, and their contributions (decoded values and senders)
+        summed in rank order (the same sum everywhere); this group handed over its buffer."""
+        gathered = comm.all_gather(buffer) if self.group is None else self.group.all_gather(buffer)
+        total = contribution(gathered[0])
+        for received in gathered[1:]:
+            total += contribution(received)
+        self.sent_bytes = buffer.numel() * buffer.element_size()
+        return total
+
+    def check_same(self, anchor: ParamStore, names: list[str]) -> None:
+        """Before the first step: every group's anchor is the same, checked by an 8-byte digest per group (one tiny
+        all-gather) instead of broadcasting the values, which every process built from the same seed or file."""
+        digest = hashlib.sha256()
+        for name in names:
+            digest.update(anchor.values[name].detach().to("cpu").reshape(-1).view(torch.uint8).numpy().tobytes())
+        mine = torch.tensor([int.from_bytes(digest.digest()[:8], "little", signed=True)], dtype=torch.int64,
+                            device=anchor.device)
+        gathered = comm.all_gather(mine) if self.group is None else self.group.all_gather(mine)
+        if any(not torch.equal(g, gathered[0]) for g in gathered):
+            raise GroupsDisagree("Local SGD: the groups' processes start from different values (their digests differ): "
+                                 "each process must build the same initial values (seed the model, or give checkpoint_path)")
+
     def abandon(self) -> None:
         """Collectives end with the process group's timeout."""
 
@@ -91,7 +131,8 @@ class PeriodicExchange:
     """One group's side of Local SGD / DiLoCo."""
 
     def __init__(self, store: ParamStore, inner: Updater, outer: Updater, local_steps: int, meeting, group: int,
-                 global_batch: int, warmup_steps: int = 0):
+                 global_batch: int, warmup_steps: int = 0, sparse_outer_step=None):
+        """`sparse_outer_step`: a job_pb2.SparseOuterStepProto (cluster.sparse_outer_step), or None: the outer updater."""
         self.store, self.group, self.meeting = store, group, meeting
         self.chief = group == 0
         self.inner = Server(store, inner)
@@ -100,6 +141,10 @@ class PeriodicExchange:
         self.warmup_steps = max(0, warmup_steps)
         self.anchor = store.copy()
         self.outer = Server(self.anchor, outer, self.names)
+        conf = sparse_outer_step
+        self.sparse = None if conf is None else SparseOuterStep(
+            [store.values[n].numel() for n in self.names], conf.chunk_size, conf.topk_per_chunk, conf.value_bits,
+            conf.error_decay, conf.outer_lr, store.device)
         self.global_batch = global_batch
         self.meetings = 0
         self.bytes_sent = 0  # payload handed to the meeting: the pseudo-gradients
@@ -126,8 +171,14 @@ class PeriodicExchange:
     def _meet(self, step: int) -> None:
         values, anchor = self.store.values, self.anchor.values
         flat = torch.cat([(anchor[n] - values[n]).reshape(-1) for n in self.names]) if self.names else torch.zeros(0, device=self.store.device)
-        mean = self.meeting.sum(flat) / self.meeting.groups
-        sent = getattr(self.meeting, "sent_bytes", flat.numel() * flat.element_size())  # in memory: the payload
+        warmup = self.meetings < self.warmup_steps
+        if self.sparse is not None and not warmup:  # SparseLoCo: the accumulator's sparse step, the groups' mean
+            buffer, _ = self.sparse.encode(flat)
+            mean = self.sparse.outer_step(self.meeting.sum_sparse(buffer, self.sparse.contribution))
+            sent = getattr(self.meeting, "sent_bytes", buffer.numel())  # in memory: the buffer it would send
+        else:
+            mean = self.meeting.sum(flat) / self.meeting.groups
+            sent = getattr(self.meeting, "sent_bytes", flat.numel() * flat.element_size())  # in memory: the payload
         self.bytes_sent += sent
         self._window_bytes += sent
         grads, offset = {}, 0
@@ -135,7 +186,7 @@ class PeriodicExchange:
             size = values[name].numel()
             grads[name] = mean[offset : offset + size].view_as(values[name])
             offset += size
-        if self.meetings < self.warmup_steps:  # a warm-up meeting: the groups' mean
+        if warmup or self.sparse is not None:  # a warm-up meeting: the groups' mean; SparseLoCo: outer_lr x theirs
             for name in self.names:
                 anchor[name].sub_(grads[name])
         else:
@@ -163,12 +214,23 @@ class PeriodicExchange:
             state.setdefault(name, {})[ANCHOR] = self.anchor.values[name]
             for slot, value in self.outer.state_dict()[name].items():
                 state[name][OUTER + slot] = value
+        if self.sparse is not None:  # the accumulator, param by param (views of the flat one)
+            for name, part in zip(self.names, self._error_parts()):
+                state[name][ERROR_FEEDBACK] = part.clone().view_as(self.store.values[name])  # a tensor of its own: a checkpoint holds no shared storage
         return state
+
+    def _error_parts(self) -> list[torch.Tensor]:
+        values = self.store.values
+        return list(self.sparse.error.split([values[n].numel() for n in self.names])) if self.names else []
 
     def load_updater_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         self.inner.load_state({n: {s: v for s, v in slots.items() if not s.startswith(OUTER)} for n, slots in state.items()})
-        self.outer.load_state({n: {s[len(OUTER):]: v for s, v in slots.items() if s.startswith(OUTER) and s != ANCHOR}
+        self.outer.load_state({n: {s[len(OUTER):]: v for s, v in slots.items() if s.startswith(OUTER) and s not in (ANCHOR, ERROR_FEEDBACK)}
                                for n, slots in state.items()})
+        if self.sparse is not None:
+            for name, part in zip(self.names, self._error_parts()):
+                if ERROR_FEEDBACK in state.get(name, {}):
+                    part.copy_(state[name][ERROR_FEEDBACK].reshape(-1))
         for name, slots in state.items():
             if ANCHOR in slots and name in self.anchor.values:
                 self.anchor.values[name].copy_(slots[ANCHOR])
@@ -208,6 +270,8 @@ class PeriodicExchange:
             if store is not values:
                 store.load(values.state_dict())
         self.meetings = self.meetings_before(step)
+        if hasattr(self.meeting, "check_same"):  # over processes: the anchors must agree, as nothing is broadcast
+            self.meeting.check_same(self.anchor, self.names)
 
     def finish(self) -> None:
         """Every group ends at train_steps; the last meeting (if train_steps is a multiple of local_steps) was in step."""
