@@ -7,7 +7,8 @@ silent store cannot block it for long). A peer whose beat has not changed for th
 (the plan's cluster.stall_timeout_s, passed in by shoal.launcher.stalls) is stalled. A SIGSTOPped
 or frozen process stops its heartbeat thread with everything else, so the silent peer is the stalled one, not a healthy rank
 that waits for it. When the store itself stops answering that long, its host is the stalled one
-(rank 0 under srun or env://; under shoal run or torchrun the launcher hosts the store). Only this process's monotonic clock is used:
+(rank 0 under srun or env://; under shoal run or torchrun the launcher hosts the store); a store that refuses
+outright, twice in a row (its host died: a stopped host is silent instead), is lost at once. Only this process's monotonic clock is used:
 the hosts' clocks need not agree.
 
 A process that ends says "done" and is not watched any more. A value that does not parse (some
@@ -45,6 +46,7 @@ class Stall:
     step: int
     silent_s: float
     store: bool = False  # found out because the store it hosts stopped answering
+    lost: bool = False  # the store refuses outright (its host died): known at once, not after the timeout
 
 
 class Watch:
@@ -67,6 +69,8 @@ class Watch:
         self._done: set[int] = set()
         self._stalled: set[int] = set()
         self._store_reported = False
+        self._store_lost = False  # the store refused twice in a row, each well inside the client's timeout
+        self._fast_failure = min(0.25, self.timeout / 12)  # a refusal is immediate; a silent store takes the timeout
         self._bad_reported: set[int] = set()
         self._step = -1
         self._beats = 0
@@ -110,13 +114,25 @@ class Watch:
     # -- the thread -----------------------------------------------------------------------
     def _beat(self) -> None:
         while not self._stop.wait(self.interval):
+            started = time.monotonic()
             try:
                 self._client.set(KEY.format(self.rank), f"{self._beats} {self._step}")
                 self._beats += 1
                 self._read_peers(time.monotonic())
                 self._store_ok_at = time.monotonic()
-            except Exception:  # the store did not answer: judged by how long that lasts
-                pass
+            except Exception:  # the store did not answer: judged by how long that lasts, unless it refused
+                if time.monotonic() - started < self._fast_failure and self._refuses():
+                    self._store_lost = True
+
+    def _refuses(self) -> bool:
+        """Whether the store refuses again at once, a moment later: its host is gone (a stopped host is silent)."""
+        time.sleep(self._fast_failure)
+        started = time.monotonic()
+        try:
+            self._client.check([KEY.format(self.rank)])
+            return False
+        except Exception:
+            return time.monotonic() - started < self._fast_failure
 
     def _watch(self) -> None:
         last = time.monotonic()
@@ -161,13 +177,14 @@ class Watch:
 
     def _judge(self, now: float) -> None:
         store_silent = now - self._store_ok_at
-        if store_silent > self.timeout:
+        if self._store_lost or store_silent > self.timeout:
             host_gone = self.store_host in self._done or self.store_host == self.rank
             if not host_gone and not self._store_reported:
                 self._store_reported = True
                 if self.store_host is not None:
                     self._stalled.add(self.store_host)
-                self.on_stall(Stall(self.store_host, self._seen.get(self.store_host, ("", -1))[1], store_silent, store=True))
+                self.on_stall(Stall(self.store_host, self._seen.get(self.store_host, ("", -1))[1], store_silent, store=True,
+                                    lost=self._store_lost))
             return  # nothing read from the store: the peers' silence says nothing about them
         for peer in self._peers:
             silent = now - self._changed_at[peer]

@@ -227,6 +227,8 @@ def run_launched(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
     except (RuntimeError, ValueError, OSError) as err:  # torch's store and gloo errors: their first line is the story
         raise ProcessFailed(f"process {rank}: cannot join the job's processes at {launched.master_addr}:{launched.master_port}: "
                             f"{comm.describe_error(err)}") from None
+    store_at = f"{launched.master_addr}:{launched.master_port}"
+    store_host = f"{launched.launcher}'s agent" if launched.agent_store else "process 0, which hosts it,"
     try:
         comm.publish(f"process/{rank}", json.dumps({"rank": rank, "host": socket.gethostname(), "pid": os.getpid()}))
         if rank == 0:
@@ -243,15 +245,14 @@ def run_launched(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
                 raise ProcessFailed(f"process {rank}: process 0 did not start the job: {word['error']}")
             resume_from = Path(word["resume_from"]) if word["resume_from"] else None
         with rank_output(workspace, rank) as log_file:  # after rank 0's word: it decides what the workspace holds
-            with stalls.watching(plan, rank, workspace, reports_itself=True):
+            with stalls.watching(plan, rank, workspace, reports_itself=True, store=(store_at, store_host)):
                 return run_rank(plan, rank, spec_for(resume_from, chief_log(rank, log_file)))
     except ShoalError:
         raise
     except (StalledPeer, PeerFailed) as err:
         raise ProcessFailed(f"{err}; see {workspace}/logs") from None
     except RuntimeError as err:  # the store's host gone (torchrun's agent killed) is named as such
-        store_host = f"{launched.launcher}'s agent" if launched.agent_store else "process 0, which hosts it,"
-        why = comm.describe_error(err, f"{launched.master_addr}:{launched.master_port}", store_host)
+        why = comm.describe_error(err, store_at, store_host)
         raise ProcessFailed(f"{describe_process(plan, rank)} failed: {why}; see {workspace}/logs/rank{rank}.log") from None
     finally:
         comm.shutdown()

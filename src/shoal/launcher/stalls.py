@@ -39,8 +39,11 @@ def verdict_path(workspace: Path, rank: int) -> Path:
 class StallPolicy:
     """Process `rank`'s answers to a stalled peer and to its own stall (see the module's text)."""
 
-    def __init__(self, plan: JobPlan, rank: int, workspace: Path, reports_itself: bool):
+    def __init__(self, plan: JobPlan, rank: int, workspace: Path, reports_itself: bool,
+                 store: Optional[tuple[str, str]] = None):
         self.plan, self.rank, self.workspace, self.reports_itself = plan, rank, Path(workspace), reports_itself
+        self.store = store  # (HOST:PORT, who holds it): names a lost store as the launcher sees it
+        self.terminal = 2  # the file descriptor of the process's own stderr (fd 2 may be sent to its log meanwhile)
         self.group = self._group_of(rank)
         self._warned: set[int] = set()
 
@@ -52,6 +55,11 @@ class StallPolicy:
         return expendable(self.plan, rank)
 
     def on_stall(self, stall: heartbeat.Stall) -> None:
+        if stall.lost:  # refused outright: its host died (every process says so, naming itself)
+            at, holder = self.store or ("", "the launcher: shoal run's, or torchrun's agent" if stall.rank is None
+                                       else describe_process(self.plan, stall.rank))
+            self._fail(f"{describe_process(self.plan, self.rank)} failed: lost the job's store{' at ' + at if at else ''} "
+                       f"({holder} died?); see {self.workspace}/logs/rank{self.rank}.log")
         silent = f"no heartbeat for {stall.silent_s:.0f} s" + (f", the last at step {stall.step}" if stall.step >= 0 else "")
         if stall.rank is None:
             self._fail(f"the job's store (held by the launcher: shoal run's, or torchrun's agent) stopped answering ({silent})")
@@ -84,7 +92,11 @@ class StallPolicy:
         except OSError:  # the launcher falls back to naming this process
             pass
         if self.reports_itself:
-            print(line, file=sys.__stderr__)
+            try:
+                sys.__stderr__.flush()
+                os.write(self.terminal, (line + "\n").encode())
+            except OSError:
+                pass
         elif self.rank != 0:  # the others' stdout is their log; the chief's is the terminal, where the launcher speaks
             print(line)
         _exit(STALLED_EXIT)
@@ -110,7 +122,8 @@ def _exit(code: int) -> None:
 
 
 @contextmanager
-def watching(plan: JobPlan, rank: int, workspace: Path, reports_itself: bool = False):
+def watching(plan: JobPlan, rank: int, workspace: Path, reports_itself: bool = False,
+             store: Optional[tuple[str, str]] = None):
     """Beat and watch the job's other processes while the body runs (a world of several processes only); a peer
     silent for the plan's stall_timeout_s (cluster.stall_timeout_s; SHOAL_STALL_TIMEOUT overrides) is stalled.
 
@@ -119,8 +132,9 @@ def watching(plan: JobPlan, rank: int, workspace: Path, reports_itself: bool = F
     if plan.nprocs == 1:
         yield
         return
-    policy = StallPolicy(plan, rank, workspace, reports_itself)
-    with native_stderr_to(sys.stderr):
+    policy = StallPolicy(plan, rank, workspace, reports_itself, store)
+    with native_stderr_to(sys.stderr) as terminal:
+        policy.terminal = terminal
         heartbeat.start(rank, plan.nprocs, plan.stall_timeout_s, on_stall=policy.on_stall, on_woken=policy.on_woken)
         try:
             with leaving_when_dropped():
@@ -147,12 +161,12 @@ def native_stderr_to(stream):
     except (AttributeError, OSError, ValueError):
         target = 2
     if target == 2:
-        yield
+        yield 2
         return
     saved = os.dup(2)
     os.dup2(target, 2)
     try:
-        yield
+        yield saved  # where the process's own stderr went: its one line for the terminal
     finally:
         os.dup2(saved, 2)
         os.close(saved)
