@@ -192,7 +192,8 @@ def main() -> None:
                         help="steps per display window (samples/s leaves out the first window: short budgets need small windows)")
     parser.add_argument("--only", help="comma-separated layout names")
     parser.add_argument("--keep", type=Path, help="keep the run folders here (default: a temporary folder)")
-    parser.add_argument("--out", type=Path, default=REPO / "docs", help="where frameworks.png and frameworks.md go")
+    parser.add_argument("--out", type=Path, help="where frameworks.png and frameworks.md go (default: docs/ for the MNIST "
+                        "MLP, whose page they are; the run folder for the other models)")
     parser.add_argument("--note", default="", help="a sentence for the table's caption (e.g. that the machine was shared)")
     parser.add_argument("--model", choices=list(MODELS), default="mnist", help="the MNIST MLP (default) or the cifar10 convnet")
     args = parser.parse_args()
@@ -204,6 +205,8 @@ def main() -> None:
         sys.exit("prepare MNIST first: shoal prepare mnist --out examples/mnist/data")
 
     root = args.keep or Path(tempfile.mkdtemp(prefix="shoal-frameworks-"))
+    if args.out is None:  # docs/frameworks.md is the MNIST MLP's page: another model's table must not replace it
+        args.out = REPO / "docs" if args.model == "mnist" else root
     root.mkdir(parents=True, exist_ok=True)
     if args.model == "cifar10":
         JOB = cifar10_job(root / "cifar10")
