@@ -3,8 +3,6 @@ error feedback sends a few percent of them; in one process nothing moves and not
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -64,8 +62,8 @@ def test_an_answer_tracked_by_what_the_receiver_holds_needs_no_residual():
 
 
 def run(job, ws, layout: Layout, **cluster):
-    args = [sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(ws), "--no-progress", *layout.cli(**cluster)]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    """`shoal run` in this process (its forkserver starts the ranks: no interpreter and torch start-up per run)."""
+    proc = run_cli("run", job, "--workspace", ws, "--no-progress", *layout.cli(**cluster), timeout=300)
     assert proc.returncode == 0, proc.stderr
     return assert_ran(ws, layout)
 

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,11 +14,12 @@ from layouts import Layout, assert_ran, load
 from shoal.planning.plan import UnsupportedClusterError, plan_job
 
 
-def run(job, ws, *sets):
-    args = [sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(ws), "--no-progress"]
+def run(job, ws, *sets, resume=False):
+    """`shoal run` in this process (its forkserver starts the ranks: no interpreter and torch start-up per run)."""
+    args = ["run", job, "--workspace", ws, "--no-progress", *(["--resume"] if resume else [])]
     for s in sets:
         args += ["--set", s]
-    return subprocess.run(args, capture_output=True, text=True, timeout=300)
+    return run_cli(*args, timeout=300)
 
 
 def params(ws, step):
@@ -67,8 +66,7 @@ def test_resume_mid_round_continues_from_the_checkpointed_anchor(blobs_job, tmp_
     job, ws = blobs_job(train_steps=12), tmp_path / "ws"
     sets = ["cluster.nworker_groups=2", "cluster.nworkers_per_procs=2", "cluster.local_steps=5"]
     assert run(job, ws, *sets, "train_steps=7").returncode == 0
-    resumed = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(ws), "--no-progress", "--resume",
-                              *sum((["--set", s] for s in sets), [])], capture_output=True, text=True, timeout=300)
+    resumed = run(job, ws, *sets, resume=True)
     assert resumed.returncode == 0, resumed.stderr
     assert "Resume from checkpoint file" in resumed.stdout and "step7-worker0" in resumed.stdout
     train = [json.loads(line) for line in (ws / "metrics.jsonl").read_text().splitlines() if '"phase": "train"' in line]
