@@ -35,7 +35,6 @@ _store_host: Optional[int] = None  # the rank hosting the store (0 under srun or
 _calls = 0  # collectives and rounds this rank has entered: the rank with fewer is the one the others wait for
 _calls_lock = threading.Lock()
 PROGRESS_PUBLISH_S = 0.2  # how stale the published progress may be: far below any comm timeout
-_progress: dict[str, str] = {}  # store key -> this rank's value (calls), published by _ProgressPublisher
 _publisher: "Optional[_ProgressPublisher]" = None
 _timeout: Optional[datetime.timedelta] = None  # the world's (or a rejoined process's store's): every group and channel made later waits as long
 
@@ -220,11 +219,12 @@ def published(key: str, wait_s: float = 0.0) -> Optional[str]:
 
 
 class _ProgressPublisher(threading.Thread):
-    """Writes this rank's progress values to the store when they changed, every PROGRESS_PUBLISH_S."""
+    """Writes this rank's count of collectives (`_calls`) to the store when it changed, every PROGRESS_PUBLISH_S."""
 
-    def __init__(self):
+    def __init__(self, key: str):
         super().__init__(name="shoal-progress", daemon=True)
-        self.published: dict[str, str] = {}
+        self.key = key
+        self.published: Optional[int] = None
         self.lock = threading.Lock()  # one publishing at a time (the thread, or a reader publishing its own first)
         self.stop = threading.Event()
 
@@ -237,27 +237,19 @@ class _ProgressPublisher(threading.Thread):
 
     def publish(self) -> None:
         with self.lock:
-            store = _store
-            for key, value in list(_progress.items()):
-                if store is not None and self.published.get(key) != value:
-                    store.set(key, value)
-                    self.published[key] = value
-
-
-def _note_progress(key: str, value: str) -> None:
-    global _publisher
-    _progress[key] = value
-    if _publisher is None and _store is not None:
-        _publisher = _ProgressPublisher()
-        _publisher.start()
+            calls, store = _calls, _store
+            if store is not None and calls != self.published:
+                store.set(self.key, str(calls))
+                self.published = calls
 
 
 def _enter() -> None:
-    global _calls
+    global _calls, _publisher
     with _calls_lock:
         _calls += 1
-        if _store is not None:
-            _note_progress(f"shoal/calls/{dist.get_rank()}", str(_calls))
+        if _publisher is None and _store is not None:
+            _publisher = _ProgressPublisher(f"shoal/calls/{dist.get_rank()}")
+            _publisher.start()
 
 
 def enter_round() -> None:
@@ -288,7 +280,6 @@ def shutdown() -> None:
     if _publisher is not None:
         _publisher.stop.set()
         _publisher = None
-    _progress.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
 

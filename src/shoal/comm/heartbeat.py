@@ -93,6 +93,10 @@ class Watch:
     def is_stalled(self, rank: int) -> bool:
         return rank in self._stalled
 
+    def last_step(self, rank: int) -> int:
+        """This process's step, or the one a peer's latest beat carried (-1 before its first beat)."""
+        return self._step if rank == self.rank else self._seen.get(rank, ("", -1))[1]
+
     def revive(self, rank: int) -> None:
         """`rank` runs again (a restarted process in a dead one's place): watch it afresh."""
         self._done.discard(rank)
@@ -236,9 +240,7 @@ def note_step(step: int) -> None:
 def last_step(rank: int) -> int:
     """The step `rank` last said it started: this process's own, or a peer's as its latest beat carried it
     (at most one beat old; -1 before its first beat or without a watch)."""
-    if _watch is None:
-        return -1
-    return _watch._step if rank == _watch.rank else _watch._seen.get(rank, ("", -1))[1]
+    return -1 if _watch is None else _watch.last_step(rank)
 
 
 def is_stalled(rank: int) -> bool:

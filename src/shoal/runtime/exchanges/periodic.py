@@ -79,6 +79,9 @@ class InMemoryMeeting:
         """SparseLoCo in memory: the groups' contributions (decoded values and senders) summed; nothing crosses a wire."""
         return self.sum(contribution(buffer))
 
+    def check_same(self, anchor: ParamStore, names: list[str]) -> None:
+        """Groups in one process start from one set of values: nothing to check."""
+
     def abandon(self) -> None:
         """A group failed or the job ends early: nobody waits for a meeting any more."""
         self._barrier.abort()
@@ -270,8 +273,7 @@ class PeriodicExchange:
             if store is not values:
                 store.load(values.state_dict())
         self.meetings = self.meetings_before(step)
-        if hasattr(self.meeting, "check_same"):  # over processes: the anchors must agree, as nothing is broadcast
-            self.meeting.check_same(self.anchor, self.names)
+        self.meeting.check_same(self.anchor, self.names)  # over processes the anchors must agree: nothing is broadcast
 
     def finish(self) -> None:
         """Every group ends at train_steps; the last meeting (if train_steps is a multiple of local_steps) was in step."""

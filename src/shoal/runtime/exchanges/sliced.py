@@ -41,6 +41,7 @@ different model.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -381,16 +382,14 @@ class SlicedExchange:
                 for run in runs if run.slices[0].param in anyone_has]
 
     def _split(self, run: _Run) -> list[_Run]:
-        parts, at = [], run.at
-        for s in run.slices:
-            parts.append((run.value[at - run.at : at - run.at + s.size], self.state[self._key(s)], self._key(s)))
-            at += s.size
+        """`run` as one run per slice, each its own optimizer shard (a view of the same master copy)."""
+        offsets = list(itertools.accumulate((s.size for s in run.slices[:-1]), initial=0))  # in the run
+        parts = [(run.value[o : o + s.size], self.state[self._key(s)], self._key(s)) for s, o in zip(run.slices, offsets)]
         states = self.updater.split_run(run.value, parts)
-        out, at = [], run.at
-        for s, (piece, _, key), state in zip(run.slices, parts, states):
+        out = []
+        for s, o, (piece, _, key), state in zip(run.slices, offsets, parts, states):
             self.state[key] = state
-            out.append(_Run(at, [s], piece, state, run.lr_scale, run.wd_scale))
-            at += s.size
+            out.append(_Run(run.at + o, [s], piece, state, run.lr_scale, run.wd_scale))
         return out
 
     def _copy_in(self, b: Bucket) -> None:
