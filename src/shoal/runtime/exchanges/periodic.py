@@ -82,6 +82,10 @@ class InMemoryMeeting:
     def check_same(self, anchor: ParamStore, names: list[str]) -> None:
         """Groups in one process start from one set of values: nothing to check."""
 
+    def sent(self, payload_bytes: int) -> int:
+        """What a group's meeting counts as sent: nothing crosses a wire in memory, so the payload it hands over."""
+        return payload_bytes
+
     def abandon(self) -> None:
         """A group failed or the job ends early: nobody waits for a meeting any more."""
         self._barrier.abort()
@@ -98,6 +102,7 @@ class ProcessMeeting:
         self.groups = groups
         self.codec = codec or Codec()
         self.group = group
+        self.sent_bytes = 0  # what the last meeting sent
 
     def sum(self, flat: torch.Tensor) -> torch.Tensor:
         total, self.sent_bytes = all_reduce_encoded(self.codec, flat, self.group)
@@ -112,6 +117,10 @@ class ProcessMeeting:
             total += contribution(received)
         self.sent_bytes = buffer.numel() * buffer.element_size()
         return total
+
+    def sent(self, payload_bytes: int) -> int:
+        """What this group's last meeting sent, as the meeting itself counted it (encoded)."""
+        return self.sent_bytes
 
     def check_same(self, anchor: ParamStore, names: list[str]) -> None:
         """Before the first step: every group's anchor is the same, checked by an 8-byte digest per group (one tiny
@@ -178,10 +187,10 @@ class PeriodicExchange:
         if self.sparse is not None and not warmup:  # SparseLoCo: the accumulator's sparse step, the groups' mean
             buffer, _ = self.sparse.encode(flat)
             mean = self.sparse.outer_step(self.meeting.sum_sparse(buffer, self.sparse.contribution))
-            sent = getattr(self.meeting, "sent_bytes", buffer.numel())  # in memory: the buffer it would send
+            sent = self.meeting.sent(buffer.numel())
         else:
             mean = self.meeting.sum(flat) / self.meeting.groups
-            sent = getattr(self.meeting, "sent_bytes", flat.numel() * flat.element_size())  # in memory: the payload
+            sent = self.meeting.sent(flat.numel() * flat.element_size())
         self.bytes_sent += sent
         self._window_bytes += sent
         grads, offset = {}, 0
