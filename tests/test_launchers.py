@@ -130,7 +130,10 @@ def test_killed_rank_restarts_and_resumes_to_the_uninterrupted_result(blobs_job,
     reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in proc.stdout), daemon=True)
     reader.start()
     deadline = time.monotonic() + 120
-    while not (ckpt_io.list_checkpoints(workspace)[-1:] >= [(8,)] and list(job_registry.glob("*.json"))):  # mid-run
+    # mid-run, once the step-8 checkpoint is whole (rank 1's part written too: a part missing makes the resume fall
+    # back to the checkpoint before, step 0)
+    rank1_part = ckpt_io.checkpoint_dir(workspace) / "step8-group0-rank1.safetensors"
+    while not (ckpt_io.list_checkpoints(workspace)[-1:] >= [(8,)] and rank1_part.exists() and list(job_registry.glob("*.json"))):
         assert proc.poll() is None and time.monotonic() < deadline, stderr()
         time.sleep(0.05)
     rank1 = json.loads(next(job_registry.glob("*.json")).read_text())["processes"][1]["pid"]
