@@ -154,9 +154,10 @@ class HogwildExchange:
         fresh = torch.zeros(size, device="cpu")
 
         def exchange() -> None:
+            answer = comm.irecv(fresh, master, TAG_SYNC_VALUE)  # posted first: see _serve
             comm.send(torch.tensor([SYNC], dtype=torch.int64, device="cpu"), master, TAG_SYNC_HEADER)
             comm.send(delta, master, TAG_SYNC_DELTA)
-            comm.recv(fresh, master, TAG_SYNC_VALUE)
+            answer.wait()
 
         self.sync_bytes += 8 + wire_bytes([delta, fresh])
         return fresh if self._exchange(master, exchange) else None
@@ -167,11 +168,12 @@ class HogwildExchange:
         parts = codec.encode(delta)
 
         def exchange() -> None:
+            answers = [comm.irecv(part, master, tag) for part, tag in zip(answer, (TAG_SYNC_VALUE, TAG_SYNC_VALUE_2))]
             comm.send(torch.tensor([SYNC_ENCODED], dtype=torch.int64, device="cpu"), master, TAG_SYNC_HEADER)
             for part, tag in zip(parts, (TAG_SYNC_DELTA, TAG_SYNC_DELTA_2)):
                 comm.send(part, master, tag)
-            for part, tag in zip(answer, (TAG_SYNC_VALUE, TAG_SYNC_VALUE_2)):
-                comm.recv(part, master, tag)
+            for receive in answers:
+                receive.wait()
 
         self.sync_bytes += 8 + wire_bytes(parts + answer)
         if not self._exchange(master, exchange):
@@ -204,21 +206,27 @@ class HogwildExchange:
 
     # -- this group as master of its slices ---------------------------------------------
     def _serve(self, group: int, rank: int) -> None:
+        """Answer `group`'s syncs. The next request's receives are posted before this answer is sent, as the
+        requester posts its answer's before it asks: gloo sends a message only once its receiver has said it is
+        ready, and that word queues behind whatever data is already on the way in its direction (the other group's
+        request). Posted late, each message waited for the link to drain the other way: the two groups' syncs
+        alternated instead of crossing, 1.5x the link time of their bytes (benchmarks/shaped_links.py)."""
         segments, size = self.served
-        header, delta = torch.zeros(1, dtype=torch.int64, device="cpu"), torch.zeros(size, device="cpu")
+        header = torch.zeros(1, dtype=torch.int64, device="cpu")
         codec = self.answer_codecs[group] if self.codecs is not None else None
-        encoded_delta = codec.buffers(size) if codec is not None else []
+        received = codec.buffers(size) if codec is not None else [torch.zeros(size, device="cpu")]
+
+        def post() -> list:  # a group that masters nothing is never asked, only told to stop
+            return [comm.irecv(header, rank, TAG_SYNC_HEADER)] + [comm.irecv(part, rank, tag) for part, tag in zip(received, (TAG_SYNC_DELTA, TAG_SYNC_DELTA_2)) if size]
+
         try:
+            receives = post()
             while True:
-                comm.recv(header, rank, TAG_SYNC_HEADER)
-                if int(header[0]) == STOP:
+                for receive in receives:
+                    receive.wait()
+                if int(header[0]) == STOP:  # its Δ is zeros, sent so that no receive is left pending
                     return
-                if int(header[0]) == SYNC_ENCODED:
-                    for part, tag in zip(encoded_delta, (TAG_SYNC_DELTA, TAG_SYNC_DELTA_2)):
-                        comm.recv(part, rank, tag)
-                    delta = codec.decode(encoded_delta, size)
-                else:
-                    comm.recv(delta, rank, TAG_SYNC_DELTA)
+                delta = codec.decode(received, size) if codec is not None else received[0]
                 if heartbeat.is_stalled(rank):  # it woke after being dropped: its delta is stale, never added
                     self.log(f"server group {self.group} refused a sync of worker group {group}, dropped after it stalled")
                     return
@@ -226,7 +234,9 @@ class HogwildExchange:
                     for s in segments:
                         self.store.values[s.param].view(-1)[s.start : s.stop].add_(delta[s.offset : s.offset + s.size])
                     fresh = self._gather(segments)
-                if int(header[0]) == SYNC_ENCODED:  # the change since what the requester holds
+                encoded = int(header[0]) == SYNC_ENCODED
+                receives = post()  # Δ is added: its buffers take the next request
+                if encoded:  # the change since what the requester holds
                     parts = codec.encode(fresh - self.known[group])
                     self.known[group] += codec.decode(parts, size)
                     for part, tag in zip(parts, (TAG_SYNC_VALUE, TAG_SYNC_VALUE_2)):
@@ -240,9 +250,12 @@ class HogwildExchange:
     def finish(self) -> None:
         """Training is over here: tell the masters, then serve the others until they are done too."""
         self._start()  # a group that had no step left to train still serves the others
-        for master in self.requests:
-            try:
+        for master, (_, size) in self.requests.items():
+            zeros = self.delta_codecs[master].buffers(size) if self.codecs is not None else [torch.zeros(size, device="cpu")]
+            try:  # the master has this request's Δ receive posted (_serve): it gets zeros
                 comm.send(torch.tensor([STOP], dtype=torch.int64, device="cpu"), master, TAG_SYNC_HEADER)
+                for part, tag in zip(zeros if size else [], (TAG_SYNC_DELTA, TAG_SYNC_DELTA_2)):
+                    comm.send(part, master, tag)
             except RuntimeError:
                 pass
         for peer, t in zip(self.peers.values(), self._threads):
