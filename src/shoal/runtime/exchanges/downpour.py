@@ -355,19 +355,25 @@ class DownpourServer:
         codec = self.codecs()
         received = codec.buffers(self.size)
         has_grad = torch.zeros(len(self.segments), dtype=torch.uint8, device="cpu")
-        finished = False
+        finished, push = False, []
         try:
             while True:
+                # the next push's receives are posted with its header's, before the stub asks: gloo sends a message
+                # only once its receiver has said it is ready, and said after the header, that word queued behind the
+                # data on its way to the group (another group's values), so each push waited for the link to drain
+                # the other way. A stub's last request (STOP, FINAL) comes with a zero push that fills them.
+                push = push or [channel.irecv(part, TAG_GRAD) for part in received] + [channel.irecv(has_grad, TAG_HAS_GRAD)]
                 channel.recv(header, TAG_HEADER)
                 kind, _, read_version = header.tolist()
+                if kind in (PUSH, STOP, FINAL):
+                    for receive in push:
+                        receive.wait()
+                    push = []
                 if (group, incarnation) in self._dropped:  # it woke after being dropped: its gradients are stale
                     self._refuse(group, channel, kind)
                     return
                 if kind == PUSH:
-                    for part in received:
-                        channel.recv(part, TAG_GRAD)
                     grad = codec.decode(received, self.size)
-                    channel.recv(has_grad, TAG_HAS_GRAD)
                     step = header.tolist()[1]
                     with self._running:  # hold a group too far ahead (max_staleness) or whose update is not due (max_update_lag)
                         self._running.wait_for(lambda: self._may_go(step) and self._lag_allows(group))
@@ -424,10 +430,7 @@ class DownpourServer:
 
     def _refuse(self, group: int, channel, kind: int) -> None:
         """Answer a dropped group's request without applying anything: version -1 tells it to leave."""
-        if kind == PUSH:
-            channel.recv(torch.zeros(self.size, device="cpu"), TAG_GRAD)
-            channel.recv(torch.zeros(len(self.segments), dtype=torch.uint8, device="cpu"), TAG_HAS_GRAD)
-        if kind in (PUSH, PULL):
+        if kind in (PUSH, PULL):  # a push's gradient was received already (_serve_incarnation)
             channel.send(torch.zeros(self.size, device="cpu"), TAG_VALUES)
             channel.send(torch.tensor([REFUSED, 0], dtype=torch.int64, device="cpu"), TAG_REPLY)
         self.log(f"{self.server} refused a request of worker group {group}, dropped after it stalled")
@@ -576,6 +579,10 @@ class DownpourExchange:
         """Push the step's gradient to every server, and take the answers: at once, or (overlap_push) the previous
         push's answers now and this one's while the group computes its next step."""
         server, server_rank = None, -1
+        # this push's answers are posted first: gloo sends a message only once its receiver has said it is ready, and
+        # said after the push, that word would queue behind whatever data is on its way to the server (another
+        # group's push); the previous push's answers (overlap_push) still fill the receives posted before these
+        answers = [self._await_answer(server_rank, size) for _, server_rank, _, size in self.servers]
         try:
             for server, server_rank, segments, _ in self.servers:
                 self._to(server_rank).send(torch.tensor([PUSH, step, self.read_version[server_rank]], dtype=torch.int64, device="cpu"), TAG_HEADER)
@@ -587,7 +594,7 @@ class DownpourExchange:
         except RuntimeError as err:
             raise self._lost(server, server_rank, step, err) from None
         self._settle(step)
-        self._awaited = [self._await_answer(server_rank, size) for _, server_rank, _, size in self.servers]
+        self._awaited = answers
         if not self.overlap:
             self._settle(step)
 
@@ -689,18 +696,26 @@ class DownpourExchange:
         """This group's first step (a group other than 0 joins where group 0's warm-up ends)."""
         self.first_step = step
 
+    def _last_request(self, kind: int, server_rank: int, segments: list[Segment], size: int) -> None:
+        """STOP or FINAL, with a zero push for the receives the server keeps posted (_serve_incarnation)."""
+        channel = self._to(server_rank)
+        channel.send(torch.tensor([kind, 0, 0], dtype=torch.int64, device="cpu"), TAG_HEADER)
+        for part in self.codecs[server_rank].buffers(size):
+            channel.send(part, TAG_GRAD)
+        channel.send(torch.zeros(len(segments), dtype=torch.uint8, device="cpu"), TAG_HAS_GRAD)
+
     def finish(self) -> None:
         """End of training: other stubs say stop; the chief waits for the final model."""
         if self.rank != self.stub:
             return
         self._settle(-1)
         if not self.chief:
-            for _, server_rank, _, _ in self.servers:
-                self._to(server_rank).send(torch.tensor([STOP, 0, 0], dtype=torch.int64, device="cpu"), TAG_HEADER)
+            for _, server_rank, segments, size in self.servers:
+                self._last_request(STOP, server_rank, segments, size)
             return
         flats = []
         for _, server_rank, segments, size in self.servers:
-            self._to(server_rank).send(torch.tensor([FINAL, 0, 0], dtype=torch.int64, device="cpu"), TAG_HEADER)
+            self._last_request(FINAL, server_rank, segments, size)
         lags = []
         for _, server_rank, segments, size in self.servers:
             values, flat, shape = torch.zeros(size, device="cpu"), torch.zeros(self._state_size(server_rank), device="cpu"), torch.zeros(2, dtype=torch.int64, device="cpu")
