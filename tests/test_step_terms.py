@@ -139,15 +139,21 @@ def between_two_hosts(cluster: str, **link) -> float:
     return e.phases["exchange"] - sum(f["seconds"] for f in e.fixed_costs)
 
 
-def test_between_hosts_the_gathers_then_the_broadcasts_take_the_link_and_both_ways_take_the_duplex_rate():
-    allreduce, sandblaster = "nworkers_per_group: 2 nservers_per_group: 2", \
-        "nworkers_per_group: 2 nservers_per_group: 2 server_worker_separate: true"
+def test_between_hosts_an_owners_broadcasts_travel_while_the_next_owners_gathers_arrive_and_crossing_bytes_take_the_duplex_rate():
+    allreduce = "nworkers_per_group: 2 nservers_per_group: 2"
+    sandblaster = "nworkers_per_group: 2 nservers_per_group: {} server_worker_separate: true"
     # AllReduce: each host owns half; its gathers and its broadcasts each go both ways at once
     full = between_two_hosts(allreduce, link_gbps=1.0)
     halved = between_two_hosts(allreduce, link_gbps=1.0, duplex_gbps=0.5)  # nearly all at the duplex rate (the halves
     assert 1.9 * full < halved <= 2 * full * (1 + 1e-9)  # differ by a few elements and the flags)
-    # Sandblaster: both workers on host 0, both servers on host 1 (as `shoal run --nnodes` places them): the gradients
-    # go one way, then the values the other, one after the other: twice the larger direction, and no duplex rate
-    one_way = between_two_hosts(sandblaster, link_gbps=1.0)
-    assert between_two_hosts(sandblaster, link_gbps=1.0, duplex_gbps=0.5) == pytest.approx(one_way, rel=1e-3)
-    assert one_way >= 2 * (2 * 4 * 51) / 1e9  # both workers' gradients (204 B each) one way, then their values back
+    # Sandblaster: both workers on host 0, its servers on host 1 (as `shoal run --nnodes` places them). One server: the
+    # values go back once every gradient is in, one way then the other, never crossing (no duplex rate)
+    one_server = between_two_hosts(sandblaster.format(1), link_gbps=1.0)
+    assert one_server >= 2 * (2 * 4 * 51) / 1e9  # both workers' gradients (204 B each) one way, then their values back
+    assert between_two_hosts(sandblaster.format(1), link_gbps=1.0, duplex_gbps=0.5) == pytest.approx(one_server, rel=1e-9)
+    # two servers: the first's values go back while the second's gradients still arrive: 3 halves' time, not 4, and
+    # only that crossing half takes the duplex rate
+    two_servers = between_two_hosts(sandblaster.format(2), link_gbps=1.0)
+    assert 0.7 * one_server < two_servers < 0.8 * one_server
+    crossing = between_two_hosts(sandblaster.format(2), link_gbps=1.0, duplex_gbps=0.5) - two_servers
+    assert 0.2 * one_server < crossing < 0.3 * one_server

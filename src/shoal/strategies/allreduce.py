@@ -171,13 +171,44 @@ class AllReduce(Strategy):
         reduce = 3 * FLOAT * (per_proc - 1) * model.elements / model.calib.bandwidth(threads * per_proc)
         on_host0 = model.workers_on_host(0)
         update = max(model.update_s(n, threads, on_host0) for n in owned_by.values()) if owned_by else 0.0
-        # between hosts the values go back only once the owners have every gradient: the gathers, then the broadcasts,
-        # each at the link's bandwidth (Sandblaster's workers on one host and servers on the other use one direction at
-        # a time); on loopback the cores copy, whichever the direction (the model's exchange_s)
-        gathered = model.links_of(lambda move: self._traffic(model, move, lambda *_: None))
-        returned = model.links_of(lambda move: self._traffic(model, lambda *_: None, move))
-        exchange = max(model.loopback_s(links), model.between_hosts_s(gathered) + model.between_hosts_s(returned))
+        # on loopback the cores copy, whichever the direction (the model's exchange_s); between hosts, the messages in turn
+        exchange = max(model.loopback_s(links), self._between_hosts_s(model))
         return Phases(reduce=reduce, update=update, exchange=exchange)
+
+    def _between_hosts_s(self, model) -> float:
+        """The step's messages between hosts as they travel (runtime/exchanges/sliced.py): the gathers in bucket order as
+        backward launches them, and each owner's broadcasts once every gradient of its buckets is in (_finish), so one
+        owner's broadcasts go back while the next owner's gathers still arrive. A message occupies its host's way out
+        and its peer's way in, one message after another on each, at the link's bandwidth, or the duplex bandwidth for
+        the part of it that travels while the other way carries bytes too. Sandblaster with its workers on one host
+        and its 2 servers on another takes 3 messages' time: not 2 (both ways at once) or 4 (gathers, then broadcasts)."""
+        where, messages = model.where, []  # (from host, to host, bytes, owner rank, is a broadcast)
+        self._traffic(model, lambda src, dst, n: messages.append((where[src], where[dst], n, dst, False)),
+                      lambda src, dst, n: messages.append((where[src], where[dst], n, src, True)))
+        messages = [m for m in messages if m[0] != m[1] and m[2] > 0]
+        messages.sort(key=lambda m: m[4])  # the gathers first: each owner waits for all of its own
+        alone = self._travel(messages, [1.0 / model.link_bw] * len(messages))
+        seconds = []
+        for (a, b, n, _, _), (start, end) in zip(messages, alone):
+            crossing = sum(max(0.0, min(end, e) - max(start, s)) for (a2, b2, *_), (s, e) in zip(messages, alone) if (a2, b2) == (b, a))
+            both = min(1.0, crossing / (end - start)) if end > start else 0.0
+            seconds.append((1 - both) / model.link_bw + both / model.duplex_bw)
+        return max((end for _, end in self._travel(messages, seconds)), default=0.0)
+
+    @staticmethod
+    def _travel(messages: list[tuple], seconds_per_byte: list[float]) -> list[tuple[float, float]]:
+        """Each message's (start, end): after its host's way out and its peer's way in are free, a broadcast after
+        its owner's last gathered gradient arrived."""
+        free: dict[tuple, float] = {}  # (host, "out" | "in") -> when it is free
+        gathered: dict[int, float] = {}  # owner rank -> when its last gradient arrived
+        out = []
+        for (a, b, n, owner, broadcast), rate in zip(messages, seconds_per_byte):
+            start = max(gathered.get(owner, 0.0) if broadcast else 0.0, free.get((a, "out"), 0.0), free.get((b, "in"), 0.0))
+            free[(a, "out")] = free[(b, "in")] = end = start + n * rate
+            if not broadcast:
+                gathered[owner] = max(gathered.get(owner, 0.0), end)
+            out.append((start, end))
+        return out
 
     # -- runtime ------------------------------------------------------------------------------------
     def attach_exchanges(self, run) -> None:
