@@ -130,6 +130,14 @@ def test_an_in_memory_groups_sum_and_update_run_at_the_process_thread_count():
     assert (wider.phases["reduce"], wider.phases["update"]) == pytest.approx((one.phases["reduce"], one.phases["update"]))
 
 
+@pytest.mark.parametrize("workers, adds, scaled", [(2, 1, 1), (3, 2, 1), (4, 3, 2)])
+def test_an_in_memory_groups_sum_counts_each_add_and_each_scaling_of_the_tree(workers, adds, scaled):
+    # runtime/replicas.py tree_reduce: an add reads two gradients and writes one; a node taking its first add is
+    # scaled by its share in place first (read + write); 51 trained elements at CALIB's 1-thread 10 GB/s
+    plan = small(f"nworkers_per_group: {workers} nworkers_per_procs: {workers}")
+    assert estimate(plan, CALIB).phases["reduce"] == pytest.approx((3 * adds + 2 * scaled) * 4 * 51 / 10e9)
+
+
 def between_two_hosts(cluster: str, **link) -> float:
     """The exchange's seconds without its fixed costs, over 2 hosts of 1 core joined by `link`."""
     from shoal.planning.estimate import Hosts

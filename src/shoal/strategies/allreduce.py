@@ -7,6 +7,7 @@ from shoal.config import job_pb2
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.buckets import plan_buckets
 from shoal.planning.costs import FLOAT, learning_nodes, node_rows, numel
+from shoal.planning.devices import tree_levels
 from shoal.planning.placement import WorkerId
 from shoal.planning.process_groups import bridge_groups, sliced_groups
 from shoal.planning.strategy import Framework, Layout, Messages, Phases, Strategy
@@ -159,7 +160,10 @@ class AllReduce(Strategy):
             local = sum(model.view_numel(v) for v in owned)
             # the sum and the update run on the process's main thread after its workers' threads, at the process's
             # intra-op thread count (runtime/assemble.py sets threads_per_worker for the whole process), not threads × p
-            reduce = 3 * FLOAT * (p - 1) * max(0, model.elements - local) / model.calib.bandwidth(threads)
+            # runtime/replicas.py tree_reduce: each add reads two and writes one (3 passes), and each node that takes
+            # an add is first scaled by its worker's share in place (2 passes)
+            scaled = len({into for level in tree_levels(p) for into, _ in level})
+            reduce = (3 * (p - 1) + 2 * scaled) * FLOAT * max(0, model.elements - local) / model.calib.bandwidth(threads)
             update = model.update_s(model.elements - local, threads) + model.update_s(local // max(1, p), threads, p)
             return Phases(reduce=reduce, update=update)
         owned_by: dict[int, int] = {}
