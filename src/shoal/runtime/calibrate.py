@@ -60,7 +60,7 @@ BACKOFF_S = 0.5  # before the second attempt; doubled before each next one
 CONTENDED_CPU_SHARE = 0.75
 # the 1-minute load average exceeded the cores by half (more runnable work than cores, for a while),
 CONTENDED_LOAD_PER_CORE = 1.5
-# or repeats of one timing typically differ by more than 2× (the machine's speed changed under it)
+# or one timing's typical (median) repeat took over twice its best (the machine's speed changed under it)
 CONTENDED_SPREAD = 1.0
 
 
@@ -275,7 +275,7 @@ _said = {"kernels": False}
 
 
 def describe_contention(calib: Calibration) -> str:
-    spread = f", repeats {calib.spread + 1:.1f}× apart" if calib.spread > CONTENDED_SPREAD else ""
+    spread = f", a typical repeat {calib.spread + 1:.1f}× the best" if calib.spread > CONTENDED_SPREAD else ""
     return f"load {calib.load:.1f} on {calib.cores} cores, CPU {calib.cpu_share:.0%} of wall{spread}"
 
 
@@ -383,7 +383,8 @@ def _best(fn: Callable[[], None], reps: int = 3, min_s: float = 0.0, meter: Opti
         times.append(time.perf_counter() - start)
         meter.cpu_s += time.thread_time() - cpu
         meter.wall_s += times[-1]
-    meter.spreads.append(max(times) / min(times) - 1 if min(times) > 0 else 0.0)
+    # the typical repeat against the best: the slowest of up to 50 repeats of a short kernel is an interrupt, not load
+    meter.spreads.append(statistics.median(times) / min(times) - 1 if min(times) > 0 else 0.0)
     return min(times)
 
 
