@@ -62,6 +62,7 @@ class InMemoryMeeting:
 
     def __init__(self, groups: int, timeout_s: float):
         self.groups = groups
+        self.codec = Codec()  # nothing is encoded in memory: the identity, which keeps no residual to checkpoint
         self._barrier = threading.Barrier(groups, timeout=timeout_s)
         self._lock = threading.Lock()
         self._sum: Optional[torch.Tensor] = None
@@ -250,7 +251,7 @@ class PeriodicExchange:
     def own_state(self) -> dict[str, torch.Tensor]:
         """What the chief's checkpoint file does not hold of this group: another group's values and updater state
         (inner, anchor, outer); every group's codec residual; the chief's display counters."""
-        tensors = codecs_state("codec", {"meeting": getattr(self.meeting, "codec", Codec())})
+        tensors = codecs_state("codec", {"meeting": self.meeting.codec})
         if self.chief:
             return tensors | {"count/samples": torch.tensor(self._samples, device="cpu"),
                               "count/window_bytes": torch.tensor(self._window_bytes, device="cpu")}
@@ -260,8 +261,7 @@ class PeriodicExchange:
         return tensors
 
     def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        if hasattr(self.meeting, "codec"):
-            load_codecs_state("codec", {"meeting": self.meeting.codec}, tensors)
+        load_codecs_state("codec", {"meeting": self.meeting.codec}, tensors)
         if self.chief:
             self._samples = int(tensors.get("count/samples", 0))
             self._window_bytes = int(tensors.get("count/window_bytes", 0))
