@@ -17,7 +17,7 @@ hosts, and its per-step bytes between processes on different hosts. A row is wit
 Latency is not shaped: this kernel has no `sch_netem` (only rate-limiting qdiscs), so the link's
 latency is the veth's own (tens of µs), measured and given to the prediction as it is.
 
-    python benchmarks/shaped_links.py [--rates 1000,100] [--steps 120] [--only AllReduce,Downpour]
+    python benchmarks/shaped_links.py [--rates 1000,100] [--steps 120] [--only AllReduce,Downpour] [--plot docs]
 Needs root, iproute2 (ip, tc) and taskset; `shoal prepare mnist --out examples/mnist/data` once.
 """
 from __future__ import annotations
@@ -218,14 +218,16 @@ def cluster_sets(fields: dict) -> list[str]:
     return [f"cluster.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items()]
 
 
-def predict(job_path: Path, fields: dict, link: Link) -> tuple[float, float, str, int]:
-    """(samples/s, bytes per sample between the hosts, bottleneck, samples per modelled step) for 2 hosts of 1 core."""
+def predict(job_path: Path, fields: dict, link: Optional[Link], count: int = 2) -> tuple[float, float, str, int]:
+    """(samples/s, bytes per sample between the hosts, bottleneck, samples per modelled step) for `count` hosts of
+    1 core joined by `link`."""
     job = with_cluster(api.load_job(job_path), fields)
-    plan = plan_job(job, cores=1, nnodes=2)
-    hosts = Hosts(count=2, cores=1, link_gbps=(link.goodput_mbit or link.rate_mbit) / 8000, latency_s=max(link.latency_s, 1e-6),
-                  duplex_gbps=link.duplex_mbit / 8000)
+    plan = plan_job(job, cores=1, nnodes=count)
+    hosts = Hosts(count=count, cores=1) if link is None else Hosts(
+        count=count, cores=1, link_gbps=(link.goodput_mbit or link.rate_mbit) / 8000, latency_s=max(link.latency_s, 1e-6),
+        duplex_gbps=link.duplex_mbit / 8000)
     e = estimate(plan, calibrate.calibration(plan_kernels(plan)), hosts)
-    where = node_of_rank(plan.nprocs, 2)  # as `shoal run --nnodes` places the ranks
+    where = node_of_rank(plan.nprocs, count)  # as `shoal run --nnodes` places the ranks
     crossing = sum(sent for p in e.processes for peer, (sent, _) in p.links.items() if where[peer] != where[p.rank])
     # Local SGD's groups meet in lockstep: its estimate models one step of every group; the others one group's step
     per_step = BATCH * (e.ngroups if fields.get("local_steps") else 1)
@@ -250,6 +252,48 @@ def run_both(job_path: Path, fields: dict, hosts: list[tuple[str, str]], folder:
         if p.returncode != 0:
             raise SystemExit(f"node {rank}: {(err.strip().splitlines() or ['failed'])[-1]}")
     return folder / "node0"
+
+
+def run_one_host(job_path: Path, fields: dict, folder: Path) -> Path:
+    """`shoal run` on one host of 1 core (this machine's first, no link): the scaling curves' first point."""
+    args = ["taskset", "-c", "0", sys.executable, "-m", "shoal", "run", str(job_path), "--workspace", str(folder), "--no-progress"]
+    for s in cluster_sets(fields):
+        args += ["--set", s]
+    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=1800,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])))
+    if proc.returncode != 0:
+        raise SystemExit(f"one host: {(proc.stderr.strip().splitlines() or ['failed'])[-1]}")
+    return folder
+
+
+def one_host_points(steps: int, folder: Path) -> dict[str, tuple[float, float]]:
+    """Each framework of `shoal plan --hosts` on 1 host of 1 core, one worker: (predicted, measured) samples/s."""
+    job_path = folder / "mlp.conf"
+    job_path.write_text(job_text(steps))
+    points = {}
+    for name, cluster in SCALING.items():
+        fields = cluster(1, 1) | {"nworkers_per_procs": 1, "threads_per_worker": 1}
+        predicted = predict(job_path, fields, None, count=1)[0]
+        points[name] = (predicted, measure(run_one_host(job_path, fields, Path(tempfile.mkdtemp(dir=folder)))))
+        print(f"  {name} on 1 host: predicted {predicted:.0f}, measured {points[name][1]:.0f} samples/s", flush=True)
+    return points
+
+
+def plot(rows: list[Row], one_host: dict[str, tuple[float, float]], folder: Path) -> list[Path]:
+    """Per link rate, `shoal plan --hosts`'s scaling picture (predicted samples/s against hosts, one curve per
+    framework) with the measured points on it: docs/shaped-links-<rate>mbit.png."""
+    from shoal.report.estimates import plot_scaling
+
+    out = []
+    for rate in dict.fromkeys(r.rate_mbit for r in rows):
+        mine = [r for r in rows if r.rate_mbit == rate]
+        points = [{"framework": n, "hosts": 1, "samples_per_s": p, "refused": ""} for n, (p, _) in one_host.items()]
+        points += [{"framework": r.framework, "hosts": 2, "samples_per_s": r.predicted_sps, "refused": ""} for r in mine]
+        measured = [{"framework": n, "hosts": 1, "samples_per_s": m} for n, (_, m) in one_host.items()]
+        measured += [{"framework": r.framework, "hosts": 2, "samples_per_s": r.measured_sps} for r in mine]
+        out.append(plot_scaling({"points": points, "stops": {}}, folder / f"shaped-links-{rate:g}mbit.png", measured=measured,
+                                title=f"MNIST MLP on hosts of 1 core, {rate:g} Mbit/s links (network namespaces)"))
+    return out
 
 
 def measure(workspace: Path) -> float:
@@ -311,6 +355,8 @@ def main() -> None:
     parser.add_argument("--local-steps", type=int, default=10, help="H of the Local SGD row")
     parser.add_argument("--only", help="framework names to run (prefixes, comma separated)")
     parser.add_argument("--keep", type=Path, help="keep the workspaces here")
+    parser.add_argument("--plot", type=Path, metavar="DIR",
+                        help="also run each framework on 1 host and draw the scaling with the measured points, per rate, into DIR")
     args = parser.parse_args()
     if os.geteuid() != 0 or not all(shutil.which(t) for t in ("ip", "tc", "taskset")):
         raise SystemExit("shaped_links.py needs root, iproute2 (ip, tc) and taskset")
@@ -325,6 +371,12 @@ def main() -> None:
     print(f"\n{datetime.date.today()}, {machine()}, load {load:.2f} at the start, {time.time() - start:.0f} s; "
           f"2 hosts (network namespaces) of 1 core each, MNIST MLP (benchmarks/mnist_mlp.py), batch {BATCH}, {args.steps} steps\n")
     print(table(rows))
+    if args.plot:
+        one_host = one_host_points(args.steps, folder)
+        print("\n".join(f"{n} on 1 host: predicted {p:.0f}, measured {m:.0f} samples/s ({100 * (p - m) / m:+.0f} %)"
+                        for n, (p, m) in one_host.items()))
+        for path in plot(rows, one_host, args.plot):
+            print(f"drew {path}")
     if not args.keep:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -43,3 +43,9 @@ def test_allreduce_over_a_shaped_link_moves_the_predicted_bytes(allreduce_row):
 def test_allreduce_over_a_shaped_link_runs_at_the_predicted_speed(allreduce_row):
     row = allreduce_row
     assert row.within(row.predicted_sps, row.measured_sps), row
+
+
+def test_the_scaling_picture_shows_the_measured_point_on_the_predicted_curve(shaped_links, allreduce_row, tmp_path):
+    [picture] = shaped_links.plot([allreduce_row], {"AllReduce": (1000.0, 900.0)}, tmp_path)
+    assert picture == tmp_path / "shaped-links-100mbit.png"
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -179,8 +179,9 @@ def render_scaling(s: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_scaling(s: dict, out: Path, title: Optional[str] = None) -> Path:
-    """Predicted samples/s against hosts, one line per framework, where it stops scaling marked."""
+def plot_scaling(s: dict, out: Path, title: Optional[str] = None, measured: Optional[list[dict]] = None) -> Path:
+    """Predicted samples/s against hosts, one line per framework, where it stops scaling marked; `measured`
+    (framework, hosts, samples_per_s: benchmarks/shaped_links.py's runs) drawn on the curves as crosses."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -197,8 +198,15 @@ def plot_scaling(s: dict, out: Path, title: Optional[str] = None) -> Path:
         if stop and stop["stopped"]:
             at = next(p for p in pts if p["hosts"] == stop["hosts"])
             ax.annotate("stops", (at["hosts"], at["samples_per_s"]), textcoords="offset points", xytext=(4, 6), fontsize=8, color=colour)
+        ran = [m for m in measured or () if m["framework"] == name]
+        ax.plot([m["hosts"] for m in ran], [m["samples_per_s"] for m in ran], "x", color=colour, markersize=10, markeredgewidth=2)
     ax.set_xlabel("hosts")
+    ax.set_xticks(sorted({p["hosts"] for p in s["points"]}))
     ax.set_ylabel("predicted samples/s")
+    if measured:  # frameworks an order of magnitude apart (Local SGD) share the picture
+        ax.set_yscale("log")
+        ax.set_ylabel("samples/s: predicted (lines), measured (crosses)")
+        ax.plot([], [], "x", color="black", markersize=10, markeredgewidth=2, label="measured")
     ax.set_title(title or "predicted samples/s")
     ax.grid(alpha=0.3)
     ax.legend()
