@@ -2,10 +2,11 @@
 
 Trains SINGA's MNIST MLP (examples/mnist/tuned.conf: Nesterov momentum, batch 64) under every
 framework layout with the same wall-clock budget each, one after the other, through `shoal run`
-exactly as a user would (only `--set cluster.*` differs), then writes
+exactly as a user would (only `--set cluster.*` differs), then writes into `--out` (default: the run folder;
+`--out docs` for the MNIST MLP's page, with tests: a timing run must not replace its accuracy table)
 
-    docs/frameworks.png   loss and accuracy against step and wall-clock time (`shoal plot`)
-    docs/frameworks.md    the `shoal compare` table, with machine, date and command
+    frameworks.png   loss and accuracy against step and wall-clock time (`shoal plot`)
+    frameworks.md    the `shoal compare` table, with machine, date and command
 
 A layout the runtime refuses (none today) is listed and skipped with the runtime's own message.
 Next to each measured samples/s it prints what `shoal plan --compare` predicted for that layout
@@ -16,7 +17,7 @@ CIFAR-10 binary format, prepared by `shoal prepare cifar10` (throughput does not
 module, AdamW) on examples/gpt/data (`shoal prepare shakespeare --out examples/gpt/data`); its
 predictions come from `shoal plan examples/gpt/train.py --estimate --json`, as a user would ask.
 
-    python benchmarks/frameworks.py [--seconds 40] [--steps N] [--keep DIR] [--only single,allreduce] [--model cifar10|gpt]
+    python benchmarks/frameworks.py [--seconds 40] [--steps N] [--keep DIR] [--only single,allreduce] [--model cifar10|gpt] [--out docs]
 """
 from __future__ import annotations
 
@@ -192,8 +193,8 @@ def main() -> None:
                         help="steps per display window (samples/s leaves out the first window: short budgets need small windows)")
     parser.add_argument("--only", help="comma-separated layout names")
     parser.add_argument("--keep", type=Path, help="keep the run folders here (default: a temporary folder)")
-    parser.add_argument("--out", type=Path, help="where frameworks.png and frameworks.md go (default: docs/ for the MNIST "
-                        "MLP, whose page they are; the run folder for the other models)")
+    parser.add_argument("--out", type=Path, help="where frameworks.png and frameworks.md go (default: the run folder; "
+                        "docs for the MNIST MLP's page)")
     parser.add_argument("--note", default="", help="a sentence for the table's caption (e.g. that the machine was shared)")
     parser.add_argument("--model", choices=list(MODELS), default="mnist", help="the MNIST MLP (default) or the cifar10 convnet")
     args = parser.parse_args()
@@ -205,8 +206,10 @@ def main() -> None:
         sys.exit("prepare MNIST first: shoal prepare mnist --out examples/mnist/data")
 
     root = args.keep or Path(tempfile.mkdtemp(prefix="shoal-frameworks-"))
-    if args.out is None:  # docs/frameworks.md is the MNIST MLP's page: another model's table must not replace it
-        args.out = REPO / "docs" if args.model == "mnist" else root
+    if args.out is None:  # docs/frameworks.md is asked for by name: a timing run's table must not replace its accuracies
+        args.out = root
+    if args.out.resolve() == (REPO / "docs").resolve() and args.model != "mnist":
+        sys.exit("--out docs: docs/frameworks.md is the MNIST MLP's page; write another model's table elsewhere")
     root.mkdir(parents=True, exist_ok=True)
     if args.model == "cifar10":
         JOB = cifar10_job(root / "cifar10")

@@ -185,16 +185,20 @@ def estimate(
 
     proto, _ = as_job(job)
     plan = plan_job(proto)
+    used = {k.key for k in plan_kernels(plan)}  # the timings this answer's estimates read (every compared layout's too)
     calib = calibrate.calibration(plan_kernels(plan), recalibrate=recalibrate, log=log)
 
     def calibrated(kernels):
+        used.update(k.key for k in kernels)
         return calibrate.calibration(kernels, log=log)
 
     def calibration_json(calib) -> dict:
-        """The calibration with its age, the load now, and the one line `shoal plan` prints beside each estimate."""
+        """The calibration with its age, the load now, and the one line `shoal plan` prints beside each estimate; of
+        the cache's timings taken under contention, those this answer read (not another job's)."""
         age = calibrate.age_of(calib)
         data = calib.to_json() | {"kernels": len(calib.kernels), "load_now": round(os.getloadavg()[0], 2),
-                                  "age_s": None if age is None else round(age.total_seconds())}
+                                  "age_s": None if age is None else round(age.total_seconds()),
+                                  "contended_kernels": [k for k in calib.contended_kernels if k in used]}
         return data | {"calibrated": calibrated_line(data)}
 
     count = workers or (proto.cluster.nworkers_per_group if proto.cluster.nworkers_per_group > 1 else max(2, calib.cores))
@@ -234,6 +238,7 @@ def estimate(
             from shoal.report.estimates import plot_scaling
 
             plot_scaling(result["scaling"], Path(out), title=f"{proto.name}: predicted samples/s")
+    result["calibration"] = calibration_json(calibrate.calibration(log=log))  # with what the comparisons timed since
     return result
 
 
