@@ -2,8 +2,8 @@
 
 One point of benchmarks/shaped_links.py: AllReduce over two 1-core hosts joined by a 100 Mbit/s link.
 The bytes that crossed the link are the plan's (within 5 %), and samples/s are within 25 % of the prediction given the
-link's measured goodput (+18 % on the idle machine, 2026-11-26; on a loaded one it has measured +3 % and +27 %: run it
-idle).
+link's measured goodput (+18 % and +20 % on the idle machine, 2026-11-26; on a loaded one it has measured +3 % and
++27 %: run it idle).
 """
 from __future__ import annotations
 

@@ -49,8 +49,9 @@ class Kernel:
     def key(self) -> str:
         if self.op == "module":
             return f"module {self.spec.decode()[:12]} r{self.dims[0]} {self.device} t{self.threads}"
-        if self.op == "net":  # rows, copies running at once
-            return f"net {hashlib.sha1(self.spec).hexdigest()[:12]} r{self.dims[0]} c{self.dims[1]} {self.device} t{self.threads}"
+        if self.op == "net":  # rows, copies running at once; "mean": its passes averaged (a cache's older fastest-pass
+            # timings are not read as these)
+            return f"net {hashlib.sha1(self.spec).hexdigest()[:12]} r{self.dims[0]} c{self.dims[1]} {self.device} t{self.threads} mean"
         if self.op == "layer":  # the layer's conf and input shapes, on (rows, input gradient or not)
             digest = hashlib.sha1(self.spec + repr(self.params).encode()).hexdigest()[:12]
             return f"layer {digest} r{self.dims[0]} g{self.dims[1]} {self.device} t{self.threads}"

@@ -56,6 +56,10 @@ CONTENDED_MAX_AGE = datetime.timedelta(hours=1)  # a contended one is tried agai
 MAX_CACHE_BYTES = 4 * 2**20  # thousands of kernels; anything larger is not a cache shoal wrote
 ATTEMPTS = 3  # SHOAL_CALIBRATION_ATTEMPTS overrides (at least 1)
 BACKOFF_S = 0.5  # before the second attempt; doubled before each next one
+# a whole net's passes are averaged over NET_PASSES of them, or as many as NET_TIMING_S allows (at least 3): on an idle
+# machine they differ (the MNIST MLP's at 2 threads ran 37 ms for stretches of about ten, 50 ms between: fastest 37,
+# mean 49.6, a run's steps 52)
+NET_PASSES, NET_TIMING_S = 30, 1.5
 # contended when any holds: the timing thread got under this share of the wall time (it was descheduled),
 CONTENDED_CPU_SHARE = 0.75
 # the 1-minute load average exceeded the cores by half (more runnable work than cores, for a while),
@@ -374,6 +378,16 @@ def _best(fn: Callable[[], None], reps: int = 3, min_s: float = 0.0, meter: Opti
     """The fastest of at least `reps` timed calls after one warm-up: what the machine can do, least
     disturbed by other load; `meter` adds up how much CPU this thread got meanwhile (the calling
     thread takes part in every intra-op parallel kernel, so its share is the whole kernel's)."""
+    return min(_repeats(fn, reps, min_s, meter))
+
+
+def _mean(fn: Callable[[], None], reps: int = 3, min_s: float = 0.0, meter: Optional[Meter] = None) -> float:
+    """The mean of at least `reps` timed calls after one warm-up (for `min_s` seconds up to 50 calls, as _best's): a
+    pass as a run's steps take it, on average, where the passes themselves differ on an idle machine."""
+    return statistics.mean(_repeats(fn, reps, min_s, meter))
+
+
+def _repeats(fn: Callable[[], None], reps: int, min_s: float, meter: Optional[Meter]) -> list[float]:
     meter = meter if meter is not None else Meter()
     fn()
     times: list[float] = []
@@ -385,7 +399,7 @@ def _best(fn: Callable[[], None], reps: int = 3, min_s: float = 0.0, meter: Opti
         meter.wall_s += times[-1]
     # the typical repeat against the best: the slowest of up to 50 repeats of a short kernel is an interrupt, not load
     meter.spreads.append(statistics.median(times) / min(times) - 1 if min(times) > 0 else 0.0)
-    return min(times)
+    return times
 
 
 def gemm_gflops(n: int = 1024, meter: Optional[Meter] = None) -> float:
@@ -474,7 +488,8 @@ def time_net(kernel: Kernel, meter: Optional[Meter] = None) -> Optional[float]:
     as the job says) on `rows` random rows fed to its store input layers, labels 0, while `concurrent` copies run at
     once (threads of this process, each with its own params, as workers computing side by side on the host's other
     cores: torch's kernels release the GIL): the kernels together as a worker runs them, Python and autograd included,
-    sharing the cache and memory with the others. The slowest copy of each round counts. None when it cannot run on
+    sharing the cache and memory with the others. The slowest copy of each round counts, and the rounds' mean (their
+    fastest is what the kernels' timings take; a run's steps take them all). None when it cannot run on
     random rows (an input layer that reads its own data, a net that fails without real records): the kernels' sum
     stands."""
     from concurrent.futures import ThreadPoolExecutor
@@ -486,9 +501,9 @@ def time_net(kernel: Kernel, meter: Optional[Meter] = None) -> Optional[float]:
             return None
         start = time.perf_counter()
         runs[0]()  # a first pass: how long one takes decides how many the timing can afford (a few seconds in all)
-        reps = 5 if time.perf_counter() - start < 0.2 else 2
+        reps = max(3, min(NET_PASSES, int(NET_TIMING_S / max(time.perf_counter() - start, 1e-6))))
         if concurrent == 1:
-            return _best(runs[0], reps=reps, min_s=0.1, meter=meter)
+            return _mean(runs[0], reps=reps, meter=meter)
         with ThreadPoolExecutor(concurrent - 1, thread_name_prefix="shoal-calibrate-net") as pool:
             def together() -> None:
                 others = [pool.submit(run) for run in runs[1:]]
@@ -496,7 +511,7 @@ def time_net(kernel: Kernel, meter: Optional[Meter] = None) -> Optional[float]:
                 for other in others:
                     other.result()
 
-            return _best(together, reps=reps, min_s=0.1, meter=meter)  # the fastest round: one undisturbed
+            return _mean(together, reps=reps, meter=meter)
     except Exception:  # noqa: BLE001 (a net that needs more than random rows: its kernels' sum stands)
         return None
 
