@@ -30,6 +30,7 @@ import os
 import platform
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -247,7 +248,17 @@ def run_both(job_path: Path, fields: dict, hosts: list[tuple[str, str]], folder:
         for s in cluster_sets(fields):
             args += ["--set", s]
         procs.append(subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-    outs = [p.communicate(timeout=1800) for p in procs]
+    try:
+        outs = [p.communicate(timeout=1800) for p in procs]
+    finally:  # interrupted or timed out: no run is left behind in a namespace about to go
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()  # `shoal run` takes its ranks down with it
+                try:
+                    p.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
     for rank, (p, (_, err)) in enumerate(zip(procs, outs)):
         if p.returncode != 0:
             raise SystemExit(f"node {rank}: {(err.strip().splitlines() or ['failed'])[-1]}")
@@ -358,6 +369,8 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, metavar="DIR",
                         help="also run each framework on 1 host and draw the scaling with the measured points, per rate, into DIR")
     args = parser.parse_args()
+    # killed (a timeout, `kill`), the namespaces and the veth pair are still taken down (two_hosts' finally)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if os.geteuid() != 0 or not all(shutil.which(t) for t in ("ip", "tc", "taskset")):
         raise SystemExit("shaped_links.py needs root, iproute2 (ip, tc) and taskset")
     if not (DATA / "train_data.bin").exists():

@@ -34,7 +34,7 @@ def shoal_cli(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "shoal", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=600, check=False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not rebuilt when xdist interleaves another module's tests (loadgroup keeps its tests on one worker)
 def corpus(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("corpus")
     result = shoal_cli("prepare", "text", STDLIB, "--pattern", "*.py", "--max-chars", 400_000, "--out", out)
@@ -71,7 +71,7 @@ def char_rnn_job(corpus, workspace, steps=150, hidden=64, unroll=20, extra=()):
     return shoal.load_job(EXAMPLES / "job.conf", sets + list(extra))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not rebuilt when xdist interleaves another module's tests (loadgroup keeps its tests on one worker)
 def trained(corpus, tmp_path_factory):
     workspace = tmp_path_factory.mktemp("char-rnn") / "ws"
     history = shoal.train(char_rnn_job(corpus, workspace), **QUIET)

@@ -128,7 +128,7 @@ def test_metrics_in_the_output_form_and_declared_directions(tmp_path):
         fit(tmp_path, "bad2", steps=1, val_data=val_windows(), val_freq=1, metrics={"bad": lambda model, batch: model(batch["x"])})
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not rebuilt when xdist interleaves another module's tests (loadgroup keeps its tests on one worker)
 def lm_run(tmp_path_factory):
     """A tiny GPT validated every 5 steps with perplexity and accuracy, declaring a reachable and an unreachable target."""
     root = tmp_path_factory.mktemp("lm")

@@ -52,7 +52,7 @@ def autoencoder_job(mnist_dir, root, steps=100, dims=SMALL):
     return shoal.load_job(EXAMPLES / "autoencoder.conf", sets)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not rebuilt when xdist interleaves another module's tests (loadgroup keeps its tests on one worker)
 def stack(mnist_dir, tmp_path_factory):
     """The four RBMs, each trained on the features of the ones below it: (root, {k: test errors})."""
     root = tmp_path_factory.mktemp("rbm")

@@ -41,7 +41,7 @@ def assert_one_line_error(proc, *fragments):
         assert fragment in err, err
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not rebuilt when xdist interleaves another module's tests (loadgroup keeps its tests on one worker)
 def layout_runs(blobs_dir, tmp_path_factory):
     """One real 30-step run of the blobs MLP per layout (through the CLI, as a user starts it; in this process, whose
     forkserver starts the ranks: the file's real `python -m shoal` processes are the crashed run's and tensorboard's)."""
