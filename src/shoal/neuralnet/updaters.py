@@ -194,6 +194,12 @@ class Updater:
         """The state of a shard `key` = (param, first flat element, end) an owner holds; SINGA's ignore the key."""
         return self.init_state(value)
 
+    def run_class(self, name: str) -> Optional[int]:
+        """Which params an owner may update together as one flat shard of their slices (init_run_state, split_run):
+        None, each slice its own update, for SINGA's updaters (shoal.neuralnet.torch_optimizer's element-wise ones
+        answer their param group)."""
+        return None
+
     def state_shapes(self, name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         """Each state slot's shape for a whole param `name` of `shape` (a slot not shaped so is per param, whole)."""
         return {slot: tuple(shape) for slot in self.init_state(torch.zeros(1))}

@@ -195,7 +195,7 @@ class SlicedExchange:
     def _run_classes(self, updater: Updater) -> Optional[dict[str, tuple]]:
         """Each trained param's run class (its updater's class, lr and wd scales) where the updater can update runs
         of slices as one flat shard (a torch optimizer that is element-wise) and the exchange is dense; else None."""
-        if self.codecs is not None or not hasattr(updater, "run_class"):
+        if self.codecs is not None:
             return None
         classes = {}
         for name in self.names:
