@@ -77,7 +77,8 @@ class LocalSGD(Strategy):
         ring = (len(ranks) - 1) if gathers else 2 * (len(ranks) - 1) / len(ranks)
         message = model.encoded(model.elements)
         if plan.cluster.HasField("sparse_outer_step"):  # SparseLoCo's buffer (its warm-up meetings are dense: not modelled)
-            message = sparse_outer_step_of(plan.cluster, [s for n, s in model.sizes.items() if n in model.trainable]).message_bytes()
+            sizes = [s for n, s in model.sizes.items() if n in model.trainable]
+            message = SparseOuterStep.configured(plan.cluster.sparse_outer_step, sizes).message_bytes()
         for i, r in enumerate(ranks):
             move(r, ranks[(i + 1) % len(ranks)], ring * message * meetings_per_step(plan))
 
@@ -146,12 +147,6 @@ def refuse_sparse_outer_step(c) -> None:
         raise UnsupportedClusterError(f"cluster.sparse_outer_step.error_decay: must be in [0, 1], got {o.error_decay:g}")
     if not o.outer_lr > 0:
         raise UnsupportedClusterError(f"cluster.sparse_outer_step.outer_lr: must be > 0, got {o.outer_lr:g}")
-
-
-def sparse_outer_step_of(c, sizes: list[int]) -> SparseOuterStep:
-    """The encoding cluster.sparse_outer_step gives params of these sizes (its message_bytes: one group's buffer)."""
-    o = c.sparse_outer_step
-    return SparseOuterStep(sizes, o.chunk_size, o.topk_per_chunk, o.value_bits, o.error_decay, o.outer_lr)
 
 
 def meetings_per_step(plan) -> float:

@@ -154,10 +154,8 @@ class PeriodicExchange:
         self.warmup_steps = max(0, warmup_steps)
         self.anchor = store.copy()
         self.outer = Server(self.anchor, outer, self.names)
-        conf = sparse_outer_step
-        self.sparse = None if conf is None else SparseOuterStep(
-            [store.values[n].numel() for n in self.names], conf.chunk_size, conf.topk_per_chunk, conf.value_bits,
-            conf.error_decay, conf.outer_lr, store.device)
+        self.sparse = None if sparse_outer_step is None else SparseOuterStep.configured(
+            sparse_outer_step, [store.values[n].numel() for n in self.names], store.device)
         self.global_batch = global_batch
         self.meetings = 0
         self.bytes_sent = 0  # payload handed to the meeting: the pseudo-gradients

@@ -71,6 +71,11 @@ class SparseOuterStep:
                                      for b in self.blocks] or [torch.zeros(0, dtype=torch.long, device=self.device)])[self._entry_row]
         self.error = torch.zeros(self.size, device=self.device)
 
+    @classmethod
+    def configured(cls, conf, sizes: list[int], device: torch.device | str = "cpu") -> "SparseOuterStep":
+        """The step cluster.sparse_outer_step (`conf`, a SparseOuterStepProto) gives params of these sizes."""
+        return cls(sizes, conf.chunk_size, conf.topk_per_chunk, conf.value_bits, conf.error_decay, conf.outer_lr, device)
+
     # -- bytes ---------------------------------------------------------------------------------------
     def index_bytes(self) -> int:
         return math.ceil(self.entries / 2) * 3 if self.index_bits == 12 else 2 * self.entries
