@@ -48,11 +48,15 @@ def test_kill_stops_a_running_multi_process_job(blobs_job, tmp_path):
     assert all(p["start"] and p["cmdline"] for p in record.processes)  # what `jobs kill` checks before it signals
     assert_listens_only_on_loopback([p["pid"] for p in record.processes])
     assert "running" in shoal("jobs", "list").stdout
-    assert shoal("jobs", "kill", str(record.id)).returncode == 0
+    # the launcher holds the job's lock (what proves it is the run); its ranks are signalled as processes it started
+    assert jobs.process_identity.lock_holder(jobs.lock_path(record.id)) == record.processes[0]["pid"] == proc.pid
+    killed = shoal("jobs", "kill", str(record.id))
+    assert killed.returncode == 0 and killed.stderr == "", killed.stderr  # no process of it left alone
     proc.wait(timeout=60)
     assert jobs.load(record.id).status == "killed"
     time.sleep(1)
     assert not any(jobs._alive(p["pid"]) for p in record.processes)
+    assert not jobs.lock_path(record.id).exists()  # the run let go of it as it ended
 
 
 def assert_listens_only_on_loopback(pids: list[int]) -> None:

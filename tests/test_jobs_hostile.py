@@ -181,55 +181,89 @@ def test_registry_is_private_and_refuses_another_users_folder(job_registry, tmp_
 # --- jobs kill, inside a PID namespace of the test's own ---------------------------------------------------------
 
 # Run as the namespace's first process (pid 1 there: a stray kill(-1) or kill(1) spares it, so it can tell).
-# Decoys are `sleep`s; every record below but the last names one of them or a pid that must never be signalled.
+# Decoys are `sleep`s; every record below but the last names one of them, a pid that must never be signalled, or a
+# stand-in for shoal's run that the record cannot prove: a process holding the lock of another job, not of its own.
 IN_NAMESPACE = textwrap.dedent("""
     import json, os, socket, subprocess, sys, time
 
     class ids:  # what /proc says, read here rather than by the code under test
         start_time = lambda pid: int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19])
         command_line = lambda pid: open(f"/proc/{pid}/cmdline", "rb").read().decode().rstrip("\\0").split("\\0")
+    def alive(pid):
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
 
     folder = sys.argv[1]
     os.makedirs(folder, mode=0o700, exist_ok=True)
+    def exec_done(pid, argv):
+        while ids.command_line(pid) != argv:  # until it has exec'd
+            time.sleep(0.01)
+        return pid
     def sleeper(**kw):
         proc = subprocess.Popen(["sleep", "300"], **kw)
-        while ids.command_line(proc.pid) != ["sleep", "300"]:  # until it has exec'd
-            time.sleep(0.01)
-        return proc
-    decoy, other_users, target = sleeper(), sleeper(user=65534) if os.geteuid() == 0 else None, sleeper()
-    def process(proc, **changes):
-        entry = {"rank": 0, "host": socket.gethostname(), "pid": proc.pid, "start": ids.start_time(proc.pid),
-                 "cmdline": ids.command_line(proc.pid)}
+        exec_done(proc.pid, ["sleep", "300"])
+        return proc.pid
+    # a stand-in for shoal's run of a job: it holds the job's lock (a POSIX write lock on <id>.lock, as shoal's
+    # register does) and has started a process of its own
+    HOLD = ("import fcntl, os, subprocess, sys, time\\n"
+            "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)\\n"
+            "fcntl.lockf(fd, fcntl.LOCK_EX)\\n"
+            "print(subprocess.Popen(['sleep', '300']).pid, flush=True)\\n"
+            "time.sleep(300)\\n")
+    def run_of(job_id):
+        proc = subprocess.Popen([sys.executable, "-c", HOLD, f"{folder}/{job_id}.lock"], stdout=subprocess.PIPE, text=True)
+        child = exec_done(int(proc.stdout.readline()), ["sleep", "300"])
+        return exec_done(proc.pid, [sys.executable, "-c", HOLD, f"{folder}/{job_id}.lock"]), child
+    decoy, other_users = sleeper(), sleeper(user=65534) if os.geteuid() == 0 else None
+    run14, _ = run_of(14)
+    run16, started_by_run16 = run_of(16)
+    bystanders = [pid for pid in (decoy, other_users, run14) if pid]
+    def process(real_pid, **changes):
+        entry = {"rank": 0, "host": socket.gethostname(), "pid": real_pid, "start": ids.start_time(real_pid),
+                 "cmdline": ids.command_line(real_pid)}
         return {**entry, **changes}
-    cases = {
-        "pid -1": process(decoy, pid=-1), "pid 0": process(decoy, pid=0), "pid 1": process(decoy, pid=1),
-        "pid as a string": process(decoy, pid=str(decoy.pid)), "pid as a float": process(decoy, pid=float(decoy.pid)),
-        "unrelated live process": process(decoy, start=12345, cmdline=["python", "-m", "shoal", "run", "job.conf"]),
-        "right pid, other start time": process(decoy, start=ids.start_time(decoy.pid) - 1),
-        "right pid and start, other command line": process(decoy, cmdline=["python", "-m", "shoal", "run", "job.conf"]),
-        "no start time recorded": process(decoy, start=None),
-        "no command line recorded": process(decoy, cmdline=None),
-        "another user's process": process(other_users) if other_users else None,
-        "matching process": process(target),
+    def nobody_holds_13():
+        os.close(os.open(f"{folder}/13.lock", os.O_CREAT | os.O_WRONLY, 0o600))
+    def link_15_to_14s_lock():
+        os.link(f"{folder}/14.lock", f"{folder}/15.lock")
+    cases = {  # case: (the record's processes, what is done first)
+        "pid -1": [process(decoy, pid=-1)], "pid 0": [process(decoy, pid=0)], "pid 1": [process(decoy, pid=1)],
+        "pid as a string": [process(decoy, pid=str(decoy))], "pid as a float": [process(decoy, pid=float(decoy))],
+        "unrelated live process": [process(decoy, start=12345, cmdline=["python", "-m", "shoal", "run", "job.conf"])],
+        "right pid, other start time": [process(decoy, start=ids.start_time(decoy) - 1)],
+        "right pid and start, other command line": [process(decoy, cmdline=["python", "-m", "shoal", "run", "job.conf"])],
+        "no start time recorded": [process(decoy, start=None)],
+        "no command line recorded": [process(decoy, cmdline=None)],
+        "another user's process": [process(other_users)] if other_users else None,
+        "a sleep matching its record, no lock": [process(decoy)],
+        "a sleep matching its record, a lock nobody holds": ([process(decoy)], nobody_holds_13),
+        "a sleep matching its record while the run holds the lock": [process(decoy)],
+        "the run of another job, through a hard link to its lock": ([process(run14)], link_15_to_14s_lock),
+        "the run and the process it started": [process(run16, rank="launcher"), process(started_by_run16)],
     }
     results = {}
-    for job_id, (case, proc) in enumerate(cases.items(), 1):
-        if proc is None:
+    for job_id, (case, what) in enumerate(cases.items(), 1):
+        if what is None:
             continue
+        named, prepare = what if isinstance(what, tuple) else (what, None)
+        if prepare:
+            prepare()
         rec = {"id": job_id, "name": case, "job_file": "job.conf", "workspace": "/nonexistent", "status": "running",
-               "started": time.time(), "processes": [proc], "message": ""}
+               "started": time.time(), "processes": named, "message": ""}
         with open(os.open(f"{folder}/{job_id}.json", os.O_CREAT | os.O_WRONLY, 0o600), "w") as f:
             f.write(json.dumps(rec))
         command = [sys.executable, "-m", "shoal", "jobs", "kill", str(job_id)]
         out = subprocess.run(command, capture_output=True, text=True, timeout=60)
         time.sleep(0.2)
         results[case] = {"rc": out.returncode, "stdout": out.stdout, "stderr": out.stderr,
-                         "decoys_alive": decoy.poll() is None and (other_users is None or other_users.poll() is None),
-                         "target_alive": target.poll() is None,
+                         "bystanders_alive": all(alive(pid) for pid in bystanders),
+                         "named_alive": [alive(p["pid"]) for p in named if isinstance(p["pid"], int) and p["pid"] > 1],
                          "status": json.load(open(f"{folder}/{job_id}.json"))["status"]}
-    for proc in (decoy, other_users, target):
-        if proc is not None and proc.poll() is None:
-            proc.kill()
+    for pid in bystanders + [run16, started_by_run16]:
+        if alive(pid):
+            os.kill(pid, 9)
     print(json.dumps(results))
 """)
 
@@ -245,7 +279,7 @@ def _in_own_pid_namespace(*command: str, timeout: float) -> subprocess.Completed
                           timeout=timeout, start_new_session=True)
 
 
-def test_kill_signals_only_a_process_that_matches_its_record(job_registry):
+def test_kill_signals_only_a_process_that_provably_is_the_jobs_run(job_registry):
     out = _in_own_pid_namespace(sys.executable, "-c", IN_NAMESPACE, str(job_registry), timeout=180)
     assert out.returncode == 0, out.stderr
     results = json.loads(out.stdout.strip().splitlines()[-1])
@@ -256,16 +290,22 @@ def test_kill_signals_only_a_process_that_matches_its_record(job_registry):
         "right pid and start, other command line": "runs another command", "no start time recorded": "no start time",
         "no command line recorded": "no command line",
         "another user's process": f"belongs to uid {NOBODY}",
+        # issue 37: pid, start time, owner and command line all match, yet nothing proves the process is the job's run
+        "a sleep matching its record, no lock": f"is not shown to be this job's run: its lock {job_registry / '12.lock'} is gone",
+        "a sleep matching its record, a lock nobody holds": f"nothing here holds its lock {job_registry / '13.lock'}",
+        "a sleep matching its record while the run holds the lock": "is not shown to be this job's run: it neither holds the job's lock "
+                                                                    "nor was started by its holder",
+        "the run of another job, through a hard link to its lock": "is not a lock file shoal made",
     }
     for case, said in expected_words.items():
         if case not in results:
             continue  # another user's process: only root can start one
         result = results[case]
-        assert result["decoys_alive"] and result["target_alive"], (case, result)
+        assert result["bystanders_alive"] and all(result["named_alive"]), (case, result)
         assert result["rc"] == 2 and result["stdout"] == "" and result["status"] == "running", (case, result)
         lines = result["stderr"].strip().splitlines()
         assert len(lines) == 1 and said in lines[0], (case, result["stderr"])
     assert set(expected_words) - set(results) <= {"another user's process"}
-    matching = results["matching process"]
-    assert matching["rc"] == 0 and "killed" in matching["stdout"] and matching["stderr"] == "", matching
-    assert not matching["target_alive"] and matching["decoys_alive"] and matching["status"] == "killed"
+    run = results["the run and the process it started"]  # the lock's holder, and its child: both signalled
+    assert run["rc"] == 0 and "killed" in run["stdout"] and run["stderr"] == "", run
+    assert run["named_alive"] == [False, False] and run["bystanders_alive"] and run["status"] == "killed", run

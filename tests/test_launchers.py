@@ -144,6 +144,11 @@ def test_killed_rank_restarts_and_resumes_to_the_uninterrupted_result(blobs_job,
     assert proc.returncode == 0, stderr()
     resumed = [(t, line) for t, line in lines if line.startswith("Resume from checkpoint file")]
     assert resumed, "".join(line for _, line in lines)
+    # rank 0, stopped by torchrun to be restarted, says so (not "interrupted; continue with --resume"): its SIGTERM, or
+    # the failed collective that came first; the restarted attempt says which restart it is and where it resumes
+    said = [line for line in (tmp_path / "stderr.txt").read_text().splitlines() if line.startswith(("shoal: ", "process 0 "))]
+    assert said and all("restart 1 of 1" in line and "interrupted" not in line for line in said), said
+    assert any(re.match(r"Job \d+: .*started by torchrun, restart 1 of 1; .*; resuming from step\d+-", line) for _, line in lines)
     trained = [t for t, line in lines if t > resumed[0][0] and line.startswith("Train @ step")]
     resumed_step = int(re.search(r"at step (\d+)", resumed[0][1]).group(1))
     assert 0 < resumed_step < steps and resumed_step % 8 == 0 and resumed_step >= 8

@@ -6,8 +6,12 @@ gradient and send STOP. The attacker runs as `nobody` where the test runs as roo
 before it touches the network), else as a process of this user that was not given the secret (what makes a
 process one of the job's is the secret, nothing else). It tries twice: under the keys shoal used before (nothing answers), and under the
 job's namespace (as an observer of the cleartext store traffic across hosts would know it) without the secret:
-the server opens a channel, the attacker cannot prove it holds the secret, the server refuses it in one line and
+its knock carries no MAC under the secret (issue 37), so the server never hears it (one line in its log) and
 applies nothing. The job ends as it would have, and its accuracy is untouched.
+
+Issue 37, point 2: another local user lists the store's keys (torch's `list_keys`), forges every heartbeat,
+progress count and handshake word it finds ("7 7") and replays the values it read: the job does not take any of
+them as a peer's word, blames nobody, names the failed authentication in its logs and ends as it would have.
 """
 from __future__ import annotations
 
@@ -23,12 +27,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch.distributed as dist
 from layouts import assert_ran
 from test_cli import leftover_processes
-from test_stalls import Run, runs  # noqa: F401 - the fixture that stops what a failed test left running
+from test_stalls import STALL_TIMEOUT, Run, runs  # noqa: F401 - the fixture that stops what a failed test left running
 
 from shoal.comm import auth, channels
 from shoal.comm.dist import free_port
@@ -50,11 +55,16 @@ port, namespace, size = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 seconds = lambda s: datetime.timedelta(seconds=s)
 said = {}
 
-def wait_for(store, key, value, timeout):
+def wait_for(store, key, value, timeout, unless=None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if store.check([key]) and (value is None or store.get(key).decode() == value):
-            return True
+        try:
+            if store.check([key]) and (value is None or store.get(key).decode() == value):
+                return True
+            if unless is not None and store.check([unless]):  # e.g. the server closed: nothing will answer any more
+                return False
+        except Exception:  # the job ended: its store with it
+            return False
         time.sleep(0.05)
     return False
 
@@ -74,12 +84,12 @@ said["old_keys_accepted"] = wait_for(door, f"s0/g1/i{incarnation}/accepted", Non
 said["old_keys_hold_state"] = door.check(["s0/g1/state"])
 # 2. under the job's namespace, without its secret
 job = dist.PrefixStore(namespace, base)
-door = dist.PrefixStore("shoal/downpour/", job)
+door = dist.PrefixStore("shoal/downpour", job)  # shoal/downpour/<key>, as the job writes them
 incarnation = door.add("g1/incarnation", 1)
 nonce = secrets.token_hex(16)
 door.set(f"s0/g1/i{incarnation}/hello", nonce)
 print("knocked", flush=True)
-said["accepted"] = wait_for(door, f"s0/g1/i{incarnation}/accepted", nonce, 90)
+said["accepted"] = wait_for(door, f"s0/g1/i{incarnation}/accepted", nonce, 90, unless="s0/closed")
 if said["accepted"]:
     name = f"downpour/s0/g1/i{incarnation}/{nonce}"
     group = dist.ProcessGroupGloo(dist.PrefixStore(f"shoal/channel/{name}", job.clone()), 1, 2, seconds(30))
@@ -152,12 +162,11 @@ def test_another_user_cannot_take_over_a_running_downpour_job(blobs_job, tmp_pat
     said = json.loads(intruder.stdout.readline() or "{}")
     intruder.wait(timeout=60)
     assert said.get("old_keys_accepted") is False and said["old_keys_hold_state"] is False, said
-    assert said["accepted"] is True and not said["pulled_nonzero"], said  # the server opened a channel: nothing came of it
-    assert said["pull"].startswith("failed"), said
+    assert said["accepted"] is False and "pull" not in said, said  # its knock, made without the secret, was never heard
     assert run.wait(timeout=180) == 0, run.stderr()
     server_log = (logs / "rank2.log").read_text()
-    assert re.search(r"refused a process knocking as worker group 1 \(restart \d+\): (it could not prove it holds the job's "
-                     r"secret|its handshake failed: .*); nothing it sends is applied", server_log), server_log[-3000:]
+    assert re.search(r"a value of key shoal/downpour/s0/g1/i\d+/hello failed authentication: another local user may be "
+                     r"writing to this job's store", server_log), server_log[-3000:]
     assert "sent worker group 1 (restart" not in server_log and not (logs / "rejoins.jsonl").exists()
     summary = assert_ran(run.ws, DOWNPOUR)
     assert summary["status"] == "finished"
@@ -167,11 +176,14 @@ def test_another_user_cannot_take_over_a_running_downpour_job(blobs_job, tmp_pat
 
 
 # -- the handshake itself ---------------------------------------------------------------------------
-def knock_with(server_secret: bytes, stub_secret: bytes) -> dict[str, object]:
-    """A server and a stub meet through a Door on a fresh store, each with its secret: what each concluded."""
+def knock_with(server_secret: bytes, stub_secret: bytes, words_secret: Optional[bytes] = None) -> dict[str, object]:
+    """A server and a stub meet through a Door on a fresh store, each proving it holds its secret on the channel: what
+    each concluded. The door's words (hello, accepted) are signed with `words_secret` (default: the stub's) on both
+    sides: a server whose words fail authentication is never heard at all (test_a_knock_unheard_...)."""
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
-    server, stub = channels.Door("t", store, server_secret), channels.Door("t", store, stub_secret)
+    words = words_secret or stub_secret
+    server, stub = channels.Door("t", store, words), channels.Door("t", store, words)
     concluded: dict[str, object] = {}
 
     def serve():
@@ -197,6 +209,27 @@ def test_the_handshake_accepts_the_same_secret_and_refuses_another():
     assert refused["server"] is False
     assert refused["stub"] == ("worker group 1: the process serving as server 0 could not prove it holds the job's secret; "
                                "nothing was sent to it")
+
+
+def test_a_knock_or_an_answer_without_the_secret_is_unheard(capfd):
+    """The door's words carry MACs (shoal.comm.signed_store): a stub without the secret knocks unheard, and a server
+    without it cannot answer a stub that has it."""
+    secret = auth.new_secret()
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    server, intruder = channels.Door("t", store, secret), channels.Door("t", store, auth.new_secret())
+    intruder._store.set("s0/g1/i0/hello", "a nonce")
+    assert server.hello(0, 1, 0) is None
+    stub = channels.Door("t", store, secret)
+    answering = threading.Thread(target=lambda: [time.sleep(0.2), intruder.accept(0, 1, 1, intruder.hello(0, 1, 1) or "x")])
+    answering.start()
+    with pytest.raises(RuntimeError, match="server 0 did not answer worker group 1 within 1 s"):
+        stub.knock(0, 1, 1, timeout_s=1)
+    answering.join()
+    err = capfd.readouterr().err
+    assert "a value of key shoal/t/s0/g1/i0/hello failed authentication" in err, err
+    assert "a value of key shoal/t/s0/g1/i1/hello failed authentication" in err, err  # what the intruder read of the stub's
+    assert "a value of key shoal/t/s0/g1/i1/accepted failed authentication" in err, err
 
 
 def test_a_proof_binds_the_role_the_channel_and_both_nonces():
@@ -252,3 +285,102 @@ def test_private_files_are_0600_from_the_start_and_replace_an_open_one(tmp_path)
         os.umask(old)
     assert path.read_text() == "{}\n" and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert sorted(p.name for p in tmp_path.iterdir()) == ["store.json"]
+
+
+# -- issue 37, point 2: forged and replayed store values --------------------------------------------
+FORGER = r'''
+import datetime, json, os, sys, time
+import torch.distributed as dist
+if os.environ.get("ATTACK_AS"):
+    uid, gid = map(int, os.environ["ATTACK_AS"].split(":"))
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+print(f"uid {os.getuid()}", flush=True)
+port, watch_s, replay_s, forge_s = int(sys.argv[1]), *map(float, sys.argv[2:5])
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+SHOALS = ("shoal/heartbeat/", "shoal/calls/", "shoal/published/", "shoal/downpour/")
+
+def targets():  # shoal's values; not the store's add() counters, nor torch's own keys
+    return [k for k in store.list_keys() if any(m in k for m in SHOALS) and not k.endswith("/incarnation")]
+
+while sum("shoal/heartbeat/" in k for k in targets()) < 3:  # the job's processes beat: it trains
+    time.sleep(0.05)
+seen, said = {}, {"replayed": 0, "forged": 0}
+end = time.monotonic() + watch_s  # 1. read the job's values for a while, keeping each one it saw
+while time.monotonic() < end:
+    for key in targets():
+        value = store.get(key)
+        if not seen.get(key) or seen[key][-1] != value:
+            seen.setdefault(key, []).append(value)
+    time.sleep(0.05)
+said["keys"] = sorted(seen)
+end = time.monotonic() + replay_s  # 2. write back the oldest of them, over and over
+while time.monotonic() < end:
+    for key, values in seen.items():
+        store.set(key, values[0])
+        said["replayed"] += 1
+    time.sleep(0.003)
+print("forging", flush=True)
+keys = targets()
+for key in keys:  # 3. one oversized value each, then "7 7" everywhere, as fast as the store takes it
+    store.set(key, b"x" * 100000)
+end, listed = time.monotonic() + forge_s, time.monotonic()
+while time.monotonic() < end:
+    if time.monotonic() - listed > 0.5:
+        keys, listed = targets(), time.monotonic()
+    for key in keys:
+        store.set(key, "7 7")
+        said["forged"] += 1
+    time.sleep(0.002)
+print(json.dumps(said), flush=True)
+'''
+
+
+@pytest.mark.slow  # 17 s: the attack must outlast the stall timeout (3 s) while the job trains; test_signed_store.py's
+# test_a_forged_heartbeat_is_no_beat_and_no_blame checks the same watch in the default suite
+def test_forged_and_replayed_store_values_are_ignored_and_blame_nobody(blobs_job, tmp_path, runs, attacker):
+    """Another local user lists the running Downpour job's keys, replays the values it read, then writes "7 7" over
+    every heartbeat, progress count and handshake word, longer than the stall timeout: before the values carried
+    MACs, a healthy process was named as stalled with the attacker's step and the job killed."""
+    command, attacker_env = attacker
+    steps = 500  # group 0's worker takes >= 20 ms a step (10 s): the attack (about 7 s from the first beats) ends first
+    run = Run(blobs_job(train_steps=steps), tmp_path, DOWNPOUR, "--set", f"test_freq={steps}",
+              env={"SHOAL_SLOW_WORKER": "0:0+0.02"})
+    runs.append(run)
+    logs = run.ws / "logs"
+    wait_for_file = time.monotonic() + 60
+    while not (logs / "store.json").exists():  # where the store is: written before the processes start
+        assert time.monotonic() < wait_for_file and run.proc.poll() is None, run.stderr()
+        time.sleep(0.05)
+    port = json.loads((logs / "store.json").read_text())["port"]
+    forge_s = STALL_TIMEOUT + 2.5  # well over the stall timeout (a beat read late): "7 7" made a healthy peer look stalled
+    intruder = subprocess.Popen([*command, str(port), "0.8", "0.8", str(forge_s)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=attacker_env)
+    intruder.stdin.write(FORGER)
+    intruder.stdin.close()
+    expected_uid = NOBODY[0] if os.geteuid() == 0 else os.getuid()
+    assert intruder.stdout.readline().strip() == f"uid {expected_uid}", intruder.stderr.read()
+    assert intruder.stdout.readline().strip() == "forging", intruder.stderr.read()
+    said = json.loads(intruder.stdout.readline() or "{}")
+    assert intruder.wait(timeout=30) == 0, intruder.stderr.read()
+    assert run.proc.poll() is None, "the job ended before the attack did: give it more steps"
+    heartbeats = [k for k in said["keys"] if "shoal/heartbeat/" in k]
+    assert len(heartbeats) == 3 and any("shoal/downpour/" in k for k in said["keys"]), said["keys"]
+    assert said["replayed"] > 0 and said["forged"] > 0, said
+
+    assert run.wait(timeout=180) == 0, run.stderr()
+    texts = {"stderr": run.stderr(), **{p.name: p.read_text() for p in logs.glob("rank*.log")}}
+    for where, text in texts.items():  # nobody blamed, nothing dropped
+        for blame in ("stopped answering", "drops worker group", "dropped", "lost worker group", "Traceback"):
+            assert blame not in text, (where, text[-3000:])
+        for key in set(re.findall(r"a value of key (\S+) failed authentication", text)):  # named once per key
+            assert text.count(f"a value of key {key} failed authentication") == 1, (where, key)
+    named = re.findall(r"a value of key shoal/heartbeat/\d failed authentication: another local user may be writing to "
+                       r"this job's store", "".join(texts.values()))
+    assert len(named) >= 3, texts  # every process reads its peers' heartbeats
+    summary = assert_ran(run.ws, DOWNPOUR)
+    assert summary["status"] == "finished" and not summary.get("failed_groups"), summary
+    final = [r for r in read_metrics(run.ws / "metrics.jsonl") if r["phase"] == "test"][-1]
+    assert final["step"] == steps and final["accuracy"] >= 0.9, final
+    assert leftover_processes(tmp_path) == []

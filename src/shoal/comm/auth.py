@@ -11,7 +11,9 @@ Processes get it through the environment (never argv: other users can read a pro
 not its environment). Knowing it is what makes a process one of the job's:
 
 - `namespace`: every key the job's processes use in the rendezvous store lives under a prefix derived
-  from the secret, so a process without it cannot find, read or write them;
+  from the secret, which keeps jobs of different secrets apart; it hides nothing from a process that lists
+  the store's keys, and authorises nothing: the values that steer the job carry MACs under the secret
+  (shoal.comm.signed_store);
 - `proof`: HMAC-SHA256 over both sides' nonces, checked with `hmac.compare_digest`, in every handshake
   (a process meeting the world: `introduce`/`check_peer`; a Downpour stub and its server: channels).
 """

@@ -20,6 +20,9 @@ A `Door` is the store-side handshake, the same for a group's first join and for 
 - `s<S>/g<G>/state`: the server's word on the group ("serving N", "lost N", "finished");
 - `g<G>/given_up`: the last incarnation the launcher will not restart again (no wait for it);
 - `restarts`: set when the launcher restarts dead groups (a server then waits a moment for its word).
+
+Every word but `incarnation` (a counter of the store's `add`) carries a MAC under the job's secret
+(shoal.comm.signed_store): a word that fails authentication is as if nobody had said it.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import torch.distributed as dist
 
 from shoal.comm import auth
 from shoal.comm import dist as comm
+from shoal.comm.signed_store import SignedStore
 from shoal.errors import ShoalError
 
 POLL_S = 0.01  # store polls: loopback round trips are ~0.1 ms, and a rejoin should take milliseconds
@@ -45,16 +49,18 @@ class ImpostorServer(ShoalError, RuntimeError):
     """The process serving a channel could not prove it holds the job's secret."""
 
 
-def job_store_client(host: str, port: int, secret: Optional[bytes], attempt: int = 0, timeout_s: Optional[float] = None):
+def job_store_client(host: str, port: int, secret: Optional[bytes], attempt: int = 0,
+                     timeout_s: Optional[float] = None) -> SignedStore:
     """A client of the store a `shoal run` launcher holds for its ranks (their keys' prefix and the job's
-    namespace, as shoal.comm.dist.init_with_agent_store gives them), for a process outside the world."""
+    namespace, as shoal.comm.dist.init_with_agent_store gives them, its values signed with `secret`), for a
+    process outside the world."""
     timeout = datetime.timedelta(seconds=timeout_s or comm.timeout_seconds())
     return comm.agent_store_client(host, port, attempt, secret, timeout)
 
 
 def public_store_client(host: str, port: int, attempt: int = 0, timeout_s: Optional[float] = None):
     """The store's part outside the job's namespace, where the world's ranks proved they hold the secret."""
-    return comm.public_part(job_store_client(host, port, None, attempt, timeout_s))
+    return comm.public_part(job_store_client(host, port, None, attempt, timeout_s).raw)
 
 
 def join_as_client(host: str, port: int, interface: Optional[str], secret: Optional[bytes], timeout_s: float, attempt: int = 0) -> None:
@@ -123,11 +129,15 @@ class Door:
     """The handshake keys of one kind of channel (e.g. "downpour") in the job's store: see the module's text."""
 
     def __init__(self, kind: str, store=None, secret: Optional[bytes] = None):
-        """`store`: the job's (default: this process's); `secret`: the job's (default: this process's, from its environment)."""
+        """`store`: the job's (default: this process's; a plain torch store: its values signed with `secret`, its
+        keys at the top); `secret`: the job's (default: this process's, from its environment)."""
         self.kind = kind
         self.secret = secret if secret is not None else auth.process_secret()
-        self._base = store or comm.job_store()
-        self._store = dist.PrefixStore(f"shoal/{kind}/", self._base.clone())
+        base = store if store is not None else comm.signed_job_store()
+        if not isinstance(base, SignedStore):
+            base = SignedStore(base, self.secret)
+        self._base = base.raw
+        self._store = base.clone().under(f"shoal/{kind}/")
 
     def open(self, name: str, side: int) -> Channel:
         """Side `side` of channel `name` (0 serves, 1 knocks), on the job's store."""
@@ -135,7 +145,8 @@ class Door:
 
     # -- the store, politely --------------------------------------------------------------------
     def _get(self, key: str) -> Optional[str]:
-        return self._store.get(key).decode() if self._store.check([key]) else None
+        """The word at `key`; None when nobody said it, or what is there failed authentication."""
+        return self._store.get(key)
 
     def _int(self, key: str, default: int) -> int:
         value = self._get(key)
@@ -155,7 +166,7 @@ class Door:
         self._store.set("restarts", "1")
 
     def dead_groups_restart(self) -> bool:
-        return self._store.check(["restarts"])
+        return self._get("restarts") == "1"
 
     def await_announcement(self, group: int, after: int, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for a new incarnation of `group` to be announced (True) or given up on."""
@@ -196,7 +207,7 @@ class Door:
         self._store.set(f"s{server}/closed", "1")
 
     def closed(self, server: int) -> bool:
-        return self._store.check([f"s{server}/closed"])
+        return self._get(f"s{server}/closed") == "1"
 
     def set_state(self, server: int, group: int, state: str) -> None:
         self._store.set(f"s{server}/g{group}/state", state)

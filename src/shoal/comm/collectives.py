@@ -22,7 +22,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from shoal.comm.dist import group_timeout, nccl_usable
+from shoal.comm.dist import group_timeout, in_plain_words, nccl_usable
 
 
 GLOO_CUDA_OPS = frozenset({"broadcast", "all_reduce"})  # what ProcessGroupGloo moves from CUDA tensors itself
@@ -87,7 +87,8 @@ class Group:
         host = self._stage(tensor)
         moved = tensor if host is None else host
         gathered = [torch.empty_like(moved) for _ in self.ranks]
-        dist.all_gather(gathered, moved, group=self.handle)
+        with in_plain_words():
+            dist.all_gather(gathered, moved, group=self.handle)
         return gathered if host is None else [g.to(tensor.device) for g in gathered]
 
     def index(self, rank: int) -> int:
@@ -104,7 +105,8 @@ class Handle:
         self.work, self.host, self.target = work, host, target
 
     def wait(self) -> None:
-        self.work.wait()
+        with in_plain_words():  # a peer that died: one line of shoal's, not gloo's
+            self.work.wait()
         if self.host is None or self.target is None:
             return
         if isinstance(self.target, torch.Tensor):

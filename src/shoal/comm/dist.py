@@ -23,18 +23,23 @@ import datetime
 import os
 import socket
 import threading
+import time
+from contextlib import contextmanager
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from shoal.comm import auth
+from shoal.comm.signed_store import SignedStore
 
 _store: "dist.TCPStore | None" = None
+_signed: Optional[SignedStore] = None  # the job's store as its values are read and written: MACs under the job's secret
 _store_host: Optional[int] = None  # the rank hosting the store (0 under srun or env://); None: a launcher hosts it
 _calls = 0  # collectives and rounds this rank has entered: the rank with fewer is the one the others wait for
 _calls_lock = threading.Lock()
 PROGRESS_PUBLISH_S = 0.2  # how stale the published progress may be: far below any comm timeout
+PUBLISHED_POLL_S = 0.05  # how often a published value is read again while what is there fails authentication
 _publisher: "Optional[_ProgressPublisher]" = None
 _timeout: Optional[datetime.timedelta] = None  # the world's (or a rejoined process's store's): every group and channel made later waits as long
 
@@ -77,7 +82,8 @@ def init(rank: int, world_size: int, host: str, port: int, interface: Optional[s
         sock.listen(128)
         listen_fd = sock.detach()  # c10d owns the socket from here on
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=listen_fd)
-    _join(_secured(store, rank, world_size, secret, timeout), rank, world_size, interface, timeout, backend)
+    _join(_secured(store, rank, world_size, secret, timeout), rank, world_size, interface, timeout, backend, secret,
+          attempt_scope(None))
     _store_host = 0
 
 
@@ -91,15 +97,22 @@ def init_with_agent_store(rank: int, world_size: int, host: str, port: int, atte
     global _store_host
     timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
     client = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    attempt_store = dist.PrefixStore(f"/shoal/attempt_{attempt}", client)
-    _join(_secured(attempt_store, rank, world_size, secret, timeout), rank, world_size, interface, timeout, backend)
+    attempt_store = dist.PrefixStore(attempt_scope(attempt), client)
+    _join(_secured(attempt_store, rank, world_size, secret, timeout), rank, world_size, interface, timeout, backend, secret,
+          attempt_scope(attempt))
     _store_host = None
 
 
-def agent_store_client(host: str, port: int, attempt: int, secret: Optional[bytes], timeout: datetime.timedelta):
+def attempt_scope(attempt: Optional[int]) -> str:
+    """The prefix of an attempt's keys in a store a launcher hosts ("" for a store of the world's own): bound into
+    every value's MAC, so that a value of one attempt is worth nothing in another."""
+    return "" if attempt is None else f"/shoal/attempt_{attempt}"
+
+
+def agent_store_client(host: str, port: int, attempt: int, secret: Optional[bytes], timeout: datetime.timedelta) -> SignedStore:
     """The job's keys in a store a launcher hosts, for a process outside the world (a rejoining one, the launcher)."""
     client = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    return in_namespace(dist.PrefixStore(f"/shoal/attempt_{attempt}", client), secret)
+    return SignedStore(in_namespace(dist.PrefixStore(attempt_scope(attempt), client), secret), secret, attempt_scope(attempt))
 
 
 def in_namespace(store, secret: Optional[bytes]):
@@ -126,13 +139,15 @@ def _secured(store, rank: int, world_size: int, secret: Optional[bytes], timeout
     return in_namespace(store, secret)
 
 
-def _join(store, rank: int, world_size: int, interface: Optional[str], timeout: datetime.timedelta, backend: str) -> None:
-    global _store, _timeout
+def _join(store, rank: int, world_size: int, interface: Optional[str], timeout: datetime.timedelta, backend: str,
+          secret: Optional[bytes], scope: str) -> None:
+    """`secret` and `scope` (attempt_scope): what the MACs of the job's values are made with and bound to."""
+    global _store, _signed, _timeout
     _timeout = timeout
     if interface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    _store = store
+    _store, _signed = store, SignedStore(store, secret, scope)
 
 
 def process_group_backend(rank_devices: Sequence[Sequence[str]], rank_nodes: Sequence[int], nccl_usable: bool) -> str:
@@ -181,11 +196,16 @@ def job_store():
     return _store
 
 
-def use_store(store, timeout_s: float) -> None:
+def signed_job_store() -> Optional[SignedStore]:
+    """The job's store as its values are written and read (MACs under the job's secret; None before joining)."""
+    return _signed
+
+
+def use_store(store: SignedStore, timeout_s: float) -> None:
     """A process rejoining a running job joins no process group: the job's store is all it uses, and its channels
     wait `timeout_s` (the plan's cluster.comm_timeout_s) for a silent peer."""
-    global _store, _store_host, _timeout
-    _store, _store_host, _timeout = store, None, datetime.timedelta(seconds=timeout_s)
+    global _store, _signed, _store_host, _timeout
+    _store, _signed, _store_host, _timeout = store.raw, store, None, datetime.timedelta(seconds=timeout_s)
 
 
 def store_host() -> Optional[int]:
@@ -194,28 +214,43 @@ def store_host() -> Optional[int]:
 
 
 def publish(key: str, value: str) -> None:
-    """Set `key` in the job's store (read by every rank with `read_published`)."""
-    _store.set(f"shoal/published/{key}", value)
+    """Set `key` in the job's store, signed (read by every rank with `read_published`)."""
+    _signed.set(f"shoal/published/{key}", value)
 
 
 def read_published(key: str, timeout_s: float) -> str:
-    """The value another rank published under `key`, waiting up to `timeout_s` for it."""
-    name = f"shoal/published/{key}"
-    _store.wait([name], datetime.timedelta(seconds=timeout_s))
-    return _store.get(name).decode()
+    """The value another rank published under `key`, waiting up to `timeout_s` for an authentic one (a value that fails
+    authentication is ignored: the rank that publishes it overwrites it)."""
+    text = _authentic_published(key, timeout_s)
+    if text is None:
+        raise dist.DistStoreError(f"no authentic value of shoal/published/{key} within {timeout_s:.0f} s "
+                                  "(another local user may be writing to this job's store)")
+    return text
 
 
 def published(key: str, wait_s: float = 0.0) -> Optional[str]:
-    """The value published under `key`, waiting up to `wait_s` for it; None when there is none (or no store)."""
-    if _store is None:
+    """The value published under `key`, waiting up to `wait_s` for it; None when there is none (or no store), or
+    none that passed authentication in that time."""
+    if _signed is None:
         return None
-    name = f"shoal/published/{key}"
     try:
-        if wait_s > 0:
-            _store.wait([name], datetime.timedelta(seconds=wait_s))
-        return _store.get(name).decode() if _store.check([name]) else None
+        return _authentic_published(key, wait_s)
     except (dist.DistError, RuntimeError):  # not published in time, or the store is gone
         return None
+
+
+def _authentic_published(key: str, wait_s: float) -> Optional[str]:
+    """The authentic value at shoal/published/`key` within `wait_s` (None: none came; the store's timeout raises)."""
+    name = f"shoal/published/{key}"
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = deadline - time.monotonic()
+        if left > 0 and not _signed.check([name]):
+            _signed.wait([name], datetime.timedelta(seconds=left))
+        text = _signed.get(name)
+        if text is not None or time.monotonic() >= deadline:
+            return text
+        time.sleep(PUBLISHED_POLL_S)  # a value that failed: the publisher's own comes after (or over) it
 
 
 class _ProgressPublisher(threading.Thread):
@@ -237,7 +272,7 @@ class _ProgressPublisher(threading.Thread):
 
     def publish(self) -> None:
         with self.lock:
-            calls, store = _calls, _store
+            calls, store = _calls, _signed
             if store is not None and calls != self.published:
                 store.set(self.key, str(calls))
                 self.published = calls
@@ -257,22 +292,32 @@ def enter_round() -> None:
     _enter()
 
 
-def _read(key: str) -> int:
+def _read(key: str) -> Optional[int]:
+    """The count at `key`: -1 when there is none (or no store), None when what is there failed authentication."""
     try:
-        return int(_store.get(key)) if _store is not None and _store.check([key]) else -1
+        if _signed is None or not _signed.check([key]):
+            return -1
+        text = _signed.get(key)
+        return None if text is None else int(text)
+    except ValueError:  # a job without a secret: whatever another process wrote there
+        return None
     except Exception:  # the store died with its host process
         return -1
 
 
 def progress(world_size: int) -> dict[int, int]:
-    """The collectives every rank entered, as announced in the store (this rank's own first; the step each
-    started is in its heartbeat: shoal.comm.heartbeat.last_step, not written to the store every step)."""
+    """The collectives every rank entered, as announced in the store (this rank's own count first, as it is; the
+    step each started is in its heartbeat: shoal.comm.heartbeat.last_step, not written to the store every step).
+    A rank whose count failed authentication is left out: another process wrote it, nothing is known of that rank."""
     if _publisher is not None:
         try:
             _publisher.publish()
         except (RuntimeError, dist.DistError):
             pass
-    return {r: _read(f"shoal/calls/{r}") for r in range(world_size)}
+    counts = {r: _read(f"shoal/calls/{r}") for r in range(world_size)}
+    if _store is not None and dist.is_initialized():
+        counts[dist.get_rank()] = _calls
+    return {r: c for r, c in counts.items() if c is not None}
 
 
 def shutdown() -> None:
@@ -286,19 +331,22 @@ def shutdown() -> None:
 
 def broadcast(tensor: torch.Tensor, src: int) -> None:
     _enter()
-    dist.broadcast(tensor, src=src)
+    with in_plain_words():
+        dist.broadcast(tensor, src=src)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> None:
     _enter()
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    with in_plain_words():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
 
 
 def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's `tensor` (same shape and dtype everywhere), in rank order."""
     _enter()
     gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, tensor)
+    with in_plain_words():
+        dist.all_gather(gathered, tensor)
     return gathered
 
 
@@ -319,20 +367,24 @@ def new_group(ranks: list[int]):
 
 
 def send(tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-    dist.send(tensor, dst=dst, tag=tag)
+    with in_plain_words():
+        dist.send(tensor, dst=dst, tag=tag)
 
 
 def recv(tensor: torch.Tensor, src: int, tag: int = 0) -> None:
-    dist.recv(tensor, src=src, tag=tag)
+    with in_plain_words():
+        dist.recv(tensor, src=src, tag=tag)
 
 
 def group_reduce_sum(tensor: torch.Tensor, dst: int, group) -> None:
     """Sum over the ranks of `group` into global rank `dst`'s copy."""
-    dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group)
+    with in_plain_words():
+        dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group)
 
 
 def group_broadcast(tensor: torch.Tensor, src: int, group) -> None:
-    dist.broadcast(tensor, src=src, group=group)
+    with in_plain_words():
+        dist.broadcast(tensor, src=src, group=group)
 
 
 def store_lost() -> bool:
@@ -348,8 +400,37 @@ def store_lost() -> bool:
     return False
 
 
+PEER_CLOSED = "the connection to another process of the job closed (that process died?)"
+PEER_REFUSED = "another process of the job refused the connection (it is not running?)"
+PEER_SILENT = "another process of the job did not answer in time"
+COMMUNICATION_FAILED = "communication with the job's other processes failed"
+# what gloo and c10d say, and shoal's words for it (their texts carry C++ source paths and advice paragraphs)
+_PLAIN_WORDS = (
+    (("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed"), PEER_CLOSED),
+    (("connection refused",), PEER_REFUSED),
+    (("timed out waiting", "wait timeout", "socket timeout", "operation to complete"), PEER_SILENT),
+)
+_LIBRARY_MARKS = ("gloo", "c10d", ".cpp", ".hpp", ".cc:", "glhf", "processgroup", "tcpstore", "torch/csrc")
+
+
+class CommunicationFailed(RuntimeError):
+    """A collective or message of this process failed; the message says why in shoal's words, never gloo's or c10d's."""
+
+
+@contextmanager
+def in_plain_words():
+    """A torch.distributed call whose failure is raised as CommunicationFailed, in words of shoal's (describe_error)."""
+    try:
+        yield
+    except CommunicationFailed:
+        raise
+    except RuntimeError as err:  # gloo's and c10d's errors (DistError among them) are RuntimeErrors
+        raise CommunicationFailed(describe_error(err)) from None
+
+
 def describe_error(err: BaseException, store_at: Optional[str] = None, store_host: str = "the process hosting it") -> str:
-    """gloo's or c10d's error in a few words: no source location, no advice paragraph.
+    """An error of torch.distributed in a few words of shoal's: what happened to the connection (closed, refused,
+    silent); no source location, no advice paragraph, no library's name. Other errors keep their first line.
 
     store_at ("HOST:PORT"): when the job's store no longer answers, that is the story (its host died),
     whatever the error that noticed it said ("Connection reset by peer", "Broken pipe").
@@ -358,6 +439,15 @@ def describe_error(err: BaseException, store_at: Optional[str] = None, store_hos
 
     if store_at is not None and store_lost():
         return f"lost the job's store at {store_at} ({store_host} died?)"
-    line = str(err).splitlines()[0] if str(err) else type(err).__name__
-    line = re.sub(r"^\[[^\]]*\]\s*", "", line)
-    return line.split(". This is typically")[0]
+    if isinstance(err, CommunicationFailed):
+        return str(err)
+    text = str(err)
+    lower = text.lower()
+    for needles, words in _PLAIN_WORDS:
+        if any(needle in lower for needle in needles):
+            return words
+    line = text.splitlines()[0] if text.strip() else type(err).__name__
+    line = re.sub(r"^(\[[^\]]*\]\s*)+", "", line).split(". This is typically")[0].strip()
+    if not line or any(mark in line.lower() for mark in _LIBRARY_MARKS):
+        return COMMUNICATION_FAILED
+    return line

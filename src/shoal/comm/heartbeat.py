@@ -2,8 +2,9 @@
 
 A daemon thread of every process sets `shoal/heartbeat/<rank>` to "<beat> <step>" four times within the
 stall timeout (every 2.5 s at the default 10 s, at least every 5 s) and reads its peers' values in one
-request once they all beat, through a store client of its own with a short timeout (a
-silent store cannot block it for long). A peer whose beat has not changed for the stall timeout
+request once they all beat (after one that checks they are all there: shoal never deletes a beat), through
+a store client of its own with a short timeout (a silent store cannot block it for long). A peer whose beat
+has not changed for the stall timeout
 (the plan's cluster.stall_timeout_s, passed in by shoal.launcher.stalls) is stalled. A SIGSTOPped
 or frozen process stops its heartbeat thread with everything else, so the silent peer is the stalled one, not a healthy rank
 that waits for it. When the store itself stops answering that long, its host is the stalled one
@@ -11,8 +12,13 @@ that waits for it. When the store itself stops answering that long, its host is 
 outright, twice in a row (its host died: a stopped host is silent instead), is lost at once. Only this process's monotonic clock is used:
 the hosts' clocks need not agree.
 
-A process that ends says "done" and is not watched any more. A value that does not parse (some
-other local process wrote the key) is ignored, with one warning per key. A process that was itself
+A process that ends says "done" and is not watched any more. Every beat carries a MAC under the job's
+secret and a freshness counter (shoal.comm.signed_store): a value that fails authentication (another
+local user wrote the key: any user can list and write the store's keys) is ignored, named once per key,
+and tells nothing about the peer, whose silence counts afresh from then on: while someone else writes
+its key, the peer is not judged by its heartbeat (a peer truly stopped meanwhile is found by the comm
+timeout). Without a secret (no job's), a value that does not parse is ignored with one warning per key and the
+peer judged by its silence. A process that was itself
 stopped longer than the timeout sees the gap between its own beats when it runs again (`on_woken`).
 
 Threads of the runtime that gave up on a peer leave a receive pending in gloo; the process must
@@ -26,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
+from shoal.comm.signed_store import SignedStore, failures, note_vanished
 from shoal.errors import warn
 
 KEY = "shoal/heartbeat/{}"
@@ -33,7 +40,7 @@ DONE = "done"
 
 
 def beat_interval(timeout: float) -> float:
-    """Four beats within the timeout (a short one in tests), at least one every 5 s: a beat is two requests to the
+    """Four beats within the timeout (a short one in tests), at least one every 5 s: a beat is three requests to the
     store per process, the only bytes a low-communication job (Local SGD) sends between its meetings."""
     return min(5.0, timeout / 4)
 
@@ -54,10 +61,13 @@ class Watch:
 
     def __init__(self, store, rank: int, world: int, on_stall: Callable[[Stall], None], timeout_s: float,
                  on_woken: Callable[[float], None] = lambda gap: None, store_host: Optional[int] = 0):
-        """`timeout_s`: seconds of silence after which a peer is stalled (the plan's cluster.stall_timeout_s)."""
+        """`store`: the job's (a SignedStore; a plain torch store: a job without a secret); `timeout_s`: seconds of
+        silence after which a peer is stalled (the plan's cluster.stall_timeout_s)."""
         self.rank, self.on_stall, self.on_woken, self.store_host = rank, on_stall, on_woken, store_host
         self.timeout = timeout_s
         self.interval = beat_interval(self.timeout)
+        if not isinstance(store, SignedStore):
+            store = SignedStore(store, None)
         # one client per thread (c10d's advice), with a timeout well inside the stall timeout
         self._client = store.clone()
         self._client.set_timeout(datetime.timedelta(seconds=max(0.5, min(2.0, self.timeout / 3))))
@@ -108,6 +118,11 @@ class Watch:
         self._stop.set()
         self._judge_thread.join()
         self._beater.join(timeout=2 * self.interval)
+        ignored = failures()
+        if ignored:
+            counts = ", ".join(f"{key} ({n})" for key, n in sorted(ignored.items()))
+            warn(f"WARNING: this process ignored {sum(ignored.values())} value(s) of the job's store that failed authentication: "
+                 f"{counts}")
         if self._beater.is_alive():  # blocked on a silent store: nobody is left to tell
             return
         try:
@@ -153,23 +168,36 @@ class Watch:
         watched = [p for p in self._peers if p not in self._done and p not in self._stalled]
         beating = [p for p in watched if p in self._seen]  # their keys exist: one multi_get reads them all
         if beating:
-            for peer, raw in zip(beating, self._client.multi_get([KEY.format(p) for p in beating])):
-                self._take(peer, raw, now)
+            keys = [KEY.format(p) for p in beating]
+            if self._client.check(keys):
+                values = self._client.multi_get(keys)
+            else:  # shoal never deletes a beat: someone did (multi_get would wait for it until the timeout)
+                values = [self._client.multi_get([k])[0] if self._client.check([k]) else self._vanished(k) for k in keys]
+            for peer, text in zip(beating, values):
+                self._take(peer, text, now)
         for peer in watched:
             if peer in beating:
                 continue
             key = KEY.format(peer)
             if not self._client.check([key]):  # not beating yet (it counts as silent from our start)
                 continue
-            self._take(peer, self._client.get(key), now)
+            self._take(peer, self._client.multi_get([key])[0], now)
 
-    def _take(self, peer: int, value: bytes, now: float) -> None:
-        key, raw = KEY.format(peer), value.decode(errors="replace")
-        parsed = _parse(raw)
+    def _vanished(self, key: str) -> None:
+        if self._client.signed:
+            note_vanished(self._client.prefix + key)
+        return None
+
+    def _take(self, peer: int, text: Optional[str], now: float) -> None:
+        """`text`: the peer's beat as read; None: what was there failed authentication (named by the store)."""
+        parsed = None if text is None else _parse(text)
+        if parsed is None and self._client.signed:  # another process writes the key: nothing is known of the peer
+            self._changed_at[peer] = now
+            return
         if parsed is None:
             if peer not in self._bad_reported:
                 self._bad_reported.add(peer)
-                warn(f"WARNING: ignoring heartbeat key {key} = {raw[:40]!r}: not written by shoal "
+                warn(f"WARNING: ignoring heartbeat key {KEY.format(peer)} = {(text or '')[:40]!r}: not written by shoal "
                      "(another process uses the job's store?)")
             return
         beat, step = parsed
@@ -219,7 +247,7 @@ def start(rank: int, world: int, timeout_s: float, **kwargs) -> Watch:
     from shoal.comm import dist as comm
 
     global _watch
-    store = comm._store
+    store = comm.signed_job_store()
     kwargs.setdefault("store_host", comm.store_host())
     _watch = Watch(store, rank, world, timeout_s=timeout_s, **kwargs).start()
     return _watch
@@ -258,8 +286,9 @@ def revive(rank: int) -> None:
         _watch.revive(rank)
 
 
-def say_gone(store, rank: int) -> None:
-    """The launcher saw `rank` exit: its peers stop watching it (they do not wait for its silence to be a stall)."""
+def say_gone(store: SignedStore, rank: int) -> None:
+    """The launcher saw `rank` exit: its peers stop watching it (they do not wait for its silence to be a stall).
+    `store`: the job's, as the launcher's client signs its values (shoal.comm.channels.job_store_client)."""
     store.set(KEY.format(rank), f"{DONE} -1")
 
 

@@ -15,12 +15,18 @@ of every plugin loaded in this process into the job's `plugin` field, and a proc
 spawns decodes the job it is handed in memory with `decode_job`, which loads those paths first
 (they were all given by the user to the launching process). Loading is idempotent: a file
 already loaded in this process is not loaded again.
+
+Nothing of the working folder runs: a job may be run in a folder that came with it, and Python puts the
+working folder first on the import path of `python -m` and `python -c`. The compiler therefore runs as
+`python -I` given this process's import path without the working folder (`import_path`), and
+multiprocessing's forkserver, which ranks and probes fork from, starts without it (`forkserver_context`).
 """
 
 from __future__ import annotations
 
-import importlib.resources
 import importlib.util
+import json
+import os
 import re
 import subprocess
 import sys
@@ -36,7 +42,8 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from shoal.config import common_pb2, job_pb2
 from shoal.config.errors import JobError, did_you_mean
 
-__all__ = ["PluginError", "PluginRefused", "decode_job", "extension", "extensions_of", "load_job_plugins", "load_plugins", "loaded_plugins"]
+__all__ = ["PluginError", "PluginRefused", "decode_job", "extension", "extensions_of", "forkserver_context", "import_path",
+           "load_job_plugins", "load_plugins", "loaded_plugins"]
 
 CONFIG_DIR = Path(__file__).resolve().parent
 SUFFIXES = (".proto", ".py")
@@ -44,6 +51,10 @@ SUFFIXES = (".proto", ".py")
 SCHEMA_MODULES = {"job_pb2": job_pb2, "common_pb2": common_pb2}
 WELL_KNOWN_PREFIX = "google/protobuf/"  # protobuf's own .proto files, whose modules ship with protobuf
 _PROTOC_MESSAGE = re.compile(r"^(?P<file>[^:\n]+):(?P<line>\d+):(?P<col>\d+): (?P<message>.*)$")
+# the compiler's interpreter, started isolated (-I: nothing from the working folder or the environment), is handed
+# this process's import path less the working folder (its first argument), so that it imports the grpc_tools and
+# protobuf shoal would; grpc_tools' entry point adds the include folder of protobuf's .proto files last
+_PROTOC = "import json, sys; sys.path[:] = json.loads(sys.argv.pop(1)); from grpc_tools import protoc; protoc.entrypoint()"
 
 _loaded: dict[str, ModuleType] = {}  # resolved path -> its module, in load order
 
@@ -126,6 +137,43 @@ def extension(message, name: str):
     return message.Extensions[known[name]]
 
 
+# -- the interpreters shoal starts: never with the working folder on their import path ---------------------------
+def import_path() -> list[str]:
+    """This process's import path without the working folder (nor '' or any relative entry, which name it): where an
+    interpreter shoal starts finds its packages (the compiler's grpc_tools and protobuf)."""
+    try:
+        here = os.path.realpath(os.getcwd())
+    except OSError:  # the working folder was removed: nothing can be imported from it
+        here = None
+    return [entry for entry in sys.path if os.path.isabs(entry) and os.path.realpath(entry) != here]
+
+
+def forkserver_context(preload: Sequence[str]):
+    """multiprocessing's forkserver context, its server running; started here, once per process, without the working
+    folder on its import path.
+
+    multiprocessing starts the server (and its resource tracker) as `python -c ...`, which puts the working folder
+    first on sys.path: the server's first imports (multiprocessing, then `preload`: torch, google.protobuf, shoal)
+    would come from a package lying there. PYTHONSAFEPATH (Python 3.11+) keeps it off, in the server's environment
+    only: a rank forked from it takes the launcher's environment and sys.path (launch._entry, multiprocessing's own).
+    """
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(preload))  # effective until the server starts (once per process)
+    before = os.environ.get("PYTHONSAFEPATH")
+    os.environ["PYTHONSAFEPATH"] = "1"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONSAFEPATH"]
+        else:
+            os.environ["PYTHONSAFEPATH"] = before
+    return context
+
+
 # -- finding and loading ---------------------------------------------------------------
 def _resolve(path: Path, base_dirs: list[Path]) -> Path:
     candidates = [path] if path.is_absolute() else [Path.cwd() / path] + [d / path for d in base_dirs]
@@ -169,15 +217,16 @@ def _load_proto(path: Path) -> ModuleType:
 
 
 def _compile(path: Path, out: Path) -> None:
-    well_known = importlib.resources.files("grpc_tools") / "_proto"  # google/protobuf/*.proto
-    command = [sys.executable, "-m", "grpc_tools.protoc", f"-I{CONFIG_DIR}", f"-I{path.parent}", f"-I{well_known}", f"--python_out={out}",
-               f"--descriptor_set_out={out / 'descriptor.pb'}", "--include_source_info", str(path)]
+    command = [sys.executable, "-I", "-c", _PROTOC, json.dumps(import_path()), f"-I{CONFIG_DIR}", f"-I{path.parent}",
+               f"--python_out={out}", f"--descriptor_set_out={out / 'descriptor.pb'}", "--include_source_info", str(path)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as err:
         raise PluginError(str(path), f"cannot run protoc: {err}") from None
     if done.returncode == 0:
         return
+    if "No module named 'grpc_tools'" in done.stderr:
+        raise PluginError(str(path), "shoal compiles .proto plugins with grpcio-tools: pip install grpcio-tools")
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     for line in lines:
         m = _PROTOC_MESSAGE.match(line)
@@ -185,8 +234,6 @@ def _compile(path: Path, out: Path) -> None:
             source = str(path) if Path(m["file"]).name == path.name else m["file"]
             raise PluginError(source, m["message"], int(m["line"]), int(m["col"]))
     errors = [line for line in lines if "warning" not in line.lower() and not line.startswith(("WARNING:", "W0000"))]
-    if not errors and "No module named" in done.stderr:
-        errors = ["shoal compiles .proto plugins with grpcio-tools: pip install grpcio-tools"]
     raise PluginError(str(path), errors[-1] if errors else f"protoc failed with exit code {done.returncode}")
 
 

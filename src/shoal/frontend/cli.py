@@ -154,7 +154,7 @@ def _add_jobs(sub: argparse._SubParsersAction) -> None:
     listing.add_argument("--json", action="store_true", help="machine-readable output, workspaces as full paths")
     view = verbs.add_parser("view", help="hosts, pids, workspace and last metrics of a job")
     view.add_argument("id", type=int)
-    kill = verbs.add_parser("kill", help="stop every process of a job (SIGTERM; only processes that still match the record)")
+    kill = verbs.add_parser("kill", help="stop every process of a job (SIGTERM; only processes that provably are its run)")
     kill.add_argument("id", type=int)
 
 
@@ -252,8 +252,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         history = api.train(job, args.workspace, args.resume, progress=False if args.no_progress else None, nodes=nodes,
                             job_file=str(job_path))
-    except KeyboardInterrupt:
-        raise RunInterrupted(_resume_advice(job, args.workspace)) from None
+    except KeyboardInterrupt as stop:
+        raise RunInterrupted(_restart_advice(job, args, stop) or _resume_advice(job, args.workspace)) from None
     finally:
         close_open_bars()  # a run stopped by an error: the bar goes before the message comes
         if handles_sigterm:
@@ -318,6 +318,35 @@ def _terminated(signum, frame):
 
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM stopped `shoal run`; the message (one line) says whether --resume can continue it."""
+
+
+def _restart_advice(job, args: argparse.Namespace, stop: KeyboardInterrupt) -> Optional[str]:
+    """A process of a job torchrun started, stopped by torchrun's SIGTERM while it has restarts left: torchrun starts
+    the job's processes again (its agent stops the others when one fails), so the line says that, not "interrupted"."""
+    from shoal.launcher import launchers
+    from shoal.report.run_log import Terminated
+
+    try:
+        launched = launchers.detect(os.environ)
+    except launchers.LauncherEnvError:
+        return None
+    if not isinstance(stop, Terminated) or launched is None or launched.launcher != "torchrun" \
+            or launched.restart >= launched.max_restarts:
+        return None  # Ctrl-C, another launcher, or no restart left: "interrupted", and how to go on
+    from shoal.neuralnet import checkpoint as ckpt_io
+    from shoal.launcher.run_job import resolve_workspace
+
+    newest = ckpt_io.latest(resolve_workspace(job, args.workspace))
+    if newest is not None and args.resume:
+        then = f"it resumes from the newest readable checkpoint ({newest.name})"
+    elif newest is not None:
+        then = "it will refuse the workspace's checkpoints: give --resume=auto so that a restart continues from them"
+    elif args.resume is True:
+        then = "it will find no checkpoint to resume from (--resume=auto starts over when there is none)"
+    else:
+        then = "it starts over (no checkpoint yet)"
+    return (f"shoal: process {launched.rank} stopped by torchrun, which restarts the job's processes when one fails "
+            f"(restart {launched.restart + 1} of {launched.max_restarts}): {then}")
 
 
 def _resume_advice(job, workspace: Optional[Path]) -> str:

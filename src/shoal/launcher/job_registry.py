@@ -6,11 +6,18 @@ and keeps its status current; `shoal jobs list | view ID | kill ID` read and act
 
 The folder (0700) and its files (0600) are the user's own. Whatever else lies there is read as untrusted:
 only regular files of the user's, at most MAX_RECORD_BYTES, every field type-checked; anything else is one
-line naming the file and what is wrong. `kill` signals only processes that still match their record
-(launcher/process_identity.py).
+line naming the file and what is wrong.
+
+A record names processes, but it is a file: copied, edited or downloaded, it can name any process of the user's
+with its start time and command line. So the process that registers a job holds a POSIX write lock on
+<id>.lock (0600, made afresh) until it finishes, and `kill` signals only a process of the record that still
+matches it and is that lock's holder, as the kernel names it, or was started by the holder (its ranks):
+provably this job's run (launcher/process_identity.py). The lock goes with the process: a run that ended,
+a reboot or a record of another machine leaves nothing to prove.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -33,8 +40,16 @@ STATUSES = ("running", "finished", "failed", "killed")
 _RECORD_NAME = re.compile(r"[1-9][0-9]{0,17}\.json")
 _LATEST_TIME = 1e11  # seconds since 1970 (year 5138): beyond it a time is not one shoal wrote
 
+_held: dict[int, int] = {}  # job id -> the descriptor of its lock file, for each job this process runs
+
+
 def registry_dir() -> Path:
     return Path(os.environ.get("SHOAL_HOME", Path.home() / ".shoal")) / "jobs"
+
+
+def lock_path(job_id: int) -> Path:
+    """The file whose POSIX lock the process running job `job_id` holds: what proves a process is the job's run."""
+    return registry_dir() / f"{job_id}.lock"
 
 
 class JobNotFound(ShoalError, ValueError):
@@ -50,7 +65,7 @@ class RegistryError(ShoalError, OSError):
 
 
 class StaleRecord(ShoalError, ValueError):
-    """`jobs kill` found no process of the job that still matches its record: nothing was signalled."""
+    """`jobs kill` found no process of the job that provably is its run: nothing was signalled."""
 
 
 @dataclass
@@ -147,14 +162,53 @@ def register(name: str, job_file: str, workspace: Path) -> JobRecord:
     while True:
         try:
             _write_new(folder, json.dumps(asdict(record), indent=1), lambda tmp: os.link(tmp, record.path))
-            return record
+            break
         except FileExistsError:
             record.id += 1
+    try:
+        _hold_lock(record.id)
+    except RegistryError as err:
+        finish(record, "failed", str(err))
+        raise
+    return record
 
 
 def finish(record: JobRecord, status: str, message: str = "") -> None:
     record.status, record.ended, record.message = status, time.time(), message
-    record.save()
+    try:
+        record.save()
+    finally:
+        _release_lock(record.id)
+
+
+def _hold_lock(job_id: int) -> None:
+    """Make the job's lock file afresh and hold a POSIX write lock on it until `finish` (or this process ends)."""
+    path = lock_path(job_id)
+    try:
+        try:
+            os.unlink(path)  # left by a run of an earlier job with this id (the id was free: nothing runs it)
+        except FileNotFoundError:
+            pass
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as err:
+        raise RegistryError(f"{path}: cannot make the job's lock ({err.strerror})") from None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        os.close(fd)
+        raise RegistryError(f"{path}: cannot lock it ({err.strerror})") from None
+    _held[job_id] = fd
+
+
+def _release_lock(job_id: int) -> None:
+    fd = _held.pop(job_id, None)
+    if fd is None:  # a job this process did not register (or finished already)
+        return
+    try:
+        os.unlink(lock_path(job_id))
+    except OSError:
+        pass
+    os.close(fd)  # the lock goes with it
 
 
 # --- reading -------------------------------------------------------------------------------------------------
@@ -339,10 +393,11 @@ def _record_from(data: Any, path: Path, job_id: int) -> JobRecord:
 # --- acting on a record --------------------------------------------------------------------------------------
 
 def kill(job_id: int) -> tuple[JobRecord, list[str]]:
-    """SIGTERM each process of the job on this host that still matches its record; mark the job killed.
+    """SIGTERM each process of the job on this host that provably is its run; mark the job killed.
 
-    Returns the record and one line for each process left alone. Nothing is signalled (StaleRecord) when no
-    process matches; a job that already ended is left as it is.
+    A process is signalled when it still matches its record (pid, start time, owner, command line) and holds the
+    job's lock or was started by the process that does. Returns the record and one line for each process left
+    alone. Nothing is signalled (StaleRecord) when no process qualifies; a job that already ended is left as it is.
     """
     record = load(job_id)
     if record.status != "running":
@@ -356,20 +411,57 @@ def kill(job_id: int) -> tuple[JobRecord, list[str]]:
     if record.live_status() == "died":
         gone = [f"rank {p['rank']}: {process_identity.mismatch(p['pid'], p['start'], None)[1]}" for p in local]
         raise StaleRecord(f"job {job_id}: not running (died); its record is stale ({_some(gone)}), nothing signalled")
-    signalled, left = 0, []
-    for proc in local:
-        try:
-            reason = process_identity.terminate(proc["pid"], proc["start"], proc["cmdline"])
-        except SignalRefused as err:
-            reason = str(err)
-        if reason:
-            left.append(f"rank {proc['rank']}: {reason}")
-        else:
-            signalled += 1
+    if job_id in _held:  # (asking the kernel who holds the lock would open and close the file: ours would go)
+        raise StaleRecord(f"job {job_id}: run by this very process; nothing signalled")
+    pinned = [process_identity.Pinned(p["pid"]) for p in local]  # before any check: no pid reused in between
+    try:
+        holder, unproven = _lock_holder(job_id)
+        reasons = [pin.mismatch(p["start"], p["cmdline"]) or _not_the_run(pin.pid, holder, unproven)
+                   for p, pin in zip(local, pinned)]
+        signalled, left = 0, []
+        for proc, pin, reason in zip(local, pinned, reasons):
+            if not reason:
+                try:
+                    reason = pin.terminate()
+                except SignalRefused as err:
+                    reason = str(err)
+            if reason:
+                left.append(f"rank {proc['rank']}: {reason}")
+            else:
+                signalled += 1
+    finally:
+        for pin in pinned:
+            pin.close()
     if not signalled:
-        raise StaleRecord(f"job {job_id}: no process of it matches its record ({_some(left)}); nothing signalled")
+        raise StaleRecord(f"job {job_id}: no process of it is provably its run ({_some(left)}); nothing signalled")
     finish(record, "killed")
     return record, left
+
+
+def _lock_holder(job_id: int) -> tuple[Optional[int], str]:
+    """The pid holding the job's lock, or None and why nothing proves a process is the job's run."""
+    path = lock_path(job_id)
+    try:
+        holder = process_identity.lock_holder(path)
+    except FileNotFoundError:
+        return None, f"its lock {path} is gone (a record of an older shoal, or of a run that ended)"
+    except OSError as err:
+        return None, f"its lock {path} cannot be read ({err.strerror})"
+    except process_identity.NotALock as err:
+        return None, f"its lock {path} is {err}"
+    if not holder:  # None: nobody; 0: a process the kernel cannot name in this PID namespace
+        return None, f"nothing here holds its lock {path}"
+    return holder, ""
+
+
+def _not_the_run(pid: int, holder: Optional[int], unproven: str) -> str:
+    """Why process `pid` is not provably the job's run: "" when it holds the job's lock or the holder started it."""
+    if holder is None:
+        return f"pid {pid} is not shown to be this job's run: {unproven}"
+    if pid == holder or process_identity.descends_from(pid, holder):
+        return ""
+    return (f"pid {pid} is not shown to be this job's run: it neither holds the job's lock nor was started by its holder "
+            f"(pid {holder})")
 
 
 def _some(reasons: list[str]) -> str:

@@ -35,12 +35,13 @@ from shoal.comm import auth
 from shoal.comm import dist as comm
 from shoal.comm import heartbeat
 from shoal.comm import rendezvous
-from shoal.config.plugins import decode_job
+from shoal.config.plugins import decode_job, forkserver_context
 from shoal.errors import ShoalError, warn
 from shoal.planning.nodes import ranks_of_node
 from shoal.planning.plan import JobPlan, plan_job
 from shoal.report.metrics import read_metrics
 from shoal.report.run_log import Terminated, mark_run_ended
+from shoal.report.summary import note_group_ends, restate_reason
 from shoal.runtime.assemble import RunSpec, run_process
 from shoal.launcher import faults, rejoin, stalls
 from shoal.launcher.ranks import chief_log, describe_process, expendable, rank_output
@@ -83,6 +84,11 @@ class StalledPeer(RuntimeError):
 
 class PeerFailed(RuntimeError):
     """Another process failed with an error of its own (a full disk, say): the message is its line, naming it."""
+
+
+class ConnectionFailed(comm.CommunicationFailed):
+    """A collective or message of this process failed, in shoal's words (a peer's connection closed, say); where the
+    launcher saw a peer die, its line names that one instead."""
 
 
 FAILURE_KEY = "failure"  # where a rank that failed with a ShoalError leaves its line for its peers
@@ -140,30 +146,45 @@ def join_world(plan: JobPlan, rank: int, world: int, ranks_per_node: int, host: 
 
 def run_rank(plan: JobPlan, rank: int, spec: RunSpec) -> History:
     """run_process for a rank of a world; a failed collective becomes StalledPeer naming who stopped answering."""
-    world = plan.nprocs
     try:
         return run_process(plan, rank, spec)
     except ShoalError as err:  # the cause of the job's end: the peers, who see only a closed connection, name it
         _publish_failure(f"{describe_process(plan, rank)} failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
         raise
-    except RuntimeError as err:  # a collective failed: find who stopped answering
-        if comm.store_lost():  # no progress to read: the caller names the store's host
-            raise RuntimeError(f"{str(err).splitlines()[0]}") from None
-        cause = comm.published(FAILURE_KEY, wait_s=1.0)
-        if cause is not None:
-            raise PeerFailed(cause) from None
-        progress = comm.progress(world)
-        calls = progress[rank]
-        behind = [r for r, c in progress.items() if r != rank and c < calls]
-        if behind:
-            who = "; ".join(f"{describe_process(plan, r)} stopped answering at step {heartbeat.last_step(r)}" for r in behind)
-            raise StalledPeer(f"{who} (process {rank} waited {plan.comm_timeout_s:.0f} s at step {heartbeat.last_step(rank)})") from None
-        raise RuntimeError(f"{str(err).splitlines()[0]}") from None
+    except RuntimeError as err:  # a collective failed: find who stopped answering, in words of ours (never gloo's)
+        failure = _collective_failure(plan, rank, err)
+        if rank == 0:  # the chief closed summary.json with what its collective saw: the reason is this line
+            named = isinstance(failure, (StalledPeer, PeerFailed))  # they name the process at fault
+            restate_reason(spec.workspace, str(failure) if named else f"{describe_process(plan, rank)} failed: {failure}")
+        raise failure from None
+
+
+def _collective_failure(plan: JobPlan, rank: int, err: RuntimeError) -> RuntimeError:
+    """Why process `rank`'s collective failed: a peer's own line, the peer that stopped answering, or what happened
+    to the connection."""
+    why = comm.describe_error(err)
+    if comm.store_lost():  # no progress to read: the caller names the store's host
+        return ConnectionFailed(why)
+    cause = comm.published(FAILURE_KEY, wait_s=1.0)
+    if cause is not None:
+        return PeerFailed(cause)
+    if why == comm.PEER_CLOSED:  # a peer died, it did not stall: the launcher that saw it exit names it
+        return ConnectionFailed(why)
+    progress = comm.progress(plan.nprocs)
+    calls = progress[rank]
+    behind = [r for r, c in progress.items() if r != rank and c < calls]
+    if behind:
+        who = "; ".join(f"{describe_process(plan, r)} stopped answering at step {heartbeat.last_step(r)}" for r in behind)
+        return StalledPeer(f"{who} (process {rank} waited {plan.comm_timeout_s:.0f} s at step {heartbeat.last_step(rank)})")
+    return ConnectionFailed(why)
+
+
+FAILURE_LINE_CHARS = 2000
 
 
 def _publish_failure(line: str) -> None:
     try:
-        comm.publish(FAILURE_KEY, line)
+        comm.publish(FAILURE_KEY, line[:FAILURE_LINE_CHARS])  # a value of the store is bounded (shoal.comm.signed_store)
     except (RuntimeError, AttributeError):  # the store is gone too (or there is none): the launcher still hears it
         pass
 
@@ -192,8 +213,13 @@ def _entry(local_index: int, ranks: list[int], meeting: Meeting, environment: di
             process_setup()
         plan = plan_job(decode_job(job_bytes), nnodes=meeting.nnodes)  # decode_job: the job's plugins first
         # a client of the store the rendezvous gave (attempt 0), as torchrun's workers are of their agent's
-        join_world(plan, rank, meeting.world, meeting.ranks_per_node, meeting.store_host, meeting.store_port,
-                   meeting.interface, auth.required_secret("a rank of a job"), agent_store_attempt=0)
+        try:
+            join_world(plan, rank, meeting.world, meeting.ranks_per_node, meeting.store_host, meeting.store_port,
+                       meeting.interface, auth.required_secret("a rank of a job"), agent_store_attempt=0)
+        except ShoalError:
+            raise
+        except (RuntimeError, ValueError, OSError) as err:  # torch's store and gloo errors, in words of ours
+            raise ProcessFailed(f"cannot join the job's processes: {comm.describe_error(err)}") from None
         try:
             spec = RunSpec(Path(workspace), [Path(d) for d in base_dirs], Path(resume_from) if resume_from else None,
                            log=chief_log(rank, log_file), progress=False, initial_values=initial_values,
@@ -250,31 +276,47 @@ def run_launched(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
     except ShoalError:
         raise
     except (StalledPeer, PeerFailed) as err:
-        raise ProcessFailed(f"{err}; see {workspace}/logs") from None
+        raise ProcessFailed(f"{err}; see {workspace}/logs{_restarting(launched)}") from None
     except RuntimeError as err:  # the store's host gone (torchrun's agent killed) is named as such
         why = comm.describe_error(err, store_at, store_host)
-        raise ProcessFailed(f"{describe_process(plan, rank)} failed: {why}; see {workspace}/logs/rank{rank}.log") from None
+        raise ProcessFailed(f"{describe_process(plan, rank)} failed: {why}; see {workspace}/logs/rank{rank}.log"
+                            f"{_restarting(launched)}") from None
     finally:
         comm.shutdown()
 
 
-def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace: Path, restarter=None) -> list[str]:
+def _restarting(launched: LaunchedProcess) -> str:
+    """What follows a failure under torchrun with restarts left: it starts the job's processes again."""
+    if launched.launcher != "torchrun" or launched.restart >= launched.max_restarts:
+        return ""
+    return f"; torchrun restarts the job's processes (restart {launched.restart + 1} of {launched.max_restarts})"
+
+
+def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace: Path, restarter=None,
+                            ends: Optional[dict[int, str]] = None) -> list[str]:
     """Wait for the processes of an asynchronous job; a dead worker group is reported, not fatal, and restarted
     into the running job when it can be (`restarter`: shoal.launcher.rejoin.Restarter, --max-restarts).
 
     Returns when every process has exited or one that the job cannot lose has
     failed (torch's context.join then reports it and stops the others): the worker groups of this node that
     ended without finishing (died and not restarted, or dropped for a stall), as History.failed_groups names them.
+    `ends` gets, per worker group whose process ended early, what happened to it (summary.json's missed_updates).
     """
     from multiprocessing.connection import wait
 
     reported: set[int] = set()
+    ends = {} if ends is None else ends
+
+    def ended(index: int, what: str) -> None:
+        ends[rejoin.group_of(plan, ranks[index])] = what
 
     def failed_groups() -> list[str]:
         return [f"worker group {g}" for g in sorted({rejoin.group_of(plan, ranks[i]) for i in reported})]
 
     while True:
-        reported.update(stalls.end_dropped(context, ranks, lambda rank: not expendable(plan, rank)))
+        for i in stalls.end_dropped(context, ranks, lambda rank: not expendable(plan, rank)):
+            reported.add(i)
+            ended(i, f"dropped: process {ranks[i]} stopped answering")
         exited = [i for i, p in enumerate(context.processes) if p.exitcode is not None]
         for i in exited:
             code = context.processes[i].exitcode
@@ -284,8 +326,11 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
                 context.sentinels.pop(context.processes[i].sentinel, None)  # torch's join must not fail the job for it
                 said = code != stalls.GROUP_DROPPED_EXIT and restarter is not None and restarter.restart(context, i, ranks[i], code)
                 if context.processes[i].exitcode is None:  # restarted: a new process in its place
+                    ended(i, f"process {ranks[i]} was restarted after it exited with code {code}")
                     continue
                 reported.add(i)
+                ended(i, f"dropped: process {ranks[i]} stopped answering" if code == stalls.GROUP_DROPPED_EXIT
+                      else f"process {ranks[i]} exited with code {code}")
                 if code != stalls.GROUP_DROPPED_EXIT and not said:  # dropped for a stall: the chief has warned
                     warn(f"WARNING: {describe_process(plan, ranks[i])} exited with code {code}; "
                          f"the other worker groups go on (see {workspace}/logs/rank{ranks[i]}.log)")
@@ -318,8 +363,18 @@ def _failed(message: str, workspace: Path, ranks: list[int], root_cause: bool = 
 
 
 def _exited(plan: JobPlan, rank: int, code: int, workspace: Path, ranks: list[int]) -> ProcessFailed:
-    return _failed(f"{describe_process(plan, rank)} exited with code {code}; "
+    stops = stalls.why_the_job_stops(plan)  # a job of several groups that cannot outlive one (Local SGD) says why
+    return _failed(f"{describe_process(plan, rank)} exited with code {code}; {stops + '; ' if stops else ''}"
                    f"the other processes were stopped; see {workspace}/logs/rank{rank}.log", workspace, ranks, root_cause=rank != 0)
+
+
+def _died_first(first_exits: dict[int, int], context) -> Optional[int]:
+    """The index of a process that died without an error of its own (a signal, an exit: no traceback for torch to
+    keep) among those that had exited when the first failure was seen; None if none did."""
+    for index, code in sorted(first_exits.items()):
+        if code not in (stalls.STALLED_EXIT, stalls.GROUP_DROPPED_EXIT) and not os.access(context.error_files[index], os.R_OK):
+            return index
+    return None
 
 
 def _error_line(traceback_text: str) -> str:
@@ -381,12 +436,13 @@ def meet(nodes: Nodes, plan: JobPlan) -> rendezvous.NodeRendezvous:
 def start_method() -> str:
     """How ranks start: forked from multiprocessing's forkserver, which imported torch and shoal once (a rank then
     costs milliseconds, not an interpreter and torch's import each: seconds of CPU), else spawned. Each rank gets
-    the launcher's environment of the moment (`_entry`); cwd and sys.path travel as with spawn."""
+    the launcher's environment of the moment (`_entry`); cwd and sys.path travel as with spawn. The server starts
+    here (once per launcher) without the working folder on its import path (forkserver_context)."""
     import multiprocessing
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    multiprocessing.set_forkserver_preload([__name__])  # effective until the server starts (once per launcher)
+    forkserver_context([__name__])
     return "forkserver"
 
 
@@ -418,10 +474,17 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)
                     if sig == signal.SIGTERM or signal.getsignal(sig) is not signal.SIG_IGN}
         failed_groups: list[str] = []
+        group_ends: dict[int, str] = {}
+        first_exits: dict[int, int] = {}
         try:
-            if not plan.strategy.synchronous:
-                failed_groups = _join_tolerating_groups(context, ranks, plan, workspace, rejoin.Restarter(plan, meeting, spec, process_setup, environment))
+            if plan.strategy.outlives_a_dead_group:  # (its strategy says so: Downpour, Hogwild) a dead group is dropped
+                failed_groups = _join_tolerating_groups(context, ranks, plan, workspace,
+                                                        rejoin.Restarter(plan, meeting, spec, process_setup, environment), group_ends)
+            elif plan.max_restarts > 0 and plan.cluster.nworker_groups > 1:  # Local SGD: a dead group stops the job
+                warn(f"WARNING: --max-restarts: only Downpour worker groups are restarted; {plan.label}'s are not")
             stalls.wait_for_first_failure(context)  # and SIGKILL stopped processes, which SIGTERM cannot end
+            # who had exited when the first failure was seen, before torch's join stops the others
+            first_exits = {i: p.exitcode for i, p in enumerate(context.processes) if p.exitcode not in (None, 0)}
             while not context.join():
                 pass
         except KeyboardInterrupt as interruption:
@@ -446,9 +509,13 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
             raise _failed(last.split(": ", 1)[1], workspace, ranks) from None
         if last.startswith((f"{__name__}.StalledPeer: ", f"{__name__}.PeerFailed: ")):
             raise _failed(last.split(": ", 1)[1] + f"; see {workspace}/logs", workspace, ranks) from None
+        died = _died_first(first_exits, context) if last.startswith(f"{__name__}.ConnectionFailed: ") else None
+        if died is not None:  # its peer only saw the connection close: the dead one is the story
+            raise _exited(plan, ranks[died], first_exits[died], workspace, ranks) from None
         last = _error_line(last)
         raise _failed(f"{describe_process(plan, rank)} failed: {last}; see {workspace}/logs/rank{rank}.log", workspace, ranks) from None
     history = History(workspace, failed_groups=failed_groups)
     if 0 in ranks:  # the chief's node holds the metrics
         history.records = read_metrics(metrics, metrics_start)
+        note_group_ends(workspace, group_ends)  # the groups that ended early, for the closing line
     return history

@@ -1,15 +1,23 @@
-"""Which process a pid is now, from /proc, and a signal only to the process the registry recorded.
+"""Which process a pid is now, from /proc, and a signal only to a process that provably is a job's run.
 
 A pid alone names whichever process holds it today: the job's process may have ended and its pid gone to
 another program. The registry therefore records each process's start time (/proc/PID/stat field 22,
 clock ticks since boot) and command line (/proc/PID/cmdline), and `shoal jobs kill` signals a pid only
-while both still match and the process is the user's own. The signal goes through a pidfd opened before
-the check, so a pid reused between the check and the signal cannot receive it.
+while both still match and the process is the user's own. Those can be copied into a record, though, for
+any process (a `sleep` started at the right moment): what proves a process is the job's run is the lock
+the run holds, which no other process can hold. The process that registered a job holds a POSIX write
+lock on the job's lock file for as long as it runs; the kernel names its holder (`lock_holder`, F_GETLK)
+and the job's other processes descend from it (`descends_from`: the ranks it forked). The signal goes
+through a pidfd opened before the checks (`Pinned`), so a pid reused in between cannot receive it.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
+import stat
+import struct
+from pathlib import Path
 from typing import Optional
 
 from shoal.errors import ShoalError
@@ -17,6 +25,10 @@ from shoal.errors import ShoalError
 
 class SignalRefused(ShoalError, PermissionError):
     """The process exists and matches, but the system does not let this user signal it."""
+
+
+class NotALock(ShoalError, ValueError):
+    """A file named as a job's lock that shoal did not make: its lockers prove nothing."""
 
 
 def start_time(pid: int) -> Optional[int]:
@@ -45,6 +57,26 @@ def owner(pid: int) -> Optional[int]:
         return os.stat(f"/proc/{pid}").st_uid
     except OSError:
         return None
+
+
+def parent(pid: int) -> Optional[int]:
+    """Process `pid`'s parent (/proc/PID/stat field 4); None where unknown."""
+    fields = _stat_fields(pid)
+    try:
+        return int(fields[1]) if fields else None
+    except (IndexError, ValueError):
+        return None
+
+
+def descends_from(pid: int, ancestor: int) -> bool:
+    """Whether `ancestor` started `pid`, directly or through its children (a rank forked by the launcher's forkserver)."""
+    for _ in range(64):  # deeper than any chain shoal makes; a loop in a racing /proc ends here too
+        pid = parent(pid)
+        if pid is None or pid <= 1:
+            return False
+        if pid == ancestor:
+            return True
+    return False
 
 
 def is_zombie(pid: int) -> bool:
@@ -87,30 +119,68 @@ def mismatch(pid: int, start: Optional[int], cmdline: Optional[list[str]]) -> tu
     return True, ""
 
 
-def terminate(pid: int, start: Optional[int], cmdline: Optional[list[str]]) -> str:
-    """SIGTERM `pid` if it is still the recorded process; "" when signalled, else why not (nothing was sent)."""
+# struct flock as F_GETLK fills it (short l_type, l_whence; off_t l_start, l_len; pid_t l_pid), native layout, with
+# room to spare for the padding a platform adds after it
+_FLOCK = "hhqqi"
+
+
+def lock_holder(path: Path) -> Optional[int]:
+    """The pid of the process holding a POSIX write lock on the file `path` (0: one outside this PID namespace);
+    None when nobody holds one. OSError when the file cannot be opened (never through a symbolic link), NotALock when
+    it is not a regular file of this user's with one name.
+
+    The kernel records which process took a POSIX lock, and F_GETLK names it. Its holder must not call this: a
+    process's close of any descriptor of the file releases its POSIX locks on it.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     try:
-        handle = os.pidfd_open(pid) if pid > 1 else None  # pins this very process before it is checked
-    except ProcessLookupError:
-        return f"pid {pid} has exited"
-    except (OSError, AttributeError):  # a kernel or Python without pidfds: check, then signal by pid
-        handle = None
-    try:
-        _, reason = mismatch(pid, start, cmdline)
-        if not reason and pid == os.getpid():
-            reason = f"pid {pid} is this very command"
-        if reason:
-            return reason
-        try:
-            if handle is not None:
-                signal.pidfd_send_signal(handle, signal.SIGTERM)
-            else:
-                os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return f"pid {pid} has exited"
-        except PermissionError as err:
-            raise SignalRefused(f"pid {pid}: not permitted to signal it ({err.strerror})") from None
-        return ""
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_nlink != 1:
+            # a hard link would name whoever locks the file it shares (a program's database): not a lock shoal made
+            raise NotALock("not a lock file shoal made (a regular file of yours with one name)")
+        asked = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0) + bytes(32)
+        kind, _, _, _, pid = struct.unpack_from(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, asked))
     finally:
-        if handle is not None:
-            os.close(handle)
+        os.close(fd)
+    return None if kind == fcntl.F_UNLCK else pid
+
+
+class Pinned:
+    """Process `pid` held through a pidfd from before it is checked until it is signalled: if it ends and its pid is
+    reused meanwhile, the signal finds the ended process, not the new one. Close it when done."""
+
+    def __init__(self, pid: int):
+        self.pid, self.exited, self._handle = pid, False, None
+        try:
+            self._handle = os.pidfd_open(pid) if pid > 1 else None
+        except ProcessLookupError:
+            self.exited = True
+        except (OSError, AttributeError):  # a kernel or Python without pidfds: check, then signal by pid
+            pass
+
+    def close(self) -> None:
+        if self._handle is not None:
+            os.close(self._handle)
+            self._handle = None
+
+    def mismatch(self, start: Optional[int], cmdline: Optional[list[str]]) -> str:
+        """Why this is not the recorded process ("" when it is): `mismatch`'s reason, or this very command."""
+        if self.exited:
+            return f"pid {self.pid} has exited"
+        _, reason = mismatch(self.pid, start, cmdline)
+        if not reason and self.pid == os.getpid():
+            reason = f"pid {self.pid} is this very command"
+        return reason
+
+    def terminate(self) -> str:
+        """SIGTERM it; "" when signalled, else why not."""
+        try:
+            if self._handle is not None:
+                signal.pidfd_send_signal(self._handle, signal.SIGTERM)
+            else:
+                os.kill(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return f"pid {self.pid} has exited"
+        except PermissionError as err:
+            raise SignalRefused(f"pid {self.pid}: not permitted to signal it ({err.strerror})") from None
+        return ""

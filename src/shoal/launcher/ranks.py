@@ -16,9 +16,10 @@ def describe_process(plan: JobPlan, rank: int) -> str:
 
 
 def expendable(plan: JobPlan, rank: int) -> bool:
-    """Asynchronous jobs outlive a process that hosts only workers of groups other than group 0."""
+    """Jobs whose groups outlive a dead one (Downpour, Hogwild: the strategy says) outlive a process that hosts only
+    workers of groups other than group 0."""
     proc = plan.process(rank)
-    return not plan.strategy.synchronous and bool(proc.workers) and all(m.group != 0 for m in proc.workers + proc.servers)
+    return plan.strategy.outlives_a_dead_group and bool(proc.workers) and all(m.group != 0 for m in proc.workers + proc.servers)
 
 
 @contextmanager

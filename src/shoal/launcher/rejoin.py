@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from shoal.comm import auth, channels, heartbeat
+from shoal.comm import dist as comm
 from shoal.errors import ShoalError, warn
 from shoal.planning.plan import JobPlan
 from shoal.launcher import faults, stalls
@@ -143,14 +144,9 @@ class Restarter:
 
 def _forkserver():
     """A multiprocessing context whose server imported this module (torch, shoal) once, now: restarts start in milliseconds."""
-    import multiprocessing
+    from shoal.config.plugins import forkserver_context
 
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])
-    from multiprocessing import forkserver
-
-    forkserver.ensure_running()
-    return context
+    return forkserver_context([__name__])  # (started by launch already, unless it died: then without the working folder)
 
 
 def add_rejoins_to_summary(workspace: Path, since: float) -> None:
@@ -220,7 +216,7 @@ def rejoin_by_hand(plan: JobPlan, workspace: Path, rank: int, master: Optional[s
     except RejoinRefused:
         raise
     except (RuntimeError, ValueError, OSError) as err:
-        raise RejoinRefused(f"--rejoin {rank}: no running job's store at {host}:{port}: {str(err).splitlines()[0]}") from None
+        raise RejoinRefused(f"--rejoin {rank}: no running job's store at {host}:{port}: {comm.describe_error(err)}") from None
     os.environ[auth.SECRET_VARIABLE] = auth.to_text(secret)  # this process's copy, as a restarted process gets it
     state = door.state(0, group)
     if door.closed(0) or state == "finished":

@@ -24,7 +24,7 @@ from shoal.runtime import visualization
 from shoal.runtime.assemble import RunSpec, run_process
 from shoal.runtime.replicas import torch_device, usable_device_names
 from shoal.runtime.trainer import History, Trainer
-from shoal.launcher.workspace import WorkspaceError, WorkspaceLock, claim, is_users, prepare
+from shoal.launcher.workspace import WorkspaceError, WorkspaceLock, check_workspace, claim, is_users, prepare
 
 
 def resolve_workspace(job: job_pb2.JobProto, override: Optional[Path]) -> Path:
@@ -66,6 +66,7 @@ def _train_job(job: job_pb2.JobProto, options: RunOptions, job_file: str) -> His
     if job.tensorboard:
         require_tensorboard()
     workspace = resolve_workspace(job, options.workspace)
+    check_workspace(workspace)  # every rank, before any writes there: a workspace another user could redirect or feed
     if launched is not None and (launched.world_size > 1 or plan.nprocs > 1):
         return elastic.train_launched(plan, options, launched, job_file, workspace)
     claim(workspace)
@@ -107,6 +108,7 @@ def test_job(job: job_pb2.JobProto, options: RunOptions, checkpoint: Optional[Pa
         raise WorkspaceError("test-only mode needs test_steps > 0 in the job")
     plan = plan_job(job)
     workspace = resolve_workspace(job, options.workspace)
+    check_workspace(workspace)  # before a checkpoint is read there or test_net.json written: no link, nobody else's
     if checkpoint is None:
         if job.checkpoint_path:
             paths = [ckpt_io.resolve_path(p, options.base_dirs) for p in job.checkpoint_path]

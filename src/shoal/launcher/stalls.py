@@ -1,13 +1,15 @@
 """What a process does when a peer stalls (found by shoal.comm.heartbeat), and what the launcher makes of it.
 
-- A peer the job cannot lose (any process of a synchronous layout; in an asynchronous one a
-  server, a process of group 0, or the store): the job fails. The process that noticed writes the
+- A peer the job cannot lose (any process of a job whose groups do not outlive a dead one: a
+  synchronous layout, Local SGD; in Downpour and Hogwild a server, a process of group 0, or the
+  store): the job fails. The process that noticed writes the
   verdict, one line naming the peer and what it hosted, to WORKSPACE/logs/rank<R>.stalled and exits
   with STALLED_EXIT (its main thread waits in a gloo receive that nothing can interrupt). The
   launcher reads the verdict (`verdict`) and first SIGKILLs stopped processes (`kill_stopped`: a
   stopped process ignores SIGTERM until it is continued). A process started by a launcher
   (torchrun, srun) prints the line itself.
-- A process of an asynchronous group other than 0: the group is dropped. The servers and the other
+- A process of a group other than 0 where the strategy says the groups outlive a dead one
+  (`outlives_a_dead_group`: Downpour, Hogwild): the group is dropped. The servers and the other
   groups stop waiting for it (the exchanges ask `heartbeat.is_stalled`), the chief warns once, the
   group's other processes leave with GROUP_DROPPED_EXIT (not reported again), and once the job's
   essential processes are done the launcher kills what is still stopped (`end_dropped`). If the
@@ -64,9 +66,10 @@ class StallPolicy:
         if stall.rank is None:
             self._fail(f"the job's store (held by the launcher: shoal run's, or torchrun's agent) stopped answering ({silent})")
         who = describe_process(self.plan, stall.rank)
-        if self.plan.strategy.synchronous or not self._expendable(stall.rank):
+        if not self._expendable(stall.rank):
             hosts_store = "; it hosts the job's store" if stall.store else ""
-            self._fail(f"{who} stopped answering ({silent}{hosts_store})")
+            stops = why_the_job_stops(self.plan)
+            self._fail(f"{who} stopped answering ({silent}{hosts_store})" + (f"; {stops}" if stops else ""))
         group = self._group_of(stall.rank)
         if group == self.group:  # a member of this process's own group: the group cannot go on
             self._leave(f"worker group {group} is dropped: {who} stopped answering ({silent})")
@@ -78,9 +81,9 @@ class StallPolicy:
     def on_woken(self, gap: float) -> None:
         """This process was stopped longer than the timeout: its peers have given up on it."""
         line = f"process {self.rank} was stopped for {gap:.0f} s, longer than the stall timeout ({self.plan.stall_timeout_s:g} s)"
-        if self.plan.strategy.synchronous or not self._expendable(self.rank):
-            self._fail(f"{line}; the job cannot go on without it")
-        self._leave(f"{line}; the servers dropped worker group {self.group}, so it leaves")
+        if not self._expendable(self.rank):
+            self._fail(f"{line}; {why_the_job_stops(self.plan) or 'the job cannot go on without it'}")
+        self._leave(f"{line}; the job dropped worker group {self.group}, so it leaves")
 
     def _fail(self, line: str) -> None:
         path = verdict_path(self.workspace, self.rank)
@@ -103,6 +106,15 @@ class StallPolicy:
 
     def _leave(self, line: str) -> None:
         leave(line)
+
+
+def why_the_job_stops(plan: JobPlan) -> Optional[str]:
+    """Why a job of several worker groups stops without one of them, where its strategy says so (Local SGD: its
+    groups meet), as a clause for the line that names the process; None where the job has one group or outlives it."""
+    why = plan.strategy.why_a_dead_group_stops_the_job(plan)
+    if why is None or plan.cluster.nworker_groups < 2:
+        return None
+    return f"{plan.label} cannot go on without it: {why}"
 
 
 def leave(line: str) -> None:

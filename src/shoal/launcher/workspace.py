@@ -11,6 +11,14 @@ stands where shoal needs a folder. A workspace written by an older shoal (only
 shoal's files in it, its job copy at the top as job.conf) is adopted and its
 job copy still read.
 
+Trust: nobody but this user (and root) may be able to redirect or feed a workspace. Before anything is
+written, `check_trusted` refuses a workspace that is a symbolic link, one under a folder another user can
+write (without the sticky bit) or owns, as ssh's StrictModes checks every folder above ~/.ssh, and a
+workspace another user owns or can write, as git refuses a repository another user owns (both unless
+SHOAL_TRUST_WORKSPACE says so: TRUST_VARIABLE). `check_own_names` refuses any of shoal's names there that is
+a link, not the kind of file shoal keeps, or another user's. The files shoal writes are opened through no
+link (shoal.report.writes.open_in_workspace).
+
 Lock: WORKSPACE/.shoal/lock is held with an OS-level lock (flock) for the whole
 run; the kernel releases it when the process dies however it dies, so a killed
 run never leaves the workspace stuck. A second run on a workspace in use is
@@ -19,16 +27,19 @@ refused with one line naming the job that holds it.
 from __future__ import annotations
 
 import fcntl
+import grp
 import json
 import os
 import platform
+import pwd
+import stat
 import time
 from pathlib import Path
 from typing import Optional
 
 from shoal.errors import ShoalError, warn
 from shoal.report.job_copy import JOB_COPY, META
-from shoal.report.writes import cause_of, writing
+from shoal.report.writes import cause_of, open_in_workspace, own_folder, write_file, writing
 
 # what a run writes at a workspace's top level (and set-aside copies of them: metrics.jsonl.2, visualization.1)
 OUTPUT_NAMES = ("checkpoint", "logs", "visualization", "tensorboard", "metrics.jsonl", "summary.json")
@@ -43,6 +54,166 @@ RECORDED = (*OUTPUT_NAMES, FIT_DATA, LEGACY_JOB_COPY)
 
 class WorkspaceError(ShoalError, ValueError):
     """The workspace cannot be used as asked (a name of shoal's is the user's, in use, would overwrite, ...)."""
+
+
+# SHOAL_TRUST_WORKSPACE=1 (any workspace) or =PATH (that one): its folders may be another user's, or writable
+# by a group with other members (as git's safe.directory). Never trusted: a link, a folder every user can write.
+TRUST_VARIABLE = "SHOAL_TRUST_WORKSPACE"
+META_FILES = ("workspace.json", "lock", "job.conf")  # in .shoal/
+CHECKED_NAMES = (META, *OUTPUT_NAMES)  # what shoal reads back or writes: never the user's in a workspace shoal uses
+ENTRIES_CHECKED = ("checkpoint", "logs")  # folders whose every entry shoal reads back (a resume, a rejoin)
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name}"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _ours(uid: int) -> bool:
+    return uid in (os.geteuid(), 0)
+
+
+def _private_group(gid: int, owner: int) -> bool:
+    """Nobody but `owner` is in group `gid` (a user's private group, root's own): its write bit lets in no one else."""
+    try:
+        owner_name = pwd.getpwuid(owner).pw_name
+        members = set(grp.getgrgid(gid).gr_mem)
+    except KeyError:
+        return False
+    members |= {user.pw_name for user in pwd.getpwall() if user.pw_gid == gid}
+    return members <= {owner_name}
+
+
+def _stranger(st: os.stat_result, holds_shoals_names: bool) -> tuple[str, bool] | None:
+    """Who besides this user and root could change what a folder holds, and whether the opt-in may trust them.
+
+    A folder above the workspace may be writable by everyone with the sticky bit (/tmp): nobody can then rename or
+    remove an entry of another's. The workspace and shoal's folders in it may not: whoever writes there can
+    plant one of shoal's names.
+    """
+    sticky = bool(st.st_mode & stat.S_ISVTX) and not holds_shoals_names
+    if st.st_mode & stat.S_IWOTH and not sticky:
+        return "is writable by every user" + ("" if holds_shoals_names else " and has no sticky bit"), False
+    if not _ours(st.st_uid):
+        return f"is owned by {_user(st.st_uid)}, not by you or root", True
+    if st.st_mode & stat.S_IWGRP and not sticky and not _private_group(st.st_gid, st.st_uid):
+        try:
+            group = f"group {grp.getgrgid(st.st_gid).gr_name}"
+        except KeyError:
+            group = f"group {st.st_gid}"
+        return f"is writable by {group}, which has other members", True
+    return None
+
+
+def _trusted_by_opt_in(workspace: Path) -> bool:
+    given = os.environ.get(TRUST_VARIABLE, "").strip()
+    if given in ("1", "yes", "true"):
+        return True
+    return bool(given) and os.path.realpath(os.path.expanduser(given)) == os.path.realpath(workspace)
+
+
+def _refuse(workspace: Path, path: Path | None, problem: str, trustable: bool, why: str) -> WorkspaceError:
+    where = f"{path} " if path is not None else ""
+    remedy = f"; set {TRUST_VARIABLE}=1 if you trust them" if trustable else ""
+    return WorkspaceError(f"workspace {workspace}: {where}{problem} ({why}){remedy}")
+
+
+def check_trusted(workspace: Path) -> None:
+    """Refuse, in one line, a workspace another user could redirect or feed: see the module's "Trust". Writes nothing.
+
+    Every folder on the way is checked where it really is: a link on the way (/var/run -> /run) is followed, and
+    both the folder holding the link and the folders it leads through must be trusted.
+    """
+    given = Path(workspace).expanduser()
+    path = Path(os.getcwd()) / given  # ".." kept: the kernel resolves it after the links before it
+    trusted = _trusted_by_opt_in(path)
+    seen: set[str] = set()
+    for prefix in reversed(path.parents):
+        try:
+            link = os.lstat(prefix)
+        except (FileNotFoundError, NotADirectoryError):
+            break  # made by this run, as this user (or refused then: a file on the way)
+        except OSError as err:
+            raise WorkspaceError(f"workspace {given}: {prefix} cannot be read ({cause_of(err)})") from None
+        if stat.S_ISLNK(link.st_mode) and not _ours(link.st_uid) and not trusted:
+            raise _refuse(given, prefix, f"is a link owned by {_user(link.st_uid)}", True, "they could point the workspace elsewhere")
+        real = Path(os.path.realpath(prefix))
+        for folder in [*reversed(real.parents), real]:
+            if str(folder) in seen:
+                continue
+            seen.add(str(folder))
+            try:
+                found = _stranger(os.stat(folder), holds_shoals_names=False)
+            except OSError as err:
+                raise WorkspaceError(f"workspace {given}: {folder} cannot be read ({cause_of(err)})") from None
+            if found and not (found[1] and trusted):
+                raise _refuse(given, folder, found[0], found[1], "another user could replace the workspace")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise WorkspaceError(f"workspace {given}: cannot be read ({cause_of(err)})") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise WorkspaceError(f"workspace {given}: is a symbolic link (to {os.readlink(path)}); shoal writes into no "
+                             "link another user could redirect: give the folder itself")
+    if stat.S_ISDIR(st.st_mode):
+        found = _stranger(st, holds_shoals_names=True)
+        if found and not (found[1] and trusted):
+            raise _refuse(given, None, found[0], found[1], "another user could change its checkpoints and files")
+
+
+def check_own_names(workspace: Path, users: "set[str] | None" = None, only_meta: bool = False) -> None:
+    """Refuse, in one line, any of shoal's names in the workspace that is a link, not the kind of file shoal keeps
+    there, or another user's (a regular file where shoal keeps a folder is left to `claim`'s refusal, which says
+    it is the user's). `users`: the names the claim takes as the user's; given, an older shoal's job copy at
+    the top is checked too unless it is one of them. only_meta: .shoal/ and its files alone. Writes nothing."""
+    folder = Path(workspace)
+    trusted = _trusted_by_opt_in(folder)
+
+    def check(path: Path, kind: str) -> bool:
+        """True when `path` is a folder, checked."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        except OSError as err:
+            raise WorkspaceError(f"workspace {workspace}: {path} cannot be read ({cause_of(err)})") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise WorkspaceError(f"workspace {workspace}: {path} is a symbolic link, where shoal keeps its own {kind} "
+                                 "(it follows no link in a workspace); remove it or give another --workspace")
+        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+            raise WorkspaceError(f"workspace {workspace}: {path} is not a regular file or folder, where shoal keeps its "
+                                 f"own {kind}; remove it or give another --workspace")
+        if kind == "file" and stat.S_ISDIR(st.st_mode):
+            raise WorkspaceError(f"workspace {workspace}: {path} is a folder where shoal keeps a file; "
+                                 "move it or give another --workspace")
+        found = _stranger(st, holds_shoals_names=True)
+        if found and not (found[1] and trusted):
+            raise _refuse(workspace, path, found[0], found[1], "another user could change what shoal reads there")
+        return stat.S_ISDIR(st.st_mode)
+
+    if check(folder / META, "folder"):
+        for name in META_FILES:
+            check(folder / META / name, "file")
+    if only_meta:
+        return
+    legacy = (LEGACY_JOB_COPY,) if users is not None and LEGACY_JOB_COPY not in users else ()
+    for name in (*CHECKED_NAMES[1:], *legacy):
+        if check(folder / name, "folder" if name in FOLDERS else "file") and name in ENTRIES_CHECKED:
+            for entry in os.scandir(folder / name):
+                check(Path(entry.path), "folder" if entry.is_dir(follow_symlinks=False) else "file")
+
+
+def check_workspace(workspace: Path) -> None:
+    """The checks of a workspace another user could redirect or feed (check_trusted, check_own_names), before any
+    write and before anything is read from it (--resume, --test)."""
+    check_location(workspace)
+    check_trusted(workspace)
+    if Path(workspace).is_dir():
+        check_own_names(workspace)
 
 
 def _legacy(name: str) -> bool:
@@ -72,18 +243,23 @@ def claim(workspace: Path, writes: tuple[str, ...] = ()) -> None:
     """
     folder = Path(workspace)
     resolved = check_location(folder)
+    check_trusted(folder)  # before anything is written or read there
+    if folder.is_dir():
+        check_own_names(folder, only_meta=True)  # .shoal/ and its marker first: they say which names are the user's
     marker = folder / META / "workspace.json"
     fresh = not marker.is_file()
     if fresh:
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(parents=True, exist_ok=True, mode=0o755)  # writable by this user only (parents: as the umask says)
         except OSError as err:
             raise WorkspaceError(f"workspace {workspace}: cannot be created ({cause_of(err)})") from None
         entries = {p.name for p in folder.iterdir()}
-        older_shoal = all(map(_legacy, entries)) and _holds_shoals_run(folder)
+        older_shoal = (all(map(_legacy, entries)) and not any(os.path.islink(folder / e) for e in entries)
+                       and _holds_shoals_run(folder))
         users = set() if older_shoal else entries & set(RECORDED)
     else:
         users = set(user_entries(folder))
+    check_own_names(folder, users)
     names = (*OUTPUT_NAMES, *writes) + ((META,) if fresh else ())
     taken = [n for n in names if os.path.lexists(folder / n) and (n in users or is_users(folder, n))]
     if taken:
@@ -93,10 +269,9 @@ def claim(workspace: Path, writes: tuple[str, ...] = ()) -> None:
             f"its own {', '.join(taken[:2])} there; move {'it' if len(taken) == 1 else 'them'} or give another --workspace"
         )
     if fresh:
-        with writing(marker):
-            (folder / META).mkdir(exist_ok=True)
-            marker.write_text(json.dumps({"created_by": "shoal", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                          "user_entries": sorted(users)}) + "\n")
+        own_folder(folder / META)
+        write_file(marker, (json.dumps({"created_by": "shoal", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                        "user_entries": sorted(users)}) + "\n").encode())
 
 
 def _holds_shoals_run(folder: Path) -> bool:
@@ -145,8 +320,8 @@ class WorkspaceLock:
         self._file = None
 
     def __enter__(self) -> "WorkspaceLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(self.path, "a+")
+        own_folder(self.path.parent)
+        f = os.fdopen(open_in_workspace(self.path, os.O_RDWR | os.O_CREAT), "r+")  # no link followed
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -201,7 +376,7 @@ def prepare(workspace: Path, resume: bool, log) -> Optional[Path]:
     metrics = Path(workspace) / "metrics.jsonl"
     if metrics.exists():  # an earlier run that died before its first checkpoint: keep its metrics
         n = 1
-        while metrics.with_name(f"metrics.jsonl.{n}").exists():
+        while os.path.lexists(metrics.with_name(f"metrics.jsonl.{n}")):
             n += 1
         metrics.rename(metrics.with_name(f"metrics.jsonl.{n}"))
     return None

@@ -119,6 +119,9 @@ class Strategy:
     meets = False  # groups meet every cluster.local_steps (Local SGD): outer updater, disjoint shards, complete parts
     overlaps_push = False  # cluster.overlap_push applies (a group computes its next step while its push is out)
     rejoins = False  # a dead worker group's process may be restarted into the running job (launcher/rejoin.py)
+    # a worker group other than 0 may die or stall and the others train on (nothing of theirs waits for it): the
+    # launcher and the heartbeat drop it instead of stopping the job, and only then say "the other groups go on"
+    outlives_a_dead_group = False
     servers_hold_trainers = True  # a process of servers only builds a trainer (False: the server restores itself)
     bounds_update_lag = False  # cluster.max_update_lag applies: updates land late, by how many is bounded
     params_on_host = False  # over processes the params stay in host memory: request/response over gloo's point-to-point
@@ -191,6 +194,11 @@ class Strategy:
 
     def staleness_histogram(self, run: Any) -> Optional[dict]:
         """How many updates landed at each lag (asynchronous frameworks; the chief's process, after the run)."""
+        return None
+
+    def why_a_dead_group_stops_the_job(self, plan: "JobPlan") -> Optional[str]:
+        """Where the job has several worker groups but cannot outlive one (not `outlives_a_dead_group`): why it stops,
+        a clause for the line that says so (None: nothing to add)."""
         return None
 
     def complete_rejoin(self, run: Any, incarnation: int) -> tuple[int, int, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shoal.report.writes import writing
+from shoal.report.writes import own_folder, write_file
 
 META = ".shoal"  # shoal's own folder in a workspace: its marker, its lock and this copy
 JOB_COPY = Path(META) / "job.conf"
@@ -16,7 +16,6 @@ JOB_COPY = Path(META) / "job.conf"
 def write_job_copy(job_text: str, workspace: Path) -> Path:
     """WORKSPACE/.shoal/job.conf: the job as this run was started (read by --resume=auto)."""
     path = Path(workspace) / JOB_COPY
-    with writing(path):
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(job_text)
+    own_folder(path.parent)
+    write_file(path, job_text.encode())  # through no link: a .shoal/ or job.conf planted as one is refused
     return path

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from shoal.report.writes import write_error, writing
+from shoal.report.writes import open_in_workspace, write_error, writing
 
 
 class MetricWindow:
@@ -202,7 +202,7 @@ class MetricsLog:
         self.path = Path(path)
         with writing(self.path):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd: Optional[int] = open_in_workspace(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)  # no link followed
         self._lock = threading.Lock()  # the groups of one process run as threads
         self._end_cut_line()
         self._start = time.perf_counter() - elapsed_before
@@ -217,10 +217,7 @@ class MetricsLog:
         size = os.fstat(self._fd).st_size
         if size == 0:
             return
-        with open(self.path, "rb") as f:
-            f.seek(size - 1)
-            ends_whole = f.read(1) == b"\n"
-        if not ends_whole:
+        if os.pread(self._fd, 1, size - 1) != b"\n":
             self._append(b"\n")
 
     def _append(self, data: bytes) -> None:

@@ -129,6 +129,19 @@ def _tested(point: dict, metric: str) -> str:
     return f"{point[metric]:.4g}{on} (step {point['step']})"
 
 
+def _missed(summary: dict) -> list[str]:
+    """`worker group 1 applied 1,034 of 6,000 updates (dropped: process 1 stopped answering)`: every group that did
+    not train all its steps (summary.json's missed_updates), and why where the launcher knows."""
+    said = []
+    for group, missed in sorted((summary.get("missed_updates") or {}).items(), key=lambda item: int(item[0])):
+        why = f" ({missed['why']})" if missed.get("why") else ""
+        if isinstance(missed.get("applied"), int) and isinstance(missed.get("expected"), int):
+            said.append(f"worker group {group} applied {missed['applied']:,} of {missed['expected']:,} updates{why}")
+        else:
+            said.append(f"worker group {group} stopped before the end{why}")
+    return said
+
+
 def _trained(summary: dict) -> str:
     """`Trained 700 steps (300 → 1000) in 1 min 02 s (900 samples/s)`: this run's part, and the whole when it resumed."""
     latest = summary.get("latest_run") or {}
@@ -154,7 +167,7 @@ def closing_line(workspace: Path) -> str:
     summary = read_summary(workspace)
     if summary is None:
         return f"Run ended; {workspace / SUMMARY_FILE} is missing or unreadable"
-    parts = [_trained(summary)]
+    parts = [_trained(summary), *_missed(summary)]
     final, best = summary.get("final_test") or {}, summary.get("best_test") or {}
     metric = next((m for m in ("accuracy", "loss") if isinstance(final.get(m), (int, float))), None)
     if metric is not None:

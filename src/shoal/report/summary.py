@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from shoal.report.metrics import higher_is_better, read_metrics
 from shoal.report.targets import RunGoals, goals_of, run_goals, time_to_targets
-from shoal.report.writes import WorkspaceWriteError, write_error
+from shoal.report.writes import WorkspaceWriteError, open_in_workspace, write_error, write_file
 
 if TYPE_CHECKING:
     from shoal.planning.plan import JobPlan
@@ -247,7 +247,45 @@ class SummaryFile:
         declared = {"higher_is_better": goals.higher_is_better, "targets": [t.label for t in goals.targets]}
         summary = {"schema": 1, **asdict(self.info), "status": status, "goals": declared,
                    "started": _iso(self.started), "updated": _iso(time.time()), **derived, **self.extra}
+        missed = missed_updates(self.extra.get("staleness_histogram"))
+        if missed:
+            summary["missed_updates"] = missed
         _write(self.path, summary, in_place_when_full=last_word)
+
+
+def missed_updates(histogram: dict | None) -> dict[str, dict]:
+    """summary.json's `missed_updates`: each worker group whose updates applied in this run fall short of the steps it
+    was to train, {group: {"applied": N, "expected": M}}, from the staleness histogram's per-group counts (where the
+    strategy gives each group's `expected`: Downpour, in-memory Hogwild)."""
+    groups = (histogram or {}).get("groups") or {}
+    return {g: {"applied": counts["updates"], "expected": counts["expected"]} for g, counts in groups.items()
+            if isinstance(counts.get("expected"), int) and counts.get("updates", 0) < counts["expected"]}
+
+
+def note_group_ends(workspace: Path, ends: dict[int, str]) -> None:
+    """The launcher's word on the worker groups whose process ended early (died, dropped for a stall, restarted): its
+    `why` beside each group of `missed_updates`, or, where the job counts no group's updates (Distributed Hogwild),
+    an entry of its own. Best effort, after the chief closed the summary."""
+    summary = read_summary(workspace)
+    if not ends or summary is None:
+        return
+    missed = summary.setdefault("missed_updates", {})
+    counted = bool((summary.get("staleness_histogram") or {}).get("groups"))
+    for group, why in sorted(ends.items()):
+        if str(group) in missed or not counted:
+            missed.setdefault(str(group), {})["why"] = why
+    if missed:
+        _write_if_possible(Path(workspace) / SUMMARY_FILE, summary)
+
+
+def restate_reason(workspace: Path, reason: str) -> None:
+    """A failed run's reason said better by its chief's process once it knows more than its collective did (who
+    stopped answering, a peer's own line, a connection that closed): replaces the reason the chief closed with."""
+    summary = read_summary(workspace)
+    if summary is None or summary.get("status") != "failed" or summary.get("reason") == reason:
+        return
+    summary["reason"] = reason
+    _write_if_possible(Path(workspace) / SUMMARY_FILE, summary)
 
 
 def mark_ended(workspace: Path, metrics_path: Path, status: str, reason: str | None = None, root_cause: bool = False) -> None:
@@ -291,14 +329,17 @@ def _write(path: Path, summary: dict, in_place_when_full: bool = False) -> None:
     data = (json.dumps(summary, indent=1) + "\n").encode()
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_bytes(data)
+        write_file(tmp, data)  # through no link; the rename replaces a link at summary.json, never follows it
         os.replace(tmp, path)
-    except OSError as err:
+    except (OSError, WorkspaceWriteError) as err:
         try:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
-        failure = write_error(path, err)
+        if isinstance(err, OSError) or err.errno is not None:  # the machine's refusal: named as summary.json's
+            failure = write_error(path, err) if isinstance(err, OSError) else WorkspaceWriteError(path, err.cause, err.errno)
+        else:  # a link or a special file at the temp's name: named as it is
+            failure = err
         if not (in_place_when_full and failure.errno in (errno.ENOSPC, errno.EDQUOT) and _rewrite_in_place(path, data)):
             raise failure from None
 
@@ -307,8 +348,8 @@ def _rewrite_in_place(path: Path, data: bytes) -> bool:
     """Overwrite `path` with `data` when it fits in the blocks the file already holds (no new space needed);
     the old content is put back if the write fails anyway. True when written."""
     try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:
+        fd = open_in_workspace(path, os.O_RDWR)
+    except WorkspaceWriteError:
         return False
     try:
         held = os.fstat(fd).st_blocks * 512

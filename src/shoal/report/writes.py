@@ -4,12 +4,18 @@ Every file shoal writes into a workspace (checkpoints, metrics.jsonl, summary.js
 the rank logs) turns the OS's refusal into `WorkspaceWriteError`, which names the file and the cause
 (`shoal: cannot write WS/checkpoint/step200-worker0.safetensors: no space left on device`); the CLI
 prints it as one line with exit status 2, like every ShoalError.
+
+`open_in_workspace`, `write_file` and `own_folder` follow no link at the file nor at the folder holding it
+(O_NOFOLLOW, the file opened relative to that folder's descriptor): a link standing where shoal writes is
+refused in one line, never written through (docs/security.md, "The workspace").
 """
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Union
@@ -25,6 +31,8 @@ CAUSES = {
     errno.EPERM: "operation not permitted",
     errno.EIO: "input/output error",
 }
+# what stands at a path instead of the file or folder shoal writes there
+NOT_FOLLOWED = "is a symbolic link (shoal follows no link where it writes in a workspace)"
 # errors that say the workspace cannot be written at all (not that one file is wrong)
 UNWRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
 
@@ -60,6 +68,70 @@ def cause_of(err: BaseException) -> str:
 def write_error(path: Union[str, Path], err: BaseException) -> WorkspaceWriteError:
     """The one-line error for `err`, raised while writing `path`."""
     return WorkspaceWriteError(path, cause_of(err), error_code(err))
+
+
+def _refusal(path: Path, expected: str) -> "WorkspaceWriteError | None":
+    """Why `path` is not the `expected` ("file" or "folder") shoal may write: a link or another kind of file."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return WorkspaceWriteError(path, NOT_FOLLOWED)
+    if expected == "file" and not stat.S_ISREG(st.st_mode):
+        return WorkspaceWriteError(path, "is not a regular file")
+    if expected == "folder" and not stat.S_ISDIR(st.st_mode):
+        return WorkspaceWriteError(path, "is not a folder")
+    return None
+
+
+def open_in_workspace(path: Union[str, Path], flags: int, mode: int = 0o644) -> int:
+    """os.open(path, flags) following no link: neither `path` nor the folder holding it may be one, and what
+    opens must be a regular file (a FIFO planted there is refused, not waited on). WorkspaceWriteError names
+    the path otherwise, and for the machine's refusals (full, read-only)."""
+    path = Path(path)
+    try:
+        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        raise (_refusal(path.parent, "folder") or write_error(path, err)) from None
+    try:
+        fd = os.open(path.name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, mode, dir_fd=folder)
+    except OSError as err:
+        raise (_refusal(path, "file") or write_error(path, err)) from None
+    finally:
+        os.close(folder)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise WorkspaceWriteError(path, "is not a regular file")
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return fd
+
+
+def write_file(path: Union[str, Path], data: bytes, new: bool = False) -> None:
+    """`path` holds `data` (written through no link); new: the file must not exist yet (O_EXCL)."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if new else os.O_TRUNC)
+    fd = open_in_workspace(path, flags)
+    try:
+        with writing(path):
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+def own_folder(path: Union[str, Path], mode: int = 0o755) -> None:
+    """The folder `path` exists, made here (writable by this user only, whatever the umask allows) or found as a
+    real folder: a link or a file there is refused in one line."""
+    path = Path(path)
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        refused = _refusal(path, "folder")
+        if refused is not None:
+            raise refused from None
+    except OSError as err:
+        raise write_error(path, err) from None
 
 
 @contextmanager

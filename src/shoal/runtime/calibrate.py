@@ -588,13 +588,13 @@ def probe_link(mb: float = 4.0, rounds: int = 8, pings: int = 30, calls: int = 2
     """(GB/s each way while both processes send buckets at once, one-way latency in s, seconds of one small collective)
     over gloo."""
     from shoal.comm import dist as comm
+    from shoal.config.plugins import forkserver_context
 
     # forked from multiprocessing's forkserver, which imported torch once (a spawned interpreter spends seconds on
     # it); never a plain fork of this process: its threads (torch's pools, gloo's, a notebook's) can hold locks
     # the child would wait on for ever (seen: a probe from a process that had trained before hung)
     if "forkserver" in multiprocessing.get_all_start_methods():
-        multiprocessing.set_forkserver_preload([__name__])  # effective until the server starts (once per process)
-        ctx = multiprocessing.get_context("forkserver")
+        ctx = forkserver_context([__name__])  # started without the working folder on its import path
     else:
         ctx = multiprocessing.get_context("spawn")
     port = comm.free_port()

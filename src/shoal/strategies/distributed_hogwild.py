@@ -17,6 +17,7 @@ class DistributedHogwild(Strategy):
     params_on_host = True  # request/response over gloo's point-to-point
     compressed = "syncs (deltas to the masters, and their answers)"
     compensates_async_momentum = True
+    outlives_a_dead_group = True  # masters answer each group on a thread: a dead group's syncs end, the others train on
 
     def recognises(self, layout: Layout) -> bool:
         return layout.asynchronous_groups and layout.nprocs > 1 and layout.cluster.nserver_groups > 1

@@ -26,6 +26,7 @@ class Downpour(Strategy):
     overlaps_push = True
     rejoins = True
     servers_hold_trainers = False
+    outlives_a_dead_group = True  # the servers serve each group on a thread of its own: a dead one ends only its thread
 
     def recognises(self, layout: Layout) -> bool:
         return layout.asynchronous_groups and layout.nprocs > 1 and layout.cluster.nserver_groups <= 1
@@ -156,8 +157,15 @@ class Downpour(Strategy):
         return step, version, exchange.digests
 
     def staleness_histogram(self, run) -> Optional[dict]:
+        """The servers' count of every group's updates, and how many each was to apply in this run (its steps from
+        where it started: group 0 at the run's first step, the others after the warm-up): summary.json's missed_updates."""
         exchange = run.chief.exchange if run.chief is not None else None
-        return exchange.lag_histogram if isinstance(exchange, DownpourExchange) else None  # a server process has none
+        if not isinstance(exchange, DownpourExchange) or exchange.lag_histogram is None:  # a server process has none
+            return None
+        first, steps, warmup = run.chief.start_step, run.plan.job.train_steps, run.plan.cluster.warmup_steps
+        for group, counts in exchange.lag_histogram["groups"].items():
+            counts["expected"] = max(0, steps - (first if group == "0" else max(first, warmup)))
+        return exchange.lag_histogram
 
 
 def resumed_version(step: int, plan) -> int:

@@ -18,6 +18,7 @@ class InMemoryGroups(Strategy):
     compensates_async_momentum = True
     bounds_update_lag = True
     share_memory = True
+    outlives_a_dead_group = True  # the board never waits for a group that stopped (runtime/exchanges/groups.py)
 
     def recognises(self, layout: Layout) -> bool:
         return layout.asynchronous_groups and layout.nprocs == 1 and bool(layout.cluster.share_memory) == self.share_memory
@@ -53,7 +54,13 @@ class InMemoryGroups(Strategy):
         start_on_board(run)
 
     def staleness_histogram(self, run) -> Optional[dict]:
-        return run.board.histogram()
+        """The board's count of every group's updates, and how many each was to apply in this run (its steps from where
+        it started): summary.json's missed_updates."""
+        histogram = run.board.histogram()
+        for trainer in run.trainers:
+            counts = histogram["groups"].setdefault(str(trainer.group), {"updates": 0, "mean": 0.0, "max": 0, "updates_per_lag": {}})
+            counts["expected"] = max(0, run.plan.job.train_steps - trainer.start_step)
+        return histogram
 
 
 def start_on_board(run) -> None:

@@ -4,6 +4,9 @@ change (runtime/exchanges/periodic.py). In one process the groups are threads me
 processes each process holds one whole group and a meeting is one all-reduce."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 from shoal.config import job_pb2
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.process_groups import whole_group
@@ -41,6 +44,11 @@ class LocalSGD(Strategy):
             raise UnsupportedClusterError(f"cluster.local_warmup_steps: must be >= 0, got {c.local_warmup_steps}")
         if c.HasField("sparse_outer_step"):
             refuse_sparse_outer_step(c)
+
+    def why_a_dead_group_stops_the_job(self, plan) -> str:
+        """Until its meetings tolerate a missing group (fault tolerance), a dead group stops the job."""
+        where = "at a barrier of the process's threads" if plan.in_one_process else "in collectives over every group's process"
+        return f"its worker groups meet {where}, and a meeting cannot complete without one of them"
 
     def label(self, plan) -> str:
         if plan.cluster.HasField("sparse_outer_step"):
@@ -112,7 +120,7 @@ class LocalSGD(Strategy):
         groups = c.nworker_groups
         if plan.in_one_process:
             meeting = InMemoryMeeting(groups, plan.comm_timeout_s)
-            run.board = GroupBoard(groups, -1, 0)
+            run.board = MeetingBoard(groups, -1, 0, meeting=meeting)
         else:
             codecs = codec_factory(c.compression, c.topk_fraction)
             meeting = ProcessMeeting(groups, codecs() if codecs else None, run.process_groups["meeting"])
@@ -127,6 +135,19 @@ class LocalSGD(Strategy):
             trainer.exchange.start_from(chief.store, resumed=spec.resume_from is not None, step=chief.start_step)
         if run.board is not None:
             start_on_board(run)
+
+
+@dataclass
+class MeetingBoard(GroupBoard):
+    """In-memory Local SGD's board: aborted (a group failed, or the chief), it ends the meetings too, so that nobody waits
+    at a meeting for a group that will not come (runtime/exchanges/groups.py stops the job naming the group)."""
+
+    meeting: Optional[InMemoryMeeting] = None
+
+    def abort(self) -> None:
+        super().abort()
+        if self.meeting is not None:
+            self.meeting.abandon()
 
 
 def refuse_sparse_outer_step(c) -> None:

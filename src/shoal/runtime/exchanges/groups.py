@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from shoal.errors import warn
+from shoal.errors import ShoalError, warn
 from shoal.neuralnet.algorithms import Grads
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
@@ -41,6 +41,11 @@ WAIT_SLICE_S = 0.5  # condition waits wake up this often, so a dead group never 
 
 class GroupsAborted(RuntimeError):
     """Raised in a group's thread when the job ends early (the chief group failed or was interrupted)."""
+
+
+class GroupFailed(ShoalError, RuntimeError):
+    """A worker group failed in a job that cannot go on without it (in-memory Local SGD: the groups meet): one line
+    naming the group, its error and why the job stops."""
 
 
 @dataclass
@@ -225,20 +230,31 @@ def run_groups(trainers: list["Trainer"], board: GroupBoard, metrics, log) -> "H
     """Run every group's loop at once: group 0 (the chief) here, the others on threads.
 
     A group that fails is dropped with a warning naming it and the others go on,
-    as SINGA's servers keep serving the groups that remain; the chief runs the
-    final test once every group has finished. If the chief fails, the others stop.
+    as SINGA's servers keep serving the groups that remain, where the strategy says
+    the groups outlive a dead one (Hogwild, Downpour); where they cannot (Local SGD:
+    the groups meet), the job stops with one line naming the group (the board's abort
+    ends the meetings). The chief runs the final test once every group has finished.
+    If the chief fails, the others stop.
     """
     failures: list[str] = []
+    fatal: list[tuple[int, str]] = []  # a group the job cannot go on without, and its error
+    strategy = trainers[0].plan.strategy
 
     def run_group(trainer) -> None:
         try:
             trainer.run(None)
         except GroupsAborted:
             pass
-        except Exception as err:  # noqa: BLE001 - any failure of one group is reported, not fatal
+        except Exception as err:  # noqa: BLE001 - any failure of one group is reported: dropped, or the job stops
+            if board.aborted:  # the job is ending (another group failed first): not this group's story
+                return
             line = str(err).splitlines()[0] if str(err) else type(err).__name__
             failures.append(f"worker group {trainer.group}")
-            warn(f"WARNING: worker group {trainer.group} died at step {board.steps[trainer.group]}: {line}; the other groups go on")
+            if strategy.outlives_a_dead_group:
+                warn(f"WARNING: worker group {trainer.group} died at step {board.steps[trainer.group]}: {line}; the other groups go on")
+            else:
+                fatal.append((trainer.group, line))
+                board.abort()
         finally:
             board.stop(trainer.group)
 
@@ -252,6 +268,12 @@ def run_groups(trainers: list["Trainer"], board: GroupBoard, metrics, log) -> "H
         history = chief.run(metrics)
     except BaseException:
         board.abort()
+        if fatal:  # the chief stopped because that group did: its line, not the broken meeting's
+            group, line = fatal[0]
+            why = strategy.why_a_dead_group_stops_the_job(chief.plan) or "the job cannot go on without it"
+            raise GroupFailed(f"worker group {group} failed: {line}; {chief.plan.label} cannot go on without it: {why}") from None
         raise
+    if fatal:  # the chief finished: the group failed after the last meeting it needed it for
+        warn(f"WARNING: worker group {fatal[0][0]} failed after the groups' last meeting: {fatal[0][1]}")
     history.failed_groups = failures
     return history
