@@ -79,6 +79,8 @@ def job_problems(job: job_pb2.JobProto) -> Iterator[Problem]:
     for name in COUNTERS:
         if getattr(job, name) < 0:
             yield name, f"{name} must be >= 0, got {getattr(job, name)}"
+    if job.checkpoint_interval_s < 0:
+        yield "checkpoint_interval_s", f"checkpoint_interval_s must be >= 0 (seconds; 0: off), got {job.checkpoint_interval_s:g}"
     for i, device in enumerate(job.gpu):
         if device < 0:
             yield f"gpu[{i}]", f"gpu takes device ids >= 0, got {device}"

@@ -102,9 +102,10 @@ def _data_layer(net: job_pb2.NetProto, phase: int, batch: int) -> None:
 
 def fit_job(model: torch.nn.Module, form: str, *, batch_size: int, steps: int, test_batch: int, test_steps: int, test_freq: int,
             val_batch: int, val_steps: int, val_freq: int, disp_freq: int, cluster: job_pb2.ClusterProto, updater: dict,
-            seed: int, checkpoint_freq: int, devices: Sequence[str] = ()) -> job_pb2.JobProto:
+            seed: int, checkpoint_freq: int, devices: Sequence[str] = (), checkpoint_interval_s: float = 600.0) -> job_pb2.JobProto:
     """The job of a fit call: its data, module and loss as user layers (module_path), the rest as in a job file."""
-    job = job_pb2.JobProto(name="fit", train_steps=steps, disp_freq=disp_freq, seed=seed, checkpoint_freq=checkpoint_freq)
+    job = job_pb2.JobProto(name="fit", train_steps=steps, disp_freq=disp_freq, seed=seed, checkpoint_freq=checkpoint_freq,
+                           checkpoint_interval_s=checkpoint_interval_s)
     job.device.extend(devices)  # worker k of each process on devices[k], as a job file's `device` field says
     if test_steps > 0:
         # without a frequency, test once at the end (a test set given is never silently unused)
@@ -196,6 +197,7 @@ def fit(
     val_batch: int = 100,
     disp_freq: int = 10,
     checkpoint_freq: int = 0,
+    checkpoint_interval_s: float = 600.0,
     seed: int = 0,
     shuffle: bool = True,
     grad_accum_steps: int = 1,
@@ -231,7 +233,9 @@ def fit(
     cluster.outer_updater. clip_grad_norm: with optimizer=, the whole gradient of each update is scaled as
     torch.nn.utils.clip_grad_norm_ does, its norm taken over all params whatever the layout (an asynchronous
     group clips its own push). The whole test set is used at each test (every `test_freq`
-    steps, else once at the end), the whole validation set every `val_freq` steps. resume=True
+    steps, else once at the end), the whole validation set every `val_freq` steps. Checkpoints go into
+    the workspace every `checkpoint_freq` steps; with checkpoint_freq=0, about every `checkpoint_interval_s`
+    seconds (default 600; 0: off), and always at the end. resume=True
     continues from the workspace's newest checkpoint. grad_accum_steps=k: each worker computes its
     share of the `batch_size` rows as k micro-batches (about batch_size/k rows each, one backward each)
     and hands on their mean gradient, so a step is still one step on `batch_size` rows in a k-th of the
@@ -256,6 +260,9 @@ def fit(
                                ("val_freq", val_freq, 0), ("checkpoint_freq", checkpoint_freq, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise FitError(f"shoal.fit: {name} must be a whole number from {least}, got {value!r}")
+    if (isinstance(checkpoint_interval_s, bool) or not isinstance(checkpoint_interval_s, (int, float))
+            or not 0 <= checkpoint_interval_s < math.inf):
+        raise FitError(f"shoal.fit: checkpoint_interval_s must be a number of seconds from 0 (0: off), got {checkpoint_interval_s!r}")
     if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or not 1 <= grad_accum_steps <= batch_size:
         raise FitError(f"shoal.fit: grad_accum_steps must be a whole number from 1 to batch_size ({batch_size}), got {grad_accum_steps!r}")
     datasets = {job_pb2.kTrain: as_dataset(train_data, "train_data")}
@@ -282,7 +289,8 @@ def fit(
     job = fit_job(model, form, batch_size=batch_size, steps=steps, test_batch=test_batch, test_steps=test_steps,
                   test_freq=test_freq, val_batch=val_batch, val_steps=val_steps, val_freq=val_freq, disp_freq=disp_freq,
                   cluster=cluster or Cluster(), updater=updater or {"type": "kSGD", "learning_rate": {"base_lr": 0.01}},
-                  seed=seed, checkpoint_freq=checkpoint_freq, devices=worker_devices(device, model))
+                  seed=seed, checkpoint_freq=checkpoint_freq, devices=worker_devices(device, model),
+                  checkpoint_interval_s=float(checkpoint_interval_s))
     if outer_optimizer is not None:
         if job.cluster.HasField("outer_updater"):
             raise FitError("shoal.fit: give cluster.outer_updater (SINGA's) or outer_optimizer (a torch.optim factory), not both")

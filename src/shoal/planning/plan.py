@@ -63,6 +63,9 @@ class JobPlan:
     stall_timeout_s: float = 10.0  # cluster.stall_timeout_s (SHOAL_STALL_TIMEOUT overrides): silence that makes a process stalled
     join_timeout_s: float = 600.0  # cluster.join_timeout_s (SHOAL_JOIN_TIMEOUT overrides): how long nodes wait to meet
     process_groups: tuple[ProcessGroupPlan, ...] = ()  # what the exchanges' collectives run over, created in this order
+    # job.checkpoint_interval_s where the job sets no checkpoint_freq, else 0: a checkpoint about every this many seconds
+    checkpoint_interval_s: float = 600.0
+    round_steps: int = 1  # how far a trainer may run ahead of the chief between two meetings (Local SGD: local_steps)
 
     @property
     def job(self) -> job_pb2.JobProto:
@@ -175,6 +178,8 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
         max_restarts=restarts_override(environ, job.cluster.max_restarts),
         **{name: seconds_override(environ, variable, name, getattr(job.cluster, name)) for name, variable in TIMEOUT_OVERRIDES.items()},
         process_groups=strategy.process_groups(placement, devices, nnodes, parts) if len(placement.processes) > 1 else (),
+        checkpoint_interval_s=0.0 if job.checkpoint_freq > 0 else float(job.checkpoint_interval_s),
+        round_steps=max(1, strategy.round_steps(job.cluster)[0]),
     )
     if job.cluster.local_warmup_steps and not strategy.meets:
         raise UnsupportedClusterError("cluster.local_warmup_steps: applies to Local SGD only (cluster.local_steps > 0 and several worker groups)")

@@ -25,6 +25,7 @@ import torch
 from google.protobuf import text_format
 
 from shoal.comm import collectives
+from shoal.comm import dist as comm
 from shoal.comm import heartbeat
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.plan import JobPlan
@@ -32,11 +33,11 @@ from shoal.report.metrics import MetricsLog
 from shoal.report.run_log import end_status, failure_reason, open_run_log
 from shoal.report.writes import as_write_error
 from shoal.neuralnet import checkpoint as ckpt_io
-from shoal.runtime import debug_norms, visualization
+from shoal.runtime import checkpoint_schedule, debug_norms, visualization
 from shoal.runtime.exchanges.groups import GroupBoard, run_groups
 from shoal.runtime.interfaces import FaultInjection, TrainerHook
 from shoal.runtime.replicas import device_label, torch_device, usable_device_names
-from shoal.runtime.trainer import History, Trainer
+from shoal.runtime.trainer import History, Trainer, checkpoint_parts
 from shoal.runtime.worker import Worker
 from shoal.report.job_copy import write_job_copy
 
@@ -119,6 +120,8 @@ def assemble(plan: JobPlan, rank: int, spec: RunSpec) -> ProcessRun:
     # the plan's process groups, made on every rank in its order (a rejoined process is in none), before the trainers:
     # a partitioned group's bridges to other processes run over them
     made = collectives.create(plan.process_groups) if distributed and not rejoining else {}
+    # one schedule of interval checkpoints per process: its trainers write at the steps the chief chooses
+    schedule = checkpoint_schedule.for_process(plan, rank, checkpoint_parts(plan), comm.publish, comm.published)
     trainers: list[Trainer] = []
     for group in groups or [0]:  # a server process builds a trainer too: it holds the params it serves
         mine = [(w.id, d) for w, d in zip(hosted.workers, devices) if w.group == group]
@@ -128,7 +131,7 @@ def assemble(plan: JobPlan, rank: int, spec: RunSpec) -> ProcessRun:
             plan, spec.workspace, spec.base_dirs, home if shared is not None or not trainers else torch_device(mine[0][1]),
             log=spec.log, progress=spec.progress if chief_rank and not trainers else False,
             worker_indices=[i for i, _ in mine], chief=chief_rank and not trainers, store=shared, group=group,
-            worker_devices=[d for _, d in mine], rank=rank, process_groups=made,
+            worker_devices=[d for _, d in mine], rank=rank, process_groups=made, checkpoint_schedule=schedule,
         ))
     run = ProcessRun(plan, rank, trainers, rejoining=rejoining, faults=spec.faults, process_groups=made)
     plan.strategy.attach_exchanges(run)

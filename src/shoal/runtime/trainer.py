@@ -10,7 +10,9 @@ Per step, in SINGA 0.3's order: validate → test → checkpoint → train one b
 → display. Each of these fires when `freq > 0 and step >= after and
 (step - after) % freq == 0`; training stops at `train_steps`, after which a
 final checkpoint is written (and, unlike SINGA, a final validation and a final test
-when they are configured, so every run ends with the trained model's numbers).
+when they are configured, so every run ends with the trained model's numbers). A job
+without a checkpoint_freq checkpoints about every checkpoint_interval_s instead, every
+trainer at the step the chief chooses (shoal.runtime.checkpoint_schedule).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from shoal.report.metrics import MetricsLog, MetricWindow, display_line
 from shoal.neuralnet.net import NeuralNet
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.plan import JobPlan
+from shoal.runtime.checkpoint_schedule import CheckpointSchedule
 from shoal.runtime.feed import InputFeed, make_feeds
 from shoal.runtime.interfaces import Exchange, GroupMember, TrainerHook
 from shoal.runtime.partitioned import PartitionedGroup
@@ -126,11 +129,13 @@ class Trainer:
         hooks: tuple[TrainerHook, ...] = (),
         rank: int = 0,
         process_groups: Optional[dict] = None,
+        checkpoint_schedule: Optional[CheckpointSchedule] = None,
     ):
         """`device`: where the group's params live and its server updates them (and tests run);
         `worker_devices`: the device of each of `worker_indices` (default: all on `device`);
         `rank`: the process this trainer runs in (names its checkpoint part); `process_groups`: the plan's, made
-        (a partitioned group's bridges to other processes run over them)."""
+        (a partitioned group's bridges to other processes run over them); `checkpoint_schedule`: the interval
+        checkpoints' steps, one schedule shared by the trainers of a process (None: checkpoint_freq's only)."""
         job = plan.job
         self.plan, self.job, self.rank = plan, job, rank
         self.workspace = Path(workspace)
@@ -187,6 +192,7 @@ class Trainer:
         self.generator = self.workers[0].generator if self.workers else torch.Generator(device=device).manual_seed(job.seed + 1)
         self.pool = ThreadPoolExecutor(max_workers=len(self.workers), thread_name_prefix="shoal-worker") if len(self.workers) > 1 else None
         self.exchange: Optional[Exchange] = None  # attached by the assembly (shoal.runtime.assemble)
+        self.checkpoint_schedule = checkpoint_schedule
         self.hooks: list[TrainerHook] = list(hooks)
         self.metrics: Optional[MetricsLog] = None
         self.cursors: dict[int, int] = {job_pb2.kTest: 0, job_pb2.kVal: 0}
@@ -450,6 +456,8 @@ class Trainer:
                 if fires(job.checkpoint_freq, job.checkpoint_after, step):
                     self._stop_if_diverged(step - 1, read=True)
                     self.save_checkpoint(step)
+                elif self.checkpoint_schedule is not None and self.checkpoint_schedule.due(self.group, step, self.chief):
+                    self._interval_checkpoint(step)
                 self.timings.paused += time.perf_counter() - paused
             for hook in self.hooks:
                 hook.before_step(step)
@@ -489,6 +497,14 @@ class Trainer:
         path = self.save_checkpoint(job.train_steps)
         self.log(f"Checkpoint written to {path}")
         return history
+
+    def _interval_checkpoint(self, step: int) -> None:
+        """The checkpoint (or this trainer's part) of `step`, which the chief chose when checkpoint_interval_s had passed."""
+        self._stop_if_diverged(step - 1, read=True)
+        path = self.save_checkpoint(step)
+        if self.chief:
+            self.checkpoint_schedule.written(step)
+            self.log(f"Checkpoint written to {path} (every {self.plan.checkpoint_interval_s:g} s: checkpoint_interval_s)")
 
     def _stop_if_diverged(self, step: int, read: bool) -> None:
         """A non-finite loss stops the run. Losses on the host are checked every step; a device's are read (a wait
