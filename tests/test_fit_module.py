@@ -193,7 +193,7 @@ def adamw(named_params):
 def test_a_torch_optimizer_trains_as_a_plain_pytorch_loop(tmp_path):
     """optimizer=: torch's AdamW with param groups by name, bit for bit the plain loop on the same rows."""
     names = []
-    _, history = fit(tmp_path, "names", steps=1, updater=None, optimizer=lambda params: names.append([n for n, _ in params]) or adamw(params))
+    _, history = fit(tmp_path, "names", steps=1, updater=None, optimizer=lambda named_params: names.append([n for n, _ in named_params]) or adamw(named_params))
     assert names[-1] == [n for n, _ in tiny_gpt().named_parameters()]  # the module's names, in its order
     model, history = fit(tmp_path, "adamw", steps=20, updater=None, optimizer=adamw, seed=5)
     plain, data, losses = tiny_gpt(), windows(), []

@@ -178,6 +178,53 @@ def test_registry_is_private_and_refuses_another_users_folder(job_registry, tmp_
         jobs.register("blobs-mlp", "job.conf", tmp_path)
 
 
+
+def test_list_and_registration_remove_the_locks_of_runs_killed_with_sigkill(job_registry, tmp_path):
+    """A run killed with SIGKILL leaves its <id>.lock behind: `jobs list` (and the next registration) removes a lock
+    nobody holds of a job whose record no longer runs, and nothing else: not a lock a process holds, nor one of a
+    running job (a run may be between making its lock and locking it), nor a link, a hard link, another user's file
+    or a lock without a record."""
+    job_registry.mkdir(mode=0o700)
+    here = socket.gethostname()
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # a pid that has exited
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)\n"
+                               "fcntl.lockf(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(120)\n",
+                               str(job_registry / "4.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        me = {"rank": 0, "host": here, "pid": os.getpid(), "start": jobs.start_time(os.getpid()),
+              "cmdline": jobs.process_identity.command_line(os.getpid())}
+        write(job_registry, 1, record(1))  # finished
+        write(job_registry, 2, record(2, status="running", process_pid=ended.pid, process_host=here))  # died
+        write(job_registry, 3, record(3, status="running", processes=[me]))  # alive
+        for job_id in (4, 5, 6, 8, 9):
+            write(job_registry, job_id, record(job_id))
+        target = tmp_path / "target"
+        target.write_text("someone's\n")
+        for job_id in (1, 2, 3, 8):
+            (job_registry / f"{job_id}.lock").write_text("")
+        (job_registry / "5.lock").symlink_to(target)
+        os.link(target, job_registry / "6.lock")
+        (job_registry / "7.lock").write_text("")  # no record
+        if os.geteuid() == 0:
+            os.chown(job_registry / "8.lock", NOBODY, NOBODY)
+        out = subprocess.run([sys.executable, "-m", "shoal", "jobs", "list"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stderr == "", out.stderr
+        locks = sorted(p.name for p in job_registry.glob("*.lock"))
+        assert locks == ["3.lock", "4.lock", "5.lock", "6.lock", "7.lock"] + (["8.lock"] if os.geteuid() == 0 else [])
+        assert target.read_text() == "someone's\n" and os.path.islink(job_registry / "5.lock")
+    finally:
+        holder.kill()
+        holder.wait()
+    (job_registry / "9.lock").write_text("")  # another run killed; 4's run, too, now: the next run removes both
+    record_ = jobs.register("blobs-mlp", "job.conf", tmp_path)
+    assert not (job_registry / "9.lock").exists() and not (job_registry / "4.lock").exists()
+    assert (job_registry / f"{record_.id}.lock").exists()  # its own
+    jobs.finish(record_, "finished")
+
+
 # --- jobs kill, inside a PID namespace of the test's own ---------------------------------------------------------
 
 # Run as the namespace's first process (pid 1 there: a stray kill(-1) or kill(1) spares it, so it can tell).

@@ -107,9 +107,9 @@ def test_groups_that_would_start_from_different_values_are_stopped_in_one_line()
             return [tensor, tensor if self.theirs is None else self.theirs]
 
     store = SimpleNamespace(values={"w": torch.ones(3)}, device=torch.device("cpu"))  # what the check reads of an anchor
-    ProcessMeeting(2, group=Peers(None)).check_same(store, ["w"])
+    ProcessMeeting(2, first=Peers(None)).check_same(store, ["w"])
     with pytest.raises(GroupsDisagree, match="^Local SGD: the groups' processes start from different values"):
-        ProcessMeeting(2, group=Peers(torch.tensor([12345]))).check_same(store, ["w"])
+        ProcessMeeting(2, first=Peers(torch.tensor([12345]))).check_same(store, ["w"])
 
 
 def test_a_resumed_run_keeps_every_groups_accumulator(blobs_job, tmp_path):

@@ -8,8 +8,10 @@ user's folder, never a link or a folder every user can write.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -203,3 +205,107 @@ def test_shoals_writers_follow_no_link_planted_after_the_check(tmp_path):
     with pytest.raises(WorkspaceWriteError, match="is a symbolic link"):
         write_job_copy("name: 'x'\n", ws)
     assert target.read_text() == "root's\n" and sorted(p.name for p in tmp_path.iterdir()) == ["target", "ws"]
+
+
+def test_every_writer_in_the_workspace_follows_no_link_planted_after_the_check(blobs_job, tmp_path):
+    """The rank logs, the net drawing, a checkpoint (its temp file and its name), TensorBoard's folder and the
+    summary a rejoin rewrites: each writer, called as a run calls it with a link planted at its name, refuses in
+    one line and leaves the link's target as it was."""
+    import torch
+
+    from shoal.frontend import api
+    from shoal.launcher.ranks import rank_output
+    from shoal.launcher.rejoin import add_rejoins_to_summary
+    from shoal.neuralnet import checkpoint as ckpt_io
+    from shoal.planning.plan import plan_job
+    from shoal.report.tensorboard import TensorBoardLog
+    from shoal.report.writes import NOT_FOLLOWED, WorkspaceWriteError
+    from shoal.runtime.visualization import write_train_net
+
+    plan = plan_job(api.load_job(blobs_job(train_steps=2)))
+    ws, target = tmp_path / "ws", tmp_path / "target"
+    target.write_text("root's\n")
+    for folder in ("logs", "visualization", "checkpoint"):
+        (ws / folder).mkdir(parents=True)
+    (ws / "logs" / "rejoins.jsonl").write_text('{"time": 1e10}\n')
+    (ws / "summary.json").write_text("{}\n")
+
+    def checkpoint():
+        ckpt_io.save(ckpt_io.checkpoint_file(ws, 2), ckpt_io.Checkpoint(step=2, params={"w": torch.ones(3)}))
+
+    def rank_log():
+        with rank_output(ws, 0):
+            pass
+
+    writes = {"logs/rank0.log": rank_log,
+              "visualization/train_net.json": lambda: write_train_net(plan, ws, fresh=False),
+              "checkpoint/step2-worker0.safetensors.tmp": checkpoint,
+              "checkpoint/step2-worker0.safetensors": checkpoint,
+              "summary.json.tmp": lambda: add_rejoins_to_summary(ws, since=0)}
+    if importlib.util.find_spec("tensorboard"):  # its event file TensorBoard opens itself, in a folder shoal checks
+        writes["tensorboard"] = lambda: TensorBoardLog(ws)
+    for name, write in writes.items():
+        (ws / name).symlink_to(target)
+        with pytest.raises(WorkspaceWriteError) as refused:
+            write()
+        assert str(refused.value) == f"shoal: cannot write {ws / name}: {NOT_FOLLOWED}", name
+        (ws / name).unlink()
+    assert not (ws / "checkpoint" / "step2-worker0.safetensors.tmp").exists()  # the temp is not left behind
+    for folder in ("logs", "visualization", "checkpoint"):  # the folder holding the file, as well
+        shutil.rmtree(ws / folder)
+        (ws / folder).symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere").mkdir()
+    for name in ("logs/rank0.log", "visualization/train_net.json", "checkpoint/step2-worker0.safetensors"):
+        with pytest.raises(WorkspaceWriteError) as refused:
+            writes[name]()
+        assert str(refused.value).startswith(f"shoal: cannot write {ws / name.split('/')[0]}: {NOT_FOLLOWED}"), name
+    assert target.read_text() == "root's\n" and list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_a_rejoin_by_hand_checks_the_workspace_before_it_reads_the_secret(blobs_job, tmp_path):
+    """`shoal run JOB --rejoin RANK` reads logs/job.secret and logs/store.json and writes logs/: a logs/ planted as a
+    link (to another job's secret and store) is refused as a run refuses it, before anything is read there."""
+    job = blobs_job(train_steps=10, layout="Downpour, 2 groups + 1 server, 3 processes")
+    ws, theirs = tmp_path / "ws", tmp_path / "theirs"
+    ws.mkdir()
+    theirs.mkdir()
+    (theirs / "store.json").write_text('{"host": "127.0.0.1", "port": 9, "nnodes": 1, "interface": null}\n')
+    (ws / "logs").symlink_to(theirs)
+    before = contents(theirs)
+    line = one_line_error(shoal("run", job, "--workspace", ws, "--rejoin", "1"))
+    assert f"workspace {ws}: {ws / 'logs'} is a symbolic link, where shoal keeps its own folder" in line
+    assert contents(theirs) == before
+
+
+@as_root
+def test_a_rejoin_by_hand_into_a_workspace_another_user_owns_is_refused(blobs_job, tmp_path):
+    job = blobs_job(train_steps=10, layout="Downpour, 2 groups + 1 server, 3 processes")
+    ws = tmp_path / "ws"
+    (ws / "logs").mkdir(parents=True)
+    (ws / "logs" / "store.json").write_text('{"host": "127.0.0.1", "port": 9, "nnodes": 1, "interface": null}\n')
+    for path in (ws, ws / "logs", ws / "logs" / "store.json"):
+        os.chown(path, NOBODY, NOBODY)
+    line = one_line_error(shoal("run", job, "--workspace", ws, "--rejoin", "1"))
+    assert f"workspace {ws}: is owned by user nobody, not by you or root" in line
+
+
+@pytest.mark.parametrize("layout", ["single worker", pytest.param("AllReduce, 2 processes", marks=pytest.mark.slow)])
+def test_under_a_umask_of_000_shoals_own_output_passes_its_own_check(blobs_job, tmp_path, layout):
+    """Every folder and file shoal makes has its own mode (0755, 0644), which a umask can narrow but not widen: a
+    run under umask 000 (or 002 with a shared group) leaves nothing another user may write, so --resume takes it.
+    Over 2 processes: the rank logs, and TensorBoard's event file where the package is installed."""
+    job = blobs_job(train_steps=2, layout=layout)
+    ws = tmp_path / "runs" / "ws"  # its parent made by the run too
+    launched = layout != "single worker"
+    tensorboard = ["--tensorboard"] if launched and importlib.util.find_spec("tensorboard") else []
+    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(ws), "--no-progress",
+                           *tensorboard], capture_output=True, text=True, timeout=180, preexec_fn=lambda: os.umask(0))
+    assert proc.returncode == 0, proc.stderr
+    writable = [f"{p} {stat.S_IMODE(p.lstat().st_mode):o}" for p in [ws.parent, ws, *ws.rglob("*")]
+                if p.lstat().st_mode & 0o022]
+    assert writable == []
+    if launched:
+        assert {"rank0.log", "rank1.log"} <= {p.name for p in (ws / "logs").iterdir()}
+    proc = shoal("run", job, "--workspace", ws, "--resume", "--set", "train_steps=4")
+    assert proc.returncode == 0, proc.stderr
+    assert (ws / "checkpoint" / "step4-worker0.safetensors").is_file()

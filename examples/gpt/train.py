@@ -34,7 +34,7 @@ def next_char_loss(model, batch):
 
 def adamw(named_params, lr):
     """AdamW as nanoGPT sets it up: weight decay 0.1 on matrices and embeddings, none on biases and norms.
-    shoal calls it with the model's (name, param) pairs."""
+    shoal calls it with the model's (name, param) pairs, as its first parameter's name (`named_…`) asks."""
     named_params = list(named_params)
     return torch.optim.AdamW([{"params": [(n, p) for n, p in named_params if p.dim() >= 2], "weight_decay": 0.1},
                               {"params": [(n, p) for n, p in named_params if p.dim() < 2], "weight_decay": 0.0}],

@@ -142,13 +142,18 @@ def holds_same_secret(store, rank: int, secret: bytes) -> bool:
 
 
 def write_private(path: Path, text: str) -> None:
-    """Write `text` to `path` readable by its owner only (0600 from the first byte, also over an older file)."""
+    """Write `text` to `path` readable by its owner only (0600 from the first byte, also over an older file), each
+    step inside the folder's descriptor: a link at the folder or at the temp's name is refused, never followed."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    tmp = f".{path.name}.{os.getpid()}.tmp"
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        os.fchmod(fd, 0o600)  # whatever the umask
-        os.write(fd, text.encode())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=folder)
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+        os.rename(tmp, path.name, src_dir_fd=folder, dst_dir_fd=folder)  # replaces a link at `path`, never follows it
     finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        os.close(folder)

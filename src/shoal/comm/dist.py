@@ -131,7 +131,14 @@ def _secured(store, rank: int, world_size: int, secret: Optional[bytes], timeout
         return store
     public = public_part(store)
     auth.introduce(public, rank, secret)
-    public.wait([f"rank{r}" for r in range(world_size)], timeout)
+    try:
+        public.wait([f"rank{r}" for r in range(world_size)], timeout)
+    except dist.DistStoreError:  # c10d names the keys it waited for: say which processes and the setting, in our words
+        absent = [r for r in range(world_size) if not public.check([f"rank{r}"])]
+        who = (f"process{'es' if len(absent) > 1 else ''} {', '.join(map(str, absent))} of {world_size}" if absent
+               else f"the job's {world_size} processes")  # the last came as the wait ended
+        raise CommunicationFailed(f"{who} did not join within {timeout.total_seconds():g} s: raise cluster.comm_timeout_s "
+                                  "on a busy machine") from None
     for peer in range(world_size):
         if peer != rank and not auth.holds_same_secret(public, peer, secret):
             raise auth.SecretError(f"process {peer}'s job secret differs from process {rank}'s: give every node the same "

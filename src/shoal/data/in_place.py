@@ -11,7 +11,7 @@ batch keeps the dataset's structure (tensor, tuple, dict) and dtypes.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -30,6 +30,10 @@ class PositionSource:
     def first_batch(self) -> Any:
         raise NotImplementedError
 
+    def first_sample(self) -> Any:
+        """The first sample as default_collate would receive it (None: this source collates with its own function)."""
+        return None
+
     def reader(self, seed: int, shuffle: bool, stride: int):
         raise NotImplementedError
 
@@ -45,7 +49,31 @@ def check_dataset(dataset: Any, what: str) -> int:
     n = len(dataset)
     if n <= 0:
         raise StoreError(f"{what}: the dataset is empty")
+    sample = dataset.first_sample() if isinstance(dataset, PositionSource) else dataset[0]
+    listed = python_list_in(sample, f"{what}[0]")
+    if listed is not None:
+        raise StoreError(listed)
     return n
+
+
+NUMBER_KINDS = ((bool, "bools"), (int, "ints"), (float, "floats"))
+
+
+def python_list_in(sample: Any, where: str) -> Optional[str]:
+    """A line naming the first Python list of numbers (or of lists) in a sample, or None. default_collate turns a
+    list of N numbers into N tensors, one per position, each holding the batch's values there: no model expects
+    that, and the failure comes later, from inside the model or the loss."""
+    if isinstance(sample, list) and sample and all(isinstance(v, (int, float, list)) for v in sample):
+        kinds = [name for kind, name in NUMBER_KINDS if all(isinstance(v, kind) for v in sample)]
+        kind = kinds[0] if kinds else "lists" if all(isinstance(v, list) for v in sample) else "numbers"
+        return f"{where} is a list of {len(sample)} {kind}: return tensors (torch.tensor(...))"
+    if isinstance(sample, dict):
+        items = ((f"{where}[{k!r}]", v) for k, v in sample.items())
+    elif isinstance(sample, (list, tuple)):
+        items = ((f"{where}[{i}]", v) for i, v in enumerate(sample))
+    else:
+        return None
+    return next((found for found in (python_list_in(v, w) for w, v in items) if found is not None), None)
 
 
 def first_batch(dataset: Any) -> Any:

@@ -56,8 +56,11 @@ class IterableSource(PositionSource):
         return _chain_first(first, it)
 
     def first_batch(self) -> Any:
+        return default_collate([self.first_sample()])
+
+    def first_sample(self) -> Any:
         for sample in self.epoch(0):
-            return default_collate([sample])
+            return sample
         raise StoreError(f"{self.what}: the IterableDataset yields no samples")
 
     def reader(self, seed: int, shuffle: bool, stride: int) -> "StreamReader":

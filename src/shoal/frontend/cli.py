@@ -62,11 +62,11 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files to WORKSPACE/tensorboard (as `tensorboard: true`)")
     _add_plugin(p)
-    again = p.add_argument_group("a dead Downpour group comes back", "restarted into the running job from the servers' live "
-                                 "params (docs/async.md)")
+    again = p.add_argument_group("a dead group comes back", "restarted into the running job: from the servers' live params "
+                                 "(Downpour), or at the groups' next meeting (Local SGD / DiLoCo) (docs/async.md)")
     again.add_argument("--max-restarts", type=int, metavar="N",
-                       help="restart a dead process of a Downpour worker group other than 0 up to N times (default 0)")
-    again.add_argument("--rejoin", type=int, metavar="RANK", help="start process RANK of the job running in --workspace "
+                       help="restart a dead process of a Downpour or Local SGD worker group other than 0 up to N times (default 0)")
+    again.add_argument("--rejoin", type=int, metavar="RANK", help="start process RANK of the Downpour job running in --workspace "
                        "again, in place of a dead one (the job's store: WORKSPACE/logs/store.json, or --master HOST:PORT)")
     hosts = p.add_argument_group("several hosts", "start `shoal run` on every node with the same --nnodes and --master")
     hosts.add_argument("--nnodes", type=int, help="number of hosts")
@@ -296,7 +296,7 @@ def _run_script(args: argparse.Namespace, path: Path) -> int:
     from shoal.config.plugins import load_plugins
 
     load_plugins(args.plugin)  # for the jobs the script trains
-    # every job the script trains gets them (--max-restarts: its launcher restarts a dead Downpour group)
+    # every job the script trains gets them (--max-restarts: its launcher restarts a dead Downpour or Local SGD group)
     overrides = list(args.overrides) + _max_restarts(args) + (["tensorboard=true"] if args.tensorboard else [])
     settings = ScriptSettings.from_command_line(overrides, args.workspace, args.resume)
     return run_script(path, args.script_args, settings, expected=(ShoalError,))
@@ -492,6 +492,7 @@ def _jobs(args: argparse.Namespace) -> int:
     when = lambda t: time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
     if args.verb == "list":  # a file that is not a good record is one line on stderr; the rest are listed
         registry = jobs.read_all()
+        jobs.remove_stale_locks()  # what runs killed with SIGKILL left behind
         for problem in registry.problems:
             warn(_printable(problem))
         folder = Path.cwd() if args.here else args.workspace

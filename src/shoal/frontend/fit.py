@@ -40,7 +40,7 @@ import torch
 from google.protobuf import json_format
 
 from shoal.config import job_pb2
-from shoal.errors import ShoalError
+from shoal.errors import ShoalError, warn
 from shoal.data.in_place import TensorPairs, check_dataset
 from shoal.data.streams import IterableSource, LoaderSource
 from shoal.frontend.keras import Cluster
@@ -48,7 +48,8 @@ from shoal.frontend.module_path import (DATA_LAYER, LOSS_LAYER, MODULE_LAYER, MO
                                         register_fit_layers)
 from shoal.neuralnet.params import ParamStore
 from shoal.frontend.fit_metrics import check_metrics, run_goals
-from shoal.neuralnet.torch_optimizer import OPTIMIZER_UPDATER, OUTER_OPTIMIZER_UPDATER, check_slices_allowed, made, made_scheduler
+from shoal.neuralnet.torch_optimizer import (OPTIMIZER_UPDATER, OUTER_OPTIMIZER_UPDATER, check_slices_allowed, made, made_scheduler,
+                                             optimizer_factory, stand_ins)
 from shoal.report.targets import set_run_goals
 
 if TYPE_CHECKING:
@@ -134,18 +135,35 @@ def fit_job(model: torch.nn.Module, form: str, *, batch_size: int, steps: int, t
     return job
 
 
-def _check_optimizer_layout(plan: JobPlan, model: torch.nn.Module, optimizer: Callable) -> None:
+def _probe(spec: FitSpec, factory: Callable) -> torch.optim.Optimizer:
+    """What a (normalised) optimizer factory makes over stand-ins of the trained params."""
+    params = dict(spec.model.named_parameters())
+    return made(factory, stand_ins(spec.trained_names, [tuple(params[n].shape) for n in spec.trained_names]))
+
+
+def _check_optimizer_layout(plan: JobPlan, spec: FitSpec) -> None:
     """A torch optimizer runs wherever owners update params: refuse, in one line, an optimizer not known to be
     element-wise where params are sliced over owners."""
-    numel = {name: p.numel() for name, p in model.named_parameters()}
+    numel = {name: p.numel() for name, p in spec.model.named_parameters()}
     if not plan.in_one_process and any(s.param in numel and s.size != numel[s.param] for s in plan.placement.slices):
-        check_slices_allowed(made(optimizer, list(model.named_parameters())))  # the owners update slices of params
+        check_slices_allowed(_probe(spec, spec.optimizer))  # the owners update slices of params
 
 
 def _check_outer_layout(plan: JobPlan) -> None:
     if not plan.strategy.meets:
         raise FitError(f"shoal.fit: outer_optimizer= is Local SGD / DiLoCo's (cluster.nworker_groups > 1 with "
                        f"cluster.local_steps), not {plan.framework}'s")
+
+
+SCHEDULER_STEPS = ("update", "group")
+
+
+def _warn_batch_over_dataset(batch_size: int, train: torch.utils.data.Dataset) -> None:
+    """A batch larger than the training set is legal (positions wrap round epochs) but repeats samples within a batch:
+    say so in one line (once: under a launcher, in rank 0)."""
+    if batch_size > len(train) and _launched_rank() == 0:
+        warn(f"WARNING: shoal.fit: batch_size {batch_size} is larger than train_data ({len(train)} samples): every batch "
+             "repeats samples (its positions wrap round into the next epochs)")
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -187,6 +205,7 @@ def fit(
     updater: Optional[dict] = None,
     optimizer: Optional[Callable] = None,
     scheduler: Optional[Callable] = None,
+    scheduler_steps: str = "update",
     outer_optimizer: Optional[Callable] = None,
     clip_grad_norm: Optional[float] = None,
     batch_size: int = 64,
@@ -220,14 +239,21 @@ def fit(
     in order). Or an IterableDataset (its own order, set_epoch(epoch) called before each epoch; a
     resume re-iterates the epoch and skips to its position), or a DataLoader factory
     `make_loader(batch_sampler) -> DataLoader(dataset, batch_sampler=batch_sampler, ...)` whose
-    batch sampler yields the rows shoal chooses (shoal.data.streams, docs/python.md). loss_fn: `loss_fn(output, target)` (the module gets each batch's first element, the
-    loss its output and the second) or `loss_fn(model, batch)` (the loss calls the model itself);
+    batch sampler yields the rows shoal chooses (shoal.data.streams, docs/python.md). A sample holding a Python
+    list of numbers is refused in one line (default_collate would split it by position); a batch_size larger than
+    the training set warns in one line. loss_fn: `loss_fn(output, target)` (the module gets each batch's first
+    element, the loss its output as the module returns it, a tensor or a dict/tuple of tensors, and the second) or
+    `loss_fn(model, batch)` (the loss calls the model itself);
     `loss_takes="output"` or `"model"` says which, else a first parameter named `model` or `module`
     means the second form. updater: SINGA's UpdaterProto as a dict (default plain SGD, learning rate
-    0.01); or optimizer: a factory `lambda params: torch.optim.AdamW(params, ...)` called on the
-    module's (name, param) pairs in named_parameters order, run by whoever updates in the layout over
-    the params or slices it owns (docs/python.md). scheduler: `lambda optimizer: torch.optim.lr_scheduler.LambdaLR(...)`,
-    stepped once per update the optimizer applies. outer_optimizer (Local SGD / DiLoCo, cluster.nworker_groups
+    0.01); or optimizer: a torch optimizer, run by whoever updates in the layout over the params or slices it
+    owns (docs/python.md): a factory given the trained params, as (name, param) pairs when its first parameter's
+    name starts with `named`, else as tensors (`lambda params: torch.optim.AdamW(params, ...)`); a callable
+    taking no argument; or an optimizer over the model's parameters (`model.configure_optimizers(...)`, also
+    when a factory returns one), rebuilt by name (neuralnet/torch_optimizer.py). scheduler:
+    `lambda optimizer: torch.optim.lr_scheduler.LambdaLR(...)`, stepped once per update the optimizer applies
+    (scheduler_steps="update"), or, with scheduler_steps="group", to each asynchronous group's own step before
+    that group's update (Hogwild, Downpour: a schedule of `steps` ends at every group's last step). outer_optimizer (Local SGD / DiLoCo, cluster.nworker_groups
     with cluster.local_steps): a torch.optim factory applied to the groups' mean pseudo-gradient at each meeting,
     e.g. DiLoCo's `lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)`, instead of
     cluster.outer_updater. clip_grad_norm: with optimizer=, the whole gradient of each update is scaled as
@@ -284,6 +310,17 @@ def fit(
                        "(SINGA's updater= clips per element with clip_low/clip_high)")
     if scheduler is not None and optimizer is None:
         raise FitError("shoal.fit: scheduler= steps a torch optimizer: give optimizer= too (SINGA's updater= has learning_rate)")
+    if scheduler_steps not in SCHEDULER_STEPS:
+        raise FitError(f"shoal.fit: scheduler_steps must be 'update' (once per update the optimizer applies) or 'group' "
+                       f"(each asynchronous group's own step), got {scheduler_steps!r}")
+    if scheduler_steps != "update" and scheduler is None:
+        raise FitError("shoal.fit: scheduler_steps= says what a scheduler= follows: give scheduler= too")
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    if optimizer is not None:  # every form (a factory on tensors or on names, an optimizer over the model) as one factory
+        optimizer = optimizer_factory(optimizer, model, trained)
+    if outer_optimizer is not None:
+        outer_optimizer = optimizer_factory(outer_optimizer, model, trained, "outer_optimizer")
+    _warn_batch_over_dataset(batch_size, datasets[job_pb2.kTrain])
     if optimizer is not None:
         updater = {"type": "kUserUpdater", "user_type": OPTIMIZER_UPDATER, "learning_rate": {"base_lr": 0}}  # torch's lr rules
     job = fit_job(model, form, batch_size=batch_size, steps=steps, test_batch=test_batch, test_steps=test_steps,
@@ -298,7 +335,8 @@ def fit(
             type=job_pb2.kUserUpdater, user_type=OUTER_OPTIMIZER_UPDATER, learning_rate=job_pb2.LRGenProto(type=job_pb2.kFixed)))
     job = script.applied(job)  # under `shoal run script.py`: the command line's --set (a seed set there shuffles too)
     spec = FitSpec(model, loss_fn, form, datasets, job.seed, shuffle, optimizer, scheduler, outer_optimizer, clip_grad_norm,
-                   grad_accum_steps=grad_accum_steps, autocast=autocast_dtype(autocast), metrics=metrics, goals=goals)
+                   grad_accum_steps=grad_accum_steps, autocast=autocast_dtype(autocast), metrics=metrics, goals=goals,
+                   scheduler_steps=scheduler_steps)
     register_fit_layers(spec)
     try:
         history = _train(job, spec, model, workspace, resume, log)
@@ -346,9 +384,9 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
     validate(job, None, shape_check=check_shapes)
     plan = plan_of(job)  # planned once: the checks and the run take this plan
     if spec.optimizer is not None:
-        _check_optimizer_layout(plan, model, spec.optimizer)
+        _check_optimizer_layout(plan, spec)
     if spec.scheduler is not None:  # refused before anything is written (the owners build their own)
-        made_scheduler(spec.scheduler, made(spec.optimizer, list(model.named_parameters())))
+        made_scheduler(spec.scheduler, _probe(spec, spec.optimizer))
     if spec.outer_optimizer is not None:
         _check_outer_layout(plan)
     _check_sendable(plan, spec)

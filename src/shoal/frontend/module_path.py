@@ -78,6 +78,7 @@ class FitSpec:
     autocast: Optional[torch.dtype] = None  # forward (module and loss) under torch.autocast at this dtype; params stay fp32
     metrics: dict = field(default_factory=dict)  # name -> callable in the loss's form (frontend/fit_metrics.py), test/validation
     goals: RunGoals = field(default_factory=RunGoals)  # metric directions and targets, for the summary
+    scheduler_steps: str = "update"  # what the scheduler follows: each update, or each asynchronous group's own step
 
     def computing(self, device: torch.device):
         """The context the module and loss compute in: torch.autocast on the batch's device, or nothing."""
@@ -142,7 +143,7 @@ def register_fit_layers(spec: FitSpec) -> None:
     trained = dict(spec.model.named_parameters())
     if spec.optimizer is not None:
         register_torch_optimizer(spec.optimizer, [(n, trained[n]) for n in names], spec.scheduler,
-                                 clip_grad_norm=spec.clip_grad_norm)
+                                 clip_grad_norm=spec.clip_grad_norm, schedule_by_group=spec.scheduler_steps == "group")
     if spec.outer_optimizer is not None:
         register_torch_optimizer(spec.outer_optimizer, [(n, trained[n]) for n in names], user_type=OUTER_OPTIMIZER_UPDATER)
     # the module copy of the worker that computes a batch's first rows (worker 0) in this process:
@@ -238,7 +239,14 @@ def register_fit_layers(spec: FitSpec) -> None:
             inputs = to_device(inputs, module_device(self.module))  # a model given on a GPU is probed there
             self.module.eval()  # the shape probe: one real sample, and no batch-norm statistics moved
             with torch.no_grad():
-                self.shape = tuple(self.module(inputs).shape[1:])
+                output = self.module(inputs)
+            # a dict, tuple or dataclass-like output travels to the loss as the model returned it; its first tensor
+            # (in structure order) stands for its shape
+            first = first_tensor(output)
+            if first is None:
+                raise FitError(f"shoal.fit: the model returned a {type(output).__name__} holding no tensor; loss_fn(output, "
+                               "target) gets the output as the model returns it: a tensor, or a dict/tuple of tensors")
+            self.shape = tuple(first.shape[1:]) or (1,)
 
         def forward(self, xs, params, labels, ctx):
             inputs, target = split_pair(xs[0])
@@ -260,7 +268,8 @@ def register_fit_layers(spec: FitSpec) -> None:
                     with spec.computing(ctx.device):
                         report_metrics(spec.metrics, lambda fn: fn(output, target), loss.item(), rows, ctx.report)
                 # accuracy only for class scores against one class id per sample (unless the user measures their own)
-                if "accuracy" not in spec.metrics and output.dim() == 2 and isinstance(target, torch.Tensor) and target.dim() == 1 and not target.is_floating_point():
+                if ("accuracy" not in spec.metrics and isinstance(output, torch.Tensor) and output.dim() == 2
+                        and isinstance(target, torch.Tensor) and target.dim() == 1 and not target.is_floating_point()):
                     ctx.report("accuracy", (output.argmax(1) == target).float().mean(), rows)
             return loss
 

@@ -13,7 +13,8 @@ with its start time and command line. So the process that registers a job holds 
 <id>.lock (0600, made afresh) until it finishes, and `kill` signals only a process of the record that still
 matches it and is that lock's holder, as the kernel names it, or was started by the holder (its ranks):
 provably this job's run (launcher/process_identity.py). The lock goes with the process: a run that ended,
-a reboot or a record of another machine leaves nothing to prove.
+a reboot or a record of another machine leaves nothing to prove. The lock file of a run killed with SIGKILL
+stays; the next `shoal jobs list` or registration removes it (`remove_stale_locks`).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from shoal.launcher.process_identity import SignalRefused, start_time  # noqa: F
 MAX_RECORD_BYTES = 1 << 20  # a record of thousands of processes is far smaller
 STATUSES = ("running", "finished", "failed", "killed")
 _RECORD_NAME = re.compile(r"[1-9][0-9]{0,17}\.json")
+_LOCK_NAME = re.compile(r"[1-9][0-9]{0,17}\.lock")
 _LATEST_TIME = 1e11  # seconds since 1970 (year 5138): beyond it a time is not one shoal wrote
 
 _held: dict[int, int] = {}  # job id -> the descriptor of its lock file, for each job this process runs
@@ -170,6 +172,7 @@ def register(name: str, job_file: str, workspace: Path) -> JobRecord:
     except RegistryError as err:
         finish(record, "failed", str(err))
         raise
+    remove_stale_locks()
     return record
 
 
@@ -209,6 +212,35 @@ def _release_lock(job_id: int) -> None:
     except OSError:
         pass
     os.close(fd)  # the lock goes with it
+
+
+def remove_stale_locks() -> list[Path]:
+    """The lock files that runs killed with SIGKILL (or a reboot) left behind: removed, and returned.
+
+    Only a regular file of this user's with one name (never through a link), that nobody holds a lock on, of a job
+    whose record says it is no longer running (it ended, or its processes here are gone). Its id stays taken by that
+    record, so no new run can be making a lock of that name meanwhile. A lock without a record is left alone, and
+    so are the locks this process holds (looking at one would release it)."""
+    folder = registry_dir()
+    try:
+        names = [entry.name for entry in os.scandir(folder) if _LOCK_NAME.fullmatch(entry.name)]
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        job_id, path = int(name[:-5]), folder / name
+        if job_id in _held:
+            continue
+        try:
+            if process_identity.lock_holder(path) is not None:  # (opened with O_NOFOLLOW; NotALock: not shoal's)
+                continue
+            if _read_record(folder / f"{job_id}.json", job_id).live_status() == "running":
+                continue
+            os.unlink(path)  # removes the name; follows no link
+        except (OSError, process_identity.NotALock, BadRecord):
+            continue
+        removed.append(path)
+    return removed
 
 
 # --- reading -------------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from shoal.planning.plan import JobPlan, plan_job
 from shoal.report.metrics import read_metrics
 from shoal.report.run_log import Terminated, mark_run_ended
 from shoal.report.summary import note_group_ends, restate_reason
+from shoal.report.writes import open_for_append
 from shoal.runtime.assemble import RunSpec, run_process
 from shoal.launcher import faults, rejoin, stalls
 from shoal.launcher.ranks import chief_log, describe_process, expendable, rank_output
@@ -363,7 +364,7 @@ def _failed(message: str, workspace: Path, ranks: list[int], root_cause: bool = 
 
 
 def _exited(plan: JobPlan, rank: int, code: int, workspace: Path, ranks: list[int]) -> ProcessFailed:
-    stops = stalls.why_the_job_stops(plan)  # a job of several groups that cannot outlive one (Local SGD) says why
+    stops = stalls.why_the_job_stops(plan)  # a job of several groups that cannot outlive one says why
     return _failed(f"{describe_process(plan, rank)} exited with code {code}; {stops + '; ' if stops else ''}"
                    f"the other processes were stopped; see {workspace}/logs/rank{rank}.log", workspace, ranks, root_cause=rank != 0)
 
@@ -403,9 +404,7 @@ def run_processes(
     if nodes.one_host:
         meeting_point = meet(nodes, plan)
     else:  # torch's store clients log every retry while the other nodes are not up yet: to this node's launcher log
-        log_dir = Path(spec.workspace) / "logs"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        with open(log_dir / "launcher.log", "a") as launcher_log, stalls.native_stderr_to(launcher_log):
+        with open_for_append(Path(spec.workspace) / "logs" / "launcher.log") as launcher_log, stalls.native_stderr_to(launcher_log):
             meeting_point = meet(nodes, plan)
     try:
         return _spawn(plan, spec, on_start, nodes, meeting_point, process_setup, environment)
@@ -477,11 +476,11 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
         group_ends: dict[int, str] = {}
         first_exits: dict[int, int] = {}
         try:
-            if plan.strategy.outlives_a_dead_group:  # (its strategy says so: Downpour, Hogwild) a dead group is dropped
+            if plan.strategy.outlives_a_dead_group:  # (its strategy says so: Downpour, Hogwild, Local SGD) a dead group is dropped
                 failed_groups = _join_tolerating_groups(context, ranks, plan, workspace,
                                                         rejoin.Restarter(plan, meeting, spec, process_setup, environment), group_ends)
-            elif plan.max_restarts > 0 and plan.cluster.nworker_groups > 1:  # Local SGD: a dead group stops the job
-                warn(f"WARNING: --max-restarts: only Downpour worker groups are restarted; {plan.label}'s are not")
+            elif plan.max_restarts > 0 and plan.cluster.nworker_groups > 1:  # groups that cannot outlive a dead one
+                warn(f"WARNING: --max-restarts: only Downpour and Local SGD worker groups are restarted; {plan.label}'s are not")
             stalls.wait_for_first_failure(context)  # and SIGKILL stopped processes, which SIGTERM cannot end
             # who had exited when the first failure was seen, before torch's join stops the others
             first_exits = {i: p.exitcode for i, p in enumerate(context.processes) if p.exitcode not in (None, 0)}

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from shoal.planning.plan import JobPlan
+from shoal.report.writes import open_for_append
 
 
 def describe_process(plan: JobPlan, rank: int) -> str:
@@ -26,9 +27,7 @@ def expendable(plan: JobPlan, rank: int) -> bool:
 def rank_output(workspace: Path, rank: int):
     """WORKSPACE/logs/rank<R>.log: the chief talks to the terminal (and copies its lines there); every other
     rank writes only to its file. Afterwards stderr is given back, so that a failure's one line reaches the terminal."""
-    log_dir = Path(workspace) / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_file = open(log_dir / f"rank{rank}.log", "a", buffering=1)
+    log_file = open_for_append(Path(workspace) / "logs" / f"rank{rank}.log")  # through no link (nor at logs/)
     saved_stderr = sys.stderr
     if rank != 0:
         sys.stdout = sys.stderr = log_file

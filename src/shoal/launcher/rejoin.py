@@ -1,4 +1,8 @@
-"""A dead Downpour worker group comes back: restarted by `shoal run`'s launcher, or by hand, into the running job.
+"""A dead worker group comes back: restarted by `shoal run`'s launcher (Downpour, Local SGD), or by hand (Downpour),
+into the running job.
+
+A Local SGD / DiLoCo group's new process knocks and joins at the groups' next meeting, from the chief's group's
+state (runtime/exchanges/periodic.py, shoal.comm.quorum); the rest of this text is Downpour's.
 
 The servers hold the live params, so a new process of the group needs nothing else: it connects
 to the job's store (not to the world process group, which cannot take a new member), announces a
@@ -37,7 +41,10 @@ from shoal.errors import ShoalError, warn
 from shoal.planning.plan import JobPlan
 from shoal.launcher import faults, stalls
 from shoal.launcher.ranks import chief_log, describe_process, rank_output
+from shoal.launcher.workspace import check_workspace
+from shoal.report.writes import own_folder, replace_file
 from shoal.runtime.exchanges.downpour import DOOR
+from shoal.runtime.exchanges.periodic import DOOR as MEETING_DOOR
 from shoal.runtime.rejoined import RECORDS_FILE
 
 STORE_FILE = "store.json"  # WORKSPACE/logs/store.json: where the job's store is, for --rejoin
@@ -50,7 +57,8 @@ class RejoinRefused(ShoalError, ValueError):
 def why_not(plan: JobPlan, rank: int) -> Optional[str]:
     """Why process `rank` cannot rejoin the running job (None: it can)."""
     if not plan.strategy.rejoins:
-        return f"only Downpour worker groups can rejoin a running job ({plan.label} cannot; Distributed Hogwild's replicas are not rebuilt)"
+        return (f"only Downpour and Local SGD worker groups can rejoin a running job ({plan.label} cannot; Distributed Hogwild's "
+                "replicas are not rebuilt)")
     if not 0 <= rank < plan.nprocs:
         return f"the job has processes 0..{plan.nprocs - 1}"
     proc = plan.process(rank)
@@ -70,9 +78,20 @@ def group_of(plan: JobPlan, rank: int) -> int:
     return plan.process(rank).workers[0].group
 
 
+def door_of(plan: JobPlan) -> str:
+    """The store's door through which the launcher announces a group's restarts (and gives up on one) to the job."""
+    return MEETING_DOOR if plan.strategy.meets else DOOR
+
+
+def by_hand(plan: JobPlan) -> bool:
+    """Whether `shoal run JOB --rejoin RANK` can bring a group back (Downpour; a Local SGD group comes back only when
+    the launcher restarts it, at the next meeting)."""
+    return plan.strategy.rejoins and not plan.strategy.meets
+
+
 # -- the launcher's side -----------------------------------------------------------------------------
 class Restarter:
-    """What `shoal run`'s launcher does when an expendable process of a Downpour job exits with an error."""
+    """What `shoal run`'s launcher does when an expendable process of a Downpour or Local SGD job exits with an error."""
 
     def __init__(self, plan: JobPlan, meeting, spec, process_setup: Optional[Callable[[], None]], environment: dict[str, str]):
         """`environment`: the ranks' (holding the job's secret): restarted processes get it too."""
@@ -85,8 +104,8 @@ class Restarter:
         self._context = None
         self._note_store()
         if plan.max_restarts > 0 and not plan.strategy.rejoins:
-            warn(f"WARNING: --max-restarts: only Downpour worker groups are restarted; {plan.label}'s are not")
-        if plan.strategy.rejoins:  # the servers hear from it which dead groups will not come back
+            warn(f"WARNING: --max-restarts: only Downpour and Local SGD worker groups are restarted; {plan.label}'s are not")
+        if plan.strategy.rejoins:  # the servers (the meetings' chief) hear from it which dead groups will not come back
             self._connect()
         if self.limit > 0:
             self._door.restarts_dead_groups()
@@ -95,10 +114,10 @@ class Restarter:
     def _note_store(self) -> None:
         """Where the job's store is and its secret, for `shoal run JOB --rejoin RANK` (on this host; pass --master
         elsewhere): files only this user can read."""
-        if not self.plan.strategy.rejoins:
+        if not by_hand(self.plan):
             return
         logs = Path(self.spec.workspace) / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
+        own_folder(logs)  # a real folder of this user's, never a link: write_private writes inside it, following none
         auth.write_private(logs / auth.SECRET_FILE, auth.to_text(self.secret) + "\n")
         auth.write_private(logs / STORE_FILE, json.dumps({"host": self.meeting.store_host, "port": self.meeting.store_port,
                                                           "nnodes": self.meeting.nnodes, "interface": self.meeting.interface}) + "\n")
@@ -106,7 +125,7 @@ class Restarter:
     def _connect(self) -> None:
         self._store = channels.job_store_client(self.meeting.store_host, self.meeting.store_port, self.secret,
                                                 timeout_s=self.plan.comm_timeout_s)
-        self._door = channels.Door(DOOR, self._store, self.secret)
+        self._door = channels.Door(door_of(self.plan), self._store, self.secret)
 
     def restart(self, context, index: int, rank: int, code: int) -> bool:
         """Start a new process in dead process `rank`'s place (it replaces context.processes[index]); False: not restarted."""
@@ -128,8 +147,9 @@ class Restarter:
         self.restarts[rank] = done + 1
         heartbeat.say_gone(self._store, rank)  # no stall warnings for a process the launcher saw die
         incarnation = self._door.next_incarnation(group)  # the servers wait for it from now on
+        source = "at the groups' next meeting, from a live group's state" if self.plan.strategy.meets else "from the servers' live params"
         warn(f"WARNING: {describe_process(self.plan, rank)} exited with code {code}; restarting it "
-             f"(restart {done + 1} of {self.limit}); it rejoins from the servers' live params")
+             f"(restart {done + 1} of {self.limit}); it rejoins {source}")
         args = (rank, self.meeting, self.plan.job.SerializeToString(), str(self.spec.workspace),
                 [str(d) for d in self.spec.base_dirs], self.process_setup, self.spec.initial_values, incarnation, detected_at, self.environment)
         process = self._context.Process(target=_entry, args=args, name=f"shoal-rank{rank}-restart{done + 1}", daemon=False)
@@ -159,9 +179,7 @@ def add_rejoins_to_summary(workspace: Path, since: float) -> None:
         return
     summary = json.loads(summary_path.read_text())
     summary["rejoins"] = records
-    tmp = summary_path.with_name(summary_path.name + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=1) + "\n")
-    os.replace(tmp, summary_path)
+    replace_file(summary_path, (json.dumps(summary, indent=1) + "\n").encode(), temp_name=summary_path.name + ".tmp")
 
 
 def _entry(rank: int, meeting, job_bytes: bytes, workspace: str, base_dirs: list[str], process_setup, initial_values,
@@ -184,6 +202,7 @@ def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, stor
     from shoal.planning.plan import plan_job
     from shoal.runtime.assemble import Rejoin, RunSpec, run_process
     from shoal.runtime.exchanges.downpour import JobOver
+    from shoal.runtime.exchanges.periodic import MeetingsOver
 
     if process_setup is not None:
         process_setup()
@@ -194,7 +213,7 @@ def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, stor
     try:
         with stalls.watching(plan, rank, workspace):
             run_process(plan, rank, spec)
-    except JobOver as err:  # nothing left to train: not a failure
+    except (JobOver, MeetingsOver) as err:  # nothing left to train: not a failure
         log(str(err))
     stalls.exit_if_abandoned()
 
@@ -203,7 +222,10 @@ def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, stor
 def rejoin_by_hand(plan: JobPlan, workspace: Path, rank: int, master: Optional[str], base_dirs: list[Path],
                    log: Callable[[str], None] = print) -> None:
     """Start process `rank` of the running job `plan` again, in this process (refused in one line when it cannot)."""
+    check_workspace(workspace)  # as every run: before its job.secret and store.json are read or its logs written
     reason = why_not(plan, rank)
+    if reason is None and not by_hand(plan):
+        reason = f"{plan.label}'s worker groups rejoin only when the launcher restarts them (shoal run --max-restarts N)"
     if reason is not None:
         raise RejoinRefused(f"--rejoin {rank}: {reason}")
     host, port, interface = _store_address(workspace, master)

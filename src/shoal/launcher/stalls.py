@@ -1,7 +1,7 @@
 """What a process does when a peer stalls (found by shoal.comm.heartbeat), and what the launcher makes of it.
 
 - A peer the job cannot lose (any process of a job whose groups do not outlive a dead one: a
-  synchronous layout, Local SGD; in Downpour and Hogwild a server, a process of group 0, or the
+  synchronous layout; in Downpour, Hogwild and Local SGD a server, a process of group 0, or the
   store): the job fails. The process that noticed writes the
   verdict, one line naming the peer and what it hosted, to WORKSPACE/logs/rank<R>.stalled and exits
   with STALLED_EXIT (its main thread waits in a gloo receive that nothing can interrupt). The
@@ -9,8 +9,9 @@
   stopped process ignores SIGTERM until it is continued). A process started by a launcher
   (torchrun, srun) prints the line itself.
 - A process of a group other than 0 where the strategy says the groups outlive a dead one
-  (`outlives_a_dead_group`: Downpour, Hogwild): the group is dropped. The servers and the other
-  groups stop waiting for it (the exchanges ask `heartbeat.is_stalled`), the chief warns once, the
+  (`outlives_a_dead_group`: Downpour, Hogwild, Local SGD): the group is dropped. The servers and the other
+  groups stop waiting for it (the exchanges ask `heartbeat.is_stalled`; Local SGD's meetings go on
+  without it: shoal.comm.quorum), the chief warns once, the
   group's other processes leave with GROUP_DROPPED_EXIT (not reported again), and once the job's
   essential processes are done the launcher kills what is still stopped (`end_dropped`). If the
   stalled process runs again before that, it sees the gap in its own heartbeat and leaves; a push
@@ -28,6 +29,7 @@ from shoal.comm import heartbeat
 from shoal.errors import warn
 from shoal.launcher.ranks import describe_process, expendable
 from shoal.planning.plan import JobPlan
+from shoal.report.writes import WorkspaceWriteError, own_folder, replace_file
 from shoal.runtime.interfaces import GroupDropped
 
 STALLED_EXIT = 86  # this process found a peer the job cannot lose stalled: logs/rank<R>.stalled says which
@@ -87,12 +89,10 @@ class StallPolicy:
 
     def _fail(self, line: str) -> None:
         path = verdict_path(self.workspace, self.rank)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(line + "\n")
-            os.replace(tmp, path)
-        except OSError:  # the launcher falls back to naming this process
+        try:  # through no link, nor at logs/
+            own_folder(path.parent)
+            replace_file(path, (line + "\n").encode(), temp_name=path.with_suffix(".tmp").name)
+        except (OSError, WorkspaceWriteError):  # the launcher falls back to naming this process
             pass
         if self.reports_itself:
             try:
@@ -109,8 +109,8 @@ class StallPolicy:
 
 
 def why_the_job_stops(plan: JobPlan) -> Optional[str]:
-    """Why a job of several worker groups stops without one of them, where its strategy says so (Local SGD: its
-    groups meet), as a clause for the line that names the process; None where the job has one group or outlives it."""
+    """Why a job of several worker groups stops without one of them, where its strategy says so, as a clause for the
+    line that names the process; None where the job has one group or outlives it."""
     why = plan.strategy.why_a_dead_group_stops_the_job(plan)
     if why is None or plan.cluster.nworker_groups < 2:
         return None

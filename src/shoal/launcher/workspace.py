@@ -39,7 +39,8 @@ from typing import Optional
 
 from shoal.errors import ShoalError, warn
 from shoal.report.job_copy import JOB_COPY, META
-from shoal.report.writes import cause_of, open_in_workspace, own_folder, write_file, writing
+from shoal.report.writes import (WorkspaceWriteError, cause_of, open_in_workspace, own_folder, own_folders, write_file,
+                                 writing)
 
 # what a run writes at a workspace's top level (and set-aside copies of them: metrics.jsonl.2, visualization.1)
 OUTPUT_NAMES = ("checkpoint", "logs", "visualization", "tensorboard", "metrics.jsonl", "summary.json")
@@ -249,10 +250,10 @@ def claim(workspace: Path, writes: tuple[str, ...] = ()) -> None:
     marker = folder / META / "workspace.json"
     fresh = not marker.is_file()
     if fresh:
-        try:
-            folder.mkdir(parents=True, exist_ok=True, mode=0o755)  # writable by this user only (parents: as the umask says)
-        except OSError as err:
-            raise WorkspaceError(f"workspace {workspace}: cannot be created ({cause_of(err)})") from None
+        try:  # writable by this user only, the parents it makes too, whatever the umask: shoal's next run checks them
+            own_folders(folder)
+        except WorkspaceWriteError as err:
+            raise WorkspaceError(f"workspace {workspace}: cannot be created ({err.cause})") from None
         entries = {p.name for p in folder.iterdir()}
         older_shoal = (all(map(_legacy, entries)) and not any(os.path.islink(folder / e) for e in entries)
                        and _holds_shoals_run(folder))

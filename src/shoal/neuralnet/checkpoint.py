@@ -44,10 +44,11 @@ from typing import Optional
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as to_safetensors_bytes
 
 from shoal.errors import ShoalError, warn
-from shoal.report.writes import write_error
+from shoal.report.writes import own_folders, replace_file, write_error
 
 FORMAT_VERSION = "2"  # 2: the digest covers the metadata and the tensors; 1: the tensors only
 OLD_FORMAT = "1"
@@ -138,15 +139,6 @@ def remove_stale_temporaries(workspace: Path) -> list[Path]:
     return stale
 
 
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename in `folder` durable (the new directory entry survives a power loss)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save(path: Path, ckpt: Checkpoint) -> Path:
     """Write atomically: a temp file in the same folder, fsync, rename, fsync the folder.
 
@@ -167,26 +159,15 @@ def save(path: Path, ckpt: Checkpoint) -> Path:
     if ckpt.part_names:
         metadata["parts"] = json.dumps(ckpt.part_names)
     metadata[DIGEST_FIELD] = digest(metadata, tensors)  # last: it covers every other field
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(tmp), metadata=metadata)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except (OSError, SafetensorError) as err:  # disk full, quota, read-only: the previous checkpoint stays as it was
-        _remove_partial(tmp)
+    try:  # the file's bytes, written below through no link (safetensors' save_file opens its path, following one)
+        data = to_safetensors_bytes(tensors, metadata=metadata)
+    except SafetensorError as err:
         raise write_error(path, err) from None
+    own_folders(path.parent)
+    # a temp file beside it, fsync'd, renamed within the folder's descriptor, the folder fsync'd; a refused write
+    # (disk full, quota, read-only) removes the temp, and the previous checkpoint stays as it was
+    replace_file(path, data, temp_name=path.name + ".tmp", durable=True)
     return path
-
-
-def _remove_partial(tmp: Path) -> None:
-    """A temp checkpoint that could not be finished: removed, which also gives back the space it took."""
-    try:
-        tmp.unlink(missing_ok=True)
-    except OSError:  # a read-only folder never got it
-        pass
 
 
 def values_and_state(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:

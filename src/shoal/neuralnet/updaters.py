@@ -241,9 +241,12 @@ class Updater:
         self.update_many(step, [ParamUpdate(value, grad, state, lr_scale, wd_scale)], grad_scale)
 
     @torch.no_grad()
-    def update_many(self, step: int, params: Sequence[ParamUpdate], grad_scale: float = 1.0) -> None:
+    def update_many(self, step: int, params: Sequence[ParamUpdate], grad_scale: float = 1.0,
+                    group_step: Optional[tuple[int, int]] = None) -> None:
         """`update` on every param with a gradient, as multi-tensor ops over the params that share
-        lr_scale, wd_scale, device and dtype (usually one or two groups)."""
+        lr_scale, wd_scale, device and dtype (usually one or two groups). `group_step`: the (worker group, its own
+        step) whose push this update applies, where a server serves several asynchronous groups; SINGA's schedules
+        follow `step` (a torch scheduler may follow the group's: shoal.neuralnet.torch_optimizer)."""
         groups: dict[tuple, list[ParamUpdate]] = {}
         for p in params:
             if p.grad is None:

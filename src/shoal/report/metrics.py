@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from shoal.report.writes import open_in_workspace, write_error, writing
+from shoal.report.writes import open_in_workspace, own_folders, write_error
 
 
 class MetricWindow:
@@ -157,6 +157,8 @@ RECORD_KEYS: dict[str, tuple[str, str]] = {
     "sync_bytes": ("train", "Distributed Hogwild only: bytes of the chief group's own syncs in the window, both ways "
                    "(its deltas with their headers and the masters' answers; after cluster.compression)"),
     "meetings": ("train", "Local SGD / DiLoCo only: meetings of the groups so far (one every cluster.local_steps steps)"),
+    "groups_met": ("train", "Local SGD / DiLoCo only: worker groups that came to the last meeting (fewer than nworker_groups "
+                   "while a group is dead or stalled)"),
     "mode": ("test", "\"test-only\" for `shoal run --test`"),
 }
 REQUIRED_KEYS = {"all": ("step", "phase", "time"), "train": ("samples", "samples_per_sec", "window_sec", "compute_sec", "exchange_sec")}
@@ -200,8 +202,7 @@ class MetricsLog:
 
     def __init__(self, path: Path, elapsed_before: float = 0.0, observers: Sequence = ()):
         self.path = Path(path)
-        with writing(self.path):
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        own_folders(self.path.parent)  # (the workspace: made by its claim already, 0755 whatever the umask)
         self._fd: Optional[int] = open_in_workspace(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)  # no link followed
         self._lock = threading.Lock()  # the groups of one process run as threads
         self._end_cut_line()

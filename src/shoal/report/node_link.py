@@ -6,27 +6,17 @@ The schema is networkx's node-link format, as SINGA's visualization files:
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from shoal.report.errors import ReportError
-from shoal.report.writes import writing
+from shoal.report.writes import replace_file
 
 
 def write_json(path: Path, data: dict) -> Path:
-    """Write `data` to `path` atomically: readers see the old file or the new one, never half of one."""
+    """Write `data` to `path` atomically: readers see the old file or the new one, never half of one. Through no
+    link (shoal.report.writes.replace_file): a link at `path` or at its folder is refused in one line."""
     path = Path(path)
-    with writing(path):  # a full or read-only disk: one line naming the file
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1)
-                f.write("\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+    replace_file(path, (json.dumps(data, indent=1) + "\n").encode())  # a full or read-only disk: one line naming the file
     return path
 
 

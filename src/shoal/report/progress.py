@@ -137,6 +137,8 @@ def _missed(summary: dict) -> list[str]:
         why = f" ({missed['why']})" if missed.get("why") else ""
         if isinstance(missed.get("applied"), int) and isinstance(missed.get("expected"), int):
             said.append(f"worker group {group} applied {missed['applied']:,} of {missed['expected']:,} updates{why}")
+        elif isinstance(missed.get("meetings"), int) and isinstance(missed.get("of"), int):  # Local SGD: the groups' meetings
+            said.append(f"worker group {group} came to {missed['meetings']:,} of {missed['of']:,} meetings{why}")
         else:
             said.append(f"worker group {group} stopped before the end{why}")
     return said

@@ -273,7 +273,8 @@ def note_group_ends(workspace: Path, ends: dict[int, str]) -> None:
     counted = bool((summary.get("staleness_histogram") or {}).get("groups"))
     for group, why in sorted(ends.items()):
         if str(group) in missed or not counted:
-            missed.setdefault(str(group), {})["why"] = why
+            entry = missed.setdefault(str(group), {})
+            entry["why"] = f"{why}; {entry['why']}" if entry.get("why") else why  # the chief's word (Local SGD's meetings) after it
     if missed:
         _write_if_possible(Path(workspace) / SUMMARY_FILE, summary)
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from shoal.report.errors import ReportError
+from shoal.report.writes import narrow_modes, own_folder
 
 EVENTS_DIR = "tensorboard"
 INSTALL_HINT = "tensorboard: true needs the tensorboard package: pip install 'shoal[tensorboard]'"
@@ -31,7 +32,10 @@ class TensorBoardLog:
         require_tensorboard()
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(Path(workspace) / EVENTS_DIR))
+        folder = Path(workspace) / EVENTS_DIR
+        own_folder(folder)  # a real folder of this user's, never a link; TensorBoard opens its event file itself
+        self.writer = SummaryWriter(log_dir=str(folder))
+        narrow_modes(folder)  # made under the umask: no other user may write it
         self.wall_start = time.time() - elapsed_before
 
     def observe(self, record: dict) -> None:

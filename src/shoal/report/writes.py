@@ -5,9 +5,11 @@ the rank logs) turns the OS's refusal into `WorkspaceWriteError`, which names th
 (`shoal: cannot write WS/checkpoint/step200-worker0.safetensors: no space left on device`); the CLI
 prints it as one line with exit status 2, like every ShoalError.
 
-`open_in_workspace`, `write_file` and `own_folder` follow no link at the file nor at the folder holding it
-(O_NOFOLLOW, the file opened relative to that folder's descriptor): a link standing where shoal writes is
-refused in one line, never written through (docs/security.md, "The workspace").
+`open_in_workspace`, `write_file`, `replace_file`, `open_for_append` and `own_folder` follow no link at the
+file nor at the folder holding it (O_NOFOLLOW, the file opened, and a replacement renamed, relative to that
+folder's descriptor): a link standing where shoal writes is refused in one line, never written through
+(docs/security.md, "The workspace"). What they create has a mode of its own (folders 0755, files 0644),
+which a umask can narrow but never widen: shoal's own output passes its own workspace check.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import errno
 import fcntl
 import os
 import re
+import secrets
 import stat
 from contextlib import contextmanager
 from pathlib import Path
@@ -88,23 +91,44 @@ def _refusal(path: Path, expected: str) -> "WorkspaceWriteError | None":
 def open_in_workspace(path: Union[str, Path], flags: int, mode: int = 0o644) -> int:
     """os.open(path, flags) following no link: neither `path` nor the folder holding it may be one, and what
     opens must be a regular file (a FIFO planted there is refused, not waited on). WorkspaceWriteError names
-    the path otherwise, and for the machine's refusals (full, read-only)."""
+    the path otherwise, and for the machine's refusals (full, read-only). A file it creates has `mode` (0644:
+    a umask can narrow it, never widen it)."""
     path = Path(path)
+    folder = open_folder(path.parent, named=path)
     try:
-        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return _open_at(folder, path, flags, mode)
+    finally:
+        os.close(folder)
+
+
+def open_folder(folder: Union[str, Path], named: Union[str, Path, None] = None) -> int:
+    """A descriptor of `folder`, opened following no link at its own name (the names above it are the workspace's,
+    which shoal.launcher.workspace checked), for at-style calls inside it. WorkspaceWriteError names the folder when
+    it is a link or no folder, and `named` (the file to be written there) for the machine's refusals."""
+    folder = Path(folder)
+    try:
+        return os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as err:
-        raise (_refusal(path.parent, "folder") or write_error(path, err)) from None
+        raise (_refusal(folder, "folder") or write_error(named or folder, err)) from None
+
+
+def _open_at(folder: int, path: Path, flags: int, mode: int) -> int:
+    """os.open of `path`'s name inside the folder descriptor `folder`, as open_in_workspace opens it."""
     try:
         fd = os.open(path.name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, mode, dir_fd=folder)
     except OSError as err:
         raise (_refusal(path, "file") or write_error(path, err)) from None
-    finally:
-        os.close(folder)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise WorkspaceWriteError(path, "is not a regular file")
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return fd
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def write_file(path: Union[str, Path], data: bytes, new: bool = False) -> None:
@@ -113,16 +137,76 @@ def write_file(path: Union[str, Path], data: bytes, new: bool = False) -> None:
     fd = open_in_workspace(path, flags)
     try:
         with writing(path):
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            _write_all(fd, data)
     finally:
         os.close(fd)
 
 
+def replace_file(path: Union[str, Path], data: bytes, temp_name: str | None = None, durable: bool = False) -> None:
+    """`path` holds `data`, whole or not at all: written to a temp file beside it, then renamed over `path`, every
+    step relative to the folder's descriptor and through no link. A link (or anything but a regular file) at the
+    temp's name or at `path` is refused in one line, never followed nor replaced. durable: the file and the rename
+    are fsync'd (a checkpoint). temp_name: the temp's name (one a killed run left there is removed first: the temp
+    is always made afresh, 0644); else a fresh random one. The temp is removed when the write fails; the machine's
+    refusals name `path`."""
+    path = Path(path)
+    temp = path.with_name(temp_name or f".{path.name}.{secrets.token_hex(6)}.tmp")
+    folder = open_folder(path.parent, named=path)
+    try:
+        if temp_name:
+            _check_replaceable(folder, temp)
+            try:
+                os.unlink(temp.name, dir_fd=folder)
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                raise write_error(path, err) from None
+        fd = _open_at(folder, temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            try:
+                _write_all(fd, data)
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            _check_replaceable(folder, path)
+            os.rename(temp.name, path.name, src_dir_fd=folder, dst_dir_fd=folder)  # a rename follows no link
+            if durable:
+                os.fsync(folder)  # the new entry survives a power loss
+        except BaseException as err:
+            try:
+                os.unlink(temp.name, dir_fd=folder)
+            except OSError:
+                pass
+            if isinstance(err, OSError):
+                raise write_error(path, err) from None
+            raise
+    finally:
+        os.close(folder)
+
+
+def _check_replaceable(folder: int, path: Path) -> None:
+    """What stands at `path` (inside the folder descriptor `folder`) is a regular file, or nothing."""
+    try:
+        st = os.stat(path.name, dir_fd=folder, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise WorkspaceWriteError(path, NOT_FOLLOWED)
+    if not stat.S_ISREG(st.st_mode):
+        raise WorkspaceWriteError(path, "is not a regular file")
+
+
+def open_for_append(path: Union[str, Path]):
+    """`path` opened to append lines to (a log), line-buffered, through no link; its folder made by own_folder."""
+    path = Path(path)
+    own_folder(path.parent)
+    return os.fdopen(open_in_workspace(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", buffering=1)
+
+
 def own_folder(path: Union[str, Path], mode: int = 0o755) -> None:
-    """The folder `path` exists, made here (writable by this user only, whatever the umask allows) or found as a
-    real folder: a link or a file there is refused in one line."""
+    """The folder `path` exists, made here with `mode` (0755: writable by this user only, as a umask can narrow a
+    mode but never widen it) or found as a real folder: a link or a file there is refused in one line."""
     path = Path(path)
     try:
         os.mkdir(path, mode)
@@ -132,6 +216,44 @@ def own_folder(path: Union[str, Path], mode: int = 0o755) -> None:
             raise refused from None
     except OSError as err:
         raise write_error(path, err) from None
+
+
+def own_folders(path: Union[str, Path], mode: int = 0o755) -> None:
+    """`path` and every missing folder above it made with `mode` (as `mkdir -p -m`, the parents too: under a umask
+    of 000 `mkdir -p` would leave them writable by every user); what exists is left as it is."""
+    path = Path(path)
+    missing = []
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        own_folder(folder, mode)
+
+
+def narrow_modes(folder: Union[str, Path]) -> None:
+    """The regular files of this user's in `folder` that its group or others may write lose those bits: for the
+    files a library creates itself under the umask (TensorBoard's event files). Follows no link; what cannot be
+    changed is left."""
+    try:
+        fd = open_folder(folder)
+    except WorkspaceWriteError:
+        return
+    try:
+        for name in os.listdir(fd):
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o022:
+                    entry = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=fd)
+                    try:
+                        opened = os.fstat(entry)
+                        if (opened.st_dev, opened.st_ino) == (st.st_dev, st.st_ino):
+                            os.fchmod(entry, stat.S_IMODE(opened.st_mode) & ~0o022)
+                    finally:
+                        os.close(entry)
+            except OSError:
+                continue
+    finally:
+        os.close(fd)
 
 
 @contextmanager

@@ -24,6 +24,7 @@ import torch
 from shoal.config.phases import fires
 from shoal.planning.partition import ParamView
 from shoal.report.node_link import write_json
+from shoal.report.writes import own_folder
 from shoal.runtime.interfaces import TrainerHook
 from shoal.runtime.visualization import FOLDER
 
@@ -110,7 +111,7 @@ class DebugNorms(TrainerHook):
 
     def write(self, step: int) -> None:
         """fp-step<N>-loc<W>.json and bp-step<N>-loc<W>.json for every worker recorded this step."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        own_folder(self.folder)  # through no link, as every file shoal writes in a workspace
         for worker, recorded in sorted(self.records.items()):
             for kind in ("fp", "bp"):
                 graph = copy.deepcopy(self.graph)

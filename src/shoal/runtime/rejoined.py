@@ -1,5 +1,6 @@
-"""Inside a process restarted into a running Downpour job (shoal.launcher.rejoin starts it): after the
-assembly and before the first step, its group takes the servers' live params and the steps it had done.
+"""Inside a process restarted into a running job (shoal.launcher.rejoin starts it): after the assembly and before
+the first step, its group takes the servers' live params and the steps it had done (Downpour), or, admitted at the
+groups' next meeting, that meeting's anchor and updater state from the chief's group (Local SGD).
 
 Each rejoin is one line on the terminal and in the process's log and one JSON line in
 WORKSPACE/logs/rejoins.jsonl (the launcher adds this run's lines to summary.json at the end).
@@ -11,6 +12,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+from shoal.report.writes import open_for_append
 
 RECORDS_FILE = "rejoins.jsonl"
 
@@ -43,12 +46,14 @@ def complete(run, spec) -> None:
     if ticket.detected_at is not None:
         record["detection_to_rejoin_s"] = round(rejoined_at - ticket.detected_at, 3)
     since_death = f"; {record['detection_to_rejoin_s']:.2f} s after its death was seen" if ticket.detected_at is not None else ""
-    line = (f"Worker group {trainer.group} rejoined at step {step} (process {run.rank}, restart {ticket.incarnation}): live params of "
-            f"version {version}, {record['process_start_to_rejoin_s']:.2f} s after its process started{since_death}")
+    # Local SGD: `version` is the meeting it joined after, and the exchange says what it took there
+    took = digests.pop("took", None) or f"live params of version {version}"
+    line = (f"Worker group {trainer.group} rejoined at step {step} (process {run.rank}, restart {ticket.incarnation}): {took}, "
+            f"{record['process_start_to_rejoin_s']:.2f} s after its process started{since_death}")
     print(line)  # this process's log
     if sys.__stdout__ is not None and sys.stdout is not sys.__stdout__:
         print(line, file=sys.__stdout__, flush=True)  # the job's terminal (the launcher's, or the --rejoin command's)
-    with open(Path(spec.workspace) / "logs" / RECORDS_FILE, "a") as f:
+    with open_for_append(Path(spec.workspace) / "logs" / RECORDS_FILE) as f:  # through no link
         f.write(json.dumps(record) + "\n")
 
 

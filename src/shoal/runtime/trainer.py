@@ -308,7 +308,9 @@ class Trainer:
             rng=rng,
             trainer=trainer,
             exchange=own,
-            part_names={ckpt_io.part_name(step, g, r): required for (g, r), required in checkpoint_parts(self.plan).items()},
+            # a group the meetings went on without (Local SGD) writes no part: a resume starts it from the chief's values
+            part_names={ckpt_io.part_name(step, g, r): required and g not in getattr(self.exchange, "absent_groups", ())
+                        for (g, r), required in checkpoint_parts(self.plan).items()},
         )
 
     def _skips(self) -> dict:

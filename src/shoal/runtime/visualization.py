@@ -17,6 +17,7 @@ from shoal.neuralnet.params import ParamStore
 from shoal.planning.partition import WHOLE
 from shoal.planning.plan import JobPlan
 from shoal.report.node_link import write_json
+from shoal.report.writes import own_folder
 
 FOLDER = "visualization"
 
@@ -52,7 +53,7 @@ def start_folder(workspace: Path, fresh: bool) -> Path:
         while folder.with_name(f"{FOLDER}.{n}").exists():
             n += 1
         folder.rename(folder.with_name(f"{FOLDER}.{n}"))
-    folder.mkdir(parents=True, exist_ok=True)
+    own_folder(folder)  # a link planted there is refused, never written through
     return folder
 
 

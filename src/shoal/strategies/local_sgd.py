@@ -1,19 +1,25 @@
 """Local SGD and DiLoCo: groups train on their own copies and meet every cluster.local_steps steps (every step
 of a warm-up first); at a meeting the outer updater (DiLoCo: with momentum) moves the anchor by the groups' mean
-change (runtime/exchanges/periodic.py). In one process the groups are threads meeting at a barrier; over
-processes each process holds one whole group and a meeting is one all-reduce."""
+change (runtime/exchanges/periodic.py). In one process the groups are threads meeting in memory; over
+processes each process holds one whole group and a meeting is one all-reduce over the groups that came
+(shoal.comm.quorum). A dead or stalled group is left out of the meetings and the others go on; with
+cluster.max_restarts the launcher restarts its process, which joins at the next meeting from a live group's state
+(launcher/rejoin.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
+from shoal.comm import channels
+from shoal.comm.quorum import Quorum
 from shoal.config import job_pb2
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.process_groups import whole_group
 from shoal.planning.strategy import Framework, Layout, Messages, Phases, Strategy, UnsupportedClusterError
 from shoal.runtime.exchanges.compression import codec_factory
 from shoal.runtime.exchanges.groups import GroupBoard
-from shoal.runtime.exchanges.periodic import InMemoryMeeting, PeriodicExchange, ProcessMeeting
+from shoal.runtime import rejoined
+from shoal.runtime.exchanges.periodic import DOOR, InMemoryMeeting, PeriodicExchange, ProcessMeeting
 from shoal.runtime.exchanges.sparse_outer import SparseOuterStep
 from shoal.strategies.allreduce import encoded_parts
 from shoal.strategies.in_memory_hogwild import start_on_board
@@ -23,6 +29,10 @@ class LocalSGD(Strategy):
     framework = Framework.LOCAL_SGD
     compressed = "pseudo-gradients at each meeting"
     meets = True
+    # a meeting goes on without a group that died or stalled (the mean over the groups that came): in memory the group
+    # leaves the meeting, over processes the chief decides each meeting's quorum (shoal.comm.quorum)
+    outlives_a_dead_group = True
+    rejoins = True  # a dead group's process may be restarted (--max-restarts): it joins at the next meeting
 
     def process_groups(self, placement, devices, nnodes: int, partition) -> tuple:
         return (whole_group("meeting", range(len(placement.processes)), devices, nnodes),)
@@ -44,11 +54,6 @@ class LocalSGD(Strategy):
             raise UnsupportedClusterError(f"cluster.local_warmup_steps: must be >= 0, got {c.local_warmup_steps}")
         if c.HasField("sparse_outer_step"):
             refuse_sparse_outer_step(c)
-
-    def why_a_dead_group_stops_the_job(self, plan) -> str:
-        """Until its meetings tolerate a missing group (fault tolerance), a dead group stops the job."""
-        where = "at a barrier of the process's threads" if plan.in_one_process else "in collectives over every group's process"
-        return f"its worker groups meet {where}, and a meeting cannot complete without one of them"
 
     def label(self, plan) -> str:
         if plan.cluster.HasField("sparse_outer_step"):
@@ -123,11 +128,18 @@ class LocalSGD(Strategy):
             run.board = MeetingBoard(groups, -1, 0, meeting=meeting)
         else:
             codecs = codec_factory(c.compression, c.topk_fraction)
-            meeting = ProcessMeeting(groups, codecs() if codecs else None, run.process_groups["meeting"])
+            ranks = [p.rank for p in plan.placement.processes]
+            group_of = {r: plan.process(r).workers[0].group for r in ranks}
+            first = None if run.rejoining else run.process_groups["meeting"]  # a restarted process knocks instead
+            quorum = Quorum(run.rank, ranks, group_of, channels.Door(DOOR), first=first, timeout_s=plan.comm_timeout_s,
+                            admits=plan.max_restarts > 0)
+            meeting = ProcessMeeting(groups, codecs() if codecs else None, quorum, group_of, first)
         for t in run.trainers:
+            steps_done = None if run.board is None else (lambda steps, g=t.group: run.board.note_steps(g, steps))
             t.attach_exchange(PeriodicExchange(t.store, make_updater(plan.updater), make_updater(plan.outer_updater), c.local_steps,
                                                meeting, t.group, plan.global_batch, c.local_warmup_steps,
-                                               c.sparse_outer_step if c.HasField("sparse_outer_step") else None))
+                                               c.sparse_outer_step if c.HasField("sparse_outer_step") else None,
+                                               on_step_done=steps_done, annotate=_annotator(t)))
 
     def after_values(self, run, spec) -> None:
         chief = run.chief
@@ -135,19 +147,42 @@ class LocalSGD(Strategy):
             trainer.exchange.start_from(chief.store, resumed=spec.resume_from is not None, step=chief.start_step)
         if run.board is not None:
             start_on_board(run)
+        if spec.rejoin is not None:  # a restarted process: from a live group's state, at the next meeting
+            rejoined.complete(run, spec)
+
+    def complete_rejoin(self, run, incarnation: int) -> tuple[int, int, dict]:
+        return run.chief.exchange.rejoin(incarnation)
 
 
 @dataclass
 class MeetingBoard(GroupBoard):
-    """In-memory Local SGD's board: aborted (a group failed, or the chief), it ends the meetings too, so that nobody waits
-    at a meeting for a group that will not come (runtime/exchanges/groups.py stops the job naming the group)."""
+    """In-memory Local SGD's board: a group that stops (its thread failed, or it finished) leaves the meetings, so that
+    nobody waits for it; aborted (the chief failed, or the job ends early), it ends the meetings too."""
 
     meeting: Optional[InMemoryMeeting] = None
+
+    def stop(self, group: int) -> None:
+        super().stop(group)
+        if self.meeting is not None:
+            self.meeting.leave(group)
+
+    def note_steps(self, group: int, steps: int) -> None:
+        """`group` has done `steps` steps (the warning that names a group that died says where)."""
+        with self._cond:
+            self.steps[group] = steps
 
     def abort(self) -> None:
         super().abort()
         if self.meeting is not None:
             self.meeting.abandon()
+
+
+def _annotator(trainer):
+    """How a trainer's exchange adds fields to summary.json: through the chief's run log, once the run has one."""
+    def annotate(fields: dict) -> None:
+        if trainer.metrics is not None:
+            trainer.metrics.annotate(**fields)
+    return annotate
 
 
 def refuse_sparse_outer_step(c) -> None:

@@ -167,8 +167,10 @@ class DownpourServer:
         parts = [self.state[seg][slot].reshape(-1) for seg, slot, _ in self.layout]
         return torch.cat(parts) if parts else torch.zeros(0, device="cpu")
 
-    def apply(self, grad: torch.Tensor, read_version: int, has_grad: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, int, int]:
-        """One update of every owned segment whose param some worker of the group had a gradient for."""
+    def apply(self, grad: torch.Tensor, read_version: int, has_grad: torch.Tensor, group: int = 0,
+              step: Optional[int] = None) -> tuple[torch.Tensor, int, int]:
+        """One update of every owned segment whose param some worker of the group had a gradient for (`step`: the
+        group's own, which its push's header carries)."""
         with self._lock:
             lag = self.version - read_version
             updates = []
@@ -178,7 +180,8 @@ class DownpourServer:
                 info = self.store.info[seg.param]
                 updates.append(ParamUpdate(self._view(seg), grad[seg.offset : seg.offset + seg.size], self.state[seg],
                                            info.lr_scale, info.wd_scale))
-            self.updater.update_many(self.version, updates)  # one update of the server's slices (torch: one step)
+            # one update of the server's slices (torch: one step)
+            self.updater.update_many(self.version, updates, group_step=None if step is None else (group, step))
             self.version += 1
             self.applied[group] = self.applied.get(group, 0) + 1
             self.lags.setdefault(group, StalenessStats()).add(lag)
@@ -377,7 +380,7 @@ class DownpourServer:
                     step = header.tolist()[1]
                     with self._running:  # hold a group too far ahead (max_staleness) or whose update is not due (max_update_lag)
                         self._running.wait_for(lambda: self._may_go(step) and self._lag_allows(group))
-                        values, version, lag = self.apply(grad, read_version, has_grad, group)
+                        values, version, lag = self.apply(grad, read_version, has_grad, group, step)
                         self._steps[group] = step + 1
                         self._reads[group] = (self._reads.get(group) or [version] * self.depth)[1:] + [version]
                         self._running.notify_all()

@@ -11,7 +11,9 @@ one set of params, where PyTorch's mnist_hogwild example keeps one optimizer,
 and so one velocity, per process.
 
 The step an LR schedule sees is the server's update count (SINGA's slice
-version), so with G groups a schedule advances G times per round of steps.
+version), so with G groups a schedule advances G times per round of steps; each
+update also names the group and its own step, which a torch scheduler follows
+under shoal.fit's scheduler_steps="group".
 
 Staleness of an update = updates applied by other groups between the moment a
 group read the params (start of its step) and the moment its own update lands.
@@ -44,8 +46,8 @@ class GroupsAborted(RuntimeError):
 
 
 class GroupFailed(ShoalError, RuntimeError):
-    """A worker group failed in a job that cannot go on without it (in-memory Local SGD: the groups meet): one line
-    naming the group, its error and why the job stops."""
+    """A worker group failed in a job that cannot go on without it (its strategy does not outlive a dead group): one
+    line naming the group, its error and why the job stops."""
 
 
 @dataclass
@@ -162,7 +164,8 @@ class GroupExchange:
 
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
         grads = clipped(aggregate(parts, target=self.server.store.device), self.server)  # the group's own gradient
-        lag = self.board.apply(self.group, lambda: self.server.updates, lambda: self.server.update(self.server.updates, grads))
+        lag = self.board.apply(self.group, lambda: self.server.updates,
+                               lambda: self.server.update(self.server.updates, grads, group_step=(self.group, step)))
         if self.replica is not None:  # Downpour: continue from the freshest params the server has
             for name, value in self.server.store.values.items():
                 self.replica.values[name].copy_(value)
@@ -231,9 +234,9 @@ def run_groups(trainers: list["Trainer"], board: GroupBoard, metrics, log) -> "H
 
     A group that fails is dropped with a warning naming it and the others go on,
     as SINGA's servers keep serving the groups that remain, where the strategy says
-    the groups outlive a dead one (Hogwild, Downpour); where they cannot (Local SGD:
-    the groups meet), the job stops with one line naming the group (the board's abort
-    ends the meetings). The chief runs the final test once every group has finished.
+    the groups outlive a dead one (Hogwild, Downpour, Local SGD: its meetings go on
+    without the group, which leaves them); where they cannot, the job stops with one
+    line naming the group. The chief runs the final test once every group has finished.
     If the chief fails, the others stop.
     """
     failures: list[str] = []

@@ -121,7 +121,8 @@ class HogwildExchange:
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
         with self.lock:
             # the group's whole gradient, clipped by its own global norm (as an asynchronous group clips its push)
-            self.server.update(self.server.updates, clipped(aggregate(parts, target=self.store.device), self.server))
+            self.server.update(self.server.updates, clipped(aggregate(parts, target=self.store.device), self.server),
+                               group_step=(self.group, step))
         self.updates += 1
         self._samples += sum(share for _, share in parts)
         if self.updates % self.sync_freq == 0:

@@ -22,6 +22,15 @@ With cluster.sparse_outer_step (SparseLoCo, runtime/exchanges/sparse_outer.py) a
 each group's sparse, 2-bit outer step instead: an all-gather of a few bytes per chunk, every group decoding and
 summing them in rank order; the group's error-feedback accumulator replaces the outer updater's momentum.
 
+A meeting goes on without a group that died or stalled: its sum is the mean over the groups that came (in
+memory, a group whose thread failed leaves the meeting; over processes the chief decides each meeting's
+quorum, shoal.comm.quorum, and the members sum again over a group re-formed without the missing one). A
+process the launcher restarted (cluster.max_restarts) knocks and is admitted at the next meeting: after the
+meeting's outer step, the chief's group sends it the new anchor (its values), the outer updater's state and
+group 0's inner updater state, and it trains on from that meeting's step; the data position is a function of
+the step and the group's shard, so none is sent. Its error feedback (SparseLoCo's accumulator, the codec's
+residual) starts at zero: what the dead process still owed the meetings is lost with it.
+
 Checkpoints hold every group's state: the chief's file its values, inner updater state,
 the anchor and the outer updater's state; each other group's part its own (`own_state`);
 both the residual of the group's codec (cluster.compression). A run resumed mid-round
@@ -31,25 +40,31 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Optional
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
 from shoal.comm import collectives
 from shoal.comm import dist as comm
+from shoal.comm import quorum as quorums
 from shoal.errors import ShoalError
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.algorithms import Grads
 from shoal.neuralnet.params import ParamStore
 from shoal.neuralnet.updaters import Updater
 from shoal.report.metrics import MetricWindow
-from shoal.runtime.exchanges.compression import Codec, all_reduce_encoded, codecs_state, load_codecs_state
+from shoal.runtime.exchanges.compression import CastCodec, Codec, TopKCodec, codecs_state, load_codecs_state, wire_bytes
+from shoal.runtime.exchanges.groups import GroupsAborted
 from shoal.runtime.exchanges.local import aggregate, clipped
 from shoal.runtime.exchanges.server import Server
 from shoal.runtime.exchanges.sparse_outer import SparseOuterStep
+from shoal.runtime.interfaces import GroupDropped
 
 ANCHOR, OUTER = "outer.anchor", "outer."  # checkpoint slots of the outer loop, beside the inner updater's
 ERROR_FEEDBACK = "outer.error_feedback"  # SparseLoCo's accumulator, a slot of the outer loop
+DOOR = "meetings"  # the launcher's word on a meeting's dead and restarted processes (shoal.comm.channels.Door)
 
 
 class GroupsDisagree(ShoalError):
@@ -57,28 +72,87 @@ class GroupsDisagree(ShoalError):
     its values itself, so they must agree)."""
 
 
+class MeetingTimedOut(ShoalError, RuntimeError):
+    """Groups of one process neither came to a meeting nor left it within cluster.comm_timeout_s."""
+
+
+class MeetingsOver(ShoalError):  # not a RuntimeError: nothing failed
+    """A process restarted into the job knocked after the groups' last meeting: there is nothing left to join."""
+
+
+@dataclass(frozen=True)
+class MeetingSum:
+    """A meeting's sum of the pseudo-gradients, and the worker groups that came (whose pseudo-gradients it holds)."""
+
+    total: torch.Tensor
+    came: tuple[int, ...]
+
+
 class InMemoryMeeting:
-    """Groups that are threads of one process meet at a barrier and sum their pseudo-gradients in memory."""
+    """Groups that are threads of one process meet in memory: the meeting closes once every group still training has
+    brought its pseudo-gradient; a group whose thread failed leaves (`leave`), and the others never wait for it."""
 
     def __init__(self, groups: int, timeout_s: float):
         self.groups = groups
         self.codec = Codec()  # nothing is encoded in memory: the identity, which keeps no residual to checkpoint
-        self._barrier = threading.Barrier(groups, timeout=timeout_s)
-        self._lock = threading.Lock()
-        self._sum: Optional[torch.Tensor] = None
-        self._result: Optional[torch.Tensor] = None
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._present = set(range(groups))  # the groups that still come to meetings
+        self._brought: dict[int, torch.Tensor] = {}  # this meeting's pseudo-gradients so far, by group
+        self._meeting = -1  # the meeting they are for
+        self._closed: dict[int, tuple[MeetingSum, int]] = {}  # meeting -> (its sum, groups yet to take it)
+        self._abandoned = False
 
-    def sum(self, flat: torch.Tensor) -> torch.Tensor:
-        with self._lock:
-            self._sum = flat.clone() if self._sum is None else self._sum.add_(flat)
-        if self._barrier.wait() == 0:  # one thread takes the sum for everyone
-            self._result, self._sum = self._sum, None
-        self._barrier.wait()
-        return self._result
+    def sum(self, flat: torch.Tensor, group: int, meeting: int, step: int = -1) -> MeetingSum:
+        with self._cond:
+            self._brought[group], self._meeting = flat, meeting
+            self._close_if_complete()
+            deadline = time.monotonic() + self.timeout_s
+            while meeting not in self._closed:
+                if self._abandoned:
+                    raise GroupsAborted(f"worker group {group} stops: the job is ending")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = ", ".join(str(g) for g in sorted(self._present - set(self._brought)))
+                    raise MeetingTimedOut(f"worker group {group}: worker group(s) {missing} neither came to the meeting after "
+                                          f"step {step} nor left it within {self.timeout_s:g} s (cluster.comm_timeout_s)")
+                self._cond.wait(min(left, 0.5))
+            result, takers = self._closed[meeting]
+            if takers > 1:
+                self._closed[meeting] = (result, takers - 1)
+            else:
+                del self._closed[meeting]
+            return result
 
-    def sum_sparse(self, buffer: torch.Tensor, contribution) -> torch.Tensor:
+    def _close_if_complete(self) -> None:
+        """Every group still training brought its pseudo-gradient: their sum, in group order (the same every run)."""
+        if not self._brought or not self._present <= set(self._brought):
+            return
+        came = tuple(sorted(self._brought))
+        total = self._brought[came[0]].clone()
+        for g in came[1:]:
+            total += self._brought[g]
+        self._closed[self._meeting] = (MeetingSum(total, came), len(came))
+        self._brought = {}
+        self._cond.notify_all()
+
+    def leave(self, group: int) -> None:
+        """`group` comes to no more meetings (its thread failed, or it finished): the others never wait for it."""
+        with self._cond:
+            self._present.discard(group)
+            self._close_if_complete()
+            self._cond.notify_all()
+
+    def sum_sparse(self, buffer: torch.Tensor, contribution, group: int, meeting: int, step: int = -1) -> MeetingSum:
         """SparseLoCo in memory: the groups' contributions (decoded values and senders) summed; nothing crosses a wire."""
-        return self.sum(contribution(buffer))
+        return self.sum(contribution(buffer), group, meeting, step)
+
+    def welcome(self, state) -> tuple[int, ...]:
+        """No group of threads comes back (nothing restarts a thread)."""
+        return ()
+
+    def close(self) -> None:
+        """Nothing waits for the meetings' end."""
 
     def check_same(self, anchor: ParamStore, names: list[str]) -> None:
         """Groups in one process start from one set of values: nothing to check."""
@@ -88,36 +162,77 @@ class InMemoryMeeting:
         return payload_bytes
 
     def abandon(self) -> None:
-        """A group failed or the job ends early: nobody waits for a meeting any more."""
-        self._barrier.abort()
+        """The chief failed or the job ends early: nobody waits for a meeting any more."""
+        with self._cond:
+            self._abandoned = True
+            self._cond.notify_all()
 
 
 class ProcessMeeting:
-    """Groups in processes of their own: one all-reduce over the plan's meeting group, every group's process
-    (cluster.compression: of each group's encoded pseudo-gradient, its residual kept by the group's codec).
-    The pseudo-gradient stays on the store's device: NCCL moves it where the plan allows, else gloo via the host."""
+    """Groups in processes of their own: one all-reduce of the pseudo-gradients over the meeting's quorum, every group's
+    process that came (cluster.compression: of each group's encoded pseudo-gradient, its residual kept by the group's
+    codec), the plan's meeting group until a group is missing (shoal.comm.quorum: the chief decides each meeting's
+    quorum, and a failed sum is summed again over the members that remain). The pseudo-gradient stays on the store's
+    device: NCCL moves it where the plan allows, else gloo via the host (always, once the group is re-formed)."""
 
     groups: int
 
-    def __init__(self, groups: int, codec: Optional[Codec] = None, group: Optional[collectives.Group] = None):
+    def __init__(self, groups: int, codec: Optional[Codec] = None, quorum: Optional[quorums.Quorum] = None,
+                 group_of: Optional[dict[int, int]] = None, first: Optional[collectives.Group] = None):
+        """`quorum`: this process's side of the meetings (shoal.comm.quorum); `group_of`: the worker group of each
+        member process; `first`: the plan's meeting group (None: the world; a process restarted into the job has none:
+        it knocks)."""
         self.groups = groups
         self.codec = codec or Codec()
-        self.group = group
+        self.quorum, self.group_of, self.first = quorum, dict(group_of or {}), first
+        self.joining = quorum is not None and quorum.group is None
         self.sent_bytes = 0  # what the last meeting sent
 
-    def sum(self, flat: torch.Tensor) -> torch.Tensor:
-        total, self.sent_bytes = all_reduce_encoded(self.codec, flat, self.group)
-        return total
+    def sum(self, flat: torch.Tensor, group: int, meeting: int, step: int = -1) -> MeetingSum:
+        sent = self.codec.encode(flat)  # once: an attempt summed again sends the same message (the residual moved once)
+        size = flat.numel()
+        met = self._meet(meeting, step, lambda attempt: _reduce_encoded(self.codec, sent, size, attempt))
+        self.sent_bytes = wire_bytes(sent)
+        return met
 
-    def sum_sparse(self, buffer: torch.Tensor, contribution) -> torch.Tensor:
-        """SparseLoCo: every group's byte buffer all-gathered, and their contributions (decoded values and senders)
+    def sum_sparse(self, buffer: torch.Tensor, contribution, group: int, meeting: int, step: int = -1) -> MeetingSum:
+        """SparseLoCo: every member's byte buffer all-gathered, and their contributions (decoded values and senders)
         summed in rank order (the same sum everywhere); this group handed over its buffer."""
-        gathered = comm.all_gather(buffer) if self.group is None else self.group.all_gather(buffer)
-        total = contribution(gathered[0])
-        for received in gathered[1:]:
-            total += contribution(received)
+        def contribute(attempt) -> torch.Tensor:
+            gathered = attempt.all_gather(buffer)
+            total = contribution(gathered[0])
+            for received in gathered[1:]:
+                total += contribution(received)
+            return total
+
+        met = self._meet(meeting, step, contribute)
         self.sent_bytes = buffer.numel() * buffer.element_size()
-        return total
+        return met
+
+    def _meet(self, meeting: int, step: int, contribute) -> MeetingSum:
+        try:
+            met = self.quorum.meet(meeting, step, contribute)
+        except quorums.LeftOut as err:  # it came too late (it was stalled): the others went on without it
+            raise GroupDropped(str(err)) from None
+        return MeetingSum(met.result, tuple(sorted(self.group_of[r] for r in met.came)))
+
+    def welcome(self, state: Callable[[], list[torch.Tensor]]) -> tuple[int, ...]:
+        """After a meeting's outer step: the groups of the processes admitted at it, which got `state()` from the chief."""
+        return tuple(sorted(self.group_of[r] for r in self.quorum.welcome(state)))
+
+    def join(self, incarnation: int) -> quorums.Admission:
+        """A process restarted into the job: knock, and wait for the chief to admit it at its next meeting."""
+        try:
+            return self.quorum.join(incarnation)
+        except quorums.MeetingsOver as err:
+            raise MeetingsOver(str(err)) from None
+
+    def receive(self, tensors: list[torch.Tensor], donor: int) -> None:
+        self.quorum.receive(tensors, donor)
+
+    def close(self) -> None:
+        """The chief's meetings are over: a process still knocking is told so."""
+        self.quorum.close()
 
     def sent(self, payload_bytes: int) -> int:
         """What this group's last meeting sent, as the meeting itself counted it (encoded)."""
@@ -125,13 +240,13 @@ class ProcessMeeting:
 
     def check_same(self, anchor: ParamStore, names: list[str]) -> None:
         """Before the first step: every group's anchor is the same, checked by an 8-byte digest per group (one tiny
-        all-gather) instead of broadcasting the values, which every process built from the same seed or file."""
-        digest = hashlib.sha256()
-        for name in names:
-            digest.update(anchor.values[name].detach().to("cpu").reshape(-1).view(torch.uint8).numpy().tobytes())
-        mine = torch.tensor([int.from_bytes(digest.digest()[:8], "little", signed=True)], dtype=torch.int64,
+        all-gather) instead of broadcasting the values, which every process built from the same seed or file. A
+        process restarted into the job takes the anchor from a live group instead."""
+        if self.joining:
+            return
+        mine = torch.tensor([int.from_bytes(_digest(anchor, names)[:8], "little", signed=True)], dtype=torch.int64,
                             device=anchor.device)
-        gathered = comm.all_gather(mine) if self.group is None else self.group.all_gather(mine)
+        gathered = comm.all_gather(mine) if self.first is None else self.first.all_gather(mine)
         if any(not torch.equal(g, gathered[0]) for g in gathered):
             raise GroupsDisagree("Local SGD: the groups' processes start from different values (their digests differ): "
                                  "each process must build the same initial values (seed the model, or give checkpoint_path)")
@@ -140,13 +255,39 @@ class ProcessMeeting:
         """Collectives end with the process group's timeout."""
 
 
+def _digest(store: ParamStore, names: list[str]) -> bytes:
+    digest = hashlib.sha256()
+    for name in names:
+        digest.update(store.values[name].detach().to("cpu").reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.digest()
+
+
+def _reduce_encoded(codec: Codec, sent: list[torch.Tensor], size: int, attempt) -> torch.Tensor:
+    """The members' sum of what each sent (`codec.encode` of its pseudo-gradient), over one attempt of a meeting
+    (shoal.comm.quorum.Attempt): casts all-reduce in their own precision; top-k all-gathers every member's
+    (indices, values) and each adds them up in rank order, so all hold the same sum (as compression.all_reduce_encoded)."""
+    if isinstance(codec, TopKCodec):
+        gathered = [attempt.all_gather(part) for part in sent]
+        total = torch.zeros(size, device=sent[1].device)
+        for parts in zip(*gathered):
+            total += codec.decode(list(parts), size)
+        return total
+    if isinstance(codec, CastCodec):
+        return attempt.all_reduce_sum(sent[0]).float()
+    return attempt.all_reduce_sum(sent[0])
+
+
 class PeriodicExchange:
     """One group's side of Local SGD / DiLoCo."""
 
     def __init__(self, store: ParamStore, inner: Updater, outer: Updater, local_steps: int, meeting, group: int,
-                 global_batch: int, warmup_steps: int = 0, sparse_outer_step=None):
-        """`sparse_outer_step`: a job_pb2.SparseOuterStepProto (cluster.sparse_outer_step), or None: the outer updater."""
+                 global_batch: int, warmup_steps: int = 0, sparse_outer_step=None,
+                 on_step_done: Optional[Callable[[int], None]] = None, annotate: Optional[Callable[[dict], None]] = None):
+        """`sparse_outer_step`: a job_pb2.SparseOuterStepProto (cluster.sparse_outer_step), or None: the outer updater;
+        `on_step_done(steps)`: told the steps this group has done after each (the in-memory board: who died when);
+        `annotate(fields)`: the chief's summary.json (the groups that missed meetings)."""
         self.store, self.group, self.meeting = store, group, meeting
+        self.on_step_done, self.annotate = on_step_done, annotate
         self.chief = group == 0
         self.inner = Server(store, inner)
         self.names = self.inner.names
@@ -162,15 +303,22 @@ class PeriodicExchange:
         self._window_bytes = 0  # ... since the last display
         self._samples = 0
         self._restored = False  # this group's own values came from its checkpoint part
+        self.present = tuple(range(meeting.groups))  # the groups that came to the last meeting
+        self.attended = dict.fromkeys(self.present, 0)  # meetings of this run each group came to
+        self.held = 0  # meetings held in this run
+        self.missed: dict[int, list[tuple[int, int]]] = {}  # group -> (meeting of this run, its step) of each it missed
+        self.back: dict[int, set[int]] = {}  # group -> the meetings of this run after which it rejoined
 
     def begin(self, step: int) -> None:
         """A group never waits between meetings."""
 
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
         self.inner.update(step, clipped(aggregate(parts, target=self.store.device), self.inner))  # DiLoCo's inner clipping
-        self._samples += sum(share for _, share in parts) * self.meeting.groups
+        self._samples += sum(share for _, share in parts) * len(self.present)  # the groups training in lockstep
         if self.meets_after(step):
             self._meet(step)
+        if self.on_step_done is not None:
+            self.on_step_done(step + 1)
 
     def meets_after(self, step: int) -> bool:
         """Every step of the warm-up, then every local_steps steps."""
@@ -183,12 +331,14 @@ class PeriodicExchange:
         values, anchor = self.store.values, self.anchor.values
         flat = torch.cat([(anchor[n] - values[n]).reshape(-1) for n in self.names]) if self.names else torch.zeros(0, device=self.store.device)
         warmup = self.meetings < self.warmup_steps
-        if self.sparse is not None and not warmup:  # SparseLoCo: the accumulator's sparse step, the groups' mean
+        if self.sparse is not None and not warmup:  # SparseLoCo: the accumulator's sparse step, the mean of those that sent
             buffer, _ = self.sparse.encode(flat)
-            mean = self.sparse.outer_step(self.meeting.sum_sparse(buffer, self.sparse.contribution))
+            met = self.meeting.sum_sparse(buffer, self.sparse.contribution, self.group, self.meetings, step)
+            mean = self.sparse.outer_step(met.total)
             sent = self.meeting.sent(buffer.numel())
-        else:
-            mean = self.meeting.sum(flat) / self.meeting.groups
+        else:  # the mean over the groups that came
+            met = self.meeting.sum(flat, self.group, self.meetings, step)
+            mean = met.total / len(met.came)
             sent = self.meeting.sent(flat.numel() * flat.element_size())
         self.bytes_sent += sent
         self._window_bytes += sent
@@ -205,6 +355,89 @@ class PeriodicExchange:
         self.meetings += 1
         for name in self.names:
             values[name].copy_(anchor[name])
+        self._note_attendance(met.came, step)
+        joined = self.meeting.welcome(self._handover)  # processes restarted into the job take the state from here
+        if joined:
+            self._note_joined(joined, step)
+
+    # -- who came --------------------------------------------------------------------------------------
+    @property
+    def absent_groups(self) -> frozenset[int]:
+        """The groups missing from the last meeting: a checkpoint does not wait for their parts."""
+        return frozenset(range(self.meeting.groups)) - set(self.present)
+
+    def _note_attendance(self, came: tuple[int, ...], step: int) -> None:
+        left = [g for g in self.present if g not in came]
+        self.present = came
+        for g in came:
+            self.attended[g] = self.attended.get(g, 0) + 1
+        for g in range(self.meeting.groups):
+            if g not in came:
+                self.missed.setdefault(g, []).append((self.held, step))
+        self.held += 1
+        if left:
+            self._annotate()
+
+    def _note_joined(self, groups: tuple[int, ...], step: int) -> None:
+        self.present = tuple(sorted(set(self.present) | set(groups)))
+        for g in groups:
+            self.back.setdefault(g, set()).add(self.held - 1)
+        self._annotate()
+
+    def _absence(self, group: int) -> str:
+        """`missing from the meetings after steps 14 to 19, back after the last`: each spell away, as the chief saw it."""
+        spells: list[list[int]] = []  # [first step, last step, meetings, last meeting]
+        for held, step in self.missed[group]:
+            if spells and held == spells[-1][3] + 1:
+                spells[-1][1:] = [step, spells[-1][2] + 1, held]
+            else:
+                spells.append([step, step, 1, held])
+        said = []
+        for first, last, count, held in spells:
+            text = f"missing from the meeting after step {first}" if count == 1 else f"missing from the meetings after steps {first} to {last}"
+            if held in self.back.get(group, ()):
+                text += ", back after it" if count == 1 else ", back after the last"
+            said.append(text)
+        return "; ".join(said)
+
+    def _annotate(self) -> None:
+        """The chief's word in summary.json (missed_updates): each group that missed meetings, how many it came to."""
+        if not self.chief or self.annotate is None or not self.missed:
+            return
+        self.annotate({"missed_updates": {str(g): {"meetings": self.attended.get(g, 0), "of": self.held, "why": self._absence(g)}
+                                          for g in sorted(self.missed)}})
+
+    # -- a process restarted into the job --------------------------------------------------------------
+    def _handover(self) -> list[torch.Tensor]:
+        """What a process joining at a meeting starts from, in one order on both sides: the anchor (the meeting's new
+        values), this group's values of what the meetings do not average (running statistics), the outer updater's
+        state and this group's inner updater state."""
+        tensors = [self.anchor.values[n] for n in self.names]
+        tensors += [v for n, v in self.store.values.items() if n not in self.names]
+        for server in (self.outer, self.inner):
+            state = server.state_dict()
+            tensors += [state[n][slot] for n in self.names for slot in sorted(state.get(n, {}))]
+        return tensors
+
+    def rejoin(self, incarnation: int) -> tuple[int, int, dict]:
+        """This group's process was restarted into the job (incarnation `incarnation`): knock, and once the chief admits
+        it at a meeting, take what the chief's group hands over (`_handover`) and train on from the step after it;
+        returns (that step, the meeting's number, digests of the anchor before and after)."""
+        before = _digest(self.anchor, self.names).hex()[:16]
+        admission = self.meeting.join(incarnation)
+        self.meeting.receive(self._handover(), admission.donor)
+        for name in self.names:
+            self.store.values[name].copy_(self.anchor.values[name])
+        self.meetings = admission.meeting + 1
+        first = admission.step + 1
+        if self.meetings != self.meetings_before(first):  # every process counts meetings alike: a bug of ours
+            raise RuntimeError(f"meeting {admission.meeting} after step {admission.step} does not fit the plan's meetings")
+        donor = self.meeting.group_of[admission.donor]
+        took = (f"the anchor and worker group {donor}'s inner updater state (its error feedback starts at zero)" if self.sparse is not None
+                else f"the anchor, the outer updater's state and worker group {donor}'s inner updater state")
+        digests = {"before": before, "received": _digest(self.anchor, self.names).hex()[:16], "from_group": donor,
+                   "took": f"{took}, after the meeting after step {admission.step}"}
+        return first, admission.meeting, digests
 
     def view_updater(self):
         """Every param goes through the group's own inner server."""
@@ -215,7 +448,8 @@ class PeriodicExchange:
         its group handed to the meetings in the window."""
         values = window.averages()
         if self.chief:
-            values |= {"samples": self._samples, "meetings": self.meetings, "sent_bytes": self._window_bytes}
+            values |= {"samples": self._samples, "meetings": self.meetings, "sent_bytes": self._window_bytes,
+                       "groups_met": len(self.present)}
             self._samples = self._window_bytes = 0
         return values
 
@@ -283,7 +517,11 @@ class PeriodicExchange:
         self.meeting.check_same(self.anchor, self.names)  # over processes the anchors must agree: nothing is broadcast
 
     def finish(self) -> None:
-        """Every group ends at train_steps; the last meeting (if train_steps is a multiple of local_steps) was in step."""
+        """Every group ends at train_steps; the last meeting (if train_steps is a multiple of local_steps) was in step.
+        The chief says the meetings are over (a process still knocking has nothing left to join)."""
+        if self.chief:
+            self.meeting.close()
+            self._annotate()
 
     def abandon(self) -> None:
         self.meeting.abandon()

@@ -30,15 +30,17 @@ class Server:
         self.updates = 0  # updates applied (SINGA's slice version when all slices update together)
         self._count = threading.Lock()  # only the counter is locked: values are updated lock-free (Hogwild)
 
-    def update(self, step: int, grads: dict[str, Optional[torch.Tensor]], grad_scale: float = 1.0) -> None:
+    def update(self, step: int, grads: dict[str, Optional[torch.Tensor]], grad_scale: float = 1.0,
+               group_step: Optional[tuple[int, int]] = None) -> None:
         """Apply one update per owned param that has a gradient (running stats have none), all in one
-        multi-tensor update."""
+        multi-tensor update; `group_step`: the (group, its own step) of an asynchronous group's push (Updater.update_many)."""
         updated = [name for name in self.names if grads.get(name) is not None]
         values, info = self.store.values, self.store.info
         self.updater.update_many(
             step,
             [ParamUpdate(values[n], grads[n], self.state[n], info[n].lr_scale, info[n].wd_scale) for n in updated],
             grad_scale,
+            group_step,
         )
         for name in updated:
             self.version[name] += 1

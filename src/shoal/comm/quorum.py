@@ -1,0 +1,537 @@
+"""Meetings that go on without a member (Local SGD / DiLoCo): each meeting's quorum, agreed through the job's store,
+and gloo groups re-formed over it.
+
+torch.distributed's process groups can neither drop a member nor take a new one, so the members of a meeting
+(one process per worker group) sum over a group of the current quorum's processes: the plan's meeting group
+first (epoch 0), then, whenever the quorum changes, a gloo group built over the quorum's ranks alone, on the
+job's store under a prefix of its own (`shoal/quorum/groups/e<E>/`), as a Downpour channel is. A quorum's
+epoch is the chief's count of such changes.
+
+One meeting, attempt K (keys under `shoal/quorum/` in the job's store; every value signed with the job's secret,
+shoal.comm.signed_store):
+
+- every member sums over the attempt's group. A member whose sum fails (a peer's connection closed) sets
+  `m<M>/a<K>/broken`; one still waiting in its sum gives up on it when that key appears, when the chief has
+  decided, or when a member is gone: stalled (the heartbeat's verdict) or ended (the launcher's word, in the
+  door of shoal.comm.channels: a newer incarnation of its group announced, or its incarnation given up on).
+  A collective given up on stays pending in gloo (heartbeat.abandon: the process ends without gloo's teardown);
+- every member but the chief reports `m<M>/a<K>/r<R>` = "ok" or "failed";
+- the chief (rank 0, which hosts worker group 0: its death stops the job, as in Downpour) waits for every
+  member's report, or for the word that the member is gone (after timeout_s, a member still silent is left
+  out), and publishes `m<M>/a<K>/outcome`:
+    "commit E MEMBERS JOINERS": every member that reported summed successfully: the meeting counts the attempt's
+      members (all contributed), and the next meetings run over MEMBERS (those that reported, with JOINERS, the
+      restarted processes admitted now) in epoch E;
+    "retry E MEMBERS": some sum failed: the meeting is summed again over the members that reported, in epoch E;
+  each member, R:I (rank, incarnation). Every member reads it; one not in MEMBERS was left out and leaves;
+- a process restarted in a dead one's place (shoal.launcher.rejoin) knocks, `knock/r<R>` = its incarnation, and
+  waits for `admit/r<R>/i<I>` = "M STEP E MEMBERS DONOR", which the chief writes with the next commit that admits
+  it (the newest incarnation the launcher announced for its group). After the meeting's outer step, every member
+  of epoch E builds its group, and the donor (the chief) broadcasts the state the joiner starts from over it;
+- `closed`: the chief's meetings are over (a process still knocking has nothing left to join).
+
+A meeting without a member is the mean over the members that came: which members come to which meeting is
+decided by the chief alone, so every member applies the same mean; for a given fault schedule (which process
+is gone at which meeting) the result is deterministic.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from shoal.comm import dist as comm
+from shoal.comm import heartbeat
+from shoal.errors import ShoalError
+
+KEYS = "shoal/quorum/"  # the protocol's keys, under the job's namespace
+GROUPS = "shoal/quorum/groups/"  # each epoch's gloo rendezvous
+WAIT_SLICE_S = 0.05  # a member waiting in a collective asks every this often whether to give up on it
+POLL_S = 0.02  # the longest pause between two polls of the store for a word of the protocol
+DOOR_EVERY_S = 1.0  # how often a member waiting in a collective reads the launcher's word on the others
+GRACE_S = 0.01  # members report at once after their sums: only then does the chief ask whether a silent one is gone
+
+T = TypeVar("T")
+
+
+class PeerLost(RuntimeError):
+    """A member of a meeting's group died or stalled mid-collective: the attempt failed (control flow, not a user's
+    error: the quorum decides what happens next)."""
+
+
+class LeftOut(RuntimeError):
+    """The chief left this process out of a meeting's quorum (it came too late, or was found stalled): it leaves."""
+
+
+class MeetingsOver(RuntimeError):
+    """A restarted process knocked after the last meeting: there is nothing left for it to join."""
+
+
+class ChiefSilent(ShoalError, RuntimeError):
+    """The chief did not decide a meeting's outcome in time (it is stalled or gone: the job stops)."""
+
+
+class MeetingFailed(ShoalError, RuntimeError):
+    """A meeting's sum failed attempt after attempt over the members that remained (the job stops)."""
+
+
+@dataclass(frozen=True)
+class Member:
+    rank: int
+    incarnation: int = 0
+
+    def text(self) -> str:
+        return f"{self.rank}:{self.incarnation}"
+
+
+def _members_text(members: Sequence[Member]) -> str:
+    return ",".join(m.text() for m in members) or "-"
+
+
+def _parse_members(text: str) -> tuple[Member, ...]:
+    if text == "-":
+        return ()
+    return tuple(Member(int(r), int(i)) for r, i in (item.split(":") for item in text.split(",")))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The chief's word on one attempt of a meeting (see the module's text)."""
+
+    commit: bool
+    epoch: int
+    members: tuple[Member, ...]
+    joiners: tuple[Member, ...] = ()
+
+    def text(self) -> str:
+        if self.commit:
+            return f"commit {self.epoch} {_members_text(self.members)} {_members_text(self.joiners)}"
+        return f"retry {self.epoch} {_members_text(self.members)}"
+
+    @staticmethod
+    def parse(text: str) -> "Outcome":
+        parts = text.split()
+        if parts[0] == "commit" and len(parts) == 4:
+            return Outcome(True, int(parts[1]), _parse_members(parts[2]), _parse_members(parts[3]))
+        if parts[0] == "retry" and len(parts) == 3:
+            return Outcome(False, int(parts[1]), _parse_members(parts[2]))
+        raise ValueError(text)
+
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(m.rank for m in self.members)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A restarted process's word from the chief: it joins after meeting `meeting` (held after step `step`)."""
+
+    meeting: int
+    step: int
+    epoch: int
+    members: tuple[Member, ...]
+    donor: int
+
+    def text(self) -> str:
+        return f"{self.meeting} {self.step} {self.epoch} {_members_text(self.members)} {self.donor}"
+
+    @staticmethod
+    def parse(text: str) -> "Admission":
+        meeting, step, epoch, members, donor = text.split()
+        return Admission(int(meeting), int(step), int(epoch), _parse_members(members), int(donor))
+
+
+class MeetingGroup:
+    """One epoch's group: the plan's meeting group (a shoal.comm.collectives.Group: the world or a group of its own),
+    or a gloo group over a quorum's ranks. Its collectives wait in slices, asking `give_up` between them."""
+
+    def __init__(self, epoch: int, ranks: Sequence[int], rank: int, planned=None, backend=None):
+        self.epoch, self.ranks, self.rank = epoch, tuple(ranks), rank
+        self.planned, self.backend = planned, backend  # one of the two
+
+    @classmethod
+    def formed(cls, epoch: int, ranks: Sequence[int], rank: int, timeout_s: float) -> "MeetingGroup":
+        """A new gloo group over `ranks` (sorted), made by each of them: returns once all have made it."""
+        ranks = tuple(sorted(ranks))
+        store = dist.PrefixStore(f"{GROUPS}e{epoch}", comm.job_store().clone())  # a connection of its own: the rendezvous blocks it
+        with comm.in_plain_words():
+            backend = dist.ProcessGroupGloo(store, ranks.index(rank), len(ranks), datetime.timedelta(seconds=timeout_s))
+        return cls(epoch, ranks, rank, backend=backend)
+
+    @property
+    def on_nccl(self) -> bool:
+        return self.planned is not None and self.planned.on_nccl
+
+    def _host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Where the collective reads and writes: a copy of its own (a collective given up on may still write into it),
+        in host memory unless NCCL carries the group."""
+        return tensor.clone() if self.on_nccl or not tensor.is_cuda else tensor.to("cpu")
+
+    def all_reduce_sum(self, tensor: torch.Tensor, give_up: Callable[[], Optional[str]]) -> torch.Tensor:
+        """The members' sum of `tensor` (a new tensor on `tensor`'s device)."""
+        moved = self._host(tensor)
+        with _lost_in_plain_words():  # a group whose peer is gone may refuse the call itself
+            if self.backend is not None:
+                work = self.backend.allreduce([moved])
+            else:
+                work = dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=self.planned.handle, async_op=True)
+        _finish(work, give_up, self._abort if self.on_nccl else None)
+        return moved.to(tensor.device)
+
+    def all_gather(self, tensor: torch.Tensor, give_up: Callable[[], Optional[str]]) -> list[torch.Tensor]:
+        """Every member's `tensor`, in rank order, on `tensor`'s device."""
+        moved = self._host(tensor)
+        gathered = [torch.empty_like(moved) for _ in self.ranks]
+        with _lost_in_plain_words():
+            if self.backend is not None:
+                work = self.backend.allgather([gathered], [moved])
+            else:
+                work = dist.all_gather(gathered, moved, group=self.planned.handle, async_op=True)
+        _finish(work, give_up, self._abort if self.on_nccl else None)
+        return [g.to(tensor.device) for g in gathered]
+
+    def _abort(self) -> None:
+        """NCCL's collective given up on: its communicators end now (its watchdog would end this process once the
+        collective timed out). Not tried on a machine of several GPUs yet."""
+        try:
+            (self.planned.handle or dist.group.WORLD).abort()
+        except (RuntimeError, AttributeError):
+            pass
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """Global rank `src`'s `tensor` (in host memory) into every member's (a re-formed group only: a joiner's state)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = self.ranks.index(src)
+        with comm.in_plain_words():
+            self.backend.broadcast([tensor], options).wait()
+
+
+@contextmanager
+def _lost_in_plain_words():
+    """A collective that could not even start: its peer is lost, said in shoal's words."""
+    try:
+        yield
+    except RuntimeError as err:
+        raise PeerLost(comm.describe_error(err)) from None
+
+
+def _finish(work, give_up: Callable[[], Optional[str]], abort_nccl: Optional[Callable[[], None]] = None) -> None:
+    """Wait for `work`; raise PeerLost when it fails, or when `give_up` says why to stop waiting (the collective then
+    stays pending in gloo: heartbeat.abandon; NCCL's communicators are aborted: `abort_nccl`)."""
+    nccl = abort_nccl is not None
+    while True:
+        if nccl:  # a timed wait on NCCL's work ends the communicator: poll instead
+            done = work.is_completed()
+            if not done:
+                time.sleep(0.0005)
+        else:
+            try:
+                work.wait(datetime.timedelta(seconds=WAIT_SLICE_S))
+                return
+            except RuntimeError as err:
+                if work.is_completed():  # it ended, with an error (or just as the slice ran out)
+                    try:
+                        work.wait()
+                        return
+                    except RuntimeError:
+                        raise PeerLost(comm.describe_error(err)) from None
+                done = False
+        if done:
+            try:
+                work.wait()
+                return
+            except RuntimeError as err:
+                raise PeerLost(comm.describe_error(err)) from None
+        reason = give_up()
+        if reason is not None:
+            heartbeat.abandon()
+            if nccl:
+                abort_nccl()
+            raise PeerLost(reason)
+
+
+@dataclass(frozen=True)
+class Met:
+    """A meeting's committed sum: what this member's `contribute` returned, and the ranks that contributed."""
+
+    result: object
+    came: tuple[int, ...]
+
+
+class Quorum:
+    """One process's side of the job's meetings (see the module's text)."""
+
+    def __init__(self, rank: int, ranks: Sequence[int], group_of: dict[int, int], door, first=None, incarnation: int = 0,
+                 timeout_s: float = comm.DEFAULT_TIMEOUT_S, chief: int = 0, admits: bool = False):
+        """`ranks`: every member process of the plan; `group_of`: the worker group of each; `door`: the launcher's
+        word on dead and restarted processes (shoal.comm.channels.Door); `first`: the plan's meeting group
+        (shoal.comm.collectives.Group; None for a restarted process, which joins by knocking); `admits`: restarted
+        processes may knock (the launcher restarts them: cluster.max_restarts)."""
+        self.rank, self.all_ranks, self.group_of, self.door = rank, tuple(ranks), dict(group_of), door
+        self.incarnation, self.timeout_s, self.chief_rank, self.admits = incarnation, timeout_s, chief, admits
+        self.chief = rank == chief
+        self.store = comm.signed_job_store().clone().under(KEYS)  # a connection of its own: waits block it
+        self.members = tuple(Member(r) for r in self.all_ranks)
+        self.epoch = 0
+        self.group: Optional[MeetingGroup] = MeetingGroup(0, self.all_ranks, rank, planned=first) if first is not None else None
+        self._retired: list[MeetingGroup] = []  # groups given up on stay referenced: gloo's teardown would block on them
+        self._next: Optional[Outcome] = None  # a commit that changes the quorum: the group is built in `welcome`
+        self._admitted: dict[int, int] = {}  # the chief: rank -> the incarnation it admitted
+        self._door_read_at = 0.0  # when a member waiting in a collective last read the launcher's word
+
+    # -- a meeting -----------------------------------------------------------------------------------
+    def meet(self, meeting: int, step: int, contribute: Callable[["Attempt"], T]) -> Met:
+        """Sum this member's contribution with the others' (`contribute(attempt)` runs the collectives over
+        `attempt`), again over the members that remain when an attempt fails, until the chief commits one."""
+        attempt = 0
+        while True:
+            result, ok = None, False
+            if self.group is not None:
+                try:
+                    result, ok = contribute(Attempt(self, meeting, attempt)), True
+                except PeerLost:
+                    self._set(f"m{meeting}/a{attempt}/broken", "1")
+            if self.chief:
+                outcome = self._decide(meeting, attempt, step, ok)
+            else:
+                self._set(f"m{meeting}/a{attempt}/r{self.rank}", "ok" if ok else "failed")
+                outcome = self._outcome(meeting, attempt)
+            if self.rank not in outcome.ranks():
+                raise LeftOut(f"process {self.rank} was left out of the meeting after step {step}: the other members went on "
+                              f"without it")
+            if outcome.commit:
+                came = tuple(m.rank for m in self.members)
+                if outcome.epoch != self.epoch or outcome.members != self.members:
+                    self._next = outcome
+                return Met(result, came)
+            self._reform(outcome.epoch, outcome.members)
+            attempt += 1
+            if attempt > 2 * len(self.all_ranks) + 2:  # each attempt drops a member or re-forms the group: not forever
+                raise MeetingFailed(f"the meeting after step {step} failed {attempt} times over the processes that remained")
+
+    def welcome(self, state: Callable[[], list[torch.Tensor]]) -> tuple[int, ...]:
+        """After a committed meeting (and its outer step): when the quorum changed, make the next epoch's group, and
+        where processes joined, the donor (the chief) broadcasts `state()` to them over it. Returns the joiners' ranks."""
+        outcome, self._next = self._next, None
+        if outcome is None:
+            return ()
+        joiners = tuple(m.rank for m in outcome.joiners)
+        self._reform(outcome.epoch, outcome.members)
+        for rank in joiners:
+            heartbeat.revive(rank)  # the watch takes it up again (the launcher said its predecessor was done)
+        if joiners and self.group is not None:
+            tensors = state()
+            try:
+                self._broadcast_state(tensors)
+            except RuntimeError:  # a joiner died again meanwhile: the next meeting finds it gone
+                self._retire()
+        return joiners
+
+    def _broadcast_state(self, tensors: list[torch.Tensor]) -> None:
+        for flat, _ in _packed(tensors):
+            self.group.broadcast(flat, self.chief_rank)
+
+    def close(self) -> None:
+        """The chief's meetings are over: a process still knocking has nothing left to join."""
+        if self.chief:
+            self._set("closed", "1")
+
+    # -- a restarted process -------------------------------------------------------------------------
+    def join(self, incarnation: int, poll_s: float = 0.5) -> Admission:
+        """Knock as incarnation `incarnation` of this rank and wait for the chief's admission (at its next meeting);
+        MeetingsOver when the meetings ended first. Then make the admission's group with the members."""
+        self.incarnation = incarnation
+        self._set(f"knock/r{self.rank}", str(self.incarnation))
+        key = f"admit/r{self.rank}/i{self.incarnation}"
+        while True:
+            text = self._wait_for(key, poll_s)
+            if text is not None:
+                break
+            if self.store.check(["closed"]) and self.store.get("closed") == "1":
+                raise MeetingsOver(f"process {self.rank} knocked after the groups' last meeting: nothing left to join")
+        admission = Admission.parse(text)
+        self.members, self.epoch = admission.members, admission.epoch
+        self.group = MeetingGroup.formed(admission.epoch, [m.rank for m in admission.members], self.rank, self.timeout_s)
+        return admission
+
+    def receive(self, tensors: list[torch.Tensor], donor: int) -> None:
+        """The state the donor broadcasts after admitting this process, into `tensors` (in the donor's order)."""
+        for flat, parts in _packed(tensors):
+            self.group.broadcast(flat, donor)
+            _unpack(flat, parts)
+
+    # -- the chief's decisions -------------------------------------------------------------------------
+    def _decide(self, meeting: int, attempt: int, step: int, ok: bool) -> Outcome:
+        reports = {self.rank: ok}
+        gone: set[int] = set()
+        keys = {m.rank: f"m{meeting}/a{attempt}/r{m.rank}" for m in self.members if m.rank != self.rank}
+        started = time.monotonic()
+        while True:
+            waiting = [r for r in keys if r not in reports and r not in gone]
+            if waiting and self.store.check([keys[r] for r in waiting]):  # all there (the usual case): two requests
+                present = dict(zip(waiting, self.store.multi_get([keys[r] for r in waiting])))
+            else:
+                present = {r: self.store.get(keys[r]) for r in waiting if self.store.check([keys[r]])}
+            waited = time.monotonic() - started
+            for r in waiting:
+                text = present.get(r)
+                if text in ("ok", "failed"):
+                    reports[r] = text == "ok"
+                elif waited > GRACE_S and (self._gone(self._member(r)) is not None or waited > self.timeout_s):
+                    gone.add(r)  # (after timeout_s a silent member is left out, as a collective would time out)
+            if all(r in reports or r in gone for r in keys):
+                break
+            _pause(waited)
+        reported = tuple(m for m in self.members if m.rank in reports)
+        if all(reports.values()):
+            joiners = self._knocks(meeting, step, reported) if self.admits else ()
+            members = tuple(sorted(reported + joiners, key=lambda m: m.rank))
+            epoch = self.epoch + 1 if members != self.members else self.epoch
+            outcome = Outcome(True, epoch, members, joiners)
+            for joiner in joiners:
+                self._set(f"admit/r{joiner.rank}/i{joiner.incarnation}",
+                          Admission(meeting, step, epoch, members, self.rank).text())
+        else:
+            outcome = Outcome(False, self.epoch + 1, reported)
+        self._set(f"m{meeting}/a{attempt}/outcome", outcome.text())
+        return outcome
+
+    def _knocks(self, meeting: int, step: int, present: tuple[Member, ...]) -> tuple[Member, ...]:
+        """The restarted processes to admit now: absent ranks whose newest announced incarnation knocked."""
+        here = {m.rank for m in present}
+        joiners = []
+        for rank in self.all_ranks:
+            if rank in here or not self.store.check([f"knock/r{rank}"]):
+                continue
+            text = self.store.get(f"knock/r{rank}")
+            if text is None or not text.isdigit():
+                continue
+            incarnation, group = int(text), self.group_of[rank]
+            newest = self.door.incarnation(group)
+            if incarnation == newest and incarnation > self._admitted.get(rank, 0) and self.door.given_up(group) < incarnation:
+                self._admitted[rank] = incarnation
+                joiners.append(Member(rank, incarnation))
+        return tuple(joiners)
+
+    def _member(self, rank: int) -> Member:
+        return next(m for m in self.members if m.rank == rank)
+
+    def _gone(self, member: Member) -> Optional[str]:
+        """Why `member` will not come (None: it may): stalled, or its process ended (the launcher's word)."""
+        if heartbeat.is_stalled(member.rank):
+            return f"process {member.rank} stopped answering"
+        group = self.group_of[member.rank]
+        try:
+            if self.door.incarnation(group) > member.incarnation or self.door.given_up(group) >= member.incarnation:
+                return f"process {member.rank} ended"
+        except (dist.DistError, RuntimeError):  # the store is gone: the job is ending
+            return "the job's store stopped answering"
+        return None
+
+    # -- everyone else's side ----------------------------------------------------------------------------
+    def _outcome(self, meeting: int, attempt: int) -> Outcome:
+        """The chief's word on the attempt (it waits up to timeout_s for a silent member, then decides). A store wait
+        returns as soon as the word is there, with no poll's delay; it times out only when the chief is gone (then the
+        launcher, or the heartbeat, ends this process first)."""
+        key = f"m{meeting}/a{attempt}/outcome"
+        seconds = 2 * self.timeout_s + 10
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=seconds))
+        except (dist.DistError, RuntimeError):
+            raise ChiefSilent(f"process {self.chief_rank} did not decide the meeting's outcome within {seconds:g} s") from None
+        text = self._wait_for(key, seconds)  # (a value that failed authentication is waited past: the chief's comes)
+        if text is None:
+            raise ChiefSilent(f"process {self.chief_rank} did not decide the meeting's outcome within {seconds:g} s")
+        return Outcome.parse(text)
+
+    def _give_up(self, meeting: int, attempt: int) -> Optional[str]:
+        """Why a member waiting in the attempt's collective stops waiting (None: it goes on waiting). Asked every
+        WAIT_SLICE_S; the launcher's word on each member (two requests a member) at most every DOOR_EVERY_S: a killed
+        peer's connections close, so some member's sum fails and says so (`broken`) long before."""
+        if self.store.check([f"m{meeting}/a{attempt}/broken"]):
+            return "another member's sum failed"
+        if self.store.check([f"m{meeting}/a{attempt}/outcome"]):
+            return "the chief decided the meeting without this sum"
+        others = [m for m in self.members if m.rank != self.rank]
+        stalled = next((m for m in others if heartbeat.is_stalled(m.rank)), None)
+        if stalled is not None:
+            return f"process {stalled.rank} stopped answering"
+        now = time.monotonic()
+        if now - self._door_read_at >= DOOR_EVERY_S:
+            self._door_read_at = now
+            for member in others:
+                reason = self._gone(member)
+                if reason is not None:
+                    return reason
+        return None
+
+    def _reform(self, epoch: int, members: tuple[Member, ...]) -> None:
+        """The group of `members` in `epoch` (None, when a member did not make it: the next attempt fails at once)."""
+        self._retire()
+        self.members, self.epoch = members, epoch
+        try:
+            self.group = MeetingGroup.formed(epoch, [m.rank for m in members], self.rank, self.timeout_s)
+        except RuntimeError:
+            self.group = None
+
+    def _retire(self) -> None:
+        if self.group is not None:
+            self._retired.append(self.group)
+        self.group = None
+
+    # -- the store ---------------------------------------------------------------------------------------
+    def _set(self, key: str, text: str) -> None:
+        self.store.set(key, text)
+
+    def _wait_for(self, key: str, seconds: float) -> Optional[str]:
+        """The authentic value at `key` once it is there (None: none within `seconds`; a value that fails authentication
+        is waited past). The store is polled: a store wait that times out logs c10d's own text and leaves its
+        connection out of step."""
+        started = time.monotonic()
+        while True:
+            text = self.store.get(key) if self.store.check([key]) else None
+            waited = time.monotonic() - started
+            if text is not None or waited > seconds:
+                return text
+            _pause(waited)
+
+
+def _pause(waited: float) -> None:
+    """Between two polls of the store: 0.2 ms at first, up to POLL_S once a wait has lasted a while."""
+    time.sleep(min(POLL_S, 0.0002 + waited / 20))
+
+
+class Attempt:
+    """One attempt of a meeting, as its member's `contribute` sees it: the attempt's collectives."""
+
+    def __init__(self, quorum: Quorum, meeting: int, attempt: int):
+        self.quorum, self.meeting, self.attempt = quorum, meeting, attempt
+
+    def _give_up(self) -> Optional[str]:
+        return self.quorum._give_up(self.meeting, self.attempt)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.quorum.group.all_reduce_sum(tensor, self._give_up)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return self.quorum.group.all_gather(tensor, self._give_up)
+
+
+def _packed(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """`tensors` laid end to end, one flat host tensor per dtype (in order of first appearance), with the tensors each holds."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    return [(torch.cat([t.detach().reshape(-1).to("cpu") for t in parts]), parts) for parts in by_dtype.values()]
+
+
+def _unpack(flat: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in parts:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n
