@@ -68,3 +68,12 @@ def run_cli(*args, cwd: Optional[Path] = None, env: Optional[Mapping[str, str]] 
     finally:
         os.chdir(here)
     return subprocess.CompletedProcess(["shoal", *argv], code, out.getvalue(), err.getvalue())
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    """The one line a refused command prints (exit status 2, no traceback): what every bad-input test checks."""
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_in_process import run_cli
+from cli_in_process import one_line_error, run_cli
 from conftest import mlp_job_text
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -31,13 +31,6 @@ from shoal.neuralnet import checkpoint as ckpt_io
 def shoal_cli(*args, **kw) -> subprocess.CompletedProcess:
     return run_cli(*args, **kw)
 
-
-def one_line_error(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    return lines[0]
 
 
 def header_of(path: Path) -> dict:

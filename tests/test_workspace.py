@@ -9,20 +9,13 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_in_process import run_cli
+from cli_in_process import one_line_error, run_cli
 
 
 def shoal(*args, cwd=None, env=None, timeout=180) -> subprocess.CompletedProcess:
     """`shoal ARGS` in the test's process (tests/cli_in_process.py); the run holding a workspace is a real process."""
     return run_cli(*args, cwd=cwd, env=env, timeout=timeout)
 
-
-def one_line_error(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    return lines[0]
 
 
 def test_a_second_run_on_a_workspace_in_use_is_refused_naming_the_job(blobs_job, tmp_path):

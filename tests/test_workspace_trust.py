@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_in_process import run_cli
+from cli_in_process import one_line_error, run_cli
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
@@ -26,13 +26,6 @@ as_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to anoth
 def shoal(*args, env=None) -> subprocess.CompletedProcess:
     return run_cli(*args, "--no-progress", env=env, timeout=180)
 
-
-def one_line_error(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    return lines[0]
 
 
 def contents(folder: Path) -> dict[str, bytes | str]:
