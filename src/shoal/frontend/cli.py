@@ -65,7 +65,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     again = p.add_argument_group("a dead group comes back", "restarted into the running job: from the servers' live params "
                                  "(Downpour), or at the groups' next meeting (Local SGD / DiLoCo) (docs/async.md)")
     again.add_argument("--max-restarts", type=int, metavar="N",
-                       help="restart a dead process of a Downpour or Local SGD worker group other than 0 up to N times (default 0)")
+                       help="restart a dead process of a Downpour, Local SGD or Distributed Hogwild worker group other than 0 up to N times (default 0)")
     again.add_argument("--rejoin", type=int, metavar="RANK", help="start process RANK of the Downpour job running in --workspace "
                        "again, in place of a dead one (the job's store: WORKSPACE/logs/store.json, or --master HOST:PORT)")
     hosts = p.add_argument_group("several hosts", "start `shoal run` on every node with the same --nnodes and --master")
@@ -296,7 +296,7 @@ def _run_script(args: argparse.Namespace, path: Path) -> int:
     from shoal.config.plugins import load_plugins
 
     load_plugins(args.plugin)  # for the jobs the script trains
-    # every job the script trains gets them (--max-restarts: its launcher restarts a dead Downpour or Local SGD group)
+    # every job the script trains gets them (--max-restarts: its launcher restarts a dead Downpour, Local SGD or Distributed Hogwild group)
     overrides = list(args.overrides) + _max_restarts(args) + (["tensorboard=true"] if args.tensorboard else [])
     settings = ScriptSettings.from_command_line(overrides, args.workspace, args.resume)
     return run_script(path, args.script_args, settings, expected=(ShoalError,))

@@ -480,7 +480,8 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
                 failed_groups = _join_tolerating_groups(context, ranks, plan, workspace,
                                                         rejoin.Restarter(plan, meeting, spec, process_setup, environment), group_ends)
             elif plan.max_restarts > 0 and plan.cluster.nworker_groups > 1:  # groups that cannot outlive a dead one
-                warn(f"WARNING: --max-restarts: only Downpour and Local SGD worker groups are restarted; {plan.label}'s are not")
+                warn(f"WARNING: --max-restarts: only Downpour, Local SGD and Distributed Hogwild worker groups are restarted; "
+                     f"{plan.label}'s are not")
             stalls.wait_for_first_failure(context)  # and SIGKILL stopped processes, which SIGTERM cannot end
             # who had exited when the first failure was seen, before torch's join stops the others
             first_exits = {i: p.exitcode for i, p in enumerate(context.processes) if p.exitcode not in (None, 0)}

@@ -1,8 +1,10 @@
-"""A dead worker group comes back: restarted by `shoal run`'s launcher (Downpour, Local SGD), or by hand (Downpour),
-into the running job.
+"""A dead worker group comes back: restarted by `shoal run`'s launcher (Downpour, Local SGD, Distributed Hogwild),
+or by hand (Downpour), into the running job.
 
 A Local SGD / DiLoCo group's new process knocks and joins at the groups' next meeting, from the chief's group's
-state (runtime/exchanges/periodic.py, shoal.comm.quorum); the rest of this text is Downpour's.
+state (runtime/exchanges/periodic.py, shoal.comm.quorum). A Distributed Hogwild group's new process knocks at each
+live group, takes the live values of the slices they master and its own slices as they last synced them, and goes
+on from the step of its last sync (runtime/exchanges/hogwild.py). The rest of this text is Downpour's.
 
 The servers hold the live params, so a new process of the group needs nothing else: it connects
 to the job's store (not to the world process group, which cannot take a new member), announces a
@@ -57,14 +59,14 @@ class RejoinRefused(ShoalError, ValueError):
 def why_not(plan: JobPlan, rank: int) -> Optional[str]:
     """Why process `rank` cannot rejoin the running job (None: it can)."""
     if not plan.strategy.rejoins:
-        return (f"only Downpour and Local SGD worker groups can rejoin a running job ({plan.label} cannot; Distributed Hogwild's "
-                "replicas are not rebuilt)")
+        return (f"only Downpour, Local SGD and Distributed Hogwild worker groups can rejoin a running job ({plan.label} cannot: "
+                "its groups are threads of one process)")
     if not 0 <= rank < plan.nprocs:
         return f"the job has processes 0..{plan.nprocs - 1}"
     proc = plan.process(rank)
-    if proc.servers or not proc.workers:
-        return f"{describe_process(plan, rank)} is a server: the job cannot go on without it (resume from a checkpoint)"
     groups = sorted({w.group for w in proc.workers})
+    if not proc.workers or any(s.group not in groups for s in proc.servers):  # (Distributed Hogwild's are its group's own)
+        return f"{describe_process(plan, rank)} is a server: the job cannot go on without it (resume from a checkpoint)"
     if 0 in groups:
         return f"{describe_process(plan, rank)} hosts worker group 0, the chief's: resume from a checkpoint instead"
     spread = [g for g in groups if len(plan.ranks_of_group(g)) > 1]
@@ -80,18 +82,21 @@ def group_of(plan: JobPlan, rank: int) -> int:
 
 def door_of(plan: JobPlan) -> str:
     """The store's door through which the launcher announces a group's restarts (and gives up on one) to the job."""
+    if plan.strategy.rejoin_door is not None:  # (Distributed Hogwild's)
+        return plan.strategy.rejoin_door
     return MEETING_DOOR if plan.strategy.meets else DOOR
 
 
 def by_hand(plan: JobPlan) -> bool:
-    """Whether `shoal run JOB --rejoin RANK` can bring a group back (Downpour; a Local SGD group comes back only when
-    the launcher restarts it, at the next meeting)."""
-    return plan.strategy.rejoins and not plan.strategy.meets
+    """Whether `shoal run JOB --rejoin RANK` can bring a group back (Downpour; a Local SGD or Distributed Hogwild group
+    comes back only when the launcher restarts it)."""
+    return plan.strategy.rejoins and not plan.strategy.meets and plan.strategy.rejoin_door is None
 
 
 # -- the launcher's side -----------------------------------------------------------------------------
 class Restarter:
-    """What `shoal run`'s launcher does when an expendable process of a Downpour or Local SGD job exits with an error."""
+    """What `shoal run`'s launcher does when an expendable process of a Downpour, Local SGD or Distributed Hogwild job
+    exits with an error."""
 
     def __init__(self, plan: JobPlan, meeting, spec, process_setup: Optional[Callable[[], None]], environment: dict[str, str]):
         """`environment`: the ranks' (holding the job's secret): restarted processes get it too."""
@@ -104,7 +109,8 @@ class Restarter:
         self._context = None
         self._note_store()
         if plan.max_restarts > 0 and not plan.strategy.rejoins:
-            warn(f"WARNING: --max-restarts: only Downpour and Local SGD worker groups are restarted; {plan.label}'s are not")
+            warn(f"WARNING: --max-restarts: only Downpour, Local SGD and Distributed Hogwild worker groups are restarted; "
+                 f"{plan.label}'s are not")
         if plan.strategy.rejoins:  # the servers (the meetings' chief) hear from it which dead groups will not come back
             self._connect()
         if self.limit > 0:
@@ -147,7 +153,7 @@ class Restarter:
         self.restarts[rank] = done + 1
         heartbeat.say_gone(self._store, rank)  # no stall warnings for a process the launcher saw die
         incarnation = self._door.next_incarnation(group)  # the servers wait for it from now on
-        source = "at the groups' next meeting, from a live group's state" if self.plan.strategy.meets else "from the servers' live params"
+        source = "at the groups' next meeting, from a live group's state" if self.plan.strategy.meets else self.plan.strategy.rejoins_from
         warn(f"WARNING: {describe_process(self.plan, rank)} exited with code {code}; restarting it "
              f"(restart {done + 1} of {self.limit}); it rejoins {source}")
         args = (rank, self.meeting, self.plan.job.SerializeToString(), str(self.spec.workspace),

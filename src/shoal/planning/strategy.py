@@ -119,6 +119,10 @@ class Strategy:
     meets = False  # groups meet every cluster.local_steps (Local SGD): outer updater, disjoint shards, complete parts
     overlaps_push = False  # cluster.overlap_push applies (a group computes its next step while its push is out)
     rejoins = False  # a dead worker group's process may be restarted into the running job (launcher/rejoin.py)
+    # where a restarted group's process knocks when not at Downpour's servers or Local SGD's meetings (the store's door,
+    # shoal.comm.channels.Door; such a group comes back only when the launcher restarts it), and what it rejoins from
+    rejoin_door: Optional[str] = None
+    rejoins_from = "from the servers' live params"
     # a worker group other than 0 may die or stall and the others train on (nothing of theirs waits for it): the
     # launcher and the heartbeat drop it instead of stopping the job, and only then say "the other groups go on"
     outlives_a_dead_group = False

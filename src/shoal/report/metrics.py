@@ -153,7 +153,8 @@ RECORD_KEYS: dict[str, tuple[str, str]] = {
     "pushed_bytes": ("train", "Downpour only: gradient bytes the chief's process pushed to its servers in the window (after cluster.compression)"),
     "sent_bytes": ("train", "bytes the chief's process sent in the window (after cluster.compression): Local SGD / DiLoCo's "
                    "pseudo-gradients handed to the meetings; AllReduce/Sandblaster over processes: gradients to the servers "
-                   "of their slices, flags, and (owning slices) the values or encoded sums back"),
+                   "of their slices, flags, and (owning slices) the values or encoded sums back (the steps after the last "
+                   "display are in summary.json's bytes_sent, every process's)"),
     "sync_bytes": ("train", "Distributed Hogwild only: bytes of the chief group's own syncs in the window, both ways "
                    "(its deltas with their headers and the masters' answers; after cluster.compression)"),
     "meetings": ("train", "Local SGD / DiLoCo only: meetings of the groups so far (one every cluster.local_steps steps)"),

@@ -139,6 +139,10 @@ def _missed(summary: dict) -> list[str]:
             said.append(f"worker group {group} applied {missed['applied']:,} of {missed['expected']:,} updates{why}")
         elif isinstance(missed.get("meetings"), int) and isinstance(missed.get("of"), int):  # Local SGD: the groups' meetings
             said.append(f"worker group {group} came to {missed['meetings']:,} of {missed['of']:,} meetings{why}")
+        elif missed.get("rejoined_at"):  # Distributed Hogwild: restarted, it rejoined from the other groups' values
+            steps = missed["rejoined_at"]
+            said.append(f"worker group {group} was restarted and rejoined at step{'s' if len(steps) > 1 else ''} "
+                        f"{', '.join(f'{s:,}' for s in steps)}{why}")
         else:
             said.append(f"worker group {group} stopped before the end{why}")
     return said

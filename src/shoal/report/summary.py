@@ -271,10 +271,15 @@ def note_group_ends(workspace: Path, ends: dict[int, str]) -> None:
         return
     missed = summary.setdefault("missed_updates", {})
     counted = bool((summary.get("staleness_histogram") or {}).get("groups"))
+    rejoined: dict[str, list[int]] = {}  # the steps each restarted group rejoined at (summary.json's rejoins)
+    for record in summary.get("rejoins") or []:
+        rejoined.setdefault(str(record["group"]), []).append(record["step"])
     for group, why in sorted(ends.items()):
         if str(group) in missed or not counted:
             entry = missed.setdefault(str(group), {})
             entry["why"] = f"{why}; {entry['why']}" if entry.get("why") else why  # the chief's word (Local SGD's meetings) after it
+            if not counted and str(group) in rejoined:  # Distributed Hogwild: no count of updates says it came back
+                entry["rejoined_at"] = rejoined[str(group)]
     if missed:
         _write_if_possible(Path(workspace) / SUMMARY_FILE, summary)
 

@@ -488,6 +488,9 @@ class Trainer:
             bar.close()
         self._stop_if_diverged(step - 1, read=True)  # the steps since the last display
         self.exchange.finish()
+        sent = getattr(self.exchange, "job_bytes_sent", None)  # the job's bytes to the last message (after the last display too)
+        if metrics is not None and sent is not None:
+            metrics.annotate(bytes_sent=sent)
         for hook in self.hooks:
             hook.before_final_test()
         if self.resumed and self.start_step >= job.train_steps:

@@ -1,13 +1,17 @@
 """Distributed Hogwild: asynchronous groups over processes, each with a server group of its own in its process;
-the replicas sync their master slices every cluster.sync_freq steps (runtime/exchanges/hogwild.py)."""
+the replicas sync their master slices every cluster.sync_freq steps (runtime/exchanges/hogwild.py). A dead group's
+process may be restarted (cluster.max_restarts, launcher/rejoin.py): it rejoins from the other groups' live values
+and goes on from the step of its last sync."""
 from __future__ import annotations
 
+from shoal.comm import channels
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.costs import FLOAT
 from shoal.planning.placement import ServerId
 from shoal.planning.strategy import Framework, Layout, Messages, Phases, Strategy, UnsupportedClusterError
+from shoal.runtime import rejoined
 from shoal.runtime.exchanges.compression import codec_factory
-from shoal.runtime.exchanges.hogwild import HogwildExchange
+from shoal.runtime.exchanges.hogwild import DOOR, HogwildExchange
 from shoal.runtime.exchanges.server import Server
 from shoal.strategies.allreduce import encoded_parts
 
@@ -18,6 +22,9 @@ class DistributedHogwild(Strategy):
     compressed = "syncs (deltas to the masters, and their answers)"
     compensates_async_momentum = True
     outlives_a_dead_group = True  # masters answer each group on a thread: a dead group's syncs end, the others train on
+    rejoins = True  # a dead group's process may be restarted (--max-restarts): it knocks at the live groups' doors
+    rejoin_door = DOOR
+    rejoins_from = "from the other groups' live values"
 
     def recognises(self, layout: Layout) -> bool:
         return layout.asynchronous_groups and layout.nprocs > 1 and layout.cluster.nserver_groups > 1
@@ -98,8 +105,18 @@ class DistributedHogwild(Strategy):
     def attach_exchanges(self, run) -> None:
         plan, t = run.plan, run.trainers[0]
         c = plan.cluster
+        door = channels.Door(DOOR) if plan.max_restarts > 0 else None  # restarted groups knock there
         t.attach_exchange(HogwildExchange(t.store, Server(t.store, make_updater(plan.updater)), plan.placement, run.rank, t.group,
-                                          c.sync_freq, c.nserver_groups, log=print, codecs=codec_factory(c.compression, c.topk_fraction)))
+                                          c.sync_freq, c.nserver_groups, log=print, codecs=codec_factory(c.compression, c.topk_fraction),
+                                          door=door, rejoining=run.rejoining, timeout_s=plan.comm_timeout_s))
+
+    def after_values(self, run, spec) -> None:
+        if spec.rejoin is not None:  # a restarted process: from the live groups' values, at the step of its last sync
+            rejoined.complete(run, spec)
+
+    def complete_rejoin(self, run, incarnation: int) -> tuple[int, int, dict]:
+        step, took = run.chief.exchange.rejoin(incarnation)
+        return step, 0, {"took": took}
 
 
 STRATEGY = DistributedHogwild()

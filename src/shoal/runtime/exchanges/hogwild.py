@@ -19,6 +19,18 @@ shoal.comm.heartbeat) is dropped the same way: a sync waiting for it gives up
 (its receive is left pending on a thread of its own), and if it wakes later its
 deltas are never added.
 
+A group whose process dies may be restarted (shoal run --max-restarts N, launcher/rejoin.py): the new
+process is in no process group of the job, so it knocks at each live group's door (`DOOR`,
+shoal.comm.channels.Door) and the two talk over a channel of their own from then on. Each group it
+reaches sends it the live values of the slices it masters, its own copy of the restarted group's
+slices as of its last sync with them, when that sync was and the restarted group's step at it (the
+header of every sync carries the requester's step). The restarted group takes the live values, its
+own slices from the latest of those syncs, and goes on from the step of its last sync (the data
+shards are a function of the step): what it had done since its last sync, and the updater state of its
+server, are lost. The groups it reached then sync with it again, both ways. A restarted process knocks
+at the groups that started with the job and at restarted ones of a lower group number (never both
+ways, so two restarted groups make one channel); a group that is not running then is not synced with.
+
 Every group starts from the same values (the job's seed, its checkpoint_path or the checkpoint a
 run resumes from), taken as last_sync when the group begins its first step; its masters start
 serving then too. Compressed (cluster.compression), the requester sends its encoded Δ (top-k:
@@ -31,6 +43,7 @@ then `known`, which trails the master's by what was not sent yet.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Optional
 
 import torch
@@ -40,7 +53,7 @@ from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.algorithms import Grads
 from shoal.planning.placement import Placement, ServerId
 from shoal.comm import dist as comm
-from shoal.comm import heartbeat
+from shoal.comm import channels, heartbeat
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
 from shoal.runtime.exchanges.compression import Codec, codecs_state, load_codecs_state, wire_bytes
@@ -49,7 +62,24 @@ from shoal.runtime.exchanges.local import aggregate, clipped
 from shoal.runtime.exchanges.server import Server
 
 SYNC, STOP, SYNC_ENCODED = 1, 2, 3
+KINDS = 4  # a sync's header is one int64: its kind + KINDS * the requester's steps (what a restarted group goes on from)
 TAG_SYNC_HEADER, TAG_SYNC_DELTA, TAG_SYNC_VALUE, TAG_SYNC_DELTA_2, TAG_SYNC_VALUE_2 = 21, 22, 23, 24, 25
+TAG_JOIN_INFO, TAG_JOIN_LIVE, TAG_JOIN_YOURS = 26, 27, 28  # what a live group sends a restarted one that knocked
+DOOR = "hogwild"  # the store's door at which a restarted group's process knocks (shoal.comm.channels.Door)
+ADMIT_POLL_S = 0.1  # how often a group looks for a restarted group's knock
+
+
+class _World:
+    """Messages with a peer that started with the job, over the job's world process group."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def send(self, tensor: torch.Tensor, tag: int) -> None:
+        comm.send(tensor, self.rank, tag)
+
+    def irecv(self, tensor: torch.Tensor, tag: int):
+        return comm.irecv(tensor, self.rank, tag)
 
 
 def mastered_by(placement: Placement, trainable: set[str], group: int) -> list:
@@ -61,9 +91,11 @@ class HogwildExchange:
     """One group's local updates plus its syncs with the other groups' replicas (and its master service)."""
 
     def __init__(self, store: ParamStore, server: Server, placement: Placement, rank: int, group: int,
-                 sync_freq: int, ngroups: int, log: Callable[[str], None] = print, codecs: Optional[Callable[..., Codec]] = None):
+                 sync_freq: int, ngroups: int, log: Callable[[str], None] = print, codecs: Optional[Callable[..., Codec]] = None,
+                 door: Optional[channels.Door] = None, rejoining: bool = False, timeout_s: float = 60.0):
         """`sync_freq` (cluster.sync_freq), `ngroups` (cluster.nserver_groups: one master group each) and `codecs`
-        (cluster.compression) as the strategy reads them from the plan."""
+        (cluster.compression) as the strategy reads them from the plan. `door`: where restarted groups knock (None:
+        no group is restarted); `rejoining`: this process was restarted into the running job (it knocks, `rejoin`)."""
         self.store, self.server, self.rank, self.group, self.log = store, server, rank, group, log
         self.chief = group == 0
         self.sync_freq = max(1, sync_freq)
@@ -77,6 +109,16 @@ class HogwildExchange:
         # what this group masters, served to each other group
         self.served = server_segments(mastered_by(placement, trainable, group))
         self.peers = {g: r for g, r in group_rank.items() if g != group}
+        self.asked = dict(self.requests)  # every master's segments, for a restarted master's syncs to resume
+        # how this process reaches each peer: the world's point-to-point, or a channel once one of them was restarted
+        self.links = {} if rejoining else {r: _World(r) for r in self.peers.values()}
+        self.door, self.timeout_s, self.incarnation = door, timeout_s, 0
+        self.linked = {g: 0 for g in self.peers}  # the incarnation of each peer group this process syncs with
+        self.peer_steps: dict[int, int] = {}  # per peer group: its step at its latest sync with this group's masters
+        self.synced_at: dict[int, float] = {}  # per master process: when this group's latest sync with it was
+        self.steps_done = 0
+        self._closing = False
+        self._admitting: Optional[threading.Thread] = None
         self.updates = 0
         self.syncs = 0
         self._syncs_shown = 0
@@ -88,8 +130,7 @@ class HogwildExchange:
             self.delta_codecs = {master: codecs() for master in self.requests}  # top-k: a residual per master
             self.answer_codecs = {g: codecs(False) for g in self.peers}  # the difference from `known` is the feedback
             self.known: dict[int, torch.Tensor] = {}  # per requesting group: what it holds of this group's slices
-        self._threads = [threading.Thread(target=self._serve, args=(g, r), name=f"shoal-sync-group{g}", daemon=True)
-                         for g, r in self.peers.items()]
+        self._threads: dict[int, threading.Thread] = {}  # per peer group: the thread answering its syncs
         self._started = False
 
     def _start(self) -> None:
@@ -102,8 +143,18 @@ class HogwildExchange:
         if self.codecs is not None:
             start = self._gather(self.served[0])
             self.known = {g: self.known[g] if g in self.known else start.clone() for g in self.peers}
-        for t in self._threads:
-            t.start()
+        for g, r in self.peers.items():
+            if r in self.links:
+                self._answer(g, r)
+        if self.door is not None:  # restarted groups knock: a thread lets them in
+            self.door.set_state(self.group, self.group, f"serving {self.incarnation}")
+            self._admitting = threading.Thread(target=self._admit, name="shoal-sync-admit", daemon=True)
+            self._admitting.start()
+
+    def _answer(self, group: int, rank: int) -> None:
+        self._threads[group] = threading.Thread(target=self._serve, args=(group, rank, self.links[rank]),
+                                                name=f"shoal-sync-group{group}", daemon=True)
+        self._threads[group].start()
 
     def _gather(self, segments: list[Segment]) -> torch.Tensor:
         parts = [self.store.values[s.param].view(-1)[s.start : s.stop] for s in segments]
@@ -124,6 +175,7 @@ class HogwildExchange:
             self.server.update(self.server.updates, clipped(aggregate(parts, target=self.store.device), self.server),
                                group_step=(self.group, step))
         self.updates += 1
+        self.steps_done = step + 1
         self._samples += sum(share for _, share in parts)
         if self.updates % self.sync_freq == 0:
             self._sync()
@@ -147,6 +199,7 @@ class HogwildExchange:
             with self.lock:
                 self._scatter(fresh, segments)
             self.last_sync[master] = fresh
+            self.synced_at[master] = time.time()
             self.syncs += 1
 
     def _ask(self, master: int, delta: torch.Tensor, size: int):
@@ -154,10 +207,12 @@ class HogwildExchange:
         waiting on its own thread: gloo's receives cannot be cancelled)."""
         fresh = torch.zeros(size, device="cpu")
 
+        link = self.links[master]
+
         def exchange() -> None:
-            answer = comm.irecv(fresh, master, TAG_SYNC_VALUE)  # posted first: see _serve
-            comm.send(torch.tensor([SYNC], dtype=torch.int64, device="cpu"), master, TAG_SYNC_HEADER)
-            comm.send(delta, master, TAG_SYNC_DELTA)
+            answer = link.irecv(fresh, TAG_SYNC_VALUE)  # posted first: see _serve
+            link.send(self._header(SYNC), TAG_SYNC_HEADER)
+            link.send(delta, TAG_SYNC_DELTA)
             answer.wait()
 
         self.sync_bytes += 8 + wire_bytes([delta, fresh])
@@ -168,11 +223,13 @@ class HogwildExchange:
         codec, answer = self.delta_codecs[master], self.answer_codecs[self.group_of(master)].buffers(size)
         parts = codec.encode(delta)
 
+        link = self.links[master]
+
         def exchange() -> None:
-            answers = [comm.irecv(part, master, tag) for part, tag in zip(answer, (TAG_SYNC_VALUE, TAG_SYNC_VALUE_2))]
-            comm.send(torch.tensor([SYNC_ENCODED], dtype=torch.int64, device="cpu"), master, TAG_SYNC_HEADER)
+            answers = [link.irecv(part, tag) for part, tag in zip(answer, (TAG_SYNC_VALUE, TAG_SYNC_VALUE_2))]
+            link.send(self._header(SYNC_ENCODED), TAG_SYNC_HEADER)
             for part, tag in zip(parts, (TAG_SYNC_DELTA, TAG_SYNC_DELTA_2)):
-                comm.send(part, master, tag)
+                link.send(part, tag)
             for receive in answers:
                 receive.wait()
 
@@ -180,6 +237,10 @@ class HogwildExchange:
         if not self._exchange(master, exchange):
             return None
         return self.last_sync[master] + codec.decode(answer, size)
+
+    def _header(self, kind: int) -> torch.Tensor:
+        """A sync's first message: its kind and this group's steps (KINDS)."""
+        return torch.tensor([kind + KINDS * self.steps_done], dtype=torch.int64, device="cpu")
 
     def group_of(self, rank: int) -> int:
         return next(g for g, r in self.peers.items() if r == rank)
@@ -206,7 +267,7 @@ class HogwildExchange:
         return True
 
     # -- this group as master of its slices ---------------------------------------------
-    def _serve(self, group: int, rank: int) -> None:
+    def _serve(self, group: int, rank: int, link) -> None:
         """Answer `group`'s syncs. The next request's receives are posted before this answer is sent, as the
         requester posts its answer's before it asks: gloo sends a message only once its receiver has said it is
         ready, and that word queues behind whatever data is already on the way in its direction (the other group's
@@ -218,14 +279,15 @@ class HogwildExchange:
         received = codec.buffers(size) if codec is not None else [torch.zeros(size, device="cpu")]
 
         def post() -> list:  # a group that masters nothing is never asked, only told to stop
-            return [comm.irecv(header, rank, TAG_SYNC_HEADER)] + [comm.irecv(part, rank, tag) for part, tag in zip(received, (TAG_SYNC_DELTA, TAG_SYNC_DELTA_2)) if size]
+            return [link.irecv(header, TAG_SYNC_HEADER)] + [link.irecv(part, tag) for part, tag in zip(received, (TAG_SYNC_DELTA, TAG_SYNC_DELTA_2)) if size]
 
         try:
             receives = post()
             while True:
                 for receive in receives:
                     receive.wait()
-                if int(header[0]) == STOP:  # its Δ is zeros, sent so that no receive is left pending
+                kind, steps = int(header[0]) % KINDS, int(header[0]) // KINDS
+                if kind == STOP:  # its Δ is zeros, sent so that no receive is left pending
                     return
                 delta = codec.decode(received, size) if codec is not None else received[0]
                 if heartbeat.is_stalled(rank):  # it woke after being dropped: its delta is stale, never added
@@ -235,35 +297,171 @@ class HogwildExchange:
                     for s in segments:
                         self.store.values[s.param].view(-1)[s.start : s.stop].add_(delta[s.offset : s.offset + s.size])
                     fresh = self._gather(segments)
-                encoded = int(header[0]) == SYNC_ENCODED
+                self.peer_steps[group] = steps
+                encoded = kind == SYNC_ENCODED
                 receives = post()  # Δ is added: its buffers take the next request
                 if encoded:  # the change since what the requester holds
                     parts = codec.encode(fresh - self.known[group])
                     self.known[group] += codec.decode(parts, size)
                     for part, tag in zip(parts, (TAG_SYNC_VALUE, TAG_SYNC_VALUE_2)):
-                        comm.send(part, rank, tag)
+                        link.send(part, tag)
                     continue
-                comm.send(fresh, rank, TAG_SYNC_VALUE)
+                link.send(fresh, TAG_SYNC_VALUE)
         except RuntimeError as err:
             if not heartbeat.is_stalled(rank):  # a stalled group was dropped already (the chief warned)
                 warn(f"WARNING: server group {self.group} drops worker group {group} (process {rank}): {comm.describe_error(err)}")
 
     def finish(self) -> None:
-        """Training is over here: tell the masters, then serve the others until they are done too."""
+        """Training is over here: let in a restarted group the launcher announced, tell the masters, then serve the
+        others until they are done too."""
         self._start()  # a group that had no step left to train still serves the others
-        for master, (_, size) in self.requests.items():
+        if self.door is not None:
+            self._await_announced()
+            self._closing = True  # from here on a knock finds the door closed: the restarted group trains on alone
+            self.door.close(self.group)
+            self._admitting.join(timeout=self.timeout_s)  # a knock being let in now is answered below too
+        for master, (_, size) in list(self.requests.items()):
             zeros = self.delta_codecs[master].buffers(size) if self.codecs is not None else [torch.zeros(size, device="cpu")]
+            link = self.links[master]
             try:  # the master has this request's Δ receive posted (_serve): it gets zeros
-                comm.send(torch.tensor([STOP], dtype=torch.int64, device="cpu"), master, TAG_SYNC_HEADER)
+                link.send(self._header(STOP), TAG_SYNC_HEADER)
                 for part, tag in zip(zeros if size else [], (TAG_SYNC_DELTA, TAG_SYNC_DELTA_2)):
-                    comm.send(part, master, tag)
+                    link.send(part, tag)
             except RuntimeError:
                 pass
-        for peer, t in zip(self.peers.values(), self._threads):
-            while t.is_alive() and not heartbeat.is_stalled(peer):  # never wait for a dropped group
+        for group, t in list(self._threads.items()):
+            while t.is_alive() and not heartbeat.is_stalled(self.peers[group]):  # never wait for a dropped group
                 t.join(timeout=0.25)
             if t.is_alive():
                 heartbeat.abandon()
+        if self.door is not None:
+            self.door.set_state(self.group, self.group, "finished")
+
+    # -- restarted groups ---------------------------------------------------------------
+    def _await_announced(self) -> None:
+        """Wait (up to the comm timeout) for the groups whose restart the launcher announced to knock and be let in."""
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline and any(self._knocks_expected(g) for g in self.peers):
+            time.sleep(ADMIT_POLL_S)
+
+    def _knocks_expected(self, group: int) -> bool:
+        """Whether a restarted process of `group` that this process has not let in yet will knock here."""
+        newest = self.door.incarnation(group)
+        return (newest > self.linked[group] and self.door.given_up(group) < newest
+                and self._knocks_at(self.group, self.incarnation, group) and self.door.state(group, group) != "finished")
+
+    def _knocks_at(self, group: int, incarnation: int, knocker: int) -> bool:
+        """Whether a restarted process of `knocker` knocks at `group`'s process (at incarnation `incarnation` of it):
+        at those that started with the job, and at restarted ones of a lower group number (one channel per pair)."""
+        return incarnation == 0 or group < knocker
+
+    def _admit(self) -> None:
+        """Let in each restarted group's process that knocks (a thread of its own, until this group finished)."""
+        while not self._closing:
+            for group in self.peers:
+                try:
+                    incarnation = self.door.incarnation(group)
+                    nonce = None
+                    if incarnation > self.linked[group] and self.door.given_up(group) < incarnation:
+                        nonce = self.door.hello(self.group, group, incarnation)
+                except RuntimeError:  # the job's store is gone: the job is ending
+                    return
+                if nonce is None or self._closing:
+                    continue
+                try:
+                    self._let_in(group, incarnation, nonce)
+                except RuntimeError as err:  # it died again half-way: its next restart knocks anew
+                    self.linked[group] = incarnation
+                    warn(f"WARNING: worker group {self.group} could not let worker group {group} in: {comm.describe_error(err)}")
+            time.sleep(ADMIT_POLL_S)
+
+    def _let_in(self, group: int, incarnation: int, nonce: str) -> None:
+        """Open the channel the knock of `group`'s incarnation `incarnation` asked for; send it the live values of
+        this group's slices, this group's copy of its slices as of their last sync and that sync's step and time;
+        then sync with it again both ways."""
+        rank = self.peers[group]
+        name = self.door.accept(self.group, group, incarnation, nonce)
+        channel = self.door.open(name, 0)
+        if not channels.authenticate(channel, name, 0, self.door.secret):
+            self.log(f"server group {self.group} refused a process knocking as worker group {group}: it could not prove it "
+                     "holds the job's secret")
+            self.linked[group] = incarnation
+            return
+        asked = self.asked[rank][1]
+        with self.lock:
+            live = self._gather(self.served[0])
+            theirs = self.last_sync[rank].clone() if asked else torch.zeros(0, device="cpu")
+        synced_at = int(self.synced_at.get(rank, 0.0) * 1000)
+        channel.send(torch.tensor([self.peer_steps.get(group, 0), synced_at], dtype=torch.int64, device="cpu"), TAG_JOIN_INFO)
+        if self.served[1]:
+            channel.send(live, TAG_JOIN_LIVE)
+        if asked:
+            channel.send(theirs, TAG_JOIN_YOURS)
+        heartbeat.revive(rank)  # the launcher said its predecessor was done: watch the new process
+        with self.lock:
+            self.links[rank] = channel
+            if self.codecs is not None:
+                self.known[group] = live.clone()  # what it holds of this group's slices now
+            if asked:
+                self.requests[rank] = self.asked[rank]
+        self._answer(group, rank)
+        self.linked[group] = incarnation  # (last: finish waits for this, then for the thread that answers it)
+        self.log(f"worker group {self.group} syncs with worker group {group} again (its restart {incarnation})")
+
+    def rejoin(self, incarnation: int) -> tuple[int, str]:
+        """This process was restarted in its group's dead one's place: knock at every live group, take the live values
+        of the slices each masters and this group's own slices from the latest of their syncs with it; returns the
+        step of that sync (the group goes on from there) and what it took, in words."""
+        self.incarnation = incarnation
+        steps, latest, own, linked = [0], -1, None, []
+        for group, rank in self.peers.items():
+            theirs = self.door.incarnation(group)
+            if (self.door.state(group, group) != f"serving {theirs}" or self.door.given_up(group) >= theirs
+                    or not self._knocks_at(group, theirs, self.group)):
+                continue  # not running, finished, or it knocks here itself (then it is let in by _admit)
+            try:
+                channel = self.door.knock(group, self.group, incarnation, self.timeout_s)
+                if channel is None:  # it finished meanwhile
+                    continue
+                info = torch.zeros(2, dtype=torch.int64, device="cpu")
+                live = torch.zeros(self.asked[rank][1], device="cpu")
+                mine = torch.zeros(self.served[1], device="cpu")
+                channel.recv(info, TAG_JOIN_INFO)
+                if live.numel():
+                    channel.recv(live, TAG_JOIN_LIVE)
+                if mine.numel():
+                    channel.recv(mine, TAG_JOIN_YOURS)
+            except RuntimeError as err:
+                warn(f"WARNING: worker group {self.group} could not reach worker group {group} to rejoin: {comm.describe_error(err)}; "
+                     "it does not sync with it")
+                continue
+            with self.lock:
+                self._scatter(live, self.asked[rank][0])
+                self.links[rank] = channel
+                if self.codecs is not None:
+                    self.known[group] = mine.clone()  # what that group holds of this group's slices
+            self.last_sync[rank] = live
+            self.linked[group] = theirs
+            linked.append(group)
+            steps.append(int(info[0]))
+            if int(info[1]) > latest:
+                latest, own = int(info[1]), (group, mine)
+        self.requests = {rank: self.asked[rank] for rank in self.links if self.asked[rank][1]}
+        if own is not None and self.served[1]:
+            with self.lock:
+                self._scatter(own[1], self.served[0])
+        step = max(steps)
+        self.updates = self.server.updates = step  # the sync cadence and the LR schedule's step go on from there
+        self.steps_done = step
+        self._start()
+        if not linked:
+            return step, "no live group answered: it trains on alone from its start values"
+        masters = " and ".join(", ".join(map(str, linked)).rsplit(", ", 1))
+        took = (f"the live values of the slices worker group{'s' if len(linked) > 1 else ''} {masters} "
+                f"master{'' if len(linked) > 1 else 's'}")
+        if own is not None and self.served[1]:
+            took += f", and its own slices as worker group {own[0]} last synced them (its updates since that sync were lost)"
+        return step, took
 
     # -- the trainer's interface --------------------------------------------------------
     def metrics(self, window: MetricWindow) -> dict[str, float]:

@@ -301,6 +301,9 @@ class PeriodicExchange:
         self.meetings = 0
         self.bytes_sent = 0  # payload handed to the meeting: the pseudo-gradients
         self._window_bytes = 0  # ... since the last display
+        # the chief's count of every group's payload over the whole run, to its last meeting (summary.json's bytes_sent):
+        # each group that came to a meeting handed over as much as this one (one codec, one set of params)
+        self.job_bytes_sent = 0
         self._samples = 0
         self._restored = False  # this group's own values came from its checkpoint part
         self.present = tuple(range(meeting.groups))  # the groups that came to the last meeting
@@ -342,6 +345,7 @@ class PeriodicExchange:
             sent = self.meeting.sent(flat.numel() * flat.element_size())
         self.bytes_sent += sent
         self._window_bytes += sent
+        self.job_bytes_sent += sent * len(met.came)
         grads, offset = {}, 0
         for name in self.names:
             size = values[name].numel()
@@ -486,7 +490,8 @@ class PeriodicExchange:
         tensors = codecs_state("codec", {"meeting": self.meeting.codec})
         if self.chief:
             return tensors | {"count/samples": torch.tensor(self._samples, device="cpu"),
-                              "count/window_bytes": torch.tensor(self._window_bytes, device="cpu")}
+                              "count/window_bytes": torch.tensor(self._window_bytes, device="cpu"),
+                              "count/job_bytes_sent": torch.tensor(self.job_bytes_sent, device="cpu")}
         tensors |= {f"value/{name}": value for name, value in self.store.values.items()}
         for name, slots in self.updater_state().items():
             tensors |= {f"state/{name}/{slot}": value for slot, value in slots.items()}
@@ -497,6 +502,7 @@ class PeriodicExchange:
         if self.chief:
             self._samples = int(tensors.get("count/samples", 0))
             self._window_bytes = int(tensors.get("count/window_bytes", 0))
+            self.job_bytes_sent = int(tensors.get("count/job_bytes_sent", 0))  # a resumed run counts on
             return
         values, state = ckpt_io.values_and_state(tensors)
         if not values:

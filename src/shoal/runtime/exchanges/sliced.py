@@ -161,6 +161,8 @@ class SlicedExchange:
             self.state = {self._key(s): updater.init_shard_state(self._value(s), self._key(s)) for b in updated for s in b.slices}
         self._owned_keys = {self._key(s) for b in self.owned for s in b.slices}
         self.sent_bytes = 0  # what this process sent since the last display (gradients, flags, sums or values)
+        self._shown_bytes = 0  # ... in the windows displayed before (and the earlier run's, resumed)
+        self.job_bytes_sent: Optional[int] = None  # every process's, summed by finish (summary.json's bytes_sent)
         if codecs is not None:
             self._send_codec = {b.index: codecs() for b in self.buckets if b.owner != rank}
             self._sum_codec = {b.index: codecs() for b in self.owned}
@@ -574,6 +576,7 @@ class SlicedExchange:
         comm.all_reduce_sum(values)
         averages = {n: float(s / c) for n, (s, c) in zip(names, values.tolist()) if c}
         averages["sent_bytes"], self.sent_bytes = self.sent_bytes, 0  # this process's, as Downpour's pushed_bytes
+        self._shown_bytes += averages["sent_bytes"]
         return averages
 
     def view_updater(self):
@@ -581,7 +584,11 @@ class SlicedExchange:
         return None
 
     def finish(self) -> None:
-        """Every step ended with its values back: nothing outstanding."""
+        """Every step ended with its values back: nothing outstanding. The processes sum what each sent in the whole
+        run, the steps after the last display too (one 8-byte all-reduce: the group is synchronous, every process is here)."""
+        total = torch.tensor([float(self._shown_bytes + self.sent_bytes)], dtype=torch.float64, device="cpu")
+        comm.all_reduce_sum(total)
+        self.job_bytes_sent = int(total.item())
 
     def updater_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The whole updater state, assembled on every rank from the servers' slices (collective; in host memory,
@@ -626,12 +633,16 @@ class SlicedExchange:
         return False
 
     def own_state(self) -> dict[str, torch.Tensor]:
-        """This process's compression residuals: per bucket it sends, and per bucket whose sum it sends back."""
+        """This process's compression residuals: per bucket it sends, and per bucket whose sum it sends back; the
+        bytes it sent so far (a resumed run counts on from them)."""
+        count = {"count/bytes_sent": torch.tensor(self._shown_bytes + self.sent_bytes, device="cpu")}
         if self.codecs is None:
-            return {}
-        return codecs_state("send", self._send_codec) | codecs_state("sum", self._sum_codec)
+            return count
+        return count | codecs_state("send", self._send_codec) | codecs_state("sum", self._sum_codec)
 
     def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        if "count/bytes_sent" in tensors:
+            self._shown_bytes, self.sent_bytes = int(tensors["count/bytes_sent"]), 0
         if self.codecs is not None:
             load_codecs_state("send", self._send_codec, tensors)
             load_codecs_state("sum", self._sum_codec, tensors)

@@ -1,0 +1,67 @@
+"""Distributed Hogwild groups rejoin from the live values, as Downpour's do (issue 38, point 3).
+
+Group 1's process is SIGKILLed (its pid from its log) mid-run with --max-restarts 1: the launcher restarts it; the new
+process knocks at each live group, takes the live values of the slices they master and its own slices as the
+latest of their synced copies, and goes on from the step of its last sync; the other groups' syncs with it resume.
+Real runs through the CLI on the blobs data.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+
+from cli_in_process import run_cli
+from test_cli import leftover_processes
+from test_local_sgd_faults import SLOW, Run, closing_line, pids, runs, summary, train_records  # noqa: F401 (runs: a fixture)
+
+STEPS = 240
+SYNC_FREQ = 4
+GROUPS = dict(sync_freq=SYNC_FREQ)
+
+
+@pytest.mark.parametrize("groups, extra", [(2, {}), pytest.param(3, dict(compression="kTopK", topk_fraction=0.5), marks=pytest.mark.slow)])
+def test_a_killed_hogwild_group_is_restarted_and_syncs_again(blobs_job, tmp_path, runs, groups, extra):
+    """--max-restarts 1, group 1's process SIGKILLed: exit 0, group 1 runs under two pids (the rejoin line names the
+    step of its last sync and what it took), the others' pids unchanged, group 0 syncs with it again to the end, the
+    closing line and summary.json say it was restarted, the accuracy is the unfaulted run's; no library text."""
+    job = blobs_job(train_steps=STEPS, layout=f"Distributed Hogwild, {groups} groups", cluster_extra=dict(GROUPS, **extra))
+    unfaulted = run_cli("run", job, "--workspace", tmp_path / "unfaulted", "--no-progress", timeout=120)
+    assert unfaulted.returncode == 0, unfaulted.stderr
+    run = Run(job, tmp_path, "--max-restarts", "1", env=SLOW)
+    runs.append(run)
+    chief = run.pid_once_training(0)
+    victim = run.pid_once_training(1, step=20)
+    os.kill(victim, signal.SIGKILL)
+    assert run.wait() == 0, run.err.read_text()
+    stderr, stdout = run.err.read_text(), run.out.read_text()
+    assert re.search(r"^WARNING: process 1 \(worker\(group=1, id=0\), server\(group=1, id=0\)\) exited with code -9; restarting it "
+                     r"\(restart 1 of 1\); it rejoins from the other groups' live values$", stderr, re.M), stderr
+    (line,) = [line for line in stdout.splitlines() if line.startswith("Worker group 1 rejoined at step ")]
+    step = int(re.match(r"Worker group 1 rejoined at step (\d+) \(process 1, restart 1\): ", line)[1])
+    assert step % SYNC_FREQ == 0 and 0 < step < STEPS, line  # the step of its last sync
+    masters = "worker group 0 masters" if groups == 2 else "worker groups 0 and 2 master"
+    assert re.search(f"the live values of the slices {masters}, and its own slices as worker group [02] last synced them "
+                     r"\(its updates since that sync were lost\)", line), line
+    assert pids(run.ws, 0) == [chief] and pids(run.ws, 1)[0] == victim and len(set(pids(run.ws, 1))) == 2
+    got = summary(run.ws)
+    (record,) = got["rejoins"]
+    assert (record["group"], record["rank"], record["incarnation"], record["step"]) == (1, 1, 1, step)
+    # the groups' syncs resumed both ways: the restarted process synced with group 0, and group 0 said so
+    rank0, rank1 = (run.ws / "logs" / "rank0.log").read_text(), (run.ws / "logs" / "rank1.log").read_text()
+    assert "worker group 0 syncs with worker group 1 again (its restart 1)" in stdout, stdout
+    if groups == 3:
+        assert "worker group 2 syncs with worker group 1 again (its restart 1)" in (run.ws / "logs" / "rank2.log").read_text()
+        assert pids(run.ws, 2)[-1] == pids(run.ws, 2)[0]
+    records = train_records(run.ws)  # group 0's: it syncs with group 1's masters (its only ones) again to the end
+    assert all(r["syncs"] >= 1 for r in records if r["step"] >= STEPS // 2), records
+    assert got["missed_updates"] == {"1": {"why": "process 1 was restarted after it exited with code -9", "rejoined_at": [step]}}
+    assert (f"worker group 1 was restarted and rejoined at step {step} (process 1 was restarted after it exited with code -9)"
+            in closing_line(stdout)), closing_line(stdout)
+    final, baseline = got["final_test"]["accuracy"], summary(tmp_path / "unfaulted")["final_test"]["accuracy"]
+    assert final >= baseline - 0.05, (final, baseline)
+    for text in (stdout, stderr, rank0, rank1):
+        assert "gloo" not in text.lower() and "c10d" not in text and "Traceback" not in text, text
+    assert leftover_processes(tmp_path) == []
