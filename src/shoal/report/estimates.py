@@ -58,7 +58,7 @@ def calibrated_line(calib: dict) -> str:
     else:
         when = f"{age(calib['age_s'])} ago"
     if calib["contended"]:
-        how = "contended: estimates may be low; re-run on an idle machine with --recalibrate"
+        how = "contended: estimates may be low; measured again by itself at the next estimate on a quiet machine"
     elif calib["load"] <= calib["cores"] / 2:
         how = "idle"
     else:

@@ -22,7 +22,9 @@ the wall time it took, and the spread between repeats. One taken under contentio
 again (SHOAL_CALIBRATION_ATTEMPTS times in all, default 3, with a short backoff); still contended,
 it is kept marked `contended` and says so in one line, and it never replaces a clean one. The cache
 records when, under what load, for which torch, CPU model and core count; it is measured again when
-any of those differ, or when older than MAX_AGE (a contended one: CONTENDED_MAX_AGE). Writers hold a
+any of those differ, or when older than MAX_AGE (a contended one: CONTENDED_MAX_AGE). A contended
+entry, or a contended timing an estimate reads, is measured again at the next estimate that finds the
+machine quiet (busy_now(): a short GEMM probe judged as a calibration is). Writers hold a
 file lock and merge with what is there, the cleaner entry winning, so concurrent calibrations leave
 the better of theirs. The file is read as input: size-limited, every field type-checked, JSON only.
 """
@@ -66,6 +68,10 @@ CONTENDED_CPU_SHARE = 0.75
 CONTENDED_LOAD_PER_CORE = 1.5
 # or one timing's typical (median) repeat took over twice its best (the machine's speed changed under it)
 CONTENDED_SPREAD = 1.0
+# whether the machine is quiet enough to measure a contended entry again: a GEMM at each calibrated thread count for
+# at least this long, judged by verdict() as a calibration is (about 0.3 s in all); its answer holds for QUIET_MEMO_S,
+# so that an estimate that reads the cache for several layouts probes once
+QUIET_PROBE_S, QUIET_MEMO_S = 0.1, 30.0
 
 
 class CacheError(ValueError):
@@ -228,17 +234,32 @@ def calibration(kernels: Iterable[Kernel] = (), recalibrate: bool = False, budge
     """This host's calibration from the cache, measuring what is missing (all of it with `recalibrate`).
 
     The machine's rates take a few seconds, once (again when stale); a job's kernels not yet in the
-    cache are measured (largest first) until `budget_s` runs out, the rest timed at the GEMM rate.
+    cache are measured (largest first) until `budget_s` runs out, the rest timed at the GEMM rate. A
+    cached entry taken under contention, or a contended timing of `kernels`, is measured again when
+    busy_now() finds the machine quiet (one line on stderr says so); still busy, it is kept.
     Progress goes to `log`; a measurement taken under contention is said in one line on stderr.
     """
     path = path or cache_path()
     calib = None if recalibrate else load(path)
     fresh = calib is None
-    if calib is None:
+    kernels, healed = list(kernels), False
+    if calib is not None and calib.contended and busy_now(calib.cores) is None:
+        # taken under contention, and the machine is quiet now: its rates again (seconds), its kernel timings kept
+        warn(f"calibration of {calib.taken_at} was taken under contention ({describe_contention(calib)}); "
+             "the machine is quiet now: measuring it again")
+        cached, fresh, healed = calib, True, True
+        calib = replace(measure_machine(log=log), kernels=cached.kernels, contended_kernels=cached.contended_kernels)
+        _quiet.update(at=time.monotonic(), busy=describe_contention(calib) if calib.contended else None)
+    elif calib is None:
         log("calibrating this machine (once; cached)...")
         calib = measure_machine(log=log)
-    # a kernel timed under contention is timed again once the machine is quiet (the cleaner timing then wins)
-    quiet = _load() <= calib.cores / 2
+    # a kernel timed under contention that this estimate reads is timed again once the machine is quiet (the cleaner
+    # timing then wins); the probe runs only when there is one
+    redo = [k for k in kernels if k.device == "cpu" and k.key in calib.contended_kernels and k.key in calib.kernels]
+    quiet = bool(redo) and busy_now(calib.cores) is None
+    if quiet and not healed:  # (healed: the line above said it)
+        warn(f"calibration: {len({k.key for k in redo})} of the job's kernel timing(s) taken under contention; "
+             "the machine is quiet now: timing them again")
     wanted = [k for k in kernels if k.device == "cpu" and (k.key not in calib.kernels or (quiet and k.key in calib.contended_kernels))]
     dirty: list[str] = []
     clean: list[str] = []
@@ -259,6 +280,8 @@ def calibration(kernels: Iterable[Kernel] = (), recalibrate: bool = False, budge
             else:
                 clean.append(k.key)
             measured[k.key] = seconds
+        if quiet and dirty:  # the probe said quiet, the timings say otherwise: no more tries this while
+            _quiet.update(at=time.monotonic(), busy=f"{len(dirty)} kernel timing(s) taken under contention")
         contended = (set(calib.contended_kernels) - set(clean)) | set(dirty)
         calib = replace(calib, kernels=measured, contended_kernels=tuple(sorted(contended)))
     if fresh or wanted:
@@ -267,15 +290,38 @@ def calibration(kernels: Iterable[Kernel] = (), recalibrate: bool = False, budge
         if fresh and taken.contended:
             kept = f"kept the clean calibration of {calib.taken_at}" if not calib.contended else "estimates may be low"
             warn(f"calibration taken under contention ({describe_contention(taken)}): {kept}; "
-                 "re-run on an idle machine with --recalibrate")
+                 "measured again by itself at the next estimate on a quiet machine")
         elif dirty and set(dirty) & set(calib.contended_kernels) and not _said["kernels"]:
             _said["kernels"] = True  # once a process: --compare calibrates for seven layouts
             warn(f"calibration: {len(set(dirty) & set(calib.contended_kernels))} of the job's kernel timing(s) taken under contention "
-                 f"(load {_load():.1f} on {calib.cores} cores): estimates may be low; re-run on an idle machine with --recalibrate")
+                 f"(load {_load():.1f} on {calib.cores} cores): estimates may be low; measured again by itself at the next estimate on a quiet machine")
     return calib
 
 
 _said = {"kernels": False}
+_quiet: dict = {"at": None, "busy": None}  # busy_now()'s last answer and when (time.monotonic())
+
+
+def busy_now(cores: int) -> Optional[str]:
+    """None when the machine is quiet now; else how it is busy (describe_contention's words).
+
+    A 1024² GEMM at 1 thread and at `cores` threads, each repeated for QUIET_PROBE_S, judged by verdict() as a
+    calibration is: the CPU share the timing thread got, the spread of its repeats, the 1-minute load average. The
+    answer holds for QUIET_MEMO_S in this process."""
+    now = time.monotonic()
+    if _quiet["at"] is not None and now - _quiet["at"] < QUIET_MEMO_S:
+        return _quiet["busy"]
+    meter, load_before = Meter(), _load()
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    for count in sorted({1, cores}):
+        with _threads(count):
+            _best(lambda: torch.mm(a, b), min_s=QUIET_PROBE_S, meter=meter)
+    load = max(load_before, _load())
+    busy = None
+    if verdict(load, cores, meter):
+        busy = describe_contention(Calibration(load=load, cores=cores, cpu_share=meter.share, spread=meter.spread))
+    _quiet.update(at=time.monotonic(), busy=busy)
+    return busy
 
 
 def describe_contention(calib: Calibration) -> str:
