@@ -1,4 +1,5 @@
-"""summary.json's bytes_sent: every process's bytes of the whole run, to its last message.
+"""summary.json's bytes_sent: every process's bytes of the whole run, to its last message (AllReduce, Local SGD,
+Downpour, Distributed Hogwild).
 
 The display records' sent_bytes end at the last display: a run whose last meeting falls after it (train_steps a
 multiple of local_steps, disp_freq not) recorded one meeting too few there (issue 40: 9 of 10 meetings at H = 50,
@@ -26,6 +27,8 @@ from shoal.planning.plan import plan_job
 
 LOCAL_SGD = Layout(dict(nworker_groups=2, local_steps=5), 2, 2, "Local SGD")  # a group per process
 ALLREDUCE = LAYOUTS["AllReduce, 2 processes"]
+DOWNPOUR = LAYOUTS["Downpour, 2 groups + 1 server, 3 processes"]
+HOGWILD = LAYOUTS["Distributed Hogwild, 2 groups"]
 CALIB = Calibration(host="test", cores=2, gemm_gflops={1: 10.0}, mem_gbps={1: 10.0}, link_gbps=1.0, link_latency_s=0.0)
 
 
@@ -79,6 +82,48 @@ def test_allreduce_counts_every_step_of_every_process(blobs_job, tmp_path):
     assert run(job, resumed, ALLREDUCE, "disp_freq=7", resume=True)["bytes_sent"] == 20 * per_step
 
 
+def trainable_numel(ws: Path, step: int) -> int:
+    return sum(v.numel() for k, v in load_file(str(ws / "checkpoint" / f"step{step}-worker0.safetensors")).items()
+               if k.startswith("param/"))
+
+
+def test_downpour_counts_every_push_of_every_group_and_the_servers_answers(blobs_job, tmp_path):
+    """Every push of both groups (the whole gradient, float32, to the one server) and its answer (the whole values), to
+    the last one: the server counts them and tells the chief in its last answer. The records hold only the chief's
+    pushes, to the last display (step 14 of 20)."""
+    job, ws = blobs_job(train_steps=20, hidden=64), tmp_path / "ws"
+    summary = run(job, ws, DOWNPOUR, "disp_freq=7")
+    pushes = sum(g["updates"] for g in summary["staleness_histogram"]["groups"].values())
+    assert pushes == 2 * 20
+    message = 4 * trainable_numel(ws, 20)
+    assert summary["bytes_sent"] == pushes * 2 * message  # each push and its answer
+    assert sum(r["pushed_bytes"] for r in train_records(ws)) == 15 * message  # the chief's pushes, to step 14
+
+
+def test_distributed_hogwild_counts_every_sync_of_every_group(blobs_job, tmp_path):
+    """Each group syncs after every 5 of its 20 steps (4 syncs, the last after step 19, past the last display at 14),
+    each its 8-byte header, its delta of the other group's slices and their fresh values: 2 groups x 4 syncs, every
+    param once each way per pair of syncs. Each group's count comes to the chief with its STOP."""
+    job, ws = blobs_job(train_steps=20, hidden=64), tmp_path / "ws"
+    summary = run(job, ws, HOGWILD, "disp_freq=7", "cluster.sync_freq=5")
+    numel = trainable_numel(ws, 20)
+    train = train_records(ws)
+    assert train[-1]["step"] == 14 and sum(r["syncs"] for r in train) == 3  # the chief's, to step 14
+    assert summary["bytes_sent"] == 4 * (2 * 8 + 2 * 4 * numel)
+
+
+@pytest.mark.parametrize("layout, sets", [(DOWNPOUR, ()), (HOGWILD, ("cluster.sync_freq=5",))], ids=["Downpour", "Distributed Hogwild"])
+def test_asynchronous_groups_count_on_across_a_resume(blobs_job, tmp_path, layout, sets):
+    """Stopped at step 12 (checkpointed), resumed to 20: as much as the run that never stopped (the chief's checkpoint
+    holds the servers' count, a Hogwild group's part its own)."""
+    job = blobs_job(train_steps=20, hidden=64)
+    whole = run(job, tmp_path / "whole", layout, "disp_freq=7", *sets)["bytes_sent"]
+    resumed = tmp_path / "resumed"
+    first = run(job, resumed, layout, "disp_freq=7", "train_steps=12", *sets)["bytes_sent"]
+    assert 0 < first < whole
+    assert run(job, resumed, layout, "disp_freq=7", *sets, resume=True)["bytes_sent"] == whole
+
+
 # -- against the wire: a network namespace of the job's own, its loopback's bytes ------------------------------------
 
 def _sh(*cmd: str) -> subprocess.CompletedProcess:
@@ -106,11 +151,11 @@ def _lo_bytes(ns: str) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [LOCAL_SGD, ALLREDUCE], ids=["Local SGD", "AllReduce"])
+@pytest.mark.parametrize("layout", [LOCAL_SGD, ALLREDUCE, DOWNPOUR, HOGWILD], ids=["Local SGD", "AllReduce", "Downpour", "Distributed Hogwild"])
 def test_bytes_sent_matches_the_loopback_of_the_jobs_own_namespace(blobs_job, tmp_path, namespace, layout):
     """The job alone in a namespace: its loopback's bytes less an idle baseline (nothing: a fresh namespace is silent;
     measured anyway) are shoal's count plus what it does not count: TCP/IP headers, the store's start-up and
-    heartbeats, the display collectives. With 0.7 MB of messages or more those stay within 10 % (Local SGD +5.5 %, AllReduce +6.4 %, 2026-11-28)."""
+    heartbeats, the display collectives. With 0.7 MB of messages or more those stay within 10 % (Local SGD +5.4 %, AllReduce +6.4 %, Downpour +6.8 %, Distributed Hogwild +4.1 %, 2026-11-28)."""
     job, ws = blobs_job(train_steps=20, hidden=1024), tmp_path / "ws"
     idle = _lo_bytes(namespace)
     _sh("sleep", "1")

@@ -14,6 +14,7 @@ import signal
 import pytest
 
 from cli_in_process import run_cli
+from test_bytes_counted import trainable_numel
 from test_cli import leftover_processes
 from test_local_sgd_faults import SLOW, Run, closing_line, pids, runs, summary, train_records  # noqa: F401 (runs: a fixture)
 
@@ -60,6 +61,12 @@ def test_a_killed_hogwild_group_is_restarted_and_syncs_again(blobs_job, tmp_path
     assert got["missed_updates"] == {"1": {"why": "process 1 was restarted after it exited with code -9", "rejoined_at": [step]}}
     assert (f"worker group 1 was restarted and rejoined at step {step} (process 1 was restarted after it exited with code -9)"
             in closing_line(stdout)), closing_line(stdout)
+    # summary.json's bytes: group 0's syncs, and group 1's of both processes (the dead one's as group 0 answered them,
+    # the restarted one's own count with what it took when it rejoined); no more than the unfaulted run's and that
+    # handover (its 16-byte header and the whole model in float32: the live slices and its own)
+    if groups == 2:
+        handover = 16 + 4 * trainable_numel(tmp_path / "unfaulted", STEPS)
+        assert sum(r["sync_bytes"] for r in records) < got["bytes_sent"] <= summary(tmp_path / "unfaulted")["bytes_sent"] + handover
     final, baseline = got["final_test"]["accuracy"], summary(tmp_path / "unfaulted")["final_test"]["accuracy"]
     assert final >= baseline - 0.05, (final, baseline)
     for text in (stdout, stderr, rank0, rank1):

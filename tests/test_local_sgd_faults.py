@@ -227,6 +227,11 @@ def test_a_killed_group_is_restarted_and_rejoins_at_the_next_meeting(blobs_job, 
     missed = got["missed_updates"]["1"]
     assert missed["why"].startswith("process 1 was restarted after it exited with code -9; missing from the meeting")
     assert missed["why"].endswith(", back after it") or missed["why"].endswith(", back after the last"), missed
+    if framework == "DiLoCo":  # summary.json's bytes: each meeting's message (float32) times the groups that came, and
+        # the handover the restarted process took: the state its part holds at its first step (anchor, outer and inner)
+        numel = sum(v.numel() for k, v in chiefs.items() if k.startswith("param/"))
+        handover = sum(v.numel() * v.element_size() for v in state.values())
+        assert got["bytes_sent"] == (missed["of"] + missed["meetings"]) * 4 * numel + handover, (got["bytes_sent"], missed)
     records = train_records(run.ws)
     assert records[-1]["groups_met"] == 2 and any(r["groups_met"] == 1 for r in records)
     assert f"Test @ step {steps}" in (run.ws / "logs" / "rank0.log").read_text()

@@ -16,6 +16,7 @@ import time
 
 import pytest
 from layouts import LAYOUTS, Layout, assert_ran
+from test_bytes_counted import trainable_numel
 from test_cli import leftover_processes, tagged
 from test_stalls import Run, runs  # noqa: F401 - the fixture that stops what a failed test left running
 
@@ -88,6 +89,9 @@ def test_a_killed_group_is_restarted_and_rejoins_from_the_live_params(blobs_job,
     assert record["detection_to_rejoin_s"] <= 2.5
     assert_pulled_the_live_values(record, run.ws, servers=servers)
     assert_no_update_lost(run.ws, STEPS, servers)
+    # summary.json's bytes: every push of both groups' 3 processes and its answer (the whole model in float32, over the
+    # servers), and the rejoined process's pull of the live values
+    assert summary["bytes_sent"] == (2 * STEPS * 2 + 1) * 4 * trainable_numel(run.ws, STEPS)
     assert f"Test @ step {STEPS}" in run.out.read_text()
     assert leftover_processes(tmp_path) == []
 

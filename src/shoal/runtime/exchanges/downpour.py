@@ -56,7 +56,7 @@ PUSH, STOP, STATE, FINAL, PULL = 1, 2, 3, 4, 5
 REFUSED = -1  # the version a server answers a dropped group with
 DOOR = "downpour"  # the channels' keys in the job's store (shoal.comm.channels)
 ANNOUNCEMENT_S = 2.0  # how long a server waits for the launcher to say whether a dead group is restarted
-TAG_HEADER, TAG_GRAD, TAG_VALUES, TAG_REPLY, TAG_STATE, TAG_HAS_GRAD, TAG_LAGS = 11, 12, 13, 14, 15, 16, 17
+TAG_HEADER, TAG_GRAD, TAG_VALUES, TAG_REPLY, TAG_STATE, TAG_HAS_GRAD, TAG_LAGS, TAG_BYTES = 11, 12, 13, 14, 15, 16, 17, 18
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,9 @@ class DownpourServer:
         self._refused: set[str] = set()  # the nonces of knocks that could not prove they hold the job's secret
         self._closed = False
         self.after_update = after_update
+        # the payload every group pushed here and this server answered, in this run (summary.json's bytes_sent): counted
+        # here, where a group that died has its pushes and pulls counted to its last one
+        self.bytes_moved = 0
 
     def _view(self, seg: Segment) -> torch.Tensor:
         return self.store.values[seg.param].view(-1)[seg.start : seg.stop]
@@ -381,6 +384,7 @@ class DownpourServer:
                     with self._running:  # hold a group too far ahead (max_staleness) or whose update is not due (max_update_lag)
                         self._running.wait_for(lambda: self._may_go(step) and self._lag_allows(group))
                         values, version, lag = self.apply(grad, read_version, has_grad, group, step)
+                        self.bytes_moved += wire_bytes(received) + wire_bytes([values])  # the push and its answer
                         self._steps[group] = step + 1
                         self._reads[group] = (self._reads.get(group) or [version] * self.depth)[1:] + [version]
                         self._running.notify_all()
@@ -394,6 +398,7 @@ class DownpourServer:
                     with self._running, self._lock:  # the live values, their version and the steps the group has done
                         values, version = self.values(), self.version
                         self._reads[group] = [version] * self.depth
+                        self.bytes_moved += wire_bytes([values])  # a joining or rejoining group's first values
                         channel.send(values, TAG_VALUES)
                         channel.send(torch.tensor([version, self._steps[group]], dtype=torch.int64, device="cpu"), TAG_REPLY)
                     if incarnation > 0:
@@ -402,6 +407,8 @@ class DownpourServer:
                 elif kind == STATE:
                     with self._lock:
                         channel.send(self.state_flat(), TAG_STATE)
+                    with self._running:
+                        channel.send(torch.tensor([self.bytes_moved], dtype=torch.int64, device="cpu"), TAG_BYTES)
                 elif kind == FINAL:  # the chief is done: answer once every other group has stopped or is gone
                     finished = True
                     self._stopped(group)
@@ -415,6 +422,8 @@ class DownpourServer:
                         counts = self.lag_counts()
                         channel.send(torch.tensor(counts.shape, dtype=torch.int64, device="cpu"), TAG_LAGS)
                         channel.send(counts, TAG_LAGS)
+                    with self._running:  # every other group stopped or is gone: their whole run's bytes
+                        channel.send(torch.tensor([self.bytes_moved], dtype=torch.int64, device="cpu"), TAG_BYTES)
                     return
                 elif kind == STOP:
                     finished = True
@@ -470,6 +479,11 @@ class DownpourExchange:
         self.read_version = {rank: 0 for _, rank, _, _ in self.servers}
         self.codecs = {rank: (codecs or Codec)() for _, rank, _, _ in self.servers}  # top-k keeps a residual per server
         self.pushed_bytes = 0  # gradient bytes this process pushed since the last display
+        # the chief's: every group's pushes and pulls with their answers, as the servers counted them (summary.json's
+        # bytes_sent, after finish), on from `_bytes_before` (a resumed run's, from its checkpoint)
+        self.job_bytes_sent: Optional[int] = None
+        self._bytes_before = 0
+        self._servers_bytes = 0  # the servers' count in this run, as of the last checkpoint's STATE request
         self.staleness = StalenessStats()
         self.last_version = 0
         self.final_state: Optional[dict] = None
@@ -667,23 +681,33 @@ class DownpourExchange:
         if self.final_state is not None:
             return self.final_state
         self._settle(-1)  # the checkpoint holds the params its state belongs with
-        flats = []
+        flats, moved = [], 0
         for _, server_rank, segments, size in self.servers:
             self._to(server_rank).send(torch.tensor([STATE, 0, 0], dtype=torch.int64, device="cpu"), TAG_HEADER)
-            flat = torch.zeros(self._state_size(server_rank), device="cpu")
+            flat, count = torch.zeros(self._state_size(server_rank), device="cpu"), torch.zeros(1, dtype=torch.int64, device="cpu")
             self._to(server_rank).recv(flat, TAG_STATE)
+            self._to(server_rank).recv(count, TAG_BYTES)
             flats.append((server_rank, flat))
+            moved += int(count)
+        self._servers_bytes = moved  # own_state checkpoints it (the trainer asks for this state first)
         return self._state_from(flats)
 
     def load_updater_state(self, state) -> None:
         """Servers load their slices of the state themselves (DownpourServer.restore)."""
 
     def own_state(self) -> dict[str, torch.Tensor]:
-        """The group's compression residuals, one per server it pushes to (servers only decode)."""
-        return codecs_state("push", self.codecs)
+        """The group's compression residuals, one per server it pushes to (servers only decode); the chief's, the
+        job's bytes so far (a resumed run counts on from them)."""
+        tensors = codecs_state("push", self.codecs)
+        if self.chief:
+            sent = self.job_bytes_sent if self.job_bytes_sent is not None else self._bytes_before + self._servers_bytes
+            tensors["count/job_bytes_sent"] = torch.tensor(sent, device="cpu")
+        return tensors
 
     def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
         load_codecs_state("push", self.codecs, tensors)
+        if self.chief:
+            self._bytes_before = int(tensors.get("count/job_bytes_sent", 0))
 
     def view_updater(self):
         """The servers own every param: no worker updates a view itself."""
@@ -719,7 +743,7 @@ class DownpourExchange:
         flats = []
         for _, server_rank, segments, size in self.servers:
             self._last_request(FINAL, server_rank, segments, size)
-        lags = []
+        lags, moved = [], 0
         for _, server_rank, segments, size in self.servers:
             values, flat, shape = torch.zeros(size, device="cpu"), torch.zeros(self._state_size(server_rank), device="cpu"), torch.zeros(2, dtype=torch.int64, device="cpu")
             self._to(server_rank).recv(values, TAG_VALUES)
@@ -727,10 +751,14 @@ class DownpourExchange:
             self._to(server_rank).recv(shape, TAG_LAGS)
             counts = torch.zeros(*shape.tolist(), dtype=torch.int64, device="cpu")
             self._to(server_rank).recv(counts, TAG_LAGS)
+            count = torch.zeros(1, dtype=torch.int64, device="cpu")
+            self._to(server_rank).recv(count, TAG_BYTES)
+            moved += int(count)
             self._scatter_values(values, segments)
             flats.append((server_rank, flat))
             lags.append(counts)
         self.final_state = self._state_from(flats)
+        self.job_bytes_sent = self._bytes_before + moved  # every server's count: every group's whole run
         self.lag_histogram = histogram(_stats_of(lags[0])) if lags else None
 
 

@@ -125,6 +125,13 @@ class HogwildExchange:
         # bytes of this group's own syncs since the last display, both ways (its deltas and the answers): what a
         # sync costs, counted where it is made (the answers this group serves follow the others' timing)
         self.sync_bytes = 0
+        # the same, over the whole run (and a resumed run's before it): a group's STOP carries it to its masters, so
+        # the chief ends with every group's (summary.json's bytes_sent)
+        self.own_bytes = 0
+        # per thread that answered a peer (one per peer process): the peer's own count from its STOP, or, for a peer
+        # that died or stalled first, the syncs it made here as this group answered them
+        self._peer_bytes: dict[int, int] = {}
+        self.job_bytes_sent: Optional[int] = None  # the chief's, after finish
         self.codecs = codecs
         if codecs is not None:
             self.delta_codecs = {master: codecs() for master in self.requests}  # top-k: a residual per master
@@ -152,7 +159,9 @@ class HogwildExchange:
             self._admitting.start()
 
     def _answer(self, group: int, rank: int) -> None:
-        self._threads[group] = threading.Thread(target=self._serve, args=(group, rank, self.links[rank]),
+        key = len(self._peer_bytes)
+        self._peer_bytes[key] = 0
+        self._threads[group] = threading.Thread(target=self._serve, args=(group, rank, self.links[rank], key),
                                                 name=f"shoal-sync-group{group}", daemon=True)
         self._threads[group].start()
 
@@ -215,7 +224,7 @@ class HogwildExchange:
             link.send(delta, TAG_SYNC_DELTA)
             answer.wait()
 
-        self.sync_bytes += 8 + wire_bytes([delta, fresh])
+        self._count(8 + wire_bytes([delta, fresh]))
         return fresh if self._exchange(master, exchange) else None
 
     def _ask_encoded(self, master: int, delta: torch.Tensor, size: int):
@@ -233,14 +242,19 @@ class HogwildExchange:
             for receive in answers:
                 receive.wait()
 
-        self.sync_bytes += 8 + wire_bytes(parts + answer)
+        self._count(8 + wire_bytes(parts + answer))
         if not self._exchange(master, exchange):
             return None
         return self.last_sync[master] + codec.decode(answer, size)
 
+    def _count(self, sent: int) -> None:
+        self.sync_bytes += sent
+        self.own_bytes += sent
+
     def _header(self, kind: int) -> torch.Tensor:
-        """A sync's first message: its kind and this group's steps (KINDS)."""
-        return torch.tensor([kind + KINDS * self.steps_done], dtype=torch.int64, device="cpu")
+        """A sync's first message: its kind and this group's steps (KINDS); a STOP's, this group's bytes of the whole run."""
+        count = self.own_bytes if kind == STOP else self.steps_done
+        return torch.tensor([kind + KINDS * count], dtype=torch.int64, device="cpu")
 
     def group_of(self, rank: int) -> int:
         return next(g for g, r in self.peers.items() if r == rank)
@@ -267,12 +281,13 @@ class HogwildExchange:
         return True
 
     # -- this group as master of its slices ---------------------------------------------
-    def _serve(self, group: int, rank: int, link) -> None:
+    def _serve(self, group: int, rank: int, link, key: int) -> None:
         """Answer `group`'s syncs. The next request's receives are posted before this answer is sent, as the
         requester posts its answer's before it asks: gloo sends a message only once its receiver has said it is
         ready, and that word queues behind whatever data is already on the way in its direction (the other group's
         request). Posted late, each message waited for the link to drain the other way: the two groups' syncs
-        alternated instead of crossing, 1.5x the link time of their bytes (benchmarks/shaped_links.py)."""
+        alternated instead of crossing, 1.5x the link time of their bytes (benchmarks/shaped_links.py).
+        `key`: this thread's entry of _peer_bytes."""
         segments, size = self.served
         header = torch.zeros(1, dtype=torch.int64, device="cpu")
         codec = self.answer_codecs[group] if self.codecs is not None else None
@@ -287,7 +302,8 @@ class HogwildExchange:
                 for receive in receives:
                     receive.wait()
                 kind, steps = int(header[0]) % KINDS, int(header[0]) // KINDS
-                if kind == STOP:  # its Δ is zeros, sent so that no receive is left pending
+                if kind == STOP:  # its Δ is zeros, sent so that no receive is left pending; its header, the peer's bytes
+                    self._peer_bytes[key] = steps
                     return
                 delta = codec.decode(received, size) if codec is not None else received[0]
                 if heartbeat.is_stalled(rank):  # it woke after being dropped: its delta is stale, never added
@@ -305,8 +321,10 @@ class HogwildExchange:
                     self.known[group] += codec.decode(parts, size)
                     for part, tag in zip(parts, (TAG_SYNC_VALUE, TAG_SYNC_VALUE_2)):
                         link.send(part, tag)
+                    self._peer_bytes[key] += 8 + wire_bytes(received + parts)  # as the requester counts it
                     continue
                 link.send(fresh, TAG_SYNC_VALUE)
+                self._peer_bytes[key] += 8 + wire_bytes(received + [fresh])
         except RuntimeError as err:
             if not heartbeat.is_stalled(rank):  # a stalled group was dropped already (the chief warned)
                 warn(f"WARNING: server group {self.group} drops worker group {group} (process {rank}): {comm.describe_error(err)}")
@@ -336,6 +354,8 @@ class HogwildExchange:
                 heartbeat.abandon()
         if self.door is not None:
             self.door.set_state(self.group, self.group, "finished")
+        # every peer said STOP here (or is gone): this group's syncs and theirs with anyone, each counted once, by its requester
+        self.job_bytes_sent = self.own_bytes + sum(self._peer_bytes.values())
 
     # -- restarted groups ---------------------------------------------------------------
     def _await_announced(self) -> None:
@@ -435,6 +455,7 @@ class HogwildExchange:
                 warn(f"WARNING: worker group {self.group} could not reach worker group {group} to rejoin: {comm.describe_error(err)}; "
                      "it does not sync with it")
                 continue
+            self._count(wire_bytes([info, live, mine]))  # what rejoining took from this group
             with self.lock:
                 self._scatter(live, self.asked[rank][0])
                 self.links[rank] = channel
@@ -489,7 +510,8 @@ class HogwildExchange:
         and update counts (the sync cadence and the step an LR schedule sees)."""
         with self.lock:
             tensors = {f"last_sync/{r}": v for r, v in self.last_sync.items()}
-            tensors |= {"count/updates": torch.tensor(self.updates, device="cpu"), "count/server_updates": torch.tensor(self.server.updates, device="cpu")}
+            tensors |= {"count/updates": torch.tensor(self.updates, device="cpu"), "count/server_updates": torch.tensor(self.server.updates, device="cpu"),
+                        "count/bytes_sent": torch.tensor(self.own_bytes, device="cpu")}
             if self.codecs is not None:
                 tensors |= {f"known/{g}": v.clone() for g, v in self.known.items()}
                 tensors |= codecs_state("delta", self.delta_codecs)
@@ -505,6 +527,7 @@ class HogwildExchange:
             self.known = {g: tensors[f"known/{g}"].clone() for g in self.peers if f"known/{g}" in tensors}
         self.updates = int(tensors.get("count/updates", 0))
         self.server.updates = int(tensors.get("count/server_updates", 0))
+        self.own_bytes = int(tensors.get("count/bytes_sent", 0))  # a resumed run counts on
         if self.codecs is not None:
             load_codecs_state("delta", self.delta_codecs, tensors)
         values, state = ckpt_io.values_and_state(tensors)

@@ -361,6 +361,8 @@ class PeriodicExchange:
             values[name].copy_(anchor[name])
         self._note_attendance(met.came, step)
         joined = self.meeting.welcome(self._handover)  # processes restarted into the job take the state from here
+        if joined and self.chief:  # each process admitted took the handover from the chief
+            self.job_bytes_sent += len(joined) * wire_bytes(self._handover())
         if joined:
             self._note_joined(joined, step)
 
