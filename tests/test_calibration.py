@@ -182,7 +182,10 @@ def test_a_contended_kernel_timing_is_taken_again_only_when_the_machine_is_quiet
         assert said == [] and calib == calibrate.read(path) and calib.kernels[kernel.key] == 1.0
         assert set(calib.contended_kernels) == {kernel.key, other}
     else:
-        assert said == ["WARNING: calibration: 1 of the job's kernel timing(s) taken under contention; the machine is quiet now: timing them again"]
+        # the first line says it is timed again; on a busy test machine the new timing may itself be judged contended,
+        # and then says so in a second line (kept: never the old 1 s)
+        assert said[0] == "WARNING: calibration: 1 of the job's kernel timing(s) taken under contention; the machine is quiet now: timing them again"
+        assert len(said) == 1 or (len(said) == 2 and "taken under contention (load" in said[1]), said
         assert calib.kernels[kernel.key] < 0.1 and other in calib.contended_kernels and calib.kernels[other] == 1.0
         # timed again; its new timing may itself be judged contended on a busy test machine, never kept at 1 s
         assert calibrate.read(path) == calib
