@@ -33,11 +33,7 @@ class NotALock(ShoalError, ValueError):
 
 def start_time(pid: int) -> Optional[int]:
     """When process `pid` started (clock ticks since boot); None where there is no such process or no /proc."""
-    fields = _stat_fields(pid)
-    try:
-        return int(fields[19]) if fields else None
-    except (IndexError, ValueError):
-        return None
+    return _stat_number(pid, 19)
 
 
 def command_line(pid: int) -> Optional[list[str]]:
@@ -61,11 +57,7 @@ def owner(pid: int) -> Optional[int]:
 
 def parent(pid: int) -> Optional[int]:
     """Process `pid`'s parent (/proc/PID/stat field 4); None where unknown."""
-    fields = _stat_fields(pid)
-    try:
-        return int(fields[1]) if fields else None
-    except (IndexError, ValueError):
-        return None
+    return _stat_number(pid, 1)
 
 
 def descends_from(pid: int, ancestor: int) -> bool:
@@ -82,6 +74,15 @@ def descends_from(pid: int, ancestor: int) -> bool:
 def is_zombie(pid: int) -> bool:
     fields = _stat_fields(pid)
     return bool(fields) and fields[0] == "Z"
+
+
+def _stat_number(pid: int, index: int) -> Optional[int]:
+    """The number at `index` of _stat_fields (0 is /proc/PID/stat's field 3); None where unknown."""
+    fields = _stat_fields(pid)
+    try:
+        return int(fields[index]) if fields else None
+    except (IndexError, ValueError):
+        return None
 
 
 def _stat_fields(pid: int) -> list[str]:

@@ -30,6 +30,12 @@ class Exchange(Protocol):
     An exchange that holds state of its own (a group's copy, an anchor, residuals, last syncs) also has
     `own_state() -> dict[str, Tensor]` and `load_own_state(tensors)`: its trainer's part of every checkpoint."""
 
+    # the job's bytes to its last message, known after `finish` on the chief (summary.json's bytes_sent); None where
+    # this exchange does not count them (in one process nothing crosses a wire)
+    job_bytes_sent: Optional[int]
+    # worker groups no longer in the job (a Local SGD group left out of the meetings): their checkpoint parts are optional
+    absent_groups: frozenset[int]
+
     def begin(self, step: int) -> None:
         """Before the group computes step `step`: wait for its turn, ready the gradient hooks."""
 

@@ -285,6 +285,7 @@ class Trainer:
         """What this trainer writes at `step`: the chief the whole checkpoint, another trainer its own part."""
         updater_state = self.exchange.updater_state() if self.exchange else {}
         own = self.exchange.own_state() if hasattr(self.exchange, "own_state") else {}
+        absent = self.exchange.absent_groups if self.exchange is not None else frozenset()
         bad = [name for name, value in self.store.values.items() if not torch.isfinite(value).all()]
         if bad and (self.chief or "value/" + bad[0] in own):
             raise Diverged(f"step {step}: param {bad[0]} holds NaN or infinite values; no checkpoint written")
@@ -309,7 +310,7 @@ class Trainer:
             trainer=trainer,
             exchange=own,
             # a group the meetings went on without (Local SGD) writes no part: a resume starts it from the chief's values
-            part_names={ckpt_io.part_name(step, g, r): required and g not in getattr(self.exchange, "absent_groups", ())
+            part_names={ckpt_io.part_name(step, g, r): required and g not in absent
                         for (g, r), required in checkpoint_parts(self.plan).items()},
         )
 
@@ -488,7 +489,7 @@ class Trainer:
             bar.close()
         self._stop_if_diverged(step - 1, read=True)  # the steps since the last display
         self.exchange.finish()
-        sent = getattr(self.exchange, "job_bytes_sent", None)  # the job's bytes to the last message (after the last display too)
+        sent = self.exchange.job_bytes_sent  # the job's bytes to the last message (after the last display too)
         if metrics is not None and sent is not None:
             metrics.annotate(bytes_sent=sent)
         for hook in self.hooks:

@@ -450,6 +450,7 @@ class DownpourServer:
 
 class DownpourExchange:
     """A worker group's side of Downpour, in one of the group's processes."""
+    absent_groups: frozenset[int] = frozenset()  # every group stays in the job (only Local SGD's meetings leave one out)
 
     def __init__(self, store: ParamStore, updater: Updater, placement: Placement, rank: int, group: int,
                  group_ranks: list[int], group_comm, server_ranks: dict[ServerId, int], global_batch: int, *, timeout_s: float,

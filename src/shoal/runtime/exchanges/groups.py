@@ -149,6 +149,8 @@ class GroupBoard:
 
 class GroupExchange:
     """One group's path to the server its process shares with the other groups (lock-free)."""
+    job_bytes_sent: Optional[int] = None  # nothing crosses a wire: no bytes counted
+    absent_groups: frozenset[int] = frozenset()  # every group stays in the job (only Local SGD's meetings leave one out)
 
     def __init__(self, server: Server, board: GroupBoard, group: int, replica: Optional[ParamStore] = None):
         """replica: the group's own copy of the params (share_memory: false), refreshed after each update."""

@@ -89,6 +89,7 @@ def mastered_by(placement: Placement, trainable: set[str], group: int) -> list:
 
 class HogwildExchange:
     """One group's local updates plus its syncs with the other groups' replicas (and its master service)."""
+    absent_groups: frozenset[int] = frozenset()  # every group stays in the job (only Local SGD's meetings leave one out)
 
     def __init__(self, store: ParamStore, server: Server, placement: Placement, rank: int, group: int,
                  sync_freq: int, ngroups: int, log: Callable[[str], None] = print, codecs: Optional[Callable[..., Codec]] = None,

@@ -37,6 +37,8 @@ def clipped(grads: Grads, server: Server) -> Grads:
 
 class LocalExchange:
     chief = True
+    job_bytes_sent: Optional[int] = None  # nothing crosses a wire: no bytes counted
+    absent_groups: frozenset[int] = frozenset()  # every group stays in the job (only Local SGD's meetings leave one out)
 
     def __init__(self, server: Server):
         self.server = server

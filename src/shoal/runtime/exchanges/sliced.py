@@ -99,6 +99,7 @@ class _Run:
 
 class SlicedExchange:
     """A worker group spread over processes, its params sliced over the servers' ranks."""
+    absent_groups: frozenset[int] = frozenset()  # every group stays in the job (only Local SGD's meetings leave one out)
 
     def __init__(
         self,
