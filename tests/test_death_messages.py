@@ -82,6 +82,8 @@ def test_a_dead_local_sgd_chief_stops_the_job_in_one_true_line(blobs_job, tmp_pa
     assert_no_raw_text(proc.stdout, (tmp_path / "ws" / "summary.json").read_text())
 
 
+@pytest.mark.slow  # two nodes' launchers (12-16 s): the default suite checks the same translation on gloo's and c10d's
+# real texts (test_torch_distributed_errors_are_said_in_shoals_words) and no raw text after a SIGKILLed Local SGD group (test_local_sgd_faults)
 def test_a_process_that_meets_a_dead_peer_says_so_in_shoals_words(blobs_job, tmp_path):
     """Two nodes on this host (static rendezvous), AllReduce over a process on each: process 1 (node 1) dies; process 0
     (node 0) meets gloo's error in its next collective. Node 1's launcher names the dead process; node 0's says what
