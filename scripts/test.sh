@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 # four test processes: many tests wait on the processes they start (2 idle cores, 2026-11-23: 5.0 min with 4, 5.9 with 3);
 # loadgroup: the tests of one expensive module fixture (marked xdist_group) share a test process, which builds it once
-exec .venv/bin/python -m pytest -q -n 4 --dist loadgroup "$@"
+# --durations: the slowest tests, listed at the end, keep the suite under its 5-minute budget visible
+exec .venv/bin/python -m pytest -q -n 4 --dist loadgroup --durations=25 "$@"
