@@ -68,6 +68,8 @@ LAYOUTS: dict[str, Layout] = {
     "AllReduce, 2 processes": Layout(dict(nworkers_per_group=2), 2, 2, "AllReduce"),
     "AllReduce, 2 processes, 2 server slices": Layout(dict(nworkers_per_group=2, nservers_per_group=2), 2, 2, "AllReduce"),
     "AllReduce, 3 processes": Layout(dict(nworkers_per_group=3, nservers_per_group=3), 3, 3, "AllReduce"),
+    # restarts allowed: every process a whole replica, one all-reduce a step through the job's quorum (issue 38)
+    "AllReduce, 3 processes, replicated (max_restarts 1)": Layout(dict(nworkers_per_group=3, max_restarts=1), 3, 3, "AllReduce"),
     "AllReduce, 2 processes x 2 threads": Layout(dict(nworkers_per_group=4, nworkers_per_procs=2, nservers_per_group=2), 2, 4, "AllReduce"),
     "Sandblaster, 2 workers + 1 server, 3 processes": Layout(dict(nworkers_per_group=2, **SEPARATE), 3, 2, "Sandblaster"),
     "Sandblaster, 2 workers + 2 servers, 4 processes": Layout(dict(nworkers_per_group=2, nservers_per_group=2, **SEPARATE), 4, 2, "Sandblaster"),

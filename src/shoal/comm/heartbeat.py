@@ -292,6 +292,17 @@ def say_gone(store: SignedStore, rank: int) -> None:
     store.set(KEY.format(rank), f"{DONE} -1")
 
 
+def said_step(store: SignedStore, rank: int) -> Optional[int]:
+    """The step `rank`'s latest beat (or its "done") carried, read by the launcher once the job's processes ended;
+    None when there is none, or none that authenticates. `store`: as for `say_gone`."""
+    text = store.get(KEY.format(rank))
+    try:
+        step = int(text.split()[1]) if text else -1
+    except (IndexError, ValueError):
+        return None
+    return step if step >= 0 else None
+
+
 def abandon() -> None:
     """A thread of this process stays blocked in a receive from a dropped peer (see `abandoned`)."""
     global _abandoned

@@ -148,6 +148,11 @@ def import_path() -> list[str]:
     return [entry for entry in sys.path if os.path.isabs(entry) and os.path.realpath(entry) != here]
 
 
+# Imported by the launching process, so its ranks will import them too: the server imports them once, before any rank
+# forks, instead of every rank after it starts (torch's optimizers import torch._dynamo on first use: a second of CPU).
+SHARED_IMPORTS = ("torch._dynamo",)
+
+
 def forkserver_context(preload: Sequence[str]):
     """multiprocessing's forkserver context, its server running; started here, once per process, without the working
     folder on its import path.
@@ -161,7 +166,8 @@ def forkserver_context(preload: Sequence[str]):
     from multiprocessing import forkserver
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(preload))  # effective until the server starts (once per process)
+    preload = list(preload) + [name for name in SHARED_IMPORTS if name in sys.modules and name not in preload]
+    context.set_forkserver_preload(preload)  # effective until the server starts (once per process)
     before = os.environ.get("PYTHONSAFEPATH")
     os.environ["PYTHONSAFEPATH"] = "1"
     try:

@@ -63,9 +63,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files to WORKSPACE/tensorboard (as `tensorboard: true`)")
     _add_plugin(p)
     again = p.add_argument_group("a dead group comes back", "restarted into the running job: from the servers' live params "
-                                 "(Downpour), or at the groups' next meeting (Local SGD / DiLoCo) (docs/async.md)")
+                                 "(Downpour), or at the groups' next meeting (Local SGD / DiLoCo) (docs/async.md); a death "
+                                 "the job cannot go on without restarts the whole job from its newest checkpoint (docs/cluster.md)")
     again.add_argument("--max-restarts", type=int, metavar="N",
-                       help="restart a dead process of a Downpour, Local SGD or Distributed Hogwild worker group other than 0 up to N times (default 0)")
+                       help="restart a dead process of a Downpour, Local SGD or Distributed Hogwild worker group other than 0 up to N times; "
+                       "a dead server, chief or process of a group that cannot go on without it: the whole job, from its newest "
+                       "checkpoint, up to N times (default 0)")
     again.add_argument("--rejoin", type=int, metavar="RANK", help="start process RANK of the Downpour job running in --workspace "
                        "again, in place of a dead one (the job's store: WORKSPACE/logs/store.json, or --master HOST:PORT)")
     hosts = p.add_argument_group("several hosts", "start `shoal run` on every node with the same --nnodes and --master")

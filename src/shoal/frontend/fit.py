@@ -315,6 +315,7 @@ def fit(
                        f"(each asynchronous group's own step), got {scheduler_steps!r}")
     if scheduler_steps != "update" and scheduler is None:
         raise FitError("shoal.fit: scheduler_steps= says what a scheduler= follows: give scheduler= too")
+    _start_process_server(cluster, torch_optimizer=optimizer is not None or outer_optimizer is not None)
     trained = [name for name, p in model.named_parameters() if p.requires_grad]
     if optimizer is not None:  # every form (a factory on tensors or on names, an optimizer over the model) as one factory
         optimizer = optimizer_factory(optimizer, model, trained)
@@ -347,6 +348,30 @@ def fit(
 
         log(closing_line(history.workspace))  # what the run did, as `shoal run` closes
     return history
+
+
+def _start_process_server(cluster: Optional[job_pb2.ClusterProto], torch_optimizer: bool) -> None:
+    """A layout of several processes that shoal starts: start the server they fork from (multiprocessing's forkserver)
+    now, so that its imports (torch, shoal and, for a torch optimizer, torch._dynamo: seconds of CPU) run beside this
+    process's checks and planning instead of after them, and each rank inherits them instead of importing its own."""
+    import multiprocessing
+    import os
+
+    from shoal.config.plugins import forkserver_context
+    from shoal.frontend import script
+    from shoal.launcher.launchers import detect
+    from shoal.planning.placement import process_count
+
+    if cluster is None or detect(os.environ) is not None or "forkserver" not in multiprocessing.get_all_start_methods():
+        return
+    if script.settings() is not None and script.settings().plan is not None:  # `shoal plan script.py`: nothing starts
+        return
+    try:
+        several = process_count(cluster) > 1
+    except ShoalError:  # planning names the problem, in its own words
+        return
+    if several:
+        forkserver_context(["shoal.launcher.launch"] + (["torch._dynamo"] if torch_optimizer else []))
 
 
 def worker_devices(device, model: torch.nn.Module) -> list[str]:

@@ -57,6 +57,21 @@ class ScriptSettings:
 
 
 _ACTIVE: Optional[ScriptSettings] = None
+_RUNNING: Optional[tuple[Path, tuple[str, ...]]] = None  # the script `shoal run` runs and its arguments
+
+
+def settings() -> Optional[ScriptSettings]:
+    """The command line's settings while `shoal run script.py` (or `shoal plan script.py`) runs a script, else None."""
+    return _ACTIVE
+
+
+def running_path() -> Optional[Path]:
+    """The script `shoal run` is running (None outside it): shoal.session starts it again in each rank."""
+    return _RUNNING[0] if _RUNNING else None
+
+
+def running_argv() -> tuple[str, ...]:
+    return _RUNNING[1] if _RUNNING else ()
 
 
 def overrides() -> tuple[str, ...]:
@@ -91,14 +106,14 @@ def resume(given: bool) -> bool:
 
 @contextmanager
 def _running(path: Path, argv: list[str], settings: ScriptSettings) -> Iterator[None]:
-    global _ACTIVE
-    saved = (_ACTIVE, sys.argv, list(sys.path))
-    _ACTIVE, sys.argv = settings, [str(path)] + list(argv)
+    global _ACTIVE, _RUNNING
+    saved = (_ACTIVE, _RUNNING, sys.argv, list(sys.path))
+    _ACTIVE, _RUNNING, sys.argv = settings, (path, tuple(argv)), [str(path)] + list(argv)
     sys.path.insert(0, str(path.resolve().parent))
     try:
         yield
     finally:
-        _ACTIVE, sys.argv, sys.path[:] = saved
+        _ACTIVE, _RUNNING, sys.argv, sys.path[:] = saved
 
 
 def run_script(path: Path, argv: list[str], settings: ScriptSettings, expected: tuple[type[BaseException], ...] = ()) -> int:

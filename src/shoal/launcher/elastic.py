@@ -14,8 +14,9 @@ net, algorithm and updater.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 from google.protobuf import text_format
 
@@ -90,7 +91,20 @@ def check_same_job(workspace: Path, job: job_pb2.JobProto) -> None:
 def train_launched(plan: JobPlan, options: RunOptions, launched: launchers.LaunchedProcess, job_file: str,
                    workspace: Path) -> History:
     """This rank of a job whose processes a launcher started; rank 0 prepares and registers the job."""
-    from shoal.launcher.launch import run_launched
+    from shoal.launcher.launch import run_rank
+
+    with launched_job(plan, options, launched, job_file, workspace) as (resume_from, log):
+        return run_rank(plan, launched.rank, RunSpec(workspace, options.base_dirs, resume_from, log, progress=False,
+                                                     initial_values=options.initial_values, faults=faults.from_environment()))
+
+
+@contextmanager
+def launched_job(plan: JobPlan, options: RunOptions, launched: launchers.LaunchedProcess, job_file: str,
+                 workspace: Path) -> Iterator[tuple[Optional[Path], Callable[[str], None]]]:
+    """This rank of a launched job around the body that runs it (the rank's run, or a shoal.session()'s user loop),
+    which gets (the checkpoint to resume from, how the rank says a line): rank 0 claims and locks the workspace,
+    registers the job and, once the body ended, records how."""
+    from shoal.launcher.launch import launched_rank
 
     if launched.world_size != plan.nprocs:
         raise LaunchMismatch(
@@ -114,12 +128,9 @@ def train_launched(plan: JobPlan, options: RunOptions, launched: launchers.Launc
                     f"logs in {workspace / 'logs'}" + (f"; resuming from {resume_from.name}" if resume_from else ""))
         return resume_from
 
-    def spec_for(resume_from: Optional[Path], log: Callable[[str], None]) -> RunSpec:
-        return RunSpec(workspace, options.base_dirs, resume_from, log, progress=False, initial_values=options.initial_values,
-                       faults=faults.from_environment())
-
     try:
-        history = run_launched(plan, launched, workspace, start, spec_for)
+        with launched_rank(plan, launched, workspace, start) as started:
+            yield started
     except KeyboardInterrupt:
         _finish(record, "killed", "interrupted")
         raise
@@ -130,7 +141,6 @@ def train_launched(plan: JobPlan, options: RunOptions, launched: launchers.Launc
         if lock is not None:
             lock.__exit__(None, None, None)
     _finish(record, "finished")
-    return history
 
 
 def _finish(record: Optional[job_registry.JobRecord], status: str, message: str = "") -> None:

@@ -25,9 +25,10 @@ import signal
 import socket
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch.multiprocessing as mp
 
@@ -45,8 +46,9 @@ from shoal.report.summary import note_group_ends, restate_reason
 from shoal.report.writes import open_for_append
 from shoal.runtime.assemble import RunSpec, run_process
 from shoal.launcher import faults, rejoin, stalls
-from shoal.launcher.ranks import chief_log, describe_process, expendable, rank_output
+from shoal.launcher.ranks import chief_log, describe_process, expendable, outlives_a_dead_process, rank_output, replicas_go_on
 from shoal.launcher.launchers import LaunchedProcess
+from shoal.runtime.exchanges.downpour import ServerLost
 from shoal.runtime.trainer import History
 
 LOOPBACK = "127.0.0.1"  # one host: nothing listens beyond loopback
@@ -77,6 +79,17 @@ class Nodes:
 
 class ProcessFailed(ShoalError, RuntimeError):
     """A process of the job died; the message names its rank and what it hosted."""
+
+
+class ProcessLost(ProcessFailed):
+    """A process the job cannot go on without died or stopped answering, with no error of its own (a signal, an exit,
+    a stall, a lost connection): the fault a whole-job restart answers (--max-restarts, shoal.launcher.job_restarts).
+    `rank`, `code`: the dead process and its exit code (-N: signal N) where the launcher saw it exit; `step`: the step
+    the chief last said it started (its heartbeat), where the store could tell."""
+
+    def __init__(self, message: str, rank: Optional[int] = None, code: Optional[int] = None):
+        super().__init__(message)
+        self.rank, self.code, self.step = rank, code, None
 
 
 class StalledPeer(RuntimeError):
@@ -145,10 +158,14 @@ def join_world(plan: JobPlan, rank: int, world: int, ranks_per_node: int, host: 
         comm.init_with_agent_store(rank, world, host, port, agent_store_attempt, interface, timeout_s, backend=backend, secret=secret)
 
 
-def run_rank(plan: JobPlan, rank: int, spec: RunSpec) -> History:
-    """run_process for a rank of a world; a failed collective becomes StalledPeer naming who stopped answering."""
+RankMain = Callable[[JobPlan, int, RunSpec], Optional[History]]
+
+
+def run_rank(plan: JobPlan, rank: int, spec: RunSpec, rank_main: Optional[RankMain] = None) -> History:
+    """run_process (or `rank_main`: shoal.session's user script) for a rank of a world; a failed collective becomes
+    StalledPeer naming who stopped answering."""
     try:
-        return run_process(plan, rank, spec)
+        return (rank_main or run_process)(plan, rank, spec)
     except ShoalError as err:  # the cause of the job's end: the peers, who see only a closed connection, name it
         _publish_failure(f"{describe_process(plan, rank)} failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
         raise
@@ -204,8 +221,9 @@ class Meeting:
 
 def _entry(local_index: int, ranks: list[int], meeting: Meeting, environment: dict[str, str], job_bytes: bytes,
            workspace: str, resume_from: Optional[str], base_dirs: list[str], process_setup: Optional[Callable[[], None]] = None,
-           initial_values: Optional[Callable] = None) -> None:
-    """A spawned process: plan the job (deterministic: every process plans the same), join the world and run its rank."""
+           initial_values: Optional[Callable] = None, rank_main: Optional[RankMain] = None) -> None:
+    """A spawned process: plan the job (deterministic: every process plans the same), join the world and run its rank
+    (`rank_main`: what runs it instead of run_process, shoal.session's script run from the top)."""
     os.environ.clear()  # the launcher's environment now, not the forkserver's when it started
     os.environ.update(environment)
     rank = ranks[local_index]
@@ -226,7 +244,7 @@ def _entry(local_index: int, ranks: list[int], meeting: Meeting, environment: di
                            log=chief_log(rank, log_file), progress=False, initial_values=initial_values,
                            faults=faults.from_environment())
             with stalls.watching(plan, rank, Path(workspace)):  # a stalled peer: named within plan.stall_timeout_s
-                run_rank(plan, rank, spec)
+                run_rank(plan, rank, spec, rank_main)
             stalls.exit_if_abandoned()
         finally:
             comm.shutdown()
@@ -235,7 +253,16 @@ def _entry(local_index: int, ranks: list[int], meeting: Meeting, environment: di
 def run_launched(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
                  start: Callable[[list[dict]], Optional[Path]], spec_for: Callable[[Optional[Path], Callable[[str], None]], RunSpec],
                  ) -> History:
-    """This process's rank of a world a launcher (torchrun, srun, ...) started.
+    """This process's rank of a world a launcher (torchrun, srun, ...) started (`launched_rank`, around its run)."""
+    with launched_rank(plan, launched, workspace, start) as (resume_from, log):
+        return run_rank(plan, launched.rank, spec_for(resume_from, log))
+
+
+@contextmanager
+def launched_rank(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
+                  start: Callable[[list[dict]], Optional[Path]]) -> Iterator[tuple[Optional[Path], Callable[[str], None]]]:
+    """This process's rank of a world a launcher (torchrun, srun, ...) started, around the body that runs it (the
+    rank's run, or a shoal.session()'s user loop), which gets (the checkpoint to resume from, how the rank says a line).
 
     Every rank joins the world first; rank 0 then starts the job (`start`: prepares the workspace, registers
     the job, given every rank's host and pid; returns the checkpoint to resume from) and publishes its word
@@ -273,7 +300,7 @@ def run_launched(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
             resume_from = Path(word["resume_from"]) if word["resume_from"] else None
         with rank_output(workspace, rank) as log_file:  # after rank 0's word: it decides what the workspace holds
             with stalls.watching(plan, rank, workspace, reports_itself=True, store=(store_at, store_host)):
-                return run_rank(plan, rank, spec_for(resume_from, chief_log(rank, log_file)))
+                yield resume_from, chief_log(rank, log_file)
     except ShoalError:
         raise
     except (StalledPeer, PeerFailed) as err:
@@ -309,9 +336,12 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
     ends = {} if ends is None else ends
 
     def ended(index: int, what: str) -> None:
-        ends[rejoin.group_of(plan, ranks[index])] = what
+        if not replicas_go_on(plan):  # (a group of replicas lost a process, not a group: the chief's missed_steps says it)
+            ends[rejoin.group_of(plan, ranks[index])] = what
 
     def failed_groups() -> list[str]:
+        if replicas_go_on(plan):
+            return []
         return [f"worker group {g}" for g in sorted({rejoin.group_of(plan, ranks[i]) for i in reported})]
 
     while True:
@@ -319,10 +349,14 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
             reported.add(i)
             ended(i, f"dropped: process {ranks[i]} stopped answering")
         exited = [i for i, p in enumerate(context.processes) if p.exitcode is not None]
+        # one the job cannot lose ends it, first (a peer that saw it die and exited too is not restarted in vain);
+        # STALLED_EXIT: a process that found a peer the job cannot lose stalled (the chief, say): its verdict ends the job
+        if any(context.processes[i].exitcode not in (0, None) and (not expendable(plan, ranks[i])
+                                                                   or context.processes[i].exitcode == stalls.STALLED_EXIT)
+               for i in exited):
+            return failed_groups()
         for i in exited:
             code = context.processes[i].exitcode
-            if code != 0 and not expendable(plan, ranks[i]):
-                return failed_groups()
             if code != 0 and i not in reported:
                 context.sentinels.pop(context.processes[i].sentinel, None)  # torch's join must not fail the job for it
                 said = code != stalls.GROUP_DROPPED_EXIT and restarter is not None and restarter.restart(context, i, ranks[i], code)
@@ -333,8 +367,9 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
                 ended(i, f"dropped: process {ranks[i]} stopped answering" if code == stalls.GROUP_DROPPED_EXIT
                       else f"process {ranks[i]} exited with code {code}")
                 if code != stalls.GROUP_DROPPED_EXIT and not said:  # dropped for a stall: the chief has warned
+                    others = "the other processes go on without it" if replicas_go_on(plan) else "the other worker groups go on"
                     warn(f"WARNING: {describe_process(plan, ranks[i])} exited with code {code}; "
-                         f"the other worker groups go on (see {workspace}/logs/rank{ranks[i]}.log)")
+                         f"{others} (see {workspace}/logs/rank{ranks[i]}.log)")
         if all(p.exitcode is not None for p in context.processes):
             if restarter is not None:
                 restarter.finish()
@@ -353,11 +388,12 @@ def _wait_for_exit(processes, grace: float = 5.0) -> None:
             proc.join()
 
 
-def _failed(message: str, workspace: Path, ranks: list[int], root_cause: bool = False) -> ProcessFailed:
+def _failed(message: str, workspace: Path, ranks: list[int], root_cause: bool = False, lost: bool = False,
+            rank: Optional[int] = None, code: Optional[int] = None) -> ProcessFailed:
     """The job failed: the chief may have been stopped before it could say so in summary.json; say it for it.
     root_cause: the launcher saw another process die first, so its word replaces the chief's (whose collective
-    only saw a closed connection)."""
-    error = ProcessFailed(message)
+    only saw a closed connection). lost: a process died or stopped answering (ProcessLost: a restart may help)."""
+    error = ProcessLost(message, rank, code) if lost else ProcessFailed(message)
     if 0 in ranks:
         mark_run_ended(workspace, error, reason=message, root_cause=root_cause)
     return error
@@ -366,7 +402,8 @@ def _failed(message: str, workspace: Path, ranks: list[int], root_cause: bool = 
 def _exited(plan: JobPlan, rank: int, code: int, workspace: Path, ranks: list[int]) -> ProcessFailed:
     stops = stalls.why_the_job_stops(plan)  # a job of several groups that cannot outlive one says why
     return _failed(f"{describe_process(plan, rank)} exited with code {code}; {stops + '; ' if stops else ''}"
-                   f"the other processes were stopped; see {workspace}/logs/rank{rank}.log", workspace, ranks, root_cause=rank != 0)
+                   f"the other processes were stopped; see {workspace}/logs/rank{rank}.log", workspace, ranks, root_cause=rank != 0,
+                   lost=True, rank=rank, code=code)
 
 
 def _died_first(first_exits: dict[int, int], context) -> Optional[int]:
@@ -381,7 +418,7 @@ def _died_first(first_exits: dict[int, int], context) -> Optional[int]:
 def _error_line(traceback_text: str) -> str:
     """The last line of a rank's traceback; a ShoalError's without its class (its message is written for users)."""
     last = traceback_text.strip().splitlines()[-1]
-    found = re.match(r"shoal(?:\.\w+)+(?:Error|Failed): (.+)$", last)
+    found = re.match(r"shoal(?:\.\w+)+(?:Error|Failed|Lost): (.+)$", last)
     return found.group(1) if found else last
 
 
@@ -391,8 +428,10 @@ def run_processes(
     on_start: Callable[[list[int]], None] = lambda pids: None,
     nodes: Nodes = Nodes(),
     process_setup: Optional[Callable[[], None]] = None,
+    rank_main: Optional[RankMain] = None,
 ) -> History:
-    """Meet the job's other nodes, then spawn this node's processes, each running assemble.run_process for its rank.
+    """Meet the job's other nodes, then spawn this node's processes, each running assemble.run_process for its rank
+    (`rank_main`, picklable: what each runs instead, shoal.session's script).
 
     Each process gets the job's secret in its environment: on one host a fresh one unless the user gave one;
     over several hosts the one the user gave every node (a one-line error when it is missing)."""
@@ -407,9 +446,22 @@ def run_processes(
         with open_for_append(Path(spec.workspace) / "logs" / "launcher.log") as launcher_log, stalls.native_stderr_to(launcher_log):
             meeting_point = meet(nodes, plan)
     try:
-        return _spawn(plan, spec, on_start, nodes, meeting_point, process_setup, environment)
+        return _spawn(plan, spec, on_start, nodes, meeting_point, process_setup, environment, rank_main)
+    except ProcessLost as lost:  # where the chief was, for a whole-job restart's line (the store goes with the job)
+        lost.step = _chief_step(meeting_point, secret) if nodes.one_host else None
+        raise
     finally:
         meeting_point.close()
+
+
+def _chief_step(met: rendezvous.NodeRendezvous, secret: bytes) -> Optional[int]:
+    """The step the chief last said it started (its heartbeat in the job's store); None when the store cannot tell."""
+    from shoal.comm import channels
+
+    try:
+        return heartbeat.said_step(channels.job_store_client(met.store_host, met.store_port, secret, timeout_s=2.0), 0)
+    except (RuntimeError, OSError, ValueError):  # torch's store errors: the line goes without the step
+        return None
 
 
 def meet(nodes: Nodes, plan: JobPlan) -> rendezvous.NodeRendezvous:
@@ -446,14 +498,16 @@ def start_method() -> str:
 
 
 def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], nodes: Nodes,
-           met: rendezvous.NodeRendezvous, process_setup: Optional[Callable[[], None]], environment: dict[str, str]) -> History:
+           met: rendezvous.NodeRendezvous, process_setup: Optional[Callable[[], None]], environment: dict[str, str],
+           rank_main: Optional[RankMain] = None) -> History:
     world, workspace = plan.nprocs, spec.workspace
     ranks = nodes.ranks(world, met.node_rank)
     meeting = Meeting(world, nodes.nnodes, -(-world // nodes.nnodes), met.store_host, met.store_port, nodes.interface)
     # our one-line report replaces torch's per-process "Terminating process" warnings
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     args = (ranks, meeting, environment, plan.job.SerializeToString(), str(workspace),
-            str(spec.resume_from) if spec.resume_from else None, [str(d) for d in spec.base_dirs], process_setup, spec.initial_values)
+            str(spec.resume_from) if spec.resume_from else None, [str(d) for d in spec.base_dirs], process_setup, spec.initial_values,
+            rank_main)
     metrics = workspace / "metrics.jsonl"
     # a resumed run appends to the earlier runs' records: its History holds its own, as in one process
     metrics_start = metrics.stat().st_size if 0 in ranks and metrics.exists() else 0
@@ -476,9 +530,10 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
         group_ends: dict[int, str] = {}
         first_exits: dict[int, int] = {}
         try:
-            if plan.strategy.outlives_a_dead_group:  # (its strategy says so: Downpour, Hogwild, Local SGD) a dead group is dropped
+            if outlives_a_dead_process(plan):  # (its strategy says so: Downpour, Hogwild, Local SGD, replicas) a dead group is dropped
                 failed_groups = _join_tolerating_groups(context, ranks, plan, workspace,
-                                                        rejoin.Restarter(plan, meeting, spec, process_setup, environment), group_ends)
+                                                        rejoin.Restarter(plan, meeting, spec, process_setup, environment,
+                                                                         restarts=rank_main is None), group_ends)
             elif plan.max_restarts > 0 and plan.cluster.nworker_groups > 1:  # groups that cannot outlive a dead one
                 warn(f"WARNING: --max-restarts: only Downpour, Local SGD and Distributed Hogwild worker groups are restarted; "
                      f"{plan.label}'s are not")
@@ -498,7 +553,7 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
         verdict = stalls.verdict(workspace, ranks, context.processes)  # a peer found stalled: the line naming it
         if verdict is not None:
-            raise _failed(f"{verdict}; see {workspace}/logs", workspace, ranks) from None
+            raise _failed(f"{verdict}; see {workspace}/logs", workspace, ranks, lost=True) from None
         if isinstance(err, mp.ProcessExitedException):
             raise _exited(plan, ranks[err.error_index], err.exit_code, workspace, ranks) from None
         rank = ranks[err.error_index]
@@ -508,12 +563,16 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
         if last.startswith(f"{auth.__name__}.SecretError: "):  # a node was given another secret: no traceback for it
             raise _failed(last.split(": ", 1)[1], workspace, ranks) from None
         if last.startswith((f"{__name__}.StalledPeer: ", f"{__name__}.PeerFailed: ")):
-            raise _failed(last.split(": ", 1)[1] + f"; see {workspace}/logs", workspace, ranks) from None
-        died = _died_first(first_exits, context) if last.startswith(f"{__name__}.ConnectionFailed: ") else None
+            raise _failed(last.split(": ", 1)[1] + f"; see {workspace}/logs", workspace, ranks,
+                          lost=last.startswith(f"{__name__}.StalledPeer: ")) from None  # (a PeerFailed is an error of its own)
+        # a collective, or a Downpour worker's channel to its server, lost a peer: the dead one is the story, if one died
+        lost_peer = last.startswith((f"{__name__}.ConnectionFailed: ", f"{ServerLost.__module__}.ServerLost: "))
+        died = _died_first(first_exits, context) if lost_peer else None
         if died is not None:  # its peer only saw the connection close: the dead one is the story
             raise _exited(plan, ranks[died], first_exits[died], workspace, ranks) from None
         last = _error_line(last)
-        raise _failed(f"{describe_process(plan, rank)} failed: {last}; see {workspace}/logs/rank{rank}.log", workspace, ranks) from None
+        raise _failed(f"{describe_process(plan, rank)} failed: {last}; see {workspace}/logs/rank{rank}.log", workspace, ranks,
+                      lost=lost_peer) from None
     history = History(workspace, failed_groups=failed_groups)
     if 0 in ranks:  # the chief's node holds the metrics
         history.records = read_metrics(metrics, metrics_start)

@@ -26,3 +26,6 @@ class RunOptions:
     # the job's plan, when the caller planned it already (shoal.fit checks its optimizer against it): used if it is
     # this job's on these nodes (run_job.plan_of), else the job is planned
     plan: Optional["JobPlan"] = None
+    # shoal.session under `shoal run script.py`: what each spawned rank runs instead of the job's trainers (the script,
+    # from the top; picklable), given (plan, rank, RunSpec)
+    rank_main: Optional[Callable] = None

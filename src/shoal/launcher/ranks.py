@@ -16,10 +16,23 @@ def describe_process(plan: JobPlan, rank: int) -> str:
     return f"process {rank} ({', '.join(members)})"
 
 
+def replicas_go_on(plan: JobPlan) -> bool:
+    """A synchronous group of whole replicas that goes on without a process (AllReduce under cluster.max_restarts)."""
+    return plan.strategy.goes_on_without_a_process(plan)
+
+
+def outlives_a_dead_process(plan: JobPlan) -> bool:
+    """Whether the job may lose a process and go on: its groups outlive a dead one, or its replicas go on."""
+    return plan.strategy.outlives_a_dead_group or replicas_go_on(plan)
+
+
 def expendable(plan: JobPlan, rank: int) -> bool:
     """Jobs whose groups outlive a dead one (Downpour, Hogwild: the strategy says) outlive a process that hosts only
-    workers of groups other than group 0."""
+    workers of groups other than group 0; a group of replicas that goes on (AllReduce under cluster.max_restarts),
+    any process of workers but the chief's."""
     proc = plan.process(rank)
+    if replicas_go_on(plan):
+        return rank != 0 and bool(proc.workers)
     return plan.strategy.outlives_a_dead_group and bool(proc.workers) and all(m.group != 0 for m in proc.workers + proc.servers)
 
 

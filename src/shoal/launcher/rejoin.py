@@ -1,5 +1,10 @@
 """A dead worker group comes back: restarted by `shoal run`'s launcher (Downpour, Local SGD, Distributed Hogwild),
-or by hand (Downpour), into the running job.
+or by hand (Downpour), into the running job; so does a dead process of a synchronous group of replicas (AllReduce
+under cluster.max_restarts), restarted by the launcher.
+
+A process of AllReduce's replicas knocks and is admitted at the next step: after that step's update the chief
+broadcasts it the params and the updater's state (runtime/exchanges/replicated.py, shoal.comm.quorum), and it trains
+from the step after it. Its door is keyed by its rank (all its workers are group 0's).
 
 A Local SGD / DiLoCo group's new process knocks and joins at the groups' next meeting, from the chief's group's
 state (runtime/exchanges/periodic.py, shoal.comm.quorum). A Distributed Hogwild group's new process knocks at each
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -42,11 +48,12 @@ from shoal.comm import dist as comm
 from shoal.errors import ShoalError, warn
 from shoal.planning.plan import JobPlan
 from shoal.launcher import faults, stalls
-from shoal.launcher.ranks import chief_log, describe_process, rank_output
+from shoal.launcher.ranks import chief_log, describe_process, rank_output, replicas_go_on
 from shoal.launcher.workspace import check_workspace
 from shoal.report.writes import own_folder, replace_file
 from shoal.runtime.exchanges.downpour import DOOR
 from shoal.runtime.exchanges.periodic import DOOR as MEETING_DOOR
+from shoal.runtime.exchanges.replicated import DOOR as STEP_DOOR
 from shoal.runtime.rejoined import RECORDS_FILE
 
 STORE_FILE = "store.json"  # WORKSPACE/logs/store.json: where the job's store is, for --rejoin
@@ -56,8 +63,19 @@ class RejoinRefused(ShoalError, ValueError):
     """--rejoin asked for a process that cannot come back (one line saying why)."""
 
 
+def rejoins(plan: JobPlan) -> bool:
+    """Whether a dead process of this job may be restarted into it (its strategy's groups rejoin, or its replicas go on)."""
+    return plan.strategy.rejoins or replicas_go_on(plan)
+
+
 def why_not(plan: JobPlan, rank: int) -> Optional[str]:
     """Why process `rank` cannot rejoin the running job (None: it can)."""
+    if replicas_go_on(plan):
+        if not 0 <= rank < plan.nprocs:
+            return f"the job has processes 0..{plan.nprocs - 1}"
+        if rank == 0:
+            return f"{describe_process(plan, rank)} is the chief, whose state the others heal from: resume from a checkpoint instead"
+        return None
     if not plan.strategy.rejoins:
         return (f"only Downpour, Local SGD and Distributed Hogwild worker groups can rejoin a running job ({plan.label} cannot: "
                 "its groups are threads of one process)")
@@ -80,8 +98,15 @@ def group_of(plan: JobPlan, rank: int) -> int:
     return plan.process(rank).workers[0].group
 
 
+def door_key(plan: JobPlan, rank: int) -> int:
+    """What the door counts restarts of for process `rank`: its worker group, or for a group of replicas its rank."""
+    return rank if replicas_go_on(plan) else group_of(plan, rank)
+
+
 def door_of(plan: JobPlan) -> str:
     """The store's door through which the launcher announces a group's restarts (and gives up on one) to the job."""
+    if replicas_go_on(plan):
+        return STEP_DOOR
     if plan.strategy.rejoin_door is not None:  # (Distributed Hogwild's)
         return plan.strategy.rejoin_door
     return MEETING_DOOR if plan.strategy.meets else DOOR
@@ -98,20 +123,22 @@ class Restarter:
     """What `shoal run`'s launcher does when an expendable process of a Downpour, Local SGD or Distributed Hogwild job
     exits with an error."""
 
-    def __init__(self, plan: JobPlan, meeting, spec, process_setup: Optional[Callable[[], None]], environment: dict[str, str]):
-        """`environment`: the ranks' (holding the job's secret): restarted processes get it too."""
+    def __init__(self, plan: JobPlan, meeting, spec, process_setup: Optional[Callable[[], None]], environment: dict[str, str],
+                 restarts: bool = True):
+        """`environment`: the ranks' (holding the job's secret): restarted processes get it too. `restarts` False: a dead
+        process is given up on, never restarted (shoal.session's ranks run the user's script, which a rejoin cannot)."""
         self.plan, self.meeting, self.spec, self.process_setup = plan, meeting, spec, process_setup
         self.environment, self.secret = environment, auth.required_secret("the launcher", environment)
-        self.limit = plan.max_restarts if plan.strategy.rejoins else 0  # cluster.max_restarts, --max-restarts
+        self.limit = plan.max_restarts if rejoins(plan) and restarts else 0  # cluster.max_restarts, --max-restarts
         self.restarts: dict[int, int] = {}
         self.started = time.time()  # rejoins.jsonl may hold an earlier run's rejoins (a resumed workspace)
         self._door = self._store = None
         self._context = None
         self._note_store()
-        if plan.max_restarts > 0 and not plan.strategy.rejoins:
+        if plan.max_restarts > 0 and not rejoins(plan):
             warn(f"WARNING: --max-restarts: only Downpour, Local SGD and Distributed Hogwild worker groups are restarted; "
                  f"{plan.label}'s are not")
-        if plan.strategy.rejoins:  # the servers (the meetings' chief) hear from it which dead groups will not come back
+        if rejoins(plan):  # the servers (the meetings' chief) hear from it which dead groups will not come back
             self._connect()
         if self.limit > 0:
             self._door.restarts_dead_groups()
@@ -137,25 +164,32 @@ class Restarter:
         """Start a new process in dead process `rank`'s place (it replaces context.processes[index]); False: not restarted."""
         if self.limit <= 0:
             if self._door is not None:  # a group that died before it connected holds no server waiting for it
-                self._door.give_up(group_of(self.plan, rank), self._door.incarnation(group_of(self.plan, rank)))
+                self._door.give_up(door_key(self.plan, rank), self._door.incarnation(door_key(self.plan, rank)))
             return False
         reason = why_not(self.plan, rank)
         done = self.restarts.get(rank, 0)
-        group = group_of(self.plan, rank)
+        group = door_key(self.plan, rank)
+        replicas = replicas_go_on(self.plan)
+        ended = _ended(code) if replicas else f"exited with code {code}"
         if reason is not None or done >= self.limit:
             if self._door is not None:  # not restarted: the servers stop waiting for the group
                 self._door.give_up(group, self._door.incarnation(group))
             why = reason or f"restarted {done} time(s) already (--max-restarts {self.limit})"
-            warn(f"WARNING: {describe_process(self.plan, rank)} exited with code {code}; not restarted: {why}; "
-                 f"the other worker groups go on (see {self.spec.workspace}/logs/rank{rank}.log)")
+            others = "the other processes go on without it" if replicas else "the other worker groups go on"
+            warn(f"WARNING: {describe_process(self.plan, rank)} {ended}; not restarted: {why}; "
+                 f"{others} (see {self.spec.workspace}/logs/rank{rank}.log)")
             return True  # reported
         detected_at = time.time()
         self.restarts[rank] = done + 1
         heartbeat.say_gone(self._store, rank)  # no stall warnings for a process the launcher saw die
         incarnation = self._door.next_incarnation(group)  # the servers wait for it from now on
-        source = "at the groups' next meeting, from a live group's state" if self.plan.strategy.meets else self.plan.strategy.rejoins_from
-        warn(f"WARNING: {describe_process(self.plan, rank)} exited with code {code}; restarting it "
-             f"(restart {done + 1} of {self.limit}); it rejoins {source}")
+        if replicas:
+            warn(f"WARNING: {describe_process(self.plan, rank)} {ended}; the other processes go on without it; restarting it "
+                 f"(restart {done + 1} of {self.limit}); it rejoins at the next step, from process 0's state")
+        else:
+            source = "at the groups' next meeting, from a live group's state" if self.plan.strategy.meets else self.plan.strategy.rejoins_from
+            warn(f"WARNING: {describe_process(self.plan, rank)} exited with code {code}; restarting it "
+                 f"(restart {done + 1} of {self.limit}); it rejoins {source}")
         args = (rank, self.meeting, self.plan.job.SerializeToString(), str(self.spec.workspace),
                 [str(d) for d in self.spec.base_dirs], self.process_setup, self.spec.initial_values, incarnation, detected_at, self.environment)
         process = self._context.Process(target=_entry, args=args, name=f"shoal-rank{rank}-restart{done + 1}", daemon=False)
@@ -166,6 +200,16 @@ class Restarter:
     def finish(self) -> None:
         """The job ended: its summary lists the rejoins (the chief closed it before)."""
         add_rejoins_to_summary(Path(self.spec.workspace), since=self.started)
+
+
+def _ended(code: int) -> str:
+    """`died (SIGKILL)`, or `exited with code 3`: how a process ended, from its exit code."""
+    if code < 0:
+        try:
+            return f"died ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"died (signal {-code})"
+    return f"exited with code {code}"
 
 
 def _forkserver():
@@ -231,7 +275,8 @@ def rejoin_by_hand(plan: JobPlan, workspace: Path, rank: int, master: Optional[s
     check_workspace(workspace)  # as every run: before its job.secret and store.json are read or its logs written
     reason = why_not(plan, rank)
     if reason is None and not by_hand(plan):
-        reason = f"{plan.label}'s worker groups rejoin only when the launcher restarts them (shoal run --max-restarts N)"
+        what = "processes" if replicas_go_on(plan) else "worker groups"
+        reason = f"{plan.label}'s {what} rejoin only when the launcher restarts them (shoal run --max-restarts N)"
     if reason is not None:
         raise RejoinRefused(f"--rejoin {rank}: {reason}")
     host, port, interface = _store_address(workspace, master)

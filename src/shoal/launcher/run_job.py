@@ -99,7 +99,34 @@ def _train(plan: JobPlan, options: RunOptions, workspace: Path, resume_from: Opt
         record.save()
 
     options.log(f"Job {record.id}: {plan.label}, {plan.nprocs} processes; logs in {workspace / 'logs'}")
-    return run_processes(plan, spec, on_start=started, nodes=options.nodes or Nodes(), process_setup=options.process_setup)
+    nodes = options.nodes or Nodes()
+    if plan.max_restarts <= 0 or not nodes.one_host:  # (over several hosts each node's launcher sees only its own ranks)
+        return run_processes(plan, spec, on_start=started, nodes=nodes, process_setup=options.process_setup,
+                             rank_main=options.rank_main)
+    return _with_restarts(plan, spec, options, started, nodes)
+
+
+def _with_restarts(plan: JobPlan, spec: RunSpec, options: RunOptions, started, nodes) -> History:
+    """The job's processes, started again from the newest checkpoint each time one that the job cannot go on without
+    dies, up to plan.max_restarts times (shoal.launcher.job_restarts)."""
+    from dataclasses import replace
+
+    from shoal.launcher.job_restarts import JobRestarts
+    from shoal.launcher.launch import ProcessLost, run_processes
+
+    restarts = JobRestarts(plan, spec.workspace, options.log)
+    while True:
+        try:
+            history = run_processes(plan, spec, on_start=started, nodes=nodes, process_setup=options.process_setup,
+                                    rank_main=options.rank_main)
+        except ProcessLost as lost:
+            spec = replace(spec, resume_from=restarts.resume_point(lost))  # raises once no restart is left
+            continue
+        except BaseException:
+            restarts.finish(None)  # the summary still says how many restarts came before
+            raise
+        restarts.finish(history)
+        return history
 
 
 def test_job(job: job_pb2.JobProto, options: RunOptions, checkpoint: Optional[Path] = None) -> dict[str, float]:

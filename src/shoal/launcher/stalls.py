@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 from shoal.comm import heartbeat
 from shoal.errors import warn
-from shoal.launcher.ranks import describe_process, expendable
+from shoal.launcher.ranks import describe_process, expendable, replicas_go_on
 from shoal.planning.plan import JobPlan
 from shoal.report.writes import WorkspaceWriteError, own_folder, replace_file
 from shoal.runtime.interfaces import GroupDropped
@@ -72,6 +72,12 @@ class StallPolicy:
             hosts_store = "; it hosts the job's store" if stall.store else ""
             stops = why_the_job_stops(self.plan)
             self._fail(f"{who} stopped answering ({silent}{hosts_store})" + (f"; {stops}" if stops else ""))
+        if replicas_go_on(self.plan):  # a group of replicas: the next step goes on without it (shoal.comm.quorum)
+            if self.rank == 0 and stall.rank not in self._warned:
+                self._warned.add(stall.rank)
+                warn(f"WARNING: {who} stopped answering ({silent}); the other processes go on without it "
+                     f"(see {self.workspace}/logs/rank{stall.rank}.log)")
+            return
         group = self._group_of(stall.rank)
         if group == self.group:  # a member of this process's own group: the group cannot go on
             self._leave(f"worker group {group} is dropped: {who} stopped answering ({silent})")
@@ -85,6 +91,8 @@ class StallPolicy:
         line = f"process {self.rank} was stopped for {gap:.0f} s, longer than the stall timeout ({self.plan.stall_timeout_s:g} s)"
         if not self._expendable(self.rank):
             self._fail(f"{line}; {why_the_job_stops(self.plan) or 'the job cannot go on without it'}")
+        if replicas_go_on(self.plan):
+            self._leave(f"{line}; the other processes went on without it, so it leaves")
         self._leave(f"{line}; the job dropped worker group {self.group}, so it leaves")
 
     def _fail(self, line: str) -> None:

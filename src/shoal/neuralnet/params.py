@@ -118,6 +118,16 @@ class ParamStore:
         self._bytes = 0  # of the owner params declared so far
         self._room: Optional[int] = None  # memory available when the first param was declared
 
+    @classmethod
+    def viewing(cls, named: list[tuple[str, torch.Tensor]]) -> "ParamStore":
+        """A store whose values are the given tensors themselves (no copy): an exchange that updates its store's values
+        in place updates them (shoal.session: the user's module's params)."""
+        store = cls()
+        for name, tensor in named:
+            store.info[name] = ParamInfo(name, tuple(tensor.shape), job_pb2.ParamProto(name=name))
+            store.values[name] = tensor.detach()  # shares the parameter's memory; autograd never sees the exchange's writes
+        return store
+
     def owner(self, name: str) -> str:
         return self._owner.get(name, name)
 

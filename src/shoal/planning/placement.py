@@ -133,6 +133,11 @@ def place(cluster: job_pb2.ClusterProto, param_sizes: Optional[dict[str, int]] =
                      cluster.nworker_groups, cluster.nserver_groups, cluster.nservers_per_group)
 
 
+def process_count(cluster: job_pb2.ClusterProto) -> int:
+    """How many processes the cluster section places (PlacementError as `place` says it)."""
+    return len(place(cluster).processes)
+
+
 def slice_params(param_sizes: dict[str, int], nslices: int) -> list[ParamSlice]:
     """Cut the params (in order) into `nslices` near-equal buckets; a param may span buckets.
 

@@ -205,6 +205,12 @@ class Strategy:
         a clause for the line that says so (None: nothing to add)."""
         return None
 
+    def goes_on_without_a_process(self, plan: "JobPlan") -> bool:
+        """Whether this plan's one synchronous group goes on without a dead or stalled process other than the chief's
+        (each process a whole replica, every step's quorum decided by the chief: AllReduce under cluster.max_restarts);
+        the launcher then drops or restarts such a process (launcher/ranks.py). Pure: the plan decides."""
+        return False
+
     def complete_rejoin(self, run: Any, incarnation: int) -> tuple[int, int, Any]:
         """A restarted process takes its group's live state: (step, version, digests). Only where `rejoins`."""
         raise NotImplementedError

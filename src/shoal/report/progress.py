@@ -148,6 +148,17 @@ def _missed(summary: dict) -> list[str]:
     return said
 
 
+def _restarted(summary: dict) -> list[str]:
+    """`the whole job restarted 2 times (35 steps re-done)`: summary.json's job_restarts (--max-restarts)."""
+    restarts = summary.get("job_restarts") or []
+    if not restarts:
+        return []
+    times = "once" if len(restarts) == 1 else f"{len(restarts)} times"
+    redone = summary.get("steps_redone")
+    return [f"the whole job restarted {times}" + (f" ({redone:,} step{'s' if redone != 1 else ''} re-done)"
+                                                 if isinstance(redone, int) else "")]
+
+
 def _trained(summary: dict) -> str:
     """`Trained 700 steps (300 → 1000) in 1 min 02 s (900 samples/s)`: this run's part, and the whole when it resumed."""
     latest = summary.get("latest_run") or {}
@@ -173,7 +184,7 @@ def closing_line(workspace: Path) -> str:
     summary = read_summary(workspace)
     if summary is None:
         return f"Run ended; {workspace / SUMMARY_FILE} is missing or unreadable"
-    parts = [_trained(summary), *_missed(summary)]
+    parts = [_trained(summary), *_restarted(summary), *_missed(summary)]
     final, best = summary.get("final_test") or {}, summary.get("best_test") or {}
     metric = next((m for m in ("accuracy", "loss") if isinstance(final.get(m), (int, float))), None)
     if metric is not None:

@@ -104,11 +104,30 @@ def clean_records(records: list[dict]) -> list[dict]:
         if "step" not in r or "phase" not in r:
             continue
         if r["phase"] == "resume":
-            latest = {k: v for k, v in latest.items()
-                      if v["step"] < r["step"] or (v["step"] == r["step"] and v["phase"] != "train") or v.get("mode") == "test-only"}
+            latest = {k: v for k, v in latest.items() if not superseded(v, r["step"])}
             continue
         latest[(r["phase"], r["step"], r.get("mode"))] = r
     return sorted(latest.values(), key=lambda r: (r["step"], r.get("time") or 0.0))
+
+
+def superseded(record: dict, resumed_at: int) -> bool:
+    """Whether a run that resumed at step `resumed_at` re-records what `record` (written before it) recorded: train
+    records from that step on, tests and validations after it (those at it ran before the checkpoint)."""
+    if record.get("mode") == "test-only" or not isinstance(record.get("step"), int):
+        return False
+    return record["step"] > resumed_at or (record["step"] == resumed_at and record.get("phase") == "train")
+
+
+def as_one_run(records: list[dict]) -> list[dict]:
+    """Records in the order they were written, without those a later resume record supersedes (an earlier resume
+    record at or after its step too): a job restarted from its checkpoint (--max-restarts) read as one run."""
+    kept: list[dict] = []
+    for r in records:
+        if r.get("phase") == "resume" and isinstance(r.get("step"), int):
+            kept = [k for k in kept if not superseded(k, r["step"])
+                    and not (k.get("phase") == "resume" and k["step"] >= r["step"])]
+        kept.append(r)
+    return kept
 
 
 def _point(record: dict | None) -> dict | None:
@@ -182,15 +201,11 @@ def summarize(records: list[dict], thresholds: tuple[float, ...] = THRESHOLDS, f
     staleness = [r["staleness"] for r in train if isinstance(r.get("staleness"), (int, float))]
     steps = max(steps_trained(records + resumes[-1:]), finished_at or 0)
     wall_time = max([r.get("time") or 0.0 for r in records] + [round(elapsed, 4) if elapsed is not None else 0.0])
-    since = resumes[-1] if resumes else {"step": 0, "time": 0.0}
-    latest_train = [r for r in train if r["step"] >= since["step"]]  # a resume drops the stopped run's records from its step
     return {
         "steps": steps,
         "wall_time": wall_time,
         "samples_per_sec": samples_per_sec(train),
-        "latest_run": {"from_step": since["step"], "steps": steps - since["step"],
-                       "wall_time": round(max(wall_time - (since.get("time") or 0.0), 0.0), 4),
-                       "samples_per_sec": samples_per_sec(latest_train)},
+        "latest_run": latest_run(train, resumes[-1] if resumes else None, steps, wall_time),
         "final_train": _point(train[-1] if train else None),
         "final_test": _point(tests[-1] if tests else None),
         "best_test": _point(best),
@@ -200,6 +215,37 @@ def summarize(records: list[dict], thresholds: tuple[float, ...] = THRESHOLDS, f
         "time_to_target": time_to_targets(records, tuple(goals.targets) + tuple(t for t in targets if t not in goals.targets)),
         "staleness_mean": statistics.mean(staleness) if staleness else None,
     }
+
+
+def latest_run(train: list[dict], since: dict | None, steps: int, wall_time: float) -> dict:
+    """summary.json's `latest_run`: the part of the run since `since` (the resume record it started from; None: step 0).
+    `train`: the run's train records, as clean_records leaves them."""
+    since = since or {"step": 0, "time": 0.0}
+    latest_train = [r for r in train if r["step"] >= since["step"]]  # a resume drops the stopped run's records from its step
+    return {"from_step": since["step"], "steps": steps - since["step"],
+            "wall_time": round(max(wall_time - (since.get("time") or 0.0), 0.0), 4),
+            "samples_per_sec": samples_per_sec(latest_train)}
+
+
+def note_job_restarts(workspace: Path, restarts: list[dict], since: dict | None, reason: str | None = None,
+                      started: str | None = None) -> None:
+    """The launcher's word on the whole-job restarts of one `shoal run` (--max-restarts; shoal.launcher.job_restarts):
+    summary.json's `job_restarts` (one entry each) and `steps_redone`, `latest_run` counted from where that `shoal
+    run` started (`since`: its first resume record; None: step 0) rather than from its last restart, `started` as its
+    first start wrote it, and `reason` where it ended failed. Best effort, after the chief closed the summary."""
+    summary = read_summary(workspace)
+    if summary is None or not restarts:
+        return
+    summary["job_restarts"] = restarts
+    summary["steps_redone"] = sum(r.get("steps_redone") or 0 for r in restarts)
+    metrics = Path(workspace) / "metrics.jsonl"
+    train = [r for r in clean_records(read_metrics(metrics) if metrics.exists() else []) if r["phase"] == "train"]
+    summary["latest_run"] = latest_run(train, since, summary.get("steps") or 0, summary.get("wall_time") or 0.0)
+    if reason and summary.get("status") == "failed":
+        summary["reason"] = reason
+    if started:
+        summary["started"] = started
+    _write_if_possible(Path(workspace) / SUMMARY_FILE, summary)
 
 
 def read_summary(workspace: Path) -> dict | None:

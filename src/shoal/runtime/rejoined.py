@@ -48,8 +48,10 @@ def complete(run, spec) -> None:
     since_death = f"; {record['detection_to_rejoin_s']:.2f} s after its death was seen" if ticket.detected_at is not None else ""
     # Local SGD: `version` is the meeting it joined after, and the exchange says what it took there
     took = digests.pop("took", None) or f"live params of version {version}"
-    line = (f"Worker group {trainer.group} rejoined at step {step} (process {run.rank}, restart {ticket.incarnation}): {took}, "
-            f"{record['process_start_to_rejoin_s']:.2f} s after its process started{since_death}")
+    who = digests.pop("who", None)  # a process of a group of replicas (AllReduce) names itself: its group went on
+    line = (f"{who} rejoined at step {step} (restart {ticket.incarnation})" if who else
+            f"Worker group {trainer.group} rejoined at step {step} (process {run.rank}, restart {ticket.incarnation})")
+    line += f": {took}, {record['process_start_to_rejoin_s']:.2f} s after its process started{since_death}"
     print(line)  # this process's log
     if sys.__stdout__ is not None and sys.stdout is not sys.__stdout__:
         print(line, file=sys.__stdout__, flush=True)  # the job's terminal (the launcher's, or the --rejoin command's)

@@ -104,8 +104,8 @@ def checkpoint_parts(plan: JobPlan) -> dict[tuple[int, int], bool]:
         if hosted.servers and not hosted.workers and not plan.strategy.servers_hold_trainers:
             continue
         for group in sorted({w.group for w in hosted.workers}) or [0]:
-            if (group, rank) != (0, 0):
-                parts[(group, rank)] = plan.strategy.synchronous or plan.strategy.meets
+            if (group, rank) != (0, 0):  # (a group of replicas that goes on without a process: each part optional)
+                parts[(group, rank)] = (plan.strategy.synchronous or plan.strategy.meets) and not plan.strategy.goes_on_without_a_process(plan)
     return parts
 
 

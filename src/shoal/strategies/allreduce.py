@@ -1,8 +1,18 @@
 """AllReduce: one synchronous group; each process's servers own slices of the params. In one process it is
 in-memory Sandblaster (gradients summed in memory, one Server); over processes gradients stream out of
-backward in buckets to the rank owning each slice, and the new values come back (SlicedExchange)."""
+backward in buckets to the rank owning each slice, and the new values come back (SlicedExchange).
+
+With restarts allowed (cluster.max_restarts > 0, `shoal run --max-restarts N`) a group over processes that each hold a
+whole replica (`replicated`) runs the ReplicatedExchange instead: every process all-reduces its workers' gradients
+through the job's quorum (shoal.comm.quorum) and applies the updater to the whole params, so the group goes on without
+a dead or stalled process (the chief's excepted), and a restarted process heals from the chief at the next step
+(launcher/rejoin.py). Decided at planning time, from the plan alone; the cost terms describe the exchange that runs."""
 from __future__ import annotations
 
+from shoal.comm import channels
+from shoal.comm import collectives
+from shoal.comm import dist as comm
+from shoal.comm.quorum import Quorum
 from shoal.config import job_pb2
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.buckets import plan_buckets
@@ -13,9 +23,24 @@ from shoal.planning.process_groups import bridge_groups, sliced_groups
 from shoal.planning.strategy import Framework, Layout, Messages, Phases, Strategy
 from shoal.runtime.exchanges.clipping import max_norm_of
 from shoal.runtime.exchanges.compression import codec_factory
+from shoal.runtime import rejoined
 from shoal.runtime.exchanges.local import LocalExchange
+from shoal.runtime.exchanges.replicated import DOOR, ReplicatedExchange
 from shoal.runtime.exchanges.server import Server
 from shoal.runtime.exchanges.sliced import SlicedExchange
+
+
+def replicated(plan) -> bool:
+    """Whether this AllReduce plan runs the ReplicatedExchange (pure: the plan alone decides): restarts allowed
+    (cluster.max_restarts > 0), the group over processes each computing whole replicas (not partitioned, every
+    process hosting workers) and its gradients uncompressed (cluster.compression keeps the sliced exchange)."""
+    return (plan.max_restarts > 0 and not plan.in_one_process and not plan.partitioned
+            and all(p.workers for p in plan.placement.processes) and plan.cluster.compression == job_pb2.kNone)
+
+
+def replicated_flat_elements(model) -> int:
+    """Elements of the step's one all-reduce: every trained param, a has-gradient flag each, the rows."""
+    return model.elements + len(model.trainable) + 1
 
 
 def exchange_buckets(model) -> list:
@@ -82,12 +107,38 @@ class AllReduce(Strategy):
     def label(self, plan) -> str:
         return "in-memory Sandblaster" if plan.in_one_process else self.framework.value
 
+    def notes(self, plan) -> list[str]:
+        """Which exchange runs over processes under cluster.max_restarts, and what a dead process costs."""
+        if replicated(plan):
+            return [f"replicated over {plan.nprocs} processes (cluster.max_restarts {plan.max_restarts}): each process updates the "
+                    "whole params from one all-reduce of the gradients a step; a dead or stalled process other than 0 is left "
+                    "out (the mean over the rows that came) and, restarted, heals from process 0 at the next step"]
+        if plan.max_restarts > 0 and not plan.in_one_process:
+            why = ("cluster.compression" if plan.cluster.compression != job_pb2.kNone
+                   else "a partitioned group" if plan.partitioned else "processes without workers")
+            return [f"cluster.max_restarts: {why} keeps the sliced exchange, which cannot go on without a process: "
+                    "the job stops at the first dead one"]
+        return []
+
+    def goes_on_without_a_process(self, plan) -> bool:
+        return replicated(plan)
+
     def process_groups(self, placement, devices, nnodes: int, partition) -> tuple:
         # a partitioned group spanning processes also moves activations and their gradients over bridge groups
         return sliced_groups(placement, devices, nnodes) + bridge_groups(partition, placement, devices, nnodes)
 
     # -- cost model ---------------------------------------------------------------------------------
+    def served_elements(self, model, rank: int, served: int) -> int:
+        """Replicated, every process updates the whole params."""
+        return model.elements if model.plan.in_one_process or replicated(model.plan) else served
+
     def traffic(self, model, move) -> None:
+        if replicated(model.plan):  # a ring all-reduce: each process sends its neighbour 2(P-1)/P of the flat sum
+            ranks = [p.rank for p in model.plan.placement.processes]
+            ring = 2 * (len(ranks) - 1) / len(ranks)
+            for i, r in enumerate(ranks):
+                move(r, ranks[(i + 1) % len(ranks)], ring * FLOAT * replicated_flat_elements(model))
+            return
         self._traffic(model, move, move)
 
     def _traffic(self, model, move, back) -> None:
@@ -128,6 +179,11 @@ class AllReduce(Strategy):
         plan = model.plan
         if plan.in_one_process:
             return []
+        if replicated(plan):  # runtime/exchanges/replicated.py: mean_gradients, through shoal.comm.quorum's meet
+            ranks = tuple(p.rank for p in plan.placement.processes)
+            return [Messages("replicated: one all-reduce of the gradients (with their rows and has-gradient flags)", 1, "collective", ranks),
+                    Messages("the chief's word on the step: each process's report and the outcome, through the job's store", 2,
+                             "message", (0, ranks[-1]))]
         workers = {p.rank for p in plan.placement.processes if p.workers}
         parts = encoded_parts(plan.cluster)
         dense = plan.cluster.compression == job_pb2.kNone
@@ -166,6 +222,11 @@ class AllReduce(Strategy):
             reduce = (3 * (p - 1) + 2 * scaled) * FLOAT * max(0, model.elements - local) / model.calib.bandwidth(threads)
             update = model.update_s(model.elements - local, threads) + model.update_s(local // max(1, p), threads, p)
             return Phases(reduce=reduce, update=update)
+        if replicated(plan):  # the process's workers summed in memory, then every process updates the whole params
+            per_proc = len(plan.placement.processes[0].workers) or 1
+            reduce = 3 * FLOAT * (per_proc - 1) * model.elements / model.calib.bandwidth(threads * per_proc)
+            on_host0 = sum(1 for p in plan.placement.processes if model.where[p.rank] == model.where[0])
+            return Phases(reduce=reduce, update=model.update_s(model.elements, threads, on_host0), exchange=model.exchange_s(links))
         owned_by: dict[int, int] = {}
         for s in plan.placement.slices:
             if s.param in model.trainable:
@@ -221,11 +282,38 @@ class AllReduce(Strategy):
         if plan.in_one_process:
             trainer.attach_exchange(LocalExchange(Server(trainer.store, updater)))
             return
+        if replicated(plan):
+            world = collectives.Group("world", tuple(range(plan.nprocs)), None, "nccl" in comm.backend_name())
+            first = None if run.rejoining else world  # a restarted process knocks instead
+            quorum = Quorum(run.rank, range(plan.nprocs), {r: r for r in range(plan.nprocs)}, channels.Door(DOOR), first=first,
+                            timeout_s=plan.comm_timeout_s, admits=True)
+            log = lambda line: trainer.log(line)  # noqa: E731 (the trainer's log once it runs: above a progress bar)
+            trainer.attach_exchange(ReplicatedExchange(trainer.store, updater, quorum, run.rank, plan.global_batch, first,
+                                                       log=log, annotate=_annotator(trainer)))
+            return
         # cluster.compression over processes: a fresh codec per sender (top-k keeps its residual)
         codecs = codec_factory(plan.cluster.compression, plan.cluster.topk_fraction)
         trainer.attach_exchange(SlicedExchange(trainer.store, updater, plan.placement, run.rank, plan.global_batch,
                                                trainer.workers, bucket_cap=plan.bucket_elements, codecs=codecs,
                                                groups=run.process_groups))
+
+    def after_values(self, run, spec) -> None:
+        exchange = run.trainers[0].exchange
+        if isinstance(exchange, ReplicatedExchange):
+            exchange.start_from()  # every replica from the chief's values
+            if spec.rejoin is not None:  # a restarted process: from the chief's state, at the next step
+                rejoined.complete(run, spec)
+
+    def complete_rejoin(self, run, incarnation: int) -> tuple[int, int, dict]:
+        return run.chief.exchange.rejoin(incarnation)
+
+
+def _annotator(trainer):
+    """How the exchange adds fields to summary.json: through the chief's run log, once the run has one."""
+    def annotate(fields: dict) -> None:
+        if trainer.metrics is not None:
+            trainer.metrics.annotate(**fields)
+    return annotate
 
 
 STRATEGY = AllReduce()

@@ -1,0 +1,493 @@
+"""`shoal.session()`: shoal's layouts, data sharding, checkpoints and metrics as a few calls inside the user's own loop.
+
+    run = shoal.session()                       # the cluster from `shoal run script.py --set cluster.…`, or keywords
+    model = run.model(model)                    # the same module, on this worker's device, equal on every replica
+    opt = run.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, f)
+    for step, batch in run.batches(train_set, batch_size=12):   # this worker's rows, reshuffled per epoch, resumable
+        loss = loss_fn(model, batch); loss.backward()          # under AllReduce: the group's mean gradient in .grad
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step(); opt.zero_grad(); sched.step()              # Local SGD / DiLoCo: the meeting inside opt.step()
+        run.log(step, loss=loss)                               # metrics.jsonl, display lines
+        if step % 100 == 0: run.checkpoint()                   # `--resume` continues exactly
+
+Nothing of the loop is copied or re-run: the module, its optimizer and the scheduler stay the user's objects.
+Where the process comes from (one process here, one per rank under `shoal run script.py`): session_start.py; what
+runs inside backward and opt.step(): runtime/session_exchange.py. docs/python.md, "Your own loop".
+"""
+from __future__ import annotations
+
+import atexit
+import gc
+import json
+import sys
+import time
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Union
+
+import torch
+
+from shoal.config import job_pb2
+from shoal.config.phases import fires
+from shoal.data.in_place import reader_for, to_device
+from shoal.frontend import script
+from shoal.frontend.fit import as_dataset
+from shoal.frontend.session_start import (SessionError, check_layout, plan_session, rank_context, refuse_unstarted, same_job,
+                                          session_job, start_ranks, started_by_a_launcher)
+from shoal.neuralnet import checkpoint as ckpt_io
+from shoal.neuralnet.params import ParamStore
+from shoal.planning.plan import JobPlan
+from shoal.planning.shares import batch_shares
+from shoal.report.metrics import MetricsLog, MetricWindow, display_line
+from shoal.report.run_log import open_run_log
+from shoal.runtime import session_exchange
+from shoal.runtime.replicas import torch_device, usable_device_names
+
+OPTIMIZER_STATE = "optimizer"  # checkpoint slots: state/optimizer.<index>/<slot>
+
+
+def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int = 100, seed: int = 0, disp_freq: int = 10,
+            checkpoint_freq: int = 0, workspace: Optional[Union[str, Path]] = None, resume: bool = False,
+            name: str = "session", log: Callable[[str], None] = print) -> "Session":
+    """This process's part of the user's own training loop (docs/python.md, "Your own loop").
+
+    cluster: shoal.Cluster(...) (the layout: single worker, AllReduce over processes, Local SGD / DiLoCo over
+    processes); `shoal run script.py --set cluster.…` overrides it, as --set train_steps=, --workspace and --resume do.
+    train_steps: where run.batches() stops. seed: the data order's. disp_freq: a display line and a metrics record
+    every this many steps. checkpoint_freq: also checkpoint every this many steps (run.checkpoint() any time).
+    Under `shoal run script.py` a layout of several processes starts one per rank running this script from the top:
+    this call does not return in the launcher, which exits with the job's outcome."""
+    context = rank_context()
+    job = session_job(cluster, train_steps, seed, disp_freq, checkpoint_freq, name)
+    if context is not None:  # a rank the launcher started: its plan is the launcher's
+        same_job(job, context.plan)
+        return Session(context.plan, context.rank, context.workspace, context.resume_from, context.log, owned=None)
+    launched = started_by_a_launcher()
+    plan = plan_session(job, launched.nnodes if launched is not None else 1)
+    if launched is not None:  # torchrun, srun, env://: this process is one rank of the world they started
+        return Session.launched(plan, launched, workspace, resume, log)
+    if not plan.in_one_process:
+        if script.running_path() is None:
+            refuse_unstarted(plan)
+        raise SystemExit(start_ranks(plan, Path(workspace) if workspace else None, resume, log))
+    return Session.in_this_process(plan, workspace, resume, log)
+
+
+class Session:
+    """One process's part of a user's loop: its plan, rank, device, workspace and what it wraps."""
+
+    def __init__(self, plan: JobPlan, rank: int, workspace: Path, resume_from: Optional[Path], log: Callable[[str], None],
+                 owned=None):
+        check_layout(plan)
+        self.plan, self.rank, self.workspace, self.say = plan, rank, Path(workspace), log
+        self.job = plan.job
+        self.chief = rank == 0
+        self.distributed = not plan.in_one_process
+        hosted = plan.process(rank).workers[0]
+        self.group, self.worker = hosted.group, hosted.id
+        self.device = torch_device(usable_device_names(plan.devices_of(rank))[0])
+        if self.distributed:
+            torch.set_num_threads(plan.threads_per_worker)  # every process of the host shares its cores
+        self._owned = owned  # release(status, reason): the workspace's lock and the registry's entry, by close()
+        self.resumed = ckpt_io.load(resume_from, parts=True) if resume_from is not None else None
+        self._mine = self._own_part(self.resumed, resume_from) if self.resumed is not None else None
+        self.start_step = int(self._mine.trainer.get("next_step", self.resumed.step)) if self._mine is not None else 0
+        self.step = self.start_step
+        self.module: Optional[torch.nn.Module] = None
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.schedulers: list = []
+        self.exchange = None  # the strategy's: Local SGD / DiLoCo's PeriodicExchange, or a replicated group's
+        self.mean: Optional[session_exchange.GradientMean] = None
+        self.window = MetricWindow()
+        self.window_rows = 0
+        self.exchange_seconds = 0.0
+        self._window_start = time.perf_counter()
+        self._batch = 0
+        self._share = 1
+        self._closed = False
+        self._finished = False
+        self._displayed = -1  # the step whose display line is out (a checkpoint at a display step shows it first)
+        self.metrics: Optional[MetricsLog] = None
+        if self.chief:
+            self.metrics = open_run_log(plan, self.workspace, float(self._mine.trainer.get("elapsed", 0.0)) if self._mine else 0.0,
+                                        usable_device_names(plan.all_devices()), self.start_step if self.resumed else None)
+        if self._mine is not None:
+            self.window.load_state(self._mine.trainer.get("window", {}))
+        atexit.register(self.close)
+
+    @property
+    def processes(self) -> int:
+        """How many processes run this loop (this one is `rank`; 0 is the chief, which writes the metrics)."""
+        return self.plan.nprocs
+
+    @property
+    def label(self) -> str:
+        """The layout's framework as `shoal plan` names it (single worker, AllReduce, DiLoCo ...)."""
+        return self.plan.label
+
+    @classmethod
+    def in_this_process(cls, plan: JobPlan, workspace, resume, log) -> "Session":
+        """One process: this one holds the workspace (never clobbered) and the job's registry entry while the loop runs."""
+        from shoal.launcher import elastic, job_registry
+        from shoal.launcher.run_job import resolve_workspace
+        from shoal.launcher.workspace import WorkspaceLock, check_workspace, claim, prepare
+
+        ws = resolve_workspace(plan.job, script.workspace(Path(workspace) if workspace else None))
+        check_workspace(ws)
+        claim(ws)
+        lock = WorkspaceLock(ws, plan.job.name)
+        lock.__enter__()
+        try:
+            resume_from = prepare(ws, elastic.resolve_resume(ws, script.resume(resume), plan.job), log)
+            record = job_registry.register(plan.job.name, str(script.running_path() or "<shoal.session>"), ws)
+        except BaseException:
+            lock.__exit__(None, None, None)
+            raise
+        log(f"Job {record.id}: {plan.label}; workspace {ws}")
+
+        def release(status: str, reason: Optional[str]) -> None:
+            job_registry.finish(record, status, reason or "")
+            lock.__exit__(None, None, None)
+
+        try:
+            return cls(plan, 0, ws, resume_from, log, owned=release)
+        except BaseException as err:  # (a checkpoint that does not fit, say): the workspace is released, the job failed
+            release("failed", str(err).splitlines()[0] if str(err) else type(err).__name__)
+            raise
+
+    @classmethod
+    def launched(cls, plan: JobPlan, launched, workspace, resume, log) -> "Session":
+        """A rank of a world torchrun, srun or a PyTorchJob started (each process runs the script): it joins the world
+        as a job file's rank does (launcher/elastic.py's launched_job: rank 0 holds the workspace and the registry
+        entry, the others wait for its word), and the loop runs here until close()."""
+        from contextlib import ExitStack
+
+        from shoal.launcher.elastic import launched_job
+        from shoal.launcher.options import RunOptions
+        from shoal.launcher.run_job import resolve_workspace
+
+        ws = resolve_workspace(plan.job, script.workspace(Path(workspace) if workspace else None))
+        stack = ExitStack()
+        options = RunOptions(workspace=ws, resume=script.resume(resume), log=log)
+        resume_from, say = stack.enter_context(launched_job(plan, options, launched, str(script.running_path() or
+                                                                                           sys.argv[0] or "<shoal.session>"), ws))
+
+        def release(status: str, reason: Optional[str]) -> None:
+            if status == "finished":
+                stack.close()
+            else:  # the rank's end as the launcher's: recorded failed, its stall watch and the world closed
+                stack.__exit__(SessionError, SessionError(reason or status), None)
+
+        try:
+            return cls(plan, launched.rank, ws, resume_from, say, owned=release)
+        except BaseException as err:
+            stack.__exit__(type(err), err, err.__traceback__)
+            raise
+
+    def _own_part(self, ckpt: ckpt_io.Checkpoint, path: Path) -> ckpt_io.Checkpoint:
+        """This rank's part of the checkpoint: the chief's file for rank 0, and for every replica of a synchronous group
+        (they are equal); a Local SGD group's own part, or the chief's where its group was missing when it was written."""
+        name = ckpt_io.part_name(ckpt.step, self.group, self.rank)
+        if self.rank == 0 or not self.plan.strategy.meets:
+            return ckpt
+        if name not in ckpt.parts:
+            self.say(f"{path}: no part of worker group {self.group} (it was missing from the meetings): it starts from "
+                     "worker group 0's state")
+            return ckpt
+        return ckpt.parts[name]
+
+    # -- the user's objects ------------------------------------------------------------------------------
+    def model(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The module itself, on this worker's device, its values the checkpoint's (--resume) or rank 0's on every
+        replica; under AllReduce its gradients become the group's mean at the end of each backward."""
+        if not isinstance(module, torch.nn.Module):
+            raise SessionError(f"run.model: expected a torch.nn.Module, got {type(module).__name__}")
+        if self.module is not None:
+            raise SessionError("run.model: one module per session")
+        module.to(self.device)
+        self.module = module
+        if self._mine is not None:
+            self._load_module(module)
+        elif self.distributed:
+            session_exchange.broadcast_values([t for t in module.state_dict().values() if isinstance(t, torch.Tensor)])
+        trained = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        store = ParamStore.viewing([(n, p.data) for n, p in trained])
+        saved = dict(self._mine.exchange) if self._mine is not None else None
+        if self.distributed and self.plan.strategy.synchronous:
+            # the strategy's exchange where it is a replicated one (AllReduce under --max-restarts: the mean over the
+            # members that came, the group going on without a dead process), else the plain all-reduce
+            self.exchange = session_exchange.replicated_exchange(self.plan, self.rank, store, self.start_step, saved,
+                                                                 self.metrics, self.say)
+            self.mean = session_exchange.GradientMean(trained, self.exchange, 1, lambda: self.step)
+        elif self.distributed and self.plan.strategy.meets:
+            self.exchange = session_exchange.attached_exchange(self.plan, self.rank, store, self.group, self.start_step,
+                                                               resumed=self._mine is not None, saved=saved, metrics=self.metrics)
+        return module
+
+    def _load_module(self, module: torch.nn.Module) -> None:
+        saved = self._mine.params
+        state = module.state_dict()
+        missing = [k for k in state if k not in saved]
+        if missing:
+            raise SessionError(f"--resume: the checkpoint has no value for {missing[0]!r} of the module (another model?)")
+        for key, value in state.items():
+            if tuple(saved[key].shape) != tuple(value.shape):
+                raise SessionError(f"--resume: {key!r} has shape {tuple(saved[key].shape)} in the checkpoint and "
+                                   f"{tuple(value.shape)} in the module")
+        with torch.no_grad():
+            for key, value in state.items():
+                value.copy_(saved[key].to(value.device))
+
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The user's optimizer itself; its step is the step boundary (Local SGD / DiLoCo meet after it)."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise SessionError(f"run.optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        index = len(self.optimizers)
+        self.optimizers.append(optimizer)
+        if self._mine is not None:
+            optimizer.load_state_dict(self._optimizer_state(index))
+        if index == 0:  # one step boundary per step: the first optimizer's (Local SGD / DiLoCo meet after it)
+            optimizer.register_step_post_hook(self._after_update)
+        return optimizer
+
+    def scheduler(self, scheduler):
+        """Checkpoint a scheduler made after the loop started (those made before are found by themselves)."""
+        if scheduler not in self.schedulers:
+            self.schedulers.append(scheduler)
+        return scheduler
+
+    def _after_update(self, optimizer, args, kwargs) -> None:
+        """The step boundary, after the user's update: Local SGD / DiLoCo's meeting when it is due; a replicated group's
+        next quorum."""
+        if self.exchange is None:
+            return
+        started = time.perf_counter()
+        if self.mean is not None:
+            self.exchange.heal(self.step)
+        else:
+            self.exchange.step(self.step, [({}, self._share)])  # the inner update was the user's: the meeting when it is due
+        self.exchange_seconds += time.perf_counter() - started
+
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Backward passes inside add to `.grad` without the group's mean (gradient accumulation's micro-batches, as
+        DDP's no_sync): the backward after it takes the mean of the sum."""
+        with self.mean.accumulating() if self.mean is not None else nullcontext():
+            yield
+
+    # -- data --------------------------------------------------------------------------------------------
+    def batches(self, dataset, batch_size: int, shuffle: bool = True, seed: Optional[int] = None) -> Iterator[tuple[int, Any]]:
+        """(step, this worker's rows of the group's batch) for each step to train_steps, on the worker's device.
+
+        The rows of a step are a pure function of the step (shoal.data.in_place: reshuffled per epoch from `seed`,
+        default the session's): a resumed run reads what the uninterrupted one would, and a group's batch split over
+        its workers reads the rows one worker would. Local SGD's groups read disjoint shards of an epoch."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise SessionError(f"run.batches: batch_size must be a whole number from 1, got {batch_size!r}")
+        if self.module is None:
+            raise SessionError("run.batches: give the module to run.model(...) first")
+        data = as_dataset(dataset, "run.batches")
+        shares = batch_shares(job_pb2.StoreProto(batchsize=[batch_size]), self.plan.cluster.nworkers_per_group)
+        offset, self._share, self._batch = sum(shares[: self.worker]), shares[self.worker], batch_size
+        if self._share < 1:
+            raise SessionError(f"run.batches: batch_size {batch_size} leaves worker {self.worker} no rows "
+                               f"({self.plan.cluster.nworkers_per_group} workers per group)")
+        if self.mean is not None:
+            self.mean.share = self._share
+            if self.exchange is None:  # TEMPORARY: the plain all-reduce (session_exchange.PlainAllReduceMean)
+                self.mean.mean = session_exchange.PlainAllReduceMean(batch_size)
+        skip = self.plan.group_shards.offset(self.group, 0, len(data))
+        reader = reader_for(data, self.job.seed if seed is None else seed, shuffle, batch_size)
+        self._restore_loop_state()
+        self._window_start = time.perf_counter()
+        for step in range(self.start_step, self.job.train_steps):
+            self.step = step
+            if self.distributed:
+                session_exchange.note_step(step)
+            yield step, to_device(reader.batch(skip + step * batch_size + offset, self._share), self.device)
+            self.window_rows += self._share
+            if self.job.checkpoint_freq and fires(self.job.checkpoint_freq, self.job.checkpoint_after, step + 1):
+                self.checkpoint()
+            if self._displays(step) and self._displayed != step:
+                self._display(step)
+        self._finish()
+
+    def _restore_loop_state(self) -> None:
+        """At the loop's start: the schedulers over this session's optimizers (made after run.optimizer), and on a
+        resume their state, the optimizers' learning rates they set, and the random generators."""
+        for found in _schedulers_of(self.optimizers):
+            self.scheduler(found)
+        if self._mine is None:
+            return
+        saved = self._mine.trainer.get("schedulers", [])
+        if len(saved) != len(self.schedulers):
+            raise SessionError(f"--resume: the checkpoint holds {len(saved)} scheduler(s), this loop has {len(self.schedulers)}")
+        for scheduler, state in zip(self.schedulers, saved):
+            scheduler.load_state_dict(state)
+        for index, optimizer in enumerate(self.optimizers):  # the learning rates as they were (a new scheduler set its first)
+            optimizer.load_state_dict(self._optimizer_state(index))
+        rng = self._mine.rng
+        if "torch" in rng:
+            torch.set_rng_state(rng["torch"])
+        cuda = [rng[f"cuda/{i}"] for i in range(torch.cuda.device_count()) if f"cuda/{i}" in rng]
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda)
+
+    # -- metrics -----------------------------------------------------------------------------------------
+    def log(self, step: int, **values) -> None:
+        """Metrics of this step (numbers or 0-d tensors, means over this worker's rows): averaged over the display
+        window, written to metrics.jsonl and shown every disp_freq steps by the chief (its own rows)."""
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                value = value.detach()
+            self.window.report(name, value, self._share)
+
+    def _displays(self, step: int) -> bool:
+        return fires(self.job.disp_freq, self.job.disp_after, step) or step + 1 == self.job.train_steps
+
+    def _display(self, step: int) -> None:
+        self._displayed = step
+        now = time.perf_counter()
+        seconds = max(now - self._window_start, 1e-9)
+        exchanged = self.exchange_seconds + (self.mean.seconds if self.mean is not None else 0.0)
+        rows = self.window_rows * (self.plan.nworkers if self.distributed else 1)  # every replica trained as many
+        values = self.window.averages() if self.window else {}
+        if self.chief:
+            self.say(display_line("Train", step, values))
+            if self.metrics is not None:
+                self.metrics.write(step, "train", values, samples=rows, samples_per_sec=round(rows / seconds, 2),
+                                   window_sec=round(seconds, 6), compute_sec=round(max(0.0, seconds - exchanged), 6),
+                                   exchange_sec=round(exchanged, 6))
+        self.window.reset()
+        self.window_rows, self.exchange_seconds = 0, 0.0
+        if self.mean is not None:
+            self.mean.seconds = 0.0
+        self._window_start = now
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def checkpoint(self) -> Path:
+        """Write the state after this step's update: the module's values, the optimizers' and schedulers' state, the
+        data position, torch's random generators and the exchange's state (Local SGD's anchor and outer state); every
+        process writes its part, then the chief the file that lists them. `--resume` continues with the next step."""
+        done = self.step + 1
+        if self._displays(self.step) and self._displayed != self.step:  # the window closes before it is saved
+            self._display(self.step)
+        path = ckpt_io.checkpoint_file(self.workspace, done)
+        # a synchronous group's replicas are equal: the chief's file is the checkpoint. Local SGD's groups each write
+        # their part, which the chief's file lists (required, but for groups missing from the meetings): no barrier, so
+        # that a dead group never holds the others up; a resume refuses a checkpoint with a required part missing
+        if self.rank != 0 and self.plan.strategy.meets:
+            ckpt_io.save(ckpt_io.part_file(self.workspace, done, self.group, self.rank), self._state(done))
+        if self.rank == 0:
+            ckpt = self._state(done)
+            if self.plan.strategy.meets:
+                absent = self.exchange.absent_groups if self.exchange is not None else frozenset()
+                ckpt.part_names = {ckpt_io.part_name(done, g, r): g not in absent
+                                   for r in range(1, self.plan.nprocs) for g in [self.plan.process(r).workers[0].group]}
+            ckpt_io.save(path, ckpt)
+        return path
+
+    def _state(self, done: int) -> ckpt_io.Checkpoint:
+        params = {k: v for k, v in self.module.state_dict().items() if isinstance(v, torch.Tensor)} if self.module else {}
+        optimizers, updater_state = [], {}
+        for index, optimizer in enumerate(self.optimizers):
+            described, tensors = _split_tensors(optimizer.state_dict(), f"optimizer {index}")
+            optimizers.append(described)
+            for key, value in tensors.items():
+                updater_state.setdefault(f"{OPTIMIZER_STATE}.{index}", {})[key] = value
+        schedulers = [_json_only(s.state_dict(), "a scheduler") for s in self.schedulers]
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            rng |= {f"cuda/{i}": state for i, state in enumerate(torch.cuda.get_rng_state_all())}
+        elapsed = self.metrics.elapsed() if self.metrics is not None else 0.0
+        exchange = session_exchange.exchange_state(self.exchange) if self.exchange is not None else {}
+        trainer = {"next_step": done, "optimizers": optimizers, "schedulers": schedulers, "window": self.window.state(),
+                   "elapsed": elapsed, "session": True}
+        return ckpt_io.Checkpoint(step=done, params=params, updater_state=updater_state, rng=rng, trainer=trainer,
+                                  exchange=exchange)
+
+    def _optimizer_state(self, index: int) -> dict:
+        described = self._mine.trainer.get("optimizers", [])
+        if index >= len(described):
+            raise SessionError(f"--resume: the checkpoint holds {len(described)} optimizer(s), this loop has more")
+        return _join_tensors(described[index], self._mine.updater_state.get(f"{OPTIMIZER_STATE}.{index}", {}))
+
+    # -- the end -----------------------------------------------------------------------------------------
+    def _finish(self) -> None:
+        if self.exchange is not None:
+            self.exchange.finish()
+        self._finished = True
+        self.close()
+
+    def close(self) -> None:
+        """The run log closed (finished, or failed when the loop stopped before train_steps), the workspace released."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.mean is not None:
+            self.mean.remove()
+        status, reason = ("finished", None) if self._finished else ("failed", f"the loop stopped at step {self.step}")
+        if self.metrics is not None:
+            self.metrics.close(status, reason)
+        if self._owned is not None:
+            self._owned(status, reason)
+
+
+def _schedulers_of(optimizers: list) -> list:
+    """The LR schedulers stepping these optimizers: a scheduler holds its optimizer, and nothing but the user's loop
+    holds the scheduler, so they are found among the optimizers' referrers (the object itself, or its __dict__ where
+    Python keeps one apart)."""
+    def is_scheduler(obj) -> bool:  # type(): a lazy module's __class__ would import it
+        return issubclass(type(obj), torch.optim.lr_scheduler.LRScheduler) and any(obj.optimizer is o for o in optimizers)
+
+    found = []
+    for holder in gc.get_referrers(*optimizers) if optimizers else ():
+        owners = gc.get_referrers(holder) if type(holder) is dict else [holder]
+        found += [obj for obj in owners if is_scheduler(obj) and getattr(obj, "__dict__", None) is (holder if type(holder) is dict
+                                                                                                    else obj.__dict__)]
+    return list({id(s): s for s in found}.values())
+
+
+def _split_tensors(state: Any, what: str, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+    """A state_dict as JSON with every tensor replaced by {"tensor": key}, and the tensors by key (safetensors)."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(value, path):
+        if isinstance(value, torch.Tensor):
+            tensors[path] = value
+            return {"tensor": path}
+        if isinstance(value, dict):
+            return {"dict": [[walk(k, f"{path}.k{i}"), walk(v, f"{path}.{i}")] for i, (k, v) in enumerate(value.items())]}
+        if isinstance(value, (list, tuple)):
+            return {"tuple" if isinstance(value, tuple) else "list": [walk(v, f"{path}.{i}") for i, v in enumerate(value)]}
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return {"value": value}
+        raise SessionError(f"run.checkpoint: {what} holds a {type(value).__name__}, which a checkpoint does not store "
+                           "(tensors, numbers, strings, lists and dicts only)")
+
+    return walk(state, prefix or "s"), tensors
+
+
+def _join_tensors(described: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    def walk(node):
+        (kind, value), = node.items()
+        if kind == "tensor":
+            return tensors[value]
+        if kind == "dict":
+            return {walk(k): walk(v) for k, v in value}
+        if kind in ("list", "tuple"):
+            items = [walk(v) for v in value]
+            return tuple(items) if kind == "tuple" else items
+        return value
+
+    return walk(described)
+
+
+def _json_only(state: dict, what: str) -> dict:
+    """A scheduler's state_dict as it is (JSON): one holding a tensor or a function is refused in one line."""
+    try:
+        json.dumps(state)
+    except (TypeError, ValueError):
+        raise SessionError(f"run.checkpoint: {what}'s state_dict holds values a checkpoint does not store (JSON only)") from None
+    return state

@@ -1,0 +1,172 @@
+"""Where a `shoal.session()` comes from: its job and plan, the layouts it runs, and which process runs the user's loop.
+
+- A layout of one process: the loop runs here (this process holds the workspace's lock and the job's registry entry
+  while it runs).
+- Several processes under `shoal run script.py`: this process (the launcher) starts one process per rank through
+  shoal's launcher (launcher/launch.py: its rendezvous, signed store and secret, as for a job file), each running the
+  script from the top, as torchrun does (`run_rank_script`); it waits for them and exits with the job's outcome. The
+  user's loop never runs in the launcher.
+- Inside such a rank: the session is that rank's (`rank_context`), its job checked against the launcher's.
+- A process torchrun, srun or a PyTorchJob started (launcher/launchers.py reads their environment): it is one rank
+  and runs the loop itself (frontend/session.py, `Session.launched`).
+- Several processes from a plain `python script.py`: refused in one line.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from shoal.config import job_pb2
+from shoal.config.validate import validate_cluster
+from shoal.errors import ShoalError
+from shoal.frontend import script
+from shoal.frontend.keras import Cluster
+from shoal.launcher.options import RunOptions
+from shoal.planning.plan import JobPlan, plan_job
+
+
+class SessionError(ShoalError, ValueError):
+    """A session that cannot run as asked: one line naming the argument or the layout."""
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """This process is rank `rank` of a job shoal's launcher started for a session (set before the script runs)."""
+
+    plan: JobPlan
+    rank: int
+    workspace: Path
+    resume_from: Optional[Path]
+    log: Callable[[str], None]
+
+
+_RANK: Optional[RankContext] = None
+
+
+def rank_context() -> Optional[RankContext]:
+    return _RANK
+
+
+def session_job(cluster: Optional[job_pb2.ClusterProto], train_steps: int, seed: int, disp_freq: int,
+                checkpoint_freq: int, name: str) -> job_pb2.JobProto:
+    """The job of a session: its cluster and counts, no net (the user's module is not shoal's to build), and an
+    updater that applies nothing (the user's optimizer updates; an exchange's own inner updater never moves a value)."""
+    for what, value, least in (("train_steps", train_steps, 1), ("seed", seed, 0), ("disp_freq", disp_freq, 1),
+                               ("checkpoint_freq", checkpoint_freq, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise SessionError(f"shoal.session: {what} must be a whole number from {least}, got {value!r}")
+    if cluster is not None and not isinstance(cluster, job_pb2.ClusterProto):
+        raise SessionError(f"shoal.session: cluster= is a shoal.Cluster(...), got {type(cluster).__name__}")
+    job = job_pb2.JobProto(name=name, train_steps=train_steps, seed=seed, disp_freq=disp_freq, checkpoint_freq=checkpoint_freq)
+    job.cluster.CopyFrom(cluster if cluster is not None else Cluster())
+    job.updater.type = job_pb2.kSGD
+    job.updater.learning_rate.type = job_pb2.kFixed
+    job.updater.learning_rate.base_lr = 0.0
+    job = script.applied(job)  # under `shoal run script.py`: the command line's --set
+    for field, message in validate_cluster(job.cluster):
+        raise SessionError(f"shoal.session: cluster.{field}: {message}")
+    if job.train_steps < 1:
+        raise SessionError(f"shoal.session: train_steps must be >= 1, got {job.train_steps}")
+    return job
+
+
+def check_layout(plan: JobPlan) -> None:
+    """The layouts a user's loop runs today: one worker in one process; a synchronous group over processes, one worker
+    each (AllReduce: the replicated update); Local SGD / DiLoCo groups over processes, one worker each. Every other
+    layout is refused in one line naming it and what runs it."""
+    c = plan.cluster
+    one_worker_each = all(len(p.workers) == 1 for p in plan.placement.processes) and not any(p.servers and not p.workers
+                                                                                           for p in plan.placement.processes)
+    if plan.in_one_process and plan.nworkers == 1:
+        return
+    if not plan.in_one_process and one_worker_each and not c.server_worker_separate and c.nworker_groups == 1 \
+            and plan.strategy.synchronous:
+        return
+    if not plan.in_one_process and one_worker_each and plan.strategy.meets and c.nworkers_per_group == 1:
+        if plan.cluster.HasField("sparse_outer_step"):
+            raise SessionError("shoal.session: SparseLoCo (cluster.sparse_outer_step) is not supported in your own loop yet: "
+                               "use a job file or shoal.fit")
+        return
+    where = "in one process" if plan.in_one_process else f"over {plan.nprocs} processes"
+    raise SessionError(f"shoal.session: {plan.label} {where} ({plan.nworkers} workers) is not supported in your own loop yet "
+                       "(one worker per process: single worker, AllReduce, Local SGD / DiLoCo): use a job file "
+                       "(`shoal run job.conf`) or shoal.fit for it")
+
+
+def plan_session(job: job_pb2.JobProto, nnodes: int = 1) -> JobPlan:
+    """`shoal plan script.py` plans the session's job and stops the script here; else the plan (on `nnodes` hosts: a
+    launcher's), its layout checked."""
+    try:
+        script.plan_instead(job)
+    except ShoalError as err:
+        if "neuralnet" not in str(err):
+            raise
+        raise SessionError("shoal plan: a shoal.session()'s job has no net to estimate (its module is yours, built after "
+                           "the session): `shoal plan script.py` without --estimate/--compare/--recommend shows its layout") from None
+    plan = plan_job(job, nnodes=nnodes)
+    check_layout(plan)
+    return plan
+
+
+def started_by_a_launcher():
+    """This process's place in a world torchrun, srun or env:// started (launcher/launchers.py), or None."""
+    from shoal.launcher.elastic import launched_process
+
+    return launched_process(nodes_given=False)
+
+
+def start_ranks(plan: JobPlan, workspace: Optional[Path], resume, log: Callable[[str], None]) -> int:
+    """Under `shoal run script.py`: one process per rank, each running the script from the top; returns the exit
+    status once every one has ended (a failure is the launcher's one line, a ProcessFailed)."""
+    from shoal.launcher.run_job import resolve_workspace, train_job
+    from shoal.report.progress import closing_line
+
+    settings = script.settings()
+    path = Path(script.running_path())
+    main = functools.partial(run_rank_script, str(path), list(script.running_argv()), settings)
+    ws = resolve_workspace(plan.job, script.workspace(workspace))
+    # runpy made the script this process's __main__: multiprocessing would import it again in the forkserver and in
+    # every rank it starts (running the user's loop there). Each rank runs the script itself, from the top
+    saved, sys.modules["__main__"] = sys.modules["__main__"], types.ModuleType("__main__")
+    try:
+        history = train_job(plan.job, RunOptions(workspace=ws, resume=script.resume(resume), log=log, plan=plan,
+                                                 rank_main=main, progress=False), job_file=str(path))
+    finally:
+        sys.modules["__main__"] = saved
+    log(closing_line(history.workspace))
+    return 0
+
+
+def refuse_unstarted(plan: JobPlan) -> None:
+    """Several processes, and nothing started them (a plain `python script.py`): one line and exit status 2, as the
+    CLI's refusals (no traceback: the script is fine, the command that started it is not)."""
+    print(f"shoal.session: {plan.label} runs {plan.nprocs} processes: start the script with `shoal run "
+          f"{Path(sys.argv[0]).name if sys.argv and sys.argv[0] else 'script.py'} --set cluster.…`, which starts one "
+          "process per rank (or with torchrun: `torchrun --nproc-per-node N script.py`, SHOAL_JOB_SECRET set)", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def run_rank_script(path: str, argv: list[str], settings: script.ScriptSettings, plan: JobPlan, rank: int, spec) -> None:
+    """A rank of a session's job (launcher/launch.py calls it after the rank joined the world): the script, from the
+    top, with this rank's context for its `shoal.session()`."""
+    global _RANK
+    _RANK = RankContext(plan, rank, Path(spec.workspace), spec.resume_from, spec.log)
+    try:
+        status = script.run_script(Path(path), argv, settings, expected=(ShoalError,))
+    finally:
+        _RANK = None
+    if status:
+        raise script.ScriptError(f"{path}: process {rank} exited with status {status}")
+
+
+def same_job(given: job_pb2.JobProto, plan: JobPlan) -> None:
+    """A rank's script asked for the job its launcher planned (the script runs once per process: a value that differs
+    between them, a random draw or the time, would make them disagree)."""
+    if given.SerializeToString(deterministic=True) != plan.job.SerializeToString(deterministic=True):
+        raise SessionError("shoal.session: this process's session differs from the launcher's (its keywords changed "
+                           "between processes): give every process the same cluster, train_steps and seed")
+

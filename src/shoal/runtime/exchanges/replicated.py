@@ -1,0 +1,242 @@
+"""ReplicatedExchange: one synchronous group over processes that goes on without a dead or stalled process
+(AllReduce under cluster.max_restarts; issue 38, point 1).
+
+Every process holds a whole replica: the params, and the updater's state for all of them. Each step, a process sums
+its own workers' gradients weighted by their rows (Σ rows_w · g_w), and the processes all-reduce that sum, a
+has-gradient flag per param and the rows, through the job's quorum (shoal.comm.quorum, `Quorum.meet(step, step, ...)`:
+the chief decides after the all-reduce which members' sum counts, and a failed sum is summed again over the members
+that remain, on a gloo group re-formed over them). Every replica then divides by the rows that came and applies the
+job's updater to that same mean: the replicas stay equal without any values travelling.
+
+A step without a member is the mean of the gradients of the members that came, each weighted by its rows: the batch
+is not re-shared among the living. Re-sharing would mean computing the missing rows again after the fault was seen
+(a second forward and backward behind the user's loop, docs/architecture.md "The step boundary"), and what each
+survivor computed would then depend on when it saw the fault; as it is, which members came to which step decides
+the result, so a run is deterministic for a given fault schedule. The lost member's rows of those steps are skipped:
+every process's feed moves with the step (its rows are a pure function of the cursor), so a process that comes back
+reads what it would have read.
+
+A process the launcher restarts (cluster.max_restarts, shoal.launcher.rejoin) knocks; the chief admits it at the
+next step's commit, and after that step's update the chief broadcasts it the params (every value, running statistics
+too) and the updater's state over the new group; it trains on from the next step. Its workers' random generators
+start from their seeds (this layout's nets draw nothing at random in training unless they use dropout: such a
+process's dropout masks then differ from the dead one's).
+
+Two public phases, so that a user's own loop (shoal.session) can call them from an end-of-backward hook:
+`mean_gradients(step, parts)` (the agreed mean), then the user's update, then `heal(step)`; `step(step, parts)` is
+the three for the SINGA trainer, the job's updater doing the update.
+
+The Train line's loss and accuracy are the chief's workers' own (no metric travels: a collective over the world
+could not go on without a member); its samples count the rows of every member that came.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, Optional
+
+import torch
+
+from shoal.comm import collectives
+from shoal.comm import quorum as quorums
+from shoal.neuralnet.algorithms import Grads
+from shoal.neuralnet.params import ParamStore
+from shoal.neuralnet.updaters import Updater
+from shoal.report.metrics import MetricWindow
+from shoal.runtime.exchanges.compression import wire_bytes
+from shoal.runtime.exchanges.local import aggregate, clipped
+from shoal.runtime.exchanges.periodic import MeetingsOver
+from shoal.runtime.exchanges.server import Server
+from shoal.runtime.interfaces import GroupDropped
+
+DOOR = "steps"  # the launcher's word on dead and restarted processes (shoal.comm.channels.Door), keyed by rank
+
+
+class ReplicatedExchange:
+    """One process's replica of a synchronous group whose processes each hold the whole params (see the module's text)."""
+
+    absent_groups: frozenset[int] = frozenset()  # one group, always there: a missing process is a missing replica
+
+    def __init__(self, store: ParamStore, updater: Updater, quorum: quorums.Quorum, rank: int, global_batch: int,
+                 first: Optional[collectives.Group] = None, log: Callable[[str], None] = print,
+                 annotate: Optional[Callable[[dict], None]] = None):
+        """`quorum`: this process's side of the steps' quorum (its first group the world's processes; a restarted
+        process's has none: it knocks, `rejoin`); `first`: the world (None for a restarted process); `log`: the
+        chief's lines (a step that went on without a process); `annotate`: the chief's summary.json."""
+        self.store, self.server, self.quorum, self.rank = store, Server(store, updater), quorum, rank
+        self.names = self.server.names
+        self.global_batch, self.first, self.log, self.annotate = global_batch, first, log, annotate
+        self.chief = rank == quorum.chief_rank
+        self.joining = quorum.group is None
+        self.present: tuple[int, ...] = quorum.all_ranks  # the processes whose gradients the last step's mean holds
+        self.job_bytes_sent: Optional[int] = 0 if self.chief else None  # the chief's count (summary.json's bytes_sent)
+        self._window_rows = 0  # rows of every member that came, since the last display
+        self._held = 0  # steps of this run
+        self._missed: dict[int, list[int]] = {}  # rank -> the steps of this run it missed
+        self._back: dict[int, list[int]] = {}  # rank -> the steps it rejoined at
+
+    # -- a step --------------------------------------------------------------------------------------
+    def begin(self, step: int) -> None:
+        """Nothing to prepare: the workers' gradients are summed after they all finished."""
+
+    def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
+        """The agreed mean, the job's updater applied to it (every replica alike), then the processes admitted at this
+        step take the state."""
+        self.server.update(step, clipped(self.mean_gradients(step, parts), self.server))
+        self.heal(step)
+
+    def mean_gradients(self, step: int, parts: list[tuple[Grads, int]]) -> Grads:
+        """The mean gradient over the rows of every member that came to step `step` (the chief's word), on the store's
+        device; a param nobody had a gradient for is None. Summed again over the survivors when a member is lost."""
+        rows = sum(share for _, share in parts)
+        local = aggregate(parts, total=1, target=self.store.device) if rows else {}  # Σ rows_w · g_w
+        values, device = self.store.values, self.store.device
+        pieces, flags = [], []
+        for name in self.names:
+            grad = local.get(name)
+            flags.append(0.0 if grad is None else 1.0)
+            pieces.append(torch.zeros(values[name].numel(), device=device) if grad is None else grad.detach().reshape(-1).float())
+        flat = torch.cat(pieces + [torch.tensor(flags + [float(rows)], device=device)])
+        try:
+            met = self.quorum.meet(step, step, lambda attempt: attempt.all_reduce_sum(flat))
+        except quorums.LeftOut as err:  # it came too late (it was stalled): the others went on without it
+            raise GroupDropped(str(err)) from None
+        total = met.result
+        if self.chief:
+            self.job_bytes_sent += wire_bytes([flat]) * len(met.came)
+        self._note_attendance(step, met.came)
+        came_rows = float(total[-1])
+        self._window_rows += int(came_rows)
+        mean: Grads = {}
+        offset, had = 0, total[-1 - len(self.names):-1]
+        for i, name in enumerate(self.names):
+            size = values[name].numel()
+            mean[name] = (total[offset:offset + size] / came_rows).view_as(values[name]).to(values[name].dtype) if had[i] > 0 else None
+            offset += size
+        return mean
+
+    def heal(self, step: int, state: Optional[Callable[[], list[torch.Tensor]]] = None) -> tuple[int, ...]:
+        """After step `step`'s update: when the quorum changed at it, the next group is made, and the processes
+        admitted at it take `state()` (default: the params and the updater's state) from the chief. Returns their ranks."""
+        joined = self.quorum.welcome(state or self._handover)
+        if joined:
+            if self.chief:
+                self.job_bytes_sent += len(joined) * wire_bytes((state or self._handover)())
+            self.present = tuple(sorted(set(self.present) | set(joined)))
+            for rank in joined:
+                self._back.setdefault(rank, []).append(step + 1)
+            self._annotate()
+        return joined
+
+    # -- who came ------------------------------------------------------------------------------------
+    def _note_attendance(self, step: int, came: tuple[int, ...]) -> None:
+        left = [r for r in self.present if r not in came]
+        self.present = came
+        self._held += 1
+        for rank in self.quorum.all_ranks:
+            if rank not in came:
+                self._missed.setdefault(rank, []).append(step)
+        if left and self.chief:
+            who = ", ".join(f"process {r}" for r in left)
+            self.log(f"Step {step} went on without {who} (died or stopped answering): the mean over the gradients of "
+                     f"processes {', '.join(map(str, came))}, weighted by their rows")
+            self._annotate()
+
+    def _absence(self, rank: int) -> str:
+        """`missing from steps 37 to 44, back at step 45`: each spell away, as the chief saw it."""
+        spells: list[list[int]] = []
+        for step in self._missed[rank]:
+            if spells and step == spells[-1][1] + 1:
+                spells[-1][1] = step
+            else:
+                spells.append([step, step])
+        said = []
+        for first, last in spells:
+            text = f"missing from step {first}" if first == last else f"missing from steps {first} to {last}"
+            if last + 1 in self._back.get(rank, ()):
+                text += f", back at step {last + 1}"
+            said.append(text)
+        return "; ".join(said)
+
+    def _annotate(self) -> None:
+        """The chief's word in summary.json (missed_steps): each process that missed steps, how many of this run's."""
+        if not self.chief or self.annotate is None or not self._missed:
+            return
+        self.annotate({"missed_steps": {str(r): {"missed": len(steps), "of": self._held, "why": self._absence(r)}
+                                        for r, steps in sorted(self._missed.items())}})
+
+    # -- a process restarted into the job --------------------------------------------------------------
+    def _handover(self) -> list[torch.Tensor]:
+        """What a process joining at a step starts from, in one order on both sides: every value (running statistics
+        too), then the updater's slots, param by param."""
+        tensors = [self.store.values[n] for n in self.store.names()]
+        state = self.server.state_dict()
+        return tensors + [state[n][slot] for n in self.names for slot in sorted(state.get(n, {}))]
+
+    def rejoin(self, incarnation: int, state: Optional[Callable[[], list[torch.Tensor]]] = None) -> tuple[int, int, dict]:
+        """This process was restarted into the job (incarnation `incarnation`): knock, and once the chief admits it at a
+        step, take what the chief hands over after that step's update (`_handover`, or `state()`); returns (the step to
+        train from, the step it was admitted at, what it took)."""
+        before = _digest(self._handover())
+        try:
+            admission = self.quorum.join(incarnation)
+        except quorums.MeetingsOver:
+            raise MeetingsOver(f"process {self.rank} was restarted after the job's last step: nothing left to join") from None
+        self.quorum.receive((state or self._handover)(), admission.donor)
+        self.joining = False
+        self.present = tuple(m.rank for m in admission.members)
+        took = {"who": f"Process {self.rank}", "before": before, "received": _digest(self._handover()),
+                "from_process": admission.donor,
+                "took": f"the params and the updater's state from process {admission.donor}, after step {admission.step}"}
+        return admission.step + 1, admission.step, took
+
+    def start_from(self) -> None:
+        """Before the first step: every replica starts from the chief's values (a broadcast over the world, every
+        process being there; a restarted process takes them when admitted instead)."""
+        if self.first is None or self.joining:
+            return
+        for tensor in [self.store.values[n] for n in self.store.names()]:
+            host = tensor.detach().to("cpu") if not self.first.on_nccl else tensor.detach().clone()
+            self.first.broadcast(host, self.quorum.chief_rank).wait()
+            tensor.copy_(host)
+
+    # -- the Exchange contract ---------------------------------------------------------------------------
+    def view_updater(self):
+        """Every param goes through the step's mean."""
+        return None
+
+    def metrics(self, window: MetricWindow) -> dict[str, float]:
+        """The chief's workers' averages, the rows of every member that came in the window, the processes of the
+        last step."""
+        values = window.averages()
+        values |= {"samples": self._window_rows, "processes": len(self.present)}
+        self._window_rows = 0
+        return values
+
+    def updater_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        return self.server.state_dict()
+
+    def load_updater_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        self.server.load_state(state)
+
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """The chief's count of the job's bytes (a resumed run counts on); a replica holds nothing else of its own."""
+        return {"count/job_bytes_sent": torch.tensor(self.job_bytes_sent, device="cpu")} if self.chief else {}
+
+    def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.chief and "count/job_bytes_sent" in tensors:
+            self.job_bytes_sent = int(tensors["count/job_bytes_sent"])
+
+    def finish(self) -> None:
+        """Every update was applied in its step. The chief says the steps are over (a process still knocking has
+        nothing left to join)."""
+        if self.chief:
+            self.quorum.close()
+            self._annotate()
+
+
+def _digest(tensors: list[torch.Tensor]) -> str:
+    """16 hex digits of the tensors' bytes (rejoins.jsonl: what a restarted process held before and after its handover)."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]

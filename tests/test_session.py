@@ -1,0 +1,370 @@
+"""shoal.session(): the user's own loop, driven as a user would, through `shoal run script.py` with real processes.
+
+One script (below) is run as one worker, as AllReduce over 2 processes and as DiLoCo over 2 processes; it also runs
+the same loop as plain PyTorch (no shoal) on the same rows in the same process, and writes what each loop ended with.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shoal.frontend.cli import main
+
+LOOP = textwrap.dedent('''
+    import json, os, sys
+    from pathlib import Path
+    import torch, shoal
+    from safetensors.torch import save_file
+
+    out, stop_after = Path(sys.argv[1]), int(sys.argv[2])
+    torch.manual_seed(0)
+    x = torch.randn(96, 8)
+    y = (x[:, :4].sum(1, keepdim=True) > x[:, 4:].sum(1, keepdim=True)).float()
+    data = torch.utils.data.TensorDataset(x, y)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    STEPS, BATCH = 20, 12
+
+    def schedule(step):
+        return 1.0 / (1 + 0.1 * step)
+
+    def loss_of(model, xb, yb):
+        return torch.nn.functional.binary_cross_entropy_with_logits(model(xb), yb)
+
+    run = shoal.session(train_steps=STEPS, disp_freq=5)
+    if run.rank == 0 and stop_after < 0:  # the same loop, plain PyTorch, on the same rows (the whole batch of each step)
+        import copy
+        plain = copy.deepcopy(model)
+        opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        for step in range(STEPS):
+            start = step * BATCH % len(x)
+            loss_of(plain, x[start:start + BATCH], y[start:start + BATCH]).backward()
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+            opt.step(); opt.zero_grad(); sched.step()
+        save_file({k: v.contiguous() for k, v in plain.state_dict().items()}, str(out / "plain.safetensors"))
+
+    model = run.model(model)
+    opt = run.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    norms = []
+    for step, (xb, yb) in run.batches(data, batch_size=BATCH, shuffle=False):
+        loss = loss_of(model, xb, yb)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+        opt.step(); opt.zero_grad(); sched.step()
+        run.log(step, loss=loss)
+        if step == 9:
+            run.checkpoint()
+        if step == stop_after:
+            sys.exit(3)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / f"rank{run.rank}.safetensors"))
+    (out / f"rank{run.rank}.json").write_text(json.dumps({"pid": os.getpid(), "norms": norms, "rows": len(xb),
+                                                          "label": run.label, "processes": run.processes}))
+''')
+
+ALLREDUCE = ["--set", "cluster.nworkers_per_group=2", "--set", "cluster.nworkers_per_procs=1"]
+DILOCO = ["--set", "cluster.nworker_groups=2", "--set", "cluster.nworkers_per_procs=1", "--set", "cluster.local_steps=5",
+          "--set", "cluster.outer_updater.type=kNesterov", "--set", "cluster.outer_updater.momentum=0.9",
+          "--set", "cluster.outer_updater.learning_rate.type=kFixed", "--set", "cluster.outer_updater.learning_rate.base_lr=0.7"]
+
+
+def shoal_run(script: Path, out: Path, workspace: Path, *options: str, stop_after: int = -1) -> subprocess.CompletedProcess:
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "shoal", "run", str(script), "--workspace", str(workspace), *options,
+               "--", str(out), str(stop_after)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=out)
+
+
+def ended(out: Path, rank: int = 0) -> tuple[dict[str, torch.Tensor], dict]:
+    return load_file(str(out / f"rank{rank}.safetensors")), json.loads((out / f"rank{rank}.json").read_text())
+
+
+def train_losses(workspace: Path) -> list[float]:
+    records = [json.loads(line) for line in (workspace / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if r["phase"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("session") / "loop.py"
+    path.write_text(LOOP)
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_worker(script, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one")
+    proc = shoal_run(script, out, out / "ws")
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def allreduce(script, tmp_path_factory):
+    out = tmp_path_factory.mktemp("allreduce")
+    proc = shoal_run(script, out, out / "ws", *ALLREDUCE)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_one_worker_is_the_plain_loop_bit_for_bit(one_worker):
+    """Nothing of the loop changes in one process: the same rows, the same ops, the same values to the bit."""
+    values, said = ended(one_worker)
+    plain = load_file(str(one_worker / "plain.safetensors"))
+    assert said["label"] == "single worker" and said["processes"] == 1
+    assert values.keys() == plain.keys() and all(torch.equal(values[k], plain[k]) for k in values)
+    losses = train_losses(one_worker / "ws")
+    assert len(losses) == 5 and losses[-1] < losses[0]  # steps 0, 5, 10, 15 and the last, in metrics.jsonl
+
+
+def test_allreduce_over_two_processes_is_one_worker(one_worker, allreduce):
+    """Each process reads half of each batch; the group's mean gradient makes the replicas equal to one worker with the
+    whole batch (within float rounding: the mean of two half-batch means sums in another order)."""
+    single, _ = ended(one_worker)
+    replica0, said0 = ended(allreduce, 0)
+    replica1, said1 = ended(allreduce, 1)
+    assert said0["pid"] != said1["pid"] and said0["processes"] == 2 and said0["label"] == "AllReduce"
+    assert (said0["rows"], said1["rows"]) == (6, 6)  # each process its half of the batch of 12
+    assert all(torch.equal(replica0[k], replica1[k]) for k in replica0)  # the replicas are equal to the bit
+    assert all(torch.allclose(replica0[k], single[k], rtol=1e-5, atol=1e-6) for k in single)
+
+
+def test_clip_grad_norm_sees_the_groups_mean_gradient(one_worker, allreduce):
+    """torch's clip_grad_norm_ in the user's loop reads `.grad` after backward: under AllReduce it holds the group's mean,
+    so both processes see the norm one worker sees with the whole batch (as under DDP), not their own half's."""
+    _, single = ended(one_worker)
+    _, said0 = ended(allreduce, 0)
+    _, said1 = ended(allreduce, 1)
+    assert said0["norms"] == said1["norms"]
+    assert said0["norms"] == pytest.approx(single["norms"], rel=1e-5)
+    assert max(single["norms"]) > 0.5  # the bound (0.5) clips: what it sees matters
+
+
+def test_diloco_over_two_processes_trains(script, tmp_path):
+    proc = shoal_run(script, tmp_path, tmp_path / "ws", *DILOCO)
+    assert proc.returncode == 0, proc.stderr
+    values0, said0 = ended(tmp_path, 0)
+    values1, said1 = ended(tmp_path, 1)
+    assert said0["pid"] != said1["pid"] and said0["label"] == "DiLoCo" and said0["processes"] == 2
+    assert all(torch.equal(values0[k], values1[k]) for k in values0)  # the last step (20) was a meeting: one anchor
+    losses = train_losses(tmp_path / "ws")
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_checkpoint_then_resume_continues_exactly(script, one_worker, tmp_path):
+    """A loop stopped after step 12 (its checkpoint after step 9), resumed with --resume: model, AdamW's moments, the
+    LambdaLR's step, the data position and the metrics window come back, and it ends where the uninterrupted run did."""
+    stopped = shoal_run(script, tmp_path, tmp_path / "ws", stop_after=12)
+    assert stopped.returncode == 3, stopped.stderr
+    assert not (tmp_path / "rank0.safetensors").exists()
+    resumed = shoal_run(script, tmp_path, tmp_path / "ws", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    values, _ = ended(tmp_path)
+    uninterrupted, _ = ended(one_worker)
+    assert all(torch.equal(values[k], uninterrupted[k]) for k in values)
+    assert train_losses(tmp_path / "ws")[-3:] == train_losses(one_worker / "ws")[-3:]  # steps 10, 15, 19 as run through
+
+
+@pytest.mark.parametrize("options, named", [
+    (["--set", "cluster.nworker_groups=2", "--set", "cluster.nworkers_per_procs=1", "--set", "cluster.nserver_groups=1",
+      "--set", "cluster.server_worker_separate=true"], "Downpour over 3 processes"),
+    (["--set", "cluster.nworkers_per_group=2", "--set", "cluster.nworkers_per_procs=2"], "in-memory Sandblaster in one process"),
+])
+def test_a_layout_the_loop_cannot_run_is_refused_in_one_line(script, tmp_path, capsys, options, named):
+    status = main(["run", str(script), "--workspace", str(tmp_path / "ws"), *options, "--", str(tmp_path), "-1"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1, err
+    assert named in err and "use a job file (`shoal run job.conf`) or shoal.fit" in err
+    assert not (tmp_path / "ws").exists()
+
+
+def test_plain_python_with_several_processes_is_refused(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text("import shoal\nrun = shoal.session(cluster=shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=1))\n"
+                      "print('the loop ran')\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "shoal.session: AllReduce runs 2 processes: start the script with `shoal run plain.py --set cluster.…`, which starts "
+        "one process per rank (or with torchrun: `torchrun --nproc-per-node N script.py`, SHOAL_JOB_SECRET set)"]
+
+
+def test_shoal_plan_plans_the_sessions_job(script, tmp_path, capsys):
+    assert main(["plan", str(script), *ALLREDUCE, "--", str(tmp_path), "-1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("job 'session': AllReduce, 2 process(es)")
+    assert not list(tmp_path.iterdir())  # the script stopped at shoal.session(): nothing trained, nothing written
+    assert main(["plan", str(script), "--estimate", "--", str(tmp_path), "-1"]) == 2  # no net to cost: one line
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "a shoal.session()'s job has no net to estimate" in err
+
+
+@pytest.mark.slow
+def test_diloco_resumes_every_groups_state_exactly(script, tmp_path):
+    """Each group's process writes its part (its values, its AdamW moments, its data position; the chief's file the
+    anchor and the outer Nesterov state): stopped after step 12 and resumed, the groups end where the uninterrupted
+    run's did."""
+    through = shoal_run(script, tmp_path / "through", tmp_path / "through" / "ws", *DILOCO)
+    assert through.returncode == 0, through.stderr
+    stopped = shoal_run(script, tmp_path / "again", tmp_path / "again" / "ws", *DILOCO, stop_after=12)
+    assert stopped.returncode != 0 and "exited with status 3" in stopped.stderr
+    assert sorted(p.name for p in (tmp_path / "again" / "ws" / "checkpoint").iterdir()) == [
+        "step10-group1-rank1.safetensors", "step10-worker0.safetensors"]
+    resumed = shoal_run(script, tmp_path / "again", tmp_path / "again" / "ws", *DILOCO, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    for rank in (0, 1):
+        values, _ = ended(tmp_path / "again", rank)
+        expected, _ = ended(tmp_path / "through", rank)
+        assert all(torch.equal(values[k], expected[k]) for k in values)
+
+
+DIES = textwrap.dedent('''
+    import os, signal
+    import torch, shoal
+    torch.manual_seed(0)
+    x = torch.randn(96, 8)
+    data = torch.utils.data.TensorDataset(x, x[:, :1].clone())
+    run = shoal.session(train_steps=30, disp_freq=5)
+    model = run.model(torch.nn.Linear(8, 1))
+    opt = run.optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for step, (xb, yb) in run.batches(data, batch_size=12):
+        if run.rank == 1 and step == 8:
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = ((model(xb) - yb) ** 2).mean()
+        loss.backward()
+        opt.step(); opt.zero_grad()
+        run.log(step, loss=loss)
+    print("rank", run.rank, "finished at step", step)
+''')
+
+
+@pytest.mark.slow
+def test_allreduce_goes_on_without_a_killed_process(tmp_path):
+    """Under --max-restarts the AllReduce strategy attaches the replicated exchange: the user's loop takes its mean
+    gradient from it, and when process 1 is SIGKILLed at step 8 process 0 trains on alone to the end (a dead process of
+    a user's loop is not restarted: it could not rejoin the script's loop)."""
+    script = tmp_path / "dies.py"
+    script.write_text(DIES)
+    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(script), "--workspace", str(tmp_path / "ws"), *ALLREDUCE,
+                           "--max-restarts", "1"], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 0 finished at step 29" in proc.stdout
+    assert "Step 8 went on without process 1" in proc.stdout
+    summary = json.loads((tmp_path / "ws" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["missed_steps"]["1"]["why"] == "missing from steps 8 to 29"
+    assert train_losses(tmp_path / "ws")[-1] < 0.01
+
+
+ACCUMULATES = textwrap.dedent('''
+    import sys
+    from pathlib import Path
+    import torch, shoal
+    from safetensors.torch import save_file
+    out, accumulate = Path(sys.argv[1]), sys.argv[2] == "1"
+    torch.manual_seed(0)
+    x = torch.randn(96, 8)
+    data = torch.utils.data.TensorDataset(x, 2 * x[:, :1])
+    run = shoal.session(train_steps=10)
+    model = run.model(torch.nn.Linear(8, 1))
+    opt = run.optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for step, (xb, yb) in run.batches(data, batch_size=12):
+        if accumulate:  # this process's 6 rows as 2 micro-batches of 3: the mean once, after the second
+            with run.accumulating():
+                (((model(xb[:3]) - yb[:3]) ** 2).mean() / 2).backward()
+            (((model(xb[3:]) - yb[3:]) ** 2).mean() / 2).backward()
+        else:
+            ((model(xb) - yb) ** 2).mean().backward()
+        opt.step(); opt.zero_grad()
+    save_file(dict(model.state_dict()), str(out / f"rank{run.rank}.safetensors"))
+''')
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_takes_the_mean_once(tmp_path):
+    """`with run.accumulating(): loss.backward()` adds the micro-batch's gradient without the group's mean (DDP's
+    no_sync); the backward after it takes the mean of the sum: the same step as one backward over the rows."""
+    script = tmp_path / "accumulates.py"
+    script.write_text(ACCUMULATES)
+    ends = {}
+    for accumulate in ("0", "1"):
+        out = tmp_path / accumulate
+        out.mkdir()
+        proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(script), "--workspace", str(out / "ws"), *ALLREDUCE,
+                               "--", str(out), accumulate], capture_output=True, text=True, timeout=240, cwd=out)
+        assert proc.returncode == 0, proc.stderr
+        ends[accumulate] = load_file(str(out / "rank0.safetensors"))
+    assert all(torch.allclose(ends["0"][k], ends["1"][k], rtol=1e-5, atol=1e-7) for k in ends["0"])
+
+
+@pytest.mark.slow
+def test_under_torchrun_each_process_is_a_rank(script, one_worker, tmp_path):
+    """torchrun starts the processes (each runs `shoal run script.py`): the session reads its environment as a job file's
+    rank does (launcher/launchers.py), joins the world with the job's secret, and AllReduce over its 2 processes ends
+    where one worker does."""
+    import os
+    import secrets
+
+    env = {**os.environ, "SHOAL_JOB_SECRET": secrets.token_hex(32)}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "shoal", "run", str(script),
+                           "--workspace", str(tmp_path / "ws"), *ALLREDUCE, "--", str(tmp_path), "-1"],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "processes started by torchrun" in proc.stdout
+    single, _ = ended(one_worker)
+    replica0, said0 = ended(tmp_path, 0)
+    replica1, said1 = ended(tmp_path, 1)
+    assert said0["pid"] != said1["pid"] and said0["processes"] == 2
+    assert all(torch.allclose(replica0[k], single[k], rtol=1e-5, atol=1e-6) for k in single)
+    assert json.loads((tmp_path / "ws" / "summary.json").read_text())["status"] == "finished"
+
+
+CHIEF_DIES = textwrap.dedent('''
+    import os, signal, sys
+    from pathlib import Path
+    import torch, shoal
+    from safetensors.torch import save_file
+    out = Path(sys.argv[1])
+    torch.manual_seed(0)
+    x = torch.randn(96, 8)
+    data = torch.utils.data.TensorDataset(x, x[:, :1].clone())
+    run = shoal.session(train_steps=20, disp_freq=5)
+    model = run.model(torch.nn.Linear(8, 1))
+    opt = run.optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    for step, (xb, yb) in run.batches(data, batch_size=12):
+        if run.rank == 0 and step == 12 and not (out / "died").exists():
+            (out / "died").write_text("once")
+            os.kill(os.getpid(), signal.SIGKILL)
+        ((model(xb) - yb) ** 2).mean().backward()
+        opt.step(); opt.zero_grad()
+        if step == 9:
+            run.checkpoint()
+    save_file(dict(model.state_dict()), str(out / f"rank{run.rank}.safetensors"))
+''')
+
+
+@pytest.mark.slow
+def test_a_dead_chief_restarts_the_whole_loop_from_its_checkpoint(tmp_path):
+    """--max-restarts: process 0 SIGKILLed at step 12 restarts the whole job from the checkpoint after step 9: every
+    rank runs the script again from the top and resumes there, ending where a run that never died ends."""
+    script = tmp_path / "chief_dies.py"
+    script.write_text(CHIEF_DIES)
+    ends = {}
+    for name, dies in (("dies", True), ("lives", False)):
+        out = tmp_path / name
+        out.mkdir()
+        if not dies:
+            (out / "died").write_text("never")
+        proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(script), "--workspace", str(out / "ws"), *ALLREDUCE,
+                               "--max-restarts", "1", "--", str(out)], capture_output=True, text=True, timeout=240, cwd=out)
+        assert proc.returncode == 0, proc.stderr
+        assert ("restarting the whole job from the checkpoint of step 10" in proc.stderr) == dies
+        ends[name] = load_file(str(out / "rank0.safetensors"))
+    assert all(torch.equal(ends["dies"][k], ends["lives"][k]) for k in ends["lives"])
