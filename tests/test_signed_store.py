@@ -189,3 +189,22 @@ def test_published_words_and_progress_take_only_authentic_values(fresh_book, mon
     SignedStore(store, secret).set("shoal/calls/0", "12")
     store.set("shoal/calls/1", "0")  # would make process 1 look behind
     assert comm.progress(3) == {0: 12, 2: -1}
+
+
+def test_a_quorum_keeps_only_its_last_meetings_keys(fresh_book, monkeypatch):
+    """A step's quorum writes keys every step (the replicated exchange meets once a step): the chief deletes a
+    meeting's keys KEPT_MEETINGS meetings later and forgets their freshness, so a long job's store and memory stay
+    bounded."""
+    from shoal.comm import quorum
+
+    raw = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    monkeypatch.setattr(comm, "_signed", SignedStore(raw, auth.new_secret(), "/shoal/attempt_0"))
+    chief = quorum.Quorum(0, [0], {0: 0}, door=None, first=object())
+    meetings = quorum.KEPT_MEETINGS + 40
+    for meeting in range(meetings):
+        assert chief.meet(meeting, meeting, lambda attempt: meeting).result == meeting
+    outcome = "shoal/quorum/m{}/a0/outcome"
+    assert not raw.check([outcome.format(0)]) and not raw.check([outcome.format(meetings - quorum.KEPT_MEETINGS - 1)])
+    assert all(raw.check([outcome.format(m)]) for m in range(meetings - quorum.KEPT_MEETINGS, meetings))
+    assert raw.num_keys() <= quorum.KEPT_MEETINGS + 2  # (the store's own keys besides)
+    assert len(signed_store._book._newest) <= quorum.KEPT_MEETINGS

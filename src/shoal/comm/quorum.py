@@ -30,6 +30,9 @@ shoal.comm.signed_store):
   of epoch E builds its group, and the donor (the chief) broadcasts the state the joiner starts from over it;
 - `closed`: the chief's meetings are over (a process still knocking has nothing left to join).
 
+A meeting's keys are deleted by the chief KEPT_MEETINGS meetings later (members are at most a meeting apart), so a
+job that meets every step keeps a bounded store.
+
 A meeting without a member is the mean over the members that came: which members come to which meeting is
 decided by the chief alone, so every member applies the same mean; for a given fault schedule (which process
 is gone at which meeting) the result is deterministic.
@@ -55,6 +58,10 @@ WAIT_SLICE_S = 0.05  # a member waiting in a collective asks every this often wh
 POLL_S = 0.02  # the longest pause between two polls of the store for a word of the protocol
 DOOR_EVERY_S = 1.0  # how often a member waiting in a collective reads the launcher's word on the others
 GRACE_S = 0.01  # members report at once after their sums: only then does the chief ask whether a silent one is gone
+# A meeting's keys are removed this many meetings later (the chief deletes them, every member forgets their freshness):
+# members are at most one meeting apart, so nobody reads them again, and a job of a million steps (one meeting each
+# under the replicated exchange) keeps a bounded store and a bounded memory of what it read.
+KEPT_MEETINGS = 64
 
 T = TypeVar("T")
 
@@ -282,6 +289,7 @@ class Quorum:
         self._next: Optional[Outcome] = None  # a commit that changes the quorum: the group is built in `welcome`
         self._admitted: dict[int, int] = {}  # the chief: rank -> the incarnation it admitted
         self._door_read_at = 0.0  # when a member waiting in a collective last read the launcher's word
+        self._attempts: dict[int, int] = {}  # meeting -> its attempts, for the last KEPT_MEETINGS meetings
 
     # -- a meeting -----------------------------------------------------------------------------------
     def meet(self, meeting: int, step: int, contribute: Callable[["Attempt"], T]) -> Met:
@@ -304,6 +312,7 @@ class Quorum:
                 raise LeftOut(f"process {self.rank} was left out of the meeting after step {step}: the other members went on "
                               f"without it")
             if outcome.commit:
+                self._clear_old(meeting, attempt + 1)
                 came = tuple(m.rank for m in self.members)
                 if outcome.epoch != self.epoch or outcome.members != self.members:
                     self._next = outcome
@@ -312,6 +321,17 @@ class Quorum:
             attempt += 1
             if attempt > 2 * len(self.all_ranks) + 2:  # each attempt drops a member or re-forms the group: not forever
                 raise MeetingFailed(f"the meeting after step {step} failed {attempt} times over the processes that remained")
+
+    def _clear_old(self, meeting: int, attempts: int) -> None:
+        """Meeting `meeting` committed after `attempts` attempts: the keys of the meeting KEPT_MEETINGS before it go."""
+        self._attempts[meeting] = attempts
+        for old in [m for m in self._attempts if m <= meeting - KEPT_MEETINGS]:
+            keys = [f"m{old}/a{a}/{name}" for a in range(self._attempts.pop(old))
+                    for name in ["broken", "outcome"] + [f"r{r}" for r in self.all_ranks]]
+            try:
+                self.store.delete(keys) if self.chief else self.store.forget(keys)
+            except (dist.DistError, RuntimeError):  # the store is gone: the job is ending
+                pass
 
     def welcome(self, state: Callable[[], list[torch.Tensor]]) -> tuple[int, ...]:
         """After a committed meeting (and its outer step): when the quorum changed, make the next epoch's group, and

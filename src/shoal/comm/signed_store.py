@@ -113,6 +113,17 @@ class SignedStore:
             return _failed(name, "an older value replayed")
         return text
 
+    def delete(self, keys: Sequence[str]) -> None:
+        """Remove `keys` from the store and forget their freshness here: for keys of a protocol's past rounds (a
+        round's keys carry its number, so nobody reads them again: a value replayed there is never read)."""
+        for key in keys:
+            self.raw.delete_key(self.prefix + key)
+        self.forget(keys)
+
+    def forget(self, keys: Sequence[str]) -> None:
+        """Drop this process's freshness record of `keys` (past rounds' keys it will not read again)."""
+        _book.forget([(self._key, self.scope, self.prefix + k) for k in keys])
+
     # -- what cannot carry a MAC: passed through ----------------------------------------------
     def check(self, keys: Sequence[str]) -> bool:
         return self.raw.check([self.prefix + k for k in keys])
@@ -168,6 +179,12 @@ class _Freshness:
                 return False
             newest[writer], self._last[where] = counter, (writer, counter)
             return True
+
+    def forget(self, places: Sequence[tuple]) -> None:
+        with self._lock:
+            for where in places:
+                self._newest.pop(where, None)
+                self._last.pop(where, None)
 
 
 _book = _Freshness()
