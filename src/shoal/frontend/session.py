@@ -215,8 +215,8 @@ class Session:
         store = ParamStore.viewing([(n, p.data) for n, p in trained])
         saved = dict(self._mine.exchange) if self._mine is not None else None
         if self.distributed and self.plan.strategy.synchronous:
-            # the strategy's exchange where it is a replicated one (AllReduce under --max-restarts: the mean over the
-            # members that came, the group going on without a dead process), else the plain all-reduce
+            # the strategy's replicated exchange: the mean over the members that came (the group goes on without a
+            # dead process; under --max-restarts a restarted one heals from the chief)
             self.exchange = session_exchange.replicated_exchange(self.plan, self.rank, store, self.start_step, saved,
                                                                  self.metrics, self.say)
             self.mean = session_exchange.GradientMean(trained, self.exchange, 1, lambda: self.step)
@@ -295,8 +295,6 @@ class Session:
                                f"({self.plan.cluster.nworkers_per_group} workers per group)")
         if self.mean is not None:
             self.mean.share = self._share
-            if self.exchange is None:  # TEMPORARY: the plain all-reduce (session_exchange.PlainAllReduceMean)
-                self.mean.mean = session_exchange.PlainAllReduceMean(batch_size)
         skip = self.plan.group_shards.offset(self.group, 0, len(data))
         reader = reader_for(data, self.job.seed if seed is None else seed, shuffle, batch_size)
         self._restore_loop_state()

@@ -96,6 +96,12 @@ class JobPlan:
         return self.nprocs == 1
 
     @property
+    def own_loop(self) -> bool:
+        """A user's own loop (shoal.session()): its job has no net (the module is the user's), and the user's optimizer
+        updates every replica (a job file's and fit's net always has layers)."""
+        return not self.job.neuralnet.layer
+
+    @property
     def nworker_groups(self) -> int:
         return self.cluster.nworker_groups
 

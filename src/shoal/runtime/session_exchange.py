@@ -9,9 +9,8 @@ says:
   replica's `.grad` when `backward` returns, as under DDP: each param's post-accumulate-grad hook queues, once per
   backward, an autograd engine callback that runs when the whole backward is done and hands every gradient, weighted
   by this worker's share of the group's batch, to `mean_gradients(step, parts)`. The strategy's replicated exchange
-  answers it where AllReduce attaches one (runtime/exchanges/replicated.py, under cluster.max_restarts: the mean over
-  the members that came; `heal(step)` after the user's update); elsewhere, until the strategy attaches a replicated
-  exchange for every user loop, `PlainAllReduceMean` below does;
+  answers it: AllReduce attaches the replicated exchange for every user loop (runtime/exchanges/replicated.py: the
+  mean over the members that came; `heal(step)` after the user's update);
 - Local SGD / DiLoCo over processes (one group per process): the user's optimizer is the inner one; after each
   `opt.step()` the strategy's PeriodicExchange is handed the step with no gradient of its own (its inner updater
   applies nothing) and meets every local_steps steps, moving the user's params to the new anchor in place.
@@ -116,30 +115,6 @@ def load_exchange_state(exchange, tensors: dict[str, torch.Tensor]) -> None:
         exchange.load_own_state(own)
 
 
-class PlainAllReduceMean:
-    """TEMPORARY (issue 39: the AllReduce strategy attaches runtime/exchanges/replicated.py's quorum-backed exchange only
-    under cluster.max_restarts; until it does for every user loop): the group's mean gradient by one plain all-reduce
-    over every process of the job. Not fault tolerant: a dead member fails the step (the launcher then names it), as a
-    job file's synchronous layout without restarts does."""
-
-    def __init__(self, total_rows: int):
-        self.total_rows = total_rows
-
-    def mean_gradients(self, step: int, parts: list[tuple[Grads, int]]) -> Grads:
-        (grads, share), = parts
-        names = [n for n, g in grads.items() if g is not None]
-        if not names:
-            return grads
-        flat = torch.cat([grads[n].reshape(-1) for n in names]) * (share / self.total_rows)
-        comm.all_reduce_sum(flat)
-        out, offset = dict(grads), 0
-        for n in names:
-            size = grads[n].numel()
-            out[n] = flat[offset: offset + size].view_as(grads[n])
-            offset += size
-        return out
-
-
 class GradientMean:
     """The group's mean gradient in every replica's `.grad` at the end of each backward (DDP's contract), through
     `mean.mean_gradients(step, [(grads, share)])`; `accumulating()` skips it (gradient accumulation's inner
@@ -190,15 +165,13 @@ class GradientMean:
 
 def replicated_exchange(plan: JobPlan, rank: int, store: ParamStore, start_step: int, saved: Optional[dict], metrics,
                         log: Callable[[str], None]):
-    """The strategy's exchange for a synchronous group over processes where it answers `mean_gradients` (the
-    replicated exchange, runtime/exchanges/replicated.py, which AllReduce attaches under cluster.max_restarts), else
-    None: the caller takes the mean with PlainAllReduceMean (what AllReduce attaches otherwise, SlicedExchange, has
-    owners update slices with shoal's updater, not the user's optimizer)."""
-    if plan.max_restarts <= 0:
-        return None
+    """The strategy's exchange for a synchronous group over processes: AllReduce attaches the replicated one for a
+    user's loop (runtime/exchanges/replicated.py: the mean over the members that came; the group goes on without a
+    dead process, and with cluster.max_restarts a restarted one heals from the chief)."""
     exchange = attached_exchange(plan, rank, store, 0, start_step, resumed=saved is not None, saved=saved, metrics=metrics,
                                  log=log)
-    return exchange if hasattr(exchange, "mean_gradients") else None
+    assert hasattr(exchange, "mean_gradients"), f"{type(exchange).__name__}: not a replicated exchange"  # check_layout's
+    return exchange
 
 
 def broadcast_values(tensors: list[torch.Tensor]) -> None:

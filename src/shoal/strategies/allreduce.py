@@ -32,9 +32,10 @@ from shoal.runtime.exchanges.sliced import SlicedExchange
 
 def replicated(plan) -> bool:
     """Whether this AllReduce plan runs the ReplicatedExchange (pure: the plan alone decides): restarts allowed
-    (cluster.max_restarts > 0), the group over processes each computing whole replicas (not partitioned, every
-    process hosting workers) and its gradients uncompressed (cluster.compression keeps the sliced exchange)."""
-    return (plan.max_restarts > 0 and not plan.in_one_process and not plan.partitioned
+    (cluster.max_restarts > 0) or a user's own loop (its optimizer updates every replica), the group over processes
+    each computing whole replicas (not partitioned, every process hosting workers) and its gradients uncompressed
+    (cluster.compression keeps the sliced exchange)."""
+    return ((plan.max_restarts > 0 or plan.own_loop) and not plan.in_one_process and not plan.partitioned
             and all(p.workers for p in plan.placement.processes) and plan.cluster.compression == job_pb2.kNone)
 
 
