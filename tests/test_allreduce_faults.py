@@ -116,8 +116,8 @@ def test_the_replicated_exchange_unfaulted_equals_one_worker(blobs_job, tmp_path
 
 @pytest.mark.slow  # a stall timeout to wait out, and a run that outlasts it
 def test_a_stalled_process_is_dropped_and_the_others_go_on(blobs_job, tmp_path, runs):
-    """Process 2 is SIGSTOPped past the stall timeout: the chief names it, the steps go on over processes 0 and 1, the
-    job exits 0 and the launcher kills the stopped process at the end."""
+    """Process 2 is SIGSTOPped past the stall timeout: the chief names it, the steps go on over processes 0 and 1; with
+    --max-restarts 1 the launcher ends the stopped process (SIGKILL) and restarts it, and it rejoins at a later step."""
     steps = 600
     job = blobs_job(train_steps=steps, cluster_extra=dict(nworkers_per_group=3))
     run = Run(job, tmp_path, "--max-restarts", "1", "--set", "cluster.stall_timeout_s=2", env=SLOW)
@@ -128,11 +128,16 @@ def test_a_stalled_process_is_dropped_and_the_others_go_on(blobs_job, tmp_path, 
     stderr, stdout = run.err.read_text(), run.out.read_text()
     assert re.search(r"^WARNING: process 2 \(worker\(group=0, id=2\)\) stopped answering \(no heartbeat for \d+ s[^)]*\); the other "
                      r"processes go on without it", stderr, re.M), stderr
+    assert ("WARNING: process 2 (worker(group=0, id=2)) was stopped past the stall timeout (2 s) and dropped; the launcher "
+            "ended it (SIGKILL); the other processes go on without it; restarting it (restart 1 of 1); it rejoins at the next "
+            "step, from process 0's state") in stderr.splitlines(), stderr
     left = int(re.search(r"^Step (\d+) went on without process 2 ", stdout, re.M)[1])
+    back = int(re.search(r"^Process 2 rejoined at step (\d+) \(restart 1\): ", stdout, re.M)[1])
+    assert left < back < steps and pids(run.ws, 2)[0] == stopped and len(set(pids(run.ws, 2))) == 2
     got = summary(run.ws)
     assert got["status"] == "finished" and got["missed_steps"] == {
-        "2": {"missed": steps - left, "of": steps, "why": f"missing from steps {left} to {steps - 1}"}}
-    assert train_records(run.ws)[-1]["processes"] == 2
+        "2": {"missed": back - left, "of": steps, "why": f"missing from steps {left} to {back - 1}, back at step {back}"}}
+    assert train_records(run.ws)[-1]["processes"] == 3
     assert leftover_processes(tmp_path) == []
 
 

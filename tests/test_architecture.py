@@ -3,7 +3,8 @@
 config ← planning ← runtime ← launcher ← frontend, with neuralnet (net, layers, params, updaters)
 below planning and runtime, data beside neuralnet, report beside everything, and comm the only code
 that touches torch.distributed. No import cycles, function-level imports included; only the launcher
-ends a process; only shoal.launcher.faults reads the fault-injection settings.
+ends a process; only shoal.launcher.faults reads the fault-injection settings; every process group is one the
+plan names (made by shoal.comm.collectives.create).
 """
 from __future__ import annotations
 
@@ -437,3 +438,52 @@ def test_the_registry_check_sees_a_lookup(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f(plan, name):\n    return plan.framework.synchronous or Framework(name).strategy.meets\n")
     assert [h.split(" ", 1)[1] for h in default_registry_lookups(bad)] == ["plan.framework.synchronous", "Framework(name).strategy"]
+
+
+# every process group a collective runs on is one the plan names (planning/process_groups.py, JobPlan.process_groups):
+# comm.collectives.create makes them, from the plan's list. Besides: the quorum's re-formed meeting groups (comm/quorum.py:
+# a meeting without a dead group), the request/response protocols' two-process channels (comm/channels.py:
+# point-to-point, no collective) and the calibration's link probe (a world of two processes of its own, no job)
+GROUP_MAKERS = {("comm/collectives.py", "create"), ("comm/quorum.py", "MeetingGroup.formed"),
+                ("comm/channels.py", "open_channel")}
+CREATES_UNPLANNED = {("runtime/calibrate.py", "_probe_rank")}
+MAKES_A_GROUP = {"new_group", "ProcessGroupGloo", "ProcessGroupNCCL"}
+
+
+def group_makings(path: Path) -> list[str]:
+    """Where a file makes a process group (`new_group`, a `ProcessGroupGloo`/`ProcessGroupNCCL`) outside GROUP_MAKERS, or
+    calls `collectives.create` with anything but a plan's `.process_groups`; each as 'file:line function what'."""
+    where = str(path.relative_to(SRC)) if path.is_relative_to(SRC) else path.name
+    found = []
+
+    def visit(node: ast.AST, scope: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            scope = f"{scope}.{node.name}" if scope else node.name
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if name in MAKES_A_GROUP and (where, scope) not in GROUP_MAKERS:
+                found.append(f"{where}:{node.lineno} {scope or '<module>'} {name}()")
+            elif (name == "create" and (where, scope) not in CREATES_UNPLANNED and isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+                  and func.value.id == "collectives"
+                  and not (node.args and isinstance(node.args[0], ast.Attribute) and node.args[0].attr == "process_groups")):
+                found.append(f"{where}:{node.lineno} {scope or '<module>'} collectives.create({ast.unparse(node.args[0]) if node.args else ''})")
+        for child in ast.iter_child_nodes(node):
+            visit(child, scope)
+
+    visit(ast.parse(path.read_text()), "")
+    return found
+
+
+def test_every_process_group_is_one_the_plan_names():
+    """No exchange or strategy makes a group of its own at run time: it asks the plan's (`run.process_groups[name]`)."""
+    assert [hit for path in sorted(SRC.rglob("*.py")) for hit in group_makings(path)] == []
+
+
+def test_the_group_check_sees_a_group_of_its_own(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from shoal.comm import collectives, dist as comm\nclass S:\n    def attach(self, run):\n"
+                   "        g = comm.new_group([0, 1])\n        collectives.create(mine)\n"
+                   "def f(store):\n    return dist.ProcessGroupGloo(store, 0, 2)\nok = collectives.create(plan.process_groups)\n")
+    assert group_makings(bad) == ["bad.py:4 S.attach new_group()", "bad.py:5 S.attach collectives.create(mine)",
+                                  "bad.py:7 f ProcessGroupGloo()"]

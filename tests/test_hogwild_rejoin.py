@@ -72,3 +72,21 @@ def test_a_killed_hogwild_group_is_restarted_and_syncs_again(blobs_job, tmp_path
     for text in (stdout, stderr, rank0, rank1):
         assert "gloo" not in text.lower() and "c10d" not in text and "Traceback" not in text, text
     assert leftover_processes(tmp_path) == []
+
+
+def test_a_group_killed_before_its_first_sync_of_a_resumed_run_rejoins_at_the_resumed_step(blobs_job, tmp_path, runs):
+    """A run resumed from its checkpoint of step 40, syncing too rarely to sync again: group 1's process killed before
+    any sync of this run rejoins at step 40, where every group began (it rejoined at step 0 before: the whole run again)."""
+    job = blobs_job(train_steps=40, layout="Distributed Hogwild, 2 groups", cluster_extra=GROUPS)
+    first = run_cli("run", job, "--workspace", tmp_path / "ws", "--no-progress", "--set", "checkpoint_freq=20", timeout=120)
+    assert first.returncode == 0, first.stderr
+    run = Run(job, tmp_path, "--resume", "--set", "train_steps=400", "--set", "cluster.sync_freq=1000", "--max-restarts", "1",
+              env=SLOW)
+    runs.append(run)
+    victim = run.pid_once_training(1, step=60)
+    os.kill(victim, signal.SIGKILL)
+    assert run.wait() == 0, run.err.read_text()
+    (line,) = [line for line in run.out.read_text().splitlines() if line.startswith("Worker group 1 rejoined at step ")]
+    assert line.startswith("Worker group 1 rejoined at step 40 (process 1, restart 1): "), line
+    assert summary(run.ws)["missed_updates"]["1"]["rejoined_at"] == [40]
+    assert leftover_processes(tmp_path) == []

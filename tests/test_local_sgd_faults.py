@@ -151,6 +151,31 @@ def test_a_stalled_group_of_three_is_dropped_and_the_other_two_meet_on(blobs_job
     assert leftover_processes(tmp_path) == []
 
 
+def test_a_stalled_group_is_ended_restarted_and_rejoins(blobs_job, tmp_path, runs):
+    """--max-restarts 1: group 1's process SIGSTOPped and never continued is dropped past the stall timeout, then ended
+    by the launcher (SIGKILL) and restarted as a killed one is, one line saying so; it rejoins at a meeting and the job
+    exits 0 with both groups at the last meeting (before: it stayed stopped, missing to the end)."""
+    steps = 5 * STEPS  # outlasts the 2 s stall timeout, a beat and a restart, under load
+    run = Run(blobs_job(train_steps=steps, cluster_extra=PROCESSES), tmp_path, "--max-restarts", "1", *DILOCO,
+              "--set", "cluster.stall_timeout_s=2", env=SLOW)
+    runs.append(run)
+    chief = run.pid_once_training(0)
+    stopped = run.pid_once_training(1)
+    os.kill(stopped, signal.SIGSTOP)
+    assert run.wait() == 0, run.err.read_text()
+    stderr, stdout = run.err.read_text(), run.out.read_text()
+    assert re.search(r"^WARNING: process 1 \(worker\(group=1, id=0\)\) was stopped past the stall timeout \(2 s\) and dropped; "
+                     r"the launcher ended it \(SIGKILL\); restarting it \(restart 1 of 1\); it rejoins at the groups' next "
+                     r"meeting, from a live group's state$", stderr, re.M), stderr
+    assert re.search(r"^Worker group 1 rejoined at step \d+ \(process 1, restart 1\): ", stdout, re.M), stdout
+    assert pids(run.ws, 0) == [chief] and pids(run.ws, 1)[0] == stopped and len(set(pids(run.ws, 1))) == 2
+    missed = summary(run.ws)["missed_updates"]["1"]
+    assert missed["why"].startswith("process 1 was restarted after the job dropped it for a stall; missing from the meeting"), missed
+    assert train_records(run.ws)[-1]["groups_met"] == 2
+    assert "gloo" not in stderr.lower() and "Traceback" not in stderr
+    assert leftover_processes(tmp_path) == []
+
+
 def test_threads_and_processes_without_the_same_group_compute_the_same(blobs_job, tmp_path):
     """The fault schedule decides the result: group 1 gone at step 12, in memory (its thread fails) or over processes
     (its process exits), gives the same params; and the in-memory run, repeated, the same bits."""

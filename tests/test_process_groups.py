@@ -78,3 +78,10 @@ def test_shoal_plan_shows_the_groups(blobs_job):
     plan = plan_job(shoal.load_job(job), cores=2)
     assert "process group sliced/owner3: ranks 0, 1, 3 (CUDA tensors: gloo via the host)" in render(plan).splitlines()
     assert describe(plan)["process_groups"][0] == {"name": "sliced/owner2", "ranks": [0, 1, 2], "cuda_over": "gloo via the host"}
+
+
+def test_downpour_names_the_group_of_each_worker_groups_processes(blobs_job):
+    """A worker group over several processes reduces to its stub over a group the plan names (gloo: host tensors);
+    a group in one process needs none (test_layouts_without_collectives_name_no_group)."""
+    assert groups_of(blobs_job, "Downpour, 2 groups x 2 workers + 2 servers, 6 processes", ["cuda:0"]) == [
+        ("workers/g0", (0, 1), False), ("workers/g1", (2, 3), False)]

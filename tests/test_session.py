@@ -225,41 +225,71 @@ def test_diloco_resumes_every_groups_state_exactly(script, tmp_path):
         assert all(torch.equal(values[k], expected[k]) for k in values)
 
 
-DIES = textwrap.dedent('''
-    import os, signal
+REJOINS = textwrap.dedent('''
+    import os, signal, sys, time
+    from pathlib import Path
     import torch, shoal
+    from safetensors.torch import save_file
+    out = Path(sys.argv[1])
     torch.manual_seed(0)
     x = torch.randn(96, 8)
     data = torch.utils.data.TensorDataset(x, x[:, :1].clone())
-    run = shoal.session(train_steps=30, disp_freq=5)
-    model = run.model(torch.nn.Linear(8, 1))
-    opt = run.optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    run = shoal.session(train_steps=40, disp_freq=5)
+    (out / f"pid{run.rank}.{os.getpid()}").write_text("")
+    model = run.model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
+    opt = run.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + 0.1 * step))
     for step, (xb, yb) in run.batches(data, batch_size=12):
         if run.rank == 1 and step == 8:
             os.kill(os.getpid(), signal.SIGKILL)
+        if run.rank == 0 and step >= 10:  # the chief goes on slowly once process 1 is back, so that it rejoins mid-run
+            deadline = time.time() + 60
+            while len(list(out.glob("pid1.*"))) < 2 and time.time() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.1)
         loss = ((model(xb) - yb) ** 2).mean()
         loss.backward()
-        opt.step(); opt.zero_grad()
+        opt.step(); opt.zero_grad(); sched.step()
         run.log(step, loss=loss)
+    state = {f"param/{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
+    state |= {f"adam/{i}/{slot}": v for i, slots in opt.state_dict()["state"].items() for slot, v in slots.items()}
+    state["lr"] = torch.tensor(opt.param_groups[0]["lr"])
+    save_file(state, str(out / f"rank{run.rank}.safetensors"))
     print("rank", run.rank, "finished at step", step)
 ''')
 
 
 @pytest.mark.slow
-def test_allreduce_goes_on_without_a_killed_process(tmp_path):
-    """Under --max-restarts the AllReduce strategy attaches the replicated exchange: the user's loop takes its mean
-    gradient from it, and when process 1 is SIGKILLed at step 8 process 0 trains on alone to the end (a dead process of
-    a user's loop is not restarted: it could not rejoin the script's loop)."""
-    script = tmp_path / "dies.py"
-    script.write_text(DIES)
+def test_a_killed_process_is_restarted_into_the_running_loop(tmp_path):
+    """--max-restarts under AllReduce: process 1, SIGKILLed at step 8, is left out while the chief trains on, then
+    restarted: it runs the script from the top, its session takes the chief's module, AdamW state, scheduler state and
+    step at the step it is admitted, and its loop goes on from the next step; both replicas end equal to the bit."""
+    script = tmp_path / "rejoins.py"
+    script.write_text(REJOINS)
+    out = tmp_path / "out"
+    out.mkdir()
     proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(script), "--workspace", str(tmp_path / "ws"), *ALLREDUCE,
-                           "--max-restarts", "1"], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+                           "--max-restarts", "1", "--", str(out)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "rank 0 finished at step 29" in proc.stdout
+    assert "rank 0 finished at step 39" in proc.stdout
     assert "Step 8 went on without process 1" in proc.stdout
+    assert len(list(out.glob("pid1.*"))) == 2  # process 1 ran as two processes
+    rejoins = [json.loads(line) for line in (tmp_path / "ws" / "logs" / "rejoins.jsonl").read_text().splitlines()]
+    assert len(rejoins) == 1 and rejoins[0]["rank"] == 1 and 10 < rejoins[0]["step"] < 40
+    back = rejoins[0]["step"]
+    assert f"Process 1 rejoined at step {back}: it took the module's values and buffers" in proc.stdout  # the chief's line
+    assert "(restart 1)" not in proc.stdout  # one line on the terminal: the chief's
+    log = (tmp_path / "ws" / "logs" / "rank1.log").read_text()
+    assert f"Process 1 rejoined at step {back} (restart 1): the module's values and buffers" in log
+    assert "rank 1 finished at step 39" in log
     summary = json.loads((tmp_path / "ws" / "summary.json").read_text())
-    assert summary["status"] == "finished" and summary["missed_steps"]["1"]["why"] == "missing from steps 8 to 29"
-    assert train_losses(tmp_path / "ws")[-1] < 0.01
+    assert summary["status"] == "finished" and summary["rejoins"][0]["step"] == back
+    assert summary["missed_steps"]["1"]["why"] == f"missing from steps 8 to {back - 1}, back at step {back}"
+    ends = [load_file(str(out / f"rank{r}.safetensors")) for r in (0, 1)]
+    assert set(ends[0]) == set(ends[1]) and any(k.startswith("adam/") for k in ends[0])
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])  # params, AdamW's state and the scheduled lr
+    losses = train_losses(tmp_path / "ws")
+    assert losses[-1] < losses[0] / 2
 
 
 ACCUMULATES = textwrap.dedent('''

@@ -367,12 +367,7 @@ def irecv(tensor: torch.Tensor, src: int, tag: int) -> "dist.Work":
     return dist.irecv(tensor, src=src, tag=tag)
 
 
-# -- point to point and subgroups: the parameter-server transport (Downpour) ----------------
-def new_group(ranks: list[int]):
-    """A process group of `ranks`; every rank of the job must call this, in the same order."""
-    return dist.new_group(ranks=ranks)
-
-
+# -- point to point: the parameter-server transport (Downpour) ----------------
 def send(tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
     with in_plain_words():
         dist.send(tensor, dst=dst, tag=tag)
@@ -381,17 +376,6 @@ def send(tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
 def recv(tensor: torch.Tensor, src: int, tag: int = 0) -> None:
     with in_plain_words():
         dist.recv(tensor, src=src, tag=tag)
-
-
-def group_reduce_sum(tensor: torch.Tensor, dst: int, group) -> None:
-    """Sum over the ranks of `group` into global rank `dst`'s copy."""
-    with in_plain_words():
-        dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group)
-
-
-def group_broadcast(tensor: torch.Tensor, src: int, group) -> None:
-    with in_plain_words():
-        dist.broadcast(tensor, src=src, group=group)
 
 
 def store_lost() -> bool:

@@ -41,10 +41,12 @@ from shoal.planning.plan import JobPlan
 from shoal.planning.shares import batch_shares
 from shoal.report.metrics import MetricsLog, MetricWindow, display_line
 from shoal.report.run_log import open_run_log
-from shoal.runtime import session_exchange
+from shoal.runtime import rejoined, session_exchange
+from shoal.runtime.exchanges.periodic import MeetingsOver
 from shoal.runtime.replicas import torch_device, usable_device_names
 
 OPTIMIZER_STATE = "optimizer"  # checkpoint slots: state/optimizer.<index>/<slot>
+HANDOVER_TEXT_BYTES = 1 << 20  # a restarted process's handover: the optimizers' and schedulers' state as JSON, padded
 
 
 def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int = 100, seed: int = 0, disp_freq: int = 10,
@@ -62,7 +64,8 @@ def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int 
     job = session_job(cluster, train_steps, seed, disp_freq, checkpoint_freq, name)
     if context is not None:  # a rank the launcher started: its plan is the launcher's
         same_job(job, context.plan)
-        return Session(context.plan, context.rank, context.workspace, context.resume_from, context.log, owned=None)
+        return Session(context.plan, context.rank, context.workspace, context.resume_from, context.log, owned=None,
+                       rejoin=context.rejoin)
     launched = started_by_a_launcher()
     plan = plan_session(job, launched.nnodes if launched is not None else 1)
     if launched is not None:  # torchrun, srun, env://: this process is one rank of the world they started
@@ -78,9 +81,10 @@ class Session:
     """One process's part of a user's loop: its plan, rank, device, workspace and what it wraps."""
 
     def __init__(self, plan: JobPlan, rank: int, workspace: Path, resume_from: Optional[Path], log: Callable[[str], None],
-                 owned=None):
+                 owned=None, rejoin=None):
         check_layout(plan)
         self.plan, self.rank, self.workspace, self.say = plan, rank, Path(workspace), log
+        self.rejoin = rejoin  # restarted into the running loop (--max-restarts): it takes the chief's state at run.batches()
         self.job = plan.job
         self.chief = rank == 0
         self.distributed = not plan.in_one_process
@@ -209,7 +213,7 @@ class Session:
         self.module = module
         if self._mine is not None:
             self._load_module(module)
-        elif self.distributed:
+        elif self.distributed and self.rejoin is None:  # (a restarted process takes the chief's values at run.batches())
             session_exchange.broadcast_values([t for t in module.state_dict().values() if isinstance(t, torch.Tensor)])
         trained = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         store = ParamStore.viewing([(n, p.data) for n, p in trained])
@@ -218,7 +222,7 @@ class Session:
             # the strategy's replicated exchange: the mean over the members that came (the group goes on without a
             # dead process; under --max-restarts a restarted one heals from the chief)
             self.exchange = session_exchange.replicated_exchange(self.plan, self.rank, store, self.start_step, saved,
-                                                                 self.metrics, self.say)
+                                                                 self.metrics, self.say, rejoining=self.rejoin is not None)
             self.mean = session_exchange.GradientMean(trained, self.exchange, 1, lambda: self.step)
         elif self.distributed and self.plan.strategy.meets:
             self.exchange = session_exchange.attached_exchange(self.plan, self.rank, store, self.group, self.start_step,
@@ -258,16 +262,77 @@ class Session:
         return scheduler
 
     def _after_update(self, optimizer, args, kwargs) -> None:
-        """The step boundary, after the user's update: Local SGD / DiLoCo's meeting when it is due; a replicated group's
-        next quorum."""
-        if self.exchange is None:
+        """The step boundary, after the user's update: Local SGD / DiLoCo's meeting when it is due."""
+        if self.exchange is None or self.mean is not None:  # (a replicated group heals after the loop's body: _heal)
             return
         started = time.perf_counter()
-        if self.mean is not None:
-            self.exchange.heal(self.step)
-        else:
-            self.exchange.step(self.step, [({}, self._share)])  # the inner update was the user's: the meeting when it is due
+        self.exchange.step(self.step, [({}, self._share)])  # the inner update was the user's: the meeting when it is due
         self.exchange_seconds += time.perf_counter() - started
+
+    def _heal(self, step: int) -> None:
+        """After the loop's body of `step` (the update, the schedulers' step, whatever else it did): a process the
+        launcher restarted and the chief admitted at this step takes the module's values and buffers, the optimizers'
+        and schedulers' state from the chief, and trains on from the next step."""
+        started = time.perf_counter()
+        joined = self.exchange.heal(step, self._handover)
+        if joined and self.chief:
+            who = ", ".join(f"Process {r}" for r in joined)
+            self.say(f"{who} rejoined at step {step + 1}: it took the module's values and buffers, the optimizers' and "
+                     f"schedulers' state after step {step} from process {self.rank}")
+        self.exchange_seconds += time.perf_counter() - started
+
+    def _loop_state(self) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]], dict]:
+        """The module's values and buffers (live), each optimizer's state tensors by key (live), and the rest as JSON."""
+        values = [t for t in self.module.state_dict().values() if isinstance(t, torch.Tensor)]
+        described, tensors = [], []
+        for index, optimizer in enumerate(self.optimizers):
+            text, found = _split_tensors(optimizer.state_dict(), f"optimizer {index}")
+            described.append(text)
+            tensors.append(found)
+        text = {"optimizers": described, "schedulers": [_json_only(s.state_dict(), "a scheduler") for s in self.schedulers]}
+        return values, tensors, text
+
+    def _handover(self) -> list[torch.Tensor]:
+        """What a restarted process takes, in one order on both sides: the module's tensors, the optimizers' state
+        tensors (by key), then the optimizers' param groups and the schedulers' state as JSON in a fixed-size tensor."""
+        values, tensors, text = self._loop_state()
+        encoded = json.dumps(text).encode()
+        if len(encoded) > HANDOVER_TEXT_BYTES:
+            raise SessionError(f"a restarted process's handover: the optimizers' and schedulers' state is {len(encoded)} bytes "
+                               f"of JSON, more than {HANDOVER_TEXT_BYTES}")
+        padded = torch.full((HANDOVER_TEXT_BYTES,), ord(" "), dtype=torch.uint8)
+        padded[:len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        return values + [found[k] for found in tensors for k in sorted(found)] + [padded]
+
+    def _take_chiefs_state(self) -> None:
+        """A restarted process, at run.batches(): knock, and once admitted take the chief's state (its `_handover`)
+        into this module and these optimizers and schedulers; the loop goes on from the step after the admission."""
+        knocked_at = time.time()
+        for optimizer in self.optimizers:  # torch's optimizers make their state at the first step: make it, to fill it
+            if not optimizer.state:
+                _make_state(optimizer)
+        values, tensors, _ = self._loop_state()
+        text = torch.zeros(HANDOVER_TEXT_BYTES, dtype=torch.uint8)
+        taken = values + [found[k] for found in tensors for k in sorted(found)] + [text]
+        try:
+            start, admitted, digests = self.exchange.rejoin(self.rejoin.incarnation, lambda: taken)
+        except MeetingsOver as err:  # restarted after the chief's last step: run.batches() yields nothing
+            self.say(str(err))
+            self.start_step = self.step = self.job.train_steps
+            return
+        given = json.loads(bytes(text.numpy()).decode())
+        if len(given["schedulers"]) != len(self.schedulers):
+            raise SessionError(f"a restarted process: the chief's loop has {len(given['schedulers'])} scheduler(s), this one "
+                               f"{len(self.schedulers)}")
+        for optimizer, described, found in zip(self.optimizers, given["optimizers"], tensors):
+            optimizer.load_state_dict(_join_tensors(described, found))
+        for scheduler, state in zip(self.schedulers, given["schedulers"]):
+            scheduler.load_state_dict(state)
+        self.start_step = self.step = start
+        digests["took"] = (f"the module's values and buffers, the optimizers' and schedulers' state from process "
+                           f"{digests.get('from_process', 0)}, after step {admitted}")
+        # this process's log; the chief says it on the terminal
+        rejoined.report(self.workspace, self.rejoin, self.group, self.rank, start, admitted, digests, knocked_at, terminal=False)
 
     @contextmanager
     def accumulating(self) -> Iterator[None]:
@@ -298,12 +363,16 @@ class Session:
         skip = self.plan.group_shards.offset(self.group, 0, len(data))
         reader = reader_for(data, self.job.seed if seed is None else seed, shuffle, batch_size)
         self._restore_loop_state()
+        if self.rejoin is not None:
+            self._take_chiefs_state()
         self._window_start = time.perf_counter()
         for step in range(self.start_step, self.job.train_steps):
             self.step = step
             if self.distributed:
                 session_exchange.note_step(step)
             yield step, to_device(reader.batch(skip + step * batch_size + offset, self._share), self.device)
+            if self.mean is not None:
+                self._heal(step)
             self.window_rows += self._share
             if self.job.checkpoint_freq and fires(self.job.checkpoint_freq, self.job.checkpoint_after, step + 1):
                 self.checkpoint()
@@ -445,6 +514,18 @@ def _schedulers_of(optimizers: list) -> list:
         found += [obj for obj in owners if is_scheduler(obj) and getattr(obj, "__dict__", None) is (holder if type(holder) is dict
                                                                                                     else obj.__dict__)]
     return list({id(s): s for s in found}.values())
+
+
+def _make_state(optimizer: torch.optim.Optimizer) -> None:
+    """One step of `optimizer` on zero gradients: its state tensors exist, shaped as the chief's (their values, and the
+    params it moved, are then overwritten by the chief's)."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for p, grad in zip(params, grads):
+        p.grad = grad
 
 
 def _split_tensors(state: Any, what: str, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:

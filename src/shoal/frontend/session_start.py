@@ -42,6 +42,7 @@ class RankContext:
     workspace: Path
     resume_from: Optional[Path]
     log: Callable[[str], None]
+    rejoin: Optional[object] = None  # restarted into the running loop (runtime/assemble.py's Rejoin: its incarnation)
 
 
 _RANK: Optional[RankContext] = None
@@ -154,7 +155,7 @@ def run_rank_script(path: str, argv: list[str], settings: script.ScriptSettings,
     """A rank of a session's job (launcher/launch.py calls it after the rank joined the world): the script, from the
     top, with this rank's context for its `shoal.session()`."""
     global _RANK
-    _RANK = RankContext(plan, rank, Path(spec.workspace), spec.resume_from, spec.log)
+    _RANK = RankContext(plan, rank, Path(spec.workspace), spec.resume_from, spec.log, spec.rejoin)
     try:
         status = script.run_script(Path(path), argv, settings, expected=(ShoalError,))
     finally:

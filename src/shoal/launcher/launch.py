@@ -344,10 +344,15 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
             return []
         return [f"worker group {g}" for g in sorted({rejoin.group_of(plan, ranks[i]) for i in reported})]
 
+    stopped_since: dict[int, float] = {}  # index -> when this launcher first saw its process stopped (SIGSTOP)
     while True:
         for i in stalls.end_dropped(context, ranks, lambda rank: not expendable(plan, rank)):
             reported.add(i)
             ended(i, f"dropped: process {ranks[i]} stopped answering")
+        for i in _end_stopped_to_restart(context, ranks, plan, restarter, stopped_since, reported):
+            if restarter.restart(context, i, ranks[i], -signal.SIGKILL, how=f"was stopped past the stall timeout "
+                                 f"({plan.stall_timeout_s:g} s) and dropped; the launcher ended it (SIGKILL)"):
+                ended(i, f"process {ranks[i]} was restarted after the job dropped it for a stall")
         exited = [i for i, p in enumerate(context.processes) if p.exitcode is not None]
         # one the job cannot lose ends it, first (a peer that saw it die and exited too is not restarted in vain);
         # STALLED_EXIT: a process that found a peer the job cannot lose stalled (the chief, say): its verdict ends the job
@@ -359,9 +364,14 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
             code = context.processes[i].exitcode
             if code != 0 and i not in reported:
                 context.sentinels.pop(context.processes[i].sentinel, None)  # torch's join must not fail the job for it
-                said = code != stalls.GROUP_DROPPED_EXIT and restarter is not None and restarter.restart(context, i, ranks[i], code)
+                # a process that left because the job dropped it (it stalled, then ran again) comes back as a dead one,
+                # with restarts left; without, as before: the chief has warned
+                left = code == stalls.GROUP_DROPPED_EXIT
+                said = restarter is not None and (not left or restarter.can_restart(ranks[i])) and restarter.restart(
+                    context, i, ranks[i], code, how="left after the job dropped it for a stall" if left else None)
                 if context.processes[i].exitcode is None:  # restarted: a new process in its place
-                    ended(i, f"process {ranks[i]} was restarted after it exited with code {code}")
+                    ended(i, f"process {ranks[i]} was restarted after "
+                             + ("the job dropped it for a stall" if left else f"it exited with code {code}"))
                     continue
                 reported.add(i)
                 ended(i, f"dropped: process {ranks[i]} stopped answering" if code == stalls.GROUP_DROPPED_EXIT
@@ -375,6 +385,28 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
                 restarter.finish()
             return failed_groups()
         wait([p.sentinel for p in context.processes if p.exitcode is None], timeout=1.0)
+
+
+def _end_stopped_to_restart(context, ranks: list[int], plan: JobPlan, restarter, stopped_since: dict[int, float],
+                            reported: set[int]) -> list[int]:
+    """With restarts left: the indices of this node's processes stopped (SIGSTOP) longer than the stall timeout and a
+    beat, which their peers have dropped by then, now SIGKILLed (the launcher's own children: a stopped one holds any
+    other signal) so that they are restarted as dead ones are. Without restarts they stay until the job ends (end_dropped)."""
+    if restarter is None:
+        return []
+    now, ended = time.monotonic(), []
+    for i, proc in enumerate(context.processes):
+        if i in reported or proc.exitcode is not None or not stalls.is_stopped(proc.pid) or not restarter.can_restart(ranks[i]):
+            stopped_since.pop(i, None)
+            continue
+        since = stopped_since.setdefault(i, now)
+        if now - since > plan.stall_timeout_s + heartbeat.beat_interval(plan.stall_timeout_s):
+            proc.kill()
+            proc.join()
+            context.sentinels.pop(proc.sentinel, None)  # torch's join must not fail the job for it
+            stopped_since.pop(i)
+            ended.append(i)
+    return ended
 
 
 def _wait_for_exit(processes, grace: float = 5.0) -> None:
@@ -533,7 +565,7 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
             if outlives_a_dead_process(plan):  # (its strategy says so: Downpour, Hogwild, Local SGD, replicas) a dead group is dropped
                 failed_groups = _join_tolerating_groups(context, ranks, plan, workspace,
                                                         rejoin.Restarter(plan, meeting, spec, process_setup, environment,
-                                                                         restarts=rank_main is None), group_ends)
+                                                                         rank_main=rank_main), group_ends)
             elif plan.max_restarts > 0 and plan.cluster.nworker_groups > 1:  # groups that cannot outlive a dead one
                 warn(f"WARNING: --max-restarts: only Downpour, Local SGD and Distributed Hogwild worker groups are restarted; "
                      f"{plan.label}'s are not")

@@ -124,11 +124,18 @@ class Restarter:
     exits with an error."""
 
     def __init__(self, plan: JobPlan, meeting, spec, process_setup: Optional[Callable[[], None]], environment: dict[str, str],
-                 restarts: bool = True):
+                 restarts: bool = True, rank_main: Optional[Callable] = None):
         """`environment`: the ranks' (holding the job's secret): restarted processes get it too. `restarts` False: a dead
-        process is given up on, never restarted (shoal.session's ranks run the user's script, which a rejoin cannot)."""
+        process is given up on, never restarted. `rank_main`: what a restarted process runs instead of run_process
+        (shoal.session's user script, from the top: its session takes the chief's state at run.batches()); only
+        AllReduce's replicas are restarted then (a Local SGD group of a user's loop is not yet)."""
         self.plan, self.meeting, self.spec, self.process_setup = plan, meeting, spec, process_setup
+        self.rank_main = rank_main
         self.environment, self.secret = environment, auth.required_secret("the launcher", environment)
+        if rank_main is not None and not replicas_go_on(plan) and plan.max_restarts > 0 and rejoins(plan):
+            warn(f"WARNING: --max-restarts: a dead process of your own loop under {plan.label} is not restarted (only "
+                 "AllReduce's are, so far); the other worker groups go on without it")
+            restarts = False
         self.limit = plan.max_restarts if rejoins(plan) and restarts else 0  # cluster.max_restarts, --max-restarts
         self.restarts: dict[int, int] = {}
         self.started = time.time()  # rejoins.jsonl may hold an earlier run's rejoins (a resumed workspace)
@@ -160,8 +167,13 @@ class Restarter:
                                                 timeout_s=self.plan.comm_timeout_s)
         self._door = channels.Door(door_of(self.plan), self._store, self.secret)
 
-    def restart(self, context, index: int, rank: int, code: int) -> bool:
-        """Start a new process in dead process `rank`'s place (it replaces context.processes[index]); False: not restarted."""
+    def can_restart(self, rank: int) -> bool:
+        """Whether process `rank` would be restarted now (restarts left, and it may rejoin)."""
+        return self.limit > 0 and why_not(self.plan, rank) is None and self.restarts.get(rank, 0) < self.limit
+
+    def restart(self, context, index: int, rank: int, code: int, how: Optional[str] = None) -> bool:
+        """Start a new process in dead process `rank`'s place (it replaces context.processes[index]); False: not restarted.
+        `how`: how it ended, for the line (default: from its exit code)."""
         if self.limit <= 0:
             if self._door is not None:  # a group that died before it connected holds no server waiting for it
                 self._door.give_up(door_key(self.plan, rank), self._door.incarnation(door_key(self.plan, rank)))
@@ -170,7 +182,7 @@ class Restarter:
         done = self.restarts.get(rank, 0)
         group = door_key(self.plan, rank)
         replicas = replicas_go_on(self.plan)
-        ended = _ended(code) if replicas else f"exited with code {code}"
+        ended = how or (_ended(code) if replicas else f"exited with code {code}")
         if reason is not None or done >= self.limit:
             if self._door is not None:  # not restarted: the servers stop waiting for the group
                 self._door.give_up(group, self._door.incarnation(group))
@@ -188,10 +200,11 @@ class Restarter:
                  f"(restart {done + 1} of {self.limit}); it rejoins at the next step, from process 0's state")
         else:
             source = "at the groups' next meeting, from a live group's state" if self.plan.strategy.meets else self.plan.strategy.rejoins_from
-            warn(f"WARNING: {describe_process(self.plan, rank)} exited with code {code}; restarting it "
+            warn(f"WARNING: {describe_process(self.plan, rank)} {ended}; restarting it "
                  f"(restart {done + 1} of {self.limit}); it rejoins {source}")
         args = (rank, self.meeting, self.plan.job.SerializeToString(), str(self.spec.workspace),
-                [str(d) for d in self.spec.base_dirs], self.process_setup, self.spec.initial_values, incarnation, detected_at, self.environment)
+                [str(d) for d in self.spec.base_dirs], self.process_setup, self.spec.initial_values, incarnation, detected_at, self.environment,
+                self.rank_main)
         process = self._context.Process(target=_entry, args=args, name=f"shoal-rank{rank}-restart{done + 1}", daemon=False)
         process.start()
         context.processes[index] = process  # watched, stopped and joined with the others from now on
@@ -233,7 +246,7 @@ def add_rejoins_to_summary(workspace: Path, since: float) -> None:
 
 
 def _entry(rank: int, meeting, job_bytes: bytes, workspace: str, base_dirs: list[str], process_setup, initial_values,
-           incarnation: int, detected_at: Optional[float], environment: dict[str, str]) -> None:
+           incarnation: int, detected_at: Optional[float], environment: dict[str, str], rank_main=None) -> None:
     """A restarted process (forked from the forkserver): rank `rank` again, a client of the job's store only."""
     os.environ.clear()  # the launcher's environment now, not the forkserver's when it started
     os.environ.update(environment)
@@ -241,13 +254,14 @@ def _entry(rank: int, meeting, job_bytes: bytes, workspace: str, base_dirs: list
     with rank_output(Path(workspace), rank) as log_file:
         run_rejoined(job_bytes, meeting.nnodes, rank, meeting.store_host, meeting.store_port, meeting.interface,
                      Path(workspace), [Path(d) for d in base_dirs], incarnation, detected_at, chief_log(rank, log_file),
-                     process_setup, initial_values)
+                     process_setup, initial_values, rank_main)
 
 
 def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, store_port: int, interface: Optional[str],
                  workspace: Path, base_dirs: list[Path], incarnation: int, detected_at: Optional[float],
-                 log: Callable[[str], None], process_setup=None, initial_values=None) -> None:
-    """Run rank `rank` of a running job as incarnation `incarnation` of its group, to the group's last step."""
+                 log: Callable[[str], None], process_setup=None, initial_values=None, rank_main=None) -> None:
+    """Run rank `rank` of a running job as incarnation `incarnation` of its group, to the group's last step (`rank_main`:
+    shoal.session's script instead of run_process)."""
     from shoal.config.plugins import decode_job
     from shoal.planning.plan import plan_job
     from shoal.runtime.assemble import Rejoin, RunSpec, run_process
@@ -262,7 +276,7 @@ def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, stor
                    rejoin=Rejoin(incarnation, detected_at), faults=faults.from_environment())
     try:
         with stalls.watching(plan, rank, workspace):
-            run_process(plan, rank, spec)
+            (rank_main or run_process)(plan, rank, spec)
     except (JobOver, MeetingsOver) as err:  # nothing left to train: not a failure
         log(str(err))
     stalls.exit_if_abandoned()

@@ -15,7 +15,8 @@
   group's other processes leave with GROUP_DROPPED_EXIT (not reported again), and once the job's
   essential processes are done the launcher kills what is still stopped (`end_dropped`). If the
   stalled process runs again before that, it sees the gap in its own heartbeat and leaves; a push
-  it sends first is refused by the servers.
+  it sends first is refused by the servers. With restarts left (--max-restarts) the launcher ends a
+  process stopped past the timeout and a beat at once, and restarts it, or one that left, as a dead one.
 """
 from __future__ import annotations
 

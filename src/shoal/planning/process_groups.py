@@ -72,6 +72,23 @@ def whole_group(name: str, ranks: Sequence[int], devices: Sequence[Sequence[str]
     return ProcessGroupPlan(name, ranks, nccl_capable([devices[r] for r in ranks], [node[r] for r in ranks]))
 
 
+def worker_group_name(group: int) -> str:
+    """The group of worker group `group`'s processes (Downpour: the stub's reduce and broadcast)."""
+    return f"workers/g{group}"
+
+
+def worker_groups(placement: Placement) -> tuple[ProcessGroupPlan, ...]:
+    """Per worker group spread over several processes, the group of its processes, in group order. gloo's (never NCCL):
+    what it moves (Downpour's flat gradient and params) lives on the host, and its members beside separate CPU servers
+    made the world gloo's, as these groups were before the plan named them."""
+    groups = []
+    for group in sorted({w.group for p in placement.processes for w in p.workers}):
+        ranks = tuple(sorted({p.rank for p in placement.processes if any(w.group == group for w in p.workers)}))
+        if len(ranks) > 1:
+            groups.append(ProcessGroupPlan(worker_group_name(group), ranks, nccl=False))
+    return tuple(groups)
+
+
 def bridge_group_name(group: int, a: int, b: int) -> str:
     """The group carrying the bridges between workers `a` and `b` (either order) of worker group `group`."""
     low, high = sorted((a, b))

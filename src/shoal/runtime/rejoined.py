@@ -36,10 +36,17 @@ def complete(run, spec) -> None:
     trainer, ticket = run.chief, spec.rejoin
     knocked_at = time.time()  # the process is built (imports, plan, net, data): the handshake and the pull from here
     step, version, digests = run.plan.strategy.complete_rejoin(run, ticket.incarnation)
-    rejoined_at = time.time()
     trainer.start_at(step)
+    report(spec.workspace, ticket, trainer.group, run.rank, step, version, digests, knocked_at)
+
+
+def report(workspace, ticket, group: int, rank: int, step: int, version: int, digests: dict, knocked_at: float,
+           terminal: bool = True) -> None:
+    """The rejoin's line (this process's log, and the job's terminal unless the chief says it there: `terminal` False)
+    and its record in logs/rejoins.jsonl."""
+    rejoined_at = time.time()
     started_at = process_started_at()
-    record = {"group": trainer.group, "rank": run.rank, "incarnation": ticket.incarnation, "step": step, "version": version,
+    record = {"group": group, "rank": rank, "incarnation": ticket.incarnation, "step": step, "version": version,
               "process_start_to_rejoin_s": round(rejoined_at - started_at, 3), "handshake_and_pull_s": round(rejoined_at - knocked_at, 3),
               "time": rejoined_at,
               "by_hand": ticket.detected_at is None, "digests": digests}
@@ -50,12 +57,10 @@ def complete(run, spec) -> None:
     took = digests.pop("took", None) or f"live params of version {version}"
     who = digests.pop("who", None)  # a process of a group of replicas (AllReduce) names itself: its group went on
     line = (f"{who} rejoined at step {step} (restart {ticket.incarnation})" if who else
-            f"Worker group {trainer.group} rejoined at step {step} (process {run.rank}, restart {ticket.incarnation})")
+            f"Worker group {group} rejoined at step {step} (process {rank}, restart {ticket.incarnation})")
     line += f": {took}, {record['process_start_to_rejoin_s']:.2f} s after its process started{since_death}"
     print(line)  # this process's log
-    if sys.__stdout__ is not None and sys.stdout is not sys.__stdout__:
+    if terminal and sys.__stdout__ is not None and sys.stdout is not sys.__stdout__:
         print(line, file=sys.__stdout__, flush=True)  # the job's terminal (the launcher's, or the --rejoin command's)
-    with open_for_append(Path(spec.workspace) / "logs" / RECORDS_FILE) as f:  # through no link
+    with open_for_append(Path(workspace) / "logs" / RECORDS_FILE) as f:  # through no link
         f.write(json.dumps(record) + "\n")
-
-

@@ -10,7 +10,8 @@ says:
   backward, an autograd engine callback that runs when the whole backward is done and hands every gradient, weighted
   by this worker's share of the group's batch, to `mean_gradients(step, parts)`. The strategy's replicated exchange
   answers it: AllReduce attaches the replicated exchange for every user loop (runtime/exchanges/replicated.py: the
-  mean over the members that came; `heal(step)` after the user's update);
+  mean over the members that came; `heal(step, state)` after the loop's body: a restarted process
+  takes the module's, the optimizers' and the schedulers' state, frontend/session.py);
 - Local SGD / DiLoCo over processes (one group per process): the user's optimizer is the inner one; after each
   `opt.step()` the strategy's PeriodicExchange is handed the step with no gradient of its own (its inner updater
   applies nothing) and meets every local_steps steps, moving the user's params to the new anchor in place.
@@ -77,12 +78,13 @@ class StartSpec:
 
 
 def attached_exchange(plan: JobPlan, rank: int, store: ParamStore, group: int, start_step: int, resumed: bool,
-                      saved: Optional[dict] = None, metrics=None, log: Callable[[str], None] = print):
+                      saved: Optional[dict] = None, metrics=None, log: Callable[[str], None] = print, rejoining: bool = False):
     """The exchange the plan's strategy attaches for the user's module in process `rank`, its state restored from
-    `saved` (a checkpoint's exchange tensors) and started at `start_step`."""
-    groups = collectives.create(plan.process_groups) if not plan.in_one_process else {}
+    `saved` (a checkpoint's exchange tensors) and started at `start_step`; `rejoining`: a process restarted into the
+    running loop (in no process group: it knocks, and the session takes the chief's state at run.batches())."""
+    groups = collectives.create(plan.process_groups) if not plan.in_one_process and not rejoining else {}
     member = SessionMember(store, group, start_step, metrics=metrics, log=log)
-    run = SessionRun(plan, rank, [member], groups)
+    run = SessionRun(plan, rank, [member], groups, rejoining=rejoining)
     plan.strategy.attach_exchanges(run)
     exchange = member.exchange
     if saved:
@@ -164,12 +166,12 @@ class GradientMean:
 
 
 def replicated_exchange(plan: JobPlan, rank: int, store: ParamStore, start_step: int, saved: Optional[dict], metrics,
-                        log: Callable[[str], None]):
+                        log: Callable[[str], None], rejoining: bool = False):
     """The strategy's exchange for a synchronous group over processes: AllReduce attaches the replicated one for a
     user's loop (runtime/exchanges/replicated.py: the mean over the members that came; the group goes on without a
     dead process, and with cluster.max_restarts a restarted one heals from the chief)."""
     exchange = attached_exchange(plan, rank, store, 0, start_step, resumed=saved is not None, saved=saved, metrics=metrics,
-                                 log=log)
+                                 log=log, rejoining=rejoining)
     assert hasattr(exchange, "mean_gradients"), f"{type(exchange).__name__}: not a replicated exchange"  # check_layout's
     return exchange
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from shoal.comm import dist as comm
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.costs import FLOAT
 from shoal.planning.placement import ServerId
+from shoal.planning.process_groups import worker_group_name, worker_groups
 from shoal.planning.strategy import Framework, Layout, Messages, Phases, Strategy, UnsupportedClusterError
 from shoal.runtime import rejoined
 from shoal.runtime.exchanges.compression import codec_factory
@@ -109,16 +109,19 @@ class Downpour(Strategy):
         return Phases(update=update + stub_copies + server_copies, bounds=bounds, exchange=exchange, terms=terms,
                       staleness=f"≈ {c.nworker_groups - 1} update(s) by other groups between a group's pull and push")
 
+    def process_groups(self, placement, devices, nnodes: int, partition) -> tuple:
+        # the processes of each worker group spread over several; a rejoined process makes none (it has no world) and
+        # needs none: it hosts a whole group (shoal.launcher.rejoin.why_not)
+        return worker_groups(placement)
+
     # -- runtime ------------------------------------------------------------------------------------
     def attach_exchanges(self, run) -> None:
-        """A Downpour process is a server or a group's worker(s). Every process creates every group's process
-        group (torch.distributed requires it), in group order, whether or not it belongs to it."""
+        """A Downpour process is a server or a group's worker(s). A group over several processes reduces to its stub
+        and broadcasts back over the plan's group of its processes (`process_groups`)."""
         plan, rank, trainer = run.plan, run.rank, run.trainers[0]
         c = plan.cluster
         updater = make_updater(plan.updater)
         group_ranks = {g: plan.ranks_of_group(g) for g in range(c.nworker_groups)}
-        # a rejoined process is in no process group (it hosts a whole group: shoal.launcher.rejoin.why_not)
-        group_comms = {} if run.rejoining else {g: comm.new_group(ranks) if len(ranks) > 1 else None for g, ranks in group_ranks.items()}
         hosted = plan.process(rank)
         codecs = codec_factory(c.compression, c.topk_fraction)  # cluster.compression of the pushes
         if hosted.servers:
@@ -131,7 +134,7 @@ class Downpour(Strategy):
         servers = {ServerId(0, i): plan.placement.process_of(ServerId(0, i)) for i in range(c.nservers_per_group)}
         group = hosted.workers[0].group
         trainer.attach_exchange(DownpourExchange(trainer.store, updater, plan.placement, rank, group,
-                                                 group_ranks[group], group_comms.get(group), servers, plan.global_batch,
+                                                 group_ranks[group], run.process_groups.get(worker_group_name(group)), servers, plan.global_batch,
                                                  timeout_s=plan.comm_timeout_s, warmup_steps=c.warmup_steps,
                                                  overlap_push=c.overlap_push, codecs=codecs))
 

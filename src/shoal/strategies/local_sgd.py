@@ -96,7 +96,7 @@ class LocalSGD(Strategy):
             move(r, ranks[(i + 1) % len(ranks)], ring * message * meetings_per_step(plan))
 
     def messages(self, model) -> list[Messages]:
-        """A meeting over processes (runtime/exchanges/periodic.py: ProcessMeeting.sum → compression.all_reduce_encoded):
+        """A meeting over processes (runtime/exchanges/periodic.py: ProcessMeeting.sum → _reduce_encoded):
         one all-reduce of the pseudo-gradient over every group's process (top-k: an all-gather per encoded part),
         averaged over the run's steps. Update here when that changes."""
         plan = model.plan

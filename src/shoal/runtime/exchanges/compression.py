@@ -21,7 +21,6 @@ from typing import Callable, Optional
 
 import torch
 
-from shoal.comm import dist as comm
 from shoal.config import job_pb2
 
 
@@ -129,33 +128,3 @@ def codec_factory(compression: int, topk_fraction: float = 0.01) -> Optional[Cal
 
 def wire_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def all_reduce_encoded(codec: Codec, flat: torch.Tensor, group=None) -> tuple[torch.Tensor, int]:
-    """The sum of every process's `flat` over `group` (shoal.comm.collectives; None: the world), each sending
-    codec.encode(flat); and the bytes this process handed over.
-
-    Casts all-reduce in their own precision (as torch DDP's fp16/bf16 hooks, bandwidth-optimal at any
-    number of processes); top-k all-gathers every process's (indices, values), which sums no better
-    in a ring (the union of the k's is not sparse), and every process adds them up in rank order
-    (SINGA 4 DistOpt's sparse update does the same), so all hold the same sum.
-    """
-    def all_reduce(tensor: torch.Tensor) -> None:
-        if group is None:
-            comm.all_reduce_sum(tensor)
-        else:
-            group.all_reduce_sum(tensor).wait()
-
-    sent = codec.encode(flat)
-    if isinstance(codec, TopKCodec):
-        gathered = [comm.all_gather(part) if group is None else group.all_gather(part) for part in sent]
-        total = torch.zeros(flat.numel(), device=flat.device)
-        for parts in zip(*gathered):
-            total += codec.decode(list(parts), flat.numel())
-        return total, wire_bytes(sent)
-    if isinstance(codec, CastCodec):
-        low = sent[0].clone()
-        all_reduce(low)
-        return low.float(), wire_bytes(sent)
-    all_reduce(flat)
-    return flat, wire_bytes(sent)

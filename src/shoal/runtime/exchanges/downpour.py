@@ -456,7 +456,8 @@ class DownpourExchange:
                  group_ranks: list[int], group_comm, server_ranks: dict[ServerId, int], global_batch: int, *, timeout_s: float,
                  warmup_steps: int = 0, overlap_push: bool = False, codecs: Optional[Callable[..., Codec]] = None):
         """As the strategy reads them from the plan: `timeout_s` (cluster.comm_timeout_s: how long a server may take to
-        answer a knock), `warmup_steps`, `overlap_push` and `codecs` (cluster.compression; None: float32)."""
+        answer a knock), `warmup_steps`, `overlap_push` and `codecs` (cluster.compression; None: float32); `group_comm`: the
+        plan's group of this worker group's processes (shoal.comm.collectives.Group; None: the group is one process)."""
         self.store, self.rank, self.group = store, rank, group
         self.timeout_s = timeout_s
         self.group_ranks, self.group_comm = group_ranks, group_comm
@@ -563,7 +564,7 @@ class DownpourExchange:
         if len(self.group_ranks) == 1:
             return
         flat = torch.cat([self.store.values[n].reshape(-1) for n in self.names])
-        comm.group_broadcast(flat, self.stub, self.group_comm)
+        self.group_comm.broadcast(flat, self.stub).wait()
         for name in self.names:
             o = self.offsets[name]
             self.store.values[name].view(-1).copy_(flat[o : o + self.store.info[name].numel])
@@ -586,8 +587,8 @@ class DownpourExchange:
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
         flat, had = self._flat_grads(parts)
         if len(self.group_ranks) > 1:
-            comm.group_reduce_sum(flat, self.stub, self.group_comm)
-            comm.group_reduce_sum(had, self.stub, self.group_comm)
+            self.group_comm.reduce_sum(flat, self.stub).wait()
+            self.group_comm.reduce_sum(had, self.stub).wait()
         if self.rank == self.stub:
             clip_([flat], self.max_norm)  # the group's whole push, clipped by its own norm before it leaves
             self._push_pull(step, flat, had)

@@ -25,8 +25,8 @@ shoal.comm.channels.Door) and the two talk over a channel of their own from then
 reaches sends it the live values of the slices it masters, its own copy of the restarted group's
 slices as of its last sync with them, when that sync was and the restarted group's step at it (the
 header of every sync carries the requester's step). The restarted group takes the live values, its
-own slices from the latest of those syncs, and goes on from the step of its last sync (the data
-shards are a function of the step): what it had done since its last sync, and the updater state of its
+own slices from the latest of those syncs, and goes on from the step of its last sync, or from the step the run
+began at where it has not synced since (a resumed run's: never step 0 again) (the data shards are a function of the step): what it had done since its last sync, and the updater state of its
 server, are lost. The groups it reached then sync with it again, both ways. A restarted process knocks
 at the groups that started with the job and at restarted ones of a lower group number (never both
 ways, so two restarted groups make one channel); a group that is not running then is not synced with.
@@ -116,6 +116,9 @@ class HogwildExchange:
         self.door, self.timeout_s, self.incarnation = door, timeout_s, 0
         self.linked = {g: 0 for g in self.peers}  # the incarnation of each peer group this process syncs with
         self.peer_steps: dict[int, int] = {}  # per peer group: its step at its latest sync with this group's masters
+        # the step this run's groups began at (a resumed run's checkpoint step): a group that has not synced here since
+        # did all its synced work before it, so a restart of it goes on from there (never from step 0 of a resumed run)
+        self.began_at = 0
         self.synced_at: dict[int, float] = {}  # per master process: when this group's latest sync with it was
         self.steps_done = 0
         self._closing = False
@@ -177,6 +180,8 @@ class HogwildExchange:
     # -- the group's own steps ----------------------------------------------------------
     def begin(self, step: int) -> None:
         """Nothing to wait for: a group only ever waits for its own replica."""
+        if not self._started:
+            self.began_at = step
         self._start()
 
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
@@ -413,7 +418,7 @@ class HogwildExchange:
             live = self._gather(self.served[0])
             theirs = self.last_sync[rank].clone() if asked else torch.zeros(0, device="cpu")
         synced_at = int(self.synced_at.get(rank, 0.0) * 1000)
-        channel.send(torch.tensor([self.peer_steps.get(group, 0), synced_at], dtype=torch.int64, device="cpu"), TAG_JOIN_INFO)
+        channel.send(torch.tensor([self.peer_steps.get(group, self.began_at), synced_at], dtype=torch.int64, device="cpu"), TAG_JOIN_INFO)
         if self.served[1]:
             channel.send(live, TAG_JOIN_LIVE)
         if asked:

@@ -47,7 +47,6 @@ from typing import Callable, Optional
 import torch
 
 from shoal.comm import collectives
-from shoal.comm import dist as comm
 from shoal.comm import quorum as quorums
 from shoal.errors import ShoalError
 from shoal.neuralnet import checkpoint as ckpt_io
@@ -180,7 +179,7 @@ class ProcessMeeting:
     def __init__(self, groups: int, codec: Optional[Codec] = None, quorum: Optional[quorums.Quorum] = None,
                  group_of: Optional[dict[int, int]] = None, first: Optional[collectives.Group] = None):
         """`quorum`: this process's side of the meetings (shoal.comm.quorum); `group_of`: the worker group of each
-        member process; `first`: the plan's meeting group (None: the world; a process restarted into the job has none:
+        member process; `first`: the plan's meeting group (None in a process restarted into the job:
         it knocks)."""
         self.groups = groups
         self.codec = codec or Codec()
@@ -246,7 +245,7 @@ class ProcessMeeting:
             return
         mine = torch.tensor([int.from_bytes(_digest(anchor, names)[:8], "little", signed=True)], dtype=torch.int64,
                             device=anchor.device)
-        gathered = comm.all_gather(mine) if self.first is None else self.first.all_gather(mine)
+        gathered = self.first.all_gather(mine)  # the plan's meeting group (a restarted process has none: returned above)
         if any(not torch.equal(g, gathered[0]) for g in gathered):
             raise GroupsDisagree("Local SGD: the groups' processes start from different values (their digests differ): "
                                  "each process must build the same initial values (seed the model, or give checkpoint_path)")
@@ -265,7 +264,8 @@ def _digest(store: ParamStore, names: list[str]) -> bytes:
 def _reduce_encoded(codec: Codec, sent: list[torch.Tensor], size: int, attempt) -> torch.Tensor:
     """The members' sum of what each sent (`codec.encode` of its pseudo-gradient), over one attempt of a meeting
     (shoal.comm.quorum.Attempt): casts all-reduce in their own precision; top-k all-gathers every member's
-    (indices, values) and each adds them up in rank order, so all hold the same sum (as compression.all_reduce_encoded)."""
+    (indices, values) and each adds them up in rank order, so all hold the same sum (SINGA 4 DistOpt's sparse update does
+    the same; a ring sums the union of the k's no better)."""
     if isinstance(codec, TopKCodec):
         gathered = [attempt.all_gather(part) for part in sent]
         total = torch.zeros(size, device=sent[1].device)

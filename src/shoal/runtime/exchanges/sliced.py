@@ -44,7 +44,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -60,7 +60,7 @@ from shoal.runtime.exchanges.compression import Codec, codecs_state, load_codecs
 
 
 from shoal.comm import collectives
-from shoal.planning.process_groups import sliced_group_name, sliced_groups
+from shoal.planning.process_groups import sliced_group_name
 
 
 @dataclass
@@ -111,7 +111,8 @@ class SlicedExchange:
         workers: Sequence,
         bucket_cap: int,  # elements: the plan's bucket_elements (cluster.bucket_mb; SHOAL_BUCKET_MB overrides)
         codecs: Optional[Callable[[], Codec]] = None,  # cluster.compression: a fresh codec per (bucket, sender)
-        groups: Optional[dict[str, collectives.Group]] = None,  # the plan's process groups (None: made here, gloo)
+        *,
+        groups: Mapping[str, collectives.Group],  # the plan's process groups, made (collectives.create): never its own
     ):
         self.store, self.updater, self.rank, self.global_batch = store, updater, rank, global_batch
         self.chief = rank == 0
@@ -127,8 +128,6 @@ class SlicedExchange:
         # the buckets this process takes part in: all of them where it has workers, its own on a separate server
         self.buckets = [b for b in every if hosts_workers or b.owner == rank]
         self.owned = [b for b in self.buckets if b.owner == rank]
-        if groups is None:  # built outside an assembly (tests): the plan's groups, on gloo
-            groups = collectives.create(sliced_groups(placement, [[] for _ in placement.processes]))
         self.owners = sorted({b.owner for b in self.buckets})
         self.group_of = {o: groups[sliced_group_name(o)] for o in self.owners}
         self.buckets_of: dict[str, list[Bucket]] = {name: [] for name in self.names}
