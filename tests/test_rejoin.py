@@ -183,3 +183,29 @@ def test_rejoin_refuses_where_no_job_runs_and_bad_options(blobs_job, tmp_path, c
         assert main(["run", job, "--workspace", str(tmp_path / "none"), *args]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(says), lines
+
+
+def test_a_restarted_process_that_fails_writes_its_traceback_to_its_log_not_the_terminal(tmp_path, capfd, monkeypatch):
+    """A restarted process whose run fails (its server died meanwhile: the launcher's line tells that story) exits 1
+    with its traceback in WORKSPACE/logs/rank<R>.log; nothing of it reaches the terminal (multiprocessing would print
+    an uncaught exception's traceback to the stderr the process inherited)."""
+    import multiprocessing
+    from types import SimpleNamespace
+
+    from shoal.launcher import rejoin
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("server 0 of the job stopped answering")
+
+    monkeypatch.setattr(rejoin, "run_rejoined", fails)
+    (tmp_path / "logs").mkdir()
+    meeting = SimpleNamespace(nnodes=1, store_host="127.0.0.1", store_port=0, interface=None)
+    process = multiprocessing.get_context("fork").Process(
+        target=rejoin._entry, args=(1, meeting, b"", str(tmp_path), [], None, None, 1, None, dict(os.environ)))
+    process.start()
+    process.join(30)
+    assert process.exitcode == 1
+    out, err = capfd.readouterr()
+    assert "Traceback" not in err + out and "stopped answering" not in err + out, err
+    log = (tmp_path / "logs" / "rank1.log").read_text()
+    assert "Traceback" in log and "RuntimeError: server 0 of the job stopped answering" in log

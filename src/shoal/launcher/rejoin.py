@@ -40,6 +40,7 @@ import json
 import os
 import signal
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -252,9 +253,15 @@ def _entry(rank: int, meeting, job_bytes: bytes, workspace: str, base_dirs: list
     os.environ.update(environment)
 
     with rank_output(Path(workspace), rank) as log_file:
-        run_rejoined(job_bytes, meeting.nnodes, rank, meeting.store_host, meeting.store_port, meeting.interface,
-                     Path(workspace), [Path(d) for d in base_dirs], incarnation, detected_at, chief_log(rank, log_file),
-                     process_setup, initial_values, rank_main)
+        try:
+            run_rejoined(job_bytes, meeting.nnodes, rank, meeting.store_host, meeting.store_port, meeting.interface,
+                         Path(workspace), [Path(d) for d in base_dirs], incarnation, detected_at, chief_log(rank, log_file),
+                         process_setup, initial_values, rank_main)
+        except Exception:  # noqa: BLE001 (e.g. its server died meanwhile: the launcher's line tells the story)
+            # into the rank's log, not the terminal (multiprocessing would print it there); the exit status is the same
+            traceback.print_exc(file=log_file)
+            log_file.flush()
+            raise SystemExit(1) from None
 
 
 def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, store_port: int, interface: Optional[str],
