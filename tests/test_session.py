@@ -98,6 +98,10 @@ def script(tmp_path_factory) -> Path:
     return path
 
 
+# the tests that read the module's runs share one test process (--dist loadgroup), which makes each run once
+SHARED_RUNS = pytest.mark.xdist_group("session_runs")
+
+
 @pytest.fixture(scope="module")
 def one_worker(script, tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
@@ -114,6 +118,7 @@ def allreduce(script, tmp_path_factory):
     return out
 
 
+@SHARED_RUNS
 def test_one_worker_is_the_plain_loop_bit_for_bit(one_worker):
     """Nothing of the loop changes in one process: the same rows, the same ops, the same values to the bit."""
     values, said = ended(one_worker)
@@ -124,6 +129,7 @@ def test_one_worker_is_the_plain_loop_bit_for_bit(one_worker):
     assert len(losses) == 5 and losses[-1] < losses[0]  # steps 0, 5, 10, 15 and the last, in metrics.jsonl
 
 
+@SHARED_RUNS
 def test_allreduce_over_two_processes_is_one_worker(one_worker, allreduce):
     """Each process reads half of each batch; the group's mean gradient makes the replicas equal to one worker with the
     whole batch (within float rounding: the mean of two half-batch means sums in another order)."""
@@ -136,6 +142,7 @@ def test_allreduce_over_two_processes_is_one_worker(one_worker, allreduce):
     assert all(torch.allclose(replica0[k], single[k], rtol=1e-5, atol=1e-6) for k in single)
 
 
+@SHARED_RUNS
 def test_clip_grad_norm_sees_the_groups_mean_gradient(one_worker, allreduce):
     """torch's clip_grad_norm_ in the user's loop reads `.grad` after backward: under AllReduce it holds the group's mean,
     so both processes see the norm one worker sees with the whole batch (as under DDP), not their own half's."""
@@ -158,6 +165,7 @@ def test_diloco_over_two_processes_trains(script, tmp_path):
     assert losses[-1] < 0.8 * losses[0]
 
 
+@SHARED_RUNS
 def test_checkpoint_then_resume_continues_exactly(script, one_worker, tmp_path):
     """A loop stopped after step 12 (its checkpoint after step 9), resumed with --resume: model, AdamW's moments, the
     LambdaLR's step, the data position and the metrics window come back, and it ends where the uninterrupted run did."""
