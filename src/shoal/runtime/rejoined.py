@@ -7,11 +7,14 @@ WORKSPACE/logs/rejoins.jsonl (the launcher adds this run's lines to summary.json
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 from shoal.report.writes import open_for_append
 
@@ -64,3 +67,12 @@ def report(workspace, ticket, group: int, rank: int, step: int, version: int, di
         print(line, file=sys.__stdout__, flush=True)  # the job's terminal (the launcher's, or the --rejoin command's)
     with open_for_append(Path(workspace) / "logs" / RECORDS_FILE) as f:  # through no link
         f.write(json.dumps(record) + "\n")
+
+
+def fingerprint(tensors: list[torch.Tensor]) -> str:
+    """16 hex digits of the tensors' bytes, in order: what a rejoin record shows a restarted process held before and
+    after it took the live state (rejoins.jsonl, the process's log)."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -50,6 +50,7 @@ from shoal.runtime.exchanges.clipping import clip_, max_norm_of
 from shoal.runtime.exchanges.local import aggregate
 from shoal.runtime.exchanges.staleness import StalenessStats, histogram, may_apply
 from shoal.runtime.interfaces import GroupDropped
+from shoal.runtime.rejoined import fingerprint
 from shoal.neuralnet.updaters import ParamUpdate, Updater
 
 PUSH, STOP, STATE, FINAL, PULL = 1, 2, 3, 4, 5
@@ -80,13 +81,6 @@ def server_segments(slices: list[ParamSlice]) -> tuple[list[Segment], int]:
         segments.append(Segment(s.param, s.start, s.stop, offset))
         offset += s.size
     return segments, offset
-
-
-def digest(values: torch.Tensor) -> str:
-    """A short fingerprint of a flat tensor's bytes (logged to show that a rejoined group got the live values)."""
-    import hashlib
-
-    return hashlib.sha256(values.detach().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
 def state_layout(updater: Updater, store: ParamStore, segments: list[Segment]) -> list[tuple[Segment, str, int]]:
@@ -403,7 +397,7 @@ class DownpourServer:
                         channel.send(torch.tensor([version, self._steps[group]], dtype=torch.int64, device="cpu"), TAG_REPLY)
                     if incarnation > 0:
                         self.log(f"{self.server} sent worker group {group} (restart {incarnation}) the live values of "
-                                 f"version {version} (digest {digest(values)}) and its step {self._steps[group]}")
+                                 f"version {version} (digest {fingerprint([values])}) and its step {self._steps[group]}")
                 elif kind == STATE:
                     with self._lock:
                         channel.send(self.state_flat(), TAG_STATE)
@@ -524,9 +518,9 @@ class DownpourExchange:
                 self._to(server_rank).recv(values, TAG_VALUES)
                 self._to(server_rank).recv(reply, TAG_REPLY)
                 self._leave_if_refused(int(reply[0]), 0)
-                self.digests["before"][server.id] = digest(self._gather_values(segments))
+                self.digests["before"][server.id] = fingerprint([self._gather_values(segments)])
                 self._scatter_values(values, segments)
-                self.digests["pulled"][server.id] = digest(self._gather_values(segments))  # what the group trains on
+                self.digests["pulled"][server.id] = fingerprint([self._gather_values(segments)])  # what the group trains on
                 self.read_version[server_rank] = int(reply[0])
                 steps.append(int(reply[1]))
         except RuntimeError as err:

@@ -31,7 +31,6 @@ could not go on without a member); its samples count the rows of every member th
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Callable, Optional
 
 import torch
@@ -46,6 +45,7 @@ from shoal.runtime.exchanges.compression import wire_bytes
 from shoal.runtime.exchanges.local import aggregate, clipped
 from shoal.runtime.exchanges.periodic import MeetingsOver
 from shoal.runtime.exchanges.server import Server
+from shoal.runtime.rejoined import fingerprint
 from shoal.runtime.interfaces import GroupDropped
 
 DOOR = "steps"  # the launcher's word on dead and restarted processes (shoal.comm.channels.Door), keyed by rank
@@ -176,7 +176,7 @@ class ReplicatedExchange:
         """This process was restarted into the job (incarnation `incarnation`): knock, and once the chief admits it at a
         step, take what the chief hands over after that step's update (`_handover`, or `state()`); returns (the step to
         train from, the step it was admitted at, what it took)."""
-        before = _digest(self._handover())
+        before = fingerprint(self._handover())
         try:
             admission = self.quorum.join(incarnation)
         except quorums.MeetingsOver:
@@ -184,7 +184,7 @@ class ReplicatedExchange:
         self.quorum.receive((state or self._handover)(), admission.donor)
         self.joining = False
         self.present = tuple(m.rank for m in admission.members)
-        took = {"who": f"Process {self.rank}", "before": before, "received": _digest(self._handover()),
+        took = {"who": f"Process {self.rank}", "before": before, "received": fingerprint(self._handover()),
                 "from_process": admission.donor,
                 "took": f"the params and the updater's state from process {admission.donor}, after step {admission.step}"}
         return admission.step + 1, admission.step, took
@@ -233,10 +233,3 @@ class ReplicatedExchange:
             self.quorum.close()
             self._annotate()
 
-
-def _digest(tensors: list[torch.Tensor]) -> str:
-    """16 hex digits of the tensors' bytes (rejoins.jsonl: what a restarted process held before and after its handover)."""
-    digest = hashlib.sha256()
-    for t in tensors:
-        digest.update(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
