@@ -211,11 +211,15 @@ class Session:
             raise SessionError("run.model: one module per session")
         module.to(self.device)
         self.module = module
+        trained = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if self._mine is not None:
             self._load_module(module)
         elif self.distributed and self.rejoin is None:  # (a restarted process takes the chief's values at run.batches())
-            session_exchange.broadcast_values([t for t in module.state_dict().values() if isinstance(t, torch.Tensor)])
-        trained = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            # every replica from rank 0's values; under a synchronous layout the replicated exchange broadcasts the
+            # trained params itself as it starts (its start_from), so only the rest goes here
+            theirs = {p.data_ptr() for _, p in trained} if self.plan.strategy.synchronous else set()
+            session_exchange.broadcast_values([t for t in module.state_dict().values()
+                                               if isinstance(t, torch.Tensor) and t.data_ptr() not in theirs])
         store = ParamStore.viewing([(n, p.data) for n, p in trained])
         saved = dict(self._mine.exchange) if self._mine is not None else None
         if self.distributed and self.plan.strategy.synchronous:
