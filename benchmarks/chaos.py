@@ -15,9 +15,10 @@ moments):
 - once per run (--stop), SIGSTOP of a random candidate once the chief's step passes a drawn point in 30-50 % of the
   steps, SIGCONT after the stall timeout and 5 s more (a machine frozen, then back);
 - where the job has servers of their own (Downpour's server process), one SIGKILL of a server once the chief's
-  step passes a drawn point in 60-80 % of the steps (--server-kill). The `chief` row kills process 0 once instead
-  (40-60 %). Jobs with these deaths checkpoint every steps/10 (both runs): no framework outlives them, the whole
-  job comes back from its newest checkpoint (or stops: the row says which).
+  step passes a drawn point in 60-80 % of the steps (--server-kill): the launcher restarts it into the running job
+  and it heals from the chief's mirror of its state (its heal record in rejoins.jsonl). The `chief` row kills
+  process 0 once instead (40-60 %). Jobs with these deaths checkpoint every steps/10 (both runs): no framework
+  outlives the chief's, the whole job comes back from its newest checkpoint (or stops: the row says which).
 
 The victims' pids are read as a user would: a worker's from its log (WORKSPACE/logs/rank<R>.log, "… in process R
 (pid = P)", the newest line being the live process), a server's from the job registry (`shoal jobs list --json
@@ -267,7 +268,7 @@ class Job:
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", **{TAG: self.tag})
         sets = [a for s in fw.cluster for a in ("--set", f"cluster.{s}")]
         sets += ["--set", f"cluster.stall_timeout_s={args.stall_timeout:g}"]
-        if fw.server or fw.chief:  # a death no framework outlives: the whole job comes back from the newest checkpoint
+        if fw.server or fw.chief:  # the chief's death: the whole job comes back from the newest checkpoint (a server heals)
             sets += ["--set", f"checkpoint_freq={max(1, self.steps // 10)}"]
         model = [a for k in ("layers", "heads", "width", "block", "batch") for a in (f"--{k}", str(size[k]))]
         self.command = [sys.executable, "-m", "shoal", "run", str(SCRIPT), "--workspace", str(self.ws), "--no-progress",
@@ -452,7 +453,8 @@ class Job:
                 continue
             back = [r for r in rejoins if r.get("rank") == fault.rank and r.get("time", 0) > fault.sent]
             if back:
-                fault.heal_s, fault.how = back[0]["time"] - fault.sent, "rejoined"
+                how = "healed from the chief's mirror" if back[0].get("server") is not None else "rejoined"
+                fault.heal_s, fault.how = back[0]["time"] - fault.sent, how
             elif fault.kind == "stop" and not fault.how and re.search(rf"process {fault.rank} \(.*\) stopped answering", stderr):
                 fault.how = f"named stalled after {time.time() - fault.sent:.1f} s"
 

@@ -192,6 +192,22 @@ class Door:
         newest = self.incarnation(group)
         return newest > after and self.given_up(group) < newest
 
+    # -- a server's restarts (Downpour's servers heal from the chief's mirror) ----------------------
+    def server_restart(self, server: int) -> int:
+        """The newest restart of `server` (0: its first process)."""
+        return self._store.add(f"server{server}/restart", 0)
+
+    def next_server_restart(self, server: int) -> int:
+        """Announce a new process for `server` (its groups wait for it instead of failing); returns its restart."""
+        return self._store.add(f"server{server}/restart", 1)
+
+    def give_up_server(self, server: int, restart: int) -> None:
+        """Restart `restart` of `server` will not come: its groups stop waiting for it."""
+        self._store.set(f"server{server}/given_up", str(restart))
+
+    def server_given_up(self, server: int) -> int:
+        return self._int(f"server{server}/given_up", -1)
+
     # -- one server's side ----------------------------------------------------------------------
     def hello(self, server: int, group: int, incarnation: int) -> Optional[str]:
         """The nonce of the knock at `incarnation` of `group` (None: nobody knocked)."""

@@ -70,6 +70,14 @@ def report_metrics(metrics: dict, compute: Callable[[Callable], Any], loss: floa
             report(name, metric_value(name, compute(fn)), rows)
 
 
+def report_accuracy(metrics: dict, output: Any, target: Any, rows: int, report) -> None:
+    """The built-in accuracy of loss_fn(output, target): only for class scores against one class id per sample, and
+    only where the user measures no `accuracy` of their own (fit's loss layer and run.evaluate report it alike)."""
+    if ("accuracy" not in metrics and isinstance(output, torch.Tensor) and output.dim() == 2
+            and isinstance(target, torch.Tensor) and target.dim() == 1 and not target.is_floating_point()):
+        report("accuracy", (output.argmax(1) == target).float().mean(), rows)
+
+
 def run_goals(higher_is_better, targets: Optional[dict]) -> RunGoals:
     """fit's higher_is_better (names, or name -> bool) and targets ({"val_loss": 1.9} or labels "val_loss<=1.9")."""
     if higher_is_better is None:

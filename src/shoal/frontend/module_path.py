@@ -27,7 +27,7 @@ import torch
 from shoal.config import job_pb2
 from shoal.data.in_place import batch_rows, first_batch, first_tensor, to_device
 from shoal.errors import ShoalError
-from shoal.frontend.fit_metrics import FitError, report_metrics  # noqa: F401 (FitError: fit's error, named here too)
+from shoal.frontend.fit_metrics import FitError, report_accuracy, report_metrics  # noqa: F401 (FitError: fit's error, named here too)
 from shoal.neuralnet.layers.base import Layer
 from shoal.neuralnet.layers.input import fed_batch
 from shoal.neuralnet.layers.registry import register_user_layer
@@ -267,10 +267,7 @@ def register_fit_layers(spec: FitSpec) -> None:
                 if ctx.phase != job_pb2.kTrain and spec.metrics:
                     with spec.computing(ctx.device):
                         report_metrics(spec.metrics, lambda fn: fn(output, target), loss.item(), rows, ctx.report)
-                # accuracy only for class scores against one class id per sample (unless the user measures their own)
-                if ("accuracy" not in spec.metrics and isinstance(output, torch.Tensor) and output.dim() == 2
-                        and isinstance(target, torch.Tensor) and target.dim() == 1 and not target.is_floating_point()):
-                    ctx.report("accuracy", (output.argmax(1) == target).float().mean(), rows)
+                report_accuracy(spec.metrics, output, target, rows, ctx.report)
             return loss
 
     @register_user_layer(MODULE_LOSS_LAYER)

@@ -58,6 +58,7 @@ class ScriptSettings:
 
 _ACTIVE: Optional[ScriptSettings] = None
 _RUNNING: Optional[tuple[Path, tuple[str, ...]]] = None  # the script `shoal run` runs and its arguments
+_AT_END: list[Callable[[bool], None]] = []  # what runs when the running script ends (shoal.session's end of the run)
 
 
 def settings() -> Optional[ScriptSettings]:
@@ -72,6 +73,13 @@ def running_path() -> Optional[Path]:
 
 def running_argv() -> tuple[str, ...]:
     return _RUNNING[1] if _RUNNING else ()
+
+
+def at_script_end(fn: Callable[[bool], None]) -> None:
+    """Call `fn(failed)` when the script `shoal run` is running ends, however it ends (nothing outside a script); failed:
+    it raised (its own sys.exit is not a failure here: the status is the script's)."""
+    if _RUNNING is not None:
+        _AT_END.append(fn)
 
 
 def overrides() -> tuple[str, ...]:
@@ -110,10 +118,17 @@ def _running(path: Path, argv: list[str], settings: ScriptSettings) -> Iterator[
     saved = (_ACTIVE, _RUNNING, sys.argv, list(sys.path))
     _ACTIVE, _RUNNING, sys.argv = settings, (path, tuple(argv)), [str(path)] + list(argv)
     sys.path.insert(0, str(path.resolve().parent))
+    ending, failed = len(_AT_END), True
     try:
         yield
+        failed = False
     finally:
-        _ACTIVE, _RUNNING, sys.argv, sys.path[:] = saved
+        ended, _AT_END[ending:] = _AT_END[ending:], []
+        try:
+            for fn in reversed(ended):  # the last registered first
+                fn(failed)
+        finally:
+            _ACTIVE, _RUNNING, sys.argv, sys.path[:] = saved
 
 
 def run_script(path: Path, argv: list[str], settings: ScriptSettings, expected: tuple[type[BaseException], ...] = ()) -> int:

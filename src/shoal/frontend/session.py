@@ -8,12 +8,12 @@
         loss = loss_fn(model, batch); loss.backward()          # under AllReduce: the group's mean gradient in .grad
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step(); opt.zero_grad(); sched.step()              # Local SGD / DiLoCo: the meeting inside opt.step()
-        run.log(step, loss=loss)                               # metrics.jsonl, display lines
-        if step % 100 == 0: run.checkpoint()                   # `--resume` continues exactly
+        run.log(step, loss=loss)                               # metrics.jsonl, display lines, TensorBoard
+        if step % 100 == 0: run.evaluate(val_set, loss_fn); run.checkpoint()   # `--resume` continues exactly
 
 Nothing of the loop is copied or re-run: the module, its optimizer and the scheduler stay the user's objects.
 Where the process comes from (one process here, one per rank under `shoal run script.py`): session_start.py; what
-runs inside backward and opt.step(): runtime/session_exchange.py. docs/python.md, "Your own loop".
+runs inside backward and opt.step(): runtime/session_exchange.py; run.evaluate: session_eval.py. docs/python.md, "Your own loop".
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import gc
 import json
 import sys
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
@@ -31,13 +32,13 @@ import torch
 from shoal.config import job_pb2
 from shoal.config.phases import fires
 from shoal.data.in_place import reader_for, to_device
-from shoal.frontend import script
+from shoal.frontend import script, session_eval
 from shoal.frontend.fit import as_dataset
 from shoal.frontend.session_start import (SessionError, check_layout, plan_session, rank_context, refuse_unstarted, same_job,
-                                          session_job, start_ranks, started_by_a_launcher)
+                                          session_job, start_ranks, started_by_a_launcher, syncs_with_peers)
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.params import ParamStore
-from shoal.planning.plan import JobPlan
+from shoal.planning.plan import JobPlan, sliced_for
 from shoal.planning.shares import batch_shares
 from shoal.report.metrics import MetricsLog, MetricWindow, display_line
 from shoal.report.run_log import open_run_log
@@ -51,17 +52,21 @@ HANDOVER_TEXT_BYTES = 1 << 20  # a restarted process's handover: the optimizers'
 
 def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int = 100, seed: int = 0, disp_freq: int = 10,
             checkpoint_freq: int = 0, workspace: Optional[Union[str, Path]] = None, resume: bool = False,
-            name: str = "session", log: Callable[[str], None] = print) -> "Session":
+            name: str = "session", tensorboard: bool = False, log: Callable[[str], None] = print) -> "Session":
     """This process's part of the user's own training loop (docs/python.md, "Your own loop").
 
-    cluster: shoal.Cluster(...) (the layout: single worker, AllReduce over processes, Local SGD / DiLoCo over
-    processes); `shoal run script.py --set cluster.…` overrides it, as --set train_steps=, --workspace and --resume do.
+    cluster: shoal.Cluster(...) (the layout: single worker, AllReduce over processes, Local SGD / DiLoCo or
+    Distributed Hogwild over processes); `shoal run script.py --set cluster.…` overrides it, as --set train_steps=, --workspace and --resume do.
     train_steps: where run.batches() stops. seed: the data order's. disp_freq: a display line and a metrics record
     every this many steps. checkpoint_freq: also checkpoint every this many steps (run.checkpoint() any time).
+    tensorboard: also write the records (run.log's, run.evaluate's) as TensorBoard event files in WORKSPACE/tensorboard
+    (as `shoal run script.py --tensorboard`).
     Under `shoal run script.py` a layout of several processes starts one per rank running this script from the top:
     this call does not return in the launcher, which exits with the job's outcome."""
     context = rank_context()
     job = session_job(cluster, train_steps, seed, disp_freq, checkpoint_freq, name)
+    if tensorboard:  # (`shoal run script.py --tensorboard` set it already, as for any job of a script)
+        job.tensorboard = True
     if context is not None:  # a rank the launcher started: its plan is the launcher's
         same_job(job, context.plan)
         return Session(context.plan, context.rank, context.workspace, context.resume_from, context.log, owned=None,
@@ -88,6 +93,10 @@ class Session:
         self.job = plan.job
         self.chief = rank == 0
         self.distributed = not plan.in_one_process
+        # groups that train apart (Local SGD / DiLoCo, Distributed Hogwild): each writes its own checkpoint part
+        self.apart = self.distributed and not plan.strategy.synchronous
+        self._update_lock = None  # Distributed Hogwild's: held around the user's update (its masters add peers' deltas)
+        self._holding = False
         hosted = plan.process(rank).workers[0]
         self.group, self.worker = hosted.group, hosted.id
         self.device = torch_device(usable_device_names(plan.devices_of(rank))[0])
@@ -106,6 +115,10 @@ class Session:
         self.window = MetricWindow()
         self.window_rows = 0
         self.exchange_seconds = 0.0
+        self.paused_seconds = 0.0  # evaluations in the display window: not training time
+        self._updated_at = -1  # the step whose update (the first optimizer's step) ran
+        self._rows_counted = -1  # the step whose rows are in the display window
+        self._end_reason: Optional[str] = None
         self._window_start = time.perf_counter()
         self._batch = 0
         self._share = 1
@@ -119,6 +132,7 @@ class Session:
         if self._mine is not None:
             self.window.load_state(self._mine.trainer.get("window", {}))
         atexit.register(self.close)
+        script.at_script_end(self._script_ended)  # (a rank's process exits without running atexit's functions)
 
     @property
     def processes(self) -> int:
@@ -193,7 +207,7 @@ class Session:
         """This rank's part of the checkpoint: the chief's file for rank 0, and for every replica of a synchronous group
         (they are equal); a Local SGD group's own part, or the chief's where its group was missing when it was written."""
         name = ckpt_io.part_name(ckpt.step, self.group, self.rank)
-        if self.rank == 0 or not self.plan.strategy.meets:
+        if self.rank == 0 or not self.apart:
             return ckpt
         if name not in ckpt.parts:
             self.say(f"{path}: no part of worker group {self.group} (it was missing from the meetings): it starts from "
@@ -231,6 +245,11 @@ class Session:
         elif self.distributed and self.plan.strategy.meets:
             self.exchange = session_exchange.attached_exchange(self.plan, self.rank, store, self.group, self.start_step,
                                                                resumed=self._mine is not None, saved=saved, metrics=self.metrics)
+        elif self.distributed and syncs_with_peers(self.plan):
+            sliced = sliced_for(self.plan, {name: value.numel() for name, value in store.values.items()})  # (masters)
+            self.exchange = session_exchange.hogwild_exchange(sliced, self.rank, store, self.group, self.start_step, saved,
+                                                              self.metrics, self.say, rejoining=self.rejoin is not None)
+            self._update_lock = self.exchange.lock
         return module
 
     def _load_module(self, module: torch.nn.Module) -> None:
@@ -248,15 +267,17 @@ class Session:
                 value.copy_(saved[key].to(value.device))
 
     def optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The user's optimizer itself; its step is the step boundary (Local SGD / DiLoCo meet after it)."""
+        """The user's optimizer itself; its step is the step boundary (Local SGD / DiLoCo meet after it, Distributed
+        Hogwild syncs after it, its masters kept out of the update by the exchange's lock)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise SessionError(f"run.optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         index = len(self.optimizers)
         self.optimizers.append(optimizer)
         if self._mine is not None:
             optimizer.load_state_dict(self._optimizer_state(index))
-        if index == 0:  # one step boundary per step: the first optimizer's (Local SGD / DiLoCo meet after it)
-            optimizer.register_step_post_hook(self._after_update)
+        optimizer.register_step_pre_hook(self._before_update)
+        # one step boundary per step: the first optimizer's (Local SGD / DiLoCo meet after it, Hogwild syncs when due)
+        optimizer.register_step_post_hook(self._after_update if index == 0 else self._after_other_update)
         return optimizer
 
     def scheduler(self, scheduler):
@@ -265,8 +286,24 @@ class Session:
             self.schedulers.append(scheduler)
         return scheduler
 
+    def _before_update(self, optimizer, args, kwargs) -> None:
+        """Distributed Hogwild: no peer's delta lands in the params while the user's optimizer updates them."""
+        if self._update_lock is not None and not self._holding:
+            self._update_lock.acquire()
+            self._holding = True
+
+    def _release(self) -> None:
+        if self._holding:
+            self._holding = False
+            self._update_lock.release()
+
+    def _after_other_update(self, optimizer, args, kwargs) -> None:
+        self._release()
+
     def _after_update(self, optimizer, args, kwargs) -> None:
-        """The step boundary, after the user's update: Local SGD / DiLoCo's meeting when it is due."""
+        """The step boundary, after the user's update: Local SGD / DiLoCo's meeting, or Hogwild's sync, when it is due."""
+        self._updated_at = self.step
+        self._release()
         if self.exchange is None or self.mean is not None:  # (a replicated group heals after the loop's body: _heal)
             return
         started = time.perf_counter()
@@ -338,6 +375,23 @@ class Session:
         # this process's log; the chief says it on the terminal
         rejoined.report(self.workspace, self.rejoin, self.group, self.rank, start, admitted, digests, knocked_at, terminal=False)
 
+    def _take_live_values(self) -> None:
+        """A restarted Distributed Hogwild group, at run.batches(): it knocks at the live groups and takes the live values
+        of the slices they master and its own slices as they last synced them (runtime/exchanges/hogwild.py), and goes on
+        from the step of that sync, its schedulers stepped to it; its optimizer's state starts anew (as a job file's
+        restarted group's server state: what it did since its last sync is lost)."""
+        knocked_at = time.time()
+        step, took = self.exchange.rejoin(self.rejoin.incarnation)
+        with warnings.catch_warnings():  # (torch warns of a scheduler stepped before its optimizer)
+            warnings.simplefilter("ignore")
+            for scheduler in self.schedulers:
+                for _ in range(step):
+                    scheduler.step()
+        self.start_step = self.step = step
+        rejoined.report(self.workspace, self.rejoin, self.group, self.rank, step, 0,
+                        {"took": took + ("; its optimizer's state starts anew, its schedulers stepped to this step"
+                                         if self.optimizers else "")}, knocked_at)
+
     @contextmanager
     def accumulating(self) -> Iterator[None]:
         """Backward passes inside add to `.grad` without the group's mean (gradient accumulation's micro-batches, as
@@ -366,23 +420,60 @@ class Session:
             self.mean.share = self._share
         skip = self.plan.group_shards.offset(self.group, 0, len(data))
         reader = reader_for(data, self.job.seed if seed is None else seed, shuffle, batch_size)
+        yield from self._steps(lambda step: (step, to_device(reader.batch(skip + step * batch_size + offset, self._share),
+                                                             self.device)))
+
+    def steps(self, rows: int = 1) -> Iterator[int]:
+        """Each step to train_steps, for a loop that reads its own data (nanoGPT's get_batch, a DataLoader of its own):
+        what run.batches() does but the rows. Those are the loop's, not sharded by shoal: each process must draw its own
+        (a seed per run.rank, say), and a resume reads the same rows only where they come from torch's generator, which
+        a checkpoint holds. rows: this process's rows per step (samples/s; its weight in the group's mean gradient)."""
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise SessionError(f"run.steps: rows must be a whole number from 1, got {rows!r}")
+        if self.module is None:
+            raise SessionError("run.steps: give the module to run.model(...) first")
+        self._share = rows
+        if self.mean is not None:
+            self.mean.share = rows
+        yield from self._steps(lambda step: step)
+
+    def _steps(self, item: Callable[[int], Any]) -> Iterator[Any]:
         self._restore_loop_state()
-        if self.rejoin is not None:
+        if self.rejoin is not None and self._update_lock is not None:
+            self._take_live_values()
+        elif self.rejoin is not None:
             self._take_chiefs_state()
+        if self._update_lock is not None:  # Hogwild: the values every group starts from are set; its masters serve from now
+            self.exchange.begin(self.start_step)
         self._window_start = time.perf_counter()
         for step in range(self.start_step, self.job.train_steps):
             self.step = step
             if self.distributed:
                 session_exchange.note_step(step)
-            yield step, to_device(reader.batch(skip + step * batch_size + offset, self._share), self.device)
-            if self.mean is not None:
-                self._heal(step)
-            self.window_rows += self._share
-            if self.job.checkpoint_freq and fires(self.job.checkpoint_freq, self.job.checkpoint_after, step + 1):
-                self.checkpoint()
-            if self._displays(step) and self._displayed != step:
-                self._display(step)
+            try:
+                yield item(step)
+            except GeneratorExit:  # the loop broke out: after the last step's update (nanoGPT's own stop), the run is done
+                if step + 1 == self.job.train_steps and self._updated_at == step:
+                    self._step_done(step)
+                    self._finish()
+                raise
+            self._step_done(step)
         self._finish()
+
+    def _step_done(self, step: int) -> None:
+        if self.mean is not None:
+            self._heal(step)
+        self._count_rows(step)
+        if self.job.checkpoint_freq and fires(self.job.checkpoint_freq, self.job.checkpoint_after, step + 1):
+            self.checkpoint()
+        if self._displays(step) and self._displayed != step:
+            self._display(step)
+
+    def _count_rows(self, step: int) -> None:
+        """This step's rows into the display window, once (a run.checkpoint() in the loop's body closes the window first)."""
+        if self._rows_counted != step:
+            self._rows_counted = step
+            self.window_rows += self._share
 
     def _restore_loop_state(self) -> None:
         """At the loop's start: the schedulers over this session's optimizers (made after run.optimizer), and on a
@@ -406,6 +497,23 @@ class Session:
             torch.cuda.set_rng_state_all(cuda)
 
     # -- metrics -----------------------------------------------------------------------------------------
+    def evaluate(self, dataset, loss_fn: Callable, *, batch_size: int = 100, steps: Optional[int] = None,
+                 metrics: Optional[dict] = None, phase: str = "val", loss_takes: Optional[str] = None, autocast=None,
+                 model: Optional[torch.nn.Module] = None) -> dict:
+        """The module's loss (and `metrics`) on `dataset`, in eval mode without gradients, averaged by samples over the
+        set (or its first `steps` batches); recorded in metrics.jsonl as shoal.fit's validation (phase="val": `validate`)
+        or test (phase="test") at the updates done so far, and returned. loss_fn and metrics take fit's forms. The chief
+        evaluates its model (the group's under AllReduce, worker group 0's under Local SGD / DiLoCo, as fit does); the
+        other processes return {}. The module's own train/eval modes are restored. session_eval.py."""
+        return session_eval.evaluate(self, dataset, loss_fn, batch_size=batch_size, steps=steps, metrics=metrics, phase=phase,
+                                     loss_takes=loss_takes, autocast=autocast, model=model)
+
+    @property
+    def updates_done(self) -> int:
+        """How many updates the module has had: the step a record made now is at (fit validates before step S's update
+        and records it at S; after step S's update it is S + 1)."""
+        return self.step + 1 if self._updated_at == self.step else self.step
+
     def log(self, step: int, **values) -> None:
         """Metrics of this step (numbers or 0-d tensors, means over this worker's rows): averaged over the display
         window, written to metrics.jsonl and shown every disp_freq steps by the chief (its own rows)."""
@@ -420,7 +528,7 @@ class Session:
     def _display(self, step: int) -> None:
         self._displayed = step
         now = time.perf_counter()
-        seconds = max(now - self._window_start, 1e-9)
+        seconds = max(now - self._window_start - self.paused_seconds, 1e-9)
         exchanged = self.exchange_seconds + (self.mean.seconds if self.mean is not None else 0.0)
         rows = self.window_rows * (self.plan.nworkers if self.distributed else 1)  # every replica trained as many
         values = self.window.averages() if self.window else {}
@@ -431,7 +539,7 @@ class Session:
                                    window_sec=round(seconds, 6), compute_sec=round(max(0.0, seconds - exchanged), 6),
                                    exchange_sec=round(exchanged, 6))
         self.window.reset()
-        self.window_rows, self.exchange_seconds = 0, 0.0
+        self.window_rows, self.exchange_seconds, self.paused_seconds = 0, 0.0, 0.0
         if self.mean is not None:
             self.mean.seconds = 0.0
         self._window_start = now
@@ -443,16 +551,17 @@ class Session:
         process writes its part, then the chief the file that lists them. `--resume` continues with the next step."""
         done = self.step + 1
         if self._displays(self.step) and self._displayed != self.step:  # the window closes before it is saved
+            self._count_rows(self.step)
             self._display(self.step)
         path = ckpt_io.checkpoint_file(self.workspace, done)
         # a synchronous group's replicas are equal: the chief's file is the checkpoint. Local SGD's groups each write
         # their part, which the chief's file lists (required, but for groups missing from the meetings): no barrier, so
         # that a dead group never holds the others up; a resume refuses a checkpoint with a required part missing
-        if self.rank != 0 and self.plan.strategy.meets:
+        if self.rank != 0 and self.apart:
             ckpt_io.save(ckpt_io.part_file(self.workspace, done, self.group, self.rank), self._state(done))
         if self.rank == 0:
             ckpt = self._state(done)
-            if self.plan.strategy.meets:
+            if self.apart:
                 absent = self.exchange.absent_groups if self.exchange is not None else frozenset()
                 ckpt.part_names = {ckpt_io.part_name(done, g, r): g not in absent
                                    for r in range(1, self.plan.nprocs) for g in [self.plan.process(r).workers[0].group]}
@@ -460,7 +569,9 @@ class Session:
         return path
 
     def _state(self, done: int) -> ckpt_io.Checkpoint:
-        params = {k: v for k, v in self.module.state_dict().items() if isinstance(v, torch.Tensor)} if self.module else {}
+        with self._update_lock or nullcontext():  # (Hogwild: a copy, taken while no peer's delta is being added)
+            params = {k: v.clone() if self._update_lock is not None else v for k, v in self.module.state_dict().items()
+                      if isinstance(v, torch.Tensor)} if self.module else {}
         optimizers, updater_state = [], {}
         for index, optimizer in enumerate(self.optimizers):
             described, tensors = _split_tensors(optimizer.state_dict(), f"optimizer {index}")
@@ -486,19 +597,30 @@ class Session:
 
     # -- the end -----------------------------------------------------------------------------------------
     def _finish(self) -> None:
+        """The loop's end: the exchange finished. The run log stays open for what the script does after the loop (the
+        final run.evaluate, run.checkpoint): the run ends when the script does, or at run.close()."""
         if self.exchange is not None:
             self.exchange.finish()
         self._finished = True
+
+    def _script_ended(self, failed: bool) -> None:
+        if not self._finished:  # a loop that stopped early: closed as failed at exit, or by the launcher, as before
+            return
+        if failed:  # (the final evaluation or checkpoint, say)
+            self._finished, self._end_reason = False, "the script failed after its loop's last step"
         self.close()
 
     def close(self) -> None:
-        """The run log closed (finished, or failed when the loop stopped before train_steps), the workspace released."""
+        """End the run: the run log closed (finished, or failed when the loop stopped before train_steps; summary.json
+        written), the workspace released. At the end of the script (or of the process) by itself; call it to end the
+        run sooner (a notebook)."""
         if self._closed:
             return
         self._closed = True
         if self.mean is not None:
             self.mean.remove()
-        status, reason = ("finished", None) if self._finished else ("failed", f"the loop stopped at step {self.step}")
+        status, reason = ("finished", None) if self._finished else ("failed", self._end_reason or
+                                                                      f"the loop stopped at step {self.step}")
         if self.metrics is not None:
             self.metrics.close(status, reason)
         if self._owned is not None:

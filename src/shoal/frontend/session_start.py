@@ -77,8 +77,9 @@ def session_job(cluster: Optional[job_pb2.ClusterProto], train_steps: int, seed:
 
 def check_layout(plan: JobPlan) -> None:
     """The layouts a user's loop runs today: one worker in one process; a synchronous group over processes, one worker
-    each (AllReduce: the replicated update); Local SGD / DiLoCo groups over processes, one worker each. Every other
-    layout is refused in one line naming it and what runs it."""
+    each (AllReduce: the replicated update); Local SGD / DiLoCo groups over processes, one worker each; Distributed
+    Hogwild groups over processes, one worker each, on CPU. Every other layout is refused in one line naming it and
+    what runs it."""
     c = plan.cluster
     one_worker_each = all(len(p.workers) == 1 for p in plan.placement.processes) and not any(p.servers and not p.workers
                                                                                            for p in plan.placement.processes)
@@ -92,15 +93,27 @@ def check_layout(plan: JobPlan) -> None:
             raise SessionError("shoal.session: SparseLoCo (cluster.sparse_outer_step) is not supported in your own loop yet: "
                                "use a job file or shoal.fit")
         return
+    if syncs_with_peers(plan) and one_worker_each:
+        if plan.strategy.params_on_host and any(not device.startswith("cpu") for device in plan.all_devices()):
+            raise SessionError("shoal.session: Distributed Hogwild in your own loop runs on CPU (its syncs go point-to-point "
+                               "over gloo from the module's params): leave device unset (or \"cpu\"), or use a job file or shoal.fit")
+        return
     where = "in one process" if plan.in_one_process else f"over {plan.nprocs} processes"
     raise SessionError(f"shoal.session: {plan.label} {where} ({plan.nworkers} workers) is not supported in your own loop yet "
-                       "(one worker per process: single worker, AllReduce, Local SGD / DiLoCo): use a job file "
-                       "(`shoal run job.conf`) or shoal.fit for it")
+                       "(one worker per process: single worker, AllReduce, Local SGD / DiLoCo, Distributed Hogwild): use a "
+                       "job file (`shoal run job.conf`) or shoal.fit for it")
+
+
+def syncs_with_peers(plan: JobPlan) -> bool:
+    """Distributed Hogwild: each process's group updates its own replica and syncs with the other groups' masters."""
+    return plan.strategy.syncs_with_peers
 
 
 def plan_session(job: job_pb2.JobProto, nnodes: int = 1) -> JobPlan:
-    """`shoal plan script.py` plans the session's job and stops the script here; else the plan (on `nnodes` hosts: a
-    launcher's), its layout checked."""
+    """The plan (on `nnodes` hosts: a launcher's), its layout checked; `shoal plan script.py` shows the session's job
+    (a layout the loop cannot run refused as `shoal run` refuses it) and stops the script here."""
+    plan = plan_job(job, nnodes=nnodes)
+    check_layout(plan)
     try:
         script.plan_instead(job)
     except ShoalError as err:
@@ -108,8 +121,6 @@ def plan_session(job: job_pb2.JobProto, nnodes: int = 1) -> JobPlan:
             raise
         raise SessionError("shoal plan: a shoal.session()'s job has no net to estimate (its module is yours, built after "
                            "the session): `shoal plan script.py` without --estimate/--compare/--recommend shows its layout") from None
-    plan = plan_job(job, nnodes=nnodes)
-    check_layout(plan)
     return plan
 
 

@@ -46,7 +46,7 @@ from shoal.report.summary import note_group_ends, restate_reason
 from shoal.report.writes import open_for_append
 from shoal.runtime.assemble import RunSpec, run_process
 from shoal.launcher import faults, rejoin, stalls
-from shoal.launcher.ranks import chief_log, describe_process, expendable, outlives_a_dead_process, rank_output, replicas_go_on
+from shoal.launcher.ranks import chief_log, describe_process, expendable, heals, outlives_a_dead_process, rank_output, replicas_go_on
 from shoal.launcher.launchers import LaunchedProcess
 from shoal.runtime.exchanges.downpour import ServerLost
 from shoal.runtime.trainer import History
@@ -336,7 +336,7 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
     ends = {} if ends is None else ends
 
     def ended(index: int, what: str) -> None:
-        if not replicas_go_on(plan):  # (a group of replicas lost a process, not a group: the chief's missed_steps says it)
+        if not replicas_go_on(plan) and not heals(plan, ranks[index]):  # (a server is no group: its heal is recorded)  # (a group of replicas lost a process, not a group: the chief's missed_steps says it)
             ends[rejoin.group_of(plan, ranks[index])] = what
 
     def failed_groups() -> list[str]:
@@ -350,9 +350,17 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
             reported.add(i)
             ended(i, f"dropped: process {ranks[i]} stopped answering")
         for i in _end_stopped_to_restart(context, ranks, plan, restarter, stopped_since, reported):
+            dropped = "" if heals(plan, ranks[i]) else " and dropped"  # (a server is waited for, not dropped)
             if restarter.restart(context, i, ranks[i], -signal.SIGKILL, how=f"was stopped past the stall timeout "
-                                 f"({plan.stall_timeout_s:g} s) and dropped; the launcher ended it (SIGKILL)"):
+                                 f"({plan.stall_timeout_s:g} s){dropped}; the launcher ended it (SIGKILL)"):
                 ended(i, f"process {ranks[i]} was restarted after the job dropped it for a stall")
+        exited = [i for i, p in enumerate(context.processes) if p.exitcode is not None]
+        # a Downpour server with restarts left comes back, healed from the chief's mirror (its stubs wait for it)
+        for i in exited:
+            if (context.processes[i].exitcode not in (0, None) and heals(plan, ranks[i]) and restarter is not None
+                    and restarter.can_restart(ranks[i]) and context.processes[i].exitcode != stalls.STALLED_EXIT):
+                context.sentinels.pop(context.processes[i].sentinel, None)  # torch's join must not fail the job for it
+                restarter.restart(context, i, ranks[i], context.processes[i].exitcode)
         exited = [i for i, p in enumerate(context.processes) if p.exitcode is not None]
         # one the job cannot lose ends it, first (a peer that saw it die and exited too is not restarted in vain);
         # STALLED_EXIT: a process that found a peer the job cannot lose stalled (the chief, say): its verdict ends the job

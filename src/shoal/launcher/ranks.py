@@ -26,6 +26,13 @@ def outlives_a_dead_process(plan: JobPlan) -> bool:
     return plan.strategy.outlives_a_dead_group or replicas_go_on(plan)
 
 
+def heals(plan: JobPlan, rank: int) -> bool:
+    """A server process that the launcher restarts into the running job, healed from the chief's mirror of its state
+    (Downpour under cluster.max_restarts: the strategy says); its death stops nobody while restarts are left."""
+    proc = plan.process(rank)
+    return bool(proc.servers) and not proc.workers and plan.strategy.servers_heal(plan)
+
+
 def expendable(plan: JobPlan, rank: int) -> bool:
     """Jobs whose groups outlive a dead one (Downpour, Hogwild: the strategy says) outlive a process that hosts only
     workers of groups other than group 0; a group of replicas that goes on (AllReduce under cluster.max_restarts),

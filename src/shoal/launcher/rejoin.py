@@ -9,7 +9,11 @@ from the step after it. Its door is keyed by its rank (all its workers are group
 A Local SGD / DiLoCo group's new process knocks and joins at the groups' next meeting, from the chief's group's
 state (runtime/exchanges/periodic.py, shoal.comm.quorum). A Distributed Hogwild group's new process knocks at each
 live group, takes the live values of the slices they master and its own slices as they last synced them, and goes
-on from the step of its last sync (runtime/exchanges/hogwild.py). The rest of this text is Downpour's.
+on from the step of its last sync (runtime/exchanges/hogwild.py). A Downpour server process is restarted too
+(`ranks.heals`, counted against the same N per process): the launcher announces its restart at the door before the
+new process starts, the stubs wait for it, and the chief heals it from its mirror (runtime/exchanges/downpour.py);
+its heal is one line on the terminal and one record in rejoins.jsonl ("server", "group": null). The rest of this
+text is Downpour's worker groups'.
 
 The servers hold the live params, so a new process of the group needs nothing else: it connects
 to the job's store (not to the world process group, which cannot take a new member), announces a
@@ -49,7 +53,7 @@ from shoal.comm import dist as comm
 from shoal.errors import ShoalError, warn
 from shoal.planning.plan import JobPlan
 from shoal.launcher import faults, stalls
-from shoal.launcher.ranks import chief_log, describe_process, rank_output, replicas_go_on
+from shoal.launcher.ranks import chief_log, describe_process, heals, rank_output, replicas_go_on
 from shoal.launcher.workspace import check_workspace
 from shoal.report.writes import own_folder, replace_file
 from shoal.runtime.exchanges.downpour import DOOR
@@ -83,6 +87,8 @@ def why_not(plan: JobPlan, rank: int) -> Optional[str]:
     if not 0 <= rank < plan.nprocs:
         return f"the job has processes 0..{plan.nprocs - 1}"
     proc = plan.process(rank)
+    if heals(plan, rank):  # a Downpour server: restarted, healed from the chief's mirror
+        return None
     groups = sorted({w.group for w in proc.workers})
     if not proc.workers or any(s.group not in groups for s in proc.servers):  # (Distributed Hogwild's are its group's own)
         return f"{describe_process(plan, rank)} is a server: the job cannot go on without it (resume from a checkpoint)"
@@ -128,14 +134,16 @@ class Restarter:
                  restarts: bool = True, rank_main: Optional[Callable] = None):
         """`environment`: the ranks' (holding the job's secret): restarted processes get it too. `restarts` False: a dead
         process is given up on, never restarted. `rank_main`: what a restarted process runs instead of run_process
-        (shoal.session's user script, from the top: its session takes the chief's state at run.batches()); only
-        AllReduce's replicas are restarted then (a Local SGD group of a user's loop is not yet)."""
+        (shoal.session's user script, from the top: its session takes the chief's state, or Distributed Hogwild's live
+        values, at run.batches()); only AllReduce's replicas and Distributed Hogwild's groups are restarted then (a Local
+        SGD group of a user's loop is not yet)."""
         self.plan, self.meeting, self.spec, self.process_setup = plan, meeting, spec, process_setup
         self.rank_main = rank_main
         self.environment, self.secret = environment, auth.required_secret("the launcher", environment)
-        if rank_main is not None and not replicas_go_on(plan) and plan.max_restarts > 0 and rejoins(plan):
+        if rank_main is not None and not replicas_go_on(plan) and not plan.strategy.syncs_with_peers \
+                and plan.max_restarts > 0 and rejoins(plan):
             warn(f"WARNING: --max-restarts: a dead process of your own loop under {plan.label} is not restarted (only "
-                 "AllReduce's are, so far); the other worker groups go on without it")
+                 "AllReduce's and Distributed Hogwild's are, so far); the other worker groups go on without it")
             restarts = False
         self.limit = plan.max_restarts if rejoins(plan) and restarts else 0  # cluster.max_restarts, --max-restarts
         self.restarts: dict[int, int] = {}
@@ -175,6 +183,8 @@ class Restarter:
     def restart(self, context, index: int, rank: int, code: int, how: Optional[str] = None) -> bool:
         """Start a new process in dead process `rank`'s place (it replaces context.processes[index]); False: not restarted.
         `how`: how it ended, for the line (default: from its exit code)."""
+        if heals(self.plan, rank):
+            return self._restart_server(context, index, rank, code, how)
         if self.limit <= 0:
             if self._door is not None:  # a group that died before it connected holds no server waiting for it
                 self._door.give_up(door_key(self.plan, rank), self._door.incarnation(door_key(self.plan, rank)))
@@ -209,6 +219,30 @@ class Restarter:
         process = self._context.Process(target=_entry, args=args, name=f"shoal-rank{rank}-restart{done + 1}", daemon=False)
         process.start()
         context.processes[index] = process  # watched, stopped and joined with the others from now on
+        return True
+
+    def _restart_server(self, context, index: int, rank: int, code: int, how: Optional[str]) -> bool:
+        """A Downpour server process died (or was stopped past the stall timeout and ended): announce its restart (its
+        stubs wait for it instead of failing) and start it; it heals from the chief's mirror. False: no restart left
+        (its stubs are told, and the job cannot go on: the caller ends it)."""
+        server = self.plan.process(rank).servers[0].id
+        done = self.restarts.get(rank, 0)
+        if self.limit <= 0 or done >= self.limit:
+            if self._door is not None:
+                self._door.give_up_server(server, self._door.server_restart(server))
+            return False
+        detected_at = time.time()
+        self.restarts[rank] = done + 1
+        heartbeat.say_gone(self._store, rank)  # its stubs' watches wait for the new process, not for its silence
+        restart = self._door.next_server_restart(server)
+        warn(f"WARNING: {describe_process(self.plan, rank)} {how or _ended(code)}; restarting it (restart {done + 1} of "
+             f"{self.limit}); it heals from worker group 0's mirror of its state, the other processes wait for it")
+        args = (rank, self.meeting, self.plan.job.SerializeToString(), str(self.spec.workspace),
+                [str(d) for d in self.spec.base_dirs], self.process_setup, self.spec.initial_values, restart, detected_at,
+                self.environment, None)
+        process = self._context.Process(target=_entry, args=args, name=f"shoal-rank{rank}-restart{done + 1}", daemon=False)
+        process.start()
+        context.processes[index] = process
         return True
 
     def finish(self) -> None:
@@ -295,6 +329,8 @@ def rejoin_by_hand(plan: JobPlan, workspace: Path, rank: int, master: Optional[s
     """Start process `rank` of the running job `plan` again, in this process (refused in one line when it cannot)."""
     check_workspace(workspace)  # as every run: before its job.secret and store.json are read or its logs written
     reason = why_not(plan, rank)
+    if reason is None and heals(plan, rank):
+        reason = f"{describe_process(plan, rank)} is a server: it rejoins only when the launcher restarts it (shoal run --max-restarts N)"
     if reason is None and not by_hand(plan):
         what = "processes" if replicas_go_on(plan) else "worker groups"
         reason = f"{plan.label}'s {what} rejoin only when the launcher restarts them (shoal run --max-restarts N)"

@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 from shoal.comm import heartbeat
 from shoal.errors import warn
-from shoal.launcher.ranks import describe_process, expendable, replicas_go_on
+from shoal.launcher.ranks import describe_process, expendable, heals, replicas_go_on
 from shoal.planning.plan import JobPlan
 from shoal.report.writes import WorkspaceWriteError, own_folder, replace_file
 from shoal.runtime.interfaces import GroupDropped
@@ -69,6 +69,11 @@ class StallPolicy:
         if stall.rank is None:
             self._fail(f"the job's store (held by the launcher: shoal run's, or torchrun's agent) stopped answering ({silent})")
         who = describe_process(self.plan, stall.rank)
+        if heals(self.plan, stall.rank):  # the launcher ends it and restarts it; its stubs wait for the new process
+            if stall.rank not in self._warned:
+                self._warned.add(stall.rank)
+                print(f"{who} stopped answering ({silent}); waiting for the launcher to restart it")
+            return
         if not self._expendable(stall.rank):
             hosts_store = "; it hosts the job's store" if stall.store else ""
             stops = why_the_job_stops(self.plan)

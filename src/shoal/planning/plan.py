@@ -150,6 +150,13 @@ class JobPlan:
         return sorted({self.placement.process_of(WorkerId(group, w)) for w in range(self.cluster.nworkers_per_group)})
 
 
+def sliced_for(plan: JobPlan, param_sizes: Mapping[str, int]) -> JobPlan:
+    """A user's loop's plan (shoal.session: its job has no net, so its placement has no slices) with `param_sizes`
+    (the user's module's trained params, in order) cut into the plan's slices as a net's are: which server group
+    masters what (Distributed Hogwild's syncs). Every process cuts the same module the same way."""
+    return replace(plan, placement=place(plan.cluster, dict(param_sizes)))
+
+
 def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1, strategies: Optional[Registry] = None,
              environ: Optional[Mapping[str, str]] = None) -> JobPlan:
     """The JobPlan of a validated job on hosts of `cores` cores (default: this one's), its framework one of

@@ -129,6 +129,9 @@ class Strategy:
     servers_hold_trainers = True  # a process of servers only builds a trainer (False: the server restores itself)
     bounds_update_lag = False  # cluster.max_update_lag applies: updates land late, by how many is bounded
     params_on_host = False  # over processes the params stay in host memory: request/response over gloo's point-to-point
+    # each process's group updates its own replica and syncs values with the other groups' masters every
+    # cluster.sync_freq steps (Distributed Hogwild): a user's loop runs it with its own optimizer as the local update
+    syncs_with_peers = False
 
     # -- planning (pure) ------------------------------------------------------------------------------
     def recognises(self, layout: Layout) -> bool:
@@ -209,6 +212,11 @@ class Strategy:
         """Whether this plan's one synchronous group goes on without a dead or stalled process other than the chief's
         (each process a whole replica, every step's quorum decided by the chief: AllReduce under cluster.max_restarts);
         the launcher then drops or restarts such a process (launcher/ranks.py). Pure: the plan decides."""
+        return False
+
+    def servers_heal(self, plan: "JobPlan") -> bool:
+        """Whether a dead server process of this plan is restarted into the running job and heals from a mirror
+        (Downpour under cluster.max_restarts; launcher/ranks.py's `heals`). Pure: the plan decides."""
         return False
 
     def complete_rejoin(self, run: Any, incarnation: int) -> tuple[int, int, Any]:

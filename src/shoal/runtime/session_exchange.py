@@ -14,7 +14,13 @@ says:
   takes the module's, the optimizers' and the schedulers' state, frontend/session.py);
 - Local SGD / DiLoCo over processes (one group per process): the user's optimizer is the inner one; after each
   `opt.step()` the strategy's PeriodicExchange is handed the step with no gradient of its own (its inner updater
-  applies nothing) and meets every local_steps steps, moving the user's params to the new anchor in place.
+  applies nothing) and meets every local_steps steps, moving the user's params to the new anchor in place;
+- Distributed Hogwild over processes (one group per process, `hogwild_exchange`): the user's optimizer is the group's
+  local update; after each `opt.step()` the strategy's HogwildExchange is handed the step with no gradient (its
+  server's updater applies nothing) and every cluster.sync_freq steps syncs the slices this group does not master with
+  their masters (SINGA's delta rule), in place in the user's params; its masters answer the other groups on threads of
+  their own, adding their deltas under the exchange's lock, which the session holds around every `opt.step()` (so a
+  delta never lands half-way through the user's update).
 
 The exchanges come from `plan.strategy.attach_exchanges(run)` with `SessionRun`, a process's part whose one trainer
 is the user's module (`SessionMember`: its ParamStore views the module's params, no copy).
@@ -173,6 +179,17 @@ def replicated_exchange(plan: JobPlan, rank: int, store: ParamStore, start_step:
     exchange = attached_exchange(plan, rank, store, 0, start_step, resumed=saved is not None, saved=saved, metrics=metrics,
                                  log=log, rejoining=rejoining)
     assert hasattr(exchange, "mean_gradients"), f"{type(exchange).__name__}: not a replicated exchange"  # check_layout's
+    return exchange
+
+
+def hogwild_exchange(plan: JobPlan, rank: int, store: ParamStore, group: int, start_step: int, saved: Optional[dict], metrics,
+                     log: Callable[[str], None], rejoining: bool = False):
+    """Distributed Hogwild's exchange for group `group`'s process: its masters and syncs over the user's module's params,
+    `plan` the session's with those params cut into its slices (planning/plan.py's `sliced_for`: a session's job has no
+    net, so its own plan has none)."""
+    exchange = attached_exchange(plan, rank, store, group, start_step, resumed=saved is not None, saved=saved, metrics=metrics,
+                                 log=log, rejoining=rejoining)  # (restarted: it knocks at the live groups at run.batches())
+    assert hasattr(exchange, "sync_freq"), f"{type(exchange).__name__}: not Distributed Hogwild's exchange"  # check_layout's
     return exchange
 
 

@@ -25,6 +25,7 @@ class DistributedHogwild(Strategy):
     rejoins = True  # a dead group's process may be restarted (--max-restarts): it knocks at the live groups' doors
     rejoin_door = DOOR
     rejoins_from = "from the other groups' live values"
+    syncs_with_peers = True  # (a user's loop: its optimizer is the local update, the sync runs after it)
 
     def recognises(self, layout: Layout) -> bool:
         return layout.asynchronous_groups and layout.nprocs > 1 and layout.cluster.nserver_groups > 1

@@ -130,13 +130,20 @@ class Downpour(Strategy):
                                         max_staleness=c.max_staleness, warmup_steps=c.warmup_steps,
                                         after_update=run.faults.server_update_hook(rank), max_update_lag=c.max_update_lag,
                                         overlap_push=c.overlap_push, codecs=codecs)
+            run.server.rank, run.server.workspace = rank, str(trainer.workspace)  # where a heal's record goes
             return
         servers = {ServerId(0, i): plan.placement.process_of(ServerId(0, i)) for i in range(c.nservers_per_group)}
         group = hosted.workers[0].group
         trainer.attach_exchange(DownpourExchange(trainer.store, updater, plan.placement, rank, group,
                                                  group_ranks[group], run.process_groups.get(worker_group_name(group)), servers, plan.global_batch,
                                                  timeout_s=plan.comm_timeout_s, warmup_steps=c.warmup_steps,
-                                                 overlap_push=c.overlap_push, codecs=codecs))
+                                                 overlap_push=c.overlap_push, codecs=codecs,
+                                                 servers_heal=self.servers_heal(plan)))
+
+    def servers_heal(self, plan) -> bool:
+        """Under cluster.max_restarts a dead server process is restarted into the running job and heals from the
+        chief's mirror (runtime/exchanges/downpour.py), on one host (`shoal run`'s launcher restarts it)."""
+        return plan.max_restarts > 0
 
     def loads_checkpoint_path(self, trainer) -> bool:
         return trainer.group == 0  # the other groups take their first values from the servers

@@ -26,13 +26,34 @@ answering (no heartbeat for cluster.stall_timeout_s, shoal.comm.heartbeat) is
 dropped the same way, though its thread stays blocked in its receive; if the
 group wakes later, its pushes are refused (answered with version -1, never
 applied) and it leaves.
+
+A server's death, under cluster.max_restarts (Strategy.servers_heal): the
+launcher announces the server's next restart at the door (server<S>/restart)
+and starts a new process in its place (shoal.launcher.rejoin); every stub that
+finds its channel to the server closed waits for that word (SERVER_ANNOUNCEMENT_S;
+without it, ServerLost as before) and knocks at the new process's keys. The
+mirror is the chief's: a stub already holds its newest answer's values of every
+slice, so the chief keeps only what a worker lacks, each server's updater state
+and counters (version, each group's steps and updates, bytes), asked for with
+MIRROR every `mirror_interval` of its steps (the cost model's choice). The chief
+heals the new server with HEAL: its newest values and their version, and that
+mirror; the server answers nobody before. Every other stub then pulls the healed
+values (PULL) and goes on. Lost: the updates the dead server applied after the
+version of the chief's newest answer (other groups' pushes during the chief's
+current step), every push in flight (dropped, never sent again: the values it
+was computed on are gone), and the updater state's progress since the last
+refresh (at most `mirror_interval` of the chief's steps old).
 """
 from __future__ import annotations
 
+import json
 import math
+import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -44,20 +65,46 @@ from shoal.comm import channels
 from shoal.comm import dist as comm
 from shoal.comm import heartbeat
 from shoal.report.metrics import MetricWindow
+from shoal.report.writes import open_for_append
 from shoal.neuralnet.params import ParamStore
 from shoal.runtime.exchanges.compression import Codec, codecs_state, load_codecs_state, wire_bytes
 from shoal.runtime.exchanges.clipping import clip_, max_norm_of
 from shoal.runtime.exchanges.local import aggregate
 from shoal.runtime.exchanges.staleness import StalenessStats, histogram, may_apply
 from shoal.runtime.interfaces import GroupDropped
+from shoal.runtime import rejoined
 from shoal.runtime.rejoined import fingerprint
 from shoal.neuralnet.updaters import ParamUpdate, Updater
 
-PUSH, STOP, STATE, FINAL, PULL = 1, 2, 3, 4, 5
+PUSH, STOP, STATE, FINAL, PULL, MIRROR, HEAL = 1, 2, 3, 4, 5, 6, 7
 REFUSED = -1  # the version a server answers a dropped group with
 DOOR = "downpour"  # the channels' keys in the job's store (shoal.comm.channels)
 ANNOUNCEMENT_S = 2.0  # how long a server waits for the launcher to say whether a dead group is restarted
 TAG_HEADER, TAG_GRAD, TAG_VALUES, TAG_REPLY, TAG_STATE, TAG_HAS_GRAD, TAG_LAGS, TAG_BYTES = 11, 12, 13, 14, 15, 16, 17, 18
+TAG_MIRROR = 19  # a mirror's counters (MIRROR's answer, HEAL's request)
+SERVER_ANNOUNCEMENT_S = 10.0  # how long a stub that lost its server waits for the launcher to say it restarts it
+# the chief refreshes its mirror of a server's updater state so that the mirror adds at most this share to the
+# bytes the chief moves with that server (a gradient out and the values back per step): mirror_interval
+MIRROR_SHARE = 0.25
+
+
+def server_key(server_id: int, restart: int):
+    """A server's keys at the door: its first process's are its id, as before; a restart's are its own."""
+    return server_id if restart == 0 else f"{server_id}r{restart}"
+
+
+COUNTERS_EVERY = 50  # an updater without state: the mirror holds counters only (steps, updates per group, bytes)
+
+
+def mirror_interval(state_elements: int, shard_elements: int) -> int:
+    """Every how many of its steps the chief refreshes its mirror of a server's updater state (the cost model's
+    choice): the state's bytes spread over K steps are at most MIRROR_SHARE of the 2 x shard bytes a step moves with
+    that server, so K = ceil(state / (MIRROR_SHARE x 2 x shard)): momentum every 2 steps, Adam every 4. The values
+    need no refresh (the chief holds its newest answer's). Plain SGD (no state): every COUNTERS_EVERY steps, the
+    counters only (a round trip per step would cost more than what it keeps)."""
+    if state_elements <= 0 or shard_elements <= 0:
+        return COUNTERS_EVERY
+    return max(1, math.ceil(state_elements / (MIRROR_SHARE * 2 * shard_elements)))
 
 
 @dataclass(frozen=True)
@@ -144,6 +191,13 @@ class DownpourServer:
         # the payload every group pushed here and this server answered, in this run (summary.json's bytes_sent): counted
         # here, where a group that died has its pushes and pulls counted to its last one
         self.bytes_moved = 0
+        self.restart = 0  # this server's restarts before this process (the door says, in serve)
+        self.rank: Optional[int] = None  # this process's, and the workspace whose logs take a heal's record
+        self.workspace: Optional[str] = None
+        self.key = server.id  # its keys at the door (server_key)
+        self._healed = threading.Event()  # a restarted server serves once the chief's mirror healed it
+        self._healed.set()
+        self.started_at = time.time()
 
     def _view(self, seg: Segment) -> torch.Tensor:
         return self.store.values[seg.param].view(-1)[seg.start : seg.stop]
@@ -190,6 +244,11 @@ class DownpourServer:
     def serve(self) -> None:
         """Serve every group (and every process that rejoins in a dead one's place) until the chief's last request."""
         self.door = channels.Door(DOOR)
+        # announced by the launcher before it started this process: nonzero in a process restarted in a dead server's place
+        self.restart = self.door.server_restart(self.server.id)
+        self.key = server_key(self.server.id, self.restart)
+        if self.restart:
+            self._take_over()
         lives = [threading.Thread(target=self._group_life, args=(g,), name=f"shoal-serve-group{g}", daemon=True)
                  for g in self.stubs]
         for t in lives:
@@ -200,9 +259,27 @@ class DownpourServer:
                            for g, n in sorted(self.applied.items()))
         self.log(f"{self.server}: version {self.version}; updates applied: {counts}")
 
+    def _take_over(self) -> None:
+        """A restarted server: wait for the chief's mirror (HEAL) before serving anyone; the groups its dead
+        predecessor saw finish, or lose with no new process coming, are not waited for."""
+        self._healed.clear()
+        self.started_at = rejoined.process_started_at()
+        before = server_key(self.server.id, self.restart - 1)
+        for group in self.stubs:
+            state = self.door.state(before, group) or ""
+            self.incarnations[group] = self.door.incarnation(group)
+            if state == "finished":
+                self._finished.add(group)
+                self._live.discard(group)
+            elif state.startswith("lost ") and not self.door.expected(group, int(state.split()[1])):
+                self._live.discard(group)
+            self.door.set_state(self.key, group, state)
+
     def _group_life(self, group: int) -> None:
         rank = self.stubs[group]
-        incarnation = 0
+        if group in self._finished:
+            return
+        incarnation = self.incarnations[group]
         while True:
             channel, incarnation = self._accept(group, rank, incarnation)
             if channel is None:
@@ -234,7 +311,7 @@ class DownpourServer:
                 with self._running:
                     if self._closed:
                         return None, incarnation
-                    name = self.door.accept(self.server.id, group, knocked, nonce)
+                    name = self.door.accept(self.key, group, knocked, nonce)
                     self._live.add(group)  # the chief's last request waits while it proves itself
                     self._expected.discard(group)
                     self._running.notify_all()
@@ -251,7 +328,7 @@ class DownpourServer:
                     self.incarnations[group] = knocked
                 if knocked > 0:  # a process restarted in a dead one's place: watch it afresh
                     heartbeat.revive(rank)
-                self.door.set_state(self.server.id, group, f"serving {knocked}")
+                self.door.set_state(self.key, group, f"serving {knocked}")
                 return channel, knocked
             self._note_expected(group, rank, incarnation)
             time.sleep(channels.POLL_S * 5)
@@ -260,7 +337,7 @@ class DownpourServer:
         """(incarnation, nonce) of the knock to answer: the newest incarnation's, else, once a knock was refused, an
         older announced one's (an impostor that claimed the newest must not shut out the process the launcher started)."""
         for knocked in range(newest, incarnation - 1, -1):
-            nonce = self.door.hello(self.server.id, group, knocked)
+            nonce = self.door.hello(self.key, group, knocked)
             if nonce is not None and nonce not in self._refused:
                 return knocked, nonce
             if not self._refused:
@@ -310,7 +387,7 @@ class DownpourServer:
             if self.incarnations[group] == incarnation:
                 self._live.discard(group)
                 self._reads.pop(group, None)  # its update in flight is lost: nobody waits for it to land
-                self.door.set_state(self.server.id, group, f"lost {incarnation}")
+                self.door.set_state(self.key, group, f"lost {incarnation}")
             self._running.notify_all()
 
     def _stopped(self, group: int) -> None:
@@ -319,7 +396,7 @@ class DownpourServer:
             self._live.discard(group)
             self._reads.pop(group, None)
             self._running.notify_all()
-        self.door.set_state(self.server.id, group, "finished")
+        self.door.set_state(self.key, group, "finished")
 
     def restore(self, params: dict[str, torch.Tensor], updater_state: dict, step: int, version: int) -> None:
         """Continue from a checkpoint taken at `step`, when the version was `version`."""
@@ -372,6 +449,10 @@ class DownpourServer:
                 if (group, incarnation) in self._dropped:  # it woke after being dropped: its gradients are stale
                     self._refuse(group, channel, kind)
                     return
+                if kind == HEAL:
+                    self._heal(group, channel, header.tolist()[1])
+                    continue
+                self._healed.wait()  # a restarted server answers nobody before the chief's mirror healed it
                 if kind == PUSH:
                     grad = codec.decode(received, self.size)
                     step = header.tolist()[1]
@@ -398,6 +479,12 @@ class DownpourServer:
                     if incarnation > 0:
                         self.log(f"{self.server} sent worker group {group} (restart {incarnation}) the live values of "
                                  f"version {version} (digest {fingerprint([values])}) and its step {self._steps[group]}")
+                elif kind == MIRROR:  # the chief's mirror of this server's updater state and counters
+                    with self._running, self._lock:
+                        state, counters = self.state_flat(), self._counters()
+                    channel.send(state, TAG_STATE)
+                    channel.send(torch.tensor([counters.numel()], dtype=torch.int64, device="cpu"), TAG_MIRROR)
+                    channel.send(counters, TAG_MIRROR)
                 elif kind == STATE:
                     with self._lock:
                         channel.send(self.state_flat(), TAG_STATE)
@@ -409,7 +496,7 @@ class DownpourServer:
                     with self._running:
                         self._running.wait_for(lambda: not self._live and not self._expected)
                         self._closed = True  # from now on nobody is accepted
-                    self.door.close(self.server.id)
+                    self.door.close(self.key)
                     with self._lock:
                         channel.send(self.values(), TAG_VALUES)
                         channel.send(self.state_flat(), TAG_STATE)
@@ -434,6 +521,68 @@ class DownpourServer:
             if not finished:
                 self._lost(group, incarnation)
 
+    def _counters(self) -> torch.Tensor:
+        """What a mirror holds besides the updater state: [version, bytes moved, groups, each group's steps, each
+        group's updates applied, the lag histogram's width, its counts]."""
+        groups = sorted(self.stubs)
+        counts = self.lag_counts()
+        return torch.tensor([self.version, self.bytes_moved, len(groups)] + [self._steps.get(g, 0) for g in groups]
+                            + [self.applied.get(g, 0) for g in groups] + [counts.shape[1]] + counts.reshape(-1).tolist(),
+                            dtype=torch.int64, device="cpu")
+
+    def _heal(self, group: int, channel, step: int) -> None:
+        """The chief's HEAL: its newest values of this server's slices and their version, and its mirror of the
+        updater state and the counters (refreshed every few of its steps: mirror_interval)."""
+        values, state = torch.zeros(self.size, device="cpu"), torch.zeros(sum(n for _, _, n in self.layout), device="cpu")
+        length = torch.zeros(1, dtype=torch.int64, device="cpu")
+        channel.recv(values, TAG_VALUES)
+        channel.recv(state, TAG_STATE)
+        channel.recv(length, TAG_MIRROR)
+        counters = torch.zeros(int(length), dtype=torch.int64, device="cpu")
+        channel.recv(counters, TAG_MIRROR)
+        c = counters.tolist()
+        version, mirrored_version, bytes_moved, ngroups = c[0], c[1], c[2], c[3]
+        groups = sorted(self.stubs)
+        steps, applied = c[4 : 4 + ngroups], c[4 + ngroups : 4 + 2 * ngroups]
+        width = c[4 + 2 * ngroups] if len(c) > 4 + 2 * ngroups else 0
+        lags = c[5 + 2 * ngroups :]
+        with self._running, self._lock:
+            for seg in self.segments:
+                self._view(seg).copy_(values[seg.offset : seg.offset + seg.size])
+            offset = 0
+            for seg, slot, size in self.layout:
+                if mirrored_version >= 0:  # (no mirror yet: the updater's first state, as the dead server began)
+                    self.state[seg][slot].view(-1).copy_(state[offset : offset + size])
+                offset += size
+            self.version, self.bytes_moved = version, bytes_moved
+            for i, g in enumerate(groups[:ngroups]):
+                self._steps[g], self.applied[g] = steps[i], applied[i]
+                self.lags[g] = StalenessStats()
+                for lag in range(width):
+                    if lags[i * width + lag]:
+                        self.lags[g].add(lag, lags[i * width + lag])
+            self._reads = {g: [version] * self.depth for g in self._reads}
+            self._running.notify_all()
+        self._healed.set()
+        healed_at = time.time()
+        digest = fingerprint([values])
+        state_words = (f"the updater state of version {mirrored_version}" if mirrored_version >= 0
+                       else "the updater's first state (no mirror yet)")
+        line = (f"{self.server} (process restart {self.restart}) healed from worker group {group}'s mirror: its values of "
+                f"version {version} (digest {digest}) and {state_words}, "
+                f"{healed_at - self.started_at:.2f} s after its process started; updates applied after version {version} "
+                "by the dead server, and pushes in flight, are lost")
+        self.log(line)
+        if sys.__stdout__ is not None and sys.stdout is not sys.__stdout__:
+            print(line, file=sys.__stdout__, flush=True)  # the job's terminal (the launcher's)
+        # beside the groups' rejoins (summary.json's `rejoins`): "group" None, "server" its id; "step" the chief's
+        record = {"group": None, "server": self.server.id, "rank": self.rank, "pid": os.getpid(), "incarnation": self.restart, "step": step,
+                  "version": version, "mirrored_state_version": mirrored_version, "healed_from_group": group,
+                  "digest": digest, "time": healed_at, "process_start_to_heal_s": round(healed_at - self.started_at, 3)}
+        if self.workspace is not None:
+            with open_for_append(Path(self.workspace) / "logs" / rejoined.RECORDS_FILE) as f:  # through no link
+                f.write(json.dumps(record) + "\n")
+
     def _refuse(self, group: int, channel, kind: int) -> None:
         """Answer a dropped group's request without applying anything: version -1 tells it to leave."""
         if kind in (PUSH, PULL):  # a push's gradient was received already (_serve_incarnation)
@@ -448,10 +597,13 @@ class DownpourExchange:
 
     def __init__(self, store: ParamStore, updater: Updater, placement: Placement, rank: int, group: int,
                  group_ranks: list[int], group_comm, server_ranks: dict[ServerId, int], global_batch: int, *, timeout_s: float,
-                 warmup_steps: int = 0, overlap_push: bool = False, codecs: Optional[Callable[..., Codec]] = None):
+                 warmup_steps: int = 0, overlap_push: bool = False, codecs: Optional[Callable[..., Codec]] = None,
+                 servers_heal: bool = False):
         """As the strategy reads them from the plan: `timeout_s` (cluster.comm_timeout_s: how long a server may take to
         answer a knock), `warmup_steps`, `overlap_push` and `codecs` (cluster.compression; None: float32); `group_comm`: the
-        plan's group of this worker group's processes (shoal.comm.collectives.Group; None: the group is one process)."""
+        plan's group of this worker group's processes (shoal.comm.collectives.Group; None: the group is one process);
+        `servers_heal` (cluster.max_restarts > 0): a dead server is restarted into the job, the chief keeps a mirror of
+        each server's updater state to heal it from, and every stub waits for the new server instead of failing."""
         self.store, self.rank, self.group = store, rank, group
         self.timeout_s = timeout_s
         self.group_ranks, self.group_comm = group_ranks, group_comm
@@ -490,6 +642,13 @@ class DownpourExchange:
         self._channels: dict[int, channels.Channel] = {}  # server rank -> this stub's channel, opened at first use
         self.overlap = overlap_push
         self._awaited: list = []  # the answers to the last push, while they are on their way (overlap_push)
+        self.servers_heal = servers_heal
+        self.server_restarts = {rank: 0 for _, rank, _, _ in self.servers}  # the server process each stub talks to
+        # the chief's mirror of each server's updater state and counters ([version, bytes, groups, steps, applied, lags]),
+        # refreshed every mirror_every[server] of its steps (mirror_interval: the cost model's choice)
+        self.mirrors: dict[int, Optional[tuple[torch.Tensor, torch.Tensor]]] = {rank: None for _, rank, _, _ in self.servers}
+        self.mirror_every = {rank: mirror_interval(self._state_size(rank), size) for _, rank, _, size in self.servers}
+        self._old_channels: list = []  # channels to dead servers: kept, not destroyed (gloo may block tearing one down)
 
     def _to(self, server_rank: int) -> channels.Channel:
         if not self._channels:
@@ -499,11 +658,95 @@ class DownpourExchange:
     def _connect(self) -> None:
         """Knock at every server's door and open a channel to each (first join and rejoin alike)."""
         door = channels.Door(DOOR)
+        for server, server_rank, segments, _ in self.servers:
+            self.server_restarts[server_rank] = restart = door.server_restart(server.id) if self.servers_heal else 0
+            self._knock(door, server, server_rank, restart)
+            if self.chief and restart:  # it died before the chief's first request: healed from the chief's first values
+                self._send_heal(server_rank, segments, self.first_step)
+
+    def _knock(self, door: channels.Door, server: ServerId, server_rank: int, restart: int) -> None:
+        channel = door.knock(server_key(server.id, restart), self.group, self.incarnation, self.timeout_s)
+        if channel is None:
+            raise JobOver(f"worker group {self.group}: {server} has finished serving; the job is over")
+        self._channels[server_rank] = channel
+
+    # -- a server's death, under cluster.max_restarts: wait for its new process, heal it (the chief), pull ----------
+    def _recover(self, server: ServerId, server_rank: int, step: int, err: RuntimeError) -> None:
+        """`server` stopped answering: with servers that heal, wait for the launcher to restart it, reconnect, heal it
+        from the chief's mirror (the chief) and take its values (every other group); else ServerLost, as before.
+        This group's push in flight, if any, is dropped, not sent again: the values it was computed on are gone."""
+        if not self.servers_heal:
+            raise self._lost(server, server_rank, step, err)
+        door = channels.Door(DOOR)
+        known = self.server_restarts[server_rank]
+        deadline = time.monotonic() + SERVER_ANNOUNCEMENT_S
+        while (restart := door.server_restart(server.id)) <= known:
+            if door.server_given_up(server.id) >= known or time.monotonic() > deadline:
+                raise self._lost(server, server_rank, step, err)
+            time.sleep(channels.POLL_S * 5)
+        self._old_channels.append(self._channels.pop(server_rank, None))
+        self.server_restarts[server_rank] = restart
+        segments, size = next((seg, n) for s, r, seg, n in self.servers if r == server_rank)
+        seen = self.read_version[server_rank]
+        try:
+            self._knock(door, server, server_rank, restart)
+            heartbeat.revive(server_rank)  # its new process beats: watch it afresh (the launcher said the old one gone)
+            if self.chief:  # (the server says the heal on the terminal: one line)
+                self._send_heal(server_rank, segments, step)
+                return
+            self._pull_from(server_rank, segments, size, step)
+        except RuntimeError as again:  # it died again meanwhile
+            self._recover(server, server_rank, step, again)
+            return
+        print(f"worker group {self.group}: {server} was restarted (restart {restart}); the push of step {step} was "
+              f"dropped; took its values of version {self.read_version[server_rank]} (it had seen version {seen})")
+
+    def _send_heal(self, server_rank: int, segments: list[Segment], step: int) -> None:
+        """HEAL: this process's newest values of the server's slices and their version, its mirror of the updater state
+        and the counters (none yet: the server keeps the updater's first state)."""
+        channel, version = self._channels[server_rank], self.read_version[server_rank]
+        mirror = self.mirrors[server_rank]
+        if mirror is None:
+            state = torch.zeros(self._state_size(server_rank), device="cpu")
+            counters = torch.tensor([version, -1, 0, 0], dtype=torch.int64, device="cpu")
+        else:
+            state = mirror[0]
+            counters = torch.cat([torch.tensor([version], dtype=torch.int64, device="cpu"), mirror[1]])
+        channel.send(torch.tensor([HEAL, step, version], dtype=torch.int64, device="cpu"), TAG_HEADER)
+        channel.send(self._gather_values(segments), TAG_VALUES)
+        channel.send(state, TAG_STATE)
+        channel.send(torch.tensor([counters.numel()], dtype=torch.int64, device="cpu"), TAG_MIRROR)
+        channel.send(counters, TAG_MIRROR)
+
+    def _pull_from(self, server_rank: int, segments: list[Segment], size: int, step: int) -> None:
+        channel, reply = self._channels[server_rank], torch.zeros(2, dtype=torch.int64, device="cpu")
+        channel.send(torch.tensor([PULL, step, self.read_version[server_rank]], dtype=torch.int64, device="cpu"), TAG_HEADER)
+        values = torch.zeros(size, device="cpu")
+        channel.recv(values, TAG_VALUES)
+        channel.recv(reply, TAG_REPLY)
+        self._leave_if_refused(int(reply[0]), step)
+        self._scatter_values(values, segments)
+        self.read_version[server_rank] = int(reply[0])
+
+    def _refresh_mirrors(self, step: int) -> None:
+        """The chief, every mirror_every steps: each server's updater state and counters, to heal it from if it dies."""
+        if not (self.chief and self.servers_heal):
+            return
         for server, server_rank, _, _ in self.servers:
-            channel = door.knock(server.id, self.group, self.incarnation, self.timeout_s)
-            if channel is None:
-                raise JobOver(f"worker group {self.group}: {server} has finished serving; the job is over")
-            self._channels[server_rank] = channel
+            if (step - self.first_step) % self.mirror_every[server_rank]:
+                continue
+            try:
+                channel = self._channels[server_rank]
+                channel.send(torch.tensor([MIRROR, step, 0], dtype=torch.int64, device="cpu"), TAG_HEADER)
+                state, length = torch.zeros(self._state_size(server_rank), device="cpu"), torch.zeros(1, dtype=torch.int64, device="cpu")
+                channel.recv(state, TAG_STATE)
+                channel.recv(length, TAG_MIRROR)
+                counters = torch.zeros(int(length), dtype=torch.int64, device="cpu")
+                channel.recv(counters, TAG_MIRROR)
+            except RuntimeError as err:
+                self._recover(server, server_rank, step, err)
+                continue
+            self.mirrors[server_rank] = (state, counters)
 
     def rejoin(self, incarnation: int) -> tuple[int, int]:
         """Take the place of this group's dead process: pull the servers' live values and version, and the steps
@@ -595,26 +838,38 @@ class DownpourExchange:
         # this push's answers are posted first: gloo sends a message only once its receiver has said it is ready, and
         # said after the push, that word would queue behind whatever data is on its way to the server (another
         # group's push); the previous push's answers (overlap_push) still fill the receives posted before these
-        answers = [self._await_answer(server_rank, size) for _, server_rank, _, size in self.servers]
-        try:
-            for server, server_rank, segments, _ in self.servers:
+        answers = [self._posted_answer(server, server_rank, size, step) for server, server_rank, _, size in self.servers]
+        for i, (server, server_rank, segments, _) in enumerate(self.servers):
+            if answers[i] is None:  # its server died: this push to it is dropped
+                continue
+            try:
                 self._to(server_rank).send(torch.tensor([PUSH, step, self.read_version[server_rank]], dtype=torch.int64, device="cpu"), TAG_HEADER)
                 for part in self.codecs[server_rank].encode(self._gather(flat, segments)):
                     self._to(server_rank).send(part, TAG_GRAD)
                     self.pushed_bytes += wire_bytes([part])
                 # one byte per segment: cheaper than a flag inside the (uncopied) gradient
                 self._to(server_rank).send(torch.tensor([had[self.position[s.param]] > 0 for s in segments], dtype=torch.uint8, device="cpu"), TAG_HAS_GRAD)
-        except RuntimeError as err:
-            raise self._lost(server, server_rank, step, err) from None
+            except RuntimeError as err:
+                self._recover(server, server_rank, step, err)  # (or ServerLost) this push to it is dropped
+                answers[i] = None
         self._settle(step)
         self._awaited = answers
         if not self.overlap:
             self._settle(step)
+        self._refresh_mirrors(step)
 
-    def _await_answer(self, server_rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    def _posted_answer(self, server: ServerId, server_rank: int, size: int, step: int) -> Optional[tuple]:
+        """The receives of a push's answer, posted; None when the server was found dead and recovered (servers that heal)."""
+        try:
+            return self._await_answer(server_rank, size)
+        except RuntimeError as err:
+            self._recover(server, server_rank, step, err)
+            return None
+
+    def _await_answer(self, server_rank: int, size: int) -> tuple:
         values, reply = torch.zeros(size, device="cpu"), torch.zeros(2, dtype=torch.int64, device="cpu")
         channel = self._to(server_rank)
-        return values, reply, [channel.irecv(values, TAG_VALUES), channel.irecv(reply, TAG_REPLY)]
+        return values, reply, [channel.irecv(values, TAG_VALUES), channel.irecv(reply, TAG_REPLY)], channel
 
     def _lost(self, server: ServerId, server_rank: int, step: int, err: RuntimeError) -> ServerLost:
         return ServerLost(f"{server} in process {server_rank} stopped answering worker group {self.group} "
@@ -625,17 +880,22 @@ class DownpourExchange:
         if not self._awaited:
             return
         awaited, self._awaited, lags = self._awaited, [], []
-        for (server, server_rank, segments, _), (values, reply, receives) in zip(self.servers, awaited):
+        for (server, server_rank, segments, _), answer in zip(self.servers, awaited):
+            if answer is None or answer[3] is not self._channels.get(server_rank):  # its server died: recovered already
+                continue
+            values, reply, receives, _ = answer
             try:
                 for receive in receives:
                     receive.wait()
             except RuntimeError as err:
-                raise self._lost(server, server_rank, step, err) from None
+                self._recover(server, server_rank, step, err)  # (or ServerLost) the answer is lost with its push
+                continue
             self._leave_if_refused(int(reply[0]), step)
             self._scatter_values(values, segments)
             self.read_version[server_rank] = int(reply[0])
             lags.append(int(reply[1]))
-        self.staleness.add(max(lags))
+        if lags:
+            self.staleness.add(max(lags))
 
     def _leave_if_refused(self, version: int, step: int) -> None:
         if version == REFUSED:  # the servers dropped this group while it was stalled
@@ -678,15 +938,26 @@ class DownpourExchange:
             return self.final_state
         self._settle(-1)  # the checkpoint holds the params its state belongs with
         flats, moved = [], 0
-        for _, server_rank, segments, size in self.servers:
-            self._to(server_rank).send(torch.tensor([STATE, 0, 0], dtype=torch.int64, device="cpu"), TAG_HEADER)
-            flat, count = torch.zeros(self._state_size(server_rank), device="cpu"), torch.zeros(1, dtype=torch.int64, device="cpu")
-            self._to(server_rank).recv(flat, TAG_STATE)
-            self._to(server_rank).recv(count, TAG_BYTES)
+        for server, server_rank, segments, size in self.servers:
+            def ask(server_rank=server_rank):
+                self._to(server_rank).send(torch.tensor([STATE, 0, 0], dtype=torch.int64, device="cpu"), TAG_HEADER)
+                flat, count = torch.zeros(self._state_size(server_rank), device="cpu"), torch.zeros(1, dtype=torch.int64, device="cpu")
+                self._to(server_rank).recv(flat, TAG_STATE)
+                self._to(server_rank).recv(count, TAG_BYTES)
+                return flat, count
+            flat, count = self._asking(server, server_rank, -1, ask)
             flats.append((server_rank, flat))
             moved += int(count)
         self._servers_bytes = moved  # own_state checkpoints it (the trainer asks for this state first)
         return self._state_from(flats)
+
+    def _asking(self, server: ServerId, server_rank: int, step: int, ask: Callable):
+        """`ask()` of `server`, asked again of its new process if it died meanwhile (servers that heal)."""
+        while True:
+            try:
+                return ask()
+            except RuntimeError as err:
+                self._recover(server, server_rank, step, err)
 
     def load_updater_state(self, state) -> None:
         """Servers load their slices of the state themselves (DownpourServer.restore)."""
@@ -733,22 +1004,31 @@ class DownpourExchange:
             return
         self._settle(-1)
         if not self.chief:
-            for _, server_rank, segments, size in self.servers:
-                self._last_request(STOP, server_rank, segments, size)
+            for server, server_rank, segments, size in self.servers:
+                self._asking(server, server_rank, -1, lambda r=server_rank, g=segments, n=size: self._last_request(STOP, r, g, n))
             return
         flats = []
-        for _, server_rank, segments, size in self.servers:
-            self._last_request(FINAL, server_rank, segments, size)
+        for server, server_rank, segments, size in self.servers:
+            self._asking(server, server_rank, -1, lambda r=server_rank, g=segments, n=size: self._last_request(FINAL, r, g, n))
         lags, moved = [], 0
-        for _, server_rank, segments, size in self.servers:
-            values, flat, shape = torch.zeros(size, device="cpu"), torch.zeros(self._state_size(server_rank), device="cpu"), torch.zeros(2, dtype=torch.int64, device="cpu")
-            self._to(server_rank).recv(values, TAG_VALUES)
-            self._to(server_rank).recv(flat, TAG_STATE)
-            self._to(server_rank).recv(shape, TAG_LAGS)
-            counts = torch.zeros(*shape.tolist(), dtype=torch.int64, device="cpu")
-            self._to(server_rank).recv(counts, TAG_LAGS)
-            count = torch.zeros(1, dtype=torch.int64, device="cpu")
-            self._to(server_rank).recv(count, TAG_BYTES)
+        for server, server_rank, segments, size in self.servers:
+            def final(server_rank=server_rank, segments=segments, size=size, again=False):
+                if again:  # its server died while it waited for the other groups: the new one is asked again
+                    self._last_request(FINAL, server_rank, segments, size)
+                values, flat, shape = torch.zeros(size, device="cpu"), torch.zeros(self._state_size(server_rank), device="cpu"), torch.zeros(2, dtype=torch.int64, device="cpu")
+                self._to(server_rank).recv(values, TAG_VALUES)
+                self._to(server_rank).recv(flat, TAG_STATE)
+                self._to(server_rank).recv(shape, TAG_LAGS)
+                counts = torch.zeros(*shape.tolist(), dtype=torch.int64, device="cpu")
+                self._to(server_rank).recv(counts, TAG_LAGS)
+                count = torch.zeros(1, dtype=torch.int64, device="cpu")
+                self._to(server_rank).recv(count, TAG_BYTES)
+                return values, flat, counts, count
+            try:
+                values, flat, counts, count = final()
+            except RuntimeError as err:
+                self._recover(server, server_rank, -1, err)
+                values, flat, counts, count = self._asking(server, server_rank, -1, lambda f=final: f(again=True))
             moved += int(count)
             self._scatter_values(values, segments)
             flats.append((server_rank, flat))

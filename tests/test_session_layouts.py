@@ -1,0 +1,251 @@
+"""shoal.session() over the rows of tests/layouts.py: which layouts a user's own loop runs, and Distributed Hogwild in it.
+
+Driven as a user would: `shoal plan script.py` / `shoal run script.py --set cluster.…` with real processes. Every row of
+the shared layout table is either planned for the loop (its framework and process count) or refused in one line naming
+it; Distributed Hogwild's rows train the user's loop (the user's AdamW is each group's local update, the groups sync
+every cluster.sync_freq steps), resume from a checkpoint exactly, and a killed group is restarted into the running loop.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from layouts import LAYOUTS, assert_ran
+from shoal.frontend.cli import main
+
+# A user's loop. Rank 0 also runs the same loop as plain PyTorch (no shoal) over the first group's rows and writes
+# its loss over the whole data set. After the update of step CHECKPOINT (a sync when sync_freq divides CHECKPOINT + 1)
+# the processes wait for each other before the checkpoint: from there to the end no group syncs (STEPS < the next
+# sync), so the rest of the run is deterministic and a resume from that checkpoint must end where it did, to the bit.
+LOOP = textwrap.dedent('''
+    import json, sys, time
+    from pathlib import Path
+    import torch, shoal
+    from safetensors.torch import save_file
+
+    out = Path(sys.argv[1])
+    torch.manual_seed(0)
+    x = torch.randn(192, 8)
+    y = (x[:, :4].sum(1, keepdim=True) > x[:, 4:].sum(1, keepdim=True)).float()
+    data = torch.utils.data.TensorDataset(x, y)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    STEPS, BATCH, CHECKPOINT = 24, 12, 19
+
+    def loss_of(model, xb, yb):
+        return torch.nn.functional.binary_cross_entropy_with_logits(model(xb), yb)
+
+    def schedule(step):
+        return 1.0 / (1 + 0.05 * step)
+
+    run = shoal.session(train_steps=STEPS, disp_freq=5)
+    if run.rank == 0 and run.step == 0:
+        import copy
+        plain = copy.deepcopy(model)
+        opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        for step in range(STEPS):
+            start = step * BATCH % len(x)
+            loss_of(plain, x[start:start + BATCH], y[start:start + BATCH]).backward()
+            opt.step(); opt.zero_grad(); sched.step()
+        with torch.no_grad():
+            (out / "plain.json").write_text(json.dumps({"loss": float(loss_of(plain, x, y))}))
+    model = run.model(model)
+    opt = run.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    with torch.no_grad():
+        first = float(loss_of(model, x, y))
+    for step, (xb, yb) in run.batches(data, batch_size=BATCH, shuffle=False):
+        loss = loss_of(model, xb, yb)
+        loss.backward()
+        opt.step(); opt.zero_grad(); sched.step()
+        run.log(step, loss=loss)
+        if step == CHECKPOINT:  # every group synced after this update: wait for the others, then checkpoint
+            (out / f"synced{run.rank}").write_text("")
+            while len(list(out.glob("synced*"))) < run.processes:
+                time.sleep(0.01)
+            run.checkpoint()
+    with torch.no_grad():
+        ended = float(loss_of(model, x, y))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / f"rank{run.rank}.safetensors"))
+    (out / f"rank{run.rank}.json").write_text(json.dumps({"first": first, "loss": ended, "label": run.label,
+                                                          "processes": run.processes, "syncs": run.exchange.syncs,
+                                                          "lr": opt.param_groups[0]["lr"]}))
+''')
+
+SYNC_EVERY_5 = ["--set", "cluster.sync_freq=5"]  # syncs after updates 5, 10, 15, 20 of 24
+# the rows a user's loop runs (tests/test_session.py runs one worker and AllReduce; this file Distributed Hogwild)
+RUNS_IN_A_LOOP = {"single worker", "AllReduce, 2 processes", "AllReduce, 2 processes, 2 server slices", "AllReduce, 3 processes",
+                  "AllReduce, 3 processes, replicated (max_restarts 1)", "Distributed Hogwild, 2 groups",
+                  "Distributed Hogwild, 3 groups"}
+
+
+def shoal_run(script: Path, out: Path, workspace: Path, *options: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "shoal", "run", str(script), "--workspace", str(workspace), *options, "--", str(out)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=out)
+
+
+def ended(out: Path, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
+    return load_file(str(out / f"rank{rank}.safetensors")), json.loads((out / f"rank{rank}.json").read_text())
+
+
+def train_losses(workspace: Path) -> list[float]:
+    records = [json.loads(line) for line in (workspace / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if r["phase"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("layouts") / "loop.py"
+    path.write_text(LOOP)
+    return path
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_layout_row_is_planned_for_the_loop_or_refused_in_one_line(script, tmp_path, capsys, name):
+    """`shoal plan script.py` plans the session's job as `shoal run` would: a row the loop runs is planned with its
+    framework and processes; any other is refused in one line that names it and says what runs it."""
+    layout = LAYOUTS[name]
+    status = main(["plan", str(script), *layout.cli(), "--", str(tmp_path)])
+    out, err = capsys.readouterr()
+    if name in RUNS_IN_A_LOOP:
+        assert status == 0, err
+        assert out.startswith(f"job 'session': {layout.framework}, {layout.processes} process(es)"), out
+    else:
+        assert status == 2 and len(err.strip().splitlines()) == 1, err
+        assert layout.framework in err and "not supported in your own loop yet" in err and "shoal.fit" in err, err
+    assert not list(tmp_path.iterdir())  # the script stopped at shoal.session(): nothing trained, nothing written
+
+
+def test_distributed_hogwild_on_a_gpu_is_refused_in_one_line(script, tmp_path, capsys):
+    """Its syncs go point-to-point over gloo from the module's params, which stay on the host only in a job file's run."""
+    status = main(["plan", str(script), *LAYOUTS["Distributed Hogwild, 2 groups"].cli(), "--set", "device=cuda:0",
+                   "--", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and err.splitlines() == [err] and "Distributed Hogwild in your own loop runs on CPU" in err
+
+
+def check_hogwild_trains(out: Path, workspace: Path, row: str) -> None:
+    """The row's layout ran (summary.json, a log per process); every group trained (its loss over the whole data set
+    fell by half) and synced after updates 5, 10, 15 and 20; each ends within 20 % of the plain one-worker loop's loss
+    (each group runs that loop's steps on its own shard, with the others' progress merged at each sync)."""
+    assert_ran(workspace, row)
+    plain = json.loads((out / "plain.json").read_text())["loss"]
+    for rank in range(LAYOUTS[row].processes):
+        _, said = ended(out, rank)
+        assert said["label"] == "Distributed Hogwild" and said["processes"] == LAYOUTS[row].processes
+        assert said["syncs"] == 4 * (LAYOUTS[row].processes - 1), said  # (a sync asks each other group's master)
+        assert said["loss"] < 0.5 * said["first"] and said["loss"] < 1.2 * plain, (said, plain)
+    losses = train_losses(workspace)
+    assert losses[-1] < 0.7 * losses[0]
+
+
+@pytest.fixture(scope="module")
+def hogwild_run(script, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hogwild")
+    proc = shoal_run(script, out, out / "ws", *LAYOUTS["Distributed Hogwild, 2 groups"].cli(), *SYNC_EVERY_5)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+SHARED_RUN = pytest.mark.xdist_group("session_hogwild_run")
+
+
+@SHARED_RUN
+def test_distributed_hogwild_over_two_processes_trains_the_users_loop(hogwild_run):
+    check_hogwild_trains(hogwild_run, hogwild_run / "ws", "Distributed Hogwild, 2 groups")
+    # each group wrote its part of the checkpoint (its values, its AdamW state, its last syncs), the chief's file lists it
+    assert sorted(p.name for p in (hogwild_run / "ws" / "checkpoint").iterdir()) == [
+        "step20-group1-rank1.safetensors", "step20-worker0.safetensors"]
+
+
+@pytest.mark.slow
+@SHARED_RUN
+def test_distributed_hogwild_resumes_every_groups_state_exactly(script, hogwild_run, tmp_path):
+    """The checkpoint after step 19 (a sync, then the groups quiet to the end) resumed in a new workspace: each group
+    takes its own part back (its values, AdamW's moments, the scheduler's step, its data position, the values of its
+    last syncs and its sync count) and ends where the uninterrupted run's group did, to the bit."""
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    shutil.copytree(hogwild_run / "ws" / "checkpoint", workspace / "checkpoint")
+    proc = shoal_run(script, tmp_path, workspace, *LAYOUTS["Distributed Hogwild, 2 groups"].cli(), *SYNC_EVERY_5, "--resume")
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "plain.json").exists()  # (resumed at step 20: the script's plain loop did not run)
+    for rank in (0, 1):
+        values, said = ended(tmp_path, rank)
+        expected, through = ended(hogwild_run, rank)
+        assert all(torch.equal(values[k], expected[k]) for k in expected)
+        assert said["loss"] == through["loss"] and said["lr"] == through["lr"]
+        assert said["syncs"] == 0  # none after step 20
+    assert train_losses(workspace)[-1] == train_losses(hogwild_run / "ws")[-1]  # step 23's display line
+
+
+@pytest.mark.slow
+def test_distributed_hogwild_over_three_processes_trains_the_users_loop(script, tmp_path):
+    proc = shoal_run(script, tmp_path, tmp_path / "ws", *LAYOUTS["Distributed Hogwild, 3 groups"].cli(), *SYNC_EVERY_5)
+    assert proc.returncode == 0, proc.stderr
+    check_hogwild_trains(tmp_path, tmp_path / "ws", "Distributed Hogwild, 3 groups")
+
+
+REJOINS = textwrap.dedent('''
+    import json, os, signal, sys, time
+    from pathlib import Path
+    import torch, shoal
+    out = Path(sys.argv[1])
+    torch.manual_seed(0)
+    x = torch.randn(96, 8)
+    data = torch.utils.data.TensorDataset(x, x[:, :1].clone())
+    run = shoal.session(train_steps=40, disp_freq=5)
+    (out / f"pid{run.rank}.{os.getpid()}").write_text("")
+    model = run.model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
+    opt = run.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + 0.1 * step))
+    for step, (xb, yb) in run.batches(data, batch_size=12):
+        if run.rank == 1 and step == 12 and len(list(out.glob("pid1.*"))) == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if run.rank == 0 and step == 14:  # the chief waits for group 1 to be back, so that they sync again
+            deadline = time.time() + 60
+            while not (run.workspace / "logs" / "rejoins.jsonl").exists() and time.time() < deadline:
+                time.sleep(0.05)
+        loss = ((model(xb) - yb) ** 2).mean()
+        loss.backward()
+        opt.step(); opt.zero_grad(); sched.step()
+        run.log(step, loss=loss)
+    (out / f"rank{run.rank}.json").write_text(json.dumps({"lr": opt.param_groups[0]["lr"], "syncs": run.exchange.syncs}))
+    print("rank", run.rank, "finished at step", step)
+''')
+
+
+@pytest.mark.slow
+def test_a_killed_hogwild_group_is_restarted_into_the_running_loop(tmp_path):
+    """--max-restarts: group 1's process, SIGKILLed at step 12, is restarted; it runs the script from the top, its
+    session knocks at group 0 at run.batches(), takes the live values and its own slices as of its last sync, steps the
+    scheduler to that sync's step and goes on from there; the two groups sync again and both finish."""
+    script = tmp_path / "rejoins.py"
+    script.write_text(REJOINS)
+    out = tmp_path / "out"
+    proc = shoal_run(script, out, tmp_path / "ws", *LAYOUTS["Distributed Hogwild, 2 groups"].cli(), *SYNC_EVERY_5,
+                     "--max-restarts", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 0 finished at step 39" in proc.stdout
+    assert len(list(out.glob("pid1.*"))) == 2  # group 1 ran as two processes
+    rejoins = [json.loads(line) for line in (tmp_path / "ws" / "logs" / "rejoins.jsonl").read_text().splitlines()]
+    assert len(rejoins) == 1 and rejoins[0]["rank"] == 1 and rejoins[0]["step"] in (0, 5, 10)  # its last sync's
+    back = rejoins[0]["step"]
+    assert f"Worker group 1 rejoined at step {back} (process 1, restart 1): the live values of the slices worker group 0 " \
+           "masters" in proc.stdout
+    assert "rank 1 finished at step 39" in (tmp_path / "ws" / "logs" / "rank1.log").read_text()
+    said = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert said[0]["lr"] == said[1]["lr"]  # the restarted group's scheduler was stepped to its step
+    assert said[1]["syncs"] == (40 - back) // 5 and said[0]["syncs"] >= 5  # they synced again after step 15
+    assert json.loads((tmp_path / "ws" / "summary.json").read_text())["status"] == "finished"
+    losses = train_losses(tmp_path / "ws")
+    assert losses[-1] < losses[0] / 2
