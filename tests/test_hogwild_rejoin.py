@@ -7,16 +7,15 @@ Real runs through the CLI on the blobs data.
 """
 from __future__ import annotations
 
-import os
 import re
 import signal
 
 import pytest
 
 from cli_in_process import run_cli
+from fault_runs import SLOW, assert_no_library_text, closing_line, pids, runs, summary, train_records  # noqa: F401 (runs: a fixture)
 from test_bytes_counted import trainable_numel
 from test_cli import leftover_processes
-from test_local_sgd_faults import SLOW, Run, closing_line, pids, runs, summary, train_records  # noqa: F401 (runs: a fixture)
 
 STEPS = 240
 SYNC_FREQ = 4
@@ -31,13 +30,10 @@ def test_a_killed_hogwild_group_is_restarted_and_syncs_again(blobs_job, tmp_path
     job = blobs_job(train_steps=STEPS, layout=f"Distributed Hogwild, {groups} groups", cluster_extra=dict(GROUPS, **extra))
     unfaulted = run_cli("run", job, "--workspace", tmp_path / "unfaulted", "--no-progress", timeout=120)
     assert unfaulted.returncode == 0, unfaulted.stderr
-    run = Run(job, tmp_path, "--max-restarts", "1", env=SLOW)
-    runs.append(run)
+    run = runs.start(job, tmp_path, "--max-restarts", "1", env=SLOW)
     chief = run.pid_once_training(0)
-    victim = run.pid_once_training(1, step=20)
-    os.kill(victim, signal.SIGKILL)
-    assert run.wait() == 0, run.err.read_text()
-    stderr, stdout = run.err.read_text(), run.out.read_text()
+    victim = run.signal(1, signal.SIGKILL, step=20)
+    stdout, stderr = run.finished()
     assert re.search(r"^WARNING: process 1 \(worker\(group=1, id=0\), server\(group=1, id=0\)\) exited with code -9; restarting it "
                      r"\(restart 1 of 1\); it rejoins from the other groups' live values$", stderr, re.M), stderr
     (line,) = [line for line in stdout.splitlines() if line.startswith("Worker group 1 rejoined at step ")]
@@ -69,8 +65,7 @@ def test_a_killed_hogwild_group_is_restarted_and_syncs_again(blobs_job, tmp_path
         assert sum(r["sync_bytes"] for r in records) < got["bytes_sent"] <= summary(tmp_path / "unfaulted")["bytes_sent"] + handover
     final, baseline = got["final_test"]["accuracy"], summary(tmp_path / "unfaulted")["final_test"]["accuracy"]
     assert final >= baseline - 0.05, (final, baseline)
-    for text in (stdout, stderr, rank0, rank1):
-        assert "gloo" not in text.lower() and "c10d" not in text and "Traceback" not in text, text
+    assert_no_library_text(stdout, stderr, rank0, rank1)
     assert leftover_processes(tmp_path) == []
 
 
@@ -80,13 +75,11 @@ def test_a_group_killed_before_its_first_sync_of_a_resumed_run_rejoins_at_the_re
     job = blobs_job(train_steps=40, layout="Distributed Hogwild, 2 groups", cluster_extra=GROUPS)
     first = run_cli("run", job, "--workspace", tmp_path / "ws", "--no-progress", "--set", "checkpoint_freq=20", timeout=120)
     assert first.returncode == 0, first.stderr
-    run = Run(job, tmp_path, "--resume", "--set", "train_steps=400", "--set", "cluster.sync_freq=1000", "--max-restarts", "1",
-              env=SLOW)
-    runs.append(run)
-    victim = run.pid_once_training(1, step=60)
-    os.kill(victim, signal.SIGKILL)
-    assert run.wait() == 0, run.err.read_text()
-    (line,) = [line for line in run.out.read_text().splitlines() if line.startswith("Worker group 1 rejoined at step ")]
+    run = runs.start(job, tmp_path, "--resume", "--set", "train_steps=400", "--set", "cluster.sync_freq=1000", "--max-restarts", "1",
+                     env=SLOW)
+    run.signal(1, signal.SIGKILL, step=60)
+    stdout, _ = run.finished()
+    (line,) = [line for line in stdout.splitlines() if line.startswith("Worker group 1 rejoined at step ")]
     assert line.startswith("Worker group 1 rejoined at step 40 (process 1, restart 1): "), line
     assert summary(run.ws)["missed_updates"]["1"]["rejoined_at"] == [40]
     assert leftover_processes(tmp_path) == []

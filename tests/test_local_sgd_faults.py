@@ -7,13 +7,9 @@ which joins at the groups' next meeting from the chief's group's state. Real run
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from cli_in_process import run_cli
-from test_cli import leftover_processes, tagged
+from fault_runs import SLOW, assert_no_library_text, closing_line, pids, runs, summary, train_records  # noqa: F401 (runs: a fixture)
+from test_cli import leftover_processes
 
 from shoal.neuralnet import checkpoint as ckpt_io
 
@@ -30,66 +27,10 @@ DILOCO = ["--set", "cluster.outer_updater.type=kNesterov", "--set", "cluster.out
           "--set", "cluster.outer_updater.learning_rate.type=kFixed", "--set", "cluster.outer_updater.learning_rate.base_lr=0.7"]
 PROCESSES = dict(nworker_groups=2, local_steps=5)  # each group in a process of its own
 THREADS = dict(PROCESSES, nworkers_per_procs=2)
-SLOW = {"SHOAL_SLOW_WORKER": "0:0+0.01"}  # every step takes 10 ms or more: the run outlasts a kill and a restart
-
-
-def train_records(ws: Path) -> list[dict]:
-    return [json.loads(line) for line in (ws / "metrics.jsonl").read_text().splitlines() if '"phase": "train"' in line]
-
-
-def summary(ws: Path) -> dict:
-    return json.loads((ws / "summary.json").read_text())
 
 
 def params(ws: Path, step: int) -> dict[str, torch.Tensor]:
     return {k: v for k, v in load_file(str(ws / "checkpoint" / f"step{step}-worker0.safetensors")).items() if k.startswith("param/")}
-
-
-def pids(ws: Path, rank: int) -> list[int]:
-    """The pid of each process that ran rank `rank`, in order, from the start lines of its log."""
-    return [int(p) for p in re.findall(r"start on CPU in process \d+ \(pid = (\d+)\)", (ws / "logs" / f"rank{rank}.log").read_text())]
-
-
-class Run:
-    """`shoal run` in the background, its output in files (a pipe nobody reads would block the chief)."""
-
-    def __init__(self, job: Path, tmp_path: Path, *extra: str, env: dict | None = None):
-        self.ws, self.out, self.err = tmp_path / "ws", tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-        environment = dict(os.environ, PYTHONUNBUFFERED="1", **tagged(tmp_path), **(env or {}))
-        with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(self.ws), "--no-progress",
-                                          *extra], stdout=out, stderr=err, env=environment, start_new_session=True)
-
-    def pid_once_training(self, rank: int, step: int = 10, timeout: float = 90) -> int:
-        """Process `rank`'s pid from its log, once the chief displayed `step`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.err.read_text()
-            log = self.ws / "logs" / f"rank{rank}.log"
-            if f"Train @ step {step} " in self.out.read_text() and log.exists() and pids(self.ws, rank):
-                return pids(self.ws, rank)[-1]
-            time.sleep(0.05)
-        raise AssertionError(f"never reached step {step}: {self.err.read_text()}")
-
-    def wait(self, timeout: float = 180) -> int:
-        return self.proc.wait(timeout=timeout)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
-@pytest.fixture
-def runs():
-    started: list[Run] = []
-    yield started
-    for run in started:  # a failed assertion must not leave a job running
-        run.stop()
-
-
-def closing_line(stdout: str) -> str:
-    return next(line for line in stdout.splitlines() if line.startswith("Trained "))
 
 
 def assert_left_out_after(ws: Path, killed_before: int) -> list[dict]:
@@ -104,13 +45,10 @@ def assert_left_out_after(ws: Path, killed_before: int) -> list[dict]:
 def test_a_killed_diloco_group_is_left_out_and_the_others_go_on(blobs_job, tmp_path, runs):
     """Group 1's process is SIGKILLed mid-run: the job exits 0, group 0's process (the same pid from start to end) trains
     every step, the meetings after the kill count one group, and the closing line names group 1 and where it left."""
-    run = Run(blobs_job(train_steps=STEPS, cluster_extra=PROCESSES), tmp_path, *DILOCO, env=SLOW)
-    runs.append(run)
+    run = runs.start(blobs_job(train_steps=STEPS, cluster_extra=PROCESSES), tmp_path, *DILOCO, env=SLOW)
     chief = run.pid_once_training(0)
-    victim = run.pid_once_training(1)
-    os.kill(victim, signal.SIGKILL)
-    assert run.wait() == 0, run.err.read_text()
-    stderr, stdout = run.err.read_text(), run.out.read_text()
+    victim = run.signal(1, signal.SIGKILL)
+    stdout, stderr = run.finished()
     assert (f"WARNING: process 1 (worker(group=1, id=0)) exited with code -9; the other worker groups go on "
             f"(see {run.ws}/logs/rank1.log)") in stderr, stderr
     assert pids(run.ws, 0) == [chief] and pids(run.ws, 1) == [victim]  # nobody restarted, the survivor never replaced
@@ -126,8 +64,7 @@ def test_a_killed_diloco_group_is_left_out_and_the_others_go_on(blobs_job, tmp_p
     assert all(torch.isfinite(v).all() for v in params(run.ws, STEPS).values())
     # the checkpoints written without group 1 do not wait for its part: the final one is whole, a resume's start
     ckpt_io.load(run.ws / "checkpoint" / f"step{STEPS}-worker0.safetensors", parts=True)
-    for text in (stdout, stderr, (run.ws / "logs" / "rank0.log").read_text()):
-        assert "gloo" not in text.lower() and "c10d" not in text and "Traceback" not in text
+    assert_no_library_text(stdout, stderr, (run.ws / "logs" / "rank0.log").read_text())
     assert leftover_processes(tmp_path) == []
 
 
@@ -136,14 +73,12 @@ def test_a_stalled_group_of_three_is_dropped_and_the_other_two_meet_on(blobs_job
     """Three groups over processes; group 2's process is SIGSTOPped past the stall timeout: the heartbeat names it, the
     meetings go on between groups 0 and 1 (a group re-formed over their two processes), and the launcher kills the
     stopped process at the end."""
-    run = Run(blobs_job(train_steps=2 * STEPS, cluster_extra=dict(PROCESSES, nworker_groups=3)), tmp_path, *DILOCO,
-              "--set", "cluster.stall_timeout_s=3", env=SLOW)
-    runs.append(run)
-    stopped = run.pid_once_training(2)
-    os.kill(stopped, signal.SIGSTOP)
-    assert run.wait() == 0, run.err.read_text()
+    run = runs.start(blobs_job(train_steps=2 * STEPS, cluster_extra=dict(PROCESSES, nworker_groups=3)), tmp_path, *DILOCO,
+                     "--set", "cluster.stall_timeout_s=3", env=SLOW)
+    run.signal(2, signal.SIGSTOP)
+    _, stderr = run.finished()
     assert re.search(r"^WARNING: worker group 2 dropped: process 2 \(worker\(group=2, id=0\)\) stopped answering \(no heartbeat "
-                     r"for \d+ s[^)]*\); the other worker groups go on", run.err.read_text(), re.M), run.err.read_text()
+                     r"for \d+ s[^)]*\); the other worker groups go on", stderr, re.M), stderr
     records = train_records(run.ws)
     assert records[0]["groups_met"] == 3 and records[-1]["groups_met"] == 2
     missed = summary(run.ws)["missed_updates"]
@@ -156,14 +91,11 @@ def test_a_stalled_group_is_ended_restarted_and_rejoins(blobs_job, tmp_path, run
     by the launcher (SIGKILL) and restarted as a killed one is, one line saying so; it rejoins at a meeting and the job
     exits 0 with both groups at the last meeting (before: it stayed stopped, missing to the end)."""
     steps = 5 * STEPS  # outlasts the 2 s stall timeout, a beat and a restart, under load
-    run = Run(blobs_job(train_steps=steps, cluster_extra=PROCESSES), tmp_path, "--max-restarts", "1", *DILOCO,
-              "--set", "cluster.stall_timeout_s=2", env=SLOW)
-    runs.append(run)
+    run = runs.start(blobs_job(train_steps=steps, cluster_extra=PROCESSES), tmp_path, "--max-restarts", "1", *DILOCO,
+                     "--set", "cluster.stall_timeout_s=2", env=SLOW)
     chief = run.pid_once_training(0)
-    stopped = run.pid_once_training(1)
-    os.kill(stopped, signal.SIGSTOP)
-    assert run.wait() == 0, run.err.read_text()
-    stderr, stdout = run.err.read_text(), run.out.read_text()
+    stopped = run.signal(1, signal.SIGSTOP)
+    stdout, stderr = run.finished()
     assert re.search(r"^WARNING: process 1 \(worker\(group=1, id=0\)\) was stopped past the stall timeout \(2 s\) and dropped; "
                      r"the launcher ended it \(SIGKILL\); restarting it \(restart 1 of 1\); it rejoins at the groups' next "
                      r"meeting, from a live group's state$", stderr, re.M), stderr
@@ -172,7 +104,7 @@ def test_a_stalled_group_is_ended_restarted_and_rejoins(blobs_job, tmp_path, run
     missed = summary(run.ws)["missed_updates"]["1"]
     assert missed["why"].startswith("process 1 was restarted after the job dropped it for a stall; missing from the meeting"), missed
     assert train_records(run.ws)[-1]["groups_met"] == 2
-    assert "gloo" not in stderr.lower() and "Traceback" not in stderr
+    assert_no_library_text(stderr)
     assert leftover_processes(tmp_path) == []
 
 
@@ -218,12 +150,10 @@ def test_a_killed_group_is_restarted_and_rejoins_at_the_next_meeting(blobs_job, 
     # the unfaulted run with its groups as threads: the same numbers as over processes, in a fraction of the time
     unfaulted = run_cli("run", job, "--workspace", tmp_path / "unfaulted", "--no-progress", *_sets(THREADS), *outer, timeout=120)
     assert unfaulted.returncode == 0, unfaulted.stderr
-    run = Run(job, tmp_path, "--max-restarts", "1", "--set", "checkpoint_freq=5", *outer, env=SLOW)
-    runs.append(run)
+    run = runs.start(job, tmp_path, "--max-restarts", "1", "--set", "checkpoint_freq=5", *outer, env=SLOW)
     chief = run.pid_once_training(0)
-    os.kill(run.pid_once_training(1), signal.SIGKILL)
-    assert run.wait() == 0, run.err.read_text()
-    stderr, stdout = run.err.read_text(), run.out.read_text()
+    run.signal(1, signal.SIGKILL)
+    stdout, stderr = run.finished()
     assert re.search(r"^WARNING: process 1 \(worker\(group=1, id=0\)\) exited with code -9; restarting it \(restart 1 of 1\); "
                      r"it rejoins at the groups' next meeting, from a live group's state$", stderr, re.M), stderr
     (line,) = [line for line in stdout.splitlines() if line.startswith("Worker group 1 rejoined at step ")]

@@ -15,10 +15,10 @@ import sys
 import time
 
 import pytest
+from fault_runs import LayoutRun as Run, runs  # noqa: F401 - the fixture that stops what a failed test left running
 from layouts import LAYOUTS, Layout, assert_ran
 from test_bytes_counted import trainable_numel
 from test_cli import leftover_processes, tagged
-from test_stalls import Run, runs  # noqa: F401 - the fixture that stops what a failed test left running
 
 DOWNPOUR = "Downpour, 2 groups + 1 server, 3 processes"
 STEPS = 150

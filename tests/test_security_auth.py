@@ -31,9 +31,10 @@ from typing import Optional
 
 import pytest
 import torch.distributed as dist
+from fault_runs import LayoutRun as Run, runs  # noqa: F401 - the fixture that stops what a failed test left running
 from layouts import assert_ran
 from test_cli import leftover_processes
-from test_stalls import STALL_TIMEOUT, Run, runs  # noqa: F401 - the fixture that stops what a failed test left running
+from test_stalls import STALL_TIMEOUT
 
 from shoal.comm import auth, channels
 from shoal.comm.dist import free_port

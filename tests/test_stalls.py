@@ -11,88 +11,16 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from layouts import LAYOUTS, assert_ran
-from test_cli import leftover_processes, tagged
-
-from shoal.launcher import job_registry
+from fault_runs import SLOW, LayoutRun, assert_one_line, runs, wait_for  # noqa: F401 (runs: a fixture)
+from layouts import assert_ran
+from test_cli import leftover_processes
 
 STALL_TIMEOUT = 3.0
+Run = LayoutRun  # (tests that import test_stalls' Run: the same run, from tests/fault_runs.py)
 SLACK = 20.0  # a loaded 2-core machine: beats every 0.75 s may be late, the launcher must reap and kill
-
-
-class Run:
-    """`shoal run` in the background, its output in files (a pipe nobody reads would block the chief)."""
-
-    def __init__(self, job: Path, tmp_path: Path, layout: str, *extra: str, env: dict | None = None, ignore_sigint=False,
-                 timeout_from_environment=False):
-        """The stall timeout as the job field (`--set cluster.stall_timeout_s`), or as its environment override."""
-        self.ws, self.out, self.err = tmp_path / "ws", tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **tagged(tmp_path), **(env or {}))
-        env.pop("SHOAL_STALL_TIMEOUT", None)
-        if timeout_from_environment:  # over a job field that says otherwise
-            env["SHOAL_STALL_TIMEOUT"] = str(STALL_TIMEOUT)
-        timeout = ["--set", f"cluster.stall_timeout_s={STALL_TIMEOUT * 100 if timeout_from_environment else STALL_TIMEOUT:g}"]
-        with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(self.ws), "--no-progress",
-                 *LAYOUTS[layout].cli(), *timeout, *extra],
-                stdout=out, stderr=err, env=env, start_new_session=True,
-                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN if ignore_sigint else signal.SIG_DFL))
-
-    def pid_of(self, rank, timeout: float = 90) -> int:
-        """Process `rank`'s pid from the job registry, once the run has trained a few steps."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.stderr()
-            for record in job_registry.all_jobs():
-                pids = {p["rank"]: p["pid"] for p in record.processes}
-                if Path(record.workspace) == self.ws and rank in pids and "Train @ step 10 " in self.out.read_text():
-                    return pids[rank]
-            time.sleep(0.2)
-        raise AssertionError(f"no pid for rank {rank}: {self.stderr()}")
-
-    def wait(self, timeout: float = 120) -> int:
-        return self.proc.wait(timeout=timeout)
-
-    def stderr(self) -> str:
-        return self.err.read_text()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
-@pytest.fixture
-def runs():
-    started: list[Run] = []
-    yield started
-    for run in started:  # a failed assertion must not leave a stopped job behind
-        for pid in _children(run.proc.pid):
-            os.kill(pid, signal.SIGKILL)
-        run.stop()
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def assert_one_line(stderr: str, *fragments: str) -> str:
-    assert "Traceback" not in stderr, stderr
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1, stderr
-    for fragment in fragments:
-        assert fragment in lines[0], stderr
-    return lines[0]
 
 
 @pytest.mark.parametrize("layout,rank", [
@@ -100,9 +28,9 @@ def assert_one_line(stderr: str, *fragments: str) -> str:
     pytest.param("AllReduce, 3 processes", 2, marks=pytest.mark.slow),
 ])
 def test_a_stopped_process_of_a_synchronous_job_is_named_within_the_timeout(blobs_job, tmp_path, runs, layout, rank):
-    run = Run(blobs_job(train_steps=100000), tmp_path, layout)
-    runs.append(run)
-    pid = run.pid_of(rank)
+    # (slowed steps: the processes sleep, rather than spin the machine's cores, through the beats and the timeout)
+    run = runs.start_layout(blobs_job(train_steps=100000), tmp_path, layout, env=SLOW, stall_timeout_s=STALL_TIMEOUT)
+    pid = run.registered_pid(rank)
     time.sleep(2)  # a few beats: the peers know its step
     os.kill(pid, signal.SIGSTOP)
     stopped = time.monotonic()
@@ -118,15 +46,6 @@ def test_a_stopped_process_of_a_synchronous_job_is_named_within_the_timeout(blob
     assert leftover_processes(tmp_path) == []  # the stopped one too: SIGTERM waits for SIGCONT, SIGKILL does not
 
 
-def wait_for(predicate, timeout: float, what: str) -> float:
-    """Seconds until `predicate()` held (fails after `timeout`)."""
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout, what
-        time.sleep(0.1)
-    return time.monotonic() - start
-
-
 ASYNC_STALLS = {
     # layout: (the stalled process, the group it hosts, the log of a process that drops it)
     "Downpour, 2 groups + 1 server, 3 processes": (1, 1, "rank2.log"),
@@ -139,10 +58,9 @@ ASYNC_STALLS = {
 def test_a_stopped_group_of_an_asynchronous_job_is_dropped_and_the_job_finishes(blobs_job, tmp_path, runs, layout, wakes):
     rank, group, dropper = ASYNC_STALLS[layout]
     # group 0's steps take 10 ms or more: the run outlasts the stall, the drop and the wake-up
-    run = Run(blobs_job(train_steps=1000), tmp_path, layout, "--set", "test_freq=500", env={"SHOAL_SLOW_WORKER": "0:0+0.01"},
-              timeout_from_environment=True)
-    runs.append(run)
-    pid = run.pid_of(rank)
+    run = runs.start_layout(blobs_job(train_steps=1000), tmp_path, layout, "--set", "test_freq=500", env=SLOW, stall_timeout_s=STALL_TIMEOUT,
+                            timeout_from_environment=True)
+    pid = run.registered_pid(rank)
     time.sleep(2)
     os.kill(pid, signal.SIGSTOP)
     took = wait_for(lambda: "WARNING" in run.stderr(), STALL_TIMEOUT + SLACK, "no warning: " + run.stderr())
@@ -172,9 +90,8 @@ def test_a_stopped_group_of_an_asynchronous_job_is_dropped_and_the_job_finishes(
 def test_started_with_sigint_ignored_ctrl_c_is_ignored_and_sigterm_stops_it(blobs_job, tmp_path, runs, layout):
     """nohup or `shoal run ... &` in a script starts shoal with SIGINT ignored: it keeps ignoring the terminal's
     Ctrl-C (as POSIX asks of such programs); SIGTERM (`shoal jobs kill`) always stops every process."""
-    run = Run(blobs_job(train_steps=100000), tmp_path, layout, ignore_sigint=True)
-    runs.append(run)
-    run.pid_of(0)
+    run = runs.start_layout(blobs_job(train_steps=100000), tmp_path, layout, env=SLOW, ignore_sigint=True)
+    run.registered_pid(0)
     os.killpg(run.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C would do
     time.sleep(2)
     assert run.proc.poll() is None, run.stderr()
