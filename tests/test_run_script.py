@@ -58,6 +58,7 @@ def test_every_job_a_script_trains_gets_the_settings(blobs_job, tmp_path, capsys
         (None, "no such script"),
         ("x = (\n", "script.py:1: SyntaxError: '(' was never closed"),
         ("def f():\n    return {}['k']\n\nf()\n", "script.py:2: KeyError: 'k'"),
+        ("raise RuntimeError('\\n  Some tensors share memory')\n", "script.py:1: RuntimeError: Some tensors share memory"),  # text after a newline
         ("import shoal\nshoal.train({'name': 'x'}, log=print)\n", "--set clusterr.nworkers_per_group=2: JobProto has no field 'clusterr'"),
     ],
 )

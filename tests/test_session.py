@@ -29,6 +29,7 @@ LOOP = textwrap.dedent('''
     y = (x[:, :4].sum(1, keepdim=True) > x[:, 4:].sum(1, keepdim=True)).float()
     data = torch.utils.data.TensorDataset(x, y)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model.register_parameter("unused", torch.nn.Parameter(torch.ones(3)))  # no loss reaches it: .grad stays None
     STEPS, BATCH = 20, 12
 
     def schedule(step):
@@ -140,6 +141,12 @@ def test_allreduce_over_two_processes_is_one_worker(one_worker, allreduce):
     assert (said0["rows"], said1["rows"]) == (6, 6)  # each process its half of the batch of 12
     assert all(torch.equal(replica0[k], replica1[k]) for k in replica0)  # the replicas are equal to the bit
     assert all(torch.allclose(replica0[k], single[k], rtol=1e-5, atol=1e-6) for k in single)
+    # a param no replica computed a gradient for keeps .grad None, as in a plain loop: AdamW's weight decay skips it
+    assert torch.equal(replica0["unused"], torch.ones(3)) and torch.equal(single["unused"], torch.ones(3))
+    # summary.json's bytes_sent, as fit's: every step's all-reduce of [grads, a flag per param, rows] by both members
+    params = [t for k, t in replica0.items()]
+    per_member = 4 * (sum(t.numel() for t in params) + len(params) + 1)
+    assert json.loads((allreduce / "ws" / "summary.json").read_text())["bytes_sent"] == 20 * 2 * per_member
 
 
 @SHARED_RUNS
@@ -244,7 +251,9 @@ REJOINS = textwrap.dedent('''
     data = torch.utils.data.TensorDataset(x, x[:, :1].clone())
     run = shoal.session(train_steps=40, disp_freq=5)
     (out / f"pid{run.rank}.{os.getpid()}").write_text("")
-    model = run.model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1))
+    module.register_parameter("unused", torch.nn.Parameter(torch.ones(3)))  # never a gradient: no AdamW state on the chief
+    model = run.model(module)
     opt = run.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + 0.1 * step))
     for step, (xb, yb) in run.batches(data, batch_size=12):
@@ -262,6 +271,7 @@ REJOINS = textwrap.dedent('''
     state = {f"param/{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
     state |= {f"adam/{i}/{slot}": v for i, slots in opt.state_dict()["state"].items() for slot, v in slots.items()}
     state["lr"] = torch.tensor(opt.param_groups[0]["lr"])
+    state["rng"] = torch.rand(4)  # the same stream on both: the restarted process took the chief's RNG state
     save_file(state, str(out / f"rank{run.rank}.safetensors"))
     print("rank", run.rank, "finished at step", step)
 ''')
@@ -295,7 +305,9 @@ def test_a_killed_process_is_restarted_into_the_running_loop(tmp_path):
     assert summary["missed_steps"]["1"]["why"] == f"missing from steps 8 to {back - 1}, back at step {back}"
     ends = [load_file(str(out / f"rank{r}.safetensors")) for r in (0, 1)]
     assert set(ends[0]) == set(ends[1]) and any(k.startswith("adam/") for k in ends[0])
-    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])  # params, AdamW's state and the scheduled lr
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])  # params, AdamW's state, the scheduled lr, the RNG
+    assert len({k.split("/")[1] for k in ends[1] if k.startswith("adam/")}) == 4  # of 5 params: the unused one has no state, as in a plain loop
+    assert torch.equal(ends[1]["param/unused"], torch.ones(3))
     losses = train_losses(tmp_path / "ws")
     assert losses[-1] < losses[0] / 2
 
@@ -361,6 +373,8 @@ def test_under_torchrun_each_process_is_a_rank(script, one_worker, tmp_path):
     replica1, said1 = ended(tmp_path, 1)
     assert said0["pid"] != said1["pid"] and said0["processes"] == 2
     assert all(torch.allclose(replica0[k], single[k], rtol=1e-5, atol=1e-6) for k in single)
+    # a param no replica computed a gradient for keeps .grad None, as in a plain loop: AdamW's weight decay skips it
+    assert torch.equal(replica0["unused"], torch.ones(3)) and torch.equal(single["unused"], torch.ones(3))
     assert json.loads((tmp_path / "ws" / "summary.json").read_text())["status"] == "finished"
 
 
@@ -406,3 +420,38 @@ def test_a_dead_chief_restarts_the_whole_loop_from_its_checkpoint(tmp_path):
         assert ("restarting the whole job from the checkpoint of step 10" in proc.stderr) == dies
         ends[name] = load_file(str(out / "rank0.safetensors"))
     assert all(torch.equal(ends["dies"][k], ends["lives"][k]) for k in ends["lives"])
+
+
+LATE_DEATH = textwrap.dedent('''
+    import os, signal, sys, time
+    from pathlib import Path
+    import torch, shoal
+
+    torch.manual_seed(0)
+    x = torch.randn(96, 8); y = x.sum(1, keepdim=True)
+    run = shoal.session(train_steps=6, disp_freq=3)
+    model = run.model(torch.nn.Linear(8, 1))
+    opt = run.optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    for step, (xb, yb) in run.batches(torch.utils.data.TensorDataset(x, y), batch_size=12):
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        loss.backward(); opt.step(); opt.zero_grad()
+    print(f"rank {run.rank} ended at step {step}")  # the loop's names, after it
+    if run.rank == 1:
+        time.sleep(1)  # the chief has closed the meetings by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(2)  # the chief outlives rank 1's death
+''')
+
+
+def test_a_process_that_dies_after_the_last_step_is_not_restarted(tmp_path):
+    """A restarted process would run the script from the top and get no step from run.batches() (the meetings are over):
+    the code after the user's loop would meet names never bound. The launcher says so instead, in one line."""
+    script = tmp_path / "late.py"
+    script.write_text(LATE_DEATH)
+    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(script), "--workspace", str(tmp_path / "ws"),
+                           "--no-progress", "--max-restarts", "1", *ALLREDUCE], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("WARNING")]
+    assert warnings == [f"WARNING: process 1 (worker(group=0, id=1)) died (SIGKILL) after the job's last step; not restarted: "
+                        f"nothing is left to train (see {tmp_path / 'ws'}/logs/rank1.log)"], proc.stderr
+    assert json.loads((tmp_path / "ws" / "summary.json").read_text())["status"] == "finished"

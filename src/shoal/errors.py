@@ -26,3 +26,8 @@ def warn(line: str) -> None:
     import sys
 
     print(line if line.startswith("WARNING") else f"WARNING: {line}", file=sys.stderr, flush=True)
+
+
+def first_line(text: str) -> str:
+    """The first line of an error's text that says something (a message may begin with a newline); '' if none does."""
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")

@@ -75,6 +75,12 @@ class LeftOut(RuntimeError):
     """The chief left this process out of a meeting's quorum (it came too late, or was found stalled): it leaves."""
 
 
+def meetings_over(store) -> bool:
+    """Whether the chief closed the meetings (its last step is done), read through `store`, a signed view of the job's
+    store (the launcher's): a process restarted now would have nothing left to join."""
+    return store.under(KEYS).get("closed") == "1"
+
+
 class MeetingsOver(RuntimeError):
     """A restarted process knocked after the last meeting: there is nothing left for it to join."""
 

@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Optional
 
 from shoal.config import job_pb2
 from shoal.config.overrides import apply_overrides
-from shoal.errors import ShoalError
+from shoal.errors import ShoalError, first_line
 
 
 class ScriptError(ShoalError, ValueError):
@@ -148,7 +148,8 @@ def run_script(path: Path, argv: list[str], settings: ScriptSettings, expected: 
         except expected:
             raise
         except Exception as err:  # noqa: BLE001 (a user program's failure, reported in one line)
-            raise ScriptError(f"{_where(err, path)}: {type(err).__name__}: {err}".splitlines()[0]) from None
+            said = first_line(str(err))
+            raise ScriptError(f"{_where(err, path)}: {type(err).__name__}" + (f": {said}" if said else "")) from None
     return 0
 
 

@@ -319,19 +319,38 @@ class Session:
         if joined and self.chief:
             who = ", ".join(f"Process {r}" for r in joined)
             self.say(f"{who} rejoined at step {step + 1}: it took the module's values and buffers, the optimizers' and "
-                     f"schedulers' state after step {step} from process {self.rank}")
+                     f"schedulers' state and torch's RNG state after step {step} from process {self.rank}")
         self.exchange_seconds += time.perf_counter() - started
 
     def _loop_state(self) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]], dict]:
-        """The module's values and buffers (live), each optimizer's state tensors by key (live), and the rest as JSON."""
-        values = [t for t in self.module.state_dict().values() if isinstance(t, torch.Tensor)]
-        described, tensors = [], []
+        """The module's values and buffers (live), torch's RNG state (copies), each optimizer's state tensors by key
+        (live), and the rest as JSON. An optimizer's state is keyed by param index, every param of its groups present
+        in order (`_complete_state`), so that the chief's and a restarted process's keys match whichever params the
+        chief's optimizer has stepped; "absent" names the params the chief's has no state for."""
+        values = [t for t in self.module.state_dict().values() if isinstance(t, torch.Tensor)] + self._rng_states()
+        described, tensors, absent = [], [], []
         for index, optimizer in enumerate(self.optimizers):
-            text, found = _split_tensors(optimizer.state_dict(), f"optimizer {index}")
+            state, missing = _complete_state(optimizer)
+            text, found = _split_tensors(state, f"optimizer {index}")
             described.append(text)
             tensors.append(found)
-        text = {"optimizers": described, "schedulers": [_json_only(s.state_dict(), "a scheduler") for s in self.schedulers]}
+            absent.append(missing)
+        text = {"optimizers": described, "absent": absent,
+                "schedulers": [_json_only(s.state_dict(), "a scheduler") for s in self.schedulers]}
         return values, tensors, text
+
+    def _rng_states(self) -> list[torch.Tensor]:
+        """torch's global RNG state: the CPU generator's, and this device's CUDA generator's where the module is on one
+        (the same kinds on every process of a plan: both sides of a handover list the same tensors)."""
+        states = [torch.get_rng_state()]
+        if self.device.type == "cuda":
+            states.append(torch.cuda.get_rng_state(self.device))
+        return states
+
+    def _set_rng_states(self, states: list[torch.Tensor]) -> None:
+        torch.set_rng_state(states[0])
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(states[1], self.device)
 
     def _handover(self) -> list[torch.Tensor]:
         """What a restarted process takes, in one order on both sides: the module's tensors, the optimizers' state
@@ -353,6 +372,7 @@ class Session:
             if not optimizer.state:
                 _make_state(optimizer)
         values, tensors, _ = self._loop_state()
+        rng = values[len(values) - len(self._rng_states()):]  # (the copies the chief's RNG state is received into)
         text = torch.zeros(HANDOVER_TEXT_BYTES, dtype=torch.uint8)
         taken = values + [found[k] for found in tensors for k in sorted(found)] + [text]
         try:
@@ -365,12 +385,16 @@ class Session:
         if len(given["schedulers"]) != len(self.schedulers):
             raise SessionError(f"a restarted process: the chief's loop has {len(given['schedulers'])} scheduler(s), this one "
                                f"{len(self.schedulers)}")
-        for optimizer, described, found in zip(self.optimizers, given["optimizers"], tensors):
+        for optimizer, described, found, absent in zip(self.optimizers, given["optimizers"], tensors, given["absent"]):
             optimizer.load_state_dict(_join_tensors(described, found))
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            for index in absent:  # no state on the chief (no gradient yet): none here either, as a fresh optimizer's
+                optimizer.state.pop(params[index], None)
+        self._set_rng_states(rng)  # the chief's stream: dropout masks from here on are the chief's, as after a resume
         for scheduler, state in zip(self.schedulers, given["schedulers"]):
             scheduler.load_state_dict(state)
         self.start_step = self.step = start
-        digests["took"] = (f"the module's values and buffers, the optimizers' and schedulers' state from process "
+        digests["took"] = (f"the module's values and buffers, the optimizers' and schedulers' state and torch's RNG state from process "
                            f"{digests.get('from_process', 0)}, after step {admitted}")
         # this process's log; the chief says it on the terminal
         rejoined.report(self.workspace, self.rejoin, self.group, self.rank, start, admitted, digests, knocked_at, terminal=False)
@@ -601,6 +625,9 @@ class Session:
         final run.evaluate, run.checkpoint): the run ends when the script does, or at run.close()."""
         if self.exchange is not None:
             self.exchange.finish()
+            sent = self.exchange.job_bytes_sent  # the job's bytes to its last message (summary.json's bytes_sent, as fit's)
+            if self.metrics is not None and sent is not None:
+                self.metrics.annotate(bytes_sent=sent)
         self._finished = True
 
     def _script_ended(self, failed: bool) -> None:
@@ -652,6 +679,39 @@ def _make_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
     for p, grad in zip(params, grads):
         p.grad = grad
+
+
+def _complete_state(optimizer: torch.optim.Optimizer) -> tuple[dict, list[int]]:
+    """`optimizer.state_dict()` with its state keyed by param index in order and every param of its groups present
+    (a param torch made no state for yet, because it never had a gradient, gets the state a zero-gradient step makes on
+    a scratch copy of it: same keys and shapes as on a process that made all its state; the values are never used),
+    and the indices of those params."""
+    state = optimizer.state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    missing = [i for i in range(len(params)) if i not in state["state"]]
+    made: dict[int, dict] = {}
+    if missing:
+        at = {id(p): i for i, p in enumerate(params)}
+        groups, copies = [], []
+        for group in optimizer.param_groups:
+            mine = [p for p in group["params"] if at[id(p)] in missing]
+            if mine:
+                clones = [torch.zeros_like(p).requires_grad_(p.requires_grad) for p in mine]
+                copies += [(at[id(p)], c) for p, c in zip(mine, clones)]
+                groups.append({**{k: v for k, v in group.items() if k not in ("params", "param_names")}, "params": clones})
+        scratch = type(optimizer)(groups, **_accepted_defaults(optimizer))
+        _make_state(scratch)
+        made = {index: scratch.state[clone] for index, clone in copies if clone in scratch.state}
+    state["state"] = {i: state["state"][i] if i in state["state"] else made[i]
+                      for i in range(len(params)) if i in state["state"] or i in made}
+    return state, missing
+
+
+def _accepted_defaults(optimizer: torch.optim.Optimizer) -> dict:
+    import inspect
+
+    accepted = set(inspect.signature(type(optimizer).__init__).parameters) - {"self", "params"}
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
 def _split_tensors(state: Any, what: str, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:

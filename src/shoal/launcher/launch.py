@@ -37,7 +37,7 @@ from shoal.comm import dist as comm
 from shoal.comm import heartbeat
 from shoal.comm import rendezvous
 from shoal.config.plugins import decode_job, forkserver_context
-from shoal.errors import ShoalError, warn
+from shoal.errors import ShoalError, first_line, warn
 from shoal.planning.nodes import ranks_of_node
 from shoal.planning.plan import JobPlan, plan_job
 from shoal.report.metrics import read_metrics
@@ -167,7 +167,7 @@ def run_rank(plan: JobPlan, rank: int, spec: RunSpec, rank_main: Optional[RankMa
     try:
         return (rank_main or run_process)(plan, rank, spec)
     except ShoalError as err:  # the cause of the job's end: the peers, who see only a closed connection, name it
-        _publish_failure(f"{describe_process(plan, rank)} failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+        _publish_failure(f"{describe_process(plan, rank)} failed: {first_line(str(err)) or type(err).__name__}")
         raise
     except RuntimeError as err:  # a collective failed: find who stopped answering, in words of ours (never gloo's)
         failure = _collective_failure(plan, rank, err)
@@ -290,7 +290,7 @@ def launched_rank(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
                 processes = [json.loads(comm.read_published(f"process/{r}", wait_s)) for r in range(world)]
                 resume_from = start(processes)
             except BaseException as err:
-                comm.publish("start", json.dumps({"error": str(err).splitlines()[0] if str(err) else type(err).__name__}))
+                comm.publish("start", json.dumps({"error": first_line(str(err)) or type(err).__name__}))
                 raise
             comm.publish("start", json.dumps({"resume_from": str(resume_from) if resume_from else ""}))
         else:

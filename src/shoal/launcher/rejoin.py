@@ -48,7 +48,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
-from shoal.comm import auth, channels, heartbeat
+from shoal.comm import auth, channels, heartbeat, quorum
 from shoal.comm import dist as comm
 from shoal.errors import ShoalError, warn
 from shoal.planning.plan import JobPlan
@@ -191,6 +191,12 @@ class Restarter:
             return False
         reason = why_not(self.plan, rank)
         done = self.restarts.get(rank, 0)
+        if reason is None and self._store is not None and quorum.meetings_over(self._store):
+            # (a user's loop restarted now would get no step: code after its loop would meet names never bound)
+            self._door.give_up(door_key(self.plan, rank), self._door.incarnation(door_key(self.plan, rank)))
+            warn(f"WARNING: {describe_process(self.plan, rank)} {how or _ended(code)} after the job's last step; not "
+                 f"restarted: nothing is left to train (see {self.spec.workspace}/logs/rank{rank}.log)")
+            return True  # reported
         group = door_key(self.plan, rank)
         replicas = replicas_go_on(self.plan)
         ended = how or (_ended(code) if replicas else f"exited with code {code}")
