@@ -249,3 +249,45 @@ def test_a_killed_hogwild_group_is_restarted_into_the_running_loop(tmp_path):
     assert json.loads((tmp_path / "ws" / "summary.json").read_text())["status"] == "finished"
     losses = train_losses(tmp_path / "ws")
     assert losses[-1] < losses[0] / 2
+
+
+def test_a_downpour_server_rebuilds_the_users_optimizer_from_plain_json_and_follows_its_schedule():
+    """Downpour in a user's loop (groundwork, not wired yet): the chief describes its torch optimizer as plain JSON, the
+    server builds the same optimizer from it (torch.optim's classes only: a name outside it, or a class of the user's,
+    is refused in one line), and a push's hyper-parameter vector puts the user's scheduled lr on the server's groups."""
+    from shoal.runtime import session_exchange as se
+
+    def module():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+
+    user, server = module(), module()
+    named = list(user.named_parameters())
+    opt = torch.optim.AdamW([{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+                             {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}], lr=0.01, betas=(0.8, 0.9))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    recipe = json.loads(json.dumps(se.optimizer_recipe(opt, named)))  # what crosses the wire: JSON, no pickle
+    built = se.optimizer_from_recipe(recipe, list(server.named_parameters()))
+    assert type(built) is torch.optim.AdamW and len(built.param_groups) == 2
+    assert built.param_groups[0]["betas"] == (0.8, 0.9) and built.param_groups[1]["weight_decay"] == 0.0
+    # the same update on both sides, step after step, with the user's schedule carried in each push's vector
+    x = torch.randn(8, 4)
+    for _ in range(3):
+        for m, o in ((user, opt), (server, built)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+        se.set_hyper(built, se.hyper_vector(opt))
+        opt.step(); built.step(); sched.step()
+    assert built.param_groups[0]["lr"] == 0.01 * 0.5 ** 2
+    for a, b in zip(user.parameters(), server.parameters()):
+        assert torch.equal(a, b)
+    assert se.hyper_size(built) == se.hyper_vector(opt).numel()
+    for name in ("Optimizer", "os.system", "lr_scheduler", 3):
+        with pytest.raises(se.RecipeError, match="not one of torch.optim's optimizers"):
+            se.optimizer_from_recipe(dict(recipe, **{"class": name}), named)
+
+    class Mine(torch.optim.SGD):
+        pass
+
+    with pytest.raises(se.RecipeError, match="torch.optim's optimizers only"):
+        se.optimizer_recipe(Mine(user.parameters(), lr=0.1), named)

@@ -27,6 +27,7 @@ is the user's module (`SessionMember`: its ParamStore views the module's params,
 """
 from __future__ import annotations
 
+import inspect
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ import torch
 from shoal.comm import collectives
 from shoal.comm import dist as comm
 from shoal.comm import heartbeat
+from shoal.errors import ShoalError
 from shoal.neuralnet.algorithms import Grads
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.plan import JobPlan
@@ -145,8 +147,9 @@ class GradientMean:
     def _end_of_backward(self) -> None:
         self._queued = False
         started = time.perf_counter()
-        # a param this replica did not use has no gradient: zeros, so that every member sums the same tensors
-        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.named}
+        # a param this replica did not use stays None: the exchange flags it, and one no member had stays None (as a
+        # plain loop leaves it: the optimizer skips it, no weight decay on it)
+        grads = {n: p.grad for n, p in self.named}
         mean = self.mean.mean_gradients(self.step(), [(grads, self.share)])
         with torch.no_grad():
             for n, p in self.named:
@@ -203,3 +206,113 @@ def broadcast_values(tensors: list[torch.Tensor]) -> None:
 def note_step(step: int) -> None:
     """The heartbeat's next beat says this process got to `step` (who stopped answering, when one hangs)."""
     heartbeat.note_step(step)
+
+
+# -- Downpour in a user's loop (not wired yet): what a server needs to build the user's optimizer --------------------
+# A server process never sees the user's module or optimizer (it runs the script only up to shoal.session()), so the
+# chief describes the optimizer as plain JSON: torch.optim's class by name (looked up among torch.optim's own classes
+# only: nothing received names code to run), its defaults and each param group by param name. Each push carries the
+# groups' numeric hyper-parameters as the user's scheduler left them (`hyper_vector`), so the server's update follows
+# the user's schedule at the pushing group's own step.
+
+NOT_HYPER = frozenset({"params", "param_names", "initial_lr"})  # initial_lr: a scheduler's note, not the update's
+
+
+class RecipeError(ShoalError, ValueError):
+    """An optimizer that cannot be described to, or built on, a Downpour server: one line naming what."""
+
+
+def _plain(value, where: str):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return list(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:  # (a tensor lr: its value)
+        return float(value)
+    raise RecipeError(f"{where}: {type(value).__name__} cannot travel to a Downpour server (numbers, flags and tuples of numbers do)")
+
+
+def optimizer_recipe(optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.Tensor]]) -> dict:
+    """The JSON description of `optimizer` over the module's trained params `named` (what a server builds it from)."""
+    cls = type(optimizer)
+    if getattr(torch.optim, cls.__name__, None) is not cls:
+        raise RecipeError(f"run.optimizer: a Downpour server builds torch.optim's optimizers only, not {cls.__module__}.{cls.__name__}")
+    name_of = {id(p): n for n, p in named}
+    groups = []
+    for index, group in enumerate(optimizer.param_groups):
+        names = [name_of.get(id(p)) for p in group["params"]]
+        if None in names:
+            raise RecipeError(f"run.optimizer: param group {index} holds a tensor that is not a trained param of run.model's module")
+        groups.append({"params": names, "hyper": {k: _plain(v, f"run.optimizer: param group {index}'s {k}")
+                                                  for k, v in group.items() if k not in NOT_HYPER}})
+    defaults = {k: _plain(v, f"run.optimizer: default {k}") for k, v in optimizer.defaults.items() if k not in NOT_HYPER}
+    return {"class": cls.__name__, "defaults": defaults, "groups": groups}
+
+
+def optimizer_from_recipe(recipe, named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
+    """The optimizer `recipe` (optimizer_recipe's, received) describes, over `named`; anything else refused in one line."""
+    if not isinstance(recipe, dict) or not isinstance(recipe.get("groups"), list) or not isinstance(recipe.get("defaults", {}), dict):
+        raise RecipeError("Downpour server: the chief's optimizer recipe is not one (class, defaults, groups)")
+    name = recipe.get("class")
+    cls = getattr(torch.optim, name, None) if isinstance(name, str) and name in torch.optim.__all__ else None
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer):
+        raise RecipeError(f"Downpour server: {str(name)[:80]!r} is not one of torch.optim's optimizers")
+    by_name = dict(named)
+    groups = []
+    for index, group in enumerate(recipe["groups"]):
+        names, hyper = (group.get("params"), group.get("hyper", {})) if isinstance(group, dict) else (None, None)
+        if not isinstance(names, list) or not isinstance(hyper, dict) or any(n not in by_name for n in names):
+            raise RecipeError(f"Downpour server: param group {index} of the chief's recipe names params this module does not have")
+        groups.append({"params": [by_name[n] for n in names],
+                       **{k: tuple(v) if isinstance(v, list) else v for k, v in hyper.items() if k not in NOT_HYPER}})
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    defaults = {k: tuple(v) if isinstance(v, list) else v for k, v in recipe.get("defaults", {}).items() if k in accepted}
+    try:
+        return cls(groups, **defaults)
+    except (TypeError, ValueError) as err:
+        raise RecipeError(f"Downpour server: torch.optim.{name} refused the chief's recipe: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+
+
+def _hyper_layout(optimizer: torch.optim.Optimizer) -> list[tuple[int, str, int]]:
+    """(group, key, length) of every numeric hyper-parameter, in a fixed order: both sides compute it alike."""
+    layout = []
+    for index, group in enumerate(optimizer.param_groups):
+        for key in sorted(k for k in group if k not in NOT_HYPER):
+            value = group[key]
+            if isinstance(value, bool) or value is None:
+                continue
+            if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+                layout.append((index, key, 0))
+            elif isinstance(value, (tuple, list)) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+                layout.append((index, key, len(value)))
+    return layout
+
+
+def hyper_vector(optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """Every group's numeric hyper-parameters (lr, weight_decay, betas...) now, as one float64 vector (a push's part)."""
+    values: list[float] = []
+    for index, key, length in _hyper_layout(optimizer):
+        value = optimizer.param_groups[index][key]
+        values.extend([float(v) for v in value] if length else [float(value)])
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def hyper_size(optimizer: torch.optim.Optimizer) -> int:
+    return sum(length or 1 for _, _, length in _hyper_layout(optimizer))
+
+
+def set_hyper(optimizer: torch.optim.Optimizer, vector: torch.Tensor) -> None:
+    """A push's hyper-parameters on the server's optimizer, before its update (kinds kept: an int stays an int)."""
+    values, at = vector.tolist(), 0
+    for index, key, length in _hyper_layout(optimizer):
+        group = optimizer.param_groups[index]
+        old = group[key]
+        if length:
+            group[key] = type(old)(type(o)(v) for o, v in zip(old, values[at : at + length]))
+            at += length
+        elif isinstance(old, torch.Tensor):
+            old.fill_(values[at])
+            at += 1
+        else:
+            group[key] = type(old)(values[at])
+            at += 1
