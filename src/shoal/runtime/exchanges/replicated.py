@@ -107,10 +107,12 @@ class ReplicatedExchange:
         came_rows = float(total[-1])
         self._window_rows += int(came_rows)
         mean: Grads = {}
-        offset, had = 0, total[-1 - len(self.names):-1]
+        had = total[-1 - len(self.names):-1].tolist()
+        summed = total[:-1 - len(self.names)].div_(came_rows)  # one division over the flat sum; each mean is a view of it
+        offset = 0
         for i, name in enumerate(self.names):
             size = values[name].numel()
-            mean[name] = (total[offset:offset + size] / came_rows).view_as(values[name]).to(values[name].dtype) if had[i] > 0 else None
+            mean[name] = summed[offset:offset + size].view_as(values[name]).to(values[name].dtype) if had[i] > 0 else None
             offset += size
         return mean
 
