@@ -188,7 +188,8 @@ def test_a_killed_group_is_restarted_and_rejoins_at_the_next_meeting(blobs_job, 
         handover = sum(v.numel() * v.element_size() for v in state.values())
         assert got["bytes_sent"] == (missed["of"] + missed["meetings"]) * 4 * numel + handover, (got["bytes_sent"], missed)
     records = train_records(run.ws)
-    assert records[-1]["groups_met"] == 2 and any(r["groups_met"] == 1 for r in records)
+    # the meetings without it (a display may or may not fall while it was away: how long a restart takes decides)
+    assert records[-1]["groups_met"] == 2 and missed["meetings"] < missed["of"], (records, missed)
     assert f"Test @ step {steps}" in (run.ws / "logs" / "rank0.log").read_text()
     final, baseline = got["final_test"]["accuracy"], summary(tmp_path / "unfaulted")["final_test"]["accuracy"]
     assert final >= baseline - 0.05, (final, baseline)

@@ -40,6 +40,8 @@ is gone at which meeting) the result is deterministic.
 from __future__ import annotations
 
 import datetime
+import queue
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -184,9 +186,10 @@ class MeetingGroup:
         in host memory unless NCCL carries the group."""
         return tensor.clone() if self.on_nccl or not tensor.is_cuda else tensor.to("cpu")
 
-    def all_reduce_sum(self, tensor: torch.Tensor, give_up: Callable[[], Optional[str]]) -> torch.Tensor:
-        """The members' sum of `tensor` (a new tensor on `tensor`'s device)."""
-        moved = self._host(tensor)
+    def all_reduce_sum(self, tensor: torch.Tensor, give_up: Callable[[], Optional[str]], in_place: bool = False) -> torch.Tensor:
+        """The members' sum of `tensor` (a new tensor on `tensor`'s device; with `in_place`, a host tensor the caller
+        made for this attempt alone is summed where it lies: no copy, and the caller drops it if the attempt fails)."""
+        moved = tensor if in_place and not tensor.is_cuda else self._host(tensor)
         with _lost_in_plain_words():  # a group whose peer is gone may refuse the call itself
             if self.backend is not None:
                 work = self.backend.allreduce([moved])
@@ -296,6 +299,7 @@ class Quorum:
         self._admitted: dict[int, int] = {}  # the chief: rank -> the incarnation it admitted
         self._door_read_at = 0.0  # when a member waiting in a collective last read the launcher's word
         self._attempts: dict[int, int] = {}  # meeting -> its attempts, for the last KEPT_MEETINGS meetings
+        self._sweeper = _Sweeper(self.store)  # the chief's removal of past meetings' keys
 
     # -- a meeting -----------------------------------------------------------------------------------
     def meet(self, meeting: int, step: int, contribute: Callable[["Attempt"], T]) -> Met:
@@ -334,10 +338,10 @@ class Quorum:
         for old in [m for m in self._attempts if m <= meeting - KEPT_MEETINGS]:
             keys = [f"m{old}/a{a}/{name}" for a in range(self._attempts.pop(old))
                     for name in ["broken", "outcome"] + [f"r{r}" for r in self.all_ranks]]
-            try:
-                self.store.delete(keys) if self.chief else self.store.forget(keys)
-            except (dist.DistError, RuntimeError):  # the store is gone: the job is ending
-                pass
+            if self.chief:
+                self._sweeper.sweep(keys)
+            else:
+                self.store.forget(keys)
 
     def welcome(self, state: Callable[[], list[torch.Tensor]]) -> tuple[int, ...]:
         """After a committed meeting (and its outer step): when the quorum changed, make the next epoch's group, and
@@ -377,7 +381,7 @@ class Quorum:
             text = self._wait_for(key, poll_s)
             if text is not None:
                 break
-            if self.store.check(["closed"]) and self.store.get("closed") == "1":
+            if self.store.get("closed") == "1":
                 raise MeetingsOver(f"process {self.rank} knocked after the groups' last meeting: nothing left to join")
         admission = Admission.parse(text)
         self.members, self.epoch = admission.members, admission.epoch
@@ -401,7 +405,7 @@ class Quorum:
             if waiting and self.store.check([keys[r] for r in waiting]):  # all there (the usual case): two requests
                 present = dict(zip(waiting, self.store.multi_get([keys[r] for r in waiting])))
             else:
-                present = {r: self.store.get(keys[r]) for r in waiting if self.store.check([keys[r]])}
+                present = {r: self.store.get(keys[r]) for r in waiting}  # (None for one not there yet)
             waited = time.monotonic() - started
             for r in waiting:
                 text = present.get(r)
@@ -469,7 +473,9 @@ class Quorum:
             self.store.wait([key], datetime.timedelta(seconds=seconds))
         except (dist.DistError, RuntimeError):
             raise ChiefSilent(f"process {self.chief_rank} did not decide the meeting's outcome within {seconds:g} s") from None
-        text = self._wait_for(key, seconds)  # (a value that failed authentication is waited past: the chief's comes)
+        text = self.store.multi_get([key])[0]  # there now: one request
+        if text is None:  # (a value that failed authentication is waited past: the chief's comes)
+            text = self._wait_for(key, seconds)
         if text is None:
             raise ChiefSilent(f"process {self.chief_rank} did not decide the meeting's outcome within {seconds:g} s")
         return Outcome.parse(text)
@@ -519,7 +525,7 @@ class Quorum:
         connection out of step."""
         started = time.monotonic()
         while True:
-            text = self.store.get(key) if self.store.check([key]) else None
+            text = self.store.get(key)  # (None while there is none)
             waited = time.monotonic() - started
             if text is not None or waited > seconds:
                 return text
@@ -531,6 +537,29 @@ def _pause(waited: float) -> None:
     time.sleep(min(POLL_S, 0.0002 + waited / 20))
 
 
+class _Sweeper:
+    """The chief's removal of past meetings' keys, on a thread and a store connection of their own: the store deletes
+    one key per request, and none of them need hold up a step."""
+
+    def __init__(self, store):
+        self._store, self._queue = store, queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+
+    def sweep(self, keys: list[str]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="shoal-quorum-sweeper", daemon=True)
+            self._thread.start()
+        self._queue.put(keys)
+
+    def _run(self) -> None:
+        try:
+            store = self._store.clone()
+            while True:
+                store.delete(self._queue.get())
+        except (dist.DistError, RuntimeError):  # the store is gone: the job is ending
+            return
+
+
 class Attempt:
     """One attempt of a meeting, as its member's `contribute` sees it: the attempt's collectives."""
 
@@ -540,8 +569,8 @@ class Attempt:
     def _give_up(self) -> Optional[str]:
         return self.quorum._give_up(self.meeting, self.attempt)
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.quorum.group.all_reduce_sum(tensor, self._give_up)
+    def all_reduce_sum(self, tensor: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+        return self.quorum.group.all_reduce_sum(tensor, self._give_up, in_place)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return self.quorum.group.all_gather(tensor, self._give_up)

@@ -153,12 +153,15 @@ class GradientMean:
         mean = self.mean.mean_gradients(self.step(), [(grads, self.share)])
         with torch.no_grad():
             for n, p in self.named:
-                if mean.get(n) is None:  # no member had one (the replicated exchange says so)
+                given = mean.get(n)
+                if given is None:  # no member had one (the replicated exchange says so)
                     p.grad = None
+                elif given.dtype == p.dtype and given.device == p.device and given.is_contiguous():
+                    p.grad = given  # a view of the exchange's summed buffer, as DDP's gradient_as_bucket_view: no copy
                 elif p.grad is None:
-                    p.grad = mean[n].clone()
-                elif mean[n] is not p.grad:
-                    p.grad.copy_(mean[n])
+                    p.grad = given.clone()
+                elif given is not p.grad:
+                    p.grad.copy_(given)
         self.seconds += time.perf_counter() - started
 
     @contextmanager

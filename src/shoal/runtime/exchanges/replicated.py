@@ -88,21 +88,31 @@ class ReplicatedExchange:
         """The mean gradient over the rows of every member that came to step `step` (the chief's word), on the store's
         device; a param nobody had a gradient for is None. Summed again over the survivors when a member is lost."""
         rows = sum(share for _, share in parts)
-        local = aggregate(parts, total=1, target=self.store.device) if rows else {}  # Σ rows_w · g_w
         values, device = self.store.values, self.store.device
-        pieces, flags = [], []
-        for name in self.names:
-            grad = local.get(name)
-            flags.append(0.0 if grad is None else 1.0)
-            pieces.append(torch.zeros(values[name].numel(), device=device) if grad is None else grad.detach().reshape(-1).float())
-        flat = torch.cat(pieces + [torch.tensor(flags + [float(rows)], device=device)])
+        if rows and len(parts) == 1 and all(g is None or (g.dtype == torch.float32 and g.device == device) for g in parts[0][0].values()):
+            local, scale = parts[0][0], float(rows)  # rows · g as one multiply over the flat (the same values)
+        else:
+            local, scale = (aggregate(parts, total=1, target=device) if rows else {}), 1.0  # Σ rows_w · g_w
+        flags = [0.0 if local.get(name) is None else 1.0 for name in self.names]
+
+        def contribution() -> torch.Tensor:
+            """This attempt's own flat copy (summed in place: a sum given up on may still write into it)."""
+            pieces = [torch.zeros(values[name].numel(), device=device) if local.get(name) is None
+                      else local[name].detach().reshape(-1).float() for name in self.names]
+            flat = torch.cat(pieces + [torch.tensor(flags + [float(rows)], device=device)])
+            if scale != 1.0:
+                flat[:-1 - len(self.names)].mul_(scale)
+            return flat
+
+        first = contribution()
         try:
-            met = self.quorum.meet(step, step, lambda attempt: attempt.all_reduce_sum(flat))
+            met = self.quorum.meet(step, step, lambda attempt: attempt.all_reduce_sum(
+                first if attempt.attempt == 0 else contribution(), in_place=True))
         except quorums.LeftOut as err:  # it came too late (it was stalled): the others went on without it
             raise GroupDropped(str(err)) from None
         total = met.result
         if self.chief:
-            self.job_bytes_sent += wire_bytes([flat]) * len(met.came)
+            self.job_bytes_sent += wire_bytes([total]) * len(met.came)
         self._note_attendance(step, met.came)
         came_rows = float(total[-1])
         self._window_rows += int(came_rows)
