@@ -312,6 +312,87 @@ def test_a_killed_process_is_restarted_into_the_running_loop(tmp_path):
     assert losses[-1] < losses[0] / 2
 
 
+REJOINS_A_MEETING = textwrap.dedent('''
+    import os, signal, sys, time
+    from pathlib import Path
+    import torch, shoal
+    from safetensors.torch import save_file
+    out = Path(sys.argv[1])
+    torch.manual_seed(0)
+    x = torch.randn(96, 8)
+    data = torch.utils.data.TensorDataset(x, x[:, :1].clone())
+    run = shoal.session(train_steps=40, disp_freq=5)
+    (out / f"pid{run.rank}.{os.getpid()}").write_text("")
+    restarted = len(list(out.glob(f"pid{run.rank}.*"))) > 1
+    model = run.model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1)))
+    opt = run.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + 0.1 * step))
+
+    def state():
+        saved = {f"param/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+        saved |= {f"adam/{i}/{slot}": v.clone() for i, slots in opt.state_dict()["state"].items() for slot, v in slots.items()}
+        return saved | {"lr": torch.tensor(opt.param_groups[0]["lr"]), "rng": torch.get_rng_state()}
+
+    first = None
+    for step, (xb, yb) in run.batches(data, batch_size=12):
+        if first is None and restarted:  # what it took at the meeting, before its first step
+            save_file(state(), str(out / f"joined{step}.safetensors"))
+        first = step if first is None else first
+        if run.rank == 1 and step == 8 and not restarted:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if run.rank == 0 and step % 5 == 0:  # the chief's state right after each meeting
+            save_file(state(), str(out / f"chief{step}.safetensors"))
+        if run.rank == 0 and step >= 10:  # the chief goes on slowly until process 1 is back, so that it rejoins mid-run
+            deadline = time.time() + 60
+            while len(list(out.glob("joined*"))) < 1 and len(list(out.glob("pid1.*"))) < 2 and time.time() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.05)
+        loss = ((model(xb) - yb) ** 2).mean()
+        loss.backward()
+        opt.step(); opt.zero_grad(); sched.step()
+        run.log(step, loss=loss)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / f"rank{run.rank}.safetensors"))
+    print("rank", run.rank, "trained steps", first, "to", step)
+''')
+
+
+@pytest.mark.slow
+def test_a_killed_diloco_group_is_restarted_into_the_running_loop(tmp_path):
+    """--max-restarts under DiLoCo (H = 5): group 1's process, SIGKILLed at step 8, is left out of the meetings while
+    group 0 trains on, then restarted: it runs the script from the top, knocks, and at the next meeting takes the
+    anchor, the outer momentum and group 0's module, AdamW state, scheduler state and RNG state; its loop goes on from
+    the step after that meeting, and the last meeting leaves both groups equal."""
+    script = tmp_path / "rejoins.py"
+    script.write_text(REJOINS_A_MEETING)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(script), "--workspace", str(tmp_path / "ws"), *DILOCO,
+                           "--max-restarts", "1", "--", str(out)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "not restarted" not in proc.stderr
+    assert "rank 0 trained steps 0 to 39" in proc.stdout
+    pids = sorted(p.name for p in out.glob("pid1.*"))
+    assert len(pids) == 2 and len(list(out.glob("pid0.*"))) == 1  # group 1 ran as two processes, the chief as one
+    rejoins = [json.loads(line) for line in (tmp_path / "ws" / "logs" / "rejoins.jsonl").read_text().splitlines()]
+    assert len(rejoins) == 1 and rejoins[0]["rank"] == 1 and rejoins[0]["group"] == 1
+    back = rejoins[0]["step"]
+    assert back % 5 == 0 and 10 <= back < 40, back
+    assert (f"Worker group 1 rejoined at step {back} (process 1, restart 1): the anchor, the outer updater's state and "
+            f"worker group 0's module buffers, optimizers' and schedulers' state and torch's RNG state, after the meeting "
+            f"after step {back - 1}") in proc.stdout
+    assert f"rank 1 trained steps {back} to 39" in (tmp_path / "ws" / "logs" / "rank1.log").read_text()
+    took, chiefs = load_file(str(out / f"joined{back}.safetensors")), load_file(str(out / f"chief{back}.safetensors"))
+    assert set(took) == set(chiefs) and any(k.startswith("adam/") for k in took)
+    assert [k for k in took if not torch.equal(took[k], chiefs[k])] == []  # params, AdamW's state, the scheduled lr, the RNG
+    summary = json.loads((tmp_path / "ws" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["rejoins"][0]["step"] == back
+    assert summary["missed_updates"]["1"]["why"].startswith("process 1 was restarted after it exited with code -9; missing from")
+    ends = [load_file(str(out / f"rank{r}.safetensors")) for r in (0, 1)]
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])  # the last step (40) was a meeting: one anchor
+    losses = train_losses(tmp_path / "ws")
+    assert losses[-1] < losses[0] / 2
+
+
 ACCUMULATES = textwrap.dedent('''
     import sys
     from pathlib import Path

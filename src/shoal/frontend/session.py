@@ -244,7 +244,9 @@ class Session:
             self.mean = session_exchange.GradientMean(trained, self.exchange, 1, lambda: self.step)
         elif self.distributed and self.plan.strategy.meets:
             self.exchange = session_exchange.attached_exchange(self.plan, self.rank, store, self.group, self.start_step,
-                                                               resumed=self._mine is not None, saved=saved, metrics=self.metrics)
+                                                               resumed=self._mine is not None, saved=saved, metrics=self.metrics,
+                                                               log=self.say, rejoining=self.rejoin is not None)
+            self.exchange.loop_state = self._handover  # a restarted group takes this loop's state too, at a meeting
         elif self.distributed and syncs_with_peers(self.plan):
             sliced = sliced_for(self.plan, {name: value.numel() for name, value in store.values.items()})  # (masters)
             self.exchange = session_exchange.hogwild_exchange(sliced, self.rank, store, self.group, self.start_step, saved,
@@ -394,6 +396,14 @@ class Session:
         for scheduler, state in zip(self.schedulers, given["schedulers"]):
             scheduler.load_state_dict(state)
         self.start_step = self.step = start
+        if "from_group" in digests:  # Local SGD / DiLoCo: at a meeting, from a live group; this process says it
+            sparse = getattr(self.exchange, "sparse", None) is not None
+            digests["took"] = (f"the anchor{'' if sparse else ', the outer updater' + chr(39) + 's state'} and worker group "
+                               f"{digests['from_group']}'s module buffers, optimizers' and schedulers' state and torch's RNG "
+                               f"state{' (its error feedback starts at zero)' if sparse else ''}, after the meeting after step "
+                               f"{start - 1}")
+            rejoined.report(self.workspace, self.rejoin, self.group, self.rank, start, admitted, digests, knocked_at)
+            return
         digests["took"] = (f"the module's values and buffers, the optimizers' and schedulers' state and torch's RNG state from process "
                            f"{digests.get('from_process', 0)}, after step {admitted}")
         # this process's log; the chief says it on the terminal
@@ -435,11 +445,11 @@ class Session:
         if self.module is None:
             raise SessionError("run.batches: give the module to run.model(...) first")
         data = as_dataset(dataset, "run.batches")
-        shares = batch_shares(job_pb2.StoreProto(batchsize=[batch_size]), self.plan.cluster.nworkers_per_group)
+        shares = batch_shares(job_pb2.StoreProto(batchsize=[batch_size]), self.plan.nworkers_per_group)
         offset, self._share, self._batch = sum(shares[: self.worker]), shares[self.worker], batch_size
         if self._share < 1:
             raise SessionError(f"run.batches: batch_size {batch_size} leaves worker {self.worker} no rows "
-                               f"({self.plan.cluster.nworkers_per_group} workers per group)")
+                               f"({self.plan.nworkers_per_group} workers per group)")
         if self.mean is not None:
             self.mean.share = self._share
         skip = self.plan.group_shards.offset(self.group, 0, len(data))
@@ -487,6 +497,8 @@ class Session:
     def _step_done(self, step: int) -> None:
         if self.mean is not None:
             self._heal(step)
+        elif self.distributed and self.plan.strategy.meets:  # Local SGD / DiLoCo: a group admitted at this step's meeting
+            self.exchange.heal(step)
         self._count_rows(step)
         if self.job.checkpoint_freq and fires(self.job.checkpoint_freq, self.job.checkpoint_after, step + 1):
             self.checkpoint()

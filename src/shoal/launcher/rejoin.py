@@ -134,17 +134,11 @@ class Restarter:
                  restarts: bool = True, rank_main: Optional[Callable] = None):
         """`environment`: the ranks' (holding the job's secret): restarted processes get it too. `restarts` False: a dead
         process is given up on, never restarted. `rank_main`: what a restarted process runs instead of run_process
-        (shoal.session's user script, from the top: its session takes the chief's state, or Distributed Hogwild's live
-        values, at run.batches()); only AllReduce's replicas and Distributed Hogwild's groups are restarted then (a Local
-        SGD group of a user's loop is not yet)."""
+        (shoal.session's user script, from the top: its session takes the chief's state, a live Local SGD group's at the
+        next meeting, or Distributed Hogwild's live values, at run.batches())."""
         self.plan, self.meeting, self.spec, self.process_setup = plan, meeting, spec, process_setup
         self.rank_main = rank_main
         self.environment, self.secret = environment, auth.required_secret("the launcher", environment)
-        if rank_main is not None and not replicas_go_on(plan) and not plan.strategy.syncs_with_peers \
-                and plan.max_restarts > 0 and rejoins(plan):
-            warn(f"WARNING: --max-restarts: a dead process of your own loop under {plan.label} is not restarted (only "
-                 "AllReduce's and Distributed Hogwild's are, so far); the other worker groups go on without it")
-            restarts = False
         self.limit = plan.max_restarts if rejoins(plan) and restarts else 0  # cluster.max_restarts, --max-restarts
         self.restarts: dict[int, int] = {}
         self.started = time.time()  # rejoins.jsonl may hold an earlier run's rejoins (a resumed workspace)

@@ -360,11 +360,18 @@ class PeriodicExchange:
         for name in self.names:
             values[name].copy_(anchor[name])
         self._note_attendance(met.came, step)
-        joined = self.meeting.welcome(self._handover)  # processes restarted into the job take the state from here
+        if self.loop_state is None:  # (a user's loop hands over after its loop's body, its schedulers stepped: `heal`)
+            self.heal(step)
+
+    def heal(self, step: int) -> tuple[int, ...]:
+        """After the meeting after step `step`: the processes restarted into the job and admitted at it take the state
+        from the chief's group (`_handover`); returns their groups. A user's loop calls it after the loop's body."""
+        joined = self.meeting.welcome(self._handover)
         if joined and self.chief:  # each process admitted took the handover from the chief
             self.job_bytes_sent += len(joined) * wire_bytes(self._handover())
         if joined:
             self._note_joined(joined, step)
+        return joined
 
     # -- who came --------------------------------------------------------------------------------------
     @property
@@ -414,24 +421,30 @@ class PeriodicExchange:
                                           for g in sorted(self.missed)}})
 
     # -- a process restarted into the job --------------------------------------------------------------
-    def _handover(self) -> list[torch.Tensor]:
+    def _handover(self, loop_state: Optional[Callable[[], list[torch.Tensor]]] = None) -> list[torch.Tensor]:
         """What a process joining at a meeting starts from, in one order on both sides: the anchor (the meeting's new
         values), this group's values of what the meetings do not average (running statistics), the outer updater's
-        state and this group's inner updater state."""
+        state and this group's inner updater state; then a user's loop's state (`loop_state`, default the session's)."""
         tensors = [self.anchor.values[n] for n in self.names]
         tensors += [v for n, v in self.store.values.items() if n not in self.names]
         for server in (self.outer, self.inner):
             state = server.state_dict()
             tensors += [state[n][slot] for n in self.names for slot in sorted(state.get(n, {}))]
-        return tensors
+        loop_state = loop_state or self.loop_state
+        return tensors + (loop_state() if loop_state is not None else [])
 
-    def rejoin(self, incarnation: int) -> tuple[int, int, dict]:
+    # a user's own loop (shoal.session): what its loop holds beyond the exchange (the module's buffers, the optimizers'
+    # and schedulers' state, torch's RNG state), handed over after the exchange's own, in one order on both sides
+    loop_state: Optional[Callable[[], list[torch.Tensor]]] = None
+
+    def rejoin(self, incarnation: int, loop_state: Optional[Callable[[], list[torch.Tensor]]] = None) -> tuple[int, int, dict]:
         """This group's process was restarted into the job (incarnation `incarnation`): knock, and once the chief admits
-        it at a meeting, take what the chief's group hands over (`_handover`) and train on from the step after it;
-        returns (that step, the meeting's number, digests of the anchor before and after)."""
+        it at a meeting, take what the chief's group hands over (`_handover`; a user's loop: into `loop_state()` too)
+        and train on from the step after it; returns (that step, the meeting's number, digests of the anchor before and
+        after)."""
         before = _digest(self.anchor, self.names).hex()[:16]
         admission = self.meeting.join(incarnation)
-        self.meeting.receive(self._handover(), admission.donor)
+        self.meeting.receive(self._handover(loop_state), admission.donor)
         for name in self.names:
             self.store.values[name].copy_(self.anchor.values[name])
         self.meetings = admission.meeting + 1
