@@ -393,6 +393,43 @@ def test_a_killed_diloco_group_is_restarted_into_the_running_loop(tmp_path):
     assert losses[-1] < losses[0] / 2
 
 
+SKIPS_AN_UPDATE = textwrap.dedent('''
+    import sys
+    from pathlib import Path
+    import torch, shoal
+    from safetensors.torch import save_file
+    out = Path(sys.argv[1])
+    torch.manual_seed(0)
+    x = torch.randn(96, 8)
+    data = torch.utils.data.TensorDataset(x, 2 * x[:, :1])
+    run = shoal.session(train_steps=10)
+    model = run.model(torch.nn.Linear(8, 1))
+    opt = run.optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for step, (xb, yb) in run.batches(data, batch_size=12):
+        ((model(xb) - yb) ** 2).mean().backward()
+        if not (run.rank == 1 and step == 4):  # as a GradScaler skips a step whose gradients hold inf or NaN
+            opt.step()
+        opt.zero_grad()
+    save_file(dict(model.state_dict()), str(out / f"rank{run.rank}.safetensors"))
+''')
+
+
+def test_a_skipped_update_still_meets(tmp_path):
+    """DiLoCo (H = 5): group 1 skips its update at step 4, a meeting's step (a GradScaler's skip): the meeting after it
+    still comes, every group at every meeting, and the last meeting leaves both groups equal."""
+    script = tmp_path / "skips.py"
+    script.write_text(SKIPS_AN_UPDATE)
+    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(script), "--workspace", str(tmp_path / "ws"), "--no-progress",
+                           *DILOCO, "--", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "went on without" not in proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "ws" / "summary.json").read_text())
+    assert sorted(p.name for p in (tmp_path / "ws" / "logs").glob("rank*.log")) == ["rank0.log", "rank1.log"]  # 2 processes
+    assert "missed_updates" not in summary, summary.get("missed_updates")
+    ends = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in (0, 1)]
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])  # step 10 was a meeting: one anchor
+
+
 ACCUMULATES = textwrap.dedent('''
     import sys
     from pathlib import Path

@@ -306,10 +306,15 @@ class Session:
         """The step boundary, after the user's update: Local SGD / DiLoCo's meeting, or Hogwild's sync, when it is due."""
         self._updated_at = self.step
         self._release()
+        self._boundary(self.step)
+
+    def _boundary(self, step: int) -> None:
+        """Local SGD / DiLoCo's meeting, or Hogwild's sync, when due after step `step` (every group counts the same
+        steps: a step whose update the loop skipped still reaches it, from `_step_done`)."""
         if self.exchange is None or self.mean is not None:  # (a replicated group heals after the loop's body: _heal)
             return
         started = time.perf_counter()
-        self.exchange.step(self.step, [({}, self._share)])  # the inner update was the user's: the meeting when it is due
+        self.exchange.step(step, [({}, self._share)])  # the inner update was the user's: the meeting when it is due
         self.exchange_seconds += time.perf_counter() - started
 
     def _heal(self, step: int) -> None:
@@ -495,6 +500,8 @@ class Session:
         self._finish()
 
     def _step_done(self, step: int) -> None:
+        if self._updated_at != step:  # the loop skipped this step's update (a GradScaler that found inf or NaN)
+            self._boundary(step)
         if self.mean is not None:
             self._heal(step)
         elif self.distributed and self.plan.strategy.meets:  # Local SGD / DiLoCo: a group admitted at this step's meeting
