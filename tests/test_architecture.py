@@ -59,7 +59,7 @@ RULES = {
     "report never imports the runtime, the launcher or the front ends": (
         ["report"], ["shoal.runtime", "shoal.launcher", "shoal.frontend", "shoal.comm"]),
     "the strategies reach the code below them through the plan, never by import": (
-        [p.stem for p in SRC.iterdir() if p.stem not in ("strategies", "__pycache__")], ["shoal.strategies"]),
+        [p.stem for p in SRC.iterdir() if p.stem not in ("strategies", "launcher", "frontend", "__pycache__")], ["shoal.strategies"]),
 }
 
 
@@ -67,6 +67,28 @@ RULES = {
 def test_layering(rule):
     packages, forbidden = RULES[rule]
     assert offenders(packages, forbidden) == []
+
+
+def strategy_imports(paths: list[Path]) -> list[str]:
+    """Imports of shoal.strategies other than its registry (`shoal.strategies.registry`, its REGISTRY)."""
+    return [f"{path.relative_to(SRC) if path.is_relative_to(SRC) else path.name} imports {name}" for path in paths
+            for name in sorted(imports_of(path)) if (name == "shoal.strategies" or name.startswith("shoal.strategies."))
+            and name not in ("shoal.strategies.registry", "shoal.strategies.registry.REGISTRY")]
+
+
+def test_the_layers_above_the_strategies_take_only_their_registry():
+    """The launcher and the front ends plan jobs: they import the registry and pass it to plan_job (issue 41), never a
+    framework's module (they reach a strategy through the plan: `plan.strategy`)."""
+    assert strategy_imports([p for package in ("launcher", "frontend") for p in files_of(package)]) == []
+
+
+def test_the_registry_rule_sees_a_strategy_module(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from shoal.strategies.registry import REGISTRY\nfrom shoal.strategies import downpour\n"
+                   "def f():\n    from shoal.strategies.local_sgd import meetings_per_step\n")
+    assert strategy_imports([bad]) == ["bad.py imports shoal.strategies", "bad.py imports shoal.strategies.downpour",
+                                       "bad.py imports shoal.strategies.local_sgd",
+                                       "bad.py imports shoal.strategies.local_sgd.meetings_per_step"]
 
 
 def test_the_rules_see_a_violation(tmp_path):
@@ -180,19 +202,19 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
     return []
 
 
-# the one loop left, through an edge the import scan did not see before issue 41: planning's default_registry() loads
-# shoal.strategies.registry by name (strategies -> planning.strategy -> strategies). To break (issue 41 point 2): the
-# callers that plan (frontend, launcher, planning's recommend/alternatives) pass the registry, and this set empties.
-KNOWN_LOOP_EDGES = {("shoal.planning.strategy", "shoal.strategies.registry")}
-
-
 def test_no_import_cycles():
     """No module imports itself back through others, counting imports inside functions (issue 29) and modules loaded
-    by name through importlib (issue 41), but for the edges of KNOWN_LOOP_EDGES (each must still exist)."""
-    graph = import_graph()
-    assert all(target in graph.get(source, ()) for source, target in KNOWN_LOOP_EDGES), "a known loop edge is gone: drop it"
-    cycle = find_cycle({name: {t for t in targets if (name, t) not in KNOWN_LOOP_EDGES} for name, targets in graph.items()})
+    by name through importlib (issue 41: planning used to load the strategies' registry so; the launcher and the front
+    ends now pass it to plan_job, and the registry installs itself as planning's default when imported)."""
+    cycle = find_cycle(import_graph())
     assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_planning_loads_nothing_by_name():
+    """Planning reaches the strategies only through what it is given (a registry argument or the installed one), never
+    by a module name it holds: no importlib there, constant or computed (a computed name is no edge the scan sees)."""
+    assert [f"{p.relative_to(SRC)} imports {n}" for p in files_of("planning") for n in imports_of(p)
+            if n == "importlib" or n.startswith("importlib.")] == []
 
 
 def test_the_cycle_finder_sees_a_cycle():
@@ -439,25 +461,12 @@ def plan_cluster_reads(path: Path) -> list[str]:
     return found
 
 
-# reads of plan.cluster outside planning still to replace by plan facts (issue 41 point 2), at most this many per file:
-# the counts may only fall (lower them as reads go), and no other file may start reading it
-PLAN_CLUSTER_READS_LEFT = {
-    "strategies/local_sgd.py": 12, "strategies/allreduce.py": 8, "strategies/downpour.py": 7,
-    "strategies/distributed_hogwild.py": 5, "strategies/in_memory_downpour.py": 2, "strategies/in_memory_hogwild.py": 2,
-    "report/summary.py": 2, "frontend/session.py": 2, "frontend/session_start.py": 2, "launcher/launch.py": 1,
-    "launcher/stalls.py": 1,
-}
-
-
 def test_only_planning_reads_the_plans_cluster_section():
-    """Planning computes the layout's facts once and the plan carries them: outside planning, no new reader of
-    `plan.cluster`, and the listed ones no more reads than they have left."""
-    counts: dict[str, int] = {}
-    for path in SRC.rglob("*.py"):
-        if path.relative_to(SRC).parts[0] != "planning":
-            for hit in plan_cluster_reads(path):
-                counts[hit.split(":", 1)[0]] = counts.get(hit.split(":", 1)[0], 0) + 1
-    assert {f: n for f, n in counts.items() if n > PLAN_CLUSTER_READS_LEFT.get(f, 0)} == {}
+    """Planning computes the layout's facts and the plan carries them (issue 41 point 2: `plan.nworkers_per_group`,
+    `plan.compression`, `plan.asynchrony`, `plan.meetings`, `plan.sync_freq`, ...; planning/cluster_facts.py): outside
+    planning, nothing reads `plan.cluster`."""
+    assert [hit for path in sorted(SRC.rglob("*.py")) if path.relative_to(SRC).parts[0] != "planning"
+            for hit in plan_cluster_reads(path)] == []
 
 
 def test_the_plan_cluster_rule_sees_a_read(tmp_path):
@@ -498,7 +507,7 @@ def test_the_runtime_cluster_rule_sees_a_read(tmp_path):
 
 
 # estimates name their framework (a string of the JSON `shoal plan --estimate` prints): recommend asks the installed
-# registry for its strategy's flags, as a spawned process plans with it
+# registry (planning.strategy.install: the one its caller planned with) for its strategy's flags
 THROUGH_THE_DEFAULT_REGISTRY = {"planning/recommend.py"}
 
 

@@ -205,8 +205,9 @@ def _train_rank(rank: int, job: str, overrides: list, workspace: str, port: int)
 
     from shoal.comm import dist as comm
     from shoal.runtime.assemble import RunSpec, assemble
+    from shoal.strategies.registry import REGISTRY  # a spawned process: no conftest installed it
 
-    plan = plan_job(load_job(job, overrides))
+    plan = plan_job(load_job(job, overrides), strategies=REGISTRY)
     comm.init(rank, plan.nprocs, "127.0.0.1", port)
     try:
         run = assemble(plan, rank, RunSpec(workspace=Path(workspace), log=lambda *a: None, progress=False))

@@ -277,8 +277,9 @@ def _bridged_bytes_of_rank(rank: int, job: str, workspace: str, port: int) -> No
     other process moved in the last step (sent and received) behind."""
     from shoal.comm import dist as comm
     from shoal.runtime.partitioned import RemoteChannel
+    from shoal.strategies.registry import REGISTRY  # a spawned process: no conftest installed it
 
-    plan = plan_job(shoal.load_job(job))
+    plan = plan_job(shoal.load_job(job), strategies=REGISTRY)
     comm.init(rank, plan.nprocs, "127.0.0.1", port)
     try:
         run = assemble(plan, rank, RunSpec(workspace=Path(workspace), log=lambda *a: None, progress=False))

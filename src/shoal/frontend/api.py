@@ -142,6 +142,7 @@ def draw_net(
     from shoal.report.node_link import check_node_link, read_node_link
     from shoal.planning.plan import plan_job
     from shoal.runtime.visualization import train_net_graph
+    from shoal.strategies.registry import REGISTRY
 
     if isinstance(net, (str, Path)) and Path(net).suffix == ".json":
         graph = read_node_link(Path(net))
@@ -149,7 +150,7 @@ def draw_net(
         check_node_link(net, "net")
         graph = net
     else:
-        graph = train_net_graph(plan_job(as_job(net)[0]))
+        graph = train_net_graph(plan_job(as_job(net)[0], strategies=REGISTRY))
     return draw_graph(graph, Path(out), title=title)
 
 
@@ -182,9 +183,10 @@ def estimate(
     from shoal.planning.plan import plan_job
     from shoal.report.estimates import calibrated_line
     from shoal.runtime import calibrate
+    from shoal.strategies.registry import REGISTRY  # (installed: the layouts compared below are planned with it too)
 
     proto, _ = as_job(job)
-    plan = plan_job(proto)
+    plan = plan_job(proto, strategies=REGISTRY)
     used = {k.key for k in plan_kernels(plan)}  # the timings this answer's estimates read (every compared layout's too)
     calib = calibrate.calibration(plan_kernels(plan), recalibrate=recalibrate, log=log)
 

@@ -283,8 +283,9 @@ def _rejoin(args: argparse.Namespace, job) -> int:
     from shoal.planning.plan import plan_job
     from shoal.launcher import rejoin
     from shoal.launcher.run_job import resolve_workspace
+    from shoal.strategies.registry import REGISTRY
 
-    plan = plan_job(job, nnodes=args.nnodes or 1)
+    plan = plan_job(job, nnodes=args.nnodes or 1, strategies=REGISTRY)
     rejoin.rejoin_by_hand(plan, resolve_workspace(job, args.workspace), args.rejoin, args.master, base_dirs(job))
     return 0
 
@@ -447,6 +448,7 @@ def _plan_job(args: argparse.Namespace, job) -> int:
     from shoal.frontend import api
     from shoal.planning.describe import describe, render
     from shoal.planning.plan import plan_job
+    from shoal.strategies.registry import REGISTRY
 
     hosts = _hosts_of(args)
     if args.workers is not None and args.workers < 1:
@@ -459,7 +461,7 @@ def _plan_job(args: argparse.Namespace, job) -> int:
                               recalibrate=args.recalibrate, recommend=args.recommend, out=args.out, log=log)
         print(json.dumps(result, indent=2) if args.json else render_estimates(result))
         return 0
-    plan = plan_job(job)
+    plan = plan_job(job, strategies=REGISTRY)
     print(json.dumps(describe(plan), indent=2) if args.json else render(plan))
     return 0
 

@@ -50,6 +50,7 @@ from shoal.launcher.ranks import chief_log, describe_process, expendable, heals,
 from shoal.launcher.launchers import LaunchedProcess
 from shoal.runtime.exchanges.downpour import ServerLost
 from shoal.runtime.trainer import History
+from shoal.strategies.registry import REGISTRY
 
 LOOPBACK = "127.0.0.1"  # one host: nothing listens beyond loopback
 
@@ -230,7 +231,7 @@ def _entry(local_index: int, ranks: list[int], meeting: Meeting, environment: di
     with rank_output(Path(workspace), rank) as log_file:
         if process_setup is not None:
             process_setup()
-        plan = plan_job(decode_job(job_bytes), nnodes=meeting.nnodes)  # decode_job: the job's plugins first
+        plan = plan_job(decode_job(job_bytes), nnodes=meeting.nnodes, strategies=REGISTRY)  # decode_job: the job's plugins first
         # a client of the store the rendezvous gave (attempt 0), as torchrun's workers are of their agent's
         try:
             join_world(plan, rank, meeting.world, meeting.ranks_per_node, meeting.store_host, meeting.store_port,
@@ -574,7 +575,7 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
                 failed_groups = _join_tolerating_groups(context, ranks, plan, workspace,
                                                         rejoin.Restarter(plan, meeting, spec, process_setup, environment,
                                                                          rank_main=rank_main), group_ends)
-            elif plan.max_restarts > 0 and plan.cluster.nworker_groups > 1:  # groups that cannot outlive a dead one
+            elif plan.max_restarts > 0 and plan.nworker_groups > 1:  # groups that cannot outlive a dead one
                 warn(f"WARNING: --max-restarts: only Downpour, Local SGD and Distributed Hogwild worker groups are restarted; "
                      f"{plan.label}'s are not")
             stalls.wait_for_first_failure(context)  # and SIGKILL stopped processes, which SIGTERM cannot end

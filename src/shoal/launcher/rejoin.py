@@ -308,10 +308,11 @@ def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, stor
     from shoal.runtime.assemble import Rejoin, RunSpec, run_process
     from shoal.runtime.exchanges.downpour import JobOver
     from shoal.runtime.exchanges.periodic import MeetingsOver
+    from shoal.strategies.registry import REGISTRY
 
     if process_setup is not None:
         process_setup()
-    plan = plan_job(decode_job(job_bytes), nnodes=nnodes)
+    plan = plan_job(decode_job(job_bytes), nnodes=nnodes, strategies=REGISTRY)
     channels.join_as_client(store_host, store_port, interface, auth.required_secret("a process rejoining a job"), plan.comm_timeout_s)
     spec = RunSpec(workspace, base_dirs, None, log=log, progress=False, initial_values=initial_values,
                    rejoin=Rejoin(incarnation, detected_at), faults=faults.from_environment())

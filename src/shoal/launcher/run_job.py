@@ -24,6 +24,7 @@ from shoal.runtime import visualization
 from shoal.runtime.assemble import RunSpec, run_process
 from shoal.runtime.replicas import torch_device, usable_device_names
 from shoal.runtime.trainer import History, Trainer
+from shoal.strategies.registry import REGISTRY
 from shoal.launcher.workspace import WorkspaceError, WorkspaceLock, check_workspace, claim, is_users, prepare
 
 
@@ -57,7 +58,7 @@ def plan_of(job: job_pb2.JobProto, nodes=None, given: Optional[JobPlan] = None) 
     nnodes = launched.nnodes if launched else nodes.nnodes if nodes else 1
     if given is not None and given.nnodes == nnodes and given.job_bytes == job.SerializeToString():
         return given
-    return plan_job(job, nnodes=nnodes)
+    return plan_job(job, nnodes=nnodes, strategies=REGISTRY)
 
 
 def _train_job(job: job_pb2.JobProto, options: RunOptions, job_file: str) -> History:
@@ -133,7 +134,7 @@ def test_job(job: job_pb2.JobProto, options: RunOptions, checkpoint: Optional[Pa
     """SINGA's -test mode: load a checkpoint and run test_steps batches of the test net (on worker 0's device)."""
     if job.test_steps <= 0:
         raise WorkspaceError("test-only mode needs test_steps > 0 in the job")
-    plan = plan_job(job)
+    plan = plan_job(job, strategies=REGISTRY)
     workspace = resolve_workspace(job, options.workspace)
     check_workspace(workspace)  # before a checkpoint is read there or test_net.json written: no link, nobody else's
     if checkpoint is None:

@@ -126,7 +126,7 @@ def why_the_job_stops(plan: JobPlan) -> Optional[str]:
     """Why a job of several worker groups stops without one of them, where its strategy says so, as a clause for the
     line that names the process; None where the job has one group or outlives it."""
     why = plan.strategy.why_a_dead_group_stops_the_job(plan)
-    if why is None or plan.cluster.nworker_groups < 2:
+    if why is None or plan.nworker_groups < 2:
         return None
     return f"{plan.label} cannot go on without it: {why}"
 

@@ -25,6 +25,7 @@ from shoal.neuralnet.net import NeuralNet
 from shoal.neuralnet.params import ParamStore
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.buckets import DEFAULT_CAP, cap_from_env
+from shoal.planning.cluster_facts import LAYOUT_FIELDS, AsyncBounds, Compression, Meetings
 from shoal.planning.devices import worker_device_names
 from shoal.planning.nodes import node_of_rank
 from shoal.planning.partition import PartitionPlan, partition
@@ -32,7 +33,7 @@ from shoal.planning.placement import Placement, ProcessPlan, WorkerId, place
 from shoal.planning.process_groups import ProcessGroupPlan
 from shoal.planning.shares import GroupShards, train_input_shares
 from shoal.planning.strategy import (Framework, Layout, Registry, Strategy, UnsupportedClusterError,  # noqa: F401 - re-exported
-                                     default_registry, recognise)
+                                     installed_registry, recognise)
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,6 +112,49 @@ class JobPlan:
         return self.cluster.max_update_lag
 
     @property
+    def nworkers_per_group(self) -> int:
+        return self.cluster.nworkers_per_group
+
+    @property
+    def nserver_groups(self) -> int:
+        return self.cluster.nserver_groups
+
+    @property
+    def nservers_per_group(self) -> int:
+        return self.cluster.nservers_per_group
+
+    @property
+    def server_worker_separate(self) -> bool:
+        """cluster.server_worker_separate: the servers in processes of their own."""
+        return bool(self.cluster.server_worker_separate)
+
+    @property
+    def compression(self) -> Compression:
+        """cluster.compression (and its top-k fraction): how the exchanges over processes encode what they send."""
+        return Compression.of(self.cluster)
+
+    @property
+    def asynchrony(self) -> AsyncBounds:
+        """What bounds asynchronous groups: max_staleness, warmup_steps, max_update_lag, overlap_push."""
+        return AsyncBounds.of(self.cluster)
+
+    @property
+    def meetings(self) -> Meetings:
+        """When Local SGD's groups meet (local_steps, local_warmup_steps) and SparseLoCo's encoding of a meeting."""
+        return Meetings.of(self.cluster)
+
+    @property
+    def sync_freq(self) -> int:
+        """cluster.sync_freq: Distributed Hogwild's groups sync their masters' slices every this many steps."""
+        return self.cluster.sync_freq
+
+    @property
+    def layout_fields(self) -> dict:
+        """The cluster section's layout fields (LAYOUT_FIELDS), as a run records them (summary.json's "cluster")."""
+        c = self.cluster
+        return {name: getattr(c, name) for name in LAYOUT_FIELDS}
+
+    @property
     def nworkers(self) -> int:
         return self.cluster.nworker_groups * self.cluster.nworkers_per_group
 
@@ -160,7 +204,8 @@ def sliced_for(plan: JobPlan, param_sizes: Mapping[str, int]) -> JobPlan:
 def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1, strategies: Optional[Registry] = None,
              environ: Optional[Mapping[str, str]] = None) -> JobPlan:
     """The JobPlan of a validated job on hosts of `cores` cores (default: this one's), its framework one of
-    `strategies` (default: the installed registry, shoal.strategies.registry). `environ` (default: this process's)
+    `strategies` (default: the installed registry, planning.strategy.install: shoal.strategies.registry's once that
+    is imported; the launcher and the front ends pass it). `environ` (default: this process's)
     holds the documented overrides of job fields: SHOAL_BUCKET_MB, SHOAL_MAX_RESTARTS and the timeouts' (TIMEOUT_OVERRIDES;
     docs/cluster.md)."""
     environ = os.environ if environ is None else environ
@@ -169,7 +214,7 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
     sizes = {name: info.numel for name, info in store.info.items()}
     placement = place(job.cluster, sizes)
     parts = partition(net, job.neuralnet, job.cluster.nworkers_per_group)
-    strategy = strategy_of(job, placement, parts, strategies or default_registry())
+    strategy = strategy_of(job, placement, parts, strategies or installed_registry())
     workers = job.cluster.nworker_groups * job.cluster.nworkers_per_group
     updater = server_updater(job, strategy)
     plan = JobPlan(
@@ -320,7 +365,7 @@ def strategy_of(job: job_pb2.JobProto, placement: Placement, parts: PartitionPla
 
 def framework_of(job: job_pb2.JobProto, placement: Placement, parts: PartitionPlan, strategies: Optional[Registry] = None) -> Framework:
     """The framework a placement runs as (its strategy's), or UnsupportedClusterError naming what does not fit."""
-    return strategy_of(job, placement, parts, strategies or default_registry()).framework
+    return strategy_of(job, placement, parts, strategies or installed_registry()).framework
 
 
 def restarts_override(environ: Mapping[str, str], configured: int) -> int:

@@ -7,14 +7,14 @@ recognising its layout, its refusals and notes for `shoal plan`, its labels and 
 terms. Its runtime side (building its exchanges in the assembly, what it restores, whether its
 groups rejoin) is implemented in the same module; planning only declares it.
 
-planning/ never imports the strategies (they import runtime/, which imports planning/): every
-planning function that needs them takes the registry as an argument. `default_registry()` is the
-one plugin point that names the installed registry's module, loaded on first use.
+planning/ never imports the strategies (they import runtime/, which imports planning/), not even by
+name: every planning function that needs them takes the registry as an argument, and where none is
+given uses the installed one, which `shoal.strategies.registry` hands to `install()` when it is
+imported (the launcher's and the front ends' callers of plan_job import it and pass it; issue 41).
 """
 from __future__ import annotations
 
 import enum
-import importlib
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping, Optional
@@ -45,7 +45,7 @@ class Framework(enum.Enum):
 
     @property
     def strategy(self) -> "Strategy":
-        return default_registry()[self]
+        return installed_registry()[self]
 
     @property
     def synchronous(self) -> bool:
@@ -226,16 +226,26 @@ class Strategy:
 
 Registry = Mapping[Framework, Strategy]
 
-REGISTRY_MODULE = "shoal.strategies.registry"  # the installed registry: its REGISTRY
-_loaded: Optional[Registry] = None
+_installed: Optional[Registry] = None
 
 
-def default_registry() -> Registry:
-    """The installed strategies (shoal.strategies.registry.REGISTRY), loaded once."""
-    global _loaded
-    if _loaded is None:
-        _loaded = importlib.import_module(REGISTRY_MODULE).REGISTRY
-    return _loaded
+class NoStrategiesError(ShoalError, RuntimeError):
+    """Planning was asked for the installed strategies before any were installed."""
+
+
+def install(registry: Registry) -> None:
+    """Make `registry` the installed strategies: what plan_job (and Framework.strategy) use where no registry is
+    passed. shoal.strategies.registry installs its REGISTRY when it is imported."""
+    global _installed
+    _installed = registry
+
+
+def installed_registry() -> Registry:
+    """The installed strategies (shoal.strategies.registry's REGISTRY once that is imported)."""
+    if _installed is None:
+        raise NoStrategiesError("no framework strategies installed: pass plan_job(..., strategies=REGISTRY) "
+                                "(shoal.strategies.registry, which installs itself when imported)")
+    return _installed
 
 
 def make_registry(*strategies: Strategy) -> Registry:

@@ -52,12 +52,13 @@ class RunInfo:
 
 def describe_layout(plan: "JobPlan") -> tuple[str, str]:
     """(framework, label): e.g. ("Sandblaster", "Sandblaster, 2 workers + 2 servers, 4 processes")."""
-    c, nprocs = plan.cluster, plan.nprocs
+    nprocs = plan.nprocs
     framework = plan.label  # one process of several synchronous workers: in-memory Sandblaster
     if plan.nworkers == 1 and nprocs == 1:
         return framework, framework
-    parts = [f"{c.nworker_groups} groups × {_count(c.nworkers_per_group, 'worker')}" if c.nworker_groups > 1 else _count(plan.nworkers, "worker")]
-    if c.server_worker_separate:
+    groups = plan.nworker_groups
+    parts = [f"{groups} groups × {_count(plan.nworkers_per_group, 'worker')}" if groups > 1 else _count(plan.nworkers, "worker")]
+    if plan.server_worker_separate:
         parts[0] += f" + {_count(plan.nservers, 'server')}"
     parts.append(f"{nprocs} process{'es' if nprocs > 1 else ''}" if nprocs > 1 else "threads")
     return framework, f"{framework}, {', '.join(parts)}"
@@ -70,18 +71,12 @@ def _count(n: int, noun: str) -> str:
 def run_info(plan: "JobPlan", devices: list[str]) -> RunInfo:
     import torch
 
-    c = plan.cluster
     framework, label = describe_layout(plan)
-    cluster = {
-        k: getattr(c, k)
-        for k in ("nworker_groups", "nworkers_per_group", "nserver_groups", "nservers_per_group",
-                  "nworkers_per_procs", "nservers_per_procs", "server_worker_separate", "share_memory")
-    }
     return RunInfo(
         job=plan.job.name,
         framework=framework,
         label=label,
-        cluster=cluster,
+        cluster=plan.layout_fields,
         processes=plan.nprocs,
         workers=plan.nworkers,
         servers=plan.nservers,

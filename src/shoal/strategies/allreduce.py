@@ -16,6 +16,7 @@ from shoal.comm.quorum import Quorum
 from shoal.config import job_pb2
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.buckets import plan_buckets
+from shoal.planning.cluster_facts import Compression
 from shoal.planning.costs import FLOAT, learning_nodes, node_rows, numel
 from shoal.planning.devices import tree_levels
 from shoal.planning.placement import WorkerId
@@ -36,7 +37,7 @@ def replicated(plan) -> bool:
     each computing whole replicas (not partitioned, every process hosting workers) and its gradients uncompressed
     (cluster.compression keeps the sliced exchange)."""
     return ((plan.max_restarts > 0 or plan.own_loop) and not plan.in_one_process and not plan.partitioned
-            and all(p.workers for p in plan.placement.processes) and plan.cluster.compression == job_pb2.kNone)
+            and all(p.workers for p in plan.placement.processes) and plan.compression.dense)
 
 
 def replicated_flat_elements(model) -> int:
@@ -52,10 +53,10 @@ def exchange_buckets(model) -> list:
     return plan_buckets(slices, owner, plan.bucket_elements)
 
 
-def encoded_parts(cluster: job_pb2.ClusterProto) -> int:
+def encoded_parts(compression: Compression) -> int:
     """Tensors one encoded message is sent as (each its own collective or message): the codec's buffers (top-k: indices
-    and values; a cast: one; uncompressed: the tensor itself)."""
-    codecs = codec_factory(cluster.compression, cluster.topk_fraction)
+    and values; a cast: one; uncompressed: the tensor itself), for the plan's `compression`."""
+    codecs = codec_factory(compression.kind, compression.topk_fraction)
     return len(codecs(error_feedback=False).buffers(1)) if codecs else 1
 
 
@@ -115,7 +116,7 @@ class AllReduce(Strategy):
                     "whole params from one all-reduce of the gradients a step; a dead or stalled process other than 0 is left "
                     "out (the mean over the rows that came) and, restarted, heals from process 0 at the next step"]
         if plan.max_restarts > 0 and not plan.in_one_process:
-            why = ("cluster.compression" if plan.cluster.compression != job_pb2.kNone
+            why = ("cluster.compression" if not plan.compression.dense
                    else "a partitioned group" if plan.partitioned else "processes without workers")
             return [f"cluster.max_restarts: {why} keeps the sliced exchange, which cannot go on without a process: "
                     "the job stops at the first dead one"]
@@ -151,7 +152,7 @@ class AllReduce(Strategy):
         # per bucket, each worker process's gradients gathered at the owner (compressed: their encoding) and its new
         # values (compressed: the encoded sum) broadcast back. Whether anyone had a gradient: dense, a float per
         # param of the owner riding in its last bucket; compressed, a byte per param reduced to it and broadcast back
-        dense = plan.cluster.compression == job_pb2.kNone
+        dense = plan.compression.dense
         flagged: dict[int, set[str]] = {}
         buckets = exchange_buckets(model)
         last = {b.owner: b.index for b in buckets}
@@ -186,8 +187,8 @@ class AllReduce(Strategy):
                     Messages("the chief's word on the step: each process's report and the outcome, through the job's store", 2,
                              "message", (0, ranks[-1]))]
         workers = {p.rank for p in plan.placement.processes if p.workers}
-        parts = encoded_parts(plan.cluster)
-        dense = plan.cluster.compression == job_pb2.kNone
+        parts = encoded_parts(plan.compression)
+        dense = plan.compression.dense
         terms, owners = [], {}
         for b in exchange_buckets(model):
             owners.setdefault(b.owner, 0)
@@ -212,7 +213,7 @@ class AllReduce(Strategy):
     def phases(self, model, compute: float, links: dict) -> Phases:
         plan, threads = model.plan, model.plan.threads_per_worker
         if plan.in_one_process:
-            p = plan.cluster.nworkers_per_group
+            p = plan.nworkers_per_group
             owned = plan.partition.updated_where_computed()
             local = sum(model.view_numel(v) for v in owned)
             # the sum and the update run on the process's main thread after its workers' threads, at the process's
@@ -293,7 +294,7 @@ class AllReduce(Strategy):
                                                        log=log, annotate=_annotator(trainer)))
             return
         # cluster.compression over processes: a fresh codec per sender (top-k keeps its residual)
-        codecs = codec_factory(plan.cluster.compression, plan.cluster.topk_fraction)
+        codecs = codec_factory(plan.compression.kind, plan.compression.topk_fraction)
         trainer.attach_exchange(SlicedExchange(trainer.store, updater, plan.placement, run.rank, plan.global_batch,
                                                trainer.workers, bucket_cap=plan.bucket_elements, codecs=codecs,
                                                groups=run.process_groups))

@@ -52,10 +52,10 @@ class DistributedHogwild(Strategy):
         self._syncs(model, move, serving=False)
 
     def _syncs(self, model, move, serving: bool) -> None:
-        plan, c = model.plan, model.plan.cluster
-        freq, slices = max(1, c.sync_freq), model.trainable_slices()
-        rank_of = {g: plan.placement.process_of(ServerId(g, 0)) for g in range(c.nserver_groups)}
-        for master in range(1, c.nserver_groups):  # group 0 syncs with every other group's masters
+        plan = model.plan
+        freq, slices = max(1, plan.sync_freq), model.trainable_slices()
+        rank_of = {g: plan.placement.process_of(ServerId(g, 0)) for g in range(plan.nserver_groups)}
+        for master in range(1, plan.nserver_groups):  # group 0 syncs with every other group's masters
             size = sum(s.size for s in slices if plan.placement.master_group_of_slice(s.index) == master)
             move(rank_of[0], rank_of[master], (model.encoded(size) + 8) / freq)  # Δ
             move(rank_of[master], rank_of[0], model.encoded(size) / freq)  # fresh values (compressed: their change)
@@ -63,7 +63,7 @@ class DistributedHogwild(Strategy):
             return
         # ... and serves its own slices to each of them, as often, over the same link
         own = sum(s.size for s in slices if plan.placement.master_group_of_slice(s.index) == 0)
-        for g in range(1, c.nserver_groups):
+        for g in range(1, plan.nserver_groups):
             move(rank_of[g], rank_of[0], (model.encoded(own) + 8) / freq)
             move(rank_of[0], rank_of[g], model.encoded(own) / freq)
 
@@ -71,12 +71,12 @@ class DistributedHogwild(Strategy):
         """Group 0's syncs (runtime/exchanges/hogwild.py: HogwildExchange's requests): every sync_freq steps, per other
         group's master, a header and Δ (an encoded part each) sent, the fresh values (as many parts) received. Its own
         server answers the other groups on a thread of its own, alongside. Update here when that protocol changes."""
-        plan, c = model.plan, model.plan.cluster
-        parts = encoded_parts(c)
+        plan = model.plan
+        parts, freq = encoded_parts(plan.compression), max(1, plan.sync_freq)
         mine = plan.placement.process_of(ServerId(0, 0))
         return [Messages(f"a sync with group {g}'s master: {1 + parts} sends (header, Δ) + {parts} receive(s), every "
-                         f"{max(1, c.sync_freq)} steps", (1 + 2 * parts) / max(1, c.sync_freq), "message",
-                         (mine, plan.placement.process_of(ServerId(g, 0)))) for g in range(1, c.nserver_groups)]
+                         f"{freq} steps", (1 + 2 * parts) / freq, "message",
+                         (mine, plan.placement.process_of(ServerId(g, 0)))) for g in range(1, plan.nserver_groups)]
 
     def phases(self, model, compute: float, links: dict) -> Phases:
         # group 0's link also carries the other groups' syncs with the slices it masters
@@ -92,23 +92,23 @@ class DistributedHogwild(Strategy):
         # written), every sync_freq steps: asking, Δ = gather − last sync (2 + 3), a zeroed answer (1), scattered (2);
         # serving the other groups, Δ added into the slices it masters (3) and those gathered to answer (2). Update here
         # when that protocol changes.
-        c, slices = model.plan.cluster, model.trainable_slices()
-        mastered = sum(s.size for s in slices if model.plan.placement.master_group_of_slice(s.index) == 0)
+        plan, slices = model.plan, model.trainable_slices()
+        mastered = sum(s.size for s in slices if plan.placement.master_group_of_slice(s.index) == 0)
         asked = model.elements - mastered
-        moved = (8 * asked + 5 * mastered * (c.nserver_groups - 1)) / max(1, c.sync_freq)
+        moved = (8 * asked + 5 * mastered * (plan.nserver_groups - 1)) / max(1, plan.sync_freq)
         copies = model.copy_s(FLOAT * moved, model.workers_on_host(0))
         terms = ({"kind": "copies", "seconds": copies,
                   "what": f"the syncs' buffers on the host: {moved:,.0f} elements moved per step (asking and serving), at the copy bandwidth"},)
         return Phases(update=update + copies, exchange=model.exchange_s(busy), terms=terms,
-                      staleness=f"replicas drift for up to sync_freq = {max(1, model.plan.cluster.sync_freq)} local updates between syncs")
+                      staleness=f"replicas drift for up to sync_freq = {max(1, plan.sync_freq)} local updates between syncs")
 
     # -- runtime ------------------------------------------------------------------------------------
     def attach_exchanges(self, run) -> None:
         plan, t = run.plan, run.trainers[0]
-        c = plan.cluster
         door = channels.Door(DOOR) if plan.max_restarts > 0 else None  # restarted groups knock there
         t.attach_exchange(HogwildExchange(t.store, Server(t.store, make_updater(plan.updater)), plan.placement, run.rank, t.group,
-                                          c.sync_freq, c.nserver_groups, log=print, codecs=codec_factory(c.compression, c.topk_fraction),
+                                          plan.sync_freq, plan.nserver_groups, log=print,
+                                          codecs=codec_factory(plan.compression.kind, plan.compression.topk_fraction),
                                           door=door, rejoining=run.rejoining, timeout_s=plan.comm_timeout_s))
 
     def after_values(self, run, spec) -> None:

@@ -44,9 +44,9 @@ class Downpour(Strategy):
 
     # -- cost model ---------------------------------------------------------------------------------
     def traffic(self, model, move) -> None:
-        plan, c = model.plan, model.plan.cluster
+        plan = model.plan
         slices = model.trainable_slices()
-        for g in range(c.nworker_groups):
+        for g in range(plan.nworker_groups):
             ranks = plan.ranks_of_group(g)
             stub = ranks[0]
             for r in ranks[1:]:  # the group's processes sum into its stub and get the params back
@@ -54,7 +54,7 @@ class Downpour(Strategy):
                 move(stub, r, FLOAT * model.elements)
             if g:
                 continue  # bytes of one group's step: group 0's
-            for sid in range(c.nservers_per_group):
+            for sid in range(plan.nservers_per_group):
                 server = ServerId(0, sid)
                 rank = plan.placement.process_of(server)
                 mine = [s for s in slices if plan.placement.server_of_slice(s.index, 0) == server]
@@ -67,21 +67,21 @@ class Downpour(Strategy):
         group of several processes two reduces to its stub and a broadcast of the params back; per server, the stub
         sends a header, the gradient (an encoded part each) and the flags, and receives the values and a reply.
         Update here when that protocol changes."""
-        plan, c = model.plan, model.plan.cluster
+        plan = model.plan
         ranks = plan.ranks_of_group(0)
         terms = [Messages("inside the group: 2 reduces to its stub + 1 broadcast of the params", 3, "collective", tuple(ranks))] \
             if len(ranks) > 1 else []
-        sends = 2 + encoded_parts(c)
-        for sid in range(c.nservers_per_group):
+        sends = 2 + encoded_parts(plan.compression)
+        for sid in range(plan.nservers_per_group):
             server = plan.placement.process_of(ServerId(0, sid))
             terms.append(Messages(f"push and pull with the server in process {server}: {sends} sends (header, gradient, flags) + "
                                   "2 receives (values, reply)", sends + 2, "message", (ranks[0], server)))
         return terms
 
     def phases(self, model, compute: float, links: dict) -> Phases:
-        plan, c = model.plan, model.plan.cluster
+        plan = model.plan
         server_rank = plan.placement.process_of(ServerId(0, 0))
-        servers = max(1, c.nservers_per_group)
+        servers = max(1, plan.nservers_per_group)
         server_threads = max(1, model.cores // max(1, model.workers_on_host(model.where[server_rank]) + 1))
         update = model.update_s(model.elements / servers, server_threads)
         per_request = sum(v[0] for v in links[server_rank].values())  # bytes one group's step sends the server
@@ -105,9 +105,9 @@ class Downpour(Strategy):
         # the stub pushes, the server updates, then the values come back: one after the other, unless the answer
         # arrives while the group computes its next step (overlap_push)
         stub = plan.ranks_of_group(0)[0]
-        exchange = None if c.overlap_push else model.request_s(links, stub)
+        exchange = None if plan.asynchrony.overlap_push else model.request_s(links, stub)
         return Phases(update=update + stub_copies + server_copies, bounds=bounds, exchange=exchange, terms=terms,
-                      staleness=f"≈ {c.nworker_groups - 1} update(s) by other groups between a group's pull and push")
+                      staleness=f"≈ {plan.nworker_groups - 1} update(s) by other groups between a group's pull and push")
 
     def process_groups(self, placement, devices, nnodes: int, partition) -> tuple:
         # the processes of each worker group spread over several; a rejoined process makes none (it has no world) and
@@ -119,25 +119,25 @@ class Downpour(Strategy):
         """A Downpour process is a server or a group's worker(s). A group over several processes reduces to its stub
         and broadcasts back over the plan's group of its processes (`process_groups`)."""
         plan, rank, trainer = run.plan, run.rank, run.trainers[0]
-        c = plan.cluster
+        bounds = plan.asynchrony
         updater = make_updater(plan.updater)
-        group_ranks = {g: plan.ranks_of_group(g) for g in range(c.nworker_groups)}
+        group_ranks = {g: plan.ranks_of_group(g) for g in range(plan.nworker_groups)}
         hosted = plan.process(rank)
-        codecs = codec_factory(c.compression, c.topk_fraction)  # cluster.compression of the pushes
+        codecs = codec_factory(plan.compression.kind, plan.compression.topk_fraction)  # cluster.compression of the pushes
         if hosted.servers:
             run.server = DownpourServer(trainer.store, updater, plan.placement, hosted.servers[0],
                                         {g: ranks[0] for g, ranks in group_ranks.items()}, log=print,
-                                        max_staleness=c.max_staleness, warmup_steps=c.warmup_steps,
-                                        after_update=run.faults.server_update_hook(rank), max_update_lag=c.max_update_lag,
-                                        overlap_push=c.overlap_push, codecs=codecs)
+                                        max_staleness=bounds.max_staleness, warmup_steps=bounds.warmup_steps,
+                                        after_update=run.faults.server_update_hook(rank), max_update_lag=bounds.max_update_lag,
+                                        overlap_push=bounds.overlap_push, codecs=codecs)
             run.server.rank, run.server.workspace = rank, str(trainer.workspace)  # where a heal's record goes
             return
-        servers = {ServerId(0, i): plan.placement.process_of(ServerId(0, i)) for i in range(c.nservers_per_group)}
+        servers = {ServerId(0, i): plan.placement.process_of(ServerId(0, i)) for i in range(plan.nservers_per_group)}
         group = hosted.workers[0].group
         trainer.attach_exchange(DownpourExchange(trainer.store, updater, plan.placement, rank, group,
                                                  group_ranks[group], run.process_groups.get(worker_group_name(group)), servers, plan.global_batch,
-                                                 timeout_s=plan.comm_timeout_s, warmup_steps=c.warmup_steps,
-                                                 overlap_push=c.overlap_push, codecs=codecs,
+                                                 timeout_s=plan.comm_timeout_s, warmup_steps=bounds.warmup_steps,
+                                                 overlap_push=bounds.overlap_push, codecs=codecs,
                                                  servers_heal=self.servers_heal(plan)))
 
     def servers_heal(self, plan) -> bool:
@@ -156,7 +156,7 @@ class Downpour(Strategy):
         if spec.resume_from is not None:
             exchange.resume_at(chief.start_step, resumed_version(chief.start_step, run.plan))
         if chief.group != 0:  # groups join where group 0's warm-up ends, and finish at train_steps like it
-            chief.start_at(max(chief.start_step, run.plan.cluster.warmup_steps))
+            chief.start_at(max(chief.start_step, run.plan.asynchrony.warmup_steps))
             exchange.start_at(chief.start_step)
         if spec.rejoin is not None:  # from the servers' live values, at the step the group had reached
             rejoined.complete(run, spec)
@@ -172,7 +172,7 @@ class Downpour(Strategy):
         exchange = run.chief.exchange if run.chief is not None else None
         if not isinstance(exchange, DownpourExchange) or exchange.lag_histogram is None:  # a server process has none
             return None
-        first, steps, warmup = run.chief.start_step, run.plan.job.train_steps, run.plan.cluster.warmup_steps
+        first, steps, warmup = run.chief.start_step, run.plan.job.train_steps, run.plan.asynchrony.warmup_steps
         for group, counts in exchange.lag_histogram["groups"].items():
             counts["expected"] = max(0, steps - (first if group == "0" else max(first, warmup)))
         return exchange.lag_histogram
@@ -180,7 +180,7 @@ class Downpour(Strategy):
 
 def resumed_version(step: int, plan) -> int:
     """The server version a Downpour run resumes at: every group had done about `step` updates."""
-    return step * plan.cluster.nworker_groups
+    return step * plan.nworker_groups
 
 
 STRATEGY = Downpour()

@@ -12,13 +12,13 @@ class InMemoryDownpour(InMemoryGroups):
     share_memory = False
 
     def extra_param_bytes(self, model) -> int:
-        return FLOAT * sum(model.sizes.values()) * model.plan.cluster.nworker_groups  # each group computes on its own copy
+        return FLOAT * sum(model.sizes.values()) * model.plan.nworker_groups  # each group computes on its own copy
 
     def phases(self, model, compute: float, links: dict) -> Phases:
         plan, threads = model.plan, model.plan.threads_per_worker
         update = model.update_s(model.elements, threads) + 2 * FLOAT * model.elements / model.calib.bandwidth(threads)
         return Phases(update=update, bounds={"the shared server (updates one group at a time)": plan.global_batch / update},
-                      staleness=f"≈ {plan.cluster.nworker_groups - 1} update(s) by other groups between a group's pull and push")
+                      staleness=f"≈ {plan.nworker_groups - 1} update(s) by other groups between a group's pull and push")
 
 
 STRATEGY = InMemoryDownpour()

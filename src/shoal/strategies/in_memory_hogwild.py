@@ -31,7 +31,7 @@ class InMemoryGroups(Strategy):
             )
 
     def phases(self, model, compute: float, links: dict) -> Phases:
-        ngroups, threads = model.plan.cluster.nworker_groups, model.plan.threads_per_worker
+        ngroups, threads = model.plan.nworker_groups, model.plan.threads_per_worker
         update = model.update_s(model.elements, threads, ngroups)
         return Phases(update=update, staleness=f"≈ {(ngroups - 1) * compute / max(compute + update, 1e-12):.2f} updates by other "
                                                "groups between a group's read and write (lock-free)")
@@ -41,10 +41,11 @@ class InMemoryGroups(Strategy):
         return self.share_memory
 
     def attach_exchanges(self, run) -> None:
-        c, chief = run.plan.cluster, run.trainers[0]
+        plan, chief = run.plan, run.trainers[0]
+        bounds = plan.asynchrony
         # Hogwild: every group computes on the server's values; Downpour: each on its own copy
-        server = Server(chief.store if self.share_memory else chief.store.copy(), make_updater(run.plan.updater))
-        run.board = GroupBoard(c.nworker_groups, c.max_staleness, c.warmup_steps, c.max_update_lag)
+        server = Server(chief.store if self.share_memory else chief.store.copy(), make_updater(plan.updater))
+        run.board = GroupBoard(plan.nworker_groups, bounds.max_staleness, bounds.warmup_steps, bounds.max_update_lag)
         for t in run.trainers:
             t.attach_exchange(GroupExchange(server, run.board, t.group, None if self.share_memory else t.store))
 

@@ -56,19 +56,19 @@ class LocalSGD(Strategy):
             refuse_sparse_outer_step(c)
 
     def label(self, plan) -> str:
-        if plan.cluster.HasField("sparse_outer_step"):
+        if plan.meetings.sparse:
             return "SparseLoCo"
         return "DiLoCo" if plan.outer_updater is not None and plan.outer_updater.momentum > 0 else self.framework.value
 
     def notes(self, plan) -> list[str]:
         """When the groups meet, and what that costs against a synchronous exchange every step."""
-        c, steps = plan.cluster, max(1, plan.job.train_steps)
-        warmup = f"after each of the first {c.local_warmup_steps} steps (synchronous warm-up), then " if c.local_warmup_steps else ""
-        meetings = min(steps, c.local_warmup_steps) + max(0, steps - c.local_warmup_steps) // c.local_steps
-        notes = [f"groups meet {warmup}every {c.local_steps} steps: {meetings} meeting(s) in {steps} steps, "
+        m, steps = plan.meetings, max(1, plan.job.train_steps)
+        warmup = f"after each of the first {m.warmup_steps} steps (synchronous warm-up), then " if m.warmup_steps else ""
+        meetings = m.count(steps)
+        notes = [f"groups meet {warmup}every {m.local_steps} steps: {meetings} meeting(s) in {steps} steps, "
                  f"{steps / max(1, meetings):.1f}x fewer exchanges than a synchronous job's"]
-        if c.HasField("sparse_outer_step"):
-            o = c.sparse_outer_step
+        o = m.sparse_outer_step
+        if o is not None:
             notes.append(f"SparseLoCo outer step (cluster.sparse_outer_step): each group sends the {o.topk_per_chunk} largest of every "
                          f"{o.chunk_size} entries of its error-feedback accumulator (decay {o.error_decay:g}) in {o.value_bits}-bit values; "
                          f"the groups' mean, times {o.outer_lr:g}, is the outer step (no outer updater)")
@@ -86,12 +86,12 @@ class LocalSGD(Strategy):
         if plan.in_one_process:
             return
         ranks = [p.rank for p in plan.placement.processes]
-        gathers = plan.cluster.compression == job_pb2.kTopK or plan.cluster.HasField("sparse_outer_step")
+        gathers = plan.compression.topk or plan.meetings.sparse
         ring = (len(ranks) - 1) if gathers else 2 * (len(ranks) - 1) / len(ranks)
         message = model.encoded(model.elements)
-        if plan.cluster.HasField("sparse_outer_step"):  # SparseLoCo's buffer (its warm-up meetings are dense: not modelled)
+        if plan.meetings.sparse:  # SparseLoCo's buffer (its warm-up meetings are dense: not modelled)
             sizes = [s for n, s in model.sizes.items() if n in model.trainable]
-            message = SparseOuterStep.configured(plan.cluster.sparse_outer_step, sizes).message_bytes()
+            message = SparseOuterStep.configured(plan.meetings.sparse_outer_step, sizes).message_bytes()
         for i, r in enumerate(ranks):
             move(r, ranks[(i + 1) % len(ranks)], ring * message * meetings_per_step(plan))
 
@@ -102,10 +102,10 @@ class LocalSGD(Strategy):
         plan = model.plan
         if plan.in_one_process:
             return []
-        topk = plan.cluster.compression == job_pb2.kTopK
-        calls = encoded_parts(plan.cluster) if topk else 1
-        what = f"{calls} all-gather(s)" if topk else "one all-gather" if plan.cluster.HasField("sparse_outer_step") else "one all-reduce"
-        return [Messages(f"a meeting: {what} of the pseudo-gradient, every {plan.cluster.local_steps} steps", calls * meetings_per_step(plan),
+        topk = plan.compression.topk
+        calls = encoded_parts(plan.compression) if topk else 1
+        what = f"{calls} all-gather(s)" if topk else "one all-gather" if plan.meetings.sparse else "one all-reduce"
+        return [Messages(f"a meeting: {what} of the pseudo-gradient, every {plan.meetings.local_steps} steps", calls * meetings_per_step(plan),
                          "collective", tuple(p.rank for p in plan.placement.processes))]
 
     def phases(self, model, compute: float, links: dict) -> Phases:
@@ -121,13 +121,13 @@ class LocalSGD(Strategy):
 
     # -- runtime ------------------------------------------------------------------------------------
     def attach_exchanges(self, run) -> None:
-        plan, c = run.plan, run.plan.cluster
-        groups = c.nworker_groups
+        plan, meetings = run.plan, run.plan.meetings
+        groups = plan.nworker_groups
         if plan.in_one_process:
             meeting = InMemoryMeeting(groups, plan.comm_timeout_s)
             run.board = MeetingBoard(groups, -1, 0, meeting=meeting)
         else:
-            codecs = codec_factory(c.compression, c.topk_fraction)
+            codecs = codec_factory(plan.compression.kind, plan.compression.topk_fraction)
             ranks = [p.rank for p in plan.placement.processes]
             group_of = {r: plan.process(r).workers[0].group for r in ranks}
             first = None if run.rejoining else run.process_groups["meeting"]  # a restarted process knocks instead
@@ -136,9 +136,9 @@ class LocalSGD(Strategy):
             meeting = ProcessMeeting(groups, codecs() if codecs else None, quorum, group_of, first)
         for t in run.trainers:
             steps_done = None if run.board is None else (lambda steps, g=t.group: run.board.note_steps(g, steps))
-            t.attach_exchange(PeriodicExchange(t.store, make_updater(plan.updater), make_updater(plan.outer_updater), c.local_steps,
-                                               meeting, t.group, plan.global_batch, c.local_warmup_steps,
-                                               c.sparse_outer_step if c.HasField("sparse_outer_step") else None,
+            t.attach_exchange(PeriodicExchange(t.store, make_updater(plan.updater), make_updater(plan.outer_updater), meetings.local_steps,
+                                               meeting, t.group, plan.global_batch, meetings.warmup_steps,
+                                               meetings.sparse_outer_step,
                                                on_step_done=steps_done, annotate=_annotator(t)))
 
     def after_values(self, run, spec) -> None:
@@ -207,8 +207,7 @@ def refuse_sparse_outer_step(c) -> None:
 
 def meetings_per_step(plan) -> float:
     """Meetings of the groups per step, over the run (every step of the warm-up, then every local_steps)."""
-    c, steps = plan.cluster, max(1, plan.job.train_steps)
-    return (min(steps, c.local_warmup_steps) + max(0, steps - c.local_warmup_steps) // max(1, c.local_steps)) / steps
+    return plan.meetings.per_step(plan.job.train_steps)
 
 
 STRATEGY = LocalSGD()
