@@ -161,12 +161,16 @@ def test_clip_grad_norm_sees_the_groups_mean_gradient(one_worker, allreduce):
     assert max(single["norms"]) > 0.5  # the bound (0.5) clips: what it sees matters
 
 
-def test_diloco_over_two_processes_trains(script, tmp_path):
-    proc = shoal_run(script, tmp_path, tmp_path / "ws", *DILOCO)
+SPARSELOCO = DILOCO[:6] + ["--set", "cluster.sparse_outer_step.chunk_size=64", "--set", "cluster.sparse_outer_step.topk_per_chunk=8"]
+
+
+@pytest.mark.parametrize("options, label", [(DILOCO, "DiLoCo"), (SPARSELOCO, "SparseLoCo")])
+def test_diloco_over_two_processes_trains(script, tmp_path, options, label):
+    proc = shoal_run(script, tmp_path, tmp_path / "ws", *options)
     assert proc.returncode == 0, proc.stderr
     values0, said0 = ended(tmp_path, 0)
     values1, said1 = ended(tmp_path, 1)
-    assert said0["pid"] != said1["pid"] and said0["label"] == "DiLoCo" and said0["processes"] == 2
+    assert said0["pid"] != said1["pid"] and said0["label"] == label and said0["processes"] == 2
     assert all(torch.equal(values0[k], values1[k]) for k in values0)  # the last step (20) was a meeting: one anchor
     losses = train_losses(tmp_path / "ws")
     assert losses[-1] < 0.8 * losses[0]
@@ -191,6 +195,7 @@ def test_checkpoint_then_resume_continues_exactly(script, one_worker, tmp_path):
     (["--set", "cluster.nworker_groups=2", "--set", "cluster.nworkers_per_procs=1", "--set", "cluster.nserver_groups=1",
       "--set", "cluster.server_worker_separate=true"], "Downpour over 3 processes"),
     (["--set", "cluster.nworkers_per_group=2", "--set", "cluster.nworkers_per_procs=2"], "in-memory Sandblaster in one process"),
+    (ALLREDUCE + ["--set", "cluster.compression=kTopK"], "AllReduce with cluster.compression"),
 ])
 def test_a_layout_the_loop_cannot_run_is_refused_in_one_line(script, tmp_path, capsys, options, named):
     status = main(["run", str(script), "--workspace", str(tmp_path / "ws"), *options, "--", str(tmp_path), "-1"])

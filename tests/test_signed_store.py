@@ -203,6 +203,7 @@ def test_a_quorum_keeps_only_its_last_meetings_keys(fresh_book, monkeypatch):
     meetings = quorum.KEPT_MEETINGS + 40
     for meeting in range(meetings):
         assert chief.meet(meeting, meeting, lambda attempt: meeting).result == meeting
+    assert chief.swept()  # (the chief deletes them on a thread of its own)
     outcome = "shoal/quorum/m{}/a0/outcome"
     assert not raw.check([outcome.format(0)]) and not raw.check([outcome.format(meetings - quorum.KEPT_MEETINGS - 1)])
     assert all(raw.check([outcome.format(m)]) for m in range(meetings - quorum.KEPT_MEETINGS, meetings))

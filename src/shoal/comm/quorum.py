@@ -366,9 +366,15 @@ class Quorum:
             self.group.broadcast(flat, self.chief_rank)
 
     def close(self) -> None:
-        """The chief's meetings are over: a process still knocking has nothing left to join."""
+        """The chief's meetings are over: a process still knocking has nothing left to join (and the past meetings'
+        keys are deleted, within a second)."""
         if self.chief:
             self._set("closed", "1")
+            self._sweeper.swept(1.0)
+
+    def swept(self, timeout_s: float = 10.0) -> bool:
+        """Whether the chief's deletes of past meetings' keys are done (waiting up to `timeout_s`)."""
+        return self._sweeper.swept(timeout_s)
 
     # -- a restarted process -------------------------------------------------------------------------
     def join(self, incarnation: int, poll_s: float = 0.5) -> Admission:
@@ -542,7 +548,7 @@ class _Sweeper:
     one key per request, and none of them need hold up a step."""
 
     def __init__(self, store):
-        self._store, self._queue = store, queue.SimpleQueue()
+        self._store, self._queue = store, queue.Queue()
         self._thread: Optional[threading.Thread] = None
 
     def sweep(self, keys: list[str]) -> None:
@@ -551,11 +557,24 @@ class _Sweeper:
             self._thread.start()
         self._queue.put(keys)
 
+    def swept(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the keys handed over so far to be deleted; whether they were."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and self._thread is not None and self._thread.is_alive():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return not self._queue.unfinished_tasks
+
     def _run(self) -> None:
         try:
             store = self._store.clone()
             while True:
-                store.delete(self._queue.get())
+                keys = self._queue.get()
+                try:
+                    store.delete(keys)
+                finally:
+                    self._queue.task_done()
         except (dist.DistError, RuntimeError):  # the store is gone: the job is ending
             return
 

@@ -80,18 +80,17 @@ def check_layout(plan: JobPlan) -> None:
     each (AllReduce: the replicated update); Local SGD / DiLoCo groups over processes, one worker each; Distributed
     Hogwild groups over processes, one worker each, on CPU. Every other layout is refused in one line naming it and
     what runs it."""
-    c = plan.cluster
     one_worker_each = all(len(p.workers) == 1 for p in plan.placement.processes) and not any(p.servers and not p.workers
                                                                                            for p in plan.placement.processes)
     if plan.in_one_process and plan.nworkers == 1:
         return
-    if not plan.in_one_process and one_worker_each and not c.server_worker_separate and c.nworker_groups == 1 \
+    if not plan.in_one_process and one_worker_each and not plan.server_worker_separate and plan.nworker_groups == 1 \
             and plan.strategy.synchronous:
+        if not plan.compression.dense:  # the replicated update sums whole gradients; compressed, fit's sliced owners do
+            raise SessionError(f"shoal.session: {plan.label} with cluster.compression is not supported in your own loop yet: "
+                               "use a job file (`shoal run job.conf`) or shoal.fit for it")
         return
-    if not plan.in_one_process and one_worker_each and plan.strategy.meets and c.nworkers_per_group == 1:
-        if plan.cluster.HasField("sparse_outer_step"):
-            raise SessionError("shoal.session: SparseLoCo (cluster.sparse_outer_step) is not supported in your own loop yet: "
-                               "use a job file or shoal.fit")
+    if not plan.in_one_process and one_worker_each and plan.strategy.meets and plan.nworkers_per_group == 1:
         return
     if syncs_with_peers(plan) and one_worker_each:
         if plan.strategy.params_on_host and any(not device.startswith("cpu") for device in plan.all_devices()):
@@ -112,7 +111,9 @@ def syncs_with_peers(plan: JobPlan) -> bool:
 def plan_session(job: job_pb2.JobProto, nnodes: int = 1) -> JobPlan:
     """The plan (on `nnodes` hosts: a launcher's), its layout checked; `shoal plan script.py` shows the session's job
     (a layout the loop cannot run refused as `shoal run` refuses it) and stops the script here."""
-    plan = plan_job(job, nnodes=nnodes)
+    from shoal.strategies.registry import REGISTRY
+
+    plan = plan_job(job, nnodes=nnodes, strategies=REGISTRY)
     check_layout(plan)
     try:
         script.plan_instead(job)
