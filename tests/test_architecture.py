@@ -85,10 +85,10 @@ def test_the_layers_above_the_strategies_take_only_their_registry():
 def test_the_registry_rule_sees_a_strategy_module(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from shoal.strategies.registry import REGISTRY\nfrom shoal.strategies import downpour\n"
-                   "def f():\n    from shoal.strategies.local_sgd import meetings_per_step\n")
+                   "def f():\n    from shoal.strategies.local_sgd import refuse_sparse_outer_step\n")
     assert strategy_imports([bad]) == ["bad.py imports shoal.strategies", "bad.py imports shoal.strategies.downpour",
                                        "bad.py imports shoal.strategies.local_sgd",
-                                       "bad.py imports shoal.strategies.local_sgd.meetings_per_step"]
+                                       "bad.py imports shoal.strategies.local_sgd.refuse_sparse_outer_step"]
 
 
 def test_the_rules_see_a_violation(tmp_path):
@@ -353,7 +353,9 @@ def test_the_tag_check_sees_a_tag(tmp_path):
     bad.write_text("from shoal.comm import dist as comm\nTAG_BASE = 1 << 20\ncomm.isend(t, 1, 5)\ndef f(x, tag): pass\n"
                    "group.broadcast(t, src=0)\n")
     assert tagged_messages([bad]) == ["bad.py:2 TAG_BASE", "bad.py:3 comm.isend()", "bad.py:4 tag"]
-STRATEGY_HOMES = [SRC / "strategies", SRC / "planning" / "strategy.py"]
+# where code may decide by framework: the strategies, their base and the cost model's table of frameworks (issue 41:
+# a framework's cost terms are in planning/framework_costs/, found by the plan's Framework)
+STRATEGY_HOMES = [SRC / "strategies", SRC / "planning" / "strategy.py", SRC / "planning" / "framework_costs" / "__init__.py"]
 EXCHANGES = SRC / "runtime" / "exchanges"  # defines the concrete exchanges (and may use its own), never a Framework
 
 
@@ -583,3 +585,58 @@ def test_the_group_check_sees_a_group_of_its_own(tmp_path):
                    "def f(store):\n    return dist.ProcessGroupGloo(store, 0, 2)\nok = collectives.create(plan.process_groups)\n")
     assert group_makings(bad) == ["bad.py:4 S.attach new_group()", "bad.py:5 S.attach collectives.create(mine)",
                                   "bad.py:7 f ProcessGroupGloo()"]
+
+
+# issue 41 point 3: the cost model lives in planning (planning/framework_costs/ per framework, and the modules below),
+# so a reader of the strategies never meets a cost term
+COST_MODEL = ["shoal.planning.framework_costs", "shoal.planning.costs", "shoal.planning.module_costs", "shoal.planning.estimate",
+              "shoal.planning.alternatives", "shoal.planning.recommend", "shoal.planning.measured_tradeoffs", "shoal.runtime.calibrate"]
+
+
+def cost_terms() -> set[str]:
+    """The cost model's per-framework terms by name: every function and method planning/framework_costs/ defines at
+    its top level or in a class (traffic, messages, phases, served_elements, encoded_parts, exchange_buckets, ...)."""
+    names = set()
+    for path in (SRC / "planning" / "framework_costs").glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            bodies = node.body if isinstance(node, ast.ClassDef) else [node]
+            names.update(f.name for f in bodies if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)))
+    return names
+
+
+def cost_model_uses(path: Path, terms: set[str]) -> list[str]:
+    """Where a file imports the cost model (COST_MODEL), or defines or calls a function or method named as one of its
+    `terms`; each as 'file:line what'."""
+    where = str(path.relative_to(SRC)) if path.is_relative_to(SRC) else path.name
+    found = [f"{where} imports {name}" for name in sorted(imports_of(path))
+             if any(name == m or name.startswith(m + ".") for m in COST_MODEL)]
+    uses = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in terms:
+            uses.append((node.lineno, f"defines {node.name}"))
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if name in terms:
+                uses.append((node.lineno, f"calls {name}()"))
+    return found + [f"{where}:{line} {what}" for line, what in sorted(uses)]
+
+
+def test_the_strategies_hold_no_cost_model():
+    """A strategy recognises its layout and builds its exchanges; what they move and cost is planning's
+    (planning/framework_costs/, issue 41): no module of shoal/strategies/, nor the Strategy base, imports the cost model
+    or defines or calls one of its terms."""
+    terms = cost_terms()
+    assert {"traffic", "messages", "phases", "served_elements", "extra_param_bytes", "encoded_parts", "meetings_per_step"} <= terms
+    assert [hit for path in files_of("strategies") + [SRC / "planning" / "strategy.py"] for hit in cost_model_uses(path, terms)] == []
+
+
+def test_the_cost_rule_sees_a_cost_term(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from shoal.planning.framework_costs.base import Phases\nclass S:\n    def traffic(self, model, move):\n"
+                   "        move(0, 1, encoded_parts(model.plan.compression))\n"
+                   "    def attach_exchanges(self, run):\n        from shoal.planning import estimate\n        return self.phases(run)\n")
+    assert cost_model_uses(bad, cost_terms()) == [
+        "bad.py imports shoal.planning.estimate", "bad.py imports shoal.planning.framework_costs.base",
+        "bad.py imports shoal.planning.framework_costs.base.Phases", "bad.py:3 defines traffic", "bad.py:4 calls encoded_parts()",
+        "bad.py:7 calls phases()"]

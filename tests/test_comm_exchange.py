@@ -14,7 +14,7 @@ from shoal.planning.placement import ParamSlice, place, slice_params
 from shoal.comm import collectives, dist as comm
 from shoal.planning.buckets import plan_buckets
 from shoal.planning.plan import plan_job
-from shoal.planning.process_groups import sliced_groups
+from shoal.planning.process_groups import job_group, sliced_groups
 from shoal.runtime.exchanges.local import LocalExchange
 from shoal.runtime.exchanges.sliced import SlicedExchange
 from shoal.runtime.exchanges.server import Server
@@ -82,7 +82,8 @@ def build(job_path: Path, tmp_path: Path, sliced: bool, cap: int = 40) -> Traine
     trainer = Trainer(plan, tmp_path / ("sliced" if sliced else "local"), [job_path.parent], torch.device("cpu"), log=lambda *a: None, progress=False)
     if sliced:
         # one process: the plan names no group (it needs none); the sliced one it would name over processes, on gloo
-        groups = collectives.create(sliced_groups(plan.placement, [[] for _ in plan.placement.processes]))
+        devices = [[] for _ in plan.placement.processes]
+        groups = collectives.create(sliced_groups(plan.placement, devices) + (job_group(devices),))
         trainer.attach_exchange(SlicedExchange(trainer.store, make_updater(job.updater), plan.placement, 0, trainer.global_batch,
                                                trainer.workers, cap, groups=groups))
     else:

@@ -306,10 +306,12 @@ def test_a_world_on_one_gpu_joins_with_nccl_and_reduces_cuda_tensors(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     script = (
-        "import torch; from shoal.comm import dist as comm\n"
+        "import torch; from shoal.comm import collectives, dist as comm\n"
+        "from shoal.planning.process_groups import job_group\n"
         "backend = comm.process_group_backend([['cuda:0']], [0], comm.nccl_usable())\n"
         f"comm.init(0, 1, '127.0.0.1', {free_port()}, backend=backend)\n"
-        "t = torch.ones(3, device='cuda:0'); comm.all_reduce_sum(t); c = torch.ones(2); comm.all_reduce_sum(c)\n"
+        "job = collectives.whole_job([job_group([['cuda:0']])])\n"
+        "t = torch.ones(3, device='cuda:0'); comm.all_reduce_sum(t, job); c = torch.ones(2); comm.all_reduce_sum(c, job)\n"
         "print(comm.backend_name(), t.sum().item(), c.sum().item()); comm.shutdown()\n")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -297,7 +297,7 @@ def test_the_bridges_between_processes_move_what_the_cost_model_says(blobs_dir, 
     import torch.multiprocessing as mp
 
     from shoal.comm.dist import free_port
-    from shoal.strategies.allreduce import bridges_between_processes
+    from shoal.planning.framework_costs.allreduce import bridges_between_processes
 
     job = tmp_path / "job.conf"
     job.write_text(job_text(blobs_dir, net="partition_dim: 1", steps=2, layout="AllReduce, 2 processes"))

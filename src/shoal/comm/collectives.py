@@ -120,14 +120,16 @@ def create(specs: Iterable) -> dict[str, Group]:
     """Make every group the plan names (ProcessGroupPlan: name, ranks, nccl, dedicated), on every rank, in the plan's order.
 
     A group of every rank that may ride NCCL exactly when the world does is the world itself (no new connections),
-    unless it is dedicated: used by some threads while others use other groups (bridges), it needs a handle of its own."""
+    unless it is dedicated: used by some threads while others use other groups (bridges), it needs a handle of its own.
+    The whole job (`world`) is always the world itself, on NCCL exactly when the world is."""
     specs = list(specs)
-    if not specs:  # nothing to make: no process group needed (a layout without collectives)
-        return {}
+    groups: dict[str, Group] = {spec.name: _world(spec) for spec in specs if spec.world}
+    made = [spec for spec in specs if not spec.world]
+    if not made:  # nothing to make (a layout whose exchanges use no group of their own)
+        return groups
     world = dist.get_world_size()
     world_on_nccl = "nccl" in str(dist.get_backend())
-    groups: dict[str, Group] = {}
-    for spec in specs:
+    for spec in made:
         ranks = tuple(sorted(spec.ranks))
         on_nccl = bool(spec.nccl) and nccl_usable()
         if ranks == tuple(range(world)) and on_nccl == world_on_nccl and not spec.dedicated:
@@ -137,3 +139,14 @@ def create(specs: Iterable) -> dict[str, Group]:
                                     timeout=group_timeout())  # a stalled peer fails the others as the world's would
         groups[spec.name] = Group(spec.name, ranks, handle, on_nccl)
     return groups
+
+
+def whole_job(specs: Iterable) -> Group:
+    """The whole job's group among the plan's (its `world` one): the world's own handle, so nothing is made and any
+    rank may take it at any time (a user's loop's first values, before its exchange makes the rest)."""
+    return _world(next(spec for spec in specs if spec.world))
+
+
+def _world(spec) -> Group:
+    """(Its backend read once the world exists: a process assembled without one never uses it.)"""
+    return Group(spec.name, tuple(sorted(spec.ranks)), None, dist.is_initialized() and "nccl" in str(dist.get_backend()))

@@ -336,24 +336,25 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def broadcast(tensor: torch.Tensor, src: int) -> None:
+# -- blocking collectives on a group the plan names (shoal.comm.collectives.Group): counted for `progress` -----------
+def broadcast(tensor: torch.Tensor, src: int, group) -> None:
     _enter()
     with in_plain_words():
-        dist.broadcast(tensor, src=src)
+        dist.broadcast(tensor, src=src, group=group.handle)
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> None:
+def all_reduce_sum(tensor: torch.Tensor, group) -> None:
     _enter()
     with in_plain_words():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group.handle)
 
 
-def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's `tensor` (same shape and dtype everywhere), in rank order."""
+def all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every member's `tensor` (same shape and dtype everywhere), in rank order."""
     _enter()
-    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    gathered = [torch.empty_like(tensor) for _ in group.ranks]
     with in_plain_words():
-        dist.all_gather(gathered, tensor)
+        dist.all_gather(gathered, tensor, group=group.handle)
     return gathered
 
 

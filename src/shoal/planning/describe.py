@@ -37,7 +37,7 @@ def describe(plan: JobPlan) -> dict:
         "partition_notes": list(plan.notes),
         "compression": _compression(plan),
         "process_groups": [{"name": g.name, "ranks": list(g.ranks), "cuda_over": "nccl" if g.nccl else "gloo via the host"}
-                           for g in plan.process_groups],
+                           for g in plan.process_groups if not g.world],  # (the whole job: the world, as ever)
         # what the launcher passes down (cluster.*_timeout_s, or their SHOAL_* overrides): seconds
         "timeouts": {name: getattr(plan, name) for name in TIMEOUT_OVERRIDES},
         "params": {name: list(shape) for name, shape in plan.params.items()},

@@ -4,7 +4,7 @@ The model (docs/planning.md has the page): a group's step is the slowest worker'
 backward (shoal.planning.costs, on the calibrated machine, the host's memory bandwidth shared by
 the workers computing at once), then the exchange (the exact bytes the framework's exchange
 moves, at the link's calibrated bandwidth, plus a fixed cost for each collective and message the
-strategy counts: the calibrated cost of one small collective, and the link's latency per hop between
+framework counts (planning/framework_costs/): the calibrated cost of one small collective, and the link's latency per hop between
 hosts), then the update (the
 updater's memory traffic over the elements each server owns). Nothing overlaps: backward and
 the exchange compete for the same cores on a CPU host. Asynchronous groups run side by side; the
@@ -28,7 +28,7 @@ from shoal.planning.partition import PartitionPlan
 from shoal.planning.module_costs import describe_basis, module_costs_of
 from shoal.planning.nodes import node_of_rank
 from shoal.planning.plan import JobPlan, busiest_node_workers
-from shoal.planning.strategy import Messages
+from shoal.planning.framework_costs import Messages, costs_of
 
 
 @dataclass
@@ -311,9 +311,9 @@ class _Model:
         return term.hops * (each + (self.latency if remote else 0.0))
 
     def fixed_costs(self) -> list[dict]:
-        """The strategy's collectives and messages of one group step, each term with its count and cost."""
+        """The framework's collectives and messages of one group step, each term with its count and cost."""
         return [{"what": t.what, "kind": t.kind, "count": t.count, "ranks": len(t.ranks), "each_s": self.message_s(t),
-                 "seconds": t.count * self.message_s(t)} for t in self.plan.strategy.messages(self) if t.count > 0]
+                 "seconds": t.count * self.message_s(t)} for t in costs_of(self.plan).messages(self) if t.count > 0]
 
     def workers(self) -> tuple[list[WorkerEstimate], dict[int, float]]:
         """Every worker's compute, and each group's (its slowest worker's) forward + backward seconds."""
@@ -357,13 +357,13 @@ class _Model:
         all_params = FLOAT * sum(self.sizes.values())
         params = all_params * len(devices) if proc.workers else 0
         served = sum(s.size for srv in proc.servers for s in plan.placement.slices_of(srv) if s.param in self.trainable)
-        served = plan.strategy.served_elements(self, rank, served)
+        served = costs_of(plan).served_elements(self, rank, served)
         if not proc.workers:
             params = FLOAT * served
         costs = worker_costs(plan.partition, shares, plan.threads_per_worker)
         grads = FLOAT * sum(self._computed_elements(w.id) for w in proc.workers)
         acts = sum(c.activation_bytes for w in proc.workers for c in costs[w.id])
-        params += plan.strategy.extra_param_bytes(self)
+        params += costs_of(plan).extra_param_bytes(self)
         return params, grads, FLOAT * self.slots * served, acts
 
     def _computed_elements(self, worker: int) -> int:
@@ -373,7 +373,7 @@ class _Model:
             total += whole if view.axis < 0 else whole // self.plan.params[view.name][view.axis] * view.size
         return total
 
-    # -- bytes per step: the strategy's messages ------------------------------------------------------
+    # -- bytes per step: the framework's messages -----------------------------------------------------
     def encoded(self, elements: int) -> int:
         return encoded_bytes(self.plan.cluster, elements)
 
@@ -382,7 +382,7 @@ class _Model:
 
     def traffic(self) -> dict[int, dict[int, list[int]]]:
         """rank -> peer -> [sent, received] bytes per group step (a synchronous group's, or one async group's)."""
-        return self.links_of(lambda move: self.plan.strategy.traffic(self, move))
+        return self.links_of(lambda move: costs_of(self.plan).traffic(self, move))
 
     def in_memory_bytes(self) -> int:
         """A group in one process: bridged blobs between its workers, plus the replicated gradients other workers
@@ -416,7 +416,7 @@ class _Model:
         exchange = self.exchange_s(links)
         ngroups = c.nworker_groups
         batch = plan.global_batch
-        terms = plan.strategy.phases(self, compute, links)
+        terms = costs_of(plan).phases(self, compute, links)
         reduce, update, staleness = terms.reduce, terms.update, terms.staleness
         fixed = self.fixed_costs()
         exchange = (exchange if terms.exchange is None else terms.exchange) + sum(f["seconds"] for f in fixed)

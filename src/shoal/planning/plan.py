@@ -30,7 +30,7 @@ from shoal.planning.devices import worker_device_names
 from shoal.planning.nodes import node_of_rank
 from shoal.planning.partition import PartitionPlan, partition
 from shoal.planning.placement import Placement, ProcessPlan, WorkerId, place
-from shoal.planning.process_groups import ProcessGroupPlan
+from shoal.planning.process_groups import ProcessGroupPlan, job_group
 from shoal.planning.shares import GroupShards, train_input_shares
 from shoal.planning.strategy import (Framework, Layout, Registry, Strategy, UnsupportedClusterError,  # noqa: F401 - re-exported
                                      installed_registry, recognise)
@@ -235,7 +235,8 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
         bucket_elements=cap_from_env(environ, job.cluster.bucket_mb),
         max_restarts=restarts_override(environ, job.cluster.max_restarts),
         **{name: seconds_override(environ, variable, name, getattr(job.cluster, name)) for name, variable in TIMEOUT_OVERRIDES.items()},
-        process_groups=strategy.process_groups(placement, devices, nnodes, parts) if len(placement.processes) > 1 else (),
+        process_groups=(strategy.process_groups(placement, devices, nnodes, parts) + (job_group(devices, nnodes),)
+                        if len(placement.processes) > 1 else ()),
         checkpoint_interval_s=0.0 if job.checkpoint_freq > 0 else float(job.checkpoint_interval_s),
         round_steps=max(1, strategy.round_steps(job.cluster)[0]),
     )

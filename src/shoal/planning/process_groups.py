@@ -7,10 +7,14 @@ has nothing for it to move; such a group is gloo's, and its CUDA tensors stage t
 
 A partitioned group spanning processes adds one group per pair of its workers that a bridge joins
 across processes (`bridge_groups`): a pair's two threads alone use it, both in the plan's node order.
+
+Every plan of several processes also names the whole job (`job_group`, last): the collectives every process
+joins (the sliced exchange's metrics, clipping norm and totals, the replicated exchange's first meeting, a
+user's loop's first values). No collective runs on any group but these (tests/test_architecture_collectives.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from shoal.config import job_pb2
@@ -27,6 +31,9 @@ class ProcessGroupPlan:
     # never the world's own handle, even with the world's ranks: its collectives run while other threads of the same
     # processes run theirs on other groups (a bridge pair's), which on one handle would be matched out of order
     dedicated: bool = False
+    # the whole job: the world's own handle (no connections of its own), CUDA tensors on NCCL exactly when the world's
+    # backend carries them (comm.dist.process_group_backend, the same rule as `nccl_capable`)
+    world: bool = False
 
 
 def nccl_capable(rank_devices: Sequence[Sequence[str]], rank_nodes: Sequence[int]) -> bool:
@@ -70,6 +77,14 @@ def whole_group(name: str, ranks: Sequence[int], devices: Sequence[Sequence[str]
     node = node_of_rank(len(devices), nnodes)
     ranks = tuple(sorted(ranks))
     return ProcessGroupPlan(name, ranks, nccl_capable([devices[r] for r in ranks], [node[r] for r in ranks]))
+
+
+JOB_GROUP = "job"
+
+
+def job_group(devices: Sequence[Sequence[str]], nnodes: int = 1) -> ProcessGroupPlan:
+    """Every process of the job (`devices`: each rank's), the world: what the collectives every process joins run over."""
+    return replace(whole_group(JOB_GROUP, range(len(devices)), devices, nnodes), world=True)
 
 
 def worker_group_name(group: int) -> str:

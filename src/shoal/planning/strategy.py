@@ -3,9 +3,10 @@
 A framework (SINGA's names for cluster layouts: AllReduce, Downpour, Local SGD, ...) is one
 `Strategy` object, defined in one module of `shoal.strategies` and listed in
 `shoal.strategies.registry.REGISTRY`. The planning side of a strategy (this base class) is pure:
-recognising its layout, its refusals and notes for `shoal plan`, its labels and its cost-model
-terms. Its runtime side (building its exchanges in the assembly, what it restores, whether its
-groups rejoin) is implemented in the same module; planning only declares it.
+recognising its layout, its refusals and notes for `shoal plan`, its labels. Its runtime side (building its
+exchanges in the assembly, what it restores, whether its groups rejoin) is implemented in the same module;
+planning only declares it. Its cost model (bytes, messages, time terms) is not a strategy's: it is
+planning/framework_costs/<framework>.py's, found by the plan's Framework.
 
 planning/ never imports the strategies (they import runtime/, which imports planning/), not even by
 name: every planning function that needs them takes the registry as an argument, and where none is
@@ -77,38 +78,6 @@ class Layout:
         return self.cluster.nworker_groups > 1 and self.cluster.local_steps <= 0
 
 
-@dataclass
-class Phases:
-    """A strategy's terms of one group step in the cost model (planning/estimate.py), in seconds."""
-
-    reduce: float = 0.0
-    update: float = 0.0
-    exchange: Optional[float] = None  # None: the model's time for the strategy's traffic
-    staleness: str = ""
-    bounds: Optional[dict[str, float]] = None  # samples/s caps of what the groups share
-    # named parts of the phases above, printed one line each: {"kind", "what", "seconds"} (e.g. an exchange's copies)
-    terms: tuple = ()
-
-
-@dataclass(frozen=True)
-class Messages:
-    """Calls one group step makes that each pay a fixed cost whatever their size (the cost model's per-message term).
-
-    `kind` "collective": a gloo collective over the processes `ranks` (reduce, broadcast, all-reduce, gather: about
-    one hop per member but one, in sequence); "message": one point-to-point send or receive of a request/response
-    protocol between `ranks` (its two ends).
-    `count` is per group step, averaged where they happen every few steps (a meeting every H steps: 1/H)."""
-
-    what: str  # e.g. "reduce + broadcast per bucket (2 buckets)"
-    count: float
-    kind: str = "collective"
-    ranks: tuple[int, ...] = ()
-
-    @property
-    def hops(self) -> int:
-        return max(1, len(self.ranks) - 1) if self.kind == "collective" else 1
-
-
 class Strategy:
     """One framework: everything specific to it. Subclasses live in shoal/strategies/, one module each."""
 
@@ -156,29 +125,9 @@ class Strategy:
         return ()
 
     def round_steps(self, cluster: job_pb2.ClusterProto) -> tuple[int, str]:
-        """Steps between two meetings of the processes, and what such a meeting is called."""
+        """Steps between two meetings of the processes, and what such a meeting is called (the plan's round_steps: how
+        far a trainer runs ahead of the chief between checkpoints; the meeting `shoal plan --recommend` times)."""
         return 1, "step"
-
-    # cost model (planning/estimate.py's _Model is `model`)
-    def served_elements(self, model: Any, rank: int, served: int) -> int:
-        """Elements the updater of process `rank` updates (`served`: those of the slices its servers own)."""
-        return model.elements if model.plan.in_one_process else served
-
-    def extra_param_bytes(self, model: Any) -> int:
-        """Param bytes a process holds besides its workers' (copies of its own)."""
-        return 0
-
-    def traffic(self, model: Any, move) -> None:
-        """Call move(src_rank, dst_rank, bytes) for every message of one group step (none in memory)."""
-
-    def messages(self, model: Any) -> list[Messages]:
-        """The collectives and point-to-point messages one group step issues (none in memory), counted from the
-        exchange's code: keep in step with runtime/exchanges/ (each strategy names what it counts)."""
-        return []
-
-    def phases(self, model: Any, compute: float, links: dict) -> Phases:
-        """The reduce, update (and exchange, bounds, staleness) terms of one group step."""
-        return Phases(update=model.update_s(model.elements, model.plan.threads_per_worker))
 
     # -- runtime (implemented next to the planning side, in shoal/strategies/<framework>.py) -------------
     def attach_exchanges(self, run: Any) -> None:

@@ -7,14 +7,12 @@ from __future__ import annotations
 from typing import Optional
 
 from shoal.neuralnet.updaters import make_updater
-from shoal.planning.costs import FLOAT
 from shoal.planning.placement import ServerId
 from shoal.planning.process_groups import worker_group_name, worker_groups
-from shoal.planning.strategy import Framework, Layout, Messages, Phases, Strategy, UnsupportedClusterError
+from shoal.planning.strategy import Framework, Layout, Strategy, UnsupportedClusterError
 from shoal.runtime import rejoined
 from shoal.runtime.exchanges.compression import codec_factory
 from shoal.runtime.exchanges.downpour import DownpourExchange, DownpourServer
-from shoal.strategies.allreduce import encoded_parts
 
 
 class Downpour(Strategy):
@@ -41,73 +39,6 @@ class Downpour(Strategy):
             )
         if any(len({w.group for w in p.workers}) > 1 for p in layout.placement.processes):
             raise UnsupportedClusterError("cluster: a process hosting workers of several groups is not supported over processes yet")
-
-    # -- cost model ---------------------------------------------------------------------------------
-    def traffic(self, model, move) -> None:
-        plan = model.plan
-        slices = model.trainable_slices()
-        for g in range(plan.nworker_groups):
-            ranks = plan.ranks_of_group(g)
-            stub = ranks[0]
-            for r in ranks[1:]:  # the group's processes sum into its stub and get the params back
-                move(r, stub, FLOAT * model.elements + 4 * len(model.trainable))
-                move(stub, r, FLOAT * model.elements)
-            if g:
-                continue  # bytes of one group's step: group 0's
-            for sid in range(plan.nservers_per_group):
-                server = ServerId(0, sid)
-                rank = plan.placement.process_of(server)
-                mine = [s for s in slices if plan.placement.server_of_slice(s.index, 0) == server]
-                size = sum(s.size for s in mine)
-                move(stub, rank, model.encoded(size) + len(mine) + 24)  # gradient, flags, header
-                move(rank, stub, FLOAT * size + 16)  # values, version and staleness
-
-    def messages(self, model) -> list[Messages]:
-        """One group's step (runtime/exchanges/downpour.py: DownpourExchange.step, _push_pull, _await_answer): inside a
-        group of several processes two reduces to its stub and a broadcast of the params back; per server, the stub
-        sends a header, the gradient (an encoded part each) and the flags, and receives the values and a reply.
-        Update here when that protocol changes."""
-        plan = model.plan
-        ranks = plan.ranks_of_group(0)
-        terms = [Messages("inside the group: 2 reduces to its stub + 1 broadcast of the params", 3, "collective", tuple(ranks))] \
-            if len(ranks) > 1 else []
-        sends = 2 + encoded_parts(plan.compression)
-        for sid in range(plan.nservers_per_group):
-            server = plan.placement.process_of(ServerId(0, sid))
-            terms.append(Messages(f"push and pull with the server in process {server}: {sends} sends (header, gradient, flags) + "
-                                  "2 receives (values, reply)", sends + 2, "message", (ranks[0], server)))
-        return terms
-
-    def phases(self, model, compute: float, links: dict) -> Phases:
-        plan = model.plan
-        server_rank = plan.placement.process_of(ServerId(0, 0))
-        servers = max(1, plan.nservers_per_group)
-        server_threads = max(1, model.cores // max(1, model.workers_on_host(model.where[server_rank]) + 1))
-        update = model.update_s(model.elements / servers, server_threads)
-        per_request = sum(v[0] for v in links[server_rank].values())  # bytes one group's step sends the server
-        remote = any(model.where[p.rank] != model.where[server_rank] for p in plan.placement.processes)
-        batch = plan.global_batch
-        # a request occupies the server's link for its bytes and its messages' fixed costs (served one after another)
-        request_s = per_request / (model.link_bw if remote else model.calib.link_gbps * 1e9) + sum(
-            f["seconds"] for f in model.fixed_costs() if f["kind"] == "message")
-        # the protocol's copies on the host (runtime/exchanges/downpour.py), counted from its code in elements moved (read +
-        # written): the stub weighs the gradient (2), lays it into a zeroed flat buffer (3), gathers each server's part (2),
-        # and scatters the pulled values from a zeroed buffer into the params (3); a server receives into a zeroed buffer (1)
-        # and gathers the fresh values it sends back (2). Update here when that protocol changes.
-        stub_host = model.where[plan.ranks_of_group(0)[0]]
-        stub_copies = model.copy_s(FLOAT * 10 * model.elements, model.workers_on_host(stub_host))
-        server_copies = model.copy_s(FLOAT * 3 * model.elements / servers, model.workers_on_host(model.where[server_rank]))
-        bounds = {"the server's link": batch / max(request_s, 1e-12),
-                  "the server's updates": batch / max(update + server_copies, 1e-12)}
-        terms = ({"kind": "copies", "seconds": stub_copies + server_copies,
-                  "what": f"the push's and pull's buffers on the host: {10 * model.elements:,} elements moved by the group's stub, "
-                          f"{3 * model.elements // servers:,} by each server, at the copy bandwidth"},)
-        # the stub pushes, the server updates, then the values come back: one after the other, unless the answer
-        # arrives while the group computes its next step (overlap_push)
-        stub = plan.ranks_of_group(0)[0]
-        exchange = None if plan.asynchrony.overlap_push else model.request_s(links, stub)
-        return Phases(update=update + stub_copies + server_copies, bounds=bounds, exchange=exchange, terms=terms,
-                      staleness=f"≈ {plan.nworker_groups - 1} update(s) by other groups between a group's pull and push")
 
     def process_groups(self, placement, devices, nnodes: int, partition) -> tuple:
         # the processes of each worker group spread over several; a rejoined process makes none (it has no world) and

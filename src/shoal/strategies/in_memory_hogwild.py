@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from shoal.neuralnet.updaters import make_updater
-from shoal.planning.strategy import Framework, Layout, Phases, Strategy, UnsupportedClusterError
+from shoal.planning.strategy import Framework, Layout, Strategy, UnsupportedClusterError
 from shoal.runtime.exchanges.groups import GroupBoard, GroupExchange
 from shoal.runtime.exchanges.server import Server
 
@@ -29,12 +29,6 @@ class InMemoryGroups(Strategy):
                 "cluster: asynchronous groups in one process need nserver_groups: 1 (in-memory Hogwild or Downpour); "
                 "Distributed Hogwild runs one group per process"
             )
-
-    def phases(self, model, compute: float, links: dict) -> Phases:
-        ngroups, threads = model.plan.nworker_groups, model.plan.threads_per_worker
-        update = model.update_s(model.elements, threads, ngroups)
-        return Phases(update=update, staleness=f"≈ {(ngroups - 1) * compute / max(compute + update, 1e-12):.2f} updates by other "
-                                               "groups between a group's read and write (lock-free)")
 
     # -- runtime ------------------------------------------------------------------------------------
     def shares_one_store(self) -> bool:

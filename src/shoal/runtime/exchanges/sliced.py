@@ -60,7 +60,7 @@ from shoal.runtime.exchanges.compression import Codec, codecs_state, load_codecs
 
 
 from shoal.comm import collectives
-from shoal.planning.process_groups import sliced_group_name
+from shoal.planning.process_groups import JOB_GROUP, sliced_group_name
 
 
 @dataclass
@@ -130,6 +130,7 @@ class SlicedExchange:
         self.owned = [b for b in self.buckets if b.owner == rank]
         self.owners = sorted({b.owner for b in self.buckets})
         self.group_of = {o: groups[sliced_group_name(o)] for o in self.owners}
+        self.job = groups[JOB_GROUP]  # every process: the metrics, the clipping norm, the totals, the updater state
         self.buckets_of: dict[str, list[Bucket]] = {name: [] for name in self.names}
         for b in self.buckets:
             for name in b.params:
@@ -186,7 +187,7 @@ class SlicedExchange:
         if not workers:  # a separate server adds nothing to the sums: zeros it sends as its own part
             self._zeros = {b.index: torch.zeros(self._message_numel(b), dtype=self._dtype(b), device=self.device)
                            for b in self.owned}
-        # clipping by the global norm: the owners' sums of squares, summed over the world in one scalar all-reduce
+        # clipping by the global norm: the owners' sums of squares, summed over the whole job's group in one scalar all-reduce
         self.max_norm = max_norm_of(updater)
         self.shares = [w.share for w in workers]
         # per local worker: whether its gradients leave during backward (kBP) or after compute
@@ -544,8 +545,8 @@ class SlicedExchange:
         """min(max_norm / (global norm + eps), 1): every rank's sum of squares of what it owns (zero where nothing),
         summed in one scalar all-reduce, so every owner computes the same scale."""
         total = sum_of_squares(grads, torch.device("cpu"))  # one scalar: over the host's gloo
-        comm.all_reduce_sum(total)
-        world = comm.world_size()
+        comm.all_reduce_sum(total, self.job)
+        world = len(self.job.ranks)
         self.sent_bytes += int(8 * 2 * (world - 1) / world)  # a ring all-reduce of one float64
         return float(scale_for(total.sqrt().float(), self.max_norm))
 
@@ -564,16 +565,16 @@ class SlicedExchange:
         """Sample-weighted averages over every worker of the group (rank 0 decides the names)."""
         state = window.state()
         names = sorted(state["sums"]) if self.chief else []
-        # host tensors: the metrics are a small host protocol over the world's gloo
+        # host tensors: the metrics are a small host protocol over the whole job's gloo
         encoded = torch.tensor(list(",".join(names).encode()), dtype=torch.uint8, device="cpu")
         length = torch.tensor([len(encoded)], device="cpu")
-        comm.broadcast(length, 0)
+        comm.broadcast(length, 0, self.job)
         if not self.chief:
             encoded = torch.zeros(int(length), dtype=torch.uint8, device="cpu")
-        comm.broadcast(encoded, 0)
+        comm.broadcast(encoded, 0, self.job)
         names = [n for n in bytes(encoded.tolist()).decode().split(",") if n]
         values = torch.tensor([[state["sums"].get(n, 0.0), state["counts"].get(n, 0)] for n in names], dtype=torch.float64, device="cpu").reshape(-1, 2)
-        comm.all_reduce_sum(values)
+        comm.all_reduce_sum(values, self.job)
         averages = {n: float(s / c) for n, (s, c) in zip(names, values.tolist()) if c}
         averages["sent_bytes"], self.sent_bytes = self.sent_bytes, 0  # this process's, as Downpour's pushed_bytes
         self._shown_bytes += averages["sent_bytes"]
@@ -587,7 +588,7 @@ class SlicedExchange:
         """Every step ended with its values back: nothing outstanding. The processes sum what each sent in the whole
         run, the steps after the last display too (one 8-byte all-reduce: the group is synchronous, every process is here)."""
         total = torch.tensor([float(self._shown_bytes + self.sent_bytes)], dtype=torch.float64, device="cpu")
-        comm.all_reduce_sum(total)
+        comm.all_reduce_sum(total, self.job)
         self.job_bytes_sent = int(total.item())
 
     def updater_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -606,7 +607,7 @@ class SlicedExchange:
                     full[name][slot].copy_(value.reshape(full[name][slot].shape))
         for name in self.names:
             for slot in full[name]:
-                comm.all_reduce_sum(full[name][slot])
+                comm.all_reduce_sum(full[name][slot], self.job)
         return full
 
     def load_updater_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
