@@ -19,7 +19,10 @@ over the first 1,000 non-overlapping windows of val.txt (--small: 400) in eval m
 
 Each job runs in a fresh process (in a network namespace of its own when run as root with `ip netns`: then "wire
 bytes" is its loopback's tx counter, every byte it sent: gloo, stores, heartbeats, the Lighthouse), the contestants
-alternate within each round, and --busy N starts N CPU-burning processes beside every job. Columns:
+alternate within each round, and --busy N starts N CPU-burning processes beside every job. Each runs as its user's
+would, in this script's environment: shoal's ranks get OMP_WAIT_POLICY=PASSIVE unless that environment sets it
+(docs/cluster.md, "Threads per worker"); torchft's replicas get what it says (OpenMP's default spinning when unset):
+export OMP_WAIT_POLICY to give both the same. Columns:
 
 - loop s: the first training step to the end of the final validation (shoal: the final test record's time in
   metrics.jsonl, whose clock starts just before the loop; torchft: the earliest replica's first step to replica 0's

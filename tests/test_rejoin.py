@@ -199,7 +199,7 @@ def test_a_restarted_process_that_fails_writes_its_traceback_to_its_log_not_the_
 
     monkeypatch.setattr(rejoin, "run_rejoined", fails)
     (tmp_path / "logs").mkdir()
-    meeting = SimpleNamespace(nnodes=1, store_host="127.0.0.1", store_port=0, interface=None)
+    meeting = SimpleNamespace(nnodes=1, store_host="127.0.0.1", store_port=0, interface=None, attempt=0)
     process = multiprocessing.get_context("fork").Process(
         target=rejoin._entry, args=(1, meeting, b"", str(tmp_path), [], None, None, 1, None, dict(os.environ)))
     process.start()

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -43,7 +43,7 @@ from shoal.config import common_pb2, job_pb2
 from shoal.config.errors import JobError, did_you_mean
 
 __all__ = ["PluginError", "PluginRefused", "decode_job", "extension", "extensions_of", "forkserver_context", "import_path",
-           "load_job_plugins", "load_plugins", "loaded_plugins"]
+           "load_job_plugins", "load_plugins", "loaded_plugins", "rank_environment"]
 
 CONFIG_DIR = Path(__file__).resolve().parent
 SUFFIXES = (".proto", ".py")
@@ -153,6 +153,17 @@ def import_path() -> list[str]:
 SHARED_IMPORTS = ("torch._dynamo",)
 
 
+# What the processes shoal starts get unless the user's environment sets it. OpenMP's threads (libgomp: torch's
+# intra-op pool, MKL's, oneDNN's) otherwise spin for a while after each parallel region, burning a core another rank,
+# or another job, needs: on a shared machine about 30 % of the training processes' CPU. Sleeping costs only a wake-up.
+RANK_ENVIRONMENT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def rank_environment(environment: Mapping[str, str]) -> dict[str, str]:
+    """`environment` with RANK_ENVIRONMENT_DEFAULTS for what it does not set: the environment of a rank shoal starts."""
+    return {**RANK_ENVIRONMENT_DEFAULTS, **environment}
+
+
 def forkserver_context(preload: Sequence[str]):
     """multiprocessing's forkserver context, its server running; started here, once per process, without the working
     folder on its import path.
@@ -161,6 +172,8 @@ def forkserver_context(preload: Sequence[str]):
     first on sys.path: the server's first imports (multiprocessing, then `preload`: torch, google.protobuf, shoal)
     would come from a package lying there. PYTHONSAFEPATH (Python 3.11+) keeps it off, in the server's environment
     only: a rank forked from it takes the launcher's environment and sys.path (launch._entry, multiprocessing's own).
+    The server starts with RANK_ENVIRONMENT_DEFAULTS too: OpenMP reads its settings once, when torch loads it (in the
+    server, by `preload`), so a rank's own environment comes too late for them.
     """
     import multiprocessing
     from multiprocessing import forkserver
@@ -168,15 +181,18 @@ def forkserver_context(preload: Sequence[str]):
     context = multiprocessing.get_context("forkserver")
     preload = list(preload) + [name for name in SHARED_IMPORTS if name in sys.modules and name not in preload]
     context.set_forkserver_preload(preload)  # effective until the server starts (once per process)
-    before = os.environ.get("PYTHONSAFEPATH")
-    os.environ["PYTHONSAFEPATH"] = "1"
+    server_only = {**{name: value for name, value in RANK_ENVIRONMENT_DEFAULTS.items() if name not in os.environ},
+                   "PYTHONSAFEPATH": "1"}
+    before = {name: os.environ.get(name) for name in server_only}
+    os.environ.update(server_only)
     try:
         forkserver.ensure_running()
     finally:
-        if before is None:
-            del os.environ["PYTHONSAFEPATH"]
-        else:
-            os.environ["PYTHONSAFEPATH"] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
     return context
 
 

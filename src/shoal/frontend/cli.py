@@ -609,6 +609,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # before torch loads: c10d's C++ warnings (a failed store call, with a C++ stack dump) stay out of the terminal
     # and the rank logs; a failure is reported as one line anyway (TORCH_CPP_LOG_LEVEL=WARNING shows them again)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    _rank_defaults_if_launched()
     try:
         try:
             return _main(argv)
@@ -616,6 +617,24 @@ def main(argv: Optional[list[str]] = None) -> int:
             sys.stdout.flush()  # output still buffered meets a closed pipe here, not at exit
     except BrokenPipeError:
         return _reader_gone()
+
+
+def _rank_defaults_if_launched() -> None:
+    """A rank torchrun or srun started (`shoal run` is the rank's own process): the settings the ranks shoal starts get
+    (OMP_WAIT_POLICY=PASSIVE unless set), here, before torch loads OpenMP, which reads them once. Too late if torch is
+    loaded already (shoal's own CLI never loads it before this)."""
+    from shoal.config.plugins import RANK_ENVIRONMENT_DEFAULTS
+    from shoal.launcher.launchers import detect
+
+    if "torch" in sys.modules:
+        return
+    try:
+        launched = detect(os.environ) is not None
+    except ShoalError:  # a launcher's variables that do not add up: the run says so, in one line
+        launched = False
+    if launched:
+        for name, value in RANK_ENVIRONMENT_DEFAULTS.items():
+            os.environ.setdefault(name, value)
 
 
 def _reader_gone() -> int:

@@ -14,6 +14,9 @@ net, algorithm and updater.
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Union
@@ -21,7 +24,7 @@ from typing import Callable, Iterator, Optional, Union
 from google.protobuf import text_format
 
 from shoal.config import job_pb2
-from shoal.errors import ShoalError
+from shoal.errors import ShoalError, first_line, warn
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.planning.plan import JobPlan
 from shoal.launcher import faults, job_registry, launchers
@@ -89,13 +92,26 @@ def check_same_job(workspace: Path, job: job_pb2.JobProto) -> None:
 
 
 def train_launched(plan: JobPlan, options: RunOptions, launched: launchers.LaunchedProcess, job_file: str,
-                   workspace: Path) -> History:
-    """This rank of a job whose processes a launcher started; rank 0 prepares and registers the job."""
+                   workspace: Path, may_supervise: bool = True) -> History:
+    """This rank of a job whose processes a launcher started; rank 0 prepares and registers the job. With restarts
+    allowed (--max-restarts N) a rank that may rejoin runs in a child process restarted into the running job when it
+    dies or stalls (shoal.launcher.supervisor); `may_supervise` False: that child, running the rank here."""
+    from shoal.launcher import rejoin, supervisor
     from shoal.launcher.launch import run_rank
 
+    if may_supervise and supervisor.supervises(plan, launched):
+        return supervisor.supervise(plan, options, launched, job_file, workspace, rank_process)
+    if may_supervise and launched.rank == 0 and plan.max_restarts > 0 and not rejoin.rejoins(plan):
+        warn(f"WARNING: --max-restarts: {plan.label}'s processes are not restarted into the running job (only AllReduce's "
+             f"replicas, Downpour, Local SGD and Distributed Hogwild groups are); a dead one stops the job, which "
+             f"{launched.launcher}'s own restarts may start again")
+    started = time.time()  # logs/rejoins.jsonl may hold an earlier run's rejoins (a resumed workspace)
     with launched_job(plan, options, launched, job_file, workspace) as (resume_from, log):
-        return run_rank(plan, launched.rank, RunSpec(workspace, options.base_dirs, resume_from, log, progress=False,
-                                                     initial_values=options.initial_values, faults=faults.from_environment()))
+        history = run_rank(plan, launched.rank, RunSpec(workspace, options.base_dirs, resume_from, log, progress=False,
+                                                        initial_values=options.initial_values, faults=faults.from_environment()))
+    if launched.rank == 0 and plan.max_restarts > 0 and rejoin.rejoins(plan):  # the chief closed the summary: its rejoins
+        rejoin.add_rejoins_to_summary(workspace, since=started)
+    return history
 
 
 @contextmanager
@@ -146,3 +162,33 @@ def launched_job(plan: JobPlan, options: RunOptions, launched: launchers.Launche
 def _finish(record: Optional[job_registry.JobRecord], status: str, message: str = "") -> None:
     if record is not None:  # rank 0 registered the job; the other ranks have nothing to record
         job_registry.finish(record, status, message)
+
+
+def rank_process(job_bytes: bytes, nnodes: int, launched: launchers.LaunchedProcess, job_file: str, workspace: str,
+                 resume, base_dirs: list[str], process_setup, initial_values, environment: dict[str, str]) -> None:
+    """A supervised rank's first process (forked from its supervisor's forkserver, shoal.launcher.supervisor): the rank
+    as an unsupervised one runs it."""
+    from shoal.config.plugins import decode_job
+    from shoal.planning.plan import plan_job
+    from shoal.report.run_log import Terminated
+    from shoal.strategies.registry import REGISTRY
+
+    os.environ.clear()  # the supervisor's environment now, not the forkserver's when it started
+    os.environ.update(environment)
+
+    def terminated(signum, frame):
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, terminated)  # as `shoal run`'s own process: the run closes its records
+    if process_setup is not None:
+        process_setup()
+    try:
+        plan = plan_job(decode_job(job_bytes), nnodes=nnodes, strategies=REGISTRY)
+        options = RunOptions(resume=resume, base_dirs=[Path(d) for d in base_dirs], progress=False,
+                             process_setup=process_setup, initial_values=initial_values)
+        train_launched(plan, options, launched, job_file, Path(workspace), may_supervise=False)
+    except ShoalError as err:  # one line, as `shoal run` says it (its supervisor says nothing more)
+        print(first_line(str(err)) or type(err).__name__, file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:  # stopped with its supervisor, which speaks for both
+        raise SystemExit(130) from None

@@ -36,7 +36,7 @@ from shoal.comm import auth
 from shoal.comm import dist as comm
 from shoal.comm import heartbeat
 from shoal.comm import rendezvous
-from shoal.config.plugins import decode_job, forkserver_context
+from shoal.config.plugins import decode_job, forkserver_context, rank_environment
 from shoal.errors import ShoalError, first_line, warn
 from shoal.planning.nodes import ranks_of_node
 from shoal.planning.plan import JobPlan, plan_job
@@ -217,7 +217,10 @@ class Meeting:
     ranks_per_node: int
     store_host: str
     store_port: int
-    interface: str
+    interface: Optional[str]
+    # the prefix of the world's keys in the store (dist.attempt_scope): shoal run's and torchrun's agent's hold each
+    # start's keys under its attempt; None: a store of the world's own (process 0's, under srun or env://)
+    attempt: Optional[int] = 0
 
 
 def _entry(local_index: int, ranks: list[int], meeting: Meeting, environment: dict[str, str], job_bytes: bytes,
@@ -480,7 +483,7 @@ def run_processes(
         secret = auth.given_secret() or auth.new_secret()
     else:
         secret = auth.required_secret(f"a job over {nodes.nnodes} nodes")
-    environment = {**os.environ, auth.SECRET_VARIABLE: auth.to_text(secret)}
+    environment = rank_environment({**os.environ, auth.SECRET_VARIABLE: auth.to_text(secret)})  # OMP_WAIT_POLICY too
     if nodes.one_host:
         meeting_point = meet(nodes, plan)
     else:  # torch's store clients log every retry while the other nodes are not up yet: to this node's launcher log

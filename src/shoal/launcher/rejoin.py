@@ -32,6 +32,10 @@ lost whole.
   needs the job's secret (shoal.comm.auth): SHOAL_JOB_SECRET or SHOAL_JOB_SECRET_FILE, else
   WORKSPACE/logs/job.secret, which the launcher writes (0600, as store.json) for a Downpour job.
 
+Under torchrun or srun (`shoal run JOB --max-restarts N` as each rank's command) the process the launcher starts for
+a rank that may rejoin is its supervisor (shoal.launcher.supervisor), which restarts the rank's training process
+through this Restarter, as `shoal run`'s launcher does; the store is torchrun's agent's (or process 0's).
+
 Only a group hosted by one process can rejoin (a group over several would need all of them again):
 the launcher warns and does not restart such a process; --rejoin refuses it.
 
@@ -131,11 +135,12 @@ class Restarter:
     exits with an error."""
 
     def __init__(self, plan: JobPlan, meeting, spec, process_setup: Optional[Callable[[], None]], environment: dict[str, str],
-                 restarts: bool = True, rank_main: Optional[Callable] = None):
+                 restarts: bool = True, rank_main: Optional[Callable] = None, notes_store: bool = True):
         """`environment`: the ranks' (holding the job's secret): restarted processes get it too. `restarts` False: a dead
         process is given up on, never restarted. `rank_main`: what a restarted process runs instead of run_process
         (shoal.session's user script, from the top: its session takes the chief's state, a live Local SGD group's at the
-        next meeting, or Distributed Hogwild's live values, at run.batches())."""
+        next meeting, or Distributed Hogwild's live values, at run.batches()). `notes_store` False: no store.json for
+        --rejoin by hand (a rank's supervisor under torchrun or srun, which may start before the workspace exists)."""
         self.plan, self.meeting, self.spec, self.process_setup = plan, meeting, spec, process_setup
         self.rank_main = rank_main
         self.environment, self.secret = environment, auth.required_secret("the launcher", environment)
@@ -144,7 +149,8 @@ class Restarter:
         self.started = time.time()  # rejoins.jsonl may hold an earlier run's rejoins (a resumed workspace)
         self._door = self._store = None
         self._context = None
-        self._note_store()
+        if notes_store:
+            self._note_store()
         if plan.max_restarts > 0 and not rejoins(plan):
             warn(f"WARNING: --max-restarts: only Downpour, Local SGD and Distributed Hogwild worker groups are restarted; "
                  f"{plan.label}'s are not")
@@ -167,7 +173,7 @@ class Restarter:
 
     def _connect(self) -> None:
         self._store = channels.job_store_client(self.meeting.store_host, self.meeting.store_port, self.secret,
-                                                timeout_s=self.plan.comm_timeout_s)
+                                                attempt=self.meeting.attempt, timeout_s=self.plan.comm_timeout_s)
         self._door = channels.Door(door_of(self.plan), self._store, self.secret)
 
     def can_restart(self, rank: int) -> bool:
@@ -239,7 +245,7 @@ class Restarter:
              f"{self.limit}); it heals from worker group 0's mirror of its state, the other processes wait for it")
         args = (rank, self.meeting, self.plan.job.SerializeToString(), str(self.spec.workspace),
                 [str(d) for d in self.spec.base_dirs], self.process_setup, self.spec.initial_values, restart, detected_at,
-                self.environment, None)
+                self.environment, self.rank_main)  # (shoal.session: the script, whose session serves)
         process = self._context.Process(target=_entry, args=args, name=f"shoal-rank{rank}-restart{done + 1}", daemon=False)
         process.start()
         context.processes[index] = process
@@ -290,7 +296,7 @@ def _entry(rank: int, meeting, job_bytes: bytes, workspace: str, base_dirs: list
         try:
             run_rejoined(job_bytes, meeting.nnodes, rank, meeting.store_host, meeting.store_port, meeting.interface,
                          Path(workspace), [Path(d) for d in base_dirs], incarnation, detected_at, chief_log(rank, log_file),
-                         process_setup, initial_values, rank_main)
+                         process_setup, initial_values, rank_main, attempt=meeting.attempt)
         except Exception:  # noqa: BLE001 (e.g. its server died meanwhile: the launcher's line tells the story)
             # into the rank's log, not the terminal (multiprocessing would print it there); the exit status is the same
             traceback.print_exc(file=log_file)
@@ -300,9 +306,10 @@ def _entry(rank: int, meeting, job_bytes: bytes, workspace: str, base_dirs: list
 
 def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, store_port: int, interface: Optional[str],
                  workspace: Path, base_dirs: list[Path], incarnation: int, detected_at: Optional[float],
-                 log: Callable[[str], None], process_setup=None, initial_values=None, rank_main=None) -> None:
+                 log: Callable[[str], None], process_setup=None, initial_values=None, rank_main=None,
+                 attempt: Optional[int] = 0) -> None:
     """Run rank `rank` of a running job as incarnation `incarnation` of its group, to the group's last step (`rank_main`:
-    shoal.session's script instead of run_process)."""
+    shoal.session's script instead of run_process; `attempt`: the prefix of the world's keys in the store, Meeting's)."""
     from shoal.config.plugins import decode_job
     from shoal.planning.plan import plan_job
     from shoal.runtime.assemble import Rejoin, RunSpec, run_process
@@ -313,7 +320,8 @@ def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, stor
     if process_setup is not None:
         process_setup()
     plan = plan_job(decode_job(job_bytes), nnodes=nnodes, strategies=REGISTRY)
-    channels.join_as_client(store_host, store_port, interface, auth.required_secret("a process rejoining a job"), plan.comm_timeout_s)
+    channels.join_as_client(store_host, store_port, interface, auth.required_secret("a process rejoining a job"), plan.comm_timeout_s,
+                            attempt=attempt)
     spec = RunSpec(workspace, base_dirs, None, log=log, progress=False, initial_values=initial_values,
                    rejoin=Rejoin(incarnation, detected_at), faults=faults.from_environment())
     try:
