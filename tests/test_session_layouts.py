@@ -1,9 +1,12 @@
-"""shoal.session() over the rows of tests/layouts.py: which layouts a user's own loop runs, and Distributed Hogwild in it.
+"""shoal.session() over the rows of tests/layouts.py: which layouts a user's own loop runs, Distributed Hogwild and
+Downpour in it.
 
 Driven as a user would: `shoal plan script.py` / `shoal run script.py --set cluster.…` with real processes. Every row of
 the shared layout table is either planned for the loop (its framework and process count) or refused in one line naming
 it; Distributed Hogwild's rows train the user's loop (the user's AdamW is each group's local update, the groups sync
-every cluster.sync_freq steps), resume from a checkpoint exactly, and a killed group is restarted into the running loop.
+every cluster.sync_freq steps), resume from a checkpoint exactly, and a killed group is restarted into the running loop. Downpour's row trains the
+user's loop with the user's AdamW running on the server process (built there from plain JSON), its scheduler's lr
+carried by every push.
 """
 from __future__ import annotations
 
@@ -84,7 +87,8 @@ SYNC_EVERY_5 = ["--set", "cluster.sync_freq=5"]  # syncs after updates 5, 10, 15
 # the rows a user's loop runs (tests/test_session.py runs one worker and AllReduce; this file Distributed Hogwild)
 RUNS_IN_A_LOOP = {"single worker", "AllReduce, 2 processes", "AllReduce, 2 processes, 2 server slices", "AllReduce, 3 processes",
                   "AllReduce, 3 processes, replicated (max_restarts 1)", "Distributed Hogwild, 2 groups",
-                  "Distributed Hogwild, 3 groups"}
+                  "Distributed Hogwild, 3 groups", "Downpour, 2 groups + 1 server, 3 processes",
+                  "Downpour, 3 groups + 1 server, 4 processes", "Downpour, 2 groups x 2 workers + 2 servers, 6 processes"}
 
 
 def shoal_run(script: Path, out: Path, workspace: Path, *options: str, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -252,7 +256,7 @@ def test_a_killed_hogwild_group_is_restarted_into_the_running_loop(tmp_path):
 
 
 def test_a_downpour_server_rebuilds_the_users_optimizer_from_plain_json_and_follows_its_schedule():
-    """Downpour in a user's loop (groundwork, not wired yet): the chief describes its torch optimizer as plain JSON, the
+    """Downpour in a user's loop, its pieces: the chief describes its torch optimizer as plain JSON, the
     server builds the same optimizer from it (torch.optim's classes only: a name outside it, or a class of the user's,
     is refused in one line), and a push's hyper-parameter vector puts the user's scheduled lr on the server's groups."""
     from shoal.runtime import session_exchange as se
@@ -291,3 +295,167 @@ def test_a_downpour_server_rebuilds_the_users_optimizer_from_plain_json_and_foll
 
     with pytest.raises(se.RecipeError, match="torch.optim's optimizers only"):
         se.optimizer_recipe(Mine(user.parameters(), lr=0.1), named)
+
+
+# Downpour: the server process never runs the loop (its shoal.session() serves, then ends the script). Every group
+# starts from the chief's values (they wait for each other before their first push): group 1's own differ before the
+# loop and must not matter. From step FREEZE the user's LambdaLR sets lr = 0: the groups wait for each other there
+# (every push of an earlier step answered), so the server's
+# values after the chief's push of step FREEZE are final only if each push's lr reached the server's AdamW.
+DOWNPOUR = textwrap.dedent('''
+    import json, os, sys, time
+    from pathlib import Path
+    import torch, shoal
+    from safetensors.torch import save_file
+
+    out = Path(sys.argv[1])
+    (out / f"pid{os.getpid()}").write_text("")  # every process runs the script from the top
+    torch.manual_seed(0)
+    x = torch.randn(192, 8)
+    y = (x[:, :4].sum(1, keepdim=True) > x[:, 4:].sum(1, keepdim=True)).float()
+    data = torch.utils.data.TensorDataset(x, y)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    STEPS, BATCH, FREEZE = 24, 12, 16
+
+    def loss_of(model, xb, yb):
+        return torch.nn.functional.binary_cross_entropy_with_logits(model(xb), yb)
+
+    def schedule(step):
+        return 1.0 if step < FREEZE else 0.0
+
+    def meet(name):  # every group's process here, before its push of this step
+        (out / f"{name}{run.rank}").write_text("")
+        while len(list(out.glob(f"{name}*"))) < run.plan.nworkers:
+            time.sleep(0.01)
+
+    run = shoal.session(train_steps=STEPS, disp_freq=5)
+    (out / f"session{run.rank}").write_text("")  # (not the server's: its shoal.session() serves, then ends the script)
+    if run.rank == 0:
+        import copy
+        plain = copy.deepcopy(model)
+        opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        for step in range(STEPS):
+            start = step * BATCH % len(x)
+            loss_of(plain, x[start:start + BATCH], y[start:start + BATCH]).backward()
+            opt.step(); opt.zero_grad(); sched.step()
+        with torch.no_grad():
+            (out / "plain.json").write_text(json.dumps({"loss": float(loss_of(plain, x, y))}))
+    else:
+        with torch.no_grad():
+            model[0].weight.add_(1.0)  # not the chief's: the servers' values replace it
+    model = run.model(model)
+    opt = run.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    for step, (xb, yb) in run.batches(data, batch_size=BATCH):
+        if step == 0:  # (nobody pushed yet: group 1 pulled the values the chief's FIRST gave the server)
+            with torch.no_grad():
+                first = float(loss_of(model, x, y))
+            meet("first")
+        if step == FREEZE:  # every push of an earlier step answered
+            meet("freeze")
+        loss = loss_of(model, xb, yb)
+        loss.backward()
+        opt.step(); opt.zero_grad(); sched.step()
+        run.log(step, loss=loss)
+        if step == FREEZE and run.rank == 0:
+            save_file({k: v.clone() for k, v in model.state_dict().items()}, str(out / "frozen.safetensors"))
+    with torch.no_grad():
+        ended = float(loss_of(model, x, y))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / f"rank{run.rank}.safetensors"))
+    (out / f"rank{run.rank}.json").write_text(json.dumps({"first": first, "loss": ended, "label": run.label,
+                                                          "processes": run.processes, "lr": opt.param_groups[0]["lr"]}))
+''')
+
+
+def test_downpour_over_three_processes_trains_the_users_loop_on_its_server(tmp_path):
+    """2 groups + 1 server process through `shoal run script.py`: the server process ran the script only to
+    shoal.session() (no result of the loop from it), built the user's AdamW from the chief's plain-JSON recipe and applied
+    both groups' 24 pushes; each group started from the chief's values; the loss fell, ending within 25 % of the plain
+    one-worker loop's; and the user's LambdaLR reached the server: from step 16 (lr = 0) the values never changed again."""
+    script = tmp_path / "downpour.py"
+    script.write_text(DOWNPOUR)
+    row = "Downpour, 2 groups + 1 server, 3 processes"
+    out, workspace = tmp_path / "out", tmp_path / "ws"
+    proc = shoal_run(script, out, workspace, *LAYOUTS[row].cli())
+    assert proc.returncode == 0, proc.stderr
+    assert_ran(workspace, row)
+    # the launcher and each of the 3 processes ran the script from the top; the server's ended at shoal.session()
+    assert len(list(out.glob("pid*"))) == 4
+    assert sorted(p.name for p in out.glob("session*")) == ["session0", "session1"]
+    assert "server(group=0, id=0): version 48; updates applied: group 0: 24, group 1: 24" in (workspace / "logs" / "rank2.log").read_text()
+    plain = json.loads((out / "plain.json").read_text())["loss"]
+    said = [ended(out, rank)[1] for rank in (0, 1)]
+    assert said[0]["first"] == said[1]["first"]  # group 1 started from the chief's values, not its own
+    for one in said:
+        assert one["label"] == "Downpour" and one["processes"] == 3 and one["lr"] == 0.0
+        assert one["loss"] < 0.5 * one["first"] and one["loss"] < 1.25 * plain, (said, plain)
+    frozen, final = load_file(str(out / "frozen.safetensors")), ended(out, 0)[0]
+    assert all(torch.equal(frozen[k], final[k]) for k in final)  # lr 0 travelled with every push from step 16
+    losses = train_losses(workspace)
+    assert losses[-1] < 0.7 * losses[0]
+
+
+# --max-restarts: the chief SIGKILLs the server process at step 12 (its pid, written before shoal.session() from the
+# rank's context), or group 1's process kills itself there; the launcher restarts it; the script runs from the top in
+# the new process: a server's shoal.session() waits for the chief's HEAL (its values and its mirror of the updater
+# state), a group's run.batches() pulls the servers' live values and the steps it had done.
+DOWNPOUR_RESTARTS = textwrap.dedent('''
+    import json, os, signal, sys, time
+    from pathlib import Path
+    import torch, shoal
+    from shoal.frontend.session_start import rank_context
+
+    out = Path(sys.argv[1])
+    victim = (out / "victim").read_text()
+    if rank_context() is not None:
+        (out / f"rank{rank_context().rank}.{os.getpid()}").write_text(str(os.getpid()))
+    torch.manual_seed(0)
+    x = torch.randn(192, 8)
+    y = (x[:, :4].sum(1, keepdim=True) > x[:, 4:].sum(1, keepdim=True)).float()
+    data = torch.utils.data.TensorDataset(x, y)
+    run = shoal.session(train_steps=40, disp_freq=5)
+    model = run.model(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
+    opt = run.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + 0.05 * step))
+    for step, (xb, yb) in run.batches(data, batch_size=12):
+        if step == 12 and run.rank == 0 and victim == "server":
+            os.kill(int(next(out.glob("rank2.*")).read_text()), signal.SIGKILL)
+        if step == 12 and run.rank == 1 and victim == "group1" and len(list(out.glob("rank1.*"))) == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(xb), yb)
+        loss.backward()
+        opt.step(); opt.zero_grad(); sched.step()
+        run.log(step, loss=loss)
+    (out / f"end{run.rank}.json").write_text(json.dumps({"lr": opt.param_groups[0]["lr"], "step": step}))
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["server", "group1"])
+def test_a_killed_downpour_process_is_restarted_into_the_running_loop(tmp_path, victim):
+    """--max-restarts 1 under Downpour in a user's loop: the killed server process (or group 1's) is restarted and runs
+    the script from the top; the server heals from the chief's mirror (one line on the terminal, a record in
+    rejoins.jsonl), the group pulls the servers' live values and steps its scheduler to its step; both groups finish
+    all 40 steps with the scheduler's last lr, and the loss falls."""
+    script = tmp_path / "restarts.py"
+    script.write_text(DOWNPOUR_RESTARTS)
+    out, workspace = tmp_path / "out", tmp_path / "ws"
+    out.mkdir()
+    (out / "victim").write_text(victim)
+    proc = shoal_run(script, out, workspace, *LAYOUTS["Downpour, 2 groups + 1 server, 3 processes"].cli(), "--max-restarts", "1")
+    assert proc.returncode == 0, proc.stderr
+    rank = 2 if victim == "server" else 1
+    assert len(list(out.glob(f"rank{rank}.*"))) == 2  # it ran as two processes
+    rejoins = [json.loads(line) for line in (workspace / "logs" / "rejoins.jsonl").read_text().splitlines()]
+    assert len(rejoins) == 1 and rejoins[0]["rank"] == rank
+    if victim == "server":
+        assert "server(group=0, id=0) (process restart 1) healed from worker group 0's mirror" in proc.stdout
+    else:
+        assert rejoins[0]["step"] > 0 and "Worker group 1 rejoined at step" in proc.stdout
+    for r in (0, 1):
+        said = json.loads((out / f"end{r}.json").read_text())
+        assert said["step"] == 39 and said["lr"] == pytest.approx(0.01 / (1 + 0.05 * 40))
+    assert json.loads((workspace / "summary.json").read_text())["status"] == "finished"
+    losses = train_losses(workspace)
+    assert losses[-1] < 0.6 * losses[0]

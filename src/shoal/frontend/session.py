@@ -34,8 +34,9 @@ from shoal.config.phases import fires
 from shoal.data.in_place import reader_for, to_device
 from shoal.frontend import script, session_eval
 from shoal.frontend.fit import as_dataset
-from shoal.frontend.session_start import (SessionError, check_layout, plan_session, rank_context, refuse_unstarted, same_job,
-                                          session_job, start_ranks, started_by_a_launcher, syncs_with_peers)
+from shoal.frontend.session_start import (SessionError, check_layout, plan_session, pushes_to_servers, rank_context,
+                                          refuse_unstarted, same_job, serves_only, session_job, start_ranks,
+                                          started_by_a_launcher, syncs_with_peers)
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.plan import JobPlan, sliced_for
@@ -55,20 +56,25 @@ def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int 
             name: str = "session", tensorboard: bool = False, log: Callable[[str], None] = print) -> "Session":
     """This process's part of the user's own training loop (docs/python.md, "Your own loop").
 
-    cluster: shoal.Cluster(...) (the layout: single worker, AllReduce over processes, Local SGD / DiLoCo or
-    Distributed Hogwild over processes); `shoal run script.py --set cluster.…` overrides it, as --set train_steps=, --workspace and --resume do.
+    cluster: shoal.Cluster(...) (the layout: single worker, AllReduce over processes, Local SGD / DiLoCo,
+    Distributed Hogwild or Downpour over processes); `shoal run script.py --set cluster.…` overrides it, as --set train_steps=, --workspace and --resume do.
     train_steps: where run.batches() stops. seed: the data order's. disp_freq: a display line and a metrics record
     every this many steps. checkpoint_freq: also checkpoint every this many steps (run.checkpoint() any time).
     tensorboard: also write the records (run.log's, run.evaluate's) as TensorBoard event files in WORKSPACE/tensorboard
     (as `shoal run script.py --tensorboard`).
     Under `shoal run script.py` a layout of several processes starts one per rank running this script from the top:
-    this call does not return in the launcher, which exits with the job's outcome."""
+    this call does not return in the launcher, which exits with the job's outcome, nor in a Downpour server process,
+    which serves and then ends the script (exit status 0)."""
     context = rank_context()
     job = session_job(cluster, train_steps, seed, disp_freq, checkpoint_freq, name)
     if tensorboard:  # (`shoal run script.py --tensorboard` set it already, as for any job of a script)
         job.tensorboard = True
     if context is not None:  # a rank the launcher started: its plan is the launcher's
         same_job(job, context.plan)
+        if serves_only(context.plan, context.rank):  # a Downpour server: it serves, and the script ends here
+            session_exchange.serve_downpour(context.plan, context.rank, context.workspace, context.log,
+                                            restarted=context.rejoin is not None)
+            raise SystemExit(0)
         return Session(context.plan, context.rank, context.workspace, context.resume_from, context.log, owned=None,
                        rejoin=context.rejoin)
     launched = started_by_a_launcher()
@@ -96,6 +102,9 @@ class Session:
         # groups that train apart (Local SGD / DiLoCo, Distributed Hogwild): each writes its own checkpoint part
         self.apart = self.distributed and not plan.strategy.synchronous
         self._update_lock = None  # Distributed Hogwild's: held around the user's update (its masters add peers' deltas)
+        self.pushes = pushes_to_servers(plan)  # Downpour: opt.step() pushes the gradients; the servers update
+        self._store: Optional[ParamStore] = None
+        self._saved_server_state: dict = {}  # Downpour, resumed: the servers' updater state, sent with the chief's FIRST
         self._holding = False
         hosted = plan.process(rank).workers[0]
         self.group, self.worker = hosted.group, hosted.id
@@ -228,12 +237,13 @@ class Session:
         trained = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if self._mine is not None:
             self._load_module(module)
-        elif self.distributed and self.rejoin is None:  # (a restarted process takes the chief's values at run.batches())
+        elif self.distributed and self.rejoin is None and not self.pushes:  # (a restarted process takes the chief's
+            # values at run.batches(); Downpour's groups the servers', which the chief's values started)
             # every replica from rank 0's values; under a synchronous layout the replicated exchange broadcasts the
             # trained params itself as it starts (its start_from), so only the rest goes here
             theirs = {p.data_ptr() for _, p in trained} if self.plan.strategy.synchronous else set()
-            session_exchange.broadcast_values([t for t in module.state_dict().values()
-                                               if isinstance(t, torch.Tensor) and t.data_ptr() not in theirs])
+            session_exchange.broadcast_values(self.plan, [t for t in module.state_dict().values()
+                                                          if isinstance(t, torch.Tensor) and t.data_ptr() not in theirs])
         store = ParamStore.viewing([(n, p.data) for n, p in trained])
         saved = dict(self._mine.exchange) if self._mine is not None else None
         if self.distributed and self.plan.strategy.synchronous:
@@ -247,6 +257,8 @@ class Session:
                                                                resumed=self._mine is not None, saved=saved, metrics=self.metrics,
                                                                log=self.say, rejoining=self.rejoin is not None)
             self.exchange.loop_state = self._handover  # a restarted group takes this loop's state too, at a meeting
+        elif self.pushes:  # the exchange is made at run.optimizer(): the servers build the user's optimizer
+            self._store = store
         elif self.distributed and syncs_with_peers(self.plan):
             sliced = sliced_for(self.plan, {name: value.numel() for name, value in store.values.items()})  # (masters)
             self.exchange = session_exchange.hogwild_exchange(sliced, self.rank, store, self.group, self.start_step, saved,
@@ -270,10 +282,13 @@ class Session:
 
     def optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The user's optimizer itself; its step is the step boundary (Local SGD / DiLoCo meet after it, Distributed
-        Hogwild syncs after it, its masters kept out of the update by the exchange's lock)."""
+        Hogwild syncs after it, its masters kept out of the update by the exchange's lock; under Downpour the servers
+        run it, built from its recipe, and its step pushes the gradients instead)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise SessionError(f"run.optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         index = len(self.optimizers)
+        if self.pushes:
+            self._push_to_servers(optimizer, index)
         self.optimizers.append(optimizer)
         if self._mine is not None:
             optimizer.load_state_dict(self._optimizer_state(index))
@@ -281,6 +296,46 @@ class Session:
         # one step boundary per step: the first optimizer's (Local SGD / DiLoCo meet after it, Hogwild syncs when due)
         optimizer.register_step_post_hook(self._after_update if index == 0 else self._after_other_update)
         return optimizer
+
+    def _push_to_servers(self, optimizer: torch.optim.Optimizer, index: int) -> None:
+        """Downpour: the servers run this optimizer (built from its recipe: torch.optim's class, defaults and groups by
+        param name), so opt.step() pushes the gradients and installs the servers' answer instead of updating here."""
+        if self.module is None:
+            raise SessionError("run.optimizer: give the module to run.model(...) first (Downpour's servers build the "
+                               "optimizer over its params)")
+        if index:
+            raise SessionError("run.optimizer: Downpour's servers run one optimizer over the module: give run.optimizer "
+                               "one optimizer holding every trained param")
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        left = [n for n, p in named if id(p) not in held]
+        if left:
+            raise SessionError(f"run.optimizer: Downpour's servers update every trained param of the module, and this "
+                               f"optimizer does not hold {left[0]!r}")
+        try:
+            recipe = session_exchange.optimizer_recipe(optimizer, named)
+        except session_exchange.RecipeError as err:
+            raise SessionError(str(err)) from None
+        if self.chief:
+            session_exchange.publish_description([n for n, _ in named], [tuple(p.shape) for _, p in named], recipe)
+        saved = dict(self._mine.exchange) if self._mine is not None else None
+        self._saved_server_state = session_exchange.whole_updater_state(saved)
+        self.exchange = session_exchange.downpour_exchange(self.plan, self.rank, self._store, self.group, recipe, optimizer,
+                                                           self.start_step, saved, self.metrics, self.say,
+                                                           rejoining=self.rejoin is not None)
+        optimizer.register_step_pre_hook(self._push)
+
+    def _push(self, optimizer, args, kwargs) -> None:
+        """Downpour's step: this process's gradients to the servers (with the optimizer's hyper-parameters as the
+        user's scheduler left them), the servers' new values into the module's params; `.grad` is then None, so the
+        user's optimizer, which runs next, updates nothing here."""
+        grads = {n: p.grad for n, p in self.module.named_parameters() if p.requires_grad}
+        started = time.perf_counter()
+        self.exchange.step(self.step, [(grads, self._share)])
+        self.exchange_seconds += time.perf_counter() - started
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
 
     def scheduler(self, scheduler):
         """Checkpoint a scheduler made after the loop started (those made before are found by themselves)."""
@@ -311,8 +366,8 @@ class Session:
     def _boundary(self, step: int) -> None:
         """Local SGD / DiLoCo's meeting, or Hogwild's sync, when due after step `step` (every group counts the same
         steps: a step whose update the loop skipped still reaches it, from `_step_done`)."""
-        if self.exchange is None or self.mean is not None:  # (a replicated group heals after the loop's body: _heal)
-            return
+        if self.exchange is None or self.mean is not None or self.pushes:  # (a replicated group heals after the loop's
+            return  # body: _heal; Downpour pushed in the optimizer's pre-hook)
         started = time.perf_counter()
         self.exchange.step(step, [({}, self._share)])  # the inner update was the user's: the meeting when it is due
         self.exchange_seconds += time.perf_counter() - started
@@ -431,6 +486,30 @@ class Session:
                         {"took": took + ("; its optimizer's state starts anew, its schedulers stepped to this step"
                                          if self.optimizers else "")}, knocked_at)
 
+    def _pushing(self):
+        """Downpour's exchange, made at run.optimizer()."""
+        if self.exchange is None:
+            raise SessionError("run.batches: give the optimizer to run.optimizer(...) first (Downpour's servers run it)")
+        return self.exchange
+
+    def _start_pushing(self) -> None:
+        """Downpour, before the first step: the chief's values (and, resumed, the updater state) start the servers; the
+        other groups take the servers' values, and start where group 0's warm-up ends (their schedulers stepped there)."""
+        if self.rejoin is not None:  # restarted (--max-restarts): the servers' live values and the steps the group did
+            knocked_at = time.time()
+            start, version = self._pushing().rejoin(self.rejoin.incarnation)
+            rejoined.report(self.workspace, self.rejoin, self.group, self.rank, start, version,
+                            {**self.exchange.digests, "took": f"the servers' live values of version {version}; its "
+                             "schedulers stepped to that step"}, knocked_at)
+        else:
+            start = self._pushing().start_loop(self.start_step, self._saved_server_state)
+        with warnings.catch_warnings():  # (torch warns of a scheduler stepped before its optimizer)
+            warnings.simplefilter("ignore")
+            for scheduler in self.schedulers:
+                for _ in range(start - self.start_step):
+                    scheduler.step()
+        self.start_step = self.step = start
+
     @contextmanager
     def accumulating(self) -> Iterator[None]:
         """Backward passes inside add to `.grad` without the group's mean (gradient accumulation's micro-batches, as
@@ -457,6 +536,8 @@ class Session:
                                f"({self.plan.nworkers_per_group} workers per group)")
         if self.mean is not None:
             self.mean.share = self._share
+        if self.pushes:  # a group's push is the mean over its processes' rows (each weighs its share)
+            self._pushing().global_batch = batch_size
         skip = self.plan.group_shards.offset(self.group, 0, len(data))
         reader = reader_for(data, self.job.seed if seed is None else seed, shuffle, batch_size)
         yield from self._steps(lambda step: (step, to_device(reader.batch(skip + step * batch_size + offset, self._share),
@@ -474,11 +555,15 @@ class Session:
         self._share = rows
         if self.mean is not None:
             self.mean.share = rows
+        if self.pushes:
+            self._pushing().global_batch = rows * self.plan.nworkers_per_group
         yield from self._steps(lambda step: step)
 
     def _steps(self, item: Callable[[int], Any]) -> Iterator[Any]:
         self._restore_loop_state()
-        if self.rejoin is not None and self._update_lock is not None:
+        if self.pushes:  # (Downpour: a restarted group pulls the servers' live values there)
+            self._start_pushing()
+        elif self.rejoin is not None and self._update_lock is not None:
             self._take_live_values()
         elif self.rejoin is not None:
             self._take_chiefs_state()
@@ -607,7 +692,8 @@ class Session:
             if self.apart:
                 absent = self.exchange.absent_groups if self.exchange is not None else frozenset()
                 ckpt.part_names = {ckpt_io.part_name(done, g, r): g not in absent
-                                   for r in range(1, self.plan.nprocs) for g in [self.plan.process(r).workers[0].group]}
+                                   for r in range(1, self.plan.nprocs) if self.plan.process(r).workers  # (not a server)
+                                   for g in [self.plan.process(r).workers[0].group]}
             ckpt_io.save(path, ckpt)
         return path
 

@@ -10,6 +10,8 @@
 - A process torchrun, srun or a PyTorchJob started (launcher/launchers.py reads their environment): it is one rank
   and runs the loop itself (frontend/session.py, `Session.launched`).
 - Several processes from a plain `python script.py`: refused in one line.
+- A Downpour server process (`serves_only`): its `shoal.session()` serves (runtime/session_exchange.serve_downpour)
+  and ends the script there with SystemExit(0): the user's loop never runs on a server.
 """
 from __future__ import annotations
 
@@ -78,7 +80,8 @@ def session_job(cluster: Optional[job_pb2.ClusterProto], train_steps: int, seed:
 def check_layout(plan: JobPlan) -> None:
     """The layouts a user's loop runs today: one worker in one process; a synchronous group over processes, one worker
     each (AllReduce: the replicated update); Local SGD / DiLoCo groups over processes, one worker each; Distributed
-    Hogwild groups over processes, one worker each, on CPU. Every other layout is refused in one line naming it and
+    Hogwild groups over processes, one worker each, on CPU; Downpour's groups over processes, one worker each, on CPU,
+    with server processes of their own (no restarts yet). Every other layout is refused in one line naming it and
     what runs it."""
     one_worker_each = all(len(p.workers) == 1 for p in plan.placement.processes) and not any(p.servers and not p.workers
                                                                                            for p in plan.placement.processes)
@@ -92,6 +95,12 @@ def check_layout(plan: JobPlan) -> None:
         return
     if not plan.in_one_process and one_worker_each and plan.strategy.meets and plan.nworkers_per_group == 1:
         return
+    if pushes_to_servers(plan) and all(len(p.workers) == 1 for p in plan.placement.processes if p.workers):
+        if any(not device.startswith("cpu") for device in plan.all_devices()):
+            raise SessionError("shoal.session: Downpour in your own loop runs on CPU (its pushes and pulls go point-to-point "
+                               "over gloo from the module's params): leave device unset (or \"cpu\"), or use a job file "
+                               "(`shoal run job.conf`) or shoal.fit for it")
+        return
     if syncs_with_peers(plan) and one_worker_each:
         if plan.strategy.params_on_host and any(not device.startswith("cpu") for device in plan.all_devices()):
             raise SessionError("shoal.session: Distributed Hogwild in your own loop runs on CPU (its syncs go point-to-point "
@@ -99,8 +108,21 @@ def check_layout(plan: JobPlan) -> None:
         return
     where = "in one process" if plan.in_one_process else f"over {plan.nprocs} processes"
     raise SessionError(f"shoal.session: {plan.label} {where} ({plan.nworkers} workers) is not supported in your own loop yet "
-                       "(one worker per process: single worker, AllReduce, Local SGD / DiLoCo, Distributed Hogwild): use a "
+                       "(one worker per process: single worker, AllReduce, Local SGD / DiLoCo, Distributed Hogwild, "
+                       "Downpour): use a "
                        "job file (`shoal run job.conf`) or shoal.fit for it")
+
+
+def pushes_to_servers(plan: JobPlan) -> bool:
+    """Downpour over processes: each group pushes its gradients to server processes that hold no trainer (the
+    strategy's `servers_hold_trainers`): they run the user's optimizer, built from its recipe, never the user's loop."""
+    return not plan.in_one_process and not plan.strategy.servers_hold_trainers
+
+
+def serves_only(plan: JobPlan, rank: int) -> bool:
+    """Process `rank` hosts servers and no worker (Downpour's): it serves, the loop never runs there."""
+    process = plan.process(rank)
+    return bool(process.servers) and not process.workers
 
 
 def syncs_with_peers(plan: JobPlan) -> bool:

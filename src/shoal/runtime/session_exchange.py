@@ -20,7 +20,11 @@ says:
   server's updater applies nothing) and every cluster.sync_freq steps syncs the slices this group does not master with
   their masters (SINGA's delta rule), in place in the user's params; its masters answer the other groups on threads of
   their own, adding their deltas under the exchange's lock, which the session holds around every `opt.step()` (so a
-  delta never lands half-way through the user's update).
+  delta never lands half-way through the user's update);
+- Downpour over processes (one worker per process, servers in processes of their own): the servers run the user's
+  optimizer, built from its recipe (`serve_downpour`: a server process never runs the loop); `opt.step()`'s pre-hook
+  pushes the gradients with the optimizer's hyper-parameters (`hyper_vector`) and installs the servers' answer in the
+  params, leaving every `.grad` None so that the user's optimizer updates nothing (frontend/session.py, `_push`).
 
 The exchanges come from `plan.strategy.attach_exchanges(run)` with `SessionRun`, a process's part whose one trainer
 is the user's module (`SessionMember`: its ParamStore views the module's params, no copy).
@@ -42,6 +46,7 @@ from shoal.errors import ShoalError
 from shoal.neuralnet.algorithms import Grads
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.plan import JobPlan
+from shoal.runtime.interfaces import FaultInjection
 
 
 @dataclass
@@ -60,6 +65,9 @@ class SessionMember:
     def attach_exchange(self, exchange) -> None:
         self.exchange = exchange
 
+    def start_at(self, step: int) -> None:  # (Downpour's groups other than 0: where group 0's warm-up ends)
+        self.start_step = step
+
 
 @dataclass
 class SessionRun:
@@ -71,6 +79,8 @@ class SessionRun:
     process_groups: dict = field(default_factory=dict)
     board: Optional[object] = None
     rejoining: bool = False
+    faults: FaultInjection = field(default_factory=FaultInjection)  # (none in a user's loop)
+    server: Optional[object] = None  # a Downpour server process's (attach_exchanges sets it)
 
     @property
     def chief(self) -> SessionMember:
@@ -199,11 +209,12 @@ def hogwild_exchange(plan: JobPlan, rank: int, store: ParamStore, group: int, st
     return exchange
 
 
-def broadcast_values(tensors: list[torch.Tensor]) -> None:
-    """Rank 0's values in every process (the replicas start equal)."""
+def broadcast_values(plan: JobPlan, tensors: list[torch.Tensor]) -> None:
+    """Rank 0's values in every process (the replicas start equal), over the plan's whole-job group."""
+    job = collectives.whole_job(plan.process_groups)
     with torch.no_grad():
         for tensor in tensors:
-            comm.broadcast(tensor, 0)
+            comm.broadcast(tensor, 0, job)
 
 
 def note_step(step: int) -> None:
@@ -211,7 +222,7 @@ def note_step(step: int) -> None:
     heartbeat.note_step(step)
 
 
-# -- Downpour in a user's loop (not wired yet): what a server needs to build the user's optimizer --------------------
+# -- Downpour in a user's loop: what a server needs to build the user's optimizer ---------------------------------
 # A server process never sees the user's module or optimizer (it runs the script only up to shoal.session()), so the
 # chief describes the optimizer as plain JSON: torch.optim's class by name (looked up among torch.optim's own classes
 # only: nothing received names code to run), its defaults and each param group by param name. Each push carries the
@@ -276,10 +287,23 @@ def optimizer_from_recipe(recipe, named: list[tuple[str, torch.Tensor]]) -> torc
         raise RecipeError(f"Downpour server: torch.optim.{name} refused the chief's recipe: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
 
 
-def _hyper_layout(optimizer: torch.optim.Optimizer) -> list[tuple[int, str, int]]:
+HyperLayout = list[tuple[int, str, int]]
+
+
+def _hyper_layout(optimizer: torch.optim.Optimizer) -> HyperLayout:
     """(group, key, length) of every numeric hyper-parameter, in a fixed order: both sides compute it alike."""
+    return _numeric_layout([group for group in optimizer.param_groups])
+
+
+def recipe_layout(recipe: dict) -> HyperLayout:
+    """The hyper-parameters a push carries: the recipe's numeric ones (keys a scheduler adds later, OneCycleLR's
+    max_lr say, are not the optimizer's and do not travel). The chief and the server compute it from one recipe."""
+    return _numeric_layout([group["hyper"] for group in recipe["groups"]])
+
+
+def _numeric_layout(groups: list[dict]) -> HyperLayout:
     layout = []
-    for index, group in enumerate(optimizer.param_groups):
+    for index, group in enumerate(groups):
         for key in sorted(k for k in group if k not in NOT_HYPER):
             value = group[key]
             if isinstance(value, bool) or value is None:
@@ -291,10 +315,10 @@ def _hyper_layout(optimizer: torch.optim.Optimizer) -> list[tuple[int, str, int]
     return layout
 
 
-def hyper_vector(optimizer: torch.optim.Optimizer) -> torch.Tensor:
+def hyper_vector(optimizer: torch.optim.Optimizer, layout: Optional[HyperLayout] = None) -> torch.Tensor:
     """Every group's numeric hyper-parameters (lr, weight_decay, betas...) now, as one float64 vector (a push's part)."""
     values: list[float] = []
-    for index, key, length in _hyper_layout(optimizer):
+    for index, key, length in _hyper_layout(optimizer) if layout is None else layout:
         value = optimizer.param_groups[index][key]
         values.extend([float(v) for v in value] if length else [float(value)])
     return torch.tensor(values, dtype=torch.float64)
@@ -304,10 +328,10 @@ def hyper_size(optimizer: torch.optim.Optimizer) -> int:
     return sum(length or 1 for _, _, length in _hyper_layout(optimizer))
 
 
-def set_hyper(optimizer: torch.optim.Optimizer, vector: torch.Tensor) -> None:
+def set_hyper(optimizer: torch.optim.Optimizer, vector: torch.Tensor, layout: Optional[HyperLayout] = None) -> None:
     """A push's hyper-parameters on the server's optimizer, before its update (kinds kept: an int stays an int)."""
     values, at = vector.tolist(), 0
-    for index, key, length in _hyper_layout(optimizer):
+    for index, key, length in _hyper_layout(optimizer) if layout is None else layout:
         group = optimizer.param_groups[index]
         old = group[key]
         if length:
@@ -319,3 +343,129 @@ def set_hyper(optimizer: torch.optim.Optimizer, vector: torch.Tensor) -> None:
         else:
             group[key] = type(old)(values[at])
             at += 1
+
+
+# -- Downpour in a user's loop: the chief's description, the servers, the groups' exchange --------------------------
+# The chief publishes, at run.optimizer(), what a server builds from: the trained params' names and shapes (in
+# named_parameters order) and the optimizer's recipe, as JSON in the job's signed store (in parts: a store value is
+# bounded). The values themselves go over the chief's channel to each server (DownpourExchange.start_loop's FIRST).
+DESCRIPTION_KEY = "session/downpour"
+DESCRIPTION_PART_CHARS = 12 * 1024
+SESSION_OPTIMIZER = "shoal.session.Optimizer"  # the updater a user's loop's Downpour servers apply: its optimizer
+
+
+class RecipeOptimizer:
+    """The optimizer a recipe describes, as an optimizer factory on (name, param) pairs (neuralnet/torch_optimizer)."""
+
+    def __init__(self, recipe: dict):
+        self.recipe = recipe
+
+    def __call__(self, named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
+        return optimizer_from_recipe(self.recipe, named)
+
+
+def downpour_plan(plan: JobPlan, names: list[str], shapes: list[tuple[int, ...]], recipe: dict) -> JobPlan:
+    """The session's plan for Downpour over the user's module: its params cut into the servers' slices (as a net's
+    are) and, as the servers' updater, the user's optimizer built from its recipe (registered in this process)."""
+    from dataclasses import replace
+
+    from shoal.config import job_pb2
+    from shoal.neuralnet.torch_optimizer import register_torch_optimizer
+    from shoal.planning.plan import sliced_for
+
+    register_torch_optimizer(RecipeOptimizer(recipe), [(n, torch.empty(shape, device="meta")) for n, shape in zip(names, shapes)],
+                             user_type=SESSION_OPTIMIZER)
+    updater = job_pb2.UpdaterProto(type=job_pb2.kUserUpdater, user_type=SESSION_OPTIMIZER)
+    updater.learning_rate.type = job_pb2.kFixed
+    updater.learning_rate.base_lr = 0.0  # (torch.optim reads its own lr: the recipe's, then each push's)
+    sliced = sliced_for(plan, {n: max(1, _numel(shape)) for n, shape in zip(names, shapes)})
+    return replace(sliced, updater_bytes=updater.SerializeToString())
+
+
+def _numel(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def publish_description(names: list[str], shapes: list[tuple[int, ...]], recipe: dict) -> None:
+    """The chief's: what the servers build from (JSON, no code: torch.optim's class by name, numbers)."""
+    import json
+
+    text = json.dumps({"names": names, "shapes": [list(s) for s in shapes], "recipe": recipe})
+    parts = [text[i : i + DESCRIPTION_PART_CHARS] for i in range(0, len(text), DESCRIPTION_PART_CHARS)] or [""]
+    for index, part in enumerate(parts):
+        comm.publish(f"{DESCRIPTION_KEY}/{index}", part)
+    comm.publish(f"{DESCRIPTION_KEY}/parts", str(len(parts)))  # last: a server reads the parts once it sees the count
+
+
+def read_description(timeout_s: float) -> tuple[list[str], list[tuple[int, ...]], dict]:
+    """A server's: the chief's description, once published (it waits while the chief's script builds its module and
+    optimizer: the launcher ends the job if the chief dies first); anything malformed refused in one line."""
+    import json
+
+    count = None
+    while count is None:
+        count = comm.published(f"{DESCRIPTION_KEY}/parts", wait_s=5.0)
+        if count is None and comm.store_lost():  # the launcher is gone: nobody will publish it
+            raise RecipeError("Downpour server: the job's store stopped answering before the chief described its module")
+    try:
+        text = "".join(comm.read_published(f"{DESCRIPTION_KEY}/{i}", timeout_s) for i in range(int(count)))
+        described = json.loads(text)
+    except (ValueError, RuntimeError):
+        raise RecipeError("Downpour server: the chief's description of its module is not readable") from None
+    names, shapes, recipe = (described.get("names"), described.get("shapes"), described.get("recipe")) \
+        if isinstance(described, dict) else (None, None, None)
+    if not (isinstance(names, list) and isinstance(shapes, list) and len(names) == len(shapes)
+            and all(isinstance(n, str) for n in names) and len(set(names)) == len(names)
+            and all(isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s) for s in shapes)):
+        raise RecipeError("Downpour server: the chief's description names no params with shapes")
+    return names, [tuple(s) for s in shapes], recipe
+
+
+def serve_downpour(plan: JobPlan, rank: int, workspace, log: Callable[[str], None], restarted: bool = False) -> None:
+    """A Downpour server process of a user's loop: it never runs the loop. It builds the user's optimizer over zeros
+    shaped as the module's params from the chief's description, takes the chief's values (FIRST) and serves every
+    group's pushes (each carrying the hyper-parameters the user's scheduler set) until the chief's last request.
+    `restarted` (--max-restarts: in a dead server's place): in no process group; the chief heals it (HEAL, its mirror)."""
+    if not restarted:
+        collectives.create(plan.process_groups)  # (every rank makes the plan's groups, in order, as the workers do)
+    names, shapes, recipe = read_description(plan.comm_timeout_s)
+    named = [(n, torch.zeros(shape)) for n, shape in zip(names, shapes)]
+    optimizer_from_recipe(recipe, named)  # refused here in one line, not deep inside the server's first update
+    served = downpour_plan(plan, names, shapes, recipe)
+    run = SessionRun(served, rank, [SessionMember(ParamStore.viewing(named), 0, workspace=workspace, log=log)])
+    served.strategy.attach_exchanges(run)
+    server, layout = run.server, recipe_layout(recipe)
+    server.hyper_size = sum(length or 1 for _, _, length in layout)
+    updater = server.updater
+    server.set_hyper = lambda vector: set_hyper(updater.optimizer, vector, layout) if updater.optimizer is not None else None
+    if not restarted:  # (a restarted one waits for the chief's HEAL instead: DownpourServer.serve)
+        server.await_first_values()
+    server.serve()
+
+
+def downpour_exchange(plan: JobPlan, rank: int, store: ParamStore, group: int, recipe: dict, optimizer: torch.optim.Optimizer,
+                      start_step: int, saved: Optional[dict], metrics, log: Callable[[str], None], rejoining: bool = False):
+    """A worker group's process's side of Downpour in a user's loop: the strategy's DownpourExchange over the module's
+    params (its store views them), its pushes carrying `optimizer`'s hyper-parameters as the recipe lays them out."""
+    names = store.trainable_names()
+    sliced = downpour_plan(plan, names, [tuple(store.info[n].shape) for n in names], recipe)
+    exchange = attached_exchange(sliced, rank, store, group, start_step, resumed=saved is not None, saved=saved,
+                                 metrics=metrics, log=log, rejoining=rejoining)  # (restarted: it pulls at run.batches())
+    layout = recipe_layout(recipe)
+    exchange.hyper_size = sum(length or 1 for _, _, length in layout)
+    exchange.hyper = lambda: hyper_vector(optimizer, layout)
+    return exchange
+
+
+def whole_updater_state(saved: Optional[dict]) -> dict[str, dict[str, torch.Tensor]]:
+    """A checkpoint's servers' updater state ({param: {slot: tensor}}) from its exchange tensors (exchange_state's)."""
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in (saved or {}).items():
+        kind, _, rest = key.partition("/")
+        if kind == "updater":
+            name, _, slot = rest.rpartition("/")
+            state.setdefault(name, {})[slot] = value
+    return state

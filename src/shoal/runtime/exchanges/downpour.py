@@ -76,12 +76,13 @@ from shoal.runtime import rejoined
 from shoal.runtime.rejoined import fingerprint
 from shoal.neuralnet.updaters import ParamUpdate, Updater
 
-PUSH, STOP, STATE, FINAL, PULL, MIRROR, HEAL = 1, 2, 3, 4, 5, 6, 7
+PUSH, STOP, STATE, FINAL, PULL, MIRROR, HEAL, FIRST = 1, 2, 3, 4, 5, 6, 7, 8
 REFUSED = -1  # the version a server answers a dropped group with
 DOOR = "downpour"  # the channels' keys in the job's store (shoal.comm.channels)
 ANNOUNCEMENT_S = 2.0  # how long a server waits for the launcher to say whether a dead group is restarted
 TAG_HEADER, TAG_GRAD, TAG_VALUES, TAG_REPLY, TAG_STATE, TAG_HAS_GRAD, TAG_LAGS, TAG_BYTES = 11, 12, 13, 14, 15, 16, 17, 18
 TAG_MIRROR = 19  # a mirror's counters (MIRROR's answer, HEAL's request)
+TAG_HYPER = 20  # a push's hyper-parameters (a user's loop: its optimizer's lr, betas... as its scheduler left them)
 SERVER_ANNOUNCEMENT_S = 10.0  # how long a stub that lost its server waits for the launcher to say it restarts it
 # the chief refreshes its mirror of a server's updater state so that the mirror adds at most this share to the
 # bytes the chief moves with that server (a gradient out and the values back per step): mirror_interval
@@ -198,6 +199,15 @@ class DownpourServer:
         self._healed = threading.Event()  # a restarted server serves once the chief's mirror healed it
         self._healed.set()
         self.started_at = time.time()
+        # a user's loop (shoal.session): every push carries `hyper_size` float64 hyper-parameters, which `set_hyper`
+        # puts on the updater's optimizer before the push's update (the user's schedule at the pushing group's step)
+        self.hyper_size = 0
+        self.set_hyper: Optional[Callable[[torch.Tensor], None]] = None
+
+    def await_first_values(self) -> None:
+        """Serve nobody before the chief's FIRST (a user's loop: this process never saw the module, the chief's values
+        and, resumed, the updater state come over the chief's channel)."""
+        self._healed.clear()
 
     def _view(self, seg: Segment) -> torch.Tensor:
         return self.store.values[seg.param].view(-1)[seg.start : seg.stop]
@@ -219,10 +229,12 @@ class DownpourServer:
         return torch.cat(parts) if parts else torch.zeros(0, device="cpu")
 
     def apply(self, grad: torch.Tensor, read_version: int, has_grad: torch.Tensor, group: int = 0,
-              step: Optional[int] = None) -> tuple[torch.Tensor, int, int]:
+              step: Optional[int] = None, hyper: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, int, int]:
         """One update of every owned segment whose param some worker of the group had a gradient for (`step`: the
-        group's own, which its push's header carries)."""
+        group's own, which its push's header carries; `hyper`: the push's hyper-parameters, a user's loop's)."""
         with self._lock:
+            if hyper is not None and self.set_hyper is not None:
+                self.set_hyper(hyper)
             lag = self.version - read_version
             updates = []
             for seg, had in zip(self.segments, has_grad.tolist()):
@@ -432,6 +444,8 @@ class DownpourServer:
         codec = self.codecs()
         received = codec.buffers(self.size)
         has_grad = torch.zeros(len(self.segments), dtype=torch.uint8, device="cpu")
+        hyper = torch.zeros(self.hyper_size, dtype=torch.float64, device="cpu")
+        extra = [hyper] if self.hyper_size else []  # (a user's loop's pushes carry its hyper-parameters)
         finished, push = False, []
         try:
             while True:
@@ -439,7 +453,8 @@ class DownpourServer:
                 # only once its receiver has said it is ready, and said after the header, that word queued behind the
                 # data on its way to the group (another group's values), so each push waited for the link to drain
                 # the other way. A stub's last request (STOP, FINAL) comes with a zero push that fills them.
-                push = push or [channel.irecv(part, TAG_GRAD) for part in received] + [channel.irecv(has_grad, TAG_HAS_GRAD)]
+                push = push or [channel.irecv(part, TAG_GRAD) for part in received] + [channel.irecv(has_grad, TAG_HAS_GRAD)] \
+                    + [channel.irecv(t, TAG_HYPER) for t in extra]
                 channel.recv(header, TAG_HEADER)
                 kind, _, read_version = header.tolist()
                 if kind in (PUSH, STOP, FINAL):
@@ -452,13 +467,17 @@ class DownpourServer:
                 if kind == HEAL:
                     self._heal(group, channel, header.tolist()[1])
                     continue
+                if kind == FIRST and group == 0:
+                    self._first_values(channel, header.tolist()[1], read_version)
+                    continue
                 self._healed.wait()  # a restarted server answers nobody before the chief's mirror healed it
                 if kind == PUSH:
                     grad = codec.decode(received, self.size)
                     step = header.tolist()[1]
                     with self._running:  # hold a group too far ahead (max_staleness) or whose update is not due (max_update_lag)
                         self._running.wait_for(lambda: self._may_go(step) and self._lag_allows(group))
-                        values, version, lag = self.apply(grad, read_version, has_grad, group, step)
+                        values, version, lag = self.apply(grad, read_version, has_grad, group, step,
+                                                          hyper if self.hyper_size else None)
                         self.bytes_moved += wire_bytes(received) + wire_bytes([values])  # the push and its answer
                         self._steps[group] = step + 1
                         self._reads[group] = (self._reads.get(group) or [version] * self.depth)[1:] + [version]
@@ -529,6 +548,28 @@ class DownpourServer:
         return torch.tensor([self.version, self.bytes_moved, len(groups)] + [self._steps.get(g, 0) for g in groups]
                             + [self.applied.get(g, 0) for g in groups] + [counts.shape[1]] + counts.reshape(-1).tolist(),
                             dtype=torch.int64, device="cpu")
+
+    def _first_values(self, channel, step: int, version: int) -> None:
+        """The chief's FIRST (a user's loop): its module's values of this server's slices and, on --resume, the
+        checkpoint's updater state (a fresh start keeps the updater's first state), at `step` and `version`."""
+        values, state = torch.zeros(self.size, device="cpu"), torch.zeros(sum(n for _, _, n in self.layout), device="cpu")
+        resumed = torch.zeros(1, dtype=torch.int64, device="cpu")
+        channel.recv(values, TAG_VALUES)
+        channel.recv(resumed, TAG_STATE)
+        channel.recv(state, TAG_STATE)
+        with self._running, self._lock:
+            for seg in self.segments:
+                self._view(seg).copy_(values[seg.offset : seg.offset + seg.size])
+            offset = 0
+            for seg, slot, size in self.layout:
+                if int(resumed):
+                    self.state[seg][slot].view(-1).copy_(state[offset : offset + size])
+                offset += size
+            self.version = version
+            self._steps = {g: step if g == 0 else max(step, self.warmup_steps) for g in self._steps}
+            self._reads = {g: [version] * self.depth for g in self._reads}
+            self._running.notify_all()
+        self._healed.set()
 
     def _heal(self, group: int, channel, step: int) -> None:
         """The chief's HEAL: its newest values of this server's slices and their version, and its mirror of the
@@ -649,6 +690,10 @@ class DownpourExchange:
         self.mirrors: dict[int, Optional[tuple[torch.Tensor, torch.Tensor]]] = {rank: None for _, rank, _, _ in self.servers}
         self.mirror_every = {rank: mirror_interval(self._state_size(rank), size) for _, rank, _, size in self.servers}
         self._old_channels: list = []  # channels to dead servers: kept, not destroyed (gloo may block tearing one down)
+        # a user's loop (shoal.session): each push carries the optimizer's hyper-parameters now (a float64 vector of
+        # `hyper_size`, the servers' DownpourServer.hyper_size)
+        self.hyper: Optional[Callable[[], torch.Tensor]] = None
+        self.hyper_size = 0
 
     def _to(self, server_rank: int) -> channels.Channel:
         if not self._channels:
@@ -747,6 +792,45 @@ class DownpourExchange:
                 self._recover(server, server_rank, step, err)
                 continue
             self.mirrors[server_rank] = (state, counters)
+
+    def start_loop(self, step: int, whole_state: Optional[dict[str, dict[str, torch.Tensor]]] = None) -> int:
+        """A user's loop (shoal.session), before its first step: the chief sends every server FIRST (its module's
+        values, which are where the servers start, and on --resume the checkpoint's updater state `whole_state`; a
+        fresh start keeps the updater's first state); every other group's stub pulls the servers' values (after group 0's
+        warm-up, if any); the stub's values go to the rest of its group. Returns the step this group starts at."""
+        start = step
+        if self.chief:
+            version = self.last_version
+            for _, server_rank, segments, _ in self.servers:
+                channel = self._to(server_rank)
+                channel.send(torch.tensor([FIRST, step, version], dtype=torch.int64, device="cpu"), TAG_HEADER)
+                channel.send(self._gather_values(segments), TAG_VALUES)
+                channel.send(torch.tensor([1 if whole_state else 0], dtype=torch.int64, device="cpu"), TAG_STATE)
+                channel.send(self._flat_state(server_rank, whole_state or {}), TAG_STATE)
+                self.read_version[server_rank] = version
+        elif self.rank == self.stub:
+            try:
+                start, _ = self.rejoin(0)
+            except ServerLost as err:
+                raise ServerLost(str(err).replace("could not rejoin", "could not start")) from None
+        if len(self.group_ranks) > 1:  # the group's first step, as its stub's
+            first = torch.tensor([start], dtype=torch.int64, device="cpu")
+            self.group_comm.broadcast(first, self.stub).wait()
+            start = self.first_step = int(first)
+        self._share_params()
+        return start
+
+    def _flat_state(self, server_rank: int, whole: dict[str, dict[str, torch.Tensor]]) -> torch.Tensor:
+        """A server's slices of a whole-model updater state (`_state_from`'s inverse), zeros where it holds none."""
+        flat = torch.zeros(self._state_size(server_rank), device="cpu")
+        offset = 0
+        for seg, slot, size in self.layouts[server_rank]:
+            value = whole.get(seg.param, {}).get(slot)
+            if value is not None:
+                value = value.reshape(-1).to(device="cpu", dtype=flat.dtype)
+                flat[offset : offset + size] = value[seg.start : seg.stop] if size == seg.size else value[:size]
+            offset += size
+        return flat
 
     def rejoin(self, incarnation: int) -> tuple[int, int]:
         """Take the place of this group's dead process: pull the servers' live values and version, and the steps
@@ -849,6 +933,8 @@ class DownpourExchange:
                     self.pushed_bytes += wire_bytes([part])
                 # one byte per segment: cheaper than a flag inside the (uncopied) gradient
                 self._to(server_rank).send(torch.tensor([had[self.position[s.param]] > 0 for s in segments], dtype=torch.uint8, device="cpu"), TAG_HAS_GRAD)
+                if self.hyper_size:
+                    self._to(server_rank).send(self.hyper(), TAG_HYPER)
             except RuntimeError as err:
                 self._recover(server, server_rank, step, err)  # (or ServerLost) this push to it is dropped
                 answers[i] = None
@@ -997,6 +1083,8 @@ class DownpourExchange:
         for part in self.codecs[server_rank].buffers(size):
             channel.send(part, TAG_GRAD)
         channel.send(torch.zeros(len(segments), dtype=torch.uint8, device="cpu"), TAG_HAS_GRAD)
+        if self.hyper_size:
+            channel.send(torch.zeros(self.hyper_size, dtype=torch.float64, device="cpu"), TAG_HYPER)
 
     def finish(self) -> None:
         """End of training: other stubs say stop; the chief waits for the final model."""
