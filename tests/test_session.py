@@ -164,7 +164,7 @@ def test_clip_grad_norm_sees_the_groups_mean_gradient(one_worker, allreduce):
 SPARSELOCO = DILOCO[:6] + ["--set", "cluster.sparse_outer_step.chunk_size=64", "--set", "cluster.sparse_outer_step.topk_per_chunk=8"]
 
 
-@pytest.mark.parametrize("options, label", [(DILOCO, "DiLoCo"), (SPARSELOCO, "SparseLoCo")])
+@pytest.mark.parametrize("options, label", [(DILOCO, "DiLoCo"), pytest.param(SPARSELOCO, "SparseLoCo", marks=pytest.mark.slow)])
 def test_diloco_over_two_processes_trains(script, tmp_path, options, label):
     proc = shoal_run(script, tmp_path, tmp_path / "ws", *options)
     assert proc.returncode == 0, proc.stderr
