@@ -23,7 +23,6 @@ import os
 import re
 import signal
 import socket
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass

@@ -43,7 +43,6 @@ from shoal.comm import collectives
 from shoal.comm import dist as comm
 from shoal.comm import heartbeat
 from shoal.errors import ShoalError
-from shoal.neuralnet.algorithms import Grads
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.plan import JobPlan
 from shoal.runtime.interfaces import FaultInjection
