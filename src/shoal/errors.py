@@ -25,7 +25,10 @@ def warn(line: str) -> None:
     """A warning: one line on stderr (stdout carries the run's own lines, which scripts parse)."""
     import sys
 
-    print(line if line.startswith("WARNING") else f"WARNING: {line}", file=sys.stderr, flush=True)
+    # one write of the line and its newline: processes share the terminal, and print's two writes (unbuffered under
+    # PYTHONUNBUFFERED) let another process's line land between them
+    sys.stderr.write((line if line.startswith("WARNING") else f"WARNING: {line}") + "\n")
+    sys.stderr.flush()
 
 
 def first_line(text: str) -> str:
