@@ -457,6 +457,8 @@ def kill(job_id: int) -> tuple[JobRecord, list[str]]:
                     reason = pin.terminate()
                 except SignalRefused as err:
                     reason = str(err)
+                if reason and pin.exited:  # it ended since its check (the launcher, signalled first, ends its ranks)
+                    continue
             if reason:
                 left.append(f"rank {proc['rank']}: {reason}")
             else:

@@ -181,6 +181,7 @@ class Pinned:
             else:
                 os.kill(self.pid, signal.SIGTERM)
         except ProcessLookupError:
+            self.exited = True
             return f"pid {self.pid} has exited"
         except PermissionError as err:
             raise SignalRefused(f"pid {self.pid}: not permitted to signal it ({err.strerror})") from None
