@@ -540,6 +540,27 @@ def start_method() -> str:
     return "forkserver"
 
 
+@contextmanager
+def children_stop_with_this_process(processes: Callable[[], list]):
+    """While inside: Ctrl-C or SIGTERM (`shoal jobs kill`, torchrun stopping the job) terminates the alive processes of
+    `processes()` at once (children blocked in a collective would not see the signal until their timeout: no orphans)
+    and raises here (Terminated, KeyboardInterrupt). A process started with SIGINT ignored (nohup, `&` in a script)
+    keeps ignoring Ctrl-C: it is not for this run; SIGTERM always is."""
+    def stop(signum, frame):
+        for proc in processes():
+            if proc.is_alive():
+                proc.terminate()
+        raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)
+                if sig == signal.SIGTERM or signal.getsignal(sig) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], nodes: Nodes,
            met: rendezvous.NodeRendezvous, process_setup: Optional[Callable[[], None]], environment: dict[str, str],
            rank_main: Optional[RankMain] = None) -> History:
@@ -558,41 +579,28 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
         context = mp.start_processes(_entry, args=args, nprocs=len(ranks), start_method=start_method(), join=False)
         on_start([p.pid for p in context.processes])
 
-        def stop(signum, frame):
-            # Ctrl-C or `shoal jobs kill`: children blocked in a collective would not see the
-            # signal until their timeout, so stop them now and leave no orphans
-            for proc in context.processes:
-                if proc.is_alive():
-                    proc.terminate()
-            raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
-
-        # started with SIGINT ignored (nohup, `&` in a script): Ctrl-C is not for this run; SIGTERM always is
-        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)
-                    if sig == signal.SIGTERM or signal.getsignal(sig) is not signal.SIG_IGN}
         failed_groups: list[str] = []
         group_ends: dict[int, str] = {}
         first_exits: dict[int, int] = {}
-        try:
-            if outlives_a_dead_process(plan):  # (its strategy says so: Downpour, Hogwild, Local SGD, replicas) a dead group is dropped
-                failed_groups = _join_tolerating_groups(context, ranks, plan, workspace,
-                                                        rejoin.Restarter(plan, meeting, spec, process_setup, environment,
-                                                                         rank_main=rank_main), group_ends)
-            elif plan.max_restarts > 0 and plan.nworker_groups > 1:  # groups that cannot outlive a dead one
-                warn(f"WARNING: --max-restarts: only Downpour, Local SGD and Distributed Hogwild worker groups are restarted; "
-                     f"{plan.label}'s are not")
-            stalls.wait_for_first_failure(context)  # and SIGKILL stopped processes, which SIGTERM cannot end
-            # who had exited when the first failure was seen, before torch's join stops the others
-            first_exits = {i: p.exitcode for i, p in enumerate(context.processes) if p.exitcode not in (None, 0)}
-            while not context.join():
-                pass
-        except KeyboardInterrupt as interruption:
-            _wait_for_exit(context.processes)
-            if 0 in ranks:  # a chief killed mid-step left its summary saying "running"
-                mark_run_ended(workspace, interruption)
-            raise
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        with children_stop_with_this_process(lambda: context.processes):
+            try:
+                if outlives_a_dead_process(plan):  # (its strategy says so: Downpour, Hogwild, Local SGD, replicas) a dead group is dropped
+                    failed_groups = _join_tolerating_groups(context, ranks, plan, workspace,
+                                                            rejoin.Restarter(plan, meeting, spec, process_setup, environment,
+                                                                             rank_main=rank_main), group_ends)
+                elif plan.max_restarts > 0 and plan.nworker_groups > 1:  # groups that cannot outlive a dead one
+                    warn(f"WARNING: --max-restarts: only Downpour, Local SGD and Distributed Hogwild worker groups are restarted; "
+                         f"{plan.label}'s are not")
+                stalls.wait_for_first_failure(context)  # and SIGKILL stopped processes, which SIGTERM cannot end
+                # who had exited when the first failure was seen, before torch's join stops the others
+                first_exits = {i: p.exitcode for i, p in enumerate(context.processes) if p.exitcode not in (None, 0)}
+                while not context.join():
+                    pass
+            except KeyboardInterrupt as interruption:
+                _wait_for_exit(context.processes)
+                if 0 in ranks:  # a chief killed mid-step left its summary saying "running"
+                    mark_run_ended(workspace, interruption)
+                raise
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
         verdict = stalls.verdict(workspace, ranks, context.processes)  # a peer found stalled: the line naming it
         if verdict is not None:

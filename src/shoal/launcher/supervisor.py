@@ -45,8 +45,8 @@ def supervise(plan: JobPlan, options: RunOptions, launched: launchers.LaunchedPr
     `rank_process`: the child's first process (elastic.rank_process: the rank as an unsupervised one runs it)."""
     from shoal.config.plugins import forkserver_context, rank_environment
     from shoal.launcher import rejoin
-    from shoal.launcher.launch import Meeting, _end_stopped_to_restart, _wait_for_exit, launched_interface
-    from shoal.report.run_log import Terminated
+    from shoal.launcher.launch import (Meeting, _end_stopped_to_restart, _wait_for_exit, children_stop_with_this_process,
+                                       launched_interface)
     from shoal.runtime.assemble import RunSpec
 
     rank = launched.rank
@@ -58,55 +58,46 @@ def supervise(plan: JobPlan, options: RunOptions, launched: launchers.LaunchedPr
         [str(d) for d in options.base_dirs], options.process_setup, options.initial_values, environment))
     children = SimpleNamespace(processes=[child], sentinels={})  # what rejoin.Restarter replaces a dead one in
 
-    def stop(signum, frame):  # torchrun stops the job (or Ctrl-C): the child goes with this process
-        for proc in children.processes:
-            if proc.is_alive():
-                proc.terminate()
-        raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)
-                if sig == signal.SIGTERM or signal.getsignal(sig) is not signal.SIG_IGN}
-    try:
-        child.start()
-        interface = "lo" if launched.on_loopback else launched_interface(launched.master_addr)
-        # the store's keys as the world's ranks have them: torchrun's agent scopes each of its attempts
-        meeting = Meeting(launched.world_size, launched.nnodes, launched.local_world_size, launched.master_addr,
-                          launched.master_port, interface, attempt=launched.restart if launched.agent_store else None)
-        spec = RunSpec(workspace, options.base_dirs, None, log=options.log, progress=False, initial_values=options.initial_values)
-        restarter = rejoin.Restarter(plan, meeting, spec, options.process_setup, environment, notes_store=False)
-        stopped_since: dict[int, float] = {}
-        while True:
-            current = children.processes[0]
-            current.join(WATCH_INTERVAL_S)
-            if current.exitcode is None:
-                if _end_stopped_to_restart(children, [rank], plan, restarter, stopped_since, set()):
-                    restarter.restart(children, 0, rank, -signal.SIGKILL, how=f"was stopped past the stall timeout "
-                                      f"({plan.stall_timeout_s:g} s) and dropped; the launcher ended it (SIGKILL)")
-                    if children.processes[0].exitcode is not None:  # not restarted (the line said why)
-                        return _rank_over(workspace, rank, _given_up(plan, rank, workspace))
-                continue
-            code = current.exitcode
-            if code == 0:
-                return _rank_over(workspace, rank, History(workspace))
-            if code == stalls.STALLED_EXIT:  # it found a process the job cannot lose stalled, and said so
-                raise SystemExit(code)
-            left = code == stalls.GROUP_DROPPED_EXIT
-            if not left or restarter.can_restart(rank):
-                restarter.restart(children, 0, rank, code, how="left after the job dropped it for a stall" if left else None)
-            if children.processes[0].exitcode is None:  # a new process in its place
-                continue
-            if rejoin.heals(plan, rank):  # a server with no restart left: the job cannot go on (its stubs were told)
-                raise SystemExit(code)
-            return _rank_over(workspace, rank, _given_up(plan, rank, workspace))
-    except BaseException:  # stopped (SIGTERM, Ctrl-C), or the job's store unreachable: no child outlives this process
-        for proc in children.processes:
-            if proc.is_alive():
-                proc.terminate()
-        _wait_for_exit([proc for proc in children.processes if proc.pid is not None])
-        raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    # torchrun stops the job (or Ctrl-C): the child goes with this process
+    with children_stop_with_this_process(lambda: children.processes):
+        try:
+            child.start()
+            interface = "lo" if launched.on_loopback else launched_interface(launched.master_addr)
+            # the store's keys as the world's ranks have them: torchrun's agent scopes each of its attempts
+            meeting = Meeting(launched.world_size, launched.nnodes, launched.local_world_size, launched.master_addr,
+                              launched.master_port, interface, attempt=launched.restart if launched.agent_store else None)
+            spec = RunSpec(workspace, options.base_dirs, None, log=options.log, progress=False, initial_values=options.initial_values)
+            restarter = rejoin.Restarter(plan, meeting, spec, options.process_setup, environment, notes_store=False)
+            stopped_since: dict[int, float] = {}
+            while True:
+                current = children.processes[0]
+                current.join(WATCH_INTERVAL_S)
+                if current.exitcode is None:
+                    if _end_stopped_to_restart(children, [rank], plan, restarter, stopped_since, set()):
+                        restarter.restart(children, 0, rank, -signal.SIGKILL, how=f"was stopped past the stall timeout "
+                                          f"({plan.stall_timeout_s:g} s) and dropped; the launcher ended it (SIGKILL)")
+                        if children.processes[0].exitcode is not None:  # not restarted (the line said why)
+                            return _rank_over(workspace, rank, _given_up(plan, rank, workspace))
+                    continue
+                code = current.exitcode
+                if code == 0:
+                    return _rank_over(workspace, rank, History(workspace))
+                if code == stalls.STALLED_EXIT:  # it found a process the job cannot lose stalled, and said so
+                    raise SystemExit(code)
+                left = code == stalls.GROUP_DROPPED_EXIT
+                if not left or restarter.can_restart(rank):
+                    restarter.restart(children, 0, rank, code, how="left after the job dropped it for a stall" if left else None)
+                if children.processes[0].exitcode is None:  # a new process in its place
+                    continue
+                if rejoin.heals(plan, rank):  # a server with no restart left: the job cannot go on (its stubs were told)
+                    raise SystemExit(code)
+                return _rank_over(workspace, rank, _given_up(plan, rank, workspace))
+        except BaseException:  # stopped (SIGTERM, Ctrl-C), or the job's store unreachable: no child outlives this process
+            for proc in children.processes:
+                if proc.is_alive():
+                    proc.terminate()
+            _wait_for_exit([proc for proc in children.processes if proc.pid is not None])
+            raise
 
 
 def _rank_over(workspace: Path, rank: int, history: History) -> History:
