@@ -32,6 +32,7 @@ is the user's module (`SessionMember`: its ParamStore views the module's params,
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -291,7 +292,7 @@ HyperLayout = list[tuple[int, str, int]]
 
 def _hyper_layout(optimizer: torch.optim.Optimizer) -> HyperLayout:
     """(group, key, length) of every numeric hyper-parameter, in a fixed order: both sides compute it alike."""
-    return _numeric_layout([group for group in optimizer.param_groups])
+    return _numeric_layout(optimizer.param_groups)
 
 
 def recipe_layout(recipe: dict) -> HyperLayout:
@@ -324,7 +325,12 @@ def hyper_vector(optimizer: torch.optim.Optimizer, layout: Optional[HyperLayout]
 
 
 def hyper_size(optimizer: torch.optim.Optimizer) -> int:
-    return sum(length or 1 for _, _, length in _hyper_layout(optimizer))
+    return layout_size(_hyper_layout(optimizer))
+
+
+def layout_size(layout: HyperLayout) -> int:
+    """The floats a push's hyper-parameter vector of `layout` holds."""
+    return sum(length or 1 for _, _, length in layout)
 
 
 def set_hyper(optimizer: torch.optim.Optimizer, vector: torch.Tensor, layout: Optional[HyperLayout] = None) -> None:
@@ -377,15 +383,8 @@ def downpour_plan(plan: JobPlan, names: list[str], shapes: list[tuple[int, ...]]
     updater = job_pb2.UpdaterProto(type=job_pb2.kUserUpdater, user_type=SESSION_OPTIMIZER)
     updater.learning_rate.type = job_pb2.kFixed
     updater.learning_rate.base_lr = 0.0  # (torch.optim reads its own lr: the recipe's, then each push's)
-    sliced = sliced_for(plan, {n: max(1, _numel(shape)) for n, shape in zip(names, shapes)})
+    sliced = sliced_for(plan, {n: max(1, math.prod(shape)) for n, shape in zip(names, shapes)})
     return replace(sliced, updater_bytes=updater.SerializeToString())
-
-
-def _numel(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def publish_description(names: list[str], shapes: list[tuple[int, ...]], recipe: dict) -> None:
@@ -437,7 +436,7 @@ def serve_downpour(plan: JobPlan, rank: int, workspace, log: Callable[[str], Non
     run = SessionRun(served, rank, [SessionMember(ParamStore.viewing(named), 0, workspace=workspace, log=log)])
     served.strategy.attach_exchanges(run)
     server, layout = run.server, recipe_layout(recipe)
-    server.hyper_size = sum(length or 1 for _, _, length in layout)
+    server.hyper_size = layout_size(layout)
     updater = server.updater
     server.set_hyper = lambda vector: set_hyper(updater.optimizer, vector, layout) if updater.optimizer is not None else None
     if not restarted:  # (a restarted one waits for the chief's HEAL instead: DownpourServer.serve)
@@ -454,7 +453,7 @@ def downpour_exchange(plan: JobPlan, rank: int, store: ParamStore, group: int, r
     exchange = attached_exchange(sliced, rank, store, group, start_step, resumed=saved is not None, saved=saved,
                                  metrics=metrics, log=log, rejoining=rejoining)  # (restarted: it pulls at run.batches())
     layout = recipe_layout(recipe)
-    exchange.hyper_size = sum(length or 1 for _, _, length in layout)
+    exchange.hyper_size = layout_size(layout)
     exchange.hyper = lambda: hyper_vector(optimizer, layout)
     return exchange
 
