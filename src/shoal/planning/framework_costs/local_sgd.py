@@ -3,11 +3,8 @@ step of a warm-up first) is one all-reduce of the pseudo-gradient (top-k, Sparse
 the run's steps (runtime/exchanges/periodic.py, sparse_outer.py; strategies/local_sgd.py builds the exchange). Pure."""
 from __future__ import annotations
 
-import math
-
+from shoal.planning import sparse_chunks
 from shoal.planning.framework_costs.base import FrameworkCosts, Messages, Phases, encoded_parts
-
-TWELVE_BIT_CHUNK = 4096  # runtime/exchanges/sparse_outer.py's: positions 0..4095 fit in 12 bits
 
 
 class LocalSGDCosts(FrameworkCosts):
@@ -26,7 +23,7 @@ class LocalSGDCosts(FrameworkCosts):
         message = model.encoded(model.elements)
         if plan.meetings.sparse:  # SparseLoCo's buffer (its warm-up meetings are dense: not modelled)
             sizes = [s for n, s in model.sizes.items() if n in model.trainable]
-            message = sparse_outer_message_bytes(plan.meetings.sparse_outer_step, sizes)
+            message = sparse_chunks.message_bytes(plan.meetings.sparse_outer_step, sizes)
         for i, r in enumerate(ranks):
             move(r, ranks[(i + 1) % len(ranks)], ring * message * meetings_per_step(plan))
 
@@ -58,23 +55,3 @@ class LocalSGDCosts(FrameworkCosts):
 def meetings_per_step(plan) -> float:
     """Meetings of the groups per step, over the run (every step of the warm-up, then every local_steps)."""
     return plan.meetings.per_step(plan.job.train_steps)
-
-
-def sparse_outer_message_bytes(conf, sizes: list[int]) -> int:
-    """What one group sends at a SparseLoCo meeting (cluster.sparse_outer_step `conf`, params of these sizes in the
-    exchange's order): runtime/exchanges/sparse_outer.py's SparseOuterStep.message_bytes, counted without building it
-    (tests/test_framework_costs.py checks the two agree). Every param is cut in chunks of chunk_size entries (a smaller
-    param is one short chunk) keeping topk_per_chunk of each at the same density; each kept entry's position in 12
-    bits (two in three bytes) when chunk_size <= 4096, else 16; its value in 2 bits (four in a byte) plus two bfloat16
-    magnitudes per chunk, or one bfloat16."""
-    entries = rows = 0
-    for size in sizes:
-        if not size:
-            continue
-        width = min(conf.chunk_size, size)
-        chunks = math.ceil(size / width)
-        entries += chunks * min(width, max(1, math.ceil(conf.topk_per_chunk * width / conf.chunk_size)))
-        rows += chunks
-    index = math.ceil(entries / 2) * 3 if conf.chunk_size <= TWELVE_BIT_CHUNK else 2 * entries
-    values = math.ceil(entries / 4) + 2 * 2 * rows if conf.value_bits == 2 else 2 * entries
-    return index + values

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-TWELVE_BIT_CHUNK = 4096  # positions 0..4095 fit in 12 bits
+from shoal.planning import sparse_chunks
+
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,11 @@ class SparseOuterStep:
         self.blocks: list[Block] = []
         offset = start = first_row = 0
         for size in sizes:
-            width = min(chunk_size, size)  # a small param (a bias, a norm) is one short chunk
-            rows = math.ceil(size / width) if size else 0
-            k = min(width, max(1, math.ceil(topk_per_chunk * width / chunk_size))) if size else 0  # same density
+            _, rows, width, k = sparse_chunks.chunking(size, chunk_size, topk_per_chunk)
             self.blocks.append(Block(offset, size, start, rows, width, k, first_row))
             offset, start, first_row = offset + size, start + rows * width, first_row + rows
         self.size, self.padded = offset, start
-        self.index_bits = 12 if chunk_size <= TWELVE_BIT_CHUNK else 16
+        self.index_bits = sparse_chunks.index_bits(chunk_size)
         self.entries = sum(b.rows * b.k for b in self.blocks)
         self.rows = sum(b.rows for b in self.blocks)
         # where each of the flat's entries sits in the padded space (a param's padding is at its end); each kept
@@ -78,10 +77,10 @@ class SparseOuterStep:
 
     # -- bytes ---------------------------------------------------------------------------------------
     def index_bytes(self) -> int:
-        return math.ceil(self.entries / 2) * 3 if self.index_bits == 12 else 2 * self.entries
+        return sparse_chunks.index_bytes(self.entries, self.index_bits)
 
     def value_bytes(self) -> int:
-        return math.ceil(self.entries / 4) + 2 * 2 * self.rows if self.bits == 2 else 2 * self.entries
+        return sparse_chunks.value_bytes(self.entries, self.rows, self.bits)
 
     def message_bytes(self) -> int:
         """What one group sends at a meeting (its buffer's length)."""
