@@ -19,14 +19,20 @@ AdamW lr 1e-3 with warm-up and cosine decay, an evaluation of 20 batches every -
 - single worker: `shoal run train.py -- ...` (the edited script);
 - AllReduce: `shoal run train.py --set cluster.nworkers_per_group=2 --set cluster.nworkers_per_procs=1 -- ...`;
 - DiLoCo: `shoal run train.py --set cluster.nworker_groups=2 --set cluster.nworkers_per_procs=1 --set
-  cluster.local_steps=H` with an outer SGD of lr 0.7 and Nesterov momentum 0.9.
+  cluster.local_steps=H` with an outer SGD of lr 0.7 and Nesterov momentum 0.9;
+- Downpour: `shoal run train.py --set cluster.nworker_groups=2 --set cluster.nworkers_per_procs=1 --set
+  cluster.server_worker_separate=true`: 2 groups pushing to a server process of their own, which runs nanoGPT's AdamW
+  (rebuilt from its recipe) and its schedule, stepped by each group's own iterations;
+- Distributed Hogwild: `shoal run train.py --set cluster.nworker_groups=2 --set cluster.nserver_groups=2 --set
+  cluster.nworkers_per_procs=1`: each group updates its own replica with nanoGPT's AdamW and syncs with the other
+  group's masters (cluster.sync_freq).
 
 Each run goes through a few lines of wrapper (written next to train.py) that runs the script with runpy and then saves
 nanoGPT's final model (`raw_model`) as safetensors, so that one worker can be compared with plain nanoGPT to the bit;
 it adds nothing inside the loop. Columns: steps (nanoGPT runs max_iters + 1 iterations), the last evaluation's train and
 val loss as nanoGPT prints it (at iteration --steps), the whole command's wall time, and the loop's samples/s: rows of
 all processes per iteration over the chief's mean iteration time as nanoGPT prints it, leaving out iteration 0 and the
-iterations that evaluated. Under AllReduce and DiLoCo each process draws its own rows (nanoGPT's get_batch, seeded
+iterations that evaluated. Under AllReduce, DiLoCo, Downpour and Hogwild each process draws its own rows (nanoGPT's get_batch, seeded
 1337 + run.rank): the rows are nanoGPT's random windows, not shoal's shards, and a step trains 2 x 12 rows.
 
 Don't take timings on a busy machine: the load average is printed before and after.
@@ -81,6 +87,10 @@ save_file({{k: v.detach().clone().contiguous() for k, v in found["raw_model"].st
 '''
 
 ALLREDUCE = ("--set", "cluster.nworkers_per_group=2", "--set", "cluster.nworkers_per_procs=1")
+DOWNPOUR = ("--set", "cluster.nworker_groups=2", "--set", "cluster.nworkers_per_procs=1",
+            "--set", "cluster.server_worker_separate=true")
+HOGWILD = ("--set", "cluster.nworker_groups=2", "--set", "cluster.nserver_groups=2", "--set", "cluster.nworkers_per_procs=1")
+FRAMEWORKS = ("plain", "single", "allreduce", "diloco", "downpour", "hogwild")
 
 
 def diloco(local_steps: int) -> tuple[str, ...]:
@@ -207,13 +217,12 @@ def main() -> None:
                         help="train.txt and val.txt, from `shoal prepare shakespeare --out DIR`")
     parser.add_argument("--steps", type=int, default=500, help="nanoGPT's max_iters (it runs max_iters + 1 iterations)")
     parser.add_argument("--local-steps", type=int, default=50, help="DiLoCo's H")
-    parser.add_argument("--frameworks", default="plain,single,allreduce,diloco",
-                        help="which runs, of plain,single,allreduce,diloco")
+    parser.add_argument("--frameworks", default=",".join(FRAMEWORKS), help=f"which runs, of {','.join(FRAMEWORKS)}")
     parser.add_argument("--keep", type=Path, help="work in this (new) folder and keep it, instead of a temporary one")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
     args = parser.parse_args()
     wanted = args.frameworks.split(",")
-    unknown = set(wanted) - {"plain", "single", "allreduce", "diloco"}
+    unknown = set(wanted) - set(FRAMEWORKS)
     if unknown or args.steps < 10 or args.steps % 5:
         raise SystemExit(f"--frameworks: unknown {sorted(unknown)}" if unknown else "--steps: a multiple of 5 from 10 (the "
                          "evaluations are every steps / 5 iterations, the last at --steps)")
@@ -238,7 +247,9 @@ def main() -> None:
         runs = {"plain": ("plain nanoGPT (python train.py)", "train.py", None, 1),
                 "single": ("shoal: single worker", "train_shoal.py", (), 1),
                 "allreduce": ("shoal: AllReduce, 2 processes", "train_shoal.py", ALLREDUCE, 2),
-                "diloco": (f"shoal: DiLoCo, 2 groups, H={args.local_steps}", "train_shoal.py", diloco(args.local_steps), 2)}
+                "diloco": (f"shoal: DiLoCo, 2 groups, H={args.local_steps}", "train_shoal.py", diloco(args.local_steps), 2),
+                "downpour": ("shoal: Downpour, 2 groups + 1 server", "train_shoal.py", DOWNPOUR, 2),
+                "hogwild": ("shoal: Distributed Hogwild, 2 groups", "train_shoal.py", HOGWILD, 2)}
         results = {}
         for key in wanted:
             label, script, options, processes = runs[key]
