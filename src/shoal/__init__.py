@@ -6,12 +6,13 @@
     shoal.evaluate(job)
     shoal.fit(torch_module, loss_fn, (inputs, targets), cluster=shoal.Cluster(nworker_groups=2, nworkers_per_procs=2))
     run = shoal.session(); model = run.model(model); opt = run.optimizer(opt)   # your own loop (docs/python.md)
+    shoal.SingaOptimizer(model.parameters(), {"type": "kSGD", "momentum": 0.9})   # a job file's updater, for that loop
     shoal.compare_runs(["ws/single", "ws/allreduce"]); shoal.plot_runs([...], "runs.png")
     shoal.draw_net("examples/cifar10/hybrid.conf", "net.png")   # which worker computes what
     shoal.estimate(job, compare=True)   # predicted samples/s of every framework layout (docs/planning.md)
     shoal.register_layer("kFoo", Foo); shoal.load_plugins(["rnnlm.proto", "rnnlm.py"])  # user layers (docs/layers.md)
 """
-__all__ = ["load_job", "train", "evaluate", "estimate", "fit", "session", "Cluster", "perplexity", "plot_runs", "compare_runs", "draw_net", "register_layer", "load_plugins"]
+__all__ = ["load_job", "train", "evaluate", "estimate", "fit", "session", "SingaOptimizer", "Cluster", "perplexity", "plot_runs", "compare_runs", "draw_net", "register_layer", "load_plugins"]
 __version__ = "0.1.0"
 
 
@@ -29,6 +30,10 @@ def __getattr__(name: str):
         from shoal.frontend.fit_metrics import perplexity
 
         return perplexity
+    if name == "SingaOptimizer":
+        from shoal.neuralnet.singa_optimizer import SingaOptimizer
+
+        return SingaOptimizer
     if name == "session":
         from shoal.frontend.session import session
 
