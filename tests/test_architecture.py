@@ -319,10 +319,11 @@ def test_the_device_check_sees_an_unplaced_allocation(tmp_path):
 
 
 # tagged point-to-point stays only where the protocol is request/response (issue 29): Downpour's stubs and servers (a
-# rejoin's handshake rides their channels), Distributed Hogwild's syncs, and the comm modules that carry them; the
-# calibration's link probe times point-to-point messages themselves (no exchange)
-TAGGED_PROTOCOLS = {"comm/dist.py", "comm/channels.py", "runtime/exchanges/downpour.py", "runtime/exchanges/hogwild.py",
-                    "runtime/calibrate.py"}
+# rejoin's handshake rides their channels), Distributed Hogwild's syncs, the mechanics they share (requests.py) and the
+# comm modules that carry them; the calibration's link probe times point-to-point messages themselves (no exchange)
+TAGGED_PROTOCOLS = {"comm/dist.py", "comm/channels.py", "runtime/exchanges/requests.py", "runtime/exchanges/downpour.py",
+                    "runtime/exchanges/downpour_server.py", "runtime/exchanges/downpour_stub.py",
+                    "runtime/exchanges/downpour_mirror.py", "runtime/exchanges/hogwild.py", "runtime/calibrate.py"}
 POINT_TO_POINT = {"isend", "irecv", "send", "recv"}
 
 
@@ -353,6 +354,43 @@ def test_the_tag_check_sees_a_tag(tmp_path):
     bad.write_text("from shoal.comm import dist as comm\nTAG_BASE = 1 << 20\ncomm.isend(t, 1, 5)\ndef f(x, tag): pass\n"
                    "group.broadcast(t, src=0)\n")
     assert tagged_messages([bad]) == ["bad.py:2 TAG_BASE", "bad.py:3 comm.isend()", "bad.py:4 tag"]
+
+
+# the request/response protocols' shared mechanics live once (issue 41 point 1): receives posted on a link, a knock's
+# handshake, a thread left blocked on a stalled peer
+REQUEST_MECHANICS = {"runtime/exchanges/requests.py"}
+
+
+def request_mechanics(paths: list[Path]) -> list[str]:
+    """Where a file posts a receive on a link (`<link>.irecv`, not the comm layer's own), runs a channel's handshake
+    (`authenticate`) or leaves a thread blocked on a peer (`heartbeat.abandon`)."""
+    found = []
+    for path in paths:
+        where = path.relative_to(SRC) if path.is_relative_to(SRC) else path.name
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            owner = node.func.value.id if isinstance(node.func.value, ast.Name) else None
+            if ((node.func.attr == "irecv" and owner not in ("comm", "dist")) or node.func.attr == "authenticate"
+                    or (node.func.attr == "abandon" and owner == "heartbeat")):
+                found.append(f"{where}:{node.lineno} {ast.unparse(node.func)}()")
+    return found
+
+
+def test_the_request_response_mechanics_live_once():
+    paths = [p for p in SRC.rglob("*.py") if not p.is_relative_to(SRC / "comm") and str(p.relative_to(SRC)) not in REQUEST_MECHANICS
+             and any(word in p.read_text() for word in ("irecv", "authenticate", "abandon"))]  # (parse only those)
+    assert request_mechanics(paths) == []
+
+
+def test_the_request_mechanics_check_sees_them(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("a = channel.irecv(t, 5)\nb = comm.irecv(t, 1, 5)\nchannels.authenticate(c, n, 0, s)\nheartbeat.abandon()\n"
+                   "self.meeting.abandon()\n")
+    assert request_mechanics([bad]) == ["bad.py:1 channel.irecv()", "bad.py:3 channels.authenticate()",
+                                        "bad.py:4 heartbeat.abandon()"]
+
+
 # where code may decide by framework: the strategies, their base and the cost model's table of frameworks (issue 41:
 # a framework's cost terms are in planning/framework_costs/, found by the plan's Framework)
 STRATEGY_HOMES = [SRC / "strategies", SRC / "planning" / "strategy.py", SRC / "planning" / "framework_costs" / "__init__.py"]

@@ -221,7 +221,8 @@ def test_server_state_reslices_to_any_server_count(blobs_job):
 
     from shoal.frontend.api import load_job
     from shoal.planning.placement import ServerId, place
-    from shoal.runtime.exchanges.downpour import DownpourServer, server_segments
+    from shoal.runtime.exchanges.downpour_server import DownpourServer
+    from shoal.runtime.exchanges.requests import server_segments
     from shoal.planning.plan import plan_job
     from shoal.runtime.trainer import Trainer
     from shoal.neuralnet.updaters import make_updater

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from shoal.launcher import faults, stalls
-from shoal.runtime.exchanges.downpour import REFUSED, DownpourExchange
+from shoal.runtime.exchanges.downpour import REFUSED
+from shoal.runtime.exchanges.downpour_stub import DownpourExchange
 from shoal.runtime.interfaces import FaultInjection, GroupDropped
 
 

@@ -100,7 +100,7 @@ def test_without_restarts_a_dead_downpour_server_stops_the_job_as_before(blobs_j
 
 def test_the_mirror_interval_follows_the_updater_states_size():
     """The cost model's choice: the state's bytes over K steps at most a quarter of the chief's 2 x shard per step."""
-    from shoal.runtime.exchanges.downpour import COUNTERS_EVERY, mirror_interval
+    from shoal.runtime.exchanges.downpour_mirror import COUNTERS_EVERY, mirror_interval
 
     assert mirror_interval(0, 1000) == COUNTERS_EVERY  # plain SGD: counters only, now and then
     assert mirror_interval(1000, 1000) == 2  # momentum

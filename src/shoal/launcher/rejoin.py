@@ -11,7 +11,7 @@ state (runtime/exchanges/periodic.py, shoal.comm.quorum). A Distributed Hogwild 
 live group, takes the live values of the slices they master and its own slices as they last synced them, and goes
 on from the step of its last sync (runtime/exchanges/hogwild.py). A Downpour server process is restarted too
 (`ranks.heals`, counted against the same N per process): the launcher announces its restart at the door before the
-new process starts, the stubs wait for it, and the chief heals it from its mirror (runtime/exchanges/downpour.py);
+new process starts, the stubs wait for it, and the chief heals it from its mirror (runtime/exchanges/downpour_mirror.py);
 its heal is one line on the terminal and one record in rejoins.jsonl ("server", "group": null). The rest of this
 text is Downpour's worker groups'.
 

@@ -436,9 +436,9 @@ def serve_downpour(plan: JobPlan, rank: int, workspace, log: Callable[[str], Non
     run = SessionRun(served, rank, [SessionMember(ParamStore.viewing(named), 0, workspace=workspace, log=log)])
     served.strategy.attach_exchanges(run)
     server, layout = run.server, recipe_layout(recipe)
-    server.hyper_size = layout_size(layout)
     updater = server.updater
-    server.set_hyper = lambda vector: set_hyper(updater.optimizer, vector, layout) if updater.optimizer is not None else None
+    server.carry_hyper(layout_size(layout),
+                       lambda vector: set_hyper(updater.optimizer, vector, layout) if updater.optimizer is not None else None)
     if not restarted:  # (a restarted one waits for the chief's HEAL instead: DownpourServer.serve)
         server.await_first_values()
     server.serve()
@@ -453,8 +453,7 @@ def downpour_exchange(plan: JobPlan, rank: int, store: ParamStore, group: int, r
     exchange = attached_exchange(sliced, rank, store, group, start_step, resumed=saved is not None, saved=saved,
                                  metrics=metrics, log=log, rejoining=rejoining)  # (restarted: it pulls at run.batches())
     layout = recipe_layout(recipe)
-    exchange.hyper_size = layout_size(layout)
-    exchange.hyper = lambda: hyper_vector(optimizer, layout)
+    exchange.carry_hyper(layout_size(layout), lambda: hyper_vector(optimizer, layout))
     return exchange
 
 

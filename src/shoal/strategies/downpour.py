@@ -12,7 +12,8 @@ from shoal.planning.process_groups import worker_group_name, worker_groups
 from shoal.planning.strategy import Framework, Layout, Strategy, UnsupportedClusterError
 from shoal.runtime import rejoined
 from shoal.runtime.exchanges.compression import codec_factory
-from shoal.runtime.exchanges.downpour import DownpourExchange, DownpourServer
+from shoal.runtime.exchanges.downpour_server import DownpourServer
+from shoal.runtime.exchanges.downpour_stub import DownpourExchange
 
 
 class Downpour(Strategy):
@@ -73,7 +74,7 @@ class Downpour(Strategy):
 
     def servers_heal(self, plan) -> bool:
         """Under cluster.max_restarts a dead server process is restarted into the running job and heals from the
-        chief's mirror (runtime/exchanges/downpour.py), on one host (`shoal run`'s launcher restarts it)."""
+        chief's mirror (runtime/exchanges/downpour_mirror.py), on one host (`shoal run`'s launcher restarts it)."""
         return plan.max_restarts > 0
 
     def loads_checkpoint_path(self, trainer) -> bool:

@@ -32,7 +32,7 @@ class DownpourCosts(FrameworkCosts):
                 move(rank, stub, FLOAT * size + 16)  # values, version and staleness
 
     def messages(self, model) -> list[Messages]:
-        """One group's step (runtime/exchanges/downpour.py: DownpourExchange.step, _push_pull, _await_answer): inside a
+        """One group's step (runtime/exchanges/downpour_stub.py: DownpourExchange.step, _push_pull, _await_answer): inside a
         group of several processes two reduces to its stub and a broadcast of the params back; per server, the stub
         sends a header, the gradient (an encoded part each) and the flags, and receives the values and a reply.
         Update here when that protocol changes."""
@@ -59,7 +59,7 @@ class DownpourCosts(FrameworkCosts):
         # a request occupies the server's link for its bytes and its messages' fixed costs (served one after another)
         request_s = per_request / (model.link_bw if remote else model.calib.link_gbps * 1e9) + sum(
             f["seconds"] for f in model.fixed_costs() if f["kind"] == "message")
-        # the protocol's copies on the host (runtime/exchanges/downpour.py), counted from its code in elements moved (read +
+        # the protocol's copies on the host (runtime/exchanges/downpour_*.py), counted from its code in elements moved (read +
         # written): the stub weighs the gradient (2), lays it into a zeroed flat buffer (3), gathers each server's part (2),
         # and scatters the pulled values from a zeroed buffer into the params (3); a server receives into a zeroed buffer (1)
         # and gathers the fresh values it sends back (2). Update here when that protocol changes.

@@ -57,8 +57,8 @@ from shoal.comm import channels, heartbeat
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
 from shoal.runtime.exchanges.compression import Codec, codecs_state, load_codecs_state, wire_bytes
-from shoal.runtime.exchanges.downpour import Segment, server_segments
 from shoal.runtime.exchanges.local import aggregate, clipped
+from shoal.runtime.exchanges.requests import gather, let_in, post, scatter, server_segments, wait_unless, words
 from shoal.runtime.exchanges.server import Server
 
 SYNC, STOP, SYNC_ENCODED = 1, 2, 3
@@ -150,9 +150,9 @@ class HogwildExchange:
             return
         self._started = True
         # a resumed group goes on from what it held when its checkpoint was written (load_own_state)
-        self.last_sync = {r: self.last_sync[r] if r in self.last_sync else self._gather(segs) for r, (segs, _) in self.requests.items()}
+        self.last_sync = {r: self.last_sync[r] if r in self.last_sync else gather(self.store, segs) for r, (segs, _) in self.requests.items()}
         if self.codecs is not None:
-            start = self._gather(self.served[0])
+            start = gather(self.store, self.served[0])
             self.known = {g: self.known[g] if g in self.known else start.clone() for g in self.peers}
         for g, r in self.peers.items():
             if r in self.links:
@@ -168,14 +168,6 @@ class HogwildExchange:
         self._threads[group] = threading.Thread(target=self._serve, args=(group, rank, self.links[rank], key),
                                                 name=f"shoal-sync-group{group}", daemon=True)
         self._threads[group].start()
-
-    def _gather(self, segments: list[Segment]) -> torch.Tensor:
-        parts = [self.store.values[s.param].view(-1)[s.start : s.stop] for s in segments]
-        return torch.cat(parts) if parts else torch.zeros(0, device="cpu")
-
-    def _scatter(self, flat: torch.Tensor, segments: list[Segment]) -> None:
-        for s in segments:
-            self.store.values[s.param].view(-1)[s.start : s.stop].copy_(flat[s.offset : s.offset + s.size])
 
     # -- the group's own steps ----------------------------------------------------------
     def begin(self, step: int) -> None:
@@ -202,7 +194,7 @@ class HogwildExchange:
                 continue
             try:
                 with self.lock:
-                    delta = self._gather(segments) - self.last_sync[master]
+                    delta = gather(self.store, segments) - self.last_sync[master]
                 fresh = self._ask(master, delta, size) if self.codecs is None else self._ask_encoded(master, delta, size)
             except RuntimeError as err:
                 warn(f"WARNING: worker group {self.group} stops syncing with process {master}: {comm.describe_error(err)}")
@@ -212,7 +204,7 @@ class HogwildExchange:
                 del self.requests[master]
                 continue
             with self.lock:
-                self._scatter(fresh, segments)
+                scatter(self.store, fresh, segments)
             self.last_sync[master] = fresh
             self.synced_at[master] = time.time()
             self.syncs += 1
@@ -225,7 +217,7 @@ class HogwildExchange:
         link = self.links[master]
 
         def exchange() -> None:
-            answer = link.irecv(fresh, TAG_SYNC_VALUE)  # posted first: see _serve
+            answer = post(link, [(fresh, TAG_SYNC_VALUE)])  # posted first (requests.Posted says why)
             link.send(self._header(SYNC), TAG_SYNC_HEADER)
             link.send(delta, TAG_SYNC_DELTA)
             answer.wait()
@@ -241,12 +233,11 @@ class HogwildExchange:
         link = self.links[master]
 
         def exchange() -> None:
-            answers = [link.irecv(part, tag) for part, tag in zip(answer, (TAG_SYNC_VALUE, TAG_SYNC_VALUE_2))]
+            answers = post(link, list(zip(answer, (TAG_SYNC_VALUE, TAG_SYNC_VALUE_2))))
             link.send(self._header(SYNC_ENCODED), TAG_SYNC_HEADER)
             for part, tag in zip(parts, (TAG_SYNC_DELTA, TAG_SYNC_DELTA_2)):
                 link.send(part, tag)
-            for receive in answers:
-                receive.wait()
+            answers.wait()
 
         self._count(8 + wire_bytes(parts + answer))
         if not self._exchange(master, exchange):
@@ -260,7 +251,7 @@ class HogwildExchange:
     def _header(self, kind: int) -> torch.Tensor:
         """A sync's first message: its kind and this group's steps (KINDS); a STOP's, this group's bytes of the whole run."""
         count = self.own_bytes if kind == STOP else self.steps_done
-        return torch.tensor([kind + KINDS * count], dtype=torch.int64, device="cpu")
+        return words(kind + KINDS * count)
 
     def group_of(self, rank: int) -> int:
         return next(g for g, r in self.peers.items() if r == rank)
@@ -277,11 +268,8 @@ class HogwildExchange:
 
         asking = threading.Thread(target=run, name=f"shoal-sync-to{master}", daemon=True)
         asking.start()
-        while asking.is_alive():
-            asking.join(timeout=0.05)
-            if asking.is_alive() and heartbeat.is_stalled(master):
-                heartbeat.abandon()
-                return False
+        if not wait_unless(asking, lambda: heartbeat.is_stalled(master), 0.05):
+            return False
         if failed:
             raise failed[0]
         return True
@@ -289,24 +277,20 @@ class HogwildExchange:
     # -- this group as master of its slices ---------------------------------------------
     def _serve(self, group: int, rank: int, link, key: int) -> None:
         """Answer `group`'s syncs. The next request's receives are posted before this answer is sent, as the
-        requester posts its answer's before it asks: gloo sends a message only once its receiver has said it is
-        ready, and that word queues behind whatever data is already on the way in its direction (the other group's
-        request). Posted late, each message waited for the link to drain the other way: the two groups' syncs
-        alternated instead of crossing, 1.5x the link time of their bytes (benchmarks/shaped_links.py).
-        `key`: this thread's entry of _peer_bytes."""
+        requester posts its answer's before it asks (requests.Posted says why: else the two groups' syncs alternate
+        instead of crossing). `key`: this thread's entry of _peer_bytes."""
         segments, size = self.served
         header = torch.zeros(1, dtype=torch.int64, device="cpu")
         codec = self.answer_codecs[group] if self.codecs is not None else None
         received = codec.buffers(size) if codec is not None else [torch.zeros(size, device="cpu")]
 
-        def post() -> list:  # a group that masters nothing is never asked, only told to stop
-            return [link.irecv(header, TAG_SYNC_HEADER)] + [link.irecv(part, tag) for part, tag in zip(received, (TAG_SYNC_DELTA, TAG_SYNC_DELTA_2)) if size]
+        def post_next():  # a group that masters nothing is never asked, only told to stop
+            return post(link, [(header, TAG_SYNC_HEADER)] + [(part, tag) for part, tag in zip(received, (TAG_SYNC_DELTA, TAG_SYNC_DELTA_2)) if size])
 
         try:
-            receives = post()
+            receives = post_next()
             while True:
-                for receive in receives:
-                    receive.wait()
+                receives.wait()
                 kind, steps = int(header[0]) % KINDS, int(header[0]) // KINDS
                 if kind == STOP:  # its Δ is zeros, sent so that no receive is left pending; its header, the peer's bytes
                     self._peer_bytes[key] = steps
@@ -318,10 +302,10 @@ class HogwildExchange:
                 with self.lock:
                     for s in segments:
                         self.store.values[s.param].view(-1)[s.start : s.stop].add_(delta[s.offset : s.offset + s.size])
-                    fresh = self._gather(segments)
+                    fresh = gather(self.store, segments)
                 self.peer_steps[group] = steps
                 encoded = kind == SYNC_ENCODED
-                receives = post()  # Δ is added: its buffers take the next request
+                receives = post_next()  # Δ is added: its buffers take the next request
                 if encoded:  # the change since what the requester holds
                     parts = codec.encode(fresh - self.known[group])
                     self.known[group] += codec.decode(parts, size)
@@ -354,10 +338,7 @@ class HogwildExchange:
             except RuntimeError:
                 pass
         for group, t in list(self._threads.items()):
-            while t.is_alive() and not heartbeat.is_stalled(self.peers[group]):  # never wait for a dropped group
-                t.join(timeout=0.25)
-            if t.is_alive():
-                heartbeat.abandon()
+            wait_unless(t, lambda: heartbeat.is_stalled(self.peers[group]), 0.25)  # never wait for a dropped group
         if self.door is not None:
             self.door.set_state(self.group, self.group, "finished")
         # every peer said STOP here (or is gone): this group's syncs and theirs with anyone, each counted once, by its requester
@@ -406,16 +387,15 @@ class HogwildExchange:
         this group's slices, this group's copy of its slices as of their last sync and that sync's step and time;
         then sync with it again both ways."""
         rank = self.peers[group]
-        name = self.door.accept(self.group, group, incarnation, nonce)
-        channel = self.door.open(name, 0)
-        if not channels.authenticate(channel, name, 0, self.door.secret):
+        channel = let_in(self.door, self.door.accept(self.group, group, incarnation, nonce))
+        if channel is None:
             self.log(f"server group {self.group} refused a process knocking as worker group {group}: it could not prove it "
                      "holds the job's secret")
             self.linked[group] = incarnation
             return
         asked = self.asked[rank][1]
         with self.lock:
-            live = self._gather(self.served[0])
+            live = gather(self.store, self.served[0])
             theirs = self.last_sync[rank].clone() if asked else torch.zeros(0, device="cpu")
         synced_at = int(self.synced_at.get(rank, 0.0) * 1000)
         channel.send(torch.tensor([self.peer_steps.get(group, self.began_at), synced_at], dtype=torch.int64, device="cpu"), TAG_JOIN_INFO)
@@ -463,7 +443,7 @@ class HogwildExchange:
                 continue
             self._count(wire_bytes([info, live, mine]))  # what rejoining took from this group
             with self.lock:
-                self._scatter(live, self.asked[rank][0])
+                scatter(self.store, live, self.asked[rank][0])
                 self.links[rank] = channel
                 if self.codecs is not None:
                     self.known[group] = mine.clone()  # what that group holds of this group's slices
@@ -476,7 +456,7 @@ class HogwildExchange:
         self.requests = {rank: self.asked[rank] for rank in self.links if self.asked[rank][1]}
         if own is not None and self.served[1]:
             with self.lock:
-                self._scatter(own[1], self.served[0])
+                scatter(self.store, own[1], self.served[0])
         step = max(steps)
         self.updates = self.server.updates = step  # the sync cadence and the LR schedule's step go on from there
         self.steps_done = step

@@ -1,0 +1,510 @@
+"""Downpour's worker group side: its stub pushes the group's gradient to every server and installs their answers.
+
+The protocol (its messages, the door, a server's restart) is runtime/exchanges/downpour.py's. Each worker group is
+synchronous inside (its processes sum their gradients into the group's stub, its lowest rank, and receive the new
+params from it); a stub that finds its server dead waits for the launcher's restart of it, and the chief heals the
+new server from its mirror (runtime/exchanges/downpour_mirror.py).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+
+from shoal.neuralnet.algorithms import Grads
+from shoal.planning.placement import Placement, ServerId
+from shoal.comm import channels
+from shoal.comm import dist as comm
+from shoal.comm import heartbeat
+from shoal.report.metrics import MetricWindow
+from shoal.neuralnet.params import ParamStore
+from shoal.runtime.exchanges.compression import Codec, codecs_state, load_codecs_state, wire_bytes
+from shoal.runtime.exchanges.clipping import clip_, max_norm_of
+from shoal.runtime.exchanges.downpour import (DOOR, FINAL, PULL, PUSH, REFUSED, SERVER_ANNOUNCEMENT_S, STATE, STOP,
+                                              TAG_BYTES, TAG_GRAD, TAG_HAS_GRAD, TAG_HEADER, TAG_HYPER, TAG_LAGS, TAG_REPLY,
+                                              TAG_STATE, TAG_VALUES, JobOver, ServerLost, server_key, state_layout)
+from shoal.runtime.exchanges.downpour_mirror import ask_mirror, mirror_interval, send_first, send_heal
+from shoal.runtime.exchanges.local import aggregate
+from shoal.runtime.exchanges.requests import Segment, gather, post, scatter, server_segments, words
+from shoal.runtime.exchanges.staleness import StalenessStats, histogram
+from shoal.runtime.interfaces import GroupDropped
+from shoal.runtime.rejoined import fingerprint
+from shoal.neuralnet.updaters import Updater
+
+
+class DownpourExchange:
+    """A worker group's side of Downpour, in one of the group's processes."""
+    absent_groups: frozenset[int] = frozenset()  # every group stays in the job (only Local SGD's meetings leave one out)
+
+    def __init__(self, store: ParamStore, updater: Updater, placement: Placement, rank: int, group: int,
+                 group_ranks: list[int], group_comm, server_ranks: dict[ServerId, int], global_batch: int, *, timeout_s: float,
+                 warmup_steps: int = 0, overlap_push: bool = False, codecs: Optional[Callable[..., Codec]] = None,
+                 servers_heal: bool = False):
+        """As the strategy reads them from the plan: `timeout_s` (cluster.comm_timeout_s: how long a server may take to
+        answer a knock), `warmup_steps`, `overlap_push` and `codecs` (cluster.compression; None: float32); `group_comm`: the
+        plan's group of this worker group's processes (shoal.comm.collectives.Group; None: the group is one process);
+        `servers_heal` (cluster.max_restarts > 0): a dead server is restarted into the job, the chief keeps a mirror of
+        each server's updater state to heal it from, and every stub waits for the new server instead of failing."""
+        self.store, self.rank, self.group = store, rank, group
+        self.timeout_s = timeout_s
+        self.group_ranks, self.group_comm = group_ranks, group_comm
+        self.stub = group_ranks[0]
+        self.chief = group == 0 and rank == self.stub
+        self.global_batch = global_batch
+        self.names = store.trainable_names()
+        self.position = {name: i for i, name in enumerate(self.names)}
+        self.offsets, offset = {}, 0
+        for name in self.names:
+            self.offsets[name] = offset
+            offset += store.info[name].numel
+        self.total = offset
+        trainable = set(self.names)
+        self.servers = []
+        for server, server_rank in server_ranks.items():
+            segments, size = server_segments([s for s in placement.slices_of(server) if s.param in trainable])
+            self.servers.append((server, server_rank, segments, size))
+        self.max_norm = max_norm_of(updater)
+        self.layouts = {server_rank: state_layout(updater, store, segments) for _, server_rank, segments, _ in self.servers}
+        self.read_version = {rank: 0 for _, rank, _, _ in self.servers}
+        self.codecs = {rank: (codecs or Codec)() for _, rank, _, _ in self.servers}  # top-k keeps a residual per server
+        self.pushed_bytes = 0  # gradient bytes this process pushed since the last display
+        # the chief's: every group's pushes and pulls with their answers, as the servers counted them (summary.json's
+        # bytes_sent, after finish), on from `_bytes_before` (a resumed run's, from its checkpoint)
+        self.job_bytes_sent: Optional[int] = None
+        self._bytes_before = 0
+        self._servers_bytes = 0  # the servers' count in this run, as of the last checkpoint's STATE request
+        self.staleness = StalenessStats()
+        self.last_version = 0
+        self.final_state: Optional[dict] = None
+        self.lag_histogram: Optional[dict] = None  # the first server's count of every update's lag, after the chief's last request
+        self.warmup = warmup_steps > 0
+        self.first_step = 0  # a resumed run's, or where a joining group starts after group 0's warm-up
+        self.incarnation = 0  # how many processes of this group came before this one (shoal.launcher.rejoin)
+        self._channels: dict[int, channels.Channel] = {}  # server rank -> this stub's channel, opened at first use
+        self.overlap = overlap_push
+        self._awaited: list = []  # the answers to the last push, while they are on their way (overlap_push)
+        self.servers_heal = servers_heal
+        self.server_restarts = {rank: 0 for _, rank, _, _ in self.servers}  # the server process each stub talks to
+        # the chief's mirror of each server's updater state and counters ([version, bytes, groups, steps, applied, lags]),
+        # refreshed every mirror_every[server] of its steps (mirror_interval: the cost model's choice)
+        self.mirrors: dict[int, Optional[tuple[torch.Tensor, torch.Tensor]]] = {rank: None for _, rank, _, _ in self.servers}
+        self.mirror_every = {rank: mirror_interval(self._state_size(rank), size) for _, rank, _, size in self.servers}
+        self._old_channels: list = []  # channels to dead servers: kept, not destroyed (gloo may block tearing one down)
+        # a user's loop (carry_hyper): each push carries the optimizer's hyper-parameters now
+        self.hyper: Optional[Callable[[], torch.Tensor]] = None
+        self.hyper_size = 0
+
+    def carry_hyper(self, size: int, hyper: Callable[[], torch.Tensor]) -> None:
+        """A user's loop (shoal.session): each push carries `hyper()`, the optimizer's hyper-parameters now (a float64
+        vector of `size`, the servers' DownpourServer.carry_hyper)."""
+        self.hyper_size, self.hyper = size, hyper
+
+    def _to(self, server_rank: int) -> channels.Channel:
+        if not self._channels:
+            self._connect()
+        return self._channels[server_rank]
+
+    def _connect(self) -> None:
+        """Knock at every server's door and open a channel to each (first join and rejoin alike)."""
+        door = channels.Door(DOOR)
+        for server, server_rank, segments, _ in self.servers:
+            self.server_restarts[server_rank] = restart = door.server_restart(server.id) if self.servers_heal else 0
+            self._knock(door, server, server_rank, restart)
+            if self.chief and restart:  # it died before the chief's first request: healed from the chief's first values
+                self._send_heal(server_rank, segments, self.first_step)
+
+    def _knock(self, door: channels.Door, server: ServerId, server_rank: int, restart: int) -> None:
+        channel = door.knock(server_key(server.id, restart), self.group, self.incarnation, self.timeout_s)
+        if channel is None:
+            raise JobOver(f"worker group {self.group}: {server} has finished serving; the job is over")
+        self._channels[server_rank] = channel
+
+    # -- a server's death, under cluster.max_restarts: wait for its new process, heal it (the chief), pull ----------
+    def _recover(self, server: ServerId, server_rank: int, step: int, err: RuntimeError) -> None:
+        """`server` stopped answering: with servers that heal, wait for the launcher to restart it, reconnect, heal it
+        from the chief's mirror (the chief) and take its values (every other group); else ServerLost, as before.
+        This group's push in flight, if any, is dropped, not sent again: the values it was computed on are gone."""
+        if not self.servers_heal:
+            raise self._lost(server, server_rank, step, err)
+        door = channels.Door(DOOR)
+        known = self.server_restarts[server_rank]
+        deadline = time.monotonic() + SERVER_ANNOUNCEMENT_S
+        while (restart := door.server_restart(server.id)) <= known:
+            if door.server_given_up(server.id) >= known or time.monotonic() > deadline:
+                raise self._lost(server, server_rank, step, err)
+            time.sleep(channels.POLL_S * 5)
+        self._old_channels.append(self._channels.pop(server_rank, None))
+        self.server_restarts[server_rank] = restart
+        segments, size = next((seg, n) for s, r, seg, n in self.servers if r == server_rank)
+        seen = self.read_version[server_rank]
+        try:
+            self._knock(door, server, server_rank, restart)
+            heartbeat.revive(server_rank)  # its new process beats: watch it afresh (the launcher said the old one gone)
+            if self.chief:  # (the server says the heal on the terminal: one line)
+                self._send_heal(server_rank, segments, step)
+                return
+            self._pull_from(server_rank, segments, size, step)
+        except RuntimeError as again:  # it died again meanwhile
+            self._recover(server, server_rank, step, again)
+            return
+        print(f"worker group {self.group}: {server} was restarted (restart {restart}); the push of step {step} was "
+              f"dropped; took its values of version {self.read_version[server_rank]} (it had seen version {seen})")
+
+    def _send_heal(self, server_rank: int, segments: list[Segment], step: int) -> None:
+        """HEAL: this process's newest values of the server's slices and their version, and its mirror."""
+        send_heal(self._channels[server_rank], step, self.read_version[server_rank], gather(self.store, segments),
+                  self.mirrors[server_rank], self._state_size(server_rank))
+
+    def _pull_from(self, server_rank: int, segments: list[Segment], size: int, step: int) -> None:
+        channel, reply = self._channels[server_rank], torch.zeros(2, dtype=torch.int64, device="cpu")
+        channel.send(words(PULL, step, self.read_version[server_rank]), TAG_HEADER)
+        values = torch.zeros(size, device="cpu")
+        channel.recv(values, TAG_VALUES)
+        channel.recv(reply, TAG_REPLY)
+        self._leave_if_refused(int(reply[0]), step)
+        scatter(self.store, values, segments)
+        self.read_version[server_rank] = int(reply[0])
+
+    def _refresh_mirrors(self, step: int) -> None:
+        """The chief, every mirror_every steps: each server's updater state and counters, to heal it from if it dies."""
+        if not (self.chief and self.servers_heal):
+            return
+        for server, server_rank, _, _ in self.servers:
+            if (step - self.first_step) % self.mirror_every[server_rank]:
+                continue
+            try:
+                mirror = ask_mirror(self._channels[server_rank], step, self._state_size(server_rank))
+            except RuntimeError as err:
+                self._recover(server, server_rank, step, err)
+                continue
+            self.mirrors[server_rank] = mirror
+
+    def start_loop(self, step: int, whole_state: Optional[dict[str, dict[str, torch.Tensor]]] = None) -> int:
+        """A user's loop (shoal.session), before its first step: the chief sends every server FIRST (its module's
+        values, which are where the servers start, and on --resume the checkpoint's updater state `whole_state`; a
+        fresh start keeps the updater's first state); every other group's stub pulls the servers' values (after group 0's
+        warm-up, if any); the stub's values go to the rest of its group. Returns the step this group starts at."""
+        start = step
+        if self.chief:
+            version = self.last_version
+            for _, server_rank, segments, _ in self.servers:
+                send_first(self._to(server_rank), step, version, gather(self.store, segments),
+                           self._flat_state(server_rank, whole_state or {}), resumed=bool(whole_state))
+                self.read_version[server_rank] = version
+        elif self.rank == self.stub:
+            try:
+                start, _ = self.rejoin(0)
+            except ServerLost as err:
+                raise ServerLost(str(err).replace("could not rejoin", "could not start")) from None
+        if len(self.group_ranks) > 1:  # the group's first step, as its stub's
+            first = words(start)
+            self.group_comm.broadcast(first, self.stub).wait()
+            start = self.first_step = int(first)
+        self._share_params()
+        return start
+
+    def _flat_state(self, server_rank: int, whole: dict[str, dict[str, torch.Tensor]]) -> torch.Tensor:
+        """A server's slices of a whole-model updater state (`_state_from`'s inverse), zeros where it holds none."""
+        flat = torch.zeros(self._state_size(server_rank), device="cpu")
+        offset = 0
+        for seg, slot, size in self.layouts[server_rank]:
+            value = whole.get(seg.param, {}).get(slot)
+            if value is not None:
+                value = value.reshape(-1).to(device="cpu", dtype=flat.dtype)
+                flat[offset : offset + size] = value[seg.start : seg.stop] if size == seg.size else value[:size]
+            offset += size
+        return flat
+
+    def rejoin(self, incarnation: int) -> tuple[int, int]:
+        """Take the place of this group's dead process: pull the servers' live values and version, and the steps
+        the group has done (each server applied all of them or none of a step); returns (first step, version)."""
+        self.incarnation = incarnation
+        reply, steps = torch.zeros(2, dtype=torch.int64, device="cpu"), []
+        self.digests = {"before": {}, "pulled": {}}  # per server: this process's values before and after the pull
+        try:
+            for server, server_rank, segments, size in self.servers:
+                self._to(server_rank).send(words(PULL, 0, 0), TAG_HEADER)
+                values = torch.zeros(size, device="cpu")
+                self._to(server_rank).recv(values, TAG_VALUES)
+                self._to(server_rank).recv(reply, TAG_REPLY)
+                self._leave_if_refused(int(reply[0]), 0)
+                self.digests["before"][server.id] = fingerprint([gather(self.store, segments)])
+                scatter(self.store, values, segments)
+                self.digests["pulled"][server.id] = fingerprint([gather(self.store, segments)])  # what the group trains on
+                self.read_version[server_rank] = int(reply[0])
+                steps.append(int(reply[1]))
+        except RuntimeError as err:
+            raise ServerLost(f"worker group {self.group} could not rejoin: {comm.describe_error(err)}") from None
+        version = min(self.read_version.values())
+        self.first_step, self.last_version = min(steps), version
+        self.warmup = False  # pulled already
+        return self.first_step, version
+
+    def _flat_grads(self, parts: list[tuple[Grads, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's share of the group's gradient (weighted by share of the group's batch), laid end to end,
+        and per param whether it had one (a param no worker has a gradient for is not updated)."""
+        grads = aggregate(parts, self.global_batch, target=torch.device("cpu"))
+        flat, had = torch.zeros(self.total, device="cpu"), torch.zeros(len(self.names), device="cpu")
+        for i, name in enumerate(self.names):
+            g = grads.get(name)
+            if g is not None:
+                flat[self.offsets[name] : self.offsets[name] + g.numel()].copy_(g.reshape(-1))
+                had[i] = 1
+        return flat, had
+
+    def _gather(self, flat: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        base = self.offsets
+        return torch.cat([flat[base[s.param] + s.start : base[s.param] + s.stop] for s in segments])
+
+    def _share_params(self) -> None:
+        """The stub's fresh params to the other processes of its group."""
+        if len(self.group_ranks) == 1:
+            return
+        flat = torch.cat([self.store.values[n].reshape(-1) for n in self.names])
+        self.group_comm.broadcast(flat, self.stub).wait()
+        for name in self.names:
+            o = self.offsets[name]
+            self.store.values[name].view(-1).copy_(flat[o : o + self.store.info[name].numel])
+
+    def begin(self, step: int) -> None:
+        """Groups other than 0 start from the params group 0 reached after its warm-up."""
+        if step == self.first_step and self.group != 0 and self.warmup:
+            if self.rank == self.stub:
+                reply = torch.zeros(2, dtype=torch.int64, device="cpu")
+                for _, server_rank, segments, size in self.servers:
+                    self._to(server_rank).send(words(PULL, step, 0), TAG_HEADER)
+                    values = torch.zeros(size, device="cpu")
+                    self._to(server_rank).recv(values, TAG_VALUES)
+                    self._to(server_rank).recv(reply, TAG_REPLY)
+                    self._leave_if_refused(int(reply[0]), step)
+                    scatter(self.store, values, segments)
+                    self.read_version[server_rank] = int(reply[0])
+            self._share_params()
+
+    def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
+        flat, had = self._flat_grads(parts)
+        if len(self.group_ranks) > 1:
+            self.group_comm.reduce_sum(flat, self.stub).wait()
+            self.group_comm.reduce_sum(had, self.stub).wait()
+        if self.rank == self.stub:
+            clip_([flat], self.max_norm)  # the group's whole push, clipped by its own norm before it leaves
+            self._push_pull(step, flat, had)
+        self._share_params()
+
+    def _push_pull(self, step: int, flat: torch.Tensor, had: torch.Tensor) -> None:
+        """Push the step's gradient to every server, and take the answers: at once, or (overlap_push) the previous
+        push's answers now and this one's while the group computes its next step."""
+        server, server_rank = None, -1
+        # this push's answers are posted first (requests.Posted says why); the previous push's answers (overlap_push)
+        # still fill the receives posted before these
+        answers = [self._posted_answer(server, server_rank, size, step) for server, server_rank, _, size in self.servers]
+        for i, (server, server_rank, segments, _) in enumerate(self.servers):
+            if answers[i] is None:  # its server died: this push to it is dropped
+                continue
+            try:
+                self._to(server_rank).send(words(PUSH, step, self.read_version[server_rank]), TAG_HEADER)
+                for part in self.codecs[server_rank].encode(self._gather(flat, segments)):
+                    self._to(server_rank).send(part, TAG_GRAD)
+                    self.pushed_bytes += wire_bytes([part])
+                # one byte per segment: cheaper than a flag inside the (uncopied) gradient
+                self._to(server_rank).send(torch.tensor([had[self.position[s.param]] > 0 for s in segments], dtype=torch.uint8, device="cpu"), TAG_HAS_GRAD)
+                if self.hyper_size:
+                    self._to(server_rank).send(self.hyper(), TAG_HYPER)
+            except RuntimeError as err:
+                self._recover(server, server_rank, step, err)  # (or ServerLost) this push to it is dropped
+                answers[i] = None
+        self._settle(step)
+        self._awaited = answers
+        if not self.overlap:
+            self._settle(step)
+        self._refresh_mirrors(step)
+
+    def _posted_answer(self, server: ServerId, server_rank: int, size: int, step: int) -> Optional[tuple]:
+        """The receives of a push's answer, posted; None when the server was found dead and recovered (servers that heal)."""
+        try:
+            return self._await_answer(server_rank, size)
+        except RuntimeError as err:
+            self._recover(server, server_rank, step, err)
+            return None
+
+    def _await_answer(self, server_rank: int, size: int) -> tuple:
+        values, reply = torch.zeros(size, device="cpu"), torch.zeros(2, dtype=torch.int64, device="cpu")
+        return values, reply, post(self._to(server_rank), [(values, TAG_VALUES), (reply, TAG_REPLY)])
+
+    def _lost(self, server: ServerId, server_rank: int, step: int, err: RuntimeError) -> ServerLost:
+        return ServerLost(f"{server} in process {server_rank} stopped answering worker group {self.group} "
+                          f"at step {step}: {comm.describe_error(err)}")
+
+    def _settle(self, step: int) -> None:
+        """Take the answers to the last push, if not taken yet: the new values, their version and the push's lag."""
+        if not self._awaited:
+            return
+        awaited, self._awaited, lags = self._awaited, [], []
+        for (server, server_rank, segments, _), answer in zip(self.servers, awaited):
+            if answer is None or answer[2].link is not self._channels.get(server_rank):  # its server died: recovered already
+                continue
+            values, reply, posted = answer
+            try:
+                posted.wait()
+            except RuntimeError as err:
+                self._recover(server, server_rank, step, err)  # (or ServerLost) the answer is lost with its push
+                continue
+            self._leave_if_refused(int(reply[0]), step)
+            scatter(self.store, values, segments)
+            self.read_version[server_rank] = int(reply[0])
+            lags.append(int(reply[1]))
+        if lags:
+            self.staleness.add(max(lags))
+
+    def _leave_if_refused(self, version: int, step: int) -> None:
+        if version == REFUSED:  # the servers dropped this group while it was stalled
+            raise GroupDropped(f"worker group {self.group}: the servers refused its push at step {step}; they dropped "
+                               "the group while it was stalled, so its processes leave")
+
+    def metrics(self, window: MetricWindow) -> dict[str, float]:
+        """This process's losses; the chief adds the job's samples (from the server version) and its staleness."""
+        values = window.averages()
+        if self.chief:
+            version = min(self.read_version.values())
+            values |= {"samples": (version - self.last_version) * self.global_batch,
+                       "staleness": self.staleness.mean, "staleness_max": self.staleness.max, "pushed_bytes": self.pushed_bytes}
+            self.pushed_bytes = 0
+            self.last_version, self.staleness = version, StalenessStats()
+        return values
+
+    def _state_from(self, flats: list[tuple[int, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+        full: dict[str, dict[str, torch.Tensor]] = {n: {} for n in self.names}
+        for server_rank, flat in flats:
+            offset = 0
+            for seg, slot, size in self.layouts[server_rank]:
+                if slot not in full[seg.param]:
+                    full[seg.param][slot] = torch.zeros(self.store.info[seg.param].shape if size == seg.size else size, device="cpu")
+                if size == seg.size:
+                    full[seg.param][slot].view(-1)[seg.start : seg.stop] = flat[offset : offset + size]
+                elif seg.start == 0:  # a per-param slot: every segment of the param holds it, the first one counts
+                    full[seg.param][slot].copy_(flat[offset : offset + size])
+                offset += size
+        return full
+
+    def _state_size(self, server_rank: int) -> int:
+        return sum(size for _, _, size in self.layouts[server_rank])
+
+    def updater_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The whole updater state, asked of the servers (the chief writes checkpoints)."""
+        if not self.chief:
+            return {}
+        if self.final_state is not None:
+            return self.final_state
+        self._settle(-1)  # the checkpoint holds the params its state belongs with
+        flats, moved = [], 0
+        for server, server_rank, segments, size in self.servers:
+            def ask(server_rank=server_rank):
+                self._to(server_rank).send(words(STATE, 0, 0), TAG_HEADER)
+                flat, count = torch.zeros(self._state_size(server_rank), device="cpu"), torch.zeros(1, dtype=torch.int64, device="cpu")
+                self._to(server_rank).recv(flat, TAG_STATE)
+                self._to(server_rank).recv(count, TAG_BYTES)
+                return flat, count
+            flat, count = self._asking(server, server_rank, -1, ask)
+            flats.append((server_rank, flat))
+            moved += int(count)
+        self._servers_bytes = moved  # own_state checkpoints it (the trainer asks for this state first)
+        return self._state_from(flats)
+
+    def _asking(self, server: ServerId, server_rank: int, step: int, ask: Callable):
+        """`ask()` of `server`, asked again of its new process if it died meanwhile (servers that heal)."""
+        while True:
+            try:
+                return ask()
+            except RuntimeError as err:
+                self._recover(server, server_rank, step, err)
+
+    def load_updater_state(self, state) -> None:
+        """Servers load their slices of the state themselves (DownpourServer.restore)."""
+
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """The group's compression residuals, one per server it pushes to (servers only decode); the chief's, the
+        job's bytes so far (a resumed run counts on from them)."""
+        tensors = codecs_state("push", self.codecs)
+        if self.chief:
+            sent = self.job_bytes_sent if self.job_bytes_sent is not None else self._bytes_before + self._servers_bytes
+            tensors["count/job_bytes_sent"] = torch.tensor(sent, device="cpu")
+        return tensors
+
+    def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        load_codecs_state("push", self.codecs, tensors)
+        if self.chief:
+            self._bytes_before = int(tensors.get("count/job_bytes_sent", 0))
+
+    def view_updater(self):
+        """The servers own every param: no worker updates a view itself."""
+        return None
+
+    def resume_at(self, step: int, version: int) -> None:
+        """Continue a run checkpointed at `step`, when the servers' version was `version`."""
+        self.read_version = dict.fromkeys(self.read_version, version)
+        self.last_version = version
+        self.first_step = step
+
+    def start_at(self, step: int) -> None:
+        """This group's first step (a group other than 0 joins where group 0's warm-up ends)."""
+        self.first_step = step
+
+    def _last_request(self, kind: int, server_rank: int, segments: list[Segment], size: int) -> None:
+        """STOP or FINAL, with a zero push for the receives the server keeps posted (_serve_incarnation)."""
+        channel = self._to(server_rank)
+        channel.send(words(kind, 0, 0), TAG_HEADER)
+        for part in self.codecs[server_rank].buffers(size):
+            channel.send(part, TAG_GRAD)
+        channel.send(torch.zeros(len(segments), dtype=torch.uint8, device="cpu"), TAG_HAS_GRAD)
+        if self.hyper_size:
+            channel.send(torch.zeros(self.hyper_size, dtype=torch.float64, device="cpu"), TAG_HYPER)
+
+    def finish(self) -> None:
+        """End of training: other stubs say stop; the chief waits for the final model."""
+        if self.rank != self.stub:
+            return
+        self._settle(-1)
+        if not self.chief:
+            for server, server_rank, segments, size in self.servers:
+                self._asking(server, server_rank, -1, lambda r=server_rank, g=segments, n=size: self._last_request(STOP, r, g, n))
+            return
+        flats = []
+        for server, server_rank, segments, size in self.servers:
+            self._asking(server, server_rank, -1, lambda r=server_rank, g=segments, n=size: self._last_request(FINAL, r, g, n))
+        lags, moved = [], 0
+        for server, server_rank, segments, size in self.servers:
+            def final(server_rank=server_rank, segments=segments, size=size, again=False):
+                if again:  # its server died while it waited for the other groups: the new one is asked again
+                    self._last_request(FINAL, server_rank, segments, size)
+                values, flat, shape = torch.zeros(size, device="cpu"), torch.zeros(self._state_size(server_rank), device="cpu"), torch.zeros(2, dtype=torch.int64, device="cpu")
+                self._to(server_rank).recv(values, TAG_VALUES)
+                self._to(server_rank).recv(flat, TAG_STATE)
+                self._to(server_rank).recv(shape, TAG_LAGS)
+                counts = torch.zeros(*shape.tolist(), dtype=torch.int64, device="cpu")
+                self._to(server_rank).recv(counts, TAG_LAGS)
+                count = torch.zeros(1, dtype=torch.int64, device="cpu")
+                self._to(server_rank).recv(count, TAG_BYTES)
+                return values, flat, counts, count
+            try:
+                values, flat, counts, count = final()
+            except RuntimeError as err:
+                self._recover(server, server_rank, -1, err)
+                values, flat, counts, count = self._asking(server, server_rank, -1, lambda f=final: f(again=True))
+            moved += int(count)
+            scatter(self.store, values, segments)
+            flats.append((server_rank, flat))
+            lags.append(counts)
+        self.final_state = self._state_from(flats)
+        self.job_bytes_sent = self._bytes_before + moved  # every server's count: every group's whole run
+        self.lag_histogram = histogram(_stats_of(lags[0])) if lags else None
+
+
+def _stats_of(counts: torch.Tensor) -> dict[int, StalenessStats]:
+    """A server's (group, lag) counts as StalenessStats per group."""
+    stats = {}
+    for group, row in enumerate(counts.tolist()):
+        stats[group] = StalenessStats()
+        for lag, n in enumerate(row):
+            stats[group].add(lag, n)
+    return stats
