@@ -156,24 +156,54 @@ def documented() -> dict[str, str]:
 
 
 def traced_blocks(ways) -> dict[str, str]:
-    """Each way's block as the code runs it now, each traced in a fresh process of its own (in one process a way
-    traced after another would miss what the first left cached), the processes side by side."""
+    """Each way's block as the code runs it now, each traced in a process of its own (in one process a way traced
+    after another would miss what the first left cached): one fresh interpreter imports this file (torch, shoal) once
+    and forks a child per way, each child in the state a fresh interpreter is in after those imports."""
     import json
     import subprocess
 
-    procs = {way: subprocess.Popen([sys.executable, __file__, way], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for way in ways}
-    blocks = {}
-    for way, proc in procs.items():
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-        blocks[way] = json.loads(out.strip().splitlines()[-1])
+    proc = subprocess.run([sys.executable, __file__, "--json", *ways], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    return dict(zip(ways, json.loads(proc.stdout.strip().splitlines()[-1])))
+
+
+def _traced_in_forks(ways) -> list[str]:
+    """Each way's block, traced in a child forked from this process (nothing of shoal run yet), the children side by
+    side."""
+    import json
+    import os
+    import tempfile
+
+    children = []
+    for name in ways:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: trace, send the block, end without running the parent's exit handlers
+            os.close(read)
+            status = 1
+            try:
+                with tempfile.TemporaryDirectory() as folder:
+                    os.chdir(folder)
+                    make, stop = WAYS[name]
+                    with os.fdopen(write, "w") as out:
+                        out.write(json.dumps(page_text(name, *trace(make(Path(folder)), stop))))
+                status = 0
+            finally:
+                os._exit(status)
+        os.close(write)
+        children.append((pid, read))
+    blocks = []
+    for pid, read in children:
+        with os.fdopen(read) as result:
+            blocks.append(json.loads(result.read() or "null"))
+        _, status = os.waitpid(pid, 0)
+        assert status == 0, f"tracing {ways[len(blocks) - 1]} failed (wait status {status})"
     return blocks
 
 
 def test_the_page_shows_the_path_of_one_step():
     page = documented()
-    for way, block in traced_blocks(WAYS).items():
+    for way, block in traced_blocks(list(WAYS)).items():
         assert page.get(way) == block, f"docs/architecture.md's path of one step for {way} is not the code's: put this block there\n{block}"
 
 
@@ -182,8 +212,11 @@ if __name__ == "__main__":  # `python tests/test_architecture_path.py [WAY]`: th
     import os
     import tempfile
 
+    if sys.argv[1:2] == ["--json"]:  # traced_blocks: the blocks of the ways named, as one JSON list
+        print(json.dumps(_traced_in_forks(sys.argv[2:])))
+        sys.exit(0)
     if not sys.argv[1:]:
-        print("\n\n".join(traced_blocks(WAYS).values()))
+        print("\n\n".join(traced_blocks(list(WAYS)).values()))
     for name in sys.argv[1:]:
         with tempfile.TemporaryDirectory() as folder:
             os.chdir(folder)

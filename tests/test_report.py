@@ -24,7 +24,7 @@ RUN_LAYOUTS = ["single worker", "in-memory Sandblaster, 2 threads", "AllReduce, 
 
 
 def shoal_process(*args, env=None, timeout=300):
-    """`python -m shoal ARGS`: a process of its own (a crashed run, a missing package)."""
+    """`python -m shoal ARGS`: a process of its own (a missing package)."""
     return subprocess.run([sys.executable, "-m", "shoal", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, check=False)
 
 
@@ -125,10 +125,10 @@ def test_summary_of_a_finished_run(layout_runs, layout):
 def test_a_crashed_run_keeps_the_summary_of_its_last_test(blobs_job, tmp_path):
     """Rank 0 (the chief) dies at step 25 of a two-process run: summary.json is the one of the test at 20."""
     job = blobs_job(train_steps=40)
-    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws"), "--no-progress",
-                           *LAYOUTS["AllReduce, 2 processes"].cli()],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "SHOAL_INJECT_EXIT": "0:25"}, check=False)
-    assert proc.returncode == 2
+    # in this test's process: the chief is a rank forked from its forkserver, the launcher that outlives it is here
+    proc = run_cli("run", job, "--workspace", tmp_path / "ws", "--no-progress", *LAYOUTS["AllReduce, 2 processes"].cli(),
+                   env={**os.environ, "SHOAL_INJECT_EXIT": "0:25"}, timeout=300)
+    assert proc.returncode == 2, proc.stderr
     summary = assert_ran(tmp_path / "ws", "AllReduce, 2 processes")
     assert summary["status"] == "failed" and "process 0" in summary["reason"]  # the launcher says what the dead chief could not
     assert summary["final_test"]["step"] == 20

@@ -180,6 +180,7 @@ def forkserver_context(preload: Sequence[str]):
 
     context = multiprocessing.get_context("forkserver")
     preload = list(preload) + [name for name in SHARED_IMPORTS if name in sys.modules and name not in preload]
+    preload.append("shoal.config.forkserver_heap")  # last: freezes the heap the others built
     context.set_forkserver_preload(preload)  # effective until the server starts (once per process)
     server_only = {**{name: value for name, value in RANK_ENVIRONMENT_DEFAULTS.items() if name not in os.environ},
                    "PYTHONSAFEPATH": "1"}
