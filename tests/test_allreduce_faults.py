@@ -164,7 +164,9 @@ def test_the_plan_describes_the_exchange_that_runs(blobs_job):
     terms = [(f["kind"], f["count"], f["ranks"]) for f in estimate(replicated, TIMED).fixed_costs]
     assert terms == [("collective", 1, 3), ("message", 2, 2)]
     assert all(f["kind"] == "collective" and "bucket" in f["what"] for f in estimate(sliced, TIMED).fixed_costs)
-    compressed = planned("max_restarts: 1 compression: kBF16")
-    assert not compressed.strategy.goes_on_without_a_process(compressed)
-    assert compressed.strategy.notes(compressed) == ["cluster.max_restarts: cluster.compression keeps the sliced exchange, which "
-                                                     "cannot go on without a process: the job stops at the first dead one"]
+    compressed = planned("max_restarts: 1 compression: kBF16")  # the replicated exchange all-gathers the encodings
+    assert compressed.strategy.goes_on_without_a_process(compressed)
+    assert compressed.strategy.notes(compressed)[0].startswith(
+        "replicated over 3 processes (cluster.max_restarts 1): each process updates the whole params from one all-gather of "
+        "each process's encoded gradients a step")
+    assert [(f["kind"], f["count"], f["ranks"]) for f in estimate(compressed, TIMED).fixed_costs] == terms

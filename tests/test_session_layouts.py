@@ -6,12 +6,15 @@ the shared layout table is either planned for the loop (its framework and proces
 it; Distributed Hogwild's rows train the user's loop (the user's AdamW is each group's local update, the groups sync
 every cluster.sync_freq steps), resume from a checkpoint exactly, and a killed group is restarted into the running loop. Downpour's row trains the
 user's loop with the user's AdamW running on the server process (built there from plain JSON), its scheduler's lr
-carried by every push.
+carried by every push. Sandblaster's rows (one synchronous group, server processes of its own running the user's AdamW)
+train the loop as one worker with the whole batch does, its clip_grad_norm_ the group's global norm; the checkpoint
+holds the servers' AdamW state, a resume continues exactly, and a killed server restarts the whole job from it.
 """
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -21,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fault_runs import runs, summary  # noqa: F401 (runs: the fixture)
 from layouts import LAYOUTS, assert_ran
 from shoal.frontend.cli import main
 
@@ -84,11 +88,14 @@ LOOP = textwrap.dedent('''
 ''')
 
 SYNC_EVERY_5 = ["--set", "cluster.sync_freq=5"]  # syncs after updates 5, 10, 15, 20 of 24
-# the rows a user's loop runs (tests/test_session.py runs one worker and AllReduce; this file Distributed Hogwild)
+# the rows a user's loop runs (tests/test_session.py runs one worker and AllReduce; this file Distributed Hogwild,
+# Downpour and Sandblaster)
 RUNS_IN_A_LOOP = {"single worker", "AllReduce, 2 processes", "AllReduce, 2 processes, 2 server slices", "AllReduce, 3 processes",
                   "AllReduce, 3 processes, replicated (max_restarts 1)", "Distributed Hogwild, 2 groups",
                   "Distributed Hogwild, 3 groups", "Downpour, 2 groups + 1 server, 3 processes",
-                  "Downpour, 3 groups + 1 server, 4 processes", "Downpour, 2 groups x 2 workers + 2 servers, 6 processes"}
+                  "Downpour, 3 groups + 1 server, 4 processes", "Downpour, 2 groups x 2 workers + 2 servers, 6 processes",
+                  "Sandblaster, 2 workers + 1 server, 3 processes", "Sandblaster, 2 workers + 2 servers, 4 processes",
+                  "Sandblaster, 3 workers + 2 servers, 5 processes"}
 
 
 def shoal_run(script: Path, out: Path, workspace: Path, *options: str, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -293,7 +300,7 @@ def test_a_downpour_server_rebuilds_the_users_optimizer_from_plain_json_and_foll
     class Mine(torch.optim.SGD):
         pass
 
-    with pytest.raises(se.RecipeError, match="torch.optim's optimizers only"):
+    with pytest.raises(se.RecipeError, match="torch.optim's optimizers and shoal.SingaOptimizer only, not test_session_layouts.Mine"):
         se.optimizer_recipe(Mine(user.parameters(), lr=0.1), named)
 
 
@@ -459,3 +466,175 @@ def test_a_killed_downpour_process_is_restarted_into_the_running_loop(tmp_path, 
     assert json.loads((workspace / "summary.json").read_text())["status"] == "finished"
     losses = train_losses(workspace)
     assert losses[-1] < 0.6 * losses[0]
+
+
+# Sandblaster: one synchronous group over processes, its servers in processes of their own that run the user's AdamW
+# (built from its plain-JSON recipe, its LambdaLR's lr carried by every push). The loop clips the gradient's norm to
+# CLIP, which every step reaches: only the group's global norm (the group's mean gradient in every process's .grad when
+# backward ends, as under DDP) gives what one worker on the whole batch gets.
+SANDBLASTER = textwrap.dedent('''
+    import json, os, sys, time
+    from pathlib import Path
+    import torch, shoal
+    from safetensors.torch import save_file
+
+    out = Path(sys.argv[1])
+    (out / f"pid{os.getpid()}").write_text("")  # every process runs the script from the top
+    pause = float(os.environ.get("SANDBLASTER_STEP_PAUSE", "0"))  # (a run that outlasts a kill)
+    torch.manual_seed(0)
+    x = torch.randn(192, 8)
+    y = (x[:, :4].sum(1, keepdim=True) > x[:, 4:].sum(1, keepdim=True)).float()
+    data = torch.utils.data.TensorDataset(x, y)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    STEPS, BATCH, CHECKPOINT, CLIP = 24, 12, 15, 0.05
+
+    run = shoal.session(train_steps=STEPS, disp_freq=5)
+    (out / f"session{run.rank}").write_text("")  # (not a server's: its shoal.session() serves, then ends the script)
+    model = run.model(model)
+    opt = run.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + 0.05 * step))
+    for step, (xb, yb) in run.batches(data, batch_size=BATCH, shuffle=False):
+        time.sleep(pause)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(xb), yb)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step(); opt.zero_grad(); sched.step()
+        run.log(step, loss=loss)
+        if step == CHECKPOINT:
+            run.checkpoint()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / f"rank{run.rank}.safetensors"))
+    (out / f"rank{run.rank}.json").write_text(json.dumps({"label": run.label, "processes": run.processes,
+                                                          "lr": opt.param_groups[0]["lr"]}))
+''')
+SANDBLASTER_ROW = "Sandblaster, 2 workers + 1 server, 3 processes"
+
+
+def plain_sandblaster_loop(workers: int = 1):
+    """SANDBLASTER's loop as plain PyTorch on one worker (the whole batch of each step), or as `workers` workers that
+    each clip their own share's gradient (what a local clip would give): (values, AdamW's state after step 15, lr)."""
+    torch.manual_seed(0)
+    x = torch.randn(192, 8)
+    y = (x[:, :4].sum(1, keepdim=True) > x[:, 4:].sum(1, keepdim=True)).float()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + 0.05 * step))
+    names = {p: n for n, p in model.named_parameters()}
+    for step in range(24):
+        rows = torch.arange(step * 12, step * 12 + 12) % len(x)
+        summed = None
+        for share in rows.chunk(workers):
+            torch.nn.functional.binary_cross_entropy_with_logits(model(x[share]), y[share]).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            grads = [p.grad * len(share) / 12 for p in model.parameters()]
+            summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
+            opt.zero_grad()
+        for p, g in zip(model.parameters(), summed):
+            p.grad = g
+        opt.step(); opt.zero_grad(); sched.step()
+        if step == 15:
+            state = {f"{names[p]}/{slot}": v.clone() for p, slots in opt.state.items() for slot, v in slots.items()}
+    return {k: v.clone() for k, v in model.state_dict().items()}, state, opt.param_groups[0]["lr"]
+
+
+@pytest.fixture(scope="module")
+def sandblaster_run(tmp_path_factory):
+    where = tmp_path_factory.mktemp("sandblaster")
+    script = where / "sandblaster.py"
+    script.write_text(SANDBLASTER)
+    proc = shoal_run(script, where / "out", where / "ws", *LAYOUTS[SANDBLASTER_ROW].cli())
+    assert proc.returncode == 0, proc.stderr
+    return where
+
+
+SANDBLASTER_RUN = pytest.mark.xdist_group("session_sandblaster_run")
+
+
+@SANDBLASTER_RUN
+def test_sandblaster_with_server_processes_trains_the_users_loop_as_one_worker(sandblaster_run):
+    """2 workers + 1 server process through `shoal run script.py`: the server ran the script only to shoal.session(),
+    built the user's AdamW from the chief's recipe and applied one update per step, each the whole group's gradient
+    clipped to the group's global norm; both workers end equal to plain PyTorch on one worker with the same 12 rows a
+    step (and the scheduler's lr), which workers clipping their own gradients do not; the chief's checkpoint holds the
+    server's AdamW state, equal to the one-worker optimizer's."""
+    out, workspace = sandblaster_run / "out", sandblaster_run / "ws"
+    assert_ran(workspace, SANDBLASTER_ROW)  # 3 processes, 2 workers, Sandblaster, a log per process
+    assert len(list(out.glob("pid*"))) == 4  # the launcher and each process ran the script from the top ...
+    assert sorted(p.name for p in out.glob("session*")) == ["session0", "session1"]  # ... the server's to shoal.session()
+    assert "server(group=0, id=0): version 24; updates applied: group 0: 24" in (workspace / "logs" / "rank2.log").read_text()
+    values, state, lr = plain_sandblaster_loop()
+    clipped_apart = plain_sandblaster_loop(workers=2)[0]
+    assert max((clipped_apart[k] - values[k]).abs().max() for k in values) > 1e-4  # the test tells the two clips apart
+    for rank in (0, 1):
+        got, said = ended(out, rank)
+        assert said["label"] == "Sandblaster" and said["processes"] == 3 and said["lr"] == lr
+        for key, value in values.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6)
+    assert sorted(p.name for p in (workspace / "checkpoint").iterdir()) == ["step16-worker0.safetensors"]
+    from shoal.neuralnet import checkpoint as ckpt_io
+
+    saved = ckpt_io.load(workspace / "checkpoint" / "step16-worker0.safetensors", parts=True).exchange
+    for key, value in state.items():  # the servers' AdamW moments and step counts, gathered by the chief
+        torch.testing.assert_close(saved[f"updater/{key}"].reshape(value.shape), value, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.slow
+@SANDBLASTER_RUN
+def test_sandblaster_resumes_the_servers_optimizer_exactly(sandblaster_run, tmp_path):
+    """The checkpoint after step 15 resumed in a new workspace: the chief's FIRST hands the server the checkpoint's
+    AdamW state with the values, the schedulers and the data position come back, and both workers end where the
+    uninterrupted run did, to the bit."""
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    shutil.copytree(sandblaster_run / "ws" / "checkpoint", workspace / "checkpoint")
+    proc = shoal_run(sandblaster_run / "sandblaster.py", tmp_path / "out", workspace, *LAYOUTS[SANDBLASTER_ROW].cli(), "--resume")
+    assert proc.returncode == 0, proc.stderr
+    assert "server(group=0, id=0): version 24; updates applied: group 0: 8" in (workspace / "logs" / "rank2.log").read_text()
+    for rank in (0, 1):
+        values, said = ended(tmp_path / "out", rank)
+        expected, through = ended(sandblaster_run / "out", rank)
+        assert all(torch.equal(values[k], expected[k]) for k in expected) and said["lr"] == through["lr"]
+    assert train_losses(workspace)[-1] == train_losses(sandblaster_run / "ws")[-1]
+
+
+@pytest.mark.slow
+@SANDBLASTER_RUN
+def test_a_killed_sandblaster_server_restarts_the_whole_loop_from_its_checkpoint(sandblaster_run, tmp_path, runs):
+    """--max-restarts 1: the server process, SIGKILLed mid-run, is not healed into the running loop (it keeps no
+    mirror); the launcher says so in one line and restarts the whole job from the newest checkpoint (every process runs
+    the script from the top, the server's AdamW state comes back from the checkpoint), which then ends where the
+    uninterrupted run did, to the bit."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run = runs.start(sandblaster_run / "sandblaster.py", tmp_path, *LAYOUTS[SANDBLASTER_ROW].cli(), "--set", "checkpoint_freq=4",
+                     "--max-restarts", "1", "--", str(out), env={"SANDBLASTER_STEP_PAUSE": "0.2"})
+    run.signal(2, signal.SIGKILL, step=5, registry=True)
+    stdout, stderr = run.finished()
+    warning = [line for line in stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warning) == 1 and "process 2 (server(group=0, id=0)) died (SIGKILL)" in warning[0], stderr
+    assert "the job cannot go on without it; restarting the whole job from the checkpoint of step" in warning[0]
+    assert "the whole job restarted once" in stdout
+    restarts = summary(run.ws)["job_restarts"]
+    assert len(restarts) == 1 and restarts[0]["from_step"] in (4, 8, 12, 16, 20)
+    assert len(list(out.glob("session0*"))) == 1 and len(list(out.glob("pid*"))) == 1 + 2 * 3  # every process twice
+    for rank in (0, 1):
+        values, expected = ended(out, rank)[0], ended(sandblaster_run / "out", rank)[0]
+        assert all(torch.equal(values[k], expected[k]) for k in expected)
+    assert summary(run.ws)["status"] == "finished"
+
+
+@pytest.mark.slow
+def test_sandblaster_over_three_workers_and_two_servers_trains_as_one_worker(tmp_path):
+    """3 workers (4 rows each) + 2 server processes, each server updating its slices of every param with its own
+    AdamW built from the recipe: the workers end equal to one worker on the whole batch."""
+    row = "Sandblaster, 3 workers + 2 servers, 5 processes"
+    script = tmp_path / "sandblaster.py"
+    script.write_text(SANDBLASTER)
+    proc = shoal_run(script, tmp_path / "out", tmp_path / "ws", *LAYOUTS[row].cli())
+    assert proc.returncode == 0, proc.stderr
+    assert_ran(tmp_path / "ws", row)
+    values, _, lr = plain_sandblaster_loop()
+    for rank in (0, 1, 2):
+        got, said = ended(tmp_path / "out", rank)
+        assert said["label"] == "Sandblaster" and said["processes"] == 5 and said["lr"] == lr
+        for key, value in values.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6)

@@ -128,3 +128,80 @@ def test_a_users_loop_checkpoints_and_resumes_it_exactly(tmp_path, problem):
     resumed, opt = loop(tmp_path / "parts", 10, resume=True)
     assert opt.param_groups[0]["updates"] == 10  # 4 restored from the checkpoint, then 6 more: the schedule's step
     assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), resumed.parameters()))
+
+
+def test_servers_rebuild_it_from_its_recipe_and_each_push_carries_the_groups_update_count():
+    """Downpour's and Sandblaster's servers build the user's optimizer from a JSON recipe: shoal.SingaOptimizer's updater
+    travels as its fields, and its update count (what its schedule reads) in each push's hyper-parameter vector, so the
+    server's schedule follows the pushing group's steps."""
+    import json
+
+    from shoal.runtime.session_exchange import (hyper_vector, optimizer_from_recipe, optimizer_recipe, recipe_layout,
+                                                set_hyper)
+
+    model = torch.nn.Linear(3, 2)
+    named = list(model.named_parameters())
+    mine = shoal.SingaOptimizer(model.parameters(), UPDATERS["kSGD"])
+    recipe = json.loads(json.dumps(optimizer_recipe(mine, named)))  # as it travels: JSON
+    shards = [(n, torch.zeros_like(p)) for n, p in named]
+    theirs = optimizer_from_recipe(recipe, shards)
+    assert type(theirs) is shoal.SingaOptimizer and theirs.conf == mine.conf
+    for _ in range(6):  # the group's steps: its schedule halves its rate at 5
+        mine.param_groups[0]["updates"] += 1
+    layout = recipe_layout(recipe)
+    set_hyper(theirs, hyper_vector(mine, layout), layout)
+    assert theirs.param_groups[0]["updates"] == 6
+    for (_, shard), (_, p) in zip(shards, named):
+        shard.grad = torch.ones_like(p)
+    theirs.step()  # momentum's first step: -lr x clipped gradient, at the group's step 6 (the rate halved)
+    assert torch.allclose(shards[0][1], torch.full_like(shards[0][1], -0.025 * 0.05))
+    recipe["updater"] = {"type": "kNoSuchUpdater"}
+    with pytest.raises(ValueError, match="^Downpour server: shoal.SingaOptimizer refused the chief.s recipe: .*kNoSuchUpdater"):
+        optimizer_from_recipe(recipe, shards)
+
+
+SYNCHRONOUS_LOOP = """
+import sys
+from pathlib import Path
+import torch, torch.nn.functional as F, shoal
+from safetensors.torch import save_file
+
+torch.manual_seed(3)
+x = torch.randn(96, 6)
+y = (x[:, 0] + x[:, 1] > 0).long()
+run = shoal.session(train_steps=16)
+model = run.model(torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 2)))
+opt = run.optimizer(shoal.SingaOptimizer(model.parameters(), UPDATER))
+for step, (xb, yb) in run.batches((x, y), batch_size=12, shuffle=False):
+    F.cross_entropy(model(xb), yb).backward()
+    opt.step()
+    opt.zero_grad()
+save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(Path(sys.argv[1]) / f"rank{run.rank}.safetensors"))
+"""
+
+
+@pytest.mark.slow
+def test_sandblasters_servers_run_it_and_the_group_trains_as_one_worker(tmp_path):
+    """`shoal run loop.py` with Sandblaster (2 workers + a server process): the server builds the SINGA updater from the
+    chief's recipe, its schedule follows the group's steps, and both workers end where one worker does."""
+    from safetensors.torch import load_file
+
+    from cli_in_process import run_cli
+    from layouts import LAYOUTS, assert_ran
+
+    script = tmp_path / "loop.py"
+    script.write_text(f"UPDATER = {UPDATERS['kSGD']!r}\n" + SYNCHRONOUS_LOOP)
+    ended = {}
+    for name in ("single worker", "Sandblaster, 2 workers + 1 server, 3 processes"):
+        out, workspace = tmp_path / name.split(",")[0], tmp_path / f"ws-{name.split(',')[0]}"
+        out.mkdir()
+        proc = run_cli("run", str(script), "--workspace", str(workspace), *LAYOUTS[name].cli(), "--", str(out), cwd=out,
+                       timeout=240)
+        assert proc.returncode == 0, proc.stderr
+        assert_ran(workspace, name)
+        ended[name] = [load_file(str(p)) for p in sorted(out.glob("rank*.safetensors"))]
+    (one,), workers = ended.values()
+    assert len(workers) == 2
+    for values in workers:
+        for key, value in one.items():
+            torch.testing.assert_close(values[key], value, rtol=1e-5, atol=1e-6)

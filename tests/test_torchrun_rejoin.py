@@ -4,10 +4,12 @@
 process torchrun starts for a rank other than the chief supervises the rank's training process
 (shoal.launcher.supervisor); a real SIGKILL of that process (its pid from the job registry) is answered as
 `shoal run`'s launcher answers it: the next step goes on without it, a new process rejoins from the chief's state,
-torchrun sees nothing fail and restarts nothing.
+torchrun sees nothing fail and restarts nothing. A `shoal.session()` script's rank is supervised the same way (its
+child runs the script from the top, and so does a restarted one).
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import shoal
 from fault_runs import pids, summary, wait_for
@@ -189,3 +192,117 @@ def test_a_killed_group_under_torchrun_rejoins(blobs_job, tmp_path, torchruns, f
     assert [r["rank"] for r in summary(ws)["rejoins"]] == [1]
     assert "Traceback" not in stderr
     assert leftover_processes(tmp_path) == []
+
+
+# A user's own loop (shoal.session()) under `torchrun ... -m shoal run script.py --max-restarts 1`: rank 1's process
+# torchrun started supervises a child that runs the script from the top; the test SIGKILLs that child (its pid from
+# the job registry) and writes `killed`. The chief waits at step 11 for the kill and the new process (it runs the
+# script from the top: its pid file), then goes on slowly until the rejoin is recorded, so that it rejoins mid-run.
+# Rank 0 also runs the same loop as plain PyTorch on the same rows (AllReduce's unfaulted result, which
+# tests/test_session.py's torchrun test shows the unfaulted layout equals).
+SESSION_LOOP = '''
+import json, os, sys, time
+from pathlib import Path
+import torch, shoal
+from safetensors.torch import save_file
+
+out, group_sleeps = Path(sys.argv[1]), float(sys.argv[2])
+torch.manual_seed(0)
+x = torch.randn(96, 8)
+y = (x[:, :4].sum(1, keepdim=True) > x[:, 4:].sum(1, keepdim=True)).float()
+data = torch.utils.data.TensorDataset(x, y)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+STEPS, BATCH = 60, 12
+
+def loss_of(model, xb, yb):
+    return torch.nn.functional.binary_cross_entropy_with_logits(model(xb), yb)
+
+def ended(model):
+    with torch.no_grad():
+        return {"loss": float(loss_of(model, x, y)), "accuracy": float(((model(x) > 0).float() == y).float().mean())}
+
+run = shoal.session(train_steps=STEPS, disp_freq=5)
+(out / f"pid{run.rank}.{os.getpid()}").write_text("")
+restarted = len(list(out.glob(f"pid{run.rank}.*"))) > 1
+if run.rank == 0:
+    import copy
+    plain = copy.deepcopy(model)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        start = step * BATCH % len(x)
+        loss_of(plain, x[start:start + BATCH], y[start:start + BATCH]).backward()
+        opt.step(); opt.zero_grad()
+    (out / "plain.json").write_text(json.dumps(ended(plain)))
+model = run.model(model)
+opt = run.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+rejoined = run.workspace / "logs" / "rejoins.jsonl"
+for step, (xb, yb) in run.batches(data, batch_size=BATCH, shuffle=False):
+    if run.rank == 0 and step == 11:
+        deadline = time.time() + 90
+        while len(list(out.glob("pid1.*"))) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+    if run.rank == 0 and step > 11 and not rejoined.exists():
+        time.sleep(0.1)
+    if run.rank == 1:  # (an asynchronous group 1 must still be training when it is killed)
+        time.sleep(group_sleeps)
+    loss = loss_of(model, xb, yb)
+    loss.backward()
+    opt.step(); opt.zero_grad()
+    run.log(step, loss=loss)
+save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / f"rank{run.rank}.safetensors"))
+(out / f"rank{run.rank}.json").write_text(json.dumps(ended(model)))
+print("rank", run.rank, "finished at step", step)
+'''
+
+SESSION_LAYOUTS = {  # its flags, its processes, whether its replicas end equal, group 1's sleep per step
+    "AllReduce": (["--set", "cluster.nworkers_per_group=2", "--set", "cluster.nworkers_per_procs=1"], 2, True, 0),
+    "Local SGD": (["--set", "cluster.nworker_groups=2", "--set", "cluster.nworkers_per_procs=1", "--set", "cluster.local_steps=5"],
+                  2, True, 0),
+    "Downpour": (LAYOUTS["Downpour, 2 groups + 1 server, 3 processes"].cli(), 3, False, 0.05),
+}
+
+
+def killed_session_rank_rejoins(tmp_path, torchruns, layout: str) -> None:
+    """The session script under torchrun with `layout`; rank 1's training process SIGKILLed at step 11: it comes back
+    into the running loop, the chief's process and torchrun's start are the same to the end, and the loop ends as
+    accurate as the unfaulted one."""
+    from safetensors.torch import load_file
+
+    flags, nprocs, equal, group_sleeps = SESSION_LAYOUTS[layout]
+    script, out = tmp_path / "loop.py", tmp_path / "out"
+    script.write_text(SESSION_LOOP)
+    out.mkdir()
+    proc, ws = start(torchruns, script, tmp_path, *flags, "--", str(out), str(group_sleeps), nprocs=nprocs)
+    chief, victim = training_pids(ws)
+    os.kill(victim, signal.SIGKILL)
+    assert proc.wait(timeout=180) == 0, proc.err.read_text()[-3000:]
+    stdout, stderr = proc.out.read_text(), proc.err.read_text()
+    assert any(line.startswith("WARNING: process 1 (worker(group=") and "restarting it (restart 1 of 1)" in line
+               for line in stderr.splitlines()), stderr
+    assert "restart 1 of 1" not in stdout  # torchrun restarted nothing: one start of the job, one registration
+    (record,) = registered(ws)
+    assert record.status == "finished"
+    pids_of = {rank: sorted(int(p.name.split(".")[1]) for p in out.glob(f"pid{rank}.*")) for rank in (0, 1)}
+    assert pids_of[0] == [chief] and victim in pids_of[1] and len(pids_of[1]) == 2  # rank 1 ran as two processes
+    got = summary(ws)
+    assert got["status"] == "finished" and got.get("job_restarts", []) == []
+    (rejoined,) = got["rejoins"]
+    assert rejoined["rank"] == 1 and (10 if equal else 0) <= rejoined["step"] < 60  # (Downpour: group 1's own step)
+    assert "rank 1 finished at step 59" in (ws / "logs" / "rank1.log").read_text()
+    if equal:  # (Local SGD: its last meeting)
+        ends = [load_file(str(out / f"rank{r}.safetensors")) for r in (0, 1)]
+        assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
+    final, plain = json.loads((out / "rank0.json").read_text()), json.loads((out / "plain.json").read_text())
+    assert final["accuracy"] >= plain["accuracy"] - 0.05, (final, plain)  # tests/test_allreduce_faults.py's tolerance
+    assert "Traceback" not in stderr and "gloo" not in stderr.lower(), stderr
+    assert leftover_processes(tmp_path) == []
+
+
+def test_a_killed_session_rank_under_torchrun_rejoins_the_running_loop(tmp_path, torchruns):
+    killed_session_rank_rejoins(tmp_path, torchruns, "AllReduce")
+
+
+@pytest.mark.slow  # one more torchrun run each; AllReduce's covers the session's supervisor in the default suite
+@pytest.mark.parametrize("layout", ["Local SGD", "Downpour"])
+def test_a_killed_group_of_a_session_under_torchrun_rejoins(tmp_path, torchruns, layout):
+    killed_session_rank_rejoins(tmp_path, torchruns, layout)

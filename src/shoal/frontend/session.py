@@ -35,8 +35,8 @@ from shoal.data.in_place import reader_for, to_device
 from shoal.frontend import script, session_eval
 from shoal.frontend.fit import as_dataset
 from shoal.frontend.session_start import (SessionError, check_layout, plan_session, pushes_to_servers, rank_context,
-                                          refuse_unstarted, same_job, serves_only, session_job, start_ranks,
-                                          started_by_a_launcher, syncs_with_peers)
+                                          refuse_unstarted, same_job, serve_if_server, serves_only, session_job, start_ranks,
+                                          started_by_a_launcher, supervise_if_restartable, syncs_with_peers)
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.plan import JobPlan, sliced_for
@@ -57,13 +57,13 @@ def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int 
     """This process's part of the user's own training loop (docs/python.md, "Your own loop").
 
     cluster: shoal.Cluster(...) (the layout: single worker, AllReduce over processes, Local SGD / DiLoCo,
-    Distributed Hogwild or Downpour over processes); `shoal run script.py --set cluster.…` overrides it, as --set train_steps=, --workspace and --resume do.
+    Distributed Hogwild, Downpour or Sandblaster over processes); `shoal run script.py --set cluster.…` overrides it, as --set train_steps=, --workspace and --resume do.
     train_steps: where run.batches() stops. seed: the data order's. disp_freq: a display line and a metrics record
     every this many steps. checkpoint_freq: also checkpoint every this many steps (run.checkpoint() any time).
     tensorboard: also write the records (run.log's, run.evaluate's) as TensorBoard event files in WORKSPACE/tensorboard
     (as `shoal run script.py --tensorboard`).
     Under `shoal run script.py` a layout of several processes starts one per rank running this script from the top:
-    this call does not return in the launcher, which exits with the job's outcome, nor in a Downpour server process,
+    this call does not return in the launcher, which exits with the job's outcome, nor in a Downpour or Sandblaster server process,
     which serves and then ends the script (exit status 0)."""
     context = rank_context()
     job = session_job(cluster, train_steps, seed, disp_freq, checkpoint_freq, name)
@@ -80,6 +80,8 @@ def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int 
     launched = started_by_a_launcher()
     plan = plan_session(job, launched.nnodes if launched is not None else 1)
     if launched is not None:  # torchrun, srun, env://: this process is one rank of the world they started
+        supervise_if_restartable(plan, launched, Path(workspace) if workspace else None, resume, log)  # (--max-restarts)
+        serve_if_server(plan, launched, Path(workspace) if workspace else None, resume, log)  # (a server process)
         return Session.launched(plan, launched, workspace, resume, log)
     if not plan.in_one_process:
         if script.running_path() is None:
@@ -246,7 +248,7 @@ class Session:
                                                           if isinstance(t, torch.Tensor) and t.data_ptr() not in theirs])
         store = ParamStore.viewing([(n, p.data) for n, p in trained])
         saved = dict(self._mine.exchange) if self._mine is not None else None
-        if self.distributed and self.plan.strategy.synchronous:
+        if self.distributed and self.plan.strategy.synchronous and not self.pushes:
             # the strategy's replicated exchange: the mean over the members that came (the group goes on without a
             # dead process; under --max-restarts a restarted one heals from the chief)
             self.exchange = session_exchange.replicated_exchange(self.plan, self.rank, store, self.start_step, saved,
@@ -282,8 +284,8 @@ class Session:
 
     def optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The user's optimizer itself; its step is the step boundary (Local SGD / DiLoCo meet after it, Distributed
-        Hogwild syncs after it, its masters kept out of the update by the exchange's lock; under Downpour the servers
-        run it, built from its recipe, and its step pushes the gradients instead)."""
+        Hogwild syncs after it, its masters kept out of the update by the exchange's lock; under Downpour and
+        Sandblaster the servers run it, built from its recipe, and its step pushes the gradients instead)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise SessionError(f"run.optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         index = len(self.optimizers)
@@ -301,17 +303,17 @@ class Session:
         """Downpour: the servers run this optimizer (built from its recipe: torch.optim's class, defaults and groups by
         param name), so opt.step() pushes the gradients and installs the servers' answer instead of updating here."""
         if self.module is None:
-            raise SessionError("run.optimizer: give the module to run.model(...) first (Downpour's servers build the "
-                               "optimizer over its params)")
+            raise SessionError(f"run.optimizer: give the module to run.model(...) first ({self.plan.label}'s servers build "
+                               "the optimizer over its params)")
         if index:
-            raise SessionError("run.optimizer: Downpour's servers run one optimizer over the module: give run.optimizer "
-                               "one optimizer holding every trained param")
+            raise SessionError(f"run.optimizer: {self.plan.label}'s servers run one optimizer over the module: give "
+                               "run.optimizer one optimizer holding every trained param")
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         left = [n for n, p in named if id(p) not in held]
         if left:
-            raise SessionError(f"run.optimizer: Downpour's servers update every trained param of the module, and this "
-                               f"optimizer does not hold {left[0]!r}")
+            raise SessionError(f"run.optimizer: {self.plan.label}'s servers update every trained param of the module, and "
+                               f"this optimizer does not hold {left[0]!r}")
         try:
             recipe = session_exchange.optimizer_recipe(optimizer, named)
         except session_exchange.RecipeError as err:
@@ -323,6 +325,9 @@ class Session:
         self.exchange = session_exchange.downpour_exchange(self.plan, self.rank, self._store, self.group, recipe, optimizer,
                                                            self.start_step, saved, self.metrics, self.say,
                                                            rejoining=self.rejoin is not None)
+        if self.plan.strategy.synchronous:  # Sandblaster: the group's mean in every .grad when backward ends, as under DDP
+            self.mean = session_exchange.GradientMean(named, session_exchange.StubGroupMean(named, self.exchange), self._share,
+                                                      lambda: self.step)
         optimizer.register_step_pre_hook(self._push)
 
     def _push(self, optimizer, args, kwargs) -> None:
@@ -331,7 +336,10 @@ class Session:
         user's optimizer, which runs next, updates nothing here."""
         grads = {n: p.grad for n, p in self.module.named_parameters() if p.requires_grad}
         started = time.perf_counter()
-        self.exchange.step(self.step, [(grads, self._share)])
+        share = self._share
+        if self.mean is not None:  # Sandblaster: every process holds the group's mean: the stub's alone is pushed, whole
+            share = self.exchange.global_batch if self.rank == self.exchange.stub else 0
+        self.exchange.step(self.step, [(grads, share)])
         self.exchange_seconds += time.perf_counter() - started
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -587,7 +595,7 @@ class Session:
     def _step_done(self, step: int) -> None:
         if self._updated_at != step:  # the loop skipped this step's update (a GradScaler that found inf or NaN)
             self._boundary(step)
-        if self.mean is not None:
+        if self.mean is not None and not self.pushes:  # (Sandblaster's dead process restarts the whole job)
             self._heal(step)
         elif self.distributed and self.plan.strategy.meets:  # Local SGD / DiLoCo: a group admitted at this step's meeting
             self.exchange.heal(step)

@@ -8,10 +8,13 @@
   user's loop never runs in the launcher.
 - Inside such a rank: the session is that rank's (`rank_context`), its job checked against the launcher's.
 - A process torchrun, srun or a PyTorchJob started (launcher/launchers.py reads their environment): it is one rank
-  and runs the loop itself (frontend/session.py, `Session.launched`).
+  and runs the loop itself (frontend/session.py, `Session.launched`); with restarts allowed, a rank that may rejoin
+  instead supervises a child that runs the script from the top (`supervise_if_restartable`, launcher/supervisor.py)
+  and ends the script there once the rank's work is over.
 - Several processes from a plain `python script.py`: refused in one line.
-- A Downpour server process (`serves_only`): its `shoal.session()` serves (runtime/session_exchange.serve_downpour)
-  and ends the script there with SystemExit(0): the user's loop never runs on a server.
+- A Downpour or Sandblaster server process (`serves_only`): its `shoal.session()` serves
+  (runtime/session_exchange.serve_downpour) and ends the script there with SystemExit(0): the user's loop never runs on
+  a server.
 """
 from __future__ import annotations
 
@@ -80,24 +83,22 @@ def session_job(cluster: Optional[job_pb2.ClusterProto], train_steps: int, seed:
 def check_layout(plan: JobPlan) -> None:
     """The layouts a user's loop runs today: one worker in one process; a synchronous group over processes, one worker
     each (AllReduce: the replicated update); Local SGD / DiLoCo groups over processes, one worker each; Distributed
-    Hogwild groups over processes, one worker each, on CPU; Downpour's groups over processes, one worker each, on CPU,
-    with server processes of their own (no restarts yet). Every other layout is refused in one line naming it and
-    what runs it."""
+    Hogwild groups over processes, one worker each, on CPU; Downpour's groups, or Sandblaster's one group, over
+    processes, one worker each, on CPU, with server processes of their own (one server group). Every other layout is
+    refused in one line naming it and what runs it."""
     one_worker_each = all(len(p.workers) == 1 for p in plan.placement.processes) and not any(p.servers and not p.workers
                                                                                            for p in plan.placement.processes)
     if plan.in_one_process and plan.nworkers == 1:
         return
     if not plan.in_one_process and one_worker_each and not plan.server_worker_separate and plan.nworker_groups == 1 \
             and plan.strategy.synchronous:
-        if not plan.compression.dense:  # the replicated update sums whole gradients; compressed, fit's sliced owners do
-            raise SessionError(f"shoal.session: {plan.label} with cluster.compression is not supported in your own loop yet: "
-                               "use a job file (`shoal run job.conf`) or shoal.fit for it")
-        return
+        return  # (cluster.compression too: the replicated exchange all-gathers the encodings)
     if not plan.in_one_process and one_worker_each and plan.strategy.meets and plan.nworkers_per_group == 1:
         return
-    if pushes_to_servers(plan) and all(len(p.workers) == 1 for p in plan.placement.processes if p.workers):
+    if pushes_to_servers(plan) and all(len(p.workers) == 1 for p in plan.placement.processes if p.workers) \
+            and plan.nserver_groups == 1:
         if any(not device.startswith("cpu") for device in plan.all_devices()):
-            raise SessionError("shoal.session: Downpour in your own loop runs on CPU (its pushes and pulls go point-to-point "
+            raise SessionError(f"shoal.session: {plan.label} in your own loop runs on CPU (its pushes and pulls go point-to-point "
                                "over gloo from the module's params): leave device unset (or \"cpu\"), or use a job file "
                                "(`shoal run job.conf`) or shoal.fit for it")
         return
@@ -109,18 +110,20 @@ def check_layout(plan: JobPlan) -> None:
     where = "in one process" if plan.in_one_process else f"over {plan.nprocs} processes"
     raise SessionError(f"shoal.session: {plan.label} {where} ({plan.nworkers} workers) is not supported in your own loop yet "
                        "(one worker per process: single worker, AllReduce, Local SGD / DiLoCo, Distributed Hogwild, "
-                       "Downpour): use a "
+                       "Downpour, Sandblaster): use a "
                        "job file (`shoal run job.conf`) or shoal.fit for it")
 
 
 def pushes_to_servers(plan: JobPlan) -> bool:
-    """Downpour over processes: each group pushes its gradients to server processes that hold no trainer (the
-    strategy's `servers_hold_trainers`): they run the user's optimizer, built from its recipe, never the user's loop."""
-    return not plan.in_one_process and not plan.strategy.servers_hold_trainers
+    """Downpour over processes (each group pushes its gradients to server processes that hold no trainer: the
+    strategy's `servers_hold_trainers`), or Sandblaster's one synchronous group with its servers in processes of their
+    own: in a user's loop the servers run the user's optimizer, built from its recipe, never the user's loop."""
+    return not plan.in_one_process and (not plan.strategy.servers_hold_trainers
+                                        or (plan.strategy.synchronous and plan.server_worker_separate))
 
 
 def serves_only(plan: JobPlan, rank: int) -> bool:
-    """Process `rank` hosts servers and no worker (Downpour's): it serves, the loop never runs there."""
+    """Process `rank` hosts servers and no worker (Downpour's, Sandblaster's): it serves, the loop never runs there."""
     process = plan.process(rank)
     return bool(process.servers) and not process.workers
 
@@ -174,6 +177,73 @@ def start_ranks(plan: JobPlan, workspace: Optional[Path], resume, log: Callable[
         sys.modules["__main__"] = saved
     log(closing_line(history.workspace))
     return 0
+
+
+_SUPERVISED = False  # this process is a supervised rank's child (under torchrun/srun): it runs the loop itself
+
+
+def serve_if_server(plan: JobPlan, launched, workspace: Optional[Path], resume, log: Callable[[str], None]) -> None:
+    """Under torchrun/srun, a server process (`serves_only`) joins the world as a rank does and serves
+    (runtime/session_exchange.serve_downpour), then ends the script (exit status 0), as under `shoal run script.py`
+    (where the rank's context says so). Returns in every other process."""
+    from shoal.launcher.elastic import launched_job
+    from shoal.launcher.run_job import resolve_workspace
+    from shoal.runtime.session_exchange import serve_downpour
+
+    if not serves_only(plan, launched.rank):
+        return
+    ws = resolve_workspace(plan.job, script.workspace(workspace))
+    options = RunOptions(workspace=ws, resume=script.resume(resume), log=log)
+    with launched_job(plan, options, launched, str(script.running_path() or sys.argv[0]), ws) as (_, say):
+        serve_downpour(plan, launched.rank, ws, say)
+    raise SystemExit(0)
+
+
+def supervise_if_restartable(plan: JobPlan, launched, workspace: Optional[Path], resume, log: Callable[[str], None]) -> None:
+    """Under torchrun/srun with restarts allowed (`cluster.max_restarts`, `shoal run script.py --max-restarts N`), a
+    rank that may rejoin (launcher/supervisor.py's `supervises`: never the chief) runs the loop in a child process that
+    runs the script from the top, and its supervisor restarts a dead or stalled one into the running loop (the
+    script from the top again: its session knocks at run.batches()), as `shoal run script.py` does; the script ends
+    here (exit status 0) once the rank's work is over. Returns in every other process: it runs the loop itself."""
+    from shoal.launcher import supervisor
+    from shoal.launcher.run_job import resolve_workspace
+
+    if _SUPERVISED or not supervisor.supervises(plan, launched):
+        return
+    path = Path(script.running_path() or sys.argv[0])
+    argv = list(script.running_argv()) if script.running_path() else sys.argv[1:]
+    settings = script.settings() or script.ScriptSettings()
+    ws = resolve_workspace(plan.job, script.workspace(workspace))
+    options = RunOptions(workspace=ws, resume=script.resume(resume), log=log,
+                         rank_main=functools.partial(run_rank_script, str(path), argv, settings))
+    # the script is this process's __main__: the forkserver's children would import it again (start_ranks says why)
+    saved, sys.modules["__main__"] = sys.modules["__main__"], types.ModuleType("__main__")
+    try:
+        supervisor.supervise(plan, options, launched, ws, functools.partial(supervised_rank_script, str(path), argv, settings))
+    finally:
+        sys.modules["__main__"] = saved
+    raise SystemExit(0)
+
+
+def supervised_rank_script(path: str, argv: list[str], settings: script.ScriptSettings, environment: dict[str, str]) -> None:
+    """A supervised rank's first process (forked from its supervisor's forkserver): the script from the top, its
+    session the launched rank's, as an unsupervised rank runs it; a failure is one line and a non-zero status, which
+    its supervisor answers (a restart, or the rank given up on)."""
+    global _SUPERVISED
+    from shoal.errors import first_line
+    from shoal.launcher.elastic import supervised_child
+
+    supervised_child(environment)
+    _SUPERVISED = True
+    try:
+        status = script.run_script(Path(path), argv, settings, expected=(ShoalError,))
+    except ShoalError as err:
+        print(first_line(str(err)) or type(err).__name__, file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:  # stopped with its supervisor, which speaks for both
+        raise SystemExit(130) from None
+    if status:
+        raise SystemExit(status)
 
 
 def refuse_unstarted(plan: JobPlan) -> None:

@@ -13,6 +13,7 @@ net, algorithm and updater.
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -100,18 +101,16 @@ def train_launched(plan: JobPlan, options: RunOptions, launched: launchers.Launc
     from shoal.launcher.launch import run_rank
 
     if may_supervise and supervisor.supervises(plan, launched):
-        return supervisor.supervise(plan, options, launched, job_file, workspace, rank_process)
+        return supervisor.supervise(plan, options, launched, workspace, functools.partial(
+            rank_process, plan.job.SerializeToString(), plan.nnodes, launched, job_file, str(workspace), options.resume,
+            [str(d) for d in options.base_dirs], options.process_setup, options.initial_values))
     if may_supervise and launched.rank == 0 and plan.max_restarts > 0 and not rejoin.rejoins(plan):
         warn(f"WARNING: --max-restarts: {plan.label}'s processes are not restarted into the running job (only AllReduce's "
              f"replicas, Downpour, Local SGD and Distributed Hogwild groups are); a dead one stops the job, which "
              f"{launched.launcher}'s own restarts may start again")
-    started = time.time()  # logs/rejoins.jsonl may hold an earlier run's rejoins (a resumed workspace)
     with launched_job(plan, options, launched, job_file, workspace) as (resume_from, log):
-        history = run_rank(plan, launched.rank, RunSpec(workspace, options.base_dirs, resume_from, log, progress=False,
-                                                        initial_values=options.initial_values, faults=faults.from_environment()))
-    if launched.rank == 0 and plan.max_restarts > 0 and rejoin.rejoins(plan):  # the chief closed the summary: its rejoins
-        rejoin.add_rejoins_to_summary(workspace, since=started)
-    return history
+        return run_rank(plan, launched.rank, RunSpec(workspace, options.base_dirs, resume_from, log, progress=False,
+                                                     initial_values=options.initial_values, faults=faults.from_environment()))
 
 
 @contextmanager
@@ -119,7 +118,8 @@ def launched_job(plan: JobPlan, options: RunOptions, launched: launchers.Launche
                  workspace: Path) -> Iterator[tuple[Optional[Path], Callable[[str], None]]]:
     """This rank of a launched job around the body that runs it (the rank's run, or a shoal.session()'s user loop),
     which gets (the checkpoint to resume from, how the rank says a line): rank 0 claims and locks the workspace,
-    registers the job and, once the body ended, records how."""
+    registers the job and, once the body ended, records how (and, restarts allowed, the rejoins in summary.json)."""
+    from shoal.launcher import rejoin
     from shoal.launcher.launch import launched_rank
 
     if launched.world_size != plan.nprocs:
@@ -129,6 +129,7 @@ def launched_job(plan: JobPlan, options: RunOptions, launched: launchers.Launche
             f"but the job's layout, {plan.label}, has {plan.nprocs} processes (see `shoal plan`)")
     record: Optional[job_registry.JobRecord] = None
     lock: Optional[WorkspaceLock] = None
+    began = time.time()  # logs/rejoins.jsonl may hold an earlier run's rejoins (a resumed workspace)
 
     def start(processes: list[dict]) -> Optional[Path]:
         nonlocal record, lock
@@ -156,6 +157,8 @@ def launched_job(plan: JobPlan, options: RunOptions, launched: launchers.Launche
     finally:
         if lock is not None:
             lock.__exit__(None, None, None)
+    if launched.rank == 0 and plan.max_restarts > 0 and rejoin.rejoins(plan):  # the chief closed the summary: its rejoins
+        rejoin.add_rejoins_to_summary(workspace, since=began)
     _finish(record, "finished")
 
 
@@ -164,22 +167,30 @@ def _finish(record: Optional[job_registry.JobRecord], status: str, message: str 
         job_registry.finish(record, status, message)
 
 
+def supervised_child(environment: dict[str, str]) -> None:
+    """What a supervised rank's first process does before its work (forked from its supervisor's forkserver): the
+    supervisor's environment, not the forkserver's when it started; SIGTERM stops the run as in `shoal run`'s own
+    process, which then closes its records."""
+    from shoal.report.run_log import Terminated
+
+    os.environ.clear()
+    os.environ.update(environment)
+
+    def terminated(signum, frame):
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, terminated)
+
+
 def rank_process(job_bytes: bytes, nnodes: int, launched: launchers.LaunchedProcess, job_file: str, workspace: str,
                  resume, base_dirs: list[str], process_setup, initial_values, environment: dict[str, str]) -> None:
     """A supervised rank's first process (forked from its supervisor's forkserver, shoal.launcher.supervisor): the rank
     as an unsupervised one runs it."""
     from shoal.config.plugins import decode_job
     from shoal.planning.plan import plan_job
-    from shoal.report.run_log import Terminated
     from shoal.strategies.registry import REGISTRY
 
-    os.environ.clear()  # the supervisor's environment now, not the forkserver's when it started
-    os.environ.update(environment)
-
-    def terminated(signum, frame):
-        raise Terminated
-
-    signal.signal(signal.SIGTERM, terminated)  # as `shoal run`'s own process: the run closes its records
+    supervised_child(environment)
     if process_setup is not None:
         process_setup()
     try:

@@ -6,6 +6,8 @@ the chief) is a small supervisor: it runs the rank's training in a child process
 path as an unsupervised rank, `elastic.train_launched`) and, when that child dies or stays stopped past the stall
 timeout, has `rejoin.Restarter` (the one place that decides, as for `shoal run`'s launcher) start a new one into the
 running job through the job's store. torchrun sees nothing fail: the survivors' processes go on unchanged.
+A `shoal.session()` script's rank is supervised the same way (frontend/session_start.py, `supervise_if_restartable`):
+its child runs the script from the top, and so does a restarted one (`RunOptions.rank_main`, as under `shoal run`).
 
 The store outlives the child: torchrun's agent hosts it (srun, env://: process 0, which is never supervised). What
 a supervisor cannot survive falls back to the launcher's whole-job restart from the newest checkpoint (torchrun's
@@ -38,11 +40,13 @@ def supervises(plan: JobPlan, launched: launchers.LaunchedProcess) -> bool:
             and rejoin.why_not(plan, launched.rank) is None)
 
 
-def supervise(plan: JobPlan, options: RunOptions, launched: launchers.LaunchedProcess, job_file: str,
-              workspace: Path, rank_process: Callable) -> History:
+def supervise(plan: JobPlan, options: RunOptions, launched: launchers.LaunchedProcess, workspace: Path,
+              first_process: Callable[[dict[str, str]], None]) -> History:
     """Run this rank in a child process and restart it into the job as often as the plan allows; returns when the
     rank's work is over (its last process finished, or it was given up on and the others go on without it).
-    `rank_process`: the child's first process (elastic.rank_process: the rank as an unsupervised one runs it)."""
+    `first_process(environment)`: the child's first process, picklable (elastic.rank_process: the rank as an
+    unsupervised one runs it; a session's: its script from the top); a restarted one runs `options.rank_main` (None:
+    a job file's rank, launch.run_process)."""
     from shoal.config.plugins import forkserver_context, rank_environment
     from shoal.launcher import rejoin
     from shoal.launcher.launch import (Meeting, _end_stopped_to_restart, _wait_for_exit, children_stop_with_this_process,
@@ -52,10 +56,9 @@ def supervise(plan: JobPlan, options: RunOptions, launched: launchers.LaunchedPr
     rank = launched.rank
     # (the job's secret in it: the launcher's user gave it to every process; OpenMP's wait policy as the forkserver's)
     environment = rank_environment(os.environ)
-    context = forkserver_context([rank_process.__module__])  # torch and shoal imported once: a restart costs no interpreter start
-    child = context.Process(target=rank_process, name=f"shoal-rank{rank}", daemon=False, args=(
-        plan.job.SerializeToString(), plan.nnodes, launched, job_file, str(workspace), options.resume,
-        [str(d) for d in options.base_dirs], options.process_setup, options.initial_values, environment))
+    # torch and shoal imported once: a restart costs no interpreter start
+    context = forkserver_context([getattr(first_process, "func", first_process).__module__])
+    child = context.Process(target=first_process, name=f"shoal-rank{rank}", daemon=False, args=(environment,))
     children = SimpleNamespace(processes=[child], sentinels={})  # what rejoin.Restarter replaces a dead one in
 
     # torchrun stops the job (or Ctrl-C): the child goes with this process
@@ -67,7 +70,8 @@ def supervise(plan: JobPlan, options: RunOptions, launched: launchers.LaunchedPr
             meeting = Meeting(launched.world_size, launched.nnodes, launched.local_world_size, launched.master_addr,
                               launched.master_port, interface, attempt=launched.restart if launched.agent_store else None)
             spec = RunSpec(workspace, options.base_dirs, None, log=options.log, progress=False, initial_values=options.initial_values)
-            restarter = rejoin.Restarter(plan, meeting, spec, options.process_setup, environment, notes_store=False)
+            restarter = rejoin.Restarter(plan, meeting, spec, options.process_setup, environment, rank_main=options.rank_main,
+                                         notes_store=False)
             stopped_since: dict[int, float] = {}
             while True:
                 current = children.processes[0]

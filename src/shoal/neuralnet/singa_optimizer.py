@@ -52,6 +52,8 @@ class SingaOptimizer(torch.optim.Optimizer):
     """SINGA's `updater` (kSGD, kNesterov, kAdaGrad, kRMSProp, kAdaDelta, kAdam, kAdamMax, or a registered user
     updater) over `params`, stepped as any torch optimizer."""
 
+    shoal_elementwise = True  # SINGA's updaters read each element alone: an owner may update a slice of a param
+
     def __init__(self, params: Iterable, updater: Union[dict, job_pb2.UpdaterProto], lr_scale: float = 1.0, wd_scale: float = 1.0):
         conf = updater_conf(updater)
         try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 def replicated(plan) -> bool:
     """Whether this AllReduce plan runs the ReplicatedExchange (pure: the plan alone decides): restarts allowed
     (cluster.max_restarts > 0) or a user's own loop (its optimizer updates every replica), the group over processes
-    each computing whole replicas (not partitioned, every process hosting workers) and its gradients uncompressed
-    (cluster.compression keeps the sliced exchange)."""
+    each computing whole replicas (not partitioned, every process hosting workers); cluster.compression or not (the
+    replicated exchange all-gathers the encodings). A job file without restarts keeps SINGA's sliced exchange."""
     return ((plan.max_restarts > 0 or plan.own_loop) and not plan.in_one_process and not plan.partitioned
-            and all(p.workers for p in plan.placement.processes) and plan.compression.dense)
+            and all(p.workers for p in plan.placement.processes))

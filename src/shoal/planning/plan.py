@@ -244,7 +244,8 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
         raise UnsupportedClusterError("cluster.local_warmup_steps: applies to Local SGD only (cluster.local_steps > 0 and several worker groups)")
     if job.cluster.HasField("sparse_outer_step") and not strategy.meets:
         raise UnsupportedClusterError("cluster.sparse_outer_step: applies to Local SGD only (cluster.local_steps > 0 and several worker groups)")
-    plan = replace(plan, notes=tuple(list(parts.notes) + _updater_notes(job, updater) + _compression_notes(job, strategy, len(placement.processes))
+    compressed = _compression_notes(job, strategy, len(placement.processes), strategy.compressed_in(plan))
+    plan = replace(plan, notes=tuple(list(parts.notes) + _updater_notes(job, updater) + compressed
                                      + strategy.notes(plan) + _staleness_notes(job, strategy)))
     if job.cluster.auto_batch_shares:
         _check_balanceable(plan)
@@ -281,7 +282,7 @@ def outer_updater(job: job_pb2.JobProto) -> job_pb2.UpdaterProto:
     return job_pb2.UpdaterProto(type=job_pb2.kSGD, learning_rate=job_pb2.LRGenProto(type=job_pb2.kFixed, base_lr=1.0))
 
 
-def _compression_notes(job: job_pb2.JobProto, strategy: Strategy, nprocs: int) -> list[str]:
+def _compression_notes(job: job_pb2.JobProto, strategy: Strategy, nprocs: int, compressed: Optional[str]) -> list[str]:
     """Compression applies to every exchange over processes; in one process nothing moves, so nothing is encoded."""
     kind = job.cluster.compression
     if kind == job_pb2.kNone:
@@ -290,10 +291,10 @@ def _compression_notes(job: job_pb2.JobProto, strategy: Strategy, nprocs: int) -
         raise UnsupportedClusterError(f"cluster.topk_fraction: {job.cluster.topk_fraction:g} is not in (0, 1]")
     what = f"top-{job.cluster.topk_fraction:g} with error feedback" if kind == job_pb2.kTopK else job_pb2.Compression.Name(kind)[1:]
     name = strategy.framework.value
-    if nprocs == 1 or strategy.compressed is None:
+    if nprocs == 1 or compressed is None:
         return [f"cluster.compression ({what}) not applied: {name} in one process moves no bytes"]
     exact = " (no longer bit-exact with one worker)" if strategy.synchronous else ""
-    return [f"{strategy.compressed} compressed ({what}): the run does not compute what uncompressed {name} would{exact}"]
+    return [f"{compressed} compressed ({what}): the run does not compute what uncompressed {name} would{exact}"]
 
 
 def _staleness_notes(job: job_pb2.JobProto, strategy: Strategy) -> list[str]:

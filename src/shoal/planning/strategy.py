@@ -114,6 +114,10 @@ class Strategy:
         """The framework as users name this plan's layout."""
         return self.framework.value
 
+    def compressed_in(self, plan: "JobPlan") -> Optional[str]:
+        """What cluster.compression encodes over processes in `plan` (None: nothing moves)."""
+        return self.compressed
+
     def notes(self, plan: "JobPlan") -> list[str]:
         """What `shoal plan` says of this framework's run (besides the common notes)."""
         return []

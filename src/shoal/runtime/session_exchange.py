@@ -24,7 +24,10 @@ says:
 - Downpour over processes (one worker per process, servers in processes of their own): the servers run the user's
   optimizer, built from its recipe (`serve_downpour`: a server process never runs the loop); `opt.step()`'s pre-hook
   pushes the gradients with the optimizer's hyper-parameters (`hyper_vector`) and installs the servers' answer in the
-  params, leaving every `.grad` None so that the user's optimizer updates nothing (frontend/session.py, `_push`).
+  params, leaving every `.grad` None so that the user's optimizer updates nothing (frontend/session.py, `_push`);
+- Sandblaster over processes (one worker per process, its one group's servers in processes of their own): Downpour's
+  servers and pushes with the group's one stub (strategies/sandblaster.py), synchronous, and, as under AllReduce, the
+  group's mean gradient in every `.grad` when backward ends (`StubGroupMean`), which the stub alone then pushes.
 
 The exchanges come from `plan.strategy.attach_exchanges(run)` with `SessionRun`, a process's part whose one trainer
 is the user's module (`SessionMember`: its ParamStore views the module's params, no copy).
@@ -39,12 +42,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import torch
+from google.protobuf import json_format
 
 from shoal.comm import collectives
 from shoal.comm import dist as comm
 from shoal.comm import heartbeat
 from shoal.errors import ShoalError
 from shoal.neuralnet.params import ParamStore
+from shoal.neuralnet.singa_optimizer import SingaOptimizer
 from shoal.planning.plan import JobPlan
 from shoal.runtime.interfaces import FaultInjection
 
@@ -187,6 +192,39 @@ class GradientMean:
             handle.remove()
 
 
+class StubGroupMean:
+    """Sandblaster in a user's loop: `GradientMean`'s mean over the group's processes (the plan's group of them, the
+    request/response exchange's `group_comm`; none for a group of one process), in one flat all-reduce, so that
+    `.grad` holds the group's mean when backward ends, as under DDP (a clip_grad_norm_ in the loop clips the global
+    norm). `opt.step()` then pushes the stub's copy alone: the exchange's own sum at the stub adds the others' zeros."""
+
+    def __init__(self, named: list[tuple[str, torch.nn.Parameter]], exchange):
+        self.named = [(n, p) for n, p in named if p.requires_grad]
+        self.exchange = exchange
+        self.total = sum(p.numel() for _, p in self.named)
+
+    def mean_gradients(self, step: int, parts: list[tuple[dict, int]]) -> dict[str, Optional[torch.Tensor]]:
+        (grads, share), = parts
+        weight = share / self.exchange.global_batch
+        # fresh each step: its views become the params' .grad (the flags last: whether any process had a gradient)
+        flat = torch.zeros(self.total + len(self.named))
+        at = 0
+        for index, (name, param) in enumerate(self.named):
+            grad = grads.get(name)
+            if grad is not None:
+                torch.mul(grad.detach().reshape(-1).to(flat), weight, out=flat[at : at + param.numel()])
+                flat[self.total + index] = 1
+            at += param.numel()
+        if self.exchange.group_comm is not None:
+            self.exchange.group_comm.all_reduce_sum(flat).wait()
+        mean, at = {}, 0
+        for index, (name, param) in enumerate(self.named):
+            had = bool(flat[self.total + index] > 0)
+            mean[name] = flat[at : at + param.numel()].view(param.shape) if had else None
+            at += param.numel()
+        return mean
+
+
 def replicated_exchange(plan: JobPlan, rank: int, store: ParamStore, start_step: int, saved: Optional[dict], metrics,
                         log: Callable[[str], None], rejoining: bool = False):
     """The strategy's exchange for a synchronous group over processes: AllReduce attaches the replicated one for a
@@ -229,7 +267,9 @@ def note_step(step: int) -> None:
 # groups' numeric hyper-parameters as the user's scheduler left them (`hyper_vector`), so the server's update follows
 # the user's schedule at the pushing group's own step.
 
-NOT_HYPER = frozenset({"params", "param_names", "initial_lr"})  # initial_lr: a scheduler's note, not the update's
+NOT_HYPER = frozenset({"params", "param_names", "initial_lr",  # initial_lr: a scheduler's note, not the update's
+                       "updater"})  # shoal.SingaOptimizer's updater: the recipe's own field, the same for every group
+SINGA_OPTIMIZER = "shoal.SingaOptimizer"  # the recipe's name for it (torch.optim's classes go by their own)
 
 
 class RecipeError(ShoalError, ValueError):
@@ -247,10 +287,16 @@ def _plain(value, where: str):
 
 
 def optimizer_recipe(optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.Tensor]]) -> dict:
-    """The JSON description of `optimizer` over the module's trained params `named` (what a server builds it from)."""
+    """The JSON description of `optimizer` over the module's trained params `named` (what a server builds it from): one
+    of torch.optim's classes, or shoal.SingaOptimizer, whose updater travels as its UpdaterProto's JSON fields."""
     cls = type(optimizer)
-    if getattr(torch.optim, cls.__name__, None) is not cls:
-        raise RecipeError(f"run.optimizer: a Downpour server builds torch.optim's optimizers only, not {cls.__module__}.{cls.__name__}")
+    if cls is SingaOptimizer:
+        name = SINGA_OPTIMIZER
+    elif getattr(torch.optim, cls.__name__, None) is cls:
+        name = cls.__name__
+    else:
+        raise RecipeError(f"run.optimizer: servers build torch.optim's optimizers and shoal.SingaOptimizer only, not "
+                          f"{cls.__module__}.{cls.__name__}")
     name_of = {id(p): n for n, p in named}
     groups = []
     for index, group in enumerate(optimizer.param_groups):
@@ -260,7 +306,10 @@ def optimizer_recipe(optimizer: torch.optim.Optimizer, named: list[tuple[str, to
         groups.append({"params": names, "hyper": {k: _plain(v, f"run.optimizer: param group {index}'s {k}")
                                                   for k, v in group.items() if k not in NOT_HYPER}})
     defaults = {k: _plain(v, f"run.optimizer: default {k}") for k, v in optimizer.defaults.items() if k not in NOT_HYPER}
-    return {"class": cls.__name__, "defaults": defaults, "groups": groups}
+    recipe = {"class": name, "defaults": defaults, "groups": groups}
+    if cls is SingaOptimizer:
+        recipe["updater"] = json_format.MessageToDict(optimizer.conf)
+    return recipe
 
 
 def optimizer_from_recipe(recipe, named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
@@ -268,7 +317,10 @@ def optimizer_from_recipe(recipe, named: list[tuple[str, torch.Tensor]]) -> torc
     if not isinstance(recipe, dict) or not isinstance(recipe.get("groups"), list) or not isinstance(recipe.get("defaults", {}), dict):
         raise RecipeError("Downpour server: the chief's optimizer recipe is not one (class, defaults, groups)")
     name = recipe.get("class")
-    cls = getattr(torch.optim, name, None) if isinstance(name, str) and name in torch.optim.__all__ else None
+    if name == SINGA_OPTIMIZER:
+        cls = SingaOptimizer
+    else:
+        cls = getattr(torch.optim, name, None) if isinstance(name, str) and name in torch.optim.__all__ else None
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer):
         raise RecipeError(f"Downpour server: {str(name)[:80]!r} is not one of torch.optim's optimizers")
     by_name = dict(named)
@@ -281,10 +333,12 @@ def optimizer_from_recipe(recipe, named: list[tuple[str, torch.Tensor]]) -> torc
                        **{k: tuple(v) if isinstance(v, list) else v for k, v in hyper.items() if k not in NOT_HYPER}})
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
     defaults = {k: tuple(v) if isinstance(v, list) else v for k, v in recipe.get("defaults", {}).items() if k in accepted}
+    if cls is SingaOptimizer:  # its updater's fields, parsed by protobuf (an unknown field or type refused in one line)
+        defaults["updater"] = recipe.get("updater")
     try:
         return cls(groups, **defaults)
     except (TypeError, ValueError) as err:
-        raise RecipeError(f"Downpour server: torch.optim.{name} refused the chief's recipe: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+        raise RecipeError(f"Downpour server: {name if cls is SingaOptimizer else 'torch.optim.' + name} refused the chief's recipe: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
 
 
 HyperLayout = list[tuple[int, str, int]]

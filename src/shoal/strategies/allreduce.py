@@ -41,15 +41,20 @@ class AllReduce(Strategy):
     def notes(self, plan) -> list[str]:
         """Which exchange runs over processes under cluster.max_restarts, and what a dead process costs."""
         if replicated(plan):
-            return [f"replicated over {plan.nprocs} processes (cluster.max_restarts {plan.max_restarts}): each process updates the "
-                    "whole params from one all-reduce of the gradients a step; a dead or stalled process other than 0 is left "
-                    "out (the mean over the rows that came) and, restarted, heals from process 0 at the next step"]
+            why = f"cluster.max_restarts {plan.max_restarts}" if plan.max_restarts > 0 else "your own loop"
+            how = ("one all-reduce of the gradients a step" if plan.compression.dense else
+                   "one all-gather of each process's encoded gradients a step, decoded and summed in process order")
+            healed = " and, restarted, heals from process 0 at the next step" if plan.max_restarts > 0 else ""
+            return [f"replicated over {plan.nprocs} processes ({why}): each process updates the whole params from {how}; "
+                    f"a dead or stalled process other than 0 is left out (the mean over the rows that came){healed}"]
         if plan.max_restarts > 0 and not plan.in_one_process:
-            why = ("cluster.compression" if not plan.compression.dense
-                   else "a partitioned group" if plan.partitioned else "processes without workers")
+            why = "a partitioned group" if plan.partitioned else "processes without workers"
             return [f"cluster.max_restarts: {why} keeps the sliced exchange, which cannot go on without a process: "
                     "the job stops at the first dead one"]
         return []
+
+    def compressed_in(self, plan) -> str:
+        return "gradients (each process's, gathered by every process)" if replicated(plan) else self.compressed
 
     def goes_on_without_a_process(self, plan) -> bool:
         return replicated(plan)
@@ -65,16 +70,16 @@ class AllReduce(Strategy):
         if plan.in_one_process:
             trainer.attach_exchange(LocalExchange(Server(trainer.store, updater)))
             return
+        # cluster.compression over processes: a fresh codec per sender (top-k keeps its residual)
+        codecs = codec_factory(plan.compression.kind, plan.compression.topk_fraction)
         if replicated(plan):
             first = None if run.rejoining else run.process_groups[JOB_GROUP]  # a restarted process knocks instead
             quorum = Quorum(run.rank, range(plan.nprocs), {r: r for r in range(plan.nprocs)}, channels.Door(DOOR), first=first,
                             timeout_s=plan.comm_timeout_s, admits=True)
             log = lambda line: trainer.log(line)  # noqa: E731 (the trainer's log once it runs: above a progress bar)
             trainer.attach_exchange(ReplicatedExchange(trainer.store, updater, quorum, run.rank, plan.global_batch, first,
-                                                       log=log, annotate=_annotator(trainer)))
+                                                       log=log, annotate=_annotator(trainer), codecs=codecs))
             return
-        # cluster.compression over processes: a fresh codec per sender (top-k keeps its residual)
-        codecs = codec_factory(plan.compression.kind, plan.compression.topk_fraction)
         trainer.attach_exchange(SlicedExchange(trainer.store, updater, plan.placement, run.rank, plan.global_batch,
                                                trainer.workers, bucket_cap=plan.bucket_elements, codecs=codecs,
                                                groups=run.process_groups))

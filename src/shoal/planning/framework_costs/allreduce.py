@@ -71,11 +71,15 @@ class AllReduceCosts(FrameworkCosts):
         return model.elements if model.plan.in_one_process or replicated(model.plan) else served
 
     def traffic(self, model, move) -> None:
-        if replicated(model.plan):  # a ring all-reduce: each process sends its neighbour 2(P-1)/P of the flat sum
+        if replicated(model.plan):  # a ring all-reduce: each process sends its neighbour 2(P-1)/P of the flat sum;
+            # compressed, a ring all-gather: each process sends its neighbour P-1 encodings (and their flags and rows)
             ranks = [p.rank for p in model.plan.placement.processes]
-            ring = 2 * (len(ranks) - 1) / len(ranks)
+            if model.plan.compression.dense:
+                sent = 2 * (len(ranks) - 1) / len(ranks) * FLOAT * replicated_flat_elements(model)
+            else:
+                sent = (len(ranks) - 1) * (model.encoded(model.elements) + FLOAT * (len(model.trainable) + 1))
             for i, r in enumerate(ranks):
-                move(r, ranks[(i + 1) % len(ranks)], ring * FLOAT * replicated_flat_elements(model))
+                move(r, ranks[(i + 1) % len(ranks)], sent)
             return
         self._traffic(model, move, move)
 
@@ -119,7 +123,8 @@ class AllReduceCosts(FrameworkCosts):
             return []
         if replicated(plan):  # runtime/exchanges/replicated.py: mean_gradients, through shoal.comm.quorum's meet
             ranks = tuple(p.rank for p in plan.placement.processes)
-            return [Messages("replicated: one all-reduce of the gradients (with their rows and has-gradient flags)", 1, "collective", ranks),
+            what = "all-reduce of the gradients" if plan.compression.dense else "all-gather of the encoded gradients"
+            return [Messages(f"replicated: one {what} (with their rows and has-gradient flags)", 1, "collective", ranks),
                     Messages("the chief's word on the step: each process's report and the outcome, through the job's store", 2,
                              "message", (0, ranks[-1]))]
         workers = {p.rank for p in plan.placement.processes if p.workers}

@@ -9,7 +9,8 @@
           SINGA 4's DistOpt offers the same), so every gradient is eventually applied
 
 Every exchange over processes uses these codecs (cluster.compression): Downpour's pushes, a
-synchronous group's gradients to the servers of their slices and the summed gradient back,
+synchronous group's gradients to the servers of their slices and the summed gradient back (the
+sliced exchange), or each process's gradient to every other (the replicated exchange),
 Distributed Hogwild's deltas and the masters' answers, Local SGD's pseudo-gradients. In-memory
 layouts move no bytes and stay uncompressed. A compressed run is no longer bit-exact with one
 worker; `shoal plan` says so.
@@ -124,6 +125,18 @@ def codec_factory(compression: int, topk_fraction: float = 0.01) -> Optional[Cal
     if compression == job_pb2.kNone:
         return None
     return lambda error_feedback=True: codec_for(compression, topk_fraction, error_feedback)
+
+
+def encode_tentatively(codec: Codec, flat: torch.Tensor) -> tuple[list[torch.Tensor], Optional[torch.Tensor]]:
+    """What `codec.encode(flat)` sends, and the residual it would leave, with the codec's own residual left as it was:
+    a sender whose message may not count (a step its quorum does not commit with it) keeps what it still owes, and
+    sets `codec.residual` to the returned one only once the message counted."""
+    kept = codec.residual
+    try:
+        sent = codec.encode(flat)
+        return sent, codec.residual
+    finally:
+        codec.residual = kept
 
 
 def wire_bytes(tensors: list[torch.Tensor]) -> int:

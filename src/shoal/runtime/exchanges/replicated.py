@@ -22,6 +22,18 @@ too) and the updater's state over the new group; it trains on from the next step
 start from their seeds (this layout's nets draw nothing at random in training unless they use dropout: such a
 process's dropout masks then differ from the dead one's).
 
+Compressed (cluster.compression: bf16, fp16, top-k; runtime/exchanges/compression.py), each process encodes its
+Σ rows_w · g_w with its own codec (top-k and the casts keep their error feedback: what was not sent is this process's
+residual, added to its next step's sum), the processes all-gather the encodings, and every process decodes them and
+sums them in rank order in float32: the same bytes in the same order, so every replica computes the same mean. Not an
+all-reduce: top-k's members send different indices, which no reduction can add, and a bf16 all-reduce would round
+every partial sum to bf16 in an order the backend picks. A member's residual moves on only when the chief commits a
+step with its encoding in it (`encode_tentatively`): a step this member was left out of, or that failed, leaves its
+residual as it was. The residual is the member's own error feedback, not model state: a restarted process starts it
+at zero (as SparseLoCo's accumulators, docs/architecture.md "The step boundary", point 5), and a checkpoint holds each
+process's own (`own_state`: the chief's file the chief's, each other process's part its own; a process that resumes
+without its own, as every rank but the chief's in a user's loop, whose checkpoint is the chief's file, starts at zero).
+
 Two public phases, so that a user's own loop (shoal.session) can call them from an end-of-backward hook:
 `mean_gradients(step, parts)` (the agreed mean), then the user's update, then `heal(step)`; `step(step, parts)` is
 the three for the SINGA trainer, the job's updater doing the update.
@@ -41,7 +53,7 @@ from shoal.neuralnet.algorithms import Grads
 from shoal.neuralnet.params import ParamStore
 from shoal.neuralnet.updaters import Updater
 from shoal.report.metrics import MetricWindow
-from shoal.runtime.exchanges.compression import wire_bytes
+from shoal.runtime.exchanges.compression import Codec, encode_tentatively, wire_bytes
 from shoal.runtime.exchanges.local import aggregate, clipped
 from shoal.runtime.exchanges.periodic import MeetingsOver
 from shoal.runtime.exchanges.server import Server
@@ -58,10 +70,11 @@ class ReplicatedExchange:
 
     def __init__(self, store: ParamStore, updater: Updater, quorum: quorums.Quorum, rank: int, global_batch: int,
                  first: Optional[collectives.Group] = None, log: Callable[[str], None] = print,
-                 annotate: Optional[Callable[[dict], None]] = None):
+                 annotate: Optional[Callable[[dict], None]] = None, codecs: Optional[Callable[..., Codec]] = None):
         """`quorum`: this process's side of the steps' quorum (its first group the world's processes; a restarted
         process's has none: it knocks, `rejoin`); `first`: the world (None for a restarted process); `log`: the
-        chief's lines (a step that went on without a process); `annotate`: the chief's summary.json."""
+        chief's lines (a step that went on without a process); `annotate`: the chief's summary.json; `codecs`:
+        cluster.compression's codec factory (None: float32, one all-reduce)."""
         self.store, self.server, self.quorum, self.rank = store, Server(store, updater), quorum, rank
         self.names = self.server.names
         self.global_batch, self.first, self.log, self.annotate = global_batch, first, log, annotate
@@ -70,9 +83,11 @@ class ReplicatedExchange:
         self.present: tuple[int, ...] = quorum.all_ranks  # the processes whose gradients the last step's mean holds
         self.job_bytes_sent: Optional[int] = 0 if self.chief else None  # the chief's count (summary.json's bytes_sent)
         self._window_rows = 0  # rows of every member that came, since the last display
+        self.sent_bytes = 0  # what this process sent since the last display (metrics' sent_bytes, as the sliced exchange's)
         self._held = 0  # steps of this run
         self._missed: dict[int, list[int]] = {}  # rank -> the steps of this run it missed
         self._back: dict[int, list[int]] = {}  # rank -> the steps it rejoined at
+        self.codec: Optional[Codec] = codecs() if codecs is not None else None  # this process's encoder, its residual
 
     # -- a step --------------------------------------------------------------------------------------
     def begin(self, step: int) -> None:
@@ -104,6 +119,8 @@ class ReplicatedExchange:
                 flat[:-1 - len(self.names)].mul_(scale)
             return flat
 
+        if self.codec is not None:
+            return self._compressed_mean(step, contribution()[:-1 - len(self.names)], flags, rows)
         first = contribution()
         try:
             met = self.quorum.meet(step, step, lambda attempt: attempt.all_reduce_sum(
@@ -113,6 +130,7 @@ class ReplicatedExchange:
         total = met.result
         if self.chief:
             self.job_bytes_sent += wire_bytes([total]) * len(met.came)
+        self.sent_bytes += int(wire_bytes([total]) * 2 * (len(met.came) - 1) / len(met.came))  # a ring all-reduce's share
         self._note_attendance(step, met.came)
         came_rows = float(total[-1])
         self._window_rows += int(came_rows)
@@ -123,6 +141,41 @@ class ReplicatedExchange:
         for i, name in enumerate(self.names):
             size = values[name].numel()
             mean[name] = summed[offset:offset + size].view_as(values[name]).to(values[name].dtype) if had[i] > 0 else None
+            offset += size
+        return mean
+
+    def _compressed_mean(self, step: int, flat: torch.Tensor, flags: list[float], rows: int) -> Grads:
+        """mean_gradients under cluster.compression: this process's encoding of its Σ rows · g (`flat`) all-gathered with
+        its flags and rows as one byte tensor, every member's decoded and summed in rank order (see the module's text)."""
+        sent, residual = encode_tentatively(self.codec, flat)  # the same encoding on every attempt of the step
+        tail = torch.tensor(flags + [float(rows)], device=flat.device)
+        packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in [tail] + sent])
+        try:
+            met = self.quorum.meet(step, step, lambda attempt: attempt.all_gather(packed))
+        except quorums.LeftOut as err:  # the others went on without it: its residual is still owed
+            raise GroupDropped(str(err)) from None
+        self.codec.residual = residual  # committed with this encoding in it (a member not in `came` was left out above)
+        if self.chief:  # each member's encoding reached every other member
+            self.job_bytes_sent += packed.numel() * len(met.came) * (len(met.came) - 1)
+        self.sent_bytes += packed.numel() * (len(met.came) - 1)  # (a ring all-gather passes P - 1 encodings on)
+        self._note_attendance(step, met.came)
+        total = torch.zeros(flat.numel(), device=flat.device)
+        had = torch.zeros(len(tail), device=flat.device)
+        for part in met.result:  # in rank order: every member adds the same terms in the same order
+            had += part[:tail.numel() * 4].clone().view(torch.float32)
+            offset, received = tail.numel() * 4, []
+            for t in sent:
+                size = t.numel() * t.element_size()
+                received.append(part[offset:offset + size].clone().view(t.dtype))
+                offset += size
+            total += self.codec.decode(received, flat.numel())
+        came_rows = float(had[-1])
+        self._window_rows += int(came_rows)
+        total.div_(came_rows)
+        values, mean, offset = self.store.values, {}, 0
+        for i, name in enumerate(self.names):
+            size = values[name].numel()
+            mean[name] = total[offset:offset + size].view_as(values[name]).to(values[name].dtype) if had[i] > 0 else None
             offset += size
         return mean
 
@@ -218,10 +271,10 @@ class ReplicatedExchange:
 
     def metrics(self, window: MetricWindow) -> dict[str, float]:
         """The chief's workers' averages, the rows of every member that came in the window, the processes of the
-        last step."""
+        last step, the bytes this process sent in the window."""
         values = window.averages()
-        values |= {"samples": self._window_rows, "processes": len(self.present)}
-        self._window_rows = 0
+        values |= {"samples": self._window_rows, "processes": len(self.present), "sent_bytes": self.sent_bytes}
+        self._window_rows = self.sent_bytes = 0
         return values
 
     def updater_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -231,12 +284,19 @@ class ReplicatedExchange:
         self.server.load_state(state)
 
     def own_state(self) -> dict[str, torch.Tensor]:
-        """The chief's count of the job's bytes (a resumed run counts on); a replica holds nothing else of its own."""
-        return {"count/job_bytes_sent": torch.tensor(self.job_bytes_sent, device="cpu")} if self.chief else {}
+        """The chief's count of the job's bytes (a resumed run counts on) and, compressed, this process's residual, keyed
+        by its rank (a process loading another's file takes none: its own error feedback starts at zero)."""
+        own = {"count/job_bytes_sent": torch.tensor(self.job_bytes_sent, device="cpu")} if self.chief else {}
+        if self.codec is not None and self.codec.residual is not None:
+            own[f"residual/r{self.rank}"] = self.codec.residual
+        return own
 
     def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
         if self.chief and "count/job_bytes_sent" in tensors:
             self.job_bytes_sent = int(tensors["count/job_bytes_sent"])
+        if self.codec is not None:
+            saved = tensors.get(f"residual/r{self.rank}")
+            self.codec.residual = None if saved is None else saved.to(self.store.device).clone()
 
     def finish(self) -> None:
         """Every update was applied in its step. The chief says the steps are over (a process still knocking has
