@@ -49,8 +49,8 @@ class AllReduce(Strategy):
                     f"a dead or stalled process other than 0 is left out (the mean over the rows that came){healed}"]
         if plan.max_restarts > 0 and not plan.in_one_process:
             why = "a partitioned group" if plan.partitioned else "processes without workers"
-            return [f"cluster.max_restarts: {why} keeps the sliced exchange, which cannot go on without a process: "
-                    "the job stops at the first dead one"]
+            return [f"cluster.max_restarts: with {why}, the sliced exchange runs; it cannot go on without a process: "
+                    "a dead one restarts the whole job from its newest checkpoint"]
         return []
 
     def compressed_in(self, plan) -> str:
