@@ -317,17 +317,7 @@ def main() -> None:
         return hivemind_peer(args)
     if args.job:
         return hivemind_job(args, args.out)
-    if args.steps % H:
-        raise SystemExit(f"--steps must be a multiple of H = {H}")
-    if any(not (REPO / "examples/gpt/data" / n).is_file() for n in ("train.txt", "val.txt", "vocab.txt")):
-        raise SystemExit("examples/gpt/data: run `shoal prepare shakespeare --out examples/gpt/data` first")
-    systems = [args.only] if args.only else list(SYSTEMS)
-    missing = hivemind_missing()
-    if missing and "hivemind" in systems:
-        print(f"hivemind: cannot run here: {missing}")
-        systems.remove("hivemind")
-    if not systems:
-        raise SystemExit(1)
+    systems = peer_torchft.systems_to_run(args, SYSTEMS, "hivemind", hivemind_missing())
     netns = netns_available()
     s = sizes(args.small)
     print(f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")

@@ -392,6 +392,22 @@ def start_busy(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
+def systems_to_run(args, systems: tuple, peer: str, missing: Optional[str]) -> list[str]:
+    """The contestants of this run (--only, or all), without the peer when it is not installed (said in one line);
+    --steps and the GPT's data checked first."""
+    if args.steps % H:
+        raise SystemExit(f"--steps must be a multiple of H = {H}")
+    if any(not (REPO / "examples/gpt/data" / n).is_file() for n in ("train.txt", "val.txt", "vocab.txt")):
+        raise SystemExit("examples/gpt/data: run `shoal prepare shakespeare --out examples/gpt/data` first")
+    chosen = [args.only] if args.only else list(systems)
+    if missing and peer in chosen:
+        print(f"{peer}: cannot run here: {missing}")
+        chosen.remove(peer)
+    if not chosen:
+        raise SystemExit(1)
+    return chosen
+
+
 def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -422,17 +438,7 @@ def main() -> None:
         return torchft_replica(args)
     if args.job:
         return (shoal_job if args.job == "shoal" else torchft_job)(args, args.out)
-    if args.steps % H:
-        raise SystemExit(f"--steps must be a multiple of H = {H}")
-    if any(not (REPO / "examples/gpt/data" / n).is_file() for n in ("train.txt", "val.txt", "vocab.txt")):
-        raise SystemExit("examples/gpt/data: run `shoal prepare shakespeare --out examples/gpt/data` first")
-    systems = [args.only] if args.only else list(SYSTEMS)
-    missing = torchft_missing()
-    if missing and "torchft" in systems:
-        print(f"torchft: cannot run here: {missing}")
-        systems.remove("torchft")
-    if not systems:
-        raise SystemExit(1)
+    systems = systems_to_run(args, SYSTEMS, "torchft", torchft_missing())
     netns = netns_available()
     s = sizes(args.small)
     print(f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
