@@ -323,7 +323,8 @@ def test_the_device_check_sees_an_unplaced_allocation(tmp_path):
 # comm modules that carry them; the calibration's link probe times point-to-point messages themselves (no exchange)
 TAGGED_PROTOCOLS = {"comm/dist.py", "comm/channels.py", "runtime/exchanges/requests.py", "runtime/exchanges/downpour.py",
                     "runtime/exchanges/downpour_server.py", "runtime/exchanges/downpour_stub.py",
-                    "runtime/exchanges/downpour_mirror.py", "runtime/exchanges/hogwild.py", "runtime/calibrate.py"}
+                    "runtime/exchanges/downpour_mirror.py", "runtime/exchanges/hogwild.py", "runtime/exchanges/hogwild_group.py",
+                    "runtime/exchanges/hogwild_master.py", "runtime/exchanges/hogwild_recovery.py", "runtime/calibrate.py"}
 POINT_TO_POINT = {"isend", "irecv", "send", "recv"}
 
 

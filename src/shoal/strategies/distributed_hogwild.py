@@ -9,7 +9,8 @@ from shoal.neuralnet.updaters import make_updater
 from shoal.planning.strategy import Framework, Layout, Strategy, UnsupportedClusterError
 from shoal.runtime import rejoined
 from shoal.runtime.exchanges.compression import codec_factory
-from shoal.runtime.exchanges.hogwild import DOOR, HogwildExchange
+from shoal.runtime.exchanges.hogwild import DOOR
+from shoal.runtime.exchanges.hogwild_group import HogwildExchange
 from shoal.runtime.exchanges.server import Server
 
 

@@ -32,7 +32,7 @@ class DistributedHogwildCosts(FrameworkCosts):
             move(rank_of[0], rank_of[g], model.encoded(own) / freq)
 
     def messages(self, model) -> list[Messages]:
-        """Group 0's syncs (runtime/exchanges/hogwild.py: HogwildExchange's requests): every sync_freq steps, per other
+        """Group 0's syncs (runtime/exchanges/hogwild_group.py: HogwildExchange's requests): every sync_freq steps, per other
         group's master, a header and Δ (an encoded part each) sent, the fresh values (as many parts) received. Its own
         server answers the other groups on a thread of its own, alongside. Update here when that protocol changes."""
         plan = model.plan
@@ -52,10 +52,10 @@ class DistributedHogwildCosts(FrameworkCosts):
 
         self._syncs(model, move, serving=True)
         update = model.update_s(model.elements, model.plan.threads_per_worker, model.workers_on_host(0))
-        # the syncs' copies on the host (runtime/exchanges/hogwild.py), counted from its code in elements moved (read +
-        # written), every sync_freq steps: asking, Δ = gather − last sync (2 + 3), a zeroed answer (1), scattered (2);
-        # serving the other groups, Δ added into the slices it masters (3) and those gathered to answer (2). Update here
-        # when that protocol changes.
+        # the syncs' copies on the host (runtime/exchanges/hogwild_group.py asks, hogwild_master.py answers), counted
+        # from their code in elements moved (read + written), every sync_freq steps: asking, Δ = gather − last sync
+        # (2 + 3), a zeroed answer (1), scattered (2); serving the other groups, Δ added into the slices it masters (3)
+        # and those gathered to answer (2). Update here when that protocol changes.
         plan, slices = model.plan, model.trainable_slices()
         mastered = sum(s.size for s in slices if plan.placement.master_group_of_slice(s.index) == 0)
         asked = model.elements - mastered

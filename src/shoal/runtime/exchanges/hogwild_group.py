@@ -1,0 +1,256 @@
+"""Distributed Hogwild: a group's own steps and its syncs with the other groups' masters (SINGA's delta rule, steps 1
+and 3: send Δ = cur − last_sync, take the master's fresh value), and its finish. The protocol, and the algorithm as a
+whole: runtime/exchanges/hogwild.py; the group as master of its slices: hogwild_master.py; its restarts and checkpoint
+state: hogwild_recovery.py.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+
+from shoal.errors import warn
+from shoal.neuralnet.algorithms import Grads
+from shoal.planning.placement import Placement, ServerId
+from shoal.comm import dist as comm
+from shoal.comm import channels, heartbeat
+from shoal.report.metrics import MetricWindow
+from shoal.neuralnet.params import ParamStore
+from shoal.runtime.exchanges.compression import Codec, wire_bytes
+from shoal.runtime.exchanges.hogwild import (KINDS, STOP, SYNC, SYNC_ENCODED, TAG_SYNC_DELTA, TAG_SYNC_DELTA_2,
+                                            TAG_SYNC_HEADER, TAG_SYNC_VALUE, TAG_SYNC_VALUE_2, WorldLink, mastered_by)
+from shoal.runtime.exchanges.hogwild_master import HogwildMaster
+from shoal.runtime.exchanges.hogwild_recovery import HogwildRecovery
+from shoal.runtime.exchanges.local import aggregate, clipped
+from shoal.runtime.exchanges.requests import gather, post, scatter, server_segments, wait_unless, words
+from shoal.runtime.exchanges.server import Server
+
+
+class HogwildExchange(HogwildMaster, HogwildRecovery):
+    """One group's local updates plus its syncs with the other groups' replicas (its master service: HogwildMaster; its
+    restarts and checkpoint state: HogwildRecovery)."""
+    absent_groups: frozenset[int] = frozenset()  # every group stays in the job (only Local SGD's meetings leave one out)
+
+    def __init__(self, store: ParamStore, server: Server, placement: Placement, rank: int, group: int,
+                 sync_freq: int, ngroups: int, log: Callable[[str], None] = print, codecs: Optional[Callable[..., Codec]] = None,
+                 door: Optional[channels.Door] = None, rejoining: bool = False, timeout_s: float = 60.0):
+        """`sync_freq` (cluster.sync_freq), `ngroups` (cluster.nserver_groups: one master group each) and `codecs`
+        (cluster.compression) as the strategy reads them from the plan. `door`: where restarted groups knock (None:
+        no group is restarted); `rejoining`: this process was restarted into the running job (it knocks, `rejoin`)."""
+        self.store, self.server, self.rank, self.group, self.log = store, server, rank, group, log
+        self.chief = group == 0
+        self.sync_freq = max(1, sync_freq)
+        self.ngroups, self._samples = ngroups, 0
+        self.lock = threading.Lock()  # local updates and masters' delta additions do not interleave
+        trainable = set(store.trainable_names())
+        group_rank = {g: placement.process_of(ServerId(g, 0)) for g in range(ngroups)}
+        # the other groups' slices this group asks for, per master process
+        self.requests = {group_rank[g]: server_segments(mastered_by(placement, trainable, g)) for g in range(ngroups) if g != group}
+        self.last_sync: dict[int, torch.Tensor] = {}  # per master: the values at the last sync (from the first step)
+        # what this group masters, served to each other group
+        self.served = server_segments(mastered_by(placement, trainable, group))
+        self.peers = {g: r for g, r in group_rank.items() if g != group}
+        self.asked = dict(self.requests)  # every master's segments, for a restarted master's syncs to resume
+        # how this process reaches each peer: the world's point-to-point, or a channel once one of them was restarted
+        self.links = {} if rejoining else {r: WorldLink(r) for r in self.peers.values()}
+        self.door, self.timeout_s, self.incarnation = door, timeout_s, 0
+        self.linked = {g: 0 for g in self.peers}  # the incarnation of each peer group this process syncs with
+        self.peer_steps: dict[int, int] = {}  # per peer group: its step at its latest sync with this group's masters
+        # the step this run's groups began at (a resumed run's checkpoint step): a group that has not synced here since
+        # did all its synced work before it, so a restart of it goes on from there (never from step 0 of a resumed run)
+        self.began_at = 0
+        self.synced_at: dict[int, float] = {}  # per master process: when this group's latest sync with it was
+        self.steps_done = 0
+        self._closing = False
+        self._admitting: Optional[threading.Thread] = None
+        self.updates = 0
+        self.syncs = 0
+        self._syncs_shown = 0
+        # bytes of this group's own syncs since the last display, both ways (its deltas and the answers): what a
+        # sync costs, counted where it is made (the answers this group serves follow the others' timing)
+        self.sync_bytes = 0
+        # the same, over the whole run (and a resumed run's before it): a group's STOP carries it to its masters, so
+        # the chief ends with every group's (summary.json's bytes_sent)
+        self.own_bytes = 0
+        # per thread that answered a peer (one per peer process): the peer's own count from its STOP, or, for a peer
+        # that died or stalled first, the syncs it made here as this group answered them
+        self._peer_bytes: dict[int, int] = {}
+        self.job_bytes_sent: Optional[int] = None  # the chief's, after finish
+        self.codecs = codecs
+        if codecs is not None:
+            self.delta_codecs = {master: codecs() for master in self.requests}  # top-k: a residual per master
+            self.answer_codecs = {g: codecs(False) for g in self.peers}  # the difference from `known` is the feedback
+            self.known: dict[int, torch.Tensor] = {}  # per requesting group: what it holds of this group's slices
+        self._threads: dict[int, threading.Thread] = {}  # per peer group: the thread answering its syncs
+        self._started = False
+
+    def _start(self) -> None:
+        """The values every group starts from are set (initial, loaded or resumed): remember them, start serving."""
+        if self._started:
+            return
+        self._started = True
+        # a resumed group goes on from what it held when its checkpoint was written (load_own_state)
+        self.last_sync = {r: self.last_sync[r] if r in self.last_sync else gather(self.store, segs) for r, (segs, _) in self.requests.items()}
+        if self.codecs is not None:
+            start = gather(self.store, self.served[0])
+            self.known = {g: self.known[g] if g in self.known else start.clone() for g in self.peers}
+        for g, r in self.peers.items():
+            if r in self.links:
+                self._answer(g, r)
+        if self.door is not None:  # restarted groups knock: a thread lets them in
+            self.door.set_state(self.group, self.group, f"serving {self.incarnation}")
+            self._admitting = threading.Thread(target=self._admit, name="shoal-sync-admit", daemon=True)
+            self._admitting.start()
+
+    # -- the group's own steps ----------------------------------------------------------
+    def begin(self, step: int) -> None:
+        """Nothing to wait for: a group only ever waits for its own replica."""
+        if not self._started:
+            self.began_at = step
+        self._start()
+
+    def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
+        with self.lock:
+            # the group's whole gradient, clipped by its own global norm (as an asynchronous group clips its push)
+            self.server.update(self.server.updates, clipped(aggregate(parts, target=self.store.device), self.server),
+                               group_step=(self.group, step))
+        self.updates += 1
+        self.steps_done = step + 1
+        self._samples += sum(share for _, share in parts)
+        if self.updates % self.sync_freq == 0:
+            self._sync()
+
+    def _sync(self) -> None:
+        for master in list(self.requests):
+            segments, size = self.requests[master]
+            if size == 0:
+                continue
+            try:
+                with self.lock:
+                    delta = gather(self.store, segments) - self.last_sync[master]
+                fresh = self._ask(master, delta, size) if self.codecs is None else self._ask_encoded(master, delta, size)
+            except RuntimeError as err:
+                warn(f"WARNING: worker group {self.group} stops syncing with process {master}: {comm.describe_error(err)}")
+                del self.requests[master]
+                continue
+            if fresh is None:  # the master stalled: dropped (the chief has warned)
+                del self.requests[master]
+                continue
+            with self.lock:
+                scatter(self.store, fresh, segments)
+            self.last_sync[master] = fresh
+            self.synced_at[master] = time.time()
+            self.syncs += 1
+
+    def _ask(self, master: int, delta: torch.Tensor, size: int):
+        """Send Δ to `master` and wait for its fresh value; None once the master stalls (the exchange is left
+        waiting on its own thread: gloo's receives cannot be cancelled)."""
+        fresh = torch.zeros(size, device="cpu")
+
+        link = self.links[master]
+
+        def exchange() -> None:
+            answer = post(link, [(fresh, TAG_SYNC_VALUE)])  # posted first (requests.Posted says why)
+            link.send(self._header(SYNC), TAG_SYNC_HEADER)
+            link.send(delta, TAG_SYNC_DELTA)
+            answer.wait()
+
+        self._count(8 + wire_bytes([delta, fresh]))
+        return fresh if self._exchange(master, exchange) else None
+
+    def _ask_encoded(self, master: int, delta: torch.Tensor, size: int):
+        """As _ask, Δ and the answer encoded; the fresh value is what this group held plus the decoded answer."""
+        codec, answer = self.delta_codecs[master], self.answer_codecs[self.group_of(master)].buffers(size)
+        parts = codec.encode(delta)
+
+        link = self.links[master]
+
+        def exchange() -> None:
+            answers = post(link, list(zip(answer, (TAG_SYNC_VALUE, TAG_SYNC_VALUE_2))))
+            link.send(self._header(SYNC_ENCODED), TAG_SYNC_HEADER)
+            for part, tag in zip(parts, (TAG_SYNC_DELTA, TAG_SYNC_DELTA_2)):
+                link.send(part, tag)
+            answers.wait()
+
+        self._count(8 + wire_bytes(parts + answer))
+        if not self._exchange(master, exchange):
+            return None
+        return self.last_sync[master] + codec.decode(answer, size)
+
+    def _count(self, sent: int) -> None:
+        self.sync_bytes += sent
+        self.own_bytes += sent
+
+    def _header(self, kind: int) -> torch.Tensor:
+        """A sync's first message: its kind and this group's steps (KINDS); a STOP's, this group's bytes of the whole run."""
+        count = self.own_bytes if kind == STOP else self.steps_done
+        return words(kind + KINDS * count)
+
+    def group_of(self, rank: int) -> int:
+        return next(g for g, r in self.peers.items() if r == rank)
+
+    def _exchange(self, master: int, exchange: Callable[[], None]) -> bool:
+        """Run `exchange` on a thread of its own; False once the master stalls, RuntimeError if it failed."""
+        failed = []
+
+        def run() -> None:
+            try:
+                exchange()
+            except RuntimeError as err:
+                failed.append(err)
+
+        asking = threading.Thread(target=run, name=f"shoal-sync-to{master}", daemon=True)
+        asking.start()
+        if not wait_unless(asking, lambda: heartbeat.is_stalled(master), 0.05):
+            return False
+        if failed:
+            raise failed[0]
+        return True
+
+
+    def finish(self) -> None:
+        """Training is over here: let in a restarted group the launcher announced, tell the masters, then serve the
+        others until they are done too."""
+        self._start()  # a group that had no step left to train still serves the others
+        if self.door is not None:
+            self._await_announced()
+            self._closing = True  # from here on a knock finds the door closed: the restarted group trains on alone
+            self.door.close(self.group)
+            self._admitting.join(timeout=self.timeout_s)  # a knock being let in now is answered below too
+        for master, (_, size) in list(self.requests.items()):
+            zeros = self.delta_codecs[master].buffers(size) if self.codecs is not None else [torch.zeros(size, device="cpu")]
+            link = self.links[master]
+            try:  # the master has this request's Δ receive posted (_serve): it gets zeros
+                link.send(self._header(STOP), TAG_SYNC_HEADER)
+                for part, tag in zip(zeros if size else [], (TAG_SYNC_DELTA, TAG_SYNC_DELTA_2)):
+                    link.send(part, tag)
+            except RuntimeError:
+                pass
+        for group, t in list(self._threads.items()):
+            wait_unless(t, lambda: heartbeat.is_stalled(self.peers[group]), 0.25)  # never wait for a dropped group
+        if self.door is not None:
+            self.door.set_state(self.group, self.group, "finished")
+        # every peer said STOP here (or is gone): this group's syncs and theirs with anyone, each counted once, by its requester
+        self.job_bytes_sent = self.own_bytes + sum(self._peer_bytes.values())
+
+    # -- the trainer's interface --------------------------------------------------------
+    def metrics(self, window: MetricWindow) -> dict[str, float]:
+        """This group's losses, how many syncs with master replicas it made since the last display, and the job's
+        samples as every other framework counts them: the groups do not report to the chief, so its own times the
+        groups (they run side by side at about one pace)."""
+        values = window.averages() | {"syncs": self.syncs - self._syncs_shown, "sync_bytes": self.sync_bytes,
+                                      "samples": self._samples * self.ngroups}
+        self._syncs_shown, self.sync_bytes, self._samples = self.syncs, 0, 0
+        return values
+
+    def view_updater(self):
+        """Each group's server updates whole params once its group's gradient is summed."""
+        return None
+
+    def updater_state(self):
+        return self.server.state_dict()
+
+    def load_updater_state(self, state) -> None:
+        self.server.load_state(state)

@@ -1,0 +1,184 @@
+"""Distributed Hogwild: how a group recovers. A live group lets a restarted group's process in when it knocks at the
+door (a channel of their own, the live values of the slices this group masters, this group's copy of the restarted
+group's slices as of their last sync, that sync's step and time); a restarted process rejoins by knocking at the live
+groups and taking those (runtime/exchanges/hogwild.py tells the whole of it). And a group's part of a checkpoint: what
+the chief's file does not hold of it.
+
+A mixin of HogwildExchange (runtime/exchanges/hogwild_group.py), whose constructor sets the state it reads: the door,
+the peers and the incarnation of each this process is linked with, the slices asked for and served, the values at the
+last syncs and when they were, the peers' steps, the links and (compressed) `known` and the codecs.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from shoal.errors import warn
+from shoal.neuralnet import checkpoint as ckpt_io
+from shoal.comm import dist as comm
+from shoal.comm import heartbeat
+from shoal.runtime.exchanges.compression import codecs_state, load_codecs_state, wire_bytes
+from shoal.runtime.exchanges.hogwild import ADMIT_POLL_S, TAG_JOIN_INFO, TAG_JOIN_LIVE, TAG_JOIN_YOURS
+from shoal.runtime.exchanges.requests import gather, let_in, scatter
+
+
+class HogwildRecovery:
+    """A group's restarts (letting one in, rejoining as one) and its checkpoint state."""
+
+    def _await_announced(self) -> None:
+        """Wait (up to the comm timeout) for the groups whose restart the launcher announced to knock and be let in."""
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline and any(self._knocks_expected(g) for g in self.peers):
+            time.sleep(ADMIT_POLL_S)
+
+    def _knocks_expected(self, group: int) -> bool:
+        """Whether a restarted process of `group` that this process has not let in yet will knock here."""
+        newest = self.door.incarnation(group)
+        return (newest > self.linked[group] and self.door.given_up(group) < newest
+                and self._knocks_at(self.group, self.incarnation, group) and self.door.state(group, group) != "finished")
+
+    def _knocks_at(self, group: int, incarnation: int, knocker: int) -> bool:
+        """Whether a restarted process of `knocker` knocks at `group`'s process (at incarnation `incarnation` of it):
+        at those that started with the job, and at restarted ones of a lower group number (one channel per pair)."""
+        return incarnation == 0 or group < knocker
+
+    def _admit(self) -> None:
+        """Let in each restarted group's process that knocks (a thread of its own, until this group finished)."""
+        while not self._closing:
+            for group in self.peers:
+                try:
+                    incarnation = self.door.incarnation(group)
+                    nonce = None
+                    if incarnation > self.linked[group] and self.door.given_up(group) < incarnation:
+                        nonce = self.door.hello(self.group, group, incarnation)
+                except RuntimeError:  # the job's store is gone: the job is ending
+                    return
+                if nonce is None or self._closing:
+                    continue
+                try:
+                    self._let_in(group, incarnation, nonce)
+                except RuntimeError as err:  # it died again half-way: its next restart knocks anew
+                    self.linked[group] = incarnation
+                    warn(f"WARNING: worker group {self.group} could not let worker group {group} in: {comm.describe_error(err)}")
+            time.sleep(ADMIT_POLL_S)
+
+    def _let_in(self, group: int, incarnation: int, nonce: str) -> None:
+        """Open the channel the knock of `group`'s incarnation `incarnation` asked for; send it the live values of
+        this group's slices, this group's copy of its slices as of their last sync and that sync's step and time;
+        then sync with it again both ways."""
+        rank = self.peers[group]
+        channel = let_in(self.door, self.door.accept(self.group, group, incarnation, nonce))
+        if channel is None:
+            self.log(f"server group {self.group} refused a process knocking as worker group {group}: it could not prove it "
+                     "holds the job's secret")
+            self.linked[group] = incarnation
+            return
+        asked = self.asked[rank][1]
+        with self.lock:
+            live = gather(self.store, self.served[0])
+            theirs = self.last_sync[rank].clone() if asked else torch.zeros(0, device="cpu")
+        synced_at = int(self.synced_at.get(rank, 0.0) * 1000)
+        channel.send(torch.tensor([self.peer_steps.get(group, self.began_at), synced_at], dtype=torch.int64, device="cpu"), TAG_JOIN_INFO)
+        if self.served[1]:
+            channel.send(live, TAG_JOIN_LIVE)
+        if asked:
+            channel.send(theirs, TAG_JOIN_YOURS)
+        heartbeat.revive(rank)  # the launcher said its predecessor was done: watch the new process
+        with self.lock:
+            self.links[rank] = channel
+            if self.codecs is not None:
+                self.known[group] = live.clone()  # what it holds of this group's slices now
+            if asked:
+                self.requests[rank] = self.asked[rank]
+        self._answer(group, rank)
+        self.linked[group] = incarnation  # (last: finish waits for this, then for the thread that answers it)
+        self.log(f"worker group {self.group} syncs with worker group {group} again (its restart {incarnation})")
+
+    def rejoin(self, incarnation: int) -> tuple[int, str]:
+        """This process was restarted in its group's dead one's place: knock at every live group, take the live values
+        of the slices each masters and this group's own slices from the latest of their syncs with it; returns the
+        step of that sync (the group goes on from there) and what it took, in words."""
+        self.incarnation = incarnation
+        steps, latest, own, linked = [0], -1, None, []
+        for group, rank in self.peers.items():
+            theirs = self.door.incarnation(group)
+            if (self.door.state(group, group) != f"serving {theirs}" or self.door.given_up(group) >= theirs
+                    or not self._knocks_at(group, theirs, self.group)):
+                continue  # not running, finished, or it knocks here itself (then it is let in by _admit)
+            try:
+                channel = self.door.knock(group, self.group, incarnation, self.timeout_s)
+                if channel is None:  # it finished meanwhile
+                    continue
+                info = torch.zeros(2, dtype=torch.int64, device="cpu")
+                live = torch.zeros(self.asked[rank][1], device="cpu")
+                mine = torch.zeros(self.served[1], device="cpu")
+                channel.recv(info, TAG_JOIN_INFO)
+                if live.numel():
+                    channel.recv(live, TAG_JOIN_LIVE)
+                if mine.numel():
+                    channel.recv(mine, TAG_JOIN_YOURS)
+            except RuntimeError as err:
+                warn(f"WARNING: worker group {self.group} could not reach worker group {group} to rejoin: {comm.describe_error(err)}; "
+                     "it does not sync with it")
+                continue
+            self._count(wire_bytes([info, live, mine]))  # what rejoining took from this group
+            with self.lock:
+                scatter(self.store, live, self.asked[rank][0])
+                self.links[rank] = channel
+                if self.codecs is not None:
+                    self.known[group] = mine.clone()  # what that group holds of this group's slices
+            self.last_sync[rank] = live
+            self.linked[group] = theirs
+            linked.append(group)
+            steps.append(int(info[0]))
+            if int(info[1]) > latest:
+                latest, own = int(info[1]), (group, mine)
+        self.requests = {rank: self.asked[rank] for rank in self.links if self.asked[rank][1]}
+        if own is not None and self.served[1]:
+            with self.lock:
+                scatter(self.store, own[1], self.served[0])
+        step = max(steps)
+        self.updates = self.server.updates = step  # the sync cadence and the LR schedule's step go on from there
+        self.steps_done = step
+        self._start()
+        if not linked:
+            return step, "no live group answered: it trains on alone from its start values"
+        masters = " and ".join(", ".join(map(str, linked)).rsplit(", ", 1))
+        took = (f"the live values of the slices worker group{'s' if len(linked) > 1 else ''} {masters} "
+                f"master{'' if len(linked) > 1 else 's'}")
+        if own is not None and self.served[1]:
+            took += f", and its own slices as worker group {own[0]} last synced them (its updates since that sync were lost)"
+        return step, took
+
+    # -- a checkpoint of the group ------------------------------------------------------
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """What the chief's file does not hold of this group: another group's replica and updater state; every
+        group's values at its last syncs, what each requester holds of its slices (compressed), its residuals
+        and update counts (the sync cadence and the step an LR schedule sees)."""
+        with self.lock:
+            tensors = {f"last_sync/{r}": v for r, v in self.last_sync.items()}
+            tensors |= {"count/updates": torch.tensor(self.updates, device="cpu"), "count/server_updates": torch.tensor(self.server.updates, device="cpu"),
+                        "count/bytes_sent": torch.tensor(self.own_bytes, device="cpu")}
+            if self.codecs is not None:
+                tensors |= {f"known/{g}": v.clone() for g, v in self.known.items()}
+                tensors |= codecs_state("delta", self.delta_codecs)
+            if not self.chief:
+                tensors |= {f"value/{n}": v.clone() for n, v in self.store.values.items()}
+                for name, slots in self.server.state_dict().items():
+                    tensors |= {f"state/{name}/{slot}": v.clone() for slot, v in slots.items()}
+        return tensors
+
+    def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.last_sync = {r: tensors[f"last_sync/{r}"].clone() for r in self.requests if f"last_sync/{r}" in tensors}
+        if self.codecs is not None:
+            self.known = {g: tensors[f"known/{g}"].clone() for g in self.peers if f"known/{g}" in tensors}
+        self.updates = int(tensors.get("count/updates", 0))
+        self.server.updates = int(tensors.get("count/server_updates", 0))
+        self.own_bytes = int(tensors.get("count/bytes_sent", 0))  # a resumed run counts on
+        if self.codecs is not None:
+            load_codecs_state("delta", self.delta_codecs, tensors)
+        values, state = ckpt_io.values_and_state(tensors)
+        if values:
+            self.store.load(values, strict=True)
+            self.server.load_state(state)
