@@ -6,8 +6,10 @@ member computes the same mean from the rank-ordered encodings; a member's error-
 step committed with its encoding (a step it was left out of leaves it as it was; a retried attempt sends the same
 encoding); the residual is checkpointed as the member's own. Then real processes through the CLI: a user's loop
 (`shoal run script.py`) under AllReduce with bf16 and top-k trains as the plain loop does, within stated bounds, and
-its plan says the replicated exchange runs; a compressed job file under `--max-restarts` goes on without a SIGKILLed
-process, which rejoins, and resumed from a checkpoint it ends where the uninterrupted run did (both slow).
+its plan says the replicated exchange runs, its checkpoint holding process 1's residual in process 1's part; resumed from
+that checkpoint, the top-k loop ends where the uninterrupted one did (slow); a compressed job file under `--max-restarts`
+goes on without a SIGKILLed process, which rejoins, and resumed from a checkpoint it ends where the uninterrupted run
+did (both slow).
 """
 from __future__ import annotations
 
@@ -154,8 +156,8 @@ def test_a_step_not_committed_with_a_members_encoding_leaves_its_residual_as_it_
 
 
 def test_the_residual_is_each_members_own_in_a_checkpoint():
-    """own_state keys the residual by rank: the member that wrote it takes it back, another rank (a user's loop resumes
-    every rank from the chief's file) starts its error feedback at zero, as a restarted member does."""
+    """own_state keys the residual by rank: the member that wrote it takes it back, another rank (one resumed without
+    its own part) starts its error feedback at zero, as a restarted member does."""
     chief = exchange(StandInQuorum(0))
     chief.mean_gradients(0, [(gradients(1), 4)])
     saved = chief.own_state()
@@ -230,14 +232,9 @@ def encoded(compression: str) -> int:
 def test_allreduce_with_compression_trains_a_users_loop(tmp_path, compression):
     """`shoal run loop.py --set cluster.compression=…` under AllReduce over 2 processes: the replicas end equal to the
     bit; dense, the plain loop's loss; bf16 within 0.1 % of it; top-k 1 % (about 67x fewer bytes) within 0.1 nats of it
-    and below a tenth of the first loss; summary.json counts the bytes each process sent the other."""
-    script = tmp_path / "loop.py"
-    script.write_text(LOOP)
-    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(script), "--workspace", str(tmp_path / "ws"), "--no-progress",
-                           "--set", "cluster.nworkers_per_group=2", "--set", "cluster.nworkers_per_procs=1",
-                           "--set", f"cluster.compression={compression}", "--", str(tmp_path)],
-                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    and below a tenth of the first loss; summary.json counts the bytes each process sent the other. Its checkpoint
+    (step 30) is the chief's file and, compressed, process 1's part with process 1's own residual, which it lists."""
+    run_loop(tmp_path, compression, tmp_path / "ws", tmp_path)
     said = json.loads((tmp_path / "rank0.json").read_text())
     assert said["label"] == "AllReduce" and said["processes"] == 2
     replicas = [load(tmp_path / f"rank{r}.safetensors") for r in range(2)]
@@ -250,6 +247,46 @@ def test_allreduce_with_compression_trains_a_users_loop(tmp_path, compression):
     else:
         assert final - plain < 0.1 and final < said["first"] / 10, said
     assert summary(tmp_path / "ws")["bytes_sent"] == STEPS * 2 * encoded(compression)
+    from shoal.neuralnet import checkpoint as ckpt_io
+
+    ckpt = ckpt_io.load(tmp_path / "ws" / "checkpoint" / "step30-worker0.safetensors", parts=True)
+    assert {k for k in ckpt.exchange if "residual" in k} == ({"own/residual/r0"} if compression != "kNone" else set())
+    if compression != "kNone":
+        (part,) = ckpt.parts.values()  # process 1's: its residual only (its params are the chief's, equal to the bit)
+        assert list(part.exchange) == ["own/residual/r1"] and not part.params
+        assert not torch.equal(part.exchange["own/residual/r1"], ckpt.exchange["own/residual/r0"])
+    else:
+        assert not ckpt.parts
+
+
+def run_loop(tmp_path: Path, compression: str, workspace: Path, out: Path, *extra: str) -> None:
+    """`shoal run loop.py` (LOOP) under AllReduce over 2 processes, compressed, checkpointing every 30 steps."""
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(script), "--workspace", str(workspace), "--no-progress",
+                           "--set", "cluster.nworkers_per_group=2", "--set", "cluster.nworkers_per_procs=1",
+                           "--set", f"cluster.compression={compression}", "--set", "checkpoint_freq=30", *extra,
+                           "--", str(out)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.slow  # a second run of 2 processes (about 7 s on the busy 2-core machine)
+def test_a_resumed_compressed_users_loop_ends_where_the_uninterrupted_one_did(tmp_path):
+    """A user's loop under AllReduce with top-k, resumed (`shoal run loop.py --resume`) from its step-30 checkpoint,
+    ends at step 60 with the uninterrupted loop's params to the bit on both processes: process 1 takes its own
+    residual back from its part of the checkpoint (before, it started its error feedback at zero)."""
+    import shutil
+
+    (tmp_path / "first").mkdir()
+    (tmp_path / "again").mkdir()
+    run_loop(tmp_path, "kTopK", tmp_path / "ws", tmp_path / "first")
+    shutil.copytree(tmp_path / "ws", tmp_path / "resumed")
+    for path in (tmp_path / "resumed" / "checkpoint").glob("step60*"):
+        path.unlink()
+    run_loop(tmp_path, "kTopK", tmp_path / "resumed", tmp_path / "again", "--resume")
+    for rank in range(2):
+        a, b = load(tmp_path / "first" / f"rank{rank}.safetensors"), load(tmp_path / "again" / f"rank{rank}.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rank
 
 
 def load(path: Path) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from cli_in_process import run_cli
-from fault_runs import SLOW, Run, pids, runs  # noqa: F401 (runs: the fixture that stops what a failed test left running)
+from fault_runs import SLOW, Run, pids, runs, wait_for  # noqa: F401 (runs: the fixture that stops what a failed test left running)
 from layouts import assert_ran
 from test_cli import leftover_processes
 
@@ -82,6 +82,35 @@ def test_a_stopped_downpour_server_is_ended_restarted_and_heals(blobs_job, tmp_p
     (record,) = [r for r in summary["rejoins"] if r.get("server") is not None]
     assert record["pid"] != server
     assert worker_pids(run.ws) == {0: [chief], 1: [group1]}
+    assert leftover_processes(tmp_path) == []
+
+
+@pytest.mark.slow  # ~5 s: a run of its own (plain SGD, whose mirror is the stalest), over the default suite's budget
+def test_a_group_killed_after_the_heal_rejoins_at_the_step_it_reached_not_the_mirrors(blobs_job, tmp_path, runs):
+    """The healed server's counters are as old as the chief's mirror (plain SGD: counters only, every 50 steps; this
+    one from step 0); group 1's pull of the healed values says the step it reached, so its process killed after that
+    pull rejoins there, not at the mirror's step 1. max_staleness makes it count twice: held by its own stale step,
+    group 1 could not push, and the chief would wait on it past the comm timeout (a whole-job restart)."""
+    steps = 150
+    run = runs.start_layout(blobs_job(train_steps=steps, updater="type: kSGD"), tmp_path, DOWNPOUR, "--max-restarts", "1",
+                            "--set", "test_freq=150", "--set", "cluster.max_staleness=2", env=SLOW)
+    server, chief, group1 = run.pid_of(2), run.pid_of(0), run.pid_of(1)
+    os.kill(server, signal.SIGKILL)
+    log1 = run.ws / "logs" / "rank1.log"
+    dropped = r"^worker group 1: server\(group=0, id=0\) was restarted \(restart 1\); the push of step (\d+) was dropped"
+    wait_for(lambda: log1.exists() and re.search(dropped, log1.read_text(), re.M), 90,
+             f"group 1 never took the healed values: {run.stderr()}", interval=0.02)
+    reached = int(re.search(dropped, log1.read_text(), re.M)[1])  # the first step the dead server did not apply
+    assert reached >= 5, reached  # (killed once the chief displayed step 10: the mirror's step 1 is far behind)
+    os.kill(group1, signal.SIGKILL)
+    assert run.wait(timeout=120) == 0, run.stderr()
+    records = [json.loads(line) for line in (run.ws / "logs" / "rejoins.jsonl").read_text().splitlines() if line.strip()]
+    (rejoin,) = [r for r in records if r["group"] == 1]
+    assert rejoin["incarnation"] == 1 and rejoin["step"] >= reached, (reached, rejoin)  # before: step 1, the mirror's
+    assert f"Worker group 1 rejoined at step {rejoin['step']} (process 1, restart 1)" in run.stdout()
+    assert_healed(run, steps, r"died \(SIGKILL\)")  # and no whole-job restart (before: the chief waited on group 1)
+    ran = worker_pids(run.ws)
+    assert ran[0] == [chief] and ran[1][0] == group1 and len(ran[1]) == 2, ran  # the chief kept its pid to the end
     assert leftover_processes(tmp_path) == []
 
 

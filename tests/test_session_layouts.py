@@ -8,11 +8,13 @@ every cluster.sync_freq steps), resume from a checkpoint exactly, and a killed g
 user's loop with the user's AdamW running on the server process (built there from plain JSON), its scheduler's lr
 carried by every push. Sandblaster's rows (one synchronous group, server processes of its own running the user's AdamW)
 train the loop as one worker with the whole batch does, its clip_grad_norm_ the group's global norm; the checkpoint
-holds the servers' AdamW state, a resume continues exactly, and a killed server restarts the whole job from it.
+holds the servers' AdamW state, a resume continues exactly, and a killed server or worker restarts the whole job from it;
+with cluster.compression the group's pushes are encoded (fewer bytes in summary.json) and the loop still trains.
 """
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -616,6 +618,76 @@ def test_a_killed_sandblaster_server_restarts_the_whole_loop_from_its_checkpoint
     restarts = summary(run.ws)["job_restarts"]
     assert len(restarts) == 1 and restarts[0]["from_step"] in (4, 8, 12, 16, 20)
     assert len(list(out.glob("session0*"))) == 1 and len(list(out.glob("pid*"))) == 1 + 2 * 3  # every process twice
+    for rank in (0, 1):
+        values, expected = ended(out, rank)[0], ended(sandblaster_run / "out", rank)[0]
+        assert all(torch.equal(values[k], expected[k]) for k in expected)
+    assert summary(run.ws)["status"] == "finished"
+
+
+@pytest.mark.slow
+@SANDBLASTER_RUN
+@pytest.mark.parametrize("compression", [["cluster.compression=kBF16"],
+                                         ["cluster.compression=kTopK", "cluster.topk_fraction=0.1"]], ids=["bf16", "topk"])
+def test_sandblaster_in_the_users_loop_compresses_its_pushes(sandblaster_run, tmp_path, compression):
+    """--set cluster.compression=…: the group's push to the server is encoded (error feedback at the stub), the values
+    the server sends back stay float32. The loop trains (the loss falls, the server applied every step's update), both
+    workers end equal to each other but not to the dense run (the server applied the decoded gradient), and
+    summary.json's bytes_sent is below the dense run's by what the encoding saved on the pushes. A resume from the
+    checkpoint after step 15 (the stub's residual in it) ends where the uninterrupted run did."""
+    out, workspace = tmp_path / "out", tmp_path / "ws"
+    settings = [flag for setting in compression for flag in ("--set", setting)]
+    proc = shoal_run(sandblaster_run / "sandblaster.py", out, workspace, *LAYOUTS[SANDBLASTER_ROW].cli(), *settings)
+    assert proc.returncode == 0, proc.stderr
+    assert_ran(workspace, SANDBLASTER_ROW)
+    assert "server(group=0, id=0): version 24; updates applied: group 0: 24" in (workspace / "logs" / "rank2.log").read_text()
+    losses = train_losses(workspace)
+    assert losses[-1] < 0.8 * losses[0], losses
+    (first, said), (second, _) = ended(out, 0), ended(out, 1)
+    dense = ended(sandblaster_run / "out", 0)[0]
+    assert all(torch.equal(first[k], second[k]) for k in first)  # one model: both installed the server's answers
+    assert not all(torch.equal(first[k], dense[k]) for k in dense)  # the server applied the decoded, not the dense, push
+    assert said["label"] == "Sandblaster" and said["lr"] == ended(sandblaster_run / "out", 0)[1]["lr"]
+    sent, dense_sent = summary(workspace)["bytes_sent"], summary(sandblaster_run / "ws")["bytes_sent"]
+    floats = sum(v.numel() for v in dense.values())  # a dense step: the push and the answer, float32
+    assert dense_sent == 24 * 2 * 4 * floats
+    if "kBF16" in compression[0]:
+        assert sent == 24 * (2 + 4) * floats  # the push in bf16, the answer in float32
+    else:
+        assert sent == 24 * (6 * math.ceil(0.1 * floats) + 4 * floats)  # the 10 % top-k entries at 6 bytes, the answer
+    # the chief's checkpoint after step 15 holds the stub's residual (what the encoding left out) and the byte count:
+    # resumed, the run ends where the uninterrupted one did, to the bit, and counts the same bytes
+    resumed = tmp_path / "resumed"
+    (resumed / "ws").mkdir(parents=True)
+    shutil.copytree(workspace / "checkpoint", resumed / "ws" / "checkpoint", ignore=shutil.ignore_patterns("step24*"))
+    proc = shoal_run(sandblaster_run / "sandblaster.py", resumed / "out", resumed / "ws", *LAYOUTS[SANDBLASTER_ROW].cli(),
+                     *settings, "--resume")
+    assert proc.returncode == 0, proc.stderr
+    again = ended(resumed / "out", 0)[0]
+    assert all(torch.equal(again[k], first[k]) for k in first)
+    assert summary(resumed / "ws")["bytes_sent"] == sent
+
+
+@pytest.mark.slow
+@SANDBLASTER_RUN
+def test_a_killed_sandblaster_worker_restarts_the_whole_loop_from_its_checkpoint(sandblaster_run, tmp_path, runs):
+    """--max-restarts 1: worker process 1 (not the chief), SIGKILLed mid-run, is not restarted into the running loop
+    (the group's step is synchronous and the servers keep no mirror); the launcher says so in one line and restarts
+    the whole job from the newest checkpoint, which ends where the uninterrupted run did, to the bit, exit status 0."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run = runs.start(sandblaster_run / "sandblaster.py", tmp_path, *LAYOUTS[SANDBLASTER_ROW].cli(), "--set", "checkpoint_freq=4",
+                     "--max-restarts", "1", "--", str(out), env={"SANDBLASTER_STEP_PAUSE": "0.2"})
+    run.signal(1, signal.SIGKILL, step=5, registry=True)
+    stdout, stderr = run.finished()
+    warning = [line for line in stderr.splitlines() if line.startswith("WARNING")]
+    assert stderr.strip().splitlines() == warning and "process 1 (worker(group=0, id=1)) died (SIGKILL) after step" in warning[0], stderr
+    assert "the job cannot go on without it; restarting the whole job from the checkpoint of step" in warning[0]
+    assert "restart 1 of 1" in warning[0]
+    assert "the whole job restarted once" in stdout
+    restarts = summary(run.ws)["job_restarts"]
+    assert len(restarts) == 1 and restarts[0]["from_step"] in (4, 8, 12, 16, 20)
+    assert len(list(out.glob("pid*"))) == 1 + 2 * 3  # every process ran the script twice
+    assert not (tmp_path / "ws" / "logs" / "rejoins.jsonl").exists()  # nobody was healed into the running loop
     for rank in (0, 1):
         values, expected = ended(out, rank)[0], ended(sandblaster_run / "out", rank)[0]
         assert all(torch.equal(values[k], expected[k]) for k in expected)

@@ -5,7 +5,8 @@ process torchrun starts for a rank other than the chief supervises the rank's tr
 (shoal.launcher.supervisor); a real SIGKILL of that process (its pid from the job registry) is answered as
 `shoal run`'s launcher answers it: the next step goes on without it, a new process rejoins from the chief's state,
 torchrun sees nothing fail and restarts nothing. A `shoal.session()` script's rank is supervised the same way (its
-child runs the script from the top, and so does a restarted one).
+child runs the script from the top, and so does a restarted one); a session on a layout whose processes are not
+restarted warns at start as a job file does.
 """
 from __future__ import annotations
 
@@ -306,3 +307,53 @@ def test_a_killed_session_rank_under_torchrun_rejoins_the_running_loop(tmp_path,
 @pytest.mark.parametrize("layout", ["Local SGD", "Downpour"])
 def test_a_killed_group_of_a_session_under_torchrun_rejoins(tmp_path, torchruns, layout):
     killed_session_rank_rejoins(tmp_path, torchruns, layout)
+
+
+NOT_RESTARTED = ("WARNING: --max-restarts: {label}'s processes are not restarted into the running job (only AllReduce's "
+                 "replicas, Downpour, Local SGD and Distributed Hogwild groups are); a dead one stops the job, which "
+                 "torchrun's own restarts may start again")
+
+
+def test_a_session_under_torchrun_warns_at_start_when_its_processes_are_not_restarted(capsys):
+    """A shoal.session() script's rank under torchrun with restarts allowed (cluster.max_restarts, as `--max-restarts 1`
+    sets it) on a layout whose processes do not rejoin (Sandblaster's): the chief warns the job file's one line at the
+    start (launcher/elastic.py's, one place), the other ranks say nothing, and AllReduce's chief, whose group heals,
+    neither. In process: the session's start-up step for a launched rank, given torchrun's place of each rank."""
+    from shoal.config import job_pb2
+    from shoal.frontend.session_start import plan_session, session_job, supervise_if_restartable
+    from shoal.launcher.launchers import LaunchedProcess
+
+    def plan(**cluster):
+        return plan_session(session_job(job_pb2.ClusterProto(max_restarts=1, nworkers_per_procs=1, **cluster), 10, 0, 5, 0,
+                                        "loop"))
+
+    def started(plan, rank: int) -> str:
+        launched = LaunchedProcess("torchrun", rank, plan.nprocs, rank, plan.nprocs, 1, "127.0.0.1", 29500)
+        supervise_if_restartable(plan, launched, None, False, print)  # returns: this rank runs the loop itself
+        return capsys.readouterr().err
+
+    sandblaster = plan(nworkers_per_group=2, server_worker_separate=True)
+    assert started(sandblaster, 0) == NOT_RESTARTED.format(label="Sandblaster") + "\n"
+    assert started(sandblaster, 1) == started(sandblaster, 2) == ""
+    assert started(plan(nworkers_per_group=2), 0) == ""  # AllReduce: rank 0 is the chief, the others are supervised
+
+
+@pytest.mark.slow  # a torchrun run (about 7 s on the busy machine); the check above is the default suite's
+def test_a_session_script_under_torchrun_warns_at_start_when_its_process_is_not_restarted(tmp_path):
+    """`torchrun --nproc-per-node=1 -m shoal run loop.py --max-restarts 1` (one worker: its process is not restarted
+    into the running job): the job file's one line on stderr, once, and the loop runs to its end."""
+    script = tmp_path / "loop.py"
+    script.write_text("import torch, shoal\n"
+                      "run = shoal.session(train_steps=3)\n"
+                      "model = run.model(torch.nn.Linear(2, 1))\n"
+                      "opt = run.optimizer(torch.optim.SGD(model.parameters(), lr=0.1))\n"
+                      "for step, (xb,) in run.batches(torch.utils.data.TensorDataset(torch.randn(8, 2)), batch_size=4):\n"
+                      "    model(xb).sum().backward(); opt.step(); opt.zero_grad()\n")
+    proc = subprocess.run([str(TORCHRUN), "--nnodes=1", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+                           f"--master-port={free_port()}", "-m", "shoal", "run", str(script), "--workspace", str(tmp_path / "ws"),
+                           "--no-progress", "--max-restarts", "1"], capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          env={**os.environ, **job_secret(), **tagged(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.splitlines().count(NOT_RESTARTED.format(label="single worker")) == 1, proc.stderr
+    assert "Train @ step 2 " in proc.stdout and summary(tmp_path / "ws")["status"] == "finished"
+    assert leftover_processes(tmp_path) == []

@@ -18,6 +18,7 @@ runs inside backward and opt.step(): runtime/session_exchange.py; run.evaluate: 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import json
 import sys
@@ -105,6 +106,10 @@ class Session:
         self.apart = self.distributed and not plan.strategy.synchronous
         self._update_lock = None  # Distributed Hogwild's: held around the user's update (its masters add peers' deltas)
         self.pushes = pushes_to_servers(plan)  # Downpour: opt.step() pushes the gradients; the servers update
+        # a compressed AllReduce's replicas are equal but each process's error-feedback residual is its own: every
+        # other process writes it as its part of a checkpoint, as a Local SGD group writes its state
+        self.own_residual = (self.distributed and plan.strategy.synchronous and not self.pushes
+                             and not plan.compression.dense)
         self._store: Optional[ParamStore] = None
         self._saved_server_state: dict = {}  # Downpour, resumed: the servers' updater state, sent with the chief's FIRST
         self._holding = False
@@ -216,8 +221,16 @@ class Session:
 
     def _own_part(self, ckpt: ckpt_io.Checkpoint, path: Path) -> ckpt_io.Checkpoint:
         """This rank's part of the checkpoint: the chief's file for rank 0, and for every replica of a synchronous group
-        (they are equal); a Local SGD group's own part, or the chief's where its group was missing when it was written."""
+        (they are equal; compressed, with the process's own residual from its part); a Local SGD group's own part, or
+        the chief's where its group was missing when it was written."""
         name = ckpt_io.part_name(ckpt.step, self.group, self.rank)
+        if self.rank != 0 and self.own_residual:  # the chief's file, with this process's residual from its part
+            if name not in ckpt.parts:
+                self.say(f"{path}: no part of process {self.rank} (it was missing from the steps): its error feedback "
+                         "starts at zero")
+                return ckpt
+            chiefs = {k: v for k, v in ckpt.exchange.items() if not k.startswith("own/residual/")}
+            return dataclasses.replace(ckpt, exchange=chiefs | ckpt.parts[name].exchange, parts={})
         if self.rank == 0 or not self.apart:
             return ckpt
         if name not in ckpt.parts:
@@ -690,13 +703,23 @@ class Session:
             self._count_rows(self.step)
             self._display(self.step)
         path = ckpt_io.checkpoint_file(self.workspace, done)
-        # a synchronous group's replicas are equal: the chief's file is the checkpoint. Local SGD's groups each write
-        # their part, which the chief's file lists (required, but for groups missing from the meetings): no barrier, so
-        # that a dead group never holds the others up; a resume refuses a checkpoint with a required part missing
+        # a synchronous group's replicas are equal: the chief's file is the checkpoint (compressed, each other process
+        # adds its residual as its part). Local SGD's groups each write their part, which the chief's file lists
+        # (required, but for groups missing from the meetings): no barrier, so that a dead group never holds the others
+        # up; a resume refuses a checkpoint with a required part missing
         if self.rank != 0 and self.apart:
             ckpt_io.save(ckpt_io.part_file(self.workspace, done, self.group, self.rank), self._state(done))
+        elif self.rank != 0 and self.own_residual:  # the replicas are equal: only the residual is this process's own
+            own = session_exchange.exchange_state(self.exchange) if self.exchange is not None else {}
+            ckpt_io.save(ckpt_io.part_file(self.workspace, done, self.group, self.rank),
+                         ckpt_io.Checkpoint(step=done, params={}, trainer={"next_step": done, "session": True},
+                                            exchange={k: v for k, v in own.items() if k.startswith("own/residual/")}))
         if self.rank == 0:
             ckpt = self._state(done)
+            if self.own_residual:  # required from the processes the last step's mean held (a dead one writes none)
+                present = self.exchange.present if self.exchange is not None else range(self.plan.nprocs)
+                ckpt.part_names = {ckpt_io.part_name(done, self.plan.process(r).workers[0].group, r): r in present
+                                   for r in range(1, self.plan.nprocs)}
             if self.apart:
                 absent = self.exchange.absent_groups if self.exchange is not None else frozenset()
                 ckpt.part_names = {ckpt_io.part_name(done, g, r): g not in absent

@@ -204,11 +204,15 @@ def supervise_if_restartable(plan: JobPlan, launched, workspace: Optional[Path],
     rank that may rejoin (launcher/supervisor.py's `supervises`: never the chief) runs the loop in a child process that
     runs the script from the top, and its supervisor restarts a dead or stalled one into the running loop (the
     script from the top again: its session knocks at run.batches()), as `shoal run script.py` does; the script ends
-    here (exit status 0) once the rank's work is over. Returns in every other process: it runs the loop itself."""
+    here (exit status 0) once the rank's work is over. Returns in every other process: it runs the loop itself. Rank 0
+    of a layout whose processes are not restarted says so, as a job file's (launcher/elastic.py decides)."""
     from shoal.launcher import supervisor
+    from shoal.launcher.elastic import warn_if_not_restarted
     from shoal.launcher.run_job import resolve_workspace
 
     if _SUPERVISED or not supervisor.supervises(plan, launched):
+        if not _SUPERVISED:
+            warn_if_not_restarted(plan, launched)
         return
     path = Path(script.running_path() or sys.argv[0])
     argv = list(script.running_argv()) if script.running_path() else sys.argv[1:]

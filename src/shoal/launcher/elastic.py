@@ -97,20 +97,29 @@ def train_launched(plan: JobPlan, options: RunOptions, launched: launchers.Launc
     """This rank of a job whose processes a launcher started; rank 0 prepares and registers the job. With restarts
     allowed (--max-restarts N) a rank that may rejoin runs in a child process restarted into the running job when it
     dies or stalls (shoal.launcher.supervisor); `may_supervise` False: that child, running the rank here."""
-    from shoal.launcher import rejoin, supervisor
+    from shoal.launcher import supervisor
     from shoal.launcher.launch import run_rank
 
     if may_supervise and supervisor.supervises(plan, launched):
         return supervisor.supervise(plan, options, launched, workspace, functools.partial(
             rank_process, plan.job.SerializeToString(), plan.nnodes, launched, job_file, str(workspace), options.resume,
             [str(d) for d in options.base_dirs], options.process_setup, options.initial_values))
-    if may_supervise and launched.rank == 0 and plan.max_restarts > 0 and not rejoin.rejoins(plan):
-        warn(f"WARNING: --max-restarts: {plan.label}'s processes are not restarted into the running job (only AllReduce's "
-             f"replicas, Downpour, Local SGD and Distributed Hogwild groups are); a dead one stops the job, which "
-             f"{launched.launcher}'s own restarts may start again")
+    if may_supervise:
+        warn_if_not_restarted(plan, launched)
     with launched_job(plan, options, launched, job_file, workspace) as (resume_from, log):
         return run_rank(plan, launched.rank, RunSpec(workspace, options.base_dirs, resume_from, log, progress=False,
                                                      initial_values=options.initial_values, faults=faults.from_environment()))
+
+
+def warn_if_not_restarted(plan: JobPlan, launched: launchers.LaunchedProcess) -> None:
+    """Rank 0's one line at the start when restarts are allowed (--max-restarts N, cluster.max_restarts) but the
+    layout's processes are not restarted into the running job: a job file's rank and a shoal.session() script's alike."""
+    from shoal.launcher import rejoin
+
+    if launched.rank == 0 and plan.max_restarts > 0 and not rejoin.rejoins(plan):
+        warn(f"WARNING: --max-restarts: {plan.label}'s processes are not restarted into the running job (only AllReduce's "
+             f"replicas, Downpour, Local SGD and Distributed Hogwild groups are); a dead one stops the job, which "
+             f"{launched.launcher}'s own restarts may start again")
 
 
 @contextmanager

@@ -66,6 +66,8 @@ class DownpourServer:
         self._reads = {g: [0] * self.depth for g in stubs if g == 0 or not warmup_steps}
         self.lags = {g: StalenessStats() for g in stubs}  # the lag of every update applied, per group
         self._warming: set[int] = set()  # groups waiting for group 0's warm-up hold nobody back
+        # after a heal, the groups that have not said their step yet hold nobody back: the mirror's count is older
+        self._untold: set[int] = set()
         self._dropped: set[tuple[int, int]] = set()  # (group, incarnation) whose stub stalled: never applied again
         self._finished: set[int] = set()  # groups that said STOP (or FINAL)
         self.applied = dict.fromkeys(stubs, 0)  # updates applied per group: their sum is the version (none lost)
@@ -306,8 +308,14 @@ class DownpourServer:
         self._steps = {g: step if g == 0 else max(step, self.warmup_steps) for g in self._steps}
         self._reads = {g: [version] * self.depth for g in self._reads}
 
+    def _told(self, group: int, step: int) -> None:
+        """A group's request said the step it reached (`_running` held): a healed server's count may be older."""
+        self._steps[group] = max(self._steps.get(group, 0), step)
+        self._untold.discard(group)
+        self._running.notify_all()  # (a push held by max_staleness may go now)
+
     def _may_go(self, step: int) -> bool:
-        live = [self._steps[g] for g in self._live - self._warming]
+        live = [self._steps[g] for g in self._live - self._warming - self._untold]
         return self.max_staleness < 0 or not live or step - min(live) <= self.max_staleness
 
     def _lag_allows(self, group: int) -> bool:
@@ -360,6 +368,7 @@ class DownpourServer:
                     grad = codec.decode(received, self.size)
                     step = header.tolist()[1]
                     with self._running:  # hold a group too far ahead (max_staleness) or whose update is not due (max_update_lag)
+                        self._told(group, step)  # (its step, newer than a healed server's count)
                         self._running.wait_for(lambda: self._may_go(step) and self._lag_allows(group))
                         values, version, lag = self.apply(grad, read_version, has_grad, group, step,
                                                           hyper if self.hyper_size else None)
@@ -371,6 +380,9 @@ class DownpourServer:
                     channel.send(words(version, lag), TAG_REPLY)
                 elif kind == PULL:  # a group's first params (after group 0's warm-up), or a rejoining group's
                     with self._running:
+                        # a live group's pull after this server's restart says the step it reached: the healed
+                        # counters are as old as the chief's mirror (a rejoin's pull says 0: nothing to learn)
+                        self._told(group, header.tolist()[1])
                         self._warming.add(group)
                         self._running.wait_for(self._warm)
                         self._warming.discard(group)
@@ -466,6 +478,10 @@ class DownpourServer:
                 self.lags[g] = StalenessStats()
                 for lag, n in lags.items():
                     self.lags[g].add(lag, n)
+            # the chief's own step, newer than its mirror's count; every other group says its own when it next pulls
+            # or pushes, and holds nobody back (max_staleness) by the mirror's count till then
+            self._steps[group] = max(self._steps.get(group, 0), step)
+            self._untold = set(self.stubs) - {group}
             self._reads = {g: [version] * self.depth for g in self._reads}
             self._running.notify_all()
         self._healed.set()

@@ -158,6 +158,8 @@ class DownpourExchange:
 
     def _pull_from(self, server_rank: int, segments: list[Segment], size: int, step: int) -> None:
         channel, reply = self._channels[server_rank], torch.zeros(2, dtype=torch.int64, device="cpu")
+        # `step` (the first whose push the server did not apply) tells the healed server this group's step: its
+        # own count is as old as the chief's mirror, and a later rejoin of this group starts from it
         channel.send(words(PULL, step, self.read_version[server_rank]), TAG_HEADER)
         values = torch.zeros(size, device="cpu")
         channel.recv(values, TAG_VALUES)

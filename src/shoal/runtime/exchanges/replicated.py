@@ -31,8 +31,8 @@ every partial sum to bf16 in an order the backend picks. A member's residual mov
 step with its encoding in it (`encode_tentatively`): a step this member was left out of, or that failed, leaves its
 residual as it was. The residual is the member's own error feedback, not model state: a restarted process starts it
 at zero (as SparseLoCo's accumulators, docs/architecture.md "The step boundary", point 5), and a checkpoint holds each
-process's own (`own_state`: the chief's file the chief's, each other process's part its own; a process that resumes
-without its own, as every rank but the chief's in a user's loop, whose checkpoint is the chief's file, starts at zero).
+process's own (`own_state`: the chief's file the chief's, each other process's part its own, in a user's loop too; a
+process that resumes without its own, as one the last step went on without, starts at zero).
 
 Two public phases, so that a user's own loop (shoal.session) can call them from an end-of-backward hook:
 `mean_gradients(step, parts)` (the agreed mean), then the user's update, then `heal(step)`; `step(step, parts)` is
