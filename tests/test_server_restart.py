@@ -90,7 +90,9 @@ def test_a_group_killed_after_the_heal_rejoins_at_the_step_it_reached_not_the_mi
     """The healed server's counters are as old as the chief's mirror (plain SGD: counters only, every 50 steps; this
     one from step 0); group 1's pull of the healed values says the step it reached, so its process killed after that
     pull rejoins there, not at the mirror's step 1. max_staleness makes it count twice: held by its own stale step,
-    group 1 could not push, and the chief would wait on it past the comm timeout (a whole-job restart)."""
+    group 1 could not push, and the chief would wait on it past the comm timeout (a whole-job restart).
+    Known to fail about 2 runs in 13 on an older fault, not this one's: after the server's death a stub sometimes
+    waits the whole comm timeout (45 s) before it notices, so the heal comes late and group 1's knock gives up."""
     steps = 150
     run = runs.start_layout(blobs_job(train_steps=steps, updater="type: kSGD"), tmp_path, DOWNPOUR, "--max-restarts", "1",
                             "--set", "test_freq=150", "--set", "cluster.max_staleness=2", env=SLOW)
