@@ -70,7 +70,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import gpt  # noqa: E402 - the model, data, AdamW, schedule, clipping and loss every GPT benchmark uses
 import peer_torchft  # noqa: E402 - the shoal job, the data rows of each group, the load and the busy processes
 from gpt_lowcomm import build, nesterov_outer, sizes  # noqa: E402 - the DiLoCo run's sizes and outer optimizer
-from local_sgd import in_namespace, netns_available  # noqa: E402 - a namespace per job: its own bytes on the wire
+from local_sgd import netns_available  # noqa: E402 - a namespace per job: its own bytes on the wire
 
 H, GROUPS = peer_torchft.H, peer_torchft.GROUPS
 SYSTEMS = ("shoal", "hivemind")
@@ -275,19 +275,7 @@ def run_hivemind(args, netns: bool) -> dict:
     out = Path(tempfile.mkdtemp(prefix="peer-hivemind-")) / "result.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--job", "hivemind", "--out", str(out), "--steps",
            str(args.steps), "--seed", str(args.seed), "--outer", args.outer] + (["--small"] if args.small else [])
-    start = time.perf_counter()
-    wire = None
-    if netns:
-        proc, wire = in_namespace(cmd, f"peer-hivemind-{os.getpid()}", cwd=REPO)
-    else:
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    job_s = time.perf_counter() - start
-    if proc.returncode != 0:
-        lines = (proc.stderr or proc.stdout).strip().splitlines()
-        raise SystemExit(f"hivemind job failed (exit {proc.returncode}): {lines[-1] if lines else 'no output'}")
-    result = json.loads(out.read_text())
-    shutil.rmtree(out.parent, ignore_errors=True)
-    return result | {"job_s": job_s, "wire_bytes": wire}
+    return peer_torchft.timed_job("hivemind", cmd, out, netns)
 
 
 def run_job(system: str, args, netns: bool) -> dict:

@@ -372,10 +372,16 @@ def run_job(system: str, args, netns: bool, kill: bool) -> dict:
            "--seed", str(args.seed), "--kill-at", str(args.kill_at)]
     cmd += (["--small"] if args.small else []) + (["--kill-now"] if kill else [])
     cmd = ["env", f"SHOAL_HOME={out.parent / 'home'}"] + cmd  # shoal's job registry: this job's own
+    return timed_job(system, cmd, out, netns)
+
+
+def timed_job(system: str, cmd: list[str], out: Path, netns: bool) -> dict:
+    """Run `cmd` (a job that writes its result to `out`) in its own network namespace when it can be: the result, the
+    command's wall time and its wire bytes; a failed job is one line naming it."""
     start = time.perf_counter()
     wire = None
     if netns:
-        proc, wire = in_namespace(cmd, f"peer-torchft-{os.getpid()}", cwd=REPO)
+        proc, wire = in_namespace(cmd, f"peer-{system}-{os.getpid()}", cwd=REPO)
     else:
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     job_s = time.perf_counter() - start
