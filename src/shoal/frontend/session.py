@@ -13,14 +13,12 @@
 
 Nothing of the loop is copied or re-run: the module, its optimizer and the scheduler stay the user's objects.
 Where the process comes from (one process here, one per rank under `shoal run script.py`): session_start.py; what
-runs inside backward and opt.step(): runtime/session_exchange.py; run.evaluate: session_eval.py. docs/python.md, "Your own loop".
+runs inside backward and opt.step(): runtime/session_exchange.py; run.evaluate: session_eval.py; what a checkpoint
+and a restarted process's handover hold, built and loaded back: session_state.py. docs/python.md, "Your own loop".
 """
 from __future__ import annotations
 
 import atexit
-import dataclasses
-import gc
-import json
 import sys
 import time
 import warnings
@@ -33,7 +31,7 @@ import torch
 from shoal.config import job_pb2
 from shoal.config.phases import fires
 from shoal.data.in_place import reader_for, to_device
-from shoal.frontend import script, session_eval
+from shoal.frontend import script, session_eval, session_state
 from shoal.frontend.fit import as_dataset
 from shoal.frontend.session_start import (SessionError, check_layout, plan_session, pushes_to_servers, rank_context,
                                           refuse_unstarted, same_job, serve_if_server, serves_only, session_job, start_ranks,
@@ -47,9 +45,6 @@ from shoal.report.run_log import open_run_log
 from shoal.runtime import rejoined, session_exchange
 from shoal.runtime.exchanges.periodic import MeetingsOver
 from shoal.runtime.replicas import torch_device, usable_device_names
-
-OPTIMIZER_STATE = "optimizer"  # checkpoint slots: state/optimizer.<index>/<slot>
-HANDOVER_TEXT_BYTES = 1 << 20  # a restarted process's handover: the optimizers' and schedulers' state as JSON, padded
 
 
 def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int = 100, seed: int = 0, disp_freq: int = 10,
@@ -120,7 +115,8 @@ class Session:
             torch.set_num_threads(plan.threads_per_worker)  # every process of the host shares its cores
         self._owned = owned  # release(status, reason): the workspace's lock and the registry's entry, by close()
         self.resumed = ckpt_io.load(resume_from, parts=True) if resume_from is not None else None
-        self._mine = self._own_part(self.resumed, resume_from) if self.resumed is not None else None
+        self._mine = (session_state.own_part(self.resumed, resume_from, self.group, self.rank, self.own_residual, self.apart,
+                                             self.say) if self.resumed is not None else None)
         self.start_step = int(self._mine.trainer.get("next_step", self.resumed.step)) if self._mine is not None else 0
         self.step = self.start_step
         self.module: Optional[torch.nn.Module] = None
@@ -219,26 +215,6 @@ class Session:
             stack.__exit__(type(err), err, err.__traceback__)
             raise
 
-    def _own_part(self, ckpt: ckpt_io.Checkpoint, path: Path) -> ckpt_io.Checkpoint:
-        """This rank's part of the checkpoint: the chief's file for rank 0, and for every replica of a synchronous group
-        (they are equal; compressed, with the process's own residual from its part); a Local SGD group's own part, or
-        the chief's where its group was missing when it was written."""
-        name = ckpt_io.part_name(ckpt.step, self.group, self.rank)
-        if self.rank != 0 and self.own_residual:  # the chief's file, with this process's residual from its part
-            if name not in ckpt.parts:
-                self.say(f"{path}: no part of process {self.rank} (it was missing from the steps): its error feedback "
-                         "starts at zero")
-                return ckpt
-            chiefs = {k: v for k, v in ckpt.exchange.items() if not k.startswith("own/residual/")}
-            return dataclasses.replace(ckpt, exchange=chiefs | ckpt.parts[name].exchange, parts={})
-        if self.rank == 0 or not self.apart:
-            return ckpt
-        if name not in ckpt.parts:
-            self.say(f"{path}: no part of worker group {self.group} (it was missing from the meetings): it starts from "
-                     "worker group 0's state")
-            return ckpt
-        return ckpt.parts[name]
-
     # -- the user's objects ------------------------------------------------------------------------------
     def model(self, module: torch.nn.Module) -> torch.nn.Module:
         """The module itself, on this worker's device, its values the checkpoint's (--resume) or rank 0's on every
@@ -251,7 +227,7 @@ class Session:
         self.module = module
         trained = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if self._mine is not None:
-            self._load_module(module)
+            session_state.load_module(module, self._mine.params)
         elif self.distributed and self.rejoin is None and not self.pushes:  # (a restarted process takes the chief's
             # values at run.batches(); Downpour's groups the servers', which the chief's values started)
             # every replica from rank 0's values; under a synchronous layout the replicated exchange broadcasts the
@@ -281,20 +257,6 @@ class Session:
             self._update_lock = self.exchange.lock
         return module
 
-    def _load_module(self, module: torch.nn.Module) -> None:
-        saved = self._mine.params
-        state = module.state_dict()
-        missing = [k for k in state if k not in saved]
-        if missing:
-            raise SessionError(f"--resume: the checkpoint has no value for {missing[0]!r} of the module (another model?)")
-        for key, value in state.items():
-            if tuple(saved[key].shape) != tuple(value.shape):
-                raise SessionError(f"--resume: {key!r} has shape {tuple(saved[key].shape)} in the checkpoint and "
-                                   f"{tuple(value.shape)} in the module")
-        with torch.no_grad():
-            for key, value in state.items():
-                value.copy_(saved[key].to(value.device))
-
     def optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The user's optimizer itself; its step is the step boundary (Local SGD / DiLoCo meet after it, Distributed
         Hogwild syncs after it, its masters kept out of the update by the exchange's lock; under Downpour and
@@ -306,7 +268,7 @@ class Session:
             self._push_to_servers(optimizer, index)
         self.optimizers.append(optimizer)
         if self._mine is not None:
-            optimizer.load_state_dict(self._optimizer_state(index))
+            optimizer.load_state_dict(session_state.saved_optimizer_state(self._mine, index))
         optimizer.register_step_pre_hook(self._before_update)
         # one step boundary per step: the first optimizer's (Local SGD / DiLoCo meet after it, Hogwild syncs when due)
         optimizer.register_step_post_hook(self._after_update if index == 0 else self._after_other_update)
@@ -405,77 +367,23 @@ class Session:
                      f"schedulers' state and torch's RNG state after step {step} from process {self.rank}")
         self.exchange_seconds += time.perf_counter() - started
 
-    def _loop_state(self) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]], dict]:
-        """The module's values and buffers (live), torch's RNG state (copies), each optimizer's state tensors by key
-        (live), and the rest as JSON. An optimizer's state is keyed by param index, every param of its groups present
-        in order (`_complete_state`), so that the chief's and a restarted process's keys match whichever params the
-        chief's optimizer has stepped; "absent" names the params the chief's has no state for."""
-        values = [t for t in self.module.state_dict().values() if isinstance(t, torch.Tensor)] + self._rng_states()
-        described, tensors, absent = [], [], []
-        for index, optimizer in enumerate(self.optimizers):
-            state, missing = _complete_state(optimizer)
-            text, found = _split_tensors(state, f"optimizer {index}")
-            described.append(text)
-            tensors.append(found)
-            absent.append(missing)
-        text = {"optimizers": described, "absent": absent,
-                "schedulers": [_json_only(s.state_dict(), "a scheduler") for s in self.schedulers]}
-        return values, tensors, text
-
-    def _rng_states(self) -> list[torch.Tensor]:
-        """torch's global RNG state: the CPU generator's, and this device's CUDA generator's where the module is on one
-        (the same kinds on every process of a plan: both sides of a handover list the same tensors)."""
-        states = [torch.get_rng_state()]
-        if self.device.type == "cuda":
-            states.append(torch.cuda.get_rng_state(self.device))
-        return states
-
-    def _set_rng_states(self, states: list[torch.Tensor]) -> None:
-        torch.set_rng_state(states[0])
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(states[1], self.device)
-
     def _handover(self) -> list[torch.Tensor]:
-        """What a restarted process takes, in one order on both sides: the module's tensors, the optimizers' state
-        tensors (by key), then the optimizers' param groups and the schedulers' state as JSON in a fixed-size tensor."""
-        values, tensors, text = self._loop_state()
-        encoded = json.dumps(text).encode()
-        if len(encoded) > HANDOVER_TEXT_BYTES:
-            raise SessionError(f"a restarted process's handover: the optimizers' and schedulers' state is {len(encoded)} bytes "
-                               f"of JSON, more than {HANDOVER_TEXT_BYTES}")
-        padded = torch.full((HANDOVER_TEXT_BYTES,), ord(" "), dtype=torch.uint8)
-        padded[:len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-        return values + [found[k] for found in tensors for k in sorted(found)] + [padded]
+        """What a restarted process takes from this one (session_state.handover)."""
+        return session_state.handover(self.module, self.optimizers, self.schedulers, self.device)
 
     def _take_chiefs_state(self) -> None:
         """A restarted process, at run.batches(): knock, and once admitted take the chief's state (its `_handover`)
         into this module and these optimizers and schedulers; the loop goes on from the step after the admission."""
         knocked_at = time.time()
-        for optimizer in self.optimizers:  # torch's optimizers make their state at the first step: make it, to fill it
-            if not optimizer.state:
-                _make_state(optimizer)
-        values, tensors, _ = self._loop_state()
-        rng = values[len(values) - len(self._rng_states()):]  # (the copies the chief's RNG state is received into)
-        text = torch.zeros(HANDOVER_TEXT_BYTES, dtype=torch.uint8)
-        taken = values + [found[k] for found in tensors for k in sorted(found)] + [text]
+        taken, tensors, rng, text = session_state.handover_receivers(self.module, self.optimizers, self.schedulers,
+                                                                     self.device)
         try:
             start, admitted, digests = self.exchange.rejoin(self.rejoin.incarnation, lambda: taken)
         except MeetingsOver as err:  # restarted after the chief's last step: run.batches() yields nothing
             self.say(str(err))
             self.start_step = self.step = self.job.train_steps
             return
-        given = json.loads(bytes(text.numpy()).decode())
-        if len(given["schedulers"]) != len(self.schedulers):
-            raise SessionError(f"a restarted process: the chief's loop has {len(given['schedulers'])} scheduler(s), this one "
-                               f"{len(self.schedulers)}")
-        for optimizer, described, found, absent in zip(self.optimizers, given["optimizers"], tensors, given["absent"]):
-            optimizer.load_state_dict(_join_tensors(described, found))
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            for index in absent:  # no state on the chief (no gradient yet): none here either, as a fresh optimizer's
-                optimizer.state.pop(params[index], None)
-        self._set_rng_states(rng)  # the chief's stream: dropout masks from here on are the chief's, as after a resume
-        for scheduler, state in zip(self.schedulers, given["schedulers"]):
-            scheduler.load_state_dict(state)
+        session_state.take_handover(text, tensors, rng, self.optimizers, self.schedulers, self.device)
         self.start_step = self.step = start
         if "from_group" in digests:  # Local SGD / DiLoCo: at a meeting, from a live group; this process says it
             sparse = getattr(self.exchange, "sparse", None) is not None
@@ -627,23 +535,10 @@ class Session:
     def _restore_loop_state(self) -> None:
         """At the loop's start: the schedulers over this session's optimizers (made after run.optimizer), and on a
         resume their state, the optimizers' learning rates they set, and the random generators."""
-        for found in _schedulers_of(self.optimizers):
+        for found in session_state.schedulers_of(self.optimizers):
             self.scheduler(found)
-        if self._mine is None:
-            return
-        saved = self._mine.trainer.get("schedulers", [])
-        if len(saved) != len(self.schedulers):
-            raise SessionError(f"--resume: the checkpoint holds {len(saved)} scheduler(s), this loop has {len(self.schedulers)}")
-        for scheduler, state in zip(self.schedulers, saved):
-            scheduler.load_state_dict(state)
-        for index, optimizer in enumerate(self.optimizers):  # the learning rates as they were (a new scheduler set its first)
-            optimizer.load_state_dict(self._optimizer_state(index))
-        rng = self._mine.rng
-        if "torch" in rng:
-            torch.set_rng_state(rng["torch"])
-        cuda = [rng[f"cuda/{i}"] for i in range(torch.cuda.device_count()) if f"cuda/{i}" in rng]
-        if cuda:
-            torch.cuda.set_rng_state_all(cuda)
+        if self._mine is not None:
+            session_state.restore_resumed(self._mine, self.optimizers, self.schedulers)
 
     # -- metrics -----------------------------------------------------------------------------------------
     def evaluate(self, dataset, loss_fn: Callable, *, batch_size: int = 100, steps: Optional[int] = None,
@@ -729,31 +624,8 @@ class Session:
         return path
 
     def _state(self, done: int) -> ckpt_io.Checkpoint:
-        with self._update_lock or nullcontext():  # (Hogwild: a copy, taken while no peer's delta is being added)
-            params = {k: v.clone() if self._update_lock is not None else v for k, v in self.module.state_dict().items()
-                      if isinstance(v, torch.Tensor)} if self.module else {}
-        optimizers, updater_state = [], {}
-        for index, optimizer in enumerate(self.optimizers):
-            described, tensors = _split_tensors(optimizer.state_dict(), f"optimizer {index}")
-            optimizers.append(described)
-            for key, value in tensors.items():
-                updater_state.setdefault(f"{OPTIMIZER_STATE}.{index}", {})[key] = value
-        schedulers = [_json_only(s.state_dict(), "a scheduler") for s in self.schedulers]
-        rng = {"torch": torch.get_rng_state()}
-        if torch.cuda.is_available() and self.device.type == "cuda":
-            rng |= {f"cuda/{i}": state for i, state in enumerate(torch.cuda.get_rng_state_all())}
-        elapsed = self.metrics.elapsed() if self.metrics is not None else 0.0
-        exchange = session_exchange.exchange_state(self.exchange) if self.exchange is not None else {}
-        trainer = {"next_step": done, "optimizers": optimizers, "schedulers": schedulers, "window": self.window.state(),
-                   "elapsed": elapsed, "session": True}
-        return ckpt_io.Checkpoint(step=done, params=params, updater_state=updater_state, rng=rng, trainer=trainer,
-                                  exchange=exchange)
-
-    def _optimizer_state(self, index: int) -> dict:
-        described = self._mine.trainer.get("optimizers", [])
-        if index >= len(described):
-            raise SessionError(f"--resume: the checkpoint holds {len(described)} optimizer(s), this loop has more")
-        return _join_tensors(described[index], self._mine.updater_state.get(f"{OPTIMIZER_STATE}.{index}", {}))
+        return session_state.checkpoint_state(done, self.module, self.optimizers, self.schedulers, self.device, self.window,
+                                              self.metrics, self.exchange, self._update_lock)
 
     # -- the end -----------------------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -789,106 +661,3 @@ class Session:
         if self._owned is not None:
             self._owned(status, reason)
 
-
-def _schedulers_of(optimizers: list) -> list:
-    """The LR schedulers stepping these optimizers: a scheduler holds its optimizer, and nothing but the user's loop
-    holds the scheduler, so they are found among the optimizers' referrers (the object itself, or its __dict__ where
-    Python keeps one apart)."""
-    def is_scheduler(obj) -> bool:  # type(): a lazy module's __class__ would import it
-        return issubclass(type(obj), torch.optim.lr_scheduler.LRScheduler) and any(obj.optimizer is o for o in optimizers)
-
-    found = []
-    for holder in gc.get_referrers(*optimizers) if optimizers else ():
-        owners = gc.get_referrers(holder) if type(holder) is dict else [holder]
-        found += [obj for obj in owners if is_scheduler(obj) and getattr(obj, "__dict__", None) is (holder if type(holder) is dict
-                                                                                                    else obj.__dict__)]
-    return list({id(s): s for s in found}.values())
-
-
-def _make_state(optimizer: torch.optim.Optimizer) -> None:
-    """One step of `optimizer` on zero gradients: its state tensors exist, shaped as the chief's (their values, and the
-    params it moved, are then overwritten by the chief's)."""
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    for p, grad in zip(params, grads):
-        p.grad = grad
-
-
-def _complete_state(optimizer: torch.optim.Optimizer) -> tuple[dict, list[int]]:
-    """`optimizer.state_dict()` with its state keyed by param index in order and every param of its groups present
-    (a param torch made no state for yet, because it never had a gradient, gets the state a zero-gradient step makes on
-    a scratch copy of it: same keys and shapes as on a process that made all its state; the values are never used),
-    and the indices of those params."""
-    state = optimizer.state_dict()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    missing = [i for i in range(len(params)) if i not in state["state"]]
-    made: dict[int, dict] = {}
-    if missing:
-        at = {id(p): i for i, p in enumerate(params)}
-        groups, copies = [], []
-        for group in optimizer.param_groups:
-            mine = [p for p in group["params"] if at[id(p)] in missing]
-            if mine:
-                clones = [torch.zeros_like(p).requires_grad_(p.requires_grad) for p in mine]
-                copies += [(at[id(p)], c) for p, c in zip(mine, clones)]
-                groups.append({**{k: v for k, v in group.items() if k not in ("params", "param_names")}, "params": clones})
-        scratch = type(optimizer)(groups, **_accepted_defaults(optimizer))
-        _make_state(scratch)
-        made = {index: scratch.state[clone] for index, clone in copies if clone in scratch.state}
-    state["state"] = {i: state["state"][i] if i in state["state"] else made[i]
-                      for i in range(len(params)) if i in state["state"] or i in made}
-    return state, missing
-
-
-def _accepted_defaults(optimizer: torch.optim.Optimizer) -> dict:
-    import inspect
-
-    accepted = set(inspect.signature(type(optimizer).__init__).parameters) - {"self", "params"}
-    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
-
-
-def _split_tensors(state: Any, what: str, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
-    """A state_dict as JSON with every tensor replaced by {"tensor": key}, and the tensors by key (safetensors)."""
-    tensors: dict[str, torch.Tensor] = {}
-
-    def walk(value, path):
-        if isinstance(value, torch.Tensor):
-            tensors[path] = value
-            return {"tensor": path}
-        if isinstance(value, dict):
-            return {"dict": [[walk(k, f"{path}.k{i}"), walk(v, f"{path}.{i}")] for i, (k, v) in enumerate(value.items())]}
-        if isinstance(value, (list, tuple)):
-            return {"tuple" if isinstance(value, tuple) else "list": [walk(v, f"{path}.{i}") for i, v in enumerate(value)]}
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return {"value": value}
-        raise SessionError(f"run.checkpoint: {what} holds a {type(value).__name__}, which a checkpoint does not store "
-                           "(tensors, numbers, strings, lists and dicts only)")
-
-    return walk(state, prefix or "s"), tensors
-
-
-def _join_tensors(described: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    def walk(node):
-        (kind, value), = node.items()
-        if kind == "tensor":
-            return tensors[value]
-        if kind == "dict":
-            return {walk(k): walk(v) for k, v in value}
-        if kind in ("list", "tuple"):
-            items = [walk(v) for v in value]
-            return tuple(items) if kind == "tuple" else items
-        return value
-
-    return walk(described)
-
-
-def _json_only(state: dict, what: str) -> dict:
-    """A scheduler's state_dict as it is (JSON): one holding a tensor or a function is refused in one line."""
-    try:
-        json.dumps(state)
-    except (TypeError, ValueError):
-        raise SessionError(f"run.checkpoint: {what}'s state_dict holds values a checkpoint does not store (JSON only)") from None
-    return state

@@ -11,7 +11,7 @@ says:
   by this worker's share of the group's batch, to `mean_gradients(step, parts)`. The strategy's replicated exchange
   answers it: AllReduce attaches the replicated exchange for every user loop (runtime/exchanges/replicated.py: the
   mean over the members that came; `heal(step, state)` after the loop's body: a restarted process
-  takes the module's, the optimizers' and the schedulers' state, frontend/session.py);
+  takes the module's, the optimizers' and the schedulers' state, frontend/session_state.py);
 - Local SGD / DiLoCo over processes (one group per process): the user's optimizer is the inner one; after each
   `opt.step()` the strategy's PeriodicExchange is handed the step with no gradient of its own (its inner updater
   applies nothing) and meets every local_steps steps, moving the user's params to the new anchor in place;
