@@ -342,9 +342,7 @@ def main() -> None:
             print(f"\nshoal's samples/s as a multiple of hivemind's, per round: loop "
                   f"{', '.join(f'{v:.2f}x' for v in loop)}; whole job {', '.join(f'{v:.2f}x' for v in job)}")
     finally:
-        for p in busy:
-            p.kill()
-            p.wait()
+        peer_torchft.stop_busy(busy)
     print(f"\nload average after: {peer_torchft.load()}")
 
 

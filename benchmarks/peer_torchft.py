@@ -414,6 +414,12 @@ def systems_to_run(args, systems: tuple, peer: str, missing: Optional[str]) -> l
     return chosen
 
 
+def stop_busy(busy: list[subprocess.Popen]) -> None:
+    for p in busy:
+        p.kill()
+        p.wait()
+
+
 def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -485,9 +491,7 @@ def main() -> None:
                       f"{reference['val_loss']:.4f} ({r['val_loss'] / reference['val_loss'] - 1:+.2%}) | {r['job_s']:.1f} |",
                       flush=True)
     finally:
-        for p in busy:
-            p.kill()
-            p.wait()
+        stop_busy(busy)
     print(f"\nload average after: {load()}")
 
 

@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import torch
-from google.protobuf import json_format
 
 from shoal.comm import collectives
 from shoal.comm import dist as comm
@@ -308,7 +307,7 @@ def optimizer_recipe(optimizer: torch.optim.Optimizer, named: list[tuple[str, to
     defaults = {k: _plain(v, f"run.optimizer: default {k}") for k, v in optimizer.defaults.items() if k not in NOT_HYPER}
     recipe = {"class": name, "defaults": defaults, "groups": groups}
     if cls is SingaOptimizer:
-        recipe["updater"] = json_format.MessageToDict(optimizer.conf)
+        recipe["updater"] = optimizer.defaults["updater"]  # its UpdaterProto's fields, as the optimizer keeps them
     return recipe
 
 
