@@ -16,12 +16,12 @@ node lost. Its SIGTERM (torchrun stopping the job, Ctrl-C) ends the child first:
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable
 
 from shoal.launcher import launchers, stalls
 from shoal.launcher.options import RunOptions
@@ -41,12 +41,12 @@ def supervises(plan: JobPlan, launched: launchers.LaunchedProcess) -> bool:
 
 
 def supervise(plan: JobPlan, options: RunOptions, launched: launchers.LaunchedProcess, workspace: Path,
-              first_process: Callable[[dict[str, str]], None]) -> History:
+              first_process: functools.partial) -> History:
     """Run this rank in a child process and restart it into the job as often as the plan allows; returns when the
     rank's work is over (its last process finished, or it was given up on and the others go on without it).
-    `first_process(environment)`: the child's first process, picklable (elastic.rank_process: the rank as an
-    unsupervised one runs it; a session's: its script from the top); a restarted one runs `options.rank_main` (None:
-    a job file's rank, launch.run_process)."""
+    `first_process(environment)`: the child's first process, a partial of a module-level function (picklable; the
+    forkserver preloads its module): elastic.rank_process, the rank as an unsupervised one runs it, or a session's
+    script from the top; a restarted one runs `options.rank_main` (None: a job file's rank, launch.run_process)."""
     from shoal.config.plugins import forkserver_context, rank_environment
     from shoal.launcher import rejoin
     from shoal.launcher.launch import (Meeting, _end_stopped_to_restart, _wait_for_exit, children_stop_with_this_process,
@@ -57,7 +57,7 @@ def supervise(plan: JobPlan, options: RunOptions, launched: launchers.LaunchedPr
     # (the job's secret in it: the launcher's user gave it to every process; OpenMP's wait policy as the forkserver's)
     environment = rank_environment(os.environ)
     # torch and shoal imported once: a restart costs no interpreter start
-    context = forkserver_context([getattr(first_process, "func", first_process).__module__])
+    context = forkserver_context([first_process.func.__module__])
     child = context.Process(target=first_process, name=f"shoal-rank{rank}", daemon=False, args=(environment,))
     children = SimpleNamespace(processes=[child], sentinels={})  # what rejoin.Restarter replaces a dead one in
 
