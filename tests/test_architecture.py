@@ -9,6 +9,7 @@ plan names (made by shoal.comm.collectives.create).
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,20 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "shoal"
 
 
+def parse(path: Path) -> ast.Module:
+    """A file's syntax tree, parsed once per version of the file for all the rules (each scans the whole source)."""
+    return _parsed(path, path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(path: Path, _version: int) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
 def imports_of(path: Path) -> set[str]:
     """Every module a file imports (absolute names), wherever the import statement is."""
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -104,7 +115,7 @@ def test_planning_calls_live_in_planning():
     for path in SRC.rglob("*.py"):
         if path.is_relative_to(SRC / "planning"):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path)):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("place", "partition", "plan_partition", "slice_params"):
                 calls.append(f"{path.relative_to(SRC)}:{node.lineno} {node.func.id}()")
     assert calls == []
@@ -116,7 +127,7 @@ def test_nothing_reassigns_a_trainer_attribute_from_outside():
     for path in SRC.rglob("*.py"):
         if path.name == "trainer.py":
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
             for target in targets:
                 if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id in ("trainer", "chief", "t"):
@@ -159,7 +170,7 @@ def import_graph(root: Path = SRC) -> dict[str, set[str]]:
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         targets: set[str] = set()
-        tree = ast.parse(path.read_text(), str(path))
+        tree = parse(path)
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 targets.update(alias.name for alias in node.names)
@@ -245,7 +256,7 @@ EXITS = {("os", "_exit"), ("os", "abort"), ("sys", "exit"), (None, "exit"), (Non
 def process_exits(path: Path) -> list[str]:
     """Every call of os._exit / os.abort / sys.exit / exit / quit and every `raise SystemExit` in a file."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Call):
             func = node.func
             name = (func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else None,
@@ -276,7 +287,7 @@ FAULT_SETTINGS = ("SHOAL_INJECT_", "SHOAL_SLOW_WORKER")
 
 def naming(path: Path, settings: tuple[str, ...]) -> list[str]:
     """Where a file names one of `settings` in a string that is not a docstring (reads or sets it)."""
-    tree = ast.parse(path.read_text())
+    tree = parse(path)
     docstrings = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
                   and n.body and isinstance(n.body[0], ast.Expr)}
     return [f"{path.relative_to(SRC) if path.is_relative_to(SRC) else path.name}:{node.lineno}" for node in ast.walk(tree)
@@ -298,7 +309,7 @@ def unplaced_allocations(paths: list[Path]) -> list[str]:
     """`torch.<allocator>(...)` calls that name no device (a `*_like` call takes its argument's)."""
     found = []
     for path in paths:
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path)):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ALLOCATORS
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
                     and not any(k.arg == "device" for k in node.keywords)):
@@ -333,7 +344,7 @@ def tagged_messages(paths: list[Path]) -> list[str]:
     found = []
     for path in paths:
         where = path.relative_to(SRC) if path.is_relative_to(SRC) else path.name
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path)):
             name = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
                     else node.arg if isinstance(node, (ast.arg, ast.keyword)) else None)
             if name is not None and (name in ("tag", "tags") or name.startswith("TAG")):
@@ -368,7 +379,7 @@ def request_mechanics(paths: list[Path]) -> list[str]:
     found = []
     for path in paths:
         where = path.relative_to(SRC) if path.is_relative_to(SRC) else path.name
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path)):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
                 continue
             owner = node.func.value.id if isinstance(node.func.value, ast.Name) else None
@@ -402,7 +413,7 @@ def _concrete_exchanges() -> set[str]:
     """The classes runtime/exchanges/ defines that an assembly would build: exchanges, servers, meetings."""
     names = set()
     for path in (SRC / "runtime" / "exchanges").glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path)):
             if isinstance(node, ast.ClassDef) and node.name.endswith(("Exchange", "Server", "Meeting")):
                 names.add(node.name)
     return names
@@ -412,7 +423,7 @@ def framework_branches(path: Path, members: set[str], concrete: set[str]) -> lis
     """Where a file decides by framework: a Framework member named, a `match` on a framework, an isinstance of a
     concrete exchange (what the framework built), or such a class imported."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse(path)):
         where = f"{path.relative_to(SRC) if path.is_relative_to(SRC) else path.name}:{getattr(node, 'lineno', 0)}"
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "Framework" and node.attr in members:
             found.append(f"{where} Framework.{node.attr}")
@@ -458,7 +469,7 @@ JOB_BUILDERS = ["frontend", "config", "planning", "strategies"]  # they build, v
 def cluster_reads(path: Path) -> list[str]:
     """`job.cluster` / `<x>.job.cluster` anywhere in a file: reading the job's cluster section instead of the plan."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Attribute) and node.attr == "cluster":
             base = node.value
             if (isinstance(base, ast.Name) and base.id == "job") or (isinstance(base, ast.Attribute) and base.attr == "job"):
@@ -487,14 +498,14 @@ def test_the_cluster_rule_sees_a_read(tmp_path):
 def any_cluster_reads(path: Path) -> list[str]:
     """`<anything>.cluster` in a file: the plan's frozen copy (`plan.cluster`, `placement.cluster`) counts too."""
     return [f"{path.relative_to(SRC) if path.is_relative_to(SRC) else path.name}:{node.lineno} {ast.unparse(node)}"
-            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute) and node.attr == "cluster"]
+            for node in ast.walk(parse(path)) if isinstance(node, ast.Attribute) and node.attr == "cluster"]
 
 
 def plan_cluster_reads(path: Path) -> list[str]:
     """`plan.cluster` / `<x>.plan.cluster` in a file: the job's layout read from the plan's frozen copy of the cluster
     section, where planning should have handed down the fact (issue 41 point 2)."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Attribute) and node.attr == "cluster":
             base = node.value
             if (isinstance(base, ast.Name) and base.id == "plan") or (isinstance(base, ast.Attribute) and base.attr == "plan"):
@@ -556,7 +567,7 @@ def default_registry_lookups(path: Path) -> list[str]:
     """`<x>.framework.strategy` / `<x>.framework.synchronous` / `Framework(...).strategy`: a strategy found through the
     installed registry (an import by name, hidden) where the code holds the plan, which carries its strategy."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Attribute) and node.attr in ("strategy", "synchronous"):
             base = node.value
             if ((isinstance(base, ast.Attribute) and base.attr == "framework")
@@ -608,7 +619,7 @@ def group_makings(path: Path) -> list[str]:
         for child in ast.iter_child_nodes(node):
             visit(child, scope)
 
-    visit(ast.parse(path.read_text()), "")
+    visit(parse(path), "")
     return found
 
 
@@ -637,7 +648,7 @@ def cost_terms() -> set[str]:
     its top level or in a class (traffic, messages, phases, served_elements, encoded_parts, exchange_buckets, ...)."""
     names = set()
     for path in (SRC / "planning" / "framework_costs").glob("*.py"):
-        for node in ast.parse(path.read_text()).body:
+        for node in parse(path).body:
             bodies = node.body if isinstance(node, ast.ClassDef) else [node]
             names.update(f.name for f in bodies if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)))
     return names
@@ -650,7 +661,7 @@ def cost_model_uses(path: Path, terms: set[str]) -> list[str]:
     found = [f"{where} imports {name}" for name in sorted(imports_of(path))
              if any(name == m or name.startswith(m + ".") for m in COST_MODEL)]
     uses = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse(path)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in terms:
             uses.append((node.lineno, f"defines {node.name}"))
         elif isinstance(node, ast.Call):
@@ -679,3 +690,46 @@ def test_the_cost_rule_sees_a_cost_term(tmp_path):
         "bad.py imports shoal.planning.estimate", "bad.py imports shoal.planning.framework_costs.base",
         "bad.py imports shoal.planning.framework_costs.base.Phases", "bad.py:3 defines traffic", "bad.py:4 calls encoded_parts()",
         "bad.py:7 calls phases()"]
+
+
+# issue 41: the launcher reaches a framework through the plan (`plan.strategy`), and the store's doors at which it
+# announces restarts are comm's (comm/channels.py: DOWNPOUR_DOOR, MEETING_DOOR, STEP_DOOR, HOGWILD_DOOR), so from
+# runtime/exchanges/ it takes only the errors an exchange raises (to say what ended a process): no key, no exchange
+EXCHANGES_PACKAGE = "shoal.runtime.exchanges"
+
+
+def exchange_names_taken(paths: list[Path]) -> list[str]:
+    """What each file imports from shoal.runtime.exchanges other than an exception class: a module, a constant (a
+    door's key), an exchange; each as 'file imports name', at the top or inside a function."""
+    import importlib
+
+    found = []
+    for path in paths:
+        where = path.relative_to(SRC) if path.is_relative_to(SRC) else path.name
+        for node in ast.walk(parse(path)):
+            if isinstance(node, ast.Import):
+                found += [f"{where} imports {a.name}" for a in node.names
+                          if a.name == EXCHANGES_PACKAGE or a.name.startswith(EXCHANGES_PACKAGE + ".")]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
+                    node.module == EXCHANGES_PACKAGE or node.module.startswith(EXCHANGES_PACKAGE + ".")
+                    or (node.module == "shoal.runtime" and any(a.name == "exchanges" for a in node.names))):
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    value = getattr(module, alias.name, None)
+                    if not (isinstance(value, type) and issubclass(value, BaseException)):
+                        found.append(f"{where} imports {node.module}.{alias.name}")
+    return sorted(found)
+
+
+def test_the_launcher_takes_only_errors_from_the_exchanges():
+    assert exchange_names_taken(files_of("launcher")) == []
+
+
+def test_the_exchange_import_check_sees_a_door(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from shoal.runtime.exchanges.downpour import DOOR, JobOver\nfrom shoal.runtime.exchanges import periodic\n"
+                   "def f():\n    import shoal.runtime.exchanges.replicated\n"
+                   "    from shoal.runtime.exchanges.periodic import MeetingsOver\n")
+    assert exchange_names_taken([bad]) == ["bad.py imports shoal.runtime.exchanges.downpour.DOOR",
+                                           "bad.py imports shoal.runtime.exchanges.periodic",
+                                           "bad.py imports shoal.runtime.exchanges.replicated"]

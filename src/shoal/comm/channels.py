@@ -125,6 +125,15 @@ def _exchange(channel: Channel, send: torch.Tensor, receive: torch.Tensor, tag: 
     pending.wait()
 
 
+# The doors in the job's store, one kind each: a door's keys lie under shoal/<kind>/ (the wire's: never rename one).
+# Both sides take the names from here: the exchanges that open a door or knock at it, and the launcher that
+# announces restarts there (it imports no exchange for a key).
+DOWNPOUR_DOOR = "downpour"  # Downpour's channels between a group's stub and the servers
+HOGWILD_DOOR = "hogwild"  # where a restarted Distributed Hogwild group knocks at the live groups
+MEETING_DOOR = "meetings"  # the launcher's word on a meeting's dead and restarted processes (Local SGD)
+STEP_DOOR = "steps"  # the launcher's word on a replicated group's dead and restarted processes, keyed by rank
+
+
 class Door:
     """The handshake keys of one kind of channel (e.g. "downpour") in the job's store: see the module's text."""
 
@@ -199,7 +208,14 @@ class Door:
 
     def next_server_restart(self, server: int) -> int:
         """Announce a new process for `server` (its groups wait for it instead of failing); returns its restart."""
-        return self._store.add(f"server{server}/restart", 1)
+        restart = self._store.add(f"server{server}/restart", 1)
+        self._store.set(f"server{server}/restarted", str(restart))  # the same word, signed: `server_restarted`
+        return restart
+
+    def server_restarted(self, server: int) -> int:
+        """The newest restart of `server` in the launcher's signed word (0: none): a stub stops waiting on the
+        process it reached at an older restart (the counter `server_restart` reads is unsigned: anyone could raise it)."""
+        return self._int(f"server{server}/restarted", 0)
 
     def give_up_server(self, server: int, restart: int) -> None:
         """Restart `restart` of `server` will not come: its groups stop waiting for it."""

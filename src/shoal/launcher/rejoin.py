@@ -54,15 +54,13 @@ from typing import Callable, Optional
 
 from shoal.comm import auth, channels, heartbeat, quorum
 from shoal.comm import dist as comm
+from shoal.comm.channels import DOWNPOUR_DOOR, MEETING_DOOR, STEP_DOOR
 from shoal.errors import ShoalError, warn
 from shoal.planning.plan import JobPlan
 from shoal.launcher import faults, stalls
 from shoal.launcher.ranks import chief_log, describe_process, heals, rank_output, replicas_go_on
 from shoal.launcher.workspace import check_workspace
 from shoal.report.writes import own_folder, replace_file
-from shoal.runtime.exchanges.downpour import DOOR
-from shoal.runtime.exchanges.periodic import DOOR as MEETING_DOOR
-from shoal.runtime.exchanges.replicated import DOOR as STEP_DOOR
 from shoal.runtime.rejoined import RECORDS_FILE
 
 STORE_FILE = "store.json"  # WORKSPACE/logs/store.json: where the job's store is, for --rejoin
@@ -120,7 +118,7 @@ def door_of(plan: JobPlan) -> str:
         return STEP_DOOR
     if plan.strategy.rejoin_door is not None:  # (Distributed Hogwild's)
         return plan.strategy.rejoin_door
-    return MEETING_DOOR if plan.strategy.meets else DOOR
+    return MEETING_DOOR if plan.strategy.meets else DOWNPOUR_DOOR
 
 
 def by_hand(plan: JobPlan) -> bool:
@@ -351,7 +349,7 @@ def rejoin_by_hand(plan: JobPlan, workspace: Path, rank: int, master: Optional[s
     try:  # a short probe, not the plan's comm_timeout_s: whether a running job answers there at all
         if not auth.holds_same_secret(channels.public_store_client(host, port, timeout_s=3), 0, secret):
             raise RejoinRefused(f"--rejoin {rank}: this process's job secret differs from the running job's at {host}:{port}")
-        door = channels.Door(DOOR, channels.job_store_client(host, port, secret, timeout_s=3), secret)
+        door = channels.Door(DOWNPOUR_DOOR, channels.job_store_client(host, port, secret, timeout_s=3), secret)
     except RejoinRefused:
         raise
     except (RuntimeError, ValueError, OSError) as err:

@@ -48,6 +48,7 @@ import torch
 
 from shoal.comm import collectives
 from shoal.comm import quorum as quorums
+from shoal.comm.channels import MEETING_DOOR
 from shoal.errors import ShoalError
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.algorithms import Grads
@@ -63,7 +64,7 @@ from shoal.runtime.interfaces import GroupDropped
 
 ANCHOR, OUTER = "outer.anchor", "outer."  # checkpoint slots of the outer loop, beside the inner updater's
 ERROR_FEEDBACK = "outer.error_feedback"  # SparseLoCo's accumulator, a slot of the outer loop
-DOOR = "meetings"  # the launcher's word on a meeting's dead and restarted processes (shoal.comm.channels.Door)
+DOOR = MEETING_DOOR  # the launcher's word on a meeting's dead and restarted processes (shoal.comm.channels.Door)
 
 
 class GroupsDisagree(ShoalError):

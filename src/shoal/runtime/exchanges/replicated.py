@@ -49,6 +49,7 @@ import torch
 
 from shoal.comm import collectives
 from shoal.comm import quorum as quorums
+from shoal.comm.channels import STEP_DOOR
 from shoal.neuralnet.algorithms import Grads
 from shoal.neuralnet.params import ParamStore
 from shoal.neuralnet.updaters import Updater
@@ -60,7 +61,7 @@ from shoal.runtime.exchanges.server import Server
 from shoal.runtime.rejoined import fingerprint
 from shoal.runtime.interfaces import GroupDropped
 
-DOOR = "steps"  # the launcher's word on dead and restarted processes (shoal.comm.channels.Door), keyed by rank
+DOOR = STEP_DOOR  # the launcher's word on dead and restarted processes (shoal.comm.channels.Door), keyed by rank
 
 
 class ReplicatedExchange:
