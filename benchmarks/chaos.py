@@ -252,6 +252,7 @@ class Outcome:
     shm_other_new: int = 0
     last_error: str = ""
     missed: dict = field(default_factory=dict)
+    missed_steps: dict = field(default_factory=dict)  # summary.json's: the steps a process or group skipped
 
 
 class Job:
@@ -350,7 +351,8 @@ class Job:
         self._note_pids(seen_pids)
         self._heal(schedule)
         try:
-            result.missed = json.loads((self.ws / "summary.json").read_text()).get("missed_updates") or {}
+            summary = json.loads((self.ws / "summary.json").read_text())
+            result.missed, result.missed_steps = summary.get("missed_updates") or {}, summary.get("missed_steps") or {}
         except (OSError, ValueError):
             pass
         for fault in schedule:
@@ -541,6 +543,8 @@ def details(faulted: Outcome, unfaulted: Outcome) -> list[str]:
         lines.append("  - new pids in the logs: " + ", ".join(f"process {r} ×{n}" for r, n in sorted(faulted.restarts.items())))
     if faulted.missed:
         lines.append(f"  - missed updates (summary.json): {json.dumps(faulted.missed)}")
+    if faulted.missed_steps:
+        lines.append(f"  - missed steps (summary.json): {json.dumps(faulted.missed_steps)}")
     return lines
 
 

@@ -2,13 +2,16 @@
 
 Group 1's process is SIGKILLed (its pid from its log) mid-run with --max-restarts 1: the launcher restarts it; the new
 process knocks at each live group, takes the live values of the slices they master and its own slices as the
-latest of their synced copies, and goes on from the step of its last sync; the other groups' syncs with it resume.
-Real runs through the CLI on the blobs data.
+latest of their synced copies, and joins at its peers' step, skipping the steps from its last sync to there (so the
+job's wall time holds no step trained twice); the other groups' syncs with it resume. Real runs through the CLI on the
+blobs data.
 """
 from __future__ import annotations
 
+import os
 import re
 import signal
+import time
 
 import pytest
 
@@ -25,8 +28,9 @@ GROUPS = dict(sync_freq=SYNC_FREQ)
 @pytest.mark.parametrize("groups, extra", [(2, {}), pytest.param(3, dict(compression="kTopK", topk_fraction=0.5), marks=pytest.mark.slow)])
 def test_a_killed_hogwild_group_is_restarted_and_syncs_again(blobs_job, tmp_path, runs, groups, extra):
     """--max-restarts 1, group 1's process SIGKILLed: exit 0, group 1 runs under two pids (the rejoin line names the
-    step of its last sync and what it took), the others' pids unchanged, group 0 syncs with it again to the end, the
-    closing line and summary.json say it was restarted, the accuracy is the unfaulted run's; no library text."""
+    step it joined at, its peers', later than its last sync's, the steps it skipped and what it took), the others' pids
+    unchanged, group 0 syncs with it again to the end, the closing line and summary.json say it was restarted and count
+    the steps it skipped, the job's steps are as configured, the accuracy is the unfaulted run's; no library text."""
     job = blobs_job(train_steps=STEPS, layout=f"Distributed Hogwild, {groups} groups", cluster_extra=dict(GROUPS, **extra))
     unfaulted = run_cli("run", job, "--workspace", tmp_path / "unfaulted", "--no-progress", timeout=120)
     assert unfaulted.returncode == 0, unfaulted.stderr
@@ -38,14 +42,18 @@ def test_a_killed_hogwild_group_is_restarted_and_syncs_again(blobs_job, tmp_path
                      r"\(restart 1 of 1\); it rejoins from the other groups' live values$", stderr, re.M), stderr
     (line,) = [line for line in stdout.splitlines() if line.startswith("Worker group 1 rejoined at step ")]
     step = int(re.match(r"Worker group 1 rejoined at step (\d+) \(process 1, restart 1\): ", line)[1])
-    assert step % SYNC_FREQ == 0 and 0 < step < STEPS, line  # the step of its last sync
+    got = summary(run.ws)
+    (record,) = got["rejoins"]  # logs/rejoins.jsonl's line
+    synced, joined = record["skipped_steps"]  # [its last sync's step, the step it joined at)
+    assert synced % SYNC_FREQ == 0 and 0 < synced < joined == step < STEPS, (line, record)  # its peers' step, past its last sync
+    assert step >= 20, line  # group 0 (the chief) had displayed step 20 before the kill: the peers' step, at least
+    assert f"; it skipped steps {synced} to {step - 1} ({step - synced} steps, to its peers' step: " in line, line
     masters = "worker group 0 masters" if groups == 2 else "worker groups 0 and 2 master"
     assert re.search(f"the live values of the slices {masters}, and its own slices as worker group [02] last synced them "
                      r"\(its updates since that sync were lost\)", line), line
     assert pids(run.ws, 0) == [chief] and pids(run.ws, 1)[0] == victim and len(set(pids(run.ws, 1))) == 2
-    got = summary(run.ws)
-    (record,) = got["rejoins"]
     assert (record["group"], record["rank"], record["incarnation"], record["step"]) == (1, 1, 1, step)
+    assert got["steps"] == STEPS and got["status"] == "finished"  # the job's steps, as configured
     # the groups' syncs resumed both ways: the restarted process synced with group 0, and group 0 said so
     rank0, rank1 = (run.ws / "logs" / "rank0.log").read_text(), (run.ws / "logs" / "rank1.log").read_text()
     assert "worker group 0 syncs with worker group 1 again (its restart 1)" in stdout, stdout
@@ -55,13 +63,15 @@ def test_a_killed_hogwild_group_is_restarted_and_syncs_again(blobs_job, tmp_path
     records = train_records(run.ws)  # group 0's: it syncs with group 1's masters (its only ones) again to the end
     assert all(r["syncs"] >= 1 for r in records if r["step"] >= STEPS // 2), records
     assert got["missed_updates"] == {"1": {"why": "process 1 was restarted after it exited with code -9", "rejoined_at": [step]}}
-    assert (f"worker group 1 was restarted and rejoined at step {step} (process 1 was restarted after it exited with code -9)"
-            in closing_line(stdout)), closing_line(stdout)
+    skipped = step - synced
+    assert got["missed_steps"] == {"1": {"missed": skipped, "of": STEPS, "why": f"skipped steps {synced} to {step - 1}, back at step {step}"}}
+    assert (f"worker group 1 was restarted and rejoined at step {step}, skipping {skipped} step{'s' if skipped > 1 else ''} "
+            "(process 1 was restarted after it exited with code -9)" in closing_line(stdout)), closing_line(stdout)
     # summary.json's bytes: group 0's syncs, and group 1's of both processes (the dead one's as group 0 answered them,
     # the restarted one's own count with what it took when it rejoined); no more than the unfaulted run's and that
-    # handover (its 16-byte header and the whole model in float32: the live slices and its own)
+    # handover (its 24-byte header: three int64, and the whole model in float32: the live slices and its own)
     if groups == 2:
-        handover = 16 + 4 * trainable_numel(tmp_path / "unfaulted", STEPS)
+        handover = 24 + 4 * trainable_numel(tmp_path / "unfaulted", STEPS)
         assert sum(r["sync_bytes"] for r in records) < got["bytes_sent"] <= summary(tmp_path / "unfaulted")["bytes_sent"] + handover
     final, baseline = got["final_test"]["accuracy"], summary(tmp_path / "unfaulted")["final_test"]["accuracy"]
     assert final >= baseline - 0.05, (final, baseline)
@@ -69,9 +79,10 @@ def test_a_killed_hogwild_group_is_restarted_and_syncs_again(blobs_job, tmp_path
     assert leftover_processes(tmp_path) == []
 
 
-def test_a_group_killed_before_its_first_sync_of_a_resumed_run_rejoins_at_the_resumed_step(blobs_job, tmp_path, runs):
+def test_a_group_killed_before_its_first_sync_of_a_resumed_run_skips_from_the_resumed_step(blobs_job, tmp_path, runs):
     """A run resumed from its checkpoint of step 40, syncing too rarely to sync again: group 1's process killed before
-    any sync of this run rejoins at step 40, where every group began (it rejoined at step 0 before: the whole run again)."""
+    any sync of this run joins at its peers' step and skips from step 40, where every group began (its last synced
+    work: it took step 0 for that before, and trained the whole run again)."""
     job = blobs_job(train_steps=40, layout="Distributed Hogwild, 2 groups", cluster_extra=GROUPS)
     first = run_cli("run", job, "--workspace", tmp_path / "ws", "--no-progress", "--set", "checkpoint_freq=20", timeout=120)
     assert first.returncode == 0, first.stderr
@@ -80,6 +91,49 @@ def test_a_group_killed_before_its_first_sync_of_a_resumed_run_rejoins_at_the_re
     run.signal(1, signal.SIGKILL, step=60)
     stdout, _ = run.finished()
     (line,) = [line for line in stdout.splitlines() if line.startswith("Worker group 1 rejoined at step ")]
-    assert line.startswith("Worker group 1 rejoined at step 40 (process 1, restart 1): "), line
-    assert summary(run.ws)["missed_updates"]["1"]["rejoined_at"] == [40]
+    step = int(re.match(r"Worker group 1 rejoined at step (\d+) \(process 1, restart 1\): ", line)[1])
+    assert step >= 60 and f"; it skipped steps 40 to {step - 1} " in line, line
+    assert summary(run.ws)["missed_updates"]["1"]["rejoined_at"] == [step]
+    assert summary(run.ws)["rejoins"][0]["skipped_steps"] == [40, step]
+    assert leftover_processes(tmp_path) == []
+
+
+def last_displayed_step(stdout: str) -> int:
+    steps = re.findall(r"^Train @ step (\d+) ", stdout, re.M)
+    return int(steps[-1]) if steps else -1
+
+
+@pytest.mark.slow
+def test_a_stopped_hogwild_group_holds_nobody_up_and_rejoins_at_its_peers_step(blobs_job, tmp_path, runs):
+    """Group 1's process SIGSTOPped (3 s stall timeout, --max-restarts 1): group 0 trains on at its pace while it is
+    stopped (its sync with group 1's masters waits SYNC_PATIENCE_S, not the stall timeout: it waited the whole timeout
+    before). Stopped 2 s and continued, group 1 answers the late sync and stays in the job; stopped past the timeout,
+    the launcher ends its process and restarts it, which rejoins at its peers' step; exit 0, the job's steps as
+    configured, group 0's pid unchanged, the accuracy as good."""
+    steps = 1500
+    job = blobs_job(train_steps=steps, layout="Distributed Hogwild, 2 groups", cluster_extra=dict(sync_freq=1, stall_timeout_s=3))
+    run = runs.start(job, tmp_path, "--max-restarts", "1", env=SLOW)  # group 0's steps take 10 ms or more
+    chief = run.pid_once_training(0)
+    victim = run.signal(1, signal.SIGSTOP, step=50)
+    at_stop = last_displayed_step(run.stdout())
+    time.sleep(2)  # a short stop: the late answer comes when it runs again, and is applied
+    os.kill(victim, signal.SIGCONT)
+    assert last_displayed_step(run.stdout()) >= at_stop + 30, run.stdout()[-2000:]
+    time.sleep(0.5)
+    assert run.stderr() == "" and pids(run.ws, 1) == [victim], run.stderr()  # nobody dropped, nothing restarted
+    os.kill(victim, signal.SIGSTOP)
+    at_stop = last_displayed_step(run.stdout())
+    time.sleep(2.5)  # within the stall timeout: group 1 is not dropped yet
+    assert last_displayed_step(run.stdout()) >= at_stop + 40, run.stdout()[-2000:]
+    stdout, stderr = run.finished()
+    (line,) = [line for line in stdout.splitlines() if line.startswith("Worker group 1 rejoined at step ")]
+    got = summary(run.ws)
+    (record,) = got["rejoins"]
+    synced, joined = record["skipped_steps"]
+    assert synced < joined == record["step"] and joined > at_stop, (line, record)
+    assert f"; it skipped steps {synced} to {joined - 1} " in line, line
+    assert got["status"] == "finished" and got["steps"] == steps
+    assert pids(run.ws, 0) == [chief] and pids(run.ws, 1)[0] == victim and len(set(pids(run.ws, 1))) == 2
+    assert "was stopped past the stall timeout" in stderr, stderr
+    assert got["final_test"]["accuracy"] >= 0.9, got["final_test"]
     assert leftover_processes(tmp_path) == []

@@ -141,8 +141,10 @@ def _missed(summary: dict) -> list[str]:
             said.append(f"worker group {group} came to {missed['meetings']:,} of {missed['of']:,} meetings{why}")
         elif missed.get("rejoined_at"):  # Distributed Hogwild: restarted, it rejoined from the other groups' values
             steps = missed["rejoined_at"]
+            skipped = ((summary.get("missed_steps") or {}).get(group) or {}).get("missed")  # the steps it skipped to its peers'
+            skipping = f", skipping {skipped:,} step{'s' if skipped != 1 else ''}" if isinstance(skipped, int) else ""
             said.append(f"worker group {group} was restarted and rejoined at step{'s' if len(steps) > 1 else ''} "
-                        f"{', '.join(f'{s:,}' for s in steps)}{why}")
+                        f"{', '.join(f'{s:,}' for s in steps)}{skipping}{why}")
         else:
             said.append(f"worker group {group} stopped before the end{why}")
     return said

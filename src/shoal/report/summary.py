@@ -313,15 +313,24 @@ def note_group_ends(workspace: Path, ends: dict[int, str]) -> None:
     missed = summary.setdefault("missed_updates", {})
     counted = bool((summary.get("staleness_histogram") or {}).get("groups"))
     rejoined: dict[str, list[int]] = {}  # the steps each restarted group rejoined at (summary.json's rejoins)
+    skipped: dict[str, list[list[int]]] = {}  # Distributed Hogwild: the steps it skipped at each, [first, joined)
     for record in summary.get("rejoins") or []:
         rejoined.setdefault(str(record["group"]), []).append(record["step"])
+        if record.get("skipped_steps") and record["skipped_steps"][1] > record["skipped_steps"][0]:
+            skipped.setdefault(str(record["group"]), []).append(record["skipped_steps"])
     for group, why in sorted(ends.items()):
         if str(group) in missed or not counted:
             entry = missed.setdefault(str(group), {})
             entry["why"] = f"{why}; {entry['why']}" if entry.get("why") else why  # the chief's word (Local SGD's meetings) after it
             if not counted and str(group) in rejoined:  # Distributed Hogwild: no count of updates says it came back
                 entry["rejoined_at"] = rejoined[str(group)]
-    if missed:
+    if skipped:  # as AllReduce's chief counts a process's (missed_steps): the steps whose rows a restarted group skipped
+        summary["missed_steps"] = {group: {"missed": sum(stop - first for first, stop in spells), "of": summary.get("train_steps"),
+                                           "why": "; ".join((f"skipped steps {first} to {stop - 1}" if stop - first > 1 else
+                                                             f"skipped step {first}") + f", back at step {stop}"
+                                                            for first, stop in spells)}
+                                   for group, spells in sorted(skipped.items(), key=lambda item: int(item[0]))}
+    if missed or skipped:
         _write_if_possible(Path(workspace) / SUMMARY_FILE, summary)
 
 

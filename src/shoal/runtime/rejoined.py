@@ -53,6 +53,8 @@ def report(workspace, ticket, group: int, rank: int, step: int, version: int, di
               "process_start_to_rejoin_s": round(rejoined_at - started_at, 3), "handshake_and_pull_s": round(rejoined_at - knocked_at, 3),
               "time": rejoined_at,
               "by_hand": ticket.detected_at is None, "digests": digests}
+    if "skipped_steps" in digests:  # Distributed Hogwild: [first, joined), the steps whose rows the group skipped
+        record["skipped_steps"] = digests.pop("skipped_steps")
     if ticket.detected_at is not None:
         record["detection_to_rejoin_s"] = round(rejoined_at - ticket.detected_at, 3)
     since_death = f"; {record['detection_to_rejoin_s']:.2f} s after its death was seen" if ticket.detected_at is not None else ""

@@ -1,7 +1,7 @@
 """Distributed Hogwild: asynchronous groups over processes, each with a server group of its own in its process;
 the replicas sync their master slices every cluster.sync_freq steps (runtime/exchanges/hogwild.py). A dead group's
 process may be restarted (cluster.max_restarts, launcher/rejoin.py): it rejoins from the other groups' live values
-and goes on from the step of its last sync."""
+and joins at its peers' step, skipping the steps since its last sync."""
 from __future__ import annotations
 
 from shoal.comm import channels
@@ -54,12 +54,13 @@ class DistributedHogwild(Strategy):
                                           door=door, rejoining=run.rejoining, timeout_s=plan.comm_timeout_s))
 
     def after_values(self, run, spec) -> None:
-        if spec.rejoin is not None:  # a restarted process: from the live groups' values, at the step of its last sync
+        if spec.rejoin is not None:  # a restarted process: from the live groups' values, at their step
             rejoined.complete(run, spec)
 
     def complete_rejoin(self, run, incarnation: int) -> tuple[int, int, dict]:
-        step, took = run.chief.exchange.rejoin(incarnation)
-        return step, 0, {"took": took}
+        exchange = run.chief.exchange
+        step, took = exchange.rejoin(incarnation, end_step=run.plan.job.train_steps)
+        return step, 0, {"took": took} | ({"skipped_steps": list(exchange.skipped)} if exchange.skipped else {})
 
 
 STRATEGY = DistributedHogwild()

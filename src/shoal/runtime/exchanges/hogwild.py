@@ -10,7 +10,12 @@ nserver_groups, shoal.planning.placement), with SINGA's delta rule:
   2. the master adds Δ to its replica and answers with its fresh value,
   3. the requester sets cur = master + (cur − value at sending) and last_sync = master.
 The request is made between two local updates, so "cur − value at sending" is 0
-here and the requester takes the master's value.
+here and the requester takes the master's value; an answer that takes longer than
+SYNC_PATIENCE_S (hogwild_group.py: 1 s, where a sync takes milliseconds; not the first
+with that master, which waits for its loop to start) is waited for on its own thread
+while the group trains on, and applied by that rule when it
+comes (no new sync goes to that master meanwhile), so a slow or stopped master
+holds nobody up for more than that.
 
 Masters answer on a thread per peer group, so a group that dies only ends its
 thread; its requests end with a warning and the group trains on alone. A group
@@ -23,11 +28,14 @@ A group whose process dies may be restarted (shoal run --max-restarts N, launche
 process is in no process group of the job, so it knocks at each live group's door (`DOOR`,
 shoal.comm.channels.Door) and the two talk over a channel of their own from then on. Each group it
 reaches sends it the live values of the slices it masters, its own copy of the restarted group's
-slices as of its last sync with them, when that sync was and the restarted group's step at it (the
-header of every sync carries the requester's step). The restarted group takes the live values, its
-own slices from the latest of those syncs, and goes on from the step of its last sync, or from the step the run
-began at where it has not synced since (a resumed run's: never step 0 again) (the data shards are a function of the step): what it had done since its last sync, and the updater state of its
-server, are lost. The groups it reached then sync with it again, both ways. A restarted process knocks
+slices as of its last sync with them, when that sync was, the restarted group's step at it (the
+header of every sync carries the requester's step; where it has not synced since the run began, the step the run
+began at: a resumed run's, never step 0 again) and its own step now. The restarted group takes the live values and
+its own slices from the latest of those syncs, and joins at its peers' step (the slowest live group's, never before
+its last sync), skipping the steps from its last sync to there, as a step without a process skips that process's rows
+under AllReduce: the data shards are a function of the step, so its rows of those steps are not trained, and no step
+is trained twice (the job ends when its last group does). What it had done since its last sync, and the updater state
+of its server, are lost. The groups it reached then sync with it again, both ways. A restarted process knocks
 at the groups that started with the job and at restarted ones of a lower group number (never both
 ways, so two restarted groups make one channel); a group that is not running then is not synced with.
 
@@ -52,12 +60,13 @@ import torch
 
 from shoal.planning.placement import Placement
 from shoal.comm import dist as comm
+from shoal.comm.channels import HOGWILD_DOOR
 
 SYNC, STOP, SYNC_ENCODED = 1, 2, 3
-KINDS = 4  # a sync's header is one int64: its kind + KINDS * the requester's steps (what a restarted group goes on from)
+KINDS = 4  # a sync's header is one int64: its kind + KINDS * the requester's steps (where a restarted group's skipped steps begin)
 TAG_SYNC_HEADER, TAG_SYNC_DELTA, TAG_SYNC_VALUE, TAG_SYNC_DELTA_2, TAG_SYNC_VALUE_2 = 21, 22, 23, 24, 25
 TAG_JOIN_INFO, TAG_JOIN_LIVE, TAG_JOIN_YOURS = 26, 27, 28  # what a live group sends a restarted one that knocked
-DOOR = "hogwild"  # the store's door at which a restarted group's process knocks (shoal.comm.channels.Door)
+DOOR = HOGWILD_DOOR  # the store's door at which a restarted group's process knocks (shoal.comm.channels.Door)
 ADMIT_POLL_S = 0.1  # how often a group looks for a restarted group's knock
 
 

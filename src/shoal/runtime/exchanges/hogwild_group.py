@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -26,6 +26,37 @@ from shoal.runtime.exchanges.hogwild_recovery import HogwildRecovery
 from shoal.runtime.exchanges.local import aggregate, clipped
 from shoal.runtime.exchanges.requests import gather, post, scatter, server_segments, wait_unless, words
 from shoal.runtime.exchanges.server import Server
+
+
+# How long a group waits for a master's answer to its sync before it trains on without it (the answer is applied when
+# it comes): a sync takes milliseconds, so only a master that stopped or is starved waits this long, and a stopped one
+# then no longer holds the group up for the whole stall timeout (cluster.stall_timeout_s) until it is dropped. Not the
+# first sync with a master: that one waits (its loop may start seconds after this one's).
+SYNC_PATIENCE_S = 1.0
+
+
+class Sent(NamedTuple):
+    """A master's slices in this group's replica (their segments) and their values when a sync was sent."""
+    segments: list
+    values: torch.Tensor
+
+
+class Asked:
+    """A sync sent to `master` on a thread of its own, waiting for the answer: `sent` (this group's values of the
+    master's slices at sending), `fresh()` (the master's values once answered), `failed` (the exchange's error)."""
+
+    def __init__(self, master: int, exchange: Callable[[], None], sent: Sent, fresh: Callable[[], torch.Tensor]):
+        self.sent, self.fresh, self.failed = sent, fresh, []
+        self.late = False  # the group trained on before it came: the answer is merged with the updates made since
+
+        def run() -> None:
+            try:
+                exchange()
+            except RuntimeError as err:
+                self.failed.append(err)
+
+        self.thread = threading.Thread(target=run, name=f"shoal-sync-to{master}", daemon=True)
+        self.thread.start()
 
 
 class HogwildExchange(HogwildMaster, HogwildRecovery):
@@ -62,7 +93,9 @@ class HogwildExchange(HogwildMaster, HogwildRecovery):
         # did all its synced work before it, so a restart of it goes on from there (never from step 0 of a resumed run)
         self.began_at = 0
         self.synced_at: dict[int, float] = {}  # per master process: when this group's latest sync with it was
+        self._late: dict[int, Asked] = {}  # per master process: a sync whose answer had not come in SYNC_PATIENCE_S
         self.steps_done = 0
+        self.skipped: Optional[tuple[int, int]] = None  # restarted: the steps it skipped, [its last sync's, the step it joined at)
         self._closing = False
         self._admitting: Optional[threading.Thread] = None
         self.updates = 0
@@ -127,26 +160,64 @@ class HogwildExchange(HogwildMaster, HogwildRecovery):
             segments, size = self.requests[master]
             if size == 0:
                 continue
+            late = self._late.get(master)
+            if late is not None:  # its answer to an earlier sync is late: settle it first, or train on without it
+                if late.thread.is_alive():
+                    if heartbeat.is_stalled(master):  # dropped (the chief has warned); its thread stays blocked
+                        wait_unless(late.thread, lambda: heartbeat.is_stalled(master), 0.05)
+                        self._drop(master)
+                    continue
+                if self._late.pop(master, None) is not late or not self._settle(master, late):
+                    continue
             try:
                 with self.lock:
-                    delta = gather(self.store, segments) - self.last_sync[master]
-                fresh = self._ask(master, delta, size) if self.codecs is None else self._ask_encoded(master, delta, size)
+                    sent = gather(self.store, segments)
+                ask = self._ask if self.codecs is None else self._ask_encoded
+                asked = ask(master, sent - self.last_sync[master], size, Sent(segments, sent))
             except RuntimeError as err:
-                warn(f"WARNING: worker group {self.group} stops syncing with process {master}: {comm.describe_error(err)}")
-                del self.requests[master]
+                self._stop_syncing(master, err)
                 continue
-            if fresh is None:  # the master stalled: dropped (the chief has warned)
-                del self.requests[master]
-                continue
-            with self.lock:
-                scatter(self.store, fresh, segments)
-            self.last_sync[master] = fresh
-            self.synced_at[master] = time.time()
-            self.syncs += 1
+            if master in self.synced_at:
+                asked.thread.join(timeout=SYNC_PATIENCE_S)
+            else:  # its first answer: the master's loop may start later than this one's; waiting for it lines the groups
+                wait_unless(asked.thread, lambda: heartbeat.is_stalled(master), 0.05)  # up (only a stall gives up on it)
+            if not asked.thread.is_alive():
+                self._settle(master, asked)
+            elif heartbeat.is_stalled(master):  # the master stalled: dropped (the chief has warned)
+                wait_unless(asked.thread, lambda: heartbeat.is_stalled(master), 0.05)
+                self._drop(master)
+            else:  # a slow or stopped master: the group trains on; the answer is applied when it comes
+                asked.late = True
+                self._late[master] = asked
 
-    def _ask(self, master: int, delta: torch.Tensor, size: int):
-        """Send Δ to `master` and wait for its fresh value; None once the master stalls (the exchange is left
-        waiting on its own thread: gloo's receives cannot be cancelled)."""
+    def _settle(self, master: int, asked: "Asked") -> bool:
+        """The master answered `asked`: take its fresh values (SINGA's step 3: cur = master + (cur − value at sending),
+        which is the master's value where nothing changed since the sending); False if the exchange failed."""
+        if asked.failed:
+            self._stop_syncing(master, asked.failed[0])
+            return False
+        segments, fresh = asked.sent.segments, asked.fresh()
+        with self.lock:
+            if asked.late:
+                scatter(self.store, fresh + (gather(self.store, segments) - asked.sent.values), segments)
+            else:  # (the training thread made no update since: the master's value as it is, bit for bit)
+                scatter(self.store, fresh, segments)
+        self.last_sync[master] = fresh
+        self.synced_at[master] = time.time()
+        self.syncs += 1
+        return True
+
+    def _stop_syncing(self, master: int, err: RuntimeError) -> None:
+        warn(f"WARNING: worker group {self.group} stops syncing with process {master}: {comm.describe_error(err)}")
+        self._drop(master)
+
+    def _drop(self, master: int) -> None:
+        self.requests.pop(master, None)
+        self._late.pop(master, None)
+
+    def _ask(self, master: int, delta: torch.Tensor, size: int, sent: "Sent") -> "Asked":
+        """Send Δ to `master` on a thread of its own, which waits for its fresh value (gloo's receives cannot be
+        cancelled: a stalled master's leaves it waiting). `sent`: this group's values of those slices now."""
         fresh = torch.zeros(size, device="cpu")
 
         link = self.links[master]
@@ -158,12 +229,13 @@ class HogwildExchange(HogwildMaster, HogwildRecovery):
             answer.wait()
 
         self._count(8 + wire_bytes([delta, fresh]))
-        return fresh if self._exchange(master, exchange) else None
+        return Asked(master, exchange, sent, lambda: fresh)
 
-    def _ask_encoded(self, master: int, delta: torch.Tensor, size: int):
+    def _ask_encoded(self, master: int, delta: torch.Tensor, size: int, sent: "Sent") -> "Asked":
         """As _ask, Δ and the answer encoded; the fresh value is what this group held plus the decoded answer."""
         codec, answer = self.delta_codecs[master], self.answer_codecs[self.group_of(master)].buffers(size)
         parts = codec.encode(delta)
+        held = self.last_sync[master]
 
         link = self.links[master]
 
@@ -175,9 +247,7 @@ class HogwildExchange(HogwildMaster, HogwildRecovery):
             answers.wait()
 
         self._count(8 + wire_bytes(parts + answer))
-        if not self._exchange(master, exchange):
-            return None
-        return self.last_sync[master] + codec.decode(answer, size)
+        return Asked(master, exchange, sent, lambda: held + codec.decode(answer, size))
 
     def _count(self, sent: int) -> None:
         self.sync_bytes += sent
@@ -191,25 +261,6 @@ class HogwildExchange(HogwildMaster, HogwildRecovery):
     def group_of(self, rank: int) -> int:
         return next(g for g, r in self.peers.items() if r == rank)
 
-    def _exchange(self, master: int, exchange: Callable[[], None]) -> bool:
-        """Run `exchange` on a thread of its own; False once the master stalls, RuntimeError if it failed."""
-        failed = []
-
-        def run() -> None:
-            try:
-                exchange()
-            except RuntimeError as err:
-                failed.append(err)
-
-        asking = threading.Thread(target=run, name=f"shoal-sync-to{master}", daemon=True)
-        asking.start()
-        if not wait_unless(asking, lambda: heartbeat.is_stalled(master), 0.05):
-            return False
-        if failed:
-            raise failed[0]
-        return True
-
-
     def finish(self) -> None:
         """Training is over here: let in a restarted group the launcher announced, tell the masters, then serve the
         others until they are done too."""
@@ -219,6 +270,11 @@ class HogwildExchange(HogwildMaster, HogwildRecovery):
             self._closing = True  # from here on a knock finds the door closed: the restarted group trains on alone
             self.door.close(self.group)
             self._admitting.join(timeout=self.timeout_s)  # a knock being let in now is answered below too
+        for master, late in list(self._late.items()):  # answers still due: their receives must not be left pending
+            if wait_unless(late.thread, lambda: heartbeat.is_stalled(master), 0.05) and self._late.pop(master, None) is late:
+                self._settle(master, late)
+            else:
+                self._drop(master)
         for master, (_, size) in list(self.requests.items()):
             zeros = self.delta_codecs[master].buffers(size) if self.codecs is not None else [torch.zeros(size, device="cpu")]
             link = self.links[master]

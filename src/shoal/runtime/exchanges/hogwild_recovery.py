@@ -1,8 +1,8 @@
 """Distributed Hogwild: how a group recovers. A live group lets a restarted group's process in when it knocks at the
 door (a channel of their own, the live values of the slices this group masters, this group's copy of the restarted
-group's slices as of their last sync, that sync's step and time); a restarted process rejoins by knocking at the live
-groups and taking those (runtime/exchanges/hogwild.py tells the whole of it). And a group's part of a checkpoint: what
-the chief's file does not hold of it.
+group's slices as of their last sync, that sync's step and time, and this group's step now); a restarted process
+rejoins by knocking at the live groups, taking those and joining at their step (runtime/exchanges/hogwild.py tells the
+whole of it). And a group's part of a checkpoint: what the chief's file does not hold of it.
 
 A mixin of HogwildExchange (runtime/exchanges/hogwild_group.py), whose constructor sets the state it reads: the door,
 the peers and the incarnation of each this process is linked with, the slices asked for and served, the values at the
@@ -11,6 +11,7 @@ last syncs and when they were, the peers' steps, the links and (compressed) `kno
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import torch
 
@@ -79,7 +80,9 @@ class HogwildRecovery:
             live = gather(self.store, self.served[0])
             theirs = self.last_sync[rank].clone() if asked else torch.zeros(0, device="cpu")
         synced_at = int(self.synced_at.get(rank, 0.0) * 1000)
-        channel.send(torch.tensor([self.peer_steps.get(group, self.began_at), synced_at], dtype=torch.int64, device="cpu"), TAG_JOIN_INFO)
+        # its step at its last sync here, when that was, and this group's step now (the restarted group joins at its peers')
+        info = [self.peer_steps.get(group, self.began_at), synced_at, max(self.steps_done, self.began_at)]
+        channel.send(torch.tensor(info, dtype=torch.int64, device="cpu"), TAG_JOIN_INFO)
         if self.served[1]:
             channel.send(live, TAG_JOIN_LIVE)
         if asked:
@@ -87,6 +90,7 @@ class HogwildRecovery:
         heartbeat.revive(rank)  # the launcher said its predecessor was done: watch the new process
         with self.lock:
             self.links[rank] = channel
+            self._late.pop(rank, None)  # a sync its dead predecessor never answered: given up
             if self.codecs is not None:
                 self.known[group] = live.clone()  # what it holds of this group's slices now
             if asked:
@@ -95,22 +99,30 @@ class HogwildRecovery:
         self.linked[group] = incarnation  # (last: finish waits for this, then for the thread that answers it)
         self.log(f"worker group {self.group} syncs with worker group {group} again (its restart {incarnation})")
 
-    def rejoin(self, incarnation: int) -> tuple[int, str]:
+    def rejoin(self, incarnation: int, end_step: Optional[int] = None) -> tuple[int, str]:
         """This process was restarted in its group's dead one's place: knock at every live group, take the live values
-        of the slices each masters and this group's own slices from the latest of their syncs with it; returns the
-        step of that sync (the group goes on from there) and what it took, in words."""
+        of the slices each masters and this group's own slices from the latest of their syncs with it; returns the step
+        it joins at, its peers' (the slowest live group's, and never before its last sync: it ends no later than they do
+        and skips the fewest rows), and what it took, in words. `skipped` holds the steps it skips, [first, joined):
+        from its last sync (its updates since were lost with its process) to its peers' step, whose rows it never
+        trains, as a step without a process skips its rows under AllReduce. `end_step` (the job's train_steps): the
+        step of a group that finished (None: such a group does not count)."""
         self.incarnation = incarnation
-        steps, latest, own, linked = [0], -1, None, []
+        steps, latest, own, linked, peers_at = [0], -1, None, [], []
+        finished = [] if end_step is None else [end_step]  # a finished group is at the end: nothing is left to train
         for group, rank in self.peers.items():
-            theirs = self.door.incarnation(group)
-            if (self.door.state(group, group) != f"serving {theirs}" or self.door.given_up(group) >= theirs
-                    or not self._knocks_at(group, theirs, self.group)):
-                continue  # not running, finished, or it knocks here itself (then it is let in by _admit)
+            theirs, state = self.door.incarnation(group), self.door.state(group, group)
+            if state == "finished":
+                peers_at += finished
+                continue
+            if state != f"serving {theirs}" or self.door.given_up(group) >= theirs or not self._knocks_at(group, theirs, self.group):
+                continue  # not running, or it knocks here itself (then it is let in by _admit)
             try:
                 channel = self.door.knock(group, self.group, incarnation, self.timeout_s)
                 if channel is None:  # it finished meanwhile
+                    peers_at += finished
                     continue
-                info = torch.zeros(2, dtype=torch.int64, device="cpu")
+                info = torch.zeros(3, dtype=torch.int64, device="cpu")
                 live = torch.zeros(self.asked[rank][1], device="cpu")
                 mine = torch.zeros(self.served[1], device="cpu")
                 channel.recv(info, TAG_JOIN_INFO)
@@ -132,23 +144,33 @@ class HogwildRecovery:
             self.linked[group] = theirs
             linked.append(group)
             steps.append(int(info[0]))
+            peers_at.append(int(info[2]))
             if int(info[1]) > latest:
                 latest, own = int(info[1]), (group, mine)
         self.requests = {rank: self.asked[rank] for rank in self.links if self.asked[rank][1]}
         if own is not None and self.served[1]:
             with self.lock:
                 scatter(self.store, own[1], self.served[0])
-        step = max(steps)
+        synced = max(steps)  # its last sync's step: the last whose work the live groups hold
+        step = max(synced, min(peers_at, default=synced))  # (a live group behind its last sync: from that sync)
+        # (where no group answered, the step of its last sync is not known here: nothing is said of what it skipped)
+        self.skipped = (synced, step) if linked else None
         self.updates = self.server.updates = step  # the sync cadence and the LR schedule's step go on from there
         self.steps_done = step
         self._start()
         if not linked:
-            return step, "no live group answered: it trains on alone from its start values"
-        masters = " and ".join(", ".join(map(str, linked)).rsplit(", ", 1))
-        took = (f"the live values of the slices worker group{'s' if len(linked) > 1 else ''} {masters} "
-                f"master{'' if len(linked) > 1 else 's'}")
+            took = "every other group had finished: nothing is left to train" if peers_at else \
+                "no live group answered: it trains on alone from its start values"
+        else:
+            masters = " and ".join(", ".join(map(str, linked)).rsplit(", ", 1))
+            took = (f"the live values of the slices worker group{'s' if len(linked) > 1 else ''} {masters} "
+                    f"master{'' if len(linked) > 1 else 's'}")
         if own is not None and self.served[1]:
             took += f", and its own slices as worker group {own[0]} last synced them (its updates since that sync were lost)"
+        if step > synced and linked:
+            which = f"steps {synced} to {step - 1} ({step - synced} steps" if step - synced > 1 else f"step {synced} (1 step"
+            took += (f"; it skipped {which}, to its peers' step: what it trained of them was lost with its process, and it "
+                     "does not train them again)")
         return step, took
 
     # -- a checkpoint of the group ------------------------------------------------------
