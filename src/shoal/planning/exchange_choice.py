@@ -1,7 +1,12 @@
-"""Which exchange a synchronous group over processes runs (AllReduce, Sandblaster). Pure: the plan alone decides;
+"""Which exchange a synchronous group over processes runs (AllReduce, Sandblaster), and how often a partitioned one
+mirrors its owners' state. Pure: the plan alone decides;
 the strategy (strategies/allreduce.py) builds that exchange and the cost model (planning/framework_costs/allreduce.py)
 prices it."""
 from __future__ import annotations
+
+import math
+
+from shoal.neuralnet.updaters import make_updater
 
 
 def replicated(plan) -> bool:
@@ -11,3 +16,38 @@ def replicated(plan) -> bool:
     replicated exchange all-gathers the encodings). A job file without restarts keeps SINGA's sliced exchange."""
     return ((plan.max_restarts > 0 or plan.own_loop) and not plan.in_one_process and not plan.partitioned
             and all(p.workers for p in plan.placement.processes))
+
+
+# A partitioned group's mirror (issue 38, point 1): the cost model lets it add at most this share to the bytes a step
+# moves (each trained element's gradient to its owner and its value back: 2 x the params' bytes)
+MIRROR_SHARE = 0.25
+
+
+def mirror_elements(plan) -> int:
+    """Elements a partitioned group's mirror holds: every param's value and the updater's state of it (what the
+    owners alone hold between two steps), each float32 (runtime/exchanges/sliced_mirror.py writes it)."""
+    sizes: dict[str, int] = {}
+    for s in plan.placement.slices:
+        sizes[s.param] = sizes.get(s.param, 0) + s.size
+    try:
+        updater = make_updater(plan.updater)
+        state = sum(math.prod(shape) for name, size in sizes.items() for shape in updater.state_shapes(name, (size,)).values())
+    except Exception:  # noqa: BLE001 (a user updater this process cannot build: planned as one slot, momentum's)
+        state = sum(sizes.values())
+    return sum(sizes.values()) + state
+
+
+def mirror_every(plan) -> int:
+    """Every how many steps a partitioned group over processes under cluster.max_restarts writes its mirror (0: it
+    writes none): the smallest K whose mirror bytes, spread over K steps, add at most MIRROR_SHARE to the 2 x params
+    bytes a step moves: plain SGD every 2 steps, momentum every 4, Adam every 6. Pure: the plan alone decides. Only
+    where the sliced exchange runs in every process of a group that cannot go on without one (a partitioned group:
+    each process computes its own layers); a dead process then restarts the whole job from the newest mirror, so the
+    steps redone are at most K."""
+    if not (plan.max_restarts > 0 and plan.partitioned and not plan.in_one_process and not replicated(plan)
+            and all(p.workers for p in plan.placement.processes)):
+        return 0
+    params = sum(s.size for s in plan.placement.slices)
+    if params <= 0:
+        return 0
+    return max(1, math.ceil(mirror_elements(plan) / (MIRROR_SHARE * 2 * params)))

@@ -6,14 +6,16 @@ With restarts allowed (cluster.max_restarts > 0, `shoal run --max-restarts N`) a
 whole replica (`replicated`) runs the ReplicatedExchange instead: every process all-reduces its workers' gradients
 through the job's quorum (shoal.comm.quorum) and applies the updater to the whole params, so the group goes on without
 a dead or stalled process (the chief's excepted), and a restarted process heals from the chief at the next step
-(launcher/rejoin.py). Decided at planning time, from the plan alone (planning/exchange_choice.py); what either exchange
+(launcher/rejoin.py). A partitioned group (layers cut over processes) cannot go on without one: it keeps the
+SlicedExchange and writes a mirror every K steps (runtime/exchanges/sliced_mirror.py), from which a dead process
+restarts the whole job. Decided at planning time, from the plan alone (planning/exchange_choice.py); what either exchange
 moves and costs is planning/framework_costs/allreduce.py's."""
 from __future__ import annotations
 
 from shoal.comm import channels
 from shoal.comm.quorum import Quorum
 from shoal.neuralnet.updaters import make_updater
-from shoal.planning.exchange_choice import replicated
+from shoal.planning.exchange_choice import mirror_elements, mirror_every, replicated
 from shoal.planning.process_groups import JOB_GROUP, bridge_groups, sliced_groups
 from shoal.planning.strategy import Framework, Layout, Strategy
 from shoal.runtime.exchanges.compression import codec_factory
@@ -22,6 +24,7 @@ from shoal.runtime.exchanges.local import LocalExchange
 from shoal.runtime.exchanges.replicated import DOOR, ReplicatedExchange
 from shoal.runtime.exchanges.server import Server
 from shoal.runtime.exchanges.sliced import SlicedExchange
+from shoal.runtime.exchanges.sliced_mirror import SlicedMirror
 
 
 class AllReduce(Strategy):
@@ -47,6 +50,13 @@ class AllReduce(Strategy):
             healed = " and, restarted, heals from process 0 at the next step" if plan.max_restarts > 0 else ""
             return [f"replicated over {plan.nprocs} processes ({why}): each process updates the whole params from {how}; "
                     f"a dead or stalled process other than 0 is left out (the mean over the rows that came){healed}"]
+        if mirror_every(plan):
+            size = mirror_elements(plan) * 4
+            size_text = f"{size / 1e6:.3g} MB" if size >= 1e6 else f"{size / 1e3:.3g} kB"
+            return [f"cluster.max_restarts: a partitioned group cannot go on without a process: every {mirror_every(plan)} "
+                    f"steps it writes a mirror of what each process alone holds (the params and the updater's state, "
+                    f"{size_text}: a checkpoint), and a dead process restarts the whole job from the newest one, "
+                    f"redoing at most {mirror_every(plan)} steps"]
         if plan.max_restarts > 0 and not plan.in_one_process:
             why = "a partitioned group" if plan.partitioned else "processes without workers"
             return [f"cluster.max_restarts: with {why}, the sliced exchange runs; it cannot go on without a process: "
@@ -83,6 +93,8 @@ class AllReduce(Strategy):
         trainer.attach_exchange(SlicedExchange(trainer.store, updater, plan.placement, run.rank, plan.global_batch,
                                                trainer.workers, bucket_cap=plan.bucket_elements, codecs=codecs,
                                                groups=run.process_groups))
+        if mirror_every(plan):  # a partitioned group: a dead process costs at most the steps since the mirror
+            trainer.add_hook(SlicedMirror(trainer, mirror_every(plan)))
 
     def after_values(self, run, spec) -> None:
         exchange = run.trainers[0].exchange
