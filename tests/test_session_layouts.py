@@ -91,13 +91,17 @@ LOOP = textwrap.dedent('''
 
 SYNC_EVERY_5 = ["--set", "cluster.sync_freq=5"]  # syncs after updates 5, 10, 15, 20 of 24
 # the rows a user's loop runs (tests/test_session.py runs one worker and AllReduce; this file Distributed Hogwild,
-# Downpour and Sandblaster)
+# Downpour and Sandblaster; tests/test_session_workers.py several workers in a process)
 RUNS_IN_A_LOOP = {"single worker", "AllReduce, 2 processes", "AllReduce, 2 processes, 2 server slices", "AllReduce, 3 processes",
                   "AllReduce, 3 processes, replicated (max_restarts 1)", "Distributed Hogwild, 2 groups",
                   "Distributed Hogwild, 3 groups", "Downpour, 2 groups + 1 server, 3 processes",
                   "Downpour, 3 groups + 1 server, 4 processes", "Downpour, 2 groups x 2 workers + 2 servers, 6 processes",
                   "Sandblaster, 2 workers + 1 server, 3 processes", "Sandblaster, 2 workers + 2 servers, 4 processes",
-                  "Sandblaster, 3 workers + 2 servers, 5 processes"}
+                  "Sandblaster, 3 workers + 2 servers, 5 processes",
+                  # several workers in a process, one synchronous group (run.each_worker: tests/test_session_workers.py)
+                  "in-memory Sandblaster, 2 threads", "in-memory Sandblaster, 3 threads (uneven 11+11+10)",
+                  "in-memory Sandblaster, 4 threads", "in-memory Sandblaster, 2 threads, 2 server slices",
+                  "AllReduce, 2 processes x 2 threads"}
 
 
 def shoal_run(script: Path, out: Path, workspace: Path, *options: str, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -240,8 +244,8 @@ REJOINS = textwrap.dedent('''
 @pytest.mark.slow
 def test_a_killed_hogwild_group_is_restarted_into_the_running_loop(tmp_path):
     """--max-restarts: group 1's process, SIGKILLed at step 12, is restarted; it runs the script from the top, its
-    session knocks at group 0 at run.batches(), takes the live values and its own slices as of its last sync, steps the
-    scheduler to that sync's step and goes on from there; the two groups sync again and both finish."""
+    session knocks at group 0 at run.batches(), takes the live values and its own slices as of its last sync, and joins
+    at its peers' step, its scheduler stepped to it; the two groups sync again and both finish."""
     script = tmp_path / "rejoins.py"
     script.write_text(REJOINS)
     out = tmp_path / "out"
@@ -251,14 +255,15 @@ def test_a_killed_hogwild_group_is_restarted_into_the_running_loop(tmp_path):
     assert "rank 0 finished at step 39" in proc.stdout
     assert len(list(out.glob("pid1.*"))) == 2  # group 1 ran as two processes
     rejoins = [json.loads(line) for line in (tmp_path / "ws" / "logs" / "rejoins.jsonl").read_text().splitlines()]
-    assert len(rejoins) == 1 and rejoins[0]["rank"] == 1 and rejoins[0]["step"] in (0, 5, 10)  # its last sync's
+    assert len(rejoins) == 1 and rejoins[0]["rank"] == 1 and 10 < rejoins[0]["step"] <= 14  # its peers' (group 0 waits at 14)
     back = rejoins[0]["step"]
+    assert rejoins[0]["skipped_steps"] == [10, back]
     assert f"Worker group 1 rejoined at step {back} (process 1, restart 1): the live values of the slices worker group 0 " \
            "masters" in proc.stdout
     assert "rank 1 finished at step 39" in (tmp_path / "ws" / "logs" / "rank1.log").read_text()
     said = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert said[0]["lr"] == said[1]["lr"]  # the restarted group's scheduler was stepped to its step
-    assert said[1]["syncs"] == (40 - back) // 5 and said[0]["syncs"] >= 5  # they synced again after step 15
+    assert said[1]["syncs"] == 40 // 5 - back // 5 and said[0]["syncs"] >= 5  # they synced again after step 15
     assert json.loads((tmp_path / "ws" / "summary.json").read_text())["status"] == "finished"
     losses = train_losses(tmp_path / "ws")
     assert losses[-1] < losses[0] / 2

@@ -12,7 +12,8 @@
         if step % 100 == 0: run.evaluate(val_set, loss_fn); run.checkpoint()   # `--resume` continues exactly
 
 Nothing of the loop is copied or re-run: the module, its optimizer and the scheduler stay the user's objects.
-Where the process comes from (one process here, one per rank under `shoal run script.py`): session_start.py; what
+Several workers in one process (threads): `run.each_worker(body)` runs the loop's body once per worker, each with a
+worker's view of these calls (session_worker.py). Where the process comes from (one process here, one per rank under `shoal run script.py`): session_start.py; what
 runs inside backward and opt.step(): runtime/session_exchange.py; run.evaluate: session_eval.py; what a checkpoint
 and a restarted process's handover hold, built and loaded back: session_state.py. docs/python.md, "Your own loop".
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+import threading
 import time
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -31,7 +33,7 @@ import torch
 from shoal.config import job_pb2
 from shoal.config.phases import fires
 from shoal.data.in_place import reader_for, to_device
-from shoal.frontend import script, session_eval, session_state
+from shoal.frontend import script, session_eval, session_state, session_worker
 from shoal.frontend.fit import as_dataset
 from shoal.frontend.session_start import (SessionError, check_layout, plan_session, pushes_to_servers, rank_context,
                                           refuse_unstarted, same_job, serve_if_server, serves_only, session_job, start_ranks,
@@ -110,6 +112,11 @@ class Session:
         self._holding = False
         hosted = plan.process(rank).workers[0]
         self.group, self.worker = hosted.group, hosted.id
+        # several workers in this process (threads, the CPU+GPU split): run.each_worker runs the loop once per worker
+        self.local_workers = len(plan.process(rank).workers)
+        self._workers: list[session_worker.SessionWorker] = []
+        self._met_at = -1  # several workers under Local SGD / DiLoCo: the step whose boundary ran (_workers_boundary)
+        self._window_lock = threading.Lock()  # (each worker thread reports into the one display window)
         self.device = torch_device(usable_device_names(plan.devices_of(rank))[0])
         if self.distributed:
             torch.set_num_threads(plan.threads_per_worker)  # every process of the host shares its cores
@@ -150,6 +157,11 @@ class Session:
     def processes(self) -> int:
         """How many processes run this loop (this one is `rank`; 0 is the chief, which writes the metrics)."""
         return self.plan.nprocs
+
+    @property
+    def index(self) -> int:
+        """This worker's place in its process (run.each_worker's bodies: the session is the one worker's view)."""
+        return 0
 
     @property
     def label(self) -> str:
@@ -215,12 +227,123 @@ class Session:
             stack.__exit__(type(err), err, err.__traceback__)
             raise
 
+    # -- several workers in this process -----------------------------------------------------------------
+    def each_worker(self, train: Callable[[Any], Any]) -> list:
+        """Run `train(worker)`, the loop's body, once per worker of this process, each in a thread of its own (as the
+        job path's Trainer runs its workers), and return their results in worker order. `worker` has this session's
+        loop calls (model, optimizer, batches, steps, log, evaluate, checkpoint, accumulating) for one worker's replica,
+        device and rows (frontend/session_worker.py); with one worker in the process, `train(run)` runs here, so one
+        body runs every layout. A worker's error stops the others and is raised here."""
+        if self.local_workers == 1:
+            return [train(self)]
+        if self._workers or self.module is not None:
+            raise SessionError("run.each_worker: once per session, instead of run.model")
+        local = session_worker.LocalWorkers(self.local_workers)
+        devices = usable_device_names(self.plan.devices_of(self.rank))
+        self._workers = [session_worker.SessionWorker(self, k, hosted, torch_device(devices[k]), local)
+                         for k, hosted in enumerate(self.plan.process(self.rank).workers)]
+        results: list = [None] * self.local_workers
+        errors: list[Optional[BaseException]] = [None] * self.local_workers
+
+        def body(k: int) -> None:
+            try:
+                results[k] = train(self._workers[k])
+            except BaseException as err:  # (SystemExit too: it ends this thread only; the process ends it below)
+                errors[k] = err
+                local.fail(err)
+
+        threads = [threading.Thread(target=body, args=(k,), name=f"shoal worker {k}", daemon=True)
+                   for k in range(self.local_workers)]
+        for thread in threads:
+            thread.start()
+        try:
+            for thread in threads:
+                while thread.is_alive():
+                    thread.join(0.2)
+        except BaseException as err:  # (Ctrl-C): the workers stop at their next meeting
+            local.fail(err)
+            raise
+        first = next((e for e in errors if e is not None and not isinstance(e, session_worker.WorkerFailed)),
+                     next((e for e in errors if e is not None), None))
+        if first is not None:
+            raise first
+        return results
+
+    def _adopt_workers_modules(self) -> None:
+        """Every worker gave its module (run by the last to arrive): worker 0's is the process's (checkpoint, exchange,
+        rank 0's values), copied into the others; each worker's gradients go to the process's LocalMean."""
+        if len({id(worker.module) for worker in self._workers}) < len(self._workers):
+            raise SessionError("worker.model: each worker trains a replica of its own: build the module inside the "
+                               "function run.each_worker runs (or give it copy.deepcopy(model))")
+        first = self._workers[0].module
+        self._model(first, own_mean=False)
+        values = first.state_dict()
+        for worker in self._workers[1:]:
+            worker.module.load_state_dict(values)
+        # a synchronous group's mean goes through its exchange; a Local SGD group's workers' mean stays here (the
+        # groups meet at the step boundary)
+        self.mean = session_worker.LocalMean(self._workers, self._workers[0].local,
+                                             self.exchange if self.plan.strategy.synchronous else None)
+        for k, worker in enumerate(self._workers):
+            trained = [(n, p) for n, p in worker.module.named_parameters() if p.requires_grad]
+            worker.mean = session_exchange.GradientMean(trained, session_worker.WorkerMean(self.mean, k), worker.share,
+                                                        lambda: self.step)
+
+    def _start_workers_loop(self) -> None:
+        """Every worker reached its batches() (run by the last to arrive): the loop's start, once for the process; on a
+        resume every worker's schedulers and optimizers take the checkpoint's state (worker 0's, as every replica's)."""
+        self._restore_loop_state()
+        for worker in self._workers[1:]:
+            for found in session_state.schedulers_of(worker.optimizers):
+                if found not in worker.schedulers:
+                    worker.schedulers.append(found)
+            if self._mine is not None:
+                session_worker.restore_worker(self._mine, worker.optimizers, worker.schedulers)
+        self._share = sum(worker.share for worker in self._workers)  # the process's rows per step
+        self.step = self.start_step
+        if self.distributed:
+            session_exchange.note_step(self.step)
+        self._window_start = time.perf_counter()
+
+    def _workers_boundary(self, step: int) -> None:
+        """Every worker's first optimizer stepped (run by the last to arrive, inside its opt.step(), as one worker's
+        post-hook does): Local SGD / DiLoCo's meeting when due, its new anchor then in every worker's replica."""
+        self._met_at = step
+        self._boundary(step)
+        if self.exchange.meets_after(step):
+            with torch.no_grad():
+                for worker in self._workers[1:]:
+                    for mine, theirs in zip(worker.module.parameters(), self._workers[0].module.parameters()):
+                        mine.copy_(theirs)
+
+    def _workers_step_done(self, step: int) -> None:
+        """Every worker ended step `step`'s body (run by the last to arrive): the process's step boundary, once (a
+        meeting the loop's skipped update did not reach comes here, as _step_done's for one worker)."""
+        if self.distributed and self.plan.strategy.meets:
+            if self._met_at != step:
+                self._workers_boundary(step)
+            self._updated_at = step  # (the boundary is done: _step_done does not meet again)
+        self._step_done(step)
+        if step + 1 < self.job.train_steps:
+            self.step = step + 1
+            if self.distributed:
+                session_exchange.note_step(self.step)
+
+    def _checkpoint(self) -> Path:
+        return self.checkpoint()
+
     # -- the user's objects ------------------------------------------------------------------------------
     def model(self, module: torch.nn.Module) -> torch.nn.Module:
         """The module itself, on this worker's device, its values the checkpoint's (--resume) or rank 0's on every
         replica; under AllReduce its gradients become the group's mean at the end of each backward."""
         if not isinstance(module, torch.nn.Module):
             raise SessionError(f"run.model: expected a torch.nn.Module, got {type(module).__name__}")
+        if self.local_workers > 1:
+            raise SessionError(f"run.model: {self.plan.label} runs {self.local_workers} workers in this process: write the "
+                               "loop's body as a function of its worker and call run.each_worker(body) (docs/python.md)")
+        return self._model(module)
+
+    def _model(self, module: torch.nn.Module, own_mean: bool = True) -> torch.nn.Module:
         if self.module is not None:
             raise SessionError("run.model: one module per session")
         module.to(self.device)
@@ -242,7 +365,8 @@ class Session:
             # dead process; under --max-restarts a restarted one heals from the chief)
             self.exchange = session_exchange.replicated_exchange(self.plan, self.rank, store, self.start_step, saved,
                                                                  self.metrics, self.say, rejoining=self.rejoin is not None)
-            self.mean = session_exchange.GradientMean(trained, self.exchange, 1, lambda: self.step)
+            if own_mean:  # (several workers in this process: each worker's goes to their LocalMean)
+                self.mean = session_exchange.GradientMean(trained, self.exchange, 1, lambda: self.step)
         elif self.distributed and self.plan.strategy.meets:
             self.exchange = session_exchange.attached_exchange(self.plan, self.rank, store, self.group, self.start_step,
                                                                resumed=self._mine is not None, saved=saved, metrics=self.metrics,
@@ -344,13 +468,14 @@ class Session:
         """The step boundary, after the user's update: Local SGD / DiLoCo's meeting, or Hogwild's sync, when it is due."""
         self._updated_at = self.step
         self._release()
-        self._boundary(self.step)
+        if not self._workers:  # (several workers: the boundary comes once they all updated, _workers_step_done)
+            self._boundary(self.step)
 
     def _boundary(self, step: int) -> None:
         """Local SGD / DiLoCo's meeting, or Hogwild's sync, when due after step `step` (every group counts the same
         steps: a step whose update the loop skipped still reaches it, from `_step_done`)."""
-        if self.exchange is None or self.mean is not None or self.pushes:  # (a replicated group heals after the loop's
-            return  # body: _heal; Downpour pushed in the optimizer's pre-hook)
+        if self.exchange is None or (self.mean is not None and self.plan.strategy.synchronous) or self.pushes:
+            return  # (a replicated group heals after the loop's body: _heal; Downpour pushed in the optimizer's pre-hook)
         started = time.perf_counter()
         self.exchange.step(step, [({}, self._share)])  # the inner update was the user's: the meeting when it is due
         self.exchange_seconds += time.perf_counter() - started
@@ -400,11 +525,11 @@ class Session:
 
     def _take_live_values(self) -> None:
         """A restarted Distributed Hogwild group, at run.batches(): it knocks at the live groups and takes the live values
-        of the slices they master and its own slices as they last synced them (runtime/exchanges/hogwild.py), and goes on
-        from the step of that sync, its schedulers stepped to it; its optimizer's state starts anew (as a job file's
-        restarted group's server state: what it did since its last sync is lost)."""
+        of the slices they master and its own slices as they last synced them (runtime/exchanges/hogwild.py), and joins at
+        its peers' step (the steps since its last sync skipped), its schedulers stepped to it; its optimizer's state
+        starts anew (as a job file's restarted group's server state: what it did since its last sync is lost)."""
         knocked_at = time.time()
-        step, took = self.exchange.rejoin(self.rejoin.incarnation)
+        step, took = self.exchange.rejoin(self.rejoin.incarnation, end_step=self.job.train_steps)
         with warnings.catch_warnings():  # (torch warns of a scheduler stepped before its optimizer)
             warnings.simplefilter("ignore")
             for scheduler in self.schedulers:
@@ -413,7 +538,8 @@ class Session:
         self.start_step = self.step = step
         rejoined.report(self.workspace, self.rejoin, self.group, self.rank, step, 0,
                         {"took": took + ("; its optimizer's state starts anew, its schedulers stepped to this step"
-                                         if self.optimizers else "")}, knocked_at)
+                                         if self.optimizers else "")}
+                        | ({"skipped_steps": list(self.exchange.skipped)} if self.exchange.skipped else {}), knocked_at)
 
     def _pushing(self):
         """Downpour's exchange, made at run.optimizer()."""
@@ -516,8 +642,8 @@ class Session:
     def _step_done(self, step: int) -> None:
         if self._updated_at != step:  # the loop skipped this step's update (a GradScaler that found inf or NaN)
             self._boundary(step)
-        if self.mean is not None and not self.pushes:  # (Sandblaster's dead process restarts the whole job)
-            self._heal(step)
+        if self.mean is not None and not self.pushes and self.exchange is not None and self.plan.strategy.synchronous:
+            self._heal(step)  # (Sandblaster's dead process restarts the whole job; in-memory workers have no exchange)
         elif self.distributed and self.plan.strategy.meets:  # Local SGD / DiLoCo: a group admitted at this step's meeting
             self.exchange.heal(step)
         self._count_rows(step)
@@ -574,7 +700,8 @@ class Session:
         now = time.perf_counter()
         seconds = max(now - self._window_start - self.paused_seconds, 1e-9)
         exchanged = self.exchange_seconds + (self.mean.seconds if self.mean is not None else 0.0)
-        rows = self.window_rows * (self.plan.nworkers if self.distributed else 1)  # every replica trained as many
+        # every process trained as many rows (window_rows: this process's workers')
+        rows = self.window_rows * (self.plan.nworkers // self.local_workers if self.distributed else 1)
         values = self.window.averages() if self.window else {}
         if self.chief:
             self.say(display_line("Train", step, values))

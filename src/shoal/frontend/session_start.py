@@ -84,12 +84,16 @@ def check_layout(plan: JobPlan) -> None:
     """The layouts a user's loop runs today: one worker in one process; a synchronous group over processes, one worker
     each (AllReduce: the replicated update); Local SGD / DiLoCo groups over processes, one worker each; Distributed
     Hogwild groups over processes, one worker each, on CPU; Downpour's groups, or Sandblaster's one group, over
-    processes, one worker each, on CPU, with server processes of their own (one server group). Every other layout is
+    processes, one worker each, on CPU, with server processes of their own (one server group); several workers in a
+    process of one synchronous group (in-memory, or AllReduce over processes without restarts) or of Local SGD /
+    DiLoCo's group of the process, the loop's body run once per worker by run.each_worker. Every other layout is
     refused in one line naming it and what runs it."""
     one_worker_each = all(len(p.workers) == 1 for p in plan.placement.processes) and not any(p.servers and not p.workers
                                                                                            for p in plan.placement.processes)
     if plan.in_one_process and plan.nworkers == 1:
         return
+    if several_workers_in_a_process(plan):
+        return  # (run.each_worker: frontend/session_worker.py)
     if not plan.in_one_process and one_worker_each and not plan.server_worker_separate and plan.nworker_groups == 1 \
             and plan.strategy.synchronous:
         return  # (cluster.compression too: the replicated exchange all-gathers the encodings)
@@ -110,8 +114,24 @@ def check_layout(plan: JobPlan) -> None:
     where = "in one process" if plan.in_one_process else f"over {plan.nprocs} processes"
     raise SessionError(f"shoal.session: {plan.label} {where} ({plan.nworkers} workers) is not supported in your own loop yet "
                        "(one worker per process: single worker, AllReduce, Local SGD / DiLoCo, Distributed Hogwild, "
-                       "Downpour, Sandblaster): use a "
+                       "Downpour, Sandblaster; several per process, without restarts: one synchronous group, "
+                       "Local SGD / DiLoCo): use a "
                        "job file (`shoal run job.conf`) or shoal.fit for it")
+
+
+def several_workers_in_a_process(plan: JobPlan) -> bool:
+    """Several workers in a process, the same number in each (threads, `device=[...]`'s split), no server-only
+    process, no restarts over processes (a restarted process's handover is one replica's): one synchronous group
+    (in-memory, or AllReduce over processes), or Local SGD / DiLoCo with one group per process. run.each_worker's
+    layouts: the process's workers' gradients meet in one mean."""
+    counts = {len(p.workers) for p in plan.placement.processes}
+    if max(counts) < 2 or len(counts) > 1 or pushes_to_servers(plan):
+        return False
+    if plan.nworker_groups == 1 and plan.strategy.synchronous:
+        return plan.in_one_process or plan.max_restarts == 0
+    # Local SGD / DiLoCo: each process one group's workers, whose mean stays in the process between meetings
+    return (plan.strategy.meets and not plan.in_one_process and plan.max_restarts == 0
+            and all(len({w.group for w in p.workers}) == 1 for p in plan.placement.processes))
 
 
 def pushes_to_servers(plan: JobPlan) -> bool:

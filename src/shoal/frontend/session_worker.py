@@ -1,0 +1,303 @@
+"""Several workers in one process in a user's loop: `run.each_worker(train)` runs `train(worker)` once per worker of
+this process, each in a thread of its own, as the job path's Trainer runs its workers (runtime/trainer.py).
+
+    run = shoal.session()                           # e.g. --set cluster.nworkers_per_group=2 --set cluster.nworkers_per_procs=2
+    def train(worker):                              # the loop's body, once per worker of this process
+        model = worker.model(make_model())          # this worker's replica, on its device, equal to worker 0's
+        opt = worker.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        for step, batch in worker.batches(train_set, batch_size=12):   # this worker's rows of the group's batch
+            loss = loss_fn(model, batch); loss.backward()              # the group's mean gradient in .grad
+            opt.step(); opt.zero_grad()
+            worker.log(step, loss=loss)
+            if step % 100 == 0: worker.checkpoint()                    # every worker calls it; one file is written
+    run.each_worker(train)
+
+A `SessionWorker` has the session's loop calls (model, optimizer, batches, steps, log, evaluate, checkpoint,
+accumulating, scheduler) for one worker; the process's `Session` keeps what is per process (the exchange, the run log,
+checkpoints), and its calls are made once, from the worker threads' meetings (`LocalWorkers.meet`: the last worker to
+arrive runs the process's part). With one worker in the process, `each_worker(train)` calls `train(run)` here: the
+same body runs every layout. Layouts (session_start.several_workers_in_a_process): one synchronous group, in-memory
+or AllReduce over processes, and Local SGD / DiLoCo with one group per process. Each worker's gradients meet in
+`LocalMean`, which hands every local worker's (gradients, rows) to the exchange's `mean_gradients(step, parts)` as
+the Trainer does (one process, or a Local SGD group between meetings: their mean here), and puts the group's mean in
+every replica's `.grad`; every replica then applies its own copy of the user's update to the same mean, so the
+replicas stay equal (a Local SGD meeting, inside the workers' opt.step(), copies its anchor into each:
+Session._workers_boundary).
+"""
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from shoal.config import job_pb2
+from shoal.data.in_place import reader_for, to_device
+from shoal.frontend import session_state
+from shoal.frontend.fit import as_dataset
+from shoal.frontend.session_start import SessionError
+from shoal.planning.shares import batch_shares
+from shoal.runtime import session_exchange
+from shoal.runtime.exchanges.local import aggregate
+
+
+class WorkerFailed(SessionError):
+    """Another worker of this process stopped: this one stops too (the first one's error is the one raised)."""
+
+
+class LocalWorkers:
+    """The meeting point of one process's worker threads: `meet(action)` returns once every worker arrived, the last
+    one having run `action()` (the process's part: its result is returned to every worker); a worker that fails breaks
+    every meeting, present and future, so that no thread waits for it."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self._cond = threading.Condition()
+        self._arrived = 0
+        self._generation = 0
+        self._result: Any = None
+        self.broken: Optional[BaseException] = None
+
+    def meet(self, action: Optional[Callable[[], Any]] = None) -> Any:
+        with self._cond:
+            if self.broken is not None:
+                raise WorkerFailed("another worker of this process stopped")
+            generation = self._generation
+            self._arrived += 1
+            if self._arrived == self.count:
+                try:
+                    self._result = action() if action is not None else None
+                except BaseException as err:
+                    self.fail(err)
+                    raise
+                self._arrived, self._generation = 0, generation + 1
+                self._cond.notify_all()
+                return self._result
+            while self._generation == generation and self.broken is None:
+                self._cond.wait()
+            if self._generation == generation:
+                raise WorkerFailed("another worker of this process stopped")
+            return self._result
+
+    def fail(self, err: BaseException) -> None:
+        with self._cond:
+            if self.broken is None:
+                self.broken = err
+            self._cond.notify_all()
+
+
+class LocalMean:
+    """The group's mean gradient for every worker of this process (the session's `mean`): each worker's backward ends
+    in `mean_gradients(step, [(its grads, its rows)])`; the last to arrive hands all of them to the exchange (over
+    processes: the replicated exchange, as the Trainer hands its workers' parts) or takes their mean here (one
+    process), and each worker gets its own copy on its device (its clip_grad_norm_ scales it in place)."""
+
+    def __init__(self, workers: "list[SessionWorker]", local: LocalWorkers, exchange):
+        self.workers, self.local, self.exchange = workers, local, exchange
+        self.parts: dict[int, tuple[dict, int]] = {}
+        self.seconds = 0.0  # (the session's display reads and resets it)
+
+    def mean_gradients(self, index: int, step: int, parts: list[tuple[dict, int]]) -> dict:
+        """Worker `index`'s part in, once every worker's is: the group's mean, as worker `index`'s own copy."""
+        (self.parts[index],) = parts
+        together = self.local.meet(lambda: self._mean(step))
+        device = self.workers[index].device
+        return {n: None if g is None else g.to(device, copy=True) for n, g in together.items()}
+
+    def _mean(self, step: int) -> dict:
+        started = time.perf_counter()
+        parts = [self.parts[k] for k in range(len(self.workers))]
+        self.parts = {}
+        if self.exchange is not None:
+            mean = self.exchange.mean_gradients(step, parts)
+        else:  # one process: Σ rows_w · g_w / Σ rows_w, in Caffe's tree order (the in-memory Trainer's sum)
+            mean = aggregate(parts, target=torch.device("cpu"))
+            mean = {n: mean.get(n) for n in parts[0][0]}
+        self.seconds += time.perf_counter() - started
+        return mean
+
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:  # (each worker pauses its own hooks: SessionWorker.accumulating)
+        yield
+
+    def remove(self) -> None:
+        for worker in self.workers:
+            if worker.mean is not None:
+                worker.mean.remove()
+
+
+def own_copy(state: dict) -> dict:
+    """A saved state's copy for one replica's optimizer (load_state_dict keeps tensors already on the param's device
+    and dtype: two replicas loading one dict would update the same moments in place, twice a step)."""
+    return copy.deepcopy(state)
+
+
+def restore_worker(mine, optimizers: list, schedulers: list) -> None:
+    """On a resume, at the loop's start, a worker other than 0: session_state.restore_resumed's schedulers and
+    optimizers (the random generators are the process's: worker 0's restore set them), each from its own copy."""
+    saved = mine.trainer.get("schedulers", [])
+    if len(saved) != len(schedulers):
+        raise SessionError(f"--resume: the checkpoint holds {len(saved)} scheduler(s), this worker's loop has {len(schedulers)}")
+    for scheduler, state in zip(schedulers, saved):
+        scheduler.load_state_dict(own_copy(state))
+    for index, optimizer in enumerate(optimizers):
+        optimizer.load_state_dict(own_copy(session_state.saved_optimizer_state(mine, index)))
+
+
+class WorkerMean:
+    """What one worker's GradientMean hands its gradients to: the process's LocalMean, as worker `index`."""
+
+    def __init__(self, mean: LocalMean, index: int):
+        self.mean, self.index = mean, index
+
+    def mean_gradients(self, step: int, parts: list[tuple[dict, int]]) -> dict:
+        return self.mean.mean_gradients(self.index, step, parts)
+
+
+class SessionWorker:
+    """One worker of this process in a user's loop: the session's loop calls for this worker's replica (on its device),
+    its rows and its optimizers. `index`: its place in this process (0 holds what the process checkpoints);
+    `worker`, `group`: its place in the job; `rank`: the process's."""
+
+    def __init__(self, run, index: int, hosted, device: torch.device, local: LocalWorkers):
+        self.run, self.index, self.local, self.device = run, index, local, device
+        self.group, self.worker, self.rank = hosted.group, hosted.id, run.rank
+        self.module: Optional[torch.nn.Module] = None
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.schedulers: list = []
+        self.mean: Optional[session_exchange.GradientMean] = None
+        self.share = 0
+
+    @property
+    def chief(self) -> bool:
+        """The job's first worker (the chief process's worker 0): it writes the metrics and evaluates."""
+        return self.run.chief and self.index == 0
+
+    @property
+    def label(self) -> str:
+        return self.run.label
+
+    @property
+    def processes(self) -> int:
+        return self.run.processes
+
+    @property
+    def step(self) -> int:
+        return self.run.step
+
+    @property
+    def exchange(self):
+        return self.run.exchange
+
+    # -- the user's objects ------------------------------------------------------------------------------
+    def model(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The module itself, on this worker's device, its values worker 0's (the checkpoint's, or rank 0's over
+        processes) on every replica; its gradients become the group's mean at the end of each backward."""
+        if not isinstance(module, torch.nn.Module):
+            raise SessionError(f"worker.model: expected a torch.nn.Module, got {type(module).__name__}")
+        if self.module is not None:
+            raise SessionError("worker.model: one module per worker")
+        self.module = module.to(self.device)
+        self.local.meet(self.run._adopt_workers_modules)
+        return module
+
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The user's optimizer itself, over this worker's replica: each replica applies the same mean gradient."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise SessionError(f"worker.optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if self.index == 0:  # the process's: checkpointed, its step the step boundary
+            self.run.optimizer(optimizer)
+        elif self.run._mine is not None:
+            optimizer.load_state_dict(own_copy(session_state.saved_optimizer_state(self.run._mine, len(self.optimizers))))
+        if not self.optimizers and self.run.distributed and self.run.plan.strategy.meets:
+            # Local SGD / DiLoCo meet inside opt.step(), as for one worker: once every worker's replica is updated
+            optimizer.register_step_post_hook(lambda *_: self.local.meet(lambda: self.run._workers_boundary(self.run.step)))
+        self.optimizers.append(optimizer)
+        return optimizer
+
+    def scheduler(self, scheduler):
+        """Checkpoint a scheduler made after the loop started (those made before are found by themselves)."""
+        if scheduler not in self.schedulers:
+            self.schedulers.append(scheduler)
+        if self.index == 0:
+            self.run.scheduler(scheduler)
+        return scheduler
+
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Backward passes inside add to `.grad` without the group's mean (as DDP's no_sync); every worker of the
+        group accumulates alike."""
+        if self.mean is None:
+            yield
+            return
+        with self.mean.accumulating():
+            yield
+
+    # -- data --------------------------------------------------------------------------------------------
+    def batches(self, dataset, batch_size: int, shuffle: bool = True, seed: Optional[int] = None) -> Iterator[tuple[int, Any]]:
+        """(step, this worker's rows of the group's batch of `batch_size`) for each step to train_steps, on its device:
+        the rows one worker with the whole batch reads, split over the group's workers (planning/shares.py)."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise SessionError(f"worker.batches: batch_size must be a whole number from 1, got {batch_size!r}")
+        if self.module is None:
+            raise SessionError("worker.batches: give the module to worker.model(...) first")
+        data = as_dataset(dataset, "worker.batches")
+        shares = batch_shares(job_pb2.StoreProto(batchsize=[batch_size]), self.run.plan.nworkers_per_group)
+        offset, share = sum(shares[: self.worker]), shares[self.worker]
+        if share < 1:
+            raise SessionError(f"worker.batches: batch_size {batch_size} leaves worker {self.worker} no rows "
+                               f"({self.run.plan.nworkers_per_group} workers per group)")
+        skip = self.run.plan.group_shards.offset(self.group, 0, len(data))  # (Local SGD's groups: disjoint shards)
+        reader = reader_for(data, self.run.job.seed if seed is None else seed, shuffle, batch_size)
+        yield from self._steps(share, lambda step: (step, to_device(reader.batch(skip + step * batch_size + offset, share),
+                                                                    self.device)))
+
+    def steps(self, rows: int = 1) -> Iterator[int]:
+        """Each step to train_steps, for a loop that reads its own data (each worker draws its own rows)."""
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise SessionError(f"worker.steps: rows must be a whole number from 1, got {rows!r}")
+        if self.module is None:
+            raise SessionError("worker.steps: give the module to worker.model(...) first")
+        yield from self._steps(rows, lambda step: step)
+
+    def _steps(self, share: int, item: Callable[[int], Any]) -> Iterator[Any]:
+        self.share = share
+        if self.mean is not None:
+            self.mean.share = share
+        self.local.meet(self.run._start_workers_loop)
+        for step in range(self.run.start_step, self.run.job.train_steps):
+            try:
+                yield item(step)
+            except GeneratorExit:  # the loop broke out: before the last step the others must not wait for this worker
+                if step + 1 < self.run.job.train_steps:
+                    self.local.fail(WorkerFailed(f"worker {self.index} left its loop at step {step}"))
+                    raise
+                self.local.meet(lambda: self.run._workers_step_done(step))
+                self.local.meet(self.run._finish)
+                raise
+            self.local.meet(lambda: self.run._workers_step_done(step))
+        self.local.meet(self.run._finish)
+
+    # -- metrics and checkpoints -------------------------------------------------------------------------
+    def log(self, step: int, **values) -> None:
+        """Metrics of this step (means over this worker's rows): averaged over the process's workers by their rows."""
+        with self.run._window_lock:
+            for name, value in values.items():
+                if isinstance(value, torch.Tensor):
+                    value = value.detach()
+                self.run.window.report(name, value, self.share)
+
+    def evaluate(self, dataset, loss_fn: Callable, **options) -> dict:
+        """run.evaluate on the chief's worker 0's replica (the replicas are equal); the other workers return {}."""
+        if self.index != 0:
+            return {}
+        return self.run.evaluate(dataset, loss_fn, **{"model": self.module, **options})
+
+    def checkpoint(self):
+        """The session's checkpoint after this step's update (worker 0's replica, optimizers and schedulers: every
+        replica holds the same); every worker of the process calls it (the loop's body is the same), and it is written
+        once they all did, so the display window it closes holds every worker's rows."""
+        return self.local.meet(self.run._checkpoint)
