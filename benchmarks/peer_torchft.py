@@ -8,7 +8,10 @@ groups, lr 1e-3, warm-up + cosine over --steps, clip_grad_norm 1.0), outer SGD l
 over the first 1,000 non-overlapping windows of val.txt (--small: 400) in eval mode.
 
 - shoal: `shoal.fit(..., cluster=Cluster(nworker_groups=2, local_steps=50, threads_per_worker=1), optimizer=gpt.adamw,
-  outer_optimizer=SGD(0.7, Nesterov 0.9))` in one process, which starts the groups' processes itself.
+  outer_optimizer=SGD(0.7, Nesterov 0.9))` in one process, which starts the groups' processes itself; the process
+  calls `shoal.prestart()` first, as a user's script whose fit starts several processes can: the server the groups'
+  processes fork from imports torch beside the job's own import, as torchft's replicas import theirs side by side
+  (--no-prestart: without it, the server starts at fit's call, after the job's imports).
 - torchft: a Lighthouse (the `torchft_lighthouse` entry point of the wheel, on loopback) and two replica processes, each
   a plain loop: its own TCPStore, `ProcessGroupGloo`, `Manager(use_async_quorum=False, init_sync=False)` (the model
   starts from the same seed in both, so no copy at step 0, as torchft advises), timeouts 60 s (its defaults), and
@@ -70,6 +73,11 @@ import threading
 import time
 from pathlib import Path
 from typing import Optional
+
+if __name__ == "__main__" and sys.argv[1:3] == ["--job", "shoal"] and "--no-prestart" not in sys.argv:
+    import shoal  # shoal's job process: before anything imports torch (gpt below)
+
+    shoal.prestart()
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -371,6 +379,7 @@ def run_job(system: str, args, netns: bool, kill: bool) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--job", system, "--out", str(out), "--steps", str(args.steps),
            "--seed", str(args.seed), "--kill-at", str(args.kill_at)]
     cmd += (["--small"] if args.small else []) + (["--kill-now"] if kill else [])
+    cmd += ["--no-prestart"] if getattr(args, "no_prestart", False) else []  # (peer_hivemind's args have none)
     cmd = ["env", f"SHOAL_HOME={out.parent / 'home'}"] + cmd  # shoal's job registry: this job's own
     return timed_job(system, cmd, out, netns)
 
@@ -438,6 +447,7 @@ def main() -> None:
     parser.add_argument("--kill", action="store_true", help="also a faulted run per system (see the docstring)")
     parser.add_argument("--kill-at", type=float, default=0.45, help="the fraction of the run at which the kill comes")
     parser.add_argument("--only", choices=SYSTEMS)
+    parser.add_argument("--no-prestart", action="store_true", help="shoal's job without shoal.prestart(): its fit starts the server")
     parser.add_argument("--job", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--replica", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--lighthouse", help=argparse.SUPPRESS)

@@ -118,8 +118,7 @@ def test_a_finished_or_dead_group_never_holds_the_others():
 def test_a_dead_group_is_dropped_with_a_warning_and_the_job_finishes(blobs_job, tmp_path):
     job = hogwild_job(blobs_job, 3, steps=30)
     env = {**__import__("os").environ, "SHOAL_INJECT_GROUP_ERROR": "1:5"}
-    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = shoal_in_process("run", job, "--workspace", tmp_path / "ws", env=env, timeout=120)  # (one process: its threads)
     assert proc.returncode == 0, proc.stderr
     assert_ran(tmp_path / "ws", hogwild_layout(3))
     warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line]
@@ -140,9 +139,8 @@ def test_plan_names_in_memory_hogwild(blobs_job, tmp_path):
 def test_resume_of_an_in_memory_hogwild_run_continues_to_the_end(blobs_job, tmp_path):
     job = hogwild_job(blobs_job, 2, steps=20, extra="checkpoint_freq: 10")
     env = {**__import__("os").environ, "SHOAL_INJECT_GROUP_ERROR": "0:15"}
-    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode != 0 and "injected failure" in proc.stderr
+    with pytest.raises(RuntimeError, match="injected failure"):  # (in this process: the failure comes as raised)
+        shoal_in_process("run", job, "--workspace", tmp_path / "ws", env=env, timeout=120)
     history = shoal.train(job, workspace=tmp_path / "ws", resume=True, log=quiet)
     assert_ran(tmp_path / "ws", hogwild_layout(2))
     assert history.final_test["step"] == 20 and history.final_test["accuracy"] >= 0.9

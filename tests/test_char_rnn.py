@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_in_process import run_cli
 from conftest import REPO
 
 import shoal
@@ -138,7 +139,7 @@ def sample(corpus, workspace, steps, argsort="sample: true"):
     conf = (EXAMPLES / "sample.conf").read_text().replace("sample: true", argsort)
     job = workspace.parent / "sample.conf"
     job.write_text(conf)
-    result = shoal_cli(
+    result = run_cli(  # in this process: no interpreter and torch import per sampling (the corpus's are real processes)
         "run", job, "--test", "--workspace", workspace.parent / "sampling",
         "--set", f"checkpoint_path={workspace}",
         "--set", "neuralnet.layer[name=gru1].gru_conf.dim_hidden=64",

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from cli_in_process import run_cli
 from conftest import REPO
 
 import shoal
@@ -137,7 +138,7 @@ def test_pipeline_script_trains_the_full_size_stack_and_draws_pictures(mnist_dir
 def test_cd_without_an_rbm_is_refused_before_training(tmp_path):
     conf = (EXAMPLES / "autoencoder.conf").read_text().replace("alg: kBP", "alg: kCD")
     (tmp_path / "job.conf").write_text(conf)
-    result = subprocess.run([sys.executable, "-m", "shoal", "run", str(tmp_path / "job.conf")], capture_output=True, text=True, timeout=300, check=False)
+    result = run_cli("run", tmp_path / "job.conf", cwd=tmp_path, timeout=300)  # (in this process: a refusal, nothing runs)
     assert result.returncode == 2
     at = conf.index("kCD")
     line, col = conf[:at].count("\n") + 1, at - conf.rindex("\n", 0, at)

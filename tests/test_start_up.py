@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent('''
     import sys
 
@@ -46,6 +48,38 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+# Prints, where multiprocessing starts its forkserver, what the server will import before any rank forks and whether
+# this process had imported torch._dynamo itself, then ends the process: the rest of the fit is not needed
+SERVER_PRELOAD = textwrap.dedent('''
+    import sys
+    from multiprocessing import forkserver
+
+
+    def recorded(*args, **kwargs):
+        print(" ".join(forkserver._forkserver._preload_modules), "| parent has torch._dynamo:", "torch._dynamo" in sys.modules,
+              flush=True)
+        raise SystemExit(0)
+
+
+    forkserver.ensure_running = recorded
+''')
+
+
+def test_a_fit_with_a_torch_optimizer_starts_the_ranks_server_with_torch_dynamo_before_its_checks(tmp_path):
+    """What the ranks inherit is what the server imported before they forked (multiprocessing's preload): torch._dynamo
+    for a torch optimizer; the server starts before fit's checks import it in the script's process (they run beside
+    the server's). In a fresh interpreter stopped at the server's start: about a second, where the whole fit below
+    (slow) takes ten."""
+    script = tmp_path / "job.py"
+    script.write_text(SERVER_PRELOAD + SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "ranks.txt"), str(tmp_path / "ws")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    preload, parent = done.stdout.strip().split(" | ")
+    assert {"shoal.launcher.launch", "torch._dynamo"} <= set(preload.split()) and parent == "parent has torch._dynamo: False"
+
+
+@pytest.mark.slow  # the whole fit in a fresh interpreter: about 10 s (the test above checks the server's preload)
 def test_the_ranks_of_a_fit_with_a_torch_optimizer_inherit_torch_dynamo(tmp_path):
     script, record = tmp_path / "job.py", tmp_path / "ranks.txt"
     script.write_text(SCRIPT)
@@ -55,3 +89,106 @@ def test_the_ranks_of_a_fit_with_a_torch_optimizer_inherit_torch_dynamo(tmp_path
     assert done.returncode == 0, done.stderr[-2000:]
     seen = record.read_text().split()  # one line per unpickling (each rank unpickles the module at least once)
     assert len(seen) >= 2 and set(seen) == {"True"}  # every rank: imported before it started
+
+
+# Records, where multiprocessing starts its forkserver, whether this process had imported torch, then ends the
+# process (the property is the order; nothing after it is needed)
+FIRST_SERVER = textwrap.dedent('''
+    import sys
+    from multiprocessing import forkserver
+
+
+    def recorded(*args, **kwargs):
+        print("torch imported:", "torch" in sys.modules, flush=True)
+        raise SystemExit(0)
+
+
+    forkserver.ensure_running = recorded
+    from shoal.frontend.cli import main
+
+    main(sys.argv[1:])
+''')
+
+
+def test_shoal_run_starts_the_server_of_several_processes_before_it_imports_torch(blobs_job, tmp_path):
+    """`shoal run JOB` of several processes: the server its ranks fork from starts before the CLI imports torch, so
+    that the server's import of torch runs beside the CLI's instead of after it (issue 40, point 1)."""
+    job = blobs_job(train_steps=4, layout="AllReduce, 2 processes")
+    done = subprocess.run([sys.executable, "-c", FIRST_SERVER, "run", str(job), "--workspace", str(tmp_path / "ws")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[0] == "torch imported: False"
+
+
+def test_prestart_starts_the_server_before_the_script_imports_torch_and_only_in_the_script(tmp_path):
+    """`shoal.prestart()` starts the server without importing torch; in a process multiprocessing started (a rank
+    importing the script again) it starts none."""
+    script = textwrap.dedent('''
+        import multiprocessing, sys
+        from multiprocessing import forkserver
+
+        import shoal
+
+        forkserver.ensure_running = lambda: print("started", flush=True)
+        print(shoal.prestart(), "torch" in sys.modules, flush=True)
+        if __name__ == "__main__":  # (spawned: cheap, and it imports the script again as a rank does)
+            child = multiprocessing.get_context("spawn").Process(target=print, args=("child",))
+            child.start()
+            child.join()
+    ''')
+    path = tmp_path / "prestarted.py"
+    path.write_text(script)
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["started", "True", "False", "False", "False", "child"]
+
+
+PRESTARTED = """
+import shoal
+
+shoal.prestart()  # before torch
+
+import os
+import sys
+from multiprocessing import forkserver
+
+import torch
+
+
+class Recording(torch.nn.Linear):
+    def __setstate__(self, state):  # (where a rank unpickles it, before it builds anything)
+        super().__setstate__(state)
+        with open(state["record_to"], "a") as f:
+            f.write(f"{os.getpid()} {os.getppid()} {'torch._dynamo' in sys.modules}\\n")
+
+
+def loss(output, target):
+    return torch.nn.functional.mse_loss(output, target)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+if __name__ == "__main__":
+    print(os.getpid(), forkserver._forkserver._forkserver_pid, flush=True)
+    model = Recording(4, 1)
+    model.record_to = sys.argv[1]
+    x = torch.randn(64, 4)
+    shoal.fit(model, loss, (x, x.sum(1, keepdim=True)), steps=4, batch_size=8, optimizer=adamw,
+              cluster=shoal.Cluster(nworker_groups=2, local_steps=2), workspace=sys.argv[2], log=lambda line: None)
+"""
+
+
+@pytest.mark.slow  # a fit in a fresh interpreter: about 10 s
+def test_the_ranks_of_a_prestarted_fit_fork_from_the_server_the_script_started(tmp_path):
+    """A script that calls shoal.prestart() before it imports torch: its fit's ranks fork from that server (their
+    parent), with torch._dynamo inherited, and no rank starts a server of its own."""
+    script, record = tmp_path / "job.py", tmp_path / "ranks.txt"
+    script.write_text(PRESTARTED)
+    done = subprocess.run([sys.executable, str(script), str(record), str(tmp_path / "ws")], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    script_pid, server = done.stdout.split()[:2]
+    in_ranks = {tuple(line.split()) for line in record.read_text().splitlines() if line.split()[0] != script_pid}
+    assert len({pid for pid, _, _ in in_ranks}) == 2 and {(parent, dynamo) for _, parent, dynamo in in_ranks} == {(server, "True")}

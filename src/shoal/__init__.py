@@ -10,9 +10,10 @@
     shoal.compare_runs(["ws/single", "ws/allreduce"]); shoal.plot_runs([...], "runs.png")
     shoal.draw_net("examples/cifar10/hybrid.conf", "net.png")   # which worker computes what
     shoal.estimate(job, compare=True)   # predicted samples/s of every framework layout (docs/planning.md)
+    shoal.prestart()   # first in a script whose fit starts several processes: their server imports torch beside it
     shoal.register_layer("kFoo", Foo); shoal.load_plugins(["rnnlm.proto", "rnnlm.py"])  # user layers (docs/layers.md)
 """
-__all__ = ["load_job", "train", "evaluate", "estimate", "fit", "session", "SingaOptimizer", "Cluster", "perplexity", "plot_runs", "compare_runs", "draw_net", "register_layer", "load_plugins"]
+__all__ = ["load_job", "train", "evaluate", "estimate", "fit", "session", "SingaOptimizer", "Cluster", "perplexity", "plot_runs", "compare_runs", "draw_net", "register_layer", "load_plugins", "prestart"]
 __version__ = "0.1.0"
 
 
@@ -34,6 +35,10 @@ def __getattr__(name: str):
         from shoal.neuralnet.singa_optimizer import SingaOptimizer
 
         return SingaOptimizer
+    if name == "prestart":
+        from shoal.launcher.process_server import prestart
+
+        return prestart
     if name == "session":
         from shoal.frontend.session import session
 

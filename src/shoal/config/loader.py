@@ -19,7 +19,7 @@ from shoal.config.plugins import PluginError, extensions_of, load_job_plugins, l
 from shoal.config.positions import SourceMap, text_positions, yaml_positions
 from shoal.config.validate import ShapeCheck, validate
 
-__all__ = ["apply_overrides", "job_from_dict", "job_from_text", "job_from_yaml", "load_job"]
+__all__ = ["apply_overrides", "cluster_of", "job_from_dict", "job_from_text", "job_from_yaml", "load_job"]
 
 YAML_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -40,6 +40,27 @@ def load_job(path: str | Path, overrides: Iterable[str] = (), shape_check: Shape
         raise JobError(str(path), f"cannot read: {err}") from None
     parse = job_from_yaml if path.suffix.lower() in YAML_SUFFIXES else job_from_text
     return parse(text, str(path), shape_check, overrides, job_dir=path.resolve().parent, plugins=plugins)
+
+
+def cluster_of(path: str | Path, overrides: Iterable[str] = ()) -> job_pb2.ClusterProto | None:
+    """A job file's cluster section with the `--set` overrides, read alone: no plugins loaded (their fields are
+    skipped), nothing validated; None where that read fails (load_job names the problem). For what must be known
+    before the job is loaded: how many processes `shoal run` will start."""
+    path = Path(path)
+    try:
+        text = read_job_text(path)
+        if path.suffix.lower() in YAML_SUFFIXES:
+            data = load_yaml(text)[1]
+            job = parse_dict({"cluster": data["cluster"]} if isinstance(data, dict) and "cluster" in data else {},
+                             SourceMap(str(path)))
+        else:
+            check_text_nesting(text, str(path))  # protobuf's parser recurses per level
+            job = job_pb2.JobProto()
+            text_format.Parse(text, job, allow_unknown_extension=True, allow_unknown_field=True)
+        apply_overrides(job, [o for o in overrides if o.startswith("cluster.")])
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, text_format.ParseError, JobError, ValueError, TypeError):
+        return None
+    return job.cluster
 
 
 def job_from_text(

@@ -230,14 +230,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from shoal.frontend import api
-
     job_path = args.job or args.conf
     if job_path is None:
         raise UsageError("shoal run: give a job file (shoal run JOB)")
     if job_path.suffix == ".py":
         return _run_script(args, job_path)
     overrides = list(args.overrides) + _max_restarts(args)
+    if not (args.test or args.rejoin is not None or args.nnodes or args.hostfile):
+        _start_process_server_early(job_path, overrides)
+    from shoal.frontend import api  # (imports torch)
+
     job = api.load_job(job_path, overrides, plugins=args.plugin)
     if args.tensorboard:
         job.tensorboard = True
@@ -266,6 +268,16 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print(closing_line(history.workspace))
     return 0
+
+
+def _start_process_server_early(job_path: Path, overrides: list[str]) -> None:
+    """A job of several processes on this host: start the server they fork from now, before this process imports
+    torch, so that the server's imports (torch, shoal: seconds of CPU) run beside this process's own instead of after
+    them. Read from the job file and --set alone; where that read cannot tell, the launcher starts it, as before."""
+    from shoal.config.loader import cluster_of
+    from shoal.launcher import process_server
+
+    process_server.start_for(cluster_of(job_path, overrides), ["shoal.launcher.launch"])
 
 
 def _max_restarts(args: argparse.Namespace) -> list[str]:

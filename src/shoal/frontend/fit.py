@@ -354,24 +354,12 @@ def _start_process_server(cluster: Optional[job_pb2.ClusterProto], torch_optimiz
     """A layout of several processes that shoal starts: start the server they fork from (multiprocessing's forkserver)
     now, so that its imports (torch, shoal and, for a torch optimizer, torch._dynamo: seconds of CPU) run beside this
     process's checks and planning instead of after them, and each rank inherits them instead of importing its own."""
-    import multiprocessing
-    import os
-
-    from shoal.config.plugins import forkserver_context
     from shoal.frontend import script
-    from shoal.launcher.launchers import detect
-    from shoal.planning.placement import process_count
+    from shoal.launcher import process_server
 
-    if cluster is None or detect(os.environ) is not None or "forkserver" not in multiprocessing.get_all_start_methods():
-        return
     if script.settings() is not None and script.settings().plan is not None:  # `shoal plan script.py`: nothing starts
         return
-    try:
-        several = process_count(cluster) > 1
-    except ShoalError:  # planning names the problem, in its own words
-        return
-    if several:
-        forkserver_context(["shoal.launcher.launch"] + (["torch._dynamo"] if torch_optimizer else []))
+    process_server.start_for(cluster, ["shoal.launcher.launch"] + (["torch._dynamo"] if torch_optimizer else []))
 
 
 def worker_devices(device, model: torch.nn.Module) -> list[str]:

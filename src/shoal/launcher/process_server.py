@@ -1,0 +1,59 @@
+"""Starting the server a job's processes fork from (multiprocessing's forkserver) as early as the layout is known.
+
+The server imports torch and shoal once, before any rank forks (launch.start_method): seconds of CPU. Started by the
+launcher, it would begin only after the launching process had imported torch and planned the job, one import after
+the other; started here, as soon as the layout is known to need several processes (`shoal run JOB` before it imports
+torch, `shoal.fit` at its call) or when a script says so first (`shoal.prestart()`), its imports run beside the
+launching process's own work. Torch-free on purpose: it must run before torch's import to gain anything.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+from typing import Optional, Sequence
+
+from shoal.config import job_pb2
+from shoal.errors import ShoalError
+
+
+def start_for(cluster: Optional[job_pb2.ClusterProto], preload: Sequence[str]) -> bool:
+    """Start the server, importing `preload`, if `cluster` places several processes that shoal will start here (not
+    under torchrun or srun, whose processes are the ranks); whether it started. A cluster that cannot be placed
+    starts nothing: planning names its problem later, in its own words."""
+    from shoal.config.plugins import forkserver_context
+    from shoal.launcher.launchers import detect
+    from shoal.planning.placement import process_count
+
+    if cluster is None or "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    try:
+        if detect(os.environ) is not None or process_count(cluster) < 2:
+            return False
+    except ShoalError:  # launcher variables that do not add up, a layout planning refuses: each says so later
+        return False
+    forkserver_context(preload)
+    return True
+
+
+def prestart() -> bool:
+    """`shoal.prestart()`, first in a script whose `shoal.fit` will start several processes, before it imports torch:
+    start the server they fork from now, so that its imports (torch, shoal, torch._dynamo for torch's optimizers:
+    about 2 s of CPU) run beside the script's own instead of after them (fit starts the server at its call, when the
+    script has imported torch already). Whether it started: not in a process a launcher (torchrun, srun) or shoal
+    started (a rank imports the script again: it forks from the server it has), nor where multiprocessing has no
+    forkserver. Without it, fit starts the server as before; with it and a layout of one process, the server idles."""
+    from shoal.config.plugins import forkserver_context
+    from shoal.launcher.launchers import detect
+
+    # a process multiprocessing started: its parent is known once it runs, and while it imports the script again
+    # (before that) it is `_inheriting`, multiprocessing's own mark for that phase (spawn._check_not_importing_main)
+    in_a_child = multiprocessing.parent_process() is not None or getattr(multiprocessing.current_process(), "_inheriting", False)
+    if in_a_child or "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    try:
+        if detect(os.environ) is not None:
+            return False
+    except ShoalError:  # a launcher's variables that do not add up: the run says so, in one line
+        return False
+    forkserver_context(["shoal.launcher.launch", "torch._dynamo"])
+    return True
