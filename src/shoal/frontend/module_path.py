@@ -26,7 +26,6 @@ import torch
 
 from shoal.config import job_pb2
 from shoal.data.in_place import batch_rows, first_batch, first_tensor, to_device
-from shoal.errors import ShoalError
 from shoal.frontend.fit_metrics import FitError, report_accuracy, report_metrics  # noqa: F401 (FitError: fit's error, named here too)
 from shoal.neuralnet.layers.base import Layer
 from shoal.neuralnet.layers.input import fed_batch

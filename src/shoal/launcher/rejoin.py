@@ -362,7 +362,7 @@ def rejoin_by_hand(plan: JobPlan, workspace: Path, rank: int, master: Optional[s
         raise RejoinRefused(f"--rejoin {rank}: worker group {group} is still running ({state or 'not connected yet'}); "
                             "only a group whose process died can rejoin")
     incarnation = door.next_incarnation(group)
-    with rank_output(workspace, rank) as log_file:
+    with rank_output(workspace, rank):
         print(f"process {rank} rejoins by hand as restart {incarnation} of worker group {group}")
         run_rejoined(plan.job.SerializeToString(), plan.nnodes, rank, host, port, interface, workspace, base_dirs,
                      incarnation, None, print if rank else log)

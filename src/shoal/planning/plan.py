@@ -215,7 +215,6 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
     placement = place(job.cluster, sizes)
     parts = partition(net, job.neuralnet, job.cluster.nworkers_per_group)
     strategy = strategy_of(job, placement, parts, strategies or installed_registry())
-    workers = job.cluster.nworker_groups * job.cluster.nworkers_per_group
     updater = server_updater(job, strategy)
     plan = JobPlan(
         job_bytes=job.SerializeToString(),

@@ -105,7 +105,7 @@ class Heartbeat(TrainerHook):
 
 def assemble(plan: JobPlan, rank: int, spec: RunSpec) -> ProcessRun:
     """Build process `rank`'s trainers and exchanges, set their initial values and restore them."""
-    job, hosted = plan.job, plan.process(rank)
+    hosted = plan.process(rank)
     torch.set_num_threads(plan.threads_per_worker)
     devices = usable_device_names(plan.devices_of(rank))
     distributed = not plan.in_one_process
