@@ -31,7 +31,11 @@ A server's death, under cluster.max_restarts (Strategy.servers_heal): the
 launcher announces the server's next restart at the door (server<S>/restart)
 and starts a new process in its place (shoal.launcher.rejoin); every stub that
 finds its channel to the server closed waits for that word (SERVER_ANNOUNCEMENT_S;
-without it, ServerLost as before) and knocks at the new process's keys. The
+without it, ServerLost as before) and knocks at the new process's keys. A stub does not rely on the channel's
+close alone: under load gloo now and then leaves a call on a dead server's link (a push's send, a wait for its
+answer) blocked for the whole comm timeout (45 s), so every call on a server's channel, and the knock, is given up
+on the launcher's signed word that the process it reaches died (requests.Guarded; the word of the restart that
+channel was opened at, not the newest one). The
 mirror is the chief's: a stub already holds its newest answer's values of every
 slice, so the chief keeps only what a worker lacks, each server's updater state
 and counters (version, each group's steps and updates, bytes), asked for with
@@ -54,6 +58,7 @@ from __future__ import annotations
 
 import math
 
+from shoal.comm.channels import DOWNPOUR_DOOR
 from shoal.errors import ShoalError
 from shoal.neuralnet.params import ParamStore
 from shoal.neuralnet.updaters import Updater
@@ -61,7 +66,7 @@ from shoal.runtime.exchanges.requests import Segment
 
 PUSH, STOP, STATE, FINAL, PULL, MIRROR, HEAL, FIRST = 1, 2, 3, 4, 5, 6, 7, 8
 REFUSED = -1  # the version a server answers a dropped group with
-DOOR = "downpour"  # the channels' keys in the job's store (shoal.comm.channels)
+DOOR = DOWNPOUR_DOOR  # the channels' keys in the job's store (shoal.comm.channels)
 ANNOUNCEMENT_S = 2.0  # how long a server waits for the launcher to say whether a dead group is restarted
 TAG_HEADER, TAG_GRAD, TAG_VALUES, TAG_REPLY, TAG_STATE, TAG_HAS_GRAD, TAG_LAGS, TAG_BYTES = 11, 12, 13, 14, 15, 16, 17, 18
 TAG_MIRROR = 19  # a mirror's counters (MIRROR's answer, HEAL's request)

@@ -26,7 +26,7 @@ from shoal.runtime.exchanges.downpour import (DOOR, FINAL, PULL, PUSH, REFUSED, 
                                               TAG_STATE, TAG_VALUES, JobOver, ServerLost, server_key, state_layout)
 from shoal.runtime.exchanges.downpour_mirror import ask_mirror, mirror_interval, send_first, send_heal
 from shoal.runtime.exchanges.local import aggregate
-from shoal.runtime.exchanges.requests import Segment, gather, post, scatter, server_segments, words
+from shoal.runtime.exchanges.requests import Guarded, PeerGone, Segment, Waiter, gather, post, scatter, server_segments, words
 from shoal.runtime.exchanges.staleness import StalenessStats, histogram
 from shoal.runtime.interfaces import GroupDropped
 from shoal.runtime.rejoined import fingerprint
@@ -81,7 +81,7 @@ class DownpourExchange:
         self.warmup = warmup_steps > 0
         self.first_step = 0  # a resumed run's, or where a joining group starts after group 0's warm-up
         self.incarnation = 0  # how many processes of this group came before this one (shoal.launcher.rejoin)
-        self._channels: dict[int, channels.Channel] = {}  # server rank -> this stub's channel, opened at first use
+        self._channels: dict[int, Guarded] = {}  # server rank -> this stub's channel, opened at first use
         self.overlap = overlap_push
         self._awaited: list = []  # the answers to the last push, while they are on their way (overlap_push)
         self.servers_heal = servers_heal
@@ -91,6 +91,10 @@ class DownpourExchange:
         self.mirrors: dict[int, Optional[tuple[torch.Tensor, torch.Tensor]]] = {rank: None for _, rank, _, _ in self.servers}
         self.mirror_every = {rank: mirror_interval(self._state_size(rank), size) for _, rank, _, size in self.servers}
         self._old_channels: list = []  # channels to dead servers: kept, not destroyed (gloo may block tearing one down)
+        # every call on a server's channel runs on this thread and is given up on the launcher's word that the server
+        # died (`_gone`): gloo, under load, may leave a call on a dead server's link blocked for the whole comm timeout
+        self._waiter = Waiter(f"shoal-downpour-group{group}-calls")
+        self._word_door: Optional[channels.Door] = None  # where `_gone` reads that word (its own store connection)
         # a user's loop (carry_hyper): each push carries the optimizer's hyper-parameters now
         self.hyper: Optional[Callable[[], torch.Tensor]] = None
         self.hyper_size = 0
@@ -100,7 +104,7 @@ class DownpourExchange:
         vector of `size`, the servers' DownpourServer.carry_hyper)."""
         self.hyper_size, self.hyper = size, hyper
 
-    def _to(self, server_rank: int) -> channels.Channel:
+    def _to(self, server_rank: int) -> Guarded:
         if not self._channels:
             self._connect()
         return self._channels[server_rank]
@@ -115,10 +119,31 @@ class DownpourExchange:
                 self._send_heal(server_rank, segments, self.first_step)
 
     def _knock(self, door: channels.Door, server: ServerId, server_rank: int, restart: int) -> None:
-        channel = door.knock(server_key(server.id, restart), self.group, self.incarnation, self.timeout_s)
-        if channel is None:
+        gone = self._gone(server, server_rank, restart)
+        channel = self._waiter.call(lambda: door.knock(server_key(server.id, restart), self.group, self.incarnation,
+                                                       self.timeout_s), gone)
+        if channel is None:  # its door closed: only the server's answer to the chief's FINAL closes it
+            reason = gone()
+            if reason is not None:  # (a process that finished is not restarted: a newer one serves, knock there)
+                raise PeerGone(reason)
             raise JobOver(f"worker group {self.group}: {server} has finished serving; the job is over")
-        self._channels[server_rank] = channel
+        self._channels[server_rank] = Guarded(channel, gone, self._waiter)
+
+    def _gone(self, server: ServerId, server_rank: int, restart: int) -> Callable[[], Optional[str]]:
+        """The launcher's word that the process of `server` this stub reaches at `restart` (its channel's, not the
+        newest the door knows when asked) died: it announced a newer restart, or gave up restarting this one."""
+        if self._word_door is None:
+            self._word_door = channels.Door(DOOR)
+        door = self._word_door
+
+        def gone() -> Optional[str]:
+            newest = door.server_restarted(server.id)
+            if newest > restart:
+                return f"the launcher saw its process die and restarted it (restart {newest})"
+            if door.server_given_up(server.id) >= restart:
+                return "the launcher saw its process die and does not restart it"
+            return None
+        return gone
 
     # -- a server's death, under cluster.max_restarts: wait for its new process, heal it (the chief), pull ----------
     def _recover(self, server: ServerId, server_rank: int, step: int, err: RuntimeError) -> None:
@@ -304,15 +329,17 @@ class DownpourExchange:
         for i, (server, server_rank, segments, _) in enumerate(self.servers):
             if answers[i] is None:  # its server died: this push to it is dropped
                 continue
-            try:
-                self._to(server_rank).send(words(PUSH, step, self.read_version[server_rank]), TAG_HEADER)
+            def push(channel=self._to(server_rank), server_rank=server_rank, segments=segments):
+                channel.send(words(PUSH, step, self.read_version[server_rank]), TAG_HEADER)
                 for part in self.codecs[server_rank].encode(self._gather(flat, segments)):
-                    self._to(server_rank).send(part, TAG_GRAD)
+                    channel.send(part, TAG_GRAD)
                     self.pushed_bytes += wire_bytes([part])
                 # one byte per segment: cheaper than a flag inside the (uncopied) gradient
-                self._to(server_rank).send(torch.tensor([had[self.position[s.param]] > 0 for s in segments], dtype=torch.uint8, device="cpu"), TAG_HAS_GRAD)
+                channel.send(torch.tensor([had[self.position[s.param]] > 0 for s in segments], dtype=torch.uint8, device="cpu"), TAG_HAS_GRAD)
                 if self.hyper_size:
-                    self._to(server_rank).send(self.hyper(), TAG_HYPER)
+                    channel.send(self.hyper(), TAG_HYPER)
+            try:
+                self._to(server_rank).run(push)  # (the push's messages handed to the waiter's thread at once)
             except RuntimeError as err:
                 self._recover(server, server_rank, step, err)  # (or ServerLost) this push to it is dropped
                 answers[i] = None
@@ -348,7 +375,7 @@ class DownpourExchange:
                 continue
             values, reply, posted = answer
             try:
-                posted.wait()
+                posted.link.run(posted.wait)
             except RuntimeError as err:
                 self._recover(server, server_rank, step, err)  # (or ServerLost) the answer is lost with its push
                 continue

@@ -10,12 +10,15 @@ world point-to-point to a peer that started with the job); a restarted process r
 - an int64 header of a request (`words`);
 - a knock let in only when its process proves it holds the job's secret (`let_in`);
 - a wait on a thread blocked in a receive from a peer, given up once the heartbeat says the peer stalled
-  (`wait_unless`): gloo's receives cannot be cancelled.
+  (`wait_unless`): gloo's receives cannot be cancelled;
+- a link whose every blocking call is given up on the launcher's word that its peer's process was replaced or will
+  not come back (`Guarded`).
 
 Each protocol keeps its own kinds, tags and order of messages (its wire format).
 """
 from __future__ import annotations
 
+import queue
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -23,6 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from shoal.comm import channels, heartbeat
+from shoal.errors import ShoalError
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.placement import ParamSlice
 
@@ -106,3 +110,87 @@ def wait_unless(thread: threading.Thread, stalled: Callable[[], bool], poll_s: f
             heartbeat.abandon()
             return False
     return True
+
+
+GONE_POLL_S = 0.05  # how often a blocked call asks whether its peer is gone: one store read, only while it waits
+
+
+class PeerGone(ShoalError, RuntimeError):
+    """The launcher said that the peer of a link's blocked call is gone (replaced by a new process, or not coming back)."""
+
+
+class Waiter:
+    """Runs one blocking call at a time on a thread of its own, while the calling thread waits for it, asking `gone()`
+    every GONE_POLL_S whether to stop waiting. Given up on, the call stays blocked on its thread (gloo's sends and
+    receives can be neither cancelled nor waited for in slices: a timed-out wait closes the link) and the next
+    call gets a new thread."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._calls: Optional[queue.SimpleQueue] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def call(self, work: Callable[[], object], gone: Callable[[], Optional[str]]):
+        """`work()`'s result (or its error); PeerGone once `gone()` names why to stop waiting. A call made by a
+        `work` (on the waiter's thread) runs in place: several calls go as one hand-over (`Guarded.run`)."""
+        if threading.current_thread() is self._thread:
+            return work()
+        if self._calls is None:
+            self._calls = queue.SimpleQueue()
+            self._thread = threading.Thread(target=_run_calls, args=(self._calls,), name=self.name, daemon=True)
+            self._thread.start()
+        done, outcome = threading.Event(), {}
+        self._calls.put((work, outcome, done))
+        while not done.wait(GONE_POLL_S):
+            reason = gone()
+            if reason is not None and not done.is_set():
+                heartbeat.abandon()  # this process ends without gloo's teardown under the blocked call
+                self._calls = self._thread = None
+                raise PeerGone(reason)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("result")
+
+
+def _run_calls(calls: queue.SimpleQueue) -> None:
+    while True:
+        work, outcome, done = calls.get()
+        try:
+            outcome["result"] = work()
+        except BaseException as err:  # noqa: BLE001 (handed to the waiting thread, which raises it)
+            outcome["error"] = err
+        finally:
+            done.set()
+
+
+class Guarded:
+    """A link (a shoal.comm.channels.Channel) whose blocking calls give up once `gone()` names why: the launcher's
+    word that the peer's process died. gloo fails a call on a dead peer's link at once, most of the time; under load
+    a send or receive now and then waits out the whole comm timeout (45 s) instead."""
+
+    def __init__(self, link, gone: Callable[[], Optional[str]], waiter: Waiter):
+        self.link, self.gone, self.waiter = link, gone, waiter
+
+    def send(self, tensor: torch.Tensor, tag: int) -> None:
+        self.waiter.call(lambda: self.link.send(tensor, tag), self.gone)
+
+    def recv(self, tensor: torch.Tensor, tag: int) -> None:
+        self.waiter.call(lambda: self.link.recv(tensor, tag), self.gone)
+
+    def irecv(self, tensor: torch.Tensor, tag: int) -> "_GuardedReceive":
+        return _GuardedReceive(self.link.irecv(tensor, tag), self)
+
+    def run(self, calls: Callable[[], object]):
+        """`calls()`, whose calls on this link (a request's messages, the waits for its answer) are handed to the
+        waiter's thread once, not each: a hand-over costs a thread switch (about 25 us idle, far more on a busy machine)."""
+        return self.waiter.call(calls, self.gone)
+
+
+class _GuardedReceive:
+    """A posted receive of a Guarded link: its wait() gives up as the link's calls do."""
+
+    def __init__(self, receive, link: Guarded):
+        self._receive, self._link = receive, link
+
+    def wait(self) -> None:
+        self._link.waiter.call(self._receive.wait, self._link.gone)
