@@ -35,7 +35,7 @@ from shoal.config.phases import fires
 from shoal.data.in_place import reader_for, to_device
 from shoal.frontend import script, session_eval, session_state, session_worker
 from shoal.frontend.fit import as_dataset
-from shoal.frontend.session_start import (SessionError, check_layout, plan_session, pushes_to_servers, rank_context,
+from shoal.frontend.session_start import (SessionError, check_layout, groups_in_memory, plan_session, pushes_to_servers, rank_context,
                                           refuse_unstarted, same_job, serve_if_server, serves_only, session_job, start_ranks,
                                           started_by_a_launcher, supervise_if_restartable, syncs_with_peers)
 from shoal.neuralnet import checkpoint as ckpt_io
@@ -114,6 +114,8 @@ class Session:
         self.group, self.worker = hosted.group, hosted.id
         # several workers in this process (threads, the CPU+GPU split): run.each_worker runs the loop once per worker
         self.local_workers = len(plan.process(rank).workers)
+        # in-memory Downpour / Hogwild: the groups are this process's workers, pushing to one in-process server
+        self.groups_in_memory = groups_in_memory(plan)
         self._workers: list[session_worker.SessionWorker] = []
         self._met_at = -1  # several workers under Local SGD / DiLoCo: the step whose boundary ran (_workers_boundary)
         self._window_lock = threading.Lock()  # (each worker thread reports into the one display window)
@@ -280,6 +282,12 @@ class Session:
         values = first.state_dict()
         for worker in self._workers[1:]:
             worker.module.load_state_dict(values)
+        if self.groups_in_memory:  # each group computes its own gradient: its pushes start at worker.optimizer
+            if self.plan.strategy.shares_one_store():  # in-memory Hogwild: every group computes on worker 0's values
+                for worker in self._workers[1:]:
+                    for mine, theirs in zip(worker.module.parameters(), first.parameters()):
+                        mine.data = theirs.data
+            return
         # a synchronous group's mean goes through its exchange; a Local SGD group's workers' mean stays here (the
         # groups meet at the step boundary)
         self.mean = session_worker.LocalMean(self._workers, self._workers[0].local,
@@ -288,6 +296,30 @@ class Session:
             trained = [(n, p) for n, p in worker.module.named_parameters() if p.requires_grad]
             worker.mean = session_exchange.GradientMean(trained, session_worker.WorkerMean(self.mean, k), worker.share,
                                                         lambda: self.step)
+
+    def _start_groups(self) -> None:
+        """In-memory Downpour and Hogwild: every worker gave its optimizer (run by the last to arrive): the groups'
+        exchanges around one in-process server that runs worker 0's optimizer, built from its recipe (as Downpour's
+        server processes do), from worker 0's values (or the checkpoint's server values and optimizer state)."""
+        stores = []
+        for worker in self._workers:
+            named = [(n, p) for n, p in worker.module.named_parameters() if p.requires_grad]
+            held = {id(p) for group in worker.optimizers[0].param_groups for p in group["params"]}
+            left = [n for n, p in named if id(p) not in held]
+            if left:
+                raise SessionError(f"worker.optimizer: {self.plan.label}'s server updates every trained param of the "
+                                   f"module, and worker {worker.index}'s optimizer does not hold {left[0]!r}")
+            stores.append(ParamStore.viewing([(n, p.data) for n, p in named]))
+        try:
+            recipe = session_exchange.optimizer_recipe(self._workers[0].optimizers[0], [
+                (n, p) for n, p in self._workers[0].module.named_parameters() if p.requires_grad])
+        except session_exchange.RecipeError as err:
+            raise SessionError(str(err)) from None
+        saved = dict(self._mine.exchange) if self._mine is not None else None
+        self.exchange = session_exchange.group_exchanges(self.plan, stores, recipe, [w.optimizers[0] for w in self._workers],
+                                                         self.start_step, saved, self.metrics)
+        for worker, exchange in zip(self._workers, self.exchange.exchanges):
+            worker.pushes_to = exchange
 
     def _start_workers_loop(self) -> None:
         """Every worker reached its batches() (run by the last to arrive): the loop's start, once for the process; on a
@@ -474,7 +506,8 @@ class Session:
     def _boundary(self, step: int) -> None:
         """Local SGD / DiLoCo's meeting, or Hogwild's sync, when due after step `step` (every group counts the same
         steps: a step whose update the loop skipped still reaches it, from `_step_done`)."""
-        if self.exchange is None or (self.mean is not None and self.plan.strategy.synchronous) or self.pushes:
+        if self.exchange is None or (self.mean is not None and self.plan.strategy.synchronous) or self.pushes \
+                or self.groups_in_memory:
             return  # (a replicated group heals after the loop's body: _heal; Downpour pushed in the optimizer's pre-hook)
         started = time.perf_counter()
         self.exchange.step(step, [({}, self._share)])  # the inner update was the user's: the meeting when it is due

@@ -86,13 +86,17 @@ def check_layout(plan: JobPlan) -> None:
     Hogwild groups over processes, one worker each, on CPU; Downpour's groups, or Sandblaster's one group, over
     processes, one worker each, on CPU, with server processes of their own (one server group); several workers in a
     process of one synchronous group (in-memory, or AllReduce over processes without restarts) or of Local SGD /
-    DiLoCo's group of the process, the loop's body run once per worker by run.each_worker. Every other layout is
+    DiLoCo's group of the process, or in-memory Downpour and Hogwild groups of one worker each (without a warm-up),
+    the loop's body run once per worker by run.each_worker. Every other layout is
     refused in one line naming it and what runs it."""
     one_worker_each = all(len(p.workers) == 1 for p in plan.placement.processes) and not any(p.servers and not p.workers
                                                                                            for p in plan.placement.processes)
     if plan.in_one_process and plan.nworkers == 1:
         return
     if several_workers_in_a_process(plan):
+        if groups_in_memory(plan) and plan.asynchrony.warmup_steps > 0:
+            raise SessionError(f"shoal.session: {plan.label} in your own loop runs its groups step by step together: "
+                               "cluster.warmup_steps is not supported there yet (use a job file or shoal.fit for it)")
         return  # (run.each_worker: frontend/session_worker.py)
     if not plan.in_one_process and one_worker_each and not plan.server_worker_separate and plan.nworker_groups == 1 \
             and plan.strategy.synchronous:
@@ -115,23 +119,34 @@ def check_layout(plan: JobPlan) -> None:
     raise SessionError(f"shoal.session: {plan.label} {where} ({plan.nworkers} workers) is not supported in your own loop yet "
                        "(one worker per process: single worker, AllReduce, Local SGD / DiLoCo, Distributed Hogwild, "
                        "Downpour, Sandblaster; several per process, without restarts: one synchronous group, "
-                       "Local SGD / DiLoCo): use a "
+                       "Local SGD / DiLoCo, in-memory Downpour and Hogwild of one worker per group): use a "
                        "job file (`shoal run job.conf`) or shoal.fit for it")
 
 
 def several_workers_in_a_process(plan: JobPlan) -> bool:
     """Several workers in a process, the same number in each (threads, `device=[...]`'s split), no server-only
     process, no restarts over processes (a restarted process's handover is one replica's): one synchronous group
-    (in-memory, or AllReduce over processes), or Local SGD / DiLoCo with one group per process. run.each_worker's
-    layouts: the process's workers' gradients meet in one mean."""
+    (in-memory, or AllReduce over processes), or Local SGD / DiLoCo with one group per process, whose workers'
+    gradients meet in one mean; or in-memory Downpour and Hogwild (groups_in_memory). run.each_worker's layouts."""
     counts = {len(p.workers) for p in plan.placement.processes}
     if max(counts) < 2 or len(counts) > 1 or pushes_to_servers(plan):
         return False
+    if groups_in_memory(plan):
+        return True
     if plan.nworker_groups == 1 and plan.strategy.synchronous:
         return plan.in_one_process or plan.max_restarts == 0
     # Local SGD / DiLoCo: each process one group's workers, whose mean stays in the process between meetings
     return (plan.strategy.meets and not plan.in_one_process and plan.max_restarts == 0
             and all(len({w.group for w in p.workers}) == 1 for p in plan.placement.processes))
+
+
+def groups_in_memory(plan: JobPlan) -> bool:
+    """In-memory Downpour and Hogwild: asynchronous groups of one worker each as threads of this process around one
+    in-process server that runs the user's optimizer (run.each_worker: each worker's opt.step() pushes its gradients to
+    it); under Downpour each group computes on its own copy, which takes the server's answer, under Hogwild every group
+    on the server's one copy (`share_memory`), which the server updates in place."""
+    return (plan.in_one_process and plan.nworker_groups > 1 and plan.nworkers_per_group == 1
+            and not plan.strategy.synchronous and not plan.strategy.meets and not plan.strategy.syncs_with_peers)
 
 
 def pushes_to_servers(plan: JobPlan) -> bool:

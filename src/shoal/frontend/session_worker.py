@@ -17,7 +17,9 @@ accumulating, scheduler) for one worker; the process's `Session` keeps what is p
 checkpoints), and its calls are made once, from the worker threads' meetings (`LocalWorkers.meet`: the last worker to
 arrive runs the process's part). With one worker in the process, `each_worker(train)` calls `train(run)` here: the
 same body runs every layout. Layouts (session_start.several_workers_in_a_process): one synchronous group, in-memory
-or AllReduce over processes, and Local SGD / DiLoCo with one group per process. Each worker's gradients meet in
+or AllReduce over processes, Local SGD / DiLoCo with one group per process, and in-memory Downpour and Hogwild (each
+worker a group of its own: its opt.step() pushes its gradient to the process's in-process server, `_push`; the
+groups go step by step together). Under the others each worker's gradients meet in
 `LocalMean`, which hands every local worker's (gradients, rows) to the exchange's `mean_gradients(step, parts)` as
 the Trainer does (one process, or a Local SGD group between meetings: their mean here), and puts the group's mean in
 every replica's `.grad`; every replica then applies its own copy of the user's update to the same mean, so the
@@ -169,6 +171,7 @@ class SessionWorker:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.schedulers: list = []
         self.mean: Optional[session_exchange.GradientMean] = None
+        self.pushes_to = None  # in-memory Downpour / Hogwild: this worker's group's exchange to the in-process server
         self.share = 0
 
     @property
@@ -216,7 +219,27 @@ class SessionWorker:
             # Local SGD / DiLoCo meet inside opt.step(), as for one worker: once every worker's replica is updated
             optimizer.register_step_post_hook(lambda *_: self.local.meet(lambda: self.run._workers_boundary(self.run.step)))
         self.optimizers.append(optimizer)
+        if self.run.groups_in_memory:
+            if len(self.optimizers) > 1:
+                raise SessionError(f"worker.optimizer: {self.label}'s server runs one optimizer over the module: give "
+                                   "worker.optimizer one optimizer holding every trained param")
+            optimizer.register_step_pre_hook(self._push)
+            self.local.meet(self.run._start_groups)
         return optimizer
+
+    def _push(self, optimizer, args, kwargs) -> None:
+        """In-memory Downpour's and Hogwild's step: this group's gradients (after the loop's clip_grad_norm_) to the
+        in-process server with this optimizer's hyper-parameters; the server's new values are then in this worker's
+        params (Downpour: its copy takes them; Hogwild: the server updated the one copy in place); `.grad` is left None,
+        so the user's optimizer, which runs next, updates nothing here (Session._push over processes)."""
+        grads = {n: p.grad for n, p in self.module.named_parameters() if p.requires_grad}
+        started = time.perf_counter()
+        self.pushes_to.step(self.run.step, [(grads, self.share)])
+        with self.run._window_lock:
+            self.run.exchange_seconds += time.perf_counter() - started
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
 
     def scheduler(self, scheduler):
         """Checkpoint a scheduler made after the loop started (those made before are found by themselves)."""
@@ -269,6 +292,8 @@ class SessionWorker:
             self.mean.share = share
         self.local.meet(self.run._start_workers_loop)
         for step in range(self.run.start_step, self.run.job.train_steps):
+            if self.pushes_to is not None:  # (in-memory groups: the board's turn, and the server's version read)
+                self.pushes_to.begin(step)
             try:
                 yield item(step)
             except GeneratorExit:  # the loop broke out: before the last step the others must not wait for this worker

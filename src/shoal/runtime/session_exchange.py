@@ -27,7 +27,12 @@ says:
   params, leaving every `.grad` None so that the user's optimizer updates nothing (frontend/session.py, `_push`);
 - Sandblaster over processes (one worker per process, its one group's servers in processes of their own): Downpour's
   servers and pushes with the group's one stub (strategies/sandblaster.py), synchronous, and, as under AllReduce, the
-  group's mean gradient in every `.grad` when backward ends (`StubGroupMean`), which the stub alone then pushes.
+  group's mean gradient in every `.grad` when backward ends (`StubGroupMean`), which the stub alone then pushes;
+- in-memory Downpour and Hogwild (groups of one worker each as threads of one process, `group_exchanges`): the
+  strategy's GroupExchanges around one in-process server running the user's optimizer from its recipe; each worker's
+  `opt.step()` pre-hook pushes its gradients there with its own optimizer's hyper-parameters (`CarryingHyper`) and its
+  group's copy takes the server's answer (Downpour), or the server updates the one copy every group computes on
+  (Hogwild).
 
 The exchanges come from `plan.strategy.attach_exchanges(run)` with `SessionRun`, a process's part whose one trainer
 is the user's module (`SessionMember`: its ParamStore views the module's params, no copy).
@@ -519,3 +524,90 @@ def whole_updater_state(saved: Optional[dict]) -> dict[str, dict[str, torch.Tens
             name, _, slot = rest.rpartition("/")
             state.setdefault(name, {})[slot] = value
     return state
+
+
+class CarryingHyper:
+    """One group's view of the in-process server (in-memory Downpour in a user's loop): each update first sets the
+    server's optimizer to this group's hyper-parameters, as its push over processes carries them, under one lock shared
+    by every group's view, so that no update runs with another group's learning rate."""
+
+    def __init__(self, server, lock, set_hyper: Callable[[], None]):
+        self._server, self._lock, self._set_hyper = server, lock, set_hyper
+
+    def __getattr__(self, name):
+        return getattr(self._server, name)
+
+    def update(self, *args, **kwargs):
+        with self._lock:
+            self._set_hyper()
+            return self._server.update(*args, **kwargs)
+
+
+class GroupsInProcess:
+    """In-memory Downpour's groups of this process as the session's one exchange: what a checkpoint holds of them (the
+    server's optimizer state, values and update count, through group 0's exchange; every other group's own copy of
+    the params, as `group<g>/...`: the job path's parts) and the loop's end."""
+
+    job_bytes_sent = None  # nothing crosses a wire
+
+    def __init__(self, exchanges: list):
+        self.exchanges = exchanges
+
+    def updater_state(self):
+        return self.exchanges[0].updater_state()
+
+    def load_updater_state(self, state) -> None:
+        self.exchanges[0].load_updater_state(state)
+
+    def own_state(self) -> dict[str, torch.Tensor]:
+        tensors = dict(self.exchanges[0].own_state())
+        for exchange in self.exchanges[1:]:
+            tensors |= {f"group{exchange.group}/{key}": value for key, value in exchange.own_state().items()}
+        return tensors
+
+    def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        for exchange in self.exchanges:
+            prefix = f"group{exchange.group}/"
+            own = ({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)} if exchange.group
+                   else {k: v for k, v in tensors.items() if not k.startswith("group")})
+            if own:
+                exchange.load_own_state(own)
+
+    def finish(self) -> None:
+        for exchange in self.exchanges:
+            exchange.board.stop(exchange.group)
+
+
+def group_exchanges(plan: JobPlan, stores: list[ParamStore], recipe: dict, optimizers: list[torch.optim.Optimizer],
+                    start_step: int, saved: Optional[dict], metrics=None) -> GroupsInProcess:
+    """In-memory Downpour's exchanges for the groups of this process, one per store (each group's worker's module's
+    params, in group order): the strategy's GroupExchanges around one server that runs the user's optimizer, built
+    from its recipe (as Downpour's server processes build it), its values the first store's (or, resumed, the
+    checkpoint's `saved` exchange tensors: the server's values, its optimizer's state and update count, each group's
+    copy); each group's pushes carry its own optimizer's hyper-parameters (`optimizers`, in group order: what its
+    scheduler set). Returns them as one exchange (`GroupsInProcess.exchanges`: in group order)."""
+    import threading
+
+    names = stores[0].trainable_names()
+    served = downpour_plan(plan, names, [tuple(stores[0].info[n].shape) for n in names], recipe)
+    members = [SessionMember(store, group, start_step, metrics=metrics if group == 0 else None)
+               for group, store in enumerate(stores)]
+    run = SessionRun(served, 0, members)
+    served.strategy.attach_exchanges(run)
+    groups = GroupsInProcess([member.exchange for member in members])
+    if saved:
+        load_exchange_state(groups, saved)
+    served.strategy.after_values(run, StartSpec(resume_from="checkpoint" if saved else None))
+    layout, lock = recipe_layout(recipe), threading.Lock()
+    server = members[0].exchange.server
+    updater = server.updater
+
+    def carrier(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+        def carry() -> None:
+            if updater.optimizer is not None:  # (built at the first update, from the recipe: its hyper-parameters)
+                set_hyper(updater.optimizer, hyper_vector(optimizer, layout), layout)
+        return carry
+
+    for member, optimizer in zip(members, optimizers):
+        member.exchange.server = CarryingHyper(server, lock, carrier(optimizer))
+    return groups
