@@ -67,5 +67,7 @@ def test_a_dead_process_of_a_partitioned_group_costs_at_most_the_steps_since_the
     # each step's loss as the clean run's (a step trained twice: the restart's record, after the first start's)
     assert {r["step"]: r["loss"] for r in train_records(faulted.ws)} == {r["step"]: r["loss"] for r in train_records(clean.ws)}
     mirrors = sorted((faulted.ws / "checkpoint").glob("step*-worker0.safetensors"))
-    assert len(mirrors) <= 4, mirrors  # the two newest mirrors, the one resumed from and the final checkpoint
+    # this start's two newest mirrors, the first start's last two (a start removes only what it wrote: a file it did not
+    # write may be a checkpoint the job asked for) and the final checkpoint
+    assert len(mirrors) <= 5, mirrors
     clean.stop()

@@ -236,10 +236,10 @@ class Session:
         loop calls (model, optimizer, batches, steps, log, evaluate, checkpoint, accumulating) for one worker's replica,
         device and rows (frontend/session_worker.py); with one worker in the process, `train(run)` runs here, so one
         body runs every layout. A worker's error stops the others and is raised here."""
+        if self._workers or self.module is not None:  # (one worker too: a script must not break when a worker is added)
+            raise SessionError("run.each_worker: once per session, instead of run.model")
         if self.local_workers == 1:
             return [train(self)]
-        if self._workers or self.module is not None:
-            raise SessionError("run.each_worker: once per session, instead of run.model")
         local = session_worker.LocalWorkers(self.local_workers)
         devices = usable_device_names(self.plan.devices_of(self.rank))
         self._workers = [session_worker.SessionWorker(self, k, hosted, torch_device(devices[k]), local)

@@ -193,6 +193,7 @@ class Trainer:
         self.pool = ThreadPoolExecutor(max_workers=len(self.workers), thread_name_prefix="shoal-worker") if len(self.workers) > 1 else None
         self.exchange: Optional[Exchange] = None  # attached by the assembly (shoal.runtime.assemble)
         self.checkpoint_schedule = checkpoint_schedule
+        self.interval_steps: set[int] = set()  # the steps whose checkpoint checkpoint_interval_s wrote in this start
         self.hooks: list[TrainerHook] = list(hooks)
         self.metrics: Optional[MetricsLog] = None
         self.cursors: dict[int, int] = {job_pb2.kTest: 0, job_pb2.kVal: 0}
@@ -508,6 +509,7 @@ class Trainer:
         """The checkpoint (or this trainer's part) of `step`, which the chief chose when checkpoint_interval_s had passed."""
         self._stop_if_diverged(step - 1, read=True)
         path = self.save_checkpoint(step)
+        self.interval_steps.add(step)  # (the job's own: a partitioned group's mirror never removes it)
         if self.chief:
             self.checkpoint_schedule.written(step)
             self.log(f"Checkpoint written to {path} (every {self.plan.checkpoint_interval_s:g} s: checkpoint_interval_s)")

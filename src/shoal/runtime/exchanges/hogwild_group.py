@@ -52,7 +52,7 @@ class Asked:
         def run() -> None:
             try:
                 exchange()
-            except RuntimeError as err:
+            except Exception as err:  # noqa: BLE001 (any failure is the sync's: never a zero answer applied as the master's)
                 self.failed.append(err)
 
         self.thread = threading.Thread(target=run, name=f"shoal-sync-to{master}", daemon=True)
@@ -207,7 +207,17 @@ class HogwildExchange(HogwildMaster, HogwildRecovery):
         self.syncs += 1
         return True
 
-    def _stop_syncing(self, master: int, err: RuntimeError) -> None:
+    def settle_late(self) -> None:
+        """Wait for every sync whose answer is still due and apply it, or drop its master once it stalls: before the
+        end, and before a checkpoint (whose last_sync must be the master's answer to what was sent: else a resumed
+        group would send that delta again, and the master would add it twice)."""
+        for master, late in list(self._late.items()):
+            if wait_unless(late.thread, lambda: heartbeat.is_stalled(master), 0.05) and self._late.pop(master, None) is late:
+                self._settle(master, late)
+            else:
+                self._drop(master)
+
+    def _stop_syncing(self, master: int, err: BaseException) -> None:
         warn(f"WARNING: worker group {self.group} stops syncing with process {master}: {comm.describe_error(err)}")
         self._drop(master)
 
@@ -270,11 +280,7 @@ class HogwildExchange(HogwildMaster, HogwildRecovery):
             self._closing = True  # from here on a knock finds the door closed: the restarted group trains on alone
             self.door.close(self.group)
             self._admitting.join(timeout=self.timeout_s)  # a knock being let in now is answered below too
-        for master, late in list(self._late.items()):  # answers still due: their receives must not be left pending
-            if wait_unless(late.thread, lambda: heartbeat.is_stalled(master), 0.05) and self._late.pop(master, None) is late:
-                self._settle(master, late)
-            else:
-                self._drop(master)
+        self.settle_late()  # answers still due: their receives must not be left pending
         for master, (_, size) in list(self.requests.items()):
             zeros = self.delta_codecs[master].buffers(size) if self.codecs is not None else [torch.zeros(size, device="cpu")]
             link = self.links[master]

@@ -178,6 +178,7 @@ class HogwildRecovery:
         """What the chief's file does not hold of this group: another group's replica and updater state; every
         group's values at its last syncs, what each requester holds of its slices (compressed), its residuals
         and update counts (the sync cadence and the step an LR schedule sees)."""
+        self.settle_late()
         with self.lock:
             tensors = {f"last_sync/{r}": v for r, v in self.last_sync.items()}
             tensors |= {"count/updates": torch.tensor(self.updates, device="cpu"), "count/server_updates": torch.tensor(self.server.updates, device="cpu"),

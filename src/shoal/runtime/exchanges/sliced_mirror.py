@@ -10,14 +10,14 @@ usual exact resume and the steps redone are those since the mirror. It lives in 
 process's memory: whole-job restarts happen on one host (shoal run's launcher), where the workspace outlives any of
 the job's processes, the launcher included, and no survivor has to outlive the death to hand a dead one's part over.
 Each process keeps its two newest mirrors (the newer may be incomplete when a process dies writing it) and removes
-its older ones (a restart also the two newest of the start it resumed from); a checkpoint the job asked for
-(checkpoint_freq, and an interval checkpoint this start wrote at a mirror's step) is never removed.
+its older ones. It removes only mirrors this start wrote (the start a restart resumed from leaves its last two: a
+file this start did not write may be a checkpoint the job asked for), and a step whose checkpoint the job wrote
+anyway (checkpoint_freq, or checkpoint_interval_s's, which the trainer writes before the hooks run) is not written
+again and never removed.
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Optional
 
 from shoal.config.phases import fires
 from shoal.neuralnet import checkpoint as ckpt_io
@@ -31,8 +31,7 @@ class SlicedMirror(TrainerHook):
 
     def __init__(self, trainer, every: int):
         self.trainer, self.every = trainer, every
-        self.written: Optional[list[int]] = None  # the mirrors' steps this start wrote, oldest first (read at the first step)
-        self.started = time.time()
+        self.written: list[int] = []  # the mirrors' steps this start wrote, oldest first
 
     def _file(self, step: int) -> Path:
         t = self.trainer
@@ -44,17 +43,12 @@ class SlicedMirror(TrainerHook):
 
     def before_step(self, step: int) -> None:
         t = self.trainer
-        if self.written is None:  # a restart resumed from a mirror: it and the one before are the earlier start's
-            self.written = [s for s in (t.start_step - self.every, t.start_step) if t.resumed and self._mirror_step(s)]
-        if step <= t.start_step or not self._mirror_step(step):
+        if step <= t.start_step or not self._mirror_step(step) or step in t.interval_steps:
             return  # nothing trained since the start or the resume, or the job's own checkpoint of this step was written
-        # every process decides alike from the step alone (the write is collective); what is on disk only decides what
-        # it may remove: an interval checkpoint of this step, written by this start just now, is the job's own
-        path = self._file(step)
-        own = path.exists() and path.stat().st_mtime >= self.started
+        # every process decides alike from the step alone (the write is collective; the chief chose the interval
+        # checkpoints, and every process wrote its part of them)
         t.save_checkpoint(step)
-        if not own:
-            self.written.append(step)
+        self.written.append(step)
         # every process wrote its part of the mirrors before this one (this one's collective needed them all here)
         for old in self.written[:-KEPT]:
             self._file(old).unlink(missing_ok=True)
