@@ -496,3 +496,23 @@ def test_the_list_checks_see_a_page_that_is_wrong():
     assert picture_problems(wrong)[1:] == ["the picture's runtime has no module trainers"]
     assert layer_problems(wrong) == ["runtime/'s paragraph does not name checkpoint_schedule",
                                      "runtime/'s paragraph does not name session_exchange"]
+
+
+def test_shoal_plan_prints_exactly_the_plan(blobs_job):
+    """"`shoal plan` prints exactly this object (`planning/describe.py`, text or `--json`)": the command's JSON is
+    `describe` of the plan the launcher computes for the job, and its text starts with `render` of it."""
+    import json
+
+    import shoal
+    from cli_in_process import run_cli
+    from shoal.planning.describe import describe, render
+    from shoal.planning.plan import plan_job
+    from shoal.strategies.registry import REGISTRY
+
+    job = blobs_job(layout="Sandblaster, 2 workers + 2 servers, 4 processes")
+    plan = plan_job(shoal.load_job(job), nnodes=1, strategies=REGISTRY)  # (as the command plans it)
+    as_json = run_cli("plan", job, "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout) == json.loads(json.dumps(describe(plan)))
+    as_text = run_cli("plan", job)
+    assert as_text.returncode == 0 and as_text.stdout.startswith(render(plan)), as_text.stdout
