@@ -472,9 +472,7 @@ class Session:
             share = self.exchange.global_batch if self.rank == self.exchange.stub else 0
         self.exchange.step(self.step, [(grads, share)])
         self.exchange_seconds += time.perf_counter() - started
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
+        session_worker.drop_grads(optimizer)
 
     def scheduler(self, scheduler):
         """Checkpoint a scheduler made after the loop started (those made before are found by themselves)."""

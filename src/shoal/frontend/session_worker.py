@@ -131,6 +131,13 @@ class LocalMean:
                 worker.mean.remove()
 
 
+def drop_grads(optimizer: torch.optim.Optimizer) -> None:
+    """After a push: `.grad` None, so the user's optimizer, which runs next, updates nothing here (the servers did)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
+
+
 def own_copy(state: dict) -> dict:
     """A saved state's copy for one replica's optimizer (load_state_dict keeps tensors already on the param's device
     and dtype: two replicas loading one dict would update the same moments in place, twice a step)."""
@@ -237,9 +244,7 @@ class SessionWorker:
         self.pushes_to.step(self.run.step, [(grads, self.share)])
         with self.run._window_lock:
             self.run.exchange_seconds += time.perf_counter() - started
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
+        drop_grads(optimizer)
 
     def scheduler(self, scheduler):
         """Checkpoint a scheduler made after the loop started (those made before are found by themselves)."""
