@@ -45,7 +45,7 @@ from shoal.planning.shares import batch_shares
 from shoal.report.metrics import MetricsLog, MetricWindow, display_line
 from shoal.report.run_log import open_run_log
 from shoal.runtime import rejoined, session_exchange
-from shoal.runtime.exchanges.periodic import MeetingsOver
+from shoal.runtime.endings import MeetingsOver
 from shoal.runtime.replicas import torch_device, usable_device_names
 
 

@@ -47,7 +47,7 @@ from shoal.runtime.assemble import RunSpec, run_process
 from shoal.launcher import faults, rejoin, stalls
 from shoal.launcher.ranks import chief_log, describe_process, expendable, heals, outlives_a_dead_process, rank_output, replicas_go_on
 from shoal.launcher.launchers import LaunchedProcess
-from shoal.runtime.exchanges.downpour import ServerLost
+from shoal.runtime.endings import ServerLost
 from shoal.runtime.trainer import History
 from shoal.strategies.registry import REGISTRY
 

@@ -311,8 +311,7 @@ def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, stor
     from shoal.config.plugins import decode_job
     from shoal.planning.plan import plan_job
     from shoal.runtime.assemble import Rejoin, RunSpec, run_process
-    from shoal.runtime.exchanges.downpour import JobOver
-    from shoal.runtime.exchanges.periodic import MeetingsOver
+    from shoal.runtime.endings import JobOver, MeetingsOver
     from shoal.strategies.registry import REGISTRY
 
     if process_setup is not None:

@@ -59,7 +59,6 @@ from __future__ import annotations
 import math
 
 from shoal.comm.channels import DOWNPOUR_DOOR
-from shoal.errors import ShoalError
 from shoal.neuralnet.params import ParamStore
 from shoal.neuralnet.updaters import Updater
 from shoal.runtime.exchanges.requests import Segment
@@ -91,9 +90,3 @@ def state_layout(updater: Updater, store: ParamStore, segments: list[Segment]) -
     return layout
 
 
-class JobOver(ShoalError):  # not a RuntimeError: no channel failed
-    """A process rejoined too late: the servers finished serving (the job ended without it)."""
-
-
-class ServerLost(ShoalError, RuntimeError):
-    """A server of the job died or stopped answering: the job cannot go on (resume from a checkpoint)."""

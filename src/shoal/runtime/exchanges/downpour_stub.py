@@ -23,7 +23,8 @@ from shoal.runtime.exchanges.compression import Codec, codecs_state, load_codecs
 from shoal.runtime.exchanges.clipping import clip_, max_norm_of
 from shoal.runtime.exchanges.downpour import (DOOR, FINAL, PULL, PUSH, REFUSED, SERVER_ANNOUNCEMENT_S, STATE, STOP,
                                               TAG_BYTES, TAG_GRAD, TAG_HAS_GRAD, TAG_HEADER, TAG_HYPER, TAG_LAGS, TAG_REPLY,
-                                              TAG_STATE, TAG_VALUES, JobOver, ServerLost, server_key, state_layout)
+                                              TAG_STATE, TAG_VALUES, server_key, state_layout)
+from shoal.runtime.endings import JobOver, ServerLost
 from shoal.runtime.exchanges.downpour_mirror import ask_mirror, mirror_interval, send_first, send_heal
 from shoal.runtime.exchanges.local import aggregate
 from shoal.runtime.exchanges.requests import Guarded, PeerGone, Segment, Waiter, gather, post, scatter, server_segments, words

@@ -50,6 +50,7 @@ from shoal.comm import collectives
 from shoal.comm import quorum as quorums
 from shoal.comm.channels import MEETING_DOOR
 from shoal.errors import ShoalError
+from shoal.runtime.endings import MeetingsOver
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.algorithms import Grads
 from shoal.neuralnet.params import ParamStore
@@ -74,10 +75,6 @@ class GroupsDisagree(ShoalError):
 
 class MeetingTimedOut(ShoalError, RuntimeError):
     """Groups of one process neither came to a meeting nor left it within cluster.comm_timeout_s."""
-
-
-class MeetingsOver(ShoalError):  # not a RuntimeError: nothing failed
-    """A process restarted into the job knocked after the groups' last meeting: there is nothing left to join."""
 
 
 @dataclass(frozen=True)

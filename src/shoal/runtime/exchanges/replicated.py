@@ -56,7 +56,7 @@ from shoal.neuralnet.updaters import Updater
 from shoal.report.metrics import MetricWindow
 from shoal.runtime.exchanges.compression import Codec, encode_tentatively, wire_bytes
 from shoal.runtime.exchanges.local import aggregate, clipped
-from shoal.runtime.exchanges.periodic import MeetingsOver
+from shoal.runtime.endings import MeetingsOver
 from shoal.runtime.exchanges.server import Server
 from shoal.runtime.rejoined import fingerprint
 from shoal.runtime.interfaces import GroupDropped
