@@ -605,6 +605,31 @@ def test_sandblaster_resumes_the_servers_optimizer_exactly(sandblaster_run, tmp_
     assert train_losses(workspace)[-1] == train_losses(sandblaster_run / "ws")[-1]
 
 
+def _kill_a_sandblaster_loop_process(sandblaster_run, tmp_path, runs, rank):
+    """The Sandblaster loop under --max-restarts 1 with a checkpoint every 4 steps, process `rank` SIGKILLed at step 5;
+    its run, output folder, stdout, stderr and WARNING lines once it finished."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run = runs.start(sandblaster_run / "sandblaster.py", tmp_path, *LAYOUTS[SANDBLASTER_ROW].cli(), "--set", "checkpoint_freq=4",
+                     "--max-restarts", "1", "--", str(out), env={"SANDBLASTER_STEP_PAUSE": "0.2"})
+    run.signal(rank, signal.SIGKILL, step=5, registry=True)
+    stdout, stderr = run.finished()
+    return run, out, stdout, stderr, [line for line in stderr.splitlines() if line.startswith("WARNING")]
+
+
+def _ends_as_the_uninterrupted_loop(sandblaster_run, run, out, stdout):
+    """The whole job restarted once from a checkpoint, every process ran the script twice, and the loop ended where the
+    uninterrupted run did, to the bit."""
+    assert "the whole job restarted once" in stdout
+    restarts = summary(run.ws)["job_restarts"]
+    assert len(restarts) == 1 and restarts[0]["from_step"] in (4, 8, 12, 16, 20)
+    assert len(list(out.glob("pid*"))) == 1 + 2 * 3  # every process ran the script twice
+    for rank in (0, 1):
+        values, expected = ended(out, rank)[0], ended(sandblaster_run / "out", rank)[0]
+        assert all(torch.equal(values[k], expected[k]) for k in expected)
+    assert summary(run.ws)["status"] == "finished"
+
+
 @pytest.mark.slow
 @SANDBLASTER_RUN
 def test_a_killed_sandblaster_server_restarts_the_whole_loop_from_its_checkpoint(sandblaster_run, tmp_path, runs):
@@ -612,23 +637,11 @@ def test_a_killed_sandblaster_server_restarts_the_whole_loop_from_its_checkpoint
     mirror); the launcher says so in one line and restarts the whole job from the newest checkpoint (every process runs
     the script from the top, the server's AdamW state comes back from the checkpoint), which then ends where the
     uninterrupted run did, to the bit."""
-    out = tmp_path / "out"
-    out.mkdir()
-    run = runs.start(sandblaster_run / "sandblaster.py", tmp_path, *LAYOUTS[SANDBLASTER_ROW].cli(), "--set", "checkpoint_freq=4",
-                     "--max-restarts", "1", "--", str(out), env={"SANDBLASTER_STEP_PAUSE": "0.2"})
-    run.signal(2, signal.SIGKILL, step=5, registry=True)
-    stdout, stderr = run.finished()
-    warning = [line for line in stderr.splitlines() if line.startswith("WARNING")]
+    run, out, stdout, stderr, warning = _kill_a_sandblaster_loop_process(sandblaster_run, tmp_path, runs, 2)
     assert len(warning) == 1 and "process 2 (server(group=0, id=0)) died (SIGKILL)" in warning[0], stderr
     assert "the job cannot go on without it; restarting the whole job from the checkpoint of step" in warning[0]
-    assert "the whole job restarted once" in stdout
-    restarts = summary(run.ws)["job_restarts"]
-    assert len(restarts) == 1 and restarts[0]["from_step"] in (4, 8, 12, 16, 20)
-    assert len(list(out.glob("session0*"))) == 1 and len(list(out.glob("pid*"))) == 1 + 2 * 3  # every process twice
-    for rank in (0, 1):
-        values, expected = ended(out, rank)[0], ended(sandblaster_run / "out", rank)[0]
-        assert all(torch.equal(values[k], expected[k]) for k in expected)
-    assert summary(run.ws)["status"] == "finished"
+    assert len(list(out.glob("session0*"))) == 1
+    _ends_as_the_uninterrupted_loop(sandblaster_run, run, out, stdout)
 
 
 @pytest.mark.slow
@@ -680,25 +693,12 @@ def test_a_killed_sandblaster_worker_restarts_the_whole_loop_from_its_checkpoint
     """--max-restarts 1: worker process 1 (not the chief), SIGKILLed mid-run, is not restarted into the running loop
     (the group's step is synchronous and the servers keep no mirror); the launcher says so in one line and restarts
     the whole job from the newest checkpoint, which ends where the uninterrupted run did, to the bit, exit status 0."""
-    out = tmp_path / "out"
-    out.mkdir()
-    run = runs.start(sandblaster_run / "sandblaster.py", tmp_path, *LAYOUTS[SANDBLASTER_ROW].cli(), "--set", "checkpoint_freq=4",
-                     "--max-restarts", "1", "--", str(out), env={"SANDBLASTER_STEP_PAUSE": "0.2"})
-    run.signal(1, signal.SIGKILL, step=5, registry=True)
-    stdout, stderr = run.finished()
-    warning = [line for line in stderr.splitlines() if line.startswith("WARNING")]
+    run, out, stdout, stderr, warning = _kill_a_sandblaster_loop_process(sandblaster_run, tmp_path, runs, 1)
     assert stderr.strip().splitlines() == warning and "process 1 (worker(group=0, id=1)) died (SIGKILL) after step" in warning[0], stderr
     assert "the job cannot go on without it; restarting the whole job from the checkpoint of step" in warning[0]
     assert "restart 1 of 1" in warning[0]
-    assert "the whole job restarted once" in stdout
-    restarts = summary(run.ws)["job_restarts"]
-    assert len(restarts) == 1 and restarts[0]["from_step"] in (4, 8, 12, 16, 20)
-    assert len(list(out.glob("pid*"))) == 1 + 2 * 3  # every process ran the script twice
     assert not (tmp_path / "ws" / "logs" / "rejoins.jsonl").exists()  # nobody was healed into the running loop
-    for rank in (0, 1):
-        values, expected = ended(out, rank)[0], ended(sandblaster_run / "out", rank)[0]
-        assert all(torch.equal(values[k], expected[k]) for k in expected)
-    assert summary(run.ws)["status"] == "finished"
+    _ends_as_the_uninterrupted_loop(sandblaster_run, run, out, stdout)
 
 
 @pytest.mark.slow
