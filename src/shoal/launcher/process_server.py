@@ -20,18 +20,16 @@ def start_for(cluster: Optional[job_pb2.ClusterProto], preload: Sequence[str]) -
     """Start the server, importing `preload`, if `cluster` places several processes that shoal will start here (not
     under torchrun or srun, whose processes are the ranks); whether it started. A cluster that cannot be placed
     starts nothing: planning names its problem later, in its own words."""
-    from shoal.config.plugins import forkserver_context
-    from shoal.launcher.launchers import detect
     from shoal.planning.placement import process_count
 
-    if cluster is None or "forkserver" not in multiprocessing.get_all_start_methods():
+    if cluster is None or not _ranks_start_here():
         return False
     try:
-        if detect(os.environ) is not None or process_count(cluster) < 2:
+        if process_count(cluster) < 2:
             return False
-    except ShoalError:  # launcher variables that do not add up, a layout planning refuses: each says so later
+    except ShoalError:  # a layout planning refuses: it says so later
         return False
-    forkserver_context(preload)
+    _start(preload)
     return True
 
 
@@ -42,18 +40,29 @@ def prestart() -> bool:
     script has imported torch already). Whether it started: not in a process a launcher (torchrun, srun) or shoal
     started (a rank imports the script again: it forks from the server it has), nor where multiprocessing has no
     forkserver. Without it, fit starts the server as before; with it and a layout of one process, the server idles."""
-    from shoal.config.plugins import forkserver_context
-    from shoal.launcher.launchers import detect
-
     # a process multiprocessing started: its parent is known once it runs, and while it imports the script again
     # (before that) it is `_inheriting`, multiprocessing's own mark for that phase (spawn._check_not_importing_main)
     in_a_child = multiprocessing.parent_process() is not None or getattr(multiprocessing.current_process(), "_inheriting", False)
-    if in_a_child or "forkserver" not in multiprocessing.get_all_start_methods():
+    if in_a_child or not _ranks_start_here():
+        return False
+    _start(["shoal.launcher.launch", "torch._dynamo"])
+    return True
+
+
+def _ranks_start_here() -> bool:
+    """Whether shoal starts a job's processes from this one: multiprocessing has a forkserver, and no launcher
+    (torchrun, srun) started this process (its processes are the ranks)."""
+    from shoal.launcher.launchers import detect
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
         return False
     try:
-        if detect(os.environ) is not None:
-            return False
+        return detect(os.environ) is None
     except ShoalError:  # a launcher's variables that do not add up: the run says so, in one line
         return False
-    forkserver_context(["shoal.launcher.launch", "torch._dynamo"])
-    return True
+
+
+def _start(preload: Sequence[str]) -> None:
+    from shoal.config.plugins import forkserver_context
+
+    forkserver_context(preload)
