@@ -19,7 +19,8 @@ and tells nothing about the peer, whose silence counts afresh from then on: whil
 its key, the peer is not judged by its heartbeat (a peer truly stopped meanwhile is found by the comm
 timeout). Without a secret (no job's), a value that does not parse is ignored with one warning per key and the
 peer judged by its silence. A process that was itself
-stopped longer than the timeout sees the gap between its own beats when it runs again (`on_woken`).
+stopped longer than the timeout sees the gap between its own beats when it runs again (`on_woken`); the time
+its watch did not run (stopped, or starved of CPU) never counts as the store's or a peer's silence.
 
 Threads of the runtime that gave up on a peer leave a receive pending in gloo; the process must
 then end without running gloo's destructors (`abandon`, `abandoned`).
@@ -159,8 +160,13 @@ class Watch:
             now = time.monotonic()
             if now - last > self.timeout:  # this process was stopped (SIGSTOP): its peers have judged it
                 self.on_woken(now - last)
-                self._store_ok_at = now  # our own silence says nothing about the peers
-                self._changed_at = dict.fromkeys(self._changed_at, now)
+            held_up = now - last - self.interval / 2
+            if held_up > self.interval / 2:
+                # this thread did not run (the process stopped, or starved of CPU): nothing here could read the store
+                # then, so that time says nothing about the store or the peers (a stop just under the timeout, added to
+                # the time since the last beat, would otherwise read as the store's silence)
+                self._store_ok_at = min(now, self._store_ok_at + held_up)
+                self._changed_at = {peer: min(now, at + held_up) for peer, at in self._changed_at.items()}
             last = now
             self._judge(now)
 
