@@ -253,6 +253,7 @@ class Outcome:
     last_error: str = ""
     missed: dict = field(default_factory=dict)
     missed_steps: dict = field(default_factory=dict)  # summary.json's: the steps a process or group skipped
+    reshared: dict = field(default_factory=dict)  # summary.json's reshared_steps: Hogwild's skipped steps, re-trained by whom
 
 
 class Job:
@@ -353,6 +354,7 @@ class Job:
         try:
             summary = json.loads((self.ws / "summary.json").read_text())
             result.missed, result.missed_steps = summary.get("missed_updates") or {}, summary.get("missed_steps") or {}
+            result.reshared = summary.get("reshared_steps") or {}
         except (OSError, ValueError):
             pass
         for fault in schedule:
@@ -381,7 +383,8 @@ class Job:
         result.job_restarts = len(re.findall(r"restarting the whole job", stderr))
         result.stderr_tracebacks = stderr.count("Traceback (most recent call last)")
         validations = [r for r in read_jsonl(self.ws / "metrics.jsonl") if r.get("phase") == "validate"]
-        final = [r for r in validations if r["step"] == self.steps]
+        # the trained model's: at the last step (Distributed Hogwild's chief re-trains its share of skipped steps past it)
+        final = [r for r in validations if r["step"] >= self.steps]
         result.val_loss = final[-1]["loss"] if final else None
         if result.code not in (0, None) and not result.last_error:
             lines = [line for line in self.err.read_text(errors="replace").splitlines() if line.strip()]
@@ -522,8 +525,20 @@ def row(faulted: Outcome, unfaulted: Outcome) -> str:
     leftover = left_behind(faulted) + ("" if clean(unfaulted) else f"; unfaulted: {left_behind(unfaulted)}")
     code = lambda r: "timeout" if r.code is None else str(r.code)
     return (f"| {FRAMEWORKS[faulted.framework].label} | {describe_faults(faulted.faults)} | {restarts} | {heal_times(faulted.faults)} | "
-            f"{loss(faulted.val_loss)} / {loss(unfaulted.val_loss)} = {ratio} | {faulted.wall_s:.0f} / {unfaulted.wall_s:.0f} s = "
+            f"{steps_missed(faulted)} | {loss(faulted.val_loss)} / {loss(unfaulted.val_loss)} = {ratio} | {faulted.wall_s:.0f} / {unfaulted.wall_s:.0f} s = "
             f"{goodput} | {code(faulted)}, {code(unfaulted)} | {leftover} |")
+
+
+def steps_missed(r: Outcome) -> str:
+    """The steps the faulted run's processes or groups skipped (summary.json's missed_steps), and, where Distributed
+    Hogwild's groups re-trained them past the last step, by whom (reshared_steps): `12, re-trained 6 + 6`."""
+    missed = sum(m.get("missed", 0) for m in r.missed_steps.values() if isinstance(m.get("missed"), int))
+    if not missed:
+        return "0"
+    by_group = r.reshared.get("by_group") or {}
+    if not by_group:
+        return f"{missed}"
+    return f"{missed}, re-trained " + " + ".join(str(n) for _, n in sorted(by_group.items(), key=lambda item: int(item[0])))
 
 
 def details(faulted: Outcome, unfaulted: Outcome) -> list[str]:
@@ -545,6 +560,8 @@ def details(faulted: Outcome, unfaulted: Outcome) -> list[str]:
         lines.append(f"  - missed updates (summary.json): {json.dumps(faulted.missed)}")
     if faulted.missed_steps:
         lines.append(f"  - missed steps (summary.json): {json.dumps(faulted.missed_steps)}")
+    if faulted.reshared:
+        lines.append(f"  - skipped steps re-trained past the last step (summary.json's reshared_steps): {json.dumps(faulted.reshared)}")
     return lines
 
 
@@ -616,9 +633,10 @@ def main() -> None:
                       *details(got[True], got[False])]
             print(f"{name}: faulted exit {got[True].code} in {got[True].wall_s:.0f} s, unfaulted exit {got[False].code} "
                   f"in {got[False].wall_s:.0f} s", flush=True)
-    print("\n| framework | faults injected | restarts | heal s (fault → back) | validation loss faulted / unfaulted = ratio | "
-          "wall faulted / unfaulted = goodput | exit codes (faulted, unfaulted) | left behind (faulted) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| framework | faults injected | restarts | heal s (fault → back) | steps skipped (re-trained by group) | "
+          "validation loss faulted / unfaulted = ratio | wall faulted / unfaulted = goodput | exit codes (faulted, unfaulted) | "
+          "left behind (faulted) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for f, u in pairs:
         print(row(f, u))
     print("\n" + "\n".join(notes))

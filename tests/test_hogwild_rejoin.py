@@ -2,12 +2,14 @@
 
 Group 1's process is SIGKILLed (its pid from its log) mid-run with --max-restarts 1: the launcher restarts it; the new
 process knocks at each live group, takes the live values of the slices they master and its own slices as the
-latest of their synced copies, and joins at its peers' step, skipping the steps from its last sync to there (so the
-job's wall time holds no step trained twice); the other groups' syncs with it resume. Real runs through the CLI on the
-blobs data.
+latest of their synced copies, and joins at its peers' step, skipping the steps from its last sync to there; every
+group then re-trains its share of the skipped steps past train_steps (the groups' updates add up to the unfaulted
+run's, and the job waits about half as long as one group re-training them alone); the other groups' syncs with it
+resume. Real runs through the CLI on the blobs data, and a user's loop (shoal.session) under `shoal run script.py`.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -53,7 +55,17 @@ def test_a_killed_hogwild_group_is_restarted_and_syncs_again(blobs_job, tmp_path
                      r"\(its updates since that sync were lost\)", line), line
     assert pids(run.ws, 0) == [chief] and pids(run.ws, 1)[0] == victim and len(set(pids(run.ws, 1))) == 2
     assert (record["group"], record["rank"], record["incarnation"], record["step"]) == (1, 1, 1, step)
-    assert got["steps"] == STEPS and got["status"] == "finished"  # the job's steps, as configured
+    # the steps it skipped are re-shared: every group trains its share beyond train_steps (group 0 the odd one), so the
+    # groups' updates add up to the unfaulted run's, and the chief's last step (its final test, checkpoint) is its own
+    skipped = step - synced
+    shares = {str(g): skipped // groups + (g < skipped % groups) for g in range(groups)}
+    assert got["reshared_steps"] == {"skipped": skipped, "retrained": skipped, "by_group": shares}, got.get("reshared_steps")
+    assert got["steps_per_group"] == {str(g): STEPS - skipped * (g == 1) + shares[str(g)] for g in range(groups)}
+    assert sum(got["steps_per_group"].values()) == groups * STEPS
+    last = STEPS + shares["0"]
+    assert got["steps"] == last and got["status"] == "finished" and got["final_test"]["step"] == last
+    assert (run.ws / "checkpoint" / f"step{last}-worker0.safetensors").exists()
+    assert (run.ws / "checkpoint" / f"step{STEPS + shares['1']}-group1-rank1.safetensors").exists()
     # the groups' syncs resumed both ways: the restarted process synced with group 0, and group 0 said so
     rank0, rank1 = (run.ws / "logs" / "rank0.log").read_text(), (run.ws / "logs" / "rank1.log").read_text()
     assert "worker group 0 syncs with worker group 1 again (its restart 1)" in stdout, stdout
@@ -63,10 +75,11 @@ def test_a_killed_hogwild_group_is_restarted_and_syncs_again(blobs_job, tmp_path
     records = train_records(run.ws)  # group 0's: it syncs with group 1's masters (its only ones) again to the end
     assert all(r["syncs"] >= 1 for r in records if r["step"] >= STEPS // 2), records
     assert got["missed_updates"] == {"1": {"why": "process 1 was restarted after it exited with code -9", "rejoined_at": [step]}}
-    skipped = step - synced
     assert got["missed_steps"] == {"1": {"missed": skipped, "of": STEPS, "why": f"skipped steps {synced} to {step - 1}, back at step {step}"}}
+    retrained = " and ".join(f"{shares[str(g)]} by worker group {g}" for g in range(groups) if shares[str(g)])
     assert (f"worker group 1 was restarted and rejoined at step {step}, skipping {skipped} step{'s' if skipped > 1 else ''} "
-            "(process 1 was restarted after it exited with code -9)" in closing_line(stdout)), closing_line(stdout)
+            f"(process 1 was restarted after it exited with code -9)" in closing_line(stdout)), closing_line(stdout)
+    assert f"the {skipped} skipped steps were re-trained beyond step {STEPS}: {retrained}" in closing_line(stdout), closing_line(stdout)
     # summary.json's bytes: group 0's syncs, and group 1's of both processes (the dead one's as group 0 answered them,
     # the restarted one's own count with what it took when it rejoined); no more than the unfaulted run's and that
     # handover (its 24-byte header: three int64, and the whole model in float32: the live slices and its own)
@@ -132,8 +145,78 @@ def test_a_stopped_hogwild_group_holds_nobody_up_and_rejoins_at_its_peers_step(b
     synced, joined = record["skipped_steps"]
     assert synced < joined == record["step"] and joined > at_stop, (line, record)
     assert f"; it skipped steps {synced} to {joined - 1} " in line, line
-    assert got["status"] == "finished" and got["steps"] == steps
+    skipped = joined - synced  # re-trained past the last step by both groups: their updates add up to the unfaulted run's
+    assert got["reshared_steps"] == {"skipped": skipped, "retrained": skipped, "by_group": {"0": (skipped + 1) // 2, "1": skipped // 2}}
+    assert got["status"] == "finished" and got["steps"] == steps + (skipped + 1) // 2
+    assert sum(got["steps_per_group"].values()) == 2 * steps
     assert pids(run.ws, 0) == [chief] and pids(run.ws, 1)[0] == victim and len(set(pids(run.ws, 1))) == 2
     assert "was stopped past the stall timeout" in stderr, stderr
     assert got["final_test"]["accuracy"] >= 0.9, got["final_test"]
+    assert leftover_processes(tmp_path) == []
+
+
+LOOP = '''
+import json, os, signal, sys, time
+from pathlib import Path
+import torch, shoal
+out = Path(sys.argv[1])
+torch.manual_seed(0)
+x = torch.randn(96, 8)
+data = torch.utils.data.TensorDataset(x, x[:, :1].clone())
+run = shoal.session(train_steps=40, disp_freq=5)
+(out / f"pid{run.rank}.{os.getpid()}").write_text("")
+model = run.model(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
+opt = run.optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+first = updates = None
+for step, (xb, yb) in run.batches(data, batch_size=12):
+    first = step if first is None else first
+    if run.rank == 1 and step == 12 and len(list(out.glob("pid1.*"))) == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if sys.argv[2:] == ["end"] and step == 41:  # killed again in its share, once group 0 finished its own and waits
+        if run.rank == 0:
+            (out / "rank0.at41").write_text("")
+        elif len(list(out.glob("pid1.*"))) == 2:
+            while not (out / "rank0.at41").exists():
+                time.sleep(0.05)
+            time.sleep(1)
+            os.kill(os.getpid(), signal.SIGKILL)
+    if run.rank == 0 and step == 14:  # the chief waits for group 1 to be back: it skipped steps 10 to 13
+        deadline = time.time() + 60
+        while not (run.workspace / "logs" / "rejoins.jsonl").exists() and time.time() < deadline:
+            time.sleep(0.05)
+    loss = ((model(xb) - yb) ** 2).mean()
+    loss.backward()
+    opt.step(); opt.zero_grad()
+    run.log(step, loss=loss)
+(out / f"rank{run.rank}.json").write_text(json.dumps({"first": first, "last": step}))
+'''
+
+
+@pytest.mark.slow  # 5 s: a script's two processes and a restart
+@pytest.mark.parametrize("again", ["", "end"])
+def test_a_killed_hogwild_groups_skipped_steps_are_retrained_in_a_users_loop(tmp_path, again):
+    """shoal.session's run.batches() goes on past train_steps for a Distributed Hogwild group's share of the steps a
+    restarted group skipped: group 1, killed at step 12 of 40 (its last sync at 10), rejoins at 14 and skips 4 steps;
+    each group trains 2 more (steps 40 and 41, its shard's next rows), and summary.json says so. `end`: group 1 is
+    killed again at step 41, after group 0 trained its share and waits in its finish: group 0 lets the restarted process
+    in (its door stays open until every peer said STOP), which joins at its last sync (step 40) and trains its share to
+    the end, so every skipped step is still re-trained."""
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    out, ws = tmp_path / "out", tmp_path / "ws"
+    out.mkdir()
+    proc = run_cli("run", script, "--workspace", ws, "--no-progress", "--set", "cluster.nworker_groups=2",
+                   "--set", "cluster.nserver_groups=2", "--set", "cluster.sync_freq=5", "--max-restarts", "2", "--", out,
+                   *([again] if again else []), timeout=120, cwd=out)
+    assert proc.returncode == 0, proc.stderr
+    record, *later = [json.loads(line) for line in (ws / "logs" / "rejoins.jsonl").read_text().splitlines()]
+    assert record["skipped_steps"] == [10, 14], record
+    if again:  # back at its last sync, past train_steps: nothing skipped, its share trained to its end
+        assert [(r["incarnation"], r["step"], r.get("skipped_steps")) for r in later] == [(2, 40, [40, 40])], later
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == {"first": 0, "last": 41} and ranks[1] == {"first": 40 if again else 14, "last": 41}, ranks  # 40 + its share of 4
+    got = summary(ws)
+    assert got["reshared_steps"] == {"skipped": 4, "retrained": 4, "by_group": {"0": 2, "1": 2}}
+    assert got["steps_per_group"] == {"0": 42, "1": 38} and got["status"] == "finished"  # 80 updates, as unfaulted
+    assert "the 4 skipped steps were re-trained beyond step 40: 2 by worker group 0 and 2 by worker group 1" in proc.stdout
     assert leftover_processes(tmp_path) == []

@@ -19,7 +19,11 @@ A `Door` is the store-side handshake, the same for a group's first join and for 
   stub that cannot (one line in its log) and applies nothing it sends;
 - `s<S>/g<G>/state`: the server's word on the group ("serving N", "lost N", "finished");
 - `g<G>/given_up`: the last incarnation the launcher will not restart again (no wait for it);
-- `restarts`: set when the launcher restarts dead groups (a server then waits a moment for its word).
+- `restarts`: set when the launcher restarts dead groups (a server then waits a moment for its word);
+- `g<G>/i<N>/skipped`: Distributed Hogwild, "FIRST STOP": the steps incarnation N of group G skipped when it rejoined
+  (FIRST = STOP: none), which every group re-trains a share of at its end; `g<G>/resharing`: "RETRAINED END", how
+  many of them group G trained beyond train_steps, and its last step, once it is done; `g<G>/waiting`: the count of
+  skipped steps whose share group G trained, while it waits for its peers (-1: it trains).
 
 Every word but `incarnation` (a counter of the store's `add`) carries a MAC under the job's secret
 (shoal.comm.signed_store): a word that fails authentication is as if nobody had said it.
@@ -223,6 +227,38 @@ class Door:
 
     def server_given_up(self, server: int) -> int:
         return self._int(f"server{server}/given_up", -1)
+
+    # -- Distributed Hogwild's skipped steps, re-shared over the groups at their end ------------------
+    def say_skipped(self, group: int, incarnation: int, first: int, stop: int) -> None:
+        """Incarnation `incarnation` of `group` skipped steps [first, stop) when it rejoined (first = stop: none)."""
+        self._store.set(f"g{group}/i{incarnation}/skipped", f"{first} {stop}")
+
+    def skipped(self, group: int, incarnation: int) -> Optional[tuple[int, int]]:
+        """[first, stop) of the steps that incarnation skipped; None while it has not said."""
+        value = self._get(f"g{group}/i{incarnation}/skipped")
+        try:
+            first, stop = (int(v) for v in value.split()) if value is not None else (None, None)
+        except ValueError:
+            return None
+        return None if first is None else (first, stop)
+
+    def say_waiting(self, group: int, skipped: int) -> None:
+        """`group` trained its share of `skipped` steps and waits for its peers (-1: it trains its share)."""
+        self._store.set(f"g{group}/waiting", str(skipped))
+
+    def waiting(self, group: int) -> Optional[int]:
+        return self._int(f"g{group}/waiting", -1)
+
+    def say_resharing(self, group: int, retrained: int, end: int) -> None:
+        """`group` trained `retrained` of the skipped steps beyond train_steps, ending at step `end` (its own last)."""
+        self._store.set(f"g{group}/resharing", f"{retrained} {end}")
+
+    def resharing(self, group: int) -> Optional[tuple[int, int]]:
+        value = self._get(f"g{group}/resharing")
+        try:
+            return tuple(int(v) for v in value.split()) if value is not None else None
+        except ValueError:
+            return None
 
     # -- one server's side ----------------------------------------------------------------------
     def hello(self, server: int, group: int, incarnation: int) -> Optional[str]:

@@ -150,6 +150,23 @@ def _missed(summary: dict) -> list[str]:
     return said
 
 
+def _reshared(summary: dict) -> list[str]:
+    """`the 11 skipped steps were re-trained beyond step 240: 6 by worker group 0 and 5 by worker group 1`: Distributed
+    Hogwild's groups re-train the steps a restarted group skipped at their end (summary.json's reshared_steps)."""
+    reshared = summary.get("reshared_steps") or {}
+    by_group = {g: n for g, n in (reshared.get("by_group") or {}).items() if isinstance(n, int) and n > 0}
+    if not isinstance(reshared.get("skipped"), int) or not reshared["skipped"]:
+        return []
+    who = " and ".join(f"{n:,} by worker group {g}" for g, n in sorted(by_group.items(), key=lambda item: int(item[0])))
+    text = f"the {reshared['skipped']:,} skipped step{'s' if reshared['skipped'] != 1 else ''} "
+    text += (f"{'were' if reshared['skipped'] != 1 else 'was'} re-trained beyond step {summary.get('train_steps'):,}: {who}"
+             if who else "were not re-trained")
+    retrained = reshared.get("retrained")
+    if isinstance(retrained, int) and 0 < retrained < reshared["skipped"]:
+        text += f" ({reshared['skipped'] - retrained:,} not: their groups had finished or died)"
+    return [text]
+
+
 def _restarted(summary: dict) -> list[str]:
     """`the whole job restarted 2 times (35 steps re-done)`: summary.json's job_restarts (--max-restarts)."""
     restarts = summary.get("job_restarts") or []
@@ -186,7 +203,7 @@ def closing_line(workspace: Path) -> str:
     summary = read_summary(workspace)
     if summary is None:
         return f"Run ended; {workspace / SUMMARY_FILE} is missing or unreadable"
-    parts = [_trained(summary), *_restarted(summary), *_missed(summary)]
+    parts = [_trained(summary), *_restarted(summary), *_missed(summary), *_reshared(summary)]
     final, best = summary.get("final_test") or {}, summary.get("best_test") or {}
     metric = next((m for m in ("accuracy", "loss") if isinstance(final.get(m), (int, float))), None)
     if metric is not None:

@@ -448,10 +448,12 @@ class Trainer:
             bar = TrainingBar(job.train_steps, initial=self.start_step)
             self.log = bar.above(self.log)
         window_start = time.perf_counter()
-        step = self.start_step
-        while step < job.train_steps:
+        step, end = self.start_step, job.train_steps
+        # past train_steps, Distributed Hogwild's groups train their share of the steps restarted groups skipped
+        while step < end or (end := self._steps_to_train(end)) > step:
             resumed_here = self.resumed and step == self.start_step
-            if not resumed_here:  # the checkpoint we resumed from was taken after these ran
+            # (past train_steps, re-training skipped steps, the phases wait for the group's own last step: below)
+            if not resumed_here and step < job.train_steps:  # the checkpoint we resumed from was taken after these ran
                 paused = time.perf_counter()
                 if job.validate_steps > 0 and fires(job.validate_freq, job.validate_after, step):
                     run_phase(step, job_pb2.kVal, job.validate_steps, "Validate")
@@ -497,13 +499,23 @@ class Trainer:
             hook.before_final_test()
         if self.resumed and self.start_step >= job.train_steps:
             return history  # resumed from the final checkpoint: nothing left to do
+        notes = getattr(self.exchange, "job_notes", None)  # Distributed Hogwild: the skipped steps, who re-trained them
+        if metrics is not None and notes:
+            metrics.annotate(**notes)
+        # at the group's own last step: train_steps, or past it where it re-trained skipped steps (Distributed Hogwild)
+        last = max(step, job.train_steps)
         if job.validate_steps > 0 and job.validate_freq > 0:  # the trained model's validation, as its test below
-            run_phase(job.train_steps, job_pb2.kVal, job.validate_steps, "Validate")
+            run_phase(last, job_pb2.kVal, job.validate_steps, "Validate")
         if job.test_steps > 0 and job.test_freq > 0:
-            run_phase(job.train_steps, job_pb2.kTest, job.test_steps, "Test")
-        path = self.save_checkpoint(job.train_steps)
+            run_phase(last, job_pb2.kTest, job.test_steps, "Test")
+        path = self.save_checkpoint(last)
         self.log(f"Checkpoint written to {path}")
         return history
+
+    def _steps_to_train(self, end: int) -> int:
+        """Where the loop ends, asked once it reached `end`: `end`, or where the exchange says this group trains to
+        (Distributed Hogwild: its share of the steps restarted groups skipped, beyond train_steps)."""
+        return self.exchange.steps_to_train(self.job.train_steps) if hasattr(self.exchange, "steps_to_train") else end
 
     def _interval_checkpoint(self, step: int) -> None:
         """The checkpoint (or this trainer's part) of `step`, which the chief chose when checkpoint_interval_s had passed."""

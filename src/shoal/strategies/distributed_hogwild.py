@@ -1,7 +1,8 @@
 """Distributed Hogwild: asynchronous groups over processes, each with a server group of its own in its process;
 the replicas sync their master slices every cluster.sync_freq steps (runtime/exchanges/hogwild.py). A dead group's
 process may be restarted (cluster.max_restarts, launcher/rejoin.py): it rejoins from the other groups' live values
-and joins at its peers' step, skipping the steps since its last sync."""
+and joins at its peers' step, skipping the steps since its last sync, which every group re-trains a share of beyond
+train_steps (runtime/exchanges/hogwild_recovery.py's steps_to_train)."""
 from __future__ import annotations
 
 from shoal.comm import channels

@@ -33,9 +33,14 @@ header of every sync carries the requester's step; where it has not synced since
 began at: a resumed run's, never step 0 again) and its own step now. The restarted group takes the live values and
 its own slices from the latest of those syncs, and joins at its peers' step (the slowest live group's, never before
 its last sync), skipping the steps from its last sync to there, as a step without a process skips that process's rows
-under AllReduce: the data shards are a function of the step, so its rows of those steps are not trained, and no step
-is trained twice (the job ends when its last group does). What it had done since its last sync, and the updater state
-of its server, are lost. The groups it reached then sync with it again, both ways. A restarted process knocks
+under AllReduce: the data shards are a function of the step, so its rows of those steps are not trained then. It says
+the steps it skipped in the job's store (shoal.comm.channels.Door.say_skipped), and every group, once it reaches
+train_steps, trains its share of all the steps skipped so far (an even split by group index, hogwild_recovery.reshare)
+beyond train_steps, on its shard's next rows, then waits while a peer still trains, counting again (a restart the
+launcher announced is let in and its skip awaited first; a group in its finish keeps its door open until every peer
+said STOP): the job applies as many updates as unfaulted, and its wall time grows by about
+K / groups steps for K skipped, not K. What it had done since its last sync, and the updater state of its server, are
+lost. The groups it reached then sync with it again, both ways. A restarted process knocks
 at the groups that started with the job and at restarted ones of a lower group number (never both
 ways, so two restarted groups make one channel); a group that is not running then is not synced with.
 

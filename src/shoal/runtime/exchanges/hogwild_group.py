@@ -33,6 +33,9 @@ from shoal.runtime.exchanges.server import Server
 # then no longer holds the group up for the whole stall timeout (cluster.stall_timeout_s) until it is dropped. Not the
 # first sync with a master: that one waits (its loop may start seconds after this one's).
 SYNC_PATIENCE_S = 1.0
+# How long a finished group waits for the launcher's word that a peer which died before its STOP is restarted (the
+# launcher says it within a heartbeat of the death; without restarts left it never does)
+RETURN_WAIT_S = 2.0
 
 
 class Sent(NamedTuple):
@@ -63,6 +66,7 @@ class HogwildExchange(HogwildMaster, HogwildRecovery):
     """One group's local updates plus its syncs with the other groups' replicas (its master service: HogwildMaster; its
     restarts and checkpoint state: HogwildRecovery)."""
     absent_groups: frozenset[int] = frozenset()  # every group stays in the job (only Local SGD's meetings leave one out)
+    job_notes: dict = {}  # the chief's, after finish: summary.json's reshared_steps and steps_per_group (hogwild_recovery)
 
     def __init__(self, store: ParamStore, server: Server, placement: Placement, rank: int, group: int,
                  sync_freq: int, ngroups: int, log: Callable[[str], None] = print, codecs: Optional[Callable[..., Codec]] = None,
@@ -117,6 +121,8 @@ class HogwildExchange(HogwildMaster, HogwildRecovery):
             self.answer_codecs = {g: codecs(False) for g in self.peers}  # the difference from `known` is the feedback
             self.known: dict[int, torch.Tensor] = {}  # per requesting group: what it holds of this group's slices
         self._threads: dict[int, threading.Thread] = {}  # per peer group: the thread answering its syncs
+        self._served_links: dict[int, object] = {}  # per peer group: the link its syncs come on (its newest process's)
+        self._stopped_links: set[int] = set()  # the links whose peer said STOP (the others' peers died first)
         self._started = False
 
     def _start(self) -> None:
@@ -272,30 +278,58 @@ class HogwildExchange(HogwildMaster, HogwildRecovery):
         return next(g for g, r in self.peers.items() if r == rank)
 
     def finish(self) -> None:
-        """Training is over here: let in a restarted group the launcher announced, tell the masters, then serve the
-        others until they are done too."""
+        """Training is over here: tell the masters, then serve the others until they are done too. The door stays open
+        meanwhile: a peer that dies before its STOP and is restarted is let in and served to its end (its share of the
+        skipped steps, trained with the live values, reaches this group's masters); only then does it close."""
         self._start()  # a group that had no step left to train still serves the others
+        self.settle_late()  # answers still due: their receives must not be left pending
+        self.say_resharing()  # (before its STOP: the chief, waiting for every STOP, then reads every group's)
+        told: set[int] = set()  # the links this group said STOP on
+        while True:
+            self._say_stop(told)
+            self._serve_to_the_end()
+            if self.door is None or not self._awaits_a_return():
+                break
         if self.door is not None:
-            self._await_announced()
             self._closing = True  # from here on a knock finds the door closed: the restarted group trains on alone
             self.door.close(self.group)
             self._admitting.join(timeout=self.timeout_s)  # a knock being let in now is answered below too
-        self.settle_late()  # answers still due: their receives must not be left pending
+            self._say_stop(told)
+            self._serve_to_the_end()
+            self.door.set_state(self.group, self.group, "finished")
+        # every peer said STOP here (or is gone): this group's syncs and theirs with anyone, each counted once, by its requester
+        self.job_bytes_sent = self.own_bytes + sum(self._peer_bytes.values())
+        if self.chief and self.end_step is not None:  # the skipped steps and who re-trained them (summary.json)
+            self.job_notes = self.resharing_notes(self.train_steps)
+
+    def _say_stop(self, told: set[int]) -> None:
+        """STOP to each master this group has not told yet (one let in during the finish too)."""
         for master, (_, size) in list(self.requests.items()):
-            zeros = self.delta_codecs[master].buffers(size) if self.codecs is not None else [torch.zeros(size, device="cpu")]
             link = self.links[master]
+            if id(link) in told:
+                continue
+            told.add(id(link))
+            zeros = self.delta_codecs[master].buffers(size) if self.codecs is not None else [torch.zeros(size, device="cpu")]
             try:  # the master has this request's Δ receive posted (_serve): it gets zeros
                 link.send(self._header(STOP), TAG_SYNC_HEADER)
                 for part, tag in zip(zeros if size else [], (TAG_SYNC_DELTA, TAG_SYNC_DELTA_2)):
                     link.send(part, tag)
             except RuntimeError:
                 pass
+
+    def _serve_to_the_end(self) -> None:
         for group, t in list(self._threads.items()):
             wait_unless(t, lambda: heartbeat.is_stalled(self.peers[group]), 0.25)  # never wait for a dropped group
-        if self.door is not None:
-            self.door.set_state(self.group, self.group, "finished")
-        # every peer said STOP here (or is gone): this group's syncs and theirs with anyone, each counted once, by its requester
-        self.job_bytes_sent = self.own_bytes + sum(self._peer_bytes.values())
+
+    def _awaits_a_return(self) -> bool:
+        """Whether a peer that ended without its STOP (it died) comes back: the launcher's word on its restart (up to
+        RETURN_WAIT_S), then its knock, let in (True: serve it to its end too)."""
+        linked = dict(self.linked)
+        for group, link in list(self._served_links.items()):
+            if id(link) not in self._stopped_links and self.door.dead_groups_restart():
+                self.door.await_announcement(group, self.linked[group], RETURN_WAIT_S)
+        self._await_announced()
+        return self.linked != linked
 
     # -- the trainer's interface --------------------------------------------------------
     def metrics(self, window: MetricWindow) -> dict[str, float]:

@@ -29,6 +29,7 @@ class HogwildMaster:
         """Start the thread that answers `group`'s process `rank` over its link."""
         key = len(self._peer_bytes)
         self._peer_bytes[key] = 0
+        self._served_links[group] = self.links[rank]
         self._threads[group] = threading.Thread(target=self._serve, args=(group, rank, self.links[rank], key),
                                                 name=f"shoal-sync-group{group}", daemon=True)
         self._threads[group].start()
@@ -52,6 +53,7 @@ class HogwildMaster:
                 kind, steps = int(header[0]) % KINDS, int(header[0]) // KINDS
                 if kind == STOP:  # its Δ is zeros, sent so that no receive is left pending; its header, the peer's bytes
                     self._peer_bytes[key] = steps
+                    self._stopped_links.add(id(link))
                     return
                 delta = codec.decode(received, size) if codec is not None else received[0]
                 if heartbeat.is_stalled(rank):  # it woke after being dropped: its delta is stale, never added

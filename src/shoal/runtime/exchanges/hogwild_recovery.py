@@ -24,8 +24,16 @@ from shoal.runtime.exchanges.hogwild import ADMIT_POLL_S, TAG_JOIN_INFO, TAG_JOI
 from shoal.runtime.exchanges.requests import gather, let_in, scatter
 
 
+def reshare(skipped: int, group: int, ngroups: int) -> int:
+    """Group `group`'s share of `skipped` steps over `ngroups` groups: an even split, the lower group numbers taking
+    one more each where it does not divide (the same answer in every process; it never shrinks as `skipped` grows)."""
+    return skipped // ngroups + (1 if group < skipped % ngroups else 0)
+
+
 class HogwildRecovery:
-    """A group's restarts (letting one in, rejoining as one) and its checkpoint state."""
+    """A group's restarts (letting one in, rejoining as one), its share of the skipped steps, and its checkpoint state."""
+    end_step = None  # the step this group trains to, once it reached train_steps (steps_to_train)
+    train_steps = 0
 
     def _await_announced(self) -> None:
         """Wait (up to the comm timeout) for the groups whose restart the launcher announced to knock and be let in."""
@@ -105,8 +113,11 @@ class HogwildRecovery:
         it joins at, its peers' (the slowest live group's, and never before its last sync: it ends no later than they do
         and skips the fewest rows), and what it took, in words. `skipped` holds the steps it skips, [first, joined):
         from its last sync (its updates since were lost with its process) to its peers' step, whose rows it never
-        trains, as a step without a process skips its rows under AllReduce. `end_step` (the job's train_steps): the
-        step of a group that finished (None: such a group does not count)."""
+        trains then, as a step without a process skips its rows under AllReduce; it says them in the job's store, and
+        every group re-trains a share of them at its end (steps_to_train). `end_step` (the job's train_steps): the step
+        of a group that finished, and the latest it joins at (a group past it trains its share of skipped steps; None:
+        neither counts). Where every other group had finished, it trains nothing more (`alone`): the chief's values,
+        the job's result, are final, and nobody answered to say what it skipped."""
         self.incarnation = incarnation
         steps, latest, own, linked, peers_at = [0], -1, None, [], []
         finished = [] if end_step is None else [end_step]  # a finished group is at the end: nothing is left to train
@@ -151,10 +162,20 @@ class HogwildRecovery:
         if own is not None and self.served[1]:
             with self.lock:
                 scatter(self.store, own[1], self.served[0])
-        synced = max(steps)  # its last sync's step: the last whose work the live groups hold
+        # its last sync's step: the last whose work the live groups hold (an earlier restart of it joined at its step
+        # with the live values, as a sync: killed before it synced again, it did not skip those steps twice)
+        earlier = [said[1] for i in range(1, incarnation) if self.door is not None
+                   and (said := self.door.skipped(self.group, i)) is not None]
+        synced = max(steps + earlier[-1:]) if linked else max(steps)
+        # a live group past train_steps trains its share of skipped steps: this group's own steps end at train_steps
+        peers_at = [min(at, end_step) for at in peers_at] if end_step is not None else peers_at
         step = max(synced, min(peers_at, default=synced))  # (a live group behind its last sync: from that sync)
         # (where no group answered, the step of its last sync is not known here: nothing is said of what it skipped)
         self.skipped = (synced, step) if linked else None
+        self.alone = not linked and bool(peers_at)  # every other group had finished: it re-trains no share either
+        if self.door is not None and linked:  # every group re-trains its share of them at its end (steps_to_train)
+            self.door.say_skipped(self.group, incarnation, synced, step)
+            self.door.say_waiting(self.group, -1)  # (its dead predecessor's word does not stand: it trains)
         self.updates = self.server.updates = step  # the sync cadence and the LR schedule's step go on from there
         self.steps_done = step
         self._start()
@@ -169,9 +190,89 @@ class HogwildRecovery:
             took += f", and its own slices as worker group {own[0]} last synced them (its updates since that sync were lost)"
         if step > synced and linked:
             which = f"steps {synced} to {step - 1} ({step - synced} steps" if step - synced > 1 else f"step {synced} (1 step"
-            took += (f"; it skipped {which}, to its peers' step: what it trained of them was lost with its process, and it "
-                     "does not train them again)")
+            took += (f"; it skipped {which}, to its peers' step: what it trained of them was lost with its process; every "
+                     "group re-trains a share of that many steps beyond train_steps, on its shard's next rows)")
         return step, took
+
+    # -- the steps restarted groups skipped, re-shared over every group at its end --------------------------------
+    def steps_to_train(self, train_steps: int) -> int:
+        """The step this group trains to: `train_steps` plus its share of the steps the restarted groups skipped so far
+        (skipped_total: each restarted process said its own in the job's store when it rejoined), split by group index
+        (reshare). Asked when the group reaches train_steps and again once it trained to the answer (a skip may land
+        late: a restart the launcher announced is let in, and its skip awaited, first); with its share trained it
+        waits, counting again, while a peer still trains, and ends once every peer has the same count's share trained
+        (`g<G>/waiting`), finished or is gone."""
+        if self.door is None or getattr(self, "alone", False):
+            return max(train_steps, self.steps_done)
+        self.train_steps = train_steps
+        while True:
+            self._await_announced()
+            self._await_skips_said()
+            skipped = self.skipped_total()
+            self.end_step = max(train_steps + reshare(skipped, self.group, self.ngroups), self.steps_done)
+            if self.end_step > self.steps_done:
+                self.door.say_waiting(self.group, -1)  # training its share: the others wait for it
+                return self.end_step
+            # its share is trained: it waits while a peer still trains, so that a skip said meanwhile (a peer killed
+            # or stopped near the end, restarted) is re-shared with it too; done once every peer waits at the same
+            # count, has finished or is gone (a group in its finish still lets a restarted one in: hogwild_group.finish)
+            self.door.say_waiting(self.group, skipped)
+            if all(self._peer_done(group, skipped) for group in self.peers):
+                return self.end_step
+            time.sleep(ADMIT_POLL_S)
+
+    def _peer_done(self, group: int, skipped: int) -> bool:
+        """Whether `group` trains no more of the skipped steps (as this group counts them: `skipped`)."""
+        if self._knocks_expected(group):  # a restart announced: it is let in first, its skip then counted
+            return False
+        if self.door.resharing(group) is not None or self.door.waiting(group) == skipped:
+            return True
+        answering = self._threads.get(group)
+        return answering is None or not answering.is_alive() or heartbeat.is_stalled(self.peers[group])
+
+    def skipped_total(self) -> int:
+        """The steps every restarted group's process skipped so far, over every group and restart (the job's store)."""
+        total = 0
+        for group in range(self.ngroups):
+            for incarnation in range(1, self.door.incarnation(group) + 1):
+                said = self.door.skipped(group, incarnation)
+                total += max(0, said[1] - said[0]) if said is not None else 0
+        return total
+
+    def _await_skips_said(self) -> None:
+        """Wait (up to the comm timeout) for each restarted group this process let in to say what it skipped (it does
+        once it heard from every live group), unless it died again or the launcher gave it up."""
+        deadline = time.monotonic() + self.timeout_s
+        for group, incarnation in self.linked.items():
+            while (incarnation > 0 and self.door.skipped(group, incarnation) is None and time.monotonic() < deadline
+                   and self.door.incarnation(group) == incarnation and self.door.given_up(group) < incarnation
+                   and not heartbeat.is_stalled(self.peers[group]) and self.door.state(group, group) != "finished"):
+                time.sleep(ADMIT_POLL_S)
+
+    def say_resharing(self) -> None:
+        """Before this group's STOP: how many skipped steps it trained beyond train_steps and its last step (the
+        chief gathers every group's for summary.json's reshared_steps)."""
+        if self.door is not None and self.end_step is not None:
+            self.door.say_resharing(self.group, max(0, self.steps_done - self.train_steps), self.steps_done)
+
+    def resharing_notes(self, train_steps: int) -> dict:
+        """The chief's, after every group said STOP: summary.json's `reshared_steps`, the steps the restarted groups
+        skipped and how many each group re-trained beyond train_steps, and `steps_per_group`, the updates each group
+        applied to the job's values (train_steps − its skipped steps + its re-trained ones)."""
+        if self.door is None:
+            return {}
+        skipped = {g: 0 for g in range(self.ngroups)}
+        for group in range(self.ngroups):
+            for incarnation in range(1, self.door.incarnation(group) + 1):
+                said = self.door.skipped(group, incarnation)
+                skipped[group] += max(0, said[1] - said[0]) if said is not None else 0
+        if not any(skipped.values()):
+            return {}
+        retrained = {g: (said[0] if (said := self.door.resharing(g)) is not None else 0) for g in range(self.ngroups)}
+        retrained[self.group] = max(0, self.steps_done - train_steps)
+        return {"reshared_steps": {"skipped": sum(skipped.values()), "retrained": sum(retrained.values()),
+                                   "by_group": {str(g): n for g, n in retrained.items()}},
+                "steps_per_group": {str(g): train_steps - skipped[g] + retrained[g] for g in range(self.ngroups)}}
 
     # -- a checkpoint of the group ------------------------------------------------------
     def own_state(self) -> dict[str, torch.Tensor]:
