@@ -48,3 +48,22 @@ def test_injected_faults_are_hooks_read_from_the_environment(monkeypatch):
     proc = subprocess.run([sys.executable, "-c", "from shoal.launcher import faults\nfaults.from_environment().server_update_hook(2)(9)\n"
                                                  "print('not reached')"], capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout) == (3, "")
+
+
+def test_a_job_whose_data_is_missing_stops_in_one_line_naming_the_file(tmp_path):
+    """Distributed Hogwild, whose groups outlive a dead one: a process that cannot read its data before its first step
+    is no fault to go on from (every process reads the same file): the job stops in one line naming the file, with no
+    line saying the other groups go on."""
+    from cli_in_process import run_cli
+    from conftest import mlp_job_text
+
+    missing = tmp_path / "no-data"
+    job = tmp_path / "job.conf"
+    job.write_text(mlp_job_text(missing, layout="Distributed Hogwild, 2 groups"))
+    proc = run_cli("run", job, "--workspace", tmp_path / "ws", "--no-progress", cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0
+    said = proc.stdout + proc.stderr
+    assert "go on" not in said and "Traceback" not in said and "WARNING" not in said, said
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{missing / 'train.bin'}: no such store" in lines[0], proc.stderr
+    assert "failed before its first step" in lines[0], lines[0]

@@ -144,6 +144,9 @@ def test_allreduce_over_two_processes_is_one_worker(one_worker, allreduce):
     replica0, said0 = ended(allreduce, 0)
     replica1, said1 = ended(allreduce, 1)
     assert said0["pid"] != said1["pid"] and said0["processes"] == 2 and said0["label"] == "AllReduce"
+    for rank, said in ((0, said0), (1, said1)):  # each rank's log names its process, as a job file's does
+        assert (f"Worker (group = 0, id = {rank}) start on CPU in process {rank} (pid = {said['pid']})"
+                in (allreduce / "ws" / "logs" / f"rank{rank}.log").read_text())
     assert (said0["rows"], said1["rows"]) == (6, 6)  # each process its half of the batch of 12
     assert all(torch.equal(replica0[k], replica1[k]) for k in replica0)  # the replicas are equal to the bit
     assert all(torch.allclose(replica0[k], single[k], rtol=1e-5, atol=1e-6) for k in single)

@@ -83,8 +83,9 @@ def meetings_over(store) -> bool:
     return store.under(KEYS).get("closed") == "1"
 
 
-class MeetingsOver(RuntimeError):
-    """A restarted process knocked after the last meeting: there is nothing left for it to join."""
+class MeetingsOver(ShoalError):  # not a RuntimeError: nothing failed
+    """A restarted process knocked after the last meeting: there is nothing left for it to join (the one class: the
+    exchanges let it through and runtime/endings.py names it for the launcher; comm cannot import runtime)."""
 
 
 class ChiefSilent(ShoalError, RuntimeError):

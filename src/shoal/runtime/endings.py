@@ -2,7 +2,10 @@
 these, and the launcher reads them to say what ended a process (so it imports no exchange module)."""
 from __future__ import annotations
 
+from shoal.comm.quorum import MeetingsOver  # (said here with the others; defined where the quorum raises it)
 from shoal.errors import ShoalError
+
+__all__ = ["JobOver", "MeetingsOver", "ServerLost"]
 
 
 class JobOver(ShoalError):  # not a RuntimeError: no channel failed
@@ -11,7 +14,3 @@ class JobOver(ShoalError):  # not a RuntimeError: no channel failed
 
 class ServerLost(ShoalError, RuntimeError):
     """A server of the job died or stopped answering: the job cannot go on (resume from a checkpoint)."""
-
-
-class MeetingsOver(ShoalError):  # not a RuntimeError: nothing failed
-    """A process restarted into the job knocked after the groups' last meeting: there is nothing left to join."""

@@ -30,9 +30,9 @@ says:
   group's mean gradient in every `.grad` when backward ends (`StubGroupMean`), which the stub alone then pushes;
 - in-memory Downpour and Hogwild (groups of one worker each as threads of one process, `group_exchanges`): the
   strategy's GroupExchanges around one in-process server running the user's optimizer from its recipe; each worker's
-  `opt.step()` pre-hook pushes its gradients there with its own optimizer's hyper-parameters (`CarryingHyper`) and its
-  group's copy takes the server's answer (Downpour), or the server updates the one copy every group computes on
-  (Hogwild).
+  `opt.step()` pre-hook pushes its gradients there with its own optimizer's hyper-parameters (the push carries them,
+  as over processes: `GroupExchange.carry_hyper`, `Server.carry_hyper`) and its group's copy takes the server's answer
+  (Downpour), or the server updates the one copy every group computes on (Hogwild).
 
 The exchanges come from `plan.strategy.attach_exchanges(run)` with `SessionRun`, a process's part whose one trainer
 is the user's module (`SessionMember`: its ParamStore views the module's params, no copy).
@@ -44,6 +44,7 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -526,23 +527,6 @@ def whole_updater_state(saved: Optional[dict]) -> dict[str, dict[str, torch.Tens
     return state
 
 
-class CarryingHyper:
-    """One group's view of the in-process server (in-memory Downpour in a user's loop): each update first sets the
-    server's optimizer to this group's hyper-parameters, as its push over processes carries them, under one lock shared
-    by every group's view, so that no update runs with another group's learning rate."""
-
-    def __init__(self, server, lock, set_hyper: Callable[[], None]):
-        self._server, self._lock, self._set_hyper = server, lock, set_hyper
-
-    def __getattr__(self, name):
-        return getattr(self._server, name)
-
-    def update(self, *args, **kwargs):
-        with self._lock:
-            self._set_hyper()
-            return self._server.update(*args, **kwargs)
-
-
 class GroupsInProcess:
     """In-memory Downpour's groups of this process as the session's one exchange: what a checkpoint holds of them (the
     server's optimizer state, values and update count, through group 0's exchange; every other group's own copy of
@@ -586,8 +570,6 @@ def group_exchanges(plan: JobPlan, stores: list[ParamStore], recipe: dict, optim
     checkpoint's `saved` exchange tensors: the server's values, its optimizer's state and update count, each group's
     copy); each group's pushes carry its own optimizer's hyper-parameters (`optimizers`, in group order: what its
     scheduler set). Returns them as one exchange (`GroupsInProcess.exchanges`: in group order)."""
-    import threading
-
     names = stores[0].trainable_names()
     served = downpour_plan(plan, names, [tuple(stores[0].info[n].shape) for n in names], recipe)
     members = [SessionMember(store, group, start_step, metrics=metrics if group == 0 else None)
@@ -598,16 +580,10 @@ def group_exchanges(plan: JobPlan, stores: list[ParamStore], recipe: dict, optim
     if saved:
         load_exchange_state(groups, saved)
     served.strategy.after_values(run, StartSpec(resume_from="checkpoint" if saved else None))
-    layout, lock = recipe_layout(recipe), threading.Lock()
-    server = members[0].exchange.server
+    layout = recipe_layout(recipe)
+    server = members[0].exchange.server  # (every group's exchange pushes to this one)
     updater = server.updater
-
-    def carrier(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
-        def carry() -> None:
-            if updater.optimizer is not None:  # (built at the first update, from the recipe: its hyper-parameters)
-                set_hyper(updater.optimizer, hyper_vector(optimizer, layout), layout)
-        return carry
-
-    for member, optimizer in zip(members, optimizers):
-        member.exchange.server = CarryingHyper(server, lock, carrier(optimizer))
+    server.carry_hyper(lambda vector: set_hyper(updater.optimizer, vector, layout) if updater.optimizer is not None else None)
+    for member, optimizer in zip(members, optimizers):  # each group's push: its own optimizer's, as its scheduler set them
+        member.exchange.carry_hyper(partial(hyper_vector, optimizer, layout))
     return groups

@@ -157,6 +157,12 @@ class GroupExchange:
         self.server, self.board, self.group, self.replica = server, board, group, replica
         self.chief = group == 0
         self._restored: dict[str, dict[str, torch.Tensor]] = {}  # from a checkpoint: "server" / "replica" values
+        self.hyper: Optional[Callable[[], torch.Tensor]] = None  # a user's loop (carry_hyper): what each push carries
+
+    def carry_hyper(self, hyper: Callable[[], torch.Tensor]) -> None:
+        """A user's loop (shoal.session): each push carries `hyper()`, this group's optimizer's hyper-parameters now (a
+        float64 vector, as DownpourExchange's pushes over processes), which the server sets before the push's update."""
+        self.hyper = hyper
 
     def begin(self, step: int) -> None:
         if self.board.aborted:
@@ -166,8 +172,9 @@ class GroupExchange:
 
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
         grads = clipped(aggregate(parts, target=self.server.store.device), self.server)  # the group's own gradient
+        hyper = self.hyper() if self.hyper is not None else None
         lag = self.board.apply(self.group, lambda: self.server.updates,
-                               lambda: self.server.update(self.server.updates, grads, group_step=(self.group, step)))
+                               lambda: self.server.update(self.server.updates, grads, group_step=(self.group, step), hyper=hyper))
         if self.replica is not None:  # Downpour: continue from the freshest params the server has
             for name, value in self.server.store.values.items():
                 self.replica.values[name].copy_(value)

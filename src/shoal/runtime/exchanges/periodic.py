@@ -50,7 +50,6 @@ from shoal.comm import collectives
 from shoal.comm import quorum as quorums
 from shoal.comm.channels import MEETING_DOOR
 from shoal.errors import ShoalError
-from shoal.runtime.endings import MeetingsOver
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.algorithms import Grads
 from shoal.neuralnet.params import ParamStore
@@ -219,10 +218,7 @@ class ProcessMeeting:
 
     def join(self, incarnation: int) -> quorums.Admission:
         """A process restarted into the job: knock, and wait for the chief to admit it at its next meeting."""
-        try:
-            return self.quorum.join(incarnation)
-        except quorums.MeetingsOver as err:
-            raise MeetingsOver(str(err)) from None
+        return self.quorum.join(incarnation)  # (MeetingsOver when the meetings ended first)
 
     def receive(self, tensors: list[torch.Tensor], donor: int) -> None:
         self.quorum.receive(tensors, donor)

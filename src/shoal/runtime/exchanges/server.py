@@ -6,7 +6,7 @@ tensors per param, so a server can own any slice of a param and its state.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -29,11 +29,29 @@ class Server:
         self.version: dict[str, int] = {n: 0 for n in self.names}
         self.updates = 0  # updates applied (SINGA's slice version when all slices update together)
         self._count = threading.Lock()  # only the counter is locked: values are updated lock-free (Hogwild)
+        # a user's loop (carry_hyper): each push's hyper-parameters, set on the updater before that push's update
+        self.set_hyper: Optional[Callable[[torch.Tensor], None]] = None
+        self._hyper = threading.Lock()  # a push's hyper-parameters and its update are one: no other group's lr in between
+
+    def carry_hyper(self, set_hyper: Callable[[torch.Tensor], None]) -> None:
+        """A user's loop (shoal.session): every push carries its group's hyper-parameters (a float64 vector, as
+        DownpourServer's pushes over processes do), which `set_hyper` puts on the updater before the push's update."""
+        self.set_hyper = set_hyper
 
     def update(self, step: int, grads: dict[str, Optional[torch.Tensor]], grad_scale: float = 1.0,
-               group_step: Optional[tuple[int, int]] = None) -> None:
+               group_step: Optional[tuple[int, int]] = None, hyper: Optional[torch.Tensor] = None) -> None:
         """Apply one update per owned param that has a gradient (running stats have none), all in one
-        multi-tensor update; `group_step`: the (group, its own step) of an asynchronous group's push (Updater.update_many)."""
+        multi-tensor update; `group_step`: the (group, its own step) of an asynchronous group's push (Updater.update_many);
+        `hyper`: the push's hyper-parameters (a user's loop's, carry_hyper), set before its update."""
+        if hyper is not None and self.set_hyper is not None:
+            with self._hyper:
+                self.set_hyper(hyper)
+                self._update(step, grads, grad_scale, group_step)
+        else:
+            self._update(step, grads, grad_scale, group_step)
+
+    def _update(self, step: int, grads: dict[str, Optional[torch.Tensor]], grad_scale: float,
+                group_step: Optional[tuple[int, int]]) -> None:
         updated = [name for name in self.names if grads.get(name) is not None]
         values, info = self.store.values, self.store.info
         self.updater.update_many(
