@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from cli_in_process import run_cli
 from layouts import LAYOUTS, assert_ran
 
 STEPS = 150  # per group
@@ -53,8 +52,8 @@ def test_framework_trains_mnist(mnist_dir, tmp_path, framework):
     job = tmp_path / "job.conf"
     job.write_text(mlp_job(mnist_dir, framework))
     env = {**os.environ, "SHOAL_COMM_TIMEOUT": "30"}
-    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")],
-                          capture_output=True, text=True, env=env, timeout=600)
+    # `shoal run` in this process (no interpreter to start and torch to import for it); the ranks are real processes
+    proc = run_cli("run", job, "--workspace", tmp_path / "ws", env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert_ran(tmp_path / "ws", framework)
     records = [json.loads(line) for line in (tmp_path / "ws" / "metrics.jsonl").read_text().splitlines()]

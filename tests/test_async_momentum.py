@@ -1,9 +1,6 @@
 """Asynchronous groups keep the job's effective momentum: the servers' momentum is compensated for the asynchrony."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 from google.protobuf import text_format
 
@@ -11,6 +8,7 @@ from shoal.config import job_pb2
 from shoal.planning.plan import Framework, plan_job, server_updater
 from shoal.strategies.registry import REGISTRY
 
+from cli_in_process import run_cli
 from conftest import mlp_job_text
 
 
@@ -43,8 +41,7 @@ def test_synchronous_layouts_and_momentum_free_jobs_are_untouched(blobs_dir):
 
 def test_plan_says_what_the_servers_use(blobs_job):
     job = blobs_job()
-    out = subprocess.run([sys.executable, "-m", "shoal", "plan", str(job), "--set", "cluster.nworker_groups=3",
-                          "--set", "cluster.nworkers_per_procs=3"], capture_output=True, text=True, timeout=120)
+    out = run_cli("plan", job, "--set", "cluster.nworker_groups=3", "--set", "cluster.nworkers_per_procs=3", timeout=120)  # in this process
     assert out.returncode == 0, out.stderr
     assert "updater.momentum 0.9 -> 0.7 at the servers: 3 asynchronous groups" in out.stdout
 

@@ -228,10 +228,15 @@ def test_every_process_applies_the_same_decoded_sum(blobs_job, tmp_path, compres
     import torch.multiprocessing as mp
 
     from shoal.comm import dist as comm
+    from shoal.launcher import process_server
 
     layout = LAYOUTS["AllReduce, 2 processes, 2 server slices"]
     overrides = layout.overrides(compression=compression, topk_fraction=0.05) + ["train_steps=10"]
-    mp.spawn(_train_rank, args=(str(blobs_job(hidden=64)), overrides, str(tmp_path), comm.free_port()), nprocs=2)
+    # forked from the server shoal's launcher forks its ranks from (torch and shoal imported there once per test
+    # process), not 2 fresh interpreters importing torch each
+    process_server.prestart()
+    mp.start_processes(_train_rank, args=(str(blobs_job(hidden=64)), overrides, str(tmp_path), comm.free_port()), nprocs=2,
+                       start_method="forkserver")
     first, second = np.load(tmp_path / "values0.npy"), np.load(tmp_path / "values1.npy")
     assert first.size == 1348 and np.array_equal(first, second)
     assert not np.allclose(first, np.load(tmp_path / "initial0.npy"))  # they trained

@@ -6,8 +6,6 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
 
 import pytest
 from cli_in_process import run_cli
@@ -175,8 +173,7 @@ def test_auto_shares_follow_a_slowed_worker_and_never_change_the_maths(blobs_job
     single = trained_params(job_with(blobs_job, train_steps=steps), "single worker", tmp_path / "single", steps)
     job = job_with(blobs_job, THREADS[2], ["cpu:0", "cpu:1"], train_steps=steps, cluster_extra=dict(auto_batch_shares=True, auto_batch_freq=5))
     env = dict(os.environ, SHOAL_SLOW_WORKER="0:0.0005,1:0.0015")
-    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "auto")],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    proc = run_cli("run", job, "--workspace", tmp_path / "auto", env=env, timeout=300, cwd=REPO)  # one process: this one
     assert proc.returncode == 0, proc.stderr
     assert_ran(tmp_path / "auto", THREADS[2])
     assert "Batch shares from step" in proc.stdout

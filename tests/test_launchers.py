@@ -119,7 +119,7 @@ def test_torchrun_world_of_the_wrong_size_is_refused_in_one_line(blobs_job, tmp_
 def test_killed_rank_restarts_and_resumes_to_the_uninterrupted_result(blobs_job, tmp_path, job_registry):
     """torchrun --max-restarts=1: SIGKILL one rank after a checkpoint; torchrun restarts the processes, --resume=auto
     continues from the newest checkpoint and the job ends as an uninterrupted run would (to float tolerance)."""
-    steps, layout = 56, "AllReduce, 2 processes"
+    steps, layout = 40, "AllReduce, 2 processes"  # the step-8 checkpoint, then 1.9 s of steps or more to kill a rank in
     job = blobs_job(train_steps=steps, layout=layout, extra="checkpoint_freq: 8")
     workspace = tmp_path / "ws"
     # each step takes 60 ms more, so that the test can kill the run mid-way

@@ -31,6 +31,17 @@ def shoal_process(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "shoal", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=120)
 
 
+def side_by_side(*commands) -> list[subprocess.CompletedProcess]:
+    """`python -m shoal ARGS` for each ARGS, the processes running at the same time (their start-ups overlap)."""
+    started = [subprocess.Popen([sys.executable, "-m", "shoal", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True) for args in commands]
+    done = []
+    for proc in started:
+        out, err = proc.communicate(timeout=120)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
+
+
 @pytest.fixture
 def folder(tmp_path) -> Path:
     (tmp_path / "evil.py").write_text(EVIL)
@@ -138,8 +149,10 @@ def test_a_proto_importing_an_unloaded_proto_is_refused_before_its_code_is_impor
 
 def test_singas_rnnlm_job_is_planned_with_its_plugins_given():
     rnnlm = REPO / "examples" / "rnnlm"
-    proc = shoal_process("plan", rnnlm / "job.conf", "--plugin", rnnlm / "rnnlm.proto", "--plugin", rnnlm / "rnnlm.py")
+    # the two commands side by side, each in a fresh process; the second without the plugins: the extension it cannot
+    # read, and how to load it
+    proc, unplugged = side_by_side(("plan", rnnlm / "job.conf", "--plugin", rnnlm / "rnnlm.proto", "--plugin", rnnlm / "rnnlm.py"),
+                                   ("plan", rnnlm / "job.conf"))
     assert proc.returncode == 0, proc.stderr
     assert "data, embedding, hidden, loss" in proc.stdout and "113,325 param elements" in proc.stdout, proc.stdout
-    unplugged = shoal_process("plan", rnnlm / "job.conf")  # without them: the extension it cannot read, and how to load it
     assert unplugged.returncode == 2 and "[data_conf]" in unplugged.stderr and "--plugin" in unplugged.stderr, unplugged.stderr

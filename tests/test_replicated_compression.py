@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_in_process import run_cli
 from fault_runs import SLOW, assert_no_library_text, pids, runs, summary  # noqa: F401 (runs: a fixture)
 from shoal.comm import quorum as quorums
 from shoal.config import job_pb2
@@ -263,10 +264,11 @@ def run_loop(tmp_path: Path, compression: str, workspace: Path, out: Path, *extr
     """`shoal run loop.py` (LOOP) under AllReduce over 2 processes, compressed, checkpointing every 30 steps."""
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
-    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(script), "--workspace", str(workspace), "--no-progress",
-                           "--set", "cluster.nworkers_per_group=2", "--set", "cluster.nworkers_per_procs=1",
-                           "--set", f"cluster.compression={compression}", "--set", "checkpoint_freq=30", *extra,
-                           "--", str(out)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    # in this process (no interpreter to start and torch to import for the launcher): its ranks are real processes
+    proc = run_cli("run", script, "--workspace", workspace, "--no-progress",
+                   "--set", "cluster.nworkers_per_group=2", "--set", "cluster.nworkers_per_procs=1",
+                   "--set", f"cluster.compression={compression}", "--set", "checkpoint_freq=30", *extra,
+                   "--", out, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
 
 

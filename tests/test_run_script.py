@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from cli_in_process import run_cli
 from conftest import REPO
 
 from shoal.neuralnet import checkpoint as ckpt_io
@@ -20,9 +19,9 @@ def records(workspace):
 
 def test_mlp_script_runs_on_the_cluster_the_command_line_sets(mnist_dir, tmp_path):
     ws = tmp_path / "ws"
-    run = [sys.executable, "-m", "shoal", "run", str(REPO / "examples" / "mnist" / "mlp.py"), "--workspace", str(ws), *NARROW,
-           "--set", "train_steps=4", "--set", "test_steps=2", "--set", "cluster.nworkers_per_group=2", "--data", str(mnist_dir)]
-    proc = subprocess.run(run, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    # in this process, as `shoal run` (the 2 ranks are real processes): no interpreter started and torch imported for it
+    proc = run_cli("run", REPO / "examples" / "mnist" / "mlp.py", "--workspace", ws, *NARROW, "--set", "train_steps=4",
+                   "--set", "test_steps=2", "--set", "cluster.nworkers_per_group=2", "--data", mnist_dir, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((ws / "summary.json").read_text())
     # mlp.py asks for one worker in one process; the command line made it a 2-process AllReduce group

@@ -52,7 +52,10 @@ if os.environ.get("ATTACK_AS"):  # another local user: drop to that uid once the
     os.setgid(gid)
     os.setuid(uid)
 print(f"uid {os.getuid()}", flush=True)
-port, namespace, size = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+port, namespace, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if not port.isdigit():  # "fd:N": started before the job's store was up, it reads the port from that pipe
+    port = os.fdopen(int(port[3:])).readline()
+port = int(port)
 seconds = lambda s: datetime.timedelta(seconds=s)
 said = {}
 
@@ -133,13 +136,24 @@ def attacker():
     return [sys.executable, "-"], env
 
 
-def test_another_user_cannot_take_over_a_running_downpour_job(blobs_job, tmp_path, runs, attacker):
+def test_another_user_cannot_take_over_a_running_downpour_job(blobs_job, tmp_path, runs, attacker, request):
     command, attacker_env = attacker
     secret = secrets.token_hex(32)
-    job = blobs_job(train_steps=500)
-    run = Run(job, tmp_path, DOWNPOUR, "--set", "test_freq=500",
+    steps = 400  # group 0's worker takes >= 20 ms a step (8 s): the job outlasts the attacker's two knocks
+    job = blobs_job(train_steps=steps)
+    run = Run(job, tmp_path, DOWNPOUR, "--set", f"test_freq={steps}",
               env={"SHOAL_SLOW_WORKER": "0:0+0.02", "SHOAL_JOB_SECRET": secret})
     runs.append(run)
+    # the attacker's interpreter starts beside the job's (it loads torch meanwhile); the port reaches it through a pipe
+    namespace = auth.namespace(bytes.fromhex(secret))
+    port_reader, port_writer = os.pipe()
+    to_the_attacker = os.fdopen(port_writer, "w")
+    intruder = subprocess.Popen([*command, f"fd:{port_reader}", namespace, str(PARAMS)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=attacker_env, pass_fds=(port_reader,))
+    os.close(port_reader)
+    request.addfinalizer(lambda: (to_the_attacker.close(), intruder.kill(), intruder.wait()))  # a failed test leaves none waiting
+    intruder.stdin.write(ATTACKER)
+    intruder.stdin.close()
     group1 = run.pid_of(1)
     logs = run.ws / "logs"
     for name in ("store.json", "job.secret"):  # what reveals the store's port or the secret: this user's only
@@ -151,11 +165,8 @@ def test_another_user_cannot_take_over_a_running_downpour_job(blobs_job, tmp_pat
             assert secret.encode() not in proc.read_bytes(), proc
         except OSError:
             pass
-    namespace = auth.namespace(bytes.fromhex(secret))
-    intruder = subprocess.Popen([*command, str(port), namespace, str(PARAMS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=attacker_env)
-    intruder.stdin.write(ATTACKER)
-    intruder.stdin.close()
+    to_the_attacker.write(f"{port}\n")
+    to_the_attacker.close()
     expected_uid = NOBODY[0] if os.geteuid() == 0 else os.getuid()
     assert intruder.stdout.readline().strip() == f"uid {expected_uid}", intruder.stderr.read()
     assert intruder.stdout.readline().strip() == "knocked", intruder.stderr.read()
@@ -172,7 +183,7 @@ def test_another_user_cannot_take_over_a_running_downpour_job(blobs_job, tmp_pat
     summary = assert_ran(run.ws, DOWNPOUR)
     assert summary["status"] == "finished"
     final = [r for r in read_metrics(run.ws / "metrics.jsonl") if r["phase"] == "test"][-1]
-    assert final["step"] == 500 and final["accuracy"] >= 0.9, final
+    assert final["step"] == steps and final["accuracy"] >= 0.9, final
     assert leftover_processes(tmp_path) == []
 
 

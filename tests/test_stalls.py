@@ -57,17 +57,24 @@ ASYNC_STALLS = {
 @pytest.mark.parametrize("layout", [next(iter(ASYNC_STALLS)), *[pytest.param(name, marks=pytest.mark.slow) for name in list(ASYNC_STALLS)[1:]]])
 def test_a_stopped_group_of_an_asynchronous_job_is_dropped_and_the_job_finishes(blobs_job, tmp_path, runs, layout, wakes):
     rank, group, dropper = ASYNC_STALLS[layout]
-    # group 0's steps take 10 ms or more: the run outlasts the stall, the drop and the wake-up
-    run = runs.start_layout(blobs_job(train_steps=1000), tmp_path, layout, "--set", "test_freq=500", env=SLOW, stall_timeout_s=STALL_TIMEOUT,
-                            timeout_from_environment=True)
+    # group 0's steps take 10 ms or more: the run outlasts the stall, the drop and the wake-up (at about step 450 of
+    # 750 when idle; the woken process finds it was dropped within 0.1 s of its wake-up)
+    steps = 750
+    run = runs.start_layout(blobs_job(train_steps=steps), tmp_path, layout, "--set", f"test_freq={steps // 2}", env=SLOW,
+                            stall_timeout_s=STALL_TIMEOUT, timeout_from_environment=True)
     pid = run.registered_pid(rank)
-    time.sleep(2)
+    time.sleep(1)  # a beat or more after step 10
     os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
     took = wait_for(lambda: "WARNING" in run.stderr(), STALL_TIMEOUT + SLACK, "no warning: " + run.stderr())
     print(f"{layout}: process {rank} stopped; the chief warned {took:.1f} s later")
     assert STALL_TIMEOUT <= took + 1.0 < STALL_TIMEOUT + SLACK, took  # silence counts from the group's last beat, up to one beat before the stop
-    if wakes:
-        time.sleep(1)
+    logs = run.ws / "logs"
+    if wakes:  # once every process that drops the group did (the chief's warning may come first), and stopped
+        # longer than the stall timeout: what the woken process must see of its own stop
+        if dropper is not None:
+            wait_for(lambda: "drops worker group 1" in (logs / dropper).read_text(), SLACK, "the group was never dropped")
+        time.sleep(max(0.5, stopped + STALL_TIMEOUT + 1.0 - time.monotonic()))
         os.kill(pid, signal.SIGCONT)
     assert run.wait(timeout=180) == 0, run.stderr()
     warnings = [line for line in run.stderr().splitlines() if line.strip()]
@@ -76,10 +83,9 @@ def test_a_stopped_group_of_an_asynchronous_job_is_dropped_and_the_job_finishes(
     assert "stopped answering (no heartbeat for " in warnings[0]
     summary = assert_ran(run.ws, layout)
     assert summary["status"] == "finished"
-    final = [line for line in run.out.read_text().splitlines() if line.startswith("Test @ step 1000")]
+    final = [line for line in run.out.read_text().splitlines() if line.startswith(f"Test @ step {steps}")]
     loss = float(re.search(r"Loss = ([0-9.e+-]+)", final[0])[1])
     assert loss < 0.5, final  # group 0 trained on, on params the dropped group did not spoil
-    logs = run.ws / "logs"
     assert dropper is None or "drops worker group 1" in (logs / dropper).read_text()
     if wakes:  # it found it had been dropped: its push refused, or the gap in its own heartbeat
         assert re.search(r"refused its push|was stopped for \d+ s", (logs / f"rank{rank}.log").read_text())

@@ -195,6 +195,30 @@ def test_a_killed_group_under_torchrun_rejoins(blobs_job, tmp_path, torchruns, f
     assert leftover_processes(tmp_path) == []
 
 
+@pytest.mark.slow  # one torchrun run
+def test_a_killed_downpour_server_under_torchrun_is_restarted_and_heals_from_the_chiefs_mirror(blobs_job, tmp_path, torchruns):
+    """Downpour's server process under torchrun: SIGKILLed mid-run, its supervisor announces the restart at the job's
+    door (the stubs wait for the new process instead of their comm timeout) and starts it; it heals from worker
+    group 0's mirror, torchrun restarts nothing and the job ends as `shoal run`'s does (tests/test_server_restart.py)."""
+    layout, fields, args = ASYNCHRONOUS["Downpour"]
+    job = blobs_job(train_steps=300, layout=layout, cluster_extra=fields or None)
+    proc, ws = start(torchruns, job, tmp_path, *args, env={"SHOAL_SLOW_WORKER": "0:0+0.01"}, nprocs=3)
+    (record,) = registered(ws)
+    chief, server = (next(p["pid"] for p in record.processes if p["rank"] == r) for r in (0, 2))
+    os.kill(server, signal.SIGKILL)
+    assert proc.wait(timeout=120) == 0, proc.err.read_text()[-3000:]
+    stderr = proc.err.read_text()
+    assert any(line.startswith("WARNING: process 2 (server(group=0, id=0)) died (SIGKILL); restarting it (restart 1 of 1); "
+                               "it heals from worker group 0's mirror") for line in stderr.splitlines()), stderr
+    assert len(registered(ws)) == 1 and registered(ws)[0].status == "finished"
+    assert pids(ws, 0) == [chief]
+    (healed,) = summary(ws)["rejoins"]
+    assert (healed["server"], healed["rank"], healed["healed_from_group"]) == (0, 2, 0)
+    assert healed["process_start_to_heal_s"] < 5  # not a stub's comm timeout
+    assert "Traceback" not in stderr and "gloo" not in stderr.lower()
+    assert leftover_processes(tmp_path) == []
+
+
 # A user's own loop (shoal.session()) under `torchrun ... -m shoal run script.py --max-restarts 1`: rank 1's process
 # torchrun started supervises a child that runs the script from the top; the test SIGKILLs that child (its pid from
 # the job registry) and writes `killed`. The chief waits at step 11 for the kill and the new process (it runs the

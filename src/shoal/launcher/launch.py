@@ -42,9 +42,9 @@ from shoal.planning.plan import JobPlan, plan_job
 from shoal.report.metrics import read_metrics
 from shoal.report.run_log import Terminated, mark_run_ended
 from shoal.report.summary import note_group_ends, restate_reason
-from shoal.report.writes import open_for_append
+from shoal.report.writes import WorkspaceWriteError, open_for_append, own_folder, replace_file
 from shoal.runtime.assemble import RunSpec, run_process
-from shoal.launcher import faults, rejoin, stalls
+from shoal.launcher import faults, process_server, rejoin, stalls
 from shoal.launcher.ranks import chief_log, describe_process, expendable, heals, outlives_a_dead_process, rank_output, replicas_go_on
 from shoal.launcher.launchers import LaunchedProcess
 from shoal.runtime.endings import ServerLost
@@ -247,10 +247,41 @@ def _entry(local_index: int, ranks: list[int], meeting: Meeting, environment: di
                            log=chief_log(rank, log_file), progress=False, initial_values=initial_values,
                            faults=faults.from_environment())
             with stalls.watching(plan, rank, Path(workspace)):  # a stalled peer: named within plan.stall_timeout_s
-                run_rank(plan, rank, spec, rank_main)
+                with _stopping_the_job_on_bad_input(plan, rank, Path(workspace), log_file):
+                    run_rank(plan, rank, spec, rank_main)
             stalls.exit_if_abandoned()
         finally:
             comm.shutdown()
+
+
+REFUSED_AT_START_EXIT = 88  # bad input before this process's first step: logs/rank<R>.refused holds its line
+
+
+def refused_path(workspace: Path, rank: int) -> Path:
+    return Path(workspace) / "logs" / f"rank{rank}.refused"
+
+
+@contextmanager
+def _stopping_the_job_on_bad_input(plan: JobPlan, rank: int, workspace: Path, log_file) -> Iterator[None]:
+    """Bad input met before this worker process's first step (its data not readable, say) is every process's to meet,
+    not a fault its group could be dropped for while the others go on: the process leaves with REFUSED_AT_START_EXIT and
+    its line, and the launcher stops the job with that line (a spawned rank's first incarnation; a restarted one is
+    rejoin.py's)."""
+    try:
+        yield
+    except ShoalError as err:
+        if not isinstance(err, ValueError) or heartbeat.last_step(rank) >= 0 or not plan.process(rank).workers:
+            raise
+        line = f"{describe_process(plan, rank)} failed before its first step: {first_line(str(err)) or type(err).__name__}"
+        path = refused_path(workspace, rank)
+        try:  # through no link, nor at logs/ (as the stall record)
+            own_folder(path.parent)
+            replace_file(path, (line + "\n").encode(), temp_name=path.name + ".tmp")
+        except (OSError, WorkspaceWriteError):  # the launcher falls back to naming this process
+            pass
+        log_file.write(line + "\n")  # (the launcher says it on the terminal)
+        log_file.flush()
+        os._exit(REFUSED_AT_START_EXIT)  # before gloo's teardown, which would wait for peers still starting
 
 
 def run_launched(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
@@ -361,14 +392,16 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
         # a Downpour server with restarts left comes back, healed from the chief's mirror (its stubs wait for it)
         for i in exited:
             if (context.processes[i].exitcode not in (0, None) and heals(plan, ranks[i]) and restarter is not None
-                    and restarter.can_restart(ranks[i]) and context.processes[i].exitcode != stalls.STALLED_EXIT):
+                    and restarter.can_restart(ranks[i])
+                    and context.processes[i].exitcode not in (stalls.STALLED_EXIT, REFUSED_AT_START_EXIT)):
                 context.sentinels.pop(context.processes[i].sentinel, None)  # torch's join must not fail the job for it
                 restarter.restart(context, i, ranks[i], context.processes[i].exitcode)
         exited = [i for i, p in enumerate(context.processes) if p.exitcode is not None]
         # one the job cannot lose ends it, first (a peer that saw it die and exited too is not restarted in vain);
-        # STALLED_EXIT: a process that found a peer the job cannot lose stalled (the chief, say): its verdict ends the job
-        if any(context.processes[i].exitcode not in (0, None) and (not expendable(plan, ranks[i])
-                                                                   or context.processes[i].exitcode == stalls.STALLED_EXIT)
+        # STALLED_EXIT: a process that found a peer the job cannot lose stalled (the chief, say): its verdict ends the job;
+        # REFUSED_AT_START_EXIT: bad input every process meets (its data not readable): the job stops, no group goes on
+        if any(context.processes[i].exitcode not in (0, None)
+               and (not expendable(plan, ranks[i]) or context.processes[i].exitcode in (stalls.STALLED_EXIT, REFUSED_AT_START_EXIT))
                for i in exited):
             return failed_groups()
         for i in exited:
@@ -395,7 +428,9 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
             if restarter is not None:
                 restarter.finish()
             return failed_groups()
-        wait([p.sentinel for p in context.processes if p.exitcode is None], timeout=1.0)
+        # an exit wakes this at once; a stopped process (SIGSTOP) is seen only here: within a quarter second, not a
+        # whole one (its restart waited up to 2 s more: 1 s to be seen stopped, 1 s past the stall timeout)
+        wait([p.sentinel for p in context.processes if p.exitcode is None], timeout=0.25)
 
 
 def _end_stopped_to_restart(context, ranks: list[int], plan: JobPlan, restarter, stopped_since: dict[int, float],
@@ -449,6 +484,18 @@ def _exited(plan: JobPlan, rank: int, code: int, workspace: Path, ranks: list[in
                    lost=True, rank=rank, code=code)
 
 
+def _refused_line(workspace: Path, ranks: list[int], processes) -> Optional[str]:
+    """The line of a process that left with REFUSED_AT_START_EXIT (the first rank's), with where its log is; None if none."""
+    for rank, proc in zip(ranks, processes):
+        if proc.exitcode == REFUSED_AT_START_EXIT:
+            try:
+                line = refused_path(workspace, rank).read_text().strip().splitlines()[0]
+            except (OSError, IndexError):
+                line = f"process {rank} failed before its first step"
+            return f"{line}; see {workspace}/logs/rank{rank}.log"
+    return None
+
+
 def _died_first(first_exits: dict[int, int], context) -> Optional[int]:
     """The index of a process that died without an error of its own (a signal, an exit: no traceback for torch to
     keep) among those that had exited when the first failure was seen; None if none did."""
@@ -478,6 +525,7 @@ def run_processes(
 
     Each process gets the job's secret in its environment: on one host a fresh one unless the user gave one;
     over several hosts the one the user gave every node (a one-line error when it is missing)."""
+    process_server.end_without_walking_the_heap()  # this process's exit, after the job's last step
     if nodes.one_host:
         secret = auth.given_secret() or auth.new_secret()
     else:
@@ -605,6 +653,9 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
         verdict = stalls.verdict(workspace, ranks, context.processes)  # a peer found stalled: the line naming it
         if verdict is not None:
             raise _failed(f"{verdict}; see {workspace}/logs", workspace, ranks, lost=True) from None
+        refused = _refused_line(workspace, ranks, context.processes)
+        if refused is not None:  # bad input before the first step: the job stops with its line (no restart helps)
+            raise _failed(refused, workspace, ranks) from None
         if isinstance(err, mp.ProcessExitedException):
             raise _exited(plan, ranks[err.error_index], err.exit_code, workspace, ranks) from None
         rank = ranks[err.error_index]

