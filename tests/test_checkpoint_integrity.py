@@ -65,6 +65,10 @@ def move_data_position(trainer):
     trainer["cursors"][phase] += 32  # one batch further: samples the stopped run never skipped
 
 
+def move_loop_position(trainer):
+    trainer["next_step"] += 1  # fit's loop over the session: one step further, a batch the stopped run never trained
+
+
 def redraw_random_skip(trainer):
     for feeds in trainer["skips"].values():
         for name in feeds:
@@ -187,7 +191,7 @@ def test_shoal_fit_refuses_to_resume_from_an_edited_header(tmp_path):
     fit(4)
     newest = ckpt_io.checkpoint_file(tmp_path / "ws", 4)
     written = newest.read_bytes()
-    rewrite_header(newest, trainer_field(move_data_position))
+    rewrite_header(newest, trainer_field(move_loop_position))
     with pytest.raises(ShoalError) as refused:
         fit(6, resume=True)
     assert str(newest) in str(refused.value) and "damaged checkpoint" in str(refused.value)

@@ -40,9 +40,8 @@ import torch
 from google.protobuf import json_format
 
 from shoal.config import job_pb2
-from shoal.errors import ShoalError, warn
-from shoal.data.in_place import TensorPairs, check_dataset
-from shoal.data.streams import IterableSource, LoaderSource
+from shoal.errors import warn
+from shoal.frontend.fit_inputs import Data, _eval_batches, as_dataset, autocast_dtype
 from shoal.frontend.keras import Cluster
 from shoal.frontend.module_path import (DATA_LAYER, LOSS_LAYER, MODULE_LAYER, MODULE_LOSS_LAYER, FitError, FitSpec, loss_form,
                                         register_fit_layers)
@@ -54,37 +53,6 @@ from shoal.report.targets import set_run_goals
 
 if TYPE_CHECKING:
     from shoal.planning.plan import JobPlan
-
-Data = Union[tuple, torch.utils.data.Dataset, Callable]
-
-
-def as_dataset(data: Data, what: str):
-    """What a feed reads in place: a map-style Dataset itself, a pair of tensors/arrays as (x[i], y[i]) pairs,
-    an IterableDataset or a DataLoader factory as a stream source (shoal.data.streams).
-
-    Of a pair, floating tensors become float32 as the module's params are, and uint8 inputs (pixels)
-    float32 as fit always made them; other integer tensors keep their dtype (token ids stay int64).
-    Numpy arrays are wrapped without a copy where torch can; a Dataset is used as it is.
-    """
-    if isinstance(data, tuple) and len(data) == 2 and not isinstance(data, torch.utils.data.Dataset):
-        x, y = (torch.as_tensor(v) for v in data)
-        if (x.is_floating_point() and x.dtype != torch.float32) or x.dtype == torch.uint8:
-            x = x.float()
-        if y.is_floating_point() and y.dtype != torch.float32:
-            y = y.float()
-        data = TensorPairs(x, y)
-    elif isinstance(data, torch.utils.data.IterableDataset):
-        data = IterableSource(data, f"shoal.fit: {what}")
-    elif isinstance(data, torch.utils.data.DataLoader):
-        raise FitError(f"shoal.fit: {what}: give a DataLoader factory, `lambda batch_sampler: DataLoader(dataset, "
-                       "batch_sampler=batch_sampler, ...)`, not a DataLoader (shoal decides each worker's rows)")
-    elif callable(data) and not isinstance(data, torch.utils.data.Dataset):
-        data = LoaderSource(data, f"shoal.fit: {what}")
-    try:
-        check_dataset(data, f"shoal.fit: {what}")
-    except ShoalError as err:
-        raise FitError(str(err)) from None
-    return data
 
 
 def copy_module_values(model: torch.nn.Module, store: ParamStore) -> None:
@@ -164,34 +132,6 @@ def _warn_batch_over_dataset(batch_size: int, train: torch.utils.data.Dataset) -
     if batch_size > len(train) and _launched_rank() == 0:
         warn(f"WARNING: shoal.fit: batch_size {batch_size} is larger than train_data ({len(train)} samples): every batch "
              "repeats samples (its positions wrap round into the next epochs)")
-
-
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-
-
-def autocast_dtype(autocast) -> Optional[torch.dtype]:
-    """fit's autocast= as a torch dtype (None: full fp32)."""
-    if autocast is None or autocast in ("fp32", "float32"):
-        return None
-    if autocast is torch.bfloat16 or autocast in AUTOCAST_DTYPES:
-        return torch.bfloat16
-    raise FitError(f"shoal.fit: autocast must be 'bf16' (or None for fp32), got {autocast!r}")
-
-
-def _eval_batches(data: Optional[torch.utils.data.Dataset], batch: int) -> tuple[int, int]:
-    """(batch size, steps) that read every sample of an evaluation set once (0 steps without one).
-
-    The batch is the largest divisor of the set's size up to `batch` (when at least a quarter of it), so each
-    evaluation reads every sample exactly once and the next starts again at the first; otherwise the last
-    batch wraps round to the first samples (counted twice) and the next evaluation starts where it ended.
-    """
-    if data is None:
-        return batch, 0
-    batch = min(batch, len(data))
-    divisor = next(d for d in range(batch, 0, -1) if len(data) % d == 0)
-    if 4 * divisor >= batch:
-        batch = divisor
-    return batch, math.ceil(len(data) / batch)
 
 
 def fit(
@@ -403,12 +343,45 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
     if spec.outer_optimizer is not None:
         _check_outer_layout(plan)
     _check_sendable(plan, spec)
+    planning = script.settings() is not None and script.settings().plan is not None  # `shoal plan script.py`: fit's job
+    if on_session(plan) and not planning:  # fit's loop written with the session's calls (frontend/fit_loop.py): the module trains in place
+        from shoal.frontend import fit_loop
+
+        history = fit_loop.fit_on_session(job, fit_loop.fit_loop_of(job, spec), workspace=workspace, resume=resume, log=log)
+        if not plan.in_one_process and _launched_rank() == 0:  # the ranks trained their own copies: the chief's values
+            _load_trained_values(model, history.workspace, job.train_steps)
+        return history
     history = api.train(job, workspace=Path(script.workspace(workspace) or "fit-workspace"), resume=resume, log=log,
                         progress=False, job_file="<shoal.fit>", process_setup=functools.partial(register_fit_layers, spec),
                         initial_values=functools.partial(copy_module_values, model), plan=plan)
     if _launched_rank() == 0:  # another launched rank has no checkpoint to read yet (or on its host at all)
         _load_trained_values(model, history.workspace, job.train_steps)
     return history
+
+
+# The layouts fit runs as a loop of the session's calls (frontend/fit_loop.py), by `fit_layout`'s name; every other one
+# still runs on the job path (module_path's layers and the Trainer): docs/architecture.md, "`shoal.fit` on the session".
+# "AllReduce over processes" and "Local SGD / DiLoCo over processes" run there too but wait for run.log's group mean
+# (their train records hold the chief's rows alone, the job path's the group's).
+ON_SESSION: frozenset = frozenset({"one worker"})
+
+
+def fit_layout(plan) -> str:
+    """The layout of a fit call as ON_SESSION names it: "one worker" (one worker in one process, on the CPU: the session
+    has no device list yet), else the plan's label."""
+    if plan.in_one_process and plan.nworkers == 1 and not plan.job.device:
+        return "one worker"
+    over_processes = not plan.in_one_process and plan.nworkers == plan.nprocs and not plan.job.device  # one worker each
+    if over_processes and plan.strategy.synchronous and not plan.strategy.meets:
+        return "AllReduce over processes"
+    if over_processes and plan.strategy.meets and plan.job.cluster.outer_updater.user_type != OUTER_OPTIMIZER_UPDATER:
+        return "Local SGD / DiLoCo over processes"  # (outer_optimizer=, a torch one, is the job path's alone)
+    return plan.label
+
+
+def on_session(plan) -> bool:
+    """Whether fit runs `plan`'s layout on the session (its loop: fit_loop.run_fit) rather than on the job path."""
+    return fit_layout(plan) in ON_SESSION
 
 
 SENT_FIELDS = ("model", "loss_fn", "datasets", "optimizer", "scheduler", "outer_optimizer", "metrics")
@@ -435,7 +408,11 @@ def _check_sendable(plan, spec: FitSpec) -> None:
 def _load_trained_values(model: torch.nn.Module, workspace: Path, steps: int) -> None:
     from shoal.neuralnet import checkpoint as ckpt_io
 
-    params = ckpt_io.load(ckpt_io.checkpoint_file(workspace, steps)).params
+    # the run's final checkpoint: at train_steps, or past it where Distributed Hogwild's chief re-trained its share
+    # of the steps a restarted group skipped (the newest written of those)
+    final = [path for step, path in ckpt_io.list_checkpoints(workspace) if step >= steps]
+    path = max(final, key=lambda p: p.stat().st_mtime_ns) if final else ckpt_io.checkpoint_file(workspace, steps)
+    params = ckpt_io.load(path).params
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in params:

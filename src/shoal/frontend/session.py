@@ -20,6 +20,7 @@ and a restarted process's handover hold, built and loaded back: session_state.py
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import time
@@ -34,7 +35,7 @@ from shoal.config import job_pb2
 from shoal.config.phases import fires
 from shoal.data.in_place import reader_for, to_device
 from shoal.frontend import script, session_eval, session_state, session_worker
-from shoal.frontend.fit import as_dataset
+from shoal.frontend.fit_inputs import as_dataset
 from shoal.frontend.session_start import (SessionError, check_layout, groups_in_memory, plan_session, pushes_to_servers, rank_context,
                                           refuse_unstarted, same_job, serve_if_server, serves_only, session_job, start_ranks,
                                           started_by_a_launcher, supervise_if_restartable, syncs_with_peers)
@@ -46,7 +47,7 @@ from shoal.report.metrics import MetricsLog, MetricWindow, display_line
 from shoal.report.run_log import open_run_log
 from shoal.runtime import rejoined, session_exchange
 from shoal.runtime.endings import MeetingsOver
-from shoal.runtime.replicas import torch_device, usable_device_names
+from shoal.runtime.replicas import device_label, torch_device, usable_device_names
 
 
 def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int = 100, seed: int = 0, disp_freq: int = 10,
@@ -122,6 +123,11 @@ class Session:
         self.device = torch_device(usable_device_names(plan.devices_of(rank))[0])
         if self.distributed:
             torch.set_num_threads(plan.threads_per_worker)  # every process of the host shares its cores
+            # as a job file's rank says it (runtime/assemble.py's start_lines): where each worker runs, and this process's
+            # pid, in its log (a restarted process adds its own: users and benchmarks/chaos.py read the newest there)
+            for hosted, device in zip(plan.process(rank).workers, usable_device_names(plan.devices_of(rank))):
+                log(f"Worker (group = {hosted.group}, id = {hosted.id}) start on {device_label(device)} "
+                    f"in process {rank} (pid = {os.getpid()})")
         self._owned = owned  # release(status, reason): the workspace's lock and the registry's entry, by close()
         self.resumed = ckpt_io.load(resume_from, parts=True) if resume_from is not None else None
         self._mine = (session_state.own_part(self.resumed, resume_from, self.group, self.rank, self.own_residual, self.apart,
@@ -656,18 +662,21 @@ class Session:
         if self._update_lock is not None:  # Hogwild: the values every group starts from are set; its masters serve from now
             self.exchange.begin(self.start_step)
         self._window_start = time.perf_counter()
-        for step in range(self.start_step, self.job.train_steps):
+        step, end = self.start_step, self.job.train_steps
+        # past train_steps, a Distributed Hogwild group trains its share of the steps restarted groups skipped
+        while step < end or (self._update_lock is not None and (end := self.exchange.steps_to_train(self.job.train_steps)) > step):
             self.step = step
             if self.distributed:
                 session_exchange.note_step(step)
             try:
                 yield item(step)
             except GeneratorExit:  # the loop broke out: after the last step's update (nanoGPT's own stop), the run is done
-                if step + 1 == self.job.train_steps and self._updated_at == step:
+                if step + 1 == end and self._updated_at == step:
                     self._step_done(step)
                     self._finish()
                 raise
             self._step_done(step)
+            step += 1
         self._finish()
 
     def _step_done(self, step: int) -> None:
@@ -794,6 +803,9 @@ class Session:
             sent = self.exchange.job_bytes_sent  # the job's bytes to its last message (summary.json's bytes_sent, as fit's)
             if self.metrics is not None and sent is not None:
                 self.metrics.annotate(bytes_sent=sent)
+            notes = getattr(self.exchange, "job_notes", None)  # Distributed Hogwild: the skipped steps, who re-trained them
+            if self.metrics is not None and notes:
+                self.metrics.annotate(**notes)
         self._finished = True
 
     def _script_ended(self, failed: bool) -> None:

@@ -28,7 +28,7 @@ import torch
 
 from shoal.data.in_place import batch_rows, reader_for, to_device
 from shoal.errors import ShoalError
-from shoal.frontend.fit import _eval_batches, as_dataset, autocast_dtype
+from shoal.frontend.fit_inputs import _eval_batches, as_dataset, autocast_dtype
 from shoal.frontend.fit_metrics import check_metrics, report_accuracy, report_metrics
 from shoal.frontend.module_path import loss_form, scalar_loss, split_pair
 from shoal.report.metrics import MetricWindow, display_line

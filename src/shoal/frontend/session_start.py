@@ -21,9 +21,10 @@ from __future__ import annotations
 import functools
 import sys
 import types
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from shoal.config import job_pb2
 from shoal.config.validate import validate_cluster
@@ -292,6 +293,18 @@ def refuse_unstarted(plan: JobPlan) -> None:
           f"{Path(sys.argv[0]).name if sys.argv and sys.argv[0] else 'script.py'} --set cluster.…`, which starts one "
           "process per rank (or with torchrun: `torchrun --nproc-per-node N script.py`, SHOAL_JOB_SECRET set)", file=sys.stderr)
     raise SystemExit(2)
+
+
+@contextmanager
+def as_rank(plan: JobPlan, rank: int, spec) -> Iterator[None]:
+    """Inside, this process is rank `rank` of the launcher's job (`spec`: its RunSpec): `shoal.session()` returns the
+    rank's session (a loop shoal runs as a function: shoal.fit's, frontend/fit_loop.py)."""
+    global _RANK
+    _RANK = RankContext(plan, rank, Path(spec.workspace), spec.resume_from, spec.log, spec.rejoin)
+    try:
+        yield
+    finally:
+        _RANK = None
 
 
 def run_rank_script(path: str, argv: list[str], settings: script.ScriptSettings, plan: JobPlan, rank: int, spec) -> None:

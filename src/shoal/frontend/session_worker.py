@@ -39,7 +39,7 @@ import torch
 from shoal.config import job_pb2
 from shoal.data.in_place import reader_for, to_device
 from shoal.frontend import session_state
-from shoal.frontend.fit import as_dataset
+from shoal.frontend.fit_inputs import as_dataset
 from shoal.frontend.session_start import SessionError
 from shoal.planning.shares import batch_shares
 from shoal.runtime import session_exchange

@@ -1,0 +1,302 @@
+"""`shoal.fit`'s loop written with the session's public calls (issue 39, point 2): what fit does, as a user's loop.
+
+    run = shoal.session(cluster, train_steps=steps, ...)           # fit's keywords: the layout, workspace, resume
+    model = run.model(model)
+    opt = run.optimizer(torch optimizer from optimizer=, or shoal.SingaOptimizer(updater=))
+    sched = run.scheduler(scheduler(opt))                          # stepped after each update, as fit's
+    for step, batch in run.batches(train, batch_size, shuffle=shuffle):
+        validate / test at fit's frequencies (the next val_steps batches: fit's cursor), before the step's update
+        for each micro-batch (grad_accum_steps): under run.accumulating() but the last, loss × its rows' part, backward
+        clip_grad_norm_; opt.step(); opt.zero_grad(); sched.step()
+        run.log(step, loss=..., accuracy=...)                      # fit's train record
+        checkpoint every checkpoint_freq steps (the session's) or checkpoint_interval_s seconds
+    validate / test the trained model; run.checkpoint()            # fit's final phases and checkpoint
+
+Nothing here reaches past the session's public calls (run.model, run.optimizer, run.scheduler, run.batches,
+run.accumulating, run.evaluate, run.log, run.checkpoint) and attributes (job, device, chief, processes, start_step,
+resumed); fit's History is read back from the run log. Which layouts fit runs here and which still on the job path
+(module_path's layers): `fit.ON_SESSION`, `fit.on_session`.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from shoal.config.phases import fires
+from shoal.data.in_place import PositionSource, batch_rows
+from shoal.frontend.fit_metrics import FitError, report_accuracy
+from shoal.frontend.session_eval import EvaluateError
+from shoal.frontend.module_path import scalar_loss, split_pair
+from shoal.report.metrics import MetricWindow, read_metrics
+
+
+@dataclass
+class Phase:
+    """A held-out set as fit evaluates it: its batch, its batches per evaluation and how often (0: at the end only)."""
+
+    data: Any
+    batch: int
+    steps: int
+    freq: int
+    after: int = 0
+    cursor: int = 0  # fit's val_steps cursor: the next evaluation starts where this one ended (positions in the set)
+
+
+@dataclass
+class FitLoop:
+    """What fit's keywords say about its loop, checked by fit (frontend/fit.py) before it comes here."""
+
+    model: torch.nn.Module
+    loss_fn: Callable
+    form: str  # "output" (loss_fn(output, target)) or "model" (loss_fn(model, batch)): module_path.loss_form
+    train: Any
+    batch_size: int
+    steps: int
+    seed: int = 0
+    shuffle: bool = True
+    updater: Optional[dict] = None  # SINGA's (UpdaterProto's fields), run as shoal.SingaOptimizer
+    optimizer: Optional[Callable] = None  # fit's normalised factory on (name, param) pairs
+    scheduler: Optional[Callable] = None
+    clip_grad_norm: Optional[float] = None
+    grad_accum_steps: int = 1
+    autocast: Optional[torch.dtype] = None
+    metrics: dict = field(default_factory=dict)
+    test: Optional[Phase] = None
+    val: Optional[Phase] = None
+    checkpoint_interval_s: float = 600.0
+
+
+def micro_batches(rows: int, k: int) -> list[tuple[int, int]]:
+    """(offset, rows) of each of a share's k micro-batches, as fit's worker cuts them (runtime/worker.micro_batch_rows)."""
+    from shoal.runtime.worker import micro_batch_rows
+
+    return micro_batch_rows(0, rows, k)
+
+
+def _rows(batch: Any, start: int, count: int) -> Any:
+    """Rows start .. start + count of a collated batch (a tensor, or a tuple/list/dict of them)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[start:start + count]
+    if isinstance(batch, dict):
+        return {k: _rows(v, start, count) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_rows(v, start, count) for v in batch)
+    return batch
+
+
+def _loss(model: torch.nn.Module, spec: FitLoop, batch: Any, computing, report) -> torch.Tensor:
+    """One (micro-)batch's training loss in fit's form, its loss (and accuracy) reported as fit's loss layer does."""
+    if spec.form == "model":
+        with computing():
+            loss = scalar_loss(spec.loss_fn(model, batch))
+        report("loss", loss.detach(), batch_rows(batch))
+        return loss
+    inputs, target = split_pair(batch)
+    with computing():
+        output = model(inputs)
+        loss = scalar_loss(spec.loss_fn(output, target))
+    with torch.no_grad():
+        rows = batch_rows(output)
+        report("loss", loss.detach(), rows)
+        report_accuracy(spec.metrics, output, target, rows, report)
+    return loss
+
+
+def _evaluate(run, spec: FitLoop, phase: Phase, name: str) -> None:
+    """fit's test or validation: `phase.steps` batches from its cursor (every sample once where the batch divides the set)."""
+    data = phase.data
+    n = len(data) if hasattr(data, "__len__") else 0
+    if phase.cursor and n and not isinstance(data, PositionSource):  # the next batches: the set seen from the cursor
+        data = torch.utils.data.Subset(data, [(phase.cursor + i) % n for i in range(n)])
+    try:
+        _evaluated(run, spec, phase, name, data)
+    except EvaluateError as err:  # fit's error, in fit's words (the metric that failed, say)
+        raise FitError("shoal.fit: " + str(err).removeprefix("run.evaluate: ")) from None
+    if n:
+        phase.cursor = (phase.cursor + phase.steps * phase.batch) % n
+
+
+def _evaluated(run, spec: FitLoop, phase: Phase, name: str, data) -> None:
+    run.evaluate(data, spec.loss_fn, batch_size=phase.batch, steps=phase.steps, metrics=spec.metrics or None, phase=name,
+                 loss_takes=spec.form, autocast=spec.autocast)
+
+
+def _optimizer(spec: FitLoop, model: torch.nn.Module) -> torch.optim.Optimizer:
+    from shoal.neuralnet.singa_optimizer import SingaOptimizer
+    from shoal.neuralnet.torch_optimizer import made
+
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if spec.optimizer is not None:
+        return made(spec.optimizer, trained)
+    updater = spec.updater if spec.updater is not None else {"type": "kSGD", "learning_rate": {"base_lr": 0.01}}
+    return SingaOptimizer([p for _, p in trained], updater)
+
+
+def run_fit(run, spec: FitLoop, log: Callable[[str], None] = print) -> None:
+    """fit's loop on `run` (a shoal.session()): train, evaluate and checkpoint as fit does."""
+    modes = [(m, m.training) for m in spec.model.modules()]  # the caller's module keeps its modes
+    model = run.model(spec.model)
+    model.train()  # fit trains in train mode (dropout on) whatever mode the module came in; run.evaluate uses eval mode
+    try:
+        _train(run, spec, model, log)
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _train(run, spec: FitLoop, model: torch.nn.Module, log: Callable[[str], None]) -> None:
+    from shoal.neuralnet.torch_optimizer import made_scheduler
+
+    opt = run.optimizer(_optimizer(spec, model))
+    sched = run.scheduler(made_scheduler(spec.scheduler, opt)) if spec.scheduler is not None else None
+    computing = ((lambda: torch.autocast(device_type=run.device.type, dtype=spec.autocast)) if spec.autocast is not None
+                 else nullcontext)
+    resumed_at = run.start_step if run.resumed is not None else None
+    last_checkpoint = time.monotonic()
+    step, last = run.start_step - 1, run.job.train_steps  # (`shoal run script.py --set train_steps=` wins over steps=)
+    for phase in (spec.val, spec.test):  # resumed: the cursors where the evaluations before the checkpoint left them
+        if phase is not None and phase.steps and resumed_at:
+            done = sum(fires(phase.freq, phase.after, s) for s in range(min(resumed_at, last)))
+            n = len(phase.data) if hasattr(phase.data, "__len__") else 0
+            phase.cursor = done * phase.steps * phase.batch % n if n else 0
+    for step, batch in run.batches(spec.train, batch_size=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed):
+        # before the step's update, as fit validates (recorded at `step`); after a checkpoint written after step - 1's
+        # update, so a run resumed from that checkpoint evaluates here again
+        for phase, name in ((spec.val, "val"), (spec.test, "test")):
+            if phase is not None and phase.steps and fires(phase.freq, phase.after, step):
+                _evaluate(run, spec, phase, name)
+        rows = batch_rows(batch)
+        parts = micro_batches(rows, spec.grad_accum_steps)
+        window, values = MetricWindow(), {}
+        report = window.report if len(parts) > 1 else lambda name, value, _rows: values.__setitem__(name, value)
+        for k, (offset, count) in enumerate(parts):
+            part = batch if len(parts) == 1 else _rows(batch, offset, count)
+            with run.accumulating() if k + 1 < len(parts) else nullcontext():  # one mean gradient of the micro-batches
+                loss = _loss(model, spec, part, computing, report)
+                (loss * (count / rows) if len(parts) > 1 else loss).backward()
+        if spec.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if sched is not None:
+            sched.step()
+        run.log(step, **(values or window.averages()))
+        # (one process's clock: over processes each rank would choose its own step, and a Local SGD group's part of a
+        # checkpoint would be missing: there only checkpoint_freq and the final checkpoint)
+        if (spec.checkpoint_interval_s and not run.job.checkpoint_freq and run.processes == 1 and step + 1 < last
+                and time.monotonic() - last_checkpoint >= spec.checkpoint_interval_s):
+            path = run.checkpoint()
+            log(f"Checkpoint written to {path} (every {spec.checkpoint_interval_s:g} s: checkpoint_interval_s)")
+            last_checkpoint = time.monotonic()
+    if step + 1 < last or (resumed_at is not None and resumed_at >= last):
+        return  # (resumed from the final checkpoint: nothing left to do, as fit's trainer)
+    for phase, name in ((spec.val, "val"), (spec.test, "test")):
+        if phase is not None and phase.steps and phase.freq:
+            _evaluate(run, spec, phase, name)
+    path = run.checkpoint()
+    if run.chief:
+        log(f"Checkpoint written to {path}")
+
+
+def history(workspace: Path, start: int):
+    """fit's History: the records this run appended to the run log (from byte `start`)."""
+    from shoal.runtime.trainer import History
+
+    path = Path(workspace) / "metrics.jsonl"
+    return History(Path(workspace), read_metrics(path, start) if path.exists() else [])
+
+
+def _session(job, spec: FitLoop, workspace, resume, log):
+    from shoal.frontend.session import session
+
+    return session(job.cluster, train_steps=spec.steps, seed=spec.seed, disp_freq=job.disp_freq,
+                   checkpoint_freq=job.checkpoint_freq, workspace=workspace, resume=resume, name="fit", log=log)
+
+
+def _run_on(run, job_text: str, spec: FitLoop, log) -> None:
+    from shoal.report.job_copy import write_job_copy
+
+    if run.chief:  # the job as it ran (fit's, with its data, module and loss layers): what --resume=auto compares
+        write_job_copy(job_text, run.workspace)
+    try:
+        run_fit(run, spec, log)
+    finally:
+        run.close()
+
+
+def fit_rank(job_text: str, spec: FitLoop, plan, rank: int, run_spec) -> None:
+    """A rank of fit's layout over the processes shoal started (the launcher's RunOptions.rank_main, sent as fit sends
+    its objects: through the forkserver): fit's loop on this rank's session."""
+    from google.protobuf import text_format
+
+    from shoal.config import job_pb2
+    from shoal.frontend.session_start import as_rank
+
+    job = text_format.Parse(job_text, job_pb2.JobProto())
+    # the module came as torch.multiprocessing sends tensors, in memory every rank shares: each rank trains its own copy
+    spec = dataclasses.replace(spec, model=copy.deepcopy(spec.model))
+    with as_rank(plan, rank, run_spec):
+        run = _session(job, spec, run_spec.workspace, False, run_spec.log)
+    _run_on(run, job_text, spec, run_spec.log)
+
+
+def fit_on_session(job, spec: FitLoop, *, workspace, resume: bool, log: Callable[[str], None] = print):
+    """fit's call (its job: frontend/fit.fit_job) as a session and its loop; returns fit's History (this run's records
+    of the run log). In one process, here; a layout of several processes that shoal starts: one per rank, each running
+    `fit_rank`, this process waiting for them (as `shoal run script.py` does)."""
+    import functools
+
+    from google.protobuf import text_format
+
+    from shoal.frontend import script
+    from shoal.frontend.session_start import plan_session, session_job, started_by_a_launcher
+
+    where = Path(script.workspace(workspace) or "fit-workspace")
+    metrics = where / "metrics.jsonl"
+    start = metrics.stat().st_size if resume and metrics.exists() else 0  # (a fresh run's log starts anew)
+    job_text = text_format.MessageToString(job)
+    if started_by_a_launcher() is None:
+        plan = plan_session(session_job(job.cluster, spec.steps, spec.seed, job.disp_freq, job.checkpoint_freq, "fit"))
+        if not plan.in_one_process:
+            from shoal.launcher.options import RunOptions
+            from shoal.launcher.run_job import train_job
+
+            train_job(plan.job, RunOptions(workspace=where, resume=resume, log=log, plan=plan, progress=False,
+                                           rank_main=functools.partial(fit_rank, job_text, spec)), job_file="<shoal.fit>")
+            return history(where, start)
+    run = _session(job, spec, where, resume, log)
+    _run_on(run, job_text, spec, log)
+    return history(run.workspace, start)
+
+
+def _as_dict(updater) -> dict:
+    """SINGA's updater as the dict of its fields (a proto message is not sent to processes: the FitLoop is)."""
+    from google.protobuf import json_format
+
+    return json_format.MessageToDict(updater, preserving_proto_field_name=True)
+
+
+def fit_loop_of(job, spec) -> FitLoop:
+    """fit's job (frontend/fit.fit_job, the command line's --set applied) and FitSpec as the loop's FitLoop."""
+    from shoal.config import job_pb2
+
+    batch = {phase: layer.store_conf.batchsize[0] for layer in job.neuralnet.layer if layer.store_conf.batchsize
+             for phase in layer.include}
+    test = val = None
+    if job.test_steps > 0:
+        test = Phase(spec.datasets[job_pb2.kTest], batch[job_pb2.kTest], job.test_steps, job.test_freq, job.test_after)
+    if job.validate_steps > 0 and job.validate_freq > 0:
+        val = Phase(spec.datasets[job_pb2.kVal], batch[job_pb2.kVal], job.validate_steps, job.validate_freq, job.validate_after)
+    singa = job.updater.type != job_pb2.kUserUpdater
+    return FitLoop(spec.model, spec.loss_fn, spec.form, spec.datasets[job_pb2.kTrain], batch[job_pb2.kTrain],
+                   job.train_steps, seed=job.seed, shuffle=spec.shuffle, updater=_as_dict(job.updater) if singa else None,
+                   optimizer=spec.optimizer, scheduler=spec.scheduler, clip_grad_norm=spec.clip_grad_norm,
+                   grad_accum_steps=spec.grad_accum_steps, autocast=spec.autocast, metrics=dict(spec.metrics or {}),
+                   test=test, val=val, checkpoint_interval_s=job.checkpoint_interval_s)

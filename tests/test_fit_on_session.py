@@ -1,0 +1,182 @@
+"""shoal.fit as a loop of the session's calls (frontend/fit_loop.py, issue 39 point 2): which layouts go there (one list,
+frontend/fit.ON_SESSION), and, on such a layout, fit's records and trained values equal to the bit those of the same loop
+written by hand with shoal.session() and those of fit's job path (module_path's layers and the Trainer)."""
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shoal
+from shoal.frontend import fit as fitting
+from shoal.frontend import fit_loop
+from shoal.neuralnet.torch_optimizer import OUTER_OPTIMIZER_UPDATER
+
+STEPS, BATCH = 8, 16
+UPDATER = {"type": "kSGD", "momentum": 0.9, "learning_rate": {"base_lr": 0.05}}
+
+
+def quiet(_line: str) -> None:
+    pass
+
+
+@pytest.fixture(scope="module")
+def problem():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(80, 6, generator=g)
+    y = (x[:, 0] + x[:, 1] > 0).long() + (x[:, 2] > 0.5).long()
+    xv = torch.randn(40, 6, generator=g)
+    yv = (xv[:, 0] + xv[:, 1] > 0).long()
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+    return (x, y), (xv, yv), model
+
+
+def plan_of(**cluster):
+    from shoal.frontend.session_start import plan_session, session_job
+
+    return plan_session(session_job(shoal.Cluster(**cluster), 10, 0, 10, 0, "fit"), 1)
+
+
+def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
+    """One place says which layouts fit runs as fit_loop's loop: ON_SESSION, by fit_layout's names; every other layout
+    keeps the job path. The names fit_loop runs: one worker in one process on the CPU, AllReduce and Local SGD / DiLoCo
+    over processes (one worker each)."""
+    ready = {"one worker", "AllReduce over processes", "Local SGD / DiLoCo over processes"}
+    assert fitting.ON_SESSION <= ready
+    on_a_gpu = SimpleNamespace(in_one_process=True, nworkers=1, job=SimpleNamespace(device=["cuda:0"]), label="single worker")
+    named = {"one worker": plan_of(),
+             "AllReduce over processes": plan_of(nworkers_per_group=2, nworkers_per_procs=1),
+             "Local SGD / DiLoCo over processes": plan_of(nworker_groups=2, nworkers_per_procs=1, local_steps=2)}
+    with_torch_outer = SimpleNamespace(in_one_process=False, nworkers=2, nprocs=2, label="DiLoCo",  # (as fit plans it)
+                                       strategy=SimpleNamespace(synchronous=False, meets=True),
+                                       job=SimpleNamespace(device=[], cluster=SimpleNamespace(
+                                           outer_updater=SimpleNamespace(user_type=OUTER_OPTIMIZER_UPDATER))))
+    others = [plan_of(nworkers_per_group=2, nworkers_per_procs=2),  # in-memory AllReduce (threads)
+              with_torch_outer,  # DiLoCo with fit's outer_optimizer= (a torch optimizer: the job path's)
+              on_a_gpu]
+    assert {fitting.fit_layout(plan): name for name, plan in named.items()} == {name: name for name in named}
+    assert all(fitting.fit_layout(plan) not in ready for plan in others)
+    for plan in [*named.values(), *others]:
+        assert fitting.on_session(plan) == (fitting.fit_layout(plan) in fitting.ON_SESSION)
+
+
+def by_hand(model, train, val, test, workspace):
+    """fit's loop written by hand with shoal.session(): what fit(..., val_freq=3, test_freq=4) does."""
+    run = shoal.session(train_steps=STEPS, workspace=workspace, disp_freq=3, log=quiet)
+    model = run.model(model)
+    opt = run.optimizer(shoal.SingaOptimizer(model.parameters(), UPDATER))
+    for step, (xb, yb) in run.batches(train, batch_size=BATCH):
+        if step % 3 == 0:
+            run.evaluate(val, F.cross_entropy, batch_size=20)
+        if step % 4 == 0:
+            run.evaluate(test, F.cross_entropy, batch_size=20, phase="test")
+        output = model(xb)
+        loss = F.cross_entropy(output, yb)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        run.log(step, loss=loss.detach(), accuracy=(output.argmax(1) == yb).float().mean())
+    run.evaluate(val, F.cross_entropy, batch_size=20)
+    run.evaluate(test, F.cross_entropy, batch_size=20, phase="test")
+    run.checkpoint()
+    run.close()
+    return model
+
+
+def evaluations(records):
+    return [(r["phase"], r["step"], r["samples"], r["loss"], r["accuracy"]) for r in records
+            if r["phase"] in ("validate", "test")]
+
+
+def test_fit_on_a_moved_layout_runs_the_session_loop_equal_to_the_hand_written_loop_and_the_job_path(tmp_path, problem,
+                                                                                                      monkeypatch):
+    train, val, model = problem
+    ran = []
+    monkeypatch.setattr(fit_loop, "run_fit", lambda run, spec, log=print, _run_fit=fit_loop.run_fit: ran.append(run.job.name)
+                        or _run_fit(run, spec, log))
+    keywords = dict(val_data=val, test_data=val, val_freq=3, test_freq=4, val_batch=20, test_batch=20, steps=STEPS,
+                    batch_size=BATCH, disp_freq=3, updater=UPDATER, log=quiet)
+
+    monkeypatch.setattr(fitting, "ON_SESSION", frozenset({"one worker"}))
+    on_session = copy.deepcopy(model)
+    history = shoal.fit(on_session, F.cross_entropy, train, workspace=tmp_path / "session", **keywords)
+    assert ran == ["fit"]  # fit went through fit_loop's loop on a session
+
+    monkeypatch.setattr(fitting, "ON_SESSION", frozenset())
+    on_the_job_path = copy.deepcopy(model)
+    job_history = shoal.fit(on_the_job_path, F.cross_entropy, train, workspace=tmp_path / "job", **keywords)
+    assert ran == ["fit"]
+
+    hand = by_hand(copy.deepcopy(model), train, val, val, tmp_path / "hand")
+    hand_records = fit_loop.history(tmp_path / "hand", 0).records
+
+    mine = evaluations(history.records)
+    assert [(p, s) for p, s, *_ in mine] == [("validate", 0), ("test", 0), ("validate", 3), ("test", 4), ("validate", 6),
+                                            ("validate", 8), ("test", 8)]
+    assert mine == evaluations(hand_records) == evaluations(job_history.records)  # to the bit
+    # the session also closes the display window at the last step (the job path's Trainer does not)
+    assert [r["step"] for r in history.phase("train")] == [r["step"] for r in hand_records if r["phase"] == "train"] == [0, 3, 6, 7]
+    assert [r["step"] for r in job_history.phase("train")] == [0, 3, 6]
+    for (name, a), b, c in zip(on_session.named_parameters(), hand.parameters(), on_the_job_path.parameters()):
+        assert torch.equal(a, b) and torch.equal(a, c), name
+    assert not torch.equal(on_session[0].weight, model[0].weight)  # trained
+    assert (history.workspace / "checkpoint").is_dir() and (history.workspace / ".shoal" / "job.conf").is_file()
+
+
+def test_fit_on_the_session_resumes_where_it_stopped_with_fits_validation_cursor(tmp_path, problem, monkeypatch):
+    """val_steps reads the next batches at each validation (fit's cursor): a resumed run reads where the stopped one
+    would have, and ends where the uninterrupted run does, to the bit."""
+    train, val, model = problem
+    monkeypatch.setattr(fitting, "ON_SESSION", frozenset({"one worker"}))
+    keywords = dict(val_data=val, val_freq=2, val_batch=10, val_steps=1, batch_size=BATCH, checkpoint_freq=2,
+                    optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2), clip_grad_norm=0.5, log=quiet)
+    whole = copy.deepcopy(model)
+    uninterrupted = shoal.fit(whole, F.cross_entropy, train, steps=STEPS, workspace=tmp_path / "whole", **keywords)
+    shoal.fit(copy.deepcopy(model), F.cross_entropy, train, steps=4, workspace=tmp_path / "parts", **keywords)
+    resumed_model = copy.deepcopy(model)
+    resumed = shoal.fit(resumed_model, F.cross_entropy, train, steps=STEPS, workspace=tmp_path / "parts", resume=True,
+                        **keywords)
+    assert resumed.phase("train")[0]["step"] >= 4  # this run's records only
+    later = [(r["step"], r["loss"]) for r in uninterrupted.phase("validate") if r["step"] >= 4]
+    assert [(r["step"], r["loss"]) for r in resumed.phase("validate")] == later
+    assert len({loss for _, loss in later}) > 1  # the cursor moved: different rows at each validation
+    assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), resumed_model.parameters()))
+
+
+def _fit_over_processes(model, train, val, workspace, cluster):
+    return shoal.fit(model, F.cross_entropy, train, val_data=val, val_freq=3, val_batch=20, steps=STEPS, batch_size=BATCH,
+                     disp_freq=3, updater=UPDATER, cluster=cluster, workspace=workspace, log=quiet)
+
+
+@pytest.mark.slow
+def test_fit_over_processes_runs_the_loop_in_each_rank(tmp_path, problem, monkeypatch):
+    """AllReduce over 2 processes through fit_loop's loop (each rank runs it: RunOptions.rank_main) records one worker's
+    validation losses and ends on its values, to float rounding (the mean of two halves); DiLoCo over 2
+    processes ends where fit's job path does, to the bit."""
+    train, val, model = problem
+    monkeypatch.setattr(fitting, "ON_SESSION", frozenset({"one worker", "AllReduce over processes",
+                                                          "Local SGD / DiLoCo over processes"}))
+    one = copy.deepcopy(model)
+    alone = _fit_over_processes(one, train, val, tmp_path / "one", shoal.Cluster())
+    two = copy.deepcopy(model)
+    together = _fit_over_processes(two, train, val, tmp_path / "two", shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=1))
+    assert [r["step"] for r in together.phase("validate")] == [r["step"] for r in alone.phase("validate")] == [0, 3, 6, 8]
+    assert [r["loss"] for r in together.phase("validate")] == pytest.approx([r["loss"] for r in alone.phase("validate")],
+                                                                           rel=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(one.parameters(), two.parameters()))
+    assert (tmp_path / "two" / "logs" / "rank1.log").is_file()  # it ran over 2 processes
+
+    diloco = shoal.Cluster(nworker_groups=2, nworkers_per_procs=1, local_steps=2,
+                           outer_updater={"type": "kNesterov", "momentum": 0.9, "learning_rate": {"type": "kFixed", "base_lr": 0.7}})
+    on_session = copy.deepcopy(model)
+    loop = _fit_over_processes(on_session, train, val, tmp_path / "diloco", diloco)
+    monkeypatch.setattr(fitting, "ON_SESSION", frozenset())
+    on_the_job_path = copy.deepcopy(model)
+    job = _fit_over_processes(on_the_job_path, train, val, tmp_path / "diloco-job", diloco)
+    assert [(r["step"], r["loss"]) for r in loop.phase("validate")] == [(r["step"], r["loss"]) for r in job.phase("validate")]
+    assert all(torch.equal(a, b) for a, b in zip(on_session.parameters(), on_the_job_path.parameters()))
+    assert not torch.equal(on_session[0].weight, model[0].weight)
