@@ -472,6 +472,8 @@ class Trainer:
                 hook.after_step(step)
             displays = fires(job.disp_freq, job.disp_after, step)
             self._stop_if_diverged(step, read=displays)
+            if bar is not None:  # before a display resets the window: the bar's loss is never read from an empty one
+                bar.advance(self.window)
             if displays:
                 now = time.perf_counter()
                 values = self.exchange.metrics(self.window)
@@ -485,8 +487,6 @@ class Trainer:
                 self.window.reset()
                 self.timings = StepTimings()
                 window_start, self.window_samples = now, 0
-            if bar is not None:
-                bar.advance(self.window)
             step += 1
         if bar is not None:
             bar.close()
