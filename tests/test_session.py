@@ -582,8 +582,7 @@ def test_a_process_that_dies_after_the_last_step_is_not_restarted(tmp_path):
     the code after the user's loop would meet names never bound. The launcher says so instead, in one line."""
     script = tmp_path / "late.py"
     script.write_text(LATE_DEATH)
-    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(script), "--workspace", str(tmp_path / "ws"),
-                           "--no-progress", "--max-restarts", "1", *ALLREDUCE], capture_output=True, text=True, timeout=120)
+    proc = run_cli("run", script, "--workspace", tmp_path / "ws", "--no-progress", "--max-restarts", "1", *ALLREDUCE)
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("WARNING")]
     assert warnings == [f"WARNING: process 1 (worker(group=0, id=1)) died (SIGKILL) after the job's last step; not restarted: "
