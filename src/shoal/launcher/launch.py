@@ -42,10 +42,11 @@ from shoal.planning.plan import JobPlan, plan_job
 from shoal.report.metrics import read_metrics
 from shoal.report.run_log import Terminated, mark_run_ended
 from shoal.report.summary import note_group_ends, restate_reason
-from shoal.report.writes import WorkspaceWriteError, open_for_append, own_folder, replace_file
+from shoal.report.writes import open_for_append
 from shoal.runtime.assemble import RunSpec, run_process
 from shoal.launcher import faults, process_server, rejoin, stalls
-from shoal.launcher.ranks import chief_log, describe_process, expendable, heals, outlives_a_dead_process, rank_output, replicas_go_on
+from shoal.launcher.ranks import (chief_log, describe_process, expendable, heals, outlives_a_dead_process, rank_output,
+                                  read_exit_line, replicas_go_on, write_exit_line)
 from shoal.launcher.launchers import LaunchedProcess
 from shoal.runtime.endings import ServerLost
 from shoal.runtime.trainer import History
@@ -273,12 +274,7 @@ def _stopping_the_job_on_bad_input(plan: JobPlan, rank: int, workspace: Path, lo
         if not isinstance(err, ValueError) or heartbeat.last_step(rank) >= 0 or not plan.process(rank).workers:
             raise
         line = f"{describe_process(plan, rank)} failed before its first step: {first_line(str(err)) or type(err).__name__}"
-        path = refused_path(workspace, rank)
-        try:  # through no link, nor at logs/ (as the stall record)
-            own_folder(path.parent)
-            replace_file(path, (line + "\n").encode(), temp_name=path.name + ".tmp")
-        except (OSError, WorkspaceWriteError):  # the launcher falls back to naming this process
-            pass
+        write_exit_line(refused_path(workspace, rank), line)
         log_file.write(line + "\n")  # (the launcher says it on the terminal)
         log_file.flush()
         os._exit(REFUSED_AT_START_EXIT)  # before gloo's teardown, which would wait for peers still starting
@@ -488,10 +484,7 @@ def _refused_line(workspace: Path, ranks: list[int], processes) -> Optional[str]
     """The line of a process that left with REFUSED_AT_START_EXIT (the first rank's), with where its log is; None if none."""
     for rank, proc in zip(ranks, processes):
         if proc.exitcode == REFUSED_AT_START_EXIT:
-            try:
-                line = refused_path(workspace, rank).read_text().strip().splitlines()[0]
-            except (OSError, IndexError):
-                line = f"process {rank} failed before its first step"
+            line = read_exit_line(refused_path(workspace, rank)) or f"process {rank} failed before its first step"
             return f"{line}; see {workspace}/logs/rank{rank}.log"
     return None
 

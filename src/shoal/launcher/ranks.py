@@ -4,10 +4,10 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from shoal.planning.plan import JobPlan
-from shoal.report.writes import open_for_append
+from shoal.report.writes import WorkspaceWriteError, open_for_append, own_folder, replace_file
 
 
 def describe_process(plan: JobPlan, rank: int) -> str:
@@ -62,3 +62,22 @@ def chief_log(rank: int, log_file) -> Callable[[str], None]:
     if rank != 0:
         return print
     return lambda line: (print(line), log_file.write(line + "\n"))
+
+
+def write_exit_line(path: Path, line: str) -> None:
+    """The line a process leaves for the launcher before it exits with a code that says to read it (a stall verdict,
+    bad input before the first step): written whole, through no link, nor at logs/; unwritable, the launcher names the
+    process instead."""
+    try:
+        own_folder(path.parent)
+        replace_file(path, (line + "\n").encode(), temp_name=path.name + ".tmp")
+    except (OSError, WorkspaceWriteError):
+        pass
+
+
+def read_exit_line(path: Path) -> Optional[str]:
+    """The line write_exit_line left at `path` (None: none could be read)."""
+    try:
+        return path.read_text().strip().splitlines()[0]
+    except (OSError, IndexError):
+        return None

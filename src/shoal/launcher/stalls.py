@@ -28,9 +28,8 @@ from typing import Callable, Optional
 
 from shoal.comm import heartbeat
 from shoal.errors import warn
-from shoal.launcher.ranks import describe_process, expendable, heals, replicas_go_on
+from shoal.launcher.ranks import describe_process, expendable, heals, read_exit_line, replicas_go_on, write_exit_line
 from shoal.planning.plan import JobPlan
-from shoal.report.writes import WorkspaceWriteError, own_folder, replace_file
 from shoal.runtime.interfaces import GroupDropped
 
 STALLED_EXIT = 86  # this process found a peer the job cannot lose stalled: logs/rank<R>.stalled says which
@@ -102,12 +101,7 @@ class StallPolicy:
         self._leave(f"{line}; the job dropped worker group {self.group}, so it leaves")
 
     def _fail(self, line: str) -> None:
-        path = verdict_path(self.workspace, self.rank)
-        try:  # through no link, nor at logs/
-            own_folder(path.parent)
-            replace_file(path, (line + "\n").encode(), temp_name=path.with_suffix(".tmp").name)
-        except (OSError, WorkspaceWriteError):  # the launcher falls back to naming this process
-            pass
+        write_exit_line(verdict_path(self.workspace, self.rank), line)
         if self.reports_itself:
             try:
                 sys.__stderr__.flush()
@@ -209,10 +203,9 @@ def verdict(workspace: Path, ranks: list[int], processes) -> Optional[str]:
     """The line of a process that exited because a peer stalled (None if none did)."""
     for rank, proc in zip(ranks, processes):
         if proc.exitcode == STALLED_EXIT:
-            try:
-                return verdict_path(workspace, rank).read_text().strip().splitlines()[0]
-            except (OSError, IndexError):
-                continue
+            line = read_exit_line(verdict_path(workspace, rank))
+            if line is not None:
+                return line
     return None
 
 
