@@ -232,12 +232,15 @@ class HogwildRecovery:
 
     def skipped_total(self) -> int:
         """The steps every restarted group's process skipped so far, over every group and restart (the job's store)."""
-        total = 0
+        return sum(self._skipped_by_group().values())
+
+    def _skipped_by_group(self) -> dict[int, int]:
+        """Per group, the steps its restarted processes said they skipped (the job's store)."""
+        skipped = {}
         for group in range(self.ngroups):
-            for incarnation in range(1, self.door.incarnation(group) + 1):
-                said = self.door.skipped(group, incarnation)
-                total += max(0, said[1] - said[0]) if said is not None else 0
-        return total
+            said = (self.door.skipped(group, incarnation) for incarnation in range(1, self.door.incarnation(group) + 1))
+            skipped[group] = sum(max(0, stop - first) for first, stop in filter(None, said))
+        return skipped
 
     def _await_skips_said(self) -> None:
         """Wait (up to the comm timeout) for each restarted group this process let in to say what it skipped (it does
@@ -261,11 +264,7 @@ class HogwildRecovery:
         applied to the job's values (train_steps − its skipped steps + its re-trained ones)."""
         if self.door is None:
             return {}
-        skipped = {g: 0 for g in range(self.ngroups)}
-        for group in range(self.ngroups):
-            for incarnation in range(1, self.door.incarnation(group) + 1):
-                said = self.door.skipped(group, incarnation)
-                skipped[group] += max(0, said[1] - said[0]) if said is not None else 0
+        skipped = self._skipped_by_group()
         if not any(skipped.values()):
             return {}
         retrained = {g: (said[0] if (said := self.door.resharing(g)) is not None else 0) for g in range(self.ngroups)}
