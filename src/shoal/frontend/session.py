@@ -664,7 +664,8 @@ class Session:
         self._window_start = time.perf_counter()
         step, end = self.start_step, self.job.train_steps
         # past train_steps, a Distributed Hogwild group trains its share of the steps restarted groups skipped
-        while step < end or (self._update_lock is not None and (end := self.exchange.steps_to_train(self.job.train_steps)) > step):
+        retrains = self.plan.strategy.retrains_skipped_steps
+        while step < end or (retrains and (end := self.exchange.steps_to_train(self.job.train_steps)) > step):
             self.step = step
             if self.distributed:
                 session_exchange.note_step(step)
@@ -803,9 +804,8 @@ class Session:
             sent = self.exchange.job_bytes_sent  # the job's bytes to its last message (summary.json's bytes_sent, as fit's)
             if self.metrics is not None and sent is not None:
                 self.metrics.annotate(bytes_sent=sent)
-            notes = getattr(self.exchange, "job_notes", None)  # Distributed Hogwild: the skipped steps, who re-trained them
-            if self.metrics is not None and notes:
-                self.metrics.annotate(**notes)
+            if self.metrics is not None and self.plan.strategy.retrains_skipped_steps and self.exchange.job_notes:
+                self.metrics.annotate(**self.exchange.job_notes)  # the skipped steps, who re-trained them
         self._finished = True
 
     def _script_ended(self, failed: bool) -> None:

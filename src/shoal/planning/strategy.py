@@ -101,6 +101,9 @@ class Strategy:
     # each process's group updates its own replica and syncs values with the other groups' masters every
     # cluster.sync_freq steps (Distributed Hogwild): a user's loop runs it with its own optimizer as the local update
     syncs_with_peers = False
+    # the steps a restarted group skipped are trained by every group past train_steps (Distributed Hogwild): its
+    # exchange says where a group's loop ends (`steps_to_train`) and, on the chief, who trained them (`job_notes`)
+    retrains_skipped_steps = False
 
     # -- planning (pure) ------------------------------------------------------------------------------
     def recognises(self, layout: Layout) -> bool:

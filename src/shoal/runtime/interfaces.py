@@ -28,10 +28,10 @@ class Exchange(Protocol):
     DownpourExchange, HogwildExchange).
 
     An exchange that holds state of its own (a group's copy, an anchor, residuals, last syncs) also has
-    `own_state() -> dict[str, Tensor]` and `load_own_state(tensors)`: its trainer's part of every checkpoint. One whose
-    groups may train past train_steps (Distributed Hogwild, re-training the steps a restarted group skipped) also has
-    `steps_to_train(train_steps) -> int` (where this group's loop ends, asked once it reached the end it knew) and
-    `job_notes` (a dict for summary.json: the steps skipped and who re-trained them)."""
+    `own_state() -> dict[str, Tensor]` and `load_own_state(tensors)`: its trainer's part of every checkpoint. Under a strategy
+    whose `retrains_skipped_steps` (Distributed Hogwild's: every group trains a share of the steps a restarted group
+    skipped, past train_steps) it also has `steps_to_train(train_steps) -> int` (where this group's loop ends, asked
+    once it reached the end it knew) and `job_notes` (a dict for summary.json: the steps skipped and who re-trained them)."""
 
     # the job's bytes to its last message, known after `finish` on the chief (summary.json's bytes_sent); None where
     # this exchange does not count them (in one process nothing crosses a wire)

@@ -499,9 +499,8 @@ class Trainer:
             hook.before_final_test()
         if self.resumed and self.start_step >= job.train_steps:
             return history  # resumed from the final checkpoint: nothing left to do
-        notes = getattr(self.exchange, "job_notes", None)  # Distributed Hogwild: the skipped steps, who re-trained them
-        if metrics is not None and notes:
-            metrics.annotate(**notes)
+        if metrics is not None and self.plan.strategy.retrains_skipped_steps and self.exchange.job_notes:
+            metrics.annotate(**self.exchange.job_notes)  # the skipped steps, who re-trained them
         # at the group's own last step: train_steps, or past it where it re-trained skipped steps (Distributed Hogwild)
         last = max(step, job.train_steps)
         if job.validate_steps > 0 and job.validate_freq > 0:  # the trained model's validation, as its test below
@@ -515,7 +514,7 @@ class Trainer:
     def _steps_to_train(self, end: int) -> int:
         """Where the loop ends, asked once it reached `end`: `end`, or where the exchange says this group trains to
         (Distributed Hogwild: its share of the steps restarted groups skipped, beyond train_steps)."""
-        return self.exchange.steps_to_train(self.job.train_steps) if hasattr(self.exchange, "steps_to_train") else end
+        return self.exchange.steps_to_train(self.job.train_steps) if self.plan.strategy.retrains_skipped_steps else end
 
     def _interval_checkpoint(self, step: int) -> None:
         """The checkpoint (or this trainer's part) of `step`, which the chief chose when checkpoint_interval_s had passed."""

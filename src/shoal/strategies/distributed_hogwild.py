@@ -24,6 +24,7 @@ class DistributedHogwild(Strategy):
     rejoins = True  # a dead group's process may be restarted (--max-restarts): it knocks at the live groups' doors
     rejoin_door = DOOR
     rejoins_from = "from the other groups' live values"
+    retrains_skipped_steps = True  # (hogwild_recovery.steps_to_train: each group's share, past train_steps)
     syncs_with_peers = True  # (a user's loop: its optimizer is the local update, the sync runs after it)
 
     def recognises(self, layout: Layout) -> bool:
