@@ -35,6 +35,7 @@ from shoal.frontend.fit_metrics import FitError, report_accuracy
 from shoal.frontend.session_eval import EvaluateError
 from shoal.frontend.module_path import scalar_loss, split_pair
 from shoal.report.metrics import MetricWindow, read_metrics
+from shoal.runtime.worker import micro_batch_rows
 
 
 @dataclass
@@ -71,13 +72,6 @@ class FitLoop:
     test: Optional[Phase] = None
     val: Optional[Phase] = None
     checkpoint_interval_s: float = 600.0
-
-
-def micro_batches(rows: int, k: int) -> list[tuple[int, int]]:
-    """(offset, rows) of each of a share's k micro-batches, as fit's worker cuts them (runtime/worker.micro_batch_rows)."""
-    from shoal.runtime.worker import micro_batch_rows
-
-    return micro_batch_rows(0, rows, k)
 
 
 def _rows(batch: Any, start: int, count: int) -> Any:
@@ -173,7 +167,7 @@ def _train(run, spec: FitLoop, model: torch.nn.Module, log: Callable[[str], None
             if phase is not None and phase.steps and fires(phase.freq, phase.after, step):
                 _evaluate(run, spec, phase, name)
         rows = batch_rows(batch)
-        parts = micro_batches(rows, spec.grad_accum_steps)
+        parts = micro_batch_rows(0, rows, spec.grad_accum_steps)  # as fit's worker cuts its share
         window, values = MetricWindow(), {}
         report = window.report if len(parts) > 1 else lambda name, value, _rows: values.__setitem__(name, value)
         for k, (offset, count) in enumerate(parts):

@@ -33,6 +33,7 @@ def reshare(skipped: int, group: int, ngroups: int) -> int:
 class HogwildRecovery:
     """A group's restarts (letting one in, rejoining as one), its share of the skipped steps, and its checkpoint state."""
     end_step = None  # the step this group trains to, once it reached train_steps (steps_to_train)
+    alone = False  # restarted after every other group had finished: it trains no share (rejoin)
     train_steps = 0
 
     def _await_announced(self) -> None:
@@ -202,7 +203,7 @@ class HogwildRecovery:
         late: a restart the launcher announced is let in, and its skip awaited, first); with its share trained it
         waits, counting again, while a peer still trains, and ends once every peer has the same count's share trained
         (`g<G>/waiting`), finished or is gone."""
-        if self.door is None or getattr(self, "alone", False):
+        if self.door is None or self.alone:
             return max(train_steps, self.steps_done)
         self.train_steps = train_steps
         while True:
