@@ -6,8 +6,10 @@ just under the timeout, added to the time since its last beat, read as "the job'
 failed the job (found by a shortened tests/test_stalls.py test under load).
 
 The watch's two threads are held up at their waits, as a stopped process's are: the watch thread for 0.5 s (under
-the 0.6 s timeout, so not a wake from a stop past it), the beat thread 0.3 s longer (a process scheduled late after
-SIGCONT, its store requests later still).
+the 0.6 s timeout, so not a wake from a stop past it), the beat thread 0.8 s longer (a process starved of CPU after
+SIGCONT, its store requests later still: past the timeout, so only a watch that counts the store's silence from an
+unanswered request, and a peer's up to the last read, passes; the earlier fix, which discounted the watch thread's
+own hold-up, fails it (3 of 3) and, with the beat 0.3 s late, under load now and then).
 """
 from __future__ import annotations
 
@@ -48,8 +50,8 @@ def test_a_watch_held_up_under_the_timeout_judges_neither_the_store_nor_its_peer
         time.sleep(2 * TIMEOUT_S)  # beating, both seen
         assert stalls == []
         now = time.monotonic()
-        held.until = {"_watch": now + 0.5, "_beat": now + 0.8}
-        time.sleep(0.8 + 2 * TIMEOUT_S)  # held up, then runs again for a few timeouts
+        held.until = {"_watch": now + 0.5, "_beat": now + 1.3}
+        time.sleep(1.3 + 2 * TIMEOUT_S)  # held up, then runs again for a few timeouts
         assert 1 in [s.rank for s in peers_stalls]  # its peer saw it silent past the timeout: really held up
         assert stalls == [], [(s.rank, s.store, round(s.silent_s, 2)) for s in stalls]
     finally:

@@ -76,7 +76,8 @@ class Watch:
         now = time.monotonic()
         self._seen: dict[int, tuple[str, int]] = {}  # peer -> (last beat, last step)
         self._changed_at = dict.fromkeys(self._peers, now)
-        self._store_ok_at = now
+        self._store_ok_at = now  # the last answer: peers' silence is counted up to it (what was read), never past it
+        self._unanswered_since: Optional[float] = None  # the first request the store has not answered yet
         self._done: set[int] = set()
         self._stalled: set[int] = set()
         self._store_reported = False
@@ -135,11 +136,13 @@ class Watch:
     def _beat(self) -> None:
         while not self._stop.wait(self.interval):
             started = time.monotonic()
+            if self._unanswered_since is None:
+                self._unanswered_since = started
             try:
                 self._client.set(KEY.format(self.rank), f"{self._beats} {self._step}")
                 self._beats += 1
                 self._read_peers(time.monotonic())
-                self._store_ok_at = time.monotonic()
+                self._store_ok_at, self._unanswered_since = time.monotonic(), None
             except Exception:  # the store did not answer: judged by how long that lasts, unless it refused
                 if time.monotonic() - started < self._fast_failure and self._refuses():
                     self._store_lost = True
@@ -161,12 +164,11 @@ class Watch:
             if now - last > self.timeout:  # this process was stopped (SIGSTOP): its peers have judged it
                 self.on_woken(now - last)
             held_up = now - last - self.interval / 2
-            if held_up > self.interval / 2:
-                # this thread did not run (the process stopped, or starved of CPU): nothing here could read the store
-                # then, so that time says nothing about the store or the peers (a stop just under the timeout, added to
-                # the time since the last beat, would otherwise read as the store's silence)
-                self._store_ok_at = min(now, self._store_ok_at + held_up)
-                self._changed_at = {peer: min(now, at + held_up) for peer, at in self._changed_at.items()}
+            if held_up > self.interval / 2 and self._unanswered_since is not None:
+                # this thread did not run (the process stopped, or starved of CPU): a request in flight across the stop
+                # was not left unanswered by the store (a stop just under the timeout, added to the time already
+                # waited, would otherwise read as the store's silence)
+                self._unanswered_since = min(now, self._unanswered_since + held_up)
             last = now
             self._judge(now)
 
@@ -214,7 +216,9 @@ class Watch:
         self._seen[peer] = (beat, step)
 
     def _judge(self, now: float) -> None:
-        store_silent = now - self._store_ok_at
+        # The store is silent only while a request waits for its answer, and a peer only up to the last read: time this
+        # process's threads did not run (stopped, starved of CPU, its beat thread scheduled late) is nobody's silence
+        store_silent = 0.0 if self._unanswered_since is None else now - self._unanswered_since
         if self._store_lost or store_silent > self.timeout:
             host_gone = self.store_host in self._done or self.store_host == self.rank
             if not host_gone and not self._store_reported:
@@ -225,7 +229,7 @@ class Watch:
                                     lost=self._store_lost))
             return  # nothing read from the store: the peers' silence says nothing about them
         for peer in self._peers:
-            silent = now - self._changed_at[peer]
+            silent = self._store_ok_at - self._changed_at[peer]
             if peer not in self._done and peer not in self._stalled and silent > self.timeout:
                 self._stalled.add(peer)
                 store_lagging = peer == self.store_host and store_silent > 2 * self.interval
