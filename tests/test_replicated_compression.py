@@ -58,6 +58,7 @@ class StandInQuorum:
 
     def __init__(self, rank: int, ranks=(0, 1), meeting: Meeting | None = None, attempts: int = 1, left_out: bool = False):
         self.rank, self.all_ranks, self.chief_rank, self.group = rank, tuple(ranks), 0, object()
+        self.chief = rank == 0  # (the real one's: whether this member decides the steps now)
         self.meeting, self.attempts, self.left_out, self.sent = meeting, attempts, left_out, []
 
     def meet(self, meeting: int, step: int, contribute):

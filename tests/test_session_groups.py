@@ -1,9 +1,11 @@
-"""In-memory Downpour and Hogwild in a user's loop: `run.each_worker(train)` runs each worker group as a thread of one
-process, and each worker's `opt.step()` pushes its group's gradient to one in-process server that runs the user's
-optimizer (built from its recipe, as Downpour's server processes build it): under Downpour each group computes on its
-own copy of the params, which takes the server's answer; under Hogwild every group computes on the server's one copy,
-which the server updates in place. Driven as a user would through `shoal run script.py --set cluster.…` (the rows of
-tests/layouts.py): the layout really ran (its summary, one thread per group, each its own rows), it learns as
+"""Asynchronous groups in a user's loop with several workers (threads) in a process. In-memory Downpour and Hogwild:
+`run.each_worker(train)` runs each worker as a thread of one process, a group's workers' gradients meet in their
+mean, and its workers' `opt.step()`s push it once to one in-process server that runs the user's optimizer (built from
+its recipe, as Downpour's server processes build it): under Downpour each group computes on its own copy of the
+params, which takes the server's answer; under Hogwild every group computes on the server's one copy, which the server
+updates in place. Downpour over processes with groups of threads: each process pushes its threads' mean once a step
+to the server process. Driven as a user would through `shoal run script.py --set cluster.…` (the rows of
+tests/layouts.py): the layout really ran (its summary, one thread per worker, each its own rows), it learns as
 `shoal.fit`'s same layout does, and a resume from a checkpoint restores the server's optimizer state and (Downpour)
 values and every group's copy.
 """
@@ -24,6 +26,8 @@ from shoal.neuralnet import checkpoint as ckpt_io
 
 DOWNPOUR = "in-memory Downpour, 2 groups"
 HOGWILD = "in-memory Hogwild, 2 groups"
+HOGWILD_THREADS = "in-memory Hogwild, 2 groups x 2 threads"
+DOWNPOUR_THREADS = "Downpour, 2 groups x 2 threads + 1 server, 3 processes"
 # asynchronous groups are not deterministic (the order of the groups' pushes): losses are compared within this much
 # (relative; test_session_layouts.py's Downpour over processes: within 1.25x of the plain loop)
 LOSS_TOLERANCE = 0.25
@@ -36,7 +40,7 @@ def script(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module", params=[DOWNPOUR, HOGWILD])
+@pytest.fixture(scope="module", params=[DOWNPOUR, HOGWILD, HOGWILD_THREADS])
 def groups_run(request, script, tmp_path_factory):
     """(the row, the output folder of LOOP's run under it)"""
     out = tmp_path_factory.mktemp("groups")
@@ -82,21 +86,22 @@ def fit_loss(workspace, row: str) -> tuple[float, float]:
 
 
 def test_in_memory_groups_push_to_one_server_and_learn_as_fit_does(groups_run, tmp_path):
-    """The row ran (summary.json: 1 process, 2 workers, in-memory Downpour / Hogwild), one thread per group, each group
-    reading the whole batch of 12 (the job's samples: both groups' rows); Downpour's groups' copies apart (each pulled
-    the server's values at its own push), Hogwild's one copy; and each group's final values as good on the whole
-    training set as shoal.fit's same layout's model, within LOSS_TOLERANCE."""
+    """The row ran (summary.json: 1 process, 2 or 4 workers, in-memory Downpour / Hogwild), one thread per worker, each
+    group reading the whole batch of 12 (the job's samples: both groups' rows; 2 threads: 6 rows each); Downpour's
+    groups' copies apart (each pulled the server's values at its own push), Hogwild's one copy; and each group's final
+    values as good on the whole training set as shoal.fit's same layout's model, within LOSS_TOLERANCE."""
     row, downpour_run = groups_run
+    layout = LAYOUTS[row]
     assert_ran(downpour_run / "ws", row)
     said = json.loads((downpour_run / "rank0.json").read_text())
-    assert said["label"] == LAYOUTS[row].framework
-    assert [w["rows"] for w in said["workers"]] == [12, 12]
-    assert len({w["thread"] for w in said["workers"]}) == 2 and not any(w["main"] for w in said["workers"])
+    assert said["label"] == layout.framework
+    assert [w["rows"] for w in said["workers"]] == [24 // layout.workers] * layout.workers
+    assert len({w["thread"] for w in said["workers"]}) == layout.workers and not any(w["main"] for w in said["workers"])
     records = train_records(downpour_run / "ws")
     assert [r["samples"] for r in records] == [24, 120, 120, 120, 96]
     before, theirs = fit_loss(tmp_path / "fit", row)
     ours = replica_losses(downpour_run)
-    assert len(ours) == 2 and (ours[0] != ours[1] if row == DOWNPOUR else ours[0] == ours[1])
+    assert len(ours) == layout.workers and (ours[0] != ours[1] if row == DOWNPOUR else len(set(ours)) == 1)
     for loss in ours:
         assert loss < 0.6 * before and abs(loss - theirs) <= LOSS_TOLERANCE * theirs, (ours, theirs, before)
 
@@ -108,7 +113,7 @@ def test_in_memory_groups_resume_the_servers_and_every_groups_state(script, grou
     bit, and the run ends within LOSS_TOLERANCE of it (the groups' pushes interleave as they come)."""
     row, downpour_run = groups_run
     saved = ckpt_io.load(ckpt_io.checkpoint_file(downpour_run / "ws", 10), parts=True)
-    assert int(saved.exchange["own/count/server_updates"]) == 20  # both groups' 10 pushes
+    assert int(saved.exchange["own/count/server_updates"]) == 20  # both groups' 10 pushes (2 threads: one each a step)
     copies = {"own/server/0.weight", "own/group1/replica/0.weight"}
     assert "updater/0.weight/exp_avg" in saved.exchange
     assert copies <= set(saved.exchange) if row == DOWNPOUR else not copies & set(saved.exchange)
@@ -125,14 +130,41 @@ def test_in_memory_groups_resume_the_servers_and_every_groups_state(script, grou
         assert abs(again - before) <= LOSS_TOLERANCE * before
 
 
-def test_in_memory_groups_with_a_warm_up_or_of_several_threads_are_refused_in_one_line(tmp_path):
-    """What the worker view does not run yet: a warm-up (its groups go step by step together), groups of several
-    threads."""
+def test_in_memory_groups_with_a_warm_up_or_threads_under_restarts_are_refused_in_one_line(tmp_path):
+    """What the worker view does not run yet: a warm-up (its groups go step by step together), several threads in a
+    process of a layout over processes with --max-restarts (a restarted process's handover is one replica's)."""
     script = tmp_path / "one.py"
     script.write_text("import shoal\nshoal.session()\n")
     line = one_line_error(run_cli("run", script, "--workspace", tmp_path / "ws",
                                   *LAYOUTS[DOWNPOUR].cli(warmup_steps=2), cwd=tmp_path))
     assert "cluster.warmup_steps is not supported there yet" in line, line
     line = one_line_error(run_cli("run", script, "--workspace", tmp_path / "ws",
-                                  *LAYOUTS["in-memory Hogwild, 2 groups x 2 threads"].cli(), cwd=tmp_path))
-    assert "in-memory Hogwild in one process (4 workers) is not supported in your own loop yet" in line, line
+                                  *LAYOUTS[DOWNPOUR_THREADS].cli(max_restarts=1), cwd=tmp_path))
+    assert "Downpour over 3 processes (4 workers) is not supported in your own loop yet" in line, line
+
+
+@pytest.mark.xdist_group("session_runs")  # (with tests/test_session.py's runs: the launcher's forkserver is started)
+def test_downpour_groups_of_two_threads_push_their_mean_once_a_step_and_learn(script, tmp_path):
+    """Downpour over 3 processes, each group 2 threads of one process + 1 server process: the threads' gradients meet in
+    their mean, which the process pushes once a step (the server applied 20 updates per group, not 40), the threads
+    share the group's one copy that takes the server's answer (equal to the bit), each its 6 rows of the group's 12;
+    every group's copy learned, ending within LOSS_TOLERANCE of the plain one-worker loop (LOOP's) or below it."""
+    proc = shoal_run(script, tmp_path, tmp_path / "ws", *LAYOUTS[DOWNPOUR_THREADS].cli())
+    assert proc.returncode == 0, proc.stderr
+    assert_ran(tmp_path / "ws", DOWNPOUR_THREADS)  # 3 processes, 4 workers, Downpour, a log per process
+    assert "server(group=0, id=0): version 40; updates applied: group 0: 20, group 1: 20" in \
+        (tmp_path / "ws" / "logs" / "rank2.log").read_text()
+    x, y, model = loop_data_and_model()
+    before = whole_set_loss(model, x, y)
+    model.load_state_dict(load_file(str(tmp_path / "plain.safetensors")))
+    plain = whole_set_loss(model, x, y)
+    for rank in (0, 1):
+        said = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert said["label"] == "Downpour" and [w["rows"] for w in said["workers"]] == [6, 6]
+        assert len({w["thread"] for w in said["workers"]}) == 2 and not any(w["main"] for w in said["workers"])
+        first, second = (load_file(str(tmp_path / f"rank{rank}-worker{w}.safetensors")) for w in (0, 1))
+        assert all(torch.equal(first[k], second[k]) for k in first)
+        model.load_state_dict(first)
+        loss = whole_set_loss(model, x, y)
+        assert loss < 0.6 * before and loss <= (1 + LOSS_TOLERANCE) * plain, (loss, plain, before)
+    assert [r["samples"] for r in train_records(tmp_path / "ws")] == [24, 120, 120, 120, 96]

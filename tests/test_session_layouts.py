@@ -101,9 +101,11 @@ RUNS_IN_A_LOOP = {"single worker", "AllReduce, 2 processes", "AllReduce, 2 proce
                   # several workers in a process, one synchronous group (run.each_worker: tests/test_session_workers.py)
                   "in-memory Sandblaster, 2 threads", "in-memory Sandblaster, 3 threads (uneven 11+11+10)",
                   "in-memory Sandblaster, 4 threads", "in-memory Sandblaster, 2 threads, 2 server slices",
-                  "AllReduce, 2 processes x 2 threads",
-                  # asynchronous groups of one thread each around an in-process server (tests/test_session_groups.py)
-                  "in-memory Hogwild, 2 groups", "in-memory Hogwild, 3 groups", "in-memory Downpour, 2 groups"}
+                  "AllReduce, 2 processes x 2 threads", "Sandblaster, 2 threads + 2 servers, 3 processes",
+                  # asynchronous groups of threads: around an in-process server, or over processes with a server
+                  # process (tests/test_session_groups.py)
+                  "in-memory Hogwild, 2 groups", "in-memory Hogwild, 3 groups", "in-memory Downpour, 2 groups",
+                  "in-memory Hogwild, 2 groups x 2 threads", "Downpour, 2 groups x 2 threads + 1 server, 3 processes"}
 
 
 def shoal_run(script: Path, out: Path, workspace: Path, *options: str, timeout: int = 240) -> subprocess.CompletedProcess:

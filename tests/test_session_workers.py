@@ -76,6 +76,7 @@ LOOP = textwrap.dedent('''
 
 THREADS = "in-memory Sandblaster, 2 threads"
 PROCESSES_OF_THREADS = "AllReduce, 2 processes x 2 threads"
+SANDBLASTER_THREADS = "Sandblaster, 2 threads + 2 servers, 3 processes"
 
 
 def shoal_run(script: Path, out: Path, workspace: Path, *options: str):
@@ -148,6 +149,37 @@ def test_two_processes_of_two_workers_train_as_one_worker_with_the_whole_batch(s
     proc = shoal_run(script, tmp_path, tmp_path / "ws", *LAYOUTS[PROCESSES_OF_THREADS].cli())
     assert proc.returncode == 0, proc.stderr
     check_one_worker(tmp_path, PROCESSES_OF_THREADS)
+
+
+@pytest.mark.xdist_group("session_runs")
+def test_sandblaster_threads_with_server_processes_train_as_one_worker_with_the_whole_batch(script, tmp_path):
+    """Sandblaster, one worker process of 2 threads + 2 server processes: the threads' gradients meet in their mean
+    (the group's: the loop's clip_grad_norm_ clips the group's norm), which the process pushes once a step to the
+    servers, each running the user's AdamW over its slices, built from the recipe; the threads share the one copy that
+    takes the servers' answer, and it ends equal to one worker with the whole batch (the plain loop) to float rounding.
+    Resumed from the checkpoint after step 9 (the servers' AdamW state, sent back with the chief's FIRST), both threads
+    end where the uninterrupted run did, to the bit."""
+    proc = shoal_run(script, tmp_path, tmp_path / "ws", *LAYOUTS[SANDBLASTER_THREADS].cli())
+    assert proc.returncode == 0, proc.stderr
+    assert_ran(tmp_path / "ws", SANDBLASTER_THREADS)  # 3 processes, 2 workers, Sandblaster, a log per process
+    said = json.loads((tmp_path / "rank0.json").read_text())
+    assert said["label"] == "Sandblaster" and [w["rows"] for w in said["workers"]] == [6, 6]
+    assert len({w["thread"] for w in said["workers"]}) == 2 and not any(w["main"] for w in said["workers"])
+    for rank, server in ((1, 0), (2, 1)):  # one push a step, not one a thread
+        assert f"server(group=0, id={server}): version 20; updates applied: group 0: 20" in \
+            (tmp_path / "ws" / "logs" / f"rank{rank}.log").read_text()
+    plain = load_file(str(tmp_path / "plain.safetensors"))
+    first, second = replicas(tmp_path, 1, 2)
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert all(torch.allclose(first[k], plain[k], rtol=1e-5, atol=1e-6) for k in plain)
+    assert [r["samples"] for r in train_records(tmp_path / "ws")] == [12, 60, 60, 60, 48]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "ws", resumed / "ws")
+    shutil.copy(tmp_path / "plain.safetensors", resumed)
+    proc = shoal_run(script, resumed, resumed / "ws", "--resume", *LAYOUTS[SANDBLASTER_THREADS].cli())
+    assert proc.returncode == 0, proc.stderr
+    for again in replicas(resumed, 1, 2):
+        assert all(torch.equal(again[k], first[k]) for k in first)
 
 
 DILOCO = ["--set", "cluster.nworker_groups=2", "--set", "cluster.local_steps=5", "--set", "cluster.outer_updater.type=kNesterov",

@@ -16,18 +16,24 @@ shoal.comm.signed_store):
   door of shoal.comm.channels: a newer incarnation of its group announced, or its incarnation given up on).
   A collective given up on stays pending in gloo (heartbeat.abandon: the process ends without gloo's teardown);
 - every member but the chief reports `m<M>/a<K>/r<R>` = "ok" or "failed";
-- the chief (rank 0, which hosts worker group 0: its death stops the job, as in Downpour) waits for every
-  member's report, or for the word that the member is gone (after timeout_s, a member still silent is left
-  out), and publishes `m<M>/a<K>/outcome`:
-    "commit E MEMBERS JOINERS": every member that reported summed successfully: the meeting counts the attempt's
+- the decider (the chief, rank 0, at first) waits for every member's report, or for the word that the member is
+  gone (after timeout_s, a member still silent is left out), and publishes `m<M>/a<K>/outcome`:
+    "commit E MEMBERS JOINERS D": every member that reported summed successfully: the meeting counts the attempt's
       members (all contributed), and the next meetings run over MEMBERS (those that reported, with JOINERS, the
-      restarted processes admitted now) in epoch E;
-    "retry E MEMBERS": some sum failed: the meeting is summed again over the members that reported, in epoch E;
+      restarted processes admitted now) in epoch E, decided by D;
+    "retry E MEMBERS D": some sum failed: the meeting is summed again over the members that reported, in epoch E;
   each member, R:I (rank, incarnation). Every member reads it; one not in MEMBERS was left out and leaves;
+- the decider's own death (`replaceable`: AllReduce's replicas in a user's loop, issue 38): a member waiting for an
+  outcome asks, every DECIDER_EVERY_S, whether the decider is gone (the launcher's word, or stalled); when it is,
+  and so is every member ranked below this one, this member decides the attempt in its place. The outcome is
+  written first-writer-wins (SignedStore.set_first), so a late word of a stalled decider and its successor's never
+  both count; the commit names the new decider, whom every member follows from then on (its donor of joiners'
+  state too). Not replaceable (Local SGD / DiLoCo, a job file's trainer): the chief's death stops the job, as in
+  Downpour;
 - a process restarted in a dead one's place (shoal.launcher.rejoin) knocks, `knock/r<R>` = its incarnation, and
-  waits for `admit/r<R>/i<I>` = "M STEP E MEMBERS DONOR", which the chief writes with the next commit that admits
+  waits for `admit/r<R>/i<I>` = "M STEP E MEMBERS DONOR", which the decider writes with the next commit that admits
   it (the newest incarnation the launcher announced for its group). After the meeting's outer step, every member
-  of epoch E builds its group, and the donor (the chief) broadcasts the state the joiner starts from over it;
+  of epoch E builds its group, and the donor (the decider) broadcasts the state the joiner starts from over it;
 - `closed`: the chief's meetings are over (a process still knocking has nothing left to join).
 
 A meeting's keys are deleted by the chief KEPT_MEETINGS meetings later (members are at most a meeting apart), so a
@@ -64,6 +70,8 @@ GRACE_S = 0.01  # members report at once after their sums: only then does the ch
 # members are at most one meeting apart, so nobody reads them again, and a job of a million steps (one meeting each
 # under the replicated exchange) keeps a bounded store and a bounded memory of what it read.
 KEPT_MEETINGS = 64
+DECIDER_EVERY_S = 0.2  # how often a member waiting for an outcome asks whether the decider is gone (replaceable only)
+DECIDER_AFTER_S = 0.05  # and from how long into its wait
 
 T = TypeVar("T")
 
@@ -123,19 +131,20 @@ class Outcome:
     epoch: int
     members: tuple[Member, ...]
     joiners: tuple[Member, ...] = ()
+    decider: int = 0  # who decides from now on
 
     def text(self) -> str:
         if self.commit:
-            return f"commit {self.epoch} {_members_text(self.members)} {_members_text(self.joiners)}"
-        return f"retry {self.epoch} {_members_text(self.members)}"
+            return f"commit {self.epoch} {_members_text(self.members)} {_members_text(self.joiners)} {self.decider}"
+        return f"retry {self.epoch} {_members_text(self.members)} {self.decider}"
 
     @staticmethod
     def parse(text: str) -> "Outcome":
         parts = text.split()
-        if parts[0] == "commit" and len(parts) == 4:
-            return Outcome(True, int(parts[1]), _parse_members(parts[2]), _parse_members(parts[3]))
-        if parts[0] == "retry" and len(parts) == 3:
-            return Outcome(False, int(parts[1]), _parse_members(parts[2]))
+        if parts[0] == "commit" and len(parts) == 5:
+            return Outcome(True, int(parts[1]), _parse_members(parts[2]), _parse_members(parts[3]), int(parts[4]))
+        if parts[0] == "retry" and len(parts) == 4:
+            return Outcome(False, int(parts[1]), _parse_members(parts[2]), decider=int(parts[3]))
         raise ValueError(text)
 
     def ranks(self) -> tuple[int, ...]:
@@ -283,14 +292,17 @@ class Quorum:
     """One process's side of the job's meetings (see the module's text)."""
 
     def __init__(self, rank: int, ranks: Sequence[int], group_of: dict[int, int], door, first=None, incarnation: int = 0,
-                 timeout_s: float = comm.DEFAULT_TIMEOUT_S, chief: int = 0, admits: bool = False):
+                 timeout_s: float = comm.DEFAULT_TIMEOUT_S, chief: int = 0, admits: bool = False,
+                 replaceable: bool = False):
         """`ranks`: every member process of the plan; `group_of`: the worker group of each; `door`: the launcher's
         word on dead and restarted processes (shoal.comm.channels.Door); `first`: the plan's meeting group
         (shoal.comm.collectives.Group; None for a restarted process, which joins by knocking); `admits`: restarted
-        processes may knock (the launcher restarts them: cluster.max_restarts)."""
+        processes may knock (the launcher restarts them: cluster.max_restarts); `replaceable`: the chief's death
+        makes the lowest living member the decider (see the module's text)."""
         self.rank, self.all_ranks, self.group_of, self.door = rank, tuple(ranks), dict(group_of), door
         self.incarnation, self.timeout_s, self.chief_rank, self.admits = incarnation, timeout_s, chief, admits
-        self.chief = rank == chief
+        self.replaceable = replaceable
+        self.decider = chief  # who decides the meetings: the chief, until it is gone (replaceable)
         self.store = comm.signed_job_store().clone().under(KEYS)  # a connection of its own: waits block it
         self.members = tuple(Member(r) for r in self.all_ranks)
         self.epoch = 0
@@ -301,6 +313,12 @@ class Quorum:
         self._door_read_at = 0.0  # when a member waiting in a collective last read the launcher's word
         self._attempts: dict[int, int] = {}  # meeting -> its attempts, for the last KEPT_MEETINGS meetings
         self._sweeper = _Sweeper(self.store)  # the chief's removal of past meetings' keys
+        self._decider_read_at = 0.0  # when a member waiting for an outcome last asked whether the decider is gone
+
+    @property
+    def chief(self) -> bool:
+        """Whether this process decides the meetings now (the chief, or the member that took its place)."""
+        return self.rank == self.decider
 
     # -- a meeting -----------------------------------------------------------------------------------
     def meet(self, meeting: int, step: int, contribute: Callable[["Attempt"], T]) -> Met:
@@ -318,7 +336,8 @@ class Quorum:
                 outcome = self._decide(meeting, attempt, step, ok)
             else:
                 self._set(f"m{meeting}/a{attempt}/r{self.rank}", "ok" if ok else "failed")
-                outcome = self._outcome(meeting, attempt)
+                outcome = self._outcome(meeting, attempt, step, ok)
+            self.decider = outcome.decider
             if self.rank not in outcome.ranks():
                 raise LeftOut(f"process {self.rank} was left out of the meeting after step {step}: the other members went on "
                               f"without it")
@@ -364,7 +383,7 @@ class Quorum:
 
     def _broadcast_state(self, tensors: list[torch.Tensor]) -> None:
         for flat, _ in _packed(tensors):
-            self.group.broadcast(flat, self.chief_rank)
+            self.group.broadcast(flat, self.decider)  # (the donor its admissions named)
 
     def close(self) -> None:
         """The chief's meetings are over: a process still knocking has nothing left to join (and the past meetings'
@@ -391,7 +410,7 @@ class Quorum:
             if self.store.get("closed") == "1":
                 raise MeetingsOver(f"process {self.rank} knocked after the groups' last meeting: nothing left to join")
         admission = Admission.parse(text)
-        self.members, self.epoch = admission.members, admission.epoch
+        self.members, self.epoch, self.decider = admission.members, admission.epoch, admission.donor
         self.group = MeetingGroup.formed(admission.epoch, [m.rank for m in admission.members], self.rank, self.timeout_s)
         return admission
 
@@ -428,14 +447,20 @@ class Quorum:
             joiners = self._knocks(meeting, step, reported) if self.admits else ()
             members = tuple(sorted(reported + joiners, key=lambda m: m.rank))
             epoch = self.epoch + 1 if members != self.members else self.epoch
-            outcome = Outcome(True, epoch, members, joiners)
+            outcome = Outcome(True, epoch, members, joiners, self.rank)
             for joiner in joiners:
                 self._set(f"admit/r{joiner.rank}/i{joiner.incarnation}",
                           Admission(meeting, step, epoch, members, self.rank).text())
         else:
-            outcome = Outcome(False, self.epoch + 1, reported)
-        self._set(f"m{meeting}/a{attempt}/outcome", outcome.text())
-        return outcome
+            outcome = Outcome(False, self.epoch + 1, reported, decider=self.rank)
+        key = f"m{meeting}/a{attempt}/outcome"
+        if not self.replaceable:
+            self._set(key, outcome.text())
+            return outcome
+        first = self.store.set_first(key, outcome.text())  # a successor may have decided it (this one was stalled)
+        if first is None:
+            raise ChiefSilent(f"the outcome of the meeting after step {step} failed authentication")
+        return Outcome.parse(first)
 
     def _knocks(self, meeting: int, step: int, present: tuple[Member, ...]) -> tuple[Member, ...]:
         """The restarted processes to admit now: absent ranks whose newest announced incarnation knocked."""
@@ -470,12 +495,15 @@ class Quorum:
         return None
 
     # -- everyone else's side ----------------------------------------------------------------------------
-    def _outcome(self, meeting: int, attempt: int) -> Outcome:
+    def _outcome(self, meeting: int, attempt: int, step: int = 0, ok: bool = False) -> Outcome:
         """The chief's word on the attempt (it waits up to timeout_s for a silent member, then decides). A store wait
         returns as soon as the word is there, with no poll's delay; it times out only when the chief is gone (then the
-        launcher, or the heartbeat, ends this process first)."""
+        launcher, or the heartbeat, ends this process first). Replaceable: polled, and decided here in the decider's
+        place when it is gone and so is every member ranked below this one (`ok`: this member's own sum)."""
         key = f"m{meeting}/a{attempt}/outcome"
         seconds = 2 * self.timeout_s + 10
+        if self.replaceable:
+            return self._outcome_or_takeover(key, seconds, meeting, attempt, step, ok)
         try:
             self.store.wait([key], datetime.timedelta(seconds=seconds))
         except (dist.DistError, RuntimeError):
@@ -486,6 +514,34 @@ class Quorum:
         if text is None:
             raise ChiefSilent(f"process {self.chief_rank} did not decide the meeting's outcome within {seconds:g} s")
         return Outcome.parse(text)
+
+    def _outcome_or_takeover(self, key: str, seconds: float, meeting: int, attempt: int, step: int, ok: bool) -> Outcome:
+        """The decider's word on the attempt, polled (a store wait cannot also watch for the decider's death), or this
+        member's own when it is to decide in a dead decider's place (`_decider_gone`)."""
+        started = time.monotonic()
+        while True:
+            if self.store.check([key]):
+                text = self.store.multi_get([key])[0]  # there now: one request (None: it failed authentication)
+                if text is not None:
+                    return Outcome.parse(text)
+            now = time.monotonic()
+            waited = now - started
+            # (not at once: the decider's word usually comes within a millisecond or two, and asking costs requests)
+            if waited >= DECIDER_AFTER_S and now - self._decider_read_at >= DECIDER_EVERY_S:
+                self._decider_read_at = now
+                if self._decider_gone():
+                    return self._decide(meeting, attempt, step, ok)
+            if waited > seconds:
+                raise ChiefSilent(f"process {self.decider} did not decide the meeting's outcome within {seconds:g} s")
+            _pause(waited)
+
+    def _decider_gone(self) -> bool:
+        """Whether this member is to decide in the decider's place: the decider is gone (the launcher's word, or
+        stalled), and so is every other member ranked below this one (the lowest living member succeeds it)."""
+        decider = next((m for m in self.members if m.rank == self.decider), None)
+        if decider is None or self._gone(decider) is None:
+            return False
+        return all(self._gone(m) is not None for m in self.members if m.rank < self.rank and m.rank != self.decider)
 
     def _give_up(self, meeting: int, attempt: int) -> Optional[str]:
         """Why a member waiting in the attempt's collective stops waiting (None: it goes on waiting). Asked every

@@ -82,6 +82,14 @@ class SignedStore:
             raise ValueError(f"a value of key {name} has {len(value.encode())} bytes; at most {MAX_VALUE_BYTES} are written")
         self.raw.set(name, value)
 
+    def set_first(self, key: str, text: str) -> Optional[str]:
+        """Write `text` at `key` unless a value is there already (one atomic request); the authentic text now there:
+        `text` when this write was the first, the first writer's otherwise (None: that one failed authentication)."""
+        name = self.prefix + key
+        value = text if self._key is None else _envelope(self._key, self.scope, name, text)
+        now = self.raw.compare_set(name, "", value)
+        return text if now == value.encode() else self.verify(key, now)
+
     def get(self, key: str) -> Optional[str]:
         """The text at `key`; None when there is none, or when the value there failed authentication."""
         name = self.prefix + key

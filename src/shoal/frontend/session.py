@@ -34,7 +34,7 @@ import torch
 from shoal.config import job_pb2
 from shoal.config.phases import fires
 from shoal.data.in_place import reader_for, to_device
-from shoal.frontend import script, session_eval, session_state, session_worker
+from shoal.frontend import script, session_chief, session_eval, session_state, session_worker
 from shoal.frontend.fit_inputs import as_dataset
 from shoal.frontend.session_start import (SessionError, check_layout, groups_in_memory, plan_session, pushes_to_servers, rank_context,
                                           refuse_unstarted, same_job, serve_if_server, serves_only, session_job, start_ranks,
@@ -98,7 +98,7 @@ class Session:
         self.plan, self.rank, self.workspace, self.say = plan, rank, Path(workspace), log
         self.rejoin = rejoin  # restarted into the running loop (--max-restarts): it takes the chief's state at run.batches()
         self.job = plan.job
-        self.chief = rank == 0
+        self.chief = rank == 0 and rejoin is None  # (a dead chief's restarted process rejoins as a non-chief: session_chief.py)
         self.distributed = not plan.in_one_process
         # groups that train apart (Local SGD / DiLoCo, Distributed Hogwild): each writes its own checkpoint part
         self.apart = self.distributed and not plan.strategy.synchronous
@@ -288,11 +288,8 @@ class Session:
         values = first.state_dict()
         for worker in self._workers[1:]:
             worker.module.load_state_dict(values)
-        if self.groups_in_memory:  # each group computes its own gradient: its pushes start at worker.optimizer
-            if self.plan.strategy.shares_one_store():  # in-memory Hogwild: every group computes on worker 0's values
-                for worker in self._workers[1:]:
-                    for mine, theirs in zip(worker.module.parameters(), first.parameters()):
-                        mine.data = theirs.data
+        if self.groups_in_memory or self.pushes:  # each group's pushes start at worker.optimizer
+            self._workers_groups()
             return
         # a synchronous group's mean goes through its exchange; a Local SGD group's workers' mean stays here (the
         # groups meet at the step boundary)
@@ -303,11 +300,59 @@ class Session:
             worker.mean = session_exchange.GradientMean(trained, session_worker.WorkerMean(self.mean, k), worker.share,
                                                         lambda: self.step)
 
+    def _workers_groups(self) -> None:
+        """In-memory Downpour and Hogwild, and Downpour's and Sandblaster's pushes to server processes: the workers of a
+        group in this process compute on the group's one copy (its first worker's params, as the job path's group's
+        workers view its store; in-memory Hogwild's groups all on worker 0's, the server's), and with several of them
+        their gradients meet in one LocalMean (a group's synchronous inside): when backward ends each holds the group's
+        mean (Sandblaster's over the group's processes, from worker.optimizer on: _workers_pushing), which their
+        opt.step()s push once (session_worker.py's _push, _push_process)."""
+        groups: dict[int, list[session_worker.SessionWorker]] = {}
+        for worker in self._workers:
+            groups.setdefault(worker.group, []).append(worker)
+        one_copy = self.groups_in_memory and self.plan.strategy.shares_one_store()
+        means = []
+        for members in groups.values():
+            copy_of = self._workers[0] if one_copy else members[0]
+            for worker in members:
+                if worker is not copy_of:
+                    for mine, theirs in zip(worker.module.parameters(), copy_of.module.parameters()):
+                        mine.data = theirs.data
+            # the group's meetings (over processes the process's: it hosts one group's workers)
+            local = members[0].local if self.pushes else session_worker.LocalWorkers(len(members))
+            if local is not members[0].local:
+                members[0].local.linked.append(local)  # (a worker that fails stops its group's meetings too)
+            for worker in members:
+                worker.group_workers, worker.group_local = members, local
+            if len(members) > 1:
+                mean = session_worker.LocalMean(members, local, None)
+                means.append(mean)
+                for k, worker in enumerate(members):
+                    trained = [(n, p) for n, p in worker.module.named_parameters() if p.requires_grad]
+                    worker.mean = session_exchange.GradientMean(trained, session_worker.WorkerMean(mean, k), worker.share,
+                                                                lambda: self.step)
+        if means:
+            self.mean = means[0] if self.pushes else session_worker.LocalMeans(means)
+
+    def _workers_pushing(self) -> None:
+        """Downpour and Sandblaster, several workers in this process: every worker gave its optimizer (worker 0's
+        run.optimizer made the exchange to the servers): Sandblaster's mean is the group's, over its processes, as one
+        worker's (StubGroupMean)."""
+        if self.plan.strategy.synchronous:
+            named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+            self.mean.exchange = session_exchange.StubGroupMean(named, self.exchange)
+
+    def _workers_push(self) -> None:
+        """Every worker of this process reached its opt.step() (run by the last to arrive): the process's one push of
+        worker 0's `.grad` (every worker holds the same mean, clipped alike), with the process's rows."""
+        self._push(self.optimizers[0], (), {})
+
     def _start_groups(self) -> None:
         """In-memory Downpour and Hogwild: every worker gave its optimizer (run by the last to arrive): the groups'
         exchanges around one in-process server that runs worker 0's optimizer, built from its recipe (as Downpour's
-        server processes do), from worker 0's values (or the checkpoint's server values and optimizer state)."""
-        stores = []
+        server processes do), from worker 0's values (or the checkpoint's server values and optimizer state); each
+        group's store views its copy (its first worker's params), its pushes carry its first worker's optimizer's
+        hyper-parameters."""
         for worker in self._workers:
             named = [(n, p) for n, p in worker.module.named_parameters() if p.requires_grad]
             held = {id(p) for group in worker.optimizers[0].param_groups for p in group["params"]}
@@ -315,17 +360,19 @@ class Session:
             if left:
                 raise SessionError(f"worker.optimizer: {self.plan.label}'s server updates every trained param of the "
                                    f"module, and worker {worker.index}'s optimizer does not hold {left[0]!r}")
-            stores.append(ParamStore.viewing([(n, p.data) for n, p in named]))
+        firsts = sorted({id(w.group_workers[0]): w.group_workers[0] for w in self._workers}.values(), key=lambda w: w.group)
+        stores = [ParamStore.viewing([(n, p.data) for n, p in first.module.named_parameters() if p.requires_grad])
+                  for first in firsts]
         try:
             recipe = session_exchange.optimizer_recipe(self._workers[0].optimizers[0], [
                 (n, p) for n, p in self._workers[0].module.named_parameters() if p.requires_grad])
         except session_exchange.RecipeError as err:
             raise SessionError(str(err)) from None
         saved = dict(self._mine.exchange) if self._mine is not None else None
-        self.exchange = session_exchange.group_exchanges(self.plan, stores, recipe, [w.optimizers[0] for w in self._workers],
+        self.exchange = session_exchange.group_exchanges(self.plan, stores, recipe, [w.optimizers[0] for w in firsts],
                                                          self.start_step, saved, self.metrics)
-        for worker, exchange in zip(self._workers, self.exchange.exchanges):
-            worker.pushes_to = exchange
+        for worker in self._workers:
+            worker.pushes_to = self.exchange.exchanges[worker.group]
 
     def _start_workers_loop(self) -> None:
         """Every worker reached its batches() (run by the last to arrive): the loop's start, once for the process; on a
@@ -338,6 +385,16 @@ class Session:
             if self._mine is not None:
                 session_worker.restore_worker(self._mine, worker.optimizers, worker.schedulers)
         self._share = sum(worker.share for worker in self._workers)  # the process's rows per step
+        if self.pushes:  # Downpour / Sandblaster: the chief's FIRST to the servers, the other groups' pull, where they start
+            self._pushing().global_batch = self._workers[0].global_batch
+            start = self.start_step
+            self._start_pushing()  # (worker 0's schedulers stepped to where the group starts; the others' here)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for worker in self._workers[1:]:
+                    for scheduler in worker.schedulers:
+                        for _ in range(self.start_step - start):
+                            scheduler.step()
         self.step = self.start_step
         if self.distributed:
             session_exchange.note_step(self.step)
@@ -462,6 +519,8 @@ class Session:
         self.exchange = session_exchange.downpour_exchange(self.plan, self.rank, self._store, self.group, recipe, optimizer,
                                                            self.start_step, saved, self.metrics, self.say,
                                                            rejoining=self.rejoin is not None)
+        if self._workers:  # several workers in this process: their opt.step()s push once (session_worker's _push_process)
+            return
         if self.plan.strategy.synchronous:  # Sandblaster: the group's mean in every .grad when backward ends, as under DDP
             self.mean = session_exchange.GradientMean(named, session_exchange.StubGroupMean(named, self.exchange), self._share,
                                                       lambda: self.step)
@@ -474,7 +533,7 @@ class Session:
         grads = {n: p.grad for n, p in self.module.named_parameters() if p.requires_grad}
         started = time.perf_counter()
         share = self._share
-        if self.mean is not None:  # Sandblaster: every process holds the group's mean: the stub's alone is pushed, whole
+        if self.plan.strategy.synchronous:  # Sandblaster: every process holds the group's mean: the stub's alone is pushed, whole
             share = self.exchange.global_batch if self.rank == self.exchange.stub else 0
         self.exchange.step(self.step, [(grads, share)])
         self.exchange_seconds += time.perf_counter() - started
@@ -523,11 +582,23 @@ class Session:
         and schedulers' state from the chief, and trains on from the next step."""
         started = time.perf_counter()
         joined = self.exchange.heal(step, self._handover)
+        if not self.chief and self.exchange.chief:  # the chief died: this process decides the steps now
+            self._take_over(step)
         if joined and self.chief:
             who = ", ".join(f"Process {r}" for r in joined)
             self.say(f"{who} rejoined at step {step + 1}: it took the module's values and buffers, the optimizers' and "
                      f"schedulers' state and torch's RNG state after step {step} from process {self.rank}")
         self.exchange_seconds += time.perf_counter() - started
+
+    def _take_over(self, step: int) -> None:
+        """The dead chief's run log and checkpoints, from this step on (session_chief.py)."""
+        self.chief = True
+        self.metrics = session_chief.take_over_run_log(self.plan, self.workspace)
+        self.exchange.annotate = lambda fields: self.metrics.annotate(**fields)
+        self.exchange.log = self.say
+        self.say(f"Process {self.rank} took the chief's place after step {step}: it decides the steps, writes the run "
+                 f"log and the checkpoints")
+        self.exchange._annotate()  # summary.json's missed_steps, as the dead chief would have said them
 
     def _handover(self) -> list[torch.Tensor]:
         """What a restarted process takes from this one (session_state.handover)."""
@@ -770,19 +841,19 @@ class Session:
         # adds its residual as its part). Local SGD's groups each write their part, which the chief's file lists
         # (required, but for groups missing from the meetings): no barrier, so that a dead group never holds the others
         # up; a resume refuses a checkpoint with a required part missing
-        if self.rank != 0 and self.apart:
+        if not self.chief and self.apart:
             ckpt_io.save(ckpt_io.part_file(self.workspace, done, self.group, self.rank), self._state(done))
-        elif self.rank != 0 and self.own_residual:  # the replicas are equal: only the residual is this process's own
+        elif not self.chief and self.own_residual:  # the replicas are equal: only the residual is this process's own
             own = session_exchange.exchange_state(self.exchange) if self.exchange is not None else {}
             ckpt_io.save(ckpt_io.part_file(self.workspace, done, self.group, self.rank),
                          ckpt_io.Checkpoint(step=done, params={}, trainer={"next_step": done, "session": True},
                                             exchange={k: v for k, v in own.items() if k.startswith("own/residual/")}))
-        if self.rank == 0:
+        if self.chief:  # (process 0, or the process that took a dead chief's place: session_chief.py)
             ckpt = self._state(done)
             if self.own_residual:  # required from the processes the last step's mean held (a dead one writes none)
                 present = self.exchange.present if self.exchange is not None else range(self.plan.nprocs)
                 ckpt.part_names = {ckpt_io.part_name(done, self.plan.process(r).workers[0].group, r): r in present
-                                   for r in range(1, self.plan.nprocs)}
+                                   for r in range(self.plan.nprocs) if r != self.rank}  # (the chief: 0, or its successor)
             if self.apart:
                 absent = self.exchange.absent_groups if self.exchange is not None else frozenset()
                 ckpt.part_names = {ckpt_io.part_name(done, g, r): g not in absent

@@ -74,6 +74,10 @@ def session_job(cluster: Optional[job_pb2.ClusterProto], train_steps: int, seed:
     job.updater.learning_rate.type = job_pb2.kFixed
     job.updater.learning_rate.base_lr = 0.0
     job = script.applied(job)  # under `shoal run script.py`: the command line's --set
+    if job.neuralnet.partition_dim != 0:  # SINGA's feature partition: not built for a user's module yet (issue 39)
+        raise SessionError(f"shoal.session: neuralnet.partition_dim {job.neuralnet.partition_dim}: a partitioned module "
+                           "is not supported in your own loop yet (partition_dim 0, the batch, is): use a job file "
+                           "(`shoal run job.conf`) for it")
     for field, message in validate_cluster(job.cluster):
         raise SessionError(f"shoal.session: cluster.{field}: {message}")
     if job.train_steps < 1:
@@ -87,9 +91,9 @@ def check_layout(plan: JobPlan) -> None:
     Hogwild groups over processes, one worker each, on CPU; Downpour's groups, or Sandblaster's one group, over
     processes, one worker each, on CPU, with server processes of their own (one server group); several workers in a
     process of one synchronous group (in-memory, or AllReduce over processes without restarts) or of Local SGD /
-    DiLoCo's group of the process, or in-memory Downpour and Hogwild groups of one worker each (without a warm-up),
-    the loop's body run once per worker by run.each_worker. Every other layout is
-    refused in one line naming it and what runs it."""
+    DiLoCo's group of the process, in-memory Downpour and Hogwild groups (without a warm-up), or Downpour's groups and
+    Sandblaster's group with server processes, each process one group's workers, the loop's body run once per worker
+    by run.each_worker. Every other layout is refused in one line naming it and what runs it."""
     one_worker_each = all(len(p.workers) == 1 for p in plan.placement.processes) and not any(p.servers and not p.workers
                                                                                            for p in plan.placement.processes)
     if plan.in_one_process and plan.nworkers == 1:
@@ -98,6 +102,8 @@ def check_layout(plan: JobPlan) -> None:
         if groups_in_memory(plan) and plan.asynchrony.warmup_steps > 0:
             raise SessionError(f"shoal.session: {plan.label} in your own loop runs its groups step by step together: "
                                "cluster.warmup_steps is not supported there yet (use a job file or shoal.fit for it)")
+        if pushes_to_servers(plan):
+            _pushes_on_cpu(plan)
         return  # (run.each_worker: frontend/session_worker.py)
     if not plan.in_one_process and one_worker_each and not plan.server_worker_separate and plan.nworker_groups == 1 \
             and plan.strategy.synchronous:
@@ -106,10 +112,7 @@ def check_layout(plan: JobPlan) -> None:
         return
     if pushes_to_servers(plan) and all(len(p.workers) == 1 for p in plan.placement.processes if p.workers) \
             and plan.nserver_groups == 1:
-        if any(not device.startswith("cpu") for device in plan.all_devices()):
-            raise SessionError(f"shoal.session: {plan.label} in your own loop runs on CPU (its pushes and pulls go point-to-point "
-                               "over gloo from the module's params): leave device unset (or \"cpu\"), or use a job file "
-                               "(`shoal run job.conf`) or shoal.fit for it")
+        _pushes_on_cpu(plan)
         return
     if syncs_with_peers(plan) and one_worker_each:
         if plan.strategy.params_on_host and any(not device.startswith("cpu") for device in plan.all_devices()):
@@ -120,18 +123,31 @@ def check_layout(plan: JobPlan) -> None:
     raise SessionError(f"shoal.session: {plan.label} {where} ({plan.nworkers} workers) is not supported in your own loop yet "
                        "(one worker per process: single worker, AllReduce, Local SGD / DiLoCo, Distributed Hogwild, "
                        "Downpour, Sandblaster; several per process, without restarts: one synchronous group, "
-                       "Local SGD / DiLoCo, in-memory Downpour and Hogwild of one worker per group): use a "
-                       "job file (`shoal run job.conf`) or shoal.fit for it")
+                       "Local SGD / DiLoCo, in-memory Downpour and Hogwild, Downpour and Sandblaster with server "
+                       "processes): use a job file (`shoal run job.conf`) or shoal.fit for it")
+
+
+def _pushes_on_cpu(plan: JobPlan) -> None:
+    if any(not device.startswith("cpu") for device in plan.all_devices()):
+        raise SessionError(f"shoal.session: {plan.label} in your own loop runs on CPU (its pushes and pulls go point-to-point "
+                           "over gloo from the module's params): leave device unset (or \"cpu\"), or use a job file "
+                           "(`shoal run job.conf`) or shoal.fit for it")
 
 
 def several_workers_in_a_process(plan: JobPlan) -> bool:
     """Several workers in a process, the same number in each (threads, `device=[...]`'s split), no server-only
-    process, no restarts over processes (a restarted process's handover is one replica's): one synchronous group
-    (in-memory, or AllReduce over processes), or Local SGD / DiLoCo with one group per process, whose workers'
-    gradients meet in one mean; or in-memory Downpour and Hogwild (groups_in_memory). run.each_worker's layouts."""
-    counts = {len(p.workers) for p in plan.placement.processes}
-    if max(counts) < 2 or len(counts) > 1 or pushes_to_servers(plan):
+    process but Downpour's and Sandblaster's, no restarts over processes (a restarted process's handover is one
+    replica's): one synchronous group (in-memory, or AllReduce over processes), or Local SGD / DiLoCo with one group
+    per process, whose workers' gradients meet in one mean; in-memory Downpour and Hogwild (groups_in_memory); or
+    Downpour's groups and Sandblaster's group with server processes (one server group), each process one group's
+    workers, whose mean the process pushes once a step. run.each_worker's layouts."""
+    pushes = pushes_to_servers(plan)
+    counts = {len(p.workers) for p in plan.placement.processes if p.workers or not pushes}
+    if max(counts) < 2 or len(counts) > 1:
         return False
+    if pushes:
+        return (plan.max_restarts == 0 and plan.nserver_groups == 1
+                and all(len({w.group for w in p.workers}) <= 1 for p in plan.placement.processes))
     if groups_in_memory(plan):
         return True
     if plan.nworker_groups == 1 and plan.strategy.synchronous:
@@ -142,11 +158,11 @@ def several_workers_in_a_process(plan: JobPlan) -> bool:
 
 
 def groups_in_memory(plan: JobPlan) -> bool:
-    """In-memory Downpour and Hogwild: asynchronous groups of one worker each as threads of this process around one
-    in-process server that runs the user's optimizer (run.each_worker: each worker's opt.step() pushes its gradients to
-    it); under Downpour each group computes on its own copy, which takes the server's answer, under Hogwild every group
-    on the server's one copy (`share_memory`), which the server updates in place."""
-    return (plan.in_one_process and plan.nworker_groups > 1 and plan.nworkers_per_group == 1
+    """In-memory Downpour and Hogwild: asynchronous groups as threads of this process around one in-process server that
+    runs the user's optimizer (run.each_worker: a group's workers' gradients meet in their mean, which its workers'
+    opt.step() push once); under Downpour each group computes on its own copy, which takes the server's answer, under
+    Hogwild every group on the server's one copy (`share_memory`), which the server updates in place."""
+    return (plan.in_one_process and plan.nworker_groups > 1
             and not plan.strategy.synchronous and not plan.strategy.meets and not plan.strategy.syncs_with_peers)
 
 

@@ -17,9 +17,12 @@ accumulating, scheduler) for one worker; the process's `Session` keeps what is p
 checkpoints), and its calls are made once, from the worker threads' meetings (`LocalWorkers.meet`: the last worker to
 arrive runs the process's part). With one worker in the process, `each_worker(train)` calls `train(run)` here: the
 same body runs every layout. Layouts (session_start.several_workers_in_a_process): one synchronous group, in-memory
-or AllReduce over processes, Local SGD / DiLoCo with one group per process, and in-memory Downpour and Hogwild (each
-worker a group of its own: its opt.step() pushes its gradient to the process's in-process server, `_push`; the
-groups go step by step together). Under the others each worker's gradients meet in
+or AllReduce over processes, Local SGD / DiLoCo with one group per process, in-memory Downpour and Hogwild (each
+group's workers' gradients meet in their mean, which their opt.step()s push once to the process's in-process server,
+`_push`; the groups go step by step together), and Downpour's groups and Sandblaster's group with server processes
+(each process one group's workers: their mean, Sandblaster's over the group's processes, pushed once by the process,
+`_push_process`; the process's workers share one copy of the params, which takes the servers' answer, as a job
+file's group's workers share its store). Under the others each worker's gradients meet in
 `LocalMean`, which hands every local worker's (gradients, rows) to the exchange's `mean_gradients(step, parts)` as
 the Trainer does (one process, or a Local SGD group between meetings: their mean here), and puts the group's mean in
 every replica's `.grad`; every replica then applies its own copy of the user's update to the same mean, so the
@@ -57,6 +60,7 @@ class LocalWorkers:
 
     def __init__(self, count: int):
         self.count = count
+        self.linked: list["LocalWorkers"] = []  # a group's own meetings in this process: they fail with this one
         self._cond = threading.Condition()
         self._arrived = 0
         self._generation = 0
@@ -89,6 +93,8 @@ class LocalWorkers:
             if self.broken is None:
                 self.broken = err
             self._cond.notify_all()
+        for linked in self.linked:
+            linked.fail(err)
 
 
 class LocalMean:
@@ -129,6 +135,27 @@ class LocalMean:
         for worker in self.workers:
             if worker.mean is not None:
                 worker.mean.remove()
+
+
+class LocalMeans:
+    """In-memory groups of several workers: each group's LocalMean, as the session's one `mean` (its display's
+    seconds, the hooks removed at the end)."""
+
+    def __init__(self, means: list[LocalMean]):
+        self.means = means
+
+    @property
+    def seconds(self) -> float:
+        return sum(mean.seconds for mean in self.means)
+
+    @seconds.setter
+    def seconds(self, value: float) -> None:
+        for mean in self.means:
+            mean.seconds = value
+
+    def remove(self) -> None:
+        for mean in self.means:
+            mean.remove()
 
 
 def drop_grads(optimizer: torch.optim.Optimizer) -> None:
@@ -179,7 +206,12 @@ class SessionWorker:
         self.schedulers: list = []
         self.mean: Optional[session_exchange.GradientMean] = None
         self.pushes_to = None  # in-memory Downpour / Hogwild: this worker's group's exchange to the in-process server
+        # in-memory groups and pushes to server processes: the workers of this worker's group in this process (the
+        # first's params are the group's copy, which the others share) and their meetings
+        self.group_workers: list["SessionWorker"] = [self]
+        self.group_local = local
         self.share = 0
+        self.global_batch = 0  # the group's batch (pushes to server processes: the stub's weights)
 
     @property
     def chief(self) -> bool:
@@ -226,24 +258,40 @@ class SessionWorker:
             # Local SGD / DiLoCo meet inside opt.step(), as for one worker: once every worker's replica is updated
             optimizer.register_step_post_hook(lambda *_: self.local.meet(lambda: self.run._workers_boundary(self.run.step)))
         self.optimizers.append(optimizer)
-        if self.run.groups_in_memory:
+        if self.run.groups_in_memory or self.run.pushes:
             if len(self.optimizers) > 1:
                 raise SessionError(f"worker.optimizer: {self.label}'s server runs one optimizer over the module: give "
                                    "worker.optimizer one optimizer holding every trained param")
+        if self.run.groups_in_memory:
             optimizer.register_step_pre_hook(self._push)
             self.local.meet(self.run._start_groups)
+        elif self.run.pushes:  # (worker 0's run.optimizer made the exchange to the servers, from its recipe)
+            optimizer.register_step_pre_hook(self._push_process)
+            self.local.meet(self.run._workers_pushing)
         return optimizer
 
     def _push(self, optimizer, args, kwargs) -> None:
-        """In-memory Downpour's and Hogwild's step: this group's gradients (after the loop's clip_grad_norm_) to the
-        in-process server with this optimizer's hyper-parameters; the server's new values are then in this worker's
-        params (Downpour: its copy takes them; Hogwild: the server updated the one copy in place); `.grad` is left None,
-        so the user's optimizer, which runs next, updates nothing here (Session._push over processes)."""
-        grads = {n: p.grad for n, p in self.module.named_parameters() if p.requires_grad}
+        """In-memory Downpour's and Hogwild's step: this group's gradients (after the loop's clip_grad_norm_; several
+        workers: their mean, which every worker of the group holds, pushed once, when they all got here) to the
+        in-process server with the group's optimizer's hyper-parameters; the server's new values are then in the
+        group's params (Downpour: its copy takes them; Hogwild: the server updated the one copy in place); `.grad` is
+        left None, so the user's optimizer, which runs next, updates nothing here (Session._push over processes)."""
+        self.group_local.meet(self._push_group)
+        drop_grads(optimizer)
+
+    def _push_group(self) -> None:
+        first = self.group_workers[0]
+        grads = {n: p.grad for n, p in first.module.named_parameters() if p.requires_grad}
         started = time.perf_counter()
-        self.pushes_to.step(self.run.step, [(grads, self.share)])
+        self.pushes_to.step(self.run.step, [(grads, sum(worker.share for worker in self.group_workers))])
         with self.run._window_lock:
             self.run.exchange_seconds += time.perf_counter() - started
+
+    def _push_process(self, optimizer, args, kwargs) -> None:
+        """Downpour's and Sandblaster's step with several workers in the process (one group's): once every worker got
+        here, the process's push of their mean (every worker holds it: Sandblaster's the group's, the stub's pushed
+        whole) to the servers, whose answer lands in the params the workers share (Session._push for one worker)."""
+        self.local.meet(self.run._workers_push)
         drop_grads(optimizer)
 
     def scheduler(self, scheduler):
@@ -280,6 +328,7 @@ class SessionWorker:
                                f"({self.run.plan.nworkers_per_group} workers per group)")
         skip = self.run.plan.group_shards.offset(self.group, 0, len(data))  # (Local SGD's groups: disjoint shards)
         reader = reader_for(data, self.run.job.seed if seed is None else seed, shuffle, batch_size)
+        self.global_batch = batch_size
         yield from self._steps(share, lambda step: (step, to_device(reader.batch(skip + step * batch_size + offset, share),
                                                                     self.device)))
 
@@ -289,6 +338,7 @@ class SessionWorker:
             raise SessionError(f"worker.steps: rows must be a whole number from 1, got {rows!r}")
         if self.module is None:
             raise SessionError("worker.steps: give the module to worker.model(...) first")
+        self.global_batch = rows * self.run.plan.nworkers_per_group
         yield from self._steps(rows, lambda step: step)
 
     def _steps(self, share: int, item: Callable[[int], Any]) -> Iterator[Any]:
@@ -297,8 +347,8 @@ class SessionWorker:
             self.mean.share = share
         self.local.meet(self.run._start_workers_loop)
         for step in range(self.run.start_step, self.run.job.train_steps):
-            if self.pushes_to is not None:  # (in-memory groups: the board's turn, and the server's version read)
-                self.pushes_to.begin(step)
+            if self.pushes_to is not None and self is self.group_workers[0]:  # (in-memory groups: the board's turn,
+                self.pushes_to.begin(step)                                      # and the server's version read)
             try:
                 yield item(step)
             except GeneratorExit:  # the loop broke out: before the last step the others must not wait for this worker

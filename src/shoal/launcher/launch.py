@@ -397,7 +397,8 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
         # STALLED_EXIT: a process that found a peer the job cannot lose stalled (the chief, say): its verdict ends the job;
         # REFUSED_AT_START_EXIT: bad input every process meets (its data not readable): the job stops, no group goes on
         if any(context.processes[i].exitcode not in (0, None)
-               and (not expendable(plan, ranks[i]) or context.processes[i].exitcode in (stalls.STALLED_EXIT, REFUSED_AT_START_EXIT))
+               and (not expendable(plan, ranks[i]) or context.processes[i].exitcode in (stalls.STALLED_EXIT, REFUSED_AT_START_EXIT)
+                    or (restarter is not None and i not in reported and restarter.chief_after_the_last_step(ranks[i])))
                for i in exited):
             return failed_groups()
         for i in exited:

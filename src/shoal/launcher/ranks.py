@@ -21,6 +21,14 @@ def replicas_go_on(plan: JobPlan) -> bool:
     return plan.strategy.goes_on_without_a_process(plan)
 
 
+def chief_replaceable(plan: JobPlan) -> bool:
+    """Whether the chief's death drops it like any other process: a group of replicas in a user's loop (shoal.session;
+    the lowest living process decides the steps and takes over the run log and checkpoints, shoal.comm.quorum's
+    `replaceable`). A job file's trainer keeps duties only the chief has (its tests, progress bar, hooks): there the
+    chief's death restarts the whole job (launcher/job_restarts.py)."""
+    return replicas_go_on(plan) and plan.own_loop
+
+
 def outlives_a_dead_process(plan: JobPlan) -> bool:
     """Whether the job may lose a process and go on: its groups outlive a dead one, or its replicas go on."""
     return plan.strategy.outlives_a_dead_group or replicas_go_on(plan)
@@ -36,20 +44,21 @@ def heals(plan: JobPlan, rank: int) -> bool:
 def expendable(plan: JobPlan, rank: int) -> bool:
     """Jobs whose groups outlive a dead one (Downpour, Hogwild: the strategy says) outlive a process that hosts only
     workers of groups other than group 0; a group of replicas that goes on (AllReduce under cluster.max_restarts),
-    any process of workers but the chief's."""
+    any process of workers but the chief's (the chief's too in a user's loop: `chief_replaceable`)."""
     proc = plan.process(rank)
     if replicas_go_on(plan):
-        return rank != 0 and bool(proc.workers)
+        return (rank != 0 or chief_replaceable(plan)) and bool(proc.workers)
     return plan.strategy.outlives_a_dead_group and bool(proc.workers) and all(m.group != 0 for m in proc.workers + proc.servers)
 
 
 @contextmanager
-def rank_output(workspace: Path, rank: int):
+def rank_output(workspace: Path, rank: int, restarted: bool = False):
     """WORKSPACE/logs/rank<R>.log: the chief talks to the terminal (and copies its lines there); every other
-    rank writes only to its file. Afterwards stderr is given back, so that a failure's one line reaches the terminal."""
+    rank writes only to its file, as a restarted process 0 does (the chief no more: `chief_replaceable`). Afterwards
+    stderr is given back, so that a failure's one line reaches the terminal."""
     log_file = open_for_append(Path(workspace) / "logs" / f"rank{rank}.log")  # through no link (nor at logs/)
     saved_stderr = sys.stderr
-    if rank != 0:
+    if rank != 0 or restarted:
         sys.stdout = sys.stderr = log_file
     try:
         yield log_file

@@ -58,7 +58,7 @@ from shoal.comm.channels import DOWNPOUR_DOOR, MEETING_DOOR, STEP_DOOR
 from shoal.errors import ShoalError, warn
 from shoal.planning.plan import JobPlan
 from shoal.launcher import faults, stalls
-from shoal.launcher.ranks import chief_log, describe_process, heals, rank_output, replicas_go_on
+from shoal.launcher.ranks import chief_replaceable, describe_process, heals, rank_output, replicas_go_on
 from shoal.launcher.workspace import check_workspace
 from shoal.report.writes import own_folder, replace_file
 from shoal.runtime.rejoined import RECORDS_FILE
@@ -80,7 +80,7 @@ def why_not(plan: JobPlan, rank: int) -> Optional[str]:
     if replicas_go_on(plan):
         if not 0 <= rank < plan.nprocs:
             return f"the job has processes 0..{plan.nprocs - 1}"
-        if rank == 0:
+        if rank == 0 and not chief_replaceable(plan):
             return f"{describe_process(plan, rank)} is the chief, whose state the others heal from: resume from a checkpoint instead"
         return None
     if not plan.strategy.rejoins:
@@ -174,6 +174,13 @@ class Restarter:
                                                 attempt=self.meeting.attempt, timeout_s=self.plan.comm_timeout_s)
         self._door = channels.Door(door_of(self.plan), self._store, self.secret)
 
+    def chief_after_the_last_step(self, rank: int) -> bool:
+        """Whether `rank` is the chief, never restarted, and its meetings are over: nobody takes its place after the
+        loop (the run log it had to close, what its script does after the loop), so its death is one the job cannot
+        lose, as before the chief became replaceable (`ranks.chief_replaceable`)."""
+        return (rank == 0 and chief_replaceable(self.plan) and not self.restarts.get(0) and self._store is not None
+                and quorum.meetings_over(self._store))
+
     def can_restart(self, rank: int) -> bool:
         """Whether process `rank` would be restarted now (restarts left, and it may rejoin)."""
         return self.limit > 0 and why_not(self.plan, rank) is None and self.restarts.get(rank, 0) < self.limit
@@ -210,9 +217,11 @@ class Restarter:
         self.restarts[rank] = done + 1
         heartbeat.say_gone(self._store, rank)  # no stall warnings for a process the launcher saw die
         incarnation = self._door.next_incarnation(group)  # the servers wait for it from now on
-        if replicas:
+        if replicas:  # (once the chief died, the lowest living process decides the steps and is the donor: quorum.py)
+            donor = ("process 0's state" if rank != 0 and not self.restarts.get(0)
+                     else "the state of the lowest living process, which decides the steps now")
             warn(f"WARNING: {describe_process(self.plan, rank)} {ended}; the other processes go on without it; restarting it "
-                 f"(restart {done + 1} of {self.limit}); it rejoins at the next step, from process 0's state")
+                 f"(restart {done + 1} of {self.limit}); it rejoins at the next step, from {donor}")
         else:
             source = "at the groups' next meeting, from a live group's state" if self.plan.strategy.meets else self.plan.strategy.rejoins_from
             warn(f"WARNING: {describe_process(self.plan, rank)} {ended}; restarting it "
@@ -290,10 +299,10 @@ def _entry(rank: int, meeting, job_bytes: bytes, workspace: str, base_dirs: list
     os.environ.clear()  # the launcher's environment now, not the forkserver's when it started
     os.environ.update(environment)
 
-    with rank_output(Path(workspace), rank) as log_file:
+    with rank_output(Path(workspace), rank, restarted=True) as log_file:
         try:
             run_rejoined(job_bytes, meeting.nnodes, rank, meeting.store_host, meeting.store_port, meeting.interface,
-                         Path(workspace), [Path(d) for d in base_dirs], incarnation, detected_at, chief_log(rank, log_file),
+                         Path(workspace), [Path(d) for d in base_dirs], incarnation, detected_at, print,
                          process_setup, initial_values, rank_main, attempt=meeting.attempt)
         except Exception:  # noqa: BLE001 (e.g. its server died meanwhile: the launcher's line tells the story)
             # into the rank's log, not the terminal (multiprocessing would print it there); the exit status is the same

@@ -36,7 +36,9 @@ def supervises(plan: JobPlan, launched: launchers.LaunchedProcess) -> bool:
     strategy whose processes rejoin, a rank that may: never the chief)."""
     from shoal.launcher import rejoin
 
-    return (plan.nprocs > 1 and plan.max_restarts > 0 and rejoin.rejoins(plan)
+    # (never the chief: under torchrun/srun its process holds the workspace's lock and the registry's entry, which a
+    # restarted child could not take back; its death restarts the whole job there)
+    return (plan.nprocs > 1 and plan.max_restarts > 0 and rejoin.rejoins(plan) and launched.rank != 0
             and rejoin.why_not(plan, launched.rank) is None)
 
 

@@ -25,14 +25,18 @@ says:
   optimizer, built from its recipe (`serve_downpour`: a server process never runs the loop); `opt.step()`'s pre-hook
   pushes the gradients with the optimizer's hyper-parameters (`hyper_vector`) and installs the servers' answer in the
   params, leaving every `.grad` None so that the user's optimizer updates nothing (frontend/session.py, `_push`);
-- Sandblaster over processes (one worker per process, its one group's servers in processes of their own): Downpour's
-  servers and pushes with the group's one stub (strategies/sandblaster.py), synchronous, and, as under AllReduce, the
-  group's mean gradient in every `.grad` when backward ends (`StubGroupMean`), which the stub alone then pushes;
-- in-memory Downpour and Hogwild (groups of one worker each as threads of one process, `group_exchanges`): the
-  strategy's GroupExchanges around one in-process server running the user's optimizer from its recipe; each worker's
-  `opt.step()` pre-hook pushes its gradients there with its own optimizer's hyper-parameters (the push carries them,
-  as over processes: `GroupExchange.carry_hyper`, `Server.carry_hyper`) and its group's copy takes the server's answer
-  (Downpour), or the server updates the one copy every group computes on (Hogwild).
+- Sandblaster over processes (its one group's servers in processes of their own): Downpour's servers and pushes with
+  the group's one stub (strategies/sandblaster.py), synchronous, and, as under AllReduce, the group's mean gradient in
+  every `.grad` when backward ends (`StubGroupMean`), which the stub alone then pushes;
+- several workers in a process under Downpour and Sandblaster (threads, run.each_worker): the process's workers'
+  gradients meet in their mean (frontend/session_worker.py's LocalMean: Sandblaster's through `StubGroupMean`, so the
+  group's), which their opt.step()s push once (`SessionWorker._push_process`);
+- in-memory Downpour and Hogwild (groups as threads of one process, `group_exchanges`): the strategy's GroupExchanges
+  around one in-process server running the user's optimizer from its recipe; a group's workers' gradients meet in
+  their mean, and its workers' `opt.step()` pre-hooks push it there once, with the group's optimizer's
+  hyper-parameters (the push carries them, as over processes: `GroupExchange.carry_hyper`, `Server.carry_hyper`); the
+  group's copy takes the server's answer (Downpour), or the server updates the one copy every group computes on
+  (Hogwild).
 
 The exchanges come from `plan.strategy.attach_exchanges(run)` with `SessionRun`, a process's part whose one trainer
 is the user's module (`SessionMember`: its ParamStore views the module's params, no copy).
@@ -201,7 +205,8 @@ class StubGroupMean:
     """Sandblaster in a user's loop: `GradientMean`'s mean over the group's processes (the plan's group of them, the
     request/response exchange's `group_comm`; none for a group of one process), in one flat all-reduce, so that
     `.grad` holds the group's mean when backward ends, as under DDP (a clip_grad_norm_ in the loop clips the global
-    norm). `opt.step()` then pushes the stub's copy alone: the exchange's own sum at the stub adds the others' zeros."""
+    norm). `opt.step()` then pushes the stub's copy alone: the exchange's own sum at the stub adds the others' zeros.
+    Several workers in a process (run.each_worker's LocalMean) hand their parts together: each weighs its rows."""
 
     def __init__(self, named: list[tuple[str, torch.nn.Parameter]], exchange):
         self.named = [(n, p) for n, p in named if p.requires_grad]
@@ -209,17 +214,20 @@ class StubGroupMean:
         self.total = sum(p.numel() for _, p in self.named)
 
     def mean_gradients(self, step: int, parts: list[tuple[dict, int]]) -> dict[str, Optional[torch.Tensor]]:
-        (grads, share), = parts
-        weight = share / self.exchange.global_batch
         # fresh each step: its views become the params' .grad (the flags last: whether any process had a gradient)
         flat = torch.zeros(self.total + len(self.named))
-        at = 0
-        for index, (name, param) in enumerate(self.named):
-            grad = grads.get(name)
-            if grad is not None:
-                torch.mul(grad.detach().reshape(-1).to(flat), weight, out=flat[at : at + param.numel()])
-                flat[self.total + index] = 1
-            at += param.numel()
+        for part, (grads, share) in enumerate(parts):
+            weight, at = share / self.exchange.global_batch, 0
+            for index, (name, param) in enumerate(self.named):
+                grad = grads.get(name)
+                if grad is not None:
+                    weighted = grad.detach().reshape(-1).to(flat) * weight
+                    if part == 0:  # (one worker: the product itself, as before; several: summed in worker order)
+                        flat[at : at + param.numel()] = weighted
+                    else:
+                        flat[at : at + param.numel()] += weighted
+                    flat[self.total + index] = 1
+                at += param.numel()
         if self.exchange.group_comm is not None:
             self.exchange.group_comm.all_reduce_sum(flat).wait()
         mean, at = {}, 0

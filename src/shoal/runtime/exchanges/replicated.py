@@ -79,10 +79,11 @@ class ReplicatedExchange:
         self.store, self.server, self.quorum, self.rank = store, Server(store, updater), quorum, rank
         self.names = self.server.names
         self.global_batch, self.first, self.log, self.annotate = global_batch, first, log, annotate
-        self.chief = rank == quorum.chief_rank
         self.joining = quorum.group is None
         self.present: tuple[int, ...] = quorum.all_ranks  # the processes whose gradients the last step's mean holds
-        self.job_bytes_sent: Optional[int] = 0 if self.chief else None  # the chief's count (summary.json's bytes_sent)
+        # the job's bytes (summary.json's bytes_sent), counted alike on every replica: the member that takes a dead
+        # chief's place (quorum.py, `replaceable`) has the count the chief had
+        self.job_bytes_sent: Optional[int] = 0
         self._window_rows = 0  # rows of every member that came, since the last display
         self.sent_bytes = 0  # what this process sent since the last display (metrics' sent_bytes, as the sliced exchange's)
         self._held = 0  # steps of this run
@@ -129,8 +130,7 @@ class ReplicatedExchange:
         except quorums.LeftOut as err:  # it came too late (it was stalled): the others went on without it
             raise GroupDropped(str(err)) from None
         total = met.result
-        if self.chief:
-            self.job_bytes_sent += wire_bytes([total]) * len(met.came)
+        self.job_bytes_sent += wire_bytes([total]) * len(met.came)
         self.sent_bytes += int(wire_bytes([total]) * 2 * (len(met.came) - 1) / len(met.came))  # a ring all-reduce's share
         self._note_attendance(step, met.came)
         came_rows = float(total[-1])
@@ -156,8 +156,7 @@ class ReplicatedExchange:
         except quorums.LeftOut as err:  # the others went on without it: its residual is still owed
             raise GroupDropped(str(err)) from None
         self.codec.residual = residual  # committed with this encoding in it (a member not in `came` was left out above)
-        if self.chief:  # each member's encoding reached every other member
-            self.job_bytes_sent += packed.numel() * len(met.came) * (len(met.came) - 1)
+        self.job_bytes_sent += packed.numel() * len(met.came) * (len(met.came) - 1)  # each encoding reached every other member
         self.sent_bytes += packed.numel() * (len(met.came) - 1)  # (a ring all-gather passes P - 1 encodings on)
         self._note_attendance(step, met.came)
         total = torch.zeros(flat.numel(), device=flat.device)
@@ -185,13 +184,17 @@ class ReplicatedExchange:
         admitted at it take `state()` (default: the params and the updater's state) from the chief. Returns their ranks."""
         joined = self.quorum.welcome(state or self._handover)
         if joined:
-            if self.chief:
-                self.job_bytes_sent += len(joined) * wire_bytes((state or self._handover)())
+            self.job_bytes_sent += len(joined) * wire_bytes((state or self._handover)())
             self.present = tuple(sorted(set(self.present) | set(joined)))
             for rank in joined:
                 self._back.setdefault(rank, []).append(step + 1)
             self._annotate()
         return joined
+
+    @property
+    def chief(self) -> bool:
+        """Whether this process decides the steps now: the chief, or the member that took a dead chief's place."""
+        return self.quorum.chief
 
     # -- who came ------------------------------------------------------------------------------------
     def _note_attendance(self, step: int, came: tuple[int, ...]) -> None:
@@ -293,7 +296,7 @@ class ReplicatedExchange:
         return own
 
     def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        if self.chief and "count/job_bytes_sent" in tensors:
+        if "count/job_bytes_sent" in tensors:
             self.job_bytes_sent = int(tensors["count/job_bytes_sent"])
         if self.codec is not None:
             saved = tensors.get(f"residual/r{self.rank}")
