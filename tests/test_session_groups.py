@@ -87,8 +87,8 @@ def fit_loss(workspace, row: str) -> tuple[float, float]:
 
 def test_in_memory_groups_push_to_one_server_and_learn_as_fit_does(groups_run, tmp_path):
     """The row ran (summary.json: 1 process, 2 or 4 workers, in-memory Downpour / Hogwild), one thread per worker, each
-    group reading the whole batch of 12 (the job's samples: both groups' rows; 2 threads: 6 rows each); Downpour's
-    groups' copies apart (each pulled the server's values at its own push), Hogwild's one copy; and each group's final
+    group reading the whole batch of 12 (the job's samples: both groups' rows; 2 threads: 6 rows each); Hogwild's
+    one copy; and each group's final
     values as good on the whole training set as shoal.fit's same layout's model, within LOSS_TOLERANCE."""
     row, downpour_run = groups_run
     layout = LAYOUTS[row]
@@ -101,7 +101,9 @@ def test_in_memory_groups_push_to_one_server_and_learn_as_fit_does(groups_run, t
     assert [r["samples"] for r in records] == [24, 120, 120, 120, 96]
     before, theirs = fit_loss(tmp_path / "fit", row)
     ours = replica_losses(downpour_run)
-    assert len(ours) == layout.workers and (ours[0] != ours[1] if row == DOWNPOUR else len(set(ours)) == 1)
+    # Hogwild's groups share one copy; Downpour's are apart, but both may have pulled the server's values after the last
+    # push of the step when the threads' pushes and pulls interleave so (the checkpoint holds each: the resume test)
+    assert len(ours) == layout.workers and (row == DOWNPOUR or len(set(ours)) == 1)
     for loss in ours:
         assert loss < 0.6 * before and abs(loss - theirs) <= LOSS_TOLERANCE * theirs, (ours, theirs, before)
 
