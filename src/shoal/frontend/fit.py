@@ -361,9 +361,10 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
 
 # The layouts fit runs as a loop of the session's calls (frontend/fit_loop.py), by `fit_layout`'s name; every other one
 # still runs on the job path (module_path's layers and the Trainer): docs/architecture.md, "`shoal.fit` on the session".
-# "AllReduce over processes" and "Local SGD / DiLoCo over processes" run there too but wait for run.log's group mean
-# (their train records hold the chief's rows alone, the job path's the group's).
-ON_SESSION: frozenset = frozenset({"one worker"})
+# "AllReduce over processes" runs there too but waits for run.log's group mean (the session's train records hold the
+# chief's rows alone, the job path's sliced exchange averages the group's); Local SGD's records are the chief's group's on
+# both paths.
+ON_SESSION: frozenset = frozenset({"one worker", "Local SGD / DiLoCo over processes"})
 
 
 def fit_layout(plan) -> str:

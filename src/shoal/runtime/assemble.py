@@ -163,11 +163,17 @@ def _set_values(run: ProcessRun, spec: RunSpec) -> None:
     for trainer in run.trainers:
         if spec.initial_values is not None:
             spec.initial_values(trainer.store)
-    if run.server is not None:
-        if spec.resume_from:
-            plan.strategy.restore_server(run, ckpt_io.load(spec.resume_from, parts=True))
-        return
     resumed = ckpt_io.load(spec.resume_from, parts=True) if spec.resume_from is not None else None  # the chief's file and every part
+    if resumed is not None and resumed.trainer.get("session"):
+        # a loop's checkpoint holds its torch optimizers' state by index and the loop's own position, which this path
+        # would not read: refused rather than resumed with the optimizer's state lost
+        raise ckpt_io.CheckpointError(
+            f"--resume: {spec.resume_from} was written by a loop on shoal.session() (shoal.fit's one worker in one process "
+            f"runs there), which {plan.label} here cannot continue exactly: resume it with the layout that wrote it")
+    if run.server is not None:
+        if resumed is not None:
+            plan.strategy.restore_server(run, resumed)
+        return
     for trainer in run.trainers:
         if resumed is not None:
             trainer.restore(spec.resume_from, resumed)
