@@ -4,6 +4,7 @@ written by hand with shoal.session() and those of fit's job path (module_path's 
 from __future__ import annotations
 
 import copy
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import shoal
+from shoal.errors import ShoalError
 from shoal.frontend import fit as fitting
 from shoal.frontend import fit_loop
 from shoal.neuralnet.torch_optimizer import OUTER_OPTIMIZER_UPDATER
@@ -180,3 +182,24 @@ def test_fit_over_processes_runs_the_loop_in_each_rank(tmp_path, problem, monkey
     assert [(r["step"], r["loss"]) for r in loop.phase("validate")] == [(r["step"], r["loss"]) for r in job.phase("validate")]
     assert all(torch.equal(a, b) for a, b in zip(on_session.parameters(), on_the_job_path.parameters()))
     assert not torch.equal(on_session[0].weight, model[0].weight)
+
+
+def test_a_checkpoint_of_the_other_path_is_refused_in_one_line(tmp_path, problem, monkeypatch):
+    """A loop on the session and fit's job path keep different state in a checkpoint (the loop's optimizers by index and
+    its position; the trainer's updater slots and cursors): a resume across them is refused in one line naming the file,
+    either way, and nothing of the stopped run is touched (before, the job path resumed a loop's checkpoint with the
+    optimizer's state lost, and the session said only that the checkpoint held 0 optimizers)."""
+    train, _, model = problem
+    keywords = dict(batch_size=BATCH, updater=None, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2), log=quiet)
+    for first, then in ((frozenset(), frozenset({"one worker"})), (frozenset({"one worker"}), frozenset())):
+        workspace = tmp_path / ("job-then-loop" if not first else "loop-then-job")
+        monkeypatch.setattr(fitting, "ON_SESSION", first)
+        shoal.fit(copy.deepcopy(model), F.cross_entropy, train, steps=2, checkpoint_freq=2, workspace=workspace, **keywords)
+        written = sorted((workspace / "checkpoint").iterdir())
+        monkeypatch.setattr(fitting, "ON_SESSION", then)
+        with pytest.raises(ShoalError) as refused:
+            shoal.fit(copy.deepcopy(model), F.cross_entropy, train, steps=4, workspace=workspace, resume=True, **keywords)
+        line = str(refused.value)
+        assert "\n" not in line and line.startswith(f"--resume: {written[-1]} was written by "), line
+        assert line.endswith("resume it with the layout that wrote it"), line
+        assert sorted((workspace / "checkpoint").iterdir()) == written

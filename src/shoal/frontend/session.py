@@ -130,6 +130,10 @@ class Session:
                     f"in process {rank} (pid = {os.getpid()})")
         self._owned = owned  # release(status, reason): the workspace's lock and the registry's entry, by close()
         self.resumed = ckpt_io.load(resume_from, parts=True) if resume_from is not None else None
+        if self.resumed is not None and not self.resumed.trainer.get("session"):
+            raise SessionError(f"--resume: {resume_from} was written by shoal's job path (a job file, or a shoal.fit layout "
+                               "that runs there), whose state a loop on shoal.session() cannot continue exactly: resume it "
+                               "with the layout that wrote it")
         self._mine = (session_state.own_part(self.resumed, resume_from, self.group, self.rank, self.own_residual, self.apart,
                                              self.say) if self.resumed is not None else None)
         self.start_step = int(self._mine.trainer.get("next_step", self.resumed.step)) if self._mine is not None else 0
