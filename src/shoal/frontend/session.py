@@ -598,11 +598,9 @@ class Session:
         """The dead chief's run log and checkpoints, from this step on (session_chief.py)."""
         self.chief = True
         self.metrics = session_chief.take_over_run_log(self.plan, self.workspace)
-        self.exchange.annotate = lambda fields: self.metrics.annotate(**fields)
-        self.exchange.log = self.say
         self.say(f"Process {self.rank} took the chief's place after step {step}: it decides the steps, writes the run "
                  f"log and the checkpoints")
-        self.exchange._annotate()  # summary.json's missed_steps, as the dead chief would have said them
+        self.exchange.speak_for_the_job(self.say, lambda fields: self.metrics.annotate(**fields))
 
     def _handover(self) -> list[torch.Tensor]:
         """What a restarted process takes from this one (session_state.handover)."""

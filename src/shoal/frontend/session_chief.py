@@ -14,16 +14,15 @@ other process's output does; the launcher's lines on the terminal say what happe
 """
 from __future__ import annotations
 
+import datetime
 import time
 from pathlib import Path
 
 from shoal.planning.plan import JobPlan
 from shoal.report.metrics import MetricsLog, read_metrics
-from shoal.report.run_log import open_run_log
-from shoal.report.summary import SummaryFile, read_summary
+from shoal.report.run_log import METRICS_FILE, open_run_log
+from shoal.report.summary import read_summary
 from shoal.runtime.replicas import usable_device_names
-
-METRICS_FILE = "metrics.jsonl"
 
 
 def take_over_run_log(plan: JobPlan, workspace: Path) -> MetricsLog:
@@ -36,18 +35,14 @@ def take_over_run_log(plan: JobPlan, workspace: Path) -> MetricsLog:
     # the run's clock at the last record, and the time since it was written (the chief's death, its detection)
     elapsed = max(times, default=0.0) + (max(0.0, time.time() - path.stat().st_mtime) if times else 0.0)
     before = read_summary(workspace) or {}
-    log = open_run_log(plan, workspace, elapsed, usable_device_names(plan.all_devices()))
-    started = _epoch(before.get("started"))
-    if started is not None:
-        for observer in log.observers:
-            if isinstance(observer, SummaryFile):
-                observer.started = started  # the run's start, not the takeover's
-    return log
+    return open_run_log(plan, workspace, elapsed, usable_device_names(plan.all_devices()),
+                        started=_epoch(before.get("started")))  # the run's start, not the takeover's
 
 
 def _epoch(text) -> float | None:
-    """summary.json's `started` (report/summary.py's `_iso`) as seconds since the epoch; None when unreadable."""
+    """summary.json's `started` (report/summary.py's `_iso`: local time with its offset) as seconds since the epoch;
+    None when unreadable."""
     try:
-        return time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S%z"))
+        return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S%z").timestamp()
     except (TypeError, ValueError):
         return None

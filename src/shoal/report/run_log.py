@@ -14,8 +14,10 @@ if TYPE_CHECKING:
 METRICS_FILE = "metrics.jsonl"
 
 
-def open_run_log(plan: "JobPlan", workspace: Path, elapsed_before: float, devices: list[str], resumed_at: int | None = None) -> MetricsLog:
-    """metrics.jsonl, with summary.json (and TensorBoard event files when the job asks) kept from it."""
+def open_run_log(plan: "JobPlan", workspace: Path, elapsed_before: float, devices: list[str], resumed_at: int | None = None,
+                 started: float | None = None) -> MetricsLog:
+    """metrics.jsonl, with summary.json (and TensorBoard event files when the job asks) kept from it (`started`:
+    summary.json's start, for a run log another process continues; None: now)."""
     workspace, job = Path(workspace), plan.job
     path = workspace / METRICS_FILE
     observers: list = []
@@ -23,7 +25,7 @@ def open_run_log(plan: "JobPlan", workspace: Path, elapsed_before: float, device
         from shoal.report.tensorboard import TensorBoardLog
 
         observers.append(TensorBoardLog(workspace, elapsed_before))
-    summary = SummaryFile(workspace, run_info(plan, devices), path)
+    summary = SummaryFile(workspace, run_info(plan, devices), path, started)
     try:
         log = MetricsLog(path, elapsed_before=elapsed_before, observers=[summary, *observers])
     except WorkspaceWriteError as err:  # the summary just said `running`: it says why not, where it can

@@ -254,11 +254,13 @@ def read_summary(workspace: Path) -> dict | None:
 class SummaryFile:
     """Keeps WORKSPACE/summary.json current: a MetricsLog observer on the chief."""
 
-    def __init__(self, workspace: Path, info: RunInfo, metrics_path: Path):
+    def __init__(self, workspace: Path, info: RunInfo, metrics_path: Path, started: float | None = None):
+        """`started`: when the run started (seconds since the epoch; None: now), for a run log another process
+        continues (a dead chief's, frontend/session_chief.py)."""
         self.path = Path(workspace) / SUMMARY_FILE
         self.info = info
         self.metrics_path = Path(metrics_path)
-        self.started = time.time()
+        self.started = time.time() if started is None else started
         self.extra: dict = {}  # MetricsLog.annotate's fields
         self.write("running")
 

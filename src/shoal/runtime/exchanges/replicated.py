@@ -196,6 +196,12 @@ class ReplicatedExchange:
         """Whether this process decides the steps now: the chief, or the member that took a dead chief's place."""
         return self.quorum.chief
 
+    def speak_for_the_job(self, log: Callable[[str], None], annotate: Callable[[dict], None]) -> None:
+        """This process took a dead chief's place (the quorum made it the decider): the chief's lines and summary.json
+        are its from now on, and summary.json says at once what the dead chief would have (missed_steps)."""
+        self.log, self.annotate = log, annotate
+        self._annotate()
+
     # -- who came ------------------------------------------------------------------------------------
     def _note_attendance(self, step: int, came: tuple[int, ...]) -> None:
         left = [r for r in self.present if r not in came]
