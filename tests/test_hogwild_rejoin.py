@@ -72,8 +72,13 @@ def test_a_killed_hogwild_group_is_restarted_and_syncs_again(blobs_job, tmp_path
     if groups == 3:
         assert "worker group 2 syncs with worker group 1 again (its restart 1)" in (run.ws / "logs" / "rank2.log").read_text()
         assert pids(run.ws, 2)[-1] == pids(run.ws, 2)[0]
-    records = train_records(run.ws)  # group 0's: it syncs with group 1's masters (its only ones) again to the end
-    assert all(r["syncs"] >= 1 for r in records if r["step"] >= STEPS // 2), records
+    # group 0's records: it syncs with group 1's masters (its only ones) again, to the end. A sync is counted when its
+    # answer is applied, and an answer later than SYNC_PATIENCE_S (a loaded machine) is applied at a later sync point,
+    # or that point is skipped: so not every display window holds one, but most sync points do, up to the last steps
+    records = train_records(run.ws)
+    second_half = [r["syncs"] for r in records if r["step"] >= STEPS // 2]
+    assert sum(second_half) >= (records[-1]["step"] - STEPS // 2) // SYNC_FREQ // 2, records
+    assert any(r["syncs"] for r in records if r["step"] >= 3 * STEPS // 4), records
     assert got["missed_updates"] == {"1": {"why": "process 1 was restarted after it exited with code -9", "rejoined_at": [step]}}
     assert got["missed_steps"] == {"1": {"missed": skipped, "of": STEPS, "why": f"skipped steps {synced} to {step - 1}, back at step {step}"}}
     retrained = " and ".join(f"{shares[str(g)]} by worker group {g}" for g in range(groups) if shares[str(g)])
