@@ -46,9 +46,10 @@ def plan_of(**cluster):
 def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
     """One place says which layouts fit runs as fit_loop's loop: ON_SESSION, by fit_layout's names; every other layout
     keeps the job path. The names fit_loop runs: one worker in one process on the CPU, AllReduce and Local SGD / DiLoCo
-    over processes (one worker each)."""
+    over processes (one worker each); AllReduce with server slices keeps the job path (its owners shard the optimizer's
+    state, ZeRO-1's shape)."""
     ready = {"one worker", "AllReduce over processes", "Local SGD / DiLoCo over processes"}
-    assert fitting.ON_SESSION <= ready
+    assert fitting.ON_SESSION == ready
     on_a_gpu = SimpleNamespace(in_one_process=True, nworkers=1, job=SimpleNamespace(device=["cuda:0"]), label="single worker")
     named = {"one worker": plan_of(),
              "AllReduce over processes": plan_of(nworkers_per_group=2, nworkers_per_procs=1),
@@ -58,6 +59,7 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
                                        job=SimpleNamespace(device=[], cluster=SimpleNamespace(
                                            outer_updater=SimpleNamespace(user_type=OUTER_OPTIMIZER_UPDATER))))
     others = [plan_of(nworkers_per_group=2, nworkers_per_procs=2),  # in-memory AllReduce (threads)
+              plan_of(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2),  # AllReduce, 2 server slices
               with_torch_outer,  # DiLoCo with fit's outer_optimizer= (a torch optimizer: the job path's)
               on_a_gpu]
     assert {fitting.fit_layout(plan): name for name, plan in named.items()} == {name: name for name in named}

@@ -396,6 +396,39 @@ class Quorum:
         """Whether the chief's deletes of past meetings' keys are done (waiting up to `timeout_s`)."""
         return self._sweeper.swept(timeout_s)
 
+    # -- words beside the meetings: a member tells, the decider hears -------------------------------------
+    def tell(self, topic: str, step: int, text: str) -> None:
+        """This member's word on `topic` at `step` for the decider (a display window's sums): one signed store write,
+        not waited for (no member waits on another for it, so a dead member holds nobody up)."""
+        self._set(f"{topic}{step}/r{self.rank}", text)
+
+    def hear(self, topic: str, step: int, ranks: Sequence[int]) -> dict[int, Optional[str]]:
+        """The decider: each of `ranks`' word on `topic` at `step` (`tell`), waited for until it is there, or its member
+        is gone (stalled, or ended: the launcher's word), or timeout_s passed (None for those); the keys are then
+        removed. A member that came to the step tells right after it, so the wait is a member's lag behind this one."""
+        keys = {r: f"{topic}{step}/r{r}" for r in ranks if r != self.rank}
+        heard: dict[int, Optional[str]] = {}
+        started = time.monotonic()
+        while True:
+            waiting = [r for r in keys if r not in heard]
+            if waiting and self.store.check([keys[r] for r in waiting]):  # all there (the usual case): two requests
+                heard |= dict(zip(waiting, self.store.multi_get([keys[r] for r in waiting])))
+                break
+            waited = time.monotonic() - started
+            for r in waiting:
+                if self.store.check([keys[r]]):
+                    heard[r] = self.store.get(keys[r])
+                elif waited > GRACE_S and (self._gone(self._member_or_new(r)) is not None or waited > self.timeout_s):
+                    heard[r] = None
+            if len(heard) == len(keys):
+                break
+            _pause(waited)
+        self._sweeper.sweep(list(keys.values()))
+        return heard
+
+    def _member_or_new(self, rank: int) -> Member:
+        return next((m for m in self.members if m.rank == rank), Member(rank))
+
     # -- a restarted process -------------------------------------------------------------------------
     def join(self, incarnation: int, poll_s: float = 0.5) -> Admission:
         """Knock as incarnation `incarnation` of this rank and wait for the chief's admission (at its next meeting);

@@ -361,10 +361,9 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
 
 # The layouts fit runs as a loop of the session's calls (frontend/fit_loop.py), by `fit_layout`'s name; every other one
 # still runs on the job path (module_path's layers and the Trainer): docs/architecture.md, "`shoal.fit` on the session".
-# "AllReduce over processes" runs there too but waits for run.log's group mean (the session's train records hold the
-# chief's rows alone, the job path's sliced exchange averages the group's); Local SGD's records are the chief's group's on
-# both paths.
-ON_SESSION: frozenset = frozenset({"one worker", "Local SGD / DiLoCo over processes"})
+# AllReduce's train records are the group's on both paths (the session's replicated exchange hears every process's
+# window), Local SGD's the chief's group's.
+ON_SESSION: frozenset = frozenset({"one worker", "AllReduce over processes", "Local SGD / DiLoCo over processes"})
 
 
 def fit_layout(plan) -> str:
@@ -373,8 +372,8 @@ def fit_layout(plan) -> str:
     if plan.in_one_process and plan.nworkers == 1 and not plan.job.device:
         return "one worker"
     over_processes = not plan.in_one_process and plan.nworkers == plan.nprocs and not plan.job.device  # one worker each
-    if over_processes and plan.strategy.synchronous and not plan.strategy.meets:
-        return "AllReduce over processes"
+    if over_processes and plan.strategy.synchronous and not plan.strategy.meets and plan.nservers_per_group <= 1:
+        return "AllReduce over processes"  # (server slices: the job path's owners shard the optimizer's state, ZeRO-1)
     if over_processes and plan.strategy.meets and plan.job.cluster.outer_updater.user_type != OUTER_OPTIMIZER_UPDATER:
         return "Local SGD / DiLoCo over processes"  # (outer_optimizer=, a torch one, is the job path's alone)
     return plan.label

@@ -72,6 +72,7 @@ class FitLoop:
     test: Optional[Phase] = None
     val: Optional[Phase] = None
     checkpoint_interval_s: float = 600.0
+    goals: Any = None  # fit's higher_is_better and targets (report.targets.RunGoals): the summary the chief writes has them
 
 
 def _rows(batch: Any, start: int, count: int) -> Any:
@@ -233,7 +234,10 @@ def fit_rank(job_text: str, spec: FitLoop, plan, rank: int, run_spec) -> None:
     from shoal.config import job_pb2
     from shoal.frontend.session_start import as_rank
 
+    from shoal.report.targets import set_run_goals
+
     job = text_format.Parse(job_text, job_pb2.JobProto())
+    set_run_goals(spec.goals)  # (this process's chief, or the member that takes its place, writes the summary)
     # the module came as torch.multiprocessing sends tensors, in memory every rank shares: each rank trains its own copy
     spec = dataclasses.replace(spec, model=copy.deepcopy(spec.model))
     with as_rank(plan, rank, run_spec):
@@ -293,4 +297,4 @@ def fit_loop_of(job, spec) -> FitLoop:
                    job.train_steps, seed=job.seed, shuffle=spec.shuffle, updater=_as_dict(job.updater) if singa else None,
                    optimizer=spec.optimizer, scheduler=spec.scheduler, clip_grad_norm=spec.clip_grad_norm,
                    grad_accum_steps=spec.grad_accum_steps, autocast=spec.autocast, metrics=dict(spec.metrics or {}),
-                   test=test, val=val, checkpoint_interval_s=job.checkpoint_interval_s)
+                   test=test, val=val, checkpoint_interval_s=job.checkpoint_interval_s, goals=spec.goals)

@@ -156,6 +156,7 @@ class Session:
         self._closed = False
         self._finished = False
         self._displayed = -1  # the step whose display line is out (a checkpoint at a display step shows it first)
+        self._group_window = False  # a synchronous group over processes: the Train line averages every process's rows
         self.metrics: Optional[MetricsLog] = None
         if self.chief:
             self.metrics = open_run_log(plan, self.workspace, float(self._mine.trainer.get("elapsed", 0.0)) if self._mine else 0.0,
@@ -464,6 +465,7 @@ class Session:
             # dead process; under --max-restarts a restarted one heals from the chief)
             self.exchange = session_exchange.replicated_exchange(self.plan, self.rank, store, self.start_step, saved,
                                                                  self.metrics, self.say, rejoining=self.rejoin is not None)
+            self._group_window = True  # the Train line's averages are the group's (every process's rows)
             if own_mean:  # (several workers in this process: each worker's goes to their LocalMean)
                 self.mean = session_exchange.GradientMean(trained, self.exchange, 1, lambda: self.step)
         elif self.distributed and self.plan.strategy.meets:
@@ -814,9 +816,12 @@ class Session:
         now = time.perf_counter()
         seconds = max(now - self._window_start - self.paused_seconds, 1e-9)
         exchanged = self.exchange_seconds + (self.mean.seconds if self.mean is not None else 0.0)
-        # every process trained as many rows (window_rows: this process's workers')
-        rows = self.window_rows * (self.plan.nworkers // self.local_workers if self.distributed else 1)
-        values = self.window.averages() if self.window else {}
+        if self._group_window:  # every process, at every display: the decider hears the others' windows (replicated.py)
+            values = self.exchange.metrics(self.window)
+            rows = values.pop("samples")  # the rows of the processes that came to the window's steps
+        else:  # every process trained as many rows (window_rows: this process's workers')
+            rows = self.window_rows * (self.plan.nworkers // self.local_workers if self.distributed else 1)
+            values = self.window.averages() if self.window else {}
         if self.chief:
             self.say(display_line("Train", step, values))
             if self.metrics is not None:

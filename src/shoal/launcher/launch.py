@@ -242,7 +242,9 @@ def _entry(local_index: int, ranks: list[int], meeting: Meeting, environment: di
         except ShoalError:
             raise
         except (RuntimeError, ValueError, OSError) as err:  # torch's store and gloo errors, in words of ours
-            raise ProcessFailed(f"cannot join the job's processes: {comm.describe_error(err)}") from None
+            # no process can go on without a world, whatever the layout tolerates later: the job stops with this line
+            _leave_before_the_start(plan, rank, Path(workspace), log_file,
+                                    f"cannot join the job's processes: {comm.describe_error(err)}")
         try:
             spec = RunSpec(Path(workspace), [Path(d) for d in base_dirs], Path(resume_from) if resume_from else None,
                            log=chief_log(rank, log_file), progress=False, initial_values=initial_values,
@@ -262,6 +264,16 @@ def refused_path(workspace: Path, rank: int) -> Path:
     return Path(workspace) / "logs" / f"rank{rank}.refused"
 
 
+def _leave_before_the_start(plan: JobPlan, rank: int, workspace: Path, log_file, why: str) -> None:
+    """This process cannot start (bad input, or no world to join): it leaves with REFUSED_AT_START_EXIT and its line
+    in logs/rank<R>.refused, which the launcher says as the job's end (no process goes on, no restart helps)."""
+    line = f"{describe_process(plan, rank)} failed before its first step: {why}"
+    write_exit_line(refused_path(workspace, rank), line)
+    log_file.write(line + "\n")  # (the launcher says it on the terminal)
+    log_file.flush()
+    os._exit(REFUSED_AT_START_EXIT)  # before gloo's teardown, which would wait for peers still starting
+
+
 @contextmanager
 def _stopping_the_job_on_bad_input(plan: JobPlan, rank: int, workspace: Path, log_file) -> Iterator[None]:
     """Bad input met before this worker process's first step (its data not readable, say) is every process's to meet,
@@ -273,11 +285,7 @@ def _stopping_the_job_on_bad_input(plan: JobPlan, rank: int, workspace: Path, lo
     except ShoalError as err:
         if not isinstance(err, ValueError) or heartbeat.last_step(rank) >= 0 or not plan.process(rank).workers:
             raise
-        line = f"{describe_process(plan, rank)} failed before its first step: {first_line(str(err)) or type(err).__name__}"
-        write_exit_line(refused_path(workspace, rank), line)
-        log_file.write(line + "\n")  # (the launcher says it on the terminal)
-        log_file.flush()
-        os._exit(REFUSED_AT_START_EXIT)  # before gloo's teardown, which would wait for peers still starting
+        _leave_before_the_start(plan, rank, workspace, log_file, first_line(str(err)) or type(err).__name__)
 
 
 def run_launched(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
@@ -419,6 +427,8 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
                       else f"process {ranks[i]} exited with code {code}")
                 if code != stalls.GROUP_DROPPED_EXIT and not said:  # dropped for a stall: the chief has warned
                     others = "the other processes go on without it" if replicas_go_on(plan) else "the other worker groups go on"
+                    if all(p.exitcode is not None for p in context.processes):
+                        others = "no other process is left"
                     warn(f"WARNING: {describe_process(plan, ranks[i])} exited with code {code}; "
                          f"{others} (see {workspace}/logs/rank{ranks[i]}.log)")
         if all(p.exitcode is not None for p in context.processes):
@@ -670,7 +680,7 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
         raise _failed(f"{describe_process(plan, rank)} failed: {last}; see {workspace}/logs/rank{rank}.log", workspace, ranks,
                       lost=lost_peer) from None
     history = History(workspace, failed_groups=failed_groups)
-    if 0 in ranks:  # the chief's node holds the metrics
+    if 0 in ranks and metrics.exists():  # the chief's node holds the metrics (none: no process began the run)
         history.records = read_metrics(metrics, metrics_start)
         note_group_ends(workspace, group_ends)  # the groups that ended early, for the closing line
     return history

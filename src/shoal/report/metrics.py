@@ -62,6 +62,17 @@ class MetricWindow:
         means = {k: sums[k] / self._counts[k] for k in sums if self._counts[k]}
         return {k: _finished(self._finish[k], v) if k in self._finish else v for k, v in means.items()}
 
+    def averages_with(self, others: list[dict]) -> dict[str, float]:
+        """The averages over this window and `others` (other processes' windows, as `state()` gives them), weighted by
+        their counts: the sums added in the order given, this window's first (every name any of them has)."""
+        sums, counts = dict(self._read()), dict(self._counts)
+        for other in others:
+            for name, total in other["sums"].items():
+                sums[name] = sums.get(name, 0.0) + total
+                counts[name] = counts.get(name, 0) + other["counts"].get(name, 0)
+        means = {k: sums[k] / counts[k] for k in sums if counts.get(k)}
+        return {k: _finished(self._finish[k], v) if k in self._finish else v for k, v in means.items()}
+
     def non_finite(self, read: bool = True) -> dict[str, float]:
         """The metrics whose sum became NaN or infinite (a diverged loss stays so until the window resets).
         read=False: only the sums already on the host (a device's are checked when the window is read)."""

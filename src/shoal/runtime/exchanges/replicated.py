@@ -38,11 +38,15 @@ Two public phases, so that a user's own loop (shoal.session) can call them from 
 `mean_gradients(step, parts)` (the agreed mean), then the user's update, then `heal(step)`; `step(step, parts)` is
 the three for the SINGA trainer, the job's updater doing the update.
 
-The Train line's loss and accuracy are the chief's workers' own (no metric travels: a collective over the world
-could not go on without a member); its samples count the rows of every member that came.
+The Train line's loss and accuracy are the group's, as the job path's sliced exchange gives them: every member's
+window averaged, weighted by its rows. No collective carries them (one over the world could not go on without a
+member): at a display each other member that came to the step tells the decider its window's sums and counts (one
+signed store write, JSON, not waited for: `Quorum.tell`), and the decider hears each, or learns that it is gone
+(`Quorum.hear`), and adds them in rank order after its own. Its samples count the rows of every member that came.
 """
 from __future__ import annotations
 
+import json
 from typing import Callable, Optional
 
 import torch
@@ -62,6 +66,7 @@ from shoal.runtime.rejoined import fingerprint
 from shoal.runtime.interfaces import GroupDropped
 
 DOOR = STEP_DOOR  # the launcher's word on dead and restarted processes (shoal.comm.channels.Door), keyed by rank
+WINDOW = "window"  # the quorum's topic of a member's display window (Quorum.tell / hear)
 
 
 class ReplicatedExchange:
@@ -81,6 +86,8 @@ class ReplicatedExchange:
         self.global_batch, self.first, self.log, self.annotate = global_batch, first, log, annotate
         self.joining = quorum.group is None
         self.present: tuple[int, ...] = quorum.all_ranks  # the processes whose gradients the last step's mean holds
+        self._came: tuple[int, ...] = quorum.all_ranks  # those that came to the last step (present less this step's joiners)
+        self._last_step = -1  # the last step met: a display's windows are told and heard under it
         # the job's bytes (summary.json's bytes_sent), counted alike on every replica: the member that takes a dead
         # chief's place (quorum.py, `replaceable`) has the count the chief had
         self.job_bytes_sent: Optional[int] = 0
@@ -205,7 +212,8 @@ class ReplicatedExchange:
     # -- who came ------------------------------------------------------------------------------------
     def _note_attendance(self, step: int, came: tuple[int, ...]) -> None:
         left = [r for r in self.present if r not in came]
-        self.present = came
+        self.present = self._came = came
+        self._last_step = step
         self._held += 1
         for rank in self.quorum.all_ranks:
             if rank not in came:
@@ -280,9 +288,15 @@ class ReplicatedExchange:
         return None
 
     def metrics(self, window: MetricWindow) -> dict[str, float]:
-        """The chief's workers' averages, the rows of every member that came in the window, the processes of the
-        last step, the bytes this process sent in the window."""
-        values = window.averages()
+        """The group's averages (every member's window that came to the last step, weighted by its rows: the decider's
+        result; another member's are its own), the rows of every member that came in the window, the processes of the
+        last step, the bytes this process sent in the window. Every member calls it at each display."""
+        if self.chief:
+            heard = self.quorum.hear(WINDOW, self._last_step, self._came)
+            values = window.averages_with([w for w in map(_window_state, heard.values()) if w is not None])
+        else:
+            self.quorum.tell(WINDOW, self._last_step, _window_text(window.state()))
+            values = window.averages()
         values |= {"samples": self._window_rows, "processes": len(self.present), "sent_bytes": self.sent_bytes}
         self._window_rows = self.sent_bytes = 0
         return values
@@ -315,3 +329,23 @@ class ReplicatedExchange:
             self.quorum.close()
             self._annotate()
 
+
+
+def _window_text(state: dict) -> str:
+    """A display window's sums and counts as JSON (a float's repr round-trips exactly, NaN too); a window too large for one
+    store value (hundreds of metrics) is told empty: the group's averages then hold the other members' rows only."""
+    text = json.dumps(state, separators=(",", ":"))
+    return text if len(text) <= 12 * 1024 else json.dumps({"sums": {}, "counts": {}})
+
+
+def _window_state(text: Optional[str]) -> Optional[dict]:
+    """A member's window as `_window_text` wrote it (None: not heard, or not that shape)."""
+    try:
+        state = json.loads(text) if text is not None else None
+        sums, counts = state["sums"], state["counts"]
+        if all(isinstance(k, str) and type(v) in (int, float) for k, v in sums.items()) and \
+                all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in counts.items()):
+            return {"sums": sums, "counts": counts}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        pass
+    return None
