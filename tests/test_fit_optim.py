@@ -335,11 +335,13 @@ def test_adamw_over_a_compressed_allreduce_applies_the_decoded_sum_everywhere(tm
 
 
 def test_fit_plans_its_job_once(tmp_path, monkeypatch):
-    """The optimizers' layout checks and the run share one plan (planning builds the module's net: not three times)."""
+    """The optimizers' layout checks and the run share one plan of the module's net (planning builds it: not three
+    times); before it, fit's layout is decided from the session's job (no net: nothing of the module's is placed)."""
     from shoal.planning import plan as planning
 
     planned, place = [], planning.place
-    monkeypatch.setattr(planning, "place", lambda *args, **kw: planned.append(args) or place(*args, **kw))
+    monkeypatch.setattr(planning, "place", lambda cluster, sizes, *args, **kw: planned.append(dict(sizes)) or
+                        place(cluster, sizes, *args, **kw))
     fit(tmp_path, "diloco", steps=2, cluster=DILOCO_THREADS.fit_cluster(), updater=None, optimizer=adamw, outer_optimizer=nesterov)
     assert_ran(tmp_path / "diloco", DILOCO_THREADS)
-    assert len(planned) == 1
+    assert [bool(sizes) for sizes in planned] == [False, True]  # the session's job, then the module's net, once

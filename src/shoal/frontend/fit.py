@@ -117,6 +117,13 @@ def _check_optimizer_layout(plan: JobPlan, spec: FitSpec) -> None:
         check_slices_allowed(_probe(spec, spec.optimizer))  # the owners update slices of params
 
 
+def _check_scheduler(spec: FitSpec) -> None:
+    """A scheduler= that cannot be made over fit's optimizer is refused before anything is written (the owners, or the
+    loop's ranks, build their own)."""
+    if spec.scheduler is not None:
+        made_scheduler(spec.scheduler, _probe(spec, spec.optimizer))
+
+
 def _check_outer_layout(plan: JobPlan) -> None:
     if not plan.strategy.meets:
         raise FitError(f"shoal.fit: outer_optimizer= is Local SGD / DiLoCo's (cluster.nworker_groups > 1 with "
@@ -278,7 +285,7 @@ def fit(
     spec = FitSpec(model, loss_fn, form, datasets, job.seed, shuffle, optimizer, scheduler, outer_optimizer, clip_grad_norm,
                    grad_accum_steps=grad_accum_steps, autocast=autocast_dtype(autocast), metrics=metrics, goals=goals,
                    scheduler_steps=scheduler_steps)
-    register_fit_layers(spec)
+    set_run_goals(goals)  # the summary this process may write reports them (the ranks' chief: fit_loop.fit_rank)
     try:
         history = _train(job, spec, model, workspace, resume, log)
     finally:
@@ -329,28 +336,35 @@ def _launched_rank() -> int:
 
 
 def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
-    from shoal.frontend import api, script
+    """fit's run: its loop on the session (frontend/fit_loop.py) where its layout runs there, decided from the session's
+    job planned once, before any of the job path's work (module_path's layers built, the shape check, the module's
+    plan); else the job path (those, and the Trainer)."""
+    from shoal.frontend import api, fit_loop, script
     from shoal.config.validate import validate
     from shoal.launcher.run_job import plan_of
     from shoal.neuralnet.shapes import check_shapes
 
-    validate(job, None, shape_check=check_shapes)
-    plan = plan_of(job)  # planned once: the checks and the run take this plan
-    if spec.optimizer is not None:
-        _check_optimizer_layout(plan, spec)
-    if spec.scheduler is not None:  # refused before anything is written (the owners build their own)
-        made_scheduler(spec.scheduler, _probe(spec, spec.optimizer))
-    if spec.outer_optimizer is not None:
-        _check_outer_layout(plan)
-    _check_sendable(plan, spec)
     planning = script.settings() is not None and script.settings().plan is not None  # `shoal plan script.py`: fit's job
-    if on_session(plan) and not planning:  # fit's loop written with the session's calls (frontend/fit_loop.py): the module trains in place
-        from shoal.frontend import fit_loop
-
-        history = fit_loop.fit_on_session(job, fit_loop.fit_loop_of(job, spec), workspace=workspace, resume=resume, log=log)
+    plan = None if planning else fit_loop.session_plan(job)
+    if plan is not None and on_session(plan):  # fit's loop written with the session's calls: the module trains in place
+        _check_scheduler(spec)
+        if spec.outer_optimizer is not None:
+            _check_outer_layout(plan)
+        _check_sendable(plan, spec)
+        history = fit_loop.fit_on_session(job, fit_loop.fit_loop_of(job, spec), plan=plan, workspace=workspace,
+                                          resume=resume, log=log)
         if not plan.in_one_process and _launched_rank() == 0:  # the ranks trained their own copies: the chief's values
             _load_trained_values(model, history.workspace, job.train_steps)
         return history
+    register_fit_layers(spec)  # (module_path's layers, which the job's net names)
+    validate(job, None, shape_check=check_shapes)
+    plan = plan_of(job)  # the module's net planned once: the checks and the run take this plan
+    if spec.optimizer is not None:
+        _check_optimizer_layout(plan, spec)
+    _check_scheduler(spec)
+    if spec.outer_optimizer is not None:
+        _check_outer_layout(plan)
+    _check_sendable(plan, spec)
     history = api.train(job, workspace=Path(script.workspace(workspace) or "fit-workspace"), resume=resume, log=log,
                         progress=False, job_file="<shoal.fit>", process_setup=functools.partial(register_fit_layers, spec),
                         initial_values=functools.partial(copy_module_values, model), plan=plan)

@@ -33,7 +33,7 @@ from shoal.config.phases import fires
 from shoal.data.in_place import PositionSource, batch_rows
 from shoal.frontend.fit_metrics import FitError, report_accuracy
 from shoal.frontend.session_eval import EvaluateError
-from shoal.frontend.module_path import scalar_loss, split_pair
+from shoal.frontend.module_path import output_tensor, scalar_loss, split_pair
 from shoal.report.metrics import MetricWindow, read_metrics
 from shoal.runtime.worker import micro_batch_rows
 
@@ -96,6 +96,7 @@ def _loss(model: torch.nn.Module, spec: FitLoop, batch: Any, computing, report) 
     inputs, target = split_pair(batch)
     with computing():
         output = model(inputs)
+        output_tensor(output)  # (one holding no tensor: refused in fit's one line)
         loss = scalar_loss(spec.loss_fn(output, target))
     with torch.no_grad():
         rows = batch_rows(output)
@@ -245,23 +246,43 @@ def fit_rank(job_text: str, spec: FitLoop, plan, rank: int, run_spec) -> None:
     _run_on(run, job_text, spec, run_spec.log)
 
 
-def fit_on_session(job, spec: FitLoop, *, workspace, resume: bool, log: Callable[[str], None] = print):
-    """fit's call (its job: frontend/fit.fit_job) as a session and its loop; returns fit's History (this run's records
-    of the run log). In one process, here; a layout of several processes that shoal starts: one per rank, each running
-    `fit_rank`, this process waiting for them (as `shoal run script.py` does)."""
+def session_plan(job):
+    """fit's job (frontend/fit.fit_job, the command line's --set applied) as the session's, planned once on this launch's
+    nodes: what fit decides its path from (`fit.on_session`); None where the session cannot take the job (an invalid
+    cluster, say: the job path says why, in fit's words)."""
+    from shoal.errors import ShoalError
+    from shoal.frontend.session_start import planned, session_job, started_by_a_launcher
+
+    net = job.neuralnet
+    if net.partition_dim > 0 or any(layer.partition_dim > 0 or layer.HasField("location") for layer in net.layer):
+        return None  # a partitioned module: the job path refuses it in one line (the session would not say)
+    try:
+        session = session_job(job.cluster, job.train_steps, job.seed, job.disp_freq, job.checkpoint_freq, "fit")
+        if job.device:  # (a device list keeps the job path: fit.fit_layout)
+            session.device.extend(job.device)
+        launched = started_by_a_launcher()
+        return planned(session, launched.nnodes if launched is not None else 1)  # (the plan the session runs on)
+    except ShoalError:
+        return None
+
+
+def fit_on_session(job, spec: FitLoop, *, plan, workspace, resume: bool, log: Callable[[str], None] = print):
+    """fit's call (its job: frontend/fit.fit_job; `plan`: its `session_plan`) as a session and its loop; returns fit's
+    History (this run's records of the run log). In one process, here; a layout of several processes that shoal starts:
+    one per rank, each running `fit_rank`, this process waiting for them (as `shoal run script.py` does)."""
     import functools
 
     from google.protobuf import text_format
 
     from shoal.frontend import script
-    from shoal.frontend.session_start import plan_session, session_job, started_by_a_launcher
+    from shoal.frontend.session_start import check_layout, started_by_a_launcher
 
     where = Path(script.workspace(workspace) or "fit-workspace")
     metrics = where / "metrics.jsonl"
     start = metrics.stat().st_size if resume and metrics.exists() else 0  # (a fresh run's log starts anew)
     job_text = text_format.MessageToString(job)
     if started_by_a_launcher() is None:
-        plan = plan_session(session_job(job.cluster, spec.steps, spec.seed, job.disp_freq, job.checkpoint_freq, "fit"))
+        check_layout(plan)
         if not plan.in_one_process:
             from shoal.launcher.options import RunOptions
             from shoal.launcher.run_job import train_job

@@ -99,6 +99,16 @@ def split_pair(batch: Any) -> tuple[Any, Any]:
     return items[0], items[1]
 
 
+def output_tensor(output: Any) -> torch.Tensor:
+    """The first tensor (in structure order) of a model's output, which stands for its shape and rows; a model whose
+    output holds none is refused in one line (loss_fn(output, target) gets the output as the model returns it)."""
+    first = first_tensor(output)
+    if first is None:
+        raise FitError(f"shoal.fit: the model returned a {type(output).__name__} holding no tensor; loss_fn(output, "
+                       "target) gets the output as the model returns it: a tensor, or a dict/tuple of tensors")
+    return first
+
+
 def scalar_loss(loss: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -241,11 +251,7 @@ def register_fit_layers(spec: FitSpec) -> None:
                 output = self.module(inputs)
             # a dict, tuple or dataclass-like output travels to the loss as the model returned it; its first tensor
             # (in structure order) stands for its shape
-            first = first_tensor(output)
-            if first is None:
-                raise FitError(f"shoal.fit: the model returned a {type(output).__name__} holding no tensor; loss_fn(output, "
-                               "target) gets the output as the model returns it: a tensor, or a dict/tuple of tensors")
-            self.shape = tuple(first.shape[1:]) or (1,)
+            self.shape = tuple(output_tensor(output).shape[1:]) or (1,)
 
         def forward(self, xs, params, labels, ctx):
             inputs, target = split_pair(xs[0])

@@ -185,12 +185,24 @@ def syncs_with_peers(plan: JobPlan) -> bool:
     return plan.strategy.syncs_with_peers
 
 
+_last_plan: Optional[JobPlan] = None
+
+
+def planned(job: job_pb2.JobProto, nnodes: int = 1) -> JobPlan:
+    """The plan of a session's `job` on `nnodes` hosts, planned once: shoal.fit decides its path from the plan its
+    session then runs on (the same job's bytes), not from a second planning of it."""
+    from shoal.strategies.registry import REGISTRY
+
+    global _last_plan
+    if _last_plan is None or _last_plan.nnodes != nnodes or _last_plan.job_bytes != job.SerializeToString():
+        _last_plan = plan_job(job, nnodes=nnodes, strategies=REGISTRY)
+    return _last_plan
+
+
 def plan_session(job: job_pb2.JobProto, nnodes: int = 1) -> JobPlan:
     """The plan (on `nnodes` hosts: a launcher's), its layout checked; `shoal plan script.py` shows the session's job
     (a layout the loop cannot run refused as `shoal run` refuses it) and stops the script here."""
-    from shoal.strategies.registry import REGISTRY
-
-    plan = plan_job(job, nnodes=nnodes, strategies=REGISTRY)
+    plan = planned(job, nnodes)
     check_layout(plan)
     try:
         script.plan_instead(job)
