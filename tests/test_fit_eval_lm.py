@@ -185,14 +185,18 @@ def test_plot_draws_every_metric_present(lm_run, tmp_path):
     assert "validate" in svg  # the validations' legend entry
 
 
-def test_over_processes_accumulation_metrics_and_targets_reach_the_chief(tmp_path):
+def test_over_processes_accumulation_metrics_and_targets_reach_the_chief(tmp_path, capfd):
     """AllReduce over 2 processes: micro-batches hand their gradients over after the last backward (not streamed),
-    and the spawned chief's summary has the fit's metrics and targets."""
+    and the spawned chief's summary has the fit's metrics and targets; fit's log= (quiet) silences the chief rank's
+    lines, which its log file keeps."""
     single, h1 = fit(tmp_path, "single", steps=6)
+    capfd.readouterr()
     model, h2 = fit(tmp_path, "allreduce", steps=6, grad_accum_steps=2, cluster=LAYOUTS["AllReduce, 2 processes"].fit_cluster(),
                     val_data=val_windows(), val_freq=3, val_batch=4, metrics={"perplexity": shoal.perplexity, "accuracy": token_accuracy},
                     targets={"val_loss": 3.2})
     assert_ran(tmp_path / "allreduce", "AllReduce, 2 processes")
+    assert "Train @ step" not in capfd.readouterr().out  # (the ranks write to this process's stdout: captured by fd)
+    assert "Train @ step 5" in (tmp_path / "allreduce" / "logs" / "rank0.log").read_text()
     assert train_losses(h2) == pytest.approx(train_losses(h1), rel=1e-5)
     assert_same_params(single, model)
     s = summary(tmp_path / "allreduce")

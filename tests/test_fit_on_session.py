@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -205,3 +206,18 @@ def test_a_checkpoint_of_the_other_path_is_refused_in_one_line(tmp_path, problem
         assert "\n" not in line and line.startswith(f"--resume: {written[-1]} was written by "), line
         assert line.endswith("resume it with the layout that wrote it"), line
         assert sorted((workspace / "checkpoint").iterdir()) == written
+
+
+def test_the_chief_ranks_lines_reach_fits_log_in_this_process(tmp_path):
+    """Over processes the chief rank writes its lines to logs/rank0.log only, and fit hands each whole line to its
+    log= here (a lambda too, which could not be sent to the ranks), a resumed run's earlier lines not again."""
+    path = tmp_path / "rank0.log"
+    path.write_text("an earlier run's line\n")
+    said = []
+    with fit_loop._relayed(path, said.append, every_s=0.01):
+        with open(path, "a") as f:
+            f.write("Train @ step 0  Loss = 1\nTrain @ st")
+            f.flush()
+            time.sleep(0.05)
+            f.write("ep 5  Loss = 0.5\n")
+    assert said == ["Train @ step 0  Loss = 1", "Train @ step 5  Loss = 0.5"]

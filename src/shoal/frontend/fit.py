@@ -223,7 +223,9 @@ def fit(
     {"val_loss": 1.9, "test_accuracy": 0.9}: summary.json's time_to_target gives the step and wall
     time each was first reached. device: where the workers compute — "cuda:0", or one device per worker
     of a process (["cuda:0", "cpu"]: worker 0 on the GPU, worker 1 on the CPU), as a job file's `device`
-    field; None: the device the model's params are on (the CPU for a model not moved).
+    field; None: the device the model's params are on (the CPU for a model not moved). log: where fit's lines go
+    (default print); over processes on fit's loop (one worker each, AllReduce or Local SGD / DiLoCo) the chief rank's
+    lines reach it too (relayed from logs/rank0.log), on the job path they go to the terminal.
     """
     from shoal.frontend import script
 

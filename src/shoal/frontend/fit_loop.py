@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -227,9 +228,10 @@ def _run_on(run, job_text: str, spec: FitLoop, log) -> None:
         run.close()
 
 
-def fit_rank(job_text: str, spec: FitLoop, plan, rank: int, run_spec) -> None:
+def fit_rank(job_text: str, spec: FitLoop, to_terminal: bool, plan, rank: int, run_spec) -> None:
     """A rank of fit's layout over the processes shoal started (the launcher's RunOptions.rank_main, sent as fit sends
-    its objects: through the forkserver): fit's loop on this rank's session."""
+    its objects: through the forkserver): fit's loop on this rank's session. `to_terminal`: the chief's lines go to the
+    terminal too (fit's log= is print); else only to logs/rank0.log, which fit relays to its log= (`_relayed`)."""
     from google.protobuf import text_format
 
     from shoal.config import job_pb2
@@ -241,6 +243,9 @@ def fit_rank(job_text: str, spec: FitLoop, plan, rank: int, run_spec) -> None:
     set_run_goals(spec.goals)  # (this process's chief, or the member that takes its place, writes the summary)
     # the module came as torch.multiprocessing sends tensors, in memory every rank shares: each rank trains its own copy
     spec = dataclasses.replace(spec, model=copy.deepcopy(spec.model))
+    to_file = getattr(run_spec.log, "to_file", None)  # (the chief's first incarnation: launcher/ranks.ChiefLog)
+    if not to_terminal and to_file is not None:
+        run_spec = dataclasses.replace(run_spec, log=to_file)
     with as_rank(plan, rank, run_spec):
         run = _session(job, spec, run_spec.workspace, False, run_spec.log)
     _run_on(run, job_text, spec, run_spec.log)
@@ -287,12 +292,48 @@ def fit_on_session(job, spec: FitLoop, *, plan, workspace, resume: bool, log: Ca
             from shoal.launcher.options import RunOptions
             from shoal.launcher.run_job import train_job
 
-            train_job(plan.job, RunOptions(workspace=where, resume=resume, log=log, plan=plan, progress=False,
-                                           rank_main=functools.partial(fit_rank, job_text, spec)), job_file="<shoal.fit>")
+            with _relayed(where / "logs" / "rank0.log", None if log is print else log):
+                train_job(plan.job, RunOptions(workspace=where, resume=resume, log=log, plan=plan, progress=False,
+                                               rank_main=functools.partial(fit_rank, job_text, spec, log is print)),
+                          job_file="<shoal.fit>")
             return history(where, start)
     run = _session(job, spec, where, resume, log)
     _run_on(run, job_text, spec, log)
     return history(run.workspace, start)
+
+
+@contextmanager
+def _relayed(path: Path, log: Optional[Callable[[str], None]], every_s: float = 0.1) -> Iterator[None]:
+    """While the body runs, each line the chief rank appends to `path` (its log file) is handed to fit's `log=` in this
+    process, within `every_s`: any callable, a lambda too, which could not be sent to the ranks. None: nothing relayed."""
+    if log is None:
+        yield
+        return
+    start = path.stat().st_size if path.exists() else 0  # (a resumed run's log holds the earlier runs' lines)
+    done = threading.Event()
+
+    def relay() -> None:
+        nonlocal start
+        while True:
+            finished = done.wait(every_s)
+            if path.exists():
+                with open(path, "rb") as f:
+                    f.seek(start)
+                    text = f.read()
+                whole = text[:text.rfind(b"\n") + 1]  # (a line still being written waits for its end)
+                start += len(whole)
+                for line in whole.decode(errors="replace").splitlines():
+                    log(line)
+            if finished:
+                return
+
+    thread = threading.Thread(target=relay, name="shoal-fit-log", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _as_dict(updater) -> dict:

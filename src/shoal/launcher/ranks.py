@@ -68,9 +68,22 @@ def rank_output(workspace: Path, rank: int, restarted: bool = False):
 
 def chief_log(rank: int, log_file) -> Callable[[str], None]:
     """How a rank says a line: the chief to the terminal and its log file, the others to their log file (their stdout)."""
-    if rank != 0:
-        return print
-    return lambda line: (print(line), log_file.write(line + "\n"))
+    return ChiefLog(log_file) if rank == 0 else print
+
+
+class ChiefLog:
+    """The chief's lines: on the terminal and in logs/rank0.log; `to_file` writes one to the log file alone (shoal.fit's
+    chief rank says its lines through the caller's `log=` instead of the terminal)."""
+
+    def __init__(self, log_file):
+        self.log_file = log_file
+
+    def __call__(self, line: str) -> None:
+        print(line)
+        self.to_file(line)
+
+    def to_file(self, line: str) -> None:
+        self.log_file.write(line + "\n")
 
 
 def write_exit_line(path: Path, line: str) -> None:
