@@ -762,6 +762,8 @@ class Session:
             self._heal(step)  # (Sandblaster's dead process restarts the whole job; in-memory workers have no exchange)
         elif self.distributed and self.plan.strategy.meets:  # Local SGD / DiLoCo: a group admitted at this step's meeting
             self.exchange.heal(step)
+            if not self.chief and self.exchange.chief:  # group 0's process died: this group speaks for the job now
+                self._take_over(step)
         self._count_rows(step)
         if self.job.checkpoint_freq and fires(self.job.checkpoint_freq, self.job.checkpoint_after, step + 1):
             self.checkpoint()
@@ -864,8 +866,9 @@ class Session:
             if self.apart:
                 absent = self.exchange.absent_groups if self.exchange is not None else frozenset()
                 ckpt.part_names = {ckpt_io.part_name(done, g, r): g not in absent
-                                   for r in range(1, self.plan.nprocs) if self.plan.process(r).workers  # (not a server)
-                                   for g in [self.plan.process(r).workers[0].group]}
+                                   for r in range(self.plan.nprocs) if r != self.rank and self.plan.process(r).workers
+                                   for g in [self.plan.process(r).workers[0].group]}  # (not a server; the writer's own: here)
+            ckpt.trainer["writer"] = self.rank  # whose state the file holds (a resume gives it to that process)
             ckpt_io.save(path, ckpt)
         return path
 

@@ -32,21 +32,23 @@ HANDOVER_TEXT_BYTES = 1 << 20  # a restarted process's handover: the optimizers'
 # -- a checkpoint ------------------------------------------------------------------------------------------
 def own_part(ckpt: ckpt_io.Checkpoint, path: Path, group: int, rank: int, own_residual: bool, apart: bool,
              say: Callable[[str], None]) -> ckpt_io.Checkpoint:
-    """This rank's part of the checkpoint: the chief's file for rank 0, and for every replica of a synchronous group
-    (they are equal; compressed, with the process's own residual from its part); a Local SGD group's own part, or
-    the chief's where its group was missing when it was written."""
+    """This rank's part of the checkpoint: the chief's file for the process that wrote it (rank 0, or the one that took
+    a dead chief's place: its `writer`), and for every replica of a synchronous group (they are equal; compressed,
+    with the process's own residual from its part); a Local SGD group's own part, or the chief's file where its
+    group was missing when it was written."""
     name = ckpt_io.part_name(ckpt.step, group, rank)
-    if rank != 0 and own_residual:  # the chief's file, with this process's residual from its part
+    writer = int(ckpt.trainer.get("writer", 0))
+    if rank != writer and own_residual:  # the chief's file, with this process's residual from its part
         if name not in ckpt.parts:
             say(f"{path}: no part of process {rank} (it was missing from the steps): its error feedback starts at zero")
             return ckpt
         chiefs = {k: v for k, v in ckpt.exchange.items() if not k.startswith("own/residual/")}
         return dataclasses.replace(ckpt, exchange=chiefs | ckpt.parts[name].exchange, parts={})
-    if rank == 0 or not apart:
+    if rank == writer or not apart:
         return ckpt
     if name not in ckpt.parts:
-        say(f"{path}: no part of worker group {group} (it was missing from the meetings): it starts from "
-            "worker group 0's state")
+        say(f"{path}: no part of worker group {group} (it was missing from the meetings): it starts from the state of "
+            f"the group whose process wrote the file (process {writer})")
         return ckpt
     return ckpt.parts[name]
 

@@ -425,7 +425,8 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
                 reported.add(i)
                 ended(i, f"dropped: process {ranks[i]} stopped answering" if code == stalls.GROUP_DROPPED_EXIT
                       else f"process {ranks[i]} exited with code {code}")
-                if code != stalls.GROUP_DROPPED_EXIT and not said:  # dropped for a stall: the chief has warned
+                if code != stalls.GROUP_DROPPED_EXIT and not said and not _none_finished(context):  # (dropped for a
+                    # stall: the chief has warned; every process failed: the job's failure says it, below)
                     others = "the other processes go on without it" if replicas_go_on(plan) else "the other worker groups go on"
                     if all(p.exitcode is not None for p in context.processes):
                         others = "no other process is left"
@@ -434,10 +435,18 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
         if all(p.exitcode is not None for p in context.processes):
             if restarter is not None:
                 restarter.finish()
+            if _none_finished(context):  # nobody went on: the job failed, and torch's join names the first failure
+                context.sentinels.update({p.sentinel: i for i, p in enumerate(context.processes)})
             return failed_groups()
         # an exit wakes this at once; a stopped process (SIGSTOP) is seen only here: within a quarter second, not a
         # whole one (its restart waited up to 2 s more: 1 s to be seen stopped, 1 s past the stall timeout)
         wait([p.sentinel for p in context.processes if p.exitcode is None], timeout=0.25)
+
+
+def _none_finished(context) -> bool:
+    """Whether every process of this node has exited and none finished (exit 0): a job that outlives a dead process
+    outlives it only while another goes on."""
+    return all(p.exitcode not in (0, None) for p in context.processes)
 
 
 def _end_stopped_to_restart(context, ranks: list[int], plan: JobPlan, restarter, stopped_since: dict[int, float],

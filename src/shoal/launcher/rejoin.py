@@ -94,7 +94,7 @@ def why_not(plan: JobPlan, rank: int) -> Optional[str]:
     groups = sorted({w.group for w in proc.workers})
     if not proc.workers or any(s.group not in groups for s in proc.servers):  # (Distributed Hogwild's are its group's own)
         return f"{describe_process(plan, rank)} is a server: the job cannot go on without it (resume from a checkpoint)"
-    if 0 in groups:
+    if 0 in groups and not chief_replaceable(plan):
         return f"{describe_process(plan, rank)} hosts worker group 0, the chief's: resume from a checkpoint instead"
     spread = [g for g in groups if len(plan.ranks_of_group(g)) > 1]
     if spread:

@@ -88,7 +88,8 @@ class LocalSGD(Strategy):
             group_of = {r: plan.process(r).workers[0].group for r in ranks}
             first = None if run.rejoining else run.process_groups["meeting"]  # a restarted process knocks instead
             quorum = Quorum(run.rank, ranks, group_of, channels.Door(DOOR), first=first, timeout_s=plan.comm_timeout_s,
-                            admits=plan.max_restarts > 0)
+                            admits=plan.max_restarts > 0, replaceable=plan.own_loop)  # (a user's loop: group 0's
+            # process may die like any other; the lowest living one decides the meetings, as under AllReduce)
             meeting = ProcessMeeting(groups, codecs() if codecs else None, quorum, group_of, first)
         for t in run.trainers:
             steps_done = None if run.board is None else (lambda steps, g=t.group: run.board.note_steps(g, steps))

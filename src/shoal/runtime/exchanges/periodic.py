@@ -150,6 +150,10 @@ class InMemoryMeeting:
     def close(self) -> None:
         """Nothing waits for the meetings' end."""
 
+    def leads(self, group: int) -> bool:
+        """Whether `group` speaks for the job (its run log, summary, checkpoint file): group 0, the chief's thread."""
+        return group == 0
+
     def check_same(self, anchor: ParamStore, names: list[str]) -> None:
         """Groups in one process start from one set of values: nothing to check."""
 
@@ -227,6 +231,11 @@ class ProcessMeeting:
         """The chief's meetings are over: a process still knocking is told so."""
         self.quorum.close()
 
+    def leads(self, group: int) -> bool:
+        """Whether this process's group speaks for the job: the quorum's decider (group 0's process, or in a user's loop
+        the member that took its place when it died: shoal.comm.quorum's `replaceable`)."""
+        return self.quorum.chief
+
     def sent(self, payload_bytes: int) -> int:
         """What this group's last meeting sent, as the meeting itself counted it (encoded)."""
         return self.sent_bytes
@@ -282,7 +291,6 @@ class PeriodicExchange:
         `annotate(fields)`: the chief's summary.json (the groups that missed meetings)."""
         self.store, self.group, self.meeting = store, group, meeting
         self.on_step_done, self.annotate = on_step_done, annotate
-        self.chief = group == 0
         self.inner = Server(store, inner)
         self.names = self.inner.names
         self.local_steps = max(1, local_steps)
@@ -305,6 +313,17 @@ class PeriodicExchange:
         self.held = 0  # meetings held in this run
         self.missed: dict[int, list[tuple[int, int]]] = {}  # group -> (meeting of this run, its step) of each it missed
         self.back: dict[int, set[int]] = {}  # group -> the meetings of this run after which it rejoined
+
+    @property
+    def chief(self) -> bool:
+        """Whether this group speaks for the job now: group 0, or the group that took its dead process's place."""
+        return self.meeting.leads(self.group)
+
+    def speak_for_the_job(self, log: Callable[[str], None], annotate: Callable[[dict], None]) -> None:
+        """This group took the chief's place (the quorum made its process the decider): summary.json is its to write
+        from now on, and says at once what the dead chief's would have (missed_updates)."""
+        self.annotate = annotate
+        self._annotate()
 
     def begin(self, step: int) -> None:
         """A group never waits between meetings."""
@@ -463,7 +482,7 @@ class PeriodicExchange:
         if self.chief:
             values |= {"samples": self._samples, "meetings": self.meetings, "sent_bytes": self._window_bytes,
                        "groups_met": len(self.present)}
-            self._samples = self._window_bytes = 0
+        self._samples = self._window_bytes = 0  # (every group counts: the one that takes the chief's place shows its own)
         return values
 
     def updater_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -495,12 +514,13 @@ class PeriodicExchange:
 
     def own_state(self) -> dict[str, torch.Tensor]:
         """What the chief's checkpoint file does not hold of this group: another group's values and updater state
-        (inner, anchor, outer); every group's codec residual; the chief's display counters."""
+        (inner, anchor, outer); every group's codec residual and count of the job's bytes (alike on every group: the
+        one that resumes as chief counts on); the chief's display counters."""
         tensors = codecs_state("codec", {"meeting": self.meeting.codec})
+        tensors["count/job_bytes_sent"] = torch.tensor(self.job_bytes_sent, device="cpu")
         if self.chief:
             return tensors | {"count/samples": torch.tensor(self._samples, device="cpu"),
-                              "count/window_bytes": torch.tensor(self._window_bytes, device="cpu"),
-                              "count/job_bytes_sent": torch.tensor(self.job_bytes_sent, device="cpu")}
+                              "count/window_bytes": torch.tensor(self._window_bytes, device="cpu")}
         tensors |= {f"value/{name}": value for name, value in self.store.values.items()}
         for name, slots in self.updater_state().items():
             tensors |= {f"state/{name}/{slot}": value for slot, value in slots.items()}
@@ -508,11 +528,10 @@ class PeriodicExchange:
 
     def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
         load_codecs_state("codec", {"meeting": self.meeting.codec}, tensors)
-        if self.chief:
-            self._samples = int(tensors.get("count/samples", 0))
-            self._window_bytes = int(tensors.get("count/window_bytes", 0))
-            self.job_bytes_sent = int(tensors.get("count/job_bytes_sent", 0))  # a resumed run counts on
-            return
+        # by what the state holds, not by who loads it: after a succession the chief's file was another group's
+        self._samples = int(tensors.get("count/samples", 0))
+        self._window_bytes = int(tensors.get("count/window_bytes", 0))
+        self.job_bytes_sent = int(tensors.get("count/job_bytes_sent", 0))  # a resumed run counts on
         values, state = ckpt_io.values_and_state(tensors)
         if not values:
             return
