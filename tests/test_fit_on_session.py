@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import time
 from types import SimpleNamespace
 
@@ -221,3 +222,55 @@ def test_the_chief_ranks_lines_reach_fits_log_in_this_process(tmp_path):
             time.sleep(0.05)
             f.write("ep 5  Loss = 0.5\n")
     assert said == ["Train @ step 0  Loss = 1", "Train @ step 5  Loss = 0.5"]
+
+
+_calls = 0
+
+
+def loss_killing_the_chief(output, target, marker, at):
+    """fit's loss; the chief rank's process SIGKILLs itself at its `at`-th call, once per job, and the other waits for
+    its restarted process's first step (a module-level function: fit sends it to the ranks)."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    global _calls
+    _calls += 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    killed, back = os.path.exists(marker), os.path.exists(marker + ".back")
+    if _calls == at and rank == 0 and not killed:
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 0 and killed and not back:  # the restarted process's first step
+        open(marker + ".back", "w").close()
+    if rank != 0 and killed and not back:  # the survivor goes on slowly until it is back, so that it rejoins mid-run
+        time.sleep(0.2)
+    return F.cross_entropy(output, target)
+
+
+@pytest.mark.slow  # (about 5 s: two processes, a kill and a restart)
+@pytest.mark.parametrize("name, cluster", [
+    ("AllReduce", dict(nworkers_per_group=2, nworkers_per_procs=1)),
+    ("DiLoCo", dict(nworker_groups=2, nworkers_per_procs=1, local_steps=3,
+                    outer_updater={"type": "kNesterov", "momentum": 0.9, "learning_rate": {"type": "kFixed", "base_lr": 0.7}})),
+])
+def test_fit_over_processes_survives_its_chiefs_death(tmp_path, problem, name, cluster):
+    """fit's loop is a user's loop on the session: its chief rank SIGKILLed at step 5 is dropped like any other
+    process, the lowest living one writes the run log and the checkpoints, the restarted process rejoins, and fit
+    returns the trained module (the successor's final checkpoint) with its History, no exception."""
+    train, val, model = problem
+    before = copy.deepcopy(model)
+    history = shoal.fit(model, functools.partial(loss_killing_the_chief, marker=str(tmp_path / "killed"), at=6), train,
+                        val_data=val, val_freq=6, val_batch=20, steps=24, batch_size=BATCH, disp_freq=3, updater=UPDATER,
+                        cluster=shoal.Cluster(max_restarts=1, **cluster), workspace=tmp_path / "ws", log=quiet,
+                        loss_takes="output")
+    assert (tmp_path / "killed").exists()
+    summary = json.loads((tmp_path / "ws" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 24
+    assert [r["rank"] for r in summary["rejoins"]] == [0]
+    assert "took the chief's place" in (tmp_path / "ws" / "logs" / "rank1.log").read_text()
+    steps = [r["step"] for r in history.phase("train")]
+    assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == 23
+    assert [r["step"] for r in history.phase("validate")][-1] == 24  # the final validation, by the successor
+    assert not torch.equal(model[0].weight, before[0].weight)  # the successor's final values, loaded into the module
