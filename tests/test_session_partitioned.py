@@ -1,30 +1,155 @@
-"""A partitioned module (SINGA's `partition_dim: 1`) in a user's own loop (issue 39, point 1).
-
-Not built yet (torch's tensor parallelism is the way: docs/architecture.md, the step boundary's *Not built*); until it is, a session's
-job that asks for it is refused in one line, by `shoal run script.py` and `shoal plan script.py` alike, instead of
-silently training a replicated module."""
+"""A module cut on its features in a user's own loop (SINGA's `partition_dim: 1`, issue 39, point 1): torch's tensor
+parallelism over one synchronous group's processes (comm/tensor_parallel.py, frontend/session_partition.py). Every
+process computes on the group's whole batch with a slice of each Linear → element-wise → Linear pair; the loop is the
+plain loop (clip_grad_norm_, AdamW, a scheduler), and ends where one process's plain loop does, to float rounding; a
+checkpoint holds whole tensors under the module's own names, and a resume is exact. What a loop cannot cut is refused
+in one line."""
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from cli_in_process import one_line_error, run_cli
+from shoal.neuralnet import checkpoint as ckpt_io
 
-SCRIPT = """import torch, shoal
+TENSOR_PARALLEL = ["--set", "cluster.nworkers_per_group=2", "--set", "cluster.nworkers_per_procs=1",
+                   "--set", "neuralnet.partition_dim=1"]
+LOOP = """import json, os, sys
+from pathlib import Path
+import torch, shoal
+from safetensors.torch import save_file
+out, stop_after = Path(sys.argv[1]), int(sys.argv[2])
+torch.manual_seed(0)
+x = torch.randn(96, 8)
+y = (x[:, :4].sum(1, keepdim=True) > x[:, 4:].sum(1, keepdim=True)).float()
+data = torch.utils.data.TensorDataset(x, y)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8), torch.nn.LayerNorm(8),
+                            torch.nn.Linear(8, 1))
+STEPS, BATCH = 20, 12
+def loss_of(model, xb, yb):
+    return torch.nn.functional.binary_cross_entropy_with_logits(model(xb), yb)
+run = shoal.session(train_steps=STEPS, disp_freq=5)
+if run.rank == 0 and stop_after < 0:
+    import copy
+    plain = copy.deepcopy(model)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+    for step in range(STEPS):
+        start = step * BATCH % len(x)
+        loss_of(plain, x[start:start + BATCH], y[start:start + BATCH]).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+        opt.step(); opt.zero_grad(); sched.step()
+    save_file({k: v.contiguous() for k, v in plain.state_dict().items()}, str(out / "plain.safetensors"))
+model = run.model(model)
+opt = run.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+norms = []
+for step, (xb, yb) in run.batches(data, batch_size=BATCH, shuffle=False):
+    loss = loss_of(model, xb, yb)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+    opt.step(); opt.zero_grad(); sched.step()
+    run.log(step, loss=loss)
+    if step == 9:
+        run.checkpoint()
+    if step == stop_after:
+        sys.exit(3)
+final = run.checkpoint()
+val = run.evaluate(data, lambda model, b: loss_of(model, b[0], b[1]), batch_size=24)
+(out / f"rank{run.rank}.json").write_text(json.dumps({"pid": os.getpid(), "norms": norms, "rows": len(xb), "label": run.label,
+    "processes": run.processes, "local": [list(p.to_local().shape) if hasattr(p, "to_local") else list(p.shape) for p in model.parameters()], "val": val}))
+"""
+
+
+def run_loop(tmp_path, name, *options, stop_after=-1):
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    out = tmp_path / name
+    out.mkdir(exist_ok=True)
+    return run_cli("run", script, "--workspace", tmp_path / "ws", *TENSOR_PARALLEL, *options, "--", out, stop_after,
+                   cwd=tmp_path, timeout=180), out
+
+
+def test_a_cut_module_trains_as_one_processs_plain_loop(tmp_path):
+    proc, out = run_loop(tmp_path, "out")
+    assert proc.returncode == 0, proc.stderr
+    said = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert said[0]["pid"] != said[1]["pid"] and said[0]["processes"] == 2
+    assert said[0]["label"] == "AllReduce, tensor-parallel" and said[0]["rows"] == said[1]["rows"] == 12  # the whole batch
+    # each process holds half of each cut Linear (8 -> 16 cut column-wise, 16 -> 8 row-wise), the rest whole
+    assert said[0]["local"] == said[1]["local"] == [[8, 8], [8], [8, 8], [8], [8], [8], [1, 8], [1]]
+    plain = load_file(str(out / "plain.safetensors"))
+    whole = ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / "ws", 20)).params  # gathered, under the module's own names
+    assert sorted(whole) == sorted(plain)
+    for name in plain:
+        torch.testing.assert_close(whole[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert said[0]["norms"] == said[1]["norms"] and max(said[0]["norms"]) > 0.5  # clip_grad_norm_'s global norm, clipping
+    assert said[0]["val"]["loss"] > 0 and said[1]["val"] == {}  # every process evaluates (the forward is the group's)
+    records = [json.loads(line) for line in (tmp_path / "ws" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["samples"] for r in records if r["phase"] == "train"][:2] == [12, 60]  # the group's rows, once
+    assert "tensor-parallel over 2 processes" in run_cli("plan", tmp_path / "loop.py", *TENSOR_PARALLEL, "--", out, -1,
+                                                         cwd=tmp_path).stdout
+
+
+@pytest.mark.slow  # (two more runs over processes)
+def test_a_stopped_cut_loop_resumes_exactly(tmp_path):
+    whole, out = run_loop(tmp_path, "whole")
+    assert whole.returncode == 0, whole.stderr
+    reference = ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / "ws", 20)).params
+    (tmp_path / "ws").rename(tmp_path / "ws-whole")
+    stopped, _ = run_loop(tmp_path, "stopped", stop_after=12)
+    assert stopped.returncode != 0
+    resumed, again = run_loop(tmp_path, "stopped", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    ended = ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / "ws", 20)).params  # the slices re-cut from step 10's whole tensors
+    assert all(torch.equal(ended[k], reference[k]) for k in reference)
+    assert json.loads((again / "rank0.json").read_text())["norms"][-5:] == json.loads((out / "rank0.json").read_text())["norms"][-5:]
+
+
+NOTHING_TO_CUT = """import torch, shoal
 run = shoal.session()
-model = run.model(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)))
+model = run.model(torch.nn.LSTM(4, 8))
 print("the loop ran")
 """
 
 
-@pytest.mark.parametrize("command", ["run", "plan"])
-def test_a_partitioned_module_is_refused_in_one_line(tmp_path, command):
+@pytest.mark.parametrize("settings, said", [
+    (["--set", "cluster.nworker_groups=2", "--set", "cluster.local_steps=2", "--set", "cluster.nworkers_per_procs=1"],
+     "shoal.session: neuralnet.partition_dim 1 cuts your module's features over one synchronous group's processes"),
+    (["--set", "cluster.nworkers_per_group=2", "--set", "cluster.nworkers_per_procs=2"],  # both workers in one process
+     "shoal.session: neuralnet.partition_dim 1 cuts your module's features over one synchronous group's processes"),
+])
+def test_a_layout_a_cut_module_cannot_run_is_refused_in_one_line(tmp_path, settings, said):
     script = tmp_path / "loop.py"
-    script.write_text(SCRIPT)
-    workspace = ["--workspace", str(tmp_path / "ws")] if command == "run" else []
-    proc = run_cli(command, script, *workspace, "--set", "cluster.nworkers_per_group=2",
-                   "--set", "cluster.nworkers_per_procs=1", "--set", "neuralnet.partition_dim=1", cwd=tmp_path, timeout=60)
-    line = one_line_error(proc)
-    assert line.startswith("shoal.session: neuralnet.partition_dim 1: a partitioned module is not supported"), line
-    assert "the loop ran" not in proc.stdout
-    assert not (tmp_path / "ws").exists()
+    script.write_text(NOTHING_TO_CUT)
+    proc = run_cli("run", script, "--workspace", tmp_path / "ws", *settings, "--set", "neuralnet.partition_dim=1",
+                   cwd=tmp_path, timeout=60)
+    assert one_line_error(proc).startswith(said)
+    assert "the loop ran" not in proc.stdout and not (tmp_path / "ws").exists()
 
+
+def test_a_module_without_a_pair_to_cut_is_refused_in_one_line(tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text(NOTHING_TO_CUT)
+    proc = run_cli("run", script, "--workspace", tmp_path / "ws", *TENSOR_PARALLEL, cwd=tmp_path, timeout=60)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "run.model: LSTM has no Linear → element-wise → Linear pair" in proc.stderr.strip().splitlines()[-1]
+    assert "the loop ran" not in proc.stdout
+
+
+def test_the_linear_pairs_torch_can_cut_are_found_and_a_module_without_one_is_refused():
+    import torch.nn as nn
+
+    from shoal.frontend.session_partition import NothingToCut, linear_pairs
+
+    mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 8), nn.LayerNorm(8),
+                        nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)))
+    assert linear_pairs(mlp) == {"0": "colwise", "3": "rowwise", "5.0": "colwise", "5.2": "rowwise"}
+    with pytest.raises(NothingToCut, match=r"^run.model: LSTM has no Linear → element-wise → Linear pair"):
+        linear_pairs(nn.LSTM(3, 4))
+    with pytest.raises(NothingToCut):  # a LayerNorm between them is not element-wise over features
+        linear_pairs(nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2)))

@@ -34,7 +34,7 @@ import torch
 from shoal.config import job_pb2
 from shoal.config.phases import fires
 from shoal.data.in_place import reader_for, to_device
-from shoal.frontend import script, session_chief, session_eval, session_state, session_worker
+from shoal.frontend import script, session_chief, session_eval, session_partition, session_state, session_worker
 from shoal.frontend.fit_inputs import as_dataset
 from shoal.frontend.session_start import (SessionError, check_layout, groups_in_memory, plan_session, pushes_to_servers, rank_context,
                                           refuse_unstarted, same_job, serve_if_server, serves_only, session_job, start_ranks,
@@ -142,6 +142,7 @@ class Session:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.schedulers: list = []
         self.exchange = None  # the strategy's: Local SGD / DiLoCo's PeriodicExchange, or a replicated group's
+        self._cuts: dict[str, str] = {}  # tensor-parallel (neuralnet.partition_dim 1): the Linears cut, by name
         self.mean: Optional[session_exchange.GradientMean] = None
         self.window = MetricWindow()
         self.window_rows = 0
@@ -455,9 +456,13 @@ class Session:
             # values at run.batches(); Downpour's groups the servers', which the chief's values started)
             # every replica from rank 0's values; under a synchronous layout the replicated exchange broadcasts the
             # trained params itself as it starts (its start_from), so only the rest goes here
-            theirs = {p.data_ptr() for _, p in trained} if self.plan.strategy.synchronous else set()
+            theirs = ({p.data_ptr() for _, p in trained} if self.plan.strategy.synchronous and not self.plan.tensor_parallel
+                      else set())
             session_exchange.broadcast_values(self.plan, [t for t in module.state_dict().values()
                                                           if isinstance(t, torch.Tensor) and t.data_ptr() not in theirs])
+        if self.plan.tensor_parallel:  # the module's features cut over the group (torch's DTensors): no exchange
+            self._cuts = session_partition.cut(module, self.plan, self.device)
+            return module
         store = ParamStore.viewing([(n, p.data) for n, p in trained])
         saved = dict(self._mine.exchange) if self._mine is not None else None
         if self.distributed and self.plan.strategy.synchronous and not self.pushes:
@@ -698,6 +703,8 @@ class Session:
         data = as_dataset(dataset, "run.batches")
         shares = batch_shares(job_pb2.StoreProto(batchsize=[batch_size]), self.plan.nworkers_per_group)
         offset, self._share, self._batch = sum(shares[: self.worker]), shares[self.worker], batch_size
+        if self.plan.tensor_parallel:  # every process the group's whole batch: its features are cut, not its rows
+            offset, self._share = 0, batch_size
         if self._share < 1:
             raise SessionError(f"run.batches: batch_size {batch_size} leaves worker {self.worker} no rows "
                                f"({self.plan.nworkers_per_group} workers per group)")
@@ -782,7 +789,7 @@ class Session:
         for found in session_state.schedulers_of(self.optimizers):
             self.scheduler(found)
         if self._mine is not None:
-            session_state.restore_resumed(self._mine, self.optimizers, self.schedulers)
+            session_state.restore_resumed(self._mine, self.optimizers, self.schedulers, sliced=self.plan.tensor_parallel)
 
     # -- metrics -----------------------------------------------------------------------------------------
     def evaluate(self, dataset, loss_fn: Callable, *, batch_size: int = 100, steps: Optional[int] = None,
@@ -821,8 +828,9 @@ class Session:
         if self._group_window:  # every process, at every display: the decider hears the others' windows (replicated.py)
             values = self.exchange.metrics(self.window)
             rows = values.pop("samples")  # the rows of the processes that came to the window's steps
-        else:  # every process trained as many rows (window_rows: this process's workers')
-            rows = self.window_rows * (self.plan.nworkers // self.local_workers if self.distributed else 1)
+        else:  # every process trained as many rows (window_rows: this process's workers'; tensor-parallel, the group's)
+            rows = self.window_rows * (self.plan.nworkers // self.local_workers if self.distributed and
+                                       not self.plan.tensor_parallel else 1)
             values = self.window.averages() if self.window else {}
         if self.chief:
             self.say(display_line("Train", step, values))
@@ -857,8 +865,9 @@ class Session:
             ckpt_io.save(ckpt_io.part_file(self.workspace, done, self.group, self.rank),
                          ckpt_io.Checkpoint(step=done, params={}, trainer={"next_step": done, "session": True},
                                             exchange={k: v for k, v in own.items() if k.startswith("own/residual/")}))
+        whole = self._state(done) if self.plan.tensor_parallel else None  # (gathered: every process of the group joins)
         if self.chief:  # (process 0, or the process that took a dead chief's place: session_chief.py)
-            ckpt = self._state(done)
+            ckpt = whole or self._state(done)
             if self.own_residual:  # required from the processes the last step's mean held (a dead one writes none)
                 present = self.exchange.present if self.exchange is not None else range(self.plan.nprocs)
                 ckpt.part_names = {ckpt_io.part_name(done, self.plan.process(r).workers[0].group, r): r in present
@@ -874,7 +883,8 @@ class Session:
 
     def _state(self, done: int) -> ckpt_io.Checkpoint:
         return session_state.checkpoint_state(done, self.module, self.optimizers, self.schedulers, self.device, self.window,
-                                              self.metrics, self.exchange, self._update_lock)
+                                              self.metrics, self.exchange, self._update_lock,
+                                              whole=self.plan.tensor_parallel)
 
     # -- the end -----------------------------------------------------------------------------------------
     def _finish(self) -> None:

@@ -61,13 +61,15 @@ def evaluate(run, dataset, loss_fn: Callable, *, batch_size: int = 100, steps: O
         raise EvaluateError(_named(err)) from None
     batch, whole = _eval_batches(data, batch_size)
     count = whole if steps is None else min(steps, whole)
-    if not run.chief:
+    if not run.chief and not run.plan.tensor_parallel:  # (a cut module computes with every process of its group)
         return {}
     started = time.perf_counter()
     try:
         values = _values(module, data, loss_fn, form, metrics, dtype, batch, count, run.device, run.job.seed)
     except ShoalError as err:
         raise EvaluateError(_named(err)) from None
+    if not run.chief:
+        return {}
     at = run.updates_done
     name, label = PHASES[phase]
     run.say(display_line(label, at, values))

@@ -74,10 +74,9 @@ def session_job(cluster: Optional[job_pb2.ClusterProto], train_steps: int, seed:
     job.updater.learning_rate.type = job_pb2.kFixed
     job.updater.learning_rate.base_lr = 0.0
     job = script.applied(job)  # under `shoal run script.py`: the command line's --set
-    if job.neuralnet.partition_dim != 0:  # SINGA's feature partition: not built for a user's module yet (issue 39)
-        raise SessionError(f"shoal.session: neuralnet.partition_dim {job.neuralnet.partition_dim}: a partitioned module "
-                           "is not supported in your own loop yet (partition_dim 0, the batch, is): use a job file "
-                           "(`shoal run job.conf`) for it")
+    if job.neuralnet.partition_dim not in (0, 1):  # the batch, or the features (torch's tensor parallelism)
+        raise SessionError(f"shoal.session: neuralnet.partition_dim {job.neuralnet.partition_dim}: your own loop's module "
+                           "is cut on the batch (0) or on its features (1, tensor-parallel over the group's processes)")
     for field, message in validate_cluster(job.cluster):
         raise SessionError(f"shoal.session: cluster.{field}: {message}")
     if job.train_steps < 1:
@@ -96,6 +95,9 @@ def check_layout(plan: JobPlan) -> None:
     by run.each_worker. Every other layout is refused in one line naming it and what runs it."""
     one_worker_each = all(len(p.workers) == 1 for p in plan.placement.processes) and not any(p.servers and not p.workers
                                                                                            for p in plan.placement.processes)
+    if plan.tensor_parallel:
+        _check_tensor_parallel(plan, one_worker_each)
+        return
     if plan.in_one_process and plan.nworkers == 1:
         return
     if several_workers_in_a_process(plan):
@@ -125,6 +127,22 @@ def check_layout(plan: JobPlan) -> None:
                        "Downpour, Sandblaster; several per process, without restarts: one synchronous group, "
                        "Local SGD / DiLoCo, in-memory Downpour and Hogwild, Downpour and Sandblaster with server "
                        "processes): use a job file (`shoal run job.conf`) or shoal.fit for it")
+
+
+def _check_tensor_parallel(plan: JobPlan, one_worker_each: bool) -> None:
+    """neuralnet.partition_dim 1 in a user's loop: one synchronous group over processes, one worker each (the module's
+    features cut over them: frontend/session_partition.py), on the CPU, uncompressed (no gradient travels)."""
+    if plan.in_one_process or not one_worker_each or plan.nworker_groups != 1 or not plan.strategy.synchronous \
+            or plan.server_worker_separate:
+        raise SessionError(f"shoal.session: neuralnet.partition_dim 1 cuts your module's features over one synchronous "
+                           f"group's processes, one worker each (cluster.nworkers_per_group N, nworkers_per_procs 1), "
+                           f"not {plan.label} with {plan.nworkers} worker(s) in {plan.nprocs} process(es)")
+    if any(not device.startswith("cpu") for device in plan.all_devices()):
+        raise SessionError("shoal.session: neuralnet.partition_dim 1 in your own loop runs on the CPU (gloo) here: leave "
+                           "device unset (or \"cpu\")")
+    if not plan.compression.dense:
+        raise SessionError("shoal.session: cluster.compression compresses gradients, which a tensor-parallel group "
+                           "(neuralnet.partition_dim 1) does not exchange: leave it unset")
 
 
 def _pushes_on_cpu(plan: JobPlan) -> None:

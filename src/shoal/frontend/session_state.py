@@ -54,16 +54,23 @@ def own_part(ckpt: ckpt_io.Checkpoint, path: Path, group: int, rank: int, own_re
 
 
 def checkpoint_state(done: int, module, optimizers: list, schedulers: list, device: torch.device, window: MetricWindow,
-                     metrics: Optional[MetricsLog], exchange, update_lock=None) -> ckpt_io.Checkpoint:
+                     metrics: Optional[MetricsLog], exchange, update_lock=None, whole: bool = False) -> ckpt_io.Checkpoint:
     """The loop's state after step `done - 1`'s update, as a checkpoint (the module's values copied under
     `update_lock`, Distributed Hogwild's, while no peer's delta is being added; the exchange's state, Local SGD's
-    anchor and outer state say, taken after them)."""
+    anchor and outer state say, taken after them). `whole`: a tensor-parallel module's and optimizers' sliced tensors
+    gathered whole, under the module's own names (every process of the group calls it: comm/tensor_parallel.py)."""
+    if whole:
+        from shoal.comm import tensor_parallel
     with update_lock or nullcontext():
-        params = {k: v.clone() if update_lock is not None else v for k, v in module.state_dict().items()
-                  if isinstance(v, torch.Tensor)} if module else {}
+        if whole:
+            params = tensor_parallel.full_state(module)
+        else:
+            params = {k: v.clone() if update_lock is not None else v for k, v in module.state_dict().items()
+                      if isinstance(v, torch.Tensor)} if module else {}
     described_optimizers, updater_state = [], {}
     for index, optimizer in enumerate(optimizers):
-        described, tensors = split_tensors(optimizer.state_dict(), f"optimizer {index}")
+        state = tensor_parallel.full_optimizer_state(optimizer.state_dict()) if whole else optimizer.state_dict()
+        described, tensors = split_tensors(state, f"optimizer {index}")
         described_optimizers.append(described)
         for key, value in tensors.items():
             updater_state.setdefault(f"{OPTIMIZER_STATE}.{index}", {})[key] = value
@@ -102,16 +109,22 @@ def saved_optimizer_state(mine: ckpt_io.Checkpoint, index: int) -> dict:
     return join_tensors(described[index], mine.updater_state.get(f"{OPTIMIZER_STATE}.{index}", {}))
 
 
-def restore_resumed(mine: ckpt_io.Checkpoint, optimizers: list, schedulers: list) -> None:
+def restore_resumed(mine: ckpt_io.Checkpoint, optimizers: list, schedulers: list, sliced: bool = False) -> None:
     """On a resume, at the loop's start: the schedulers' state, the optimizers' learning rates they set (a new
-    scheduler set its first), and the random generators."""
+    scheduler set its first), and the random generators. `sliced`: a tensor-parallel module's optimizers, whose
+    whole saved tensors are re-sliced as their params are placed."""
     saved = mine.trainer.get("schedulers", [])
     if len(saved) != len(schedulers):
         raise SessionError(f"--resume: the checkpoint holds {len(saved)} scheduler(s), this loop has {len(schedulers)}")
     for scheduler, state in zip(schedulers, saved):
         scheduler.load_state_dict(state)
     for index, optimizer in enumerate(optimizers):
-        optimizer.load_state_dict(saved_optimizer_state(mine, index))
+        state = saved_optimizer_state(mine, index)
+        if sliced:
+            from shoal.comm import tensor_parallel
+
+            state = tensor_parallel.sliced_optimizer_state(optimizer, state)
+        optimizer.load_state_dict(state)
     rng = mine.rng
     if "torch" in rng:
         torch.set_rng_state(rng["torch"])

@@ -15,7 +15,7 @@ def replicated(plan) -> bool:
     each computing whole replicas (not partitioned, every process hosting workers); cluster.compression or not (the
     replicated exchange all-gathers the encodings). A job file without restarts keeps SINGA's sliced exchange."""
     return ((plan.max_restarts > 0 or plan.own_loop) and not plan.in_one_process and not plan.partitioned
-            and all(p.workers for p in plan.placement.processes))
+            and not plan.tensor_parallel and all(p.workers for p in plan.placement.processes))
 
 
 # A partitioned group's mirror (issue 38, point 1): the cost model lets it add at most this share to the bytes a step

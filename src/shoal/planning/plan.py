@@ -97,6 +97,13 @@ class JobPlan:
         return self.nprocs == 1
 
     @property
+    def tensor_parallel(self) -> bool:
+        """A user's loop whose module is cut on its features over the group's processes: SINGA's `partition_dim: 1`
+        for a session's job (torch's tensor parallelism: frontend/session_partition.py). Each process computes on the
+        group's whole batch; check_layout says which layouts allow it."""
+        return self.own_loop and self.job.neuralnet.partition_dim == 1
+
+    @property
     def own_loop(self) -> bool:
         """A user's own loop (shoal.session()): its job has no net (the module is the user's), and the user's optimizer
         updates every replica (a job file's and fit's net always has layers)."""

@@ -39,10 +39,18 @@ class AllReduce(Strategy):
         return c.nworker_groups == 1 and not single and bool(c.server_worker_separate) == self.separate_servers
 
     def label(self, plan) -> str:
+        if plan.tensor_parallel:
+            return f"{self.framework.value}, tensor-parallel"
         return "in-memory Sandblaster" if plan.in_one_process else self.framework.value
 
     def notes(self, plan) -> list[str]:
         """Which exchange runs over processes under cluster.max_restarts, and what a dead process costs."""
+        if plan.tensor_parallel:
+            dead = ("a dead process restarts the whole job from its newest checkpoint" if plan.max_restarts > 0 else
+                    "the group cannot go on without a process")
+            return [f"tensor-parallel over {plan.nprocs} processes (neuralnet.partition_dim 1, your own loop): each process "
+                    "holds a slice of the features of every Linear → element-wise → Linear pair of your module and "
+                    f"computes on the whole batch; torch's DTensor collectives, no gradient exchange; {dead}"]
         if replicated(plan):
             why = f"cluster.max_restarts {plan.max_restarts}" if plan.max_restarts > 0 else "your own loop"
             how = ("one all-reduce of the gradients a step" if plan.compression.dense else
