@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from cli_in_process import one_line_error, run_cli
+from conftest import REPO
 from shoal.neuralnet import checkpoint as ckpt_io
 
 TENSOR_PARALLEL = ["--set", "cluster.nworkers_per_group=2", "--set", "cluster.nworkers_per_procs=1",
@@ -153,3 +154,76 @@ def test_the_linear_pairs_torch_can_cut_are_found_and_a_module_without_one_is_re
         linear_pairs(nn.LSTM(3, 4))
     with pytest.raises(NothingToCut):  # a LayerNorm between them is not element-wise over features
         linear_pairs(nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2)))
+
+
+GPT_LOOP = """import json, sys
+from pathlib import Path
+sys.path.insert(0, %r)
+import torch, shoal
+from safetensors.torch import save_file
+from gpt.model import GPT, GPTConfig
+out = Path(sys.argv[1])
+torch.manual_seed(0)
+tokens = torch.randint(0, 20, (40, 17))
+data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+model = GPT(GPTConfig(vocab_size=20, block_size=16, n_layer=2, n_head=2, n_embd=32))
+STEPS, BATCH = 6, 4
+def loss_of(model, xb, yb):
+    return torch.nn.functional.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
+run = shoal.session(train_steps=STEPS, disp_freq=2)
+if run.rank == 0:
+    import copy
+    plain = copy.deepcopy(model)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        start = step * BATCH %% len(tokens)
+        loss_of(plain, *data[start:start + BATCH]).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+        opt.step(); opt.zero_grad()
+    save_file({k: v.clone().contiguous() for k, v in plain.state_dict().items()}, str(out / "plain.safetensors"))
+# the MLPs cut (their forward is c_fc, gelu, c_proj); the attention, which packs q, k and v, stays whole
+model = run.model(model, cuts={f"blocks.{i}.mlp.{name}": style for i in range(2)
+                               for name, style in (("c_fc", "colwise"), ("c_proj", "rowwise"))})
+opt = run.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+for step, (xb, yb) in run.batches(data, batch_size=BATCH, shuffle=False):
+    loss_of(model, xb, yb).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    opt.step(); opt.zero_grad()
+    run.log(step, loss=loss_of(model, xb, yb).detach())
+run.checkpoint()
+(out / f"rank{run.rank}.json").write_text(json.dumps({"c_fc": list(model.blocks[0].mlp.c_fc.weight.to_local().shape)}))
+""" % str(REPO / "examples")
+
+
+def test_the_example_gpts_mlps_cut_by_name_train_as_one_process(tmp_path):
+    """cuts= in torch's form: the example GPT's MLPs cut over 2 processes, its attention, embeddings and tied head left
+    whole, under clip_grad_norm_ and AdamW: the same values as one process's plain loop, to float rounding."""
+    script = tmp_path / "gpt_loop.py"
+    script.write_text(GPT_LOOP)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_cli("run", script, "--workspace", tmp_path / "ws", *TENSOR_PARALLEL, "--", out, cwd=tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads((out / f"rank{r}.json").read_text())["c_fc"] for r in (0, 1)] == [[64, 32], [64, 32]]  # of 128
+    plain = load_file(str(out / "plain.safetensors"))
+    whole = ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / "ws", 6)).params
+    assert sorted(whole) == sorted(plain)  # the module's own names (lm_head.weight tied to wte.weight, as in its state_dict)
+    for name in plain:  # (the key bias's gradient is 0 in exact arithmetic: AdamW normalises its rounding noise into
+        # steps, as test_fit_optim measures for a 2-share sum)
+        atol = 1e-3 if name.endswith("attn.c_attn.bias") else 2e-5
+        torch.testing.assert_close(whole[name], plain[name], rtol=1e-4, atol=atol, msg=name)
+
+
+def test_cuts_that_name_no_linear_are_refused_in_one_line():
+    import torch.nn as nn
+
+    from shoal.frontend.session_partition import NothingToCut, checked_cuts
+
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert checked_cuts(mlp, {"0": "colwise", "2": "rowwise"}) == {"0": "colwise", "2": "rowwise"}
+    with pytest.raises(NothingToCut, match=r"cuts=\{'1': ...\}: Sequential has a ReLU of that name, not an nn.Linear"):
+        checked_cuts(mlp, {"1": "colwise"})
+    with pytest.raises(NothingToCut, match=r"cuts=\{'3': ...\}: Sequential has no submodule of that name"):
+        checked_cuts(mlp, {"3": "colwise"})
+    with pytest.raises(NothingToCut, match=r"the style is 'colwise' .* or 'rowwise'"):
+        checked_cuts(mlp, {"0": "diagonal"})

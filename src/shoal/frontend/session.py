@@ -434,11 +434,18 @@ class Session:
         return self.checkpoint()
 
     # -- the user's objects ------------------------------------------------------------------------------
-    def model(self, module: torch.nn.Module) -> torch.nn.Module:
+    def model(self, module: torch.nn.Module, cuts: Optional[dict[str, str]] = None) -> torch.nn.Module:
         """The module itself, on this worker's device, its values the checkpoint's (--resume) or rank 0's on every
-        replica; under AllReduce its gradients become the group's mean at the end of each backward."""
+        replica; under AllReduce its gradients become the group's mean at the end of each backward. Under
+        neuralnet.partition_dim 1 its features are cut over the group's processes: `cuts` names the Linears to cut
+        ({"blocks.0.mlp.c_fc": "colwise", "blocks.0.mlp.c_proj": "rowwise"}, torch's plan), else those of every
+        Linear → element-wise → Linear pair in its nn.Sequential containers (frontend/session_partition.py)."""
         if not isinstance(module, torch.nn.Module):
             raise SessionError(f"run.model: expected a torch.nn.Module, got {type(module).__name__}")
+        if cuts is not None and not self.plan.tensor_parallel:
+            raise SessionError("run.model: cuts= cuts a module on its features over the group's processes: it needs "
+                               "neuralnet.partition_dim 1 (`--set neuralnet.partition_dim=1`)")
+        self._cuts = session_partition.checked_cuts(module, cuts) if cuts is not None else {}
         if self.local_workers > 1:
             raise SessionError(f"run.model: {self.plan.label} runs {self.local_workers} workers in this process: write the "
                                "loop's body as a function of its worker and call run.each_worker(body) (docs/python.md)")
@@ -461,7 +468,7 @@ class Session:
             session_exchange.broadcast_values(self.plan, [t for t in module.state_dict().values()
                                                           if isinstance(t, torch.Tensor) and t.data_ptr() not in theirs])
         if self.plan.tensor_parallel:  # the module's features cut over the group (torch's DTensors): no exchange
-            self._cuts = session_partition.cut(module, self.plan, self.device)
+            self._cuts = session_partition.cut(module, self.plan, self.device, self._cuts or None)
             return module
         store = ParamStore.viewing([(n, p.data) for n, p in trained])
         saved = dict(self._mine.exchange) if self._mine is not None else None

@@ -49,11 +49,32 @@ def linear_pairs(module: nn.Module) -> Dict[str, str]:
     return cuts
 
 
-def cut(module: nn.Module, plan, device: torch.device) -> Dict[str, str]:
-    """`run.model`'s module, every process of the plan's one group calling it: each Linear pair cut over the group's
-    processes (every other param a replicated DTensor that its module sees as a plain tensor). Returns the cuts."""
+STYLES = ("colwise", "rowwise")
+
+
+def checked_cuts(module: nn.Module, cuts) -> Dict[str, str]:
+    """The user's `cuts=` (torch's plan: a Linear's qualified name -> "colwise" or "rowwise"), refused in one line
+    naming the entry that is not a Linear of `module` or not a style torch cuts it with."""
+    if not isinstance(cuts, dict) or not cuts:
+        raise NothingToCut(f"run.model: cuts= is a dict of Linear names to 'colwise' or 'rowwise', got {cuts!r}")
+    modules = dict(module.named_modules())
+    for name, style in cuts.items():
+        if not isinstance(modules.get(name), nn.Linear):
+            what = "no submodule" if name not in modules else f"a {type(modules[name]).__name__}"
+            raise NothingToCut(f"run.model: cuts={{{name!r}: ...}}: {type(module).__name__} has {what} of that name, not an "
+                               "nn.Linear (torch's tensor parallelism cuts Linears)")
+        if style not in STYLES:
+            raise NothingToCut(f"run.model: cuts={{{name!r}: {style!r}}}: the style is 'colwise' (its output features "
+                               "cut) or 'rowwise' (its input features cut, its output summed over the group)")
+    return dict(cuts)
+
+
+def cut(module: nn.Module, plan, device: torch.device, cuts: Dict[str, str] | None = None) -> Dict[str, str]:
+    """`run.model`'s module, every process of the plan's one group calling it: each Linear of `cuts` (default: of every
+    pair `linear_pairs` finds) cut over the group's processes, every other param a replicated DTensor that its module
+    sees as a plain tensor. Returns the cuts."""
     from shoal.comm import tensor_parallel  # (torch.distributed.tensor: imported by the layouts that cut a module)
 
-    cuts = linear_pairs(module)
+    cuts = cuts or linear_pairs(module)
     tensor_parallel.parallelize(module, range(plan.nprocs), cuts, device.type)
     return cuts
