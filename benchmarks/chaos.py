@@ -17,8 +17,10 @@ moments):
 - where the job has servers of their own (Downpour's server process), one SIGKILL of a server once the chief's
   step passes a drawn point in 60-80 % of the steps (--server-kill): the launcher restarts it into the running job
   and it heals from the chief's mirror of its state (its heal record in rejoins.jsonl). The `chief` row kills
-  process 0 once instead (40-60 %). Jobs with these deaths checkpoint every steps/10 (both runs): no framework
-  outlives the chief's, the whole job comes back from its newest checkpoint (or stops: the row says which).
+  process 0 once instead (40-60 %). Jobs with these deaths checkpoint every steps/10 (both runs). A job file's
+  chief's death brings the whole job back from its newest checkpoint; train.py's fit runs DiLoCo and AllReduce
+  (without server slices) as a user's loop on the session, whose chief is dropped like any other process and rejoins
+  (its record in rejoins.jsonl), the lowest living process deciding the meetings meanwhile.
 
 The victims' pids are read as a user would: a worker's from its log (WORKSPACE/logs/rank<R>.log, "… in process R
 (pid = P)", the newest line being the live process), a server's from the job registry (`shoal jobs list --json
@@ -81,7 +83,7 @@ class Framework:
     kills: bool = True  # random non-chief worker processes every --kill-every s
     stop: bool = True  # one SIGSTOP past the stall timeout
     server: bool = False  # one SIGKILL of a server process (the job's servers are processes of their own)
-    chief: bool = False  # one SIGKILL of process 0 (no framework outlives it: the whole job restarts, or stops)
+    chief: bool = False  # one SIGKILL of process 0 (a job file's chief: the whole job restarts; a user's loop's: it rejoins)
 
 
 FRAMEWORKS = {
@@ -309,8 +311,10 @@ class Job:
                 if trains and (len(trains), trains[-1]) != last_train:
                     if first_train is None:
                         first_train = now
-                    for fault in waiting_for_train:  # a new process 0 trains: the whole job came back
-                        if fault.heal_s is None and any(p not in fault.chiefs_before for p in seen_pids.get(0, [])):
+                    for fault in waiting_for_train:  # a new process 0 trains after the launcher's whole-job restart
+                        # (in a user's loop a dead chief is dropped instead, and its restarted process rejoins: _heal)
+                        if fault.heal_s is None and any(p not in fault.chiefs_before for p in seen_pids.get(0, [])) \
+                                and "restarting the whole job" in self.err.read_text(errors="replace"):
                             fault.heal_s, fault.how = time.time() - fault.sent, "the whole job restarted"
                     step, last_train = trains[-1]["step"], (len(trains), trains[-1])
                 if now - last_sample > 0.5:  # what the job holds, to know what it left

@@ -71,7 +71,8 @@ def test_a_killed_group_is_restarted_and_rejoins_from_the_live_params(blobs_job,
     run = Run(blobs_job(train_steps=STEPS), tmp_path, name, "--max-restarts", "1", "--set", "test_freq=100",
               "--set", f"cluster.nservers_per_group={servers}", env=SLOW)
     runs.append(run)
-    os.kill(run.pid_of(1), signal.SIGKILL)
+    victim = run.pid_of(1)
+    os.kill(victim, signal.SIGKILL)
     assert run.wait(timeout=180) == 0, run.stderr()
     assert re.search(r"^WARNING: process 1 \(worker\(group=1, id=0\).*\) exited with code -9; restarting it \(restart 1 of 1\)",
                      run.stderr(), re.M), run.stderr()
@@ -81,7 +82,9 @@ def test_a_killed_group_is_restarted_and_rejoins_from_the_live_params(blobs_job,
     summary = assert_ran(run.ws, layout)
     assert summary["status"] == "finished" and summary["steps"] == STEPS
     pids = re.findall(r"Worker \(group = 1, id = 0\) start on CPU in process 1 \(pid = (\d+)\)", (run.ws / "logs" / "rank1.log").read_text())
-    assert len(set(pids)) == 2, pids  # group 1 ran in two processes, one after the other
+    # group 1 ran in two processes, one after the other (the killed one may die before it logs its start: under load
+    # the kill can come that early)
+    assert pids and pids[-1] != str(victim) and set(pids) <= {str(victim), pids[-1]}, (pids, victim)
     (record,) = summary["rejoins"]
     assert (record["group"], record["rank"], record["incarnation"], record["by_hand"]) == (1, 1, 1, False)
     print(f"detection to rejoin {record['detection_to_rejoin_s']} s, process start to rejoin {record['process_start_to_rejoin_s']} s")
