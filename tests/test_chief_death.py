@@ -161,4 +161,8 @@ def test_a_killed_chief_is_dropped_and_the_loop_goes_on(tmp_path):
     assert f"Process 0 rejoined at step {back}: it took the module's values" in log1 and "from process 1" in log1
     log0 = (ws / "logs" / "rank0.log").read_text()
     assert f"Process 0 rejoined at step {back} (restart 1)" in log0 and "from process 1, after step" in log0
-    assert "Process 0 rejoined" not in proc.stdout  # the restarted process is no chief: its lines go to its log
+    assert f"Process 0 rejoined at step {back} (restart 1)" not in proc.stdout  # no chief: its lines go to its log
+    # the successor's lines reach the terminal too, as the chief's did
+    assert "Process 1 took the chief's place after step 4: it decides the steps" in proc.stdout
+    assert f"Process 0 rejoined at step {back}: it took the module's values" in proc.stdout
+    assert "Train @ step 29" in proc.stdout

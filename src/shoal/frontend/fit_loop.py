@@ -246,7 +246,7 @@ def fit_rank(job_text: str, spec: FitLoop, to_terminal: bool, plan, rank: int, r
     to_file = getattr(run_spec.log, "to_file", None)  # (the chief's first incarnation: launcher/ranks.ChiefLog)
     if not to_terminal and to_file is not None:
         run_spec = dataclasses.replace(run_spec, log=to_file)
-    with as_rank(plan, rank, run_spec):
+    with as_rank(plan, rank, run_spec, terminal=to_terminal):
         run = _session(job, spec, run_spec.workspace, False, run_spec.log)
     _run_on(run, job_text, spec, run_spec.log)
 

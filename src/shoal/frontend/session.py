@@ -75,7 +75,7 @@ def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int 
                                             restarted=context.rejoin is not None)
             raise SystemExit(0)
         return Session(context.plan, context.rank, context.workspace, context.resume_from, context.log, owned=None,
-                       rejoin=context.rejoin)
+                       rejoin=context.rejoin, terminal=context.terminal)
     launched = started_by_a_launcher()
     plan = plan_session(job, launched.nnodes if launched is not None else 1)
     if launched is not None:  # torchrun, srun, env://: this process is one rank of the world they started
@@ -93,9 +93,12 @@ class Session:
     """One process's part of a user's loop: its plan, rank, device, workspace and what it wraps."""
 
     def __init__(self, plan: JobPlan, rank: int, workspace: Path, resume_from: Optional[Path], log: Callable[[str], None],
-                 owned=None, rejoin=None):
+                 owned=None, rejoin=None, terminal: bool = False):
+        """`terminal`: a rank of shoal's launcher whose chief talks to the terminal; this process's lines go to its log
+        file, and to the terminal too should it take a dead chief's place."""
         check_layout(plan)
         self.plan, self.rank, self.workspace, self.say = plan, rank, Path(workspace), log
+        self._terminal = terminal
         self.rejoin = rejoin  # restarted into the running loop (--max-restarts): it takes the chief's state at run.batches()
         self.job = plan.job
         self.chief = rank == 0 and rejoin is None  # (a dead chief's restarted process rejoins as a non-chief: session_chief.py)
@@ -611,6 +614,8 @@ class Session:
     def _take_over(self, step: int) -> None:
         """The dead chief's run log and checkpoints, from this step on (session_chief.py)."""
         self.chief = True
+        if self._terminal and self.rank != 0:  # (its stdout is its log file: the chief's lines go on the terminal too)
+            self.say = session_chief.on_the_terminal_too(self.say)
         self.metrics = session_chief.take_over_run_log(self.plan, self.workspace)
         self.say(f"Process {self.rank} took the chief's place after step {step}: it decides the steps, writes the run "
                  f"log and the checkpoints")

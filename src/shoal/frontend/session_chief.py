@@ -15,8 +15,10 @@ other process's output does; the launcher's lines on the terminal say what happe
 from __future__ import annotations
 
 import datetime
+import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from shoal.planning.plan import JobPlan
 from shoal.report.metrics import MetricsLog, read_metrics
@@ -46,3 +48,13 @@ def _epoch(text) -> float | None:
         return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S%z").timestamp()
     except (TypeError, ValueError):
         return None
+
+
+def on_the_terminal_too(say: Callable[[str], None]) -> Callable[[str], None]:
+    """A rank's way of saying a line (to its log file, its stdout under shoal's launcher) that also reaches the
+    terminal the launcher started it from (the process's original stdout), as the chief's lines do."""
+    def both(line: str) -> None:
+        say(line)
+        if sys.__stdout__ is not None and sys.stdout is not sys.__stdout__:
+            print(line, file=sys.__stdout__, flush=True)
+    return both

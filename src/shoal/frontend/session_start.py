@@ -49,6 +49,7 @@ class RankContext:
     resume_from: Optional[Path]
     log: Callable[[str], None]
     rejoin: Optional[object] = None  # restarted into the running loop (runtime/assemble.py's Rejoin: its incarnation)
+    terminal: bool = True  # the chief's lines reach the terminal (shoal.fit with its own log= relays them instead)
 
 
 _RANK: Optional[RankContext] = None
@@ -342,11 +343,11 @@ def refuse_unstarted(plan: JobPlan) -> None:
 
 
 @contextmanager
-def as_rank(plan: JobPlan, rank: int, spec) -> Iterator[None]:
+def as_rank(plan: JobPlan, rank: int, spec, terminal: bool = True) -> Iterator[None]:
     """Inside, this process is rank `rank` of the launcher's job (`spec`: its RunSpec): `shoal.session()` returns the
-    rank's session (a loop shoal runs as a function: shoal.fit's, frontend/fit_loop.py)."""
+    rank's session (a loop shoal runs as a function: shoal.fit's, frontend/fit_loop.py). `terminal`: RankContext's."""
     global _RANK
-    _RANK = RankContext(plan, rank, Path(spec.workspace), spec.resume_from, spec.log, spec.rejoin)
+    _RANK = RankContext(plan, rank, Path(spec.workspace), spec.resume_from, spec.log, spec.rejoin, terminal)
     try:
         yield
     finally:
