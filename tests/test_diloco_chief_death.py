@@ -7,6 +7,7 @@ state. A job file's trainer keeps the whole-job restart (its chief's duties are 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -105,19 +106,19 @@ def run_group_0_dies(tmp_path, *options, wait: bool):
                           capture_output=True, text=True, timeout=240, cwd=tmp_path)
 
 
-def replayed(back: int, kill: int = 7, steps: int = 30, every: int = 5) -> torch.Tensor:
+def replayed(back: int, kill: int = 7, steps: int = 30, every: int = 5, groups: int = 2) -> torch.Tensor:
     """The groups' values where group 0 is gone from its step `kill` until its step `back` (the meetings' mean over the
     groups that came; a rejoined group starts from the meeting's anchor)."""
     torch.manual_seed(0)
     w0 = torch.nn.Linear(4, 1, bias=False).weight[0].detach().clone().double()
-    w = {0: w0.clone(), 1: w0.clone()}
+    w = {g: w0.clone() for g in range(groups)}
     for step in range(steps):
-        alive = [0, 1] if step < kill or step >= back else [1]
+        alive = list(range(groups)) if step < kill or step >= back else list(range(1, groups))
         for g in alive:
             w[g] -= 0.1 * (w[g] - (torch.arange(4.0).double() * (g + 1) + step))
         if (step + 1) % every == 0:
             anchor = sum(w[g] for g in alive) / len(alive)
-            w = {0: anchor.clone(), 1: anchor.clone()}
+            w = {g: anchor.clone() for g in range(groups)}
     return w[0]
 
 
@@ -178,3 +179,34 @@ def test_without_restarts_the_other_groups_finish_without_group_0(tmp_path):
                                               "the meetings after steps 9 to 29"}
     assert json.loads((tmp_path / "rank1.json").read_text())["weight"] == pytest.approx(replayed(back=30).tolist(), rel=1e-5)
     assert "worker group 0 came to 1 of 6 meetings" in proc.stdout
+
+
+@pytest.mark.slow  # (about 5 s)
+def test_local_sgd_goes_on_without_a_stopped_group_0_and_the_next_process_speaks(tmp_path):
+    """Local SGD, 3 groups, no restarts: group 0's process SIGSTOPped (never continued) mid-interval. The heartbeat
+    drops it past the stall timeout; process 1 (the lowest living) decides the meetings, warns once on the terminal
+    (the chief that would have is the one stopped), and the launcher ends the stopped process once the others finished
+    (it waited for it forever: every process of this layout is expendable)."""
+    script = tmp_path / "group0_stops.py"
+    script.write_text(GROUP_0_DIES.replace("signal.SIGKILL", "signal.SIGSTOP"))
+    local_sgd = [a.replace("nworker_groups=2", "nworker_groups=3") for a in DILOCO[:6]]  # (no outer updater: the mean)
+    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(script), "--workspace", str(tmp_path / "ws"), *local_sgd,
+                           "--set", "cluster.stall_timeout_s=2", "--", str(tmp_path), "7", "go"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    said = proc.stderr.splitlines()  # one warning, the successor's (process 2's stays in its log), no library text
+    assert len(said) == 1 and re.fullmatch(
+        re.escape("WARNING: worker group 0 dropped: process 0 (worker(group=0, id=0), server(group=0, id=0)) stopped "
+                  "answering (no heartbeat for 2 s") + r"(, the last at step [0-6])?" + re.escape(
+            f"); the other worker groups go on (see {tmp_path}/ws/logs/rank0.log)"), said[0]), said
+    stopped = int((tmp_path / "killed").read_text())
+    assert subprocess.run(["ps", "-p", str(stopped)], capture_output=True).returncode != 0  # ended, not left behind
+    summary = json.loads((tmp_path / "ws" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 30
+    assert summary["missed_updates"]["0"] == {"meetings": 1, "of": 6, "why": "dropped: process 0 stopped answering; "
+                                              "missing from the meetings after steps 9 to 29"}
+    expected = replayed(back=30, groups=3).tolist()
+    for r in (1, 2):
+        assert json.loads((tmp_path / f"rank{r}.json").read_text())["weight"] == pytest.approx(expected, rel=1e-5)
+    assert "Process 1 took the chief's place after step 9" in proc.stdout and "Train @ step 29" in proc.stdout
+    assert "Process 2 took" not in (tmp_path / "ws" / "logs" / "rank2.log").read_text()

@@ -47,15 +47,16 @@ def plan_of(**cluster):
 
 def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
     """One place says which layouts fit runs as fit_loop's loop: ON_SESSION, by fit_layout's names; every other layout
-    keeps the job path. The names fit_loop runs: one worker in one process on the CPU, AllReduce and Local SGD / DiLoCo
-    over processes (one worker each); AllReduce with server slices keeps the job path (its owners shard the optimizer's
+    keeps the job path. The names fit_loop runs: one worker in one process on the CPU, AllReduce, Local SGD / DiLoCo
+    and Distributed Hogwild over processes (one worker each); AllReduce with server slices keeps the job path (its owners shard the optimizer's
     state, ZeRO-1's shape)."""
-    ready = {"one worker", "AllReduce over processes", "Local SGD / DiLoCo over processes"}
+    ready = {"one worker", "AllReduce over processes", "Local SGD / DiLoCo over processes", "Distributed Hogwild over processes"}
     assert fitting.ON_SESSION == ready
     on_a_gpu = SimpleNamespace(in_one_process=True, nworkers=1, job=SimpleNamespace(device=["cuda:0"]), label="single worker")
     named = {"one worker": plan_of(),
              "AllReduce over processes": plan_of(nworkers_per_group=2, nworkers_per_procs=1),
-             "Local SGD / DiLoCo over processes": plan_of(nworker_groups=2, nworkers_per_procs=1, local_steps=2)}
+             "Local SGD / DiLoCo over processes": plan_of(nworker_groups=2, nworkers_per_procs=1, local_steps=2),
+             "Distributed Hogwild over processes": plan_of(nworker_groups=2, nserver_groups=2)}
     with_torch_outer = SimpleNamespace(in_one_process=False, nworkers=2, nprocs=2, label="DiLoCo",  # (as fit plans it)
                                        strategy=SimpleNamespace(synchronous=False, meets=True),
                                        job=SimpleNamespace(device=[], cluster=SimpleNamespace(

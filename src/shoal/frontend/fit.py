@@ -379,7 +379,8 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
 # still runs on the job path (module_path's layers and the Trainer): docs/architecture.md, "`shoal.fit` on the session".
 # AllReduce's train records are the group's on both paths (the session's replicated exchange hears every process's
 # window), Local SGD's the chief's group's.
-ON_SESSION: frozenset = frozenset({"one worker", "AllReduce over processes", "Local SGD / DiLoCo over processes"})
+ON_SESSION: frozenset = frozenset({"one worker", "AllReduce over processes", "Local SGD / DiLoCo over processes",
+                                   "Distributed Hogwild over processes"})
 
 
 def fit_layout(plan) -> str:
@@ -392,6 +393,8 @@ def fit_layout(plan) -> str:
         return "AllReduce over processes"  # (server slices: the job path's owners shard the optimizer's state, ZeRO-1)
     if over_processes and plan.strategy.meets and plan.job.cluster.outer_updater.user_type != OUTER_OPTIMIZER_UPDATER:
         return "Local SGD / DiLoCo over processes"  # (outer_optimizer=, a torch one, is the job path's alone)
+    if over_processes and plan.label == "Distributed Hogwild":
+        return "Distributed Hogwild over processes"
     return plan.label
 
 

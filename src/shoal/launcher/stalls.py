@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 from shoal.comm import heartbeat
 from shoal.errors import warn
-from shoal.launcher.ranks import describe_process, expendable, heals, read_exit_line, replicas_go_on, write_exit_line
+from shoal.launcher.ranks import chief_replaceable, describe_process, expendable, heals, read_exit_line, replicas_go_on, write_exit_line
 from shoal.planning.plan import JobPlan
 from shoal.runtime.interfaces import GroupDropped
 
@@ -50,6 +50,7 @@ class StallPolicy:
         self.terminal = 2  # the file descriptor of the process's own stderr (fd 2 may be sent to its log meanwhile)
         self.group = self._group_of(rank)
         self._warned: set[int] = set()
+        self._stalled: set[int] = set()  # the ranks seen stalled
 
     def _group_of(self, rank: int) -> Optional[int]:
         workers = self.plan.process(rank).workers
@@ -78,18 +79,37 @@ class StallPolicy:
             stops = why_the_job_stops(self.plan)
             self._fail(f"{who} stopped answering ({silent}{hosts_store})" + (f"; {stops}" if stops else ""))
         if replicas_go_on(self.plan):  # a group of replicas: the next step goes on without it (shoal.comm.quorum)
-            if self.rank == 0 and stall.rank not in self._warned:
+            if self._speaks_for_the_job(stall.rank) and stall.rank not in self._warned:
                 self._warned.add(stall.rank)
-                warn(f"WARNING: {who} stopped answering ({silent}); the other processes go on without it "
+                self._warn(f"WARNING: {who} stopped answering ({silent}); the other processes go on without it "
                      f"(see {self.workspace}/logs/rank{stall.rank}.log)")
             return
         group = self._group_of(stall.rank)
         if group == self.group:  # a member of this process's own group: the group cannot go on
             self._leave(f"worker group {group} is dropped: {who} stopped answering ({silent})")
-        if self.rank == 0 and group not in self._warned:  # the chief's stderr is the terminal: one warning
+        if self._speaks_for_the_job(stall.rank) and group not in self._warned:  # one warning, on the terminal
             self._warned.add(group)
-            warn(f"WARNING: worker group {group} dropped: {who} stopped answering ({silent}); "
+            self._warn(f"WARNING: worker group {group} dropped: {who} stopped answering ({silent}); "
                  f"the other worker groups go on (see {self.workspace}/logs/rank{stall.rank}.log)")
+
+    def _speaks_for_the_job(self, stalled: int) -> bool:
+        """Whether this process warns of a stalled peer: the chief (its stderr is the terminal); where the chief may be
+        replaced (`chief_replaceable`) and is the one stalled, the lowest process this one has not seen stalled (the
+        one the meetings' or steps' quorum makes its successor, shoal.comm.quorum)."""
+        self._stalled.add(stalled)
+        if self.rank == 0:
+            return True
+        return chief_replaceable(self.plan) and self.rank == min(set(range(self.plan.nprocs)) - self._stalled)
+
+    def _warn(self, line: str) -> None:
+        """A warning of the process that speaks for the job: the chief's stderr is the terminal; a successor's is its log
+        (launcher/ranks.rank_output), so the line goes to the terminal too (`terminal`: the process's own stderr)."""
+        warn(line)
+        if self.rank != 0 and self.terminal != 2:
+            try:
+                os.write(self.terminal, (line + "\n").encode())
+            except OSError:
+                pass
 
     def on_woken(self, gap: float) -> None:
         """This process was stopped longer than the timeout: its peers have given up on it."""
@@ -241,11 +261,19 @@ def wait_for_first_failure(context) -> None:
 
 def end_dropped(context, ranks: list[int], essential: Callable[[int], bool]) -> list[int]:
     """Once this node's essential processes all ended well, kill the ones still stopped (their group was
-    dropped); returns their indices. A node with no essential process waits for its own."""
+    dropped); returns their indices. Where every process is expendable (Local SGD / DiLoCo's groups in a user's loop,
+    group 0's too): once every process not stopped has ended and one of them finished, nothing is left for the stopped
+    ones to meet (every group ends at the job's last step). Otherwise a node with no essential process waits for its
+    own."""
     procs = context.processes
     needed = [p for i, p in enumerate(procs) if essential(ranks[i])]
-    if not needed or any(p.exitcode != 0 for p in needed):
-        return []
+    if needed:
+        if any(p.exitcode != 0 for p in needed):
+            return []
+    else:
+        going = [p for p in procs if not (p.exitcode is None and is_stopped(p.pid))]
+        if len(going) == len(procs) or any(p.exitcode is None for p in going) or all(p.exitcode != 0 for p in going):
+            return []
     killed = []
     for i, proc in enumerate(procs):
         if proc.exitcode is None and is_stopped(proc.pid):
