@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from shoal.frontend import session_state
-from shoal.launcher import ranks, rejoin
+from shoal.launcher import ranks, rejoin, stalls
 from shoal.neuralnet import checkpoint as ckpt_io
 
 GROUP_0_DIES = textwrap.dedent('''
@@ -86,6 +86,34 @@ def test_group_0s_process_is_replaceable_only_in_a_users_loop_of_meeting_groups(
     assert not ranks.chief_replaceable(downpour)  # (its group 0 holds what the servers start from)
 
 
+def test_a_stalled_group_0_is_warned_of_by_its_successor_and_ended_once_the_others_finished(tmp_path, monkeypatch):
+    loop = plan_of(True, nworker_groups=3, nworkers_per_procs=1, local_steps=5)
+    policies = {r: stalls.StallPolicy(loop, r, tmp_path, False) for r in range(3)}
+    assert [policies[r]._speaks_for_the_job(0) for r in (1, 2)] == [True, False]  # process 1 decides the meetings now
+    assert policies[2]._speaks_for_the_job(1)  # 0 and 1 both seen stalled: process 2 is the lowest left
+    assert not stalls.StallPolicy(loop, 1, tmp_path, False)._speaks_for_the_job(2)  # the chief lives: it warns
+    job_file = plan_of(False, nworker_groups=3, nworkers_per_procs=1, local_steps=5)
+    assert not stalls.StallPolicy(job_file, 1, tmp_path, False)._speaks_for_the_job(0)
+
+    class Process:
+        def __init__(self, pid, exitcode):
+            self.pid, self.exitcode, self.sentinel, self.killed = pid, exitcode, pid, False
+
+        def kill(self):
+            self.killed, self.exitcode = True, -9
+
+        def join(self):
+            pass
+
+    monkeypatch.setattr(stalls, "is_stopped", lambda pid: pid == 100)  # process 0 (pid 100) stopped
+    everyone_expendable = lambda rank: False  # noqa: E731  (no essential process: Local SGD's groups in a loop)
+    for codes, ended in (((0, 0), [0]), ((0, -9), [0]), ((0, None), []), ((-9, 1), [])):
+        procs = [Process(100, None), Process(101, codes[0]), Process(102, codes[1])]
+        context = type("Context", (), {"processes": procs, "sentinels": {p.sentinel: i for i, p in enumerate(procs)}})()
+        assert stalls.end_dropped(context, [0, 1, 2], everyone_expendable) == ended, codes
+        assert procs[0].killed == bool(ended)
+
+
 def test_a_resume_gives_the_file_to_the_process_that_wrote_it_and_each_other_its_part(tmp_path):
     part = lambda group, rank: ckpt_io.part_name(24, group, rank)  # noqa: E731
     mine = {name: ckpt_io.Checkpoint(step=24, params={"w": torch.full((2,), float(rank))}, trainer={"session": True})
@@ -98,10 +126,10 @@ def test_a_resume_gives_the_file_to_the_process_that_wrote_it_and_each_other_its
     assert session_state.own_part(older, tmp_path, 0, 0, False, True, said.append) is older
 
 
-def run_group_0_dies(tmp_path, *options, wait: bool):
+def run_group_0_dies(tmp_path, *options, wait: bool, layout=tuple(DILOCO)):
     script = tmp_path / "group0_dies.py"
     script.write_text(GROUP_0_DIES)
-    return subprocess.run([sys.executable, "-m", "shoal", "run", str(script), "--workspace", str(tmp_path / "ws"), *DILOCO,
+    return subprocess.run([sys.executable, "-m", "shoal", "run", str(script), "--workspace", str(tmp_path / "ws"), *layout,
                            *options, "--", str(tmp_path), "7", "wait" if wait else "go"],
                           capture_output=True, text=True, timeout=240, cwd=tmp_path)
 
@@ -181,7 +209,7 @@ def test_without_restarts_the_other_groups_finish_without_group_0(tmp_path):
     assert "worker group 0 came to 1 of 6 meetings" in proc.stdout
 
 
-@pytest.mark.slow  # (about 5 s)
+@pytest.mark.slow  # (about 7-10 s: the stall timeout, 2 s, then 3 processes)
 def test_local_sgd_goes_on_without_a_stopped_group_0_and_the_next_process_speaks(tmp_path):
     """Local SGD, 3 groups, no restarts: group 0's process SIGSTOPped (never continued) mid-interval. The heartbeat
     drops it past the stall timeout; process 1 (the lowest living) decides the meetings, warns once on the terminal
@@ -210,3 +238,31 @@ def test_local_sgd_goes_on_without_a_stopped_group_0_and_the_next_process_speaks
         assert json.loads((tmp_path / f"rank{r}.json").read_text())["weight"] == pytest.approx(expected, rel=1e-5)
     assert "Process 1 took the chief's place after step 9" in proc.stdout and "Train @ step 29" in proc.stdout
     assert "Process 2 took" not in (tmp_path / "ws" / "logs" / "rank2.log").read_text()
+
+
+SPARSELOCO = [*DILOCO[:6], "--set", "cluster.sparse_outer_step.chunk_size=2", "--set", "cluster.sparse_outer_step.topk_per_chunk=1"]
+
+
+@pytest.mark.slow  # (10-20 s: two runs, a kill, a restart that waits for a meeting)
+def test_sparseloco_resumed_after_a_succession_gives_each_group_its_own_error_feedback(tmp_path):
+    """SparseLoCo's accumulator (error feedback) is each group's own: after group 0's process died and process 1 took
+    its place, the checkpoint file holds group 1's and group 0's part its own (they differ: the rejoined group's started
+    at zero); resumed, the run ends where the uninterrupted one did, to the bit."""
+    proc = run_group_0_dies(tmp_path, "--max-restarts", "1", wait=True, layout=SPARSELOCO)
+    assert proc.returncode == 0, proc.stderr
+    ends = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
+    ws = tmp_path / "ws"
+    saved = ckpt_io.load(ckpt_io.checkpoint_file(ws, 24), parts=True)
+    if ends[0]["first"] <= 20:  # (rejoined before the checkpoint: process 1 wrote it)
+        assert saved.trainer["writer"] == 1
+        feedback = "updater/weight/outer.error_feedback"
+        group_0s = saved.parts[ckpt_io.part_name(24, 0, 0)].exchange[feedback]
+        assert not torch.equal(saved.exchange[feedback], group_0s)
+    again = tmp_path / "again"
+    again.mkdir()
+    resumed = subprocess.run([sys.executable, "-m", "shoal", "run", str(tmp_path / "group0_dies.py"), "--workspace", str(ws),
+                              *SPARSELOCO, "--resume", "--", str(again), "-1", "go"], capture_output=True, text=True,
+                             timeout=240, cwd=tmp_path)
+    assert resumed.returncode == 0 and not resumed.stderr, resumed.stderr
+    for r in range(2):
+        assert json.loads((again / f"rank{r}.json").read_text())["weight"] == ends[r]["weight"]

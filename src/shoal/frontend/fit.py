@@ -378,7 +378,9 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
 # The layouts fit runs as a loop of the session's calls (frontend/fit_loop.py), by `fit_layout`'s name; every other one
 # still runs on the job path (module_path's layers and the Trainer): docs/architecture.md, "`shoal.fit` on the session".
 # AllReduce's train records are the group's on both paths (the session's replicated exchange hears every process's
-# window), Local SGD's the chief's group's.
+# window), Local SGD's the chief's group's. Downpour stays: its loop on the session has no schedule following each
+# group's own steps (scheduler_steps="group") and no staleness histogram in summary.json yet (tests/test_fit_frictions.py,
+# tests/test_fit_every_feature.py showed it).
 ON_SESSION: frozenset = frozenset({"one worker", "AllReduce over processes", "Local SGD / DiLoCo over processes",
                                    "Distributed Hogwild over processes"})
 
