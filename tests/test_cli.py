@@ -270,7 +270,7 @@ def leftover_processes(tmp_path, wait: float = 5.0) -> list[int]:
                 continue
         if not found or time.time() > deadline:
             return found
-        time.sleep(0.2)
+        time.sleep(0.05)  # a process being reaped is gone within moments
 
 
 def alive(pid: int) -> bool:

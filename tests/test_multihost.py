@@ -127,8 +127,8 @@ def test_without_node_ranks_torchs_c10d_rendezvous_numbers_the_nodes(two_hosts, 
 
 
 @pytest.mark.parametrize("node_rank,sets,extra_env", [
-    (["--node-rank", "1"], [], {"SHOAL_JOIN_TIMEOUT": "2"}),  # the documented override, over the job's 600 s
-    ([], ["--set", "cluster.join_timeout_s=2"], {}),  # the job field
+    (["--node-rank", "1"], [], {"SHOAL_JOIN_TIMEOUT": "1"}),  # the documented override, over the job's 600 s
+    ([], ["--set", "cluster.join_timeout_s=1"], {}),  # the job field
 ], ids=["static", "c10d"])
 def test_nodes_that_never_meet_fail_in_one_line(blobs_job, tmp_path, node_rank, sets, extra_env):
     """The other node never comes: after the join timeout (cluster.join_timeout_s, or SHOAL_JOIN_TIMEOUT), one line

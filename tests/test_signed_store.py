@@ -117,6 +117,9 @@ def test_without_a_secret_values_are_plain_text(fresh_book):
     assert plain.add("g1/incarnation", 2) == 2 and plain.raw is store
 
 
+STALL_S = 0.5  # the watch's stall timeout (beats every 0.125 s)
+
+
 def test_a_forged_heartbeat_is_no_beat_and_no_blame(fresh_book, capfd):
     """A peer whose key another user rewrites ("7 7", an old beat replayed) is neither alive by it nor stalled by it;
     a peer whose authentic beats stop is stalled."""
@@ -127,7 +130,7 @@ def test_a_forged_heartbeat_is_no_beat_and_no_blame(fresh_book, capfd):
     replay = store.get("shoal/heartbeat/1")
     peer.set("shoal/heartbeat/1", "1 4")
     stalls = []
-    watch = heartbeat.Watch(SignedStore(store, secret), rank=0, world=2, on_stall=stalls.append, timeout_s=1.0).start()
+    watch = heartbeat.Watch(SignedStore(store, secret), rank=0, world=2, on_stall=stalls.append, timeout_s=STALL_S).start()
     stop = threading.Event()
 
     def forge():
@@ -138,10 +141,13 @@ def test_a_forged_heartbeat_is_no_beat_and_no_blame(fresh_book, capfd):
             time.sleep(0.002)
 
     try:
-        time.sleep(0.6)  # it read the peer's beat
+        deadline = time.monotonic() + 10
+        while watch.last_step(1) != 4:  # it read the peer's beat
+            assert time.monotonic() < deadline, "the watch never read the peer's beat"
+            time.sleep(0.01)
         forger = threading.Thread(target=forge)
         forger.start()
-        time.sleep(3.0)  # three stall timeouts of nothing but forgeries
+        time.sleep(3 * STALL_S)  # three stall timeouts of nothing but forgeries
         stop.set()
         forger.join()
         assert stalls == [] and watch.last_step(1) == 4

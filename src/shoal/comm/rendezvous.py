@@ -19,6 +19,7 @@ rendezvous gave (as torchrun's workers do with its agent's store,
 from __future__ import annotations
 
 import datetime
+import math
 import socket
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -79,7 +80,8 @@ def across_nodes(nnodes: int, node_rank: Optional[int], master_host: str, master
         for attempt, is_host in enumerate(roles):
             if node_rank is not None:
                 params = RendezvousParameters("static", endpoint, run_id, nnodes, nnodes, local_addr,
-                                              rank=node_rank, timeout=int(join_timeout_s))
+                                              rank=node_rank, timeout=math.ceil(join_timeout_s))  # (whole seconds:
+                # rounded up, so that 0.5 s waits a second, not none)
             else:
                 params = RendezvousParameters("c10d", endpoint, run_id, nnodes, nnodes, local_addr,
                                               is_host=is_host, join_timeout=join_timeout_s, last_call_timeout=1)
