@@ -175,18 +175,25 @@ class HogwildExchange(HogwildMaster, HogwildRecovery):
                     continue
                 if self._late.pop(master, None) is not late or not self._settle(master, late):
                     continue
+            with self.lock:  # (the link read with the values: a restarted master's re-linking swaps it under this lock)
+                sent = gather(self.store, segments)
+                link = self.links[master]
             try:
-                with self.lock:
-                    sent = gather(self.store, segments)
                 ask = self._ask if self.codecs is None else self._ask_encoded
-                asked = ask(master, sent - self.last_sync[master], size, Sent(segments, sent))
+                asked = ask(master, link, sent - self.last_sync[master], size, Sent(segments, sent))
             except RuntimeError as err:
-                self._stop_syncing(master, err)
+                if self._current(master, link):  # (else it went to a dead predecessor: the new process is synced next)
+                    self._stop_syncing(master, err)
                 continue
             if master in self.synced_at:
                 asked.thread.join(timeout=SYNC_PATIENCE_S)
             else:  # its first answer: the master's loop may start later than this one's; waiting for it lines the groups
                 wait_unless(asked.thread, lambda: heartbeat.is_stalled(master), 0.05)  # up (only a stall gives up on it)
+            with self.lock:
+                if not self._current(master, link):
+                    # asked of the dead process the master's restart replaced (re-linked while this sync was under way):
+                    # never answered, never kept as late, else this group would wait on it instead of syncing again
+                    continue
             if not asked.thread.is_alive():
                 self._settle(master, asked)
             elif heartbeat.is_stalled(master):  # the master stalled: dropped (the chief has warned)
@@ -194,7 +201,13 @@ class HogwildExchange(HogwildMaster, HogwildRecovery):
                 self._drop(master)
             else:  # a slow or stopped master: the group trains on; the answer is applied when it comes
                 asked.late = True
-                self._late[master] = asked
+                with self.lock:
+                    if self._current(master, link):  # (the re-linking drops late syncs under this lock)
+                        self._late[master] = asked
+
+    def _current(self, master: int, link) -> bool:
+        """Whether `link` is still the link to `master` (a restarted master's process comes with a new one)."""
+        return self.links.get(master) is link
 
     def _settle(self, master: int, asked: "Asked") -> bool:
         """The master answered `asked`: take its fresh values (SINGA's step 3: cur = master + (cur − value at sending),
@@ -231,12 +244,10 @@ class HogwildExchange(HogwildMaster, HogwildRecovery):
         self.requests.pop(master, None)
         self._late.pop(master, None)
 
-    def _ask(self, master: int, delta: torch.Tensor, size: int, sent: "Sent") -> "Asked":
-        """Send Δ to `master` on a thread of its own, which waits for its fresh value (gloo's receives cannot be
-        cancelled: a stalled master's leaves it waiting). `sent`: this group's values of those slices now."""
+    def _ask(self, master: int, link, delta: torch.Tensor, size: int, sent: "Sent") -> "Asked":
+        """Send Δ to `master` over `link` on a thread of its own, which waits for its fresh value (gloo's receives cannot
+        be cancelled: a stalled master's leaves it waiting). `sent`: this group's values of those slices now."""
         fresh = torch.zeros(size, device="cpu")
-
-        link = self.links[master]
 
         def exchange() -> None:
             answer = post(link, [(fresh, TAG_SYNC_VALUE)])  # posted first (requests.Posted says why)
@@ -247,13 +258,11 @@ class HogwildExchange(HogwildMaster, HogwildRecovery):
         self._count(8 + wire_bytes([delta, fresh]))
         return Asked(master, exchange, sent, lambda: fresh)
 
-    def _ask_encoded(self, master: int, delta: torch.Tensor, size: int, sent: "Sent") -> "Asked":
+    def _ask_encoded(self, master: int, link, delta: torch.Tensor, size: int, sent: "Sent") -> "Asked":
         """As _ask, Δ and the answer encoded; the fresh value is what this group held plus the decoded answer."""
         codec, answer = self.delta_codecs[master], self.answer_codecs[self.group_of(master)].buffers(size)
         parts = codec.encode(delta)
         held = self.last_sync[master]
-
-        link = self.links[master]
 
         def exchange() -> None:
             answers = post(link, list(zip(answer, (TAG_SYNC_VALUE, TAG_SYNC_VALUE_2))))
