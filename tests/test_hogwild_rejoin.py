@@ -54,7 +54,8 @@ def test_a_killed_hogwild_group_is_restarted_and_syncs_again(blobs_job, tmp_path
     synced, joined = record["skipped_steps"]  # [its last sync's step, the step it joined at)
     assert synced % SYNC_FREQ == 0 and 0 < synced < joined == step < STEPS, (line, record)  # its peers' step, past its last sync
     assert step >= 20, line  # group 0 (the chief) had displayed step 20 before the kill: the peers' step, at least
-    assert f"; it skipped steps {synced} to {step - 1} ({step - synced} steps, to its peers' step: " in line, line
+    skipped_text = (f"step {synced} (1 step" if step - synced == 1 else f"steps {synced} to {step - 1} ({step - synced} steps")
+    assert f"; it skipped {skipped_text}, to its peers' step: " in line, line
     masters = "worker group 0 masters" if groups == 2 else "worker groups 0 and 2 master"
     assert re.search(f"the live values of the slices {masters}, and its own slices as worker group [02] last synced them "
                      r"\(its updates since that sync were lost\)", line), line
@@ -85,11 +86,13 @@ def test_a_killed_hogwild_group_is_restarted_and_syncs_again(blobs_job, tmp_path
     assert sum(second_half) >= (records[-1]["step"] - STEPS // 2) // SYNC_FREQ // 2, records
     assert any(r["syncs"] for r in records if r["step"] >= 3 * STEPS // 4), records
     assert got["missed_updates"] == {"1": {"why": "process 1 was restarted after it exited with code -9", "rejoined_at": [step]}}
-    assert got["missed_steps"] == {"1": {"missed": skipped, "of": STEPS, "why": f"skipped steps {synced} to {step - 1}, back at step {step}"}}
+    why = f"skipped steps {synced} to {step - 1}" if skipped > 1 else f"skipped step {synced}"
+    assert got["missed_steps"] == {"1": {"missed": skipped, "of": STEPS, "why": f"{why}, back at step {step}"}}
     retrained = " and ".join(f"{shares[str(g)]} by worker group {g}" for g in range(groups) if shares[str(g)])
     assert (f"worker group 1 was restarted and rejoined at step {step}, skipping {skipped} step{'s' if skipped > 1 else ''} "
             f"(process 1 was restarted after it exited with code -9)" in closing_line(stdout)), closing_line(stdout)
-    assert f"the {skipped} skipped steps were re-trained beyond step {STEPS}: {retrained}" in closing_line(stdout), closing_line(stdout)
+    were = "steps were" if skipped > 1 else "step was"
+    assert f"the {skipped} skipped {were} re-trained beyond step {STEPS}: {retrained}" in closing_line(stdout), closing_line(stdout)
     # summary.json's bytes: group 0's syncs, and group 1's of both processes (the dead one's as group 0 answered them,
     # the restarted one's own count with what it took when it rejoined); no more than the unfaulted run's and that
     # handover (its 24-byte header: three int64, and the whole model in float32: the live slices and its own)
