@@ -418,16 +418,13 @@ class Quorum:
             for r in waiting:
                 if self.store.check([keys[r]]):
                     heard[r] = self.store.get(keys[r])
-                elif waited > GRACE_S and (self._gone(self._member_or_new(r)) is not None or waited > self.timeout_s):
+                elif waited > GRACE_S and (self._gone(self._member(r)) is not None or waited > self.timeout_s):
                     heard[r] = None
             if len(heard) == len(keys):
                 break
             _pause(waited)
         self._sweeper.sweep(list(keys.values()))
         return heard
-
-    def _member_or_new(self, rank: int) -> Member:
-        return next((m for m in self.members if m.rank == rank), Member(rank))
 
     # -- a restarted process -------------------------------------------------------------------------
     def join(self, incarnation: int, poll_s: float = 0.5) -> Admission:
@@ -513,7 +510,8 @@ class Quorum:
         return tuple(joiners)
 
     def _member(self, rank: int) -> Member:
-        return next(m for m in self.members if m.rank == rank)
+        """The member `rank` of the current quorum (a rank out of it: its first incarnation, for `_gone`)."""
+        return next((m for m in self.members if m.rank == rank), Member(rank))
 
     def _gone(self, member: Member) -> Optional[str]:
         """Why `member` will not come (None: it may): stalled, or its process ended (the launcher's word)."""

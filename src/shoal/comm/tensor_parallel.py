@@ -10,8 +10,8 @@ backward of a column-wise Linear's Replicate input all-reduces the input's gradi
 (a GPT's `lm_head.weight is wte.weight`) stays one param.
 
 Checkpoints hold whole tensors under the user's names (`full_state`, `full_optimizer_state`: collectives every process
-of the mesh joins, each tensor copied: a gathered Replicate tensor can alias the live one), and a resume re-slices
-them as each param is placed (`load_full_state`, `sliced_optimizer_state`).
+of the mesh joins, each tensor copied: a gathered Replicate tensor can alias the live one); a resume loads the module's
+into it before it is cut, and re-slices the optimizers' as each param is placed (`sliced_optimizer_state`).
 """
 from __future__ import annotations
 
@@ -57,15 +57,6 @@ def plain_name(name: str) -> str:
     return name.replace("parametrizations.", "").replace(".original", "")
 
 
-def is_sliced(value: Any) -> bool:
-    return isinstance(value, DTensor)
-
-
-def local_shape(value: torch.Tensor) -> tuple[int, ...]:
-    """What this process holds of `value` (its slice's shape; a plain tensor's own)."""
-    return tuple(value.to_local().shape) if isinstance(value, DTensor) else tuple(value.shape)
-
-
 def whole(value: Any) -> Any:
     """`value` whole, copied (a DTensor gathered over its mesh: every process of it calls this in the same order)."""
     if isinstance(value, DTensor):
@@ -78,21 +69,10 @@ def full_state(module: nn.Module) -> Dict[str, torch.Tensor]:
     return {plain_name(name): whole(value) for name, value in module.state_dict().items()}
 
 
-def load_full_state(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Load whole tensors (a checkpoint's) into a parallelized module, each re-sliced as its param is placed."""
-    with torch.no_grad():
-        for name, value in module.state_dict(keep_vars=True).items():
-            full = state[plain_name(name)].to(value.device)
-            if isinstance(value, DTensor):
-                value.to_local().copy_(distribute_tensor(full, value.device_mesh, value.placements).to_local())
-            else:
-                value.copy_(full)
-
-
 def full_optimizer_state(state_dict: dict) -> dict:
     """A torch optimizer's state_dict with every DTensor of its state whole (AdamW's moments are sliced as their
     params are)."""
-    return {**state_dict, "state": {index: {slot: whole(value) if is_sliced(value) else value for slot, value in slots.items()}
+    return {**state_dict, "state": {index: {slot: whole(value) if isinstance(value, DTensor) else value for slot, value in slots.items()}
                                     for index, slots in state_dict["state"].items()}}
 
 

@@ -236,6 +236,7 @@ def fit_rank(job_text: str, spec: FitLoop, to_terminal: bool, plan, rank: int, r
 
     from shoal.config import job_pb2
     from shoal.frontend.session_start import as_rank
+    from shoal.launcher.ranks import ChiefLog
 
     from shoal.report.targets import set_run_goals
 
@@ -243,9 +244,8 @@ def fit_rank(job_text: str, spec: FitLoop, to_terminal: bool, plan, rank: int, r
     set_run_goals(spec.goals)  # (this process's chief, or the member that takes its place, writes the summary)
     # the module came as torch.multiprocessing sends tensors, in memory every rank shares: each rank trains its own copy
     spec = dataclasses.replace(spec, model=copy.deepcopy(spec.model))
-    to_file = getattr(run_spec.log, "to_file", None)  # (the chief's first incarnation: launcher/ranks.ChiefLog)
-    if not to_terminal and to_file is not None:
-        run_spec = dataclasses.replace(run_spec, log=to_file)
+    if not to_terminal and isinstance(run_spec.log, ChiefLog):  # (the chief's first incarnation)
+        run_spec = dataclasses.replace(run_spec, log=run_spec.log.to_file)
     with as_rank(plan, rank, run_spec, terminal=to_terminal):
         run = _session(job, spec, run_spec.workspace, False, run_spec.log)
     _run_on(run, job_text, spec, run_spec.log)

@@ -58,9 +58,7 @@ class MetricWindow:
             return dict(self._sums)
 
     def averages(self) -> dict[str, float]:
-        sums = self._read()
-        means = {k: sums[k] / self._counts[k] for k in sums if self._counts[k]}
-        return {k: _finished(self._finish[k], v) if k in self._finish else v for k, v in means.items()}
+        return self.averages_with([])
 
     def averages_with(self, others: list[dict]) -> dict[str, float]:
         """The averages over this window and `others` (other processes' windows, as `state()` gives them), weighted by
