@@ -395,7 +395,7 @@ def fit_layout(plan) -> str:
         return "AllReduce over processes"  # (server slices: the job path's owners shard the optimizer's state, ZeRO-1)
     if over_processes and plan.strategy.meets and plan.job.cluster.outer_updater.user_type != OUTER_OPTIMIZER_UPDATER:
         return "Local SGD / DiLoCo over processes"  # (outer_optimizer=, a torch one, is the job path's alone)
-    if over_processes and plan.label == "Distributed Hogwild":
+    if over_processes and plan.strategy.syncs_with_peers:  # (the strategy's word, not its label)
         return "Distributed Hogwild over processes"
     return plan.label
 
