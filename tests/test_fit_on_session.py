@@ -58,7 +58,7 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
              "Local SGD / DiLoCo over processes": plan_of(nworker_groups=2, nworkers_per_procs=1, local_steps=2),
              "Distributed Hogwild over processes": plan_of(nworker_groups=2, nserver_groups=2)}
     with_torch_outer = SimpleNamespace(in_one_process=False, nworkers=2, nprocs=2, label="DiLoCo",  # (as fit plans it)
-                                       strategy=SimpleNamespace(synchronous=False, meets=True),
+                                       strategy=SimpleNamespace(synchronous=False, meets=True, syncs_with_peers=False),
                                        job=SimpleNamespace(device=[], cluster=SimpleNamespace(
                                            outer_updater=SimpleNamespace(user_type=OUTER_OPTIMIZER_UPDATER))))
     others = [plan_of(nworkers_per_group=2, nworkers_per_procs=2),  # in-memory AllReduce (threads)
