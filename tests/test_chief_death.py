@@ -1,6 +1,6 @@
 """Issue 38: the chief's death survived. Under AllReduce's replicas in a user's loop (`shoal run script.py`), a dead
 chief (process 0) is dropped like any other process: the lowest living process decides the next step in its place
-(shoal.comm.quorum, `replaceable`), takes over the run log and the checkpoints (frontend/session_chief.py), and the
+(shoal.comm.quorum, `replaceable`), takes over the run log and the checkpoints (report/succession.py), and the
 dead chief's restarted process rejoins as a non-chief, healing from it."""
 from __future__ import annotations
 

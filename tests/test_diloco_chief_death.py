@@ -1,7 +1,7 @@
 """Issue 38, point 2: Local SGD / DiLoCo's group 0 in a user's loop dies like any other group. Its process (the chief)
 SIGKILLed mid-interval: the other groups' next meeting goes on without it and the lowest living process decides the
 meetings from then on (shoal.comm.quorum's `replaceable`), takes over the run log, summary.json and the checkpoints
-(frontend/session_chief.py); under --max-restarts the restarted process rejoins at a meeting from a live group's state,
+(report/succession.py); under --max-restarts the restarted process rejoins at a meeting from a live group's state,
 as a non-chief. A checkpoint the successor wrote names it (`writer`): a resume gives each process its own group's
 state. A job file's trainer keeps the whole-job restart (its chief's duties are its own)."""
 from __future__ import annotations

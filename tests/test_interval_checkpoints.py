@@ -148,6 +148,36 @@ def test_a_thread_whose_part_is_required_is_never_passed():
     assert schedule.due(1, 501) and not schedule.due(1, 502)
 
 
+def test_a_successor_decides_after_every_decision_the_dead_chief_published():
+    """A job file's replicas (tests/test_job_chief_death.py): process 1 takes a dead chief's place. The checkpoint the
+    chief had published and process 1 had not read yet still comes; the successor's own decisions come an interval
+    after its takeover and reach the other processes through the store, under the next key."""
+    store, clock = {}, Clock()
+    chief = CheckpointSchedule(1.0, 10_000, deciding=True, alone=False, publish=store.__setitem__, clock=clock)
+    successor = CheckpointSchedule(1.0, 10_000, deciding=False, alone=False, publish=store.__setitem__,
+                                   published=store.get, clock=clock)
+    other = CheckpointSchedule(1.0, 10_000, deciding=False, alone=False, published=store.get, clock=clock)
+    for step in range(120):  # steps of 10 ms: the chief decides once, a little ahead
+        clock.now = step * 0.01
+        chief.due(0, step, chief=True)
+        successor.due(0, step)
+        other.due(0, step)
+    (decided,) = [int(v) for v in store.values()]
+    assert decided > 119  # not yet reached
+    clock.now = 1.2  # the chief died; at the step's end process 1 took its place
+    successor.take_over()
+    due, seen = [], []
+    for step in range(120, 300):
+        clock.now = step * 0.01
+        if successor.due(0, step, chief=True):
+            due.append(step)
+            successor.written(step)
+        if other.due(0, step):
+            seen.append(step)
+    assert due[0] == decided and len(due) == 2 and due[1] >= decided + 100, due  # the chief's, then its own an interval on
+    assert [int(store[k]) for k in sorted(store)] == due and seen == due  # published: the other process writes its part too
+
+
 def test_the_plan_carries_the_interval_only_without_checkpoint_freq(blobs_job):
     assert plan_job(load(blobs_job(), "single worker")).checkpoint_interval_s == 600  # the default
     assert plan_job(load(blobs_job(extra="checkpoint_interval_s: 2.5"), "single worker")).checkpoint_interval_s == 2.5

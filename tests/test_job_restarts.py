@@ -28,6 +28,7 @@ from shoal.launcher import job_registry
 
 DOWNPOUR = "Downpour, 2 groups + 1 server, 3 processes"
 ALLREDUCE = "AllReduce, 2 processes"
+LOCAL_SGD = dict(nworker_groups=2, local_steps=5)  # (over the "single worker" layout: one group per process)
 SLOW = {"SHOAL_SLOW_WORKER": "0:0+0.01"}  # steps of 10 ms or more: the run outlasts a kill and a restart
 RAW = ("gloo", "c10d", ".cpp", "GLHF", "Traceback")
 
@@ -123,12 +124,13 @@ def test_a_killed_server_restarts_the_whole_job_from_its_checkpoint(blobs_job, t
     assert leftover_processes(tmp_path) == []
 
 
-def test_a_killed_chief_of_allreduce_restarts_the_whole_job(blobs_job, tmp_path, runs):
-    """(b) AllReduce has no quorum to go on without its chief: process 0 SIGKILLed after a checkpoint; the whole job
-    starts again from it, as torchrun's agent restarts its workers."""
+def test_a_killed_chief_of_a_local_sgd_job_file_restarts_the_whole_job(blobs_job, tmp_path, runs):
+    """(b) A job file's Local SGD trainer keeps group 0's duties to itself (AllReduce's replicas go on without their
+    chief: tests/test_job_chief_death.py): process 0 SIGKILLed after a checkpoint; the whole job starts again from it,
+    as torchrun's agent restarts its workers."""
     steps = 120
-    run = Run(blobs_job(train_steps=steps), tmp_path, ALLREDUCE, "--max-restarts", "1", "--set", "checkpoint_freq=20",
-              "--set", "test_freq=60", env=SLOW)
+    run = Run(blobs_job(train_steps=steps, cluster_extra=LOCAL_SGD), tmp_path, "single worker", "--max-restarts", "1",
+              "--set", "checkpoint_freq=20", "--set", "test_freq=60", env=SLOW)
     runs.append(run)
     chief = run.pid_of(0)
     checkpoint_written(run.ws, run)
@@ -137,7 +139,7 @@ def test_a_killed_chief_of_allreduce_restarts_the_whole_job(blobs_job, tmp_path,
     after, from_step = restart_line(run.stderr(), "process 0 (worker(group=0, id=0), server(group=0, id=0))")
     assert from_step >= 20
     ended = assert_resumed(run.ws, after, from_step, steps)
-    assert_ran(run.ws, ALLREDUCE)
+    assert ended["processes"] == 2 and ended["framework"] == "Local SGD", ended
     assert ended["final_test"]["accuracy"] >= 0.9
     assert pids(run.ws)[0] != chief
     assert leftover_processes(tmp_path) == []
@@ -190,7 +192,7 @@ def test_the_history_of_a_restarted_job_is_one_run(blobs_job, tmp_path, monkeypa
     ws = tmp_path / "ws"
     for name, value in SLOW.items():
         monkeypatch.setenv(name, value)
-    job = shoal.load_job(blobs_job(train_steps=steps, layout=ALLREDUCE),
+    job = shoal.load_job(blobs_job(train_steps=steps, cluster_extra=LOCAL_SGD),  # (its chief's death restarts the job)
                          ["cluster.max_restarts=1", "checkpoint_freq=20", "test_freq=50", "disp_freq=5"])
     killed = []
 

@@ -34,7 +34,7 @@ import torch
 from shoal.config import job_pb2
 from shoal.config.phases import fires
 from shoal.data.in_place import reader_for, to_device
-from shoal.frontend import script, session_chief, session_eval, session_partition, session_state, session_worker
+from shoal.frontend import script, session_eval, session_partition, session_state, session_worker
 from shoal.frontend.fit_inputs import as_dataset
 from shoal.frontend.session_start import (SessionError, check_layout, groups_in_memory, plan_session, pushes_to_servers, rank_context,
                                           refuse_unstarted, same_job, serve_if_server, serves_only, session_job, start_ranks,
@@ -43,6 +43,7 @@ from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.plan import JobPlan, sliced_for
 from shoal.planning.shares import batch_shares
+from shoal.report import succession
 from shoal.report.metrics import MetricsLog, MetricWindow, display_line
 from shoal.report.run_log import open_run_log
 from shoal.runtime import rejoined, session_exchange
@@ -101,7 +102,7 @@ class Session:
         self._terminal = terminal
         self.rejoin = rejoin  # restarted into the running loop (--max-restarts): it takes the chief's state at run.batches()
         self.job = plan.job
-        self.chief = rank == 0 and rejoin is None  # (a dead chief's restarted process rejoins as a non-chief: session_chief.py)
+        self.chief = rank == 0 and rejoin is None  # (a dead chief's restarted process rejoins as a non-chief: report/succession.py)
         self.distributed = not plan.in_one_process
         # groups that train apart (Local SGD / DiLoCo, Distributed Hogwild): each writes its own checkpoint part
         self.apart = self.distributed and not plan.strategy.synchronous
@@ -612,11 +613,11 @@ class Session:
         self.exchange_seconds += time.perf_counter() - started
 
     def _take_over(self, step: int) -> None:
-        """The dead chief's run log and checkpoints, from this step on (session_chief.py)."""
+        """The dead chief's run log and checkpoints, from this step on (report/succession.py)."""
         self.chief = True
         if self._terminal and self.rank != 0:  # (its stdout is its log file: the chief's lines go on the terminal too)
-            self.say = session_chief.on_the_terminal_too(self.say)
-        self.metrics = session_chief.take_over_run_log(self.plan, self.workspace)
+            self.say = succession.on_the_terminal_too(self.say)
+        self.metrics = succession.take_over_run_log(self.plan, self.workspace, usable_device_names(self.plan.all_devices()))
         self.say(f"Process {self.rank} took the chief's place after step {step}: it decides the steps, writes the run "
                  f"log and the checkpoints")
         self.exchange.speak_for_the_job(self.say, lambda fields: self.metrics.annotate(**fields))
@@ -878,7 +879,7 @@ class Session:
                          ckpt_io.Checkpoint(step=done, params={}, trainer={"next_step": done, "session": True},
                                             exchange={k: v for k, v in own.items() if k.startswith("own/residual/")}))
         whole = self._state(done) if self.plan.tensor_parallel else None  # (gathered: every process of the group joins)
-        if self.chief:  # (process 0, or the process that took a dead chief's place: session_chief.py)
+        if self.chief:  # (process 0, or the process that took a dead chief's place: report/succession.py)
             ckpt = whole or self._state(done)
             if self.own_residual:  # required from the processes the last step's mean held (a dead one writes none)
                 present = self.exchange.present if self.exchange is not None else range(self.plan.nprocs)

@@ -22,15 +22,15 @@ def replicas_go_on(plan: JobPlan) -> bool:
 
 
 def chief_replaceable(plan: JobPlan) -> bool:
-    """Whether the chief's death drops it like any other process: a group of replicas, or Local SGD / DiLoCo's groups of
-    one process each, in a user's loop (shoal.session; the lowest living process decides the steps or meetings and
-    takes over the run log and checkpoints, shoal.comm.quorum's `replaceable`). A job file's trainer keeps duties only
-    the chief has (its tests, progress bar, hooks): there the chief's death restarts the whole job
-    (launcher/job_restarts.py); Downpour's and Hogwild's group 0 holds the servers' or masters' side too."""
-    if not plan.own_loop or plan.in_one_process:
+    """Whether the chief's death drops it like any other process (the lowest living process decides the steps or
+    meetings and takes over the run log, tests and checkpoints: shoal.comm.quorum's `replaceable`, report/succession.py):
+    a group of replicas (a user's loop or a job file's trainer), or Local SGD / DiLoCo's groups of one process each in a
+    user's loop. A job file's Local SGD trainer keeps group 0's duties to itself: there the chief's death restarts the
+    whole job (launcher/job_restarts.py); Downpour's and Hogwild's group 0 holds the servers' or masters' side too."""
+    if plan.in_one_process:
         return False
     meeting_groups = plan.strategy.meets and all(len(plan.ranks_of_group(g)) == 1 for g in range(plan.nworker_groups))
-    return replicas_go_on(plan) or meeting_groups
+    return replicas_go_on(plan) or (plan.own_loop and meeting_groups)
 
 
 def outlives_a_dead_process(plan: JobPlan) -> bool:
@@ -48,8 +48,8 @@ def heals(plan: JobPlan, rank: int) -> bool:
 def expendable(plan: JobPlan, rank: int) -> bool:
     """Jobs whose groups outlive a dead one (Downpour, Hogwild: the strategy says) outlive a process that hosts only
     workers of groups other than group 0 (group 0's too where `chief_replaceable`: Local SGD / DiLoCo in a user's
-    loop); a group of replicas that goes on (AllReduce under cluster.max_restarts), any process of workers but the
-    chief's (the chief's too in a user's loop: `chief_replaceable`)."""
+    loop); a group of replicas that goes on (AllReduce under cluster.max_restarts), any process of workers, the
+    chief's too (`chief_replaceable`)."""
     proc = plan.process(rank)
     if replicas_go_on(plan):
         return (rank != 0 or chief_replaceable(plan)) and bool(proc.workers)

@@ -256,7 +256,7 @@ class SummaryFile:
 
     def __init__(self, workspace: Path, info: RunInfo, metrics_path: Path, started: float | None = None):
         """`started`: when the run started (seconds since the epoch; None: now), for a run log another process
-        continues (a dead chief's, frontend/session_chief.py)."""
+        continues (a dead chief's, report/succession.py)."""
         self.path = Path(workspace) / SUMMARY_FILE
         self.info = info
         self.metrics_path = Path(metrics_path)

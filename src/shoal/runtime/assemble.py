@@ -114,14 +114,15 @@ def assemble(plan: JobPlan, rank: int, spec: RunSpec) -> ProcessRun:
     # Hogwild's syncs) keep them in host memory, which gloo's point-to-point moves
     on_host = distributed and plan.strategy.params_on_host
     home = torch_device(devices[0]) if devices and not on_host else torch.device("cpu")
-    chief_rank = rank == 0
-    groups = sorted({w.group for w in hosted.workers})
     rejoining = spec.rejoin is not None
+    chief_rank = rank == 0 and not rejoining  # (a dead chief's restarted process rejoins as a non-chief: report/succession.py)
+    groups = sorted({w.group for w in hosted.workers})
     # the plan's process groups, made on every rank in its order (a rejoined process is in none), before the trainers:
     # a partitioned group's bridges to other processes run over them
     made = collectives.create(plan.process_groups) if distributed and not rejoining else {}
     # one schedule of interval checkpoints per process: its trainers write at the steps the chief chooses
-    schedule = checkpoint_schedule.for_process(plan, rank, checkpoint_parts(plan), comm.publish, comm.published)
+    schedule = checkpoint_schedule.for_process(plan, rank, checkpoint_parts(plan), comm.publish, comm.published,
+                                               deciding=chief_rank)
     trainers: list[Trainer] = []
     for group in groups or [0]:  # a server process builds a trainer too: it holds the params it serves
         mine = [(w.id, d) for w, d in zip(hosted.workers, devices) if w.group == group]
@@ -221,7 +222,7 @@ def _run_process(plan: JobPlan, rank: int, spec: RunSpec) -> History:
     for line in start_lines(run):
         spec.log(line)
     metrics = None
-    if rank == 0:  # written once the job assembled (a refused --resume leaves the earlier copy alone)
+    if rank == 0 and spec.rejoin is None:  # written once the job assembled (a refused --resume leaves the earlier copy alone)
         write_job_copy(text_format.MessageToString(plan.job), spec.workspace)
         visualization.write_train_net(plan, spec.workspace, fresh=spec.resume_from is None)
         devices = usable_device_names(plan.all_devices())
@@ -242,5 +243,7 @@ def _run_process(plan: JobPlan, rank: int, spec: RunSpec) -> History:
         error = as_write_error(err, spec.workspace) or err
         raise
     finally:
+        if metrics is None and run.chief is not None and run.chief.chief:
+            metrics = run.chief.metrics  # the run log this process took over from a dead chief (report/succession.py)
         if metrics is not None:
             metrics.close(end_status(error), failure_reason(error))

@@ -101,6 +101,18 @@ class CheckpointSchedule:
                 self._read(step, now)
             return step in self._steps
 
+    def take_over(self) -> None:
+        """This process took a dead chief's place (report/succession.py): it decides from now on, after every decision
+        the chief published (its steps stand); the interval counts from now."""
+        with self._lock:
+            if self._published is not None:
+                self._read_at = None
+                self._read(0, self._clock())
+            self.deciding, self._published = True, None
+            self._since = self._clock()
+            ahead = [s for s in self._steps if s > max(self._reached.values(), default=-1)]
+            self._pending = min(ahead, default=None)
+
     def written(self, step: int) -> None:
         """The chief wrote the checkpoint of `step`: the interval counts from now."""
         with self._lock:
@@ -154,17 +166,17 @@ class CheckpointSchedule:
 
 
 def for_process(plan: "JobPlan", rank: int, parts: dict[tuple[int, int], bool], publish: Callable[[str, str], None],
-                published: Callable[[str], Optional[str]]) -> Optional[CheckpointSchedule]:
+                published: Callable[[str], Optional[str]], deciding: bool) -> Optional[CheckpointSchedule]:
     """The schedule process `rank`'s trainers share, or None when the plan has no interval (checkpoint_freq set,
-    or checkpoint_interval_s 0). `parts`: checkpoint_parts(plan); `publish`/`published`: the job's store's."""
+    or checkpoint_interval_s 0). `parts`: checkpoint_parts(plan); `publish`/`published`: the job's store's;
+    `deciding`: the chief's process (process 0, unless it was restarted into the job: a successor decides then)."""
     if not plan.checkpoint_interval_s > 0:
         return None
-    deciding = rank == 0
     other_processes = any(r != 0 for _, r in parts)
     return CheckpointSchedule(
         plan.checkpoint_interval_s, plan.job.train_steps, deciding=deciding, alone=not parts,
         round_steps=plan.round_steps,
         required_groups=frozenset(g for (g, r), required in parts.items() if r == rank and required),
-        publish=publish if deciding and other_processes else None,
+        publish=publish if other_processes else None,  # (a successor publishes too: take_over)
         published=None if deciding else published,
     )

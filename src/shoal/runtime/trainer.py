@@ -34,6 +34,7 @@ from shoal.config import job_pb2
 from shoal.config.phases import fires
 from shoal.errors import ShoalError
 from shoal.neuralnet.layers.base import Context
+from shoal.report import succession
 from shoal.report.metrics import MetricsLog, MetricWindow, display_line
 from shoal.neuralnet.net import NeuralNet
 from shoal.neuralnet.params import ParamStore
@@ -42,7 +43,7 @@ from shoal.runtime.checkpoint_schedule import CheckpointSchedule
 from shoal.runtime.feed import InputFeed, make_feeds
 from shoal.runtime.interfaces import Exchange, GroupMember, TrainerHook
 from shoal.runtime.partitioned import PartitionedGroup
-from shoal.runtime.replicas import DeviceReplicas, torch_device
+from shoal.runtime.replicas import DeviceReplicas, torch_device, usable_device_names
 from shoal.runtime.worker import Worker
 
 
@@ -140,9 +141,12 @@ class Trainer:
         self.plan, self.job, self.rank = plan, job, rank
         self.workspace = Path(workspace)
         self.device = device
-        # the chief (worker 0 of group 0) tests, validates, displays and writes; other processes only train
+        # the chief (worker 0 of group 0) tests, validates, displays and writes; other processes only train, unless
+        # one takes a dead chief's place (`may_take_over`, set by the strategy: report/succession.py)
         self.chief = chief
+        self.say = log  # how this process says a line (a successor's lines reach the terminal too)
         self.log = log if chief else (lambda *_: None)
+        self.may_take_over = False  # (attach_exchange)
         self.progress = chief and (sys.stderr.isatty() if progress is None else progress)
 
         # params are initialised in layer order by the first net built, so every layout starts alike;
@@ -184,11 +188,12 @@ class Trainer:
         self.balancer = self._balancer(plan.balance_freq, partitioned)
         # test and validation run on worker 0 of group 0, on the whole (unpartitioned) net, as SINGA's
         self.nets: dict[int, NeuralNet] = {}
-        for phase, steps in ((job_pb2.kTest, job.test_steps), (job_pb2.kVal, job.validate_steps if train else 0)):
-            if steps > 0 and chief:
-                self.nets[phase] = NeuralNet(job.neuralnet, phase, self.store, init_gen)
-        eval_rng = np.random.default_rng(job.seed + 1)
-        self.feeds: dict[int, dict[str, InputFeed]] = {phase: make_feeds(net, base_dirs, 0, 1, eval_rng, device) for phase, net in self.nets.items()}
+        self.feeds: dict[int, dict[str, InputFeed]] = {}
+        self.base_dirs, self.train = base_dirs, train
+        self.owed: dict[int, int] = {job_pb2.kTest: 0, job_pb2.kVal: 0}  # evaluation batches the chief ran, not this trainer
+        self.cursors: dict[int, int] = {job_pb2.kTest: 0, job_pb2.kVal: 0}
+        if chief:
+            self._build_evaluation(init_gen)
         self.generator = self.workers[0].generator if self.workers else torch.Generator(device=device).manual_seed(job.seed + 1)
         self.pool = ThreadPoolExecutor(max_workers=len(self.workers), thread_name_prefix="shoal-worker") if len(self.workers) > 1 else None
         self.exchange: Optional[Exchange] = None  # attached by the assembly (shoal.runtime.assemble)
@@ -196,7 +201,6 @@ class Trainer:
         self.interval_steps: set[int] = set()  # the steps whose checkpoint checkpoint_interval_s wrote in this start
         self.hooks: list[TrainerHook] = list(hooks)
         self.metrics: Optional[MetricsLog] = None
-        self.cursors: dict[int, int] = {job_pb2.kTest: 0, job_pb2.kVal: 0}
         # (step, cursor) of the last test: `--test` of the checkpoint at that step tests the same samples
         self.last_test: Optional[tuple[int, int]] = None
         self.loaded_trainer_state: dict = {}  # the trainer part of the last checkpoint load_params read
@@ -206,6 +210,22 @@ class Trainer:
         self.start_step = 0
         self.resumed = False
         self.elapsed_before = 0.0
+
+    def _build_evaluation(self, init_gen: torch.Generator) -> None:
+        """The test and validation nets and their feeds (the chief's, or a successor's when it takes over: its cursors
+        then move on by the batches the chief evaluated meanwhile, `owed`, so that it reads what the chief would have)."""
+        job = self.job
+        for phase, steps in ((job_pb2.kTest, job.test_steps), (job_pb2.kVal, job.validate_steps if self.train else 0)):
+            if steps > 0:
+                self.nets[phase] = NeuralNet(job.neuralnet, phase, self.store, init_gen)
+        eval_rng = np.random.default_rng(job.seed + 1)
+        self.feeds = {phase: make_feeds(net, self.base_dirs, 0, 1, eval_rng, self.device) for phase, net in self.nets.items()}
+        for phase in self.feeds:
+            self.cursors[phase] += self.owed[phase] * self._eval_batch(phase)
+            self.owed[phase] = 0
+
+    def _eval_batch(self, phase: int) -> int:
+        return max((f.global_batch for f in self.feeds[phase].values()), default=0)
 
     def _balancer(self, every: int, partitioned: bool) -> Optional[ShareBalancer]:
         """auto_batch_shares (`every` steps; 0: never): a balancer over this group's workers (all in this process, cut on the batch)."""
@@ -238,8 +258,11 @@ class Trainer:
         self.log(f"Batch shares from step {step + 1}: {split} (measured step time per worker: {model})")
 
     # -- state ------------------------------------------------------------
-    def attach_exchange(self, exchange: Exchange) -> None:
+    def attach_exchange(self, exchange: Exchange, may_take_over: bool = False) -> None:
+        """`may_take_over`: the exchange's quorum makes this process the decider when the chief dies (a group of
+        replicas: its `chief` and `speak_for_the_job`), and this trainer then takes over the chief's duties."""
         self.exchange = exchange
+        self.may_take_over = may_take_over
         view_updater = exchange.view_updater()  # feature slices and placed layers: updated by their worker
         for member in self.workers:
             member.use_view_updater(view_updater)
@@ -272,7 +295,7 @@ class Trainer:
 
     def eval_samples(self, phase: int, steps: int) -> int:
         """Samples `steps` batches of the test or validation net read."""
-        return steps * max((f.global_batch for f in self.feeds[phase].values()), default=0)
+        return steps * self._eval_batch(phase)
 
     def save_checkpoint(self, step: int) -> Optional[Path]:
         """Collective when servers are spread over processes. The chief writes the checkpoint; every other
@@ -295,6 +318,7 @@ class Trainer:
             return ckpt_io.Checkpoint(step=step, params={}, rng=rng, trainer={"skips": self._skips()}, exchange=own)
         trainer = {
             "job": self.job.name,
+            "writer": self.rank,  # (a successor of a dead chief writes the file with its own state: restore)
             "cursors": {str(k): v for k, v in self.cursors.items()},
             "skips": self._skips(),
             "window": self.window.state(),
@@ -327,14 +351,16 @@ class Trainer:
         if self.exchange is not None:
             self.exchange.load_updater_state(ckpt.updater_state)
         name = ckpt_io.part_name(ckpt.step, self.group, self.rank)
-        own = ckpt if self.chief else ckpt.parts.get(name)
+        t = ckpt.trainer
+        # the file is its writer's own: the chief's, or a successor's that took a dead chief's place (report/succession.py)
+        own = ckpt if (self.rank, self.group) == (t.get("writer", 0), 0) else ckpt.parts.get(name)
         rng = own.rng if own is not None else ckpt.rng
         for w in self.workers:
             if f"worker{w.index}" in rng:
                 w.generator.set_state(rng[f"worker{w.index}"])
-        if own is not None and hasattr(self.exchange, "load_own_state"):
-            self.exchange.load_own_state(own.exchange)
-        t = ckpt.trainer
+        if (own is not None or self.chief) and hasattr(self.exchange, "load_own_state"):
+            # (the chief takes the job's counts from the file wherever its own part is)
+            self.exchange.load_own_state({**(ckpt.exchange if self.chief else {}), **(own.exchange if own is not None else {})})
         self.cursors.update({int(k): int(v) for k, v in t.get("cursors", {}).items()})
         self._load_skips(t.get("skips", {}), own_train=own is not None)
         if own is not None and own is not ckpt:
@@ -381,7 +407,7 @@ class Trainer:
     def evaluate(self, phase: int, steps: int) -> dict[str, float]:
         """Run `steps` batches of the test or validation net; the store cursor moves on as SINGA's does."""
         net, feeds = self.nets[phase], self.feeds[phase]
-        batch = max((f.global_batch for f in feeds.values()), default=0)
+        batch = self._eval_batch(phase)
         window = MetricWindow()
         carry = {} if net.samples else None  # a sampling net continues one sequence over its steps
         with torch.no_grad():
@@ -429,11 +455,12 @@ class Trainer:
         self.metrics = metrics
 
         def record(step, phase, values, **kw):
-            if metrics is not None:
-                history.records.append(metrics.write(step, phase, values, **kw))
+            if self.metrics is not None:  # (a successor's, once it took a dead chief's place)
+                history.records.append(self.metrics.write(step, phase, values, **kw))
 
         def run_phase(step: int, phase: int, steps: int, label: str) -> None:
             if not self.chief:
+                self.owed[phase] += steps
                 return
             if phase == job_pb2.kTest:
                 self.last_test = (step, self.cursors[phase])
@@ -470,6 +497,8 @@ class Trainer:
             self.window_samples += self.train_step(step)
             for hook in self.hooks:
                 hook.after_step(step)
+            if self.may_take_over and not self.chief and self.exchange.chief:  # the chief died: this process decides now
+                self._take_over(step)
             displays = fires(job.disp_freq, job.disp_after, step)
             self._stop_if_diverged(step, read=displays)
             if bar is not None:  # before a display resets the window: the bar's loss is never read from an empty one
@@ -493,14 +522,14 @@ class Trainer:
         self._stop_if_diverged(step - 1, read=True)  # the steps since the last display
         self.exchange.finish()
         sent = self.exchange.job_bytes_sent  # the job's bytes to the last message (after the last display too)
-        if metrics is not None and sent is not None:
-            metrics.annotate(bytes_sent=sent)
+        if self.metrics is not None and sent is not None:
+            self.metrics.annotate(bytes_sent=sent)
         for hook in self.hooks:
             hook.before_final_test()
         if self.resumed and self.start_step >= job.train_steps:
             return history  # resumed from the final checkpoint: nothing left to do
-        if metrics is not None and self.plan.strategy.retrains_skipped_steps and self.exchange.job_notes:
-            metrics.annotate(**self.exchange.job_notes)  # the skipped steps, who re-trained them
+        if self.metrics is not None and self.plan.strategy.retrains_skipped_steps and self.exchange.job_notes:
+            self.metrics.annotate(**self.exchange.job_notes)  # the skipped steps, who re-trained them
         # at the group's own last step: train_steps, or past it where it re-trained skipped steps (Distributed Hogwild)
         last = max(step, job.train_steps)
         if job.validate_steps > 0 and job.validate_freq > 0:  # the trained model's validation, as its test below
@@ -510,6 +539,19 @@ class Trainer:
         path = self.save_checkpoint(last)
         self.log(f"Checkpoint written to {path}")
         return history
+
+    def _take_over(self, step: int) -> None:
+        """A dead chief's duties, from the step after `step` (report/succession.py): its tests and validations, its run
+        log and checkpoints, its interval checkpoints' schedule; its lines on the terminal too."""
+        self.chief = True
+        self.log = succession.on_the_terminal_too(self.say)
+        self._build_evaluation(torch.Generator().manual_seed(self.job.seed))  # (the params exist: nothing is drawn)
+        self.metrics = succession.take_over_run_log(self.plan, self.workspace, usable_device_names(self.plan.all_devices()))
+        if self.checkpoint_schedule is not None:
+            self.checkpoint_schedule.take_over()
+        self.log(f"Process {self.rank} took the chief's place after step {step}: it decides the steps, tests and "
+                 f"validates, writes the run log and the checkpoints")
+        self.exchange.speak_for_the_job(self.log, lambda fields: self.metrics.annotate(**fields))
 
     def _steps_to_train(self, end: int) -> int:
         """Where the loop ends, asked once it reached `end`: `end`, or where the exchange says this group trains to

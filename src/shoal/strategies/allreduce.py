@@ -93,11 +93,13 @@ class AllReduce(Strategy):
         if replicated(plan):
             first = None if run.rejoining else run.process_groups[JOB_GROUP]  # a restarted process knocks instead
             quorum = Quorum(run.rank, range(plan.nprocs), {r: r for r in range(plan.nprocs)}, channels.Door(DOOR), first=first,
-                            timeout_s=plan.comm_timeout_s, admits=True, replaceable=plan.own_loop)  # (a user's loop:
-            # the chief's death makes the lowest living process the decider; the session takes over its run log)
+                            timeout_s=plan.comm_timeout_s, admits=True, replaceable=True)  # the chief's death
+            # makes the lowest living process the decider; its loop (a user's session, or this trainer) takes over the
+            # chief's duties (report/succession.py)
             log = lambda line: trainer.log(line)  # noqa: E731 (the trainer's log once it runs: above a progress bar)
             trainer.attach_exchange(ReplicatedExchange(trainer.store, updater, quorum, run.rank, plan.global_batch, first,
-                                                       log=log, annotate=_annotator(trainer), codecs=codecs))
+                                                       log=log, annotate=_annotator(trainer), codecs=codecs),
+                                    may_take_over=True)
             return
         trainer.attach_exchange(SlicedExchange(trainer.store, updater, plan.placement, run.rank, plan.global_batch,
                                                trainer.workers, bucket_cap=plan.bucket_elements, codecs=codecs,

@@ -1,16 +1,18 @@
-"""A dead chief's place taken in a user's loop (issue 38): AllReduce's replicas under `shoal run script.py`.
+"""A dead chief's place taken (issue 38): the run log continued by its successor, whose lines reach the terminal.
 
 The chief (process 0) has duties no other process has: it decides each step's quorum, writes the run log
-(metrics.jsonl, summary.json, TensorBoard) and the checkpoints, and hands its state to a restarted process. In a
-user's loop of replicas (launcher/ranks.py's `chief_replaceable`) its death drops it like any other process: the
-lowest living process decides the next step in its place (shoal.comm.quorum, `replaceable`), and its session, seeing
-that after the step's heal, takes over the rest here: it opens the same metrics.jsonl for appending (one continuous
-log: no `resume` record, the time carried on from the last record), keeps summary.json's `started`, and writes the
-checkpoints from then on. Its replica is the chief's (the replicas are equal after every step), so nothing of the
-state moves. The dead chief's restarted process rejoins as a non-chief, healing from the decider.
+(metrics.jsonl, summary.json, TensorBoard) and the checkpoints, tests and validates, and hands its state to a
+restarted process. Where its death drops it like any other process (launcher/ranks.py's `chief_replaceable`: a group
+of replicas, in a user's loop or a job file; Local SGD / DiLoCo's groups in a user's loop) the lowest living process
+decides the next step in its place (shoal.comm.quorum, `replaceable`), and its loop (frontend/session.py's Session, or
+runtime/trainer.py's Trainer for a job file), seeing that after the step's heal, takes over the rest through the two
+calls here: it opens the same metrics.jsonl for appending (one continuous log: no `resume` record, the time carried on
+from the last record), keeps summary.json's `started`, and writes the checkpoints from then on. Its replica is the
+chief's (the replicas are equal after every step), so nothing of the state moves. The dead chief's restarted process
+rejoins as a non-chief, healing from the decider.
 
-What it does not take: the terminal. The new chief's display lines go to its own log (logs/rank<R>.log), as every
-other process's output does; the launcher's lines on the terminal say what happened.
+The successor's stdout is its own log (logs/rank<R>.log, launcher/ranks.py's `rank_output`); its lines go to the
+terminal the job was started from too, as the chief's did.
 """
 from __future__ import annotations
 
@@ -18,18 +20,20 @@ import datetime
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from shoal.planning.plan import JobPlan
 from shoal.report.metrics import MetricsLog, read_metrics
 from shoal.report.run_log import METRICS_FILE, open_run_log
 from shoal.report.summary import read_summary
-from shoal.runtime.replicas import usable_device_names
+
+if TYPE_CHECKING:
+    from shoal.planning.plan import JobPlan
 
 
-def take_over_run_log(plan: JobPlan, workspace: Path) -> MetricsLog:
+def take_over_run_log(plan: "JobPlan", workspace: Path, devices: list[str]) -> MetricsLog:
     """The dead chief's run log, continued by this process: metrics.jsonl appended to (a line the chief was killed
-    writing is ended first, and readers skip it), summary.json kept current from it, the run's clock carried on."""
+    writing is ended first, and readers skip it), summary.json kept current from it, the run's clock carried on.
+    `devices`: the job's usable devices, as the chief opened the log with."""
     workspace = Path(workspace)
     path = workspace / METRICS_FILE
     records = read_metrics(path) if path.exists() else []
@@ -37,8 +41,7 @@ def take_over_run_log(plan: JobPlan, workspace: Path) -> MetricsLog:
     # the run's clock at the last record, and the time since it was written (the chief's death, its detection)
     elapsed = max(times, default=0.0) + (max(0.0, time.time() - path.stat().st_mtime) if times else 0.0)
     before = read_summary(workspace) or {}
-    return open_run_log(plan, workspace, elapsed, usable_device_names(plan.all_devices()),
-                        started=_epoch(before.get("started")))  # the run's start, not the takeover's
+    return open_run_log(plan, workspace, elapsed, devices, started=_epoch(before.get("started")))  # the run's start
 
 
 def _epoch(text) -> float | None:

@@ -1,0 +1,84 @@
+"""Issue 38: a job file's chief dies and the job goes on. Under AllReduce's replicas (`shoal run JOB --max-restarts N`)
+process 0 is dropped like any other process: the lowest living process decides the next step in its place
+(shoal.comm.quorum, `replaceable`), and its trainer takes over the chief's duties (runtime/trainer.py `_take_over`,
+report/succession.py): the tests and validations (on the samples the chief would have read next), the run log, the
+checkpoints and the terminal; the dead chief's restarted process rejoins as a non-chief, healing from it. Real runs
+through the CLI on the blobs data, as tests/test_allreduce_faults.py's."""
+from __future__ import annotations
+
+import re
+import signal
+
+from fault_runs import SLOW, assert_no_library_text, pids, runs, summary, train_records  # noqa: F401 (runs: a fixture)
+from layouts import LAYOUTS, assert_ran
+from test_cli import leftover_processes
+from test_local_sgd_faults import params
+
+from shoal.config import job_pb2
+from shoal.neuralnet import checkpoint as ckpt_io
+from shoal.report.metrics import read_metrics
+
+REPLICATED = LAYOUTS["AllReduce, 3 processes, replicated (max_restarts 1)"]
+
+
+def test_a_killed_chief_is_dropped_and_its_successor_tests_logs_and_checkpoints(blobs_job, tmp_path, runs):
+    """Process 0 of 3 is SIGKILLed mid-run: no whole-job restart (processes 1 and 2 keep their pids to the end),
+    process 1 says on the terminal that it took the chief's place, decides the steps, tests on the chief's next samples
+    (the final checkpoint's test cursor is the unfaulted run's), writes metrics.jsonl on as one log (no `resume`
+    record, every display step once) and the final checkpoint; process 0 comes back as a non-chief; exit 0."""
+    steps = 200  # 2 s or more (SLOW): time for the restarted process to build its net and knock, under load
+    job = blobs_job(train_steps=steps, cluster_extra=dict(nworkers_per_group=3))
+    run = runs.start(job, tmp_path, "--max-restarts", "1", env=SLOW)
+    survivors = {rank: run.pid_once_training(rank) for rank in (1, 2)}
+    victim = run.signal(0, signal.SIGKILL)
+    stdout, stderr = run.finished()
+    assert ("WARNING: process 0 (worker(group=0, id=0), server(group=0, id=0)) died (SIGKILL); the other processes go on "
+            "without it; restarting it (restart 1 of 1); it rejoins at the next step, from the state of the lowest living "
+            "process, which decides the steps now") in stderr.splitlines(), stderr
+    took = int(re.search(r"^Process 1 took the chief's place after step (\d+): it decides the steps, tests and validates, "
+                         r"writes the run log and the checkpoints$", stdout, re.M)[1])  # (on the terminal: the successor's)
+    assert 10 <= took < steps
+    assert pids(run.ws, 1) == [survivors[1]] and pids(run.ws, 2) == [survivors[2]]  # nobody else restarted
+    first, second = pids(run.ws, 0)
+    assert first == victim and second != victim
+    got = assert_ran(run.ws, REPLICATED)
+    assert got["status"] == "finished" and "0" in got["missed_steps"], got
+    records = read_metrics(run.ws / "metrics.jsonl")
+    assert not [r for r in records if r["phase"] == "resume"]
+    shown = [r["step"] for r in train_records(run.ws)]
+    # every display once, but those between the chief's death and the takeover (nobody spoke for the job then)
+    assert shown == sorted(set(shown)) and set(range(0, steps, 5)) - set(shown) <= set(range(10, took + 1)), shown
+    tests = [r["step"] for r in records if r["phase"] == "test"]
+    assert tests[-1] == steps and any(took < s < steps for s in tests), tests  # the successor tested, the final test too
+    final = ckpt_io.load(ckpt_io.checkpoint_file(run.ws, steps), parts=False)
+    # every test read the chief's next batches: as many as in an unfaulted run (steps 0, 10 ... 190 and the final one,
+    # 2 batches of 64 each), whoever ran it
+    assert final.trainer["cursors"][str(job_pb2.kTest)] == (steps // 10 + 1) * 2 * 64, final.trainer
+    assert final.trainer["writer"] == 1 and final.trainer["last_test"] == {"step": steps, "cursor": steps // 10 * 2 * 64}
+    assert got["final_test"]["accuracy"] > 0.8, got["final_test"]
+    assert_no_library_text(stdout, stderr, (run.ws / "logs" / "rank1.log").read_text())
+    assert leftover_processes(tmp_path) == []
+
+
+def test_a_chief_that_exits_before_the_end_leaves_the_same_bits_each_time(blobs_job, tmp_path):
+    """The fault schedule decides the result: process 0 exits at step 39 of 40 (its restart comes back after the last
+    step, or rejoins for nothing: either way step 39 is named as missed), process 1 finishes the run and writes the
+    final checkpoint; the same faulted job twice gives the same params."""
+    from cli_in_process import run_cli
+    import os
+
+    steps, gone = 40, 39
+    job = blobs_job(train_steps=steps, cluster_extra=dict(nworkers_per_group=3))
+    for i in range(2):
+        ws = tmp_path / f"faulted{i}"
+        proc = run_cli("run", job, "--workspace", ws, "--no-progress", "--max-restarts", "1",
+                       env={**os.environ, "SHOAL_INJECT_EXIT": f"0:{gone}"}, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert ("WARNING: process 0 (worker(group=0, id=0), server(group=0, id=0)) exited with code 3; the other processes go on without it; "
+                "restarting it (restart 1 of 1)") in proc.stderr, proc.stderr
+        assert f"Process 1 took the chief's place after step {gone}" in (ws / "logs" / "rank1.log").read_text()
+        got = assert_ran(ws, REPLICATED)
+        missed = got["missed_steps"]["0"]
+        assert missed["missed"] == 1 and missed["why"].startswith(f"missing from step {gone}"), got
+    a, b = params(tmp_path / "faulted0", steps), params(tmp_path / "faulted1", steps)
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
