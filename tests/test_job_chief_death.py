@@ -6,9 +6,11 @@ checkpoints and the terminal; the dead chief's restarted process rejoins as a no
 through the CLI on the blobs data, as tests/test_allreduce_faults.py's."""
 from __future__ import annotations
 
+import os
 import re
 import signal
 
+from cli_in_process import run_cli
 from fault_runs import SLOW, assert_no_library_text, pids, runs, summary, train_records  # noqa: F401 (runs: a fixture)
 from layouts import LAYOUTS, assert_ran
 from test_cli import leftover_processes
@@ -64,9 +66,6 @@ def test_a_chief_that_exits_before_the_end_leaves_the_same_bits_each_time(blobs_
     """The fault schedule decides the result: process 0 exits at step 39 of 40 (its restart comes back after the last
     step, or rejoins for nothing: either way step 39 is named as missed), process 1 finishes the run and writes the
     final checkpoint; the same faulted job twice gives the same params."""
-    from cli_in_process import run_cli
-    import os
-
     steps, gone = 40, 39
     job = blobs_job(train_steps=steps, cluster_extra=dict(nworkers_per_group=3))
     for i in range(2):
@@ -82,3 +81,37 @@ def test_a_chief_that_exits_before_the_end_leaves_the_same_bits_each_time(blobs_
         assert missed["missed"] == 1 and missed["why"].startswith(f"missing from step {gone}"), got
     a, b = params(tmp_path / "faulted0", steps), params(tmp_path / "faulted1", steps)
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_a_killed_diloco_chief_is_dropped_and_a_resume_from_its_successors_checkpoint_goes_on(blobs_job, tmp_path, runs):
+    """DiLoCo's group 0 in a job file (groups of one process each): its process SIGKILLed mid-run is left out of the
+    meetings like any other group; process 1 takes the chief's place (the meetings, tests, run log and checkpoints),
+    group 0's restarted process rejoins at a meeting as a non-chief; summary.json names the meetings group 0 missed. The
+    successor's final checkpoint names it as its writer and lists group 0's part (once it rejoined) as the one beside
+    the file; `--resume` with more steps goes on from it to the new last step (each process from its own state:
+    runtime/trainer.py `restore`)."""
+    from test_local_sgd_faults import DILOCO
+
+    steps = 150
+    job = blobs_job(train_steps=steps, cluster_extra=dict(nworker_groups=2, local_steps=5))
+    run = runs.start(job, tmp_path, "--max-restarts", "1", "--set", "checkpoint_freq=50", *DILOCO, env=SLOW)
+    survivor = run.pid_once_training(1)
+    victim = run.signal(0, signal.SIGKILL)
+    stdout, stderr = run.finished()
+    assert re.search(r"^WARNING: process 0 \(worker\(group=0, id=0\), server\(group=0, id=0\)\) (died \(SIGKILL\)|exited "
+                     r"with code -9); restarting it \(restart 1 of 1\); it rejoins at the groups' next meeting", stderr, re.M), stderr
+    assert re.search(r"^Process 1 took the chief's place after step \d+: it decides the steps, tests and validates", stdout,
+                     re.M), stdout
+    assert pids(run.ws, 1) == [survivor] and pids(run.ws, 0)[0] == victim and len(set(pids(run.ws, 0))) == 2
+    got = summary(run.ws)
+    assert got["status"] == "finished" and got["framework"] == "DiLoCo" and got["processes"] == 2, got
+    assert "0" in got["missed_updates"] and got["final_test"]["step"] == steps, got
+    assert [r["group"] for r in got.get("rejoins", [])] in ([0], []), got  # (a restart may come after the last meeting)
+    final = ckpt_io.load(ckpt_io.checkpoint_file(run.ws, steps), parts=True)
+    assert (final.trainer["writer"], final.trainer["writer_group"]) == (1, 1)
+    assert set(final.parts) == ({ckpt_io.part_name(steps, 0, 0)} if got.get("rejoins") else set()), final.parts
+    resumed = run_cli("run", job, "--workspace", run.ws, "--no-progress", "--resume", "--set", f"train_steps={steps + 20}",
+                      "--set", "checkpoint_freq=50", *DILOCO, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert summary(run.ws)["final_test"]["step"] == steps + 20
+    assert leftover_processes(tmp_path) == []

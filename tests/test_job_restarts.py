@@ -28,7 +28,6 @@ from shoal.launcher import job_registry
 
 DOWNPOUR = "Downpour, 2 groups + 1 server, 3 processes"
 ALLREDUCE = "AllReduce, 2 processes"
-LOCAL_SGD = dict(nworker_groups=2, local_steps=5)  # (over the "single worker" layout: one group per process)
 SLOW = {"SHOAL_SLOW_WORKER": "0:0+0.01"}  # steps of 10 ms or more: the run outlasts a kill and a restart
 RAW = ("gloo", "c10d", ".cpp", "GLHF", "Traceback")
 
@@ -124,22 +123,22 @@ def test_a_killed_server_restarts_the_whole_job_from_its_checkpoint(blobs_job, t
     assert leftover_processes(tmp_path) == []
 
 
-def test_a_killed_chief_of_a_local_sgd_job_file_restarts_the_whole_job(blobs_job, tmp_path, runs):
-    """(b) A job file's Local SGD trainer keeps group 0's duties to itself (AllReduce's replicas go on without their
-    chief: tests/test_job_chief_death.py): process 0 SIGKILLed after a checkpoint; the whole job starts again from it,
-    as torchrun's agent restarts its workers."""
+def test_a_killed_chief_of_downpour_restarts_the_whole_job(blobs_job, tmp_path, runs):
+    """(b) Downpour's group 0 holds the chief's duties to itself (AllReduce's replicas and Local SGD's groups go on
+    without their chief: tests/test_job_chief_death.py): process 0 SIGKILLed after a checkpoint; the whole job starts
+    again from it, as torchrun's agent restarts its workers."""
     steps = 120
-    run = Run(blobs_job(train_steps=steps, cluster_extra=LOCAL_SGD), tmp_path, "single worker", "--max-restarts", "1",
+    run = Run(blobs_job(train_steps=steps), tmp_path, DOWNPOUR, "--max-restarts", "1",
               "--set", "checkpoint_freq=20", "--set", "test_freq=60", env=SLOW)
     runs.append(run)
     chief = run.pid_of(0)
     checkpoint_written(run.ws, run)
     os.kill(chief, signal.SIGKILL)
     assert run.wait(timeout=180) == 0, run.stderr()
-    after, from_step = restart_line(run.stderr(), "process 0 (worker(group=0, id=0), server(group=0, id=0))")
+    after, from_step = restart_line(run.stderr(), "process 0 (worker(group=0, id=0))")
     assert from_step >= 20
     ended = assert_resumed(run.ws, after, from_step, steps)
-    assert ended["processes"] == 2 and ended["framework"] == "Local SGD", ended
+    assert ended["processes"] == 3 and ended["framework"] == "Downpour", ended
     assert ended["final_test"]["accuracy"] >= 0.9
     assert pids(run.ws)[0] != chief
     assert leftover_processes(tmp_path) == []
@@ -192,7 +191,7 @@ def test_the_history_of_a_restarted_job_is_one_run(blobs_job, tmp_path, monkeypa
     ws = tmp_path / "ws"
     for name, value in SLOW.items():
         monkeypatch.setenv(name, value)
-    job = shoal.load_job(blobs_job(train_steps=steps, cluster_extra=LOCAL_SGD),  # (its chief's death restarts the job)
+    job = shoal.load_job(blobs_job(train_steps=steps, layout=DOWNPOUR),  # (its chief's death restarts the job)
                          ["cluster.max_restarts=1", "checkpoint_freq=20", "test_freq=50", "disp_freq=5"])
     killed = []
 
@@ -217,19 +216,19 @@ def test_the_history_of_a_restarted_job_is_one_run(blobs_job, tmp_path, monkeypa
 
 
 @pytest.mark.slow  # a stall timeout to wait out (3 s) and a second start
-def test_a_stalled_local_sgd_chief_restarts_the_whole_job(blobs_job, tmp_path, runs):
-    """The chief of a Local SGD job SIGSTOPped after a checkpoint: group 1's process finds it stalled (the job cannot go
-    on without it: it decides every meeting); the launcher SIGKILLs the stopped chief and restarts the whole job, rather
-    than restarting group 1 and waiting on the stopped chief for ever."""
+def test_a_stalled_downpour_chief_restarts_the_whole_job(blobs_job, tmp_path, runs):
+    """The chief of a Downpour job SIGSTOPped after a checkpoint: another process finds it stalled (the job cannot go on
+    without it: a job file's Local SGD chief is replaced instead, tests/test_job_chief_death.py); the launcher SIGKILLs
+    the stopped chief and restarts the whole job, rather than waiting on the stopped chief for ever."""
     steps = 120
-    run = Run(blobs_job(train_steps=steps, cluster_extra=dict(nworker_groups=2, local_steps=5)), tmp_path, "single worker",
+    run = Run(blobs_job(train_steps=steps), tmp_path, DOWNPOUR,
               "--max-restarts", "1", "--set", "checkpoint_freq=20", "--set", "test_freq=60", env={"SHOAL_SLOW_WORKER": "0:0+0.02"})
     runs.append(run)
     chief = run.pid_of(0)
     checkpoint_written(run.ws, run)
     os.kill(chief, signal.SIGSTOP)
     assert run.wait(timeout=120) == 0, run.stderr()
-    found = re.findall(r"^WARNING: process 0 \(worker\(group=0, id=0\), server\(group=0, id=0\)\) stopped answering \(no heartbeat "
+    found = re.findall(r"^WARNING: process 0 \(worker\(group=0, id=0\)\) stopped answering \(no heartbeat "
                        r"for \d+ s[^)]*\); restarting the whole job from the checkpoint of step (\d+) \(restart 1 of 1\)$", run.stderr(), re.M)
     assert len(found) == 1 and "exited with code" not in run.stderr(), run.stderr()
     ended = summary(run.ws)

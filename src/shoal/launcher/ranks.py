@@ -24,13 +24,13 @@ def replicas_go_on(plan: JobPlan) -> bool:
 def chief_replaceable(plan: JobPlan) -> bool:
     """Whether the chief's death drops it like any other process (the lowest living process decides the steps or
     meetings and takes over the run log, tests and checkpoints: shoal.comm.quorum's `replaceable`, report/succession.py):
-    a group of replicas (a user's loop or a job file's trainer), or Local SGD / DiLoCo's groups of one process each in a
-    user's loop. A job file's Local SGD trainer keeps group 0's duties to itself: there the chief's death restarts the
-    whole job (launcher/job_restarts.py); Downpour's and Hogwild's group 0 holds the servers' or masters' side too."""
+    a group of replicas, or Local SGD / DiLoCo's groups of one process each, in a user's loop or a job file. Elsewhere
+    the chief's death restarts the whole job (launcher/job_restarts.py): Downpour's and Hogwild's group 0 holds the
+    servers' or masters' side too."""
     if plan.in_one_process:
         return False
     meeting_groups = plan.strategy.meets and all(len(plan.ranks_of_group(g)) == 1 for g in range(plan.nworker_groups))
-    return replicas_go_on(plan) or (plan.own_loop and meeting_groups)
+    return replicas_go_on(plan) or meeting_groups
 
 
 def outlives_a_dead_process(plan: JobPlan) -> bool:

@@ -94,18 +94,19 @@ class History:
         return tests[-1] if tests else None
 
 
-def checkpoint_parts(plan: JobPlan) -> dict[tuple[int, int], bool]:
-    """(group, rank) of every trainer but the chief, each writing its own part of every checkpoint, and whether
-    a checkpoint without it is incomplete: it is where the groups are synchronous or meet (Local SGD); an
-    asynchronous group may have died before writing its part, and then starts from the chief's values on resume.
-    Downpour's server processes run no trainer: the chief asks the servers for their state."""
+def checkpoint_parts(plan: JobPlan, writer: tuple[int, int] = (0, 0)) -> dict[tuple[int, int], bool]:
+    """(group, rank) of every trainer but the chief (`writer`: the chief's, or a successor's that took a dead chief's
+    place), each writing its own part of every checkpoint, and whether a checkpoint without it is incomplete: it is
+    where the groups are synchronous or meet (Local SGD); an asynchronous group may have died before writing its part,
+    and then starts from the chief's values on resume. Downpour's server processes run no trainer: the chief asks the
+    servers for their state."""
     parts = {}
     for rank in range(plan.nprocs):
         hosted = plan.process(rank)
         if hosted.servers and not hosted.workers and not plan.strategy.servers_hold_trainers:
             continue
         for group in sorted({w.group for w in hosted.workers}) or [0]:
-            if (group, rank) != (0, 0):  # (a group of replicas that goes on without a process: each part optional)
+            if (group, rank) != writer:  # (a group of replicas that goes on without a process: each part optional)
                 parts[(group, rank)] = (plan.strategy.synchronous or plan.strategy.meets) and not plan.strategy.goes_on_without_a_process(plan)
     return parts
 
@@ -319,6 +320,7 @@ class Trainer:
         trainer = {
             "job": self.job.name,
             "writer": self.rank,  # (a successor of a dead chief writes the file with its own state: restore)
+            "writer_group": self.group,
             "cursors": {str(k): v for k, v in self.cursors.items()},
             "skips": self._skips(),
             "window": self.window.state(),
@@ -336,7 +338,7 @@ class Trainer:
             exchange=own,
             # a group the meetings went on without (Local SGD) writes no part: a resume starts it from the chief's values
             part_names={ckpt_io.part_name(step, g, r): required and g not in absent
-                        for (g, r), required in checkpoint_parts(self.plan).items()},
+                        for (g, r), required in checkpoint_parts(self.plan, writer=(self.group, self.rank)).items()},
         )
 
     def _skips(self) -> dict:
@@ -353,7 +355,7 @@ class Trainer:
         name = ckpt_io.part_name(ckpt.step, self.group, self.rank)
         t = ckpt.trainer
         # the file is its writer's own: the chief's, or a successor's that took a dead chief's place (report/succession.py)
-        own = ckpt if (self.rank, self.group) == (t.get("writer", 0), 0) else ckpt.parts.get(name)
+        own = ckpt if (self.rank, self.group) == (t.get("writer", 0), t.get("writer_group", 0)) else ckpt.parts.get(name)
         rng = own.rng if own is not None else ckpt.rng
         for w in self.workers:
             if f"worker{w.index}" in rng:

@@ -79,6 +79,7 @@ class LocalSGD(Strategy):
     def attach_exchanges(self, run) -> None:
         plan, meetings = run.plan, run.plan.meetings
         groups = plan.nworker_groups
+        replaceable = False  # (in one process a group's thread never dies alone)
         if plan.in_one_process:
             meeting = InMemoryMeeting(groups, plan.comm_timeout_s)
             run.board = MeetingBoard(groups, -1, 0, meeting=meeting)
@@ -87,16 +88,19 @@ class LocalSGD(Strategy):
             ranks = [p.rank for p in plan.placement.processes]
             group_of = {r: plan.process(r).workers[0].group for r in ranks}
             first = None if run.rejoining else run.process_groups["meeting"]  # a restarted process knocks instead
+            # groups of one process each: group 0's process may die like any other; the lowest living one decides the
+            # meetings, as under AllReduce, and its loop (a user's session, or its trainer) takes over the chief's duties
+            replaceable = all(len(plan.ranks_of_group(g)) == 1 for g in range(groups))
             quorum = Quorum(run.rank, ranks, group_of, channels.Door(DOOR), first=first, timeout_s=plan.comm_timeout_s,
-                            admits=plan.max_restarts > 0, replaceable=plan.own_loop)  # (a user's loop: group 0's
-            # process may die like any other; the lowest living one decides the meetings, as under AllReduce)
+                            admits=plan.max_restarts > 0, replaceable=replaceable)
             meeting = ProcessMeeting(groups, codecs() if codecs else None, quorum, group_of, first)
         for t in run.trainers:
             steps_done = None if run.board is None else (lambda steps, g=t.group: run.board.note_steps(g, steps))
             t.attach_exchange(PeriodicExchange(t.store, make_updater(plan.updater), make_updater(plan.outer_updater), meetings.local_steps,
                                                meeting, t.group, plan.global_batch, meetings.warmup_steps,
                                                meetings.sparse_outer_step,
-                                               on_step_done=steps_done, annotate=_annotator(t)))
+                                               on_step_done=steps_done, annotate=_annotator(t)),
+                             may_take_over=replaceable)
 
     def after_values(self, run, spec) -> None:
         chief = run.chief
