@@ -27,12 +27,12 @@ SYNC_FREQ = 4
 GROUPS = dict(sync_freq=SYNC_FREQ)
 
 
-# slow, both: under a loaded CI (2 of about 7 fresh-clone runs on 2026-11-28) the restarted group's first syncs with
-# group 0 went unanswered until gloo's 45 s timeout, and the groups then stopped syncing for good: an open race in the
-# rejoin's re-linking (issue 38's closing note has the logs' evidence), which this test catches and the default suite
-# must not flake on until it is fixed
-@pytest.mark.slow
-@pytest.mark.parametrize("groups, extra", [(2, {}), (3, dict(compression="kTopK", topk_fraction=0.5))])
+# Under a loaded CI (2 of about 7 fresh-clone runs on 2026-11-28) the restarted group's first syncs with group 0 went
+# unanswered until gloo's 45 s timeout, and the groups then stopped syncing for good: a race in the rejoin's re-linking
+# (a sync under way read the old link), fixed in cec8daa; 24 runs of both cases beside two CPU hogs and two other copies
+# (2026-11-29) never hung
+@pytest.mark.parametrize("groups, extra", [(2, {}), pytest.param(3, dict(compression="kTopK", topk_fraction=0.5),
+                                                                 marks=pytest.mark.slow)])  # (the same race: suite time)
 def test_a_killed_hogwild_group_is_restarted_and_syncs_again(blobs_job, tmp_path, runs, groups, extra):
     """--max-restarts 1, group 1's process SIGKILLed: exit 0, group 1 runs under two pids (the rejoin line names the
     step it joined at, its peers', later than its last sync's, the steps it skipped and what it took), the others' pids
@@ -52,10 +52,11 @@ def test_a_killed_hogwild_group_is_restarted_and_syncs_again(blobs_job, tmp_path
     got = summary(run.ws)
     (record,) = got["rejoins"]  # logs/rejoins.jsonl's line
     synced, joined = record["skipped_steps"]  # [its last sync's step, the step it joined at)
-    assert synced % SYNC_FREQ == 0 and 0 < synced < joined == step < STEPS, (line, record)  # its peers' step, past its last sync
+    # its peers' step, at or past its last sync (at it: a restart quick enough that its peers had not moved on)
+    assert synced % SYNC_FREQ == 0 and 0 < synced <= joined == step < STEPS, (line, record)
     assert step >= 20, line  # group 0 (the chief) had displayed step 20 before the kill: the peers' step, at least
     skipped_text = (f"step {synced} (1 step" if step - synced == 1 else f"steps {synced} to {step - 1} ({step - synced} steps")
-    assert f"; it skipped {skipped_text}, to its peers' step: " in line, line
+    assert (f"; it skipped {skipped_text}, to its peers' step: " in line) == (step > synced), line
     masters = "worker group 0 masters" if groups == 2 else "worker groups 0 and 2 master"
     assert re.search(f"the live values of the slices {masters}, and its own slices as worker group [02] last synced them "
                      r"\(its updates since that sync were lost\)", line), line
@@ -65,9 +66,12 @@ def test_a_killed_hogwild_group_is_restarted_and_syncs_again(blobs_job, tmp_path
     # groups' updates add up to the unfaulted run's, and the chief's last step (its final test, checkpoint) is its own
     skipped = step - synced
     shares = {str(g): skipped // groups + (g < skipped % groups) for g in range(groups)}
-    assert got["reshared_steps"] == {"skipped": skipped, "retrained": skipped, "by_group": shares}, got.get("reshared_steps")
-    assert got["steps_per_group"] == {str(g): STEPS - skipped * (g == 1) + shares[str(g)] for g in range(groups)}
-    assert sum(got["steps_per_group"].values()) == groups * STEPS
+    if skipped:
+        assert got["reshared_steps"] == {"skipped": skipped, "retrained": skipped, "by_group": shares}, got.get("reshared_steps")
+        assert got["steps_per_group"] == {str(g): STEPS - skipped * (g == 1) + shares[str(g)] for g in range(groups)}
+        assert sum(got["steps_per_group"].values()) == groups * STEPS
+    else:  # nothing to re-share
+        assert "reshared_steps" not in got and "missed_steps" not in got, got
     last = STEPS + shares["0"]
     assert got["steps"] == last and got["status"] == "finished" and got["final_test"]["step"] == last
     assert (run.ws / "checkpoint" / f"step{last}-worker0.safetensors").exists()
@@ -86,13 +90,17 @@ def test_a_killed_hogwild_group_is_restarted_and_syncs_again(blobs_job, tmp_path
     assert sum(second_half) >= (records[-1]["step"] - STEPS // 2) // SYNC_FREQ // 2, records
     assert any(r["syncs"] for r in records if r["step"] >= 3 * STEPS // 4), records
     assert got["missed_updates"] == {"1": {"why": "process 1 was restarted after it exited with code -9", "rejoined_at": [step]}}
-    why = f"skipped steps {synced} to {step - 1}" if skipped > 1 else f"skipped step {synced}"
-    assert got["missed_steps"] == {"1": {"missed": skipped, "of": STEPS, "why": f"{why}, back at step {step}"}}
-    retrained = " and ".join(f"{shares[str(g)]} by worker group {g}" for g in range(groups) if shares[str(g)])
-    assert (f"worker group 1 was restarted and rejoined at step {step}, skipping {skipped} step{'s' if skipped > 1 else ''} "
-            f"(process 1 was restarted after it exited with code -9)" in closing_line(stdout)), closing_line(stdout)
-    were = "steps were" if skipped > 1 else "step was"
-    assert f"the {skipped} skipped {were} re-trained beyond step {STEPS}: {retrained}" in closing_line(stdout), closing_line(stdout)
+    if skipped:
+        why = f"skipped steps {synced} to {step - 1}" if skipped > 1 else f"skipped step {synced}"
+        assert got["missed_steps"] == {"1": {"missed": skipped, "of": STEPS, "why": f"{why}, back at step {step}"}}
+        retrained = " and ".join(f"{shares[str(g)]} by worker group {g}" for g in range(groups) if shares[str(g)])
+        assert (f"worker group 1 was restarted and rejoined at step {step}, skipping {skipped} step{'s' if skipped > 1 else ''} "
+                f"(process 1 was restarted after it exited with code -9)" in closing_line(stdout)), closing_line(stdout)
+        were = "steps were" if skipped > 1 else "step was"
+        assert f"the {skipped} skipped {were} re-trained beyond step {STEPS}: {retrained}" in closing_line(stdout), closing_line(stdout)
+    else:
+        assert (f"worker group 1 was restarted and rejoined at step {step} (process 1 was restarted after it exited with "
+                f"code -9)" in closing_line(stdout)), closing_line(stdout)
     # summary.json's bytes: group 0's syncs, and group 1's of both processes (the dead one's as group 0 answered them,
     # the restarted one's own count with what it took when it rejoined); no more than the unfaulted run's and that
     # handover (its 24-byte header: three int64, and the whole model in float32: the live slices and its own)

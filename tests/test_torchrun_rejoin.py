@@ -381,3 +381,83 @@ def test_a_session_script_under_torchrun_warns_at_start_when_its_process_is_not_
     assert proc.stderr.splitlines().count(NOT_RESTARTED.format(label="single worker")) == 1, proc.stderr
     assert "Train @ step 2 " in proc.stdout and summary(tmp_path / "ws")["status"] == "finished"
     assert leftover_processes(tmp_path) == []
+
+
+REPLICATED = "AllReduce, 3 processes, replicated (max_restarts 1)"
+
+
+def test_a_killed_chief_under_torchrun_is_replaced_and_nothing_restarts(blobs_job, tmp_path, torchruns):
+    """SIGKILL rank 0's training process mid-run (AllReduce's replicas, 3 ranks): torchrun restarts nothing (one
+    registration, no whole-job restart); process 1 takes the chief's place (its line on torchrun's output) and finishes
+    the run log; rank 0's supervisor starts a new process that rejoins as a non-chief, holds the workspace's and the
+    registry's locks meanwhile and, at the end, writes the rejoins into summary.json and ends the record as finished."""
+    steps = 200
+    job = blobs_job(train_steps=steps, cluster_extra=dict(nworkers_per_group=3))
+    proc, ws = start(torchruns, job, tmp_path, env={"SHOAL_SLOW_WORKER": "0:0+0.01"}, nprocs=3)
+    victim, survivor = training_pids(ws)
+    os.kill(victim, signal.SIGKILL)
+    assert proc.wait(timeout=180) == 0, proc.err.read_text()[-3000:]
+    stdout, stderr = proc.out.read_text(), proc.err.read_text()
+    assert any(line.startswith("WARNING: process 0 (worker(group=0, id=0), server(group=0, id=0)) died (SIGKILL); the other "
+                               "processes go on without it; restarting it (restart 1 of 1)") for line in stderr.splitlines()), stderr
+    assert "Process 1 took the chief's place after step " in stdout, stdout
+    (record,) = registered(ws)  # torchrun restarted nothing
+    assert record.status == "finished", record
+    assert pids(ws, 1) == [survivor] and pids(ws, 0)[0] == victim and len(pids(ws, 0)) == 2
+    got = assert_ran(ws, LAYOUTS[REPLICATED])
+    assert got["status"] == "finished" and got["final_test"]["step"] == steps and "0" in got["missed_steps"], got
+    assert [r["rank"] for r in got["rejoins"]] == [0], got
+    assert "Traceback" not in stderr and "gloo" not in stderr.lower(), stderr
+    assert leftover_processes(tmp_path) == []
+
+
+CHIEF_DIES = '''
+import json, os, signal, sys, time
+from pathlib import Path
+import torch, shoal
+out = Path(sys.argv[1])
+run = shoal.session(train_steps=60, disp_freq=5)
+(out / f"pid{run.rank}.{os.getpid()}").write_text("")
+torch.manual_seed(0)
+model = run.model(torch.nn.Linear(4, 1, bias=False))
+opt = run.optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+for step in run.steps():
+    if run.rank == 0 and step == 8 and not (out / "killed").exists():
+        (out / "killed").write_text("")
+        os.kill(os.getpid(), signal.SIGKILL)
+    if run.rank != 0:
+        time.sleep(0.05)  # (the restart has time to come back)
+    loss = 0.5 * ((model.weight[0] - torch.arange(4.0) - run.rank) ** 2).sum()
+    loss.backward()
+    opt.step(); opt.zero_grad()
+    run.log(step, loss=loss)
+(out / f"rank{run.rank}.{os.getpid()}.json").write_text(json.dumps({"step": step}))
+'''
+
+
+@pytest.mark.slow  # one more torchrun run: the job file's (above) covers the chief's supervisor in the default suite
+def test_a_killed_session_chief_under_torchrun_is_replaced(tmp_path, torchruns):
+    """A shoal.session() loop under torchrun (AllReduce, 2 ranks, --max-restarts 1): rank 0 SIGKILLs itself at step 8;
+    its supervisor restarts it into the running loop as a non-chief, rank 1 takes the chief's place and finishes the
+    run log; torchrun restarts nothing, the registry's record ends finished."""
+    script, out = tmp_path / "loop.py", tmp_path / "out"
+    script.write_text(CHIEF_DIES)
+    out.mkdir()
+    ws = tmp_path / "ws"
+    proc = torchrun_in_background(script, ws, tmp_path / "stdout.txt", tmp_path / "stderr.txt", "--set",
+                                  "cluster.nworkers_per_group=2", "--set", "cluster.nworkers_per_procs=1", "--", str(out))
+    proc.tmp_path, proc.out, proc.err = tmp_path, tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    torchruns.append(proc)
+    assert proc.wait(timeout=180) == 0, proc.err.read_text()[-3000:]
+    stdout, stderr = proc.out.read_text(), proc.err.read_text()
+    assert "Process 1 took the chief's place after step " in stdout, stdout
+    assert any(line.startswith("WARNING: process 0 (worker(group=0, id=0)") and "restarting it (restart 1 of 1)" in line
+               for line in stderr.splitlines()), stderr
+    (record,) = registered(ws)
+    assert record.status == "finished", record
+    assert len(list(out.glob("pid0.*"))) == 2 and len(list(out.glob("pid1.*"))) == 1
+    got = summary(ws)
+    assert got["status"] == "finished" and [r["rank"] for r in got["rejoins"]] == [0], got
+    assert sorted(json.loads(p.read_text())["step"] for p in out.glob("rank*.json")) == [59, 59]  # both ended the loop
+    assert "Traceback" not in stderr and "gloo" not in stderr.lower(), stderr
+    assert leftover_processes(tmp_path) == []

@@ -240,7 +240,7 @@ class Session:
                 stack.__exit__(SessionError, SessionError(reason or status), None)
 
         try:
-            return cls(plan, launched.rank, ws, resume_from, say, owned=release)
+            return cls(plan, launched.rank, ws, resume_from, say, owned=release, terminal=True)  # (torchrun's console)
         except BaseException as err:
             stack.__exit__(type(err), err, err.__traceback__)
             raise

@@ -210,5 +210,5 @@ def rank_process(job_bytes: bytes, nnodes: int, launched: launchers.LaunchedProc
     except ShoalError as err:  # one line, as `shoal run` says it (its supervisor says nothing more)
         print(first_line(str(err)) or type(err).__name__, file=sys.stderr)
         raise SystemExit(2) from None
-    except KeyboardInterrupt:  # stopped with its supervisor, which speaks for both
-        raise SystemExit(130) from None
+    except KeyboardInterrupt:  # stopped with its supervisor, which speaks for both, or on its own (`jobs kill`): its
+        raise SystemExit(130) from None  # supervisor then stops too (supervisor.STOPPED_EXIT), never restarting it

@@ -176,6 +176,22 @@ def register(name: str, job_file: str, workspace: Path) -> JobRecord:
     return record
 
 
+def take_over(record: JobRecord, rank: int) -> None:
+    """This process (rank `rank`'s supervisor under torchrun) stands for a running job whose registering process died and
+    whose place another took (launcher/supervisor.py): it holds the job's lock from now on and is the rank's entry, so
+    that `jobs kill` signals it (it stops its child) and `finish` closes the record."""
+    _hold_lock(record.id)
+    record.processes = [p for p in record.processes if p["rank"] != rank] + [process_entry(rank, os.getpid())]
+    record.save()
+
+
+def running_record(workspace: Path) -> Optional[JobRecord]:
+    """The newest running record of a job in `workspace` (None: none)."""
+    here = os.path.realpath(workspace)
+    found = [r for r in all_jobs() if r.status == "running" and os.path.realpath(r.workspace) == here]
+    return max(found, key=lambda r: r.id, default=None)
+
+
 def finish(record: JobRecord, status: str, message: str = "") -> None:
     record.status, record.ended, record.message = status, time.time(), message
     try:

@@ -9,10 +9,16 @@ running job through the job's store. torchrun sees nothing fail: the survivors' 
 A `shoal.session()` script's rank is supervised the same way (frontend/session_start.py, `supervise_if_restartable`):
 its child runs the script from the top, and so does a restarted one (`RunOptions.rank_main`, as under `shoal run`).
 
-The store outlives the child: torchrun's agent hosts it (srun, env://: process 0, which is never supervised). What
-a supervisor cannot survive falls back to the launcher's whole-job restart from the newest checkpoint (torchrun's
-own --max-restarts with --resume=auto): the chief's death, the supervisor itself killed, torchrun's agent or a
-node lost. Its SIGTERM (torchrun stopping the job, Ctrl-C) ends the child first: no orphans.
+The store outlives the child: torchrun's agent hosts it (srun, env://: process 0, which is then never supervised).
+The chief's rank is supervised too under torchrun where another process takes a dead chief's place
+(`ranks.chief_replaceable`: AllReduce's replicas, Local SGD / DiLoCo's groups of one process each): its first child
+claims the workspace and registers the job as an unsupervised chief does; once that child died, the supervisor holds
+what it held (`ChiefsRecords`: the workspace's lock, the registry's record and lock) and, after the successor closed
+the run log, writes summary.json's rejoins and ends the record, as the chief would have; its restarted child rejoins
+as a non-chief. What a supervisor cannot survive falls back to the launcher's whole-job restart from the newest
+checkpoint (torchrun's own --max-restarts with --resume=auto): the chief's death elsewhere, the supervisor itself
+killed, torchrun's agent or a node lost. Its SIGTERM (torchrun stopping the job, Ctrl-C) ends the child first: no
+orphans.
 """
 from __future__ import annotations
 
@@ -20,25 +26,31 @@ import functools
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
-from shoal.launcher import launchers, stalls
+from shoal.errors import warn
+from shoal.launcher import job_registry, launchers, ranks, stalls
 from shoal.launcher.options import RunOptions
+from shoal.launcher.workspace import WorkspaceError, WorkspaceLock
 from shoal.planning.plan import JobPlan
+from shoal.report.summary import read_summary
 from shoal.runtime.trainer import History
 
-WATCH_INTERVAL_S = 0.5  # how often the supervisor looks for a stopped child between its exits
+WATCH_INTERVAL_S = 0.5
+STOPPED_EXIT = 130  # a child SIGTERMed (`shoal jobs kill` signals the chief's, the registry lock's holder): elastic.rank_process  # how often the supervisor looks for a stopped child between its exits
 
 
 def supervises(plan: JobPlan, launched: launchers.LaunchedProcess) -> bool:
     """Whether this launched process runs its rank in a child it restarts into the running job (restarts allowed, a
-    strategy whose processes rejoin, a rank that may: never the chief)."""
+    strategy whose processes rejoin, a rank that may: the chief's only where another process takes its place and the
+    store is torchrun's agent's, which outlives the chief's process)."""
     from shoal.launcher import rejoin
 
-    # (never the chief: under torchrun/srun its process holds the workspace's lock and the registry's entry, which a
-    # restarted child could not take back; its death restarts the whole job there)
-    return (plan.nprocs > 1 and plan.max_restarts > 0 and rejoin.rejoins(plan) and launched.rank != 0
+    chief_too = ranks.chief_replaceable(plan) and launched.agent_store  # (srun, env://: process 0 hosts the store)
+    return (plan.nprocs > 1 and plan.max_restarts > 0 and rejoin.rejoins(plan) and (launched.rank != 0 or chief_too)
             and rejoin.why_not(plan, launched.rank) is None)
 
 
@@ -75,44 +87,106 @@ def supervise(plan: JobPlan, options: RunOptions, launched: launchers.LaunchedPr
             restarter = rejoin.Restarter(plan, meeting, spec, options.process_setup, environment, rank_main=options.rank_main,
                                          notes_store=False)
             stopped_since: dict[int, float] = {}
+            records = ChiefsRecords(plan, workspace) if rank == 0 else None
             while True:
                 current = children.processes[0]
                 current.join(WATCH_INTERVAL_S)
                 if current.exitcode is None:
                     if _end_stopped_to_restart(children, [rank], plan, restarter, stopped_since, set()):
+                        if records is not None:
+                            records.hold()
                         restarter.restart(children, 0, rank, -signal.SIGKILL, how=f"was stopped past the stall timeout "
                                           f"({plan.stall_timeout_s:g} s) and dropped; the launcher ended it (SIGKILL)")
                         if children.processes[0].exitcode is not None:  # not restarted (the line said why)
-                            return _rank_over(workspace, rank, _given_up(plan, rank, workspace))
+                            return _rank_over(workspace, rank, _given_up(plan, rank, workspace), records)
                     continue
                 code = current.exitcode
                 if code == 0:
-                    return _rank_over(workspace, rank, History(workspace))
-                if code == stalls.STALLED_EXIT:  # it found a process the job cannot lose stalled, and said so
-                    raise SystemExit(code)
+                    return _rank_over(workspace, rank, History(workspace), records)
+                if code in (stalls.STALLED_EXIT, STOPPED_EXIT):  # it found a process the job cannot lose stalled (and
+                    raise SystemExit(code)  # said so), or was stopped on purpose (`shoal jobs kill`): not a death
                 left = code == stalls.GROUP_DROPPED_EXIT
+                if records is not None:  # the chief's first process died: what it held is this process's now
+                    records.hold()
                 if not left or restarter.can_restart(rank):
                     restarter.restart(children, 0, rank, code, how="left after the job dropped it for a stall" if left else None)
                 if children.processes[0].exitcode is None:  # a new process in its place
                     continue
                 if rejoin.heals(plan, rank):  # a server with no restart left: the job cannot go on (its stubs were told)
                     raise SystemExit(code)
-                return _rank_over(workspace, rank, _given_up(plan, rank, workspace))
-        except BaseException:  # stopped (SIGTERM, Ctrl-C), or the job's store unreachable: no child outlives this process
+                return _rank_over(workspace, rank, _given_up(plan, rank, workspace), records)
+        except BaseException as err:  # stopped (SIGTERM, Ctrl-C), or the job's store unreachable: no child outlives this process
             for proc in children.processes:
                 if proc.is_alive():
                     proc.terminate()
             _wait_for_exit([proc for proc in children.processes if proc.pid is not None])
+            if records is not None:
+                records.abandon(err)
             raise
 
 
-def _rank_over(workspace: Path, rank: int, history: History) -> History:
+def _rank_over(workspace: Path, rank: int, history: History, records: Optional["ChiefsRecords"] = None) -> History:
     """What this process says from now on (the CLI's closing line) goes to the rank's log, as an unsupervised rank's
-    stdout does (launch.rank_output): the chief's process says it on the terminal."""
+    stdout does (launch.rank_output): the chief's process says it on the terminal, once the records its first child
+    held are closed."""
     from shoal.report.writes import open_for_append
 
-    sys.stdout = open_for_append(Path(workspace) / "logs" / f"rank{rank}.log")
+    if records is not None:
+        records.close()
+    if rank != 0:
+        sys.stdout = open_for_append(Path(workspace) / "logs" / f"rank{rank}.log")
     return history
+
+
+class ChiefsRecords:
+    """What the chief's first process held, held by its supervisor once that process died and another took the chief's
+    place (`ranks.chief_replaceable`): the workspace's lock, the registry's record and its lock; at the end the
+    record's status and summary.json's rejoins, which that process would have written."""
+
+    def __init__(self, plan: JobPlan, workspace: Path):
+        self.plan, self.workspace = plan, Path(workspace)
+        self.began = time.time()  # logs/rejoins.jsonl may hold an earlier run's rejoins (a resumed workspace)
+        self.lock: Optional[WorkspaceLock] = None
+        self.record: Optional[job_registry.JobRecord] = None
+        self.held = False
+
+    def hold(self) -> None:
+        """At the first child's death (its locks went with it)."""
+        if self.held:
+            return
+        self.held = True
+        try:
+            self.lock = WorkspaceLock(self.workspace, self.plan.job.name).__enter__()
+        except WorkspaceError as err:  # taken in the moment between: say so, the job goes on
+            warn(f"WARNING: {err}")
+        self.record = job_registry.running_record(self.workspace)
+        if self.record is not None:
+            job_registry.take_over(self.record, 0)
+
+    def close(self) -> None:
+        """After this rank's last child ended: once the successor closed the run log (summary.json no longer says
+        `running`; at most the job's communication timeout), its rejoins and the record's end."""
+        if not self.held:
+            return
+        deadline = time.monotonic() + self.plan.comm_timeout_s
+        while (read_summary(self.workspace) or {}).get("status") == "running" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        summary = read_summary(self.workspace) or {}
+        from shoal.launcher import rejoin
+
+        rejoin.add_rejoins_to_summary(self.workspace, since=self.began)
+        status = summary.get("status") if summary.get("status") in ("finished", "failed", "killed") else "failed"
+        self._end(status, summary.get("reason") or "")
+
+    def abandon(self, err: BaseException) -> None:
+        if self.held:
+            self._end("killed" if isinstance(err, KeyboardInterrupt) else "failed", str(err).splitlines()[0] if str(err) else "")
+
+    def _end(self, status: str, message: str) -> None:
+        if self.record is not None:
+            job_registry.finish(self.record, status, message)
+        if self.lock is not None:
+            self.lock.__exit__(None, None, None)
 
 
 def _given_up(plan: JobPlan, rank: int, workspace: Path) -> History:
