@@ -47,21 +47,28 @@ def plan_of(**cluster):
 
 def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
     """One place says which layouts fit runs as fit_loop's loop: ON_SESSION, by fit_layout's names; every other layout
-    keeps the job path. The names fit_loop runs: one worker in one process on the CPU, AllReduce, Local SGD / DiLoCo
-    and Distributed Hogwild over processes (one worker each); AllReduce with server slices keeps the job path (its owners shard the optimizer's
-    state, ZeRO-1's shape)."""
-    ready = {"one worker", "AllReduce over processes", "Local SGD / DiLoCo over processes", "Distributed Hogwild over processes"}
+    keeps the job path. The names fit_loop runs: one worker in one process on the CPU, one synchronous group's workers
+    in one process (threads: tests/test_fit_threads_on_session.py), AllReduce, Local SGD / DiLoCo and Distributed
+    Hogwild over processes (one worker each); a synchronous group with server slices keeps the job path (its owners
+    shard the optimizer's state, ZeRO-1's shape), and so does Sandblaster's 2 threads + a server process (2 processes of
+    2 workers, not one worker each)."""
+    ready = {"one worker", "one synchronous group in one process", "AllReduce over processes",
+             "Local SGD / DiLoCo over processes", "Distributed Hogwild over processes"}
     assert fitting.ON_SESSION == ready
     on_a_gpu = SimpleNamespace(in_one_process=True, nworkers=1, job=SimpleNamespace(device=["cuda:0"]), label="single worker")
     named = {"one worker": plan_of(),
+             "one synchronous group in one process": plan_of(nworkers_per_group=2, nworkers_per_procs=2),  # (threads)
              "AllReduce over processes": plan_of(nworkers_per_group=2, nworkers_per_procs=1),
              "Local SGD / DiLoCo over processes": plan_of(nworker_groups=2, nworkers_per_procs=1, local_steps=2),
              "Distributed Hogwild over processes": plan_of(nworker_groups=2, nserver_groups=2)}
     with_torch_outer = SimpleNamespace(in_one_process=False, nworkers=2, nprocs=2, label="DiLoCo",  # (as fit plans it)
+                                       placement=SimpleNamespace(processes=[SimpleNamespace(workers=[k]) for k in range(2)]),
                                        strategy=SimpleNamespace(synchronous=False, meets=True, syncs_with_peers=False),
                                        job=SimpleNamespace(device=[], cluster=SimpleNamespace(
                                            outer_updater=SimpleNamespace(user_type=OUTER_OPTIMIZER_UPDATER))))
-    others = [plan_of(nworkers_per_group=2, nworkers_per_procs=2),  # in-memory AllReduce (threads)
+    others = [plan_of(nworkers_per_group=2, nworkers_per_procs=2, nservers_per_group=2, nservers_per_procs=2),  # threads, 2 slices
+              plan_of(nworkers_per_group=2, nworkers_per_procs=2, nservers_per_procs=1, server_worker_separate=True),
+              plan_of(nworker_groups=2, nworkers_per_procs=2),  # in-memory Hogwild (asynchronous threads)
               plan_of(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2),  # AllReduce, 2 server slices
               with_torch_outer,  # DiLoCo with fit's outer_optimizer= (a torch optimizer: the job path's)
               on_a_gpu]

@@ -381,16 +381,22 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
 # window), Local SGD's the chief's group's. Downpour stays: its loop on the session has no schedule following each
 # group's own steps (scheduler_steps="group") and no staleness histogram in summary.json yet (tests/test_fit_frictions.py,
 # tests/test_fit_every_feature.py showed it).
-ON_SESSION: frozenset = frozenset({"one worker", "AllReduce over processes", "Local SGD / DiLoCo over processes",
-                                   "Distributed Hogwild over processes"})
+ON_SESSION: frozenset = frozenset({"one worker", "one synchronous group in one process", "AllReduce over processes",
+                                   "Local SGD / DiLoCo over processes", "Distributed Hogwild over processes"})
 
 
 def fit_layout(plan) -> str:
     """The layout of a fit call as ON_SESSION names it: "one worker" (one worker in one process, on the CPU: the session
-    has no device list yet), else the plan's label."""
+    has no device list yet), "one synchronous group in one process" (its workers as threads, run.each_worker), else the
+    plan's label."""
     if plan.in_one_process and plan.nworkers == 1 and not plan.job.device:
         return "one worker"
-    over_processes = not plan.in_one_process and plan.nworkers == plan.nprocs and not plan.job.device  # one worker each
+    if (plan.in_one_process and not plan.job.device and plan.strategy.synchronous and not plan.strategy.meets
+            and plan.nworker_groups == 1 and plan.nservers_per_group <= 1):
+        return "one synchronous group in one process"  # (server slices: the job path's owners shard the optimizer's state)
+    # one worker in each process, none a server's alone (Sandblaster's 2 threads + a server process counted 2 and 2)
+    over_processes = (not plan.in_one_process and all(len(p.workers) == 1 for p in plan.placement.processes)
+                      and not plan.job.device)
     if over_processes and plan.strategy.synchronous and not plan.strategy.meets and plan.nservers_per_group <= 1:
         return "AllReduce over processes"  # (server slices: the job path's owners shard the optimizer's state, ZeRO-1)
     if over_processes and plan.strategy.meets and plan.job.cluster.outer_updater.user_type != OUTER_OPTIMIZER_UPDATER:

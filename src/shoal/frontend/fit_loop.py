@@ -12,9 +12,11 @@
         checkpoint every checkpoint_freq steps (the session's) or checkpoint_interval_s seconds
     validate / test the trained model; run.checkpoint()            # fit's final phases and checkpoint
 
-Nothing here reaches past the session's public calls (run.model, run.optimizer, run.scheduler, run.batches,
-run.accumulating, run.evaluate, run.log, run.checkpoint) and attributes (job, device, chief, processes, start_step,
-resumed); fit's History is read back from the run log. Which layouts fit runs here and which still on the job path
+The loop is the body `run.each_worker` runs once per worker of the process (several workers in one process: each in a
+thread, with a worker's view of these calls; one worker: the body runs on `run` itself), so one body runs every layout.
+Nothing here reaches past the session's public calls (run.each_worker, and each worker's model, optimizer, scheduler,
+batches, accumulating, evaluate, log, checkpoint) and attributes (job, device, chief, processes, local_workers, start_step,
+resumed, index); fit's History is read back from the run log. Which layouts fit runs here and which still on the job path
 (module_path's layers): `fit.ON_SESSION`, `fit.on_session`.
 """
 from __future__ import annotations
@@ -137,68 +139,102 @@ def _optimizer(spec: FitLoop, model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def run_fit(run, spec: FitLoop, log: Callable[[str], None] = print) -> None:
-    """fit's loop on `run` (a shoal.session()): train, evaluate and checkpoint as fit does."""
+    """fit's loop on `run` (a shoal.session()): train, evaluate and checkpoint as fit does, once per worker of this
+    process (`run.each_worker`: worker 0 trains fit's module itself, every other worker a copy of it)."""
     modes = [(m, m.training) for m in spec.model.modules()]  # the caller's module keeps its modes
-    model = run.model(spec.model)
-    model.train()  # fit trains in train mode (dropout on) whatever mode the module came in; run.evaluate uses eval mode
+    # each worker's replica, made here before the threads start (worker.model makes them all equal to worker 0's)
+    replicas = [spec.model] + [copy.deepcopy(spec.model) for _ in range(1, run.local_workers)]
+    for phase in (spec.val, spec.test):  # resumed: the cursors where the evaluations before the checkpoint left them
+        if phase is not None and phase.steps and run.resumed is not None and run.start_step:
+            done = sum(fires(phase.freq, phase.after, s) for s in range(min(run.start_step, run.job.train_steps)))
+            n = len(phase.data) if hasattr(phase.data, "__len__") else 0
+            phase.cursor = done * phase.steps * phase.batch % n if n else 0
+    due = _Interval(spec.checkpoint_interval_s)
+
+    def body(worker) -> None:
+        model = worker.model(replicas[worker.index])
+        model.train()  # fit trains in train mode (dropout on) whatever mode the module came in; evaluate uses eval mode
+        _train(run, worker, spec, model, due, log)
+
     try:
-        _train(run, spec, model, log)
+        run.each_worker(body)
     finally:
         for m, training in modes:
             m.training = training
 
 
-def _train(run, spec: FitLoop, model: torch.nn.Module, log: Callable[[str], None]) -> None:
+class _Interval:
+    """checkpoint_interval_s on the loop's own clock (one process), decided once per step for every worker of the
+    process: the first worker to ask at a step decides, the others read its answer, so they all checkpoint (the
+    checkpoint is a meeting of every worker) or none does."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.last = seconds, time.monotonic()
+        self._lock = threading.Lock()
+        self._decided: dict[int, bool] = {}
+
+    def due(self, step: int) -> bool:
+        with self._lock:
+            if step not in self._decided:
+                for old in [s for s in self._decided if s < step - 2]:  # (the workers are at most a step apart)
+                    del self._decided[old]
+                self._decided[step] = time.monotonic() - self.last >= self.seconds
+            return self._decided[step]
+
+    def written(self) -> None:
+        with self._lock:
+            self.last = time.monotonic()
+
+
+def _train(run, worker, spec: FitLoop, model: torch.nn.Module, interval: _Interval, log: Callable[[str], None]) -> None:
+    """One worker's loop: `worker` is `run` itself (one worker in the process) or its view of one of the process's
+    workers (run.each_worker); what is per process (the job, the resume, the chief) is read from `run`."""
     from shoal.neuralnet.torch_optimizer import made_scheduler
 
-    opt = run.optimizer(_optimizer(spec, model))
-    sched = run.scheduler(made_scheduler(spec.scheduler, opt)) if spec.scheduler is not None else None
-    computing = ((lambda: torch.autocast(device_type=run.device.type, dtype=spec.autocast)) if spec.autocast is not None
+    opt = worker.optimizer(_optimizer(spec, model))
+    sched = worker.scheduler(made_scheduler(spec.scheduler, opt)) if spec.scheduler is not None else None
+    computing = ((lambda: torch.autocast(device_type=worker.device.type, dtype=spec.autocast)) if spec.autocast is not None
                  else nullcontext)
     resumed_at = run.start_step if run.resumed is not None else None
-    last_checkpoint = time.monotonic()
+    first = worker.index == 0  # (it evaluates, moves fit's val_steps cursor and says the checkpoints)
     step, last = run.start_step - 1, run.job.train_steps  # (`shoal run script.py --set train_steps=` wins over steps=)
-    for phase in (spec.val, spec.test):  # resumed: the cursors where the evaluations before the checkpoint left them
-        if phase is not None and phase.steps and resumed_at:
-            done = sum(fires(phase.freq, phase.after, s) for s in range(min(resumed_at, last)))
-            n = len(phase.data) if hasattr(phase.data, "__len__") else 0
-            phase.cursor = done * phase.steps * phase.batch % n if n else 0
-    for step, batch in run.batches(spec.train, batch_size=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed):
+    for step, batch in worker.batches(spec.train, batch_size=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed):
         # before the step's update, as fit validates (recorded at `step`); after a checkpoint written after step - 1's
         # update, so a run resumed from that checkpoint evaluates here again
         for phase, name in ((spec.val, "val"), (spec.test, "test")):
-            if phase is not None and phase.steps and fires(phase.freq, phase.after, step):
-                _evaluate(run, spec, phase, name)
+            if first and phase is not None and phase.steps and fires(phase.freq, phase.after, step):
+                _evaluate(worker, spec, phase, name)
         rows = batch_rows(batch)
         parts = micro_batch_rows(0, rows, spec.grad_accum_steps)  # as fit's worker cuts its share
         window, values = MetricWindow(), {}
         report = window.report if len(parts) > 1 else lambda name, value, _rows: values.__setitem__(name, value)
         for k, (offset, count) in enumerate(parts):
             part = batch if len(parts) == 1 else _rows(batch, offset, count)
-            with run.accumulating() if k + 1 < len(parts) else nullcontext():  # one mean gradient of the micro-batches
+            with worker.accumulating() if k + 1 < len(parts) else nullcontext():  # one mean gradient of the micro-batches
                 loss = _loss(model, spec, part, computing, report)
                 (loss * (count / rows) if len(parts) > 1 else loss).backward()
-        if spec.clip_grad_norm is not None:
+        if spec.clip_grad_norm is not None:  # (the group's mean gradient: its global norm, as one worker's)
             torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if sched is not None:
             sched.step()
-        run.log(step, **(values or window.averages()))
+        worker.log(step, **(values or window.averages()))
         # (one process's clock: over processes each rank would choose its own step, and a Local SGD group's part of a
         # checkpoint would be missing: there only checkpoint_freq and the final checkpoint)
         if (spec.checkpoint_interval_s and not run.job.checkpoint_freq and run.processes == 1 and step + 1 < last
-                and time.monotonic() - last_checkpoint >= spec.checkpoint_interval_s):
-            path = run.checkpoint()
-            log(f"Checkpoint written to {path} (every {spec.checkpoint_interval_s:g} s: checkpoint_interval_s)")
-            last_checkpoint = time.monotonic()
+                and interval.due(step)):
+            path = worker.checkpoint()
+            interval.written()
+            if first:
+                log(f"Checkpoint written to {path} (every {spec.checkpoint_interval_s:g} s: checkpoint_interval_s)")
     if step + 1 < last or (resumed_at is not None and resumed_at >= last):
         return  # (resumed from the final checkpoint: nothing left to do, as fit's trainer)
     for phase, name in ((spec.val, "val"), (spec.test, "test")):
-        if phase is not None and phase.steps and phase.freq:
-            _evaluate(run, spec, phase, name)
-    path = run.checkpoint()
-    if run.chief:
+        if first and phase is not None and phase.steps and phase.freq:
+            _evaluate(worker, spec, phase, name)
+    path = worker.checkpoint()
+    if run.chief and first:
         log(f"Checkpoint written to {path}")
 
 
