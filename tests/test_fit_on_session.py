@@ -232,6 +232,22 @@ def test_the_chief_ranks_lines_reach_fits_log_in_this_process(tmp_path):
     assert said == ["Train @ step 0  Loss = 1", "Train @ step 5  Loss = 0.5"]
 
 
+def test_fit_on_the_job_path_over_processes_hands_the_chiefs_lines_to_its_log(tmp_path, problem, capfd, monkeypatch):
+    """A layout fit still runs on the job path (AllReduce with 2 server slices over 2 processes): its chief rank's lines
+    (Train, Validate, the checkpoint) reach fit's log= in this process, a lambda too, and not the terminal."""
+    train, val, model = problem
+    lines = []
+    cluster = shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2)
+    monkeypatch.setattr(fit_loop, "fit_on_session", lambda *a, **k: pytest.fail("not the job path"))
+    shoal.fit(model, F.cross_entropy, train, val_data=val, val_freq=3, val_batch=20, steps=STEPS, batch_size=BATCH,
+              disp_freq=3, updater=UPDATER, cluster=cluster, workspace=tmp_path / "ws", log=lambda line: lines.append(line))
+    said = "\n".join(lines)
+    assert "Train @ step 6 " in said and "Validate @ step 3 " in said and "Checkpoint written to " in said, said
+    assert "AllReduce" in said  # (the launcher's own line, as before)
+    out = capfd.readouterr().out
+    assert "Train @" not in out and "Validate @" not in out, out
+
+
 _calls = 0
 
 

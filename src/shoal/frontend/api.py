@@ -83,6 +83,7 @@ def train(
     process_setup: Optional[Callable[[], None]] = None,
     initial_values: Optional[Callable[["ParamStore"], None]] = None,
     plan: Optional["JobPlan"] = None,
+    rank_main: Optional[Callable] = None,
 ) -> History:
     """Train a job as its cluster section says; returns every metrics record.
 
@@ -91,7 +92,8 @@ def train(
     progress=None draws a bar when stderr is a terminal; nodes: several hosts (shoal.launcher.launch.Nodes).
     shoal.fit passes process_setup (run first in every spawned process: registers its layer types; picklable)
     and initial_values (sets the params from the module's own values), and the plan it checked its optimizer
-    against (used when it is this job's: the job is planned once).
+    against (used when it is this job's: the job is planned once), and over processes what each rank runs instead of
+    the job file's rank (`rank_main`, picklable; fit's: its chief's lines to its log file, relayed to fit's log=).
     """
     proto, base_dirs = as_job(job)
     script.plan_instead(proto)  # `shoal plan script.py`: this job is planned, not trained
@@ -100,7 +102,7 @@ def train(
     workspace, resume = script.workspace(workspace), script.resume(resume)
     options = RunOptions(workspace=Path(workspace) if workspace else None, resume=resume, base_dirs=base_dirs, log=log,
                          progress=progress, nodes=nodes, process_setup=process_setup, initial_values=initial_values,
-                         plan=plan)
+                         plan=plan, rank_main=rank_main)
     return train_job(proto, options, job_file=job_file or (str(job) if isinstance(job, (str, Path)) else "<python>"))
 
 

@@ -327,6 +327,15 @@ def worker_devices(device, model: torch.nn.Module) -> list[str]:
     return [] if out == ["cpu"] else out
 
 
+def _launched() -> bool:
+    """Whether a launcher (torchrun, srun, …) started this process as one rank of a world (each rank runs the script)."""
+    import os
+
+    from shoal.launcher.launchers import detect
+
+    return detect(os.environ) is not None
+
+
 def _launched_rank() -> int:
     """This process's rank in a world a launcher (torchrun, srun, …) started; 0 when shoal starts the processes."""
     import os
@@ -367,12 +376,30 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
     if spec.outer_optimizer is not None:
         _check_outer_layout(plan)
     _check_sendable(plan, spec)
-    history = api.train(job, workspace=Path(script.workspace(workspace) or "fit-workspace"), resume=resume, log=log,
-                        progress=False, job_file="<shoal.fit>", process_setup=functools.partial(register_fit_layers, spec),
-                        initial_values=functools.partial(copy_module_values, model), plan=plan)
+    where = Path(script.workspace(workspace) or "fit-workspace")
+    # over processes the chief rank's lines go to its log file alone and reach log= here (as on the session)
+    relayed = log is not print and not plan.in_one_process and not _launched()
+    with fit_loop._relayed(where / "logs" / "rank0.log", log if relayed else None):
+        history = api.train(job, workspace=where, resume=resume, log=log, progress=False, job_file="<shoal.fit>",
+                            process_setup=functools.partial(register_fit_layers, spec),
+                            initial_values=functools.partial(copy_module_values, model), plan=plan,
+                            rank_main=job_rank_in_its_log if relayed else None)
     if _launched_rank() == 0:  # another launched rank has no checkpoint to read yet (or on its host at all)
         _load_trained_values(model, history.workspace, job.train_steps)
     return history
+
+
+def job_rank_in_its_log(plan, rank: int, run_spec):
+    """A rank of fit's job path over processes whose log= is the caller's: the job file's rank (assemble.run_process),
+    the chief's lines to its log file alone (logs/rank0.log, which fit relays to log=), not to the terminal."""
+    import dataclasses
+
+    from shoal.launcher.ranks import ChiefLog
+    from shoal.runtime.assemble import run_process
+
+    if isinstance(run_spec.log, ChiefLog):
+        run_spec = dataclasses.replace(run_spec, log=run_spec.log.to_file)
+    return run_process(plan, rank, run_spec)
 
 
 # The layouts fit runs as a loop of the session's calls (frontend/fit_loop.py), by `fit_layout`'s name; every other one
