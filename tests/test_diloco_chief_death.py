@@ -94,6 +94,12 @@ def test_a_stalled_group_0_is_warned_of_by_its_successor_and_ended_once_the_othe
     assert not stalls.StallPolicy(loop, 1, tmp_path, False)._speaks_for_the_job(2)  # the chief lives: it warns
     downpour = plan_of(True, nworker_groups=2, nworkers_per_procs=1, nserver_groups=1, server_worker_separate=True)
     assert not stalls.StallPolicy(downpour, 1, tmp_path, False)._speaks_for_the_job(0)  # (its chief is not replaced)
+    # a chief killed (not stalled) and replaced by process 1: process 1 warns of a later stall of process 2
+    from shoal.report import succession
+
+    monkeypatch.setattr(succession, "_took_over", True)
+    assert stalls.StallPolicy(loop, 1, tmp_path, False)._speaks_for_the_job(2)
+    monkeypatch.setattr(succession, "_took_over", False)
 
     class Process:
         def __init__(self, pid, exitcode):

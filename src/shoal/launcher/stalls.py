@@ -30,6 +30,7 @@ from shoal.comm import heartbeat
 from shoal.errors import warn
 from shoal.launcher.ranks import chief_replaceable, describe_process, expendable, heals, read_exit_line, replicas_go_on, write_exit_line
 from shoal.planning.plan import JobPlan
+from shoal.report import succession
 from shoal.runtime.interfaces import GroupDropped
 
 STALLED_EXIT = 86  # this process found a peer the job cannot lose stalled: logs/rank<R>.stalled says which
@@ -93,11 +94,12 @@ class StallPolicy:
                  f"the other worker groups go on (see {self.workspace}/logs/rank{stall.rank}.log)")
 
     def _speaks_for_the_job(self, stalled: int) -> bool:
-        """Whether this process warns of a stalled peer: the chief (its stderr is the terminal); where the chief may be
-        replaced (`chief_replaceable`) and is the one stalled, the lowest process this one has not seen stalled (the
-        one the meetings' or steps' quorum makes its successor, shoal.comm.quorum)."""
+        """Whether this process warns of a stalled peer: the chief (its stderr is the terminal), or the process that took
+        a dead chief's place (report/succession.py); where the chief may be replaced (`chief_replaceable`) and is the
+        one stalled, the lowest process this one has not seen stalled (the one the meetings' or steps' quorum makes its
+        successor, shoal.comm.quorum)."""
         self._stalled.add(stalled)
-        if self.rank == 0:
+        if self.rank == 0 or succession.took_over_here():  # (a chief killed rather than stalled: its successor)
             return True
         return chief_replaceable(self.plan) and self.rank == min(set(range(self.plan.nprocs)) - self._stalled)
 

@@ -30,10 +30,20 @@ if TYPE_CHECKING:
     from shoal.planning.plan import JobPlan
 
 
+_took_over = False  # this process took a dead chief's place (its stall warnings then reach the terminal)
+
+
+def took_over_here() -> bool:
+    """Whether this process took a dead chief's place (launcher/stalls.py: it warns of stalled peers, as the chief did)."""
+    return _took_over
+
+
 def take_over_run_log(plan: "JobPlan", workspace: Path, devices: list[str]) -> MetricsLog:
     """The dead chief's run log, continued by this process: metrics.jsonl appended to (a line the chief was killed
     writing is ended first, and readers skip it), summary.json kept current from it, the run's clock carried on.
     `devices`: the job's usable devices, as the chief opened the log with."""
+    global _took_over
+    _took_over = True
     workspace = Path(workspace)
     path = workspace / METRICS_FILE
     records = read_metrics(path) if path.exists() else []
