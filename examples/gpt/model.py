@@ -32,14 +32,16 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head, self.dropout = config.n_head, config.dropout
+        self.n_head, self.n_embd, self.dropout = config.n_head, config.n_embd, config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # the heads' width from n_embd and n_head, not from x: cut by heads over N processes (neuralnet.partition_dim 1,
+        # docs/partitioning.md), each process's are n_head / N and n_embd / N, its x still the whole width
+        B, T, _ = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, self.n_embd // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, self.n_embd)))
 
 
 class MLP(nn.Module):

@@ -2,7 +2,9 @@
 code that builds a DeviceMesh or calls `parallelize_module` (issue 39, point 1; frontend/session_partition.py chooses
 the cuts and runs the loop's side).
 
-Every process of the group holds a slice of each cut Linear's features and computes on the group's whole batch. The
+Every process of the group holds a slice of each cut Linear's features and computes on the group's whole batch. A
+Linear packing an attention's q, k and v ("qkv") is cut as three: each process holds its heads' rows of each, side by
+side (torch's `_StridedShard`: gathered, the rows are the user's, in order), so its output is its heads' q, k and v. The
 params the plan does not cut become Replicate DTensors that their module sees through a `to_local` parametrization:
 torch's `clip_grad_norm_` then sees DTensors only (it refuses a mix of DTensor and plain params) and returns the global
 norm, as one process's loop would. Their gradients are equal on every process without a collective of ours: the
@@ -24,7 +26,33 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+try:
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # (an older torch: a packed q/k/v is refused, session_partition.cut)
+    _StridedShard = None
+PACKS = _StridedShard is not None
+
+
+class PackedColwise(ColwiseParallel):
+    """ColwiseParallel of a Linear whose output packs `parts` equal blocks (an attention's q, k and v): each process
+    holds its slice of every block, so its local output is its slices side by side, which it computes with as is."""
+
+    def __init__(self, parts: int = 3):
+        super().__init__()
+        self.parts = parts
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        for name, param in module.named_parameters():
+            placed = distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=self.parts)],
+                                       src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.to_local() if use_local_output else outputs  # (no redistribution: the blocks stay apart)
+
+
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "qkv": PackedColwise}
 
 
 class _Local(nn.Module):
@@ -36,7 +64,8 @@ class _Local(nn.Module):
 
 def parallelize(module: nn.Module, ranks: Sequence[int], cuts: Mapping[str, str], device_type: str = "cpu") -> DeviceMesh:
     """Cut `module` in place over `ranks` (this process among them; every one of them calls this): `cuts` maps a
-    Linear's qualified name to "colwise" or "rowwise" (torch's own plan, by name). Returns the mesh."""
+    Linear's qualified name to "colwise" or "rowwise" (torch's own plan, by name), or "qkv" (packed q, k and v, each
+    cut column-wise). Returns the mesh."""
     mesh = DeviceMesh(device_type, list(ranks))
     parallelize_module(module, mesh, {name: STYLES[style]() for name, style in cuts.items()})
     replicated: Dict[int, nn.Parameter] = {}  # by the plain param's id: a tied param stays one param

@@ -442,8 +442,9 @@ class Session:
         """The module itself, on this worker's device, its values the checkpoint's (--resume) or rank 0's on every
         replica; under AllReduce its gradients become the group's mean at the end of each backward. Under
         neuralnet.partition_dim 1 its features are cut over the group's processes: `cuts` names the Linears to cut
-        ({"blocks.0.mlp.c_fc": "colwise", "blocks.0.mlp.c_proj": "rowwise"}, torch's plan), else those of every
-        Linear → element-wise → Linear pair in its nn.Sequential containers (frontend/session_partition.py)."""
+        ({"blocks.0.mlp.c_fc": "colwise", "blocks.0.mlp.c_proj": "rowwise"}, torch's plan) and the attentions to cut
+        by heads ({"blocks.0.attn": "heads"}), else those of every Linear → element-wise → Linear pair in its
+        nn.Sequential containers and every attention (frontend/session_partition.py)."""
         if not isinstance(module, torch.nn.Module):
             raise SessionError(f"run.model: expected a torch.nn.Module, got {type(module).__name__}")
         if cuts is not None and not self.plan.tensor_parallel:
