@@ -10,6 +10,8 @@ import os
 import re
 import signal
 
+import pytest
+
 from cli_in_process import run_cli
 from fault_runs import SLOW, assert_no_library_text, pids, runs, summary, train_records  # noqa: F401 (runs: a fixture)
 from layouts import LAYOUTS, assert_ran
@@ -114,4 +116,25 @@ def test_a_killed_diloco_chief_is_dropped_and_a_resume_from_its_successors_check
                       "--set", "checkpoint_freq=50", *DILOCO, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     assert summary(run.ws)["final_test"]["step"] == steps + 20
+    assert leftover_processes(tmp_path) == []
+
+
+@pytest.mark.slow  # a stall timeout to wait out
+def test_a_stopped_chief_is_dropped_ended_and_replaced(blobs_job, tmp_path, runs):
+    """Process 0 of AllReduce's replicas SIGSTOPped past the stall timeout: process 1 takes its place (the stalled
+    chief's successor warns on the terminal), the launcher ends the stopped process (SIGKILL) and restarts it, and it
+    rejoins as a non-chief; processes 1 and 2 keep their pids; exit 0, summary.json finished."""
+    steps = 600
+    job = blobs_job(train_steps=steps, cluster_extra=dict(nworkers_per_group=3))
+    run = runs.start(job, tmp_path, "--max-restarts", "1", "--set", "cluster.stall_timeout_s=2", env=SLOW)
+    survivors = {rank: run.pid_once_training(rank) for rank in (1, 2)}
+    stopped = run.signal(0, signal.SIGSTOP)
+    stdout, stderr = run.finished()
+    assert re.search(r"^WARNING: process 0 \(worker\(group=0, id=0\), server\(group=0, id=0\)\) stopped answering", stderr,
+                     re.M), stderr
+    assert re.search(r"^Process 1 took the chief's place after step \d+", stdout, re.M), stdout
+    assert pids(run.ws, 1) == [survivors[1]] and pids(run.ws, 2) == [survivors[2]]
+    assert pids(run.ws, 0)[0] == stopped and len(set(pids(run.ws, 0))) == 2
+    got = summary(run.ws)
+    assert got["status"] == "finished" and [r["rank"] for r in got["rejoins"]] == [0], got
     assert leftover_processes(tmp_path) == []
