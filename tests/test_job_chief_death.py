@@ -60,6 +60,9 @@ def test_a_killed_chief_is_dropped_and_its_successor_tests_logs_and_checkpoints(
     assert final.trainer["cursors"][str(job_pb2.kTest)] == (steps // 10 + 1) * 2 * 64, final.trainer
     assert final.trainer["writer"] == 1 and final.trainer["last_test"] == {"step": steps, "cursor": steps // 10 * 2 * 64}
     assert got["final_test"]["accuracy"] > 0.8, got["final_test"]
+    assert got["chief_succession"] == [{"process": 1, "after_step": took}], got
+    closing = [line for line in stdout.splitlines() if line.startswith("Trained ")][-1]
+    assert f"; process 1 took the chief's place after step {took}; process 0 missed " in closing, closing
     assert_no_library_text(stdout, stderr, (run.ws / "logs" / "rank1.log").read_text())
     assert leftover_processes(tmp_path) == []
 

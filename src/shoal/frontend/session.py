@@ -618,7 +618,8 @@ class Session:
         self.chief = True
         if self._terminal and self.rank != 0:  # (its stdout is its log file: the chief's lines go on the terminal too)
             self.say = succession.on_the_terminal_too(self.say)
-        self.metrics = succession.take_over_run_log(self.plan, self.workspace, usable_device_names(self.plan.all_devices()))
+        self.metrics = succession.take_over_run_log(self.plan, self.workspace, usable_device_names(self.plan.all_devices()),
+                                                    self.rank, step)
         self.say(f"Process {self.rank} took the chief's place after step {step}: it decides the steps, writes the run "
                  f"log and the checkpoints")
         self.exchange.speak_for_the_job(self.say, lambda fields: self.metrics.annotate(**fields))

@@ -167,6 +167,30 @@ def _reshared(summary: dict) -> list[str]:
     return [text]
 
 
+def _succeeded(summary: dict) -> list[str]:
+    """`process 1 took the chief's place after step 13`: summary.json's chief_succession (report/succession.py)."""
+    said = []
+    for taken in summary.get("chief_succession") or []:
+        if isinstance(taken, dict) and isinstance(taken.get("process"), int) and isinstance(taken.get("after_step"), int):
+            said.append(f"process {taken['process']} took the chief's place after step {taken['after_step']:,}")
+    return said
+
+
+def _missed_steps(summary: dict) -> list[str]:
+    """`process 2 missed 12 of 200 steps (missing from steps 37 to 48, back at step 49)`: a synchronous group's
+    processes that some steps went on without (summary.json's missed_steps; a group's own, Distributed Hogwild's, is
+    said with its missed_updates)."""
+    groups = summary.get("missed_updates") or {}
+    said = []
+    for rank, missed in sorted((summary.get("missed_steps") or {}).items(), key=lambda item: int(item[0])):
+        if rank in groups or not isinstance(missed, dict) or not isinstance(missed.get("missed"), int):
+            continue
+        of = f" of {missed['of']:,}" if isinstance(missed.get("of"), int) else ""
+        why = f" ({missed['why']})" if missed.get("why") else ""
+        said.append(f"process {rank} missed {missed['missed']:,}{of} step{'s' if missed['missed'] != 1 else ''}{why}")
+    return said
+
+
 def _restarted(summary: dict) -> list[str]:
     """`the whole job restarted 2 times (35 steps re-done)`: summary.json's job_restarts (--max-restarts)."""
     restarts = summary.get("job_restarts") or []
@@ -203,7 +227,8 @@ def closing_line(workspace: Path) -> str:
     summary = read_summary(workspace)
     if summary is None:
         return f"Run ended; {workspace / SUMMARY_FILE} is missing or unreadable"
-    parts = [_trained(summary), *_restarted(summary), *_missed(summary), *_reshared(summary)]
+    parts = [_trained(summary), *_restarted(summary), *_succeeded(summary), *_missed(summary), *_missed_steps(summary),
+             *_reshared(summary)]
     final, best = summary.get("final_test") or {}, summary.get("best_test") or {}
     metric = next((m for m in ("accuracy", "loss") if isinstance(final.get(m), (int, float))), None)
     if metric is not None:

@@ -38,9 +38,10 @@ def took_over_here() -> bool:
     return _took_over
 
 
-def take_over_run_log(plan: "JobPlan", workspace: Path, devices: list[str]) -> MetricsLog:
-    """The dead chief's run log, continued by this process: metrics.jsonl appended to (a line the chief was killed
-    writing is ended first, and readers skip it), summary.json kept current from it, the run's clock carried on.
+def take_over_run_log(plan: "JobPlan", workspace: Path, devices: list[str], rank: int, step: int) -> MetricsLog:
+    """The dead chief's run log, continued by process `rank` after step `step`: metrics.jsonl appended to (a line the
+    chief was killed writing is ended first, and readers skip it), summary.json kept current from it, the run's clock
+    carried on, and its `chief_succession` saying who took the chief's place when (the closing line says it).
     `devices`: the job's usable devices, as the chief opened the log with."""
     global _took_over
     _took_over = True
@@ -51,7 +52,10 @@ def take_over_run_log(plan: "JobPlan", workspace: Path, devices: list[str]) -> M
     # the run's clock at the last record, and the time since it was written (the chief's death, its detection)
     elapsed = max(times, default=0.0) + (max(0.0, time.time() - path.stat().st_mtime) if times else 0.0)
     before = read_summary(workspace) or {}
-    return open_run_log(plan, workspace, elapsed, devices, started=_epoch(before.get("started")))  # the run's start
+    log = open_run_log(plan, workspace, elapsed, devices, started=_epoch(before.get("started")))  # the run's start
+    earlier = before.get("chief_succession") if isinstance(before.get("chief_succession"), list) else []
+    log.annotate(chief_succession=earlier + [{"process": rank, "after_step": step}])
+    return log
 
 
 def _epoch(text) -> float | None:

@@ -548,7 +548,8 @@ class Trainer:
         self.chief = True
         self.log = succession.on_the_terminal_too(self.say)
         self._build_evaluation(torch.Generator().manual_seed(self.job.seed))  # (the params exist: nothing is drawn)
-        self.metrics = succession.take_over_run_log(self.plan, self.workspace, usable_device_names(self.plan.all_devices()))
+        self.metrics = succession.take_over_run_log(self.plan, self.workspace, usable_device_names(self.plan.all_devices()),
+                                                    self.rank, step)
         if self.checkpoint_schedule is not None:
             self.checkpoint_schedule.take_over()
         self.log(f"Process {self.rank} took the chief's place after step {step}: it decides the steps, tests and "
