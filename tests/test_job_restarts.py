@@ -1,5 +1,5 @@
 """Whole-job restarts (issue 38): `shoal run JOB --max-restarts N`, when a process dies that the job cannot go on
-without (a server process, the chief, any process of a framework with no quorum), starts every process again from
+without (a server process, Downpour's chief, any process of a framework with no quorum), starts every process again from
 the newest checkpoint, up to N times, with one true line per restart; the summary and the closing line count the
 restarts and the steps re-done.
 
