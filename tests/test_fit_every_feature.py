@@ -142,11 +142,11 @@ def test_in_memory_module_groups_hold_updates_to_the_lag_bound(tmp_path, monkeyp
 
 @pytest.mark.slow  # three processes under torchrun: the default suite's 5-minute budget
 def test_torchrun_runs_a_module_script_under_downpour_with_its_lag_bounded(tmp_path):
-    """torchrun starts `shoal run module_script.py` 3 times; group 1 computes slowly, and the server holds every update
-    to max_update_lag 2 (summary.json's staleness histogram)."""
+    """torchrun starts `shoal run module_script.py` 3 times (fit's loop on the session); group 1 computes slowly (its
+    loss, in process 1), and the server holds every update to max_update_lag 2 (summary.json's staleness histogram)."""
     steps = 20
     run = torchrun(3, SCRIPT, tmp_path / "ws", *LAYOUTS[DOWNPOUR].cli(max_update_lag=2), "--", "--steps", str(steps),
-                   env={"SHOAL_SLOW_WORKER": "1.0:0+0.04"})
+                   "--slow", "0.04", "--slow-rank", "1")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "started by torchrun" in run.stdout
     assert run.stdout.count(f"Trained {steps} steps in ") == 1  # rank 0 closes; the others end without a checkpoint to read
@@ -171,8 +171,7 @@ def test_torchrun_runs_a_module_script_under_allreduce_as_one_worker(tmp_path):
 @pytest.mark.slow  # 150 slowed steps, a kill and a restart: the default suite's 5-minute budget
 def test_a_killed_module_group_is_restarted_and_rejoins(tmp_path, runs):
     """--max-restarts 1 under Downpour: group 1's process, killed mid-run, comes back from the server's live params."""
-    run = Run(SCRIPT, tmp_path, DOWNPOUR, "--max-restarts", "1", "--", "--steps", "150", "--lr", "0.1",
-              env={"SHOAL_SLOW_WORKER": "0:0+0.01"})
+    run = Run(SCRIPT, tmp_path, DOWNPOUR, "--max-restarts", "1", "--", "--steps", "150", "--lr", "0.1", "--slow", "0.01")
     runs.append(run)
     os.kill(run.pid_of(1), signal.SIGKILL)
     assert run.wait(timeout=240) == 0, run.stderr()

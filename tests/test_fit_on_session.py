@@ -49,18 +49,20 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
     """One place says which layouts fit runs as fit_loop's loop: ON_SESSION, by fit_layout's names; every other layout
     keeps the job path. The names fit_loop runs: one worker in one process on the CPU, one synchronous group's workers
     in one process (threads: tests/test_fit_threads_on_session.py), AllReduce, Local SGD / DiLoCo and Distributed
-    Hogwild over processes (one worker each); a synchronous group with server slices keeps the job path (its owners
-    shard the optimizer's state, ZeRO-1's shape), and so does Sandblaster's 2 threads + a server process (2 processes of
-    2 workers, not one worker each)."""
+    Hogwild over processes (one worker each), Downpour's groups over processes (one worker each, server processes of
+    their own: tests/test_fit_downpour_on_session.py); a synchronous group with server slices keeps the job path (its
+    owners shard the optimizer's state, ZeRO-1's shape), and so do Sandblaster's 2 threads + a server process (2
+    processes of 2 workers, not one worker each) and Downpour's groups of 2 threads."""
     ready = {"one worker", "one synchronous group in one process", "AllReduce over processes",
-             "Local SGD / DiLoCo over processes", "Distributed Hogwild over processes"}
+             "Local SGD / DiLoCo over processes", "Distributed Hogwild over processes", "Downpour over processes"}
     assert fitting.ON_SESSION == ready
     on_a_gpu = SimpleNamespace(in_one_process=True, nworkers=1, job=SimpleNamespace(device=["cuda:0"]), label="single worker")
     named = {"one worker": plan_of(),
              "one synchronous group in one process": plan_of(nworkers_per_group=2, nworkers_per_procs=2),  # (threads)
              "AllReduce over processes": plan_of(nworkers_per_group=2, nworkers_per_procs=1),
              "Local SGD / DiLoCo over processes": plan_of(nworker_groups=2, nworkers_per_procs=1, local_steps=2),
-             "Distributed Hogwild over processes": plan_of(nworker_groups=2, nserver_groups=2)}
+             "Distributed Hogwild over processes": plan_of(nworker_groups=2, nserver_groups=2),
+             "Downpour over processes": plan_of(nworker_groups=2, server_worker_separate=True)}
     with_torch_outer = SimpleNamespace(in_one_process=False, nworkers=2, nprocs=2, label="DiLoCo",  # (as fit plans it)
                                        placement=SimpleNamespace(processes=[SimpleNamespace(workers=[k]) for k in range(2)]),
                                        strategy=SimpleNamespace(synchronous=False, meets=True, syncs_with_peers=False),
@@ -70,6 +72,7 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
               plan_of(nworkers_per_group=2, nworkers_per_procs=2, nservers_per_procs=1, server_worker_separate=True),
               plan_of(nworker_groups=2, nworkers_per_procs=2),  # in-memory Hogwild (asynchronous threads)
               plan_of(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2),  # AllReduce, 2 server slices
+              plan_of(nworker_groups=2, nworkers_per_group=2, nworkers_per_procs=2, server_worker_separate=True),  # threads
               with_torch_outer,  # DiLoCo with fit's outer_optimizer= (a torch optimizer: the job path's)
               on_a_gpu]
     assert {fitting.fit_layout(plan): name for name, plan in named.items()} == {name: name for name in named}

@@ -224,8 +224,8 @@ def fit(
     time each was first reached. device: where the workers compute — "cuda:0", or one device per worker
     of a process (["cuda:0", "cpu"]: worker 0 on the GPU, worker 1 on the CPU), as a job file's `device`
     field; None: the device the model's params are on (the CPU for a model not moved). log: where fit's lines go
-    (default print); over processes on fit's loop (one worker each, AllReduce or Local SGD / DiLoCo) the chief rank's
-    lines reach it too (relayed from logs/rank0.log), on the job path they go to the terminal.
+    (default print); over processes on fit's loop (one worker each: AllReduce, Local SGD / DiLoCo, Distributed
+    Hogwild, Downpour) the chief rank's lines reach it too (relayed from logs/rank0.log), on the job path they go to the terminal.
     """
     from shoal.frontend import script
 
@@ -405,17 +405,20 @@ def job_rank_in_its_log(plan, rank: int, run_spec):
 # The layouts fit runs as a loop of the session's calls (frontend/fit_loop.py), by `fit_layout`'s name; every other one
 # still runs on the job path (module_path's layers and the Trainer): docs/architecture.md, "`shoal.fit` on the session".
 # AllReduce's train records are the group's on both paths (the session's replicated exchange hears every process's
-# window), Local SGD's the chief's group's. Downpour stays: its loop on the session has no schedule following each
-# group's own steps (scheduler_steps="group") and no staleness histogram in summary.json yet (tests/test_fit_frictions.py,
-# tests/test_fit_every_feature.py showed it).
+# window), Local SGD's the chief's group's, Downpour's the chief's losses with the job's rows, staleness and pushed bytes
+# (DownpourExchange.metrics). Downpour over processes: scheduler_steps is run.scheduler's steps= ("group": each group's
+# scheduler, stepped by its loop, rides on its pushes; "update", fit's default: the chief's schedule at every server
+# update count, set by the servers, session_exchange.UpdateSchedule), and its chief writes summary.json's
+# staleness_histogram as the job path's does (tests/test_fit_frictions.py, tests/test_fit_every_feature.py).
 ON_SESSION: frozenset = frozenset({"one worker", "one synchronous group in one process", "AllReduce over processes",
-                                   "Local SGD / DiLoCo over processes", "Distributed Hogwild over processes"})
+                                   "Local SGD / DiLoCo over processes", "Distributed Hogwild over processes",
+                                   "Downpour over processes"})
 
 
 def fit_layout(plan) -> str:
     """The layout of a fit call as ON_SESSION names it: "one worker" (one worker in one process, on the CPU: the session
-    has no device list yet), "one synchronous group in one process" (its workers as threads, run.each_worker), else the
-    plan's label."""
+    has no device list yet), "one synchronous group in one process" (its workers as threads, run.each_worker), the
+    layouts over processes of one worker each (and Downpour's server processes), else the plan's label."""
     if plan.in_one_process and plan.nworkers == 1 and not plan.job.device:
         return "one worker"
     if (plan.in_one_process and not plan.job.device and plan.strategy.synchronous and not plan.strategy.meets
@@ -430,7 +433,19 @@ def fit_layout(plan) -> str:
         return "Local SGD / DiLoCo over processes"  # (outer_optimizer=, a torch one, is the job path's alone)
     if over_processes and plan.strategy.syncs_with_peers:  # (the strategy's word, not its label)
         return "Distributed Hogwild over processes"
+    if downpour_over_processes(plan):
+        return "Downpour over processes"
     return plan.label
+
+
+def downpour_over_processes(plan) -> bool:
+    """Downpour's asynchronous groups pushing to server processes of their own, one worker in each group's process, on
+    the CPU (a process's threads, or a device list, keep the job path)."""
+    from shoal.frontend.session_start import pushes_to_servers
+
+    return (not plan.in_one_process and not plan.job.device and not plan.strategy.synchronous and not plan.strategy.meets
+            and not plan.strategy.syncs_with_peers and pushes_to_servers(plan)
+            and all(len(p.workers) == (0 if p.servers else 1) for p in plan.placement.processes))
 
 
 def on_session(plan) -> bool:

@@ -3,7 +3,7 @@
     run = shoal.session(cluster, train_steps=steps, ...)           # fit's keywords: the layout, workspace, resume
     model = run.model(model)
     opt = run.optimizer(torch optimizer from optimizer=, or shoal.SingaOptimizer(updater=))
-    sched = run.scheduler(scheduler(opt))                          # stepped after each update, as fit's
+    sched = run.scheduler(scheduler(opt), steps=scheduler_steps)  # stepped after each update, as fit's
     for step, batch in run.batches(train, batch_size, shuffle=shuffle):
         validate / test at fit's frequencies (the next val_steps batches: fit's cursor), before the step's update
         for each micro-batch (grad_accum_steps): under run.accumulating() but the last, loss × its rows' part, backward
@@ -68,6 +68,7 @@ class FitLoop:
     updater: Optional[dict] = None  # SINGA's (UpdaterProto's fields), run as shoal.SingaOptimizer
     optimizer: Optional[Callable] = None  # fit's normalised factory on (name, param) pairs
     scheduler: Optional[Callable] = None
+    scheduler_steps: str = "update"  # fit's: what its position counts under asynchronous groups (run.scheduler's steps=)
     clip_grad_norm: Optional[float] = None
     grad_accum_steps: int = 1
     autocast: Optional[torch.dtype] = None
@@ -192,7 +193,8 @@ def _train(run, worker, spec: FitLoop, model: torch.nn.Module, interval: _Interv
     from shoal.neuralnet.torch_optimizer import made_scheduler
 
     opt = worker.optimizer(_optimizer(spec, model))
-    sched = worker.scheduler(made_scheduler(spec.scheduler, opt)) if spec.scheduler is not None else None
+    sched = (worker.scheduler(made_scheduler(spec.scheduler, opt), steps=spec.scheduler_steps)
+             if spec.scheduler is not None else None)
     computing = ((lambda: torch.autocast(device_type=worker.device.type, dtype=spec.autocast)) if spec.autocast is not None
                  else nullcontext)
     resumed_at = run.start_step if run.resumed is not None else None
@@ -393,6 +395,7 @@ def fit_loop_of(job, spec) -> FitLoop:
     singa = job.updater.type != job_pb2.kUserUpdater
     return FitLoop(spec.model, spec.loss_fn, spec.form, spec.datasets[job_pb2.kTrain], batch[job_pb2.kTrain],
                    job.train_steps, seed=job.seed, shuffle=spec.shuffle, updater=_as_dict(job.updater) if singa else None,
-                   optimizer=spec.optimizer, scheduler=spec.scheduler, clip_grad_norm=spec.clip_grad_norm,
+                   optimizer=spec.optimizer, scheduler=spec.scheduler, scheduler_steps=spec.scheduler_steps,
+                   clip_grad_norm=spec.clip_grad_norm,
                    grad_accum_steps=spec.grad_accum_steps, autocast=spec.autocast, metrics=dict(spec.metrics or {}),
                    test=test, val=val, checkpoint_interval_s=job.checkpoint_interval_s, goals=spec.goals)

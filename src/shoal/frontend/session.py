@@ -114,6 +114,11 @@ class Session:
                              and not plan.compression.dense)
         self._store: Optional[ParamStore] = None
         self._saved_server_state: dict = {}  # Downpour, resumed: the servers' updater state, sent with the chief's FIRST
+        # run.scheduler(s, steps="update") under Downpour: the chief's schedule by the servers' update count (its pushes'
+        # hyper-parameters at every position the run can reach), which the servers set over each push's own
+        self._hyper_layout: Optional[session_exchange.HyperLayout] = None  # (the optimizer's pushes', at run.optimizer)
+        self._update_schedule: Optional[session_exchange.UpdateSchedule] = None
+        self._loop_started = False  # (run.batches() or run.steps() began: the schedulers' state restored)
         self._holding = False
         hosted = plan.process(rank).workers[0]
         self.group, self.worker = hosted.group, hosted.id
@@ -380,7 +385,8 @@ class Session:
             raise SessionError(str(err)) from None
         saved = dict(self._mine.exchange) if self._mine is not None else None
         self.exchange = session_exchange.group_exchanges(self.plan, stores, recipe, [w.optimizers[0] for w in firsts],
-                                                         self.start_step, saved, self.metrics)
+                                                         self.start_step, saved, self.metrics,
+                                                         schedule=lambda: self._update_schedule)
         for worker in self._workers:
             worker.pushes_to = self.exchange.exchanges[worker.group]
 
@@ -506,6 +512,8 @@ class Session:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise SessionError(f"run.optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         index = len(self.optimizers)
+        if index == 0 and (self.pushes or self.groups_in_memory):  # (what a push carries, as its recipe lays it out:
+            self._hyper_layout = session_exchange.hyper_layout(optimizer)  # before a scheduler adds keys of its own)
         if self.pushes:
             self._push_to_servers(optimizer, index)
         self.optimizers.append(optimizer)
@@ -562,11 +570,40 @@ class Session:
         self.exchange_seconds += time.perf_counter() - started
         session_worker.drop_grads(optimizer)
 
-    def scheduler(self, scheduler):
-        """Checkpoint a scheduler made after the loop started (those made before are found by themselves)."""
+    def scheduler(self, scheduler, steps: str = "group"):
+        """Checkpoint a scheduler made after the loop started (those made before are found by themselves). `steps`: what
+        its position counts where several asynchronous groups update one set of values on servers (Downpour, in-memory
+        Downpour and Hogwild): "group" (the default), each group's own steps, as the loop steps it (each push carries
+        what it set); "update", the servers' updates, every group's (G groups advance it G times per round of steps,
+        as shoal.fit's default scheduler_steps="update"): give it as made, before the loop, over the optimizer given
+        to run.optimizer; the chief's (process 0's, worker 0's) then sets every group's. Elsewhere every update is a
+        step of one group, and both are the same."""
+        if steps not in session_exchange.SCHEDULER_STEPS:
+            raise SessionError(f"run.scheduler: steps is 'group' (each asynchronous group's own steps) or 'update' (the "
+                               f"servers' updates, every group's), got {steps!r}")
+        if steps == "update" and (self.pushes or self.groups_in_memory) and not self.plan.strategy.synchronous:
+            self._schedule_by_updates(scheduler)
         if scheduler not in self.schedulers:
             self.schedulers.append(scheduler)
         return scheduler
+
+    def _schedule_by_updates(self, scheduler) -> None:
+        """run.scheduler(s, steps="update") under Downpour's or in-memory groups' servers: the chief works out the
+        hyper-parameters `s` sets at every update count the run can reach (the groups' steps: nworker_groups ×
+        train_steps), which the servers set before each update (session_exchange.UpdateSchedule); `s` is put back."""
+        lr_scheduler = torch.optim.lr_scheduler
+        if not isinstance(scheduler, lr_scheduler.LRScheduler) or isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
+            raise SessionError(f"run.scheduler: steps='update' takes a torch LR scheduler stepped without a metric "
+                               f"(LambdaLR, SequentialLR, CosineAnnealingLR...), got {type(scheduler).__name__}")
+        if not self.optimizers or scheduler.optimizer is not self.optimizers[0]:
+            raise SessionError("run.scheduler: steps='update' schedules the optimizer given to run.optimizer (the servers "
+                               "run it): give run.optimizer(...) first, and a scheduler over it")
+        if getattr(scheduler, "last_epoch", 0) != 0 or self._loop_started:
+            raise SessionError("run.scheduler: steps='update' takes the scheduler as made (at its first position), "
+                               "before the loop: the servers follow its schedule from their first update")
+        if self.chief:
+            self._update_schedule = session_exchange.update_schedule(scheduler, self._hyper_layout,
+                                                                     self.plan.nworker_groups * self.job.train_steps)
 
     def _before_update(self, optimizer, args, kwargs) -> None:
         """Distributed Hogwild: no peer's delta lands in the params while the user's optimizer updates them."""
@@ -689,6 +726,8 @@ class Session:
                             {**self.exchange.digests, "took": f"the servers' live values of version {version}; its "
                              "schedulers stepped to that step"}, knocked_at)
         else:
+            if self.chief:  # (before the servers' first values: every push finds it there)
+                session_exchange.publish_schedule(self._update_schedule)
             start = self._pushing().start_loop(self.start_step, self._saved_server_state)
         with warnings.catch_warnings():  # (torch warns of a scheduler stepped before its optimizer)
             warnings.simplefilter("ignore")
@@ -801,6 +840,7 @@ class Session:
     def _restore_loop_state(self) -> None:
         """At the loop's start: the schedulers over this session's optimizers (made after run.optimizer), and on a
         resume their state, the optimizers' learning rates they set, and the random generators."""
+        self._loop_started = True
         for found in session_state.schedulers_of(self.optimizers):
             self.scheduler(found)
         if self._mine is not None:
@@ -843,6 +883,11 @@ class Session:
         if self._group_window:  # every process, at every display: the decider hears the others' windows (replicated.py)
             values = self.exchange.metrics(self.window)
             rows = values.pop("samples")  # the rows of the processes that came to the window's steps
+        elif self.pushes and not self.plan.strategy.synchronous and self.window:
+            # Downpour's groups, as a job file's records: the chief's own losses, the job's rows since its last display
+            # (from the servers' version: every group's), its staleness and the bytes it pushed (DownpourExchange.metrics)
+            values = self.exchange.metrics(self.window)
+            rows = values.pop("samples", self.window_rows * self.plan.nworkers // self.local_workers)
         else:  # every process trained as many rows (window_rows: this process's workers'; tensor-parallel, the group's)
             rows = self.window_rows * (self.plan.nworkers // self.local_workers if self.distributed and
                                        not self.plan.tensor_parallel else 1)
@@ -912,7 +957,21 @@ class Session:
                 self.metrics.annotate(bytes_sent=sent)
             if self.metrics is not None and self.plan.strategy.retrains_skipped_steps and self.exchange.job_notes:
                 self.metrics.annotate(**self.exchange.job_notes)  # the skipped steps, who re-trained them
+            if self.metrics is not None and self.pushes:
+                self._note_staleness()
         self._finished = True
+
+    def _note_staleness(self) -> None:
+        """Downpour's chief, after its last request: the servers' count of every group's updates by lag (and how many
+        each was to apply) into summary.json's staleness_histogram, and its line, as a job file's chief writes them
+        (strategies/downpour.py's staleness_histogram; its missed_updates and the closing line read it)."""
+        from shoal.runtime.exchanges.staleness import staleness_line
+
+        member = session_exchange.SessionMember(self._store, self.group, self.start_step, exchange=self.exchange)
+        histogram = self.plan.strategy.staleness_histogram(session_exchange.SessionRun(self.plan, self.rank, [member]))
+        if histogram:
+            self.metrics.annotate(staleness_histogram=histogram)
+            self.say(staleness_line(histogram, self.plan.max_update_lag))
 
     def _script_ended(self, failed: bool) -> None:
         if not self._finished:  # a loop that stopped early: closed as failed at exit, or by the launcher, as before

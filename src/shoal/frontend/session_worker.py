@@ -294,12 +294,16 @@ class SessionWorker:
         self.local.meet(self.run._workers_push)
         drop_grads(optimizer)
 
-    def scheduler(self, scheduler):
-        """Checkpoint a scheduler made after the loop started (those made before are found by themselves)."""
+    def scheduler(self, scheduler, steps: str = "group"):
+        """Checkpoint a scheduler made after the loop started (those made before are found by themselves); `steps`:
+        run.scheduler's (worker 0's schedule by update sets every group's)."""
+        if steps not in session_exchange.SCHEDULER_STEPS:
+            raise SessionError(f"worker.scheduler: steps is 'group' (each asynchronous group's own steps) or 'update' "
+                               f"(the servers' updates, every group's), got {steps!r}")
+        if self.index == 0:
+            self.run.scheduler(scheduler, steps)
         if scheduler not in self.schedulers:
             self.schedulers.append(scheduler)
-        if self.index == 0:
-            self.run.scheduler(scheduler)
         return scheduler
 
     @contextmanager

@@ -35,6 +35,7 @@ from shoal.report.writes import as_write_error
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.runtime import checkpoint_schedule, debug_norms, visualization
 from shoal.runtime.exchanges.groups import GroupBoard, run_groups
+from shoal.runtime.exchanges.staleness import staleness_line
 from shoal.runtime.interfaces import FaultInjection, TrainerHook
 from shoal.runtime.replicas import device_label, torch_device, usable_device_names
 from shoal.runtime.trainer import History, Trainer, checkpoint_parts
@@ -234,10 +235,7 @@ def _run_process(plan: JobPlan, rank: int, spec: RunSpec) -> History:
         histogram = run.staleness_histogram() if metrics is not None else None
         if histogram:
             metrics.annotate(staleness_histogram=histogram)
-            lags = histogram["updates_per_lag"]
-            bound = plan.max_update_lag
-            spec.log(f"Staleness: {sum(lags.values())} updates, lag at most {max(map(int, lags), default=0)}"
-                     + (f" (cluster.max_update_lag {bound})" if bound >= 0 else ""))
+            spec.log(staleness_line(histogram, plan.max_update_lag))
         return history
     except BaseException as err:
         error = as_write_error(err, spec.workspace) or err

@@ -24,7 +24,9 @@ says:
 - Downpour over processes (one worker per process, servers in processes of their own): the servers run the user's
   optimizer, built from its recipe (`serve_downpour`: a server process never runs the loop); `opt.step()`'s pre-hook
   pushes the gradients with the optimizer's hyper-parameters (`hyper_vector`) and installs the servers' answer in the
-  params, leaving every `.grad` None so that the user's optimizer updates nothing (frontend/session.py, `_push`);
+  params, leaving every `.grad` None so that the user's optimizer updates nothing (frontend/session.py, `_push`); a
+  scheduler given as `run.scheduler(s, steps="update")` follows the servers' update count instead of each group's
+  steps: the chief's rows of its hyper-parameters per position (`UpdateSchedule`), set by each server at its count;
 - Sandblaster over processes (its one group's servers in processes of their own): Downpour's servers and pushes with
   the group's one stub (strategies/sandblaster.py), synchronous, and, as under AllReduce, the group's mean gradient in
   every `.grad` when backward ends (`StubGroupMean`), which the stub alone then pushes;
@@ -417,6 +419,145 @@ def set_hyper(optimizer: torch.optim.Optimizer, vector: torch.Tensor, layout: Op
             at += 1
 
 
+def hyper_layout(optimizer: torch.optim.Optimizer) -> HyperLayout:
+    """The layout of `optimizer`'s pushes, as `recipe_layout` computes it from its recipe (at run.optimizer: before a
+    scheduler adds keys of its own)."""
+    return _hyper_layout(optimizer)
+
+
+# -- a schedule that follows the servers' updates (run.scheduler(s, steps="update")) -------------------------------
+# By default the user's scheduler is stepped by each group's loop and each push carries what it set: the schedule
+# follows each group's own steps. With steps="update" it follows the servers' update count (every group's), as
+# shoal.fit's default scheduler_steps="update" (a torch scheduler on the job path's server). A server cannot run the
+# user's scheduler (it never sees it: no code travels), so the scheduler's hyper-parameters at every position the run
+# can reach are worked out where it lives, the chief's process at run.scheduler, as one float64 row per position of
+# the columns it moves; the chief publishes them before the servers' first values (SCHEDULE_KEY), and a server sets
+# the row of its update count over each push's own vector before that push's update.
+SCHEDULE_KEY = "session/downpour/schedule"
+SCHEDULER_STEPS = ("group", "update")  # run.scheduler's steps=: what a schedule's position counts
+
+
+@dataclass
+class UpdateSchedule:
+    """A scheduler's hyper-parameters at positions 0 .. len(rows) - 1: `columns`, the indices into a push's vector that
+    it moves (the rest stay the push's), and `rows`, their float64 values at each position."""
+
+    columns: list[int]
+    rows: torch.Tensor
+
+    def at(self, vector: torch.Tensor, position: int) -> torch.Tensor:
+        """A push's `vector` with the schedule's columns at `position` (past the last row: the last row's)."""
+        if not self.columns or not len(self.rows):
+            return vector
+        out = vector.clone()
+        out[self.columns] = self.rows[max(0, min(position, len(self.rows) - 1))]
+        return out
+
+    def as_text(self) -> str:
+        """Plain JSON (the rows as base64 float64 bytes): what the chief publishes."""
+        import base64
+        import json
+
+        return json.dumps({"columns": self.columns, "positions": len(self.rows),
+                           "rows": base64.b64encode(self.rows.contiguous().numpy().tobytes()).decode("ascii")})
+
+    @classmethod
+    def from_text(cls, text: str, size: int) -> "UpdateSchedule":
+        """The chief's published schedule for pushes of `size` floats; anything malformed refused in one line."""
+        import base64
+        import binascii
+        import json
+
+        try:
+            got = json.loads(text)
+            columns, positions = got["columns"], got["positions"]
+            raw = base64.b64decode(got["rows"], validate=True)
+        except (ValueError, KeyError, TypeError, binascii.Error):
+            raise RecipeError("Downpour server: the chief's schedule by update is not readable") from None
+        if not (isinstance(columns, list) and all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < size for c in columns)
+                and len(set(columns)) == len(columns) and isinstance(positions, int) and not isinstance(positions, bool)
+                and positions >= 0 and len(raw) == positions * len(columns) * 8):
+            raise RecipeError("Downpour server: the chief's schedule by update does not fit its pushes")
+        rows = torch.frombuffer(bytearray(raw), dtype=torch.float64) if raw else torch.zeros(0, dtype=torch.float64)
+        return cls(columns, rows.reshape(positions, len(columns)))
+
+
+def update_schedule(scheduler, layout: HyperLayout, positions: int) -> UpdateSchedule:
+    """What `scheduler` (at its first position) sets on its optimizer, where `layout` says (a push's), at positions 0 ..
+    `positions` - 1: stepped there and put back, its optimizer's param groups too, as they were."""
+    import copy
+    import warnings
+
+    optimizer = scheduler.optimizer
+    state = copy.deepcopy(scheduler.state_dict())
+    kept = [{k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in group.items()
+             if k not in ("params", "param_names")} for group in optimizer.param_groups]
+    rows = [hyper_vector(optimizer, layout)]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (torch warns of a scheduler stepped before its optimizer)
+            for _ in range(positions - 1):
+                scheduler.step()
+                rows.append(hyper_vector(optimizer, layout))
+    finally:
+        scheduler.load_state_dict(state)
+        for group, values in zip(optimizer.param_groups, kept):
+            for key in [k for k in group if k not in values and k not in ("params", "param_names")]:
+                del group[key]
+            for key, value in values.items():
+                if isinstance(group.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
+                    group[key].copy_(value)
+                else:
+                    group[key] = value
+    table = torch.stack(rows)
+    columns = [i for i in range(table.shape[1]) if not bool((table[:, i] == table[0, i]).all())]
+    return UpdateSchedule(columns, table[:, columns].contiguous())
+
+
+def _publish_parts(key: str, text: str) -> None:
+    """`text` under `key` in the job's signed store, in parts (a store value is bounded); the count last."""
+    parts = [text[i : i + DESCRIPTION_PART_CHARS] for i in range(0, len(text), DESCRIPTION_PART_CHARS)] or [""]
+    for index, part in enumerate(parts):
+        comm.publish(f"{key}/{index}", part)
+    comm.publish(f"{key}/parts", str(len(parts)))  # last: a reader reads the parts once it sees the count
+
+
+def publish_schedule(schedule: Optional[UpdateSchedule]) -> None:
+    """The chief's, before the servers' first values: its schedule by update, or that there is none."""
+    if schedule is None:
+        comm.publish(f"{SCHEDULE_KEY}/parts", "0")
+    else:
+        _publish_parts(SCHEDULE_KEY, schedule.as_text())
+
+
+def read_schedule(timeout_s: float, size: int) -> Optional[UpdateSchedule]:
+    """A server's, at its first push (the chief published it before its first values): the schedule by update, or None."""
+    try:
+        count = int(comm.read_published(f"{SCHEDULE_KEY}/parts", timeout_s))
+        text = "".join(comm.read_published(f"{SCHEDULE_KEY}/{i}", timeout_s) for i in range(count))
+    except (ValueError, RuntimeError):
+        raise RecipeError("Downpour server: the chief's word on its schedule by update is not readable") from None
+    return UpdateSchedule.from_text(text, size) if count else None
+
+
+class PushedHyper:
+    """What a server sets before a push's update: the push's hyper-parameters, the chief's schedule by update (if it
+    gave one) over them at the server's update count. `schedule`: the chief's UpdateSchedule or None, asked once, at
+    the first push."""
+
+    def __init__(self, updater, layout: HyperLayout, count: Callable[[], int], schedule: Callable[[], Optional[UpdateSchedule]]):
+        self.updater, self.layout, self.count, self._schedule = updater, layout, count, schedule
+        self._asked, self.schedule = False, None
+
+    def __call__(self, vector: torch.Tensor) -> None:
+        if not self._asked:
+            self.schedule, self._asked = self._schedule(), True
+        if self.schedule is not None:
+            vector = self.schedule.at(vector, self.count())
+        if self.updater.optimizer is not None:
+            set_hyper(self.updater.optimizer, vector, self.layout)
+
+
 # -- Downpour in a user's loop: the chief's description, the servers, the groups' exchange --------------------------
 # The chief publishes, at run.optimizer(), what a server builds from: the trained params' names and shapes (in
 # named_parameters order) and the optimizer's recipe, as JSON in the job's signed store (in parts: a store value is
@@ -458,11 +599,7 @@ def publish_description(names: list[str], shapes: list[tuple[int, ...]], recipe:
     """The chief's: what the servers build from (JSON, no code: torch.optim's class by name, numbers)."""
     import json
 
-    text = json.dumps({"names": names, "shapes": [list(s) for s in shapes], "recipe": recipe})
-    parts = [text[i : i + DESCRIPTION_PART_CHARS] for i in range(0, len(text), DESCRIPTION_PART_CHARS)] or [""]
-    for index, part in enumerate(parts):
-        comm.publish(f"{DESCRIPTION_KEY}/{index}", part)
-    comm.publish(f"{DESCRIPTION_KEY}/parts", str(len(parts)))  # last: a server reads the parts once it sees the count
+    _publish_parts(DESCRIPTION_KEY, json.dumps({"names": names, "shapes": [list(s) for s in shapes], "recipe": recipe}))
 
 
 def read_description(timeout_s: float) -> tuple[list[str], list[tuple[int, ...]], dict]:
@@ -503,9 +640,9 @@ def serve_downpour(plan: JobPlan, rank: int, workspace, log: Callable[[str], Non
     run = SessionRun(served, rank, [SessionMember(ParamStore.viewing(named), 0, workspace=workspace, log=log)])
     served.strategy.attach_exchanges(run)
     server, layout = run.server, recipe_layout(recipe)
-    updater = server.updater
-    server.carry_hyper(layout_size(layout),
-                       lambda vector: set_hyper(updater.optimizer, vector, layout) if updater.optimizer is not None else None)
+    size = layout_size(layout)
+    server.carry_hyper(size, PushedHyper(server.updater, layout, lambda: server.version,  # (asked under its lock)
+                                         lambda: read_schedule(plan.comm_timeout_s, size)))
     if not restarted:  # (a restarted one waits for the chief's HEAL instead: DownpourServer.serve)
         server.await_first_values()
     server.serve()
@@ -571,13 +708,16 @@ class GroupsInProcess:
 
 
 def group_exchanges(plan: JobPlan, stores: list[ParamStore], recipe: dict, optimizers: list[torch.optim.Optimizer],
-                    start_step: int, saved: Optional[dict], metrics=None) -> GroupsInProcess:
+                    start_step: int, saved: Optional[dict], metrics=None,
+                    schedule: Optional[Callable[[], Optional[UpdateSchedule]]] = None) -> GroupsInProcess:
     """In-memory Downpour's exchanges for the groups of this process, one per store (each group's worker's module's
     params, in group order): the strategy's GroupExchanges around one server that runs the user's optimizer, built
     from its recipe (as Downpour's server processes build it), its values the first store's (or, resumed, the
     checkpoint's `saved` exchange tensors: the server's values, its optimizer's state and update count, each group's
     copy); each group's pushes carry its own optimizer's hyper-parameters (`optimizers`, in group order: what its
-    scheduler set). Returns them as one exchange (`GroupsInProcess.exchanges`: in group order)."""
+    scheduler set); `schedule`: the loop's schedule by update (run.scheduler(s, steps="update")), asked at the first
+    push, which the server sets over each push's at its update count. Returns them as one exchange
+    (`GroupsInProcess.exchanges`: in group order)."""
     names = stores[0].trainable_names()
     served = downpour_plan(plan, names, [tuple(stores[0].info[n].shape) for n in names], recipe)
     members = [SessionMember(store, group, start_step, metrics=metrics if group == 0 else None)
@@ -590,8 +730,7 @@ def group_exchanges(plan: JobPlan, stores: list[ParamStore], recipe: dict, optim
     served.strategy.after_values(run, StartSpec(resume_from="checkpoint" if saved else None))
     layout = recipe_layout(recipe)
     server = members[0].exchange.server  # (every group's exchange pushes to this one)
-    updater = server.updater
-    server.carry_hyper(lambda vector: set_hyper(updater.optimizer, vector, layout) if updater.optimizer is not None else None)
+    server.carry_hyper(PushedHyper(server.updater, layout, lambda: server.updates, schedule or (lambda: None)))
     for member, optimizer in zip(members, optimizers):  # each group's push: its own optimizer's, as its scheduler set them
         member.exchange.carry_hyper(partial(hyper_vector, optimizer, layout))
     return groups

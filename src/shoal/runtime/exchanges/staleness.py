@@ -74,3 +74,10 @@ def histogram(stats: Mapping[int, StalenessStats]) -> dict:
                             "updates_per_lag": {str(lag): s.counts[lag] for lag in sorted(s.counts)}}
                    for g, s in sorted(stats.items())},
     }
+
+
+def staleness_line(histogram: dict, bound: int) -> str:
+    """The chief's line on a run's staleness histogram (a job file's chief and a user's loop under Downpour say it)."""
+    lags = histogram["updates_per_lag"]
+    return (f"Staleness: {sum(lags.values())} updates, lag at most {max(map(int, lags), default=0)}"
+            + (f" (cluster.max_update_lag {bound})" if bound >= 0 else ""))
