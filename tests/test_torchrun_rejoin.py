@@ -341,8 +341,9 @@ NOT_RESTARTED = ("WARNING: --max-restarts: {label}'s processes are not restarted
 def test_a_session_under_torchrun_warns_at_start_when_its_processes_are_not_restarted(capsys):
     """A shoal.session() script's rank under torchrun with restarts allowed (cluster.max_restarts, as `--max-restarts 1`
     sets it) on a layout whose processes do not rejoin (Sandblaster's): the chief warns the job file's one line at the
-    start (launcher/elastic.py's, one place), the other ranks say nothing, and AllReduce's chief, whose group heals,
-    neither. In process: the session's start-up step for a launched rank, given torchrun's place of each rank."""
+    start (launcher/elastic.py's, one place), the other ranks say nothing; AllReduce's ranks, the chief's too (another
+    process takes its place), are supervised. In process: the session's start-up step for a launched rank, given
+    torchrun's place of each rank."""
     from shoal.config import job_pb2
     from shoal.frontend.session_start import plan_session, session_job, supervise_if_restartable
     from shoal.launcher.launchers import LaunchedProcess
@@ -359,7 +360,9 @@ def test_a_session_under_torchrun_warns_at_start_when_its_processes_are_not_rest
     sandblaster = plan(nworkers_per_group=2, server_worker_separate=True)
     assert started(sandblaster, 0) == NOT_RESTARTED.format(label="Sandblaster") + "\n"
     assert started(sandblaster, 1) == started(sandblaster, 2) == ""
-    assert started(plan(nworkers_per_group=2), 0) == ""  # AllReduce: rank 0 is the chief, the others are supervised
+    from shoal.launcher import supervisor
+    allreduce = plan(nworkers_per_group=2)  # its chief is replaced like any other process: every rank is supervised
+    assert all(supervisor.supervises(allreduce, LaunchedProcess("torchrun", r, 2, r, 2, 1, "127.0.0.1", 29500)) for r in (0, 1))
 
 
 @pytest.mark.slow  # a torchrun run (about 7 s on the busy machine); the check above is the default suite's
@@ -460,4 +463,43 @@ def test_a_killed_session_chief_under_torchrun_is_replaced(tmp_path, torchruns):
     assert got["status"] == "finished" and [r["rank"] for r in got["rejoins"]] == [0], got
     assert sorted(json.loads(p.read_text())["step"] for p in out.glob("rank*.json")) == [59, 59]  # both ended the loop
     assert "Traceback" not in stderr and "gloo" not in stderr.lower(), stderr
+    assert leftover_processes(tmp_path) == []
+
+
+def test_a_killed_chief_under_srun_is_replaced_and_the_store_outlives_it(blobs_job, tmp_path):
+    """Three tasks as `srun --ntasks=3 shoal run JOB --max-restarts 1` starts them (AllReduce's replicas): rank 0's
+    supervisor hosts the job's store (under srun no agent does), so SIGKILLing rank 0's training process loses nothing:
+    process 1 takes the chief's place, rank 0's supervisor restarts the process as a non-chief, every task exits 0."""
+    from test_launchers import slurm_env
+
+    steps = 200
+    job = blobs_job(train_steps=steps, cluster_extra=dict(nworkers_per_group=3))
+    port, secret, ws = free_port(10000, 30000), job_secret(), tmp_path / "ws"
+    outs = [open(tmp_path / f"task{rank}.txt", "w") for rank in range(3)]
+    tasks = [subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(ws), "--no-progress",
+                               "--max-restarts", "1"], stdout=outs[rank], stderr=subprocess.STDOUT, start_new_session=True,
+                              env={**slurm_env(rank, 3, "localhost", job_id=port - 10000, secret=secret),
+                                   "SHOAL_SLOW_WORKER": "0:0+0.01", **tagged(tmp_path)})
+             for rank in range(3)]
+    try:
+        wait_for(lambda: registered(ws) and len(registered(ws)[0].processes) == 3
+                 and "Train @ step 10 " in (tmp_path / "task0.txt").read_text(), 120, "never reached step 10", interval=0.05)
+        (record,) = registered(ws)
+        victim = next(p["pid"] for p in record.processes if p["rank"] == 0)
+        os.kill(victim, signal.SIGKILL)
+        codes = [task.wait(timeout=180) for task in tasks]
+    finally:
+        for task in tasks:
+            if task.poll() is None:
+                os.killpg(task.pid, signal.SIGKILL)
+        for out in outs:
+            out.close()
+    said = [(tmp_path / f"task{rank}.txt").read_text() for rank in range(3)]
+    assert codes == [0, 0, 0], [s[-2000:] for s in said]
+    assert "Process 1 took the chief's place after step " in (ws / "logs" / "rank1.log").read_text()
+    (record,) = registered(ws)
+    assert record.status == "finished", record
+    got = summary(ws)
+    assert got["status"] == "finished" and got["final_test"]["step"] == steps and [r["rank"] for r in got["rejoins"]] == [0]
+    assert pids(ws, 0)[0] == victim and len(pids(ws, 0)) == 2
     assert leftover_processes(tmp_path) == []

@@ -61,9 +61,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def host_store(host: str, port: int, world_size: int, timeout_s: float | None = None,
+               wait_for_workers: bool = True) -> dist.TCPStore:
+    """The world's rendezvous store, hosted by this process on host:port: its socket bound to `host` alone and handed to
+    c10d (which would otherwise listen on every interface). Rank 0 hosts it (`init`), or, under srun or env://, rank 0's
+    supervisor, whose store outlives the rank's process (shoal.launcher.supervisor; it waits for no worker here)."""
+    timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    listen_fd = sock.detach()  # c10d owns the socket from here on
+    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listen_fd,
+                         wait_for_workers=wait_for_workers)
+
+
 def init(rank: int, world_size: int, host: str, port: int, interface: Optional[str] = "lo", timeout_s: float | None = None,
-         backend: str = "gloo", secret: Optional[bytes] = None) -> None:
-    """Join the job's process group; rank 0 hosts the rendezvous store on host:port.
+         backend: str = "gloo", secret: Optional[bytes] = None, hosts_store: Optional[bool] = None) -> None:
+    """Join the job's process group; rank 0 hosts the rendezvous store on host:port (`hosts_store` False: another
+    process does, rank 0's supervisor, and this rank is its client).
 
     Nothing listens beyond `interface` (loopback unless the user names one for several hosts):
     the store's socket is bound to `host` here and handed to c10d (which would otherwise listen
@@ -74,17 +90,14 @@ def init(rank: int, world_size: int, host: str, port: int, interface: Optional[s
     """
     global _store_host
     timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
-    listen_fd = None
-    if rank == 0:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-        listen_fd = sock.detach()  # c10d owns the socket from here on
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, master_listen_fd=listen_fd)
+    hosts = rank == 0 if hosts_store is None else hosts_store
+    if hosts:
+        store = host_store(host, port, world_size, timeout_s)
+    else:
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     _join(_secured(store, rank, world_size, secret, timeout), rank, world_size, interface, timeout, backend, secret,
           attempt_scope(None))
-    _store_host = 0
+    _store_host = 0 if hosts_store is None or hosts_store else None  # (a supervisor's store is no rank's)
 
 
 def init_with_agent_store(rank: int, world_size: int, host: str, port: int, attempt: int, interface: Optional[str] = None,
@@ -110,9 +123,12 @@ def attempt_scope(attempt: Optional[int]) -> str:
 
 
 def agent_store_client(host: str, port: int, attempt: int, secret: Optional[bytes], timeout: datetime.timedelta) -> SignedStore:
-    """The job's keys in a store a launcher hosts, for a process outside the world (a rejoining one, the launcher)."""
+    """The job's keys in a store a launcher hosts, for a process outside the world (a rejoining one, the launcher);
+    `attempt` None: a store of the world's own (srun, env://: rank 0's or its supervisor's), its keys unprefixed as
+    `init` leaves them (a PrefixStore of "" would put a "/" before every key)."""
     client = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    return SignedStore(in_namespace(dist.PrefixStore(attempt_scope(attempt), client), secret), secret, attempt_scope(attempt))
+    scoped = client if attempt is None else dist.PrefixStore(attempt_scope(attempt), client)
+    return SignedStore(in_namespace(scoped, secret), secret, attempt_scope(attempt))
 
 
 def in_namespace(store, secret: Optional[bytes]):

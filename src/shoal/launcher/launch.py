@@ -148,13 +148,15 @@ def launched_interface(master: str) -> Optional[str]:
 
 
 def join_world(plan: JobPlan, rank: int, world: int, ranks_per_node: int, host: str, port: int,
-               interface: Optional[str], secret: bytes, agent_store_attempt: Optional[int] = None) -> None:
+               interface: Optional[str], secret: bytes, agent_store_attempt: Optional[int] = None,
+               hosts_store: Optional[bool] = None) -> None:
     """Join the job's process group (NCCL for CUDA tensors where every process has GPUs of its own, else gloo),
-    proving to the others that this process holds the job's `secret` (shoal.comm.auth)."""
+    proving to the others that this process holds the job's `secret` (shoal.comm.auth). `hosts_store` False: rank 0
+    is a client of the store its supervisor hosts (None: rank 0 hosts it)."""
     backend = comm.process_group_backend(plan.devices, [r // max(1, ranks_per_node) for r in range(world)], comm.nccl_usable())
     timeout_s = plan.comm_timeout_s  # cluster.comm_timeout_s (SHOAL_COMM_TIMEOUT overrides): every collective's
     if agent_store_attempt is None:
-        comm.init(rank, world, host, port, interface, timeout_s, backend=backend, secret=secret)
+        comm.init(rank, world, host, port, interface, timeout_s, backend=backend, secret=secret, hosts_store=hosts_store)
     else:
         comm.init_with_agent_store(rank, world, host, port, agent_store_attempt, interface, timeout_s, backend=backend, secret=secret)
 
@@ -219,7 +221,8 @@ class Meeting:
     store_port: int
     interface: Optional[str]
     # the prefix of the world's keys in the store (dist.attempt_scope): shoal run's and torchrun's agent's hold each
-    # start's keys under its attempt; None: a store of the world's own (process 0's, under srun or env://)
+    # start's keys under its attempt; None: a store of the world's own (process 0's or its supervisor's, under srun or
+    # env://), its keys unprefixed
     attempt: Optional[int] = 0
 
 
@@ -309,18 +312,21 @@ def launched_rank(plan: JobPlan, launched: LaunchedProcess, workspace: Path,
     """
     rank, world = launched.rank, launched.world_size
     wait_s = max(plan.comm_timeout_s, 60.0)
+    by_supervisor = rejoin.store_by_supervisor(plan, launched)  # (srun, env://: rank 0's supervisor hosts it)
     secret = auth.required_secret(f"a job started by {launched.launcher}")
     try:
         join_world(plan, rank, world, launched.local_world_size, launched.master_addr, launched.master_port,
                    "lo" if launched.on_loopback else launched_interface(launched.master_addr), secret,
-                   launched.restart if launched.agent_store else None)
+                   launched.restart if launched.agent_store else None,
+                   hosts_store=False if by_supervisor else None)
     except auth.SecretError as err:
         raise auth.SecretError(f"process {rank}: {err}") from None
     except (RuntimeError, ValueError, OSError) as err:  # torch's store and gloo errors: their first line is the story
         raise ProcessFailed(f"process {rank}: cannot join the job's processes at {launched.master_addr}:{launched.master_port}: "
                             f"{comm.describe_error(err)}") from None
     store_at = f"{launched.master_addr}:{launched.master_port}"
-    store_host = f"{launched.launcher}'s agent" if launched.agent_store else "process 0, which hosts it,"
+    store_host = (f"{launched.launcher}'s agent" if launched.agent_store else
+                  "process 0's supervisor, which hosts it," if by_supervisor else "process 0, which hosts it,")
     try:
         comm.publish(f"process/{rank}", json.dumps({"rank": rank, "host": socket.gethostname(), "pid": os.getpid()}))
         if rank == 0:

@@ -44,13 +44,14 @@ WORKSPACE/logs/rejoins.jsonl, and, once the job ended, a `rejoins` list in summa
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from shoal.comm import auth, channels, heartbeat, quorum
 from shoal.comm import dist as comm
@@ -62,6 +63,9 @@ from shoal.launcher.ranks import chief_replaceable, describe_process, heals, ran
 from shoal.launcher.workspace import check_workspace
 from shoal.report.writes import own_folder, replace_file
 from shoal.runtime.rejoined import RECORDS_FILE
+
+if TYPE_CHECKING:
+    from shoal.launcher.launchers import LaunchedProcess
 
 STORE_FILE = "store.json"  # WORKSPACE/logs/store.json: where the job's store is, for --rejoin
 
@@ -101,6 +105,21 @@ def why_not(plan: JobPlan, rank: int) -> Optional[str]:
         ranks = ", ".join(map(str, plan.ranks_of_group(spread[0])))
         return f"worker group {spread[0]} spans processes {ranks}: only a group hosted by one process can rejoin"
     return None
+
+
+def supervises(plan: JobPlan, launched: "LaunchedProcess") -> bool:
+    """Whether this launched process (torchrun, srun, env://) runs its rank in a child it restarts into the running job
+    (launcher/supervisor.py): restarts allowed, a strategy whose processes rejoin, a rank that may (the chief's where
+    another process takes its place, its supervisor then hosting the store where torchrun's agent does not,
+    `store_by_supervisor`)."""
+    return (plan.nprocs > 1 and plan.max_restarts > 0 and rejoins(plan)
+            and (launched.rank != 0 or chief_replaceable(plan)) and why_not(plan, launched.rank) is None)
+
+
+def store_by_supervisor(plan: JobPlan, launched: "LaunchedProcess") -> bool:
+    """Whether rank 0's supervisor hosts the world's store (every rank computes the same from the plan): under srun
+    or env://, where no agent hosts it, when rank 0 is supervised, so that the store outlives rank 0's process."""
+    return not launched.agent_store and supervises(plan, dataclasses.replace(launched, rank=0))
 
 
 def group_of(plan: JobPlan, rank: int) -> int:

@@ -9,8 +9,9 @@ running job through the job's store. torchrun sees nothing fail: the survivors' 
 A `shoal.session()` script's rank is supervised the same way (frontend/session_start.py, `supervise_if_restartable`):
 its child runs the script from the top, and so does a restarted one (`RunOptions.rank_main`, as under `shoal run`).
 
-The store outlives the child: torchrun's agent hosts it (srun, env://: process 0, which is then never supervised).
-The chief's rank is supervised too under torchrun where another process takes a dead chief's place
+The store outlives the child: torchrun's agent hosts it, or, under srun and env://, rank 0's supervisor (where rank 0
+is supervised: `store_by_supervisor`, which every rank computes alike, so that rank 0's child and everyone else are its
+clients). The chief's rank is supervised too where another process takes a dead chief's place
 (`ranks.chief_replaceable`: AllReduce's replicas, Local SGD / DiLoCo's groups of one process each): its first child
 claims the workspace and registers the job as an unsupervised chief does; once that child died, the supervisor holds
 what it held (`ChiefsRecords`: the workspace's lock, the registry's record and lock) and, after the successor closed
@@ -31,27 +32,18 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
+from shoal.comm import dist as comm
 from shoal.errors import warn
-from shoal.launcher import job_registry, launchers, ranks, stalls
+from shoal.launcher import job_registry, launchers, stalls
+from shoal.launcher.rejoin import store_by_supervisor, supervises  # noqa: F401 (supervises: this module's word, kept in rejoin)
 from shoal.launcher.options import RunOptions
 from shoal.launcher.workspace import WorkspaceError, WorkspaceLock
 from shoal.planning.plan import JobPlan
 from shoal.report.summary import read_summary
 from shoal.runtime.trainer import History
 
-WATCH_INTERVAL_S = 0.5
-STOPPED_EXIT = 130  # a child SIGTERMed (`shoal jobs kill` signals the chief's, the registry lock's holder): elastic.rank_process  # how often the supervisor looks for a stopped child between its exits
-
-
-def supervises(plan: JobPlan, launched: launchers.LaunchedProcess) -> bool:
-    """Whether this launched process runs its rank in a child it restarts into the running job (restarts allowed, a
-    strategy whose processes rejoin, a rank that may: the chief's only where another process takes its place and the
-    store is torchrun's agent's, which outlives the chief's process)."""
-    from shoal.launcher import rejoin
-
-    chief_too = ranks.chief_replaceable(plan) and launched.agent_store  # (srun, env://: process 0 hosts the store)
-    return (plan.nprocs > 1 and plan.max_restarts > 0 and rejoin.rejoins(plan) and (launched.rank != 0 or chief_too)
-            and rejoin.why_not(plan, launched.rank) is None)
+WATCH_INTERVAL_S = 0.5  # how often the supervisor looks for a stopped child between its exits
+STOPPED_EXIT = 130  # a child SIGTERMed (`shoal jobs kill` signals the chief's, the registry lock's holder): elastic.rank_process
 
 
 def supervise(plan: JobPlan, options: RunOptions, launched: launchers.LaunchedProcess, workspace: Path,
@@ -68,12 +60,16 @@ def supervise(plan: JobPlan, options: RunOptions, launched: launchers.LaunchedPr
     from shoal.runtime.assemble import RunSpec
 
     rank = launched.rank
+    # srun, env://: the world's store lives here (kept until this function returns), not in rank 0's process, which it outlives
+    store = (comm.host_store(launched.master_addr, launched.master_port, launched.world_size, plan.comm_timeout_s,
+                             wait_for_workers=False) if rank == 0 and store_by_supervisor(plan, launched) else None)
     # (the job's secret in it: the launcher's user gave it to every process; OpenMP's wait policy as the forkserver's)
     environment = rank_environment(os.environ)
     # torch and shoal imported once: a restart costs no interpreter start
     context = forkserver_context([first_process.func.__module__])
     child = context.Process(target=first_process, name=f"shoal-rank{rank}", daemon=False, args=(environment,))
     children = SimpleNamespace(processes=[child], sentinels={})  # what rejoin.Restarter replaces a dead one in
+    records = ChiefsRecords(plan, workspace) if rank == 0 else None
 
     # torchrun stops the job (or Ctrl-C): the child goes with this process
     with children_stop_with_this_process(lambda: children.processes):
@@ -87,7 +83,6 @@ def supervise(plan: JobPlan, options: RunOptions, launched: launchers.LaunchedPr
             restarter = rejoin.Restarter(plan, meeting, spec, options.process_setup, environment, rank_main=options.rank_main,
                                          notes_store=False)
             stopped_since: dict[int, float] = {}
-            records = ChiefsRecords(plan, workspace) if rank == 0 else None
             while True:
                 current = children.processes[0]
                 current.join(WATCH_INTERVAL_S)
