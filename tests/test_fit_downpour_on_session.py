@@ -154,6 +154,7 @@ def test_the_job_path_applies_the_same_learning_rates(tmp_path, monkeypatch, ste
     torch.testing.assert_close(moved(model), torch.full_like(moved(model), expected), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # three runs of 3 processes (26 s on a loaded machine: the suite's budget)
 def test_a_resumed_run_goes_on_from_the_servers_state_and_update_count(tmp_path):
     """SGD with momentum under a schedule by update: STEPS steps, then resumed to 2·STEPS, ends where 2·STEPS steps
     in one run do (every update's learning rate and momentum buffer the same: the servers' state and their update

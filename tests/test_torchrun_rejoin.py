@@ -389,6 +389,7 @@ def test_a_session_script_under_torchrun_warns_at_start_when_its_process_is_not_
 REPLICATED = "AllReduce, 3 processes, replicated (max_restarts 1)"
 
 
+@pytest.mark.slow  # the srun test below covers the chief's supervisor (its records, its restart) in the default suite
 def test_a_killed_chief_under_torchrun_is_replaced_and_nothing_restarts(blobs_job, tmp_path, torchruns):
     """SIGKILL rank 0's training process mid-run (AllReduce's replicas, 3 ranks): torchrun restarts nothing (one
     registration, no whole-job restart); process 1 takes the chief's place (its line on torchrun's output) and finishes
