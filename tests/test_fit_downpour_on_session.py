@@ -85,8 +85,8 @@ def test_fit_names_downpour_over_processes_for_the_session():
     assert fitting.fit_layout(plan_of(**LAYOUTS[LAYOUT].cluster, nservers_per_group=2)) == "Downpour over processes"
     threads = LAYOUTS["Downpour, 2 groups x 2 threads + 1 server, 3 processes"].cluster
     assert fitting.fit_layout(plan_of(**threads)) == "Downpour"
-    sandblaster = LAYOUTS["Sandblaster, 2 workers + 1 server, 3 processes"].cluster
-    assert fitting.fit_layout(plan_of(**sandblaster)) == "Sandblaster"
+    sandblaster = LAYOUTS["Sandblaster, 2 workers + 1 server, 3 processes"].cluster  # (its own name: one group)
+    assert fitting.fit_layout(plan_of(**sandblaster)) == "Sandblaster over processes"
 
 
 def test_fit_trains_downpour_through_its_loop_with_the_job_paths_records_and_staleness(tmp_path, monkeypatch):

@@ -50,11 +50,13 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
     keeps the job path. The names fit_loop runs: one worker in one process on the CPU, one synchronous group's workers
     in one process (threads: tests/test_fit_threads_on_session.py), AllReduce, Local SGD / DiLoCo and Distributed
     Hogwild over processes (one worker each), Downpour's groups over processes (one worker each, server processes of
-    their own: tests/test_fit_downpour_on_session.py); a synchronous group with server slices keeps the job path (its
+    their own: tests/test_fit_downpour_on_session.py), Sandblaster's group over processes (one worker each, server
+    processes of their own: below); a synchronous group with server slices keeps the job path (its
     owners shard the optimizer's state, ZeRO-1's shape), and so do Sandblaster's 2 threads + a server process (2
     processes of 2 workers, not one worker each) and Downpour's groups of 2 threads."""
     ready = {"one worker", "one synchronous group in one process", "AllReduce over processes",
-             "Local SGD / DiLoCo over processes", "Distributed Hogwild over processes", "Downpour over processes"}
+             "Local SGD / DiLoCo over processes", "Distributed Hogwild over processes", "Downpour over processes",
+             "Sandblaster over processes"}
     assert fitting.ON_SESSION == ready
     on_a_gpu = SimpleNamespace(in_one_process=True, nworkers=1, job=SimpleNamespace(device=["cuda:0"]), label="single worker")
     named = {"one worker": plan_of(),
@@ -62,7 +64,8 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
              "AllReduce over processes": plan_of(nworkers_per_group=2, nworkers_per_procs=1),
              "Local SGD / DiLoCo over processes": plan_of(nworker_groups=2, nworkers_per_procs=1, local_steps=2),
              "Distributed Hogwild over processes": plan_of(nworker_groups=2, nserver_groups=2),
-             "Downpour over processes": plan_of(nworker_groups=2, server_worker_separate=True)}
+             "Downpour over processes": plan_of(nworker_groups=2, server_worker_separate=True),
+             "Sandblaster over processes": plan_of(nworkers_per_group=2, nworkers_per_procs=1, server_worker_separate=True)}
     with_torch_outer = SimpleNamespace(in_one_process=False, nworkers=2, nprocs=2, label="DiLoCo",  # (as fit plans it)
                                        placement=SimpleNamespace(processes=[SimpleNamespace(workers=[k]) for k in range(2)]),
                                        strategy=SimpleNamespace(synchronous=False, meets=True, syncs_with_peers=False),
@@ -233,6 +236,30 @@ def test_the_chief_ranks_lines_reach_fits_log_in_this_process(tmp_path):
             time.sleep(0.05)
             f.write("ep 5  Loss = 0.5\n")
     assert said == ["Train @ step 0  Loss = 1", "Train @ step 5  Loss = 0.5"]
+
+
+def test_fit_runs_sandblaster_over_processes_on_the_session_as_one_worker(tmp_path, problem, monkeypatch):
+    """Sandblaster's one group, a worker in each of 2 processes, its server in a third (the servers run fit's updater):
+    fit runs it through its loop on the session, and it records one worker's validation losses and ends on its values,
+    to float rounding (the group's mean, whole: a synchronous layout)."""
+    train, val, model = problem
+    ran = []
+    monkeypatch.setattr(fit_loop, "fit_on_session", lambda *a, _on=fit_loop.fit_on_session, **k: ran.append(1) or _on(*a, **k))
+    one, sandblaster = copy.deepcopy(model), copy.deepcopy(model)
+    alone = _fit_over_processes(one, train, val, tmp_path / "one", shoal.Cluster())
+    cluster = shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=1, server_worker_separate=True)
+    both = _fit_over_processes(sandblaster, train, val, tmp_path / "sandblaster", cluster)
+    assert ran == [1, 1]
+    ended = json.loads((tmp_path / "sandblaster" / "summary.json").read_text())
+    assert (ended["framework"], ended["processes"], ended["workers"], ended["servers"]) == ("Sandblaster", 3, 2, 1), ended
+    server = (tmp_path / "sandblaster" / "logs" / "rank2.log").read_text()  # (the server process applied every step's mean)
+    assert f"server(group=0, id=0): version {STEPS}; updates applied: group 0: {STEPS}" in server, server
+    got, want = both.phase("validate"), alone.phase("validate")
+    assert [r["step"] for r in got] == [r["step"] for r in want] and len(got) > 1
+    for a, b in zip(got, want):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+    for a, b in zip(sandblaster.parameters(), one.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_fit_on_the_job_path_over_processes_hands_the_chiefs_lines_to_its_log(tmp_path, problem, capfd, monkeypatch):

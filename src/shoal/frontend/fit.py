@@ -410,9 +410,11 @@ def job_rank_in_its_log(plan, rank: int, run_spec):
 # scheduler, stepped by its loop, rides on its pushes; "update", fit's default: the chief's schedule at every server
 # update count, set by the servers, session_exchange.UpdateSchedule), and its chief writes summary.json's
 # staleness_histogram as the job path's does (tests/test_fit_frictions.py, tests/test_fit_every_feature.py).
+# Sandblaster over processes: the session's Sandblaster (the group's mean pushed to server processes running fit's
+# optimizer), one worker's records and values to float rounding.
 ON_SESSION: frozenset = frozenset({"one worker", "one synchronous group in one process", "AllReduce over processes",
                                    "Local SGD / DiLoCo over processes", "Distributed Hogwild over processes",
-                                   "Downpour over processes"})
+                                   "Downpour over processes", "Sandblaster over processes"})
 
 
 def fit_layout(plan) -> str:
@@ -435,7 +437,19 @@ def fit_layout(plan) -> str:
         return "Distributed Hogwild over processes"
     if downpour_over_processes(plan):
         return "Downpour over processes"
+    if sandblaster_over_processes(plan):
+        return "Sandblaster over processes"
     return plan.label
+
+
+def sandblaster_over_processes(plan) -> bool:
+    """Sandblaster's one synchronous group, one worker in each of its processes, pushing to server processes of their
+    own, on the CPU (the session's Sandblaster: each push the group's mean, the servers running fit's optimizer)."""
+    from shoal.frontend.session_start import pushes_to_servers
+
+    return (not plan.in_one_process and not plan.job.device and plan.strategy.synchronous and not plan.strategy.meets
+            and plan.nworker_groups == 1 and pushes_to_servers(plan)
+            and all(len(p.workers) == (0 if p.servers else 1) for p in plan.placement.processes))
 
 
 def downpour_over_processes(plan) -> bool:
