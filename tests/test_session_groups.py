@@ -99,6 +99,10 @@ def test_in_memory_groups_push_to_one_server_and_learn_as_fit_does(groups_run, t
     assert len({w["thread"] for w in said["workers"]}) == layout.workers and not any(w["main"] for w in said["workers"])
     records = train_records(downpour_run / "ws")
     assert [r["samples"] for r in records] == [24, 120, 120, 120, 96]
+    # as a job file's in-memory groups: each record the updates' staleness, summary.json every group's updates by lag
+    assert all({"staleness", "staleness_max"} <= set(r) for r in records), records
+    histogram = json.loads((downpour_run / "ws" / "summary.json").read_text())["staleness_histogram"]
+    assert {g: (c["updates"], c["expected"]) for g, c in histogram["groups"].items()} == {"0": (20, 20), "1": (20, 20)}
     before, theirs = fit_loss(tmp_path / "fit", row)
     ours = replica_losses(downpour_run)
     # Hogwild's groups share one copy; Downpour's are apart, but both may have pulled the server's values after the last

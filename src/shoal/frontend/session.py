@@ -883,6 +883,9 @@ class Session:
         if self._group_window:  # every process, at every display: the decider hears the others' windows (replicated.py)
             values = self.exchange.metrics(self.window)
             rows = values.pop("samples")  # the rows of the processes that came to the window's steps
+        elif self.groups_in_memory and self.window:  # in-memory groups, as a job file's: group 0's losses, every
+            values = self.exchange.metrics(self.window)  # group's rows and the updates' staleness (the board's)
+            rows = values.pop("samples", self.window_rows)
         elif self.pushes and not self.plan.strategy.synchronous and self.window:
             # Downpour's groups, as a job file's records: the chief's own losses, the job's rows since its last display
             # (from the servers' version: every group's), its staleness and the bytes it pushed (DownpourExchange.metrics)
@@ -957,7 +960,7 @@ class Session:
                 self.metrics.annotate(bytes_sent=sent)
             if self.metrics is not None and self.plan.strategy.retrains_skipped_steps and self.exchange.job_notes:
                 self.metrics.annotate(**self.exchange.job_notes)  # the skipped steps, who re-trained them
-            if self.metrics is not None and self.pushes:
+            if self.metrics is not None and (self.pushes or self.groups_in_memory):
                 self._note_staleness()
         self._finished = True
 
@@ -967,8 +970,11 @@ class Session:
         (strategies/downpour.py's staleness_histogram; its missed_updates and the closing line read it)."""
         from shoal.runtime.exchanges.staleness import staleness_line
 
-        member = session_exchange.SessionMember(self._store, self.group, self.start_step, exchange=self.exchange)
-        histogram = self.plan.strategy.staleness_histogram(session_exchange.SessionRun(self.plan, self.rank, [member]))
+        if self.groups_in_memory:  # (in-memory groups: the board that counted them)
+            histogram = self.exchange.staleness_histogram(self.plan)
+        else:
+            member = session_exchange.SessionMember(self._store, self.group, self.start_step, exchange=self.exchange)
+            histogram = self.plan.strategy.staleness_histogram(session_exchange.SessionRun(self.plan, self.rank, [member]))
         if histogram:
             self.metrics.annotate(staleness_histogram=histogram)
             self.say(staleness_line(histogram, self.plan.max_update_lag))

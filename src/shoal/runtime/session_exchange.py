@@ -679,8 +679,18 @@ class GroupsInProcess:
 
     job_bytes_sent = None  # nothing crosses a wire
 
-    def __init__(self, exchanges: list):
-        self.exchanges = exchanges
+    def __init__(self, exchanges: list, run: Optional["SessionRun"] = None):
+        """`run`: the groups as the strategy attached them (its board counts every group's updates by lag)."""
+        self.exchanges, self.run = exchanges, run
+
+    def metrics(self, window) -> dict[str, float]:
+        """At a display: group 0's losses, every group's samples and the updates' staleness since the last one (the
+        board's, as a job file's in-memory groups record them)."""
+        return self.exchanges[0].metrics(window)
+
+    def staleness_histogram(self, plan: JobPlan) -> Optional[dict]:
+        """After the loop: every group's updates by lag, and how many each was to apply (summary.json's)."""
+        return plan.strategy.staleness_histogram(self.run) if self.run is not None and self.run.board is not None else None
 
     def updater_state(self):
         return self.exchanges[0].updater_state()
@@ -724,7 +734,7 @@ def group_exchanges(plan: JobPlan, stores: list[ParamStore], recipe: dict, optim
                for group, store in enumerate(stores)]
     run = SessionRun(served, 0, members)
     served.strategy.attach_exchanges(run)
-    groups = GroupsInProcess([member.exchange for member in members])
+    groups = GroupsInProcess([member.exchange for member in members], run)
     if saved:
         load_exchange_state(groups, saved)
     served.strategy.after_values(run, StartSpec(resume_from="checkpoint" if saved else None))
