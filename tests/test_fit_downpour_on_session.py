@@ -127,6 +127,22 @@ def test_fit_trains_downpour_through_its_loop_with_the_job_paths_records_and_sta
         assert "missed_updates" not in one
 
 
+def test_a_singa_updaters_compensated_momentum_keeps_the_job_path(tmp_path, monkeypatch):
+    """A SINGA updater with momentum under Downpour: the job path's servers compensate it for the groups' own momentum
+    (cluster.async_momentum, said in one line); the session's servers run the updater as given, so fit keeps such a
+    call on the job path, and says the line (it went silently uncompensated on the session)."""
+    ran = []
+    monkeypatch.setattr(fit_loop, "fit_on_session", lambda *a, _on=fit_loop.fit_on_session, **k: ran.append(1) or _on(*a, **k))
+    lines = []
+    shoal.fit(module(), summed, data(), steps=2, batch_size=BATCH, cluster=LAYOUTS[LAYOUT].fit_cluster(),
+              updater={"type": "kSGD", "momentum": 0.5, "learning_rate": {"base_lr": LR}}, workspace=tmp_path / "ws",
+              log=lines.append)
+    assert ran == []
+    assert [line for line in lines if line.startswith("updater.momentum")] == [
+        "updater.momentum 0.5 -> 0 at the servers: 2 asynchronous groups add momentum of their own "
+        "(cluster.async_momentum: kAsConfigured keeps the job's)"]
+
+
 @pytest.mark.parametrize("steps_by, positions", [("group", [s for s in range(STEPS) for _ in range(2)]),
                                                  ("update", list(range(2 * STEPS)))])
 def test_a_schedule_follows_each_groups_steps_or_the_servers_updates_as_asked(tmp_path, steps_by, positions):
