@@ -127,20 +127,22 @@ def test_fit_trains_downpour_through_its_loop_with_the_job_paths_records_and_sta
         assert "missed_updates" not in one
 
 
-def test_a_singa_updaters_compensated_momentum_keeps_the_job_path(tmp_path, monkeypatch):
-    """A SINGA updater with momentum under Downpour: the job path's servers compensate it for the groups' own momentum
-    (cluster.async_momentum, said in one line); the session's servers run the updater as given, so fit keeps such a
-    call on the job path, and says the line (it went silently uncompensated on the session)."""
+def test_a_singa_updaters_momentum_is_compensated_at_the_servers_as_a_job_files(tmp_path, monkeypatch):
+    """A SINGA updater with momentum 0.5 under Downpour's 2 groups: the servers run it with momentum 1 - 2·(1 - 0.5) = 0,
+    as a job file's servers do (cluster.async_momentum), and the chief says so in the job file's line. With a loss whose
+    gradient is 1 everywhere, plain SGD moves every value by LR at each of the 2·STEPS updates: momentum would move it
+    further (the session's servers had run the updater uncompensated, silently)."""
     ran = []
     monkeypatch.setattr(fit_loop, "fit_on_session", lambda *a, _on=fit_loop.fit_on_session, **k: ran.append(1) or _on(*a, **k))
-    lines = []
-    shoal.fit(module(), summed, data(), steps=2, batch_size=BATCH, cluster=LAYOUTS[LAYOUT].fit_cluster(),
+    lines, model = [], module()
+    shoal.fit(model, summed, data(), steps=STEPS, batch_size=BATCH, cluster=LAYOUTS[LAYOUT].fit_cluster(),
               updater={"type": "kSGD", "momentum": 0.5, "learning_rate": {"base_lr": LR}}, workspace=tmp_path / "ws",
               log=lines.append)
-    assert ran == []
+    assert ran == [1]
     assert [line for line in lines if line.startswith("updater.momentum")] == [
         "updater.momentum 0.5 -> 0 at the servers: 2 asynchronous groups add momentum of their own "
         "(cluster.async_momentum: kAsConfigured keeps the job's)"]
+    torch.testing.assert_close(moved(model), torch.full_like(moved(model), LR * 2 * STEPS), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("steps_by, positions", [("group", [s for s in range(STEPS) for _ in range(2)]),

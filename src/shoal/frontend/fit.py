@@ -357,7 +357,7 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
 
     planning = script.settings() is not None and script.settings().plan is not None  # `shoal plan script.py`: fit's job
     plan = None if planning else fit_loop.session_plan(job)
-    if plan is not None and on_session(plan) and not _momentum_compensated(job, plan):  # fit's loop on the session
+    if plan is not None and on_session(plan):  # fit's loop written with the session's calls: the module trains in place
         _check_scheduler(spec)
         if spec.outer_optimizer is not None:
             _check_outer_layout(plan)
@@ -387,15 +387,6 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
     if _launched_rank() == 0:  # another launched rank has no checkpoint to read yet (or on its host at all)
         _load_trained_values(model, history.workspace, job.train_steps)
     return history
-
-
-def _momentum_compensated(job, plan) -> bool:
-    """Whether a SINGA updater's momentum is compensated under asynchrony (cluster.async_momentum: the job path's
-    servers apply 1 - N·(1 - momentum)); the session's servers run the updater as given, so such a fit keeps the job
-    path (`plan`: the session's, whose strategy says whether its groups compensate)."""
-    from shoal.planning.plan import server_updater
-
-    return job.HasField("updater") and server_updater(job, plan.strategy).momentum != job.updater.momentum
 
 
 def job_rank_in_its_log(plan, rank: int, run_spec):

@@ -383,6 +383,7 @@ class Session:
                 (n, p) for n, p in self._workers[0].module.named_parameters() if p.requires_grad])
         except session_exchange.RecipeError as err:
             raise SessionError(str(err)) from None
+        recipe = self._compensated(recipe)
         saved = dict(self._mine.exchange) if self._mine is not None else None
         self.exchange = session_exchange.group_exchanges(self.plan, stores, recipe, [w.optimizers[0] for w in firsts],
                                                          self.start_step, saved, self.metrics,
@@ -543,6 +544,7 @@ class Session:
             recipe = session_exchange.optimizer_recipe(optimizer, named)
         except session_exchange.RecipeError as err:
             raise SessionError(str(err)) from None
+        recipe = self._compensated(recipe)
         if self.chief:
             session_exchange.publish_description([n for n, _ in named], [tuple(p.shape) for _, p in named], recipe)
         saved = dict(self._mine.exchange) if self._mine is not None else None
@@ -556,6 +558,15 @@ class Session:
             self.mean = session_exchange.GradientMean(named, session_exchange.StubGroupMean(named, self.exchange), self._share,
                                                       lambda: self.step)
         optimizer.register_step_pre_hook(self._push)
+
+    def _compensated(self, recipe: dict) -> dict:
+        """The servers' recipe: a SINGA updater's momentum compensated under asynchrony, said by the chief in the job
+        file's line (session_exchange.compensated)."""
+        recipe, said = session_exchange.compensated(self.plan, recipe)
+        if self.chief:
+            for line in said:
+                self.say(line)
+        return recipe
 
     def _push(self, optimizer, args, kwargs) -> None:
         """Downpour's step: this process's gradients to the servers (with the optimizer's hyper-parameters as the

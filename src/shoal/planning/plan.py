@@ -251,7 +251,7 @@ def plan_job(job: job_pb2.JobProto, cores: Optional[int] = None, nnodes: int = 1
     if job.cluster.HasField("sparse_outer_step") and not strategy.meets:
         raise UnsupportedClusterError("cluster.sparse_outer_step: applies to Local SGD only (cluster.local_steps > 0 and several worker groups)")
     compressed = _compression_notes(job, strategy, len(placement.processes), strategy.compressed_in(plan))
-    plan = replace(plan, notes=tuple(list(parts.notes) + _updater_notes(job, updater) + compressed
+    plan = replace(plan, notes=tuple(list(parts.notes) + updater_notes(job, updater) + compressed
                                      + strategy.notes(plan) + _staleness_notes(job, strategy)))
     if job.cluster.auto_batch_shares:
         _check_balanceable(plan)
@@ -273,6 +273,16 @@ def server_updater(job: job_pb2.JobProto, strategy: Strategy) -> job_pb2.Updater
         return updater
     updater.momentum = max(0.0, 1.0 - outstanding_updates(job.cluster) * (1.0 - updater.momentum))
     return updater
+
+
+def servers_updater(plan: "JobPlan", updater: job_pb2.UpdaterProto) -> tuple[job_pb2.UpdaterProto, list[str]]:
+    """What the servers of `plan` apply for a user's SINGA `updater` (a shoal.SingaOptimizer's, in a user's loop), as
+    `server_updater` does for a job file's, and the line that says so where it differs."""
+    job = job_pb2.JobProto()
+    job.cluster.CopyFrom(plan.job.cluster)
+    job.updater.CopyFrom(updater)
+    servers = server_updater(job, plan.strategy)
+    return servers, updater_notes(job, servers)
 
 
 def outstanding_updates(cluster: job_pb2.ClusterProto) -> int:
@@ -329,7 +339,8 @@ def _staleness_notes(job: job_pb2.JobProto, strategy: Strategy) -> list[str]:
     return notes
 
 
-def _updater_notes(job: job_pb2.JobProto, servers: job_pb2.UpdaterProto) -> list[str]:
+def updater_notes(job: job_pb2.JobProto, servers: job_pb2.UpdaterProto) -> list[str]:
+    """The line saying the servers' momentum differs from the job's (compensated under asynchrony; none where not)."""
     compensated = servers.momentum
     if compensated == job.updater.momentum:
         return []

@@ -577,6 +577,22 @@ class RecipeOptimizer:
         return optimizer_from_recipe(self.recipe, named)
 
 
+def compensated(plan: JobPlan, recipe: dict) -> tuple[dict, list[str]]:
+    """`recipe` as the servers run it: a shoal.SingaOptimizer's momentum compensated under asynchrony as a job file's
+    servers compensate the job's updater (planning/plan.py's server_updater: cluster.async_momentum, Downpour's groups
+    adding momentum of their own), and the line that says so (none where nothing changed: a torch optimizer, a
+    synchronous group, kAsConfigured). Every process computes it alike from the plan and the recipe."""
+    from shoal.neuralnet.singa_optimizer import updater_conf
+    from shoal.planning.plan import servers_updater
+
+    if recipe.get("class") != SINGA_OPTIMIZER or not isinstance(recipe.get("updater"), dict):
+        return recipe, []
+    servers, said = servers_updater(plan, updater_conf(recipe["updater"]))
+    if not said:
+        return recipe, []
+    return dict(recipe, updater=dict(recipe["updater"], momentum=servers.momentum)), said
+
+
 def downpour_plan(plan: JobPlan, names: list[str], shapes: list[tuple[int, ...]], recipe: dict) -> JobPlan:
     """The session's plan for Downpour over the user's module: its params cut into the servers' slices (as a net's
     are) and, as the servers' updater, the user's optimizer built from its recipe (registered in this process)."""
