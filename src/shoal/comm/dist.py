@@ -97,7 +97,7 @@ def init(rank: int, world_size: int, host: str, port: int, interface: Optional[s
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     _join(_secured(store, rank, world_size, secret, timeout), rank, world_size, interface, timeout, backend, secret,
           attempt_scope(None))
-    _store_host = 0 if hosts_store is None or hosts_store else None  # (a supervisor's store is no rank's)
+    _store_host = None if hosts_store is False else 0  # (a supervisor's store is no rank's)
 
 
 def init_with_agent_store(rank: int, world_size: int, host: str, port: int, attempt: int, interface: Optional[str] = None,

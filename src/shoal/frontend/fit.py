@@ -394,12 +394,10 @@ def job_rank_in_its_log(plan, rank: int, run_spec):
     the chief's lines to its log file alone (logs/rank0.log, which fit relays to log=), not to the terminal."""
     import dataclasses
 
-    from shoal.launcher.ranks import ChiefLog
+    from shoal.launcher.ranks import to_its_file_only
     from shoal.runtime.assemble import run_process
 
-    if isinstance(run_spec.log, ChiefLog):
-        run_spec = dataclasses.replace(run_spec, log=run_spec.log.to_file)
-    return run_process(plan, rank, run_spec)
+    return run_process(plan, rank, dataclasses.replace(run_spec, log=to_its_file_only(run_spec.log)))
 
 
 # The layouts fit runs as a loop of the session's calls (frontend/fit_loop.py), by `fit_layout`'s name; every other one

@@ -274,7 +274,7 @@ def fit_rank(job_text: str, spec: FitLoop, to_terminal: bool, plan, rank: int, r
 
     from shoal.config import job_pb2
     from shoal.frontend.session_start import as_rank
-    from shoal.launcher.ranks import ChiefLog
+    from shoal.launcher.ranks import to_its_file_only
 
     from shoal.report.targets import set_run_goals
 
@@ -282,8 +282,8 @@ def fit_rank(job_text: str, spec: FitLoop, to_terminal: bool, plan, rank: int, r
     set_run_goals(spec.goals)  # (this process's chief, or the member that takes its place, writes the summary)
     # the module came as torch.multiprocessing sends tensors, in memory every rank shares: each rank trains its own copy
     spec = dataclasses.replace(spec, model=copy.deepcopy(spec.model))
-    if not to_terminal and isinstance(run_spec.log, ChiefLog):  # (the chief's first incarnation)
-        run_spec = dataclasses.replace(run_spec, log=run_spec.log.to_file)
+    if not to_terminal:  # (the chief's first incarnation says its lines to its log file alone)
+        run_spec = dataclasses.replace(run_spec, log=to_its_file_only(run_spec.log))
     with as_rank(plan, rank, run_spec, terminal=to_terminal):
         run = _session(job, spec, run_spec.workspace, False, run_spec.log)
     _run_on(run, job_text, spec, run_spec.log)

@@ -92,6 +92,12 @@ class ChiefLog:
         self.log_file.write(line + "\n")
 
 
+def to_its_file_only(log: Callable[[str], None]) -> Callable[[str], None]:
+    """A rank's way of saying a line, the chief's terminal left out (its log file alone: shoal.fit relays the chief's
+    log file to its own `log=`); any other rank's as it is."""
+    return log.to_file if isinstance(log, ChiefLog) else log
+
+
 def write_exit_line(path: Path, line: str) -> None:
     """The line a process leaves for the launcher before it exits with a code that says to read it (a stall verdict,
     bad input before the first step): written whole, through no link, nor at logs/; unwritable, the launcher names the
