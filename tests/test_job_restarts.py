@@ -1,5 +1,5 @@
 """Whole-job restarts (issue 38): `shoal run JOB --max-restarts N`, when a process dies that the job cannot go on
-without (a server process, Downpour's chief, any process of a framework with no quorum), starts every process again from
+without (a server process, Sandblaster's chief, any process of a framework with no quorum), starts every process again from
 the newest checkpoint, up to N times, with one true line per restart; the summary and the closing line count the
 restarts and the steps re-done.
 
@@ -26,7 +26,9 @@ from test_stalls import Run, runs  # noqa: F401 - the fixture that stops what a 
 import shoal
 from shoal.launcher import job_registry
 
-DOWNPOUR = "Downpour, 2 groups + 1 server, 3 processes"
+# its chief decides every step and holds the servers' first values (Downpour's and Hogwild's are replaced under
+# --max-restarts: tests/test_async_chief_death.py)
+SANDBLASTER = "Sandblaster, 2 workers + 1 server, 3 processes"
 ALLREDUCE = "AllReduce, 2 processes"
 SLOW = {"SHOAL_SLOW_WORKER": "0:0+0.01"}  # steps of 10 ms or more: the run outlasts a kill and a restart
 RAW = ("gloo", "c10d", ".cpp", "GLHF", "Traceback")
@@ -123,12 +125,12 @@ def test_a_killed_server_restarts_the_whole_job_from_its_checkpoint(blobs_job, t
     assert leftover_processes(tmp_path) == []
 
 
-def test_a_killed_chief_of_downpour_restarts_the_whole_job(blobs_job, tmp_path, runs):
-    """(b) Downpour's group 0 holds the chief's duties to itself (AllReduce's replicas and Local SGD's groups go on
-    without their chief: tests/test_job_chief_death.py): process 0 SIGKILLed after a checkpoint; the whole job starts
-    again from it, as torchrun's agent restarts its workers."""
+def test_a_killed_chief_of_sandblaster_restarts_the_whole_job(blobs_job, tmp_path, runs):
+    """(b) Sandblaster's chief holds its duties to itself (AllReduce's replicas, Local SGD's, Downpour's and Hogwild's
+    groups go on without their chief: tests/test_job_chief_death.py, tests/test_async_chief_death.py): process 0
+    SIGKILLed after a checkpoint; the whole job starts again from it, as torchrun's agent restarts its workers."""
     steps = 120
-    run = Run(blobs_job(train_steps=steps), tmp_path, DOWNPOUR, "--max-restarts", "1",
+    run = Run(blobs_job(train_steps=steps), tmp_path, SANDBLASTER, "--max-restarts", "1",
               "--set", "checkpoint_freq=20", "--set", "test_freq=60", env=SLOW)
     runs.append(run)
     chief = run.pid_of(0)
@@ -138,16 +140,16 @@ def test_a_killed_chief_of_downpour_restarts_the_whole_job(blobs_job, tmp_path, 
     after, from_step = restart_line(run.stderr(), "process 0 (worker(group=0, id=0))")
     assert from_step >= 20
     ended = assert_resumed(run.ws, after, from_step, steps)
-    assert ended["processes"] == 3 and ended["framework"] == "Downpour", ended
+    assert ended["processes"] == 3 and ended["framework"] == "Sandblaster", ended
     assert ended["final_test"]["accuracy"] >= 0.9
     assert pids(run.ws)[0] != chief
     assert leftover_processes(tmp_path) == []
 
 
 def test_when_the_restarts_run_out_the_job_fails_naming_the_death(blobs_job, tmp_path):
-    """(c) The chief of a Downpour job dies at the same step in every start (an injected exit), no checkpoint written
+    """(c) The chief of a Sandblaster job dies at the same step in every start (an injected exit), no checkpoint written
     yet: the one restart starts over from step 0 and says so; the second death fails the job in one line."""
-    job = blobs_job(train_steps=200, layout=DOWNPOUR)
+    job = blobs_job(train_steps=200, layout=SANDBLASTER)
     ws = tmp_path / "ws"
     proc = run_cli("run", job, "--workspace", ws, "--no-progress", "--max-restarts", "1",
                    env={**os.environ, "SHOAL_INJECT_EXIT": "0:15"}, timeout=120)
@@ -191,7 +193,7 @@ def test_the_history_of_a_restarted_job_is_one_run(blobs_job, tmp_path, monkeypa
     ws = tmp_path / "ws"
     for name, value in SLOW.items():
         monkeypatch.setenv(name, value)
-    job = shoal.load_job(blobs_job(train_steps=steps, layout=DOWNPOUR),  # (its chief's death restarts the job)
+    job = shoal.load_job(blobs_job(train_steps=steps, layout=SANDBLASTER),  # (its chief's death restarts the job)
                          ["cluster.max_restarts=1", "checkpoint_freq=20", "test_freq=50", "disp_freq=5"])
     killed = []
 
@@ -216,12 +218,13 @@ def test_the_history_of_a_restarted_job_is_one_run(blobs_job, tmp_path, monkeypa
 
 
 @pytest.mark.slow  # a stall timeout to wait out (3 s) and a second start
-def test_a_stalled_downpour_chief_restarts_the_whole_job(blobs_job, tmp_path, runs):
-    """The chief of a Downpour job SIGSTOPped after a checkpoint: another process finds it stalled (the job cannot go on
-    without it: a job file's Local SGD chief is replaced instead, tests/test_job_chief_death.py); the launcher SIGKILLs
-    the stopped chief and restarts the whole job, rather than waiting on the stopped chief for ever."""
+def test_a_stalled_sandblaster_chief_restarts_the_whole_job(blobs_job, tmp_path, runs):
+    """The chief of a Sandblaster job SIGSTOPped after a checkpoint: another process finds it stalled (the job cannot go
+    on without it: a job file's Local SGD, Downpour or Hogwild chief is replaced instead, tests/test_job_chief_death.py,
+    tests/test_async_chief_death.py); the launcher SIGKILLs the stopped chief and restarts the whole job, rather than
+    waiting on the stopped chief for ever."""
     steps = 120
-    run = Run(blobs_job(train_steps=steps), tmp_path, DOWNPOUR,
+    run = Run(blobs_job(train_steps=steps), tmp_path, SANDBLASTER,
               "--max-restarts", "1", "--set", "checkpoint_freq=20", "--set", "test_freq=60", env={"SHOAL_SLOW_WORKER": "0:0+0.02"})
     runs.append(run)
     chief = run.pid_of(0)

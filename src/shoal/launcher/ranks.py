@@ -24,13 +24,14 @@ def replicas_go_on(plan: JobPlan) -> bool:
 def chief_replaceable(plan: JobPlan) -> bool:
     """Whether the chief's death drops it like any other process (the lowest living process decides the steps or
     meetings and takes over the run log, tests and checkpoints: shoal.comm.quorum's `replaceable`, report/succession.py):
-    a group of replicas, or Local SGD / DiLoCo's groups of one process each, in a user's loop or a job file. Elsewhere
-    the chief's death restarts the whole job (launcher/job_restarts.py): Downpour's and Hogwild's group 0 holds the
-    servers' or masters' side too."""
+    a group of replicas, or Local SGD / DiLoCo's groups of one process each, in a user's loop or a job file; Downpour's
+    and Distributed Hogwild's groups of one process each in a job file under cluster.max_restarts (no step to decide:
+    the lowest living worker process takes the chief's duties, shoal.comm.succession). Elsewhere the chief's death
+    restarts the whole job (launcher/job_restarts.py)."""
     if plan.in_one_process:
         return False
     meeting_groups = plan.strategy.meets and all(len(plan.ranks_of_group(g)) == 1 for g in range(plan.nworker_groups))
-    return replicas_go_on(plan) or meeting_groups
+    return replicas_go_on(plan) or meeting_groups or plan.strategy.chief_succeeded_by_a_group(plan)
 
 
 def outlives_a_dead_process(plan: JobPlan) -> bool:
@@ -47,8 +48,7 @@ def heals(plan: JobPlan, rank: int) -> bool:
 
 def expendable(plan: JobPlan, rank: int) -> bool:
     """Jobs whose groups outlive a dead one (Downpour, Hogwild: the strategy says) outlive a process that hosts only
-    workers of groups other than group 0 (group 0's too where `chief_replaceable`: Local SGD / DiLoCo in a user's
-    loop); a group of replicas that goes on (AllReduce under cluster.max_restarts), any process of workers, the
+    workers of groups other than group 0 (group 0's too where `chief_replaceable`); a group of replicas that goes on (AllReduce under cluster.max_restarts), any process of workers, the
     chief's too (`chief_replaceable`)."""
     proc = plan.process(rank)
     if replicas_go_on(plan):

@@ -53,7 +53,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
-from shoal.comm import auth, channels, heartbeat, quorum
+from shoal.comm import auth, channels, heartbeat, quorum, succession
 from shoal.comm import dist as comm
 from shoal.comm.channels import DOWNPOUR_DOOR, MEETING_DOOR, STEP_DOOR
 from shoal.errors import ShoalError, warn
@@ -198,7 +198,7 @@ class Restarter:
         loop (the run log it had to close, what its script does after the loop), so its death is one the job cannot
         lose, as before the chief became replaceable (`ranks.chief_replaceable`)."""
         return (rank == 0 and chief_replaceable(self.plan) and not self.restarts.get(0) and self._store is not None
-                and quorum.meetings_over(self._store))
+                and (quorum.meetings_over(self._store) or succession.chief_done(self._store)))
 
     def can_restart(self, rank: int) -> bool:
         """Whether process `rank` would be restarted now (restarts left, and it may rejoin)."""
@@ -243,7 +243,10 @@ class Restarter:
                  f"(restart {done + 1} of {self.limit}); it rejoins at the next step, from {donor}")
         else:
             source = "at the groups' next meeting, from a live group's state" if self.plan.strategy.meets else self.plan.strategy.rejoins_from
-            warn(f"WARNING: {describe_process(self.plan, rank)} {ended}; restarting it "
+            succeeded = rank == 0 and done == 0 and self.plan.strategy.chief_succeeded_by_a_group(self.plan)  # (the chief's own death)
+            others = "; the other worker groups go on, the lowest living one taking the chief's place" if succeeded else ""
+            source = f"as an ordinary group, {source}" if succeeded else source
+            warn(f"WARNING: {describe_process(self.plan, rank)} {ended}{others}; restarting it "
                  f"(restart {done + 1} of {self.limit}); it rejoins {source}")
         args = (rank, self.meeting, self.plan.job.SerializeToString(), str(self.spec.workspace),
                 [str(d) for d in self.spec.base_dirs], self.process_setup, self.spec.initial_values, incarnation, detected_at, self.environment,

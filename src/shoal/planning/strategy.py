@@ -170,6 +170,12 @@ class Strategy:
         the launcher then drops or restarts such a process (launcher/ranks.py). Pure: the plan decides."""
         return False
 
+    def chief_succeeded_by_a_group(self, plan: "JobPlan") -> bool:
+        """Whether the chief's death drops its group like any other asynchronous group, the lowest living worker process
+        taking the chief's duties (Downpour and Distributed Hogwild job files with one process per group, under
+        cluster.max_restarts: shoal.comm.succession; launcher/ranks.py's `chief_replaceable`). Pure: the plan decides."""
+        return False
+
     def servers_heal(self, plan: "JobPlan") -> bool:
         """Whether a dead server process of this plan is restarted into the running job and heals from a mirror
         (Downpour under cluster.max_restarts; launcher/ranks.py's `heals`). Pure: the plan decides."""

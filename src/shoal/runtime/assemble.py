@@ -232,10 +232,11 @@ def _run_process(plan: JobPlan, rank: int, spec: RunSpec) -> History:
     error = None
     try:
         history = run.run(metrics, spec.log)
-        histogram = run.staleness_histogram() if metrics is not None else None
+        speaker = metrics is not None or (run.chief is not None and run.chief.chief)  # (or a dead chief's successor)
+        histogram = run.staleness_histogram() if speaker else None
         if histogram:
-            metrics.annotate(staleness_histogram=histogram)
-            spec.log(staleness_line(histogram, plan.max_update_lag))
+            (metrics or run.chief.metrics).annotate(staleness_histogram=histogram)
+            (spec.log if metrics is not None else run.chief.log)(staleness_line(histogram, plan.max_update_lag))
         return history
     except BaseException as err:
         error = as_write_error(err, spec.workspace) or err

@@ -523,6 +523,8 @@ class Trainer:
             bar.close()
         self._stop_if_diverged(step - 1, read=True)  # the steps since the last display
         self.exchange.finish()
+        if self.may_take_over and not self.chief and self.exchange.chief:  # the chief died before its last word (Downpour,
+            self._take_over(step - 1)  # Distributed Hogwild: shoal.comm.succession): the final test and checkpoint are this one's
         sent = self.exchange.job_bytes_sent  # the job's bytes to the last message (after the last display too)
         if self.metrics is not None and sent is not None:
             self.metrics.annotate(bytes_sent=sent)
@@ -552,8 +554,10 @@ class Trainer:
                                                     self.rank, step)
         if self.checkpoint_schedule is not None:
             self.checkpoint_schedule.take_over()
-        self.log(f"Process {self.rank} took the chief's place after step {step}: it decides the steps, tests and "
-                 f"validates, writes the run log and the checkpoints")
+        # (asynchronous groups have no steps to decide: their exchange says what the successor does instead)
+        duties = getattr(self.exchange, "duties_taken_over", "it decides the steps, tests and validates, writes the run log "
+                                                             "and the checkpoints")
+        self.log(f"Process {self.rank} took the chief's place after step {step}: {duties}")
         self.exchange.speak_for_the_job(self.log, lambda fields: self.metrics.annotate(**fields))
 
     def _steps_to_train(self, end: int) -> int:

@@ -6,6 +6,7 @@ train_steps (runtime/exchanges/hogwild_recovery.py's steps_to_train)."""
 from __future__ import annotations
 
 from shoal.comm import channels
+from shoal.comm.succession import successor_of
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.strategy import Framework, Layout, Strategy, UnsupportedClusterError
 from shoal.runtime import rejoined
@@ -47,13 +48,21 @@ class DistributedHogwild(Strategy):
         return (cluster.sync_freq, f"{cluster.sync_freq} steps (a sync)") if cluster.sync_freq > 1 else (1, "step")
 
     # -- runtime ------------------------------------------------------------------------------------
+    def chief_succeeded_by_a_group(self, plan) -> bool:
+        """A job file's groups of one process each, under cluster.max_restarts (every process is a whole group: `refuse`):
+        group 0's process holds nothing the others need but its duties as chief, which the lowest living one takes."""
+        return plan.max_restarts > 0 and not plan.own_loop
+
     def attach_exchanges(self, run) -> None:
         plan, t = run.plan, run.trainers[0]
         door = channels.Door(DOOR) if plan.max_restarts > 0 else None  # restarted groups knock there
+        successor = successor_of(plan, run.rank, DOOR) if self.chief_succeeded_by_a_group(plan) and not run.rejoining else None
         t.attach_exchange(HogwildExchange(t.store, Server(t.store, make_updater(plan.updater)), plan.placement, run.rank, t.group,
                                           plan.sync_freq, plan.nserver_groups, log=print,
                                           codecs=codec_factory(plan.compression.kind, plan.compression.topk_fraction),
-                                          door=door, rejoining=run.rejoining, timeout_s=plan.comm_timeout_s))
+                                          door=door, rejoining=run.rejoining, timeout_s=plan.comm_timeout_s,
+                                          successor=successor),
+                          may_take_over=successor is not None)
 
     def after_values(self, run, spec) -> None:
         if spec.rejoin is not None:  # a restarted process: from the live groups' values, at their step

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from shoal.comm.succession import successor_of
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.placement import ServerId
 from shoal.planning.process_groups import worker_group_name, worker_groups
@@ -13,6 +14,7 @@ from shoal.planning.strategy import Framework, Layout, Strategy, UnsupportedClus
 from shoal.runtime import rejoined
 from shoal.runtime.exchanges.compression import codec_factory
 from shoal.runtime.exchanges.downpour_server import DownpourServer
+from shoal.runtime.exchanges.downpour import DOOR
 from shoal.runtime.exchanges.downpour_stub import DownpourExchange
 
 
@@ -56,21 +58,31 @@ class Downpour(Strategy):
         group_ranks = {g: plan.ranks_of_group(g) for g in range(plan.nworker_groups)}
         hosted = plan.process(rank)
         codecs = codec_factory(plan.compression.kind, plan.compression.topk_fraction)  # cluster.compression of the pushes
+        replaceable = self.chief_succeeded_by_a_group(plan)
         if hosted.servers:
             run.server = DownpourServer(trainer.store, updater, plan.placement, hosted.servers[0],
                                         {g: ranks[0] for g, ranks in group_ranks.items()}, log=print,
                                         max_staleness=bounds.max_staleness, warmup_steps=bounds.warmup_steps,
                                         after_update=run.faults.server_update_hook(rank), max_update_lag=bounds.max_update_lag,
-                                        overlap_push=bounds.overlap_push, codecs=codecs)
+                                        overlap_push=bounds.overlap_push, codecs=codecs, chief_replaceable=replaceable)
             run.server.rank, run.server.workspace = rank, str(trainer.workspace)  # where a heal's record goes
             return
         servers = {ServerId(0, i): plan.placement.process_of(ServerId(0, i)) for i in range(plan.nservers_per_group)}
         group = hosted.workers[0].group
+        successor = successor_of(plan, rank, DOOR) if replaceable and not run.rejoining else None
         trainer.attach_exchange(DownpourExchange(trainer.store, updater, plan.placement, rank, group,
                                                  group_ranks[group], run.process_groups.get(worker_group_name(group)), servers, plan.global_batch,
                                                  timeout_s=plan.comm_timeout_s, warmup_steps=bounds.warmup_steps,
                                                  overlap_push=bounds.overlap_push, codecs=codecs,
-                                                 servers_heal=self.servers_heal(plan)))
+                                                 servers_heal=self.servers_heal(plan), rejoining=run.rejoining,
+                                                 successor=successor),
+                                may_take_over=successor is not None)
+
+    def chief_succeeded_by_a_group(self, plan) -> bool:
+        """A job file's groups of one process each, under cluster.max_restarts (the servers, restarted, heal from the
+        successor's mirror): group 0's stub holds nothing the servers do not but the mirror, which the successor rebuilds."""
+        return (plan.max_restarts > 0 and not plan.own_loop
+                and all(len(plan.ranks_of_group(g)) == 1 for g in range(plan.nworker_groups)))
 
     def servers_heal(self, plan) -> bool:
         """Under cluster.max_restarts a dead server process is restarted into the running job and heals from the

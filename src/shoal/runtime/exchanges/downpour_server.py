@@ -41,11 +41,14 @@ class DownpourServer:
     def __init__(self, store: ParamStore, updater: Updater, placement: Placement, server: ServerId,
                  stubs: dict[int, int], log: Callable[[str], None] = print, max_staleness: int = -1, warmup_steps: int = 0,
                  after_update: Optional[Callable[[int], None]] = None, max_update_lag: int = -1, overlap_push: bool = False,
-                 codecs: Optional[Callable[..., Codec]] = None):
+                 codecs: Optional[Callable[..., Codec]] = None, chief_replaceable: bool = False):
         """`after_update(version)`: called after each update (fault injection for tests: shoal.launcher.faults).
         The cluster section's settings come as the strategy reads them from the plan: `max_staleness`, `warmup_steps`,
-        `max_update_lag`, `overlap_push` and `codecs` (cluster.compression: a fresh codec per connection; None: float32)."""
+        `max_update_lag`, `overlap_push` and `codecs` (cluster.compression: a fresh codec per connection; None: float32).
+        `chief_replaceable`: group 0 is dropped like any other group (another group's stub takes the chief's place and
+        sends the last request: shoal.comm.succession)."""
         self.store, self.updater, self.server, self.stubs, self.log = store, updater, server, stubs, log
+        self.chief_replaceable = chief_replaceable
         self.codecs = codecs or Codec
         trainable = set(store.trainable_names())
         self.segments, self.size = server_segments([s for s in placement.slices_of(server) if s.param in trainable])
@@ -263,7 +266,7 @@ class DownpourServer:
         """While a group is away: is a new process of it announced (the chief's last request waits for it)?"""
         expected = incarnation > 0 and self.door.expected(group, incarnation - 1)
         # the first process died before it connected: its silence, or the launcher gave up restarting it
-        first_never_came = incarnation == 0 and group != 0 and (
+        first_never_came = incarnation == 0 and (group != 0 or self.chief_replaceable) and (
             heartbeat.is_stalled(rank) or self.door.given_up(group) >= self.door.incarnation(group))
         with self._running:
             if expected:
@@ -276,8 +279,9 @@ class DownpourServer:
             self._running.notify_all()
 
     def _drop_if_stalled(self, group: int, rank: int, incarnation: int) -> bool:
-        """A group other than 0 whose stub stopped answering is dropped like a dead one (group 0's stall fails the job)."""
-        if group == 0 or not heartbeat.is_stalled(rank):
+        """A group whose stub stopped answering is dropped like a dead one (group 0's too where another group's stub takes
+        the chief's place; else its stall fails the job)."""
+        if (group == 0 and not self.chief_replaceable) or not heartbeat.is_stalled(rank):
             return False
         self._dropped.add((group, incarnation))
         self.log(f"{self.server} drops worker group {group} (process {rank}): it stopped answering")

@@ -17,6 +17,7 @@ from shoal.planning.placement import Placement, ServerId
 from shoal.comm import channels
 from shoal.comm import dist as comm
 from shoal.comm import heartbeat
+from shoal.comm.succession import CHECK_EVERY_S, Successor, say_chief_done
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
 from shoal.runtime.exchanges.compression import Codec, codecs_state, load_codecs_state, wire_bytes
@@ -37,21 +38,27 @@ from shoal.neuralnet.updaters import Updater
 class DownpourExchange:
     """A worker group's side of Downpour, in one of the group's processes."""
     absent_groups: frozenset[int] = frozenset()  # every group stays in the job (only Local SGD's meetings leave one out)
+    duties_taken_over = ("it tests and validates, writes the run log and the checkpoints, keeps the servers' mirror and "
+                         "sends their last request")
 
     def __init__(self, store: ParamStore, updater: Updater, placement: Placement, rank: int, group: int,
                  group_ranks: list[int], group_comm, server_ranks: dict[ServerId, int], global_batch: int, *, timeout_s: float,
                  warmup_steps: int = 0, overlap_push: bool = False, codecs: Optional[Callable[..., Codec]] = None,
-                 servers_heal: bool = False):
+                 servers_heal: bool = False, rejoining: bool = False, successor: Optional[Successor] = None):
         """As the strategy reads them from the plan: `timeout_s` (cluster.comm_timeout_s: how long a server may take to
         answer a knock), `warmup_steps`, `overlap_push` and `codecs` (cluster.compression; None: float32); `group_comm`: the
         plan's group of this worker group's processes (shoal.comm.collectives.Group; None: the group is one process);
         `servers_heal` (cluster.max_restarts > 0): a dead server is restarted into the job, the chief keeps a mirror of
-        each server's updater state to heal it from, and every stub waits for the new server instead of failing."""
+        each server's updater state to heal it from, and every stub waits for the new server instead of failing.
+        `rejoining`: this process was restarted into the running job (a dead chief's too: then as an ordinary group);
+        `successor`: this process may take a dead chief's place (shoal.comm.succession; None: it never does)."""
         self.store, self.rank, self.group = store, rank, group
+        self.successor = successor
+        self._mirror_now = False  # a successor's first mirror is asked at its next step, not K steps later
         self.timeout_s = timeout_s
         self.group_ranks, self.group_comm = group_ranks, group_comm
         self.stub = group_ranks[0]
-        self.chief = group == 0 and rank == self.stub
+        self.chief = group == 0 and rank == self.stub and not rejoining
         self.global_batch = global_batch
         self.names = store.trainable_names()
         self.position = {name: i for i, name in enumerate(self.names)}
@@ -167,6 +174,7 @@ class DownpourExchange:
         try:
             self._knock(door, server, server_rank, restart)
             heartbeat.revive(server_rank)  # its new process beats: watch it afresh (the launcher said the old one gone)
+            self._watch_the_chief(now=True)  # the chief died too: its successor heals it (from no mirror yet, maybe)
             if self.chief:  # (the server says the heal on the terminal: one line)
                 self._send_heal(server_rank, segments, step)
                 return
@@ -198,8 +206,9 @@ class DownpourExchange:
         """The chief, every mirror_every steps: each server's updater state and counters, to heal it from if it dies."""
         if not (self.chief and self.servers_heal):
             return
+        now, self._mirror_now = self._mirror_now, False
         for server, server_rank, _, _ in self.servers:
-            if (step - self.first_step) % self.mirror_every[server_rank]:
+            if (step - self.first_step) % self.mirror_every[server_rank] and not now:
                 continue
             try:
                 mirror = ask_mirror(self._channels[server_rank], step, self._state_size(server_rank))
@@ -319,6 +328,28 @@ class DownpourExchange:
             clip_([flat], self.max_norm)  # the group's whole push, clipped by its own norm before it leaves
             self._push_pull(step, flat, had)
         self._share_params()
+        self._watch_the_chief()
+
+    def _watch_the_chief(self, now: bool = False) -> None:
+        """Whether the chief is gone and this process is the lowest living one (shoal.comm.succession): at a step's end
+        (the trainer then takes over the chief's duties), when a server died (its heal is the chief's), at the finish
+        (`now`: asked at once)."""
+        if self.chief or self.successor is None or not self.successor.takes_over(now):
+            return
+        self.chief = True
+        self.last_version = min(self.read_version.values())  # the job's samples count on from here (metrics)
+        self._mirror_now = True  # no mirror yet: asked at its next step (a server dead before that heals without one)
+
+    def speak_for_the_job(self, log: Callable[[str], None], annotate: Callable[[dict], None]) -> None:
+        """This group took the dead chief's place: its lines and summary.json's fields go through the trainer's."""
+
+    def _await_the_chiefs_last_word(self) -> None:
+        """A process that may take the chief's place does not say STOP before the chief said its last request (FINAL):
+        the chief may still die before, and then this process sends it instead."""
+        while self.successor is not None and not self.chief and not self.successor.chief_done():
+            self._watch_the_chief(now=True)
+            if not self.chief:
+                time.sleep(CHECK_EVERY_S)
 
     def _push_pull(self, step: int, flat: torch.Tensor, had: torch.Tensor) -> None:
         """Push the step's gradient to every server, and take the answers: at once, or (overlap_push) the previous
@@ -495,6 +526,9 @@ class DownpourExchange:
         if self.rank != self.stub:
             return
         self._settle(-1)
+        self._await_the_chiefs_last_word()
+        if self.chief and self.successor is not None:
+            say_chief_done()  # (from here on nobody waits to take its place: its death restarts the whole job)
         if not self.chief:
             for server, server_rank, segments, size in self.servers:
                 self._asking(server, server_rank, -1, lambda r=server_rank, g=segments, n=size: self._last_request(STOP, r, g, n))

@@ -16,6 +16,7 @@ from shoal.neuralnet.algorithms import Grads
 from shoal.planning.placement import Placement, ServerId
 from shoal.comm import dist as comm
 from shoal.comm import channels, heartbeat
+from shoal.comm.succession import Successor, say_chief_done
 from shoal.report.metrics import MetricWindow
 from shoal.neuralnet.params import ParamStore
 from shoal.runtime.exchanges.compression import Codec, wire_bytes
@@ -67,15 +68,19 @@ class HogwildExchange(HogwildMaster, HogwildRecovery):
     restarts and checkpoint state: HogwildRecovery)."""
     absent_groups: frozenset[int] = frozenset()  # every group stays in the job (only Local SGD's meetings leave one out)
     job_notes: dict = {}  # the chief's, after finish: summary.json's reshared_steps and steps_per_group (hogwild_recovery)
+    duties_taken_over = "it tests and validates, writes the run log and the checkpoints (from its replica)"
 
     def __init__(self, store: ParamStore, server: Server, placement: Placement, rank: int, group: int,
                  sync_freq: int, ngroups: int, log: Callable[[str], None] = print, codecs: Optional[Callable[..., Codec]] = None,
-                 door: Optional[channels.Door] = None, rejoining: bool = False, timeout_s: float = 60.0):
+                 door: Optional[channels.Door] = None, rejoining: bool = False, timeout_s: float = 60.0,
+                 successor: Optional[Successor] = None):
         """`sync_freq` (cluster.sync_freq), `ngroups` (cluster.nserver_groups: one master group each) and `codecs`
         (cluster.compression) as the strategy reads them from the plan. `door`: where restarted groups knock (None:
-        no group is restarted); `rejoining`: this process was restarted into the running job (it knocks, `rejoin`)."""
+        no group is restarted); `rejoining`: this process was restarted into the running job (it knocks, `rejoin`);
+        `successor`: this process may take a dead chief's place (shoal.comm.succession; None: it never does)."""
         self.store, self.server, self.rank, self.group, self.log = store, server, rank, group, log
-        self.chief = group == 0
+        self.chief = group == 0 and not rejoining  # (a dead chief's restarted process rejoins as an ordinary group)
+        self.successor = successor
         self.sync_freq = max(1, sync_freq)
         self.ngroups, self._samples = ngroups, 0
         self.lock = threading.Lock()  # local updates and masters' delta additions do not interleave
@@ -160,6 +165,18 @@ class HogwildExchange(HogwildMaster, HogwildRecovery):
         self._samples += sum(share for _, share in parts)
         if self.updates % self.sync_freq == 0:
             self._sync()
+        self._watch_the_chief()
+
+    def _watch_the_chief(self, now: bool = False) -> None:
+        """At a step's end (the trainer then takes over the chief's duties: `chief`), and at the finish (`now`): whether
+        the chief is gone and this process is the lowest living one (shoal.comm.succession)."""
+        if not self.chief and self.successor is not None and self.successor.takes_over(now):
+            self.chief = True
+
+    def speak_for_the_job(self, log: Callable[[str], None], annotate: Callable[[dict], None]) -> None:
+        """This group took the dead chief's place: its replica is the job's from now on (the checkpoints' file, the
+        final values), its lines the job's; what the chief would have said at the end, it says (job_notes)."""
+        self.log = log
 
     def _sync(self) -> None:
         for master in list(self.requests):
@@ -294,6 +311,8 @@ class HogwildExchange(HogwildMaster, HogwildRecovery):
         self.settle_late()  # answers still due: their receives must not be left pending
         self.say_resharing()  # (before its STOP: the chief, waiting for every STOP, then reads every group's)
         told: set[int] = set()  # the links this group said STOP on
+        if self.chief and self.successor is not None:
+            say_chief_done()  # (from here on nobody waits to take its place: its death restarts the whole job)
         while True:
             self._say_stop(told)
             self._serve_to_the_end()
@@ -308,6 +327,8 @@ class HogwildExchange(HogwildMaster, HogwildRecovery):
             self.door.set_state(self.group, self.group, "finished")
         # every peer said STOP here (or is gone): this group's syncs and theirs with anyone, each counted once, by its requester
         self.job_bytes_sent = self.own_bytes + sum(self._peer_bytes.values())
+        if self.successor is not None and not self.successor.chief_done():  # the chief died before its STOP
+            self._watch_the_chief(now=True)
         if self.chief and self.end_step is not None:  # the skipped steps and who re-trained them (summary.json)
             self.job_notes = self.resharing_notes(self.train_steps)
 

@@ -1,0 +1,133 @@
+"""Issue 38 for asynchronous groups: a Downpour or Distributed Hogwild job file's chief dies and the job goes on.
+
+With one process per group and `--max-restarts N`, group 0's process is dropped like any other group's: the lowest
+living worker process takes the chief's duties (shoal.comm.succession, runtime/trainer.py `_take_over`): the tests and
+validations, the run log, the checkpoints (from its replica, or the servers' state), Downpour's mirror of the servers
+and their last request; the dead chief's restarted process rejoins as an ordinary group. Real runs through the CLI on
+the blobs data, the chief SIGKILLed from its pid in its log, as tests/test_job_chief_death.py's.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+
+from fault_runs import (SLOW, assert_no_library_text, pids, registered_pids, runs, summary,  # noqa: F401 (runs: a fixture)
+                        train_records, wait_for)
+from layouts import assert_ran
+from test_cli import leftover_processes
+from test_diloco_chief_death import plan_of
+
+from shoal.launcher import ranks, rejoin
+
+from shoal.neuralnet import checkpoint as ckpt_io
+from shoal.report.metrics import read_metrics
+
+HOGWILD = "Distributed Hogwild, 2 groups"
+DOWNPOUR = "Downpour, 2 groups + 1 server, 3 processes"
+
+
+@pytest.mark.parametrize("layout, rejoins_from", [
+    (HOGWILD, "from the other groups' live values"),
+    (DOWNPOUR, "from the servers' live params"),
+])
+def test_a_killed_async_chief_is_dropped_and_the_lowest_living_group_takes_its_place(blobs_job, tmp_path, runs, layout,
+                                                                                     rejoins_from):
+    """Process 0 (group 0, the chief) SIGKILLed mid-run: no whole-job restart, process 1 keeps its pid and says on the
+    terminal that it took the chief's place; it tests after the death, appends to metrics.jsonl as one log, writes the
+    checkpoints and the final one (naming it as the writer); process 0 comes back under a new pid as an ordinary group;
+    summary.json says finished, names the succession; exit 0, no library text."""
+    steps = 200
+    job = blobs_job(train_steps=steps, layout=layout, cluster_extra=dict(sync_freq=4) if layout == HOGWILD else None)
+    run = runs.start(job, tmp_path, "--max-restarts", "1", "--set", "checkpoint_freq=50", env=SLOW)
+    survivor = run.pid_once_training(1)
+    victim = run.signal(0, signal.SIGKILL)
+    stdout, stderr = run.finished()
+    assert re.search(r"^WARNING: process 0 \(worker\(group=0, id=0\)(, server\(group=0, id=0\))?\) (died \(SIGKILL\)|exited "
+                     r"with code -9); the other worker groups go on, the lowest living one taking the chief's place; "
+                     rf"restarting it \(restart 1 of 1\); it rejoins as an ordinary group, {rejoins_from}$", stderr, re.M), stderr
+    assert "restarting the whole job" not in stderr, stderr
+    took = int(re.search(r"^Process 1 took the chief's place after step (\d+): it tests and validates, writes the run log "
+                         r"and the checkpoints", stdout, re.M)[1])  # (on the terminal: the successor's line)
+    assert 10 <= took < steps, took
+    assert pids(run.ws, 1) == [survivor]
+    first, second = pids(run.ws, 0)
+    assert first == victim and second != victim
+    got = assert_ran(run.ws, layout)
+    assert got["status"] == "finished" and "job_restarts" not in got, got
+    assert got["chief_succession"] == [{"process": 1, "after_step": took}], got
+    last = got["steps"]
+    assert last >= steps and got["final_test"]["step"] == last, got
+    records = read_metrics(run.ws / "metrics.jsonl")
+    assert not [r for r in records if r["phase"] == "resume"]
+    shown = [r["step"] for r in train_records(run.ws)]
+    assert shown == sorted(set(shown)) and any(s > took for s in shown), shown  # one log, continued by the successor
+    tests = [r["step"] for r in records if r["phase"] == "test"]
+    assert any(took < s < steps for s in tests) and tests[-1] == last, tests  # the successor tested
+    final = ckpt_io.load(ckpt_io.checkpoint_file(run.ws, last), parts=True)
+    assert (final.trainer["writer"], final.trainer["writer_group"]) == (1, 1), final.trainer
+    assert got["final_test"]["accuracy"] > 0.8, got["final_test"]
+    if layout == HOGWILD:  # (Downpour's group 0 rejoins where the servers say it was: short only by a push in flight)
+        assert "0" in got["missed_updates"], got
+    closing = [line for line in stdout.splitlines() if line.startswith("Trained ")][-1]
+    assert f"process 1 took the chief's place after step {took}" in closing, closing
+    assert_no_library_text(stdout, stderr, (run.ws / "logs" / "rank1.log").read_text(),
+                           (run.ws / "logs" / "rank0.log").read_text())
+    assert leftover_processes(tmp_path) == []
+
+
+def test_group_0s_process_is_replaceable_in_a_job_file_with_restarts_and_one_process_per_group():
+    """Downpour and Distributed Hogwild job files under cluster.max_restarts: the chief's process is dropped like any
+    group's and may rejoin; without restarts, in a user's loop (not built) or with a group over two processes, its death
+    restarts the whole job as before."""
+    downpour = dict(nworker_groups=2, nworkers_per_procs=1, nserver_groups=1, server_worker_separate=True)
+    hogwild = dict(nworker_groups=2, nworkers_per_procs=1, nserver_groups=2)
+    for cluster in downpour, hogwild:
+        plan = plan_of(False, **cluster, max_restarts=1)
+        assert ranks.chief_replaceable(plan) and ranks.expendable(plan, 0) and rejoin.why_not(plan, 0) is None
+        for other in plan_of(False, **cluster), plan_of(True, **cluster, max_restarts=1):
+            assert not ranks.chief_replaceable(other) and not ranks.expendable(other, 0)
+    spread = plan_of(False, **dict(downpour, nworkers_per_group=2), max_restarts=1)  # a group over 2 processes
+    assert not ranks.chief_replaceable(spread)
+
+
+@pytest.mark.slow  # two faults, one after the other: about 15 s on the loaded 2-core machine
+def test_a_server_killed_after_the_chief_heals_from_the_successors_mirror(blobs_job, tmp_path, runs):
+    """Downpour: the chief's process SIGKILLed, then, once process 1 took its place, the server's: the server is
+    restarted and healed from process 1's mirror (the updater state it asked the server for after taking over), the
+    groups go on, exit 0."""
+    job = blobs_job(train_steps=400, layout=DOWNPOUR)
+    run = runs.start(job, tmp_path, "--max-restarts", "1", env=SLOW)
+    run.signal(0, signal.SIGKILL)
+    wait_for(lambda: "Process 1 took the chief's place" in run.stdout(), 60, run.stderr())
+    wait_for(lambda: re.search(r"Train @ step \d+", run.stdout().split("took the chief's place")[1]), 60, run.stdout())
+    os.kill(registered_pids(run.ws)[2], signal.SIGKILL)  # (a server's log names no pid)
+    stdout, stderr = run.finished()
+    assert re.search(r"^server\(group=0, id=0\) \(process restart 1\) healed from worker group 1's mirror: its values of "
+                     r"version \d+ \(digest \w+\) and the updater state of version \d+", stdout, re.M), stdout
+    got = summary(run.ws)
+    assert got["status"] == "finished" and [r["healed_from_group"] for r in got["rejoins"] if r["group"] is None] == [1], got
+    assert "restarting the whole job" not in stderr
+    assert_no_library_text(stdout, stderr)
+    assert leftover_processes(tmp_path) == []
+
+
+@pytest.mark.slow  # a stall timeout to wait out
+@pytest.mark.parametrize("layout", [HOGWILD, DOWNPOUR])
+def test_a_stopped_async_chief_is_dropped_ended_and_replaced(blobs_job, tmp_path, runs, layout):
+    """Group 0's process SIGSTOPped past the stall timeout: process 1 takes the chief's place, the launcher ends the
+    stopped process and restarts it as an ordinary group; process 1 keeps its pid; exit 0, summary.json finished."""
+    job = blobs_job(train_steps=600, layout=layout)
+    run = runs.start(job, tmp_path, "--max-restarts", "1", "--set", "cluster.stall_timeout_s=2", env=SLOW)
+    survivor = run.pid_once_training(1)
+    stopped = run.signal(0, signal.SIGSTOP)
+    stdout, stderr = run.finished()
+    assert re.search(r"^WARNING: worker group 0 dropped: process 0 \(.*\) stopped answering", stderr, re.M), stderr
+    assert re.search(r"^Process 1 took the chief's place after step \d+", stdout, re.M), stdout
+    assert pids(run.ws, 1) == [survivor] and pids(run.ws, 0)[0] == stopped and len(set(pids(run.ws, 0))) == 2
+    got = summary(run.ws)
+    assert got["status"] == "finished" and got["chief_succession"][0]["process"] == 1, got
+    assert_no_library_text(stdout, stderr)
+    assert leftover_processes(tmp_path) == []
