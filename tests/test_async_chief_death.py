@@ -93,12 +93,11 @@ def test_group_0s_process_is_replaceable_in_a_job_file_with_restarts_and_one_pro
     assert not ranks.chief_replaceable(spread)
 
 
-@pytest.mark.slow  # two faults, one after the other: about 15 s on the loaded 2-core machine
 def test_a_server_killed_after_the_chief_heals_from_the_successors_mirror(blobs_job, tmp_path, runs):
     """Downpour: the chief's process SIGKILLed, then, once process 1 took its place, the server's: the server is
     restarted and healed from process 1's mirror (the updater state it asked the server for after taking over), the
     groups go on, exit 0."""
-    job = blobs_job(train_steps=400, layout=DOWNPOUR)
+    job = blobs_job(train_steps=300, layout=DOWNPOUR)
     run = runs.start(job, tmp_path, "--max-restarts", "1", env=SLOW)
     run.signal(0, signal.SIGKILL)
     wait_for(lambda: "Process 1 took the chief's place" in run.stdout(), 60, run.stderr())
@@ -107,6 +106,8 @@ def test_a_server_killed_after_the_chief_heals_from_the_successors_mirror(blobs_
     stdout, stderr = run.finished()
     assert re.search(r"^server\(group=0, id=0\) \(process restart 1\) healed from worker group 1's mirror: its values of "
                      r"version \d+ \(digest \w+\) and the updater state of version \d+", stdout, re.M), stdout
+    assert re.search(r"^WARNING: process 2 \(server\(group=0, id=0\)\) died \(SIGKILL\); restarting it \(restart 1 of 1\); it "
+                     r"heals from the mirror of the process that takes the dead chief's place", stderr, re.M), stderr
     got = summary(run.ws)
     assert got["status"] == "finished" and [r["healed_from_group"] for r in got["rejoins"] if r["group"] is None] == [1], got
     assert "restarting the whole job" not in stderr
@@ -129,5 +130,28 @@ def test_a_stopped_async_chief_is_dropped_ended_and_replaced(blobs_job, tmp_path
     assert pids(run.ws, 1) == [survivor] and pids(run.ws, 0)[0] == stopped and len(set(pids(run.ws, 0))) == 2
     got = summary(run.ws)
     assert got["status"] == "finished" and got["chief_succession"][0]["process"] == 1, got
+    assert_no_library_text(stdout, stderr)
+    assert leftover_processes(tmp_path) == []
+
+
+@pytest.mark.slow  # about 15 s on the loaded 2-core machine
+def test_a_server_killed_with_the_chief_heals_without_a_mirror_and_no_count_is_claimed(blobs_job, tmp_path, runs):
+    """Downpour: the chief's and the server's processes SIGKILLed at once: the successor heals the new server from its
+    newest values and the updater's first state (it has no mirror yet), the server says its counts restart there, and
+    neither summary.json nor the closing line claims a count of the job's updates or bytes from before it."""
+    job = blobs_job(train_steps=400, layout=DOWNPOUR)
+    run = runs.start(job, tmp_path, "--max-restarts", "1", env=SLOW)
+    chief, server = run.pid_once_training(0), registered_pids(run.ws)[2]
+    os.kill(chief, signal.SIGKILL)
+    os.kill(server, signal.SIGKILL)
+    stdout, stderr = run.finished()
+    healed = re.search(r"^server\(group=0, id=0\) \(process restart 1\) healed from worker group 1's mirror: its values of "
+                       r"version (\d+) \(digest \w+\) and the updater's first state \(no mirror yet; its counts of updates "
+                       r"and bytes restart here\)", stdout, re.M)
+    assert healed, stdout
+    got = summary(run.ws)
+    assert got["status"] == "finished" and "bytes_sent" not in got and "missed_updates" not in got, got
+    assert got["staleness_histogram"]["counted_from_version"] == int(healed[1])
+    assert f"updates since version {healed[1]} (a server's counts restarted there)" in stdout, stdout
     assert_no_library_text(stdout, stderr)
     assert leftover_processes(tmp_path) == []

@@ -270,8 +270,10 @@ class Restarter:
         self.restarts[rank] = done + 1
         heartbeat.say_gone(self._store, rank)  # its stubs' watches wait for the new process, not for its silence
         restart = self._door.next_server_restart(server)
+        mirror = ("the mirror of the process that takes the dead chief's place (none, where it has none yet)"
+                  if self._chief_died(context) else "worker group 0's mirror of its state")
         warn(f"WARNING: {describe_process(self.plan, rank)} {how or _ended(code)}; restarting it (restart {done + 1} of "
-             f"{self.limit}); it heals from worker group 0's mirror of its state, the other processes wait for it")
+             f"{self.limit}); it heals from {mirror}, the other processes wait for it")
         args = (rank, self.meeting, self.plan.job.SerializeToString(), str(self.spec.workspace),
                 [str(d) for d in self.spec.base_dirs], self.process_setup, self.spec.initial_values, restart, detected_at,
                 self.environment, self.rank_main)  # (shoal.session: the script, whose session serves)
@@ -279,6 +281,14 @@ class Restarter:
         process.start()
         context.processes[index] = process
         return True
+
+    def _chief_died(self, context) -> bool:
+        """Whether the chief's process died, its place taken by another (shoal.comm.succession): restarted already, or
+        seen dead now (one host: context.processes[0] is rank 0's)."""
+        if not self.plan.strategy.chief_succeeded_by_a_group(self.plan):
+            return False
+        here = len(context.processes) == self.plan.nprocs
+        return bool(self.restarts.get(0)) or (here and context.processes[0].exitcode not in (None, 0))
 
     def finish(self) -> None:
         """The job ended: its summary lists the rejoins (the chief closed it before)."""

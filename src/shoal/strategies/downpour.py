@@ -116,6 +116,8 @@ class Downpour(Strategy):
         exchange = run.chief.exchange if run.chief is not None else None
         if not isinstance(exchange, DownpourExchange) or exchange.lag_histogram is None:  # a server process has none
             return None
+        if exchange.healed_without_counts is not None:  # the counts start at that heal: no group's shortfall is known
+            return {**exchange.lag_histogram, "counted_from_version": exchange.healed_without_counts}
         first, steps, warmup = run.chief.start_step, run.plan.job.train_steps, run.plan.asynchrony.warmup_steps
         for group, counts in exchange.lag_histogram["groups"].items():
             counts["expected"] = max(0, steps - (first if group == "0" else max(first, warmup)))

@@ -492,7 +492,8 @@ class DownpourServer:
         healed_at = time.time()
         digest = fingerprint([values])
         state_words = (f"the updater state of version {mirrored_version}" if mirrored_version >= 0
-                       else "the updater's first state (no mirror yet)")
+                       else "the updater's first state (no mirror yet" + ("; its counts of updates and bytes restart here)"
+                                                                          if version > 0 else ")"))
         line = (f"{self.server} (process restart {self.restart}) healed from worker group {group}'s mirror: its values of "
                 f"version {version} (digest {digest}) and {state_words}, "
                 f"{healed_at - self.started_at:.2f} s after its process started; updates applied after version {version} "

@@ -54,7 +54,10 @@ class DownpourExchange:
         `successor`: this process may take a dead chief's place (shoal.comm.succession; None: it never does)."""
         self.store, self.rank, self.group = store, rank, group
         self.successor = successor
-        self._mirror_now = False  # a successor's first mirror is asked at its next step, not K steps later
+        self._mirror_now = False  # a successor's first mirror is asked at once, not K steps later
+        # the version of a server healed from no mirror after updates (a dead chief's successor, before its first
+        # mirror): the servers' counts of updates and bytes restart there, so the job's are not known (None: they are)
+        self.healed_without_counts: Optional[int] = None
         self.timeout_s = timeout_s
         self.group_ranks, self.group_comm = group_ranks, group_comm
         self.stub = group_ranks[0]
@@ -187,6 +190,8 @@ class DownpourExchange:
 
     def _send_heal(self, server_rank: int, segments: list[Segment], step: int) -> None:
         """HEAL: this process's newest values of the server's slices and their version, and its mirror."""
+        if self.mirrors[server_rank] is None and self.read_version[server_rank] > 0:
+            self.healed_without_counts = self.read_version[server_rank]
         send_heal(self._channels[server_rank], step, self.read_version[server_rank], gather(self.store, segments),
                   self.mirrors[server_rank], self._state_size(server_rank))
 
@@ -329,6 +334,8 @@ class DownpourExchange:
             self._push_pull(step, flat, had)
         self._share_params()
         self._watch_the_chief()
+        if self._mirror_now and self.rank == self.stub:  # a successor's first mirror: at once, the heal's window short
+            self._refresh_mirrors(step)
 
     def _watch_the_chief(self, now: bool = False) -> None:
         """Whether the chief is gone and this process is the lowest living one (shoal.comm.succession): at a step's end
@@ -338,7 +345,7 @@ class DownpourExchange:
             return
         self.chief = True
         self.last_version = min(self.read_version.values())  # the job's samples count on from here (metrics)
-        self._mirror_now = True  # no mirror yet: asked at its next step (a server dead before that heals without one)
+        self._mirror_now = True  # no mirror yet: asked at the end of this step (a server dead before heals without one)
 
     def speak_for_the_job(self, log: Callable[[str], None], annotate: Callable[[dict], None]) -> None:
         """This group took the dead chief's place: its lines and summary.json's fields go through the trainer's."""
@@ -560,7 +567,8 @@ class DownpourExchange:
             flats.append((server_rank, flat))
             lags.append(counts)
         self.final_state = self._state_from(flats)
-        self.job_bytes_sent = self._bytes_before + moved  # every server's count: every group's whole run
+        # every server's count: every group's whole run (not known where a server's count restarted at a heal)
+        self.job_bytes_sent = self._bytes_before + moved if self.healed_without_counts is None else None
         self.lag_histogram = histogram(_stats_of(lags[0])) if lags else None
 
 

@@ -79,5 +79,6 @@ def histogram(stats: Mapping[int, StalenessStats]) -> dict:
 def staleness_line(histogram: dict, bound: int) -> str:
     """The chief's line on a run's staleness histogram (a job file's chief and a user's loop under Downpour say it)."""
     lags = histogram["updates_per_lag"]
-    return (f"Staleness: {sum(lags.values())} updates, lag at most {max(map(int, lags), default=0)}"
-            + (f" (cluster.max_update_lag {bound})" if bound >= 0 else ""))
+    since = histogram.get("counted_from_version")  # a server healed without a mirror: its counts restarted there
+    return (f"Staleness: {sum(lags.values())} updates" + (f" since version {since} (a server's counts restarted there)" if since else "")
+            + f", lag at most {max(map(int, lags), default=0)}" + (f" (cluster.max_update_lag {bound})" if bound >= 0 else ""))
