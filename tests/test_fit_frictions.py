@@ -280,9 +280,9 @@ SCHEDULED_LAYOUTS = ["in-memory Hogwild, 2 groups", "in-memory Downpour, 2 group
 @pytest.mark.parametrize("layout", SCHEDULED_LAYOUTS)
 def test_a_schedule_follows_each_groups_own_steps_when_asked(tmp_path, layout):
     """A schedule of STEPS steps, 2 groups of STEPS steps each: by update it runs on past STEPS (to 2·STEPS-1); by group
-    each group's schedule ends at the group's last step, STEPS-1. Downpour over processes runs fit's loop on the session,
-    whose schedulers are stepped after each update, the last one's too (a checkpoint holds the position the next step
-    starts from): its groups' schedules are asked for STEPS once more, which no update applies
+    each group's schedule ends at the group's last step, STEPS-1. fit runs these layouts' loop on the session, whose
+    schedulers are stepped after each update, the last one's too (a checkpoint holds the position the next step starts
+    from): the groups' schedules are asked for STEPS once more, which no update applies
     (tests/test_fit_downpour_on_session.py reads the learning rates the servers applied)."""
     reached = {}
     for steps_by in ("update", "group"):
@@ -293,8 +293,7 @@ def test_a_schedule_follows_each_groups_own_steps_when_asked(tmp_path, layout):
         reached[steps_by] = max(int(line) for line in path.read_text().split())
     # by update: beyond any group's own count (2·STEPS-1 unless the staleness bound dropped an update under load)
     assert STEPS < reached["update"] <= 2 * STEPS - 1
-    on_the_session = LAYOUTS[layout].launched  # (Downpour over processes: see above)
-    assert reached["group"] == (STEPS if on_the_session else STEPS - 1)
+    assert reached["group"] == STEPS
 
 
 def test_scheduler_steps_is_checked_in_one_line(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import textwrap
 
 import pytest
 import torch
@@ -87,7 +88,8 @@ def fit_loss(workspace, row: str) -> tuple[float, float]:
 
 def test_in_memory_groups_push_to_one_server_and_learn_as_fit_does(groups_run, tmp_path):
     """The row ran (summary.json: 1 process, 2 or 4 workers, in-memory Downpour / Hogwild), one thread per worker, each
-    group reading the whole batch of 12 (the job's samples: both groups' rows; 2 threads: 6 rows each); Hogwild's
+    group reading the whole batch of 12 (the job's samples: both groups' rows, as they ran freely; 2 threads: 6 rows
+    each); Hogwild's
     one copy; and each group's final
     values as good on the whole training set as shoal.fit's same layout's model, within LOSS_TOLERANCE."""
     row, downpour_run = groups_run
@@ -98,7 +100,10 @@ def test_in_memory_groups_push_to_one_server_and_learn_as_fit_does(groups_run, t
     assert [w["rows"] for w in said["workers"]] == [24 // layout.workers] * layout.workers
     assert len({w["thread"] for w in said["workers"]}) == layout.workers and not any(w["main"] for w in said["workers"])
     records = train_records(downpour_run / "ws")
-    assert [r["samples"] for r in records] == [24, 120, 120, 120, 96]
+    # the groups run freely (a job file's group threads too): a display counts the rows every group trained since the
+    # last one, however far each got; the last, after every group's last step, the rest: every row of both groups
+    assert [r["step"] for r in records] == [0, 5, 10, 15, 19]
+    assert sum(r["samples"] for r in records) == 2 * 20 * 12 and records[0]["samples"] >= 12
     # as a job file's in-memory groups: each record the updates' staleness, summary.json every group's updates by lag
     assert all({"staleness", "staleness_max"} <= set(r) for r in records), records
     histogram = json.loads((downpour_run / "ws" / "summary.json").read_text())["staleness_histogram"]
@@ -180,3 +185,69 @@ def test_downpour_groups_of_two_threads_push_their_mean_once_a_step_and_learn(sc
     assert [r["step"] for r in records] == [0, 5, 10, 15, 19]
     assert all(r["samples"] % 12 == 0 and "staleness" in r and "pushed_bytes" in r for r in records), records
     assert 20 * 12 <= sum(r["samples"] for r in records) <= 40 * 12
+
+
+FREE = textwrap.dedent('''
+    import json, sys, time
+    from pathlib import Path
+    import torch, shoal
+
+    out = Path(sys.argv[1])
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(48, 8), torch.randn(48, 1))
+    initial = torch.nn.Linear(8, 1)
+    run = shoal.session(train_steps=20, disp_freq=5)
+
+    def train(worker):
+        model = worker.model(torch.nn.Linear(8, 1))
+        opt = worker.optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+        reached = {}
+        for step, (xb, yb) in worker.batches(data, batch_size=6):
+            if worker.group == 1:
+                time.sleep(0.1)  # a slow group
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+            opt.step(); opt.zero_grad()
+            reached[step] = time.monotonic()
+        (out / f"group{worker.group}.json").write_text(json.dumps(reached))
+
+    run.each_worker(train)
+''')
+
+
+def test_in_memory_groups_run_freely_a_slow_group_holding_nobody_up(tmp_path):
+    """SINGA's asynchronous groups: group 1 sleeps 0.1 s a step, group 0 does not wait for it: it ends its 20 steps
+    before group 1 reaches its 10th (in step with it, it could not end before group 1's 19th), and every update of
+    both groups is applied (summary.json's staleness histogram)."""
+    script = tmp_path / "free.py"
+    script.write_text(FREE)
+    proc = shoal_run(script, tmp_path, tmp_path / "ws", *LAYOUTS[HOGWILD].cli())
+    assert proc.returncode == 0, proc.stderr
+    assert_ran(tmp_path / "ws", HOGWILD)
+    fast, slow = (json.loads((tmp_path / f"group{g}.json").read_text()) for g in (0, 1))
+    assert len(fast) == len(slow) == 20
+    assert fast["19"] < slow["9"], (fast["19"], slow["9"])
+    histogram = json.loads((tmp_path / "ws" / "summary.json").read_text())["staleness_histogram"]
+    assert {g: c["updates"] for g, c in histogram["groups"].items()} == {"0": 20, "1": 20}
+
+
+@pytest.mark.parametrize("row", [HOGWILD, DOWNPOUR])
+def test_fit_runs_in_memory_groups_on_the_session_checkpointing_every_group_at_one_step(tmp_path, row, monkeypatch):
+    """shoal.fit's in-memory groups run as fit's loop on the session (fit_loop.run_fit, 2 worker threads), and its
+    interval checkpoints (checkpoint_interval_s) are meetings of both groups, set at a step neither has ended yet, however
+    far apart they run: every checkpoint holds both groups' updates to its step, no more, no fewer."""
+    from shoal.frontend import fit_loop
+
+    ran = []
+    monkeypatch.setattr(fit_loop, "run_fit", lambda run, spec, log=print, _run_fit=fit_loop.run_fit:
+                        ran.append((run.label, run.local_workers)) or _run_fit(run, spec, log))
+    x, y, model = loop_data_and_model()
+    shoal.fit(model, torch.nn.functional.binary_cross_entropy_with_logits, torch.utils.data.TensorDataset(x, y),
+              steps=30, batch_size=12, optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
+              cluster=LAYOUTS[row].fit_cluster(), workspace=tmp_path / "ws", log=lambda *a: None,
+              checkpoint_interval_s=1e-6)
+    assert ran == [(LAYOUTS[row].framework, 2)]
+    written = ckpt_io.list_checkpoints(tmp_path / "ws")
+    assert len(written) >= 5 and written[-1][0] == 30
+    for step, _ in written:
+        saved = ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / "ws", step), parts=True)
+        assert int(saved.exchange["own/count/server_updates"]) == 2 * step, step

@@ -412,18 +412,22 @@ def job_rank_in_its_log(plan, rank: int, run_spec):
 # optimizer), one worker's records and values to float rounding.
 ON_SESSION: frozenset = frozenset({"one worker", "one synchronous group in one process", "AllReduce over processes",
                                    "Local SGD / DiLoCo over processes", "Distributed Hogwild over processes",
-                                   "Downpour over processes", "Sandblaster over processes"})
+                                   "Downpour over processes", "Sandblaster over processes",
+                                   "in-memory Hogwild / Downpour"})
 
 
 def fit_layout(plan) -> str:
     """The layout of a fit call as ON_SESSION names it: "one worker" (one worker in one process, on the CPU: the session
-    has no device list yet), "one synchronous group in one process" (its workers as threads, run.each_worker), the
-    layouts over processes of one worker each (and Downpour's server processes), else the plan's label."""
+    has no device list yet), "one synchronous group in one process" (its workers as threads, run.each_worker),
+    "in-memory Hogwild / Downpour" (asynchronous groups as threads of one process), the layouts over processes of
+    one worker each (and Downpour's server processes), else the plan's label."""
     if plan.in_one_process and plan.nworkers == 1 and not plan.job.device:
         return "one worker"
     if (plan.in_one_process and not plan.job.device and plan.strategy.synchronous and not plan.strategy.meets
             and plan.nworker_groups == 1 and plan.nservers_per_group <= 1):
         return "one synchronous group in one process"  # (server slices: the job path's owners shard the optimizer's state)
+    if in_memory_groups(plan):
+        return "in-memory Hogwild / Downpour"
     # one worker in each process, none a server's alone (Sandblaster's 2 threads + a server process counted 2 and 2)
     over_processes = (not plan.in_one_process and all(len(p.workers) == 1 for p in plan.placement.processes)
                       and not plan.job.device)
@@ -438,6 +442,15 @@ def fit_layout(plan) -> str:
     if sandblaster_over_processes(plan):
         return "Sandblaster over processes"
     return plan.label
+
+
+def in_memory_groups(plan) -> bool:
+    """In-memory Hogwild's or Downpour's asynchronous groups, threads of one process on the CPU, running freely around one
+    in-process server (a warm-up, group 0 training alone first, keeps the job path: the session meets every group at a
+    checkpoint's step)."""
+    from shoal.frontend.session_start import groups_in_memory
+
+    return not plan.job.device and groups_in_memory(plan) and plan.asynchrony.warmup_steps == 0
 
 
 def sandblaster_over_processes(plan) -> bool:

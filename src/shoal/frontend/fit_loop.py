@@ -150,7 +150,8 @@ def run_fit(run, spec: FitLoop, log: Callable[[str], None] = print) -> None:
             done = sum(fires(phase.freq, phase.after, s) for s in range(min(run.start_step, run.job.train_steps)))
             n = len(phase.data) if hasattr(phase.data, "__len__") else 0
             phase.cursor = done * phase.steps * phase.batch % n if n else 0
-    due = _Interval(spec.checkpoint_interval_s)
+    # in-memory asynchronous groups run freely: an interval's checkpoint is set at a step no worker has reached yet
+    due = _Interval(spec.checkpoint_interval_s, run.furthest_step if run.groups_in_memory else None)
 
     def body(worker) -> None:
         model = worker.model(replicas[worker.index])
@@ -167,24 +168,36 @@ def run_fit(run, spec: FitLoop, log: Callable[[str], None] = print) -> None:
 class _Interval:
     """checkpoint_interval_s on the loop's own clock (one process), decided once per step for every worker of the
     process: the first worker to ask at a step decides, the others read its answer, so they all checkpoint (the
-    checkpoint is a meeting of every worker) or none does."""
+    checkpoint is a meeting of every worker) or none does. Workers that run freely (in-memory asynchronous groups,
+    `furthest`: the furthest step a worker of the process is at) may be many steps apart: once the time is up, the
+    first to ask sets the checkpoint at the step after the furthest, which none has ended yet."""
 
-    def __init__(self, seconds: float):
-        self.seconds, self.last = seconds, time.monotonic()
+    def __init__(self, seconds: float, furthest: Optional[Callable[[], int]] = None):
+        self.seconds, self.last, self.furthest = seconds, time.monotonic(), furthest
         self._lock = threading.Lock()
         self._decided: dict[int, bool] = {}
+        self._at: Optional[int] = None  # (workers running freely: the step the checkpoint is set at)
 
     def due(self, step: int) -> bool:
         with self._lock:
+            if self.furthest is not None:
+                if self._at is None and time.monotonic() - self.last >= self.seconds:
+                    self._at = self.furthest() + 1
+                return step == self._at
             if step not in self._decided:
                 for old in [s for s in self._decided if s < step - 2]:  # (the workers are at most a step apart)
                     del self._decided[old]
                 self._decided[step] = time.monotonic() - self.last >= self.seconds
             return self._decided[step]
 
-    def written(self) -> None:
+    def written(self, step: int) -> None:
+        """Every worker that checkpointed at `step` says so; the first starts the next interval (a worker running freely
+        may already have set the next checkpoint's step, which a later word on this one must not clear)."""
         with self._lock:
-            self.last = time.monotonic()
+            if self.furthest is None:
+                self.last = time.monotonic()
+            elif self._at == step:
+                self.last, self._at = time.monotonic(), None
 
 
 def _train(run, worker, spec: FitLoop, model: torch.nn.Module, interval: _Interval, log: Callable[[str], None]) -> None:
@@ -227,7 +240,7 @@ def _train(run, worker, spec: FitLoop, model: torch.nn.Module, interval: _Interv
         if (spec.checkpoint_interval_s and not run.job.checkpoint_freq and run.processes == 1 and step + 1 < last
                 and interval.due(step)):
             path = worker.checkpoint()
-            interval.written()
+            interval.written(step)
             if first:
                 log(f"Checkpoint written to {path} (every {spec.checkpoint_interval_s:g} s: checkpoint_interval_s)")
     if step + 1 < last or (resumed_at is not None and resumed_at >= last):

@@ -128,7 +128,9 @@ class Session:
         self.groups_in_memory = groups_in_memory(plan)
         self._workers: list[session_worker.SessionWorker] = []
         self._met_at = -1  # several workers under Local SGD / DiLoCo: the step whose boundary ran (_workers_boundary)
-        self._window_lock = threading.Lock()  # (each worker thread reports into the one display window)
+        # each worker thread reports into the one display window; in-memory asynchronous groups' step boundary (group 0's)
+        # closes it while the others report, and may checkpoint, which closes it too: reentrant
+        self._window_lock = threading.RLock()
         self.device = torch_device(usable_device_names(plan.devices_of(rank))[0])
         if self.distributed:
             torch.set_num_threads(plan.threads_per_worker)  # every process of the host shares its cores
@@ -345,7 +347,7 @@ class Session:
                 for k, worker in enumerate(members):
                     trained = [(n, p) for n, p in worker.module.named_parameters() if p.requires_grad]
                     worker.mean = session_exchange.GradientMean(trained, session_worker.WorkerMean(mean, k), worker.share,
-                                                                lambda: self.step)
+                                                                lambda worker=worker: worker.step)
         if means:
             self.mean = means[0] if self.pushes else session_worker.LocalMeans(means)
 
@@ -440,6 +442,22 @@ class Session:
             self.step = step + 1
             if self.distributed:
                 session_exchange.note_step(self.step)
+
+    def _group_step_done(self, group: int, step: int) -> None:
+        """In-memory asynchronous groups, running freely: group `group`'s workers ended step `step` (run by the last to
+        arrive). Group 0's step is the process's step boundary (its displays, as a job file's chief group's trainer),
+        its window closed under the lock the other groups report through."""
+        if group == 0:
+            with self._window_lock:
+                self._workers_step_done(step)
+
+    def furthest_step(self) -> int:
+        """The furthest step a worker of this process is at (in-memory asynchronous groups run freely)."""
+        return max((worker.step for worker in self._workers), default=self.step)
+
+    def checkpoints_after(self, step: int) -> bool:
+        """Whether the step boundary after `step` writes a checkpoint (the job's checkpoint_freq)."""
+        return bool(self.job.checkpoint_freq) and fires(self.job.checkpoint_freq, self.job.checkpoint_after, step + 1)
 
     def _checkpoint(self) -> Path:
         return self.checkpoint()
@@ -837,7 +855,7 @@ class Session:
             if not self.chief and self.exchange.chief:  # group 0's process died: this group speaks for the job now
                 self._take_over(step)
         self._count_rows(step)
-        if self.job.checkpoint_freq and fires(self.job.checkpoint_freq, self.job.checkpoint_after, step + 1):
+        if self.checkpoints_after(step):
             self.checkpoint()
         if self._displays(step) and self._displayed != step:
             self._display(step)

@@ -103,8 +103,9 @@ def check_layout(plan: JobPlan) -> None:
         return
     if several_workers_in_a_process(plan):
         if groups_in_memory(plan) and plan.asynchrony.warmup_steps > 0:
-            raise SessionError(f"shoal.session: {plan.label} in your own loop runs its groups step by step together: "
-                               "cluster.warmup_steps is not supported there yet (use a job file or shoal.fit for it)")
+            raise SessionError(f"shoal.session: {plan.label} in your own loop meets every group at a checkpoint's step, "
+                               "where group 0 training alone would wait for the others: cluster.warmup_steps is not "
+                               "supported there yet (use a job file or shoal.fit for it)")
         if pushes_to_servers(plan):
             _pushes_on_cpu(plan)
         return  # (run.each_worker: frontend/session_worker.py)

@@ -19,7 +19,7 @@ arrive runs the process's part). With one worker in the process, `each_worker(tr
 same body runs every layout. Layouts (session_start.several_workers_in_a_process): one synchronous group, in-memory
 or AllReduce over processes, Local SGD / DiLoCo with one group per process, in-memory Downpour and Hogwild (each
 group's workers' gradients meet in their mean, which their opt.step()s push once to the process's in-process server,
-`_push`; the groups go step by step together), and Downpour's groups and Sandblaster's group with server processes
+`_push`; the groups run freely, meeting only at a checkpoint's step), and Downpour's groups and Sandblaster's group with server processes
 (each process one group's workers: their mean, Sandblaster's over the group's processes, pushed once by the process,
 `_push_process`; the process's workers share one copy of the params, which takes the servers' answer, as a job
 file's group's workers share its store). Under the others each worker's gradients meet in
@@ -212,6 +212,7 @@ class SessionWorker:
         self.group_local = local
         self.share = 0
         self.global_batch = 0  # the group's batch (pushes to server processes: the stub's weights)
+        self.at = run.start_step  # the step this worker's loop is at
 
     @property
     def chief(self) -> bool:
@@ -228,7 +229,8 @@ class SessionWorker:
 
     @property
     def step(self) -> int:
-        return self.run.step
+        """The step this worker trains (in-memory asynchronous groups run freely: each group at its own)."""
+        return self.at if self.run.groups_in_memory else self.run.step
 
     @property
     def exchange(self):
@@ -283,7 +285,7 @@ class SessionWorker:
         first = self.group_workers[0]
         grads = {n: p.grad for n, p in first.module.named_parameters() if p.requires_grad}
         started = time.perf_counter()
-        self.pushes_to.step(self.run.step, [(grads, sum(worker.share for worker in self.group_workers))])
+        self.pushes_to.step(first.at, [(grads, sum(worker.share for worker in self.group_workers))])
         with self.run._window_lock:
             self.run.exchange_seconds += time.perf_counter() - started
 
@@ -351,6 +353,7 @@ class SessionWorker:
             self.mean.share = share
         self.local.meet(self.run._start_workers_loop)
         for step in range(self.run.start_step, self.run.job.train_steps):
+            self.at = step
             if self.pushes_to is not None and self is self.group_workers[0]:  # (in-memory groups: the board's turn,
                 self.pushes_to.begin(step)                                      # and the server's version read)
             try:
@@ -359,15 +362,31 @@ class SessionWorker:
                 if step + 1 < self.run.job.train_steps:
                     self.local.fail(WorkerFailed(f"worker {self.index} left its loop at step {step}"))
                     raise
-                self.local.meet(lambda: self.run._workers_step_done(step))
+                self._step_done(step)
                 self.local.meet(self.run._finish)
                 raise
-            self.local.meet(lambda: self.run._workers_step_done(step))
+            self._step_done(step)
         self.local.meet(self.run._finish)
+
+    def _step_done(self, step: int) -> None:
+        """The end of this worker's step. In-memory Downpour's and Hogwild's groups run freely, as a job file's group
+        threads do (SINGA: the workers of a group are synchronous, groups asynchronous to each other): only the group's
+        own workers meet, and group 0's meeting is the process's step boundary (its displays, as a job file's chief
+        group); every worker meets at a checkpoint's step, so the file holds every group at one step, and at the last,
+        so the last display counts every group's rows. Elsewhere the process's workers end each step together."""
+        last = step + 1 == self.run.job.train_steps
+        if self.run.groups_in_memory and not last and not self.run.checkpoints_after(step):
+            self.group_local.meet(lambda: self.run._group_step_done(self.group, step))
+        else:
+            self.local.meet(lambda: self.run._workers_step_done(step))
 
     # -- metrics and checkpoints -------------------------------------------------------------------------
     def log(self, step: int, **values) -> None:
-        """Metrics of this step (means over this worker's rows): averaged over the process's workers by their rows."""
+        """Metrics of this step (means over this worker's rows): averaged over the process's workers by their rows. In-memory
+        asynchronous groups run freely, and their displays are group 0's losses (a job file's chief group's; every
+        group's rows): the other groups' values are not averaged in at whatever step each has reached."""
+        if self.run.groups_in_memory and self.group != 0:
+            return
         with self.run._window_lock:
             for name, value in values.items():
                 if isinstance(value, torch.Tensor):
