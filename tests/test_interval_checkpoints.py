@@ -284,3 +284,47 @@ def test_fit_checkpoints_every_interval_without_checkpoint_freq(tmp_path):
     assert_ran(history.workspace, "single worker")
     written = steps_written(ws)
     assert len([s for s in written if 0 < s < 50]) > 1 and written[-1] == 50, written
+
+
+INTERVAL_LOOP = '''
+import sys, time
+import torch, shoal
+
+torch.manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+run = shoal.session(train_steps=80, disp_freq=20, checkpoint_interval_s=0.25)
+model = run.model(torch.nn.Linear(8, 1))
+opt = run.optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+for step, (x, y) in run.batches(data, batch_size=8):
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step(); opt.zero_grad()
+    time.sleep(0.02)
+run.checkpoint()
+'''
+
+
+@pytest.mark.parametrize("cluster", [("nworkers_per_group=2", "nworkers_per_procs=1"),  # AllReduce, 2 processes
+                                     ("nworker_groups=2", "nworkers_per_procs=1", "local_steps=4")])  # Local SGD
+def test_a_users_loop_over_processes_checkpoints_every_interval_at_the_chiefs_step(tmp_path, cluster):
+    """shoal.session(checkpoint_interval_s=...) over 2 processes: the chief picks each interval checkpoint's step and
+    every process writes its part there (Local SGD's group 1 its required part, in the chief's list); a resume from
+    the newest of them ends where the uninterrupted run did (these layouts are exact)."""
+    script = tmp_path / "loop.py"
+    script.write_text(INTERVAL_LOOP)
+    sets = [arg for field in cluster for arg in ("--set", f"cluster.{field}")]
+    ws, resumed = tmp_path / "ws", tmp_path / "resumed"
+    proc = run_cli("run", script, "--workspace", ws, *sets, cwd=tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    uninterrupted = ckpt_io.load(ckpt_io.checkpoint_file(ws, 80), parts=True)
+    assert len(list((ws / "logs").glob("rank*.log"))) == 2  # the layout ran: 2 processes
+    between = [s for s in steps_written(ws) if 0 < s < 80]
+    assert len(between) > 1, steps_written(ws)
+    for step in between:
+        ckpt = ckpt_io.load(ckpt_io.checkpoint_file(ws, step), parts=True)  # (a required part missing: refused)
+        assert ckpt.step == step and len(ckpt.parts) == (1 if "local_steps=4" in cluster else 0)  # (replicas: none)
+    shutil.copytree(ws, resumed)
+    drop_final(resumed, 80)
+    proc = run_cli("run", script, "--workspace", resumed, "--resume", *sets, cwd=tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    again = ckpt_io.load(ckpt_io.checkpoint_file(resumed, 80), parts=True)
+    assert all(torch.equal(uninterrupted.params[k], again.params[k]) for k in uninterrupted.params)

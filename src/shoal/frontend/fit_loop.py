@@ -9,14 +9,15 @@
         for each micro-batch (grad_accum_steps): under run.accumulating() but the last, loss × its rows' part, backward
         clip_grad_norm_; opt.step(); opt.zero_grad(); sched.step()
         run.log(step, loss=..., accuracy=...)                      # fit's train record
-        checkpoint every checkpoint_freq steps (the session's) or checkpoint_interval_s seconds
+        (the session checkpoints every checkpoint_freq steps, or every checkpoint_interval_s seconds at the steps its
+        chief picks; in-memory groups, running freely, at a step here no group has ended: _Interval)
     validate / test the trained model; run.checkpoint()            # fit's final phases and checkpoint
 
 The loop is the body `run.each_worker` runs once per worker of the process (several workers in one process: each in a
 thread, with a worker's view of these calls; one worker: the body runs on `run` itself), so one body runs every layout.
 Nothing here reaches past the session's public calls (run.each_worker, and each worker's model, optimizer, scheduler,
 batches, accumulating, evaluate, log, checkpoint) and attributes (job, device, chief, processes, local_workers, start_step,
-resumed, index); fit's History is read back from the run log. Which layouts fit runs here and which still on the job path
+resumed, index, groups_in_memory, furthest_step); fit's History is read back from the run log. Which layouts fit runs here and which still on the job path
 (module_path's layers): `fit.ON_SESSION`, `fit.on_session`.
 """
 from __future__ import annotations
@@ -150,8 +151,8 @@ def run_fit(run, spec: FitLoop, log: Callable[[str], None] = print) -> None:
             done = sum(fires(phase.freq, phase.after, s) for s in range(min(run.start_step, run.job.train_steps)))
             n = len(phase.data) if hasattr(phase.data, "__len__") else 0
             phase.cursor = done * phase.steps * phase.batch % n if n else 0
-    # in-memory asynchronous groups run freely: an interval's checkpoint is set at a step no worker has reached yet
-    due = _Interval(spec.checkpoint_interval_s, run.furthest_step if run.groups_in_memory else None)
+    # in-memory asynchronous groups run freely: an interval's checkpoint is set at a step no worker has ended yet
+    due = _Interval(spec.checkpoint_interval_s, run.furthest_step)
 
     def body(worker) -> None:
         model = worker.model(replicas[worker.index])
@@ -166,37 +167,27 @@ def run_fit(run, spec: FitLoop, log: Callable[[str], None] = print) -> None:
 
 
 class _Interval:
-    """checkpoint_interval_s on the loop's own clock (one process), decided once per step for every worker of the
-    process: the first worker to ask at a step decides, the others read its answer, so they all checkpoint (the
-    checkpoint is a meeting of every worker) or none does. Workers that run freely (in-memory asynchronous groups,
-    `furthest`: the furthest step a worker of the process is at) may be many steps apart: once the time is up, the
-    first to ask sets the checkpoint at the step after the furthest, which none has ended yet."""
+    """checkpoint_interval_s on the loop's own clock for in-memory asynchronous groups, which run freely (one process;
+    every other layout's session picks its interval checkpoints itself): the checkpoint is a meeting of every worker,
+    which may be many steps apart, so once the time is up the first to ask sets it at the step after the furthest
+    (`furthest`: the furthest step a worker of the process is at), which none has ended yet."""
 
-    def __init__(self, seconds: float, furthest: Optional[Callable[[], int]] = None):
+    def __init__(self, seconds: float, furthest: Callable[[], int]):
         self.seconds, self.last, self.furthest = seconds, time.monotonic(), furthest
         self._lock = threading.Lock()
-        self._decided: dict[int, bool] = {}
-        self._at: Optional[int] = None  # (workers running freely: the step the checkpoint is set at)
+        self._at: Optional[int] = None  # the step the next checkpoint is set at
 
     def due(self, step: int) -> bool:
         with self._lock:
-            if self.furthest is not None:
-                if self._at is None and time.monotonic() - self.last >= self.seconds:
-                    self._at = self.furthest() + 1
-                return step == self._at
-            if step not in self._decided:
-                for old in [s for s in self._decided if s < step - 2]:  # (the workers are at most a step apart)
-                    del self._decided[old]
-                self._decided[step] = time.monotonic() - self.last >= self.seconds
-            return self._decided[step]
+            if self._at is None and time.monotonic() - self.last >= self.seconds:
+                self._at = self.furthest() + 1
+            return step == self._at
 
     def written(self, step: int) -> None:
-        """Every worker that checkpointed at `step` says so; the first starts the next interval (a worker running freely
-        may already have set the next checkpoint's step, which a later word on this one must not clear)."""
+        """Every worker that checkpointed at `step` says so; the first starts the next interval (a worker may already
+        have set the next checkpoint's step, which a later word on this one must not clear)."""
         with self._lock:
-            if self.furthest is None:
-                self.last = time.monotonic()
-            elif self._at == step:
+            if self._at == step:
                 self.last, self._at = time.monotonic(), None
 
 
@@ -235,9 +226,9 @@ def _train(run, worker, spec: FitLoop, model: torch.nn.Module, interval: _Interv
         if sched is not None:
             sched.step()
         worker.log(step, **(values or window.averages()))
-        # (one process's clock: over processes each rank would choose its own step, and a Local SGD group's part of a
-        # checkpoint would be missing: there only checkpoint_freq and the final checkpoint)
-        if (spec.checkpoint_interval_s and not run.job.checkpoint_freq and run.processes == 1 and step + 1 < last
+        # (the session checkpoints at its interval itself, its chief picking the step for every process; in-memory
+        # groups run freely, their interval here: `_Interval`)
+        if (run.groups_in_memory and spec.checkpoint_interval_s and not run.job.checkpoint_freq and step + 1 < last
                 and interval.due(step)):
             path = worker.checkpoint()
             interval.written(step)
@@ -265,7 +256,8 @@ def _session(job, spec: FitLoop, workspace, resume, log):
     from shoal.frontend.session import session
 
     return session(job.cluster, train_steps=spec.steps, seed=spec.seed, disp_freq=job.disp_freq,
-                   checkpoint_freq=job.checkpoint_freq, workspace=workspace, resume=resume, name="fit", log=log)
+                   checkpoint_freq=job.checkpoint_freq, checkpoint_interval_s=job.checkpoint_interval_s,
+                   workspace=workspace, resume=resume, name="fit", log=log)
 
 
 def _run_on(run, job_text: str, spec: FitLoop, log) -> None:
@@ -313,7 +305,8 @@ def session_plan(job):
     if net.partition_dim > 0 or any(layer.partition_dim > 0 or layer.HasField("location") for layer in net.layer):
         return None  # a partitioned module: the job path refuses it in one line (the session would not say)
     try:
-        session = session_job(job.cluster, job.train_steps, job.seed, job.disp_freq, job.checkpoint_freq, "fit")
+        session = session_job(job.cluster, job.train_steps, job.seed, job.disp_freq, job.checkpoint_freq, "fit",
+                              job.checkpoint_interval_s)
         if job.device:  # (a device list keeps the job path: fit.fit_layout)
             session.device.extend(job.device)
         launched = started_by_a_launcher()

@@ -46,27 +46,32 @@ from shoal.planning.shares import batch_shares
 from shoal.report import succession
 from shoal.report.metrics import MetricsLog, MetricWindow, display_line
 from shoal.report.run_log import open_run_log
-from shoal.runtime import rejoined, session_exchange
+from shoal.comm import dist as comm
+from shoal.runtime import checkpoint_schedule, rejoined, session_exchange
 from shoal.runtime.endings import MeetingsOver
+from shoal.runtime.trainer import checkpoint_parts
 from shoal.runtime.replicas import device_label, torch_device, usable_device_names
 
 
 def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int = 100, seed: int = 0, disp_freq: int = 10,
-            checkpoint_freq: int = 0, workspace: Optional[Union[str, Path]] = None, resume: bool = False,
-            name: str = "session", tensorboard: bool = False, log: Callable[[str], None] = print) -> "Session":
+            checkpoint_freq: int = 0, checkpoint_interval_s: float = 0.0, workspace: Optional[Union[str, Path]] = None,
+            resume: bool = False, name: str = "session", tensorboard: bool = False,
+            log: Callable[[str], None] = print) -> "Session":
     """This process's part of the user's own training loop (docs/python.md, "Your own loop").
 
     cluster: shoal.Cluster(...) (the layout: single worker, AllReduce over processes, Local SGD / DiLoCo,
     Distributed Hogwild, Downpour or Sandblaster over processes); `shoal run script.py --set cluster.…` overrides it, as --set train_steps=, --workspace and --resume do.
     train_steps: where run.batches() stops. seed: the data order's. disp_freq: a display line and a metrics record
     every this many steps. checkpoint_freq: also checkpoint every this many steps (run.checkpoint() any time).
+    checkpoint_interval_s: without checkpoint_freq, also checkpoint about every this many seconds (0, the default: only
+    where the loop calls run.checkpoint(); over processes the chief picks the step, every process writes its part).
     tensorboard: also write the records (run.log's, run.evaluate's) as TensorBoard event files in WORKSPACE/tensorboard
     (as `shoal run script.py --tensorboard`).
     Under `shoal run script.py` a layout of several processes starts one per rank running this script from the top:
     this call does not return in the launcher, which exits with the job's outcome, nor in a Downpour or Sandblaster server process,
     which serves and then ends the script (exit status 0)."""
     context = rank_context()
-    job = session_job(cluster, train_steps, seed, disp_freq, checkpoint_freq, name)
+    job = session_job(cluster, train_steps, seed, disp_freq, checkpoint_freq, name, checkpoint_interval_s)
     if tensorboard:  # (`shoal run script.py --tensorboard` set it already, as for any job of a script)
         job.tensorboard = True
     if context is not None:  # a rank the launcher started: its plan is the launcher's
@@ -175,6 +180,12 @@ class Session:
                                         usable_device_names(plan.all_devices()), self.start_step if self.resumed else None)
         if self._mine is not None:
             self.window.load_state(self._mine.trainer.get("window", {}))
+        # checkpoint_interval_s (without checkpoint_freq): the chief picks the steps and every process writes its part
+        # there, as a job file's trainers do (runtime/checkpoint_schedule.py); in-memory groups run freely, and fit's
+        # loop sets their interval checkpoints at a step none has ended (fit_loop._Interval)
+        self._interval = (None if self.groups_in_memory else
+                          checkpoint_schedule.for_process(plan, rank, checkpoint_parts(plan), comm.publish, comm.published,
+                                                          deciding=self.chief))
         atexit.register(self.close)
         script.at_script_end(self._script_ended)  # (a rank's process exits without running atexit's functions)
 
@@ -689,6 +700,8 @@ class Session:
         self.say(f"Process {self.rank} took the chief's place after step {step}: it decides the steps, writes the run "
                  f"log and the checkpoints")
         self.exchange.speak_for_the_job(self.say, lambda fields: self.metrics.annotate(**fields))
+        if self._interval is not None:  # it picks the interval checkpoints' steps now (the chief's published ones stand)
+            self._interval.take_over()
 
     def _handover(self) -> list[torch.Tensor]:
         """What a restarted process takes from this one (session_state.handover)."""
@@ -857,6 +870,12 @@ class Session:
         self._count_rows(step)
         if self.checkpoints_after(step):
             self.checkpoint()
+        elif (self._interval is not None and step + 1 < self.job.train_steps
+              and self._interval.due(self.group, step + 1, self.chief)):
+            path = self.checkpoint()
+            self._interval.written(step + 1)
+            if self.chief:
+                self.say(f"Checkpoint written to {path} (every {self.plan.checkpoint_interval_s:g} s: checkpoint_interval_s)")
         if self._displays(step) and self._displayed != step:
             self._display(step)
 
@@ -870,6 +889,8 @@ class Session:
         """At the loop's start: the schedulers over this session's optimizers (made after run.optimizer), and on a
         resume their state, the optimizers' learning rates they set, and the random generators."""
         self._loop_started = True
+        if self._interval is not None:  # the interval counts from the loop's first step, as a job file's trainer's
+            self._interval.due(self.group, self.start_step, self.chief)
         for found in session_state.schedulers_of(self.optimizers):
             self.scheduler(found)
         if self._mine is not None:

@@ -60,16 +60,22 @@ def rank_context() -> Optional[RankContext]:
 
 
 def session_job(cluster: Optional[job_pb2.ClusterProto], train_steps: int, seed: int, disp_freq: int,
-                checkpoint_freq: int, name: str) -> job_pb2.JobProto:
+                checkpoint_freq: int, name: str, checkpoint_interval_s: float = 0.0) -> job_pb2.JobProto:
     """The job of a session: its cluster and counts, no net (the user's module is not shoal's to build), and an
-    updater that applies nothing (the user's optimizer updates; an exchange's own inner updater never moves a value)."""
+    updater that applies nothing (the user's optimizer updates; an exchange's own inner updater never moves a value).
+    `checkpoint_interval_s`: 0 (a user's loop checkpoints where it calls run.checkpoint()), or fit's."""
     for what, value, least in (("train_steps", train_steps, 1), ("seed", seed, 0), ("disp_freq", disp_freq, 1),
                                ("checkpoint_freq", checkpoint_freq, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise SessionError(f"shoal.session: {what} must be a whole number from {least}, got {value!r}")
+    if (isinstance(checkpoint_interval_s, bool) or not isinstance(checkpoint_interval_s, (int, float))
+            or not 0 <= checkpoint_interval_s < float("inf")):
+        raise SessionError(f"shoal.session: checkpoint_interval_s must be a number of seconds from 0 (0: off), got "
+                           f"{checkpoint_interval_s!r}")
     if cluster is not None and not isinstance(cluster, job_pb2.ClusterProto):
         raise SessionError(f"shoal.session: cluster= is a shoal.Cluster(...), got {type(cluster).__name__}")
-    job = job_pb2.JobProto(name=name, train_steps=train_steps, seed=seed, disp_freq=disp_freq, checkpoint_freq=checkpoint_freq)
+    job = job_pb2.JobProto(name=name, train_steps=train_steps, seed=seed, disp_freq=disp_freq, checkpoint_freq=checkpoint_freq,
+                           checkpoint_interval_s=float(checkpoint_interval_s))
     job.cluster.CopyFrom(cluster if cluster is not None else Cluster())
     job.updater.type = job_pb2.kSGD
     job.updater.learning_rate.type = job_pb2.kFixed
