@@ -224,7 +224,7 @@ def test_each_rank_names_a_killed_torchrun_agent_in_one_line(blobs_job, tmp_path
     ws, errors = tmp_path / "ws", tmp_path / "stderr.txt"
     port = _free_port()
     command = [str(TORCHRUN), "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}",
-               "-m", "shoal", "run", str(job), "--workspace", str(ws), "--set", "cluster.nworkers_per_group=2",
+               f"--log-dir={tmp_path / 'torchrun'}", "-m", "shoal", "run", str(job), "--workspace", str(ws), "--set", "cluster.nworkers_per_group=2",
                "--set", "test_freq=0", "--set", "disp_freq=20"]
     with open(errors, "w") as stderr:
         agent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=with_job_secret(PYTHONUNBUFFERED="1"))

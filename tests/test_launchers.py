@@ -49,6 +49,7 @@ def torchrun(nprocs: int, job: Path, workspace: Path, *args: str, restarts: int 
     """`torchrun --nnodes=1 --nproc-per-node=N -m shoal run JOB` on loopback (a free port: tests may run side by side)."""
     command = [str(TORCHRUN), "--nnodes=1", f"--nproc-per-node={nprocs}", "--master-addr=127.0.0.1",
                f"--master-port={free_port()}", f"--max-restarts={restarts}",
+               f"--log-dir={workspace.parent / 'torchrun-logs'}",  # (not a folder of its own under /tmp, left there)
                "-m", "shoal", "run", str(job), "--workspace", str(workspace), *args]
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", **job_secret(), **(env or {})}
     if stderr_file is not None:  # started, not waited for: stdout is the caller's to read, stderr goes to the file
@@ -337,7 +338,7 @@ def test_torchrun_over_two_hosts_made_of_network_namespaces(two_hosts, blobs_job
         where = lambda node, ip: ["--rdzv-backend=c10d", f"--rdzv-endpoint={ip_a}:{port}", "--rdzv-id=two-hosts",
                                   f"--local-addr={ip}", f"--rdzv-conf=is_host={int(node == 0)}"]
     command = lambda ns, node, ip: ["ip", "netns", "exec", ns, str(TORCHRUN), "--nnodes=2", "--nproc-per-node=1",
-                                    *where(node, ip), "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")]
+                                    *where(node, ip), f"--log-dir={tmp_path / f'torchrun{node}'}", "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")]
     environment = {**os.environ, **job_secret()}  # the same on both nodes
     nodes = [subprocess.Popen(command(ns, node, ip), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
              for node, (ns, ip) in enumerate(((ns_a, ip_a), (ns_b, ip_b)))]

@@ -501,7 +501,8 @@ def test_under_torchrun_each_process_is_a_rank(script, one_worker, tmp_path):
 
     env = {**os.environ, "SHOAL_JOB_SECRET": secrets.token_hex(32)}
     torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "shoal", "run", str(script),
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", f"--log-dir={tmp_path / 'torchrun'}",
+                           "-m", "shoal", "run", str(script),
                            "--workspace", str(tmp_path / "ws"), *ALLREDUCE, "--", str(tmp_path), "-1"],
                           capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -36,7 +36,7 @@ def torchrun_in_background(job, workspace, out, err, *args: str, env=None, torch
     """`torchrun --nproc-per-node=N --max-restarts=1 -m shoal run JOB --max-restarts 1 ...`, its own session (the
     test kills it whole if it fails), output to files."""
     command = [str(TORCHRUN), "--nnodes=1", f"--nproc-per-node={nprocs}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-               f"--max-restarts={torchrun_restarts}", "-m", "shoal", "run", str(job), "--workspace", str(workspace), "--no-progress",
+               f"--max-restarts={torchrun_restarts}", f"--log-dir={out.parent / 'torchrun-logs'}", "-m", "shoal", "run", str(job), "--workspace", str(workspace), "--no-progress",
                "--max-restarts", "1", *args]
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", **job_secret(), **tagged(out.parent), **(env or {})}
     with open(out, "w") as stdout, open(err, "w") as stderr:
