@@ -49,7 +49,6 @@ from shoal.report.run_log import open_run_log
 from shoal.comm import dist as comm
 from shoal.runtime import checkpoint_schedule, rejoined, session_exchange
 from shoal.runtime.endings import MeetingsOver
-from shoal.runtime.trainer import checkpoint_parts
 from shoal.runtime.replicas import device_label, torch_device, usable_device_names
 
 
@@ -184,8 +183,8 @@ class Session:
         # there, as a job file's trainers do (runtime/checkpoint_schedule.py); in-memory groups run freely, and fit's
         # loop sets their interval checkpoints at a step none has ended (fit_loop._Interval)
         self._interval = (None if self.groups_in_memory else
-                          checkpoint_schedule.for_process(plan, rank, checkpoint_parts(plan), comm.publish, comm.published,
-                                                          deciding=self.chief))
+                          checkpoint_schedule.for_process(plan, rank, checkpoint_schedule.checkpoint_parts(plan),
+                                                          comm.publish, comm.published, deciding=self.chief))
         atexit.register(self.close)
         script.at_script_end(self._script_ended)  # (a rank's process exits without running atexit's functions)
 

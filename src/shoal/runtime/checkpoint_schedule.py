@@ -165,6 +165,23 @@ class CheckpointSchedule:
                 self._steps.add(int(text))
 
 
+def checkpoint_parts(plan: "JobPlan", writer: tuple[int, int] = (0, 0)) -> dict[tuple[int, int], bool]:
+    """(group, rank) of every trainer but the chief (`writer`: the chief's, or a successor's that took a dead chief's
+    place), each writing its own part of every checkpoint, and whether a checkpoint without it is incomplete: it is
+    where the groups are synchronous or meet (Local SGD); an asynchronous group may have died before writing its part,
+    and then starts from the chief's values on resume. Downpour's server processes run no trainer: the chief asks the
+    servers for their state."""
+    parts = {}
+    for rank in range(plan.nprocs):
+        hosted = plan.process(rank)
+        if hosted.servers and not hosted.workers and not plan.strategy.servers_hold_trainers:
+            continue
+        for group in sorted({w.group for w in hosted.workers}) or [0]:
+            if (group, rank) != writer:  # (a group of replicas that goes on without a process: each part optional)
+                parts[(group, rank)] = (plan.strategy.synchronous or plan.strategy.meets) and not plan.strategy.goes_on_without_a_process(plan)
+    return parts
+
+
 def for_process(plan: "JobPlan", rank: int, parts: dict[tuple[int, int], bool], publish: Callable[[str, str], None],
                 published: Callable[[str], Optional[str]], deciding: bool) -> Optional[CheckpointSchedule]:
     """The schedule process `rank`'s trainers share, or None when the plan has no interval (checkpoint_freq set,

@@ -39,7 +39,7 @@ from shoal.report.metrics import MetricsLog, MetricWindow, display_line
 from shoal.neuralnet.net import NeuralNet
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.plan import JobPlan
-from shoal.runtime.checkpoint_schedule import CheckpointSchedule
+from shoal.runtime.checkpoint_schedule import CheckpointSchedule, checkpoint_parts  # noqa: F401 - re-exported
 from shoal.runtime.feed import InputFeed, make_feeds
 from shoal.runtime.interfaces import Exchange, GroupMember, TrainerHook
 from shoal.runtime.partitioned import PartitionedGroup
@@ -92,23 +92,6 @@ class History:
     def final_test(self) -> Optional[dict]:
         tests = self.phase("test")
         return tests[-1] if tests else None
-
-
-def checkpoint_parts(plan: JobPlan, writer: tuple[int, int] = (0, 0)) -> dict[tuple[int, int], bool]:
-    """(group, rank) of every trainer but the chief (`writer`: the chief's, or a successor's that took a dead chief's
-    place), each writing its own part of every checkpoint, and whether a checkpoint without it is incomplete: it is
-    where the groups are synchronous or meet (Local SGD); an asynchronous group may have died before writing its part,
-    and then starts from the chief's values on resume. Downpour's server processes run no trainer: the chief asks the
-    servers for their state."""
-    parts = {}
-    for rank in range(plan.nprocs):
-        hosted = plan.process(rank)
-        if hosted.servers and not hosted.workers and not plan.strategy.servers_hold_trainers:
-            continue
-        for group in sorted({w.group for w in hosted.workers}) or [0]:
-            if (group, rank) != writer:  # (a group of replicas that goes on without a process: each part optional)
-                parts[(group, rank)] = (plan.strategy.synchronous or plan.strategy.meets) and not plan.strategy.goes_on_without_a_process(plan)
-    return parts
 
 
 class Trainer:
