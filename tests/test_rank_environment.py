@@ -4,8 +4,9 @@
 Real `shoal run` interpreters (tests/fault_runs.py), whose environment the test sets: this test process's own
 environment has OMP_WAIT_POLICY=PASSIVE (tests/conftest.py), so every run here names the variable's absence or value.
 A .py plugin (loaded by every process of the job, a restarted one too) records what each process sees: its
-environment (os.environ) and the one it started with (/proc/self/environ: a forked rank's is the server's it forked
-from, which is what OpenMP read when torch loaded it there).
+environment (os.environ) and the one it started with (/proc/self/environ). What OpenMP read is what libgomp says as it
+loads (OMP_DISPLAY_ENV=VERBOSE, on the run's stderr): under `shoal run JOB` it loads once, in the launching process,
+whose server the ranks fork from (launcher.process_server._fork_server), and a forked rank keeps it.
 """
 from __future__ import annotations
 
@@ -56,24 +57,30 @@ def test_ranks_and_a_restarted_rank_sleep_in_openmp_waits_unless_the_user_says(b
     job = blobs_job(train_steps=150, layout="Distributed Hogwild, 2 groups", cluster_extra=dict(sync_freq=4))
     unset = tmp_path / "unset"
     unset.mkdir()
-    run = runs.start(job, unset, "--plugin", plugin(unset), "--max-restarts", "1", env={**SLOW, "OMP_WAIT_POLICY": None})
+    run = runs.start(job, unset, "--plugin", plugin(unset), "--max-restarts", "1",
+                     env={**SLOW, "OMP_WAIT_POLICY": None, "OMP_DISPLAY_ENV": "VERBOSE"})
     victim = run.signal(1, signal.SIGKILL, step=10)
     run.finished()
     got = seen(unset, run.ws)
     assert pids(run.ws, 1)[0] == victim and len(got[1]) == 2, got  # rank 1 ran in two processes: started, restarted
     for rank, processes in got.items():
         for process in processes:
-            assert (process["environ"], process["at_start"]) == ("PASSIVE", "PASSIVE"), (rank, got)
+            assert process["environ"] == "PASSIVE", (rank, got)
+    # OpenMP loaded once, with PASSIVE's spin count (libgomp's default is 300000): the ranks, the restarted one too,
+    # forked from the server that was forked from the launching process after that load
+    assert re.findall(r"GOMP_SPINCOUNT = '(\d+)'", run.stderr()) == ["0"], run.stderr()
     launcher = [r for r in map(json.loads, (unset / "seen.jsonl").read_text().splitlines()) if r["pid"] == run.proc.pid]
     assert launcher == [{"pid": run.proc.pid, "environ": None, "at_start": None}], launcher
 
     given = tmp_path / "given"
     given.mkdir()
-    run = runs.start(job, given, "--plugin", plugin(given), "--set", "train_steps=20", env={"OMP_WAIT_POLICY": "active"})
+    run = runs.start(job, given, "--plugin", plugin(given), "--set", "train_steps=20",
+                     env={"OMP_WAIT_POLICY": "active", "OMP_DISPLAY_ENV": "VERBOSE"})
     run.finished()
     got = seen(given, run.ws)
     assert [len(got[0]), len(got[1])] == [1, 1], got
     assert all((p["environ"], p["at_start"]) == ("active", "active") for processes in got.values() for p in processes), got
+    assert re.findall(r"GOMP_SPINCOUNT = '(\d+)'", run.stderr()) == ["30000000000"], run.stderr()  # ACTIVE's
     assert leftover_processes(tmp_path) == []
 
 
