@@ -200,9 +200,19 @@ def png_pixels(path):
     return imread(str(path))[..., :3]
 
 
-def colour_present(pixels, hex_colour, tolerance=0.02, min_pixels=50):
+def png_colours(pixels):
+    """The picture's distinct colours (RGB in [0, 1]) and how many pixels have each: a PNG's channels are bytes, so
+    the checks below look at a few thousand colours instead of every one of a million pixels."""
+    levels = np.round(pixels.reshape(-1, 3) * 255).astype(np.int64)
+    packed, counts = np.unique((levels[:, 0] << 16) | (levels[:, 1] << 8) | levels[:, 2], return_counts=True)
+    return np.stack([packed >> 16, (packed >> 8) & 255, packed & 255], axis=1) / 255, counts
+
+
+def colour_present(colours, hex_colour, tolerance=0.02, min_pixels=50):
+    """At least `min_pixels` pixels within `tolerance` of `hex_colour`; `colours`: png_colours(pixels)."""
     rgb = np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
-    return int((np.abs(pixels - rgb).max(axis=-1) < tolerance).sum()) >= min_pixels
+    values, counts = colours
+    return int(counts[np.abs(values - rgb).max(axis=-1) < tolerance].sum()) >= min_pixels
 
 
 @pytest.mark.parametrize("x, nruns", [(("step", "time"), 1), (("step", "time"), 3), (("step",), 3), (("time",), 2)])
@@ -210,10 +220,11 @@ def test_plot_draws_every_run_in_its_colour(synthetic_runs, tmp_path, x, nruns):
     out = shoal.plot_runs(synthetic_runs[:nruns], tmp_path / "runs.png", x=x)
     pixels = png_pixels(out)
     assert pixels.shape[:2] == (900, 1400)  # height, width of the default 1400 x 900
+    colours = png_colours(pixels)
     for k, colour in enumerate(COLOURS):
         if colour != "#000000":  # black is also the text's colour
-            assert colour_present(pixels, colour) == (k < nruns), colour
-    assert len(np.unique(pixels.reshape(-1, 3).round(2), axis=0)) > 20  # not blank
+            assert colour_present(colours, colour) == (k < nruns), colour
+    assert len(np.unique(colours[0].round(2), axis=0)) > 20  # not blank
 
 
 def test_plot_size_and_format_follow_the_caller(synthetic_runs, tmp_path):
@@ -230,7 +241,8 @@ def test_a_crashed_runs_partial_metrics_still_plot_and_compare(tmp_path):
     crashed = synthetic_run(tmp_path, "crashed-run", rate=90.0, sec_per_step=0.02, steps=230, truncate=True)
     assert not (crashed / "metrics.jsonl").read_text().endswith("\n")
     out = shoal.plot_runs([whole, crashed], tmp_path / "runs.png")
-    assert colour_present(png_pixels(out), COLOURS[0]) and colour_present(png_pixels(out), COLOURS[1])
+    colours = png_colours(png_pixels(out))
+    assert colour_present(colours, COLOURS[0]) and colour_present(colours, COLOURS[1])
     rows = shoal.compare_runs([whole, crashed])
     assert rows[1]["layout"] == "crashed-run" and rows[1]["status"] == "no summary"
     assert rows[1]["steps"] < 230 and rows[1]["final_test_accuracy"] is not None
