@@ -136,11 +136,13 @@ def test_a_stopped_async_chief_is_dropped_ended_and_replaced(blobs_job, tmp_path
 
 @pytest.mark.slow  # about 15 s on the loaded 2-core machine
 def test_a_server_killed_with_the_chief_heals_without_a_mirror_and_no_count_is_claimed(blobs_job, tmp_path, runs):
-    """Downpour: the chief's and the server's processes SIGKILLed at once: the successor heals the new server from its
+    """Downpour: the chief's and the server's processes SIGKILLed at once (the chief's first): the successor waits for the
+    launcher's word on the chief rather than pull from the unhealed server, and heals the new server from its
     newest values and the updater's first state (it has no mirror yet), the server says its counts restart there, and
     neither summary.json nor the closing line claims a count of the job's updates or bytes from before it."""
     job = blobs_job(train_steps=400, layout=DOWNPOUR)
-    run = runs.start(job, tmp_path, "--max-restarts", "1", env=SLOW)
+    # (2 restarts: process 0's rejoin may meet the dead server first, a group's known limit: it fails and comes back)
+    run = runs.start(job, tmp_path, "--max-restarts", "2", env=SLOW)
     chief, server = run.pid_once_training(0), registered_pids(run.ws)[2]
     os.kill(chief, signal.SIGKILL)
     os.kill(server, signal.SIGKILL)
@@ -154,4 +156,25 @@ def test_a_server_killed_with_the_chief_heals_without_a_mirror_and_no_count_is_c
     assert got["staleness_histogram"]["counted_from_version"] == int(healed[1])
     assert f"updates since version {healed[1]} (a server's counts restarted there)" in stdout, stdout
     assert_no_library_text(stdout, stderr)
+    assert leftover_processes(tmp_path) == []
+
+
+@pytest.mark.slow  # two faults, one after the other, and a whole-job restart: about 8 s each
+@pytest.mark.parametrize("layout", [HOGWILD, DOWNPOUR])
+def test_a_chief_nobody_is_left_to_replace_restarts_the_whole_job(blobs_job, tmp_path, runs, layout):
+    """Two groups: group 1's process SIGKILLed and restarted first, then the chief's: no process that started with the
+    job is left to take the chief's place (a restarted one never does), so the launcher restarts the whole job from its
+    newest checkpoint, in one line, and the job finishes."""
+    job = blobs_job(train_steps=300, layout=layout)
+    run = runs.start(job, tmp_path, "--max-restarts", "1", "--set", "checkpoint_freq=50", env=SLOW)
+    run.signal(1, signal.SIGKILL)
+    wait_for(lambda: "rejoined at step" in (run.ws / "logs" / "rank1.log").read_text(), 60, run.stderr())
+    os.kill(pids(run.ws, 0)[-1], signal.SIGKILL)
+    stdout, stderr = run.finished()
+    assert re.search(r"^WARNING: process 0 \(worker\(group=0, id=0\)(, server\(group=0, id=0\))?\) died \(SIGKILL\)"
+                     r"( after step \d+)?: the job cannot go on without it; restarting the whole job from", stderr, re.M), stderr
+    assert "taking the chief's place" not in stderr and "took the chief's place" not in stdout, stdout
+    got = summary(run.ws)
+    assert got["status"] == "finished" and len(got["job_restarts"]) == 1, got
+    assert_no_library_text(stdout)
     assert leftover_processes(tmp_path) == []

@@ -277,6 +277,13 @@ class Door:
     def closed(self, server: int) -> bool:
         return self._get(f"s{server}/closed") == "1"
 
+    def say_healed(self, server: int) -> None:
+        """A restarted server took its heal and serves (a stub that would heal it itself, the chief dead, waits for this)."""
+        self._store.set(f"s{server}/healed", "1")
+
+    def healed(self, server: int) -> bool:
+        return self._get(f"s{server}/healed") == "1"
+
     def set_state(self, server: int, group: int, state: str) -> None:
         self._store.set(f"s{server}/g{group}/state", state)
 

@@ -9,7 +9,9 @@ rejoins as an ordinary group, the dead chief's too.
 
 `chief_done`: the chief (or its successor) says it before its last word to the other groups (Distributed Hogwild's
 STOP, Downpour's FINAL); the launcher then treats the chief's death as one the job cannot lose (a whole-job restart,
-as before), since no group is left waiting to take its place.
+as before), since no group is left waiting to take its place. `speaker`: who speaks for the job now (0, or the
+process that took the chief's place: it says so), so that the launcher knows whose death that is, and whether a
+process that started with the job is left to take its place.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from shoal.comm import channels, heartbeat
 from shoal.comm import dist as comm
 
 KEY = "shoal/succession/chief_done"
+SPEAKER_KEY = "shoal/succession/speaker"
 CHECK_EVERY_S = 0.2  # how often a would-be successor asks the store (two reads per lower process)
 
 
@@ -33,6 +36,12 @@ def say_chief_done() -> None:
 def chief_done(store) -> bool:
     """Whether the job's chief said its last word (`store`: a signed view of the job's store, the launcher's)."""
     return store.get(KEY) == "1"
+
+
+def speaker(store) -> int:
+    """The process that speaks for the job now: the chief's (0), or the last to take its place (`store`: as above)."""
+    said = store.get(SPEAKER_KEY)
+    return int(said) if said is not None and said.isdigit() else 0
 
 
 class Successor:
@@ -52,7 +61,10 @@ class Successor:
             return False
         self._asked_at = moment
         try:
-            return bool(self.lower) and all(self._gone(rank, group) for rank, group in self.lower.items())
+            if not (self.lower and all(self._gone(rank, group) for rank, group in self.lower.items())):
+                return False
+            comm.signed_job_store().set(SPEAKER_KEY, str(self.rank))  # (the launcher reads whose death is the chief's)
+            return True
         except RuntimeError:  # the job's store is gone: the job is ending
             return False
 

@@ -196,9 +196,24 @@ class Restarter:
     def chief_after_the_last_step(self, rank: int) -> bool:
         """Whether `rank` is the chief, never restarted, and its meetings are over: nobody takes its place after the
         loop (the run log it had to close, what its script does after the loop), so its death is one the job cannot
-        lose, as before the chief became replaceable (`ranks.chief_replaceable`)."""
-        return (rank == 0 and chief_replaceable(self.plan) and not self.restarts.get(0) and self._store is not None
-                and (quorum.meetings_over(self._store) or succession.chief_done(self._store)))
+        lose, as before the chief became replaceable (`ranks.chief_replaceable`). Downpour's and Hogwild's: the process
+        speaking for the job, past its last word or with nobody left to succeed it (`_speaker_nobody_replaces`)."""
+        if self._store is None or not chief_replaceable(self.plan):
+            return False
+        if self.plan.strategy.chief_succeeded_by_a_group(self.plan):  # (Downpour, Hogwild: shoal.comm.succession)
+            return self._speaker_nobody_replaces(rank)
+        return rank == 0 and not self.restarts.get(0) and quorum.meetings_over(self._store)
+
+    def _speaker_nobody_replaces(self, rank: int) -> bool:
+        """Whether `rank`'s death is that of the process speaking for a Downpour or Distributed Hogwild job (the chief,
+        or the one that took its place) that nobody can replace: it said its last word to the groups already, or no
+        other worker process that started with the job is left (a restarted process never takes the chief's place)."""
+        if rank != succession.speaker(self._store) or self.restarts.get(rank):
+            return False
+        if succession.chief_done(self._store):
+            return True
+        workers = [r for r in range(self.plan.nprocs) if self.plan.process(r).workers]
+        return not [r for r in workers if r != rank and not self.restarts.get(r)]
 
     def can_restart(self, rank: int) -> bool:
         """Whether process `rank` would be restarted now (restarts left, and it may rejoin)."""

@@ -489,6 +489,7 @@ class DownpourServer:
             self._reads = {g: [version] * self.depth for g in self._reads}
             self._running.notify_all()
         self._healed.set()
+        self.door.say_healed(self.key)  # (a stub that would heal it in a dead chief's place pulls instead)
         healed_at = time.time()
         digest = fingerprint([values])
         state_words = (f"the updater state of version {mirrored_version}" if mirrored_version >= 0

@@ -177,7 +177,7 @@ class DownpourExchange:
         try:
             self._knock(door, server, server_rank, restart)
             heartbeat.revive(server_rank)  # its new process beats: watch it afresh (the launcher said the old one gone)
-            self._watch_the_chief(now=True)  # the chief died too: its successor heals it (from no mirror yet, maybe)
+            self._await_heal_or_take_over(door, server_key(server.id, restart))
             if self.chief:  # (the server says the heal on the terminal: one line)
                 self._send_heal(server_rank, segments, step)
                 return
@@ -187,6 +187,16 @@ class DownpourExchange:
             return
         print(f"worker group {self.group}: {server} was restarted (restart {restart}); the push of step {step} was "
               f"dropped; took its values of version {self.read_version[server_rank]} (it had seen version {seen})")
+
+    def _await_heal_or_take_over(self, door: channels.Door, key) -> None:
+        """A restarted server answers nobody before its heal. A process that may take the chief's place pulls from it
+        only once it is healed (by the chief) or, the chief dead, heals it itself (shoal.comm.succession): a pull sent
+        while the launcher's word on the chief's death is still on its way would wait for a heal nobody sends."""
+        deadline = time.monotonic() + self.timeout_s
+        self._watch_the_chief(now=True)
+        while self.successor is not None and not self.chief and not door.healed(key) and time.monotonic() < deadline:
+            time.sleep(CHECK_EVERY_S / 4)
+            self._watch_the_chief(now=True)
 
     def _send_heal(self, server_rank: int, segments: list[Segment], step: int) -> None:
         """HEAL: this process's newest values of the server's slices and their version, and its mirror."""
