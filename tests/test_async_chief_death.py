@@ -14,11 +14,12 @@ import signal
 
 import pytest
 
-from fault_runs import (SLOW, assert_no_library_text, pids, registered_pids, runs, summary,  # noqa: F401 (runs: a fixture)
+from fault_runs import (SLOW, assert_no_library_text, pids, registered_pids, runs, summary,  # noqa: F401 (fixtures)
                         train_records, wait_for)
 from layouts import assert_ran
 from test_cli import leftover_processes
 from test_diloco_chief_death import plan_of
+from test_torchrun_rejoin import registered, start, torchruns, training_pids  # noqa: F401 (torchruns: a fixture)
 
 from shoal.launcher import ranks, rejoin
 
@@ -177,4 +178,28 @@ def test_a_chief_nobody_is_left_to_replace_restarts_the_whole_job(blobs_job, tmp
     got = summary(run.ws)
     assert got["status"] == "finished" and len(got["job_restarts"]) == 1, got
     assert_no_library_text(stdout)
+    assert leftover_processes(tmp_path) == []
+
+
+@pytest.mark.slow  # a torchrun run: about 10 s on the busy machine
+@pytest.mark.parametrize("layout, nprocs", [(HOGWILD, 2), (DOWNPOUR, 3)])
+def test_a_killed_async_chief_under_torchrun_is_replaced_and_torchrun_restarts_nothing(blobs_job, tmp_path, torchruns,
+                                                                                     layout, nprocs):
+    """`torchrun ... -m shoal run JOB --max-restarts 1`: rank 0's training process SIGKILLed mid-run; its supervisor
+    restarts it into the job as an ordinary group, process 1 takes the chief's place and finishes the run log; torchrun
+    restarts nothing (one registration), the record ends finished."""
+    job = blobs_job(train_steps=300, layout=layout)
+    proc, ws = start(torchruns, job, tmp_path, env={"SHOAL_SLOW_WORKER": "0:0+0.01"}, nprocs=nprocs)
+    victim, survivor = training_pids(ws)
+    os.kill(victim, signal.SIGKILL)
+    assert proc.wait(timeout=180) == 0, proc.err.read_text()[-3000:]
+    stdout, stderr = proc.out.read_text(), proc.err.read_text()
+    assert "the lowest living one taking the chief's place; restarting it (restart 1 of 1)" in stderr, stderr
+    assert "Process 1 took the chief's place after step " in stdout, stdout
+    (record,) = registered(ws)
+    assert record.status == "finished", record
+    assert pids(ws, 1) == [survivor] and pids(ws, 0)[0] == victim and len(pids(ws, 0)) == 2
+    got = assert_ran(ws, layout)
+    assert got["status"] == "finished" and got["chief_succession"][0]["process"] == 1, got
+    assert_no_library_text(stdout, stderr)
     assert leftover_processes(tmp_path) == []
