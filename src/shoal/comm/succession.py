@@ -63,12 +63,15 @@ class Successor:
         try:
             if not (self.lower and all(self._gone(rank, group) for rank, group in self.lower.items())):
                 return False
-            comm.signed_job_store().set(SPEAKER_KEY, str(self.rank))  # (the launcher reads whose death is the chief's)
+            store = comm.signed_job_store()
+            if store is not None:  # (the launcher reads whose death is the chief's)
+                store.set(SPEAKER_KEY, str(self.rank))
             return True
         except RuntimeError:  # the job's store is gone: the job is ending
             return False
 
     def _gone(self, rank: int, group: int) -> bool:
+        """Whether `rank` cannot take the place: stalled, or its first process ended (a restarted one never does)."""
         if heartbeat.is_stalled(rank):
             return True
         if self._door is None:
