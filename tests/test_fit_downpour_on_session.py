@@ -76,15 +76,15 @@ def moved(model) -> torch.Tensor:
 
 
 def test_fit_names_downpour_over_processes_for_the_session():
-    """One worker in each group's process and servers in processes of their own, on the CPU: the session's (2 server
-    slices too); a process's threads keep the job path."""
+    """One worker (or several threads of its group) in each group's process and servers in processes of their own, on
+    the CPU: the session's (2 server slices too)."""
     from test_fit_on_session import plan_of
 
     assert "Downpour over processes" in fitting.ON_SESSION
     assert fitting.fit_layout(plan_of(**LAYOUTS[LAYOUT].cluster)) == "Downpour over processes"
     assert fitting.fit_layout(plan_of(**LAYOUTS[LAYOUT].cluster, nservers_per_group=2)) == "Downpour over processes"
     threads = LAYOUTS["Downpour, 2 groups x 2 threads + 1 server, 3 processes"].cluster
-    assert fitting.fit_layout(plan_of(**threads)) == "Downpour"
+    assert fitting.fit_layout(plan_of(**threads)) == "Downpour over processes"
     sandblaster = LAYOUTS["Sandblaster, 2 workers + 1 server, 3 processes"].cluster  # (its own name: one group)
     assert fitting.fit_layout(plan_of(**sandblaster)) == "Sandblaster over processes"
 

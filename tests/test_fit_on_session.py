@@ -39,12 +39,12 @@ def problem():
     return (x, y), (xv, yv), model
 
 
-def warmed_up_groups():
-    """In-memory Hogwild with a warm-up, as fit plans it (a session would refuse the warm-up)."""
+def planned_by_fit(**cluster):
+    """The layout as fit plans it (a layout the session refuses: fit keeps the job path for it)."""
     from shoal.frontend.session_start import session_job
     from shoal.planning.plan import plan_job
 
-    return plan_job(session_job(shoal.Cluster(nworker_groups=2, nworkers_per_procs=2, warmup_steps=2), 10, 0, 10, 0, "fit"))
+    return plan_job(session_job(shoal.Cluster(**cluster), 10, 0, 10, 0, "fit"))
 
 
 def plan_of(**cluster):
@@ -59,10 +59,11 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
     in one process (threads: tests/test_fit_threads_on_session.py), AllReduce, Local SGD / DiLoCo and Distributed
     Hogwild over processes (one worker each), Downpour's groups over processes (one worker each, server processes of
     their own: tests/test_fit_downpour_on_session.py), Sandblaster's group over processes (one worker each, server
-    processes of their own: below), in-memory Hogwild's and Downpour's asynchronous groups (threads of one process,
-    running freely: tests/test_session_groups.py); a synchronous group with server slices keeps the job path (its
-    owners shard the optimizer's state, ZeRO-1's shape), and so do Sandblaster's 2 threads + a server process (2
-    processes of 2 workers, not one worker each), Downpour's groups of 2 threads and in-memory groups with a warm-up."""
+    processes of their own: below), the same with several threads of the process's group in each process (AllReduce
+    without restarts, Local SGD, Downpour, Sandblaster: tests/test_fit_threads_on_session.py), in-memory Hogwild's and
+    Downpour's asynchronous groups (threads of one process, running freely: tests/test_session_groups.py); a
+    synchronous group with server slices keeps the job path (its owners shard the optimizer's state, ZeRO-1's shape),
+    and so do Distributed Hogwild's groups of threads, threads under restarts and in-memory groups with a warm-up."""
     ready = {"one worker", "one synchronous group in one process", "AllReduce over processes",
              "Local SGD / DiLoCo over processes", "Distributed Hogwild over processes", "Downpour over processes",
              "Sandblaster over processes", "in-memory Hogwild / Downpour"}
@@ -78,14 +79,15 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
              "in-memory Hogwild / Downpour": plan_of(nworker_groups=2, nworkers_per_procs=2)}
     with_torch_outer = SimpleNamespace(in_one_process=False, nworkers=2, nprocs=2, label="DiLoCo",  # (as fit plans it)
                                        placement=SimpleNamespace(processes=[SimpleNamespace(workers=[k]) for k in range(2)]),
-                                       strategy=SimpleNamespace(synchronous=False, meets=True, syncs_with_peers=False),
+                                       strategy=SimpleNamespace(synchronous=False, meets=True, syncs_with_peers=False,
+                                                                  servers_hold_trainers=True),
                                        job=SimpleNamespace(device=[], cluster=SimpleNamespace(
                                            outer_updater=SimpleNamespace(user_type=OUTER_OPTIMIZER_UPDATER))))
     others = [plan_of(nworkers_per_group=2, nworkers_per_procs=2, nservers_per_group=2, nservers_per_procs=2),  # threads, 2 slices
-              plan_of(nworkers_per_group=2, nworkers_per_procs=2, nservers_per_procs=1, server_worker_separate=True),
-              warmed_up_groups(),  # in-memory Hogwild with a warm-up
+              planned_by_fit(nworkers_per_group=4, nworkers_per_procs=2, max_restarts=1),  # threads under restarts
+              planned_by_fit(nworker_groups=2, nserver_groups=2, nworkers_per_group=2, nworkers_per_procs=2),  # Hogwild
+              planned_by_fit(nworker_groups=2, nworkers_per_procs=2, warmup_steps=2),  # in-memory Hogwild, a warm-up
               plan_of(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2),  # AllReduce, 2 server slices
-              plan_of(nworker_groups=2, nworkers_per_group=2, nworkers_per_procs=2, server_worker_separate=True),  # threads
               with_torch_outer,  # DiLoCo with fit's outer_optimizer= (a torch optimizer: the job path's)
               on_a_gpu]
     assert {fitting.fit_layout(plan): name for name, plan in named.items()} == {name: name for name in named}

@@ -7,6 +7,7 @@ metrics callables, checkpoint_interval_s), and a run stopped mid-way resumes fro
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import threading
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 import shoal
 from shoal.frontend import fit as fitting
 from shoal.frontend import fit_loop
+from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.checkpoint import list_checkpoints
 
 STEPS, BATCH = 8, 16
@@ -141,3 +143,45 @@ def test_fit_on_two_threads_resumes_a_stopped_run_exactly(tmp_path, problem):
     assert [r["loss"] for r in resumed.phase("train")][-1] == [r["loss"] for r in uninterrupted.phase("train")][-1]
     assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), resumed_model.parameters()))
     assert json.loads((tmp_path / "parts" / "summary.json").read_text())["workers"] == 2
+
+
+# threads of one group in each of several processes: (cluster, the reference fit of the same group with one worker per
+# group, or None where the groups are asynchronous and the pushes' order is the machine's)
+OVER_PROCESSES = {
+    "AllReduce, 2 processes x 2 threads": (dict(nworkers_per_group=4, nworkers_per_procs=2), {}),
+    "Sandblaster, 2 threads + 1 server process": (dict(nworkers_per_group=2, nworkers_per_procs=2, nservers_per_procs=1,
+                                                       server_worker_separate=True), {}),
+    "Local SGD, 2 groups x 2 threads, 2 processes": (dict(nworker_groups=2, nworkers_per_group=2, nworkers_per_procs=2,
+                                                          local_steps=3),
+                                                     dict(nworker_groups=2, nworkers_per_procs=1, local_steps=3)),
+    "Downpour, 2 groups x 2 threads + 1 server, 3 processes": (dict(nworker_groups=2, nworkers_per_group=2,
+                                                                    nworkers_per_procs=2, server_worker_separate=True), None),
+}
+
+
+@pytest.mark.parametrize("name", list(OVER_PROCESSES))
+def test_fit_runs_threads_over_processes_on_the_session(tmp_path, problem, name):
+    """fit with several threads of one group in each process runs its loop on the session (its checkpoint is the
+    session's), the layout ran (processes and workers), and a synchronous group ends where one worker of the group with
+    the whole batch does (a Local SGD group of 2 threads where its group of one worker does), to float rounding; the
+    asynchronous groups learn."""
+    train, val, model = problem
+    cluster, reference = OVER_PROCESSES[name]
+    keywords = dict(steps=STEPS, batch_size=BATCH, optimizer=functools.partial(torch.optim.SGD, lr=0.2),
+                    log=lambda _line: None)
+    threads = copy.deepcopy(model)
+    shoal.fit(threads, F.cross_entropy, train, cluster=shoal.Cluster(**cluster), workspace=tmp_path / "threads", **keywords)
+    summary = json.loads((tmp_path / "threads" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["processes"] >= 2
+    assert summary["workers"] == cluster.get("nworker_groups", 1) * cluster["nworkers_per_group"]
+    final = list_checkpoints(tmp_path / "threads")[-1][1]
+    assert ckpt_io.load(final).trainer.get("session")  # (fit's loop on the session wrote it)
+    if reference is None:
+        with torch.no_grad():
+            assert F.cross_entropy(threads(train[0]), train[1]) < F.cross_entropy(model(train[0]), train[1])
+        return
+    one = copy.deepcopy(model)
+    shoal.fit(one, F.cross_entropy, train, cluster=shoal.Cluster(**reference) if reference else None,
+              workspace=tmp_path / "one", **keywords)
+    for (param, a), b in zip(threads.named_parameters(), one.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), param

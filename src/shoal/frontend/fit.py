@@ -421,6 +421,8 @@ def fit_layout(plan) -> str:
     has no device list yet), "one synchronous group in one process" (its workers as threads, run.each_worker),
     "in-memory Hogwild / Downpour" (asynchronous groups as threads of one process), the layouts over processes of
     one worker each (and Downpour's server processes), else the plan's label."""
+    from shoal.frontend.session_start import pushes_to_servers
+
     if plan.in_one_process and plan.nworkers == 1 and not plan.job.device:
         return "one worker"
     if (plan.in_one_process and not plan.job.device and plan.strategy.synchronous and not plan.strategy.meets
@@ -428,9 +430,10 @@ def fit_layout(plan) -> str:
         return "one synchronous group in one process"  # (server slices: the job path's owners shard the optimizer's state)
     if in_memory_groups(plan):
         return "in-memory Hogwild / Downpour"
-    # one worker in each process, none a server's alone (Sandblaster's 2 threads + a server process counted 2 and 2)
-    over_processes = (not plan.in_one_process and all(len(p.workers) == 1 for p in plan.placement.processes)
-                      and not plan.job.device)
+    # the workers of each process the session runs (one each, or several threads of the process's group: run.each_worker),
+    # none a server's alone (Downpour's and Sandblaster's server processes are theirs: below)
+    over_processes = (not plan.in_one_process and not plan.job.device and not pushes_to_servers(plan)
+                      and workers_each_process(plan))
     if over_processes and plan.strategy.synchronous and not plan.strategy.meets and plan.nservers_per_group <= 1:
         return "AllReduce over processes"  # (server slices: the job path's owners shard the optimizer's state, ZeRO-1)
     if over_processes and plan.strategy.meets and plan.job.cluster.outer_updater.user_type != OUTER_OPTIMIZER_UPDATER:
@@ -444,6 +447,17 @@ def fit_layout(plan) -> str:
     return plan.label
 
 
+def workers_each_process(plan, servers_apart: bool = False) -> bool:
+    """Each process of the layout hosts the workers the session runs: one, or several threads of the process's one group
+    (the same number in each, without restarts: session_start.several_workers_in_a_process); `servers_apart`: the
+    layout's server processes (Downpour's, Sandblaster's) host no worker."""
+    from shoal.frontend.session_start import several_workers_in_a_process
+
+    processes = plan.placement.processes
+    one_each = all(len(p.workers) == (0 if servers_apart and p.servers else 1) for p in processes)
+    return one_each or several_workers_in_a_process(plan)
+
+
 def in_memory_groups(plan) -> bool:
     """In-memory Hogwild's or Downpour's asynchronous groups, threads of one process on the CPU, running freely around one
     in-process server (a warm-up, group 0 training alone first, keeps the job path: the session meets every group at a
@@ -454,23 +468,22 @@ def in_memory_groups(plan) -> bool:
 
 
 def sandblaster_over_processes(plan) -> bool:
-    """Sandblaster's one synchronous group, one worker in each of its processes, pushing to server processes of their
-    own, on the CPU (the session's Sandblaster: each push the group's mean, the servers running fit's optimizer)."""
+    """Sandblaster's one synchronous group, one worker or several threads in each of its processes, pushing to server
+    processes of their own, on the CPU (the session's Sandblaster: each push the group's mean, the servers running
+    fit's optimizer)."""
     from shoal.frontend.session_start import pushes_to_servers
 
     return (not plan.in_one_process and not plan.job.device and plan.strategy.synchronous and not plan.strategy.meets
-            and plan.nworker_groups == 1 and pushes_to_servers(plan)
-            and all(len(p.workers) == (0 if p.servers else 1) for p in plan.placement.processes))
+            and plan.nworker_groups == 1 and pushes_to_servers(plan) and workers_each_process(plan, servers_apart=True))
 
 
 def downpour_over_processes(plan) -> bool:
-    """Downpour's asynchronous groups pushing to server processes of their own, one worker in each group's process, on
-    the CPU (a process's threads, or a device list, keep the job path)."""
+    """Downpour's asynchronous groups pushing to server processes of their own, one worker or several threads of one
+    group in each process, on the CPU (a device list keeps the job path)."""
     from shoal.frontend.session_start import pushes_to_servers
 
     return (not plan.in_one_process and not plan.job.device and not plan.strategy.synchronous and not plan.strategy.meets
-            and not plan.strategy.syncs_with_peers and pushes_to_servers(plan)
-            and all(len(p.workers) == (0 if p.servers else 1) for p in plan.placement.processes))
+            and not plan.strategy.syncs_with_peers and pushes_to_servers(plan) and workers_each_process(plan, servers_apart=True))
 
 
 def on_session(plan) -> bool:
