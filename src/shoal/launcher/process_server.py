@@ -75,6 +75,9 @@ def _start(preload: Sequence[str]) -> None:
     forkserver_context(preload)
 
 
+LAID_OUT = ("_lock", "_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")  # what _fork_server sets
+
+
 def _fork_server(preload: Sequence[str]) -> bool:
     """multiprocessing's forkserver, forked from this process once it has imported `preload` (torch, shoal) itself,
     where this process has done nothing else yet: no torch imported (so nothing computed: OpenMP's threads not
@@ -96,7 +99,11 @@ def _fork_server(preload: Sequence[str]) -> bool:
 
     from shoal.config.plugins import RANK_ENVIRONMENT_DEFAULTS
 
-    server = forkserver._forkserver
+    server = getattr(forkserver, "_forkserver", None)
+    # multiprocessing's own server object, as CPython 3.10-3.13 lay it out; another layout (a Python that authenticates
+    # its forkserver's clients, say) starts the server as an interpreter instead
+    if not all(hasattr(server, name) for name in LAID_OUT) or hasattr(server, "_forkserver_authkey"):
+        return False
     if "torch" in sys.modules or threading.active_count() != 1 or server._forkserver_pid is not None:
         return False
     # OpenMP reads its settings once, when torch loads it (below): the ranks' defaults, as the server's own
