@@ -127,6 +127,42 @@ def test_shoal_run_forks_the_server_of_several_processes_instead_of_starting_an_
     assert_ran(tmp_path / "ws", layout)
 
 
+# A user's loop; each process says whether torch._dynamo (which a torch optimizer imports) was there before the
+# script's own imports: in a rank, only if the server it forked from had imported it
+SESSION_SCRIPT = textwrap.dedent('''
+    import sys
+    inherited = "torch._dynamo" in sys.modules
+    import torch, shoal
+
+    run = shoal.session(train_steps=4)
+    model = run.model(torch.nn.Linear(4, 1))
+    opt = run.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    for step, (x, y) in run.batches(data, batch_size=4):
+        (model(x) - y).pow(2).mean().backward()
+        opt.step(); opt.zero_grad()
+    print("rank", run.rank, "found torch._dynamo imported:", inherited, flush=True)
+''')
+
+
+def test_shoal_run_of_a_script_over_processes_forks_their_server_with_torch_dynamo(tmp_path):
+    """`shoal run script.py --set cluster.…` placing several processes: the server the session's ranks fork from is
+    forked from the CLI's process before the script runs, torch._dynamo imported (a torch optimizer's first use), so
+    no interpreter starts for it and no rank imports torch._dynamo itself."""
+    script = tmp_path / "loop.py"
+    script.write_text(SESSION_SCRIPT)
+    done = subprocess.run([sys.executable, "-c", SERVER_STARTS, "run", str(script), "--workspace", str(tmp_path / "ws"),
+                           "--set", "cluster.nworkers_per_group=2"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    started = [line for line in done.stdout.splitlines() if line.startswith("started:")]
+    assert len(started) == 1 and "resource_tracker" in started[0], started  # multiprocessing's tracker only
+    assert_ran(tmp_path / "ws", "AllReduce, 2 processes")
+    logs = [(tmp_path / "ws" / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1)]
+    said = [line for text in logs + [done.stdout] for line in text.splitlines() if "found torch._dynamo" in line]
+    assert sorted(set(said)) == ["rank 0 found torch._dynamo imported: True", "rank 1 found torch._dynamo imported: True"], (
+        said, done.stdout, logs)
+
+
 def test_prestart_starts_the_server_before_the_script_imports_torch_and_only_in_the_script(tmp_path):
     """`shoal.prestart()` starts the server without importing torch; in a process multiprocessing started (a rank
     importing the script again) it starts none."""

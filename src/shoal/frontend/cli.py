@@ -281,6 +281,24 @@ def _start_process_server_early(job_path: Path, overrides: list[str]) -> None:
     process_server.start_for(cluster_of(job_path, overrides), ["shoal.launcher.launch"], fork_here=True)
 
 
+def _fork_process_server_for_script(overrides: list[str]) -> None:
+    """`shoal run script.py --set cluster.…` placing several processes: fork the server the script's ranks will fork
+    from now, before the script runs (process_server._fork_server), with torch._dynamo too (a torch optimizer imports
+    it: about a second of CPU in each rank otherwise) and the session's entry. The --set alone decides; where it
+    places one process, or the script's own settings place several, the session starts its server as before."""
+    from shoal.config import job_pb2
+    from shoal.config.overrides import apply_overrides
+    from shoal.launcher import process_server
+
+    job = job_pb2.JobProto()
+    try:
+        apply_overrides(job, [o for o in overrides if o.startswith("cluster.")])
+    except Exception:  # noqa: BLE001 (a bad --set: the script's job says so, in its own words)
+        return
+    process_server.start_for(job.cluster, ["shoal.launcher.launch", "shoal.frontend.session_start", "torch._dynamo"],
+                             fork_here=True, fork_only=True)
+
+
 def _max_restarts(args: argparse.Namespace) -> list[str]:
     """--max-restarts N as the job field it sets (the plan holds it; SHOAL_MAX_RESTARTS still overrides)."""
     if args.max_restarts is None:
@@ -312,9 +330,10 @@ def _run_script(args: argparse.Namespace, path: Path) -> int:
         raise UsageError(f"shoal run {path}: {', '.join(refused)} only for job files; a script tests and places its jobs itself")
     from shoal.config.plugins import load_plugins
 
-    load_plugins(args.plugin)  # for the jobs the script trains
     # every job the script trains gets them (--max-restarts: its launcher restarts a dead Downpour, Local SGD or Distributed Hogwild group)
     overrides = list(args.overrides) + _max_restarts(args) + (["tensorboard=true"] if args.tensorboard else [])
+    _fork_process_server_for_script(overrides)
+    load_plugins(args.plugin)  # for the jobs the script trains
     settings = ScriptSettings.from_command_line(overrides, args.workspace, args.resume)
     return run_script(path, args.script_args, settings, expected=(ShoalError,))
 

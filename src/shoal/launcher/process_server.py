@@ -5,8 +5,9 @@ The server imports torch and shoal once, before any rank forks (launch.start_met
 launcher, it would begin only after the launching process had imported torch and planned the job, one import after
 the other; started here, as soon as the layout is known to need several processes (`shoal.fit` at its call) or when
 a script says so first (`shoal.prestart()`), its imports run beside the launching process's own work. Torch-free on
-purpose: it must run before torch's import to gain anything. `shoal run JOB`, whose process has done nothing yet,
-imports them itself and forks the server from it (_fork_server): one import of torch instead of two.
+purpose: it must run before torch's import to gain anything. `shoal run JOB` (and `shoal run script.py` whose --set
+places several processes), whose process has done nothing yet, imports them itself and forks the server from it
+(_fork_server): one import of torch instead of two.
 """
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ from shoal.config import job_pb2
 from shoal.errors import ShoalError
 
 
-def start_for(cluster: Optional[job_pb2.ClusterProto], preload: Sequence[str], fork_here: bool = False) -> bool:
+def start_for(cluster: Optional[job_pb2.ClusterProto], preload: Sequence[str], fork_here: bool = False,
+              fork_only: bool = False) -> bool:
     """Start the server, importing `preload`, if `cluster` places several processes that shoal will start here (not
     under torchrun or srun, whose processes are the ranks); whether it started. A cluster that cannot be placed
     starts nothing: planning names its problem later, in its own words. `fork_here` (`shoal run JOB`, whose process
     has done nothing yet but read its arguments): import `preload` here and fork the server from this process
-    (_fork_server) instead of starting an interpreter that imports them all again."""
+    (_fork_server) instead of starting an interpreter that imports them all again; `fork_only`: where it cannot,
+    start none (the caller's processes start theirs when they need it, as before)."""
     from shoal.planning.placement import process_count
 
     if cluster is None or not _ranks_start_here():
@@ -35,8 +38,11 @@ def start_for(cluster: Optional[job_pb2.ClusterProto], preload: Sequence[str], f
             return False
     except ShoalError:  # a layout planning refuses: it says so later
         return False
-    if not (fork_here and _fork_server(preload)):
-        _start(preload)
+    if fork_here and _fork_server(preload):
+        return True
+    if fork_only:
+        return False
+    _start(preload)
     return True
 
 
