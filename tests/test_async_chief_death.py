@@ -79,16 +79,16 @@ def test_a_killed_async_chief_is_dropped_and_the_lowest_living_group_takes_its_p
     assert leftover_processes(tmp_path) == []
 
 
-def test_group_0s_process_is_replaceable_in_a_job_file_with_restarts_and_one_process_per_group():
-    """Downpour and Distributed Hogwild job files under cluster.max_restarts: the chief's process is dropped like any
-    group's and may rejoin; without restarts, in a user's loop (not built) or with a group over two processes, its death
-    restarts the whole job as before."""
+def test_group_0s_process_is_replaceable_with_restarts_and_one_process_per_group():
+    """Downpour and Distributed Hogwild under cluster.max_restarts, in a job file or a user's loop
+    (tests/test_session_async_chief_death.py): the chief's process is dropped like any group's and may rejoin; without
+    restarts or with a group over two processes, its death restarts the whole job as before."""
     downpour = dict(nworker_groups=2, nworkers_per_procs=1, nserver_groups=1, server_worker_separate=True)
     hogwild = dict(nworker_groups=2, nworkers_per_procs=1, nserver_groups=2)
     for cluster in downpour, hogwild:
-        plan = plan_of(False, **cluster, max_restarts=1)
-        assert ranks.chief_replaceable(plan) and ranks.expendable(plan, 0) and rejoin.why_not(plan, 0) is None
-        for other in plan_of(False, **cluster), plan_of(True, **cluster, max_restarts=1):
+        for plan in plan_of(False, **cluster, max_restarts=1), plan_of(True, **cluster, max_restarts=1):
+            assert ranks.chief_replaceable(plan) and ranks.expendable(plan, 0) and rejoin.why_not(plan, 0) is None
+        for other in plan_of(False, **cluster), plan_of(True, **cluster):
             assert not ranks.chief_replaceable(other) and not ranks.expendable(other, 0)
     spread = plan_of(False, **dict(downpour, nworkers_per_group=2), max_restarts=1)  # a group over 2 processes
     assert not ranks.chief_replaceable(spread)

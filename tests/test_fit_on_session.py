@@ -320,6 +320,8 @@ def loss_killing_the_chief(output, target, marker, at):
     ("AllReduce", dict(nworkers_per_group=2, nworkers_per_procs=1)),
     ("DiLoCo", dict(nworker_groups=2, nworkers_per_procs=1, local_steps=3,
                     outer_updater={"type": "kNesterov", "momentum": 0.9, "learning_rate": {"type": "kFixed", "base_lr": 0.7}})),
+    ("Downpour", dict(nworker_groups=2, nworkers_per_procs=1, nserver_groups=1, server_worker_separate=True)),
+    ("Distributed Hogwild", dict(nworker_groups=2, nserver_groups=2)),
 ])
 def test_fit_over_processes_survives_its_chiefs_death(tmp_path, problem, name, cluster):
     """fit's loop is a user's loop on the session: its chief rank SIGKILLed at step 5 is dropped like any other
@@ -333,10 +335,12 @@ def test_fit_over_processes_survives_its_chiefs_death(tmp_path, problem, name, c
                         loss_takes="output")
     assert (tmp_path / "killed").exists()
     summary = json.loads((tmp_path / "ws" / "summary.json").read_text())
-    assert summary["status"] == "finished" and summary["steps"] == 24
+    last = summary["steps"]  # (Distributed Hogwild's groups re-train the steps the rejoined group skipped, past 24)
+    assert summary["status"] == "finished" and (last == 24 or name == "Distributed Hogwild" and last > 24), summary
     assert [r["rank"] for r in summary["rejoins"]] == [0]
+    assert summary["chief_succession"][0]["process"] == 1 and "job_restarts" not in summary, summary
     assert "took the chief's place" in (tmp_path / "ws" / "logs" / "rank1.log").read_text()
     steps = [r["step"] for r in history.phase("train")]
-    assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == 23
-    assert [r["step"] for r in history.phase("validate")][-1] == 24  # the final validation, by the successor
+    assert steps == sorted(set(steps)) and steps[0] == 0 and steps[-1] >= 23 and (steps[-1] == 23 or last > 24), steps
+    assert [r["step"] for r in history.phase("validate")][-1] == last  # the final validation, by the successor
     assert not torch.equal(model[0].weight, before[0].weight)  # the successor's final values, loaded into the module

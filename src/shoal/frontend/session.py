@@ -689,15 +689,23 @@ class Session:
                      f"schedulers' state and torch's RNG state after step {step} from process {self.rank}")
         self.exchange_seconds += time.perf_counter() - started
 
+    def _succeeds_the_chief(self) -> bool:
+        """Asynchronous groups over processes (Downpour, Distributed Hogwild): whether this process's exchange took the
+        dead chief's place (shoal.comm.succession: it asks at its step ends and its finish) and the session not yet."""
+        return (not self.chief and self.distributed and not self.plan.strategy.synchronous and self.exchange is not None
+                and not self.groups_in_memory and bool(getattr(self.exchange, "chief", False)))
+
     def _take_over(self, step: int) -> None:
-        """The dead chief's run log and checkpoints, from this step on (report/succession.py)."""
-        self.chief = True
+        """The dead chief's run log, evaluations and checkpoints, from this step on (report/succession.py)."""
+        self.chief = True  # (run.evaluate records on the chief: this process's from now on)
         if self._terminal and self.rank != 0:  # (its stdout is its log file: the chief's lines go on the terminal too)
             self.say = succession.on_the_terminal_too(self.say)
         self.metrics = succession.take_over_run_log(self.plan, self.workspace, usable_device_names(self.plan.all_devices()),
                                                     self.rank, step)
-        self.say(f"Process {self.rank} took the chief's place after step {step}: it decides the steps, writes the run "
-                 f"log and the checkpoints")
+        # (asynchronous groups have no steps to decide: their exchange says what the successor does instead)
+        duties = getattr(self.exchange, "duties_taken_over", "it decides the steps, writes the run log and the checkpoints")
+        duties = duties.replace("it tests and validates", "it evaluates (run.evaluate)")  # (the loop's own calls)
+        self.say(f"Process {self.rank} took the chief's place after step {step}: {duties}")
         self.exchange.speak_for_the_job(self.say, lambda fields: self.metrics.annotate(**fields))
         if self._interval is not None:  # it picks the interval checkpoints' steps now (the chief's published ones stand)
             self._interval.take_over()
@@ -866,6 +874,8 @@ class Session:
             self.exchange.heal(step)
             if not self.chief and self.exchange.chief:  # group 0's process died: this group speaks for the job now
                 self._take_over(step)
+        elif self._succeeds_the_chief():  # Downpour, Distributed Hogwild: its exchange saw the chief gone at this step's end
+            self._take_over(step)
         self._count_rows(step)
         if self.checkpoints_after(step):
             self.checkpoint()
@@ -945,7 +955,8 @@ class Session:
                                        not self.plan.tensor_parallel else 1)
             values = self.window.averages() if self.window else {}
         if self.chief:
-            self.say(display_line("Train", step, values))
+            if self.metrics is None or not self.metrics.recorded_before(step, "train"):  # (a successor behind the dead chief)
+                self.say(display_line("Train", step, values))
             if self.metrics is not None:
                 self.metrics.write(step, "train", values, samples=rows, samples_per_sec=round(rows / seconds, 2),
                                    window_sec=round(seconds, 6), compute_sec=round(max(0.0, seconds - exchanged), 6),
@@ -984,11 +995,12 @@ class Session:
                 present = self.exchange.present if self.exchange is not None else range(self.plan.nprocs)
                 ckpt.part_names = {ckpt_io.part_name(done, self.plan.process(r).workers[0].group, r): r in present
                                    for r in range(self.plan.nprocs) if r != self.rank}  # (the chief: 0, or its successor)
-            if self.apart:
+            if self.apart:  # every group's part but the writer's own (here); an asynchronous group's optional, as a job
+                # file's (a restarted one may end at another step, or die before writing it: a resume starts it from here)
                 absent = self.exchange.absent_groups if self.exchange is not None else frozenset()
-                ckpt.part_names = {ckpt_io.part_name(done, g, r): g not in absent
-                                   for r in range(self.plan.nprocs) if r != self.rank and self.plan.process(r).workers
-                                   for g in [self.plan.process(r).workers[0].group]}  # (not a server; the writer's own: here)
+                parts = checkpoint_schedule.checkpoint_parts(self.plan, writer=(self.group, self.rank))
+                ckpt.part_names = {ckpt_io.part_name(done, g, r): required and g not in absent
+                                   for (g, r), required in parts.items()}
             ckpt.trainer["writer"] = self.rank  # whose state the file holds (a resume gives it to that process)
             ckpt_io.save(path, ckpt)
         return path
@@ -1004,6 +1016,8 @@ class Session:
         final run.evaluate, run.checkpoint): the run ends when the script does, or at run.close()."""
         if self.exchange is not None:
             self.exchange.finish()
+            if self._succeeds_the_chief():  # the chief died before its last word: this process said it (FINAL, STOP)
+                self._take_over(self.step)
             sent = self.exchange.job_bytes_sent  # the job's bytes to its last message (summary.json's bytes_sent, as fit's)
             if self.metrics is not None and sent is not None:
                 self.metrics.annotate(bytes_sent=sent)

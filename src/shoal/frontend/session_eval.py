@@ -72,7 +72,8 @@ def evaluate(run, dataset, loss_fn: Callable, *, batch_size: int = 100, steps: O
         return {}
     at = run.updates_done
     name, label = PHASES[phase]
-    run.say(display_line(label, at, values))
+    if run.metrics is None or not run.metrics.recorded_before(at, name):  # (a dead chief's successor behind it: said once)
+        run.say(display_line(label, at, values))
     if run.metrics is not None:
         run.metrics.write(at, name, values, samples=count * batch)
     run.paused_seconds += time.perf_counter() - started  # not training time: the next train record's samples/s leaves it out

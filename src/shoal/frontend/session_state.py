@@ -47,7 +47,8 @@ def own_part(ckpt: ckpt_io.Checkpoint, path: Path, group: int, rank: int, own_re
     if rank == writer or not apart:
         return ckpt
     if name not in ckpt.parts:
-        say(f"{path}: no part of worker group {group} (it was missing from the meetings): it starts from the state of "
+        # (missing from Local SGD's meetings; an asynchronous group dead then, or a restarted one that ended elsewhere)
+        say(f"{path}: no part of worker group {group} (it wrote none at step {ckpt.step}): it starts from the state of "
             f"the group whose process wrote the file (process {writer})")
         return ckpt
     return ckpt.parts[name]

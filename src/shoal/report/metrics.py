@@ -249,8 +249,18 @@ class MetricsLog:
                 pass
             raise write_error(self.path, err) from None
 
+    # a dead chief's successor: the last step of each phase the chief recorded (report/succession.py); an asynchronous
+    # group behind the chief reaches those steps again, and their records stay the chief's (one log, each step once)
+    recorded_through: dict[str, int] = {}
+
+    def recorded_before(self, step: int, phase: str) -> bool:
+        """Whether the dead chief this log's writer succeeded recorded `phase` at `step` already."""
+        return step <= self.recorded_through.get(phase, -1)
+
     def write(self, step: int, phase: str, values: dict[str, float], **extra) -> dict:
         record = {"step": step, "phase": phase, "time": round(self.elapsed(), 4)}
+        if self.recorded_before(step, phase):
+            return record
         record.update({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()})
         record.update(extra)
         if self._fd is not None:

@@ -41,7 +41,8 @@ def took_over_here() -> bool:
 def take_over_run_log(plan: "JobPlan", workspace: Path, devices: list[str], rank: int, step: int) -> MetricsLog:
     """The dead chief's run log, continued by process `rank` after step `step`: metrics.jsonl appended to (a line the
     chief was killed writing is ended first, and readers skip it), summary.json kept current from it, the run's clock
-    carried on, and its `chief_succession` saying who took the chief's place when (the closing line says it).
+    carried on, and its `chief_succession` saying who took the chief's place when (the closing line says it); a step
+    of a phase the chief recorded already is not recorded again (an asynchronous successor may be behind the chief).
     `devices`: the job's usable devices, as the chief opened the log with."""
     global _took_over
     _took_over = True
@@ -55,6 +56,10 @@ def take_over_run_log(plan: "JobPlan", workspace: Path, devices: list[str], rank
     log = open_run_log(plan, workspace, elapsed, devices, started=_epoch(before.get("started")))  # the run's start
     earlier = before.get("chief_succession") if isinstance(before.get("chief_succession"), list) else []
     log.annotate(chief_succession=earlier + [{"process": rank, "after_step": step}])
+    log.recorded_through = {}
+    for record in records:
+        if isinstance(record.get("step"), int) and isinstance(record.get("phase"), str):
+            log.recorded_through[record["phase"]] = max(record["step"], log.recorded_through.get(record["phase"], -1))
     return log
 
 

@@ -49,9 +49,10 @@ class DistributedHogwild(Strategy):
 
     # -- runtime ------------------------------------------------------------------------------------
     def chief_succeeded_by_a_group(self, plan) -> bool:
-        """A job file's groups of one process each, under cluster.max_restarts (every process is a whole group: `refuse`):
-        group 0's process holds nothing the others need but its duties as chief, which the lowest living one takes."""
-        return plan.max_restarts > 0 and not plan.own_loop
+        """Groups of one process each (every process is a whole group: `refuse`), in a job file or a user's loop, under
+        cluster.max_restarts: group 0's process holds nothing the others need but its duties as chief, which the lowest
+        living one takes."""
+        return plan.max_restarts > 0
 
     def attach_exchanges(self, run) -> None:
         plan, t = run.plan, run.trainers[0]

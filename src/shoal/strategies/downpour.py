@@ -79,9 +79,10 @@ class Downpour(Strategy):
                                 may_take_over=successor is not None)
 
     def chief_succeeded_by_a_group(self, plan) -> bool:
-        """A job file's groups of one process each, under cluster.max_restarts (the servers, restarted, heal from the
-        successor's mirror): group 0's stub holds nothing the servers do not but the mirror, which the successor rebuilds."""
-        return (plan.max_restarts > 0 and not plan.own_loop
+        """Groups of one process each, in a job file or a user's loop, under cluster.max_restarts (the servers,
+        restarted, heal from the successor's mirror): group 0's stub holds nothing the servers do not but the mirror,
+        which the successor rebuilds (a loop's chief published the servers' description and schedule at its start)."""
+        return (plan.max_restarts > 0
                 and all(len(plan.ranks_of_group(g)) == 1 for g in range(plan.nworker_groups)))
 
     def servers_heal(self, plan) -> bool:

@@ -1,0 +1,103 @@
+"""Issues 38 and 39: a Downpour or Distributed Hogwild chief dies inside a user's loop (shoal.session()) and the job goes on.
+
+With one process per group and `--max-restarts N`, group 0's process is dropped like any other group's: the lowest
+living worker process's exchange sees the chief gone (shoal.comm.succession) and its session takes the chief's place
+(frontend/session.py `_take_over`): the run log (metrics.jsonl, summary.json's `chief_succession`), the display lines,
+run.evaluate's records and the checkpoints (as their writer); Downpour's mirror of the servers and their last request,
+Hogwild's finish. The dead chief's restarted process runs the script from the top and rejoins as an ordinary group.
+Driven as a user would: `shoal run script.py --max-restarts 1 --set cluster.…`, the chief SIGKILLed from its pid in
+its log once the chief displayed step 10 (tests/fault_runs.py), as tests/test_async_chief_death.py does a job file's.
+"""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import textwrap
+
+import pytest
+
+from fault_runs import assert_no_library_text, pids, runs, train_records  # noqa: F401 (runs: the fixture)
+from layouts import LAYOUTS, assert_ran
+from test_cli import leftover_processes
+
+from shoal.neuralnet import checkpoint as ckpt_io
+
+HOGWILD = "Distributed Hogwild, 2 groups"
+DOWNPOUR = "Downpour, 2 groups + 1 server, 3 processes"
+STEPS = 60
+
+# A user's loop that outlasts a kill and a restart (STEP_PAUSE_S a step): it evaluates every 10 steps and at the end
+# (recorded by whoever is run.chief then), checkpoints every 20 steps and at the end, and says where each process ended.
+LOOP = textwrap.dedent(f'''
+    import json, os, sys, time
+    from pathlib import Path
+    import torch, shoal
+
+    out = Path(sys.argv[1])
+    torch.manual_seed(0)
+    x = torch.randn(192, 8)
+    y = (x[:, :4].sum(1, keepdim=True) > x[:, 4:].sum(1, keepdim=True)).float()
+    data = torch.utils.data.TensorDataset(x, y)
+    loss_fn = torch.nn.functional.binary_cross_entropy_with_logits
+    run = shoal.session(train_steps={STEPS}, disp_freq=5, checkpoint_freq=20)
+    model = run.model(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
+    opt = run.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for step, (xb, yb) in run.batches(data, batch_size=12):
+        if step % 10 == 0:
+            run.evaluate(data, loss_fn, batch_size=96)
+        time.sleep(0.04)
+        loss = loss_fn(model(xb), yb)
+        loss.backward()
+        opt.step(); opt.zero_grad()
+        run.log(step, loss=loss)
+    run.evaluate(data, loss_fn, batch_size=96)
+    run.checkpoint()
+    (out / f"end{{run.rank}}.{{os.getpid()}}.json").write_text(json.dumps({{"step": step, "chief": run.chief}}))
+''')
+
+
+@pytest.mark.parametrize("layout, rejoins_from", [
+    (HOGWILD, "from the other groups' live values"),
+    (DOWNPOUR, "from the servers' live params"),
+])
+def test_a_killed_loop_chief_is_dropped_and_the_lowest_living_group_takes_its_place(tmp_path, runs, layout, rejoins_from):
+    """Process 0 SIGKILLed mid-loop: no whole-job restart; process 1 keeps its pid, says on the terminal that it took the
+    chief's place, continues metrics.jsonl as one log, evaluates (run.evaluate records there) and writes the checkpoints,
+    the final one naming it as the writer; process 0 runs the script again under a new pid as an ordinary group;
+    summary.json says finished and names the succession; exit 0, one line on stderr, no library text."""
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    out = tmp_path / "out"
+    out.mkdir()
+    run = runs.start(script, tmp_path, *LAYOUTS[layout].cli(), "--max-restarts", "1", "--", str(out))
+    survivor = run.pid_once_training(1)
+    victim = run.signal(0, signal.SIGKILL)
+    stdout, stderr = run.finished()
+    assert re.fullmatch(r"WARNING: process 0 \(worker\(group=0, id=0\)(, server\(group=0, id=0\))?\) (died \(SIGKILL\)|exited "
+                        r"with code -9)( after step \d+)?; the other worker groups go on, the lowest living one taking the "
+                        rf"chief's place; restarting it \(restart 1 of 1\); it rejoins as an ordinary group, {rejoins_from}",
+                        stderr.strip()), stderr
+    took = int(re.search(r"^Process 1 took the chief's place after step (\d+): it evaluates \(run.evaluate\), writes the "
+                         r"run log and the checkpoints", stdout, re.M)[1])  # (on the terminal: the successor's line)
+    assert 10 <= took < STEPS, took
+    assert pids(run.ws, 1) == [survivor]
+    first, second = pids(run.ws, 0)
+    assert first == victim and second != victim  # the script ran again in process 0's place
+    ends = {path.name.split(".")[0]: json.loads(path.read_text()) for path in out.glob("end*.json")}
+    assert ends["end1"]["chief"] and not ends["end0"]["chief"] and ends["end0"]["step"] >= STEPS - 1, ends
+    got = assert_ran(run.ws, layout)
+    assert got["status"] == "finished" and "job_restarts" not in got, got
+    assert got["chief_succession"] == [{"process": 1, "after_step": took}], got
+    shown = [r["step"] for r in train_records(run.ws)]
+    assert shown == sorted(set(shown)) and shown[-1] >= STEPS - 1 and any(s > took for s in shown), shown  # one log
+    records = [json.loads(line) for line in (run.ws / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r["step"] for r in records if r["phase"] == "validate"]
+    assert any(s > took for s in evaluated) and not [r for r in records if r["phase"] == "resume"], evaluated
+    last = max(int(m[1]) for p in ckpt_io.checkpoint_dir(run.ws).iterdir()
+               if (m := re.fullmatch(r"step(\d+)-worker0\.safetensors", p.name)))  # (Hogwild's groups train past STEPS)
+    final = ckpt_io.load(ckpt_io.checkpoint_file(run.ws, last), parts=True)
+    assert last >= STEPS and final.trainer["writer"] == 1 and final.params, (last, final.trainer)
+    assert_no_library_text(stdout, stderr, (run.ws / "logs" / "rank1.log").read_text(),
+                           (run.ws / "logs" / "rank0.log").read_text())
+    assert leftover_processes(tmp_path) == []
