@@ -43,6 +43,9 @@ LOOP = textwrap.dedent(f'''
     run = shoal.session(train_steps={STEPS}, disp_freq=5, checkpoint_freq=20)
     model = run.model(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
     opt = run.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    if sys.argv[2:] == ["die-before-the-loop"] and run.rank == 0 and not (out / "killed").exists():
+        (out / "killed").write_text("")
+        os.kill(os.getpid(), 9)
     for step, (xb, yb) in run.batches(data, batch_size=12):
         if step % 10 == 0:
             run.evaluate(data, loss_fn, batch_size=96)
@@ -101,3 +104,22 @@ def test_a_killed_loop_chief_is_dropped_and_the_lowest_living_group_takes_its_pl
     assert_no_library_text(stdout, stderr, (run.ws / "logs" / "rank1.log").read_text(),
                            (run.ws / "logs" / "rank0.log").read_text())
     assert leftover_processes(tmp_path) == []
+
+
+def test_a_loop_chief_dead_before_its_first_step_restarts_the_whole_job(tmp_path, runs):
+    """Downpour's servers take their first values from the loop's chief (FIRST): a chief SIGKILLed before its first
+    step leaves the others nothing to start from, so its death restarts the whole job (shoal.comm.succession's
+    `chief_started`), in one line, and the run finishes."""
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    out = tmp_path / "out"
+    out.mkdir()
+    run = runs.start(script, tmp_path, *LAYOUTS[DOWNPOUR].cli(), "--max-restarts", "1", "--set", "train_steps=10", "--",
+                     str(out), "die-before-the-loop")
+    stdout, stderr = run.finished()
+    assert re.fullmatch(r"WARNING: process 0 \(worker\(group=0, id=0\)\) (died \(SIGKILL\)|exited with code -9): the job "
+                        r"cannot go on without it; restarting the whole job from step 0 \(no checkpoint was written yet\) "
+                        r"\(restart 1 of 1\)", stderr.strip()), stderr
+    got = assert_ran(run.ws, DOWNPOUR)
+    assert got["status"] == "finished" and "chief_succession" not in got and len(got["job_restarts"]) == 1, got
+    assert (out / "killed").exists() and "took the chief's place" not in stdout

@@ -11,7 +11,8 @@ rejoins as an ordinary group, the dead chief's too.
 STOP, Downpour's FINAL); the launcher then treats the chief's death as one the job cannot lose (a whole-job restart,
 as before), since no group is left waiting to take its place. `speaker`: who speaks for the job now (0, or the
 process that took the chief's place: it says so), so that the launcher knows whose death that is, and whether a
-process that started with the job is left to take its place.
+process that started with the job is left to take its place. `chief_started`: a user's loop's chief says it at its
+first step; dead before, it held what the others start from, and its death restarts the whole job.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from shoal.comm import dist as comm
 
 KEY = "shoal/succession/chief_done"
 SPEAKER_KEY = "shoal/succession/speaker"
+STARTED_KEY = "shoal/succession/chief_started"
 CHECK_EVERY_S = 0.2  # how often a would-be successor asks the store (two reads per lower process)
 
 
@@ -31,6 +33,19 @@ def say_chief_done() -> None:
     store = comm.signed_job_store()
     if store is not None:
         store.set(KEY, "1")
+
+
+def say_chief_started() -> None:
+    """A user's loop's chief, at its first step: the others need nothing more of it (before, Downpour's servers wait for
+    its module's values, FIRST, and Distributed Hogwild's groups for its broadcast of them)."""
+    store = comm.signed_job_store()
+    if store is not None:
+        store.set(STARTED_KEY, "1")
+
+
+def chief_started(store) -> bool:
+    """Whether a user's loop's chief reached its first step (`store`: as `chief_done`'s)."""
+    return store.get(STARTED_KEY) == "1"
 
 
 def chief_done(store) -> bool:

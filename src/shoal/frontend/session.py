@@ -47,6 +47,7 @@ from shoal.report import succession
 from shoal.report.metrics import MetricsLog, MetricWindow, display_line
 from shoal.report.run_log import open_run_log
 from shoal.comm import dist as comm
+from shoal.comm.succession import say_chief_started
 from shoal.runtime import checkpoint_schedule, rejoined, session_exchange
 from shoal.runtime.endings import MeetingsOver
 from shoal.runtime.replicas import device_label, torch_device, usable_device_names
@@ -846,6 +847,8 @@ class Session:
             self._take_chiefs_state()
         if self._update_lock is not None:  # Hogwild: the values every group starts from are set; its masters serve from now
             self.exchange.begin(self.start_step)
+        if self.chief and self.distributed and self.plan.strategy.chief_succeeded_by_a_group(self.plan):
+            say_chief_started()  # (the others' first values came from it: dead before this, the whole job restarts)
         self._window_start = time.perf_counter()
         step, end = self.start_step, self.job.train_steps
         # past train_steps, a Distributed Hogwild group trains its share of the steps restarted groups skipped

@@ -25,9 +25,10 @@ def chief_replaceable(plan: JobPlan) -> bool:
     """Whether the chief's death drops it like any other process (the lowest living process decides the steps or
     meetings and takes over the run log, tests and checkpoints: shoal.comm.quorum's `replaceable`, report/succession.py):
     a group of replicas, or Local SGD / DiLoCo's groups of one process each, in a user's loop or a job file; Downpour's
-    and Distributed Hogwild's groups of one process each in a job file under cluster.max_restarts (no step to decide:
-    the lowest living worker process takes the chief's duties, shoal.comm.succession). Elsewhere the chief's death
-    restarts the whole job (launcher/job_restarts.py)."""
+    and Distributed Hogwild's groups of one process each under cluster.max_restarts, in a job file or a user's loop (no
+    step to decide: the lowest living worker process takes the chief's duties, shoal.comm.succession; a loop's chief
+    dead before its first step still restarts the whole job: rejoin.Restarter). Elsewhere the chief's death restarts
+    the whole job (launcher/job_restarts.py)."""
     if plan.in_one_process:
         return False
     meeting_groups = plan.strategy.meets and all(len(plan.ranks_of_group(g)) == 1 for g in range(plan.nworker_groups))

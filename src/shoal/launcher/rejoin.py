@@ -206,12 +206,15 @@ class Restarter:
 
     def _speaker_nobody_replaces(self, rank: int) -> bool:
         """Whether `rank`'s death is that of the process speaking for a Downpour or Distributed Hogwild job (the chief,
-        or the one that took its place) that nobody can replace: it said its last word to the groups already, or no
-        other worker process that started with the job is left (a restarted process never takes the chief's place)."""
+        or the one that took its place) that nobody can replace: it said its last word to the groups already, a user's
+        loop's chief had not reached its first step, or no other worker process that started with the job is left (a
+        restarted process never takes the chief's place)."""
         if rank != succession.speaker(self._store) or self.restarts.get(rank):
             return False
         if succession.chief_done(self._store):
             return True
+        if rank == 0 and self.plan.own_loop and not succession.chief_started(self._store):
+            return True  # (a loop's chief dead before its first step: the others' first values were to come from it)
         workers = [r for r in range(self.plan.nprocs) if self.plan.process(r).workers]
         return not [r for r in workers if r != rank and not self.restarts.get(r)]
 
