@@ -6,11 +6,13 @@ living worker process's exchange sees the chief gone (shoal.comm.succession) and
 run.evaluate's records and the checkpoints (as their writer); Downpour's mirror of the servers and their last request,
 Hogwild's finish. The dead chief's restarted process runs the script from the top and rejoins as an ordinary group.
 Driven as a user would: `shoal run script.py --max-restarts 1 --set cluster.…`, the chief SIGKILLed from its pid in
-its log once the chief displayed step 10 (tests/fault_runs.py), as tests/test_async_chief_death.py does a job file's.
+its log once the chief displayed step 10 (tests/fault_runs.py), as tests/test_async_chief_death.py does a job file's;
+a chief dead before its first step restarts the whole job; under `-m slow` a stopped chief and torchrun.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import textwrap
@@ -20,6 +22,7 @@ import pytest
 from fault_runs import assert_no_library_text, pids, runs, train_records  # noqa: F401 (runs: the fixture)
 from layouts import LAYOUTS, assert_ran
 from test_cli import leftover_processes
+from test_torchrun_rejoin import registered, start, torchruns, training_pids  # noqa: F401 (torchruns: a fixture)
 
 from shoal.neuralnet import checkpoint as ckpt_io
 
@@ -123,3 +126,53 @@ def test_a_loop_chief_dead_before_its_first_step_restarts_the_whole_job(tmp_path
     got = assert_ran(run.ws, DOWNPOUR)
     assert got["status"] == "finished" and "chief_succession" not in got and len(got["job_restarts"]) == 1, got
     assert (out / "killed").exists() and "took the chief's place" not in stdout
+
+
+@pytest.mark.slow  # (a torchrun run: about 20 s on the busy machine)
+@pytest.mark.parametrize("layout, nprocs", [(HOGWILD, 2), (DOWNPOUR, 3)])
+def test_a_killed_loop_chief_under_torchrun_is_replaced_and_torchrun_restarts_nothing(tmp_path, torchruns, layout, nprocs):
+    """`torchrun ... -m shoal run script.py --max-restarts 1`: rank 0's process SIGKILLed mid-loop; its supervisor
+    restarts it into the loop as an ordinary group, process 1 takes the chief's place; torchrun restarts nothing (one
+    registration), the record ends finished."""
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc, ws = start(torchruns, script, tmp_path, *LAYOUTS[layout].cli(), "--set", "train_steps=150", "--", str(out),
+                     nprocs=nprocs)
+    victim, survivor = training_pids(ws)
+    os.kill(victim, signal.SIGKILL)
+    assert proc.wait(timeout=180) == 0, proc.err.read_text()[-3000:]
+    stdout, stderr = proc.out.read_text(), proc.err.read_text()
+    assert "the lowest living one taking the chief's place; restarting it (restart 1 of 1)" in stderr, stderr
+    assert "Process 1 took the chief's place after step " in stdout, stdout
+    (record,) = registered(ws)
+    assert record.status == "finished", record
+    assert pids(ws, 1) == [survivor] and pids(ws, 0)[0] == victim and len(pids(ws, 0)) == 2
+    got = assert_ran(ws, layout)
+    assert got["status"] == "finished" and got["chief_succession"][0]["process"] == 1, got
+    assert_no_library_text(stdout, stderr)
+    assert leftover_processes(tmp_path) == []
+
+
+@pytest.mark.slow  # (a stall timeout to wait out: about 15 s on the busy machine)
+@pytest.mark.parametrize("layout", [HOGWILD, DOWNPOUR])
+def test_a_stopped_loop_chief_is_dropped_ended_and_replaced(tmp_path, runs, layout):
+    """Process 0 SIGSTOPped past the stall timeout: process 1 takes the chief's place, the launcher ends the stopped
+    process and restarts it as an ordinary group; process 1 keeps its pid; exit 0, summary.json finished."""
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    out = tmp_path / "out"
+    out.mkdir()
+    run = runs.start(script, tmp_path, *LAYOUTS[layout].cli(), "--max-restarts", "1", "--set", "cluster.stall_timeout_s=2",
+                     "--set", "train_steps=150", "--", str(out))
+    survivor = run.pid_once_training(1)
+    stopped = run.signal(0, signal.SIGSTOP)
+    stdout, stderr = run.finished()
+    assert re.search(r"^WARNING: worker group 0 dropped: process 0 \(.*\) stopped answering", stderr, re.M), stderr
+    assert re.search(r"^Process 1 took the chief's place after step \d+", stdout, re.M), stdout
+    assert pids(run.ws, 1) == [survivor] and pids(run.ws, 0)[0] == stopped and len(set(pids(run.ws, 0))) == 2
+    got = assert_ran(run.ws, layout)
+    assert got["status"] == "finished" and got["chief_succession"][0]["process"] == 1, got
+    assert_no_library_text(stdout, stderr)
+    assert leftover_processes(tmp_path) == []
