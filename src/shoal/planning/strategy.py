@@ -172,8 +172,9 @@ class Strategy:
 
     def chief_succeeded_by_a_group(self, plan: "JobPlan") -> bool:
         """Whether the chief's death drops its group like any other asynchronous group, the lowest living worker process
-        taking the chief's duties (Downpour and Distributed Hogwild job files with one process per group, under
-        cluster.max_restarts: shoal.comm.succession; launcher/ranks.py's `chief_replaceable`). Pure: the plan decides."""
+        taking the chief's duties (Downpour and Distributed Hogwild with one process per group, under cluster.max_restarts,
+        in a job file or a user's loop: shoal.comm.succession; launcher/ranks.py's `chief_replaceable`). Pure: the plan
+        decides."""
         return False
 
     def servers_heal(self, plan: "JobPlan") -> bool:
