@@ -499,16 +499,17 @@ class DownpourServer:
                 f"version {version} (digest {digest}) and {state_words}, "
                 f"{healed_at - self.started_at:.2f} s after its process started; updates applied after version {version} "
                 "by the dead server, and pushes in flight, are lost")
-        self.log(line)
-        if sys.__stdout__ is not None and sys.stdout is not sys.__stdout__:
-            print(line, file=sys.__stdout__, flush=True)  # the job's terminal (the launcher's)
-        # beside the groups' rejoins (summary.json's `rejoins`): "group" None, "server" its id; "step" the chief's
+        # beside the groups' rejoins (summary.json's `rejoins`; "group" None, "server" its id, "step" the chief's), written
+        # before the line: a job whose groups end as the heal is said stops this process soon after, record or not
         record = {"group": None, "server": self.server.id, "rank": self.rank, "pid": os.getpid(), "incarnation": self.restart, "step": step,
                   "version": version, "mirrored_state_version": mirrored_version, "healed_from_group": group,
                   "digest": digest, "time": healed_at, "process_start_to_heal_s": round(healed_at - self.started_at, 3)}
         if self.workspace is not None:
             with open_for_append(Path(self.workspace) / "logs" / rejoined.RECORDS_FILE) as f:  # through no link
                 f.write(json.dumps(record) + "\n")
+        self.log(line)
+        if sys.__stdout__ is not None and sys.stdout is not sys.__stdout__:
+            print(line, file=sys.__stdout__, flush=True)  # the job's terminal (the launcher's)
 
     def _refuse(self, group: int, channel, kind: int) -> None:
         """Answer a dropped group's request without applying anything: version -1 tells it to leave."""
