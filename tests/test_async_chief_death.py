@@ -190,6 +190,13 @@ def test_a_killed_async_chief_under_torchrun_is_replaced_and_torchrun_restarts_n
     restarts nothing (one registration), the record ends finished."""
     job = blobs_job(train_steps=300, layout=layout)
     proc, ws = start(torchruns, job, tmp_path, env={"SHOAL_SLOW_WORKER": "0:0+0.01"}, nprocs=nprocs)
+    killed_chief_is_replaced_under_torchrun(proc, ws, tmp_path, layout)
+
+
+def killed_chief_is_replaced_under_torchrun(proc, ws, tmp_path, layout) -> None:
+    """Rank 0's training process SIGKILLed under torchrun: its supervisor restarted it as an ordinary group, process 1
+    took the chief's place (pids, the lines, summary.json), torchrun restarted nothing (one registration, finished),
+    no library text, nothing left running."""
     victim, survivor = training_pids(ws)
     os.kill(victim, signal.SIGKILL)
     assert proc.wait(timeout=180) == 0, proc.err.read_text()[-3000:]

@@ -23,8 +23,9 @@ import pytest
 from fault_runs import (assert_no_library_text, pids, registered_pids, runs, train_records,  # noqa: F401 (runs)
                         wait_for)
 from layouts import LAYOUTS, assert_ran
+from test_async_chief_death import killed_chief_is_replaced_under_torchrun
 from test_cli import leftover_processes
-from test_torchrun_rejoin import registered, start, torchruns, training_pids  # noqa: F401 (torchruns: a fixture)
+from test_torchrun_rejoin import start, torchruns  # noqa: F401 (torchruns: a fixture)
 
 from shoal.neuralnet import checkpoint as ckpt_io
 
@@ -142,19 +143,7 @@ def test_a_killed_loop_chief_under_torchrun_is_replaced_and_torchrun_restarts_no
     out.mkdir()
     proc, ws = start(torchruns, script, tmp_path, *LAYOUTS[layout].cli(), "--set", "train_steps=150", "--", str(out),
                      nprocs=nprocs)
-    victim, survivor = training_pids(ws)
-    os.kill(victim, signal.SIGKILL)
-    assert proc.wait(timeout=180) == 0, proc.err.read_text()[-3000:]
-    stdout, stderr = proc.out.read_text(), proc.err.read_text()
-    assert "the lowest living one taking the chief's place; restarting it (restart 1 of 1)" in stderr, stderr
-    assert "Process 1 took the chief's place after step " in stdout, stdout
-    (record,) = registered(ws)
-    assert record.status == "finished", record
-    assert pids(ws, 1) == [survivor] and pids(ws, 0)[0] == victim and len(pids(ws, 0)) == 2
-    got = assert_ran(ws, layout)
-    assert got["status"] == "finished" and got["chief_succession"][0]["process"] == 1, got
-    assert_no_library_text(stdout, stderr)
-    assert leftover_processes(tmp_path) == []
+    killed_chief_is_replaced_under_torchrun(proc, ws, tmp_path, layout)
 
 
 @pytest.mark.slow  # (a stall timeout to wait out: about 15 s on the busy machine)
