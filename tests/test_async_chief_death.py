@@ -123,13 +123,19 @@ def test_a_stopped_async_chief_is_dropped_ended_and_replaced(blobs_job, tmp_path
     stopped process and restarts it as an ordinary group; process 1 keeps its pid; exit 0, summary.json finished."""
     job = blobs_job(train_steps=600, layout=layout)
     run = runs.start(job, tmp_path, "--max-restarts", "1", "--set", "cluster.stall_timeout_s=2", env=SLOW)
+    stopped_chief_is_replaced(run, tmp_path, layout)
+
+
+def stopped_chief_is_replaced(run, tmp_path, layout) -> None:
+    """Process 0 SIGSTOPped once process 1 trains: dropped past the stall timeout, process 1 took the chief's place and
+    kept its pid, process 0 came back under a new one; the layout ran and finished, no library text, nothing left."""
     survivor = run.pid_once_training(1)
     stopped = run.signal(0, signal.SIGSTOP)
     stdout, stderr = run.finished()
     assert re.search(r"^WARNING: worker group 0 dropped: process 0 \(.*\) stopped answering", stderr, re.M), stderr
     assert re.search(r"^Process 1 took the chief's place after step \d+", stdout, re.M), stdout
     assert pids(run.ws, 1) == [survivor] and pids(run.ws, 0)[0] == stopped and len(set(pids(run.ws, 0))) == 2
-    got = summary(run.ws)
+    got = assert_ran(run.ws, layout)
     assert got["status"] == "finished" and got["chief_succession"][0]["process"] == 1, got
     assert_no_library_text(stdout, stderr)
     assert leftover_processes(tmp_path) == []

@@ -23,7 +23,7 @@ import pytest
 from fault_runs import (assert_no_library_text, pids, registered_pids, runs, train_records,  # noqa: F401 (runs)
                         wait_for)
 from layouts import LAYOUTS, assert_ran
-from test_async_chief_death import killed_chief_is_replaced_under_torchrun
+from test_async_chief_death import killed_chief_is_replaced_under_torchrun, stopped_chief_is_replaced
 from test_cli import leftover_processes
 from test_torchrun_rejoin import start, torchruns  # noqa: F401 (torchruns: a fixture)
 
@@ -157,16 +157,7 @@ def test_a_stopped_loop_chief_is_dropped_ended_and_replaced(tmp_path, runs, layo
     out.mkdir()
     run = runs.start(script, tmp_path, *LAYOUTS[layout].cli(), "--max-restarts", "1", "--set", "cluster.stall_timeout_s=2",
                      "--set", "train_steps=150", "--", str(out))
-    survivor = run.pid_once_training(1)
-    stopped = run.signal(0, signal.SIGSTOP)
-    stdout, stderr = run.finished()
-    assert re.search(r"^WARNING: worker group 0 dropped: process 0 \(.*\) stopped answering", stderr, re.M), stderr
-    assert re.search(r"^Process 1 took the chief's place after step \d+", stdout, re.M), stdout
-    assert pids(run.ws, 1) == [survivor] and pids(run.ws, 0)[0] == stopped and len(set(pids(run.ws, 0))) == 2
-    got = assert_ran(run.ws, layout)
-    assert got["status"] == "finished" and got["chief_succession"][0]["process"] == 1, got
-    assert_no_library_text(stdout, stderr)
-    assert leftover_processes(tmp_path) == []
+    stopped_chief_is_replaced(run, tmp_path, layout)
 
 
 @pytest.mark.slow  # (about 15 s on the busy machine)
