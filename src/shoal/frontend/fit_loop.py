@@ -10,14 +10,14 @@
         clip_grad_norm_; opt.step(); opt.zero_grad(); sched.step()
         run.log(step, loss=..., accuracy=...)                      # fit's train record
         (the session checkpoints every checkpoint_freq steps, or every checkpoint_interval_s seconds at the steps its
-        chief picks; in-memory groups, running freely, at a step here no group has ended: _Interval)
+        chief picks)
     validate / test the trained model; run.checkpoint()            # fit's final phases and checkpoint
 
 The loop is the body `run.each_worker` runs once per worker of the process (several workers in one process: each in a
 thread, with a worker's view of these calls; one worker: the body runs on `run` itself), so one body runs every layout.
 Nothing here reaches past the session's public calls (run.each_worker, and each worker's model, optimizer, scheduler,
 batches, accumulating, evaluate, log, checkpoint) and attributes (job, device, chief, processes, local_workers, start_step,
-resumed, index, groups_in_memory, furthest_step); fit's History is read back from the run log. Which layouts fit runs here and which still on the job path
+resumed, index); fit's History is read back from the run log. Which layouts fit runs here and which still on the job path
 (module_path's layers): `fit.ON_SESSION`, `fit.on_session`.
 """
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
-import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,13 +150,11 @@ def run_fit(run, spec: FitLoop, log: Callable[[str], None] = print) -> None:
             done = sum(fires(phase.freq, phase.after, s) for s in range(min(run.start_step, run.job.train_steps)))
             n = len(phase.data) if hasattr(phase.data, "__len__") else 0
             phase.cursor = done * phase.steps * phase.batch % n if n else 0
-    # in-memory asynchronous groups run freely: an interval's checkpoint is set at a step no worker has ended yet
-    due = _Interval(spec.checkpoint_interval_s, run.furthest_step)
 
     def body(worker) -> None:
         model = worker.model(replicas[worker.index])
         model.train()  # fit trains in train mode (dropout on) whatever mode the module came in; evaluate uses eval mode
-        _train(run, worker, spec, model, due, log)
+        _train(run, worker, spec, model, log)
 
     try:
         run.each_worker(body)
@@ -166,32 +163,7 @@ def run_fit(run, spec: FitLoop, log: Callable[[str], None] = print) -> None:
             m.training = training
 
 
-class _Interval:
-    """checkpoint_interval_s on the loop's own clock for in-memory asynchronous groups, which run freely (one process;
-    every other layout's session picks its interval checkpoints itself): the checkpoint is a meeting of every worker,
-    which may be many steps apart, so once the time is up the first to ask sets it at the step after the furthest
-    (`furthest`: the furthest step a worker of the process is at), which none has ended yet."""
-
-    def __init__(self, seconds: float, furthest: Callable[[], int]):
-        self.seconds, self.last, self.furthest = seconds, time.monotonic(), furthest
-        self._lock = threading.Lock()
-        self._at: Optional[int] = None  # the step the next checkpoint is set at
-
-    def due(self, step: int) -> bool:
-        with self._lock:
-            if self._at is None and time.monotonic() - self.last >= self.seconds:
-                self._at = self.furthest() + 1
-            return step == self._at
-
-    def written(self, step: int) -> None:
-        """Every worker that checkpointed at `step` says so; the first starts the next interval (a worker may already
-        have set the next checkpoint's step, which a later word on this one must not clear)."""
-        with self._lock:
-            if self._at == step:
-                self.last, self._at = time.monotonic(), None
-
-
-def _train(run, worker, spec: FitLoop, model: torch.nn.Module, interval: _Interval, log: Callable[[str], None]) -> None:
+def _train(run, worker, spec: FitLoop, model: torch.nn.Module, log: Callable[[str], None]) -> None:
     """One worker's loop: `worker` is `run` itself (one worker in the process) or its view of one of the process's
     workers (run.each_worker); what is per process (the job, the resume, the chief) is read from `run`."""
     from shoal.neuralnet.torch_optimizer import made_scheduler
@@ -226,14 +198,7 @@ def _train(run, worker, spec: FitLoop, model: torch.nn.Module, interval: _Interv
         if sched is not None:
             sched.step()
         worker.log(step, **(values or window.averages()))
-        # (the session checkpoints at its interval itself, its chief picking the step for every process; in-memory
-        # groups run freely, their interval here: `_Interval`)
-        if (run.groups_in_memory and spec.checkpoint_interval_s and not run.job.checkpoint_freq and step + 1 < last
-                and interval.due(step)):
-            path = worker.checkpoint()
-            interval.written(step)
-            if first:
-                log(f"Checkpoint written to {path} (every {spec.checkpoint_interval_s:g} s: checkpoint_interval_s)")
+        # (checkpoint_freq's and checkpoint_interval_s's checkpoints: the session's, at its step boundary)
     if step + 1 < last or (resumed_at is not None and resumed_at >= last):
         return  # (resumed from the final checkpoint: nothing left to do, as fit's trainer)
     for phase, name in ((spec.val, "val"), (spec.test, "test")):

@@ -181,11 +181,12 @@ class Session:
         if self._mine is not None:
             self.window.load_state(self._mine.trainer.get("window", {}))
         # checkpoint_interval_s (without checkpoint_freq): the chief picks the steps and every process writes its part
-        # there, as a job file's trainers do (runtime/checkpoint_schedule.py); in-memory groups run freely, and fit's
-        # loop sets their interval checkpoints at a step none has ended (fit_loop._Interval)
+        # there, as a job file's trainers do (runtime/checkpoint_schedule.py); in-memory groups run freely, their
+        # checkpoint a meeting set at a step none has ended (session_worker.FreeRunningInterval, from the loop's start)
         self._interval = (None if self.groups_in_memory else
                           checkpoint_schedule.for_process(plan, rank, checkpoint_schedule.checkpoint_parts(plan),
                                                           comm.publish, comm.published, deciding=self.chief))
+        self._free_interval: Optional[session_worker.FreeRunningInterval] = None
         atexit.register(self.close)
         script.at_script_end(self._script_ended)  # (a rank's process exits without running atexit's functions)
 
@@ -467,8 +468,12 @@ class Session:
         return max((worker.step for worker in self._workers), default=self.step)
 
     def checkpoints_after(self, step: int) -> bool:
-        """Whether the step boundary after `step` writes a checkpoint (the job's checkpoint_freq)."""
-        return bool(self.job.checkpoint_freq) and fires(self.job.checkpoint_freq, self.job.checkpoint_after, step + 1)
+        """Whether the step boundary after `step` writes a checkpoint (the job's checkpoint_freq; in-memory groups, their
+        interval's step too: every worker asks, and meets there)."""
+        if self.job.checkpoint_freq:
+            return fires(self.job.checkpoint_freq, self.job.checkpoint_after, step + 1)
+        return (self._free_interval is not None and step + 1 < self.job.train_steps
+                and self._free_interval.due_after(step))
 
     def _checkpoint(self) -> Path:
         return self.checkpoint()
@@ -881,13 +886,15 @@ class Session:
             self._take_over(step)
         self._count_rows(step)
         if self.checkpoints_after(step):
-            self.checkpoint()
+            path = self.checkpoint()
+            if self._free_interval is not None:  # (no checkpoint_freq: the interval's step)
+                self._free_interval.written()
+                self._say_interval_checkpoint(path)
         elif (self._interval is not None and step + 1 < self.job.train_steps
               and self._interval.due(self.group, step + 1, self.chief)):
             path = self.checkpoint()
             self._interval.written(step + 1)
-            if self.chief:
-                self.say(f"Checkpoint written to {path} (every {self.plan.checkpoint_interval_s:g} s: checkpoint_interval_s)")
+            self._say_interval_checkpoint(path)
         if self._displays(step) and self._displayed != step:
             self._display(step)
 
@@ -897,12 +904,18 @@ class Session:
             self._rows_counted = step
             self.window_rows += self._share
 
+    def _say_interval_checkpoint(self, path: Path) -> None:
+        if self.chief:
+            self.say(f"Checkpoint written to {path} (every {self.plan.checkpoint_interval_s:g} s: checkpoint_interval_s)")
+
     def _restore_loop_state(self) -> None:
         """At the loop's start: the schedulers over this session's optimizers (made after run.optimizer), and on a
         resume their state, the optimizers' learning rates they set, and the random generators."""
         self._loop_started = True
         if self._interval is not None:  # the interval counts from the loop's first step, as a job file's trainer's
             self._interval.due(self.group, self.start_step, self.chief)
+        if self.groups_in_memory and self.plan.checkpoint_interval_s > 0:
+            self._free_interval = session_worker.FreeRunningInterval(self.plan.checkpoint_interval_s, self.furthest_step)
         for found in session_state.schedulers_of(self.optimizers):
             self.scheduler(found)
         if self._mine is not None:

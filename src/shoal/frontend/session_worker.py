@@ -193,6 +193,29 @@ class WorkerMean:
         return self.mean.mean_gradients(self.index, step, parts)
 
 
+class FreeRunningInterval:
+    """checkpoint_interval_s for in-memory asynchronous groups, which run freely: their checkpoint is a meeting of every
+    worker of the process, and the workers may be many steps apart, so once the time is up the first to ask sets it at
+    the step after the furthest any worker is at (`furthest`), which none has ended yet."""
+
+    def __init__(self, seconds: float, furthest: Callable[[], int]):
+        self.seconds, self.last, self.furthest = seconds, time.monotonic(), furthest
+        self._lock = threading.Lock()
+        self._at: Optional[int] = None  # the step after which the next checkpoint is written
+
+    def due_after(self, step: int) -> bool:
+        """Whether the checkpoint comes after `step` (asked by every worker at the end of each step, and by the meeting)."""
+        with self._lock:
+            if self._at is None and time.monotonic() - self.last >= self.seconds:
+                self._at = self.furthest() + 1
+            return step == self._at
+
+    def written(self) -> None:
+        """The meeting wrote it (every worker is there): the next interval counts from now."""
+        with self._lock:
+            self.last, self._at = time.monotonic(), None
+
+
 class SessionWorker:
     """One worker of this process in a user's loop: the session's loop calls for this worker's replica (on its device),
     its rows and its optimizers. `index`: its place in this process (0 holds what the process checkpoints);
