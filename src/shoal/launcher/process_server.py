@@ -81,7 +81,9 @@ def _start(preload: Sequence[str]) -> None:
     forkserver_context(preload)
 
 
-LAID_OUT = ("_lock", "_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")  # what _fork_server sets
+# the Pythons whose multiprocessing.forkserver keeps the fields _fork_server sets (_lock, _forkserver_address,
+# _forkserver_alive_fd, _forkserver_pid) and takes clients without authenticating them (3.14 authenticates)
+FORKSERVER_LAID_OUT = ((3, 10), (3, 13))
 
 
 def _fork_server(preload: Sequence[str]) -> bool:
@@ -105,11 +107,10 @@ def _fork_server(preload: Sequence[str]) -> bool:
 
     from shoal.config.plugins import RANK_ENVIRONMENT_DEFAULTS
 
-    server = getattr(forkserver, "_forkserver", None)
-    # multiprocessing's own server object, as CPython 3.10-3.13 lay it out; another layout (a Python that authenticates
-    # its forkserver's clients, say) starts the server as an interpreter instead
-    if not all(hasattr(server, name) for name in LAID_OUT) or hasattr(server, "_forkserver_authkey"):
+    first, last = FORKSERVER_LAID_OUT
+    if not first <= sys.version_info[:2] <= last:  # another layout: the server starts as an interpreter instead
         return False
+    server = forkserver._forkserver
     if "torch" in sys.modules or threading.active_count() != 1 or server._forkserver_pid is not None:
         return False
     # OpenMP reads its settings once, when torch loads it (below): the ranks' defaults, as the server's own
