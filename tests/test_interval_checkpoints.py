@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shoal
-from cli_in_process import run_cli
+from cli_in_process import one_line_error, run_cli
 from layouts import Layout, assert_ran, load, train
 from shoal.frontend.module_path import FitError
 from shoal.neuralnet import checkpoint as ckpt_io
@@ -331,3 +331,14 @@ def test_a_users_loop_over_processes_checkpoints_every_interval_at_the_chiefs_st
     assert proc.returncode == 0, proc.stderr
     again = ckpt_io.load(ckpt_io.checkpoint_file(resumed, 80), parts=True)
     assert all(torch.equal(uninterrupted.params[k], again.params[k]) for k in uninterrupted.params)
+
+
+def test_a_users_loop_refuses_a_negative_interval_in_one_line(tmp_path):
+    """`--set checkpoint_interval_s=-1` on a script's session, as a job file's: one line naming it, exit 2 (it once
+    passed through and silently turned the interval off)."""
+    script = tmp_path / "loop.py"
+    script.write_text("import shoal\nshoal.session(train_steps=3)\n")
+    proc = run_cli("run", script, "--workspace", tmp_path / "ws", "--set", "checkpoint_interval_s=-1", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert one_line_error(proc) == ("shoal.session: checkpoint_interval_s must be a number of seconds from 0 (0: off), "
+                                    "got -1"), proc.stderr

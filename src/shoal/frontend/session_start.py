@@ -68,8 +68,7 @@ def session_job(cluster: Optional[job_pb2.ClusterProto], train_steps: int, seed:
                                ("checkpoint_freq", checkpoint_freq, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise SessionError(f"shoal.session: {what} must be a whole number from {least}, got {value!r}")
-    if (isinstance(checkpoint_interval_s, bool) or not isinstance(checkpoint_interval_s, (int, float))
-            or not 0 <= checkpoint_interval_s < float("inf")):
+    if isinstance(checkpoint_interval_s, bool) or not isinstance(checkpoint_interval_s, (int, float)):
         raise SessionError(f"shoal.session: checkpoint_interval_s must be a number of seconds from 0 (0: off), got "
                            f"{checkpoint_interval_s!r}")
     if cluster is not None and not isinstance(cluster, job_pb2.ClusterProto):
@@ -88,6 +87,9 @@ def session_job(cluster: Optional[job_pb2.ClusterProto], train_steps: int, seed:
         raise SessionError(f"shoal.session: cluster.{field}: {message}")
     if job.train_steps < 1:
         raise SessionError(f"shoal.session: train_steps must be >= 1, got {job.train_steps}")
+    if not 0 <= job.checkpoint_interval_s < float("inf"):  # (the keyword's, or --set checkpoint_interval_s=)
+        raise SessionError(f"shoal.session: checkpoint_interval_s must be a number of seconds from 0 (0: off), got "
+                           f"{job.checkpoint_interval_s:g}")
     return job
 
 
