@@ -48,7 +48,7 @@ from shoal.report.metrics import MetricsLog, MetricWindow, display_line
 from shoal.report.run_log import open_run_log
 from shoal.comm import dist as comm
 from shoal.comm.succession import say_chief_started
-from shoal.runtime import checkpoint_schedule, rejoined, session_exchange
+from shoal.runtime import checkpoint_schedule, rejoined, session_exchange, session_slices
 from shoal.runtime.endings import MeetingsOver
 from shoal.runtime.replicas import device_label, torch_device, usable_device_names
 
@@ -118,6 +118,10 @@ class Session:
         self.own_residual = (self.distributed and plan.strategy.synchronous and not self.pushes
                              and not plan.compression.dense)
         self._store: Optional[ParamStore] = None
+        # server slices (AllReduce, cluster.nservers_per_group > 1, no restarts): each process updates its slices alone,
+        # with the user's optimizer built over them from its recipe (runtime/session_slices.py: ZeRO-1's shape)
+        self.sliced = session_slices.shards_optimizer_state(plan)
+        self._slices: list[session_slices.SlicedUpdate] = []
         self._saved_server_state: dict = {}  # Downpour, resumed: the servers' updater state, sent with the chief's FIRST
         # run.scheduler(s, steps="update") under Downpour: the chief's schedule by the servers' update count (its pushes'
         # hyper-parameters at every position the run can reach), which the servers set over each push's own
@@ -153,6 +157,8 @@ class Session:
         self._mine = (session_state.own_part(self.resumed, resume_from, self.group, self.rank, self.own_residual, self.apart,
                                              self.say) if self.resumed is not None else None)
         self.start_step = int(self._mine.trainer.get("next_step", self.resumed.step)) if self._mine is not None else 0
+        if self.resumed is not None:
+            self._check_slices_resumed(resume_from)
         self.step = self.start_step
         self.module: Optional[torch.nn.Module] = None
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -554,6 +560,8 @@ class Session:
         self.optimizers.append(optimizer)
         if self._mine is not None:
             optimizer.load_state_dict(session_state.saved_optimizer_state(self._mine, index))
+        if self.sliced:
+            self._update_slices(optimizer, index)
         optimizer.register_step_pre_hook(self._before_update)
         # one step boundary per step: the first optimizer's (Local SGD / DiLoCo meet after it, Hogwild syncs when due)
         optimizer.register_step_post_hook(self._after_update if index == 0 else self._after_other_update)
@@ -592,6 +600,54 @@ class Session:
             self.mean = session_exchange.GradientMean(named, session_exchange.StubGroupMean(named, self.exchange), self._share,
                                                       lambda: self.step)
         optimizer.register_step_pre_hook(self._push)
+
+    def _update_slices(self, optimizer: torch.optim.Optimizer, index: int) -> None:
+        """Server slices: this process updates its slices of the optimizer's params with an optimizer built from its
+        recipe, which alone holds their state; opt.step()'s pre-hook runs it and all-gathers the values, leaving `.grad`
+        None, so the user's optimizer updates nothing here (runtime/session_slices.py)."""
+        if self.module is None:
+            raise SessionError(f"run.optimizer: give the module to run.model(...) first ({self.plan.label}'s server slices "
+                               "cut its params over the processes)")
+        trained = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        try:
+            recipe = session_exchange.optimizer_recipe(optimizer, trained)
+            sliced = session_slices.SlicedUpdate(self.plan, self.rank, optimizer, index, trained, recipe,
+                                                 session_slices.saved_slices(self.resumed) if self.resumed is not None else None)
+        except session_exchange.RecipeError as err:
+            raise SessionError(str(err)) from None
+        self._slices.append(sliced)
+
+        def update(optimizer, args, kwargs) -> None:
+            started = time.perf_counter()
+            part = sliced.step(self.step, self.exchange.present)
+            others = self.plan.nprocs - 1  # (the replicated exchange's counts of an all-gather: each part to every other)
+            self.exchange.sent_bytes += part * others
+            self.exchange.job_bytes_sent += part * self.plan.nprocs * others
+            self.exchange_seconds += time.perf_counter() - started
+            session_worker.drop_grads(optimizer)
+
+        optimizer.register_step_pre_hook(update)
+
+    def _check_slices_resumed(self, path: Path) -> None:
+        """A checkpoint's optimizer state is sliced over the processes (server slices) or whole in the optimizers: a
+        loop of the other kind would lose it, so it is refused in one line."""
+        held = bool(session_slices.saved_slices(self.resumed))
+        whole = any(self._mine.updater_state.get(f"{session_state.OPTIMIZER_STATE}.{i}")
+                    for i in range(len(self._mine.trainer.get("optimizers", []))))
+        if self.sliced and whole:
+            raise SessionError(f"--resume: {path} holds the optimizers' state of whole params (written without server "
+                               f"slices), which this loop's server slices (cluster.nservers_per_group "
+                               f"{self.plan.nservers_per_group}) cannot take: resume it with the layout that wrote it")
+        if held and not self.sliced:
+            raise SessionError(f"--resume: {path} holds the optimizers' state in server slices (cluster.nservers_per_group > 1, "
+                               f"without restarts), which {self.plan.label} here does not run: resume it with server slices")
+
+    @property
+    def optimizer_state_elements(self) -> int:
+        """The elements of optimizer state this process holds: its optimizers' (under server slices, its slices' alone)."""
+        own = sum(v.numel() for o in self.optimizers for state in o.state.values() for v in state.values()
+                  if isinstance(v, torch.Tensor))
+        return own + sum(sliced.state_elements() for sliced in self._slices)
 
     def _compensated(self, recipe: dict) -> dict:
         """The servers' recipe: a SINGA updater's momentum compensated under asynchrony, said by the chief in the job
@@ -999,6 +1055,10 @@ class Session:
         # up; a resume refuses a checkpoint with a required part missing
         if not self.chief and self.apart:
             ckpt_io.save(ckpt_io.part_file(self.workspace, done, self.group, self.rank), self._state(done))
+        elif not self.chief and self.sliced:  # server slices: only its slices' optimizer state is this process's own
+            ckpt_io.save(ckpt_io.part_file(self.workspace, done, self.group, self.rank),
+                         ckpt_io.Checkpoint(step=done, params={}, trainer={"next_step": done, "session": True},
+                                            exchange=self._slices_state()))
         elif not self.chief and self.own_residual:  # the replicas are equal: only the residual is this process's own
             own = session_exchange.exchange_state(self.exchange) if self.exchange is not None else {}
             ckpt_io.save(ckpt_io.part_file(self.workspace, done, self.group, self.rank),
@@ -1011,6 +1071,10 @@ class Session:
                 present = self.exchange.present if self.exchange is not None else range(self.plan.nprocs)
                 ckpt.part_names = {ckpt_io.part_name(done, self.plan.process(r).workers[0].group, r): r in present
                                    for r in range(self.plan.nprocs) if r != self.rank}  # (the chief: 0, or its successor)
+            if self.sliced:  # every other process's slices, required: a resume needs every slice's state
+                ckpt.exchange |= self._slices_state()
+                ckpt.part_names = {ckpt_io.part_name(done, self.plan.process(r).workers[0].group, r): True
+                                   for r in range(self.plan.nprocs) if r != self.rank}
             if self.apart:  # every group's part but the writer's own (here); an asynchronous group's optional, as a job
                 # file's (a restarted one may end at another step, or die before writing it: a resume starts it from here)
                 absent = self.exchange.absent_groups if self.exchange is not None else frozenset()
@@ -1020,6 +1084,9 @@ class Session:
             ckpt.trainer["writer"] = self.rank  # whose state the file holds (a resume gives it to that process)
             ckpt_io.save(path, ckpt)
         return path
+
+    def _slices_state(self) -> dict[str, torch.Tensor]:
+        return {key: value for sliced in self._slices for key, value in sliced.state_tensors().items()}
 
     def _state(self, done: int) -> ckpt_io.Checkpoint:
         return session_state.checkpoint_state(done, self.module, self.optimizers, self.schedulers, self.device, self.window,
