@@ -173,8 +173,4 @@ def test_the_plan_describes_the_exchange_that_runs(blobs_job):
         "replicated over 3 processes (cluster.max_restarts 1): each process updates the whole params from one all-gather of "
         "each process's encoded gradients a step")
     assert [(f["kind"], f["count"], f["ranks"]) for f in estimate(compressed, TIMED).fixed_costs] == terms
-    separate = planned("max_restarts: 1 nservers_per_group: 1 server_worker_separate: true")  # Sandblaster: no quorum
-    assert not separate.strategy.goes_on_without_a_process(separate)
-    assert separate.strategy.notes(separate) == [  # what the launcher does (launcher/job_restarts.py), said truly
-        "cluster.max_restarts: with processes without workers, the sliced exchange runs; it cannot go on without a process: "
-        "a dead one restarts the whole job from its newest checkpoint"]
+    # (Sandblaster, servers in processes of their own: tests/test_sandblaster_faults.py)

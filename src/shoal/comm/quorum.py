@@ -294,12 +294,14 @@ class Quorum:
 
     def __init__(self, rank: int, ranks: Sequence[int], group_of: dict[int, int], door, first=None, incarnation: int = 0,
                  timeout_s: float = comm.DEFAULT_TIMEOUT_S, chief: int = 0, admits: bool = False,
-                 replaceable: bool = False):
+                 replaceable: bool = False, form_first: bool = False):
         """`ranks`: every member process of the plan; `group_of`: the worker group of each; `door`: the launcher's
         word on dead and restarted processes (shoal.comm.channels.Door); `first`: the plan's meeting group
         (shoal.comm.collectives.Group; None for a restarted process, which joins by knocking); `admits`: restarted
         processes may knock (the launcher restarts them: cluster.max_restarts); `replaceable`: the chief's death
-        makes the lowest living member the decider (see the module's text)."""
+        makes the lowest living member the decider (see the module's text); `form_first` (no `first`): the members
+        make epoch 0's gloo group over `ranks` themselves (a plan whose process groups hold none of them alone:
+        Sandblaster's worker processes beside its servers)."""
         self.rank, self.all_ranks, self.group_of, self.door = rank, tuple(ranks), dict(group_of), door
         self.incarnation, self.timeout_s, self.chief_rank, self.admits = incarnation, timeout_s, chief, admits
         self.replaceable = replaceable
@@ -308,6 +310,8 @@ class Quorum:
         self.members = tuple(Member(r) for r in self.all_ranks)
         self.epoch = 0
         self.group: Optional[MeetingGroup] = MeetingGroup(0, self.all_ranks, rank, planned=first) if first is not None else None
+        if first is None and form_first:
+            self.group = MeetingGroup.formed(0, self.all_ranks, rank, timeout_s)
         self._retired: list[MeetingGroup] = []  # groups given up on stay referenced: gloo's teardown would block on them
         self._next: Optional[Outcome] = None  # a commit that changes the quorum: the group is built in `welcome`
         self._admitted: dict[int, int] = {}  # the chief: rank -> the incarnation it admitted
@@ -322,9 +326,11 @@ class Quorum:
         return self.rank == self.decider
 
     # -- a meeting -----------------------------------------------------------------------------------
-    def meet(self, meeting: int, step: int, contribute: Callable[["Attempt"], T]) -> Met:
+    def meet(self, meeting: int, step: int, contribute: Callable[["Attempt"], T], admit: bool = True) -> Met:
         """Sum this member's contribution with the others' (`contribute(attempt)` runs the collectives over
-        `attempt`), again over the members that remain when an attempt fails, until the chief commits one."""
+        `attempt`), again over the members that remain when an attempt fails, until the chief commits one. `admit`
+        False: no restarted process is admitted at this meeting (a step's second meeting, whose joiners would miss
+        the state handed over after its first: Sandblaster's values)."""
         attempt = 0
         while True:
             result, ok = None, False
@@ -334,7 +340,7 @@ class Quorum:
                 except PeerLost:
                     self._set(f"m{meeting}/a{attempt}/broken", "1")
             if self.chief:
-                outcome = self._decide(meeting, attempt, step, ok)
+                outcome = self._decide(meeting, attempt, step, ok, admit)
             else:
                 self._set(f"m{meeting}/a{attempt}/r{self.rank}", "ok" if ok else "failed")
                 outcome = self._outcome(meeting, attempt, step, ok)
@@ -452,7 +458,7 @@ class Quorum:
             _unpack(flat, parts)
 
     # -- the chief's decisions -------------------------------------------------------------------------
-    def _decide(self, meeting: int, attempt: int, step: int, ok: bool) -> Outcome:
+    def _decide(self, meeting: int, attempt: int, step: int, ok: bool, admit: bool = True) -> Outcome:
         reports = {self.rank: ok}
         gone: set[int] = set()
         keys = {m.rank: f"m{meeting}/a{attempt}/r{m.rank}" for m in self.members if m.rank != self.rank}
@@ -475,7 +481,7 @@ class Quorum:
             _pause(waited)
         reported = tuple(m for m in self.members if m.rank in reports)
         if all(reports.values()):
-            joiners = self._knocks(meeting, step, reported) if self.admits else ()
+            joiners = self._knocks(meeting, step, reported) if self.admits and admit else ()
             members = tuple(sorted(reported + joiners, key=lambda m: m.rank))
             epoch = self.epoch + 1 if members != self.members else self.epoch
             outcome = Outcome(True, epoch, members, joiners, self.rank)

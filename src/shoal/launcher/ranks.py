@@ -32,7 +32,9 @@ def chief_replaceable(plan: JobPlan) -> bool:
     if plan.in_one_process:
         return False
     meeting_groups = plan.strategy.meets and all(len(plan.ranks_of_group(g)) == 1 for g in range(plan.nworker_groups))
-    return replicas_go_on(plan) or meeting_groups or plan.strategy.chief_succeeded_by_a_group(plan)
+    # (Sandblaster's replicas go on, but their chief is its servers' one stub and the keeper of their mirror)
+    replicas = replicas_go_on(plan) and not plan.strategy.servers_heal(plan)
+    return replicas or meeting_groups or plan.strategy.chief_succeeded_by_a_group(plan)
 
 
 def outlives_a_dead_process(plan: JobPlan) -> bool:

@@ -164,7 +164,7 @@ class Restarter:
         self.limit = plan.max_restarts if rejoins(plan) and restarts else 0  # cluster.max_restarts, --max-restarts
         self.restarts: dict[int, int] = {}
         self.started = time.time()  # rejoins.jsonl may hold an earlier run's rejoins (a resumed workspace)
-        self._door = self._store = None
+        self._door = self._store = self._server_door = None
         self._context = None
         if notes_store:
             self._note_store()
@@ -192,6 +192,9 @@ class Restarter:
         self._store = channels.job_store_client(self.meeting.store_host, self.meeting.store_port, self.secret,
                                                 attempt=self.meeting.attempt, timeout_s=self.plan.comm_timeout_s)
         self._door = channels.Door(door_of(self.plan), self._store, self.secret)
+        # a server's restarts are told at Downpour's door, where its stubs read them (Sandblaster's workers are replicas)
+        self._server_door = (self._door if door_of(self.plan) == DOWNPOUR_DOOR
+                             else channels.Door(DOWNPOUR_DOOR, self._store, self.secret))
 
     def chief_after_the_last_step(self, rank: int) -> bool:
         """Whether `rank` is the chief, never restarted, and its meetings are over: nobody takes its place after the
@@ -282,12 +285,12 @@ class Restarter:
         done = self.restarts.get(rank, 0)
         if self.limit <= 0 or done >= self.limit:
             if self._door is not None:
-                self._door.give_up_server(server, self._door.server_restart(server))
+                self._server_door.give_up_server(server, self._server_door.server_restart(server))
             return False
         detected_at = time.time()
         self.restarts[rank] = done + 1
         heartbeat.say_gone(self._store, rank)  # its stubs' watches wait for the new process, not for its silence
-        restart = self._door.next_server_restart(server)
+        restart = self._server_door.next_server_restart(server)
         mirror = ("the mirror of the process that takes the dead chief's place (none, where it has none yet)"
                   if self._chief_died(context) else "worker group 0's mirror of its state")
         warn(f"WARNING: {describe_process(self.plan, rank)} {how or _ended(code)}; restarting it (restart {done + 1} of "

@@ -18,6 +18,16 @@ def replicated(plan) -> bool:
             and not plan.tensor_parallel and all(p.workers for p in plan.placement.processes))
 
 
+def served_replicas(plan) -> bool:
+    """Whether this Sandblaster plan (servers in processes of their own) runs its worker processes as replicas that go on
+    without a dead one and its servers as Downpour's, which heal from the chief's mirror (runtime/exchanges/sandblaster.py;
+    pure: the plan alone decides): a job file's, restarts allowed (cluster.max_restarts > 0), over processes, each worker
+    process computing whole replicas (not partitioned) and no process hosting both workers and servers. Without restarts
+    a job file keeps SINGA's sliced exchange; a user's loop runs Downpour's stub and servers (strategies/sandblaster.py)."""
+    return (plan.max_restarts > 0 and not plan.own_loop and not plan.in_one_process and not plan.partitioned
+            and not plan.tensor_parallel and all(bool(p.workers) != bool(p.servers) for p in plan.placement.processes))
+
+
 # A partitioned group's mirror (issue 38, point 1): the cost model lets it add at most this share to the bytes a step
 # moves (each trained element's gradient to its owner and its value back: 2 x the params' bytes)
 MIRROR_SHARE = 0.25

@@ -6,13 +6,27 @@ request/response with its one group (runtime/exchanges/downpour*.py). Every step
 gradients at its stub (process 0), the stub pushes the sum to every server with the optimizer's hyper-parameters,
 each server updates its slices and answers with their values, and the stub hands them to the group: synchronous, so
 N workers train as one worker on the same rows. The servers keep no mirror: a dead process restarts the whole job
-from its newest checkpoint (launcher/job_restarts.py)."""
+from its newest checkpoint (launcher/job_restarts.py).
+
+A job file under cluster.max_restarts (`served_replicas`) runs the same servers, which heal from the chief's mirror when
+one dies, and its worker processes as replicas that go on without a dead one and take a restarted one back at the next
+step (runtime/exchanges/sandblaster.py); the chief's death still restarts the whole job."""
 from __future__ import annotations
 
+from shoal.comm import channels
+from shoal.comm.quorum import Quorum
+from shoal.neuralnet.updaters import make_updater
+from shoal.planning.exchange_choice import served_replicas
+from shoal.planning.placement import ServerId
 from shoal.planning.process_groups import worker_groups
 from shoal.planning.strategy import Framework
-from shoal.strategies.allreduce import AllReduce
-from shoal.strategies.downpour import Downpour
+from shoal.runtime import rejoined
+from shoal.runtime.exchanges.compression import codec_factory
+from shoal.runtime.exchanges.downpour_stub import DownpourExchange
+from shoal.runtime.exchanges.replicated import DOOR
+from shoal.runtime.exchanges.sandblaster import SandblasterExchange
+from shoal.strategies.allreduce import AllReduce, _annotator
+from shoal.strategies.downpour import Downpour, resumed_version
 
 
 class Sandblaster(AllReduce):
@@ -20,6 +34,13 @@ class Sandblaster(AllReduce):
     separate_servers = True
 
     def notes(self, plan) -> list[str]:
+        if served_replicas(plan):
+            workers = [p.rank for p in plan.placement.processes if p.workers]
+            return [f"cluster.max_restarts {plan.max_restarts}: the {len(workers)} worker process(es) meet twice a step (the "
+                    f"mean gradient, then the servers' values); a dead or stalled worker process other than "
+                    f"{workers[0]} is left out (the mean over the rows that came) and, restarted, rejoins at the next "
+                    f"step; a dead server process is restarted and heals from process {workers[0]}'s mirror of its "
+                    "state; process 0's death restarts the whole job from its newest checkpoint"]
         if not plan.own_loop:
             return super().notes(plan)
         restarts = (f"; cluster.max_restarts {plan.max_restarts}: a dead process restarts the whole job from its newest "
@@ -36,18 +57,64 @@ class Sandblaster(AllReduce):
         # they sum at the stub and take its values (a job file's: the sliced exchange's owners' groups)
         return super().process_groups(placement, devices, nnodes, partition) or worker_groups(placement)
 
+    def goes_on_without_a_process(self, plan) -> bool:
+        return served_replicas(plan)
+
+    def servers_heal(self, plan) -> bool:
+        return served_replicas(plan)
+
     def attach_exchanges(self, run) -> None:
-        if not run.plan.own_loop:
+        plan = run.plan
+        if served_replicas(plan):
+            self._attach_served(run)
+            return
+        if not plan.own_loop:
             super().attach_exchanges(run)
             return
         # Downpour's servers and stub over the plan of one group, with this strategy's answers: servers_heal is False
         Downpour.attach_exchanges(self, run)
 
+    def _attach_served(self, run) -> None:
+        """cluster.max_restarts in a job file: a server process serves as Downpour's; a worker process meets the others
+        through the quorum of the worker processes, and the chief's also pushes to the servers (see the module's text)."""
+        plan, rank, trainer = run.plan, run.rank, run.trainers[0]
+        if plan.process(rank).servers:
+            Downpour.attach_exchanges(self, run)  # (its servers heal: servers_heal)
+            return
+        workers = [p.rank for p in plan.placement.processes if p.workers]
+        quorum = Quorum(rank, workers, {r: r for r in workers}, channels.Door(DOOR), timeout_s=plan.comm_timeout_s,
+                        admits=True, form_first=not run.rejoining)  # (a restarted process knocks instead)
+        stub = None
+        if rank == workers[0] and not run.rejoining:
+            servers = {ServerId(0, i): plan.placement.process_of(ServerId(0, i)) for i in range(plan.nservers_per_group)}
+            codecs = codec_factory(plan.compression.kind, plan.compression.topk_fraction)  # (the pushes, as Downpour's)
+            stub = DownpourExchange(trainer.store, make_updater(plan.updater), plan.placement, rank, 0, [rank], None, servers,
+                                    plan.global_batch, timeout_s=plan.comm_timeout_s, codecs=codecs, servers_heal=True)
+        log = lambda line: trainer.log(line)  # noqa: E731 (the trainer's log once it runs: above a progress bar)
+        trainer.attach_exchange(SandblasterExchange(trainer.store, make_updater(plan.updater), quorum, rank,
+                                                    plan.global_batch, stub, log=log, annotate=_annotator(trainer)))
+
+    def restore_server(self, run, resumed) -> None:
+        if served_replicas(run.plan):  # (the version a resumed Downpour server starts at: the step, one group)
+            Downpour.restore_server(self, run, resumed)
+
     def after_values(self, run, spec) -> None:
+        if served_replicas(run.plan):
+            exchange = run.chief.exchange
+            if spec.rejoin is not None:  # from the chief's values and the servers', at the next step
+                rejoined.complete(run, spec)
+            elif exchange.stub is not None and spec.resume_from is not None:  # (the servers restored themselves)
+                exchange.stub.resume_at(run.chief.start_step, resumed_version(run.chief.start_step, run.plan))
+            elif exchange.stub is not None:  # the servers start from the chief's values (job.checkpoint_path's too)
+                exchange.stub.start_loop(run.chief.start_step)
+            return
         if not run.plan.own_loop:
             super().after_values(run, spec)
             return
         Downpour.after_values(self, run, spec)  # (resumed: the servers' version is the step, one group)
+
+    def complete_rejoin(self, run, incarnation: int) -> tuple[int, int, dict]:
+        return run.chief.exchange.rejoin(incarnation)
 
 
 STRATEGY = Sandblaster()

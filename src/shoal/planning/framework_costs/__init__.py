@@ -15,13 +15,14 @@ from shoal.planning.framework_costs.distributed_hogwild import DistributedHogwil
 from shoal.planning.framework_costs.downpour import DownpourCosts
 from shoal.planning.framework_costs.in_memory import InMemoryDownpourCosts, InMemoryHogwildCosts
 from shoal.planning.framework_costs.local_sgd import LocalSGDCosts
+from shoal.planning.framework_costs.sandblaster import SandblasterCosts
 from shoal.planning.strategy import Framework
 
 _ALLREDUCE = AllReduceCosts()
 COSTS = MappingProxyType({
     Framework.SINGLE_WORKER: FrameworkCosts(),
     Framework.ALLREDUCE: _ALLREDUCE,
-    Framework.SANDBLASTER: _ALLREDUCE,  # AllReduce's exchange, servers in processes of their own
+    Framework.SANDBLASTER: SandblasterCosts(),  # AllReduce's, but where restarts are allowed (its own exchange then)
     Framework.IN_MEMORY_HOGWILD: InMemoryHogwildCosts(),
     Framework.IN_MEMORY_DOWNPOUR: InMemoryDownpourCosts(),
     Framework.DOWNPOUR: DownpourCosts(),

@@ -99,6 +99,11 @@ class ReplicatedExchange:
         self.codec: Optional[Codec] = codecs() if codecs is not None else None  # this process's encoder, its residual
 
     # -- a step --------------------------------------------------------------------------------------
+    def meeting_of(self, step: int) -> int:
+        """The quorum's meeting of step `step`'s mean: one a step (Sandblaster's exchange holds two, its servers'
+        values the second: runtime/exchanges/sandblaster.py)."""
+        return step
+
     def begin(self, step: int) -> None:
         """Nothing to prepare: the workers' gradients are summed after they all finished."""
 
@@ -132,7 +137,7 @@ class ReplicatedExchange:
             return self._compressed_mean(step, contribution()[:-1 - len(self.names)], flags, rows)
         first = contribution()
         try:
-            met = self.quorum.meet(step, step, lambda attempt: attempt.all_reduce_sum(
+            met = self.quorum.meet(self.meeting_of(step), step, lambda attempt: attempt.all_reduce_sum(
                 first if attempt.attempt == 0 else contribution(), in_place=True))
         except quorums.LeftOut as err:  # it came too late (it was stalled): the others went on without it
             raise GroupDropped(str(err)) from None
@@ -159,7 +164,7 @@ class ReplicatedExchange:
         tail = torch.tensor(flags + [float(rows)], device=flat.device)
         packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in [tail] + sent])
         try:
-            met = self.quorum.meet(step, step, lambda attempt: attempt.all_gather(packed))
+            met = self.quorum.meet(self.meeting_of(step), step, lambda attempt: attempt.all_gather(packed))
         except quorums.LeftOut as err:  # the others went on without it: its residual is still owed
             raise GroupDropped(str(err)) from None
         self.codec.residual = residual  # committed with this encoding in it (a member not in `came` was left out above)

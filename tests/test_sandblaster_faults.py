@@ -1,0 +1,143 @@
+"""Sandblaster's worker and server processes survive a fault without a whole-job restart (issue 38, point 1).
+
+Under `shoal run JOB --max-restarts N` a job file's Sandblaster (servers in processes of their own) runs its worker
+processes as replicas that meet through the job's quorum and its servers as Downpour's (runtime/exchanges/sandblaster.py):
+a killed worker process is left out of the next step (the servers apply the mean over the rows that came), the others
+keep their pids, and the launcher restarts it into the running job, where it takes the servers' values at a step
+boundary; a killed server process is restarted and heals from the chief's mirror. Real runs through the CLI on the
+blobs data, real SIGKILLs, as tests/test_allreduce_faults.py and tests/test_server_restart.py.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import torch
+
+from cli_in_process import run_cli
+from fault_runs import SLOW, assert_no_library_text, pids, registered_pids, runs, summary, train_records, wait_for  # noqa: F401
+from layouts import Layout, assert_ran
+from test_cli import leftover_processes
+from test_local_sgd_faults import params
+
+CLUSTER = dict(nworkers_per_group=3, server_worker_separate=True)  # the job file's; `--max-restarts 1` on the command line
+SERVED = Layout(dict(CLUSTER, max_restarts=1), 4, 3, "Sandblaster")
+SERVER = "process 3 (server(group=0, id=0))"
+
+
+def cli_run(job, workspace, *extra):
+    proc = run_cli("run", job, "--workspace", workspace, "--no-progress", *extra, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_a_killed_worker_process_is_left_out_restarted_and_takes_the_servers_values(blobs_job, tmp_path, runs):
+    """Process 2 of the 3 worker processes is SIGKILLed mid-run: the next step's update is the mean over processes 0
+    and 1's rows (the chief says so), the launcher restarts process 2, it is admitted at a later step and trains on the
+    servers' values from the step after; processes 0, 1 and the server keep their pids; the job exits 0, accurate."""
+    steps = 200
+    job = blobs_job(train_steps=steps, cluster_extra=CLUSTER)
+    run = runs.start(job, tmp_path, "--max-restarts", "1", env=SLOW)
+    survivors = {rank: run.pid_once_training(rank) for rank in (0, 1)}
+    server = registered_pids(run.ws)[3]
+    victim = run.signal(2, signal.SIGKILL)
+    stdout, stderr = run.finished()
+    assert ("WARNING: process 2 (worker(group=0, id=2)) died (SIGKILL); the other processes go on without it; restarting it "
+            "(restart 1 of 1); it rejoins at the next step, from process 0's state") in stderr.splitlines(), stderr
+    assert "restarting the whole job" not in stderr, stderr
+    (went_on,) = [line for line in stdout.splitlines() if line.startswith("Step ")]
+    left = int(re.match(r"Step (\d+) went on without process 2 \(died or stopped answering\): the mean over the gradients of "
+                        r"processes 0, 1, weighted by their rows$", went_on)[1])
+    (line,) = [line for line in stdout.splitlines() if line.startswith("Process 2 rejoined at step ")]
+    back = int(re.match(r"Process 2 rejoined at step (\d+) \(restart 1\): the servers' values after step (\d+), through "
+                        r"process 0, ", line)[1])
+    assert f"the servers' values after step {back - 1}," in line and 10 <= left < back < steps, (left, back, line)
+    assert {rank: pids(run.ws, rank) for rank in (0, 1)} == {rank: [pid] for rank, pid in survivors.items()}
+    assert registered_pids(run.ws)[3] == server  # the server never restarted
+    first, second = pids(run.ws, 2)
+    assert first == victim and second != victim
+    got = assert_ran(run.ws, SERVED)
+    assert "job_restarts" not in got  # nothing was resumed from a checkpoint
+    (record,) = got["rejoins"]
+    assert (record["group"], record["rank"], record["incarnation"], record["step"]) == (0, 2, 1, back)
+    assert record["digests"]["received"] != record["digests"]["before"]
+    away = f"missing from step {left}" if back == left + 1 else f"missing from steps {left} to {back - 1}"
+    assert got["missed_steps"] == {"2": {"missed": back - left, "of": steps, "why": f"{away}, back at step {back}"}}
+    records = train_records(run.ws)
+    assert records[0]["processes"] == 3 and records[-1]["processes"] == 3
+    assert got["final_test"]["accuracy"] >= 0.9, got["final_test"]  # (as unfaulted on this data)
+    assert_no_library_text(stdout, stderr, (run.ws / "logs" / "rank0.log").read_text())
+    assert leftover_processes(tmp_path) == []
+
+
+def test_a_killed_server_process_is_restarted_and_heals_from_the_chiefs_mirror(blobs_job, tmp_path, runs):
+    """The server process is SIGKILLed mid-run (momentum: an updater state to mirror): the launcher restarts it into
+    the running job, it heals from the chief's mirror, and the worker processes keep their pids; no whole-job restart."""
+    steps = 150
+    job = blobs_job(train_steps=steps, cluster_extra=CLUSTER)
+    run = runs.start(job, tmp_path, "--max-restarts", "1", "--set", "updater.momentum=0.9", env=SLOW)
+    workers = {rank: run.pid_once_training(rank) for rank in (0, 1, 2)}
+    server = registered_pids(run.ws)[3]
+    os.kill(server, signal.SIGKILL)
+    stdout, stderr = run.finished()
+    deaths = re.findall(rf"^WARNING: {re.escape(SERVER)} died \(SIGKILL\); restarting it \(restart 1 of 1\); it heals from "
+                        r"worker group 0's mirror of its state, the other processes wait for it$", stderr, re.M)
+    assert len(deaths) == 1 and "restarting the whole job" not in stderr, stderr
+    heals = re.findall(r"^server\(group=0, id=0\) \(process restart 1\) healed from worker group 0's mirror: its values of "
+                       r"version (\d+) \(digest [0-9a-f]{16}\) and the updater state of version \d+, ", stdout, re.M)
+    assert len(heals) == 1, stdout
+    assert {rank: pids(run.ws, rank) for rank in (0, 1, 2)} == {rank: [pid] for rank, pid in workers.items()}
+    got = assert_ran(run.ws, SERVED)
+    assert got["status"] == "finished" and got["steps"] == steps and "job_restarts" not in got
+    (record,) = got["rejoins"]
+    assert (record["server"], record["rank"], record["incarnation"]) == (0, 3, 1) and record["pid"] != server, record
+    assert record["version"] == int(heals[0]) > 0
+    assert "missed_steps" not in got  # every worker process came to every step
+    assert got["final_test"]["accuracy"] >= 0.9, got["final_test"]
+    assert_no_library_text(stdout, stderr)
+    assert leftover_processes(tmp_path) == []
+
+
+def test_unfaulted_it_trains_as_sandblasters_sliced_exchange_does(blobs_job, tmp_path):
+    """Unfaulted, the restartable layout is the same synchronous Sandblaster: the sliced exchange's params (no
+    --max-restarts) within float tolerance."""
+    steps = 8
+    job = blobs_job(train_steps=steps)
+    cli_run(job, tmp_path / "sliced", *SERVED.cli(max_restarts=0))
+    cli_run(job, tmp_path / "served", *SERVED.cli())
+    assert_ran(tmp_path / "served", SERVED)
+    a, b = params(tmp_path / "sliced", steps), params(tmp_path / "served", steps)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_the_plan_says_what_runs_and_what_a_death_costs():
+    """`shoal plan` and the cost model under cluster.max_restarts: the worker processes' two all-reduces and the chief's
+    push and pull with each server; without restarts the sliced exchange's buckets, which cannot go on without a process."""
+    from shoal.config import job_from_text
+    from shoal.launcher import ranks, rejoin
+    from shoal.planning.estimate import estimate
+    from shoal.planning.plan import plan_job
+    from test_estimate import SMALL
+    from test_fixed_costs import TIMED
+
+    def planned(extra: str):
+        return plan_job(job_from_text(SMALL.format(cluster=f"nworkers_per_group: 3 server_worker_separate: true {extra}")),
+                        cores=2)
+
+    served, sliced = planned("nservers_per_group: 2 max_restarts: 1"), planned("nservers_per_group: 2")
+    assert served.strategy.goes_on_without_a_process(served) and served.strategy.servers_heal(served)
+    assert not sliced.strategy.goes_on_without_a_process(sliced) and not sliced.strategy.servers_heal(sliced)
+    assert served.strategy.notes(served) == [
+        "cluster.max_restarts 1: the 3 worker process(es) meet twice a step (the mean gradient, then the servers' values); a "
+        "dead or stalled worker process other than 0 is left out (the mean over the rows that came) and, restarted, rejoins "
+        "at the next step; a dead server process is restarted and heals from process 0's mirror of its state; process 0's "
+        "death restarts the whole job from its newest checkpoint"]
+    # the launcher: worker processes 1 and 2 and the servers (3, 4) come back into the job; the chief does not
+    assert [ranks.expendable(served, r) for r in range(5)] == [False, True, True, False, False]
+    assert [ranks.heals(served, r) for r in range(5)] == [False, False, False, True, True]
+    assert not ranks.chief_replaceable(served) and rejoin.why_not(served, 0).startswith("process 0 (")
+    terms = [(f["kind"], f["count"], f["ranks"]) for f in estimate(served, TIMED).fixed_costs]
+    assert terms == [("collective", 2, 3), ("message", 4, 2), ("message", 5, 2), ("message", 5, 2)], terms
+    assert all(f["kind"] == "collective" and "bucket" in f["what"] for f in estimate(sliced, TIMED).fixed_costs)
