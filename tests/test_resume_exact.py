@@ -40,6 +40,9 @@ CASES: dict[str, Layout] = {
     "DiLoCo, 2 processes, top-k": Layout({**LOCAL_SGD_PROCESSES, **DILOCO, **TOPK}, 2, 2, "DiLoCo"),
     "DiLoCo, 2 processes, bf16": Layout({**LOCAL_SGD_PROCESSES, **DILOCO, "compression": "kBF16"}, 2, 2, "DiLoCo"),
     "AllReduce, 2 processes, top-k": Layout({**LAYOUTS["AllReduce, 2 processes"].cluster, **TOPK}, 2, 2, "AllReduce"),
+    # restarts allowed: the worker processes' quorum and Downpour's servers (runtime/exchanges/sandblaster.py)
+    "Sandblaster, 2 workers + 2 servers, max_restarts 1": Layout(
+        {**LAYOUTS["Sandblaster, 2 workers + 2 servers, 4 processes"].cluster, "max_restarts": 1}, 4, 2, "Sandblaster"),
     "Distributed Hogwild, 2 groups, top-k": Layout({**LAYOUTS["Distributed Hogwild, 2 groups"].cluster, **TOPK}, 2, 2,
                                                    "Distributed Hogwild"),
 }

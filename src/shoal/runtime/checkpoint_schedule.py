@@ -170,11 +170,12 @@ def checkpoint_parts(plan: "JobPlan", writer: tuple[int, int] = (0, 0)) -> dict[
     place), each writing its own part of every checkpoint, and whether a checkpoint without it is incomplete: it is
     where the groups are synchronous or meet (Local SGD); an asynchronous group may have died before writing its part,
     and then starts from the chief's values on resume. Downpour's server processes run no trainer: the chief asks the
-    servers for their state."""
+    servers for their state, as Sandblaster's chief asks its servers under cluster.max_restarts (they are Downpour's then:
+    `servers_heal`)."""
     parts = {}
     for rank in range(plan.nprocs):
         hosted = plan.process(rank)
-        if hosted.servers and not hosted.workers and not plan.strategy.servers_hold_trainers:
+        if hosted.servers and not hosted.workers and not (plan.strategy.servers_hold_trainers and not plan.strategy.servers_heal(plan)):
             continue
         for group in sorted({w.group for w in hosted.workers}) or [0]:
             if (group, rank) != writer:  # (a group of replicas that goes on without a process: each part optional)

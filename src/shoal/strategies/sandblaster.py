@@ -104,7 +104,7 @@ class Sandblaster(AllReduce):
             if spec.rejoin is not None:  # from the chief's values and the servers', at the next step
                 rejoined.complete(run, spec)
             elif exchange.stub is not None and spec.resume_from is not None:  # (the servers restored themselves)
-                exchange.stub.resume_at(run.chief.start_step, resumed_version(run.chief.start_step, run.plan))
+                exchange.resume_at(run.chief.start_step, resumed_version(run.chief.start_step, run.plan))
             elif exchange.stub is not None:  # the servers start from the chief's values (job.checkpoint_path's too)
                 exchange.stub.start_loop(run.chief.start_step)
             return

@@ -52,6 +52,7 @@ class SandblasterExchange(ReplicatedExchange):
         self.server.state = {}  # the servers hold the updater's state: the replica's own would be memory nobody reads
         self.stub = stub
         self.trained = store.trainable_names()
+        self._servers_counted = 0  # the servers' count of bytes, added to job_bytes_sent at the finish
 
     def meeting_of(self, step: int) -> int:
         return 2 * step  # (the values' meeting is 2 · step + 1)
@@ -119,16 +120,31 @@ class SandblasterExchange(ReplicatedExchange):
         """The servers load their slices themselves (DownpourServer.restore)."""
 
     def own_state(self) -> dict[str, torch.Tensor]:
-        return self.stub.own_state() if self.stub is not None else {}
+        """The chief's: the stub's (the servers' count of bytes, the pushes' residuals) and the worker processes' meetings'
+        bytes (a resumed run counts both on)."""
+        if self.stub is None:
+            return {}
+        meetings = torch.tensor(self.job_bytes_sent - self._servers_counted, device="cpu")
+        return {**self.stub.own_state(), "count/meetings_bytes_sent": meetings}
 
     def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
         if self.stub is not None:
             self.stub.load_own_state(tensors)
+            self.job_bytes_sent = int(tensors.get("count/meetings_bytes_sent", 0))
+
+    def resume_at(self, step: int, version: int) -> None:
+        """The chief, resumed at `step` (the servers restored themselves at `version`). The mirror's schedule stays the
+        uninterrupted run's (every K steps from step 0), so a resumed run moves the bytes it would have: a server that dies
+        in the first K - 1 steps after a resume heals from the chief's values and the updater's first state (its heal's
+        line says "no mirror yet")."""
+        self.stub.resume_at(step, version)
+        self.stub.first_step = 0
 
     def finish(self) -> None:
         """The chief's last request to the servers (their final values and state), then the steps are over."""
         if self.stub is not None:
             self.stub.finish()
             if self.stub.job_bytes_sent is not None:
-                self.job_bytes_sent += self.stub.job_bytes_sent
+                self._servers_counted = self.stub.job_bytes_sent
+                self.job_bytes_sent += self._servers_counted
         super().finish()
