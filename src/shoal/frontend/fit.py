@@ -354,10 +354,14 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
     from shoal.config.validate import validate
     from shoal.launcher.run_job import plan_of
     from shoal.neuralnet.shapes import check_shapes
+    from shoal.planning.plan import sliced_for
 
     planning = script.settings() is not None and script.settings().plan is not None  # `shoal plan script.py`: fit's job
     plan = None if planning else fit_loop.session_plan(job)
     if plan is not None and on_session(plan):  # fit's loop written with the session's calls: the module trains in place
+        if spec.optimizer is not None and fit_layout(plan) == "AllReduce over processes with server slices":
+            _check_optimizer_layout(sliced_for(plan, {n: p.numel() for n, p in spec.model.named_parameters()
+                                                      if n in spec.trained_names}), spec)  # (its processes' slices)
         _check_scheduler(spec)
         if spec.outer_optimizer is not None:
             _check_outer_layout(plan)
@@ -409,8 +413,10 @@ def job_rank_in_its_log(plan, rank: int, run_spec):
 # update count, set by the servers, session_exchange.UpdateSchedule), and its chief writes summary.json's
 # staleness_histogram as the job path's does (tests/test_fit_frictions.py, tests/test_fit_every_feature.py).
 # Sandblaster over processes: the session's Sandblaster (the group's mean pushed to server processes running fit's
-# optimizer), one worker's records and values to float rounding.
+# optimizer), one worker's records and values to float rounding. AllReduce over processes with server slices: each
+# process's slices' optimizer state alone, as the job path's owners hold it (runtime/session_slices.py).
 ON_SESSION: frozenset = frozenset({"one worker", "one synchronous group in one process", "AllReduce over processes",
+                                   "AllReduce over processes with server slices",
                                    "Local SGD / DiLoCo over processes", "Distributed Hogwild over processes",
                                    "Downpour over processes", "Sandblaster over processes",
                                    "in-memory Hogwild / Downpour"})
@@ -422,12 +428,13 @@ def fit_layout(plan) -> str:
     "in-memory Hogwild / Downpour" (asynchronous groups as threads of one process), the layouts over processes of
     one worker each (and Downpour's server processes), else the plan's label."""
     from shoal.frontend.session_start import pushes_to_servers
+    from shoal.runtime.session_slices import shards_optimizer_state
 
     if plan.in_one_process and plan.nworkers == 1 and not plan.job.device:
         return "one worker"
     if (plan.in_one_process and not plan.job.device and plan.strategy.synchronous and not plan.strategy.meets
-            and plan.nworker_groups == 1 and plan.nservers_per_group <= 1):
-        return "one synchronous group in one process"  # (server slices: the job path's owners shard the optimizer's state)
+            and plan.nworker_groups == 1):
+        return "one synchronous group in one process"  # (server slices here: the job path's one in-process server's)
     if in_memory_groups(plan):
         return "in-memory Hogwild / Downpour"
     # the workers of each process the session runs (one each, or several threads of the process's group: run.each_worker),
@@ -435,7 +442,9 @@ def fit_layout(plan) -> str:
     over_processes = (not plan.in_one_process and not plan.job.device and not pushes_to_servers(plan)
                       and workers_each_process(plan))
     if over_processes and plan.strategy.synchronous and not plan.strategy.meets and plan.nservers_per_group <= 1:
-        return "AllReduce over processes"  # (server slices: the job path's owners shard the optimizer's state, ZeRO-1)
+        return "AllReduce over processes"
+    if over_processes and shards_optimizer_state(plan):  # (ZeRO-1's shape, as the job path's owners: threads keep it)
+        return "AllReduce over processes with server slices"
     if over_processes and plan.strategy.meets and plan.job.cluster.outer_updater.user_type != OUTER_OPTIMIZER_UPDATER:
         return "Local SGD / DiLoCo over processes"  # (outer_optimizer=, a torch one, is the job path's alone)
     if over_processes and plan.strategy.syncs_with_peers:  # (the strategy's word, not its label)

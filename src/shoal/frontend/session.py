@@ -119,8 +119,8 @@ class Session:
                              and not plan.compression.dense)
         self._store: Optional[ParamStore] = None
         # server slices (AllReduce, cluster.nservers_per_group > 1, no restarts): each process updates its slices alone,
-        # with the user's optimizer built over them from its recipe (runtime/session_slices.py: ZeRO-1's shape)
-        self.sliced = session_slices.shards_optimizer_state(plan)
+        # with an optimizer of the user's optimizer's class and groups over them (runtime/session_slices.py: ZeRO-1's)
+        self.sliced = plan.nservers_per_group > 1 and session_slices.shards_optimizer_state(plan)
         self._slices: list[session_slices.SlicedUpdate] = []
         self._saved_server_state: dict = {}  # Downpour, resumed: the servers' updater state, sent with the chief's FIRST
         # run.scheduler(s, steps="update") under Downpour: the chief's schedule by the servers' update count (its pushes'
@@ -602,19 +602,15 @@ class Session:
         optimizer.register_step_pre_hook(self._push)
 
     def _update_slices(self, optimizer: torch.optim.Optimizer, index: int) -> None:
-        """Server slices: this process updates its slices of the optimizer's params with an optimizer built from its
-        recipe, which alone holds their state; opt.step()'s pre-hook runs it and all-gathers the values, leaving `.grad`
-        None, so the user's optimizer updates nothing here (runtime/session_slices.py)."""
+        """Server slices: this process updates its slices of the optimizer's params with an optimizer of its class and
+        groups over them, which alone holds their state; opt.step()'s pre-hook runs it and all-gathers the values,
+        leaving `.grad` None, so the user's optimizer updates nothing here (runtime/session_slices.py)."""
         if self.module is None:
             raise SessionError(f"run.optimizer: give the module to run.model(...) first ({self.plan.label}'s server slices "
                                "cut its params over the processes)")
         trained = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        try:
-            recipe = session_exchange.optimizer_recipe(optimizer, trained)
-            sliced = session_slices.SlicedUpdate(self.plan, self.rank, optimizer, index, trained, recipe,
-                                                 session_slices.saved_slices(self.resumed) if self.resumed is not None else None)
-        except session_exchange.RecipeError as err:
-            raise SessionError(str(err)) from None
+        sliced = session_slices.SlicedUpdate(self.plan, self.rank, optimizer, index, trained,
+                                             session_slices.saved_slices(self.resumed) if self.resumed is not None else None)
         self._slices.append(sliced)
 
         def update(optimizer, args, kwargs) -> None:
@@ -635,12 +631,14 @@ class Session:
         whole = any(self._mine.updater_state.get(f"{session_state.OPTIMIZER_STATE}.{i}")
                     for i in range(len(self._mine.trainer.get("optimizers", []))))
         if self.sliced and whole:
-            raise SessionError(f"--resume: {path} holds the optimizers' state of whole params (written without server "
-                               f"slices), which this loop's server slices (cluster.nservers_per_group "
-                               f"{self.plan.nservers_per_group}) cannot take: resume it with the layout that wrote it")
+            raise SessionError(f"--resume: {path} was written by a loop on shoal.session() without server slices: its "
+                               f"optimizers' state of whole params is not what this loop's server slices "
+                               f"(cluster.nservers_per_group {self.plan.nservers_per_group}) hold: resume it with the "
+                               "layout that wrote it")
         if held and not self.sliced:
-            raise SessionError(f"--resume: {path} holds the optimizers' state in server slices (cluster.nservers_per_group > 1, "
-                               f"without restarts), which {self.plan.label} here does not run: resume it with server slices")
+            raise SessionError(f"--resume: {path} was written by a loop on shoal.session() with server slices "
+                               f"(cluster.nservers_per_group > 1, no restarts), each process's optimizers' state its "
+                               f"slices': {self.plan.label} here holds whole params' state: resume it with server slices")
 
     @property
     def optimizer_state_elements(self) -> int:
