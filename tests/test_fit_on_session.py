@@ -61,17 +61,22 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
     their own: tests/test_fit_downpour_on_session.py), Sandblaster's group over processes (one worker each, server
     processes of their own: below), the same with several threads of the process's group in each process (AllReduce
     without restarts, Local SGD, Downpour, Sandblaster: tests/test_fit_threads_on_session.py), in-memory Hogwild's and
-    Downpour's asynchronous groups (threads of one process, running freely: tests/test_session_groups.py); a
-    synchronous group with server slices keeps the job path (its owners shard the optimizer's state, ZeRO-1's shape),
-    and so do Distributed Hogwild's groups of threads, threads under restarts and in-memory groups with a warm-up."""
+    Downpour's asynchronous groups (threads of one process, running freely: tests/test_session_groups.py), AllReduce
+    over processes with server slices (one worker each, no restarts: each process's slices' optimizer state alone,
+    tests/test_fit_slices_on_session.py); a group of threads in each process with server slices keeps the job path (the
+    session shards no state there), and so do Distributed Hogwild's groups of threads, threads under restarts and
+    in-memory groups with a warm-up."""
     ready = {"one worker", "one synchronous group in one process", "AllReduce over processes",
-             "Local SGD / DiLoCo over processes", "Distributed Hogwild over processes", "Downpour over processes",
-             "Sandblaster over processes", "in-memory Hogwild / Downpour"}
+             "AllReduce over processes with server slices", "Local SGD / DiLoCo over processes",
+             "Distributed Hogwild over processes", "Downpour over processes", "Sandblaster over processes",
+             "in-memory Hogwild / Downpour"}
     assert fitting.ON_SESSION == ready
     on_a_gpu = SimpleNamespace(in_one_process=True, nworkers=1, job=SimpleNamespace(device=["cuda:0"]), label="single worker")
     named = {"one worker": plan_of(),
              "one synchronous group in one process": plan_of(nworkers_per_group=2, nworkers_per_procs=2),  # (threads)
              "AllReduce over processes": plan_of(nworkers_per_group=2, nworkers_per_procs=1),
+             "AllReduce over processes with server slices": plan_of(nworkers_per_group=2, nworkers_per_procs=1,
+                                                                    nservers_per_group=2),
              "Local SGD / DiLoCo over processes": plan_of(nworker_groups=2, nworkers_per_procs=1, local_steps=2),
              "Distributed Hogwild over processes": plan_of(nworker_groups=2, nserver_groups=2),
              "Downpour over processes": plan_of(nworker_groups=2, server_worker_separate=True),
@@ -83,11 +88,11 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
                                                                   servers_hold_trainers=True),
                                        job=SimpleNamespace(device=[], cluster=SimpleNamespace(
                                            outer_updater=SimpleNamespace(user_type=OUTER_OPTIMIZER_UPDATER))))
-    others = [plan_of(nworkers_per_group=2, nworkers_per_procs=2, nservers_per_group=2, nservers_per_procs=2),  # threads, 2 slices
+    others = [plan_of(nworkers_per_group=4, nworkers_per_procs=2, nservers_per_group=2),  # 2 processes x 2 threads, 2 slices
+              planned_by_fit(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2, max_restarts=1),  # slices, restarts
               planned_by_fit(nworkers_per_group=4, nworkers_per_procs=2, max_restarts=1),  # threads under restarts
               planned_by_fit(nworker_groups=2, nserver_groups=2, nworkers_per_group=2, nworkers_per_procs=2),  # Hogwild
               planned_by_fit(nworker_groups=2, nworkers_per_procs=2, warmup_steps=2),  # in-memory Hogwild, a warm-up
-              plan_of(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2),  # AllReduce, 2 server slices
               with_torch_outer,  # DiLoCo with fit's outer_optimizer= (a torch optimizer: the job path's)
               on_a_gpu]
     assert {fitting.fit_layout(plan): name for name, plan in named.items()} == {name: name for name in named}
@@ -275,11 +280,11 @@ def test_fit_runs_sandblaster_over_processes_on_the_session_as_one_worker(tmp_pa
 
 
 def test_fit_on_the_job_path_over_processes_hands_the_chiefs_lines_to_its_log(tmp_path, problem, capfd, monkeypatch):
-    """A layout fit still runs on the job path (AllReduce with 2 server slices over 2 processes): its chief rank's lines
-    (Train, Validate, the checkpoint) reach fit's log= in this process, a lambda too, and not the terminal."""
+    """A layout fit still runs on the job path (AllReduce, 2 processes x 2 threads, 2 server slices): its chief rank's
+    lines (Train, Validate, the checkpoint) reach fit's log= in this process, a lambda too, and not the terminal."""
     train, val, model = problem
     lines = []
-    cluster = shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2)
+    cluster = shoal.Cluster(nworkers_per_group=4, nworkers_per_procs=2, nservers_per_group=2)
     monkeypatch.setattr(fit_loop, "fit_on_session", lambda *a, **k: pytest.fail("not the job path"))
     shoal.fit(model, F.cross_entropy, train, val_data=val, val_freq=3, val_batch=20, steps=STEPS, batch_size=BATCH,
               disp_freq=3, updater=UPDATER, cluster=cluster, workspace=tmp_path / "ws", log=lambda line: lines.append(line))

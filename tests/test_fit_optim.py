@@ -21,6 +21,14 @@ from test_fit_module import BLOCK, VOCAB, GPT, GPTConfig, adamw, fit, next_char_
 ALLREDUCE = "AllReduce, 2 processes, 2 server slices"  # both processes own slices of params
 
 
+def on_the_job_path(monkeypatch) -> None:
+    """fit keeps its job path for AllReduce's server slices (the job path's owners' own runs and splits: job files
+    still run them); fit runs the layout on the session otherwise."""
+    from shoal.frontend import fit as fitting
+
+    monkeypatch.setattr(fitting, "ON_SESSION", fitting.ON_SESSION - {"AllReduce over processes with server slices"})
+
+
 def assert_close_params(a, b):
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         # the key bias's gradient is 0 in exact arithmetic: Adam normalises its rounding noise into steps
@@ -67,9 +75,11 @@ def idle_head_gpt():
     return GPTWithAnIdleHead(GPTConfig(vocab_size=len(VOCAB), block_size=BLOCK, n_layer=1, n_head=2, n_embd=32))
 
 
-def test_adamw_over_two_processes_leaves_a_param_without_gradients_as_one_worker_does(tmp_path):
+def test_adamw_over_two_processes_leaves_a_param_without_gradients_as_one_worker_does(tmp_path, monkeypatch):
     """An owner updates each run of params of one param group as one flat shard; a run holding a param nobody has a
-    gradient for is split, and that param stays where it is (torch skips a param whose .grad is None)."""
+    gradient for is split, and that param stays where it is (torch skips a param whose .grad is None). The job path's
+    owners (fit runs this layout on the session: tests/test_session_slices.py has the session's unused param)."""
+    on_the_job_path(monkeypatch)
     models = {}
     for name, cluster in (("single", shoal.Cluster()), ("sharded", LAYOUTS[ALLREDUCE].fit_cluster())):
         models[name] = idle_head_gpt()
@@ -86,9 +96,10 @@ def test_adamw_over_two_processes_leaves_a_param_without_gradients_as_one_worker
 
 
 @pytest.mark.slow  # two more runs over processes: the default suite's 5-minute budget
-def test_a_resume_splits_the_runs_whose_params_saved_different_steps(tmp_path):
+def test_a_resume_splits_the_runs_whose_params_saved_different_steps(tmp_path, monkeypatch):
     """The checkpoint holds step 0 for the idle head and 3 for the rest of its param group: a resumed owner cannot
-    update them as one shard with one step count, and goes on exactly as the uninterrupted run."""
+    update them as one shard with one step count, and goes on exactly as the uninterrupted run (the job path's)."""
+    on_the_job_path(monkeypatch)
     cluster = LAYOUTS[ALLREDUCE].fit_cluster()
     models = {name: idle_head_gpt() for name in ("whole", "first", "resumed")}
     shoal.fit(models["whole"], next_char_loss, windows(), steps=6, batch_size=8, cluster=cluster, optimizer=adamw,

@@ -6,9 +6,9 @@ exchange, runtime/exchanges/sliced.py: there an owner's updater state lives with
 The group's mean gradient is in every `.grad` when backward ends (the replicated exchange's all-reduce,
 session_exchange.GradientMean), so a clip_grad_norm_ in the loop sees the group's global norm, as under DDP; a
 reduce-scatter would leave each process only its slices' gradients and the loop's clip would clip a part. `opt.step()`'s
-pre-hook then updates this process's slices with an optimizer built from the user's optimizer's recipe
-(session_exchange.optimizer_recipe / optimizer_from_recipe, as the session's Downpour servers build it) over views of
-them, its hyper-parameters the user's optimizer's as the user's scheduler left them, set before each update; one
+pre-hook then updates this process's slices with an optimizer of the user's optimizer's class, defaults and param
+groups built over views of them (in this process: no recipe travels, so a user's own element-wise class works too),
+its groups' hyper-parameters the user's optimizer's as the user's scheduler left them, set before each update; one
 all-gather over the whole job then puts every owner's new values (its slices laid end to end, padded to the longest)
 into every replica, and `.grad` is left None, so the user's optimizer, which runs next, updates nothing and makes no
 state. The slices are the plan's (`planning/plan.sliced_for` cuts the module's trained params as a net's: the same cut
@@ -36,9 +36,9 @@ from shoal.comm import collectives
 from shoal.errors import ShoalError
 from shoal.neuralnet.torch_optimizer import is_elementwise
 from shoal.planning.plan import JobPlan, sliced_for
-from shoal.runtime import session_exchange
 
 KEY = "slices"  # the exchange tensors' prefix: slices/<optimizer index>/<param>/<start>:<stop>/<slot>
+NOT_HYPER = ("params", "param_names")  # a param group's keys that are not its hyper-parameters
 
 
 class SlicesError(ShoalError, ValueError):
@@ -69,15 +69,17 @@ class SlicedUpdate:
     """One user optimizer's update over this process's slices, and the all-gather of every owner's values."""
 
     def __init__(self, plan: JobPlan, rank: int, optimizer: torch.optim.Optimizer, index: int,
-                 trained: list[tuple[str, torch.nn.Parameter]], recipe: dict, saved: Optional[dict[str, torch.Tensor]]):
+                 trained: list[tuple[str, torch.nn.Parameter]], saved: Optional[dict[str, torch.Tensor]]):
         """`trained`: the module's trained (name, param) pairs in order (the cut is over all of them, so every
-        optimizer's slices are the plan's); `recipe`: `optimizer`'s (session_exchange.optimizer_recipe); `saved`: a
-        resumed checkpoint's slice tensors (saved_slices), None for a fresh start."""
+        optimizer's slices are the plan's); `saved`: a resumed checkpoint's slice tensors (saved_slices), None for a
+        fresh start."""
         self.plan, self.rank, self.optimizer, self.index = plan, rank, optimizer, index
-        self.layout = session_exchange.recipe_layout(recipe)
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         placement = sliced_for(plan, {name: p.numel() for name, p in trained}).placement
         param_of = dict(trained)
+        if held - {id(p) for p in param_of.values()}:
+            raise SlicesError("run.optimizer: the optimizer holds a tensor that is not a trained param of run.model's "
+                              f"module, which server slices (cluster.nservers_per_group {plan.nservers_per_group}) cannot cut")
         # (slice, owner, param) of every slice of this optimizer's params, in the plan's order: every process alike
         self.pieces = [(s, placement.process_of(placement.server_of_slice(s.index, 0)), param_of[s.param])
                        for s in placement.slices if id(param_of[s.param]) in held]
@@ -97,13 +99,27 @@ class SlicedUpdate:
         self.mine = [(s, param.detach().view(-1)[s.start : s.stop], param) for s, owner, param in self.pieces if owner == rank]
         self.local: Optional[torch.optim.Optimizer] = None  # over this process's slices (None: it owns none of them)
         if self.mine:
-            names = {s.param for s, _, _ in self.mine}
-            groups = [{"params": [n for n in group["params"] if n in names], "hyper": group["hyper"]} for group in recipe["groups"]]
-            self.local = session_exchange.optimizer_from_recipe(dict(recipe, groups=groups),
-                                                                [(s.param, view) for s, view, _ in self.mine])
+            self.local = self._made()
         if saved:
             self._load(saved)
         self.group = collectives.whole_job(plan.process_groups)
+
+    def _made(self) -> torch.optim.Optimizer:
+        """The user's optimizer's class over this process's slices: its param groups in order (a group with none of
+        them empty), each group's hyper-parameters, its constructor's defaults."""
+        import inspect
+
+        view_of = {id(param): view for _, view, param in self.mine}
+        groups = [{**{k: v for k, v in group.items() if k not in NOT_HYPER},
+                   "params": [view_of[id(p)] for p in group["params"] if id(p) in view_of]}
+                  for group in self.optimizer.param_groups]
+        cls = type(self.optimizer)
+        accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+        try:
+            return cls(groups, **{k: v for k, v in self.optimizer.defaults.items() if k in accepted})
+        except (TypeError, ValueError) as err:
+            raise SlicesError(f"run.optimizer: {cls.__name__} cannot be made again over this process's server slices "
+                              f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
 
     # -- a step ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -124,7 +140,8 @@ class SlicedUpdate:
                 view.grad = None if grad is None else grad.reshape(-1)[s.start : s.stop]
                 stepped = stepped or grad is not None
             if stepped:
-                session_exchange.set_hyper(self.local, session_exchange.hyper_vector(self.optimizer, self.layout), self.layout)
+                for local, group in zip(self.local.param_groups, self.optimizer.param_groups):  # (as its scheduler set them)
+                    local.update({k: v for k, v in group.items() if k not in NOT_HYPER})
                 self.local.step()
             for _, view, _ in self.mine:
                 view.grad = None
