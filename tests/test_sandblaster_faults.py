@@ -13,6 +13,7 @@ import os
 import re
 import signal
 
+import pytest
 import torch
 
 from cli_in_process import run_cli
@@ -141,3 +142,44 @@ def test_the_plan_says_what_runs_and_what_a_death_costs():
     terms = [(f["kind"], f["count"], f["ranks"]) for f in estimate(served, TIMED).fixed_costs]
     assert terms == [("collective", 2, 3), ("message", 4, 2), ("message", 5, 2), ("message", 5, 2)], terms
     assert all(f["kind"] == "collective" and "bucket" in f["what"] for f in estimate(sliced, TIMED).fixed_costs)
+
+
+@pytest.mark.slow  # three runs
+def test_a_step_without_a_worker_process_repeats_bit_for_bit(blobs_job, tmp_path):
+    """The fault schedule decides the result: worker process 2 exits before step 39 of 40 (its restart comes after the
+    last step: nothing left to join), so the servers apply step 39's mean over processes 0 and 1's rows; the same faulted
+    job twice gives the same bits, and not the unfaulted run's."""
+    steps, gone = 40, 39
+    job = blobs_job(train_steps=steps, cluster_extra=CLUSTER)
+    for i in range(2):
+        proc = run_cli("run", job, "--workspace", tmp_path / f"faulted{i}", "--no-progress", "--max-restarts", "1",
+                       env={**os.environ, "SHOAL_INJECT_EXIT": f"2:{gone}"}, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        got = assert_ran(tmp_path / f"faulted{i}", SERVED)
+        assert got["missed_steps"] == {"2": {"missed": steps - gone, "of": steps, "why": f"missing from step {gone}"}}
+    a, b = params(tmp_path / "faulted0", steps), params(tmp_path / "faulted1", steps)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    cli_run(job, tmp_path / "unfaulted", "--max-restarts", "1")
+    c = params(tmp_path / "unfaulted", steps)
+    assert any(not torch.allclose(a[k], c[k], atol=1e-6) for k in a)  # the missing rows changed the result
+
+
+@pytest.mark.slow  # a stall timeout to wait out
+def test_a_stalled_worker_process_is_dropped_and_rejoins(blobs_job, tmp_path, runs):
+    """Worker process 1 SIGSTOPped past the stall timeout: the others go on, the launcher ends and restarts it, and it
+    rejoins at a later step."""
+    steps = 400
+    job = blobs_job(train_steps=steps, cluster_extra=CLUSTER)
+    run = runs.start(job, tmp_path, "--max-restarts", "1", "--set", "cluster.stall_timeout_s=2", env=SLOW)
+    stopped = run.signal(1, signal.SIGSTOP)
+    stdout, stderr = run.finished()
+    assert ("WARNING: process 1 (worker(group=0, id=1)) was stopped past the stall timeout (2 s) and dropped; the launcher "
+            "ended it (SIGKILL); the other processes go on without it; restarting it (restart 1 of 1); it rejoins at the next "
+            "step, from process 0's state") in stderr.splitlines(), stderr
+    left = int(re.search(r"^Step (\d+) went on without process 1 ", stdout, re.M)[1])
+    back = int(re.search(r"^Process 1 rejoined at step (\d+) \(restart 1\): ", stdout, re.M)[1])
+    assert left < back < steps and pids(run.ws, 1)[0] == stopped and len(set(pids(run.ws, 1))) == 2
+    got = assert_ran(run.ws, SERVED)
+    assert got["status"] == "finished" and got["missed_steps"]["1"]["why"] == (
+        f"missing from steps {left} to {back - 1}, back at step {back}")
+    assert leftover_processes(tmp_path) == []
