@@ -20,7 +20,7 @@ from shoal.planning.placement import slice_params
 # A user's loop with AdamW, a scheduler and clip_grad_norm_. Rank 0 also runs it as plain PyTorch over the whole batch
 # of each step; every rank writes its values, the optimizer state it holds (live tensors) and its user optimizer's.
 LOOP = textwrap.dedent('''
-    import json, sys
+    import json, os, sys
     from pathlib import Path
     import torch, shoal
     from safetensors.torch import save_file
@@ -63,6 +63,8 @@ LOOP = textwrap.dedent('''
             run.checkpoint()
         if s == stop_after:
             sys.exit(3)
+        if stop_after == -2 and run.rank == 1 and s == 3:  # process 1 dies: its slices' state with it
+            os._exit(9)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / f"rank{run.rank}.safetensors"))
     (out / f"rank{run.rank}.json").write_text(json.dumps({"state": run.optimizer_state_elements, "users": len(opt.state),
                                                           "lr": opt.param_groups[0]["lr"]}))
@@ -165,3 +167,18 @@ def test_a_sliced_checkpoint_is_refused_by_a_loop_without_slices(script, sliced,
     assert proc.returncode != 0
     said = [line for line in proc.stderr.splitlines() if "was written by a loop on shoal.session() with server slices" in line]
     assert said and "step8-worker0.safetensors" in said[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_dead_process_stops_the_job_in_one_line(script, tmp_path):
+    """Its slices' optimizer state died with it: the replicated exchange's mean would go on without it, the slices
+    cannot (AllReduce.goes_on_without_a_process): the launcher stops the others, saying so, and the job fails; `shoal
+    plan` says it too."""
+    proc = shoal_run(script, tmp_path / "out", tmp_path / "ws", *LAYOUTS[SLICES_2].cli(), stop_after=-2)
+    assert proc.returncode != 0
+    assert "process 1 (worker(group=0, id=1), server(group=0, id=1)) exited with code 9; the other processes were " \
+           "stopped" in proc.stderr, proc.stderr
+    assert "go on without" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out" / "rank0.json").exists()
+    planned = run_cli("plan", str(script), *LAYOUTS[SLICES_2].cli(), "--", str(tmp_path), "-1", cwd=tmp_path, timeout=60)
+    assert "each process updates its slices with your optimizer and holds their state alone" in planned.stdout
+    assert "the group cannot go on without a process" in planned.stdout, planned.stdout

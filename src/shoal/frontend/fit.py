@@ -443,7 +443,7 @@ def fit_layout(plan) -> str:
                       and workers_each_process(plan))
     if over_processes and plan.strategy.synchronous and not plan.strategy.meets and plan.nservers_per_group <= 1:
         return "AllReduce over processes"
-    if over_processes and shards_optimizer_state(plan):  # (ZeRO-1's shape, as the job path's owners: threads keep it)
+    if over_processes and plan.strategy.synchronous and shards_optimizer_state(plan):  # (ZeRO-1's, as the job path's owners)
         return "AllReduce over processes with server slices"
     if over_processes and plan.strategy.meets and plan.job.cluster.outer_updater.user_type != OUTER_OPTIMIZER_UPDATER:
         return "Local SGD / DiLoCo over processes"  # (outer_optimizer=, a torch one, is the job path's alone)

@@ -35,6 +35,7 @@ import torch
 from shoal.comm import collectives
 from shoal.errors import ShoalError
 from shoal.neuralnet.torch_optimizer import is_elementwise
+from shoal.planning.exchange_choice import shards_optimizer_state  # noqa: F401 (the plan's word: fit and the session ask it here)
 from shoal.planning.plan import JobPlan, sliced_for
 
 KEY = "slices"  # the exchange tensors' prefix: slices/<optimizer index>/<param>/<start>:<stop>/<slot>
@@ -43,18 +44,6 @@ NOT_HYPER = ("params", "param_names")  # a param group's keys that are not its h
 
 class SlicesError(ShoalError, ValueError):
     """Server slices in a user's loop cannot go on or start as asked: one line naming why."""
-
-
-def shards_optimizer_state(plan: JobPlan) -> bool:
-    """Whether a user's loop under `plan` shards its optimizer's state over the group's processes (pure): AllReduce's
-    one synchronous group over processes, each one worker hosting a server of its own slices (nservers_per_group > 1,
-    servers in the workers' processes), without restarts or compression, the module whole in each process."""
-    from shoal.frontend.session_start import pushes_to_servers
-
-    return (not plan.in_one_process and plan.strategy.synchronous and not plan.strategy.meets and plan.nworker_groups == 1
-            and plan.nservers_per_group > 1 and not pushes_to_servers(plan) and plan.max_restarts == 0
-            and plan.compression.dense and not plan.tensor_parallel
-            and all(len(p.workers) == 1 and p.servers for p in plan.placement.processes))
 
 
 def saved_slices(ckpt) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from shoal.comm import channels
 from shoal.comm.quorum import Quorum
 from shoal.neuralnet.updaters import make_updater
-from shoal.planning.exchange_choice import mirror_elements, mirror_every, replicated
+from shoal.planning.exchange_choice import mirror_elements, mirror_every, replicated, shards_optimizer_state
 from shoal.planning.process_groups import JOB_GROUP, bridge_groups, sliced_groups
 from shoal.planning.strategy import Framework, Layout, Strategy
 from shoal.runtime.exchanges.compression import codec_factory
@@ -51,6 +51,11 @@ class AllReduce(Strategy):
             return [f"tensor-parallel over {plan.nprocs} processes (neuralnet.partition_dim 1, your own loop): each process "
                     "holds a slice of the features of every Linear → element-wise → Linear pair of your module and "
                     f"computes on the whole batch; torch's DTensor collectives, no gradient exchange; {dead}"]
+        if shards_optimizer_state(plan):
+            return [f"server slices over {plan.nprocs} processes (your own loop, cluster.nservers_per_group "
+                    f"{plan.nservers_per_group}): one all-reduce of the gradients a step, then each process updates its "
+                    "slices with your optimizer and holds their state alone (ZeRO-1's shape), and one all-gather of the "
+                    "values; the group cannot go on without a process"]
         if replicated(plan):
             why = f"cluster.max_restarts {plan.max_restarts}" if plan.max_restarts > 0 else "your own loop"
             how = ("one all-reduce of the gradients a step" if plan.compression.dense else
@@ -75,7 +80,7 @@ class AllReduce(Strategy):
         return "gradients (each process's, gathered by every process)" if replicated(plan) else self.compressed
 
     def goes_on_without_a_process(self, plan) -> bool:
-        return replicated(plan)
+        return replicated(plan) and not shards_optimizer_state(plan)  # (a process alone holds its slices' state)
 
     def process_groups(self, placement, devices, nnodes: int, partition) -> tuple:
         # a partitioned group spanning processes also moves activations and their gradients over bridge groups
