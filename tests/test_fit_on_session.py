@@ -328,10 +328,11 @@ def loss_killing_the_chief(output, target, marker, at):
     ("Downpour", dict(nworker_groups=2, nworkers_per_procs=1, nserver_groups=1, server_worker_separate=True)),
     ("Distributed Hogwild", dict(nworker_groups=2, nserver_groups=2)),
 ])
-def test_fit_over_processes_survives_its_chiefs_death(tmp_path, problem, name, cluster):
+def test_fit_over_processes_survives_its_chiefs_death(tmp_path, capfd, problem, name, cluster):
     """fit's loop is a user's loop on the session: its chief rank SIGKILLed at step 5 is dropped like any other
     process, the lowest living one writes the run log and the checkpoints, the restarted process rejoins, and fit
-    returns the trained module (the successor's final checkpoint) with its History, no exception."""
+    returns the trained module (the successor's final checkpoint) with its History, no exception. Its log= is quiet:
+    no rank (the successor, the restarted one) writes to the caller's stdout."""
     train, val, model = problem
     before = copy.deepcopy(model)
     history = shoal.fit(model, functools.partial(loss_killing_the_chief, marker=str(tmp_path / "killed"), at=6), train,
@@ -349,3 +350,5 @@ def test_fit_over_processes_survives_its_chiefs_death(tmp_path, problem, name, c
     assert steps == sorted(set(steps)) and steps[0] == 0 and steps[-1] >= 23 and (steps[-1] == 23 or last > 24), steps
     assert [r["step"] for r in history.phase("validate")][-1] == last  # the final validation, by the successor
     assert not torch.equal(model[0].weight, before[0].weight)  # the successor's final values, loaded into the module
+    out = capfd.readouterr().out
+    assert "rejoined" not in out and "chief's place" not in out, out

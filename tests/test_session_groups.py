@@ -90,8 +90,8 @@ def test_in_memory_groups_push_to_one_server_and_learn_as_fit_does(groups_run, t
     """The row ran (summary.json: 1 process, 2 or 4 workers, in-memory Downpour / Hogwild), one thread per worker, each
     group reading the whole batch of 12 (the job's samples: both groups' rows, as they ran freely; 2 threads: 6 rows
     each); Hogwild's
-    one copy; and each group's final
-    values as good on the whole training set as shoal.fit's same layout's model, within LOSS_TOLERANCE."""
+    one copy; and each group's final values at least as good on the whole training set as shoal.fit's same layout's
+    model, within LOSS_TOLERANCE."""
     row, downpour_run = groups_run
     layout = LAYOUTS[row]
     assert_ran(downpour_run / "ws", row)
@@ -114,7 +114,8 @@ def test_in_memory_groups_push_to_one_server_and_learn_as_fit_does(groups_run, t
     # push of the step when the threads' pushes and pulls interleave so (the checkpoint holds each: the resume test)
     assert len(ours) == layout.workers and (row == DOWNPOUR or len(set(ours)) == 1)
     for loss in ours:
-        assert loss < 0.6 * before and abs(loss - theirs) <= LOSS_TOLERANCE * theirs, (ours, theirs, before)
+        # (one-sided: two free-running runs differ either way; a loop that learns better than fit is no failure)
+        assert loss < 0.6 * before and loss <= (1 + LOSS_TOLERANCE) * theirs, (ours, theirs, before)
 
 
 def test_in_memory_groups_resume_the_servers_and_every_groups_state(script, groups_run, tmp_path):

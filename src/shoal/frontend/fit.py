@@ -399,8 +399,10 @@ def job_rank_in_its_log(plan, rank: int, run_spec):
     import dataclasses
 
     from shoal.launcher.ranks import to_its_file_only
+    from shoal.report import terminal
     from shoal.runtime.assemble import run_process
 
+    terminal.mute()  # (no rank, a restarted one included, writes to the caller's stdout: fit relays the chief's log)
     return run_process(plan, rank, dataclasses.replace(run_spec, log=to_its_file_only(run_spec.log)))
 
 

@@ -245,15 +245,16 @@ def fit_rank(job_text: str, spec: FitLoop, to_terminal: bool, plan, rank: int, r
     from shoal.config import job_pb2
     from shoal.frontend.session_start import as_rank
     from shoal.launcher.ranks import to_its_file_only
-
+    from shoal.report import terminal
     from shoal.report.targets import set_run_goals
 
     job = text_format.Parse(job_text, job_pb2.JobProto())
     set_run_goals(spec.goals)  # (this process's chief, or the member that takes its place, writes the summary)
     # the module came as torch.multiprocessing sends tensors, in memory every rank shares: each rank trains its own copy
     spec = dataclasses.replace(spec, model=copy.deepcopy(spec.model))
-    if not to_terminal:  # (the chief's first incarnation says its lines to its log file alone)
+    if not to_terminal:  # (the chief's first incarnation says its lines to its log file alone; no rank to the terminal)
         run_spec = dataclasses.replace(run_spec, log=to_its_file_only(run_spec.log))
+        terminal.mute()
     with as_rank(plan, rank, run_spec, terminal=to_terminal):
         run = _session(job, spec, run_spec.workspace, False, run_spec.log)
     _run_on(run, job_text, spec, run_spec.log)

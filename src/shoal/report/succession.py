@@ -17,7 +17,6 @@ terminal the job was started from too, as the chief's did.
 from __future__ import annotations
 
 import datetime
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Callable
 from shoal.report.metrics import MetricsLog, read_metrics
 from shoal.report.run_log import METRICS_FILE, open_run_log
 from shoal.report.summary import read_summary
+from shoal.report.terminal import also_on_the_terminal
 
 if TYPE_CHECKING:
     from shoal.planning.plan import JobPlan
@@ -77,6 +77,5 @@ def on_the_terminal_too(say: Callable[[str], None]) -> Callable[[str], None]:
     terminal the launcher started it from (the process's original stdout), as the chief's lines do."""
     def both(line: str) -> None:
         say(line)
-        if sys.__stdout__ is not None and sys.stdout is not sys.__stdout__:
-            print(line, file=sys.__stdout__, flush=True)
+        also_on_the_terminal(line)
     return both

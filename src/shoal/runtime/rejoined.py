@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from shoal.report.terminal import also_on_the_terminal
 from shoal.report.writes import open_for_append
 
 RECORDS_FILE = "rejoins.jsonl"
@@ -65,8 +65,8 @@ def report(workspace, ticket, group: int, rank: int, step: int, version: int, di
             f"Worker group {group} rejoined at step {step} (process {rank}, restart {ticket.incarnation})")
     line += f": {took}, {record['process_start_to_rejoin_s']:.2f} s after its process started{since_death}"
     print(line)  # this process's log
-    if terminal and sys.__stdout__ is not None and sys.stdout is not sys.__stdout__:
-        print(line, file=sys.__stdout__, flush=True)  # the job's terminal (the launcher's, or the --rejoin command's)
+    if terminal:
+        also_on_the_terminal(line)  # the job's terminal (the launcher's, or the --rejoin command's)
     with open_for_append(Path(workspace) / "logs" / RECORDS_FILE) as f:  # through no link
         f.write(json.dumps(record) + "\n")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from shoal.planning.placement import Placement, ServerId
 from shoal.comm import channels
 from shoal.comm import dist as comm
 from shoal.comm import heartbeat
+from shoal.report.terminal import also_on_the_terminal
 from shoal.report.writes import open_for_append
 from shoal.neuralnet.params import ParamStore
 from shoal.runtime.exchanges.compression import Codec, wire_bytes
@@ -508,8 +508,7 @@ class DownpourServer:
             with open_for_append(Path(self.workspace) / "logs" / rejoined.RECORDS_FILE) as f:  # through no link
                 f.write(json.dumps(record) + "\n")
         self.log(line)
-        if sys.__stdout__ is not None and sys.stdout is not sys.__stdout__:
-            print(line, file=sys.__stdout__, flush=True)  # the job's terminal (the launcher's)
+        also_on_the_terminal(line)  # the job's terminal (the launcher's)
 
     def _refuse(self, group: int, channel, kind: int) -> None:
         """Answer a dropped group's request without applying anything: version -1 tells it to leave."""
