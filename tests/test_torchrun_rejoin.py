@@ -338,6 +338,11 @@ NOT_RESTARTED = ("WARNING: --max-restarts: {label}'s processes are not restarted
                  "torchrun's own restarts may start again")
 
 
+WORKERS_NOT_RESTARTED = ("WARNING: --max-restarts: {label}'s worker processes are not restarted into the running job (its "
+                         "server processes are, healed from process 0's mirror); a dead one stops the job, which torchrun's "
+                         "own restarts may start again")
+
+
 def test_a_session_under_torchrun_warns_at_start_when_its_processes_are_not_restarted(capsys):
     """A shoal.session() script's rank under torchrun with restarts allowed (cluster.max_restarts, as `--max-restarts 1`
     sets it) on a layout whose processes do not rejoin (Sandblaster's): the chief warns the job file's one line at the
@@ -349,7 +354,7 @@ def test_a_session_under_torchrun_warns_at_start_when_its_processes_are_not_rest
     from shoal.launcher.launchers import LaunchedProcess
 
     def plan(**cluster):
-        return plan_session(session_job(job_pb2.ClusterProto(max_restarts=1, nworkers_per_procs=1, **cluster), 10, 0, 5, 0,
+        return plan_session(session_job(job_pb2.ClusterProto(**{"max_restarts": 1, "nworkers_per_procs": 1, **cluster}), 10, 0, 5, 0,
                                         "loop"))
 
     def started(plan, rank: int) -> str:
@@ -357,10 +362,13 @@ def test_a_session_under_torchrun_warns_at_start_when_its_processes_are_not_rest
         supervise_if_restartable(plan, launched, None, False, print)  # returns: this rank runs the loop itself
         return capsys.readouterr().err
 
-    sandblaster = plan(nworkers_per_group=2, server_worker_separate=True)
-    assert started(sandblaster, 0) == NOT_RESTARTED.format(label="Sandblaster") + "\n"
-    assert started(sandblaster, 1) == started(sandblaster, 2) == ""
     from shoal.launcher import supervisor
+    threads = plan(nworkers_per_group=2, nworkers_per_procs=2)  # one process: nothing to restart into
+    assert started(threads, 0) == NOT_RESTARTED.format(label="in-memory Sandblaster") + "\n"
+    sandblaster = plan(nworkers_per_group=2, server_worker_separate=True)  # only its server process comes back (healed)
+    assert started(sandblaster, 0) == WORKERS_NOT_RESTARTED.format(label="Sandblaster") + "\n"
+    assert started(sandblaster, 1) == ""
+    assert supervisor.supervises(sandblaster, LaunchedProcess("torchrun", 2, 3, 2, 3, 1, "127.0.0.1", 29500))
     allreduce = plan(nworkers_per_group=2)  # its chief is replaced like any other process: every rank is supervised
     assert all(supervisor.supervises(allreduce, LaunchedProcess("torchrun", r, 2, r, 2, 1, "127.0.0.1", 29500)) for r in (0, 1))
 

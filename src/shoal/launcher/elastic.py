@@ -120,6 +120,10 @@ def warn_if_not_restarted(plan: JobPlan, launched: launchers.LaunchedProcess) ->
         warn(f"WARNING: --max-restarts: {plan.label}'s processes are not restarted into the running job (only AllReduce's "
              f"replicas, Downpour, Local SGD and Distributed Hogwild groups are); a dead one stops the job, which "
              f"{launched.launcher}'s own restarts may start again")
+    elif launched.rank == 0 and plan.max_restarts > 0 and not rejoin.workers_rejoin(plan):
+        warn(f"WARNING: --max-restarts: {plan.label}'s worker processes are not restarted into the running job (its server "
+             f"processes are, healed from process 0's mirror); a dead one stops the job, which {launched.launcher}'s own "
+             "restarts may start again")
 
 
 @contextmanager

@@ -38,8 +38,14 @@ def chief_replaceable(plan: JobPlan) -> bool:
 
 
 def outlives_a_dead_process(plan: JobPlan) -> bool:
-    """Whether the job may lose a process and go on: its groups outlive a dead one, or its replicas go on."""
-    return plan.strategy.outlives_a_dead_group or replicas_go_on(plan)
+    """Whether the job may lose a process and go on: its groups outlive a dead one, its replicas go on, or its servers
+    heal (a user's loop's Sandblaster: only its server processes)."""
+    return plan.strategy.outlives_a_dead_group or replicas_go_on(plan) or servers_heal_here(plan)
+
+
+def servers_heal_here(plan: JobPlan) -> bool:
+    """Whether some process of this plan is a server that heals (`heals`)."""
+    return any(heals(plan, rank) for rank in range(plan.nprocs))
 
 
 def heals(plan: JobPlan, rank: int) -> bool:

@@ -59,7 +59,7 @@ from shoal.comm.channels import DOWNPOUR_DOOR, MEETING_DOOR, STEP_DOOR
 from shoal.errors import ShoalError, warn
 from shoal.planning.plan import JobPlan
 from shoal.launcher import faults, stalls
-from shoal.launcher.ranks import chief_replaceable, describe_process, heals, rank_output, replicas_go_on
+from shoal.launcher.ranks import chief_replaceable, describe_process, heals, rank_output, replicas_go_on, servers_heal_here
 from shoal.launcher.workspace import check_workspace
 from shoal.report.writes import own_folder, replace_file
 from shoal.runtime.rejoined import RECORDS_FILE
@@ -75,7 +75,14 @@ class RejoinRefused(ShoalError, ValueError):
 
 
 def rejoins(plan: JobPlan) -> bool:
-    """Whether a dead process of this job may be restarted into it (its strategy's groups rejoin, or its replicas go on)."""
+    """Whether a dead process of this job may be restarted into it (its strategy's groups rejoin, its replicas go on, or
+    its servers heal)."""
+    return workers_rejoin(plan) or servers_heal_here(plan)
+
+
+def workers_rejoin(plan: JobPlan) -> bool:
+    """Whether a dead worker process of this job may be restarted into it (not only its servers: a user's loop's
+    Sandblaster restarts the whole job for a worker process)."""
     return plan.strategy.rejoins or replicas_go_on(plan)
 
 
@@ -87,14 +94,14 @@ def why_not(plan: JobPlan, rank: int) -> Optional[str]:
         if rank == 0 and not chief_replaceable(plan):
             return f"{describe_process(plan, rank)} is the chief, whose state the others heal from: resume from a checkpoint instead"
         return None
+    if 0 <= rank < plan.nprocs and heals(plan, rank):  # a Downpour or Sandblaster server: restarted, healed from the mirror
+        return None
     if not plan.strategy.rejoins:
-        return (f"only Downpour, Local SGD and Distributed Hogwild worker groups can rejoin a running job ({plan.label} cannot: "
-                "its groups are threads of one process)")
+        why = "its worker processes restart the whole job" if servers_heal_here(plan) else "its groups are threads of one process"
+        return f"only Downpour, Local SGD and Distributed Hogwild worker groups can rejoin a running job ({plan.label} cannot: {why})"
     if not 0 <= rank < plan.nprocs:
         return f"the job has processes 0..{plan.nprocs - 1}"
     proc = plan.process(rank)
-    if heals(plan, rank):  # a Downpour server: restarted, healed from the chief's mirror
-        return None
     groups = sorted({w.group for w in proc.workers})
     if not proc.workers or any(s.group not in groups for s in proc.servers):  # (Distributed Hogwild's are its group's own)
         return f"{describe_process(plan, rank)} is a server: the job cannot go on without it (resume from a checkpoint)"

@@ -5,8 +5,9 @@ recipe (runtime/session_exchange.py), which the sliced exchange's owners cannot:
 request/response with its one group (runtime/exchanges/downpour*.py). Every step the group's processes sum their
 gradients at its stub (process 0), the stub pushes the sum to every server with the optimizer's hyper-parameters,
 each server updates its slices and answers with their values, and the stub hands them to the group: synchronous, so
-N workers train as one worker on the same rows. The servers keep no mirror: a dead process restarts the whole job
-from its newest checkpoint (launcher/job_restarts.py).
+N workers train as one worker on the same rows. Under cluster.max_restarts the chief mirrors the servers' state, so a
+dead server process is restarted and heals from it (`servers_heal`, as Downpour's); a dead worker process restarts the
+whole job from its newest checkpoint (launcher/job_restarts.py).
 
 A job file under cluster.max_restarts (`served_replicas`) runs the same servers, which heal from the chief's mirror when
 one dies, and its worker processes as replicas that go on without a dead one and take a restarted one back at the next
@@ -43,8 +44,9 @@ class Sandblaster(AllReduce):
                     "state; process 0's death restarts the whole job from its newest checkpoint"]
         if not plan.own_loop:
             return super().notes(plan)
-        restarts = (f"; cluster.max_restarts {plan.max_restarts}: a dead process restarts the whole job from its newest "
-                    "checkpoint" if plan.max_restarts > 0 else "")
+        restarts = (f"; cluster.max_restarts {plan.max_restarts}: a dead server process is restarted and heals from process "
+                    "0's mirror of its state, a dead worker process restarts the whole job from its newest checkpoint"
+                    if self.servers_heal(plan) else "")
         return [f"your own loop: the group's processes sum their gradients at process 0, which pushes them to the "
                 f"{plan.nservers} server process(es); they run your optimizer and answer with the new values{restarts}"]
 
@@ -61,7 +63,9 @@ class Sandblaster(AllReduce):
         return served_replicas(plan)
 
     def servers_heal(self, plan) -> bool:
-        return served_replicas(plan)
+        """Under cluster.max_restarts the servers (Downpour's) heal from the chief's mirror: a job file's (`served_replicas`)
+        and a user's loop's, whose worker processes' deaths still restart the whole job."""
+        return served_replicas(plan) or (plan.own_loop and plan.max_restarts > 0 and not plan.in_one_process)
 
     def attach_exchanges(self, run) -> None:
         plan = run.plan
