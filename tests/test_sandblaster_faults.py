@@ -9,6 +9,7 @@ blobs data, real SIGKILLs, as tests/test_allreduce_faults.py and tests/test_serv
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -183,3 +184,29 @@ def test_a_stalled_worker_process_is_dropped_and_rejoins(blobs_job, tmp_path, ru
     assert got["status"] == "finished" and got["missed_steps"]["1"]["why"] == (
         f"missing from steps {left} to {back - 1}, back at step {back}")
     assert leftover_processes(tmp_path) == []
+
+
+@pytest.mark.slow  # 150 slowed steps of fit, a kill and a heal
+def test_fits_sandblaster_server_killed_heals_into_the_running_fit(tmp_path, runs):
+    """shoal.fit (its loop on the session) under Sandblaster with --max-restarts 1: the server process, SIGKILLed mid-run,
+    is restarted, rebuilds fit's optimizer from the chief's recipe and heals from the chief's mirror of its state; the
+    worker processes keep their pids and fit ends trained, without a whole-job restart."""
+    from pathlib import Path
+
+    from fault_runs import LayoutRun
+
+    script = Path(__file__).parent / "module_script.py"
+    layout = "Sandblaster, 2 workers + 1 server, 3 processes"
+    run = LayoutRun(script, tmp_path, layout, "--max-restarts", "1", "--", "--steps", "150", "--lr", "0.1", "--slow", "0.01")
+    runs.append(run)
+    workers = {rank: run.pid_of(rank) for rank in (0, 1)}
+    os.kill(run.pid_of(2), signal.SIGKILL)
+    assert run.wait(timeout=240) == 0, run.stderr()
+    assert re.search(r"^WARNING: process 2 \(server\(group=0, id=0\)\) died \(SIGKILL\); restarting it \(restart 1 of 1\); "
+                     r"it heals from worker group 0's mirror of its state", run.stderr(), re.M), run.stderr()
+    assert "restarting the whole job" not in run.stderr()
+    got = assert_ran(run.ws, layout)
+    assert got["status"] == "finished" and "job_restarts" not in got
+    assert [r["rank"] for r in got["rejoins"]] == [2]
+    assert registered_pids(run.ws)[0] == workers[0] and registered_pids(run.ws)[1] == workers[1]
+    assert got["final_test"]["loss"] < 0.9 * math.log(16)
