@@ -61,11 +61,11 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
     their own: tests/test_fit_downpour_on_session.py), Sandblaster's group over processes (one worker each, server
     processes of their own: below), the same with several threads of the process's group in each process (AllReduce
     without restarts, Local SGD, Downpour, Sandblaster: tests/test_fit_threads_on_session.py), in-memory Hogwild's and
-    Downpour's asynchronous groups (threads of one process, running freely: tests/test_session_groups.py), AllReduce
+    Downpour's asynchronous groups (threads of one process, running freely, a warm-up too: tests/test_session_groups.py,
+    tests/test_session_warmup.py), AllReduce
     over processes with server slices (one worker each, no restarts: each process's slices' optimizer state alone,
     tests/test_fit_slices_on_session.py); a group of threads in each process with server slices keeps the job path (the
-    session shards no state there), and so do Distributed Hogwild's groups of threads, threads under restarts and
-    in-memory groups with a warm-up."""
+    session shards no state there), and so do Distributed Hogwild's groups of threads and threads under restarts."""
     ready = {"one worker", "one synchronous group in one process", "AllReduce over processes",
              "AllReduce over processes with server slices", "Local SGD / DiLoCo over processes",
              "Distributed Hogwild over processes", "Downpour over processes", "Sandblaster over processes",
@@ -92,10 +92,11 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
               planned_by_fit(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2, max_restarts=1),  # slices, restarts
               planned_by_fit(nworkers_per_group=4, nworkers_per_procs=2, max_restarts=1),  # threads under restarts
               planned_by_fit(nworker_groups=2, nserver_groups=2, nworkers_per_group=2, nworkers_per_procs=2),  # Hogwild
-              planned_by_fit(nworker_groups=2, nworkers_per_procs=2, warmup_steps=2),  # in-memory Hogwild, a warm-up
               with_torch_outer,  # DiLoCo with fit's outer_optimizer= (a torch optimizer: the job path's)
               on_a_gpu]
     assert {fitting.fit_layout(plan): name for name, plan in named.items()} == {name: name for name in named}
+    assert fitting.fit_layout(planned_by_fit(nworker_groups=2, nworkers_per_procs=2, warmup_steps=2)) == \
+        "in-memory Hogwild / Downpour"  # (a warm-up: group 0 alone first, the others after it)
     assert all(fitting.fit_layout(plan) not in ready for plan in others)
     for plan in [*named.values(), *others]:
         assert fitting.on_session(plan) == (fitting.fit_layout(plan) in fitting.ON_SESSION)

@@ -142,14 +142,11 @@ def test_in_memory_groups_resume_the_servers_and_every_groups_state(script, grou
         assert abs(again - before) <= LOSS_TOLERANCE * before
 
 
-def test_in_memory_groups_with_a_warm_up_or_threads_under_restarts_are_refused_in_one_line(tmp_path):
-    """What the worker view does not run yet: a warm-up (its groups go step by step together), several threads in a
-    process of a layout over processes with --max-restarts (a restarted process's handover is one replica's)."""
+def test_threads_under_restarts_are_refused_in_one_line(tmp_path):
+    """What the worker view does not run yet: several threads in a process of a layout over processes with
+    --max-restarts (a restarted process's handover is one replica's). (A warm-up runs: tests/test_session_warmup.py.)"""
     script = tmp_path / "one.py"
     script.write_text("import shoal\nshoal.session()\n")
-    line = one_line_error(run_cli("run", script, "--workspace", tmp_path / "ws",
-                                  *LAYOUTS[DOWNPOUR].cli(warmup_steps=2), cwd=tmp_path))
-    assert "cluster.warmup_steps is not supported there yet" in line, line
     line = one_line_error(run_cli("run", script, "--workspace", tmp_path / "ws",
                                   *LAYOUTS[DOWNPOUR_THREADS].cli(max_restarts=1), cwd=tmp_path))
     assert "Downpour over 3 processes (4 workers) is not supported in your own loop yet" in line, line

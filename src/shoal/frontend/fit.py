@@ -471,11 +471,10 @@ def workers_each_process(plan, servers_apart: bool = False) -> bool:
 
 def in_memory_groups(plan) -> bool:
     """In-memory Hogwild's or Downpour's asynchronous groups, threads of one process on the CPU, running freely around one
-    in-process server (a warm-up, group 0 training alone first, keeps the job path: the session meets every group at a
-    checkpoint's step)."""
+    in-process server (with a warm-up too: group 0 trains alone first, the others start after it)."""
     from shoal.frontend.session_start import groups_in_memory
 
-    return not plan.job.device and groups_in_memory(plan) and plan.asynchrony.warmup_steps == 0
+    return not plan.job.device and groups_in_memory(plan)
 
 
 def sandblaster_over_processes(plan) -> bool:

@@ -199,8 +199,10 @@ def _train(run, worker, spec: FitLoop, model: torch.nn.Module, log: Callable[[st
             sched.step()
         worker.log(step, **(values or window.averages()))
         # (checkpoint_freq's and checkpoint_interval_s's checkpoints: the session's, at its step boundary)
-    if step + 1 < last or (resumed_at is not None and resumed_at >= last):
-        return  # (resumed from the final checkpoint: nothing left to do, as fit's trainer)
+    # (resumed from the final checkpoint, or rejoined after the last step: nothing left to do, as fit's trainer; a worker
+    # whose group starts after a warm-up as long as the run trained nothing, and joins the final checkpoint's meeting)
+    if (step + 1 < last and run.start_step >= last) or (resumed_at is not None and resumed_at >= last):
+        return
     for phase, name in ((spec.val, "val"), (spec.test, "test")):
         if first and phase is not None and phase.steps and phase.freq:
             _evaluate(worker, spec, phase, name)

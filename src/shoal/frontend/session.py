@@ -137,6 +137,7 @@ class Session:
         self.groups_in_memory = groups_in_memory(plan)
         self._workers: list[session_worker.SessionWorker] = []
         self._met_at = -1  # several workers under Local SGD / DiLoCo: the step whose boundary ran (_workers_boundary)
+        self._warmup_ends = 0  # in-memory groups with a warm-up: the step after whose boundary the other groups start
         # each worker thread reports into the one display window; in-memory asynchronous groups' step boundary (group 0's)
         # closes it while the others report, and may checkpoint, which closes it too: reentrant
         self._window_lock = threading.RLock()
@@ -422,6 +423,8 @@ class Session:
             if self._mine is not None:
                 session_worker.restore_worker(self._mine, worker.optimizers, worker.schedulers)
         self._share = sum(worker.share for worker in self._workers)  # the process's rows per step
+        if self.groups_in_memory:
+            self._start_after_warmup()
         if self.pushes:  # Downpour / Sandblaster: the chief's FIRST to the servers, the other groups' pull, where they start
             self._pushing().global_batch = self._workers[0].global_batch
             start = self.start_step
@@ -436,6 +439,24 @@ class Session:
         if self.distributed:
             session_exchange.note_step(self.step)
         self._window_start = time.perf_counter()
+
+    def _start_after_warmup(self) -> None:
+        """In-memory groups with a warm-up (cluster.warmup_steps N; SINGA's): group 0 trains alone to step N, then the
+        other groups start there (a resumed run at its checkpoint's step, if later), as the board says
+        (`GroupBoard.start_at`, a job file's groups too); their schedulers stepped to that step, as a job file's group's
+        schedule starts at its first step. Until then their workers are excused from the process's meetings, so that
+        group 0 checkpoints alone (the file holds the others' unstarted state: a resume starts them at N again)."""
+        late = [w for w in self._workers if self.exchange.first_step(w.group) > self.start_step]
+        for worker in late:
+            worker.first_step = self.exchange.first_step(worker.group)  # (its `at` stays: an interval's step is group 0's)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # ("scheduler.step() before optimizer.step()")
+                for scheduler in worker.schedulers:
+                    for _ in range(worker.first_step - self.start_step):
+                        scheduler.step()
+        if late:
+            self._warmup_ends = min(max(w.first_step for w in late), self.job.train_steps)
+            self._workers[0].local.excuse(len(late))
 
     def _workers_boundary(self, step: int) -> None:
         """Every worker's first optimizer stepped (run by the last to arrive, inside its opt.step(), as one worker's
@@ -460,6 +481,9 @@ class Session:
             self.step = step + 1
             if self.distributed:
                 session_exchange.note_step(self.step)
+        if self._warmup_ends and step + 1 >= self._warmup_ends:  # group 0's warm-up ended: the other groups start
+            self._warmup_ends = 0
+            self._workers[0].local.admit()
 
     def _group_step_done(self, group: int, step: int) -> None:
         """In-memory asynchronous groups, running freely: group `group`'s workers ended step `step` (run by the last to

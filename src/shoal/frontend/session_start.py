@@ -99,7 +99,7 @@ def check_layout(plan: JobPlan) -> None:
     Hogwild groups over processes, one worker each, on CPU; Downpour's groups, or Sandblaster's one group, over
     processes, one worker each, on CPU, with server processes of their own (one server group); several workers in a
     process of one synchronous group (in-memory, or AllReduce over processes without restarts) or of Local SGD /
-    DiLoCo's group of the process, in-memory Downpour and Hogwild groups (without a warm-up), or Downpour's groups and
+    DiLoCo's group of the process, in-memory Downpour and Hogwild groups (a warm-up too), or Downpour's groups and
     Sandblaster's group with server processes, each process one group's workers, the loop's body run once per worker
     by run.each_worker. Every other layout is refused in one line naming it and what runs it."""
     one_worker_each = all(len(p.workers) == 1 for p in plan.placement.processes) and not any(p.servers and not p.workers
@@ -110,10 +110,6 @@ def check_layout(plan: JobPlan) -> None:
     if plan.in_one_process and plan.nworkers == 1:
         return
     if several_workers_in_a_process(plan):
-        if groups_in_memory(plan) and plan.asynchrony.warmup_steps > 0:
-            raise SessionError(f"shoal.session: {plan.label} in your own loop meets every group at a checkpoint's step, "
-                               "where group 0 training alone would wait for the others: cluster.warmup_steps is not "
-                               "supported there yet (use a job file or shoal.fit for it)")
         if pushes_to_servers(plan):
             _pushes_on_cpu(plan)
         return  # (run.each_worker: frontend/session_worker.py)

@@ -66,6 +66,29 @@ class LocalWorkers:
         self._generation = 0
         self._result: Any = None
         self.broken: Optional[BaseException] = None
+        self._excused = 0  # workers whose group has not started yet (a warm-up's): no meeting waits for them
+
+    def excuse(self, count: int) -> None:
+        """`count` workers whose group starts after group 0's warm-up miss the meetings until `admit()`: group 0 trains
+        (and checkpoints) alone meanwhile. Called from a meeting's action (every worker there), so none is under way."""
+        with self._cond:
+            self.count -= count
+            self._excused += count
+
+    def admit(self) -> None:
+        """The excused workers meet again from now (called from group 0's step boundary where its warm-up ends)."""
+        with self._cond:
+            self.count += self._excused
+            self._excused = 0
+            self._cond.notify_all()
+
+    def wait_admitted(self) -> None:
+        """An excused worker waits here for `admit()` (or for another worker's failure, which it raises)."""
+        with self._cond:
+            while self._excused and self.broken is None:
+                self._cond.wait()
+            if self.broken is not None:
+                raise WorkerFailed("another worker of this process stopped")
 
     def meet(self, action: Optional[Callable[[], Any]] = None) -> Any:
         with self._cond:
@@ -236,6 +259,7 @@ class SessionWorker:
         self.share = 0
         self.global_batch = 0  # the group's batch (pushes to server processes: the stub's weights)
         self.at = run.start_step  # the step this worker's loop is at
+        self.first_step = run.start_step  # its loop's first (in-memory groups other than 0: after group 0's warm-up)
 
     @property
     def chief(self) -> bool:
@@ -375,7 +399,9 @@ class SessionWorker:
         if self.mean is not None:
             self.mean.share = share
         self.local.meet(self.run._start_workers_loop)
-        for step in range(self.run.start_step, self.run.job.train_steps):
+        if self.first_step > self.run.start_step:  # its group starts once group 0's warm-up (cluster.warmup_steps) ended
+            self.local.wait_admitted()
+        for step in range(self.first_step, self.run.job.train_steps):
             self.at = step
             if self.pushes_to is not None and self is self.group_workers[0]:  # (in-memory groups: the board's turn,
                 self.pushes_to.begin(step)                                      # and the server's version read)

@@ -708,6 +708,10 @@ class GroupsInProcess:
         """After the loop: every group's updates by lag, and how many each was to apply (summary.json's)."""
         return plan.strategy.staleness_histogram(self.run) if self.run is not None and self.run.board is not None else None
 
+    def first_step(self, group: int) -> int:
+        """Where group `group`'s loop starts: after group 0's warm-up (cluster.warmup_steps), as the strategy's board set it."""
+        return self.run.trainers[group].start_step
+
     def updater_state(self):
         return self.exchanges[0].updater_state()
 

@@ -168,6 +168,10 @@ class GroupExchange:
         if self.board.aborted:
             raise GroupsAborted(f"worker group {self.group} stops: the job is ending")
         self.board.wait_turn(self.group, step)
+        if self.replica is not None and self.group != 0 and step == self.board.warmup_steps > 0:
+            # Downpour: a group starts from the values group 0's warm-up reached (as over processes, DownpourStub.begin)
+            for name, value in self.server.store.values.items():
+                self.replica.values[name].copy_(value)
         self.board.read(self.group, self.server.updates)
 
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
