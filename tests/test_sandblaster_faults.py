@@ -22,6 +22,7 @@ from fault_runs import SLOW, assert_no_library_text, pids, registered_pids, runs
 from layouts import Layout, assert_ran
 from test_cli import leftover_processes
 from test_local_sgd_faults import params
+from test_torchrun_rejoin import torchruns  # noqa: F401 (the fixture that stops a torchrun a failed test left running)
 
 CLUSTER = dict(nworkers_per_group=3, server_worker_separate=True)  # the job file's; `--max-restarts 1` on the command line
 SERVED = Layout(dict(CLUSTER, max_restarts=1), 4, 3, "Sandblaster")
@@ -210,3 +211,31 @@ def test_fits_sandblaster_server_killed_heals_into_the_running_fit(tmp_path, run
     assert [r["rank"] for r in got["rejoins"]] == [2]
     assert registered_pids(run.ws)[0] == workers[0] and registered_pids(run.ws)[1] == workers[1]
     assert got["final_test"]["loss"] < 0.9 * math.log(16)
+
+
+@pytest.mark.slow  # one torchrun run of 4 processes
+def test_under_torchrun_a_killed_worker_and_a_killed_server_come_back_into_the_running_job(blobs_job, tmp_path, torchruns):
+    """`torchrun ... -m shoal run JOB --max-restarts 1`: worker process 2's training process SIGKILLed, then the server's:
+    each rank's supervisor restarts it into the running job (the worker rejoins, the server heals from the chief's
+    mirror), torchrun restarts nothing, the chief's process is the same from start to end, the job exits 0."""
+    from test_torchrun_rejoin import registered, start
+
+    job = blobs_job(train_steps=400, cluster_extra=CLUSTER)
+    proc, ws = start(torchruns, job, tmp_path, env={"SHOAL_SLOW_WORKER": "0:0+0.01"}, nprocs=4)
+    (record,) = registered(ws)
+    chief, worker, server = (next(p["pid"] for p in record.processes if p["rank"] == r) for r in (0, 2, 3))
+    os.kill(worker, signal.SIGKILL)
+    wait_for(lambda: "Process 2 rejoined at step " in proc.out.read_text(), 60, f"no rejoin: {proc.err.read_text()[-3000:]}")
+    os.kill(server, signal.SIGKILL)
+    assert proc.wait(timeout=180) == 0, proc.err.read_text()[-3000:]
+    stderr = proc.err.read_text()
+    assert any(line.startswith("WARNING: process 2 (worker(group=0, id=2)) died (SIGKILL); the other processes go on without "
+                               "it; restarting it (restart 1 of 1)") for line in stderr.splitlines()), stderr
+    assert any(line.startswith("WARNING: process 3 (server(group=0, id=0)) died (SIGKILL); restarting it (restart 1 of 1); "
+                               "it heals from worker group 0's mirror") for line in stderr.splitlines()), stderr
+    assert len(registered(ws)) == 1 and registered(ws)[0].status == "finished"  # torchrun restarted nothing
+    assert pids(ws, 0) == [chief]
+    got = assert_ran(ws, SERVED)
+    assert sorted((r["rank"], r.get("server")) for r in got["rejoins"]) == [(2, None), (3, 0)], got["rejoins"]
+    assert "Traceback" not in stderr and "gloo" not in stderr.lower()
+    assert leftover_processes(tmp_path) == []
