@@ -144,6 +144,9 @@ def test_the_plan_says_what_runs_and_what_a_death_costs():
     terms = [(f["kind"], f["count"], f["ranks"]) for f in estimate(served, TIMED).fixed_costs]
     assert terms == [("collective", 2, 3), ("message", 4, 2), ("message", 5, 2), ("message", 5, 2)], terms
     assert all(f["kind"] == "collective" and "bucket" in f["what"] for f in estimate(sliced, TIMED).fixed_costs)
+    compressed = planned("max_restarts: 1 compression: kBF16")  # what is encoded: the chief's pushes, not the quorum's sum
+    assert compressed.strategy.compressed_in(compressed) == (
+        "process 0's pushes to the servers (the worker processes' mean is summed in float32)")
 
 
 @pytest.mark.slow  # three runs

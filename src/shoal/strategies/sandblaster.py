@@ -51,7 +51,10 @@ class Sandblaster(AllReduce):
                 f"{plan.nservers} server process(es); they run your optimizer and answer with the new values{restarts}"]
 
     def compressed_in(self, plan):
-        # a user's loop: the stub's push of the group's gradient (the servers answer with values, never encoded)
+        # a user's loop: the stub's push of the group's gradient (the servers answer with values, never encoded); a job
+        # file's under restarts: the chief's push of the worker processes' mean, which their quorum sums in float32
+        if served_replicas(plan):
+            return "process 0's pushes to the servers (the worker processes' mean is summed in float32)"
         return "the group's pushes to the servers" if plan.own_loop else super().compressed_in(plan)
 
     def process_groups(self, placement, devices, nnodes: int, partition) -> tuple:
