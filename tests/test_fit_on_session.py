@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import shoal
+from shoal.config import job_pb2
 from shoal.errors import ShoalError
 from shoal.frontend import fit as fitting
 from shoal.frontend import fit_loop
@@ -63,9 +64,9 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
     without restarts, Local SGD, Downpour, Sandblaster: tests/test_fit_threads_on_session.py), in-memory Hogwild's and
     Downpour's asynchronous groups (threads of one process, running freely, a warm-up too: tests/test_session_groups.py,
     tests/test_session_warmup.py), AllReduce
-    over processes with server slices (one worker each, no restarts: each process's slices' optimizer state alone,
-    tests/test_fit_slices_on_session.py); a group of threads in each process with server slices keeps the job path (the
-    session shards no state there), and so do Distributed Hogwild's groups of threads and threads under restarts."""
+    over processes with server slices (one worker or a few threads each, no restarts: each process's slices' optimizer
+    state alone, tests/test_fit_slices_on_session.py); server slices with compression keep the job path (its compressed
+    sliced exchange), and so do Distributed Hogwild's groups of threads and threads under restarts."""
     ready = {"one worker", "one synchronous group in one process", "AllReduce over processes",
              "AllReduce over processes with server slices", "Local SGD / DiLoCo over processes",
              "Distributed Hogwild over processes", "Downpour over processes", "Sandblaster over processes",
@@ -88,7 +89,7 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
                                                                   servers_hold_trainers=True),
                                        job=SimpleNamespace(device=[], cluster=SimpleNamespace(
                                            outer_updater=SimpleNamespace(user_type=OUTER_OPTIMIZER_UPDATER))))
-    others = [plan_of(nworkers_per_group=4, nworkers_per_procs=2, nservers_per_group=2),  # 2 processes x 2 threads, 2 slices
+    others = [plan_of(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2, compression=job_pb2.kBF16),
               planned_by_fit(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2, max_restarts=1),  # slices, restarts
               planned_by_fit(nworkers_per_group=4, nworkers_per_procs=2, max_restarts=1),  # threads under restarts
               planned_by_fit(nworker_groups=2, nserver_groups=2, nworkers_per_group=2, nworkers_per_procs=2),  # Hogwild
@@ -281,11 +282,11 @@ def test_fit_runs_sandblaster_over_processes_on_the_session_as_one_worker(tmp_pa
 
 
 def test_fit_on_the_job_path_over_processes_hands_the_chiefs_lines_to_its_log(tmp_path, problem, capfd, monkeypatch):
-    """A layout fit still runs on the job path (AllReduce, 2 processes x 2 threads, 2 server slices): its chief rank's
-    lines (Train, Validate, the checkpoint) reach fit's log= in this process, a lambda too, and not the terminal."""
+    """A layout fit still runs on the job path (AllReduce, 2 processes, 2 server slices, bf16 compression): its chief
+    rank's lines (Train, Validate, the checkpoint) reach fit's log= in this process, a lambda too, and not the terminal."""
     train, val, model = problem
     lines = []
-    cluster = shoal.Cluster(nworkers_per_group=4, nworkers_per_procs=2, nservers_per_group=2)
+    cluster = shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2, compression=job_pb2.kBF16)
     monkeypatch.setattr(fit_loop, "fit_on_session", lambda *a, **k: pytest.fail("not the job path"))
     shoal.fit(model, F.cross_entropy, train, val_data=val, val_freq=3, val_batch=20, steps=STEPS, batch_size=BATCH,
               disp_freq=3, updater=UPDATER, cluster=cluster, workspace=tmp_path / "ws", log=lambda line: lines.append(line))

@@ -1,5 +1,5 @@
 """shoal.fit over server slices on the session (issue 39 point 2): AllReduce over processes with
-cluster.nservers_per_group K > 1 runs fit's loop on the session, each process holding its slices' optimizer state alone
+cluster.nservers_per_group K > 1 (one worker or a few threads in each process) runs fit's loop on the session, each process holding its slices' optimizer state alone
 (runtime/session_slices.py), as the job path's owners do; its validation losses and trained values are the job
 path's to float rounding. In one process (in-memory Sandblaster's threads, 2 nominal slices: the job path's one
 in-process server holds them all) fit's loop is the session's threads'."""
@@ -94,9 +94,12 @@ def test_fit_over_server_slices_shards_adamw_on_the_session_as_the_job_path(prob
     assert {rank for spans in held.values() for *_, rank in spans} == {0, 1}
 
 
-@pytest.mark.slow  # (about 8 s: 3 processes on both paths)
-def test_fit_over_three_processes_and_three_slices_is_the_job_paths(problem, tmp_path, monkeypatch):
-    same_as_the_job_path(problem, tmp_path, monkeypatch, "AllReduce, 3 processes")
+@pytest.mark.slow  # (about 6 s each: both paths over processes)
+@pytest.mark.parametrize("row", ["AllReduce, 3 processes", "AllReduce, 2 processes x 2 threads"])
+def test_fit_over_more_slices_or_threads_is_the_job_paths(problem, tmp_path, monkeypatch, row):
+    """3 processes and 3 slices; 2 processes of 2 threads, each process's threads sharing its one update of its slices."""
+    assert fitting.fit_layout(_plan(row)) == "AllReduce over processes with server slices"
+    same_as_the_job_path(problem, tmp_path, monkeypatch, row)
 
 
 def test_fit_over_threads_with_two_slices_in_one_process_is_the_job_paths(problem, tmp_path, monkeypatch):

@@ -182,3 +182,32 @@ def test_a_dead_process_stops_the_job_in_one_line(script, tmp_path):
     planned = run_cli("plan", str(script), *LAYOUTS[SLICES_2].cli(), "--", str(tmp_path), "-1", cwd=tmp_path, timeout=60)
     assert "each process updates its slices with your optimizer and holds their state alone" in planned.stdout
     assert "the group cannot go on without a process" in planned.stdout, planned.stdout
+
+
+THREADS_2X2 = "AllReduce, 2 processes x 2 threads"  # (nservers_per_group 2: each process one server's slices)
+THREADS_PARAMS = {"0.weight": 128, "0.bias": 16, "2.weight": 16, "2.bias": 1}  # (tests/test_session_workers.py's module)
+
+
+@pytest.fixture(scope="module")
+def threads_script(tmp_path_factory) -> Path:
+    from test_session_workers import LOOP as WORKERS_LOOP
+
+    path = tmp_path_factory.mktemp("slices-threads") / "loop.py"
+    path.write_text(WORKERS_LOOP + '(out / f"state{run.rank}.json").write_text(json.dumps(run.optimizer_state_elements))\n')
+    return path
+
+
+def test_threads_of_each_process_share_its_slices_update(threads_script, tmp_path):
+    """2 processes x 2 threads: each process updates its slices once a step (its threads meet at opt.step()) and copies
+    the values into its other replica; the process's state is its slices' alone, and all 4 replicas are one worker's
+    (tests/test_session_workers.py's check: equal to the bit, one worker's to float rounding)."""
+    from test_session_workers import check_one_worker
+
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_cli("run", str(threads_script), "--workspace", str(out / "ws"), *LAYOUTS[THREADS_2X2].cli(), "--", str(out),
+                   cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    check_one_worker(out, THREADS_2X2)
+    held = [json.loads((out / f"state{rank}.json").read_text()) for rank in range(2)]
+    assert held == [sum(2 * s.size + 1 for s in slice_params(THREADS_PARAMS, 2) if s.index == rank) for rank in range(2)]

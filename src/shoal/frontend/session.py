@@ -636,17 +636,35 @@ class Session:
         sliced = session_slices.SlicedUpdate(self.plan, self.rank, optimizer, index, trained,
                                              session_slices.saved_slices(self.resumed) if self.resumed is not None else None)
         self._slices.append(sliced)
+        if self._workers:  # several workers: their opt.step()s meet, and the process updates once (_workers_slices_step)
+            return
 
         def update(optimizer, args, kwargs) -> None:
-            started = time.perf_counter()
-            part = sliced.step(self.step, self.exchange.present)
-            others = self.plan.nprocs - 1  # (the replicated exchange's counts of an all-gather: each part to every other)
-            self.exchange.sent_bytes += part * others
-            self.exchange.job_bytes_sent += part * self.plan.nprocs * others
-            self.exchange_seconds += time.perf_counter() - started
+            self._slices_step(index)
             session_worker.drop_grads(optimizer)
 
         optimizer.register_step_pre_hook(update)
+
+    def _slices_step(self, index: int) -> None:
+        """Server slices: optimizer `index`'s update of this process's slices and the all-gather of every process's."""
+        started = time.perf_counter()
+        part = self._slices[index].step(self.step, self.exchange.present)
+        others = self.plan.nprocs - 1  # (the replicated exchange's counts of an all-gather: each part to every other)
+        self.exchange.sent_bytes += part * others
+        self.exchange.job_bytes_sent += part * self.plan.nprocs * others
+        self.exchange_seconds += time.perf_counter() - started
+
+    def _workers_slices_step(self, index: int) -> None:
+        """Server slices, several workers in this process (run by the last to reach its optimizer `index`'s step): the
+        process's one update of its slices from worker 0's `.grad` (every worker holds the group's mean, clipped alike),
+        every value then copied into the other workers' replicas, whose optimizers update nothing (as worker 0's)."""
+        self._slices_step(index)
+        with torch.no_grad():
+            theirs = [p for group in self._workers[0].optimizers[index].param_groups for p in group["params"]]
+            for worker in self._workers[1:]:
+                mine = [p for group in worker.optimizers[index].param_groups for p in group["params"]]
+                for value, source in zip(mine, theirs):
+                    value.copy_(source)
 
     def _check_slices_resumed(self, path: Path) -> None:
         """A checkpoint's optimizer state is sliced over the processes (server slices) or whole in the optimizers: a
@@ -667,7 +685,8 @@ class Session:
     @property
     def optimizer_state_elements(self) -> int:
         """The elements of optimizer state this process holds: its optimizers' (under server slices, its slices' alone)."""
-        own = sum(v.numel() for o in self.optimizers for state in o.state.values() for v in state.values()
+        optimizers = self.optimizers + [o for worker in self._workers[1:] for o in worker.optimizers]
+        own = sum(v.numel() for o in optimizers for state in o.state.values() for v in state.values()
                   if isinstance(v, torch.Tensor))
         return own + sum(sliced.state_elements() for sliced in self._slices)
 

@@ -32,6 +32,7 @@ Session._workers_boundary).
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import time
 from contextlib import contextmanager
@@ -317,7 +318,16 @@ class SessionWorker:
         elif self.run.pushes:  # (worker 0's run.optimizer made the exchange to the servers, from its recipe)
             optimizer.register_step_pre_hook(self._push_process)
             self.local.meet(self.run._workers_pushing)
+        elif self.run.sliced:  # server slices: the process updates its slices once, when every worker got here
+            optimizer.register_step_pre_hook(functools.partial(self._update_slices, len(self.optimizers) - 1))
         return optimizer
+
+    def _update_slices(self, index: int, optimizer, args, kwargs) -> None:
+        """Server slices: once every worker reached its optimizer `index`'s step, the process's one update of its slices
+        (Session._workers_slices_step: every replica then holds the new values); `.grad` is left None, so the user's
+        optimizer, which runs next, updates nothing here."""
+        self.local.meet(lambda: self.run._workers_slices_step(index))
+        drop_grads(optimizer)
 
     def _push(self, optimizer, args, kwargs) -> None:
         """In-memory Downpour's and Hogwild's step: this group's gradients (after the loop's clip_grad_norm_; several

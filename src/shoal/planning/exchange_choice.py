@@ -30,13 +30,13 @@ def served_replicas(plan) -> bool:
 
 def shards_optimizer_state(plan) -> bool:
     """Whether a user's loop under this AllReduce plan shards its optimizer's state over the group's processes (pure):
-    server slices (nservers_per_group > 1, in the workers' processes), one worker per process, without restarts or
+    server slices (nservers_per_group > 1, in the workers' processes; one worker per process or a few threads), without restarts or
     compression, the module whole in each process (runtime/session_slices.py: each process its slices' state, as the
     sliced exchange's owners). The replicated exchange then sums the gradients; the group cannot go on without a process."""
     return (replicated(plan) and plan.own_loop and plan.max_restarts == 0 and plan.nservers_per_group > 1
             and plan.strategy.synchronous and not plan.strategy.meets and plan.nworker_groups == 1
             and not plan.server_worker_separate and plan.compression.dense
-            and all(len(p.workers) == 1 and p.servers for p in plan.placement.processes))
+            and all(p.workers and p.servers for p in plan.placement.processes))
 
 
 # A partitioned group's mirror (issue 38, point 1): the cost model lets it add at most this share to the bytes a step
