@@ -99,12 +99,13 @@ def assert_resumed(workspace: Path, after: int, from_step: int, steps: int) -> d
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["Sandblaster, 2 workers + 1 server, 3 processes"])
 def test_a_killed_server_restarts_the_whole_job_from_its_checkpoint(blobs_job, tmp_path, runs, layout):
-    """(a) The server process of Sandblaster SIGKILLed after the checkpoint of step 20: the job cannot go on without
-    it; the launcher stops the others and starts every process again from the newest checkpoint; the job finishes.
-    (Downpour's server is restarted into the running job instead: tests/test_server_restart.py.)"""
+    """(a) The server process of a partitioned Sandblaster group (the sliced exchange) SIGKILLed after the checkpoint of
+    step 20: the job cannot go on without it; the launcher stops the others and starts every process again from the
+    newest checkpoint; the job finishes. (Downpour's server, and an unpartitioned Sandblaster's, is restarted into the
+    running job instead: tests/test_server_restart.py, tests/test_sandblaster_faults.py.)"""
     steps = 150
     run = Run(blobs_job(train_steps=steps), tmp_path, layout, "--max-restarts", "1", "--set", "checkpoint_freq=20",
-              "--set", "test_freq=50", env=SLOW)
+              "--set", "test_freq=50", "--set", "neuralnet.partition_dim=1", env=SLOW)
     runs.append(run)
     server = run.pid_of(2)
     checkpoint_written(run.ws, run)
