@@ -339,3 +339,30 @@ def test_a_process_late_to_the_start_is_named_with_the_setting_to_raise(tmp_path
     assert "\n" not in line and "DistStoreError" not in line and "shoal/auth" not in line
     assert re.search(r"cannot join the job's processes: process [01] of 2 did not join within 1 s: raise "
                      r"cluster.comm_timeout_s on a busy machine", line), line
+
+
+UNGUARDED = """
+import torch, shoal
+x = torch.randn(32, 4)
+y = (x.sum(1) > 0).long()
+model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+shoal.fit(model, torch.nn.functional.cross_entropy, torch.utils.data.TensorDataset(x, y), steps=2, batch_size=8,
+          cluster=shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=1), workspace="ws")
+"""
+
+
+def test_a_script_calling_fit_over_processes_at_its_top_level_is_told_in_one_line(tmp_path):
+    """Each process fit starts imports the script again (as multiprocessing's `__mp_main__`, to find the user's
+    classes): a call outside `if __name__ == "__main__":` would run fit again there. Each says so in one line, no
+    multiprocessing traceback, and the run fails."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    said = f"shoal.fit: {script} calls shoal.fit when it is imported, and each process shoal starts imports it again"
+    assert proc.returncode != 0 and said in proc.stderr, proc.stderr
+    # (the calling script's own exception, the job's failure, is Python's to print; no frame of multiprocessing's)
+    assert "multiprocessing" not in proc.stderr and "bootstrapping phase" not in proc.stderr, proc.stderr

@@ -48,6 +48,14 @@ def planned_by_fit(**cluster):
     return plan_job(session_job(shoal.Cluster(**cluster), 10, 0, 10, 0, "fit"))
 
 
+def tensor_parallel_plan():
+    """fit's plan of `partition_dim=1` over one synchronous group's 2 processes (the module cut on its features)."""
+    from shoal.frontend.session_start import plan_session, session_job
+
+    return plan_session(session_job(shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=1), 10, 0, 10, 0, "fit",
+                                    partition_dim=1), 1)
+
+
 def plan_of(**cluster):
     from shoal.frontend.session_start import plan_session, session_job
 
@@ -70,9 +78,10 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
     ready = {"one worker", "one synchronous group in one process", "AllReduce over processes",
              "AllReduce over processes with server slices", "Local SGD / DiLoCo over processes",
              "Distributed Hogwild over processes", "Downpour over processes", "Sandblaster over processes",
-             "in-memory Hogwild / Downpour"}
+             "in-memory Hogwild / Downpour", "a module cut on its features over processes"}
     assert fitting.ON_SESSION == ready
-    on_a_gpu = SimpleNamespace(in_one_process=True, nworkers=1, job=SimpleNamespace(device=["cuda:0"]), label="single worker")
+    on_a_gpu = SimpleNamespace(in_one_process=True, nworkers=1, job=SimpleNamespace(device=["cuda:0"]), label="single worker",
+                               tensor_parallel=False)
     named = {"one worker": plan_of(),
              "one synchronous group in one process": plan_of(nworkers_per_group=2, nworkers_per_procs=2),  # (threads)
              "AllReduce over processes": plan_of(nworkers_per_group=2, nworkers_per_procs=1),
@@ -82,8 +91,9 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
              "Distributed Hogwild over processes": plan_of(nworker_groups=2, nserver_groups=2),
              "Downpour over processes": plan_of(nworker_groups=2, server_worker_separate=True),
              "Sandblaster over processes": plan_of(nworkers_per_group=2, nworkers_per_procs=1, server_worker_separate=True),
-             "in-memory Hogwild / Downpour": plan_of(nworker_groups=2, nworkers_per_procs=2)}
-    with_torch_outer = SimpleNamespace(in_one_process=False, nworkers=2, nprocs=2, label="DiLoCo",  # (as fit plans it)
+             "in-memory Hogwild / Downpour": plan_of(nworker_groups=2, nworkers_per_procs=2),
+             "a module cut on its features over processes": tensor_parallel_plan()}  # (tests/test_fit_tensor_parallel.py)
+    with_torch_outer = SimpleNamespace(in_one_process=False, nworkers=2, nprocs=2, label="DiLoCo", tensor_parallel=False,
                                        placement=SimpleNamespace(processes=[SimpleNamespace(workers=[k]) for k in range(2)]),
                                        strategy=SimpleNamespace(synchronous=False, meets=True, syncs_with_peers=False,
                                                                   servers_hold_trainers=True),

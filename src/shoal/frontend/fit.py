@@ -174,6 +174,8 @@ def fit(
     val_steps: Optional[int] = None,
     loss_takes: Optional[str] = None,
     device: Union[str, torch.device, Sequence[str], None] = None,
+    partition_dim: int = 0,
+    cuts: Optional[dict] = None,
     workspace: Optional[Union[str, Path]] = None,
     resume: bool = False,
     log: Callable[[str], None] = print,
@@ -223,12 +225,18 @@ def fit(
     {"val_loss": 1.9, "test_accuracy": 0.9}: summary.json's time_to_target gives the step and wall
     time each was first reached. device: where the workers compute — "cuda:0", or one device per worker
     of a process (["cuda:0", "cpu"]: worker 0 on the GPU, worker 1 on the CPU), as a job file's `device`
-    field; None: the device the model's params are on (the CPU for a model not moved). log: where fit's lines go
+    field; None: the device the model's params are on (the CPU for a model not moved). partition_dim: 0 (each worker
+    a whole replica on its share of the batch) or 1 (SINGA's feature partitioning: the module cut on its features over
+    one synchronous group's processes, one worker each, torch's tensor parallelism, as `run.model` cuts a user's
+    loop's module; `--set neuralnet.partition_dim=1` too); cuts: which Linears and attentions to cut then, in
+    run.model's form ({"blocks.0.attn": "heads", "blocks.0.mlp.c_fc": "colwise", ...}; None: every Linear →
+    element-wise → Linear pair in the module's nn.Sequentials and every attention). log: where fit's lines go
     (default print); over processes on fit's loop (one worker each: AllReduce, Local SGD / DiLoCo, Distributed
     Hogwild, Downpour) the chief rank's lines reach it too (relayed from logs/rank0.log), on the job path they go to the terminal.
     """
     from shoal.frontend import script
 
+    _refuse_a_script_imported_again()
     form = loss_form(loss_fn, loss_takes)
     for name, value, least in (("steps", steps, 1), ("batch_size", batch_size, 1), ("test_batch", test_batch, 1),
                                ("val_batch", val_batch, 1), ("disp_freq", disp_freq, 1), ("test_freq", test_freq, 0),
@@ -264,6 +272,10 @@ def fit(
                        f"(each asynchronous group's own step), got {scheduler_steps!r}")
     if scheduler_steps != "update" and scheduler is None:
         raise FitError("shoal.fit: scheduler_steps= says what a scheduler= follows: give scheduler= too")
+    if isinstance(partition_dim, bool) or partition_dim not in (0, 1):
+        raise FitError(f"shoal.fit: partition_dim must be 0 (the batch) or 1 (the module's features), got {partition_dim!r}")
+    if cuts is not None and not isinstance(cuts, dict):
+        raise FitError(f"shoal.fit: cuts= is a dict of module names to 'colwise', 'rowwise' or 'heads', got {type(cuts).__name__}")
     _start_process_server(cluster, torch_optimizer=optimizer is not None or outer_optimizer is not None)
     trained = [name for name, p in model.named_parameters() if p.requires_grad]
     if optimizer is not None:  # every form (a factory on tensors or on names, an optimizer over the model) as one factory
@@ -283,10 +295,14 @@ def fit(
             raise FitError("shoal.fit: give cluster.outer_updater (SINGA's) or outer_optimizer (a torch.optim factory), not both")
         job.cluster.outer_updater.CopyFrom(job_pb2.UpdaterProto(
             type=job_pb2.kUserUpdater, user_type=OUTER_OPTIMIZER_UPDATER, learning_rate=job_pb2.LRGenProto(type=job_pb2.kFixed)))
+    if partition_dim:
+        job.neuralnet.partition_dim = partition_dim
     job = script.applied(job)  # under `shoal run script.py`: the command line's --set (a seed set there shuffles too)
+    if cuts is not None and job.neuralnet.partition_dim != 1:
+        raise FitError("shoal.fit: cuts= names what to cut on the features: it needs partition_dim=1")
     spec = FitSpec(model, loss_fn, form, datasets, job.seed, shuffle, optimizer, scheduler, outer_optimizer, clip_grad_norm,
                    grad_accum_steps=grad_accum_steps, autocast=autocast_dtype(autocast), metrics=metrics, goals=goals,
-                   scheduler_steps=scheduler_steps)
+                   scheduler_steps=scheduler_steps, cuts=cuts)
     set_run_goals(goals)  # the summary this process may write reports them (the ranks' chief: fit_loop.fit_rank)
     try:
         history = _train(job, spec, model, workspace, resume, log)
@@ -297,6 +313,21 @@ def fit(
 
         log(closing_line(history.workspace))  # what the run did, as `shoal run` closes
     return history
+
+
+def _refuse_a_script_imported_again() -> None:
+    """In a process shoal started (a rank, a server), multiprocessing imports the user's script again as `__mp_main__`
+    to find the classes and functions fit sent; a script that calls fit at its top level would call it again there,
+    and multiprocessing would fail in a page of traceback. Say it in one line and end this process instead."""
+    import sys
+
+    caller = sys._getframe(2).f_globals  # (fit's caller's module: run by multiprocessing as "__mp_main__")
+    if caller.get("__name__") != "__mp_main__":
+        return
+    where = caller.get("__file__") or "your script"
+    print(f"shoal.fit: {where} calls shoal.fit when it is imported, and each process shoal starts imports it again to "
+          "find your model's classes: put the call under `if __name__ == \"__main__\":`", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def _start_process_server(cluster: Optional[job_pb2.ClusterProto], torch_optimizer: bool) -> None:
@@ -421,7 +452,7 @@ ON_SESSION: frozenset = frozenset({"one worker", "one synchronous group in one p
                                    "AllReduce over processes with server slices",
                                    "Local SGD / DiLoCo over processes", "Distributed Hogwild over processes",
                                    "Downpour over processes", "Sandblaster over processes",
-                                   "in-memory Hogwild / Downpour"})
+                                   "in-memory Hogwild / Downpour", "a module cut on its features over processes"})
 
 
 def fit_layout(plan) -> str:
@@ -432,6 +463,8 @@ def fit_layout(plan) -> str:
     from shoal.frontend.session_start import pushes_to_servers
     from shoal.runtime.session_slices import shards_optimizer_state
 
+    if plan.tensor_parallel:  # (the layouts it cannot run: session_start.check_layout's one line)
+        return "a module cut on its features over processes"
     if plan.in_one_process and plan.nworkers == 1 and not plan.job.device:
         return "one worker"
     if (plan.in_one_process and not plan.job.device and plan.strategy.synchronous and not plan.strategy.meets

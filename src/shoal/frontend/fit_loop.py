@@ -77,6 +77,7 @@ class FitLoop:
     val: Optional[Phase] = None
     checkpoint_interval_s: float = 600.0
     goals: Any = None  # fit's higher_is_better and targets (report.targets.RunGoals): the summary the chief writes has them
+    cuts: Optional[dict] = None  # partition_dim 1: what run.model cuts (None: what it finds)
 
 
 def _rows(batch: Any, start: int, count: int) -> Any:
@@ -152,7 +153,7 @@ def run_fit(run, spec: FitLoop, log: Callable[[str], None] = print) -> None:
             phase.cursor = done * phase.steps * phase.batch % n if n else 0
 
     def body(worker) -> None:
-        model = worker.model(replicas[worker.index])
+        model = worker.model(replicas[worker.index], **({"cuts": spec.cuts} if spec.cuts is not None else {}))
         model.train()  # fit trains in train mode (dropout on) whatever mode the module came in; evaluate uses eval mode
         _train(run, worker, spec, model, log)
 
@@ -224,7 +225,7 @@ def _session(job, spec: FitLoop, workspace, resume, log):
 
     return session(job.cluster, train_steps=spec.steps, seed=spec.seed, disp_freq=job.disp_freq,
                    checkpoint_freq=job.checkpoint_freq, checkpoint_interval_s=job.checkpoint_interval_s,
-                   workspace=workspace, resume=resume, name="fit", log=log)
+                   workspace=workspace, resume=resume, name="fit", partition_dim=max(job.neuralnet.partition_dim, 0), log=log)
 
 
 def _run_on(run, job_text: str, spec: FitLoop, log) -> None:
@@ -270,11 +271,11 @@ def session_plan(job):
     from shoal.frontend.session_start import planned, session_job, started_by_a_launcher
 
     net = job.neuralnet
-    if net.partition_dim > 0 or any(layer.partition_dim > 0 or layer.HasField("location") for layer in net.layer):
-        return None  # a partitioned module: the job path refuses it in one line (the session would not say)
+    if any(layer.partition_dim > 0 or layer.HasField("location") for layer in net.layer):
+        return None  # a module partitioned by layer: the job path refuses it in one line (the session would not say)
     try:
         session = session_job(job.cluster, job.train_steps, job.seed, job.disp_freq, job.checkpoint_freq, "fit",
-                              job.checkpoint_interval_s)
+                              job.checkpoint_interval_s, max(net.partition_dim, 0))
         if job.device:  # (a device list keeps the job path: fit.fit_layout)
             session.device.extend(job.device)
         launched = started_by_a_launcher()
@@ -372,4 +373,4 @@ def fit_loop_of(job, spec) -> FitLoop:
                    optimizer=spec.optimizer, scheduler=spec.scheduler, scheduler_steps=spec.scheduler_steps,
                    clip_grad_norm=spec.clip_grad_norm,
                    grad_accum_steps=spec.grad_accum_steps, autocast=spec.autocast, metrics=dict(spec.metrics or {}),
-                   test=test, val=val, checkpoint_interval_s=job.checkpoint_interval_s, goals=spec.goals)
+                   test=test, val=val, checkpoint_interval_s=job.checkpoint_interval_s, goals=spec.goals, cuts=spec.cuts)

@@ -78,6 +78,7 @@ class FitSpec:
     metrics: dict = field(default_factory=dict)  # name -> callable in the loss's form (frontend/fit_metrics.py), test/validation
     goals: RunGoals = field(default_factory=RunGoals)  # metric directions and targets, for the summary
     scheduler_steps: str = "update"  # what the scheduler follows: each update, or each asynchronous group's own step
+    cuts: Optional[dict] = None  # partition_dim 1: the Linears and attentions to cut (run.model's cuts=); None: found
 
     def computing(self, device: torch.device):
         """The context the module and loss compute in: torch.autocast on the batch's device, or nothing."""

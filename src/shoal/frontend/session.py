@@ -55,7 +55,7 @@ from shoal.runtime.replicas import device_label, torch_device, usable_device_nam
 
 def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int = 100, seed: int = 0, disp_freq: int = 10,
             checkpoint_freq: int = 0, checkpoint_interval_s: float = 0.0, workspace: Optional[Union[str, Path]] = None,
-            resume: bool = False, name: str = "session", tensorboard: bool = False,
+            resume: bool = False, name: str = "session", tensorboard: bool = False, partition_dim: int = 0,
             log: Callable[[str], None] = print) -> "Session":
     """This process's part of the user's own training loop (docs/python.md, "Your own loop").
 
@@ -66,12 +66,14 @@ def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int 
     checkpoint_interval_s: without checkpoint_freq, also checkpoint about every this many seconds (0, the default: only
     where the loop calls run.checkpoint(); over processes the chief picks the step, every process writes its part).
     tensorboard: also write the records (run.log's, run.evaluate's) as TensorBoard event files in WORKSPACE/tensorboard
-    (as `shoal run script.py --tensorboard`).
+    (as `shoal run script.py --tensorboard`). partition_dim: SINGA's neuralnet.partition_dim, 0 (the batch: each worker
+    a whole replica) or 1 (the module cut on its features over one synchronous group's processes: run.model's cuts);
+    `--set neuralnet.partition_dim=` overrides it.
     Under `shoal run script.py` a layout of several processes starts one per rank running this script from the top:
     this call does not return in the launcher, which exits with the job's outcome, nor in a Downpour or Sandblaster server process,
     which serves and then ends the script (exit status 0)."""
     context = rank_context()
-    job = session_job(cluster, train_steps, seed, disp_freq, checkpoint_freq, name, checkpoint_interval_s)
+    job = session_job(cluster, train_steps, seed, disp_freq, checkpoint_freq, name, checkpoint_interval_s, partition_dim)
     if tensorboard:  # (`shoal run script.py --tensorboard` set it already, as for any job of a script)
         job.tensorboard = True
     if context is not None:  # a rank the launcher started: its plan is the launcher's

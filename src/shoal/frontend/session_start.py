@@ -60,10 +60,11 @@ def rank_context() -> Optional[RankContext]:
 
 
 def session_job(cluster: Optional[job_pb2.ClusterProto], train_steps: int, seed: int, disp_freq: int,
-                checkpoint_freq: int, name: str, checkpoint_interval_s: float = 0.0) -> job_pb2.JobProto:
+                checkpoint_freq: int, name: str, checkpoint_interval_s: float = 0.0, partition_dim: int = 0) -> job_pb2.JobProto:
     """The job of a session: its cluster and counts, no net (the user's module is not shoal's to build), and an
     updater that applies nothing (the user's optimizer updates; an exchange's own inner updater never moves a value).
-    `checkpoint_interval_s`: 0 (a user's loop checkpoints where it calls run.checkpoint()), or fit's."""
+    `checkpoint_interval_s`: 0 (a user's loop checkpoints where it calls run.checkpoint()), or fit's. `partition_dim`:
+    neuralnet.partition_dim (1: the module cut on its features), which the command line's --set overrides."""
     for what, value, least in (("train_steps", train_steps, 1), ("seed", seed, 0), ("disp_freq", disp_freq, 1),
                                ("checkpoint_freq", checkpoint_freq, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -79,6 +80,10 @@ def session_job(cluster: Optional[job_pb2.ClusterProto], train_steps: int, seed:
     job.updater.type = job_pb2.kSGD
     job.updater.learning_rate.type = job_pb2.kFixed
     job.updater.learning_rate.base_lr = 0.0
+    if isinstance(partition_dim, bool) or partition_dim not in (0, 1):
+        raise SessionError(f"shoal.session: partition_dim must be 0 (the batch) or 1 (the module's features), got {partition_dim!r}")
+    if partition_dim:
+        job.neuralnet.partition_dim = partition_dim
     job = script.applied(job)  # under `shoal run script.py`: the command line's --set
     if job.neuralnet.partition_dim not in (0, 1):  # the batch, or the features (torch's tensor parallelism)
         raise SessionError(f"shoal.session: neuralnet.partition_dim {job.neuralnet.partition_dim}: your own loop's module "
