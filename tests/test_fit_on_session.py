@@ -103,11 +103,12 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
               planned_by_fit(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2, max_restarts=1),  # slices, restarts
               planned_by_fit(nworkers_per_group=4, nworkers_per_procs=2, max_restarts=1),  # threads under restarts
               planned_by_fit(nworker_groups=2, nserver_groups=2, nworkers_per_group=2, nworkers_per_procs=2),  # Hogwild
-              with_torch_outer,  # DiLoCo with fit's outer_optimizer= (a torch optimizer: the job path's)
               on_a_gpu]
     assert {fitting.fit_layout(plan): name for name, plan in named.items()} == {name: name for name in named}
     assert fitting.fit_layout(planned_by_fit(nworker_groups=2, nworkers_per_procs=2, warmup_steps=2)) == \
         "in-memory Hogwild / Downpour"  # (a warm-up: group 0 alone first, the others after it)
+    # DiLoCo with fit's outer_optimizer= (a torch optimizer: shoal.session's outer_optimizer=)
+    assert fitting.fit_layout(with_torch_outer) == "Local SGD / DiLoCo over processes"
     assert all(fitting.fit_layout(plan) not in ready for plan in others)
     for plan in [*named.values(), *others]:
         assert fitting.on_session(plan) == (fitting.fit_layout(plan) in fitting.ON_SESSION)

@@ -208,8 +208,12 @@ def test_diloco_inner_adamw_outer_nesterov_threads_equal_processes_and_resume_ex
     resumed, _ = fit(tmp_path, "parts", steps=16, cluster=DILOCO_PROCESSES.fit_cluster(), resume=True, **run)
     for (name, a), b in zip(processes.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), name  # inner AdamW moments of both groups, the anchor and the outer momentum restored
-    state = checkpoint.load(checkpoint.checkpoint_file(tmp_path / "parts", 16)).updater_state
-    assert all({"exp_avg", "outer.momentum_buffer", "outer.anchor"} <= set(slots) for slots in state.values())
+    # over processes fit runs on the session (its loop's checkpoint): the exchange holds each param's anchor and outer
+    # momentum, the inner AdamW's state is torch's (by index); threads stay on the job path, whose values it ends on
+    saved = checkpoint.load(checkpoint.checkpoint_file(tmp_path / "parts", 16), parts=True)
+    assert saved.trainer["session"] and saved.updater_state["optimizer.0"]
+    assert all({f"updater/{name}/outer.anchor", f"updater/{name}/outer.momentum_buffer"} <= set(saved.exchange)
+               for name, _ in processes.named_parameters())
     plain_average, _ = fit(tmp_path, "average", steps=16, cluster=DILOCO_THREADS.fit_cluster(), updater=None, optimizer=adamw)
     assert any(not torch.allclose(a, b) for a, b in zip(plain_average.parameters(), threads.parameters()))  # the outer step acted
 

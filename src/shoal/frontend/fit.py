@@ -480,8 +480,8 @@ def fit_layout(plan) -> str:
         return "AllReduce over processes"
     if over_processes and plan.strategy.synchronous and shards_optimizer_state(plan):  # (ZeRO-1's, as the job path's owners)
         return "AllReduce over processes with server slices"
-    if over_processes and plan.strategy.meets and plan.job.cluster.outer_updater.user_type != OUTER_OPTIMIZER_UPDATER:
-        return "Local SGD / DiLoCo over processes"  # (outer_optimizer=, a torch one, is the job path's alone)
+    if over_processes and plan.strategy.meets:
+        return "Local SGD / DiLoCo over processes"  # (outer_optimizer=, a torch one, too: shoal.session's outer_optimizer=)
     if over_processes and plan.strategy.syncs_with_peers:  # (the strategy's word, not its label)
         return "Distributed Hogwild over processes"
     if downpour_over_processes(plan):

@@ -77,6 +77,7 @@ class FitLoop:
     val: Optional[Phase] = None
     checkpoint_interval_s: float = 600.0
     goals: Any = None  # fit's higher_is_better and targets (report.targets.RunGoals): the summary the chief writes has them
+    outer_optimizer: Optional[Callable] = None  # Local SGD / DiLoCo's outer step (shoal.session's outer_optimizer=)
     cuts: Optional[dict] = None  # partition_dim 1: what run.model cuts (None: what it finds)
 
 
@@ -225,7 +226,8 @@ def _session(job, spec: FitLoop, workspace, resume, log):
 
     return session(job.cluster, train_steps=spec.steps, seed=spec.seed, disp_freq=job.disp_freq,
                    checkpoint_freq=job.checkpoint_freq, checkpoint_interval_s=job.checkpoint_interval_s,
-                   workspace=workspace, resume=resume, name="fit", partition_dim=max(job.neuralnet.partition_dim, 0), log=log)
+                   workspace=workspace, resume=resume, name="fit", partition_dim=max(job.neuralnet.partition_dim, 0),
+                   outer_optimizer=spec.outer_optimizer, log=log)
 
 
 def _run_on(run, job_text: str, spec: FitLoop, log) -> None:
@@ -278,6 +280,10 @@ def session_plan(job):
                               job.checkpoint_interval_s, max(net.partition_dim, 0))
         if job.device:  # (a device list keeps the job path: fit.fit_layout)
             session.device.extend(job.device)
+        if session.cluster.outer_updater.user_type:  # (outer_optimizer=: planned before the module binds it)
+            from shoal.frontend.session_outer import plannable
+
+            plannable(session)
         launched = started_by_a_launcher()
         return planned(session, launched.nnodes if launched is not None else 1)  # (the plan the session runs on)
     except ShoalError:
@@ -293,7 +299,7 @@ def fit_on_session(job, spec: FitLoop, *, plan, workspace, resume: bool, log: Ca
     from google.protobuf import text_format
 
     from shoal.frontend import script
-    from shoal.frontend.session_start import check_layout, started_by_a_launcher
+    from shoal.frontend.session_start import _rank_setup, check_layout, started_by_a_launcher
 
     where = Path(script.workspace(workspace) or "fit-workspace")
     metrics = where / "metrics.jsonl"
@@ -307,7 +313,8 @@ def fit_on_session(job, spec: FitLoop, *, plan, workspace, resume: bool, log: Ca
 
             with _relayed(where / "logs" / "rank0.log", None if log is print else log):
                 train_job(plan.job, RunOptions(workspace=where, resume=resume, log=log, plan=plan, progress=False,
-                                               rank_main=functools.partial(fit_rank, job_text, spec, log is print)),
+                                               rank_main=functools.partial(fit_rank, job_text, spec, log is print),
+                                               process_setup=_rank_setup(plan)),
                           job_file="<shoal.fit>")
             return history(where, start)
     run = _session(job, spec, where, resume, log)
@@ -371,6 +378,6 @@ def fit_loop_of(job, spec) -> FitLoop:
     return FitLoop(spec.model, spec.loss_fn, spec.form, spec.datasets[job_pb2.kTrain], batch[job_pb2.kTrain],
                    job.train_steps, seed=job.seed, shuffle=spec.shuffle, updater=_as_dict(job.updater) if singa else None,
                    optimizer=spec.optimizer, scheduler=spec.scheduler, scheduler_steps=spec.scheduler_steps,
-                   clip_grad_norm=spec.clip_grad_norm,
+                   clip_grad_norm=spec.clip_grad_norm, outer_optimizer=spec.outer_optimizer,
                    grad_accum_steps=spec.grad_accum_steps, autocast=spec.autocast, metrics=dict(spec.metrics or {}),
                    test=test, val=val, checkpoint_interval_s=job.checkpoint_interval_s, goals=spec.goals, cuts=spec.cuts)

@@ -56,7 +56,7 @@ from shoal.runtime.replicas import device_label, torch_device, usable_device_nam
 def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int = 100, seed: int = 0, disp_freq: int = 10,
             checkpoint_freq: int = 0, checkpoint_interval_s: float = 0.0, workspace: Optional[Union[str, Path]] = None,
             resume: bool = False, name: str = "session", tensorboard: bool = False, partition_dim: int = 0,
-            log: Callable[[str], None] = print) -> "Session":
+            outer_optimizer=None, log: Callable[[str], None] = print) -> "Session":
     """This process's part of the user's own training loop (docs/python.md, "Your own loop").
 
     cluster: shoal.Cluster(...) (the layout: single worker, AllReduce over processes, Local SGD / DiLoCo,
@@ -68,12 +68,20 @@ def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int 
     tensorboard: also write the records (run.log's, run.evaluate's) as TensorBoard event files in WORKSPACE/tensorboard
     (as `shoal run script.py --tensorboard`). partition_dim: SINGA's neuralnet.partition_dim, 0 (the batch: each worker
     a whole replica) or 1 (the module cut on its features over one synchronous group's processes: run.model's cuts);
-    `--set neuralnet.partition_dim=` overrides it.
+    `--set neuralnet.partition_dim=` overrides it. outer_optimizer: Local SGD / DiLoCo's outer step as a torch
+    optimizer over the groups' mean change at each meeting, in shoal.fit's form (a factory on the params, e.g.
+    `lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)`, DiLoCo's; None: cluster.outer_updater,
+    SINGA's, by default plain averaging).
     Under `shoal run script.py` a layout of several processes starts one per rank running this script from the top:
     this call does not return in the launcher, which exits with the job's outcome, nor in a Downpour or Sandblaster server process,
     which serves and then ends the script (exit status 0)."""
     context = rank_context()
     job = session_job(cluster, train_steps, seed, disp_freq, checkpoint_freq, name, checkpoint_interval_s, partition_dim)
+    outer = outer_optimizer is not None or bool(job.cluster.outer_updater.user_type)
+    if outer:  # Local SGD / DiLoCo's outer step, a torch optimizer (bound to the module at run.model())
+        from shoal.frontend import session_outer
+
+        session_outer.with_outer_optimizer(job, outer_optimizer)
     if tensorboard:  # (`shoal run script.py --tensorboard` set it already, as for any job of a script)
         job.tensorboard = True
     if context is not None:  # a rank the launcher started: its plan is the launcher's
@@ -86,6 +94,8 @@ def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int 
                        rejoin=context.rejoin, terminal=context.terminal)
     launched = started_by_a_launcher()
     plan = plan_session(job, launched.nnodes if launched is not None else 1)
+    if outer:
+        session_outer.check_layout(plan)
     if launched is not None:  # torchrun, srun, env://: this process is one rank of the world they started
         supervise_if_restartable(plan, launched, Path(workspace) if workspace else None, resume, log)  # (--max-restarts)
         serve_if_server(plan, launched, Path(workspace) if workspace else None, resume, log)  # (a server process)
@@ -559,6 +569,10 @@ class Session:
             if own_mean:  # (several workers in this process: each worker's goes to their LocalMean)
                 self.mean = session_exchange.GradientMean(trained, self.exchange, 1, lambda: self.step)
         elif self.distributed and self.plan.strategy.meets:
+            if self.plan.job.cluster.outer_updater.user_type:  # (outer_optimizer=: a torch optimizer over these params)
+                from shoal.frontend import session_outer
+
+                session_outer.bind(self.plan, module)
             self.exchange = session_exchange.attached_exchange(self.plan, self.rank, store, self.group, self.start_step,
                                                                resumed=self._mine is not None, saved=saved, metrics=self.metrics,
                                                                log=self.say, rejoining=self.rejoin is not None)

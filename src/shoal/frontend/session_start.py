@@ -265,11 +265,21 @@ def start_ranks(plan: JobPlan, workspace: Optional[Path], resume, log: Callable[
     saved, sys.modules["__main__"] = sys.modules["__main__"], types.ModuleType("__main__")
     try:
         history = train_job(plan.job, RunOptions(workspace=ws, resume=script.resume(resume), log=log, plan=plan,
-                                                 rank_main=main, progress=False), job_file=str(path))
+                                                 rank_main=main, progress=False, process_setup=_rank_setup(plan)),
+                            job_file=str(path))
     finally:
         sys.modules["__main__"] = saved
     log(closing_line(history.workspace))
     return 0
+
+
+def _rank_setup(plan: JobPlan):
+    """What a rank does before it plans the job: a torch outer optimizer's (shoal.session's outer_optimizer=) stand-in."""
+    if not plan.job.cluster.outer_updater.user_type:
+        return None
+    from shoal.frontend.session_outer import setup_of
+
+    return setup_of(plan.job)
 
 
 _SUPERVISED = False  # this process is a supervised rank's child (under torchrun/srun): it runs the loop itself
