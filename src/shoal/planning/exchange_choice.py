@@ -30,9 +30,10 @@ def served_replicas(plan) -> bool:
 
 def shards_optimizer_state(plan) -> bool:
     """Whether a user's loop under this AllReduce plan shards its optimizer's state over the group's processes (pure):
-    server slices (nservers_per_group > 1, in the workers' processes; one worker per process or a few threads), without restarts or
-    compression, the module whole in each process (runtime/session_slices.py: each process its slices' state, as the
-    sliced exchange's owners). The replicated exchange then sums the gradients; the group cannot go on without a process."""
+    server slices (nservers_per_group > 1, in the workers' processes; one worker or a few threads each), without
+    restarts or compression, the module whole in each process (runtime/session_slices.py: each process its slices'
+    state, as the sliced exchange's owners). The replicated exchange then sums the gradients; the group cannot go on
+    without a process."""
     return (replicated(plan) and plan.own_loop and plan.max_restarts == 0 and plan.nservers_per_group > 1
             and plan.strategy.synchronous and not plan.strategy.meets and plan.nworker_groups == 1
             and not plan.server_worker_separate and plan.compression.dense
