@@ -1,9 +1,9 @@
 """What a job of several processes costs before its first step (issue 40, point 1: shoal's start-up around the loop).
 
 shoal.fit starts the server its ranks fork from (multiprocessing's forkserver) as soon as the layout is known to need
-processes, so its imports run beside the parent's checks and planning; a fit with a torch optimizer has the server
-import torch._dynamo too (torch's optimizers import it on first use: about a second of CPU), so the ranks inherit it
-instead of each importing it after it started. `shoal run JOB` forks that server from its own process once it has
+processes, so its imports run beside the parent's checks and planning; the server imports torch._dynamo too (torch's
+optimizers import it on first use: about a second of CPU; fit's loop builds one for SINGA's updater= as well), so the
+ranks inherit it instead of each importing it after it started. `shoal run JOB` forks that server from its own process once it has
 imported torch and shoal, instead of starting an interpreter that imports them again.
 """
 from __future__ import annotations
@@ -67,13 +67,15 @@ SERVER_PRELOAD = textwrap.dedent('''
 ''')
 
 
-def test_a_fit_with_a_torch_optimizer_starts_the_ranks_server_with_torch_dynamo_before_its_checks(tmp_path):
-    """What the ranks inherit is what the server imported before they forked (multiprocessing's preload): torch._dynamo
-    for a torch optimizer; the server starts before fit's checks import it in the script's process (they run beside
-    the server's). In a fresh interpreter stopped at the server's start: about a second, where the whole fit below
-    (slow) takes ten."""
+@pytest.mark.parametrize("optimizer", ["torch's AdamW", "SINGA's updater"])
+def test_a_fit_starts_the_ranks_server_with_torch_dynamo_before_its_checks(tmp_path, optimizer):
+    """What the ranks inherit is what the server imported before they forked (multiprocessing's preload): torch._dynamo,
+    for a torch optimizer and for SINGA's updater= alike (fit's loop runs it as shoal.SingaOptimizer, a torch
+    optimizer); the server starts before fit's checks import it in the script's process (they run beside the
+    server's). In a fresh interpreter stopped at the server's start: about a second, where the whole fit below (slow)
+    takes ten."""
     script = tmp_path / "job.py"
-    script.write_text(SERVER_PRELOAD + SCRIPT)
+    script.write_text(SERVER_PRELOAD + (SCRIPT if optimizer == "torch's AdamW" else SCRIPT.replace("optimizer=adamw,", "")))
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "ranks.txt"), str(tmp_path / "ws")],
                           capture_output=True, text=True, cwd=tmp_path, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]

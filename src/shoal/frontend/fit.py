@@ -276,7 +276,7 @@ def fit(
         raise FitError(f"shoal.fit: partition_dim must be 0 (the batch) or 1 (the module's features), got {partition_dim!r}")
     if cuts is not None and not isinstance(cuts, dict):
         raise FitError(f"shoal.fit: cuts= is a dict of module names to 'colwise', 'rowwise' or 'heads', got {type(cuts).__name__}")
-    _start_process_server(cluster, torch_optimizer=optimizer is not None or outer_optimizer is not None)
+    _start_process_server(cluster)
     trained = [name for name, p in model.named_parameters() if p.requires_grad]
     if optimizer is not None:  # every form (a factory on tensors or on names, an optimizer over the model) as one factory
         optimizer = optimizer_factory(optimizer, model, trained)
@@ -330,16 +330,22 @@ def _refuse_a_script_imported_again() -> None:
     raise SystemExit(2)
 
 
-def _start_process_server(cluster: Optional[job_pb2.ClusterProto], torch_optimizer: bool) -> None:
+# what fit's ranks import, into the server they fork from: torch._dynamo too, which torch imports at a torch optimizer's
+# first add_param_group (torch._disable_dynamo): a second of CPU in each rank on fit's loop, whose SINGA updater= is a
+# torch optimizer too (shoal.SingaOptimizer); the most of a short run's time over processes
+FIT_RANK_IMPORTS = ("shoal.launcher.launch", "shoal.frontend.fit_loop", "shoal.frontend.session", "torch._dynamo")
+
+
+def _start_process_server(cluster: Optional[job_pb2.ClusterProto]) -> None:
     """A layout of several processes that shoal starts: start the server they fork from (multiprocessing's forkserver)
-    now, so that its imports (torch, shoal and, for a torch optimizer, torch._dynamo: seconds of CPU) run beside this
-    process's checks and planning instead of after them, and each rank inherits them instead of importing its own."""
+    now, so that its imports (FIT_RANK_IMPORTS: seconds of CPU) run beside this process's checks and planning instead of
+    after them, and each rank inherits them instead of importing its own."""
     from shoal.frontend import script
     from shoal.launcher import process_server
 
     if script.settings() is not None and script.settings().plan is not None:  # `shoal plan script.py`: nothing starts
         return
-    process_server.start_for(cluster, ["shoal.launcher.launch"] + (["torch._dynamo"] if torch_optimizer else []))
+    process_server.start_for(cluster, list(FIT_RANK_IMPORTS))
 
 
 def worker_devices(device, model: torch.nn.Module) -> list[str]:
