@@ -74,6 +74,7 @@ def test_a_killed_worker_process_is_left_out_restarted_and_takes_the_servers_val
     assert leftover_processes(tmp_path) == []
 
 
+@pytest.mark.slow  # ~8 s: the default suite's 5-minute budget (the heal is Downpour's: tests/test_server_restart.py)
 def test_a_killed_server_process_is_restarted_and_heals_from_the_chiefs_mirror(blobs_job, tmp_path, runs):
     """The server process is SIGKILLed mid-run (momentum: an updater state to mirror): the launcher restarts it into
     the running job, it heals from the chief's mirror, and the worker processes keep their pids; no whole-job restart."""
@@ -242,3 +243,22 @@ def test_under_torchrun_a_killed_worker_and_a_killed_server_come_back_into_the_r
     assert sorted((r["rank"], r.get("server")) for r in got["rejoins"]) == [(2, None), (3, 0)], got["rejoins"]
     assert "Traceback" not in stderr and "gloo" not in stderr.lower()
     assert leftover_processes(tmp_path) == []
+
+
+@pytest.mark.slow  # two runs
+def test_a_killed_server_under_plain_sgd_loses_nothing(blobs_job, tmp_path, runs):
+    """Plain SGD (no updater state: the heal's values are all a server holds): the server of 2 SIGKILLed mid-run is
+    healed with the values the chief's push of that step was computed on, the chief sends that push again, and the run
+    ends bit for bit where the unfaulted run ends."""
+    steps = 150
+    job = blobs_job(train_steps=steps, updater="type: kSGD", cluster_extra=dict(CLUSTER, nworkers_per_group=2, nservers_per_group=2))
+    cli_run(job, tmp_path / "unfaulted", "--max-restarts", "1")
+    run = runs.start(job, tmp_path, "--max-restarts", "1", env=SLOW)
+    run.pid_once_training(0)
+    os.kill(registered_pids(run.ws)[3], signal.SIGKILL)
+    stdout, _ = run.finished()
+    assert re.search(r"^worker group 0: sent the push of step \d+ again to server\(group=0, id=1\) \(restart 1\), healed "
+                     r"with the values it was computed on$", stdout, re.M), stdout
+    assert [r["server"] for r in summary(run.ws)["rejoins"]] == [1]
+    a, b = params(tmp_path / "unfaulted", steps), params(run.ws, steps)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

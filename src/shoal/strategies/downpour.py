@@ -75,7 +75,7 @@ class Downpour(Strategy):
                                                  timeout_s=plan.comm_timeout_s, warmup_steps=bounds.warmup_steps,
                                                  overlap_push=bounds.overlap_push, codecs=codecs,
                                                  servers_heal=self.servers_heal(plan), rejoining=run.rejoining,
-                                                 successor=successor),
+                                                 successor=successor, resends=self.synchronous),  # (Sandblaster's loop)
                                 may_take_over=successor is not None)
 
     def chief_succeeded_by_a_group(self, plan) -> bool:

@@ -96,7 +96,8 @@ class Sandblaster(AllReduce):
             servers = {ServerId(0, i): plan.placement.process_of(ServerId(0, i)) for i in range(plan.nservers_per_group)}
             codecs = codec_factory(plan.compression.kind, plan.compression.topk_fraction)  # (the pushes, as Downpour's)
             stub = DownpourExchange(trainer.store, make_updater(plan.updater), plan.placement, rank, 0, [rank], None, servers,
-                                    plan.global_batch, timeout_s=plan.comm_timeout_s, codecs=codecs, servers_heal=True)
+                                    plan.global_batch, timeout_s=plan.comm_timeout_s, codecs=codecs, servers_heal=True,
+                                    resends=True)  # (synchronous: a push lost with its server goes to the healed one)
         log = lambda line: trainer.log(line)  # noqa: E731 (the trainer's log once it runs: above a progress bar)
         trainer.attach_exchange(SandblasterExchange(trainer.store, make_updater(plan.updater), quorum, rank,
                                                     plan.global_batch, stub, log=log, annotate=_annotator(trainer)))

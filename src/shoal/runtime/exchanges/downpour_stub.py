@@ -44,14 +44,18 @@ class DownpourExchange:
     def __init__(self, store: ParamStore, updater: Updater, placement: Placement, rank: int, group: int,
                  group_ranks: list[int], group_comm, server_ranks: dict[ServerId, int], global_batch: int, *, timeout_s: float,
                  warmup_steps: int = 0, overlap_push: bool = False, codecs: Optional[Callable[..., Codec]] = None,
-                 servers_heal: bool = False, rejoining: bool = False, successor: Optional[Successor] = None):
+                 servers_heal: bool = False, rejoining: bool = False, successor: Optional[Successor] = None,
+                 resends: bool = False):
         """As the strategy reads them from the plan: `timeout_s` (cluster.comm_timeout_s: how long a server may take to
         answer a knock), `warmup_steps`, `overlap_push` and `codecs` (cluster.compression; None: float32); `group_comm`: the
         plan's group of this worker group's processes (shoal.comm.collectives.Group; None: the group is one process);
         `servers_heal` (cluster.max_restarts > 0): a dead server is restarted into the job, the chief keeps a mirror of
         each server's updater state to heal it from, and every stub waits for the new server instead of failing.
         `rejoining`: this process was restarted into the running job (a dead chief's too: then as an ordinary group);
-        `successor`: this process may take a dead chief's place (shoal.comm.succession; None: it never does)."""
+        `successor`: this process may take a dead chief's place (shoal.comm.succession; None: it never does);
+        `resends` (a synchronous group of one stub, the chief: Sandblaster's, no overlap_push): a push lost with its server
+        is sent again to the healed one, which the chief's HEAL set to the values that push was computed on, so no step's
+        update is lost (its optimizer state is still the mirror's)."""
         self.store, self.rank, self.group = store, rank, group
         self.successor = successor
         self._mirror_now = False  # a successor's first mirror is asked at once, not K steps later
@@ -96,6 +100,8 @@ class DownpourExchange:
         self.overlap = overlap_push
         self._awaited: list = []  # the answers to the last push, while they are on their way (overlap_push)
         self.servers_heal = servers_heal
+        self.resends = resends and servers_heal and not overlap_push
+        self._pushing: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None  # (step, flat, had) of the push out (resends)
         self.server_restarts = {rank: 0 for _, rank, _, _ in self.servers}  # the server process each stub talks to
         # the chief's mirror of each server's updater state and counters ([version, bytes, groups, steps, applied, lags]),
         # refreshed every mirror_every[server] of its steps (mirror_interval: the cost model's choice)
@@ -375,28 +381,49 @@ class DownpourExchange:
         # this push's answers are posted first (requests.Posted says why); the previous push's answers (overlap_push)
         # still fill the receives posted before these
         answers = [self._posted_answer(server, server_rank, size, step) for server, server_rank, _, size in self.servers]
+        self._pushing = (step, flat, had) if self.resends else None
         for i, (server, server_rank, segments, _) in enumerate(self.servers):
-            if answers[i] is None:  # its server died: this push to it is dropped
+            if answers[i] is None:  # its server died: this push to it is dropped (or sent to the healed one: resends)
+                answers[i] = self._push_again(i, step) if self.resends else None
                 continue
-            def push(channel=self._to(server_rank), server_rank=server_rank, segments=segments):
-                channel.send(words(PUSH, step, self.read_version[server_rank]), TAG_HEADER)
-                for part in self.codecs[server_rank].encode(self._gather(flat, segments)):
-                    channel.send(part, TAG_GRAD)
-                    self.pushed_bytes += wire_bytes([part])
-                # one byte per segment: cheaper than a flag inside the (uncopied) gradient
-                channel.send(torch.tensor([had[self.position[s.param]] > 0 for s in segments], dtype=torch.uint8, device="cpu"), TAG_HAS_GRAD)
-                if self.hyper_size:
-                    channel.send(self.hyper(), TAG_HYPER)
             try:
-                self._to(server_rank).run(push)  # (the push's messages handed to the waiter's thread at once)
+                self._to(server_rank).run(lambda r=server_rank, g=segments: self._send_push(r, g, step, flat, had))
             except RuntimeError as err:
                 self._recover(server, server_rank, step, err)  # (or ServerLost) this push to it is dropped
-                answers[i] = None
+                answers[i] = self._push_again(i, step) if self.resends else None
         self._settle(step)
         self._awaited = answers
         if not self.overlap:
             self._settle(step)
         self._refresh_mirrors(step)
+
+    def _send_push(self, server_rank: int, segments: list[Segment], step: int, flat: torch.Tensor, had: torch.Tensor) -> None:
+        """A push's messages on the server's channel (run on the waiter's thread)."""
+        channel = self._channels[server_rank]
+        channel.send(words(PUSH, step, self.read_version[server_rank]), TAG_HEADER)
+        for part in self.codecs[server_rank].encode(self._gather(flat, segments)):
+            channel.send(part, TAG_GRAD)
+            self.pushed_bytes += wire_bytes([part])
+        # one byte per segment: cheaper than a flag inside the (uncopied) gradient
+        channel.send(torch.tensor([had[self.position[s.param]] > 0 for s in segments], dtype=torch.uint8, device="cpu"), TAG_HAS_GRAD)
+        if self.hyper_size:
+            channel.send(self.hyper(), TAG_HYPER)
+
+    def _push_again(self, index: int, step: int) -> tuple:
+        """`resends`: the push of `step` to server `index`'s healed process (again after each death meanwhile), its
+        answer's receives posted first; says so in the process's log."""
+        server, server_rank, segments, size = self.servers[index]
+        _, flat, had = self._pushing
+        while True:
+            try:
+                answer = self._await_answer(server_rank, size)
+                self._to(server_rank).run(lambda: self._send_push(server_rank, segments, step, flat, had))
+                break
+            except RuntimeError as err:
+                self._recover(server, server_rank, step, err)
+        print(f"worker group {self.group}: sent the push of step {step} again to {server} (restart "
+              f"{self.server_restarts[server_rank]}), healed with the values it was computed on")
+        return answer
 
     def _posted_answer(self, server: ServerId, server_rank: int, size: int, step: int) -> Optional[tuple]:
         """The receives of a push's answer, posted; None when the server was found dead and recovered (servers that heal)."""
@@ -427,6 +454,12 @@ class DownpourExchange:
                 posted.link.run(posted.wait)
             except RuntimeError as err:
                 self._recover(server, server_rank, step, err)  # (or ServerLost) the answer is lost with its push
+                if not (self._pushing is not None and self._pushing[0] == step):
+                    continue
+                index = next(i for i, s in enumerate(self.servers) if s[1] == server_rank)
+                self._awaited = [None] * len(self.servers)  # (the others' answers are taken already, or next)
+                self._awaited[index] = self._push_again(index, step)
+                self._settle(step)  # this answer, from the healed server
                 continue
             self._leave_if_refused(int(reply[0]), step)
             scatter(self.store, values, segments)

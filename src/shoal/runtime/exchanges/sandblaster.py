@@ -19,8 +19,9 @@ Each step is two meetings of the worker processes' quorum (shoal.comm.quorum), t
 A restarted worker process knocks, is admitted at the next step's first meeting, takes the chief's values, and trains
 from the step after it on the servers' new values (its data position is the step's, as every worker's; its random
 generators start from their seeds, as a replicated process's). A dead server process is restarted into the job and
-healed from the chief's mirror of its updater state and counters (runtime/exchanges/downpour_mirror.py), as Downpour's;
-the step whose push it lost is not applied by it. The chief (process 0) is the stub and the mirror's keeper: its death
+healed from the chief's mirror of its updater state and counters (runtime/exchanges/downpour_mirror.py), as Downpour's,
+and the chief sends it the push it lost again (the stub's `resends`: the heal set it to the values that push was
+computed on), so only the updater state's progress since the mirror is lost. The chief (process 0) is the stub and the mirror's keeper: its death
 restarts the whole job from its newest checkpoint (launcher/job_restarts.py).
 """
 from __future__ import annotations
