@@ -91,6 +91,9 @@ LAYOUTS: dict[str, Layout] = {
     "Distributed Hogwild, 2 groups": Layout(dict(nworker_groups=2, nserver_groups=2), 2, 2, "Distributed Hogwild"),
     # the seed docs' Distributed Hogwild: each process a whole worker group and server group
     "Distributed Hogwild, 3 groups": Layout(dict(nworker_groups=3, nserver_groups=3), 3, 3, "Distributed Hogwild"),
+    # each process one group of 2 worker threads (and its server)
+    "Distributed Hogwild, 2 groups x 2 threads": Layout(
+        dict(nworker_groups=2, nserver_groups=2, nworkers_per_group=2, nworkers_per_procs=2), 2, 4, "Distributed Hogwild"),
 }
 
 SINGLE = LAYOUTS["single worker"]

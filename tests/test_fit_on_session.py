@@ -74,7 +74,8 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
     tests/test_session_warmup.py), AllReduce
     over processes with server slices (one worker or a few threads each, no restarts: each process's slices' optimizer
     state alone, tests/test_fit_slices_on_session.py); server slices with compression keep the job path (its compressed
-    sliced exchange), and so do Distributed Hogwild's groups of threads and threads under restarts."""
+    sliced exchange), and so do threads under restarts (Distributed Hogwild's groups of threads run there:
+    tests/test_session_hogwild_threads.py)."""
     ready = {"one worker", "one synchronous group in one process", "AllReduce over processes",
              "AllReduce over processes with server slices", "Local SGD / DiLoCo over processes",
              "Distributed Hogwild over processes", "Downpour over processes", "Sandblaster over processes",
@@ -102,13 +103,15 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
     others = [plan_of(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2, compression=job_pb2.kBF16),
               planned_by_fit(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2, max_restarts=1),  # slices, restarts
               planned_by_fit(nworkers_per_group=4, nworkers_per_procs=2, max_restarts=1),  # threads under restarts
-              planned_by_fit(nworker_groups=2, nserver_groups=2, nworkers_per_group=2, nworkers_per_procs=2),  # Hogwild
               on_a_gpu]
     assert {fitting.fit_layout(plan): name for name, plan in named.items()} == {name: name for name in named}
     assert fitting.fit_layout(planned_by_fit(nworker_groups=2, nworkers_per_procs=2, warmup_steps=2)) == \
         "in-memory Hogwild / Downpour"  # (a warm-up: group 0 alone first, the others after it)
     # DiLoCo with fit's outer_optimizer= (a torch optimizer: shoal.session's outer_optimizer=)
     assert fitting.fit_layout(with_torch_outer) == "Local SGD / DiLoCo over processes"
+    # Distributed Hogwild's groups of 2 threads, one group a process (run.each_worker)
+    assert fitting.fit_layout(planned_by_fit(nworker_groups=2, nserver_groups=2, nworkers_per_group=2,
+                                             nworkers_per_procs=2)) == "Distributed Hogwild over processes"
     assert all(fitting.fit_layout(plan) not in ready for plan in others)
     for plan in [*named.values(), *others]:
         assert fitting.on_session(plan) == (fitting.fit_layout(plan) in fitting.ON_SESSION)

@@ -106,7 +106,9 @@ RUNS_IN_A_LOOP = {"single worker", "AllReduce, 2 processes", "AllReduce, 2 proce
                   # asynchronous groups of threads: around an in-process server, or over processes with a server
                   # process (tests/test_session_groups.py)
                   "in-memory Hogwild, 2 groups", "in-memory Hogwild, 3 groups", "in-memory Downpour, 2 groups",
-                  "in-memory Hogwild, 2 groups x 2 threads", "Downpour, 2 groups x 2 threads + 1 server, 3 processes"}
+                  "in-memory Hogwild, 2 groups x 2 threads", "Downpour, 2 groups x 2 threads + 1 server, 3 processes",
+                  # Distributed Hogwild's groups of threads (tests/test_session_hogwild_threads.py)
+                  "Distributed Hogwild, 2 groups x 2 threads"}
 
 
 def shoal_run(script: Path, out: Path, workspace: Path, *options: str, timeout: int = 240) -> subprocess.CompletedProcess:

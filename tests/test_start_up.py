@@ -147,17 +147,24 @@ SESSION_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def test_shoal_run_of_a_script_over_processes_forks_their_server_with_torch_dynamo(tmp_path):
+@pytest.mark.parametrize("placed_by", ["--set", "the script"])
+def test_shoal_run_of_a_script_over_processes_forks_their_server_with_torch_dynamo(tmp_path, placed_by):
     """`shoal run script.py --set cluster.…` placing several processes: the server the session's ranks fork from is
     forked from the CLI's process before the script runs, torch._dynamo imported (a torch optimizer's first use), so
-    no interpreter starts for it and no rank imports torch._dynamo itself."""
+    no interpreter starts for it and no rank imports torch._dynamo itself. Placed by the script's own shoal.Cluster:
+    the session starts the server (an interpreter) with torch._dynamo, and no rank imports it either."""
     script = tmp_path / "loop.py"
-    script.write_text(SESSION_SCRIPT)
+    by_script = placed_by == "the script"
+    script.write_text(SESSION_SCRIPT.replace("shoal.session(train_steps=4)",
+                                             "shoal.session(shoal.Cluster(nworkers_per_group=2), train_steps=4)")
+                      if by_script else SESSION_SCRIPT)
     done = subprocess.run([sys.executable, "-c", SERVER_STARTS, "run", str(script), "--workspace", str(tmp_path / "ws"),
-                           "--set", "cluster.nworkers_per_group=2"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+                           *([] if by_script else ["--set", "cluster.nworkers_per_group=2"])],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     started = [line for line in done.stdout.splitlines() if line.startswith("started:")]
-    assert len(started) == 1 and "resource_tracker" in started[0], started  # multiprocessing's tracker only
+    # multiprocessing's tracker only, or (placed by the script) the server's interpreter too
+    assert sorted("resource_tracker" in line for line in started) == ([False, True] if by_script else [True]), started
     assert_ran(tmp_path / "ws", "AllReduce, 2 processes")
     logs = [(tmp_path / "ws" / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1)]
     said = [line for text in logs + [done.stdout] for line in text.splitlines() if "found torch._dynamo" in line]

@@ -295,8 +295,7 @@ def _fork_process_server_for_script(overrides: list[str]) -> None:
         apply_overrides(job, [o for o in overrides if o.startswith("cluster.")])
     except Exception:  # noqa: BLE001 (a bad --set: the script's job says so, in its own words)
         return
-    process_server.start_for(job.cluster, ["shoal.launcher.launch", "shoal.frontend.session_start", "torch._dynamo"],
-                             fork_here=True, fork_only=True)
+    process_server.start_for(job.cluster, process_server.SESSION_RANK_IMPORTS, fork_here=True, fork_only=True)
 
 
 def _max_restarts(args: argparse.Namespace) -> list[str]:

@@ -339,8 +339,12 @@ class Session:
         if self.groups_in_memory or self.pushes:  # each group's pushes start at worker.optimizer
             self._workers_groups()
             return
-        # a synchronous group's mean goes through its exchange; a Local SGD group's workers' mean stays here (the
-        # groups meet at the step boundary)
+        if self._update_lock is not None:  # Distributed Hogwild: the group's workers compute on its one copy (worker
+            for worker in self._workers[1:]:  # 0's params, which its masters' syncs reach), which worker 0's optimizer
+                for mine, theirs in zip(worker.module.parameters(), first.parameters()):  # updates (the group's store
+                    mine.data = theirs.data                                               # of a job file's threads)
+        # a synchronous group's mean goes through its exchange; a Local SGD or Hogwild group's workers' mean stays here
+        # (the groups meet, or sync, at the step boundary)
         self.mean = session_worker.LocalMean(self._workers, self._workers[0].local,
                                              self.exchange if self.plan.strategy.synchronous else None)
         for k, worker in enumerate(self._workers):
@@ -448,6 +452,8 @@ class Session:
                         for _ in range(self.start_step - start):
                             scheduler.step()
         self.step = self.start_step
+        if self._update_lock is not None:  # Distributed Hogwild: the values the groups start from are set: its masters serve
+            self.exchange.begin(self.start_step)
         if self.distributed:
             session_exchange.note_step(self.step)
         self._window_start = time.perf_counter()
@@ -488,6 +494,9 @@ class Session:
             if self._met_at != step:
                 self._workers_boundary(step)
             self._updated_at = step  # (the boundary is done: _step_done does not meet again)
+        elif self._update_lock is not None:  # Distributed Hogwild: the sync when due, once the group's copy is updated
+            self._boundary(step)
+            self._updated_at = step
         self._step_done(step)
         if step + 1 < self.job.train_steps:
             self.step = step + 1

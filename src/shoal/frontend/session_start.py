@@ -104,7 +104,7 @@ def check_layout(plan: JobPlan) -> None:
     Hogwild groups over processes, one worker each, on CPU; Downpour's groups, or Sandblaster's one group, over
     processes, one worker each, on CPU, with server processes of their own (one server group); several workers in a
     process of one synchronous group (in-memory, or AllReduce over processes without restarts) or of Local SGD /
-    DiLoCo's group of the process, in-memory Downpour and Hogwild groups (a warm-up too), or Downpour's groups and
+    DiLoCo's or Distributed Hogwild's (on CPU) group of the process, in-memory Downpour and Hogwild groups (a warm-up too), or Downpour's groups and
     Sandblaster's group with server processes, each process one group's workers, the loop's body run once per worker
     by run.each_worker. Every other layout is refused in one line naming it and what runs it."""
     one_worker_each = all(len(p.workers) == 1 for p in plan.placement.processes) and not any(p.servers and not p.workers
@@ -117,6 +117,8 @@ def check_layout(plan: JobPlan) -> None:
     if several_workers_in_a_process(plan):
         if pushes_to_servers(plan):
             _pushes_on_cpu(plan)
+        if syncs_with_peers(plan):
+            _hogwild_on_cpu(plan)
         return  # (run.each_worker: frontend/session_worker.py)
     if not plan.in_one_process and one_worker_each and not plan.server_worker_separate and plan.nworker_groups == 1 \
             and plan.strategy.synchronous:
@@ -128,15 +130,13 @@ def check_layout(plan: JobPlan) -> None:
         _pushes_on_cpu(plan)
         return
     if syncs_with_peers(plan) and one_worker_each:
-        if plan.strategy.params_on_host and any(not device.startswith("cpu") for device in plan.all_devices()):
-            raise SessionError("shoal.session: Distributed Hogwild in your own loop runs on CPU (its syncs go point-to-point "
-                               "over gloo from the module's params): leave device unset (or \"cpu\"), or use a job file or shoal.fit")
+        _hogwild_on_cpu(plan)
         return
     where = "in one process" if plan.in_one_process else f"over {plan.nprocs} processes"
     raise SessionError(f"shoal.session: {plan.label} {where} ({plan.nworkers} workers) is not supported in your own loop yet "
                        "(one worker per process: single worker, AllReduce, Local SGD / DiLoCo, Distributed Hogwild, "
                        "Downpour, Sandblaster; several per process, without restarts: one synchronous group, "
-                       "Local SGD / DiLoCo, in-memory Downpour and Hogwild, Downpour and Sandblaster with server "
+                       "Local SGD / DiLoCo, Distributed Hogwild, in-memory Downpour and Hogwild, Downpour and Sandblaster with server "
                        "processes): use a job file (`shoal run job.conf`) or shoal.fit for it")
 
 
@@ -156,6 +156,12 @@ def _check_tensor_parallel(plan: JobPlan, one_worker_each: bool) -> None:
                            "(neuralnet.partition_dim 1) does not exchange: leave it unset")
 
 
+def _hogwild_on_cpu(plan: JobPlan) -> None:
+    if plan.strategy.params_on_host and any(not device.startswith("cpu") for device in plan.all_devices()):
+        raise SessionError("shoal.session: Distributed Hogwild in your own loop runs on CPU (its syncs go point-to-point "
+                           "over gloo from the module's params): leave device unset (or \"cpu\"), or use a job file or shoal.fit")
+
+
 def _pushes_on_cpu(plan: JobPlan) -> None:
     if any(not device.startswith("cpu") for device in plan.all_devices()):
         raise SessionError(f"shoal.session: {plan.label} in your own loop runs on CPU (its pushes and pulls go point-to-point "
@@ -166,8 +172,8 @@ def _pushes_on_cpu(plan: JobPlan) -> None:
 def several_workers_in_a_process(plan: JobPlan) -> bool:
     """Several workers in a process, the same number in each (threads, `device=[...]`'s split), no server-only
     process but Downpour's and Sandblaster's, no restarts over processes (a restarted process's handover is one
-    replica's): one synchronous group (in-memory, or AllReduce over processes), or Local SGD / DiLoCo with one group
-    per process, whose workers' gradients meet in one mean; in-memory Downpour and Hogwild (groups_in_memory); or
+    replica's): one synchronous group (in-memory, or AllReduce over processes), or Local SGD / DiLoCo or Distributed
+    Hogwild with one group per process, whose workers' gradients meet in one mean; in-memory Downpour and Hogwild (groups_in_memory); or
     Downpour's groups and Sandblaster's group with server processes (one server group), each process one group's
     workers, whose mean the process pushes once a step. run.each_worker's layouts."""
     pushes = pushes_to_servers(plan)
@@ -181,8 +187,9 @@ def several_workers_in_a_process(plan: JobPlan) -> bool:
         return True
     if plan.nworker_groups == 1 and plan.strategy.synchronous:
         return plan.in_one_process or plan.max_restarts == 0
-    # Local SGD / DiLoCo: each process one group's workers, whose mean stays in the process between meetings
-    return (plan.strategy.meets and not plan.in_one_process and plan.max_restarts == 0
+    # Local SGD / DiLoCo: each process one group's workers, whose mean stays in the process between meetings;
+    # Distributed Hogwild: each process one group's workers, whose mean updates the group's one copy between syncs
+    return ((plan.strategy.meets or plan.strategy.syncs_with_peers) and not plan.in_one_process and plan.max_restarts == 0
             and all(len({w.group for w in p.workers}) == 1 for p in plan.placement.processes))
 
 
@@ -253,9 +260,13 @@ def started_by_a_launcher():
 def start_ranks(plan: JobPlan, workspace: Optional[Path], resume, log: Callable[[str], None]) -> int:
     """Under `shoal run script.py`: one process per rank, each running the script from the top; returns the exit
     status once every one has ended (a failure is the launcher's one line, a ProcessFailed)."""
+    from shoal.launcher import process_server
     from shoal.launcher.run_job import resolve_workspace, train_job
     from shoal.report.progress import closing_line
 
+    # (the script's own cluster placed the processes: the server its ranks fork from imports what they would each
+    # import, torch._dynamo's second of CPU too; a no-op where `shoal run --set cluster.…` forked it already)
+    process_server.start_for(plan.job.cluster, process_server.SESSION_RANK_IMPORTS)
     settings = script.settings()
     path = Path(script.running_path())
     main = functools.partial(run_rank_script, str(path), list(script.running_argv()), settings)

@@ -17,7 +17,8 @@ accumulating, scheduler) for one worker; the process's `Session` keeps what is p
 checkpoints), and its calls are made once, from the worker threads' meetings (`LocalWorkers.meet`: the last worker to
 arrive runs the process's part). With one worker in the process, `each_worker(train)` calls `train(run)` here: the
 same body runs every layout. Layouts (session_start.several_workers_in_a_process): one synchronous group, in-memory
-or AllReduce over processes, Local SGD / DiLoCo with one group per process, in-memory Downpour and Hogwild (each
+or AllReduce over processes, Local SGD / DiLoCo and Distributed Hogwild with one group per process (Hogwild's threads
+on the group's one copy, which worker 0's optimizer updates and its syncs reach), in-memory Downpour and Hogwild (each
 group's workers' gradients meet in their mean, which their opt.step()s push once to the process's in-process server,
 `_push`; the groups run freely, meeting only at a checkpoint's step), and Downpour's groups and Sandblaster's group with server processes
 (each process one group's workers: their mean, Sandblaster's over the group's processes, pushed once by the process,
@@ -312,6 +313,8 @@ class SessionWorker:
             if len(self.optimizers) > 1:
                 raise SessionError(f"worker.optimizer: {self.label}'s server runs one optimizer over the module: give "
                                    "worker.optimizer one optimizer holding every trained param")
+        if self.index and self.run._update_lock is not None:  # Distributed Hogwild: worker 0's optimizer updates the
+            optimizer.register_step_pre_hook(lambda opt, *_: drop_grads(opt))  # group's one copy, which they all share
         if self.run.groups_in_memory:
             optimizer.register_step_pre_hook(self._push)
             self.local.meet(self.run._start_groups)

@@ -46,6 +46,11 @@ def start_for(cluster: Optional[job_pb2.ClusterProto], preload: Sequence[str], f
     return True
 
 
+# what a user's loop's ranks import beside the launcher's entry: torch._dynamo (torch imports it at a torch optimizer's
+# first add_param_group: a second of CPU in each rank) and the session's start
+SESSION_RANK_IMPORTS = ("shoal.launcher.launch", "shoal.frontend.session_start", "torch._dynamo")
+
+
 def prestart() -> bool:
     """`shoal.prestart()`, first in a script whose `shoal.fit` will start several processes, before it imports torch:
     start the server they fork from now, so that its imports (torch, shoal, torch._dynamo for torch's optimizers:
