@@ -68,14 +68,14 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
     in one process (threads: tests/test_fit_threads_on_session.py), AllReduce, Local SGD / DiLoCo and Distributed
     Hogwild over processes (one worker each), Downpour's groups over processes (one worker each, server processes of
     their own: tests/test_fit_downpour_on_session.py), Sandblaster's group over processes (one worker each, server
-    processes of their own: below), the same with several threads of the process's group in each process (AllReduce
-    without restarts, Local SGD, Downpour, Sandblaster: tests/test_fit_threads_on_session.py), in-memory Hogwild's and
+    processes of their own: below), the same with several threads of the process's group in each process (AllReduce,
+    under restarts too: tests/test_session_threads_rejoin.py; Local SGD, Downpour, Sandblaster:
+    tests/test_fit_threads_on_session.py), in-memory Hogwild's and
     Downpour's asynchronous groups (threads of one process, running freely, a warm-up too: tests/test_session_groups.py,
-    tests/test_session_warmup.py), AllReduce
-    over processes with server slices (one worker or a few threads each, no restarts: each process's slices' optimizer
-    state alone, tests/test_fit_slices_on_session.py); server slices with compression keep the job path (its compressed
-    sliced exchange), and so do threads under restarts (Distributed Hogwild's groups of threads run there:
-    tests/test_session_hogwild_threads.py)."""
+    tests/test_session_warmup.py), AllReduce over processes with server slices (one worker or a few threads each, no
+    restarts: each process's slices' optimizer state alone, tests/test_fit_slices_on_session.py); server slices with
+    compression keep the job path (its compressed sliced exchange); Distributed Hogwild's groups of threads run there
+    (tests/test_session_hogwild_threads.py)."""
     ready = {"one worker", "one synchronous group in one process", "AllReduce over processes",
              "AllReduce over processes with server slices", "Local SGD / DiLoCo over processes",
              "Distributed Hogwild over processes", "Downpour over processes", "Sandblaster over processes",
@@ -102,7 +102,6 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
                                            outer_updater=SimpleNamespace(user_type=OUTER_OPTIMIZER_UPDATER))))
     others = [plan_of(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2, compression=job_pb2.kBF16),
               planned_by_fit(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2, max_restarts=1),  # slices, restarts
-              planned_by_fit(nworkers_per_group=4, nworkers_per_procs=2, max_restarts=1),  # threads under restarts
               on_a_gpu]
     assert {fitting.fit_layout(plan): name for name, plan in named.items()} == {name: name for name in named}
     assert fitting.fit_layout(planned_by_fit(nworker_groups=2, nworkers_per_procs=2, warmup_steps=2)) == \
@@ -112,6 +111,8 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
     # Distributed Hogwild's groups of 2 threads, one group a process (run.each_worker)
     assert fitting.fit_layout(planned_by_fit(nworker_groups=2, nserver_groups=2, nworkers_per_group=2,
                                              nworkers_per_procs=2)) == "Distributed Hogwild over processes"
+    assert fitting.fit_layout(planned_by_fit(nworkers_per_group=4, nworkers_per_procs=2, max_restarts=1)) == \
+        "AllReduce over processes"  # (threads under restarts: a restarted process's workers take the chief's state)
     assert all(fitting.fit_layout(plan) not in ready for plan in others)
     for plan in [*named.values(), *others]:
         assert fitting.on_session(plan) == (fitting.fit_layout(plan) in fitting.ON_SESSION)

@@ -439,6 +439,8 @@ class Session:
             if self._mine is not None:
                 session_worker.restore_worker(self._mine, worker.optimizers, worker.schedulers)
         self._share = sum(worker.share for worker in self._workers)  # the process's rows per step
+        if self.rejoin is not None and self.plan.strategy.synchronous and not self.pushes:
+            self._workers_take_chiefs_state()  # (restarted under AllReduce's replicas: worker 0 takes the chief's state)
         if self.groups_in_memory:
             self._start_after_warmup()
         if self.pushes:  # Downpour / Sandblaster: the chief's FIRST to the servers, the other groups' pull, where they start
@@ -457,6 +459,24 @@ class Session:
         if self.distributed:
             session_exchange.note_step(self.step)
         self._window_start = time.perf_counter()
+
+    def _workers_take_chiefs_state(self) -> None:
+        """A restarted process of several workers (AllReduce over processes of threads, --max-restarts): worker 0 takes
+        the chief's state (`_take_chiefs_state`: the chief hands over its worker 0's, every replica being equal), then
+        every other worker's replica, optimizers and schedulers take worker 0's, and they all start at its step."""
+        self._take_chiefs_state()
+        first = self._workers[0]
+        values = first.module.state_dict()
+        for worker in self._workers[1:]:
+            worker.module.load_state_dict(values)
+            for mine, theirs in zip(worker.optimizers, self.optimizers):
+                mine.load_state_dict(session_worker.own_copy(theirs.state_dict()))
+            for index, optimizer in enumerate(worker.optimizers):  # a scheduler's state, by its optimizer's place
+                ours = [s for s in self.schedulers if s.optimizer is self.optimizers[index]]
+                for mine, theirs in zip([s for s in worker.schedulers if s.optimizer is optimizer], ours):
+                    mine.load_state_dict(session_worker.own_copy(theirs.state_dict()))
+        for worker in self._workers:
+            worker.first_step = worker.at = self.start_step
 
     def _start_after_warmup(self) -> None:
         """In-memory groups with a warm-up (cluster.warmup_steps N; SINGA's): group 0 trains alone to step N, then the

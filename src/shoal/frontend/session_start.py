@@ -171,8 +171,9 @@ def _pushes_on_cpu(plan: JobPlan) -> None:
 
 def several_workers_in_a_process(plan: JobPlan) -> bool:
     """Several workers in a process, the same number in each (threads, `device=[...]`'s split), no server-only
-    process but Downpour's and Sandblaster's, no restarts over processes (a restarted process's handover is one
-    replica's): one synchronous group (in-memory, or AllReduce over processes), or Local SGD / DiLoCo or Distributed
+    process but Downpour's and Sandblaster's, no restarts over processes but AllReduce's (a restarted process's
+    handover is one replica's: its other workers copy it): one synchronous group (in-memory, or AllReduce over
+    processes), or Local SGD / DiLoCo or Distributed
     Hogwild with one group per process, whose workers' gradients meet in one mean; in-memory Downpour and Hogwild (groups_in_memory); or
     Downpour's groups and Sandblaster's group with server processes (one server group), each process one group's
     workers, whose mean the process pushes once a step. run.each_worker's layouts."""
@@ -185,8 +186,8 @@ def several_workers_in_a_process(plan: JobPlan) -> bool:
                 and all(len({w.group for w in p.workers}) <= 1 for p in plan.placement.processes))
     if groups_in_memory(plan):
         return True
-    if plan.nworker_groups == 1 and plan.strategy.synchronous:
-        return plan.in_one_process or plan.max_restarts == 0
+    if plan.nworker_groups == 1 and plan.strategy.synchronous:  # (restarted, its workers take the chief's worker 0's)
+        return True
     # Local SGD / DiLoCo: each process one group's workers, whose mean stays in the process between meetings;
     # Distributed Hogwild: each process one group's workers, whose mean updates the group's one copy between syncs
     return ((plan.strategy.meets or plan.strategy.syncs_with_peers) and not plan.in_one_process and plan.max_restarts == 0
