@@ -169,16 +169,19 @@ def test_a_sliced_checkpoint_is_refused_by_a_loop_without_slices(script, sliced,
     assert said and "step8-worker0.safetensors" in said[0] and "Traceback" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow  # (about 3 s: a run whose process 1 dies)
 def test_a_dead_process_stops_the_job_in_one_line(script, tmp_path):
     """Its slices' optimizer state died with it: the replicated exchange's mean would go on without it, the slices
-    cannot (AllReduce.goes_on_without_a_process): the launcher stops the others, saying so, and the job fails; `shoal
-    plan` says it too."""
+    cannot (AllReduce.goes_on_without_a_process): the launcher stops the others, saying so, and the job fails."""
     proc = shoal_run(script, tmp_path / "out", tmp_path / "ws", *LAYOUTS[SLICES_2].cli(), stop_after=-2)
     assert proc.returncode != 0
     assert "process 1 (worker(group=0, id=1), server(group=0, id=1)) exited with code 9; the other processes were " \
            "stopped" in proc.stderr, proc.stderr
     assert "go on without" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out" / "rank0.json").exists()
+
+
+def test_shoal_plan_says_what_server_slices_do_in_a_users_loop(script, tmp_path):
     planned = run_cli("plan", str(script), *LAYOUTS[SLICES_2].cli(), "--", str(tmp_path), "-1", cwd=tmp_path, timeout=60)
     assert "each process updates its slices with your optimizer and holds their state alone" in planned.stdout
     assert "the group cannot go on without a process" in planned.stdout, planned.stdout
