@@ -176,10 +176,10 @@ def test_a_stalled_worker_process_is_dropped_and_rejoins(blobs_job, tmp_path, ru
     rejoins at a later step."""
     steps = 400
     job = blobs_job(train_steps=steps, cluster_extra=CLUSTER)
-    run = runs.start(job, tmp_path, "--max-restarts", "1", "--set", "cluster.stall_timeout_s=2", env=SLOW)
+    run = runs.start(job, tmp_path, "--max-restarts", "1", "--set", "cluster.stall_timeout_s=3", env=SLOW)
     stopped = run.signal(1, signal.SIGSTOP)
     stdout, stderr = run.finished()
-    assert ("WARNING: process 1 (worker(group=0, id=1)) was stopped past the stall timeout (2 s) and dropped; the launcher "
+    assert ("WARNING: process 1 (worker(group=0, id=1)) was stopped past the stall timeout (3 s) and dropped; the launcher "
             "ended it (SIGKILL); the other processes go on without it; restarting it (restart 1 of 1); it rejoins at the next "
             "step, from process 0's state") in stderr.splitlines(), stderr
     left = int(re.search(r"^Step (\d+) went on without process 1 ", stdout, re.M)[1])
