@@ -61,12 +61,9 @@ def plannable(job: job_pb2.JobProto) -> None:
 
 
 def register_for_planning() -> None:
-    """A rank shoal's launcher starts plans the job before the script (or fit's loop) runs there: its process_setup
-    (`setup_of`)."""
-    from shoal.neuralnet.updaters import _USER_UPDATERS
-
-    if OUTER_OPTIMIZER_UPDATER not in _USER_UPDATERS:
-        register_torch_optimizer(_Unbound(), [], user_type=OUTER_OPTIMIZER_UPDATER)
+    """The stand-in (`bind` registers the session's own at run.model(), after it); also what a rank shoal's launcher
+    starts runs before it plans the job, ahead of the script or fit's loop: its process_setup (`setup_of`)."""
+    register_torch_optimizer(_Unbound(), [], user_type=OUTER_OPTIMIZER_UPDATER)
 
 
 def setup_of(job: job_pb2.JobProto):
