@@ -14,13 +14,13 @@ moments):
   waits for one; it is skipped when the next kill falls due first (or the run ends);
 - once per run (--stop), SIGSTOP of a random candidate once the chief's step passes a drawn point in 30-50 % of the
   steps, SIGCONT after the stall timeout and 5 s more (a machine frozen, then back);
-- where the job has servers of their own (Downpour's server process), one SIGKILL of a server once the chief's
+- where the job has servers of their own (Downpour's and Sandblaster's server process), one SIGKILL of a server once the chief's
   step passes a drawn point in 60-80 % of the steps (--server-kill): the launcher restarts it into the running job
   and it heals from the chief's mirror of its state (its heal record in rejoins.jsonl). The `chief` row kills
   process 0 once instead (40-60 %). Jobs with these deaths checkpoint every steps/10 (both runs). A job file's
-  chief's death brings the whole job back from its newest checkpoint; train.py's fit runs DiLoCo and AllReduce
-  (without server slices) as a user's loop on the session, whose chief is dropped like any other process and rejoins
-  (its record in rejoins.jsonl), the lowest living process deciding the meetings meanwhile.
+  chief's death brings the whole job back from its newest checkpoint; train.py's fit runs DiLoCo as a user's loop on
+  the session, whose chief is dropped like any other process and rejoins (its record in rejoins.jsonl), the lowest
+  living process deciding the meetings meanwhile.
 
 The victims' pids are read as a user would: a worker's from its log (WORKSPACE/logs/rank<R>.log, "… in process R
 (pid = P)", the newest line being the live process), a server's from the job registry (`shoal jobs list --json
@@ -36,9 +36,9 @@ the /dev/shm entries that appeared while it ran and that a process of the job ha
 their goals. A run that took longer than --timeout is killed and counted as failed. Exit status 1 when a run did not
 exit 0 or left something behind (the goodput and loss goals are the table's to judge).
 
-Defaults: Downpour and DiLoCo (--frameworks all adds Distributed Hogwild, AllReduce and the chief's death), a kill
+Defaults: Downpour and DiLoCo (--frameworks all adds Distributed Hogwild, AllReduce, Sandblaster and the chief's death), a kill
 every 60 s, steps per framework for an unfaulted run of about 2 minutes on the idle 2-core machine: about 10 minutes
-in all (all five: about 25). --quick: the small GPT, a kill every 4 s, a 5 s stall timeout (3 s, the tests' own, once
+in all (all six: about 30). --quick: the small GPT, a kill every 4 s, a 5 s stall timeout (3 s, the tests' own, once
 read the store as stalled at a load of 13), 20-60 s per run.
 
     shoal prepare shakespeare --out examples/gpt/data     # once
@@ -92,6 +92,8 @@ FRAMEWORKS = {
     "hogwild": Framework("Distributed Hogwild, 2 groups, 2 processes", ("nworker_groups=2", "nserver_groups=2"), 1300, 1000),
     "diloco": Framework("DiLoCo H=50, 3 groups, 3 processes", ("nworker_groups=3", "local_steps=50", *DILOCO), 1200, 800),
     "allreduce": Framework("AllReduce, 2 processes, 2 server slices", ("nworkers_per_group=2", "nservers_per_group=2"), 2400, 1600),
+    "sandblaster": Framework("Sandblaster, 2 workers + 1 server, 3 processes",
+                             ("nworkers_per_group=2", "server_worker_separate=true"), 1600, 1200, server=True),
     "chief": Framework("DiLoCo H=50, 2 groups, the chief killed once", ("nworker_groups=2", "local_steps=50", *DILOCO), 1300, 1000,
                        kills=False, stop=False, chief=True),
 }
