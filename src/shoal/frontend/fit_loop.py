@@ -299,7 +299,8 @@ def fit_on_session(job, spec: FitLoop, *, plan, workspace, resume: bool, log: Ca
     from google.protobuf import text_format
 
     from shoal.frontend import script
-    from shoal.frontend.session_start import _rank_setup, check_layout, started_by_a_launcher
+    from shoal.frontend.session_outer import setup_of
+    from shoal.frontend.session_start import check_layout, started_by_a_launcher
 
     where = Path(script.workspace(workspace) or "fit-workspace")
     metrics = where / "metrics.jsonl"
@@ -314,7 +315,7 @@ def fit_on_session(job, spec: FitLoop, *, plan, workspace, resume: bool, log: Ca
             with _relayed(where / "logs" / "rank0.log", None if log is print else log):
                 train_job(plan.job, RunOptions(workspace=where, resume=resume, log=log, plan=plan, progress=False,
                                                rank_main=functools.partial(fit_rank, job_text, spec, log is print),
-                                               process_setup=_rank_setup(plan)),
+                                               process_setup=setup_of(plan.job)),
                           job_file="<shoal.fit>")
             return history(where, start)
     run = _session(job, spec, where, resume, log)

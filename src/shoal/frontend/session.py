@@ -103,7 +103,9 @@ def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int 
     if not plan.in_one_process:
         if script.running_path() is None:
             refuse_unstarted(plan)
-        raise SystemExit(start_ranks(plan, Path(workspace) if workspace else None, resume, log))
+        from shoal.frontend.session_outer import setup_of
+
+        raise SystemExit(start_ranks(plan, Path(workspace) if workspace else None, resume, log, setup_of(plan.job)))
     return Session.in_this_process(plan, workspace, resume, log)
 
 

@@ -258,9 +258,11 @@ def started_by_a_launcher():
     return launched_process(nodes_given=False)
 
 
-def start_ranks(plan: JobPlan, workspace: Optional[Path], resume, log: Callable[[str], None]) -> int:
+def start_ranks(plan: JobPlan, workspace: Optional[Path], resume, log: Callable[[str], None],
+                process_setup: Optional[Callable[[], None]] = None) -> int:
     """Under `shoal run script.py`: one process per rank, each running the script from the top; returns the exit
-    status once every one has ended (a failure is the launcher's one line, a ProcessFailed)."""
+    status once every one has ended (a failure is the launcher's one line, a ProcessFailed). `process_setup`: what a
+    rank does before it plans the job (a torch outer optimizer's stand-in: session_outer.setup_of)."""
     from shoal.launcher import process_server
     from shoal.launcher.run_job import resolve_workspace, train_job
     from shoal.report.progress import closing_line
@@ -277,21 +279,12 @@ def start_ranks(plan: JobPlan, workspace: Optional[Path], resume, log: Callable[
     saved, sys.modules["__main__"] = sys.modules["__main__"], types.ModuleType("__main__")
     try:
         history = train_job(plan.job, RunOptions(workspace=ws, resume=script.resume(resume), log=log, plan=plan,
-                                                 rank_main=main, progress=False, process_setup=_rank_setup(plan)),
+                                                 rank_main=main, progress=False, process_setup=process_setup),
                             job_file=str(path))
     finally:
         sys.modules["__main__"] = saved
     log(closing_line(history.workspace))
     return 0
-
-
-def _rank_setup(plan: JobPlan):
-    """What a rank does before it plans the job: a torch outer optimizer's (shoal.session's outer_optimizer=) stand-in."""
-    if not plan.job.cluster.outer_updater.user_type:
-        return None
-    from shoal.frontend.session_outer import setup_of
-
-    return setup_of(plan.job)
 
 
 _SUPERVISED = False  # this process is a supervised rank's child (under torchrun/srun): it runs the loop itself
