@@ -1,11 +1,12 @@
 """Server slices in a user's own loop (AllReduce over processes, cluster.nservers_per_group K > 1, no restarts): each
 process holds the user's optimizer's state for its slices alone (ZeRO-1's shape, as the job path's sliced exchange),
 the loop trains as one worker with the whole batch does, and a checkpoint holds every slice's state and resumes
-exactly, onto another slice count too. Driven as a user would: `shoal run script.py --set cluster.…`, real processes.
+exactly, onto another slice count too, and in a loop without slices (and the other way). Driven as a user would: `shoal run script.py --set cluster.…`, real processes.
 """
 from __future__ import annotations
 
 import json
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -157,16 +158,28 @@ def test_a_checkpoint_holds_every_slice_and_resumes_exactly_onto_another_slice_c
     assert [ended(three, r)[1]["state"] for r in range(3)] == [slices_state(3, r) for r in range(3)]
     resliced, _ = ended(three, 0)
     assert all(torch.allclose(resliced[k], whole[k], rtol=1e-5, atol=1e-6) for k in whole)
+    # a checkpoint of whole params' state (a loop without slices) resumed with slices: each process takes its slices
+    replicated = tmp_path / "replicated"
+    proc = shoal_run(script, replicated, replicated / "ws", *LAYOUTS["AllReduce, 2 processes"].cli(), stop_after=9)
+    onto = tmp_path / "onto-slices"
+    proc = shoal_run(script, onto, replicated / "ws", *LAYOUTS[SLICES_2].cli(), "--resume")
+    assert proc.returncode == 0, proc.stderr
+    assert [ended(onto, r)[1]["state"] for r in range(2)] == [slices_state(2, r) for r in range(2)]
+    assert all(torch.equal(ended(onto, 0)[0][k], whole[k]) for k in whole)
 
 
 @SHARED_RUNS
-def test_a_sliced_checkpoint_is_refused_by_a_loop_without_slices(script, sliced, tmp_path):
-    """Its processes' optimizer state is in slices: a loop holding whole params' state would lose it (refused in one
-    line naming the file); the other way is refused too (the session's message, tests/test_fit_optim.py's slow test)."""
-    proc = shoal_run(script, tmp_path / "other", sliced / "ws", *LAYOUTS["AllReduce, 2 processes"].cli(), "--resume")
-    assert proc.returncode != 0
-    said = [line for line in proc.stderr.splitlines() if "was written by a loop on shoal.session() with server slices" in line]
-    assert said and "step8-worker0.safetensors" in said[0] and "Traceback" not in proc.stderr, proc.stderr
+def test_a_sliced_checkpoint_resumes_in_a_loop_without_slices(script, sliced, tmp_path):
+    """Each param's AdamW state assembled from every process's slices (the chief's file and process 1's part) into the
+    replicas' own optimizers: the run ends where the sliced one did, to the bit (the same sums, element-wise updates)."""
+    workspace = tmp_path / "ws"
+    shutil.copytree(sliced / "ws", workspace)
+    proc = shoal_run(script, tmp_path / "out", workspace, *LAYOUTS["AllReduce, 2 processes"].cli(), "--resume")
+    assert proc.returncode == 0, proc.stderr
+    whole, _ = ended(sliced, 0)
+    resumed, said = ended(tmp_path / "out", 0)
+    assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+    assert said["users"] == 4  # (the replicas' own AdamW holds every trained param's state again)
 
 
 @pytest.mark.slow  # (about 3 s: a run whose process 1 dies)

@@ -172,8 +172,6 @@ class Session:
         self._mine = (session_state.own_part(self.resumed, resume_from, self.group, self.rank, self.own_residual, self.apart,
                                              self.say) if self.resumed is not None else None)
         self.start_step = int(self._mine.trainer.get("next_step", self.resumed.step)) if self._mine is not None else 0
-        if self.resumed is not None:
-            self._check_slices_resumed(resume_from)
         self.step = self.start_step
         self.module: Optional[torch.nn.Module] = None
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -439,7 +437,9 @@ class Session:
                 if found not in worker.schedulers:
                     worker.schedulers.append(found)
             if self._mine is not None:
-                session_worker.restore_worker(self._mine, worker.optimizers, worker.schedulers)
+                session_worker.restore_worker(self._mine, worker.optimizers, worker.schedulers,
+                                              lambda i, worker=worker: self._saved_optimizer_state(i, worker.optimizers[i],
+                                                                                                  worker.module))
         self._share = sum(worker.share for worker in self._workers)  # the process's rows per step
         if self.rejoin is not None and self.plan.strategy.synchronous and not self.pushes:
             self._workers_take_chiefs_state()  # (restarted under AllReduce's replicas: worker 0 takes the chief's state)
@@ -630,7 +630,7 @@ class Session:
             self._push_to_servers(optimizer, index)
         self.optimizers.append(optimizer)
         if self._mine is not None:
-            optimizer.load_state_dict(session_state.saved_optimizer_state(self._mine, index))
+            optimizer.load_state_dict(self._saved_optimizer_state(index, optimizer, self.module))
         if self.sliced:
             self._update_slices(optimizer, index)
         optimizer.register_step_pre_hook(self._before_update)
@@ -680,8 +680,11 @@ class Session:
             raise SessionError(f"run.optimizer: give the module to run.model(...) first ({self.plan.label}'s server slices "
                                "cut its params over the processes)")
         trained = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        sliced = session_slices.SlicedUpdate(self.plan, self.rank, optimizer, index, trained,
-                                             session_slices.saved_slices(self.resumed) if self.resumed is not None else None)
+        saved = None
+        if self.resumed is not None:  # the slices it saved, or (a checkpoint of whole params' state) each param as one
+            saved = session_slices.saved_slices(self.resumed) or session_slices.sliced_from_whole(
+                session_state.saved_optimizer_state(self._mine, index), index, self._named(optimizer, self.module))
+        sliced = session_slices.SlicedUpdate(self.plan, self.rank, optimizer, index, trained, saved)
         self._slices.append(sliced)
         if self._workers:  # several workers: their opt.step()s meet, and the process updates once (_workers_slices_step)
             return
@@ -713,21 +716,30 @@ class Session:
                 for value, source in zip(mine, theirs):
                     value.copy_(source)
 
-    def _check_slices_resumed(self, path: Path) -> None:
-        """A checkpoint's optimizer state is sliced over the processes (server slices) or whole in the optimizers: a
-        loop of the other kind would lose it, so it is refused in one line."""
-        held = bool(session_slices.saved_slices(self.resumed))
-        whole = any(self._mine.updater_state.get(f"{session_state.OPTIMIZER_STATE}.{i}")
-                    for i in range(len(self._mine.trainer.get("optimizers", []))))
-        if self.sliced and whole:
-            raise SessionError(f"--resume: {path} was written by a loop on shoal.session() without server slices: its "
-                               f"optimizers' state of whole params is not what this loop's server slices "
-                               f"(cluster.nservers_per_group {self.plan.nservers_per_group}) hold: resume it with the "
-                               "layout that wrote it")
-        if held and not self.sliced:
-            raise SessionError(f"--resume: {path} was written by a loop on shoal.session() with server slices "
-                               f"(cluster.nservers_per_group > 1, no restarts), each process's optimizers' state its "
-                               f"slices': {self.plan.label} here holds whole params' state: resume it with server slices")
+    def _saved_optimizer_state(self, index: int, optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> dict:
+        """Optimizer `index`'s state_dict from the resumed checkpoint, for `optimizer` over `module`: under server slices
+        without its state (the process's slices hold it: SlicedUpdate), and from a sliced checkpoint in a loop without
+        them each param's whole state assembled from every slice (runtime/session_slices.whole_state)."""
+        state = session_state.saved_optimizer_state(self._mine, index)
+        if self.sliced:
+            return dict(state, state={})
+        pieces = session_slices.saved_slices(self.resumed)
+        if not pieces:
+            return state
+        return dict(state, state=session_slices.whole_state(pieces, index, self._named(optimizer, module)))
+
+    @staticmethod
+    def _named(optimizer: torch.optim.Optimizer, module: Optional[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
+        """The optimizer's params with the module's names, in its groups' order (a state_dict's positions)."""
+        if module is None:
+            raise SessionError("run.optimizer: give the module to run.model(...) first (the checkpoint's optimizer state is "
+                               "kept by param name)")
+        name_of = {id(p): n for n, p in module.named_parameters()}
+        named = [(name_of.get(id(p)), p) for group in optimizer.param_groups for p in group["params"]]
+        if any(name is None for name, _ in named):
+            raise SessionError("run.optimizer: the optimizer holds a tensor that is not a param of run.model's module, "
+                               "whose state the checkpoint's slices cannot name")
+        return named
 
     @property
     def optimizer_state_elements(self) -> int:
@@ -1063,7 +1075,8 @@ class Session:
         for found in session_state.schedulers_of(self.optimizers):
             self.scheduler(found)
         if self._mine is not None:
-            session_state.restore_resumed(self._mine, self.optimizers, self.schedulers, sliced=self.plan.tensor_parallel)
+            session_state.restore_resumed(self._mine, self.optimizers, self.schedulers, sliced=self.plan.tensor_parallel,
+                                          saved_state=lambda i: self._saved_optimizer_state(i, self.optimizers[i], self.module))
 
     # -- metrics -----------------------------------------------------------------------------------------
     def evaluate(self, dataset, loss_fn: Callable, *, batch_size: int = 100, steps: Optional[int] = None,

@@ -110,17 +110,19 @@ def saved_optimizer_state(mine: ckpt_io.Checkpoint, index: int) -> dict:
     return join_tensors(described[index], mine.updater_state.get(f"{OPTIMIZER_STATE}.{index}", {}))
 
 
-def restore_resumed(mine: ckpt_io.Checkpoint, optimizers: list, schedulers: list, sliced: bool = False) -> None:
+def restore_resumed(mine: ckpt_io.Checkpoint, optimizers: list, schedulers: list, sliced: bool = False,
+                    saved_state: Optional[Callable[[int], dict]] = None) -> None:
     """On a resume, at the loop's start: the schedulers' state, the optimizers' learning rates they set (a new
     scheduler set its first), and the random generators. `sliced`: a tensor-parallel module's optimizers, whose
-    whole saved tensors are re-sliced as their params are placed."""
+    whole saved tensors are re-sliced as their params are placed; `saved_state(index)`: optimizer `index`'s state_dict
+    as the session gives it (server slices: Session._saved_optimizer_state), else the checkpoint's."""
     saved = mine.trainer.get("schedulers", [])
     if len(saved) != len(schedulers):
         raise SessionError(f"--resume: the checkpoint holds {len(saved)} scheduler(s), this loop has {len(schedulers)}")
     for scheduler, state in zip(schedulers, saved):
         scheduler.load_state_dict(state)
     for index, optimizer in enumerate(optimizers):
-        state = saved_optimizer_state(mine, index)
+        state = saved_state(index) if saved_state is not None else saved_optimizer_state(mine, index)
         if sliced:
             from shoal.comm import tensor_parallel
 

@@ -196,16 +196,17 @@ def own_copy(state: dict) -> dict:
     return copy.deepcopy(state)
 
 
-def restore_worker(mine, optimizers: list, schedulers: list) -> None:
+def restore_worker(mine, optimizers: list, schedulers: list, saved_state: Callable[[int], dict]) -> None:
     """On a resume, at the loop's start, a worker other than 0: session_state.restore_resumed's schedulers and
-    optimizers (the random generators are the process's: worker 0's restore set them), each from its own copy."""
+    optimizers (the random generators are the process's: worker 0's restore set them), each from its own copy;
+    `saved_state(index)`: optimizer `index`'s state_dict as the session gives it (Session._saved_optimizer_state)."""
     saved = mine.trainer.get("schedulers", [])
     if len(saved) != len(schedulers):
         raise SessionError(f"--resume: the checkpoint holds {len(saved)} scheduler(s), this worker's loop has {len(schedulers)}")
     for scheduler, state in zip(schedulers, saved):
         scheduler.load_state_dict(own_copy(state))
     for index, optimizer in enumerate(optimizers):
-        optimizer.load_state_dict(own_copy(session_state.saved_optimizer_state(mine, index)))
+        optimizer.load_state_dict(own_copy(saved_state(index)))
 
 
 class WorkerMean:
@@ -304,7 +305,7 @@ class SessionWorker:
         if self.index == 0:  # the process's: checkpointed, its step the step boundary
             self.run.optimizer(optimizer)
         elif self.run._mine is not None:
-            optimizer.load_state_dict(own_copy(session_state.saved_optimizer_state(self.run._mine, len(self.optimizers))))
+            optimizer.load_state_dict(own_copy(self.run._saved_optimizer_state(len(self.optimizers), optimizer, self.module)))
         if not self.optimizers and self.run.distributed and self.run.plan.strategy.meets:
             # Local SGD / DiLoCo meet inside opt.step(), as for one worker: once every worker's replica is updated
             optimizer.register_step_post_hook(lambda *_: self.local.meet(lambda: self.run._workers_boundary(self.run.step)))

@@ -18,7 +18,9 @@ the replicated update's (an element-wise optimizer: each element's update reads 
 A checkpoint holds every slice's state: the chief's file its own slices', each other process's part its own (required:
 a resume needs every slice), under `slices/<optimizer>/<param>/<start>:<stop>/<slot>` in the exchange tensors; a
 resume assembles each param's state from whatever slices the checkpoint holds and takes its own slices of it, so a
-checkpoint resumes onto another slice count too (as the job path's, whose checkpoints hold each param's whole state).
+checkpoint resumes onto another slice count too (as the job path's, whose checkpoints hold each param's whole state),
+and a loop without server slices takes each param's whole state from them (`whole_state`), as a sliced loop takes its
+slices out of a checkpoint of whole params' state (`sliced_from_whole`).
 
 A process that dies takes its slices' state with it: the group cannot go on without it (the replicated exchange's
 quorum would); the step after which one is missing stops every process in one line. With `cluster.max_restarts` the
@@ -173,31 +175,68 @@ class SlicedUpdate:
 
     def _load(self, saved: dict[str, torch.Tensor]) -> None:
         """This process's slices' state, cut from each param's state as the checkpoint's slices (any count) hold it."""
-        pieces: dict[str, dict[str, list[tuple[int, int, torch.Tensor]]]] = {}
-        prefix = f"{KEY}/{self.index}/"
-        for key, value in saved.items():
-            if not key.startswith(prefix):
-                continue
+        pieces = _by_param(saved, self.index)
+        for s, view, param in self.mine:
+            whole = _assembled(pieces.get(s.param, {}), param.numel(), self.index, s.param, (s.start, s.stop))
+            if whole:  # (none saved: no gradient yet when it was written, so none here either)
+                self.local.state[view] = {slot: (value if value.dim() == 0 else value[s.start : s.stop]).clone().to(view.device)
+                                          for slot, value in whole.items()}
+
+
+def _by_param(saved: dict[str, torch.Tensor], index: int) -> dict[str, dict[str, list[tuple[int, int, torch.Tensor]]]]:
+    """Optimizer `index`'s saved slices by param and slot: (start, stop, tensor) each."""
+    pieces: dict[str, dict[str, list[tuple[int, int, torch.Tensor]]]] = {}
+    prefix = f"{KEY}/{index}/"
+    for key, value in saved.items():
+        if key.startswith(prefix):
             name_range, _, slot = key[len(prefix):].rpartition("/")
             name, _, span = name_range.rpartition("/")
             start, _, stop = span.partition(":")
             pieces.setdefault(name, {}).setdefault(slot, []).append((int(start), int(stop), value))
-        for s, view, param in self.mine:
-            slots = pieces.get(s.param)
-            if not slots:
-                continue  # no state saved for it (no gradient yet when it was written): none here either
-            state = {}
-            for slot, held in slots.items():
-                if held[0][2].dim() == 0:  # a per-param slot (Adam's step): every slice of the param holds it alike
-                    state[slot] = held[0][2].clone().to(view.device)
-                    continue
-                whole = torch.zeros(param.numel(), dtype=held[0][2].dtype)
-                covered = torch.zeros(param.numel(), dtype=torch.bool)
-                for start, stop, value in held:
-                    whole[start:stop] = value.reshape(-1)
-                    covered[start:stop] = True
-                if not bool(covered[s.start : s.stop].all()):
-                    raise SlicesError(f"--resume: the checkpoint's optimizer {self.index} state {slot!r} of {s.param} "
-                                      f"does not cover elements {s.start}:{s.stop} (a part missing?)")
-                state[slot] = whole[s.start : s.stop].clone().to(view.device)
-            self.local.state[view] = state
+    return pieces
+
+
+def _assembled(slots: dict[str, list[tuple[int, int, torch.Tensor]]], numel: int, index: int, name: str,
+               needed: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """A param's state from its saved slices: each element-wise slot flat and whole (the elements `needed` covered),
+    each per-param slot (Adam's step, 0-d: every slice holds it alike) as it is."""
+    state = {}
+    for slot, held in slots.items():
+        if held[0][2].dim() == 0:
+            state[slot] = held[0][2]
+            continue
+        whole = torch.zeros(numel, dtype=held[0][2].dtype)
+        covered = torch.zeros(numel, dtype=torch.bool)
+        for start, stop, value in held:
+            whole[start:stop] = value.reshape(-1)
+            covered[start:stop] = True
+        if not bool(covered[needed[0] : needed[1]].all()):
+            raise SlicesError(f"--resume: the checkpoint's optimizer {index} state {slot!r} of {name} does not cover "
+                              f"elements {needed[0]}:{needed[1]} (a part missing?)")
+        state[slot] = whole
+    return state
+
+
+def whole_state(saved: dict[str, torch.Tensor], index: int, named: list[tuple[str, torch.Tensor]]) -> dict:
+    """A sliced checkpoint's optimizer `index` state for a loop without server slices: torch's state_dict "state" (by
+    the optimizer's param positions, `named` in its groups' order), each param's slots assembled from every slice."""
+    pieces = _by_param(saved, index)
+    found = {}
+    for position, (name, param) in enumerate(named):
+        whole = _assembled(pieces.get(name, {}), param.numel(), index, name, (0, param.numel()))
+        if whole:
+            found[position] = {slot: value.clone() if value.dim() == 0 else value.reshape(param.shape).clone()
+                               for slot, value in whole.items()}
+    return found
+
+
+def sliced_from_whole(state: dict, index: int, named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The other way: a whole-params checkpoint's optimizer `index` state_dict as slice tensors, each param one slice
+    over all its elements (SlicedUpdate cuts its own slices out of them)."""
+    found = {}
+    for position, slots in state.get("state", {}).items():
+        name, param = named[int(position)]
+        for slot, value in slots.items():
+            if isinstance(value, torch.Tensor):
+                found[f"{KEY}/{index}/{name}/0:{param.numel()}/{slot}"] = value if value.dim() == 0 else value.reshape(-1)
+    return found
