@@ -9,6 +9,16 @@ from shoal.planning.framework_costs.base import FrameworkCosts, Messages, Phases
 from shoal.planning.placement import ServerId
 
 
+def push_pull_messages(plan, stub: int) -> list[Messages]:
+    """Per server, the stub's push and pull (runtime/exchanges/downpour_stub.py: _push_pull, _await_answer): a header,
+    the gradient (an encoded part each) and the flags sent, the values and a reply received. Update here when that
+    protocol changes."""
+    sends = 2 + encoded_parts(plan.compression)
+    return [Messages(f"push and pull with the server in process {server}: {sends} sends (header, gradient, flags) + "
+                     "2 receives (values, reply)", sends + 2, "message", (stub, server))
+            for server in (plan.placement.process_of(ServerId(0, sid)) for sid in range(plan.nservers_per_group))]
+
+
 class DownpourCosts(FrameworkCosts):
     """Bytes and messages of group 0's step (the groups' are alike); the servers' updates and link cap the groups."""
 
@@ -40,12 +50,7 @@ class DownpourCosts(FrameworkCosts):
         ranks = plan.ranks_of_group(0)
         terms = [Messages("inside the group: 2 reduces to its stub + 1 broadcast of the params", 3, "collective", tuple(ranks))] \
             if len(ranks) > 1 else []
-        sends = 2 + encoded_parts(plan.compression)
-        for sid in range(plan.nservers_per_group):
-            server = plan.placement.process_of(ServerId(0, sid))
-            terms.append(Messages(f"push and pull with the server in process {server}: {sends} sends (header, gradient, flags) + "
-                                  "2 receives (values, reply)", sends + 2, "message", (ranks[0], server)))
-        return terms
+        return terms + push_pull_messages(plan, ranks[0])
 
     def phases(self, model, compute: float, links: dict) -> Phases:
         plan = model.plan

@@ -7,7 +7,8 @@ from __future__ import annotations
 from shoal.planning.costs import FLOAT
 from shoal.planning.exchange_choice import served_replicas
 from shoal.planning.framework_costs.allreduce import AllReduceCosts, replicated_flat_elements
-from shoal.planning.framework_costs.base import Messages, Phases, encoded_parts
+from shoal.planning.framework_costs.base import Messages, Phases
+from shoal.planning.framework_costs.downpour import push_pull_messages
 from shoal.planning.placement import ServerId
 
 
@@ -48,12 +49,7 @@ class SandblasterCosts(AllReduceCosts):
                           "the servers' values", 2, "collective", ranks),
                  Messages("the chief's word on each: each process's report and the outcome, through the job's store", 4,
                           "message", (ranks[0], ranks[-1]))]
-        sends = 2 + encoded_parts(plan.compression)
-        for sid in range(plan.nservers_per_group):
-            server = plan.placement.process_of(ServerId(0, sid))
-            terms.append(Messages(f"push and pull with the server in process {server}: {sends} sends (header, gradient, "
-                                  "flags) + 2 receives (values, reply)", sends + 2, "message", (ranks[0], server)))
-        return terms
+        return terms + push_pull_messages(plan, ranks[0])
 
     def phases(self, model, compute: float, links: dict) -> Phases:
         plan = model.plan
