@@ -38,6 +38,9 @@ LOOP = textwrap.dedent('''
     def loss_of(model, xb, yb):
         return torch.nn.functional.binary_cross_entropy_with_logits(model(xb), yb)
 
+    class NotElementwise(torch.optim.SGD):  # (a class shoal cannot know updates each element alone)
+        pass
+
     def step(opt, sched, params):
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step(); opt.zero_grad(); sched.step()
@@ -54,7 +57,8 @@ LOOP = textwrap.dedent('''
             step(opt, sched, plain.parameters())
         save_file({k: v.contiguous() for k, v in plain.state_dict().items()}, str(out / "plain.safetensors"))
     model = run.model(model)
-    opt = run.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    opt = run.optimizer(NotElementwise(model.parameters(), lr=0.1) if stop_after == -3 else
+                        torch.optim.AdamW(model.parameters(), lr=1e-2))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
     for s, (xb, yb) in run.batches(data, batch_size=BATCH, shuffle=False):
         loss_of(model, xb, yb).backward()
@@ -192,6 +196,15 @@ def test_a_dead_process_stops_the_job_in_one_line(script, tmp_path):
            "stopped" in proc.stderr, proc.stderr
     assert "go on without" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out" / "rank0.json").exists()
+
+
+def test_an_optimizer_not_known_element_wise_is_refused_in_one_line_where_a_param_is_cut(script, tmp_path):
+    """Slices cut 0.weight over both processes: an update of a slice must read only its elements."""
+    proc = shoal_run(script, tmp_path / "out", tmp_path / "ws", *LAYOUTS[SLICES_2].cli(), stop_after=-3)
+    assert proc.returncode != 0
+    assert ("run.optimizer: NotElementwise is not known to be element-wise, and server slices "
+            "(cluster.nservers_per_group 2) cut 0.weight over processes") in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_shoal_plan_says_what_server_slices_do_in_a_users_loop(script, tmp_path):
