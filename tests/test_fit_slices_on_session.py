@@ -17,24 +17,7 @@ import shoal
 from layouts import LAYOUTS, assert_ran
 from shoal.frontend import fit as fitting
 from shoal.frontend import fit_loop
-
-STEPS, BATCH = 8, 16
-
-
-def quiet(_line: str) -> None:
-    pass
-
-
-@pytest.fixture(scope="module")
-def problem():
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(80, 6, generator=g)
-    y = (x[:, 0] + x[:, 1] > 0).long() + (x[:, 2] > 0.5).long()
-    xv = torch.randn(40, 6, generator=g)
-    yv = (xv[:, 0] + xv[:, 1] > 0).long()
-    torch.manual_seed(3)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
-    return (x, y), (xv, yv), model
+from test_fit_on_session import BATCH, STEPS, problem, quiet  # noqa: F401 (problem: a fixture)
 
 
 def fitted(model, problem, workspace, row):

@@ -86,6 +86,25 @@ def fit_loss(workspace, row: str) -> tuple[float, float]:
     return before, whole_set_loss(model, x, y)
 
 
+def assert_each_processs_threads_share_a_copy_that_learned(out, label: str, within: float) -> None:
+    """LOOP's run in `out` (2 processes, one group of 2 threads each, 6 rows a thread): each process's threads are
+    threads, ended on one copy (equal to the bit), which learned: below 0.6 of the untrained loss on the whole
+    training set, and at most `within` times the plain one-worker loop's (or below it)."""
+    x, y, model = loop_data_and_model()
+    before = whole_set_loss(model, x, y)
+    model.load_state_dict(load_file(str(out / "plain.safetensors")))
+    plain = whole_set_loss(model, x, y)
+    for rank in (0, 1):
+        said = json.loads((out / f"rank{rank}.json").read_text())
+        assert said["label"] == label and [w["rows"] for w in said["workers"]] == [6, 6]
+        assert len({w["thread"] for w in said["workers"]}) == 2 and not any(w["main"] for w in said["workers"])
+        first, second = (load_file(str(out / f"rank{rank}-worker{w}.safetensors")) for w in (0, 1))
+        assert all(torch.equal(first[k], second[k]) for k in first)
+        model.load_state_dict(first)
+        loss = whole_set_loss(model, x, y)
+        assert loss < 0.6 * before and loss <= within * plain, (loss, plain, before)
+
+
 def test_in_memory_groups_push_to_one_server_and_learn_as_fit_does(groups_run, tmp_path):
     """The row ran (summary.json: 1 process, 2 or 4 workers, in-memory Downpour / Hogwild), one thread per worker, each
     group reading the whole batch of 12 (the job's samples: both groups' rows, as they ran freely; 2 threads: 6 rows
@@ -163,19 +182,7 @@ def test_downpour_groups_of_two_threads_push_their_mean_once_a_step_and_learn(sc
     assert_ran(tmp_path / "ws", DOWNPOUR_THREADS)  # 3 processes, 4 workers, Downpour, a log per process
     assert "server(group=0, id=0): version 40; updates applied: group 0: 20, group 1: 20" in \
         (tmp_path / "ws" / "logs" / "rank2.log").read_text()
-    x, y, model = loop_data_and_model()
-    before = whole_set_loss(model, x, y)
-    model.load_state_dict(load_file(str(tmp_path / "plain.safetensors")))
-    plain = whole_set_loss(model, x, y)
-    for rank in (0, 1):
-        said = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert said["label"] == "Downpour" and [w["rows"] for w in said["workers"]] == [6, 6]
-        assert len({w["thread"] for w in said["workers"]}) == 2 and not any(w["main"] for w in said["workers"])
-        first, second = (load_file(str(tmp_path / f"rank{rank}-worker{w}.safetensors")) for w in (0, 1))
-        assert all(torch.equal(first[k], second[k]) for k in first)
-        model.load_state_dict(first)
-        loss = whole_set_loss(model, x, y)
-        assert loss < 0.6 * before and loss <= (1 + LOSS_TOLERANCE) * plain, (loss, plain, before)
+    assert_each_processs_threads_share_a_copy_that_learned(tmp_path, "Downpour", 1 + LOSS_TOLERANCE)
     # the job's rows since the chief's last display, by the servers' count of every group's pushes (a job file's Downpour
     # records: DownpourExchange.metrics), with the chief's staleness: a push of group 1 after the chief's last display
     # is in no record

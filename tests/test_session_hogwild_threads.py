@@ -9,7 +9,6 @@ through shoal.fit; a group of 2 threads ends where a group of one worker with th
 """
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from safetensors.torch import load_file
 
 import shoal
 from layouts import LAYOUTS, assert_ran
-from test_session_groups import loop_data_and_model, whole_set_loss
+from test_session_groups import assert_each_processs_threads_share_a_copy_that_learned, loop_data_and_model
 from test_session_workers import LOOP, shoal_run
 
 THREADS = "Distributed Hogwild, 2 groups x 2 threads"
@@ -40,19 +39,7 @@ def test_a_groups_threads_share_its_copy_sync_and_learn(script, tmp_path):
     proc = shoal_run(script, tmp_path, tmp_path / "ws", *LAYOUTS[THREADS].cli(), *SYNC_EVERY_5)
     assert proc.returncode == 0, proc.stderr
     assert_ran(tmp_path / "ws", THREADS)
-    x, y, model = loop_data_and_model()
-    before = whole_set_loss(model, x, y)
-    model.load_state_dict(load_file(str(tmp_path / "plain.safetensors")))
-    plain = whole_set_loss(model, x, y)
-    for rank in (0, 1):
-        said = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert said["label"] == "Distributed Hogwild" and [w["rows"] for w in said["workers"]] == [6, 6]
-        assert len({w["thread"] for w in said["workers"]}) == 2 and not any(w["main"] for w in said["workers"])
-        first, second = (load_file(str(tmp_path / f"rank{rank}-worker{w}.safetensors")) for w in (0, 1))
-        assert all(torch.equal(first[k], second[k]) for k in first)
-        model.load_state_dict(first)
-        loss = whole_set_loss(model, x, y)
-        assert loss < 0.6 * before and loss <= 1.2 * plain, (loss, plain, before)
+    assert_each_processs_threads_share_a_copy_that_learned(tmp_path, "Distributed Hogwild", 1.2)
 
 
 def test_a_group_of_two_threads_ends_where_a_group_of_one_worker_does(script, tmp_path):
