@@ -152,7 +152,6 @@ def test_cli_estimates_a_module_script_with_its_counted_costs(script, home):
 
 
 @pytest.mark.parametrize("setting, field", [
-    ("neuralnet.partition_dim=1", "neuralnet.partition_dim: partition_dim 1"),
     ("neuralnet.layer[name=loss].partition_dim=1", "neuralnet.layer[1].partition_dim: partition_dim 1"),
     ("neuralnet.layer[name=loss].location=1", "neuralnet.layer[1].location: location 1"),
 ])
@@ -166,9 +165,22 @@ def test_per_layer_partitioning_of_a_module_is_refused_in_one_line(script, home,
 
 def test_shoal_run_refuses_it_too_before_training(script, home, tmp_path):
     out = run_cli("run", script, "--workspace", tmp_path / "ws", "--set", "cluster.nworkers_per_group=2",
-                  "--set", "neuralnet.partition_dim=1", env=env(home))
-    assert out.returncode == 2 and out.stderr.splitlines()[-1].startswith("neuralnet.partition_dim: partition_dim 1")
+                  "--set", "neuralnet.layer[name=loss].partition_dim=1", env=env(home))
+    assert out.returncode == 2 and out.stderr.splitlines()[-1].startswith("neuralnet.layer[1].partition_dim: partition_dim 1")
     assert not (tmp_path / "ws" / "metrics.jsonl").exists()
+
+
+def test_a_module_cut_on_its_features_is_planned_as_fit_runs_it(script, home):
+    """neuralnet.partition_dim 1 for the whole net: fit cuts the module on its features over the group's processes
+    (torch's tensor parallelism on the session: tests/test_fit_tensor_parallel.py), and `shoal plan` shows that layout;
+    --estimate has no net of shoal's to count (the module's inside is cut by run.model), and says so in one line."""
+    cut = ["--set", "cluster.nworkers_per_group=2", "--set", "neuralnet.partition_dim=1"]
+    out = run_cli("plan", script, *cut, env=env(home))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("job 'fit': AllReduce, tensor-parallel, 2 process(es)") and "tensor-parallel over 2" in out.stdout
+    estimate = run_cli("plan", script, "--estimate", *cut, env=env(home))
+    assert estimate.returncode == 2 and estimate.stderr.strip().splitlines()[-1].startswith(
+        "shoal plan: a shoal.session()'s job has no net to estimate"), estimate.stderr
 
 
 def test_a_script_that_trains_nothing_says_so(tmp_path, home):

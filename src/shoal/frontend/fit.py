@@ -394,6 +394,10 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
     from shoal.planning.plan import sliced_for
 
     planning = script.settings() is not None and script.settings().plan is not None  # `shoal plan script.py`: fit's job
+    if planning and job.neuralnet.partition_dim == 1:  # a module cut on its features is the session's alone (run.model's
+        from shoal.frontend.session_start import plan_session  # cut): `shoal plan` shows that job, and stops the script
+
+        plan_session(fit_loop.session_job_of(job))
     plan = None if planning else fit_loop.session_plan(job)
     if plan is not None and on_session(plan):  # fit's loop written with the session's calls: the module trains in place
         if spec.optimizer is not None and fit_layout(plan) == "AllReduce over processes with server slices":

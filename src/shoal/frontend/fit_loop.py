@@ -265,25 +265,32 @@ def fit_rank(job_text: str, spec: FitLoop, to_terminal: bool, plan, rank: int, r
     _run_on(run, job_text, spec, run_spec.log)
 
 
-def session_plan(job):
-    """fit's job (frontend/fit.fit_job, the command line's --set applied) as the session's, planned once on this launch's
-    nodes: what fit decides its path from (`fit.on_session`); None where the session cannot take the job (an invalid
-    cluster, say: the job path says why, in fit's words)."""
-    from shoal.errors import ShoalError
-    from shoal.frontend.session_start import planned, session_job, started_by_a_launcher
+def session_job_of(job):
+    """fit's job (frontend/fit.fit_job, the command line's --set applied) as the session's job."""
+    from shoal.frontend.session_start import session_job
 
-    net = job.neuralnet
-    if any(layer.partition_dim > 0 or layer.HasField("location") for layer in net.layer):
+    session = session_job(job.cluster, job.train_steps, job.seed, job.disp_freq, job.checkpoint_freq, "fit",
+                          job.checkpoint_interval_s, max(job.neuralnet.partition_dim, 0))
+    if job.device:  # (a device list keeps the job path: fit.fit_layout)
+        session.device.extend(job.device)
+    if session.cluster.outer_updater.user_type:  # (outer_optimizer=: planned before the module binds it)
+        from shoal.frontend.session_outer import plannable
+
+        plannable(session)
+    return session
+
+
+def session_plan(job):
+    """fit's job as the session's (`session_job_of`), planned once on this launch's nodes: what fit decides its path from
+    (`fit.on_session`); None where the session cannot take the job (an invalid cluster, say: the job path says why, in
+    fit's words)."""
+    from shoal.errors import ShoalError
+    from shoal.frontend.session_start import planned, started_by_a_launcher
+
+    if any(layer.partition_dim > 0 or layer.HasField("location") for layer in job.neuralnet.layer):
         return None  # a module partitioned by layer: the job path refuses it in one line (the session would not say)
     try:
-        session = session_job(job.cluster, job.train_steps, job.seed, job.disp_freq, job.checkpoint_freq, "fit",
-                              job.checkpoint_interval_s, max(net.partition_dim, 0))
-        if job.device:  # (a device list keeps the job path: fit.fit_layout)
-            session.device.extend(job.device)
-        if session.cluster.outer_updater.user_type:  # (outer_optimizer=: planned before the module binds it)
-            from shoal.frontend.session_outer import plannable
-
-            plannable(session)
+        session = session_job_of(job)
         launched = started_by_a_launcher()
         return planned(session, launched.nnodes if launched is not None else 1)  # (the plan the session runs on)
     except ShoalError:
