@@ -9,7 +9,8 @@ user's loop with the user's AdamW running on the server process (built there fro
 carried by every push. Sandblaster's rows (one synchronous group, server processes of its own running the user's AdamW)
 train the loop as one worker with the whole batch does, its clip_grad_norm_ the group's global norm; the checkpoint
 holds the servers' AdamW state, a resume continues exactly, a killed server heals from the chief's mirror of it in the
-running loop, and a killed worker restarts the whole job from the checkpoint;
+running loop, a killed worker process other than 0 rejoins the running loop and a killed process 0 restarts the whole job
+from the checkpoint;
 with cluster.compression the group's pushes are encoded (fewer bytes in summary.json) and the loop still trains.
 """
 from __future__ import annotations
@@ -626,7 +627,7 @@ def _kill_a_sandblaster_loop_process(sandblaster_run, tmp_path, runs, rank):
 
 def _ends_as_the_uninterrupted_loop(sandblaster_run, run, out, stdout):
     """The whole job restarted once from a checkpoint, every process ran the script twice, and the loop ended where the
-    uninterrupted run did, to the bit."""
+    uninterrupted run (`sandblaster_run`'s out/) did, to the bit."""
     assert "the whole job restarted once" in stdout
     restarts = summary(run.ws)["job_restarts"]
     assert len(restarts) == 1 and restarts[0]["from_step"] in (4, 8, 12, 16, 20)
@@ -706,16 +707,43 @@ def test_sandblaster_in_the_users_loop_compresses_its_pushes(sandblaster_run, tm
 
 @pytest.mark.slow
 @SANDBLASTER_RUN
-def test_a_killed_sandblaster_worker_restarts_the_whole_loop_from_its_checkpoint(sandblaster_run, tmp_path, runs):
-    """--max-restarts 1: worker process 1 (not the chief), SIGKILLed mid-run, is not restarted into the running loop
-    (the group's step is synchronous and the servers keep no mirror); the launcher says so in one line and restarts
-    the whole job from the newest checkpoint, which ends where the uninterrupted run did, to the bit, exit status 0."""
+def test_a_killed_sandblaster_worker_rejoins_the_running_loop(sandblaster_run, tmp_path, runs):
+    """--max-restarts 1: worker process 1, SIGKILLed mid-run, is left out of the next steps (the servers apply process
+    0's clipped gradient alone), restarted, takes process 0's loop state (its scheduler's too) and rejoins the running
+    loop (tests/test_sandblaster_loop_faults.py replays it exactly); nothing is read from a checkpoint, the other
+    processes keep their pids, both workers end equal to each other and near the uninterrupted run."""
     run, out, stdout, stderr, warning = _kill_a_sandblaster_loop_process(sandblaster_run, tmp_path, runs, 1)
-    assert stderr.strip().splitlines() == warning and "process 1 (worker(group=0, id=1)) died (SIGKILL) after step" in warning[0], stderr
+    assert warning == ["WARNING: process 1 (worker(group=0, id=1)) died (SIGKILL); the other processes go on without it; "
+                       "restarting it (restart 1 of 1); it rejoins at the next step, from process 0's state"], stderr
+    assert "restarting the whole job" not in stderr and "the whole job restarted" not in stdout, stderr
+    got = summary(run.ws)
+    assert got["status"] == "finished" and "job_restarts" not in got, got
+    assert [r["rank"] for r in got["rejoins"]] == [1] and list(got["missed_steps"]) == ["1"]
+    assert len(list(out.glob("pid*"))) == 1 + 3 + 1  # the launcher, 3 processes, process 1's restarted one
+    (first, said), (second, _) = ended(out, 0), ended(out, 1)
+    expected, through = ended(sandblaster_run / "out", 0)
+    assert all(torch.equal(first[k], second[k]) for k in first)  # one model: both took the servers' values
+    assert said["lr"] == through["lr"]  # (the restarted one's scheduler took process 0's position)
+    assert max((first[k] - expected[k]).abs().max() for k in expected) < 0.05  # half the batch on a few steps
+
+
+@pytest.mark.slow
+@SANDBLASTER_RUN
+def test_a_killed_sandblaster_chief_restarts_the_whole_loop_from_its_checkpoint(sandblaster_run, tmp_path, runs):
+    """--max-restarts 1: process 0 (the servers' one stub and the keeper of their mirror), SIGKILLed mid-run, restarts
+    the whole job from the newest checkpoint (the launcher says so in one line), which ends where the uninterrupted run
+    did under --max-restarts, to the bit, exit status 0 (the worker processes' mean then goes through their quorum: its
+    float32 sum is not the one without restarts, bit for bit)."""
+    unfaulted = tmp_path / "unfaulted"
+    proc = shoal_run(sandblaster_run / "sandblaster.py", unfaulted / "out", unfaulted / "ws", *LAYOUTS[SANDBLASTER_ROW].cli(),
+                     "--max-restarts", "1")
+    assert proc.returncode == 0, proc.stderr
+    run, out, stdout, stderr, warning = _kill_a_sandblaster_loop_process(sandblaster_run, tmp_path, runs, 0)
+    assert stderr.strip().splitlines() == warning and "process 0 (worker(group=0, id=0)) died (SIGKILL) after step" in warning[0], stderr
     assert "the job cannot go on without it; restarting the whole job from the checkpoint of step" in warning[0]
     assert "restart 1 of 1" in warning[0]
     assert not (tmp_path / "ws" / "logs" / "rejoins.jsonl").exists()  # nobody was healed into the running loop
-    _ends_as_the_uninterrupted_loop(sandblaster_run, run, out, stdout)
+    _ends_as_the_uninterrupted_loop(unfaulted, run, out, stdout)
 
 
 @pytest.mark.slow

@@ -333,21 +333,16 @@ def test_a_killed_group_of_a_session_under_torchrun_rejoins(tmp_path, torchruns,
     killed_session_rank_rejoins(tmp_path, torchruns, layout)
 
 
-NOT_RESTARTED = ("WARNING: --max-restarts: {label}'s processes are not restarted into the running job (only AllReduce's "
-                 "replicas, Downpour, Local SGD and Distributed Hogwild groups are); a dead one stops the job, which "
+NOT_RESTARTED = ("WARNING: --max-restarts: {label}'s processes are not restarted into the running job (only AllReduce's and "
+                 "Sandblaster's replicas, Downpour, Local SGD and Distributed Hogwild groups are); a dead one stops the job, which "
                  "torchrun's own restarts may start again")
-
-
-WORKERS_NOT_RESTARTED = ("WARNING: --max-restarts: {label}'s worker processes are not restarted into the running job (its "
-                         "server processes are, healed from process 0's mirror); a dead one stops the job, which torchrun's "
-                         "own restarts may start again")
 
 
 def test_a_session_under_torchrun_warns_at_start_when_its_processes_are_not_restarted(capsys):
     """A shoal.session() script's rank under torchrun with restarts allowed (cluster.max_restarts, as `--max-restarts 1`
-    sets it) on a layout whose processes do not rejoin (Sandblaster's): the chief warns the job file's one line at the
+    sets it) on a layout whose processes do not rejoin (in-memory Sandblaster's): the chief warns the job file's one line at the
     start (launcher/elastic.py's, one place), the other ranks say nothing; AllReduce's ranks, the chief's too (another
-    process takes its place), are supervised. In process: the session's start-up step for a launched rank, given
+    process takes its place), are supervised, and Sandblaster's but its chief's. In process: the session's start-up step for a launched rank, given
     torchrun's place of each rank."""
     from shoal.config import job_pb2
     from shoal.frontend.session_start import plan_session, session_job, supervise_if_restartable
@@ -365,10 +360,11 @@ def test_a_session_under_torchrun_warns_at_start_when_its_processes_are_not_rest
     from shoal.launcher import supervisor
     threads = plan(nworkers_per_group=2, nworkers_per_procs=2)  # one process: nothing to restart into
     assert started(threads, 0) == NOT_RESTARTED.format(label="in-memory Sandblaster") + "\n"
-    sandblaster = plan(nworkers_per_group=2, server_worker_separate=True)  # only its server process comes back (healed)
-    assert started(sandblaster, 0) == WORKERS_NOT_RESTARTED.format(label="Sandblaster") + "\n"
-    assert started(sandblaster, 1) == ""
-    assert supervisor.supervises(sandblaster, LaunchedProcess("torchrun", 2, 3, 2, 3, 1, "127.0.0.1", 29500))
+    # Sandblaster: its worker processes but process 0 rejoin, its server processes heal: both supervised, no warning
+    sandblaster = plan(nworkers_per_group=2, server_worker_separate=True)
+    assert started(sandblaster, 0) == ""
+    assert all(supervisor.supervises(sandblaster, LaunchedProcess("torchrun", r, 3, r, 3, 1, "127.0.0.1", 29500)) for r in (1, 2))
+    assert not supervisor.supervises(sandblaster, LaunchedProcess("torchrun", 0, 3, 0, 3, 1, "127.0.0.1", 29500))
     allreduce = plan(nworkers_per_group=2)  # its chief is replaced like any other process: every rank is supervised
     assert all(supervisor.supervises(allreduce, LaunchedProcess("torchrun", r, 2, r, 2, 1, "127.0.0.1", 29500)) for r in (0, 1))
 

@@ -127,6 +127,9 @@ class Session:
         self.apart = self.distributed and not plan.strategy.synchronous
         self._update_lock = None  # Distributed Hogwild's: held around the user's update (its masters add peers' deltas)
         self.pushes = pushes_to_servers(plan)  # Downpour: opt.step() pushes the gradients; the servers update
+        # Sandblaster under --max-restarts: its worker processes go on without a dead one, which rejoins at run.batches()
+        self._served_replicas = self.pushes and plan.strategy.goes_on_without_a_process(plan)
+        self._receiving = False  # a restarted process taking the chief's state (its optimizers' step pushes nothing)
         # a compressed AllReduce's replicas are equal but each process's error-feedback residual is its own: every
         # other process writes it as its part of a checkpoint, as a Local SGD group writes its state
         self.own_residual = (self.distributed and plan.strategy.synchronous and not self.pushes
@@ -668,8 +671,10 @@ class Session:
         if self._workers:  # several workers in this process: their opt.step()s push once (session_worker's _push_process)
             return
         if self.plan.strategy.synchronous:  # Sandblaster: the group's mean in every .grad when backward ends, as under DDP
-            self.mean = session_exchange.GradientMean(named, session_exchange.StubGroupMean(named, self.exchange), self._share,
-                                                      lambda: self.step)
+            # (--max-restarts: the worker processes' quorum's, which goes on without a dead one: sandblaster_loop.py)
+            mean = self.exchange if self._served_replicas else session_exchange.StubGroupMean(named, self.exchange)
+            self.mean = session_exchange.GradientMean(named, mean, self._share, lambda: self.step)
+            self._group_window = self._served_replicas  # (the Train line's averages: every process's, the quorum's)
         optimizer.register_step_pre_hook(self._push)
 
     def _update_slices(self, optimizer: torch.optim.Optimizer, index: int) -> None:
@@ -762,6 +767,8 @@ class Session:
         """Downpour's step: this process's gradients to the servers (with the optimizer's hyper-parameters as the
         user's scheduler left them), the servers' new values into the module's params; `.grad` is then None, so the
         user's optimizer, which runs next, updates nothing here."""
+        if self._receiving:
+            return
         grads = {n: p.grad for n, p in self.module.named_parameters() if p.requires_grad}
         started = time.perf_counter()
         share = self._share
@@ -930,6 +937,13 @@ class Session:
     def _start_pushing(self) -> None:
         """Downpour, before the first step: the chief's values (and, resumed, the updater state) start the servers; the
         other groups take the servers' values, and start where group 0's warm-up ends (their schedulers stepped there)."""
+        if self.rejoin is not None and self._served_replicas:  # Sandblaster's replicas: the chief's state, as AllReduce's
+            self._receiving = True  # (the zero-gradient step that makes the optimizers' state pushes nothing)
+            try:
+                self._take_chiefs_state()
+            finally:
+                self._receiving = False
+            return
         if self.rejoin is not None:  # restarted (--max-restarts): the servers' live values and the steps the group did
             knocked_at = time.time()
             start, version = self._pushing().rejoin(self.rejoin.incarnation)
@@ -1032,8 +1046,9 @@ class Session:
     def _step_done(self, step: int) -> None:
         if self._updated_at != step:  # the loop skipped this step's update (a GradScaler that found inf or NaN)
             self._boundary(step)
-        if self.mean is not None and not self.pushes and self.exchange is not None and self.plan.strategy.synchronous:
-            self._heal(step)  # (Sandblaster's dead process restarts the whole job; in-memory workers have no exchange)
+        if self.mean is not None and (not self.pushes or self._served_replicas) and self.exchange is not None \
+                and self.plan.strategy.synchronous:
+            self._heal(step)  # (in-memory workers have no exchange; Sandblaster's servers hold the optimizer's state)
         elif self.distributed and self.plan.strategy.meets:  # Local SGD / DiLoCo: a group admitted at this step's meeting
             self.exchange.heal(step)
             if not self.chief and self.exchange.chief:  # group 0's process died: this group speaks for the job now

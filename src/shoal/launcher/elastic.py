@@ -117,8 +117,8 @@ def warn_if_not_restarted(plan: JobPlan, launched: launchers.LaunchedProcess) ->
     from shoal.launcher import rejoin
 
     if launched.rank == 0 and plan.max_restarts > 0 and not rejoin.rejoins(plan):
-        warn(f"WARNING: --max-restarts: {plan.label}'s processes are not restarted into the running job (only AllReduce's "
-             f"replicas, Downpour, Local SGD and Distributed Hogwild groups are); a dead one stops the job, which "
+        warn(f"WARNING: --max-restarts: {plan.label}'s processes are not restarted into the running job (only AllReduce's and "
+             f"Sandblaster's replicas, Downpour, Local SGD and Distributed Hogwild groups are); a dead one stops the job, which "
              f"{launched.launcher}'s own restarts may start again")
     elif launched.rank == 0 and plan.max_restarts > 0 and not rejoin.workers_rejoin(plan):
         warn(f"WARNING: --max-restarts: {plan.label}'s worker processes are not restarted into the running job (its server "

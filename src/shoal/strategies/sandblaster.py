@@ -6,8 +6,10 @@ request/response with its one group (runtime/exchanges/downpour*.py). Every step
 gradients at its stub (process 0), the stub pushes the sum to every server with the optimizer's hyper-parameters,
 each server updates its slices and answers with their values, and the stub hands them to the group: synchronous, so
 N workers train as one worker on the same rows. Under cluster.max_restarts the chief mirrors the servers' state, so a
-dead server process is restarted and heals from it (`servers_heal`, as Downpour's); a dead worker process restarts the
-whole job from its newest checkpoint (launcher/job_restarts.py).
+dead server process is restarted and heals from it (`servers_heal`, as Downpour's), and with one worker per process
+(`loop_served_replicas`) the worker processes run as a job file's below, in the loop's order
+(runtime/exchanges/sandblaster_loop.py: a restarted one takes the chief's handover, as AllReduce's in a user's loop);
+with several, a dead worker process restarts the whole job from its newest checkpoint (launcher/job_restarts.py).
 
 A job file under cluster.max_restarts (`served_replicas`) runs the same servers, which heal from the chief's mirror when
 one dies, and its worker processes as replicas that go on without a dead one and take a restarted one back at the next
@@ -17,7 +19,7 @@ from __future__ import annotations
 from shoal.comm import channels
 from shoal.comm.quorum import Quorum
 from shoal.neuralnet.updaters import make_updater
-from shoal.planning.exchange_choice import served_replicas
+from shoal.planning.exchange_choice import loop_served_replicas, served_replicas
 from shoal.planning.placement import ServerId
 from shoal.planning.process_groups import worker_groups
 from shoal.planning.strategy import Framework
@@ -26,6 +28,7 @@ from shoal.runtime.exchanges.compression import codec_factory
 from shoal.runtime.exchanges.downpour_stub import DownpourExchange
 from shoal.runtime.exchanges.replicated import DOOR
 from shoal.runtime.exchanges.sandblaster import SandblasterExchange
+from shoal.runtime.exchanges.sandblaster_loop import LoopSandblasterExchange
 from shoal.strategies.allreduce import AllReduce, _annotator
 from shoal.strategies.downpour import Downpour, resumed_version
 
@@ -44,9 +47,11 @@ class Sandblaster(AllReduce):
                     "state; process 0's death restarts the whole job from its newest checkpoint"]
         if not plan.own_loop:
             return super().notes(plan)
+        workers = ("a dead or stalled worker process other than 0 is left out (the mean over the rows that came) and, "
+                   "restarted, takes process 0's loop state and rejoins at the next step; process 0's death restarts the "
+                   "whole job" if loop_served_replicas(plan) else "a dead worker process restarts the whole job")
         restarts = (f"; cluster.max_restarts {plan.max_restarts}: a dead server process is restarted and heals from process "
-                    "0's mirror of its state, a dead worker process restarts the whole job from its newest checkpoint"
-                    if self.servers_heal(plan) else "")
+                    f"0's mirror of its state, {workers} from its newest checkpoint" if self.servers_heal(plan) else "")
         return [f"your own loop: the group's processes sum their gradients at process 0, which pushes them to the "
                 f"{plan.nservers} server process(es); they run your optimizer and answer with the new values{restarts}"]
 
@@ -63,7 +68,7 @@ class Sandblaster(AllReduce):
         return super().process_groups(placement, devices, nnodes, partition) or worker_groups(placement)
 
     def goes_on_without_a_process(self, plan) -> bool:
-        return served_replicas(plan)
+        return served_replicas(plan) or loop_served_replicas(plan)
 
     def servers_heal(self, plan) -> bool:
         """Under cluster.max_restarts the servers (Downpour's) heal from the chief's mirror: a job file's (`served_replicas`)
@@ -78,12 +83,16 @@ class Sandblaster(AllReduce):
         if not plan.own_loop:
             super().attach_exchanges(run)
             return
-        # Downpour's servers and stub over the plan of one group, with this strategy's answers: servers_heal is False
+        if loop_served_replicas(plan) and not plan.process(run.rank).servers:  # the worker processes as replicas
+            self._attach_served(run, LoopSandblasterExchange)
+            return
+        # Downpour's servers and stub over the plan of one group, with this strategy's answers
         Downpour.attach_exchanges(self, run)
 
-    def _attach_served(self, run) -> None:
+    def _attach_served(self, run, exchange=SandblasterExchange) -> None:
         """cluster.max_restarts in a job file: a server process serves as Downpour's; a worker process meets the others
-        through the quorum of the worker processes, and the chief's also pushes to the servers (see the module's text)."""
+        through the quorum of the worker processes, and the chief's also pushes to the servers (see the module's text).
+        `exchange`: a user's loop's is LoopSandblasterExchange (the same meetings in its loop's order)."""
         plan, rank, trainer = run.plan, run.rank, run.trainers[0]
         if plan.process(rank).servers:
             Downpour.attach_exchanges(self, run)  # (its servers heal: servers_heal)
@@ -99,8 +108,8 @@ class Sandblaster(AllReduce):
                                     plan.global_batch, timeout_s=plan.comm_timeout_s, codecs=codecs, servers_heal=True,
                                     resends=True)  # (synchronous: a push lost with its server goes to the healed one)
         log = lambda line: trainer.log(line)  # noqa: E731 (the trainer's log once it runs: above a progress bar)
-        trainer.attach_exchange(SandblasterExchange(trainer.store, make_updater(plan.updater), quorum, rank,
-                                                    plan.global_batch, stub, log=log, annotate=_annotator(trainer)))
+        trainer.attach_exchange(exchange(trainer.store, make_updater(plan.updater), quorum, rank, plan.global_batch, stub,
+                                         log=log, annotate=_annotator(trainer)))
 
     def restore_server(self, run, resumed) -> None:
         if served_replicas(run.plan):  # (the version a resumed Downpour server starts at: the step, one group)

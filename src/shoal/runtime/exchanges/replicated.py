@@ -73,6 +73,9 @@ class ReplicatedExchange:
     """One process's replica of a synchronous group whose processes each hold the whole params (see the module's text)."""
 
     absent_groups: frozenset[int] = frozenset()  # one group, always there: a missing process is a missing replica
+    # restarted processes are admitted at the mean's meeting (a user's loop's Sandblaster admits them at its values'
+    # meeting instead, which its loop's handover follows: runtime/exchanges/sandblaster_loop.py)
+    admits_at_the_mean = True
 
     def __init__(self, store: ParamStore, updater: Updater, quorum: quorums.Quorum, rank: int, global_batch: int,
                  first: Optional[collectives.Group] = None, log: Callable[[str], None] = print,
@@ -138,7 +141,7 @@ class ReplicatedExchange:
         first = contribution()
         try:
             met = self.quorum.meet(self.meeting_of(step), step, lambda attempt: attempt.all_reduce_sum(
-                first if attempt.attempt == 0 else contribution(), in_place=True))
+                first if attempt.attempt == 0 else contribution(), in_place=True), admit=self.admits_at_the_mean)
         except quorums.LeftOut as err:  # it came too late (it was stalled): the others went on without it
             raise GroupDropped(str(err)) from None
         total = met.result
@@ -164,7 +167,8 @@ class ReplicatedExchange:
         tail = torch.tensor(flags + [float(rows)], device=flat.device)
         packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in [tail] + sent])
         try:
-            met = self.quorum.meet(self.meeting_of(step), step, lambda attempt: attempt.all_gather(packed))
+            met = self.quorum.meet(self.meeting_of(step), step, lambda attempt: attempt.all_gather(packed),
+                                   admit=self.admits_at_the_mean)
         except quorums.LeftOut as err:  # the others went on without it: its residual is still owed
             raise GroupDropped(str(err)) from None
         self.codec.residual = residual  # committed with this encoding in it (a member not in `came` was left out above)

@@ -67,8 +67,9 @@ class SandblasterExchange(ReplicatedExchange):
             self.stub.step(step, [(mean, self.global_batch)])  # (the stub clips the push by its norm, as Downpour's)
         self._take_values(step)
 
-    def _take_values(self, step: int) -> None:
-        """The values' meeting of step `step`: the chief's values of every trained param, everyone's copy of them."""
+    def _take_values(self, step: int, admit: bool = False) -> None:
+        """The values' meeting of step `step`: the chief's values of every trained param, everyone's copy of them.
+        `admit`: restarted processes are admitted at it, and take their handover at the next `heal` (a user's loop's)."""
         values = self.store.values
 
         def contribution() -> torch.Tensor:
@@ -78,7 +79,7 @@ class SandblasterExchange(ReplicatedExchange):
 
         try:
             met = self.quorum.meet(self.meeting_of(step) + 1, step,
-                                   lambda attempt: attempt.all_reduce_sum(contribution(), in_place=True), admit=False)
+                                   lambda attempt: attempt.all_reduce_sum(contribution(), in_place=True), admit=admit)
         except quorums.LeftOut as err:
             raise GroupDropped(str(err)) from None
         flat, offset = met.result, 0
@@ -88,7 +89,8 @@ class SandblasterExchange(ReplicatedExchange):
             size = values[name].numel()
             values[name].view(-1).copy_(flat[offset:offset + size])
             offset += size
-        self.quorum.welcome(lambda: [])  # a member lost at this meeting: the next step's group is made without it
+        if not admit:  # a member lost at this meeting: the next step's group is made without it (else at `heal`)
+            self.quorum.welcome(lambda: [])
 
     # -- a process restarted into the job ------------------------------------------------------------
     def _handover(self) -> list[torch.Tensor]:
