@@ -82,7 +82,8 @@ def rejoins(plan: JobPlan) -> bool:
 
 def workers_rejoin(plan: JobPlan) -> bool:
     """Whether a dead worker process of this job may be restarted into it (not only its servers: a user's loop's
-    Sandblaster restarts the whole job for a worker process)."""
+    Sandblaster restarts the whole job for a worker process where its worker processes are no replicas that go on,
+    exchange_choice.loop_served_replicas)."""
     return plan.strategy.rejoins or replicas_go_on(plan)
 
 

@@ -29,7 +29,9 @@ says:
   steps: the chief's rows of its hyper-parameters per position (`UpdateSchedule`), set by each server at its count;
 - Sandblaster over processes (its one group's servers in processes of their own): Downpour's servers and pushes with
   the group's one stub (strategies/sandblaster.py), synchronous, and, as under AllReduce, the group's mean gradient in
-  every `.grad` when backward ends (`StubGroupMean`), which the stub alone then pushes;
+  every `.grad` when backward ends (`StubGroupMean`), which the stub alone then pushes; under cluster.max_restarts with
+  one worker per process the strategy's LoopSandblasterExchange instead (runtime/exchanges/sandblaster_loop.py: the
+  mean through the worker processes' quorum, which goes on without a dead one; a restarted one heals as AllReduce's);
 - several workers in a process under Downpour and Sandblaster (threads, run.each_worker): the process's workers'
   gradients meet in their mean (frontend/session_worker.py's LocalMean: Sandblaster's through `StubGroupMean`, so the
   group's), which their opt.step()s push once (`SessionWorker._push_process`);
