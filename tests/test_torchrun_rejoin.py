@@ -284,6 +284,7 @@ SESSION_LAYOUTS = {  # its flags, its processes, whether its replicas end equal,
     "Local SGD": (["--set", "cluster.nworker_groups=2", "--set", "cluster.nworkers_per_procs=1", "--set", "cluster.local_steps=5"],
                   2, True, 0),
     "Downpour": (LAYOUTS["Downpour, 2 groups + 1 server, 3 processes"].cli(), 3, False, 0.05),
+    "Sandblaster": (LAYOUTS["Sandblaster, 2 workers + 1 server, 3 processes"].cli(), 3, True, 0),
 }
 
 
@@ -328,7 +329,7 @@ def test_a_killed_session_rank_under_torchrun_rejoins_the_running_loop(tmp_path,
 
 
 @pytest.mark.slow  # one more torchrun run each; AllReduce's covers the session's supervisor in the default suite
-@pytest.mark.parametrize("layout", ["Local SGD", "Downpour"])
+@pytest.mark.parametrize("layout", ["Local SGD", "Downpour", "Sandblaster"])
 def test_a_killed_group_of_a_session_under_torchrun_rejoins(tmp_path, torchruns, layout):
     killed_session_rank_rejoins(tmp_path, torchruns, layout)
 
