@@ -61,7 +61,7 @@ class StandInQuorum:
         self.chief = rank == 0  # (the real one's: whether this member decides the steps now)
         self.meeting, self.attempts, self.left_out, self.sent = meeting, attempts, left_out, []
 
-    def meet(self, meeting: int, step: int, contribute):
+    def meet(self, meeting: int, step: int, contribute, admit: bool = True):  # (admit: the real one's; nobody knocks here)
         result = None
         for attempt in range(self.attempts):
             result = contribute(self._attempt(attempt))
