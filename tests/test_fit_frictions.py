@@ -351,6 +351,24 @@ shoal.fit(model, torch.nn.functional.cross_entropy, torch.utils.data.TensorDatas
 """
 
 
+def test_a_script_imported_again_by_a_started_process_ends_it_in_one_line_at_fit(tmp_path):
+    """What each process fit starts does with the user's script: multiprocessing imports it again as `__mp_main__` (to
+    find the user's classes); a fit call outside `if __name__ == "__main__":` runs there and ends that process with
+    exit status 2 and one line, before it starts anything (the whole run over processes: the slow test below)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    proc = subprocess.run([sys.executable, "-c", f"import runpy; runpy.run_path({str(script)!r}, run_name='__mp_main__')"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2 and proc.stderr == (
+        f"shoal.fit: {script} calls shoal.fit when it is imported, and each process shoal starts imports it again to "
+        'find your model\'s classes: put the call under `if __name__ == "__main__":`\n'), proc.stderr
+    assert not (tmp_path / "ws").exists()
+
+
+@pytest.mark.slow  # (about 5 s idle, 14 s in the suite: the launcher and two processes that each say the line)
 def test_a_script_calling_fit_over_processes_at_its_top_level_is_told_in_one_line(tmp_path):
     """Each process fit starts imports the script again (as multiprocessing's `__mp_main__`, to find the user's
     classes): a call outside `if __name__ == "__main__":` would run fit again there. Each says so in one line, no

@@ -147,29 +147,37 @@ SESSION_SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("placed_by", ["--set", "the script"])
-def test_shoal_run_of_a_script_over_processes_forks_their_server_with_torch_dynamo(tmp_path, placed_by):
+def test_shoal_run_of_a_script_over_processes_forks_their_server_with_torch_dynamo(tmp_path):
     """`shoal run script.py --set cluster.…` placing several processes: the server the session's ranks fork from is
     forked from the CLI's process before the script runs, torch._dynamo imported (a torch optimizer's first use), so
-    no interpreter starts for it and no rank imports torch._dynamo itself. Placed by the script's own shoal.Cluster:
-    the session starts the server (an interpreter) with torch._dynamo, and no rank imports it either."""
+    no interpreter starts for it and no rank imports torch._dynamo itself."""
     script = tmp_path / "loop.py"
-    by_script = placed_by == "the script"
-    script.write_text(SESSION_SCRIPT.replace("shoal.session(train_steps=4)",
-                                             "shoal.session(shoal.Cluster(nworkers_per_group=2), train_steps=4)")
-                      if by_script else SESSION_SCRIPT)
+    script.write_text(SESSION_SCRIPT)
     done = subprocess.run([sys.executable, "-c", SERVER_STARTS, "run", str(script), "--workspace", str(tmp_path / "ws"),
-                           *([] if by_script else ["--set", "cluster.nworkers_per_group=2"])],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+                           "--set", "cluster.nworkers_per_group=2"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     started = [line for line in done.stdout.splitlines() if line.startswith("started:")]
-    # multiprocessing's tracker only, or (placed by the script) the server's interpreter too
-    assert sorted("resource_tracker" in line for line in started) == ([False, True] if by_script else [True]), started
+    assert len(started) == 1 and "resource_tracker" in started[0], started  # multiprocessing's tracker only
     assert_ran(tmp_path / "ws", "AllReduce, 2 processes")
     logs = [(tmp_path / "ws" / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1)]
     said = [line for text in logs + [done.stdout] for line in text.splitlines() if "found torch._dynamo" in line]
     assert sorted(set(said)) == ["rank 0 found torch._dynamo imported: True", "rank 1 found torch._dynamo imported: True"], (
         said, done.stdout, logs)
+
+
+def test_a_loop_whose_own_cluster_places_processes_starts_their_server_with_torch_dynamo(tmp_path):
+    """The script's own shoal.Cluster places the processes (no --set for the CLI to fork the server early from): the
+    session starts the server its ranks fork from with torch._dynamo and the session's start (what each rank would
+    import itself: a torch optimizer imports torch._dynamo). Stopped at the server's start (SERVER_PRELOAD): what the
+    ranks inherit is what it imports there, as the test above shows for the ranks of a --set."""
+    script = tmp_path / "loop.py"
+    script.write_text(SERVER_PRELOAD + SESSION_SCRIPT.replace(
+        "shoal.session(train_steps=4)", "shoal.session(shoal.Cluster(nworkers_per_group=2), train_steps=4)"))
+    done = subprocess.run([sys.executable, "-m", "shoal", "run", str(script), "--workspace", str(tmp_path / "ws")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    preload = done.stdout.strip().splitlines()[-1].split(" | ")[0].split()
+    assert {"shoal.launcher.launch", "shoal.frontend.session_start", "torch._dynamo"} <= set(preload), done.stdout
 
 
 def test_prestart_starts_the_server_before_the_script_imports_torch_and_only_in_the_script(tmp_path):
