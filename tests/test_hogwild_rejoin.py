@@ -52,8 +52,10 @@ def test_a_killed_hogwild_group_is_restarted_and_syncs_again(blobs_job, tmp_path
     got = summary(run.ws)
     (record,) = got["rejoins"]  # logs/rejoins.jsonl's line
     synced, joined = record["skipped_steps"]  # [its last sync's step, the step it joined at)
-    # its peers' step, at or past its last sync (at it: a restart quick enough that its peers had not moved on)
-    assert synced % SYNC_FREQ == 0 and 0 < synced <= joined == step < STEPS, (line, record)
+    # its peers' step, at or past its last sync (at it: a restart quick enough that its peers had not moved on); 0 where
+    # it was killed before its first sync (a loaded machine can hold group 1 back while group 0 reaches the kill's step:
+    # once in a fresh-clone suite, 2026-11-29)
+    assert synced % SYNC_FREQ == 0 and 0 <= synced <= joined == step < STEPS, (line, record)
     assert step >= 20, line  # group 0 (the chief) had displayed step 20 before the kill: the peers' step, at least
     skipped_text = (f"step {synced} (1 step" if step - synced == 1 else f"steps {synced} to {step - 1} ({step - synced} steps")
     assert (f"; it skipped {skipped_text}, to its peers' step: " in line) == (step > synced), line
