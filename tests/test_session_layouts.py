@@ -407,7 +407,9 @@ def test_downpour_over_three_processes_trains_the_users_loop_on_its_server(tmp_p
     # the launcher and each of the 3 processes ran the script from the top; the server's ended at shoal.session()
     assert len(list(out.glob("pid*"))) == 4
     assert sorted(p.name for p in out.glob("session*")) == ["session0", "session1"]
-    assert "server(group=0, id=0): version 48; updates applied: group 0: 24, group 1: 24" in (workspace / "logs" / "rank2.log").read_text()
+    server_log = (workspace / "logs" / "rank2.log").read_text()
+    assert "server(group=0, id=0): version 48; updates applied: group 0: 24, group 1: 24" in server_log
+    assert server_log.startswith("Server (group = 0, id = 0) start in process 2: "), server_log  # (as a job file's says)
     plain = json.loads((out / "plain.json").read_text())["loss"]
     said = [ended(out, rank)[1] for rank in (0, 1)]
     assert said[0]["first"] == said[1]["first"]  # group 1 started from the chief's values, not its own

@@ -184,6 +184,12 @@ def _set_values(run: ProcessRun, spec: RunSpec) -> None:
     plan.strategy.after_values(run, spec)
 
 
+def server_start_line(plan: JobPlan, rank: int, server) -> str:
+    """SINGA's startup line of a server of process `rank`: what it serves (a user's loop's server process says it too)."""
+    elements = sum(x.size for x in plan.placement.slices_of(server))
+    return f"Server (group = {server.group}, id = {server.id}) start in process {rank}: {elements:,} param elements"
+
+
 def start_lines(run: ProcessRun) -> list[str]:
     """SINGA's startup lines: every worker and server of this process, where it runs."""
     plan, rank = run.plan, run.rank
@@ -194,9 +200,7 @@ def start_lines(run: ProcessRun) -> list[str]:
             for member in trainer.workers:
                 for index, device in member.placed_workers():
                     lines.append(f"Worker (group = {trainer.group}, id = {index}) start on {device_label(device)}{where}")
-    for s in plan.process(rank).servers:
-        elements = sum(x.size for x in plan.placement.slices_of(s))
-        lines.append(f"Server (group = {s.group}, id = {s.id}) start in process {rank}: {elements:,} param elements")
+    lines += [server_start_line(plan, rank, s) for s in plan.process(rank).servers]
     if rank == 0 and plan.updater.momentum != plan.job.updater.momentum:  # never silently (SINGA updaters only)
         lines.append(f"updater.momentum {plan.job.updater.momentum:g} -> {plan.updater.momentum:g} at the servers: "
                      f"{plan.nworker_groups} asynchronous groups add momentum of their own "

@@ -64,6 +64,7 @@ from shoal.errors import ShoalError
 from shoal.neuralnet.params import ParamStore
 from shoal.neuralnet.singa_optimizer import SingaOptimizer
 from shoal.planning.plan import JobPlan
+from shoal.runtime.assemble import server_start_line
 from shoal.runtime.interfaces import FaultInjection
 
 
@@ -655,6 +656,8 @@ def serve_downpour(plan: JobPlan, rank: int, workspace, log: Callable[[str], Non
     named = [(n, torch.zeros(shape)) for n, shape in zip(names, shapes)]
     optimizer_from_recipe(recipe, named)  # refused here in one line, not deep inside the server's first update
     served = downpour_plan(plan, names, shapes, recipe)
+    for server in served.process(rank).servers:  # (as a job file's server process starts: its log says what it serves)
+        log(server_start_line(served, rank, server))
     run = SessionRun(served, rank, [SessionMember(ParamStore.viewing(named), 0, workspace=workspace, log=log)])
     served.strategy.attach_exchanges(run)
     server, layout = run.server, recipe_layout(recipe)
