@@ -862,7 +862,7 @@ class Session:
         """Asynchronous groups over processes (Downpour, Distributed Hogwild): whether this process's exchange took the
         dead chief's place (shoal.comm.succession: it asks at its step ends and its finish) and the session not yet."""
         return (not self.chief and self.distributed and not self.plan.strategy.synchronous and self.exchange is not None
-                and not self.groups_in_memory and bool(getattr(self.exchange, "chief", False)))
+                and not self.groups_in_memory and self.exchange.chief)  # (the stub's, the Hogwild group's, Local SGD's)
 
     def _take_over(self, step: int) -> None:
         """The dead chief's run log, evaluations and checkpoints, from this step on (report/succession.py)."""
