@@ -72,7 +72,8 @@ class Sandblaster(AllReduce):
 
     def servers_heal(self, plan) -> bool:
         """Under cluster.max_restarts the servers (Downpour's) heal from the chief's mirror: a job file's (`served_replicas`)
-        and a user's loop's, whose worker processes' deaths still restart the whole job."""
+        and a user's loop's (whose worker processes also go on without a dead one where each holds one worker:
+        `loop_served_replicas`; with several, a worker process's death restarts the whole job)."""
         return served_replicas(plan) or (plan.own_loop and plan.max_restarts > 0 and not plan.in_one_process)
 
     def attach_exchanges(self, run) -> None:
