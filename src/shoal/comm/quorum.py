@@ -229,12 +229,16 @@ class MeetingGroup:
         except (RuntimeError, AttributeError):
             pass
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        """Global rank `src`'s `tensor` (in host memory) into every member's (a re-formed group only: a joiner's state)."""
+    def broadcast(self, tensor: torch.Tensor, src: int, give_up: Callable[[], Optional[str]]) -> None:
+        """Global rank `src`'s `tensor` (in host memory) into every member's (a re-formed group only: a joiner's state).
+        Waited for in slices as the meetings' sums are: a joiner that stops answering (or whose killed process left its
+        connections open in a child) holds the donor up only until `give_up` knows it, not for gloo's whole timeout,
+        which is also how long the servers the donor pushes to wait for it."""
         options = dist.BroadcastOptions()
         options.rootRank = self.ranks.index(src)
-        with comm.in_plain_words():
-            self.backend.broadcast([tensor], options).wait()
+        with _lost_in_plain_words():
+            work = self.backend.broadcast([tensor], options)
+        _finish(work, give_up)
 
 
 @contextmanager
@@ -388,9 +392,14 @@ class Quorum:
                 self._retire()
         return joiners
 
+    def share(self, tensor: torch.Tensor, src: int) -> None:
+        """Member `src`'s `tensor` (in host memory) into every member's over the group, given up on (PeerLost) once a
+        member is lost: the first values of a loop whose members made epoch 0's group themselves (`form_first`)."""
+        self.group.broadcast(tensor, src, self._member_lost)
+
     def _broadcast_state(self, tensors: list[torch.Tensor]) -> None:
         for flat, _ in _packed(tensors):
-            self.group.broadcast(flat, self.decider)  # (the donor its admissions named)
+            self.group.broadcast(flat, self.decider, self._member_lost)  # (the donor its admissions named)
 
     def close(self) -> None:
         """The chief's meetings are over: a process still knocking has nothing left to join (and the past meetings'
@@ -454,7 +463,7 @@ class Quorum:
     def receive(self, tensors: list[torch.Tensor], donor: int) -> None:
         """The state the donor broadcasts after admitting this process, into `tensors` (in the donor's order)."""
         for flat, parts in _packed(tensors):
-            self.group.broadcast(flat, donor)
+            self.group.broadcast(flat, donor, self._member_lost)
             _unpack(flat, parts)
 
     # -- the chief's decisions -------------------------------------------------------------------------
@@ -589,6 +598,11 @@ class Quorum:
             return "another member's sum failed"
         if self.store.check([f"m{meeting}/a{attempt}/outcome"]):
             return "the chief decided the meeting without this sum"
+        return self._member_lost()
+
+    def _member_lost(self) -> Optional[str]:
+        """Why a member waiting in any collective of the group stops waiting: another member stopped answering, or the
+        launcher said it is gone (read at most every DOOR_EVERY_S); None: it goes on waiting."""
         others = [m for m in self.members if m.rank != self.rank]
         stalled = next((m for m in others if heartbeat.is_stalled(m.rank)), None)
         if stalled is not None:

@@ -57,7 +57,7 @@ class LoopSandblasterExchange(SandblasterExchange):
         for name in self.store.names():
             value = self.store.values[name]
             host = value.detach().to("cpu").clone()
-            self.quorum.group.broadcast(host, self.quorum.chief_rank)
+            self.quorum.share(host, self.quorum.chief_rank)
             with torch.no_grad():
                 value.copy_(host)
         return step
