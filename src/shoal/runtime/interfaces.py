@@ -138,3 +138,12 @@ class FaultInjection:
     def server_update_hook(self, rank: int) -> Optional[Callable[[int], None]]:
         """Called with the version after each update of process `rank`'s Downpour server."""
         return None
+
+
+def summary_annotator(trainer) -> Callable[[dict], None]:
+    """How an exchange adds fields to summary.json: through `trainer`'s run log (a Trainer's, or the session's member's
+    in a user's loop), once it has one (a successor's, once it took a dead chief's place)."""
+    def annotate(fields: dict) -> None:
+        if trainer.metrics is not None:
+            trainer.metrics.annotate(**fields)
+    return annotate

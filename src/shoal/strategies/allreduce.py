@@ -19,6 +19,7 @@ from shoal.planning.exchange_choice import mirror_elements, mirror_every, replic
 from shoal.planning.process_groups import JOB_GROUP, bridge_groups, sliced_groups
 from shoal.planning.strategy import Framework, Layout, Strategy
 from shoal.runtime.exchanges.compression import codec_factory
+from shoal.runtime.interfaces import summary_annotator
 from shoal.runtime import rejoined
 from shoal.runtime.exchanges.local import LocalExchange
 from shoal.runtime.exchanges.replicated import DOOR, ReplicatedExchange
@@ -103,7 +104,7 @@ class AllReduce(Strategy):
             # chief's duties (report/succession.py)
             log = lambda line: trainer.log(line)  # noqa: E731 (the trainer's log once it runs: above a progress bar)
             trainer.attach_exchange(ReplicatedExchange(trainer.store, updater, quorum, run.rank, plan.global_batch, first,
-                                                       log=log, annotate=_annotator(trainer), codecs=codecs),
+                                                       log=log, annotate=summary_annotator(trainer), codecs=codecs),
                                     may_take_over=True)
             return
         trainer.attach_exchange(SlicedExchange(trainer.store, updater, plan.placement, run.rank, plan.global_batch,
@@ -122,13 +123,6 @@ class AllReduce(Strategy):
     def complete_rejoin(self, run, incarnation: int) -> tuple[int, int, dict]:
         return run.chief.exchange.rejoin(incarnation)
 
-
-def _annotator(trainer):
-    """How the exchange adds fields to summary.json: through the chief's run log, once the run has one."""
-    def annotate(fields: dict) -> None:
-        if trainer.metrics is not None:
-            trainer.metrics.annotate(**fields)
-    return annotate
 
 
 STRATEGY = AllReduce()

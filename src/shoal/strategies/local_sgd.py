@@ -17,6 +17,7 @@ from shoal.neuralnet.updaters import make_updater
 from shoal.planning.process_groups import whole_group
 from shoal.planning.strategy import Framework, Layout, Strategy, UnsupportedClusterError
 from shoal.runtime.exchanges.compression import codec_factory
+from shoal.runtime.interfaces import summary_annotator
 from shoal.runtime.exchanges.groups import GroupBoard
 from shoal.runtime import rejoined
 from shoal.runtime.exchanges.periodic import DOOR, InMemoryMeeting, PeriodicExchange, ProcessMeeting
@@ -99,7 +100,7 @@ class LocalSGD(Strategy):
             t.attach_exchange(PeriodicExchange(t.store, make_updater(plan.updater), make_updater(plan.outer_updater), meetings.local_steps,
                                                meeting, t.group, plan.global_batch, meetings.warmup_steps,
                                                meetings.sparse_outer_step,
-                                               on_step_done=steps_done, annotate=_annotator(t)),
+                                               on_step_done=steps_done, annotate=summary_annotator(t)),
                              may_take_over=replaceable)
 
     def after_values(self, run, spec) -> None:
@@ -137,13 +138,6 @@ class MeetingBoard(GroupBoard):
         if self.meeting is not None:
             self.meeting.abandon()
 
-
-def _annotator(trainer):
-    """How a trainer's exchange adds fields to summary.json: through the chief's run log, once the run has one."""
-    def annotate(fields: dict) -> None:
-        if trainer.metrics is not None:
-            trainer.metrics.annotate(**fields)
-    return annotate
 
 
 def refuse_sparse_outer_step(c) -> None:

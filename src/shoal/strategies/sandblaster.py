@@ -25,11 +25,12 @@ from shoal.planning.process_groups import worker_groups
 from shoal.planning.strategy import Framework
 from shoal.runtime import rejoined
 from shoal.runtime.exchanges.compression import codec_factory
+from shoal.runtime.interfaces import summary_annotator
 from shoal.runtime.exchanges.downpour_stub import DownpourExchange
 from shoal.runtime.exchanges.replicated import DOOR
 from shoal.runtime.exchanges.sandblaster import SandblasterExchange
 from shoal.runtime.exchanges.sandblaster_loop import LoopSandblasterExchange
-from shoal.strategies.allreduce import AllReduce, _annotator
+from shoal.strategies.allreduce import AllReduce
 from shoal.strategies.downpour import Downpour, resumed_version
 
 
@@ -110,7 +111,7 @@ class Sandblaster(AllReduce):
                                     resends=True)  # (synchronous: a push lost with its server goes to the healed one)
         log = lambda line: trainer.log(line)  # noqa: E731 (the trainer's log once it runs: above a progress bar)
         trainer.attach_exchange(exchange(trainer.store, make_updater(plan.updater), quorum, rank, plan.global_batch, stub,
-                                         log=log, annotate=_annotator(trainer)))
+                                         log=log, annotate=summary_annotator(trainer)))
 
     def restore_server(self, run, resumed) -> None:
         if served_replicas(run.plan):  # (the version a resumed Downpour server starts at: the step, one group)
