@@ -871,9 +871,7 @@ class Session:
             self.say = succession.on_the_terminal_too(self.say)
         self.metrics = succession.take_over_run_log(self.plan, self.workspace, usable_device_names(self.plan.all_devices()),
                                                     self.rank, step)
-        # (asynchronous groups have no steps to decide: their exchange says what the successor does instead)
-        duties = getattr(self.exchange, "duties_taken_over", "it decides the steps, writes the run log and the checkpoints")
-        duties = duties.replace("it tests and validates", "it evaluates (run.evaluate)")  # (the loop's own calls)
+        duties = self.exchange.duties_taken_over.replace("tests and validates", "evaluates (run.evaluate)")  # (the loop's calls)
         self.say(f"Process {self.rank} took the chief's place after step {step}: {duties}")
         self.exchange.speak_for_the_job(self.say, lambda fields: self.metrics.annotate(**fields))
         if self._interval is not None:  # it picks the interval checkpoints' steps now (the chief's published ones stand)

@@ -33,7 +33,8 @@ class Exchange(Protocol):
     skipped, past train_steps) it also has `steps_to_train(train_steps) -> int` (where this group's loop ends, asked
     once it reached the end it knew) and `job_notes` (a dict for summary.json: the steps skipped and who re-trained them).
     One attached with `may_take_over` (a group of replicas, whose quorum makes the lowest living process the decider
-    when the chief dies) also has `chief` (whether this process decides now) and `speak_for_the_job(log, annotate)`."""
+    when the chief dies) also has `chief` (whether this process decides now), `speak_for_the_job(log, annotate)` and
+    `duties_taken_over` (what its successor does, for the line saying it took the chief's place)."""
 
     # the job's bytes to its last message, known after `finish` on the chief (summary.json's bytes_sent); None where
     # this exchange does not count them (in one process nothing crosses a wire)

@@ -537,10 +537,7 @@ class Trainer:
                                                     self.rank, step)
         if self.checkpoint_schedule is not None:
             self.checkpoint_schedule.take_over()
-        # (asynchronous groups have no steps to decide: their exchange says what the successor does instead)
-        duties = getattr(self.exchange, "duties_taken_over", "it decides the steps, tests and validates, writes the run log "
-                                                             "and the checkpoints")
-        self.log(f"Process {self.rank} took the chief's place after step {step}: {duties}")
+        self.log(f"Process {self.rank} took the chief's place after step {step}: {self.exchange.duties_taken_over}")
         self.exchange.speak_for_the_job(self.log, lambda fields: self.metrics.annotate(**fields))
 
     def _steps_to_train(self, end: int) -> int:

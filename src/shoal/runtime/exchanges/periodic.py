@@ -283,6 +283,8 @@ def _reduce_encoded(codec: Codec, sent: list[torch.Tensor], size: int, attempt) 
 class PeriodicExchange:
     """One group's side of Local SGD / DiLoCo."""
 
+    duties_taken_over = "it decides the steps, tests and validates, writes the run log and the checkpoints"
+
     def __init__(self, store: ParamStore, inner: Updater, outer: Updater, local_steps: int, meeting, group: int,
                  global_batch: int, warmup_steps: int = 0, sparse_outer_step=None,
                  on_step_done: Optional[Callable[[int], None]] = None, annotate: Optional[Callable[[dict], None]] = None):

@@ -76,6 +76,7 @@ class ReplicatedExchange:
     # restarted processes are admitted at the mean's meeting (a user's loop's Sandblaster admits them at its values'
     # meeting instead, which its loop's handover follows: runtime/exchanges/sandblaster_loop.py)
     admits_at_the_mean = True
+    duties_taken_over = "it decides the steps, tests and validates, writes the run log and the checkpoints"
 
     def __init__(self, store: ParamStore, updater: Updater, quorum: quorums.Quorum, rank: int, global_batch: int,
                  first: Optional[collectives.Group] = None, log: Callable[[str], None] = print,
