@@ -16,6 +16,9 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "shoal"
 
+# every rule scans the whole source: one test process parses it once for all of them (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("architecture_source")
+
 
 def parse(path: Path) -> ast.Module:
     """A file's syntax tree, parsed once per version of the file for all the rules (each scans the whole source)."""
@@ -423,8 +426,9 @@ def framework_branches(path: Path, members: set[str], concrete: set[str]) -> lis
     """Where a file decides by framework: a Framework member named, a `match` on a framework, an isinstance of a
     concrete exchange (what the framework built), or such a class imported."""
     found = []
+    name = path.relative_to(SRC) if path.is_relative_to(SRC) else path.name  # once a file, not once a node
     for node in ast.walk(parse(path)):
-        where = f"{path.relative_to(SRC) if path.is_relative_to(SRC) else path.name}:{getattr(node, 'lineno', 0)}"
+        where = f"{name}:{getattr(node, 'lineno', 0)}"
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "Framework" and node.attr in members:
             found.append(f"{where} Framework.{node.attr}")
         elif isinstance(node, ast.Match) and "framework" in ast.unparse(node.subject):
