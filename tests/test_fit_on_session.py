@@ -73,16 +73,17 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
     tests/test_fit_threads_on_session.py), in-memory Hogwild's and
     Downpour's asynchronous groups (threads of one process, running freely, a warm-up too: tests/test_session_groups.py,
     tests/test_session_warmup.py), AllReduce over processes with server slices (one worker or a few threads each, no
-    restarts: each process's slices' optimizer state alone, tests/test_fit_slices_on_session.py); server slices with
-    compression keep the job path (its compressed sliced exchange); Distributed Hogwild's groups of threads run there
-    (tests/test_session_hogwild_threads.py)."""
+    restarts: each process's slices' optimizer state alone, tests/test_fit_slices_on_session.py; under compression or
+    restarts: "AllReduce over processes", the replicated update, tests/test_fit_remaining_layouts.py); Distributed
+    Hogwild's groups of threads run there (tests/test_session_hogwild_threads.py). A device list and measured batch
+    shares (cluster.auto_batch_shares over a group's threads) keep the job path."""
     ready = {"one worker", "one synchronous group in one process", "AllReduce over processes",
              "AllReduce over processes with server slices", "Local SGD / DiLoCo over processes",
              "Distributed Hogwild over processes", "Downpour over processes", "Sandblaster over processes",
              "in-memory Hogwild / Downpour", "a module cut on its features over processes"}
     assert fitting.ON_SESSION == ready
     on_a_gpu = SimpleNamespace(in_one_process=True, nworkers=1, job=SimpleNamespace(device=["cuda:0"]), label="single worker",
-                               tensor_parallel=False)
+                               tensor_parallel=False, balance_freq=0)
     named = {"one worker": plan_of(),
              "one synchronous group in one process": plan_of(nworkers_per_group=2, nworkers_per_procs=2),  # (threads)
              "AllReduce over processes": plan_of(nworkers_per_group=2, nworkers_per_procs=1),
@@ -95,14 +96,17 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
              "in-memory Hogwild / Downpour": plan_of(nworker_groups=2, nworkers_per_procs=2),
              "a module cut on its features over processes": tensor_parallel_plan()}  # (tests/test_fit_tensor_parallel.py)
     with_torch_outer = SimpleNamespace(in_one_process=False, nworkers=2, nprocs=2, label="DiLoCo", tensor_parallel=False,
+                                       balance_freq=0,
                                        placement=SimpleNamespace(processes=[SimpleNamespace(workers=[k]) for k in range(2)]),
                                        strategy=SimpleNamespace(synchronous=False, meets=True, syncs_with_peers=False,
                                                                   servers_hold_trainers=True),
                                        job=SimpleNamespace(device=[], cluster=SimpleNamespace(
                                            outer_updater=SimpleNamespace(user_type=OUTER_OPTIMIZER_UPDATER))))
-    others = [plan_of(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2, compression=job_pb2.kBF16),
-              planned_by_fit(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2, max_restarts=1),  # slices, restarts
+    others = [planned_by_fit(nworkers_per_group=2, nworkers_per_procs=2, auto_batch_shares=True),  # measured shares
               on_a_gpu]
+    for slices in (dict(compression=job_pb2.kBF16), dict(max_restarts=1)):  # server slices: the replicated update
+        assert fitting.fit_layout(plan_of(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2, **slices)) == \
+            "AllReduce over processes"
     assert {fitting.fit_layout(plan): name for name, plan in named.items()} == {name: name for name in named}
     assert fitting.fit_layout(planned_by_fit(nworker_groups=2, nworkers_per_procs=2, warmup_steps=2)) == \
         "in-memory Hogwild / Downpour"  # (a warm-up: group 0 alone first, the others after it)
@@ -297,14 +301,15 @@ def test_fit_runs_sandblaster_over_processes_on_the_session_as_one_worker(tmp_pa
 
 
 def test_fit_on_the_job_path_over_processes_hands_the_chiefs_lines_to_its_log(tmp_path, problem, capfd, monkeypatch):
-    """A layout fit still runs on the job path (AllReduce, 2 processes, 2 server slices, bf16 compression): its chief
+    """A layout fit still runs on the job path (AllReduce, 2 processes of 2 threads, a device list): its chief
     rank's lines (Train, Validate, the checkpoint) reach fit's log= in this process, a lambda too, and not the terminal."""
     train, val, model = problem
     lines = []
-    cluster = shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2, compression=job_pb2.kBF16)
+    cluster = shoal.Cluster(nworkers_per_group=4, nworkers_per_procs=2)
     monkeypatch.setattr(fit_loop, "fit_on_session", lambda *a, **k: pytest.fail("not the job path"))
     shoal.fit(model, F.cross_entropy, train, val_data=val, val_freq=3, val_batch=20, steps=STEPS, batch_size=BATCH,
-              disp_freq=3, updater=UPDATER, cluster=cluster, workspace=tmp_path / "ws", log=lambda line: lines.append(line))
+              disp_freq=3, updater=UPDATER, cluster=cluster, device=["cpu:0", "cpu:1"], workspace=tmp_path / "ws",
+              log=lambda line: lines.append(line))
     said = "\n".join(lines)
     assert "Train @ step 6 " in said and "Validate @ step 3 " in said and "Checkpoint written to " in said, said
     assert "AllReduce" in said  # (the launcher's own line, as before)

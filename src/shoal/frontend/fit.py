@@ -466,15 +466,18 @@ ON_SESSION: frozenset = frozenset({"one worker", "one synchronous group in one p
 
 
 def fit_layout(plan) -> str:
-    """The layout of a fit call as ON_SESSION names it: "one worker" (one worker in one process, on the CPU: the session
-    has no device list yet), "one synchronous group in one process" (its workers as threads, run.each_worker),
+    """The layout of a fit call as ON_SESSION names it: "one worker" (one worker in one process, on the CPU: a device
+    list keeps the job path, docs/architecture.md "`shoal.fit` on the session" says why), "one synchronous group in one process" (its workers as threads, run.each_worker),
     "in-memory Hogwild / Downpour" (asynchronous groups as threads of one process), the layouts over processes of
-    one worker each (and Downpour's server processes), else the plan's label."""
-    from shoal.frontend.session_start import pushes_to_servers
+    one worker each (and Downpour's server processes), else the plan's label (measured batch shares,
+    cluster.auto_batch_shares, too: the job path's Trainer re-splits a group's batch, the session has no balancer)."""
+    from shoal.frontend.session_start import measures_shares, pushes_to_servers
     from shoal.runtime.session_slices import shards_optimizer_state
 
     if plan.tensor_parallel:  # (the layouts it cannot run: session_start.check_layout's one line)
         return "a module cut on its features over processes"
+    if measures_shares(plan):  # (run.batches splits evenly: on the session the measured shares would silently not run)
+        return plan.label
     if plan.in_one_process and plan.nworkers == 1 and not plan.job.device:
         return "one worker"
     if (plan.in_one_process and not plan.job.device and plan.strategy.synchronous and not plan.strategy.meets
@@ -486,10 +489,12 @@ def fit_layout(plan) -> str:
     # none a server's alone (Downpour's and Sandblaster's server processes are theirs: below)
     over_processes = (not plan.in_one_process and not plan.job.device and not pushes_to_servers(plan)
                       and workers_each_process(plan))
-    if over_processes and plan.strategy.synchronous and not plan.strategy.meets and plan.nservers_per_group <= 1:
+    if over_processes and plan.strategy.synchronous and not plan.strategy.meets:
+        if shards_optimizer_state(plan):  # (ZeRO-1's, as the job path's owners)
+            return "AllReduce over processes with server slices"
+        # server slices under restarts or compression too: the replicated update, each process the whole state, as a
+        # user's loop runs them (the job path's compressed sliced exchange, without restarts, is no longer fit's)
         return "AllReduce over processes"
-    if over_processes and plan.strategy.synchronous and shards_optimizer_state(plan):  # (ZeRO-1's, as the job path's owners)
-        return "AllReduce over processes with server slices"
     if over_processes and plan.strategy.meets:
         return "Local SGD / DiLoCo over processes"  # (outer_optimizer=, a torch one, too: shoal.session's outer_optimizer=)
     if over_processes and plan.strategy.syncs_with_peers:  # (the strategy's word, not its label)

@@ -112,6 +112,10 @@ def check_layout(plan: JobPlan) -> None:
     if plan.tensor_parallel:
         _check_tensor_parallel(plan, one_worker_each)
         return
+    if measures_shares(plan):  # (run.batches splits a group's batch evenly: measuring nothing would be a silent no-op)
+        raise SessionError("shoal.session: cluster.auto_batch_shares (measured batch shares) is not supported in your own "
+                           "loop yet (run.batches splits a group's batch evenly): leave it unset, or use a job file "
+                           "(`shoal run job.conf`) or shoal.fit for it")
     if plan.in_one_process and plan.nworkers == 1:
         return
     if several_workers_in_a_process(plan):
@@ -167,6 +171,12 @@ def _pushes_on_cpu(plan: JobPlan) -> None:
         raise SessionError(f"shoal.session: {plan.label} in your own loop runs on CPU (its pushes and pulls go point-to-point "
                            "over gloo from the module's params): leave device unset (or \"cpu\"), or use a job file "
                            "(`shoal run job.conf`) or shoal.fit for it")
+
+
+def measures_shares(plan: JobPlan) -> bool:
+    """cluster.auto_batch_shares over a group of several workers: the job path's Trainer re-splits the group's batch
+    by their measured step times (planning/balance.py), which the session does not (one worker a group: nothing to split)."""
+    return plan.balance_freq > 0 and plan.nworkers_per_group > 1
 
 
 def several_workers_in_a_process(plan: JobPlan) -> bool:
