@@ -10,6 +10,13 @@ from pathlib import Path
 # the same results). Only the waiting changes: the same threads split the same work, so every number is the same.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# Before any test starts a job's processes: the forkserver they fork from (one per test process; here the launcher
+# starts it, torch being imported already) preloads torch._dynamo only where this process has imported it
+# (shoal.config.plugins' SHARED_IMPORTS). Without it, every rank of a torch optimizer's run (fit, a user's loop)
+# imported it on its own, about 1 s of CPU each (2026-11-29, idle: a 2-process loop's run 2.2 s instead of 0.3 s),
+# where a user's `shoal run script.py` and shoal.fit preload it (launcher/process_server.py). Numbers do not change.
+import torch._dynamo  # noqa: E402,F401
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
