@@ -28,6 +28,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from cli_in_process import run_cli
 from fault_runs import runs, summary  # noqa: F401 (runs: the fixture)
 from layouts import LAYOUTS, assert_ran
 from shoal.frontend.cli import main
@@ -112,10 +113,16 @@ RUNS_IN_A_LOOP = {"single worker", "AllReduce, 2 processes", "AllReduce, 2 proce
                   "Distributed Hogwild, 2 groups x 2 threads"}
 
 
-def shoal_run(script: Path, out: Path, workspace: Path, *options: str, timeout: int = 240) -> subprocess.CompletedProcess:
+def shoal_run(script: Path, out: Path, workspace: Path, *options: str, timeout: int = 240,
+              in_process: bool = False) -> subprocess.CompletedProcess:
+    """`shoal run script.py OPTIONS -- OUT` as a real `python -m shoal` process (what a shell sees; the ranks' lines on
+    its stdout), or with `in_process` in this test process (cli_in_process: no interpreter to start, and the ranks fork
+    from this process's forkserver, started once) where a test reads only what the run wrote."""
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "shoal", "run", str(script), "--workspace", str(workspace), *options, "--", str(out)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=out)
+    args = ["run", str(script), "--workspace", str(workspace), *options, "--", str(out)]
+    if in_process:
+        return run_cli(*args, cwd=out, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "shoal", *args], capture_output=True, text=True, timeout=timeout, cwd=out)
 
 
 def ended(out: Path, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
@@ -176,7 +183,7 @@ def check_hogwild_trains(out: Path, workspace: Path, row: str) -> None:
 @pytest.fixture(scope="module")
 def hogwild_run(script, tmp_path_factory):
     out = tmp_path_factory.mktemp("hogwild")
-    proc = shoal_run(script, out, out / "ws", *LAYOUTS["Distributed Hogwild, 2 groups"].cli(), *SYNC_EVERY_5)
+    proc = shoal_run(script, out, out / "ws", *LAYOUTS["Distributed Hogwild, 2 groups"].cli(), *SYNC_EVERY_5, in_process=True)
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -560,7 +567,7 @@ def sandblaster_run(tmp_path_factory):
     where = tmp_path_factory.mktemp("sandblaster")
     script = where / "sandblaster.py"
     script.write_text(SANDBLASTER)
-    proc = shoal_run(script, where / "out", where / "ws", *LAYOUTS[SANDBLASTER_ROW].cli())
+    proc = shoal_run(script, where / "out", where / "ws", *LAYOUTS[SANDBLASTER_ROW].cli(), in_process=True)
     assert proc.returncode == 0, proc.stderr
     return where
 
