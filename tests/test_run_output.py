@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_in_process import run_cli
 
 import shoal
 from shoal.planning.plan import plan_job
@@ -16,6 +17,7 @@ from shoal.report.summary import describe_layout
 
 
 def shoal_cli(*args, env=None):
+    """`python -m shoal ARGS`: a real process, its stdout a pipe (what `shoal jobs view | less` gets)."""
     return subprocess.run([sys.executable, "-m", "shoal", *map(str, args)], capture_output=True, text=True,
                           timeout=300, env=env, check=False)
 
@@ -26,7 +28,7 @@ CLOSING = re.compile(r"^Trained (\d+) steps in .+ \((\d+) samples/s\); final tes
 
 def test_a_run_ends_with_one_line_built_from_its_summary(blobs_job, tmp_path):
     ws = tmp_path / "ws"
-    proc = shoal_cli("run", blobs_job(train_steps=30), "--workspace", ws)
+    proc = run_cli("run", blobs_job(train_steps=30), "--workspace", ws)  # in this process: its stdout and stderr, as a pipe's
     assert proc.returncode == 0, proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
     match = CLOSING.match(last)
@@ -70,8 +72,8 @@ def test_the_progress_bar_shows_on_a_terminal(blobs_job, tmp_path):
 
 def test_jobs_view_is_not_wrapped_when_piped(blobs_job, tmp_path):
     deep = tmp_path / ("a-rather-long-folder-name-" * 4) / "workspace"
-    assert shoal_cli("run", blobs_job(train_steps=10), "--workspace", deep).returncode == 0
-    proc = shoal_cli("jobs", "view", "1")
+    assert run_cli("run", blobs_job(train_steps=10), "--workspace", deep).returncode == 0  # (registers the job)
+    proc = shoal_cli("jobs", "view", "1")  # a real process writing to a pipe
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert f"workspace: {deep}" in lines  # one line, though far wider than 80 columns
