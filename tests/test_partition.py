@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -343,8 +342,8 @@ def test_hybrid_partitioned_groups_train_mnist_in_every_framework(mnist_dir, tmp
     assert text.count("partition_dim: 1") == 2
     job = tmp_path / "job.conf"
     job.write_text(text)
-    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws")],
-                          capture_output=True, text=True, env={**os.environ, "SHOAL_COMM_TIMEOUT": "30"}, timeout=600)
+    # in this process (the run's results are the point, not an interpreter's exit: no torch import to wait for)
+    proc = run_cli("run", job, "--workspace", tmp_path / "ws", env={**os.environ, "SHOAL_COMM_TIMEOUT": "30"}, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert_ran(tmp_path / "ws", framework)
     records = [json.loads(line) for line in (tmp_path / "ws" / "metrics.jsonl").read_text().splitlines()]
