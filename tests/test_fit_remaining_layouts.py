@@ -10,6 +10,7 @@ added, fit runs on the session and which keep its job path (and why), and the on
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import shoal
-from layouts import LAYOUTS, SINGLE, assert_ran
+from layouts import LAYOUTS, SINGLE, Layout, assert_ran
 from shoal.config import job_pb2
 from shoal.frontend import api
 from shoal.frontend import fit as fitting
@@ -27,9 +28,8 @@ from test_fit_on_session import BATCH, STEPS, UPDATER, problem, quiet  # noqa: F
 
 SLICES = "AllReduce, 2 processes, 2 server slices"
 # the table's rows whose threads run under --max-restarts nowhere but on fit's job path (the session refuses them:
-# session_start.several_workers_in_a_process, a restarted process's handover is one replica's)
-THREADS_UNDER_RESTARTS = {"Sandblaster, 2 threads + 2 servers, 3 processes", "Downpour, 2 groups x 2 threads + 1 server, 3 processes",
-                          "Distributed Hogwild, 2 groups x 2 threads"}
+# session_start.several_workers_in_a_process; docs/architecture.md "`shoal.fit` on the session" says why)
+THREADS_UNDER_RESTARTS = {"Sandblaster, 2 threads + 2 servers, 3 processes", "Distributed Hogwild, 2 groups x 2 threads"}
 
 
 def fit_plan(cluster: job_pb2.ClusterProto):
@@ -143,3 +143,32 @@ def test_a_users_loop_with_measured_batch_shares_is_refused_in_one_line():
     assert "\n" not in str(refused.value)
     # one worker a group has nothing to re-split: the session runs it as the job path does (no balancer either)
     check_layout(plan_session(session_job(shoal.Cluster(auto_batch_shares=True), 10, 0, 10, 0, "loop"), 1))
+
+
+THREADS_RESTARTS = {
+    "Downpour": Layout({**LAYOUTS["Downpour, 2 groups x 2 threads + 1 server, 3 processes"].cluster, "max_restarts": 1}, 3, 4,
+                       "Downpour"),
+    "Local SGD": Layout(dict(nworker_groups=2, nworkers_per_group=2, nworkers_per_procs=2, local_steps=2, max_restarts=1), 2, 4,
+                        "Local SGD"),
+}
+
+
+@pytest.mark.parametrize("name", THREADS_RESTARTS)
+def test_fit_runs_groups_of_threads_under_restarts_on_the_session(problem, tmp_path, monkeypatch, name):
+    """Downpour's and Local SGD's groups of 2 threads a process under --max-restarts (a kill and its rejoin:
+    tests/test_session_threads_restarts.py): fit_on_session runs them, every process and worker ran, and it learns."""
+    layout = THREADS_RESTARTS[name]
+    assert fitting.fit_layout(fit_plan(layout.fit_cluster())) == f"{name} over processes".replace("Local SGD", "Local SGD / DiLoCo")
+    calls = []
+    monkeypatch.setattr(fit_loop, "fit_on_session", lambda *a, _on=fit_loop.fit_on_session, **k: calls.append(1) or _on(*a, **k))
+    monkeypatch.setattr(api, "train", lambda *a, **k: pytest.fail("fit took its job path"))
+    train, val, model = problem
+    trained = copy.deepcopy(model)
+    history = shoal.fit(trained, F.cross_entropy, train, val_data=val, val_freq=4, val_batch=20, steps=12, batch_size=BATCH,
+                        disp_freq=4, optimizer=functools.partial(torch.optim.AdamW, lr=2e-2), cluster=layout.fit_cluster(),
+                        workspace=tmp_path / "ws", log=quiet)
+    assert calls == [1]
+    assert_ran(tmp_path / "ws", layout)
+    losses = [r["loss"] for r in history.phase("validate")]
+    assert [r["step"] for r in history.phase("validate")] == [0, 4, 8, 12] and losses[-1] < losses[0], losses
+    assert not torch.equal(trained[0].weight, model[0].weight)

@@ -162,13 +162,14 @@ def test_in_memory_groups_resume_the_servers_and_every_groups_state(script, grou
 
 
 def test_threads_under_restarts_are_refused_in_one_line(tmp_path):
-    """What the worker view does not run yet: several threads in a process of a layout over processes with
-    --max-restarts (a restarted process's handover is one replica's). (A warm-up runs: tests/test_session_warmup.py.)"""
+    """What the worker view does not run yet: Distributed Hogwild's groups of threads over processes with
+    --max-restarts (Downpour's and Local SGD's run: tests/test_session_threads_restarts.py). (A warm-up runs:
+    tests/test_session_warmup.py.)"""
     script = tmp_path / "one.py"
     script.write_text("import shoal\nshoal.session()\n")
     line = one_line_error(run_cli("run", script, "--workspace", tmp_path / "ws",
-                                  *LAYOUTS[DOWNPOUR_THREADS].cli(max_restarts=1), cwd=tmp_path))
-    assert "Downpour over 3 processes (4 workers) is not supported in your own loop yet" in line, line
+                                  *LAYOUTS["Distributed Hogwild, 2 groups x 2 threads"].cli(max_restarts=1), cwd=tmp_path))
+    assert "Distributed Hogwild over 2 processes (4 workers) is not supported in your own loop yet" in line, line
 
 
 @pytest.mark.xdist_group("session_runs")  # (with tests/test_session.py's runs: the launcher's forkserver is started)

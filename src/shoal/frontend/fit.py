@@ -508,7 +508,7 @@ def fit_layout(plan) -> str:
 
 def workers_each_process(plan, servers_apart: bool = False) -> bool:
     """Each process of the layout hosts the workers the session runs: one, or several threads of the process's one group
-    (the same number in each, without restarts: session_start.several_workers_in_a_process); `servers_apart`: the
+    (the same number in each, restarts as session_start.several_workers_in_a_process allows); `servers_apart`: the
     layout's server processes (Downpour's, Sandblaster's) host no worker."""
     from shoal.frontend.session_start import several_workers_in_a_process
 

@@ -129,7 +129,7 @@ class Session:
         self.pushes = pushes_to_servers(plan)  # Downpour: opt.step() pushes the gradients; the servers update
         # Sandblaster under --max-restarts: its worker processes go on without a dead one, which rejoins at run.batches()
         self._served_replicas = self.pushes and plan.strategy.goes_on_without_a_process(plan)
-        self._receiving = False  # a restarted process taking the chief's state (its optimizers' step pushes nothing)
+        self._receiving = False  # a restarted process taking the chief's state (its optimizers' step pushes and meets nothing)
         # a compressed AllReduce's replicas are equal but each process's error-feedback residual is its own: every
         # other process writes it as its part of a checkpoint, as a Local SGD group writes its state
         self.own_residual = (self.distributed and plan.strategy.synchronous and not self.pushes
@@ -444,8 +444,8 @@ class Session:
                                               lambda i, worker=worker: self._saved_optimizer_state(i, worker.optimizers[i],
                                                                                                   worker.module))
         self._share = sum(worker.share for worker in self._workers)  # the process's rows per step
-        if self.rejoin is not None and self.plan.strategy.synchronous and not self.pushes:
-            self._workers_take_chiefs_state()  # (restarted under AllReduce's replicas: worker 0 takes the chief's state)
+        if self.rejoin is not None and (self.plan.strategy.synchronous or self.plan.strategy.meets) and not self.pushes:
+            self._workers_take_chiefs_state()  # (restarted: worker 0 takes the chief's state, or a live group's at a meeting)
         if self.groups_in_memory:
             self._start_after_warmup()
         if self.pushes:  # Downpour / Sandblaster: the chief's FIRST to the servers, the other groups' pull, where they start
@@ -458,18 +458,28 @@ class Session:
                     for scheduler in worker.schedulers:
                         for _ in range(self.start_step - start):
                             scheduler.step()
+            if self.rejoin is not None:  # (restarted: every worker goes on from the group's step the servers said)
+                for worker in self._workers:
+                    worker.first_step = worker.at = self.start_step
         self.step = self.start_step
         if self._update_lock is not None:  # Distributed Hogwild: the values the groups start from are set: its masters serve
             self.exchange.begin(self.start_step)
+        if self.chief and self.distributed and self.plan.strategy.chief_succeeded_by_a_group(self.plan):
+            say_chief_started()  # (as one worker's loop start: a chief dead after it is succeeded, not the whole job restarted)
         if self.distributed:
             session_exchange.note_step(self.step)
         self._window_start = time.perf_counter()
 
     def _workers_take_chiefs_state(self) -> None:
-        """A restarted process of several workers (AllReduce over processes of threads, --max-restarts): worker 0 takes
-        the chief's state (`_take_chiefs_state`: the chief hands over its worker 0's, every replica being equal), then
+        """A restarted process of several workers (AllReduce over processes of threads, or Local SGD / DiLoCo's group of
+        threads, --max-restarts): worker 0 takes the chief's state (`_take_chiefs_state`: the chief hands over its worker
+        0's, every replica being equal; Local SGD's: a live group's at a meeting, the anchor too), then
         every other worker's replica, optimizers and schedulers take worker 0's, and they all start at its step."""
-        self._take_chiefs_state()
+        self._receiving = True  # (the zero-gradient step that makes worker 0's optimizers' state meets no one)
+        try:
+            self._take_chiefs_state()
+        finally:
+            self._receiving = False
         first = self._workers[0]
         values = first.module.state_dict()
         for worker in self._workers[1:]:

@@ -307,8 +307,10 @@ class SessionWorker:
         elif self.run._mine is not None:
             optimizer.load_state_dict(own_copy(self.run._saved_optimizer_state(len(self.optimizers), optimizer, self.module)))
         if not self.optimizers and self.run.distributed and self.run.plan.strategy.meets:
-            # Local SGD / DiLoCo meet inside opt.step(), as for one worker: once every worker's replica is updated
-            optimizer.register_step_post_hook(lambda *_: self.local.meet(lambda: self.run._workers_boundary(self.run.step)))
+            # Local SGD / DiLoCo meet inside opt.step(), as for one worker: once every worker's replica is updated (not
+            # at the zero-gradient step that makes a restarted process's optimizer state, inside the loop start's meeting)
+            optimizer.register_step_post_hook(lambda *_: self.run._receiving or self.local.meet(
+                lambda: self.run._workers_boundary(self.run.step)))
         self.optimizers.append(optimizer)
         if self.run.groups_in_memory or self.run.pushes:
             if len(self.optimizers) > 1:
