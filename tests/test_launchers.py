@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import shoal
+from cli_in_process import run_cli
 from layouts import LAYOUTS, assert_ran
 from shoal.comm.dist import process_group_backend
 from shoal.errors import ShoalError
@@ -185,8 +186,8 @@ def test_resume_auto_from_the_command_line_refuses_another_jobs_workspace_in_one
     shoal.train(blobs_job(train_steps=4), workspace=workspace, log=quiet)
     copy = workspace / ".shoal" / "job.conf"  # the job as the workspace's run was started
     copy.write_text(copy.read_text().replace('name: "blobs-mlp"', 'name: "someone-else"'))
-    run = subprocess.run([sys.executable, "-m", "shoal", "run", str(blobs_job(train_steps=8)), "--workspace", str(workspace),
-                          "--resume=auto"], capture_output=True, text=True, timeout=120)
+    # in this process (the file's real interpreters are torchrun's ranks and srun's tasks)
+    run = run_cli("run", blobs_job(train_steps=8), "--workspace", workspace, "--resume=auto", timeout=120)
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
     assert "checkpoints of job 'someone-else'" in run.stderr and "Traceback" not in run.stderr
 

@@ -48,9 +48,7 @@ def test_a_workspace_that_is_a_link_is_refused_and_nothing_is_written_where_it_p
     target.mkdir(mode=0o700)
     (target / "passwd").write_text("root:x:0:0\n")
     (tmp_path / "ws").symlink_to(target)
-    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws"),
-                           "--no-progress"], capture_output=True, text=True, timeout=180)
-    line = one_line_error(proc)
+    line = one_line_error(shoal("run", job, "--workspace", tmp_path / "ws"))  # (the umask test below: a real process)
     assert f"workspace {tmp_path / 'ws'}: is a symbolic link (to {target})" in line
     assert contents(target) == {"passwd": b"root:x:0:0\n"}
 
