@@ -47,7 +47,8 @@ def test_help_teaches_the_commands():
 
 def test_run_trains_prints_singa_lines_and_writes_workspace(blobs_job, tmp_path):
     job = blobs_job(train_steps=12)
-    proc = shoal_process("run", job, "--workspace", tmp_path / "ws")
+    # in this process (a shell's view of a run: the Ctrl-C, closed-pipe and killed-run tests below, real processes)
+    proc = shoal("run", job, "--workspace", tmp_path / "ws")
     assert proc.returncode == 0, proc.stderr
     assert "Train @ step 10  Loss = " in proc.stdout
     assert "Test @ step 12  Loss = " in proc.stdout
