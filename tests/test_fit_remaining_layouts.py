@@ -27,9 +27,9 @@ from shoal.frontend.session_start import SessionError, check_layout, plan_sessio
 from test_fit_on_session import BATCH, STEPS, UPDATER, problem, quiet  # noqa: F401 (problem: a fixture)
 
 SLICES = "AllReduce, 2 processes, 2 server slices"
-# the table's rows whose threads run under --max-restarts nowhere but on fit's job path (the session refuses them:
+# the table's rows whose threads run under --max-restarts nowhere but on fit's job path (the session refuses it:
 # session_start.several_workers_in_a_process; docs/architecture.md "`shoal.fit` on the session" says why)
-THREADS_UNDER_RESTARTS = {"Sandblaster, 2 threads + 2 servers, 3 processes", "Distributed Hogwild, 2 groups x 2 threads"}
+THREADS_UNDER_RESTARTS = {"Sandblaster, 2 threads + 2 servers, 3 processes"}
 
 
 def fit_plan(cluster: job_pb2.ClusterProto):
@@ -40,9 +40,9 @@ def fit_plan(cluster: job_pb2.ClusterProto):
     return fit_loop.session_plan(job)
 
 
-def test_every_row_with_restarts_or_compression_is_on_the_session_but_threads_under_restarts():
+def test_every_row_with_restarts_or_compression_is_on_the_session_but_sandblasters_threads_under_restarts():
     """Every row of the shared table, as it is and with max_restarts 1 and/or bf16 compression: fit runs it on the
-    session, and the session runs it, but the rows of threads under restarts other than AllReduce's."""
+    session, and the session runs it, but Sandblaster's threads under restarts."""
     kept = set()
     for name, layout in LAYOUTS.items():
         for extra in ({}, dict(max_restarts=1), dict(compression=job_pb2.kBF16),
@@ -150,13 +150,16 @@ THREADS_RESTARTS = {
                        "Downpour"),
     "Local SGD": Layout(dict(nworker_groups=2, nworkers_per_group=2, nworkers_per_procs=2, local_steps=2, max_restarts=1), 2, 4,
                         "Local SGD"),
+    "Distributed Hogwild": Layout({**LAYOUTS["Distributed Hogwild, 2 groups x 2 threads"].cluster, "max_restarts": 1}, 2, 4,
+                                  "Distributed Hogwild"),
 }
 
 
 @pytest.mark.parametrize("name", THREADS_RESTARTS)
 def test_fit_runs_groups_of_threads_under_restarts_on_the_session(problem, tmp_path, monkeypatch, name):
-    """Downpour's and Local SGD's groups of 2 threads a process under --max-restarts (a kill and its rejoin:
-    tests/test_session_threads_restarts.py): fit_on_session runs them, every process and worker ran, and it learns."""
+    """Downpour's, Local SGD's and Distributed Hogwild's groups of 2 threads a process under --max-restarts (a kill and
+    its rejoin: tests/test_session_threads_restarts.py): fit_on_session runs them, every process and worker ran, and it
+    learns."""
     layout = THREADS_RESTARTS[name]
     assert fitting.fit_layout(fit_plan(layout.fit_cluster())) == f"{name} over processes".replace("Local SGD", "Local SGD / DiLoCo")
     calls = []

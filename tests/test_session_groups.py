@@ -162,14 +162,14 @@ def test_in_memory_groups_resume_the_servers_and_every_groups_state(script, grou
 
 
 def test_threads_under_restarts_are_refused_in_one_line(tmp_path):
-    """What the worker view does not run yet: Distributed Hogwild's groups of threads over processes with
-    --max-restarts (Downpour's and Local SGD's run: tests/test_session_threads_restarts.py). (A warm-up runs:
+    """What the worker view does not run yet: Sandblaster's group of threads over processes with --max-restarts
+    (Downpour's, Local SGD's and Distributed Hogwild's run: tests/test_session_threads_restarts.py). (A warm-up runs:
     tests/test_session_warmup.py.)"""
     script = tmp_path / "one.py"
     script.write_text("import shoal\nshoal.session()\n")
     line = one_line_error(run_cli("run", script, "--workspace", tmp_path / "ws",
-                                  *LAYOUTS["Distributed Hogwild, 2 groups x 2 threads"].cli(max_restarts=1), cwd=tmp_path))
-    assert "Distributed Hogwild over 2 processes (4 workers) is not supported in your own loop yet" in line, line
+                                  *LAYOUTS["Sandblaster, 2 threads + 2 servers, 3 processes"].cli(max_restarts=1), cwd=tmp_path))
+    assert "Sandblaster over 3 processes (2 workers) is not supported in your own loop yet" in line, line
 
 
 @pytest.mark.xdist_group("session_runs")  # (with tests/test_session.py's runs: the launcher's forkserver is started)

@@ -130,6 +130,7 @@ class Session:
         # Sandblaster under --max-restarts: its worker processes go on without a dead one, which rejoins at run.batches()
         self._served_replicas = self.pushes and plan.strategy.goes_on_without_a_process(plan)
         self._receiving = False  # a restarted process taking the chief's state (its optimizers' step pushes and meets nothing)
+        self._workers_end = plan.job.train_steps  # several workers: the step they train to (Hogwild's retraining moves it)
         # a compressed AllReduce's replicas are equal but each process's error-feedback residual is its own: every
         # other process writes it as its part of a checkpoint, as a Local SGD group writes its state
         self.own_residual = (self.distributed and plan.strategy.synchronous and not self.pushes
@@ -461,6 +462,17 @@ class Session:
             if self.rejoin is not None:  # (restarted: every worker goes on from the group's step the servers said)
                 for worker in self._workers:
                     worker.first_step = worker.at = self.start_step
+        if self.rejoin is not None and self._update_lock is not None:  # Distributed Hogwild's restarted group: the live
+            start = self.start_step                                     # values in the copy its threads share
+            self._take_live_values()  # (worker 0's schedulers stepped to the peers' step; the others' here)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for worker in self._workers[1:]:
+                    for scheduler in worker.schedulers:
+                        for _ in range(self.start_step - start):
+                            scheduler.step()
+            for worker in self._workers:
+                worker.first_step = worker.at = self.start_step
         self.step = self.start_step
         if self._update_lock is not None:  # Distributed Hogwild: the values the groups start from are set: its masters serve
             self.exchange.begin(self.start_step)
@@ -533,13 +545,21 @@ class Session:
             self._boundary(step)
             self._updated_at = step
         self._step_done(step)
-        if step + 1 < self.job.train_steps:
+        if step + 1 < max(self.job.train_steps, self._workers_end):
             self.step = step + 1
             if self.distributed:
                 session_exchange.note_step(self.step)
         if self._warmup_ends and step + 1 >= self._warmup_ends:  # group 0's warm-up ended: the other groups start
             self._warmup_ends = 0
             self._workers[0].local.admit()
+
+    def _workers_steps_to_train(self, step: int) -> None:
+        """Distributed Hogwild under restarts, every worker past its last step (run by the last to arrive): the step the
+        group trains to, its share of the steps restarted groups skipped past train_steps (as one worker's loop asks)."""
+        self._workers_end = self.exchange.steps_to_train(self.job.train_steps)
+        if self._workers_end > step:
+            self.step = step
+            session_exchange.note_step(step)
 
     def _group_step_done(self, group: int, step: int) -> None:
         """In-memory asynchronous groups, running freely: group `group`'s workers ended step `step` (run by the last to

@@ -104,8 +104,8 @@ def check_layout(plan: JobPlan) -> None:
     Hogwild groups over processes, one worker each, on CPU; Downpour's groups, or Sandblaster's one group, over
     processes, one worker each, on CPU, with server processes of their own (one server group); several workers in a
     process of one synchronous group (in-memory, or AllReduce over processes) or of Local SGD / DiLoCo's or
-    Distributed Hogwild's (on CPU, without restarts) group of the process, in-memory Downpour and Hogwild groups (a
-    warm-up too), or Downpour's groups (restarts too) and Sandblaster's group (without restarts) with server processes,
+    Distributed Hogwild's (on CPU) group of the process, in-memory Downpour and Hogwild groups (a warm-up too), or
+    Downpour's groups and Sandblaster's group (without restarts) with server processes,
     each process one group's workers, the loop's body run once per worker by run.each_worker; cluster.auto_batch_shares
     over a group of several workers is refused. Every other layout is refused in one line naming it and what runs it."""
     one_worker_each = all(len(p.workers) == 1 for p in plan.placement.processes) and not any(p.servers and not p.workers
@@ -141,8 +141,9 @@ def check_layout(plan: JobPlan) -> None:
     raise SessionError(f"shoal.session: {plan.label} {where} ({plan.nworkers} workers) is not supported in your own loop yet "
                        "(one worker per process: single worker, AllReduce, Local SGD / DiLoCo, Distributed Hogwild, "
                        "Downpour, Sandblaster; several per process: one synchronous group, Local SGD / DiLoCo, "
-                       "in-memory Downpour and Hogwild, Downpour with server processes, and without restarts Distributed "
-                       "Hogwild and Sandblaster with server processes): use a job file (`shoal run job.conf`) or shoal.fit for it")
+                       "Distributed Hogwild, in-memory Downpour and Hogwild, Downpour with server processes, and "
+                       "without restarts Sandblaster with server processes): use a job file (`shoal run job.conf`) or "
+                       "shoal.fit for it")
 
 
 def _check_tensor_parallel(plan: JobPlan, one_worker_each: bool) -> None:
@@ -186,11 +187,10 @@ def several_workers_in_a_process(plan: JobPlan) -> bool:
     SGD / DiLoCo or Distributed Hogwild with one group per process, whose workers' gradients meet in one mean; in-memory
     Downpour and Hogwild (groups_in_memory); or Downpour's groups and Sandblaster's group with server processes (one
     server group), each process one group's workers, whose mean the process pushes once a step. run.each_worker's
-    layouts. Under restarts over processes, AllReduce's, Local SGD's and Downpour's (a restarted process's worker 0
-    takes the handover, which its other workers copy, or whose copy they share: Session._workers_take_chiefs_state,
-    _start_pushing); not Distributed Hogwild's (a restarted group's threads would need its retraining of the skipped
-    steps past train_steps, which only one worker's loop does) nor Sandblaster's (its loop's replicas under restarts,
-    runtime/exchanges/sandblaster_loop.py, hand over one worker's replica)."""
+    layouts. Under restarts over processes, AllReduce's, Local SGD's, Downpour's and Distributed Hogwild's (a restarted
+    process's worker 0 takes the handover, which its other workers copy, or whose copy they share:
+    Session._workers_take_chiefs_state, _start_pushing, _take_live_values); not Sandblaster's (its loop's replicas under
+    restarts, runtime/exchanges/sandblaster_loop.py, hand over one worker's replica: loop_served_replicas)."""
     pushes = pushes_to_servers(plan)
     counts = {len(p.workers) for p in plan.placement.processes if p.workers or not pushes}
     if max(counts) < 2 or len(counts) > 1:
@@ -204,8 +204,8 @@ def several_workers_in_a_process(plan: JobPlan) -> bool:
         return True
     # Local SGD / DiLoCo: each process one group's workers, whose mean stays in the process between meetings (restarted,
     # its workers take worker 0's, which took a live group's at a meeting); Distributed Hogwild: each process one group's
-    # workers, whose mean updates the group's one copy between syncs
-    return ((plan.strategy.meets or (plan.strategy.syncs_with_peers and plan.max_restarts == 0)) and not plan.in_one_process
+    # workers, whose mean updates the group's one copy between syncs (restarted, the live values land in that copy)
+    return ((plan.strategy.meets or plan.strategy.syncs_with_peers) and not plan.in_one_process
             and all(len({w.group for w in p.workers}) == 1 for p in plan.placement.processes))
 
 

@@ -417,21 +417,30 @@ class SessionWorker:
         self.local.meet(self.run._start_workers_loop)
         if self.first_step > self.run.start_step:  # its group starts once group 0's warm-up (cluster.warmup_steps) ended
             self.local.wait_admitted()
-        for step in range(self.first_step, self.run.job.train_steps):
+        step, end = self.first_step, self.run.job.train_steps
+        # under restarts, past train_steps a Distributed Hogwild group trains its share of the steps restarted groups
+        # skipped (asked once for the process's workers: Session._workers_steps_to_train)
+        retrains = self.run.plan.strategy.retrains_skipped_steps and self.run.plan.max_restarts > 0
+        while step < end or (retrains and (end := self._steps_to_train(step)) > step):
             self.at = step
             if self.pushes_to is not None and self is self.group_workers[0]:  # (in-memory groups: the board's turn,
                 self.pushes_to.begin(step)                                      # and the server's version read)
             try:
                 yield item(step)
             except GeneratorExit:  # the loop broke out: before the last step the others must not wait for this worker
-                if step + 1 < self.run.job.train_steps:
+                if step + 1 < end:
                     self.local.fail(WorkerFailed(f"worker {self.index} left its loop at step {step}"))
                     raise
                 self._step_done(step)
                 self.local.meet(self.run._finish)
                 raise
             self._step_done(step)
+            step += 1
         self.local.meet(self.run._finish)
+
+    def _steps_to_train(self, step: int) -> int:
+        self.local.meet(lambda: self.run._workers_steps_to_train(step))
+        return self.run._workers_end
 
     def _step_done(self, step: int) -> None:
         """The end of this worker's step. In-memory Downpour's and Hogwild's groups run freely, as a job file's group
