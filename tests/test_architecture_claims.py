@@ -15,8 +15,11 @@ import re
 from pathlib import Path
 from typing import Optional
 
+import pytest
 from test_architecture import parse
 
+# the source parsed once for these checks and tests/test_architecture.py's rules: one test process (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("architecture_source")
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "architecture.md"
