@@ -27,11 +27,6 @@ from shoal.frontend.session_start import SessionError, check_layout, plan_sessio
 from test_fit_on_session import BATCH, STEPS, UPDATER, problem, quiet  # noqa: F401 (problem: a fixture)
 
 SLICES = "AllReduce, 2 processes, 2 server slices"
-# the table's rows whose threads run under --max-restarts nowhere but on fit's job path (the session refuses it:
-# session_start.several_workers_in_a_process; docs/architecture.md "`shoal.fit` on the session" says why)
-THREADS_UNDER_RESTARTS = {"Sandblaster, 2 threads + 2 servers, 3 processes"}
-
-
 def fit_plan(cluster: job_pb2.ClusterProto):
     """The plan fit decides its path from (fit_loop.session_plan of fit's job for this cluster)."""
     model = torch.nn.Linear(3, 2)
@@ -40,10 +35,10 @@ def fit_plan(cluster: job_pb2.ClusterProto):
     return fit_loop.session_plan(job)
 
 
-def test_every_row_with_restarts_or_compression_is_on_the_session_but_sandblasters_threads_under_restarts():
+def test_every_row_with_restarts_or_compression_is_on_the_session():
     """Every row of the shared table, as it is and with max_restarts 1 and/or bf16 compression: fit runs it on the
-    session, and the session runs it, but Sandblaster's threads under restarts."""
-    kept = set()
+    session, and the session runs it (Local SGD / DiLoCo's groups in one process, not a row, keep the job path)."""
+    kept = []
     for name, layout in LAYOUTS.items():
         for extra in ({}, dict(max_restarts=1), dict(compression=job_pb2.kBF16),
                       dict(max_restarts=1, compression=job_pb2.kBF16)):
@@ -51,8 +46,10 @@ def test_every_row_with_restarts_or_compression_is_on_the_session_but_sandblaste
             if fitting.on_session(plan):
                 check_layout(plan)  # (the session takes what fit gives it)
             else:
-                kept.add((name, extra.get("max_restarts", 0)))
-    assert kept == {(name, 1) for name in THREADS_UNDER_RESTARTS}
+                kept.append((name, extra))
+    assert kept == []
+    local_sgd_in_one_process = fit_plan(shoal.Cluster(nworker_groups=2, nworkers_per_procs=2, local_steps=2))
+    assert not fitting.on_session(local_sgd_in_one_process)
     for slices in (dict(max_restarts=1), dict(compression=job_pb2.kBF16), dict(compression=job_pb2.kTopK)):
         assert fitting.fit_layout(fit_plan(LAYOUTS[SLICES].fit_cluster(**slices))) == "AllReduce over processes"
 
@@ -152,25 +149,33 @@ THREADS_RESTARTS = {
                         "Local SGD"),
     "Distributed Hogwild": Layout({**LAYOUTS["Distributed Hogwild, 2 groups x 2 threads"].cluster, "max_restarts": 1}, 2, 4,
                                   "Distributed Hogwild"),
+    "Sandblaster": Layout(dict(nworkers_per_group=4, nworkers_per_procs=2, server_worker_separate=True, max_restarts=1), 3, 4,
+                          "Sandblaster"),
 }
 
 
 @pytest.mark.parametrize("name", THREADS_RESTARTS)
 def test_fit_runs_groups_of_threads_under_restarts_on_the_session(problem, tmp_path, monkeypatch, name):
-    """Downpour's, Local SGD's and Distributed Hogwild's groups of 2 threads a process under --max-restarts (a kill and
-    its rejoin: tests/test_session_threads_restarts.py): fit_on_session runs them, every process and worker ran, and it
-    learns."""
+    """Downpour's, Local SGD's, Distributed Hogwild's and Sandblaster's groups of 2 threads a process under
+    --max-restarts (a kill and its rejoin: tests/test_session_threads_restarts.py): fit_on_session runs them, every
+    process and worker ran, and it learns; Sandblaster's group ends on one worker's values to float rounding."""
     layout = THREADS_RESTARTS[name]
     assert fitting.fit_layout(fit_plan(layout.fit_cluster())) == f"{name} over processes".replace("Local SGD", "Local SGD / DiLoCo")
     calls = []
     monkeypatch.setattr(fit_loop, "fit_on_session", lambda *a, _on=fit_loop.fit_on_session, **k: calls.append(1) or _on(*a, **k))
     monkeypatch.setattr(api, "train", lambda *a, **k: pytest.fail("fit took its job path"))
     train, val, model = problem
+    fit = functools.partial(shoal.fit, loss_fn=F.cross_entropy, train_data=train, val_data=val, val_freq=4, val_batch=20,
+                            steps=12, batch_size=BATCH, disp_freq=4, optimizer=functools.partial(torch.optim.AdamW, lr=2e-2),
+                            log=quiet)
     trained = copy.deepcopy(model)
-    history = shoal.fit(trained, F.cross_entropy, train, val_data=val, val_freq=4, val_batch=20, steps=12, batch_size=BATCH,
-                        disp_freq=4, optimizer=functools.partial(torch.optim.AdamW, lr=2e-2), cluster=layout.fit_cluster(),
-                        workspace=tmp_path / "ws", log=quiet)
+    history = fit(trained, cluster=layout.fit_cluster(), workspace=tmp_path / "ws")
     assert calls == [1]
+    if name == "Sandblaster":  # (synchronous: one worker's values, as without restarts)
+        alone = copy.deepcopy(model)
+        fit(alone, workspace=tmp_path / "one")
+        for (param, a), b in zip(trained.named_parameters(), alone.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=param)
     assert_ran(tmp_path / "ws", layout)
     losses = [r["loss"] for r in history.phase("validate")]
     assert [r["step"] for r in history.phase("validate")] == [0, 4, 8, 12] and losses[-1] < losses[0], losses

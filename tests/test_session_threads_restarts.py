@@ -1,10 +1,11 @@
-"""Downpour's, Local SGD / DiLoCo's and Distributed Hogwild's groups of threads over processes under --max-restarts
-(issue 39 point 2): a killed process of 2 worker threads is restarted into the running loop, every one of its threads
-going on from where its group rejoins (Downpour: the servers' live values in the copy its threads share; Local SGD: a
-live group's state at a meeting, which worker 0 takes and its other worker copies; Hogwild: the live values in the copy
-its threads share, the skipped steps re-trained past train_steps by every group's threads), and a killed chief's place
-is taken by the lowest living process, as with one worker a process. Driven as a user would: `shoal run script.py --max-restarts 1`, real processes, a real
-SIGKILL of one thread's process."""
+"""Downpour's, Local SGD / DiLoCo's, Distributed Hogwild's and Sandblaster's groups of threads over processes under
+--max-restarts (issue 39 point 2): a killed process of 2 worker threads is restarted into the running loop, every one
+of its threads going on from where its group rejoins (Downpour: the servers' live values in the copy its threads share;
+Local SGD: a live group's state at a meeting, Sandblaster: the chief's state at the next step, which worker 0 takes
+and its other worker copies; Hogwild: the live values in the copy its threads share, the skipped steps re-trained past
+train_steps by every group's threads), and a killed chief's place is taken by the lowest living process, as with one
+worker a process (Sandblaster's chief is its servers' stub: its death restarts the whole job, as with one worker).
+Driven as a user would: `shoal run script.py --max-restarts 1`, real processes, a real SIGKILL of one thread's process."""
 from __future__ import annotations
 
 import json
@@ -24,6 +25,8 @@ LOCAL_SGD = Layout(dict(nworker_groups=2, nworkers_per_group=2, nworkers_per_pro
                    "Local SGD")
 HOGWILD = Layout({**LAYOUTS["Distributed Hogwild, 2 groups x 2 threads"].cluster, "max_restarts": 1}, 2, 4,
                  "Distributed Hogwild")
+SANDBLASTER = Layout(dict(nworkers_per_group=4, nworkers_per_procs=2, server_worker_separate=True, max_restarts=1), 3, 4,
+                     "Sandblaster")
 
 # process KILLED's worker 1 SIGKILLs it at step 8 (its first incarnation only); the other worker process goes slowly
 # from step 10 until the killed one trains again, so that it rejoins mid-run (a loaded machine starts it late)
@@ -72,9 +75,9 @@ REJOINS = textwrap.dedent('''
 
 @pytest.mark.slow  # (about 6 s each: 2 or 3 processes, a kill, a restart and a rejoin)
 @pytest.mark.parametrize("layout, killed", [(DOWNPOUR, 1), (DOWNPOUR, 0), (LOCAL_SGD, 1), (LOCAL_SGD, 0), (HOGWILD, 1),
-                                            (HOGWILD, 0)],
+                                            (HOGWILD, 0), (SANDBLASTER, 1)],
                          ids=["Downpour, group 1", "Downpour, the chief", "Local SGD, group 1", "Local SGD, the chief",
-                              "Distributed Hogwild, group 1", "Distributed Hogwild, the chief"])
+                              "Distributed Hogwild, group 1", "Distributed Hogwild, the chief", "Sandblaster, process 1"])
 def test_a_killed_process_of_threads_rejoins_its_groups_loop(tmp_path, layout, killed):
     script = tmp_path / "rejoins.py"
     script.write_text(REJOINS)
@@ -95,7 +98,7 @@ def test_a_killed_process_of_threads_rejoins_its_groups_loop(tmp_path, layout, k
     for (rank, _), end in ends.items():  # every thread of the restarted process went on from its group's rejoin
         first = rejoins[0]["step"] if rank == killed else 0
         # (Distributed Hogwild: past step 39, each group's share of the steps the restarted one skipped)
-        last = max(39, summary["steps"] - 1) if layout is HOGWILD else 39
+        last = 39 + (rejoins[0]["skipped_steps"][1] - rejoins[0]["skipped_steps"][0] if layout is HOGWILD else 0)
         assert end["steps"] == list(range(first, end["steps"][-1] + 1)) and 39 <= end["steps"][-1] <= last, (rank, end)
         assert end["after"] < end["before"] / 2, end  # learning
     if layout is HOGWILD:
@@ -105,6 +108,7 @@ def test_a_killed_process_of_threads_rejoins_its_groups_loop(tmp_path, layout, k
         assert ends[rank, 0]["steps"] == ends[rank, 1]["steps"] and ends[rank, 0]["lr"] == ends[rank, 1]["lr"]
     assert layout is HOGWILD or len({end["lr"] for end in ends.values()}) == 1
     values = {key: load_file(str(out / f"rank{key[0]}-worker{key[1]}.safetensors")) for key in ends}
-    same = [(0, 0), (0, 1), (1, 0), (1, 1)] if layout is LOCAL_SGD else [(killed, 0), (killed, 1)]
-    for key in same[1:]:  # Local SGD: every replica the last meeting's anchor; Downpour, Hogwild: the threads' one copy
+    same = [(0, 0), (0, 1), (1, 0), (1, 1)] if layout in (LOCAL_SGD, SANDBLASTER) else [(killed, 0), (killed, 1)]
+    for key in same[1:]:  # Local SGD: every replica the last meeting's anchor; Sandblaster: the servers' values;
+        # Downpour, Hogwild: the threads' one copy
         assert all(torch.equal(values[same[0]][k], values[key][k]) for k in values[same[0]]), key

@@ -467,9 +467,10 @@ ON_SESSION: frozenset = frozenset({"one worker", "one synchronous group in one p
 
 def fit_layout(plan) -> str:
     """The layout of a fit call as ON_SESSION names it: "one worker" (one worker in one process, on the CPU: a device
-    list keeps the job path, docs/architecture.md "`shoal.fit` on the session" says why), "one synchronous group in one process" (its workers as threads, run.each_worker),
-    "in-memory Hogwild / Downpour" (asynchronous groups as threads of one process), the layouts over processes of
-    one worker each (and Downpour's server processes), else the plan's label (measured batch shares,
+    list keeps the job path, docs/architecture.md "`shoal.fit` on the session" says why), "one synchronous group in one
+    process" (its workers as threads, run.each_worker), "in-memory Hogwild / Downpour" (asynchronous groups as threads
+    of one process), the layouts over processes of one worker or a few threads each (and Downpour's and Sandblaster's
+    server processes), else the plan's label (Local SGD / DiLoCo's groups in one process; measured batch shares,
     cluster.auto_batch_shares, too: the job path's Trainer re-splits a group's batch, the session has no balancer)."""
     from shoal.frontend.session_start import measures_shares, pushes_to_servers
     from shoal.runtime.session_slices import shards_optimizer_state

@@ -394,9 +394,10 @@ class Session:
         """Downpour and Sandblaster, several workers in this process: every worker gave its optimizer (worker 0's
         run.optimizer made the exchange to the servers): Sandblaster's mean is the group's, over its processes, as one
         worker's (StubGroupMean)."""
-        if self.plan.strategy.synchronous:
+        if self.plan.strategy.synchronous:  # (--max-restarts: the worker processes' quorum's, as for one worker)
             named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-            self.mean.exchange = session_exchange.StubGroupMean(named, self.exchange)
+            self.mean.exchange = self.exchange if self._served_replicas else session_exchange.StubGroupMean(named, self.exchange)
+            self._group_window = self._served_replicas
 
     def _workers_push(self) -> None:
         """Every worker of this process reached its opt.step() (run by the last to arrive): the process's one push of
@@ -459,7 +460,9 @@ class Session:
                     for scheduler in worker.schedulers:
                         for _ in range(self.start_step - start):
                             scheduler.step()
-            if self.rejoin is not None:  # (restarted: every worker goes on from the group's step the servers said)
+            if self.rejoin is not None:  # (restarted: every worker goes on from the group's step the servers said, or,
+                if self._served_replicas:  # Sandblaster's replicas, from the chief's state, which worker 0 took)
+                    self._workers_copy_first()
                 for worker in self._workers:
                     worker.first_step = worker.at = self.start_step
         if self.rejoin is not None and self._update_lock is not None:  # Distributed Hogwild's restarted group: the live
@@ -492,8 +495,14 @@ class Session:
             self._take_chiefs_state()
         finally:
             self._receiving = False
-        first = self._workers[0]
-        values = first.module.state_dict()
+        self._workers_copy_first()
+        for worker in self._workers:
+            worker.first_step = worker.at = self.start_step
+
+    def _workers_copy_first(self) -> None:
+        """A restarted process's worker 0 took the chief's state: every other worker's replica, optimizers and schedulers
+        take worker 0's."""
+        values = self._workers[0].module.state_dict()
         for worker in self._workers[1:]:
             worker.module.load_state_dict(values)
             for mine, theirs in zip(worker.optimizers, self.optimizers):
@@ -502,8 +511,6 @@ class Session:
                 ours = [s for s in self.schedulers if s.optimizer is self.optimizers[index]]
                 for mine, theirs in zip([s for s in worker.schedulers if s.optimizer is optimizer], ours):
                     mine.load_state_dict(session_worker.own_copy(theirs.state_dict()))
-        for worker in self._workers:
-            worker.first_step = worker.at = self.start_step
 
     def _start_after_warmup(self) -> None:
         """In-memory groups with a warm-up (cluster.warmup_steps N; SINGA's): group 0 trains alone to step N, then the

@@ -105,7 +105,7 @@ def check_layout(plan: JobPlan) -> None:
     processes, one worker each, on CPU, with server processes of their own (one server group); several workers in a
     process of one synchronous group (in-memory, or AllReduce over processes) or of Local SGD / DiLoCo's or
     Distributed Hogwild's (on CPU) group of the process, in-memory Downpour and Hogwild groups (a warm-up too), or
-    Downpour's groups and Sandblaster's group (without restarts) with server processes,
+    Downpour's groups and Sandblaster's group with server processes,
     each process one group's workers, the loop's body run once per worker by run.each_worker; cluster.auto_batch_shares
     over a group of several workers is refused. Every other layout is refused in one line naming it and what runs it."""
     one_worker_each = all(len(p.workers) == 1 for p in plan.placement.processes) and not any(p.servers and not p.workers
@@ -140,10 +140,9 @@ def check_layout(plan: JobPlan) -> None:
     where = "in one process" if plan.in_one_process else f"over {plan.nprocs} processes"
     raise SessionError(f"shoal.session: {plan.label} {where} ({plan.nworkers} workers) is not supported in your own loop yet "
                        "(one worker per process: single worker, AllReduce, Local SGD / DiLoCo, Distributed Hogwild, "
-                       "Downpour, Sandblaster; several per process: one synchronous group, Local SGD / DiLoCo, "
-                       "Distributed Hogwild, in-memory Downpour and Hogwild, Downpour with server processes, and "
-                       "without restarts Sandblaster with server processes): use a job file (`shoal run job.conf`) or "
-                       "shoal.fit for it")
+                       "Downpour, Sandblaster; several per process: one synchronous group, Local SGD / DiLoCo and "
+                       "Distributed Hogwild over processes, in-memory Downpour and Hogwild, Downpour and Sandblaster "
+                       "with server processes): use a job file (`shoal run job.conf`) or shoal.fit for it")
 
 
 def _check_tensor_parallel(plan: JobPlan, one_worker_each: bool) -> None:
@@ -187,16 +186,14 @@ def several_workers_in_a_process(plan: JobPlan) -> bool:
     SGD / DiLoCo or Distributed Hogwild with one group per process, whose workers' gradients meet in one mean; in-memory
     Downpour and Hogwild (groups_in_memory); or Downpour's groups and Sandblaster's group with server processes (one
     server group), each process one group's workers, whose mean the process pushes once a step. run.each_worker's
-    layouts. Under restarts over processes, AllReduce's, Local SGD's, Downpour's and Distributed Hogwild's (a restarted
-    process's worker 0 takes the handover, which its other workers copy, or whose copy they share:
-    Session._workers_take_chiefs_state, _start_pushing, _take_live_values); not Sandblaster's (its loop's replicas under
-    restarts, runtime/exchanges/sandblaster_loop.py, hand over one worker's replica: loop_served_replicas)."""
+    layouts, under restarts too (a restarted process's worker 0 takes the handover, which its other workers copy, or
+    whose copy they share: Session._workers_take_chiefs_state, _start_pushing, _take_live_values)."""
     pushes = pushes_to_servers(plan)
     counts = {len(p.workers) for p in plan.placement.processes if p.workers or not pushes}
     if max(counts) < 2 or len(counts) > 1:
         return False
-    if pushes:  # (Downpour's restarted process pulls the servers' live values into the copy its threads share)
-        return ((plan.max_restarts == 0 or not plan.strategy.synchronous) and plan.nserver_groups == 1
+    if pushes:  # (restarted: Downpour's pulls the servers' live values into the copy its threads share, Sandblaster's
+        return (plan.nserver_groups == 1  # worker 0 takes the chief's state, which its other workers copy)
                 and all(len({w.group for w in p.workers}) <= 1 for p in plan.placement.processes))
     if groups_in_memory(plan):
         return True

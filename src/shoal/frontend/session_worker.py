@@ -355,7 +355,10 @@ class SessionWorker:
     def _push_process(self, optimizer, args, kwargs) -> None:
         """Downpour's and Sandblaster's step with several workers in the process (one group's): once every worker got
         here, the process's push of their mean (every worker holds it: Sandblaster's the group's, the stub's pushed
-        whole) to the servers, whose answer lands in the params the workers share (Session._push for one worker)."""
+        whole) to the servers, whose answer lands in the params the workers share (Session._push for one worker); not at
+        the zero-gradient step that makes a restarted process's optimizer state (inside the loop start's meeting)."""
+        if self.run._receiving:
+            return
         self.local.meet(self.run._workers_push)
         drop_grads(optimizer)
 

@@ -31,11 +31,12 @@ def served_replicas(plan) -> bool:
 def loop_served_replicas(plan) -> bool:
     """Whether this Sandblaster plan in a user's own loop runs its worker processes as replicas that go on without a dead
     one (runtime/exchanges/sandblaster_loop.py; pure: the plan alone decides): `served_replicas`' conditions, in a user's
-    loop, each worker process one worker (a restarted process's handover is one replica's). Its servers run the user's
-    optimizer from its recipe and heal from the chief's mirror, as without it."""
+    loop, each worker process one worker or a few threads (a restarted process's worker 0 takes the handover, which
+    its other workers copy). Its servers run the user's optimizer from its recipe and heal from the chief's mirror, as
+    without it."""
     return (plan.max_restarts > 0 and plan.own_loop and not plan.in_one_process and not plan.partitioned
             and not plan.tensor_parallel and getattr(plan.strategy, "separate_servers", False)
-            and all(bool(p.workers) != bool(p.servers) and len(p.workers) <= 1 for p in plan.placement.processes))
+            and all(bool(p.workers) != bool(p.servers) for p in plan.placement.processes))
 
 
 def shards_optimizer_state(plan) -> bool:

@@ -6,10 +6,10 @@ request/response with its one group (runtime/exchanges/downpour*.py). Every step
 gradients at its stub (process 0), the stub pushes the sum to every server with the optimizer's hyper-parameters,
 each server updates its slices and answers with their values, and the stub hands them to the group: synchronous, so
 N workers train as one worker on the same rows. Under cluster.max_restarts the chief mirrors the servers' state, so a
-dead server process is restarted and heals from it (`servers_heal`, as Downpour's), and with one worker per process
-(`loop_served_replicas`) the worker processes run as a job file's below, in the loop's order
-(runtime/exchanges/sandblaster_loop.py: a restarted one takes the chief's handover, as AllReduce's in a user's loop);
-with several, a dead worker process restarts the whole job from its newest checkpoint (launcher/job_restarts.py).
+dead server process is restarted and heals from it (`servers_heal`, as Downpour's), and (`loop_served_replicas`) the
+worker processes, one worker or a few threads each, run as a job file's below, in the loop's order
+(runtime/exchanges/sandblaster_loop.py: a restarted one's worker 0 takes the chief's handover, as AllReduce's in a
+user's loop, and its other workers copy it).
 
 A job file under cluster.max_restarts (`served_replicas`) runs the same servers, which heal from the chief's mirror when
 one dies, and its worker processes as replicas that go on without a dead one and take a restarted one back at the next
@@ -73,8 +73,7 @@ class Sandblaster(AllReduce):
 
     def servers_heal(self, plan) -> bool:
         """Under cluster.max_restarts the servers (Downpour's) heal from the chief's mirror: a job file's (`served_replicas`)
-        and a user's loop's (whose worker processes also go on without a dead one where each holds one worker:
-        `loop_served_replicas`; with several, a worker process's death restarts the whole job)."""
+        and a user's loop's (whose worker processes also go on without a dead one: `loop_served_replicas`)."""
         return served_replicas(plan) or (plan.own_loop and plan.max_restarts > 0 and not plan.in_one_process)
 
     def attach_exchanges(self, run) -> None:
