@@ -108,13 +108,21 @@ def test_torchrun_runs_asynchronous_layouts(blobs_job, tmp_path, layout):
 
 
 def test_torchrun_world_of_the_wrong_size_is_refused_in_one_line(blobs_job, tmp_path):
+    """torchrun started 1 process for a 2-process layout: one line naming WORLD_SIZE and the layout's count, exit 2,
+    nothing started. In the test process, with the environment torchrun gives its one process (what shoal reads of
+    torchrun: tests/test_launchers.py's test_torchrun_environment_is_read); a real torchrun starting shoal's processes
+    stays checked by test_torchrun_runs_asynchronous_layouts and test_killed_rank_restarts_and_resumes_to_the_uninterrupted_result."""
+    from cli_in_process import one_line_error
+    from shoal.comm.dist import free_port
+
     job = blobs_job(train_steps=4, layout="AllReduce, 2 processes")
-    run = torchrun(1, job, tmp_path / "ws")
-    assert run.returncode != 0
-    refusals = [line for line in run.stderr.splitlines() if "WORLD_SIZE" in line]
-    assert refusals and all(line == refusals[0] for line in refusals), run.stderr[-2000:]
-    assert "torchrun started 1 process (WORLD_SIZE=1)" in refusals[0] and "has 2 processes" in refusals[0]
-    assert "src/shoal" not in run.stderr  # no traceback from shoal's processes (torchrun prints its own summary)
+    world = dict(TORCHELASTIC_RUN_ID="none", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                 GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), TORCHELASTIC_RESTART_COUNT="0",
+                 TORCHELASTIC_MAX_RESTARTS="0")
+    run = run_cli("run", job, "--workspace", tmp_path / "ws", env={**os.environ, **job_secret(), **world}, timeout=60)
+    refusal = one_line_error(run)
+    assert "torchrun started 1 process (WORLD_SIZE=1)" in refusal and "has 2 processes" in refusal, refusal
+    assert not (tmp_path / "ws" / "logs" / "rank0.log").exists()
 
 
 # -- elastic restart -------------------------------------------------------------------------------
