@@ -31,7 +31,7 @@ def test_a_stopped_process_of_a_synchronous_job_is_named_within_the_timeout(blob
     # (slowed steps: the processes sleep, rather than spin the machine's cores, through the beats and the timeout)
     run = runs.start_layout(blobs_job(train_steps=100000), tmp_path, layout, env=SLOW, stall_timeout_s=STALL_TIMEOUT)
     pid = run.registered_pid(rank)
-    time.sleep(2)  # a few beats: the peers know its step
+    time.sleep(1)  # a beat or more (every 0.75 s) after step 10: the peers know its step
     os.kill(pid, signal.SIGSTOP)
     stopped = time.monotonic()
     code = run.wait(timeout=STALL_TIMEOUT + SLACK + 30)
@@ -58,8 +58,8 @@ ASYNC_STALLS = {
 def test_a_stopped_group_of_an_asynchronous_job_is_dropped_and_the_job_finishes(blobs_job, tmp_path, runs, layout, wakes):
     rank, group, dropper = ASYNC_STALLS[layout]
     # group 0's steps take 10 ms or more: the run outlasts the stall, the drop and the wake-up (at about step 450 of
-    # 750 when idle; the woken process finds it was dropped within 0.1 s of its wake-up)
-    steps = 750
+    # 600 when idle, an earlier one under load; the woken process finds it was dropped within 0.1 s of its wake-up)
+    steps = 600
     run = runs.start_layout(blobs_job(train_steps=steps), tmp_path, layout, "--set", f"test_freq={steps // 2}", env=SLOW,
                             stall_timeout_s=STALL_TIMEOUT, timeout_from_environment=True)
     pid = run.registered_pid(rank)
