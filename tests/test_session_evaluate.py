@@ -62,11 +62,18 @@ def shoal_runs(commands: list[list[str]], prepared: Path, cwd: Path) -> subproce
 
 @pytest.fixture(scope="module")
 def one_worker_runs(prepared, tmp_path_factory) -> Path:
-    """The own loop with --tensorboard, and train.py (shoal.fit) on the same arguments."""
+    """The own loop with --tensorboard, and train.py (shoal.fit) on the same arguments: `shoal run` in the test
+    process (the property is the records, not an interpreter's; the slow tests below run the example in one)."""
+    from cli_in_process import run_cli
+
     out = tmp_path_factory.mktemp("gpt-runs")
-    proc = shoal_runs([[str(EXAMPLE / "train_loop.py"), "--workspace", str(out / "loop"), "--tensorboard"],
-                       [str(EXAMPLE / "train.py"), "--workspace", str(out / "fit")]], prepared, out)
-    (out / "stdout.txt").write_text(proc.stdout)
+    said = []
+    for command in [[str(EXAMPLE / "train_loop.py"), "--workspace", str(out / "loop"), "--tensorboard"],
+                    [str(EXAMPLE / "train.py"), "--workspace", str(out / "fit")]]:
+        proc = run_cli("run", *command, "--", "--data", prepared, *TINY, cwd=out, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        said.append(proc.stdout)
+    (out / "stdout.txt").write_text("".join(said))
     return out
 
 
