@@ -59,18 +59,20 @@ port = int(port)
 seconds = lambda s: datetime.timedelta(seconds=s)
 said = {}
 
-def wait_for(store, key, value, timeout, unless=None):
+def wait_for(knocks, timeout, unless):
+    """{name: whether its door answered}, once one did or `unless` (store, key) appeared; knocks: {name: (store, key,
+    value or None)}, each watched through the same window."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if store.check([key]) and (value is None or store.get(key).decode() == value):
-                return True
-            if unless is not None and store.check([unless]):  # e.g. the server closed: nothing will answer any more
-                return False
+            answered = {name: store.check([key]) and (value is None or store.get(key).decode() == value)
+                        for name, (store, key, value) in knocks.items()}
+            if any(answered.values()) or unless[0].check([unless[1]]):  # e.g. the server closed: nothing will answer any more
+                return answered
         except Exception:  # the job ended: its store with it
-            return False
+            break
         time.sleep(0.05)
-    return False
+    return dict.fromkeys(knocks, False)
 
 def attempt(what, call):
     try:
@@ -81,11 +83,10 @@ def attempt(what, call):
 
 base = dist.PrefixStore("/shoal/attempt_0", dist.TCPStore("127.0.0.1", port, is_master=False, timeout=seconds(60)))
 # 1. shoal's handshake under the keys it used before jobs had a secret
-door = dist.PrefixStore("shoal/downpour/", base)
-incarnation = door.add("g1/incarnation", 1)
-door.set(f"s0/g1/i{incarnation}/hello", "attacker")
-said["old_keys_accepted"] = wait_for(door, f"s0/g1/i{incarnation}/accepted", None, 3)
-said["old_keys_hold_state"] = door.check(["s0/g1/state"])
+old_door = dist.PrefixStore("shoal/downpour/", base)
+old_incarnation = old_door.add("g1/incarnation", 1)
+old_door.set(f"s0/g1/i{old_incarnation}/hello", "attacker")
+said["old_keys_hold_state"] = old_door.check(["s0/g1/state"])
 # 2. under the job's namespace, without its secret
 job = dist.PrefixStore(namespace, base)
 door = dist.PrefixStore("shoal/downpour", job)  # shoal/downpour/<key>, as the job writes them
@@ -93,7 +94,11 @@ incarnation = door.add("g1/incarnation", 1)
 nonce = secrets.token_hex(16)
 door.set(f"s0/g1/i{incarnation}/hello", nonce)
 print("knocked", flush=True)
-said["accepted"] = wait_for(door, f"s0/g1/i{incarnation}/accepted", nonce, 90, unless="s0/closed")
+# both knocks watched from group 1's death (the test kills it now: the server looks for its next incarnation) to the
+# job's end
+answered = wait_for({"old_keys_accepted": (old_door, f"s0/g1/i{old_incarnation}/accepted", None),
+                     "accepted": (door, f"s0/g1/i{incarnation}/accepted", nonce)}, 90, unless=(door, "s0/closed"))
+said.update(answered)
 if said["accepted"]:
     name = f"downpour/s0/g1/i{incarnation}/{nonce}"
     group = dist.ProcessGroupGloo(dist.PrefixStore(f"shoal/channel/{name}", job.clone()), 1, 2, seconds(30))
@@ -139,7 +144,8 @@ def attacker():
 def test_another_user_cannot_take_over_a_running_downpour_job(blobs_job, tmp_path, runs, attacker, request):
     command, attacker_env = attacker
     secret = secrets.token_hex(32)
-    steps = 400  # group 0's worker takes >= 20 ms a step (8 s): the job outlasts the attacker's two knocks
+    steps = 200  # group 0's worker takes >= 20 ms a step (4 s): the job outlasts the attacker's start (beside the job's,
+    # it loads torch meanwhile) and its two knocks; group 1 dies about 10 steps in, once the attacker knocked
     job = blobs_job(train_steps=steps)
     run = Run(job, tmp_path, DOWNPOUR, "--set", f"test_freq={steps}",
               env={"SHOAL_SLOW_WORKER": "0:0+0.02", "SHOAL_JOB_SECRET": secret})
