@@ -90,7 +90,9 @@ def test_a_stalled_group_is_ended_restarted_and_rejoins(blobs_job, tmp_path, run
     """--max-restarts 1: group 1's process SIGSTOPped and never continued is dropped past the stall timeout, then ended
     by the launcher (SIGKILL) and restarted as a killed one is, one line saying so; it rejoins at a meeting and the job
     exits 0 with both groups at the last meeting (before: it stayed stopped, missing to the end)."""
-    steps = 4 * STEPS  # outlasts the 2 s stall timeout, a beat and a restart, under load (rejoined at step 195 when idle)
+    # outlasts the 2 s stall timeout (group 0 waits it out at a meeting, its steps stand still), a beat and a restart,
+    # under load: rejoined at step 60 when idle (steps of ~13 ms), so about 4 s of steps are left for a slower restart
+    steps = 3 * STEPS
     run = runs.start(blobs_job(train_steps=steps, cluster_extra=PROCESSES), tmp_path, "--max-restarts", "1", *DILOCO,
                      "--set", "cluster.stall_timeout_s=2", env=SLOW)
     chief = run.pid_once_training(0)
