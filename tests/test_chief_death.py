@@ -36,8 +36,8 @@ def test_the_lowest_living_member_decides_in_a_dead_chiefs_place(job_store, monk
     raw, secret = job_store
     # (the groups re-formed over the living are gloo's; here a sum over a group holding process 0 fails, as its
     # closed connection makes it fail)
-    monkeypatch.setattr(quorum.MeetingGroup, "formed", classmethod(lambda cls, epoch, ranks, rank, timeout_s:
-                                                                   cls(epoch, ranks, rank, backend=object())))
+    monkeypatch.setattr(quorum.MeetingGroup, "formed", classmethod(
+        lambda cls, epoch, ranks, rank, timeout_s, give_up=None: cls(epoch, ranks, rank, backend=object())))
 
     def contribute(attempt, rank):
         if 0 in attempt.quorum.group.ranks:

@@ -75,6 +75,7 @@ DECIDER_EVERY_S = 0.2  # how often a member waiting for an outcome asks whether 
 DECIDER_AFTER_S = 0.05  # and from how long into its wait
 
 T = TypeVar("T")
+_ABANDONED_MAKERS: list[dict] = []  # rendezvous given up on (MeetingGroup.formed): what they make stays referenced
 
 
 class PeerLost(RuntimeError):
@@ -180,13 +181,35 @@ class MeetingGroup:
         self.planned, self.backend = planned, backend  # one of the two
 
     @classmethod
-    def formed(cls, epoch: int, ranks: Sequence[int], rank: int, timeout_s: float) -> "MeetingGroup":
-        """A new gloo group over `ranks` (sorted), made by each of them: returns once all have made it."""
+    def formed(cls, epoch: int, ranks: Sequence[int], rank: int, timeout_s: float,
+               give_up: Callable[[], Optional[str]] = lambda: None) -> "MeetingGroup":
+        """A new gloo group over `ranks` (sorted), made by each of them: returns once all have made it. gloo's rendezvous
+        blocks for the group's whole timeout on a member that never comes (a joiner killed right after its admission),
+        so it runs on a thread of its own and is waited for in slices, given up on (PeerLost) once `give_up` says why:
+        the donor must not miss its servers' timeout waiting for a dead joiner (Sandblaster's chaos run, 2026-11-29)."""
         ranks = tuple(sorted(ranks))
         store = dist.PrefixStore(f"{GROUPS}e{epoch}", comm.job_store().clone())  # a connection of its own: the rendezvous blocks it
-        with comm.in_plain_words():
-            backend = dist.ProcessGroupGloo(store, ranks.index(rank), len(ranks), datetime.timedelta(seconds=timeout_s))
-        return cls(epoch, ranks, rank, backend=backend)
+        made: dict = {}
+
+        def make() -> None:  # (gloo's constructor releases the GIL while it waits)
+            try:
+                made["backend"] = dist.ProcessGroupGloo(store, ranks.index(rank), len(ranks), datetime.timedelta(seconds=timeout_s))
+            except RuntimeError as err:
+                made["error"] = err
+
+        maker = threading.Thread(target=make, name=f"shoal-quorum-group-e{epoch}", daemon=True)
+        maker.start()
+        while True:
+            maker.join(WAIT_SLICE_S)
+            if not maker.is_alive():
+                break
+            reason = give_up()
+            if reason is not None:
+                _ABANDONED_MAKERS.append(made)  # (a group made after all stays referenced: its teardown would block)
+                raise PeerLost(reason)
+        if "error" in made:
+            raise PeerLost(comm.describe_error(made["error"]))
+        return cls(epoch, ranks, rank, backend=made["backend"])
 
     @property
     def on_nccl(self) -> bool:
@@ -376,20 +399,24 @@ class Quorum:
 
     def welcome(self, state: Callable[[], list[torch.Tensor]]) -> tuple[int, ...]:
         """After a committed meeting (and its outer step): when the quorum changed, make the next epoch's group, and
-        where processes joined, the donor (the chief) broadcasts `state()` to them over it. Returns the joiners' ranks."""
+        where processes joined, the donor (the chief) broadcasts `state()` to them over it. Returns the ranks of the
+        joiners that took it: none where a joiner was lost again before (the group not made, or the handover given up
+        on: the next meeting then goes on without it)."""
         outcome, self._next = self._next, None
         if outcome is None:
             return ()
         joiners = tuple(m.rank for m in outcome.joiners)
-        self._reform(outcome.epoch, outcome.members)
         for rank in joiners:
             heartbeat.revive(rank)  # the watch takes it up again (the launcher said its predecessor was done)
-        if joiners and self.group is not None:
-            tensors = state()
-            try:
-                self._broadcast_state(tensors)
-            except RuntimeError:  # a joiner died again meanwhile: the next meeting finds it gone
-                self._retire()
+        self._reform(outcome.epoch, outcome.members)
+        if not joiners or self.group is None:
+            return ()
+        tensors = state()
+        try:
+            self._broadcast_state(tensors)
+        except RuntimeError:  # a joiner died again meanwhile: the next meeting finds it gone
+            self._retire()
+            return ()
         return joiners
 
     def share(self, tensor: torch.Tensor, src: int) -> None:
@@ -457,7 +484,8 @@ class Quorum:
                 raise MeetingsOver(f"process {self.rank} knocked after the groups' last meeting: nothing left to join")
         admission = Admission.parse(text)
         self.members, self.epoch, self.decider = admission.members, admission.epoch, admission.donor
-        self.group = MeetingGroup.formed(admission.epoch, [m.rank for m in admission.members], self.rank, self.timeout_s)
+        self.group = MeetingGroup.formed(admission.epoch, [m.rank for m in admission.members], self.rank, self.timeout_s,
+                                         self._member_lost)
         return admission
 
     def receive(self, tensors: list[torch.Tensor], donor: int) -> None:
@@ -621,7 +649,7 @@ class Quorum:
         self._retire()
         self.members, self.epoch = members, epoch
         try:
-            self.group = MeetingGroup.formed(epoch, [m.rank for m in members], self.rank, self.timeout_s)
+            self.group = MeetingGroup.formed(epoch, [m.rank for m in members], self.rank, self.timeout_s, self._member_lost)
         except RuntimeError:
             self.group = None
 
