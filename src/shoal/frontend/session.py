@@ -454,12 +454,7 @@ class Session:
             self._pushing().global_batch = self._workers[0].global_batch
             start = self.start_step
             self._start_pushing()  # (worker 0's schedulers stepped to where the group starts; the others' here)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                for worker in self._workers[1:]:
-                    for scheduler in worker.schedulers:
-                        for _ in range(self.start_step - start):
-                            scheduler.step()
+            self._step_other_workers_schedulers(self.start_step - start)
             if self.rejoin is not None:  # (restarted: every worker goes on from the group's step the servers said, or,
                 if self._served_replicas:  # Sandblaster's replicas, from the chief's state, which worker 0 took)
                     self._workers_copy_first()
@@ -468,12 +463,7 @@ class Session:
         if self.rejoin is not None and self._update_lock is not None:  # Distributed Hogwild's restarted group: the live
             start = self.start_step                                     # values in the copy its threads share
             self._take_live_values()  # (worker 0's schedulers stepped to the peers' step; the others' here)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                for worker in self._workers[1:]:
-                    for scheduler in worker.schedulers:
-                        for _ in range(self.start_step - start):
-                            scheduler.step()
+            self._step_other_workers_schedulers(self.start_step - start)
             for worker in self._workers:
                 worker.first_step = worker.at = self.start_step
         self.step = self.start_step
@@ -913,6 +903,16 @@ class Session:
         self.exchange.speak_for_the_job(self.say, lambda fields: self.metrics.annotate(**fields))
         if self._interval is not None:  # it picks the interval checkpoints' steps now (the chief's published ones stand)
             self._interval.take_over()
+
+    def _step_other_workers_schedulers(self, steps: int) -> None:
+        """Workers 1.. of this process's group step their schedulers `steps` times: worker 0's were stepped to where the
+        group starts (torch warns of a scheduler stepped before its optimizer: none of these has stepped yet)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for worker in self._workers[1:]:
+                for scheduler in worker.schedulers:
+                    for _ in range(steps):
+                        scheduler.step()
 
     def _handover(self) -> list[torch.Tensor]:
         """What a restarted process takes from this one (session_state.handover)."""
