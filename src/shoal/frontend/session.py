@@ -50,6 +50,7 @@ from shoal.comm import dist as comm
 from shoal.comm.succession import say_chief_started
 from shoal.runtime import checkpoint_schedule, rejoined, session_exchange, session_slices
 from shoal.runtime.endings import MeetingsOver
+from shoal.runtime.interfaces import summary_annotator
 from shoal.runtime.replicas import device_label, torch_device, usable_device_names
 
 
@@ -900,7 +901,7 @@ class Session:
                                                     self.rank, step)
         duties = self.exchange.duties_taken_over.replace("tests and validates", "evaluates (run.evaluate)")  # (the loop's calls)
         self.say(f"Process {self.rank} took the chief's place after step {step}: {duties}")
-        self.exchange.speak_for_the_job(self.say, lambda fields: self.metrics.annotate(**fields))
+        self.exchange.speak_for_the_job(self.say, summary_annotator(self))
         if self._interval is not None:  # it picks the interval checkpoints' steps now (the chief's published ones stand)
             self._interval.take_over()
 

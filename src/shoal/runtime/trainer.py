@@ -41,7 +41,7 @@ from shoal.neuralnet.params import ParamStore
 from shoal.planning.plan import JobPlan
 from shoal.runtime.checkpoint_schedule import CheckpointSchedule, checkpoint_parts  # noqa: F401 - re-exported
 from shoal.runtime.feed import InputFeed, make_feeds
-from shoal.runtime.interfaces import Exchange, GroupMember, TrainerHook
+from shoal.runtime.interfaces import Exchange, GroupMember, TrainerHook, summary_annotator
 from shoal.runtime.partitioned import PartitionedGroup
 from shoal.runtime.replicas import DeviceReplicas, torch_device, usable_device_names
 from shoal.runtime.worker import Worker
@@ -538,7 +538,7 @@ class Trainer:
         if self.checkpoint_schedule is not None:
             self.checkpoint_schedule.take_over()
         self.log(f"Process {self.rank} took the chief's place after step {step}: {self.exchange.duties_taken_over}")
-        self.exchange.speak_for_the_job(self.log, lambda fields: self.metrics.annotate(**fields))
+        self.exchange.speak_for_the_job(self.log, summary_annotator(self))
 
     def _steps_to_train(self, end: int) -> int:
         """Where the loop ends, asked once it reached `end`: `end`, or where the exchange says this group trains to

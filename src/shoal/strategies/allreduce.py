@@ -124,5 +124,4 @@ class AllReduce(Strategy):
         return run.chief.exchange.rejoin(incarnation)
 
 
-
 STRATEGY = AllReduce()

@@ -139,7 +139,6 @@ class MeetingBoard(GroupBoard):
             self.meeting.abandon()
 
 
-
 def refuse_sparse_outer_step(c) -> None:
     """cluster.sparse_outer_step's own fields, and what it replaces (the outer updater, compression)."""
     o = c.sparse_outer_step
