@@ -52,7 +52,9 @@ def test_a_killed_async_chief_is_dropped_and_the_lowest_living_group_takes_its_p
     assert "restarting the whole job" not in stderr, stderr
     took = int(re.search(r"^Process 1 took the chief's place after step (\d+): it tests and validates, writes the run log "
                          r"and the checkpoints", stdout, re.M)[1])  # (on the terminal: the successor's line)
-    assert 10 <= took < steps, took
+    # (an asynchronous group keeps its own pace: under load process 1 may still be in its first step when the chief,
+    # killed after its step 10, dies)
+    assert 0 <= took < steps, took
     assert pids(run.ws, 1) == [survivor]
     first, second = pids(run.ws, 0)
     assert first == victim and second != victim
