@@ -52,12 +52,13 @@ from shoal.runtime import checkpoint_schedule, rejoined, session_exchange, sessi
 from shoal.runtime.endings import MeetingsOver
 from shoal.runtime.interfaces import summary_annotator
 from shoal.runtime.replicas import device_label, torch_device, usable_device_names
+from shoal.report.terminal import write_line
 
 
 def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int = 100, seed: int = 0, disp_freq: int = 10,
             checkpoint_freq: int = 0, checkpoint_interval_s: float = 0.0, workspace: Optional[Union[str, Path]] = None,
             resume: bool = False, name: str = "session", tensorboard: bool = False, partition_dim: int = 0,
-            outer_optimizer=None, log: Callable[[str], None] = print) -> "Session":
+            outer_optimizer=None, log: Callable[[str], None] = write_line) -> "Session":
     """This process's part of the user's own training loop (docs/python.md, "Your own loop").
 
     cluster: shoal.Cluster(...) (the layout: single worker, AllReduce over processes, Local SGD / DiLoCo,

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Union
+from shoal.report.terminal import write_line
 
 if TYPE_CHECKING:
     from shoal.launcher.launch import Nodes
@@ -17,7 +18,7 @@ class RunOptions:
     resume: Union[bool, str] = False  # "auto": this job's newest checkpoint if the workspace has one, else start fresh
     # folders relative paths in the job are resolved against (cwd first, as SINGA)
     base_dirs: list[Path] = field(default_factory=lambda: [Path.cwd()])
-    log: Callable[[str], None] = print
+    log: Callable[[str], None] = write_line
     progress: Optional[bool] = None  # None: a bar when stderr is a terminal
     nodes: Optional["Nodes"] = None  # several hosts (shoal.launcher.launch.Nodes); None: this host only
     # shoal.fit: registers its layer types in each spawned process (picklable), and sets initial param values

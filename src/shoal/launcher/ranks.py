@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from shoal.planning.plan import JobPlan
+from shoal.report.terminal import write_line
 from shoal.report.writes import WorkspaceWriteError, open_for_append, own_folder, replace_file
 
 
@@ -83,7 +84,7 @@ def rank_output(workspace: Path, rank: int, restarted: bool = False):
 
 def chief_log(rank: int, log_file) -> Callable[[str], None]:
     """How a rank says a line: the chief to the terminal and its log file, the others to their log file (their stdout)."""
-    return ChiefLog(log_file) if rank == 0 else print
+    return ChiefLog(log_file) if rank == 0 else write_line
 
 
 class ChiefLog:
@@ -94,7 +95,7 @@ class ChiefLog:
         self.log_file = log_file
 
     def __call__(self, line: str) -> None:
-        print(line)
+        write_line(line)
         self.to_file(line)
 
     def to_file(self, line: str) -> None:

@@ -63,6 +63,7 @@ from shoal.launcher.ranks import chief_replaceable, describe_process, heals, ran
 from shoal.launcher.workspace import check_workspace
 from shoal.report.writes import own_folder, replace_file
 from shoal.runtime.rejoined import RECORDS_FILE
+from shoal.report.terminal import write_line
 
 if TYPE_CHECKING:
     from shoal.launcher.launchers import LaunchedProcess
@@ -363,7 +364,7 @@ def _entry(rank: int, meeting, job_bytes: bytes, workspace: str, base_dirs: list
     with rank_output(Path(workspace), rank, restarted=True) as log_file:
         try:
             run_rejoined(job_bytes, meeting.nnodes, rank, meeting.store_host, meeting.store_port, meeting.interface,
-                         Path(workspace), [Path(d) for d in base_dirs], incarnation, detected_at, print,
+                         Path(workspace), [Path(d) for d in base_dirs], incarnation, detected_at, write_line,
                          process_setup, initial_values, rank_main, attempt=meeting.attempt)
         except Exception:  # noqa: BLE001 (e.g. its server died meanwhile: the launcher's line tells the story)
             # into the rank's log, not the terminal (multiprocessing would print it there); the exit status is the same
@@ -401,7 +402,7 @@ def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, stor
 
 # -- by hand: shoal run JOB --rejoin RANK ----------------------------------------------------------------
 def rejoin_by_hand(plan: JobPlan, workspace: Path, rank: int, master: Optional[str], base_dirs: list[Path],
-                   log: Callable[[str], None] = print) -> None:
+                   log: Callable[[str], None] = write_line) -> None:
     """Start process `rank` of the running job `plan` again, in this process (refused in one line when it cannot)."""
     check_workspace(workspace)  # as every run: before its job.secret and store.json are read or its logs written
     reason = why_not(plan, rank)
@@ -432,9 +433,9 @@ def rejoin_by_hand(plan: JobPlan, workspace: Path, rank: int, master: Optional[s
                             "only a group whose process died can rejoin")
     incarnation = door.next_incarnation(group)
     with rank_output(workspace, rank):
-        print(f"process {rank} rejoins by hand as restart {incarnation} of worker group {group}")
+        write_line(f"process {rank} rejoins by hand as restart {incarnation} of worker group {group}")
         run_rejoined(plan.job.SerializeToString(), plan.nnodes, rank, host, port, interface, workspace, base_dirs,
-                     incarnation, None, print if rank else log)
+                     incarnation, None, write_line if rank else log)
 
 
 def _job_secret(workspace: Path) -> bytes:

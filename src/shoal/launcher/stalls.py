@@ -32,6 +32,7 @@ from shoal.launcher.ranks import chief_replaceable, describe_process, expendable
 from shoal.planning.plan import JobPlan
 from shoal.report import succession
 from shoal.runtime.interfaces import GroupDropped
+from shoal.report.terminal import write_line
 
 STALLED_EXIT = 86  # this process found a peer the job cannot lose stalled: logs/rank<R>.stalled says which
 GROUP_DROPPED_EXIT = 87  # this process's asynchronous group was dropped: it leaves, the chief has warned
@@ -73,7 +74,7 @@ class StallPolicy:
         if heals(self.plan, stall.rank):  # the launcher ends it and restarts it; its stubs wait for the new process
             if stall.rank not in self._warned:
                 self._warned.add(stall.rank)
-                print(f"{who} stopped answering ({silent}); waiting for the launcher to restart it")
+                write_line(f"{who} stopped answering ({silent}); waiting for the launcher to restart it")
             return
         if not self._expendable(stall.rank):
             hosts_store = "; it hosts the job's store" if stall.store else ""
@@ -131,7 +132,7 @@ class StallPolicy:
             except OSError:
                 pass
         elif self.rank != 0:  # the others' stdout is their log; the chief's is the terminal, where the launcher speaks
-            print(line)
+            write_line(line)
         _exit(STALLED_EXIT)
 
     def _leave(self, line: str) -> None:
@@ -149,7 +150,7 @@ def why_the_job_stops(plan: JobPlan) -> Optional[str]:
 
 def leave(line: str) -> None:
     """This process's asynchronous group was dropped: say why in its log (its stdout) and leave quietly."""
-    print(line)
+    write_line(line)
     _exit(GROUP_DROPPED_EXIT)
 
 

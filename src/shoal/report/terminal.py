@@ -18,7 +18,14 @@ def mute() -> None:
     _muted = True
 
 
+def write_line(line: str, file=None) -> None:
+    """`print(line)` in one write: ranks that share a terminal (torchrun's, srun's) write it unbuffered, where print's
+    separate write of the newline let another rank's line land inside this one."""
+    (file or sys.stdout).write(line + "\n")
+
+
 def also_on_the_terminal(line: str) -> None:
     """Say `line` on the job's terminal too, when this process has one apart from its stdout."""
     if not _muted and sys.__stdout__ is not None and sys.stdout is not sys.__stdout__:
-        print(line, file=sys.__stdout__, flush=True)
+        write_line(line, sys.__stdout__)
+        sys.__stdout__.flush()

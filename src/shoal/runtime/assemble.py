@@ -41,6 +41,7 @@ from shoal.runtime.replicas import device_label, torch_device, usable_device_nam
 from shoal.runtime.trainer import History, Trainer, checkpoint_parts
 from shoal.runtime.worker import Worker
 from shoal.report.job_copy import write_job_copy
+from shoal.report.terminal import write_line
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class RunSpec:
     workspace: Path
     base_dirs: list[Path] = field(default_factory=lambda: [Path.cwd()])
     resume_from: Optional[Path] = None
-    log: Callable[[str], None] = print
+    log: Callable[[str], None] = write_line
     progress: Optional[bool] = None  # None: a bar when stderr is a terminal
     initial_values: Optional[Callable[[ParamStore], None]] = None  # shoal.fit: the module's own values
     rejoin: Optional["Rejoin"] = None  # a process restarted into a running Downpour job (shoal.launcher.rejoin)

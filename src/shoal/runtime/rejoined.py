@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from shoal.report.terminal import also_on_the_terminal
+from shoal.report.terminal import also_on_the_terminal, write_line
 from shoal.report.writes import open_for_append
 
 RECORDS_FILE = "rejoins.jsonl"
@@ -64,7 +64,7 @@ def report(workspace, ticket, group: int, rank: int, step: int, version: int, di
     line = (f"{who} rejoined at step {step} (restart {ticket.incarnation})" if who else
             f"Worker group {group} rejoined at step {step} (process {rank}, restart {ticket.incarnation})")
     line += f": {took}, {record['process_start_to_rejoin_s']:.2f} s after its process started{since_death}"
-    print(line)  # this process's log
+    write_line(line)  # this process's log
     if terminal:
         also_on_the_terminal(line)  # the job's terminal (the launcher's, or the --rejoin command's)
     with open_for_append(Path(workspace) / "logs" / RECORDS_FILE) as f:  # through no link

@@ -14,6 +14,7 @@ from shoal.runtime.exchanges.compression import codec_factory
 from shoal.runtime.exchanges.hogwild import DOOR
 from shoal.runtime.exchanges.hogwild_group import HogwildExchange
 from shoal.runtime.exchanges.server import Server
+from shoal.report.terminal import write_line
 
 
 class DistributedHogwild(Strategy):
@@ -59,7 +60,7 @@ class DistributedHogwild(Strategy):
         door = channels.Door(DOOR) if plan.max_restarts > 0 else None  # restarted groups knock there
         successor = successor_of(plan, run.rank, DOOR) if self.chief_succeeded_by_a_group(plan) and not run.rejoining else None
         t.attach_exchange(HogwildExchange(t.store, Server(t.store, make_updater(plan.updater)), plan.placement, run.rank, t.group,
-                                          plan.sync_freq, plan.nserver_groups, log=print,
+                                          plan.sync_freq, plan.nserver_groups, log=write_line,
                                           codecs=codec_factory(plan.compression.kind, plan.compression.topk_fraction),
                                           door=door, rejoining=run.rejoining, timeout_s=plan.comm_timeout_s,
                                           successor=successor),

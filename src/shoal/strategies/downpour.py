@@ -16,6 +16,7 @@ from shoal.runtime.exchanges.compression import codec_factory
 from shoal.runtime.exchanges.downpour_server import DownpourServer
 from shoal.runtime.exchanges.downpour import DOOR
 from shoal.runtime.exchanges.downpour_stub import DownpourExchange
+from shoal.report.terminal import write_line
 
 
 class Downpour(Strategy):
@@ -61,7 +62,7 @@ class Downpour(Strategy):
         replaceable = self.chief_succeeded_by_a_group(plan)
         if hosted.servers:
             run.server = DownpourServer(trainer.store, updater, plan.placement, hosted.servers[0],
-                                        {g: ranks[0] for g, ranks in group_ranks.items()}, log=print,
+                                        {g: ranks[0] for g, ranks in group_ranks.items()}, log=write_line,
                                         max_staleness=bounds.max_staleness, warmup_steps=bounds.warmup_steps,
                                         after_update=run.faults.server_update_hook(rank), max_update_lag=bounds.max_update_lag,
                                         overlap_push=bounds.overlap_push, codecs=codecs, chief_replaceable=replaceable)

@@ -33,6 +33,7 @@ from shoal.runtime.exchanges.staleness import StalenessStats, histogram
 from shoal.runtime.interfaces import GroupDropped
 from shoal.runtime.rejoined import fingerprint
 from shoal.neuralnet.updaters import Updater
+from shoal.report.terminal import write_line
 
 
 class DownpourExchange:
@@ -191,7 +192,7 @@ class DownpourExchange:
         except RuntimeError as again:  # it died again meanwhile
             self._recover(server, server_rank, step, again)
             return
-        print(f"worker group {self.group}: {server} was restarted (restart {restart}); the push of step {step} was "
+        write_line(f"worker group {self.group}: {server} was restarted (restart {restart}); the push of step {step} was "
               f"dropped; took its values of version {self.read_version[server_rank]} (it had seen version {seen})")
 
     def _await_heal_or_take_over(self, door: channels.Door, key) -> None:
@@ -421,7 +422,7 @@ class DownpourExchange:
                 break
             except RuntimeError as err:
                 self._recover(server, server_rank, step, err)
-        print(f"worker group {self.group}: sent the push of step {step} again to {server} (restart "
+        write_line(f"worker group {self.group}: sent the push of step {step} again to {server} (restart "
               f"{self.server_restarts[server_rank]}), healed with the values it was computed on")
         return answer
 
