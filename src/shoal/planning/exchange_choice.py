@@ -35,7 +35,7 @@ def loop_served_replicas(plan) -> bool:
     its other workers copy). Its servers run the user's optimizer from its recipe and heal from the chief's mirror, as
     without it."""
     return (plan.max_restarts > 0 and plan.own_loop and not plan.in_one_process and not plan.partitioned
-            and not plan.tensor_parallel and getattr(plan.strategy, "separate_servers", False)
+            and not plan.tensor_parallel and plan.strategy.separate_servers
             and all(bool(p.workers) != bool(p.servers) for p in plan.placement.processes))
 
 

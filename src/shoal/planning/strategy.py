@@ -104,6 +104,7 @@ class Strategy:
     # the steps a restarted group skipped are trained by every group past train_steps (Distributed Hogwild): its
     # exchange says where a group's loop ends (`steps_to_train`) and, on the chief, who trained them (`job_notes`)
     retrains_skipped_steps = False
+    separate_servers = False  # a synchronous group's servers in processes of their own (Sandblaster)
 
     # -- planning (pure) ------------------------------------------------------------------------------
     def recognises(self, layout: Layout) -> bool:

@@ -32,7 +32,6 @@ class AllReduce(Strategy):
     framework = Framework.ALLREDUCE
     synchronous = True
     compressed = "gradients (to the servers of their slices, and their sum back)"
-    separate_servers = False  # Sandblaster: servers in processes of their own
 
     def recognises(self, layout: Layout) -> bool:
         c = layout.cluster
