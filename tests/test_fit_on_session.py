@@ -75,12 +75,14 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
     tests/test_session_warmup.py), AllReduce over processes with server slices (one worker or a few threads each, no
     restarts: each process's slices' optimizer state alone, tests/test_fit_slices_on_session.py; under compression or
     restarts: "AllReduce over processes", the replicated update, tests/test_fit_remaining_layouts.py); Distributed
-    Hogwild's groups of threads run there (tests/test_session_hogwild_threads.py). A device list and measured batch
-    shares (cluster.auto_batch_shares over a group's threads) keep the job path."""
+    Hogwild's groups of threads run there (tests/test_session_hogwild_threads.py), and Local SGD / DiLoCo's groups as
+    threads of one process (tests/test_session_local_sgd_threads.py). A device list and measured batch shares
+    (cluster.auto_batch_shares over a group's threads) keep the job path."""
     ready = {"one worker", "one synchronous group in one process", "AllReduce over processes",
              "AllReduce over processes with server slices", "Local SGD / DiLoCo over processes",
              "Distributed Hogwild over processes", "Downpour over processes", "Sandblaster over processes",
-             "in-memory Hogwild / Downpour", "a module cut on its features over processes"}
+             "in-memory Hogwild / Downpour", "a module cut on its features over processes",
+             "Local SGD / DiLoCo groups in one process"}
     assert fitting.ON_SESSION == ready
     on_a_gpu = SimpleNamespace(in_one_process=True, nworkers=1, job=SimpleNamespace(device=["cuda:0"]), label="single worker",
                                tensor_parallel=False, balance_freq=0)
@@ -94,6 +96,8 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
              "Downpour over processes": plan_of(nworker_groups=2, server_worker_separate=True),
              "Sandblaster over processes": plan_of(nworkers_per_group=2, nworkers_per_procs=1, server_worker_separate=True),
              "in-memory Hogwild / Downpour": plan_of(nworker_groups=2, nworkers_per_procs=2),
+             # (each group's workers as threads, the groups meeting in memory: tests/test_session_local_sgd_threads.py)
+             "Local SGD / DiLoCo groups in one process": plan_of(nworker_groups=2, nworkers_per_procs=2, local_steps=2),
              "a module cut on its features over processes": tensor_parallel_plan()}  # (tests/test_fit_tensor_parallel.py)
     with_torch_outer = SimpleNamespace(in_one_process=False, nworkers=2, nprocs=2, label="DiLoCo", tensor_parallel=False,
                                        balance_freq=0,

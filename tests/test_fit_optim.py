@@ -208,8 +208,9 @@ def test_diloco_inner_adamw_outer_nesterov_threads_equal_processes_and_resume_ex
     resumed, _ = fit(tmp_path, "parts", steps=16, cluster=DILOCO_PROCESSES.fit_cluster(), resume=True, **run)
     for (name, a), b in zip(processes.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), name  # inner AdamW moments of both groups, the anchor and the outer momentum restored
-    # over processes fit runs on the session (its loop's checkpoint): the exchange holds each param's anchor and outer
-    # momentum, the inner AdamW's state is torch's (by index); threads stay on the job path, whose values it ends on
+    # fit runs both on the session (its loop's checkpoint): the exchange holds each param's anchor and outer momentum,
+    # the inner AdamW's state is torch's (by index); threads and processes end to the bit alike there
+    # (tests/test_session_local_sgd_threads.py)
     saved = checkpoint.load(checkpoint.checkpoint_file(tmp_path / "parts", 16), parts=True)
     assert saved.trainer["session"] and saved.updater_state["optimizer.0"]
     assert all({f"updater/{name}/outer.anchor", f"updater/{name}/outer.momentum_buffer"} <= set(saved.exchange)
@@ -360,9 +361,12 @@ def test_adamw_over_a_compressed_allreduce_applies_the_decoded_sum_everywhere(tm
 
 def test_fit_plans_its_job_once(tmp_path, monkeypatch):
     """The optimizers' layout checks and the run share one plan of the module's net (planning builds it: not three
-    times); before it, fit's layout is decided from the session's job (no net: nothing of the module's is placed)."""
+    times); before it, fit's layout is decided from the session's job (no net: nothing of the module's is placed).
+    (DiLoCo's groups in one process run on the session since 2026-11-29: kept on the job path here, which plans them.)"""
+    from shoal.frontend import fit as fitting
     from shoal.planning import plan as planning
 
+    monkeypatch.setattr(fitting, "ON_SESSION", fitting.ON_SESSION - {"Local SGD / DiLoCo groups in one process"})
     planned, place = [], planning.place
     monkeypatch.setattr(planning, "place", lambda cluster, sizes, *args, **kw: planned.append(dict(sizes)) or
                         place(cluster, sizes, *args, **kw))

@@ -37,7 +37,8 @@ def fit_plan(cluster: job_pb2.ClusterProto):
 
 def test_every_row_with_restarts_or_compression_is_on_the_session():
     """Every row of the shared table, as it is and with max_restarts 1 and/or bf16 compression: fit runs it on the
-    session, and the session runs it (Local SGD / DiLoCo's groups in one process, not a row, keep the job path)."""
+    session, and the session runs it; so do Local SGD / DiLoCo's groups in one process (not a row: their own tests are
+    tests/test_session_local_sgd_threads.py)."""
     kept = []
     for name, layout in LAYOUTS.items():
         for extra in ({}, dict(max_restarts=1), dict(compression=job_pb2.kBF16),
@@ -49,7 +50,9 @@ def test_every_row_with_restarts_or_compression_is_on_the_session():
                 kept.append((name, extra))
     assert kept == []
     local_sgd_in_one_process = fit_plan(shoal.Cluster(nworker_groups=2, nworkers_per_procs=2, local_steps=2))
-    assert not fitting.on_session(local_sgd_in_one_process)
+    assert fitting.fit_layout(local_sgd_in_one_process) == "Local SGD / DiLoCo groups in one process"
+    assert fitting.on_session(local_sgd_in_one_process)
+    check_layout(local_sgd_in_one_process)
     for slices in (dict(max_restarts=1), dict(compression=job_pb2.kBF16), dict(compression=job_pb2.kTopK)):
         assert fitting.fit_layout(fit_plan(LAYOUTS[SLICES].fit_cluster(**slices))) == "AllReduce over processes"
 

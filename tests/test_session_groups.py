@@ -19,7 +19,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cli_in_process import one_line_error, run_cli
 from layouts import LAYOUTS, assert_ran
 from test_session_workers import LOOP, shoal_run, train_records
 import shoal
@@ -159,16 +158,6 @@ def test_in_memory_groups_resume_the_servers_and_every_groups_state(script, grou
         assert resumed[10] == uninterrupted[10]
     for again, before in zip(replica_losses(tmp_path), replica_losses(downpour_run)):
         assert abs(again - before) <= LOSS_TOLERANCE * before
-
-
-def test_local_sgd_groups_in_one_process_are_refused_in_one_line(tmp_path):
-    """What the worker view does not run yet: Local SGD / DiLoCo's groups as threads of one process (threads under
-    --max-restarts run: tests/test_session_threads_restarts.py; a warm-up too: tests/test_session_warmup.py)."""
-    script = tmp_path / "one.py"
-    script.write_text("import shoal\nshoal.session()\n")
-    line = one_line_error(run_cli("run", script, "--workspace", tmp_path / "ws", "--set", "cluster.nworker_groups=2",
-                                  "--set", "cluster.nworkers_per_procs=2", "--set", "cluster.local_steps=2", cwd=tmp_path))
-    assert "Local SGD in one process (2 workers) is not supported in your own loop yet" in line, line
 
 
 @pytest.mark.xdist_group("session_runs")  # (with tests/test_session.py's runs: the launcher's forkserver is started)

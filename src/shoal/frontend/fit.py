@@ -462,16 +462,18 @@ ON_SESSION: frozenset = frozenset({"one worker", "one synchronous group in one p
                                    "AllReduce over processes with server slices",
                                    "Local SGD / DiLoCo over processes", "Distributed Hogwild over processes",
                                    "Downpour over processes", "Sandblaster over processes",
-                                   "in-memory Hogwild / Downpour", "a module cut on its features over processes"})
+                                   "in-memory Hogwild / Downpour", "a module cut on its features over processes",
+                                   "Local SGD / DiLoCo groups in one process"})
 
 
 def fit_layout(plan) -> str:
     """The layout of a fit call as ON_SESSION names it: "one worker" (one worker in one process, on the CPU: a device
     list keeps the job path, docs/architecture.md "`shoal.fit` on the session" says why), "one synchronous group in one
     process" (its workers as threads, run.each_worker), "in-memory Hogwild / Downpour" (asynchronous groups as threads
-    of one process), the layouts over processes of one worker or a few threads each (and Downpour's and Sandblaster's
-    server processes), else the plan's label (Local SGD / DiLoCo's groups in one process; measured batch shares,
-    cluster.auto_batch_shares, too: the job path's Trainer re-splits a group's batch, the session has no balancer)."""
+    of one process), "Local SGD / DiLoCo groups in one process" (each group's workers as threads, the groups meeting in
+    memory), the layouts over processes of one worker or a few threads each (and Downpour's and Sandblaster's server
+    processes), else the plan's label (measured batch shares, cluster.auto_batch_shares: the job path's Trainer
+    re-splits a group's batch, the session has no balancer)."""
     from shoal.frontend.session_start import measures_shares, pushes_to_servers
     from shoal.runtime.session_slices import shards_optimizer_state
 
@@ -486,6 +488,8 @@ def fit_layout(plan) -> str:
         return "one synchronous group in one process"  # (server slices here: the job path's one in-process server's)
     if in_memory_groups(plan):
         return "in-memory Hogwild / Downpour"
+    if plan.in_one_process and not plan.job.device and plan.strategy.meets:  # (session_start.meets_in_memory)
+        return "Local SGD / DiLoCo groups in one process"
     # the workers of each process the session runs (one each, or several threads of the process's group: run.each_worker),
     # none a server's alone (Downpour's and Sandblaster's server processes are theirs: below)
     over_processes = (not plan.in_one_process and not plan.job.device and not pushes_to_servers(plan)

@@ -36,9 +36,10 @@ from shoal.config.phases import fires
 from shoal.data.in_place import reader_for, to_device
 from shoal.frontend import script, session_eval, session_partition, session_state, session_worker
 from shoal.frontend.fit_inputs import as_dataset
-from shoal.frontend.session_start import (SessionError, check_layout, groups_in_memory, plan_session, pushes_to_servers, rank_context,
-                                          refuse_unstarted, same_job, serve_if_server, serves_only, session_job, start_ranks,
-                                          started_by_a_launcher, supervise_if_restartable, syncs_with_peers)
+from shoal.frontend.session_start import (SessionError, check_layout, groups_in_memory, meets_in_memory, plan_session,
+                                          pushes_to_servers, rank_context, refuse_unstarted, same_job, serve_if_server,
+                                          serves_only, session_job, start_ranks, started_by_a_launcher,
+                                          supervise_if_restartable, syncs_with_peers)
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.plan import JobPlan, sliced_for
@@ -155,6 +156,11 @@ class Session:
         self.local_workers = len(plan.process(rank).workers)
         # in-memory Downpour / Hogwild: the groups are this process's workers, pushing to one in-process server
         self.groups_in_memory = groups_in_memory(plan)
+        # Local SGD / DiLoCo's groups as this process's threads: each group's PeriodicExchange (group order), meeting in
+        # memory, and the step whose boundary each group's threads ran (_group_boundary)
+        self.meets_in_memory = meets_in_memory(plan)
+        self._meetings: list = []
+        self._group_met_at: dict[int, int] = {}
         self._workers: list[session_worker.SessionWorker] = []
         self._met_at = -1  # several workers under Local SGD / DiLoCo: the step whose boundary ran (_workers_boundary)
         self._warmup_ends = 0  # in-memory groups with a warm-up: the step after whose boundary the other groups start
@@ -208,8 +214,10 @@ class Session:
         # checkpoint_interval_s (without checkpoint_freq): the chief picks the steps and every process writes its part
         # there, as a job file's trainers do (runtime/checkpoint_schedule.py); in-memory groups run freely, their
         # checkpoint a meeting set at a step none has ended (session_worker.FreeRunningInterval, from the loop's start)
+        # (Local SGD's groups in one process reach each step boundary together: this process writes every part itself)
         self._interval = (None if self.groups_in_memory else
-                          checkpoint_schedule.for_process(plan, rank, checkpoint_schedule.checkpoint_parts(plan),
+                          checkpoint_schedule.for_process(plan, rank, {} if self.meets_in_memory else
+                                                          checkpoint_schedule.checkpoint_parts(plan),
                                                           comm.publish, comm.published, deciding=self.chief))
         self._free_interval: Optional[session_worker.FreeRunningInterval] = None
         atexit.register(self.close)
@@ -345,6 +353,10 @@ class Session:
         if self.groups_in_memory or self.pushes:  # each group's pushes start at worker.optimizer
             self._workers_groups()
             return
+        if self.meets_in_memory:  # Local SGD / DiLoCo's groups in this process: each group's workers' mean, its meetings
+            self._workers_groups()
+            self._start_meetings()
+            return
         if self._update_lock is not None:  # Distributed Hogwild: the group's workers compute on its one copy (worker
             for worker in self._workers[1:]:  # 0's params, which its masters' syncs reach), which worker 0's optimizer
                 for mine, theirs in zip(worker.module.parameters(), first.parameters()):  # updates (the group's store
@@ -364,7 +376,9 @@ class Session:
         workers view its store; in-memory Hogwild's groups all on worker 0's, the server's), and with several of them
         their gradients meet in one LocalMean (a group's synchronous inside): when backward ends each holds the group's
         mean (Sandblaster's over the group's processes, from worker.optimizer on: _workers_pushing), which their
-        opt.step()s push once (session_worker.py's _push, _push_process)."""
+        opt.step()s push once (session_worker.py's _push, _push_process). Local SGD / DiLoCo's groups in one process
+        group their workers alike, each worker on a replica of its own that its optimizer updates with the group's mean
+        (as a group's threads over processes: the replicas stay equal)."""
         groups: dict[int, list[session_worker.SessionWorker]] = {}
         for worker in self._workers:
             groups.setdefault(worker.group, []).append(worker)
@@ -373,7 +387,7 @@ class Session:
         for members in groups.values():
             copy_of = self._workers[0] if one_copy else members[0]
             for worker in members:
-                if worker is not copy_of:
+                if worker is not copy_of and not self.meets_in_memory:
                     for mine, theirs in zip(worker.module.parameters(), copy_of.module.parameters()):
                         mine.data = theirs.data
             # the group's meetings (over processes the process's: it hosts one group's workers)
@@ -391,6 +405,72 @@ class Session:
                                                                 lambda worker=worker: worker.step)
         if means:
             self.mean = means[0] if self.pushes else session_worker.LocalMeans(means)
+
+    def _start_meetings(self) -> None:
+        """Local SGD / DiLoCo's groups as this process's threads (run by the last worker to give its module): each group's
+        replicas take its checkpoint part's values (resumed), and the strategy's PeriodicExchange of each group views its
+        first worker's params and meets the others in memory (session_exchange.meeting_exchanges); group 0's is the
+        session's exchange (the chief's checkpoint file, summary.json). A worker's failure abandons the meetings, so that
+        no group's thread waits there for a group that stopped."""
+        firsts = sorted({id(w.group_workers[0]): w.group_workers[0] for w in self._workers}.values(), key=lambda w: w.group)
+        if self._mine is not None:
+            for worker in self._workers:
+                if worker.group:  # (group 0's took the chief's file in _model)
+                    session_state.load_module(worker.module, self._group_part(worker.group).params)
+        if self.plan.job.cluster.outer_updater.user_type:  # (outer_optimizer=: a torch optimizer over these params)
+            from shoal.frontend import session_outer
+
+            session_outer.bind(self.plan, firsts[0].module)
+        stores = [ParamStore.viewing([(n, p.data) for n, p in first.module.named_parameters() if p.requires_grad])
+                  for first in firsts]
+        saved = [dict(self._group_part(first.group).exchange) if self._mine is not None else None for first in firsts]
+        self._meetings = session_exchange.meeting_exchanges(self.plan, stores, self.start_step, saved, self.metrics)
+        self.exchange = self._meetings[0]
+        self._workers[0].local.linked.append(session_worker.StopsMeetings(self.exchange.meeting))
+
+    def _group_boundary(self, group: int, step: int) -> None:
+        """Local SGD / DiLoCo's groups in one process: every worker of group `group` updated after step `step` (run by
+        the last of them to arrive, in their thread, inside its opt.step() as one worker's post-hook over processes; or
+        at the step's end where the loop skipped the update): the group's exchange steps, meeting the other groups'
+        threads in memory when due, and its new anchor is then in every replica of the group."""
+        if self._group_met_at.get(group) == step:
+            return
+        self._group_met_at[group] = step
+        exchange, members = self._meetings[group], [w for w in self._workers if w.group == group]
+        started = time.perf_counter()
+        try:  # (the user's optimizers made the inner update: the exchange's own applies nothing)
+            exchange.step(step, [({}, sum(worker.share for worker in members))])
+        except Exception:  # (GroupsAborted) another worker stopped and abandoned the meetings: its error is the one raised
+            if self._workers[0].local.broken is not None:
+                raise session_worker.WorkerFailed("another worker of this process stopped") from None
+            raise
+        with self._window_lock:
+            self.exchange_seconds += time.perf_counter() - started
+        if exchange.meets_after(step):
+            with torch.no_grad():
+                for worker in members[1:]:
+                    for mine, theirs in zip(worker.module.parameters(), members[0].module.parameters()):
+                        mine.copy_(theirs)
+
+    def _group_part(self, group: int):
+        """The resumed checkpoint's state of worker group `group`: this process's part (`_mine`), or under Local SGD /
+        DiLoCo's groups in one process the part the chief's file lists for the group (written by `_write_group_parts`)."""
+        if not self.meets_in_memory or not group or self.resumed is None:
+            return self._mine
+        return self.resumed.parts[ckpt_io.part_name(self.resumed.step, group, self.rank)]
+
+    def _write_group_parts(self, done: int) -> dict[str, bool]:
+        """Local SGD / DiLoCo's groups in one process, at a checkpoint: every group but 0 writes its part, as its process
+        would over processes (its first worker's module, optimizers and schedulers, its exchange's values, anchor and
+        outer state; its data position is the step's); returns them as the chief's file lists them (required)."""
+        parts = {}
+        for exchange in self._meetings[1:]:
+            first = next(w for w in self._workers if w.group == exchange.group)
+            state = session_state.checkpoint_state(done, first.module, first.optimizers, first.schedulers, self.device,
+                                                   MetricWindow(), None, exchange)
+            ckpt_io.save(ckpt_io.part_file(self.workspace, done, exchange.group, self.rank), state)
+            parts[ckpt_io.part_name(done, exchange.group, self.rank)] = True
+        return parts
 
     def _workers_pushing(self) -> None:
         """Downpour and Sandblaster, several workers in this process: every worker gave its optimizer (worker 0's
@@ -444,9 +524,9 @@ class Session:
                 if found not in worker.schedulers:
                     worker.schedulers.append(found)
             if self._mine is not None:
-                session_worker.restore_worker(self._mine, worker.optimizers, worker.schedulers,
+                session_worker.restore_worker(self._group_part(worker.group), worker.optimizers, worker.schedulers,
                                               lambda i, worker=worker: self._saved_optimizer_state(i, worker.optimizers[i],
-                                                                                                  worker.module))
+                                                                                                  worker.module, worker.group))
         self._share = sum(worker.share for worker in self._workers)  # the process's rows per step
         if self.rejoin is not None and (self.plan.strategy.synchronous or self.plan.strategy.meets) and not self.pushes:
             self._workers_take_chiefs_state()  # (restarted: worker 0 takes the chief's state, or a live group's at a meeting)
@@ -536,7 +616,9 @@ class Session:
     def _workers_step_done(self, step: int) -> None:
         """Every worker ended step `step`'s body (run by the last to arrive): the process's step boundary, once (a
         meeting the loop's skipped update did not reach comes here, as _step_done's for one worker)."""
-        if self.distributed and self.plan.strategy.meets:
+        if self.meets_in_memory:  # (every group met in its own threads before this: _group_boundary)
+            self._updated_at = step
+        elif self.distributed and self.plan.strategy.meets:
             if self._met_at != step:
                 self._workers_boundary(step)
             self._updated_at = step  # (the boundary is done: _step_done does not meet again)
@@ -750,11 +832,13 @@ class Session:
                 for value, source in zip(mine, theirs):
                     value.copy_(source)
 
-    def _saved_optimizer_state(self, index: int, optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> dict:
-        """Optimizer `index`'s state_dict from the resumed checkpoint, for `optimizer` over `module`: under server slices
-        without its state (the process's slices hold it: SlicedUpdate), and from a sliced checkpoint in a loop without
-        them each param's whole state assembled from every slice (runtime/session_slices.whole_state)."""
-        state = session_state.saved_optimizer_state(self._mine, index)
+    def _saved_optimizer_state(self, index: int, optimizer: torch.optim.Optimizer, module: torch.nn.Module,
+                               group: int = 0) -> dict:
+        """Optimizer `index`'s state_dict from the resumed checkpoint, for `optimizer` over `module` (of worker group
+        `group`: `_group_part`): under server slices without its state (the process's slices hold it: SlicedUpdate), and
+        from a sliced checkpoint in a loop without them each param's whole state assembled from every slice
+        (runtime/session_slices.whole_state)."""
+        state = session_state.saved_optimizer_state(self._group_part(group), index)
         if self.sliced:
             return dict(state, state={})
         pieces = session_slices.saved_slices(self.resumed)
@@ -1234,6 +1318,8 @@ class Session:
                 parts = checkpoint_schedule.checkpoint_parts(self.plan, writer=(self.group, self.rank))
                 ckpt.part_names = {ckpt_io.part_name(done, g, r): required and g not in absent
                                    for (g, r), required in parts.items()}
+            if self.meets_in_memory:  # every other group's state, its part (every group is at this step: a meeting of all)
+                ckpt.part_names = self._write_group_parts(done)
             ckpt.trainer["writer"] = self.rank  # whose state the file holds (a resume gives it to that process)
             ckpt_io.save(path, ckpt)
         return path

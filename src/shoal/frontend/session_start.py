@@ -104,7 +104,8 @@ def check_layout(plan: JobPlan) -> None:
     Hogwild groups over processes, one worker each, on CPU; Downpour's groups, or Sandblaster's one group, over
     processes, one worker each, on CPU, with server processes of their own (one server group); several workers in a
     process of one synchronous group (in-memory, or AllReduce over processes) or of Local SGD / DiLoCo's or
-    Distributed Hogwild's (on CPU) group of the process, in-memory Downpour and Hogwild groups (a warm-up too), or
+    Distributed Hogwild's (on CPU) group of the process, in-memory Downpour and Hogwild groups (a warm-up too), Local
+    SGD / DiLoCo's groups in one process (on CPU: one thread per worker of each group, meeting in memory), or
     Downpour's groups and Sandblaster's group with server processes,
     each process one group's workers, the loop's body run once per worker by run.each_worker; cluster.auto_batch_shares
     over a group of several workers is refused. Every other layout is refused in one line naming it and what runs it."""
@@ -124,6 +125,8 @@ def check_layout(plan: JobPlan) -> None:
             _pushes_on_cpu(plan)
         if syncs_with_peers(plan):
             _hogwild_on_cpu(plan)
+        if meets_in_memory(plan):
+            _meetings_on_cpu(plan)
         return  # (run.each_worker: frontend/session_worker.py)
     if not plan.in_one_process and one_worker_each and not plan.server_worker_separate and plan.nworker_groups == 1 \
             and plan.strategy.synchronous:
@@ -140,8 +143,8 @@ def check_layout(plan: JobPlan) -> None:
     where = "in one process" if plan.in_one_process else f"over {plan.nprocs} processes"
     raise SessionError(f"shoal.session: {plan.label} {where} ({plan.nworkers} workers) is not supported in your own loop yet "
                        "(one worker per process: single worker, AllReduce, Local SGD / DiLoCo, Distributed Hogwild, "
-                       "Downpour, Sandblaster; several per process: one synchronous group, Local SGD / DiLoCo and "
-                       "Distributed Hogwild over processes, in-memory Downpour and Hogwild, Downpour and Sandblaster "
+                       "Downpour, Sandblaster; several per process: one synchronous group, Local SGD / DiLoCo (in one "
+                       "process too) and Distributed Hogwild over processes, in-memory Downpour and Hogwild, Downpour and Sandblaster "
                        "with server processes): use a job file (`shoal run job.conf`) or shoal.fit for it")
 
 
@@ -167,6 +170,12 @@ def _hogwild_on_cpu(plan: JobPlan) -> None:
                            "over gloo from the module's params): leave device unset (or \"cpu\"), or use a job file or shoal.fit")
 
 
+def _meetings_on_cpu(plan: JobPlan) -> None:
+    if any(not device.startswith("cpu") for device in plan.all_devices()):
+        raise SessionError("shoal.session: Local SGD / DiLoCo's groups in one process run on the CPU in your own loop for "
+                           "now: leave device unset (or \"cpu\"), or use a job file (`shoal run job.conf`) or shoal.fit for it")
+
+
 def _pushes_on_cpu(plan: JobPlan) -> None:
     if any(not device.startswith("cpu") for device in plan.all_devices()):
         raise SessionError(f"shoal.session: {plan.label} in your own loop runs on CPU (its pushes and pulls go point-to-point "
@@ -184,8 +193,9 @@ def several_workers_in_a_process(plan: JobPlan) -> bool:
     """Several workers in a process, the same number in each (threads, `device=[...]`'s split), no server-only
     process but Downpour's and Sandblaster's: one synchronous group (in-memory, or AllReduce over processes), or Local
     SGD / DiLoCo or Distributed Hogwild with one group per process, whose workers' gradients meet in one mean; in-memory
-    Downpour and Hogwild (groups_in_memory); or Downpour's groups and Sandblaster's group with server processes (one
-    server group), each process one group's workers, whose mean the process pushes once a step. run.each_worker's
+    Downpour and Hogwild (groups_in_memory); Local SGD / DiLoCo's groups in one process (meets_in_memory); or
+    Downpour's groups and Sandblaster's group with server processes (one server group), each process one group's
+    workers, whose mean the process pushes once a step. run.each_worker's
     layouts, under restarts too (a restarted process's worker 0 takes the handover, which its other workers copy, or
     whose copy they share: Session._workers_take_chiefs_state, _start_pushing, _take_live_values)."""
     pushes = pushes_to_servers(plan)
@@ -195,7 +205,7 @@ def several_workers_in_a_process(plan: JobPlan) -> bool:
     if pushes:  # (restarted: Downpour's pulls the servers' live values into the copy its threads share, Sandblaster's
         return (plan.nserver_groups == 1  # worker 0 takes the chief's state, which its other workers copy)
                 and all(len({w.group for w in p.workers}) <= 1 for p in plan.placement.processes))
-    if groups_in_memory(plan):
+    if groups_in_memory(plan) or meets_in_memory(plan):
         return True
     if plan.nworker_groups == 1 and plan.strategy.synchronous:  # (restarted, its workers take the chief's worker 0's)
         return True
@@ -213,6 +223,13 @@ def groups_in_memory(plan: JobPlan) -> bool:
     Hogwild every group on the server's one copy (`share_memory`), which the server updates in place."""
     return (plan.in_one_process and plan.nworker_groups > 1
             and not plan.strategy.synchronous and not plan.strategy.meets and not plan.strategy.syncs_with_peers)
+
+
+def meets_in_memory(plan: JobPlan) -> bool:
+    """Local SGD / DiLoCo's groups as threads of this process (one thread per worker of each group): each group trains
+    its own replicas with its own optimizers, and every local_steps steps the groups meet in memory (the strategy's
+    PeriodicExchange per group, its InMemoryMeeting: the mean change, then the outer step), as a job file's groups do."""
+    return plan.in_one_process and plan.strategy.meets
 
 
 def pushes_to_servers(plan: JobPlan) -> bool:

@@ -122,6 +122,17 @@ class LocalWorkers:
             linked.fail(err)
 
 
+class StopsMeetings:
+    """Linked to the process's LocalWorkers under Local SGD / DiLoCo's groups in one process: a worker's failure abandons
+    the groups' meeting too (runtime/exchanges/periodic.py's InMemoryMeeting), so that no group's thread waits there."""
+
+    def __init__(self, meeting):
+        self.meeting = meeting
+
+    def fail(self, err: BaseException) -> None:
+        self.meeting.abandon()
+
+
 class LocalMean:
     """The group's mean gradient for every worker of this process (the session's `mean`): each worker's backward ends
     in `mean_gradients(step, [(its grads, its rows)])`; the last to arrive hands all of them to the exchange (over
@@ -305,12 +316,16 @@ class SessionWorker:
         if self.index == 0:  # the process's: checkpointed, its step the step boundary
             self.run.optimizer(optimizer)
         elif self.run._mine is not None:
-            optimizer.load_state_dict(own_copy(self.run._saved_optimizer_state(len(self.optimizers), optimizer, self.module)))
+            optimizer.load_state_dict(own_copy(self.run._saved_optimizer_state(len(self.optimizers), optimizer, self.module,
+                                                                               self.group)))
         if not self.optimizers and self.run.distributed and self.run.plan.strategy.meets:
             # Local SGD / DiLoCo meet inside opt.step(), as for one worker: once every worker's replica is updated (not
             # at the zero-gradient step that makes a restarted process's optimizer state, inside the loop start's meeting)
             optimizer.register_step_post_hook(lambda *_: self.run._receiving or self.local.meet(
                 lambda: self.run._workers_boundary(self.run.step)))
+        elif not self.optimizers and self.run.meets_in_memory:  # (its groups in this process: each meets in its threads)
+            optimizer.register_step_post_hook(lambda *_: self.group_local.meet(
+                lambda: self.run._group_boundary(self.group, self.run.step)))
         self.optimizers.append(optimizer)
         if self.run.groups_in_memory or self.run.pushes:
             if len(self.optimizers) > 1:
@@ -452,6 +467,8 @@ class SessionWorker:
         group); every worker meets at a checkpoint's step, so the file holds every group at one step, and at the last,
         so the last display counts every group's rows. Elsewhere the process's workers end each step together."""
         last = step + 1 == self.run.job.train_steps
+        if self.run.meets_in_memory:  # (a group whose update the loop skipped meets here: every group counts each step)
+            self.group_local.meet(lambda: self.run._group_boundary(self.group, step))
         if self.run.groups_in_memory and not last and not self.run.checkpoints_after(step):
             self.group_local.meet(lambda: self.run._group_step_done(self.group, step))
         else:
@@ -462,7 +479,7 @@ class SessionWorker:
         """Metrics of this step (means over this worker's rows): averaged over the process's workers by their rows. In-memory
         asynchronous groups run freely, and their displays are group 0's losses (a job file's chief group's; every
         group's rows): the other groups' values are not averaged in at whatever step each has reached."""
-        if self.run.groups_in_memory and self.group != 0:
+        if (self.run.groups_in_memory or self.run.meets_in_memory) and self.group != 0:
             return
         with self.run._window_lock:
             for name, value in values.items():

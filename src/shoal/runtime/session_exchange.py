@@ -40,7 +40,11 @@ says:
   their mean, and its workers' `opt.step()` pre-hooks push it there once, with the group's optimizer's
   hyper-parameters (the push carries them, as over processes: `GroupExchange.carry_hyper`, `Server.carry_hyper`); the
   group's copy takes the server's answer (Downpour), or the server updates the one copy every group computes on
-  (Hogwild).
+  (Hogwild);
+- Local SGD / DiLoCo's groups in one process (threads, `meeting_exchanges`): the strategy's PeriodicExchange for each
+  group, meeting in memory (its InMemoryMeeting), each group's replicas updated by its workers' own optimizers; the
+  group's workers' `opt.step()`s hand its exchange the step once, in the group's thread, so the groups meet there
+  (frontend/session.py's `_group_boundary`).
 
 The exchanges come from `plan.strategy.attach_exchanges(run)` with `SessionRun`, a process's part whose one trainer
 is the user's module (`SessionMember`: its ParamStore views the module's params, no copy).
@@ -769,3 +773,20 @@ def group_exchanges(plan: JobPlan, stores: list[ParamStore], recipe: dict, optim
     for member, optimizer in zip(members, optimizers):  # each group's push: its own optimizer's, as its scheduler set them
         member.exchange.carry_hyper(partial(hyper_vector, optimizer, layout))
     return groups
+
+
+def meeting_exchanges(plan: JobPlan, stores: list[ParamStore], start_step: int, saved: list[Optional[dict]],
+                      metrics=None) -> list:
+    """Local SGD / DiLoCo's groups as threads of this process: the strategy's PeriodicExchange for each group, one per
+    store (each group's first worker's module's params, in group order), meeting in memory (its InMemoryMeeting and
+    board, as a job file's groups of one process), each group's state restored from `saved` (its checkpoint part's
+    exchange tensors, in group order; None: a fresh run) and started at `start_step`; group 0's annotates `metrics`."""
+    members = [SessionMember(store, group, start_step, metrics=metrics if group == 0 else None)
+               for group, store in enumerate(stores)]
+    run = SessionRun(plan, 0, members)
+    plan.strategy.attach_exchanges(run)
+    for member, tensors in zip(members, saved):
+        if tensors:
+            load_exchange_state(member.exchange, tensors)
+    plan.strategy.after_values(run, StartSpec(resume_from="checkpoint" if any(saved) else None))
+    return [member.exchange for member in members]
