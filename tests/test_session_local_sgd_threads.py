@@ -4,7 +4,8 @@ nworkers_per_procs=..., local_steps=...)` with every group in one process runs a
 trains its own replicas with its own optimizers and every local_steps steps the groups meet in memory (each group's
 PeriodicExchange, the strategy's InMemoryMeeting: the mean change, then the outer step), as the same groups over
 processes meet in an all-reduce. With 2 groups the sum of their changes is the same sum (a + b) either way, so the
-threads end on the processes' values and validation losses to the bit. A checkpoint holds every group's state: the
+threads end on the processes' values and validation losses to the bit, and on fit's job path's for the same call (whose
+in-memory groups these semantics are). A checkpoint holds every group's state: the
 chief's file group 0's (module, AdamW's moments, the anchor and the outer optimizer's momentum), and each other group's
 part its own (its values, optimizer and anchor; the data position is the step's, each group reading its own shard),
 so a resume mid-round ends where the uninterrupted run does, to the bit."""
@@ -111,6 +112,19 @@ def test_fit_runs_diloco_groups_in_one_process_on_the_session_as_over_processes_
     for (name, a), b in zip(resumed.named_parameters(), threads.parameters()):
         assert torch.equal(a, b), name
     assert validation_losses(resumed_history) == validation_losses(threads_history)[-2:]  # steps 6 and 8
+
+
+def test_fit_on_the_session_ends_where_its_job_path_does(problem, tmp_path, monkeypatch):
+    """The semantics are the job path's for the same call (its groups as threads of one process, meeting in memory):
+    the same validation losses and params, to the bit (the job path kept for it here by taking the name out of
+    ON_SESSION, as until 2026-11-29)."""
+    session, session_history = diloco(problem, tmp_path / "session", IN_MEMORY)
+    monkeypatch.setattr(fitting, "ON_SESSION", fitting.ON_SESSION - {"Local SGD / DiLoCo groups in one process"})
+    monkeypatch.setattr(fit_loop, "fit_on_session", lambda *a, **k: pytest.fail("fit took the session"))
+    job_path, job_path_history = diloco(problem, tmp_path / "job", IN_MEMORY)
+    assert validation_losses(session_history) == validation_losses(job_path_history)
+    for (name, a), b in zip(session.named_parameters(), job_path.parameters()):
+        assert torch.equal(a, b), name
 
 
 @pytest.fixture(scope="module")
