@@ -77,3 +77,26 @@ def test_a_module_with_buffers_given_on_the_cpu_trains_on_the_gpu(tmp_path):
     assert summary(tmp_path / "gpu")["devices"] == ["cuda:0"]
     for (name, a), b in zip(cpu.state_dict().items(), gpu.state_dict().values()):
         torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_a_cpu_gpu_split_with_measured_shares_runs_on_the_session_and_equals_the_cpu(tmp_path, monkeypatch):
+    """Caffe con Troll's split on the session: worker 0 on the GPU, worker 1 on the CPU, the group's batch re-split by
+    their measured speeds (cluster.auto_batch_shares). fit runs its loop on the session, each worker on its device, and
+    ends where the CPU run does (to float tolerance: the replicas on the CPU take the GPU's values after each step); the
+    module ends on the CPU, where it was given."""
+    from shoal.frontend import fit_loop
+
+    calls = []
+    monkeypatch.setattr(fit_loop, "fit_on_session", lambda *a, _on=fit_loop.fit_on_session, **k: calls.append(1) or _on(*a, **k))
+    cpu, _ = fitted(tmp_path, "cpu", "in-memory Sandblaster, 2 threads")
+    split = make_model()
+    cluster = LAYOUTS["in-memory Sandblaster, 2 threads"].fit_cluster(auto_batch_shares=True, auto_batch_freq=2)
+    history = shoal.fit(split, F.cross_entropy, blobs(), test_data=blobs(256, seed=1), steps=STEPS, batch_size=32,
+                        cluster=cluster, workspace=tmp_path / "split", log=quiet, device=["cuda:0", "cpu"], updater=SGD)
+    assert calls == [1, 1]
+    assert assert_ran(tmp_path / "split", "in-memory Sandblaster, 2 threads")["devices"] == ["cuda:0", "cpu"]
+    assert {p.device.type for p in split.parameters()} == {"cpu"}
+    assert all(sum(r["batch_shares"]) == 32 and min(r["batch_shares"]) >= 1 for r in history.phase("train"))
+    for (name, a), b in zip(cpu.named_parameters(), split.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+    assert history.final_test["accuracy"] >= 0.9

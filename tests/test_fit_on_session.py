@@ -76,8 +76,11 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
     restarts: each process's slices' optimizer state alone, tests/test_fit_slices_on_session.py; under compression or
     restarts: "AllReduce over processes", the replicated update, tests/test_fit_remaining_layouts.py); Distributed
     Hogwild's groups of threads run there (tests/test_session_hogwild_threads.py), and Local SGD / DiLoCo's groups as
-    threads of one process (tests/test_session_local_sgd_threads.py). A device list and measured batch shares
-    (cluster.auto_batch_shares over a group's threads) keep the job path."""
+    threads of one process (tests/test_session_local_sgd_threads.py). A device list (each worker on its device) and
+    measured batch shares (cluster.auto_batch_shares over a group's threads) run there too
+    (tests/test_fit_remaining_layouts.py); on a GPU the layouts whose session path is the CPU's alone (Distributed
+    Hogwild, Downpour's and Sandblaster's server processes, in-memory groups, Local SGD / DiLoCo's groups in one
+    process) keep the job path."""
     ready = {"one worker", "one synchronous group in one process", "AllReduce over processes",
              "AllReduce over processes with server slices", "Local SGD / DiLoCo over processes",
              "Distributed Hogwild over processes", "Downpour over processes", "Sandblaster over processes",
@@ -106,8 +109,21 @@ def test_the_layouts_fit_runs_on_the_session_are_exactly_the_list():
                                                                   servers_hold_trainers=True),
                                        job=SimpleNamespace(device=[], cluster=SimpleNamespace(
                                            outer_updater=SimpleNamespace(user_type=OUTER_OPTIMIZER_UPDATER))))
-    others = [planned_by_fit(nworkers_per_group=2, nworkers_per_procs=2, auto_batch_shares=True),  # measured shares
-              on_a_gpu]
+    def on_gpus(**cluster):  # (fit's device="cuda:0": worker 0 of each process on the GPU)
+        from shoal.frontend.session_start import session_job
+        from shoal.planning.plan import plan_job
+
+        return plan_job(session_job(shoal.Cluster(**cluster), 10, 0, 10, 0, "fit", device="cuda:0"))
+
+    # the session's Distributed Hogwild, server pushes and groups in one process run on the CPU: on a GPU, the job path
+    others = [on_gpus(nworker_groups=2, nserver_groups=2), on_gpus(nworker_groups=2, server_worker_separate=True),
+              on_gpus(nworker_groups=2, nworkers_per_procs=2), on_gpus(nworker_groups=2, nworkers_per_procs=2, local_steps=2)]
+    # a device list and measured shares (tests/test_fit_remaining_layouts.py), on a GPU too where the session runs it
+    assert fitting.fit_layout(on_a_gpu) == fitting.fit_layout(on_gpus()) == "one worker"
+    for plan in (planned_by_fit(nworkers_per_group=2, nworkers_per_procs=2, auto_batch_shares=True),
+                 on_gpus(nworkers_per_group=2, nworkers_per_procs=2)):
+        assert fitting.fit_layout(plan) == "one synchronous group in one process"
+    assert fitting.fit_layout(on_gpus(nworkers_per_group=2)) == "AllReduce over processes"
     for slices in (dict(compression=job_pb2.kBF16), dict(max_restarts=1)):  # server slices: the replicated update
         assert fitting.fit_layout(plan_of(nworkers_per_group=2, nworkers_per_procs=1, nservers_per_group=2, **slices)) == \
             "AllReduce over processes"
@@ -305,11 +321,13 @@ def test_fit_runs_sandblaster_over_processes_on_the_session_as_one_worker(tmp_pa
 
 
 def test_fit_on_the_job_path_over_processes_hands_the_chiefs_lines_to_its_log(tmp_path, problem, capfd, monkeypatch):
-    """A layout fit still runs on the job path (AllReduce, 2 processes of 2 threads, a device list): its chief
-    rank's lines (Train, Validate, the checkpoint) reach fit's log= in this process, a lambda too, and not the terminal."""
+    """fit's job path over processes (AllReduce, 2 processes of 2 threads, a device list; fit runs this layout on the
+    session now, so the test takes the job path's branch itself, as long as fit has one): its chief rank's lines
+    (Train, Validate, the checkpoint) reach fit's log= in this process, a lambda too, and not the terminal."""
     train, val, model = problem
     lines = []
     cluster = shoal.Cluster(nworkers_per_group=4, nworkers_per_procs=2)
+    monkeypatch.setattr(fitting, "on_session", lambda plan: False)
     monkeypatch.setattr(fit_loop, "fit_on_session", lambda *a, **k: pytest.fail("not the job path"))
     shoal.fit(model, F.cross_entropy, train, val_data=val, val_freq=3, val_batch=20, steps=STEPS, batch_size=BATCH,
               disp_freq=3, updater=UPDATER, cluster=cluster, device=["cpu:0", "cpu:1"], workspace=tmp_path / "ws",

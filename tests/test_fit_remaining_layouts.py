@@ -4,13 +4,19 @@ added, fit runs on the session and which keep its job path (and why), and the on
 - AllReduce over processes with server slices under `cluster.compression` or `cluster.max_restarts`: the replicated
   update (every process the whole optimizer state), as a user's loop runs them (fit.fit_layout's "AllReduce over
   processes"); under compression each process's bf16 residual is its own, in its own checkpoint part.
-- `cluster.auto_batch_shares` over a group's threads (measured batch shares, Caffe con Troll's split): the job path's
-  Trainer re-splits the batch, the session has no balancer, so fit keeps the job path for it and a user's loop is
-  refused in one line (on the session it had been silently dropped: fit ran an even split and said nothing)."""
+- `cluster.auto_batch_shares` over a group's threads (measured batch shares, Caffe con Troll's split) and a device list
+  (`device=["cpu:0", "cpu:1"]`: each worker on its device): fit runs them on the session, run.batches re-splitting the
+  group's batch by the job path's balancer (frontend/session_shares.py), and records what the job path's run of the same
+  call records (its validation losses, its values, the "Batch shares" line and the records' `batch_shares`); a user's
+  loop's slowed worker gets a smaller share."""
 from __future__ import annotations
 
 import copy
 import functools
+import json
+import re
+import threading
+import time
 
 import pytest
 import torch
@@ -116,33 +122,168 @@ def test_fit_over_server_slices_under_restarts_is_one_worker_on_the_session(prob
     assert not torch.equal(model[0].weight, problem[2][0].weight)
 
 
-def test_fit_with_measured_batch_shares_keeps_the_job_paths_balancer(problem, tmp_path, monkeypatch, one_worker):
-    """auto_batch_shares over 2 threads, worker 1 made slower per row (SHOAL_SLOW_WORKER): fit re-splits the batch
-    (a line says so, the train records carry the shares) and ends on one worker's values; it never reaches the session."""
-    monkeypatch.setenv("SHOAL_SLOW_WORKER", "1:0.003")
-    monkeypatch.setattr(fit_loop, "fit_on_session", lambda *a, **k: pytest.fail("measured shares on the session"))
-    cluster = shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=2, auto_batch_shares=True, auto_batch_freq=2)
+def fit_of(problem, workspace, cluster, log=quiet, loss=F.cross_entropy, **keywords):
+    """fit's call of these tests on a copy of the problem's model: the model trained and fit's History."""
     train, val, model = problem
-    balanced, lines = copy.deepcopy(model), []
-    history = shoal.fit(balanced, F.cross_entropy, train, val_data=val, val_freq=3, val_batch=20, steps=STEPS,
-                        batch_size=BATCH, disp_freq=1, updater=UPDATER, cluster=cluster, workspace=tmp_path / "ws",
-                        log=lines.append)
-    assert_ran(tmp_path / "ws", "in-memory Sandblaster, 2 threads")
-    assert any(line.startswith("Batch shares from step") for line in lines), lines
-    shares = [tuple(r["batch_shares"]) for r in history.phase("train")]
-    assert shares[0] == (8, 8) and all(sum(s) == BATCH for s in shares) and shares[-1][0] > 8, shares
-    for (name, a), b in zip(balanced.named_parameters(), one_worker[0].parameters()):
+    trained = copy.deepcopy(model)
+    history = shoal.fit(trained, loss, train, val_data=val, val_freq=3, val_batch=20, steps=STEPS,
+                        batch_size=BATCH, disp_freq=1, updater=UPDATER, cluster=cluster, workspace=workspace, log=log,
+                        **keywords)
+    return trained, history
+
+
+def through_the_session(problem, workspace, cluster, **keywords):
+    """fit's call through fit_on_session (its job path would fail the test)."""
+    calls = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fit_loop, "fit_on_session", lambda *a, _on=fit_loop.fit_on_session, **k: calls.append(1) or _on(*a, **k))
+        patch.setattr(api, "train", lambda *a, **k: pytest.fail("fit took its job path"))
+        ran = fit_of(problem, workspace, cluster, **keywords)
+    assert calls == [1]
+    return ran
+
+
+def on_the_job_path(problem, workspace, cluster, **keywords):
+    """The same call on fit's job path (module_path's layers and the Trainer), which ran these layouts before they moved:
+    the numbers the session's run must record."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fitting, "on_session", lambda plan: False)
+        patch.setattr(fit_loop, "fit_on_session", lambda *a, **k: pytest.fail("not the job path"))
+        return fit_of(problem, workspace, cluster, **keywords)
+
+
+def assert_same_run(got, want):
+    """Two runs of one fit call: the same validation losses at the same steps and the same values, to float rounding
+    (the split of a batch changes only the order its rows' gradients are summed in)."""
+    (model, history), (other, other_history) = got, want
+    losses, wanted = history.phase("validate"), other_history.phase("validate")
+    assert [r["step"] for r in losses] == [r["step"] for r in wanted] == [0, 3, 6, 8]
+    assert [r["loss"] for r in losses] == pytest.approx([r["loss"] for r in wanted], rel=1e-5, abs=1e-6)
+    for (name, a), b in zip(model.named_parameters(), other.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_a_users_loop_with_measured_batch_shares_is_refused_in_one_line():
-    cluster = shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=2, auto_batch_shares=True)
-    with pytest.raises(SessionError, match=r"^shoal.session: cluster.auto_batch_shares \(measured batch shares\) is not "
-                                           r"supported in your own loop yet") as refused:
-        check_layout(plan_session(session_job(cluster, 10, 0, 10, 0, "loop"), 1))
-    assert "\n" not in str(refused.value)
-    # one worker a group has nothing to re-split: the session runs it as the job path does (no balancer either)
+def slower_on_worker_1(output, target):
+    """fit's loss, 3 ms a row slower in the session's worker 1 (run.each_worker's thread): a slower device, as
+    SHOAL_SLOW_WORKER makes the job path's worker 1 (a fault hook a user's loop does not take)."""
+    if threading.current_thread().name == "shoal worker 1":
+        time.sleep(0.003 * len(target))
+    return F.cross_entropy(output, target)
+
+
+def test_fit_with_measured_batch_shares_runs_the_balancer_on_the_session(problem, tmp_path, monkeypatch, one_worker):
+    """auto_batch_shares over 2 threads, worker 1 made slower per row: fit runs on the session, which re-splits the batch
+    as the job path did (its line, the train records' shares, worker 0 the larger share), and ends on the job path's
+    run's validation losses and values, and on one worker's."""
+    cluster = shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=2, auto_batch_shares=True, auto_batch_freq=2)
+    assert fitting.fit_layout(fit_plan(cluster)) == "one synchronous group in one process"
+    runs, lines = {}, {"session": [], "job path": []}
+    runs["session"] = through_the_session(problem, tmp_path / "session", cluster, log=lines["session"].append,
+                                          loss=slower_on_worker_1)
+    monkeypatch.setenv("SHOAL_SLOW_WORKER", "1:0.003")
+    runs["job path"] = on_the_job_path(problem, tmp_path / "job", cluster, log=lines["job path"].append)
+    for path, workspace in (("session", "session"), ("job path", "job")):
+        assert_ran(tmp_path / workspace, "in-memory Sandblaster, 2 threads")
+        said = [line for line in lines[path] if line.startswith("Batch shares from step")]
+        assert said and all(re.fullmatch(r"Batch shares from step \d+: \d+ on cpu, \d+ on cpu \(measured step time per "
+                                         r"worker: [\d.]+ ms \+ [\d.]+ ms/row, [\d.]+ ms \+ [\d.]+ ms/row\)", line)
+                            for line in said), (path, said)
+        shares = [tuple(r["batch_shares"]) for r in runs[path][1].phase("train")]
+        assert len(shares) == STEPS and shares[0] == (8, 8), (path, shares)
+        assert all(sum(s) == BATCH for s in shares) and shares[-1][0] > 8, (path, shares)
+        # (the job path's Trainer may leave the slow worker out of a step; the session's keeps a row for its loop's body)
+        assert path != "session" or all(min(s) >= 1 for s in shares), shares
+    assert_same_run(runs["session"], runs["job path"])
+    assert_same_run(runs["session"], one_worker)
+
+
+def test_fit_on_a_cpu_device_list_runs_on_the_session(problem, tmp_path, one_worker):
+    """device=["cpu:0", "cpu:1"] over a group of 2 threads (Caffe con Troll's split, each worker on its device: two CPU
+    replicas here): fit runs it on the session, each worker on its device as summary.json says, and records the job
+    path's run's validation losses and values, one worker's too; its train records carry the split, as the job path's."""
+    cluster = shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=2)
+    devices = ["cpu:0", "cpu:1"]
+    session = through_the_session(problem, tmp_path / "session", cluster, device=devices)
+    job = on_the_job_path(problem, tmp_path / "job", cluster, device=devices)
+    for workspace in ("session", "job"):
+        assert assert_ran(tmp_path / workspace, "in-memory Sandblaster, 2 threads")["devices"] == devices
+    assert [r["batch_shares"] for r in session[1].phase("train")] == [[8, 8]] * STEPS == \
+        [r["batch_shares"] for r in job[1].phase("train")]
+    assert_same_run(session, job)
+    assert_same_run(session, one_worker)
+
+
+def test_a_slowed_worker_gets_a_smaller_measured_share_in_a_users_loop(tmp_path):
+    """A user's loop over 2 threads with auto_batch_shares, worker 1 slower per row (its loop sleeps, as a slower device
+    would compute): the balancer hands worker 0 the larger share, each worker reads the rows its share says, the records
+    and the line say so, and the group's steps are one worker's on the whole batch (float rounding); a resume goes on
+    with the split the checkpoint holds."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 6)
+    y = (x[:, 0] > x[:, 1]).float()[:, None]
+    initial = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    steps, batch, lines = 12, 16, []
+    cluster = shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=2, auto_batch_shares=True, auto_batch_freq=2)
+    run = shoal.session(cluster, train_steps=steps, disp_freq=4, workspace=tmp_path / "ws", log=lines.append)
+
+    def train(worker):
+        model = worker.model(copy.deepcopy(initial))
+        opt = worker.optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+        rows = []
+        for step, (xb, yb) in worker.batches(torch.utils.data.TensorDataset(x, y), batch_size=batch, shuffle=False):
+            rows.append(len(xb))
+            if worker.index == 1:
+                time.sleep(0.004 * len(xb))
+            loss = F.binary_cross_entropy_with_logits(model(xb), yb)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            worker.log(step, loss=loss)
+            if step + 1 == steps:
+                worker.checkpoint()
+        return rows, model
+
+    (rows0, model), (rows1, _) = run.each_worker(train)
+    run.close()
+    assert_ran(tmp_path / "ws", "in-memory Sandblaster, 2 threads")
+    assert [a + b for a, b in zip(rows0, rows1)] == [batch] * steps
+    assert rows0[:4] == rows1[:4] == [8] * 4 and rows0[-1] > rows1[-1] >= 1, (rows0, rows1)
+    assert any(line.startswith("Batch shares from step ") for line in lines), lines
+    records = [json.loads(line) for line in (tmp_path / "ws" / "metrics.jsonl").read_text().splitlines()]
+    shares = [r["batch_shares"] for r in records if r["phase"] == "train"]
+    assert shares[-1] == [rows0[-1], rows1[-1]], shares
+    plain = copy.deepcopy(initial)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    for step in range(steps):
+        at = step * batch % len(x)
+        F.binary_cross_entropy_with_logits(plain(x[at:at + batch]), y[at:at + batch]).backward()
+        opt.step()
+        opt.zero_grad()
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    resumed = shoal.session(cluster, train_steps=steps + 2, workspace=tmp_path / "ws", resume=True, log=quiet)
+    (again0, _), (again1, _) = resumed.each_worker(train)
+    resumed.close()
+    assert [again0[0], again1[0]] == shares[-1], (again0, again1, shares)
+
+
+def test_measured_shares_refuse_a_users_loop_reading_its_own_rows_in_one_line(tmp_path):
+    """worker.steps() reads rows the loop draws itself, which no balancer can re-split: refused in one line (where
+    worker.batches re-splits); a group of one worker has nothing to split, and runs as without auto_batch_shares."""
     check_layout(plan_session(session_job(shoal.Cluster(auto_batch_shares=True), 10, 0, 10, 0, "loop"), 1))
+    run = shoal.session(shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=2, auto_batch_shares=True), train_steps=2,
+                        workspace=tmp_path / "ws", log=quiet)
+
+    def train(worker):
+        worker.model(torch.nn.Linear(2, 1))
+        for _ in worker.steps(4):
+            pass
+
+    with pytest.raises(SessionError, match=r"^worker.steps: cluster.auto_batch_shares re-splits the group's batch that "
+                                           r"worker.batches reads") as refused:
+        run.each_worker(train)
+    assert "\n" not in str(refused.value)
+    run.close()
 
 
 THREADS_RESTARTS = {

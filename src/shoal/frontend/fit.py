@@ -467,33 +467,31 @@ ON_SESSION: frozenset = frozenset({"one worker", "one synchronous group in one p
 
 
 def fit_layout(plan) -> str:
-    """The layout of a fit call as ON_SESSION names it: "one worker" (one worker in one process, on the CPU: a device
-    list keeps the job path, docs/architecture.md "`shoal.fit` on the session" says why), "one synchronous group in one
-    process" (its workers as threads, run.each_worker), "in-memory Hogwild / Downpour" (asynchronous groups as threads
+    """The layout of a fit call as ON_SESSION names it: "one worker" (one worker in one process), "one synchronous group
+    in one process" (its workers as threads, run.each_worker), "in-memory Hogwild / Downpour" (asynchronous groups as threads
     of one process), "Local SGD / DiLoCo groups in one process" (each group's workers as threads, the groups meeting in
     memory), the layouts over processes of one worker or a few threads each (and Downpour's and Sandblaster's server
-    processes), else the plan's label (measured batch shares, cluster.auto_batch_shares: the job path's Trainer
-    re-splits a group's batch, the session has no balancer)."""
-    from shoal.frontend.session_start import measures_shares, pushes_to_servers
+    processes), else the plan's label. A device list (device=[...], Caffe con Troll's CPU+GPU split: each worker on its
+    device, run.model's) and measured batch shares (cluster.auto_batch_shares: run.batches re-splits a group's batch by
+    the job path's balancer, session_shares.py) run on the session too; on a GPU the layouts whose session path is the
+    CPU's alone (`on_the_cpu`) keep the job path."""
+    from shoal.frontend.session_start import pushes_to_servers
     from shoal.runtime.session_slices import shards_optimizer_state
 
     if plan.tensor_parallel:  # (the layouts it cannot run: session_start.check_layout's one line)
         return "a module cut on its features over processes"
-    if measures_shares(plan):  # (run.batches splits evenly: on the session the measured shares would silently not run)
-        return plan.label
-    if plan.in_one_process and plan.nworkers == 1 and not plan.job.device:
+    if plan.in_one_process and plan.nworkers == 1:
         return "one worker"
-    if (plan.in_one_process and not plan.job.device and plan.strategy.synchronous and not plan.strategy.meets
+    if (plan.in_one_process and plan.strategy.synchronous and not plan.strategy.meets
             and plan.nworker_groups == 1):
         return "one synchronous group in one process"  # (server slices here: the job path's one in-process server's)
     if in_memory_groups(plan):
         return "in-memory Hogwild / Downpour"
-    if plan.in_one_process and not plan.job.device and plan.strategy.meets:  # (session_start.meets_in_memory)
+    if plan.in_one_process and plan.strategy.meets and on_the_cpu(plan):  # (session_start.meets_in_memory)
         return "Local SGD / DiLoCo groups in one process"
     # the workers of each process the session runs (one each, or several threads of the process's group: run.each_worker),
     # none a server's alone (Downpour's and Sandblaster's server processes are theirs: below)
-    over_processes = (not plan.in_one_process and not plan.job.device and not pushes_to_servers(plan)
-                      and workers_each_process(plan))
+    over_processes = not plan.in_one_process and not pushes_to_servers(plan) and workers_each_process(plan)
     if over_processes and plan.strategy.synchronous and not plan.strategy.meets:
         if shards_optimizer_state(plan):  # (ZeRO-1's, as the job path's owners)
             return "AllReduce over processes with server slices"
@@ -502,7 +500,7 @@ def fit_layout(plan) -> str:
         return "AllReduce over processes"
     if over_processes and plan.strategy.meets:
         return "Local SGD / DiLoCo over processes"  # (outer_optimizer=, a torch one, too: shoal.session's outer_optimizer=)
-    if over_processes and plan.strategy.syncs_with_peers:  # (the strategy's word, not its label)
+    if over_processes and plan.strategy.syncs_with_peers and on_the_cpu(plan):  # (the strategy's word, not its label)
         return "Distributed Hogwild over processes"
     if downpour_over_processes(plan):
         return "Downpour over processes"
@@ -522,12 +520,19 @@ def workers_each_process(plan, servers_apart: bool = False) -> bool:
     return one_each or several_workers_in_a_process(plan)
 
 
+def on_the_cpu(plan) -> bool:
+    """Every worker of the layout on the CPU (no device list, or CPU devices only: "cpu:0", "cpu:1"). The session runs
+    Distributed Hogwild, Downpour's and Sandblaster's pushes to server processes and in-memory groups (whose threads
+    share a group's copy) on the CPU alone: on a GPU fit keeps the job path for them."""
+    return all(device.startswith("cpu") for device in plan.all_devices())
+
+
 def in_memory_groups(plan) -> bool:
     """In-memory Hogwild's or Downpour's asynchronous groups, threads of one process on the CPU, running freely around one
     in-process server (with a warm-up too: group 0 trains alone first, the others start after it)."""
     from shoal.frontend.session_start import groups_in_memory
 
-    return not plan.job.device and groups_in_memory(plan)
+    return groups_in_memory(plan) and on_the_cpu(plan)
 
 
 def sandblaster_over_processes(plan) -> bool:
@@ -536,16 +541,16 @@ def sandblaster_over_processes(plan) -> bool:
     fit's optimizer)."""
     from shoal.frontend.session_start import pushes_to_servers
 
-    return (not plan.in_one_process and not plan.job.device and plan.strategy.synchronous and not plan.strategy.meets
+    return (not plan.in_one_process and on_the_cpu(plan) and plan.strategy.synchronous and not plan.strategy.meets
             and plan.nworker_groups == 1 and pushes_to_servers(plan) and workers_each_process(plan, servers_apart=True))
 
 
 def downpour_over_processes(plan) -> bool:
     """Downpour's asynchronous groups pushing to server processes of their own, one worker or several threads of one
-    group in each process, on the CPU (a device list keeps the job path)."""
+    group in each process, on the CPU (a GPU keeps the job path)."""
     from shoal.frontend.session_start import pushes_to_servers
 
-    return (not plan.in_one_process and not plan.job.device and not plan.strategy.synchronous and not plan.strategy.meets
+    return (not plan.in_one_process and on_the_cpu(plan) and not plan.strategy.synchronous and not plan.strategy.meets
             and not plan.strategy.syncs_with_peers and pushes_to_servers(plan) and workers_each_process(plan, servers_apart=True))
 
 

@@ -145,6 +145,7 @@ def run_fit(run, spec: FitLoop, log: Callable[[str], None] = print) -> None:
     """fit's loop on `run` (a shoal.session()): train, evaluate and checkpoint as fit does, once per worker of this
     process (`run.each_worker`: worker 0 trains fit's module itself, every other worker a copy of it)."""
     modes = [(m, m.training) for m in spec.model.modules()]  # the caller's module keeps its modes
+    given_on = {p.device for p in spec.model.parameters()}  # (and its device: worker 0 trains it in place on its own)
     # each worker's replica, made here before the threads start (worker.model makes them all equal to worker 0's)
     replicas = [spec.model] + [copy.deepcopy(spec.model) for _ in range(1, run.local_workers)]
     for phase in (spec.val, spec.test):  # resumed: the cursors where the evaluations before the checkpoint left them
@@ -163,6 +164,8 @@ def run_fit(run, spec: FitLoop, log: Callable[[str], None] = print) -> None:
     finally:
         for m, training in modes:
             m.training = training
+        if len(given_on) == 1:  # (device="cuda:0" for a module on the CPU: it ends there, trained, as on the job path)
+            spec.model.to(next(iter(given_on)))
 
 
 def _train(run, worker, spec: FitLoop, model: torch.nn.Module, log: Callable[[str], None]) -> None:
@@ -227,7 +230,7 @@ def _session(job, spec: FitLoop, workspace, resume, log):
     return session(job.cluster, train_steps=spec.steps, seed=spec.seed, disp_freq=job.disp_freq,
                    checkpoint_freq=job.checkpoint_freq, checkpoint_interval_s=job.checkpoint_interval_s,
                    workspace=workspace, resume=resume, name="fit", partition_dim=max(job.neuralnet.partition_dim, 0),
-                   outer_optimizer=spec.outer_optimizer, log=log)
+                   outer_optimizer=spec.outer_optimizer, device=list(job.device) or None, log=log)
 
 
 def _run_on(run, job_text: str, spec: FitLoop, log) -> None:
@@ -270,9 +273,7 @@ def session_job_of(job):
     from shoal.frontend.session_start import session_job
 
     session = session_job(job.cluster, job.train_steps, job.seed, job.disp_freq, job.checkpoint_freq, "fit",
-                          job.checkpoint_interval_s, max(job.neuralnet.partition_dim, 0))
-    if job.device:  # (a device list keeps the job path: fit.fit_layout)
-        session.device.extend(job.device)
+                          job.checkpoint_interval_s, max(job.neuralnet.partition_dim, 0), list(job.device))
     if session.cluster.outer_updater.user_type:  # (outer_optimizer=: planned before the module binds it)
         from shoal.frontend.session_outer import plannable
 

@@ -34,7 +34,7 @@ import torch
 from shoal.config import job_pb2
 from shoal.config.phases import fires
 from shoal.data.in_place import reader_for, to_device
-from shoal.frontend import script, session_eval, session_partition, session_state, session_worker
+from shoal.frontend import script, session_eval, session_partition, session_shares, session_state, session_worker
 from shoal.frontend.fit_inputs import as_dataset
 from shoal.frontend.session_start import (SessionError, check_layout, groups_in_memory, meets_in_memory, plan_session,
                                           pushes_to_servers, rank_context, refuse_unstarted, same_job, serve_if_server,
@@ -59,7 +59,7 @@ from shoal.report.terminal import write_line
 def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int = 100, seed: int = 0, disp_freq: int = 10,
             checkpoint_freq: int = 0, checkpoint_interval_s: float = 0.0, workspace: Optional[Union[str, Path]] = None,
             resume: bool = False, name: str = "session", tensorboard: bool = False, partition_dim: int = 0,
-            outer_optimizer=None, log: Callable[[str], None] = write_line) -> "Session":
+            outer_optimizer=None, device=None, log: Callable[[str], None] = write_line) -> "Session":
     """This process's part of the user's own training loop (docs/python.md, "Your own loop").
 
     cluster: shoal.Cluster(...) (the layout: single worker, AllReduce over processes, Local SGD / DiLoCo,
@@ -74,12 +74,15 @@ def session(cluster: Optional[job_pb2.ClusterProto] = None, *, train_steps: int 
     `--set neuralnet.partition_dim=` overrides it. outer_optimizer: Local SGD / DiLoCo's outer step as a torch
     optimizer over the groups' mean change at each meeting, in shoal.fit's form (a factory on the params, e.g.
     `lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)`, DiLoCo's; None: cluster.outer_updater,
-    SINGA's, by default plain averaging).
+    SINGA's, by default plain averaging). device: where the workers compute, as a job file's `device` field and
+    shoal.fit's device=: "cuda:0", or one device per worker of a process (["cuda:0", "cpu"]: worker 0 on the GPU, worker 1
+    on the CPU, Caffe con Troll's split; "cpu:N" a CPU device with a replica of its own); None: the CPU.
     Under `shoal run script.py` a layout of several processes starts one per rank running this script from the top:
     this call does not return in the launcher, which exits with the job's outcome, nor in a Downpour or Sandblaster server process,
     which serves and then ends the script (exit status 0)."""
     context = rank_context()
-    job = session_job(cluster, train_steps, seed, disp_freq, checkpoint_freq, name, checkpoint_interval_s, partition_dim)
+    job = session_job(cluster, train_steps, seed, disp_freq, checkpoint_freq, name, checkpoint_interval_s, partition_dim,
+                      device)
     outer = outer_optimizer is not None or bool(job.cluster.outer_updater.user_type)
     if outer:  # Local SGD / DiLoCo's outer step, a torch optimizer (bound to the module at run.model())
         from shoal.frontend import session_outer
@@ -162,6 +165,7 @@ class Session:
         self._meetings: list = []
         self._group_met_at: dict[int, int] = {}
         self._workers: list[session_worker.SessionWorker] = []
+        self._measured: list[session_shares.MeasuredShares] = []  # cluster.auto_batch_shares: each group's balancer here
         self._met_at = -1  # several workers under Local SGD / DiLoCo: the step whose boundary ran (_workers_boundary)
         self._warmup_ends = 0  # in-memory groups with a warm-up: the step after whose boundary the other groups start
         # each worker thread reports into the one display window; in-memory asynchronous groups' step boundary (group 0's)
@@ -528,6 +532,7 @@ class Session:
                                               lambda i, worker=worker: self._saved_optimizer_state(i, worker.optimizers[i],
                                                                                                   worker.module, worker.group))
         self._share = sum(worker.share for worker in self._workers)  # the process's rows per step
+        self._measured = session_shares.measure(self)  # (cluster.auto_batch_shares: re-split as the loop goes)
         if self.rejoin is not None and (self.plan.strategy.synchronous or self.plan.strategy.meets) and not self.pushes:
             self._workers_take_chiefs_state()  # (restarted: worker 0 takes the chief's state, or a live group's at a meeting)
         if self.groups_in_memory:
@@ -616,6 +621,8 @@ class Session:
     def _workers_step_done(self, step: int) -> None:
         """Every worker ended step `step`'s body (run by the last to arrive): the process's step boundary, once (a
         meeting the loop's skipped update did not reach comes here, as _step_done's for one worker)."""
+        if not (self.groups_in_memory or self.pushes or self._update_lock is not None):  # (each worker its own replica)
+            session_worker.refresh_replicas(self._workers)  # (a device list's CPU+GPU split: equal after the update)
         if self.meets_in_memory:  # (every group met in its own threads before this: _group_boundary)
             self._updated_at = step
         elif self.distributed and self.plan.strategy.meets:
@@ -1269,7 +1276,8 @@ class Session:
             if self.metrics is not None:
                 self.metrics.write(step, "train", values, samples=rows, samples_per_sec=round(rows / seconds, 2),
                                    window_sec=round(seconds, 6), compute_sec=round(max(0.0, seconds - exchanged), 6),
-                                   exchange_sec=round(exchanged, 6))
+                                   exchange_sec=round(exchanged, 6),
+                                   **(session_shares.record_shares(self, self._measured) if self._workers else {}))
         self.window.reset()
         self.window_rows, self.exchange_seconds, self.paused_seconds = 0, 0.0, 0.0
         if self.mean is not None:
@@ -1328,9 +1336,12 @@ class Session:
         return {key: value for sliced in self._slices for key, value in sliced.state_tensors().items()}
 
     def _state(self, done: int) -> ckpt_io.Checkpoint:
-        return session_state.checkpoint_state(done, self.module, self.optimizers, self.schedulers, self.device, self.window,
-                                              self.metrics, self.exchange, self._update_lock,
-                                              whole=self.plan.tensor_parallel)
+        state = session_state.checkpoint_state(done, self.module, self.optimizers, self.schedulers, self.device, self.window,
+                                               self.metrics, self.exchange, self._update_lock,
+                                               whole=self.plan.tensor_parallel)
+        if self._measured:  # each measuring group's split here: a resume goes on from it (as the job path's Trainer)
+            state.trainer["batch_shares"] = [group.shares for group in self._measured]
+        return state
 
     # -- the end -----------------------------------------------------------------------------------------
     def _finish(self) -> None:

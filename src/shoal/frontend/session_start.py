@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+import torch
+
 from shoal.config import job_pb2
 from shoal.config.validate import validate_cluster
 from shoal.errors import ShoalError
@@ -60,11 +62,13 @@ def rank_context() -> Optional[RankContext]:
 
 
 def session_job(cluster: Optional[job_pb2.ClusterProto], train_steps: int, seed: int, disp_freq: int,
-                checkpoint_freq: int, name: str, checkpoint_interval_s: float = 0.0, partition_dim: int = 0) -> job_pb2.JobProto:
+                checkpoint_freq: int, name: str, checkpoint_interval_s: float = 0.0, partition_dim: int = 0,
+                device=None) -> job_pb2.JobProto:
     """The job of a session: its cluster and counts, no net (the user's module is not shoal's to build), and an
     updater that applies nothing (the user's optimizer updates; an exchange's own inner updater never moves a value).
     `checkpoint_interval_s`: 0 (a user's loop checkpoints where it calls run.checkpoint()), or fit's. `partition_dim`:
-    neuralnet.partition_dim (1: the module cut on its features), which the command line's --set overrides."""
+    neuralnet.partition_dim (1: the module cut on its features), which the command line's --set overrides. `device`:
+    the job's device list (worker k of each process on device[k], the others on the CPU; a name, or a list of them)."""
     for what, value, least in (("train_steps", train_steps, 1), ("seed", seed, 0), ("disp_freq", disp_freq, 1),
                                ("checkpoint_freq", checkpoint_freq, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -84,6 +88,7 @@ def session_job(cluster: Optional[job_pb2.ClusterProto], train_steps: int, seed:
         raise SessionError(f"shoal.session: partition_dim must be 0 (the batch) or 1 (the module's features), got {partition_dim!r}")
     if partition_dim:
         job.neuralnet.partition_dim = partition_dim
+    job.device.extend(_device_names(device))
     job = script.applied(job)  # under `shoal run script.py`: the command line's --set
     if job.neuralnet.partition_dim not in (0, 1):  # the batch, or the features (torch's tensor parallelism)
         raise SessionError(f"shoal.session: neuralnet.partition_dim {job.neuralnet.partition_dim}: your own loop's module "
@@ -98,6 +103,23 @@ def session_job(cluster: Optional[job_pb2.ClusterProto], train_steps: int, seed:
     return job
 
 
+def _device_names(device) -> list[str]:
+    """shoal.session's device=: None, a device's name ("cuda:0", "cpu:1") or a torch.device, or a list of them."""
+    from shoal.config.validate import DEVICE_NAME
+
+    names = [] if device is None else [device] if isinstance(device, (str, torch.device)) else device
+    if not isinstance(names, (list, tuple)):
+        raise SessionError(f"shoal.session: device= is a device's name or a list of them, got {type(device).__name__}")
+    out = []
+    for name in names:
+        text = str(name) if isinstance(name, torch.device) else name
+        text = "cuda:0" if text == "cuda" else text
+        if not isinstance(text, str) or not DEVICE_NAME.match(text):
+            raise SessionError(f"shoal.session: device {name!r} is not a device: give \"cpu\", \"cpu:N\" or \"cuda:N\"")
+        out.append(text)
+    return out
+
+
 def check_layout(plan: JobPlan) -> None:
     """The layouts a user's loop runs today: one worker in one process; a synchronous group over processes, one worker
     each (AllReduce: the replicated update); Local SGD / DiLoCo groups over processes, one worker each; Distributed
@@ -107,17 +129,14 @@ def check_layout(plan: JobPlan) -> None:
     Distributed Hogwild's (on CPU) group of the process, in-memory Downpour and Hogwild groups (a warm-up too), Local
     SGD / DiLoCo's groups in one process (on CPU: one thread per worker of each group, meeting in memory), or
     Downpour's groups and Sandblaster's group with server processes,
-    each process one group's workers, the loop's body run once per worker by run.each_worker; cluster.auto_batch_shares
-    over a group of several workers is refused. Every other layout is refused in one line naming it and what runs it."""
+    each process one group's workers, the loop's body run once per worker by run.each_worker, each worker on its device
+    (the job's device list) reading its share of the group's batch (cluster.auto_batch_shares: re-split by the group's
+    measured speeds, frontend/session_shares.py). Every other layout is refused in one line naming it and what runs it."""
     one_worker_each = all(len(p.workers) == 1 for p in plan.placement.processes) and not any(p.servers and not p.workers
                                                                                            for p in plan.placement.processes)
     if plan.tensor_parallel:
         _check_tensor_parallel(plan, one_worker_each)
         return
-    if measures_shares(plan):  # (run.batches splits a group's batch evenly: measuring nothing would be a silent no-op)
-        raise SessionError("shoal.session: cluster.auto_batch_shares (measured batch shares) is not supported in your own "
-                           "loop yet (run.batches splits a group's batch evenly): leave it unset, or use a job file "
-                           "(`shoal run job.conf`) or shoal.fit for it")
     if plan.in_one_process and plan.nworkers == 1:
         return
     if several_workers_in_a_process(plan):
@@ -184,8 +203,9 @@ def _pushes_on_cpu(plan: JobPlan) -> None:
 
 
 def measures_shares(plan: JobPlan) -> bool:
-    """cluster.auto_batch_shares over a group of several workers: the job path's Trainer re-splits the group's batch
-    by their measured step times (planning/balance.py), which the session does not (one worker a group: nothing to split)."""
+    """cluster.auto_batch_shares over a group of several workers (the plan keeps them in one process): the group's batch
+    re-split by their measured step times (planning/balance.py's balancer: the job path's Trainer's, and in a user's loop
+    frontend/session_shares.py's); one worker a group has nothing to split."""
     return plan.balance_freq > 0 and plan.nworkers_per_group > 1
 
 

@@ -45,7 +45,7 @@ from shoal.config import job_pb2
 from shoal.data.in_place import reader_for, to_device
 from shoal.frontend import session_state
 from shoal.frontend.fit_inputs import as_dataset
-from shoal.frontend.session_start import SessionError
+from shoal.frontend.session_start import SessionError, measures_shares
 from shoal.planning.shares import batch_shares
 from shoal.runtime import session_exchange
 from shoal.runtime.exchanges.local import aggregate
@@ -143,10 +143,13 @@ class LocalMean:
         self.workers, self.local, self.exchange = workers, local, exchange
         self.parts: dict[int, tuple[dict, int]] = {}
         self.seconds = 0.0  # (the session's display reads and resets it)
+        self.measured = None  # cluster.auto_batch_shares: the group's balancer (session_shares.MeasuredShares)
 
     def mean_gradients(self, index: int, step: int, parts: list[tuple[dict, int]]) -> dict:
         """Worker `index`'s part in, once every worker's is: the group's mean, as worker `index`'s own copy."""
         (self.parts[index],) = parts
+        if self.measured is not None:  # (its compute time: from the batch it was handed to here)
+            self.measured.computed(index)
         together = self.local.meet(lambda: self._mean(step))
         device = self.workers[index].device
         return {n: None if g is None else g.to(device, copy=True) for n, g in together.items()}
@@ -157,10 +160,12 @@ class LocalMean:
         self.parts = {}
         if self.exchange is not None:
             mean = self.exchange.mean_gradients(step, parts)
-        else:  # one process: Σ rows_w · g_w / Σ rows_w, in Caffe's tree order (the in-memory Trainer's sum)
-            mean = aggregate(parts, target=torch.device("cpu"))
+        else:  # one process: Σ rows_w · g_w / Σ rows_w, in Caffe's tree order (the in-memory Trainer's sum), on worker
+            mean = aggregate(parts, target=self.workers[0].device)  # 0's device (the job path's root, where it updates)
             mean = {n: mean.get(n) for n in parts[0][0]}
         self.seconds += time.perf_counter() - started
+        if self.measured is not None:  # (every worker's time of this step is in)
+            self.measured.observe(step)
         return mean
 
     @contextmanager
@@ -192,6 +197,20 @@ class LocalMeans:
     def remove(self) -> None:
         for mean in self.means:
             mean.remove()
+
+
+def refresh_replicas(workers: "list[SessionWorker]") -> None:
+    """A group's workers on devices of different kinds (a device list's CPU+GPU split, each worker its own replica that
+    its optimizer updates): after the step's update every replica off its group's first worker's device takes that
+    worker's values, as the job path refreshes its replicas from the group's root before each step
+    (runtime/replicas.DeviceReplicas), so that the replicas stay equal where two devices round an update differently."""
+    firsts: dict[int, SessionWorker] = {}
+    with torch.no_grad():
+        for worker in workers:
+            first = firsts.setdefault(worker.group, worker)
+            if worker.device != first.device:
+                for mine, theirs in zip(worker.module.parameters(), first.module.parameters()):
+                    mine.copy_(theirs)
 
 
 def drop_grads(optimizer: torch.optim.Optimizer) -> None:
@@ -271,6 +290,11 @@ class SessionWorker:
         self.group_workers: list["SessionWorker"] = [self]
         self.group_local = local
         self.share = 0
+        self.offset = 0  # its first row in the group's batch (run.batches)
+        # cluster.auto_batch_shares: the (offset, share) the group's balancer gave it, taken as its next step starts, and
+        # when that step's batch was handed to it (its compute time runs from there: session_shares.MeasuredShares)
+        self.pending: Optional[tuple[int, int]] = None
+        self.handed = 0.0
         self.global_batch = 0  # the group's batch (pushes to server processes: the stub's weights)
         self.at = run.start_step  # the step this worker's loop is at
         self.first_step = run.start_step  # its loop's first (in-memory groups other than 0: after group 0's warm-up)
@@ -402,7 +426,8 @@ class SessionWorker:
     # -- data --------------------------------------------------------------------------------------------
     def batches(self, dataset, batch_size: int, shuffle: bool = True, seed: Optional[int] = None) -> Iterator[tuple[int, Any]]:
         """(step, this worker's rows of the group's batch of `batch_size`) for each step to train_steps, on its device:
-        the rows one worker with the whole batch reads, split over the group's workers (planning/shares.py)."""
+        the rows one worker with the whole batch reads, split over the group's workers (planning/shares.py; under
+        cluster.auto_batch_shares re-split by their measured speeds as the loop goes: session_shares.py)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise SessionError(f"worker.batches: batch_size must be a whole number from 1, got {batch_size!r}")
         if self.module is None:
@@ -415,9 +440,9 @@ class SessionWorker:
                                f"({self.run.plan.nworkers_per_group} workers per group)")
         skip = self.run.plan.group_shards.offset(self.group, 0, len(data))  # (Local SGD's groups: disjoint shards)
         reader = reader_for(data, self.run.job.seed if seed is None else seed, shuffle, batch_size)
-        self.global_batch = batch_size
-        yield from self._steps(share, lambda step: (step, to_device(reader.batch(skip + step * batch_size + offset, share),
-                                                                    self.device)))
+        self.global_batch, self.offset = batch_size, offset
+        yield from self._steps(share, lambda step: (step, to_device(
+            reader.batch(skip + step * batch_size + self.offset, self.share), self.device)))  # (its rows this step)
 
     def steps(self, rows: int = 1) -> Iterator[int]:
         """Each step to train_steps, for a loop that reads its own data (each worker draws its own rows)."""
@@ -425,6 +450,9 @@ class SessionWorker:
             raise SessionError(f"worker.steps: rows must be a whole number from 1, got {rows!r}")
         if self.module is None:
             raise SessionError("worker.steps: give the module to worker.model(...) first")
+        if measures_shares(self.run.plan):
+            raise SessionError("worker.steps: cluster.auto_batch_shares re-splits the group's batch that worker.batches "
+                               "reads, not rows your loop reads itself: use worker.batches, or leave auto_batch_shares unset")
         self.global_batch = rows * self.run.plan.nworkers_per_group
         yield from self._steps(rows, lambda step: step)
 
@@ -443,6 +471,11 @@ class SessionWorker:
             self.at = step
             if self.pushes_to is not None and self is self.group_workers[0]:  # (in-memory groups: the board's turn,
                 self.pushes_to.begin(step)                                      # and the server's version read)
+            if self.pending is not None:  # (the group's balancer re-split its batch at the last step's mean)
+                (self.offset, self.share), self.pending = self.pending, None
+                if self.mean is not None:
+                    self.mean.share = self.share
+            self.handed = time.perf_counter()
             try:
                 yield item(step)
             except GeneratorExit:  # the loop broke out: before the last step the others must not wait for this worker
