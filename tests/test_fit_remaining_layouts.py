@@ -224,7 +224,8 @@ def test_a_slowed_worker_gets_a_smaller_measured_share_in_a_users_loop(tmp_path)
     initial = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     steps, batch, lines = 12, 16, []
     cluster = shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=2, auto_batch_shares=True, auto_batch_freq=2)
-    run = shoal.session(cluster, train_steps=steps, disp_freq=4, workspace=tmp_path / "ws", log=lines.append)
+    devices = ["cpu:0", "cpu:1"]  # (each worker on its device: a CPU replica of its own, as a GPU's)
+    run = shoal.session(cluster, train_steps=steps, disp_freq=4, workspace=tmp_path / "ws", device=devices, log=lines.append)
 
     def train(worker):
         model = worker.model(copy.deepcopy(initial))
@@ -245,10 +246,10 @@ def test_a_slowed_worker_gets_a_smaller_measured_share_in_a_users_loop(tmp_path)
 
     (rows0, model), (rows1, _) = run.each_worker(train)
     run.close()
-    assert_ran(tmp_path / "ws", "in-memory Sandblaster, 2 threads")
+    assert assert_ran(tmp_path / "ws", "in-memory Sandblaster, 2 threads")["devices"] == devices
     assert [a + b for a, b in zip(rows0, rows1)] == [batch] * steps
     assert rows0[:4] == rows1[:4] == [8] * 4 and rows0[-1] > rows1[-1] >= 1, (rows0, rows1)
-    assert any(line.startswith("Batch shares from step ") for line in lines), lines
+    assert any(re.fullmatch(r"Batch shares from step \d+: \d+ on cpu:0, \d+ on cpu:1 \(.*\)", line) for line in lines), lines
     records = [json.loads(line) for line in (tmp_path / "ws" / "metrics.jsonl").read_text().splitlines()]
     shares = [r["batch_shares"] for r in records if r["phase"] == "train"]
     assert shares[-1] == [rows0[-1], rows1[-1]], shares
@@ -261,7 +262,7 @@ def test_a_slowed_worker_gets_a_smaller_measured_share_in_a_users_loop(tmp_path)
         opt.zero_grad()
     for (name, a), b in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
-    resumed = shoal.session(cluster, train_steps=steps + 2, workspace=tmp_path / "ws", resume=True, log=quiet)
+    resumed = shoal.session(cluster, train_steps=steps + 2, workspace=tmp_path / "ws", resume=True, device=devices, log=quiet)
     (again0, _), (again1, _) = resumed.each_worker(train)
     resumed.close()
     assert [again0[0], again1[0]] == shares[-1], (again0, again1, shares)
@@ -269,7 +270,8 @@ def test_a_slowed_worker_gets_a_smaller_measured_share_in_a_users_loop(tmp_path)
 
 def test_measured_shares_refuse_a_users_loop_reading_its_own_rows_in_one_line(tmp_path):
     """worker.steps() reads rows the loop draws itself, which no balancer can re-split: refused in one line (where
-    worker.batches re-splits); a group of one worker has nothing to split, and runs as without auto_batch_shares."""
+    worker.batches re-splits); a group of one worker has nothing to split, and runs as without auto_batch_shares. A
+    device shoal does not know is refused in one line too."""
     check_layout(plan_session(session_job(shoal.Cluster(auto_batch_shares=True), 10, 0, 10, 0, "loop"), 1))
     run = shoal.session(shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=2, auto_batch_shares=True), train_steps=2,
                         workspace=tmp_path / "ws", log=quiet)
@@ -284,6 +286,9 @@ def test_measured_shares_refuse_a_users_loop_reading_its_own_rows_in_one_line(tm
         run.each_worker(train)
     assert "\n" not in str(refused.value)
     run.close()
+    with pytest.raises(SessionError, match=r"^shoal.session: device 'gpu0' is not a device: give \"cpu\", \"cpu:N\" or "
+                                           r"\"cuda:N\"$"):
+        shoal.session(device=["cpu:0", "gpu0"], workspace=tmp_path / "bad", log=quiet)
 
 
 THREADS_RESTARTS = {
