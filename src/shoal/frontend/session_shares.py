@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 
 from shoal.frontend.session_start import measures_shares
 from shoal.frontend.session_worker import LocalMean, LocalMeans
-from shoal.planning.balance import ShareBalancer
+from shoal.planning.balance import ShareBalancer, shares_line
 from shoal.runtime.replicas import usable_device_names
 
 
@@ -78,9 +78,7 @@ class MeasuredShares:
             self.balancer.shares = now
             return
         self.set_shares(shares)
-        split = ", ".join(f"{n} on {device}" for n, device in zip(shares, self.devices))
-        model = ", ".join(f"{c.fixed * 1e3:.1f} ms + {c.per_sample * 1e3:.3f} ms/row" for c in costs)
-        self.say(f"Batch shares from step {step + 1}: {split} (measured step time per worker: {model})")
+        self.say(shares_line(step + 1, shares, self.devices, costs))  # (the job path's Trainer's line)
 
 
 def measure(run) -> list[MeasuredShares]:

@@ -125,3 +125,10 @@ class ShareBalancer:
         self.shares = proposal
         self._since_change = 0
         return proposal
+
+
+def shares_line(next_step: int, shares: Sequence[int], devices: Sequence[str], costs: Sequence[LinearCost]) -> str:
+    """What a group says when its split changes (the Trainer's and a user's loop's, frontend/session_shares.py)."""
+    split = ", ".join(f"{n} on {device}" for n, device in zip(shares, devices))
+    model = ", ".join(f"{c.fixed * 1e3:.1f} ms + {c.per_sample * 1e3:.3f} ms/row" for c in costs)
+    return f"Batch shares from step {next_step}: {split} (measured step time per worker: {model})"

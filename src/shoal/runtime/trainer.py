@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from shoal.neuralnet import checkpoint as ckpt_io
-from shoal.planning.balance import ShareBalancer
+from shoal.planning.balance import ShareBalancer, shares_line
 from shoal.config import job_pb2
 from shoal.config.phases import fires
 from shoal.errors import ShoalError
@@ -237,9 +237,7 @@ class Trainer:
             return
         costs = self.balancer.costs()
         self.set_shares(proposal)
-        split = ", ".join(f"{n} on {w.device_name}" for n, w in zip(proposal, self.workers))
-        model = ", ".join(f"{c.fixed * 1e3:.1f} ms + {c.per_sample * 1e3:.3f} ms/row" for c in costs)
-        self.log(f"Batch shares from step {step + 1}: {split} (measured step time per worker: {model})")
+        self.log(shares_line(step + 1, proposal, [w.device_name for w in self.workers], costs))
 
     # -- state ------------------------------------------------------------
     def attach_exchange(self, exchange: Exchange, may_take_over: bool = False) -> None:
