@@ -268,6 +268,58 @@ def test_a_slowed_worker_gets_a_smaller_measured_share_in_a_users_loop(tmp_path)
     assert [again0[0], again1[0]] == shares[-1], (again0, again1, shares)
 
 
+def test_a_users_loop_splits_its_groups_batch_as_its_list_of_shares_says(tmp_path):
+    """run.batches' batch_size as one share per worker of the group (Caffe con Troll's 200 + 56 by hand: 12 + 4 here,
+    each worker on a device of its own): each worker reads its share's rows, the records carry the split, the group's
+    steps are one worker's on the whole batch (float rounding); a list of the wrong length is refused in one line."""
+    torch.manual_seed(1)
+    x = torch.randn(48, 5)
+    y = (x[:, 0] - x[:, 2]).unsqueeze(1)
+    initial = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+    steps, shares = 6, [12, 4]
+    run = shoal.session(shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=2), train_steps=steps, disp_freq=2,
+                        workspace=tmp_path / "ws", device=["cpu:0", "cpu:1"], log=quiet)
+
+    def train(worker):
+        model = worker.model(copy.deepcopy(initial))
+        opt = worker.optimizer(torch.optim.AdamW(model.parameters(), lr=0.05))
+        rows = []
+        for step, (xb, yb) in worker.batches(torch.utils.data.TensorDataset(x, y), batch_size=shares, shuffle=False):
+            rows.append(len(xb))
+            F.mse_loss(model(xb), yb).backward()
+            opt.step()
+            opt.zero_grad()
+        return rows, model
+
+    (rows0, model), (rows1, _) = run.each_worker(train)
+    run.close()
+    assert (rows0, rows1) == ([12] * steps, [4] * steps)
+    records = [json.loads(line) for line in (tmp_path / "ws" / "metrics.jsonl").read_text().splitlines()]
+    split = [r["batch_shares"] for r in records if r["phase"] == "train"]
+    assert split and all(s == shares for s in split), split
+    plain = copy.deepcopy(initial)
+    opt = torch.optim.AdamW(plain.parameters(), lr=0.05)
+    for step in range(steps):
+        at = step * 16 % len(x)
+        F.mse_loss(plain(x[at:at + 16]), y[at:at + 16]).backward()
+        opt.step()
+        opt.zero_grad()
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    wrong = shoal.session(shoal.Cluster(nworkers_per_group=2, nworkers_per_procs=2), train_steps=2,
+                          workspace=tmp_path / "wrong", log=quiet)
+
+    def three(worker):
+        worker.model(torch.nn.Linear(5, 1))
+        for _ in worker.batches(torch.utils.data.TensorDataset(x, y), batch_size=[8, 4, 4]):
+            pass
+
+    with pytest.raises(SessionError, match=r"^worker.batches: a batch_size list is one share per worker of the group: 2 "
+                                           r"whole numbers from 1, got \[8, 4, 4\]$"):
+        wrong.each_worker(three)
+    wrong.close()
+
+
 def test_measured_shares_refuse_a_users_loop_reading_its_own_rows_in_one_line(tmp_path):
     """worker.steps() reads rows the loop draws itself, which no balancer can re-split: refused in one line (where
     worker.batches re-splits); a group of one worker has nothing to split, and runs as without auto_batch_shares. A

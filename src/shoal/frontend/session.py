@@ -36,14 +36,13 @@ from shoal.config.phases import fires
 from shoal.data.in_place import reader_for, to_device
 from shoal.frontend import script, session_eval, session_partition, session_shares, session_state, session_worker
 from shoal.frontend.fit_inputs import as_dataset
-from shoal.frontend.session_start import (SessionError, check_layout, groups_in_memory, meets_in_memory, plan_session,
-                                          pushes_to_servers, rank_context, refuse_unstarted, same_job, serve_if_server,
-                                          serves_only, session_job, start_ranks, started_by_a_launcher,
+from shoal.frontend.session_start import (SessionError, check_layout, group_shares, groups_in_memory, meets_in_memory,
+                                          plan_session, pushes_to_servers, rank_context, refuse_unstarted, same_job,
+                                          serve_if_server, serves_only, session_job, start_ranks, started_by_a_launcher,
                                           supervise_if_restartable, syncs_with_peers)
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.plan import JobPlan, sliced_for
-from shoal.planning.shares import batch_shares
 from shoal.report import succession
 from shoal.report.metrics import MetricsLog, MetricWindow, display_line
 from shoal.report.run_log import open_run_log
@@ -1097,24 +1096,25 @@ class Session:
             yield
 
     # -- data --------------------------------------------------------------------------------------------
-    def batches(self, dataset, batch_size: int, shuffle: bool = True, seed: Optional[int] = None) -> Iterator[tuple[int, Any]]:
+    def batches(self, dataset, batch_size, shuffle: bool = True, seed: Optional[int] = None) -> Iterator[tuple[int, Any]]:
         """(step, this worker's rows of the group's batch) for each step to train_steps, on the worker's device.
 
         The rows of a step are a pure function of the step (shoal.data.in_place: reshuffled per epoch from `seed`,
         default the session's): a resumed run reads what the uninterrupted one would, and a group's batch split over
-        its workers reads the rows one worker would. Local SGD's groups read disjoint shards of an epoch."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise SessionError(f"run.batches: batch_size must be a whole number from 1, got {batch_size!r}")
+        its workers reads the rows one worker would. Local SGD's groups read disjoint shards of an epoch. batch_size:
+        the group's rows a step, split evenly over its workers, or a list of one share per worker of the group."""
+        if self.plan.tensor_parallel and isinstance(batch_size, (list, tuple)):
+            raise SessionError("run.batches: under neuralnet.partition_dim 1 every process reads the group's whole batch: "
+                               "give batch_size as one number")
+        shares = group_shares(batch_size, 1 if self.plan.tensor_parallel else self.plan.nworkers_per_group, "run.batches")
         if self.module is None:
             raise SessionError("run.batches: give the module to run.model(...) first")
         data = as_dataset(dataset, "run.batches")
-        shares = batch_shares(job_pb2.StoreProto(batchsize=[batch_size]), self.plan.nworkers_per_group)
-        offset, self._share, self._batch = sum(shares[: self.worker]), shares[self.worker], batch_size
+        self._batch = batch_size = sum(shares)
         if self.plan.tensor_parallel:  # every process the group's whole batch: its features are cut, not its rows
             offset, self._share = 0, batch_size
-        if self._share < 1:
-            raise SessionError(f"run.batches: batch_size {batch_size} leaves worker {self.worker} no rows "
-                               f"({self.plan.nworkers_per_group} workers per group)")
+        else:
+            offset, self._share = sum(shares[: self.worker]), shares[self.worker]
         if self.mean is not None:
             self.mean.share = self._share
         if self.pushes:  # a group's push is the mean over its processes' rows (each weighs its share)

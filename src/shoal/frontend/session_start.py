@@ -35,6 +35,7 @@ from shoal.frontend import script
 from shoal.frontend.keras import Cluster
 from shoal.launcher.options import RunOptions
 from shoal.planning.plan import JobPlan, plan_job
+from shoal.planning.shares import batch_shares
 
 
 class SessionError(ShoalError, ValueError):
@@ -207,6 +208,25 @@ def measures_shares(plan: JobPlan) -> bool:
     re-split by their measured step times (planning/balance.py's balancer: the job path's Trainer's, and in a user's loop
     frontend/session_shares.py's); one worker a group has nothing to split."""
     return plan.balance_freq > 0 and plan.nworkers_per_group > 1
+
+
+def group_shares(batch_size, workers: int, caller: str) -> list[int]:
+    """The rows of a group's batch each of its `workers` reads: `batch_size` split evenly (planning/shares.batch_shares:
+    the remainder to the first workers), or a list of one share per worker of the group, Caffe con Troll's split by
+    hand (as a job file's store_conf.batchsize list: [200, 56]); every worker at least one row."""
+    if isinstance(batch_size, (list, tuple)):
+        if len(batch_size) != workers or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in batch_size):
+            raise SessionError(f"{caller}: a batch_size list is one share per worker of the group: {workers} whole numbers "
+                               f"from 1, got {list(batch_size)!r}")
+        return list(batch_size)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise SessionError(f"{caller}: batch_size must be a whole number from 1 (or a list of one share per worker of the "
+                           f"group), got {batch_size!r}")
+    shares = batch_shares(job_pb2.StoreProto(batchsize=[batch_size]), workers)
+    if min(shares) < 1:
+        raise SessionError(f"{caller}: batch_size {batch_size} leaves worker {shares.index(0)} no rows ({workers} workers "
+                           "per group)")
+    return shares
 
 
 def several_workers_in_a_process(plan: JobPlan) -> bool:

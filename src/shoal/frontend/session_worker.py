@@ -41,12 +41,10 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from shoal.config import job_pb2
 from shoal.data.in_place import reader_for, to_device
 from shoal.frontend import session_state
 from shoal.frontend.fit_inputs import as_dataset
-from shoal.frontend.session_start import SessionError, measures_shares
-from shoal.planning.shares import batch_shares
+from shoal.frontend.session_start import SessionError, group_shares, measures_shares
 from shoal.runtime import session_exchange
 from shoal.runtime.exchanges.local import aggregate
 
@@ -424,20 +422,16 @@ class SessionWorker:
             yield
 
     # -- data --------------------------------------------------------------------------------------------
-    def batches(self, dataset, batch_size: int, shuffle: bool = True, seed: Optional[int] = None) -> Iterator[tuple[int, Any]]:
+    def batches(self, dataset, batch_size, shuffle: bool = True, seed: Optional[int] = None) -> Iterator[tuple[int, Any]]:
         """(step, this worker's rows of the group's batch of `batch_size`) for each step to train_steps, on its device:
-        the rows one worker with the whole batch reads, split over the group's workers (planning/shares.py; under
+        the rows one worker with the whole batch reads, split over the group's workers evenly or as a list of one
+        share per worker says (`session_start.group_shares`: [12, 4], Caffe con Troll's split by hand; planning/shares.py; under
         cluster.auto_batch_shares re-split by their measured speeds as the loop goes: session_shares.py)."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise SessionError(f"worker.batches: batch_size must be a whole number from 1, got {batch_size!r}")
+        shares = group_shares(batch_size, self.run.plan.nworkers_per_group, "worker.batches")
         if self.module is None:
             raise SessionError("worker.batches: give the module to worker.model(...) first")
         data = as_dataset(dataset, "worker.batches")
-        shares = batch_shares(job_pb2.StoreProto(batchsize=[batch_size]), self.run.plan.nworkers_per_group)
-        offset, share = sum(shares[: self.worker]), shares[self.worker]
-        if share < 1:
-            raise SessionError(f"worker.batches: batch_size {batch_size} leaves worker {self.worker} no rows "
-                               f"({self.run.plan.nworkers_per_group} workers per group)")
+        offset, share, batch_size = sum(shares[: self.worker]), shares[self.worker], sum(shares)
         skip = self.run.plan.group_shards.offset(self.group, 0, len(data))  # (Local SGD's groups: disjoint shards)
         reader = reader_for(data, self.run.job.seed if seed is None else seed, shuffle, batch_size)
         self.global_batch, self.offset = batch_size, offset
