@@ -1,5 +1,5 @@
 """Whole-job restarts (issue 38): `shoal run JOB --max-restarts N`, when a process dies that the job cannot go on
-without (a server process, Sandblaster's chief, any process of a framework with no quorum), starts every process again from
+without (a partitioned group's server process or chief, any process of a framework with no quorum), starts every process again from
 the newest checkpoint, up to N times, with one true line per restart; the summary and the closing line count the
 restarts and the steps re-done.
 
@@ -26,9 +26,11 @@ from test_stalls import Run, runs  # noqa: F401 - the fixture that stops what a 
 import shoal
 from shoal.launcher import job_registry
 
-# its chief decides every step and holds the servers' first values (Downpour's and Hogwild's are replaced under
-# --max-restarts: tests/test_async_chief_death.py)
+# partitioned (SINGA's sliced exchange), its chief is no replica of the others: its death restarts the whole job (an
+# unpartitioned Sandblaster's, Downpour's and Hogwild's chief is replaced under --max-restarts:
+# tests/test_sandblaster_chief_death.py, tests/test_async_chief_death.py)
 SANDBLASTER = "Sandblaster, 2 workers + 1 server, 3 processes"
+PARTITIONED = ("--set", "neuralnet.partition_dim=1")
 ALLREDUCE = "AllReduce, 2 processes"
 SLOW = {"SHOAL_SLOW_WORKER": "0:0+0.01"}  # steps of 10 ms or more: the run outlasts a kill and a restart
 RAW = ("gloo", "c10d", ".cpp", "GLHF", "Traceback")
@@ -127,11 +129,12 @@ def test_a_killed_server_restarts_the_whole_job_from_its_checkpoint(blobs_job, t
 
 
 def test_a_killed_chief_of_sandblaster_restarts_the_whole_job(blobs_job, tmp_path, runs):
-    """(b) Sandblaster's chief holds its duties to itself (AllReduce's replicas, Local SGD's, Downpour's and Hogwild's
-    groups go on without their chief: tests/test_job_chief_death.py, tests/test_async_chief_death.py): process 0
-    SIGKILLed after a checkpoint; the whole job starts again from it, as torchrun's agent restarts its workers."""
+    """(b) A partitioned Sandblaster group's chief holds its layers alone (AllReduce's and an unpartitioned Sandblaster's
+    replicas, Local SGD's, Downpour's and Hogwild's groups go on without their chief: tests/test_job_chief_death.py,
+    tests/test_sandblaster_chief_death.py, tests/test_async_chief_death.py): process 0 SIGKILLed after a checkpoint; the
+    whole job starts again from it, as torchrun's agent restarts its workers."""
     steps = 120
-    run = Run(blobs_job(train_steps=steps), tmp_path, SANDBLASTER, "--max-restarts", "1",
+    run = Run(blobs_job(train_steps=steps), tmp_path, SANDBLASTER, "--max-restarts", "1", *PARTITIONED,
               "--set", "checkpoint_freq=20", "--set", "test_freq=60", env=SLOW)
     runs.append(run)
     chief = run.pid_of(0)
@@ -148,11 +151,12 @@ def test_a_killed_chief_of_sandblaster_restarts_the_whole_job(blobs_job, tmp_pat
 
 
 def test_when_the_restarts_run_out_the_job_fails_naming_the_death(blobs_job, tmp_path):
-    """(c) The chief of a Sandblaster job dies at the same step in every start (an injected exit), no checkpoint written
-    yet: the one restart starts over from step 0 and says so; the second death fails the job in one line."""
+    """(c) The chief of a partitioned Sandblaster job dies at the same step in every start (an injected exit), no
+    checkpoint written yet: the one restart starts over from step 0 and says so; the second death fails the job in one
+    line."""
     job = blobs_job(train_steps=200, layout=SANDBLASTER)
     ws = tmp_path / "ws"
-    proc = run_cli("run", job, "--workspace", ws, "--no-progress", "--max-restarts", "1",
+    proc = run_cli("run", job, "--workspace", ws, "--no-progress", "--max-restarts", "1", *PARTITIONED,
                    env={**os.environ, "SHOAL_INJECT_EXIT": "0:15"}, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -194,8 +198,9 @@ def test_the_history_of_a_restarted_job_is_one_run(blobs_job, tmp_path, monkeypa
     ws = tmp_path / "ws"
     for name, value in SLOW.items():
         monkeypatch.setenv(name, value)
-    job = shoal.load_job(blobs_job(train_steps=steps, layout=SANDBLASTER),  # (its chief's death restarts the job)
-                         ["cluster.max_restarts=1", "checkpoint_freq=20", "test_freq=50", "disp_freq=5"])
+    job = shoal.load_job(blobs_job(train_steps=steps, layout=SANDBLASTER),  # (partitioned: its chief's death restarts the job)
+                         ["cluster.max_restarts=1", "checkpoint_freq=20", "test_freq=50", "disp_freq=5",
+                          "neuralnet.partition_dim=1"])
     killed = []
 
     def kill_the_chief_after_a_checkpoint():
@@ -220,12 +225,12 @@ def test_the_history_of_a_restarted_job_is_one_run(blobs_job, tmp_path, monkeypa
 
 @pytest.mark.slow  # a stall timeout to wait out (3 s) and a second start
 def test_a_stalled_sandblaster_chief_restarts_the_whole_job(blobs_job, tmp_path, runs):
-    """The chief of a Sandblaster job SIGSTOPped after a checkpoint: another process finds it stalled (the job cannot go
-    on without it: a job file's Local SGD, Downpour or Hogwild chief is replaced instead, tests/test_job_chief_death.py,
-    tests/test_async_chief_death.py); the launcher SIGKILLs the stopped chief and restarts the whole job, rather than
-    waiting on the stopped chief for ever."""
+    """The chief of a partitioned Sandblaster job SIGSTOPped after a checkpoint: another process finds it stalled (the
+    job cannot go on without it: a job file's Local SGD, Downpour, Hogwild or unpartitioned Sandblaster chief is replaced
+    instead, tests/test_job_chief_death.py, tests/test_async_chief_death.py, tests/test_sandblaster_chief_death.py); the
+    launcher SIGKILLs the stopped chief and restarts the whole job, rather than waiting on the stopped chief for ever."""
     steps = 120
-    run = Run(blobs_job(train_steps=steps), tmp_path, SANDBLASTER,
+    run = Run(blobs_job(train_steps=steps), tmp_path, SANDBLASTER, *PARTITIONED,
               "--max-restarts", "1", "--set", "checkpoint_freq=20", "--set", "test_freq=60", env={"SHOAL_SLOW_WORKER": "0:0+0.02"})
     runs.append(run)
     chief = run.pid_of(0)

@@ -182,8 +182,9 @@ def test_fits_sandblaster_worker_killed_rejoins_the_running_fit(tmp_path, runs):
 
 def test_the_plan_says_who_goes_on_and_who_restarts_the_whole_job():
     """Pure, from the plan: a user's loop's Sandblaster under --max-restarts, one worker per process, goes on without a
-    worker process other than 0 (the launcher restarts it into the loop) and heals its server; process 0's death restarts
-    the whole job; `shoal plan` says so. Without restarts the loop keeps the group's stub (no quorum)."""
+    dead worker process (the launcher restarts it into the loop), the chief's too (the lowest living one takes its place
+    and becomes the servers' stub), and heals its server; `shoal plan` says so. Without restarts the loop keeps the
+    group's stub (no quorum)."""
     from shoal.config import job_pb2
     from shoal.frontend.session_start import plan_session, session_job
     from shoal.launcher import ranks, rejoin
@@ -195,11 +196,11 @@ def test_the_plan_says_who_goes_on_and_who_restarts_the_whole_job():
 
     restarts = plan(max_restarts=1)
     assert loop_served_replicas(restarts) and restarts.strategy.goes_on_without_a_process(restarts)
-    assert ranks.expendable(restarts, 1) and not ranks.expendable(restarts, 0) and ranks.heals(restarts, 2)
-    assert rejoin.why_not(restarts, 1) is None and "is the chief" in rejoin.why_not(restarts, 0)
+    assert ranks.expendable(restarts, 1) and ranks.expendable(restarts, 0) and ranks.heals(restarts, 2)
+    assert rejoin.why_not(restarts, 1) is None and rejoin.why_not(restarts, 0) is None and ranks.chief_replaceable(restarts)
     (note,) = restarts.strategy.notes(restarts)
-    assert ("a dead or stalled worker process other than 0 is left out (the mean over the rows that came) and, restarted, "
-            "takes process 0's loop state and rejoins at the next step; process 0's death restarts the whole job from its "
-            "newest checkpoint") in note, note
+    assert ("a dead or stalled worker process is left out (the mean over the rows that came) and, restarted, takes the "
+            "loop state of the lowest living one and rejoins at the next step; when it is process 0, the chief, the lowest "
+            "living worker process takes its place and becomes the servers' stub") in note, note
     plain = plan()
     assert not loop_served_replicas(plain) and not plain.strategy.goes_on_without_a_process(plain)

@@ -4,7 +4,7 @@ of its threads going on from where its group rejoins (Downpour: the servers' liv
 Local SGD: a live group's state at a meeting, Sandblaster: the chief's state at the next step, which worker 0 takes
 and its other worker copies; Hogwild: the live values in the copy its threads share, the skipped steps re-trained past
 train_steps by every group's threads), and a killed chief's place is taken by the lowest living process, as with one
-worker a process (Sandblaster's chief is its servers' stub: its death restarts the whole job, as with one worker).
+worker a process (Sandblaster's successor also becomes its servers' stub: runtime/exchanges/sandblaster.py).
 Driven as a user would: `shoal run script.py --max-restarts 1`, real processes, a real SIGKILL of one thread's process."""
 from __future__ import annotations
 
@@ -75,9 +75,10 @@ REJOINS = textwrap.dedent('''
 
 @pytest.mark.slow  # (about 6 s each: 2 or 3 processes, a kill, a restart and a rejoin)
 @pytest.mark.parametrize("layout, killed", [(DOWNPOUR, 1), (DOWNPOUR, 0), (LOCAL_SGD, 1), (LOCAL_SGD, 0), (HOGWILD, 1),
-                                            (HOGWILD, 0), (SANDBLASTER, 1)],
+                                            (HOGWILD, 0), (SANDBLASTER, 1), (SANDBLASTER, 0)],
                          ids=["Downpour, group 1", "Downpour, the chief", "Local SGD, group 1", "Local SGD, the chief",
-                              "Distributed Hogwild, group 1", "Distributed Hogwild, the chief", "Sandblaster, process 1"])
+                              "Distributed Hogwild, group 1", "Distributed Hogwild, the chief", "Sandblaster, process 1",
+                              "Sandblaster, the chief"])
 def test_a_killed_process_of_threads_rejoins_its_groups_loop(tmp_path, layout, killed):
     script = tmp_path / "rejoins.py"
     script.write_text(REJOINS)

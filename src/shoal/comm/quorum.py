@@ -370,7 +370,7 @@ class Quorum:
                 outcome = self._decide(meeting, attempt, step, ok, admit)
             else:
                 self._set(f"m{meeting}/a{attempt}/r{self.rank}", "ok" if ok else "failed")
-                outcome = self._outcome(meeting, attempt, step, ok)
+                outcome = self._outcome(meeting, attempt, step, ok, admit)
             self.decider = outcome.decider
             if self.rank not in outcome.ranks():
                 raise LeftOut(f"process {self.rank} was left out of the meeting after step {step}: the other members went on "
@@ -570,15 +570,17 @@ class Quorum:
         return None
 
     # -- everyone else's side ----------------------------------------------------------------------------
-    def _outcome(self, meeting: int, attempt: int, step: int = 0, ok: bool = False) -> Outcome:
+    def _outcome(self, meeting: int, attempt: int, step: int = 0, ok: bool = False, admit: bool = True) -> Outcome:
         """The chief's word on the attempt (it waits up to timeout_s for a silent member, then decides). A store wait
         returns as soon as the word is there, with no poll's delay; it times out only when the chief is gone (then the
         launcher, or the heartbeat, ends this process first). Replaceable: polled, and decided here in the decider's
-        place when it is gone and so is every member ranked below this one (`ok`: this member's own sum)."""
+        place when it is gone and so is every member ranked below this one (`ok`: this member's own sum; `admit`: the
+        meeting's, which the decider's successor keeps: a joiner admitted at a meeting whose handover never comes would
+        wait for it to its timeout)."""
         key = f"m{meeting}/a{attempt}/outcome"
         seconds = 2 * self.timeout_s + 10
         if self.replaceable:
-            return self._outcome_or_takeover(key, seconds, meeting, attempt, step, ok)
+            return self._outcome_or_takeover(key, seconds, meeting, attempt, step, ok, admit)
         try:
             self.store.wait([key], datetime.timedelta(seconds=seconds))
         except (dist.DistError, RuntimeError):
@@ -590,7 +592,8 @@ class Quorum:
             raise ChiefSilent(f"process {self.chief_rank} did not decide the meeting's outcome within {seconds:g} s")
         return Outcome.parse(text)
 
-    def _outcome_or_takeover(self, key: str, seconds: float, meeting: int, attempt: int, step: int, ok: bool) -> Outcome:
+    def _outcome_or_takeover(self, key: str, seconds: float, meeting: int, attempt: int, step: int, ok: bool,
+                             admit: bool = True) -> Outcome:
         """The decider's word on the attempt, polled (a store wait cannot also watch for the decider's death), or this
         member's own when it is to decide in a dead decider's place (`_decider_gone`)."""
         started = time.monotonic()
@@ -605,7 +608,7 @@ class Quorum:
             if waited >= DECIDER_AFTER_S and now - self._decider_read_at >= DECIDER_EVERY_S:
                 self._decider_read_at = now
                 if self._decider_gone():
-                    return self._decide(meeting, attempt, step, ok)
+                    return self._decide(meeting, attempt, step, ok, admit)
             if waited > seconds:
                 raise ChiefSilent(f"process {self.decider} did not decide the meeting's outcome within {seconds:g} s")
             _pause(waited)

@@ -25,17 +25,16 @@ def replicas_go_on(plan: JobPlan) -> bool:
 def chief_replaceable(plan: JobPlan) -> bool:
     """Whether the chief's death drops it like any other process (the lowest living process decides the steps or
     meetings and takes over the run log, tests and checkpoints: shoal.comm.quorum's `replaceable`, report/succession.py):
-    a group of replicas, or Local SGD / DiLoCo's groups of one process each, in a user's loop or a job file; Downpour's
-    and Distributed Hogwild's groups of one process each under cluster.max_restarts, in a job file or a user's loop (no
-    step to decide: the lowest living worker process takes the chief's duties, shoal.comm.succession; a loop's chief
-    dead before its first step still restarts the whole job: rejoin.Restarter). Elsewhere the chief's death restarts
-    the whole job (launcher/job_restarts.py)."""
+    a group of replicas (Sandblaster's worker processes too, whose new decider also becomes the servers' stub and
+    keeps their mirror: runtime/exchanges/sandblaster.py), or Local SGD / DiLoCo's groups of one process each, in a
+    user's loop or a job file; Downpour's and Distributed Hogwild's groups of one process each under
+    cluster.max_restarts, in a job file or a user's loop (no step to decide: the lowest living worker process takes the
+    chief's duties, shoal.comm.succession; a loop's chief dead before its first step still restarts the whole job:
+    rejoin.Restarter). Elsewhere the chief's death restarts the whole job (launcher/job_restarts.py)."""
     if plan.in_one_process:
         return False
     meeting_groups = plan.strategy.meets and all(len(plan.ranks_of_group(g)) == 1 for g in range(plan.nworker_groups))
-    # (Sandblaster's replicas go on, but their chief is its servers' one stub and the keeper of their mirror)
-    replicas = replicas_go_on(plan) and not plan.strategy.servers_heal(plan)
-    return replicas or meeting_groups or plan.strategy.chief_succeeded_by_a_group(plan)
+    return replicas_go_on(plan) or meeting_groups or plan.strategy.chief_succeeded_by_a_group(plan)
 
 
 def outlives_a_dead_process(plan: JobPlan) -> bool:

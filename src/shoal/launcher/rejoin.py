@@ -267,8 +267,10 @@ class Restarter:
         heartbeat.say_gone(self._store, rank)  # no stall warnings for a process the launcher saw die
         incarnation = self._door.next_incarnation(group)  # the servers wait for it from now on
         if replicas:  # (once the chief died, the lowest living process decides the steps and is the donor: quorum.py)
+            decides = ("decides the steps and pushes to the servers now" if servers_heal_here(self.plan)  # (Sandblaster's)
+                       else "decides the steps now")
             donor = ("process 0's state" if rank != 0 and not self.restarts.get(0)
-                     else "the state of the lowest living process, which decides the steps now")
+                     else f"the state of the lowest living process, which {decides}")
             warn(f"WARNING: {describe_process(self.plan, rank)} {ended}; the other processes go on without it; restarting it "
                  f"(restart {done + 1} of {self.limit}); it rejoins at the next step, from {donor}")
         else:
@@ -313,9 +315,10 @@ class Restarter:
         return True
 
     def _chief_died(self, context) -> bool:
-        """Whether the chief's process died, its place taken by another (shoal.comm.succession): restarted already, or
-        seen dead now (one host: context.processes[0] is rank 0's)."""
-        if not self.plan.strategy.chief_succeeded_by_a_group(self.plan):
+        """Whether the chief's process died, its place taken by another (shoal.comm.succession, or Sandblaster's worker
+        processes' quorum: `ranks.chief_replaceable`): restarted already, or seen dead now (one host:
+        context.processes[0] is rank 0's)."""
+        if not chief_replaceable(self.plan):
             return False
         here = len(context.processes) == self.plan.nprocs
         return bool(self.restarts.get(0)) or (here and context.processes[0].exitcode not in (None, 0))

@@ -13,7 +13,8 @@ user's loop, and its other workers copy it).
 
 A job file under cluster.max_restarts (`served_replicas`) runs the same servers, which heal from the chief's mirror when
 one dies, and its worker processes as replicas that go on without a dead one and take a restarted one back at the next
-step (runtime/exchanges/sandblaster.py); the chief's death still restarts the whole job."""
+step (runtime/exchanges/sandblaster.py); the chief's death too: the lowest living worker process decides the steps in
+its place, becomes the servers' stub and keeps their mirror (`make_stub`), in a job file and in a user's loop."""
 from __future__ import annotations
 
 from shoal.comm import channels
@@ -42,17 +43,22 @@ class Sandblaster(AllReduce):
         if served_replicas(plan):
             workers = [p.rank for p in plan.placement.processes if p.workers]
             return [f"cluster.max_restarts {plan.max_restarts}: the {len(workers)} worker process(es) meet twice a step (the "
-                    f"mean gradient, then the servers' values); a dead or stalled worker process other than "
-                    f"{workers[0]} is left out (the mean over the rows that came) and, restarted, rejoins at the next "
-                    f"step; a dead server process is restarted and heals from process {workers[0]}'s mirror of its "
-                    "state; process 0's death restarts the whole job from its newest checkpoint"]
+                    f"mean gradient, then the servers' values); a dead or stalled worker process is left out (the mean "
+                    f"over the rows that came) and, restarted, rejoins at the next step; when it is process "
+                    f"{workers[0]}, the chief, the lowest living worker process takes its place and becomes the "
+                    f"servers' stub; a dead server process is restarted and heals from the stub's mirror of its state"]
         if not plan.own_loop:
             return super().notes(plan)
-        workers = ("a dead or stalled worker process other than 0 is left out (the mean over the rows that came) and, "
-                   "restarted, takes process 0's loop state and rejoins at the next step; process 0's death restarts the "
-                   "whole job" if loop_served_replicas(plan) else "a dead worker process restarts the whole job")
-        restarts = (f"; cluster.max_restarts {plan.max_restarts}: a dead server process is restarted and heals from process "
-                    f"0's mirror of its state, {workers} from its newest checkpoint" if self.servers_heal(plan) else "")
+        if loop_served_replicas(plan):
+            workers = ("a dead or stalled worker process is left out (the mean over the rows that came) and, restarted, "
+                       "takes the loop state of the lowest living one and rejoins at the next step; when it is process 0, "
+                       "the chief, the lowest living worker process takes its place and becomes the servers' stub")
+            restarts = (f"; cluster.max_restarts {plan.max_restarts}: a dead server process is restarted and heals from the "
+                        f"stub's mirror of its state; {workers}")
+        else:
+            restarts = (f"; cluster.max_restarts {plan.max_restarts}: a dead server process is restarted and heals from "
+                        "process 0's mirror of its state, a dead worker process restarts the whole job from its newest "
+                        "checkpoint" if self.servers_heal(plan) else "")
         return [f"your own loop: the group's processes sum their gradients at process 0, which pushes them to the "
                 f"{plan.nservers} server process(es); they run your optimizer and answer with the new values{restarts}"]
 
@@ -99,18 +105,22 @@ class Sandblaster(AllReduce):
             Downpour.attach_exchanges(self, run)  # (its servers heal: servers_heal)
             return
         workers = [p.rank for p in plan.placement.processes if p.workers]
+        # the chief's death makes the lowest living worker process the decider, and group 0's stub (`make_stub`)
         quorum = Quorum(rank, workers, {r: r for r in workers}, channels.Door(DOOR), timeout_s=plan.comm_timeout_s,
-                        admits=True, form_first=not run.rejoining)  # (a restarted process knocks instead)
-        stub = None
-        if rank == workers[0] and not run.rejoining:
-            servers = {ServerId(0, i): plan.placement.process_of(ServerId(0, i)) for i in range(plan.nservers_per_group)}
+                        admits=True, replaceable=True, form_first=not run.rejoining)  # (a restarted process knocks instead)
+        servers = {ServerId(0, i): plan.placement.process_of(ServerId(0, i)) for i in range(plan.nservers_per_group)}
+
+        def make_stub() -> DownpourExchange:
             codecs = codec_factory(plan.compression.kind, plan.compression.topk_fraction)  # (the pushes, as Downpour's)
-            stub = DownpourExchange(trainer.store, make_updater(plan.updater), plan.placement, rank, 0, [rank], None, servers,
-                                    plan.global_batch, timeout_s=plan.comm_timeout_s, codecs=codecs, servers_heal=True,
-                                    resends=True)  # (synchronous: a push lost with its server goes to the healed one)
+            return DownpourExchange(trainer.store, make_updater(plan.updater), plan.placement, rank, 0, [rank], None,
+                                    servers, plan.global_batch, timeout_s=plan.comm_timeout_s, codecs=codecs,
+                                    servers_heal=True, resends=True)  # (synchronous: a push lost with its server goes to the healed one)
+
+        stub = make_stub() if rank == workers[0] and not run.rejoining else None
         log = lambda line: trainer.log(line)  # noqa: E731 (the trainer's log once it runs: above a progress bar)
         trainer.attach_exchange(exchange(trainer.store, make_updater(plan.updater), quorum, rank, plan.global_batch, stub,
-                                         log=log, annotate=summary_annotator(trainer)))
+                                         log=log, annotate=summary_annotator(trainer), make_stub=make_stub),
+                                may_take_over=True)
 
     def restore_server(self, run, resumed) -> None:
         if served_replicas(run.plan):  # (the version a resumed Downpour server starts at: the step, one group)

@@ -300,6 +300,36 @@ class DownpourExchange:
         self.warmup = False  # pulled already
         return self.first_step, version
 
+    def succeed(self, step: int, parts: list[tuple[Grads, int]]) -> list[int]:
+        """Group 0's stub from now on, in a dead chief's place (Sandblaster's worker processes, whose quorum made this
+        process the decider: runtime/exchanges/sandblaster.py), with the group's gradient `parts` of step `step`: knock
+        at every server as group 0's incarnation `self.incarnation`, take its values, version and the steps group 0 has
+        done (a server serves a group's new process only once the dead one's thread ended: it applied the dead chief's
+        push of a step whole or not at all), and push the step's gradient to each server that has not applied it, so
+        that the push counts once; its mirror is asked at once (`_mirror_now`). Returns the ranks of the servers that had
+        applied it (from the dead chief)."""
+        reply, done = torch.zeros(2, dtype=torch.int64, device="cpu"), {}
+        for server, server_rank, segments, size in self.servers:
+            def pull(server_rank=server_rank, size=size) -> torch.Tensor:
+                channel = self._to(server_rank)
+                channel.send(words(PULL, 0, 0), TAG_HEADER)  # (step 0: tells the server nothing of group 0's steps)
+                values = torch.zeros(size, device="cpu")
+                channel.recv(values, TAG_VALUES)
+                channel.recv(reply, TAG_REPLY)
+                return values
+            values = self._asking(server, server_rank, step, pull)
+            self._leave_if_refused(int(reply[0]), step)
+            scatter(self.store, values, segments)
+            self.read_version[server_rank] = int(reply[0])
+            done[server_rank] = int(reply[1])
+        self.last_version = min(self.read_version.values())  # the job's samples count on from here (metrics)
+        self._mirror_now = True  # (none yet: a server that dies before it heals from the values alone)
+        applied = frozenset(r for r, steps in done.items() if steps > step)
+        flat, had = self._flat_grads(parts)
+        clip_([flat], self.max_norm)  # (the same clipped push the dead chief sent: the same mean, the same norm)
+        self._push_pull(step, flat, had, applied)
+        return sorted(applied)
+
     def _flat_grads(self, parts: list[tuple[Grads, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """This process's share of the group's gradient (weighted by share of the group's batch), laid end to end,
         and per param whether it had one (a param no worker has a gradient for is not updated)."""
@@ -375,15 +405,18 @@ class DownpourExchange:
             if not self.chief:
                 time.sleep(CHECK_EVERY_S)
 
-    def _push_pull(self, step: int, flat: torch.Tensor, had: torch.Tensor) -> None:
+    def _push_pull(self, step: int, flat: torch.Tensor, had: torch.Tensor, applied: frozenset[int] = frozenset()) -> None:
         """Push the step's gradient to every server, and take the answers: at once, or (overlap_push) the previous
-        push's answers now and this one's while the group computes its next step."""
-        server, server_rank = None, -1
+        push's answers now and this one's while the group computes its next step. `applied`: the ranks of servers
+        that applied this push already (a dead chief's, `succeed`): nothing is sent to them."""
         # this push's answers are posted first (requests.Posted says why); the previous push's answers (overlap_push)
         # still fill the receives posted before these
-        answers = [self._posted_answer(server, server_rank, size, step) for server, server_rank, _, size in self.servers]
+        answers = [None if server_rank in applied else self._posted_answer(server, server_rank, size, step)
+                   for server, server_rank, _, size in self.servers]
         self._pushing = (step, flat, had) if self.resends else None
         for i, (server, server_rank, segments, _) in enumerate(self.servers):
+            if server_rank in applied:
+                continue
             if answers[i] is None:  # its server died: this push to it is dropped (or sent to the healed one: resends)
                 answers[i] = self._push_again(i, step) if self.resends else None
                 continue

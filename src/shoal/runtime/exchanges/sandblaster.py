@@ -21,8 +21,22 @@ from the step after it on the servers' new values (its data position is the step
 generators start from their seeds, as a replicated process's). A dead server process is restarted into the job and
 healed from the chief's mirror of its updater state and counters (runtime/exchanges/downpour_mirror.py), as Downpour's,
 and the chief sends it the push it lost again (the stub's `resends`: the heal set it to the values that push was
-computed on), so only the updater state's progress since the mirror is lost. The chief (process 0) is the stub and the mirror's keeper: its death
-restarts the whole job from its newest checkpoint (launcher/job_restarts.py).
+computed on), so only the updater state's progress since the mirror is lost.
+
+The chief (process 0) is the stub and the mirror's keeper, and its death is survived too (launcher/ranks.py's
+`chief_replaceable`): the quorum makes the lowest living worker process the decider (`replaceable`), at the step's
+first meeting or, the chief dead after it, at an attempt of the second. That process becomes group 0's stub
+(`_succeed`: before it contributes to the values' meeting, or at the next step's push where the second meeting's sum
+held the chief's values): it knocks at every server as the group's next incarnation (announced at Downpour's door,
+where the servers wait for it; a server serves it only once the dead stub's thread ended, a stopped chief's once the
+launcher ended it, so the dead chief's push of the step was applied whole or not at all), reads each server's count of the group's
+steps, and pushes the step's mean to each server that did not apply it (DownpourExchange's `succeed`): every step's mean
+is applied exactly once, and the run is deterministic for a given fault schedule. Its trainer then takes over the
+chief's duties (runtime/trainer.py `_take_over`), and the dead chief's restarted process rejoins as an ordinary worker
+process. What the death costs besides the dead process's rows of the steps it missed: the mirror (the new stub asks for
+it at once, after its first push; a server that dies before that heals from the new stub's values and the updater's
+first state, its counts restarting there) and, with cluster.compression, the dead stub's error feedback (the new stub's
+codecs start at zero).
 """
 from __future__ import annotations
 
@@ -30,7 +44,9 @@ from typing import Callable, Optional
 
 import torch
 
+from shoal.comm import channels
 from shoal.comm import quorum as quorums
+from shoal.comm.channels import DOWNPOUR_DOOR
 from shoal.neuralnet.algorithms import Grads
 from shoal.neuralnet.params import ParamStore
 from shoal.neuralnet.updaters import Updater
@@ -45,13 +61,22 @@ from shoal.runtime.rejoined import fingerprint
 class SandblasterExchange(ReplicatedExchange):
     """One worker process of Sandblaster's group under cluster.max_restarts (see the module's text)."""
 
+    duties_taken_over = ("it decides the steps, tests and validates, writes the run log and the checkpoints, pushes to "
+                          "the servers and keeps their mirror")
+
     def __init__(self, store: ParamStore, updater: Updater, quorum: quorums.Quorum, rank: int, global_batch: int,
                  stub: Optional[DownpourExchange], log: Callable[[str], None] = print,
-                 annotate: Optional[Callable[[dict], None]] = None):
-        """`stub`: the chief's side of the servers (None in every other worker process: only the chief pushes)."""
+                 annotate: Optional[Callable[[dict], None]] = None,
+                 make_stub: Optional[Callable[[], DownpourExchange]] = None):
+        """`stub`: the chief's side of the servers (None in every other worker process: only the chief pushes);
+        `make_stub`: this process's side of the servers as group 0's new stub, made when it takes a dead chief's place
+        (None: it never does)."""
         super().__init__(store, updater, quorum, rank, global_batch, log=log, annotate=annotate)
         self.server.state = {}  # the servers hold the updater's state: the replica's own would be memory nobody reads
         self.stub = stub
+        self.make_stub = make_stub
+        self._succeeded: Optional[str] = None  # the line saying this process became the servers' stub (`_succeed`)
+        self._speaks = False  # this process took a dead chief's place (`speak_for_the_job`): its lines reach the user
         self.trained = store.trainable_names()
         self._servers_counted = 0  # the servers' count of bytes, added to job_bytes_sent at the finish
 
@@ -63,16 +88,55 @@ class SandblasterExchange(ReplicatedExchange):
         servers and takes their values; every worker process takes those."""
         mean = self.mean_gradients(step, parts)
         self.heal(step)
+        self._push(step, mean)
+        self._take_values(step, mean)
+
+    def _push(self, step: int, mean: Grads) -> None:
+        """The decider's push of step `step`'s mean to the servers, and their values: the chief's, or (the chief dead)
+        its successor's, which first becomes group 0's stub (`_succeed`)."""
         if self.stub is not None:
             self.stub.step(step, [(mean, self.global_batch)])  # (the stub clips the push by its norm, as Downpour's)
-        self._take_values(step)
+        elif self.quorum.chief and self.make_stub is not None:
+            self._succeed(step, mean)
 
-    def _take_values(self, step: int, admit: bool = False) -> None:
-        """The values' meeting of step `step`: the chief's values of every trained param, everyone's copy of them.
-        `admit`: restarted processes are admitted at it, and take their handover at the next `heal` (a user's loop's)."""
+    def _succeed(self, step: int, mean: Grads) -> None:
+        """This process decides the steps now (the dead chief's successor: the quorum's `replaceable`): it becomes group
+        0's stub under a new incarnation of the group (announced at Downpour's door, where the servers wait for it), and
+        pushes step `step`'s mean to the servers that did not apply the dead chief's push of it (DownpourExchange's
+        `succeed`: each server applies it once); it keeps their mirror from now on."""
+        stub = self._new_stub()
+        stub.incarnation = channels.Door(DOWNPOUR_DOOR).next_incarnation(0)
+        stub.first_step = step  # (its mirror's schedule: every K steps from here, the first at once)
+        applied = stub.succeed(step, [(mean, self.global_batch)])
+        self.stub = stub
+        if not applied:
+            pushed = "pushed the step's mean, which the dead chief had not"
+        elif len(applied) == len(stub.servers):
+            pushed = "the dead chief had pushed the step's mean to every server already (applied once)"
+        else:
+            pushed = (f"the dead chief had pushed the step's mean to the server(s) of process(es) "
+                      f"{', '.join(map(str, applied))} already; it pushed it to the others (applied once)")
+        line = (f"Process {self.rank} connected to the servers as worker group 0 (restart {stub.incarnation}) at step "
+                f"{step}: {pushed}; it asked for their mirror at once")
+        if self._speaks:  # (it decided a step already: the chief died after the push of the step before)
+            self.log(line)
+        else:  # said once its trainer took over, after this step (`speak_for_the_job`)
+            self._succeeded = line
+
+    def _new_stub(self) -> DownpourExchange:
+        """This process's side of the servers as group 0's stub (a user's loop's also carries its hyper-parameters)."""
+        return self.make_stub()
+
+    def _take_values(self, step: int, mean: Optional[Grads] = None, admit: bool = False) -> None:
+        """The values' meeting of step `step`: the decider's values of every trained param, everyone's copy of them.
+        `mean`: the step's mean, which a process that takes a dead chief's place during this meeting pushes first
+        (`_succeed`: the chief may have died before or after its push); `admit`: restarted processes are admitted at
+        it, and take their handover at the next `heal` (a user's loop's)."""
         values = self.store.values
 
         def contribution() -> torch.Tensor:
+            if self.stub is None and mean is not None and self.quorum.chief and self.make_stub is not None:
+                self._succeed(step, mean)  # the chief died after the mean's meeting: this attempt is over the living
             if self.stub is None:
                 return torch.zeros(sum(values[n].numel() for n in self.trained), device="cpu")
             return torch.cat([values[n].detach().reshape(-1).to("cpu", torch.float32) for n in self.trained])
@@ -91,6 +155,15 @@ class SandblasterExchange(ReplicatedExchange):
             offset += size
         if not admit:  # a member lost at this meeting: the next step's group is made without it (else at `heal`)
             self.quorum.welcome(lambda: [])
+
+    def speak_for_the_job(self, log: Callable[[str], None], annotate: Callable[[dict], None]) -> None:
+        """This process took a dead chief's place: the replicated exchange's, and the line saying it became the servers'
+        stub (`_succeed`, in the step its trainer takes over after)."""
+        super().speak_for_the_job(log, annotate)
+        self._speaks = True
+        if self._succeeded is not None:
+            self.log(self._succeeded)
+            self._succeeded = None
 
     # -- a process restarted into the job ------------------------------------------------------------
     def _handover(self) -> list[torch.Tensor]:
@@ -144,10 +217,12 @@ class SandblasterExchange(ReplicatedExchange):
         self.stub.first_step = 0
 
     def finish(self) -> None:
-        """The chief's last request to the servers (their final values and state), then the steps are over."""
+        """The steps are over (the chief closes the meetings first: its death from here on is one nobody takes over,
+        rejoin.Restarter's `chief_after_the_last_step`, rather than one a successor waits for after its loop ended), then
+        the chief's last request to the servers (their final values and state)."""
+        super().finish()
         if self.stub is not None:
             self.stub.finish()
             if self.stub.job_bytes_sent is not None:
                 self._servers_counted = self.stub.job_bytes_sent
                 self.job_bytes_sent += self._servers_counted
-        super().finish()

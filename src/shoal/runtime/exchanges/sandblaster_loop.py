@@ -16,7 +16,10 @@ user's `backward`, `opt.step()` and whatever else its body does (a scheduler's s
    AllReduce's restarted process does in a user's loop (frontend/session_state.py: the module's values and buffers,
    the optimizers' and schedulers' state, torch's RNG), and train from the next step.
 
-The chief (process 0) is the stub and the mirror's keeper: its death restarts the whole job from its newest checkpoint.
+The chief's (process 0's) death: the lowest living worker process decides in its place and becomes the servers' stub
+as a job file's does (runtime/exchanges/sandblaster.py), its pushes carrying its own optimizer's hyper-parameters (every
+worker process's scheduler steps alike); its session takes over the chief's duties (frontend/session.py `_take_over`,
+after the loop's body), and the dead chief's restarted process takes its loop state as any restarted process does.
 """
 from __future__ import annotations
 
@@ -45,9 +48,19 @@ class LoopSandblasterExchange(SandblasterExchange):
             self.stub.global_batch = rows
 
     def carry_hyper(self, size: int, hyper: Callable[[], torch.Tensor]) -> None:
-        """The chief's pushes carry the user's optimizer's hyper-parameters as its scheduler left them."""
+        """The chief's pushes carry the user's optimizer's hyper-parameters as its scheduler left them (a dead chief's
+        successor's too: every worker process's optimizer is scheduled alike)."""
+        self._hyper = (size, hyper)
         if self.stub is not None:
             self.stub.carry_hyper(size, hyper)
+
+    def _new_stub(self):
+        """Group 0's new stub in a dead chief's place, pushing the group's rows' mean with this loop's hyper-parameters."""
+        stub = super()._new_stub()
+        stub.global_batch = self.global_batch
+        if getattr(self, "_hyper", None) is not None:
+            stub.carry_hyper(*self._hyper)
+        return stub
 
     def start_loop(self, step: int, whole_state: Optional[dict] = None) -> int:
         """Before the first step: the chief's values start the servers (and, resumed, the checkpoint's updater state
@@ -66,9 +79,9 @@ class LoopSandblasterExchange(SandblasterExchange):
         """`opt.step()`: every worker process holds the group's mean in `.grad` (`parts`' first); the chief pushes it to
         the servers, and every worker process takes their new values (the values' meeting, which admits)."""
         self.quorum.welcome(lambda: [])  # a member lost at the mean's meeting: this meeting is made without it
-        if self.stub is not None:
-            self.stub.step(step, [(parts[0][0], self.global_batch)])  # (the stub clips the push by its norm)
-        self._take_values(step, admit=True)
+        mean = parts[0][0]
+        self._push(step, mean)  # (the chief's, or its successor's: the stub clips the push by its norm)
+        self._take_values(step, mean, admit=True)
 
     def rejoin(self, incarnation: int, state=None) -> tuple[int, int, dict]:
         """Knock; once admitted at a step's values' meeting, take the chief's handover `state()` after that step's loop
