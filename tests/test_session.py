@@ -213,6 +213,9 @@ def test_checkpoint_then_resume_continues_exactly(script, one_worker, tmp_path):
       "--set", "cluster.server_worker_separate=true", "--set", "device=cuda:0"], "Downpour in your own loop runs on CPU"),
     (["--set", "cluster.nworker_groups=2", "--set", "cluster.nworkers_per_procs=2", "--set", "cluster.local_steps=2",
       "--set", "device=cuda:0"], "Local SGD / DiLoCo's groups in one process run on the CPU in your own loop"),
+    (["--set", "cluster.nworker_groups=2", "--set", "cluster.nworkers_per_procs=2", "--set", "device=cpu,cuda:0"],
+     "in your own loop computes around one copy of the params, on one device: give every worker the same device, "
+     "not cpu, cuda:0"),
 ])
 def test_a_layout_the_loop_cannot_run_is_refused_in_one_line(script, tmp_path, capsys, options, named):
     status = main(["run", str(script), "--workspace", str(tmp_path / "ws"), *options, "--", str(tmp_path), "-1"])

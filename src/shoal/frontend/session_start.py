@@ -147,6 +147,8 @@ def check_layout(plan: JobPlan) -> None:
             _hogwild_on_cpu(plan)
         if meets_in_memory(plan):
             _meetings_on_cpu(plan)
+        if groups_in_memory(plan):
+            _groups_on_one_device(plan)
         return  # (run.each_worker: frontend/session_worker.py)
     if not plan.in_one_process and one_worker_each and not plan.server_worker_separate and plan.nworker_groups == 1 \
             and plan.strategy.synchronous:
@@ -194,6 +196,16 @@ def _meetings_on_cpu(plan: JobPlan) -> None:
     if any(not device.startswith("cpu") for device in plan.all_devices()):
         raise SessionError("shoal.session: Local SGD / DiLoCo's groups in one process run on the CPU in your own loop for "
                            "now: leave device unset (or \"cpu\"), or use a job file (`shoal run job.conf`) or shoal.fit for it")
+
+
+def _groups_on_one_device(plan: JobPlan) -> None:
+    """In-memory Downpour's and Hogwild's groups compute around one in-process server's copy of the params (Hogwild's
+    groups on that one copy itself): their workers on one device."""
+    devices = sorted({"cpu" if d.startswith("cpu") else d for d in plan.all_devices()})  # (cpu:N: the one CPU's memory)
+    if len(devices) > 1:
+        raise SessionError(f"shoal.session: {plan.label} in your own loop computes around one copy of the params, on one "
+                           f"device: give every worker the same device, not {', '.join(devices)} (or use a job file "
+                           "(`shoal run job.conf`) or shoal.fit for it)")
 
 
 def _pushes_on_cpu(plan: JobPlan) -> None:
