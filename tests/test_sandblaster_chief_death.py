@@ -26,6 +26,7 @@ from test_cli import leftover_processes
 from test_local_sgd_faults import params
 from test_chief_death import job_store  # noqa: F401 (a fixture)
 from test_sandblaster_faults import CLUSTER, SERVED, cli_run
+from test_torchrun_rejoin import torchruns  # noqa: F401 (the fixture that stops a torchrun a failed test left running)
 
 from shoal.comm import channels, quorum
 from shoal.comm.signed_store import SignedStore
@@ -138,6 +139,34 @@ def test_a_stopped_chief_is_dropped_ended_and_replaced(blobs_job, tmp_path, runs
     assert got["status"] == "finished" and "job_restarts" not in got and [r["rank"] for r in got["rejoins"]] == [0], got
     assert got["final_test"]["accuracy"] >= 0.9, got["final_test"]
     assert_no_library_text(stdout, stderr)
+    assert leftover_processes(tmp_path) == []
+
+
+@pytest.mark.slow  # one torchrun run of 4 processes
+def test_a_killed_chief_under_torchrun_is_replaced_and_nothing_restarts(blobs_job, tmp_path, torchruns):  # noqa: F811
+    """`torchrun ... -m shoal run JOB --max-restarts 1`: rank 0's training process SIGKILLed mid-run; torchrun restarts
+    nothing (one registration), process 1 takes the chief's place and becomes the servers' stub, rank 0's supervisor
+    starts a new process that rejoins as an ordinary worker process, the job exits 0, finished."""
+    from test_torchrun_rejoin import registered, start
+
+    steps = 300
+    job = blobs_job(train_steps=steps, cluster_extra=CLUSTER)
+    proc, ws = start(torchruns, job, tmp_path, env={"SHOAL_SLOW_WORKER": "0:0+0.01"}, nprocs=4)
+    (record,) = registered(ws)
+    victim, survivor = (next(p["pid"] for p in record.processes if p["rank"] == r) for r in (0, 1))
+    os.kill(victim, signal.SIGKILL)
+    assert proc.wait(timeout=180) == 0, proc.err.read_text()[-3000:]
+    stdout, stderr = proc.out.read_text(), proc.err.read_text()
+    assert any(line.startswith(f"WARNING: {CHIEF} died (SIGKILL); the other processes go on without it; restarting it "
+                               "(restart 1 of 1)") for line in stderr.splitlines()), stderr
+    assert re.search(TOOK, stdout, re.M) and re.search(STUB, stdout, re.M), stdout
+    (record,) = registered(ws)  # torchrun restarted nothing
+    assert record.status == "finished", record
+    assert pids(ws, 1) == [survivor] and pids(ws, 0)[0] == victim and len(pids(ws, 0)) == 2
+    got = assert_ran(ws, SERVED)
+    assert got["status"] == "finished" and got["final_test"]["step"] == steps and "0" in got["missed_steps"], got
+    assert [r["rank"] for r in got["rejoins"]] == [0], got
+    assert_no_library_text(stderr)
     assert leftover_processes(tmp_path) == []
 
 

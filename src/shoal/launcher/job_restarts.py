@@ -4,7 +4,7 @@ Deaths a framework outlives never come here: a Downpour, Distributed Hogwild or 
 dropped or restarted into the running job (shoal.launcher.rejoin), and so is whatever else `ranks.expendable` and
 the strategy's `outlives_a_dead_group` let the job lose, and a Downpour server process, restarted into the running
 job and healed from the chief's mirror (`ranks.heals`). Everything else is the fallback for every framework: a
-server process of Sandblaster (or of Downpour once its restarts are spent), the chief (process 0) where nobody takes
+server process of a partitioned Sandblaster group (or of Downpour or Sandblaster once its restarts are spent), the chief (process 0) where nobody takes
 its place (`ranks.chief_replaceable`),
 any process of a framework with no quorum. The launcher has stopped the remaining processes (torch's process context: SIGTERM, then
 SIGKILL; the job's store closed with its port), and the whole job starts again from its newest readable checkpoint,

@@ -12,11 +12,11 @@ its child runs the script from the top, and so does a restarted one (`RunOptions
 The store outlives the child: torchrun's agent hosts it, or, under srun and env://, rank 0's supervisor (where rank 0
 is supervised: `store_by_supervisor`, which every rank computes alike, so that rank 0's child and everyone else are its
 clients). The chief's rank is supervised too where another process takes a dead chief's place
-(`ranks.chief_replaceable`: AllReduce's replicas, Local SGD / DiLoCo's groups of one process each): its first child
-claims the workspace and registers the job as an unsupervised chief does; once that child died, the supervisor holds
-what it held (`ChiefsRecords`: the workspace's lock, the registry's record and lock) and, after the successor closed
-the run log, writes summary.json's rejoins and ends the record, as the chief would have; its restarted child rejoins
-as a non-chief. What a supervisor cannot survive falls back to the launcher's whole-job restart from the newest
+(`ranks.chief_replaceable`: AllReduce's and Sandblaster's replicas, Local SGD / DiLoCo's groups of one process
+each): its first child claims the workspace and registers the job as an unsupervised chief does; once that child died,
+the supervisor holds what it held (`ChiefsRecords`: the workspace's lock, the registry's record and lock) and, after the
+successor closed the run log, writes summary.json's rejoins and ends the record, as the chief would have; its restarted
+child rejoins as a non-chief. What a supervisor cannot survive falls back to the launcher's whole-job restart from the newest
 checkpoint (torchrun's own --max-restarts with --resume=auto): the chief's death elsewhere, the supervisor itself
 killed, torchrun's agent or a node lost. Its SIGTERM (torchrun stopping the job, Ctrl-C) ends the child first: no
 orphans.
