@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from cli_in_process import run_cli
-from fault_runs import SLOW, assert_no_library_text, pids, registered_pids, runs, summary, train_records  # noqa: F401
+from fault_runs import (SLOW, assert_no_library_text, pids, registered_pids, runs, summary, train_records,  # noqa: F401
+                         wait_for)
 from layouts import LAYOUTS, assert_ran
 from test_cli import leftover_processes
 from test_local_sgd_faults import params
@@ -137,6 +138,35 @@ def test_a_stopped_chief_is_dropped_ended_and_replaced(blobs_job, tmp_path, runs
     assert pids(run.ws, 0)[0] == stopped and len(set(pids(run.ws, 0))) == 2
     got = assert_ran(run.ws, SERVED)
     assert got["status"] == "finished" and "job_restarts" not in got and [r["rank"] for r in got["rejoins"]] == [0], got
+    assert got["final_test"]["accuracy"] >= 0.9, got["final_test"]
+    assert_no_library_text(stdout, stderr)
+    assert leftover_processes(tmp_path) == []
+
+
+@pytest.mark.slow  # two kills, a restart and a heal
+def test_after_the_chiefs_death_a_killed_server_heals_from_the_successors_mirror(blobs_job, tmp_path, runs):
+    """Process 0 SIGKILLed, then, once process 1 became the servers' stub and a few steps passed, the server process:
+    it is restarted and heals from process 1's mirror (its updater state: momentum), the launcher's line names the
+    successor's mirror, and the job exits 0 without a whole-job restart."""
+    steps = 400
+    job = blobs_job(train_steps=steps, cluster_extra=CLUSTER)
+    run = runs.start(job, tmp_path, "--max-restarts", "1", "--set", "updater.momentum=0.9", env=SLOW)
+    run.signal(0, signal.SIGKILL)
+    wait_for(lambda: re.search(STUB, run.stdout(), re.M) and "Process 0 rejoined at step " in run.stdout(), 60,
+             f"no successor: {run.stderr()}")
+    took = int(re.search(STUB, run.stdout(), re.M)[1])
+    wait_for(lambda: any(r["step"] >= took + 10 for r in train_records(run.ws)), 60, "no steps after the takeover")
+    os.kill(registered_pids(run.ws)[3], signal.SIGKILL)
+    stdout, stderr = run.finished()
+    assert ("WARNING: process 3 (server(group=0, id=0)) died (SIGKILL); restarting it (restart 1 of 1); it heals from the "
+            "mirror of the process that takes the dead chief's place (none, where it has none yet), the other processes "
+            "wait for it") in stderr.splitlines(), stderr
+    assert "restarting the whole job" not in stderr, stderr
+    assert re.search(r"^server\(group=0, id=0\) \(process restart 1\) healed from worker group 0's mirror: its values of "
+                     r"version \d+ \(digest [0-9a-f]{16}\) and the updater state of version \d+, ", stdout, re.M), stdout
+    got = assert_ran(run.ws, SERVED)
+    assert got["status"] == "finished" and "job_restarts" not in got, got
+    assert sorted((r["rank"], r.get("server")) for r in got["rejoins"]) == [(0, None), (3, 0)], got["rejoins"]
     assert got["final_test"]["accuracy"] >= 0.9, got["final_test"]
     assert_no_library_text(stdout, stderr)
     assert leftover_processes(tmp_path) == []
