@@ -46,7 +46,9 @@ def test_a_killed_chief_is_dropped_and_its_successor_tests_logs_and_checkpoints(
     first, second = pids(run.ws, 0)
     assert first == victim and second != victim
     got = assert_ran(run.ws, REPLICATED)
-    assert got["status"] == "finished" and "0" in got["missed_steps"], got
+    assert got["status"] == "finished", got
+    if "0" not in got.get("missed_steps", {}):  # (its restart knocked before process 1 decided the step the dead chief's
+        assert [(r["rank"], r["step"]) for r in got["rejoins"]] == [(0, took + 1)], got  # sum was in: admitted there)
     records = read_metrics(run.ws / "metrics.jsonl")
     assert not [r for r in records if r["phase"] == "resume"]
     shown = [r["step"] for r in train_records(run.ws)]

@@ -41,6 +41,13 @@ TOOK = (r"^Process 1 took the chief's place after step (\d+): it decides the ste
 STUB = r"^Process 1 connected to the servers as worker group 0 \(restart 1\) at step (\d+): (.*); it asked for their mirror at once$"
 
 
+def assert_the_chief_missed_steps_or_came_back_at_once(got: dict, took: int) -> None:
+    """summary.json names process 0's missed steps, or none: its restart knocked before its successor decided the step
+    the dead chief's sum was in, was admitted there and trained from the next (a forkserver restart knocks in ~0.1 s)."""
+    if "0" not in got.get("missed_steps", {}):
+        assert [(r["rank"], r["step"]) for r in got["rejoins"]] == [(0, took + 1)], got
+
+
 def test_a_killed_chief_is_replaced_by_process_1_which_pushes_tests_logs_and_checkpoints(blobs_job, tmp_path, runs):
     """Process 0 of 3 worker processes SIGKILLed mid-run (momentum: an updater state at the server): processes 1, 2 and
     the server keep their pids to the end; process 1 says on the terminal that it took the chief's place and became the
@@ -69,7 +76,8 @@ def test_a_killed_chief_is_replaced_by_process_1_which_pushes_tests_logs_and_che
     first, second = pids(run.ws, 0)
     assert first == victim and second != victim
     got = assert_ran(run.ws, SERVED)
-    assert got["status"] == "finished" and "job_restarts" not in got and "0" in got["missed_steps"], got
+    assert got["status"] == "finished" and "job_restarts" not in got, got
+    assert_the_chief_missed_steps_or_came_back_at_once(got, took)
     assert got["chief_succession"] == [{"process": 1, "after_step": took}], got
     records = read_metrics(run.ws / "metrics.jsonl")
     assert not [r for r in records if r["phase"] == "resume"]
@@ -194,7 +202,8 @@ def test_a_killed_chief_under_torchrun_is_replaced_and_nothing_restarts(blobs_jo
     assert record.status == "finished", record
     assert pids(ws, 1) == [survivor] and pids(ws, 0)[0] == victim and len(pids(ws, 0)) == 2
     got = assert_ran(ws, SERVED)
-    assert got["status"] == "finished" and got["final_test"]["step"] == steps and "0" in got["missed_steps"], got
+    assert got["status"] == "finished" and got["final_test"]["step"] == steps, got
+    assert_the_chief_missed_steps_or_came_back_at_once(got, int(re.search(TOOK, stdout, re.M)[1]))
     assert [r["rank"] for r in got["rejoins"]] == [0], got
     assert_no_library_text(stderr)
     assert leftover_processes(tmp_path) == []
