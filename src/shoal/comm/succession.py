@@ -4,8 +4,8 @@ No quorum decides their steps, so nobody has to decide *at* a step who succeeds:
 job asks, at its step boundaries (at most every CHECK_EVERY_S) and before its finish, whether the chief's process is
 gone (the launcher's word on its group at the groups' door: a restart announced or given up on, or its heartbeat
 silent past the stall timeout) and so is every other worker process ranked below it: then it is the lowest living
-one and takes the chief's duties (runtime/trainer.py `_take_over`; a user's loop's: frontend/session.py
-`_take_over`). A process restarted into the job never does: it
+one and takes the chief's duties (runtime/trainer.py `_take_over`; a user's loop's: frontend/session_healing.py
+`take_over`). A process restarted into the job never does: it
 rejoins as an ordinary group, the dead chief's too.
 
 `chief_done`: the chief (or its successor) says it before its last word to the other groups (Distributed Hogwild's

@@ -15,7 +15,8 @@ Nothing of the loop is copied or re-run: the module, its optimizer and the sched
 Several workers in one process (threads): `run.each_worker(body)` runs the loop's body once per worker, each with a
 worker's view of these calls (session_worker.py). Where the process comes from (one process here, one per rank under `shoal run script.py`): session_start.py; what
 runs inside backward and opt.step(): runtime/session_exchange.py; run.evaluate: session_eval.py; what a checkpoint
-and a restarted process's handover hold, built and loaded back: session_state.py. docs/python.md, "Your own loop".
+and a restarted process's handover hold, built and loaded back: session_state.py; a restarted process taking the chief's
+state, and a living one taking a dead chief's place (--max-restarts): session_healing.py. docs/python.md, "Your own loop".
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ import torch
 from shoal.config import job_pb2
 from shoal.config.phases import fires
 from shoal.data.in_place import reader_for, to_device
-from shoal.frontend import script, session_eval, session_partition, session_shares, session_state, session_worker
+from shoal.frontend import (script, session_eval, session_healing, session_partition, session_shares, session_state,
+                            session_worker)
 from shoal.frontend.fit_inputs import as_dataset
 from shoal.frontend.session_start import (SessionError, check_layout, group_shares, groups_in_memory, meets_in_memory,
                                           plan_session, pushes_to_servers, rank_context, refuse_unstarted, same_job,
@@ -43,14 +45,11 @@ from shoal.frontend.session_start import (SessionError, check_layout, group_shar
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.plan import JobPlan, sliced_for
-from shoal.report import succession
 from shoal.report.metrics import MetricsLog, MetricWindow, display_line
 from shoal.report.run_log import open_run_log
 from shoal.comm import dist as comm
 from shoal.comm.succession import say_chief_started
 from shoal.runtime import checkpoint_schedule, rejoined, session_exchange, session_slices
-from shoal.runtime.endings import MeetingsOver
-from shoal.runtime.interfaces import summary_annotator
 from shoal.runtime.replicas import device_label, torch_device, usable_device_names
 from shoal.report.terminal import write_line
 
@@ -533,7 +532,7 @@ class Session:
         self._share = sum(worker.share for worker in self._workers)  # the process's rows per step
         self._measured = session_shares.measure(self)  # (cluster.auto_batch_shares: re-split as the loop goes)
         if self.rejoin is not None and (self.plan.strategy.synchronous or self.plan.strategy.meets) and not self.pushes:
-            self._workers_take_chiefs_state()  # (restarted: worker 0 takes the chief's state, or a live group's at a meeting)
+            session_healing.workers_take_chiefs_state(self)  # (restarted: the chief's state, or a live group's)
         if self.groups_in_memory:
             self._start_after_warmup()
         if self.pushes:  # Downpour / Sandblaster: the chief's FIRST to the servers, the other groups' pull, where they start
@@ -543,12 +542,12 @@ class Session:
             self._step_other_workers_schedulers(self.start_step - start)
             if self.rejoin is not None:  # (restarted: every worker goes on from the group's step the servers said, or,
                 if self._served_replicas:  # Sandblaster's replicas, from the chief's state, which worker 0 took)
-                    self._workers_copy_first()
+                    session_healing.workers_copy_first(self)
                 for worker in self._workers:
                     worker.first_step = worker.at = self.start_step
         if self.rejoin is not None and self._update_lock is not None:  # Distributed Hogwild's restarted group: the live
             start = self.start_step                                     # values in the copy its threads share
-            self._take_live_values()  # (worker 0's schedulers stepped to the peers' step; the others' here)
+            session_healing.take_live_values(self)  # (worker 0's schedulers stepped to the peers' step; the others' here)
             self._step_other_workers_schedulers(self.start_step - start)
             for worker in self._workers:
                 worker.first_step = worker.at = self.start_step
@@ -560,33 +559,6 @@ class Session:
         if self.distributed:
             session_exchange.note_step(self.step)
         self._window_start = time.perf_counter()
-
-    def _workers_take_chiefs_state(self) -> None:
-        """A restarted process of several workers (AllReduce over processes of threads, or Local SGD / DiLoCo's group of
-        threads, --max-restarts): worker 0 takes the chief's state (`_take_chiefs_state`: the chief hands over its worker
-        0's, every replica being equal; Local SGD's: a live group's at a meeting, the anchor too), then
-        every other worker's replica, optimizers and schedulers take worker 0's, and they all start at its step."""
-        self._receiving = True  # (the zero-gradient step that makes worker 0's optimizers' state meets no one)
-        try:
-            self._take_chiefs_state()
-        finally:
-            self._receiving = False
-        self._workers_copy_first()
-        for worker in self._workers:
-            worker.first_step = worker.at = self.start_step
-
-    def _workers_copy_first(self) -> None:
-        """A restarted process's worker 0 took the chief's state: every other worker's replica, optimizers and schedulers
-        take worker 0's."""
-        values = self._workers[0].module.state_dict()
-        for worker in self._workers[1:]:
-            worker.module.load_state_dict(values)
-            for mine, theirs in zip(worker.optimizers, self.optimizers):
-                mine.load_state_dict(session_worker.own_copy(theirs.state_dict()))
-            for index, optimizer in enumerate(worker.optimizers):  # a scheduler's state, by its optimizer's place
-                ours = [s for s in self.schedulers if s.optimizer is self.optimizers[index]]
-                for mine, theirs in zip([s for s in worker.schedulers if s.optimizer is optimizer], ours):
-                    mine.load_state_dict(session_worker.own_copy(theirs.state_dict()))
 
     def _start_after_warmup(self) -> None:
         """In-memory groups with a warm-up (cluster.warmup_steps N; SINGA's): group 0 trains alone to step N, then the
@@ -727,7 +699,7 @@ class Session:
             self.exchange = session_exchange.attached_exchange(self.plan, self.rank, store, self.group, self.start_step,
                                                                resumed=self._mine is not None, saved=saved, metrics=self.metrics,
                                                                log=self.say, rejoining=self.rejoin is not None)
-            self.exchange.loop_state = self._handover  # a restarted group takes this loop's state too, at a meeting
+            self.exchange.loop_state = lambda: session_healing.handover(self)  # (a restarted group's too, at a meeting)
         elif self.pushes:  # the exchange is made at run.optimizer(): the servers build the user's optimizer
             self._store = store
         elif self.distributed and syncs_with_peers(self.plan):
@@ -958,43 +930,10 @@ class Session:
         steps: a step whose update the loop skipped still reaches it, from `_step_done`)."""
         if self.exchange is None or (self.mean is not None and self.plan.strategy.synchronous) or self.pushes \
                 or self.groups_in_memory:
-            return  # (a replicated group heals after the loop's body: _heal; Downpour pushed in the optimizer's pre-hook)
+            return  # (a replicated group heals after the loop's body: session_healing.heal; Downpour pushed in the optimizer's pre-hook)
         started = time.perf_counter()
         self.exchange.step(step, [({}, self._share)])  # the inner update was the user's: the meeting when it is due
         self.exchange_seconds += time.perf_counter() - started
-
-    def _heal(self, step: int) -> None:
-        """After the loop's body of `step` (the update, the schedulers' step, whatever else it did): a process the
-        launcher restarted and the chief admitted at this step takes the module's values and buffers, the optimizers'
-        and schedulers' state from the chief, and trains on from the next step."""
-        started = time.perf_counter()
-        joined = self.exchange.heal(step, self._handover)
-        if not self.chief and self.exchange.chief:  # the chief died: this process decides the steps now
-            self._take_over(step)
-        if joined and self.chief:
-            who = ", ".join(f"Process {r}" for r in joined)
-            self.say(f"{who} rejoined at step {step + 1}: it took the module's values and buffers, the optimizers' and "
-                     f"schedulers' state and torch's RNG state after step {step} from process {self.rank}")
-        self.exchange_seconds += time.perf_counter() - started
-
-    def _succeeds_the_chief(self) -> bool:
-        """Asynchronous groups over processes (Downpour, Distributed Hogwild): whether this process's exchange took the
-        dead chief's place (shoal.comm.succession: it asks at its step ends and its finish) and the session not yet."""
-        return (not self.chief and self.distributed and not self.plan.strategy.synchronous and self.exchange is not None
-                and not self.groups_in_memory and self.exchange.chief)  # (the stub's, the Hogwild group's, Local SGD's)
-
-    def _take_over(self, step: int) -> None:
-        """The dead chief's run log, evaluations and checkpoints, from this step on (report/succession.py)."""
-        self.chief = True  # (run.evaluate records on the chief: this process's from now on)
-        if self._terminal and self.rank != 0:  # (its stdout is its log file: the chief's lines go on the terminal too)
-            self.say = succession.on_the_terminal_too(self.say)
-        self.metrics = succession.take_over_run_log(self.plan, self.workspace, usable_device_names(self.plan.all_devices()),
-                                                    self.rank, step)
-        duties = self.exchange.duties_taken_over.replace("tests and validates", "evaluates (run.evaluate)")  # (the loop's calls)
-        self.say(f"Process {self.rank} took the chief's place after step {step}: {duties}")
-        self.exchange.speak_for_the_job(self.say, summary_annotator(self))
-        if self._interval is not None:  # it picks the interval checkpoints' steps now (the chief's published ones stand)
-            self._interval.take_over()
 
     def _step_other_workers_schedulers(self, steps: int) -> None:
         """Workers 1.. of this process's group step their schedulers `steps` times: worker 0's were stepped to where the
@@ -1006,55 +945,6 @@ class Session:
                     for _ in range(steps):
                         scheduler.step()
 
-    def _handover(self) -> list[torch.Tensor]:
-        """What a restarted process takes from this one (session_state.handover)."""
-        return session_state.handover(self.module, self.optimizers, self.schedulers, self.device)
-
-    def _take_chiefs_state(self) -> None:
-        """A restarted process, at run.batches(): knock, and once admitted take the chief's state (its `_handover`)
-        into this module and these optimizers and schedulers; the loop goes on from the step after the admission."""
-        knocked_at = time.time()
-        taken, tensors, rng, text = session_state.handover_receivers(self.module, self.optimizers, self.schedulers,
-                                                                     self.device)
-        try:
-            start, admitted, digests = self.exchange.rejoin(self.rejoin.incarnation, lambda: taken)
-        except MeetingsOver as err:  # restarted after the chief's last step: run.batches() yields nothing
-            self.say(str(err))
-            self.start_step = self.step = self.job.train_steps
-            return
-        session_state.take_handover(text, tensors, rng, self.optimizers, self.schedulers, self.device)
-        self.start_step = self.step = start
-        if "from_group" in digests:  # Local SGD / DiLoCo: at a meeting, from a live group; this process says it
-            sparse = getattr(self.exchange, "sparse", None) is not None
-            digests["took"] = (f"the anchor{'' if sparse else ', the outer updater' + chr(39) + 's state'} and worker group "
-                               f"{digests['from_group']}'s module buffers, optimizers' and schedulers' state and torch's RNG "
-                               f"state{' (its error feedback starts at zero)' if sparse else ''}, after the meeting after step "
-                               f"{start - 1}")
-            rejoined.report(self.workspace, self.rejoin, self.group, self.rank, start, admitted, digests, knocked_at)
-            return
-        digests["took"] = (f"the module's values and buffers, the optimizers' and schedulers' state and torch's RNG state from process "
-                           f"{digests.get('from_process', 0)}, after step {admitted}")
-        # this process's log; the chief says it on the terminal
-        rejoined.report(self.workspace, self.rejoin, self.group, self.rank, start, admitted, digests, knocked_at, terminal=False)
-
-    def _take_live_values(self) -> None:
-        """A restarted Distributed Hogwild group, at run.batches(): it knocks at the live groups and takes the live values
-        of the slices they master and its own slices as they last synced them (runtime/exchanges/hogwild.py), and joins at
-        its peers' step (the steps since its last sync skipped), its schedulers stepped to it; its optimizer's state
-        starts anew (as a job file's restarted group's server state: what it did since its last sync is lost)."""
-        knocked_at = time.time()
-        step, took = self.exchange.rejoin(self.rejoin.incarnation, end_step=self.job.train_steps)
-        with warnings.catch_warnings():  # (torch warns of a scheduler stepped before its optimizer)
-            warnings.simplefilter("ignore")
-            for scheduler in self.schedulers:
-                for _ in range(step):
-                    scheduler.step()
-        self.start_step = self.step = step
-        rejoined.report(self.workspace, self.rejoin, self.group, self.rank, step, 0,
-                        {"took": took + ("; its optimizer's state starts anew, its schedulers stepped to this step"
-                                         if self.optimizers else "")}
-                        | ({"skipped_steps": list(self.exchange.skipped)} if self.exchange.skipped else {}), knocked_at)
-
     def _pushing(self):
         """Downpour's exchange, made at run.optimizer()."""
         if self.exchange is None:
@@ -1065,11 +955,7 @@ class Session:
         """Downpour, before the first step: the chief's values (and, resumed, the updater state) start the servers; the
         other groups take the servers' values, and start where group 0's warm-up ends (their schedulers stepped there)."""
         if self.rejoin is not None and self._served_replicas:  # Sandblaster's replicas: the chief's state, as AllReduce's
-            self._receiving = True  # (the zero-gradient step that makes the optimizers' state pushes nothing)
-            try:
-                self._take_chiefs_state()
-            finally:
-                self._receiving = False
+            session_healing.receive_chiefs_state(self)  # (its optimizers' zero-gradient step pushes nothing)
             return
         if self.rejoin is not None:  # restarted (--max-restarts): the servers' live values and the steps the group did
             knocked_at = time.time()
@@ -1145,9 +1031,9 @@ class Session:
         if self.pushes:  # (Downpour: a restarted group pulls the servers' live values there)
             self._start_pushing()
         elif self.rejoin is not None and self._update_lock is not None:
-            self._take_live_values()
+            session_healing.take_live_values(self)
         elif self.rejoin is not None:
-            self._take_chiefs_state()
+            session_healing.take_chiefs_state(self)
         if self._update_lock is not None:  # Hogwild: the values every group starts from are set; its masters serve from now
             self.exchange.begin(self.start_step)
         if self.chief and self.distributed and self.plan.strategy.chief_succeeded_by_a_group(self.plan):
@@ -1176,13 +1062,13 @@ class Session:
             self._boundary(step)
         if self.mean is not None and (not self.pushes or self._served_replicas) and self.exchange is not None \
                 and self.plan.strategy.synchronous:
-            self._heal(step)  # (in-memory workers have no exchange; Sandblaster's servers hold the optimizer's state)
+            session_healing.heal(self, step)  # (in-memory workers have no exchange; Sandblaster's servers hold the optimizer's state)
         elif self.distributed and self.plan.strategy.meets:  # Local SGD / DiLoCo: a group admitted at this step's meeting
             self.exchange.heal(step)
             if not self.chief and self.exchange.chief:  # group 0's process died: this group speaks for the job now
-                self._take_over(step)
-        elif self._succeeds_the_chief():  # Downpour, Distributed Hogwild: its exchange saw the chief gone at this step's end
-            self._take_over(step)
+                session_healing.take_over(self, step)
+        elif session_healing.succeeds_the_chief(self):  # Downpour, Distributed Hogwild: its exchange saw the chief gone at this step's end
+            session_healing.take_over(self, step)
         self._count_rows(step)
         if self.checkpoints_after(step):
             path = self.checkpoint()
@@ -1349,8 +1235,8 @@ class Session:
         final run.evaluate, run.checkpoint): the run ends when the script does, or at run.close()."""
         if self.exchange is not None:
             self.exchange.finish()
-            if self._succeeds_the_chief():  # the chief died before its last word: this process said it (FINAL, STOP)
-                self._take_over(self.step)
+            if session_healing.succeeds_the_chief(self):  # the chief died before its last word: this one said it
+                session_healing.take_over(self, self.step)
             sent = self.exchange.job_bytes_sent  # the job's bytes to its last message (summary.json's bytes_sent, as fit's)
             if self.metrics is not None and sent is not None:
                 self.metrics.annotate(bytes_sent=sent)

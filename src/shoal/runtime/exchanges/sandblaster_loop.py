@@ -18,7 +18,7 @@ user's `backward`, `opt.step()` and whatever else its body does (a scheduler's s
 
 The chief's (process 0's) death: the lowest living worker process decides in its place and becomes the servers' stub
 as a job file's does (runtime/exchanges/sandblaster.py), its pushes carrying its own optimizer's hyper-parameters (every
-worker process's scheduler steps alike); its session takes over the chief's duties (frontend/session.py `_take_over`,
+worker process's scheduler steps alike); its session takes over the chief's duties (frontend/session_healing.py `take_over`,
 after the loop's body), and the dead chief's restarted process takes its loop state as any restarted process does.
 """
 from __future__ import annotations
@@ -85,7 +85,7 @@ class LoopSandblasterExchange(SandblasterExchange):
 
     def rejoin(self, incarnation: int, state=None) -> tuple[int, int, dict]:
         """Knock; once admitted at a step's values' meeting, take the chief's handover `state()` after that step's loop
-        body (AllReduce's restarted process's, frontend/session.py's `_take_chiefs_state`)."""
+        body (AllReduce's restarted process's, frontend/session_healing.py's `take_chiefs_state`)."""
         return ReplicatedExchange.rejoin(self, incarnation, state)
 
     def resume_at(self, step: int, version: int) -> None:
