@@ -67,9 +67,11 @@ def test_a_killed_chief_is_replaced_by_process_1_which_pushes_tests_logs_and_che
     assert "restarting the whole job" not in stderr, stderr
     took = int(re.search(TOOK, stdout, re.M)[1])  # (on the terminal: the successor's)
     stub = re.search(STUB, stdout, re.M)
-    assert int(stub[1]) == took and stub[2] in (
-        "pushed the step's mean, which the dead chief had not",
-        "the dead chief had pushed the step's mean to every server already (applied once)"), stub[0]
+    pushed, had = ("pushed the step's mean, which the dead chief had not",
+                   "the dead chief had pushed the step's mean to every server already (applied once)")
+    # it became the stub at the step it decided first, where the chief died before or after its push, or at the next
+    # one, where the chief died after the step's values were summed (process 1 decided that sum: "after step N")
+    assert (int(stub[1]), stub[2]) in {(took, pushed), (took, had), (took + 1, pushed)}, stub[0]
     assert 10 <= took < steps
     assert {rank: pids(run.ws, rank) for rank in (1, 2)} == {rank: [pid] for rank, pid in survivors.items()}
     assert registered_pids(run.ws)[3] == server  # the server never restarted
