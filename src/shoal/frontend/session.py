@@ -16,7 +16,8 @@ Several workers in one process (threads): `run.each_worker(body)` runs the loop'
 worker's view of these calls (session_worker.py). Where the process comes from (one process here, one per rank under `shoal run script.py`): session_start.py; what
 runs inside backward and opt.step(): runtime/session_exchange.py; run.evaluate: session_eval.py; what a checkpoint
 and a restarted process's handover hold, built and loaded back: session_state.py; a restarted process taking the chief's
-state, and a living one taking a dead chief's place (--max-restarts): session_healing.py. docs/python.md, "Your own loop".
+state, and a living one taking a dead chief's place (--max-restarts): session_healing.py; Downpour's and Sandblaster's
+pushes to the servers that run the user's optimizer: session_pushes.py. docs/python.md, "Your own loop".
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ import torch
 from shoal.config import job_pb2
 from shoal.config.phases import fires
 from shoal.data.in_place import reader_for, to_device
-from shoal.frontend import (script, session_eval, session_healing, session_partition, session_shares, session_state,
-                            session_worker)
+from shoal.frontend import (script, session_eval, session_healing, session_partition, session_pushes, session_shares,
+                            session_state, session_worker)
 from shoal.frontend.fit_inputs import as_dataset
 from shoal.frontend.session_start import (SessionError, check_layout, group_shares, groups_in_memory, meets_in_memory,
                                           plan_session, pushes_to_servers, rank_context, refuse_unstarted, same_job,
@@ -49,7 +50,7 @@ from shoal.report.metrics import MetricsLog, MetricWindow, display_line
 from shoal.report.run_log import open_run_log
 from shoal.comm import dist as comm
 from shoal.comm.succession import say_chief_started
-from shoal.runtime import checkpoint_schedule, rejoined, session_exchange, session_slices
+from shoal.runtime import checkpoint_schedule, session_exchange, session_slices
 from shoal.runtime.replicas import device_label, torch_device, usable_device_names
 from shoal.report.terminal import write_line
 
@@ -486,7 +487,7 @@ class Session:
     def _workers_push(self) -> None:
         """Every worker of this process reached its opt.step() (run by the last to arrive): the process's one push of
         worker 0's `.grad` (every worker holds the same mean, clipped alike), with the process's rows."""
-        self._push(self.optimizers[0], (), {})
+        session_pushes.push(self, self.optimizers[0], (), {})
 
     def _start_groups(self) -> None:
         """In-memory Downpour and Hogwild: every worker gave its optimizer (run by the last to arrive): the groups'
@@ -509,7 +510,7 @@ class Session:
                 (n, p) for n, p in self._workers[0].module.named_parameters() if p.requires_grad])
         except session_exchange.RecipeError as err:
             raise SessionError(str(err)) from None
-        recipe = self._compensated(recipe)
+        recipe = session_pushes.compensated(self, recipe)
         saved = dict(self._mine.exchange) if self._mine is not None else None
         self.exchange = session_exchange.group_exchanges(self.plan, stores, recipe, [w.optimizers[0] for w in firsts],
                                                          self.start_step, saved, self.metrics,
@@ -536,9 +537,9 @@ class Session:
         if self.groups_in_memory:
             self._start_after_warmup()
         if self.pushes:  # Downpour / Sandblaster: the chief's FIRST to the servers, the other groups' pull, where they start
-            self._pushing().global_batch = self._workers[0].global_batch
+            session_pushes.pushing(self).global_batch = self._workers[0].global_batch
             start = self.start_step
-            self._start_pushing()  # (worker 0's schedulers stepped to where the group starts; the others' here)
+            session_pushes.start_pushing(self)  # (worker 0's schedulers stepped to where the group starts; the others' here)
             self._step_other_workers_schedulers(self.start_step - start)
             if self.rejoin is not None:  # (restarted: every worker goes on from the group's step the servers said, or,
                 if self._served_replicas:  # Sandblaster's replicas, from the chief's state, which worker 0 took)
@@ -719,7 +720,7 @@ class Session:
         if index == 0 and (self.pushes or self.groups_in_memory):  # (what a push carries, as its recipe lays it out:
             self._hyper_layout = session_exchange.hyper_layout(optimizer)  # before a scheduler adds keys of its own)
         if self.pushes:
-            self._push_to_servers(optimizer, index)
+            session_pushes.push_to_servers(self, optimizer, index)
         self.optimizers.append(optimizer)
         if self._mine is not None:
             optimizer.load_state_dict(self._saved_optimizer_state(index, optimizer, self.module))
@@ -729,42 +730,6 @@ class Session:
         # one step boundary per step: the first optimizer's (Local SGD / DiLoCo meet after it, Hogwild syncs when due)
         optimizer.register_step_post_hook(self._after_update if index == 0 else self._after_other_update)
         return optimizer
-
-    def _push_to_servers(self, optimizer: torch.optim.Optimizer, index: int) -> None:
-        """Downpour: the servers run this optimizer (built from its recipe: torch.optim's class, defaults and groups by
-        param name), so opt.step() pushes the gradients and installs the servers' answer instead of updating here."""
-        if self.module is None:
-            raise SessionError(f"run.optimizer: give the module to run.model(...) first ({self.plan.label}'s servers build "
-                               "the optimizer over its params)")
-        if index:
-            raise SessionError(f"run.optimizer: {self.plan.label}'s servers run one optimizer over the module: give "
-                               "run.optimizer one optimizer holding every trained param")
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        left = [n for n, p in named if id(p) not in held]
-        if left:
-            raise SessionError(f"run.optimizer: {self.plan.label}'s servers update every trained param of the module, and "
-                               f"this optimizer does not hold {left[0]!r}")
-        try:
-            recipe = session_exchange.optimizer_recipe(optimizer, named)
-        except session_exchange.RecipeError as err:
-            raise SessionError(str(err)) from None
-        recipe = self._compensated(recipe)
-        if self.chief:
-            session_exchange.publish_description([n for n, _ in named], [tuple(p.shape) for _, p in named], recipe)
-        saved = dict(self._mine.exchange) if self._mine is not None else None
-        self._saved_server_state = session_exchange.whole_updater_state(saved)
-        self.exchange = session_exchange.downpour_exchange(self.plan, self.rank, self._store, self.group, recipe, optimizer,
-                                                           self.start_step, saved, self.metrics, self.say,
-                                                           rejoining=self.rejoin is not None)
-        if self._workers:  # several workers in this process: their opt.step()s push once (session_worker's _push_process)
-            return
-        if self.plan.strategy.synchronous:  # Sandblaster: the group's mean in every .grad when backward ends, as under DDP
-            # (--max-restarts: the worker processes' quorum's, which goes on without a dead one: sandblaster_loop.py)
-            mean = self.exchange if self._served_replicas else session_exchange.StubGroupMean(named, self.exchange)
-            self.mean = session_exchange.GradientMean(named, mean, self._share, lambda: self.step)
-            self._group_window = self._served_replicas  # (the Train line's averages: every process's, the quorum's)
-        optimizer.register_step_pre_hook(self._push)
 
     def _update_slices(self, optimizer: torch.optim.Optimizer, index: int) -> None:
         """Server slices: this process updates its slices of the optimizer's params with an optimizer of its class and
@@ -845,30 +810,6 @@ class Session:
                   if isinstance(v, torch.Tensor))
         return own + sum(sliced.state_elements() for sliced in self._slices)
 
-    def _compensated(self, recipe: dict) -> dict:
-        """The servers' recipe: a SINGA updater's momentum compensated under asynchrony, said by the chief in the job
-        file's line (session_exchange.compensated)."""
-        recipe, said = session_exchange.compensated(self.plan, recipe)
-        if self.chief:
-            for line in said:
-                self.say(line)
-        return recipe
-
-    def _push(self, optimizer, args, kwargs) -> None:
-        """Downpour's step: this process's gradients to the servers (with the optimizer's hyper-parameters as the
-        user's scheduler left them), the servers' new values into the module's params; `.grad` is then None, so the
-        user's optimizer, which runs next, updates nothing here."""
-        if self._receiving:
-            return
-        grads = {n: p.grad for n, p in self.module.named_parameters() if p.requires_grad}
-        started = time.perf_counter()
-        share = self._share
-        if self.plan.strategy.synchronous:  # Sandblaster: every process holds the group's mean: the stub's alone is pushed, whole
-            share = self.exchange.global_batch if self.rank == self.exchange.stub else 0
-        self.exchange.step(self.step, [(grads, share)])
-        self.exchange_seconds += time.perf_counter() - started
-        session_worker.drop_grads(optimizer)
-
     def scheduler(self, scheduler, steps: str = "group"):
         """Checkpoint a scheduler made after the loop started (those made before are found by themselves). `steps`: what
         its position counts where several asynchronous groups update one set of values on servers (Downpour, in-memory
@@ -881,28 +822,10 @@ class Session:
             raise SessionError(f"run.scheduler: steps is 'group' (each asynchronous group's own steps) or 'update' (the "
                                f"servers' updates, every group's), got {steps!r}")
         if steps == "update" and (self.pushes or self.groups_in_memory) and not self.plan.strategy.synchronous:
-            self._schedule_by_updates(scheduler)
+            session_pushes.schedule_by_updates(self, scheduler)
         if scheduler not in self.schedulers:
             self.schedulers.append(scheduler)
         return scheduler
-
-    def _schedule_by_updates(self, scheduler) -> None:
-        """run.scheduler(s, steps="update") under Downpour's or in-memory groups' servers: the chief works out the
-        hyper-parameters `s` sets at every update count the run can reach (the groups' steps: nworker_groups ×
-        train_steps), which the servers set before each update (session_exchange.UpdateSchedule); `s` is put back."""
-        lr_scheduler = torch.optim.lr_scheduler
-        if not isinstance(scheduler, lr_scheduler.LRScheduler) or isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
-            raise SessionError(f"run.scheduler: steps='update' takes a torch LR scheduler stepped without a metric "
-                               f"(LambdaLR, SequentialLR, CosineAnnealingLR...), got {type(scheduler).__name__}")
-        if not self.optimizers or scheduler.optimizer is not self.optimizers[0]:
-            raise SessionError("run.scheduler: steps='update' schedules the optimizer given to run.optimizer (the servers "
-                               "run it): give run.optimizer(...) first, and a scheduler over it")
-        if getattr(scheduler, "last_epoch", 0) != 0 or self._loop_started:
-            raise SessionError("run.scheduler: steps='update' takes the scheduler as made (at its first position), "
-                               "before the loop: the servers follow its schedule from their first update")
-        if self.chief:
-            self._update_schedule = session_exchange.update_schedule(scheduler, self._hyper_layout,
-                                                                     self.plan.nworker_groups * self.job.train_steps)
 
     def _before_update(self, optimizer, args, kwargs) -> None:
         """Distributed Hogwild: no peer's delta lands in the params while the user's optimizer updates them."""
@@ -945,35 +868,6 @@ class Session:
                     for _ in range(steps):
                         scheduler.step()
 
-    def _pushing(self):
-        """Downpour's exchange, made at run.optimizer()."""
-        if self.exchange is None:
-            raise SessionError("run.batches: give the optimizer to run.optimizer(...) first (Downpour's servers run it)")
-        return self.exchange
-
-    def _start_pushing(self) -> None:
-        """Downpour, before the first step: the chief's values (and, resumed, the updater state) start the servers; the
-        other groups take the servers' values, and start where group 0's warm-up ends (their schedulers stepped there)."""
-        if self.rejoin is not None and self._served_replicas:  # Sandblaster's replicas: the chief's state, as AllReduce's
-            session_healing.receive_chiefs_state(self)  # (its optimizers' zero-gradient step pushes nothing)
-            return
-        if self.rejoin is not None:  # restarted (--max-restarts): the servers' live values and the steps the group did
-            knocked_at = time.time()
-            start, version = self._pushing().rejoin(self.rejoin.incarnation)
-            rejoined.report(self.workspace, self.rejoin, self.group, self.rank, start, version,
-                            {**self.exchange.digests, "took": f"the servers' live values of version {version}; its "
-                             "schedulers stepped to that step"}, knocked_at)
-        else:
-            if self.chief:  # (before the servers' first values: every push finds it there)
-                session_exchange.publish_schedule(self._update_schedule)
-            start = self._pushing().start_loop(self.start_step, self._saved_server_state)
-        with warnings.catch_warnings():  # (torch warns of a scheduler stepped before its optimizer)
-            warnings.simplefilter("ignore")
-            for scheduler in self.schedulers:
-                for _ in range(start - self.start_step):
-                    scheduler.step()
-        self.start_step = self.step = start
-
     @contextmanager
     def accumulating(self) -> Iterator[None]:
         """Backward passes inside add to `.grad` without the group's mean (gradient accumulation's micro-batches, as
@@ -1004,7 +898,7 @@ class Session:
         if self.mean is not None:
             self.mean.share = self._share
         if self.pushes:  # a group's push is the mean over its processes' rows (each weighs its share)
-            self._pushing().global_batch = batch_size
+            session_pushes.pushing(self).global_batch = batch_size
         skip = self.plan.group_shards.offset(self.group, 0, len(data))
         reader = reader_for(data, self.job.seed if seed is None else seed, shuffle, batch_size)
         yield from self._steps(lambda step: (step, to_device(reader.batch(skip + step * batch_size + offset, self._share),
@@ -1023,13 +917,13 @@ class Session:
         if self.mean is not None:
             self.mean.share = rows
         if self.pushes:
-            self._pushing().global_batch = rows * self.plan.nworkers_per_group
+            session_pushes.pushing(self).global_batch = rows * self.plan.nworkers_per_group
         yield from self._steps(lambda step: step)
 
     def _steps(self, item: Callable[[int], Any]) -> Iterator[Any]:
         self._restore_loop_state()
         if self.pushes:  # (Downpour: a restarted group pulls the servers' live values there)
-            self._start_pushing()
+            session_pushes.start_pushing(self)
         elif self.rejoin is not None and self._update_lock is not None:
             session_healing.take_live_values(self)
         elif self.rejoin is not None:

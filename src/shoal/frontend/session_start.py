@@ -249,7 +249,7 @@ def several_workers_in_a_process(plan: JobPlan) -> bool:
     Downpour's groups and Sandblaster's group with server processes (one server group), each process one group's
     workers, whose mean the process pushes once a step. run.each_worker's
     layouts, under restarts too (a restarted process's worker 0 takes the handover, which its other workers copy, or
-    whose copy they share: session_healing.workers_take_chiefs_state, Session._start_pushing,
+    whose copy they share: session_healing.workers_take_chiefs_state, session_pushes.start_pushing,
     session_healing.take_live_values)."""
     pushes = pushes_to_servers(plan)
     counts = {len(p.workers) for p in plan.placement.processes if p.workers or not pushes}

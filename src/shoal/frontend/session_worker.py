@@ -377,7 +377,7 @@ class SessionWorker:
         workers: their mean, which every worker of the group holds, pushed once, when they all got here) to the
         in-process server with the group's optimizer's hyper-parameters; the server's new values are then in the
         group's params (Downpour: its copy takes them; Hogwild: the server updated the one copy in place); `.grad` is
-        left None, so the user's optimizer, which runs next, updates nothing here (Session._push over processes)."""
+        left None, so the user's optimizer, which runs next, updates nothing here (session_pushes.push over processes)."""
         self.group_local.meet(self._push_group)
         drop_grads(optimizer)
 
@@ -392,7 +392,7 @@ class SessionWorker:
     def _push_process(self, optimizer, args, kwargs) -> None:
         """Downpour's and Sandblaster's step with several workers in the process (one group's): once every worker got
         here, the process's push of their mean (every worker holds it: Sandblaster's the group's, the stub's pushed
-        whole) to the servers, whose answer lands in the params the workers share (Session._push for one worker); not at
+        whole) to the servers, whose answer lands in the params the workers share (session_pushes.push for one worker); not at
         the zero-gradient step that makes a restarted process's optimizer state (inside the loop start's meeting)."""
         if self.run._receiving:
             return

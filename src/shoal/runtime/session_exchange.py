@@ -24,7 +24,7 @@ says:
 - Downpour over processes (one worker per process, servers in processes of their own): the servers run the user's
   optimizer, built from its recipe (`serve_downpour`: a server process never runs the loop); `opt.step()`'s pre-hook
   pushes the gradients with the optimizer's hyper-parameters (`hyper_vector`) and installs the servers' answer in the
-  params, leaving every `.grad` None so that the user's optimizer updates nothing (frontend/session.py, `_push`); a
+  params, leaving every `.grad` None so that the user's optimizer updates nothing (frontend/session_pushes.py, `push`); a
   scheduler given as `run.scheduler(s, steps="update")` follows the servers' update count instead of each group's
   steps: the chief's rows of its hyper-parameters per position (`UpdateSchedule`), set by each server at its count;
 - Sandblaster over processes (its one group's servers in processes of their own): Downpour's servers and pushes with
