@@ -13,11 +13,10 @@
 
 Nothing of the loop is copied or re-run: the module, its optimizer and the scheduler stay the user's objects.
 Several workers in one process (threads): `run.each_worker(body)` runs the loop's body once per worker, each with a
-worker's view of these calls (session_worker.py). Where the process comes from (one process here, one per rank under `shoal run script.py`): session_start.py; what
+worker's view of these calls (session_worker.py), the process's part of their loop run once (session_threads.py). Where the process comes from (one process here, one per rank under `shoal run script.py`): session_start.py; what
 runs inside backward and opt.step(): runtime/session_exchange.py; run.evaluate: session_eval.py; what a checkpoint
 and a restarted process's handover hold, built and loaded back: session_state.py; a restarted process taking the chief's
-state, and a living one taking a dead chief's place (--max-restarts): session_healing.py; Downpour's and Sandblaster's
-pushes to the servers that run the user's optimizer: session_pushes.py. docs/python.md, "Your own loop".
+state, and a living one taking a dead chief's place (--max-restarts): session_healing.py. docs/python.md, "Your own loop".
 """
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ import os
 import sys
 import threading
 import time
-import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
@@ -37,7 +35,7 @@ from shoal.config import job_pb2
 from shoal.config.phases import fires
 from shoal.data.in_place import reader_for, to_device
 from shoal.frontend import (script, session_eval, session_healing, session_partition, session_pushes, session_shares,
-                            session_state, session_worker)
+                            session_state, session_threads, session_worker)
 from shoal.frontend.fit_inputs import as_dataset
 from shoal.frontend.session_start import (SessionError, check_layout, group_shares, groups_in_memory, meets_in_memory,
                                           plan_session, pushes_to_servers, rank_context, refuse_unstarted, same_job,
@@ -135,7 +133,6 @@ class Session:
         # Sandblaster under --max-restarts: its worker processes go on without a dead one, which rejoins at run.batches()
         self._served_replicas = self.pushes and plan.strategy.goes_on_without_a_process(plan)
         self._receiving = False  # a restarted process taking the chief's state (its optimizers' step pushes and meets nothing)
-        self._workers_end = plan.job.train_steps  # several workers: the step they train to (Hogwild's retraining moves it)
         # a compressed AllReduce's replicas are equal but each process's error-feedback residual is its own: every
         # other process writes it as its part of a checkpoint, as a Local SGD group writes its state
         self.own_residual = (self.distributed and plan.strategy.synchronous and not self.pushes
@@ -158,15 +155,11 @@ class Session:
         self.local_workers = len(plan.process(rank).workers)
         # in-memory Downpour / Hogwild: the groups are this process's workers, pushing to one in-process server
         self.groups_in_memory = groups_in_memory(plan)
-        # Local SGD / DiLoCo's groups as this process's threads: each group's PeriodicExchange (group order), meeting in
-        # memory, and the step whose boundary each group's threads ran (_group_boundary)
+        # Local SGD / DiLoCo's groups as this process's threads, meeting in memory (session_threads.py)
         self.meets_in_memory = meets_in_memory(plan)
-        self._meetings: list = []
-        self._group_met_at: dict[int, int] = {}
+        self.threads: Optional[session_threads.WorkerThreads] = None  # (run.each_worker's, several workers)
         self._workers: list[session_worker.SessionWorker] = []
         self._measured: list[session_shares.MeasuredShares] = []  # cluster.auto_batch_shares: each group's balancer here
-        self._met_at = -1  # several workers under Local SGD / DiLoCo: the step whose boundary ran (_workers_boundary)
-        self._warmup_ends = 0  # in-memory groups with a warm-up: the step after whose boundary the other groups start
         # each worker thread reports into the one display window; in-memory asynchronous groups' step boundary (group 0's)
         # closes it while the others report, and may checkpoint, which closes it too: reentrant
         self._window_lock = threading.RLock()
@@ -311,323 +304,17 @@ class Session:
             raise SessionError("run.each_worker: once per session, instead of run.model")
         if self.local_workers == 1:
             return [train(self)]
-        local = session_worker.LocalWorkers(self.local_workers)
-        devices = usable_device_names(self.plan.devices_of(self.rank))
-        self._workers = [session_worker.SessionWorker(self, k, hosted, torch_device(devices[k]), local)
-                         for k, hosted in enumerate(self.plan.process(self.rank).workers)]
-        results: list = [None] * self.local_workers
-        errors: list[Optional[BaseException]] = [None] * self.local_workers
-
-        def body(k: int) -> None:
-            try:
-                results[k] = train(self._workers[k])
-            except BaseException as err:  # (SystemExit too: it ends this thread only; the process ends it below)
-                errors[k] = err
-                local.fail(err)
-
-        threads = [threading.Thread(target=body, args=(k,), name=f"shoal worker {k}", daemon=True)
-                   for k in range(self.local_workers)]
-        for thread in threads:
-            thread.start()
-        try:
-            for thread in threads:
-                while thread.is_alive():
-                    thread.join(0.2)
-        except BaseException as err:  # (Ctrl-C): the workers stop at their next meeting
-            local.fail(err)
-            raise
-        first = next((e for e in errors if e is not None and not isinstance(e, session_worker.WorkerFailed)),
-                     next((e for e in errors if e is not None), None))
-        if first is not None:
-            raise first
-        return results
-
-    def _adopt_workers_modules(self) -> None:
-        """Every worker gave its module (run by the last to arrive): worker 0's is the process's (checkpoint, exchange,
-        rank 0's values), copied into the others; each worker's gradients go to the process's LocalMean."""
-        if len({id(worker.module) for worker in self._workers}) < len(self._workers):
-            raise SessionError("worker.model: each worker trains a replica of its own: build the module inside the "
-                               "function run.each_worker runs (or give it copy.deepcopy(model))")
-        first = self._workers[0].module
-        self._model(first, own_mean=False)
-        values = first.state_dict()
-        for worker in self._workers[1:]:
-            worker.module.load_state_dict(values)
-        if self.groups_in_memory or self.pushes:  # each group's pushes start at worker.optimizer
-            self._workers_groups()
-            return
-        if self.meets_in_memory:  # Local SGD / DiLoCo's groups in this process: each group's workers' mean, its meetings
-            self._workers_groups()
-            self._start_meetings()
-            return
-        if self._update_lock is not None:  # Distributed Hogwild: the group's workers compute on its one copy (worker
-            for worker in self._workers[1:]:  # 0's params, which its masters' syncs reach), which worker 0's optimizer
-                for mine, theirs in zip(worker.module.parameters(), first.parameters()):  # updates (the group's store
-                    mine.data = theirs.data                                               # of a job file's threads)
-        # a synchronous group's mean goes through its exchange; a Local SGD or Hogwild group's workers' mean stays here
-        # (the groups meet, or sync, at the step boundary)
-        self.mean = session_worker.LocalMean(self._workers, self._workers[0].local,
-                                             self.exchange if self.plan.strategy.synchronous else None)
-        for k, worker in enumerate(self._workers):
-            trained = [(n, p) for n, p in worker.module.named_parameters() if p.requires_grad]
-            worker.mean = session_exchange.GradientMean(trained, session_worker.WorkerMean(self.mean, k), worker.share,
-                                                        lambda: self.step)
-
-    def _workers_groups(self) -> None:
-        """In-memory Downpour and Hogwild, and Downpour's and Sandblaster's pushes to server processes: the workers of a
-        group in this process compute on the group's one copy (its first worker's params, as the job path's group's
-        workers view its store; in-memory Hogwild's groups all on worker 0's, the server's), and with several of them
-        their gradients meet in one LocalMean (a group's synchronous inside): when backward ends each holds the group's
-        mean (Sandblaster's over the group's processes, from worker.optimizer on: _workers_pushing), which their
-        opt.step()s push once (session_worker.py's _push, _push_process). Local SGD / DiLoCo's groups in one process
-        group their workers alike, each worker on a replica of its own that its optimizer updates with the group's mean
-        (as a group's threads over processes: the replicas stay equal)."""
-        groups: dict[int, list[session_worker.SessionWorker]] = {}
-        for worker in self._workers:
-            groups.setdefault(worker.group, []).append(worker)
-        one_copy = self.groups_in_memory and self.plan.strategy.shares_one_store()
-        means = []
-        for members in groups.values():
-            copy_of = self._workers[0] if one_copy else members[0]
-            for worker in members:
-                if worker is not copy_of and not self.meets_in_memory:
-                    for mine, theirs in zip(worker.module.parameters(), copy_of.module.parameters()):
-                        mine.data = theirs.data
-            # the group's meetings (over processes the process's: it hosts one group's workers)
-            local = members[0].local if self.pushes else session_worker.LocalWorkers(len(members))
-            if local is not members[0].local:
-                members[0].local.linked.append(local)  # (a worker that fails stops its group's meetings too)
-            for worker in members:
-                worker.group_workers, worker.group_local = members, local
-            if len(members) > 1:
-                mean = session_worker.LocalMean(members, local, None)
-                means.append(mean)
-                for k, worker in enumerate(members):
-                    trained = [(n, p) for n, p in worker.module.named_parameters() if p.requires_grad]
-                    worker.mean = session_exchange.GradientMean(trained, session_worker.WorkerMean(mean, k), worker.share,
-                                                                lambda worker=worker: worker.step)
-        if means:
-            self.mean = means[0] if self.pushes else session_worker.LocalMeans(means)
-
-    def _start_meetings(self) -> None:
-        """Local SGD / DiLoCo's groups as this process's threads (run by the last worker to give its module): each group's
-        replicas take its checkpoint part's values (resumed), and the strategy's PeriodicExchange of each group views its
-        first worker's params and meets the others in memory (session_exchange.meeting_exchanges); group 0's is the
-        session's exchange (the chief's checkpoint file, summary.json). A worker's failure abandons the meetings, so that
-        no group's thread waits there for a group that stopped."""
-        firsts = sorted({id(w.group_workers[0]): w.group_workers[0] for w in self._workers}.values(), key=lambda w: w.group)
-        if self._mine is not None:
-            for worker in self._workers:
-                if worker.group:  # (group 0's took the chief's file in _model)
-                    session_state.load_module(worker.module, self._group_part(worker.group).params)
-        if self.plan.job.cluster.outer_updater.user_type:  # (outer_optimizer=: a torch optimizer over these params)
-            from shoal.frontend import session_outer
-
-            session_outer.bind(self.plan, firsts[0].module)
-        stores = [ParamStore.viewing([(n, p.data) for n, p in first.module.named_parameters() if p.requires_grad])
-                  for first in firsts]
-        saved = [dict(self._group_part(first.group).exchange) if self._mine is not None else None for first in firsts]
-        self._meetings = session_exchange.meeting_exchanges(self.plan, stores, self.start_step, saved, self.metrics)
-        self.exchange = self._meetings[0]
-        self._workers[0].local.linked.append(session_worker.StopsMeetings(self.exchange.meeting))
-
-    def _group_boundary(self, group: int, step: int) -> None:
-        """Local SGD / DiLoCo's groups in one process: every worker of group `group` updated after step `step` (run by
-        the last of them to arrive, in their thread, inside its opt.step() as one worker's post-hook over processes; or
-        at the step's end where the loop skipped the update): the group's exchange steps, meeting the other groups'
-        threads in memory when due, and its new anchor is then in every replica of the group."""
-        if self._group_met_at.get(group) == step:
-            return
-        self._group_met_at[group] = step
-        exchange, members = self._meetings[group], [w for w in self._workers if w.group == group]
-        started = time.perf_counter()
-        try:  # (the user's optimizers made the inner update: the exchange's own applies nothing)
-            exchange.step(step, [({}, sum(worker.share for worker in members))])
-        except Exception:  # (GroupsAborted) another worker stopped and abandoned the meetings: its error is the one raised
-            if self._workers[0].local.broken is not None:
-                raise session_worker.WorkerFailed("another worker of this process stopped") from None
-            raise
-        with self._window_lock:
-            self.exchange_seconds += time.perf_counter() - started
-        if exchange.meets_after(step):
-            with torch.no_grad():
-                for worker in members[1:]:
-                    for mine, theirs in zip(worker.module.parameters(), members[0].module.parameters()):
-                        mine.copy_(theirs)
+        self.threads = session_threads.WorkerThreads(self)  # (the process's part of its workers' loop)
+        self._workers = self.threads.workers
+        return self.threads.run_each(train)
 
     def _group_part(self, group: int):
         """The resumed checkpoint's state of worker group `group`: this process's part (`_mine`), or under Local SGD /
-        DiLoCo's groups in one process the part the chief's file lists for the group (written by `_write_group_parts`)."""
+        DiLoCo's groups in one process the part the chief's file lists for the group (session_threads.py's
+        `WorkerThreads.write_group_parts` wrote it)."""
         if not self.meets_in_memory or not group or self.resumed is None:
             return self._mine
         return self.resumed.parts[ckpt_io.part_name(self.resumed.step, group, self.rank)]
-
-    def _write_group_parts(self, done: int) -> dict[str, bool]:
-        """Local SGD / DiLoCo's groups in one process, at a checkpoint: every group but 0 writes its part, as its process
-        would over processes (its first worker's module, optimizers and schedulers, its exchange's values, anchor and
-        outer state; its data position is the step's); returns them as the chief's file lists them (required)."""
-        parts = {}
-        for exchange in self._meetings[1:]:
-            first = next(w for w in self._workers if w.group == exchange.group)
-            state = session_state.checkpoint_state(done, first.module, first.optimizers, first.schedulers, self.device,
-                                                   MetricWindow(), None, exchange)
-            ckpt_io.save(ckpt_io.part_file(self.workspace, done, exchange.group, self.rank), state)
-            parts[ckpt_io.part_name(done, exchange.group, self.rank)] = True
-        return parts
-
-    def _workers_pushing(self) -> None:
-        """Downpour and Sandblaster, several workers in this process: every worker gave its optimizer (worker 0's
-        run.optimizer made the exchange to the servers): Sandblaster's mean is the group's, over its processes, as one
-        worker's (StubGroupMean)."""
-        if self.plan.strategy.synchronous:  # (--max-restarts: the worker processes' quorum's, as for one worker)
-            named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-            self.mean.exchange = self.exchange if self._served_replicas else session_exchange.StubGroupMean(named, self.exchange)
-            self._group_window = self._served_replicas
-
-    def _workers_push(self) -> None:
-        """Every worker of this process reached its opt.step() (run by the last to arrive): the process's one push of
-        worker 0's `.grad` (every worker holds the same mean, clipped alike), with the process's rows."""
-        session_pushes.push(self, self.optimizers[0], (), {})
-
-    def _start_groups(self) -> None:
-        """In-memory Downpour and Hogwild: every worker gave its optimizer (run by the last to arrive): the groups'
-        exchanges around one in-process server that runs worker 0's optimizer, built from its recipe (as Downpour's
-        server processes do), from worker 0's values (or the checkpoint's server values and optimizer state); each
-        group's store views its copy (its first worker's params), its pushes carry its first worker's optimizer's
-        hyper-parameters."""
-        for worker in self._workers:
-            named = [(n, p) for n, p in worker.module.named_parameters() if p.requires_grad]
-            held = {id(p) for group in worker.optimizers[0].param_groups for p in group["params"]}
-            left = [n for n, p in named if id(p) not in held]
-            if left:
-                raise SessionError(f"worker.optimizer: {self.plan.label}'s server updates every trained param of the "
-                                   f"module, and worker {worker.index}'s optimizer does not hold {left[0]!r}")
-        firsts = sorted({id(w.group_workers[0]): w.group_workers[0] for w in self._workers}.values(), key=lambda w: w.group)
-        stores = [ParamStore.viewing([(n, p.data) for n, p in first.module.named_parameters() if p.requires_grad])
-                  for first in firsts]
-        try:
-            recipe = session_exchange.optimizer_recipe(self._workers[0].optimizers[0], [
-                (n, p) for n, p in self._workers[0].module.named_parameters() if p.requires_grad])
-        except session_exchange.RecipeError as err:
-            raise SessionError(str(err)) from None
-        recipe = session_pushes.compensated(self, recipe)
-        saved = dict(self._mine.exchange) if self._mine is not None else None
-        self.exchange = session_exchange.group_exchanges(self.plan, stores, recipe, [w.optimizers[0] for w in firsts],
-                                                         self.start_step, saved, self.metrics,
-                                                         schedule=lambda: self._update_schedule)
-        for worker in self._workers:
-            worker.pushes_to = self.exchange.exchanges[worker.group]
-
-    def _start_workers_loop(self) -> None:
-        """Every worker reached its batches() (run by the last to arrive): the loop's start, once for the process; on a
-        resume every worker's schedulers and optimizers take the checkpoint's state (worker 0's, as every replica's)."""
-        self._restore_loop_state()
-        for worker in self._workers[1:]:
-            for found in session_state.schedulers_of(worker.optimizers):
-                if found not in worker.schedulers:
-                    worker.schedulers.append(found)
-            if self._mine is not None:
-                session_worker.restore_worker(self._group_part(worker.group), worker.optimizers, worker.schedulers,
-                                              lambda i, worker=worker: self._saved_optimizer_state(i, worker.optimizers[i],
-                                                                                                  worker.module, worker.group))
-        self._share = sum(worker.share for worker in self._workers)  # the process's rows per step
-        self._measured = session_shares.measure(self)  # (cluster.auto_batch_shares: re-split as the loop goes)
-        if self.rejoin is not None and (self.plan.strategy.synchronous or self.plan.strategy.meets) and not self.pushes:
-            session_healing.workers_take_chiefs_state(self)  # (restarted: the chief's state, or a live group's)
-        if self.groups_in_memory:
-            self._start_after_warmup()
-        if self.pushes:  # Downpour / Sandblaster: the chief's FIRST to the servers, the other groups' pull, where they start
-            session_pushes.pushing(self).global_batch = self._workers[0].global_batch
-            start = self.start_step
-            session_pushes.start_pushing(self)  # (worker 0's schedulers stepped to where the group starts; the others' here)
-            self._step_other_workers_schedulers(self.start_step - start)
-            if self.rejoin is not None:  # (restarted: every worker goes on from the group's step the servers said, or,
-                if self._served_replicas:  # Sandblaster's replicas, from the chief's state, which worker 0 took)
-                    session_healing.workers_copy_first(self)
-                for worker in self._workers:
-                    worker.first_step = worker.at = self.start_step
-        if self.rejoin is not None and self._update_lock is not None:  # Distributed Hogwild's restarted group: the live
-            start = self.start_step                                     # values in the copy its threads share
-            session_healing.take_live_values(self)  # (worker 0's schedulers stepped to the peers' step; the others' here)
-            self._step_other_workers_schedulers(self.start_step - start)
-            for worker in self._workers:
-                worker.first_step = worker.at = self.start_step
-        self.step = self.start_step
-        if self._update_lock is not None:  # Distributed Hogwild: the values the groups start from are set: its masters serve
-            self.exchange.begin(self.start_step)
-        if self.chief and self.distributed and self.plan.strategy.chief_succeeded_by_a_group(self.plan):
-            say_chief_started()  # (as one worker's loop start: a chief dead after it is succeeded, not the whole job restarted)
-        if self.distributed:
-            session_exchange.note_step(self.step)
-        self._window_start = time.perf_counter()
-
-    def _start_after_warmup(self) -> None:
-        """In-memory groups with a warm-up (cluster.warmup_steps N; SINGA's): group 0 trains alone to step N, then the
-        other groups start there (a resumed run at its checkpoint's step, if later), as the board says
-        (`GroupBoard.start_at`, a job file's groups too); their schedulers stepped to that step, as a job file's group's
-        schedule starts at its first step. Until then their workers are excused from the process's meetings, so that
-        group 0 checkpoints alone (the file holds the others' unstarted state: a resume starts them at N again)."""
-        late = [w for w in self._workers if self.exchange.first_step(w.group) > self.start_step]
-        for worker in late:
-            worker.first_step = self.exchange.first_step(worker.group)  # (its `at` stays: an interval's step is group 0's)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # ("scheduler.step() before optimizer.step()")
-                for scheduler in worker.schedulers:
-                    for _ in range(worker.first_step - self.start_step):
-                        scheduler.step()
-        if late:
-            self._warmup_ends = min(max(w.first_step for w in late), self.job.train_steps)
-            self._workers[0].local.excuse(len(late))
-
-    def _workers_boundary(self, step: int) -> None:
-        """Every worker's first optimizer stepped (run by the last to arrive, inside its opt.step(), as one worker's
-        post-hook does): Local SGD / DiLoCo's meeting when due, its new anchor then in every worker's replica."""
-        self._met_at = step
-        self._boundary(step)
-        if self.exchange.meets_after(step):
-            with torch.no_grad():
-                for worker in self._workers[1:]:
-                    for mine, theirs in zip(worker.module.parameters(), self._workers[0].module.parameters()):
-                        mine.copy_(theirs)
-
-    def _workers_step_done(self, step: int) -> None:
-        """Every worker ended step `step`'s body (run by the last to arrive): the process's step boundary, once (a
-        meeting the loop's skipped update did not reach comes here, as _step_done's for one worker)."""
-        if not (self.groups_in_memory or self.pushes or self._update_lock is not None):  # (each worker its own replica)
-            session_worker.refresh_replicas(self._workers)  # (a device list's CPU+GPU split: equal after the update)
-        if self.meets_in_memory:  # (every group met in its own threads before this: _group_boundary)
-            self._updated_at = step
-        elif self.distributed and self.plan.strategy.meets:
-            if self._met_at != step:
-                self._workers_boundary(step)
-            self._updated_at = step  # (the boundary is done: _step_done does not meet again)
-        elif self._update_lock is not None:  # Distributed Hogwild: the sync when due, once the group's copy is updated
-            self._boundary(step)
-            self._updated_at = step
-        self._step_done(step)
-        if step + 1 < max(self.job.train_steps, self._workers_end):
-            self.step = step + 1
-            if self.distributed:
-                session_exchange.note_step(self.step)
-        if self._warmup_ends and step + 1 >= self._warmup_ends:  # group 0's warm-up ended: the other groups start
-            self._warmup_ends = 0
-            self._workers[0].local.admit()
-
-    def _workers_steps_to_train(self, step: int) -> None:
-        """Distributed Hogwild under restarts, every worker past its last step (run by the last to arrive): the step the
-        group trains to, its share of the steps restarted groups skipped past train_steps (as one worker's loop asks)."""
-        self._workers_end = self.exchange.steps_to_train(self.job.train_steps)
-        if self._workers_end > step:
-            self.step = step
-            session_exchange.note_step(step)
-
-    def _group_step_done(self, group: int, step: int) -> None:
-        """In-memory asynchronous groups, running freely: group `group`'s workers ended step `step` (run by the last to
-        arrive). Group 0's step is the process's step boundary (its displays, as a job file's chief group's trainer),
-        its window closed under the lock the other groups report through."""
-        if group == 0:
-            with self._window_lock:
-                self._workers_step_done(step)
 
     def furthest_step(self) -> int:
         """The furthest step a worker of this process is at (in-memory asynchronous groups run freely)."""
@@ -745,7 +432,7 @@ class Session:
                 session_state.saved_optimizer_state(self._mine, index), index, self._named(optimizer, self.module))
         sliced = session_slices.SlicedUpdate(self.plan, self.rank, optimizer, index, trained, saved)
         self._slices.append(sliced)
-        if self._workers:  # several workers: their opt.step()s meet, and the process updates once (_workers_slices_step)
+        if self._workers:  # several workers: their opt.step()s meet, and the process updates once (threads.slices_step)
             return
 
         def update(optimizer, args, kwargs) -> None:
@@ -762,18 +449,6 @@ class Session:
         self.exchange.sent_bytes += part * others
         self.exchange.job_bytes_sent += part * self.plan.nprocs * others
         self.exchange_seconds += time.perf_counter() - started
-
-    def _workers_slices_step(self, index: int) -> None:
-        """Server slices, several workers in this process (run by the last to reach its optimizer `index`'s step): the
-        process's one update of its slices from worker 0's `.grad` (every worker holds the group's mean, clipped alike),
-        every value then copied into the other workers' replicas, whose optimizers update nothing (as worker 0's)."""
-        self._slices_step(index)
-        with torch.no_grad():
-            theirs = [p for group in self._workers[0].optimizers[index].param_groups for p in group["params"]]
-            for worker in self._workers[1:]:
-                mine = [p for group in worker.optimizers[index].param_groups for p in group["params"]]
-                for value, source in zip(mine, theirs):
-                    value.copy_(source)
 
     def _saved_optimizer_state(self, index: int, optimizer: torch.optim.Optimizer, module: torch.nn.Module,
                                group: int = 0) -> dict:
@@ -845,7 +520,7 @@ class Session:
         """The step boundary, after the user's update: Local SGD / DiLoCo's meeting, or Hogwild's sync, when it is due."""
         self._updated_at = self.step
         self._release()
-        if not self._workers:  # (several workers: the boundary comes once they all updated, _workers_step_done)
+        if not self._workers:  # (several workers: the boundary comes once they all updated, threads.step_done)
             self._boundary(self.step)
 
     def _boundary(self, step: int) -> None:
@@ -857,16 +532,6 @@ class Session:
         started = time.perf_counter()
         self.exchange.step(step, [({}, self._share)])  # the inner update was the user's: the meeting when it is due
         self.exchange_seconds += time.perf_counter() - started
-
-    def _step_other_workers_schedulers(self, steps: int) -> None:
-        """Workers 1.. of this process's group step their schedulers `steps` times: worker 0's were stepped to where the
-        group starts (torch warns of a scheduler stepped before its optimizer: none of these has stepped yet)."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for worker in self._workers[1:]:
-                for scheduler in worker.schedulers:
-                    for _ in range(steps):
-                        scheduler.step()
 
     @contextmanager
     def accumulating(self) -> Iterator[None]:
@@ -1107,7 +772,7 @@ class Session:
                 ckpt.part_names = {ckpt_io.part_name(done, g, r): required and g not in absent
                                    for (g, r), required in parts.items()}
             if self.meets_in_memory:  # every other group's state, its part (every group is at this step: a meeting of all)
-                ckpt.part_names = self._write_group_parts(done)
+                ckpt.part_names = self.threads.write_group_parts(done)
             ckpt.trainer["writer"] = self.rank  # whose state the file holds (a resume gives it to that process)
             ckpt_io.save(path, ckpt)
         return path

@@ -44,7 +44,7 @@ says:
 - Local SGD / DiLoCo's groups in one process (threads, `meeting_exchanges`): the strategy's PeriodicExchange for each
   group, meeting in memory (its InMemoryMeeting), each group's replicas updated by its workers' own optimizers; the
   group's workers' `opt.step()`s hand its exchange the step once, in the group's thread, so the groups meet there
-  (frontend/session.py's `_group_boundary`).
+  (frontend/session_threads.py's `WorkerThreads.group_boundary`).
 
 The exchanges come from `plan.strategy.attach_exchanges(run)` with `SessionRun`, a process's part whose one trainer
 is the user's module (`SessionMember`: its ParamStore views the module's params, no copy).
