@@ -12,11 +12,17 @@
         if step % 100 == 0: run.evaluate(val_set, loss_fn); run.checkpoint()   # `--resume` continues exactly
 
 Nothing of the loop is copied or re-run: the module, its optimizer and the scheduler stay the user's objects.
-Several workers in one process (threads): `run.each_worker(body)` runs the loop's body once per worker, each with a
-worker's view of these calls (session_worker.py), the process's part of their loop run once (session_threads.py). Where the process comes from (one process here, one per rank under `shoal run script.py`): session_start.py; what
-runs inside backward and opt.step(): runtime/session_exchange.py; run.evaluate: session_eval.py; what a checkpoint
-and a restarted process's handover hold, built and loaded back: session_state.py; a restarted process taking the chief's
-state, and a living one taking a dead chief's place (--max-restarts): session_healing.py. docs/python.md, "Your own loop".
+Session holds the loop's calls and the order of a step; each layout's detail is one call away:
+- where the process comes from (one process here, one per rank under `shoal run script.py`): session_start.py;
+- several workers in one process (threads): `run.each_worker(body)` runs the loop's body once per worker, each with a
+  worker's view of these calls (session_worker.py), the process's part of their loop run once (session_threads.py);
+- what runs inside backward and opt.step(): runtime/session_exchange.py; Downpour's and Sandblaster's pushes to the
+  servers that run the user's optimizer: session_pushes.py; each process's update of its server slices:
+  session_server_slices.py;
+- a restarted process taking the chief's state, and a living one taking a dead chief's place (--max-restarts):
+  session_healing.py;
+- run.evaluate: session_eval.py; what a checkpoint and a restarted process's handover hold, built and loaded back:
+  session_state.py. docs/python.md, "Your own loop".
 """
 from __future__ import annotations
 
@@ -34,8 +40,8 @@ import torch
 from shoal.config import job_pb2
 from shoal.config.phases import fires
 from shoal.data.in_place import reader_for, to_device
-from shoal.frontend import (script, session_eval, session_healing, session_partition, session_pushes, session_shares,
-                            session_state, session_threads, session_worker)
+from shoal.frontend import (script, session_eval, session_healing, session_partition, session_pushes,
+                            session_server_slices, session_shares, session_state, session_threads, session_worker)
 from shoal.frontend.fit_inputs import as_dataset
 from shoal.frontend.session_start import (SessionError, check_layout, group_shares, groups_in_memory, meets_in_memory,
                                           plan_session, pushes_to_servers, rank_context, refuse_unstarted, same_job,
@@ -412,43 +418,11 @@ class Session:
         if self._mine is not None:
             optimizer.load_state_dict(self._saved_optimizer_state(index, optimizer, self.module))
         if self.sliced:
-            self._update_slices(optimizer, index)
+            session_server_slices.update_slices(self, optimizer, index)
         optimizer.register_step_pre_hook(self._before_update)
         # one step boundary per step: the first optimizer's (Local SGD / DiLoCo meet after it, Hogwild syncs when due)
         optimizer.register_step_post_hook(self._after_update if index == 0 else self._after_other_update)
         return optimizer
-
-    def _update_slices(self, optimizer: torch.optim.Optimizer, index: int) -> None:
-        """Server slices: this process updates its slices of the optimizer's params with an optimizer of its class and
-        groups over them, which alone holds their state; opt.step()'s pre-hook runs it and all-gathers the values,
-        leaving `.grad` None, so the user's optimizer updates nothing here (runtime/session_slices.py)."""
-        if self.module is None:
-            raise SessionError(f"run.optimizer: give the module to run.model(...) first ({self.plan.label}'s server slices "
-                               "cut its params over the processes)")
-        trained = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        saved = None
-        if self.resumed is not None:  # the slices it saved, or (a checkpoint of whole params' state) each param as one
-            saved = session_slices.saved_slices(self.resumed) or session_slices.sliced_from_whole(
-                session_state.saved_optimizer_state(self._mine, index), index, self._named(optimizer, self.module))
-        sliced = session_slices.SlicedUpdate(self.plan, self.rank, optimizer, index, trained, saved)
-        self._slices.append(sliced)
-        if self._workers:  # several workers: their opt.step()s meet, and the process updates once (threads.slices_step)
-            return
-
-        def update(optimizer, args, kwargs) -> None:
-            self._slices_step(index)
-            session_worker.drop_grads(optimizer)
-
-        optimizer.register_step_pre_hook(update)
-
-    def _slices_step(self, index: int) -> None:
-        """Server slices: optimizer `index`'s update of this process's slices and the all-gather of every process's."""
-        started = time.perf_counter()
-        part = self._slices[index].step(self.step, self.exchange.present)
-        others = self.plan.nprocs - 1  # (the replicated exchange's counts of an all-gather: each part to every other)
-        self.exchange.sent_bytes += part * others
-        self.exchange.job_bytes_sent += part * self.plan.nprocs * others
-        self.exchange_seconds += time.perf_counter() - started
 
     def _saved_optimizer_state(self, index: int, optimizer: torch.optim.Optimizer, module: torch.nn.Module,
                                group: int = 0) -> dict:
@@ -462,20 +436,8 @@ class Session:
         pieces = session_slices.saved_slices(self.resumed)
         if not pieces:
             return state
-        return dict(state, state=session_slices.whole_state(pieces, index, self._named(optimizer, module)))
-
-    @staticmethod
-    def _named(optimizer: torch.optim.Optimizer, module: Optional[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
-        """The optimizer's params with the module's names, in its groups' order (a state_dict's positions)."""
-        if module is None:
-            raise SessionError("run.optimizer: give the module to run.model(...) first (the checkpoint's optimizer state is "
-                               "kept by param name)")
-        name_of = {id(p): n for n, p in module.named_parameters()}
-        named = [(name_of.get(id(p)), p) for group in optimizer.param_groups for p in group["params"]]
-        if any(name is None for name, _ in named):
-            raise SessionError("run.optimizer: the optimizer holds a tensor that is not a param of run.model's module, "
-                               "whose state the checkpoint's slices cannot name")
-        return named
+        return dict(state, state=session_slices.whole_state(pieces, index,
+                                                            session_server_slices.named_params(optimizer, module)))
 
     @property
     def optimizer_state_elements(self) -> int:
@@ -748,7 +710,7 @@ class Session:
         elif not self.chief and self.sliced:  # server slices: only its slices' optimizer state is this process's own
             ckpt_io.save(ckpt_io.part_file(self.workspace, done, self.group, self.rank),
                          ckpt_io.Checkpoint(step=done, params={}, trainer={"next_step": done, "session": True},
-                                            exchange=self._slices_state()))
+                                            exchange=session_server_slices.slices_state(self)))
         elif not self.chief and self.own_residual:  # the replicas are equal: only the residual is this process's own
             own = session_exchange.exchange_state(self.exchange) if self.exchange is not None else {}
             ckpt_io.save(ckpt_io.part_file(self.workspace, done, self.group, self.rank),
@@ -762,7 +724,7 @@ class Session:
                 ckpt.part_names = {ckpt_io.part_name(done, self.plan.process(r).workers[0].group, r): r in present
                                    for r in range(self.plan.nprocs) if r != self.rank}  # (the chief: 0, or its successor)
             if self.sliced:  # every other process's slices, required: a resume needs every slice's state
-                ckpt.exchange |= self._slices_state()
+                ckpt.exchange |= session_server_slices.slices_state(self)
                 ckpt.part_names = {ckpt_io.part_name(done, self.plan.process(r).workers[0].group, r): True
                                    for r in range(self.plan.nprocs) if r != self.rank}
             if self.apart:  # every group's part but the writer's own (here); an asynchronous group's optional, as a job
@@ -776,9 +738,6 @@ class Session:
             ckpt.trainer["writer"] = self.rank  # whose state the file holds (a resume gives it to that process)
             ckpt_io.save(path, ckpt)
         return path
-
-    def _slices_state(self) -> dict[str, torch.Tensor]:
-        return {key: value for sliced in self._slices for key, value in sliced.state_tensors().items()}
 
     def _state(self, done: int) -> ckpt_io.Checkpoint:
         state = session_state.checkpoint_state(done, self.module, self.optimizers, self.schedulers, self.device, self.window,

@@ -20,7 +20,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from shoal.comm.succession import say_chief_started
-from shoal.frontend import session_healing, session_pushes, session_shares, session_state, session_worker
+from shoal.frontend import (session_healing, session_pushes, session_server_slices, session_shares, session_state,
+                            session_worker)
 from shoal.frontend.session_start import SessionError
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.params import ParamStore
@@ -382,7 +383,7 @@ class WorkerThreads:
         """Server slices (run by the last worker to reach its optimizer `index`'s step): the process's one update of its
         slices from worker 0's `.grad` (every worker holds the group's mean, clipped alike), every value then copied
         into the other workers' replicas, whose optimizers update nothing (as worker 0's)."""
-        self.run._slices_step(index)
+        session_server_slices.slices_step(self.run, index)
         with torch.no_grad():
             theirs = [p for group in self.workers[0].optimizers[index].param_groups for p in group["params"]]
             for worker in self.workers[1:]:
