@@ -21,6 +21,7 @@ Session holds the loop's calls and the order of a step; each layout's detail is 
   session_server_slices.py;
 - a restarted process taking the chief's state, and a living one taking a dead chief's place (--max-restarts):
   session_healing.py;
+- the display window's Train lines and train records: session_display.py;
 - run.evaluate: session_eval.py; what a checkpoint and a restarted process's handover hold, built and loaded back:
   session_state.py. docs/python.md, "Your own loop".
 """
@@ -40,7 +41,7 @@ import torch
 from shoal.config import job_pb2
 from shoal.config.phases import fires
 from shoal.data.in_place import reader_for, to_device
-from shoal.frontend import (script, session_eval, session_healing, session_partition, session_pushes,
+from shoal.frontend import (script, session_display, session_eval, session_healing, session_partition, session_pushes,
                             session_server_slices, session_shares, session_state, session_threads, session_worker)
 from shoal.frontend.fit_inputs import as_dataset
 from shoal.frontend.session_start import (SessionError, check_layout, group_shares, groups_in_memory, meets_in_memory,
@@ -50,7 +51,7 @@ from shoal.frontend.session_start import (SessionError, check_layout, group_shar
 from shoal.neuralnet import checkpoint as ckpt_io
 from shoal.neuralnet.params import ParamStore
 from shoal.planning.plan import JobPlan, sliced_for
-from shoal.report.metrics import MetricsLog, MetricWindow, display_line
+from shoal.report.metrics import MetricsLog, MetricWindow
 from shoal.report.run_log import open_run_log
 from shoal.comm import dist as comm
 from shoal.comm.succession import say_chief_started
@@ -590,29 +591,19 @@ class Session:
                 session_healing.take_over(self, step)
         elif session_healing.succeeds_the_chief(self):  # Downpour, Distributed Hogwild: its exchange saw the chief gone at this step's end
             session_healing.take_over(self, step)
-        self._count_rows(step)
+        session_display.count_rows(self, step)
         if self.checkpoints_after(step):
             path = self.checkpoint()
             if self._free_interval is not None:  # (no checkpoint_freq: the interval's step)
                 self._free_interval.written()
-                self._say_interval_checkpoint(path)
+                session_display.say_interval_checkpoint(self, path)
         elif (self._interval is not None and step + 1 < self.job.train_steps
               and self._interval.due(self.group, step + 1, self.chief)):
             path = self.checkpoint()
             self._interval.written(step + 1)
-            self._say_interval_checkpoint(path)
-        if self._displays(step) and self._displayed != step:
-            self._display(step)
-
-    def _count_rows(self, step: int) -> None:
-        """This step's rows into the display window, once (a run.checkpoint() in the loop's body closes the window first)."""
-        if self._rows_counted != step:
-            self._rows_counted = step
-            self.window_rows += self._share
-
-    def _say_interval_checkpoint(self, path: Path) -> None:
-        if self.chief:
-            self.say(f"Checkpoint written to {path} (every {self.plan.checkpoint_interval_s:g} s: checkpoint_interval_s)")
+            session_display.say_interval_checkpoint(self, path)
+        if session_display.displays(self, step) and self._displayed != step:
+            session_display.display(self, step)
 
     def _restore_loop_state(self) -> None:
         """At the loop's start: the schedulers over this session's optimizers (made after run.optimizer), and on a
@@ -654,52 +645,15 @@ class Session:
                 value = value.detach()
             self.window.report(name, value, self._share)
 
-    def _displays(self, step: int) -> bool:
-        return fires(self.job.disp_freq, self.job.disp_after, step) or step + 1 == self.job.train_steps
-
-    def _display(self, step: int) -> None:
-        self._displayed = step
-        now = time.perf_counter()
-        seconds = max(now - self._window_start - self.paused_seconds, 1e-9)
-        exchanged = self.exchange_seconds + (self.mean.seconds if self.mean is not None else 0.0)
-        if self._group_window:  # every process, at every display: the decider hears the others' windows (replicated.py)
-            values = self.exchange.metrics(self.window)
-            rows = values.pop("samples")  # the rows of the processes that came to the window's steps
-        elif self.groups_in_memory and self.window:  # in-memory groups, as a job file's: group 0's losses, every
-            values = self.exchange.metrics(self.window)  # group's rows and the updates' staleness (the board's)
-            rows = values.pop("samples", self.window_rows)
-        elif self.pushes and not self.plan.strategy.synchronous and self.window:
-            # Downpour's groups, as a job file's records: the chief's own losses, the job's rows since its last display
-            # (from the servers' version: every group's), its staleness and the bytes it pushed (DownpourExchange.metrics)
-            values = self.exchange.metrics(self.window)
-            rows = values.pop("samples", self.window_rows * self.plan.nworkers // self.local_workers)
-        else:  # every process trained as many rows (window_rows: this process's workers'; tensor-parallel, the group's)
-            rows = self.window_rows * (self.plan.nworkers // self.local_workers if self.distributed and
-                                       not self.plan.tensor_parallel else 1)
-            values = self.window.averages() if self.window else {}
-        if self.chief:
-            if self.metrics is None or not self.metrics.recorded_before(step, "train"):  # (a successor behind the dead chief)
-                self.say(display_line("Train", step, values))
-            if self.metrics is not None:
-                self.metrics.write(step, "train", values, samples=rows, samples_per_sec=round(rows / seconds, 2),
-                                   window_sec=round(seconds, 6), compute_sec=round(max(0.0, seconds - exchanged), 6),
-                                   exchange_sec=round(exchanged, 6),
-                                   **(session_shares.record_shares(self, self._measured) if self._workers else {}))
-        self.window.reset()
-        self.window_rows, self.exchange_seconds, self.paused_seconds = 0, 0.0, 0.0
-        if self.mean is not None:
-            self.mean.seconds = 0.0
-        self._window_start = now
-
     # -- checkpoints -------------------------------------------------------------------------------------
     def checkpoint(self) -> Path:
         """Write the state after this step's update: the module's values, the optimizers' and schedulers' state, the
         data position, torch's random generators and the exchange's state (Local SGD's anchor and outer state); every
         process writes its part, then the chief the file that lists them. `--resume` continues with the next step."""
         done = self.step + 1
-        if self._displays(self.step) and self._displayed != self.step:  # the window closes before it is saved
-            self._count_rows(self.step)
-            self._display(self.step)
+        if session_display.displays(self, self.step) and self._displayed != self.step:  # the window closes before it is saved
+            session_display.count_rows(self, self.step)
+            session_display.display(self, self.step)
         path = ckpt_io.checkpoint_file(self.workspace, done)
         # a synchronous group's replicas are equal: the chief's file is the checkpoint (compressed, each other process
         # adds its residual as its part). Local SGD's groups each write their part, which the chief's file lists
