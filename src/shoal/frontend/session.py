@@ -22,8 +22,9 @@ Session holds the loop's calls and the order of a step; each layout's detail is 
 - a restarted process taking the chief's state, and a living one taking a dead chief's place (--max-restarts):
   session_healing.py;
 - the display window's Train lines and train records: session_display.py;
-- run.evaluate: session_eval.py; what a checkpoint and a restarted process's handover hold, built and loaded back:
-  session_state.py. docs/python.md, "Your own loop".
+- run.evaluate: session_eval.py; which process writes what of run.checkpoint, and when: session_checkpoint.py; what a
+  checkpoint and a restarted process's handover hold, built and loaded back: session_state.py.
+docs/python.md, "Your own loop".
 """
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ import torch
 from shoal.config import job_pb2
 from shoal.config.phases import fires
 from shoal.data.in_place import reader_for, to_device
-from shoal.frontend import (script, session_display, session_eval, session_healing, session_partition, session_pushes,
-                            session_server_slices, session_shares, session_state, session_threads, session_worker)
+from shoal.frontend import (script, session_checkpoint, session_display, session_eval, session_healing, session_partition,
+                            session_pushes, session_server_slices, session_shares, session_state, session_threads,
+                            session_worker)
 from shoal.frontend.fit_inputs import as_dataset
 from shoal.frontend.session_start import (SessionError, check_layout, group_shares, groups_in_memory, meets_in_memory,
                                           plan_session, pushes_to_servers, rank_context, refuse_unstarted, same_job,
@@ -592,16 +594,7 @@ class Session:
         elif session_healing.succeeds_the_chief(self):  # Downpour, Distributed Hogwild: its exchange saw the chief gone at this step's end
             session_healing.take_over(self, step)
         session_display.count_rows(self, step)
-        if self.checkpoints_after(step):
-            path = self.checkpoint()
-            if self._free_interval is not None:  # (no checkpoint_freq: the interval's step)
-                self._free_interval.written()
-                session_display.say_interval_checkpoint(self, path)
-        elif (self._interval is not None and step + 1 < self.job.train_steps
-              and self._interval.due(self.group, step + 1, self.chief)):
-            path = self.checkpoint()
-            self._interval.written(step + 1)
-            session_display.say_interval_checkpoint(self, path)
+        session_checkpoint.when_due(self, step)
         if session_display.displays(self, step) and self._displayed != step:
             session_display.display(self, step)
 
@@ -650,56 +643,10 @@ class Session:
         """Write the state after this step's update: the module's values, the optimizers' and schedulers' state, the
         data position, torch's random generators and the exchange's state (Local SGD's anchor and outer state); every
         process writes its part, then the chief the file that lists them. `--resume` continues with the next step."""
-        done = self.step + 1
         if session_display.displays(self, self.step) and self._displayed != self.step:  # the window closes before it is saved
             session_display.count_rows(self, self.step)
             session_display.display(self, self.step)
-        path = ckpt_io.checkpoint_file(self.workspace, done)
-        # a synchronous group's replicas are equal: the chief's file is the checkpoint (compressed, each other process
-        # adds its residual as its part). Local SGD's groups each write their part, which the chief's file lists
-        # (required, but for groups missing from the meetings): no barrier, so that a dead group never holds the others
-        # up; a resume refuses a checkpoint with a required part missing
-        if not self.chief and self.apart:
-            ckpt_io.save(ckpt_io.part_file(self.workspace, done, self.group, self.rank), self._state(done))
-        elif not self.chief and self.sliced:  # server slices: only its slices' optimizer state is this process's own
-            ckpt_io.save(ckpt_io.part_file(self.workspace, done, self.group, self.rank),
-                         ckpt_io.Checkpoint(step=done, params={}, trainer={"next_step": done, "session": True},
-                                            exchange=session_server_slices.slices_state(self)))
-        elif not self.chief and self.own_residual:  # the replicas are equal: only the residual is this process's own
-            own = session_exchange.exchange_state(self.exchange) if self.exchange is not None else {}
-            ckpt_io.save(ckpt_io.part_file(self.workspace, done, self.group, self.rank),
-                         ckpt_io.Checkpoint(step=done, params={}, trainer={"next_step": done, "session": True},
-                                            exchange={k: v for k, v in own.items() if k.startswith("own/residual/")}))
-        whole = self._state(done) if self.plan.tensor_parallel else None  # (gathered: every process of the group joins)
-        if self.chief:  # (process 0, or the process that took a dead chief's place: report/succession.py)
-            ckpt = whole or self._state(done)
-            if self.own_residual:  # required from the processes the last step's mean held (a dead one writes none)
-                present = self.exchange.present if self.exchange is not None else range(self.plan.nprocs)
-                ckpt.part_names = {ckpt_io.part_name(done, self.plan.process(r).workers[0].group, r): r in present
-                                   for r in range(self.plan.nprocs) if r != self.rank}  # (the chief: 0, or its successor)
-            if self.sliced:  # every other process's slices, required: a resume needs every slice's state
-                ckpt.exchange |= session_server_slices.slices_state(self)
-                ckpt.part_names = {ckpt_io.part_name(done, self.plan.process(r).workers[0].group, r): True
-                                   for r in range(self.plan.nprocs) if r != self.rank}
-            if self.apart:  # every group's part but the writer's own (here); an asynchronous group's optional, as a job
-                # file's (a restarted one may end at another step, or die before writing it: a resume starts it from here)
-                absent = self.exchange.absent_groups if self.exchange is not None else frozenset()
-                parts = checkpoint_schedule.checkpoint_parts(self.plan, writer=(self.group, self.rank))
-                ckpt.part_names = {ckpt_io.part_name(done, g, r): required and g not in absent
-                                   for (g, r), required in parts.items()}
-            if self.meets_in_memory:  # every other group's state, its part (every group is at this step: a meeting of all)
-                ckpt.part_names = self.threads.write_group_parts(done)
-            ckpt.trainer["writer"] = self.rank  # whose state the file holds (a resume gives it to that process)
-            ckpt_io.save(path, ckpt)
-        return path
-
-    def _state(self, done: int) -> ckpt_io.Checkpoint:
-        state = session_state.checkpoint_state(done, self.module, self.optimizers, self.schedulers, self.device, self.window,
-                                               self.metrics, self.exchange, self._update_lock,
-                                               whole=self.plan.tensor_parallel)
-        if self._measured:  # each measuring group's split here: a resume goes on from it (as the job path's Trainer)
-            state.trainer["batch_shares"] = [group.shares for group in self._measured]
-        return state
+        return session_checkpoint.write(self, self.step + 1)
 
     # -- the end -----------------------------------------------------------------------------------------
     def _finish(self) -> None:
