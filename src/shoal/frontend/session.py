@@ -582,17 +582,12 @@ class Session:
         self._finish()
 
     def _step_done(self, step: int) -> None:
+        """The end of step `step`, after the loop's body: the step boundary its skipped update did not reach, a
+        restarted process's healing or a dead chief's successor, its rows in the display window, a checkpoint when
+        due, the display when due."""
         if self._updated_at != step:  # the loop skipped this step's update (a GradScaler that found inf or NaN)
             self._boundary(step)
-        if self.mean is not None and (not self.pushes or self._served_replicas) and self.exchange is not None \
-                and self.plan.strategy.synchronous:
-            session_healing.heal(self, step)  # (in-memory workers have no exchange; Sandblaster's servers hold the optimizer's state)
-        elif self.distributed and self.plan.strategy.meets:  # Local SGD / DiLoCo: a group admitted at this step's meeting
-            self.exchange.heal(step)
-            if not self.chief and self.exchange.chief:  # group 0's process died: this group speaks for the job now
-                session_healing.take_over(self, step)
-        elif session_healing.succeeds_the_chief(self):  # Downpour, Distributed Hogwild: its exchange saw the chief gone at this step's end
-            session_healing.take_over(self, step)
+        session_healing.after_the_body(self, step)
         session_display.count_rows(self, step)
         session_checkpoint.when_due(self, step)
         if session_display.displays(self, step) and self._displayed != step:

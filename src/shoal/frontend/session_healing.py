@@ -4,7 +4,8 @@ A process the launcher restarted rejoins the running loop at run.batches(): it k
 chief's state (`take_chiefs_state`: the module's values and buffers, the optimizers' and schedulers' state, torch's RNG;
 Local SGD / DiLoCo: a live group's at a meeting), or a restarted Distributed Hogwild group the live values of its
 peers (`take_live_values`); with several workers in the process worker 0 takes it and the others copy worker 0's
-(`workers_take_chiefs_state`). The processes that stayed hand it over after the loop's body (`heal`, `handover`).
+(`workers_take_chiefs_state`). The processes that stayed hand it over after the loop's body (`after_the_body`: `heal`,
+`handover`).
 When the chief dies, the process its exchange made the decider takes the chief's run log, evaluations and checkpoints
 (`take_over`; report/succession.py). Each function takes the `Session` (frontend/session.py) it acts for.
 """
@@ -36,6 +37,21 @@ def heal(run, step: int) -> None:
         run.say(f"{who} rejoined at step {step + 1}: it took the module's values and buffers, the optimizers' and "
                 f"schedulers' state and torch's RNG state after step {step} from process {run.rank}")
     run.exchange_seconds += time.perf_counter() - started
+
+
+def after_the_body(run, step: int) -> None:
+    """After the loop's body of `step`: a restarted process admitted at this step takes its state (a synchronous
+    group's from the chief, `heal`; Local SGD / DiLoCo's at this step's meeting), and a process whose exchange took a
+    dead chief's place takes the chief's duties (`take_over`)."""
+    if run.mean is not None and (not run.pushes or run._served_replicas) and run.exchange is not None \
+            and run.plan.strategy.synchronous:
+        heal(run, step)  # (in-memory workers have no exchange; Sandblaster's servers hold the optimizer's state)
+    elif run.distributed and run.plan.strategy.meets:  # Local SGD / DiLoCo: a group admitted at this step's meeting
+        run.exchange.heal(step)
+        if not run.chief and run.exchange.chief:  # group 0's process died: this group speaks for the job now
+            take_over(run, step)
+    elif succeeds_the_chief(run):  # Downpour, Distributed Hogwild: its exchange saw the chief gone at this step's end
+        take_over(run, step)
 
 
 def succeeds_the_chief(run) -> bool:

@@ -6,7 +6,8 @@ only), torch's random generators, the display window and the exchange's state; e
 (`own_part` picks this rank's back out). A handover (a process the launcher restarted, --max-restarts) is the same
 loop state in memory, in one order on both sides: the module's tensors and torch's RNG state, the optimizers' state
 tensors by key (every param of their groups present, `complete_state`), then the optimizers' param groups and the
-schedulers' state as JSON in a fixed-size tensor. Nothing here runs the loop: frontend/session.py calls these.
+schedulers' state as JSON in a fixed-size tensor. Nothing here runs the loop: frontend/session.py and its
+session_checkpoint, session_healing and session_threads call these.
 """
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ class SessionMember:
     log: Callable[[str], None] = print  # the chief's lines (a step that went on without a process)
 
     def attach_exchange(self, exchange, may_take_over: bool = False) -> None:
-        self.exchange = exchange  # (the session takes a dead chief's place itself: Session._take_over)
+        self.exchange = exchange  # (the session takes a dead chief's place itself: session_healing.take_over)
 
     def start_at(self, step: int) -> None:  # (Downpour's groups other than 0: where group 0's warm-up ends)
         self.start_step = step
