@@ -435,6 +435,30 @@ class Quorum:
             self._set("closed", "1")
             self._sweeper.swept(1.0)
 
+    def await_close(self) -> tuple[int, ...]:
+        """A member's end of the meetings (replaceable): wait for the decider's word that they are over (`close`), or
+        decide in its place when it is gone first and so is every member ranked below this one (`_decider_gone`): this
+        member is then the chief, which closes them, and speaks for the job's end (its final test and checkpoint). A
+        chief dead after the last meeting's commit says nothing more: without this wait the others ended without the
+        job's final test and checkpoint, and its restarted process knocked for ever. The chief closes right after its
+        last meeting, so the wait is a member's lag behind it (Local SGD's: the steps after the last meeting, which a
+        slower chief may take longer over: not bounded by a timeout, since a stalled or dead decider is seen as gone).
+        Returns the members found gone when it took the decider's place (the decider, and any member ranked below this
+        one), else ()."""
+        started = time.monotonic()
+        while not self.chief and self.replaceable:
+            if self.store.get("closed") == "1":
+                return ()
+            now = time.monotonic()
+            waited = now - started
+            if waited >= DECIDER_AFTER_S and now - self._decider_read_at >= DECIDER_EVERY_S:
+                self._decider_read_at = now
+                if self._decider_gone():
+                    self.decider = self.rank
+                    return tuple(m.rank for m in self.members if m.rank < self.rank)
+            _pause(waited)
+        return ()
+
     def swept(self, timeout_s: float = 10.0) -> bool:
         """Whether the chief's deletes of past meetings' keys are done (waiting up to `timeout_s`)."""
         return self._sweeper.swept(timeout_s)

@@ -7,6 +7,8 @@ process here, as a crash would.
 
   SHOAL_INJECT_EXIT="RANK:STEP"         process RANK exits (code 3) when it reaches training step STEP;
                                         a Downpour server process exits when its version reaches STEP
+  SHOAL_INJECT_EXIT_AFTER="RANK:STEP"   process RANK exits (code 3) right after training step STEP (its last step: after
+                                        the step's commit, before the job's end)
   SHOAL_INJECT_STALL="RANK:STEP"        process RANK's training hangs at step STEP (its heartbeat goes on: caught by cluster.comm_timeout_s)
   SHOAL_INJECT_GROUP_ERROR="GROUP:STEP" in-memory worker group GROUP raises at step STEP
   SHOAL_SLOW_WORKER="[G.]K:COST,..."    worker K of each group (or of group G only; a G.K item wins over a K item)
@@ -91,11 +93,15 @@ class ProcessFault(TrainerHook):
         self.step, self.action = step, action
 
     def before_step(self, step: int) -> None:
-        if step != self.step:
+        if step != self.step or self.action == "exit_after":
             return
         if self.action == "exit":
             _die()
         time.sleep(10**6)
+
+    def after_step(self, step: int) -> None:
+        if step == self.step and self.action == "exit_after":
+            _die()
 
 
 class GroupFault(TrainerHook):
@@ -111,7 +117,8 @@ class GroupFault(TrainerHook):
 
 def process_faults(rank: int) -> list[ProcessFault]:
     faults = []
-    for variable, action in (("SHOAL_INJECT_EXIT", "exit"), ("SHOAL_INJECT_STALL", "stall")):
+    for variable, action in (("SHOAL_INJECT_EXIT", "exit"), ("SHOAL_INJECT_STALL", "stall"),
+                             ("SHOAL_INJECT_EXIT_AFTER", "exit_after")):
         spec = _pair(variable)
         if spec and spec[0] == rank:
             faults.append(ProcessFault(spec[1], action))

@@ -63,7 +63,7 @@ from shoal.launcher.ranks import chief_replaceable, describe_process, heals, ran
 from shoal.launcher.workspace import check_workspace
 from shoal.report.writes import own_folder, replace_file
 from shoal.runtime.rejoined import RECORDS_FILE
-from shoal.report.terminal import write_line
+from shoal.report.terminal import also_on_the_terminal, write_line
 
 if TYPE_CHECKING:
     from shoal.launcher.launchers import LaunchedProcess
@@ -400,6 +400,7 @@ def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, stor
             (rank_main or run_process)(plan, rank, spec)
     except (JobOver, MeetingsOver) as err:  # nothing left to train: not a failure
         log(str(err))
+        also_on_the_terminal(str(err))  # (the launcher's line said it would rejoin: the job's terminal hears how it ended)
     stalls.exit_if_abandoned()
 
 

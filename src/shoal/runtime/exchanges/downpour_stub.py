@@ -308,6 +308,17 @@ class DownpourExchange:
         push of a step whole or not at all), and push the step's gradient to each server that has not applied it, so
         that the push counts once; its mirror is asked at once (`_mirror_now`). Returns the ranks of the servers that had
         applied it (from the dead chief)."""
+        done = self.take_the_groups_place(step)
+        applied = frozenset(r for r, steps in done.items() if steps > step)
+        flat, had = self._flat_grads(parts)
+        clip_([flat], self.max_norm)  # (the same clipped push the dead chief sent: the same mean, the same norm)
+        self._push_pull(step, flat, had, applied)
+        return sorted(applied)
+
+    def take_the_groups_place(self, step: int) -> dict[int, int]:
+        """Knock at every server as group 0's incarnation `self.incarnation` (after step `step`), and take its values and
+        version; returns, per server's rank, the steps group 0 has done there. The mirror is asked at the next push (none
+        yet: a server that dies before it heals from the values alone)."""
         reply, done = torch.zeros(2, dtype=torch.int64, device="cpu"), {}
         for server, server_rank, segments, size in self.servers:
             def pull(server_rank=server_rank, size=size) -> torch.Tensor:
@@ -323,12 +334,8 @@ class DownpourExchange:
             self.read_version[server_rank] = int(reply[0])
             done[server_rank] = int(reply[1])
         self.last_version = min(self.read_version.values())  # the job's samples count on from here (metrics)
-        self._mirror_now = True  # (none yet: a server that dies before it heals from the values alone)
-        applied = frozenset(r for r, steps in done.items() if steps > step)
-        flat, had = self._flat_grads(parts)
-        clip_([flat], self.max_norm)  # (the same clipped push the dead chief sent: the same mean, the same norm)
-        self._push_pull(step, flat, had, applied)
-        return sorted(applied)
+        self._mirror_now = True
+        return done
 
     def _flat_grads(self, parts: list[tuple[Grads, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """This process's share of the group's gradient (weighted by share of the group's batch), laid end to end,

@@ -150,6 +150,10 @@ class InMemoryMeeting:
     def close(self) -> None:
         """Nothing waits for the meetings' end."""
 
+    def await_close(self) -> tuple[int, ...]:
+        """Group 0's thread never dies alone: nobody takes its place (no group found gone)."""
+        return ()
+
     def leads(self, group: int) -> bool:
         """Whether `group` speaks for the job (its run log, summary, checkpoint file): group 0, the chief's thread."""
         return group == 0
@@ -230,6 +234,11 @@ class ProcessMeeting:
     def close(self) -> None:
         """The chief's meetings are over: a process still knocking is told so."""
         self.quorum.close()
+
+    def await_close(self) -> tuple[int, ...]:
+        """Another group's end: the chief's word that the meetings are over, or its place taken when it died before
+        (Quorum.await_close); the groups of the processes then found gone."""
+        return tuple(self.group_of[r] for r in self.quorum.await_close())
 
     def leads(self, group: int) -> bool:
         """Whether this process's group speaks for the job: the quorum's decider (group 0's process, or in a user's loop
@@ -554,7 +563,12 @@ class PeriodicExchange:
 
     def finish(self) -> None:
         """Every group ends at train_steps; the last meeting (if train_steps is a multiple of local_steps) was in step.
-        The chief says the meetings are over (a process still knocking has nothing left to join)."""
+        The chief says the meetings are over (a process still knocking has nothing left to join); every other group
+        waits for its word, and takes its place if it died after the last meeting (its trainer or loop then writes the
+        final test and checkpoint)."""
+        gone = self.meeting.await_close()
+        if gone:  # their state died with them: the final checkpoint waits for no part of theirs (`absent_groups`)
+            self.present = tuple(g for g in self.present if g not in gone)
         if self.chief:
             self.meeting.close()
             self._annotate()

@@ -334,7 +334,9 @@ class ReplicatedExchange:
 
     def finish(self) -> None:
         """Every update was applied in its step. The chief says the steps are over (a process still knocking has
-        nothing left to join)."""
+        nothing left to join); every other member waits for its word, and takes its place if it died after the last
+        step's commit (`Quorum.await_close`: its trainer then writes the final test and checkpoint)."""
+        self.quorum.await_close()
         if self.chief:
             self.quorum.close()
             self._annotate()

@@ -123,6 +123,17 @@ class SandblasterExchange(ReplicatedExchange):
         else:  # said once its trainer took over, after this step (`speak_for_the_job`)
             self._succeeded = line
 
+    def _succeed_after_the_last_step(self) -> None:
+        """The chief died after the last step's values meeting, so the servers applied every push: this process becomes
+        group 0's stub only to make the chief's last request (the servers' final values and state, for the final
+        checkpoint; without it the servers waited for group 0 for ever)."""
+        stub = self._new_stub()
+        stub.incarnation = channels.Door(DOWNPOUR_DOOR).next_incarnation(0)
+        stub.take_the_groups_place(self._last_step)
+        self.stub = stub
+        self._succeeded = (f"Process {self.rank} connected to the servers as worker group 0 (restart {stub.incarnation}) "
+                           f"after the last step, for their final values and state (every push applied)")
+
     def _new_stub(self) -> DownpourExchange:
         """This process's side of the servers as group 0's stub (a user's loop's also carries its hyper-parameters)."""
         return self.make_stub()
@@ -219,8 +230,11 @@ class SandblasterExchange(ReplicatedExchange):
     def finish(self) -> None:
         """The steps are over (the chief closes the meetings first: its death from here on is one nobody takes over,
         rejoin.Restarter's `chief_after_the_last_step`, rather than one a successor waits for after its loop ended), then
-        the chief's last request to the servers (their final values and state)."""
+        the chief's last request to the servers (their final values and state). A process that took a dead chief's
+        place at the end (`Quorum.await_close`: it died after the last step's values) becomes the servers' stub first."""
         super().finish()
+        if self.stub is None and self.quorum.chief and self.make_stub is not None:
+            self._succeed_after_the_last_step()
         if self.stub is not None:
             self.stub.finish()
             if self.stub.job_bytes_sent is not None:

@@ -1,0 +1,54 @@
+"""Issue 38: a chief that dies after the last step's commit, before the job's end, is succeeded for the end too.
+
+Until 2026-11-29 nobody noticed such a death: the other processes had nothing more to meet, so they ended without the
+job's final test and checkpoint, its restarted process knocked for ever (nobody closed the meetings), and under
+Sandblaster the servers waited for group 0 for ever: the job hung. Now every other member waits at its end for the
+chief's word that the meetings are over, and the lowest living one takes its place when it died first
+(shoal.comm.quorum's `await_close`): it closes the meetings, writes the final test and checkpoint, and under
+Sandblaster becomes the servers' stub for their final values and state. Real `shoal run` processes on the blobs data,
+the chief ended by SHOAL_INJECT_EXIT_AFTER right after its last step."""
+from __future__ import annotations
+
+import pytest
+
+from fault_runs import assert_no_library_text, runs  # noqa: F401 (runs: a fixture)
+from layouts import LAYOUTS, Layout, assert_ran
+from test_cli import leftover_processes
+
+from shoal.neuralnet import checkpoint as ckpt_io
+
+DILOCO = Layout(dict(nworker_groups=2, nworkers_per_procs=1, local_steps=5), 2, 2, "Local SGD")
+CASES = {  # layout name in tests/layouts.py (or None), its Layout, the cluster fields added to it
+    "AllReduce": ("AllReduce, 3 processes, replicated (max_restarts 1)", {}),
+    "Sandblaster": ("Sandblaster, 2 workers + 1 server, 3 processes", {}),
+    "Local SGD": ("single worker", DILOCO.cluster),
+}
+STEPS = 40
+
+
+@pytest.mark.parametrize("framework", list(CASES))
+def test_a_chief_dead_after_the_last_step_is_succeeded_for_the_jobs_end(blobs_job, tmp_path, runs, framework):
+    """Process 0 exits right after step 39 of 40: exit 0 (no hang), process 1 says on the terminal that it took the
+    chief's place after step 39, writes the final test and checkpoint (the servers' momentum in it, under Sandblaster),
+    summary.json says finished and names the succession; the restarted process 0 says on the terminal that it found
+    nothing left to join; no library text, nothing left behind."""
+    name, extra = CASES[framework]
+    layout = DILOCO if framework == "Local SGD" else LAYOUTS[name]
+    job = blobs_job(train_steps=STEPS, layout=name, cluster_extra=extra or None)
+    run = runs.start(job, tmp_path, "--max-restarts", "1", "--set", "updater.momentum=0.9",
+                     env={"SHOAL_INJECT_EXIT_AFTER": f"0:{STEPS - 1}"})
+    stdout, stderr = run.finished(timeout=90)
+    assert f"Process 1 took the chief's place after step {STEPS - 1}: " in stdout, stdout
+    assert "process 0 was restarted after the job's last step: nothing left to join" in stdout or \
+        "process 0 knocked after the groups' last meeting: nothing left to join" in stdout, stdout
+    got = assert_ran(run.ws, layout)
+    assert got["status"] == "finished" and "job_restarts" not in got, got
+    assert got["chief_succession"] == [{"process": 1, "after_step": STEPS - 1}], got
+    assert got["final_test"]["step"] == STEPS and got["final_test"]["accuracy"] > 0.9, got
+    final = ckpt_io.load(ckpt_io.checkpoint_file(run.ws, STEPS), parts=True)
+    assert final.trainer["writer"] == 1, final.trainer
+    if framework == "Sandblaster":  # the servers' final state, which process 1 asked for as their new stub
+        assert "Process 1 connected to the servers as worker group 0 (restart 1) after the last step" in stdout, stdout
+        assert final.updater_state and all("history" in slots for slots in final.updater_state.values())
+    assert_no_library_text(stdout, stderr)
+    assert leftover_processes(tmp_path) == []
