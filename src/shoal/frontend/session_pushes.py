@@ -6,8 +6,9 @@ servers, which build it, and opt.step()'s pre-hook pushes the gradients and inst
 before the first step the chief's values start the servers and the other groups pull theirs (`start_pushing`; a
 restarted process the servers' live values, or Sandblaster's replicas the chief's state). run.scheduler(s,
 steps="update") gives the servers the chief's schedule by their update count (`schedule_by_updates`). In-memory
-Downpour's and Hogwild's server in one process is built from the same recipe (session_threads.WorkerThreads.start_groups). Each function
-takes the `Session` (frontend/session.py) it acts for; the exchange itself is runtime/session_exchange.py's.
+Downpour's and Hogwild's server in one process is built from the same recipe (session_threads.py's
+`WorkerThreads.start_groups`). Each function takes the `Session` (frontend/session.py) it acts for; the exchange
+itself is runtime/session_exchange.py's.
 """
 from __future__ import annotations
 
