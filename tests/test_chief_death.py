@@ -157,7 +157,7 @@ def test_a_killed_chief_is_dropped_and_the_loop_goes_on(tmp_path):
     assert sorted(p.name for p in (ws / "checkpoint").iterdir()) == [f"step{s}-worker0.safetensors" for s in (10, 20, 30)]
     log1 = (ws / "logs" / "rank1.log").read_text()
     assert "Step 4 went on without process 0 (died or stopped answering)" in log1
-    assert "Process 1 took the chief's place after step 4: it decides the steps, writes the run log and the checkpoints" in log1
+    assert "Process 1 took the chief's place after step 4: it decides the steps, evaluates (run.evaluate), writes the run log and the checkpoints" in log1
     assert f"Process 0 rejoined at step {back}: it took the module's values" in log1 and "from process 1" in log1
     log0 = (ws / "logs" / "rank0.log").read_text()
     assert f"Process 0 rejoined at step {back} (restart 1)" in log0 and "from process 1, after step" in log0

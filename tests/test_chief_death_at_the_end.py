@@ -6,8 +6,13 @@ Sandblaster the servers waited for group 0 for ever: the job hung. Now every oth
 chief's word that the meetings are over, and the lowest living one takes its place when it died first
 (shoal.comm.quorum's `await_close`): it closes the meetings, writes the final test and checkpoint, and under
 Sandblaster becomes the servers' stub for their final values and state. Real `shoal run` processes on the blobs data,
-the chief ended by SHOAL_INJECT_EXIT_AFTER right after its last step."""
+the chief ended by SHOAL_INJECT_EXIT_AFTER right after its last step; and a user's loop, whose successor runs the
+script's end as the chief, while the restarted process 0 ends its script at run.batches (nothing left to join)."""
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 
@@ -52,3 +57,55 @@ def test_a_chief_dead_after_the_last_step_is_succeeded_for_the_jobs_end(blobs_jo
         assert final.updater_state and all("history" in slots for slots in final.updater_state.values())
     assert_no_library_text(stdout, stderr)
     assert leftover_processes(tmp_path) == []
+
+
+LOOP = '''
+import json, os, signal, sys
+from pathlib import Path
+import torch, shoal
+out = Path(sys.argv[1])
+torch.manual_seed(0)
+x = torch.randn(192, 8)
+y = (x[:, :4].sum(1, keepdim=True) > x[:, 4:].sum(1, keepdim=True)).float()
+run = shoal.session(train_steps=30, disp_freq=5)
+model = run.model(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
+opt = run.optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+for step, (xb, yb) in run.batches(torch.utils.data.TensorDataset(x, y), batch_size=12):
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(model(xb), yb)
+    loss.backward(); opt.step(); opt.zero_grad()
+    run.log(step, loss=loss)
+    if step == 29 and run.rank == 0 and not (out / "killed").exists():  # after the last step's update: its commit
+        (out / "killed").write_text(str(os.getpid())); os.kill(os.getpid(), signal.SIGKILL)
+run.checkpoint()
+(out / f"end{run.rank}.json").write_text(json.dumps({"step": step, "chief": run.chief}))
+'''
+LOOP_LAYOUTS = {
+    "AllReduce": ["--set", "cluster.nworkers_per_group=2", "--set", "cluster.nworkers_per_procs=1"],
+    "Sandblaster": LAYOUTS["Sandblaster, 2 workers + 1 server, 3 processes"].cli(),
+    "Local SGD": ["--set", "cluster.nworker_groups=2", "--set", "cluster.nworkers_per_procs=1", "--set", "cluster.local_steps=5"],
+}
+
+
+@pytest.mark.parametrize("framework", [pytest.param(name, marks=[] if name == "AllReduce" else [pytest.mark.slow])
+                                       for name in LOOP_LAYOUTS])  # (5 s each: the default suite keeps one)
+def test_a_loops_chief_dead_after_the_last_step_is_succeeded_for_the_scripts_end(tmp_path, framework):
+    """A user's loop: process 0 SIGKILLs itself after its last step's update; process 1 takes its place at the loop's
+    end and runs the script's end as the chief (its run.checkpoint() writes the job's file), the restarted process 0
+    says on the terminal that it found nothing left to join and ends its script there (it writes no end file);
+    summary.json says finished and names the succession; exit 0."""
+    script, out = tmp_path / "loop.py", tmp_path / "out"
+    script.write_text(LOOP)
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "shoal", "run", str(script), "--workspace", str(tmp_path / "ws"),
+                           "--no-progress", "--max-restarts", "1", *LOOP_LAYOUTS[framework], "--", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "Process 1 took the chief's place after step 29: " in proc.stdout, proc.stdout
+    assert "nothing left to join" in proc.stdout, proc.stdout
+    assert json.loads((out / "end1.json").read_text()) == {"step": 29, "chief": True}
+    assert not (out / "end0.json").exists()  # (the restarted process 0 ended its script at run.batches)
+    got = json.loads((tmp_path / "ws" / "summary.json").read_text())
+    assert got["status"] == "finished" and got["steps"] == 30, got
+    assert got["chief_succession"] == [{"process": 1, "after_step": 29}], got
+    assert ckpt_io.load(ckpt_io.checkpoint_file(tmp_path / "ws", 30), parts=True).trainer["writer"] == 1
+    assert_no_library_text(proc.stdout, proc.stderr)

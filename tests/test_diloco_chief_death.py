@@ -186,7 +186,7 @@ def test_a_killed_group_0_is_dropped_and_rejoins_from_the_live_group(tmp_path):
     assert steps == sorted(steps) and steps[:4] == [0, 2, 4, 6] and steps[-1] == 29  # one log: the chief's, then its successor's
     assert all(b["time"] >= a["time"] for a, b in zip(records, records[1:]))
     log1 = (ws / "logs" / "rank1.log").read_text()
-    assert "Process 1 took the chief's place after step 9: it decides the steps, writes the run log and the checkpoints" in log1
+    assert "Process 1 took the chief's place after step 9: it decides the steps, evaluates (run.evaluate), writes the run log and the checkpoints" in log1
     assert "Process 1 took the chief's place after step 9" in proc.stdout and "Train @ step 29" in proc.stdout  # the terminal
     assert f"Worker group 0 rejoined at step {back} (process 0, restart 1): " in (ws / "logs" / "rank0.log").read_text()
     # the checkpoint of step 24 (mid-interval: the groups' values differ) was written by process 1, group 0's as its part:

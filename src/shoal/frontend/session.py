@@ -649,7 +649,7 @@ class Session:
         final run.evaluate, run.checkpoint): the run ends when the script does, or at run.close()."""
         if self.exchange is not None:
             self.exchange.finish()
-            if session_healing.succeeds_the_chief(self):  # the chief died before its last word: this one said it
+            if session_healing.succeeds_the_chief_at_the_end(self):  # the chief died before its last word: this one says it
                 session_healing.take_over(self, self.step)
             sent = self.exchange.job_bytes_sent  # the job's bytes to its last message (summary.json's bytes_sent, as fit's)
             if self.metrics is not None and sent is not None:

@@ -22,6 +22,7 @@ from shoal.runtime import rejoined
 from shoal.runtime.endings import MeetingsOver
 from shoal.runtime.interfaces import summary_annotator
 from shoal.runtime.replicas import usable_device_names
+from shoal.report.terminal import also_on_the_terminal
 
 
 def heal(run, step: int) -> None:
@@ -61,6 +62,14 @@ def succeeds_the_chief(run) -> bool:
             and not run.groups_in_memory and run.exchange.chief)  # (the stub's, the Hogwild group's, Local SGD's)
 
 
+def succeeds_the_chief_at_the_end(run) -> bool:
+    """After the exchange's finish: whether it took the dead chief's place there (and the session not yet): the
+    asynchronous groups' (`succeeds_the_chief`), or a quorum's whose chief died after the last step's commit, before it
+    closed the meetings (Quorum.await_close: AllReduce's and Sandblaster's replicas, Local SGD's groups)."""
+    return (not run.chief and run.distributed and run.exchange is not None and not run.groups_in_memory
+            and run.exchange.chief)
+
+
 def take_over(run, step: int) -> None:
     """The dead chief's run log, evaluations and checkpoints, from this step on (report/succession.py)."""
     run.chief = True  # (run.evaluate records on the chief: this process's from now on)
@@ -87,10 +96,10 @@ def take_chiefs_state(run) -> None:
     taken, tensors, rng, text = session_state.handover_receivers(run.module, run.optimizers, run.schedulers, run.device)
     try:
         start, admitted, digests = run.exchange.rejoin(run.rejoin.incarnation, lambda: taken)
-    except MeetingsOver as err:  # restarted after the chief's last step: run.batches() yields nothing
+    except MeetingsOver as err:  # restarted after the chief's last step: nothing of the loop is left to it
         run.say(str(err))
-        run.start_step = run.step = run.job.train_steps
-        return
+        also_on_the_terminal(str(err))  # (the launcher's line said it would rejoin)
+        raise SystemExit(0) from None  # (the script after the loop is the job's end, which the others made)
     session_state.take_handover(text, tensors, rng, run.optimizers, run.schedulers, run.device)
     run.start_step = run.step = start
     if "from_group" in digests:  # Local SGD / DiLoCo: at a meeting, from a live group; this process says it
