@@ -23,14 +23,15 @@ shoal.comm.signed_store):
       restarted processes admitted now) in epoch E, decided by D;
     "retry E MEMBERS D": some sum failed: the meeting is summed again over the members that reported, in epoch E;
   each member, R:I (rank, incarnation). Every member reads it; one not in MEMBERS was left out and leaves;
-- the decider's own death (`replaceable`: AllReduce's replicas, in a user's loop or a job file; Local SGD / DiLoCo's
-  groups in a user's loop; issue 38): a member waiting for an
+- the decider's own death (`replaceable`: AllReduce's and Sandblaster's replicas, Local SGD / DiLoCo's groups of one
+  process each, in a user's loop or a job file; issue 38): a member waiting for an
   outcome asks, every DECIDER_EVERY_S, whether the decider is gone (the launcher's word, or stalled); when it is,
   and so is every member ranked below this one, this member decides the attempt in its place. The outcome is
   written first-writer-wins (SignedStore.set_first), so a late word of a stalled decider and its successor's never
   both count; the commit names the new decider, whom every member follows from then on (its donor of joiners'
-  state too). Not replaceable (a job file's Local SGD / DiLoCo trainer): the chief's death stops the job, as in
-  Downpour;
+  state too). After the last meeting every other member waits for the decider's `closed` and takes its place the
+  same way when it died first (`await_close`). Not replaceable (Local SGD's groups of several processes): the chief's
+  death stops the job;
 - a process restarted in a dead one's place (shoal.launcher.rejoin) knocks, `knock/r<R>` = its incarnation, and
   waits for `admit/r<R>/i<I>` = "M STEP E MEMBERS DONOR", which the decider writes with the next commit that admits
   it (the newest incarnation the launcher announced for its group). After the meeting's outer step, every member

@@ -166,7 +166,7 @@ class Session:
         self.groups_in_memory = groups_in_memory(plan)
         # Local SGD / DiLoCo's groups as this process's threads, meeting in memory (session_threads.py)
         self.meets_in_memory = meets_in_memory(plan)
-        self.threads: Optional[session_threads.WorkerThreads] = None  # (run.each_worker's, several workers)
+        self._threads: Optional[session_threads.WorkerThreads] = None  # (run.each_worker's, several workers)
         self._workers: list[session_worker.SessionWorker] = []
         self._measured: list[session_shares.MeasuredShares] = []  # cluster.auto_batch_shares: each group's balancer here
         # each worker thread reports into the one display window; in-memory asynchronous groups' step boundary (group 0's)
@@ -313,9 +313,9 @@ class Session:
             raise SessionError("run.each_worker: once per session, instead of run.model")
         if self.local_workers == 1:
             return [train(self)]
-        self.threads = session_threads.WorkerThreads(self)  # (the process's part of its workers' loop)
-        self._workers = self.threads.workers
-        return self.threads.run_each(train)
+        self._threads = session_threads.WorkerThreads(self)  # (the process's part of its workers' loop)
+        self._workers = self._threads.workers
+        return self._threads.run_each(train)
 
     def _group_part(self, group: int):
         """The resumed checkpoint's state of worker group `group`: this process's part (`_mine`), or under Local SGD /

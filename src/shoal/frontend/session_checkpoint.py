@@ -54,7 +54,7 @@ def write(run, done: int) -> Path:
             ckpt.part_names = {ckpt_io.part_name(done, g, r): required and g not in absent
                                for (g, r), required in parts.items()}
         if run.meets_in_memory:  # every other group's state, its part (every group is at this step: a meeting of all)
-            ckpt.part_names = run.threads.write_group_parts(done)
+            ckpt.part_names = run._threads.write_group_parts(done)
         ckpt.trainer["writer"] = run.rank  # whose state the file holds (a resume gives it to that process)
         ckpt_io.save(path, ckpt)
     return path

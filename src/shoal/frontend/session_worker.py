@@ -328,7 +328,7 @@ class SessionWorker:
         if self.module is not None:
             raise SessionError("worker.model: one module per worker")
         self.module = module.to(self.device)
-        self.local.meet(self.run.threads.adopt_modules)
+        self.local.meet(self.run._threads.adopt_modules)
         return module
 
     def optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -344,10 +344,10 @@ class SessionWorker:
             # Local SGD / DiLoCo meet inside opt.step(), as for one worker: once every worker's replica is updated (not
             # at the zero-gradient step that makes a restarted process's optimizer state, inside the loop start's meeting)
             optimizer.register_step_post_hook(lambda *_: self.run._receiving or self.local.meet(
-                lambda: self.run.threads.boundary(self.run.step)))
+                lambda: self.run._threads.boundary(self.run.step)))
         elif not self.optimizers and self.run.meets_in_memory:  # (its groups in this process: each meets in its threads)
             optimizer.register_step_post_hook(lambda *_: self.group_local.meet(
-                lambda: self.run.threads.group_boundary(self.group, self.run.step)))
+                lambda: self.run._threads.group_boundary(self.group, self.run.step)))
         self.optimizers.append(optimizer)
         if self.run.groups_in_memory or self.run.pushes:
             if len(self.optimizers) > 1:
@@ -357,10 +357,10 @@ class SessionWorker:
             optimizer.register_step_pre_hook(lambda opt, *_: drop_grads(opt))  # group's one copy, which they all share
         if self.run.groups_in_memory:
             optimizer.register_step_pre_hook(self._push)
-            self.local.meet(self.run.threads.start_groups)
+            self.local.meet(self.run._threads.start_groups)
         elif self.run.pushes:  # (worker 0's run.optimizer made the exchange to the servers, from its recipe)
             optimizer.register_step_pre_hook(self._push_process)
-            self.local.meet(self.run.threads.pushing)
+            self.local.meet(self.run._threads.pushing)
         elif self.run.sliced:  # server slices: the process updates its slices once, when every worker got here
             optimizer.register_step_pre_hook(functools.partial(self._update_slices, len(self.optimizers) - 1))
         return optimizer
@@ -369,7 +369,7 @@ class SessionWorker:
         """Server slices: once every worker reached its optimizer `index`'s step, the process's one update of its slices
         (WorkerThreads.slices_step: every replica then holds the new values); `.grad` is left None, so the user's
         optimizer, which runs next, updates nothing here."""
-        self.local.meet(lambda: self.run.threads.slices_step(index))
+        self.local.meet(lambda: self.run._threads.slices_step(index))
         drop_grads(optimizer)
 
     def _push(self, optimizer, args, kwargs) -> None:
@@ -396,7 +396,7 @@ class SessionWorker:
         the zero-gradient step that makes a restarted process's optimizer state (inside the loop start's meeting)."""
         if self.run._receiving:
             return
-        self.local.meet(self.run.threads.push)
+        self.local.meet(self.run._threads.push)
         drop_grads(optimizer)
 
     def scheduler(self, scheduler, steps: str = "group"):
@@ -454,7 +454,7 @@ class SessionWorker:
         self.share = share
         if self.mean is not None:
             self.mean.share = share
-        self.local.meet(self.run.threads.start_loop)
+        self.local.meet(self.run._threads.start_loop)
         if self.first_step > self.run.start_step:  # its group starts once group 0's warm-up (cluster.warmup_steps) ended
             self.local.wait_admitted()
         step, end = self.first_step, self.run.job.train_steps
@@ -484,8 +484,8 @@ class SessionWorker:
         self.local.meet(self.run._finish)
 
     def _steps_to_train(self, step: int) -> int:
-        self.local.meet(lambda: self.run.threads.steps_to_train(step))
-        return self.run.threads.end
+        self.local.meet(lambda: self.run._threads.steps_to_train(step))
+        return self.run._threads.end
 
     def _step_done(self, step: int) -> None:
         """The end of this worker's step. In-memory Downpour's and Hogwild's groups run freely, as a job file's group
@@ -495,11 +495,11 @@ class SessionWorker:
         so the last display counts every group's rows. Elsewhere the process's workers end each step together."""
         last = step + 1 == self.run.job.train_steps
         if self.run.meets_in_memory:  # (a group whose update the loop skipped meets here: every group counts each step)
-            self.group_local.meet(lambda: self.run.threads.group_boundary(self.group, step))
+            self.group_local.meet(lambda: self.run._threads.group_boundary(self.group, step))
         if self.run.groups_in_memory and not last and not self.run.checkpoints_after(step):
-            self.group_local.meet(lambda: self.run.threads.group_step_done(self.group, step))
+            self.group_local.meet(lambda: self.run._threads.group_step_done(self.group, step))
         else:
-            self.local.meet(lambda: self.run.threads.step_done(step))
+            self.local.meet(lambda: self.run._threads.step_done(step))
 
     # -- metrics and checkpoints -------------------------------------------------------------------------
     def log(self, step: int, **values) -> None:
