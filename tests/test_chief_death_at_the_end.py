@@ -11,13 +11,14 @@ script's end as the chief, while the restarted process 0 ends its script at run.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from cli_in_process import run_cli
-from fault_runs import assert_no_library_text, runs  # noqa: F401 (runs: a fixture)
+from fault_runs import assert_no_library_text, pids, runs, wait_for  # noqa: F401 (runs: a fixture)
 from layouts import LAYOUTS, Layout, assert_ran
-from test_cli import leftover_processes
+from test_cli import alive, leftover_processes
 
 from shoal.neuralnet import checkpoint as ckpt_io
 
@@ -32,30 +33,39 @@ STEPS = 40
 
 @pytest.mark.parametrize("framework", list(CASES))
 def test_a_chief_dead_after_the_last_step_is_succeeded_for_the_jobs_end(blobs_job, tmp_path, runs, framework):
-    """Process 0 exits right after step 39 of 40: exit 0 (no hang), process 1 says on the terminal that it took the
-    chief's place after step 39, writes the final test and checkpoint (the servers' momentum in it, under Sandblaster),
-    summary.json says finished and names the succession; the restarted process 0 says on the terminal that it found
-    nothing left to join; no library text, nothing left behind."""
+    """Process 0 exits right after step 39 of 40: exit 0 (no hang), process 1 says (on the terminal; in its log where
+    the launcher runs in the test's process) that it took the chief's place after step 39, writes the final test and
+    checkpoint (the servers' momentum in it, under Sandblaster), summary.json says finished and names the succession;
+    the restarted process 0 says that it found nothing left to join; no library text, nothing left behind."""
     name, extra = CASES[framework]
     layout = DILOCO if framework == "Local SGD" else LAYOUTS[name]
     job = blobs_job(train_steps=STEPS, layout=name, cluster_extra=extra or None)
-    run = runs.start(job, tmp_path, "--max-restarts", "1", "--set", "updater.momentum=0.9",
-                     env={"SHOAL_INJECT_EXIT_AFTER": f"0:{STEPS - 1}"})
-    stdout, stderr = run.finished(timeout=90)
+    options, inject = ("--max-restarts", "1", "--set", "updater.momentum=0.9"), {"SHOAL_INJECT_EXIT_AFTER": f"0:{STEPS - 1}"}
+    ws = tmp_path / "ws"
+    if framework == "AllReduce":  # the file's real `python -m shoal` launcher: the ranks' lines on its stdout
+        stdout, stderr = runs.start(job, tmp_path, *options, env=inject).finished(timeout=90)
+    else:  # in the test process (the ranks fork from its forkserver, warm from earlier tests): their lines in their logs
+        proc = run_cli("run", job, "--workspace", ws, "--no-progress", *options, env={**os.environ, **inject}, timeout=90)
+        assert proc.returncode == 0, proc.stderr
+        stdout = proc.stdout + "".join(log.read_text() for log in sorted((ws / "logs").glob("rank*.log")))
+        stderr = proc.stderr
     assert f"Process 1 took the chief's place after step {STEPS - 1}: " in stdout, stdout
     assert "process 0 was restarted after the job's last step: nothing left to join" in stdout or \
         "process 0 knocked after the groups' last meeting: nothing left to join" in stdout, stdout
-    got = assert_ran(run.ws, layout)
+    got = assert_ran(ws, layout)
     assert got["status"] == "finished" and "job_restarts" not in got, got
     assert got["chief_succession"] == [{"process": 1, "after_step": STEPS - 1}], got
     assert got["final_test"]["step"] == STEPS and got["final_test"]["accuracy"] > 0.9, got
-    final = ckpt_io.load(ckpt_io.checkpoint_file(run.ws, STEPS), parts=True)
+    final = ckpt_io.load(ckpt_io.checkpoint_file(ws, STEPS), parts=True)
     assert final.trainer["writer"] == 1, final.trainer
     if framework == "Sandblaster":  # the servers' final state, which process 1 asked for as their new stub
         assert "Process 1 connected to the servers as worker group 0 (restart 1) after the last step" in stdout, stdout
         assert final.updater_state and all("history" in slots for slots in final.updater_state.values())
     assert_no_library_text(stdout, stderr)
-    assert leftover_processes(tmp_path) == []
+    assert leftover_processes(tmp_path) == []  # the real launcher's processes (tagged with tmp_path)
+    # every process that ran a rank (those forked from the test process's forkserver carry no tag) has ended
+    started = [pid for rank in range(layout.processes) for pid in pids(ws, rank)]
+    wait_for(lambda: not any(map(alive, started)), 5, f"left running: {[pid for pid in started if alive(pid)]}")
 
 
 LOOP = '''
