@@ -20,6 +20,7 @@ import textwrap
 
 import pytest
 
+from cli_in_process import run_cli
 from fault_runs import (assert_no_library_text, pids, registered_pids, runs, train_records,  # noqa: F401 (runs)
                         wait_for)
 from layouts import LAYOUTS, assert_ran
@@ -112,7 +113,7 @@ def test_a_killed_loop_chief_is_dropped_and_the_lowest_living_group_takes_its_pl
     assert leftover_processes(tmp_path) == []
 
 
-def test_a_loop_chief_dead_before_its_first_step_restarts_the_whole_job(tmp_path, runs):
+def test_a_loop_chief_dead_before_its_first_step_restarts_the_whole_job(tmp_path):
     """Downpour's servers take their first values from the loop's chief (FIRST): a chief SIGKILLed before its first
     step leaves the others nothing to start from, so its death restarts the whole job (shoal.comm.succession's
     `chief_started`), in one line, and the run finishes."""
@@ -120,13 +121,17 @@ def test_a_loop_chief_dead_before_its_first_step_restarts_the_whole_job(tmp_path
     script.write_text(LOOP)
     out = tmp_path / "out"
     out.mkdir()
-    run = runs.start(script, tmp_path, *LAYOUTS[DOWNPOUR].cli(), "--max-restarts", "1", "--set", "train_steps=10", "--",
-                     str(out), "die-before-the-loop")
-    stdout, stderr = run.finished()
+    # `shoal run` in the test process (the ranks fork from its forkserver; the file's other cases keep a real
+    # interpreter): the launcher's lines in proc.stdout/stderr, the ranks' in their logs
+    proc = run_cli("run", script, "--workspace", tmp_path / "ws", "--no-progress", *LAYOUTS[DOWNPOUR].cli(), "--max-restarts",
+                   "1", "--set", "train_steps=10", "--", out, "die-before-the-loop", timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    stdout = proc.stdout + "".join(log.read_text() for log in sorted((tmp_path / "ws" / "logs").glob("rank*.log")))
+    stderr = proc.stderr
     assert re.fullmatch(r"WARNING: process 0 \(worker\(group=0, id=0\)\) (died \(SIGKILL\)|exited with code -9): the job "
                         r"cannot go on without it; restarting the whole job from step 0 \(no checkpoint was written yet\) "
                         r"\(restart 1 of 1\)", stderr.strip()), stderr
-    got = assert_ran(run.ws, DOWNPOUR)
+    got = assert_ran(tmp_path / "ws", DOWNPOUR)
     assert got["status"] == "finished" and "chief_succession" not in got and len(got["job_restarts"]) == 1, got
     assert (out / "killed").exists() and "took the chief's place" not in stdout
 
