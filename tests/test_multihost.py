@@ -178,12 +178,14 @@ def test_two_nodes_on_one_host_meet_through_c10d(blobs_job, tmp_path):
 
 
 def test_a_node_without_the_job_secret_is_refused_in_one_line(blobs_job, tmp_path):
-    """Across hosts nobody can make the secret for the others: a node given none says how to give it, and starts nothing."""
+    """Across hosts nobody can make the secret for the others: a node given none says how to give it, and starts nothing.
+    In the test process (a refusal before any process starts; the two-node test keeps real interpreters)."""
+    from cli_in_process import run_cli
+
     job = blobs_job(train_steps=4, layout="AllReduce, 2 processes")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_JOB_SECRET")}
-    run = subprocess.run([sys.executable, "-m", "shoal", "run", str(job), "--nnodes", "2", "--node-rank", "1",
-                          "--master", "127.0.0.1:29999", "--workspace", str(tmp_path / "ws")],
-                         capture_output=True, text=True, timeout=120, env=env)
+    run = run_cli("run", job, "--nnodes", "2", "--node-rank", "1", "--master", "127.0.0.1:29999", "--workspace",
+                  tmp_path / "ws", env=env, timeout=120)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr, run.stderr
     assert run.stderr.startswith("a job over 2 nodes needs the job's secret on every node: set SHOAL_JOB_SECRET"), run.stderr
     assert not (tmp_path / "ws" / "logs" / "rank0.log").exists()
