@@ -247,7 +247,7 @@ def test_a_plugin_that_fails_is_one_line_naming_its_file_and_position(plugin_dir
 def test_the_cli_reports_a_broken_plugin_in_one_line(tmp_path):
     (tmp_path / "syntax.proto").write_text('import "job.proto";\nmessage A {\n  optional int32 x = 1\n}\n')
     (tmp_path / "job.conf").write_text('plugin: "syntax.proto"\nname: "x"\n')
-    proc = shoal("run", tmp_path / "job.conf", cwd=tmp_path)
+    proc = run_cli("run", tmp_path / "job.conf", cwd=tmp_path)  # (the file's real-process cases: the user layer's runs)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f'{tmp_path / "syntax.proto"}:4:1: Expected ";".', proc.stderr
 
@@ -312,7 +312,7 @@ def test_onehot_vocab_size_comes_from_the_vocabulary_file(tmp_path, monkeypatch,
     (tmp_path / "without" / "examples" / "char-rnn" / "vocab.txt").write_text("")
     with pytest.raises(JobError, match=r"vocab\.txt \(vocab_path of layer \"sampling\"\), which is empty;"):
         load_with_shape_checks(tmp_path / "without" / "sample.conf")
-    proc = shoal("viz", tmp_path / "without" / "sample.conf", "-o", tmp_path / "net.png", cwd=tmp_path / "cwd")  # one line, exit 2
+    proc = run_cli("viz", tmp_path / "without" / "sample.conf", "-o", tmp_path / "net.png", cwd=tmp_path / "cwd")  # one line, exit 2
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "vocab_path" in proc.stderr, proc.stderr
 
 
