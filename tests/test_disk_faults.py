@@ -139,7 +139,7 @@ def test_a_disk_full_from_the_start_is_one_line(blobs_job, tmp_path):
         with open(disk / "filler", "wb") as f:
             with contextlib.suppress(OSError):  # up to the last byte
                 f.write(b"\0" * (st.f_bavail * st.f_frsize))
-        proc = shoal_process("run", job, "--workspace", disk / "ws")
+        proc = run_cli("run", job, "--workspace", disk / "ws", timeout=120)  # (a real process: the checkpoint case above)
         assert_one_line_error(proc, f"shoal: cannot write {disk / 'ws'}", "no space left on device")
 
 
@@ -150,7 +150,7 @@ def test_a_finished_run_on_a_read_only_mount_can_be_tested_but_not_resumed(blobs
     assert run_cli("run", job, "--workspace", ws).returncode == 0
     before = sorted(str(p.relative_to(ws)) for p in ws.rglob("*"))
     with read_only_view(ws, tmp_path / "archive") as archive:
-        tested = shoal_process("run", job, "--workspace", archive, "--test")
+        tested = run_cli("run", job, "--workspace", archive, "--test", timeout=120)
         assert tested.returncode == 0, tested.stderr
         assert "Test @ step 12  Loss = " in tested.stdout and "read-only" in tested.stdout
         assert "Traceback" not in tested.stderr
