@@ -42,6 +42,8 @@ def test_a_killed_chief_is_dropped_and_its_successor_tests_logs_and_checkpoints(
     took = int(re.search(r"^Process 1 took the chief's place after step (\d+): it decides the steps, tests and validates, "
                          r"writes the run log and the checkpoints$", stdout, re.M)[1])  # (on the terminal: the successor's)
     assert 10 <= took < steps
+    # the step it decided without process 0, said on the terminal once it speaks for the job (not only in its own log)
+    assert re.search(rf"^Step {took} went on without process 0 \(died or stopped answering\)", stdout, re.M), stdout
     assert pids(run.ws, 1) == [survivors[1]] and pids(run.ws, 2) == [survivors[2]]  # nobody else restarted
     first, second = pids(run.ws, 0)
     assert first == victim and second != victim

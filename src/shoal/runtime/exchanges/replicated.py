@@ -92,6 +92,9 @@ class ReplicatedExchange:
         self.present: tuple[int, ...] = quorum.all_ranks  # the processes whose gradients the last step's mean holds
         self._came: tuple[int, ...] = quorum.all_ranks  # those that came to the last step (present less this step's joiners)
         self._last_step = -1  # the last step met: a display's windows are told and heard under it
+        # a successor decides the step it takes the chief's place at before its trainer hands it the job's log: the
+        # lines it has to say meanwhile wait for it (`speak_for_the_job`), as Sandblaster's stub line does
+        self._before_speaking: Optional[list[str]] = None if rank == quorum.chief_rank else []
         # the job's bytes (summary.json's bytes_sent), counted alike on every replica: the member that takes a dead
         # chief's place (quorum.py, `replaceable`) has the count the chief had
         self.job_bytes_sent: Optional[int] = 0
@@ -217,6 +220,9 @@ class ReplicatedExchange:
         """This process took a dead chief's place (the quorum made it the decider): the chief's lines and summary.json
         are its from now on, and summary.json says at once what the dead chief would have (missed_steps)."""
         self.log, self.annotate = log, annotate
+        for line in self._before_speaking or ():
+            self.log(line)
+        self._before_speaking = None
         self._annotate()
 
     # -- who came ------------------------------------------------------------------------------------
@@ -230,8 +236,12 @@ class ReplicatedExchange:
                 self._missed.setdefault(rank, []).append(step)
         if left and self.chief:
             who = ", ".join(f"process {r}" for r in left)
-            self.log(f"Step {step} went on without {who} (died or stopped answering): the mean over the gradients of "
-                     f"processes {', '.join(map(str, came))}, weighted by their rows")
+            line = (f"Step {step} went on without {who} (died or stopped answering): the mean over the gradients of "
+                    f"processes {', '.join(map(str, came))}, weighted by their rows")
+            if self._before_speaking is None:
+                self.log(line)
+            else:
+                self._before_speaking.append(line)
             self._annotate()
 
     def _absence(self, rank: int) -> str:
