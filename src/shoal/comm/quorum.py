@@ -446,19 +446,12 @@ class Quorum:
         slower chief may take longer over: not bounded by a timeout, since a stalled or dead decider is seen as gone).
         Returns the members found gone when it took the decider's place (the decider, and any member ranked below this
         one), else ()."""
-        started = time.monotonic()
-        while not self.chief and self.replaceable:
-            if self.store.get("closed") == "1":
-                return ()
-            now = time.monotonic()
-            waited = now - started
-            if waited >= DECIDER_AFTER_S and now - self._decider_read_at >= DECIDER_EVERY_S:
-                self._decider_read_at = now
-                if self._decider_gone():
-                    self.decider = self.rank
-                    return tuple(m.rank for m in self.members if m.rank < self.rank)
-            _pause(waited)
-        return ()
+        if self.chief or not self.replaceable:
+            return ()
+        if self._word_or_succession(lambda: "1" if self.store.get("closed") == "1" else None, "end the meetings") is not None:
+            return ()
+        self.decider = self.rank
+        return tuple(m.rank for m in self.members if m.rank < self.rank)
 
     def swept(self, timeout_s: float = 10.0) -> bool:
         """Whether the chief's deletes of past meetings' keys are done (waiting up to `timeout_s`)."""
@@ -619,23 +612,31 @@ class Quorum:
 
     def _outcome_or_takeover(self, key: str, seconds: float, meeting: int, attempt: int, step: int, ok: bool,
                              admit: bool = True) -> Outcome:
-        """The decider's word on the attempt, polled (a store wait cannot also watch for the decider's death), or this
-        member's own when it is to decide in a dead decider's place (`_decider_gone`)."""
+        """The decider's word on the attempt, or this member's own when it is to decide in a dead decider's place."""
+        def word() -> Optional[str]:  # (None: not there yet, or it failed authentication)
+            return self.store.multi_get([key])[0] if self.store.check([key]) else None  # (there now: one request)
+
+        text = self._word_or_succession(word, "decide the meeting's outcome", seconds)
+        return Outcome.parse(text) if text is not None else self._decide(meeting, attempt, step, ok, admit)
+
+    def _word_or_succession(self, word: Callable[[], Optional[str]], what: str,
+                            seconds: Optional[float] = None) -> Optional[str]:
+        """The decider's word (`word()`, polled: a store wait cannot also watch for the decider's death), or None once
+        this member is to act in its place (`_decider_gone`); ChiefSilent after `seconds` (None: no bound)."""
         started = time.monotonic()
         while True:
-            if self.store.check([key]):
-                text = self.store.multi_get([key])[0]  # there now: one request (None: it failed authentication)
-                if text is not None:
-                    return Outcome.parse(text)
+            said = word()
+            if said is not None:
+                return said
             now = time.monotonic()
             waited = now - started
             # (not at once: the decider's word usually comes within a millisecond or two, and asking costs requests)
             if waited >= DECIDER_AFTER_S and now - self._decider_read_at >= DECIDER_EVERY_S:
                 self._decider_read_at = now
                 if self._decider_gone():
-                    return self._decide(meeting, attempt, step, ok, admit)
-            if waited > seconds:
-                raise ChiefSilent(f"process {self.decider} did not decide the meeting's outcome within {seconds:g} s")
+                    return None
+            if seconds is not None and waited > seconds:
+                raise ChiefSilent(f"process {self.decider} did not {what} within {seconds:g} s")
             _pause(waited)
 
     def _decider_gone(self) -> bool:

@@ -57,15 +57,15 @@ def after_the_body(run, step: int) -> None:
 
 def succeeds_the_chief(run) -> bool:
     """Asynchronous groups over processes (Downpour, Distributed Hogwild): whether this process's exchange took the
-    dead chief's place (shoal.comm.succession: it asks at its step ends and its finish) and the session not yet."""
-    return (not run.chief and run.distributed and not run.plan.strategy.synchronous and run.exchange is not None
-            and not run.groups_in_memory and run.exchange.chief)  # (the stub's, the Hogwild group's, Local SGD's)
+    dead chief's place at a step's end (shoal.comm.succession: it asks at its step ends and its finish) and the session
+    not yet (a synchronous group's successor takes its place in `heal`)."""
+    return not run.plan.strategy.synchronous and succeeds_the_chief_at_the_end(run)
 
 
 def succeeds_the_chief_at_the_end(run) -> bool:
     """After the exchange's finish: whether it took the dead chief's place there (and the session not yet): the
-    asynchronous groups' (`succeeds_the_chief`), or a quorum's whose chief died after the last step's commit, before it
-    closed the meetings (Quorum.await_close: AllReduce's and Sandblaster's replicas, Local SGD's groups)."""
+    asynchronous groups' (the stub's, the Hogwild group's), or a quorum's whose chief died after the last step's commit,
+    before it closed the meetings (Quorum.await_close: AllReduce's and Sandblaster's replicas, Local SGD's groups)."""
     return (not run.chief and run.distributed and run.exchange is not None and not run.groups_in_memory
             and run.exchange.chief)
 

@@ -94,7 +94,7 @@ class ReplicatedExchange:
         self._last_step = -1  # the last step met: a display's windows are told and heard under it
         # a successor decides the step it takes the chief's place at before its trainer hands it the job's log: the
         # lines it has to say meanwhile wait for it (`speak_for_the_job`), as Sandblaster's stub line does
-        self._before_speaking: Optional[list[str]] = None if rank == quorum.chief_rank else []
+        self._before_speaking: Optional[list[str]] = None if rank == quorum.chief_rank and not self.joining else []
         # the job's bytes (summary.json's bytes_sent), counted alike on every replica: the member that takes a dead
         # chief's place (quorum.py, `replaceable`) has the count the chief had
         self.job_bytes_sent: Optional[int] = 0
@@ -236,13 +236,17 @@ class ReplicatedExchange:
                 self._missed.setdefault(rank, []).append(step)
         if left and self.chief:
             who = ", ".join(f"process {r}" for r in left)
-            line = (f"Step {step} went on without {who} (died or stopped answering): the mean over the gradients of "
-                    f"processes {', '.join(map(str, came))}, weighted by their rows")
-            if self._before_speaking is None:
-                self.log(line)
-            else:
-                self._before_speaking.append(line)
+            self._say(f"Step {step} went on without {who} (died or stopped answering): the mean over the gradients of "
+                      f"processes {', '.join(map(str, came))}, weighted by their rows")
             self._annotate()
+
+    def _say(self, line: str) -> None:
+        """A line of the process that decides the steps: on the job's log, or held until its trainer hands it that log
+        (`speak_for_the_job`: a successor decides the step it takes the chief's place at first)."""
+        if self._before_speaking is None:
+            self.log(line)
+        else:
+            self._before_speaking.append(line)
 
     def _absence(self, rank: int) -> str:
         """`missing from steps 37 to 44, back at step 45`: each spell away, as the chief saw it."""

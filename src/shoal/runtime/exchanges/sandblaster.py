@@ -75,8 +75,6 @@ class SandblasterExchange(ReplicatedExchange):
         self.server.state = {}  # the servers hold the updater's state: the replica's own would be memory nobody reads
         self.stub = stub
         self.make_stub = make_stub
-        self._succeeded: Optional[str] = None  # the line saying this process became the servers' stub (`_succeed`)
-        self._speaks = False  # this process took a dead chief's place (`speak_for_the_job`): its lines reach the user
         self.trained = store.trainable_names()
         self._servers_counted = 0  # the servers' count of bytes, added to job_bytes_sent at the finish
 
@@ -104,8 +102,7 @@ class SandblasterExchange(ReplicatedExchange):
         0's stub under a new incarnation of the group (announced at Downpour's door, where the servers wait for it), and
         pushes step `step`'s mean to the servers that did not apply the dead chief's push of it (DownpourExchange's
         `succeed`: each server applies it once); it keeps their mirror from now on."""
-        stub = self._new_stub()
-        stub.incarnation = channels.Door(DOWNPOUR_DOOR).next_incarnation(0)
+        stub = self._group_0s_next_stub()
         stub.first_step = step  # (its mirror's schedule: every K steps from here, the first at once)
         applied = stub.succeed(step, [(mean, self.global_batch)])
         self.stub = stub
@@ -116,23 +113,25 @@ class SandblasterExchange(ReplicatedExchange):
         else:
             pushed = (f"the dead chief had pushed the step's mean to the server(s) of process(es) "
                       f"{', '.join(map(str, applied))} already; it pushed it to the others (applied once)")
-        line = (f"Process {self.rank} connected to the servers as worker group 0 (restart {stub.incarnation}) at step "
-                f"{step}: {pushed}; it asked for their mirror at once")
-        if self._speaks:  # (it decided a step already: the chief died after the push of the step before)
-            self.log(line)
-        else:  # said once its trainer took over, after this step (`speak_for_the_job`)
-            self._succeeded = line
+        self._say(f"Process {self.rank} connected to the servers as worker group 0 (restart {stub.incarnation}) at step "
+                  f"{step}: {pushed}; it asked for their mirror at once")
 
     def _succeed_after_the_last_step(self) -> None:
         """The chief died after the last step's values meeting, so the servers applied every push: this process becomes
         group 0's stub only to make the chief's last request (the servers' final values and state, for the final
         checkpoint; without it the servers waited for group 0 for ever)."""
-        stub = self._new_stub()
-        stub.incarnation = channels.Door(DOWNPOUR_DOOR).next_incarnation(0)
+        stub = self._group_0s_next_stub()
         stub.take_the_groups_place(self._last_step)
         self.stub = stub
-        self._succeeded = (f"Process {self.rank} connected to the servers as worker group 0 (restart {stub.incarnation}) "
-                           f"after the last step, for their final values and state (every push applied)")
+        self._say(f"Process {self.rank} connected to the servers as worker group 0 (restart {stub.incarnation}) after the "
+                  f"last step, for their final values and state (every push applied)")
+
+    def _group_0s_next_stub(self) -> DownpourExchange:
+        """This process's side of the servers as group 0's next incarnation (announced at Downpour's door, where the
+        servers wait for it)."""
+        stub = self._new_stub()
+        stub.incarnation = channels.Door(DOWNPOUR_DOOR).next_incarnation(0)
+        return stub
 
     def _new_stub(self) -> DownpourExchange:
         """This process's side of the servers as group 0's stub (a user's loop's also carries its hyper-parameters)."""
@@ -166,15 +165,6 @@ class SandblasterExchange(ReplicatedExchange):
             offset += size
         if not admit:  # a member lost at this meeting: the next step's group is made without it (else at `heal`)
             self.quorum.welcome(lambda: [])
-
-    def speak_for_the_job(self, log: Callable[[str], None], annotate: Callable[[dict], None]) -> None:
-        """This process took a dead chief's place: the replicated exchange's, and the line saying it became the servers'
-        stub (`_succeed`, in the step its trainer takes over after)."""
-        super().speak_for_the_job(log, annotate)
-        self._speaks = True
-        if self._succeeded is not None:
-            self.log(self._succeeded)
-            self._succeeded = None
 
     # -- a process restarted into the job ------------------------------------------------------------
     def _handover(self) -> list[torch.Tensor]:
