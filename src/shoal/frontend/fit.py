@@ -474,8 +474,8 @@ def fit_layout(plan) -> str:
     processes), else the plan's label. A device list (device=[...], Caffe con Troll's CPU+GPU split: each worker on its
     device, run.model's) and measured batch shares (cluster.auto_batch_shares: run.batches re-splits a group's batch by
     the job path's balancer, session_shares.py) run on the session too; on a GPU the layouts whose session path is the
-    CPU's alone (`on_the_cpu`) keep the job path."""
-    from shoal.frontend.session_start import pushes_to_servers
+    CPU's alone (`session_start.on_the_cpu`) keep the job path."""
+    from shoal.frontend.session_start import on_the_cpu, pushes_to_servers
     from shoal.runtime.session_slices import shards_optimizer_state
 
     if plan.tensor_parallel:  # (the layouts it cannot run: session_start.check_layout's one line)
@@ -520,17 +520,10 @@ def workers_each_process(plan, servers_apart: bool = False) -> bool:
     return one_each or several_workers_in_a_process(plan)
 
 
-def on_the_cpu(plan) -> bool:
-    """Every worker of the layout on the CPU (no device list, or CPU devices only: "cpu:0", "cpu:1"). The session runs
-    Distributed Hogwild, Downpour's and Sandblaster's pushes to server processes and in-memory groups (whose threads
-    share a group's copy) on the CPU alone: on a GPU fit keeps the job path for them."""
-    return all(device.startswith("cpu") for device in plan.all_devices())
-
-
 def in_memory_groups(plan) -> bool:
     """In-memory Hogwild's or Downpour's asynchronous groups, threads of one process on the CPU, running freely around one
     in-process server (with a warm-up too: group 0 trains alone first, the others start after it)."""
-    from shoal.frontend.session_start import groups_in_memory
+    from shoal.frontend.session_start import groups_in_memory, on_the_cpu
 
     return groups_in_memory(plan) and on_the_cpu(plan)
 
@@ -539,7 +532,7 @@ def sandblaster_over_processes(plan) -> bool:
     """Sandblaster's one synchronous group, one worker or several threads in each of its processes, pushing to server
     processes of their own, on the CPU (the session's Sandblaster: each push the group's mean, the servers running
     fit's optimizer)."""
-    from shoal.frontend.session_start import pushes_to_servers
+    from shoal.frontend.session_start import on_the_cpu, pushes_to_servers
 
     return (not plan.in_one_process and on_the_cpu(plan) and plan.strategy.synchronous and not plan.strategy.meets
             and plan.nworker_groups == 1 and pushes_to_servers(plan) and workers_each_process(plan, servers_apart=True))
@@ -548,7 +541,7 @@ def sandblaster_over_processes(plan) -> bool:
 def downpour_over_processes(plan) -> bool:
     """Downpour's asynchronous groups pushing to server processes of their own, one worker or several threads of one
     group in each process, on the CPU (a GPU keeps the job path)."""
-    from shoal.frontend.session_start import pushes_to_servers
+    from shoal.frontend.session_start import on_the_cpu, pushes_to_servers
 
     return (not plan.in_one_process and on_the_cpu(plan) and not plan.strategy.synchronous and not plan.strategy.meets
             and not plan.strategy.syncs_with_peers and pushes_to_servers(plan) and workers_each_process(plan, servers_apart=True))

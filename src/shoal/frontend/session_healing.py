@@ -103,7 +103,7 @@ def take_chiefs_state(run) -> None:
     session_state.take_handover(text, tensors, rng, run.optimizers, run.schedulers, run.device)
     run.start_step = run.step = start
     if "from_group" in digests:  # Local SGD / DiLoCo: at a meeting, from a live group; this process says it
-        sparse = getattr(run.exchange, "sparse", None) is not None
+        sparse = run.exchange.sparse is not None  # (a PeriodicExchange's: SparseLoCo's outer step, or None)
         digests["took"] = (f"the anchor{'' if sparse else ', the outer updater' + chr(39) + 's state'} and worker group "
                            f"{digests['from_group']}'s module buffers, optimizers' and schedulers' state and torch's RNG "
                            f"state{' (its error feedback starts at zero)' if sparse else ''}, after the meeting after step "

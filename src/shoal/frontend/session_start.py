@@ -178,7 +178,7 @@ def _check_tensor_parallel(plan: JobPlan, one_worker_each: bool) -> None:
         raise SessionError(f"shoal.session: neuralnet.partition_dim 1 cuts your module's features over one synchronous "
                            f"group's processes, one worker each (cluster.nworkers_per_group N, nworkers_per_procs 1), "
                            f"not {plan.label} with {plan.nworkers} worker(s) in {plan.nprocs} process(es)")
-    if any(not device.startswith("cpu") for device in plan.all_devices()):
+    if not on_the_cpu(plan):
         raise SessionError("shoal.session: neuralnet.partition_dim 1 in your own loop runs on the CPU (gloo) here: leave "
                            "device unset (or \"cpu\")")
     if not plan.compression.dense:
@@ -187,13 +187,20 @@ def _check_tensor_parallel(plan: JobPlan, one_worker_each: bool) -> None:
 
 
 def _hogwild_on_cpu(plan: JobPlan) -> None:
-    if plan.strategy.params_on_host and any(not device.startswith("cpu") for device in plan.all_devices()):
+    if plan.strategy.params_on_host and not on_the_cpu(plan):
         raise SessionError("shoal.session: Distributed Hogwild in your own loop runs on CPU (its syncs go point-to-point "
                            "over gloo from the module's params): leave device unset (or \"cpu\"), or use a job file or shoal.fit")
 
 
+def on_the_cpu(plan: JobPlan) -> bool:
+    """Every worker of the layout on the CPU (no device list, or CPU devices only: "cpu:0", "cpu:1"). A user's loop runs
+    Distributed Hogwild, Downpour's and Sandblaster's pushes to server processes, in-memory groups and a module cut on
+    its features on the CPU alone (and shoal.fit keeps its job path for them on a GPU: fit.fit_layout)."""
+    return all(device.startswith("cpu") for device in plan.all_devices())
+
+
 def _meetings_on_cpu(plan: JobPlan) -> None:
-    if any(not device.startswith("cpu") for device in plan.all_devices()):
+    if not on_the_cpu(plan):
         raise SessionError("shoal.session: Local SGD / DiLoCo's groups in one process run on the CPU in your own loop for "
                            "now: leave device unset (or \"cpu\"), or use a job file (`shoal run job.conf`) or shoal.fit for it")
 
@@ -209,7 +216,7 @@ def _groups_on_one_device(plan: JobPlan) -> None:
 
 
 def _pushes_on_cpu(plan: JobPlan) -> None:
-    if any(not device.startswith("cpu") for device in plan.all_devices()):
+    if not on_the_cpu(plan):
         raise SessionError(f"shoal.session: {plan.label} in your own loop runs on CPU (its pushes and pulls go point-to-point "
                            "over gloo from the module's params): leave device unset (or \"cpu\"), or use a job file "
                            "(`shoal run job.conf`) or shoal.fit for it")

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Union
+
 from shoal.report.terminal import write_line
 
 if TYPE_CHECKING:

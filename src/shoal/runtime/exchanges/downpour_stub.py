@@ -193,7 +193,7 @@ class DownpourExchange:
             self._recover(server, server_rank, step, again)
             return
         write_line(f"worker group {self.group}: {server} was restarted (restart {restart}); the push of step {step} was "
-              f"dropped; took its values of version {self.read_version[server_rank]} (it had seen version {seen})")
+                   f"dropped; took its values of version {self.read_version[server_rank]} (it had seen version {seen})")
 
     def _await_heal_or_take_over(self, door: channels.Door, key) -> None:
         """A restarted server answers nobody before its heal. A process that may take the chief's place pulls from it
@@ -463,7 +463,7 @@ class DownpourExchange:
             except RuntimeError as err:
                 self._recover(server, server_rank, step, err)
         write_line(f"worker group {self.group}: sent the push of step {step} again to {server} (restart "
-              f"{self.server_restarts[server_rank]}), healed with the values it was computed on")
+                   f"{self.server_restarts[server_rank]}), healed with the values it was computed on")
         return answer
 
     def _posted_answer(self, server: ServerId, server_rank: int, size: int, step: int) -> Optional[tuple]:

@@ -35,6 +35,8 @@ class LoopSandblasterExchange(SandblasterExchange):
     """One worker process of a user's loop's Sandblaster group under cluster.max_restarts (see the module's text)."""
 
     admits_at_the_mean = False  # (admitted at the values' meeting, healed after the loop's body)
+    stub = None  # (the base's __init__ sets global_batch before SandblasterExchange's sets the stub)
+    _hyper: Optional[tuple[int, Callable[[], torch.Tensor]]] = None  # carry_hyper's, for a dead chief's successor's stub
 
     @property
     def global_batch(self) -> int:
@@ -44,7 +46,7 @@ class LoopSandblasterExchange(SandblasterExchange):
     def global_batch(self, rows: int) -> None:
         """The group's rows per step (run.batches' batch_size): the stub's push is the mean over them."""
         self._global_batch = rows
-        if getattr(self, "stub", None) is not None:
+        if self.stub is not None:
             self.stub.global_batch = rows
 
     def carry_hyper(self, size: int, hyper: Callable[[], torch.Tensor]) -> None:
@@ -58,7 +60,7 @@ class LoopSandblasterExchange(SandblasterExchange):
         """Group 0's new stub in a dead chief's place, pushing the group's rows' mean with this loop's hyper-parameters."""
         stub = super()._new_stub()
         stub.global_batch = self.global_batch
-        if getattr(self, "_hyper", None) is not None:
+        if self._hyper is not None:
             stub.carry_hyper(*self._hyper)
         return stub
 
