@@ -10,6 +10,7 @@ one worker fails instead of comparing one worker with itself.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
@@ -134,6 +135,21 @@ def assert_ran(workspace: Union[str, Path], layout: Union[str, Layout], ranks_he
     else:
         assert logs == [], f"{workspace}: an in-process layout left process logs {logs}"
     return got
+
+
+def process_logs(workspace: Union[str, Path], tail_chars: int = 4000) -> str:
+    """The end of each process's log in `workspace`: what a failure message shows of a run that went wrong."""
+    logs = sorted((Path(workspace) / "logs").glob("rank*.log"))
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-tail_chars:]}" for p in logs)
+
+
+def assert_no_process_restarted(workspace: Union[str, Path]) -> None:
+    """No process of the run in `workspace` died and was restarted (a run given restarts but no fault)."""
+    pids = {log.name: set(re.findall(r"\(pid = (\d+)\)", log.read_text(errors="replace")))
+            for log in (Path(workspace) / "logs").glob("rank*.log")}
+    restarted = sorted(name for name, seen in pids.items() if len(seen) > 1)
+    restarted += ["the whole job"] if summary(workspace).get("job_restarts") else []
+    assert not restarted, f"restarted in a run with no fault injected: {restarted}\n{process_logs(workspace)}"
 
 
 def train(job: Union[str, Path], layout: Union[str, Layout], workspace: Path, *overrides: str, resume=False, **cluster_extra):

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import shoal
-from layouts import LAYOUTS, SINGLE, Layout, assert_ran
+from layouts import LAYOUTS, SINGLE, Layout, assert_no_process_restarted, assert_ran
 from shoal.config import job_pb2
 from shoal.frontend import api
 from shoal.frontend import fit as fitting
@@ -373,6 +373,7 @@ def test_fit_runs_groups_of_threads_under_restarts_on_the_session(problem, tmp_p
     history = fit(trained, cluster=layout.fit_cluster(), workspace=tmp_path / "ws")
     assert calls == [1]
     if name == "Sandblaster":  # (synchronous: one worker's values, as without restarts)
+        assert_no_process_restarted(tmp_path / "ws")  # (a death would make its steps the mean of the rows that came)
         alone = copy.deepcopy(model)
         fit(alone, workspace=tmp_path / "one")
         for (param, a), b in zip(trained.named_parameters(), alone.parameters()):

@@ -24,6 +24,7 @@ import re
 import signal
 import socket
 import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,6 +257,12 @@ def _entry(local_index: int, ranks: list[int], meeting: Meeting, environment: di
                 with _stopping_the_job_on_bad_input(plan, rank, Path(workspace), log_file):
                     run_rank(plan, rank, spec, rank_main)
             stalls.exit_if_abandoned()
+        except Exception:
+            # into the rank's log too: the stderr multiprocessing prints it on is the forkserver's, which may be no
+            # longer anyone's (a restarted process's is the log alone: rejoin._entry)
+            traceback.print_exc(file=log_file)
+            log_file.flush()
+            raise
         finally:
             comm.shutdown()
 
