@@ -147,3 +147,31 @@ def test_a_stopped_chief_is_dropped_ended_and_replaced(blobs_job, tmp_path, runs
     got = summary(run.ws)
     assert got["status"] == "finished" and [r["rank"] for r in got["rejoins"]] == [0], got
     assert leftover_processes(tmp_path) == []
+
+
+
+@pytest.mark.parametrize("cluster, layout", [(dict(nworkers_per_group=3), REPLICATED), ("sandblaster", "sandblaster")],
+                         ids=["AllReduce", "Sandblaster"])
+def test_a_successor_in_a_resumed_run_counts_the_jobs_bytes_from_the_first_step(blobs_job, tmp_path, cluster, layout):
+    """summary.json's bytes_sent is the whole job's, from step 0, whoever writes it: a run checkpointed at step 20 and
+    resumed to 40, whose chief exits at step 30, ends with the successor's count, which went on from the checkpoint's
+    (every worker process restores the job's counts from the chief's file: any of them may take its place; Sandblaster's
+    successor's stub counts the servers' bytes on too), not from the resume."""
+    if cluster == "sandblaster":
+        from test_sandblaster_faults import CLUSTER, SERVED
+        cluster, layout = CLUSTER, SERVED
+    job = blobs_job(train_steps=20, cluster_extra=cluster)
+    ws = tmp_path / "ws"
+    first = run_cli("run", job, "--workspace", ws, "--no-progress", "--max-restarts", "1", "--set", "checkpoint_freq=20",
+                    timeout=120)
+    assert first.returncode == 0, first.stderr
+    before = summary(ws)["bytes_sent"]  # 20 steps of 3 worker processes (and Sandblaster's pushes and pulls)
+    resumed = run_cli("run", job, "--workspace", ws, "--no-progress", "--resume", "--max-restarts", "1",
+                      "--set", "train_steps=40", "--set", "checkpoint_freq=20", env={**os.environ, "SHOAL_INJECT_EXIT": "0:30"},
+                      timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Process 1 took the chief's place after step " in (ws / "logs" / "rank1.log").read_text()
+    got = assert_ran(ws, layout)
+    assert got["final_test"]["step"] == 40 and got["chief_succession"][0]["process"] == 1, got
+    # 20 more steps, each moving at least 2 of the 3 worker processes' bytes: at least two thirds of the first 20's
+    assert got["bytes_sent"] >= before * 5 // 3, (got["bytes_sent"], before)

@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 ViewUpdater = Callable[[int, object, torch.Tensor], None]
 
 
+# the job's counts in an exchange's checkpoint state (own_state): alike on every process of a group of replicas, so
+# each process restores them from the chief's file, ready to count on if it takes the chief's place after a resume
+JOB_COUNTS = frozenset({"count/job_bytes_sent", "count/meetings_bytes_sent"})
+
+
 class Exchange(Protocol):
     """How one group's gradients become updated params (LocalExchange, SlicedExchange, GroupExchange,
     DownpourExchange, HogwildExchange).

@@ -41,7 +41,7 @@ from shoal.neuralnet.params import ParamStore
 from shoal.planning.plan import JobPlan
 from shoal.runtime.checkpoint_schedule import CheckpointSchedule, checkpoint_parts  # noqa: F401 - re-exported
 from shoal.runtime.feed import InputFeed, make_feeds
-from shoal.runtime.interfaces import Exchange, GroupMember, TrainerHook, summary_annotator
+from shoal.runtime.interfaces import JOB_COUNTS, Exchange, GroupMember, TrainerHook, summary_annotator
 from shoal.runtime.partitioned import PartitionedGroup
 from shoal.runtime.replicas import DeviceReplicas, torch_device, usable_device_names
 from shoal.runtime.worker import Worker
@@ -341,9 +341,15 @@ class Trainer:
         for w in self.workers:
             if f"worker{w.index}" in rng:
                 w.generator.set_state(rng[f"worker{w.index}"])
-        if (own is not None or self.chief) and hasattr(self.exchange, "load_own_state"):
-            # (the chief takes the job's counts from the file wherever its own part is)
-            self.exchange.load_own_state({**(ckpt.exchange if self.chief else {}), **(own.exchange if own is not None else {})})
+        if hasattr(self.exchange, "load_own_state"):
+            # the job's counts for every process (any may take the chief's place after the resume, and count on); the
+            # chief takes the file's whole state wherever its own part is
+            counts = {k: v for k, v in ckpt.exchange.items() if k in JOB_COUNTS}
+            if own is not None or self.chief:
+                self.exchange.load_own_state({**counts, **(ckpt.exchange if self.chief else {}),
+                                              **(own.exchange if own is not None else {})})
+            elif counts:
+                self.exchange.load_own_state(counts)
         self.cursors.update({int(k): int(v) for k, v in t.get("cursors", {}).items()})
         self._load_skips(t.get("skips", {}), own_train=own is not None)
         if own is not None and own is not ckpt:

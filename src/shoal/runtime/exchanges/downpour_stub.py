@@ -586,7 +586,11 @@ class DownpourExchange:
     def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
         load_codecs_state("push", self.codecs, tensors)
         if self.chief:
-            self._bytes_before = int(tensors.get("count/job_bytes_sent", 0))
+            self.count_on_from(int(tensors.get("count/job_bytes_sent", 0)))
+
+    def count_on_from(self, bytes_before: int) -> None:
+        """The job's bytes before this run (a resumed run's, from its checkpoint), which the chief's count goes on from."""
+        self._bytes_before = bytes_before
 
     def view_updater(self):
         """The servers own every param: no worker updates a view itself."""

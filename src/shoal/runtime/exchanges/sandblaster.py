@@ -77,6 +77,7 @@ class SandblasterExchange(ReplicatedExchange):
         self.make_stub = make_stub
         self.trained = store.trainable_names()
         self._servers_counted = 0  # the servers' count of bytes, added to job_bytes_sent at the finish
+        self._servers_bytes_before = 0  # a resumed run's count of the servers' bytes (its checkpoint's)
 
     def meeting_of(self, step: int) -> int:
         return 2 * step  # (the values' meeting is 2 · step + 1)
@@ -131,6 +132,7 @@ class SandblasterExchange(ReplicatedExchange):
         servers wait for it)."""
         stub = self._new_stub()
         stub.incarnation = channels.Door(DOWNPOUR_DOOR).next_incarnation(0)
+        stub.count_on_from(self._servers_bytes_before)
         return stub
 
     def _new_stub(self) -> DownpourExchange:
@@ -205,9 +207,12 @@ class SandblasterExchange(ReplicatedExchange):
         return {**self.stub.own_state(), "count/meetings_bytes_sent": meetings}
 
     def load_own_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Every worker process the job's counts (the meetings', and the servers' as the chief's stub counted them, which
+        a successor's stub counts on from), the chief's stub its own state."""
+        self.job_bytes_sent = int(tensors.get("count/meetings_bytes_sent", 0))
+        self._servers_bytes_before = int(tensors.get("count/job_bytes_sent", 0))
         if self.stub is not None:
             self.stub.load_own_state(tensors)
-            self.job_bytes_sent = int(tensors.get("count/meetings_bytes_sent", 0))
 
     def resume_at(self, step: int, version: int) -> None:
         """The chief, resumed at `step` (the servers restored themselves at `version`). The mirror's schedule stays the
