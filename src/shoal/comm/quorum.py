@@ -94,6 +94,12 @@ def meetings_over(store) -> bool:
     return store.under(KEYS).get("closed") == "1"
 
 
+def admitted(store, rank: int, incarnation: int) -> bool:
+    """Whether the restarted process `rank` (incarnation `incarnation`) was admitted to the meetings, read through
+    `store` as `meetings_over` reads it (the launcher's word on whose state a restarted process heals from)."""
+    return store.under(KEYS).get(f"admit/r{rank}/i{incarnation}") is not None
+
+
 class MeetingsOver(ShoalError):  # not a RuntimeError: nothing failed
     """A restarted process knocked after the last meeting: there is nothing left for it to join (the one class: the
     exchanges let it through and runtime/endings.py names it for the launcher; comm cannot import runtime)."""

@@ -172,6 +172,7 @@ class Restarter:
         self.environment, self.secret = environment, auth.required_secret("the launcher", environment)
         self.limit = plan.max_restarts if rejoins(plan) and restarts else 0  # cluster.max_restarts, --max-restarts
         self.restarts: dict[int, int] = {}
+        self._from_the_chief: dict[int, int] = {}  # restarted ranks told they heal from the chief: their incarnations
         self.started = time.time()  # rejoins.jsonl may hold an earlier run's rejoins (a resumed workspace)
         self._door = self._store = self._server_door = None
         self._context = None
@@ -269,10 +270,12 @@ class Restarter:
         if replicas:  # (once the chief died, the lowest living process decides the steps and is the donor: quorum.py)
             decides = ("decides the steps and pushes to the servers now" if servers_heal_here(self.plan)  # (Sandblaster's)
                        else "decides the steps now")
-            donor = ("process 0's state" if rank != 0 and not self.restarts.get(0)
-                     else f"the state of the lowest living process, which {decides}")
+            from_the_chief = rank != 0 and not self.restarts.get(0) and not self._chief_died(context)
+            donor = "process 0's state" if from_the_chief else f"the state of the lowest living process, which {decides}"
             warn(f"WARNING: {describe_process(self.plan, rank)} {ended}; the other processes go on without it; restarting it "
-                 f"(restart {done + 1} of {self.limit}); it rejoins at the next step, from {donor}")
+                 f"(restart {done + 1} of {self.limit}); it rejoins at the next step, from {donor}{self._heal_elsewhere(rank)}")
+            if from_the_chief:
+                self._from_the_chief[rank] = incarnation
         else:
             source = "at the groups' next meeting, from a live group's state" if self.plan.strategy.meets else self.plan.strategy.rejoins_from
             succeeded = rank == 0 and done == 0 and self.plan.strategy.chief_succeeded_by_a_group(self.plan)  # (the chief's own death)
@@ -287,6 +290,18 @@ class Restarter:
         process.start()
         context.processes[index] = process  # watched, stopped and joined with the others from now on
         return True
+
+    def _heal_elsewhere(self, rank: int) -> str:
+        """The chief `rank` died after the lines of restarted processes said they heal from its state (two processes
+        dead at once: the other's death seen first): those not admitted yet heal from its successor instead."""
+        if rank != 0:
+            return ""
+        promised, self._from_the_chief = self._from_the_chief, {}
+        pending = [r for r, incarnation in sorted(promised.items()) if not quorum.admitted(self._store, r, incarnation)]
+        if not pending:
+            return ""
+        who = f"process {pending[0]}" if len(pending) == 1 else "processes " + ", ".join(map(str, pending))
+        return f" (so {'does' if len(pending) == 1 else 'do'} {who}, restarted before it and not admitted yet)"
 
     def _restart_server(self, context, index: int, rank: int, code: int, how: Optional[str]) -> bool:
         """A Downpour server process died (or was stopped past the stall timeout and ended): announce its restart (its
@@ -394,7 +409,7 @@ def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, stor
     channels.join_as_client(store_host, store_port, interface, auth.required_secret("a process rejoining a job"), plan.comm_timeout_s,
                             attempt=attempt)
     spec = RunSpec(workspace, base_dirs, None, log=log, progress=False, initial_values=initial_values,
-                   rejoin=Rejoin(incarnation, detected_at), faults=faults.from_environment())
+                   rejoin=Rejoin(incarnation, detected_at), faults=faults.from_environment(restarted=True))
     try:
         with stalls.watching(plan, rank, workspace):
             (rank_main or run_process)(plan, rank, spec)

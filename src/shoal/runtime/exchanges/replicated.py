@@ -235,9 +235,9 @@ class ReplicatedExchange:
             if rank not in came:
                 self._missed.setdefault(rank, []).append(step)
         if left and self.chief:
-            who = ", ".join(f"process {r}" for r in left)
-            self._say(f"Step {step} went on without {who} (died or stopped answering): the mean over the gradients of "
-                      f"processes {', '.join(map(str, came))}, weighted by their rows")
+            whose = f"{_processes(list(came))}, weighted by their rows" if len(came) > 1 else f"process {came[0]} alone"
+            self._say(f"Step {step} went on without {_processes(left)} (died or stopped answering): the mean over the "
+                      f"gradients of {whose}")
             self._annotate()
 
     def _say(self, line: str) -> None:
@@ -375,3 +375,8 @@ def _window_state(text: Optional[str]) -> Optional[dict]:
     except (ValueError, TypeError, KeyError, AttributeError):
         pass
     return None
+
+
+def _processes(ranks: list[int]) -> str:
+    """'process 2', or 'processes 0, 1' (two that died at once)."""
+    return f"process {ranks[0]}" if len(ranks) == 1 else f"processes {', '.join(map(str, ranks))}"
