@@ -196,3 +196,22 @@ def test_plan_of_a_script_prints_the_layout_of_its_fit_call(script, home):
     n = sum(p.numel() for p in tiny_gpt().parameters())
     assert out.stdout.startswith(f"job 'fit': in-memory Sandblaster, 1 process(es), {n:,} param elements")
     assert out.stdout.count("  worker (group 0, id ") == 2 and "not reached" not in out.stdout + out.stderr
+
+
+def test_plan_of_a_fit_call_over_processes_is_the_sessions_that_runs_it(script, home):
+    """fit over 2 processes runs as its loop on the session (the replicated update: one all-reduce of the gradients a
+    step), so `shoal plan` shows that plan, not the job path's (SINGA's sliced exchange), with the module's params cut
+    into its slices as the loop cuts them; --estimate still counts the module."""
+    out = run_cli("plan", script, "--set", "cluster.nworkers_per_group=2", "--json", env=env(home))
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    n = sum(p.numel() for p in tiny_gpt().parameters())
+    assert (got["label"], got["nprocs"], got["param_elements"]) == ("AllReduce", 2, n), got
+    assert got["process_groups"] == [] and [p["rank"] for p in got["processes"]] == [0, 1], got  # (no sliced/owner group)
+    assert [n.split(":")[0] for n in got["partition_notes"]] == ["replicated over 2 processes (a loop on the session"]
+    assert sum(s["stop"] - s["start"] for p in got["processes"] for server in p["servers"] for s in server["slices"]) == n
+    text = run_cli("plan", script, "--set", "cluster.nworkers_per_group=2", env=env(home)).stdout
+    assert text.startswith(f"job 'fit': AllReduce, 2 process(es), {n:,} param elements in 1 slice(s)\n"), text
+    assert text.count("server group 0: the module\n") == 2, text
+    estimate = run_cli("plan", script, "--estimate", "--set", "cluster.nworkers_per_group=2", env=env(home))
+    assert estimate.returncode == 0 and "module costs counted by torch.utils.flop_counter" in estimate.stdout, estimate.stderr

@@ -336,7 +336,7 @@ def test_shoal_plan_says_the_replicated_exchange_runs_compressed():
     notes = describe(plan)["partition_notes"]
     assert "gradients (each process's, gathered by every process) compressed (top-0.01 with error feedback): the run does " \
            "not compute what uncompressed AllReduce would (no longer bit-exact with one worker)" in notes
-    assert "replicated over 2 processes (your own loop): each process updates the whole params from one all-gather of each " \
+    assert "replicated over 2 processes (a loop on the session: yours, or shoal.fit's): each process updates the whole params from one all-gather of each " \
            "process's encoded gradients a step, decoded and summed in process order; a dead or stalled process other than 0 " \
            "is left out (the mean over the rows that came)" in notes
     assert describe(plan)["compression"] == {"setting": "top-0.01", "applied": True, "bit_exact_with_one_worker": False}

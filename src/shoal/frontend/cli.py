@@ -461,9 +461,9 @@ def _plan_script(args: argparse.Namespace) -> int:
     planned: list[int] = []
     stdout = sys.stdout
 
-    def plan(job) -> None:
+    def plan(job, runs=None) -> None:
         with contextlib.redirect_stdout(stdout):
-            planned.append(_plan_job(args, job))
+            planned.append(_plan_job(args, job, runs))
 
     with contextlib.redirect_stdout(sys.stderr):  # what the script prints stays out of the plan (and of --json)
         status = run_script(args.job, args.script_args, ScriptSettings(tuple(args.overrides), plan=plan), expected=(ShoalError,))
@@ -473,7 +473,9 @@ def _plan_script(args: argparse.Namespace) -> int:
     return planned[0]
 
 
-def _plan_job(args: argparse.Namespace, job) -> int:
+def _plan_job(args: argparse.Namespace, job, runs=None) -> int:
+    """`runs`: the plan that runs `job` where it is not the job's own (shoal.fit's loop on the session), which the
+    plan shows; the estimates count `job`'s module."""
     import json
 
     from shoal.frontend import api
@@ -492,7 +494,7 @@ def _plan_job(args: argparse.Namespace, job) -> int:
                               recalibrate=args.recalibrate, recommend=args.recommend, out=args.out, log=log)
         print(json.dumps(result, indent=2) if args.json else render_estimates(result))
         return 0
-    plan = plan_job(job, strategies=REGISTRY)
+    plan = runs if runs is not None else plan_job(job, strategies=REGISTRY)
     print(json.dumps(describe(plan), indent=2) if args.json else render(plan))
     return 0
 

@@ -31,6 +31,8 @@ bit only for modules that draw none.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import math
 from pathlib import Path
@@ -383,6 +385,18 @@ def _launched_rank() -> int:
     return launched.rank if launched is not None else 0
 
 
+def _session_plan_shown(plan, spec: FitSpec):
+    """What `shoal plan script.py` shows of a fit call that runs as its loop on the session: the session's plan, with
+    the module's trained params cut into its slices as the loop cuts them."""
+    from types import MappingProxyType
+
+    from shoal.planning.plan import sliced_for
+
+    trained = [(n, p) for n, p in spec.model.named_parameters() if n in spec.trained_names]
+    sliced = sliced_for(plan, {n: p.numel() for n, p in trained})
+    return dataclasses.replace(sliced, params=MappingProxyType({n: tuple(p.shape) for n, p in trained}))
+
+
 def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
     """fit's run: its loop on the session (frontend/fit_loop.py) where its layout runs there, decided from the session's
     job planned once, before any of the job path's work (module_path's layers built, the shape check, the module's
@@ -398,8 +412,9 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
         from shoal.frontend.session_start import plan_session  # cut): `shoal plan` shows that job, and stops the script
 
         plan_session(fit_loop.session_job_of(job))
-    plan = None if planning else fit_loop.session_plan(job)
-    if plan is not None and on_session(plan):  # fit's loop written with the session's calls: the module trains in place
+    plan = fit_loop.session_plan(job)
+    shown = _session_plan_shown(plan, spec) if planning and plan is not None and on_session(plan) else None
+    if not planning and plan is not None and on_session(plan):  # fit's loop on the session: the module trains in place
         if spec.optimizer is not None and fit_layout(plan) == "AllReduce over processes with server slices":
             _check_optimizer_layout(sliced_for(plan, {n: p.numel() for n, p in spec.model.named_parameters()
                                                       if n in spec.trained_names}), spec)  # (its processes' slices)
@@ -414,6 +429,8 @@ def _train(job, spec: FitSpec, model, workspace, resume: bool, log):
         return history
     register_fit_layers(spec)  # (module_path's layers, which the job's net names)
     validate(job, None, shape_check=check_shapes)
+    if shown is not None:  # `shoal plan script.py`: the session's plan, which runs; the module's job, which --estimate counts
+        script.plan_instead(job, runs=shown)
     plan = plan_of(job)  # the module's net planned once: the checks and the run take this plan
     if spec.optimizer is not None:
         _check_optimizer_layout(plan, spec)

@@ -26,11 +26,14 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 from shoal.config import job_pb2
 from shoal.config.overrides import apply_overrides
 from shoal.errors import ShoalError, first_line
+
+if TYPE_CHECKING:
+    from shoal.planning.plan import JobPlan
 
 
 class ScriptError(ShoalError, ValueError):
@@ -47,7 +50,9 @@ class ScriptSettings:
     overrides: tuple[str, ...] = ()
     workspace: Optional[Path] = None
     resume: bool = False
-    plan: Optional[Callable[[job_pb2.JobProto], None]] = None  # `shoal plan script.py`: what to do with the first job
+    # `shoal plan script.py`: what to do with the first job (and the JobPlan that runs it, where that is not the job's
+    # own: shoal.fit's loop on the session)
+    plan: Optional[Callable[[job_pb2.JobProto, Optional[JobPlan]], None]] = None
 
     @classmethod
     def from_command_line(cls, overrides: list[str], workspace: Optional[Path], resume: bool) -> ScriptSettings:
@@ -101,10 +106,12 @@ def workspace(given: Optional[Path]) -> Optional[Path]:
     return _ACTIVE.workspace if _ACTIVE and _ACTIVE.workspace is not None else given
 
 
-def plan_instead(job: job_pb2.JobProto) -> None:
-    """Under `shoal plan script.py`: plan `job` (the script's first training call) and stop the script; else nothing."""
+def plan_instead(job: job_pb2.JobProto, runs: Optional[JobPlan] = None) -> None:
+    """Under `shoal plan script.py`: plan `job` (the script's first training call) and stop the script; else nothing.
+    `runs`: the plan that runs it where that is not `job`'s own (shoal.fit's loop on the session: `job` is its module's,
+    which --estimate counts the FLOPs and bytes of)."""
     if _ACTIVE is not None and _ACTIVE.plan is not None:
-        _ACTIVE.plan(job)
+        _ACTIVE.plan(job, runs)
         raise PlanReached
 
 

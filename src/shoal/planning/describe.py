@@ -63,10 +63,11 @@ def _numel(shape: tuple[int, ...]) -> int:
 def render(plan: JobPlan) -> str:
     """The plan as `shoal plan` prints it."""
     d = describe(plan)
-    lines = [
-        f"job {plan.job.name!r}: {d['label']}, {d['nprocs']} process(es), "
-        f"{d['param_elements']:,} param elements in {d['nslices']} slice(s)"
-    ]
+    # a user's loop's module is built by the script after shoal.session(): its params are not the plan's to count
+    unknown = plan.own_loop and not plan.params
+    elements = "your module's params" if unknown else f"{d['param_elements']:,} param elements"
+    lines = [f"job {plan.job.name!r}: {d['label']}, {d['nprocs']} process(es), {elements} in {d['nslices']} slice(s)"]
+    computes = "your module" if unknown else "the module"  # (a loop's module is one piece, not SINGA's layers)
     auto = " (at start; measured at run time)" if d["batch_shares"] == "measured at run time" else ""
     for proc in d["processes"]:
         lines.append(f"process {proc['rank']}")
@@ -74,9 +75,12 @@ def render(plan: JobPlan) -> str:
             share = "" if w["batch_share"] is None else f"batch share {w['batch_share']}{auto}, "
             lines.append(
                 f"  worker (group {w['group']}, id {w['id']}) on {w['device']}, {share}{w['threads']} thread(s), "
-                f"server group {w['server_group']}: {', '.join(w['layers'])}"
+                f"server group {w['server_group']}: {', '.join(w['layers']) or computes}"
             )
         for s in proc["servers"]:
+            if unknown:
+                lines.append(f"  server (group {s['group']}, id {s['id']}): its slice of your module's params")
+                continue
             owned = ", ".join(f"{x['param']}[{x['start']}:{x['stop']}]" for x in s["slices"]) or "nothing"
             total = sum(x["stop"] - x["start"] for x in s["slices"])
             lines.append(f"  server (group {s['group']}, id {s['id']}): {total:,} elements: {owned}")

@@ -57,7 +57,7 @@ class AllReduce(Strategy):
                     "slices with your optimizer and holds their state alone (ZeRO-1's shape), and one all-gather of the "
                     "values; the group cannot go on without a process"]
         if replicated(plan):
-            why = f"cluster.max_restarts {plan.max_restarts}" if plan.max_restarts > 0 else "your own loop"
+            why = f"cluster.max_restarts {plan.max_restarts}" if plan.max_restarts > 0 else "a loop on the session: yours, or shoal.fit's"
             how = ("one all-reduce of the gradients a step" if plan.compression.dense else
                    "one all-gather of each process's encoded gradients a step, decoded and summed in process order")
             healed = " and, restarted, heals from process 0 at the next step" if plan.max_restarts > 0 else ""
