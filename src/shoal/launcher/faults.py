@@ -18,12 +18,13 @@ process here, as a crash would.
                                         xFACTOR: each step takes FACTOR times its measured compute (x2: half speed,
                                         whatever the machine's load)
 
-Each RANK:STEP variable (GROUP:STEP too) takes several comma-separated pairs ("0:12,1:12": processes 0 and 1 at the
-same step; "1:5,1:30": process 1, then its restart); each process reads the pairs naming its rank. A process restarted
-into a running job (shoal.launcher.rejoin) takes up where its predecessor stopped: it never fires at the step it starts
-at, so a fault its predecessor met is not met again (a pair past that step fires in it); a restarted Downpour server
-fires none (it heals to the chief's mirror, which may be behind the version its predecessor died at). A whole job
-restarted from a checkpoint (shoal.launcher.job_restarts) meets its faults again.
+Each variable takes several comma-separated pairs ("0:12,1:12": processes 0 and 1 at the same step; "0:4,1:9": groups
+0 and 1). A rank's pairs are its processes', one each, in the order written: the process the job started meets the
+rank's first pair, the process restarted in its place (shoal.launcher.rejoin, incarnation K) the rank's K+1-th, at the
+first step it trains at or past it (a restart joins at a step it cannot choose: "1:12,1:13" ends process 1 at step 12
+and its restart right after it rejoined, before its first step), a restarted Downpour server at the first version it
+reaches at or past it. So a restart never meets its predecessor's fault again. A whole job restarted from a checkpoint
+(shoal.launcher.job_restarts) starts its processes afresh: they meet the first pairs again.
 """
 from __future__ import annotations
 
@@ -46,9 +47,11 @@ def _pairs(variable: str) -> list[tuple[int, int]]:
     return pairs
 
 
-def _steps(variable: str, rank: int) -> list[int]:
-    """The steps `variable` names for `rank`, in order."""
-    return sorted(step for who, step in _pairs(variable) if who == rank)
+def _own_step(variable: str, rank: int, incarnation: int = 0) -> Optional[int]:
+    """The step of `variable`'s pair that process `rank`'s incarnation `incarnation` meets: the rank's pairs in the order
+    written, one per process (None: none left for it)."""
+    steps = [step for who, step in _pairs(variable) if who == rank]
+    return steps[incarnation] if incarnation < len(steps) else None
 
 
 @dataclass(frozen=True)
@@ -91,9 +94,9 @@ def slowdown(worker: int, group: int = 0) -> Slowdown:
     return this_group or every_group
 
 
-def server_exit_versions(rank: int) -> list[int]:
-    """The versions at which the Downpour server of process `rank` "dies", if asked."""
-    return _steps("SHOAL_INJECT_EXIT", rank)
+def server_exit_version(rank: int, incarnation: int = 0) -> Optional[int]:
+    """The version at which the Downpour server of process `rank` (its incarnation `incarnation`) "dies", if asked."""
+    return _own_step("SHOAL_INJECT_EXIT", rank, incarnation)
 
 
 def _die() -> None:
@@ -103,19 +106,17 @@ def _die() -> None:
 
 class ProcessFault(TrainerHook):
     """Process `rank` exits or hangs at a step, as SHOAL_INJECT_EXIT / SHOAL_INJECT_STALL ask. `restarted`: a process
-    restarted in a dead one's place, whose first step is where its predecessor stopped: no fault fires at it."""
+    restarted in a dead one's place, which starts at a step it cannot choose: its fault fires at the first step it
+    trains at or past `step`."""
 
     def __init__(self, step: int, action: str, restarted: bool = False):
         self.step, self.action, self.restarted = step, action, restarted
-        self._first: Optional[int] = None  # the first step this process trains
 
     def _fires(self, step: int) -> bool:
-        if self._first is None:
-            self._first = step
-        return step == self.step and not (self.restarted and step == self._first)
+        return step >= self.step if self.restarted else step == self.step
 
     def before_step(self, step: int) -> None:
-        if not self._fires(step) or self.action == "exit_after":
+        if self.action == "exit_after" or not self._fires(step):
             return
         if self.action == "exit":
             _die()
@@ -137,37 +138,43 @@ class GroupFault(TrainerHook):
             raise RuntimeError(f"injected failure (SHOAL_INJECT_GROUP_ERROR) at step {step}")
 
 
-def process_faults(rank: int, restarted: bool = False) -> list[ProcessFault]:
-    return [ProcessFault(step, action, restarted)
-            for variable, action in (("SHOAL_INJECT_EXIT", "exit"), ("SHOAL_INJECT_STALL", "stall"),
-                                     ("SHOAL_INJECT_EXIT_AFTER", "exit_after"))
-            for step in _steps(variable, rank)]
+def process_faults(rank: int, incarnation: int = 0) -> list[ProcessFault]:
+    faults = []
+    for variable, action in (("SHOAL_INJECT_EXIT", "exit"), ("SHOAL_INJECT_STALL", "stall"),
+                             ("SHOAL_INJECT_EXIT_AFTER", "exit_after")):
+        step = _own_step(variable, rank, incarnation)
+        if step is not None:
+            faults.append(ProcessFault(step, action, restarted=incarnation > 0))
+    return faults
 
 
 class InjectedFaults(FaultInjection):
-    """The faults this process's environment asks for, as hooks for the assembly (`restarted`: this process was
-    restarted into the running job)."""
+    """The faults this process's environment asks for, as hooks for the assembly (`incarnation`: this process's, 0 for
+    one the job started, K for the K-th restart of its rank)."""
 
-    def __init__(self, restarted: bool = False):
-        self.restarted = restarted
+    def __init__(self, incarnation: int = 0):
+        self.incarnation = incarnation
 
     def process_hooks(self, rank: int) -> list[TrainerHook]:
-        return list(process_faults(rank, self.restarted))
+        return list(process_faults(rank, self.incarnation))
 
     def group_hooks(self, group: int) -> list[TrainerHook]:
-        return [GroupFault(step) for step in _steps("SHOAL_INJECT_GROUP_ERROR", group)]
+        step = _own_step("SHOAL_INJECT_GROUP_ERROR", group)
+        return [GroupFault(step)] if step is not None else []
 
     def compute_delay(self, worker: int, group: int) -> Optional[Slowdown]:
         return slowdown(worker, group) or None
 
     def server_update_hook(self, rank: int):
-        versions = server_exit_versions(rank)
-        if not versions or self.restarted:  # (a restarted server heals to the mirror's version: maybe below its fault's)
+        version = server_exit_version(rank, self.incarnation)
+        if version is None:
             return None
-        return lambda reached: _die() if reached in versions else None
+        if self.incarnation > 0:  # (healed from the mirror, maybe past it already)
+            return lambda reached: _die() if reached >= version else None
+        return lambda reached: _die() if reached == version else None
 
 
-def from_environment(restarted: bool = False) -> FaultInjection:
-    """What SHOAL_INJECT_* / SHOAL_SLOW_WORKER ask of this process (read when the hooks are asked for); `restarted`: a
-    process restarted into the running job (shoal.launcher.rejoin), which does not meet its predecessor's fault again."""
-    return InjectedFaults(restarted)
+def from_environment(incarnation: int = 0) -> FaultInjection:
+    """What SHOAL_INJECT_* / SHOAL_SLOW_WORKER ask of this process (read when the hooks are asked for); `incarnation`: a
+    process restarted into the running job (shoal.launcher.rejoin) meets its own pairs, not its predecessor's."""
+    return InjectedFaults(incarnation)

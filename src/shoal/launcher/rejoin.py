@@ -409,7 +409,7 @@ def run_rejoined(job_bytes: bytes, nnodes: int, rank: int, store_host: str, stor
     channels.join_as_client(store_host, store_port, interface, auth.required_secret("a process rejoining a job"), plan.comm_timeout_s,
                             attempt=attempt)
     spec = RunSpec(workspace, base_dirs, None, log=log, progress=False, initial_values=initial_values,
-                   rejoin=Rejoin(incarnation, detected_at), faults=faults.from_environment(restarted=True))
+                   rejoin=Rejoin(incarnation, detected_at), faults=faults.from_environment(incarnation))
     try:
         with stalls.watching(plan, rank, workspace):
             (rank_main or run_process)(plan, rank, spec)
