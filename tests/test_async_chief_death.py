@@ -84,7 +84,9 @@ def test_a_killed_async_chief_is_dropped_and_the_lowest_living_group_takes_its_p
 def test_group_0s_process_is_replaceable_with_restarts_and_one_process_per_group():
     """Downpour and Distributed Hogwild under cluster.max_restarts, in a job file or a user's loop
     (tests/test_session_async_chief_death.py): the chief's process is dropped like any group's and may rejoin; without
-    restarts or with a group over two processes, its death restarts the whole job as before."""
+    restarts, or with a user's loop's group over two processes, its death restarts the whole job as before. A job
+    file's Downpour group 0 over two processes is replaceable too: the launcher restarts its processes together
+    (tests/test_spanning_group_rejoin.py), never one alone (--rejoin, a rank's supervisor)."""
     downpour = dict(nworker_groups=2, nworkers_per_procs=1, nserver_groups=1, server_worker_separate=True)
     hogwild = dict(nworker_groups=2, nworkers_per_procs=1, nserver_groups=2)
     for cluster in downpour, hogwild:
@@ -93,7 +95,9 @@ def test_group_0s_process_is_replaceable_with_restarts_and_one_process_per_group
         for other in plan_of(False, **cluster), plan_of(True, **cluster):
             assert not ranks.chief_replaceable(other) and not ranks.expendable(other, 0)
     spread = plan_of(False, **dict(downpour, nworkers_per_group=2), max_restarts=1)  # a group over 2 processes
-    assert not ranks.chief_replaceable(spread)
+    assert ranks.chief_replaceable(spread) and ranks.expendable(spread, 0)
+    assert rejoin.why_not(spread, 0, whole_group=True) is None and "spans processes 0, 1" in rejoin.why_not(spread, 0)
+    assert not ranks.chief_replaceable(plan_of(True, **dict(downpour, nworkers_per_group=2), max_restarts=1))
 
 
 # slow: under load it once waited 60 s for the successor's first display and failed (2026-11-29, not understood yet);

@@ -163,7 +163,8 @@ def test_a_killed_group_rejoins_by_hand(blobs_job, tmp_path, runs):
     (DOWNPOUR, 0, "--rejoin 0: process 0 (worker(group=0, id=0)) hosts worker group 0, the chief's"),
     (DOWNPOUR, 2, "--rejoin 2: process 2 (server(group=0, id=0)) is a server"),
     ("Downpour, 2 groups x 2 workers + 2 servers, 6 processes", 2,
-     "--rejoin 2: worker group 1 spans processes 2, 3: only a group hosted by one process can rejoin"),
+     "--rejoin 2: worker group 1 spans processes 2, 3: it comes back only when `shoal run`'s launcher, hosting all of "
+     "them, restarts them together (--max-restarts N)"),
     ("Distributed Hogwild, 2 groups", 1, "--rejoin 1: Distributed Hogwild's worker groups rejoin only when the launcher restarts "
      "them (shoal run --max-restarts N)"),
     ("in-memory Hogwild, 2 groups", 0, "--rejoin 0: only Downpour, Local SGD and Distributed Hogwild worker groups can rejoin"),

@@ -424,7 +424,7 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
             return failed_groups()
         for i in exited:
             code = context.processes[i].exitcode
-            if code != 0 and i not in reported:
+            if code not in (0, None) and i not in reported:  # (None: restarted meanwhile with the rest of its group)
                 context.sentinels.pop(context.processes[i].sentinel, None)  # torch's join must not fail the job for it
                 # a process that left because the job dropped it (it stalled, then ran again) comes back as a dead one,
                 # with restarts left; without, as before: the chief has warned
@@ -661,7 +661,7 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
                 if outlives_a_dead_process(plan):  # (its strategy says so: Downpour, Hogwild, Local SGD, replicas) a dead group is dropped
                     failed_groups = _join_tolerating_groups(context, ranks, plan, workspace,
                                                             rejoin.Restarter(plan, meeting, spec, process_setup, environment,
-                                                                             rank_main=rank_main), group_ends)
+                                                                             rank_main=rank_main, ranks_here=ranks), group_ends)
                 elif plan.max_restarts > 0 and plan.nworker_groups > 1:  # groups that cannot outlive a dead one
                     warn(f"WARNING: --max-restarts: only Downpour, Local SGD and Distributed Hogwild worker groups are restarted; "
                          f"{plan.label}'s are not")

@@ -28,8 +28,9 @@ def chief_replaceable(plan: JobPlan) -> bool:
     a group of replicas (Sandblaster's worker processes too, whose new decider also becomes the servers' stub and
     keeps their mirror: runtime/exchanges/sandblaster.py), or Local SGD / DiLoCo's groups of one process each, in a
     user's loop or a job file; Downpour's and Distributed Hogwild's groups of one process each under
-    cluster.max_restarts, in a job file or a user's loop (no step to decide: the lowest living worker process takes the
-    chief's duties, shoal.comm.succession; a loop's chief dead before its first step still restarts the whole job:
+    cluster.max_restarts, in a job file or a user's loop, and a job file's Downpour groups over several processes (all of
+    group 0's restarted together: rejoin.Restarter._restart_group) (no step to decide: the lowest living group's stub
+    takes the chief's duties, shoal.comm.succession; a loop's chief dead before its first step still restarts the whole job:
     rejoin.Restarter). Elsewhere the chief's death restarts the whole job (launcher/job_restarts.py)."""
     if plan.in_one_process:
         return False

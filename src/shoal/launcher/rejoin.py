@@ -36,8 +36,13 @@ Under torchrun or srun (`shoal run JOB --max-restarts N` as each rank's command)
 a rank that may rejoin is its supervisor (shoal.launcher.supervisor), which restarts the rank's training process
 through this Restarter, as `shoal run`'s launcher does; the store is torchrun's agent's (or process 0's).
 
-Only a group hosted by one process can rejoin (a group over several would need all of them again):
-the launcher warns and does not restart such a process; --rejoin refuses it.
+A Downpour group over several processes comes back whole: when one of its processes dies or stalls, `shoal run`'s
+launcher (hosting all of them) ends the others, announces one new incarnation of the group and restarts every one of
+its processes; they form the group's process group afresh on the job's store (shoal.comm.regroup), its stub pulls
+the live values and gives them to the rest (DownpourExchange.rejoin). One line says it, naming the processes; each
+process's restarts count against N once per death of the group. --rejoin (one process by hand) refuses such a group,
+as does a rank's supervisor under torchrun or srun (it restarts its own rank only), and a user's loop's group over
+several processes is not restarted (not tried). (Local SGD's and Distributed Hogwild's groups are one process each.)
 
 Each rejoin is one line on the terminal and in the process's log, one JSON line in
 WORKSPACE/logs/rejoins.jsonl, and, once the job ended, a `rejoins` list in summary.json.
@@ -88,8 +93,10 @@ def workers_rejoin(plan: JobPlan) -> bool:
     return plan.strategy.rejoins or replicas_go_on(plan)
 
 
-def why_not(plan: JobPlan, rank: int) -> Optional[str]:
-    """Why process `rank` cannot rejoin the running job (None: it can)."""
+def why_not(plan: JobPlan, rank: int, whole_group: bool = False) -> Optional[str]:
+    """Why process `rank` cannot rejoin the running job (None: it can). `whole_group`: the caller restarts all the
+    processes of `rank`'s worker group together (`shoal run`'s launcher hosting all of them), as a group over several
+    processes needs (where its strategy `regroups`)."""
     if replicas_go_on(plan):
         if not 0 <= rank < plan.nprocs:
             return f"the job has processes 0..{plan.nprocs - 1}"
@@ -110,9 +117,12 @@ def why_not(plan: JobPlan, rank: int) -> Optional[str]:
     if 0 in groups and not chief_replaceable(plan):
         return f"{describe_process(plan, rank)} hosts worker group 0, the chief's: resume from a checkpoint instead"
     spread = [g for g in groups if len(plan.ranks_of_group(g)) > 1]
-    if spread:
+    if spread and not (whole_group and plan.strategy.regroups and not plan.own_loop):
         ranks = ", ".join(map(str, plan.ranks_of_group(spread[0])))
-        return f"worker group {spread[0]} spans processes {ranks}: only a group hosted by one process can rejoin"
+        if not plan.strategy.regroups or plan.own_loop:  # (a user's loop's group over processes: not tried)
+            return f"worker group {spread[0]} spans processes {ranks}: only a group hosted by one process can rejoin"
+        return (f"worker group {spread[0]} spans processes {ranks}: it comes back only when `shoal run`'s launcher, "
+                "hosting all of them, restarts them together (--max-restarts N)")
     return None
 
 
@@ -161,17 +171,22 @@ class Restarter:
     exits with an error."""
 
     def __init__(self, plan: JobPlan, meeting, spec, process_setup: Optional[Callable[[], None]], environment: dict[str, str],
-                 restarts: bool = True, rank_main: Optional[Callable] = None, notes_store: bool = True):
+                 restarts: bool = True, rank_main: Optional[Callable] = None, notes_store: bool = True,
+                 ranks_here: Optional[list[int]] = None):
         """`environment`: the ranks' (holding the job's secret): restarted processes get it too. `restarts` False: a dead
         process is given up on, never restarted. `rank_main`: what a restarted process runs instead of run_process
         (shoal.session's user script, from the top: its session takes the chief's state, a live Local SGD group's at the
         next meeting, or Distributed Hogwild's live values, at run.batches()). `notes_store` False: no store.json for
-        --rejoin by hand (a rank's supervisor under torchrun or srun, which may start before the workspace exists)."""
+        --rejoin by hand (a rank's supervisor under torchrun or srun, which may start before the workspace exists).
+        `ranks_here`: the ranks of the context's processes, in order (`shoal run`'s launcher): a worker group whose
+        processes are all among them is restarted whole (`_restart_group`); None: a rank's supervisor, which restarts
+        only its own."""
         self.plan, self.meeting, self.spec, self.process_setup = plan, meeting, spec, process_setup
         self.rank_main = rank_main
         self.environment, self.secret = environment, auth.required_secret("the launcher", environment)
         self.limit = plan.max_restarts if rejoins(plan) and restarts else 0  # cluster.max_restarts, --max-restarts
         self.restarts: dict[int, int] = {}
+        self.ranks_here = list(ranks_here or [])
         self._from_the_chief: dict[int, int] = {}  # restarted ranks told they heal from the chief: their incarnations
         self.started = time.time()  # rejoins.jsonl may hold an earlier run's rejoins (a resumed workspace)
         self._door = self._store = self._server_door = None
@@ -228,12 +243,19 @@ class Restarter:
             return True
         if rank == 0 and self.plan.own_loop and not succession.chief_started(self._store):
             return True  # (a loop's chief dead before its first step: the others' first values were to come from it)
-        workers = [r for r in range(self.plan.nprocs) if self.plan.process(r).workers]
-        return not [r for r in workers if r != rank and not self.restarts.get(r)]
+        stubs = [r for r in range(self.plan.nprocs) if self.plan.process(r).workers  # (those that may take its place)
+                 and self.plan.ranks_of_group(group_of(self.plan, r))[0] == r]
+        return not [r for r in stubs if r != rank and not self.restarts.get(r)]
 
     def can_restart(self, rank: int) -> bool:
         """Whether process `rank` would be restarted now (restarts left, and it may rejoin)."""
-        return self.limit > 0 and why_not(self.plan, rank) is None and self.restarts.get(rank, 0) < self.limit
+        return (self.limit > 0 and why_not(self.plan, rank, self._whole_group_here(rank)) is None
+                and self.restarts.get(rank, 0) < self.limit)
+
+    def _whole_group_here(self, rank: int) -> bool:
+        """Whether every process of `rank`'s worker group is this launcher's to end and restart."""
+        proc = self.plan.process(rank)
+        return bool(proc.workers) and set(self.plan.ranks_of_group(proc.workers[0].group)) <= set(self.ranks_here)
 
     def restart(self, context, index: int, rank: int, code: int, how: Optional[str] = None) -> bool:
         """Start a new process in dead process `rank`'s place (it replaces context.processes[index]); False: not restarted.
@@ -244,7 +266,7 @@ class Restarter:
             if self._door is not None:  # a group that died before it connected holds no server waiting for it
                 self._door.give_up(door_key(self.plan, rank), self._door.incarnation(door_key(self.plan, rank)))
             return False
-        reason = why_not(self.plan, rank)
+        reason = why_not(self.plan, rank, self._whole_group_here(rank))
         done = self.restarts.get(rank, 0)
         if reason is None and self._store is not None and quorum.meetings_over(self._store):
             # (a user's loop restarted now would get no step: code after its loop would meet names never bound)
@@ -263,6 +285,8 @@ class Restarter:
             warn(f"WARNING: {describe_process(self.plan, rank)} {ended}; not restarted: {why}; "
                  f"{others} (see {self.spec.workspace}/logs/rank{rank}.log)")
             return True  # reported
+        if not replicas and len(self.plan.ranks_of_group(group)) > 1:
+            return self._restart_group(context, rank, how or _ended(code), group)
         detected_at = time.time()
         self.restarts[rank] = done + 1
         heartbeat.say_gone(self._store, rank)  # no stall warnings for a process the launcher saw die
@@ -289,6 +313,44 @@ class Restarter:
         process = self._context.Process(target=_entry, args=args, name=f"shoal-rank{rank}-restart{done + 1}", daemon=False)
         process.start()
         context.processes[index] = process  # watched, stopped and joined with the others from now on
+        return True
+
+    def _restart_group(self, context, rank: int, ended: str, group: int) -> bool:
+        """Process `rank` of worker group `group`, which spans several processes of this launcher's, died (`ended`
+        says how): end the group's other processes still running, announce one new incarnation of the group and
+        restart every one of its processes; they form their group afresh and rejoin from the live values. One line."""
+        members = self.plan.ranks_of_group(group)
+        done = max(self.restarts.get(r, 0) for r in members)
+        detected_at = time.time()
+        incarnation = self._door.next_incarnation(group)  # the servers wait for it from now on
+        fates = []
+        for member in members:
+            process = context.processes[self.ranks_here.index(member)]
+            if member != rank:
+                if process.exitcode is None:
+                    process.kill()  # (it would wait on its dead peer in the group's collectives until the comm timeout)
+                    process.join()
+                    fates.append(f"the launcher ended process {member} (SIGKILL)")
+                else:
+                    fates.append(f"process {member} {_ended(process.exitcode)} too")
+            context.sentinels.pop(process.sentinel, None)  # torch's join must not fail the job for it
+            heartbeat.say_gone(self._store, member)  # no stall warnings for processes the launcher ended or saw die
+            self.restarts[member] = done + 1
+        processes = ", ".join(map(str, members))
+        chiefs = group == 0 and done == 0  # (the chief's group's first death: its place is taken by another group's stub)
+        others = ("the other worker groups go on, the lowest living one's stub taking the chief's place" if chiefs
+                  else "the other worker groups go on")
+        how = "as an ordinary group " if chiefs else ""
+        warn(f"WARNING: {describe_process(self.plan, rank)} {ended}; worker group {group} spans processes {processes}: "
+             f"{', '.join(fates)}; {others}; restarting processes {processes} (restart {done + 1} of {self.limit}); they "
+             f"form their group afresh and rejoin {how}{self.plan.strategy.rejoins_from}")
+        for member in members:
+            args = (member, self.meeting, self.plan.job.SerializeToString(), str(self.spec.workspace),
+                    [str(d) for d in self.spec.base_dirs], self.process_setup, self.spec.initial_values, incarnation,
+                    detected_at, self.environment, self.rank_main)
+            process = self._context.Process(target=_entry, args=args, name=f"shoal-rank{member}-restart{done + 1}", daemon=False)
+            process.start()
+            context.processes[self.ranks_here.index(member)] = process  # watched, stopped and joined with the others
         return True
 
     def _heal_elsewhere(self, rank: int) -> str:

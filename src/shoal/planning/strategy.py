@@ -92,6 +92,9 @@ class Strategy:
     # shoal.comm.channels.Door; such a group comes back only when the launcher restarts it), and what it rejoins from
     rejoin_door: Optional[str] = None
     rejoins_from = "from the servers' live params"
+    # a worker group over several processes rejoins too: the launcher restarts all of them, and the new processes form
+    # the group's process group afresh on the job's store (shoal.comm.regroup; launcher/rejoin.py's `why_not`)
+    regroups = False
     # a worker group other than 0 may die or stall and the others train on (nothing of theirs waits for it): the
     # launcher and the heartbeat drop it instead of stopping the job, and only then say "the other groups go on"
     outlives_a_dead_group = False
@@ -182,6 +185,11 @@ class Strategy:
         """Whether a dead server process of this plan is restarted into the running job and heals from a mirror
         (Downpour under cluster.max_restarts; launcher/ranks.py's `heals`). Pure: the plan decides."""
         return False
+
+    def groups_formed_afresh(self, plan: "JobPlan", rank: int, incarnation: int) -> dict:
+        """A process restarted into the running job (no world): the process groups its exchanges need, by name, formed
+        by its group's new incarnations (where `regroups`); none by default."""
+        return {}
 
     def complete_rejoin(self, run: Any, incarnation: int) -> tuple[int, int, Any]:
         """A restarted process takes its group's live state: (step, version, digests). Only where `rejoins`."""

@@ -119,9 +119,12 @@ def assemble(plan: JobPlan, rank: int, spec: RunSpec) -> ProcessRun:
     rejoining = spec.rejoin is not None
     chief_rank = rank == 0 and not rejoining  # (a dead chief's restarted process rejoins as a non-chief: report/succession.py)
     groups = sorted({w.group for w in hosted.workers})
-    # the plan's process groups, made on every rank in its order (a rejoined process is in none), before the trainers:
-    # a partitioned group's bridges to other processes run over them
-    made = collectives.create(plan.process_groups) if distributed and not rejoining else {}
+    # the plan's process groups, made on every rank in its order (a rejoined process is in none: its group's restarted
+    # processes form theirs afresh), before the trainers: a partitioned group's bridges to other processes run over them
+    if rejoining:
+        made = plan.strategy.groups_formed_afresh(plan, rank, spec.rejoin.incarnation)
+    else:
+        made = collectives.create(plan.process_groups) if distributed else {}
     # one schedule of interval checkpoints per process: its trainers write at the steps the chief chooses
     schedule = checkpoint_schedule.for_process(plan, rank, checkpoint_parts(plan), comm.publish, comm.published,
                                                deciding=chief_rank)

@@ -40,6 +40,14 @@ def complete(run, spec) -> None:
     knocked_at = time.time()  # the process is built (imports, plan, net, data): the handshake and the pull from here
     step, version, digests = run.plan.strategy.complete_rejoin(run, ticket.incarnation)
     trainer.start_at(step)
+    # a group over several processes, all restarted (Downpour's, `regroups`; a replica of AllReduce's rejoins alone)
+    members = run.plan.ranks_of_group(trainer.group) if run.plan.strategy.regroups else [run.rank]
+    if len(members) > 1 and run.rank != members[0]:  # its stub reports the rejoin
+        write_line(f"Worker group {trainer.group} rejoined at step {step} (process {run.rank}, restart {ticket.incarnation}): "
+                   f"the live params its stub, process {members[0]}, pulled (version {version})")
+        return
+    if len(members) > 1:
+        digests["processes"] = list(members)
     report(spec.workspace, ticket, trainer.group, run.rank, step, version, digests, knocked_at)
 
 
@@ -53,6 +61,8 @@ def report(workspace, ticket, group: int, rank: int, step: int, version: int, di
               "process_start_to_rejoin_s": round(rejoined_at - started_at, 3), "handshake_and_pull_s": round(rejoined_at - knocked_at, 3),
               "time": rejoined_at,
               "by_hand": ticket.detected_at is None, "digests": digests}
+    if "processes" in digests:  # a group over several processes, all restarted: its stub's record names them
+        record["processes"] = digests.pop("processes")
     if "skipped_steps" in digests:  # Distributed Hogwild: [first, joined), the steps whose rows the group skipped
         record["skipped_steps"] = digests.pop("skipped_steps")
     if ticket.detected_at is not None:
@@ -61,8 +71,9 @@ def report(workspace, ticket, group: int, rank: int, step: int, version: int, di
     # Local SGD: `version` is the meeting it joined after, and the exchange says what it took there
     took = digests.pop("took", None) or f"live params of version {version}"
     who = digests.pop("who", None)  # a process of a group of replicas (AllReduce) names itself: its group went on
+    where = (f"processes {', '.join(map(str, record['processes']))}" if "processes" in record else f"process {rank}")
     line = (f"{who} rejoined at step {step} (restart {ticket.incarnation})" if who else
-            f"Worker group {group} rejoined at step {step} (process {rank}, restart {ticket.incarnation})")
+            f"Worker group {group} rejoined at step {step} ({where}, restart {ticket.incarnation})")
     line += f": {took}, {record['process_start_to_rejoin_s']:.2f} s after its process started{since_death}"
     write_line(line)  # this process's log
     if terminal:

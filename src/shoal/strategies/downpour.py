@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from shoal.comm import regroup
 from shoal.comm.succession import successor_of
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.placement import ServerId
@@ -27,6 +28,7 @@ class Downpour(Strategy):
     compensates_async_momentum = True
     overlaps_push = True
     rejoins = True
+    regroups = True  # a group over several processes comes back whole: its stub pulls, then reduces and broadcasts afresh
     servers_hold_trainers = False
     outlives_a_dead_group = True  # the servers serve each group on a thread of its own: a dead one ends only its thread
 
@@ -45,9 +47,19 @@ class Downpour(Strategy):
             raise UnsupportedClusterError("cluster: a process hosting workers of several groups is not supported over processes yet")
 
     def process_groups(self, placement, devices, nnodes: int, partition) -> tuple:
-        # the processes of each worker group spread over several; a rejoined process makes none (it has no world) and
-        # needs none: it hosts a whole group (shoal.launcher.rejoin.why_not)
+        # the processes of each worker group spread over several; a rejoined process makes none (it has no world): the
+        # launcher restarts all of a group's processes, which form their group afresh (`groups_formed_afresh`)
         return worker_groups(placement)
+
+    def groups_formed_afresh(self, plan, rank: int, incarnation: int) -> dict:
+        """A restarted process of a group over several processes: the group of its processes, formed afresh by the
+        group's new incarnations on the job's store (shoal.comm.regroup); none for a group of one process."""
+        group = plan.process(rank).workers[0].group if plan.process(rank).workers else None
+        name = worker_group_name(group) if group is not None else None
+        spec = next((s for s in plan.process_groups if s.name == name), None)
+        if spec is None:
+            return {}
+        return {name: regroup.form_afresh(name, tuple(spec.ranks), rank, incarnation, timeout_s=plan.comm_timeout_s)}
 
     # -- runtime ------------------------------------------------------------------------------------
     def attach_exchanges(self, run) -> None:
@@ -70,7 +82,9 @@ class Downpour(Strategy):
             return
         servers = {ServerId(0, i): plan.placement.process_of(ServerId(0, i)) for i in range(plan.nservers_per_group)}
         group = hosted.workers[0].group
-        successor = successor_of(plan, rank, DOOR) if replaceable and not run.rejoining else None
+        # (only a group's stub may take the chief's place: it holds the channels to the servers)
+        stub = rank == group_ranks[group][0]
+        successor = successor_of(plan, rank, DOOR) if replaceable and stub and not run.rejoining else None
         trainer.attach_exchange(DownpourExchange(trainer.store, updater, plan.placement, rank, group,
                                                  group_ranks[group], run.process_groups.get(worker_group_name(group)), servers, plan.global_batch,
                                                  timeout_s=plan.comm_timeout_s, warmup_steps=bounds.warmup_steps,
@@ -80,11 +94,13 @@ class Downpour(Strategy):
                                 may_take_over=successor is not None)
 
     def chief_succeeded_by_a_group(self, plan) -> bool:
-        """Groups of one process each, in a job file or a user's loop, under cluster.max_restarts (the servers,
-        restarted, heal from the successor's mirror): group 0's stub holds nothing the servers do not but the mirror,
-        which the successor rebuilds (a loop's chief published the servers' description and schedule at its start)."""
-        return (plan.max_restarts > 0
-                and all(len(plan.ranks_of_group(g)) == 1 for g in range(plan.nworker_groups)))
+        """Under cluster.max_restarts, groups of one process each, in a job file or a user's loop, or groups over several
+        processes in a job file (`shoal run`'s launcher restarts all of group 0's: launcher/rejoin.py `_restart_group`):
+        group 0's stub holds nothing the servers do not but the mirror, which the successor, the lowest living group's
+        stub, rebuilds (the servers, restarted, heal from it; a loop's chief published the servers' description and
+        schedule at its start)."""
+        return plan.max_restarts > 0 and (
+            not plan.own_loop or all(len(plan.ranks_of_group(g)) == 1 for g in range(plan.nworker_groups)))
 
     def servers_heal(self, plan) -> bool:
         """Under cluster.max_restarts a dead server process is restarted into the running job and heals from the

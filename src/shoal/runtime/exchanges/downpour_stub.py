@@ -253,7 +253,7 @@ class DownpourExchange:
                 self.read_version[server_rank] = version
         elif self.rank == self.stub:
             try:
-                start, _ = self.rejoin(0)
+                start, _ = self._pull_live_values()  # (the stub alone: its group gets the step below)
             except ServerLost as err:
                 raise ServerLost(str(err).replace("could not rejoin", "could not start")) from None
         if len(self.group_ranks) > 1:  # the group's first step, as its stub's
@@ -279,6 +279,28 @@ class DownpourExchange:
         """Take the place of this group's dead process: pull the servers' live values and version, and the steps
         the group has done (each server applied all of them or none of a step); returns (first step, version)."""
         self.incarnation = incarnation
+        if len(self.group_ranks) > 1:  # a group over several processes, all restarted: its stub pulls for them all
+            return self._rejoin_as_a_group(incarnation)
+        return self._pull_live_values()
+
+    def _rejoin_as_a_group(self, incarnation: int) -> tuple[int, int]:
+        """Every process of the group came back (their group formed afresh: shoal.comm.regroup): the stub pulls the
+        live values, the version and the group's steps, and gives them to the rest of the group (`rejoin`'s answer)."""
+        before = fingerprint([self.store.values[n] for n in self.names])
+        where = torch.zeros(2, dtype=torch.int64, device="cpu")
+        if self.rank == self.stub:
+            where[0], where[1] = self._pull_live_values()
+        self.group_comm.broadcast(where, self.stub).wait()
+        self._share_params()
+        self.first_step, self.last_version = int(where[0]), int(where[1])
+        self.warmup = False
+        if self.rank != self.stub:  # (the stub's record names what it pulled from each server)
+            self.digests = {"before": {"group": before},
+                            "pulled": {"group": fingerprint([self.store.values[n] for n in self.names])}}
+        return self.first_step, self.last_version
+
+    def _pull_live_values(self) -> tuple[int, int]:
+        """The stub's pull of the servers' live values, their version and the steps its group has done."""
         reply, steps = torch.zeros(2, dtype=torch.int64, device="cpu"), []
         self.digests = {"before": {}, "pulled": {}}  # per server: this process's values before and after the pull
         try:
