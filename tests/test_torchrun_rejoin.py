@@ -87,15 +87,24 @@ def training_pids(ws) -> tuple[int, int]:
     return tuple(next(p["pid"] for p in record.processes if p["rank"] == r) for r in (0, 1))
 
 
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def test_a_killed_rank_under_torchrun_rejoins_and_the_chief_never_restarts(blobs_job, tmp_path, torchruns):
     """SIGKILL rank 1's training process mid-run: torchrun restarts nothing, rank 0's process is the same from start
-    to end, rank 1 ran as two processes and healed from the chief, the job exits 0 as accurate as the unfaulted run."""
+    to end, rank 1 ran as two processes and healed from the chief, the job exits 0 as accurate as the unfaulted run.
+    The server the supervisor's children fork from was forked from the supervisor's own `shoal run` process
+    (process_server._fork_server: the command line it inherited), not an interpreter importing torch again."""
     steps = 160
     job = blobs_job(train_steps=steps, layout=LAYOUT)
     # 40 ms a step: the restarted process (an interpreter and torch, under torchrun's supervisor) must land before the
     # last step; at 10 ms a loaded machine let the chief finish first (2 of 5 runs beside other test files)
     proc, ws = start(torchruns, job, tmp_path, env={"SHOAL_SLOW_WORKER": "0:0+0.04"})
     chief, victim = training_pids(ws)
+    server = parent_of(victim)
+    command_line = lambda pid: Path(f"/proc/{pid}/cmdline").read_bytes()  # noqa: E731
+    assert b"-m\0shoal\0run\0" in command_line(server) and command_line(server) == command_line(parent_of(server))
     os.kill(victim, signal.SIGKILL)
     assert proc.wait(timeout=180) == 0, proc.err.read_text()[-3000:]
     stdout, stderr = proc.out.read_text(), proc.err.read_text()

@@ -7,7 +7,8 @@ the other; started here, as soon as the layout is known to need several processe
 a script says so first (`shoal.prestart()`), its imports run beside the launching process's own work. Torch-free on
 purpose: it must run before torch's import to gain anything. `shoal run JOB` (and `shoal run script.py` whose --set
 places several processes), whose process has done nothing yet, imports them itself and forks the server from it
-(_fork_server): one import of torch instead of two.
+(_fork_server): one import of torch instead of two. So does a `shoal run` that torchrun or srun started with restarts
+allowed, for the children its rank's supervisor (launcher/supervisor.py) runs and restarts (_may_be_supervised).
 """
 from __future__ import annotations
 
@@ -23,16 +24,18 @@ from shoal.errors import ShoalError
 
 def start_for(cluster: Optional[job_pb2.ClusterProto], preload: Sequence[str], fork_here: bool = False,
               fork_only: bool = False) -> bool:
-    """Start the server, importing `preload`, if `cluster` places several processes that shoal will start here (not
-    under torchrun or srun, whose processes are the ranks); whether it started. A cluster that cannot be placed
-    starts nothing: planning names its problem later, in its own words. `fork_here` (`shoal run JOB`, whose process
-    has done nothing yet but read its arguments): import `preload` here and fork the server from this process
-    (_fork_server) instead of starting an interpreter that imports them all again; `fork_only`: where it cannot,
-    start none (the caller's processes start theirs when they need it, as before)."""
+    """Start the server, importing `preload`, if `cluster` places several processes that shoal will start here (under
+    torchrun or srun, whose processes are the ranks: only forked here, for a supervisor's children); whether it started.
+    A cluster that cannot be placed starts nothing: planning names its problem later, in its own words. `fork_here`
+    (`shoal run JOB`, whose process has done nothing yet but read its arguments): import `preload` here and fork the
+    server from this process (_fork_server) instead of starting an interpreter that imports them all again;
+    `fork_only`: where it cannot, start none (the caller's processes start theirs when they need it, as before)."""
     from shoal.planning.placement import process_count
 
-    if cluster is None or not _ranks_start_here():
+    if cluster is None:
         return False
+    if not _ranks_start_here():
+        return fork_here and _may_be_supervised(cluster) and _fork_server(preload)
     try:
         if process_count(cluster) < 2:
             return False
@@ -78,6 +81,26 @@ def _ranks_start_here() -> bool:
         return detect(os.environ) is None
     except ShoalError:  # a launcher's variables that do not add up: the run says so, in one line
         return False
+
+
+def _may_be_supervised(cluster: job_pb2.ClusterProto) -> bool:
+    """Whether this process, a rank a launcher (torchrun, srun, env://) started, may run its rank in a child that its
+    supervisor restarts (launcher/supervisor.py): restarts allowed (SHOAL_MAX_RESTARTS, else cluster.max_restarts, as
+    planning reads them). The children fork from a server: forked here (`shoal run`, before torch's import), it saves
+    each such rank an interpreter importing torch and shoal again. Whether the plan supervises this rank is known only
+    once it is planned (after torch's import): where it does not, the server idles and ends with this process."""
+    from shoal.launcher.launchers import detect
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    try:
+        if detect(os.environ) is None:
+            return False
+    except ShoalError:  # a launcher's variables that do not add up: the run says so, in one line
+        return False
+    text = os.environ.get("SHOAL_MAX_RESTARTS")
+    restarts = (int(text) if text.isdigit() else 0) if text else cluster.max_restarts  # (a bad count: planning refuses it)
+    return restarts > 0
 
 
 def _start(preload: Sequence[str]) -> None:
