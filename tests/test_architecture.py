@@ -597,7 +597,7 @@ def test_the_registry_check_sees_a_lookup(tmp_path):
 # a meeting without a dead group), the request/response protocols' two-process channels (comm/channels.py:
 # point-to-point, no collective) and the calibration's link probe (a world of two processes of its own, no job)
 GROUP_MAKERS = {("comm/collectives.py", "create"), ("comm/quorum.py", "MeetingGroup.formed.make"),
-                ("comm/channels.py", "open_channel")}
+                ("comm/channels.py", "open_channel"), ("comm/regroup.py", "form_afresh")}  # (a plan's group, re-formed)
 CREATES_UNPLANNED = {("runtime/calibrate.py", "_probe_rank")}
 MAKES_A_GROUP = {"new_group", "ProcessGroupGloo", "ProcessGroupNCCL"}
 
