@@ -1,9 +1,11 @@
 """Two faults at once (issue 38): two processes dead at the same step, and a second death while the first heals.
 
 Real runs through the CLI (`shoal run JOB --max-restarts N`) on the blobs data, with faults injected by the
-environment (SHOAL_INJECT_EXIT="0:12,1:12": processes 0 and 1 exit at step 12; shoal.launcher.faults). Under
-AllReduce's replicas the lowest living process decides the steps in the dead chief's place (shoal.comm.quorum) even
-when the next in line died with it, and both restarted processes heal from it.
+environment (shoal.launcher.faults: SHOAL_INJECT_EXIT="0:12,1:12" ends processes 0 and 1 at step 12; "1:12,1:13" ends
+process 1 at step 12 and its restart right after it rejoined). Under AllReduce's replicas, Sandblaster's worker
+processes and DiLoCo's groups the lowest living process decides in the dead chief's place (shoal.comm.quorum) even
+when the next in line died with it, and every restart heals from it; a restart that dies again is restarted again.
+Every worker process dead at once leaves nobody to admit a restart: the launcher restarts the whole job instead.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ def test_a_fault_variable_takes_several_pairs_one_per_process_of_a_rank(monkeypa
         faults.from_environment().process_hooks(0)
 
 
-def test_a_restarted_process_meets_its_own_fault_not_its_predecessors(tmp_path):
+def test_a_restarted_process_meets_its_own_fault_not_its_predecessors():
     """Process 1's restart (incarnation 1) rejoined at step 12, its predecessor's: it goes on there; it exits at step 30."""
     import subprocess
     import sys
@@ -75,21 +77,24 @@ def assert_nothing_left(ws) -> None:
     wait_for(lambda: not any(alive(pid) for pid in ran), 10, f"processes of the job still running: {ran}")
 
 
-def exited(rank: int, donor: str = "the state of the lowest living process, which decides the steps now", also: str = "") -> str:
-    who = "worker(group=0, id=0), server(group=0, id=0)" if rank == 0 else f"worker(group=0, id={rank})"
+LOWEST = "the state of the lowest living process, which decides the steps now"
+
+
+def exited(rank: int, donor: str = LOWEST, also: str = "", chief: str = "worker(group=0, id=0), server(group=0, id=0)") -> str:
+    who = chief if rank == 0 else f"worker(group=0, id={rank})"
     return (f"WARNING: process {rank} ({who}) exited with code 3; the other processes go on without it; restarting it "
             f"(restart 1 of 2); it rejoins at the next step, from {donor}{also}")
 
 
-def assert_both_exits_said(stderr: str) -> None:
+def assert_both_exits_said(stderr: str, **kw) -> None:
     """The launcher's lines on processes 0 and 1, dead at the same step, true in either order it saw them: process 1
     seen first heals from the chief's state as far as it knows then, and the chief's line says it will not."""
     said = stderr.splitlines()
-    if exited(1) in said:  # the chief's death seen first
-        assert exited(0) in said, stderr
+    if exited(1, **kw) in said:  # the chief's death seen first
+        assert exited(0, **kw) in said, stderr
     else:
-        assert exited(1, donor="process 0's state") in said, stderr
-        assert exited(0, also=" (so does process 1, restarted before it and not admitted yet)") in said, stderr
+        assert exited(1, **{**kw, "donor": "process 0's state"}) in said, stderr
+        assert exited(0, also=" (so does process 1, restarted before it and not admitted yet)", **kw) in said, stderr
 
 
 def test_the_chief_and_the_next_in_line_exit_at_once_and_the_last_process_decides(blobs_job, tmp_path, runs):
@@ -261,3 +266,66 @@ def test_a_restart_killed_before_its_admission_comes_back_again(blobs_job, tmp_p
     stdout, stderr = run.finished()
     logged = 3 if restart in pids(run.ws, 1) else 2  # (killed before its start line, unless the machine's load delayed the kill)
     assert_came_back_twice(run, stdout, stderr, "died (SIGKILL)", survivors, logged)
+
+
+def test_every_worker_process_dead_at_once_restarts_the_whole_job_and_says_why(blobs_job, tmp_path, runs):
+    """All three of AllReduce's replicas exit at step 12: no living process holds the job's state, so no restart can be
+    admitted (nobody decides a step, nobody hands the state over). The launcher does not restart them into the running
+    job for ever: it restarts the whole job (from step 0: no checkpoint yet), which meets the same faults, and then
+    stops, each time in one line saying why; nothing is left running."""
+    job = blobs_job(train_steps=40, cluster_extra=dict(nworkers_per_group=3))
+    run = runs.start(job, tmp_path, "--max-restarts", "1", env={"SHOAL_INJECT_EXIT": "0:12,1:12,2:12"})
+    stdout, stderr = run.finished(code=2)
+    lines = stderr.splitlines()
+    whole = [line for line in lines if "the whole job" in line]
+    (last,) = [line for line in lines if not line.startswith("WARNING: ")]
+    cause = (r"process (\d) \(.*?\) exited with code 3 after step \d+: the job cannot go on without it \(processes "
+             r"(\d), (\d) died too( and no restart was admitted back yet)?: no living process holds the job's state\)")
+    assert len(whole) == 1 and re.fullmatch(rf"WARNING: {cause}; restarting the whole job from step 0 \(no checkpoint was "
+                                            rf"written yet\) \(restart 1 of 1\)", whole[0]), stderr
+    said = re.fullmatch(rf"{cause}; no restarts left \(--max-restarts 1, restarted once\); see {re.escape(str(run.ws))}/logs/"
+                        rf"rank\d\.log", last)
+    assert said and sorted(said.groups()[:3]) == ["0", "1", "2"], stderr
+    # a process seen dead while another still lived was restarted into the job first (its line true when said)
+    assert all("the other processes go on without it; restarting it (restart 1 of 1)" in line for line in lines
+               if line not in whole and line != last), stderr
+    ended = summary(run.ws)
+    assert ended["status"] == "failed" and len(ended["job_restarts"]) == 1, ended
+    assert "Trained " not in stdout and "went on without" not in stdout
+    assert_no_library_text(stdout, stderr)
+    assert leftover_processes(tmp_path) == []
+
+
+@pytest.mark.slow  # Sandblaster's chief succession (the servers' stub) is tests/test_sandblaster_chief_death.py's; this doubles it
+def test_sandblasters_chief_and_another_worker_process_exit_at_once(blobs_job, tmp_path, runs):
+    """Sandblaster, 3 worker processes + 1 server process: worker processes 0 (the chief, the servers' stub) and 1
+    exit at step 12: process 2 decides the step alone, becomes the servers' stub (pushing the step's mean the dead
+    chief had not), both rejoin from the servers' values through it, and the server process lives on."""
+    from test_sandblaster_faults import CLUSTER
+
+    steps, gone = 300, 12
+    job = blobs_job(train_steps=steps, cluster_extra=CLUSTER)
+    run = runs.start(job, tmp_path, "--max-restarts", "2", env={"SHOAL_INJECT_EXIT": f"0:{gone},1:{gone}", **SLOW})
+    survivor = run.pid_once_training(2)
+    stdout, stderr = run.finished()
+    assert "process 3" not in stderr  # the server lived on
+    assert_both_exits_said(stderr, chief="worker(group=0, id=0)",
+                           donor="the state of the lowest living process, which decides the steps and pushes to the servers now")
+    said = stdout.splitlines()
+    assert (f"Process 2 took the chief's place after step {gone}: it decides the steps, tests and validates, writes the run "
+            f"log and the checkpoints, pushes to the servers and keeps their mirror") in said, stdout
+    assert f"Step {gone} went on without processes 0, 1 (died or stopped answering): the mean over the gradients of process 2 alone" in said
+    assert (f"Process 2 connected to the servers as worker group 0 (restart 1) at step {gone}: pushed the step's mean, which "
+            f"the dead chief had not; it asked for their mirror at once") in said, stdout
+    got = assert_ran(run.ws, Layout(dict(CLUSTER, max_restarts=2), 4, 3, "Sandblaster"))
+    assert got["status"] == "finished" and got["chief_succession"] == [{"process": 2, "after_step": gone}], got
+    back = {r["rank"]: r["step"] for r in got["rejoins"]}
+    assert sorted(back) == [0, 1] and all(r["digests"]["from_process"] == 2 for r in got["rejoins"]), got["rejoins"]
+    for rank, step in back.items():
+        assert re.search(rf"^Process {rank} rejoined at step {step} \(restart 1\): the servers' values after step {step - 1}, "
+                         rf"through process 2, ", stdout, re.M), stdout
+    assert pids(run.ws, 2) == [survivor] and [len(set(pids(run.ws, rank))) for rank in (0, 1)] == [2, 2]
+    final = ckpt_io.load(ckpt_io.checkpoint_file(run.ws, steps), parts=False)
+    assert final.trainer["writer"] == 2 and got["final_test"]["step"] == steps, got
+    assert_no_library_text(stdout, stderr, (run.ws / "logs" / "rank2.log").read_text())
+    assert leftover_processes(tmp_path) == []

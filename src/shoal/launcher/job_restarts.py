@@ -105,7 +105,7 @@ class JobRestarts:
                 how = f"died (signal {-lost.code})"
         else:
             how = f"exited with code {lost.code}"
-        return f"{who} {how}", ": the job cannot go on without it"
+        return f"{who} {how}", f": the job cannot go on without it{lost.why}"
 
     def _logs(self, lost: ProcessLost) -> str:
         logs = self.workspace / "logs"

@@ -92,6 +92,7 @@ class ProcessLost(ProcessFailed):
     def __init__(self, message: str, rank: Optional[int] = None, code: Optional[int] = None):
         super().__init__(message)
         self.rank, self.code, self.step = rank, code, None
+        self.why = ""  # what else it meant for the job (every worker process dead at once), for the launcher's line
 
 
 class StalledPeer(RuntimeError):
@@ -419,7 +420,8 @@ def _join_tolerating_groups(context, ranks: list[int], plan: JobPlan, workspace:
         # REFUSED_AT_START_EXIT: bad input every process meets (its data not readable): the job stops, no group goes on
         if any(context.processes[i].exitcode not in (0, None)
                and (not expendable(plan, ranks[i]) or context.processes[i].exitcode in (stalls.STALLED_EXIT, REFUSED_AT_START_EXIT)
-                    or (restarter is not None and i not in reported and restarter.chief_after_the_last_step(ranks[i])))
+                    or (restarter is not None and i not in reported and (restarter.chief_after_the_last_step(ranks[i])
+                                                                          or restarter.nobody_left_to_heal_from(context, ranks[i]))))
                for i in exited):
             return failed_groups()
         for i in exited:
@@ -654,13 +656,14 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
         on_start([p.pid for p in context.processes])
 
         failed_groups: list[str] = []
+        restarter = None  # (where dead processes are restarted into the running job)
         group_ends: dict[int, str] = {}
         first_exits: dict[int, int] = {}
         with children_stop_with_this_process(lambda: context.processes):
             try:
                 if outlives_a_dead_process(plan):  # (its strategy says so: Downpour, Hogwild, Local SGD, replicas) a dead group is dropped
                     failed_groups = _join_tolerating_groups(context, ranks, plan, workspace,
-                                                            rejoin.Restarter(plan, meeting, spec, process_setup, environment,
+                                                            restarter := rejoin.Restarter(plan, meeting, spec, process_setup, environment,
                                                                              rank_main=rank_main, ranks_here=ranks), group_ends)
                 elif plan.max_restarts > 0 and plan.nworker_groups > 1:  # groups that cannot outlive a dead one
                     warn(f"WARNING: --max-restarts: only Downpour, Local SGD and Distributed Hogwild worker groups are restarted; "
@@ -683,7 +686,9 @@ def _spawn(plan: JobPlan, spec: RunSpec, on_start: Callable[[list[int]], None], 
         if refused is not None:  # bad input before the first step: the job stops with its line (no restart helps)
             raise _failed(refused, workspace, ranks) from None
         if isinstance(err, mp.ProcessExitedException):
-            raise _exited(plan, ranks[err.error_index], err.exit_code, workspace, ranks) from None
+            lost = _exited(plan, ranks[err.error_index], err.exit_code, workspace, ranks)
+            lost.why = restarter.why_nobody_is_left(ranks[err.error_index]) if restarter is not None else ""
+            raise lost from None
         rank = ranks[err.error_index]
         last = str(err).strip().splitlines()[-1]
         if rank == 0 and last.startswith("BrokenPipeError"):  # the chief writes to our stdout: its reader went away

@@ -188,6 +188,7 @@ class Restarter:
         self.restarts: dict[int, int] = {}
         self.ranks_here = list(ranks_here or [])
         self._from_the_chief: dict[int, int] = {}  # restarted ranks told they heal from the chief: their incarnations
+        self._nobody_left: dict[int, str] = {}  # rank -> why its death left no process holding the job's state
         self.started = time.time()  # rejoins.jsonl may hold an earlier run's rejoins (a resumed workspace)
         self._door = self._store = self._server_door = None
         self._context = None
@@ -390,6 +391,31 @@ class Restarter:
         process.start()
         context.processes[index] = process
         return True
+
+    def nobody_left_to_heal_from(self, context, rank: int) -> bool:
+        """Whether process `rank`'s death leaves no living worker process that holds the job's state (one host: another
+        host's processes are not seen here). A group of replicas, or Local SGD's groups, admit a restarted process only
+        at a meeting a living member decides, and hand it a living member's state: with every other worker process dead
+        too, or restarted and not admitted yet (every worker process died at once), a restart would knock for ever. The
+        job cannot go on (the launcher restarts the whole job from its checkpoint, where restarts are left)."""
+        if self._store is None or not (replicas_go_on(self.plan) or self.plan.strategy.meets):
+            return False
+        if len(context.processes) != self.plan.nprocs:
+            return False
+        for other, process in enumerate(context.processes):  # (one host: index i is rank i's)
+            if other == rank or not self.plan.process(other).workers or process.exitcode is not None:
+                continue
+            if not self.restarts.get(other) or quorum.admitted(self._store, other, self._door.incarnation(door_key(self.plan, other))):
+                return False
+        others = [r for r in range(self.plan.nprocs) if r != rank and self.plan.process(r).workers]
+        who = f"process {others[0]} died" if len(others) == 1 else f"processes {', '.join(map(str, others))} died"
+        restarted = " and no restart was admitted back yet" if any(self.restarts.get(r) for r in others) else ""
+        self._nobody_left[rank] = f" ({who} too{restarted}: no living process holds the job's state)"
+        return True
+
+    def why_nobody_is_left(self, rank: int) -> str:
+        """What `nobody_left_to_heal_from` found on process `rank`'s death, for the launcher's line ("" if nothing)."""
+        return self._nobody_left.get(rank, "")
 
     def _chief_died(self, context) -> bool:
         """Whether the chief's process died, its place taken by another (shoal.comm.succession, or Sandblaster's worker
