@@ -134,10 +134,12 @@ def test_a_user_layer_with_its_own_proto_trains_through_the_cli(plugin_dir, blob
 
 
 def test_plugins_given_on_the_command_line_leave_the_job_as_singa_wrote_it(plugin_dir, blobs_dir, tmp_path):
+    """In the test process (one worker: it trains here, its lines captured); the user layer's test above runs the
+    plugins through a real `python -m shoal run`."""
     job = tmp_path / "job.conf"
     job.write_text(gate_job(blobs_dir, plugins=()))
-    proc = shoal("run", job, "--plugin", plugin_dir / "gate.proto", "--plugin", plugin_dir / "gate_layers.py", "--workspace", tmp_path / "ws",
-                 "--set", "train_steps=10")
+    proc = run_cli("run", job, "--plugin", plugin_dir / "gate.proto", "--plugin", plugin_dir / "gate_layers.py", "--workspace",
+                   tmp_path / "ws", "--set", "train_steps=10", timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "gate_factor = 0.5" in proc.stdout
 
