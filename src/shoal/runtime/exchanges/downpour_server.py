@@ -264,7 +264,8 @@ class DownpourServer:
 
     def _note_expected(self, group: int, rank: int, incarnation: int) -> None:
         """While a group is away: is a new process of it announced (the chief's last request waits for it)?"""
-        expected = incarnation > 0 and self.door.expected(group, incarnation - 1)
+        # (a first process that died before it connected: awaited is 0, and its restart is incarnation 1)
+        expected = self.door.expected(group, max(incarnation - 1, 0))
         # the first process died before it connected: its silence, or the launcher gave up restarting it
         first_never_came = incarnation == 0 and (group != 0 or self.chief_replaceable) and (
             heartbeat.is_stalled(rank) or self.door.given_up(group) >= self.door.incarnation(group))

@@ -289,8 +289,15 @@ class DownpourExchange:
         before = fingerprint([self.store.values[n] for n in self.names])
         where = torch.zeros(2, dtype=torch.int64, device="cpu")
         if self.rank == self.stub:
-            where[0], where[1] = self._pull_live_values()
+            try:
+                where[0], where[1] = self._pull_live_values()
+            except JobOver:  # (the servers finished before the group came back: so does the rest of the group)
+                self.group_comm.broadcast(where.fill_(-1), self.stub).wait()
+                raise
         self.group_comm.broadcast(where, self.stub).wait()
+        if int(where[0]) < 0:
+            raise JobOver(f"worker group {self.group}: the servers finished serving before it came back (its stub, process "
+                          f"{self.stub}, found them so); the job is over")
         self._share_params()
         self.first_step, self.last_version = int(where[0]), int(where[1])
         self.warmup = False
