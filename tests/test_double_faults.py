@@ -268,13 +268,15 @@ def test_a_restart_killed_before_its_admission_comes_back_again(blobs_job, tmp_p
     assert_came_back_twice(run, stdout, stderr, "died (SIGKILL)", survivors, logged)
 
 
-def test_every_worker_process_dead_at_once_restarts_the_whole_job_and_says_why(blobs_job, tmp_path, runs):
-    """All three of AllReduce's replicas exit at step 12: no living process holds the job's state, so no restart can be
-    admitted (nobody decides a step, nobody hands the state over). The launcher does not restart them into the running
-    job for ever: it restarts the whole job (from step 0: no checkpoint yet), which meets the same faults, and then
-    stops, each time in one line saying why; nothing is left running."""
-    job = blobs_job(train_steps=40, cluster_extra=dict(nworkers_per_group=3))
-    run = runs.start(job, tmp_path, "--max-restarts", "1", env={"SHOAL_INJECT_EXIT": "0:12,1:12,2:12"})
+@pytest.mark.parametrize("framework", ["AllReduce", pytest.param("DiLoCo", marks=pytest.mark.slow)])
+def test_every_worker_process_dead_at_once_restarts_the_whole_job_and_says_why(blobs_job, tmp_path, runs, framework):
+    """All three of AllReduce's replicas (or DiLoCo's groups) exit at step 14: no living process holds the job's state,
+    so no restart can be admitted (nobody decides a step or a meeting, nobody hands the state over). The launcher does
+    not restart them into the running job for ever: it restarts the whole job (from step 0: no checkpoint yet), which
+    meets the same faults, and then stops, each time in one line saying why; nothing is left running."""
+    cluster, options = (dict(nworkers_per_group=3), []) if framework == "AllReduce" else (dict(nworker_groups=3, local_steps=5), DILOCO)
+    job = blobs_job(train_steps=40, cluster_extra=cluster)
+    run = runs.start(job, tmp_path, "--max-restarts", "1", *options, env={"SHOAL_INJECT_EXIT": "0:14,1:14,2:14"})
     stdout, stderr = run.finished(code=2)
     lines = stderr.splitlines()
     whole = [line for line in lines if "the whole job" in line]
@@ -287,8 +289,7 @@ def test_every_worker_process_dead_at_once_restarts_the_whole_job_and_says_why(b
                         rf"rank\d\.log", last)
     assert said and sorted(said.groups()[:3]) == ["0", "1", "2"], stderr
     # a process seen dead while another still lived was restarted into the job first (its line true when said)
-    assert all("the other processes go on without it; restarting it (restart 1 of 1)" in line for line in lines
-               if line not in whole and line != last), stderr
+    assert all("; restarting it (restart 1 of 1); it rejoins at the " in line for line in lines if line not in whole and line != last), stderr
     ended = summary(run.ws)
     assert ended["status"] == "failed" and len(ended["job_restarts"]) == 1, ended
     assert "Trained " not in stdout and "went on without" not in stdout

@@ -188,7 +188,7 @@ class Restarter:
         self.restarts: dict[int, int] = {}
         self.ranks_here = list(ranks_here or [])
         self._from_the_chief: dict[int, int] = {}  # restarted ranks told they heal from the chief: their incarnations
-        self._nobody_left: dict[int, str] = {}  # rank -> why its death left no process holding the job's state
+        self._nobody_left = False  # a worker process's death left no living one holding the job's state
         self.started = time.time()  # rejoins.jsonl may hold an earlier run's rejoins (a resumed workspace)
         self._door = self._store = self._server_door = None
         self._context = None
@@ -407,15 +407,18 @@ class Restarter:
                 continue
             if not self.restarts.get(other) or quorum.admitted(self._store, other, self._door.incarnation(door_key(self.plan, other))):
                 return False
-        others = [r for r in range(self.plan.nprocs) if r != rank and self.plan.process(r).workers]
-        who = f"process {others[0]} died" if len(others) == 1 else f"processes {', '.join(map(str, others))} died"
-        restarted = " and no restart was admitted back yet" if any(self.restarts.get(r) for r in others) else ""
-        self._nobody_left[rank] = f" ({who} too{restarted}: no living process holds the job's state)"
+        self._nobody_left = True
         return True
 
     def why_nobody_is_left(self, rank: int) -> str:
-        """What `nobody_left_to_heal_from` found on process `rank`'s death, for the launcher's line ("" if nothing)."""
-        return self._nobody_left.get(rank, "")
+        """What `nobody_left_to_heal_from` found, for the launcher's line on process `rank`'s death ("" if nothing): the
+        line names whichever dead process torch's join reports first, one of those that died at once."""
+        if not self._nobody_left:
+            return ""
+        others = [r for r in range(self.plan.nprocs) if r != rank and self.plan.process(r).workers]
+        who = f"process {others[0]} died" if len(others) == 1 else f"processes {', '.join(map(str, others))} died"
+        restarted = " and no restart was admitted back yet" if any(self.restarts.get(r) for r in others) else ""
+        return f" ({who} too{restarted}: no living process holds the job's state)"
 
     def _chief_died(self, context) -> bool:
         """Whether the chief's process died, its place taken by another (shoal.comm.succession, or Sandblaster's worker
