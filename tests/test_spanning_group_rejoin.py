@@ -32,9 +32,10 @@ SERVERS = (4, 5)  # the servers' processes come after the 2 groups' 4
 
 
 def start(job, tmp_path, runs, env: dict = SLOW) -> Run:
-    """The layout's run of `job` with one restart per process, in `tmp_path` (made if missing)."""
+    """The layout's run of `job` with one restart per process, in `tmp_path` (made if missing). The stall timeout is
+    10 s: six processes on two loaded cores once went 3 s, and once 5 s, without a heartbeat."""
     tmp_path.mkdir(exist_ok=True)
-    runs.append(Run(job, tmp_path, LAYOUT, "--max-restarts", "1", "--set", "test_freq=50", env=env))
+    runs.append(Run(job, tmp_path, LAYOUT, "--max-restarts", "1", "--set", "test_freq=50", env=env, stall_timeout_s=10.0))
     return runs[-1]
 
 
@@ -131,18 +132,18 @@ def test_a_group_over_two_processes_comes_back_after_its_stub_dies_or_a_process_
     stops for the stall timeout, the launcher ends the stopped process past it): both processes come back, the group
     rejoins, and the run ends as accurate as the unfaulted run of the same job."""
     job = blobs_job(train_steps=STEPS)
-    # a stall is seen after the stall timeout (3 s) and a beat: 50 ms a step keeps group 0 training meanwhile
-    env = {"SHOAL_SLOW_WORKER": "0:0+0.05"} if sig == signal.SIGSTOP else SLOW
+    # a stall is seen after the stall timeout (10 s) and a beat: 120 ms a step keeps group 0 training meanwhile
+    env = {"SHOAL_SLOW_WORKER": "0:0+0.12"} if sig == signal.SIGSTOP else SLOW
     run, others, victim_pid = run_and_fault(job, tmp_path / "faulted", runs, victim, sig, env)
     warnings = [line for line in run.stderr().splitlines() if line.startswith("WARNING")]
     restarting = [line for line in warnings if "worker group 1 spans processes 2, 3" in line]
     assert len(restarting) == 1 and "restarting processes 2, 3 (restart 1 of 1)" in restarting[0], warnings
     if sig == signal.SIGSTOP:  # (the launcher ends the stopped process, or the stub leaves first, dropped by the job)
-        assert re.match(r"WARNING: process (3 \(worker\(group=1, id=1\)\) was stopped past the stall timeout \(3 s\) and "
+        assert re.match(r"WARNING: process (3 \(worker\(group=1, id=1\)\) was stopped past the stall timeout \(10 s\) and "
                         r"dropped; the launcher ended it \(SIGKILL\)|2 \(worker\(group=1, id=0\)\) left after the job dropped it "
                         r"for a stall); ", restarting[0]), restarting
     got = assert_the_group_came_back(run, others, victim, victim_pid)
-    plain = start(job, tmp_path / "plain", runs, env)
+    plain = start(job, tmp_path / "plain", runs)
     assert plain.wait(timeout=180) == 0, plain.stderr()
     unfaulted = assert_ran(plain.ws, LAYOUT)["final_test"]
     assert abs(got["final_test"]["accuracy"] - unfaulted["accuracy"]) <= 0.05, (got["final_test"], unfaulted)

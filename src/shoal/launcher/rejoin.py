@@ -263,6 +263,8 @@ class Restarter:
         `how`: how it ended, for the line (default: from its exit code)."""
         if heals(self.plan, rank):
             return self._restart_server(context, index, rank, code, how)
+        if context.processes[index].exitcode is None:  # restarted already with the rest of its group (both stopped)
+            return True
         if self.limit <= 0:
             if self._door is not None:  # a group that died before it connected holds no server waiting for it
                 self._door.give_up(door_key(self.plan, rank), self._door.incarnation(door_key(self.plan, rank)))
