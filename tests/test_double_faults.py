@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from shoal.launcher import faults
 from shoal.neuralnet import checkpoint as ckpt_io
 
 REPLICATED = LAYOUTS["AllReduce, 3 processes, replicated (max_restarts 1)"]
+HELD = ["--set", "cluster.stall_timeout_s=120"]  # survivors held (SIGSTOP) while restarts start: not stalled
 DILOCO_3 = Layout(dict(nworker_groups=3, local_steps=5), 3, 3, "DiLoCo")  # each group in a process of its own
 
 
@@ -97,14 +99,75 @@ def assert_both_exits_said(stderr: str, **kw) -> None:
         assert exited(0, also=" (so does process 1, restarted before it and not admitted yet)", **kw) in said, stderr
 
 
+def children(parent: int) -> set[int]:
+    """The live processes whose parent is `parent`."""
+    found = set()
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            if re.search(rf"^PPid:\s+{parent}$", status.read_text(), re.M):
+                found.add(int(status.parent.name))
+        except OSError:  # ended meanwhile
+            pass
+    return found
+
+
+def _parent(pid: int) -> int:
+    return int(re.search(r"^PPid:\s+(\d+)$", Path(f"/proc/{pid}/status").read_text(), re.M)[1])
+
+
+def _state_and_cpu(pid: int) -> tuple[str, int]:
+    """A process's state letter and its CPU time in clock ticks (("", -1) once it ended)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return "", -1
+    return fields[0], int(fields[11]) + int(fields[12])
+
+
+def hold_the_others_while_restarting(run, survivors: list[int], restarts: int, unlogged: int = 0) -> None:
+    """Once the launcher said it restarts a process `restarts` times in all, the survivors are stopped (SIGSTOP) until
+    every restart it announced has rejoined (its log names its pid) or waits to be admitted (asleep, its CPU time flat
+    for half a second): the machine's load delays a restart's start by seconds (5.5 s seen, 4 tests at once beside
+    others), more than the run lasts. The run's stall timeout is set above the hold. `unlogged`: restarts the test
+    killed before they could log."""
+    wait_for(lambda: run.stderr().count("; restarting it (restart") >= restarts or run.proc.poll() is not None, 90,
+             f"{restarts} restarts never announced: {run.stderr()}", interval=0.01)
+    if run.proc.poll() is not None:
+        return
+    forkserver = _parent(survivors[0])
+    for pid in survivors:
+        os.kill(pid, signal.SIGSTOP)
+    quiet_since: dict[int, tuple[float, int]] = {}  # pid -> (since when, its CPU time then) asleep, hardly using the CPU
+
+    def waiting() -> bool:
+        logged = {pid for rank in range(3) for pid in pids(run.ws, rank)}
+        rejoined = sum(len(pids(run.ws, rank)[1:]) for rank in range(3))
+        pending = children(forkserver) - logged - set(survivors)
+        now = time.monotonic()
+        for pid in pending:
+            state, cpu = _state_and_cpu(pid)
+            since, then = quiet_since.get(pid, (now, cpu))
+            quiet = state == "S" and cpu - then <= 2  # (its store polls and heartbeat cost a tick now and then)
+            quiet_since[pid] = (since, then) if quiet else (now, cpu)
+        idle = [pid for pid in pending if now - quiet_since[pid][0] >= 0.5]
+        return rejoined + unlogged + len(idle) >= restarts and len(idle) == len(pending)
+
+    try:
+        wait_for(waiting, 120, "the restarts never came to wait for their admission", interval=0.05)
+    finally:
+        for pid in survivors:
+            os.kill(pid, signal.SIGCONT)
+
+
 def test_the_chief_and_the_next_in_line_exit_at_once_and_the_last_process_decides(blobs_job, tmp_path, runs):
     """Processes 0 and 1 of AllReduce's 3 replicas exit at step 12: process 2 alone decides step 12 on in the chief's
     place (the next in line died with it) and says so on the terminal, both dead processes are restarted and rejoin
     from process 2's state, and process 2 (the same pid from start to end) writes the final test and checkpoint."""
     steps, gone = 300, 12  # 3 s or more (SLOW): time for both restarts to rejoin, under load
     job = blobs_job(train_steps=steps, cluster_extra=dict(nworkers_per_group=3))
-    run = runs.start(job, tmp_path, "--max-restarts", "2", env={"SHOAL_INJECT_EXIT": f"0:{gone},1:{gone}", **SLOW})
+    run = runs.start(job, tmp_path, "--max-restarts", "2", *HELD, env={"SHOAL_INJECT_EXIT": f"0:{gone},1:{gone}", **SLOW})
     survivor = run.pid_once_training(2)
+    hold_the_others_while_restarting(run, [survivor], restarts=2)
     stdout, stderr = run.finished()
     assert_both_exits_said(stderr)
     assert (f"Process 2 took the chief's place after step {gone}: it decides the steps, tests and validates, writes the run "
@@ -157,8 +220,9 @@ def test_two_diloco_groups_with_the_chiefs_die_at_one_meeting_and_the_third_meet
     its state, and it writes the final test and checkpoint."""
     steps, gone = 300, 14  # 3 s or more (SLOW): time for both restarts to rejoin, under load
     job = blobs_job(train_steps=steps, cluster_extra=dict(nworker_groups=3, local_steps=5))
-    run = runs.start(job, tmp_path, "--max-restarts", "2", *DILOCO, env={"SHOAL_INJECT_EXIT": f"0:{gone},1:{gone}", **SLOW})
+    run = runs.start(job, tmp_path, "--max-restarts", "2", *DILOCO, *HELD, env={"SHOAL_INJECT_EXIT": f"0:{gone},1:{gone}", **SLOW})
     survivor = run.pid_once_training(2)
+    hold_the_others_while_restarting(run, [survivor], restarts=2)
     stdout, stderr = run.finished()
     for rank, who in ((0, "worker(group=0, id=0), server(group=0, id=0)"), (1, "worker(group=1, id=0)")):
         assert (f"WARNING: process {rank} ({who}) exited with code 3; restarting it (restart 1 of 2); it rejoins at the groups' "
@@ -222,8 +286,10 @@ def test_a_restart_that_dies_again_right_after_its_handover_comes_back_again(blo
     step without it, said on the terminal), and the second restart rejoins and trains to the end."""
     steps, gone = 300, 12
     job = blobs_job(train_steps=steps, cluster_extra=dict(nworkers_per_group=3))
-    run = runs.start(job, tmp_path, "--max-restarts", "2", env={"SHOAL_INJECT_EXIT": f"1:{gone},1:{gone + 1}", **SLOW})
+    run = runs.start(job, tmp_path, "--max-restarts", "2", *HELD, env={"SHOAL_INJECT_EXIT": f"1:{gone},1:{gone + 1}", **SLOW})
     survivors = {rank: run.pid_once_training(rank) for rank in (0, 2)}
+    for restarts in (1, 2):
+        hold_the_others_while_restarting(run, list(survivors.values()), restarts)
     stdout, stderr = run.finished()
     got = assert_came_back_twice(run, stdout, stderr, "exited with code 3", survivors)
     first = got["rejoins"][0]
@@ -235,18 +301,6 @@ def test_a_restart_that_dies_again_right_after_its_handover_comes_back_again(blo
                                               f"{got['rejoins'][1]['step']}", got["missed_steps"]
 
 
-def children(parent: int) -> set[int]:
-    """The live processes whose parent is `parent`."""
-    found = set()
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            if re.search(rf"^PPid:\s+{parent}$", status.read_text(), re.M):
-                found.add(int(status.parent.name))
-        except OSError:  # ended meanwhile
-            pass
-    return found
-
-
 @pytest.mark.slow  # the deterministic second death (just after the handover) is the test above; this one's window varies
 def test_a_restart_killed_before_its_admission_comes_back_again(blobs_job, tmp_path, runs):
     """Process 1 exits at step 40, and its restart is SIGKILLed as soon as the launcher started it (its forkserver's
@@ -254,15 +308,16 @@ def test_a_restart_killed_before_its_admission_comes_back_again(blobs_job, tmp_p
     tests/test_quorum_handover.py's): the others go on, the second restart rejoins from the chief to the end."""
     steps, gone = 300, 40
     job = blobs_job(train_steps=steps, cluster_extra=dict(nworkers_per_group=3))
-    run = runs.start(job, tmp_path, "--max-restarts", "2", env={"SHOAL_INJECT_EXIT": f"1:{gone}", **SLOW})
+    run = runs.start(job, tmp_path, "--max-restarts", "2", *HELD, env={"SHOAL_INJECT_EXIT": f"1:{gone}", **SLOW})
     survivors = {rank: run.pid_once_training(rank) for rank in (0, 2)}
     first = pids(run.ws, 1)[0]
-    forkserver = int(re.search(r"^PPid:\s+(\d+)$", Path(f"/proc/{survivors[0]}/status").read_text(), re.M)[1])
+    forkserver = _parent(survivors[0])
     started = set()
     wait_for(lambda: started.update(children(forkserver) - {first, *survivors.values()}) or started or run.proc.poll() is not None,
              90, "process 1 was never restarted", interval=0.005)
     (restart,) = started
     os.kill(restart, signal.SIGKILL)
+    hold_the_others_while_restarting(run, list(survivors.values()), restarts=2, unlogged=1)
     stdout, stderr = run.finished()
     logged = 3 if restart in pids(run.ws, 1) else 2  # (killed before its start line, unless the machine's load delayed the kill)
     assert_came_back_twice(run, stdout, stderr, "died (SIGKILL)", survivors, logged)
@@ -306,8 +361,9 @@ def test_sandblasters_chief_and_another_worker_process_exit_at_once(blobs_job, t
 
     steps, gone = 300, 12
     job = blobs_job(train_steps=steps, cluster_extra=CLUSTER)
-    run = runs.start(job, tmp_path, "--max-restarts", "2", env={"SHOAL_INJECT_EXIT": f"0:{gone},1:{gone}", **SLOW})
+    run = runs.start(job, tmp_path, "--max-restarts", "2", *HELD, env={"SHOAL_INJECT_EXIT": f"0:{gone},1:{gone}", **SLOW})
     survivor = run.pid_once_training(2)
+    hold_the_others_while_restarting(run, [survivor], restarts=2)
     stdout, stderr = run.finished()
     assert "process 3" not in stderr  # the server lived on
     assert_both_exits_said(stderr, chief="worker(group=0, id=0)",
