@@ -98,8 +98,9 @@ def test_a_killed_rank_under_torchrun_rejoins_and_the_chief_never_restarts(blobs
     (process_server._fork_server: the command line it inherited), not an interpreter importing torch again."""
     steps = 160
     job = blobs_job(train_steps=steps, layout=LAYOUT)
-    # 40 ms a step: the restarted process (an interpreter and torch, under torchrun's supervisor) must land before the
-    # last step; at 10 ms a loaded machine let the chief finish first (2 of 5 runs beside other test files)
+    # 40 ms a step: the restarted process (forked from its supervisor's server) must land before the last step; at 10 ms
+    # a loaded machine let the chief finish first (2 of 5 runs beside other test files); 6 runs of this file at once
+    # (load 17) rejoined 0.1-5.2 s after the kill, one at step 126
     proc, ws = start(torchruns, job, tmp_path, env={"SHOAL_SLOW_WORKER": "0:0+0.04"})
     chief, victim = training_pids(ws)
     server = parent_of(victim)
