@@ -90,17 +90,14 @@ def _may_be_supervised(cluster: job_pb2.ClusterProto) -> bool:
     each such rank an interpreter importing torch and shoal again. Whether the plan supervises this rank is known only
     once it is planned (after torch's import): where it does not, the server idles and ends with this process."""
     from shoal.launcher.launchers import detect
+    from shoal.planning.cluster_facts import restarts_override
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return False
     try:
-        if detect(os.environ) is None:
-            return False
-    except ShoalError:  # a launcher's variables that do not add up: the run says so, in one line
+        return detect(os.environ) is not None and restarts_override(os.environ, cluster.max_restarts) > 0
+    except ShoalError:  # a launcher's variables or a restart count that do not add up: the run says so, in one line
         return False
-    text = os.environ.get("SHOAL_MAX_RESTARTS")
-    restarts = (int(text) if text.isdigit() else 0) if text else cluster.max_restarts  # (a bad count: planning refuses it)
-    return restarts > 0
 
 
 def _start(preload: Sequence[str]) -> None:

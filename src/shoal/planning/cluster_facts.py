@@ -7,7 +7,7 @@ Pure: each is computed from the cluster section alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 from shoal.config import job_pb2
 
@@ -86,3 +86,16 @@ class Meetings:
 # the cluster section's layout fields a run records (summary.json's "cluster"), in this order
 LAYOUT_FIELDS = ("nworker_groups", "nworkers_per_group", "nserver_groups", "nservers_per_group",
                  "nworkers_per_procs", "nservers_per_procs", "server_worker_separate", "share_memory")
+
+
+def restarts_override(environ: Mapping[str, str], configured: int) -> int:
+    """SHOAL_MAX_RESTARTS where set (a count, else refused in one line), else the job's cluster.max_restarts. Here,
+    torch-free: `shoal run` reads it before torch's import too (launcher/process_server.py), as plan_job does."""
+    from shoal.planning.strategy import UnsupportedClusterError
+
+    text = environ.get("SHOAL_MAX_RESTARTS")
+    if not text:
+        return configured
+    if not text.isdigit():
+        raise UnsupportedClusterError(f"SHOAL_MAX_RESTARTS={text!r}: expected 0 or more (overrides cluster.max_restarts)")
+    return int(text)

@@ -25,7 +25,7 @@ from shoal.neuralnet.net import NeuralNet
 from shoal.neuralnet.params import ParamStore
 from shoal.neuralnet.updaters import make_updater
 from shoal.planning.buckets import DEFAULT_CAP, cap_from_env
-from shoal.planning.cluster_facts import LAYOUT_FIELDS, AsyncBounds, Compression, Meetings
+from shoal.planning.cluster_facts import LAYOUT_FIELDS, AsyncBounds, Compression, Meetings, restarts_override
 from shoal.planning.devices import worker_device_names
 from shoal.planning.nodes import node_of_rank
 from shoal.planning.partition import PartitionPlan, partition
@@ -385,16 +385,6 @@ def strategy_of(job: job_pb2.JobProto, placement: Placement, parts: PartitionPla
 def framework_of(job: job_pb2.JobProto, placement: Placement, parts: PartitionPlan, strategies: Optional[Registry] = None) -> Framework:
     """The framework a placement runs as (its strategy's), or UnsupportedClusterError naming what does not fit."""
     return strategy_of(job, placement, parts, strategies or installed_registry()).framework
-
-
-def restarts_override(environ: Mapping[str, str], configured: int) -> int:
-    """SHOAL_MAX_RESTARTS where set (a count, else refused in one line), else the job's cluster.max_restarts."""
-    text = environ.get("SHOAL_MAX_RESTARTS")
-    if not text:
-        return configured
-    if not text.isdigit():
-        raise UnsupportedClusterError(f"SHOAL_MAX_RESTARTS={text!r}: expected 0 or more (overrides cluster.max_restarts)")
-    return int(text)
 
 
 # each timeout of the cluster section, and the environment variable that overrides it (docs/cluster.md)
