@@ -192,6 +192,7 @@ def test_the_chief_and_the_next_in_line_exit_at_once_and_the_last_process_decide
     assert leftover_processes(tmp_path) == []
 
 
+@pytest.mark.slow  # three runs; one death's schedule repeats to the bit in the default suite (test_job_chief_death.py)
 def test_two_processes_dead_at_the_same_step_give_the_same_bits_each_time(blobs_job, tmp_path):
     """The fault schedule decides the result: processes 0 and 1 exit at step 39 of 40, so step 39 is process 2's
     gradients alone (their restarts come back after it: nothing left to train); the same faulted job twice gives the
