@@ -5,7 +5,8 @@ SINGA's own Downpour layout (2 groups x 2 workers, one worker a process, 2 serve
 process of group 1 dies (SIGKILL of the pid its log names) or stalls (SIGSTOP); `shoal run --max-restarts 1` ends the
 group's other process, restarts both (one line naming them), they form their group afresh on the job's store
 (shoal.comm.regroup) and its stub pulls the servers' live params for both (launcher/rejoin.py's `_restart_group`,
-DownpourExchange.rejoin). Group 0 and the servers keep their processes to the end; the run exits 0.
+DownpourExchange.rejoin). The other group and the servers keep their processes to the end; the run exits 0. Group 0's
+chief killed the same way: group 1's stub takes the chief's duties and group 0 comes back as an ordinary group.
 """
 from __future__ import annotations
 
