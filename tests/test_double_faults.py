@@ -281,6 +281,7 @@ def assert_came_back_twice(run, stdout: str, stderr: str, second: str, survivors
     return got
 
 
+@pytest.mark.slow  # a joiner lost around its handover, at the quorum, is tests/test_quorum_handover.py's (default suite)
 def test_a_restart_that_dies_again_right_after_its_handover_comes_back_again(blobs_job, tmp_path, runs):
     """Process 1 exits at step 12, and its restart again right after the chief admitted it and handed it the state,
     before its first step ("1:12,1:13": the restart's pair, met at the step it rejoins at): the others go on (that
