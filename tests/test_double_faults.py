@@ -158,6 +158,19 @@ def hold_the_others_while_restarting(run, survivors: list[int], restarts: int, u
         for pid in survivors:
             os.kill(pid, signal.SIGCONT)
 
+def processes_0_and_1_exit_at(gone: int, runs, job, tmp_path, *extra):
+    """The chief and process 1 exit at step `gone` (restarts allowed twice), process 2 held on while their restarts start;
+    the run to its end, process 2 said to take the chief's place on the terminal. Returns the run, process 2's pid, stdout
+    and stderr."""
+    run = runs.start(job, tmp_path, "--max-restarts", "2", *extra, *HELD, env={"SHOAL_INJECT_EXIT": f"0:{gone},1:{gone}", **SLOW})
+    survivor = run.pid_once_training(2)
+    hold_the_others_while_restarting(run, [survivor], restarts=2)
+    stdout, stderr = run.finished()
+    assert (f"Process 2 took the chief's place after step {gone}: it decides the steps, tests and validates, writes the run "
+            f"log and the checkpoints") in stdout.splitlines(), stdout
+    return run, survivor, stdout, stderr
+
+
 
 def test_the_chief_and_the_next_in_line_exit_at_once_and_the_last_process_decides(blobs_job, tmp_path, runs):
     """Processes 0 and 1 of AllReduce's 3 replicas exit at step 12: process 2 alone decides step 12 on in the chief's
@@ -165,13 +178,8 @@ def test_the_chief_and_the_next_in_line_exit_at_once_and_the_last_process_decide
     from process 2's state, and process 2 (the same pid from start to end) writes the final test and checkpoint."""
     steps, gone = 300, 12  # 3 s or more (SLOW): time for both restarts to rejoin, under load
     job = blobs_job(train_steps=steps, cluster_extra=dict(nworkers_per_group=3))
-    run = runs.start(job, tmp_path, "--max-restarts", "2", *HELD, env={"SHOAL_INJECT_EXIT": f"0:{gone},1:{gone}", **SLOW})
-    survivor = run.pid_once_training(2)
-    hold_the_others_while_restarting(run, [survivor], restarts=2)
-    stdout, stderr = run.finished()
+    run, survivor, stdout, stderr = processes_0_and_1_exit_at(gone, runs, job, tmp_path)
     assert_both_exits_said(stderr)
-    assert (f"Process 2 took the chief's place after step {gone}: it decides the steps, tests and validates, writes the run "
-            f"log and the checkpoints") in stdout.splitlines(), stdout
     assert (f"Step {gone} went on without processes 0, 1 (died or stopped answering): the mean over the gradients of process 2 "
             f"alone") in stdout.splitlines(), stdout
     got = assert_ran(run.ws, REPLICATED)
@@ -221,15 +229,10 @@ def test_two_diloco_groups_with_the_chiefs_die_at_one_meeting_and_the_third_meet
     its state, and it writes the final test and checkpoint."""
     steps, gone = 300, 14  # 3 s or more (SLOW): time for both restarts to rejoin, under load
     job = blobs_job(train_steps=steps, cluster_extra=dict(nworker_groups=3, local_steps=5))
-    run = runs.start(job, tmp_path, "--max-restarts", "2", *DILOCO, *HELD, env={"SHOAL_INJECT_EXIT": f"0:{gone},1:{gone}", **SLOW})
-    survivor = run.pid_once_training(2)
-    hold_the_others_while_restarting(run, [survivor], restarts=2)
-    stdout, stderr = run.finished()
+    run, survivor, stdout, stderr = processes_0_and_1_exit_at(gone, runs, job, tmp_path, *DILOCO)
     for rank, who in ((0, "worker(group=0, id=0), server(group=0, id=0)"), (1, "worker(group=1, id=0)")):
         assert (f"WARNING: process {rank} ({who}) exited with code 3; restarting it (restart 1 of 2); it rejoins at the groups' "
                 f"next meeting, from a live group's state") in stderr.splitlines(), stderr
-    assert (f"Process 2 took the chief's place after step {gone}: it decides the steps, tests and validates, writes the run "
-            f"log and the checkpoints") in stdout.splitlines(), stdout
     got = assert_ran(run.ws, DILOCO_3)
     assert got["status"] == "finished" and got["chief_succession"] == [{"process": 2, "after_step": gone}], got
     back = {r["group"]: r["step"] for r in got["rejoins"]}
