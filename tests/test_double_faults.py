@@ -223,6 +223,7 @@ def test_two_processes_dead_at_the_same_step_give_the_same_bits_each_time(blobs_
     assert any(not torch.allclose(a[k], c[k], atol=1e-6) for k in a)  # the missing rows changed the result
 
 
+@pytest.mark.slow  # 4 at once under load, one restart came back after the last meeting in 2 of 4 (the hold's heuristic)
 def test_two_diloco_groups_with_the_chiefs_die_at_one_meeting_and_the_third_meets_alone(blobs_job, tmp_path, runs):
     """DiLoCo, 3 groups of one process each: groups 0 (the chief's) and 1 exit at step 14, whose end holds a meeting:
     group 2 takes the chief's place and goes on meeting alone, both restarted processes rejoin at a later meeting from
