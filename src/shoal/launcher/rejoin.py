@@ -310,12 +310,7 @@ class Restarter:
             source = f"as an ordinary group, {source}" if succeeded else source
             warn(f"WARNING: {describe_process(self.plan, rank)} {ended}{others}; restarting it "
                  f"(restart {done + 1} of {self.limit}); it rejoins {source}")
-        args = (rank, self.meeting, self.plan.job.SerializeToString(), str(self.spec.workspace),
-                [str(d) for d in self.spec.base_dirs], self.process_setup, self.spec.initial_values, incarnation, detected_at, self.environment,
-                self.rank_main)
-        process = self._context.Process(target=_entry, args=args, name=f"shoal-rank{rank}-restart{done + 1}", daemon=False)
-        process.start()
-        context.processes[index] = process  # watched, stopped and joined with the others from now on
+        context.processes[index] = self._start(rank, incarnation, detected_at, done + 1)  # watched, stopped, joined
         return True
 
     def _restart_group(self, context, rank: int, ended: str, group: int) -> bool:
@@ -348,12 +343,7 @@ class Restarter:
              f"{', '.join(fates)}; {others}; restarting processes {processes} (restart {done + 1} of {self.limit}); they "
              f"form their group afresh and rejoin {how}{self.plan.strategy.rejoins_from}")
         for member in members:
-            args = (member, self.meeting, self.plan.job.SerializeToString(), str(self.spec.workspace),
-                    [str(d) for d in self.spec.base_dirs], self.process_setup, self.spec.initial_values, incarnation,
-                    detected_at, self.environment, self.rank_main)
-            process = self._context.Process(target=_entry, args=args, name=f"shoal-rank{member}-restart{done + 1}", daemon=False)
-            process.start()
-            context.processes[self.ranks_here.index(member)] = process  # watched, stopped and joined with the others
+            context.processes[self.ranks_here.index(member)] = self._start(member, incarnation, detected_at, done + 1)
         return True
 
     def _heal_elsewhere(self, rank: int) -> str:
@@ -386,13 +376,18 @@ class Restarter:
                   if self._chief_died(context) else "worker group 0's mirror of its state")
         warn(f"WARNING: {describe_process(self.plan, rank)} {how or _ended(code)}; restarting it (restart {done + 1} of "
              f"{self.limit}); it heals from {mirror}, the other processes wait for it")
-        args = (rank, self.meeting, self.plan.job.SerializeToString(), str(self.spec.workspace),
-                [str(d) for d in self.spec.base_dirs], self.process_setup, self.spec.initial_values, restart, detected_at,
-                self.environment, self.rank_main)  # (shoal.session: the script, whose session serves)
-        process = self._context.Process(target=_entry, args=args, name=f"shoal-rank{rank}-restart{done + 1}", daemon=False)
-        process.start()
-        context.processes[index] = process
+        context.processes[index] = self._start(rank, restart, detected_at, done + 1)  # (shoal.session: its script serves)
         return True
+
+    def _start(self, rank: int, incarnation: int, detected_at: float, restart: int):
+        """Start process `rank` again, as its `incarnation` (its group's, or its server's restart), for its `restart`-th
+        restart; the caller puts it in the context, watched, stopped and joined with the others from now on."""
+        args = (rank, self.meeting, self.plan.job.SerializeToString(), str(self.spec.workspace),
+                [str(d) for d in self.spec.base_dirs], self.process_setup, self.spec.initial_values, incarnation, detected_at,
+                self.environment, self.rank_main)
+        process = self._context.Process(target=_entry, args=args, name=f"shoal-rank{rank}-restart{restart}", daemon=False)
+        process.start()
+        return process
 
     def nobody_left_to_heal_from(self, context, rank: int) -> bool:
         """Whether process `rank`'s death leaves no living worker process that holds the job's state (one host: another
