@@ -117,9 +117,10 @@ def why_not(plan: JobPlan, rank: int, whole_group: bool = False) -> Optional[str
     if 0 in groups and not chief_replaceable(plan):
         return f"{describe_process(plan, rank)} hosts worker group 0, the chief's: resume from a checkpoint instead"
     spread = [g for g in groups if len(plan.ranks_of_group(g)) > 1]
-    if spread and not (whole_group and plan.strategy.regroups and not plan.own_loop):
+    regroups = plan.strategy.regroups and not plan.own_loop  # (a user's loop's group over processes: not tried)
+    if spread and not (whole_group and regroups):
         ranks = ", ".join(map(str, plan.ranks_of_group(spread[0])))
-        if not plan.strategy.regroups or plan.own_loop:  # (a user's loop's group over processes: not tried)
+        if not regroups:
             return f"worker group {spread[0]} spans processes {ranks}: only a group hosted by one process can rejoin"
         return (f"worker group {spread[0]} spans processes {ranks}: it comes back only when `shoal run`'s launcher, "
                 "hosting all of them, restarts them together (--max-restarts N)")
