@@ -105,6 +105,41 @@ def test_warm_up_holds_the_other_groups_until_group_0_has_trained():
     thread.join()
 
 
+def test_the_version_a_group_reads_is_taken_where_the_bound_counts_it():
+    """A group's read and the others' updates are ordered: a version taken outside the board's lock could be several
+    updates old when it counted, leaving a budget below what max_update_lag's safety assumes (in-memory Hogwild with
+    max_update_lag 2 over 3 groups once hung the suite with every group waiting for the others)."""
+    bound, updates, lags = 2, [0], []
+    board = GroupBoard(3, max_update_lag=bound)
+
+    def slow_version():  # the version is taken, then the reading thread is held up before it counts
+        version = updates[0]
+        time.sleep(0.3)
+        return version
+
+    def bump():
+        updates[0] += 1
+
+    def group(g, steps, version):
+        for step in range(steps):
+            board.read(g, version if step == 0 else (lambda: updates[0]))
+            time.sleep(0.01)
+            lags.append(board.apply(g, lambda: updates[0], bump))
+            board.step_done(g, step, 1, lags[-1])
+        board.stop(g)
+
+    threads = [threading.Thread(target=group, args=(0, 3, slow_version), daemon=True)]
+    threads += [threading.Thread(target=group, args=(g, 6, lambda: updates[0]), daemon=True) for g in (1, 2)]
+    threads[0].start()
+    time.sleep(0.05)
+    for thread in threads[1:]:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert not any(thread.is_alive() for thread in threads), "the groups wait for each other for ever"
+    assert len(lags) == 15 and max(lags) <= bound
+
+
 def test_a_finished_or_dead_group_never_holds_the_others():
     board = GroupBoard(2, max_staleness=0)
     board.stop(1)

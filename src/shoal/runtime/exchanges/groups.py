@@ -98,10 +98,12 @@ class GroupBoard:
             while not self.aborted and not self._may_start(group, step):
                 self._cond.wait(WAIT_SLICE_S)
 
-    def read(self, group: int, version: int) -> None:
-        """The group computes its next update on the params of `version`."""
+    def read(self, group: int, version: Callable[[], int]) -> None:
+        """The group computes its next update on the params of `version()`, taken under the lock: a version taken
+        before it could be several updates old by the time it counts, leaving a budget below what may_apply's
+        safety assumes, and every group could then wait for the others for ever."""
         with self._cond:
-            self._reads[group] = [version]
+            self._reads[group] = [version()]
 
     def apply(self, group: int, version: Callable[[], int], update: Callable[[], None]) -> int:
         """Run `update` (which bumps the server's `version()`) once max_update_lag allows it; return its lag."""
@@ -172,7 +174,7 @@ class GroupExchange:
             # Downpour: a group starts from the values group 0's warm-up reached (as over processes, DownpourStub.begin)
             for name, value in self.server.store.values.items():
                 self.replica.values[name].copy_(value)
-        self.board.read(self.group, self.server.updates)
+        self.board.read(self.group, lambda: self.server.updates)
 
     def step(self, step: int, parts: list[tuple[Grads, int]]) -> None:
         grads = clipped(aggregate(parts, target=self.server.store.device), self.server)  # the group's own gradient
