@@ -168,7 +168,8 @@ def test_ctrl_c_stops_every_process(blobs_job, tmp_path):
     job = blobs_job(train_steps=100000)
     proc = subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws"), *LAYOUTS[layout].cli()],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=dict(os.environ, **tagged(tmp_path)), preexec_fn=take_ctrl_c_again)
+                            env=dict(os.environ, **tagged(tmp_path), SHOAL_SLOW_WORKER="0:0+0.02"),  # (paced: no CPU burnt waiting)
+                            preexec_fn=take_ctrl_c_again)
     deadline = time.time() + 60
     while time.time() < deadline and not (tmp_path / "ws" / "metrics.jsonl").exists():
         time.sleep(0.3)

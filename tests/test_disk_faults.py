@@ -227,7 +227,7 @@ def test_each_rank_names_a_killed_torchrun_agent_in_one_line(blobs_job, tmp_path
                f"--log-dir={tmp_path / 'torchrun'}", "-m", "shoal", "run", str(job), "--workspace", str(ws), "--set", "cluster.nworkers_per_group=2",
                "--set", "test_freq=0", "--set", "disp_freq=20"]
     with open(errors, "w") as stderr:
-        agent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=with_job_secret(PYTHONUNBUFFERED="1"))
+        agent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=with_job_secret(PYTHONUNBUFFERED="1", SHOAL_SLOW_WORKER="0:0+0.05"))
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 120

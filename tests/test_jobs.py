@@ -1,6 +1,7 @@
 """Job management: the registry of plain files, `shoal jobs list | view | kill`."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -36,7 +37,8 @@ def test_kill_stops_a_running_multi_process_job(blobs_job, tmp_path):
     layout = LAYOUTS["AllReduce, 2 processes"]
     job = blobs_job(train_steps=100000)
     proc = subprocess.Popen([sys.executable, "-m", "shoal", "run", str(job), "--workspace", str(tmp_path / "ws"), *layout.cli()],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, SHOAL_SLOW_WORKER="0:0+0.02"))  # paced: its ranks burn no CPU while it waits
     deadline = time.time() + 60
     while time.time() < deadline:
         records = jobs.all_jobs()
