@@ -90,3 +90,18 @@ def test_jobs_view_is_not_wrapped_when_piped(blobs_job, tmp_path):
 def test_layout_labels_count_in_plurals_only_past_one(blobs_job, cluster, label):
     sets = [f"cluster.{k}={str(v).lower()}" for k, v in cluster.items()]
     assert describe_layout(plan_job(shoal.load_job(blobs_job(), sets)))[1] == label
+
+
+@pytest.mark.parametrize("missed, of, said", [
+    (1, 40, "process 2 missed 1 of 40 steps (missing from step 12, back at step 13)"),
+    (3, 40, "process 2 missed 3 of 40 steps (missing from step 12, back at step 13)"),
+    (1, None, "process 2 missed 1 step (missing from step 12, back at step 13)"),
+    (2, None, "process 2 missed 2 steps (missing from step 12, back at step 13)"),
+])
+def test_the_closing_line_counts_missed_steps_in_english(tmp_path, missed, of, said):
+    """The noun follows the number next to it: "1 of 40 steps", "1 step"."""
+    from shoal.report.progress import closing_line
+
+    record = {"missed": missed, "why": "missing from step 12, back at step 13"} | ({"of": of} if of else {})
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 40, "wall_time": 2.0, "missed_steps": {"2": record}}))
+    assert f"; {said};" in closing_line(tmp_path)

@@ -187,7 +187,8 @@ def _missed_steps(summary: dict) -> list[str]:
             continue
         of = f" of {missed['of']:,}" if isinstance(missed.get("of"), int) else ""
         why = f" ({missed['why']})" if missed.get("why") else ""
-        said.append(f"process {rank} missed {missed['missed']:,}{of} step{'s' if missed['missed'] != 1 else ''}{why}")
+        counted = missed["of"] if of else missed["missed"]  # "missed 1 of 40 steps", "missed 1 step"
+        said.append(f"process {rank} missed {missed['missed']:,}{of} step{'s' if counted != 1 else ''}{why}")
     return said
 
 
