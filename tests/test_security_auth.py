@@ -31,7 +31,7 @@ from typing import Optional
 
 import pytest
 import torch.distributed as dist
-from fault_runs import LayoutRun as Run, runs  # noqa: F401 - the fixture that stops what a failed test left running
+from fault_runs import LayoutRun as Run, runs, wait_for  # noqa: F401 - the fixture that stops what a failed test left running
 from layouts import assert_ran
 from test_cli import leftover_processes
 from test_stalls import STALL_TIMEOUT
@@ -144,11 +144,13 @@ def attacker():
 def test_another_user_cannot_take_over_a_running_downpour_job(blobs_job, tmp_path, runs, attacker, request):
     command, attacker_env = attacker
     secret = secrets.token_hex(32)
-    steps = 200  # group 0's worker takes >= 20 ms a step (4 s): the job outlasts the attacker's start (beside the job's,
-    # it loads torch meanwhile) and its two knocks; group 1 dies about 10 steps in, once the attacker knocked
+    steps = 400  # each worker takes >= 50 ms a step until the attacker is done (SHOAL_SLOW_UNTIL): the job outlasts
+    # the attacker's start (beside the job's, it loads torch meanwhile) and its two knocks however loaded the machine
+    # is, up to 20 s; group 1 dies once the attacker knocked
     job = blobs_job(train_steps=steps)
+    release = tmp_path / "attacker-done"
     run = Run(job, tmp_path, DOWNPOUR, "--set", f"test_freq={steps}",
-              env={"SHOAL_SLOW_WORKER": "0:0+0.02", "SHOAL_JOB_SECRET": secret})
+              env={"SHOAL_SLOW_WORKER": "0:0+0.05", "SHOAL_SLOW_UNTIL": str(release), "SHOAL_JOB_SECRET": secret})
     runs.append(run)
     # the attacker's interpreter starts beside the job's (it loads torch meanwhile); the port reaches it through a pipe
     namespace = auth.namespace(bytes.fromhex(secret))
@@ -177,15 +179,20 @@ def test_another_user_cannot_take_over_a_running_downpour_job(blobs_job, tmp_pat
     assert intruder.stdout.readline().strip() == f"uid {expected_uid}", intruder.stderr.read()
     assert intruder.stdout.readline().strip() == "knocked", intruder.stderr.read()
     os.kill(group1, signal.SIGKILL)  # group 1 dies: the server waits for its next incarnation, which the attacker claimed
-    said = json.loads(intruder.stdout.readline() or "{}")
+    server_log = logs / "rank2.log"
+    refused = re.compile(r"a value of key shoal/downpour/s0/g1/i\d+/hello failed authentication: another local user may "
+                         r"be writing to this job's store")
+    wait_for(lambda: refused.search(server_log.read_text()) or run.proc.poll() is not None, 60,
+             "the server never read the attacker's knock")
+    release.touch()  # the knock was read (and refused): the job may run to its end at full speed, its store with it
+    said = json.loads(intruder.stdout.readline() or "{}")  # (the attacker watches its knocks until the job's end)
     intruder.wait(timeout=60)
     assert said.get("old_keys_accepted") is False and said["old_keys_hold_state"] is False, said
     assert said["accepted"] is False and "pull" not in said, said  # its knock, made without the secret, was never heard
     assert run.wait(timeout=180) == 0, run.stderr()
-    server_log = (logs / "rank2.log").read_text()
-    assert re.search(r"a value of key shoal/downpour/s0/g1/i\d+/hello failed authentication: another local user may be "
-                     r"writing to this job's store", server_log), server_log[-3000:]
-    assert "sent worker group 1 (restart" not in server_log and not (logs / "rejoins.jsonl").exists()
+    server_text = server_log.read_text()
+    assert refused.search(server_text), server_text[-3000:]
+    assert "sent worker group 1 (restart" not in server_text and not (logs / "rejoins.jsonl").exists()
     summary = assert_ran(run.ws, DOWNPOUR)
     assert summary["status"] == "finished"
     final = [r for r in read_metrics(run.ws / "metrics.jsonl") if r["phase"] == "test"][-1]

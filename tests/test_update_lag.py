@@ -80,6 +80,18 @@ def test_slow_worker_injection_targets_one_group_and_scales_compute(monkeypatch)
         faults.slowdown(0)
 
 
+def test_a_slowdown_holds_until_its_file_exists(monkeypatch, tmp_path):
+    """SHOAL_SLOW_UNTIL: a test releases the pace once what the job had to outlast happened."""
+    release = tmp_path / "go"
+    monkeypatch.setenv("SHOAL_SLOW_WORKER", "0:0+0.05")
+    monkeypatch.setenv("SHOAL_SLOW_UNTIL", str(release))
+    slow = faults.slowdown(0)
+    assert slow and slow.extra_seconds(0.01, samples=32) == pytest.approx(0.05)
+    release.touch()
+    assert slow.extra_seconds(0.01, samples=32) == 0.0
+    assert not faults.slowdown(1)  # naming the file slows nobody down by itself
+
+
 def lags_of(workspace) -> dict:
     histogram = summary(workspace)["staleness_histogram"]
     return {int(lag): n for lag, n in histogram["updates_per_lag"].items()}, histogram["groups"]

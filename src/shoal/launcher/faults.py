@@ -17,6 +17,9 @@ process here, as a crash would.
                                         PER_SAMPLE more seconds per sample of its share plus FIXED per step, or
                                         xFACTOR: each step takes FACTOR times its measured compute (x2: half speed,
                                         whatever the machine's load)
+  SHOAL_SLOW_UNTIL="PATH"               SHOAL_SLOW_WORKER's slowdowns hold until the file PATH exists (a test that
+                                        needs the job to outlast something creates it then: no fixed pace to outlast
+                                        a loaded machine, no waiting out the pace on an idle one)
 
 Each variable takes several comma-separated pairs ("0:12,1:12": processes 0 and 1 at the same step; "0:4,1:9": groups
 0 and 1). A rank's pairs are its processes', one each, in the order written: the process the job started meets the
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from shoal.runtime.interfaces import FaultInjection, TrainerHook
@@ -56,17 +59,21 @@ def _own_step(variable: str, rank: int, incarnation: int = 0) -> Optional[int]:
 
 @dataclass(frozen=True)
 class Slowdown:
-    """What a slowed worker adds to each step: seconds per sample and per step, or a factor on its compute time."""
+    """What a slowed worker adds to each step: seconds per sample and per step, or a factor on its compute time; until
+    the file `until` exists, where one is named (SHOAL_SLOW_UNTIL: one stat a step)."""
 
     per_sample: float = 0.0
     per_step: float = 0.0
     factor: float = 1.0
+    until: Optional[str] = None
 
     def extra_seconds(self, compute_seconds: float, samples: int) -> float:
+        if self.until is not None and os.path.exists(self.until):
+            return 0.0
         return self.per_step + self.per_sample * samples + (self.factor - 1.0) * compute_seconds
 
     def __bool__(self) -> bool:
-        return self != Slowdown()
+        return (self.per_sample, self.per_step, self.factor) != (0.0, 0.0, 1.0)
 
 
 def _cost(text: str) -> Slowdown:
@@ -91,7 +98,7 @@ def slowdown(worker: int, group: int = 0) -> Slowdown:
             this_group = _cost(cost)
         else:
             every_group = _cost(cost)
-    return this_group or every_group
+    return replace(this_group or every_group, until=os.environ.get("SHOAL_SLOW_UNTIL") or None)
 
 
 def server_exit_version(rank: int, incarnation: int = 0) -> Optional[int]:
