@@ -57,10 +57,13 @@ ASYNC_STALLS = {
 @pytest.mark.parametrize("layout", [next(iter(ASYNC_STALLS)), *[pytest.param(name, marks=pytest.mark.slow) for name in list(ASYNC_STALLS)[1:]]])
 def test_a_stopped_group_of_an_asynchronous_job_is_dropped_and_the_job_finishes(blobs_job, tmp_path, runs, layout, wakes):
     rank, group, dropper = ASYNC_STALLS[layout]
-    # group 0's steps take 10 ms or more: the run outlasts the stall, the drop and the wake-up (at about step 450 of
-    # 600 when idle, an earlier one under load; the woken process finds it was dropped within 0.1 s of its wake-up)
+    # group 0's steps take 30 ms or more until the woken process has seen its own stop (SHOAL_SLOW_UNTIL): the run
+    # outlasts the stall, the drop and the wake-up (about step 200 of 600 when idle) with 18 s to spare under load,
+    # then trains its last steps at full speed
     steps = 600
-    run = runs.start_layout(blobs_job(train_steps=steps), tmp_path, layout, "--set", f"test_freq={steps // 2}", env=SLOW,
+    release = tmp_path / "woken"
+    run = runs.start_layout(blobs_job(train_steps=steps), tmp_path, layout, "--set", f"test_freq={steps // 2}",
+                            env={"SHOAL_SLOW_WORKER": "0:0+0.03", "SHOAL_SLOW_UNTIL": str(release)},
                             stall_timeout_s=STALL_TIMEOUT, timeout_from_environment=True)
     pid = run.registered_pid(rank)
     time.sleep(1)  # a beat or more after step 10
@@ -76,6 +79,9 @@ def test_a_stopped_group_of_an_asynchronous_job_is_dropped_and_the_job_finishes(
             wait_for(lambda: "drops worker group 1" in (logs / dropper).read_text(), SLACK, "the group was never dropped")
         time.sleep(max(0.5, stopped + STALL_TIMEOUT + 1.0 - time.monotonic()))
         os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: _saw_its_stop(logs / f"rank{rank}.log") or run.proc.poll() is not None, SLACK,
+                 "the woken process never saw it was stopped")
+    release.touch()
     assert run.wait(timeout=180) == 0, run.stderr()
     warnings = [line for line in run.stderr().splitlines() if line.strip()]
     assert len(warnings) == 1, warnings  # one line, from the chief; nothing from the launcher
@@ -88,8 +94,12 @@ def test_a_stopped_group_of_an_asynchronous_job_is_dropped_and_the_job_finishes(
     assert loss < 0.5, final  # group 0 trained on, on params the dropped group did not spoil
     assert dropper is None or "drops worker group 1" in (logs / dropper).read_text()
     if wakes:  # it found it had been dropped: its push refused, or the gap in its own heartbeat
-        assert re.search(r"refused its push|was stopped for \d+ s", (logs / f"rank{rank}.log").read_text())
+        assert _saw_its_stop(logs / f"rank{rank}.log")
     assert leftover_processes(tmp_path) == []
+
+
+def _saw_its_stop(log) -> bool:
+    return bool(re.search(r"refused its push|was stopped for \d+ s", log.read_text()))
 
 
 def displayed_step(stdout: str) -> int:

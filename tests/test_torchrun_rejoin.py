@@ -98,15 +98,18 @@ def test_a_killed_rank_under_torchrun_rejoins_and_the_chief_never_restarts(blobs
     (process_server._fork_server: the command line it inherited), not an interpreter importing torch again."""
     steps = 160
     job = blobs_job(train_steps=steps, layout=LAYOUT)
-    # 40 ms a step: the restarted process (forked from its supervisor's server) must land before the last step; at 10 ms
-    # a loaded machine let the chief finish first (2 of 5 runs beside other test files); 6 runs of this file at once
-    # (load 17) rejoined 0.1-5.2 s after the kill, one at step 126
-    proc, ws = start(torchruns, job, tmp_path, env={"SHOAL_SLOW_WORKER": "0:0+0.04"})
+    # 100 ms a step until rank 1 rejoined (SHOAL_SLOW_UNTIL), then full speed: the restarted process (forked from its
+    # supervisor's server) must land before the last step; at a fixed 10 ms a loaded machine let the chief finish first
+    # (2 of 5 runs beside other test files); 6 runs of this file at once (load 17) rejoined 0.1-5.2 s after the kill
+    release = tmp_path / "rejoined"
+    proc, ws = start(torchruns, job, tmp_path, env={"SHOAL_SLOW_WORKER": "0:0+0.1", "SHOAL_SLOW_UNTIL": str(release)})
     chief, victim = training_pids(ws)
     server = parent_of(victim)
     command_line = lambda pid: Path(f"/proc/{pid}/cmdline").read_bytes()  # noqa: E731
     assert b"-m\0shoal\0run\0" in command_line(server) and command_line(server) == command_line(parent_of(server))
     os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: "Process 1 rejoined at step " in proc.out.read_text() or proc.poll() is not None, 120, "no rejoin")
+    release.touch()
     assert proc.wait(timeout=180) == 0, proc.err.read_text()[-3000:]
     stdout, stderr = proc.out.read_text(), proc.err.read_text()
     assert DIED in stderr.splitlines(), stderr
