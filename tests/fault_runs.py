@@ -174,6 +174,22 @@ def ranks_ended(ws: Path) -> bool:
     return bool(ranks) and not any(alive(pid) for pid in ranks.values())
 
 
+def assert_job_processes_ended(ws: Path, wait: float = 5.0) -> None:
+    """Every process that ran one of the job's ranks has ended (after up to `wait` s for the last to be reaped): each
+    worker process of every incarnation (its log's start lines) and each process of the job's last start (the job
+    registry: servers too). For a job run in the test's process (cli_in_process), whose ranks fork from that process's
+    forkserver and carry no tag for test_cli.leftover_processes to find (a forked process's /proc/PID/environ is its
+    exec's)."""
+    logs = sorted((ws / "logs").glob("rank*.log"))
+    ran = {pid for log in logs for pid in pids(ws, int(log.stem[len("rank"):]))}
+    ran |= {pid for rank, pid in registered_pids(ws).items() if rank != "launcher"}  # (the launcher: this process)
+    assert ran, f"no process of the job found in {ws}"
+    deadline = time.monotonic() + wait
+    while any(alive(pid) for pid in ran) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in ran if alive(pid)], f"left running: {sorted(pid for pid in ran if alive(pid))} of {sorted(ran)}"
+
+
 def summary(ws: Path) -> dict:
     return json.loads((ws / "summary.json").read_text())
 
