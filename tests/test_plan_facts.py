@@ -65,3 +65,16 @@ def test_planning_plans_with_the_registry_it_is_given_or_the_installed_one(monke
     with pytest.raises(strategy.NoStrategiesError, match=r"^no framework strategies installed: pass plan_job\(\.\.\., strategies=REGISTRY\)"):
         plan_job(job)
     assert plan_job(job, strategies=REGISTRY).label == "in-memory Sandblaster"
+
+
+@pytest.mark.parametrize("name, stubs", [
+    ("Downpour, 2 groups x 2 workers + 2 servers, 6 processes", [0, 2]),  # groups over processes 0-1 and 2-3; 4, 5 serve
+    ("Downpour, 2 groups + 1 server, 3 processes", [0, 1]),
+    ("AllReduce, 2 processes", [0]),  # one group over both
+    ("single worker", [0]),
+])
+def test_a_groups_stub_is_its_first_worker_process(name, stubs):
+    """The processes that talk to the servers for their group and may take the chief's place (succession, rejoin)."""
+    plan = plan_job(shoal.load_job(JOB, LAYOUTS[name].overrides()), cores=2)
+    assert plan.nprocs == LAYOUTS[name].processes
+    assert [r for r in range(plan.nprocs) if plan.is_group_stub(r)] == stubs

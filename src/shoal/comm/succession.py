@@ -106,5 +106,4 @@ def successor_of(plan, rank: int, door: str) -> Successor:
     """Process `rank`'s watch on the chief's succession under `plan` (a JobPlan): every group's first worker process
     (its stub, the one that may take the chief's place) ranked below it, with its group (Downpour's servers come after
     the groups' processes; a group over several processes is gone once the launcher restarted it whole)."""
-    return Successor(rank, {r: group for r in range(rank) if plan.process(r).workers
-                            for group in [plan.process(r).workers[0].group] if plan.ranks_of_group(group)[0] == r}, door)
+    return Successor(rank, {r: plan.process(r).workers[0].group for r in range(rank) if plan.is_group_stub(r)}, door)

@@ -245,8 +245,7 @@ class Restarter:
             return True
         if rank == 0 and self.plan.own_loop and not succession.chief_started(self._store):
             return True  # (a loop's chief dead before its first step: the others' first values were to come from it)
-        stubs = [r for r in range(self.plan.nprocs) if self.plan.process(r).workers  # (those that may take its place)
-                 and self.plan.ranks_of_group(group_of(self.plan, r))[0] == r]
+        stubs = [r for r in range(self.plan.nprocs) if self.plan.is_group_stub(r)]  # (those that may take its place)
         return not [r for r in stubs if r != rank and not self.restarts.get(r)]
 
     def can_restart(self, rank: int) -> bool:

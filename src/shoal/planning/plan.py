@@ -200,6 +200,12 @@ class JobPlan:
     def ranks_of_group(self, group: int) -> list[int]:
         return sorted({self.placement.process_of(WorkerId(group, w)) for w in range(self.cluster.nworkers_per_group)})
 
+    def is_group_stub(self, rank: int) -> bool:
+        """Whether process `rank` hosts workers and is the first process of its worker group (its stub: the one that
+        talks to the servers, and may take the chief's place)."""
+        workers = self.process(rank).workers
+        return bool(workers) and self.ranks_of_group(workers[0].group)[0] == rank
+
 
 def sliced_for(plan: JobPlan, param_sizes: Mapping[str, int]) -> JobPlan:
     """A user's loop's plan (shoal.session: its job has no net, so its placement has no slices) with `param_sizes`
