@@ -187,7 +187,8 @@ def assert_job_processes_ended(ws: Path, wait: float = 5.0) -> None:
     deadline = time.monotonic() + wait
     while any(alive(pid) for pid in ran) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [pid for pid in ran if alive(pid)], f"left running: {sorted(pid for pid in ran if alive(pid))} of {sorted(ran)}"
+    left = sorted(pid for pid in ran if alive(pid))
+    assert not left, f"left running: {left} of {sorted(ran)}"
 
 
 def summary(ws: Path) -> dict:
