@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from cli_in_process import run_cli
-from fault_runs import SLOW, assert_no_library_text, closing_line, pids, runs, summary, train_records, wait_for  # noqa: F401 (runs)
+from fault_runs import SLOW, assert_job_processes_ended, assert_no_library_text, closing_line, pids, runs, summary, train_records, wait_for  # noqa: F401 (runs)
 from layouts import LAYOUTS, Layout, assert_ran, process_logs
-from test_cli import alive, leftover_processes
+from test_cli import leftover_processes
 from test_local_sgd_faults import DILOCO, params
 
 from shoal.launcher import faults
@@ -71,12 +71,6 @@ def faulted_run(job, ws, env, restarts=2):
                    env={**os.environ, **env}, timeout=180)
     assert proc.returncode == 0, proc.stderr + process_logs(ws)
     return proc
-
-
-def assert_nothing_left(ws) -> None:
-    """Every process that ran a rank of the job in `ws` (each start its logs name) has ended."""
-    ran = [pid for rank in range(3) for pid in pids(ws, rank)]
-    wait_for(lambda: not any(alive(pid) for pid in ran), 10, f"processes of the job still running: {ran}")
 
 
 LOWEST = "the state of the lowest living process, which decides the steps now"
@@ -215,7 +209,7 @@ def test_two_processes_dead_at_the_same_step_give_the_same_bits_each_time(blobs_
         assert got["chief_succession"] == [{"process": 2, "after_step": gone}], got
         assert ckpt_io.load(ckpt_io.checkpoint_file(ws, steps), parts=False).trainer["writer"] == 2
         assert_no_library_text(proc.stdout, proc.stderr)
-        assert_nothing_left(ws)
+        assert_job_processes_ended(ws, wait=10)
     a, b = params(tmp_path / "faulted0", steps), params(tmp_path / "faulted1", steps)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     faulted_run(job, tmp_path / "unfaulted", {})

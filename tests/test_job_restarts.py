@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 from cli_in_process import run_cli
 from layouts import assert_ran
-from test_cli import alive, leftover_processes
+from fault_runs import ranks_ended, registered_pids, summary
+from test_cli import leftover_processes
 from test_stalls import Run, runs  # noqa: F401 - the fixture that stops what a failed test left running
 
 import shoal
-from shoal.launcher import job_registry
 
 # partitioned (SINGA's sliced exchange), its chief is no replica of the others: its death restarts the whole job (an
 # unpartitioned Sandblaster's, Downpour's and Hogwild's chief is replaced under --max-restarts:
@@ -34,10 +34,6 @@ PARTITIONED = ("--set", "neuralnet.partition_dim=1")
 ALLREDUCE = "AllReduce, 2 processes"
 SLOW = {"SHOAL_SLOW_WORKER": "0:0+0.01"}  # steps of 10 ms or more: the run outlasts a kill and a restart
 RAW = ("gloo", "c10d", ".cpp", "GLHF", "Traceback")
-
-
-def summary(workspace: Path) -> dict:
-    return json.loads((workspace / "summary.json").read_text())
 
 
 def metrics(workspace: Path) -> list[dict]:
@@ -55,19 +51,6 @@ def checkpoint_written(workspace: Path, run=None, at_least: int = 20, timeout: f
             return max(steps)
         time.sleep(0.05)
     raise AssertionError(f"no checkpoint of step >= {at_least} in {workspace}")
-
-
-def pids(workspace: Path) -> dict:
-    for record in job_registry.all_jobs():
-        if Path(record.workspace) == workspace:
-            return {p["rank"]: p["pid"] for p in record.processes}
-    return {}
-
-
-def ranks_ended(workspace: Path) -> bool:
-    """Every process of the job's last start has ended (run in this test's process, whose forkserver lives on)."""
-    ranks = {rank: pid for rank, pid in pids(workspace).items() if rank != "launcher"}
-    return bool(ranks) and not any(alive(pid) for pid in ranks.values())
 
 
 def restart_line(stderr: str, who: str) -> re.Match:
@@ -120,7 +103,7 @@ def test_a_killed_server_restarts_the_whole_job_from_its_checkpoint(blobs_job, t
     ended = assert_resumed(run.ws, after, from_step, steps)
     assert_ran(run.ws, layout)
     assert ended["final_test"]["accuracy"] >= 0.9
-    assert pids(run.ws)[2] != server  # the job's processes were started again
+    assert registered_pids(run.ws)[2] != server  # the job's processes were started again
     closing = out.strip().splitlines()[-1]
     assert f"; the whole job restarted once ({after + 1 - from_step} step" in closing, closing
     for mark in RAW:
@@ -146,7 +129,7 @@ def test_a_killed_chief_of_sandblaster_restarts_the_whole_job(blobs_job, tmp_pat
     ended = assert_resumed(run.ws, after, from_step, steps)
     assert ended["processes"] == 3 and ended["framework"] == "Sandblaster", ended
     assert ended["final_test"]["accuracy"] >= 0.9
-    assert pids(run.ws)[0] != chief
+    assert registered_pids(run.ws)[0] != chief
     assert leftover_processes(tmp_path) == []
 
 
@@ -206,8 +189,8 @@ def test_the_history_of_a_restarted_job_is_one_run(blobs_job, tmp_path, monkeypa
     def kill_the_chief_after_a_checkpoint():
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and not killed:
-            if any(ws.glob("checkpoint/step2*-worker0.safetensors")) and 0 in pids(ws):
-                os.kill(pids(ws)[0], signal.SIGKILL)
+            if any(ws.glob("checkpoint/step2*-worker0.safetensors")) and 0 in registered_pids(ws):
+                os.kill(registered_pids(ws)[0], signal.SIGKILL)
                 killed.append(True)
             time.sleep(0.02)
 
@@ -243,5 +226,5 @@ def test_a_stalled_sandblaster_chief_restarts_the_whole_job(blobs_job, tmp_path,
     ended = summary(run.ws)
     assert ended["status"] == "finished" and ended["steps"] == steps and len(ended["job_restarts"]) == 1
     assert ended["job_restarts"][0]["from_step"] == int(found[0]) >= 20
-    assert pids(run.ws)[0] != chief
+    assert registered_pids(run.ws)[0] != chief
     assert leftover_processes(tmp_path) == []
